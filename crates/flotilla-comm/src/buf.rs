@@ -1,0 +1,125 @@
+//! Reusable receive buffers and byte views of `f32` slices.
+
+use std::ops::Deref;
+use std::sync::{Arc, Mutex};
+
+#[cfg(not(target_endian = "little"))]
+compile_error!(
+    "flotilla-comm sends f32 in native byte order and supports little-endian targets only"
+);
+
+/// Views an `f32` slice as its little-endian bytes (no copy).
+pub(crate) fn f32_bytes(s: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and every byte is initialised; u8 has alignment 1; the
+    // length in bytes is exactly 4 * len and cannot overflow since the slice exists.
+    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// Views a mutable `f32` slice as bytes (no copy). Any byte pattern is a valid f32.
+pub(crate) fn f32_bytes_mut(s: &mut [f32]) -> &mut [u8] {
+    // SAFETY: as above; additionally every bit pattern written through the byte view is a
+    // valid f32, and the returned borrow keeps `s` exclusively borrowed.
+    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+}
+
+/// A small free list of byte buffers so that the hot receive path does not allocate.
+pub(crate) struct BufPool {
+    free: Mutex<Vec<Vec<u8>>>,
+    keep: usize,
+}
+
+impl BufPool {
+    /// A pool retaining at most `keep` buffers.
+    pub(crate) fn new(keep: usize) -> Arc<Self> {
+        Arc::new(Self {
+            free: Mutex::new(Vec::new()),
+            keep,
+        })
+    }
+
+    /// An empty buffer, reused when possible.
+    pub(crate) fn take(self: &Arc<Self>) -> PoolBuf {
+        let v = self
+            .free
+            .lock()
+            .map(|mut f| f.pop())
+            .unwrap_or_default()
+            .unwrap_or_default();
+        PoolBuf {
+            v,
+            pool: Some(self.clone()),
+        }
+    }
+
+    fn give(&self, mut v: Vec<u8>) {
+        if v.capacity() == 0 {
+            return;
+        }
+        v.clear();
+        if let Ok(mut f) = self.free.lock()
+            && f.len() < self.keep
+        {
+            f.push(v);
+        }
+    }
+}
+
+/// A byte buffer that returns to its pool when dropped.
+pub(crate) struct PoolBuf {
+    v: Vec<u8>,
+    pool: Option<Arc<BufPool>>,
+}
+
+impl PoolBuf {
+    /// The underlying vector (to read into).
+    pub(crate) fn vec_mut(&mut self) -> &mut Vec<u8> {
+        &mut self.v
+    }
+
+    /// Detaches the vector from the pool.
+    pub(crate) fn into_vec(mut self) -> Vec<u8> {
+        self.pool = None;
+        std::mem::take(&mut self.v)
+    }
+}
+
+impl Deref for PoolBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.v
+    }
+}
+
+impl Drop for PoolBuf {
+    fn drop(&mut self) {
+        if let Some(pool) = self.pool.take() {
+            pool.give(std::mem::take(&mut self.v));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pool_reuses_buffers() {
+        let pool = BufPool::new(2);
+        let mut b = pool.take();
+        b.vec_mut().extend_from_slice(&[1, 2, 3]);
+        let ptr = b.as_ptr();
+        drop(b);
+        let b2 = pool.take();
+        assert!(b2.is_empty());
+        assert_eq!(b2.v.as_ptr(), ptr);
+        assert!(b2.into_vec().capacity() >= 3);
+    }
+
+    #[test]
+    fn byte_views() {
+        let mut v = [1.0f32, -2.5];
+        assert_eq!(f32_bytes(&v)[..4], 1.0f32.to_le_bytes());
+        f32_bytes_mut(&mut v)[4..].copy_from_slice(&7.0f32.to_le_bytes());
+        assert_eq!(v, [1.0, 7.0]);
+    }
+}

@@ -1,0 +1,340 @@
+//! Communicator configuration.
+
+use std::fmt;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::CommError;
+
+/// Default TCP port of the rendezvous master (same as torchrun).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Payload compression applied to data frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum Compression {
+    /// Send payloads as they are (fastest on fast networks).
+    #[default]
+    None,
+    /// LZ4-compress payloads of 4 KiB and more when that makes them smaller.
+    Lz4,
+}
+
+/// Element format of all-reduce traffic on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub enum WireFormat {
+    /// Full-precision `f32` (bit-exact).
+    #[default]
+    F32,
+    /// `bf16` on the wire (half the bytes), accumulation stays in `f32`. Each hop rounds
+    /// partial sums to bf16, so results are approximate (about 3 significant digits).
+    Bf16,
+}
+
+/// Configuration of a [`crate::Communicator`].
+///
+/// Build it with [`CommConfig::new`] / [`CommConfig::from_env`] and the `with_*` methods, or
+/// fill the public fields directly.
+#[derive(Clone)]
+pub struct CommConfig {
+    /// This process's rank; `None` lets rank 0 assign one (rank 0 itself must be explicit).
+    pub rank: Option<usize>,
+    /// Number of processes.
+    pub world_size: usize,
+    /// Host name or IP of rank 0's rendezvous listener.
+    pub master_addr: String,
+    /// Port of rank 0's rendezvous listener.
+    pub master_port: u16,
+    /// Deadline of every individual wait on a peer (default 60 s).
+    pub timeout: Duration,
+    /// How long rank 0 waits for all ranks to join, and how long other ranks keep retrying
+    /// to reach rank 0 (default 300 s).
+    pub join_timeout: Duration,
+    /// Hash of the model and training configuration; all ranks must agree.
+    pub config_hash: u64,
+    /// Shared cluster token; all ranks must agree (`None` on all ranks disables the check).
+    /// It is checked at admission only and sent in clear text: it guards against joining the
+    /// wrong job, not against an attacker on the network.
+    pub token: Option<String>,
+    /// Payload compression of data frames.
+    pub compression: Compression,
+    /// Element format of all-reduce traffic.
+    pub wire_format: WireFormat,
+    /// Largest accepted frame payload in bytes; larger frames are a [`CommError::FrameTooLarge`].
+    pub max_frame_bytes: usize,
+    /// Size in bytes of the pipelined chunks of ring collectives.
+    pub chunk_bytes: usize,
+    /// Local address to bind listeners to. Default: rank 0 binds `master_addr`, other ranks
+    /// bind the local address of their connection to rank 0.
+    pub bind_host: Option<String>,
+    /// Address advertised to peers for the mesh. Default: the bound address.
+    pub advertise_host: Option<String>,
+    /// `SO_SNDBUF`/`SO_RCVBUF` for data sockets; `None` keeps the kernel's autotuning.
+    pub socket_buffer_bytes: Option<usize>,
+    /// Worker threads of the communicator's internal tokio runtime (at least 1). Default 1:
+    /// connection readers and collectives then share one thread, which measured fastest.
+    pub runtime_threads: usize,
+}
+
+impl fmt::Debug for CommConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CommConfig")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("master_addr", &self.master_addr)
+            .field("master_port", &self.master_port)
+            .field("timeout", &self.timeout)
+            .field("join_timeout", &self.join_timeout)
+            .field("config_hash", &format_args!("{:#018x}", self.config_hash))
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("compression", &self.compression)
+            .field("wire_format", &self.wire_format)
+            .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("chunk_bytes", &self.chunk_bytes)
+            .field("bind_host", &self.bind_host)
+            .field("advertise_host", &self.advertise_host)
+            .field("socket_buffer_bytes", &self.socket_buffer_bytes)
+            .field("runtime_threads", &self.runtime_threads)
+            .finish()
+    }
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        Self {
+            rank: Some(0),
+            world_size: 1,
+            master_addr: "127.0.0.1".to_string(),
+            master_port: DEFAULT_MASTER_PORT,
+            timeout: Duration::from_secs(60),
+            join_timeout: Duration::from_secs(300),
+            config_hash: 0,
+            token: None,
+            compression: Compression::None,
+            wire_format: WireFormat::F32,
+            max_frame_bytes: 64 << 20,
+            chunk_bytes: 512 << 10,
+            bind_host: None,
+            advertise_host: None,
+            socket_buffer_bytes: None,
+            runtime_threads: 1,
+        }
+    }
+}
+
+fn env_var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn parse_env<T: std::str::FromStr>(name: &str) -> Result<Option<T>, CommError> {
+    match env_var(name) {
+        None => Ok(None),
+        Some(v) => v
+            .trim()
+            .parse()
+            .map(Some)
+            .map_err(|_| CommError::Config(format!("cannot parse {name}={v:?}"))),
+    }
+}
+
+impl CommConfig {
+    /// A config for `rank` of `world_size` with all other fields at their defaults.
+    pub fn new(rank: Option<usize>, world_size: usize) -> Self {
+        Self {
+            rank,
+            world_size,
+            ..Self::default()
+        }
+    }
+
+    /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
+    /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
+    /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
+    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, `FLOTILLA_CLUSTER_TOKEN`, `FLOTILLA_COMM_COMPRESSION`
+    /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
+    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
+    pub fn from_env() -> Result<Self, CommError> {
+        let world_size: usize = parse_env("WORLD_SIZE")?
+            .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
+        let mut cfg = Self::new(parse_env("RANK")?, world_size);
+        if let Some(addr) = env_var("MASTER_ADDR") {
+            cfg.master_addr = addr;
+        }
+        if let Some(port) = parse_env("MASTER_PORT")? {
+            cfg.master_port = port;
+        }
+        if let Some(s) = parse_env::<f64>("FLOTILLA_COMM_TIMEOUT_SECS")? {
+            cfg.timeout = secs("FLOTILLA_COMM_TIMEOUT_SECS", s)?;
+        }
+        if let Some(s) = parse_env::<f64>("FLOTILLA_JOIN_TIMEOUT_SECS")? {
+            cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
+        }
+        cfg.token = env_var("FLOTILLA_CLUSTER_TOKEN");
+        if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
+            cfg.compression = match c.to_ascii_lowercase().as_str() {
+                "none" | "off" => Compression::None,
+                "lz4" => Compression::Lz4,
+                other => {
+                    return Err(CommError::Config(format!(
+                        "FLOTILLA_COMM_COMPRESSION={other:?}: expected none or lz4"
+                    )));
+                }
+            };
+        }
+        if let Some(w) = env_var("FLOTILLA_COMM_WIRE") {
+            cfg.wire_format = match w.to_ascii_lowercase().as_str() {
+                "f32" => WireFormat::F32,
+                "bf16" => WireFormat::Bf16,
+                other => {
+                    return Err(CommError::Config(format!(
+                        "FLOTILLA_COMM_WIRE={other:?}: expected f32 or bf16"
+                    )));
+                }
+            };
+        }
+        if let Some(c) = parse_env("FLOTILLA_COMM_CHUNK_BYTES")? {
+            cfg.chunk_bytes = c;
+        }
+        if let Some(t) = parse_env("FLOTILLA_COMM_THREADS")? {
+            cfg.runtime_threads = t;
+        }
+        if let Some(b) = parse_env("FLOTILLA_COMM_SOCKET_BUFFER_BYTES")? {
+            cfg.socket_buffer_bytes = Some(b);
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Sets the per-wait timeout.
+    pub fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the join timeout.
+    pub fn with_join_timeout(mut self, join_timeout: Duration) -> Self {
+        self.join_timeout = join_timeout;
+        self
+    }
+
+    /// Sets the master address and port.
+    pub fn with_master(mut self, addr: impl Into<String>, port: u16) -> Self {
+        self.master_addr = addr.into();
+        self.master_port = port;
+        self
+    }
+
+    /// Sets the config hash.
+    pub fn with_config_hash(mut self, hash: u64) -> Self {
+        self.config_hash = hash;
+        self
+    }
+
+    /// Sets the cluster token.
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        self.token = token;
+        self
+    }
+
+    /// Sets payload compression.
+    pub fn with_compression(mut self, compression: Compression) -> Self {
+        self.compression = compression;
+        self
+    }
+
+    /// Sets the all-reduce wire format.
+    pub fn with_wire_format(mut self, wire_format: WireFormat) -> Self {
+        self.wire_format = wire_format;
+        self
+    }
+
+    /// Sets the maximum frame payload size.
+    pub fn with_max_frame_bytes(mut self, max: usize) -> Self {
+        self.max_frame_bytes = max;
+        self
+    }
+
+    /// Sets the ring chunk size in bytes.
+    pub fn with_chunk_bytes(mut self, chunk: usize) -> Self {
+        self.chunk_bytes = chunk;
+        self
+    }
+
+    /// Checks the config for internal consistency.
+    pub fn validate(&self) -> Result<(), CommError> {
+        let bad = |m: String| Err(CommError::Config(m));
+        if self.world_size == 0 {
+            return bad("world_size must be at least 1".into());
+        }
+        if let Some(r) = self.rank
+            && r >= self.world_size
+        {
+            return bad(format!(
+                "rank {r} is out of range for world size {}",
+                self.world_size
+            ));
+        }
+        if self.timeout.is_zero() || self.join_timeout.is_zero() {
+            return bad("timeout and join_timeout must be positive".into());
+        }
+        if self.max_frame_bytes < 4096 || self.max_frame_bytes > u32::MAX as usize {
+            return bad(format!(
+                "max_frame_bytes {} must be in 4096..=u32::MAX",
+                self.max_frame_bytes
+            ));
+        }
+        if self.chunk_bytes < 1024 || self.chunk_bytes > self.max_frame_bytes {
+            return bad(format!(
+                "chunk_bytes {} must be at least 1024 and at most max_frame_bytes ({})",
+                self.chunk_bytes, self.max_frame_bytes
+            ));
+        }
+        if self.runtime_threads == 0 {
+            return bad("runtime_threads must be at least 1".into());
+        }
+        if self.master_addr.trim().is_empty() {
+            return bad("master_addr is empty".into());
+        }
+        Ok(())
+    }
+}
+
+fn secs(name: &str, s: f64) -> Result<Duration, CommError> {
+    Duration::try_from_secs_f64(s)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            CommError::Config(format!("{name}={s}: expected a positive number of seconds"))
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validate_rejects_bad_values() {
+        assert!(CommConfig::new(Some(0), 1).validate().is_ok());
+        assert!(CommConfig::new(Some(3), 3).validate().is_err());
+        assert!(CommConfig::new(None, 0).validate().is_err());
+        assert!(
+            CommConfig::new(None, 2)
+                .with_chunk_bytes(10)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            CommConfig::new(None, 2)
+                .with_max_frame_bytes(1 << 20)
+                .with_chunk_bytes(2 << 20)
+                .validate()
+                .is_err()
+        );
+    }
+
+    #[test]
+    fn debug_redacts_token() {
+        let cfg = CommConfig::new(Some(0), 2).with_token(Some("s3cret".into()));
+        assert!(!format!("{cfg:?}").contains("s3cret"));
+    }
+}

@@ -1,0 +1,257 @@
+//! Typed errors of the communication layer.
+
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// Identifies the process at the other end of a connection in error messages.
+///
+/// Before the rendezvous has assigned or confirmed a rank only the socket address is known;
+/// afterwards both are reported.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PeerName {
+    /// The peer's rank, when known.
+    pub rank: Option<usize>,
+    /// The peer's socket address as text (may be empty when unknown).
+    pub addr: String,
+}
+
+impl PeerName {
+    /// A peer known by rank and address.
+    pub fn ranked(rank: usize, addr: impl Into<String>) -> Self {
+        Self {
+            rank: Some(rank),
+            addr: addr.into(),
+        }
+    }
+
+    /// A peer known only by its socket address.
+    pub fn unranked(addr: impl Into<String>) -> Self {
+        Self {
+            rank: None,
+            addr: addr.into(),
+        }
+    }
+}
+
+impl fmt::Display for PeerName {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match (self.rank, self.addr.is_empty()) {
+            (Some(r), true) => write!(f, "rank {r}"),
+            (Some(r), false) => write!(f, "rank {r} ({})", self.addr),
+            (None, _) => write!(f, "unranked process at {}", self.addr),
+        }
+    }
+}
+
+/// Why a rendezvous failed. Rank 0 sends this to the offending rank (and to every other
+/// connected rank), so all sides report the same error.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
+pub enum RendezvousError {
+    /// The peer's model/training config hash differs from rank 0's.
+    #[error("{peer} has config hash {got:#018x} but rank 0 has {expected:#018x}")]
+    ConfigHashMismatch {
+        /// The offending peer.
+        peer: PeerName,
+        /// Rank 0's hash.
+        expected: u64,
+        /// The peer's hash.
+        got: u64,
+    },
+    /// The peer presented a different (or missing) cluster token.
+    #[error("cluster token mismatch from {peer}")]
+    TokenMismatch {
+        /// The offending peer.
+        peer: PeerName,
+    },
+    /// Two processes claimed the same rank.
+    #[error("{peer} claims a rank already taken by {holder}")]
+    DuplicateRank {
+        /// The second claimant.
+        peer: PeerName,
+        /// Address of the process that claimed the rank first.
+        holder: String,
+    },
+    /// The claimed rank is not below the world size.
+    #[error("{peer} is out of range for world size {world_size}")]
+    RankOutOfRange {
+        /// The offending peer.
+        peer: PeerName,
+        /// The world size.
+        world_size: usize,
+    },
+    /// The peer was started with a different world size.
+    #[error("{peer} has world size {got} but rank 0 has {expected}")]
+    WorldSizeMismatch {
+        /// The offending peer.
+        peer: PeerName,
+        /// Rank 0's world size.
+        expected: usize,
+        /// The peer's world size.
+        got: usize,
+    },
+    /// The peer speaks another rendezvous protocol version.
+    #[error("{peer} speaks protocol version {got}, rank 0 speaks {expected}")]
+    ProtocolVersion {
+        /// The offending peer.
+        peer: PeerName,
+        /// Rank 0's protocol version.
+        expected: u32,
+        /// The peer's protocol version.
+        got: u32,
+    },
+    /// Not every rank joined within `join_timeout`.
+    #[error(
+        "rendezvous timed out after {after:?}: rank(s) {missing} never joined ({present} of {world_size} present)"
+    )]
+    JoinTimeout {
+        /// The configured join timeout.
+        after: Duration,
+        /// Comma-separated list of the missing ranks.
+        missing: String,
+        /// How many processes (including rank 0) were present.
+        present: usize,
+        /// The world size.
+        world_size: usize,
+    },
+    /// Rank 0 gave up on the rendezvous for a reason not tied to the receiving rank.
+    #[error("rank 0 aborted the rendezvous: {reason}")]
+    MasterFailed {
+        /// Rank 0's error.
+        reason: String,
+    },
+    /// A rank could not build its peer connections after the address table was distributed.
+    #[error("{peer} failed to build the peer mesh: {reason}")]
+    MeshFailed {
+        /// The rank that failed.
+        peer: PeerName,
+        /// Its error.
+        reason: String,
+    },
+}
+
+/// Errors returned by the communication layer.
+///
+/// Every error caused by a remote process names that process (by rank once known, by
+/// address before). The type is `Clone` so that a communicator can remember the failure that
+/// made it unusable and report it again on later calls.
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum CommError {
+    /// The configuration is invalid (or an environment variable could not be parsed).
+    #[error("invalid communication config: {0}")]
+    Config(String),
+    /// A caller passed an invalid argument (e.g. a root rank out of range).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    /// A local socket operation (bind, listen, resolve) failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The underlying error.
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// The master (rank 0) could not be reached before the join deadline.
+    #[error("could not reach master at {addr} within {after:?}: {last_error}")]
+    MasterUnreachable {
+        /// The master address.
+        addr: String,
+        /// The join timeout.
+        after: Duration,
+        /// The last connection error.
+        last_error: String,
+    },
+    /// A frame with a bad magic, version, channel, flags or payload was received.
+    #[error("bad frame from {peer}: {detail}")]
+    BadFrame {
+        /// The sender.
+        peer: PeerName,
+        /// What was wrong.
+        detail: String,
+    },
+    /// A frame header announced a payload larger than `max_frame_bytes`.
+    #[error("frame from {peer} announces {len} bytes, more than max_frame_bytes = {max}")]
+    FrameTooLarge {
+        /// The sender.
+        peer: PeerName,
+        /// The announced length.
+        len: u64,
+        /// The configured maximum.
+        max: usize,
+    },
+    /// A wait on a peer exceeded the configured timeout.
+    #[error("timed out after {after:?} waiting for rank {peer} during {op}")]
+    Timeout {
+        /// The rank that was waited on.
+        peer: usize,
+        /// The operation (with its sequence number).
+        op: String,
+        /// The configured timeout.
+        after: Duration,
+    },
+    /// The connection to a peer closed or failed.
+    #[error("connection to rank {peer} lost during {op}: {reason}")]
+    PeerLost {
+        /// The peer rank.
+        peer: usize,
+        /// The operation in progress.
+        op: String,
+        /// Why (EOF, reset, ...).
+        reason: String,
+    },
+    /// A peer sent a frame that does not belong to the current collective: ranks issued
+    /// collectives in different orders or with different sizes.
+    #[error("protocol error with rank {peer}: {detail}")]
+    Protocol {
+        /// The peer rank.
+        peer: usize,
+        /// What was expected and what arrived.
+        detail: String,
+    },
+    /// Another rank failed a collective and told everybody to stop.
+    #[error("collective aborted by rank {by}: {reason}")]
+    Aborted {
+        /// The rank that aborted.
+        by: usize,
+        /// Its error message.
+        reason: String,
+    },
+    /// The rendezvous failed.
+    #[error(transparent)]
+    Rendezvous(#[from] RendezvousError),
+    /// An earlier collective failed; the communicator cannot be used any more.
+    #[error("communicator unusable after an earlier failure: {0}")]
+    Poisoned(Box<CommError>),
+    /// The communicator (or its runtime) was shut down while an operation was pending.
+    #[error("communicator shut down")]
+    Shutdown,
+}
+
+impl CommError {
+    /// Wraps a local I/O error with context.
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+        CommError::Io {
+            context: context.into(),
+            source: Arc::new(source),
+        }
+    }
+
+    /// The rank this error blames, if any.
+    pub fn blamed_rank(&self) -> Option<usize> {
+        match self {
+            CommError::Timeout { peer, .. }
+            | CommError::PeerLost { peer, .. }
+            | CommError::Protocol { peer, .. } => Some(*peer),
+            CommError::BadFrame { peer, .. } | CommError::FrameTooLarge { peer, .. } => peer.rank,
+            CommError::Aborted { by, .. } => Some(*by),
+            CommError::Poisoned(inner) => inner.blamed_rank(),
+            _ => None,
+        }
+    }
+}

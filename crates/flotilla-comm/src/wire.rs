@@ -1,0 +1,59 @@
+//! Control messages exchanged on the control channel (JSON payloads).
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::RendezvousError;
+
+/// Version of the rendezvous protocol carried in [`Ctrl::Join`].
+pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 1;
+
+/// A control-channel message.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub(crate) enum Ctrl {
+    /// Rank r -> rank 0: request to join.
+    Join {
+        protocol: u32,
+        rank: Option<usize>,
+        world_size: usize,
+        config_hash: u64,
+        token: Option<String>,
+        mesh_addr: String,
+    },
+    /// Rank 0 -> rank r: accepted; `peers[i]` is rank i's mesh address.
+    Welcome {
+        rank: usize,
+        session: u64,
+        peers: Vec<String>,
+    },
+    /// Rank 0 -> rank r: the rendezvous failed.
+    Reject(RendezvousError),
+    /// Mesh handshake, connecting rank -> accepting rank.
+    Hello {
+        session: u64,
+        from: usize,
+        to: usize,
+    },
+    /// Mesh handshake answer.
+    HelloAck { from: usize },
+    /// Rank r -> rank 0: my mesh connections are up.
+    Ready,
+    /// Rank r -> rank 0: I could not build my mesh connections.
+    MeshFailed { reason: String },
+    /// Rank 0 -> rank r: everybody is connected, start.
+    Go,
+    /// Any rank -> all: a collective failed here; stop.
+    Abort { reason: String },
+}
+
+impl Ctrl {
+    /// Serialises the message.
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        // Serialising these plain enums to JSON cannot fail; fall back to an empty object.
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    /// Parses a message.
+    pub(crate) fn decode(b: &[u8]) -> Result<Ctrl, String> {
+        serde_json::from_slice(b).map_err(|e| format!("malformed control message: {e}"))
+    }
+}

@@ -1,0 +1,530 @@
+//! End-to-end tests: every rank is a thread with its own Communicator over 127.0.0.1.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+use std::sync::mpsc;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use flotilla_comm::{
+    CommConfig, CommError, Communicator, Compression, RendezvousError, WireFormat,
+};
+
+/// Upper bound for any single test world.
+const TEST_DEADLINE: Duration = Duration::from_secs(25);
+
+/// A free port on 127.0.0.1 plus the listener holding it (for rank 0).
+fn master_listener() -> (TcpListener, u16) {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    (l, port)
+}
+
+fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
+    CommConfig::new(rank, n)
+        .with_master("127.0.0.1", port)
+        .with_timeout(Duration::from_secs(10))
+        .with_join_timeout(Duration::from_secs(10))
+}
+
+/// Runs `procs` (one per process: its config) as threads; rank 0 (the config with
+/// `rank == Some(0)`) gets a pre-bound listener. Returns each process's result, in order.
+fn run_procs<T, F>(procs: Vec<CommConfig>, body: F) -> Vec<Result<T, CommError>>
+where
+    T: Send + 'static,
+    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+{
+    let (listener, port) = master_listener();
+    let mut listener = Some(listener);
+    let body = Arc::new(body);
+    let (tx, rx) = mpsc::channel();
+    let count = procs.len();
+    for (i, mut cfg) in procs.into_iter().enumerate() {
+        cfg.master_port = port;
+        let l = if cfg.rank == Some(0) {
+            listener.take()
+        } else {
+            None
+        };
+        let (tx, body) = (tx.clone(), body.clone());
+        thread::spawn(move || {
+            let comm = match l {
+                Some(l) => Communicator::connect_with_listener(cfg, l),
+                None => Communicator::connect(cfg),
+            };
+            let r = comm.and_then(|c| body(c));
+            let _ = tx.send((i, r));
+        });
+    }
+    drop(listener);
+    let deadline = Instant::now() + TEST_DEADLINE;
+    let mut out: Vec<Option<Result<T, CommError>>> = (0..count).map(|_| None).collect();
+    for _ in 0..count {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (i, r) = rx
+            .recv_timeout(left)
+            .expect("test world did not finish in time (hang)");
+        out[i] = Some(r);
+    }
+    out.into_iter()
+        .map(|r| r.expect("missing result"))
+        .collect()
+}
+
+/// `n` ranks with explicit ranks and `tweak` applied to every config.
+fn run_world<T, F>(
+    n: usize,
+    tweak: impl Fn(CommConfig) -> CommConfig,
+    body: F,
+) -> Vec<Result<T, CommError>>
+where
+    T: Send + 'static,
+    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+{
+    run_procs((0..n).map(|r| tweak(base(Some(r), n, 0))).collect(), body)
+}
+
+fn all_ok<T>(v: Vec<Result<T, CommError>>) -> Vec<T> {
+    v.into_iter()
+        .enumerate()
+        .map(|(i, r)| r.unwrap_or_else(|e| panic!("process {i} failed: {e}")))
+        .collect()
+}
+
+/// Small integers: every partial sum is exact in f32 (and in bf16 when below 256).
+fn value(rank: usize, i: usize) -> f32 {
+    ((i * 7 + rank * 13) % 17) as f32 - 8.0
+}
+
+fn check_all_reduce(n: usize, lens: &[usize], tweak: fn(CommConfig) -> CommConfig) {
+    let lens_owned = lens.to_vec();
+    let results = all_ok(run_world(n, tweak, move |c| {
+        let mut outs = Vec::new();
+        for &len in &lens_owned {
+            let mut buf: Vec<f32> = (0..len).map(|i| value(c.rank(), i)).collect();
+            c.all_reduce_sum(&mut buf)?;
+            outs.push(buf);
+        }
+        Ok(outs)
+    }));
+    for (li, &len) in lens.iter().enumerate() {
+        let expected: Vec<f32> = (0..len)
+            .map(|i| (0..n).map(|r| value(r, i)).sum())
+            .collect();
+        for (rank, outs) in results.iter().enumerate() {
+            assert!(
+                outs[li] == expected,
+                "world {n} len {len}: rank {rank} differs from the serial sum"
+            );
+        }
+    }
+}
+
+#[test]
+fn all_reduce_matches_serial_sum_for_worlds_1_to_5() {
+    let lens = [0, 1, 7, 1_000_003, 5, 64 * 1024 + 3];
+    let handles: Vec<_> = (1..=5)
+        .map(|n| {
+            thread::spawn(move || check_all_reduce(n, &lens, |c| c.with_chunk_bytes(64 << 10)))
+        })
+        .collect();
+    for h in handles {
+        h.join().expect("world panicked");
+    }
+}
+
+#[test]
+fn all_reduce_bf16_wire_and_lz4() {
+    // Sums of at most 4 values in -8..=8 are exactly representable in bf16.
+    check_all_reduce(4, &[0, 3, 100_001], |c| {
+        c.with_wire_format(WireFormat::Bf16)
+            .with_chunk_bytes(16 << 10)
+    });
+    check_all_reduce(3, &[10, 300_000], |c| c.with_compression(Compression::Lz4));
+}
+
+#[test]
+fn bf16_results_are_bit_identical_across_ranks() {
+    let res = all_ok(run_world(
+        3,
+        |c| c.with_wire_format(WireFormat::Bf16),
+        |c| {
+            let mut buf: Vec<f32> = (0..10_000)
+                .map(|i| (i as f32 * 0.001 + c.rank() as f32).sin())
+                .collect();
+            c.all_reduce_sum(&mut buf)?;
+            Ok(buf.iter().map(|x| x.to_bits()).collect::<Vec<_>>())
+        },
+    ));
+    assert!(res.iter().all(|r| *r == res[0]));
+}
+
+#[test]
+fn async_buckets_in_flight_keep_issue_order() {
+    let n = 3;
+    let sizes = [1000usize, 17, 250_000, 0, 4096];
+    let res = all_ok(run_world(
+        n,
+        |c| c.with_chunk_bytes(32 << 10),
+        move |c| {
+            let r = c.rank();
+            let mut pending: Vec<_> = sizes
+                .iter()
+                .enumerate()
+                .map(|(b, &len)| c.all_reduce_start((0..len).map(|i| value(r + b, i)).collect()))
+                .collect();
+            // A blocking collective issued while buckets are in flight runs after them.
+            let gathered = c.all_gather_u64(r as u64 * 10)?;
+            let mut extra = vec![r as f32; 33];
+            c.all_reduce_sum(&mut extra)?;
+            pending.push(c.all_reduce_start(vec![1.0; 5]));
+            // Wait in reverse order.
+            let mut outs: Vec<Vec<f32>> = Vec::new();
+            while let Some(p) = pending.pop() {
+                outs.push(p.wait()?);
+            }
+            outs.reverse();
+            Ok((outs, gathered, extra))
+        },
+    ));
+    for (outs, gathered, extra) in res {
+        assert_eq!(gathered, vec![0, 10, 20]);
+        assert_eq!(extra, vec![3.0; 33]);
+        for (b, &len) in sizes.iter().enumerate() {
+            let expected: Vec<f32> = (0..len)
+                .map(|i| (0..n).map(|r| value(r + b, i)).sum())
+                .collect();
+            assert_eq!(outs[b], expected, "bucket {b}");
+        }
+        assert_eq!(outs[sizes.len()], vec![3.0; 5]);
+    }
+}
+
+#[test]
+fn broadcast_barrier_all_gather_p2p_and_stats() {
+    let n = 4;
+    let res = all_ok(run_world(
+        n,
+        |c| c.with_chunk_bytes(4096),
+        |c| {
+            let r = c.rank();
+            c.barrier()?;
+            let mut f: Vec<f32> = if r == 2 {
+                (0..10_001).map(|i| i as f32).collect()
+            } else {
+                vec![-1.0; 10_001]
+            };
+            c.broadcast_f32(&mut f, 2)?;
+            let mut b: Vec<u8> = if r == 1 {
+                (0..20_000u32).map(|i| (i % 251) as u8).collect()
+            } else {
+                vec![9; r]
+            };
+            c.broadcast_bytes(&mut b, 1)?;
+            let mut empty = if r == 3 { Vec::new() } else { vec![1u8; 3] };
+            c.broadcast_bytes(&mut empty, 3)?;
+            let g = c.all_gather_u64(1000 + r as u64)?;
+            // Point-to-point ring of messages.
+            let n = c.world_size();
+            c.send_to((r + 1) % n, format!("hello from {r}").as_bytes())?;
+            let msg = c.recv_from((r + n - 1) % n)?;
+            c.barrier()?;
+            Ok((f, b, empty, g, msg, c.stats()))
+        },
+    ));
+    for (r, (f, b, empty, g, msg, stats)) in res.into_iter().enumerate() {
+        assert!(
+            f.iter().enumerate().all(|(i, &x)| x == i as f32),
+            "rank {r} broadcast_f32"
+        );
+        assert_eq!(
+            b,
+            (0..20_000u32).map(|i| (i % 251) as u8).collect::<Vec<_>>()
+        );
+        assert!(empty.is_empty());
+        assert_eq!(g, vec![1000, 1001, 1002, 1003]);
+        assert_eq!(
+            String::from_utf8(msg).unwrap(),
+            format!("hello from {}", (r + n - 1) % n)
+        );
+        assert!(stats.bytes_sent > 0 && stats.frames_received > 0 && stats.collectives == 6);
+    }
+}
+
+#[test]
+fn unranked_processes_get_assigned_ranks() {
+    let procs = vec![base(None, 3, 0), base(Some(0), 3, 0), base(None, 3, 0)];
+    let res = all_ok(run_procs(procs, |c| c.all_gather_u64(c.rank() as u64)));
+    for g in res {
+        assert_eq!(g, vec![0, 1, 2]);
+    }
+}
+
+#[test]
+fn rendezvous_missing_rank_times_out_naming_it() {
+    let t = Instant::now();
+    let procs = vec![
+        base(Some(0), 3, 0).with_join_timeout(Duration::from_millis(1500)),
+        base(Some(1), 3, 0).with_join_timeout(Duration::from_millis(1500)),
+    ];
+    let res = run_procs(procs, |_c| Ok(()));
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        t.elapsed()
+    );
+    for r in res {
+        let e = r.expect_err("rendezvous must fail");
+        let msg = e.to_string();
+        assert!(
+            matches!(
+                e,
+                CommError::Rendezvous(RendezvousError::JoinTimeout { .. })
+            ),
+            "{msg}"
+        );
+        assert!(
+            msg.contains("rank(s) 2 never joined (2 of 3 present)"),
+            "{msg}"
+        );
+    }
+}
+
+#[test]
+fn unreachable_master_fails_within_join_timeout() {
+    let (l, port) = master_listener();
+    drop(l);
+    let t = Instant::now();
+    let e =
+        Communicator::connect(base(Some(1), 2, port).with_join_timeout(Duration::from_millis(600)))
+            .unwrap_err();
+    assert!(matches!(e, CommError::MasterUnreachable { .. }), "{e}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn config_hash_mismatch_names_the_rank_on_both_sides() {
+    let procs = vec![
+        base(Some(0), 3, 0)
+            .with_join_timeout(Duration::from_secs(3))
+            .with_config_hash(0xAAAA),
+        base(Some(1), 3, 0)
+            .with_join_timeout(Duration::from_secs(3))
+            .with_config_hash(0xAAAA),
+        base(Some(2), 3, 0)
+            .with_join_timeout(Duration::from_secs(3))
+            .with_config_hash(0xBBBB),
+    ];
+    for r in run_procs(procs, |_c| Ok(())) {
+        let e = r.expect_err("must fail");
+        assert!(
+            matches!(&e, CommError::Rendezvous(RendezvousError::ConfigHashMismatch { peer, .. }) if peer.rank == Some(2)),
+            "{e}"
+        );
+        assert!(e.to_string().contains("rank 2"), "{e}");
+    }
+}
+
+#[test]
+fn token_mismatch_names_the_rank() {
+    let procs = vec![
+        base(Some(0), 2, 0).with_token(Some("cluster-secret".into())),
+        base(Some(1), 2, 0).with_token(Some("wrong".into())),
+    ];
+    for r in run_procs(procs, |_c| Ok(())) {
+        let e = r.expect_err("must fail");
+        assert!(
+            matches!(&e, CommError::Rendezvous(RendezvousError::TokenMismatch { peer }) if peer.rank == Some(1)),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("secret"), "token leaked: {e}");
+    }
+}
+
+#[test]
+fn duplicate_rank_is_rejected() {
+    let procs = vec![
+        base(Some(0), 3, 0),
+        base(Some(1), 3, 0),
+        base(Some(1), 3, 0),
+    ];
+    for r in run_procs(procs, |_c| Ok(())) {
+        let e = r.expect_err("must fail");
+        assert!(
+            matches!(
+                &e,
+                CommError::Rendezvous(RendezvousError::DuplicateRank { .. })
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("rank 1"), "{e}");
+    }
+}
+
+#[test]
+fn corrupt_frames_at_rendezvous_are_typed_errors() {
+    use flotilla_comm::frame::{FrameHeader, HEADER_LEN};
+    use std::io::Write;
+    // (byte index to corrupt, expected substring)
+    let cases: [(Option<usize>, &str); 2] = [
+        (Some(1), "unsupported wire version"),
+        (None, "more than max_frame_bytes"),
+    ];
+    for (corrupt, expect) in cases {
+        let (l, port) = master_listener();
+        let cfg = base(Some(0), 2, port).with_join_timeout(Duration::from_secs(5));
+        let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l));
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut h = FrameHeader {
+            channel: 0,
+            flags: 0,
+            op: 0,
+            seq: 0,
+            tag: 0,
+            len: 16,
+        }
+        .encode();
+        match corrupt {
+            Some(i) => h[i] = 7,
+            None => h[20..24].copy_from_slice(&u32::MAX.to_le_bytes()),
+        }
+        assert_eq!(h.len(), HEADER_LEN);
+        s.write_all(&h).unwrap();
+        let e = master.join().expect("no panic").expect_err("must fail");
+        let msg = e.to_string();
+        assert!(
+            matches!(
+                e,
+                CommError::BadFrame { .. } | CommError::FrameTooLarge { .. }
+            ),
+            "{msg}"
+        );
+        assert!(msg.contains(expect), "{msg}");
+        assert!(
+            msg.contains(&s.local_addr().unwrap().to_string()),
+            "error must name the peer: {msg}"
+        );
+    }
+}
+
+#[test]
+fn dead_peer_mid_collective_fails_others_naming_it() {
+    let t = Instant::now();
+    let res = run_world(
+        3,
+        |c| c.with_timeout(Duration::from_secs(8)),
+        |c| {
+            let mut buf = vec![1.0f32; 300_000];
+            c.all_reduce_sum(&mut buf)?;
+            if c.rank() == 2 {
+                return Ok(()); // "dies": the communicator is dropped, sockets close
+            }
+            thread::sleep(Duration::from_millis(100));
+            c.all_reduce_sum(&mut buf)?;
+            Ok(())
+        },
+    );
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "survivors must not wait for the timeout: {:?}",
+        t.elapsed()
+    );
+    assert!(res[2].is_ok());
+    for r in &res[..2] {
+        let e = r.as_ref().expect_err("survivor must fail");
+        assert!(e.to_string().contains("rank 2"), "{e}");
+    }
+}
+
+#[test]
+fn stuck_peer_times_out_naming_it_and_poisons() {
+    let t = Instant::now();
+    let res = run_world(
+        2,
+        |c| c.with_timeout(Duration::from_millis(700)),
+        |c| {
+            if c.rank() == 1 {
+                thread::sleep(Duration::from_millis(1500));
+            }
+            let r1 = c.barrier();
+            let r2 = c.barrier();
+            Ok((r1, r2))
+        },
+    );
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let (r1, r2) = res.into_iter().next().unwrap().unwrap();
+    let e = r1.expect_err("rank 0 must time out");
+    assert!(matches!(e, CommError::Timeout { peer: 1, .. }), "{e}");
+    assert!(matches!(r2, Err(CommError::Poisoned(_))), "{r2:?}");
+}
+
+#[test]
+fn mismatched_collectives_are_protocol_errors() {
+    let res = run_world(
+        2,
+        |c| c,
+        |c| {
+            if c.rank() == 0 {
+                c.barrier()
+            } else {
+                c.all_gather_u64(5).map(|_| ())
+            }
+        },
+    );
+    let errs: Vec<CommError> = res
+        .into_iter()
+        .map(|r| r.expect_err("mismatch must fail"))
+        .collect();
+    assert!(
+        errs.iter().any(|e| matches!(e, CommError::Protocol { .. })),
+        "{errs:?}"
+    );
+    // Different lengths in an all-reduce are caught as well.
+    let res = run_world(
+        2,
+        |c| c,
+        |c| {
+            let mut buf = vec![1.0; 100 + c.rank()];
+            c.all_reduce_sum(&mut buf)
+        },
+    );
+    for r in res {
+        let e = r.expect_err("length mismatch must fail");
+        assert!(
+            matches!(e, CommError::Protocol { .. } | CommError::Aborted { .. }),
+            "{e}"
+        );
+    }
+}
+
+#[test]
+fn broadcast_root_out_of_range_is_an_error() {
+    let res = all_ok(run_world(
+        1,
+        |c| c,
+        |c| {
+            let mut v = vec![1.0f32];
+            Ok(c.broadcast_f32(&mut v, 3).is_err())
+        },
+    ));
+    assert!(res[0]);
+}
+
+#[test]
+fn blocking_calls_inside_a_runtime_are_errors_not_panics() {
+    let comm = Communicator::connect(CommConfig::new(Some(0), 1)).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        assert!(matches!(comm.barrier(), Err(CommError::InvalidArgument(_))));
+        assert!(matches!(
+            Communicator::connect(CommConfig::new(Some(0), 1)),
+            Err(CommError::InvalidArgument(_))
+        ));
+    });
+    // Still usable from a plain thread.
+    let mut v = vec![2.0f32; 3];
+    comm.all_reduce_sum(&mut v).unwrap();
+    assert_eq!(v, vec![2.0; 3]);
+}

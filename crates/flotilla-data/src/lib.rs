@@ -1,0 +1,51 @@
+//! flotilla-data: datasets, distributed sampling and batching for Flotilla.
+//!
+//! The crate is independent of the tensor engine: it yields flat `f32` pixel buffers and
+//! `u8`/`i64` labels that the trainer turns into tensors.
+//!
+//! * [`idx`]: the IDX file format (gzipped or raw).
+//! * [`Mnist::load`]: the four files of an MNIST-layout directory into [`MnistSplits`].
+//! * [`verify_md5`]: MD5 check against the original MNIST files.
+//! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
+//! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers.
+//!
+//! ```no_run
+//! use flotilla_data::{Batcher, DistributedSampler, Mnist};
+//!
+//! # fn main() -> Result<(), flotilla_data::DataError> {
+//! let splits = Mnist::load("data/mnist")?;
+//! let (world_size, rank, batch) = (2, 0, 64);
+//! let sampler = DistributedSampler::new(splits.train.len(), world_size, rank, 42, true)?;
+//! let mut batcher = Batcher::new(batch, splits.train.image_size());
+//! for epoch in 0..3 {
+//!     for indices in sampler.indices(epoch).chunks_exact(batch) {
+//!         let b = batcher.fill(&splits.train, indices)?;
+//!         // b.images: [batch, 1, 28, 28] row-major f32; b.labels: i64 classes.
+//!         let _ = (b.images, b.labels, b.shape);
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+
+#![warn(missing_docs)]
+
+pub mod batch;
+pub mod checksum;
+pub mod dataset;
+pub mod error;
+pub mod files;
+pub mod idx;
+pub mod mnist;
+pub mod sampler;
+
+#[cfg(test)]
+mod testutil;
+
+pub use batch::{Batch, Batcher, fill_batch};
+pub use checksum::{FileMd5, Md5Report, Md5Status, verify_md5};
+pub use dataset::{ImageDataset, Normalization};
+pub use error::{DataError, Result};
+pub use files::{MnistFile, Split};
+pub use mnist::{Mnist, MnistSplits};
+pub use sampler::DistributedSampler;

@@ -1,0 +1,25 @@
+//! Run-time choice of burn backend by name.
+
+use burn::prelude::Device;
+
+use crate::error::{EngineError, Result};
+
+/// The backends this build can run on: `flex` (pure-Rust CPU, always), `libtorch` (with the
+/// `libtorch` feature).
+pub fn available_devices() -> Vec<&'static str> {
+    let mut names = vec!["flex"];
+    if cfg!(feature = "libtorch") {
+        names.push("libtorch");
+    }
+    names
+}
+
+/// The device for a backend name, without autodiff (`flex`, `libtorch`).
+pub fn device_by_name(name: &str) -> Result<Device> {
+    match name {
+        "flex" | "cpu" => Ok(Device::flex()),
+        #[cfg(feature = "libtorch")]
+        "libtorch" => Ok(Device::libtorch()),
+        other => Err(EngineError::UnknownDevice(other.to_string())),
+    }
+}

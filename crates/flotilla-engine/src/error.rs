@@ -1,0 +1,79 @@
+//! The engine's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong in the engine adapter.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// A model spec could not be parsed.
+    #[error("model spec {source_name}: {message}")]
+    SpecParse {
+        /// Where the spec came from (a file path or `<inline>`).
+        source_name: String,
+        /// What the parser said.
+        message: String,
+    },
+    /// A layer's input shape does not fit the layer.
+    #[error("model spec: layer {index} ({kind}): {message}")]
+    LayerShape {
+        /// The layer's 0-based position in the spec.
+        index: usize,
+        /// The layer kind, e.g. `linear`.
+        kind: String,
+        /// What does not fit.
+        message: String,
+    },
+    /// A spec that is structurally wrong (no layers, bad input shape, wrong number of outputs).
+    #[error("model spec: {0}")]
+    InvalidSpec(String),
+    /// A flat buffer's length does not match the model's parameter count.
+    #[error("flat buffer has {got} values but the model has {expected} parameters")]
+    FlatLength {
+        /// Number of parameters the model has.
+        expected: usize,
+        /// Number of values given.
+        got: usize,
+    },
+    /// A batch whose buffers do not fit its declared size.
+    #[error("batch: {0}")]
+    Batch(String),
+    /// No gradients are available (no backward pass since the last step).
+    #[error("no gradients: call forward_backward before reading or applying gradients")]
+    NoGradients,
+    /// The requested device is not compiled into this build.
+    #[error("device `{0}` is not available in this build (known: flex; libtorch with the `libtorch` feature)")]
+    UnknownDevice(String),
+    /// An optimizer setting that is out of range.
+    #[error("optimizer: {0}")]
+    Optimizer(String),
+    /// Saving or loading a checkpoint failed.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// An I/O error with the path it concerned.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl EngineError {
+    /// Wraps an I/O error with the path it concerned.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        EngineError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+}
+
+/// The engine's result type.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -1,0 +1,26 @@
+//! Flotilla's tensor-engine adapter.
+//!
+//! Everything numeric happens in [burn](https://burn.dev) (pinned to 0.22.1): models are built
+//! from a YAML [`ModelSpec`], trained through the [`Engine`] trait, and optimized by burn's own
+//! optimizers. The rest of Flotilla sees only flat `f32` buffers in the documented parameter
+//! order of [`ParamLayout`]; no burn type crosses this crate's public boundary except through
+//! [`BurnEngine`]'s constructor arguments, which are plain data.
+#![warn(missing_docs)]
+
+pub mod device;
+pub mod engine;
+pub mod error;
+pub mod model;
+pub mod optim;
+pub mod params;
+pub mod spec;
+
+pub use device::{available_devices, device_by_name};
+pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
+pub use error::{EngineError, Result};
+pub use optim::OptimizerSpec;
+pub use params::{ParamInfo, ParamLayout};
+pub use spec::{LayerSpec, ModelSpec, Shape};
+
+#[cfg(test)]
+mod engine_tests;

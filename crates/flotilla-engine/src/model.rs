@@ -1,0 +1,159 @@
+//! The burn model built from a [`ModelSpec`]: a `Vec` of layer modules applied in order.
+
+use burn::module::Module;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::pool::{AvgPool2d, AvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu, Sigmoid, Tanh};
+use burn::prelude::*;
+
+use crate::error::{EngineError, Result};
+use crate::spec::{LayerSpec, ModelSpec, Shape};
+
+/// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
+/// tensors are saved as `layers.<index>.<weight|bias>`, as a PyTorch `nn.Sequential` named
+/// `layers` would name them.
+#[derive(Module, Debug)]
+pub enum Layer {
+    /// 2-D convolution.
+    Conv2d(Conv2d),
+    /// Max pooling.
+    MaxPool(MaxPool2d),
+    /// Average pooling.
+    AvgPool(AvgPool2d),
+    /// Fully connected.
+    Linear(Linear),
+    /// ReLU.
+    Relu(Relu),
+    /// Tanh.
+    Tanh(Tanh),
+    /// Sigmoid.
+    Sigmoid(Sigmoid),
+    /// Flatten `[N, C, H, W]` to `[N, C*H*W]` (no parameters).
+    Flatten(Flatten),
+    /// Dropout.
+    Dropout(Dropout),
+}
+
+/// Flattens every dimension after the batch dimension; it has no parameters.
+#[derive(Module, Debug, Default)]
+pub struct Flatten;
+
+/// A sequential model: the layers of a spec, applied in order to a batch.
+#[derive(Module, Debug)]
+pub struct SequentialModel {
+    /// The layers, in spec order.
+    pub layers: Vec<Layer>,
+}
+
+/// An activation between layers: image-like or flat, with the batch dimension first.
+enum Activation {
+    Image(Tensor<4>),
+    Flat(Tensor<2>),
+}
+
+impl SequentialModel {
+    /// Builds the model on `device`; parameters are initialised from the device's RNG (seed it
+    /// first for determinism). The spec must have passed shape inference.
+    pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
+        let shapes = spec.infer_shapes()?;
+        let mut input = spec.input_shape()?;
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        for (layer, out) in spec.layers.iter().zip(shapes) {
+            layers.push(build_layer(layer, input, device)?);
+            input = out;
+        }
+        Ok(Self { layers })
+    }
+
+    /// Forward pass on an image batch `[N, C, H, W]`; returns `[N, classes]` logits.
+    pub fn forward(&self, input: Tensor<4>) -> Tensor<2> {
+        self.run(Activation::Image(input))
+    }
+
+    /// Forward pass for a model whose spec input is flat `[F]`.
+    pub fn forward_flat(&self, input: Tensor<2>) -> Tensor<2> {
+        self.run(Activation::Flat(input))
+    }
+
+    fn run(&self, input: Activation) -> Tensor<2> {
+        let mut x = input;
+        for layer in &self.layers {
+            x = match (layer, x) {
+                (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+                (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+                (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+                (Layer::Linear(m), Activation::Flat(t)) => Activation::Flat(m.forward(t)),
+                (Layer::Flatten(_), Activation::Image(t)) => Activation::Flat(t.flatten(1, 3)),
+                (Layer::Flatten(_), flat @ Activation::Flat(_)) => flat,
+                (Layer::Relu(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+                (Layer::Tanh(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+                (Layer::Sigmoid(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+                (Layer::Dropout(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+                // Shape inference at load time rules these out: a linear layer always follows
+                // a flatten, an image layer never follows one.
+                (Layer::Linear(m), Activation::Image(t)) => Activation::Flat(m.forward(t.flatten(1, 3))),
+                (_, Activation::Flat(t)) => Activation::Flat(t),
+            };
+        }
+        match x {
+            Activation::Flat(t) => t,
+            Activation::Image(t) => t.flatten(1, 3),
+        }
+    }
+}
+
+fn map_any(
+    x: Activation,
+    image: impl FnOnce(Tensor<4>) -> Tensor<4>,
+    flat: impl FnOnce(Tensor<2>) -> Tensor<2>,
+) -> Activation {
+    match x {
+        Activation::Image(t) => Activation::Image(image(t)),
+        Activation::Flat(t) => Activation::Flat(flat(t)),
+    }
+}
+
+fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer> {
+    Ok(match *layer {
+        LayerSpec::Conv2d {
+            out,
+            k,
+            stride,
+            padding,
+            bias,
+        } => {
+            let Shape::Image { c, .. } = input else {
+                return Err(EngineError::InvalidSpec(format!(
+                    "conv2d needs an image input, got {input}"
+                )));
+            };
+            Layer::Conv2d(
+                Conv2dConfig::new([c, out], [k, k])
+                    .with_stride([stride, stride])
+                    .with_padding(PaddingConfig2d::Explicit(padding, padding, padding, padding))
+                    .with_bias(bias)
+                    .init(device),
+            )
+        }
+        LayerSpec::Maxpool { k, stride } => Layer::MaxPool(
+            MaxPool2dConfig::new([k, k])
+                .with_strides([stride.unwrap_or(k); 2])
+                .init(),
+        ),
+        LayerSpec::Avgpool { k, stride } => Layer::AvgPool(
+            AvgPool2dConfig::new([k, k])
+                .with_strides([stride.unwrap_or(k); 2])
+                .init(),
+        ),
+        LayerSpec::Linear { out, bias } => Layer::Linear(
+            LinearConfig::new(input.numel(), out)
+                .with_bias(bias)
+                .init(device),
+        ),
+        LayerSpec::Relu => Layer::Relu(Relu::new()),
+        LayerSpec::Tanh => Layer::Tanh(Tanh::new()),
+        LayerSpec::Sigmoid => Layer::Sigmoid(Sigmoid::new()),
+        LayerSpec::Flatten => Layer::Flatten(Flatten),
+        LayerSpec::Dropout { p } => Layer::Dropout(DropoutConfig::new(p).init()),
+    })
+}

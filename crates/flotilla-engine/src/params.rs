@@ -1,0 +1,293 @@
+//! Flat views of a model's parameters and gradients.
+//!
+//! **Parameter order** (the contract every rank and every strategy relies on): parameters in
+//! the module's visit order, that is layer order and, within a layer, weight before bias; each
+//! tensor row-major in burn's layout (a linear weight is `[in, out]`, a convolution weight
+//! `[out, in, kh, kw]`). [`ParamLayout`] records each tensor's name, shape and offset.
+
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::tensor::{Gradients, TensorData};
+
+use crate::error::{EngineError, Result};
+
+/// One parameter tensor's place in the flat buffer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParamInfo {
+    /// PyTorch-style dotted name, e.g. `layers.0.weight`.
+    pub name: String,
+    /// Shape in burn's layout.
+    pub shape: Vec<usize>,
+    /// First index in the flat buffer.
+    pub offset: usize,
+    /// Number of values.
+    pub len: usize,
+}
+
+/// Where every parameter tensor lives in the flat buffer.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ParamLayout {
+    /// The tensors, in flat order.
+    pub params: Vec<ParamInfo>,
+    /// Total number of values.
+    pub total: usize,
+}
+
+impl ParamLayout {
+    /// Reads the layout of `model`.
+    pub fn of<M: Module>(model: &M) -> Self {
+        let mut v = LayoutVisitor {
+            path: Vec::new(),
+            layout: ParamLayout::default(),
+        };
+        model.visit(&mut v);
+        v.layout
+    }
+
+    /// A stable 64-bit fingerprint of names and shapes (XXH3), for cluster-wide checks.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for p in &self.params {
+            h.update(p.name.as_bytes());
+            for d in &p.shape {
+                h.update(&(*d as u64).to_le_bytes());
+            }
+        }
+        h.digest()
+    }
+}
+
+struct LayoutVisitor {
+    path: Vec<String>,
+    layout: ParamLayout,
+}
+
+impl ModuleVisitor for LayoutVisitor {
+    fn enter_module(&mut self, name: &str, container_type: &str) {
+        // Enum variant names are not part of the PyTorch-style name (see SafetensorsStore's
+        // `skip_enum_variants`), and the root struct's fields are entered with their own name.
+        if !container_type.starts_with("Enum:") {
+            self.path.push(name.to_string());
+        } else {
+            self.path.push(String::new());
+        }
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        let shape = param.lazy_shape().dims::<D>().to_vec();
+        let len = shape.iter().product();
+        let name = self
+            .path
+            .iter()
+            .filter(|s| !s.is_empty())
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(".");
+        self.layout.params.push(ParamInfo {
+            name,
+            shape,
+            offset: self.layout.total,
+            len,
+        });
+        self.layout.total += len;
+    }
+}
+
+/// Gives every parameter the id of its position in flat order, so that ids (and so optimizer
+/// state keyed by id) agree across ranks and across runs.
+pub fn renumber<M: Module>(model: M) -> M {
+    struct Renumber(u64);
+    impl ModuleMapper for Renumber {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (_, value, mapper) = param.consume();
+            let id = ParamId::from(self.0);
+            self.0 += 1;
+            Param::from_mapped_value(id, value, mapper)
+        }
+    }
+    model.map(&mut Renumber(0))
+}
+
+fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
+    let data = tensor.into_data().convert::<f32>();
+    let values = data
+        .as_slice::<f32>()
+        .map_err(|e| EngineError::Batch(format!("reading a tensor: {e:?}")))?;
+    if values.len() != out.len() {
+        return Err(EngineError::FlatLength {
+            expected: out.len(),
+            got: values.len(),
+        });
+    }
+    out.copy_from_slice(values);
+    Ok(())
+}
+
+/// Copies every parameter of `model` into `out` (flat order).
+pub fn read_params<M: Module>(model: &M, layout: &ParamLayout, out: &mut [f32]) -> Result<()> {
+    if out.len() != layout.total {
+        return Err(EngineError::FlatLength {
+            expected: layout.total,
+            got: out.len(),
+        });
+    }
+    struct Reader<'a> {
+        out: &'a mut [f32],
+        offset: usize,
+        error: Option<EngineError>,
+    }
+    impl ModuleVisitor for Reader<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let tensor = param.val();
+            let len = tensor.shape().num_elements();
+            let Some(dst) = self.out.get_mut(self.offset..self.offset + len) else {
+                self.error.get_or_insert(EngineError::FlatLength {
+                    expected: self.offset + len,
+                    got: self.out.len(),
+                });
+                return;
+            };
+            if let Err(e) = copy_tensor(tensor, dst) {
+                self.error.get_or_insert(e);
+            }
+            self.offset += len;
+        }
+    }
+    let mut reader = Reader {
+        out,
+        offset: 0,
+        error: None,
+    };
+    model.visit(&mut reader);
+    reader.error.map_or(Ok(()), Err)
+}
+
+/// Replaces every parameter of `model` with values from `src` (flat order), keeping parameter
+/// ids (so optimizer state stays attached) and gradient requirements.
+pub fn write_params<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> Result<M> {
+    if src.len() != layout.total {
+        return Err(EngineError::FlatLength {
+            expected: layout.total,
+            got: src.len(),
+        });
+    }
+    struct Writer<'a> {
+        src: &'a [f32],
+        offset: usize,
+    }
+    impl ModuleMapper for Writer<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let (id, value, mapper) = param.consume();
+            let shape = value.shape();
+            let len = shape.num_elements();
+            let device = value.device();
+            let require_grad = value.is_require_grad();
+            // The length was checked against the layout above, so the slice is in range.
+            let values = self.src[self.offset..self.offset + len].to_vec();
+            self.offset += len;
+            let mut tensor = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
+            if require_grad {
+                tensor = tensor.require_grad();
+            }
+            Param::from_mapped_value(id, tensor, mapper)
+        }
+    }
+    Ok(model.map(&mut Writer { src, offset: 0 }))
+}
+
+/// Calls `f(index, values)` with each parameter's gradient, in flat order. A parameter with
+/// no gradient (unused in the forward pass) gives zeros.
+pub fn for_each_grad<M: Module>(
+    model: &M,
+    grads: &Gradients,
+    layout: &ParamLayout,
+    f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    struct GradVisitor<'a, 'f> {
+        grads: &'a Gradients,
+        layout: &'a ParamLayout,
+        index: usize,
+        scratch: Vec<f32>,
+        f: &'f mut dyn FnMut(usize, &[f32]) -> Result<()>,
+        error: Option<EngineError>,
+    }
+    impl ModuleVisitor for GradVisitor<'_, '_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if self.error.is_some() {
+                return;
+            }
+            let Some(info) = self.layout.params.get(self.index) else {
+                self.error = Some(EngineError::FlatLength {
+                    expected: self.layout.params.len(),
+                    got: self.index + 1,
+                });
+                return;
+            };
+            self.scratch.clear();
+            self.scratch.resize(info.len, 0.0);
+            let result = match param.val().grad(self.grads) {
+                Some(g) => copy_tensor(g, &mut self.scratch),
+                None => Ok(()),
+            };
+            let result = result.and_then(|()| (self.f)(self.index, &self.scratch));
+            if let Err(e) = result {
+                self.error = Some(e);
+            }
+            self.index += 1;
+        }
+    }
+    let mut v = GradVisitor {
+        grads,
+        layout,
+        index: 0,
+        scratch: Vec::new(),
+        f,
+        error: None,
+    };
+    model.visit(&mut v);
+    v.error.map_or(Ok(()), Err)
+}
+
+/// Builds burn's [`GradientsParams`] from a flat gradient buffer, keyed by `model`'s ids.
+pub fn grads_from_flat<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    flat: &[f32],
+    device: &Device,
+) -> Result<GradientsParams> {
+    if flat.len() != layout.total {
+        return Err(EngineError::FlatLength {
+            expected: layout.total,
+            got: flat.len(),
+        });
+    }
+    struct Builder<'a> {
+        flat: &'a [f32],
+        offset: usize,
+        device: &'a Device,
+        grads: GradientsParams,
+    }
+    impl ModuleVisitor for Builder<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let shape = param.lazy_shape();
+            let len = shape.num_elements();
+            let values = self.flat[self.offset..self.offset + len].to_vec();
+            self.offset += len;
+            let tensor = Tensor::<D>::from_data(TensorData::new(values, shape), self.device);
+            self.grads.register(param.id, tensor);
+        }
+    }
+    let mut b = Builder {
+        flat,
+        offset: 0,
+        device,
+        grads: GradientsParams::new(),
+    };
+    model.visit(&mut b);
+    Ok(b.grads)
+}

@@ -1,0 +1,74 @@
+//! The training layer's error type.
+
+use std::path::PathBuf;
+
+/// Everything that can stop a training run.
+#[derive(Debug, thiserror::Error)]
+pub enum TrainError {
+    /// The run configuration is invalid.
+    #[error("config {source_name}: {message}")]
+    Config {
+        /// Where the config came from (a path, `<defaults>`, `--flag`).
+        source_name: String,
+        /// What is wrong.
+        message: String,
+    },
+    /// The tensor engine failed.
+    #[error(transparent)]
+    Engine(#[from] flotilla_engine::EngineError),
+    /// Communication with other ranks failed.
+    #[error(transparent)]
+    Comm(#[from] flotilla_comm::CommError),
+    /// The data set could not be read.
+    #[error(transparent)]
+    Data(#[from] flotilla_data::DataError),
+    /// Ranks ended with different parameters (a broken invariant, never expected).
+    #[error("parameters differ across ranks after training: {0}")]
+    Divergence(String),
+    /// Training produced a non-finite loss.
+    #[error("loss is {loss} at step {step}: training diverged (try a smaller lr)")]
+    NonFiniteLoss {
+        /// The global step.
+        step: u64,
+        /// The loss value.
+        loss: f32,
+    },
+    /// A checkpoint could not be written or read.
+    #[error("checkpoint {path}: {message}")]
+    Checkpoint {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// What went wrong.
+        message: String,
+    },
+    /// An I/O error with the path it concerned.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file or directory concerned.
+        path: PathBuf,
+        /// The underlying error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl TrainError {
+    /// Wraps an I/O error with the path it concerned.
+    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+        TrainError::Io {
+            path: path.into(),
+            source,
+        }
+    }
+
+    /// A config error.
+    pub fn config(source_name: impl Into<String>, message: impl Into<String>) -> Self {
+        TrainError::Config {
+            source_name: source_name.into(),
+            message: message.into(),
+        }
+    }
+}
+
+/// The training layer's result type.
+pub type Result<T, E = TrainError> = std::result::Result<T, E>;

@@ -1,0 +1,18 @@
+//! Flotilla's training layer: run configuration, strategies (sync data parallel over a ring
+//! all-reduce with fusion buckets), the per-rank training loop, checkpoints and run logs.
+//!
+//! Strategies talk to the engine through [`flotilla_engine::Engine`] (flat buffers) and to the
+//! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
+#![warn(missing_docs)]
+
+pub mod bucket;
+pub mod checkpoint;
+pub mod config;
+pub mod error;
+pub mod runlog;
+pub mod strategy;
+pub mod trainer;
+
+pub use config::TrainConfig;
+pub use error::{Result, TrainError};
+pub use trainer::{Observer, Quiet, RunSummary, StepEvent, run};

@@ -1,0 +1,418 @@
+//! The training loop of one rank: rendezvous, data, engine, initial broadcast, epochs of
+//! steps, distributed evaluation, checkpoints, and the final cross-rank consistency check.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flotilla_comm::Communicator;
+use flotilla_data::{DistributedSampler, ImageDataset, Mnist, fill_batch};
+use flotilla_engine::{BatchRef, BurnEngine, Engine, EvalStats};
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::runlog::{EpochMetrics, RunLog, append_metrics};
+use crate::strategy::{Strategy, SyncAllReduce};
+
+/// Progress events for a terminal front end (progress bars, status lines).
+pub trait Observer {
+    /// Called after every optimizer step.
+    fn step(&mut self, event: &StepEvent);
+    /// Called with every line written to `run.log`.
+    fn message(&mut self, line: &str);
+}
+
+/// An observer that ignores everything.
+pub struct Quiet;
+
+impl Observer for Quiet {
+    fn step(&mut self, _: &StepEvent) {}
+    fn message(&mut self, _: &str) {}
+}
+
+/// One finished step.
+#[derive(Debug, Clone, Copy)]
+pub struct StepEvent {
+    /// 0-based epoch.
+    pub epoch: u32,
+    /// Epochs in the run.
+    pub epochs: u32,
+    /// Steps done in this epoch.
+    pub step_in_epoch: u64,
+    /// Steps per epoch.
+    pub steps_per_epoch: u64,
+    /// Steps done in the run.
+    pub step: u64,
+    /// Steps the run will take.
+    pub total_steps: u64,
+    /// Global mean loss of this step.
+    pub loss: f32,
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSummary {
+    /// This process's rank.
+    pub rank: usize,
+    /// Number of ranks.
+    pub world_size: usize,
+    /// Final test accuracy.
+    pub test_acc: f64,
+    /// Final test loss.
+    pub test_loss: f64,
+    /// Mean global training loss of the last epoch.
+    pub train_loss: f64,
+    /// Optimizer steps taken (in total, including those before a resume).
+    pub steps: u64,
+    /// Seconds from start to end.
+    pub wall_s: f64,
+    /// Global training samples per second over the run.
+    pub samples_per_s: f64,
+    /// XXH3 of the final parameters (identical on every rank).
+    pub param_hash: u64,
+    /// The final checkpoint directory (rank 0 only).
+    pub checkpoint: Option<PathBuf>,
+}
+
+impl RunSummary {
+    /// The stable, parseable last line of a run.
+    pub fn final_line(&self) -> String {
+        format!(
+            "final test_acc={:.4} loss={:.4} steps={} wall_s={:.1}",
+            self.test_acc, self.test_loss, self.steps, self.wall_s
+        )
+    }
+}
+
+/// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
+/// rendezvous).
+pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observer) -> Result<RunSummary> {
+    let started = Instant::now();
+    let spec = config.validate()?;
+    let hash = config.cluster_hash(&spec);
+    let comm = Arc::new(Communicator::connect(config.comm_config(rank, hash))?);
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let mut log = RunLog::open(&config.output, rank)?;
+    let say = |log: &mut RunLog, observer: &mut dyn Observer, text: String| -> Result<()> {
+        observer.message(&text);
+        log.line(&text)
+    };
+    say(
+        &mut log,
+        observer,
+        format!(
+            "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
+            spec.name, config.device
+        ),
+    )?;
+
+    let splits = Mnist::load(&config.data)?;
+    let (mut train, test) = (splits.train, splits.test);
+    if let Some(limit) = config.train_limit {
+        train.truncate(limit.min(train.len()));
+    }
+    spec.check_io(&[1, train.rows(), train.cols()], train.num_classes().max(10))?;
+
+    let mut engine = BurnEngine::new(&spec, &config.optimizer, &config.device, config.seed)?;
+    let mut strategy = SyncAllReduce::new(comm.clone(), engine.layout(), config.bucket_bytes());
+
+    // Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
+    // and its weights and optimizer state travel with the initial broadcast.
+    let mut resume_state = if rank == 0 && config.resume {
+        match checkpoint::latest(&config.output)? {
+            Some(dir) => {
+                let state = checkpoint::load(&dir, &mut engine)?;
+                if state.config_hash != hash {
+                    say(&mut log, observer, format!("warning: {} was written by a run with another config", dir.display()))?;
+                }
+                say(&mut log, observer, format!("resuming from {} (step {})", dir.display(), state.step))?;
+                serde_json::to_vec(&state).map_err(|e| TrainError::Checkpoint {
+                    path: dir.clone(),
+                    message: e.to_string(),
+                })?
+            }
+            None => Vec::new(),
+        }
+    } else {
+        Vec::new()
+    };
+    comm.broadcast_bytes(&mut resume_state, 0)?;
+    let resumed: Option<CheckpointState> = if resume_state.is_empty() {
+        None
+    } else {
+        Some(serde_json::from_slice(&resume_state).map_err(|e| TrainError::Checkpoint {
+            path: config.output.clone(),
+            message: format!("resume state from rank 0: {e}"),
+        })?)
+    };
+    strategy.synchronize_initial_state(&mut engine)?;
+
+    let sampler = DistributedSampler::new(train.len(), world, rank, config.seed, true)?;
+    let steps_per_epoch = sampler.steps_per_epoch(config.batch_size) as u64;
+    if steps_per_epoch == 0 {
+        return Err(TrainError::config(
+            "config",
+            format!(
+                "`batch_size` {} x {world} ranks is larger than the {} training samples",
+                config.batch_size,
+                train.len()
+            ),
+        ));
+    }
+    let planned = steps_per_epoch * config.epochs as u64;
+    let total_steps = match config.max_steps {
+        Some(m) if config.epochs == 0 => m,
+        Some(m) => m.min(planned),
+        None => planned,
+    };
+    let epochs = total_steps.div_ceil(steps_per_epoch) as u32;
+    say(
+        &mut log,
+        observer,
+        format!(
+            "training: {} params, {} buckets, {} steps/epoch of {}x{} samples, {} steps, strategy {}",
+            engine.num_params(),
+            strategy.plan().buckets.len(),
+            steps_per_epoch,
+            config.batch_size,
+            world,
+            total_steps,
+            strategy.name()
+        ),
+    )?;
+
+    let (mut step, start_epoch, mut skip) = match &resumed {
+        Some(s) => (s.step, s.epoch, s.step_in_epoch),
+        None => (0, 0, 0),
+    };
+    // Where the next step would start: saved in checkpoints so that a resume continues there.
+    let (mut at_epoch, mut at_step_in_epoch) = (start_epoch, skip);
+    let fault = Fault::from_env(rank);
+    let mut images = Vec::new();
+    let mut labels = Vec::new();
+    let mut last_eval: Option<EvalStats> = None;
+    let mut train_loss = f64::NAN;
+    let mut trained_samples = 0u64;
+    let train_started = Instant::now();
+    let base_lr = config.optimizer.lr();
+
+    for epoch in start_epoch..epochs {
+        if step >= total_steps {
+            break;
+        }
+        let epoch_started = Instant::now();
+        let batches = sampler.batches(epoch as u64, config.batch_size);
+        let mut loss_sum = 0.0f64;
+        let mut loss_count = 0u64;
+        for (i, indices) in batches.iter().enumerate().skip(skip as usize) {
+            if step >= total_steps {
+                break;
+            }
+            fill_batch(&train, indices, &mut images, &mut labels)?;
+            let lr = config
+                .lr_schedule
+                .lr_at(base_lr, step, total_steps, config.warmup_steps);
+            let stats = strategy.step(
+                &mut engine,
+                BatchRef {
+                    images: &images,
+                    labels: &labels,
+                },
+                lr,
+            )?;
+            step += 1;
+            (at_epoch, at_step_in_epoch) = (epoch, i as u64 + 1);
+            if let Some(f) = &fault {
+                f.maybe_trigger(step);
+            }
+            if !stats.global_loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss {
+                    step,
+                    loss: stats.global_loss,
+                });
+            }
+            loss_sum += stats.global_loss as f64;
+            loss_count += 1;
+            trained_samples += (indices.len() * world) as u64;
+            observer.step(&StepEvent {
+                epoch,
+                epochs,
+                step_in_epoch: i as u64 + 1,
+                steps_per_epoch,
+                step,
+                total_steps,
+                loss: stats.global_loss,
+            });
+            if config.checkpoint_every > 0 && step % config.checkpoint_every == 0 && rank == 0 {
+                let state = CheckpointState {
+                    step,
+                    epoch,
+                    step_in_epoch: i as u64 + 1,
+                    config_hash: hash,
+                    model: spec.name.clone(),
+                    num_params: engine.num_params(),
+                    test_acc: last_eval.map(|e| e.accuracy()),
+                };
+                let dir = checkpoint::save(&config.output, &engine, &state)?;
+                log.line(&format!("checkpoint {}", dir.display()))?;
+            }
+        }
+        skip = 0;
+        let epoch_s = epoch_started.elapsed().as_secs_f64();
+        train_loss = if loss_count > 0 { loss_sum / loss_count as f64 } else { f64::NAN };
+        let last_epoch = epoch + 1 == epochs || step >= total_steps;
+        let eval_now = last_epoch || (config.eval_every > 0 && (epoch + 1) % config.eval_every == 0);
+        if eval_now {
+            last_eval = Some(evaluate(&engine, &comm, &test)?);
+        }
+        let samples_per_s = (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
+        let metrics = EpochMetrics {
+            epoch: epoch + 1,
+            step,
+            train_loss,
+            test_loss: eval_now.then(|| last_eval.map(|e| e.loss())).flatten(),
+            test_acc: eval_now.then(|| last_eval.map(|e| e.accuracy())).flatten(),
+            samples_per_s,
+            epoch_s,
+            wall_s: started.elapsed().as_secs_f64(),
+        };
+        let test_part = match (metrics.test_loss, metrics.test_acc) {
+            (Some(l), Some(a)) => format!(" test_loss={l:.4} test_acc={a:.4}"),
+            _ => String::new(),
+        };
+        say(
+            &mut log,
+            observer,
+            format!(
+                "epoch {}/{epochs} step={step} train_loss={train_loss:.4}{test_part} samples/s={samples_per_s:.0} time={epoch_s:.1}s",
+                epoch + 1
+            ),
+        )?;
+        if rank == 0 {
+            append_metrics(&config.output, &metrics)?;
+        }
+    }
+
+    let eval = match last_eval {
+        Some(e) => e,
+        None => evaluate(&engine, &comm, &test)?,
+    };
+    let param_hash = verify_identical(&engine, &comm)?;
+    let checkpoint = if rank == 0 {
+        let state = CheckpointState {
+            step,
+            epoch: at_epoch,
+            step_in_epoch: at_step_in_epoch,
+            config_hash: hash,
+            model: spec.name.clone(),
+            num_params: engine.num_params(),
+            test_acc: Some(eval.accuracy()),
+        };
+        let dir = checkpoint::save(&config.output, &engine, &state)?;
+        log.line(&format!("checkpoint {}", dir.display()))?;
+        Some(dir)
+    } else {
+        None
+    };
+    let train_s = train_started.elapsed().as_secs_f64();
+    let summary = RunSummary {
+        rank,
+        world_size: world,
+        test_acc: eval.accuracy(),
+        test_loss: eval.loss(),
+        train_loss,
+        steps: step,
+        wall_s: started.elapsed().as_secs_f64(),
+        samples_per_s: trained_samples as f64 / train_s.max(1e-9),
+        param_hash,
+        checkpoint,
+    };
+    say(&mut log, observer, format!("parameters identical on all {world} ranks (xxh3 {param_hash:016x})"))?;
+    log.line(&summary.final_line())?;
+    Ok(summary)
+}
+
+/// A fault to inject, for testing that the rest of the job reports it: set
+/// `FLOTILLA_FAULT=rank=R,step=S,action=exit|hang` and rank `R` exits with code 3 (or stops
+/// responding) after step `S`.
+struct Fault {
+    step: u64,
+    hang: bool,
+}
+
+impl Fault {
+    fn from_env(rank: usize) -> Option<Self> {
+        let spec = std::env::var("FLOTILLA_FAULT").ok()?;
+        let mut fault_rank = None;
+        let mut step = None;
+        let mut hang = false;
+        for part in spec.split(',') {
+            match part.split_once('=') {
+                Some(("rank", v)) => fault_rank = v.trim().parse::<usize>().ok(),
+                Some(("step", v)) => step = v.trim().parse::<u64>().ok(),
+                Some(("action", v)) => hang = v.trim() == "hang",
+                _ => {}
+            }
+        }
+        (fault_rank? == rank).then_some(Fault { step: step?, hang })
+    }
+
+    fn maybe_trigger(&self, step: u64) {
+        if step != self.step {
+            return;
+        }
+        if self.hang {
+            eprintln!("FLOTILLA_FAULT: rank stops responding after step {step}");
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
+        eprintln!("FLOTILLA_FAULT: rank exits after step {step}");
+        std::process::exit(3);
+    }
+}
+
+/// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
+/// and summed with one all-reduce: every rank gets the full-test-set figures.
+fn evaluate(engine: &dyn Engine, comm: &Communicator, test: &ImageDataset) -> Result<EvalStats> {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
+    let mut images = Vec::new();
+    let mut labels = Vec::new();
+    fill_batch(test, &indices, &mut images, &mut labels)?;
+    let local = if indices.is_empty() {
+        EvalStats::default()
+    } else {
+        engine.evaluate(&images, &labels, 1000)?
+    };
+    let mut sums = [local.loss_sum as f32, local.correct as f32, local.count as f32];
+    comm.all_reduce_sum(&mut sums)?;
+    Ok(EvalStats {
+        loss_sum: sums[0] as f64,
+        correct: sums[1].round() as usize,
+        count: sums[2].round() as usize,
+    })
+}
+
+/// Checks that every rank holds bitwise-identical parameters; returns their hash.
+fn verify_identical(engine: &dyn Engine, comm: &Communicator) -> Result<u64> {
+    let mut params = vec![0.0f32; engine.num_params()];
+    engine.read_params(&mut params)?;
+    let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
+    let all = comm.all_gather_u64(hash)?;
+    let differing: Vec<String> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| **h != all[0])
+        .map(|(r, h)| format!("rank {r} has {h:016x}"))
+        .collect();
+    if differing.is_empty() {
+        Ok(hash)
+    } else {
+        Err(TrainError::Divergence(format!(
+            "rank 0 has {:016x}, {}",
+            all[0],
+            differing.join(", ")
+        )))
+    }
+}

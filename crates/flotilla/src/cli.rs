@@ -1,0 +1,157 @@
+//! Command-line arguments.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Distributed deep-learning training for Rust.
+#[derive(Debug, Parser)]
+#[command(name = "flotilla", version, about, propagate_version = true)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// The subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run one rank of a training job. The rank, world size and rendezvous address come from
+    /// flags or, as torchrun / mpirun / Slurm set them, from RANK, WORLD_SIZE, MASTER_ADDR and
+    /// MASTER_PORT.
+    Train(TrainArgs),
+    /// Start N local ranks of a training job and supervise them: if one fails, all are stopped
+    /// and its error is shown.
+    Launch(LaunchArgs),
+    /// Benchmarks that print ratios against a reference measured in the same run.
+    #[command(subcommand)]
+    Bench(BenchCommand),
+    /// Print the effective configuration (defaults, file and flags merged) as YAML.
+    Config(RunArgs),
+}
+
+/// A config file and the flags that override it.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    /// YAML config file (every key optional; defaults train LeNet-5 on data/mnist with 2 ranks).
+    pub config: Option<PathBuf>,
+    /// Directory with the four MNIST-layout IDX files.
+    #[arg(long)]
+    pub data: Option<PathBuf>,
+    /// Output directory (checkpoints, metrics, each rank's run.log).
+    #[arg(long)]
+    pub output: Option<PathBuf>,
+    /// Epochs.
+    #[arg(long)]
+    pub epochs: Option<u32>,
+    /// Number of ranks.
+    #[arg(short = 'n', long = "world-size")]
+    pub world_size: Option<usize>,
+    /// Samples per step on each rank.
+    #[arg(long)]
+    pub batch_size: Option<usize>,
+    /// Learning rate.
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Model: a built-in name (lenet5, mlp) or a spec file.
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Seed of initialisation and shuffling.
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Stop after this many steps.
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Use only the first N training samples.
+    #[arg(long)]
+    pub train_limit: Option<usize>,
+    /// Checkpoint every K steps (0: only at the end).
+    #[arg(long)]
+    pub checkpoint_every: Option<u64>,
+    /// Gradient fusion bucket size in MiB.
+    #[arg(long)]
+    pub bucket_mb: Option<f64>,
+    /// Backend (flex; libtorch with the `libtorch` feature).
+    #[arg(long)]
+    pub device: Option<String>,
+    /// Rendezvous address of rank 0.
+    #[arg(long)]
+    pub master_addr: Option<String>,
+    /// Rendezvous port of rank 0.
+    #[arg(long)]
+    pub master_port: Option<u16>,
+    /// Deadline in seconds of every wait on another rank.
+    #[arg(long)]
+    pub timeout_s: Option<f64>,
+    /// Resume from the newest checkpoint in the output directory.
+    #[arg(long)]
+    pub resume: bool,
+}
+
+/// `flotilla train`.
+#[derive(Debug, Clone, Args)]
+pub struct TrainArgs {
+    /// The config and its overrides.
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// This process's rank (default: $RANK, else assigned by rank 0).
+    #[arg(long)]
+    pub rank: Option<usize>,
+}
+
+/// `flotilla launch`.
+#[derive(Debug, Clone, Args)]
+pub struct LaunchArgs {
+    /// The config and its overrides.
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Threads per rank (sets RAYON_NUM_THREADS in each rank unless already set).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+}
+
+/// `flotilla bench ...`.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Ring all-reduce bandwidth over loopback with N local ranks.
+    Allreduce(BenchAllreduceArgs),
+    /// Samples per second of one training step (forward, backward, optimizer).
+    Step(BenchStepArgs),
+    /// Internal: one rank of `bench allreduce`.
+    #[command(hide = true)]
+    AllreduceWorker(BenchAllreduceArgs),
+}
+
+/// `flotilla bench allreduce`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchAllreduceArgs {
+    /// Numbers of ranks to measure, e.g. `2,4`.
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "2,4")]
+    pub ranks: Vec<usize>,
+    /// Buffer sizes in bytes (suffixes K, M allowed), e.g. `4K,1M,64M`; default 4 KiB to 256 MiB.
+    #[arg(long, value_delimiter = ',')]
+    pub sizes: Vec<String>,
+    /// Timed iterations per size (capped for large sizes).
+    #[arg(long, default_value_t = 20)]
+    pub iters: usize,
+    /// Use bf16 on the wire.
+    #[arg(long)]
+    pub bf16: bool,
+}
+
+/// `flotilla bench step`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchStepArgs {
+    /// Models, e.g. `mlp,lenet5`.
+    #[arg(long, value_delimiter = ',', default_value = "mlp,lenet5")]
+    pub models: Vec<String>,
+    /// Batch sizes.
+    #[arg(long, value_delimiter = ',', default_value = "64,256")]
+    pub batches: Vec<usize>,
+    /// Thread counts.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    pub threads: Vec<usize>,
+    /// Timed steps per case (after 5 warm-up steps).
+    #[arg(long, default_value_t = 30)]
+    pub steps: usize,
+}

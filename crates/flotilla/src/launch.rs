@@ -1,0 +1,233 @@
+//! Starting N local ranks of this binary and supervising them: their output is relayed with a
+//! `[rank i]` prefix, and the first rank to fail stops all the others and is named.
+
+use std::collections::VecDeque;
+use std::ffi::OsString;
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+
+/// Lines of a failed rank's stderr shown in the launcher's error.
+const STDERR_TAIL: usize = 20;
+
+/// Which stream a relayed line came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Standard output.
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+/// A line from a rank.
+#[derive(Debug)]
+pub struct RankLine {
+    /// The rank.
+    pub rank: usize,
+    /// The stream.
+    pub stream: Stream,
+    /// The text, without its newline.
+    pub text: String,
+}
+
+/// A free TCP port on 127.0.0.1 (bound and released; good enough for local jobs).
+pub fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
+    Ok(l.local_addr()?.port())
+}
+
+/// The running ranks of a local job.
+pub struct LocalJob {
+    children: Vec<(usize, Child)>,
+    lines: Receiver<RankLine>,
+    stderr_tails: Vec<VecDeque<String>>,
+}
+
+impl LocalJob {
+    /// Starts `n` copies of this executable with `args`; `env(rank)` gives each its extra
+    /// environment.
+    pub fn spawn(
+        n: usize,
+        args: &[OsString],
+        env: impl Fn(usize) -> Vec<(String, String)>,
+    ) -> Result<Self> {
+        let exe = std::env::current_exe().context("locating the flotilla executable")?;
+        let (tx, rx) = mpsc::channel();
+        let mut job = LocalJob {
+            children: Vec::with_capacity(n),
+            lines: rx,
+            stderr_tails: vec![VecDeque::new(); n],
+        };
+        for rank in 0..n {
+            let mut cmd = Command::new(&exe);
+            cmd.args(args)
+                .stdin(Stdio::null())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in env(rank) {
+                cmd.env(k, v);
+            }
+            let mut child = match cmd.spawn() {
+                Ok(c) => c,
+                Err(e) => {
+                    job.kill_all();
+                    return Err(e).with_context(|| format!("starting rank {rank} ({})", exe.display()));
+                }
+            };
+            if let Some(out) = child.stdout.take() {
+                relay(out, rank, Stream::Stdout, tx.clone());
+            }
+            if let Some(err) = child.stderr.take() {
+                relay(err, rank, Stream::Stderr, tx.clone());
+            }
+            job.children.push((rank, child));
+        }
+        Ok(job)
+    }
+
+    /// Kills every rank still running and reaps them all.
+    pub fn kill_all(&mut self) {
+        for (_, c) in &mut self.children {
+            let _ = c.kill();
+        }
+        for (_, c) in &mut self.children {
+            let _ = c.wait();
+        }
+    }
+
+    /// Relays lines to `on_line` until every rank has exited. The first rank that exits
+    /// unsuccessfully stops the others; the error names it and shows its last stderr lines.
+    /// `deadline` bounds the whole job.
+    pub fn supervise(&mut self, deadline: Option<Duration>, on_line: &mut dyn FnMut(&RankLine)) -> Result<()> {
+        let started = Instant::now();
+        let mut running: Vec<bool> = vec![true; self.children.len()];
+        loop {
+            match self.lines.recv_timeout(Duration::from_millis(50)) {
+                Ok(line) => {
+                    self.remember(&line);
+                    on_line(&line);
+                    continue;
+                }
+                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
+            }
+            let mut failed: Option<(usize, ExitStatus)> = None;
+            for (i, (rank, child)) in self.children.iter_mut().enumerate() {
+                if !running[i] {
+                    continue;
+                }
+                match child.try_wait() {
+                    Ok(Some(status)) => {
+                        running[i] = false;
+                        if !status.success() && failed.is_none() {
+                            failed = Some((*rank, status));
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(e) => {
+                        let rank = *rank;
+                        self.kill_all();
+                        return Err(e).with_context(|| format!("waiting for rank {rank}"));
+                    }
+                }
+            }
+            if let Some((rank, status)) = failed {
+                self.kill_all();
+                self.drain(on_line);
+                let tail: Vec<String> = self.stderr_tails[rank].iter().cloned().collect();
+                bail!(
+                    "rank {rank} failed ({}); stopped the other ranks.\n--- last lines of rank {rank}'s stderr ---\n{}",
+                    describe(status),
+                    tail.join("\n")
+                );
+            }
+            if running.iter().all(|r| !r) {
+                self.drain(on_line);
+                return Ok(());
+            }
+            if let Some(limit) = deadline
+                && started.elapsed() > limit
+            {
+                let alive: Vec<String> = self
+                    .children
+                    .iter()
+                    .zip(&running)
+                    .filter(|(_, r)| **r)
+                    .map(|((rank, _), _)| rank.to_string())
+                    .collect();
+                self.kill_all();
+                bail!("job exceeded its deadline of {limit:?}; ranks still running: {}", alive.join(", "));
+            }
+        }
+    }
+
+    fn remember(&mut self, line: &RankLine) {
+        if line.stream == Stream::Stderr
+            && let Some(tail) = self.stderr_tails.get_mut(line.rank)
+        {
+            if tail.len() == STDERR_TAIL {
+                tail.pop_front();
+            }
+            tail.push_back(line.text.clone());
+        }
+    }
+
+    /// Relays what is left in the pipes of exited ranks (bounded wait).
+    fn drain(&mut self, on_line: &mut dyn FnMut(&RankLine)) {
+        let until = Instant::now() + Duration::from_millis(500);
+        while let Some(left) = until.checked_duration_since(Instant::now()) {
+            match self.lines.recv_timeout(left) {
+                Ok(line) => {
+                    self.remember(&line);
+                    on_line(&line);
+                }
+                Err(_) => break,
+            }
+        }
+    }
+}
+
+impl Drop for LocalJob {
+    fn drop(&mut self) {
+        // Never leave ranks behind, whatever path left the launcher.
+        self.kill_all();
+    }
+}
+
+fn relay<R: Read + Send + 'static>(stream: R, rank: usize, which: Stream, tx: Sender<RankLine>) {
+    thread::spawn(move || {
+        let reader = BufReader::new(stream);
+        for line in reader.split(b'\n') {
+            let Ok(bytes) = line else { break };
+            let text = String::from_utf8_lossy(&bytes).trim_end_matches('\r').to_string();
+            if tx
+                .send(RankLine {
+                    rank,
+                    stream: which,
+                    text,
+                })
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+}
+
+fn describe(status: ExitStatus) -> String {
+    if let Some(code) = status.code() {
+        return format!("exit code {code}");
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::ExitStatusExt;
+        if let Some(sig) = status.signal() {
+            return format!("killed by signal {sig}");
+        }
+    }
+    "abnormal exit".to_string()
+}

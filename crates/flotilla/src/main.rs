@@ -1,0 +1,136 @@
+//! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
+
+mod bench;
+mod cli;
+mod launch;
+mod progress;
+mod settings;
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+
+use cli::{Cli, Command, LaunchArgs, TrainArgs};
+use launch::{LocalJob, Stream};
+use progress::{PROGRESS_ENV, PROGRESS_PREFIX, TrainObserver, parse_progress, step_bar};
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Train(args) => train(&args),
+        Command::Launch(args) => launch(&args),
+        Command::Bench(cmd) => bench::run(cmd),
+        Command::Config(args) => settings::effective_config(&args).and_then(|c| {
+            print!("{}", serde_norway::to_string(&c).context("printing the config")?);
+            Ok(())
+        }),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn train(args: &TrainArgs) -> Result<()> {
+    let mut config = settings::effective_config(&args.run)?;
+    let env_rank = settings::apply_launcher_env(&mut config, &args.run)?;
+    let rank = args.rank.or(env_rank);
+    let mut observer = TrainObserver::new();
+    let result = flotilla_train::run(&config, rank, &mut observer);
+    observer.finish();
+    let summary = result.with_context(|| match rank {
+        Some(r) => format!("rank {r} failed"),
+        None => "training failed".to_string(),
+    })?;
+    if let Some(dir) = &summary.checkpoint {
+        println!("checkpoint: {}", dir.display());
+    }
+    println!("{}", summary.final_line());
+    Ok(())
+}
+
+fn launch(args: &LaunchArgs) -> Result<()> {
+    let mut config = settings::effective_config(&args.run)?;
+    if args.run.master_port.is_none() {
+        config.master_port = launch::free_port()?;
+    }
+    if args.run.master_addr.is_none() {
+        config.master_addr = "127.0.0.1".into();
+    }
+    let spec = config.validate()?;
+    let n = config.world_size;
+    std::fs::create_dir_all(&config.output)
+        .with_context(|| format!("creating {}", config.output.display()))?;
+    let config_path = config.output.join("launch-config.yaml");
+    std::fs::write(&config_path, serde_norway::to_string(&config)?)
+        .with_context(|| format!("writing {}", config_path.display()))?;
+    println!(
+        "launching {n} ranks of {} on {}:{} (output {})",
+        spec.name,
+        config.master_addr,
+        config.master_port,
+        config.output.display()
+    );
+
+    let train_args: Vec<OsString> = vec!["train".into(), config_path.clone().into_os_string()];
+    let threads = args.threads.max(1).to_string();
+    let inherited_threads = std::env::var("RAYON_NUM_THREADS").ok();
+    let mut job = LocalJob::spawn(n, &train_args, |rank| {
+        vec![
+            ("RANK".into(), rank.to_string()),
+            ("WORLD_SIZE".into(), n.to_string()),
+            ("MASTER_ADDR".into(), config.master_addr.clone()),
+            ("MASTER_PORT".into(), config.master_port.to_string()),
+            (
+                "RAYON_NUM_THREADS".into(),
+                inherited_threads.clone().unwrap_or_else(|| threads.clone()),
+            ),
+            (PROGRESS_ENV.into(), "1".into()),
+        ]
+    })?;
+
+    let interactive = std::io::stderr().is_terminal();
+    let mut bar = None;
+    let mut final_line = None;
+    let result = job.supervise(None, &mut |line| {
+        if line.stream == Stream::Stdout {
+            if let Some(rest) = line.text.strip_prefix(PROGRESS_PREFIX) {
+                if line.rank == 0
+                    && interactive
+                    && let Some(p) = parse_progress(rest)
+                {
+                    let b = bar.get_or_insert_with(|| step_bar(p.total));
+                    if let Some(b) = b {
+                        b.set_position(p.step);
+                        b.set_message(format!("epoch {}/{} loss {:.4}", p.epoch, p.epochs, p.loss));
+                    }
+                }
+                return;
+            }
+            if line.rank == 0 && line.text.starts_with("final ") {
+                final_line = Some(line.text.clone());
+            }
+        }
+        let text = format!("[rank {}] {}", line.rank, line.text);
+        match (&bar, line.stream) {
+            (Some(Some(b)), _) => b.println(text),
+            (_, Stream::Stdout) => println!("{text}"),
+            (_, Stream::Stderr) => eprintln!("{text}"),
+        }
+    });
+    if let Some(Some(b)) = bar {
+        b.finish_and_clear();
+    }
+    result?;
+    match final_line {
+        Some(line) => println!("{line}"),
+        None => anyhow::bail!("rank 0 exited without a final line"),
+    }
+    Ok(())
+}

@@ -1,0 +1,347 @@
+//! End-to-end tests: real `flotilla` processes over 127.0.0.1, on the vendored MNIST.
+//!
+//! Every child runs with a deadline and is killed when the test ends (see [`Proc`]).
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
+
+fn repo() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
+fn flotilla() -> Command {
+    let mut c = Command::new(BIN);
+    c.current_dir(repo())
+        .env("RAYON_NUM_THREADS", "1")
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .env_remove("MASTER_ADDR")
+        .env_remove("MASTER_PORT")
+        .env_remove("FLOTILLA_FAULT");
+    c
+}
+
+/// A child process that is killed if still running when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Runs a command to completion within `limit`, killing it past that.
+fn run_with_deadline(mut cmd: Command, limit: Duration) -> Output {
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = Proc(cmd.spawn().expect("spawn flotilla"));
+    let mut out = child.0.stdout.take().expect("stdout");
+    let mut err = child.0.stderr.take().expect("stderr");
+    let t_out = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = out.read_to_end(&mut s);
+        s
+    });
+    let t_err = std::thread::spawn(move || {
+        let mut s = Vec::new();
+        let _ = err.read_to_end(&mut s);
+        s
+    });
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            break status;
+        }
+        if started.elapsed() > limit {
+            let _ = child.0.kill();
+            let _ = child.0.wait();
+            panic!("command did not finish within {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    Output {
+        status,
+        stdout: t_out.join().unwrap_or_default(),
+        stderr: t_err.join().unwrap_or_default(),
+    }
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "--- stdout ---\n{}\n--- stderr ---\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// Runs `flotilla launch` and returns its output, asserting success.
+fn launch(args: &[&str], limit: Duration) -> Output {
+    let mut c = flotilla();
+    c.arg("launch").args(args);
+    let o = run_with_deadline(c, limit);
+    assert!(o.status.success(), "launch {args:?} failed\n{}", text(&o));
+    o
+}
+
+/// Parses `final test_acc=... loss=... steps=... wall_s=...` from the last stdout line.
+fn final_fields(o: &Output) -> BTreeMap<String, f64> {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let last = stdout.lines().last().unwrap_or_default();
+    assert!(last.starts_with("final "), "last line is not the final line: {last:?}\n{}", text(o));
+    last["final ".len()..]
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.parse().expect("number")))
+        .collect()
+}
+
+/// Reads every tensor of the newest checkpoint under `output`.
+fn checkpoint_tensors(output: &Path) -> BTreeMap<String, Vec<f32>> {
+    let root = output.join("checkpoints");
+    let name = std::fs::read_to_string(root.join("latest")).expect("latest");
+    let bytes = std::fs::read(root.join(name.trim()).join("model.safetensors")).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    st.tensors()
+        .into_iter()
+        .map(|(name, view)| {
+            assert_eq!(view.dtype(), safetensors::Dtype::F32);
+            let v = view
+                .data()
+                .chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                .collect();
+            (name, v)
+        })
+        .collect()
+}
+
+fn relative_error(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let (mut diff, mut norm) = (0.0f64, 0.0f64);
+    for (k, va) in a {
+        let vb = &b[k];
+        assert_eq!(va.len(), vb.len(), "{k}");
+        for (x, y) in va.iter().zip(vb) {
+            diff += ((x - y) as f64).powi(2);
+            norm += (*y as f64).powi(2);
+        }
+    }
+    (diff / norm).sqrt()
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::tempdir().expect("tempdir")
+}
+
+#[test]
+fn sync_training_on_n_ranks_equals_one_rank_with_the_global_batch() {
+    let dir = tmp();
+    let run = |n: usize, batch: usize| {
+        let out = dir.path().join(format!("n{n}"));
+        let o = launch(
+            &[
+                "-n",
+                &n.to_string(),
+                "--batch-size",
+                &batch.to_string(),
+                "--max-steps",
+                "50",
+                "--output",
+                out.to_str().expect("utf8"),
+            ],
+            Duration::from_secs(300),
+        );
+        assert_eq!(final_fields(&o)["steps"], 50.0);
+        checkpoint_tensors(&out)
+    };
+    let one = run(1, 32);
+    let two = run(2, 16);
+    let four = run(4, 8);
+    let (e2, e4) = (relative_error(&two, &one), relative_error(&four, &one));
+    assert!(e2 <= 1e-5, "2 ranks vs 1: relative error {e2}");
+    assert!(e4 <= 1e-5, "4 ranks vs 1: relative error {e4}");
+    // And training did move the parameters: a 1-rank run of another seed is far away.
+    let other = {
+        let out = dir.path().join("seed");
+        launch(
+            &["-n", "1", "--batch-size", "32", "--max-steps", "50", "--seed", "7", "--output", out.to_str().expect("utf8")],
+            Duration::from_secs(300),
+        );
+        checkpoint_tensors(&out)
+    };
+    assert!(relative_error(&other, &one) > 1e-2);
+}
+
+#[test]
+fn resume_continues_exactly_where_the_checkpoint_left_off() {
+    let dir = tmp();
+    let straight = dir.path().join("straight");
+    let split = dir.path().join("split");
+    let common = ["-n", "2", "--batch-size", "16"];
+    let mut a: Vec<&str> = common.to_vec();
+    a.extend(["--max-steps", "40", "--output", straight.to_str().expect("utf8")]);
+    launch(&a, Duration::from_secs(300));
+    let mut b: Vec<&str> = common.to_vec();
+    b.extend(["--max-steps", "25", "--checkpoint-every", "10", "--output", split.to_str().expect("utf8")]);
+    launch(&b, Duration::from_secs(300));
+    let mut c: Vec<&str> = common.to_vec();
+    c.extend(["--max-steps", "40", "--resume", "--output", split.to_str().expect("utf8")]);
+    let o = launch(&c, Duration::from_secs(300));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("resuming from"), "{}", text(&o));
+    assert_eq!(final_fields(&o)["steps"], 40.0);
+    let e = relative_error(&checkpoint_tensors(&split), &checkpoint_tensors(&straight));
+    assert!(e == 0.0, "resumed run differs from the uninterrupted one: {e}");
+}
+
+#[test]
+fn a_rank_that_never_joins_is_named_within_the_deadline() {
+    let dir = tmp();
+    let cfg = dir.path().join("c.yaml");
+    std::fs::write(&cfg, "world_size: 3\njoin_timeout_s: 3\ntimeout_s: 3\n").expect("write");
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port().to_string()
+    };
+    let started = Instant::now();
+    let spawn = |rank: &str| {
+        let mut c = flotilla();
+        c.args(["train", cfg.to_str().expect("utf8"), "--rank", rank, "--master-port", &port])
+            .args(["--output", dir.path().join("out").to_str().expect("utf8")]);
+        std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(60)))
+    };
+    let r0 = spawn("0");
+    let r1 = spawn("1");
+    let (o0, o1) = (r0.join().expect("rank 0"), r1.join().expect("rank 1"));
+    assert!(started.elapsed() < Duration::from_secs(30), "took {:?}", started.elapsed());
+    assert!(!o0.status.success() && !o1.status.success());
+    let e0 = String::from_utf8_lossy(&o0.stderr);
+    assert!(e0.contains("2") && e0.contains("never joined"), "rank 0 must name rank 2:\n{}", text(&o0));
+    assert!(!o1.stderr.is_empty(), "rank 1 must fail with an error too:\n{}", text(&o1));
+}
+
+#[test]
+fn a_dead_rank_stops_the_job_and_is_named() {
+    let dir = tmp();
+    let mut c = flotilla();
+    c.args(["launch", "-n", "3", "--batch-size", "16", "--max-steps", "200"])
+        .args(["--output", dir.path().to_str().expect("utf8")])
+        .env("FLOTILLA_FAULT", "rank=2,step=5,action=exit");
+    let o = run_with_deadline(c, Duration::from_secs(120));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("rank 2 failed"), "the launcher must name rank 2:\n{}", text(&o));
+    assert!(err.contains("exit code 3"), "{}", text(&o));
+}
+
+#[test]
+fn a_stuck_rank_is_named_by_the_others_after_the_timeout() {
+    let dir = tmp();
+    let mut c = flotilla();
+    c.args(["launch", "-n", "2", "--batch-size", "16", "--max-steps", "200", "--timeout-s", "3"])
+        .args(["--output", dir.path().to_str().expect("utf8")])
+        .env("FLOTILLA_FAULT", "rank=1,step=5,action=hang");
+    let started = Instant::now();
+    let o = run_with_deadline(c, Duration::from_secs(120));
+    assert!(!o.status.success());
+    assert!(started.elapsed() < Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("rank 0 failed"), "{}", text(&o));
+    assert!(err.contains("rank 1"), "rank 0's error must name rank 1:\n{}", text(&o));
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let dir = tmp();
+    let check = |args: &[&str], want: &[&str]| {
+        let mut c = flotilla();
+        c.args(args);
+        let o = run_with_deadline(c, Duration::from_secs(60));
+        assert!(!o.status.success(), "{args:?} should fail\n{}", text(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        for w in want {
+            assert!(err.contains(w), "{args:?}: error should mention {w:?}\n{}", text(&o));
+        }
+    };
+    let unknown = dir.path().join("unknown.yaml");
+    std::fs::write(&unknown, "epochs: 1\nlearning_rate: 0.1\n").expect("write");
+    check(&["config", unknown.to_str().expect("utf8")], &["unknown.yaml", "learning_rate"]);
+
+    let spec = dir.path().join("bad-model.yaml");
+    std::fs::write(&spec, "input: [1, 28, 28]\nlayers:\n  - conv2d: {out: 4, k: 3}\n  - linear: {out: 10}\n")
+        .expect("write");
+    check(&["launch", "-n", "1", "--model", spec.to_str().expect("utf8")], &["layer 1 (linear)", "flatten"]);
+
+    let empty = dir.path().join("no-data");
+    std::fs::create_dir(&empty).expect("mkdir");
+    let out = dir.path().join("out");
+    check(
+        &["train", "-n", "1", "--data", empty.to_str().expect("utf8"), "--output", out.to_str().expect("utf8")],
+        &["train-images-idx3-ubyte", "no-data"],
+    );
+
+    let corrupt = dir.path().join("corrupt");
+    std::fs::create_dir(&corrupt).expect("mkdir");
+    for f in ["train-images-idx3-ubyte.gz", "train-labels-idx1-ubyte.gz", "t10k-images-idx3-ubyte.gz", "t10k-labels-idx1-ubyte.gz"] {
+        std::fs::copy(repo().join("data/mnist").join(f), corrupt.join(f)).expect("copy");
+    }
+    std::fs::write(corrupt.join("t10k-labels-idx1-ubyte.gz"), [0u8, 0, 8, 3, 0, 0, 0, 1]).expect("write");
+    check(
+        &["train", "-n", "1", "--data", corrupt.to_str().expect("utf8"), "--output", out.to_str().expect("utf8")],
+        &["t10k-labels-idx1-ubyte", "magic"],
+    );
+}
+
+#[test]
+fn checkpoint_loads_in_python_safetensors_with_pytorch_shapes() {
+    let dir = tmp();
+    let out = dir.path().join("run");
+    launch(
+        &["-n", "2", "--max-steps", "5", "--output", out.to_str().expect("utf8")],
+        Duration::from_secs(120),
+    );
+    let root = out.join("checkpoints");
+    let name = std::fs::read_to_string(root.join("latest")).expect("latest");
+    let ckpt = root.join(name.trim()).join("model.safetensors");
+    let probe = Command::new("python3")
+        .args(["-c", "import safetensors.numpy, numpy"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI must have python3 with safetensors and numpy (see .ci/run)"
+        );
+        eprintln!("SKIPPED: python3 with safetensors+numpy not installed (pip install safetensors numpy)");
+        return;
+    }
+    let mut c = Command::new("python3");
+    c.arg(repo().join("scripts/check_checkpoint.py")).arg(&ckpt).args(["--model", "lenet5"]);
+    let o = run_with_deadline(c, Duration::from_secs(60));
+    assert!(o.status.success(), "python check failed\n{}", text(&o));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("OK 10 tensors"), "{}", text(&o));
+}
+
+#[test]
+fn lenet5_default_job_reaches_99_percent() {
+    let dir = tmp();
+    let out = dir.path().join("lenet");
+    let o = launch(&["--output", out.to_str().expect("utf8")], Duration::from_secs(900));
+    let f = final_fields(&o);
+    assert!(f["test_acc"] >= 0.99, "LeNet-5 test accuracy {} < 0.99\n{}", f["test_acc"], text(&o));
+}
+
+#[test]
+fn mlp_reaches_97_5_percent() {
+    let dir = tmp();
+    let out = dir.path().join("mlp");
+    let o = launch(
+        &["examples/mnist-mlp.yaml", "--output", out.to_str().expect("utf8")],
+        Duration::from_secs(900),
+    );
+    let f = final_fields(&o);
+    assert!(f["test_acc"] >= 0.975, "MLP test accuracy {} < 0.975\n{}", f["test_acc"], text(&o));
+}
