@@ -175,10 +175,17 @@ impl BurnEngine {
         Ok(n)
     }
 
-    fn logits(&self, model: &SequentialModel, images: &[f32], n: usize, device: &Device) -> Tensor<2> {
+    fn logits(
+        &self,
+        model: &SequentialModel,
+        images: &[f32],
+        n: usize,
+        device: &Device,
+    ) -> Tensor<2> {
         match self.input {
             Shape::Image { c, h, w } => {
-                let x = Tensor::<4>::from_data(TensorData::new(images.to_vec(), [n, c, h, w]), device);
+                let x =
+                    Tensor::<4>::from_data(TensorData::new(images.to_vec(), [n, c, h, w]), device);
                 model.forward(x)
             }
             Shape::Flat(f) => {
@@ -261,7 +268,11 @@ impl Engine for BurnEngine {
             let logits = self.logits(&model, &images[start * per..end * per], count, device);
             let targets = labels_tensor(&labels[start..end], device);
             let predicted = logits.clone().argmax(1).reshape([count]);
-            let correct = predicted.equal(targets.clone()).int().sum().into_scalar::<i64>();
+            let correct = predicted
+                .equal(targets.clone())
+                .int()
+                .sum()
+                .into_scalar::<i64>();
             let loss = loss_fn.forward(logits, targets).into_scalar::<f32>();
             stats.correct += correct as usize;
             stats.loss_sum += loss as f64 * count as f64;

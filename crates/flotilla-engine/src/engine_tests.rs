@@ -72,7 +72,11 @@ fn layout_is_pytorch_named_and_ordered() {
         ]
     );
     assert_eq!(l.params[0].shape, vec![6, 1, 5, 5]);
-    assert_eq!(l.params[4].shape, vec![400, 120], "burn keeps linear weights as [in, out]");
+    assert_eq!(
+        l.params[4].shape,
+        vec![400, 120],
+        "burn keeps linear weights as [in, out]"
+    );
     assert_eq!(l.total, 61_706);
     let mlp = engine("mlp", 1, &sgd(0.1, 0.0));
     assert_eq!(mlp.num_params(), 235_146);
@@ -116,9 +120,15 @@ fn sgd_step_is_p_minus_lr_g() {
     let after = params(&e);
     for i in 0..before.len() {
         let want = before[i] - 0.5 * g[i];
-        assert!((after[i] - want).abs() <= 1e-6 * (1.0 + want.abs()), "param {i}");
+        assert!(
+            (after[i] - want).abs() <= 1e-6 * (1.0 + want.abs()),
+            "param {i}"
+        );
     }
-    assert!(e.for_each_grad(&mut |_, _| Ok(())).is_err(), "gradients are consumed by a step");
+    assert!(
+        e.for_each_grad(&mut |_, _| Ok(())).is_err(),
+        "gradients are consumed by a step"
+    );
 }
 
 #[test]
@@ -139,7 +149,10 @@ fn gradients_match_finite_differences() {
         let (k, _) = g[info.offset..info.offset + info.len]
             .iter()
             .enumerate()
-            .fold((0, 0.0f32), |m, (k, v)| if v.abs() > m.1 { (k, v.abs()) } else { m });
+            .fold(
+                (0, 0.0f32),
+                |m, (k, v)| if v.abs() > m.1 { (k, v.abs()) } else { m },
+            );
         let i = info.offset + k;
         let h = 1e-2f32;
         let mut q = p.clone();

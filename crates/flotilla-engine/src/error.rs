@@ -41,7 +41,9 @@ pub enum EngineError {
     #[error("no gradients: call forward_backward before reading or applying gradients")]
     NoGradients,
     /// The requested device is not compiled into this build.
-    #[error("device `{0}` is not available in this build (known: flex; libtorch with the `libtorch` feature)")]
+    #[error(
+        "device `{0}` is not available in this build (known: flex; libtorch with the `libtorch` feature)"
+    )]
     UnknownDevice(String),
     /// An optimizer setting that is out of range.
     #[error("optimizer: {0}")]

@@ -3,7 +3,9 @@
 use burn::module::Module;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::pool::{AvgPool2d, AvgPool2dConfig, MaxPool2d, MaxPool2dConfig};
-use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu, Sigmoid, Tanh};
+use burn::nn::{
+    Dropout, DropoutConfig, Linear, LinearConfig, PaddingConfig2d, Relu, Sigmoid, Tanh,
+};
 use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
@@ -91,7 +93,9 @@ impl SequentialModel {
                 (Layer::Dropout(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
                 // Shape inference at load time rules these out: a linear layer always follows
                 // a flatten, an image layer never follows one.
-                (Layer::Linear(m), Activation::Image(t)) => Activation::Flat(m.forward(t.flatten(1, 3))),
+                (Layer::Linear(m), Activation::Image(t)) => {
+                    Activation::Flat(m.forward(t.flatten(1, 3)))
+                }
                 (_, Activation::Flat(t)) => Activation::Flat(t),
             };
         }
@@ -130,7 +134,9 @@ fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer
             Layer::Conv2d(
                 Conv2dConfig::new([c, out], [k, k])
                     .with_stride([stride, stride])
-                    .with_padding(PaddingConfig2d::Explicit(padding, padding, padding, padding))
+                    .with_padding(PaddingConfig2d::Explicit(
+                        padding, padding, padding, padding,
+                    ))
                     .with_bias(bias)
                     .init(device),
             )

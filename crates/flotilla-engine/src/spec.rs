@@ -155,11 +155,10 @@ pub const BUILTIN_SPECS: &[(&str, &str)] = &[
 impl ModelSpec {
     /// Parses a spec from YAML text; `source_name` names it in errors.
     pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
-        let spec: ModelSpec =
-            serde_norway::from_str(text).map_err(|e| EngineError::SpecParse {
-                source_name: source_name.to_string(),
-                message: e.to_string(),
-            })?;
+        let spec: ModelSpec = serde_norway::from_str(text).map_err(|e| EngineError::SpecParse {
+            source_name: source_name.to_string(),
+            message: e.to_string(),
+        })?;
         spec.output_shape()?;
         Ok(spec)
     }
@@ -351,7 +350,9 @@ mod tests {
     #[test]
     fn linear_on_image_names_the_layer() {
         let text = "input: [1, 28, 28]\nlayers:\n  - conv2d: {out: 4, k: 3}\n  - relu\n  - linear: {out: 10}\n";
-        let e = ModelSpec::from_yaml(text, "t").expect_err("must fail").to_string();
+        let e = ModelSpec::from_yaml(text, "t")
+            .expect_err("must fail")
+            .to_string();
         assert!(e.contains("layer 2 (linear)"), "{e}");
         assert!(e.contains("add `- flatten`"), "{e}");
     }
@@ -359,8 +360,13 @@ mod tests {
     #[test]
     fn kernel_too_big_is_clear() {
         let text = "input: [1, 4, 4]\nlayers:\n  - conv2d: {out: 4, k: 5}\n  - flatten\n  - linear: {out: 2}\n";
-        let e = ModelSpec::from_yaml(text, "t").expect_err("must fail").to_string();
-        assert!(e.contains("layer 0 (conv2d)") && e.contains("larger"), "{e}");
+        let e = ModelSpec::from_yaml(text, "t")
+            .expect_err("must fail")
+            .to_string();
+        assert!(
+            e.contains("layer 0 (conv2d)") && e.contains("larger"),
+            "{e}"
+        );
     }
 
     #[test]
@@ -369,9 +375,12 @@ mod tests {
             .expect_err("unknown kind")
             .to_string();
         assert!(e.contains("f.yaml") && e.contains("convolution"), "{e}");
-        let e = ModelSpec::from_yaml("input: [4]\nlayers:\n  - linear: {out: 3, kernel: 2}\n", "f")
-            .expect_err("unknown key")
-            .to_string();
+        let e = ModelSpec::from_yaml(
+            "input: [4]\nlayers:\n  - linear: {out: 3, kernel: 2}\n",
+            "f",
+        )
+        .expect_err("unknown key")
+        .to_string();
         assert!(e.contains("kernel"), "{e}");
         let e = ModelSpec::from_yaml("input: [4]\nlayer:\n  - relu\n", "f")
             .expect_err("unknown top key")
@@ -386,7 +395,10 @@ mod tests {
             .to_string();
         assert!(e.contains("flat class logits"), "{e}");
         let spec = ModelSpec::builtin("mlp").expect("mlp");
-        let e = spec.check_io(&[1, 28, 28], 7).expect_err("classes").to_string();
+        let e = spec
+            .check_io(&[1, 28, 28], 7)
+            .expect_err("classes")
+            .to_string();
         assert!(e.contains("10 outputs") && e.contains("7 classes"), "{e}");
     }
 }

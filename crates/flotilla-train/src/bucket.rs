@@ -86,7 +86,10 @@ mod tests {
             .iter()
             .map(|b| (b.start, b.end, b.last_param))
             .collect();
-        assert_eq!(ranges, vec![(0, 30, 1), (30, 35, 2), (35, 135, 3), (135, 137, 5)]);
+        assert_eq!(
+            ranges,
+            vec![(0, 30, 1), (30, 35, 2), (35, 135, 3), (135, 137, 5)]
+        );
         let one = BucketPlan::new(&l, 1 << 30);
         assert_eq!(one.buckets.len(), 1);
         assert_eq!(one.buckets[0].len(), l.total);

@@ -123,7 +123,10 @@ pub fn latest(output: &Path) -> Result<Option<PathBuf>> {
         Err(e) => return Err(TrainError::io(&pointer, e)),
     };
     if name.is_empty() || name.contains('/') || name.contains("..") {
-        return Err(ck_err(&pointer, format!("names an invalid checkpoint {name:?}")));
+        return Err(ck_err(
+            &pointer,
+            format!("names an invalid checkpoint {name:?}"),
+        ));
     }
     let dir = root.join(&name);
     if !dir.join("state.json").is_file() {

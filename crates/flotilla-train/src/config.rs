@@ -174,11 +174,20 @@ impl TrainConfig {
             return Err(bad("world_size", "must be at least 1".into()));
         }
         if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
-            return Err(bad("bucket_mb", format!("must be positive, got {}", self.bucket_mb)));
+            return Err(bad(
+                "bucket_mb",
+                format!("must be positive, got {}", self.bucket_mb),
+            ));
         }
-        for (key, v) in [("timeout_s", self.timeout_s), ("join_timeout_s", self.join_timeout_s)] {
+        for (key, v) in [
+            ("timeout_s", self.timeout_s),
+            ("join_timeout_s", self.join_timeout_s),
+        ] {
             if !(v.is_finite() && v > 0.0) {
-                return Err(bad(key, format!("must be a positive number of seconds, got {v}")));
+                return Err(bad(
+                    key,
+                    format!("must be a positive number of seconds, got {v}"),
+                ));
             }
         }
         if self.train_limit == Some(0) {
@@ -227,7 +236,9 @@ impl TrainConfig {
             timeout: Duration::from_secs_f64(self.timeout_s),
             join_timeout: Duration::from_secs_f64(self.join_timeout_s),
             config_hash: hash,
-            token: std::env::var("FLOTILLA_TOKEN").ok().filter(|t| !t.is_empty()),
+            token: std::env::var("FLOTILLA_TOKEN")
+                .ok()
+                .filter(|t| !t.is_empty()),
             compression: match self.compression {
                 CompressionSetting::None => Compression::None,
                 CompressionSetting::Lz4 => Compression::Lz4,
@@ -276,8 +287,15 @@ mod tests {
         let c = TrainConfig::from_yaml("optimizer: {name: sgd, lr: -1}\n", "r").expect("parse");
         assert!(c.validate().expect_err("lr").to_string().contains("lr"));
         let c = TrainConfig::from_yaml("device: tpu\n", "r").expect("parse");
-        assert!(c.validate().expect_err("device").to_string().contains("tpu"));
-        let e = TrainConfig::from_yaml("epochs: many\n", "r").expect_err("type").to_string();
+        assert!(
+            c.validate()
+                .expect_err("device")
+                .to_string()
+                .contains("tpu")
+        );
+        let e = TrainConfig::from_yaml("epochs: many\n", "r")
+            .expect_err("type")
+            .to_string();
         assert!(e.contains("epochs"), "{e}");
     }
 
@@ -296,7 +314,9 @@ mod tests {
     #[test]
     fn shipped_examples_parse() {
         for name in ["mnist-lenet5.yaml", "mnist-mlp.yaml"] {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples").join(name);
+            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../../examples")
+                .join(name);
             let c = TrainConfig::load(&path).expect("example parses");
             c.validate().expect("example is valid");
         }

@@ -87,7 +87,11 @@ impl RunSummary {
 
 /// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
 /// rendezvous).
-pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observer) -> Result<RunSummary> {
+pub fn run(
+    config: &TrainConfig,
+    rank: Option<usize>,
+    observer: &mut dyn Observer,
+) -> Result<RunSummary> {
     let started = Instant::now();
     let spec = config.validate()?;
     let hash = config.cluster_hash(&spec);
@@ -112,7 +116,10 @@ pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observe
     if let Some(limit) = config.train_limit {
         train.truncate(limit.min(train.len()));
     }
-    spec.check_io(&[1, train.rows(), train.cols()], train.num_classes().max(10))?;
+    spec.check_io(
+        &[1, train.rows(), train.cols()],
+        train.num_classes().max(10),
+    )?;
 
     let mut engine = BurnEngine::new(&spec, &config.optimizer, &config.device, config.seed)?;
     let mut strategy = SyncAllReduce::new(comm.clone(), engine.layout(), config.bucket_bytes());
@@ -124,9 +131,20 @@ pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observe
             Some(dir) => {
                 let state = checkpoint::load(&dir, &mut engine)?;
                 if state.config_hash != hash {
-                    say(&mut log, observer, format!("warning: {} was written by a run with another config", dir.display()))?;
+                    say(
+                        &mut log,
+                        observer,
+                        format!(
+                            "warning: {} was written by a run with another config",
+                            dir.display()
+                        ),
+                    )?;
                 }
-                say(&mut log, observer, format!("resuming from {} (step {})", dir.display(), state.step))?;
+                say(
+                    &mut log,
+                    observer,
+                    format!("resuming from {} (step {})", dir.display(), state.step),
+                )?;
                 serde_json::to_vec(&state).map_err(|e| TrainError::Checkpoint {
                     path: dir.clone(),
                     message: e.to_string(),
@@ -141,10 +159,12 @@ pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observe
     let resumed: Option<CheckpointState> = if resume_state.is_empty() {
         None
     } else {
-        Some(serde_json::from_slice(&resume_state).map_err(|e| TrainError::Checkpoint {
-            path: config.output.clone(),
-            message: format!("resume state from rank 0: {e}"),
-        })?)
+        Some(
+            serde_json::from_slice(&resume_state).map_err(|e| TrainError::Checkpoint {
+                path: config.output.clone(),
+                message: format!("resume state from rank 0: {e}"),
+            })?,
+        )
     };
     strategy.synchronize_initial_state(&mut engine)?;
 
@@ -260,13 +280,19 @@ pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observe
         }
         skip = 0;
         let epoch_s = epoch_started.elapsed().as_secs_f64();
-        train_loss = if loss_count > 0 { loss_sum / loss_count as f64 } else { f64::NAN };
+        train_loss = if loss_count > 0 {
+            loss_sum / loss_count as f64
+        } else {
+            f64::NAN
+        };
         let last_epoch = epoch + 1 == epochs || step >= total_steps;
-        let eval_now = last_epoch || (config.eval_every > 0 && (epoch + 1) % config.eval_every == 0);
+        let eval_now =
+            last_epoch || (config.eval_every > 0 && (epoch + 1) % config.eval_every == 0);
         if eval_now {
             last_eval = Some(evaluate(&engine, &comm, &test)?);
         }
-        let samples_per_s = (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
+        let samples_per_s =
+            (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
         let metrics = EpochMetrics {
             epoch: epoch + 1,
             step,
@@ -328,7 +354,11 @@ pub fn run(config: &TrainConfig, rank: Option<usize>, observer: &mut dyn Observe
         param_hash,
         checkpoint,
     };
-    say(&mut log, observer, format!("parameters identical on all {world} ranks (xxh3 {param_hash:016x})"))?;
+    say(
+        &mut log,
+        observer,
+        format!("parameters identical on all {world} ranks (xxh3 {param_hash:016x})"),
+    )?;
     log.line(&summary.final_line())?;
     Ok(summary)
 }
@@ -384,7 +414,11 @@ fn evaluate(engine: &dyn Engine, comm: &Communicator, test: &ImageDataset) -> Re
     } else {
         engine.evaluate(&images, &labels, 1000)?
     };
-    let mut sums = [local.loss_sum as f32, local.correct as f32, local.count as f32];
+    let mut sums = [
+        local.loss_sum as f32,
+        local.correct as f32,
+        local.count as f32,
+    ];
     comm.all_reduce_sum(&mut sums)?;
     Ok(EvalStats {
         loss_sum: sums[0] as f64,

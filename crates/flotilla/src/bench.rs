@@ -107,7 +107,12 @@ fn allreduce(args: &BenchAllreduceArgs) -> Result<()> {
             "--iters".into(),
             args.iters.to_string().into(),
             "--sizes".into(),
-            sizes.iter().map(|s| s.to_string()).collect::<Vec<_>>().join(",").into(),
+            sizes
+                .iter()
+                .map(|s| s.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+                .into(),
         ];
         if args.bf16 {
             worker_args.push("--bf16".into());
@@ -179,7 +184,9 @@ fn allreduce_worker(args: &BenchAllreduceArgs) -> Result<()> {
 
 /// A deterministic batch of `n` MNIST-shaped samples.
 fn synthetic_batch(n: usize) -> (Vec<f32>, Vec<i64>) {
-    let images = (0..n * 784).map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5).collect();
+    let images = (0..n * 784)
+        .map(|i| ((i * 7919) % 255) as f32 / 255.0 - 0.5)
+        .collect();
     let labels = (0..n).map(|i| (i % 10) as i64).collect();
     (images, labels)
 }
@@ -232,7 +239,12 @@ fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> O
     let out = Command::new("python3")
         .arg(&script)
         .args(["--model", model, "--batch", &batch.to_string()])
-        .args(["--threads", &threads.to_string(), "--steps", &steps.to_string()])
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--steps",
+            &steps.to_string(),
+        ])
         .output()
         .ok()?;
     if !out.status.success() {
@@ -246,7 +258,9 @@ fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> O
 
 fn step(args: &BenchStepArgs) -> Result<()> {
     println!("# flotilla bench step: samples/s of one training step (SGD), burn flex backend");
-    println!("# reference: PyTorch CPU (scripts/bench_torch_step.py) measured in the same run, when torch is installed");
+    println!(
+        "# reference: PyTorch CPU (scripts/bench_torch_step.py) measured in the same run, when torch is installed"
+    );
     println!(
         "{:>8} {:>6} {:>8} {:>14} {:>14} {:>10}",
         "model", "batch", "threads", "flotilla/s", "pytorch/s", "ratio"

@@ -6,7 +6,7 @@ use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -14,6 +14,12 @@ use anyhow::{Context, Result, bail};
 
 /// Lines of a failed rank's stderr shown in the launcher's error.
 const STDERR_TAIL: usize = 20;
+
+/// How long the other ranks may keep reporting after the first failure is seen.
+const FAILURE_GRACE: Duration = Duration::from_millis(1500);
+
+/// Prefix of the line a failing rank prints to name the rank it blames.
+pub const FAILED_PREFIX: &str = "@failed blamed=";
 
 /// Which stream a relayed line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,6 +52,7 @@ pub struct LocalJob {
     children: Vec<(usize, Child)>,
     lines: Receiver<RankLine>,
     stderr_tails: Vec<VecDeque<String>>,
+    blamed: Vec<Option<usize>>,
 }
 
 impl LocalJob {
@@ -62,6 +69,7 @@ impl LocalJob {
             children: Vec::with_capacity(n),
             lines: rx,
             stderr_tails: vec![VecDeque::new(); n],
+            blamed: vec![None; n],
         };
         for rank in 0..n {
             let mut cmd = Command::new(&exe);
@@ -76,7 +84,8 @@ impl LocalJob {
                 Ok(c) => c,
                 Err(e) => {
                     job.kill_all();
-                    return Err(e).with_context(|| format!("starting rank {rank} ({})", exe.display()));
+                    return Err(e)
+                        .with_context(|| format!("starting rank {rank} ({})", exe.display()));
                 }
             };
             if let Some(out) = child.stdout.take() {
@@ -100,31 +109,40 @@ impl LocalJob {
         }
     }
 
-    /// Relays lines to `on_line` until every rank has exited. The first rank that exits
-    /// unsuccessfully stops the others; the error names it and shows its last stderr lines.
+    /// Relays lines to `on_line` until every rank has exited. When a rank fails, the others
+    /// get a short grace period to report what they saw, then all are stopped; the error names
+    /// the root cause: following each failed rank's `@failed blamed=R` line to the rank it
+    /// blames (a rank that died, or one still running but stuck), and shows its stderr.
     /// `deadline` bounds the whole job.
-    pub fn supervise(&mut self, deadline: Option<Duration>, on_line: &mut dyn FnMut(&RankLine)) -> Result<()> {
+    pub fn supervise(
+        &mut self,
+        deadline: Option<Duration>,
+        on_line: &mut dyn FnMut(&RankLine),
+    ) -> Result<()> {
         let started = Instant::now();
-        let mut running: Vec<bool> = vec![true; self.children.len()];
+        let n = self.children.len();
+        let mut status: Vec<Option<ExitStatus>> = vec![None; n];
+        let mut first_failure: Option<usize> = None;
+        let mut grace_until: Option<Instant> = None;
         loop {
-            match self.lines.recv_timeout(Duration::from_millis(50)) {
-                Ok(line) => {
+            if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(20)) {
+                self.remember(&line);
+                on_line(&line);
+                while let Ok(line) = self.lines.try_recv() {
                     self.remember(&line);
                     on_line(&line);
-                    continue;
                 }
-                Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => {}
             }
-            let mut failed: Option<(usize, ExitStatus)> = None;
             for (i, (rank, child)) in self.children.iter_mut().enumerate() {
-                if !running[i] {
+                if status[i].is_some() {
                     continue;
                 }
                 match child.try_wait() {
-                    Ok(Some(status)) => {
-                        running[i] = false;
-                        if !status.success() && failed.is_none() {
-                            failed = Some((*rank, status));
+                    Ok(Some(s)) => {
+                        status[i] = Some(s);
+                        if !s.success() && first_failure.is_none() {
+                            first_failure = Some(i);
+                            grace_until = Some(Instant::now() + FAILURE_GRACE);
                         }
                     }
                     Ok(None) => {}
@@ -135,37 +153,76 @@ impl LocalJob {
                     }
                 }
             }
-            if let Some((rank, status)) = failed {
+            let all_done = status.iter().all(Option::is_some);
+            if let Some(first) = first_failure
+                && (all_done || grace_until.is_some_and(|t| Instant::now() >= t))
+            {
                 self.kill_all();
                 self.drain(on_line);
-                let tail: Vec<String> = self.stderr_tails[rank].iter().cloned().collect();
-                bail!(
-                    "rank {rank} failed ({}); stopped the other ranks.\n--- last lines of rank {rank}'s stderr ---\n{}",
-                    describe(status),
-                    tail.join("\n")
-                );
+                return Err(self.failure_report(first, &status));
             }
-            if running.iter().all(|r| !r) {
+            if all_done {
                 self.drain(on_line);
                 return Ok(());
             }
             if let Some(limit) = deadline
                 && started.elapsed() > limit
             {
-                let alive: Vec<String> = self
-                    .children
-                    .iter()
-                    .zip(&running)
-                    .filter(|(_, r)| **r)
-                    .map(|((rank, _), _)| rank.to_string())
+                let alive: Vec<String> = (0..n)
+                    .filter(|i| status[*i].is_none())
+                    .map(|i| i.to_string())
                     .collect();
                 self.kill_all();
-                bail!("job exceeded its deadline of {limit:?}; ranks still running: {}", alive.join(", "));
+                bail!(
+                    "job exceeded its deadline of {limit:?}; ranks still running: {}",
+                    alive.join(", ")
+                );
             }
         }
     }
 
+    /// Builds the error of a failed job, starting from the first rank seen failing and
+    /// following blame to the root cause.
+    fn failure_report(&self, first: usize, status: &[Option<ExitStatus>]) -> anyhow::Error {
+        let mut root = first;
+        for _ in 0..status.len() {
+            match self.blamed.get(root).copied().flatten() {
+                Some(b) if b != root && b < status.len() => root = b,
+                _ => break,
+            }
+        }
+        let tail = |r: usize| {
+            self.stderr_tails[r]
+                .iter()
+                .cloned()
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        let what = match status[root] {
+            Some(s) if !s.success() => format!("rank {root} failed ({})", describe(s)),
+            Some(_) => format!("rank {root} exited early"),
+            None => {
+                format!("rank {root} stopped responding (still running when the others gave up)")
+            }
+        };
+        let mut msg = format!("{what}; stopped all ranks.");
+        if root != first {
+            msg.push_str(&format!("\n--- rank {first} reported ---\n{}", tail(first)));
+        }
+        msg.push_str(&format!(
+            "\n--- last lines of rank {root}'s stderr ---\n{}",
+            tail(root)
+        ));
+        anyhow::anyhow!(msg)
+    }
+
     fn remember(&mut self, line: &RankLine) {
+        if line.stream == Stream::Stdout
+            && let Some(rest) = line.text.strip_prefix(FAILED_PREFIX)
+            && let Some(slot) = self.blamed.get_mut(line.rank)
+        {
+            *slot = rest.trim().parse().ok();
+        }
         if line.stream == Stream::Stderr
             && let Some(tail) = self.stderr_tails.get_mut(line.rank)
         {
@@ -203,7 +260,9 @@ fn relay<R: Read + Send + 'static>(stream: R, rank: usize, which: Stream, tx: Se
         let reader = BufReader::new(stream);
         for line in reader.split(b'\n') {
             let Ok(bytes) = line else { break };
-            let text = String::from_utf8_lossy(&bytes).trim_end_matches('\r').to_string();
+            let text = String::from_utf8_lossy(&bytes)
+                .trim_end_matches('\r')
+                .to_string();
             if tx
                 .send(RankLine {
                     rank,

@@ -24,7 +24,10 @@ fn main() -> ExitCode {
         Command::Launch(args) => launch(&args),
         Command::Bench(cmd) => bench::run(cmd),
         Command::Config(args) => settings::effective_config(&args).and_then(|c| {
-            print!("{}", serde_norway::to_string(&c).context("printing the config")?);
+            print!(
+                "{}",
+                serde_norway::to_string(&c).context("printing the config")?
+            );
             Ok(())
         }),
     };
@@ -44,6 +47,12 @@ fn train(args: &TrainArgs) -> Result<()> {
     let mut observer = TrainObserver::new();
     let result = flotilla_train::run(&config, rank, &mut observer);
     observer.finish();
+    if let Err(flotilla_train::TrainError::Comm(e)) = &result
+        && let Some(blamed) = e.blamed_rank()
+    {
+        // Tells a supervising launcher which rank this failure points at.
+        println!("{}{blamed}", launch::FAILED_PREFIX);
+    }
     let summary = result.with_context(|| match rank {
         Some(r) => format!("rank {r} failed"),
         None => "training failed".to_string(),
@@ -100,6 +109,9 @@ fn launch(args: &LaunchArgs) -> Result<()> {
     let mut final_line = None;
     let result = job.supervise(None, &mut |line| {
         if line.stream == Stream::Stdout {
+            if line.text.starts_with(launch::FAILED_PREFIX) {
+                return;
+            }
             if let Some(rest) = line.text.strip_prefix(PROGRESS_PREFIX) {
                 if line.rank == 0
                     && interactive

@@ -85,7 +85,12 @@ impl Observer for TrainObserver {
         }
         if let Some(bar) = &self.bar {
             bar.set_position(e.step);
-            bar.set_message(format!("epoch {}/{} loss {:.4}", e.epoch + 1, e.epochs, e.loss));
+            bar.set_message(format!(
+                "epoch {}/{} loss {:.4}",
+                e.epoch + 1,
+                e.epochs,
+                e.loss
+            ));
         }
     }
 

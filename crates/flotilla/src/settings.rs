@@ -97,7 +97,12 @@ fn env_parse<T: std::str::FromStr>(names: &[&str]) -> Result<Option<T>> {
 pub fn apply_launcher_env(c: &mut TrainConfig, args: &RunArgs) -> Result<Option<usize>> {
     let rank = env_parse::<usize>(&["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"])?;
     if args.world_size.is_none()
-        && let Some(n) = env_parse::<usize>(&["WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS"])?
+        && let Some(n) = env_parse::<usize>(&[
+            "WORLD_SIZE",
+            "OMPI_COMM_WORLD_SIZE",
+            "PMI_SIZE",
+            "SLURM_NTASKS",
+        ])?
     {
         c.world_size = n;
     }
