@@ -199,7 +199,7 @@ impl Communicator {
     /// Blocks until every rank reached the barrier.
     pub fn barrier(&self) -> Result<(), CommError> {
         let inner = &self.inner;
-        let ticket = inner.ticket();
+        let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = inner.begin(ticket).await?;
             let r = collectives::barrier(&inner.ctx(ticket, Op::Barrier)).await;
@@ -210,7 +210,7 @@ impl Communicator {
     /// Copies `root`'s buffer into every rank's `buf` (all ranks must pass the same length).
     pub fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         let inner = &self.inner;
-        let ticket = inner.ticket();
+        let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = inner.begin(ticket).await?;
             let r = collectives::broadcast_f32(&inner.ctx(ticket, Op::Broadcast), buf, root).await;
@@ -221,7 +221,7 @@ impl Communicator {
     /// Replaces every rank's `buf` with `root`'s bytes (lengths may differ before the call).
     pub fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
         let inner = &self.inner;
-        let ticket = inner.ticket();
+        let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = inner.begin(ticket).await?;
             let r =
@@ -233,7 +233,7 @@ impl Communicator {
     /// Gathers one `u64` from every rank; element `i` of the result is rank `i`'s value.
     pub fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>, CommError> {
         let inner = &self.inner;
-        let ticket = inner.ticket();
+        let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = inner.begin(ticket).await?;
             let r = collectives::all_gather_u64(&inner.ctx(ticket, Op::AllGather), v).await;
@@ -246,7 +246,7 @@ impl Communicator {
     /// but all ranks end with bit-identical results.
     pub fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let inner = &self.inner;
-        let ticket = inner.ticket();
+        let ticket = self.issue()?;
         self.run_scoped(inner.all_reduce_ordered(ticket, buf))
     }
 
@@ -304,6 +304,19 @@ impl Communicator {
 }
 
 impl Communicator {
+    /// Takes the sequence number of a blocking collective. Fails (without consuming a
+    /// sequence number, which would stall every later collective) when blocking is not
+    /// possible on this thread.
+    fn issue(&self) -> Result<u64, CommError> {
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(CommError::InvalidArgument(
+                "blocking Communicator methods cannot be called from inside an async runtime"
+                    .into(),
+            ));
+        }
+        Ok(self.inner.ticket())
+    }
+
     /// Runs `fut` on the communicator's runtime and blocks the calling thread until it has
     /// finished. `fut` may borrow from the caller (e.g. the `&mut [f32]` being reduced).
     ///

@@ -147,6 +147,8 @@ async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommErr
     let mut slots: Vec<Option<Member>> = (0..n).map(|_| None).collect();
     let mut anon: Vec<Member> = Vec::new();
     let (tx, mut rx) = mpsc::unbounded_channel::<Arrival>();
+    // Accepted connections whose join request is still being read.
+    let mut in_flight = 0usize;
 
     let failure: Option<(CommError, RendezvousError)> = loop {
         if slots.iter().flatten().count() + anon.len() >= n - 1 {
@@ -155,6 +157,7 @@ async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommErr
         tokio::select! {
             acc = listener.accept() => match acc {
                 Ok((stream, addr)) => {
+                    in_flight += 1;
                     let _ = stream.set_nodelay(true);
                     let (tx, max, t) = (tx.clone(), cfg.max_frame_bytes, cfg.timeout);
                     tokio::spawn(async move {
@@ -174,7 +177,7 @@ async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommErr
                     sleep(Duration::from_millis(20)).await;
                 }
             },
-            Some((mut stream, addr, res)) = rx.recv() => match res {
+            Some((mut stream, addr, res)) = rx.recv() => { in_flight -= 1; match res {
                 Err(None) => tracing::debug!(%addr, "connection closed or silent before joining; ignored"),
                 Err(Some(e)) => {
                     let re = RendezvousError::MasterFailed { reason: e.to_string() };
@@ -221,7 +224,7 @@ async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommErr
                     let re = RendezvousError::MasterFailed { reason: e.to_string() };
                     break Some((e, re));
                 }
-            },
+            }},
             _ = sleep_until(join_deadline) => {
                 let missing: Vec<String> = slots.iter().enumerate().skip(1)
                     .filter(|(_, s)| s.is_none()).map(|(i, _)| i.to_string()).collect();
@@ -239,6 +242,15 @@ async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommErr
     };
     if let Some((e, re)) = failure {
         abort_members(&mut slots, &mut anon, &re).await;
+        // Processes accepted but not yet admitted learn the failure too.
+        let drain_deadline = Instant::now() + Duration::from_secs(1);
+        while in_flight > 0 {
+            let Ok(Some((mut stream, _, _))) = timeout_at(drain_deadline, rx.recv()).await else {
+                break;
+            };
+            in_flight -= 1;
+            reject(&mut stream, &re).await;
+        }
         linger(listener, re, cfg.join_timeout.min(Duration::from_secs(5)));
         return Err(e);
     }
