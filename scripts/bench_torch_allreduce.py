@@ -2,19 +2,19 @@
 """PyTorch gloo reference for `flotilla bench allreduce`: all_reduce(SUM) of f32 tensors over
 127.0.0.1 with N local processes, 1 compute thread per rank.
 
-Usage: bench_torch_allreduce.py [-n 2,4] [--sizes 4K,64K,1M,16M,64M,256M] [--iters 20] [--warmup 3]
+Usage: bench_torch_allreduce.py [-n 2,4] [--sizes 4K,16K,...,256M] [--iters 20] [--warmup 2]
 
 For each rank count N it spawns N processes (torch.multiprocessing, start method "spawn"), each
 joining a gloo process group with a TCP store on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), and for
 each size runs `--warmup` untimed then `--iters` timed all_reduce calls, each preceded by a
-barrier so every rank starts together. The time of one iteration is the max over ranks;
-the table shows the median over iterations, with the same definitions as Flotilla's bench:
+barrier so every rank starts together. The timing is the one of Flotilla's bench
+(crates/flotilla-comm/src/bench.rs): each rank's median over iterations, then the max over ranks; iterations are capped so that
+iters * bytes <= 4 GiB (at least 3); the result is checked against the expected sum.
 algbw = bytes / time, busbw = algbw * 2(N-1)/N (GB = 1e9 bytes).
 """
 import argparse
 import os
 import socket
-import statistics
 import sys
 import time
 
@@ -43,25 +43,34 @@ def worker(rank, world, port, sizes, iters, warmup, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # Gloo's C++ side prints connection chatter on stdout; keep stdout for the table (rows
+    # travel back through the queue), send the chatter to stderr.
+    sys.stdout.flush()
+    os.dup2(2, 1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     rows = []
     for nbytes in sizes:
-        t = torch.ones(nbytes // 4, dtype=torch.float32)
+        # Same iteration cap as Flotilla's bench: iters * bytes <= 4 GiB, at least 3.
+        n_iters = max(3, min(iters, (4 << 30) // max(1, nbytes)))
+        t = torch.empty(nbytes // 4, dtype=torch.float32)
+        expected = float(world * (world + 1) // 2)
         times = []
-        for i in range(warmup + iters):
+        for i in range(warmup + n_iters):
+            t.fill_(float(rank + 1))
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t, op=dist.ReduceOp.SUM)
             dt = time.perf_counter() - t0
-            # max over ranks: the collective is done when the slowest rank is.
-            m = torch.tensor([dt], dtype=torch.float64)
-            dist.all_reduce(m, op=dist.ReduceOp.MAX)
+            if i == warmup and not bool((t == expected).all()):
+                raise RuntimeError(f"all_reduce result check failed at {nbytes} bytes")
             if i >= warmup:
-                times.append(m.item())
-            t.fill_(1.0)  # keep values finite across iterations (SUM would grow by N each time)
-        rows.append((nbytes, iters, statistics.median(times)))
+                times.append(dt)
+        # As Flotilla: each rank's median, then the max over ranks.
+        local = torch.tensor([sorted(times)[len(times) // 2]], dtype=torch.float64)
+        dist.all_reduce(local, op=dist.ReduceOp.MAX)
+        rows.append((nbytes, n_iters, local.item()))
         del t
     if rank == 0:
         queue.put(rows)
@@ -72,9 +81,9 @@ def worker(rank, world, port, sizes, iters, warmup, queue):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-n", "--ranks", default="2,4")
-    p.add_argument("--sizes", default="4K,64K,1M,16M,64M,256M")
+    p.add_argument("--sizes", default="4K,16K,64K,256K,1M,4M,16M,64M,256M")
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
     args = p.parse_args()
     try:
         import torch

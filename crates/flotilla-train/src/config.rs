@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
 use flotilla_comm::{CommConfig, Compression, WireFormat};
 use flotilla_engine::{ModelSpec, OptimizerSpec};
 use serde::{Deserialize, Serialize};
@@ -90,8 +91,9 @@ pub struct TrainConfig {
     pub output: PathBuf,
     /// Write a checkpoint every this many steps (0: only at the end).
     pub checkpoint_every: u64,
-    /// Evaluate on the test set every this many epochs (0: only at the end).
-    pub eval_every: u32,
+    /// Evaluate on the test set every this many epochs (0: only at the end). For parameter
+    /// servers: every this many server rounds (default: one epoch's worth of rounds).
+    pub eval_every: Option<u32>,
     /// Stop after this many steps in total (for quick runs and tests).
     pub max_steps: Option<u64>,
     /// Use only the first `train_limit` training samples (for quick runs and tests).
@@ -112,6 +114,29 @@ pub struct TrainConfig {
     pub wire_format: WireSetting,
     /// Resume from the newest checkpoint in `output` if there is one.
     pub resume: bool,
+    /// Learning rate; overrides the optimizer's `lr` when set (hcddl's key).
+    pub lr: Option<f64>,
+    /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
+    pub arch: Arch,
+    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`.
+    pub parameter_server: Option<ServerSpec>,
+    /// Hierarchical: `{aggr_type, local_servers: [{aggr_type, num_workers}, ...]}`.
+    pub global_server: Option<GlobalServerSpec>,
+    /// Shard servers of a flat topology (parameters split by balanced byte ranges).
+    pub servers: usize,
+    /// Parameter servers: stop after this many server rounds (default: `epochs` worth).
+    pub num_server_rounds: Option<u64>,
+    /// Parameter servers: stop as soon as the root's test accuracy reaches this.
+    pub target_accuracy: Option<f64>,
+    /// Async servers: a push more than this many versions stale is refused (pull again).
+    pub max_staleness: Option<u64>,
+    /// Async servers: scale the learning rate by `1 / (1 + staleness)`.
+    pub staleness_lr: bool,
+    /// Parameter servers: local steps per push; more than 1 is model averaging (workers push
+    /// weight deltas, the server averages them weighted by samples).
+    pub local_steps: usize,
+    /// Inventory file (hcddl's `[pool]` ini or a plain host list) for placement checks.
+    pub inventory: Option<PathBuf>,
 }
 
 impl Default for TrainConfig {
@@ -129,7 +154,7 @@ impl Default for TrainConfig {
             bucket_mb: 25.0,
             output: PathBuf::from("runs/latest"),
             checkpoint_every: 0,
-            eval_every: 1,
+            eval_every: None,
             max_steps: None,
             train_limit: None,
             device: "flex".into(),
@@ -140,6 +165,17 @@ impl Default for TrainConfig {
             compression: CompressionSetting::None,
             wire_format: WireSetting::F32,
             resume: false,
+            lr: None,
+            arch: Arch::Allreduce,
+            parameter_server: None,
+            global_server: None,
+            servers: 1,
+            num_server_rounds: None,
+            target_accuracy: None,
+            max_staleness: None,
+            staleness_lr: false,
+            local_steps: 1,
+            inventory: None,
         }
     }
 }
@@ -159,6 +195,36 @@ impl TrainConfig {
     pub fn load(path: &Path) -> Result<Self> {
         let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
         Self::from_yaml(&text, &path.display().to_string())
+    }
+
+    /// The learning rate: `lr` if set, else the optimizer's.
+    pub fn base_lr(&self) -> f64 {
+        self.lr.unwrap_or_else(|| self.optimizer.lr())
+    }
+
+    /// The topology keys as the cluster crate takes them.
+    pub fn topology_spec(&self) -> TopologySpec {
+        TopologySpec {
+            arch: self.arch,
+            parameter_server: self.parameter_server.clone(),
+            global_server: self.global_server.clone(),
+            servers: self.servers,
+        }
+    }
+
+    /// The process topology: `world_size` peers for all-reduce, else the parameter-server
+    /// tree (whose size is what `world_size` becomes).
+    pub fn topology(&self) -> Result<Topology> {
+        let t = match self.arch {
+            Arch::Allreduce => Topology::allreduce(self.world_size),
+            _ => Topology::build(&self.topology_spec()),
+        };
+        t.map_err(|e| TrainError::config("config", e.to_string()))
+    }
+
+    /// The number of processes the job needs.
+    pub fn effective_world_size(&self) -> Result<usize> {
+        Ok(self.topology()?.world_size())
     }
 
     /// Checks ranges and resolves the model spec; errors name the offending key.
@@ -189,6 +255,38 @@ impl TrainConfig {
                     format!("must be a positive number of seconds, got {v}"),
                 ));
             }
+        }
+        if let Some(lr) = self.lr
+            && !(lr.is_finite() && lr > 0.0)
+        {
+            return Err(bad("lr", format!("must be a positive number, got {lr}")));
+        }
+        if let Some(t) = self.target_accuracy
+            && !(0.0..=1.0).contains(&t)
+        {
+            return Err(bad(
+                "target_accuracy",
+                format!("must be in [0, 1], got {t}"),
+            ));
+        }
+        if self.local_steps == 0 {
+            return Err(bad("local_steps", "must be at least 1".into()));
+        }
+        if self.num_server_rounds == Some(0) {
+            return Err(bad("num_server_rounds", "must be at least 1".into()));
+        }
+        let topology = self.topology()?;
+        if topology.num_shards() > 1 {
+            return Err(bad(
+                "servers",
+                "sharded parameter servers (servers > 1) are not implemented yet; use 1".into(),
+            ));
+        }
+        if let Some(path) = &self.inventory {
+            let inventory = flotilla_cluster::Inventory::load(path)
+                .map_err(|e| bad("inventory", e.to_string()))?;
+            flotilla_cluster::place(&topology, &inventory)
+                .map_err(|e| bad("inventory", e.to_string()))?;
         }
         if self.train_limit == Some(0) {
             return Err(bad("train_limit", "must be at least 1".into()));
@@ -222,15 +320,22 @@ impl TrainConfig {
             "train_limit": self.train_limit,
             "wire_format": self.wire_format,
             "eval_every": self.eval_every,
+            "lr": self.lr,
+            "topology": self.topology_spec(),
+            "num_server_rounds": self.num_server_rounds,
+            "target_accuracy": self.target_accuracy,
+            "max_staleness": self.max_staleness,
+            "staleness_lr": self.staleness_lr,
+            "local_steps": self.local_steps,
         });
         xxhash_rust::xxh3::xxh3_64(shared.to_string().as_bytes())
     }
 
     /// The communicator settings of `rank` (`None`: let rank 0 assign one).
-    pub fn comm_config(&self, rank: Option<usize>, hash: u64) -> CommConfig {
+    pub fn comm_config(&self, rank: Option<usize>, hash: u64, world_size: usize) -> CommConfig {
         CommConfig {
             rank,
-            world_size: self.world_size,
+            world_size,
             master_addr: self.master_addr.clone(),
             master_port: self.master_port,
             timeout: Duration::from_secs_f64(self.timeout_s),
@@ -309,6 +414,24 @@ mod tests {
         assert_eq!(a.cluster_hash(&spec), b.cluster_hash(&spec));
         b.batch_size = 32;
         assert_ne!(a.cluster_hash(&spec), b.cluster_hash(&spec));
+    }
+
+    #[test]
+    fn hcddl_keys_are_accepted_as_they_are() {
+        let text = "num_server_rounds: 5\ntarget_accuracy: 0.9\nbatch_size: 32\narch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - type: async\n      num_workers: 2\n    - aggr_type: async\n      num_workers: 2\n";
+        let c = TrainConfig::from_yaml(text, "hcddl.yaml").expect("parse");
+        c.validate().expect("valid");
+        assert_eq!(c.effective_world_size().expect("size"), 7);
+        assert_eq!(c.num_server_rounds, Some(5));
+        let flat = TrainConfig::from_yaml(
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 4}\n",
+            "f",
+        )
+        .expect("flat");
+        assert_eq!(flat.effective_world_size().expect("size"), 5);
+        let missing = TrainConfig::from_yaml("arch: flat\n", "f").expect("parse");
+        let e = missing.validate().expect_err("no server").to_string();
+        assert!(e.contains("parameter_server"), "{e}");
     }
 
     #[test]

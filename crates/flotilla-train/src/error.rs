@@ -6,7 +6,7 @@ use std::path::PathBuf;
 #[derive(Debug, thiserror::Error)]
 pub enum TrainError {
     /// The run configuration is invalid.
-    #[error("config {source_name}: {message}")]
+    #[error("{source_name}: {message}")]
     Config {
         /// Where the config came from (a path, `<defaults>`, `--flag`).
         source_name: String,
@@ -22,6 +22,23 @@ pub enum TrainError {
     /// The data set could not be read.
     #[error(transparent)]
     Data(#[from] flotilla_data::DataError),
+    /// A peer sent something that breaks the protocol (malformed or unexpected message).
+    #[error("protocol error with rank {peer}: {message}")]
+    Protocol {
+        /// The sender.
+        peer: usize,
+        /// What was wrong.
+        message: String,
+    },
+    /// A parameter-server round could not complete because of a named peer (missing,
+    /// lost, or silent past its deadline).
+    #[error("{message}")]
+    Peer {
+        /// The rank at fault.
+        peer: usize,
+        /// What happened.
+        message: String,
+    },
     /// Ranks ended with different parameters (a broken invariant, never expected).
     #[error("parameters differ across ranks after training: {0}")]
     Divergence(String),
@@ -58,6 +75,15 @@ impl TrainError {
         TrainError::Io {
             path: path.into(),
             source,
+        }
+    }
+
+    /// The rank this error points at, if another rank is at fault.
+    pub fn blamed_rank(&self) -> Option<usize> {
+        match self {
+            TrainError::Comm(e) => e.blamed_rank(),
+            TrainError::Protocol { peer, .. } | TrainError::Peer { peer, .. } => Some(*peer),
+            _ => None,
         }
     }
 

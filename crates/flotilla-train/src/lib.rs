@@ -9,6 +9,8 @@ pub mod bucket;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod fault;
+pub mod ps;
 pub mod runlog;
 pub mod strategy;
 pub mod trainer;

@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use flotilla_cluster::{Arch, Topology};
 use flotilla_comm::Communicator;
 use flotilla_data::{DistributedSampler, ImageDataset, Mnist, fill_batch};
 use flotilla_engine::{BatchRef, BurnEngine, Engine, EvalStats};
@@ -12,6 +13,8 @@ use flotilla_engine::{BatchRef, BurnEngine, Engine, EvalStats};
 use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
+use crate::fault::Fault;
+use crate::ps;
 use crate::runlog::{EpochMetrics, RunLog, append_metrics};
 use crate::strategy::{Strategy, SyncAllReduce};
 
@@ -53,6 +56,8 @@ pub struct StepEvent {
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RunSummary {
+    /// This process's role (`peer` for all-reduce, `root`, `local-server`, `worker`).
+    pub role: &'static str,
     /// This process's rank.
     pub rank: usize,
     /// Number of ranks.
@@ -76,12 +81,19 @@ pub struct RunSummary {
 }
 
 impl RunSummary {
-    /// The stable, parseable last line of a run.
+    /// The stable, parseable last line of a run. Roles that do not evaluate (local servers,
+    /// workers) say what they did instead.
     pub fn final_line(&self) -> String {
-        format!(
-            "final test_acc={:.4} loss={:.4} steps={} wall_s={:.1}",
-            self.test_acc, self.test_loss, self.steps, self.wall_s
-        )
+        match self.role {
+            "peer" | "root" => format!(
+                "final test_acc={:.4} loss={:.4} steps={} wall_s={:.1}",
+                self.test_acc, self.test_loss, self.steps, self.wall_s
+            ),
+            role => format!(
+                "final role={role} rank={} rounds={} train_loss={:.4} wall_s={:.1}",
+                self.rank, self.steps, self.train_loss, self.wall_s
+            ),
+        }
     }
 }
 
@@ -94,8 +106,13 @@ pub fn run(
 ) -> Result<RunSummary> {
     let started = Instant::now();
     let spec = config.validate()?;
+    let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let comm = Arc::new(Communicator::connect(config.comm_config(rank, hash))?);
+    let comm = Arc::new(Communicator::connect(config.comm_config(
+        rank,
+        hash,
+        topology.world_size(),
+    ))?);
     let (rank, world) = (comm.rank(), comm.world_size());
     let mut log = RunLog::open(&config.output, rank)?;
     let say = |log: &mut RunLog, observer: &mut dyn Observer, text: String| -> Result<()> {
@@ -122,6 +139,19 @@ pub fn run(
     )?;
 
     let mut engine = BurnEngine::new(&spec, &config.optimizer, &config.device, config.seed)?;
+    if topology.arch() != Arch::Allreduce {
+        return run_parameter_servers(
+            config,
+            &topology,
+            &comm,
+            &mut log,
+            observer,
+            &mut engine,
+            &train,
+            &test,
+            started,
+        );
+    }
     let mut strategy = SyncAllReduce::new(comm.clone(), engine.layout(), config.bucket_bytes());
 
     // Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
@@ -215,7 +245,7 @@ pub fn run(
     let mut train_loss = f64::NAN;
     let mut trained_samples = 0u64;
     let train_started = Instant::now();
-    let base_lr = config.optimizer.lr();
+    let base_lr = config.base_lr();
 
     for epoch in start_epoch..epochs {
         if step >= total_steps {
@@ -244,7 +274,7 @@ pub fn run(
             step += 1;
             (at_epoch, at_step_in_epoch) = (epoch, i as u64 + 1);
             if let Some(f) = &fault {
-                f.maybe_trigger(step);
+                f.at(step);
             }
             if !stats.global_loss.is_finite() {
                 return Err(TrainError::NonFiniteLoss {
@@ -286,8 +316,8 @@ pub fn run(
             f64::NAN
         };
         let last_epoch = epoch + 1 == epochs || step >= total_steps;
-        let eval_now =
-            last_epoch || (config.eval_every > 0 && (epoch + 1) % config.eval_every == 0);
+        let every = config.eval_every.unwrap_or(1);
+        let eval_now = last_epoch || (every > 0 && (epoch + 1) % every == 0);
         if eval_now {
             last_eval = Some(evaluate(&engine, &comm, &test)?);
         }
@@ -343,6 +373,7 @@ pub fn run(
     };
     let train_s = train_started.elapsed().as_secs_f64();
     let summary = RunSummary {
+        role: "peer",
         rank,
         world_size: world,
         test_acc: eval.accuracy(),
@@ -363,42 +394,101 @@ pub fn run(
     Ok(summary)
 }
 
-/// A fault to inject, for testing that the rest of the job reports it: set
-/// `FLOTILLA_FAULT=rank=R,step=S,action=exit|hang` and rank `R` exits with code 3 (or stops
-/// responding) after step `S`.
-struct Fault {
-    step: u64,
-    hang: bool,
-}
-
-impl Fault {
-    fn from_env(rank: usize) -> Option<Self> {
-        let spec = std::env::var("FLOTILLA_FAULT").ok()?;
-        let mut fault_rank = None;
-        let mut step = None;
-        let mut hang = false;
-        for part in spec.split(',') {
-            match part.split_once('=') {
-                Some(("rank", v)) => fault_rank = v.trim().parse::<usize>().ok(),
-                Some(("step", v)) => step = v.trim().parse::<u64>().ok(),
-                Some(("action", v)) => hang = v.trim() == "hang",
-                _ => {}
-            }
+/// Runs this rank's role in a parameter-server topology.
+#[allow(clippy::too_many_arguments)]
+fn run_parameter_servers(
+    config: &TrainConfig,
+    topology: &Topology,
+    comm: &Arc<Communicator>,
+    log: &mut RunLog,
+    observer: &mut dyn Observer,
+    engine: &mut BurnEngine,
+    train: &ImageDataset,
+    test: &ImageDataset,
+    started: Instant,
+) -> Result<RunSummary> {
+    let rank = comm.rank();
+    if rank == topology.root() {
+        for line in topology.describe().lines() {
+            observer.message(line);
+            log.line(line)?;
         }
-        (fault_rank? == rank).then_some(Fault { step: step?, hang })
     }
-
-    fn maybe_trigger(&self, step: u64) {
-        if step != self.step {
-            return;
-        }
-        if self.hang {
-            eprintln!("FLOTILLA_FAULT: rank stops responding after step {step}");
-            std::thread::sleep(std::time::Duration::from_secs(3600));
-        }
-        eprintln!("FLOTILLA_FAULT: rank exits after step {step}");
-        std::process::exit(3);
+    let num_workers = topology.num_workers();
+    let per_round = num_workers * config.batch_size * config.local_steps.max(1);
+    let rounds_per_epoch = (train.len() / per_round.max(1)).max(1) as u64;
+    let rounds = config
+        .num_server_rounds
+        .or(config.max_steps)
+        .unwrap_or(config.epochs.max(1) as u64 * rounds_per_epoch);
+    let eval_every = config.eval_every.map_or(rounds_per_epoch, u64::from);
+    let mut ctx = ps::PsContext {
+        comm,
+        config,
+        engine,
+        train,
+        test,
+        rank,
+        num_workers,
+        rounds,
+        eval_every,
+        log,
+        observer,
+        fault: Fault::from_env(rank),
+        last_eval: None,
+    };
+    let outcome = ps::run_role(&mut ctx, topology)?;
+    let wall_s = started.elapsed().as_secs_f64();
+    let (role, steps, train_loss) = match &outcome {
+        ps::PsOutcome::Root(o) => ("root", o.rounds, f64::NAN),
+        ps::PsOutcome::Local(pushes) => ("local-server", *pushes, f64::NAN),
+        ps::PsOutcome::Worker(w) => ("worker", w.rounds, w.loss as f64),
+    };
+    let mut summary = RunSummary {
+        role,
+        rank,
+        world_size: topology.world_size(),
+        test_acc: f64::NAN,
+        test_loss: f64::NAN,
+        train_loss,
+        steps,
+        wall_s,
+        samples_per_s: 0.0,
+        param_hash: 0,
+        checkpoint: None,
+    };
+    if let ps::PsOutcome::Root(o) = &outcome {
+        let eval = ps::evaluate_full(ctx.engine, test)?;
+        let stats = comm.stats();
+        ctx.log(&format!(
+            "root: {} updates in {} rounds ({}), staleness max {} mean {:.2}, lost children [{}], received {:.0} bytes/round, {:.1} updates/s",
+            o.updates,
+            o.rounds,
+            o.reason,
+            o.max_staleness,
+            o.mean_staleness,
+            o.lost.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
+            stats.bytes_received as f64 / o.rounds.max(1) as f64,
+            o.updates as f64 / wall_s.max(1e-9)
+        ))?;
+        let state = CheckpointState {
+            step: o.rounds,
+            epoch: 0,
+            step_in_epoch: o.rounds,
+            config_hash: config.cluster_hash(ctx.engine.spec()),
+            model: ctx.engine.spec().name.clone(),
+            num_params: ctx.engine.num_params(),
+            test_acc: Some(eval.accuracy()),
+        };
+        let dir = checkpoint::save(&config.output, &*ctx.engine, &state)?;
+        ctx.log(&format!("checkpoint {}", dir.display()))?;
+        summary.test_acc = eval.accuracy();
+        summary.test_loss = eval.loss();
+        summary.samples_per_s = (o.updates as usize * config.batch_size) as f64 / wall_s.max(1e-9);
+        summary.checkpoint = Some(dir);
     }
+    ctx.log.line(&summary.final_line())?;
+    Ok(summary)
 }
 
 /// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)

@@ -26,7 +26,8 @@ pub enum Command {
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
-    /// Print the effective configuration (defaults, file and flags merged) as YAML.
+    /// Print the effective configuration (defaults, file and flags merged) as YAML, and the
+    /// topology with its placement on the inventory's hosts.
     Config(RunArgs),
 }
 
@@ -83,6 +84,9 @@ pub struct RunArgs {
     /// Deadline in seconds of every wait on another rank.
     #[arg(long)]
     pub timeout_s: Option<f64>,
+    /// Inventory (hcddl `[pool]` ini or a host list): the topology must fit on its hosts.
+    #[arg(long)]
+    pub inventory: Option<PathBuf>,
     /// Resume from the newest checkpoint in the output directory.
     #[arg(long)]
     pub resume: bool,

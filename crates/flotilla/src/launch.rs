@@ -53,6 +53,7 @@ pub struct LocalJob {
     lines: Receiver<RankLine>,
     stderr_tails: Vec<VecDeque<String>>,
     blamed: Vec<Option<usize>>,
+    tolerated: Vec<bool>,
 }
 
 impl LocalJob {
@@ -70,6 +71,7 @@ impl LocalJob {
             lines: rx,
             stderr_tails: vec![VecDeque::new(); n],
             blamed: vec![None; n],
+            tolerated: vec![false; n],
         };
         for rank in 0..n {
             let mut cmd = Command::new(&exe);
@@ -97,6 +99,16 @@ impl LocalJob {
             job.children.push((rank, child));
         }
         Ok(job)
+    }
+
+    /// Ranks whose failure does not stop the job (e.g. workers of an asynchronous parameter
+    /// server, which trains on without them); their exit is reported and the job goes on.
+    pub fn tolerate(&mut self, ranks: impl IntoIterator<Item = usize>) {
+        for r in ranks {
+            if let Some(t) = self.tolerated.get_mut(r) {
+                *t = true;
+            }
+        }
     }
 
     /// Kills every rank still running and reaps them all.
@@ -140,7 +152,12 @@ impl LocalJob {
                 match child.try_wait() {
                     Ok(Some(s)) => {
                         status[i] = Some(s);
-                        if !s.success() && first_failure.is_none() {
+                        if !s.success() && self.tolerated[i] {
+                            eprintln!(
+                                "[launcher] rank {rank} exited ({}); the job goes on without it",
+                                describe(s)
+                            );
+                        } else if !s.success() && first_failure.is_none() {
                             first_failure = Some(i);
                             grace_until = Some(Instant::now() + FAILURE_GRACE);
                         }

@@ -23,13 +23,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&args),
         Command::Launch(args) => launch(&args),
         Command::Bench(cmd) => bench::run(cmd),
-        Command::Config(args) => settings::effective_config(&args).and_then(|c| {
-            print!(
-                "{}",
-                serde_norway::to_string(&c).context("printing the config")?
-            );
-            Ok(())
-        }),
+        Command::Config(args) => show_config(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -40,6 +34,30 @@ fn main() -> ExitCode {
     }
 }
 
+/// `flotilla config`: the effective config, checked, with its topology and placement.
+fn show_config(args: &cli::RunArgs) -> Result<()> {
+    let config = settings::effective_config(args)?;
+    config.validate()?;
+    print!(
+        "{}",
+        serde_norway::to_string(&config).context("printing the config")?
+    );
+    let topology = config.topology()?;
+    if topology.arch() != flotilla_cluster::Arch::Allreduce {
+        let placement = match &config.inventory {
+            Some(path) => {
+                flotilla_cluster::place(&topology, &flotilla_cluster::Inventory::load(path)?)?
+            }
+            None => flotilla_cluster::Placement::local(&topology),
+        };
+        println!("# placement");
+        for line in placement.describe().lines() {
+            println!("# {line}");
+        }
+    }
+    Ok(())
+}
+
 fn train(args: &TrainArgs) -> Result<()> {
     let mut config = settings::effective_config(&args.run)?;
     let env_rank = settings::apply_launcher_env(&mut config, &args.run)?;
@@ -47,7 +65,7 @@ fn train(args: &TrainArgs) -> Result<()> {
     let mut observer = TrainObserver::new();
     let result = flotilla_train::run(&config, rank, &mut observer);
     observer.finish();
-    if let Err(flotilla_train::TrainError::Comm(e)) = &result
+    if let Err(e) = &result
         && let Some(blamed) = e.blamed_rank()
     {
         // Tells a supervising launcher which rank this failure points at.
@@ -73,7 +91,7 @@ fn launch(args: &LaunchArgs) -> Result<()> {
         config.master_addr = "127.0.0.1".into();
     }
     let spec = config.validate()?;
-    let n = config.world_size;
+    let n = config.effective_world_size()?;
     std::fs::create_dir_all(&config.output)
         .with_context(|| format!("creating {}", config.output.display()))?;
     let config_path = config.output.join("launch-config.yaml");
@@ -104,6 +122,7 @@ fn launch(args: &LaunchArgs) -> Result<()> {
         ]
     })?;
 
+    job.tolerate(tolerated_ranks(&config.topology()?));
     let interactive = std::io::stderr().is_terminal();
     let mut bar = None;
     let mut final_line = None;
@@ -145,4 +164,31 @@ fn launch(args: &LaunchArgs) -> Result<()> {
         None => anyhow::bail!("rank 0 exited without a final line"),
     }
     Ok(())
+}
+
+/// Ranks whose loss an asynchronous server above them absorbs: a rank is tolerated if any
+/// link on its path to the root ends at an `async` server.
+fn tolerated_ranks(topology: &flotilla_cluster::Topology) -> Vec<usize> {
+    let is_async = |rank: usize| {
+        topology
+            .role(rank)
+            .and_then(|r| r.aggregation)
+            .is_some_and(|a| a == flotilla_cluster::Aggregation::Async)
+    };
+    (0..topology.world_size())
+        .filter(|&rank| {
+            let mut at = rank;
+            for _ in 0..topology.world_size() {
+                let Some(parent) = topology.role(at).and_then(|r| r.parents.first().copied())
+                else {
+                    return false;
+                };
+                if is_async(parent) {
+                    return true;
+                }
+                at = parent;
+            }
+            false
+        })
+        .collect()
 }

@@ -60,6 +60,9 @@ pub fn effective_config(args: &RunArgs) -> Result<TrainConfig> {
     if let Some(v) = args.timeout_s {
         c.timeout_s = v;
     }
+    if let Some(v) = &args.inventory {
+        c.inventory = Some(v.clone());
+    }
     if args.resume {
         c.resume = true;
     }

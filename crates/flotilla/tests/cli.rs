@@ -504,3 +504,188 @@ fn mlp_reaches_97_5_percent() {
         text(&o)
     );
 }
+
+/// Writes a config file into `dir` and returns its path as a string.
+fn config_file(dir: &Path, name: &str, text: &str) -> String {
+    let path = dir.join(name);
+    std::fs::write(&path, text).expect("write config");
+    path.to_str().expect("utf8").to_string()
+}
+
+fn run_log(output: &Path, rank: usize) -> String {
+    std::fs::read_to_string(output.join(format!("rank-{rank}/run.log"))).expect("run.log")
+}
+
+#[test]
+fn flat_sync_parameter_server_equals_sync_allreduce() {
+    let dir = tmp();
+    let ps = config_file(
+        dir.path(),
+        "ps.yaml",
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 50\nbatch_size: 16\n",
+    );
+    let ps_out = dir.path().join("ps");
+    let o = launch(
+        &[&ps, "--output", ps_out.to_str().expect("utf8")],
+        Duration::from_secs(300),
+    );
+    assert_eq!(final_fields(&o)["steps"], 50.0);
+    let ar_out = dir.path().join("ar");
+    launch(
+        &[
+            "-n",
+            "2",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "50",
+            "--output",
+            ar_out.to_str().expect("utf8"),
+        ],
+        Duration::from_secs(300),
+    );
+    let e = relative_error(&checkpoint_tensors(&ps_out), &checkpoint_tensors(&ar_out));
+    assert!(e <= 1e-5, "flat sync PS vs all-reduce: relative error {e}");
+
+    // Hierarchical sync/sync (2 local servers x 1 worker) equals flat sync with 2 workers.
+    let hier = config_file(
+        dir.path(),
+        "hier.yaml",
+        "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 1}\n    - {type: sync, num_workers: 1}\nnum_server_rounds: 50\nbatch_size: 16\n",
+    );
+    let hier_out = dir.path().join("hier");
+    launch(
+        &[&hier, "--output", hier_out.to_str().expect("utf8")],
+        Duration::from_secs(300),
+    );
+    let e = relative_error(&checkpoint_tensors(&hier_out), &checkpoint_tensors(&ps_out));
+    assert!(
+        e <= 1e-5,
+        "hierarchical sync/sync vs flat sync: relative error {e}"
+    );
+}
+
+#[test]
+fn async_parameter_server_trains_on_when_a_worker_dies() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "async.yaml",
+        "arch: flat\nparameter_server: {aggr_type: async, num_workers: 3}\nnum_server_rounds: 150\noptimizer: {name: sgd, lr: 0.05, momentum: 0.5}\nwarmup_steps: 0\n",
+    );
+    let out = dir.path().join("run");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
+        .env("FLOTILLA_FAULT", "rank=3,step=20,action=exit");
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    assert!(
+        o.status.success(),
+        "the job must survive a dead async worker\n{}",
+        text(&o)
+    );
+    let f = final_fields(&o);
+    assert_eq!(f["steps"], 150.0);
+    assert!(
+        f["test_acc"] > 0.8,
+        "accuracy {}\n{}",
+        f["test_acc"],
+        text(&o)
+    );
+    let log = run_log(&out, 0);
+    assert!(
+        log.contains("rank 3 lost"),
+        "the root logs the loss of rank 3:\n{log}"
+    );
+    assert!(log.contains("lost children [3]"), "{log}");
+}
+
+#[test]
+fn sync_parameter_server_names_a_missing_worker() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "sync.yaml",
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 100\ntimeout_s: 3\n",
+    );
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        &cfg,
+        "--output",
+        dir.path().join("run").to_str().expect("utf8"),
+    ])
+    .env("FLOTILLA_FAULT", "rank=2,step=5,action=hang");
+    let started = Instant::now();
+    let o = run_with_deadline(c, Duration::from_secs(120));
+    assert!(!o.status.success());
+    assert!(started.elapsed() < Duration::from_secs(60));
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("rank 2 stopped responding"), "{}", text(&o));
+    assert!(
+        err.contains("no message from rank(s) 2"),
+        "the server names worker rank 2:\n{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn a_push_of_the_wrong_length_is_rejected_and_training_goes_on() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "sync.yaml",
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 30\n",
+    );
+    let out = dir.path().join("run");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
+        .env("FLOTILLA_FAULT", "rank=1,step=3,action=bad_len");
+    let o = run_with_deadline(c, Duration::from_secs(120));
+    assert!(o.status.success(), "{}", text(&o));
+    assert_eq!(final_fields(&o)["steps"], 30.0);
+    let root = run_log(&out, 0);
+    assert!(
+        root.contains(
+            "rejected push from rank 1: push has 30853 values but the model has 61706 parameters"
+        ),
+        "{root}"
+    );
+    assert!(
+        run_log(&out, 1).contains("push rejected by rank 0"),
+        "the worker is told"
+    );
+}
+
+#[test]
+fn hierarchical_async_and_model_averaging_train() {
+    let dir = tmp();
+    let cases = [
+        (
+            "sync-async",
+            "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {type: async, num_workers: 2}\n    - {type: async, num_workers: 1}\nnum_server_rounds: 200\nwarmup_steps: 0\noptimizer: {name: sgd, lr: 0.05, momentum: 0.0}\n",
+        ),
+        (
+            "async-sync",
+            "arch: hierarchical\nglobal_server:\n  aggr_type: async\n  local_servers:\n    - {type: sync, num_workers: 1}\n    - {type: sync, num_workers: 1}\nnum_server_rounds: 150\nwarmup_steps: 0\nstaleness_lr: true\noptimizer: {name: sgd, lr: 0.05, momentum: 0.5}\n",
+        ),
+        (
+            "averaging",
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nlocal_steps: 4\nnum_server_rounds: 40\nwarmup_steps: 0\n",
+        ),
+    ];
+    for (name, yaml) in cases {
+        let cfg = config_file(dir.path(), &format!("{name}.yaml"), yaml);
+        let out = dir.path().join(name);
+        let o = launch(
+            &[&cfg, "--output", out.to_str().expect("utf8")],
+            Duration::from_secs(300),
+        );
+        let f = final_fields(&o);
+        assert!(
+            f["test_acc"] > 0.8,
+            "{name}: accuracy {}\n{}",
+            f["test_acc"],
+            text(&o)
+        );
+    }
+}

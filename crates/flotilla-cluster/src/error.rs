@@ -1,0 +1,148 @@
+//! The crate's error type.
+
+use std::io;
+use std::path::PathBuf;
+
+use crate::spec::Arch;
+
+/// Convenience alias for results produced by this crate.
+pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong while validating a topology, reading an inventory or
+/// placing roles on hosts. Messages name the offending key, host, file and line, so they
+/// can be shown to a user as-is.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClusterError {
+    /// A standalone topology document is not valid YAML or has unknown / mistyped keys.
+    #[error("{source_name}: invalid topology config: {source}")]
+    Yaml {
+        /// Where the document came from (a file name, or a label).
+        source_name: String,
+        /// The parser's error.
+        #[source]
+        source: serde_norway::Error,
+    },
+
+    /// The architecture requires a key that is absent.
+    #[error("arch `{arch}` needs `{key}` ({hint})")]
+    MissingKey {
+        /// The architecture in use.
+        arch: Arch,
+        /// The missing key.
+        key: &'static str,
+        /// What the key should look like.
+        hint: &'static str,
+    },
+
+    /// A key belongs to another parameter-server architecture.
+    #[error("`{key}` is not allowed with arch `{arch}`: it belongs to arch `{belongs_to}`")]
+    ForeignKey {
+        /// The architecture in use.
+        arch: Arch,
+        /// The key that does not fit.
+        key: &'static str,
+        /// The architecture the key is meant for.
+        belongs_to: Arch,
+    },
+
+    /// Parameter-server keys are set while `arch` is `allreduce` (often because `arch` is
+    /// missing).
+    #[error(
+        "`{key}` is set but arch is `allreduce` (the default when `arch` is absent): \
+         set `arch: {suggested}` to train with parameter servers, or remove `{key}`"
+    )]
+    PsKeyWithAllreduce {
+        /// The parameter-server key that is set.
+        key: &'static str,
+        /// The architecture the key implies.
+        suggested: Arch,
+    },
+
+    /// `global_server.local_servers` is empty.
+    #[error("`global_server.local_servers` must list at least one local server")]
+    NoLocalServers,
+
+    /// A `num_workers` key is 0.
+    #[error("`{key}` must be at least 1, got 0")]
+    ZeroWorkers {
+        /// The full key path, e.g. `global_server.local_servers[1].num_workers`.
+        key: String,
+    },
+
+    /// `servers` is 0.
+    #[error("`servers` must be at least 1, got 0")]
+    ZeroServers,
+
+    /// `servers` > 1 with a hierarchical topology.
+    #[error(
+        "`servers: {servers}` is not supported with arch `hierarchical` yet: parameter \
+         sharding across servers is only implemented for arch `flat`; remove `servers` \
+         or set it to 1"
+    )]
+    ShardedHierarchical {
+        /// The value given.
+        servers: usize,
+    },
+
+    /// [`crate::Topology::build`] was given an all-reduce spec, whose world size is not part
+    /// of the config.
+    #[error(
+        "arch `allreduce` has no parameter-server topology to build: its world size comes \
+         from the launcher (use Topology::allreduce(world_size))"
+    )]
+    NotParameterServer,
+
+    /// An all-reduce topology was requested with no processes.
+    #[error("an all-reduce world needs at least 1 process, got 0")]
+    ZeroWorldSize,
+
+    /// The inventory file cannot be read.
+    #[error("cannot read inventory {}: {source}", path.display())]
+    Io {
+        /// The inventory file.
+        path: PathBuf,
+        /// The underlying I/O error.
+        #[source]
+        source: io::Error,
+    },
+
+    /// A line of an inventory is malformed.
+    #[error("{source_name}:{line}: {reason}")]
+    InventoryLine {
+        /// The inventory's name (usually its path).
+        source_name: String,
+        /// 1-based line number.
+        line: usize,
+        /// What is wrong, naming the offending text.
+        reason: String,
+    },
+
+    /// An ini inventory has sections but no `[pool]`.
+    #[error(
+        "{source_name}: no [pool] section (Flotilla places roles on the hosts of [pool]); \
+         sections found: {}",
+        sections.join(", ")
+    )]
+    NoPoolSection {
+        /// The inventory's name (usually its path).
+        source_name: String,
+        /// The section names present, in order of first appearance, bracketed.
+        sections: Vec<String>,
+    },
+
+    /// The inventory lists fewer hosts than the topology has processes.
+    #[error(
+        "topology needs {needed} hosts ({composition}) but inventory {source_name} lists {available}"
+    )]
+    TooFewHosts {
+        /// The world size.
+        needed: usize,
+        /// What the processes are, e.g. `1 global server, 2 local servers, 4 workers`.
+        composition: String,
+        /// The inventory's name.
+        source_name: String,
+        /// Hosts in the inventory.
+        available: usize,
+    },
+}

@@ -1,0 +1,92 @@
+//! Consistency checks of a [`TopologySpec`]: which keys each architecture needs and forbids.
+
+use crate::error::{ClusterError, Result};
+use crate::spec::{Arch, DEFAULT_SERVERS, TopologySpec};
+
+const PARAMETER_SERVER_HINT: &str = "e.g. `parameter_server: {aggr_type: sync, num_workers: 4}`";
+const GLOBAL_SERVER_HINT: &str = "e.g. `global_server: {aggr_type: sync, local_servers: \
+                                  [{aggr_type: async, num_workers: 2}]}`";
+
+/// Checks `spec`; see [`TopologySpec::validate`].
+pub(crate) fn validate(spec: &TopologySpec) -> Result<()> {
+    if spec.servers == 0 {
+        return Err(ClusterError::ZeroServers);
+    }
+    match spec.arch {
+        Arch::Allreduce => validate_allreduce(spec),
+        Arch::Flat => validate_flat(spec),
+        Arch::Hierarchical => validate_hierarchical(spec),
+    }
+}
+
+fn validate_allreduce(spec: &TopologySpec) -> Result<()> {
+    let stray = if spec.parameter_server.is_some() {
+        Some(("parameter_server", Arch::Flat))
+    } else if spec.global_server.is_some() {
+        Some(("global_server", Arch::Hierarchical))
+    } else if spec.servers != DEFAULT_SERVERS {
+        Some(("servers", Arch::Flat))
+    } else {
+        None
+    };
+    match stray {
+        Some((key, suggested)) => Err(ClusterError::PsKeyWithAllreduce { key, suggested }),
+        None => Ok(()),
+    }
+}
+
+fn validate_flat(spec: &TopologySpec) -> Result<()> {
+    if spec.global_server.is_some() {
+        return Err(ClusterError::ForeignKey {
+            arch: Arch::Flat,
+            key: "global_server",
+            belongs_to: Arch::Hierarchical,
+        });
+    }
+    let ps = spec
+        .parameter_server
+        .as_ref()
+        .ok_or(ClusterError::MissingKey {
+            arch: Arch::Flat,
+            key: "parameter_server",
+            hint: PARAMETER_SERVER_HINT,
+        })?;
+    if ps.num_workers == 0 {
+        return Err(ClusterError::ZeroWorkers {
+            key: "parameter_server.num_workers".to_owned(),
+        });
+    }
+    Ok(())
+}
+
+fn validate_hierarchical(spec: &TopologySpec) -> Result<()> {
+    if spec.parameter_server.is_some() {
+        return Err(ClusterError::ForeignKey {
+            arch: Arch::Hierarchical,
+            key: "parameter_server",
+            belongs_to: Arch::Flat,
+        });
+    }
+    let global = spec
+        .global_server
+        .as_ref()
+        .ok_or(ClusterError::MissingKey {
+            arch: Arch::Hierarchical,
+            key: "global_server",
+            hint: GLOBAL_SERVER_HINT,
+        })?;
+    if spec.servers != DEFAULT_SERVERS {
+        return Err(ClusterError::ShardedHierarchical {
+            servers: spec.servers,
+        });
+    }
+    if global.local_servers.is_empty() {
+        return Err(ClusterError::NoLocalServers);
+    }
+    if let Some(i) = global.local_servers.iter().position(|l| l.num_workers == 0) {
+        return Err(ClusterError::ZeroWorkers {
+            key: format!("global_server.local_servers[{i}].num_workers"),
+        });
+    }
+    Ok(())
+}

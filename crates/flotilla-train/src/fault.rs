@@ -1,0 +1,84 @@
+//! Fault injection for reliability tests: `FLOTILLA_FAULT=rank=R,step=S,action=A` makes rank
+//! `R` misbehave after its step (or round) `S`:
+//! - `exit`: exit with code 3 (a dead rank);
+//! - `hang`: stop responding (a stuck rank);
+//! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once.
+
+/// What to do.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultAction {
+    /// Exit with code 3.
+    Exit,
+    /// Sleep for an hour.
+    Hang,
+    /// Push a gradient of the wrong length.
+    BadLength,
+}
+
+/// A fault planned for this rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fault {
+    step: u64,
+    action: FaultAction,
+}
+
+impl Fault {
+    /// The fault `FLOTILLA_FAULT` plans for `rank`, if any.
+    pub fn from_env(rank: usize) -> Option<Self> {
+        Self::parse(&std::env::var("FLOTILLA_FAULT").ok()?, rank)
+    }
+
+    /// Parses a fault spec for `rank`.
+    pub fn parse(spec: &str, rank: usize) -> Option<Self> {
+        let (mut fault_rank, mut step, mut action) = (None, None, None);
+        for part in spec.split(',') {
+            match part.split_once('=').map(|(k, v)| (k.trim(), v.trim())) {
+                Some(("rank", v)) => fault_rank = v.parse::<usize>().ok(),
+                Some(("step", v)) => step = v.parse::<u64>().ok(),
+                Some(("action", "exit")) => action = Some(FaultAction::Exit),
+                Some(("action", "hang")) => action = Some(FaultAction::Hang),
+                Some(("action", "bad_len")) => action = Some(FaultAction::BadLength),
+                _ => {}
+            }
+        }
+        (fault_rank? == rank).then_some(Fault {
+            step: step?,
+            action: action?,
+        })
+    }
+
+    /// The action due at `step`, if any. `Exit` and `Hang` are carried out here and never
+    /// return.
+    pub fn at(&self, step: u64) -> Option<FaultAction> {
+        if step != self.step {
+            return None;
+        }
+        match self.action {
+            FaultAction::Hang => {
+                eprintln!("FLOTILLA_FAULT: rank stops responding after step {step}");
+                std::thread::sleep(std::time::Duration::from_secs(3600));
+                std::process::exit(3);
+            }
+            FaultAction::Exit => {
+                eprintln!("FLOTILLA_FAULT: rank exits after step {step}");
+                std::process::exit(3);
+            }
+            other => Some(other),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_only_for_its_rank() {
+        let f = Fault::parse("rank=2,step=5,action=bad_len", 2).expect("fault");
+        assert_eq!(f.at(4), None);
+        assert_eq!(f.at(5), Some(FaultAction::BadLength));
+        assert!(Fault::parse("rank=2,step=5,action=exit", 1).is_none());
+        assert!(Fault::parse("rank=2,action=exit", 2).is_none());
+        assert!(Fault::parse("rank=2,step=1,action=explode", 2).is_none());
+    }
+}

@@ -1,0 +1,199 @@
+//! Checking and averaging pushes: pure logic, no sockets, so that "a bad push changes
+//! nothing" is testable directly.
+
+/// How a server takes pushes.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Admission {
+    /// Every push must be computed on the current version.
+    Sync,
+    /// Pushes may be stale, up to `max_staleness` versions behind (unbounded if `None`).
+    Async {
+        /// Largest accepted staleness.
+        max_staleness: Option<u64>,
+    },
+}
+
+/// Checks a push against the server's state; `Ok(staleness)` or the reason to reject it.
+pub fn admit(
+    admission: Admission,
+    current_version: u64,
+    expected_len: usize,
+    expect_delta: bool,
+    version: u64,
+    delta: bool,
+    values: &[f32],
+) -> Result<u64, String> {
+    if values.len() != expected_len {
+        return Err(format!(
+            "push has {} values but the model has {expected_len} parameters",
+            values.len()
+        ));
+    }
+    if delta != expect_delta {
+        let (got, want) = if delta {
+            ("a weight delta", "gradients")
+        } else {
+            ("a gradient", "weight deltas (model averaging)")
+        };
+        return Err(format!("push carries {got} but this server takes {want}"));
+    }
+    if version > current_version {
+        return Err(format!(
+            "push claims parameter version {version} but the server is only at version {current_version}"
+        ));
+    }
+    let staleness = current_version - version;
+    match admission {
+        Admission::Sync if staleness != 0 => {
+            return Err(format!(
+                "push computed on version {version} but this sync round is on version {current_version}"
+            ));
+        }
+        Admission::Async {
+            max_staleness: Some(max),
+        } if staleness > max => {
+            return Err(format!(
+                "push is {staleness} versions stale, more than max_staleness {max}: pull and recompute"
+            ));
+        }
+        _ => {}
+    }
+    if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+        return Err(format!(
+            "push has a non-finite value at index {i} ({})",
+            values[i]
+        ));
+    }
+    Ok(staleness)
+}
+
+/// A sample-weighted running sum of admitted pushes.
+#[derive(Debug, Clone)]
+pub struct Accumulator {
+    sum: Vec<f32>,
+    samples: u64,
+    /// Sample-weighted sum of the versions the pushes were computed from (minus their own
+    /// staleness), for the staleness of the mean.
+    version_sum: f64,
+    loss_sum: f64,
+    pushes: usize,
+}
+
+/// The sample-weighted mean of the pushes gathered since the last [`Accumulator::take`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Mean {
+    /// The weighted mean values.
+    pub values: Vec<f32>,
+    /// Total samples behind it.
+    pub samples: u64,
+    /// Sample-weighted mean loss.
+    pub loss: f32,
+    /// Number of pushes.
+    pub pushes: usize,
+    /// Sample-weighted mean base version of the pushes (each push's version minus the
+    /// staleness it already carried).
+    pub base_version: f64,
+}
+
+impl Accumulator {
+    /// An empty accumulator for `len` values.
+    pub fn new(len: usize) -> Self {
+        Self {
+            sum: vec![0.0; len],
+            samples: 0,
+            version_sum: 0.0,
+            loss_sum: 0.0,
+            pushes: 0,
+        }
+    }
+
+    /// Whether nothing has been added since the last take.
+    pub fn is_empty(&self) -> bool {
+        self.pushes == 0
+    }
+
+    /// Adds an admitted push (its length was checked by [`admit`]) computed from
+    /// `base_version` (its version minus the staleness it carried).
+    pub fn add(&mut self, samples: u32, loss: f32, base_version: f64, values: &[f32]) {
+        self.version_sum += base_version * samples as f64;
+        let w = samples as f32;
+        for (s, v) in self.sum.iter_mut().zip(values) {
+            *s += w * v;
+        }
+        self.samples += samples as u64;
+        self.loss_sum += loss as f64 * samples as f64;
+        self.pushes += 1;
+    }
+
+    /// The weighted mean so far, resetting the accumulator; `None` if empty.
+    pub fn take(&mut self) -> Option<Mean> {
+        if self.pushes == 0 || self.samples == 0 {
+            return None;
+        }
+        let scale = 1.0 / self.samples as f32;
+        let values = self.sum.iter().map(|s| s * scale).collect();
+        self.sum.iter_mut().for_each(|s| *s = 0.0);
+        let mean = Mean {
+            values,
+            samples: self.samples,
+            loss: (self.loss_sum / self.samples as f64) as f32,
+            pushes: self.pushes,
+            base_version: self.version_sum / self.samples as f64,
+        };
+        self.version_sum = 0.0;
+        self.samples = 0;
+        self.loss_sum = 0.0;
+        self.pushes = 0;
+        Some(mean)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SYNC: Admission = Admission::Sync;
+
+    #[test]
+    fn wrong_length_version_kind_or_values_are_rejected_with_reasons() {
+        let ok = [1.0, 2.0, 3.0];
+        assert_eq!(admit(SYNC, 4, 3, false, 4, false, &ok), Ok(0));
+        let e = admit(SYNC, 4, 3, false, 4, false, &ok[..2]).expect_err("len");
+        assert!(e.contains("2 values") && e.contains("3 parameters"), "{e}");
+        let e = admit(SYNC, 4, 3, false, 3, false, &ok).expect_err("stale in sync");
+        assert!(e.contains("version 3") && e.contains("version 4"), "{e}");
+        let e = admit(SYNC, 4, 3, false, 9, false, &ok).expect_err("future");
+        assert!(e.contains("only at version 4"), "{e}");
+        let e = admit(SYNC, 4, 3, false, 4, true, &ok).expect_err("kind");
+        assert!(e.contains("weight delta"), "{e}");
+        let e = admit(SYNC, 4, 3, false, 4, false, &[1.0, f32::NAN, 0.0]).expect_err("nan");
+        assert!(e.contains("index 1"), "{e}");
+        let a = Admission::Async {
+            max_staleness: Some(2),
+        };
+        assert_eq!(admit(a, 10, 3, false, 8, false, &ok), Ok(2));
+        let e = admit(a, 10, 3, false, 7, false, &ok).expect_err("too stale");
+        assert!(
+            e.contains("3 versions stale") && e.contains("max_staleness 2"),
+            "{e}"
+        );
+        let unbounded = Admission::Async {
+            max_staleness: None,
+        };
+        assert_eq!(admit(unbounded, 10, 3, false, 0, false, &ok), Ok(10));
+    }
+
+    #[test]
+    fn mean_is_sample_weighted_and_resets() {
+        let mut acc = Accumulator::new(2);
+        assert!(acc.take().is_none());
+        acc.add(1, 1.0, 4.0, &[1.0, 10.0]);
+        acc.add(3, 2.0, 8.0, &[5.0, 2.0]);
+        let m = acc.take().expect("mean");
+        assert_eq!(m.values, vec![4.0, 4.0]);
+        assert_eq!((m.samples, m.pushes), (4, 2));
+        assert!((m.loss - 1.75).abs() < 1e-6);
+        assert!((m.base_version - 7.0).abs() < 1e-12);
+        assert!(acc.is_empty() && acc.take().is_none());
+    }
+}

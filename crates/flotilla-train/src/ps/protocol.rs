@@ -1,0 +1,288 @@
+//! The parameter-server wire messages, carried as point-to-point payloads of the
+//! communicator. Every message that carries numbers says which parameter version it was
+//! computed from or holds.
+//!
+//! Layout (little endian): `kind: u8`, then per kind:
+//! - `Pull`: nothing.
+//! - `Push`: `version: u64, staleness: u32, samples: u32, loss: f32, delta: u8, len: u64,
+//!   len x f32`.
+//! - `Params`: `version: u64, len: u64, len x f32`.
+//! - `Reject` / `Stop`: `len: u32, len bytes of UTF-8 reason`.
+
+use crate::error::{Result, TrainError};
+
+const PULL: u8 = 1;
+const PUSH: u8 = 2;
+const PARAMS: u8 = 3;
+const REJECT: u8 = 4;
+const STOP: u8 = 5;
+
+/// One parameter-server message.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PsMessage {
+    /// Child → parent: send me your current parameters.
+    Pull,
+    /// Child → parent: a gradient (or, for model averaging, a weight delta) computed from the
+    /// parameters of `version` on `samples` samples.
+    Push {
+        /// The parameter version the values were computed from.
+        version: u64,
+        /// Staleness already accrued below the sender (an asynchronous local server pushes the
+        /// mean of gradients computed on older versions than `version`); 0 from workers.
+        staleness: u32,
+        /// How many samples they summarise (the averaging weight).
+        samples: u32,
+        /// Mean training loss over those samples.
+        loss: f32,
+        /// `true`: `values` is a weight delta (model averaging), `false`: a gradient.
+        delta: bool,
+        /// The flat gradient or delta.
+        values: Vec<f32>,
+    },
+    /// Parent → child: the parameters of `version`.
+    Params {
+        /// The version.
+        version: u64,
+        /// The flat parameters.
+        values: Vec<f32>,
+    },
+    /// Parent → child: the last push was refused (and changed nothing); pull and recompute.
+    Reject {
+        /// Why.
+        reason: String,
+    },
+    /// Parent → child: training is over.
+    Stop {
+        /// Why (target reached, rounds done, ...).
+        reason: String,
+    },
+}
+
+fn put_f32s(out: &mut Vec<u8>, values: &[f32]) {
+    out.extend_from_slice(&(values.len() as u64).to_le_bytes());
+    out.reserve(values.len() * 4);
+    for v in values {
+        out.extend_from_slice(&v.to_le_bytes());
+    }
+}
+
+impl PsMessage {
+    /// A short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            PsMessage::Pull => "pull",
+            PsMessage::Push { .. } => "push",
+            PsMessage::Params { .. } => "params",
+            PsMessage::Reject { .. } => "reject",
+            PsMessage::Stop { .. } => "stop",
+        }
+    }
+
+    /// Serialises the message.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        match self {
+            PsMessage::Pull => out.push(PULL),
+            PsMessage::Push {
+                version,
+                staleness,
+                samples,
+                loss,
+                delta,
+                values,
+            } => {
+                out.push(PUSH);
+                out.extend_from_slice(&version.to_le_bytes());
+                out.extend_from_slice(&staleness.to_le_bytes());
+                out.extend_from_slice(&samples.to_le_bytes());
+                out.extend_from_slice(&loss.to_le_bytes());
+                out.push(u8::from(*delta));
+                put_f32s(&mut out, values);
+            }
+            PsMessage::Params { version, values } => {
+                out.push(PARAMS);
+                out.extend_from_slice(&version.to_le_bytes());
+                put_f32s(&mut out, values);
+            }
+            PsMessage::Reject { reason } | PsMessage::Stop { reason } => {
+                out.push(if matches!(self, PsMessage::Reject { .. }) {
+                    REJECT
+                } else {
+                    STOP
+                });
+                out.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+                out.extend_from_slice(reason.as_bytes());
+            }
+        }
+        out
+    }
+
+    /// Parses a message from `from` (named in errors). Truncated or oversized payloads and
+    /// unknown kinds are errors, never panics.
+    pub fn decode(bytes: &[u8], from: usize) -> Result<Self> {
+        let mut r = Reader { bytes, at: 0, from };
+        let kind = r.u8()?;
+        let msg = match kind {
+            PULL => PsMessage::Pull,
+            PUSH => {
+                let version = r.u64()?;
+                let staleness = r.u32()?;
+                let samples = r.u32()?;
+                let loss = f32::from_le_bytes(r.take(4)?.try_into().map_err(|_| r.bad("loss"))?);
+                let delta = r.u8()? != 0;
+                let values = r.f32s()?;
+                PsMessage::Push {
+                    version,
+                    staleness,
+                    samples,
+                    loss,
+                    delta,
+                    values,
+                }
+            }
+            PARAMS => {
+                let version = r.u64()?;
+                let values = r.f32s()?;
+                PsMessage::Params { version, values }
+            }
+            REJECT | STOP => {
+                let len = r.u32()? as usize;
+                let reason = String::from_utf8_lossy(r.take(len)?).into_owned();
+                if kind == REJECT {
+                    PsMessage::Reject { reason }
+                } else {
+                    PsMessage::Stop { reason }
+                }
+            }
+            other => return Err(r.bad(&format!("unknown message kind {other}"))),
+        };
+        if r.at != bytes.len() {
+            return Err(r.bad(&format!(
+                "{} trailing bytes after a {} message",
+                bytes.len() - r.at,
+                msg.name()
+            )));
+        }
+        Ok(msg)
+    }
+}
+
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+    from: usize,
+}
+
+impl Reader<'_> {
+    fn bad(&self, what: &str) -> TrainError {
+        TrainError::Protocol {
+            peer: self.from,
+            message: format!("malformed parameter-server message: {what}"),
+        }
+    }
+
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let end = self.at.checked_add(n).filter(|e| *e <= self.bytes.len());
+        match end {
+            Some(end) => {
+                let s = &self.bytes[self.at..end];
+                self.at = end;
+                Ok(s)
+            }
+            None => Err(self.bad(&format!(
+                "truncated: needs {n} more bytes at offset {}, has {}",
+                self.at,
+                self.bytes.len() - self.at
+            ))),
+        }
+    }
+
+    fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u32(&mut self) -> Result<u32> {
+        let b = self.take(4)?;
+        Ok(u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+    }
+
+    fn u64(&mut self) -> Result<u64> {
+        let b = self.take(8)?;
+        let mut a = [0u8; 8];
+        a.copy_from_slice(b);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn f32s(&mut self) -> Result<Vec<f32>> {
+        let len = self.u64()? as usize;
+        let bytes = self.take(
+            len.checked_mul(4)
+                .ok_or_else(|| self.bad("length overflow"))?,
+        )?;
+        Ok(bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_message_round_trips() {
+        let msgs = [
+            PsMessage::Pull,
+            PsMessage::Push {
+                version: 7,
+                staleness: 2,
+                samples: 64,
+                loss: 0.25,
+                delta: true,
+                values: vec![1.0, -2.5, 3.25],
+            },
+            PsMessage::Params {
+                version: u64::MAX,
+                values: vec![],
+            },
+            PsMessage::Reject {
+                reason: "too stale".into(),
+            },
+            PsMessage::Stop {
+                reason: "target".into(),
+            },
+        ];
+        for m in msgs {
+            assert_eq!(PsMessage::decode(&m.encode(), 3).expect("decode"), m);
+        }
+    }
+
+    #[test]
+    fn malformed_messages_are_errors_naming_the_sender() {
+        let good = PsMessage::Params {
+            version: 1,
+            values: vec![1.0, 2.0],
+        }
+        .encode();
+        for bad in [&good[..good.len() - 1], &[][..], &[99u8][..]] {
+            let e = PsMessage::decode(bad, 5)
+                .expect_err("malformed")
+                .to_string();
+            assert!(e.contains("rank 5"), "{e}");
+        }
+        let mut long = good.clone();
+        long.push(0);
+        assert!(
+            PsMessage::decode(&long, 5)
+                .expect_err("trailing")
+                .to_string()
+                .contains("trailing")
+        );
+        // A length field that would overflow is an error, not a huge allocation.
+        let mut huge = vec![PARAMS];
+        huge.extend_from_slice(&1u64.to_le_bytes());
+        huge.extend_from_slice(&u64::MAX.to_le_bytes());
+        assert!(PsMessage::decode(&huge, 5).is_err());
+    }
+}

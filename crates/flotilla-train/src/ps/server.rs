@@ -1,0 +1,538 @@
+//! Parameter servers: the root (flat server or global server: owns the optimizer, evaluates,
+//! decides when to stop) and local servers (aggregate their workers for a parent), each
+//! `sync` (one averaged update per round, waiting for every child) or `async` (each push
+//! applied or forwarded on arrival).
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use flotilla_engine::Engine;
+
+use super::aggregate::{Accumulator, Admission, Mean, admit};
+use super::inbox::{Event, Inbox};
+use super::protocol::PsMessage;
+use super::{PsContext, send};
+use crate::error::{Result, TrainError};
+
+fn list(ranks: &BTreeSet<usize>) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Parameters and their version, as a server holds them.
+struct Params {
+    version: u64,
+    values: Vec<f32>,
+}
+
+impl Params {
+    fn message(&self) -> PsMessage {
+        PsMessage::Params {
+            version: self.version,
+            values: self.values.clone(),
+        }
+    }
+}
+
+/// How a run of the root ended.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RootOutcome {
+    /// Rounds completed (sync: updates; async: updates / children).
+    pub rounds: u64,
+    /// Updates applied.
+    pub updates: u64,
+    /// Why it stopped.
+    pub reason: String,
+    /// Children lost on the way (async only).
+    pub lost: Vec<usize>,
+    /// Largest staleness of an applied update.
+    pub max_staleness: u64,
+    /// Mean staleness of applied updates.
+    pub mean_staleness: f64,
+}
+
+/// Applies a mean push to the root's model: a gradient through the optimizer, a weight delta
+/// (model averaging) by addition.
+fn apply(
+    ctx: &mut PsContext<'_>,
+    params: &mut Params,
+    mean: &Mean,
+    lr: f64,
+    averaging: bool,
+) -> Result<()> {
+    if averaging {
+        for (p, d) in params.values.iter_mut().zip(&mean.values) {
+            *p += d;
+        }
+        ctx.engine.write_params(&params.values)?;
+    } else {
+        ctx.engine.apply_grads(&mean.values, lr)?;
+        ctx.engine.read_params(&mut params.values)?;
+    }
+    params.version += 1;
+    Ok(())
+}
+
+/// Handles a push that [`admit`] refused: logged, answered with `Reject`, nothing changed.
+fn reject(ctx: &mut PsContext<'_>, child: usize, reason: &str) -> Result<()> {
+    ctx.log(&format!("rejected push from rank {child}: {reason}"))?;
+    send(
+        ctx.comm,
+        child,
+        &PsMessage::Reject {
+            reason: reason.to_string(),
+        },
+    )
+}
+
+/// The root server of a flat or hierarchical topology.
+pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Result<RootOutcome> {
+    let n = ctx.engine.num_params();
+    let mut params = Params {
+        version: 0,
+        values: vec![0.0; n],
+    };
+    ctx.engine.read_params(&mut params.values)?;
+    let inbox = Inbox::listen(ctx.comm, children);
+    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
+    let averaging = ctx.config.local_steps > 1;
+    let total_rounds = ctx.rounds;
+    let base_lr = ctx.config.base_lr();
+    let admission = if sync {
+        Admission::Sync
+    } else {
+        Admission::Async {
+            max_staleness: ctx.config.max_staleness,
+        }
+    };
+    let mut active: BTreeSet<usize> = children.iter().copied().collect();
+    let mut lost = Vec::new();
+    let (mut rounds, mut updates) = (0u64, 0u64);
+    let (mut max_st, mut sum_st) = (0u64, 0u64);
+    let mut acc = Accumulator::new(n);
+    let mut pending = active.clone();
+    let mut round_started = Instant::now();
+    let mut wait = Duration::ZERO;
+    let mut stop_reason: Option<String> = None;
+    ctx.log(&format!(
+        "root server ({}) with children [{}], {} rounds",
+        if sync { "sync" } else { "async" },
+        list(&active),
+        total_rounds
+    ))?;
+
+    while stop_reason.is_none() {
+        let t = Instant::now();
+        let event = inbox.recv_until(Instant::now() + timeout);
+        wait += t.elapsed();
+        let Some(event) = event else {
+            let silent = if sync { &pending } else { &active };
+            return Err(TrainError::Peer {
+                peer: silent.first().copied().unwrap_or(0),
+                message: format!(
+                    "{} server at round {rounds}: no message from rank(s) {} within {:?}",
+                    if sync { "sync" } else { "async" },
+                    list(silent),
+                    timeout
+                ),
+            });
+        };
+        let (child, msg) = match event {
+            Event::Message(c, m) => (c, m),
+            Event::Malformed(c, e) => {
+                reject(ctx, c, &e.to_string())?;
+                continue;
+            }
+            Event::Lost(c, e) => {
+                if sync || !active.contains(&c) {
+                    if !active.contains(&c) {
+                        continue;
+                    }
+                    return Err(TrainError::Peer {
+                        peer: c,
+                        message: format!("rank {c} lost during sync round {rounds}: {e}"),
+                    });
+                }
+                active.remove(&c);
+                lost.push(c);
+                ctx.log(&format!(
+                    "rank {c} lost ({e}); async training continues with {} of {} children",
+                    active.len(),
+                    children.len()
+                ))?;
+                if active.is_empty() {
+                    return Err(TrainError::Peer {
+                        peer: c,
+                        message: "every child of the root server is lost".into(),
+                    });
+                }
+                continue;
+            }
+        };
+        match msg {
+            PsMessage::Pull => send(ctx.comm, child, &params.message())?,
+            PsMessage::Push {
+                version,
+                staleness: below,
+                samples,
+                loss,
+                delta,
+                values,
+            } => {
+                let staleness = match admit(
+                    admission,
+                    params.version,
+                    n,
+                    averaging,
+                    version,
+                    delta,
+                    &values,
+                ) {
+                    Ok(s) if sync && !pending.contains(&child) => {
+                        let _ = s;
+                        reject(ctx, child, "a second push in the same sync round")?;
+                        continue;
+                    }
+                    Ok(s) => s + u64::from(below),
+                    Err(reason) => {
+                        reject(ctx, child, &reason)?;
+                        continue;
+                    }
+                };
+                acc.add(samples, loss, version as f64 - f64::from(below), &values);
+                if sync {
+                    pending.remove(&child);
+                    if !pending.is_empty() {
+                        continue;
+                    }
+                }
+                let Some(mean) = acc.take() else { continue };
+                let lr_round = if sync {
+                    updates
+                } else {
+                    updates / children.len() as u64
+                };
+                let mut lr = ctx.config.lr_schedule.lr_at(
+                    base_lr,
+                    lr_round,
+                    total_rounds,
+                    ctx.config.warmup_steps,
+                );
+                if ctx.config.staleness_lr {
+                    lr /= 1.0 + staleness as f64;
+                }
+                let t = Instant::now();
+                apply(ctx, &mut params, &mean, lr, averaging)?;
+                let apply_s = t.elapsed();
+                updates += 1;
+                max_st = max_st.max(staleness);
+                sum_st += staleness;
+                let round_done = sync || updates % children.len() as u64 == 0;
+                if round_done {
+                    rounds += 1;
+                    ctx.log_quiet(&format!(
+                        "round {rounds} v{} loss={:.4} pushes={} wait={:.1}ms apply={:.1}ms round={:.1}ms",
+                        params.version,
+                        mean.loss,
+                        mean.pushes,
+                        wait.as_secs_f64() * 1e3,
+                        apply_s.as_secs_f64() * 1e3,
+                        round_started.elapsed().as_secs_f64() * 1e3
+                    ))?;
+                    ctx.observe_round(rounds, total_rounds, mean.loss);
+                    wait = Duration::ZERO;
+                    round_started = Instant::now();
+                    if rounds >= total_rounds {
+                        stop_reason = Some(format!("{rounds} rounds done"));
+                    }
+                    let eval_due = ctx.eval_every > 0 && rounds % ctx.eval_every == 0;
+                    if eval_due && stop_reason.is_none() {
+                        let acc_now = ctx.evaluate_and_log(rounds)?;
+                        if let Some(target) = ctx.config.target_accuracy
+                            && acc_now >= target
+                        {
+                            stop_reason = Some(format!(
+                                "test accuracy {acc_now:.4} reached target {target}"
+                            ));
+                        }
+                    }
+                }
+                if stop_reason.is_none() {
+                    if sync {
+                        let msg = params.message();
+                        for &c in &active {
+                            send(ctx.comm, c, &msg)?;
+                        }
+                        pending = active.clone();
+                    } else {
+                        send(ctx.comm, child, &params.message())?;
+                    }
+                }
+            }
+            other => {
+                return Err(TrainError::Protocol {
+                    peer: child,
+                    message: format!("a server expects pull or push, got {}", other.name()),
+                });
+            }
+        }
+    }
+    let reason = stop_reason.unwrap_or_default();
+    let stop = PsMessage::Stop {
+        reason: reason.clone(),
+    };
+    for &c in &active {
+        // A child that already left cannot be told; that is not an error at the end.
+        let _ = send(ctx.comm, c, &stop);
+    }
+    ctx.log(&format!("stopping: {reason}"))?;
+    Ok(RootOutcome {
+        rounds,
+        updates,
+        reason,
+        lost,
+        max_staleness: max_st,
+        mean_staleness: if updates > 0 {
+            sum_st as f64 / updates as f64
+        } else {
+            0.0
+        },
+    })
+}
+
+/// A local server: a server to `children` and a child of `parent`. Sync: one averaged push
+/// up per round of all children. Async: answers each child at once with the newest
+/// parameters it has, and pushes up the mean of what it gathered whenever its previous push
+/// has been answered.
+pub fn run_local(
+    ctx: &mut PsContext<'_>,
+    parent: usize,
+    children: &[usize],
+    sync: bool,
+) -> Result<u64> {
+    let n = ctx.engine.num_params();
+    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
+    let averaging = ctx.config.local_steps > 1;
+    let mut peers = children.to_vec();
+    peers.push(parent);
+    let inbox = Inbox::listen(ctx.comm, &peers);
+    let admission = if sync {
+        Admission::Sync
+    } else {
+        Admission::Async {
+            max_staleness: ctx.config.max_staleness,
+        }
+    };
+    ctx.log(&format!(
+        "local server ({}) under rank {parent} with children [{}]",
+        if sync { "sync" } else { "async" },
+        children
+            .iter()
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    ))?;
+    send(ctx.comm, parent, &PsMessage::Pull)?;
+    let mut params: Option<Params> = None;
+    let mut active: BTreeSet<usize> = children.iter().copied().collect();
+    let mut pending = active.clone();
+    let mut early_pulls: Vec<usize> = Vec::new();
+    let mut acc = Accumulator::new(n);
+    let mut outstanding = true; // the initial pull
+    let mut pushes_up = 0u64;
+    let mut round_started = Instant::now();
+
+    let push_up = |ctx: &mut PsContext<'_>, version: u64, mean: Mean| -> Result<()> {
+        // The staleness the mean already carries relative to the version it is pushed at.
+        let staleness = (version as f64 - mean.base_version).round().max(0.0) as u32;
+        send(
+            ctx.comm,
+            parent,
+            &PsMessage::Push {
+                version,
+                staleness,
+                samples: mean.samples.min(u32::MAX as u64) as u32,
+                loss: mean.loss,
+                delta: averaging,
+                values: mean.values,
+            },
+        )
+    };
+
+    loop {
+        let Some(event) = inbox.recv_until(Instant::now() + timeout) else {
+            let silent: BTreeSet<usize> = if outstanding {
+                [parent].into()
+            } else if sync {
+                pending.clone()
+            } else {
+                active.clone()
+            };
+            return Err(TrainError::Peer {
+                peer: silent.first().copied().unwrap_or(parent),
+                message: format!(
+                    "local server: no message from rank(s) {} within {:?}",
+                    list(&silent),
+                    timeout
+                ),
+            });
+        };
+        let (peer, msg) = match event {
+            Event::Message(p, m) => (p, m),
+            Event::Malformed(p, e) if p != parent => {
+                reject(ctx, p, &e.to_string())?;
+                continue;
+            }
+            Event::Malformed(p, e) => {
+                return Err(TrainError::Peer {
+                    peer: p,
+                    message: e.to_string(),
+                });
+            }
+            Event::Lost(p, e) => {
+                if p == parent || sync {
+                    return Err(TrainError::Peer {
+                        peer: p,
+                        message: format!("rank {p} lost: {e}"),
+                    });
+                }
+                if active.remove(&p) {
+                    ctx.log(&format!(
+                        "rank {p} lost ({e}); continuing with {} children",
+                        active.len()
+                    ))?;
+                }
+                if active.is_empty() {
+                    return Err(TrainError::Peer {
+                        peer: p,
+                        message: "every child of this local server is lost".into(),
+                    });
+                }
+                continue;
+            }
+        };
+        if peer == parent {
+            match msg {
+                PsMessage::Params { version, values } => {
+                    outstanding = false;
+                    let first = params.is_none();
+                    let p = Params { version, values };
+                    if sync || first {
+                        // Sync: the new round starts for everyone. Async: answer the
+                        // children that pulled before there was anything to give.
+                        let msg = p.message();
+                        let targets: Vec<usize> = if sync && !first {
+                            active.iter().copied().collect()
+                        } else {
+                            std::mem::take(&mut early_pulls)
+                        };
+                        for c in targets {
+                            send(ctx.comm, c, &msg)?;
+                        }
+                        pending = active.clone();
+                        ctx.log_quiet(&format!(
+                            "v{version} from rank {parent}; round {:.1}ms",
+                            round_started.elapsed().as_secs_f64() * 1e3
+                        ))?;
+                        round_started = Instant::now();
+                    }
+                    params = Some(p);
+                    if !sync && let Some(mean) = acc.take() {
+                        let v = params.as_ref().map_or(0, |p| p.version);
+                        push_up(ctx, v, mean)?;
+                        outstanding = true;
+                        pushes_up += 1;
+                    }
+                }
+                PsMessage::Stop { reason } => {
+                    let stop = PsMessage::Stop {
+                        reason: reason.clone(),
+                    };
+                    for &c in &active {
+                        let _ = send(ctx.comm, c, &stop);
+                    }
+                    ctx.log(&format!(
+                        "stop from rank {parent} ({reason}); pushed up {pushes_up} times"
+                    ))?;
+                    return Ok(pushes_up);
+                }
+                PsMessage::Reject { reason } => {
+                    ctx.log(&format!(
+                        "push rejected by rank {parent}: {reason}; pulling again"
+                    ))?;
+                    send(ctx.comm, parent, &PsMessage::Pull)?;
+                    outstanding = true;
+                }
+                other => {
+                    return Err(TrainError::Protocol {
+                        peer: parent,
+                        message: format!(
+                            "a local server expects params, stop or reject from its parent, got {}",
+                            other.name()
+                        ),
+                    });
+                }
+            }
+            continue;
+        }
+        let child = peer;
+        match msg {
+            PsMessage::Pull => match &params {
+                Some(p) => send(ctx.comm, child, &p.message())?,
+                None => early_pulls.push(child),
+            },
+            PsMessage::Push {
+                version,
+                staleness: below,
+                samples,
+                loss,
+                delta,
+                values,
+            } => {
+                let Some(current) = params.as_ref().map(|p| p.version) else {
+                    reject(ctx, child, "no parameters yet: pull first")?;
+                    continue;
+                };
+                match admit(admission, current, n, averaging, version, delta, &values) {
+                    Ok(_) if sync && !pending.contains(&child) => {
+                        reject(ctx, child, "a second push in the same sync round")?;
+                        continue;
+                    }
+                    Ok(_) => acc.add(samples, loss, version as f64 - f64::from(below), &values),
+                    Err(reason) => {
+                        reject(ctx, child, &reason)?;
+                        continue;
+                    }
+                }
+                if sync {
+                    pending.remove(&child);
+                    if pending.is_empty()
+                        && let Some(mean) = acc.take()
+                    {
+                        push_up(ctx, current, mean)?;
+                        outstanding = true;
+                        pushes_up += 1;
+                    }
+                } else {
+                    if let Some(p) = &params {
+                        send(ctx.comm, child, &p.message())?;
+                    }
+                    if !outstanding && let Some(mean) = acc.take() {
+                        push_up(ctx, current, mean)?;
+                        outstanding = true;
+                        pushes_up += 1;
+                    }
+                }
+            }
+            other => {
+                return Err(TrainError::Protocol {
+                    peer: child,
+                    message: format!("a server expects pull or push, got {}", other.name()),
+                });
+            }
+        }
+    }
+}
