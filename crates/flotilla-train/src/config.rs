@@ -276,12 +276,6 @@ impl TrainConfig {
             return Err(bad("num_server_rounds", "must be at least 1".into()));
         }
         let topology = self.topology()?;
-        if topology.num_shards() > 1 {
-            return Err(bad(
-                "servers",
-                "sharded parameter servers (servers > 1) are not implemented yet; use 1".into(),
-            ));
-        }
         if let Some(path) = &self.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
                 .map_err(|e| bad("inventory", e.to_string()))?;

@@ -442,6 +442,7 @@ fn run_parameter_servers(
     let (role, steps, train_loss) = match &outcome {
         ps::PsOutcome::Root(o) => ("root", o.rounds, f64::NAN),
         ps::PsOutcome::Local(pushes) => ("local-server", *pushes, f64::NAN),
+        ps::PsOutcome::Shard(updates) => ("shard-server", *updates, f64::NAN),
         ps::PsOutcome::Worker(w) => ("worker", w.rounds, w.loss as f64),
     };
     let mut summary = RunSummary {

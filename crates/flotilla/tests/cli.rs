@@ -669,6 +669,10 @@ fn hierarchical_async_and_model_averaging_train() {
             "arch: hierarchical\nglobal_server:\n  aggr_type: async\n  local_servers:\n    - {type: sync, num_workers: 1}\n    - {type: sync, num_workers: 1}\nnum_server_rounds: 150\nwarmup_steps: 0\nstaleness_lr: true\noptimizer: {name: sgd, lr: 0.05, momentum: 0.5}\n",
         ),
         (
+            "sharded-async",
+            "arch: flat\nservers: 2\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 150\nwarmup_steps: 0\noptimizer: {name: sgd, lr: 0.05, momentum: 0.5}\n",
+        ),
+        (
             "averaging",
             "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nlocal_steps: 4\nnum_server_rounds: 40\nwarmup_steps: 0\n",
         ),

@@ -124,6 +124,8 @@ pub enum PsOutcome {
     Root(server::RootOutcome),
     /// A local server: how many times it pushed up.
     Local(u64),
+    /// A shard server other than the root: updates applied.
+    Shard(u64),
     /// A worker.
     Worker(RoleSummary),
 }
@@ -157,15 +159,26 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
             .collect::<Vec<_>>()
             .join(", ")
     ))?;
+    let n = ctx.engine.num_params();
+    let shard_servers: Vec<usize> = topology
+        .servers()
+        .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
+        .map(|r| r.rank)
+        .collect();
+    let ranges = topology.shard_ranges(n);
     match role.kind {
         RoleKind::Worker { index } => {
-            let [parent] = role.parents.as_slice() else {
-                return Err(crate::TrainError::config(
-                    "topology",
-                    "sharded parameter servers (servers > 1) are not implemented yet",
-                ));
+            let ranges = if role.parents.len() == ranges.len() {
+                ranges
+            } else {
+                flotilla_cluster::balanced_ranges(n, 1)
             };
-            Ok(PsOutcome::Worker(worker::run(ctx, index, *parent)?))
+            Ok(PsOutcome::Worker(worker::run(
+                ctx,
+                index,
+                &role.parents,
+                &ranges,
+            )?))
         }
         RoleKind::LocalServer { .. } => {
             let parent = role.parents.first().copied().unwrap_or(0);
@@ -176,8 +189,24 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
                 sync.unwrap_or(true),
             )?))
         }
-        RoleKind::GlobalServer | RoleKind::ShardServer { .. } => Ok(PsOutcome::Root(
-            server::run_root(ctx, &role.children, sync.unwrap_or(true))?,
-        )),
+        RoleKind::ShardServer { shard } => {
+            let plan = server::ShardPlan {
+                index: shard,
+                ranges,
+                servers: shard_servers,
+            };
+            let outcome = server::run_server(ctx, &role.children, sync.unwrap_or(true), &plan)?;
+            Ok(if role.is_root() {
+                PsOutcome::Root(outcome)
+            } else {
+                PsOutcome::Shard(outcome.updates)
+            })
+        }
+        RoleKind::GlobalServer => Ok(PsOutcome::Root(server::run_server(
+            ctx,
+            &role.children,
+            sync.unwrap_or(true),
+            &server::ShardPlan::whole(n),
+        )?)),
     }
 }

@@ -8,6 +8,7 @@
 //!   len x f32`.
 //! - `Params`: `version: u64, len: u64, len x f32`.
 //! - `Reject` / `Stop`: `len: u32, len bytes of UTF-8 reason`.
+//! - `Gather`: `version: u64`.
 
 use crate::error::{Result, TrainError};
 
@@ -16,6 +17,7 @@ const PUSH: u8 = 2;
 const PARAMS: u8 = 3;
 const REJECT: u8 = 4;
 const STOP: u8 = 5;
+const GATHER: u8 = 6;
 
 /// One parameter-server message.
 #[derive(Debug, Clone, PartialEq)]
@@ -56,6 +58,12 @@ pub enum PsMessage {
         /// Why (target reached, rounds done, ...).
         reason: String,
     },
+    /// Root → shard server: send me your shard once it has reached `version` (for evaluation
+    /// and the checkpoint).
+    Gather {
+        /// The version the shard must have reached (0: whatever it has).
+        version: u64,
+    },
 }
 
 fn put_f32s(out: &mut Vec<u8>, values: &[f32]) {
@@ -75,6 +83,7 @@ impl PsMessage {
             PsMessage::Params { .. } => "params",
             PsMessage::Reject { .. } => "reject",
             PsMessage::Stop { .. } => "stop",
+            PsMessage::Gather { .. } => "gather",
         }
     }
 
@@ -103,6 +112,10 @@ impl PsMessage {
                 out.push(PARAMS);
                 out.extend_from_slice(&version.to_le_bytes());
                 put_f32s(&mut out, values);
+            }
+            PsMessage::Gather { version } => {
+                out.push(GATHER);
+                out.extend_from_slice(&version.to_le_bytes());
             }
             PsMessage::Reject { reason } | PsMessage::Stop { reason } => {
                 out.push(if matches!(self, PsMessage::Reject { .. }) {
@@ -145,6 +158,7 @@ impl PsMessage {
                 let values = r.f32s()?;
                 PsMessage::Params { version, values }
             }
+            GATHER => PsMessage::Gather { version: r.u64()? },
             REJECT | STOP => {
                 let len = r.u32()? as usize;
                 let reason = String::from_utf8_lossy(r.take(len)?).into_owned();
@@ -252,6 +266,7 @@ mod tests {
             PsMessage::Stop {
                 reason: "target".into(),
             },
+            PsMessage::Gather { version: 12 },
         ];
         for m in msgs {
             assert_eq!(PsMessage::decode(&m.encode(), 3).expect("decode"), m);

@@ -4,6 +4,7 @@
 //! applied or forwarded on arrival).
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use flotilla_engine::Engine;
@@ -54,25 +55,153 @@ pub struct RootOutcome {
     pub mean_staleness: f64,
 }
 
-/// Applies a mean push to the root's model: a gradient through the optimizer, a weight delta
-/// (model averaging) by addition.
-fn apply(
-    ctx: &mut PsContext<'_>,
-    params: &mut Params,
-    mean: &Mean,
-    lr: f64,
-    averaging: bool,
-) -> Result<()> {
-    if averaging {
-        for (p, d) in params.values.iter_mut().zip(&mean.values) {
-            *p += d;
+/// The part of the parameters a server owns: all of them, or one shard of a flat topology
+/// whose parameters are split across `servers` by balanced ranges.
+#[derive(Debug, Clone)]
+pub struct ShardPlan {
+    /// Which shard this server holds.
+    pub index: usize,
+    /// Every shard's range of the flat parameter buffer.
+    pub ranges: Vec<Range<usize>>,
+    /// The rank of every shard server, index-aligned with `ranges` (rank 0 is shard 0, the root).
+    pub servers: Vec<usize>,
+}
+
+impl ShardPlan {
+    /// One server holding all `n` parameters.
+    pub fn whole(n: usize) -> Self {
+        Self {
+            index: 0,
+            ranges: flotilla_cluster::balanced_ranges(n, 1),
+            servers: vec![0],
         }
-        ctx.engine.write_params(&params.values)?;
-    } else {
-        ctx.engine.apply_grads(&mean.values, lr)?;
-        ctx.engine.read_params(&mut params.values)?;
     }
-    params.version += 1;
+
+    fn range(&self) -> Range<usize> {
+        self.ranges[self.index].clone()
+    }
+}
+
+/// A server's model state: its shard of the parameters, the full flat buffer the engine
+/// holds, and a reusable full-length gradient.
+struct Model {
+    params: Params,
+    full: Vec<f32>,
+    grad: Vec<f32>,
+    range: Range<usize>,
+}
+
+impl Model {
+    fn new(ctx: &PsContext<'_>, range: Range<usize>) -> Result<Self> {
+        let n = ctx.engine.num_params();
+        let mut full = vec![0.0; n];
+        ctx.engine.read_params(&mut full)?;
+        Ok(Self {
+            params: Params {
+                version: 0,
+                values: full[range.clone()].to_vec(),
+            },
+            full,
+            grad: vec![0.0; n],
+            range,
+        })
+    }
+
+    /// Applies a mean push to the shard: a gradient through the engine's optimizer (zero
+    /// outside the shard), a weight delta (model averaging) by addition.
+    fn apply(
+        &mut self,
+        ctx: &mut PsContext<'_>,
+        mean: &Mean,
+        lr: f64,
+        averaging: bool,
+    ) -> Result<()> {
+        if averaging {
+            for (p, d) in self.params.values.iter_mut().zip(&mean.values) {
+                *p += d;
+            }
+            self.full[self.range.clone()].copy_from_slice(&self.params.values);
+            ctx.engine.write_params(&self.full)?;
+        } else {
+            self.grad[self.range.clone()].copy_from_slice(&mean.values);
+            ctx.engine.apply_grads(&self.grad, lr)?;
+            ctx.engine.read_params(&mut self.full)?;
+            self.params
+                .values
+                .copy_from_slice(&self.full[self.range.clone()]);
+        }
+        self.params.version += 1;
+        Ok(())
+    }
+}
+
+/// The root collects every other shard (at `version` or later; 0 for whatever they have)
+/// into its engine, so that it
+/// evaluates and checkpoints the whole model.
+fn gather(
+    ctx: &mut PsContext<'_>,
+    shard: &ShardPlan,
+    inbox: Option<&Inbox>,
+    model: &mut Model,
+    version: u64,
+) -> Result<()> {
+    let Some(inbox) = inbox else { return Ok(()) };
+    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
+    for &rank in &shard.servers[1..] {
+        send(ctx.comm, rank, &PsMessage::Gather { version })?;
+    }
+    let mut missing: BTreeSet<usize> = shard.servers[1..].iter().copied().collect();
+    let deadline = Instant::now() + timeout;
+    while !missing.is_empty() {
+        match inbox.recv_until(deadline) {
+            None => {
+                return Err(TrainError::Peer {
+                    peer: missing.first().copied().unwrap_or(0),
+                    message: format!(
+                        "shard server(s) {} did not send their shard within {timeout:?}",
+                        list(&missing)
+                    ),
+                });
+            }
+            Some(Event::Message(rank, PsMessage::Params { values, .. })) => {
+                let Some(i) = shard.servers.iter().position(|r| *r == rank) else {
+                    continue;
+                };
+                let range = shard.ranges[i].clone();
+                if values.len() != range.len() {
+                    return Err(TrainError::Protocol {
+                        peer: rank,
+                        message: format!(
+                            "shard of {} values, expected {}",
+                            values.len(),
+                            range.len()
+                        ),
+                    });
+                }
+                model.full[range].copy_from_slice(&values);
+                missing.remove(&rank);
+            }
+            Some(Event::Message(rank, other)) => {
+                return Err(TrainError::Protocol {
+                    peer: rank,
+                    message: format!("the root expects a shard, got {}", other.name()),
+                });
+            }
+            Some(Event::Malformed(rank, e)) => {
+                return Err(TrainError::Peer {
+                    peer: rank,
+                    message: e.to_string(),
+                });
+            }
+            Some(Event::Lost(rank, e)) => {
+                return Err(TrainError::Peer {
+                    peer: rank,
+                    message: format!("shard server rank {rank} lost: {e}"),
+                });
+            }
+        }
+    }
+    ctx.engine.write_params(&model.full)?;
     Ok(())
 }
 
@@ -88,15 +217,28 @@ fn reject(ctx: &mut PsContext<'_>, child: usize, reason: &str) -> Result<()> {
     )
 }
 
-/// The root server of a flat or hierarchical topology.
-pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Result<RootOutcome> {
-    let n = ctx.engine.num_params();
-    let mut params = Params {
-        version: 0,
-        values: vec![0.0; n],
-    };
-    ctx.engine.read_params(&mut params.values)?;
-    let inbox = Inbox::listen(ctx.comm, children);
+/// A server with workers or local servers as children that owns (a shard of) the model:
+/// the root (flat server, shard 0 of a sharded flat topology, or the global server) or
+/// another shard server of a sharded flat topology. The root evaluates, decides when to stop,
+/// and gathers the other shards for evaluation and the checkpoint; the other shard servers
+/// stop when the root says so.
+pub fn run_server(
+    ctx: &mut PsContext<'_>,
+    children: &[usize],
+    sync: bool,
+    shard: &ShardPlan,
+) -> Result<RootOutcome> {
+    let is_root = shard.index == 0;
+    let root = shard.servers[0];
+    let mut model = Model::new(ctx, shard.range())?;
+    let n = model.params.values.len();
+    let mut peers = children.to_vec();
+    if !is_root {
+        peers.push(root);
+    }
+    let inbox = Inbox::listen(ctx.comm, &peers);
+    let shard_inbox =
+        (is_root && shard.servers.len() > 1).then(|| Inbox::listen(ctx.comm, &shard.servers[1..]));
     let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
     let averaging = ctx.config.local_steps > 1;
     let total_rounds = ctx.rounds;
@@ -117,9 +259,17 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
     let mut round_started = Instant::now();
     let mut wait = Duration::ZERO;
     let mut stop_reason: Option<String> = None;
+    let mut gather_wait: Option<u64> = None;
     ctx.log(&format!(
-        "root server ({}) with children [{}], {} rounds",
+        "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
+        if is_root {
+            "root server"
+        } else {
+            "shard server"
+        },
         if sync { "sync" } else { "async" },
+        shard.range(),
+        ctx.engine.num_params(),
         list(&active),
         total_rounds
     ))?;
@@ -141,14 +291,51 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
             });
         };
         let (child, msg) = match event {
+            Event::Message(c, m) if c == root && !is_root => {
+                match m {
+                    PsMessage::Stop { reason } => stop_reason = Some(reason),
+                    PsMessage::Gather { version } if model.params.version >= version => {
+                        send(ctx.comm, root, &model.params.message())?;
+                    }
+                    PsMessage::Gather { version } => gather_wait = Some(version),
+                    other => {
+                        return Err(TrainError::Protocol {
+                            peer: root,
+                            message: format!(
+                                "a shard server expects stop or gather from the root, got {}",
+                                other.name()
+                            ),
+                        });
+                    }
+                }
+                continue;
+            }
             Event::Message(c, m) => (c, m),
+            Event::Malformed(c, e) if c == root && !is_root => {
+                return Err(TrainError::Peer {
+                    peer: c,
+                    message: e.to_string(),
+                });
+            }
             Event::Malformed(c, e) => {
                 reject(ctx, c, &e.to_string())?;
                 continue;
             }
+            Event::Lost(c, e) if c == root && !is_root => {
+                return Err(TrainError::Peer {
+                    peer: c,
+                    message: format!("root server rank {c} lost: {e}"),
+                });
+            }
             Event::Lost(c, e) => {
-                if sync || !active.contains(&c) {
-                    if !active.contains(&c) {
+                if !active.contains(&c) {
+                    continue;
+                }
+                if sync {
+                    // A shard server may see a worker leave because the root has just told
+                    // everyone to stop: that stop must then arrive soon.
+                    if !is_root && let Some(reason) = await_stop(&inbox, root, timeout) {
+                        stop_reason = Some(reason);
                         continue;
                     }
                     return Err(TrainError::Peer {
@@ -164,16 +351,20 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
                     children.len()
                 ))?;
                 if active.is_empty() {
+                    if !is_root && let Some(reason) = await_stop(&inbox, root, timeout) {
+                        stop_reason = Some(reason);
+                        continue;
+                    }
                     return Err(TrainError::Peer {
                         peer: c,
-                        message: "every child of the root server is lost".into(),
+                        message: "every child of this server is lost".into(),
                     });
                 }
                 continue;
             }
         };
         match msg {
-            PsMessage::Pull => send(ctx.comm, child, &params.message())?,
+            PsMessage::Pull => send(ctx.comm, child, &model.params.message())?,
             PsMessage::Push {
                 version,
                 staleness: below,
@@ -184,15 +375,14 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
             } => {
                 let staleness = match admit(
                     admission,
-                    params.version,
+                    model.params.version,
                     n,
                     averaging,
                     version,
                     delta,
                     &values,
                 ) {
-                    Ok(s) if sync && !pending.contains(&child) => {
-                        let _ = s;
+                    Ok(_) if sync && !pending.contains(&child) => {
                         reject(ctx, child, "a second push in the same sync round")?;
                         continue;
                     }
@@ -225,31 +415,39 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
                     lr /= 1.0 + staleness as f64;
                 }
                 let t = Instant::now();
-                apply(ctx, &mut params, &mean, lr, averaging)?;
+                model.apply(ctx, &mean, lr, averaging)?;
                 let apply_s = t.elapsed();
                 updates += 1;
                 max_st = max_st.max(staleness);
                 sum_st += staleness;
-                let round_done = sync || updates % children.len() as u64 == 0;
+                if gather_wait.is_some_and(|v| model.params.version >= v) {
+                    gather_wait = None;
+                    send(ctx.comm, root, &model.params.message())?;
+                }
+                let round_done = sync || updates.is_multiple_of(children.len() as u64);
                 if round_done {
                     rounds += 1;
                     ctx.log_quiet(&format!(
                         "round {rounds} v{} loss={:.4} pushes={} wait={:.1}ms apply={:.1}ms round={:.1}ms",
-                        params.version,
+                        model.params.version,
                         mean.loss,
                         mean.pushes,
                         wait.as_secs_f64() * 1e3,
                         apply_s.as_secs_f64() * 1e3,
                         round_started.elapsed().as_secs_f64() * 1e3
                     ))?;
-                    ctx.observe_round(rounds, total_rounds, mean.loss);
+                    if is_root {
+                        ctx.observe_round(rounds, total_rounds, mean.loss);
+                    }
                     wait = Duration::ZERO;
                     round_started = Instant::now();
-                    if rounds >= total_rounds {
+                    if is_root && rounds >= total_rounds {
                         stop_reason = Some(format!("{rounds} rounds done"));
                     }
-                    let eval_due = ctx.eval_every > 0 && rounds % ctx.eval_every == 0;
-                    if eval_due && stop_reason.is_none() {
+                    let eval_due = ctx.eval_every > 0 && rounds.is_multiple_of(ctx.eval_every);
+                    if is_root && eval_due && stop_reason.is_none() {
+                        let v = if sync { model.params.version } else { 0 };
+                        gather(ctx, shard, shard_inbox.as_ref(), &mut model, v)?;
                         let acc_now = ctx.evaluate_and_log(rounds)?;
                         if let Some(target) = ctx.config.target_accuracy
                             && acc_now >= target
@@ -262,13 +460,13 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
                 }
                 if stop_reason.is_none() {
                     if sync {
-                        let msg = params.message();
+                        let msg = model.params.message();
                         for &c in &active {
                             send(ctx.comm, c, &msg)?;
                         }
                         pending = active.clone();
                     } else {
-                        send(ctx.comm, child, &params.message())?;
+                        send(ctx.comm, child, &model.params.message())?;
                     }
                 }
             }
@@ -284,6 +482,15 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
     let stop = PsMessage::Stop {
         reason: reason.clone(),
     };
+    if is_root {
+        // The other shards, for the checkpoint, while their servers still run; then everyone
+        // is told to stop, the shard servers first.
+        let v = if sync { model.params.version } else { 0 };
+        gather(ctx, shard, shard_inbox.as_ref(), &mut model, v)?;
+        for &rank in &shard.servers[1..] {
+            let _ = send(ctx.comm, rank, &stop);
+        }
+    }
     for &c in &active {
         // A child that already left cannot be told; that is not an error at the end.
         let _ = send(ctx.comm, c, &stop);
@@ -301,6 +508,20 @@ pub fn run_root(ctx: &mut PsContext<'_>, children: &[usize], sync: bool) -> Resu
             0.0
         },
     })
+}
+
+/// Waits (up to `timeout`) for the root's stop, ignoring everything else; its reason if it
+/// came.
+fn await_stop(inbox: &Inbox, root: usize, timeout: Duration) -> Option<String> {
+    let deadline = Instant::now() + timeout;
+    while let Some(event) = inbox.recv_until(deadline) {
+        if let Event::Message(r, PsMessage::Stop { reason }) = event
+            && r == root
+        {
+            return Some(reason);
+        }
+    }
+    None
 }
 
 /// A local server: a server to `children` and a child of `parent`. Sync: one averaged push

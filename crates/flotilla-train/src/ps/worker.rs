@@ -12,8 +12,15 @@ use super::{PsContext, RoleSummary, send};
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 
-/// Runs worker number `index` (of `ctx.num_workers`) under the server `parent`.
-pub fn run(ctx: &mut PsContext<'_>, index: usize, parent: usize) -> Result<RoleSummary> {
+/// Runs worker number `index` (of `ctx.num_workers`) under its server(s): `parents[i]` holds
+/// the parameters of `ranges[i]` (one parent holding everything, or the shard servers of a
+/// sharded flat topology).
+pub fn run(
+    ctx: &mut PsContext<'_>,
+    index: usize,
+    parents: &[usize],
+    ranges: &[std::ops::Range<usize>],
+) -> Result<RoleSummary> {
     let n = ctx.engine.num_params();
     let sampler = DistributedSampler::new(
         ctx.train.len(),
@@ -43,44 +50,83 @@ pub fn run(ctx: &mut PsContext<'_>, index: usize, parent: usize) -> Result<RoleS
     let (mut compute, mut push, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = f32::NAN;
 
-    send(ctx.comm, parent, &PsMessage::Pull)?;
+    let mut params = vec![0.0f32; n];
+    let mut versions = vec![0u64; parents.len()];
+    for &p in parents {
+        send(ctx.comm, p, &PsMessage::Pull)?;
+    }
+    // A parent other than the first that cannot be reached may just have stopped: the
+    // first parent (the root, for shards) then has a stop for this worker too.
+    let mut unreachable: Option<TrainError> = None;
     loop {
         let t = Instant::now();
-        let bytes = ctx.comm.recv_from(parent)?;
+        for (i, &parent) in parents.iter().enumerate() {
+            if unreachable.is_some() && i > 0 {
+                break;
+            }
+            loop {
+                let bytes = match ctx.comm.recv_from(parent) {
+                    Ok(b) => b,
+                    Err(e) if i > 0 => {
+                        unreachable = Some(e.into());
+                        break;
+                    }
+                    Err(e) => return Err(e.into()),
+                };
+                match PsMessage::decode(&bytes, parent)? {
+                    PsMessage::Params { version, values } => {
+                        let range = ranges[i].clone();
+                        if values.len() != range.len() {
+                            return Err(TrainError::Protocol {
+                                peer: parent,
+                                message: format!(
+                                    "sent {} parameters, this worker expects {} from it",
+                                    values.len(),
+                                    range.len()
+                                ),
+                            });
+                        }
+                        params[range].copy_from_slice(&values);
+                        versions[i] = version;
+                        break;
+                    }
+                    PsMessage::Stop { reason } => {
+                        wait += t.elapsed();
+                        ctx.log(&format!(
+                            "stop from rank {parent} ({reason}) after {rounds} rounds; compute {:.1}s push {:.1}s wait {:.1}s",
+                            compute.as_secs_f64(),
+                            push.as_secs_f64(),
+                            wait.as_secs_f64()
+                        ))?;
+                        return Ok(RoleSummary {
+                            rounds,
+                            loss: last_loss,
+                        });
+                    }
+                    PsMessage::Reject { reason } => {
+                        ctx.log(&format!(
+                            "push rejected by rank {parent}: {reason}; pulling again"
+                        ))?;
+                        send(ctx.comm, parent, &PsMessage::Pull)?;
+                    }
+                    other => {
+                        return Err(TrainError::Protocol {
+                            peer: parent,
+                            message: format!(
+                                "a worker expects params, stop or reject, got {}",
+                                other.name()
+                            ),
+                        });
+                    }
+                }
+            }
+        }
         wait += t.elapsed();
-        let (version, values) = match PsMessage::decode(&bytes, parent)? {
-            PsMessage::Params { version, values } => (version, values),
-            PsMessage::Stop { reason } => {
-                ctx.log(&format!(
-                    "stop from rank {parent} ({reason}) after {rounds} rounds; compute {:.1}s push {:.1}s wait {:.1}s",
-                    compute.as_secs_f64(),
-                    push.as_secs_f64(),
-                    wait.as_secs_f64()
-                ))?;
-                return Ok(RoleSummary {
-                    rounds,
-                    loss: last_loss,
-                });
-            }
-            PsMessage::Reject { reason } => {
-                ctx.log(&format!(
-                    "push rejected by rank {parent}: {reason}; pulling again"
-                ))?;
-                send(ctx.comm, parent, &PsMessage::Pull)?;
-                continue;
-            }
-            other => {
-                return Err(TrainError::Protocol {
-                    peer: parent,
-                    message: format!(
-                        "a worker expects params, stop or reject, got {}",
-                        other.name()
-                    ),
-                });
-            }
-        };
+        if let Some(e) = unreachable.take() {
+            return Err(e);
+        }
         let t = Instant::now();
-        ctx.engine.write_params(&values)?;
+        ctx.engine.write_params(&params)?;
         let mut loss_sum = 0.0f32;
         for _ in 0..local_steps {
             if next == batches.len() {
@@ -106,7 +152,7 @@ pub fn run(ctx: &mut PsContext<'_>, index: usize, parent: usize) -> Result<RoleS
         }
         if averaging {
             ctx.engine.read_params(&mut local)?;
-            for ((d, l), g) in grad.iter_mut().zip(&local).zip(&values) {
+            for ((d, l), g) in grad.iter_mut().zip(&local).zip(&params) {
                 *d = l - g;
             }
         }
@@ -117,24 +163,30 @@ pub fn run(ctx: &mut PsContext<'_>, index: usize, parent: usize) -> Result<RoleS
         last_loss = loss_sum / local_steps as f32;
         compute += t.elapsed();
         let t = Instant::now();
-        let msg = PsMessage::Push {
-            version,
-            staleness: 0,
-            samples: (batch * local_steps) as u32,
-            loss: last_loss,
-            delta: averaging,
-            values: std::mem::take(&mut grad),
-        };
-        send(ctx.comm, parent, &msg)?;
-        if let PsMessage::Push { values, .. } = msg {
-            grad = values;
-            grad.resize(n, 0.0);
+        for (i, &parent) in parents.iter().enumerate() {
+            let msg = PsMessage::Push {
+                version: versions[i],
+                staleness: 0,
+                samples: (batch * local_steps) as u32,
+                loss: last_loss,
+                delta: averaging,
+                values: grad[ranges[i].start.min(grad.len())..ranges[i].end.min(grad.len())]
+                    .to_vec(),
+            };
+            if let Err(e) = send(ctx.comm, parent, &msg) {
+                if i == 0 {
+                    return Err(e);
+                }
+                unreachable = Some(e);
+            }
         }
+        grad.resize(n, 0.0);
         push += t.elapsed();
         rounds += 1;
         if rounds.is_multiple_of(100) {
             ctx.log_quiet(&format!(
-                "round {rounds} v{version} loss={last_loss:.4} compute {:.2}s push {:.2}s wait {:.2}s",
+                "round {rounds} v{} loss={last_loss:.4} compute {:.2}s push {:.2}s wait {:.2}s",
+                versions[0],
                 compute.as_secs_f64(),
                 push.as_secs_f64(),
                 wait.as_secs_f64()
