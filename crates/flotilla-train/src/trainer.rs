@@ -470,7 +470,7 @@ fn run_parameter_servers(
             o.mean_staleness,
             o.lost.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
             stats.bytes_received as f64 / o.rounds.max(1) as f64,
-            o.updates as f64 / wall_s.max(1e-9)
+            o.updates.saturating_sub(1) as f64 / o.busy_s.max(1e-9)
         ))?;
         let state = CheckpointState {
             step: o.rounds,

@@ -24,6 +24,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Allreduce(args) => allreduce(&args),
         BenchCommand::AllreduceWorker(args) => allreduce_worker(&args),
         BenchCommand::Step(args) => step(&args),
+        BenchCommand::Ps(args) => crate::bench_ps::run(&args),
     }
 }
 

@@ -121,6 +121,9 @@ pub enum BenchCommand {
     Allreduce(BenchAllreduceArgs),
     /// Samples per second of one training step (forward, backward, optimizer).
     Step(BenchStepArgs),
+    /// Parameter-server topologies: updates/s and bytes received at the root (flat vs
+    /// hierarchical vs sharded), or time to a target accuracy for every combination.
+    Ps(BenchPsArgs),
     /// Internal: one rank of `bench allreduce`.
     #[command(hide = true)]
     AllreduceWorker(BenchAllreduceArgs),
@@ -158,4 +161,26 @@ pub struct BenchStepArgs {
     /// Timed steps per case (after 5 warm-up steps).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
+}
+
+/// `flotilla bench ps`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchPsArgs {
+    /// Worker counts to measure, e.g. `2,4,8`.
+    #[arg(short = 'n', long, value_delimiter = ',', default_value = "2,4,8")]
+    pub workers: Vec<usize>,
+    /// Server rounds per throughput run.
+    #[arg(long, default_value_t = 200)]
+    pub rounds: u64,
+    /// Samples per worker push.
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Model.
+    #[arg(long, default_value = "lenet5")]
+    pub model: String,
+    /// Instead of throughput: run every topology combination (flat sync/async, hierarchical
+    /// sync/sync, sync/async, async/async, sharded, model averaging) with 4 workers until
+    /// this test accuracy, and report the time.
+    #[arg(long)]
+    pub time_to_accuracy: Option<f64>,
 }

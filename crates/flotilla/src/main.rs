@@ -1,6 +1,7 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
 
 mod bench;
+mod bench_ps;
 mod cli;
 mod launch;
 mod progress;

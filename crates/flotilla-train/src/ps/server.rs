@@ -53,6 +53,8 @@ pub struct RootOutcome {
     pub max_staleness: u64,
     /// Mean staleness of applied updates.
     pub mean_staleness: f64,
+    /// Seconds from the first update to the stop (the server loop, without start-up).
+    pub busy_s: f64,
 }
 
 /// The part of the parameters a server owns: all of them, or one shard of a flat topology
@@ -260,6 +262,7 @@ pub fn run_server(
     let mut wait = Duration::ZERO;
     let mut stop_reason: Option<String> = None;
     let mut gather_wait: Option<u64> = None;
+    let mut first_update: Option<Instant> = None;
     ctx.log(&format!(
         "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
         if is_root {
@@ -415,6 +418,7 @@ pub fn run_server(
                     lr /= 1.0 + staleness as f64;
                 }
                 let t = Instant::now();
+                first_update.get_or_insert(t);
                 model.apply(ctx, &mean, lr, averaging)?;
                 let apply_s = t.elapsed();
                 updates += 1;
@@ -507,6 +511,7 @@ pub fn run_server(
         } else {
             0.0
         },
+        busy_s: first_update.map_or(0.0, |t| t.elapsed().as_secs_f64()),
     })
 }
 
