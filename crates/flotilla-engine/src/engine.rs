@@ -153,11 +153,11 @@ impl BurnEngine {
 
     fn model(&self) -> Result<&SequentialModel> {
         // The model is only taken out for the duration of a call that puts it back.
-        self.model.as_ref().ok_or(EngineError::NoGradients)
+        self.model.as_ref().ok_or(EngineError::ModelUnavailable)
     }
 
     fn take_model(&mut self) -> Result<SequentialModel> {
-        self.model.take().ok_or(EngineError::NoGradients)
+        self.model.take().ok_or(EngineError::ModelUnavailable)
     }
 
     fn check_batch(&self, images: &[f32], labels: &[i64]) -> Result<usize> {

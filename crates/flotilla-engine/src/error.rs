@@ -37,6 +37,9 @@ pub enum EngineError {
     /// A batch whose buffers do not fit its declared size.
     #[error("batch: {0}")]
     Batch(String),
+    /// The model is not available (a previous engine call failed while holding it).
+    #[error("the model is unavailable after an earlier failure")]
+    ModelUnavailable,
     /// No gradients are available (no backward pass since the last step).
     #[error("no gradients: call forward_backward before reading or applying gradients")]
     NoGradients,

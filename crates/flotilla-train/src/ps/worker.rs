@@ -50,6 +50,7 @@ pub fn run(
     let (mut compute, mut push, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
     let mut last_loss = f32::NAN;
 
+    let layout = ctx.engine.layout().clone();
     let mut params = vec![0.0f32; n];
     let mut versions = vec![0u64; parents.len()];
     for &p in parents {
@@ -140,7 +141,6 @@ pub fn run(
                 images: &images,
                 labels: &labels,
             })?;
-            let layout = ctx.engine.layout().clone();
             ctx.engine.for_each_grad(&mut |i, g| {
                 let p = &layout.params[i];
                 grad[p.offset..p.offset + p.len].copy_from_slice(g);
