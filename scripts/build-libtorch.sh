@@ -85,7 +85,12 @@ if [ ! -d data/mnist ] || [ -z "$(ls -A data/mnist 2>/dev/null)" ]; then
     echo "note: data/mnist is empty or missing; the launch below uses the config's default data" >&2
 fi
 rm -rf "$OUTPUT"
-echo "== $BIN launch -n 1 --device libtorch --max-steps $STEPS --output $OUTPUT"
+# `--threads 1` (launch's default) only sets RAYON_NUM_THREADS; libtorch sizes its OpenMP pool
+# from OMP_NUM_THREADS (default: all cores). Pin it to 1 thread per rank like flex: with 2
+# OpenMP threads on a 2-core machine that is also busy with anything else, libtorch steps
+# collapse (measured: 117 samples/s instead of ~6-12k). Override with OMP_NUM_THREADS=2.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+echo "== OMP_NUM_THREADS=$OMP_NUM_THREADS $BIN launch -n 1 --device libtorch --max-steps $STEPS --output $OUTPUT"
 "$BIN" launch -n 1 --device libtorch --max-steps "$STEPS" --output "$OUTPUT"
 echo "== throughput lines from the run log"
 grep -rh "samples/s\|samples_per_s" "$OUTPUT" 2>/dev/null | tail -5 || true

@@ -10,16 +10,12 @@ compile_error!(
 
 /// Views an `f32` slice as its little-endian bytes (no copy).
 pub(crate) fn f32_bytes(s: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and every byte is initialised; u8 has alignment 1; the
-    // length in bytes is exactly 4 * len and cannot overflow since the slice exists.
-    unsafe { std::slice::from_raw_parts(s.as_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+    bytemuck::cast_slice(s)
 }
 
 /// Views a mutable `f32` slice as bytes (no copy). Any byte pattern is a valid f32.
 pub(crate) fn f32_bytes_mut(s: &mut [f32]) -> &mut [u8] {
-    // SAFETY: as above; additionally every bit pattern written through the byte view is a
-    // valid f32, and the returned borrow keeps `s` exclusively borrowed.
-    unsafe { std::slice::from_raw_parts_mut(s.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(s)) }
+    bytemuck::cast_slice_mut(s)
 }
 
 /// A small free list of byte buffers so that the hot receive path does not allocate.

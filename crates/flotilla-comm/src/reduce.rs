@@ -3,10 +3,8 @@
 /// `dst[i] += src[i]` where `src` holds little-endian f32 bytes (`src.len() == 4 * dst.len()`).
 pub(crate) fn add_assign_le_bytes(dst: &mut [f32], src: &[u8]) {
     debug_assert_eq!(src.len(), dst.len() * 4);
-    // SAFETY: every bit pattern is a valid f32, so reinterpreting aligned bytes is sound.
-    let (pre, mid, post) = unsafe { src.align_to::<f32>() };
-    if pre.is_empty() && post.is_empty() {
-        add_assign(dst, mid);
+    if let Ok(aligned) = bytemuck::try_cast_slice::<u8, f32>(src) {
+        add_assign(dst, aligned);
     } else {
         for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
             *d += f32::from_le_bytes([s[0], s[1], s[2], s[3]]);

@@ -16,6 +16,9 @@ use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
 use crate::spec::{ModelSpec, Shape};
 
+/// Serialises seeded initialisation (see [`BurnEngine::new`]).
+static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 /// One batch of samples in flat buffers.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchRef<'a> {
@@ -126,13 +129,21 @@ impl BurnEngine {
         let base_device = device_by_name(device_name)?;
         let device = base_device.clone().autodiff();
         let input = spec.input_shape()?;
-        device.seed(seed);
-        let model = params::renumber(SequentialModel::new(spec, &device)?);
-        let layout = ParamLayout::of(&model);
-        // Materialise every lazily initialised parameter now, in flat order, so that the
-        // values depend on the seed alone and not on the order of first use.
-        let mut scratch = vec![0.0; layout.total];
-        params::read_params(&model, &layout, &mut scratch)?;
+        // The backend's RNG may be process-wide: seeding and drawing the initial values happen
+        // under one lock, so that engines built concurrently still depend on their seed alone.
+        let (model, layout) = {
+            let _guard = INIT_LOCK
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            device.seed(seed);
+            let model = params::renumber(SequentialModel::new(spec, &device)?);
+            let layout = ParamLayout::of(&model);
+            // Materialise every lazily initialised parameter now, in flat order, so that the
+            // values depend on the seed alone and not on the order of first use.
+            let mut scratch = vec![0.0; layout.total];
+            params::read_params(&model, &layout, &mut scratch)?;
+            (model, layout)
+        };
         Ok(Self {
             spec: spec.clone(),
             input,

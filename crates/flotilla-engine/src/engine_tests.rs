@@ -154,7 +154,8 @@ fn gradients_match_finite_differences() {
                 |m, (k, v)| if v.abs() > m.1 { (k, v.abs()) } else { m },
             );
         let i = info.offset + k;
-        let h = 1e-2f32;
+        // Small enough not to cross ReLU kinks often, large enough for f32 loss differences.
+        let h = 2e-3f32;
         let mut q = p.clone();
         q[i] += h;
         e.write_params(&q).expect("w");
@@ -165,7 +166,7 @@ fn gradients_match_finite_differences() {
         let numeric = (up - down) / (2.0 * h as f64);
         let analytic = g[i] as f64;
         assert!(
-            (numeric - analytic).abs() <= 2e-2 * analytic.abs().max(1e-2),
+            (numeric - analytic).abs() <= 5e-2 * analytic.abs().max(1e-2),
             "{}: numeric {numeric} analytic {analytic}",
             info.name
         );

@@ -409,8 +409,15 @@ fn run_parameter_servers(
 ) -> Result<RunSummary> {
     let rank = comm.rank();
     if rank == topology.root() {
-        for line in topology.describe().lines() {
-            observer.message(line);
+        // The placement on this job's hosts when an inventory is given, else the roles.
+        let described = match &config.inventory {
+            Some(path) => flotilla_cluster::Inventory::load(path)
+                .and_then(|inv| flotilla_cluster::place(topology, &inv))
+                .map(|p| p.describe())
+                .unwrap_or_else(|_| topology.describe()),
+            None => topology.describe(),
+        };
+        for line in described.lines() {
             log.line(line)?;
         }
     }

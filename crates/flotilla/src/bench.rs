@@ -234,7 +234,7 @@ fn scripts_dir() -> PathBuf {
 }
 
 /// PyTorch's samples/s for the same step, from `scripts/bench_torch_step.py`, if torch is
-/// installed.
+/// installed; a failing script is reported on stderr (the row then shows `n/a`).
 fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> Option<f64> {
     let script = scripts_dir().join("bench_torch_step.py");
     let out = Command::new("python3")
@@ -246,9 +246,20 @@ fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> O
             "--steps",
             &steps.to_string(),
         ])
-        .output()
-        .ok()?;
+        .output();
+    let out = match out {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("# pytorch reference not run: python3: {e}");
+            return None;
+        }
+    };
     if !out.status.success() {
+        eprintln!(
+            "# pytorch reference failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
         return None;
     }
     String::from_utf8_lossy(&out.stdout)
@@ -273,11 +284,16 @@ fn step(args: &BenchStepArgs) -> Result<()> {
                     .num_threads(threads.max(1))
                     .build()
                     .context("building the thread pool")?;
-                // Interleave: ours, theirs, ours; keep our better run (both sides get a warm run).
+                // Interleave ours, theirs, ours, theirs; each side keeps its better run.
                 let ours1 = pool.install(|| flotilla_step_rate(model, batch, args.steps))?;
-                let theirs = torch_step_rate(model, batch, threads, args.steps);
+                let theirs1 = torch_step_rate(model, batch, threads, args.steps);
                 let ours2 = pool.install(|| flotilla_step_rate(model, batch, args.steps))?;
+                let theirs2 = torch_step_rate(model, batch, threads, args.steps);
                 let ours = ours1.max(ours2);
+                let theirs = match (theirs1, theirs2) {
+                    (Some(a), Some(b)) => Some(a.max(b)),
+                    (a, b) => a.or(b),
+                };
                 let (t, r) = match theirs {
                     Some(t) => (format!("{t:.0}"), format!("{:.2}", ours / t)),
                     None => ("n/a".to_string(), "n/a".to_string()),

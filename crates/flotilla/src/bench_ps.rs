@@ -112,6 +112,9 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         );
         let sync_opt = "optimizer: {name: sgd, lr: 0.04, momentum: 0.9, weight_decay: 0.0005}\n";
         let async_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.5, weight_decay: 0.0005}\n";
+        // Two async levels add their staleness (mean ~5 versions): momentum 0.5 oscillated
+        // (0.94-0.98, target not reached in 6300 rounds); without momentum it converges.
+        let async2_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.0, weight_decay: 0.0005}\n";
         let cases: Vec<(&str, String)> = vec![
             (
                 "flat sync",
@@ -135,7 +138,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
             ),
             (
                 "hier async/async",
-                format!("{}{async_opt}", hierarchical("async", "async", 4)),
+                format!("{}{async2_opt}", hierarchical("async", "async", 4)),
             ),
             (
                 "sharded k=2 sync",

@@ -109,7 +109,8 @@ pub struct LaunchArgs {
     /// The config and its overrides.
     #[command(flatten)]
     pub run: RunArgs,
-    /// Threads per rank (sets RAYON_NUM_THREADS in each rank unless already set).
+    /// Threads per rank (sets RAYON_NUM_THREADS, OMP_NUM_THREADS and MKL_NUM_THREADS in each
+    /// rank unless already set).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
 }

@@ -105,25 +105,41 @@ fn launch(args: &LaunchArgs) -> Result<()> {
         config.master_port,
         config.output.display()
     );
+    let topology = config.topology()?;
+    if topology.arch() != flotilla_cluster::Arch::Allreduce {
+        for line in flotilla_cluster::Placement::local(&topology)
+            .describe()
+            .lines()
+        {
+            println!("{line}");
+        }
+    }
 
     let train_args: Vec<OsString> = vec!["train".into(), config_path.clone().into_os_string()];
     let threads = args.threads.max(1).to_string();
-    let inherited_threads = std::env::var("RAYON_NUM_THREADS").ok();
+    // Every thread pool a backend may use (rayon for flex, OpenMP/MKL for LibTorch) gets the
+    // per-rank thread count, unless the caller set it: an oversubscribed OpenMP pool collapses.
+    let thread_vars: Vec<(String, String)> =
+        ["RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"]
+            .iter()
+            .map(|k| {
+                let v = std::env::var(k).unwrap_or_else(|_| threads.clone());
+                (k.to_string(), v)
+            })
+            .collect();
     let mut job = LocalJob::spawn(n, &train_args, |rank| {
-        vec![
+        let mut env = vec![
             ("RANK".into(), rank.to_string()),
             ("WORLD_SIZE".into(), n.to_string()),
             ("MASTER_ADDR".into(), config.master_addr.clone()),
             ("MASTER_PORT".into(), config.master_port.to_string()),
-            (
-                "RAYON_NUM_THREADS".into(),
-                inherited_threads.clone().unwrap_or_else(|| threads.clone()),
-            ),
             (PROGRESS_ENV.into(), "1".into()),
-        ]
+        ];
+        env.extend(thread_vars.iter().cloned());
+        env
     })?;
 
-    job.tolerate(tolerated_ranks(&config.topology()?));
+    job.tolerate(tolerated_ranks(&topology));
     let interactive = std::io::stderr().is_terminal();
     let mut bar = None;
     let mut final_line = None;

@@ -67,9 +67,13 @@ pub fn admit(
     Ok(staleness)
 }
 
-/// A sample-weighted running sum of admitted pushes.
+/// A sample-weighted sum of admitted pushes. An ordered accumulator (sync rounds) keeps the
+/// pushes until [`Accumulator::take`] and sums them in child-rank order, so that a round's
+/// result does not depend on the order in which pushes arrived (runs are reproducible); an
+/// unordered one (async) sums on arrival.
 #[derive(Debug, Clone)]
 pub struct Accumulator {
+    held: Option<std::collections::BTreeMap<usize, Held>>,
     sum: Vec<f32>,
     samples: u64,
     /// Sample-weighted sum of the versions the pushes were computed from (minus their own
@@ -78,6 +82,9 @@ pub struct Accumulator {
     loss_sum: f64,
     pushes: usize,
 }
+
+/// A push kept by an ordered accumulator: samples, loss, base version, values.
+type Held = (u32, f32, f64, Vec<f32>);
 
 /// The sample-weighted mean of the pushes gathered since the last [`Accumulator::take`].
 #[derive(Debug, Clone, PartialEq)]
@@ -96,9 +103,11 @@ pub struct Mean {
 }
 
 impl Accumulator {
-    /// An empty accumulator for `len` values.
-    pub fn new(len: usize) -> Self {
+    /// An empty accumulator for `len` values that sums pushes in child order at
+    /// [`Accumulator::take`] (for sync rounds), or on arrival if `ordered` is false.
+    pub fn new(len: usize, ordered: bool) -> Self {
         Self {
+            held: ordered.then(Default::default),
             sum: vec![0.0; len],
             samples: 0,
             version_sum: 0.0,
@@ -109,12 +118,28 @@ impl Accumulator {
 
     /// Whether nothing has been added since the last take.
     pub fn is_empty(&self) -> bool {
-        self.pushes == 0
+        self.pushes == 0 && self.held.as_ref().is_none_or(|h| h.is_empty())
     }
 
-    /// Adds an admitted push (its length was checked by [`admit`]) computed from
+    /// Adds `child`'s admitted push (its length was checked by [`admit`]) computed from
     /// `base_version` (its version minus the staleness it carried).
-    pub fn add(&mut self, samples: u32, loss: f32, base_version: f64, values: &[f32]) {
+    pub fn add(
+        &mut self,
+        child: usize,
+        samples: u32,
+        loss: f32,
+        base_version: f64,
+        values: Vec<f32>,
+    ) {
+        match &mut self.held {
+            Some(held) => {
+                held.insert(child, (samples, loss, base_version, values));
+            }
+            None => self.sum_in(samples, loss, base_version, &values),
+        }
+    }
+
+    fn sum_in(&mut self, samples: u32, loss: f32, base_version: f64, values: &[f32]) {
         self.version_sum += base_version * samples as f64;
         let w = samples as f32;
         for (s, v) in self.sum.iter_mut().zip(values) {
@@ -127,6 +152,12 @@ impl Accumulator {
 
     /// The weighted mean so far, resetting the accumulator; `None` if empty.
     pub fn take(&mut self) -> Option<Mean> {
+        if let Some(held) = self.held.take() {
+            for (samples, loss, base, values) in held.values() {
+                self.sum_in(*samples, *loss, *base, values);
+            }
+            self.held = Some(Default::default());
+        }
         if self.pushes == 0 || self.samples == 0 {
             return None;
         }
@@ -185,15 +216,36 @@ mod tests {
 
     #[test]
     fn mean_is_sample_weighted_and_resets() {
-        let mut acc = Accumulator::new(2);
+        let mut acc = Accumulator::new(2, false);
         assert!(acc.take().is_none());
-        acc.add(1, 1.0, 4.0, &[1.0, 10.0]);
-        acc.add(3, 2.0, 8.0, &[5.0, 2.0]);
+        acc.add(7, 1, 1.0, 4.0, vec![1.0, 10.0]);
+        acc.add(3, 3, 2.0, 8.0, vec![5.0, 2.0]);
         let m = acc.take().expect("mean");
         assert_eq!(m.values, vec![4.0, 4.0]);
         assert_eq!((m.samples, m.pushes), (4, 2));
         assert!((m.loss - 1.75).abs() < 1e-6);
         assert!((m.base_version - 7.0).abs() < 1e-12);
         assert!(acc.is_empty() && acc.take().is_none());
+    }
+
+    #[test]
+    fn an_ordered_sum_does_not_depend_on_arrival_order() {
+        // Values whose f32 sum depends on the order of addition.
+        let pushes = [
+            (1usize, vec![1e8f32]),
+            (2, vec![1.0]),
+            (3, vec![-1e8]),
+            (4, vec![1.0]),
+        ];
+        let mut results = Vec::new();
+        for order in [[0, 1, 2, 3], [3, 2, 1, 0], [1, 3, 0, 2]] {
+            let mut acc = Accumulator::new(1, true);
+            for i in order {
+                let (child, v) = &pushes[i];
+                acc.add(*child, 1, 0.0, 0.0, v.clone());
+            }
+            results.push(acc.take().expect("mean").values[0].to_bits());
+        }
+        assert!(results.iter().all(|r| *r == results[0]), "{results:?}");
     }
 }

@@ -256,7 +256,7 @@ pub fn run_server(
     let mut lost = Vec::new();
     let (mut rounds, mut updates) = (0u64, 0u64);
     let (mut max_st, mut sum_st) = (0u64, 0u64);
-    let mut acc = Accumulator::new(n);
+    let mut acc = Accumulator::new(n, sync);
     let mut pending = active.clone();
     let mut round_started = Instant::now();
     let mut wait = Duration::ZERO;
@@ -395,7 +395,13 @@ pub fn run_server(
                         continue;
                     }
                 };
-                acc.add(samples, loss, version as f64 - f64::from(below), &values);
+                acc.add(
+                    child,
+                    samples,
+                    loss,
+                    version as f64 - f64::from(below),
+                    values,
+                );
                 if sync {
                     pending.remove(&child);
                     if !pending.is_empty() {
@@ -566,7 +572,7 @@ pub fn run_local(
     let mut active: BTreeSet<usize> = children.iter().copied().collect();
     let mut pending = active.clone();
     let mut early_pulls: Vec<usize> = Vec::new();
-    let mut acc = Accumulator::new(n);
+    let mut acc = Accumulator::new(n, sync);
     let mut outstanding = true; // the initial pull
     let mut pushes_up = 0u64;
     let mut round_started = Instant::now();
@@ -727,7 +733,13 @@ pub fn run_local(
                         reject(ctx, child, "a second push in the same sync round")?;
                         continue;
                     }
-                    Ok(_) => acc.add(samples, loss, version as f64 - f64::from(below), &values),
+                    Ok(_) => acc.add(
+                        child,
+                        samples,
+                        loss,
+                        version as f64 - f64::from(below),
+                        values,
+                    ),
                     Err(reason) => {
                         reject(ctx, child, &reason)?;
                         continue;
