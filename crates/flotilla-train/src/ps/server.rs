@@ -207,6 +207,51 @@ fn gather(
     Ok(())
 }
 
+/// What a server checks a push against.
+struct PushCheck<'a> {
+    admission: Admission,
+    current: u64,
+    len: usize,
+    averaging: bool,
+    /// In a sync round: the children yet to push (a child pushes once per round).
+    sync_pending: Option<&'a BTreeSet<usize>>,
+}
+
+impl PushCheck<'_> {
+    /// `Some(staleness)` (including the staleness carried from below) if `child`'s push is
+    /// admitted; `None` if it was refused, after telling the child why (nothing changes).
+    fn run(
+        &self,
+        ctx: &mut PsContext<'_>,
+        child: usize,
+        version: u64,
+        below: u32,
+        delta: bool,
+        values: &[f32],
+    ) -> Result<Option<u64>> {
+        let verdict = admit(
+            self.admission,
+            self.current,
+            self.len,
+            self.averaging,
+            version,
+            delta,
+            values,
+        )
+        .and_then(|s| match self.sync_pending {
+            Some(p) if !p.contains(&child) => Err("a second push in the same sync round".into()),
+            _ => Ok(s + u64::from(below)),
+        });
+        match verdict {
+            Ok(s) => Ok(Some(s)),
+            Err(reason) => {
+                reject(ctx, child, &reason)?;
+                Ok(None)
+            }
+        }
+    }
+}
+
 /// Handles a push that [`admit`] refused: logged, answered with `Reject`, nothing changed.
 fn reject(ctx: &mut PsContext<'_>, child: usize, reason: &str) -> Result<()> {
     ctx.log(&format!("rejected push from rank {child}: {reason}"))?;
@@ -376,24 +421,15 @@ pub fn run_server(
                 delta,
                 values,
             } => {
-                let staleness = match admit(
+                let check = PushCheck {
                     admission,
-                    model.params.version,
-                    n,
+                    current: model.params.version,
+                    len: n,
                     averaging,
-                    version,
-                    delta,
-                    &values,
-                ) {
-                    Ok(_) if sync && !pending.contains(&child) => {
-                        reject(ctx, child, "a second push in the same sync round")?;
-                        continue;
-                    }
-                    Ok(s) => s + u64::from(below),
-                    Err(reason) => {
-                        reject(ctx, child, &reason)?;
-                        continue;
-                    }
+                    sync_pending: sync.then_some(&pending),
+                };
+                let Some(staleness) = check.run(ctx, child, version, below, delta, &values)? else {
+                    continue;
                 };
                 acc.add(
                     child,
@@ -728,23 +764,26 @@ pub fn run_local(
                     reject(ctx, child, "no parameters yet: pull first")?;
                     continue;
                 };
-                match admit(admission, current, n, averaging, version, delta, &values) {
-                    Ok(_) if sync && !pending.contains(&child) => {
-                        reject(ctx, child, "a second push in the same sync round")?;
-                        continue;
-                    }
-                    Ok(_) => acc.add(
-                        child,
-                        samples,
-                        loss,
-                        version as f64 - f64::from(below),
-                        values,
-                    ),
-                    Err(reason) => {
-                        reject(ctx, child, &reason)?;
-                        continue;
-                    }
+                let check = PushCheck {
+                    admission,
+                    current,
+                    len: n,
+                    averaging,
+                    sync_pending: sync.then_some(&pending),
+                };
+                if check
+                    .run(ctx, child, version, below, delta, &values)?
+                    .is_none()
+                {
+                    continue;
                 }
+                acc.add(
+                    child,
+                    samples,
+                    loss,
+                    version as f64 - f64::from(below),
+                    values,
+                );
                 if sync {
                     pending.remove(&child);
                     if pending.is_empty()
