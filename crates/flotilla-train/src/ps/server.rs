@@ -218,17 +218,30 @@ struct PushCheck<'a> {
 }
 
 impl PushCheck<'_> {
-    /// `Some(staleness)` (including the staleness carried from below) if `child`'s push is
-    /// admitted; `None` if it was refused, after telling the child why (nothing changes).
-    fn run(
+    /// Admits `child`'s push into `acc` and returns its staleness (including the staleness
+    /// carried from below), or refuses it, tells the child why and returns `None` (nothing
+    /// changes). `msg` must be a push.
+    fn take(
         &self,
         ctx: &mut PsContext<'_>,
+        acc: &mut Accumulator,
         child: usize,
-        version: u64,
-        below: u32,
-        delta: bool,
-        values: &[f32],
+        msg: PsMessage,
     ) -> Result<Option<u64>> {
+        let PsMessage::Push {
+            version,
+            staleness: below,
+            samples,
+            loss,
+            delta,
+            values,
+        } = msg
+        else {
+            return Err(TrainError::Protocol {
+                peer: child,
+                message: format!("expected a push, got {}", msg.name()),
+            });
+        };
         let verdict = admit(
             self.admission,
             self.current,
@@ -236,14 +249,23 @@ impl PushCheck<'_> {
             self.averaging,
             version,
             delta,
-            values,
+            &values,
         )
         .and_then(|s| match self.sync_pending {
             Some(p) if !p.contains(&child) => Err("a second push in the same sync round".into()),
             _ => Ok(s + u64::from(below)),
         });
         match verdict {
-            Ok(s) => Ok(Some(s)),
+            Ok(s) => {
+                acc.add(
+                    child,
+                    samples,
+                    loss,
+                    version as f64 - f64::from(below),
+                    values,
+                );
+                Ok(Some(s))
+            }
             Err(reason) => {
                 reject(ctx, child, &reason)?;
                 Ok(None)
@@ -413,14 +435,7 @@ pub fn run_server(
         };
         match msg {
             PsMessage::Pull => send(ctx.comm, child, &model.params.message())?,
-            PsMessage::Push {
-                version,
-                staleness: below,
-                samples,
-                loss,
-                delta,
-                values,
-            } => {
+            msg @ PsMessage::Push { .. } => {
                 let check = PushCheck {
                     admission,
                     current: model.params.version,
@@ -428,16 +443,9 @@ pub fn run_server(
                     averaging,
                     sync_pending: sync.then_some(&pending),
                 };
-                let Some(staleness) = check.run(ctx, child, version, below, delta, &values)? else {
+                let Some(staleness) = check.take(ctx, &mut acc, child, msg)? else {
                     continue;
                 };
-                acc.add(
-                    child,
-                    samples,
-                    loss,
-                    version as f64 - f64::from(below),
-                    values,
-                );
                 if sync {
                     pending.remove(&child);
                     if !pending.is_empty() {
@@ -752,14 +760,7 @@ pub fn run_local(
                 Some(p) => send(ctx.comm, child, &p.message())?,
                 None => early_pulls.push(child),
             },
-            PsMessage::Push {
-                version,
-                staleness: below,
-                samples,
-                loss,
-                delta,
-                values,
-            } => {
+            msg @ PsMessage::Push { .. } => {
                 let Some(current) = params.as_ref().map(|p| p.version) else {
                     reject(ctx, child, "no parameters yet: pull first")?;
                     continue;
@@ -771,19 +772,9 @@ pub fn run_local(
                     averaging,
                     sync_pending: sync.then_some(&pending),
                 };
-                if check
-                    .run(ctx, child, version, below, delta, &values)?
-                    .is_none()
-                {
+                if check.take(ctx, &mut acc, child, msg)?.is_none() {
                     continue;
                 }
-                acc.add(
-                    child,
-                    samples,
-                    loss,
-                    version as f64 - f64::from(below),
-                    values,
-                );
                 if sync {
                     pending.remove(&child);
                     if pending.is_empty()
