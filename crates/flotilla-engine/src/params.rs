@@ -212,7 +212,7 @@ pub fn for_each_grad<M: Module>(
         grads: &'a Gradients,
         layout: &'a ParamLayout,
         index: usize,
-        scratch: Vec<f32>,
+        zeros: Vec<f32>,
         f: &'f mut dyn FnMut(usize, &[f32]) -> Result<()>,
         error: Option<EngineError>,
     }
@@ -228,13 +228,25 @@ pub fn for_each_grad<M: Module>(
                 });
                 return;
             };
-            self.scratch.clear();
-            self.scratch.resize(info.len, 0.0);
+            // The gradient's own buffer is handed over as it is (no intermediate copy); a
+            // parameter without a gradient reads as zeros.
             let result = match param.val().grad(self.grads) {
-                Some(g) => copy_tensor(g, &mut self.scratch),
-                None => Ok(()),
+                Some(g) => {
+                    let data = g.into_data().convert::<f32>();
+                    match data.as_slice::<f32>() {
+                        Ok(values) if values.len() == info.len => (self.f)(self.index, values),
+                        Ok(values) => Err(EngineError::FlatLength {
+                            expected: info.len,
+                            got: values.len(),
+                        }),
+                        Err(e) => Err(EngineError::Batch(format!("reading a gradient: {e:?}"))),
+                    }
+                }
+                None => {
+                    self.zeros.resize(info.len, 0.0);
+                    (self.f)(self.index, &self.zeros[..info.len])
+                }
             };
-            let result = result.and_then(|()| (self.f)(self.index, &self.scratch));
             if let Err(e) = result {
                 self.error = Some(e);
             }
@@ -245,7 +257,7 @@ pub fn for_each_grad<M: Module>(
         grads,
         layout,
         index: 0,
-        scratch: Vec::new(),
+        zeros: Vec::new(),
         f,
         error: None,
     };

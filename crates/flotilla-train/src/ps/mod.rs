@@ -104,7 +104,12 @@ pub fn evaluate_full(engine: &BurnEngine, test: &ImageDataset) -> Result<EvalSta
 
 /// Sends one message to `peer`.
 pub fn send(comm: &Communicator, peer: usize, msg: &PsMessage) -> Result<()> {
-    comm.send_to(peer, &msg.encode())?;
+    send_bytes(comm, peer, &msg.encode())
+}
+
+/// Sends an already encoded message to `peer` (to encode once for several peers).
+pub fn send_bytes(comm: &Communicator, peer: usize, bytes: &[u8]) -> Result<()> {
+    comm.send_to(peer, bytes)?;
     Ok(())
 }
 

@@ -74,6 +74,16 @@ fn put_f32s(out: &mut Vec<u8>, values: &[f32]) {
     }
 }
 
+/// The bytes of `PsMessage::Params { version, values }`, without copying `values` into a
+/// message first (servers answer every pull and every round with this).
+pub fn encode_params(version: u64, values: &[f32]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(17 + values.len() * 4);
+    out.push(PARAMS);
+    out.extend_from_slice(&version.to_le_bytes());
+    put_f32s(&mut out, values);
+    out
+}
+
 impl PsMessage {
     /// A short name for logs and errors.
     pub fn name(&self) -> &'static str {
@@ -108,11 +118,7 @@ impl PsMessage {
                 out.push(u8::from(*delta));
                 put_f32s(&mut out, values);
             }
-            PsMessage::Params { version, values } => {
-                out.push(PARAMS);
-                out.extend_from_slice(&version.to_le_bytes());
-                put_f32s(&mut out, values);
-            }
+            PsMessage::Params { version, values } => return encode_params(*version, values),
             PsMessage::Gather { version } => {
                 out.push(GATHER);
                 out.extend_from_slice(&version.to_le_bytes());

@@ -12,7 +12,8 @@ use flotilla_engine::Engine;
 use super::aggregate::{Accumulator, Admission, Mean, admit};
 use super::inbox::{Event, Inbox};
 use super::protocol::PsMessage;
-use super::{PsContext, send};
+use super::protocol::encode_params;
+use super::{PsContext, send, send_bytes};
 use crate::error::{Result, TrainError};
 
 fn list(ranks: &BTreeSet<usize>) -> String {
@@ -30,11 +31,9 @@ struct Params {
 }
 
 impl Params {
-    fn message(&self) -> PsMessage {
-        PsMessage::Params {
-            version: self.version,
-            values: self.values.clone(),
-        }
+    /// The encoded `Params` message of this version.
+    fn encoded(&self) -> Vec<u8> {
+        encode_params(self.version, &self.values)
     }
 }
 
@@ -365,7 +364,7 @@ pub fn run_server(
                 match m {
                     PsMessage::Stop { reason } => stop_reason = Some(reason),
                     PsMessage::Gather { version } if model.params.version >= version => {
-                        send(ctx.comm, root, &model.params.message())?;
+                        send_bytes(ctx.comm, root, &model.params.encoded())?;
                     }
                     PsMessage::Gather { version } => gather_wait = Some(version),
                     other => {
@@ -434,7 +433,7 @@ pub fn run_server(
             }
         };
         match msg {
-            PsMessage::Pull => send(ctx.comm, child, &model.params.message())?,
+            PsMessage::Pull => send_bytes(ctx.comm, child, &model.params.encoded())?,
             msg @ PsMessage::Push { .. } => {
                 let check = PushCheck {
                     admission,
@@ -476,7 +475,7 @@ pub fn run_server(
                 sum_st += staleness;
                 if gather_wait.is_some_and(|v| model.params.version >= v) {
                     gather_wait = None;
-                    send(ctx.comm, root, &model.params.message())?;
+                    send_bytes(ctx.comm, root, &model.params.encoded())?;
                 }
                 let round_done = sync || updates.is_multiple_of(children.len() as u64);
                 if round_done {
@@ -514,13 +513,13 @@ pub fn run_server(
                 }
                 if stop_reason.is_none() {
                     if sync {
-                        let msg = model.params.message();
+                        let msg = model.params.encoded();
                         for &c in &active {
-                            send(ctx.comm, c, &msg)?;
+                            send_bytes(ctx.comm, c, &msg)?;
                         }
                         pending = active.clone();
                     } else {
-                        send(ctx.comm, child, &model.params.message())?;
+                        send_bytes(ctx.comm, child, &model.params.encoded())?;
                     }
                 }
             }
@@ -699,14 +698,14 @@ pub fn run_local(
                     if sync || first {
                         // Sync: the new round starts for everyone. Async: answer the
                         // children that pulled before there was anything to give.
-                        let msg = p.message();
+                        let msg = p.encoded();
                         let targets: Vec<usize> = if sync && !first {
                             active.iter().copied().collect()
                         } else {
                             std::mem::take(&mut early_pulls)
                         };
                         for c in targets {
-                            send(ctx.comm, c, &msg)?;
+                            send_bytes(ctx.comm, c, &msg)?;
                         }
                         pending = active.clone();
                         ctx.log_quiet(&format!(
@@ -757,7 +756,7 @@ pub fn run_local(
         let child = peer;
         match msg {
             PsMessage::Pull => match &params {
-                Some(p) => send(ctx.comm, child, &p.message())?,
+                Some(p) => send_bytes(ctx.comm, child, &p.encoded())?,
                 None => early_pulls.push(child),
             },
             msg @ PsMessage::Push { .. } => {
@@ -786,7 +785,7 @@ pub fn run_local(
                     }
                 } else {
                     if let Some(p) = &params {
-                        send(ctx.comm, child, &p.message())?;
+                        send_bytes(ctx.comm, child, &p.encoded())?;
                     }
                     if !outstanding && let Some(mean) = acc.take() {
                         push_up(ctx, current, mean)?;
