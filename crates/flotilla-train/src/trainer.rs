@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_cluster::{Arch, Topology};
-use flotilla_comm::Communicator;
+use flotilla_comm::{Communicator, ProcessGroup};
 use flotilla_data::{DistributedSampler, ImageDataset, Mnist, fill_batch};
 use flotilla_engine::{BatchRef, BurnEngine, Engine, EvalStats};
 
@@ -108,12 +108,12 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let comm = Arc::new(Communicator::connect(config.comm_config(
+    let comm: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(config.comm_config(
         rank,
         hash,
         topology.world_size(),
     ))?);
-    let (rank, world) = (comm.rank(), comm.world_size());
+    let (rank, world) = (comm.rank(), comm.size());
     let mut log = RunLog::open(&config.output, rank)?;
     let say = |log: &mut RunLog, observer: &mut dyn Observer, text: String| -> Result<()> {
         observer.message(&text);
@@ -319,7 +319,7 @@ pub fn run(
         let every = config.eval_every.unwrap_or(1);
         let eval_now = last_epoch || (every > 0 && (epoch + 1) % every == 0);
         if eval_now {
-            last_eval = Some(evaluate(&engine, &comm, &test)?);
+            last_eval = Some(evaluate(&engine, &*comm, &test)?);
         }
         let samples_per_s =
             (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
@@ -352,9 +352,9 @@ pub fn run(
 
     let eval = match last_eval {
         Some(e) => e,
-        None => evaluate(&engine, &comm, &test)?,
+        None => evaluate(&engine, &*comm, &test)?,
     };
-    let param_hash = verify_identical(&engine, &comm)?;
+    let param_hash = verify_identical(&engine, &*comm)?;
     let checkpoint = if rank == 0 {
         let state = CheckpointState {
             step,
@@ -399,7 +399,7 @@ pub fn run(
 fn run_parameter_servers(
     config: &TrainConfig,
     topology: &Topology,
-    comm: &Arc<Communicator>,
+    comm: &Arc<dyn ProcessGroup>,
     log: &mut RunLog,
     observer: &mut dyn Observer,
     engine: &mut BurnEngine,
@@ -501,8 +501,12 @@ fn run_parameter_servers(
 
 /// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
 /// and summed with one all-reduce: every rank gets the full-test-set figures.
-fn evaluate(engine: &dyn Engine, comm: &Communicator, test: &ImageDataset) -> Result<EvalStats> {
-    let (rank, world) = (comm.rank(), comm.world_size());
+fn evaluate(
+    engine: &dyn Engine,
+    comm: &dyn ProcessGroup,
+    test: &ImageDataset,
+) -> Result<EvalStats> {
+    let (rank, world) = (comm.rank(), comm.size());
     let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
     let mut images = Vec::new();
     let mut labels = Vec::new();
@@ -526,7 +530,7 @@ fn evaluate(engine: &dyn Engine, comm: &Communicator, test: &ImageDataset) -> Re
 }
 
 /// Checks that every rank holds bitwise-identical parameters; returns their hash.
-fn verify_identical(engine: &dyn Engine, comm: &Communicator) -> Result<u64> {
+fn verify_identical(engine: &dyn Engine, comm: &dyn ProcessGroup) -> Result<u64> {
     let mut params = vec![0.0f32; engine.num_params()];
     engine.read_params(&mut params)?;
     let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();

@@ -3,8 +3,8 @@
 //! gradients, or weight deltas for model averaging (`local_steps > 1`).
 //!
 //! Every process of the job joins one world at rendezvous and takes the role of its rank in
-//! the [`flotilla_cluster::Topology`]. Roles talk by [`protocol::PsMessage`]s on the
-//! communicator's point-to-point channel; every message carries the parameter version it
+//! the [`flotilla_cluster::Topology`]. Roles talk by [`protocol::PsMessage`]s, point to
+//! point under [`protocol::TAG`]; every message carries the parameter version it
 //! refers to, and every wait has the run's deadline.
 
 pub mod aggregate;
@@ -16,7 +16,7 @@ pub mod worker;
 use std::sync::Arc;
 
 use flotilla_cluster::{RoleKind, Topology};
-use flotilla_comm::Communicator;
+use flotilla_comm::ProcessGroup;
 use flotilla_data::ImageDataset;
 use flotilla_engine::{BurnEngine, Engine, EvalStats};
 
@@ -29,8 +29,8 @@ use protocol::PsMessage;
 
 /// What every role of a parameter-server job needs.
 pub struct PsContext<'a> {
-    /// The communicator (point-to-point channel).
-    pub comm: &'a Arc<Communicator>,
+    /// The process group (tagged point-to-point messages).
+    pub comm: &'a Arc<dyn ProcessGroup>,
     /// The run configuration.
     pub config: &'a TrainConfig,
     /// This process's engine: the root's holds the model and server-side optimizer; a
@@ -103,13 +103,13 @@ pub fn evaluate_full(engine: &BurnEngine, test: &ImageDataset) -> Result<EvalSta
 }
 
 /// Sends one message to `peer`.
-pub fn send(comm: &Communicator, peer: usize, msg: &PsMessage) -> Result<()> {
+pub fn send(comm: &Arc<dyn ProcessGroup>, peer: usize, msg: &PsMessage) -> Result<()> {
     send_bytes(comm, peer, &msg.encode())
 }
 
 /// Sends an already encoded message to `peer` (to encode once for several peers).
-pub fn send_bytes(comm: &Communicator, peer: usize, bytes: &[u8]) -> Result<()> {
-    comm.send_to(peer, bytes)?;
+pub fn send_bytes(comm: &Arc<dyn ProcessGroup>, peer: usize, bytes: &[u8]) -> Result<()> {
+    comm.send(peer, protocol::TAG, bytes)?;
     Ok(())
 }
 

@@ -66,7 +66,8 @@ pub fn run(
                 break;
             }
             loop {
-                let bytes = match ctx.comm.recv_from(parent) {
+                let deadline = Instant::now() + Duration::from_secs_f64(ctx.config.timeout_s);
+                let bytes = match ctx.comm.recv(parent, super::protocol::TAG, deadline) {
                     Ok(b) => b,
                     Err(e) if i > 0 => {
                         unreachable = Some(e.into());

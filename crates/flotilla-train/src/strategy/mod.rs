@@ -1,7 +1,7 @@
 //! Training strategies: how ranks cooperate on one optimizer step.
 //!
 //! A strategy sees the engine only through [`Engine`] (flat `f32` buffers) and the other ranks
-//! only through a [`flotilla_comm::Communicator`]'s collectives; it never touches sockets.
+//! only through a [`flotilla_comm::ProcessGroup`]; it never touches sockets.
 
 mod sync_allreduce;
 

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{Communicator, PendingAllReduce};
+use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
 use super::{StepStats, Strategy};
@@ -17,7 +17,7 @@ use crate::error::{Result, TrainError};
 /// The mean loss rides along as one extra value at the end of the last bucket, so logging the
 /// global loss costs no extra collective.
 pub struct SyncAllReduce {
-    comm: Arc<Communicator>,
+    comm: Arc<dyn ProcessGroup>,
     layout: ParamLayout,
     plan: BucketPlan,
     /// One reusable buffer per bucket; the last one has a slot more for the loss.
@@ -28,7 +28,7 @@ pub struct SyncAllReduce {
 
 impl SyncAllReduce {
     /// A strategy for a model of `layout`, with buckets of at most `bucket_bytes`.
-    pub fn new(comm: Arc<Communicator>, layout: &ParamLayout, bucket_bytes: usize) -> Self {
+    pub fn new(comm: Arc<dyn ProcessGroup>, layout: &ParamLayout, bucket_bytes: usize) -> Self {
         let plan = BucketPlan::new(layout, bucket_bytes);
         let last = plan.buckets.len().saturating_sub(1);
         let buffers = plan
@@ -82,7 +82,7 @@ impl Strategy for SyncAllReduce {
         for (k, (buffer, bucket)) in self.buffers.iter_mut().zip(&self.plan.buckets).enumerate() {
             buffer.resize(bucket.len() + usize::from(k == last_index), 0.0);
         }
-        let world = self.comm.world_size() as f32;
+        let world = self.comm.size() as f32;
         let last = self.plan.buckets.len().saturating_sub(1);
         let mut pending: Vec<PendingAllReduce> = Vec::with_capacity(self.plan.buckets.len());
         {
