@@ -50,7 +50,7 @@ pub mod scheduler;
 mod wire;
 
 pub use comm::{CommStats, Communicator};
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, WireFormat};
+pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
 pub use scheduler::{Collective, Output, Scheduler};

@@ -10,6 +10,7 @@ pub mod checkpoint;
 pub mod config;
 pub mod error;
 pub mod fault;
+pub mod layers;
 pub mod ps;
 pub mod runlog;
 pub mod strategy;

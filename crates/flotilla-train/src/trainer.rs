@@ -114,7 +114,7 @@ pub fn run(
         topology.world_size(),
     ))?);
     let (rank, world) = (comm.rank(), comm.size());
-    let mut log = RunLog::open(&config.output, rank)?;
+    let mut log = RunLog::open(&config.telemetry.output, rank)?;
     let say = |log: &mut RunLog, observer: &mut dyn Observer, text: String| -> Result<()> {
         observer.message(&text);
         log.line(&text)
@@ -124,13 +124,13 @@ pub fn run(
         observer,
         format!(
             "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
-            spec.name, config.device
+            spec.name, config.model.device
         ),
     )?;
 
-    let splits = Mnist::load(&config.data)?;
+    let splits = Mnist::load(&config.data.path)?;
     let (mut train, test) = (splits.train, splits.test);
-    if let Some(limit) = config.train_limit {
+    if let Some(limit) = config.data.train_limit {
         train.truncate(limit.min(train.len()));
     }
     spec.check_io(
@@ -138,7 +138,12 @@ pub fn run(
         train.num_classes().max(10),
     )?;
 
-    let mut engine = BurnEngine::new(&spec, &config.optimizer, &config.device, config.seed)?;
+    let mut engine = BurnEngine::new(
+        &spec,
+        &config.optimizer,
+        &config.model.device,
+        config.model.seed,
+    )?;
     if topology.arch() != Arch::Allreduce {
         return run_parameter_servers(
             config,
@@ -156,8 +161,8 @@ pub fn run(
 
     // Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
     // and its weights and optimizer state travel with the initial broadcast.
-    let mut resume_state = if rank == 0 && config.resume {
-        match checkpoint::latest(&config.output)? {
+    let mut resume_state = if rank == 0 && config.schedule.resume {
+        match checkpoint::latest(&config.telemetry.output)? {
             Some(dir) => {
                 let state = checkpoint::load(&dir, &mut engine)?;
                 if state.config_hash != hash {
@@ -191,28 +196,28 @@ pub fn run(
     } else {
         Some(
             serde_json::from_slice(&resume_state).map_err(|e| TrainError::Checkpoint {
-                path: config.output.clone(),
+                path: config.telemetry.output.clone(),
                 message: format!("resume state from rank 0: {e}"),
             })?,
         )
     };
     strategy.synchronize_initial_state(&mut engine)?;
 
-    let sampler = DistributedSampler::new(train.len(), world, rank, config.seed, true)?;
-    let steps_per_epoch = sampler.steps_per_epoch(config.batch_size) as u64;
+    let sampler = DistributedSampler::new(train.len(), world, rank, config.model.seed, true)?;
+    let steps_per_epoch = sampler.steps_per_epoch(config.data.batch_size) as u64;
     if steps_per_epoch == 0 {
         return Err(TrainError::config(
             "config",
             format!(
                 "`batch_size` {} x {world} ranks is larger than the {} training samples",
-                config.batch_size,
+                config.data.batch_size,
                 train.len()
             ),
         ));
     }
-    let planned = steps_per_epoch * config.epochs as u64;
-    let total_steps = match config.max_steps {
-        Some(m) if config.epochs == 0 => m,
+    let planned = steps_per_epoch * config.schedule.epochs as u64;
+    let total_steps = match config.schedule.max_steps {
+        Some(m) if config.schedule.epochs == 0 => m,
         Some(m) => m.min(planned),
         None => planned,
     };
@@ -225,7 +230,7 @@ pub fn run(
             engine.num_params(),
             strategy.plan().buckets.len(),
             steps_per_epoch,
-            config.batch_size,
+            config.data.batch_size,
             world,
             total_steps,
             strategy.name()
@@ -252,7 +257,7 @@ pub fn run(
             break;
         }
         let epoch_started = Instant::now();
-        let batches = sampler.batches(epoch as u64, config.batch_size);
+        let batches = sampler.batches(epoch as u64, config.data.batch_size);
         let mut loss_sum = 0.0f64;
         let mut loss_count = 0u64;
         for (i, indices) in batches.iter().enumerate().skip(skip as usize) {
@@ -260,9 +265,12 @@ pub fn run(
                 break;
             }
             fill_batch(&train, indices, &mut images, &mut labels)?;
-            let lr = config
-                .lr_schedule
-                .lr_at(base_lr, step, total_steps, config.warmup_steps);
+            let lr = config.schedule.lr_schedule.lr_at(
+                base_lr,
+                step,
+                total_steps,
+                config.schedule.warmup_steps,
+            );
             let stats = strategy.step(
                 &mut engine,
                 BatchRef {
@@ -294,7 +302,10 @@ pub fn run(
                 total_steps,
                 loss: stats.global_loss,
             });
-            if config.checkpoint_every > 0 && step % config.checkpoint_every == 0 && rank == 0 {
+            if config.schedule.checkpoint_every > 0
+                && step % config.schedule.checkpoint_every == 0
+                && rank == 0
+            {
                 let state = CheckpointState {
                     step,
                     epoch,
@@ -304,7 +315,7 @@ pub fn run(
                     num_params: engine.num_params(),
                     test_acc: last_eval.map(|e| e.accuracy()),
                 };
-                let dir = checkpoint::save(&config.output, &engine, &state)?;
+                let dir = checkpoint::save(&config.telemetry.output, &engine, &state)?;
                 log.line(&format!("checkpoint {}", dir.display()))?;
             }
         }
@@ -316,13 +327,13 @@ pub fn run(
             f64::NAN
         };
         let last_epoch = epoch + 1 == epochs || step >= total_steps;
-        let every = config.eval_every.unwrap_or(1);
+        let every = config.schedule.eval_every.unwrap_or(1);
         let eval_now = last_epoch || (every > 0 && (epoch + 1) % every == 0);
         if eval_now {
             last_eval = Some(evaluate(&engine, &*comm, &test)?);
         }
         let samples_per_s =
-            (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
+            (loss_count as f64 * (config.data.batch_size * world) as f64) / epoch_s.max(1e-9);
         let metrics = EpochMetrics {
             epoch: epoch + 1,
             step,
@@ -346,7 +357,7 @@ pub fn run(
             ),
         )?;
         if rank == 0 {
-            append_metrics(&config.output, &metrics)?;
+            append_metrics(&config.telemetry.output, &metrics)?;
         }
     }
 
@@ -365,7 +376,7 @@ pub fn run(
             num_params: engine.num_params(),
             test_acc: Some(eval.accuracy()),
         };
-        let dir = checkpoint::save(&config.output, &engine, &state)?;
+        let dir = checkpoint::save(&config.telemetry.output, &engine, &state)?;
         log.line(&format!("checkpoint {}", dir.display()))?;
         Some(dir)
     } else {
@@ -410,7 +421,7 @@ fn run_parameter_servers(
     let rank = comm.rank();
     if rank == topology.root() {
         // The placement on this job's hosts when an inventory is given, else the roles.
-        let described = match &config.inventory {
+        let described = match &config.topology.inventory {
             Some(path) => flotilla_cluster::Inventory::load(path)
                 .and_then(|inv| flotilla_cluster::place(topology, &inv))
                 .map(|p| p.describe())
@@ -422,13 +433,17 @@ fn run_parameter_servers(
         }
     }
     let num_workers = topology.num_workers();
-    let per_round = num_workers * config.batch_size * config.local_steps.max(1);
+    let per_round = num_workers * config.data.batch_size * config.topology.local_steps.max(1);
     let rounds_per_epoch = (train.len() / per_round.max(1)).max(1) as u64;
     let rounds = config
+        .schedule
         .num_server_rounds
-        .or(config.max_steps)
-        .unwrap_or(config.epochs.max(1) as u64 * rounds_per_epoch);
-    let eval_every = config.eval_every.map_or(rounds_per_epoch, u64::from);
+        .or(config.schedule.max_steps)
+        .unwrap_or(config.schedule.epochs.max(1) as u64 * rounds_per_epoch);
+    let eval_every = config
+        .schedule
+        .eval_every
+        .map_or(rounds_per_epoch, u64::from);
     let mut ctx = ps::PsContext {
         comm,
         config,
@@ -488,11 +503,12 @@ fn run_parameter_servers(
             num_params: ctx.engine.num_params(),
             test_acc: Some(eval.accuracy()),
         };
-        let dir = checkpoint::save(&config.output, &*ctx.engine, &state)?;
+        let dir = checkpoint::save(&config.telemetry.output, &*ctx.engine, &state)?;
         ctx.log(&format!("checkpoint {}", dir.display()))?;
         summary.test_acc = eval.accuracy();
         summary.test_loss = eval.loss();
-        summary.samples_per_s = (o.updates as usize * config.batch_size) as f64 / wall_s.max(1e-9);
+        summary.samples_per_s =
+            (o.updates as usize * config.data.batch_size) as f64 / wall_s.max(1e-9);
         summary.checkpoint = Some(dir);
     }
     ctx.log.line(&summary.final_line())?;

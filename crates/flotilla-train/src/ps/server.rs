@@ -147,7 +147,7 @@ fn gather(
     version: u64,
 ) -> Result<()> {
     let Some(inbox) = inbox else { return Ok(()) };
-    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
+    let timeout = Duration::from_secs_f64(ctx.config.comm.timeout_s);
     for &rank in &shard.servers[1..] {
         send(ctx.comm, rank, &PsMessage::Gather { version })?;
     }
@@ -307,15 +307,15 @@ pub fn run_server(
     let inbox = Inbox::listen(ctx.comm, &peers);
     let shard_inbox =
         (is_root && shard.servers.len() > 1).then(|| Inbox::listen(ctx.comm, &shard.servers[1..]));
-    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
-    let averaging = ctx.config.local_steps > 1;
+    let timeout = Duration::from_secs_f64(ctx.config.comm.timeout_s);
+    let averaging = ctx.config.topology.local_steps > 1;
     let total_rounds = ctx.rounds;
     let base_lr = ctx.config.base_lr();
     let admission = if sync {
         Admission::Sync
     } else {
         Admission::Async {
-            max_staleness: ctx.config.max_staleness,
+            max_staleness: ctx.config.topology.max_staleness,
         }
     };
     let mut active: BTreeSet<usize> = children.iter().copied().collect();
@@ -457,13 +457,13 @@ pub fn run_server(
                 } else {
                     updates / children.len() as u64
                 };
-                let mut lr = ctx.config.lr_schedule.lr_at(
+                let mut lr = ctx.config.schedule.lr_schedule.lr_at(
                     base_lr,
                     lr_round,
                     total_rounds,
-                    ctx.config.warmup_steps,
+                    ctx.config.schedule.warmup_steps,
                 );
-                if ctx.config.staleness_lr {
+                if ctx.config.topology.staleness_lr {
                     lr /= 1.0 + staleness as f64;
                 }
                 let t = Instant::now();
@@ -502,7 +502,7 @@ pub fn run_server(
                         let v = if sync { model.params.version } else { 0 };
                         gather(ctx, shard, shard_inbox.as_ref(), &mut model, v)?;
                         let acc_now = ctx.evaluate_and_log(rounds)?;
-                        if let Some(target) = ctx.config.target_accuracy
+                        if let Some(target) = ctx.config.schedule.target_accuracy
                             && acc_now >= target
                         {
                             stop_reason = Some(format!(
@@ -589,8 +589,8 @@ pub fn run_local(
     sync: bool,
 ) -> Result<u64> {
     let n = ctx.engine.num_params();
-    let timeout = Duration::from_secs_f64(ctx.config.timeout_s);
-    let averaging = ctx.config.local_steps > 1;
+    let timeout = Duration::from_secs_f64(ctx.config.comm.timeout_s);
+    let averaging = ctx.config.topology.local_steps > 1;
     let mut peers = children.to_vec();
     peers.push(parent);
     let inbox = Inbox::listen(ctx.comm, &peers);
@@ -598,7 +598,7 @@ pub fn run_local(
         Admission::Sync
     } else {
         Admission::Async {
-            max_staleness: ctx.config.max_staleness,
+            max_staleness: ctx.config.topology.max_staleness,
         }
     };
     ctx.log(&format!(

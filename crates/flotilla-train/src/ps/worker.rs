@@ -26,10 +26,10 @@ pub fn run(
         ctx.train.len(),
         ctx.num_workers,
         index,
-        ctx.config.seed,
+        ctx.config.model.seed,
         true,
     )?;
-    let batch = ctx.config.batch_size;
+    let batch = ctx.config.data.batch_size;
     let steps_per_epoch = sampler.steps_per_epoch(batch);
     if steps_per_epoch == 0 {
         return Err(TrainError::config(
@@ -40,7 +40,7 @@ pub fn run(
             ),
         ));
     }
-    let local_steps = ctx.config.local_steps.max(1);
+    let local_steps = ctx.config.topology.local_steps.max(1);
     let averaging = local_steps > 1;
     let (mut images, mut labels) = (Vec::new(), Vec::new());
     let mut grad = vec![0.0f32; n];
@@ -66,7 +66,7 @@ pub fn run(
                 break;
             }
             loop {
-                let deadline = Instant::now() + Duration::from_secs_f64(ctx.config.timeout_s);
+                let deadline = Instant::now() + Duration::from_secs_f64(ctx.config.comm.timeout_s);
                 let bytes = match ctx.comm.recv(parent, super::protocol::TAG, deadline) {
                     Ok(b) => b,
                     Err(e) if i > 0 => {
