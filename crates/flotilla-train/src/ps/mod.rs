@@ -9,16 +9,22 @@
 
 pub mod aggregate;
 pub mod inbox;
+pub mod local;
 pub mod protocol;
+pub mod root;
+pub mod serve;
 pub mod server;
 pub mod worker;
+
+#[cfg(test)]
+mod machine_tests;
 
 use std::sync::Arc;
 
 use flotilla_cluster::{RoleKind, Topology};
 use flotilla_comm::ProcessGroup;
 use flotilla_data::ImageDataset;
-use flotilla_engine::{BurnEngine, Engine, EvalStats};
+use flotilla_engine::{Engine, EvalStats};
 
 use crate::config::TrainConfig;
 use crate::error::Result;
@@ -35,7 +41,7 @@ pub struct PsContext<'a> {
     pub config: &'a TrainConfig,
     /// This process's engine: the root's holds the model and server-side optimizer; a
     /// worker's computes gradients; a local server uses only its layout.
-    pub engine: &'a mut BurnEngine,
+    pub engine: &'a mut dyn Engine,
     /// The training set.
     pub train: &'a ImageDataset,
     /// The test set (evaluated by the root).
@@ -97,7 +103,7 @@ impl PsContext<'_> {
 }
 
 /// Evaluates on the whole test set in one process.
-pub fn evaluate_full(engine: &BurnEngine, test: &ImageDataset) -> Result<EvalStats> {
+pub fn evaluate_full(engine: &dyn Engine, test: &ImageDataset) -> Result<EvalStats> {
     let labels: Vec<i64> = test.labels().iter().map(|l| *l as i64).collect();
     Ok(engine.evaluate(test.images(), &labels, 1000)?)
 }
@@ -165,6 +171,7 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
             .join(", ")
     ))?;
     let n = ctx.engine.num_params();
+    let timeout = std::time::Duration::from_secs_f64(ctx.config.comm.timeout_s);
     let shard_servers: Vec<usize> = topology
         .servers()
         .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
@@ -187,12 +194,9 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
         }
         RoleKind::LocalServer { .. } => {
             let parent = role.parents.first().copied().unwrap_or(0);
-            Ok(PsOutcome::Local(server::run_local(
-                ctx,
-                parent,
-                &role.children,
-                sync.unwrap_or(true),
-            )?))
+            let mut m = local::LocalServer::new(ctx, parent, &role.children, sync.unwrap_or(true));
+            serve::serve(&mut m, ctx, timeout)?;
+            Ok(PsOutcome::Local(m.pushes_up()))
         }
         RoleKind::ShardServer { shard } => {
             let plan = server::ShardPlan {
@@ -200,18 +204,32 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
                 ranges,
                 servers: shard_servers,
             };
-            let outcome = server::run_server(ctx, &role.children, sync.unwrap_or(true), &plan)?;
+            let outcome = run_root(ctx, &role.children, sync.unwrap_or(true), plan, timeout)?;
             Ok(if role.is_root() {
                 PsOutcome::Root(outcome)
             } else {
                 PsOutcome::Shard(outcome.updates)
             })
         }
-        RoleKind::GlobalServer => Ok(PsOutcome::Root(server::run_server(
+        RoleKind::GlobalServer => Ok(PsOutcome::Root(run_root(
             ctx,
             &role.children,
             sync.unwrap_or(true),
-            &server::ShardPlan::whole(n),
+            server::ShardPlan::whole(n),
+            timeout,
         )?)),
     }
+}
+
+/// Runs a root or shard server until it stops, then stops its children.
+fn run_root(
+    ctx: &mut PsContext<'_>,
+    children: &[usize],
+    sync: bool,
+    plan: server::ShardPlan,
+    timeout: std::time::Duration,
+) -> Result<server::RootOutcome> {
+    let mut m = root::RootServer::new(ctx, children, sync, plan)?;
+    serve::serve(&mut m, ctx, timeout)?;
+    m.finish(ctx)
 }

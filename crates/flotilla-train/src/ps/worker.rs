@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use flotilla_data::{DistributedSampler, fill_batch};
-use flotilla_engine::{BatchRef, Engine};
+use flotilla_engine::BatchRef;
 
 use super::protocol::PsMessage;
 use super::{PsContext, RoleSummary, send};

@@ -1,0 +1,69 @@
+//! The one event loop of every parameter server: it waits on all of a server's peers at
+//! once (one deadline) and hands each event to the server's state machine. The machines
+//! ([`super::root::RootServer`], [`super::local::LocalServer`]) hold all state and do all
+//! the deciding; this loop only waits.
+
+use std::time::{Duration, Instant};
+
+use flotilla_comm::CommError;
+
+use super::PsContext;
+use super::inbox::{Event, Inbox};
+use super::protocol::PsMessage;
+use crate::error::{Result, TrainError};
+
+/// A parameter server as a state machine: every input is one method call.
+pub trait ServerMachine {
+    /// The peers (group ranks) whose messages it takes.
+    fn peers(&self) -> Vec<usize>;
+
+    /// Called once before the first event (e.g. a local server's first pull).
+    fn on_start(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        let _ = cx;
+        Ok(())
+    }
+
+    /// A well-formed message from `from`.
+    fn on_message(&mut self, cx: &mut PsContext<'_>, from: usize, msg: PsMessage) -> Result<()>;
+
+    /// `from` sent bytes that are not a message (the link stays up).
+    fn on_malformed(&mut self, cx: &mut PsContext<'_>, from: usize, e: TrainError) -> Result<()>;
+
+    /// The link to `peer` is gone.
+    fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()>;
+
+    /// Nothing arrived for `waited`: the error naming who was waited for (a server always
+    /// waits for somebody).
+    fn on_deadline(&mut self, cx: &mut PsContext<'_>, waited: Duration) -> Result<()>;
+
+    /// Time spent waiting for the last event (for round timings).
+    fn note_wait(&mut self, waited: Duration) {
+        let _ = waited;
+    }
+
+    /// Whether the server has stopped.
+    fn done(&self) -> bool;
+}
+
+/// Runs `machine` until it is done: each event, or the deadline `timeout` after the last
+/// one, becomes one call.
+pub fn serve(
+    machine: &mut dyn ServerMachine,
+    cx: &mut PsContext<'_>,
+    timeout: Duration,
+) -> Result<()> {
+    let inbox = Inbox::listen(cx.comm, &machine.peers());
+    machine.on_start(cx)?;
+    while !machine.done() {
+        let t = Instant::now();
+        let event = inbox.recv_until(t + timeout);
+        machine.note_wait(t.elapsed());
+        match event {
+            None => machine.on_deadline(cx, t.elapsed())?,
+            Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg)?,
+            Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e)?,
+            Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e)?,
+        }
+    }
+    Ok(())
+}
