@@ -6,8 +6,8 @@
 //! root: a length frame, then `chunk_bytes` chunks, each forwarded as soon as it arrives.
 
 use crate::buf::f32_bytes_mut;
-use crate::comm::OpCtx;
 use crate::error::CommError;
+use crate::op::OpCtx;
 
 /// Sends `payload` to every peer, then receives one frame from every peer (in rank order;
 /// of exactly `len` bytes when given) and hands it to `each`.

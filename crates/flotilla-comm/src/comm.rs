@@ -22,50 +22,23 @@
 //! for collectives ([`CommError::Poisoned`]): after a failure ranks no longer agree on what
 //! was exchanged. Point-to-point messages are not poisoned: a server outlives a lost worker.
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::{Handle, Runtime};
-use tokio::sync::watch;
 
 use crate::collectives;
 use crate::config::CommConfig;
-use crate::conn::{Conn, ConnOpts, Endpoint, Received};
+use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::error::CommError;
 use crate::frame::{Op, channel};
-use crate::group::{Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag};
+use crate::group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag};
 use crate::mailbox::Taken;
+use crate::op::OpCtx;
 use crate::rendezvous;
 use crate::ring;
-use crate::wire::Ctrl;
-
-/// Traffic counters of a communicator (all connections, all channels, headers included).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CommStats {
-    /// Bytes written to sockets.
-    pub bytes_sent: u64,
-    /// Bytes read from sockets.
-    pub bytes_received: u64,
-    /// Frames written.
-    pub frames_sent: u64,
-    /// Frames read.
-    pub frames_received: u64,
-    /// Collectives issued so far in all groups (blocking and asynchronous).
-    pub collectives: u64,
-}
-
-/// What every group of one process shares: connections, mailbox, failure state.
-pub(crate) struct World {
-    rank: usize,
-    cfg: CommConfig,
-    peers: Vec<Option<Arc<Conn>>>,
-    ep: Arc<Endpoint>,
-    poisoned: Mutex<Option<CommError>>,
-    collectives: AtomicU64,
-    handle: Handle,
-}
+use crate::world::{GroupState, World};
 
 /// Owns the runtime; dropped with the last group handle of the process.
 struct RtOwner {
@@ -92,21 +65,6 @@ impl Drop for RtOwner {
             .await;
         });
     }
-}
-
-/// One group's state: members and its own collective sequence space.
-pub(crate) struct GroupState {
-    world: Arc<World>,
-    /// Key carried by every frame of this group (0: the world).
-    key: u64,
-    /// World rank of each group rank.
-    members: Vec<usize>,
-    /// This process's group rank.
-    me: usize,
-    next_ticket: AtomicU64,
-    turn: watch::Sender<u64>,
-    /// How many sub-groups of each kind were derived from this group (to key them).
-    derived: Mutex<HashMap<Vec<u8>, u64>>,
 }
 
 /// A connected member of a process group: the TCP (or in-memory) implementation of
@@ -328,7 +286,7 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let r = collectives::barrier(&g.ctx(ticket, Op::Barrier)).await;
+            let r = collectives::barrier(&OpCtx::new(g, ticket, Op::Barrier)).await;
             g.finish(r).await
         })
     }
@@ -338,7 +296,8 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let r = collectives::broadcast_f32(&g.ctx(ticket, Op::Broadcast), buf, root).await;
+            let r =
+                collectives::broadcast_f32(&OpCtx::new(g, ticket, Op::Broadcast), buf, root).await;
             g.finish(r).await
         })
     }
@@ -348,7 +307,8 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let r = collectives::broadcast_bytes(&g.ctx(ticket, Op::Broadcast), buf, root).await;
+            let r = collectives::broadcast_bytes(&OpCtx::new(g, ticket, Op::Broadcast), buf, root)
+                .await;
             g.finish(r).await
         })
     }
@@ -358,7 +318,8 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let r = collectives::all_gather_bytes(&g.ctx(ticket, Op::AllGather), mine).await;
+            let r =
+                collectives::all_gather_bytes(&OpCtx::new(g, ticket, Op::AllGather), mine).await;
             g.finish(r).await
         })
     }
@@ -366,7 +327,7 @@ impl ProcessGroup for Communicator {
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
-        self.run_scoped(g.all_reduce_ordered(ticket, buf))
+        self.run_scoped(all_reduce_ordered(g, ticket, buf))
     }
 
     fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce {
@@ -375,7 +336,7 @@ impl ProcessGroup for Communicator {
         let (tx, pending) = Pending::channel(ticket);
         self.g.world.handle.spawn(async move {
             let mut buf = buf;
-            let r = g.all_reduce_ordered(ticket, &mut buf).await;
+            let r = all_reduce_ordered(&g, ticket, &mut buf).await;
             let _ = tx.send(r.map(|()| buf));
         });
         pending
@@ -386,7 +347,7 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let ctx = g.ctx(ticket, Op::Reduce);
+            let ctx = OpCtx::new(g, ticket, Op::Reduce);
             let r = collectives::all_reduce_small(&ctx, buf, |a, b| op.apply_i64(a, b)).await;
             g.finish(r).await
         })
@@ -397,7 +358,7 @@ impl ProcessGroup for Communicator {
         let ticket = self.issue()?;
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
-            let ctx = g.ctx(ticket, Op::Reduce);
+            let ctx = OpCtx::new(g, ticket, Op::Reduce);
             let r = collectives::all_reduce_small(&ctx, buf, |a, b| op.apply_u64(a, b)).await;
             g.finish(r).await
         })
@@ -601,229 +562,9 @@ impl<T> Drop for ScopedTask<T> {
     }
 }
 
-/// Advances the collective turn when dropped (also on error or cancellation).
-struct TurnGuard<'a> {
-    g: &'a GroupState,
-    ticket: u64,
-}
-
-impl Drop for TurnGuard<'_> {
-    fn drop(&mut self) {
-        let next = self.ticket + 1;
-        self.g.turn.send_modify(|t| *t = (*t).max(next));
-    }
-}
-
-impl World {
-    fn conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
-        match self.peers.get(peer) {
-            Some(Some(c)) => Ok(c.clone()),
-            _ => Err(CommError::InvalidArgument(format!(
-                "rank {peer} is not a peer of rank {} (world size {})",
-                self.rank,
-                self.peers.len()
-            ))),
-        }
-    }
-}
-
-impl GroupState {
-    fn new(world: Arc<World>, key: u64, members: Vec<usize>, me: usize) -> Arc<Self> {
-        Arc::new(Self {
-            world,
-            key,
-            members,
-            me,
-            next_ticket: AtomicU64::new(0),
-            turn: watch::channel(0).0,
-            derived: Mutex::new(HashMap::new()),
-        })
-    }
-
-    fn ticket(&self) -> u64 {
-        self.world.collectives.fetch_add(1, Ordering::Relaxed);
-        self.next_ticket.fetch_add(1, Ordering::SeqCst)
-    }
-
-    fn world_rank_checked(&self, rank: usize) -> Result<usize, CommError> {
-        self.members.get(rank).copied().ok_or_else(|| {
-            CommError::InvalidArgument(format!(
-                "rank {rank} is out of range for a group of {}",
-                self.members.len()
-            ))
-        })
-    }
-
-    /// Waits until it is `ticket`'s turn; fails fast if the communicator is poisoned.
-    async fn begin(&self, ticket: u64) -> Result<TurnGuard<'_>, CommError> {
-        let mut rx = self.turn.subscribe();
-        // The sender lives as long as `self`, so this cannot fail.
-        let _ = rx.wait_for(|t| *t >= ticket).await;
-        let guard = TurnGuard { g: self, ticket };
-        if let Some(e) = self.world.poisoned.lock().ok().and_then(|p| p.clone()) {
-            return Err(CommError::Poisoned(Box::new(e)));
-        }
-        Ok(guard)
-    }
-
-    /// Records a failure (poisoning every group of the process and telling all peers) and
-    /// passes the result through.
-    async fn finish<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
-        let Err(e) = r else { return r };
-        let w = &self.world;
-        tracing::error!(rank = w.rank, error = %e, "collective failed");
-        if let Ok(mut p) = w.poisoned.lock()
-            && p.is_none()
-        {
-            *p = Some(e.clone());
-        }
-        if !matches!(e, CommError::Aborted { .. } | CommError::Poisoned(_)) {
-            let msg = Ctrl::Abort {
-                reason: e.to_string(),
-            }
-            .encode();
-            let sends = w.peers.iter().flatten().map(|p| {
-                let (p, msg) = (p.clone(), msg.clone());
-                tokio::spawn(
-                    async move { p.send(channel::CONTROL, Op::Control, (0, 0, 0), &msg).await },
-                )
-            });
-            let handles: Vec<_> = sends.collect();
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                for h in handles {
-                    let _ = h.await;
-                }
-            })
-            .await;
-        }
-        Err(e)
-    }
-
-    async fn all_reduce_ordered(&self, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
-        let _turn = self.begin(ticket).await?;
-        let r = ring::all_reduce(&self.ctx(ticket, Op::AllReduce), buf).await;
-        self.finish(r).await
-    }
-
-    fn ctx(&self, seq: u64, op: Op) -> OpCtx<'_> {
-        OpCtx { g: self, seq, op }
-    }
-}
-
-/// Context of one running collective: sends and receives frames tagged with its group and
-/// sequence number and validates what arrives. Ranks are group ranks.
-pub(crate) struct OpCtx<'a> {
-    g: &'a GroupState,
-    seq: u64,
-    op: Op,
-}
-
-impl OpCtx<'_> {
-    pub(crate) fn rank(&self) -> usize {
-        self.g.me
-    }
-
-    pub(crate) fn size(&self) -> usize {
-        self.g.members.len()
-    }
-
-    pub(crate) fn cfg(&self) -> &CommConfig {
-        &self.g.world.cfg
-    }
-
-    /// The world rank of group rank `peer` (what errors name).
-    pub(crate) fn world_rank(&self, peer: usize) -> usize {
-        self.g.members.get(peer).copied().unwrap_or(usize::MAX)
-    }
-
-    pub(crate) fn describe(&self) -> String {
-        if self.g.key == 0 {
-            format!("{} #{}", self.op.name(), self.seq)
-        } else {
-            format!(
-                "{} #{} of group {:016x}",
-                self.op.name(),
-                self.seq,
-                self.g.key
-            )
-        }
-    }
-
-    fn conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
-        self.g.world.conn(self.world_rank(peer))
-    }
-
-    /// Sends one frame of this collective to group rank `peer`.
-    pub(crate) async fn send(
-        &self,
-        peer: usize,
-        tag: u32,
-        payload: &[u8],
-    ) -> Result<(), CommError> {
-        let conn = self.conn(peer)?;
-        let t = self.g.world.cfg.timeout;
-        let header = (self.g.key, self.seq, tag);
-        match tokio::time::timeout(t, conn.send(channel::COLLECTIVE, self.op, header, payload))
-            .await
-        {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(conn.send_error(&self.describe(), &e)),
-            Err(_) => Err(CommError::Timeout {
-                peer: conn.rank,
-                op: self.describe(),
-                after: t,
-            }),
-        }
-    }
-
-    /// Receives frame number `tag` of this collective from group rank `peer`, which must
-    /// carry exactly `len` payload bytes (`None`: any length).
-    pub(crate) async fn recv(
-        &self,
-        peer: usize,
-        tag: u32,
-        len: Option<usize>,
-    ) -> Result<Received, CommError> {
-        let conn = self.conn(peer)?;
-        let world_peer = conn.rank;
-        let t = self.g.world.cfg.timeout;
-        let mut abort = self.g.world.ep.abort.subscribe();
-        let got = tokio::select! {
-            biased;
-            f = conn.recv(self.g.key) => f,
-            a = abort.wait_for(Option::is_some) => {
-                let (by, reason) = a.ok().and_then(|v| v.clone()).unwrap_or((world_peer, "aborted".into()));
-                return Err(CommError::Aborted { by, reason });
-            }
-            _ = tokio::time::sleep(t) => {
-                return Err(CommError::Timeout { peer: world_peer, op: self.describe(), after: t });
-            }
-        };
-        let Some(f) = got else {
-            // A peer that aborted usually closes right after; its abort notice carries the
-            // root cause, so prefer it over "connection lost".
-            if let Some((by, reason)) = abort.borrow().clone() {
-                return Err(CommError::Aborted { by, reason });
-            }
-            return Err(conn.lost_error(&self.describe()));
-        };
-        let h = &f.header;
-        let len_ok = len.is_none_or(|l| f.payload.len() == l);
-        if h.op != self.op as u8 || h.seq != self.seq || h.tag != tag || !len_ok {
-            let got_op = Op::from_u8(h.op).map_or("unknown", Op::name);
-            let want = len.map_or("any length".to_string(), |l| format!("{l} bytes"));
-            return Err(CommError::Protocol {
-                peer: world_peer,
-                detail: format!(
-                    "expected {} frame {tag} ({want}), got {got_op} #{} frame {} ({} bytes); \
-                     ranks issued collectives in different orders or with different sizes",
-                    self.describe(),
-                    h.seq,
-                    h.tag,
-                    f.payload.len()
-                ),
-            });
-        }
-        Ok(f)
-    }
+/// Runs all-reduce `ticket` of group `g` in its turn.
+async fn all_reduce_ordered(g: &GroupState, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
+    let _turn = g.begin(ticket).await?;
+    let r = ring::all_reduce(&OpCtx::new(g, ticket, Op::AllReduce), buf).await;
+    g.finish(r).await
 }

@@ -26,8 +26,22 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
-use crate::comm::CommStats;
 use crate::error::CommError;
+
+/// Traffic counters of a communicator (all connections, all channels, headers included).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// Bytes written to sockets.
+    pub bytes_sent: u64,
+    /// Bytes read from sockets.
+    pub bytes_received: u64,
+    /// Frames written.
+    pub frames_sent: u64,
+    /// Frames read.
+    pub frames_received: u64,
+    /// Collectives issued so far in all groups (blocking and asynchronous).
+    pub collectives: u64,
+}
 
 /// Element-wise reduction of integer buffers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -43,14 +43,16 @@ pub mod frame;
 pub mod group;
 mod mailbox;
 mod net;
+mod op;
 mod reduce;
 mod rendezvous;
 mod ring;
 pub mod scheduler;
 mod wire;
+mod world;
 
-pub use comm::{CommStats, Communicator};
+pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
 pub use error::{CommError, PeerName, RendezvousError};
-pub use group::{Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
+pub use group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
 pub use scheduler::{Collective, Output, Scheduler};

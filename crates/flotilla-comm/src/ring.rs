@@ -16,9 +16,9 @@
 use std::ops::Range;
 
 use crate::buf::{f32_bytes, f32_bytes_mut};
-use crate::comm::OpCtx;
 use crate::config::WireFormat;
 use crate::error::CommError;
+use crate::op::OpCtx;
 use crate::reduce;
 
 /// Chunks sent ahead of the one being received in each step.

@@ -1,7 +1,7 @@
 //! The run configuration: one YAML file with everything the CLI accepts. Unknown keys are
 //! errors, not silently ignored.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
@@ -277,19 +277,6 @@ pub const PER_RANK: &[&str] = &[
 ];
 
 impl TrainConfig {
-    /// Parses a config from YAML text over the defaults; `source_name` names it in errors.
-    pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
-        crate::layers::Layers::defaults()
-            .yaml(text, source_name)?
-            .extract()
-    }
-
-    /// Reads a config file over the defaults. Relative `data`, `output` and `model` paths
-    /// stay relative to the working directory, as with every command-line tool.
-    pub fn load(path: &Path) -> Result<Self> {
-        crate::layers::Layers::defaults().file(path)?.extract()
-    }
-
     /// The learning rate of the run (the optimizer's).
     pub fn base_lr(&self) -> f64 {
         self.optimizer.lr()
@@ -445,6 +432,7 @@ fn remove_path(v: &mut serde_json::Value, path: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn empty_file_is_all_defaults() {

@@ -266,6 +266,19 @@ impl Layers {
     }
 }
 
+impl TrainConfig {
+    /// Parses a config from YAML text over the defaults; `source_name` names it in errors.
+    pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
+        Layers::defaults().yaml(text, source_name)?.extract()
+    }
+
+    /// Reads a config file over the defaults. Relative `data`, `output` and `model` paths
+    /// stay relative to the working directory, as with every command-line tool.
+    pub fn load(path: &Path) -> Result<Self> {
+        Layers::defaults().file(path)?.extract()
+    }
+}
+
 /// Parses an environment value as a YAML scalar (numbers, booleans), else a string.
 fn scalar(raw: &str) -> Value {
     match serde_norway::from_str::<Value>(raw) {

@@ -11,6 +11,7 @@ pub mod config;
 pub mod error;
 pub mod fault;
 pub mod layers;
+pub mod observe;
 pub mod ps;
 pub mod runlog;
 pub mod strategy;
@@ -18,4 +19,5 @@ pub mod trainer;
 
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
-pub use trainer::{Observer, Quiet, RunSummary, StepEvent, run};
+pub use observe::{Observer, Quiet, StepEvent};
+pub use trainer::{RunSummary, run};

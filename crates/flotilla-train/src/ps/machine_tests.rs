@@ -17,8 +17,8 @@ use super::root::RootServer;
 use super::serve::ServerMachine;
 use super::server::ShardPlan;
 use crate::config::{LrSchedule, TrainConfig};
+use crate::observe::Quiet;
 use crate::runlog::RunLog;
-use crate::trainer::Quiet;
 
 const TINY: &str = "name: tiny\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 3}\n";
 /// Parameters of [`TINY`]: a 4x3 weight and 3 biases.

@@ -29,8 +29,8 @@ use flotilla_engine::{Engine, EvalStats};
 use crate::config::TrainConfig;
 use crate::error::Result;
 use crate::fault::Fault;
+use crate::observe::{Observer, StepEvent};
 use crate::runlog::RunLog;
-use crate::trainer::{Observer, StepEvent};
 use protocol::PsMessage;
 
 /// What every role of a parameter-server job needs.
