@@ -5,15 +5,19 @@
 //! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
 #![warn(missing_docs)]
 
+pub mod batches;
 pub mod bucket;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod fault;
 pub mod layers;
 pub mod observe;
 pub mod ps;
+pub mod role;
 pub mod runlog;
+pub mod runloop;
 pub mod strategy;
 pub mod trainer;
 

@@ -21,11 +21,12 @@ pub enum Event {
     Lost(usize, CommError),
 }
 
-/// Merged messages of a set of peers.
+/// Merged messages of a set of peers. Clones share the set of peers not lost yet.
+#[derive(Clone)]
 pub struct Inbox {
     group: Arc<dyn ProcessGroup>,
     /// Peers not lost yet.
-    live: Mutex<Vec<usize>>,
+    live: Arc<Mutex<Vec<usize>>>,
 }
 
 impl Inbox {
@@ -33,7 +34,7 @@ impl Inbox {
     pub fn listen(group: &Arc<dyn ProcessGroup>, peers: &[usize]) -> Self {
         Self {
             group: group.clone(),
-            live: Mutex::new(peers.to_vec()),
+            live: Arc::new(Mutex::new(peers.to_vec())),
         }
     }
 

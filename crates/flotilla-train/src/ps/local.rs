@@ -13,11 +13,14 @@ use flotilla_comm::CommError;
 
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
+use super::inbox::Inbox;
 use super::protocol::PsMessage;
-use super::serve::ServerMachine;
+use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
+use crate::batches::Batches;
 use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
 
 /// Local server state.
 pub struct LocalServer {
@@ -40,6 +43,10 @@ pub struct LocalServer {
     pushes_up: u64,
     round_started: Instant,
     stopped: Option<String>,
+    inbox: Inbox,
+    timeout: Duration,
+    /// The loss and samples of the last push up, for the run loop.
+    pushed: Option<(f32, u64)>,
 }
 
 impl LocalServer {
@@ -47,7 +54,12 @@ impl LocalServer {
     pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Self {
         let active: BTreeSet<usize> = children.iter().copied().collect();
         let len = cx.engine.num_params();
+        let mut peers = children.to_vec();
+        peers.push(parent);
         Self {
+            inbox: Inbox::listen(cx.comm, &peers),
+            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            pushed: None,
             parent,
             children: children.to_vec(),
             sync,
@@ -85,6 +97,7 @@ impl LocalServer {
     fn push_up(&mut self, cx: &mut PsContext<'_>, version: u64, mean: Mean) -> Result<()> {
         // The staleness the mean already carries relative to the version it is pushed at.
         let staleness = (version as f64 - mean.base_version).round().max(0.0) as u32;
+        let (loss, samples) = (mean.loss, mean.samples);
         send(
             cx.comm,
             self.parent,
@@ -99,6 +112,7 @@ impl LocalServer {
         )?;
         self.outstanding = true;
         self.pushes_up += 1;
+        self.pushed = Some((loss, samples));
         Ok(())
     }
 
@@ -300,5 +314,40 @@ impl ServerMachine for LocalServer {
 
     fn done(&self) -> bool {
         self.stopped.is_some()
+    }
+}
+
+impl Role for LocalServer {
+    fn name(&self) -> &'static str {
+        "local-server"
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::None
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.on_start(cx)
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+        let inbox = self.inbox.clone();
+        let timeout = self.timeout;
+        serve_one(self, cx, &inbox, timeout)?;
+        if let Some(reason) = &self.stopped {
+            return Ok(Step {
+                done: Some(reason.clone()),
+                ..Step::default()
+            });
+        }
+        Ok(match self.pushed.take() {
+            Some((loss, samples)) => Step {
+                progressed: true,
+                loss: Some(loss),
+                samples,
+                done: None,
+            },
+            None => Step::default(),
+        })
     }
 }

@@ -10,11 +10,11 @@ use flotilla_data::ImageDataset;
 use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec};
 
 use super::PsContext;
-use super::inbox::{Event, Inbox};
+use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
 use super::root::RootServer;
-use super::serve::ServerMachine;
+use super::serve::{ServerMachine, serve_one};
 use super::server::ShardPlan;
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
@@ -122,15 +122,12 @@ fn next(me: &Communicator, from: usize) -> Option<PsMessage> {
     }
 }
 
-/// Takes one event off `inbox` and hands it to the machine, as the server loop does.
+/// Takes one event off `inbox` and hands it to the machine, then lets it send what it held
+/// back for the run loop (which goes on), as a role's step does.
 fn step(m: &mut dyn ServerMachine, f: &mut Fixture, inbox: &Inbox) -> crate::Result<()> {
     let mut cx = f.cx();
-    match inbox.recv_until(Instant::now() + Duration::from_millis(500)) {
-        None => m.on_deadline(&mut cx, Duration::from_millis(500)),
-        Some(Event::Message(from, msg)) => m.on_message(&mut cx, from, msg),
-        Some(Event::Malformed(from, e)) => m.on_malformed(&mut cx, from, e),
-        Some(Event::Lost(peer, e)) => m.on_lost(&mut cx, peer, e),
-    }
+    serve_one(m, &mut cx, inbox, Duration::from_millis(500))?;
+    m.flush(&mut cx)
 }
 
 fn root(f: &mut Fixture, sync: bool) -> (RootServer, Inbox) {

@@ -8,9 +8,11 @@
 //! - Async: each admitted push is applied on arrival and answered to its sender alone; a
 //!   lost child is logged and training goes on with the others.
 //!
-//! The root evaluates every `eval_every` rounds (after gathering the other shards), stops at
-//! `target_accuracy` or after its rounds, and tells every child and shard server to stop.
-//! A shard server stops when the root says so.
+//! As a [`Role`], the root's rounds are the run's progress: the run loop evaluates between
+//! rounds (the root gathers the other shards first) and stops it at `target_accuracy` or
+//! after its rounds; the root then tells every child and shard server to stop. Its reply to
+//! a round's pushes waits until the loop has decided to go on. A shard server stops when
+//! the root says so.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -21,10 +23,12 @@ use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
 use super::protocol::PsMessage;
-use super::serve::ServerMachine;
+use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
+use crate::batches::Batches;
 use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
 
 /// Root or shard server state.
 pub struct RootServer {
@@ -60,6 +64,14 @@ pub struct RootServer {
     first_update: Option<Instant>,
     /// The root's channel to the other shard servers (gathering for evaluation).
     shard_inbox: Option<Inbox>,
+    /// This server's channel to its children (and a shard server's to the root).
+    inbox: Inbox,
+    /// The root's answer to a round's pushes, sent when the run goes on: the children.
+    held_reply: Option<Vec<usize>>,
+    /// A round finished in the last event: its mean loss and samples.
+    round_done: Option<(f32, u64)>,
+    /// The root gathered the shards and stopped everyone.
+    finished: Option<RootOutcome>,
 }
 
 impl RootServer {
@@ -96,7 +108,16 @@ impl RootServer {
             list(&active),
             cx.rounds
         ))?;
+        let mut peers = children.to_vec();
+        if !is_root {
+            peers.push(shard.servers[0]);
+        }
+        let inbox = Inbox::listen(cx.comm, &peers);
         Ok(Self {
+            inbox,
+            held_reply: None,
+            round_done: None,
+            finished: None,
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -185,19 +206,34 @@ impl RootServer {
             return Ok(());
         };
         self.update(cx, &mean, staleness)?;
-        if self.stop_reason.is_some() {
+        let targets: Vec<usize> = if self.sync {
+            self.pending = self.active.clone();
+            self.active.iter().copied().collect()
+        } else {
+            vec![child]
+        };
+        if self.is_root && self.round_done.is_some() {
+            // The run loop decides first whether there is another round.
+            self.held_reply = Some(targets);
             return Ok(());
         }
-        if self.sync {
-            let msg = self.model.encoded();
-            for &c in &self.active {
-                send_bytes(cx.comm, c, &msg)?;
-            }
-            self.pending = self.active.clone();
-        } else {
-            send_bytes(cx.comm, child, &self.model.encoded())?;
+        self.reply(cx, &targets)
+    }
+
+    fn reply(&self, cx: &mut PsContext<'_>, targets: &[usize]) -> Result<()> {
+        let msg = self.model.encoded();
+        for &c in targets {
+            send_bytes(cx.comm, c, &msg)?;
         }
         Ok(())
+    }
+
+    /// Sends the reply held back at the end of a round (the run goes on).
+    pub fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        match self.held_reply.take() {
+            Some(targets) => self.reply(cx, &targets),
+            None => Ok(()),
+        }
     }
 
     /// Applies one mean push and does the round's bookkeeping (log, evaluation, stopping).
@@ -237,9 +273,9 @@ impl RootServer {
 
     fn end_round(&mut self, cx: &mut PsContext<'_>, mean: &Mean, apply_s: Duration) -> Result<()> {
         self.rounds += 1;
-        let rounds = self.rounds;
         cx.log_quiet(&format!(
-            "round {rounds} v{} loss={:.4} pushes={} wait={:.1}ms apply={:.1}ms round={:.1}ms",
+            "round {} v{} loss={:.4} pushes={} wait={:.1}ms apply={:.1}ms round={:.1}ms",
+            self.rounds,
             self.model.version(),
             mean.loss,
             mean.pushes,
@@ -247,41 +283,33 @@ impl RootServer {
             apply_s.as_secs_f64() * 1e3,
             self.round_started.elapsed().as_secs_f64() * 1e3
         ))?;
-        if self.is_root {
-            cx.observe_round(rounds, self.total_rounds, mean.loss);
-        }
         self.wait = Duration::ZERO;
         self.round_started = Instant::now();
-        if !self.is_root {
-            return Ok(());
-        }
-        if rounds >= self.total_rounds {
-            self.stop_reason = Some(format!("{rounds} rounds done"));
-            return Ok(());
-        }
-        if cx.eval_every > 0 && rounds.is_multiple_of(cx.eval_every) {
-            let v = if self.sync { self.model.version() } else { 0 };
-            gather(
-                cx,
-                &self.shard,
-                self.shard_inbox.as_ref(),
-                &mut self.model,
-                v,
-            )?;
-            let acc_now = cx.evaluate_and_log(rounds)?;
-            if let Some(target) = cx.config.schedule.target_accuracy
-                && acc_now >= target
-            {
-                self.stop_reason = Some(format!(
-                    "test accuracy {acc_now:.4} reached target {target}"
-                ));
-            }
-        }
+        self.round_done = Some((mean.loss, mean.samples));
         Ok(())
     }
 
+    /// Makes the engine hold the whole model at this round (gathers the other shards).
+    fn gather_all(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        if self.finished.is_some() {
+            return Ok(());
+        }
+        let v = if self.sync { self.model.version() } else { 0 };
+        gather(
+            cx,
+            &self.shard,
+            self.shard_inbox.as_ref(),
+            &mut self.model,
+            v,
+        )
+    }
+
     /// Stops every child (and, from the root, every shard server) and says how it went.
-    pub fn finish(mut self, cx: &mut PsContext<'_>) -> Result<RootOutcome> {
+    pub fn finish(&mut self, cx: &mut PsContext<'_>) -> Result<RootOutcome> {
+        if let Some(done) = &self.finished {
+            return Ok(done.clone());
+        }
+        self.held_reply = None;
         let reason = self.stop_reason.clone().unwrap_or_default();
         let stop = PsMessage::Stop {
             reason: reason.clone(),
@@ -307,11 +335,11 @@ impl RootServer {
         }
         cx.log(&format!("stopping: {reason}"))?;
         let updates = self.updates;
-        Ok(RootOutcome {
+        let outcome = RootOutcome {
             rounds: self.rounds,
             updates,
             reason,
-            lost: self.lost,
+            lost: self.lost.clone(),
             max_staleness: self.max_staleness,
             mean_staleness: if updates > 0 {
                 self.staleness_sum as f64 / updates as f64
@@ -319,7 +347,9 @@ impl RootServer {
                 0.0
             },
             busy_s: self.first_update.map_or(0.0, |t| t.elapsed().as_secs_f64()),
-        })
+        };
+        self.finished = Some(outcome.clone());
+        Ok(outcome)
     }
 
     /// A shard server whose children leave is being stopped by the root: wait for that.
@@ -330,6 +360,10 @@ impl RootServer {
 }
 
 impl ServerMachine for RootServer {
+    fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        RootServer::flush(self, cx)
+    }
+
     fn peers(&self) -> Vec<usize> {
         let mut peers = self.children.clone();
         if !self.is_root {
@@ -445,5 +479,86 @@ fn lost_child(child: usize, rounds: u64) -> TrainError {
         message: format!(
             "rank {child} lost at round {rounds} and the root did not stop the run in time"
         ),
+    }
+}
+
+impl Role for RootServer {
+    fn name(&self) -> &'static str {
+        if self.is_root { "root" } else { "shard-server" }
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        if self.is_root {
+            Evaluation::Local
+        } else {
+            Evaluation::None
+        }
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.is_root
+    }
+
+    fn stops_itself(&self) -> bool {
+        self.is_root
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+        self.flush(cx)?;
+        let inbox = self.inbox.clone();
+        let timeout = self.timeout;
+        serve_one(self, cx, &inbox, timeout)?;
+        if let Some(reason) = &self.stop_reason
+            && !self.is_root
+        {
+            // A shard server told to stop by the root.
+            let reason = reason.clone();
+            self.finish(cx)?;
+            return Ok(Step {
+                done: Some(reason),
+                ..Step::default()
+            });
+        }
+        Ok(match self.round_done.take() {
+            Some((loss, samples)) => Step {
+                progressed: true,
+                loss: Some(loss),
+                samples,
+                done: None,
+            },
+            None => Step::default(),
+        })
+    }
+
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.gather_all(cx)
+    }
+
+    fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
+        self.stop_reason = Some(reason.to_string());
+        self.finish(cx).map(|_| ())
+    }
+
+    fn report(&self, cx: &Cx<'_>) -> Option<String> {
+        let o = self.finished.as_ref()?;
+        if !self.is_root {
+            return None;
+        }
+        let received = cx.comm.stats().bytes_received;
+        Some(format!(
+            "root: {} updates in {} rounds ({}), staleness max {} mean {:.2}, lost children [{}], received {:.0} bytes/round, {:.1} updates/s",
+            o.updates,
+            o.rounds,
+            o.reason,
+            o.max_staleness,
+            o.mean_staleness,
+            o.lost
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            received as f64 / o.rounds.max(1) as f64,
+            o.updates.saturating_sub(1) as f64 / o.busy_s.max(1e-9)
+        ))
     }
 }

@@ -1,7 +1,7 @@
-//! The one event loop of every parameter server: it waits on all of a server's peers at
-//! once (one deadline) and hands each event to the server's state machine. The machines
+//! How every parameter server takes its next event: it waits on all of its peers at once
+//! (one deadline) and hands the event to the server's state machine. The machines
 //! ([`super::root::RootServer`], [`super::local::LocalServer`]) hold all state and do all
-//! the deciding; this loop only waits.
+//! the deciding; [`serve_one`] only waits. The run loop calls it once per step.
 
 use std::time::{Duration, Instant};
 
@@ -43,27 +43,28 @@ pub trait ServerMachine {
 
     /// Whether the server has stopped.
     fn done(&self) -> bool;
+
+    /// Sends what was held back for the run loop's decision (the root's reply to a round).
+    fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        let _ = cx;
+        Ok(())
+    }
 }
 
-/// Runs `machine` until it is done: each event, or the deadline `timeout` after the last
-/// one, becomes one call.
-pub fn serve(
+/// Waits for the next event on `inbox` (at most `timeout`) and hands it to `machine`.
+pub fn serve_one(
     machine: &mut dyn ServerMachine,
     cx: &mut PsContext<'_>,
+    inbox: &Inbox,
     timeout: Duration,
 ) -> Result<()> {
-    let inbox = Inbox::listen(cx.comm, &machine.peers());
-    machine.on_start(cx)?;
-    while !machine.done() {
-        let t = Instant::now();
-        let event = inbox.recv_until(t + timeout);
-        machine.note_wait(t.elapsed());
-        match event {
-            None => machine.on_deadline(cx, t.elapsed())?,
-            Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg)?,
-            Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e)?,
-            Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e)?,
-        }
+    let t = Instant::now();
+    let event = inbox.recv_until(t + timeout);
+    machine.note_wait(t.elapsed());
+    match event {
+        None => machine.on_deadline(cx, t.elapsed()),
+        Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg),
+        Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e),
+        Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e),
     }
-    Ok(())
 }
