@@ -3,7 +3,7 @@
 use std::io;
 use std::path::PathBuf;
 
-use crate::spec::Arch;
+use crate::arch::Arch;
 
 /// Convenience alias for results produced by this crate.
 pub type Result<T, E = ClusterError> = std::result::Result<T, E>;

@@ -32,6 +32,7 @@
 
 #![warn(missing_docs)]
 
+mod arch;
 mod describe;
 pub mod error;
 pub mod inventory;

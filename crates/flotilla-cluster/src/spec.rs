@@ -21,37 +21,8 @@ use std::fmt;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::arch::Arch;
 use crate::error::{ClusterError, Result};
-
-/// The training architecture: how gradients travel between processes.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Arch {
-    /// Collective all-reduce among peers; no servers. The default when `arch` is absent.
-    #[default]
-    Allreduce,
-    /// One tier of parameter servers (`parameter_server`, optionally sharded by `servers`).
-    Flat,
-    /// A global server over local servers, each with its own workers (`global_server`).
-    Hierarchical,
-}
-
-impl Arch {
-    /// The config spelling of the architecture (`allreduce`, `flat`, `hierarchical`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Arch::Allreduce => "allreduce",
-            Arch::Flat => "flat",
-            Arch::Hierarchical => "hierarchical",
-        }
-    }
-}
-
-impl fmt::Display for Arch {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// How a server combines the updates of its children.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -159,12 +130,5 @@ impl TopologySpec {
         self.parameter_server.is_some()
             || self.global_server.is_some()
             || self.servers != DEFAULT_SERVERS
-    }
-
-    /// Checks that the keys fit together for `arch`, for every architecture including
-    /// [`Arch::Allreduce`] (where it rejects parameter-server keys). Config loaders call this
-    /// at load time; [`crate::Topology::build`] calls it too.
-    pub fn validate(&self) -> Result<()> {
-        crate::validate::validate(self)
     }
 }

@@ -7,8 +7,17 @@ const PARAMETER_SERVER_HINT: &str = "e.g. `parameter_server: {aggr_type: sync, n
 const GLOBAL_SERVER_HINT: &str = "e.g. `global_server: {aggr_type: sync, local_servers: \
                                   [{aggr_type: async, num_workers: 2}]}`";
 
+impl TopologySpec {
+    /// Checks that the keys fit together for `arch`, for every architecture including
+    /// [`Arch::Allreduce`] (where it rejects parameter-server keys). Config loaders call this
+    /// at load time; [`crate::Topology::build`] calls it too.
+    pub fn validate(&self) -> Result<()> {
+        validate(self)
+    }
+}
+
 /// Checks `spec`; see [`TopologySpec::validate`].
-pub(crate) fn validate(spec: &TopologySpec) -> Result<()> {
+fn validate(spec: &TopologySpec) -> Result<()> {
     if spec.servers == 0 {
         return Err(ClusterError::ZeroServers);
     }

@@ -14,7 +14,7 @@ use std::process::{Command, ExitCode};
 use std::time::Duration;
 
 use flotilla_comm::bench::{self, BenchOptions};
-use flotilla_comm::{CommConfig, Communicator};
+use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 
 const CHILD_ENV: &str = "FLOTILLA_BENCH_CHILD";
 
@@ -107,7 +107,7 @@ fn child(args: &Args) -> Result<(), String> {
     if comm.rank() == 0 {
         println!(
             "ring all-reduce (sum, f32), {} ranks over 127.0.0.1, {} CPU(s)",
-            comm.world_size(),
+            comm.size(),
             std::thread::available_parallelism().map_or(0, |n| n.get())
         );
         print!("{}", bench::format_table(&rows));

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::comm::Communicator;
 use crate::error::CommError;
+use crate::group::ProcessGroup;
 
 /// One row of benchmark results.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -65,7 +66,7 @@ pub fn default_sizes() -> Vec<usize> {
 /// Runs the all-reduce benchmark. Every rank of the group must call it with the same
 /// options. Also checks that each result equals the expected sum.
 pub fn run_allreduce(comm: &Communicator, opts: &BenchOptions) -> Result<Vec<BenchRow>, CommError> {
-    let n = comm.world_size();
+    let n = comm.size();
     let mut rows = Vec::with_capacity(opts.sizes.len());
     for &size in &opts.sizes {
         let elems = size / 4;

@@ -1,22 +1,23 @@
-//! Barrier, broadcast and all-gather.
+//! Barrier, broadcast, all-gather and reductions of small integer buffers.
 //!
-//! Barrier and all-gather exchange one small frame with every peer directly (one round
-//! trip over the full mesh). Broadcast is a pipelined chain along the ring starting at the
+//! Barrier, all-gather and the integer reductions exchange one frame with every peer
+//! directly (one round trip over the full mesh; integer buffers are small: counters, flags,
+//! bit sets). Broadcast is a pipelined chain along the ring starting at the
 //! root: a length frame, then `chunk_bytes` chunks, each forwarded as soon as it arrives.
 
 use crate::buf::f32_bytes_mut;
-use crate::comm::OpCtx;
 use crate::error::CommError;
+use crate::op::OpCtx;
 
-/// Sends `payload` to every peer, then receives one `len`-byte frame from every peer (in
-/// rank order) and hands it to `each`.
+/// Sends `payload` to every peer, then receives one frame from every peer (in rank order;
+/// of exactly `len` bytes when given) and hands it to `each`.
 async fn exchange(
     ctx: &OpCtx<'_>,
     payload: &[u8],
-    len: usize,
+    len: Option<usize>,
     mut each: impl FnMut(usize, &[u8]),
 ) -> Result<(), CommError> {
-    let (n, me) = (ctx.world(), ctx.rank());
+    let (n, me) = (ctx.size(), ctx.rank());
     for p in (0..n).filter(|&p| p != me) {
         ctx.send(p, 0, payload).await?;
     }
@@ -29,27 +30,49 @@ async fn exchange(
 
 /// Returns once every rank has entered the barrier.
 pub(crate) async fn barrier(ctx: &OpCtx<'_>) -> Result<(), CommError> {
-    exchange(ctx, &[], 0, |_, _| {}).await
+    exchange(ctx, &[], Some(0), |_, _| {}).await
 }
 
-/// Gathers one value per rank.
-pub(crate) async fn all_gather_u64(ctx: &OpCtx<'_>, v: u64) -> Result<Vec<u64>, CommError> {
-    let mut out = vec![0u64; ctx.world()];
-    out[ctx.rank()] = v;
-    exchange(ctx, &v.to_le_bytes(), 8, |p, b| {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(b);
-        out[p] = u64::from_le_bytes(a);
-    })
-    .await?;
+/// Gathers one byte string per rank.
+pub(crate) async fn all_gather_bytes(
+    ctx: &OpCtx<'_>,
+    mine: &[u8],
+) -> Result<Vec<Vec<u8>>, CommError> {
+    let mut out = vec![Vec::new(); ctx.size()];
+    out[ctx.rank()] = mine.to_vec();
+    exchange(ctx, mine, None, |p, b| out[p] = b.to_vec()).await?;
     Ok(out)
 }
 
+/// Reduces a small buffer of plain integers element-wise with `combine`, in rank order, so
+/// that every rank computes the same result.
+pub(crate) async fn all_reduce_small<T: bytemuck::Pod>(
+    ctx: &OpCtx<'_>,
+    buf: &mut [T],
+    combine: impl Fn(T, T) -> T,
+) -> Result<(), CommError> {
+    let mut all: Vec<Vec<T>> = vec![Vec::new(); ctx.size()];
+    all[ctx.rank()] = buf.to_vec();
+    let len = std::mem::size_of_val(buf);
+    exchange(ctx, bytemuck::cast_slice(buf), Some(len), |p, b| {
+        // Frames arrive in pooled buffers of any alignment: copy out element by element.
+        all[p] = b
+            .chunks_exact(std::mem::size_of::<T>())
+            .map(bytemuck::pod_read_unaligned)
+            .collect();
+    })
+    .await?;
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = all.iter().map(|v| v[i]).reduce(&combine).unwrap_or(*x);
+    }
+    Ok(())
+}
+
 fn check_root(ctx: &OpCtx<'_>, root: usize) -> Result<(), CommError> {
-    if root >= ctx.world() {
+    if root >= ctx.size() {
         return Err(CommError::InvalidArgument(format!(
             "broadcast root {root} out of range for world size {}",
-            ctx.world()
+            ctx.size()
         )));
     }
     Ok(())
@@ -63,7 +86,7 @@ async fn chain<'b>(
     root_buf: Option<&'b mut [u8]>,
     len_of: impl FnOnce(u64) -> Result<&'b mut [u8], CommError>,
 ) -> Result<(), CommError> {
-    let (n, me) = (ctx.world(), ctx.rank());
+    let (n, me) = (ctx.size(), ctx.rank());
     if n == 1 {
         return Ok(());
     }
@@ -78,7 +101,7 @@ async fn chain<'b>(
         }
         return Ok(());
     }
-    let f = ctx.recv(left, 0, 8).await?;
+    let f = ctx.recv(left, 0, Some(8)).await?;
     if forward {
         ctx.send(right, 0, &f.payload).await?;
     }
@@ -87,7 +110,7 @@ async fn chain<'b>(
     let buf = len_of(u64::from_le_bytes(a))?;
     for (i, c) in buf.chunks_mut(chunk).enumerate() {
         let tag = i as u32 + 1;
-        let f = ctx.recv(left, tag, c.len()).await?;
+        let f = ctx.recv(left, tag, Some(c.len())).await?;
         if forward {
             ctx.send(right, tag, &f.payload).await?;
         }
@@ -107,9 +130,9 @@ pub(crate) async fn broadcast_f32(
     if ctx.rank() == root {
         return chain(ctx, root, Some(bytes), |_| unreachable_len()).await;
     }
-    let (mine, left, op) = (
+    let (mine, world_left, op) = (
         bytes.len() as u64,
-        (ctx.rank() + ctx.world() - 1) % ctx.world(),
+        ctx.world_rank((ctx.rank() + ctx.size() - 1) % ctx.size()),
         ctx.describe(),
     );
     chain(ctx, root, None, move |theirs| {
@@ -117,7 +140,7 @@ pub(crate) async fn broadcast_f32(
             Ok(bytes)
         } else {
             Err(CommError::Protocol {
-                peer: left,
+                peer: world_left,
                 detail: format!(
                     "{op}: root {root} broadcasts {} f32 values but this rank passed {}",
                     theirs / 4,
@@ -140,13 +163,13 @@ pub(crate) async fn broadcast_bytes(
         return chain(ctx, root, Some(buf.as_mut_slice()), |_| unreachable_len()).await;
     }
     let max = ctx.cfg().max_frame_bytes as u64 * 1024;
-    let left = (ctx.rank() + ctx.world() - 1) % ctx.world();
+    let world_left = ctx.world_rank((ctx.rank() + ctx.size() - 1) % ctx.size());
     chain(ctx, root, None, move |len| {
         let len = usize::try_from(len)
             .ok()
             .filter(|&l| l as u64 <= max)
             .ok_or_else(|| CommError::Protocol {
-                peer: left,
+                peer: world_left,
                 detail: format!("broadcast of {len} bytes exceeds the limit of {max} bytes"),
             })?;
         buf.clear();

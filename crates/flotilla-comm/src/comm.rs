@@ -1,105 +1,99 @@
-//! The [`Communicator`]: owns the runtime and the peer connections, orders collectives and
-//! turns failures into typed, peer-naming errors.
+//! The [`Communicator`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
+//! runtime and the peer connections, orders each group's collectives and turns failures into
+//! typed, peer-naming errors.
 //!
 //! # Ordering invariant
 //!
-//! Every rank must issue the same collectives in the same order (blocking and asynchronous
-//! ones alike) with matching sizes and roots. Each collective takes a sequence number when
-//! it is *issued*; collectives execute strictly in that order on each rank, and every frame
-//! carries the sequence number, operation kind and a per-collective frame counter. A frame
+//! Within a group, every member must issue the same collectives in the same order (blocking
+//! and asynchronous ones alike) with matching sizes and roots. Each collective takes a
+//! sequence number of its group when it is *issued*; a group's collectives execute strictly
+//! in that order on each rank, and every frame carries the group key, sequence number,
+//! operation kind and a per-collective frame counter. Groups have separate queues on the
+//! shared connections, so they never wait on each other. A frame
 //! that does not match what the receiver expects is a [`CommError::Protocol`] error, never
-//! silent corruption. Issue collectives from one thread (the training thread); issuing from
-//! several threads at once makes the order racy.
+//! silent corruption. Issue a group's collectives from one thread, or through the
+//! [`crate::Scheduler`]; issuing from several threads at once makes the order racy.
 //!
 //! # Failure model
 //!
 //! Every wait on a peer is bounded by [`CommConfig::timeout`]. When a collective fails, the
 //! rank tells all peers (`Abort` on the control channel) so they fail promptly with an error
-//! naming the culprit instead of timing out, and the communicator becomes unusable
-//! ([`CommError::Poisoned`]): after a failure ranks no longer agree on what was exchanged.
+//! naming the culprit instead of timing out, and every group of the process becomes unusable
+//! for collectives ([`CommError::Poisoned`]): after a failure ranks no longer agree on what
+//! was exchanged. Point-to-point messages are not poisoned: a server outlives a lost worker.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use tokio::runtime::Runtime;
-use tokio::sync::{oneshot, watch};
+use tokio::runtime::{Handle, Runtime};
 
 use crate::collectives;
 use crate::config::CommConfig;
-use crate::conn::{AbortSignal, Conn, ConnOpts, Received, Stats};
+use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::error::CommError;
 use crate::frame::{Op, channel};
+use crate::group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag};
+use crate::mailbox::Taken;
+use crate::op::OpCtx;
 use crate::rendezvous;
 use crate::ring;
-use crate::wire::Ctrl;
+use crate::world::{GroupState, World};
 
-/// Traffic counters of a communicator (all connections, all channels, headers included).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CommStats {
-    /// Bytes written to sockets.
-    pub bytes_sent: u64,
-    /// Bytes read from sockets.
-    pub bytes_received: u64,
-    /// Frames written.
-    pub frames_sent: u64,
-    /// Frames read.
-    pub frames_received: u64,
-    /// Collectives issued so far (blocking and asynchronous).
-    pub collectives: u64,
+/// Owns the runtime; dropped with the last group handle of the process.
+struct RtOwner {
+    rt: Option<Runtime>,
+    world: Arc<World>,
 }
 
-/// A connected member of a process group. `Send + Sync`; see the module docs for the
-/// ordering invariant.
+impl Drop for RtOwner {
+    fn drop(&mut self) {
+        let Some(rt) = self.rt.take() else { return };
+        if Handle::try_current().is_ok() {
+            // Dropped inside another runtime, where blocking is not allowed.
+            rt.shutdown_background();
+            return;
+        }
+        // Send FIN on every connection so peers see an orderly close rather than a reset.
+        let peers: Vec<Arc<Conn>> = self.world.peers.iter().flatten().cloned().collect();
+        rt.block_on(async {
+            let _ = tokio::time::timeout(Duration::from_secs(1), async {
+                for p in peers {
+                    p.shutdown().await;
+                }
+            })
+            .await;
+        });
+    }
+}
+
+/// A connected member of a process group: the TCP (or in-memory) implementation of
+/// [`ProcessGroup`]. `Send + Sync`; see [`crate::group`] for the ordering invariant.
 ///
 /// The blocking methods must not be called from inside an async runtime (they block the
 /// calling thread on the communicator's own runtime).
 pub struct Communicator {
-    inner: Arc<Inner>,
-    // Declared after `inner` so connections are released first, then the runtime stops.
-    rt: Runtime,
-}
-
-pub(crate) struct Inner {
-    pub rank: usize,
-    pub world: usize,
-    pub cfg: CommConfig,
-    peers: Vec<Option<Arc<Conn>>>,
-    next_ticket: AtomicU64,
-    turn: watch::Sender<u64>,
-    poisoned: std::sync::Mutex<Option<CommError>>,
-    abort: Arc<AbortSignal>,
-    stats: Arc<Stats>,
+    g: Arc<GroupState>,
+    rt: Arc<RtOwner>,
 }
 
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
-            .field("rank", &self.inner.rank)
-            .field("world_size", &self.inner.world)
+            .field("rank", &self.g.me)
+            .field("size", &self.g.members.len())
+            .field("group", &format_args!("{:016x}", self.g.key))
             .finish()
     }
 }
 
-/// An all-reduce running in the background; see [`Communicator::all_reduce_start`].
-#[must_use = "an all-reduce result must be waited for"]
-pub struct PendingAllReduce {
-    rx: oneshot::Receiver<Result<Vec<f32>, CommError>>,
-    seq: u64,
-}
-
-impl PendingAllReduce {
-    /// Blocks until the all-reduce finished and returns the summed buffer.
-    ///
-    /// Must not be called from inside an async runtime.
-    pub fn wait(self) -> Result<Vec<f32>, CommError> {
-        self.rx.blocking_recv().unwrap_or(Err(CommError::Shutdown))
-    }
-
-    /// The collective sequence number of this operation.
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
+fn build_runtime(threads: usize) -> Result<Runtime, CommError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(threads.max(1))
+        .thread_name("flotilla-comm")
+        .enable_all()
+        .build()
+        .map_err(|e| CommError::io("cannot start the communication runtime", e))
 }
 
 impl Communicator {
@@ -123,25 +117,19 @@ impl Communicator {
         listener: Option<std::net::TcpListener>,
     ) -> Result<Communicator, CommError> {
         cfg.validate()?;
-        if tokio::runtime::Handle::try_current().is_ok() {
+        if Handle::try_current().is_ok() {
             return Err(CommError::InvalidArgument(
                 "Communicator::connect cannot be called from inside an async runtime".into(),
             ));
         }
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(cfg.runtime_threads)
-            .thread_name("flotilla-comm")
-            .enable_all()
-            .build()
-            .map_err(|e| CommError::io("cannot start the communication runtime", e))?;
+        let rt = build_runtime(cfg.runtime_threads)?;
         let (rank, streams) = if cfg.world_size == 1 {
             (0, vec![None])
         } else {
             let mesh = rt.block_on(rendezvous::rendezvous(&cfg, listener))?;
             (mesh.rank, mesh.streams)
         };
-        let stats = Arc::new(Stats::default());
-        let abort = Arc::new(watch::channel(None).0);
+        let ep = Arc::new(Endpoint::default());
         let opts = ConnOpts {
             max_frame_bytes: cfg.max_frame_bytes,
             compression: cfg.compression,
@@ -151,155 +139,354 @@ impl Communicator {
             streams
                 .into_iter()
                 .enumerate()
-                .map(|(r, s)| s.map(|s| Conn::start(s, r, opts, stats.clone(), abort.clone())))
+                .map(|(r, s)| s.map(|s| Arc::new(Conn::tcp(s, r, opts, ep.clone()))))
                 .collect()
         };
-        let inner = Arc::new(Inner {
+        let comm = Self::assemble(rt, rank, cfg, peers, ep);
+        tracing::info!(rank, world_size = comm.size(), "communicator connected");
+        Ok(comm)
+    }
+
+    /// `n` communicators of one world connected by in-memory links, for running every rank
+    /// as a thread of one process (unit tests of strategies and servers). Each gets its own
+    /// runtime and `cfg` (with its rank); the collectives, ordering, deadlines and failure
+    /// reports are those of the TCP transport. Dropping one is seen by the others as a lost
+    /// connection.
+    pub fn in_memory(n: usize, cfg: CommConfig) -> Result<Vec<Communicator>, CommError> {
+        let mut cfg = cfg;
+        cfg.world_size = n;
+        cfg.rank = Some(0);
+        cfg.validate()?;
+        let eps: Vec<Arc<Endpoint>> = (0..n).map(|_| Arc::new(Endpoint::default())).collect();
+        let mut peers: Vec<Vec<Option<Arc<Conn>>>> = (0..n).map(|_| vec![None; n]).collect();
+        for a in 0..n {
+            for b in a + 1..n {
+                let (ab, ba) = Conn::memory_pair((a, &eps[a]), (b, &eps[b]));
+                peers[a][b] = Some(Arc::new(ab));
+                peers[b][a] = Some(Arc::new(ba));
+            }
+        }
+        peers
+            .into_iter()
+            .zip(eps)
+            .enumerate()
+            .map(|(rank, (p, ep))| {
+                let rt = build_runtime(cfg.runtime_threads)?;
+                let mut c = cfg.clone();
+                c.rank = Some(rank);
+                Ok(Self::assemble(rt, rank, c, p, ep))
+            })
+            .collect()
+    }
+
+    fn assemble(
+        rt: Runtime,
+        rank: usize,
+        cfg: CommConfig,
+        peers: Vec<Option<Arc<Conn>>>,
+        ep: Arc<Endpoint>,
+    ) -> Communicator {
+        let n = peers.len();
+        let world = Arc::new(World {
             rank,
-            world: cfg.world_size,
             cfg,
             peers,
-            next_ticket: AtomicU64::new(0),
-            turn: watch::channel(0).0,
-            poisoned: std::sync::Mutex::new(None),
-            abort,
-            stats,
+            ep,
+            poisoned: Mutex::new(None),
+            collectives: AtomicU64::new(0),
+            handle: rt.handle().clone(),
         });
-        tracing::info!(rank, world_size = inner.world, "communicator connected");
-        Ok(Communicator { inner, rt })
-    }
-
-    /// This process's rank.
-    pub fn rank(&self) -> usize {
-        self.inner.rank
-    }
-
-    /// Number of processes in the group.
-    pub fn world_size(&self) -> usize {
-        self.inner.world
+        let g = GroupState::new(world.clone(), 0, (0..n).collect(), rank);
+        Communicator {
+            g,
+            rt: Arc::new(RtOwner {
+                rt: Some(rt),
+                world,
+            }),
+        }
     }
 
     /// The configuration this communicator was built with (with the assigned rank).
     pub fn config(&self) -> &CommConfig {
-        &self.inner.cfg
+        &self.g.world.cfg
     }
 
-    /// Traffic counters.
-    pub fn stats(&self) -> CommStats {
-        let s = &self.inner.stats;
+    /// How many sub-groups of this kind were derived from this group before, plus one.
+    fn next_derived(&self, kind: &[u8]) -> u64 {
+        let mut d = self.g.derived.lock().unwrap_or_else(|p| p.into_inner());
+        let n = d.entry(kind.to_vec()).or_insert(0);
+        *n += 1;
+        *n
+    }
+
+    /// A group of `members` (world ranks) keyed by this group's key and `id`.
+    fn make_group(&self, id: &[u8], members: Vec<usize>) -> Arc<dyn ProcessGroup> {
+        let me = members
+            .iter()
+            .position(|&w| w == self.g.world.rank)
+            .unwrap_or(usize::MAX);
+        let g = GroupState::new(
+            self.g.world.clone(),
+            derive_key(self.g.key, id),
+            members,
+            me,
+        );
+        Arc::new(Communicator {
+            g,
+            rt: self.rt.clone(),
+        })
+    }
+}
+
+/// FNV-1a over the parent's key and `id`: the key of a derived group. Every member derives
+/// the same key from the same parent and creation history; 0 stays the world's.
+fn derive_key(parent: u64, id: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in parent.to_le_bytes().iter().chain(id) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    if h == 0 { 1 } else { h }
+}
+
+impl ProcessGroup for Communicator {
+    fn rank(&self) -> usize {
+        self.g.me
+    }
+
+    fn size(&self) -> usize {
+        self.g.members.len()
+    }
+
+    fn world_rank(&self, rank: usize) -> usize {
+        self.g.members.get(rank).copied().unwrap_or(usize::MAX)
+    }
+
+    fn group_rank(&self, world_rank: usize) -> Option<usize> {
+        self.g.members.iter().position(|&w| w == world_rank)
+    }
+
+    fn timeout(&self) -> Duration {
+        self.g.world.cfg.timeout
+    }
+
+    fn stats(&self) -> CommStats {
+        let s = &self.g.world.ep.stats;
         CommStats {
             bytes_sent: s.bytes_sent.load(Ordering::Relaxed),
             bytes_received: s.bytes_received.load(Ordering::Relaxed),
             frames_sent: s.frames_sent.load(Ordering::Relaxed),
             frames_received: s.frames_received.load(Ordering::Relaxed),
-            collectives: self.inner.next_ticket.load(Ordering::Relaxed),
+            collectives: self.g.world.collectives.load(Ordering::Relaxed),
         }
     }
 
-    /// Blocks until every rank reached the barrier.
-    pub fn barrier(&self) -> Result<(), CommError> {
-        let inner = &self.inner;
+    fn barrier(&self) -> Result<(), CommError> {
+        let g = &self.g;
         let ticket = self.issue()?;
         self.run_scoped(async move {
-            let _turn = inner.begin(ticket).await?;
-            let r = collectives::barrier(&inner.ctx(ticket, Op::Barrier)).await;
-            inner.finish(r).await
+            let _turn = g.begin(ticket).await?;
+            let r = collectives::barrier(&OpCtx::new(g, ticket, Op::Barrier)).await;
+            g.finish(r).await
         })
     }
 
-    /// Copies `root`'s buffer into every rank's `buf` (all ranks must pass the same length).
-    pub fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
-        let inner = &self.inner;
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
+        let g = &self.g;
         let ticket = self.issue()?;
         self.run_scoped(async move {
-            let _turn = inner.begin(ticket).await?;
-            let r = collectives::broadcast_f32(&inner.ctx(ticket, Op::Broadcast), buf, root).await;
-            inner.finish(r).await
-        })
-    }
-
-    /// Replaces every rank's `buf` with `root`'s bytes (lengths may differ before the call).
-    pub fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        let inner = &self.inner;
-        let ticket = self.issue()?;
-        self.run_scoped(async move {
-            let _turn = inner.begin(ticket).await?;
+            let _turn = g.begin(ticket).await?;
             let r =
-                collectives::broadcast_bytes(&inner.ctx(ticket, Op::Broadcast), buf, root).await;
-            inner.finish(r).await
+                collectives::broadcast_f32(&OpCtx::new(g, ticket, Op::Broadcast), buf, root).await;
+            g.finish(r).await
         })
     }
 
-    /// Gathers one `u64` from every rank; element `i` of the result is rank `i`'s value.
-    pub fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>, CommError> {
-        let inner = &self.inner;
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+        let g = &self.g;
         let ticket = self.issue()?;
         self.run_scoped(async move {
-            let _turn = inner.begin(ticket).await?;
-            let r = collectives::all_gather_u64(&inner.ctx(ticket, Op::AllGather), v).await;
-            inner.finish(r).await
+            let _turn = g.begin(ticket).await?;
+            let r = collectives::broadcast_bytes(&OpCtx::new(g, ticket, Op::Broadcast), buf, root)
+                .await;
+            g.finish(r).await
         })
     }
 
-    /// Sums `buf` element-wise over all ranks, in place (ring reduce-scatter + all-gather).
-    /// All ranks must pass the same length. The summation order differs from a serial sum,
-    /// but all ranks end with bit-identical results.
-    pub fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        let inner = &self.inner;
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {
+        let g = &self.g;
         let ticket = self.issue()?;
-        self.run_scoped(inner.all_reduce_ordered(ticket, buf))
+        self.run_scoped(async move {
+            let _turn = g.begin(ticket).await?;
+            let r =
+                collectives::all_gather_bytes(&OpCtx::new(g, ticket, Op::AllGather), mine).await;
+            g.finish(r).await
+        })
     }
 
-    /// Starts summing `buf` over all ranks in the background and returns at once.
-    ///
-    /// Operations run in issue order (interleaved correctly with blocking collectives), so
-    /// the trainer can reduce gradient bucket k while it fills bucket k+1. All ranks must
-    /// issue the same sequence of operations.
-    pub fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce {
-        let ticket = self.inner.ticket();
-        let inner = self.inner.clone();
-        let (tx, rx) = oneshot::channel();
-        self.rt.spawn(async move {
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let g = &self.g;
+        let ticket = self.issue()?;
+        self.run_scoped(all_reduce_ordered(g, ticket, buf))
+    }
+
+    fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce {
+        let ticket = self.g.ticket();
+        let g = self.g.clone();
+        let (tx, pending) = Pending::channel(ticket);
+        self.g.world.handle.spawn(async move {
             let mut buf = buf;
-            let r = inner.all_reduce_ordered(ticket, &mut buf).await;
+            let r = all_reduce_ordered(&g, ticket, &mut buf).await;
             let _ = tx.send(r.map(|()| buf));
         });
-        PendingAllReduce { rx, seq: ticket }
+        pending
     }
 
-    /// Sends a message to `peer` on the point-to-point channel (outside collective ordering;
-    /// messages between a pair of ranks arrive in order).
-    pub fn send_to(&self, peer: usize, msg: &[u8]) -> Result<(), CommError> {
-        let conn = self.inner.conn(peer)?;
-        let t = self.inner.cfg.timeout;
+    fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
+        let g = &self.g;
+        let ticket = self.issue()?;
         self.run_scoped(async move {
-            match tokio::time::timeout(t, conn.send(channel::P2P, Op::P2p, 0, 0, msg)).await {
+            let _turn = g.begin(ticket).await?;
+            let ctx = OpCtx::new(g, ticket, Op::Reduce);
+            let r = collectives::all_reduce_small(&ctx, buf, |a, b| op.apply_i64(a, b)).await;
+            g.finish(r).await
+        })
+    }
+
+    fn all_reduce_u64(&self, buf: &mut [u64], op: ReduceOp) -> Result<(), CommError> {
+        let g = &self.g;
+        let ticket = self.issue()?;
+        self.run_scoped(async move {
+            let _turn = g.begin(ticket).await?;
+            let ctx = OpCtx::new(g, ticket, Op::Reduce);
+            let r = collectives::all_reduce_small(&ctx, buf, |a, b| op.apply_u64(a, b)).await;
+            g.finish(r).await
+        })
+    }
+
+    fn send(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError> {
+        let world = self.g.world_rank_checked(peer)?;
+        let key = self.g.key;
+        if world == self.g.world.rank {
+            self.g
+                .world
+                .ep
+                .mailbox
+                .deliver(key, world, tag, msg.to_vec());
+            return Ok(());
+        }
+        let conn = self.g.world.conn(world)?;
+        let t = self.g.world.cfg.timeout;
+        self.run_scoped(async move {
+            match tokio::time::timeout(t, conn.send(channel::P2P, Op::P2p, (key, 0, tag), msg))
+                .await
+            {
                 Ok(Ok(())) => Ok(()),
-                Ok(Err(e)) => Err(conn.send_error("send_to", &e)),
+                Ok(Err(e)) => Err(conn.send_error(&format!("send (tag {tag})"), &e)),
                 Err(_) => Err(CommError::Timeout {
-                    peer,
-                    op: "send_to".into(),
+                    peer: world,
+                    op: format!("send (tag {tag})"),
                     after: t,
                 }),
             }
         })
     }
 
-    /// Receives the next point-to-point message from `peer` (waits at most the timeout).
-    pub fn recv_from(&self, peer: usize) -> Result<Vec<u8>, CommError> {
-        let conn = self.inner.conn(peer)?;
-        let t = self.inner.cfg.timeout;
-        self.run_scoped(async move {
-            match tokio::time::timeout(t, conn.recv(channel::P2P)).await {
-                Ok(Some(f)) => Ok(f.payload.into_vec()),
-                Ok(None) => Err(conn.lost_error("recv_from")),
-                Err(_) => Err(CommError::Timeout {
-                    peer,
-                    op: "recv_from".into(),
-                    after: t,
-                }),
+    fn recv_any(
+        &self,
+        peers: &[usize],
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>), CommError> {
+        let started = Instant::now();
+        let world: Vec<usize> = peers
+            .iter()
+            .map(|&p| self.g.world_rank_checked(p))
+            .collect::<Result<_, _>>()?;
+        match self
+            .g
+            .world
+            .ep
+            .mailbox
+            .take(self.g.key, &world, tag, deadline)
+        {
+            Some(Taken::Message(i, m)) => Ok((peers[i], m)),
+            Some(Taken::Lost(e)) => Err(e),
+            None => Err(CommError::Deadline {
+                waiting_for: world,
+                op: format!("receive (tag {tag})"),
+                after: deadline.saturating_duration_since(started),
+            }),
+        }
+    }
+
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
+        let mut mine = Vec::with_capacity(13);
+        mine.push(u8::from(color.is_some()));
+        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+        mine.extend_from_slice(&key.to_le_bytes());
+        let all = self.all_gather_bytes(&mine)?;
+        let mut chosen: Vec<(i64, usize)> = Vec::new();
+        for (r, b) in all.iter().enumerate() {
+            let parsed = (b.len() == 13).then(|| {
+                let c = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+                let mut k = [0u8; 8];
+                k.copy_from_slice(&b[5..13]);
+                ((b[0] == 1).then_some(c), i64::from_le_bytes(k))
+            });
+            let Some((c, k)) = parsed else {
+                return Err(CommError::Protocol {
+                    peer: self.world_rank(r),
+                    detail: format!("split: malformed (color, key) of {} bytes", b.len()),
+                });
+            };
+            if color.is_some() && c == color {
+                chosen.push((k, r));
             }
-        })
+        }
+        // A split is collective on this group, so every member counts every split (in a
+        // new group or not) and the n-th split has the same number everywhere.
+        let n = self.next_derived(b"split");
+        let Some(color) = color else {
+            return Ok(None);
+        };
+        chosen.sort();
+        let members = chosen.iter().map(|&(_, r)| self.world_rank(r)).collect();
+        let mut id = b"split".to_vec();
+        id.extend_from_slice(&n.to_le_bytes());
+        id.extend_from_slice(&color.to_le_bytes());
+        Ok(Some(self.make_group(&id, members)))
+    }
+
+    fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
+        let mut members = Vec::with_capacity(ranks.len());
+        for &r in ranks {
+            let w = self.g.world_rank_checked(r)?;
+            if members.contains(&w) {
+                return Err(CommError::InvalidArgument(format!(
+                    "group: rank {r} listed twice in {ranks:?}"
+                )));
+            }
+            members.push(w);
+        }
+        if !members.contains(&self.g.world.rank) {
+            return Err(CommError::InvalidArgument(format!(
+                "group: this process (rank {}) is not in {ranks:?}",
+                self.g.me
+            )));
+        }
+        let mut id = b"group".to_vec();
+        for w in &members {
+            id.extend_from_slice(&(*w as u64).to_le_bytes());
+        }
+        // The n-th group of these members, counted by each member alike.
+        let n = self.next_derived(&id);
+        id.extend_from_slice(&n.to_le_bytes());
+        Ok(self.make_group(&id, members))
     }
 }
 
@@ -308,13 +495,13 @@ impl Communicator {
     /// sequence number, which would stall every later collective) when blocking is not
     /// possible on this thread.
     fn issue(&self) -> Result<u64, CommError> {
-        if tokio::runtime::Handle::try_current().is_ok() {
+        if Handle::try_current().is_ok() {
             return Err(CommError::InvalidArgument(
                 "blocking Communicator methods cannot be called from inside an async runtime"
                     .into(),
             ));
         }
-        Ok(self.inner.ticket())
+        Ok(self.g.ticket())
     }
 
     /// Runs `fut` on the communicator's runtime and blocks the calling thread until it has
@@ -327,23 +514,24 @@ impl Communicator {
         &self,
         fut: impl Future<Output = Result<T, CommError>> + Send + 'a,
     ) -> Result<T, CommError> {
-        if tokio::runtime::Handle::try_current().is_ok() {
+        if Handle::try_current().is_ok() {
             return Err(CommError::InvalidArgument(
                 "blocking Communicator methods cannot be called from inside an async runtime"
                     .into(),
             ));
         }
+        let handle = &self.g.world.handle;
         let boxed: ScopedFuture<'a, T> = Box::pin(fut);
         // SAFETY: the future is only allowed to outlive 'a on paper. `ScopedTask` guarantees
         // this function does not return (or unwind) before the task has finished, and a
         // tokio task drops its future before it is reported finished (on completion, panic
-        // or abort). The runtime cannot be shut down meanwhile because `self` is borrowed.
+        // or abort). The runtime cannot be shut down meanwhile because `self` holds it.
         // Hence no borrow captured by `fut` is used after 'a ends.
         let boxed: ScopedFuture<'static, T> =
             unsafe { std::mem::transmute::<ScopedFuture<'a, T>, ScopedFuture<'static, T>>(boxed) };
-        let mut task = ScopedTask(Some(self.rt.spawn(boxed)));
+        let mut task = ScopedTask(Some(handle.spawn(boxed)));
         let joined = match task.0.as_mut() {
-            Some(handle) => self.rt.block_on(handle),
+            Some(h) => handle.block_on(h),
             None => return Err(CommError::Shutdown),
         };
         // The JoinHandle resolved: the task (and its future) are gone.
@@ -374,208 +562,9 @@ impl<T> Drop for ScopedTask<T> {
     }
 }
 
-impl Drop for Communicator {
-    fn drop(&mut self) {
-        // Send FIN on every connection so peers see an orderly close rather than a reset.
-        // (Skipped when dropped inside another runtime, where blocking is not allowed.)
-        if tokio::runtime::Handle::try_current().is_ok() {
-            return;
-        }
-        let peers: Vec<Arc<Conn>> = self.inner.peers.iter().flatten().cloned().collect();
-        self.rt.block_on(async {
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                for p in peers {
-                    p.shutdown().await;
-                }
-            })
-            .await;
-        });
-    }
-}
-
-/// Advances the collective turn when dropped (also on error or cancellation).
-struct TurnGuard<'a> {
-    inner: &'a Inner,
-    ticket: u64,
-}
-
-impl Drop for TurnGuard<'_> {
-    fn drop(&mut self) {
-        let next = self.ticket + 1;
-        self.inner.turn.send_modify(|t| *t = (*t).max(next));
-    }
-}
-
-impl Inner {
-    fn ticket(&self) -> u64 {
-        self.next_ticket.fetch_add(1, Ordering::SeqCst)
-    }
-
-    /// Waits until it is `ticket`'s turn; fails fast if the communicator is poisoned.
-    async fn begin(&self, ticket: u64) -> Result<TurnGuard<'_>, CommError> {
-        let mut rx = self.turn.subscribe();
-        // The sender lives as long as `self`, so this cannot fail.
-        let _ = rx.wait_for(|t| *t >= ticket).await;
-        let guard = TurnGuard {
-            inner: self,
-            ticket,
-        };
-        if let Some(e) = self.poisoned.lock().ok().and_then(|p| p.clone()) {
-            return Err(CommError::Poisoned(Box::new(e)));
-        }
-        Ok(guard)
-    }
-
-    /// Records a failure (poisoning the communicator and telling the peers) and passes the
-    /// result through.
-    async fn finish<T>(&self, r: Result<T, CommError>) -> Result<T, CommError> {
-        let Err(e) = r else { return r };
-        tracing::error!(rank = self.rank, error = %e, "collective failed");
-        if let Ok(mut p) = self.poisoned.lock()
-            && p.is_none()
-        {
-            *p = Some(e.clone());
-        }
-        if !matches!(e, CommError::Aborted { .. } | CommError::Poisoned(_)) {
-            let msg = Ctrl::Abort {
-                reason: e.to_string(),
-            }
-            .encode();
-            let sends = self.peers.iter().flatten().map(|p| {
-                let (p, msg) = (p.clone(), msg.clone());
-                tokio::spawn(async move { p.send(channel::CONTROL, Op::Control, 0, 0, &msg).await })
-            });
-            let handles: Vec<_> = sends.collect();
-            let _ = tokio::time::timeout(Duration::from_secs(1), async {
-                for h in handles {
-                    let _ = h.await;
-                }
-            })
-            .await;
-        }
-        Err(e)
-    }
-
-    async fn all_reduce_ordered(&self, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
-        let _turn = self.begin(ticket).await?;
-        let r = ring::all_reduce(&self.ctx(ticket, Op::AllReduce), buf).await;
-        self.finish(r).await
-    }
-
-    fn conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
-        match self.peers.get(peer) {
-            Some(Some(c)) => Ok(c.clone()),
-            _ => Err(CommError::InvalidArgument(format!(
-                "rank {peer} is not a peer of rank {} (world size {})",
-                self.rank, self.world
-            ))),
-        }
-    }
-
-    fn ctx(&self, seq: u64, op: Op) -> OpCtx<'_> {
-        OpCtx {
-            inner: self,
-            seq,
-            op,
-        }
-    }
-}
-
-/// Context of one running collective: sends and receives frames tagged with its sequence
-/// number and validates what arrives.
-pub(crate) struct OpCtx<'a> {
-    inner: &'a Inner,
-    seq: u64,
-    op: Op,
-}
-
-impl OpCtx<'_> {
-    pub(crate) fn rank(&self) -> usize {
-        self.inner.rank
-    }
-
-    pub(crate) fn world(&self) -> usize {
-        self.inner.world
-    }
-
-    pub(crate) fn cfg(&self) -> &CommConfig {
-        &self.inner.cfg
-    }
-
-    pub(crate) fn describe(&self) -> String {
-        format!("{} #{}", self.op.name(), self.seq)
-    }
-
-    /// Sends one frame of this collective to `peer`.
-    pub(crate) async fn send(
-        &self,
-        peer: usize,
-        tag: u32,
-        payload: &[u8],
-    ) -> Result<(), CommError> {
-        let conn = self.inner.conn(peer)?;
-        let t = self.inner.cfg.timeout;
-        match tokio::time::timeout(
-            t,
-            conn.send(channel::COLLECTIVE, self.op, self.seq, tag, payload),
-        )
-        .await
-        {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(conn.send_error(&self.describe(), &e)),
-            Err(_) => Err(CommError::Timeout {
-                peer,
-                op: self.describe(),
-                after: t,
-            }),
-        }
-    }
-
-    /// Receives frame number `tag` of this collective from `peer`, which must carry exactly
-    /// `len` payload bytes.
-    pub(crate) async fn recv(
-        &self,
-        peer: usize,
-        tag: u32,
-        len: usize,
-    ) -> Result<Received, CommError> {
-        let conn = self.inner.conn(peer)?;
-        let t = self.inner.cfg.timeout;
-        let mut abort = self.inner.abort.subscribe();
-        let got = tokio::select! {
-            biased;
-            f = conn.recv(channel::COLLECTIVE) => f,
-            a = abort.wait_for(Option::is_some) => {
-                let (by, reason) = a.ok().and_then(|v| v.clone()).unwrap_or((peer, "aborted".into()));
-                return Err(CommError::Aborted { by, reason });
-            }
-            _ = tokio::time::sleep(t) => {
-                return Err(CommError::Timeout { peer, op: self.describe(), after: t });
-            }
-        };
-        let Some(f) = got else {
-            // A peer that aborted usually closes right after; its abort notice carries the
-            // root cause, so prefer it over "connection lost".
-            if let Some((by, reason)) = abort.borrow().clone() {
-                return Err(CommError::Aborted { by, reason });
-            }
-            return Err(conn.lost_error(&self.describe()));
-        };
-        let h = &f.header;
-        if h.op != self.op as u8 || h.seq != self.seq || h.tag != tag || f.payload.len() != len {
-            let got_op = Op::from_u8(h.op).map_or("unknown", Op::name);
-            return Err(CommError::Protocol {
-                peer,
-                detail: format!(
-                    "expected {} frame {tag} ({len} bytes), got {got_op} #{} frame {} ({} bytes); \
-                     ranks issued collectives in different orders or with different sizes",
-                    self.describe(),
-                    h.seq,
-                    h.tag,
-                    f.payload.len()
-                ),
-            });
-        }
-        Ok(f)
-    }
+/// Runs all-reduce `ticket` of group `g` in its turn.
+async fn all_reduce_ordered(g: &GroupState, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
+    let _turn = g.begin(ticket).await?;
+    let r = ring::all_reduce(&OpCtx::new(g, ticket, Op::AllReduce), buf).await;
+    g.finish(r).await
 }

@@ -7,6 +7,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
 
+/// The environment variable holding the shared cluster token (the only one Flotilla reads).
+pub const TOKEN_ENV: &str = "FLOTILLA_TOKEN";
+
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
@@ -150,7 +153,7 @@ impl CommConfig {
     /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
     /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
     /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
-    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, `FLOTILLA_CLUSTER_TOKEN`, `FLOTILLA_COMM_COMPRESSION`
+    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, [`TOKEN_ENV`], `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
     /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
     pub fn from_env() -> Result<Self, CommError> {
@@ -169,7 +172,7 @@ impl CommConfig {
         if let Some(s) = parse_env::<f64>("FLOTILLA_JOIN_TIMEOUT_SECS")? {
             cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
         }
-        cfg.token = env_var("FLOTILLA_CLUSTER_TOKEN");
+        cfg.token = env_var(TOKEN_ENV);
         if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
             cfg.compression = match c.to_ascii_lowercase().as_str() {
                 "none" | "off" => Compression::None,

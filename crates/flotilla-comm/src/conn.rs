@@ -1,6 +1,10 @@
-//! One established connection to a peer rank: a locked writer and a reader task that
-//! demultiplexes incoming frames into one queue per channel.
+//! One established connection to a peer rank: an outbound half (a locked TCP writer, or an
+//! in-memory link straight into the peer's [`Inbound`]) and an inbound half that
+//! demultiplexes the peer's frames: collective frames into one queue per process group,
+//! point-to-point frames into the process's [`Mailbox`], abort notices into the shared
+//! abort signal.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
@@ -14,6 +18,7 @@ use crate::buf::{BufPool, PoolBuf};
 use crate::config::Compression;
 use crate::error::{CommError, PeerName};
 use crate::frame::{self, FrameHeader, HEADER_LEN, Op, channel, flags};
+use crate::mailbox::Mailbox;
 use crate::wire::Ctrl;
 
 /// Traffic counters shared by all connections of a communicator.
@@ -34,188 +39,145 @@ pub(crate) struct Received {
     pub payload: PoolBuf,
 }
 
-struct Writer {
-    half: OwnedWriteHalf,
-    /// Set while a frame is being written; still set if a write was cancelled half-way, in
-    /// which case the stream is out of sync and must not be used again.
-    in_progress: bool,
+/// The receiving side of one process, shared by all its connections.
+pub(crate) struct Endpoint {
+    /// Point-to-point messages of every peer.
+    pub mailbox: Mailbox,
+    /// The first abort notice received from any peer.
+    pub abort: AbortSignal,
+    /// Traffic counters.
+    pub stats: Stats,
 }
 
-/// Why a connection's reader stopped.
+impl Default for Endpoint {
+    fn default() -> Self {
+        Self {
+            mailbox: Mailbox::default(),
+            abort: watch::channel(None).0,
+            stats: Stats::default(),
+        }
+    }
+}
+
+/// Why a connection's inbound half stopped.
 #[derive(Debug, Clone)]
 enum Lost {
-    /// Socket failure or EOF.
+    /// Socket failure or EOF (or the in-memory peer went away).
     Io(String),
     /// The peer sent something invalid.
     Invalid(CommError),
 }
 
-/// Frames of the collective channel buffered per connection before the reader stops
-/// reading (TCP backpressure). Keeps received chunks cache-warm and memory bounded; must
-/// exceed [`crate::ring::LOOKAHEAD`] so the ring cannot deadlock.
+/// Frames of the collective channel buffered per connection and group. Must exceed
+/// [`crate::ring::LOOKAHEAD`] so the ring cannot deadlock.
 pub(crate) const COLLECTIVE_QUEUE_FRAMES: usize = 16;
-/// Whether the collective queue is bounded (see [`COLLECTIVE_QUEUE_FRAMES`]).
-const BOUNDED_COLLECTIVE_QUEUE: bool = false;
 
-/// Sending side of a channel queue.
-enum QueueTx {
-    Bounded(mpsc::Sender<Received>),
-    Unbounded(mpsc::UnboundedSender<Received>),
+type Rx = Arc<Mutex<mpsc::UnboundedReceiver<Received>>>;
+
+/// The collective queue of one process group on one connection.
+struct Queue {
+    /// `None` once the connection is gone (receivers then drain and see the end).
+    tx: Option<mpsc::UnboundedSender<Received>>,
+    rx: Rx,
 }
 
-/// Receiving side of a channel queue.
-enum QueueRx {
-    Bounded(mpsc::Receiver<Received>),
-    Unbounded(mpsc::UnboundedReceiver<Received>),
+#[derive(Default)]
+struct Queues {
+    by_group: HashMap<u64, Queue>,
+    closed: bool,
 }
 
-impl QueueRx {
-    async fn recv(&mut self) -> Option<Received> {
-        match self {
-            QueueRx::Bounded(rx) => rx.recv().await,
-            QueueRx::Unbounded(rx) => rx.recv().await,
-        }
+impl Queues {
+    fn get(&mut self, group: u64) -> &mut Queue {
+        let closed = self.closed;
+        self.by_group.entry(group).or_insert_with(|| {
+            let (tx, rx) = mpsc::unbounded_channel();
+            Queue {
+                tx: (!closed).then_some(tx),
+                rx: Arc::new(Mutex::new(rx)),
+            }
+        })
     }
 }
 
-impl QueueTx {
-    /// Queues a frame; `false` when nobody listens any more.
-    async fn send(&self, f: Received) -> bool {
-        match self {
-            QueueTx::Bounded(tx) => tx.send(f).await.is_ok(),
-            QueueTx::Unbounded(tx) => tx.send(f).is_ok(),
-        }
-    }
+/// The inbound half of a connection: what one peer sent, demultiplexed.
+pub(crate) struct Inbound {
+    /// The peer's world rank.
+    rank: usize,
+    queues: std::sync::Mutex<Queues>,
+    lost: OnceLock<Lost>,
 }
 
-/// Options of a connection.
-#[derive(Clone, Copy)]
-pub(crate) struct ConnOpts {
-    pub max_frame_bytes: usize,
-    pub compression: Compression,
-}
-
-/// A connection to one peer rank.
-pub(crate) struct Conn {
-    pub rank: usize,
-    writer: Mutex<Writer>,
-    queues: Vec<Mutex<QueueRx>>,
-    lost: Arc<OnceLock<Lost>>,
-    compression: Compression,
-    stats: Arc<Stats>,
-    reader: JoinHandle<()>,
-}
-
-impl Drop for Conn {
-    fn drop(&mut self) {
-        self.reader.abort();
-    }
-}
-
-impl Conn {
-    /// Takes over an established stream to `rank` and starts its reader task.
-    pub(crate) fn start(
-        stream: TcpStream,
-        rank: usize,
-        opts: ConnOpts,
-        stats: Arc<Stats>,
-        abort: Arc<AbortSignal>,
-    ) -> Arc<Conn> {
-        let addr = stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default();
-        let name = PeerName::ranked(rank, addr);
-        let (rd, wr) = stream.into_split();
-        let mut senders = Vec::with_capacity(channel::COUNT);
-        let mut queues = Vec::with_capacity(channel::COUNT);
-        for ch in 0..channel::COUNT {
-            // Control and point-to-point traffic must never stall the reader: unbounded.
-            let (tx, rx) = if BOUNDED_COLLECTIVE_QUEUE && ch == channel::COLLECTIVE as usize {
-                let (tx, rx) = mpsc::channel(COLLECTIVE_QUEUE_FRAMES);
-                (QueueTx::Bounded(tx), QueueRx::Bounded(rx))
-            } else {
-                let (tx, rx) = mpsc::unbounded_channel();
-                (QueueTx::Unbounded(tx), QueueRx::Unbounded(rx))
-            };
-            senders.push(tx);
-            queues.push(Mutex::new(rx));
-        }
-        let lost = Arc::new(OnceLock::new());
-        let reader = tokio::spawn(reader_loop(
-            rd,
-            name.clone(),
-            opts.max_frame_bytes,
-            senders,
-            lost.clone(),
-            stats.clone(),
-            abort,
-        ));
-        Arc::new(Conn {
+impl Inbound {
+    fn new(rank: usize) -> Arc<Self> {
+        Arc::new(Self {
             rank,
-            writer: Mutex::new(Writer {
-                half: wr,
-                in_progress: false,
-            }),
-            queues,
-            lost,
-            compression: opts.compression,
-            stats,
-            reader,
+            queues: std::sync::Mutex::new(Queues::default()),
+            lost: OnceLock::new(),
         })
     }
 
-    /// Sends one frame. Data channels are LZ4-compressed when configured and worthwhile.
-    pub(crate) async fn send(
-        &self,
-        chan: u8,
-        op: Op,
-        seq: u64,
-        tag: u32,
-        payload: &[u8],
-    ) -> std::io::Result<()> {
-        let compressed = match self.compression {
-            Compression::Lz4 if chan != channel::CONTROL => frame::compress(payload),
-            _ => None,
-        };
-        let (fl, body) = match &compressed {
-            Some(c) => (flags::LZ4, c.as_slice()),
-            None => (0, payload),
-        };
-        let len = u32::try_from(body.len())
-            .map_err(|_| std::io::Error::other("frame payload exceeds 4 GiB"))?;
-        let header = FrameHeader {
-            channel: chan,
-            flags: fl,
-            op: op as u8,
-            seq,
-            tag,
-            len,
-        }
-        .encode();
-        let mut w = self.writer.lock().await;
-        if w.in_progress {
-            return Err(std::io::Error::other(
-                "an earlier write to this peer was interrupted; stream out of sync",
-            ));
-        }
-        w.in_progress = true;
-        frame::write_raw(&mut w.half, &header, body).await?;
-        w.in_progress = false;
-        self.stats
-            .bytes_sent
-            .fetch_add((HEADER_LEN + body.len()) as u64, Ordering::Relaxed);
-        self.stats.frames_sent.fetch_add(1, Ordering::Relaxed);
-        Ok(())
+    fn queues(&self) -> std::sync::MutexGuard<'_, Queues> {
+        self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The next frame of `chan`, or `None` once the connection is gone and the queue drained.
-    pub(crate) async fn recv(&self, chan: u8) -> Option<Received> {
-        self.queues[chan as usize].lock().await.recv().await
+    /// Routes one received frame to where it is waited for.
+    fn dispatch(&self, ep: &Endpoint, header: FrameHeader, payload: PoolBuf) {
+        ep.stats
+            .bytes_received
+            .fetch_add((HEADER_LEN + header.len as usize) as u64, Ordering::Relaxed);
+        ep.stats.frames_received.fetch_add(1, Ordering::Relaxed);
+        match header.channel {
+            channel::CONTROL => {
+                if let Ok(Ctrl::Abort { reason }) = Ctrl::decode(&payload) {
+                    tracing::warn!(peer = self.rank, %reason, "peer aborted");
+                    ep.abort.send_if_modified(|slot| {
+                        let first = slot.is_none();
+                        if first {
+                            *slot = Some((self.rank, reason));
+                        }
+                        first
+                    });
+                }
+            }
+            channel::P2P => {
+                ep.mailbox
+                    .deliver(header.group, self.rank, header.tag, payload.into_vec());
+            }
+            _ => {
+                let mut q = self.queues();
+                if let Some(tx) = &q.get(header.group).tx {
+                    // A closed receiver only means nobody listens to that group any more.
+                    let _ = tx.send(Received { header, payload });
+                }
+            }
+        }
     }
 
-    /// The error to report when the queue ended while waiting during `op`.
-    pub(crate) fn lost_error(&self, op: &str) -> CommError {
+    /// Marks the connection gone: waiting receivers drain their queues and then see the end;
+    /// the mailbox reports the peer as lost.
+    fn close(&self, ep: &Endpoint, why: Lost) {
+        let _ = self.lost.set(why);
+        {
+            let mut q = self.queues();
+            q.closed = true;
+            for queue in q.by_group.values_mut() {
+                queue.tx = None;
+            }
+        }
+        ep.mailbox
+            .peer_lost(self.rank, self.lost_error("point-to-point receive"));
+    }
+
+    /// The next collective frame of `group`, or `None` once the connection is gone and the
+    /// queue drained.
+    async fn recv(&self, group: u64) -> Option<Received> {
+        let rx = self.queues().get(group).rx.clone();
+        let mut rx = rx.lock().await;
+        rx.recv().await
+    }
+
+    fn lost_error(&self, op: &str) -> CommError {
         match self.lost.get() {
             Some(Lost::Invalid(e)) => e.clone(),
             Some(Lost::Io(reason)) => CommError::PeerLost {
@@ -230,10 +192,204 @@ impl Conn {
             },
         }
     }
+}
+
+struct Writer {
+    half: OwnedWriteHalf,
+    /// Set while a frame is being written; still set if a write was cancelled half-way, in
+    /// which case the stream is out of sync and must not be used again.
+    in_progress: bool,
+}
+
+/// Options of a connection.
+#[derive(Clone, Copy)]
+pub(crate) struct ConnOpts {
+    pub max_frame_bytes: usize,
+    pub compression: Compression,
+}
+
+/// How frames leave this process for the peer.
+enum Outbound {
+    /// A TCP stream.
+    Tcp {
+        writer: Mutex<Writer>,
+        compression: Compression,
+    },
+    /// Another communicator in this process: frames are handed to its inbound half.
+    Memory {
+        peer: Arc<Endpoint>,
+        at_peer: Arc<Inbound>,
+        pool: Arc<BufPool>,
+    },
+}
+
+/// A connection to one peer rank.
+pub(crate) struct Conn {
+    pub rank: usize,
+    out: Outbound,
+    inbound: Arc<Inbound>,
+    ep: Arc<Endpoint>,
+    reader: Option<JoinHandle<()>>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(r) = &self.reader {
+            r.abort();
+        }
+        if let Outbound::Memory { peer, at_peer, .. } = &self.out {
+            at_peer.close(peer, Lost::Io("connection closed by peer".into()));
+        }
+    }
+}
+
+impl Conn {
+    /// Takes over an established stream to `rank` and starts its reader task (must be
+    /// called inside the communicator's runtime).
+    pub(crate) fn tcp(stream: TcpStream, rank: usize, opts: ConnOpts, ep: Arc<Endpoint>) -> Conn {
+        let addr = stream
+            .peer_addr()
+            .map(|a| a.to_string())
+            .unwrap_or_default();
+        let name = PeerName::ranked(rank, addr);
+        let (rd, wr) = stream.into_split();
+        let inbound = Inbound::new(rank);
+        let reader = tokio::spawn(reader_loop(
+            rd,
+            name,
+            opts.max_frame_bytes,
+            inbound.clone(),
+            ep.clone(),
+        ));
+        Conn {
+            rank,
+            out: Outbound::Tcp {
+                writer: Mutex::new(Writer {
+                    half: wr,
+                    in_progress: false,
+                }),
+                compression: opts.compression,
+            },
+            inbound,
+            ep,
+            reader: Some(reader),
+        }
+    }
+
+    /// Two connected in-memory ends: the first is `a`'s connection to `b`, the second
+    /// `b`'s connection to `a`.
+    pub(crate) fn memory_pair(
+        (a, a_ep): (usize, &Arc<Endpoint>),
+        (b, b_ep): (usize, &Arc<Endpoint>),
+    ) -> (Conn, Conn) {
+        let (at_a, at_b) = (Inbound::new(b), Inbound::new(a));
+        let end = |rank,
+                   ep: &Arc<Endpoint>,
+                   inbound: &Arc<Inbound>,
+                   peer: &Arc<Endpoint>,
+                   at_peer: &Arc<Inbound>| Conn {
+            rank,
+            out: Outbound::Memory {
+                peer: peer.clone(),
+                at_peer: at_peer.clone(),
+                pool: BufPool::new(COLLECTIVE_QUEUE_FRAMES + 8),
+            },
+            inbound: inbound.clone(),
+            ep: ep.clone(),
+            reader: None,
+        };
+        (
+            end(b, a_ep, &at_a, b_ep, &at_b),
+            end(a, b_ep, &at_b, a_ep, &at_a),
+        )
+    }
+
+    /// Sends one frame. Data channels are LZ4-compressed when configured and worthwhile.
+    pub(crate) async fn send(
+        &self,
+        chan: u8,
+        op: Op,
+        (group, seq, tag): (u64, u64, u32),
+        payload: &[u8],
+    ) -> std::io::Result<()> {
+        let len = u32::try_from(payload.len())
+            .map_err(|_| std::io::Error::other("frame payload exceeds 4 GiB"))?;
+        let mut header = FrameHeader {
+            channel: chan,
+            flags: 0,
+            op: op as u8,
+            group,
+            seq,
+            tag,
+            len,
+        };
+        let sent = match &self.out {
+            Outbound::Memory {
+                peer,
+                at_peer,
+                pool,
+            } => {
+                if at_peer.lost.get().is_some() {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::BrokenPipe,
+                        "connection closed",
+                    ));
+                }
+                let mut buf = pool.take();
+                buf.vec_mut().extend_from_slice(payload);
+                at_peer.dispatch(peer, header, buf);
+                payload.len()
+            }
+            Outbound::Tcp {
+                writer,
+                compression,
+            } => {
+                let compressed = match compression {
+                    Compression::Lz4 if chan != channel::CONTROL => frame::compress(payload),
+                    _ => None,
+                };
+                let body = match &compressed {
+                    Some(c) => {
+                        header.flags = flags::LZ4;
+                        header.len = c.len() as u32;
+                        c.as_slice()
+                    }
+                    None => payload,
+                };
+                let mut w = writer.lock().await;
+                if w.in_progress {
+                    return Err(std::io::Error::other(
+                        "an earlier write to this peer was interrupted; stream out of sync",
+                    ));
+                }
+                w.in_progress = true;
+                frame::write_raw(&mut w.half, &header.encode(), body).await?;
+                w.in_progress = false;
+                body.len()
+            }
+        };
+        let stats = &self.ep.stats;
+        stats
+            .bytes_sent
+            .fetch_add((HEADER_LEN + sent) as u64, Ordering::Relaxed);
+        stats.frames_sent.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The next collective frame of `group`, or `None` once the connection is gone and the
+    /// queue drained.
+    pub(crate) async fn recv(&self, group: u64) -> Option<Received> {
+        self.inbound.recv(group).await
+    }
+
+    /// The error to report when the queue ended while waiting during `op`.
+    pub(crate) fn lost_error(&self, op: &str) -> CommError {
+        self.inbound.lost_error(op)
+    }
 
     /// The error for a failed send during `op`.
     pub(crate) fn send_error(&self, op: &str, e: &std::io::Error) -> CommError {
-        match self.lost.get() {
+        match self.inbound.lost.get() {
             Some(Lost::Invalid(inner)) => inner.clone(),
             _ => CommError::PeerLost {
                 peer: self.rank,
@@ -246,8 +402,15 @@ impl Conn {
     /// Closes the sending side (the peer sees EOF after all queued data).
     pub(crate) async fn shutdown(&self) {
         use tokio::io::AsyncWriteExt;
-        let mut w = self.writer.lock().await;
-        let _ = w.half.shutdown().await;
+        match &self.out {
+            Outbound::Tcp { writer, .. } => {
+                let mut w = writer.lock().await;
+                let _ = w.half.shutdown().await;
+            }
+            Outbound::Memory { peer, at_peer, .. } => {
+                at_peer.close(peer, Lost::Io("connection closed by peer".into()));
+            }
+        }
     }
 }
 
@@ -255,14 +418,11 @@ async fn reader_loop(
     mut rd: OwnedReadHalf,
     name: PeerName,
     max_frame_bytes: usize,
-    senders: Vec<QueueTx>,
-    lost: Arc<OnceLock<Lost>>,
-    stats: Arc<Stats>,
-    abort: Arc<AbortSignal>,
+    inbound: Arc<Inbound>,
+    ep: Arc<Endpoint>,
 ) {
     let pool = BufPool::new(COLLECTIVE_QUEUE_FRAMES + 8);
     let mut scratch = Vec::new();
-    let rank = name.rank.unwrap_or(usize::MAX);
     let why = loop {
         let mut hb = [0u8; HEADER_LEN];
         if let Err(e) = rd.read_exact(&mut hb).await {
@@ -287,42 +447,20 @@ async fn reader_loop(
             Ok(Err(e)) => break Lost::Invalid(e),
             Ok(Ok(())) => {}
         }
-        stats
-            .bytes_received
-            .fetch_add((HEADER_LEN + header.len as usize) as u64, Ordering::Relaxed);
-        stats.frames_received.fetch_add(1, Ordering::Relaxed);
-        if header.channel == channel::CONTROL
-            && let Ok(Ctrl::Abort { reason }) = Ctrl::decode(&buf)
-        {
-            tracing::warn!(peer = %name, %reason, "peer aborted");
-            abort.send_if_modified(|slot| {
-                if slot.is_none() {
-                    *slot = Some((rank, reason));
-                    true
-                } else {
-                    false
-                }
-            });
-            continue;
-        }
-        // A dropped receiver only means nobody listens on that channel any more.
-        let _ = senders[header.channel as usize]
-            .send(Received {
-                header,
-                payload: buf,
-            })
-            .await;
+        inbound.dispatch(&ep, header, buf);
     };
     tracing::debug!(peer = %name, reason = ?why, "connection reader stopped");
-    let _ = lost.set(why);
-    // Dropping the senders wakes every waiter with `None`.
+    inbound.close(&ep, why);
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
     use tokio::io::AsyncWriteExt;
     use tokio::net::TcpListener;
+
+    use crate::mailbox::Taken;
 
     async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -338,29 +476,49 @@ mod tests {
         }
     }
 
+    fn take_p2p(ep: &Endpoint, from: usize, tag: u32) -> Vec<u8> {
+        match ep
+            .mailbox
+            .take(0, &[from], tag, Instant::now() + Duration::from_secs(5))
+        {
+            Some(Taken::Message(_, m)) => m,
+            other => panic!("{other:?}"),
+        }
+    }
+
     #[tokio::test]
     async fn demux_and_compression() {
         let (a, b) = pair().await;
-        let abort = Arc::new(watch::channel(None).0);
-        let ca = Conn::start(a, 1, opts(), Arc::default(), abort.clone());
-        let cb = Conn::start(b, 0, opts(), Arc::default(), abort.clone());
+        let (ea, eb) = (Arc::new(Endpoint::default()), Arc::new(Endpoint::default()));
+        let ca = Conn::tcp(a, 1, opts(), ea.clone());
+        let _cb = Conn::tcp(b, 0, opts(), eb.clone());
         let big = vec![7u8; 100_000];
-        ca.send(channel::P2P, Op::P2p, 0, 1, b"p2p").await.unwrap();
-        ca.send(channel::COLLECTIVE, Op::AllReduce, 9, 2, &big)
+        ca.send(channel::P2P, Op::P2p, (0, 0, 1), b"p2p")
             .await
             .unwrap();
-        let f = cb.recv(channel::COLLECTIVE).await.unwrap();
+        ca.send(channel::COLLECTIVE, Op::AllReduce, (0, 9, 2), &big)
+            .await
+            .unwrap();
+        ca.send(channel::COLLECTIVE, Op::AllReduce, (5, 1, 0), b"g5")
+            .await
+            .unwrap();
+        // The group-5 frame waits in its own queue; group 0 sees only its frame.
+        let f = _cb.recv(0).await.unwrap();
         assert_eq!(
             (f.header.seq, f.header.tag, &*f.payload == big.as_slice()),
             (9, 2, true)
         );
         assert_eq!(f.header.flags, flags::LZ4);
-        assert_eq!(&*cb.recv(channel::P2P).await.unwrap().payload, b"p2p");
+        assert_eq!(&*_cb.recv(5).await.unwrap().payload, b"g5");
+        let eb2 = eb.clone();
+        let got = tokio::task::spawn_blocking(move || take_p2p(&eb2, 0, 1))
+            .await
+            .unwrap();
+        assert_eq!(got, b"p2p");
         ca.send(
             channel::CONTROL,
             Op::Control,
-            0,
-            0,
+            (0, 0, 0),
             &Ctrl::Abort {
                 reason: "boom".into(),
             }
@@ -368,25 +526,41 @@ mod tests {
         )
         .await
         .unwrap();
-        let mut rx = abort.subscribe();
+        let mut rx = eb.abort.subscribe();
         let got = rx.wait_for(|a| a.is_some()).await.unwrap().clone();
         assert_eq!(got, Some((0, "boom".to_string())));
     }
 
     #[tokio::test]
+    async fn memory_pair_delivers_and_reports_loss() {
+        let (ea, eb) = (Arc::new(Endpoint::default()), Arc::new(Endpoint::default()));
+        let (ab, ba) = Conn::memory_pair((0, &ea), (1, &eb));
+        ab.send(channel::COLLECTIVE, Op::AllReduce, (0, 3, 4), b"hi")
+            .await
+            .unwrap();
+        let f = ba.recv(0).await.unwrap();
+        assert_eq!(
+            (f.header.seq, f.header.tag, &*f.payload),
+            (3, 4, &b"hi"[..])
+        );
+        drop(ab);
+        assert!(ba.recv(0).await.is_none());
+        assert!(ba.lost_error("x").to_string().contains("rank 0"));
+        assert!(matches!(
+            eb.mailbox.take(0, &[0], 0, Instant::now()),
+            Some(Taken::Lost(_))
+        ));
+    }
+
+    #[tokio::test]
     async fn corrupt_frame_is_typed_error_naming_peer() {
         let (mut raw, b) = pair().await;
-        let cb = Conn::start(
-            b,
-            4,
-            opts(),
-            Arc::default(),
-            Arc::new(watch::channel(None).0),
-        );
+        let cb = Conn::tcp(b, 4, opts(), Arc::default());
         let mut h = FrameHeader {
             channel: 1,
             flags: 0,
             op: 4,
+            group: 0,
             seq: 0,
             tag: 0,
             len: 4,
@@ -394,7 +568,7 @@ mod tests {
         .encode();
         h[1] = 99; // wrong version
         raw.write_all(&h).await.unwrap();
-        assert!(cb.recv(channel::COLLECTIVE).await.is_none());
+        assert!(cb.recv(0).await.is_none());
         let e = cb.lost_error("all_reduce");
         assert!(matches!(e, CommError::BadFrame { .. }), "{e}");
         assert!(e.to_string().contains("rank 4"), "{e}");
@@ -404,24 +578,19 @@ mod tests {
     #[tokio::test]
     async fn oversize_frame_is_typed_error() {
         let (mut raw, b) = pair().await;
-        let cb = Conn::start(
-            b,
-            2,
-            opts(),
-            Arc::default(),
-            Arc::new(watch::channel(None).0),
-        );
+        let cb = Conn::tcp(b, 2, opts(), Arc::default());
         let h = FrameHeader {
             channel: 1,
             flags: 0,
             op: 4,
+            group: 0,
             seq: 0,
             tag: 0,
             len: u32::MAX,
         }
         .encode();
         raw.write_all(&h).await.unwrap();
-        assert!(cb.recv(channel::COLLECTIVE).await.is_none());
+        assert!(cb.recv(0).await.is_none());
         let e = cb.lost_error("all_reduce");
         assert!(
             matches!(

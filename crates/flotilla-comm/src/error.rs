@@ -195,6 +195,19 @@ pub enum CommError {
         /// The configured timeout.
         after: Duration,
     },
+    /// A receive from several peers reached its deadline with none of them heard from.
+    #[error(
+        "timed out after {after:?} during {op}: no message from rank(s) {}",
+        list(waiting_for)
+    )]
+    Deadline {
+        /// The world ranks still silent.
+        waiting_for: Vec<usize>,
+        /// The operation.
+        op: String,
+        /// How long was waited.
+        after: Duration,
+    },
     /// The connection to a peer closed or failed.
     #[error("connection to rank {peer} lost during {op}: {reason}")]
     PeerLost {
@@ -233,6 +246,14 @@ pub enum CommError {
     Shutdown,
 }
 
+fn list(ranks: &[usize]) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 impl CommError {
     /// Wraps a local I/O error with context.
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
@@ -250,6 +271,7 @@ impl CommError {
             | CommError::Protocol { peer, .. } => Some(*peer),
             CommError::BadFrame { peer, .. } | CommError::FrameTooLarge { peer, .. } => peer.rank,
             CommError::Aborted { by, .. } => Some(*by),
+            CommError::Deadline { waiting_for, .. } => waiting_for.first().copied(),
             CommError::Poisoned(inner) => inner.blamed_rank(),
             _ => None,
         }

@@ -1,22 +1,25 @@
 //! Wire format of the framed transport.
 //!
-//! Every message is one frame: a fixed 24-byte header followed by `len` payload bytes.
+//! Every message is one frame: a fixed 32-byte header followed by `len` payload bytes.
 //!
 //! ```text
 //! offset size field
 //!      0    1 magic    0xF1
-//!      1    1 version  1
+//!      1    1 version  2
 //!      2    1 channel  logical stream (0 control, 1 collectives, 2 point-to-point)
 //!      3    1 flags    bit 0: payload is LZ4 (u32 LE uncompressed size + LZ4 block)
 //!      4    1 op       collective kind (see [`Op`])
 //!      5    3 reserved must be zero
-//!      8    8 seq      collective sequence number (u64 LE)
-//!     16    4 tag      frame counter within the collective (u32 LE)
-//!     20    4 len      payload length in bytes (u32 LE)
+//!      8    8 group    process-group key (0: the world group; u64 LE)
+//!     16    8 seq      collective sequence number within the group (u64 LE)
+//!     24    4 tag      collectives: frame counter within the collective;
+//!                      point-to-point: the message tag (u32 LE)
+//!     28    4 len      payload length in bytes (u32 LE)
 //! ```
 //!
 //! Several channels share one TCP connection per pair of ranks; the reader of a connection
-//! demultiplexes frames into one queue per channel. A header that fails any check is a
+//! demultiplexes frames by channel and process group: collective frames into one queue per
+//! group, point-to-point frames into the tagged mailbox. A header that fails any check is a
 //! [`CommError::BadFrame`] or [`CommError::FrameTooLarge`] naming the sender.
 
 use std::io::IoSlice;
@@ -28,9 +31,9 @@ use crate::error::{CommError, PeerName};
 /// First header byte of every frame.
 pub const MAGIC: u8 = 0xF1;
 /// Wire protocol version carried in every header.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// Size of the frame header in bytes.
-pub const HEADER_LEN: usize = 24;
+pub const HEADER_LEN: usize = 32;
 /// Payloads below this size are never compressed.
 pub const MIN_COMPRESS_BYTES: usize = 4096;
 
@@ -61,16 +64,18 @@ pub mod flags {
 pub enum Op {
     /// Control messages.
     Control = 0,
-    /// [`crate::Communicator::barrier`].
+    /// [`crate::ProcessGroup::barrier`].
     Barrier = 1,
-    /// [`crate::Communicator::broadcast_f32`] / [`crate::Communicator::broadcast_bytes`].
+    /// [`crate::ProcessGroup::broadcast_f32`] / [`crate::ProcessGroup::broadcast_bytes`].
     Broadcast = 2,
-    /// [`crate::Communicator::all_gather_u64`].
+    /// [`crate::ProcessGroup::all_gather_bytes`].
     AllGather = 3,
-    /// [`crate::Communicator::all_reduce_sum`] and the asynchronous variant.
+    /// [`crate::ProcessGroup::all_reduce_sum`] and the asynchronous variant.
     AllReduce = 4,
     /// Point-to-point messages.
     P2p = 5,
+    /// Integer reductions ([`crate::ProcessGroup::all_reduce_i64`] / `_u64`).
+    Reduce = 6,
 }
 
 impl Op {
@@ -83,6 +88,7 @@ impl Op {
             3 => Op::AllGather,
             4 => Op::AllReduce,
             5 => Op::P2p,
+            6 => Op::Reduce,
             _ => return None,
         })
     }
@@ -96,6 +102,7 @@ impl Op {
             Op::AllGather => "all_gather",
             Op::AllReduce => "all_reduce",
             Op::P2p => "p2p",
+            Op::Reduce => "reduce",
         }
     }
 }
@@ -109,7 +116,9 @@ pub struct FrameHeader {
     pub flags: u8,
     /// Operation kind (see [`Op`]).
     pub op: u8,
-    /// Collective sequence number.
+    /// Key of the process group the frame belongs to (0: the world group).
+    pub group: u64,
+    /// Collective sequence number within the group.
     pub seq: u64,
     /// Frame counter within the collective.
     pub tag: u32,
@@ -126,9 +135,10 @@ impl FrameHeader {
         b[2] = self.channel;
         b[3] = self.flags;
         b[4] = self.op;
-        b[8..16].copy_from_slice(&self.seq.to_le_bytes());
-        b[16..20].copy_from_slice(&self.tag.to_le_bytes());
-        b[20..24].copy_from_slice(&self.len.to_le_bytes());
+        b[8..16].copy_from_slice(&self.group.to_le_bytes());
+        b[16..24].copy_from_slice(&self.seq.to_le_bytes());
+        b[24..28].copy_from_slice(&self.tag.to_le_bytes());
+        b[28..32].copy_from_slice(&self.len.to_le_bytes());
         b
     }
 
@@ -168,7 +178,9 @@ impl FrameHeader {
         if b[5..8] != [0, 0, 0] {
             return bad("reserved header bytes are not zero".to_string());
         }
-        let len = u32::from_le_bytes([b[20], b[21], b[22], b[23]]);
+        let u32_at = |i: usize| u32::from_le_bytes([b[i], b[i + 1], b[i + 2], b[i + 3]]);
+        let u64_at = |i: usize| u64::from(u32_at(i)) | (u64::from(u32_at(i + 4)) << 32);
+        let len = u32_at(28);
         if len as usize > max_frame_bytes {
             return Err(CommError::FrameTooLarge {
                 peer: peer.clone(),
@@ -180,8 +192,9 @@ impl FrameHeader {
             channel: b[2],
             flags: b[3],
             op: b[4],
-            seq: u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]),
-            tag: u32::from_le_bytes([b[16], b[17], b[18], b[19]]),
+            group: u64_at(8),
+            seq: u64_at(16),
+            tag: u32_at(24),
             len,
         })
     }
@@ -266,6 +279,7 @@ pub async fn write_frame<W: AsyncWrite + Unpin>(
         channel,
         flags: 0,
         op: op as u8,
+        group: 0,
         seq,
         tag,
         len,
@@ -376,6 +390,7 @@ mod tests {
             channel: channel::COLLECTIVE,
             flags: flags::LZ4,
             op: Op::AllReduce as u8,
+            group: 0xDEAD_BEEF_0000_0001,
             seq: 1 << 40,
             tag: 77,
             len: 4096,
@@ -392,12 +407,21 @@ mod tests {
             channel: 0,
             flags: 0,
             op: 0,
+            group: 0,
             seq: 0,
             tag: 0,
             len: 10,
         }
         .encode();
-        for (i, v) in [(0usize, 0u8), (1, 2), (2, 9), (3, 0x80), (4, 200), (6, 1)] {
+        for (i, v) in [
+            (0usize, 0u8),
+            (1, 1),
+            (1, 9),
+            (2, 9),
+            (3, 0x80),
+            (4, 200),
+            (6, 1),
+        ] {
             let mut b = good;
             b[i] = v;
             let e = FrameHeader::decode(&b, 1 << 20, &peer()).unwrap_err();
@@ -408,6 +432,7 @@ mod tests {
             channel: 0,
             flags: 0,
             op: 0,
+            group: 0,
             seq: 0,
             tag: 0,
             len: 1 << 21,

@@ -10,17 +10,21 @@
 //! * Rendezvous (torchrun-style `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`): rank 0
 //!   admits ranks, checks config hash and cluster token, distributes the address table;
 //!   ranks then build a full mesh. See [`CommConfig`].
-//! * Collectives: [`Communicator::barrier`], [`Communicator::broadcast_f32`],
-//!   [`Communicator::broadcast_bytes`], [`Communicator::all_gather_u64`], the pipelined ring
-//!   [`Communicator::all_reduce_sum`] and its asynchronous form
-//!   [`Communicator::all_reduce_start`] for overlapping gradient buckets with compute.
+//! * [`ProcessGroup`]: the interface strategies use — collectives (barrier, broadcast,
+//!   all-gather, the pipelined ring all-reduce and its non-blocking form for overlapping
+//!   gradient buckets with compute, integer and bit-set reductions), tagged point-to-point
+//!   `send` / `recv` / `recv_any` with deadlines, and sub-groups (`split`, `group`) with
+//!   their own sequence space over the same connections. [`Communicator`] implements it over
+//!   TCP, or over in-memory links between threads ([`Communicator::in_memory`]).
+//! * [`Scheduler`]: the one issuer of a group's collectives: any thread submits a named
+//!   collective, and every member runs them in one agreed order.
 //! * [`bench`]: the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
-//! All ranks must issue collectives in the same order; see [`Communicator`] for the
-//! ordering invariant and the failure model.
+//! All members of a group must issue its collectives in the same order; see [`group`] for
+//! the ordering invariant and [`Communicator`] for the failure model.
 //!
 //! ```no_run
-//! use flotilla_comm::{CommConfig, Communicator};
+//! use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 //! let comm = Communicator::connect(CommConfig::from_env()?)?;
 //! let mut grads = vec![1.0f32; 1024];
 //! comm.all_reduce_sum(&mut grads)?;
@@ -36,12 +40,19 @@ mod config;
 mod conn;
 mod error;
 pub mod frame;
+pub mod group;
+mod mailbox;
 mod net;
+mod op;
 mod reduce;
 mod rendezvous;
 mod ring;
+pub mod scheduler;
 mod wire;
+mod world;
 
-pub use comm::{CommStats, Communicator, PendingAllReduce};
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, WireFormat};
+pub use comm::Communicator;
+pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
 pub use error::{CommError, PeerName, RendezvousError};
+pub use group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
+pub use scheduler::{Collective, Output, Scheduler};

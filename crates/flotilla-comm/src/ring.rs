@@ -16,9 +16,9 @@
 use std::ops::Range;
 
 use crate::buf::{f32_bytes, f32_bytes_mut};
-use crate::comm::OpCtx;
 use crate::config::WireFormat;
 use crate::error::CommError;
+use crate::op::OpCtx;
 use crate::reduce;
 
 /// Chunks sent ahead of the one being received in each step.
@@ -79,7 +79,7 @@ impl Ring<'_, '_> {
         self.recv_tag = self.recv_tag.wrapping_add(1);
         let f = self
             .ctx
-            .recv(self.left, tag, self.wire_bytes(dst.len()))
+            .recv(self.left, tag, Some(self.wire_bytes(dst.len())))
             .await?;
         match (mode, self.bf16) {
             (Mode::Reduce, false) => reduce::add_assign_le_bytes(dst, &f.payload),
@@ -128,7 +128,7 @@ impl Ring<'_, '_> {
 
 /// Ring all-reduce (sum) of `buf` in place. A no-op for one rank or an empty buffer.
 pub(crate) async fn all_reduce(ctx: &OpCtx<'_>, buf: &mut [f32]) -> Result<(), CommError> {
-    let (n, r) = (ctx.world(), ctx.rank());
+    let (n, r) = (ctx.size(), ctx.rank());
     if n == 1 || buf.is_empty() {
         return Ok(());
     }

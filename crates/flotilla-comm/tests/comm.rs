@@ -7,7 +7,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::{
-    CommConfig, CommError, Communicator, Compression, RendezvousError, WireFormat,
+    CommConfig, CommError, Communicator, Compression, ProcessGroup, RendezvousError, WireFormat,
 };
 
 /// Upper bound for any single test world.
@@ -225,9 +225,9 @@ fn broadcast_barrier_all_gather_p2p_and_stats() {
             c.broadcast_bytes(&mut empty, 3)?;
             let g = c.all_gather_u64(1000 + r as u64)?;
             // Point-to-point ring of messages.
-            let n = c.world_size();
-            c.send_to((r + 1) % n, format!("hello from {r}").as_bytes())?;
-            let msg = c.recv_from((r + n - 1) % n)?;
+            let n = c.size();
+            c.send((r + 1) % n, 0, format!("hello from {r}").as_bytes())?;
+            let msg = c.recv((r + n - 1) % n, 0, Instant::now() + Duration::from_secs(10))?;
             c.barrier()?;
             Ok((f, b, empty, g, msg, c.stats()))
         },
@@ -379,6 +379,7 @@ fn corrupt_frames_at_rendezvous_are_typed_errors() {
             channel: 0,
             flags: 0,
             op: 0,
+            group: 0,
             seq: 0,
             tag: 0,
             len: 16,
@@ -386,7 +387,7 @@ fn corrupt_frames_at_rendezvous_are_typed_errors() {
         .encode();
         match corrupt {
             Some(i) => h[i] = 7,
-            None => h[20..24].copy_from_slice(&u32::MAX.to_le_bytes()),
+            None => h[28..32].copy_from_slice(&u32::MAX.to_le_bytes()),
         }
         assert_eq!(h.len(), HEADER_LEN);
         s.write_all(&h).unwrap();

@@ -1,7 +1,7 @@
 //! The run configuration: one YAML file with everything the CLI accepts. Unknown keys are
 //! errors, not silently ignored.
 
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
@@ -62,44 +62,136 @@ impl LrSchedule {
     }
 }
 
-/// Everything a training run needs. Every field has a default, so an empty file is a valid
-/// config (LeNet-5 on the vendored MNIST, 2 ranks).
+/// The model and how it is initialised.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
+pub struct ModelSection {
     /// A built-in model name (`lenet5`, `mlp`) or a path to a model spec file.
-    pub model: String,
+    pub spec: String,
+    /// Seed of parameter initialisation and of the per-epoch shuffle.
+    pub seed: u64,
+    /// Backend: `flex` (pure-Rust CPU) or `libtorch` (with the `libtorch` feature).
+    pub device: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            spec: "lenet5".into(),
+            seed: 42,
+            device: "flex".into(),
+        }
+    }
+}
+
+/// The data set and batching.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DataSection {
     /// Directory holding the four MNIST-layout IDX files.
-    pub data: PathBuf,
-    /// Passes over the training set.
-    pub epochs: u32,
+    pub path: PathBuf,
     /// Samples per step on each rank (the global batch is `batch_size * world_size`).
     pub batch_size: usize,
-    /// Optimizer and learning rate.
-    pub optimizer: OptimizerSpec,
+    /// Use only the first `train_limit` training samples (for quick runs and tests).
+    pub train_limit: Option<usize>,
+}
+
+impl Default for DataSection {
+    fn default() -> Self {
+        Self {
+            path: PathBuf::from("data/mnist"),
+            batch_size: 64,
+            train_limit: None,
+        }
+    }
+}
+
+/// How long to train, the learning-rate schedule, evaluation, checkpoints and stopping.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScheduleSection {
+    /// Passes over the training set.
+    pub epochs: u32,
+    /// Stop after this many steps in total (for quick runs and tests).
+    pub max_steps: Option<u64>,
     /// Learning-rate schedule over the run.
     pub lr_schedule: LrSchedule,
     /// Steps of linear learning-rate warm-up.
     pub warmup_steps: u64,
-    /// Seed of parameter initialisation and of the per-epoch shuffle.
-    pub seed: u64,
-    /// Number of ranks (processes).
-    pub world_size: usize,
-    /// Gradient fusion bucket size in MiB.
-    pub bucket_mb: f64,
-    /// Directory for checkpoints, metrics and each rank's `run.log`.
-    pub output: PathBuf,
-    /// Write a checkpoint every this many steps (0: only at the end).
-    pub checkpoint_every: u64,
     /// Evaluate on the test set every this many epochs (0: only at the end). For parameter
     /// servers: every this many server rounds (default: one epoch's worth of rounds).
     pub eval_every: Option<u32>,
-    /// Stop after this many steps in total (for quick runs and tests).
-    pub max_steps: Option<u64>,
-    /// Use only the first `train_limit` training samples (for quick runs and tests).
-    pub train_limit: Option<usize>,
-    /// Backend: `flex` (pure-Rust CPU) or `libtorch` (with the `libtorch` feature).
-    pub device: String,
+    /// Write a checkpoint every this many steps (0: only at the end).
+    pub checkpoint_every: u64,
+    /// Resume from the newest checkpoint in `telemetry.output` if there is one.
+    pub resume: bool,
+    /// Parameter servers: stop after this many server rounds (default: `epochs` worth).
+    pub num_server_rounds: Option<u64>,
+    /// Parameter servers: stop as soon as the root's test accuracy reaches this.
+    pub target_accuracy: Option<f64>,
+}
+
+impl Default for ScheduleSection {
+    fn default() -> Self {
+        Self {
+            epochs: 5,
+            max_steps: None,
+            lr_schedule: LrSchedule::Cosine,
+            warmup_steps: 300,
+            eval_every: None,
+            checkpoint_every: 0,
+            resume: false,
+            num_server_rounds: None,
+            target_accuracy: None,
+        }
+    }
+}
+
+/// Which processes there are and how they cooperate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopologySection {
+    /// Number of ranks (processes) for all-reduce; parameter-server trees derive theirs.
+    pub world_size: usize,
+    /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
+    pub arch: Arch,
+    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`.
+    pub parameter_server: Option<ServerSpec>,
+    /// Hierarchical: `{aggr_type, local_servers: [{aggr_type, num_workers}, ...]}`.
+    pub global_server: Option<GlobalServerSpec>,
+    /// Shard servers of a flat topology (parameters split by balanced byte ranges).
+    pub servers: usize,
+    /// Async servers: a push more than this many versions stale is refused (pull again).
+    pub max_staleness: Option<u64>,
+    /// Async servers: scale the learning rate by `1 / (1 + staleness)`.
+    pub staleness_lr: bool,
+    /// Parameter servers: local steps per push; more than 1 is model averaging (workers push
+    /// weight deltas, the server averages them weighted by samples).
+    pub local_steps: usize,
+    /// Inventory file (hcddl's `[pool]` ini or a plain host list) for placement checks.
+    pub inventory: Option<PathBuf>,
+}
+
+impl Default for TopologySection {
+    fn default() -> Self {
+        Self {
+            world_size: 2,
+            arch: Arch::Allreduce,
+            parameter_server: None,
+            global_server: None,
+            servers: 1,
+            max_staleness: None,
+            staleness_lr: false,
+            local_steps: 1,
+            inventory: None,
+        }
+    }
+}
+
+/// Rendezvous, deadlines and the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommSection {
     /// Rendezvous address of rank 0.
     pub master_addr: String,
     /// Rendezvous port of rank 0.
@@ -112,111 +204,100 @@ pub struct TrainConfig {
     pub compression: CompressionSetting,
     /// All-reduce element format on the wire.
     pub wire_format: WireSetting,
-    /// Resume from the newest checkpoint in `output` if there is one.
-    pub resume: bool,
-    /// Learning rate; overrides the optimizer's `lr` when set (hcddl's key).
-    pub lr: Option<f64>,
-    /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
-    pub arch: Arch,
-    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`.
-    pub parameter_server: Option<ServerSpec>,
-    /// Hierarchical: `{aggr_type, local_servers: [{aggr_type, num_workers}, ...]}`.
-    pub global_server: Option<GlobalServerSpec>,
-    /// Shard servers of a flat topology (parameters split by balanced byte ranges).
-    pub servers: usize,
-    /// Parameter servers: stop after this many server rounds (default: `epochs` worth).
-    pub num_server_rounds: Option<u64>,
-    /// Parameter servers: stop as soon as the root's test accuracy reaches this.
-    pub target_accuracy: Option<f64>,
-    /// Async servers: a push more than this many versions stale is refused (pull again).
-    pub max_staleness: Option<u64>,
-    /// Async servers: scale the learning rate by `1 / (1 + staleness)`.
-    pub staleness_lr: bool,
-    /// Parameter servers: local steps per push; more than 1 is model averaging (workers push
-    /// weight deltas, the server averages them weighted by samples).
-    pub local_steps: usize,
-    /// Inventory file (hcddl's `[pool]` ini or a plain host list) for placement checks.
-    pub inventory: Option<PathBuf>,
+    /// Gradient fusion bucket size in MiB.
+    pub bucket_mb: f64,
 }
 
-impl Default for TrainConfig {
+impl Default for CommSection {
     fn default() -> Self {
         Self {
-            model: "lenet5".into(),
-            data: PathBuf::from("data/mnist"),
-            epochs: 5,
-            batch_size: 64,
-            optimizer: OptimizerSpec::default(),
-            lr_schedule: LrSchedule::Cosine,
-            warmup_steps: 300,
-            seed: 42,
-            world_size: 2,
-            bucket_mb: 25.0,
-            output: PathBuf::from("runs/latest"),
-            checkpoint_every: 0,
-            eval_every: None,
-            max_steps: None,
-            train_limit: None,
-            device: "flex".into(),
             master_addr: "127.0.0.1".into(),
             master_port: flotilla_comm::DEFAULT_MASTER_PORT,
             timeout_s: 60.0,
             join_timeout_s: 60.0,
             compression: CompressionSetting::None,
             wire_format: WireSetting::F32,
-            resume: false,
-            lr: None,
-            arch: Arch::Allreduce,
-            parameter_server: None,
-            global_server: None,
-            servers: 1,
-            num_server_rounds: None,
-            target_accuracy: None,
-            max_staleness: None,
-            staleness_lr: false,
-            local_steps: 1,
-            inventory: None,
+            bucket_mb: 25.0,
         }
     }
 }
 
-impl TrainConfig {
-    /// Parses a config from YAML text; `source_name` names it in errors.
-    pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
-        // An empty document means "all defaults".
-        if text.trim().is_empty() {
-            return Ok(Self::default());
+/// Where a run writes what it reports.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetrySection {
+    /// Directory for checkpoints, metrics and each rank's `run.log`.
+    pub output: PathBuf,
+}
+
+impl Default for TelemetrySection {
+    fn default() -> Self {
+        Self {
+            output: PathBuf::from("runs/latest"),
         }
-        serde_norway::from_str(text).map_err(|e| TrainError::config(source_name, e.to_string()))
     }
+}
 
-    /// Reads a config file. Relative `data`, `output` and `model` paths stay relative to the
-    /// working directory, as with every command-line tool.
-    pub fn load(path: &Path) -> Result<Self> {
-        let text = std::fs::read_to_string(path).map_err(|e| TrainError::io(path, e))?;
-        Self::from_yaml(&text, &path.display().to_string())
-    }
+/// Everything a training run needs, in sections. Every field has a default, so an empty
+/// file is a valid config (LeNet-5 on the vendored MNIST, 2 ranks). Build it with
+/// [`crate::layers::Layers`] (defaults < file < environment < flags); the flat keys of
+/// earlier versions and of hcddl (`lr`, `batch_size`, `arch`, ...) are accepted as aliases.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TrainConfig {
+    /// The model.
+    pub model: ModelSection,
+    /// The data set and batching.
+    pub data: DataSection,
+    /// Optimizer and learning rate (the only place for the learning rate).
+    pub optimizer: OptimizerSpec,
+    /// Duration, learning-rate schedule, evaluation, checkpoints, stopping.
+    pub schedule: ScheduleSection,
+    /// Processes and their roles.
+    pub topology: TopologySection,
+    /// Rendezvous, deadlines, wire.
+    pub comm: CommSection,
+    /// Output.
+    pub telemetry: TelemetrySection,
+}
 
-    /// The learning rate: `lr` if set, else the optimizer's.
+/// Config paths that may differ between ranks (where a process runs and writes); everything
+/// else must agree at rendezvous and enters [`TrainConfig::cluster_hash`].
+pub const PER_RANK: &[&str] = &[
+    "model.device",
+    "data.path",
+    "schedule.resume",
+    "topology.inventory",
+    "comm.master_addr",
+    "comm.master_port",
+    "comm.timeout_s",
+    "comm.join_timeout_s",
+    "comm.compression",
+    "telemetry",
+];
+
+impl TrainConfig {
+    /// The learning rate of the run (the optimizer's).
     pub fn base_lr(&self) -> f64 {
-        self.lr.unwrap_or_else(|| self.optimizer.lr())
+        self.optimizer.lr()
     }
 
     /// The topology keys as the cluster crate takes them.
     pub fn topology_spec(&self) -> TopologySpec {
+        let t = &self.topology;
         TopologySpec {
-            arch: self.arch,
-            parameter_server: self.parameter_server.clone(),
-            global_server: self.global_server.clone(),
-            servers: self.servers,
+            arch: t.arch,
+            parameter_server: t.parameter_server.clone(),
+            global_server: t.global_server.clone(),
+            servers: t.servers,
         }
     }
 
     /// The process topology: `world_size` peers for all-reduce, else the parameter-server
     /// tree (whose size is what `world_size` becomes).
     pub fn topology(&self) -> Result<Topology> {
-        let t = match self.arch {
-            Arch::Allreduce => Topology::allreduce(self.world_size),
+        let t = match self.topology.arch {
+            Arch::Allreduce => Topology::allreduce(self.topology.world_size),
             _ => Topology::build(&self.topology_spec()),
         };
         t.map_err(|e| TrainError::config("config", e.to_string()))
@@ -230,119 +311,100 @@ impl TrainConfig {
     /// Checks ranges and resolves the model spec; errors name the offending key.
     pub fn validate(&self) -> Result<ModelSpec> {
         let bad = |key: &str, msg: String| TrainError::config("config", format!("`{key}`: {msg}"));
-        if self.epochs == 0 && self.max_steps.is_none() {
-            return Err(bad("epochs", "must be at least 1".into()));
-        }
-        if self.batch_size == 0 {
-            return Err(bad("batch_size", "must be at least 1".into()));
-        }
-        if self.world_size == 0 {
-            return Err(bad("world_size", "must be at least 1".into()));
-        }
-        if !(self.bucket_mb.is_finite() && self.bucket_mb > 0.0) {
-            return Err(bad(
-                "bucket_mb",
-                format!("must be positive, got {}", self.bucket_mb),
-            ));
-        }
-        for (key, v) in [
-            ("timeout_s", self.timeout_s),
-            ("join_timeout_s", self.join_timeout_s),
-        ] {
-            if !(v.is_finite() && v > 0.0) {
-                return Err(bad(
-                    key,
-                    format!("must be a positive number of seconds, got {v}"),
-                ));
+        let positive = |key: &str, v: f64, what: &str| {
+            if v.is_finite() && v > 0.0 {
+                Ok(())
+            } else {
+                Err(bad(key, format!("must be a positive {what}, got {v}")))
             }
+        };
+        let (s, t, c) = (&self.schedule, &self.topology, &self.comm);
+        if s.epochs == 0 && s.max_steps.is_none() {
+            return Err(bad("schedule.epochs", "must be at least 1".into()));
         }
-        if let Some(lr) = self.lr
-            && !(lr.is_finite() && lr > 0.0)
-        {
-            return Err(bad("lr", format!("must be a positive number, got {lr}")));
+        if self.data.batch_size == 0 {
+            return Err(bad("data.batch_size", "must be at least 1".into()));
         }
-        if let Some(t) = self.target_accuracy
-            && !(0.0..=1.0).contains(&t)
+        if t.world_size == 0 {
+            return Err(bad("topology.world_size", "must be at least 1".into()));
+        }
+        positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
+        positive("comm.timeout_s", c.timeout_s, "number of seconds")?;
+        positive("comm.join_timeout_s", c.join_timeout_s, "number of seconds")?;
+        positive("optimizer.lr", self.optimizer.lr(), "number")?;
+        if let Some(a) = s.target_accuracy
+            && !(0.0..=1.0).contains(&a)
         {
             return Err(bad(
-                "target_accuracy",
-                format!("must be in [0, 1], got {t}"),
+                "schedule.target_accuracy",
+                format!("must be in [0, 1], got {a}"),
             ));
         }
-        if self.local_steps == 0 {
-            return Err(bad("local_steps", "must be at least 1".into()));
+        if t.local_steps == 0 {
+            return Err(bad("topology.local_steps", "must be at least 1".into()));
         }
-        if self.num_server_rounds == Some(0) {
-            return Err(bad("num_server_rounds", "must be at least 1".into()));
+        if s.num_server_rounds == Some(0) {
+            return Err(bad(
+                "schedule.num_server_rounds",
+                "must be at least 1".into(),
+            ));
         }
         let topology = self.topology()?;
-        if let Some(path) = &self.inventory {
+        if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
-                .map_err(|e| bad("inventory", e.to_string()))?;
+                .map_err(|e| bad("topology.inventory", e.to_string()))?;
             flotilla_cluster::place(&topology, &inventory)
-                .map_err(|e| bad("inventory", e.to_string()))?;
+                .map_err(|e| bad("topology.inventory", e.to_string()))?;
         }
-        if self.train_limit == Some(0) {
-            return Err(bad("train_limit", "must be at least 1".into()));
+        if self.data.train_limit == Some(0) {
+            return Err(bad("data.train_limit", "must be at least 1".into()));
         }
         self.optimizer
             .validate()
             .map_err(|e| bad("optimizer", e.to_string()))?;
-        flotilla_engine::device_by_name(&self.device).map_err(|e| bad("device", e.to_string()))?;
-        ModelSpec::resolve(&self.model).map_err(|e| bad("model", e.to_string()))
+        flotilla_engine::device_by_name(&self.model.device)
+            .map_err(|e| bad("model.device", e.to_string()))?;
+        ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))
     }
 
     /// Bucket size in bytes.
     pub fn bucket_bytes(&self) -> usize {
-        (self.bucket_mb * (1 << 20) as f64) as usize
+        (self.comm.bucket_mb * (1 << 20) as f64) as usize
     }
 
-    /// A hash of everything all ranks must agree on (model, data shape, optimizer, batch,
-    /// seed, world size, bucketing); per-rank settings such as `output` are left out.
+    /// A hash of everything all ranks must agree on: the whole config except the
+    /// [`PER_RANK`] paths, with the model spec resolved (a file path and the built-in name of
+    /// the same model hash alike; two different files of the same name do not).
     pub fn cluster_hash(&self, spec: &ModelSpec) -> u64 {
-        let shared = serde_json::json!({
-            "model": spec.to_yaml(),
-            "epochs": self.epochs,
-            "batch_size": self.batch_size,
-            "optimizer": self.optimizer,
-            "lr_schedule": self.lr_schedule,
-            "warmup_steps": self.warmup_steps,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "bucket_mb": self.bucket_mb,
-            "max_steps": self.max_steps,
-            "train_limit": self.train_limit,
-            "wire_format": self.wire_format,
-            "eval_every": self.eval_every,
-            "lr": self.lr,
-            "topology": self.topology_spec(),
-            "num_server_rounds": self.num_server_rounds,
-            "target_accuracy": self.target_accuracy,
-            "max_staleness": self.max_staleness,
-            "staleness_lr": self.staleness_lr,
-            "local_steps": self.local_steps,
-        });
+        let mut shared = serde_json::to_value(self).unwrap_or_default();
+        for path in PER_RANK {
+            remove_path(&mut shared, path);
+        }
+        if let Some(m) = shared.get_mut("model").and_then(|m| m.as_object_mut()) {
+            m.insert("spec".into(), serde_json::Value::String(spec.to_yaml()));
+        }
         xxhash_rust::xxh3::xxh3_64(shared.to_string().as_bytes())
     }
 
     /// The communicator settings of `rank` (`None`: let rank 0 assign one).
     pub fn comm_config(&self, rank: Option<usize>, hash: u64, world_size: usize) -> CommConfig {
+        let c = &self.comm;
         CommConfig {
             rank,
             world_size,
-            master_addr: self.master_addr.clone(),
-            master_port: self.master_port,
-            timeout: Duration::from_secs_f64(self.timeout_s),
-            join_timeout: Duration::from_secs_f64(self.join_timeout_s),
+            master_addr: c.master_addr.clone(),
+            master_port: c.master_port,
+            timeout: Duration::from_secs_f64(c.timeout_s),
+            join_timeout: Duration::from_secs_f64(c.join_timeout_s),
             config_hash: hash,
-            token: std::env::var("FLOTILLA_TOKEN")
+            token: std::env::var(flotilla_comm::TOKEN_ENV)
                 .ok()
                 .filter(|t| !t.is_empty()),
-            compression: match self.compression {
+            compression: match c.compression {
                 CompressionSetting::None => Compression::None,
                 CompressionSetting::Lz4 => Compression::Lz4,
             },
-            wire_format: match self.wire_format {
+            wire_format: match c.wire_format {
                 WireSetting::F32 => WireFormat::F32,
                 WireSetting::Bf16 => WireFormat::Bf16,
             },
@@ -351,14 +413,35 @@ impl TrainConfig {
     }
 }
 
+/// Removes `a.b.c` from a JSON tree, if present.
+fn remove_path(v: &mut serde_json::Value, path: &str) {
+    let mut parts: Vec<&str> = path.split('.').collect();
+    let Some(last) = parts.pop() else { return };
+    let mut cur = v;
+    for p in parts {
+        match cur.get_mut(p) {
+            Some(next) => cur = next,
+            None => return,
+        }
+    }
+    if let Some(m) = cur.as_object_mut() {
+        m.remove(last);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::path::Path;
 
     #[test]
     fn empty_file_is_all_defaults() {
         let c = TrainConfig::from_yaml("", "t").expect("parse");
         assert_eq!(c, TrainConfig::default());
+        assert_eq!(
+            TrainConfig::from_yaml("# nothing\n", "t").expect("comment"),
+            c
+        );
         let spec = c.validate().expect("valid");
         assert_eq!(spec.name, "lenet5");
     }
@@ -379,7 +462,7 @@ mod tests {
     fn bad_values_name_the_key() {
         let c = TrainConfig::from_yaml("batch_size: 0\n", "r").expect("parse");
         let e = c.validate().expect_err("zero batch").to_string();
-        assert!(e.contains("batch_size"), "{e}");
+        assert!(e.contains("data.batch_size"), "{e}");
         let c = TrainConfig::from_yaml("model: resnet999\n", "r").expect("parse");
         let e = c.validate().expect_err("model").to_string();
         assert!(e.contains("model") && e.contains("resnet999"), "{e}");
@@ -403,11 +486,25 @@ mod tests {
         let a = TrainConfig::default();
         let spec = a.validate().expect("valid");
         let mut b = a.clone();
-        b.output = "elsewhere".into();
-        b.data = "other".into();
+        b.telemetry.output = "elsewhere".into();
+        b.data.path = "other".into();
+        b.comm.master_port = 1234;
+        b.comm.timeout_s = 5.0;
+        b.schedule.resume = true;
         assert_eq!(a.cluster_hash(&spec), b.cluster_hash(&spec));
-        b.batch_size = 32;
-        assert_ne!(a.cluster_hash(&spec), b.cluster_hash(&spec));
+        // Every shared section counts, including fields added later (no list to forget).
+        for change in [
+            |c: &mut TrainConfig| c.data.batch_size = 32,
+            |c: &mut TrainConfig| c.schedule.warmup_steps = 1,
+            |c: &mut TrainConfig| c.comm.bucket_mb = 1.0,
+            |c: &mut TrainConfig| c.comm.wire_format = WireSetting::Bf16,
+            |c: &mut TrainConfig| c.topology.local_steps = 2,
+            |c: &mut TrainConfig| c.model.seed = 1,
+        ] {
+            let mut d = a.clone();
+            change(&mut d);
+            assert_ne!(a.cluster_hash(&spec), d.cluster_hash(&spec), "{d:?}");
+        }
     }
 
     #[test]
@@ -416,7 +513,7 @@ mod tests {
         let c = TrainConfig::from_yaml(text, "hcddl.yaml").expect("parse");
         c.validate().expect("valid");
         assert_eq!(c.effective_world_size().expect("size"), 7);
-        assert_eq!(c.num_server_rounds, Some(5));
+        assert_eq!(c.schedule.num_server_rounds, Some(5));
         let flat = TrainConfig::from_yaml(
             "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 4}\n",
             "f",
@@ -425,6 +522,7 @@ mod tests {
         assert_eq!(flat.effective_world_size().expect("size"), 5);
         let missing = TrainConfig::from_yaml("arch: flat\n", "f").expect("parse");
         let e = missing.validate().expect_err("no server").to_string();
+        let _ = &c.topology;
         assert!(e.contains("parameter_server"), "{e}");
     }
 

@@ -5,16 +5,23 @@
 //! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
 #![warn(missing_docs)]
 
+pub mod batches;
 pub mod bucket;
 pub mod checkpoint;
 pub mod config;
 pub mod error;
+pub mod eval;
 pub mod fault;
+pub mod layers;
+pub mod observe;
 pub mod ps;
+pub mod role;
 pub mod runlog;
+pub mod runloop;
 pub mod strategy;
 pub mod trainer;
 
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
-pub use trainer::{Observer, Quiet, RunSummary, StepEvent, run};
+pub use observe::{Observer, Quiet, StepEvent};
+pub use trainer::{RunSummary, run};

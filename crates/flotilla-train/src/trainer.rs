@@ -1,57 +1,27 @@
-//! The training loop of one rank: rendezvous, data, engine, initial broadcast, epochs of
-//! steps, distributed evaluation, checkpoints, and the final cross-rank consistency check.
+//! One rank of a training job, set up: rendezvous, data, engine, this rank's [`Role`] and
+//! where it starts (a resumed checkpoint's position); then the one run loop
+//! ([`crate::runloop`]) and the summary.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_cluster::{Arch, Topology};
-use flotilla_comm::Communicator;
-use flotilla_data::{DistributedSampler, ImageDataset, Mnist, fill_batch};
-use flotilla_engine::{BatchRef, BurnEngine, Engine, EvalStats};
+use flotilla_comm::{Communicator, ProcessGroup};
+use flotilla_data::{ImageDataset, Mnist};
+use flotilla_engine::{BurnEngine, ModelSpec};
 
+use crate::batches::{Batches, Position};
 use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::fault::Fault;
+use crate::observe::Observer;
 use crate::ps;
-use crate::runlog::{EpochMetrics, RunLog, append_metrics};
-use crate::strategy::{Strategy, SyncAllReduce};
-
-/// Progress events for a terminal front end (progress bars, status lines).
-pub trait Observer {
-    /// Called after every optimizer step.
-    fn step(&mut self, event: &StepEvent);
-    /// Called with every line written to `run.log`.
-    fn message(&mut self, line: &str);
-}
-
-/// An observer that ignores everything.
-pub struct Quiet;
-
-impl Observer for Quiet {
-    fn step(&mut self, _: &StepEvent) {}
-    fn message(&mut self, _: &str) {}
-}
-
-/// One finished step.
-#[derive(Debug, Clone, Copy)]
-pub struct StepEvent {
-    /// 0-based epoch.
-    pub epoch: u32,
-    /// Epochs in the run.
-    pub epochs: u32,
-    /// Steps done in this epoch.
-    pub step_in_epoch: u64,
-    /// Steps per epoch.
-    pub steps_per_epoch: u64,
-    /// Steps done in the run.
-    pub step: u64,
-    /// Steps the run will take.
-    pub total_steps: u64,
-    /// Global mean loss of this step.
-    pub loss: f32,
-}
+use crate::role::{Cx, Role};
+use crate::runlog::RunLog;
+use crate::runloop::{self, Cadence, Plan};
+use crate::strategy::SyncAllReduce;
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -108,443 +78,233 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let comm = Arc::new(Communicator::connect(config.comm_config(
+    let comm: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(config.comm_config(
         rank,
         hash,
         topology.world_size(),
     ))?);
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let mut log = RunLog::open(&config.output, rank)?;
-    let say = |log: &mut RunLog, observer: &mut dyn Observer, text: String| -> Result<()> {
-        observer.message(&text);
-        log.line(&text)
-    };
-    say(
-        &mut log,
-        observer,
-        format!(
-            "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
-            spec.name, config.device
-        ),
-    )?;
+    let (rank, world) = (comm.rank(), comm.size());
+    let mut log = RunLog::open(&config.telemetry.output, rank)?;
+    let up = format!(
+        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
+        spec.name, config.model.device
+    );
+    observer.message(&up);
+    log.line(&up)?;
 
-    let splits = Mnist::load(&config.data)?;
+    let splits = Mnist::load(&config.data.path)?;
     let (mut train, test) = (splits.train, splits.test);
-    if let Some(limit) = config.train_limit {
+    if let Some(limit) = config.data.train_limit {
         train.truncate(limit.min(train.len()));
     }
     spec.check_io(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
-
-    let mut engine = BurnEngine::new(&spec, &config.optimizer, &config.device, config.seed)?;
-    if topology.arch() != Arch::Allreduce {
-        return run_parameter_servers(
-            config,
-            &topology,
-            &comm,
-            &mut log,
-            observer,
-            &mut engine,
-            &train,
-            &test,
-            started,
-        );
-    }
-    let mut strategy = SyncAllReduce::new(comm.clone(), engine.layout(), config.bucket_bytes());
-
-    // Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
-    // and its weights and optimizer state travel with the initial broadcast.
-    let mut resume_state = if rank == 0 && config.resume {
-        match checkpoint::latest(&config.output)? {
-            Some(dir) => {
-                let state = checkpoint::load(&dir, &mut engine)?;
-                if state.config_hash != hash {
-                    say(
-                        &mut log,
-                        observer,
-                        format!(
-                            "warning: {} was written by a run with another config",
-                            dir.display()
-                        ),
-                    )?;
-                }
-                say(
-                    &mut log,
-                    observer,
-                    format!("resuming from {} (step {})", dir.display(), state.step),
-                )?;
-                serde_json::to_vec(&state).map_err(|e| TrainError::Checkpoint {
-                    path: dir.clone(),
-                    message: e.to_string(),
-                })?
-            }
-            None => Vec::new(),
-        }
-    } else {
-        Vec::new()
-    };
-    comm.broadcast_bytes(&mut resume_state, 0)?;
-    let resumed: Option<CheckpointState> = if resume_state.is_empty() {
-        None
-    } else {
-        Some(
-            serde_json::from_slice(&resume_state).map_err(|e| TrainError::Checkpoint {
-                path: config.output.clone(),
-                message: format!("resume state from rank 0: {e}"),
-            })?,
-        )
-    };
-    strategy.synchronize_initial_state(&mut engine)?;
-
-    let sampler = DistributedSampler::new(train.len(), world, rank, config.seed, true)?;
-    let steps_per_epoch = sampler.steps_per_epoch(config.batch_size) as u64;
-    if steps_per_epoch == 0 {
-        return Err(TrainError::config(
-            "config",
-            format!(
-                "`batch_size` {} x {world} ranks is larger than the {} training samples",
-                config.batch_size,
-                train.len()
-            ),
-        ));
-    }
-    let planned = steps_per_epoch * config.epochs as u64;
-    let total_steps = match config.max_steps {
-        Some(m) if config.epochs == 0 => m,
-        Some(m) => m.min(planned),
-        None => planned,
-    };
-    let epochs = total_steps.div_ceil(steps_per_epoch) as u32;
-    say(
-        &mut log,
-        observer,
-        format!(
-            "training: {} params, {} buckets, {} steps/epoch of {}x{} samples, {} steps, strategy {}",
-            engine.num_params(),
-            strategy.plan().buckets.len(),
-            steps_per_epoch,
-            config.batch_size,
-            world,
-            total_steps,
-            strategy.name()
-        ),
+    let mut engine = BurnEngine::new(
+        &spec,
+        &config.optimizer,
+        &config.model.device,
+        config.model.seed,
     )?;
-
-    let (mut step, start_epoch, mut skip) = match &resumed {
-        Some(s) => (s.step, s.epoch, s.step_in_epoch),
-        None => (0, 0, 0),
-    };
-    // Where the next step would start: saved in checkpoints so that a resume continues there.
-    let (mut at_epoch, mut at_step_in_epoch) = (start_epoch, skip);
-    let fault = Fault::from_env(rank);
-    let mut images = Vec::new();
-    let mut labels = Vec::new();
-    let mut last_eval: Option<EvalStats> = None;
-    let mut train_loss = f64::NAN;
-    let mut trained_samples = 0u64;
-    let train_started = Instant::now();
-    let base_lr = config.base_lr();
-
-    for epoch in start_epoch..epochs {
-        if step >= total_steps {
-            break;
-        }
-        let epoch_started = Instant::now();
-        let batches = sampler.batches(epoch as u64, config.batch_size);
-        let mut loss_sum = 0.0f64;
-        let mut loss_count = 0u64;
-        for (i, indices) in batches.iter().enumerate().skip(skip as usize) {
-            if step >= total_steps {
-                break;
-            }
-            fill_batch(&train, indices, &mut images, &mut labels)?;
-            let lr = config
-                .lr_schedule
-                .lr_at(base_lr, step, total_steps, config.warmup_steps);
-            let stats = strategy.step(
-                &mut engine,
-                BatchRef {
-                    images: &images,
-                    labels: &labels,
-                },
-                lr,
-            )?;
-            step += 1;
-            (at_epoch, at_step_in_epoch) = (epoch, i as u64 + 1);
-            if let Some(f) = &fault {
-                f.at(step);
-            }
-            if !stats.global_loss.is_finite() {
-                return Err(TrainError::NonFiniteLoss {
-                    step,
-                    loss: stats.global_loss,
-                });
-            }
-            loss_sum += stats.global_loss as f64;
-            loss_count += 1;
-            trained_samples += (indices.len() * world) as u64;
-            observer.step(&StepEvent {
-                epoch,
-                epochs,
-                step_in_epoch: i as u64 + 1,
-                steps_per_epoch,
-                step,
-                total_steps,
-                loss: stats.global_loss,
-            });
-            if config.checkpoint_every > 0 && step % config.checkpoint_every == 0 && rank == 0 {
-                let state = CheckpointState {
-                    step,
-                    epoch,
-                    step_in_epoch: i as u64 + 1,
-                    config_hash: hash,
-                    model: spec.name.clone(),
-                    num_params: engine.num_params(),
-                    test_acc: last_eval.map(|e| e.accuracy()),
-                };
-                let dir = checkpoint::save(&config.output, &engine, &state)?;
-                log.line(&format!("checkpoint {}", dir.display()))?;
-            }
-        }
-        skip = 0;
-        let epoch_s = epoch_started.elapsed().as_secs_f64();
-        train_loss = if loss_count > 0 {
-            loss_sum / loss_count as f64
-        } else {
-            f64::NAN
-        };
-        let last_epoch = epoch + 1 == epochs || step >= total_steps;
-        let every = config.eval_every.unwrap_or(1);
-        let eval_now = last_epoch || (every > 0 && (epoch + 1) % every == 0);
-        if eval_now {
-            last_eval = Some(evaluate(&engine, &comm, &test)?);
-        }
-        let samples_per_s =
-            (loss_count as f64 * (config.batch_size * world) as f64) / epoch_s.max(1e-9);
-        let metrics = EpochMetrics {
-            epoch: epoch + 1,
-            step,
-            train_loss,
-            test_loss: eval_now.then(|| last_eval.map(|e| e.loss())).flatten(),
-            test_acc: eval_now.then(|| last_eval.map(|e| e.accuracy())).flatten(),
-            samples_per_s,
-            epoch_s,
-            wall_s: started.elapsed().as_secs_f64(),
-        };
-        let test_part = match (metrics.test_loss, metrics.test_acc) {
-            (Some(l), Some(a)) => format!(" test_loss={l:.4} test_acc={a:.4}"),
-            _ => String::new(),
-        };
-        say(
-            &mut log,
-            observer,
-            format!(
-                "epoch {}/{epochs} step={step} train_loss={train_loss:.4}{test_part} samples/s={samples_per_s:.0} time={epoch_s:.1}s",
-                epoch + 1
-            ),
-        )?;
-        if rank == 0 {
-            append_metrics(&config.output, &metrics)?;
-        }
-    }
-
-    let eval = match last_eval {
-        Some(e) => e,
-        None => evaluate(&engine, &comm, &test)?,
-    };
-    let param_hash = verify_identical(&engine, &comm)?;
-    let checkpoint = if rank == 0 {
-        let state = CheckpointState {
-            step,
-            epoch: at_epoch,
-            step_in_epoch: at_step_in_epoch,
-            config_hash: hash,
-            model: spec.name.clone(),
-            num_params: engine.num_params(),
-            test_acc: Some(eval.accuracy()),
-        };
-        let dir = checkpoint::save(&config.output, &engine, &state)?;
-        log.line(&format!("checkpoint {}", dir.display()))?;
-        Some(dir)
-    } else {
-        None
-    };
-    let train_s = train_started.elapsed().as_secs_f64();
-    let summary = RunSummary {
-        role: "peer",
-        rank,
-        world_size: world,
-        test_acc: eval.accuracy(),
-        test_loss: eval.loss(),
-        train_loss,
-        steps: step,
-        wall_s: started.elapsed().as_secs_f64(),
-        samples_per_s: trained_samples as f64 / train_s.max(1e-9),
-        param_hash,
-        checkpoint,
-    };
-    say(
-        &mut log,
-        observer,
-        format!("parameters identical on all {world} ranks (xxh3 {param_hash:016x})"),
-    )?;
-    log.line(&summary.final_line())?;
-    Ok(summary)
-}
-
-/// Runs this rank's role in a parameter-server topology.
-#[allow(clippy::too_many_arguments)]
-fn run_parameter_servers(
-    config: &TrainConfig,
-    topology: &Topology,
-    comm: &Arc<Communicator>,
-    log: &mut RunLog,
-    observer: &mut dyn Observer,
-    engine: &mut BurnEngine,
-    train: &ImageDataset,
-    test: &ImageDataset,
-    started: Instant,
-) -> Result<RunSummary> {
-    let rank = comm.rank();
-    if rank == topology.root() {
-        // The placement on this job's hosts when an inventory is given, else the roles.
-        let described = match &config.inventory {
-            Some(path) => flotilla_cluster::Inventory::load(path)
-                .and_then(|inv| flotilla_cluster::place(topology, &inv))
-                .map(|p| p.describe())
-                .unwrap_or_else(|_| topology.describe()),
-            None => topology.describe(),
-        };
-        for line in described.lines() {
-            log.line(line)?;
-        }
-    }
-    let num_workers = topology.num_workers();
-    let per_round = num_workers * config.batch_size * config.local_steps.max(1);
-    let rounds_per_epoch = (train.len() / per_round.max(1)).max(1) as u64;
-    let rounds = config
-        .num_server_rounds
-        .or(config.max_steps)
-        .unwrap_or(config.epochs.max(1) as u64 * rounds_per_epoch);
-    let eval_every = config.eval_every.map_or(rounds_per_epoch, u64::from);
-    let mut ctx = ps::PsContext {
-        comm,
+    let job = Job {
         config,
-        engine,
-        train,
-        test,
+        topology: &topology,
+        comm: &comm,
+        spec: &spec,
+        hash,
+        train: &train,
+        started,
+    };
+    let mut cx = Cx {
+        comm: &comm,
+        config,
+        engine: &mut engine,
+        train: &train,
+        test: &test,
         rank,
-        num_workers,
-        rounds,
-        eval_every,
-        log,
+        num_workers: world,
+        rounds: 0,
+        eval_every: 0,
+        log: &mut log,
         observer,
         fault: Fault::from_env(rank),
         last_eval: None,
     };
-    let outcome = ps::run_role(&mut ctx, topology)?;
-    let wall_s = started.elapsed().as_secs_f64();
-    let (role, steps, train_loss) = match &outcome {
-        ps::PsOutcome::Root(o) => ("root", o.rounds, f64::NAN),
-        ps::PsOutcome::Local(pushes) => ("local-server", *pushes, f64::NAN),
-        ps::PsOutcome::Shard(updates) => ("shard-server", *updates, f64::NAN),
-        ps::PsOutcome::Worker(w) => ("worker", w.rounds, w.loss as f64),
-    };
-    let mut summary = RunSummary {
-        role,
-        rank,
-        world_size: topology.world_size(),
-        test_acc: f64::NAN,
-        test_loss: f64::NAN,
-        train_loss,
-        steps,
-        wall_s,
-        samples_per_s: 0.0,
-        param_hash: 0,
-        checkpoint: None,
-    };
-    if let ps::PsOutcome::Root(o) = &outcome {
-        let eval = ps::evaluate_full(ctx.engine, test)?;
-        let stats = comm.stats();
-        ctx.log(&format!(
-            "root: {} updates in {} rounds ({}), staleness max {} mean {:.2}, lost children [{}], received {:.0} bytes/round, {:.1} updates/s",
-            o.updates,
-            o.rounds,
-            o.reason,
-            o.max_staleness,
-            o.mean_staleness,
-            o.lost.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(", "),
-            stats.bytes_received as f64 / o.rounds.max(1) as f64,
-            o.updates.saturating_sub(1) as f64 / o.busy_s.max(1e-9)
-        ))?;
-        let state = CheckpointState {
-            step: o.rounds,
-            epoch: 0,
-            step_in_epoch: o.rounds,
-            config_hash: config.cluster_hash(ctx.engine.spec()),
-            model: ctx.engine.spec().name.clone(),
-            num_params: ctx.engine.num_params(),
-            test_acc: Some(eval.accuracy()),
-        };
-        let dir = checkpoint::save(&config.output, &*ctx.engine, &state)?;
-        ctx.log(&format!("checkpoint {}", dir.display()))?;
-        summary.test_acc = eval.accuracy();
-        summary.test_loss = eval.loss();
-        summary.samples_per_s = (o.updates as usize * config.batch_size) as f64 / wall_s.max(1e-9);
-        summary.checkpoint = Some(dir);
+    if topology.arch() == Arch::Allreduce {
+        job.data_parallel(&mut cx)
+    } else {
+        job.parameter_servers(&mut cx)
     }
-    ctx.log.line(&summary.final_line())?;
-    Ok(summary)
 }
 
-/// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
-/// and summed with one all-reduce: every rank gets the full-test-set figures.
-fn evaluate(engine: &dyn Engine, comm: &Communicator, test: &ImageDataset) -> Result<EvalStats> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
-    let mut images = Vec::new();
-    let mut labels = Vec::new();
-    fill_batch(test, &indices, &mut images, &mut labels)?;
-    let local = if indices.is_empty() {
-        EvalStats::default()
-    } else {
-        engine.evaluate(&images, &labels, 1000)?
-    };
-    let mut sums = [
-        local.loss_sum as f32,
-        local.correct as f32,
-        local.count as f32,
-    ];
-    comm.all_reduce_sum(&mut sums)?;
-    Ok(EvalStats {
-        loss_sum: sums[0] as f64,
-        correct: sums[1].round() as usize,
-        count: sums[2].round() as usize,
-    })
+/// What every rank's setup reads.
+struct Job<'a> {
+    config: &'a TrainConfig,
+    topology: &'a Topology,
+    comm: &'a Arc<dyn ProcessGroup>,
+    spec: &'a ModelSpec,
+    hash: u64,
+    train: &'a ImageDataset,
+    started: Instant,
 }
 
-/// Checks that every rank holds bitwise-identical parameters; returns their hash.
-fn verify_identical(engine: &dyn Engine, comm: &Communicator) -> Result<u64> {
-    let mut params = vec![0.0f32; engine.num_params()];
-    engine.read_params(&mut params)?;
-    let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
-    let all = comm.all_gather_u64(hash)?;
-    let differing: Vec<String> = all
-        .iter()
-        .enumerate()
-        .filter(|(_, h)| **h != all[0])
-        .map(|(r, h)| format!("rank {r} has {h:016x}"))
-        .collect();
-    if differing.is_empty() {
-        Ok(hash)
-    } else {
-        Err(TrainError::Divergence(format!(
-            "rank 0 has {:016x}, {}",
-            all[0],
-            differing.join(", ")
-        )))
+impl Job<'_> {
+    /// Sync data parallel: every rank a peer of the all-reduce, resumable.
+    fn data_parallel(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
+        let (config, world) = (self.config, self.comm.size());
+        let mut peer =
+            SyncAllReduce::new(self.comm.clone(), cx.engine.layout(), config.bucket_bytes());
+        let resumed = self.resume(cx)?;
+        let start = resumed.as_ref().map_or(Position::default(), |s| Position {
+            epoch: s.epoch,
+            step_in_epoch: s.step_in_epoch,
+        });
+        let data = Batches::new(
+            self.train,
+            (world, cx.rank),
+            config.model.seed,
+            config.data.batch_size,
+            start,
+        )?;
+        let steps_per_epoch = data.steps_per_epoch();
+        let s = &config.schedule;
+        let planned = steps_per_epoch * s.epochs as u64;
+        let total = match s.max_steps {
+            Some(m) if s.epochs == 0 => m,
+            Some(m) => m.min(planned),
+            None => planned,
+        };
+        cx.rounds = total;
+        cx.log(&format!(
+            "training: {} params, {} buckets, {} steps/epoch of {}x{} samples, {} steps, strategy sync-allreduce",
+            cx.engine.num_params(),
+            peer.plan().buckets.len(),
+            steps_per_epoch,
+            config.data.batch_size,
+            world,
+            total,
+        ))?;
+        let plan = Plan {
+            total,
+            cadence: Cadence::Epochs {
+                every: s.eval_every.unwrap_or(1),
+            },
+            resumed_at: resumed.map_or(0, |s| s.step),
+            model: self.spec.name.clone(),
+            config_hash: self.hash,
+            started: self.started,
+        };
+        let done = runloop::run(&mut peer, data, &plan, cx)?;
+        let summary = self.summary(&peer, cx, done);
+        cx.log(&format!(
+            "parameters identical on all {world} ranks (xxh3 {:016x})",
+            summary.param_hash
+        ))?;
+        cx.log_quiet(&summary.final_line())?;
+        Ok(summary)
+    }
+
+    /// Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
+    /// and its weights and optimizer state travel with the initial broadcast.
+    fn resume(&self, cx: &mut Cx<'_>) -> Result<Option<CheckpointState>> {
+        let mut bytes = Vec::new();
+        if cx.rank == 0
+            && self.config.schedule.resume
+            && let Some(dir) = checkpoint::latest(&self.config.telemetry.output)?
+        {
+            let state = checkpoint::load(&dir, cx.engine)?;
+            if state.config_hash != self.hash {
+                cx.log(&format!(
+                    "warning: {} was written by a run with another config",
+                    dir.display()
+                ))?;
+            }
+            cx.log(&format!(
+                "resuming from {} (step {})",
+                dir.display(),
+                state.step
+            ))?;
+            bytes = serde_json::to_vec(&state).map_err(|e| TrainError::Checkpoint {
+                path: dir.clone(),
+                message: e.to_string(),
+            })?;
+        }
+        self.comm.broadcast_bytes(&mut bytes, 0)?;
+        if bytes.is_empty() {
+            return Ok(None);
+        }
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| TrainError::Checkpoint {
+                path: self.config.telemetry.output.clone(),
+                message: format!("resume state from rank 0: {e}"),
+            })
+    }
+
+    /// A parameter-server topology: this rank's role in it.
+    fn parameter_servers(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
+        let (config, topology) = (self.config, self.topology);
+        if cx.rank == topology.root() {
+            // The placement on this job's hosts when an inventory is given, else the roles.
+            let described = match &config.topology.inventory {
+                Some(path) => flotilla_cluster::Inventory::load(path)
+                    .and_then(|inv| flotilla_cluster::place(topology, &inv))
+                    .map(|p| p.describe())
+                    .unwrap_or_else(|_| topology.describe()),
+                None => topology.describe(),
+            };
+            for line in described.lines() {
+                cx.log_quiet(line)?;
+            }
+        }
+        let num_workers = topology.num_workers();
+        let per_round = num_workers * config.data.batch_size * config.topology.local_steps.max(1);
+        let rounds_per_epoch = (self.train.len() / per_round.max(1)).max(1) as u64;
+        let s = &config.schedule;
+        cx.rounds = s
+            .num_server_rounds
+            .or(s.max_steps)
+            .unwrap_or(s.epochs.max(1) as u64 * rounds_per_epoch);
+        cx.eval_every = s.eval_every.map_or(rounds_per_epoch, u64::from);
+        cx.num_workers = num_workers;
+        let (mut role, shard) = ps::build_role(cx, topology)?;
+        let data = Batches::new(
+            self.train,
+            shard,
+            config.model.seed,
+            config.data.batch_size,
+            Position::default(),
+        )?;
+        let plan = Plan {
+            total: cx.rounds,
+            cadence: Cadence::Rounds {
+                every: cx.eval_every,
+            },
+            resumed_at: 0,
+            model: self.spec.name.clone(),
+            config_hash: self.hash,
+            started: self.started,
+        };
+        let done = runloop::run(role.as_mut(), data, &plan, cx)?;
+        let summary = self.summary(role.as_ref(), cx, done);
+        cx.log_quiet(&summary.final_line())?;
+        Ok(summary)
+    }
+
+    fn summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
+        RunSummary {
+            role: role.name(),
+            rank: cx.rank,
+            world_size: self.comm.size(),
+            test_acc: done.eval.map_or(f64::NAN, |e| e.accuracy()),
+            test_loss: done.eval.map_or(f64::NAN, |e| e.loss()),
+            train_loss: done.train_loss,
+            steps: done.progress,
+            wall_s: self.started.elapsed().as_secs_f64(),
+            samples_per_s: done.samples_per_s,
+            param_hash: done.param_hash.unwrap_or(0),
+            checkpoint: done.checkpoint,
+        }
     }
 }

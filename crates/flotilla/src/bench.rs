@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_comm::bench::{BenchOptions, default_sizes, format_bytes, run_allreduce};
-use flotilla_comm::{CommConfig, Communicator, WireFormat};
+use flotilla_comm::{CommConfig, Communicator, ProcessGroup, WireFormat};
 use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, OptimizerSpec};
 
 use crate::cli::{BenchAllreduceArgs, BenchCommand, BenchStepArgs};

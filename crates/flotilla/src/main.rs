@@ -35,17 +35,16 @@ fn main() -> ExitCode {
     }
 }
 
-/// `flotilla config`: the effective config, checked, with its topology and placement.
+/// `flotilla config`: the effective config, checked, each value with the layer it came
+/// from, then the topology and its placement.
 fn show_config(args: &cli::RunArgs) -> Result<()> {
-    let config = settings::effective_config(args)?;
+    let layers = settings::layers(args, false)?;
+    let config = layers.extract()?;
     config.validate()?;
-    print!(
-        "{}",
-        serde_norway::to_string(&config).context("printing the config")?
-    );
+    print!("{}", settings::annotated_yaml(&layers.provenance()?));
     let topology = config.topology()?;
     if topology.arch() != flotilla_cluster::Arch::Allreduce {
-        let placement = match &config.inventory {
+        let placement = match &config.topology.inventory {
             Some(path) => {
                 flotilla_cluster::place(&topology, &flotilla_cluster::Inventory::load(path)?)?
             }
@@ -60,9 +59,11 @@ fn show_config(args: &cli::RunArgs) -> Result<()> {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    let mut config = settings::effective_config(&args.run)?;
-    let env_rank = settings::apply_launcher_env(&mut config, &args.run)?;
-    let rank = args.rank.or(env_rank);
+    let config = settings::effective_config(&args.run, true)?;
+    let rank = match args.rank {
+        Some(r) => Some(r),
+        None => settings::launcher_rank()?,
+    };
     let mut observer = TrainObserver::new();
     let result = flotilla_train::run(&config, rank, &mut observer);
     observer.finish();
@@ -84,26 +85,26 @@ fn train(args: &TrainArgs) -> Result<()> {
 }
 
 fn launch(args: &LaunchArgs) -> Result<()> {
-    let mut config = settings::effective_config(&args.run)?;
+    let mut config = settings::effective_config(&args.run, false)?;
     if args.run.master_port.is_none() {
-        config.master_port = launch::free_port()?;
+        config.comm.master_port = launch::free_port()?;
     }
     if args.run.master_addr.is_none() {
-        config.master_addr = "127.0.0.1".into();
+        config.comm.master_addr = "127.0.0.1".into();
     }
     let spec = config.validate()?;
     let n = config.effective_world_size()?;
-    std::fs::create_dir_all(&config.output)
-        .with_context(|| format!("creating {}", config.output.display()))?;
-    let config_path = config.output.join("launch-config.yaml");
+    std::fs::create_dir_all(&config.telemetry.output)
+        .with_context(|| format!("creating {}", config.telemetry.output.display()))?;
+    let config_path = config.telemetry.output.join("launch-config.yaml");
     std::fs::write(&config_path, serde_norway::to_string(&config)?)
         .with_context(|| format!("writing {}", config_path.display()))?;
     println!(
         "launching {n} ranks of {} on {}:{} (output {})",
         spec.name,
-        config.master_addr,
-        config.master_port,
-        config.output.display()
+        config.comm.master_addr,
+        config.comm.master_port,
+        config.telemetry.output.display()
     );
     let topology = config.topology()?;
     if topology.arch() != flotilla_cluster::Arch::Allreduce {
@@ -131,8 +132,8 @@ fn launch(args: &LaunchArgs) -> Result<()> {
         let mut env = vec![
             ("RANK".into(), rank.to_string()),
             ("WORLD_SIZE".into(), n.to_string()),
-            ("MASTER_ADDR".into(), config.master_addr.clone()),
-            ("MASTER_PORT".into(), config.master_port.to_string()),
+            ("MASTER_ADDR".into(), config.comm.master_addr.clone()),
+            ("MASTER_PORT".into(), config.comm.master_port.to_string()),
             (PROGRESS_ENV.into(), "1".into()),
         ];
         env.extend(thread_vars.iter().cloned());

@@ -1,123 +1,120 @@
-//! Building the effective [`TrainConfig`]: defaults, then the config file, then flags, then
-//! (for `train`) the torchrun-style environment.
+//! The effective [`TrainConfig`] of a command: [`Layers`] of defaults, the config file, the
+//! environment and the flags given (in that order of precedence, lowest first).
 
 use anyhow::{Context, Result};
 use flotilla_train::TrainConfig;
+use flotilla_train::layers::Layers;
+use serde_json::{Value, json};
 
 use crate::cli::RunArgs;
 
-/// Defaults, overridden by the config file, overridden by flags.
-pub fn effective_config(args: &RunArgs) -> Result<TrainConfig> {
-    let mut c = match &args.config {
-        Some(path) => TrainConfig::load(path)?,
-        None => TrainConfig::default(),
-    };
-    if let Some(v) = &args.data {
-        c.data = v.clone();
+/// The layers of a command's config. `launcher_env`: also take the world size and
+/// rendezvous address from a launcher's environment (torchrun, mpirun, Slurm) — for
+/// `flotilla train`, which such launchers start.
+pub fn layers(args: &RunArgs, launcher_env: bool) -> Result<Layers> {
+    let mut layers = Layers::defaults();
+    if let Some(path) = &args.config {
+        layers = layers.file(path)?;
     }
-    if let Some(v) = &args.output {
-        c.output = v.clone();
+    layers = layers.env(std::env::vars(), launcher_env)?;
+    for (flag, tree) in flags(args) {
+        layers = layers.tree(tree, &format!("flag --{flag}"))?;
     }
-    if let Some(v) = args.epochs {
-        c.epochs = v;
-    }
-    if let Some(v) = args.world_size {
-        c.world_size = v;
-    }
-    if let Some(v) = args.batch_size {
-        c.batch_size = v;
-    }
-    if let Some(v) = args.lr {
-        set_lr(&mut c, v);
-    }
-    if let Some(v) = &args.model {
-        c.model = v.clone();
-    }
-    if let Some(v) = args.seed {
-        c.seed = v;
-    }
-    if let Some(v) = args.max_steps {
-        c.max_steps = Some(v);
-    }
-    if let Some(v) = args.train_limit {
-        c.train_limit = Some(v);
-    }
-    if let Some(v) = args.checkpoint_every {
-        c.checkpoint_every = v;
-    }
-    if let Some(v) = args.bucket_mb {
-        c.bucket_mb = v;
-    }
-    if let Some(v) = &args.device {
-        c.device = v.clone();
-    }
-    if let Some(v) = &args.master_addr {
-        c.master_addr = v.clone();
-    }
-    if let Some(v) = args.master_port {
-        c.master_port = v;
-    }
-    if let Some(v) = args.timeout_s {
-        c.timeout_s = v;
-    }
-    if let Some(v) = &args.inventory {
-        c.inventory = Some(v.clone());
-    }
-    if args.resume {
-        c.resume = true;
-    }
-    Ok(c)
+    Ok(layers)
 }
 
-fn set_lr(c: &mut TrainConfig, lr: f64) {
-    use flotilla_engine::OptimizerSpec::*;
-    match &mut c.optimizer {
-        Sgd { lr: l, .. } | Adam { lr: l, .. } | Adamw { lr: l, .. } => *l = lr,
-    }
+/// Defaults < file < environment < flags.
+pub fn effective_config(args: &RunArgs, launcher_env: bool) -> Result<TrainConfig> {
+    Ok(layers(args, launcher_env)?.extract()?)
+}
+
+/// One `(flag, {alias: value})` per flag given on the command line.
+fn flags(a: &RunArgs) -> Vec<(&'static str, Value)> {
+    let mut out = Vec::new();
+    let mut put = |flag: &'static str, key: &str, v: Option<Value>| {
+        if let Some(v) = v {
+            out.push((flag, json!({ key: v })));
+        }
+    };
+    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| json!(p));
+    put("data", "data", path(&a.data));
+    put("output", "output", path(&a.output));
+    put("epochs", "epochs", a.epochs.map(|v| json!(v)));
+    put("world-size", "world_size", a.world_size.map(|v| json!(v)));
+    put("batch-size", "batch_size", a.batch_size.map(|v| json!(v)));
+    put("lr", "lr", a.lr.map(|v| json!(v)));
+    put("model", "model", a.model.as_ref().map(|v| json!(v)));
+    put("seed", "seed", a.seed.map(|v| json!(v)));
+    put("max-steps", "max_steps", a.max_steps.map(|v| json!(v)));
+    put(
+        "train-limit",
+        "train_limit",
+        a.train_limit.map(|v| json!(v)),
+    );
+    put(
+        "checkpoint-every",
+        "checkpoint_every",
+        a.checkpoint_every.map(|v| json!(v)),
+    );
+    put("bucket-mb", "bucket_mb", a.bucket_mb.map(|v| json!(v)));
+    put("device", "device", a.device.as_ref().map(|v| json!(v)));
+    put(
+        "master-addr",
+        "master_addr",
+        a.master_addr.as_ref().map(|v| json!(v)),
+    );
+    put(
+        "master-port",
+        "master_port",
+        a.master_port.map(|v| json!(v)),
+    );
+    put("timeout-s", "timeout_s", a.timeout_s.map(|v| json!(v)));
+    put("inventory", "inventory", path(&a.inventory));
+    put("resume", "resume", a.resume.then_some(json!(true)));
+    out
 }
 
 fn env(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn env_parse<T: std::str::FromStr>(names: &[&str]) -> Result<Option<T>> {
-    for name in names {
+/// The rank a launcher's environment names (torchrun `RANK`, Open MPI
+/// `OMPI_COMM_WORLD_RANK`, MPICH `PMI_RANK`, Slurm `SLURM_PROCID`), if any.
+pub fn launcher_rank() -> Result<Option<usize>> {
+    for name in ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"] {
         if let Some(v) = env(name) {
-            let parsed = v
+            let rank = v
                 .trim()
                 .parse()
                 .ok()
-                .with_context(|| format!("cannot parse ${name}={v:?}"))?;
-            return Ok(Some(parsed));
+                .with_context(|| format!("cannot parse ${name}={v:?} as a rank"))?;
+            return Ok(Some(rank));
         }
     }
     Ok(None)
 }
 
-/// Applies the launcher environment of torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
-/// Open MPI (OMPI_COMM_WORLD_RANK/SIZE) and Slurm (SLURM_PROCID/NTASKS); returns the rank it
-/// names, if any. Flags given explicitly win over the environment.
-pub fn apply_launcher_env(c: &mut TrainConfig, args: &RunArgs) -> Result<Option<usize>> {
-    let rank = env_parse::<usize>(&["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"])?;
-    if args.world_size.is_none()
-        && let Some(n) = env_parse::<usize>(&[
-            "WORLD_SIZE",
-            "OMPI_COMM_WORLD_SIZE",
-            "PMI_SIZE",
-            "SLURM_NTASKS",
-        ])?
-    {
-        c.world_size = n;
+/// The effective config as YAML, every value followed by `# <where it came from>`.
+pub fn annotated_yaml(values: &[flotilla_train::layers::Provenance]) -> String {
+    let mut out = String::new();
+    let mut open: Vec<&str> = Vec::new();
+    for p in values {
+        let parts: Vec<&str> = p.path.split('.').collect();
+        let Some((leaf, parents)) = parts.split_last() else {
+            continue;
+        };
+        let common = open.iter().zip(parents).take_while(|(a, b)| a == b).count();
+        open.truncate(common);
+        for (depth, key) in parents.iter().enumerate().skip(common) {
+            out.push_str(&format!("{}{key}:\n", "  ".repeat(depth)));
+            open.push(key);
+        }
+        out.push_str(&format!(
+            "{}{leaf}: {}  # {}\n",
+            "  ".repeat(parents.len()),
+            p.value,
+            p.source
+        ));
     }
-    if args.master_addr.is_none()
-        && let Some(a) = env("MASTER_ADDR")
-    {
-        c.master_addr = a;
-    }
-    if args.master_port.is_none()
-        && let Some(p) = env_parse::<u16>(&["MASTER_PORT"])?
-    {
-        c.master_port = p;
-    }
-    Ok(rank)
+    out
 }

@@ -1,15 +1,13 @@
-//! One queue of parameter-server messages from several peers: a receiving thread per peer
-//! feeds a channel, so a server waits on "whichever child speaks first" with one deadline,
-//! and a peer whose connection drops becomes an event rather than a failure of the server.
+//! Parameter-server messages from several peers at once: [`ProcessGroup::recv_any`] on the
+//! servers' tag, so a server waits on "whichever child speaks first" with one deadline, and a
+//! peer whose connection drops becomes an event rather than a failure of the server.
 
-use std::sync::Arc;
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
-use std::thread;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use flotilla_comm::{CommError, Communicator};
+use flotilla_comm::{CommError, ProcessGroup};
 
-use super::protocol::PsMessage;
+use super::protocol::{PsMessage, TAG};
 use crate::error::TrainError;
 
 /// Something that happened on a peer link.
@@ -23,56 +21,47 @@ pub enum Event {
     Lost(usize, CommError),
 }
 
-/// Merged messages of a set of peers.
+/// Merged messages of a set of peers. Clones share the set of peers not lost yet.
+#[derive(Clone)]
 pub struct Inbox {
-    rx: Receiver<Event>,
+    group: Arc<dyn ProcessGroup>,
+    /// Peers not lost yet.
+    live: Arc<Mutex<Vec<usize>>>,
 }
 
 impl Inbox {
-    /// Starts listening to `peers` (point-to-point channel of `comm`).
-    pub fn listen(comm: &Arc<Communicator>, peers: &[usize]) -> Self {
-        let (tx, rx) = mpsc::channel();
-        for &peer in peers {
-            let comm = comm.clone();
-            let thread_tx = tx.clone();
-            let spawned = thread::Builder::new()
-                .name(format!("ps-inbox-{peer}"))
-                .spawn(move || {
-                    loop {
-                        let event = match comm.recv_from(peer) {
-                            Ok(bytes) => match PsMessage::decode(&bytes, peer) {
-                                Ok(m) => Event::Message(peer, m),
-                                Err(e) => Event::Malformed(peer, e),
-                            },
-                            // A quiet peer is the server's call (it owns the deadlines).
-                            Err(CommError::Timeout { .. }) => continue,
-                            Err(e) => {
-                                let _ = thread_tx.send(Event::Lost(peer, e));
-                                return;
-                            }
-                        };
-                        if thread_tx.send(event).is_err() {
-                            return;
-                        }
-                    }
-                });
-            if let Err(e) = spawned {
-                // Without a thread the peer can never be heard: report it as lost.
-                let _ = tx.send(Event::Lost(
-                    peer,
-                    CommError::Config(format!("cannot start a receiver thread: {e}")),
-                ));
-            }
+    /// Starts listening to `peers` (group ranks) on the parameter servers' tag.
+    pub fn listen(group: &Arc<dyn ProcessGroup>, peers: &[usize]) -> Self {
+        Self {
+            group: group.clone(),
+            live: Arc::new(Mutex::new(peers.to_vec())),
         }
-        Self { rx }
     }
 
-    /// The next event, or `None` if nothing arrives before `deadline`.
+    /// The next event, or `None` if nothing arrives before `deadline` (at once when every
+    /// peer is lost).
     pub fn recv_until(&self, deadline: Instant) -> Option<Event> {
-        let left = deadline.saturating_duration_since(Instant::now());
-        match self.rx.recv_timeout(left) {
-            Ok(e) => Some(e),
-            Err(RecvTimeoutError::Timeout) | Err(RecvTimeoutError::Disconnected) => None,
+        let live = self.live.lock().map(|l| l.clone()).unwrap_or_default();
+        if live.is_empty() {
+            return None;
+        }
+        match self.group.recv_any(&live, TAG, deadline) {
+            Ok((peer, bytes)) => Some(match PsMessage::decode(&bytes, peer) {
+                Ok(m) => Event::Message(peer, m),
+                Err(e) => Event::Malformed(peer, e),
+            }),
+            Err(CommError::Deadline { .. }) => None,
+            Err(e) => {
+                let peer = e
+                    .blamed_rank()
+                    .and_then(|w| self.group.group_rank(w))
+                    .filter(|p| live.contains(p))
+                    .unwrap_or(live[0]);
+                if let Ok(mut l) = self.live.lock() {
+                    l.retain(|&p| p != peer);
+                }
+                Some(Event::Lost(peer, e))
+            }
         }
     }
 }

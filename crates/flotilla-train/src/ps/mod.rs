@@ -3,140 +3,56 @@
 //! gradients, or weight deltas for model averaging (`local_steps > 1`).
 //!
 //! Every process of the job joins one world at rendezvous and takes the role of its rank in
-//! the [`flotilla_cluster::Topology`]. Roles talk by [`protocol::PsMessage`]s on the
-//! communicator's point-to-point channel; every message carries the parameter version it
+//! the [`flotilla_cluster::Topology`]. Roles talk by [`protocol::PsMessage`]s, point to
+//! point under [`protocol::TAG`]; every message carries the parameter version it
 //! refers to, and every wait has the run's deadline.
 
 pub mod aggregate;
 pub mod inbox;
+pub mod local;
 pub mod protocol;
+pub mod root;
+pub mod serve;
 pub mod server;
 pub mod worker;
 
-use std::sync::Arc;
+#[cfg(test)]
+mod machine_tests;
 
 use flotilla_cluster::{RoleKind, Topology};
-use flotilla_comm::Communicator;
-use flotilla_data::ImageDataset;
-use flotilla_engine::{BurnEngine, Engine, EvalStats};
 
-use crate::config::TrainConfig;
 use crate::error::Result;
-use crate::fault::Fault;
-use crate::runlog::RunLog;
-use crate::trainer::{Observer, StepEvent};
+use crate::role::Role;
 use protocol::PsMessage;
 
-/// What every role of a parameter-server job needs.
-pub struct PsContext<'a> {
-    /// The communicator (point-to-point channel).
-    pub comm: &'a Arc<Communicator>,
-    /// The run configuration.
-    pub config: &'a TrainConfig,
-    /// This process's engine: the root's holds the model and server-side optimizer; a
-    /// worker's computes gradients; a local server uses only its layout.
-    pub engine: &'a mut BurnEngine,
-    /// The training set.
-    pub train: &'a ImageDataset,
-    /// The test set (evaluated by the root).
-    pub test: &'a ImageDataset,
-    /// This process's rank.
-    pub rank: usize,
-    /// Workers in the whole topology (for data sharding).
-    pub num_workers: usize,
-    /// Server rounds of the run.
-    pub rounds: u64,
-    /// Evaluate every this many rounds (0: only at the end).
-    pub eval_every: u64,
-    /// This rank's log.
-    pub log: &'a mut RunLog,
-    /// The front end.
-    pub observer: &'a mut dyn Observer,
-    /// A fault to inject (tests).
-    pub fault: Option<Fault>,
-    /// The newest evaluation.
-    pub last_eval: Option<EvalStats>,
-}
-
-impl PsContext<'_> {
-    /// Writes a line to the run log and the front end.
-    pub fn log(&mut self, line: &str) -> Result<()> {
-        self.observer.message(line);
-        self.log.line(line)
-    }
-
-    /// Writes a line to the run log only (per-round timings).
-    pub fn log_quiet(&mut self, line: &str) -> Result<()> {
-        self.log.line(line)
-    }
-
-    /// Tells the front end a round finished.
-    pub fn observe_round(&mut self, round: u64, total: u64, loss: f32) {
-        self.observer.step(&StepEvent {
-            epoch: 0,
-            epochs: 1,
-            step_in_epoch: round,
-            steps_per_epoch: total,
-            step: round,
-            total_steps: total,
-            loss,
-        });
-    }
-
-    /// Evaluates the root's model on the full test set and logs it; returns the accuracy.
-    pub fn evaluate_and_log(&mut self, round: u64) -> Result<f64> {
-        let stats = evaluate_full(self.engine, self.test)?;
-        self.last_eval = Some(stats);
-        self.log(&format!(
-            "eval round {round} test_loss={:.4} test_acc={:.4}",
-            stats.loss(),
-            stats.accuracy()
-        ))?;
-        Ok(stats.accuracy())
-    }
-}
-
-/// Evaluates on the whole test set in one process.
-pub fn evaluate_full(engine: &BurnEngine, test: &ImageDataset) -> Result<EvalStats> {
-    let labels: Vec<i64> = test.labels().iter().map(|l| *l as i64).collect();
-    Ok(engine.evaluate(test.images(), &labels, 1000)?)
-}
+/// What every role of a parameter-server job is given (the run loop's context).
+pub use crate::role::Cx as PsContext;
 
 /// Sends one message to `peer`.
-pub fn send(comm: &Communicator, peer: usize, msg: &PsMessage) -> Result<()> {
+pub fn send(
+    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    peer: usize,
+    msg: &PsMessage,
+) -> Result<()> {
     send_bytes(comm, peer, &msg.encode())
 }
 
 /// Sends an already encoded message to `peer` (to encode once for several peers).
-pub fn send_bytes(comm: &Communicator, peer: usize, bytes: &[u8]) -> Result<()> {
-    comm.send_to(peer, bytes)?;
+pub fn send_bytes(
+    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    peer: usize,
+    bytes: &[u8],
+) -> Result<()> {
+    comm.send(peer, protocol::TAG, bytes)?;
     Ok(())
 }
 
-/// What a non-root role reports at the end.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RoleSummary {
-    /// Rounds it took part in.
-    pub rounds: u64,
-    /// Its last training loss.
-    pub loss: f32,
-}
-
-/// What this rank did, by role.
-#[derive(Debug, Clone, PartialEq)]
-pub enum PsOutcome {
-    /// The root: how the run ended.
-    Root(server::RootOutcome),
-    /// A local server: how many times it pushed up.
-    Local(u64),
-    /// A shard server other than the root: updates applied.
-    Shard(u64),
-    /// A worker.
-    Worker(RoleSummary),
-}
-
-/// Runs this rank's role of a parameter-server topology.
-pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcome> {
+/// This rank's role in a parameter-server topology, and the shard of the training data it
+/// trains on (`(workers, index)`; servers train on nothing).
+pub fn build_role(
+    ctx: &mut PsContext<'_>,
+    topology: &Topology,
+) -> Result<(Box<dyn Role>, (usize, usize))> {
     let Some(role) = topology.role(ctx.rank).cloned() else {
         return Err(crate::TrainError::config(
             "topology",
@@ -171,28 +87,21 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
         .map(|r| r.rank)
         .collect();
     let ranges = topology.shard_ranges(n);
-    match role.kind {
+    let sync = sync.unwrap_or(true);
+    Ok(match role.kind {
         RoleKind::Worker { index } => {
             let ranges = if role.parents.len() == ranges.len() {
                 ranges
             } else {
                 flotilla_cluster::balanced_ranges(n, 1)
             };
-            Ok(PsOutcome::Worker(worker::run(
-                ctx,
-                index,
-                &role.parents,
-                &ranges,
-            )?))
+            let w = worker::Worker::new(ctx, &role.parents, &ranges);
+            (Box::new(w), (ctx.num_workers, index))
         }
         RoleKind::LocalServer { .. } => {
             let parent = role.parents.first().copied().unwrap_or(0);
-            Ok(PsOutcome::Local(server::run_local(
-                ctx,
-                parent,
-                &role.children,
-                sync.unwrap_or(true),
-            )?))
+            let m = local::LocalServer::new(ctx, parent, &role.children, sync);
+            (Box::new(m), (1, 0))
         }
         RoleKind::ShardServer { shard } => {
             let plan = server::ShardPlan {
@@ -200,18 +109,13 @@ pub fn run_role(ctx: &mut PsContext<'_>, topology: &Topology) -> Result<PsOutcom
                 ranges,
                 servers: shard_servers,
             };
-            let outcome = server::run_server(ctx, &role.children, sync.unwrap_or(true), &plan)?;
-            Ok(if role.is_root() {
-                PsOutcome::Root(outcome)
-            } else {
-                PsOutcome::Shard(outcome.updates)
-            })
+            let m = root::RootServer::new(ctx, &role.children, sync, plan)?;
+            (Box::new(m), (1, 0))
         }
-        RoleKind::GlobalServer => Ok(PsOutcome::Root(server::run_server(
-            ctx,
-            &role.children,
-            sync.unwrap_or(true),
-            &server::ShardPlan::whole(n),
-        )?)),
-    }
+        RoleKind::GlobalServer => {
+            let plan = server::ShardPlan::whole(n);
+            let m = root::RootServer::new(ctx, &role.children, sync, plan)?;
+            (Box::new(m), (1, 0))
+        }
+    })
 }

@@ -1,5 +1,4 @@
-//! The parameter-server wire messages, carried as point-to-point payloads of the
-//! communicator. Every message that carries numbers says which parameter version it was
+//! The parameter-server wire messages, carried as point-to-point payloads under [`TAG`]. Every message that carries numbers says which parameter version it was
 //! computed from or holds.
 //!
 //! Layout (little endian): `kind: u8`, then per kind:
@@ -11,6 +10,9 @@
 //! - `Gather`: `version: u64`.
 
 use crate::error::{Result, TrainError};
+
+/// The point-to-point tag of parameter-server messages.
+pub const TAG: flotilla_comm::Tag = 1;
 
 const PULL: u8 = 1;
 const PUSH: u8 = 2;

@@ -1,72 +1,82 @@
 //! A parameter-server worker: pull parameters, compute on a batch of its shard, push the
 //! gradient (or, with `local_steps > 1`, the weight delta of that many local steps), repeat
-//! until its server says stop.
+//! until its server says stop. One round is one [`Role::step`].
 
+use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use flotilla_data::{DistributedSampler, fill_batch};
-use flotilla_engine::{BatchRef, Engine};
+use flotilla_engine::ParamLayout;
 
-use super::protocol::PsMessage;
-use super::{PsContext, RoleSummary, send};
+use super::protocol::{PsMessage, TAG};
+use super::{PsContext, send};
+use crate::batches::Batches;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
+use crate::role::{Cx, Evaluation, Role, Step};
 
-/// Runs worker number `index` (of `ctx.num_workers`) under its server(s): `parents[i]` holds
-/// the parameters of `ranges[i]` (one parent holding everything, or the shard servers of a
-/// sharded flat topology).
-pub fn run(
-    ctx: &mut PsContext<'_>,
-    index: usize,
-    parents: &[usize],
-    ranges: &[std::ops::Range<usize>],
-) -> Result<RoleSummary> {
-    let n = ctx.engine.num_params();
-    let sampler = DistributedSampler::new(
-        ctx.train.len(),
-        ctx.num_workers,
-        index,
-        ctx.config.seed,
-        true,
-    )?;
-    let batch = ctx.config.batch_size;
-    let steps_per_epoch = sampler.steps_per_epoch(batch);
-    if steps_per_epoch == 0 {
-        return Err(TrainError::config(
-            "config",
-            format!(
-                "`batch_size` {batch} x {} workers exceeds the training set",
-                ctx.num_workers
-            ),
-        ));
-    }
-    let local_steps = ctx.config.local_steps.max(1);
-    let averaging = local_steps > 1;
-    let (mut images, mut labels) = (Vec::new(), Vec::new());
-    let mut grad = vec![0.0f32; n];
-    let mut local = vec![0.0f32; n];
-    let (mut epoch, mut batches, mut next) = (0u64, sampler.batches(0, batch), 0usize);
-    let mut rounds = 0u64;
-    let (mut compute, mut push, mut wait) = (Duration::ZERO, Duration::ZERO, Duration::ZERO);
-    let mut last_loss = f32::NAN;
+/// Worker state between rounds.
+pub struct Worker {
+    /// `parents[i]` holds the parameters of `ranges[i]` (one parent holding everything, or
+    /// the shard servers of a sharded flat topology).
+    parents: Vec<usize>,
+    ranges: Vec<Range<usize>>,
+    layout: ParamLayout,
+    local_steps: usize,
+    params: Vec<f32>,
+    versions: Vec<u64>,
+    grad: Vec<f32>,
+    local: Vec<f32>,
+    rounds: u64,
+    last_loss: f32,
+    compute: Duration,
+    push: Duration,
+    wait: Duration,
+    timeout: Duration,
+}
 
-    let layout = ctx.engine.layout().clone();
-    let mut params = vec![0.0f32; n];
-    let mut versions = vec![0u64; parents.len()];
-    for &p in parents {
-        send(ctx.comm, p, &PsMessage::Pull)?;
+/// What the parents said this round.
+enum Pulled {
+    /// Parameters from every parent.
+    Params,
+    /// The first parent said stop.
+    Stop(String),
+}
+
+impl Worker {
+    /// A worker under `parents`, holding `ranges` of the parameters.
+    pub fn new(cx: &PsContext<'_>, parents: &[usize], ranges: &[Range<usize>]) -> Self {
+        let n = cx.engine.num_params();
+        Self {
+            parents: parents.to_vec(),
+            ranges: ranges.to_vec(),
+            layout: cx.engine.layout().clone(),
+            local_steps: cx.config.topology.local_steps.max(1),
+            params: vec![0.0; n],
+            versions: vec![0; parents.len()],
+            grad: vec![0.0; n],
+            local: vec![0.0; n],
+            rounds: 0,
+            last_loss: f32::NAN,
+            compute: Duration::ZERO,
+            push: Duration::ZERO,
+            wait: Duration::ZERO,
+            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+        }
     }
-    // A parent other than the first that cannot be reached may just have stopped: the
-    // first parent (the root, for shards) then has a stop for this worker too.
-    let mut unreachable: Option<TrainError> = None;
-    loop {
-        let t = Instant::now();
-        for (i, &parent) in parents.iter().enumerate() {
+
+    /// The parents' newest parameters, or the first parent's stop. A parent other than the
+    /// first that cannot be reached may just have stopped: the first parent (the root, for
+    /// shards) then has a stop for this worker too.
+    fn pull(&mut self, cx: &mut PsContext<'_>) -> Result<Pulled> {
+        let mut unreachable: Option<TrainError> = None;
+        for i in 0..self.parents.len() {
             if unreachable.is_some() && i > 0 {
                 break;
             }
+            let parent = self.parents[i];
             loop {
-                let bytes = match ctx.comm.recv_from(parent) {
+                let deadline = Instant::now() + self.timeout;
+                let bytes = match cx.comm.recv(parent, TAG, deadline) {
                     Ok(b) => b,
                     Err(e) if i > 0 => {
                         unreachable = Some(e.into());
@@ -76,7 +86,7 @@ pub fn run(
                 };
                 match PsMessage::decode(&bytes, parent)? {
                     PsMessage::Params { version, values } => {
-                        let range = ranges[i].clone();
+                        let range = self.ranges[i].clone();
                         if values.len() != range.len() {
                             return Err(TrainError::Protocol {
                                 peer: parent,
@@ -87,28 +97,16 @@ pub fn run(
                                 ),
                             });
                         }
-                        params[range].copy_from_slice(&values);
-                        versions[i] = version;
+                        self.params[range].copy_from_slice(&values);
+                        self.versions[i] = version;
                         break;
                     }
-                    PsMessage::Stop { reason } => {
-                        wait += t.elapsed();
-                        ctx.log(&format!(
-                            "stop from rank {parent} ({reason}) after {rounds} rounds; compute {:.1}s push {:.1}s wait {:.1}s",
-                            compute.as_secs_f64(),
-                            push.as_secs_f64(),
-                            wait.as_secs_f64()
-                        ))?;
-                        return Ok(RoleSummary {
-                            rounds,
-                            loss: last_loss,
-                        });
-                    }
+                    PsMessage::Stop { reason } => return Ok(Pulled::Stop(reason)),
                     PsMessage::Reject { reason } => {
-                        ctx.log(&format!(
+                        cx.log(&format!(
                             "push rejected by rank {parent}: {reason}; pulling again"
                         ))?;
-                        send(ctx.comm, parent, &PsMessage::Pull)?;
+                        send(cx.comm, parent, &PsMessage::Pull)?;
                     }
                     other => {
                         return Err(TrainError::Protocol {
@@ -122,75 +120,128 @@ pub fn run(
                 }
             }
         }
-        wait += t.elapsed();
-        if let Some(e) = unreachable.take() {
-            return Err(e);
+        match unreachable {
+            Some(e) => Err(e),
+            None => Ok(Pulled::Params),
         }
-        let t = Instant::now();
-        ctx.engine.write_params(&params)?;
+    }
+
+    /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
+    fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>) -> Result<()> {
+        cx.engine.write_params(&self.params)?;
+        let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
-        for _ in 0..local_steps {
-            if next == batches.len() {
-                epoch += 1;
-                batches = sampler.batches(epoch, batch);
-                next = 0;
-            }
-            fill_batch(ctx.train, &batches[next], &mut images, &mut labels)?;
-            next += 1;
-            loss_sum += ctx.engine.forward_backward(BatchRef {
-                images: &images,
-                labels: &labels,
-            })?;
-            ctx.engine.for_each_grad(&mut |i, g| {
+        for _ in 0..self.local_steps {
+            let (_, batch) = data.next_batch()?;
+            loss_sum += cx.engine.forward_backward(batch)?;
+            let (layout, grad) = (&self.layout, &mut self.grad);
+            cx.engine.for_each_grad(&mut |i, g| {
                 let p = &layout.params[i];
                 grad[p.offset..p.offset + p.len].copy_from_slice(g);
                 Ok(())
             })?;
             if averaging {
-                ctx.engine.apply_grads(&grad, ctx.config.base_lr())?;
+                cx.engine.apply_grads(&self.grad, cx.config.base_lr())?;
             }
         }
         if averaging {
-            ctx.engine.read_params(&mut local)?;
-            for ((d, l), g) in grad.iter_mut().zip(&local).zip(&params) {
+            cx.engine.read_params(&mut self.local)?;
+            for ((d, l), g) in self.grad.iter_mut().zip(&self.local).zip(&self.params) {
                 *d = l - g;
             }
         }
-        if ctx.fault.and_then(|f| f.at(rounds + 1)) == Some(FaultAction::BadLength) {
+        self.last_loss = loss_sum / self.local_steps as f32;
+        Ok(())
+    }
+
+    /// Sends each parent its slice of the gradient.
+    fn push_up(&mut self, cx: &mut PsContext<'_>, samples: usize) -> Result<()> {
+        let n = self.params.len();
+        if cx.fault.and_then(|f| f.at(self.rounds + 1)) == Some(FaultAction::BadLength) {
             eprintln!("FLOTILLA_FAULT: pushing a gradient of the wrong length");
-            grad.truncate(n / 2);
+            self.grad.truncate(n / 2);
         }
-        last_loss = loss_sum / local_steps as f32;
-        compute += t.elapsed();
-        let t = Instant::now();
-        for (i, &parent) in parents.iter().enumerate() {
+        // A shard server that is gone has stopped: the root's stop comes with the next pull.
+        for (i, &parent) in self.parents.iter().enumerate() {
+            let len = self.grad.len();
             let msg = PsMessage::Push {
-                version: versions[i],
+                version: self.versions[i],
                 staleness: 0,
-                samples: (batch * local_steps) as u32,
-                loss: last_loss,
-                delta: averaging,
-                values: grad[ranges[i].start.min(grad.len())..ranges[i].end.min(grad.len())]
+                samples: samples as u32,
+                loss: self.last_loss,
+                delta: self.local_steps > 1,
+                values: self.grad[self.ranges[i].start.min(len)..self.ranges[i].end.min(len)]
                     .to_vec(),
             };
-            if let Err(e) = send(ctx.comm, parent, &msg) {
-                if i == 0 {
-                    return Err(e);
-                }
-                unreachable = Some(e);
+            if let Err(e) = send(cx.comm, parent, &msg)
+                && i == 0
+            {
+                return Err(e);
             }
         }
-        grad.resize(n, 0.0);
-        push += t.elapsed();
-        rounds += 1;
-        if rounds.is_multiple_of(100) {
-            ctx.log_quiet(&format!(
-                "round {rounds} v{} loss={last_loss:.4} compute {:.2}s push {:.2}s wait {:.2}s",
-                versions[0],
-                compute.as_secs_f64(),
-                push.as_secs_f64(),
-                wait.as_secs_f64()
+        self.grad.resize(n, 0.0);
+        Ok(())
+    }
+}
+
+impl Role for Worker {
+    fn name(&self) -> &'static str {
+        "worker"
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::None
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        for &p in &self.parents {
+            send(cx.comm, p, &PsMessage::Pull)?;
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+        let t = Instant::now();
+        let pulled = self.pull(cx);
+        self.wait += t.elapsed();
+        if let Pulled::Stop(reason) = pulled? {
+            cx.log(&format!(
+                "stop from rank {} ({reason}) after {} rounds; compute {:.1}s push {:.1}s wait {:.1}s",
+                self.parents[0],
+                self.rounds,
+                self.compute.as_secs_f64(),
+                self.push.as_secs_f64(),
+                self.wait.as_secs_f64()
+            ))?;
+            return Ok(Step {
+                done: Some(reason),
+                ..Step::default()
+            });
+        }
+        let t = Instant::now();
+        self.compute(cx, data)?;
+        self.compute += t.elapsed();
+        let t = Instant::now();
+        let samples = data.batch_size() * self.local_steps;
+        self.push_up(cx, samples)?;
+        self.push += t.elapsed();
+        self.rounds += 1;
+        if self.rounds.is_multiple_of(100) {
+            cx.log_quiet(&format!(
+                "round {} v{} loss={:.4} compute {:.2}s push {:.2}s wait {:.2}s",
+                self.rounds,
+                self.versions[0],
+                self.last_loss,
+                self.compute.as_secs_f64(),
+                self.push.as_secs_f64(),
+                self.wait.as_secs_f64()
             ))?;
         }
+        Ok(Step {
+            progressed: true,
+            loss: Some(self.last_loss),
+            samples: samples as u64,
+            done: None,
+        })
     }
 }

@@ -2,12 +2,22 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{Communicator, PendingAllReduce};
+use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
-use super::{StepStats, Strategy};
+use crate::batches::Batches;
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
+
+/// What one step produced.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// This rank's mean loss on its batch.
+    pub local_loss: f32,
+    /// The mean loss over every rank's batch (the global batch).
+    pub global_loss: f32,
+}
 
 /// Sync data parallel: every rank computes gradients on its own batch, the gradients are
 /// summed by ring all-reduces (one per bucket, started as soon as the bucket is filled, so
@@ -17,7 +27,7 @@ use crate::error::{Result, TrainError};
 /// The mean loss rides along as one extra value at the end of the last bucket, so logging the
 /// global loss costs no extra collective.
 pub struct SyncAllReduce {
-    comm: Arc<Communicator>,
+    comm: Arc<dyn ProcessGroup>,
     layout: ParamLayout,
     plan: BucketPlan,
     /// One reusable buffer per bucket; the last one has a slot more for the loss.
@@ -28,7 +38,7 @@ pub struct SyncAllReduce {
 
 impl SyncAllReduce {
     /// A strategy for a model of `layout`, with buckets of at most `bucket_bytes`.
-    pub fn new(comm: Arc<Communicator>, layout: &ParamLayout, bucket_bytes: usize) -> Self {
+    pub fn new(comm: Arc<dyn ProcessGroup>, layout: &ParamLayout, bucket_bytes: usize) -> Self {
         let plan = BucketPlan::new(layout, bucket_bytes);
         let last = plan.buckets.len().saturating_sub(1);
         let buffers = plan
@@ -52,12 +62,45 @@ impl SyncAllReduce {
     }
 }
 
-impl Strategy for SyncAllReduce {
+impl Role for SyncAllReduce {
     fn name(&self) -> &'static str {
-        "sync-allreduce"
+        "peer"
     }
 
-    fn synchronize_initial_state(&mut self, engine: &mut dyn Engine) -> Result<()> {
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::Collective
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.comm.rank() == 0
+    }
+
+    fn stops_itself(&self) -> bool {
+        true
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.synchronize_initial_state(cx.engine)
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+        let lr = cx.lr_at(done);
+        let world = self.comm.size() as u64;
+        let (_, batch) = data.next_batch()?;
+        let samples = batch.labels.len() as u64 * world;
+        let stats = self.step_on(cx.engine, batch, lr)?;
+        Ok(Step {
+            progressed: true,
+            loss: Some(stats.global_loss),
+            samples,
+            done: None,
+        })
+    }
+}
+
+impl SyncAllReduce {
+    /// Makes every rank start from rank 0's parameters and optimizer state.
+    pub fn synchronize_initial_state(&mut self, engine: &mut dyn Engine) -> Result<()> {
         let rank = self.comm.rank();
         let mut params = vec![0.0; engine.num_params()];
         engine.read_params(&mut params)?;
@@ -75,14 +118,20 @@ impl Strategy for SyncAllReduce {
         Ok(())
     }
 
-    fn step(&mut self, engine: &mut dyn Engine, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
+    /// One training step on this rank's batch at learning rate `lr`.
+    pub fn step_on(
+        &mut self,
+        engine: &mut dyn Engine,
+        batch: BatchRef<'_>,
+        lr: f64,
+    ) -> Result<StepStats> {
         let local_loss = engine.forward_backward(batch)?;
         // A step that failed half-way may have left buffers with the communicator.
         let last_index = self.plan.buckets.len().saturating_sub(1);
         for (k, (buffer, bucket)) in self.buffers.iter_mut().zip(&self.plan.buckets).enumerate() {
             buffer.resize(bucket.len() + usize::from(k == last_index), 0.0);
         }
-        let world = self.comm.world_size() as f32;
+        let world = self.comm.size() as f32;
         let last = self.plan.buckets.len().saturating_sub(1);
         let mut pending: Vec<PendingAllReduce> = Vec::with_capacity(self.plan.buckets.len());
         {

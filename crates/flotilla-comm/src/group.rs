@@ -1,0 +1,236 @@
+//! The process-group interface every strategy talks to.
+//!
+//! A [`ProcessGroup`] is a set of ranks that run collectives together and exchange tagged
+//! point-to-point messages. The TCP [`crate::Communicator`] implements it over real
+//! connections (or over in-memory links between threads, for unit tests:
+//! [`crate::Communicator::in_memory`]); an MPI backend can implement it later. Strategies
+//! and servers hold an `Arc<dyn ProcessGroup>` and never see the transport.
+//!
+//! # Ranks
+//!
+//! Ranks passed to and returned by a group's methods are ranks *in that group*
+//! (`0..size()`). Errors name the world rank of the process at fault (what logs and
+//! launchers show); [`ProcessGroup::world_rank`] and [`ProcessGroup::group_rank`] convert.
+//!
+//! # Ordering
+//!
+//! Within one group, every member must issue the same collectives in the same order with
+//! matching sizes and roots (blocking and non-blocking alike; a non-blocking one takes its
+//! place in the order when it is started). Each group has its own sequence space and its own
+//! queues on the shared connections, so collectives of different groups never wait on each
+//! other. Point-to-point messages are outside collective ordering; messages with the same
+//! (group, sender, tag) arrive in the order they were sent, and different tags never mix.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::oneshot;
+
+use crate::error::CommError;
+
+/// Traffic counters of a communicator (all connections, all channels, headers included).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CommStats {
+    /// Bytes written to sockets.
+    pub bytes_sent: u64,
+    /// Bytes read from sockets.
+    pub bytes_received: u64,
+    /// Frames written.
+    pub frames_sent: u64,
+    /// Frames read.
+    pub frames_received: u64,
+    /// Collectives issued so far in all groups (blocking and asynchronous).
+    pub collectives: u64,
+}
+
+/// Element-wise reduction of integer buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReduceOp {
+    /// Wrapping sum.
+    Sum,
+    /// Maximum.
+    Max,
+    /// Minimum.
+    Min,
+    /// Bitwise AND (e.g. "ready on every rank" bit sets).
+    And,
+    /// Bitwise OR (e.g. "ready on some rank" bit sets).
+    Or,
+}
+
+impl ReduceOp {
+    /// Combines two `i64`s.
+    pub fn apply_i64(self, a: i64, b: i64) -> i64 {
+        match self {
+            ReduceOp::Sum => a.wrapping_add(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Min => a.min(b),
+            ReduceOp::And => a & b,
+            ReduceOp::Or => a | b,
+        }
+    }
+
+    /// Combines two `u64`s.
+    pub fn apply_u64(self, a: u64, b: u64) -> u64 {
+        match self {
+            ReduceOp::Sum => a.wrapping_add(b),
+            ReduceOp::Max => a.max(b),
+            ReduceOp::Min => a.min(b),
+            ReduceOp::And => a & b,
+            ReduceOp::Or => a | b,
+        }
+    }
+}
+
+/// A collective running in the background; [`Pending::wait`] blocks for its result.
+#[must_use = "a pending collective must be waited for"]
+pub struct Pending<T> {
+    rx: oneshot::Receiver<Result<T, CommError>>,
+    seq: u64,
+}
+
+impl<T> std::fmt::Debug for Pending<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pending").field("seq", &self.seq).finish()
+    }
+}
+
+impl<T> Pending<T> {
+    /// A pending result and the sender that completes it.
+    pub fn channel(seq: u64) -> (oneshot::Sender<Result<T, CommError>>, Pending<T>) {
+        let (tx, rx) = oneshot::channel();
+        (tx, Pending { rx, seq })
+    }
+
+    /// An already finished operation.
+    pub fn ready(seq: u64, result: Result<T, CommError>) -> Pending<T> {
+        let (tx, p) = Self::channel(seq);
+        let _ = tx.send(result);
+        p
+    }
+
+    /// Blocks until the operation finished. Must not be called from inside an async runtime.
+    pub fn wait(self) -> Result<T, CommError> {
+        self.rx.blocking_recv().unwrap_or(Err(CommError::Shutdown))
+    }
+
+    /// Whether [`Pending::wait`] would return at once.
+    pub fn is_finished(&self) -> bool {
+        !self.rx.is_empty() || self.rx.is_terminated()
+    }
+
+    /// The operation's sequence number in its group.
+    pub fn seq(&self) -> u64 {
+        self.seq
+    }
+}
+
+/// The all-reduce handle returned by [`ProcessGroup::all_reduce_start`].
+pub type PendingAllReduce = Pending<Vec<f32>>;
+
+/// A tag of a point-to-point message. Tags at and above [`Tag::RESERVED`] are Flotilla's own.
+pub type Tag = u32;
+
+/// Tag constants.
+pub mod tags {
+    /// First tag reserved for Flotilla's internal protocols (schedulers, servers).
+    pub const RESERVED: u32 = 0xFFFF_0000;
+}
+
+/// A group of ranks: collectives, tagged point-to-point messages and sub-groups.
+///
+/// Blocking methods must not be called from inside an async runtime. Every wait on another
+/// rank has a deadline (the group's [`ProcessGroup::timeout`] for collectives, the caller's
+/// for receives) and a failure names the rank at fault.
+pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
+    /// This process's rank in the group.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// The world rank of group rank `rank`.
+    fn world_rank(&self, rank: usize) -> usize;
+
+    /// The group rank of world rank `world_rank`, if it is a member.
+    fn group_rank(&self, world_rank: usize) -> Option<usize>;
+
+    /// Deadline of every wait inside a collective.
+    fn timeout(&self) -> Duration;
+
+    /// Traffic counters of the process (all groups share the connections).
+    fn stats(&self) -> CommStats;
+
+    /// Returns once every member has entered the barrier.
+    fn barrier(&self) -> Result<(), CommError>;
+
+    /// Copies `root`'s buffer into every member's `buf` (all pass the same length).
+    fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
+
+    /// Replaces every member's `buf` with `root`'s bytes (lengths may differ before).
+    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError>;
+
+    /// Gathers one byte string from every member; element `i` is rank `i`'s.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
+
+    /// Sums `buf` element-wise over the group in place (ring reduce-scatter + all-gather;
+    /// bf16 on the wire when so configured). All members end bit-identical.
+    fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError>;
+
+    /// Starts [`ProcessGroup::all_reduce_sum`] in the background and returns at once.
+    fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce;
+
+    /// Reduces small integer buffers element-wise (counters, flags, bit sets), combining in
+    /// rank order so every member gets the same result.
+    fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError>;
+
+    /// Like [`ProcessGroup::all_reduce_i64`] for `u64` words (bit sets with AND / OR).
+    fn all_reduce_u64(&self, buf: &mut [u64], op: ReduceOp) -> Result<(), CommError>;
+
+    /// Sends `msg` to `peer` under `tag` (outside collective ordering).
+    fn send(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError>;
+
+    /// Receives the next message with `tag` from `peer`, waiting until `deadline`.
+    fn recv(&self, peer: usize, tag: Tag, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        self.recv_any(&[peer], tag, deadline).map(|(_, m)| m)
+    }
+
+    /// Receives the earliest-arrived message with `tag` from any of `peers`; returns the
+    /// sender (group rank) and the message. A peer whose connection is gone (and has nothing
+    /// queued) is a [`CommError::PeerLost`] naming it; at the deadline, a
+    /// [`CommError::Deadline`] names every peer still silent.
+    fn recv_any(
+        &self,
+        peers: &[usize],
+        tag: Tag,
+        deadline: Instant,
+    ) -> Result<(usize, Vec<u8>), CommError>;
+
+    /// Splits the group (collectively, like `MPI_Comm_split`): members passing the same
+    /// `color` form a new group, ordered by `(key, rank)`; `None` joins no group.
+    fn split(
+        &self,
+        color: Option<u32>,
+        key: i64,
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError>;
+
+    /// The sub-group of `ranks` (group ranks, in the new group's order); only the members
+    /// call it, in the same order relative to their other `group` calls with these ranks.
+    fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
+
+    /// Gathers one `u64` from every member.
+    fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>, CommError> {
+        let all = self.all_gather_bytes(&v.to_le_bytes())?;
+        all.iter()
+            .enumerate()
+            .map(|(r, b)| {
+                <[u8; 8]>::try_from(b.as_slice())
+                    .map(u64::from_le_bytes)
+                    .map_err(|_| CommError::Protocol {
+                        peer: self.world_rank(r),
+                        detail: format!("all_gather_u64: {} bytes instead of 8", b.len()),
+                    })
+            })
+            .collect()
+    }
+}

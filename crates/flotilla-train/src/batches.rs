@@ -1,0 +1,161 @@
+//! This rank's training batches, epoch after epoch: its interleaved shard of every epoch's
+//! shared permutation ([`DistributedSampler`]), gathered into reusable flat buffers.
+
+use flotilla_data::{DistributedSampler, ImageDataset, fill_batch};
+use flotilla_engine::BatchRef;
+
+use crate::error::{Result, TrainError};
+
+/// Where a batch source stands: the epoch and the batches of it already taken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Position {
+    /// 0-based epoch.
+    pub epoch: u32,
+    /// Batches of that epoch already taken.
+    pub step_in_epoch: u64,
+}
+
+/// Batches of shard `rank` of `world` over a training set.
+pub struct Batches<'a> {
+    train: &'a ImageDataset,
+    sampler: DistributedSampler,
+    batch_size: usize,
+    steps_per_epoch: u64,
+    /// Index lists of the current epoch's batches.
+    epoch_batches: Vec<Vec<usize>>,
+    at: Position,
+    images: Vec<f32>,
+    labels: Vec<i64>,
+}
+
+impl<'a> Batches<'a> {
+    /// Shard `rank` of `world` with `batch_size` samples per batch, shuffled per epoch from
+    /// `seed`, starting at `start` (a resumed run's position).
+    pub fn new(
+        train: &'a ImageDataset,
+        (world, rank): (usize, usize),
+        seed: u64,
+        batch_size: usize,
+        start: Position,
+    ) -> Result<Self> {
+        let sampler = DistributedSampler::new(train.len(), world, rank, seed, true)?;
+        let steps_per_epoch = sampler.steps_per_epoch(batch_size) as u64;
+        if steps_per_epoch == 0 {
+            return Err(TrainError::config(
+                "config",
+                format!(
+                    "`batch_size` {batch_size} x {world} ranks is larger than the {} training samples",
+                    train.len()
+                ),
+            ));
+        }
+        let mut b = Self {
+            train,
+            epoch_batches: sampler.batches(start.epoch as u64, batch_size),
+            sampler,
+            batch_size,
+            steps_per_epoch,
+            at: start,
+            images: Vec::new(),
+            labels: Vec::new(),
+        };
+        b.roll_over();
+        Ok(b)
+    }
+
+    /// Batches in one epoch.
+    pub fn steps_per_epoch(&self) -> u64 {
+        self.steps_per_epoch
+    }
+
+    /// Samples in one batch.
+    pub fn batch_size(&self) -> usize {
+        self.batch_size
+    }
+
+    /// Where the next batch comes from.
+    pub fn position(&self) -> Position {
+        self.at
+    }
+
+    /// Moves to the next epoch once this one is used up.
+    fn roll_over(&mut self) {
+        if self.at.step_in_epoch >= self.steps_per_epoch {
+            self.at = Position {
+                epoch: self.at.epoch + 1,
+                step_in_epoch: 0,
+            };
+            self.epoch_batches = self.sampler.batches(self.at.epoch as u64, self.batch_size);
+        }
+    }
+
+    /// The next batch, and the position it was taken at.
+    pub fn next_batch(&mut self) -> Result<(Position, BatchRef<'_>)> {
+        self.roll_over();
+        let taken = self.at;
+        let indices = self
+            .epoch_batches
+            .get(taken.step_in_epoch as usize)
+            .ok_or_else(|| TrainError::Divergence("the sampler ran out of batches".into()))?;
+        fill_batch(self.train, indices, &mut self.images, &mut self.labels)?;
+        self.at.step_in_epoch += 1;
+        Ok((
+            taken,
+            BatchRef {
+                images: &self.images,
+                labels: &self.labels,
+            },
+        ))
+    }
+
+    /// Whether the last batch taken finished its epoch.
+    pub fn epoch_done(&self) -> bool {
+        self.at.step_in_epoch == self.steps_per_epoch
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn data(n: usize) -> ImageDataset {
+        ImageDataset::new(
+            vec![0.0; n * 4],
+            (0..n).map(|i| (i % 10) as u8).collect(),
+            2,
+            2,
+        )
+        .expect("data")
+    }
+
+    #[test]
+    fn a_resumed_source_continues_with_the_same_batches() {
+        let d = data(40);
+        let mut straight = Batches::new(&d, (2, 1), 5, 4, Position::default()).expect("b");
+        assert_eq!(straight.steps_per_epoch(), 5);
+        let mut labels = Vec::new();
+        for _ in 0..13 {
+            let (_, b) = straight.next_batch().expect("batch");
+            labels.push(b.labels.to_vec());
+        }
+        // Resume after 7 batches (epoch 1, 2 in) and after exactly one epoch.
+        for (skip, at) in [(7, (1, 2)), (5, (1, 0)), (5, (0, 5))] {
+            let start = Position {
+                epoch: at.0,
+                step_in_epoch: at.1,
+            };
+            let mut resumed = Batches::new(&d, (2, 1), 5, 4, start).expect("b");
+            for (i, want) in labels.iter().enumerate().skip(skip).take(5) {
+                let (pos, b) = resumed.next_batch().expect("batch");
+                assert_eq!(b.labels, want.as_slice(), "batch {i} from {at:?}");
+                assert_eq!(pos.epoch as usize, i / 5);
+            }
+        }
+    }
+
+    #[test]
+    fn too_large_a_batch_is_an_error() {
+        let d = data(10);
+        assert!(Batches::new(&d, (2, 0), 1, 8, Position::default()).is_err());
+    }
+}

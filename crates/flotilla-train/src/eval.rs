@@ -1,0 +1,68 @@
+//! Evaluating a model on the test set (by one rank, or split across a group), and checking
+//! that every rank of a group holds the same parameters.
+
+use flotilla_comm::ProcessGroup;
+use flotilla_data::{ImageDataset, fill_batch};
+use flotilla_engine::{Engine, EvalStats};
+
+use crate::error::{Result, TrainError};
+
+/// Evaluates on the whole test set in one process.
+pub fn full(engine: &dyn Engine, test: &ImageDataset) -> Result<EvalStats> {
+    let labels: Vec<i64> = test.labels().iter().map(|l| *l as i64).collect();
+    Ok(engine.evaluate(test.images(), &labels, 1000)?)
+}
+
+/// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
+/// and summed with one all-reduce: every rank gets the full-test-set figures.
+pub fn distributed(
+    engine: &dyn Engine,
+    comm: &dyn ProcessGroup,
+    test: &ImageDataset,
+) -> Result<EvalStats> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
+    let mut images = Vec::new();
+    let mut labels = Vec::new();
+    fill_batch(test, &indices, &mut images, &mut labels)?;
+    let local = if indices.is_empty() {
+        EvalStats::default()
+    } else {
+        engine.evaluate(&images, &labels, 1000)?
+    };
+    let mut sums = [
+        local.loss_sum as f32,
+        local.correct as f32,
+        local.count as f32,
+    ];
+    comm.all_reduce_sum(&mut sums)?;
+    Ok(EvalStats {
+        loss_sum: sums[0] as f64,
+        correct: sums[1].round() as usize,
+        count: sums[2].round() as usize,
+    })
+}
+
+/// Checks that every rank holds bitwise-identical parameters; returns their hash.
+pub fn verify_identical(engine: &dyn Engine, comm: &dyn ProcessGroup) -> Result<u64> {
+    let mut params = vec![0.0f32; engine.num_params()];
+    engine.read_params(&mut params)?;
+    let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
+    let all = comm.all_gather_u64(hash)?;
+    let differing: Vec<String> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, h)| **h != all[0])
+        .map(|(r, h)| format!("rank {r} has {h:016x}"))
+        .collect();
+    if differing.is_empty() {
+        Ok(hash)
+    } else {
+        Err(TrainError::Divergence(format!(
+            "rank 0 has {:016x}, {}",
+            all[0],
+            differing.join(", ")
+        )))
+    }
+}

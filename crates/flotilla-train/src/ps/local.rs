@@ -1,0 +1,353 @@
+//! A local server as a state machine: a server to its workers and a child of its parent.
+//!
+//! - Sync: one averaged push up per round of all children; the parent's reply starts the
+//!   next round for everyone. Losing a child or the parent ends the run naming it.
+//! - Async: answers each child at once with the newest parameters it has, and pushes up the
+//!   mean of what it gathered whenever its previous push has been answered. A lost child is
+//!   logged and the others go on.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use flotilla_comm::CommError;
+
+use super::PsContext;
+use super::aggregate::{Accumulator, Admission, Mean};
+use super::inbox::Inbox;
+use super::protocol::PsMessage;
+use super::serve::{ServerMachine, serve_one};
+use super::server::{Params, PushCheck, list, reject};
+use super::{send, send_bytes};
+use crate::batches::Batches;
+use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
+
+/// Local server state.
+pub struct LocalServer {
+    parent: usize,
+    children: Vec<usize>,
+    sync: bool,
+    len: usize,
+    admission: Admission,
+    averaging: bool,
+    /// The newest parameters from the parent.
+    params: Option<Params>,
+    active: BTreeSet<usize>,
+    /// Sync: the children yet to push in this round.
+    pending: BTreeSet<usize>,
+    /// Children that pulled before there was anything to give.
+    early_pulls: Vec<usize>,
+    acc: Accumulator,
+    /// A pull or push up is waiting for the parent's answer.
+    outstanding: bool,
+    pushes_up: u64,
+    round_started: Instant,
+    stopped: Option<String>,
+    inbox: Inbox,
+    timeout: Duration,
+    /// The loss and samples of the last push up, for the run loop.
+    pushed: Option<(f32, u64)>,
+}
+
+impl LocalServer {
+    /// A local server of `len` parameters between `parent` and `children`.
+    pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Self {
+        let active: BTreeSet<usize> = children.iter().copied().collect();
+        let len = cx.engine.num_params();
+        let mut peers = children.to_vec();
+        peers.push(parent);
+        Self {
+            inbox: Inbox::listen(cx.comm, &peers),
+            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            pushed: None,
+            parent,
+            children: children.to_vec(),
+            sync,
+            len,
+            admission: if sync {
+                Admission::Sync
+            } else {
+                Admission::Async {
+                    max_staleness: cx.config.topology.max_staleness,
+                }
+            },
+            averaging: cx.config.topology.local_steps > 1,
+            params: None,
+            pending: active.clone(),
+            active,
+            early_pulls: Vec::new(),
+            acc: Accumulator::new(len, sync),
+            outstanding: false,
+            pushes_up: 0,
+            round_started: Instant::now(),
+            stopped: None,
+        }
+    }
+
+    /// How many times it pushed up.
+    pub fn pushes_up(&self) -> u64 {
+        self.pushes_up
+    }
+
+    /// Why it stopped, once it has.
+    pub fn stop_reason(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
+    fn push_up(&mut self, cx: &mut PsContext<'_>, version: u64, mean: Mean) -> Result<()> {
+        // The staleness the mean already carries relative to the version it is pushed at.
+        let staleness = (version as f64 - mean.base_version).round().max(0.0) as u32;
+        let (loss, samples) = (mean.loss, mean.samples);
+        send(
+            cx.comm,
+            self.parent,
+            &PsMessage::Push {
+                version,
+                staleness,
+                samples: mean.samples.min(u32::MAX as u64) as u32,
+                loss: mean.loss,
+                delta: self.averaging,
+                values: mean.values,
+            },
+        )?;
+        self.outstanding = true;
+        self.pushes_up += 1;
+        self.pushed = Some((loss, samples));
+        Ok(())
+    }
+
+    /// New parameters from the parent.
+    fn on_params(&mut self, cx: &mut PsContext<'_>, version: u64, values: Vec<f32>) -> Result<()> {
+        self.outstanding = false;
+        let first = self.params.is_none();
+        let p = Params { version, values };
+        if self.sync || first {
+            // Sync: the new round starts for everyone. Async: answer the children that
+            // pulled before there was anything to give.
+            let msg = p.encoded();
+            let targets: Vec<usize> = if self.sync && !first {
+                self.active.iter().copied().collect()
+            } else {
+                std::mem::take(&mut self.early_pulls)
+            };
+            for c in targets {
+                send_bytes(cx.comm, c, &msg)?;
+            }
+            self.pending = self.active.clone();
+            cx.log_quiet(&format!(
+                "v{version} from rank {}; round {:.1}ms",
+                self.parent,
+                self.round_started.elapsed().as_secs_f64() * 1e3
+            ))?;
+            self.round_started = Instant::now();
+        }
+        self.params = Some(p);
+        if !self.sync
+            && let Some(mean) = self.acc.take()
+        {
+            self.push_up(cx, version, mean)?;
+        }
+        Ok(())
+    }
+
+    fn on_parent(&mut self, cx: &mut PsContext<'_>, msg: PsMessage) -> Result<()> {
+        match msg {
+            PsMessage::Params { version, values } => self.on_params(cx, version, values),
+            PsMessage::Stop { reason } => {
+                let stop = PsMessage::Stop {
+                    reason: reason.clone(),
+                };
+                for &c in &self.active {
+                    let _ = send(cx.comm, c, &stop);
+                }
+                cx.log(&format!(
+                    "stop from rank {} ({reason}); pushed up {} times",
+                    self.parent, self.pushes_up
+                ))?;
+                self.stopped = Some(reason);
+                Ok(())
+            }
+            PsMessage::Reject { reason } => {
+                cx.log(&format!(
+                    "push rejected by rank {}: {reason}; pulling again",
+                    self.parent
+                ))?;
+                send(cx.comm, self.parent, &PsMessage::Pull)?;
+                self.outstanding = true;
+                Ok(())
+            }
+            other => Err(TrainError::Protocol {
+                peer: self.parent,
+                message: format!(
+                    "a local server expects params, stop or reject from its parent, got {}",
+                    other.name()
+                ),
+            }),
+        }
+    }
+
+    /// A child's push: admitted (or refused, changing nothing), then pushed up when the
+    /// round is complete (sync) or the parent is free (async).
+    pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
+        let Some(current) = self.params.as_ref().map(|p| p.version) else {
+            return reject(cx, child, "no parameters yet: pull first");
+        };
+        let check = PushCheck {
+            admission: self.admission,
+            current,
+            len: self.len,
+            averaging: self.averaging,
+            sync_pending: self.sync.then_some(&self.pending),
+        };
+        if check.take(cx, &mut self.acc, child, msg)?.is_none() {
+            return Ok(());
+        }
+        if self.sync {
+            self.pending.remove(&child);
+            if self.pending.is_empty()
+                && let Some(mean) = self.acc.take()
+            {
+                self.push_up(cx, current, mean)?;
+            }
+            return Ok(());
+        }
+        if let Some(p) = &self.params {
+            send_bytes(cx.comm, child, &p.encoded())?;
+        }
+        if !self.outstanding
+            && let Some(mean) = self.acc.take()
+        {
+            self.push_up(cx, current, mean)?;
+        }
+        Ok(())
+    }
+}
+
+impl ServerMachine for LocalServer {
+    fn peers(&self) -> Vec<usize> {
+        let mut peers = self.children.clone();
+        peers.push(self.parent);
+        peers
+    }
+
+    fn on_start(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        cx.log(&format!(
+            "local server ({}) under rank {} with children [{}]",
+            if self.sync { "sync" } else { "async" },
+            self.parent,
+            list(&self.active)
+        ))?;
+        send(cx.comm, self.parent, &PsMessage::Pull)?;
+        self.outstanding = true;
+        Ok(())
+    }
+
+    fn on_message(&mut self, cx: &mut PsContext<'_>, from: usize, msg: PsMessage) -> Result<()> {
+        if from == self.parent {
+            return self.on_parent(cx, msg);
+        }
+        match msg {
+            PsMessage::Pull => match &self.params {
+                Some(p) => send_bytes(cx.comm, from, &p.encoded()),
+                None => {
+                    self.early_pulls.push(from);
+                    Ok(())
+                }
+            },
+            msg @ PsMessage::Push { .. } => self.on_push(cx, from, msg),
+            other => Err(TrainError::Protocol {
+                peer: from,
+                message: format!("a server expects pull or push, got {}", other.name()),
+            }),
+        }
+    }
+
+    fn on_malformed(&mut self, cx: &mut PsContext<'_>, from: usize, e: TrainError) -> Result<()> {
+        if from == self.parent {
+            return Err(TrainError::Peer {
+                peer: from,
+                message: e.to_string(),
+            });
+        }
+        reject(cx, from, &e.to_string())
+    }
+
+    fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
+        if peer == self.parent || self.sync {
+            return Err(TrainError::Peer {
+                peer,
+                message: format!("rank {peer} lost: {e}"),
+            });
+        }
+        if self.active.remove(&peer) {
+            self.pending.remove(&peer);
+            cx.log(&format!(
+                "rank {peer} lost ({e}); continuing with {} children",
+                self.active.len()
+            ))?;
+        }
+        if self.active.is_empty() {
+            return Err(TrainError::Peer {
+                peer,
+                message: "every child of this local server is lost".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
+        let silent: BTreeSet<usize> = if self.outstanding {
+            [self.parent].into()
+        } else if self.sync {
+            self.pending.clone()
+        } else {
+            self.active.clone()
+        };
+        Err(TrainError::Peer {
+            peer: silent.first().copied().unwrap_or(self.parent),
+            message: format!(
+                "local server: no message from rank(s) {} within {waited:?}",
+                list(&silent)
+            ),
+        })
+    }
+
+    fn done(&self) -> bool {
+        self.stopped.is_some()
+    }
+}
+
+impl Role for LocalServer {
+    fn name(&self) -> &'static str {
+        "local-server"
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::None
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.on_start(cx)
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+        let inbox = self.inbox.clone();
+        let timeout = self.timeout;
+        serve_one(self, cx, &inbox, timeout)?;
+        if let Some(reason) = &self.stopped {
+            return Ok(Step {
+                done: Some(reason.clone()),
+                ..Step::default()
+            });
+        }
+        Ok(match self.pushed.take() {
+            Some((loss, samples)) => Step {
+                progressed: true,
+                loss: Some(loss),
+                samples,
+                done: None,
+            },
+            None => Step::default(),
+        })
+    }
+}

@@ -1,0 +1,564 @@
+//! The server that owns (a shard of) the model, as a state machine: the root (flat server,
+//! shard 0 of a sharded flat topology, or the global server) or another shard server.
+//!
+//! - Sync: a round waits for one push from every active child, sums them in child order
+//!   ([`super::aggregate::Accumulator`]), applies one optimizer step and sends the new
+//!   version to every child. A lost child, or silence past the deadline, ends the run naming
+//!   it.
+//! - Async: each admitted push is applied on arrival and answered to its sender alone; a
+//!   lost child is logged and training goes on with the others.
+//!
+//! As a [`Role`], the root's rounds are the run's progress: the run loop evaluates between
+//! rounds (the root gathers the other shards first) and stops it at `target_accuracy` or
+//! after its rounds; the root then tells every child and shard server to stop. Its reply to
+//! a round's pushes waits until the loop has decided to go on. A shard server stops when
+//! the root says so.
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use flotilla_comm::CommError;
+
+use super::PsContext;
+use super::aggregate::{Accumulator, Admission, Mean};
+use super::inbox::Inbox;
+use super::protocol::PsMessage;
+use super::serve::{ServerMachine, serve_one};
+use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
+use super::{send, send_bytes};
+use crate::batches::Batches;
+use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
+
+/// Root or shard server state.
+pub struct RootServer {
+    shard: ShardPlan,
+    is_root: bool,
+    /// Rank of the root (shard 0).
+    root: usize,
+    children: Vec<usize>,
+    sync: bool,
+    model: Model,
+    admission: Admission,
+    averaging: bool,
+    total_rounds: u64,
+    base_lr: f64,
+    timeout: Duration,
+    active: BTreeSet<usize>,
+    /// Sync: the children yet to push in this round.
+    pending: BTreeSet<usize>,
+    acc: Accumulator,
+    lost: Vec<usize>,
+    rounds: u64,
+    updates: u64,
+    max_staleness: u64,
+    staleness_sum: u64,
+    round_started: Instant,
+    wait: Duration,
+    stop_reason: Option<String>,
+    /// A shard server asked by the root for its shard at a version it has not reached.
+    gather_wait: Option<u64>,
+    /// A shard server that lost children expects the root's stop before this instant (the
+    /// root is stopping everyone); `(lost child, deadline)`.
+    awaiting_stop: Option<(usize, Instant)>,
+    first_update: Option<Instant>,
+    /// The root's channel to the other shard servers (gathering for evaluation).
+    shard_inbox: Option<Inbox>,
+    /// This server's channel to its children (and a shard server's to the root).
+    inbox: Inbox,
+    /// The root's answer to a round's pushes, sent when the run goes on: the children.
+    held_reply: Option<Vec<usize>>,
+    /// A round finished in the last event: its mean loss and samples.
+    round_done: Option<(f32, u64)>,
+    /// The root gathered the shards and stopped everyone.
+    finished: Option<RootOutcome>,
+}
+
+impl RootServer {
+    /// A server of `children` holding the shard `shard` of the engine's parameters.
+    pub fn new(
+        cx: &mut PsContext<'_>,
+        children: &[usize],
+        sync: bool,
+        shard: ShardPlan,
+    ) -> Result<Self> {
+        let is_root = shard.index == 0;
+        let model = Model::new(cx, shard.range())?;
+        let n = model.len();
+        let active: BTreeSet<usize> = children.iter().copied().collect();
+        let shard_inbox = (is_root && shard.servers.len() > 1)
+            .then(|| Inbox::listen(cx.comm, &shard.servers[1..]));
+        let admission = if sync {
+            Admission::Sync
+        } else {
+            Admission::Async {
+                max_staleness: cx.config.topology.max_staleness,
+            }
+        };
+        cx.log(&format!(
+            "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
+            if is_root {
+                "root server"
+            } else {
+                "shard server"
+            },
+            if sync { "sync" } else { "async" },
+            shard.range(),
+            cx.engine.num_params(),
+            list(&active),
+            cx.rounds
+        ))?;
+        let mut peers = children.to_vec();
+        if !is_root {
+            peers.push(shard.servers[0]);
+        }
+        let inbox = Inbox::listen(cx.comm, &peers);
+        Ok(Self {
+            inbox,
+            held_reply: None,
+            round_done: None,
+            finished: None,
+            root: shard.servers[0],
+            is_root,
+            children: children.to_vec(),
+            sync,
+            model,
+            admission,
+            averaging: cx.config.topology.local_steps > 1,
+            total_rounds: cx.rounds,
+            base_lr: cx.config.base_lr(),
+            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            pending: active.clone(),
+            active,
+            acc: Accumulator::new(n, sync),
+            lost: Vec::new(),
+            rounds: 0,
+            updates: 0,
+            max_staleness: 0,
+            staleness_sum: 0,
+            round_started: Instant::now(),
+            wait: Duration::ZERO,
+            stop_reason: None,
+            gather_wait: None,
+            awaiting_stop: None,
+            first_update: None,
+            shard_inbox,
+            shard,
+        })
+    }
+
+    /// The parameter version this server holds.
+    pub fn version(&self) -> u64 {
+        self.model.version()
+    }
+
+    /// Children still taking part.
+    pub fn active(&self) -> &BTreeSet<usize> {
+        &self.active
+    }
+
+    /// Updates applied so far.
+    pub fn updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// A message from the root to a shard server: stop, or send the shard.
+    fn on_root_message(&mut self, cx: &mut PsContext<'_>, msg: PsMessage) -> Result<()> {
+        match msg {
+            PsMessage::Stop { reason } => self.stop_reason = Some(reason),
+            PsMessage::Gather { version } if self.model.version() >= version => {
+                send_bytes(cx.comm, self.root, &self.model.encoded())?;
+            }
+            PsMessage::Gather { version } => self.gather_wait = Some(version),
+            other => {
+                return Err(TrainError::Protocol {
+                    peer: self.root,
+                    message: format!(
+                        "a shard server expects stop or gather from the root, got {}",
+                        other.name()
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// A child's push: admitted into the round (or refused, changing nothing); a complete
+    /// round or an async push becomes an update.
+    pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
+        let check = PushCheck {
+            admission: self.admission,
+            current: self.model.version(),
+            len: self.model.len(),
+            averaging: self.averaging,
+            sync_pending: self.sync.then_some(&self.pending),
+        };
+        let Some(staleness) = check.take(cx, &mut self.acc, child, msg)? else {
+            return Ok(());
+        };
+        if self.sync {
+            self.pending.remove(&child);
+            if !self.pending.is_empty() {
+                return Ok(());
+            }
+        }
+        let Some(mean) = self.acc.take() else {
+            return Ok(());
+        };
+        self.update(cx, &mean, staleness)?;
+        let targets: Vec<usize> = if self.sync {
+            self.pending = self.active.clone();
+            self.active.iter().copied().collect()
+        } else {
+            vec![child]
+        };
+        if self.is_root && self.round_done.is_some() {
+            // The run loop decides first whether there is another round.
+            self.held_reply = Some(targets);
+            return Ok(());
+        }
+        self.reply(cx, &targets)
+    }
+
+    fn reply(&self, cx: &mut PsContext<'_>, targets: &[usize]) -> Result<()> {
+        let msg = self.model.encoded();
+        for &c in targets {
+            send_bytes(cx.comm, c, &msg)?;
+        }
+        Ok(())
+    }
+
+    /// Sends the reply held back at the end of a round (the run goes on).
+    pub fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        match self.held_reply.take() {
+            Some(targets) => self.reply(cx, &targets),
+            None => Ok(()),
+        }
+    }
+
+    /// Applies one mean push and does the round's bookkeeping (log, evaluation, stopping).
+    fn update(&mut self, cx: &mut PsContext<'_>, mean: &Mean, staleness: u64) -> Result<()> {
+        let lr_round = if self.sync {
+            self.updates
+        } else {
+            self.updates / self.children.len() as u64
+        };
+        let schedule = &cx.config.schedule;
+        let mut lr = schedule.lr_schedule.lr_at(
+            self.base_lr,
+            lr_round,
+            self.total_rounds,
+            schedule.warmup_steps,
+        );
+        if cx.config.topology.staleness_lr {
+            lr /= 1.0 + staleness as f64;
+        }
+        let t = Instant::now();
+        self.first_update.get_or_insert(t);
+        self.model.apply(cx, mean, lr, self.averaging)?;
+        let apply_s = t.elapsed();
+        self.updates += 1;
+        self.max_staleness = self.max_staleness.max(staleness);
+        self.staleness_sum += staleness;
+        if self.gather_wait.is_some_and(|v| self.model.version() >= v) {
+            self.gather_wait = None;
+            send_bytes(cx.comm, self.root, &self.model.encoded())?;
+        }
+        let round_done = self.sync || self.updates.is_multiple_of(self.children.len() as u64);
+        if round_done {
+            self.end_round(cx, mean, apply_s)?;
+        }
+        Ok(())
+    }
+
+    fn end_round(&mut self, cx: &mut PsContext<'_>, mean: &Mean, apply_s: Duration) -> Result<()> {
+        self.rounds += 1;
+        cx.log_quiet(&format!(
+            "round {} v{} loss={:.4} pushes={} wait={:.1}ms apply={:.1}ms round={:.1}ms",
+            self.rounds,
+            self.model.version(),
+            mean.loss,
+            mean.pushes,
+            self.wait.as_secs_f64() * 1e3,
+            apply_s.as_secs_f64() * 1e3,
+            self.round_started.elapsed().as_secs_f64() * 1e3
+        ))?;
+        self.wait = Duration::ZERO;
+        self.round_started = Instant::now();
+        self.round_done = Some((mean.loss, mean.samples));
+        Ok(())
+    }
+
+    /// Makes the engine hold the whole model at this round (gathers the other shards).
+    fn gather_all(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        if self.finished.is_some() {
+            return Ok(());
+        }
+        let v = if self.sync { self.model.version() } else { 0 };
+        gather(
+            cx,
+            &self.shard,
+            self.shard_inbox.as_ref(),
+            &mut self.model,
+            v,
+        )
+    }
+
+    /// Stops every child (and, from the root, every shard server) and says how it went.
+    pub fn finish(&mut self, cx: &mut PsContext<'_>) -> Result<RootOutcome> {
+        if let Some(done) = &self.finished {
+            return Ok(done.clone());
+        }
+        self.held_reply = None;
+        let reason = self.stop_reason.clone().unwrap_or_default();
+        let stop = PsMessage::Stop {
+            reason: reason.clone(),
+        };
+        if self.is_root {
+            // The other shards, for the checkpoint, while their servers still run; then
+            // everyone is told to stop, the shard servers first.
+            let v = if self.sync { self.model.version() } else { 0 };
+            gather(
+                cx,
+                &self.shard,
+                self.shard_inbox.as_ref(),
+                &mut self.model,
+                v,
+            )?;
+            for &rank in &self.shard.servers[1..] {
+                let _ = send(cx.comm, rank, &stop);
+            }
+        }
+        for &c in &self.active {
+            // A child that already left cannot be told; that is not an error at the end.
+            let _ = send(cx.comm, c, &stop);
+        }
+        cx.log(&format!("stopping: {reason}"))?;
+        let updates = self.updates;
+        let outcome = RootOutcome {
+            rounds: self.rounds,
+            updates,
+            reason,
+            lost: self.lost.clone(),
+            max_staleness: self.max_staleness,
+            mean_staleness: if updates > 0 {
+                self.staleness_sum as f64 / updates as f64
+            } else {
+                0.0
+            },
+            busy_s: self.first_update.map_or(0.0, |t| t.elapsed().as_secs_f64()),
+        };
+        self.finished = Some(outcome.clone());
+        Ok(outcome)
+    }
+
+    /// A shard server whose children leave is being stopped by the root: wait for that.
+    fn expect_stop(&mut self, child: usize) {
+        self.awaiting_stop
+            .get_or_insert((child, Instant::now() + self.timeout));
+    }
+}
+
+impl ServerMachine for RootServer {
+    fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        RootServer::flush(self, cx)
+    }
+
+    fn peers(&self) -> Vec<usize> {
+        let mut peers = self.children.clone();
+        if !self.is_root {
+            peers.push(self.root);
+        }
+        peers
+    }
+
+    fn on_message(&mut self, cx: &mut PsContext<'_>, from: usize, msg: PsMessage) -> Result<()> {
+        if from == self.root && !self.is_root {
+            return self.on_root_message(cx, msg);
+        }
+        if let Some((child, by)) = self.awaiting_stop
+            && Instant::now() >= by
+        {
+            return Err(lost_child(child, self.rounds));
+        }
+        match msg {
+            PsMessage::Pull => send_bytes(cx.comm, from, &self.model.encoded()),
+            msg @ PsMessage::Push { .. } => self.on_push(cx, from, msg),
+            other => Err(TrainError::Protocol {
+                peer: from,
+                message: format!("a server expects pull or push, got {}", other.name()),
+            }),
+        }
+    }
+
+    fn on_malformed(&mut self, cx: &mut PsContext<'_>, from: usize, e: TrainError) -> Result<()> {
+        if from == self.root && !self.is_root {
+            return Err(TrainError::Peer {
+                peer: from,
+                message: e.to_string(),
+            });
+        }
+        reject(cx, from, &e.to_string())
+    }
+
+    fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
+        if peer == self.root && !self.is_root {
+            return Err(TrainError::Peer {
+                peer,
+                message: format!("root server rank {peer} lost: {e}"),
+            });
+        }
+        if !self.active.contains(&peer) {
+            return Ok(());
+        }
+        if self.sync {
+            // A shard server may see a worker leave because the root has just told everyone
+            // to stop: that stop must then arrive soon.
+            if !self.is_root {
+                self.expect_stop(peer);
+                return Ok(());
+            }
+            return Err(TrainError::Peer {
+                peer,
+                message: format!("rank {peer} lost during sync round {}: {e}", self.rounds),
+            });
+        }
+        self.active.remove(&peer);
+        self.pending.remove(&peer);
+        self.lost.push(peer);
+        cx.log(&format!(
+            "rank {peer} lost ({e}); async training continues with {} of {} children",
+            self.active.len(),
+            self.children.len()
+        ))?;
+        if self.active.is_empty() {
+            if !self.is_root {
+                self.expect_stop(peer);
+                return Ok(());
+            }
+            return Err(TrainError::Peer {
+                peer,
+                message: "every child of this server is lost".into(),
+            });
+        }
+        Ok(())
+    }
+
+    fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
+        if let Some((child, _)) = self.awaiting_stop {
+            return Err(lost_child(child, self.rounds));
+        }
+        let silent = if self.sync {
+            &self.pending
+        } else {
+            &self.active
+        };
+        Err(TrainError::Peer {
+            peer: silent.first().copied().unwrap_or(0),
+            message: format!(
+                "{} server at round {}: no message from rank(s) {} within {waited:?}",
+                if self.sync { "sync" } else { "async" },
+                self.rounds,
+                list(silent),
+            ),
+        })
+    }
+
+    fn note_wait(&mut self, waited: Duration) {
+        self.wait += waited;
+    }
+
+    fn done(&self) -> bool {
+        self.stop_reason.is_some()
+    }
+}
+
+fn lost_child(child: usize, rounds: u64) -> TrainError {
+    TrainError::Peer {
+        peer: child,
+        message: format!(
+            "rank {child} lost at round {rounds} and the root did not stop the run in time"
+        ),
+    }
+}
+
+impl Role for RootServer {
+    fn name(&self) -> &'static str {
+        if self.is_root { "root" } else { "shard-server" }
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        if self.is_root {
+            Evaluation::Local
+        } else {
+            Evaluation::None
+        }
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.is_root
+    }
+
+    fn stops_itself(&self) -> bool {
+        self.is_root
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+        self.flush(cx)?;
+        let inbox = self.inbox.clone();
+        let timeout = self.timeout;
+        serve_one(self, cx, &inbox, timeout)?;
+        if let Some(reason) = &self.stop_reason
+            && !self.is_root
+        {
+            // A shard server told to stop by the root.
+            let reason = reason.clone();
+            self.finish(cx)?;
+            return Ok(Step {
+                done: Some(reason),
+                ..Step::default()
+            });
+        }
+        Ok(match self.round_done.take() {
+            Some((loss, samples)) => Step {
+                progressed: true,
+                loss: Some(loss),
+                samples,
+                done: None,
+            },
+            None => Step::default(),
+        })
+    }
+
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.gather_all(cx)
+    }
+
+    fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
+        self.stop_reason = Some(reason.to_string());
+        self.finish(cx).map(|_| ())
+    }
+
+    fn report(&self, cx: &Cx<'_>) -> Option<String> {
+        let o = self.finished.as_ref()?;
+        if !self.is_root {
+            return None;
+        }
+        let received = cx.comm.stats().bytes_received;
+        Some(format!(
+            "root: {} updates in {} rounds ({}), staleness max {} mean {:.2}, lost children [{}], received {:.0} bytes/round, {:.1} updates/s",
+            o.updates,
+            o.rounds,
+            o.reason,
+            o.max_staleness,
+            o.mean_staleness,
+            o.lost
+                .iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            received as f64 / o.rounds.max(1) as f64,
+            o.updates.saturating_sub(1) as f64 / o.busy_s.max(1e-9)
+        ))
+    }
+}

@@ -1,0 +1,144 @@
+//! The one interface every way of training implements: a [`Role`] is what one rank does in
+//! a job (a sync all-reduce peer, a parameter-server worker, root, shard or local server;
+//! the pipeline stages and asynchronous all-reduce peers of later issues). The run loop
+//! ([`crate::runloop`]) drives any role the same way and does data, schedule, evaluation,
+//! checkpoints and progress reports once, for all of them.
+
+use std::sync::Arc;
+
+use flotilla_comm::ProcessGroup;
+use flotilla_data::ImageDataset;
+use flotilla_engine::{Engine, EvalStats};
+
+use crate::batches::Batches;
+use crate::config::TrainConfig;
+use crate::error::Result;
+use crate::fault::Fault;
+use crate::observe::Observer;
+use crate::runlog::RunLog;
+
+/// Who evaluates a role's model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Evaluation {
+    /// Every rank of the role's group evaluates its share of the test set and the sums are
+    /// all-reduced (sync data-parallel peers: all hold the same model).
+    Collective,
+    /// This rank alone evaluates the whole test set (the root of a parameter server).
+    Local,
+    /// The role holds no model of its own to evaluate (workers, local and shard servers).
+    None,
+}
+
+/// What one call of [`Role::step`] did.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Step {
+    /// A unit of progress was completed (an optimizer step, a pushed round, a server
+    /// round); `false` for server events that completed nothing (a pull answered).
+    pub progressed: bool,
+    /// The training loss of that unit, when the role knows it (global mean for peers).
+    pub loss: Option<f32>,
+    /// Samples trained on in that unit, over all ranks.
+    pub samples: u64,
+    /// The role has stopped (told to by its server); the reason.
+    pub done: Option<String>,
+}
+
+/// What a rank's role is given: the group, the config, the engine, the data sets, the log.
+pub struct Cx<'a> {
+    /// The process group (collectives and tagged point-to-point messages).
+    pub comm: &'a Arc<dyn ProcessGroup>,
+    /// The run configuration.
+    pub config: &'a TrainConfig,
+    /// This process's engine.
+    pub engine: &'a mut dyn Engine,
+    /// The training set.
+    pub train: &'a ImageDataset,
+    /// The test set.
+    pub test: &'a ImageDataset,
+    /// This process's rank.
+    pub rank: usize,
+    /// Workers of a parameter-server topology (for data sharding), else the world size.
+    pub num_workers: usize,
+    /// Units of progress the run will take (steps, or server rounds).
+    pub rounds: u64,
+    /// Parameter servers: evaluate every this many rounds (0: only at the end).
+    pub eval_every: u64,
+    /// This rank's log.
+    pub log: &'a mut RunLog,
+    /// The front end.
+    pub observer: &'a mut dyn Observer,
+    /// A fault to inject (tests).
+    pub fault: Option<Fault>,
+    /// The newest evaluation.
+    pub last_eval: Option<EvalStats>,
+}
+
+impl Cx<'_> {
+    /// Writes a line to the run log and the front end.
+    pub fn log(&mut self, line: &str) -> Result<()> {
+        self.observer.message(line);
+        self.log.line(line)
+    }
+
+    /// Writes a line to the run log only (per-round timings).
+    pub fn log_quiet(&mut self, line: &str) -> Result<()> {
+        self.log.line(line)
+    }
+
+    /// The learning rate at `step` (0-based) of the run's schedule.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        let s = &self.config.schedule;
+        s.lr_schedule
+            .lr_at(self.config.base_lr(), step, self.rounds, s.warmup_steps)
+    }
+}
+
+/// One rank's part in a training job.
+pub trait Role {
+    /// `peer`, `worker`, `root`, `shard-server` or `local-server`.
+    fn name(&self) -> &'static str;
+
+    /// Who evaluates this role's model.
+    fn evaluation(&self) -> Evaluation;
+
+    /// Whether this rank writes the job's checkpoints.
+    fn writes_checkpoints(&self) -> bool {
+        false
+    }
+
+    /// Whether the run loop stops this role after the planned units of progress (peers, the
+    /// root); other roles run until their server stops them.
+    fn stops_itself(&self) -> bool {
+        false
+    }
+
+    /// Agrees on the initial state with the other ranks (broadcast, first pull).
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let _ = cx;
+        Ok(())
+    }
+
+    /// One unit of work; `done` units of progress were completed before. Roles that train
+    /// take their batches from `data`.
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step>;
+
+    /// Makes the engine hold the whole current model, for evaluation or a checkpoint (the
+    /// root gathers the other shards).
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let _ = cx;
+        Ok(())
+    }
+
+    /// The run loop ends the run (planned progress done, or target accuracy reached):
+    /// servers tell everyone below them.
+    fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
+        let _ = (cx, reason);
+        Ok(())
+    }
+
+    /// A last line for the log about how the role's run went, if it has one.
+    fn report(&self, cx: &Cx<'_>) -> Option<String> {
+        let _ = cx;
+        None
+    }
+}

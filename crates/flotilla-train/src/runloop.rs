@@ -1,0 +1,346 @@
+//! The one run loop: drives any [`Role`] step by step and does, once for all of them, what
+//! is not the role's business — counting progress against the plan, epochs and their
+//! report lines, evaluation when due (collective or local), the target accuracy, periodic
+//! and final checkpoints, progress for the front end, injected faults, the cross-rank
+//! identity check and the summary.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use flotilla_engine::EvalStats;
+
+use crate::batches::{Batches, Position};
+use crate::checkpoint::{self, CheckpointState};
+use crate::error::{Result, TrainError};
+use crate::observe::StepEvent;
+use crate::role::{Cx, Evaluation, Role, Step};
+use crate::runlog::{EpochMetrics, append_metrics};
+
+/// How the run's progress is reported and evaluated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cadence {
+    /// In epochs of the role's data: a line per epoch, evaluation every `every` epochs and
+    /// at the end (data-parallel peers).
+    Epochs {
+        /// Evaluate every this many epochs (0: only at the end).
+        every: u32,
+    },
+    /// In rounds: evaluation every `every` rounds (parameter-server root).
+    Rounds {
+        /// Evaluate every this many rounds (0: only at the end).
+        every: u64,
+    },
+}
+
+/// What the loop needs to know besides the role.
+pub struct Plan {
+    /// Units of progress to take (steps or rounds), for roles that stop themselves.
+    pub total: u64,
+    /// Reporting and evaluation cadence.
+    pub cadence: Cadence,
+    /// Progress already made before this run (a resumed run's step).
+    pub resumed_at: u64,
+    /// The model's name and the cluster hash (for checkpoints).
+    pub model: String,
+    /// The cluster config hash.
+    pub config_hash: u64,
+    /// When the process started (for wall times).
+    pub started: Instant,
+}
+
+/// How the loop ended on this rank.
+#[derive(Debug, Clone)]
+pub struct Finished {
+    /// Units of progress in total (including those before a resume).
+    pub progress: u64,
+    /// The final evaluation, if this role evaluates.
+    pub eval: Option<EvalStats>,
+    /// Mean training loss of the last epoch (peers) or the last unit (others).
+    pub train_loss: f64,
+    /// Training samples per second over the run (all ranks).
+    pub samples_per_s: f64,
+    /// The final checkpoint, if this rank writes them.
+    pub checkpoint: Option<PathBuf>,
+    /// XXH3 of the final parameters, checked identical on every rank (collective roles).
+    pub param_hash: Option<u64>,
+}
+
+struct Epoch {
+    started: Instant,
+    loss_sum: f64,
+    steps: u64,
+}
+
+impl Epoch {
+    fn new() -> Self {
+        Self {
+            started: Instant::now(),
+            loss_sum: 0.0,
+            steps: 0,
+        }
+    }
+}
+
+/// The loop's state for one run.
+struct Loop<'r, 'd, 'c> {
+    role: &'r mut dyn Role,
+    data: Batches<'d>,
+    plan: &'r Plan,
+    cx: &'r mut Cx<'c>,
+    progress: u64,
+    epoch: Epoch,
+    epochs: u32,
+    train_loss: f64,
+    samples: u64,
+    last_eval: Option<EvalStats>,
+    stopped: Option<String>,
+}
+
+/// Runs `role` to the end of the plan (or until its server stops it).
+pub fn run(
+    role: &mut dyn Role,
+    data: Batches<'_>,
+    plan: &Plan,
+    cx: &mut Cx<'_>,
+) -> Result<Finished> {
+    let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;
+    let mut l = Loop {
+        role,
+        data,
+        plan,
+        cx,
+        progress: plan.resumed_at,
+        epoch: Epoch::new(),
+        epochs,
+        train_loss: f64::NAN,
+        samples: 0,
+        last_eval: None,
+        stopped: None,
+    };
+    let train_started = Instant::now();
+    l.role.start(l.cx)?;
+    while l.stopped.is_none() {
+        if l.role.stops_itself() && l.progress >= l.plan.total {
+            let reason = format!("{} rounds done", l.progress);
+            l.stop(reason)?;
+            break;
+        }
+        let step = l.role.step(l.cx, &mut l.data, l.progress)?;
+        l.after_step(step)?;
+    }
+    l.finish(train_started.elapsed().as_secs_f64())
+}
+
+impl Loop<'_, '_, '_> {
+    fn stop(&mut self, reason: String) -> Result<()> {
+        self.role.stop(self.cx, &reason)?;
+        self.stopped = Some(reason);
+        Ok(())
+    }
+
+    fn after_step(&mut self, step: Step) -> Result<()> {
+        if let Some(reason) = step.done {
+            self.stopped = Some(reason);
+            return Ok(());
+        }
+        if !step.progressed {
+            return Ok(());
+        }
+        self.progress += 1;
+        let at = self.progress;
+        if let Some(f) = &self.cx.fault {
+            f.at(at);
+        }
+        let loss = step.loss.unwrap_or(f32::NAN);
+        if step.loss.is_some_and(|l| !l.is_finite()) {
+            return Err(TrainError::NonFiniteLoss { step: at, loss });
+        }
+        self.samples += step.samples;
+        self.epoch.loss_sum += f64::from(loss);
+        self.epoch.steps += 1;
+        self.train_loss = f64::from(loss);
+        self.observe(loss);
+        self.periodic_checkpoint()?;
+        match self.plan.cadence {
+            Cadence::Epochs { every } => {
+                let last = at >= self.plan.total;
+                if self.data.epoch_done() || last {
+                    self.end_epoch(every, last)?;
+                }
+            }
+            Cadence::Rounds { every } => {
+                let evaluates = self.role.evaluation() != Evaluation::None;
+                if evaluates && every > 0 && at.is_multiple_of(every) && at < self.plan.total {
+                    self.evaluate_rounds(at)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn observe(&mut self, loss: f32) {
+        let p = self.data.position();
+        let (epoch, step_in_epoch, steps_per_epoch, epochs) = match self.plan.cadence {
+            // The source moves to the next epoch only when the next batch is drawn.
+            Cadence::Epochs { .. } => (
+                p.epoch,
+                p.step_in_epoch,
+                self.data.steps_per_epoch(),
+                self.epochs,
+            ),
+            Cadence::Rounds { .. } => (0, self.progress, self.plan.total, 1),
+        };
+        self.cx.observer.step(&StepEvent {
+            epoch,
+            epochs,
+            step_in_epoch,
+            steps_per_epoch,
+            step: self.progress,
+            total_steps: self.plan.total,
+            loss,
+        });
+    }
+
+    fn position(&self) -> Position {
+        self.data.position()
+    }
+
+    fn checkpoint(&mut self) -> Result<PathBuf> {
+        self.role.prepare_model(self.cx)?;
+        let p = self.position();
+        let state = CheckpointState {
+            step: self.progress,
+            epoch: p.epoch,
+            step_in_epoch: p.step_in_epoch,
+            config_hash: self.plan.config_hash,
+            model: self.plan.model.clone(),
+            num_params: self.cx.engine.num_params(),
+            test_acc: self.last_eval.map(|e| e.accuracy()),
+        };
+        let dir = checkpoint::save(&self.cx.config.telemetry.output, &*self.cx.engine, &state)?;
+        self.cx
+            .log_quiet(&format!("checkpoint {}", dir.display()))?;
+        Ok(dir)
+    }
+
+    fn periodic_checkpoint(&mut self) -> Result<()> {
+        let every = self.cx.config.schedule.checkpoint_every;
+        if every > 0 && self.progress.is_multiple_of(every) && self.role.writes_checkpoints() {
+            self.checkpoint()?;
+        }
+        Ok(())
+    }
+
+    fn evaluate(&mut self) -> Result<EvalStats> {
+        let stats = match self.role.evaluation() {
+            Evaluation::Collective => {
+                crate::eval::distributed(&*self.cx.engine, &**self.cx.comm, self.cx.test)?
+            }
+            // Only evaluating roles get here (see `after_step` and `finish`).
+            Evaluation::Local | Evaluation::None => {
+                self.role.prepare_model(self.cx)?;
+                crate::eval::full(&*self.cx.engine, self.cx.test)?
+            }
+        };
+        self.last_eval = Some(stats);
+        self.cx.last_eval = Some(stats);
+        Ok(stats)
+    }
+
+    /// A parameter-server root's evaluation every so many rounds, and its target.
+    fn evaluate_rounds(&mut self, round: u64) -> Result<()> {
+        let stats = self.evaluate()?;
+        self.cx.log(&format!(
+            "eval round {round} test_loss={:.4} test_acc={:.4}",
+            stats.loss(),
+            stats.accuracy()
+        ))?;
+        if let Some(target) = self.cx.config.schedule.target_accuracy
+            && stats.accuracy() >= target
+        {
+            let reason = format!(
+                "test accuracy {:.4} reached target {target}",
+                stats.accuracy()
+            );
+            self.stop(reason)?;
+        }
+        Ok(())
+    }
+
+    /// The line (and metrics record) of a finished epoch, with its evaluation when due.
+    fn end_epoch(&mut self, every: u32, last: bool) -> Result<()> {
+        let epoch_no = self.position().epoch + 1;
+        let epoch_s = self.epoch.started.elapsed().as_secs_f64();
+        let steps = self.epoch.steps;
+        self.train_loss = if steps > 0 {
+            self.epoch.loss_sum / steps as f64
+        } else {
+            f64::NAN
+        };
+        let evaluates = self.role.evaluation() != Evaluation::None;
+        let eval_now = evaluates && (last || (every > 0 && epoch_no.is_multiple_of(every)));
+        let eval = if eval_now {
+            Some(self.evaluate()?)
+        } else {
+            None
+        };
+        let global_batch = self.data.batch_size() * self.cx.num_workers;
+        let samples_per_s = (steps as f64 * global_batch as f64) / epoch_s.max(1e-9);
+        let metrics = EpochMetrics {
+            epoch: epoch_no,
+            step: self.progress,
+            train_loss: self.train_loss,
+            test_loss: eval.map(|e| e.loss()),
+            test_acc: eval.map(|e| e.accuracy()),
+            samples_per_s,
+            epoch_s,
+            wall_s: self.plan.started.elapsed().as_secs_f64(),
+        };
+        let test_part = match eval {
+            Some(e) => format!(" test_loss={:.4} test_acc={:.4}", e.loss(), e.accuracy()),
+            None => String::new(),
+        };
+        self.cx.log(&format!(
+            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0} time={epoch_s:.1}s",
+            self.epochs, self.progress, self.train_loss
+        ))?;
+        if self.role.writes_checkpoints() {
+            append_metrics(&self.cx.config.telemetry.output, &metrics)?;
+        }
+        self.epoch = Epoch::new();
+        Ok(())
+    }
+
+    fn finish(mut self, train_s: f64) -> Result<Finished> {
+        let eval = match (self.role.evaluation(), self.last_eval) {
+            (Evaluation::None, _) => None,
+            (Evaluation::Collective, Some(e)) => Some(e),
+            _ => Some(self.evaluate()?),
+        };
+        let param_hash = if self.role.evaluation() == Evaluation::Collective {
+            Some(crate::eval::verify_identical(
+                &*self.cx.engine,
+                &**self.cx.comm,
+            )?)
+        } else {
+            None
+        };
+        if let Some(line) = self.role.report(self.cx) {
+            self.cx.log(&line)?;
+        }
+        let checkpoint = if self.role.writes_checkpoints() {
+            let dir = self.checkpoint()?;
+            Some(dir)
+        } else {
+            None
+        };
+        Ok(Finished {
+            progress: self.progress,
+            eval,
+            train_loss: self.train_loss,
+            samples_per_s: self.samples as f64 / train_s.max(1e-9),
+            checkpoint,
+            param_hash,
+        })
+    }
+}
