@@ -2,145 +2,12 @@
 //!
 //! Every child runs with a deadline and is killed when the test ends (see [`Proc`]).
 
-use std::collections::BTreeMap;
-use std::io::Read;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+mod common;
+
+use common::*;
+
+use std::process::Command;
 use std::time::{Duration, Instant};
-
-const BIN: &str = env!("CARGO_BIN_EXE_flotilla");
-
-fn repo() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../..")
-}
-
-fn flotilla() -> Command {
-    let mut c = Command::new(BIN);
-    c.current_dir(repo())
-        .env("RAYON_NUM_THREADS", "1")
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .env_remove("MASTER_ADDR")
-        .env_remove("MASTER_PORT")
-        .env_remove("FLOTILLA_FAULT");
-    c
-}
-
-/// A child process that is killed if still running when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Runs a command to completion within `limit`, killing it past that.
-fn run_with_deadline(mut cmd: Command, limit: Duration) -> Output {
-    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-    let mut child = Proc(cmd.spawn().expect("spawn flotilla"));
-    let mut out = child.0.stdout.take().expect("stdout");
-    let mut err = child.0.stderr.take().expect("stderr");
-    let t_out = std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = out.read_to_end(&mut s);
-        s
-    });
-    let t_err = std::thread::spawn(move || {
-        let mut s = Vec::new();
-        let _ = err.read_to_end(&mut s);
-        s
-    });
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.0.try_wait().expect("try_wait") {
-            break status;
-        }
-        if started.elapsed() > limit {
-            let _ = child.0.kill();
-            let _ = child.0.wait();
-            panic!("command did not finish within {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    Output {
-        status,
-        stdout: t_out.join().unwrap_or_default(),
-        stderr: t_err.join().unwrap_or_default(),
-    }
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "--- stdout ---\n{}\n--- stderr ---\n{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
-}
-
-/// Runs `flotilla launch` and returns its output, asserting success.
-fn launch(args: &[&str], limit: Duration) -> Output {
-    let mut c = flotilla();
-    c.arg("launch").args(args);
-    let o = run_with_deadline(c, limit);
-    assert!(o.status.success(), "launch {args:?} failed\n{}", text(&o));
-    o
-}
-
-/// Parses `final test_acc=... loss=... steps=... wall_s=...` from the last stdout line.
-fn final_fields(o: &Output) -> BTreeMap<String, f64> {
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let last = stdout.lines().last().unwrap_or_default();
-    assert!(
-        last.starts_with("final "),
-        "last line is not the final line: {last:?}\n{}",
-        text(o)
-    );
-    last["final ".len()..]
-        .split_whitespace()
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.parse().expect("number")))
-        .collect()
-}
-
-/// Reads every tensor of the newest checkpoint under `output`.
-fn checkpoint_tensors(output: &Path) -> BTreeMap<String, Vec<f32>> {
-    let root = output.join("checkpoints");
-    let name = std::fs::read_to_string(root.join("latest")).expect("latest");
-    let bytes = std::fs::read(root.join(name.trim()).join("model.safetensors")).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    st.tensors()
-        .into_iter()
-        .map(|(name, view)| {
-            assert_eq!(view.dtype(), safetensors::Dtype::F32);
-            let v = view
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect();
-            (name, v)
-        })
-        .collect()
-}
-
-fn relative_error(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    let (mut diff, mut norm) = (0.0f64, 0.0f64);
-    for (k, va) in a {
-        let vb = &b[k];
-        assert_eq!(va.len(), vb.len(), "{k}");
-        for (x, y) in va.iter().zip(vb) {
-            diff += ((x - y) as f64).powi(2);
-            norm += (*y as f64).powi(2);
-        }
-    }
-    (diff / norm).sqrt()
-}
-
-fn tmp() -> tempfile::TempDir {
-    tempfile::tempdir().expect("tempdir")
-}
 
 #[test]
 fn sync_training_on_n_ranks_equals_one_rank_with_the_global_batch() {
@@ -506,16 +373,6 @@ fn mlp_reaches_97_5_percent() {
 }
 
 /// Writes a config file into `dir` and returns its path as a string.
-fn config_file(dir: &Path, name: &str, text: &str) -> String {
-    let path = dir.join(name);
-    std::fs::write(&path, text).expect("write config");
-    path.to_str().expect("utf8").to_string()
-}
-
-fn run_log(output: &Path, rank: usize) -> String {
-    std::fs::read_to_string(output.join(format!("rank-{rank}/run.log"))).expect("run.log")
-}
-
 #[test]
 fn flat_sync_parameter_server_equals_sync_allreduce() {
     let dir = tmp();
