@@ -27,6 +27,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::{Handle, Runtime};
+use tracing::Instrument;
 
 use crate::collectives;
 use crate::config::CommConfig;
@@ -327,19 +328,15 @@ impl ProcessGroup for Communicator {
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
-        self.run_scoped(all_reduce_ordered(g, ticket, buf))
+        self.run_scoped(all_reduce_ordered(g, ticket, buf, None))
     }
 
     fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce {
-        let ticket = self.g.ticket();
-        let g = self.g.clone();
-        let (tx, pending) = Pending::channel(ticket);
-        self.g.world.handle.spawn(async move {
-            let mut buf = buf;
-            let r = all_reduce_ordered(&g, ticket, &mut buf).await;
-            let _ = tx.send(r.map(|()| buf));
-        });
-        pending
+        self.start_all_reduce(buf, None)
+    }
+
+    fn all_reduce_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        self.start_all_reduce(buf, Some(bucket))
     }
 
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
@@ -491,6 +488,19 @@ impl ProcessGroup for Communicator {
 }
 
 impl Communicator {
+    /// Starts an all-reduce on the runtime (of `bucket`, when the caller has buckets).
+    fn start_all_reduce(&self, buf: Vec<f32>, bucket: Option<usize>) -> PendingAllReduce {
+        let ticket = self.g.ticket();
+        let g = self.g.clone();
+        let (tx, pending) = Pending::channel(ticket);
+        self.g.world.handle.spawn(async move {
+            let mut buf = buf;
+            let r = all_reduce_ordered(&g, ticket, &mut buf, bucket).await;
+            let _ = tx.send(r.map(|()| buf));
+        });
+        pending
+    }
+
     /// Takes the sequence number of a blocking collective. Fails (without consuming a
     /// sequence number, which would stall every later collective) when blocking is not
     /// possible on this thread.
@@ -563,8 +573,29 @@ impl<T> Drop for ScopedTask<T> {
 }
 
 /// Runs all-reduce `ticket` of group `g` in its turn.
-async fn all_reduce_ordered(g: &GroupState, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
+async fn all_reduce_ordered(
+    g: &GroupState,
+    ticket: u64,
+    buf: &mut [f32],
+    bucket: Option<usize>,
+) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
-    let r = ring::all_reduce(&OpCtx::new(g, ticket, Op::AllReduce), buf).await;
+    // From the group's turn to the end: the time on the wire, not the wait for the turn.
+    let span = tracing::info_span!(
+        target: "flotilla::comm",
+        "all_reduce",
+        seq = ticket,
+        bucket = tracing::field::Empty,
+        bytes = std::mem::size_of_val(buf) as u64,
+        track = "comm"
+    );
+    if let Some(b) = bucket {
+        span.record("bucket", b as u64);
+    }
+    let started = std::time::Instant::now();
+    let r = ring::all_reduce(&OpCtx::new(g, ticket, Op::AllReduce), buf)
+        .instrument(span)
+        .await;
+    metrics::histogram!("flotilla_all_reduce_seconds").record(started.elapsed().as_secs_f64());
     g.finish(r).await
 }

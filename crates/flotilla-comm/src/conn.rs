@@ -104,6 +104,8 @@ impl Queues {
 pub(crate) struct Inbound {
     /// The peer's world rank.
     rank: usize,
+    /// `flotilla_bytes_received_total{peer}`.
+    received: metrics::Counter,
     queues: std::sync::Mutex<Queues>,
     lost: OnceLock<Lost>,
 }
@@ -112,6 +114,7 @@ impl Inbound {
     fn new(rank: usize) -> Arc<Self> {
         Arc::new(Self {
             rank,
+            received: metrics::counter!("flotilla_bytes_received_total", "peer" => rank.to_string()),
             queues: std::sync::Mutex::new(Queues::default()),
             lost: OnceLock::new(),
         })
@@ -123,9 +126,9 @@ impl Inbound {
 
     /// Routes one received frame to where it is waited for.
     fn dispatch(&self, ep: &Endpoint, header: FrameHeader, payload: PoolBuf) {
-        ep.stats
-            .bytes_received
-            .fetch_add((HEADER_LEN + header.len as usize) as u64, Ordering::Relaxed);
+        let bytes = (HEADER_LEN + header.len as usize) as u64;
+        ep.stats.bytes_received.fetch_add(bytes, Ordering::Relaxed);
+        self.received.increment(bytes);
         ep.stats.frames_received.fetch_add(1, Ordering::Relaxed);
         match header.channel {
             channel::CONTROL => {
@@ -227,6 +230,8 @@ enum Outbound {
 pub(crate) struct Conn {
     pub rank: usize,
     out: Outbound,
+    /// `flotilla_bytes_sent_total{peer}`.
+    sent: metrics::Counter,
     inbound: Arc<Inbound>,
     ep: Arc<Endpoint>,
     reader: Option<JoinHandle<()>>,
@@ -241,6 +246,11 @@ impl Drop for Conn {
             at_peer.close(peer, Lost::Io("connection closed by peer".into()));
         }
     }
+}
+
+/// The `flotilla_bytes_sent_total{peer}` counter of the connection to `rank`.
+fn sent_counter(rank: usize) -> metrics::Counter {
+    metrics::counter!("flotilla_bytes_sent_total", "peer" => rank.to_string())
 }
 
 impl Conn {
@@ -263,6 +273,7 @@ impl Conn {
         ));
         Conn {
             rank,
+            sent: sent_counter(rank),
             out: Outbound::Tcp {
                 writer: Mutex::new(Writer {
                     half: wr,
@@ -289,6 +300,7 @@ impl Conn {
                    peer: &Arc<Endpoint>,
                    at_peer: &Arc<Inbound>| Conn {
             rank,
+            sent: sent_counter(rank),
             out: Outbound::Memory {
                 peer: peer.clone(),
                 at_peer: at_peer.clone(),
@@ -369,9 +381,9 @@ impl Conn {
             }
         };
         let stats = &self.ep.stats;
-        stats
-            .bytes_sent
-            .fetch_add((HEADER_LEN + sent) as u64, Ordering::Relaxed);
+        let bytes = (HEADER_LEN + sent) as u64;
+        stats.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        self.sent.increment(bytes);
         stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

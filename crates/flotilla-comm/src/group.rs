@@ -180,6 +180,13 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Starts [`ProcessGroup::all_reduce_sum`] in the background and returns at once.
     fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce;
 
+    /// [`ProcessGroup::all_reduce_start`] of gradient bucket `bucket`: the same collective,
+    /// labelled with the bucket in the timeline.
+    fn all_reduce_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let _ = bucket;
+        self.all_reduce_start(buf)
+    }
+
     /// Reduces small integer buffers element-wise (counters, flags, bit sets), combining in
     /// rank order so every member gets the same result.
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError>;

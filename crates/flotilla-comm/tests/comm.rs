@@ -144,6 +144,54 @@ fn all_reduce_bf16_wire_and_lz4() {
 }
 
 #[test]
+fn bf16_wire_stays_within_its_rounding_bound_and_sends_half_the_bytes() {
+    // Values that bf16 cannot represent exactly: the result is not the f32 sum, but each
+    // element stays within bf16's rounding of every partial sum, and half the bytes move.
+    let n = 3;
+    let len = 50_000;
+    let x = |rank: usize, i: usize| (i as f32 * 0.0137 + rank as f32 * 0.71).sin() * 3.3;
+    let run = |format: WireFormat| {
+        all_ok(run_world(
+            n,
+            move |c| c.with_wire_format(format),
+            move |c| {
+                let mut buf: Vec<f32> = (0..len).map(|i| x(c.rank(), i)).collect();
+                c.all_reduce_sum(&mut buf)?;
+                Ok((buf, c.stats().bytes_sent))
+            },
+        ))
+    };
+    let (f32_run, bf16_run) = (run(WireFormat::F32), run(WireFormat::Bf16));
+    let mut inexact = 0;
+    for i in 0..len {
+        let exact: f64 = (0..n).map(|r| x(r, i) as f64).sum();
+        let magnitude: f64 = (0..n).map(|r| (x(r, i) as f64).abs()).sum();
+        let got = bf16_run[0].0[i] as f64;
+        // n roundings to bf16 (8 significant bits: unit roundoff 2^-8), each of a partial sum
+        // no larger than the sum of magnitudes.
+        let bound = n as f64 * magnitude * 2f64.powi(-8) + 1e-6;
+        assert!(
+            (got - exact).abs() <= bound,
+            "element {i}: bf16 sum {got} vs exact {exact}, bound {bound}"
+        );
+        if bf16_run[0].0[i] != f32_run[0].0[i] {
+            inexact += 1;
+        }
+    }
+    assert!(
+        inexact > len / 2,
+        "only {inexact} elements differ from the f32 sum"
+    );
+    for (rank, ((_, b16), (_, b32))) in bf16_run.iter().zip(&f32_run).enumerate() {
+        let ratio = *b16 as f64 / *b32 as f64;
+        assert!(
+            (0.45..0.6).contains(&ratio),
+            "rank {rank}: bf16 sent {b16} bytes, f32 {b32} (ratio {ratio:.3})"
+        );
+    }
+}
+
+#[test]
 fn bf16_results_are_bit_identical_across_ranks() {
     let res = all_ok(run_world(
         3,

@@ -240,12 +240,18 @@ impl Engine for BurnEngine {
             return Err(EngineError::Batch("empty batch".into()));
         }
         let model = self.model()?;
+        let forward =
+            tracing::info_span!(target: "flotilla::engine", "forward", samples = n as u64)
+                .entered();
         let logits = self.logits(model, batch.images, n, &self.device);
         let loss = self
             .loss
             .forward(logits, labels_tensor(batch.labels, &self.device));
+        drop(forward);
+        let backward = tracing::info_span!(target: "flotilla::engine", "backward").entered();
         let grads = loss.backward();
         let value = loss.into_scalar::<f32>();
+        drop(backward);
         self.grads = Some(grads);
         Ok(value)
     }
@@ -256,6 +262,7 @@ impl Engine for BurnEngine {
     }
 
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()> {
+        let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
         let model = self.model()?;
         let gp = params::grads_from_flat(model, &self.layout, grads, &self.base_device)?;
         let model = self.take_model()?;

@@ -113,26 +113,63 @@ fn prune(root: &Path, current: &str) -> Result<()> {
     Ok(())
 }
 
-/// The newest complete checkpoint under `output`, if any.
+/// The files every complete checkpoint directory holds.
+const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
+
+/// Whether `dir` holds every part of a checkpoint.
+fn is_complete(dir: &Path) -> bool {
+    PARTS.iter().all(|p| dir.join(p).is_file())
+}
+
+/// The newest complete checkpoint under `output`, if any (see [`newest_complete`]).
 pub fn latest(output: &Path) -> Result<Option<PathBuf>> {
+    Ok(newest_complete(output)?.0)
+}
+
+/// The checkpoint to resume from, and a warning for everything passed over.
+///
+/// `latest` names the newest checkpoint when the last write finished. A crash can leave a
+/// hidden `.step-*.tmp-*` directory (ignored), a `latest` naming a directory that is missing
+/// or incomplete, or step directories without all their files: each is passed over with a
+/// warning, and the newest complete `step-*` directory is used instead.
+pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> {
     let root = checkpoints_dir(output);
+    let mut warnings = Vec::new();
     let pointer = root.join("latest");
-    let name = match fs::read_to_string(&pointer) {
-        Ok(n) => n.trim().to_string(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+    match fs::read_to_string(&pointer) {
+        Ok(n) => {
+            let name = n.trim();
+            let valid = name.starts_with("step-") && !name.contains('/') && !name.contains("..");
+            if valid && is_complete(&root.join(name)) {
+                return Ok((Some(root.join(name)), warnings));
+            }
+            warnings.push(format!(
+                "{} names {name:?}, which is not a complete checkpoint",
+                pointer.display()
+            ));
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(TrainError::io(&pointer, e)),
+    }
+    let entries = match fs::read_dir(&root) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((None, warnings)),
+        Err(e) => return Err(TrainError::io(&root, e)),
     };
-    if name.is_empty() || name.contains('/') || name.contains("..") {
-        return Err(ck_err(
-            &pointer,
-            format!("names an invalid checkpoint {name:?}"),
-        ));
+    let mut names: Vec<String> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    names.sort();
+    while let Some(name) = names.pop() {
+        let dir = root.join(&name);
+        if is_complete(&dir) {
+            return Ok((Some(dir), warnings));
+        }
+        warnings.push(format!("{} is incomplete", dir.display()));
     }
-    let dir = root.join(&name);
-    if !dir.join("state.json").is_file() {
-        return Err(ck_err(&dir, "named by `latest` but incomplete or missing"));
-    }
-    Ok(Some(dir))
+    Ok((None, warnings))
 }
 
 /// Reads a checkpoint's state without touching any engine.
@@ -162,4 +199,46 @@ pub fn load(dir: &Path, engine: &mut dyn Engine) -> Result<CheckpointState> {
     engine.load_weights(&dir.join("model.safetensors"))?;
     engine.load_optimizer_state(&bytes)?;
     Ok(state)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fake_checkpoint(root: &Path, name: &str, parts: &[&str]) {
+        let dir = root.join(name);
+        fs::create_dir_all(&dir).expect("mkdir");
+        for p in parts {
+            fs::write(dir.join(p), b"x").expect("write");
+        }
+    }
+
+    #[test]
+    fn resume_passes_over_what_a_crash_leaves_behind() {
+        let out = tempfile::tempdir().expect("tempdir");
+        let root = checkpoints_dir(out.path());
+        assert_eq!(newest_complete(out.path()).expect("empty").0, None);
+        fake_checkpoint(&root, "step-00000010", &PARTS);
+        fake_checkpoint(&root, "step-00000020", &PARTS);
+        // A crash during the next save: a hidden temporary directory, a step directory
+        // without its optimizer state, and `latest` already naming it.
+        fake_checkpoint(&root, ".step-00000040.tmp-77", &PARTS);
+        fake_checkpoint(&root, "step-00000030", &["model.safetensors", "state.json"]);
+        fs::write(root.join("latest"), "step-00000030").expect("latest");
+        let (dir, warnings) = newest_complete(out.path()).expect("newest");
+        assert_eq!(dir, Some(root.join("step-00000020")));
+        assert_eq!(warnings.len(), 2, "{warnings:?}");
+        assert!(warnings[0].contains("step-00000030") && warnings[0].contains("latest"));
+        assert!(warnings[1].contains("step-00000030") && warnings[1].contains("incomplete"));
+        // `latest` naming a complete checkpoint wins, without warnings.
+        fs::write(root.join("latest"), "step-00000010").expect("latest");
+        let (dir, warnings) = newest_complete(out.path()).expect("newest");
+        assert_eq!(dir, Some(root.join("step-00000010")));
+        assert!(warnings.is_empty());
+        // A pointer outside the directory is never followed.
+        fs::write(root.join("latest"), "../../etc").expect("latest");
+        let (dir, warnings) = newest_complete(out.path()).expect("newest");
+        assert_eq!(dir, Some(root.join("step-00000020")));
+        assert_eq!(warnings.len(), 2);
+    }
 }

@@ -2,7 +2,9 @@
 //! `R` misbehave after its step (or round) `S`:
 //! - `exit`: exit with code 3 (a dead rank);
 //! - `hang`: stop responding (a stuck rank);
-//! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once.
+//! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once;
+//! - `perturb`: add 0.001 to the rank's first parameter (ranks no longer agree, which the
+//!   end-of-run check must name).
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,6 +15,8 @@ pub enum FaultAction {
     Hang,
     /// Push a gradient of the wrong length.
     BadLength,
+    /// Change one parameter on this rank only.
+    Perturb,
 }
 
 /// A fault planned for this rank.
@@ -38,6 +42,7 @@ impl Fault {
                 Some(("action", "exit")) => action = Some(FaultAction::Exit),
                 Some(("action", "hang")) => action = Some(FaultAction::Hang),
                 Some(("action", "bad_len")) => action = Some(FaultAction::BadLength),
+                Some(("action", "perturb")) => action = Some(FaultAction::Perturb),
                 _ => {}
             }
         }
@@ -80,5 +85,7 @@ mod tests {
         assert!(Fault::parse("rank=2,step=5,action=exit", 1).is_none());
         assert!(Fault::parse("rank=2,action=exit", 2).is_none());
         assert!(Fault::parse("rank=2,step=1,action=explode", 2).is_none());
+        let p = Fault::parse("rank=0,step=3,action=perturb", 0).expect("perturb");
+        assert_eq!(p.at(3), Some(FaultAction::Perturb));
     }
 }

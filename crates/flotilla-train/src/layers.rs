@@ -70,6 +70,8 @@ const ALIASES: &[(&str, &str)] = &[
     ("wire_format", "comm.wire_format"),
     ("bucket_mb", "comm.bucket_mb"),
     ("output", "telemetry.output"),
+    ("timeline_path", "telemetry.timeline_path"),
+    ("metrics_port", "telemetry.metrics_port"),
 ];
 
 /// Launcher variables (torchrun, Open MPI, MPICH, Slurm) and the config path they set.

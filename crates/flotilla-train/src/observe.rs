@@ -6,6 +6,11 @@ pub trait Observer {
     fn step(&mut self, event: &StepEvent);
     /// Called with every line written to `run.log`.
     fn message(&mut self, line: &str);
+    /// Called once the rank is connected and knows its place: rank, world size and role
+    /// (`peer`, `root`, `shard-server`, `global-server`, `local-server`, `worker`).
+    fn started(&mut self, rank: usize, world: usize, role: &str) {
+        let _ = (rank, world, role);
+    }
 }
 
 /// An observer that ignores everything.

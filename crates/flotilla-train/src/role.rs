@@ -141,4 +141,10 @@ pub trait Role {
         let _ = cx;
         None
     }
+
+    /// The role's own figures for the run summary (e.g. a root's `updates_per_s`).
+    fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        let _ = cx;
+        Vec::new()
+    }
 }

@@ -12,6 +12,7 @@ use flotilla_engine::EvalStats;
 use crate::batches::{Batches, Position};
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
+use crate::fault::FaultAction;
 use crate::observe::StepEvent;
 use crate::role::{Cx, Evaluation, Role, Step};
 use crate::runlog::{EpochMetrics, append_metrics};
@@ -125,10 +126,40 @@ pub fn run(
             l.stop(reason)?;
             break;
         }
-        let step = l.role.step(l.cx, &mut l.data, l.progress)?;
+        let started = Instant::now();
+        let step = {
+            let _span =
+                tracing::info_span!(target: "flotilla::train", "step", step = l.progress + 1)
+                    .entered();
+            l.role.step(l.cx, &mut l.data, l.progress)?
+        };
+        record_step(&step, started.elapsed().as_secs_f64(), &**l.cx.comm);
         l.after_step(step)?;
     }
     l.finish(train_started.elapsed().as_secs_f64())
+}
+
+/// The step's metrics (Prometheus, when an exporter is installed) and the traffic counters of
+/// the timeline.
+fn record_step(step: &Step, seconds: f64, comm: &dyn flotilla_comm::ProcessGroup) {
+    if !step.progressed {
+        return;
+    }
+    metrics::histogram!("flotilla_step_seconds").record(seconds);
+    metrics::counter!("flotilla_steps_total").increment(1);
+    metrics::counter!("flotilla_samples_total").increment(step.samples);
+    metrics::gauge!("flotilla_samples_per_second").set(step.samples as f64 / seconds.max(1e-9));
+    if let Some(loss) = step.loss {
+        metrics::gauge!("flotilla_train_loss").set(f64::from(loss));
+    }
+    let traffic = comm.stats();
+    // `flotilla_telemetry::COUNTER_TARGET`: a counter series in the timeline.
+    tracing::trace!(
+        target: "flotilla::counter",
+        counter = "bytes",
+        sent = traffic.bytes_sent,
+        received = traffic.bytes_received
+    );
 }
 
 impl Loop<'_, '_, '_> {
@@ -148,8 +179,17 @@ impl Loop<'_, '_, '_> {
         }
         self.progress += 1;
         let at = self.progress;
-        if let Some(f) = &self.cx.fault {
-            f.at(at);
+        if let Some(f) = &self.cx.fault
+            && f.at(at) == Some(FaultAction::Perturb)
+        {
+            let mut params = vec![0.0f32; self.cx.engine.num_params()];
+            self.cx.engine.read_params(&mut params)?;
+            if let Some(p) = params.first_mut() {
+                *p += 1e-3;
+            }
+            self.cx.engine.write_params(&params)?;
+            self.cx
+                .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
         }
         let loss = step.loss.unwrap_or(f32::NAN);
         if step.loss.is_some_and(|l| !l.is_finite()) {
@@ -206,6 +246,9 @@ impl Loop<'_, '_, '_> {
     }
 
     fn checkpoint(&mut self) -> Result<PathBuf> {
+        let _span =
+            tracing::info_span!(target: "flotilla::train", "checkpoint", step = self.progress)
+                .entered();
         self.role.prepare_model(self.cx)?;
         let p = self.position();
         let state = CheckpointState {
@@ -232,6 +275,8 @@ impl Loop<'_, '_, '_> {
     }
 
     fn evaluate(&mut self) -> Result<EvalStats> {
+        let _span =
+            tracing::info_span!(target: "flotilla::train", "eval", step = self.progress).entered();
         let stats = match self.role.evaluation() {
             Evaluation::Collective => {
                 crate::eval::distributed(&*self.cx.engine, &**self.cx.comm, self.cx.test)?
@@ -242,6 +287,8 @@ impl Loop<'_, '_, '_> {
                 crate::eval::full(&*self.cx.engine, self.cx.test)?
             }
         };
+        metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
+        metrics::gauge!("flotilla_test_loss").set(stats.loss());
         self.last_eval = Some(stats);
         self.cx.last_eval = Some(stats);
         Ok(stats)
@@ -328,6 +375,20 @@ impl Loop<'_, '_, '_> {
         if let Some(line) = self.role.report(self.cx) {
             self.cx.log(&line)?;
         }
+        if let Some(e) = &eval {
+            self.cx.log_quiet(&format!(
+                "final eval count={} correct={} test_loss={:.6} test_acc={:.6}",
+                e.count,
+                e.correct,
+                e.loss(),
+                e.accuracy()
+            ))?;
+        }
+        let traffic = self.cx.comm.stats();
+        self.cx.log_quiet(&format!(
+            "traffic bytes_sent={} bytes_received={} collectives={}",
+            traffic.bytes_sent, traffic.bytes_received, traffic.collectives
+        ))?;
         let checkpoint = if self.role.writes_checkpoints() {
             let dir = self.checkpoint()?;
             Some(dir)

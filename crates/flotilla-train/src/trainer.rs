@@ -48,6 +48,8 @@ pub struct RunSummary {
     pub param_hash: u64,
     /// The final checkpoint directory (rank 0 only).
     pub checkpoint: Option<PathBuf>,
+    /// The figures above by name, and the role's own (see [`crate::Role::figures`]).
+    pub figures: std::collections::BTreeMap<String, f64>,
 }
 
 impl RunSummary {
@@ -84,6 +86,7 @@ pub fn run(
         topology.world_size(),
     ))?);
     let (rank, world) = (comm.rank(), comm.size());
+    observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
     let up = format!(
         "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
@@ -209,10 +212,16 @@ impl Job<'_> {
     /// and its weights and optimizer state travel with the initial broadcast.
     fn resume(&self, cx: &mut Cx<'_>) -> Result<Option<CheckpointState>> {
         let mut bytes = Vec::new();
-        if cx.rank == 0
-            && self.config.schedule.resume
-            && let Some(dir) = checkpoint::latest(&self.config.telemetry.output)?
-        {
+        let newest = if cx.rank == 0 && self.config.schedule.resume {
+            let (dir, warnings) = checkpoint::newest_complete(&self.config.telemetry.output)?;
+            for w in warnings {
+                cx.log(&format!("warning: not resuming from it: {w}"))?;
+            }
+            dir
+        } else {
+            None
+        };
+        if let Some(dir) = newest {
             let state = checkpoint::load(&dir, cx.engine)?;
             if state.config_hash != self.hash {
                 cx.log(&format!(
@@ -293,6 +302,25 @@ impl Job<'_> {
     }
 
     fn summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
+        let mut s = self.bare_summary(role, cx, done);
+        let own = role.figures(cx);
+        s.figures = [
+            ("test_acc", s.test_acc),
+            ("test_loss", s.test_loss),
+            ("train_loss", s.train_loss),
+            ("steps", s.steps as f64),
+            ("wall_s", s.wall_s),
+            ("samples_per_s", s.samples_per_s),
+        ]
+        .into_iter()
+        .chain(own)
+        .filter(|(_, v)| v.is_finite())
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        s
+    }
+
+    fn bare_summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
         RunSummary {
             role: role.name(),
             rank: cx.rank,
@@ -305,6 +333,22 @@ impl Job<'_> {
             samples_per_s: done.samples_per_s,
             param_hash: done.param_hash.unwrap_or(0),
             checkpoint: done.checkpoint,
+            figures: Default::default(),
         }
+    }
+}
+
+/// What rank `rank` does in `topology`, in a word.
+fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
+    use flotilla_cluster::RoleKind;
+    if topology.arch() == flotilla_cluster::Arch::Allreduce {
+        return "peer";
+    }
+    match topology.role(rank).map(|r| r.kind) {
+        Some(RoleKind::ShardServer { .. }) if rank == flotilla_cluster::ROOT_RANK => "root",
+        Some(RoleKind::ShardServer { .. }) => "shard-server",
+        Some(RoleKind::GlobalServer) => "global-server",
+        Some(RoleKind::LocalServer { .. }) => "local-server",
+        Some(RoleKind::Worker { .. }) | None => "worker",
     }
 }

@@ -1,6 +1,6 @@
 //! `flotilla bench ps`: parameter-server topologies compared in one run. Each case is a real
-//! local job (`flotilla launch` of a generated config); figures come from the root's own
-//! summary line, and every row is also given as a ratio to the flat topology of the same
+//! local job (`flotilla launch` of a generated config); figures come from the root's entry in
+//! the launcher's `summary.json`, and every row is also given as a ratio to the flat topology of the same
 //! size measured in the same run.
 
 use std::path::Path;
@@ -21,30 +21,23 @@ struct RootFigures {
     wall_s: f64,
 }
 
-fn field(line: &str, before: &str) -> Option<f64> {
-    // "... received 493748 bytes/round, 36.1 updates/s": the number just before `before`.
-    let at = line.find(before)?;
-    line[..at]
-        .split_whitespace()
-        .last()?
-        .trim_end_matches(',')
-        .parse()
-        .ok()
-}
-
 /// Runs `flotilla launch` on a config text and reads the root's figures.
 fn run_job(dir: &Path, name: &str, yaml: &str, limit: Duration) -> Result<RootFigures> {
     let cfg = dir.join(format!("{name}.yaml"));
     std::fs::write(&cfg, yaml).with_context(|| format!("writing {}", cfg.display()))?;
     let exe = std::env::current_exe().context("locating flotilla")?;
     let out = dir.join(name);
+    let stderr_path = dir.join(format!("{name}.stderr"));
+    let stderr_file = std::fs::File::create(&stderr_path)
+        .with_context(|| format!("creating {}", stderr_path.display()))?;
     let mut child = Command::new(exe)
         .args(["launch"])
         .arg(&cfg)
         .arg("--output")
         .arg(&out)
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
+        // Not piped: a pipe nobody drains while the job runs would block it when full.
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::from(stderr_file))
         .spawn()
         .context("starting a bench job")?;
     let started = std::time::Instant::now();
@@ -59,31 +52,27 @@ fn run_job(dir: &Path, name: &str, yaml: &str, limit: Duration) -> Result<RootFi
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    let output = child.wait_with_output()?;
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    if !output.status.success() {
+    let status = child.wait()?;
+    if !status.success() {
         bail!(
             "bench job {name} failed:\n{}",
-            String::from_utf8_lossy(&output.stderr)
+            std::fs::read_to_string(&stderr_path).unwrap_or_default()
         );
     }
-    let mut f = RootFigures::default();
-    for line in stdout.lines() {
-        if line.starts_with("[rank 0] root: ") {
-            f.updates_per_s = field(line, "updates/s").unwrap_or(f64::NAN);
-            f.bytes_per_round = field(line, "bytes/round").unwrap_or(f64::NAN);
-        }
-        if let Some(rest) = line.strip_prefix("final ") {
-            for kv in rest.split_whitespace() {
-                match kv.split_once('=') {
-                    Some(("test_acc", v)) => f.test_acc = v.parse().unwrap_or(f64::NAN),
-                    Some(("steps", v)) => f.rounds = v.parse().unwrap_or(f64::NAN),
-                    Some(("wall_s", v)) => f.wall_s = v.parse().unwrap_or(f64::NAN),
-                    _ => {}
-                }
-            }
-        }
-    }
+    // The launcher's summary.json: every rank's figures, rank 0 (the root) first.
+    let path = out.join("summary.json");
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    let summary: serde_json::Value =
+        serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?;
+    let root = &summary["ranks"][0]["figures"];
+    let get = |k: &str| root[k].as_f64().unwrap_or(f64::NAN);
+    let f = RootFigures {
+        updates_per_s: get("updates_per_s"),
+        bytes_per_round: get("bytes_per_round"),
+        test_acc: get("test_acc"),
+        rounds: get("steps"),
+        wall_s: get("wall_s"),
+    };
     Ok(f)
 }
 

@@ -29,6 +29,27 @@ pub enum Command {
     /// Print the effective configuration (defaults, file and flags merged) as YAML, and the
     /// topology with its placement on the inventory's hosts.
     Config(RunArgs),
+    /// Timelines: merge the ranks' files of a job started without `flotilla launch`.
+    #[command(subcommand)]
+    Trace(TraceCommand),
+}
+
+/// `flotilla trace ...`.
+#[derive(Debug, Subcommand)]
+pub enum TraceCommand {
+    /// Merge rank timelines (`<output>/rank-N/timeline.jsonl`) into one Chrome trace file.
+    Merge(TraceMergeArgs),
+}
+
+/// `flotilla trace merge`.
+#[derive(Debug, Clone, Args)]
+pub struct TraceMergeArgs {
+    /// The merged Chrome trace to write.
+    #[arg(short, long)]
+    pub output: PathBuf,
+    /// The ranks' timeline files.
+    #[arg(required = true)]
+    pub inputs: Vec<PathBuf>,
 }
 
 /// A config file and the flags that override it.
@@ -90,6 +111,12 @@ pub struct RunArgs {
     /// Resume from the newest checkpoint in the output directory.
     #[arg(long)]
     pub resume: bool,
+    /// Write a Chrome trace (Perfetto, chrome://tracing) of the whole job to this file.
+    #[arg(long, value_name = "FILE")]
+    pub timeline: Option<PathBuf>,
+    /// Serve Prometheus metrics: rank r on port P + r at /metrics.
+    #[arg(long, value_name = "P")]
+    pub metrics_port: Option<u16>,
 }
 
 /// `flotilla train`.

@@ -11,15 +11,13 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use flotilla_telemetry::RankEvent;
 
 /// Lines of a failed rank's stderr shown in the launcher's error.
 const STDERR_TAIL: usize = 20;
 
 /// How long the other ranks may keep reporting after the first failure is seen.
 const FAILURE_GRACE: Duration = Duration::from_millis(1500);
-
-/// Prefix of the line a failing rank prints to name the rank it blames.
-pub const FAILED_PREFIX: &str = "@failed blamed=";
 
 /// Which stream a relayed line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +121,7 @@ impl LocalJob {
 
     /// Relays lines to `on_line` until every rank has exited. When a rank fails, the others
     /// get a short grace period to report what they saw, then all are stopped; the error names
-    /// the root cause: following each failed rank's `@failed blamed=R` line to the rank it
+    /// the root cause: following each failed rank's `failed` event ([`RankEvent::Failed`]) to the rank it
     /// blames (a rank that died, or one still running but stuck), and shows its stderr.
     /// `deadline` bounds the whole job.
     pub fn supervise(
@@ -235,10 +233,10 @@ impl LocalJob {
 
     fn remember(&mut self, line: &RankLine) {
         if line.stream == Stream::Stdout
-            && let Some(rest) = line.text.strip_prefix(FAILED_PREFIX)
+            && let Some(Ok(RankEvent::Failed { blamed })) = RankEvent::parse(&line.text)
             && let Some(slot) = self.blamed.get_mut(line.rank)
         {
-            *slot = rest.trim().parse().ok();
+            *slot = Some(blamed);
         }
         if line.stream == Stream::Stderr
             && let Some(tail) = self.stderr_tails.get_mut(line.rank)

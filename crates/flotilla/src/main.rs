@@ -6,6 +6,7 @@ mod cli;
 mod launch;
 mod progress;
 mod settings;
+mod telemetry;
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -15,16 +16,18 @@ use anyhow::{Context, Result};
 use clap::Parser;
 
 use cli::{Cli, Command, LaunchArgs, TrainArgs};
+use flotilla_telemetry::RankEvent;
 use launch::{LocalJob, Stream};
-use progress::{PROGRESS_ENV, PROGRESS_PREFIX, TrainObserver, parse_progress, step_bar};
+use progress::{PROGRESS_ENV, TrainObserver, step_bar};
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train(&args),
-        Command::Launch(args) => launch(&args),
-        Command::Bench(cmd) => bench::run(cmd),
-        Command::Config(args) => show_config(&args),
+        Command::Launch(args) => telemetry::init(None).and_then(|_| launch(&args)),
+        Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
+        Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
+        Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -64,14 +67,15 @@ fn train(args: &TrainArgs) -> Result<()> {
         Some(r) => Some(r),
         None => settings::launcher_rank()?,
     };
-    let mut observer = TrainObserver::new();
+    let rank_telemetry = telemetry::init(Some((&config, rank)))?;
+    let mut observer = TrainObserver::new(rank_telemetry, config.telemetry.metrics_port);
     let result = flotilla_train::run(&config, rank, &mut observer);
     observer.finish();
     if let Err(e) = &result
         && let Some(blamed) = e.blamed_rank()
     {
         // Tells a supervising launcher which rank this failure points at.
-        println!("{}{blamed}", launch::FAILED_PREFIX);
+        println!("{}", RankEvent::Failed { blamed }.line());
     }
     let summary = result.with_context(|| match rank {
         Some(r) => format!("rank {r} failed"),
@@ -80,7 +84,32 @@ fn train(args: &TrainArgs) -> Result<()> {
     if let Some(dir) = &summary.checkpoint {
         println!("checkpoint: {}", dir.display());
     }
+    if observer.emits_events() {
+        let event = RankEvent::Finished {
+            role: summary.role.to_string(),
+            figures: summary.figures.clone(),
+        };
+        println!("{}", event.line());
+    }
     println!("{}", summary.final_line());
+    Ok(())
+}
+
+/// `flotilla trace merge`: joins rank timeline files into one Chrome trace.
+fn trace_merge(args: &cli::TraceMergeArgs) -> Result<()> {
+    let report = flotilla_telemetry::merge(&args.inputs, &args.output)?;
+    println!(
+        "{} events of {} files in {}",
+        report.events,
+        report.files,
+        args.output.display()
+    );
+    for t in report.truncated {
+        println!(
+            "{} ends mid-line (its rank died); its complete lines are merged",
+            t.display()
+        );
+    }
     Ok(())
 }
 
@@ -144,23 +173,35 @@ fn launch(args: &LaunchArgs) -> Result<()> {
     let interactive = std::io::stderr().is_terminal();
     let mut bar = None;
     let mut final_line = None;
+    let mut finished: Vec<serde_json::Value> = Vec::new();
     let result = job.supervise(None, &mut |line| {
         if line.stream == Stream::Stdout {
-            if line.text.starts_with(launch::FAILED_PREFIX) {
-                return;
-            }
-            if let Some(rest) = line.text.strip_prefix(PROGRESS_PREFIX) {
-                if line.rank == 0
-                    && interactive
-                    && let Some(p) = parse_progress(rest)
-                {
-                    let b = bar.get_or_insert_with(|| step_bar(p.total));
-                    if let Some(b) = b {
-                        b.set_position(p.step);
-                        b.set_message(format!("epoch {}/{} loss {:.4}", p.epoch, p.epochs, p.loss));
+            match RankEvent::parse(&line.text) {
+                Some(Ok(RankEvent::Progress {
+                    step,
+                    total,
+                    epoch,
+                    epochs,
+                    loss,
+                })) => {
+                    if line.rank == 0 && interactive {
+                        let b = bar.get_or_insert_with(|| step_bar(total));
+                        if let Some(b) = b {
+                            b.set_position(step);
+                            b.set_message(format!("epoch {epoch}/{epochs} loss {loss:.4}"));
+                        }
                     }
+                    return;
                 }
-                return;
+                Some(Ok(RankEvent::Finished { role, figures })) => {
+                    finished.push(serde_json::json!({
+                        "rank": line.rank, "role": role, "figures": figures
+                    }));
+                    return;
+                }
+                Some(Ok(RankEvent::Failed { .. })) => return,
+                // A malformed event is shown as the text it is.
+                Some(Err(_)) | None => {}
             }
             if line.rank == 0 && line.text.starts_with("final ") {
                 final_line = Some(line.text.clone());
@@ -176,7 +217,21 @@ fn launch(args: &LaunchArgs) -> Result<()> {
     if let Some(Some(b)) = bar {
         b.finish_and_clear();
     }
+    if let Some(dest) = &config.telemetry.timeline_path {
+        // Also after a failure: the timeline of a failed job is where to look.
+        match telemetry::merge_rank_timelines(&config.telemetry.output, n, dest) {
+            Ok(line) => println!("{line}"),
+            Err(e) => eprintln!("warning: merging the timeline: {e:#}"),
+        }
+    }
     result?;
+    finished.sort_by_key(|v| v["rank"].as_u64());
+    let summary_path = config.telemetry.output.join("summary.json");
+    std::fs::write(
+        &summary_path,
+        serde_json::to_vec_pretty(&serde_json::json!({ "ranks": finished }))?,
+    )
+    .with_context(|| format!("writing {}", summary_path.display()))?;
     match final_line {
         Some(line) => println!("{line}"),
         None => anyhow::bail!("rank 0 exited without a final line"),

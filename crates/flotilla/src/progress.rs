@@ -1,16 +1,17 @@
-//! Progress display: an indicatif bar on a terminal, `@progress` lines for a supervising
-//! launcher, plain lines otherwise.
+//! What a rank shows while it trains: an indicatif bar on a terminal, JSON-lines events for a
+//! supervising launcher ([`RankEvent`]), plain lines otherwise; and, once the rank knows its
+//! place, its timeline's process name and its `/metrics` endpoint.
 
 use std::io::IsTerminal;
 use std::time::{Duration, Instant};
 
+use flotilla_telemetry::{MetricsServer, RankEvent};
 use flotilla_train::{Observer, StepEvent};
 use indicatif::{ProgressBar, ProgressStyle};
 
-/// Prefix of the machine-readable progress lines a rank prints for its launcher.
-pub const PROGRESS_PREFIX: &str = "@progress ";
+use crate::telemetry::RankTelemetry;
 
-/// Environment variable telling a rank to print `@progress` lines.
+/// Environment variable telling a rank to print event lines for its launcher.
 pub const PROGRESS_ENV: &str = "FLOTILLA_PROGRESS";
 
 /// A progress bar over the run's steps, if stderr is a terminal.
@@ -29,39 +30,66 @@ pub fn step_bar(total: u64) -> Option<ProgressBar> {
 }
 
 /// The observer of a rank run by `flotilla train`: log lines to stdout, and either a bar (on a
-/// terminal) or throttled `@progress` lines (under `flotilla launch`).
+/// terminal) or throttled progress events (under `flotilla launch`).
 pub struct TrainObserver {
     bar: Option<ProgressBar>,
     emit_progress: bool,
     last_emit: Option<Instant>,
+    telemetry: RankTelemetry,
+    metrics_port: Option<u16>,
+    metrics: Option<MetricsServer>,
 }
 
 impl TrainObserver {
-    /// Chooses the display from the environment.
-    pub fn new() -> Self {
+    /// Chooses the display from the environment; `metrics_port` is the base port of the
+    /// ranks' `/metrics` endpoints.
+    pub fn new(telemetry: RankTelemetry, metrics_port: Option<u16>) -> Self {
         let emit_progress = std::env::var(PROGRESS_ENV).is_ok_and(|v| v == "1");
         Self {
             bar: None,
             emit_progress,
             last_emit: None,
+            telemetry,
+            metrics_port,
+            metrics: None,
         }
     }
 
-    /// Removes the bar, if any.
+    /// Whether a launcher reads this rank's events.
+    pub fn emits_events(&self) -> bool {
+        self.emit_progress
+    }
+
+    /// Removes the bar, stops serving metrics, and writes out the timeline.
     pub fn finish(&mut self) {
         if let Some(bar) = self.bar.take() {
             bar.finish_and_clear();
         }
-    }
-}
-
-impl Default for TrainObserver {
-    fn default() -> Self {
-        Self::new()
+        self.metrics = None;
+        if let Some(t) = &self.telemetry.timeline {
+            t.close();
+        }
     }
 }
 
 impl Observer for TrainObserver {
+    fn started(&mut self, rank: usize, _world: usize, role: &str) {
+        if let Some(t) = &self.telemetry.timeline {
+            t.set_process(rank, role);
+        }
+        if let (Some(recorder), Some(base)) = (&self.telemetry.recorder, self.metrics_port) {
+            let port = base.saturating_add(u16::try_from(rank).unwrap_or(u16::MAX));
+            match recorder.serve("0.0.0.0", port) {
+                Ok(server) => {
+                    println!("metrics: http://0.0.0.0:{}/metrics", server.port());
+                    self.metrics = Some(server);
+                }
+                // Training goes on without its endpoint; the reason is shown.
+                Err(e) => tracing::warn!(target: "flotilla::metrics", error = %e, "no /metrics"),
+            }
+        }
+    }
+
     fn step(&mut self, e: &StepEvent) {
         if self.emit_progress {
             let due = self
@@ -69,14 +97,14 @@ impl Observer for TrainObserver {
                 .is_none_or(|t| t.elapsed() >= Duration::from_millis(250));
             if due || e.step == e.total_steps {
                 self.last_emit = Some(Instant::now());
-                println!(
-                    "{PROGRESS_PREFIX}{} {} {} {} {:.5}",
-                    e.step,
-                    e.total_steps,
-                    e.epoch + 1,
-                    e.epochs,
-                    e.loss
-                );
+                let event = RankEvent::Progress {
+                    step: e.step,
+                    total: e.total_steps,
+                    epoch: e.epoch + 1,
+                    epochs: e.epochs,
+                    loss: e.loss,
+                };
+                println!("{}", event.line());
             }
             return;
         }
@@ -100,31 +128,4 @@ impl Observer for TrainObserver {
             None => println!("{line}"),
         }
     }
-}
-
-/// A parsed `@progress` line.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Progress {
-    /// Steps done.
-    pub step: u64,
-    /// Steps in the run.
-    pub total: u64,
-    /// 1-based epoch.
-    pub epoch: u32,
-    /// Epochs.
-    pub epochs: u32,
-    /// Loss of the last step.
-    pub loss: f32,
-}
-
-/// Parses the rest of an `@progress` line.
-pub fn parse_progress(rest: &str) -> Option<Progress> {
-    let mut it = rest.split_whitespace();
-    Some(Progress {
-        step: it.next()?.parse().ok()?,
-        total: it.next()?.parse().ok()?,
-        epoch: it.next()?.parse().ok()?,
-        epochs: it.next()?.parse().ok()?,
-        loss: it.next()?.parse().ok()?,
-    })
 }

@@ -71,6 +71,12 @@ fn flags(a: &RunArgs) -> Vec<(&'static str, Value)> {
     put("timeout-s", "timeout_s", a.timeout_s.map(|v| json!(v)));
     put("inventory", "inventory", path(&a.inventory));
     put("resume", "resume", a.resume.then_some(json!(true)));
+    put("timeline", "timeline_path", path(&a.timeline));
+    put(
+        "metrics-port",
+        "metrics_port",
+        a.metrics_port.map(|v| json!(v)),
+    );
     out
 }
 

@@ -54,6 +54,8 @@ pub struct RootServer {
     max_staleness: u64,
     staleness_sum: u64,
     round_started: Instant,
+    /// The timeline span of the round in progress (closed when the round ends).
+    round_span: tracing::Span,
     wait: Duration,
     stop_reason: Option<String>,
     /// A shard server asked by the root for its shard at a version it has not reached.
@@ -137,6 +139,7 @@ impl RootServer {
             max_staleness: 0,
             staleness_sum: 0,
             round_started: Instant::now(),
+            round_span: round_span(1),
             wait: Duration::ZERO,
             stop_reason: None,
             gather_wait: None,
@@ -260,6 +263,8 @@ impl RootServer {
         self.updates += 1;
         self.max_staleness = self.max_staleness.max(staleness);
         self.staleness_sum += staleness;
+        metrics::histogram!("flotilla_ps_staleness").record(staleness as f64);
+        metrics::gauge!("flotilla_ps_version").set(self.model.version() as f64);
         if self.gather_wait.is_some_and(|v| self.model.version() >= v) {
             self.gather_wait = None;
             send_bytes(cx.comm, self.root, &self.model.encoded())?;
@@ -283,8 +288,12 @@ impl RootServer {
             apply_s.as_secs_f64() * 1e3,
             self.round_started.elapsed().as_secs_f64() * 1e3
         ))?;
+        metrics::histogram!("flotilla_ps_round_seconds")
+            .record(self.round_started.elapsed().as_secs_f64());
         self.wait = Duration::ZERO;
         self.round_started = Instant::now();
+        // Closing the old span ends the round in the timeline.
+        self.round_span = round_span(self.rounds + 1);
         self.round_done = Some((mean.loss, mean.samples));
         Ok(())
     }
@@ -473,6 +482,11 @@ impl ServerMachine for RootServer {
     }
 }
 
+/// The timeline span of round `round`, from now until it is dropped.
+fn round_span(round: u64) -> tracing::Span {
+    tracing::info_span!(target: "flotilla::ps", "ps_round", round)
+}
+
 fn lost_child(child: usize, rounds: u64) -> TrainError {
     TrainError::Peer {
         peer: child,
@@ -537,6 +551,25 @@ impl Role for RootServer {
     fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
         self.stop_reason = Some(reason.to_string());
         self.finish(cx).map(|_| ())
+    }
+
+    fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        let Some(o) = self.finished.as_ref().filter(|_| self.is_root) else {
+            return Vec::new();
+        };
+        let received = cx.comm.stats().bytes_received as f64;
+        vec![
+            ("updates", o.updates as f64),
+            ("rounds", o.rounds as f64),
+            ("max_staleness", o.max_staleness as f64),
+            ("mean_staleness", o.mean_staleness),
+            ("lost_children", o.lost.len() as f64),
+            ("bytes_per_round", received / o.rounds.max(1) as f64),
+            (
+                "updates_per_s",
+                o.updates.saturating_sub(1) as f64 / o.busy_s.max(1e-9),
+            ),
+        ]
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {

@@ -132,7 +132,10 @@ impl Worker {
         let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
         for _ in 0..self.local_steps {
-            let (_, batch) = data.next_batch()?;
+            let (_, batch) = {
+                let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
+                data.next_batch()?
+            };
             loss_sum += cx.engine.forward_backward(batch)?;
             let (layout, grad) = (&self.layout, &mut self.grad);
             cx.engine.for_each_grad(&mut |i, g| {
@@ -202,7 +205,10 @@ impl Role for Worker {
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, _done: u64) -> Result<Step> {
         let t = Instant::now();
-        let pulled = self.pull(cx);
+        let pulled = {
+            let _span = tracing::info_span!(target: "flotilla::ps", "ps_pull").entered();
+            self.pull(cx)
+        };
         self.wait += t.elapsed();
         if let Pulled::Stop(reason) = pulled? {
             cx.log(&format!(
@@ -223,7 +229,12 @@ impl Role for Worker {
         self.compute += t.elapsed();
         let t = Instant::now();
         let samples = data.batch_size() * self.local_steps;
-        self.push_up(cx, samples)?;
+        {
+            let _span =
+                tracing::info_span!(target: "flotilla::ps", "ps_push", round = self.rounds + 1)
+                    .entered();
+            self.push_up(cx, samples)?;
+        }
         self.push += t.elapsed();
         self.rounds += 1;
         if self.rounds.is_multiple_of(100) {

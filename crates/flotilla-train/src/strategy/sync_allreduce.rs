@@ -86,7 +86,10 @@ impl Role for SyncAllReduce {
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         let lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
-        let (_, batch) = data.next_batch()?;
+        let (_, batch) = {
+            let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
+            data.next_batch()?
+        };
         let samples = batch.labels.len() as u64 * world;
         let stats = self.step_on(cx.engine, batch, lr)?;
         Ok(Step {
@@ -147,7 +150,9 @@ impl SyncAllReduce {
                     if current == last {
                         buffers[current][bucket.len()] = local_loss;
                     }
-                    pending.push(comm.all_reduce_start(std::mem::take(&mut buffers[current])));
+                    pending.push(
+                        comm.all_reduce_bucket(std::mem::take(&mut buffers[current]), current),
+                    );
                     current += 1;
                 }
                 Ok(())

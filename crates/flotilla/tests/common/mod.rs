@@ -152,3 +152,44 @@ pub fn config_file(dir: &Path, name: &str, text: &str) -> String {
 pub fn run_log(output: &Path, rank: usize) -> String {
     std::fs::read_to_string(output.join(format!("rank-{rank}/run.log"))).expect("run.log")
 }
+
+/// Processes (other than this one) whose command line mentions `needle`: pid and command line.
+pub fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| *pid != me)
+        .filter_map(|pid| {
+            let raw = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+            let cmd = String::from_utf8_lossy(&raw).replace('\0', " ");
+            cmd.contains(needle).then_some((pid, cmd))
+        })
+        .collect()
+}
+
+/// Asserts that within `limit` no process mentioning `needle` is left (zombies count as gone).
+pub fn assert_none_left(needle: &str, limit: Duration) {
+    let started = Instant::now();
+    loop {
+        let left: Vec<_> = processes_mentioning(needle)
+            .into_iter()
+            .filter(|(pid, _)| {
+                std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                    .map(|s| !s.contains(") Z "))
+                    .unwrap_or(false)
+            })
+            .collect();
+        if left.is_empty() {
+            return;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "processes left running after the job: {left:?}"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

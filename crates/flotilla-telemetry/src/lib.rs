@@ -1,0 +1,16 @@
+//! Telemetry of a Flotilla rank, outside the training libraries (which only emit `tracing`
+//! spans and `metrics` values):
+//! - [`timeline`]: a `tracing` layer writing the rank's Chrome trace events as JSON lines;
+//! - [`merge`]: joins the ranks' files into one trace for Perfetto / chrome://tracing;
+//! - [`exporter`]: the rank's Prometheus `/metrics` endpoint;
+//! - [`events`]: the JSON-lines events a rank prints for its launcher.
+
+pub mod events;
+pub mod exporter;
+pub mod merge;
+pub mod timeline;
+
+pub use events::{EVENT_PREFIX, RankEvent};
+pub use exporter::{ExporterError, MetricsServer, Recorder, install};
+pub use merge::{MergeError, MergeReport, merge};
+pub use timeline::{COUNTER_TARGET, Timeline, TimelineLayer, timeline};

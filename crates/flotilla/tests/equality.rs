@@ -1,0 +1,169 @@
+//! Equalities that pin the arithmetic of every sync topology: real `flotilla` processes over
+//! 127.0.0.1, on the vendored MNIST, compared tensor by tensor in their final checkpoints.
+//!
+//! Every run goes past the learning-rate warm-up, and every comparison also checks that the
+//! parameters moved away from the initial ones (so two runs that never trained cannot pass).
+
+mod common;
+
+use common::*;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+type Tensors = BTreeMap<String, Vec<f32>>;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Schedule shared by every run: warm-up ends at step 20 of 50, cosine decay after it.
+const SCHEDULE: &str = "max_steps: 50\nwarmup_steps: 20\nlr_schedule: cosine\n";
+
+/// Runs `flotilla launch CONFIG` with `yaml` (plus [`SCHEDULE`]) into `dir/name`; returns the
+/// final tensors and rank 0's run.log.
+fn run(dir: &Path, name: &str, yaml: &str) -> (Tensors, String) {
+    let cfg = config_file(dir, &format!("{name}.yaml"), &format!("{SCHEDULE}{yaml}"));
+    let out = dir.join(name);
+    let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
+    assert_eq!(final_fields(&o)["steps"], 50.0, "{name}\n{}", text(&o));
+    (checkpoint_tensors(&out), run_log(&out, 0))
+}
+
+/// The parameters before the first step (a run of zero steps checkpoints them).
+fn initial(dir: &Path) -> Tensors {
+    let out = dir.join("initial");
+    launch(
+        &[
+            "-n",
+            "1",
+            "--max-steps",
+            "0",
+            "--output",
+            out.to_str().expect("utf8"),
+        ],
+        LIMIT,
+    );
+    checkpoint_tensors(&out)
+}
+
+fn assert_moved(name: &str, t: &Tensors, init: &Tensors) {
+    let e = relative_error(t, init);
+    assert!(
+        e > 1e-2,
+        "{name}: parameters barely moved from the initial ones ({e})"
+    );
+}
+
+fn assert_bitwise(name: &str, a: &Tensors, b: &Tensors) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, va) in a {
+        let differing = va
+            .iter()
+            .zip(&b[k])
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differing, 0, "{name}: {differing} values of {k} differ");
+    }
+}
+
+/// The `traffic bytes_sent=N` of a run.log.
+fn bytes_sent(log: &str) -> u64 {
+    log.lines()
+        .find_map(|l| l.split("traffic bytes_sent=").nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no traffic line in run.log:\n{log}"))
+}
+
+#[test]
+fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
+    let dir = tmp();
+    let init = initial(dir.path());
+    // 10 KiB buckets: LeNet-5's 61,706 parameters (and the loss slot) span 25 buckets.
+    let ar = |n: usize, batch: usize, extra: &str| {
+        format!("world_size: {n}\nbatch_size: {batch}\nbucket_mb: 0.01\n{extra}")
+    };
+    let (one, _) = run(dir.path(), "n1", &ar(1, 32, ""));
+    assert_moved("1 rank", &one, &init);
+    let (two, two_log) = run(dir.path(), "n2", &ar(2, 16, ""));
+    let (four, _) = run(dir.path(), "n4", &ar(4, 8, ""));
+    for (name, t) in [("2 ranks", &two), ("4 ranks", &four)] {
+        assert_moved(name, t, &init);
+        // The same global batch, summed in another order: f32 rounding only.
+        let e = relative_error(t, &one);
+        assert!(e <= 1e-5, "{name} vs 1 rank: relative error {e}");
+    }
+
+    // lz4 changes the bytes on the wire, never the values.
+    let (lz4, _) = run(dir.path(), "lz4", &ar(2, 16, "compression: lz4\n"));
+    assert_bitwise("lz4 vs uncompressed", &lz4, &two);
+
+    // bf16 on the wire rounds every gradient to 8 significant bits (the all-reduce's own
+    // bound is tested in flotilla-comm): the run is not the f32 one, but it trains along the
+    // same path, far closer to it than to where both started, for about half the bytes.
+    let (bf16, bf16_log) = run(dir.path(), "bf16", &ar(2, 16, "wire_format: bf16\n"));
+    assert_moved("bf16", &bf16, &init);
+    let (e, moved) = (relative_error(&bf16, &two), relative_error(&two, &init));
+    assert!(
+        e > 0.0 && e <= 0.5 * moved,
+        "bf16 vs f32 wire: relative error {e}; the f32 run moved {moved} from the start"
+    );
+    let (b16, b32) = (bytes_sent(&bf16_log), bytes_sent(&two_log));
+    assert!(
+        (b16 as f64) < 0.7 * b32 as f64,
+        "bf16 sent {b16} bytes, f32 {b32}"
+    );
+}
+
+#[test]
+fn sync_parameter_server_topologies_give_equal_parameters() {
+    let dir = tmp();
+    let init = initial(dir.path());
+    let ps = "optimizer: {name: sgd, lr: 0.05, momentum: 0.9}\nbatch_size: 16\n";
+    let (flat, _) = run(
+        dir.path(),
+        "flat",
+        &format!("{ps}arch: flat\nparameter_server: {{aggr_type: sync, num_workers: 4}}\n"),
+    );
+    assert_moved("flat", &flat, &init);
+
+    // Two shard servers: each sums its half in the same worker order as the flat server.
+    let (sharded, _) = run(
+        dir.path(),
+        "sharded",
+        &format!(
+            "{ps}arch: flat\nservers: 2\nparameter_server: {{aggr_type: sync, num_workers: 4}}\n"
+        ),
+    );
+    assert_bitwise("sharded (servers: 2) vs flat", &sharded, &flat);
+
+    // One local server with all 4 workers: the global server's mean of one local mean is
+    // that mean exactly (scaling by a power of two), so the result is the flat one.
+    let hier = |locals: &str| {
+        format!(
+            "{ps}arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n{locals}"
+        )
+    };
+    let (one_local, _) = run(
+        dir.path(),
+        "hier-1x4",
+        &hier("    - {aggr_type: sync, num_workers: 4}\n"),
+    );
+    assert_bitwise("hierarchical 1x4 vs flat", &one_local, &flat);
+
+    // Two local servers with 2 workers each: (g1+g2)+(g3+g4) instead of ((g1+g2)+g3)+g4,
+    // so equal up to f32 rounding of the sums (see ARCHITECTURE.md).
+    let (two_local, _) = run(
+        dir.path(),
+        "hier-2x2",
+        &hier("    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 2}\n"),
+    );
+    assert_moved("hierarchical 2x2", &two_local, &init);
+    let e = relative_error(&two_local, &flat);
+    assert!(e <= 1e-6, "hierarchical 2x2 vs flat: relative error {e}");
+
+    // And the flat parameter server computes what all-reduce over the same 4 shards does.
+    let (ar, _) = run(dir.path(), "allreduce", &format!("{ps}world_size: 4\n"));
+    let e = relative_error(&ar, &flat);
+    assert!(e <= 1e-5, "flat sync PS vs all-reduce: relative error {e}");
+}

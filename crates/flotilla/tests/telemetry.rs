@@ -1,0 +1,305 @@
+//! Telemetry of real jobs: the merged Chrome timeline, the Prometheus `/metrics` endpoint of
+//! a running rank (read by a real Prometheus text parser), and the launcher's summary.
+
+mod common;
+
+use common::*;
+
+use std::io::{Read, Write};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// The merged trace's events.
+fn trace_events(path: &std::path::Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(path).expect("timeline written");
+    let v: Value = serde_json::from_str(&text).expect("the timeline is valid JSON");
+    v["traceEvents"].as_array().expect("traceEvents").clone()
+}
+
+/// Names of the complete spans of process `pid`.
+fn span_names(events: &[Value], pid: u64) -> Vec<String> {
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid)
+        .filter_map(|e| e["name"].as_str().map(String::from))
+        .collect()
+}
+
+fn assert_spans(events: &[Value], pid: u64, names: &[&str]) {
+    let have = span_names(events, pid);
+    for n in names {
+        assert!(
+            have.iter().any(|h| h == n),
+            "rank {pid} has no `{n}` span; it has {:?}",
+            {
+                let mut u = have.clone();
+                u.sort();
+                u.dedup();
+                u
+            }
+        );
+    }
+}
+
+fn process_name(events: &[Value], pid: u64) -> String {
+    events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid)
+        .and_then(|e| e["args"]["name"].as_str().map(String::from))
+        .unwrap_or_else(|| panic!("no process_name for pid {pid}"))
+}
+
+#[test]
+fn the_timeline_of_a_two_rank_job_has_every_span_from_both_ranks() {
+    let dir = tmp();
+    let out = dir.path().join("ar");
+    let trace = dir.path().join("trace.json");
+    let o = launch(
+        &[
+            "-n",
+            "2",
+            "--batch-size",
+            "16",
+            "--max-steps",
+            "12",
+            "--bucket-mb",
+            "0.05",
+            "--checkpoint-every",
+            "6",
+            "--output",
+            out.to_str().expect("utf8"),
+            "--timeline",
+            trace.to_str().expect("utf8"),
+        ],
+        LIMIT,
+    );
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("timeline: "),
+        "{}",
+        text(&o)
+    );
+    let events = trace_events(&trace);
+    assert_eq!(process_name(&events, 0), "rank 0 (peer)");
+    assert_eq!(process_name(&events, 1), "rank 1 (peer)");
+    for pid in [0, 1] {
+        assert_spans(
+            &events,
+            pid,
+            &[
+                "step",
+                "data",
+                "forward",
+                "backward",
+                "all_reduce",
+                "optimizer_step",
+                "eval",
+            ],
+        );
+        let buckets: Vec<&Value> = events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "all_reduce")
+            .filter(|e| e["args"].get("bucket").is_some())
+            .collect();
+        assert!(
+            buckets.len() >= 12 * 2,
+            "rank {pid}: every step reduces several buckets: {}",
+            buckets.len()
+        );
+        assert!(
+            buckets
+                .iter()
+                .all(|e| e["args"]["bytes"].as_u64() > Some(0))
+        );
+        let counters = events
+            .iter()
+            .filter(|e| e["ph"] == "C" && e["pid"] == pid && e["name"] == "bytes")
+            .count();
+        assert!(counters >= 12, "rank {pid}: {counters} byte counters");
+    }
+    assert_spans(&events, 0, &["checkpoint"]);
+    // One clock: both ranks' steps interleave within the same second of wall time.
+    let first = |pid| {
+        events
+            .iter()
+            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "step")
+            .filter_map(|e| e["ts"].as_f64())
+            .fold(f64::INFINITY, f64::min)
+    };
+    assert!(
+        (first(0) - first(1)).abs() < 5e6,
+        "{} vs {}",
+        first(0),
+        first(1)
+    );
+
+    // The launcher's summary carries rank 0's figures, machine-readable.
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary.json"))
+            .expect("json");
+    let ranks = summary["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 2);
+    assert_eq!(ranks[0]["figures"]["steps"], 12.0);
+}
+
+#[test]
+fn parameter_server_spans_and_figures() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "ps.yaml",
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 10\n",
+    );
+    let out = dir.path().join("ps");
+    let trace = dir.path().join("ps-trace.json");
+    launch(
+        &[
+            &cfg,
+            "--output",
+            out.to_str().expect("utf8"),
+            "--timeline",
+            trace.to_str().expect("utf8"),
+        ],
+        LIMIT,
+    );
+    let events = trace_events(&trace);
+    assert_eq!(process_name(&events, 0), "rank 0 (root)");
+    assert_eq!(process_name(&events, 2), "rank 2 (worker)");
+    assert_spans(&events, 0, &["ps_round", "optimizer_step", "eval"]);
+    for pid in [1, 2] {
+        assert_spans(&events, pid, &["ps_pull", "ps_push", "forward", "backward"]);
+    }
+    let summary: Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary.json"))
+            .expect("json");
+    let root = &summary["ranks"][0];
+    assert_eq!(root["role"], "root");
+    assert!(
+        root["figures"]["updates_per_s"].as_f64() > Some(0.0),
+        "{summary}"
+    );
+    assert!(
+        root["figures"]["bytes_per_round"].as_f64() > Some(0.0),
+        "{summary}"
+    );
+}
+
+/// `GET /metrics` on 127.0.0.1:`port`, if it answers.
+fn scrape(port: u16) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")
+        .ok()?;
+    let mut reply = String::new();
+    s.read_to_string(&mut reply).ok()?;
+    let (head, body) = reply.split_once("\r\n\r\n")?;
+    head.starts_with("HTTP/1.").then_some(())?;
+    head.contains(" 200 ").then(|| body.to_string())
+}
+
+const PARSER: &str = r#"
+import sys
+from prometheus_client.parser import text_string_to_metric_families
+names = {}
+for family in text_string_to_metric_families(sys.stdin.read()):
+    for s in family.samples:
+        names.setdefault(s.name, []).append(s.labels)
+for n in sorted(names):
+    print(n, sorted({k for labels in names[n] for k in labels}))
+"#;
+
+#[test]
+fn a_running_rank_serves_prometheus_metrics() {
+    let probe = Command::new("python3")
+        .args(["-c", "import prometheus_client"])
+        .output();
+    if !probe.is_ok_and(|o| o.status.success()) {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI must have python3 with prometheus_client (see .ci/run)"
+        );
+        eprintln!(
+            "SKIPPED: python3 with prometheus_client not installed (pip install prometheus_client)"
+        );
+        return;
+    }
+    let dir = tmp();
+    let base = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr").port()
+    };
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        "-n",
+        "2",
+        "--batch-size",
+        "16",
+        "--train-limit",
+        "640",
+    ])
+    .args(["--epochs", "50", "--metrics-port", &base.to_string()])
+    .args(["--output", dir.path().join("run").to_str().expect("utf8")])
+    .stdout(Stdio::null())
+    .stderr(Stdio::null());
+    let _job = Proc(c.spawn().expect("spawn"));
+    // Rank 1 serves on base + 1; wait until it has finished an epoch (accuracy is known).
+    let started = Instant::now();
+    let text = loop {
+        if let Some(t) = scrape(base + 1)
+            && t.contains("flotilla_test_accuracy")
+        {
+            break t;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "no metrics with a test accuracy on port {} within 120 s",
+            base + 1
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let mut py = Command::new("python3")
+        .args(["-c", PARSER])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    py.stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let o = py.wait_with_output().expect("parser");
+    assert!(
+        o.status.success(),
+        "prometheus_client rejects the text:\n{}\n{text}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let parsed = String::from_utf8_lossy(&o.stdout);
+    for family in [
+        "flotilla_step_seconds_bucket",
+        "flotilla_step_seconds_count",
+        "flotilla_samples_per_second",
+        "flotilla_train_loss",
+        "flotilla_test_accuracy",
+        "flotilla_all_reduce_seconds_sum",
+        "flotilla_steps_total",
+    ] {
+        assert!(
+            parsed.lines().any(|l| l.starts_with(&format!("{family} "))),
+            "no {family} in the parsed metrics:\n{parsed}"
+        );
+    }
+    for family in ["flotilla_bytes_sent_total", "flotilla_bytes_received_total"] {
+        assert!(
+            parsed
+                .lines()
+                .any(|l| l.starts_with(&format!("{family} ")) && l.contains("'peer'")),
+            "no per-peer {family}:\n{parsed}"
+        );
+    }
+}
