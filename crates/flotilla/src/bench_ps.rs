@@ -89,87 +89,88 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
     let dir = tempfile::tempdir().context("temporary directory")?;
     let common = format!("model: {}\nbatch_size: {}\n", args.model, args.batch_size);
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    if let Some(target) = args.time_to_accuracy {
-        println!(
-            "# flotilla bench ps --time-to-accuracy {target}: 4 workers, every topology, {cores} cores, 1 thread per process"
-        );
-        println!(
-            "# reference: the flat sync server in the same run (ratio = its time / this time)"
-        );
-        let tail = format!(
-            "{common}num_server_rounds: 20000\ntarget_accuracy: {target}\neval_every: 100\nwarmup_steps: 0\n"
-        );
-        let sync_opt = "optimizer: {name: sgd, lr: 0.04, momentum: 0.9, weight_decay: 0.0005}\n";
-        let async_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.5, weight_decay: 0.0005}\n";
-        // Two async levels add their staleness (mean ~5 versions): momentum 0.5 oscillated
-        // (0.94-0.98, target not reached in 6300 rounds); without momentum it converges.
-        let async2_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.0, weight_decay: 0.0005}\n";
-        let cases: Vec<(&str, String)> = vec![
-            (
-                "flat sync",
-                format!(
-                    "arch: flat\nparameter_server: {{aggr_type: sync, num_workers: 4}}\n{sync_opt}"
-                ),
-            ),
-            (
-                "flat async",
-                format!(
-                    "arch: flat\nparameter_server: {{aggr_type: async, num_workers: 4}}\n{async_opt}"
-                ),
-            ),
-            (
-                "hier sync/sync",
-                format!("{}{sync_opt}", hierarchical("sync", "sync", 4)),
-            ),
-            (
-                "hier sync/async",
-                format!("{}{async_opt}", hierarchical("sync", "async", 4)),
-            ),
-            (
-                "hier async/async",
-                format!("{}{async2_opt}", hierarchical("async", "async", 4)),
-            ),
-            (
-                "sharded k=2 sync",
-                format!(
-                    "arch: flat\nservers: 2\nparameter_server: {{aggr_type: sync, num_workers: 4}}\n{sync_opt}"
-                ),
-            ),
-            (
-                "averaging (4 local steps)",
-                format!(
-                    "arch: flat\nparameter_server: {{aggr_type: sync, num_workers: 4}}\nlocal_steps: 4\n{sync_opt}"
-                ),
-            ),
-        ];
-        println!(
-            "{:<26} {:>8} {:>9} {:>9} {:>7}",
-            "topology", "rounds", "test_acc", "time_s", "ratio"
-        );
-        let mut reference = None;
-        for (i, (name, yaml)) in cases.iter().enumerate() {
-            let f = run_job(
-                dir.path(),
-                &format!("tta{i}"),
-                &format!("{yaml}{tail}"),
-                Duration::from_secs(3600),
-            )?;
-            let base = *reference.get_or_insert(f.wall_s);
-            let reached = if f.test_acc >= target {
-                ""
-            } else {
-                " (target not reached)"
-            };
-            println!(
-                "{name:<26} {:>8.0} {:>9.4} {:>9.1} {:>7.2}{reached}",
-                f.rounds,
-                f.test_acc,
-                f.wall_s,
-                base / f.wall_s
-            );
-        }
-        return Ok(());
+    match args.time_to_accuracy {
+        Some(target) => time_to_accuracy(dir.path(), &common, cores, target),
+        None => throughput(dir.path(), &common, cores, args),
     }
+}
+
+/// Every topology with 4 workers, to `target` test accuracy.
+fn time_to_accuracy(dir: &Path, common: &str, cores: usize, target: f64) -> Result<()> {
+    println!(
+        "# flotilla bench ps --time-to-accuracy {target}: 4 workers, every topology, {cores} cores, 1 thread per process"
+    );
+    println!("# reference: the flat sync server in the same run (ratio = its time / this time)");
+    let tail = format!(
+        "{common}num_server_rounds: 20000\ntarget_accuracy: {target}\neval_every: 100\nwarmup_steps: 0\n"
+    );
+    println!(
+        "{:<26} {:>8} {:>9} {:>9} {:>7}",
+        "topology", "rounds", "test_acc", "time_s", "ratio"
+    );
+    let mut reference = None;
+    for (i, (name, yaml)) in accuracy_cases().iter().enumerate() {
+        let f = run_job(
+            dir,
+            &format!("tta{i}"),
+            &format!("{yaml}{tail}"),
+            Duration::from_secs(3600),
+        )?;
+        let base = *reference.get_or_insert(f.wall_s);
+        let reached = if f.test_acc >= target {
+            ""
+        } else {
+            " (target not reached)"
+        };
+        println!(
+            "{name:<26} {:>8.0} {:>9.4} {:>9.1} {:>7.2}{reached}",
+            f.rounds,
+            f.test_acc,
+            f.wall_s,
+            base / f.wall_s
+        );
+    }
+    Ok(())
+}
+
+/// The topologies of the time-to-accuracy table, each with the optimizer it trains with.
+fn accuracy_cases() -> Vec<(&'static str, String)> {
+    let sync_opt = "optimizer: {name: sgd, lr: 0.04, momentum: 0.9, weight_decay: 0.0005}\n";
+    let async_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.5, weight_decay: 0.0005}\n";
+    // Two async levels add their staleness (mean ~5 versions): momentum 0.5 oscillated
+    // (0.94-0.98, target not reached in 6300 rounds); without momentum it converges.
+    let async2_opt = "optimizer: {name: sgd, lr: 0.05, momentum: 0.0, weight_decay: 0.0005}\n";
+    let flat = |aggr: &str, extra: &str| {
+        format!("arch: flat\n{extra}parameter_server: {{aggr_type: {aggr}, num_workers: 4}}\n")
+    };
+    vec![
+        ("flat sync", format!("{}{sync_opt}", flat("sync", ""))),
+        ("flat async", format!("{}{async_opt}", flat("async", ""))),
+        (
+            "hier sync/sync",
+            format!("{}{sync_opt}", hierarchical("sync", "sync", 4)),
+        ),
+        (
+            "hier sync/async",
+            format!("{}{async_opt}", hierarchical("sync", "async", 4)),
+        ),
+        (
+            "hier async/async",
+            format!("{}{async2_opt}", hierarchical("async", "async", 4)),
+        ),
+        (
+            "sharded k=2 sync",
+            format!("{}{sync_opt}", flat("sync", "servers: 2\n")),
+        ),
+        (
+            "averaging (4 local steps)",
+            format!("{}local_steps: 4\n{sync_opt}", flat("sync", "")),
+        ),
+    ]
+}
+
+/// Updates/s and bytes per round at the root, flat vs hierarchical vs sharded.
+fn throughput(dir: &Path, common: &str, cores: usize, args: &BenchPsArgs) -> Result<()> {
     println!(
         "# flotilla bench ps: {} sync rounds per run, batch {} per worker, {cores} cores, 1 thread per process",
         args.rounds, args.batch_size
@@ -205,7 +206,7 @@ pub fn run(args: &BenchPsArgs) -> Result<()> {
         let mut flat = RootFigures::default();
         for (i, (name, yaml, procs)) in cases.iter().enumerate() {
             let f = run_job(
-                dir.path(),
+                dir,
                 &format!("ps{n}-{i}"),
                 &format!("{yaml}{tail}"),
                 Duration::from_secs(1800),

@@ -1,0 +1,470 @@
+//! Rank 0's side of the rendezvous: admit every rank (steps 2-3 of the protocol), welcome
+//! them with the peer table, wait until every mesh is ready, then say `Go` (step 4).
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep, sleep_until, timeout_at};
+
+use super::{recv_ctrl, reject, send_ctrl, tokens_equal};
+use crate::config::CommConfig;
+use crate::error::{CommError, PeerName, RendezvousError};
+use crate::frame::{self, ReadError};
+use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
+
+use super::Mesh;
+
+/// A process admitted to the job.
+struct Member {
+    stream: TcpStream,
+    addr: SocketAddr,
+    mesh_addr: String,
+}
+
+/// An accepted connection and its first message (`Err(None)`: closed or silent).
+type Arrival = (TcpStream, SocketAddr, Result<Ctrl, Option<CommError>>);
+
+/// A failure to report locally and to every rank that joined.
+type Failure = (CommError, RendezvousError);
+
+/// Rank 0's side of the rendezvous.
+pub(super) async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Mesh, CommError> {
+    let n = cfg.world_size;
+    tracing::info!(addr = ?listener.local_addr().ok(), world_size = n, "rank 0 waiting for ranks to join");
+    let mut admission = Admission::new(cfg);
+    if let Some((e, re)) = admission.run(&listener).await {
+        admission.fail(&re).await;
+        linger(listener, re, cfg.join_timeout.min(Duration::from_secs(5)));
+        return Err(e);
+    }
+    drop(listener);
+    let (members, peers) = admission.assign_ranks();
+    let (mut readers, mut writers) = split_streams(members);
+    welcome(cfg, &mut writers, peers).await?;
+    await_ready(cfg, &mut readers, &mut writers).await?;
+    let streams = go(cfg, readers, writers).await?;
+    tracing::info!(world_size = n, "rendezvous complete");
+    Ok(Mesh { rank: 0, streams })
+}
+
+/// Step 2: the processes that joined so far, and those still being read.
+struct Admission<'a> {
+    cfg: &'a CommConfig,
+    slots: Vec<Option<Member>>,
+    anon: Vec<Member>,
+    tx: mpsc::UnboundedSender<Arrival>,
+    rx: mpsc::UnboundedReceiver<Arrival>,
+    /// Accepted connections whose join request is still being read.
+    in_flight: usize,
+}
+
+impl<'a> Admission<'a> {
+    fn new(cfg: &'a CommConfig) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel();
+        Self {
+            cfg,
+            slots: (0..cfg.world_size).map(|_| None).collect(),
+            anon: Vec::new(),
+            tx,
+            rx,
+            in_flight: 0,
+        }
+    }
+
+    fn joined(&self) -> usize {
+        self.slots.iter().flatten().count() + self.anon.len()
+    }
+
+    /// Admits joins until all `n - 1` ranks are in (`None`) or the first failure.
+    async fn run(&mut self, listener: &TcpListener) -> Option<Failure> {
+        let join_deadline = Instant::now() + self.cfg.join_timeout;
+        while self.joined() < self.cfg.world_size - 1 {
+            tokio::select! {
+                acc = listener.accept() => match acc {
+                    Ok((stream, addr)) => self.read_join(stream, addr),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accept failed");
+                        sleep(Duration::from_millis(20)).await;
+                    }
+                },
+                Some((stream, addr, res)) = self.rx.recv() => {
+                    self.in_flight -= 1;
+                    if let Some(f) = self.on_arrival(stream, addr, res).await {
+                        return Some(f);
+                    }
+                }
+                _ = sleep_until(join_deadline) => return Some(self.timed_out()),
+            }
+        }
+        None
+    }
+
+    /// Reads the first message of an accepted connection on its own task.
+    fn read_join(&mut self, stream: TcpStream, addr: SocketAddr) {
+        self.in_flight += 1;
+        let _ = stream.set_nodelay(true);
+        let (tx, max, t) = (self.tx.clone(), self.cfg.max_frame_bytes, self.cfg.timeout);
+        tokio::spawn(async move {
+            let mut stream = stream;
+            let peer = PeerName::unranked(addr.to_string());
+            let res =
+                match tokio::time::timeout(t, frame::read_frame(&mut stream, max, &peer)).await {
+                    Err(_) | Ok(Err(ReadError::Io(_))) => Err(None),
+                    Ok(Err(ReadError::Comm(e))) => Err(Some(e)),
+                    Ok(Ok((_, payload))) => Ctrl::decode(&payload).map_err(|detail| {
+                        Some(CommError::BadFrame {
+                            peer: peer.clone(),
+                            detail,
+                        })
+                    }),
+                };
+            let _ = tx.send((stream, addr, res));
+        });
+    }
+
+    /// Admits a valid join; anything else fails the rendezvous.
+    async fn on_arrival(
+        &mut self,
+        mut stream: TcpStream,
+        addr: SocketAddr,
+        res: Result<Ctrl, Option<CommError>>,
+    ) -> Option<Failure> {
+        let (protocol, rank, world_size, config_hash, token, mesh_addr) = match res {
+            Err(None) => {
+                tracing::debug!(%addr, "connection closed or silent before joining; ignored");
+                return None;
+            }
+            Err(Some(e)) => {
+                let re = RendezvousError::MasterFailed {
+                    reason: e.to_string(),
+                };
+                return Some((e, re));
+            }
+            Ok(Ctrl::Join {
+                protocol,
+                rank,
+                world_size,
+                config_hash,
+                token,
+                mesh_addr,
+            }) => (protocol, rank, world_size, config_hash, token, mesh_addr),
+            Ok(other) => {
+                let e = CommError::BadFrame {
+                    peer: PeerName::unranked(addr.to_string()),
+                    detail: format!("expected a join request, got {other:?}"),
+                };
+                let re = RendezvousError::MasterFailed {
+                    reason: e.to_string(),
+                };
+                return Some((e, re));
+            }
+        };
+        let peer = PeerName {
+            rank,
+            addr: addr.to_string(),
+        };
+        let check = self.check(
+            peer,
+            protocol,
+            rank,
+            world_size,
+            config_hash,
+            token.as_deref(),
+        );
+        if let Err(re) = check {
+            tracing::error!(error = %re, "rejecting join");
+            reject(&mut stream, &re).await;
+            return Some((re.clone().into(), re));
+        }
+        tracing::debug!(?rank, %addr, "rank joined");
+        let m = Member {
+            stream,
+            addr,
+            mesh_addr,
+        };
+        match rank {
+            Some(r) => self.slots[r] = Some(m),
+            None => self.anon.push(m),
+        }
+        None
+    }
+
+    /// Whether a join may be admitted: protocol, world size, rank, token, config, duplicates.
+    fn check(
+        &self,
+        peer: PeerName,
+        protocol: u32,
+        rank: Option<usize>,
+        world_size: usize,
+        config_hash: u64,
+        token: Option<&str>,
+    ) -> Result<(), RendezvousError> {
+        let (n, cfg) = (self.cfg.world_size, self.cfg);
+        if protocol != RENDEZVOUS_PROTOCOL {
+            Err(RendezvousError::ProtocolVersion {
+                peer,
+                expected: RENDEZVOUS_PROTOCOL,
+                got: protocol,
+            })
+        } else if world_size != n {
+            Err(RendezvousError::WorldSizeMismatch {
+                peer,
+                expected: n,
+                got: world_size,
+            })
+        } else if rank == Some(0) {
+            Err(RendezvousError::DuplicateRank {
+                peer,
+                holder: "rank 0 (the master)".into(),
+            })
+        } else if rank.is_some_and(|r| r >= n) {
+            Err(RendezvousError::RankOutOfRange {
+                peer,
+                world_size: n,
+            })
+        } else if !tokens_equal(token, cfg.token.as_deref()) {
+            Err(RendezvousError::TokenMismatch { peer })
+        } else if config_hash != cfg.config_hash {
+            Err(RendezvousError::ConfigHashMismatch {
+                peer,
+                expected: cfg.config_hash,
+                got: config_hash,
+            })
+        } else if let Some(holder) = rank.and_then(|r| self.slots[r].as_ref()) {
+            Err(RendezvousError::DuplicateRank {
+                peer,
+                holder: holder.addr.to_string(),
+            })
+        } else {
+            Ok(())
+        }
+    }
+
+    /// The join deadline passed: which ranks are missing.
+    fn timed_out(&self) -> Failure {
+        let missing: Vec<String> = (1..self.cfg.world_size)
+            .filter(|&i| self.slots[i].is_none())
+            .map(|i| i.to_string())
+            .collect();
+        // Unranked joiners will take the lowest free slots; the rest are missing.
+        let missing = missing[self.anon.len().min(missing.len())..].join(", ");
+        let re = RendezvousError::JoinTimeout {
+            after: self.cfg.join_timeout,
+            missing,
+            present: 1 + self.joined(),
+            world_size: self.cfg.world_size,
+        };
+        (re.clone().into(), re)
+    }
+
+    /// Tells every admitted process, and those accepted but not yet admitted, of `re`.
+    async fn fail(&mut self, re: &RendezvousError) {
+        for m in self.slots.iter_mut().flatten().chain(self.anon.iter_mut()) {
+            reject(&mut m.stream, re).await;
+        }
+        let drain_deadline = Instant::now() + Duration::from_secs(1);
+        while self.in_flight > 0 {
+            let Ok(Some((mut stream, _, _))) = timeout_at(drain_deadline, self.rx.recv()).await
+            else {
+                break;
+            };
+            self.in_flight -= 1;
+            reject(&mut stream, re).await;
+        }
+    }
+
+    /// Step 3: processes that did not ask for a rank take the lowest free ones. Returns the
+    /// members by rank and the peer table (each rank's mesh address).
+    fn assign_ranks(self) -> (Vec<Option<Member>>, Vec<String>) {
+        let (mut slots, mut anon) = (self.slots, self.anon.into_iter());
+        for slot in slots.iter_mut().skip(1) {
+            if slot.is_none() {
+                *slot = anon.next();
+            }
+        }
+        let table = slots
+            .iter()
+            .map(|s| s.as_ref().map(|m| m.mesh_addr.clone()).unwrap_or_default())
+            .collect();
+        (slots, table)
+    }
+}
+
+type Readers = Vec<Option<OwnedReadHalf>>;
+type Writers = Vec<Option<OwnedWriteHalf>>;
+
+/// Each member's stream as read and write halves, by rank.
+fn split_streams(slots: Vec<Option<Member>>) -> (Readers, Writers) {
+    slots
+        .into_iter()
+        .map(|slot| match slot {
+            Some(m) => {
+                let (r, w) = m.stream.into_split();
+                (Some(r), Some(w))
+            }
+            None => (None, None),
+        })
+        .unzip()
+}
+
+/// Sends every rank its `Welcome` with the peer table.
+async fn welcome(
+    cfg: &CommConfig,
+    writers: &mut Writers,
+    peers: Vec<String>,
+) -> Result<(), CommError> {
+    let session: u64 = rand::random();
+    let deadline = Instant::now() + cfg.timeout;
+    for rank in 0..writers.len() {
+        let Some(w) = writers[rank].as_mut() else {
+            continue;
+        };
+        let msg = Ctrl::Welcome {
+            rank,
+            session,
+            peers: peers.clone(),
+        };
+        let sent = timeout_at(deadline, send_ctrl(w, &msg)).await;
+        if !matches!(sent, Ok(Ok(()))) {
+            let e = CommError::PeerLost {
+                peer: rank,
+                op: "rendezvous (welcome)".into(),
+                reason: "could not send the peer table".into(),
+            };
+            let re = RendezvousError::MasterFailed {
+                reason: e.to_string(),
+            };
+            abort_writers(writers, &re).await;
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
+/// Waits until every rank reports its mesh `Ready`; the first other answer fails them all.
+async fn await_ready(
+    cfg: &CommConfig,
+    readers: &mut Readers,
+    writers: &mut Writers,
+) -> Result<(), CommError> {
+    // The mesh phase itself waits up to `timeout` on each rank; allow for that plus slack.
+    let deadline = Instant::now() + cfg.timeout * 2 + Duration::from_secs(1);
+    let (tx, mut rx) = mpsc::unbounded_channel();
+    for (rank, r) in readers.iter_mut().enumerate() {
+        let Some(mut half) = r.take() else { continue };
+        let (tx, cfg) = (tx.clone(), cfg.clone());
+        tokio::spawn(async move {
+            let addr = half.peer_addr().map(|a| a.to_string()).unwrap_or_default();
+            let peer = PeerName::ranked(rank, addr);
+            let op = "rendezvous (mesh ready)";
+            let res = recv_ctrl(&mut half, deadline, &cfg, &peer, op).await;
+            let _ = tx.send((rank, half, peer, res));
+        });
+    }
+    drop(tx);
+    for _ in 1..cfg.world_size {
+        let Some((rank, half, peer, res)) = rx.recv().await else {
+            break;
+        };
+        readers[rank] = Some(half);
+        let err: CommError = match res {
+            Ok(Ctrl::Ready) => continue,
+            Ok(Ctrl::MeshFailed { reason }) => RendezvousError::MeshFailed { peer, reason }.into(),
+            Ok(other) => CommError::BadFrame {
+                peer,
+                detail: format!("expected Ready, got {other:?}"),
+            },
+            Err(e) => e,
+        };
+        let re = match &err {
+            CommError::Rendezvous(re) => re.clone(),
+            other => RendezvousError::MasterFailed {
+                reason: other.to_string(),
+            },
+        };
+        abort_writers(writers, &re).await;
+        return Err(err);
+    }
+    Ok(())
+}
+
+/// Sends `Go` to every rank and reunites each connection for data.
+async fn go(
+    cfg: &CommConfig,
+    readers: Readers,
+    writers: Writers,
+) -> Result<Vec<Option<TcpStream>>, CommError> {
+    let deadline = Instant::now() + cfg.timeout;
+    let mut streams: Vec<Option<TcpStream>> = Vec::with_capacity(readers.len());
+    for (rank, (r, w)) in readers.into_iter().zip(writers).enumerate() {
+        let (Some(r), Some(mut w)) = (r, w) else {
+            streams.push(None);
+            continue;
+        };
+        if !matches!(
+            timeout_at(deadline, send_ctrl(&mut w, &Ctrl::Go)).await,
+            Ok(Ok(()))
+        ) {
+            return Err(CommError::PeerLost {
+                peer: rank,
+                op: "rendezvous (go)".into(),
+                reason: "could not send".into(),
+            });
+        }
+        let s = r
+            .reunite(w)
+            .map_err(|_| CommError::Config("internal: mismatched stream halves".into()))?;
+        streams.push(Some(s));
+    }
+    Ok(streams)
+}
+
+async fn abort_writers(writers: &mut Writers, re: &RendezvousError) {
+    for w in writers.iter_mut().flatten() {
+        reject(w, re).await;
+    }
+}
+
+/// After a failed rendezvous, keeps rejecting late joiners with the failure for `grace` on
+/// a detached thread, so they report the real cause instead of "master unreachable".
+fn linger(listener: TcpListener, re: RendezvousError, grace: Duration) {
+    let Ok(std_listener) = listener.into_std() else {
+        return;
+    };
+    let spawned = std::thread::Builder::new()
+        .name("flotilla-rdzv-linger".into())
+        .spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async move {
+                let Ok(listener) = TcpListener::from_std(std_listener) else {
+                    return;
+                };
+                let _ = tokio::time::timeout(grace, async {
+                    while let Ok((mut s, _)) = listener.accept().await {
+                        let re = re.clone();
+                        tokio::spawn(async move {
+                            // Read the join request first so the rejection is not lost to a reset.
+                            let _ = tokio::time::timeout(
+                                Duration::from_secs(1),
+                                frame::read_frame(&mut s, 1 << 20, &PeerName::unranked("")),
+                            )
+                            .await;
+                            reject(&mut s, &re).await;
+                        });
+                    }
+                })
+                .await;
+            });
+        });
+    if let Err(e) = spawned {
+        tracing::debug!(error = %e, "could not start the rendezvous linger thread");
+    }
+}

@@ -1,0 +1,147 @@
+//! Rendezvous: rank 0 admits every rank, checks it, distributes the peer address table, and
+//! the ranks build a full mesh of connections.
+//!
+//! Protocol (control channel, JSON payloads, see [`crate::wire::Ctrl`]):
+//!
+//! 1. Every rank other than 0 binds a mesh listener, connects to `master_addr:master_port`
+//!    (retrying with backoff until `join_timeout`, since rank 0 may start later) and sends
+//!    `Join { rank, world_size, config_hash, token, mesh_addr }`.
+//! 2. Rank 0 checks each join as it arrives (protocol version, world size, rank range,
+//!    token, config hash, duplicate rank). The first violation fails the rendezvous: the
+//!    offender and every joined rank receive `Reject(error)` naming the offender, and rank 0
+//!    returns the same error. If not all ranks joined by `join_timeout`, everybody gets a
+//!    `JoinTimeout` naming the missing ranks.
+//! 3. Rank 0 assigns ranks to processes that did not ask for one (lowest free first) and
+//!    sends `Welcome { rank, session, peers }`. The connection to rank 0 stays open and
+//!    becomes the data connection between rank 0 and that rank.
+//! 4. Rank r (r >= 1) connects to every rank 1 <= j < r and accepts from every j > r, with a
+//!    `Hello { session, from, to }` / `HelloAck` handshake, then reports `Ready` (or
+//!    `MeshFailed`) to rank 0. When everyone is ready rank 0 sends `Go`.
+//!
+//! Every wait has a deadline (`join_timeout` for joining, `timeout` for everything else).
+
+mod client;
+mod master;
+mod mesh;
+
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream};
+use tokio::time::{Instant, timeout_at};
+
+use crate::config::CommConfig;
+use crate::error::{CommError, PeerName, RendezvousError};
+use crate::frame::{self, Op, channel};
+use crate::net;
+use crate::wire::Ctrl;
+
+/// Result of a successful rendezvous: this process's rank and one stream per peer rank.
+pub(crate) struct Mesh {
+    pub rank: usize,
+    pub streams: Vec<Option<TcpStream>>,
+}
+
+/// Runs the rendezvous for `cfg`. `listener` optionally replaces rank 0's own bind.
+pub(crate) async fn rendezvous(
+    cfg: &CommConfig,
+    listener: Option<std::net::TcpListener>,
+) -> Result<Mesh, CommError> {
+    match (cfg.rank, listener) {
+        (Some(0), Some(l)) => {
+            l.set_nonblocking(true)
+                .map_err(|e| CommError::io("cannot use the given listener", e))?;
+            let l = TcpListener::from_std(l)
+                .map_err(|e| CommError::io("cannot use the given listener", e))?;
+            master::master(cfg, l).await
+        }
+        (Some(0), None) => {
+            let host = cfg.bind_host.as_deref().unwrap_or(&cfg.master_addr);
+            let addr = net::resolve(host, cfg.master_port).await?;
+            let l = net::bind_listener(addr, cfg.socket_buffer_bytes)?;
+            master::master(cfg, l).await
+        }
+        (_, Some(_)) => Err(CommError::Config(
+            "only rank 0 can take a pre-bound rendezvous listener".into(),
+        )),
+        (_, None) => client::client(cfg).await,
+    }
+}
+
+async fn send_ctrl<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, msg: &Ctrl) -> std::io::Result<()> {
+    frame::write_frame(w, channel::CONTROL, Op::Control, 0, 0, &msg.encode()).await
+}
+
+/// Reads one control message before `deadline`.
+async fn recv_ctrl<R: tokio::io::AsyncRead + Unpin>(
+    r: &mut R,
+    deadline: Instant,
+    cfg: &CommConfig,
+    peer: &PeerName,
+    during: &str,
+) -> Result<Ctrl, CommError> {
+    let (h, payload) =
+        match timeout_at(deadline, frame::read_frame(r, cfg.max_frame_bytes, peer)).await {
+            Err(_) => {
+                return Err(match peer.rank {
+                    Some(rank) => CommError::Timeout {
+                        peer: rank,
+                        op: during.to_string(),
+                        after: cfg.timeout,
+                    },
+                    None => CommError::Rendezvous(RendezvousError::MasterFailed {
+                        reason: format!("{peer} went silent during {during}"),
+                    }),
+                });
+            }
+            Ok(r) => r.map_err(|e| e.into_comm(peer, during))?,
+        };
+    if h.channel != channel::CONTROL {
+        return Err(CommError::BadFrame {
+            peer: peer.clone(),
+            detail: format!("data frame on channel {} during {during}", h.channel),
+        });
+    }
+    Ctrl::decode(&payload).map_err(|detail| CommError::BadFrame {
+        peer: peer.clone(),
+        detail,
+    })
+}
+
+/// Best-effort delivery of a rejection (bounded by one second).
+async fn reject<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, e: &RendezvousError) {
+    let _ = tokio::time::timeout(
+        Duration::from_secs(1),
+        send_ctrl(w, &Ctrl::Reject(e.clone())),
+    )
+    .await;
+}
+
+fn tokens_equal(a: Option<&str>, b: Option<&str>) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => {
+            // Length-independent-time comparison of the bytes.
+            let (a, b) = (a.as_bytes(), b.as_bytes());
+            let mut diff = a.len() ^ b.len();
+            for i in 0..a.len().max(b.len()) {
+                diff |= (*a.get(i).unwrap_or(&0) ^ *b.get(i).unwrap_or(&0)) as usize;
+            }
+            diff == 0
+        }
+        _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_comparison() {
+        assert!(tokens_equal(None, None));
+        assert!(tokens_equal(Some("abc"), Some("abc")));
+        assert!(!tokens_equal(Some("abc"), Some("abd")));
+        assert!(!tokens_equal(Some("abc"), Some("abcd")));
+        assert!(!tokens_equal(Some("abc"), None));
+    }
+}

@@ -1,0 +1,223 @@
+//! `flotilla launch`: writes the effective config, starts N local ranks of `flotilla train`
+//! on it, relays what they print (a progress bar from rank 0's events), and at the end merges
+//! their timelines and writes `summary.json` from their `finished` events.
+
+use std::ffi::OsString;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use flotilla_cluster::Topology;
+use flotilla_telemetry::RankEvent;
+use flotilla_train::TrainConfig;
+use indicatif::ProgressBar;
+use serde_json::{Value, json};
+
+use crate::cli::LaunchArgs;
+use crate::launch::{self, LocalJob, RankLine, Stream};
+use crate::progress::{PROGRESS_ENV, step_bar};
+use crate::{settings, telemetry};
+
+/// A job ready to start: its config (as the ranks will read it) and shape.
+struct Prepared {
+    config: TrainConfig,
+    config_path: PathBuf,
+    topology: Topology,
+    n: usize,
+}
+
+/// Runs `flotilla launch`.
+pub fn run(args: &LaunchArgs) -> Result<()> {
+    let job = prepare(args)?;
+    let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
+    let mut ranks = LocalJob::spawn(job.n, &train, rank_env(&job, args.threads))?;
+    ranks.tolerate(tolerated_ranks(&job.topology));
+    let mut relay = Relay::new();
+    let result = ranks.supervise(None, &mut |line| relay.on_line(line));
+    relay.clear_bar();
+    let config = &job.config;
+    if let Some(dest) = &config.telemetry.timeline_path {
+        // Also after a failure: the timeline of a failed job is where to look.
+        match telemetry::merge_rank_timelines(&config.telemetry.output, job.n, dest) {
+            Ok(line) => println!("{line}"),
+            Err(e) => eprintln!("warning: merging the timeline: {e:#}"),
+        }
+    }
+    result?;
+    relay.write_summary(&config.telemetry.output.join("summary.json"))?;
+    match relay.final_line {
+        Some(line) => println!("{line}"),
+        None => anyhow::bail!("rank 0 exited without a final line"),
+    }
+    Ok(())
+}
+
+/// The effective config with a rendezvous address, checked and written for the ranks.
+fn prepare(args: &LaunchArgs) -> Result<Prepared> {
+    let mut config = settings::effective_config(&args.run, false)?;
+    if args.run.master_port.is_none() {
+        config.comm.master_port = launch::free_port()?;
+    }
+    if args.run.master_addr.is_none() {
+        config.comm.master_addr = "127.0.0.1".into();
+    }
+    let spec = config.validate()?;
+    let n = config.effective_world_size()?;
+    let output = &config.telemetry.output;
+    std::fs::create_dir_all(output).with_context(|| format!("creating {}", output.display()))?;
+    let config_path = output.join("launch-config.yaml");
+    std::fs::write(&config_path, serde_norway::to_string(&config)?)
+        .with_context(|| format!("writing {}", config_path.display()))?;
+    println!(
+        "launching {n} ranks of {} on {}:{} (output {})",
+        spec.name,
+        config.comm.master_addr,
+        config.comm.master_port,
+        output.display()
+    );
+    let topology = config.topology()?;
+    if topology.arch() != flotilla_cluster::Arch::Allreduce {
+        for line in flotilla_cluster::Placement::local(&topology)
+            .describe()
+            .lines()
+        {
+            println!("{line}");
+        }
+    }
+    Ok(Prepared {
+        config,
+        config_path,
+        topology,
+        n,
+    })
+}
+
+/// Each rank's environment: its place in the job, events for this launcher, and the
+/// per-rank thread count for every thread pool a backend may use (rayon for flex,
+/// OpenMP/MKL for LibTorch) unless the caller set it: an oversubscribed OpenMP pool collapses.
+fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, String)> {
+    let threads = threads.max(1).to_string();
+    let mut common: Vec<(String, String)> =
+        ["RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"]
+            .iter()
+            .map(|k| {
+                let v = std::env::var(k).unwrap_or_else(|_| threads.clone());
+                (k.to_string(), v)
+            })
+            .collect();
+    let comm = &job.config.comm;
+    common.extend([
+        ("WORLD_SIZE".to_string(), job.n.to_string()),
+        ("MASTER_ADDR".to_string(), comm.master_addr.clone()),
+        ("MASTER_PORT".to_string(), comm.master_port.to_string()),
+        (PROGRESS_ENV.to_string(), "1".to_string()),
+    ]);
+    move |rank| {
+        let mut env = vec![("RANK".to_string(), rank.to_string())];
+        env.extend(common.iter().cloned());
+        env
+    }
+}
+
+/// What the launcher does with the ranks' lines.
+struct Relay {
+    interactive: bool,
+    /// `None` until rank 0's first progress event; `Some(None)` when not on a terminal.
+    bar: Option<Option<ProgressBar>>,
+    final_line: Option<String>,
+    finished: Vec<Value>,
+}
+
+impl Relay {
+    fn new() -> Self {
+        Self {
+            interactive: std::io::stderr().is_terminal(),
+            bar: None,
+            final_line: None,
+            finished: Vec::new(),
+        }
+    }
+
+    /// Events update the bar or the summary; every other line is shown with its rank.
+    fn on_line(&mut self, line: &RankLine) {
+        if line.stream == Stream::Stdout {
+            // A malformed event is shown as the text it is.
+            if let Some(Ok(event)) = RankEvent::parse(&line.text) {
+                return self.on_event(line.rank, event);
+            }
+            if line.rank == 0 && line.text.starts_with("final ") {
+                self.final_line = Some(line.text.clone());
+            }
+        }
+        let text = format!("[rank {}] {}", line.rank, line.text);
+        match (&self.bar, line.stream) {
+            (Some(Some(b)), _) => b.println(text),
+            (_, Stream::Stdout) => println!("{text}"),
+            (_, Stream::Stderr) => eprintln!("{text}"),
+        }
+    }
+
+    fn on_event(&mut self, rank: usize, event: RankEvent) {
+        match event {
+            RankEvent::Progress {
+                step,
+                total,
+                epoch,
+                epochs,
+                loss,
+            } if rank == 0 && self.interactive => {
+                let b = self.bar.get_or_insert_with(|| step_bar(total));
+                if let Some(b) = b {
+                    b.set_position(step);
+                    b.set_message(format!("epoch {epoch}/{epochs} loss {loss:.4}"));
+                }
+            }
+            RankEvent::Finished { role, figures } => {
+                self.finished
+                    .push(json!({ "rank": rank, "role": role, "figures": figures }));
+            }
+            // Failures are read by the supervisor itself.
+            RankEvent::Progress { .. } | RankEvent::Failed { .. } => {}
+        }
+    }
+
+    fn clear_bar(&mut self) {
+        if let Some(Some(b)) = self.bar.take() {
+            b.finish_and_clear();
+        }
+    }
+
+    /// `summary.json`: every rank's role and figures, by rank.
+    fn write_summary(&mut self, path: &std::path::Path) -> Result<()> {
+        self.finished.sort_by_key(|v| v["rank"].as_u64());
+        let body = serde_json::to_vec_pretty(&json!({ "ranks": self.finished }))?;
+        std::fs::write(path, body).with_context(|| format!("writing {}", path.display()))
+    }
+}
+
+/// Ranks whose loss an asynchronous server above them absorbs: a rank is tolerated if any
+/// link on its path to the root ends at an `async` server.
+fn tolerated_ranks(topology: &Topology) -> Vec<usize> {
+    let is_async = |rank: usize| {
+        topology
+            .role(rank)
+            .and_then(|r| r.aggregation)
+            .is_some_and(|a| a == flotilla_cluster::Aggregation::Async)
+    };
+    (0..topology.world_size())
+        .filter(|&rank| {
+            let mut at = rank;
+            for _ in 0..topology.world_size() {
+                let Some(parent) = topology.role(at).and_then(|r| r.parents.first().copied())
+                else {
+                    return false;
+                };
+                if is_async(parent) {
+                    return true;
+                }
+                at = parent;
+            }
+            false
+        })
+        .collect()
+}
