@@ -13,8 +13,8 @@ use serde_json::{Value, json};
 /// Why a merge failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MergeError {
-    /// A file could not be read or written.
-    #[error("{path}: {source}")]
+    /// A file could not be read or written (the cause is the error's source).
+    #[error("{path}")]
     Io {
         /// The file.
         path: PathBuf,

@@ -1,6 +1,7 @@
 //! The binary's telemetry: the `tracing` subscriber (`RUST_LOG` for stderr, default `warn`),
 //! a rank's timeline file and its `/metrics` endpoint.
 
+use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
@@ -37,6 +38,7 @@ pub fn init(train: Option<(&TrainConfig, Option<usize>)>) -> Result<RankTelemetr
     let env = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("warn"));
     let fmt = tracing_subscriber::fmt::layer()
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(true)
         .with_filter(env);
     let mut telemetry = RankTelemetry::default();
