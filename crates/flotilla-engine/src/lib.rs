@@ -10,6 +10,8 @@
 pub mod device;
 pub mod engine;
 pub mod error;
+pub mod graph;
+pub mod layer;
 pub mod model;
 pub mod optim;
 pub mod params;
@@ -18,6 +20,7 @@ pub mod spec;
 pub use device::{available_devices, device_by_name};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
+pub use graph::{Merge, Node};
 pub use optim::OptimizerSpec;
 pub use params::{ParamInfo, ParamLayout};
 pub use spec::{LayerSpec, ModelSpec, Shape};

@@ -8,7 +8,10 @@ use burn::nn::{
 };
 use burn::prelude::*;
 
+use std::collections::HashMap;
+
 use crate::error::{EngineError, Result};
+use crate::graph::Merge;
 use crate::spec::{LayerSpec, ModelSpec, Shape};
 
 /// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
@@ -34,37 +37,81 @@ pub enum Layer {
     Flatten(Flatten),
     /// Dropout.
     Dropout(Dropout),
+    /// Identity (a merge point without a computation).
+    Identity(Identity),
+}
+
+/// Passes its input on; it has no parameters.
+#[derive(Module, Debug, Default)]
+pub struct Identity;
+
+/// A layer's named links, from the spec (not parameters; never saved).
+#[derive(Debug, Clone, Default)]
+pub struct Links {
+    /// Names under which the layer's output is kept.
+    pub keep: Vec<String>,
+    /// Names merged into the layer's input.
+    pub take: Vec<String>,
+    /// How they are merged.
+    pub merge: Merge,
 }
 
 /// Flattens every dimension after the batch dimension; it has no parameters.
 #[derive(Module, Debug, Default)]
 pub struct Flatten;
 
-/// A sequential model: the layers of a spec, applied in order to a batch.
+/// A model: the layers of a spec, applied in order to a batch, with the named outputs that
+/// later layers take as extra inputs (residual and concatenating links).
 #[derive(Module, Debug)]
 pub struct SequentialModel {
     /// The layers, in spec order.
     pub layers: Vec<Layer>,
+    /// Each layer's links, in spec order.
+    #[module(skip)]
+    pub links: Vec<Links>,
 }
 
 /// An activation between layers: image-like or flat, with the batch dimension first.
+#[derive(Clone)]
 enum Activation {
     Image(Tensor<4>),
     Flat(Tensor<2>),
+}
+
+impl Activation {
+    /// `self` merged with `other` (shapes were checked at load time).
+    fn merge(self, other: Activation, how: Merge) -> Activation {
+        match (how, self, other) {
+            (Merge::Add, Activation::Image(a), Activation::Image(b)) => Activation::Image(a + b),
+            (Merge::Add, Activation::Flat(a), Activation::Flat(b)) => Activation::Flat(a + b),
+            (Merge::Concat, Activation::Image(a), Activation::Image(b)) => {
+                Activation::Image(Tensor::cat(vec![a, b], 1))
+            }
+            (Merge::Concat, Activation::Flat(a), Activation::Flat(b)) => {
+                Activation::Flat(Tensor::cat(vec![a, b], 1))
+            }
+            // Shape inference rules out mixing images and flat activations.
+            (_, a, _) => a,
+        }
+    }
 }
 
 impl SequentialModel {
     /// Builds the model on `device`; parameters are initialised from the device's RNG (seed it
     /// first for determinism). The spec must have passed shape inference.
     pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
-        let shapes = spec.infer_shapes()?;
-        let mut input = spec.input_shape()?;
+        let io = spec.infer_io()?;
         let mut layers = Vec::with_capacity(spec.layers.len());
-        for (layer, out) in spec.layers.iter().zip(shapes) {
-            layers.push(build_layer(layer, input, device)?);
-            input = out;
+        let mut links = Vec::with_capacity(spec.layers.len());
+        for (node, (input, _)) in spec.layers.iter().zip(io) {
+            layers.push(build_layer(&node.layer, input, device)?);
+            links.push(Links {
+                keep: node.out_variables.clone(),
+                take: node.dependencies.clone(),
+                merge: node.merge,
+            });
         }
-        Ok(Self { layers })
+        Ok(Self { layers, links })
     }
 
     /// Forward pass on an image batch `[N, C, H, W]`; returns `[N, classes]` logits.
@@ -79,30 +126,45 @@ impl SequentialModel {
 
     fn run(&self, input: Activation) -> Tensor<2> {
         let mut x = input;
-        for layer in &self.layers {
-            x = match (layer, x) {
-                (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-                (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-                (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-                (Layer::Linear(m), Activation::Flat(t)) => Activation::Flat(m.forward(t)),
-                (Layer::Flatten(_), Activation::Image(t)) => Activation::Flat(t.flatten(1, 3)),
-                (Layer::Flatten(_), flat @ Activation::Flat(_)) => flat,
-                (Layer::Relu(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
-                (Layer::Tanh(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
-                (Layer::Sigmoid(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
-                (Layer::Dropout(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
-                // Shape inference at load time rules these out: a linear layer always follows
-                // a flatten, an image layer never follows one.
-                (Layer::Linear(m), Activation::Image(t)) => {
-                    Activation::Flat(m.forward(t.flatten(1, 3)))
+        let mut kept: HashMap<&str, Activation> = HashMap::new();
+        let none = Links::default();
+        for (i, layer) in self.layers.iter().enumerate() {
+            let links = self.links.get(i).unwrap_or(&none);
+            for name in &links.take {
+                if let Some(other) = kept.get(name.as_str()) {
+                    x = x.merge(other.clone(), links.merge);
                 }
-                (_, Activation::Flat(t)) => Activation::Flat(t),
-            };
+            }
+            x = apply(layer, x);
+            for name in &links.keep {
+                kept.insert(name, x.clone());
+            }
         }
         match x {
             Activation::Flat(t) => t,
             Activation::Image(t) => t.flatten(1, 3),
         }
+    }
+}
+
+/// One layer on one activation.
+fn apply(layer: &Layer, x: Activation) -> Activation {
+    match (layer, x) {
+        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::Linear(m), Activation::Flat(t)) => Activation::Flat(m.forward(t)),
+        (Layer::Flatten(_), Activation::Image(t)) => Activation::Flat(t.flatten(1, 3)),
+        (Layer::Flatten(_), flat @ Activation::Flat(_)) => flat,
+        (Layer::Relu(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+        (Layer::Tanh(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+        (Layer::Sigmoid(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+        (Layer::Dropout(m), x) => map_any(x, |t| m.forward(t), |t| m.forward(t)),
+        // Shape inference at load time rules these out: a linear layer always follows
+        // a flatten, an image layer never follows one.
+        (Layer::Linear(m), Activation::Image(t)) => Activation::Flat(m.forward(t.flatten(1, 3))),
+        (Layer::Identity(_), x) => x,
+        (_, Activation::Flat(t)) => Activation::Flat(t),
     }
 }
 
@@ -161,5 +223,6 @@ fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer
         LayerSpec::Sigmoid => Layer::Sigmoid(Sigmoid::new()),
         LayerSpec::Flatten => Layer::Flatten(Flatten),
         LayerSpec::Dropout { p } => Layer::Dropout(DropoutConfig::new(p).init()),
+        LayerSpec::Identity => Layer::Identity(Identity),
     })
 }

@@ -1,132 +1,14 @@
-//! Model specs: an ordered list of layers read from YAML, with shapes inferred and checked at
-//! load time, before any tensor exists.
+//! Model specs: an ordered list of layers read from YAML, with named links between them (see
+//! [`crate::graph`]), shapes inferred and checked at load time, before any tensor exists.
 
 use serde::{Deserialize, Serialize};
-use std::fmt;
+use std::collections::HashMap;
 use std::path::Path;
 
 use crate::error::{EngineError, Result};
-
-/// One layer of a sequential model, as written in a spec file.
-///
-/// Parameterised layers are one-key maps (`- conv2d: {out: 6, k: 5}`); the others are plain
-/// words (`- relu`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case", deny_unknown_fields)]
-pub enum LayerSpec {
-    /// 2-D convolution with a square kernel.
-    Conv2d {
-        /// Output channels.
-        out: usize,
-        /// Kernel size (square).
-        k: usize,
-        /// Stride (default 1).
-        #[serde(default = "one")]
-        stride: usize,
-        /// Zero padding on each side (default 0).
-        #[serde(default)]
-        padding: usize,
-        /// Whether the layer has a bias (default true).
-        #[serde(default = "yes")]
-        bias: bool,
-    },
-    /// 2-D max pooling with a square window.
-    Maxpool {
-        /// Window size.
-        k: usize,
-        /// Stride (default: the window size).
-        #[serde(default)]
-        stride: Option<usize>,
-    },
-    /// 2-D average pooling with a square window.
-    Avgpool {
-        /// Window size.
-        k: usize,
-        /// Stride (default: the window size).
-        #[serde(default)]
-        stride: Option<usize>,
-    },
-    /// Fully connected layer on a flat input.
-    Linear {
-        /// Output features.
-        out: usize,
-        /// Whether the layer has a bias (default true).
-        #[serde(default = "yes")]
-        bias: bool,
-    },
-    /// Rectified linear unit.
-    Relu,
-    /// Hyperbolic tangent.
-    Tanh,
-    /// Logistic sigmoid.
-    Sigmoid,
-    /// Flattens `[C, H, W]` into `[C*H*W]`.
-    Flatten,
-    /// Dropout with drop probability `p` (active in training only; each rank draws its own mask).
-    Dropout {
-        /// Drop probability in `[0, 1)`.
-        p: f64,
-    },
-}
-
-fn one() -> usize {
-    1
-}
-fn yes() -> bool {
-    true
-}
-
-impl LayerSpec {
-    /// The layer's kind as written in a spec (`conv2d`, `relu`, ...).
-    pub fn kind(&self) -> &'static str {
-        match self {
-            LayerSpec::Conv2d { .. } => "conv2d",
-            LayerSpec::Maxpool { .. } => "maxpool",
-            LayerSpec::Avgpool { .. } => "avgpool",
-            LayerSpec::Linear { .. } => "linear",
-            LayerSpec::Relu => "relu",
-            LayerSpec::Tanh => "tanh",
-            LayerSpec::Sigmoid => "sigmoid",
-            LayerSpec::Flatten => "flatten",
-            LayerSpec::Dropout { .. } => "dropout",
-        }
-    }
-}
-
-/// The shape of one sample's activation between layers (the batch dimension is implicit).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Shape {
-    /// An image-like activation `[channels, height, width]`.
-    Image {
-        /// Channels.
-        c: usize,
-        /// Height.
-        h: usize,
-        /// Width.
-        w: usize,
-    },
-    /// A flat feature vector.
-    Flat(usize),
-}
-
-impl Shape {
-    /// Number of values per sample.
-    pub fn numel(&self) -> usize {
-        match *self {
-            Shape::Image { c, h, w } => c * h * w,
-            Shape::Flat(f) => f,
-        }
-    }
-}
-
-impl fmt::Display for Shape {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Shape::Image { c, h, w } => write!(f, "[{c}, {h}, {w}]"),
-            Shape::Flat(n) => write!(f, "[{n}]"),
-        }
-    }
-}
+use crate::graph::{self, Node};
+use crate::layer::layer_output;
+pub use crate::layer::{LayerSpec, Shape};
 
 /// A sequential model: its input shape and its layers, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -137,9 +19,8 @@ pub struct ModelSpec {
     pub name: String,
     /// One sample's input shape: `[C, H, W]` or `[F]`.
     pub input: Vec<usize>,
-    /// The layers, applied in order.
-    #[serde(with = "serde_norway::with::singleton_map_recursive")]
-    pub layers: Vec<LayerSpec>,
+    /// The layers, applied in order, with their named links (see [`crate::graph`]).
+    pub layers: Vec<Node>,
 }
 
 fn unnamed() -> String {
@@ -150,6 +31,11 @@ fn unnamed() -> String {
 pub const BUILTIN_SPECS: &[(&str, &str)] = &[
     ("lenet5", include_str!("../../../models/lenet5.yaml")),
     ("mlp", include_str!("../../../models/mlp.yaml")),
+    (
+        "resnet-mnist",
+        include_str!("../../../models/resnet-mnist.yaml"),
+    ),
+    ("resmlp", include_str!("../../../models/resmlp.yaml")),
 ];
 
 impl ModelSpec {
@@ -211,16 +97,28 @@ impl ModelSpec {
     /// The activation shape after every layer (`shapes[i]` is layer `i`'s output), checking
     /// that each layer accepts its input. Errors name the layer.
     pub fn infer_shapes(&self) -> Result<Vec<Shape>> {
+        Ok(self.infer_io()?.into_iter().map(|(_, out)| out).collect())
+    }
+
+    /// Every layer's input (after its dependencies are merged in) and output shape, checking
+    /// names (dangling, cyclic, kept twice) and shapes. Errors name the layer.
+    pub fn infer_io(&self) -> Result<Vec<(Shape, Shape)>> {
         if self.layers.is_empty() {
             return Err(EngineError::InvalidSpec("the model has no layers".into()));
         }
+        let producers = graph::producers(&self.layers)?;
+        let mut named: HashMap<String, Shape> = HashMap::new();
         let mut shape = self.input_shape()?;
-        let mut shapes = Vec::with_capacity(self.layers.len());
-        for (index, layer) in self.layers.iter().enumerate() {
-            shape = layer_output(index, layer, shape)?;
-            shapes.push(shape);
+        let mut io = Vec::with_capacity(self.layers.len());
+        for (index, node) in self.layers.iter().enumerate() {
+            let input = graph::merged_input(index, node, shape, &named, &producers)?;
+            shape = layer_output(index, &node.layer, input)?;
+            for name in &node.out_variables {
+                named.insert(name.clone(), shape);
+            }
+            io.push((input, shape));
         }
-        Ok(shapes)
+        Ok(io)
     }
 
     /// The model's output shape, which must be flat (class logits).
@@ -256,77 +154,6 @@ impl ModelSpec {
     /// The canonical YAML text of the spec (used for the cluster-wide config hash).
     pub fn to_yaml(&self) -> String {
         serde_norway::to_string(self).unwrap_or_else(|_| format!("{self:?}"))
-    }
-}
-
-fn layer_output(index: usize, layer: &LayerSpec, input: Shape) -> Result<Shape> {
-    let err = |message: String| EngineError::LayerShape {
-        index,
-        kind: layer.kind().to_string(),
-        message,
-    };
-    let image = |input: Shape| match input {
-        Shape::Image { c, h, w } => Ok((c, h, w)),
-        Shape::Flat(_) => Err(err(format!(
-            "needs an image input [C, H, W] but gets flat {input}"
-        ))),
-    };
-    match *layer {
-        LayerSpec::Conv2d {
-            out,
-            k,
-            stride,
-            padding,
-            ..
-        } => {
-            let (_, h, w) = image(input)?;
-            if out == 0 || k == 0 || stride == 0 {
-                return Err(err("out, k and stride must be positive".into()));
-            }
-            let (ph, pw) = (h + 2 * padding, w + 2 * padding);
-            if ph < k || pw < k {
-                return Err(err(format!(
-                    "kernel {k}x{k} is larger than the padded input {ph}x{pw} (input {input})"
-                )));
-            }
-            Ok(Shape::Image {
-                c: out,
-                h: (ph - k) / stride + 1,
-                w: (pw - k) / stride + 1,
-            })
-        }
-        LayerSpec::Maxpool { k, stride } | LayerSpec::Avgpool { k, stride } => {
-            let (c, h, w) = image(input)?;
-            let stride = stride.unwrap_or(k);
-            if k == 0 || stride == 0 {
-                return Err(err("k and stride must be positive".into()));
-            }
-            if h < k || w < k {
-                return Err(err(format!(
-                    "window {k}x{k} is larger than the input {input}"
-                )));
-            }
-            Ok(Shape::Image {
-                c,
-                h: (h - k) / stride + 1,
-                w: (w - k) / stride + 1,
-            })
-        }
-        LayerSpec::Linear { out, .. } => match input {
-            Shape::Flat(_) if out > 0 => Ok(Shape::Flat(out)),
-            Shape::Flat(_) => Err(err("out must be positive".into())),
-            Shape::Image { .. } => Err(err(format!(
-                "needs a flat input but gets {input}; add `- flatten` before it"
-            ))),
-        },
-        LayerSpec::Flatten => Ok(Shape::Flat(input.numel())),
-        LayerSpec::Dropout { p } => {
-            if !(0.0..1.0).contains(&p) {
-                return Err(err(format!("p must be in [0, 1), got {p}")));
-            }
-            Ok(input)
-        }
-        LayerSpec::Relu | LayerSpec::Tanh | LayerSpec::Sigmoid => Ok(input),
     }
 }
 

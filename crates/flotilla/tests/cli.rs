@@ -344,3 +344,34 @@ fn hierarchical_async_and_model_averaging_train() {
         );
     }
 }
+
+#[test]
+fn residual_models_train_from_their_shipped_specs() {
+    let dir = tmp();
+    let cases = [
+        (
+            "resnet-mnist",
+            "model: resnet-mnist\nwarmup_steps: 0\nmax_steps: 200\nbatch_size: 32\noptimizer: {name: adam, lr: 0.002}\n",
+            0.75,
+        ),
+        (
+            "resmlp",
+            "model: resmlp\nmax_steps: 300\nbatch_size: 64\n",
+            0.9,
+        ),
+    ];
+    for (name, yaml, want) in cases {
+        let cfg = config_file(dir.path(), &format!("{name}.yaml"), yaml);
+        let out = dir.path().join(name);
+        let o = launch(
+            &[&cfg, "--output", out.to_str().expect("utf8")],
+            Duration::from_secs(300),
+        );
+        let acc = final_fields(&o)["test_acc"];
+        assert!(
+            acc >= want,
+            "{name}: test accuracy {acc} < {want}\n{}",
+            text(&o)
+        );
+    }
+}
