@@ -97,5 +97,13 @@ pub fn write_dataset(
 
 /// The vendored MNIST directory of the repository.
 pub fn vendored_mnist_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../data/mnist")
+    manifest_dir().join("../../data/mnist")
+}
+
+/// The crate's directory, read at run time (cargo sets it for tests), so that a test binary
+/// reused from a build in another checkout reads this checkout's files.
+fn manifest_dir() -> PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }

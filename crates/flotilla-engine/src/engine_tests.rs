@@ -1,6 +1,6 @@
 //! Tests of the burn engine through the [`Engine`] trait.
 
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     OptimizerSpec::Sgd {

@@ -12,18 +12,32 @@ pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod layer;
+pub mod loss;
 pub mod model;
 pub mod optim;
 pub mod params;
+pub mod partition;
+pub mod profile;
 pub mod spec;
+pub mod split;
+pub mod stage;
+pub mod weights;
 
 pub use device::{available_devices, device_by_name};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
 pub use graph::{Merge, Node};
+pub use loss::cross_entropy;
 pub use optim::OptimizerSpec;
 pub use params::{ParamInfo, ParamLayout};
+pub use partition::{LayerCost, StageEstimate, StageHost, partition};
+pub use profile::profile;
 pub use spec::{LayerSpec, ModelSpec, Shape};
+pub use split::{Crossing, MAIN, Split};
+pub use stage::{Slot, Stage};
+pub use weights::ModelState;
 
 #[cfg(test)]
 mod engine_tests;
+#[cfg(test)]
+mod stage_tests;

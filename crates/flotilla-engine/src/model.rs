@@ -9,6 +9,9 @@ use burn::nn::{
 use burn::prelude::*;
 
 use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::tensor::{Gradients, TensorData};
 
 use crate::error::{EngineError, Result};
 use crate::graph::Merge;
@@ -73,7 +76,7 @@ pub struct SequentialModel {
 
 /// An activation between layers: image-like or flat, with the batch dimension first.
 #[derive(Clone)]
-enum Activation {
+pub(crate) enum Activation {
     Image(Tensor<4>),
     Flat(Tensor<2>),
 }
@@ -92,6 +95,84 @@ impl Activation {
             }
             // Shape inference rules out mixing images and flat activations.
             (_, a, _) => a,
+        }
+    }
+}
+
+impl Activation {
+    /// `n` samples of `shape` from a flat row-major buffer (checked by the caller).
+    pub(crate) fn from_flat(values: Vec<f32>, n: usize, shape: Shape, device: &Device) -> Self {
+        match shape {
+            Shape::Image { c, h, w } => Activation::Image(Tensor::from_data(
+                TensorData::new(values, [n, c, h, w]),
+                device,
+            )),
+            Shape::Flat(f) => {
+                Activation::Flat(Tensor::from_data(TensorData::new(values, [n, f]), device))
+            }
+        }
+    }
+
+    /// The same values as a leaf whose gradient backward will compute.
+    pub(crate) fn require_grad(self) -> Self {
+        match self {
+            Activation::Image(t) => Activation::Image(t.require_grad()),
+            Activation::Flat(t) => Activation::Flat(t.require_grad()),
+        }
+    }
+
+    /// The values, row-major.
+    pub(crate) fn to_flat(&self) -> Result<Vec<f32>> {
+        let data = match self {
+            Activation::Image(t) => t.to_data(),
+            Activation::Flat(t) => t.to_data(),
+        };
+        data.convert::<f32>()
+            .try_into_vec::<f32>()
+            .map_err(|e| EngineError::Batch(format!("reading an activation: {e:?}")))
+    }
+
+    /// This leaf's gradient after a backward pass, row-major (`None` if it got none).
+    pub(crate) fn grad(&self, grads: &Gradients) -> Option<Result<Vec<f32>>> {
+        let data = match self {
+            Activation::Image(t) => t.grad(grads)?.into_data(),
+            Activation::Flat(t) => t.grad(grads)?.into_data(),
+        };
+        Some(
+            data.convert::<f32>()
+                .try_into_vec::<f32>()
+                .map_err(|e| EngineError::Batch(format!("reading a gradient: {e:?}"))),
+        )
+    }
+
+    /// `Σ self · g`: the scalar whose gradient with respect to `self` is `g` (the
+    /// vector-Jacobian product's seed). `g` has `self`'s shape, row-major.
+    pub(crate) fn dot(&self, g: Vec<f32>) -> Tensor<1> {
+        match self {
+            Activation::Image(t) => {
+                let g = Tensor::<4>::from_data(TensorData::new(g, t.shape()), &t.device());
+                (t.clone() * g).sum()
+            }
+            Activation::Flat(t) => {
+                let g = Tensor::<2>::from_data(TensorData::new(g, t.shape()), &t.device());
+                (t.clone() * g).sum()
+            }
+        }
+    }
+
+    /// Number of values.
+    pub(crate) fn numel(&self) -> usize {
+        match self {
+            Activation::Image(t) => t.shape().num_elements(),
+            Activation::Flat(t) => t.shape().num_elements(),
+        }
+    }
+
+    /// As `[N, features]` (logits).
+    pub(crate) fn into_logits(self) -> Tensor<2> {
+        match self {
+            Activation::Flat(t) => t,
+            Activation::Image(t) => t.flatten(1, 3),
         }
     }
 }
@@ -125,25 +206,38 @@ impl SequentialModel {
     }
 
     fn run(&self, input: Activation) -> Tensor<2> {
+        let mut kept = HashMap::new();
+        self.run_range(0..self.layers.len(), input, &mut kept)
+            .into_logits()
+    }
+
+    /// Applies the layers in `range` to `x`. `kept` holds the named outputs that these layers
+    /// may take (received from earlier stages, or kept by earlier layers); the named outputs
+    /// of these layers are added to it.
+    pub(crate) fn run_range(
+        &self,
+        range: Range<usize>,
+        input: Activation,
+        kept: &mut HashMap<String, Activation>,
+    ) -> Activation {
         let mut x = input;
-        let mut kept: HashMap<&str, Activation> = HashMap::new();
         let none = Links::default();
-        for (i, layer) in self.layers.iter().enumerate() {
+        for i in range {
+            let Some(layer) = self.layers.get(i) else {
+                break;
+            };
             let links = self.links.get(i).unwrap_or(&none);
             for name in &links.take {
-                if let Some(other) = kept.get(name.as_str()) {
+                if let Some(other) = kept.get(name) {
                     x = x.merge(other.clone(), links.merge);
                 }
             }
             x = apply(layer, x);
             for name in &links.keep {
-                kept.insert(name, x.clone());
+                kept.insert(name.clone(), x.clone());
             }
         }
-        match x {
-            Activation::Flat(t) => t,
-            Activation::Image(t) => t.flatten(1, 3),
-        }
+        x
     }
 }
 

@@ -91,6 +91,14 @@ impl Default for OptimizerSpec {
 }
 
 impl OptimizerSpec {
+    /// Values of optimizer state kept per parameter (momentum: 1, Adam's moments: 2).
+    pub fn state_slots(&self) -> u64 {
+        match self {
+            OptimizerSpec::Sgd { momentum, .. } => u64::from(*momentum > 0.0),
+            OptimizerSpec::Adam { .. } | OptimizerSpec::Adamw { .. } => 2,
+        }
+    }
+
     /// The configured learning rate.
     pub fn lr(&self) -> f64 {
         match self {

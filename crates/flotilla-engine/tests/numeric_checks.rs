@@ -3,7 +3,7 @@
 //! saved weights against the flat view, the learning rate of `apply_grads`, and evaluation
 //! totals. Every test asserts values, so that a transposed, scaled or misplaced number fails.
 
-use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 /// Conv (two input channels, padding) → overlapping max pooling → linear. No other kinks.
 const MAXPOOL_SPEC: &str = "name: conv-maxpool

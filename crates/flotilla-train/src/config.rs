@@ -440,7 +440,6 @@ fn remove_path(v: &mut serde_json::Value, path: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::Path;
 
     #[test]
     fn empty_file_is_all_defaults() {
@@ -537,7 +536,9 @@ mod tests {
     #[test]
     fn shipped_examples_parse() {
         for name in ["mnist-lenet5.yaml", "mnist-mlp.yaml"] {
-            let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            let path = std::env::var_os("CARGO_MANIFEST_DIR")
+                .map(std::path::PathBuf::from)
+                .unwrap_or_else(|| env!("CARGO_MANIFEST_DIR").into())
                 .join("../../examples")
                 .join(name);
             let c = TrainConfig::load(&path).expect("example parses");

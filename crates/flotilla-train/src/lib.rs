@@ -14,6 +14,7 @@ pub mod eval;
 pub mod fault;
 pub mod layers;
 pub mod observe;
+pub mod pipeline;
 pub mod ps;
 pub mod role;
 pub mod runlog;

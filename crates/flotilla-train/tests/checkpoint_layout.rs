@@ -2,7 +2,7 @@
 //! every linear weight is the transpose of the engine's flat `[in, out]` view, element by
 //! element, and every other tensor (conv weights `[out, in, kh, kw]`, biases) is equal to it.
 
-use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BurnEngine, ModelSpec, ModelState, OptimizerSpec};
 use flotilla_train::checkpoint::{self, CheckpointState};
 
 fn lenet(seed: u64) -> BurnEngine {

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_comm::bench::{BenchOptions, default_sizes, format_bytes, run_allreduce};
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup, WireFormat};
-use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 use crate::cli::{BenchAllreduceArgs, BenchCommand, BenchStepArgs};
 use crate::launch::{LocalJob, Stream, free_port};

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup};
 use flotilla_data::ImageDataset;
-use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BurnEngine, ModelSpec, ModelState, OptimizerSpec};
 
 use super::PsContext;
 use super::inbox::Inbox;

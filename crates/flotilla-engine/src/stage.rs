@@ -1,0 +1,403 @@
+//! One pipeline stage: a contiguous slice of a model's layers that runs forward and backward
+//! on micro-batches, with flat buffers in and out.
+//!
+//! A stage takes its **input slots** and gives its **output slots**, each a flat row-major
+//! buffer of `n` samples: stage 0 takes the model input, a later stage the crossings of
+//! [`Split::inputs`]; the last stage gives the logits, an earlier stage the crossings of
+//! [`Split::outputs`]. `forward` keeps, per micro-batch in flight, what backward needs (the
+//! autodiff graph behind the outputs and the input leaves); `backward` is the vector-Jacobian
+//! product: the inputs were marked to require a gradient, and `Σ y·g` over the outputs is
+//! differentiated, giving the gradients of the inputs (sent back upstream) and of the stage's
+//! parameters (accumulated over micro-batches until [`Stage::step`]).
+//!
+//! The stage's parameters have the names and initial values of the same layers of the whole
+//! model built from the same seed (the other layers are replaced by identities after seeded
+//! initialisation), so the union of the stages' weight files is the whole model's.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use burn::module::Module;
+use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
+use burn::prelude::*;
+use burn::tensor::{Gradients, TensorData};
+
+use crate::error::{EngineError, Result};
+use crate::model::Activation;
+use crate::optim::OptimizerSpec;
+use crate::params;
+use crate::spec::{ModelSpec, Shape};
+use crate::split::{MAIN, Split};
+use crate::weights::{Weights, delegate_model_state};
+
+/// One input or output of a stage: [`MAIN`] (the model input, the main activation or the
+/// logits) or a named skip tensor, and one sample's shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// [`MAIN`] or the `out_variables` name.
+    pub name: String,
+    /// One sample's shape.
+    pub shape: Shape,
+}
+
+/// What a micro-batch in flight keeps for its backward pass.
+struct Flight {
+    inputs: Vec<Activation>,
+    outputs: Vec<Activation>,
+}
+
+/// One stage of a pipeline (see the module documentation).
+pub struct Stage {
+    weights: Weights,
+    index: usize,
+    last: bool,
+    range: Range<usize>,
+    inputs: Vec<Slot>,
+    outputs: Vec<Slot>,
+    flights: HashMap<usize, Flight>,
+    peak: usize,
+    grads: Vec<f32>,
+    loss: CrossEntropyLoss,
+}
+
+delegate_model_state!(Stage);
+
+impl Stage {
+    /// Builds stage `index` of `split` (a split of `spec`) on the named backend, with
+    /// parameters initialised from `seed` as the whole model's would be.
+    pub fn new(
+        spec: &ModelSpec,
+        split: &Split,
+        index: usize,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+        seed: u64,
+    ) -> Result<Self> {
+        let range = split.ranges.get(index).cloned().ok_or_else(|| {
+            EngineError::InvalidSpec(format!(
+                "stage {index} does not exist (the split has {} stages)",
+                split.stages()
+            ))
+        })?;
+        let last = index + 1 == split.stages();
+        let slot = |i: usize| Slot {
+            name: split.crossings[i].name.clone(),
+            shape: split.crossings[i].shape,
+        };
+        let main = |shape| Slot {
+            name: MAIN.to_string(),
+            shape,
+        };
+        let inputs = match index {
+            0 => vec![main(split.input)],
+            s => split.inputs(s).into_iter().map(slot).collect(),
+        };
+        let outputs = match last {
+            true => vec![main(Shape::Flat(split.classes))],
+            false => split.outputs(index).into_iter().map(slot).collect(),
+        };
+        let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
+            .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
+        let grads = vec![0.0; weights.layout.total];
+        Ok(Self {
+            loss: CrossEntropyLossConfig::new().init(&weights.device),
+            weights,
+            index,
+            last,
+            range,
+            inputs,
+            outputs,
+            flights: HashMap::new(),
+            peak: 0,
+            grads,
+        })
+    }
+
+    /// This stage's position in the pipeline.
+    pub fn index(&self) -> usize {
+        self.index
+    }
+
+    /// The model layers this stage runs.
+    pub fn layers(&self) -> Range<usize> {
+        self.range.clone()
+    }
+
+    /// Whether this is the last stage (it gives logits and computes the loss).
+    pub fn is_last(&self) -> bool {
+        self.last
+    }
+
+    /// What [`Stage::forward`] takes, in order.
+    pub fn inputs(&self) -> &[Slot] {
+        &self.inputs
+    }
+
+    /// What [`Stage::forward`] gives, in order.
+    pub fn outputs(&self) -> &[Slot] {
+        &self.outputs
+    }
+
+    /// Micro-batches whose forward ran and whose backward has not.
+    pub fn in_flight(&self) -> usize {
+        self.flights.len()
+    }
+
+    /// The most micro-batches ever in flight at once.
+    pub fn peak_in_flight(&self) -> usize {
+        self.peak
+    }
+
+    /// Runs forward on micro-batch `mb` of `n` samples, keeping what its backward needs;
+    /// returns the output slots.
+    pub fn forward(&mut self, mb: usize, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+        if self.flights.contains_key(&mb) {
+            return Err(EngineError::Batch(format!(
+                "stage {}: micro-batch {mb} is already in flight",
+                self.index
+            )));
+        }
+        let _span = tracing::info_span!(target: "flotilla::engine", "forward", mb).entered();
+        let device = self.weights.device.clone();
+        let acts = self.activations(n, inputs, &device, self.index > 0)?;
+        let outputs = self.run(acts.clone())?;
+        let flat = outputs
+            .iter()
+            .map(Activation::to_flat)
+            .collect::<Result<Vec<_>>>()?;
+        self.flights.insert(
+            mb,
+            Flight {
+                inputs: acts,
+                outputs,
+            },
+        );
+        self.peak = self.peak.max(self.flights.len());
+        Ok(flat)
+    }
+
+    /// Runs backward for micro-batch `mb` given the gradients of its output slots (same
+    /// order and sizes as [`Stage::forward`] gave); accumulates the parameters' gradients and
+    /// returns the gradients of the input slots (empty on stage 0).
+    pub fn backward(&mut self, mb: usize, grad_outputs: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+        let flight = self.take_flight(mb)?;
+        if grad_outputs.len() != flight.outputs.len() {
+            return Err(EngineError::Batch(format!(
+                "stage {}: {} output gradients for {} outputs",
+                self.index,
+                grad_outputs.len(),
+                flight.outputs.len()
+            )));
+        }
+        let _span = tracing::info_span!(target: "flotilla::engine", "backward", mb).entered();
+        let mut seed: Option<Tensor<1>> = None;
+        for (y, g) in flight.outputs.iter().zip(grad_outputs) {
+            if g.len() != y.numel() {
+                return Err(EngineError::FlatLength {
+                    expected: y.numel(),
+                    got: g.len(),
+                });
+            }
+            let term = y.dot(g);
+            seed = Some(match seed {
+                Some(sum) => sum + term,
+                None => term,
+            });
+        }
+        match seed {
+            Some(seed) if self.needs_backward() => {
+                let grads = seed.backward();
+                self.finish_backward(&flight, &grads)
+            }
+            _ => Ok(Vec::new()),
+        }
+    }
+
+    /// On the last stage: the cross-entropy loss of micro-batch `mb` against `labels`,
+    /// differentiated with weight `weight` (the micro-batch's share of the batch, so that the
+    /// accumulated gradient is the whole batch's mean). Returns the unweighted mean loss and
+    /// the gradients of the input slots.
+    pub fn backward_loss(
+        &mut self,
+        mb: usize,
+        labels: &[i64],
+        weight: f32,
+    ) -> Result<(f32, Vec<Vec<f32>>)> {
+        if !self.last {
+            return Err(EngineError::Batch(format!(
+                "stage {} is not the last stage and has no loss",
+                self.index
+            )));
+        }
+        let flight = self.take_flight(mb)?;
+        let _span = tracing::info_span!(target: "flotilla::engine", "backward", mb).entered();
+        let logits = match flight.outputs.first() {
+            Some(y) => y.clone().into_logits(),
+            None => return Err(EngineError::NoGradients),
+        };
+        let [n, _] = logits.dims();
+        if labels.len() != n {
+            return Err(EngineError::Batch(format!(
+                "{} labels for a micro-batch of {n} samples",
+                labels.len()
+            )));
+        }
+        let device = &self.weights.device;
+        let targets = Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [n]), device);
+        let loss = self.loss.forward(logits, targets);
+        let grads = (loss.clone() * weight).backward();
+        let value = loss.into_scalar::<f32>();
+        let grad_inputs = self.finish_backward(&flight, &grads)?;
+        Ok((value, grad_inputs))
+    }
+
+    /// The gradient accumulated since the last step, in [`crate::ModelState::layout`] order (to be
+    /// averaged across replicas in place before [`Stage::step`]).
+    pub fn grads_mut(&mut self) -> &mut [f32] {
+        &mut self.grads
+    }
+
+    /// Applies one optimizer step with the accumulated gradient, then zeroes it. Every
+    /// micro-batch must have finished its backward pass.
+    pub fn step(&mut self, lr: f64) -> Result<()> {
+        if !self.flights.is_empty() {
+            let mut open: Vec<usize> = self.flights.keys().copied().collect();
+            open.sort_unstable();
+            return Err(EngineError::Batch(format!(
+                "stage {}: step with micro-batches {open:?} still waiting for backward",
+                self.index
+            )));
+        }
+        self.weights.step(&self.grads, lr)?;
+        self.grads.fill(0.0);
+        Ok(())
+    }
+
+    /// Drops every micro-batch in flight and the accumulated gradient (after a failure).
+    pub fn reset(&mut self) {
+        self.flights.clear();
+        self.grads.fill(0.0);
+    }
+
+    /// Forward without gradients (evaluation): returns the output slots.
+    pub fn forward_eval(&self, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+        let device = self.weights.base_device.clone();
+        let acts = self.activations(n, inputs, &device, false)?;
+        let model = self.weights.model()?.valid();
+        self.outputs_of(&model, acts)?
+            .iter()
+            .map(Activation::to_flat)
+            .collect()
+    }
+
+    fn activations(
+        &self,
+        n: usize,
+        inputs: &[&[f32]],
+        device: &Device,
+        require_grad: bool,
+    ) -> Result<Vec<Activation>> {
+        if inputs.len() != self.inputs.len() {
+            return Err(EngineError::Batch(format!(
+                "stage {} takes {} inputs, got {}",
+                self.index,
+                self.inputs.len(),
+                inputs.len()
+            )));
+        }
+        let mut acts = Vec::with_capacity(inputs.len());
+        for (slot, values) in self.inputs.iter().zip(inputs) {
+            let expected = n * slot.shape.numel();
+            if values.len() != expected || n == 0 {
+                return Err(EngineError::Batch(format!(
+                    "stage {} input `{}`: {n} samples of {} need {expected} values, got {}",
+                    self.index,
+                    slot.name,
+                    slot.shape,
+                    values.len()
+                )));
+            }
+            let a = Activation::from_flat(values.to_vec(), n, slot.shape, device);
+            acts.push(if require_grad { a.require_grad() } else { a });
+        }
+        Ok(acts)
+    }
+
+    fn run(&self, acts: Vec<Activation>) -> Result<Vec<Activation>> {
+        self.outputs_of(self.weights.model()?, acts)
+    }
+
+    fn outputs_of(
+        &self,
+        model: &crate::model::SequentialModel,
+        acts: Vec<Activation>,
+    ) -> Result<Vec<Activation>> {
+        let mut acts = acts.into_iter();
+        let Some(main) = acts.next() else {
+            return Err(EngineError::Batch("a stage needs its main input".into()));
+        };
+        let mut kept: HashMap<String, Activation> = self
+            .inputs
+            .iter()
+            .skip(1)
+            .map(|s| s.name.clone())
+            .zip(acts)
+            .collect();
+        let x = model.run_range(self.range.clone(), main, &mut kept);
+        if self.last {
+            return Ok(vec![Activation::Flat(x.into_logits())]);
+        }
+        let mut x = Some(x);
+        let mut outputs = Vec::with_capacity(self.outputs.len());
+        for slot in &self.outputs {
+            let value = if slot.name == MAIN {
+                x.take()
+            } else {
+                kept.get(&slot.name).cloned()
+            };
+            outputs.push(value.ok_or_else(|| {
+                EngineError::InvalidSpec(format!(
+                    "stage {} does not produce `{}`",
+                    self.index, slot.name
+                ))
+            })?);
+        }
+        Ok(outputs)
+    }
+
+    /// Whether a backward pass computes anything (stage 0 without parameters has nothing
+    /// to differentiate).
+    fn needs_backward(&self) -> bool {
+        self.index > 0 || self.weights.layout.total > 0
+    }
+
+    fn take_flight(&mut self, mb: usize) -> Result<Flight> {
+        self.flights.remove(&mb).ok_or_else(|| {
+            EngineError::Batch(format!(
+                "stage {}: backward for micro-batch {mb}, which has no forward in flight",
+                self.index
+            ))
+        })
+    }
+
+    /// Adds the parameters' gradients to the accumulator and reads the inputs' gradients.
+    fn finish_backward(&mut self, flight: &Flight, grads: &Gradients) -> Result<Vec<Vec<f32>>> {
+        let layout = &self.weights.layout;
+        let acc = &mut self.grads;
+        params::for_each_grad(self.weights.model()?, grads, layout, &mut |i, g| {
+            let info = &layout.params[i];
+            for (a, v) in acc[info.offset..info.offset + info.len].iter_mut().zip(g) {
+                *a += v;
+            }
+            Ok(())
+        })?;
+        if self.index == 0 {
+            return Ok(Vec::new());
+        }
+        flight
+            .inputs
+            .iter()
+            .map(|x| x.grad(grads).unwrap_or_else(|| Ok(vec![0.0; x.numel()])))
+            .collect()
+    }
+}

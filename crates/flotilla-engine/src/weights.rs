@@ -1,0 +1,249 @@
+//! A model's parameters and optimizer, seen as flat buffers: the [`ModelState`] trait that a
+//! whole-model engine and a pipeline stage share, and the burn state behind both.
+
+use std::ops::Range;
+use std::path::Path;
+
+use burn::optim::ModuleOptimizer;
+use burn::prelude::*;
+use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+
+use crate::device::device_by_name;
+use crate::error::{EngineError, Result};
+use crate::model::{Identity, Layer, SequentialModel};
+use crate::optim::OptimizerSpec;
+use crate::params::{self, ParamLayout};
+use crate::spec::ModelSpec;
+
+/// Serialises seeded initialisation (see [`Weights::new`]).
+static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// Parameters, optimizer state and weight files, as flat buffers in the order of
+/// [`ModelState::layout`]. Implemented by the whole-model [`crate::BurnEngine`] and by a
+/// pipeline [`crate::Stage`] (which holds only its own layers' parameters).
+pub trait ModelState {
+    /// Where each parameter lives in the flat buffers.
+    fn layout(&self) -> &ParamLayout;
+
+    /// Number of parameters (length of every flat buffer).
+    fn num_params(&self) -> usize {
+        self.layout().total
+    }
+
+    /// Copies the parameters into `out`.
+    fn read_params(&self, out: &mut [f32]) -> Result<()>;
+
+    /// Replaces the parameters with `src`; optimizer state stays attached.
+    fn write_params(&mut self, src: &[f32]) -> Result<()>;
+
+    /// The optimizer state as bytes (burn's burnpack format), keyed by parameter position.
+    fn optimizer_state(&self) -> Result<Vec<u8>>;
+
+    /// Restores optimizer state written by [`ModelState::optimizer_state`].
+    fn load_optimizer_state(&mut self, bytes: &[u8]) -> Result<()>;
+
+    /// Writes the parameters as safetensors in PyTorch's layout (linear weights `[out, in]`,
+    /// names `layers.<i>.weight`).
+    fn save_weights(&self, path: &Path) -> Result<()>;
+
+    /// Reads parameters written by [`ModelState::save_weights`] (or by PyTorch, same names).
+    /// Tensors in the file that this model does not have are ignored; a tensor the model has
+    /// and the file lacks is an error.
+    fn load_weights(&mut self, path: &Path) -> Result<()>;
+}
+
+/// The burn state behind a [`ModelState`]: the model (or a stage's part of it), its optimizer
+/// and its flat layout.
+pub(crate) struct Weights {
+    pub(crate) spec: ModelSpec,
+    /// The autodiff device training runs on.
+    pub(crate) device: Device,
+    /// The same device without autodiff (evaluation, gradients handed to the optimizer).
+    pub(crate) base_device: Device,
+    model: Option<SequentialModel>,
+    optimizer: ModuleOptimizer,
+    pub(crate) layout: ParamLayout,
+    /// Extra safetensors metadata written with the weights.
+    metadata: Vec<(String, String)>,
+}
+
+impl Weights {
+    /// Builds the model of `spec` on the named backend with parameters initialised from
+    /// `seed`. With `keep`, only the layers in that range keep their parameters (the others
+    /// become identities), so a stage's parameters have the same names and initial values as
+    /// the same layers of the whole model built from the same seed.
+    pub(crate) fn new(
+        spec: &ModelSpec,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+        seed: u64,
+        keep: Option<Range<usize>>,
+    ) -> Result<Self> {
+        let base_device = device_by_name(device_name)?;
+        let device = base_device.clone().autodiff();
+        // The backend's RNG may be process-wide: seeding and drawing the initial values happen
+        // under one lock, so that models built concurrently still depend on their seed alone.
+        let model = {
+            let _guard = INIT_LOCK
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            device.seed(seed);
+            let model = params::renumber(SequentialModel::new(spec, &device)?);
+            // Materialise every lazily initialised parameter now, in flat order, so that the
+            // values depend on the seed alone and not on the order of first use.
+            let layout = ParamLayout::of(&model);
+            let mut scratch = vec![0.0; layout.total];
+            params::read_params(&model, &layout, &mut scratch)?;
+            model
+        };
+        let model = match keep {
+            None => model,
+            Some(range) => params::renumber(keep_only(model, range)),
+        };
+        let layout = ParamLayout::of(&model);
+        Ok(Self {
+            spec: spec.clone(),
+            device,
+            base_device,
+            model: Some(model),
+            optimizer: optimizer.build()?,
+            layout,
+            metadata: Vec::new(),
+        })
+    }
+
+    /// Adds a metadata entry written with the weights.
+    pub(crate) fn with_metadata(mut self, key: &str, value: String) -> Self {
+        self.metadata.push((key.to_string(), value));
+        self
+    }
+
+    pub(crate) fn model(&self) -> Result<&SequentialModel> {
+        // The model is only taken out for the duration of a call that puts it back.
+        self.model.as_ref().ok_or(EngineError::ModelUnavailable)
+    }
+
+    /// One optimizer step with a flat gradient.
+    pub(crate) fn step(&mut self, grads: &[f32], lr: f64) -> Result<()> {
+        let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
+        let gp = params::grads_from_flat(self.model()?, &self.layout, grads, &self.base_device)?;
+        let model = self.model.take().ok_or(EngineError::ModelUnavailable)?;
+        self.model = Some(self.optimizer.step(lr, model, gp));
+        Ok(())
+    }
+}
+
+/// Replaces every layer outside `range` with an identity (no parameters).
+fn keep_only(mut model: SequentialModel, range: Range<usize>) -> SequentialModel {
+    for (i, layer) in model.layers.iter_mut().enumerate() {
+        if !range.contains(&i) {
+            *layer = Layer::Identity(Identity);
+        }
+    }
+    model
+}
+
+impl ModelState for Weights {
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    fn read_params(&self, out: &mut [f32]) -> Result<()> {
+        params::read_params(self.model()?, &self.layout, out)
+    }
+
+    fn write_params(&mut self, src: &[f32]) -> Result<()> {
+        let model = self.model()?.clone();
+        self.model = Some(params::write_params(model, &self.layout, src)?);
+        Ok(())
+    }
+
+    fn optimizer_state(&self) -> Result<Vec<u8>> {
+        let bytes = self
+            .optimizer
+            .into_bytes()
+            .map_err(|e| EngineError::Optimizer(format!("saving state: {e:?}")))?;
+        Ok(bytes.to_vec())
+    }
+
+    fn load_optimizer_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let optimizer = self
+            .optimizer
+            .clone()
+            .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()))
+            .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
+        self.optimizer = optimizer;
+        Ok(())
+    }
+
+    fn save_weights(&self, path: &Path) -> Result<()> {
+        let mut store = SafetensorsStore::from_file(path)
+            .with_to_adapter(BurnToPyTorchAdapter)
+            .skip_enum_variants(true)
+            .metadata("flotilla.model", self.spec.to_yaml())
+            .overwrite(true);
+        for (key, value) in &self.metadata {
+            store = store.metadata(key, value.clone());
+        }
+        self.model()?
+            .save_into(&mut store)
+            .map_err(|e| EngineError::Checkpoint {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })
+    }
+
+    fn load_weights(&mut self, path: &Path) -> Result<()> {
+        let mut store = SafetensorsStore::from_file(path)
+            .with_from_adapter(PyTorchToBurnAdapter)
+            .skip_enum_variants(true)
+            .validate(true)
+            .allow_partial(false);
+        // Load into a copy so that a failed or partial load leaves the model as it was.
+        let mut candidate = self.model()?.clone();
+        let applied = candidate
+            .load_from(&mut store)
+            .map_err(|e| EngineError::Checkpoint {
+                path: path.to_path_buf(),
+                message: e.to_string(),
+            })?;
+        if !applied.errors.is_empty() || !applied.missing.is_empty() {
+            return Err(EngineError::Checkpoint {
+                path: path.to_path_buf(),
+                message: format!("{applied}"),
+            });
+        }
+        self.model = Some(candidate);
+        Ok(())
+    }
+}
+
+/// Implements [`ModelState`] for a type by delegating to its `weights` field.
+macro_rules! delegate_model_state {
+    ($ty:ty) => {
+        impl $crate::weights::ModelState for $ty {
+            fn layout(&self) -> &$crate::params::ParamLayout {
+                self.weights.layout()
+            }
+            fn read_params(&self, out: &mut [f32]) -> $crate::error::Result<()> {
+                self.weights.read_params(out)
+            }
+            fn write_params(&mut self, src: &[f32]) -> $crate::error::Result<()> {
+                self.weights.write_params(src)
+            }
+            fn optimizer_state(&self) -> $crate::error::Result<Vec<u8>> {
+                self.weights.optimizer_state()
+            }
+            fn load_optimizer_state(&mut self, bytes: &[u8]) -> $crate::error::Result<()> {
+                self.weights.load_optimizer_state(bytes)
+            }
+            fn save_weights(&self, path: &std::path::Path) -> $crate::error::Result<()> {
+                self.weights.save_weights(path)
+            }
+            fn load_weights(&mut self, path: &std::path::Path) -> $crate::error::Result<()> {
+                self.weights.load_weights(path)
+            }
+        }
+    };
+}
+pub(crate) use delegate_model_state;

@@ -1,0 +1,17 @@
+//! Pipeline (model) parallelism: a model's layers cut into stages on different ranks,
+//! activations sent forward and gradients backward point to point, micro-batches scheduled
+//! by GPipe or 1F1B, and data-parallel replicas of every stage.
+//!
+//! The engine side (what a stage computes) is [`flotilla_engine::Stage`]; the cut is
+//! [`flotilla_engine::Split`]. This module moves tensors between stages ([`wire`]), orders
+//! the micro-batches ([`schedule`]) and gives a user the loop ([`Pipeline`]).
+
+pub mod pipe;
+pub mod schedule;
+pub mod wire;
+
+pub use pipe::{Pipeline, PipelineOptions, micro_batches};
+pub use schedule::{Action, Schedule};
+
+#[cfg(test)]
+mod tests;

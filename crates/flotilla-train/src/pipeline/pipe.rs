@@ -1,0 +1,562 @@
+//! [`Pipeline`]: one rank's stage of a pipeline-parallel model, driven as plainly as a
+//! PyTorch loop (`forward`, `backward`, `step`) or one batch at a time by its schedule
+//! (`train_batch`).
+//!
+//! # Ranks
+//!
+//! A world of `S × D` ranks runs `D` replicas of an `S`-stage pipeline: rank `r` is stage
+//! `r % S` of replica `r / S`. Activations and gradients go point to point between the stages
+//! of one replica (a skip tensor straight from its producer to its consumer); the `D` replicas
+//! of a stage average their gradients in their own sub-group before each step, while the
+//! other stages may still be draining.
+
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flotilla_comm::ProcessGroup;
+use flotilla_engine::{EvalStats, ModelSpec, ModelState, OptimizerSpec, Split, Stage};
+
+use crate::error::{Result, TrainError};
+use crate::pipeline::schedule::{Action, Schedule};
+use crate::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+
+/// How a pipeline runs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PipelineOptions {
+    /// Micro-batches per batch (M).
+    pub micro_batches: usize,
+    /// The micro-batch schedule of [`Pipeline::train_batch`].
+    pub schedule: Schedule,
+    /// Replicas of every stage (D); the world has `stages × data_parallel` ranks.
+    pub data_parallel: usize,
+    /// Learning rate of [`Pipeline::step`] (change it with [`Pipeline::set_lr`]).
+    pub lr: f64,
+    /// The optimizer every stage runs on its own parameters.
+    pub optimizer: OptimizerSpec,
+    /// The engine's device (`flex`, `libtorch`).
+    pub device: String,
+    /// Seed of the initial parameters (the same on every rank: a stage starts from the whole
+    /// model's values for its layers).
+    pub seed: u64,
+}
+
+/// One rank's part of a pipeline (see the module documentation).
+pub struct Pipeline {
+    stage: Stage,
+    split: Split,
+    opts: PipelineOptions,
+    world: Arc<dyn ProcessGroup>,
+    replica: usize,
+    /// World-group rank of each stage of this replica.
+    peers: Vec<usize>,
+    /// The replicas of this stage (when `data_parallel > 1`).
+    replicas: Option<Arc<dyn ProcessGroup>>,
+    /// The micro-batches of the batch in progress (rows of the batch).
+    rows: Vec<Range<usize>>,
+    /// The size of the batch that [`Pipeline::forward`] started and [`Pipeline::backward`]
+    /// has not finished.
+    open: Option<usize>,
+}
+
+impl std::fmt::Debug for Pipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pipeline")
+            .field("stage", &self.stage.index())
+            .field("layers", &self.stage.layers())
+            .field("replica", &self.replica)
+            .field("options", &self.opts)
+            .finish()
+    }
+}
+
+impl Pipeline {
+    /// Builds this rank's stage of `split` (a split of `spec`); collective over `world`,
+    /// which must have `stages × data_parallel` ranks that all pass the same spec, split and
+    /// options (checked: a rank that differs is named).
+    pub fn new(
+        spec: &ModelSpec,
+        split: Split,
+        opts: PipelineOptions,
+        world: Arc<dyn ProcessGroup>,
+    ) -> Result<Self> {
+        let stages = split.stages();
+        check_shape(&split, &opts, world.size())?;
+        let index = world.rank() % stages;
+        let replica = world.rank() / stages;
+        agree(&*world, spec, &split, &opts)?;
+        let stage = Stage::new(
+            spec,
+            &split,
+            index,
+            &opts.optimizer,
+            &opts.device,
+            opts.seed,
+        )?;
+        let peers = (0..stages).map(|s| replica * stages + s).collect();
+        let replicas = match opts.data_parallel {
+            1 => None,
+            d => {
+                let members: Vec<usize> = (0..d).map(|r| r * stages + index).collect();
+                Some(world.group(&members)?)
+            }
+        };
+        Ok(Self {
+            stage,
+            split,
+            opts,
+            world,
+            replica,
+            peers,
+            replicas,
+            rows: Vec::new(),
+            open: None,
+        })
+    }
+
+    /// This rank's stage.
+    pub fn stage(&self) -> &Stage {
+        &self.stage
+    }
+
+    /// This rank's stage index.
+    pub fn stage_index(&self) -> usize {
+        self.stage.index()
+    }
+
+    /// This rank's replica (which shard of the data it trains on).
+    pub fn replica(&self) -> usize {
+        self.replica
+    }
+
+    /// Whether this rank runs the first stage (it reads the inputs).
+    pub fn is_first(&self) -> bool {
+        self.stage.index() == 0
+    }
+
+    /// Whether this rank runs the last stage (it gives the logits and the loss).
+    pub fn is_last(&self) -> bool {
+        self.stage.is_last()
+    }
+
+    /// The split this pipeline runs.
+    pub fn split(&self) -> &Split {
+        &self.split
+    }
+
+    /// The options this pipeline runs with.
+    pub fn options(&self) -> &PipelineOptions {
+        &self.opts
+    }
+
+    /// Sets the learning rate of the next steps.
+    pub fn set_lr(&mut self, lr: f64) {
+        self.opts.lr = lr;
+    }
+
+    /// Trains on one batch with the configured schedule: `images` (read on the first stage;
+    /// other stages may pass an empty slice) and `labels` (read on the last stage; every
+    /// stage takes the batch size from them). Every stage steps its optimizer once. Returns
+    /// the batch's mean loss on the last stage.
+    pub fn train_batch(&mut self, images: &[f32], labels: &[i64]) -> Result<Option<f32>> {
+        self.begin(images, labels.len())?;
+        let rows = self.rows.clone();
+        let stages = self.split.stages();
+        let mut loss = 0.0;
+        for action in self
+            .opts
+            .schedule
+            .actions(stages, self.stage.index(), rows.len())
+        {
+            match action {
+                Action::Forward(mb) => {
+                    self.forward_mb(mb, rows[mb].clone(), images)?;
+                }
+                Action::Backward(mb) => {
+                    let r = rows[mb].clone();
+                    let weight = r.len() as f32 / labels.len() as f32;
+                    let upstream = match self.is_last() {
+                        true => Upstream::Labels(&labels[r], weight),
+                        false => Upstream::Stage,
+                    };
+                    if let Some(l) = self.backward_mb(mb, upstream)? {
+                        loss += l * weight;
+                    }
+                }
+            }
+        }
+        self.step()?;
+        Ok(self.is_last().then_some(loss))
+    }
+
+    /// Runs the forward pass of a batch of `n` samples through the pipeline (all its
+    /// micro-batches) and returns the logits (`n × classes`) on the last stage. `images` is
+    /// read on the first stage only. Follow with [`Pipeline::backward`].
+    pub fn forward(&mut self, images: &[f32], n: usize) -> Result<Option<Vec<f32>>> {
+        self.begin(images, n)?;
+        let mut logits = Vec::new();
+        for (mb, r) in self.rows.clone().into_iter().enumerate() {
+            if let Some(out) = self.forward_mb(mb, r, images)? {
+                logits.extend(out);
+            }
+        }
+        self.open = Some(n);
+        Ok(self.is_last().then_some(logits))
+    }
+
+    /// Runs the backward pass of the batch of the last [`Pipeline::forward`]: the last stage
+    /// passes the gradient of the loss with respect to the logits (`n × classes`, e.g. from
+    /// [`flotilla_engine::cross_entropy`]); other stages pass `None`. Gradients accumulate
+    /// until [`Pipeline::step`].
+    pub fn backward(&mut self, grad_logits: Option<&[f32]>) -> Result<()> {
+        let Some(n) = self.open.take() else {
+            return Err(self.usage("backward without a forward"));
+        };
+        let classes = self.split.classes;
+        for (mb, r) in self.rows.clone().into_iter().enumerate() {
+            let upstream = match (self.is_last(), grad_logits) {
+                (false, _) => Upstream::Stage,
+                (true, Some(g)) if g.len() == n * classes => {
+                    Upstream::Grad(g[r.start * classes..r.end * classes].to_vec())
+                }
+                (true, g) => {
+                    return Err(self.usage(&format!(
+                        "the last stage's backward needs the logits' gradient ({} values), got {}",
+                        n * classes,
+                        g.map_or(0, <[f32]>::len)
+                    )));
+                }
+            };
+            self.backward_mb(mb, upstream)?;
+        }
+        Ok(())
+    }
+
+    /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`) and
+    /// applies one optimizer step.
+    pub fn step(&mut self) -> Result<()> {
+        if let Some(group) = &self.replicas {
+            let span = tracing::info_span!(target: "flotilla::pipeline", "allreduce").entered();
+            let d = group.size() as f32;
+            let grads = self.stage.grads_mut();
+            group.all_reduce_sum(grads)?;
+            grads.iter_mut().for_each(|g| *g /= d);
+            drop(span);
+        }
+        self.stage.step(self.opts.lr)?;
+        Ok(())
+    }
+
+    /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
+    /// world (replica 0 runs the forwards, every rank gets the result).
+    pub fn evaluate(&mut self, images: &[f32], labels: &[i64], chunk: usize) -> Result<EvalStats> {
+        let mut stats = EvalStats::default();
+        if self.replica == 0 {
+            let chunk = chunk.max(1);
+            for (i, start) in (0..labels.len()).step_by(chunk).enumerate() {
+                let r = start..(start + chunk).min(labels.len());
+                if let Some(logits) = self.eval_chunk(i, r.clone(), images)? {
+                    let s = EvalStats::from_logits(&logits, &labels[r]);
+                    stats.loss_sum += s.loss_sum;
+                    stats.correct += s.correct;
+                    stats.count += s.count;
+                }
+            }
+        }
+        self.share_stats(stats)
+    }
+
+    /// Copies this stage's parameters into `out` (in this stage's layout).
+    pub fn read_params(&self, out: &mut [f32]) -> Result<()> {
+        Ok(self.stage.read_params(out)?)
+    }
+
+    fn usage(&self, what: &str) -> TrainError {
+        TrainError::Config {
+            source_name: format!("pipeline stage {}", self.stage.index()),
+            message: what.to_string(),
+        }
+    }
+
+    /// Checks a batch and cuts it into micro-batches.
+    fn begin(&mut self, images: &[f32], n: usize) -> Result<()> {
+        if self.open.is_some() {
+            return Err(self.usage("forward while the previous batch waits for backward"));
+        }
+        let m = self.opts.micro_batches;
+        if n < m {
+            return Err(self.usage(&format!(
+                "a batch of {n} samples cannot be cut into {m} micro-batches"
+            )));
+        }
+        let per = self.split.input.numel();
+        if self.is_first() && images.len() != n * per {
+            return Err(self.usage(&format!(
+                "{n} samples need {} input values, got {}",
+                n * per,
+                images.len()
+            )));
+        }
+        self.rows = micro_batches(n, m);
+        Ok(())
+    }
+
+    /// Forward of micro-batch `mb` (rows `rows` of the batch); the logits on the last stage.
+    fn forward_mb(
+        &mut self,
+        mb: usize,
+        rows: Range<usize>,
+        images: &[f32],
+    ) -> Result<Option<Vec<f32>>> {
+        let n = rows.len();
+        let inputs = match self.stage.index() {
+            0 => {
+                let per = self.split.input.numel();
+                vec![images[rows.start * per..rows.end * per].to_vec()]
+            }
+            s => self.receive(Direction::Forward, &self.split.inputs(s), mb, n)?,
+        };
+        let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        let outputs = self.stage.forward(mb, n, &refs)?;
+        self.send_forward(Direction::Forward, mb, outputs)
+    }
+
+    /// Sends a stage's outputs downstream, or gives them back on the last stage.
+    fn send_forward(
+        &self,
+        dir: Direction,
+        mb: usize,
+        outputs: Vec<Vec<f32>>,
+    ) -> Result<Option<Vec<f32>>> {
+        if self.is_last() {
+            return Ok(outputs.into_iter().next());
+        }
+        let s = self.stage.index();
+        for (c, values) in self.split.outputs(s).into_iter().zip(outputs) {
+            let to = self.split.crossings[c].to;
+            self.send(self.peers[to], wire::tag(dir, c, mb), &values)?;
+        }
+        Ok(None)
+    }
+
+    /// Backward of micro-batch `mb`; the micro-batch's loss on the last stage (when the
+    /// pipeline computes it).
+    fn backward_mb(&mut self, mb: usize, upstream: Upstream<'_>) -> Result<Option<f32>> {
+        let s = self.stage.index();
+        let (loss, grad_inputs) = match upstream {
+            Upstream::Labels(labels, weight) => {
+                let (loss, g) = self.stage.backward_loss(mb, labels, weight)?;
+                (Some(loss), g)
+            }
+            Upstream::Grad(g) => (None, self.stage.backward(mb, vec![g])?),
+            Upstream::Stage => {
+                let outputs = self.split.outputs(s);
+                let n = self.rows.get(mb).map_or(0, |r| r.len());
+                let grads = self.receive(Direction::Backward, &outputs, mb, n)?;
+                (None, self.stage.backward(mb, grads)?)
+            }
+        };
+        if s > 0 {
+            for (c, g) in self.split.inputs(s).into_iter().zip(grad_inputs) {
+                let from = self.split.crossings[c].from;
+                self.send(self.peers[from], wire::tag(Direction::Backward, c, mb), &g)?;
+            }
+        }
+        Ok(loss)
+    }
+
+    fn eval_chunk(
+        &mut self,
+        chunk: usize,
+        rows: Range<usize>,
+        images: &[f32],
+    ) -> Result<Option<Vec<f32>>> {
+        let n = rows.len();
+        let inputs = match self.stage.index() {
+            0 => {
+                let per = self.split.input.numel();
+                vec![images[rows.start * per..rows.end * per].to_vec()]
+            }
+            s => self.receive(Direction::Eval, &self.split.inputs(s), chunk, n)?,
+        };
+        let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        let outputs = self.stage.forward_eval(n, &refs)?;
+        self.send_forward(Direction::Eval, chunk, outputs)
+    }
+
+    /// Gives every rank the evaluation totals of the last stage of replica 0.
+    fn share_stats(&self, stats: EvalStats) -> Result<EvalStats> {
+        let root = self.split.stages() - 1;
+        let mut bytes = [
+            stats.loss_sum.to_le_bytes(),
+            (stats.correct as u64).to_le_bytes(),
+            (stats.count as u64).to_le_bytes(),
+        ]
+        .concat();
+        self.world.broadcast_bytes(&mut bytes, root)?;
+        let field = |i: usize| -> Result<[u8; 8]> {
+            bytes
+                .get(i * 8..i * 8 + 8)
+                .and_then(|b| <[u8; 8]>::try_from(b).ok())
+                .ok_or_else(|| TrainError::Protocol {
+                    peer: self.world.world_rank(root),
+                    message: format!("evaluation totals of {} bytes", bytes.len()),
+                })
+        };
+        Ok(EvalStats {
+            loss_sum: f64::from_le_bytes(field(0)?),
+            correct: u64::from_le_bytes(field(1)?) as usize,
+            count: u64::from_le_bytes(field(2)?) as usize,
+        })
+    }
+
+    fn send(&self, peer: usize, tag: flotilla_comm::Tag, values: &[f32]) -> Result<()> {
+        let _span = tracing::info_span!(target: "flotilla::pipeline", "send", peer, tag).entered();
+        Ok(self.world.send(peer, tag, wire::encode(values))?)
+    }
+
+    /// Receives crossings `crossings` of micro-batch `mb` (`n` samples) going `dir`: from
+    /// their producers going forward, from their consumers going backward.
+    fn receive(
+        &self,
+        dir: Direction,
+        crossings: &[usize],
+        mb: usize,
+        n: usize,
+    ) -> Result<Vec<Vec<f32>>> {
+        let mut out = Vec::with_capacity(crossings.len());
+        for &c in crossings {
+            let crossing = &self.split.crossings[c];
+            let stage = match dir {
+                Direction::Backward => crossing.to,
+                Direction::Forward | Direction::Eval => crossing.from,
+            };
+            let peer = self.peers[stage];
+            let _span =
+                tracing::info_span!(target: "flotilla::pipeline", "recv", peer, mb).entered();
+            let deadline = Instant::now() + self.world.timeout();
+            let bytes = self
+                .world
+                .recv(peer, wire::tag(dir, c, mb), deadline)
+                .map_err(|e| self.lost(stage, &crossing.name, mb, dir, e))?;
+            let expected = n * crossing.shape.numel();
+            let values = wire::decode(&bytes, expected).ok_or_else(|| TrainError::Protocol {
+                peer: self.world.world_rank(peer),
+                message: format!(
+                    "stage {stage} sent {} bytes for `{}` of micro-batch {mb}; {n} samples of {} are {} bytes",
+                    bytes.len(),
+                    crossing.name,
+                    crossing.shape,
+                    expected * 4
+                ),
+            })?;
+            out.push(values);
+        }
+        Ok(out)
+    }
+
+    /// A receive that failed, with the stage, tensor and micro-batch it waited for.
+    fn lost(
+        &self,
+        stage: usize,
+        name: &str,
+        mb: usize,
+        dir: Direction,
+        e: flotilla_comm::CommError,
+    ) -> TrainError {
+        let what = match dir {
+            Direction::Backward => "gradient of",
+            Direction::Forward | Direction::Eval => "activation",
+        };
+        TrainError::Peer {
+            peer: self.world.world_rank(self.peers[stage]),
+            message: format!(
+                "pipeline stage {} waited for the {what} `{name}` of micro-batch {mb} from stage {stage} (rank {}): {e}",
+                self.stage.index(),
+                self.world.world_rank(self.peers[stage]),
+            ),
+        }
+    }
+}
+
+/// Where a backward pass gets the gradient of a stage's outputs.
+enum Upstream<'a> {
+    /// The last stage computes the loss against these labels, weighted.
+    Labels(&'a [i64], f32),
+    /// The last stage was given the logits' gradient.
+    Grad(Vec<f32>),
+    /// A stage receives its outputs' gradients from the stages that consumed them.
+    Stage,
+}
+
+/// Cuts `n` samples into `m` contiguous micro-batches whose sizes differ by at most one.
+pub fn micro_batches(n: usize, m: usize) -> Vec<Range<usize>> {
+    let m = m.max(1);
+    let mut start = 0;
+    (0..m)
+        .map(|i| {
+            let len = n / m + usize::from(i < n % m);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect()
+}
+
+fn check_shape(split: &Split, opts: &PipelineOptions, world: usize) -> Result<()> {
+    let err = |message: String| {
+        Err(TrainError::Config {
+            source_name: "pipeline".into(),
+            message,
+        })
+    };
+    let (s, d) = (split.stages(), opts.data_parallel);
+    if d == 0 || s * d != world {
+        return err(format!(
+            "{s} stages × data_parallel {d} need {} ranks, but the world has {world}",
+            s * d
+        ));
+    }
+    if opts.micro_batches == 0 || opts.micro_batches > MAX_MICRO_BATCHES {
+        return err(format!(
+            "micro_batches must be 1..={MAX_MICRO_BATCHES}, got {}",
+            opts.micro_batches
+        ));
+    }
+    if split.crossings.len() > MAX_CROSSINGS {
+        return err(format!(
+            "{} tensors cross stage boundaries; at most {MAX_CROSSINGS} can",
+            split.crossings.len()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that every rank runs the same spec, split and options; names a rank that does not.
+fn agree(
+    world: &dyn ProcessGroup,
+    spec: &ModelSpec,
+    split: &Split,
+    opts: &PipelineOptions,
+) -> Result<()> {
+    let text = format!(
+        "{}|{:?}|{:?}|{:?}",
+        spec.to_yaml(),
+        split.ranges,
+        split.crossings,
+        opts
+    );
+    let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
+    let all = world.all_gather_u64(mine)?;
+    match all.iter().position(|&h| h != all[0]) {
+        None => Ok(()),
+        Some(r) => Err(TrainError::Peer {
+            peer: world.world_rank(r),
+            message: format!(
+                "rank {} runs a different model, split or pipeline options than rank {} (check that every rank has the same config)",
+                world.world_rank(r),
+                world.world_rank(0)
+            ),
+        }),
+    }
+}

@@ -1,0 +1,76 @@
+//! How pipeline tensors travel: tags and payloads of the point-to-point messages between
+//! stages.
+//!
+//! A tag is `(direction << 30) | (crossing << 20) | micro_batch`: the direction (forward
+//! activation, backward gradient, evaluation activation), the crossing's index in
+//! [`flotilla_engine::Split::crossings`] (the same on every rank, so it names the tensor), and
+//! the micro-batch (or evaluation chunk) modulo 2^20. Messages with the same tag from the same
+//! sender arrive in order, so chunk numbers may wrap. Every tag is below
+//! [`flotilla_comm::tags::RESERVED`]. The payload is the tensor's `f32` values, little-endian,
+//! row-major, with no header: its length is checked against the crossing's shape.
+
+use flotilla_comm::Tag;
+
+/// Which way a message goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// An activation, downstream, during training.
+    Forward = 0,
+    /// An activation's gradient, upstream.
+    Backward = 1,
+    /// An activation, downstream, during evaluation.
+    Eval = 2,
+}
+
+/// Most crossings a split may have (the tag has 10 bits for them).
+pub const MAX_CROSSINGS: usize = 1 << 10;
+
+/// Most micro-batches per batch (the tag has 20 bits for them).
+pub const MAX_MICRO_BATCHES: usize = 1 << 20;
+
+/// The tag of crossing `crossing` for micro-batch `mb` going `dir`.
+pub fn tag(dir: Direction, crossing: usize, mb: usize) -> Tag {
+    ((dir as u32) << 30)
+        | (((crossing % MAX_CROSSINGS) as u32) << 20)
+        | ((mb % MAX_MICRO_BATCHES) as u32)
+}
+
+/// The payload of a tensor.
+pub fn encode(values: &[f32]) -> &[u8] {
+    bytemuck::cast_slice(values)
+}
+
+/// The tensor in a payload, if it has exactly `expected` values.
+pub fn decode(bytes: &[u8], expected: usize) -> Option<Vec<f32>> {
+    if bytes.len() != expected * 4 {
+        return None;
+    }
+    Some(bytemuck::pod_collect_to_vec(bytes))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_are_distinct_and_below_the_reserved_range() {
+        let mut seen = std::collections::HashSet::new();
+        for dir in [Direction::Forward, Direction::Backward, Direction::Eval] {
+            for c in [0, 1, MAX_CROSSINGS - 1] {
+                for mb in [0, 1, MAX_MICRO_BATCHES - 1] {
+                    let t = tag(dir, c, mb);
+                    assert!(t < flotilla_comm::tags::RESERVED);
+                    assert!(seen.insert(t), "{dir:?} {c} {mb}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn payloads_round_trip_and_wrong_lengths_are_refused() {
+        let v = [1.5f32, -2.0, f32::MIN_POSITIVE];
+        assert_eq!(decode(encode(&v), 3), Some(v.to_vec()));
+        assert_eq!(decode(encode(&v), 4), None);
+        assert_eq!(decode(&[0u8; 5], 1), None);
+    }
+}

@@ -1,0 +1,158 @@
+//! LeNet-5 cut into two pipeline stages on two processes, trained on MNIST with a loop as
+//! plain as PyTorch's: forward, the loss and its gradient on the last stage, backward, step.
+//!
+//! ```text
+//! cargo run --release -p flotilla-train --example pipeline_mnist
+//! ```
+//!
+//! Without `WORLD_SIZE` in the environment, the example starts one process per stage itself
+//! (each with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun would) and waits
+//! for them; with those variables set it is one rank of such a job. Settings (environment):
+//! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `MICRO_BATCHES`
+//! (default 4), `EPOCHS` (default 1), `MNIST_DIR` (default `data/mnist`).
+
+use std::process::{Child, Command};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
+use flotilla_data::{Mnist, Normalization, Split as DataSplit};
+use flotilla_engine::{ModelSpec, OptimizerSpec, Split, cross_entropy};
+use flotilla_train::batches::{Batches, Position};
+use flotilla_train::pipeline::{Pipeline, PipelineOptions, Schedule};
+
+fn setting(name: &str, default: usize) -> Result<usize> {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("{name}={v:?} is not a number")),
+        Err(_) => Ok(default),
+    }
+}
+
+fn main() -> Result<()> {
+    if std::env::var_os("WORLD_SIZE").is_none() {
+        return launch();
+    }
+    let stages = setting("STAGES", 2)?;
+    let spec = ModelSpec::builtin("lenet5").context("the built-in lenet5 spec")?;
+    // LeNet-5's layers: conv relu pool conv relu pool | flatten linear relu linear relu linear.
+    let points: &[usize] = match stages {
+        2 => &[6],
+        3 => &[3, 8],
+        n => bail!("STAGES={n}: this example cuts LeNet-5 into 2 or 3 stages"),
+    };
+    let split = Split::at(&spec, points)?;
+    let opts = PipelineOptions {
+        micro_batches: setting("MICRO_BATCHES", 4)?,
+        schedule: Schedule::OneFOneB,
+        data_parallel: setting("DATA_PARALLEL", 1)?,
+        lr: 0.05,
+        optimizer: OptimizerSpec::Sgd {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.0,
+        },
+        device: "flex".into(),
+        seed: 42,
+    };
+    let world: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(CommConfig::from_env()?)?);
+    let mut pipe = Pipeline::new(&spec, split, opts, world.clone())?;
+
+    let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
+    let train = Mnist::load_split(&dir, DataSplit::Train, Normalization::MNIST)?;
+    let test = Mnist::load_split(&dir, DataSplit::Test, Normalization::MNIST)?;
+    // Every stage of a replica reads the same shard in the same order: the first stage uses
+    // the images, the last the labels.
+    let replicas = pipe.options().data_parallel;
+    let mut batches = Batches::new(
+        &train,
+        (replicas, pipe.replica()),
+        42,
+        64,
+        Position::default(),
+    )?;
+    let started = Instant::now();
+    for epoch in 0..setting("EPOCHS", 1)? {
+        for step in 0..batches.steps_per_epoch() {
+            let (_, batch) = batches.next_batch()?;
+            let n = batch.labels.len();
+            let logits = pipe.forward(batch.images, n)?;
+            let grad = logits.map(|logits| {
+                let (loss, grad) = cross_entropy(&logits, batch.labels);
+                if step % 200 == 0 {
+                    println!("epoch {epoch} step {step}: loss {loss:.4}");
+                }
+                grad
+            });
+            pipe.backward(grad.as_deref())?;
+            pipe.step()?;
+        }
+    }
+    let stats = pipe.evaluate(test.images(), &labels(test.labels()), 1000)?;
+    if world.rank() == 0 {
+        println!(
+            "stage {} of {}: test accuracy {:.4}, loss {:.4}, {:.1} s",
+            pipe.stage_index(),
+            stages,
+            stats.accuracy(),
+            stats.loss(),
+            started.elapsed().as_secs_f64()
+        );
+    }
+    Ok(())
+}
+
+fn labels(bytes: &[u8]) -> Vec<i64> {
+    bytes.iter().map(|&l| i64::from(l)).collect()
+}
+
+/// Starts one process per rank on this machine and waits for all of them; the first failure
+/// stops the others.
+fn launch() -> Result<()> {
+    let world = setting("STAGES", 2)? * setting("DATA_PARALLEL", 1)?;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let exe = std::env::current_exe()?;
+    let mut children: Vec<Child> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", port.to_string())
+                .env("RAYON_NUM_THREADS", "1")
+                .spawn()
+                .with_context(|| format!("starting rank {rank}"))
+        })
+        .collect::<Result<_>>()?;
+    let outcome = wait_all(&mut children);
+    for child in &mut children {
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+    outcome
+}
+
+fn wait_all(children: &mut [Child]) -> Result<()> {
+    let mut done = vec![false; children.len()];
+    while done.iter().any(|d| !d) {
+        for (rank, child) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
+            if let Some(status) = child.try_wait()? {
+                if !status.success() {
+                    bail!("rank {rank} failed ({status})");
+                }
+                done[rank] = true;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
+}
