@@ -9,7 +9,8 @@
 //! (each with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun would) and waits
 //! for them; with those variables set it is one rank of such a job. Settings (environment):
 //! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `MICRO_BATCHES`
-//! (default 4), `EPOCHS` (default 1), `MNIST_DIR` (default `data/mnist`).
+//! (default 4), `BATCH` (samples per replica per step, default 64), `EPOCHS` (default 1),
+//! `MNIST_DIR` (default `data/mnist`).
 
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -31,19 +32,23 @@ fn setting(name: &str, default: usize) -> Result<usize> {
     }
 }
 
+/// Where LeNet-5 is cut (its layers: conv relu pool conv relu pool | flatten linear relu
+/// linear relu linear).
+fn cut_points(stages: usize) -> Result<&'static [usize]> {
+    match stages {
+        2 => Ok(&[6]),
+        3 => Ok(&[3, 8]),
+        n => bail!("STAGES={n}: this example cuts LeNet-5 into 2 or 3 stages"),
+    }
+}
+
 fn main() -> Result<()> {
     if std::env::var_os("WORLD_SIZE").is_none() {
         return launch();
     }
     let stages = setting("STAGES", 2)?;
     let spec = ModelSpec::builtin("lenet5").context("the built-in lenet5 spec")?;
-    // LeNet-5's layers: conv relu pool conv relu pool | flatten linear relu linear relu linear.
-    let points: &[usize] = match stages {
-        2 => &[6],
-        3 => &[3, 8],
-        n => bail!("STAGES={n}: this example cuts LeNet-5 into 2 or 3 stages"),
-    };
-    let split = Split::at(&spec, points)?;
+    let split = Split::at(&spec, cut_points(stages)?)?;
     let opts = PipelineOptions {
         micro_batches: setting("MICRO_BATCHES", 4)?,
         schedule: Schedule::OneFOneB,
@@ -72,12 +77,19 @@ fn main() -> Result<()> {
         &train,
         (replicas, pipe.replica()),
         42,
-        64,
+        setting("BATCH", 64)?,
         Position::default(),
     )?;
+    let epochs = setting("EPOCHS", 1)? as u64;
+    let total = epochs * batches.steps_per_epoch();
     let started = Instant::now();
-    for epoch in 0..setting("EPOCHS", 1)? {
+    for epoch in 0..epochs {
         for step in 0..batches.steps_per_epoch() {
+            // Linear warm-up over 100 steps, then cosine decay to zero.
+            pipe.set_lr(learning_rate(
+                epoch * batches.steps_per_epoch() + step,
+                total,
+            ));
             let (_, batch) = batches.next_batch()?;
             let n = batch.labels.len();
             let logits = pipe.forward(batch.images, n)?;
@@ -106,6 +118,16 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+fn learning_rate(step: u64, total: u64) -> f64 {
+    const PEAK: f64 = 0.05;
+    const WARMUP: u64 = 100;
+    if step < WARMUP {
+        return PEAK * (step + 1) as f64 / WARMUP as f64;
+    }
+    let progress = (step - WARMUP) as f64 / total.saturating_sub(WARMUP).max(1) as f64;
+    PEAK * 0.5 * (1.0 + (std::f64::consts::PI * progress.min(1.0)).cos())
+}
+
 fn labels(bytes: &[u8]) -> Vec<i64> {
     bytes.iter().map(|&l| i64::from(l)).collect()
 }
@@ -113,7 +135,9 @@ fn labels(bytes: &[u8]) -> Vec<i64> {
 /// Starts one process per rank on this machine and waits for all of them; the first failure
 /// stops the others.
 fn launch() -> Result<()> {
-    let world = setting("STAGES", 2)? * setting("DATA_PARALLEL", 1)?;
+    let stages = setting("STAGES", 2)?;
+    cut_points(stages)?;
+    let world = stages * setting("DATA_PARALLEL", 1)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?
         .port();
