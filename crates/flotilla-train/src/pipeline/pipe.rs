@@ -309,13 +309,7 @@ impl Pipeline {
         images: &[f32],
     ) -> Result<Option<Vec<f32>>> {
         let n = rows.len();
-        let inputs = match self.stage.index() {
-            0 => {
-                let per = self.split.input.numel();
-                vec![images[rows.start * per..rows.end * per].to_vec()]
-            }
-            s => self.receive(Direction::Forward, &self.split.inputs(s), mb, n)?,
-        };
+        let inputs = self.stage_inputs(Direction::Forward, mb, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
         let outputs = self.stage.forward(mb, n, &refs)?;
         self.send_forward(Direction::Forward, mb, outputs)
@@ -365,6 +359,24 @@ impl Pipeline {
         Ok(loss)
     }
 
+    /// A forward's inputs: rows of the batch on the first stage, else the input crossings
+    /// of micro-batch (or evaluation chunk) `mb` from the stages that produce them.
+    fn stage_inputs(
+        &self,
+        dir: Direction,
+        mb: usize,
+        rows: Range<usize>,
+        images: &[f32],
+    ) -> Result<Vec<Vec<f32>>> {
+        match self.stage.index() {
+            0 => {
+                let per = self.split.input.numel();
+                Ok(vec![images[rows.start * per..rows.end * per].to_vec()])
+            }
+            s => self.receive(dir, &self.split.inputs(s), mb, rows.len()),
+        }
+    }
+
     fn eval_chunk(
         &mut self,
         chunk: usize,
@@ -372,13 +384,7 @@ impl Pipeline {
         images: &[f32],
     ) -> Result<Option<Vec<f32>>> {
         let n = rows.len();
-        let inputs = match self.stage.index() {
-            0 => {
-                let per = self.split.input.numel();
-                vec![images[rows.start * per..rows.end * per].to_vec()]
-            }
-            s => self.receive(Direction::Eval, &self.split.inputs(s), chunk, n)?,
-        };
+        let inputs = self.stage_inputs(Direction::Eval, chunk, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
         let outputs = self.stage.forward_eval(n, &refs)?;
         self.send_forward(Direction::Eval, chunk, outputs)
