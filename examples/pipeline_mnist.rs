@@ -9,7 +9,8 @@
 //! (each with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun would) and waits
 //! for them; with those variables set it is one rank of such a job. Settings (environment):
 //! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `MICRO_BATCHES`
-//! (default 4), `BATCH` (samples per replica per step, default 64), `EPOCHS` (default 1),
+//! (default 4), `SCHEDULE` (unset: the plain loop; `gpipe` or `1f1b`: `train_batch` with that
+//! schedule), `BATCH` (samples per replica per step, default 64), `EPOCHS` (default 1),
 //! `MNIST_DIR` (default `data/mnist`).
 
 use std::process::{Child, Command};
@@ -42,6 +43,17 @@ fn cut_points(stages: usize) -> Result<&'static [usize]> {
     }
 }
 
+/// Without SCHEDULE: the plain loop (forward, loss, backward, step; GPipe order). With
+/// SCHEDULE=gpipe or 1f1b: `train_batch`, which runs that schedule.
+fn schedule_setting() -> Result<(Schedule, bool)> {
+    match std::env::var("SCHEDULE").as_deref() {
+        Err(_) => Ok((Schedule::GPipe, true)),
+        Ok("gpipe") => Ok((Schedule::GPipe, false)),
+        Ok("1f1b") => Ok((Schedule::OneFOneB, false)),
+        Ok(other) => bail!("SCHEDULE={other:?}: expected gpipe or 1f1b"),
+    }
+}
+
 fn main() -> Result<()> {
     if std::env::var_os("WORLD_SIZE").is_none() {
         return launch();
@@ -49,9 +61,10 @@ fn main() -> Result<()> {
     let stages = setting("STAGES", 2)?;
     let spec = ModelSpec::builtin("lenet5").context("the built-in lenet5 spec")?;
     let split = Split::at(&spec, cut_points(stages)?)?;
+    let (schedule, one_batch_loop) = schedule_setting()?;
     let opts = PipelineOptions {
         micro_batches: setting("MICRO_BATCHES", 4)?,
-        schedule: Schedule::OneFOneB,
+        schedule,
         data_parallel: setting("DATA_PARALLEL", 1)?,
         lr: 0.05,
         optimizer: OptimizerSpec::Sgd {
@@ -91,17 +104,13 @@ fn main() -> Result<()> {
                 total,
             ));
             let (_, batch) = batches.next_batch()?;
-            let n = batch.labels.len();
-            let logits = pipe.forward(batch.images, n)?;
-            let grad = logits.map(|logits| {
-                let (loss, grad) = cross_entropy(&logits, batch.labels);
-                if step % 200 == 0 {
-                    println!("epoch {epoch} step {step}: loss {loss:.4}");
-                }
-                grad
-            });
-            pipe.backward(grad.as_deref())?;
-            pipe.step()?;
+            let loss = match one_batch_loop {
+                true => plain_step(&mut pipe, batch.images, batch.labels)?,
+                false => pipe.train_batch(batch.images, batch.labels)?,
+            };
+            if let Some(loss) = loss.filter(|_| step % 200 == 0) {
+                println!("epoch {epoch} step {step}: loss {loss:.4}");
+            }
         }
     }
     let stats = pipe.evaluate(test.images(), &labels(test.labels()), 1000)?;
@@ -116,6 +125,22 @@ fn main() -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// One batch the way a PyTorch loop reads: forward, the loss and its gradient on the last
+/// stage, backward, step. Returns the loss on the last stage.
+fn plain_step(pipe: &mut Pipeline, images: &[f32], labels: &[i64]) -> Result<Option<f32>> {
+    let logits = pipe.forward(images, labels.len())?;
+    let (loss, grad) = match logits {
+        Some(logits) => {
+            let (loss, grad) = cross_entropy(&logits, labels);
+            (Some(loss), Some(grad))
+        }
+        None => (None, None),
+    };
+    pipe.backward(grad.as_deref())?;
+    pipe.step()?;
+    Ok(loss)
 }
 
 fn learning_rate(step: u64, total: u64) -> f64 {
@@ -137,6 +162,7 @@ fn labels(bytes: &[u8]) -> Vec<i64> {
 fn launch() -> Result<()> {
     let stages = setting("STAGES", 2)?;
     cut_points(stages)?;
+    schedule_setting()?;
     let world = stages * setting("DATA_PARALLEL", 1)?;
     let port = std::net::TcpListener::bind("127.0.0.1:0")?
         .local_addr()?

@@ -63,6 +63,22 @@ pub trait Engine: ModelState {
     /// [`Engine::forward_backward`].
     fn for_each_grad(&self, f: &mut dyn FnMut(usize, &[f32]) -> Result<()>) -> Result<()>;
 
+    /// Copies the gradient of the last [`Engine::forward_backward`] into `out` (flat order).
+    fn read_grads(&self, out: &mut [f32]) -> Result<()> {
+        let layout = self.layout();
+        if out.len() != layout.total {
+            return Err(EngineError::FlatLength {
+                expected: layout.total,
+                got: out.len(),
+            });
+        }
+        self.for_each_grad(&mut |i, g| {
+            let p = &layout.params[i];
+            out[p.offset..p.offset + p.len].copy_from_slice(g);
+            Ok(())
+        })
+    }
+
     /// Applies one optimizer step with the given flat gradient and learning rate, and drops
     /// the gradients of the last backward pass.
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()>;

@@ -41,13 +41,7 @@ fn params(e: &BurnEngine) -> Vec<f32> {
 
 fn grads(e: &BurnEngine) -> Vec<f32> {
     let mut g = vec![0.0; e.num_params()];
-    let layout = e.layout().clone();
-    e.for_each_grad(&mut |i, values| {
-        let info = &layout.params[i];
-        g[info.offset..info.offset + info.len].copy_from_slice(values);
-        Ok(())
-    })
-    .expect("grads");
+    e.read_grads(&mut g).expect("grads");
     g
 }
 

@@ -10,7 +10,6 @@
 //! (main activations first, by stage; then named tensors by consuming layer), so every rank that
 //! computes the split of the same spec agrees on the numbers, which tag the messages.
 
-use std::collections::HashMap;
 use std::ops::Range;
 
 use crate::error::{EngineError, Result};
@@ -115,16 +114,6 @@ impl Split {
     fn indices(&self, keep: impl Fn(&Crossing) -> bool) -> Vec<usize> {
         (0..self.crossings.len())
             .filter(|&i| keep(&self.crossings[i]))
-            .collect()
-    }
-
-    /// Named tensors each stage keeps for its own later layers or sends on: name → shape.
-    pub fn named_inputs(&self, s: usize) -> HashMap<String, Shape> {
-        self.inputs(s)
-            .into_iter()
-            .map(|i| &self.crossings[i])
-            .filter(|c| c.name != MAIN)
-            .map(|c| (c.name.clone(), c.shape))
             .collect()
     }
 }

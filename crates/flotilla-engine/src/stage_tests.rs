@@ -201,13 +201,7 @@ fn check(spec: &ModelSpec, points: &[usize], m: usize) {
         })
         .expect("whole");
     let mut whole_grad = vec![0.0; whole.num_params()];
-    whole
-        .for_each_grad(&mut |i, g| {
-            let p = &whole.layout().params[i];
-            whole_grad[p.offset..p.offset + p.len].copy_from_slice(g);
-            Ok(())
-        })
-        .expect("grads");
+    whole.read_grads(&mut whole_grad).expect("grads");
     let loss = run_batch(&mut stages, &split, &images, &labels, m);
     assert!(
         (loss - whole_loss).abs() <= 1e-5 * whole_loss.abs(),

@@ -200,17 +200,12 @@ fn flotilla_step_rate(model: &str, batch: usize, steps: usize) -> Result<f64> {
     let mut engine = BurnEngine::new(&spec, &opt, "flex", 1)?;
     let (images, labels) = synthetic_batch(batch);
     let mut flat = vec![0.0f32; engine.num_params()];
-    let layout = engine.layout().clone();
     let mut one = |engine: &mut BurnEngine| -> Result<()> {
         engine.forward_backward(BatchRef {
             images: &images,
             labels: &labels,
         })?;
-        engine.for_each_grad(&mut |i, g| {
-            let p = &layout.params[i];
-            flat[p.offset..p.offset + p.len].copy_from_slice(g);
-            Ok(())
-        })?;
+        engine.read_grads(&mut flat)?;
         engine.apply_grads(&flat, opt.lr())?;
         Ok(())
     };

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::{EvalStats, ModelSpec, ModelState, OptimizerSpec, Split, Stage};
+use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Split, Stage};
 
 use crate::error::{Result, TrainError};
 use crate::pipeline::schedule::{Action, Schedule};
@@ -191,7 +191,9 @@ impl Pipeline {
 
     /// Runs the forward pass of a batch of `n` samples through the pipeline (all its
     /// micro-batches) and returns the logits (`n × classes`) on the last stage. `images` is
-    /// read on the first stage only. Follow with [`Pipeline::backward`].
+    /// read on the first stage only. Follow with [`Pipeline::backward`]. This loop runs the
+    /// GPipe order (every forward, then every backward); [`Pipeline::train_batch`] runs the
+    /// configured schedule.
     pub fn forward(&mut self, images: &[f32], n: usize) -> Result<Option<Vec<f32>>> {
         self.begin(images, n)?;
         let mut logits = Vec::new();
@@ -264,11 +266,6 @@ impl Pipeline {
             }
         }
         self.share_stats(stats)
-    }
-
-    /// Copies this stage's parameters into `out` (in this stage's layout).
-    pub fn read_params(&self, out: &mut [f32]) -> Result<()> {
-        Ok(self.stage.read_params(out)?)
     }
 
     fn usage(&self, what: &str) -> TrainError {
@@ -545,12 +542,20 @@ fn agree(
     split: &Split,
     opts: &PipelineOptions,
 ) -> Result<()> {
+    // Everything but the device, which may differ between hosts.
+    let shared = (
+        opts.micro_batches,
+        opts.schedule,
+        opts.data_parallel,
+        opts.lr,
+        &opts.optimizer,
+        opts.seed,
+    );
     let text = format!(
-        "{}|{:?}|{:?}|{:?}",
+        "{}|{:?}|{:?}|{shared:?}",
         spec.to_yaml(),
         split.ranges,
-        split.crossings,
-        opts
+        split.crossings
     );
     let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
     let all = world.all_gather_u64(mine)?;

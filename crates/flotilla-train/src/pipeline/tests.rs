@@ -109,13 +109,7 @@ fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
         })
         .expect("train");
         let mut g = vec![0.0; e.num_params()];
-        let layout = e.layout().clone();
-        e.for_each_grad(&mut |i, v| {
-            let p = &layout.params[i];
-            g[p.offset..p.offset + p.len].copy_from_slice(v);
-            Ok(())
-        })
-        .expect("grads");
+        e.read_grads(&mut g).expect("grads");
         e.apply_grads(&g, LR).expect("step");
     }
     (initial, named(&e))
@@ -277,10 +271,74 @@ fn replicas_of_every_stage_equal_training_on_the_global_batch() {
 fn one_f_one_b_keeps_at_most_the_pipeline_depth_in_flight() {
     let ended = run(&[2, 4], options(Schedule::OneFOneB, 8, 1), train_batch);
     for e in &ended {
+        // Measured on the stage, and what the schedule (and so the partitioner) expects.
         assert_eq!(e.peak, 3 - e.stage, "stage {}", e.stage);
+        assert_eq!(e.peak, Schedule::OneFOneB.peak_in_flight(3, e.stage, 8));
     }
     let ended = run(&[2, 4], options(Schedule::GPipe, 8, 1), train_batch);
     assert!(ended.iter().all(|e| e.peak == 8));
+}
+
+#[test]
+fn evaluation_through_the_pipeline_equals_the_whole_model_on_every_rank() {
+    let spec = spec();
+    let split = Split::at(&spec, &[2, 4]).expect("split");
+    let whole = BurnEngine::new(&spec, &sgd(), "flex", SEED).expect("engine");
+    let (mut images, mut labels) = (Vec::new(), Vec::new());
+    for b in 0..3 {
+        let (x, y) = batch(b);
+        images.extend(x);
+        labels.extend(y);
+    }
+    let expected = whole.evaluate(&images, &labels, 5).expect("evaluate");
+    // Two replicas: replica 0 evaluates, every rank gets the totals; chunks of 5 leave a
+    // short last chunk.
+    let handles: Vec<_> = world(6)
+        .into_iter()
+        .map(|g| {
+            let (spec, split) = (spec.clone(), split.clone());
+            let (images, labels) = (images.clone(), labels.clone());
+            std::thread::spawn(move || {
+                let mut pipe = Pipeline::new(&spec, split, options(Schedule::GPipe, 2, 2), g)
+                    .expect("pipeline");
+                pipe.evaluate(&images, &labels, 5).expect("evaluate")
+            })
+        })
+        .collect();
+    for h in handles {
+        let got = h.join().expect("rank");
+        assert_eq!((got.count, got.correct), (expected.count, expected.correct));
+        assert!(
+            (got.loss() - expected.loss()).abs() < 1e-5,
+            "{got:?} vs {expected:?}"
+        );
+    }
+}
+
+#[test]
+fn a_rank_with_other_options_is_named() {
+    let spec = spec();
+    let split = Split::at(&spec, &[4]).expect("split");
+    let handles: Vec<_> = world(2)
+        .into_iter()
+        .enumerate()
+        .map(|(r, g)| {
+            let (spec, split) = (spec.clone(), split.clone());
+            std::thread::spawn(move || {
+                let m = if r == 1 { 4 } else { 2 };
+                Pipeline::new(&spec, split, options(Schedule::GPipe, m, 1), g)
+                    .expect_err("options differ")
+                    .to_string()
+            })
+        })
+        .collect();
+    for h in handles {
+        let err = h.join().expect("rank");
+        assert!(
+            err.contains("rank 1 runs a different model, split or pipeline options"),
+            "{err}"
+        );
+    }
 }
 
 #[test]

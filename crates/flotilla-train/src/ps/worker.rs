@@ -5,8 +5,6 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use flotilla_engine::ParamLayout;
-
 use super::protocol::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
@@ -20,7 +18,6 @@ pub struct Worker {
     /// the shard servers of a sharded flat topology).
     parents: Vec<usize>,
     ranges: Vec<Range<usize>>,
-    layout: ParamLayout,
     local_steps: usize,
     params: Vec<f32>,
     versions: Vec<u64>,
@@ -49,7 +46,6 @@ impl Worker {
         Self {
             parents: parents.to_vec(),
             ranges: ranges.to_vec(),
-            layout: cx.engine.layout().clone(),
             local_steps: cx.config.topology.local_steps.max(1),
             params: vec![0.0; n],
             versions: vec![0; parents.len()],
@@ -137,12 +133,7 @@ impl Worker {
                 data.next_batch()?
             };
             loss_sum += cx.engine.forward_backward(batch)?;
-            let (layout, grad) = (&self.layout, &mut self.grad);
-            cx.engine.for_each_grad(&mut |i, g| {
-                let p = &layout.params[i];
-                grad[p.offset..p.offset + p.len].copy_from_slice(g);
-                Ok(())
-            })?;
+            cx.engine.read_grads(&mut self.grad)?;
             if averaging {
                 cx.engine.apply_grads(&self.grad, cx.config.base_lr())?;
             }
