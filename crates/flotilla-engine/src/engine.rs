@@ -6,7 +6,7 @@ use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
 use crate::error::{EngineError, Result};
-use crate::model::SequentialModel;
+use crate::model::{Activation, SequentialModel};
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::spec::{ModelSpec, Shape};
@@ -146,21 +146,17 @@ impl BurnEngine {
         n: usize,
         device: &Device,
     ) -> Tensor<2> {
-        match self.input {
-            Shape::Image { c, h, w } => {
-                let x =
-                    Tensor::<4>::from_data(TensorData::new(images.to_vec(), [n, c, h, w]), device);
-                model.forward(x)
-            }
-            Shape::Flat(f) => {
-                let x = Tensor::<2>::from_data(TensorData::new(images.to_vec(), [n, f]), device);
-                model.forward_flat(x)
-            }
-        }
+        model.logits(Activation::from_flat(
+            images.to_vec(),
+            n,
+            self.input,
+            device,
+        ))
     }
 }
 
-fn labels_tensor(labels: &[i64], device: &Device) -> Tensor<1, Int> {
+/// Class labels as a tensor.
+pub(crate) fn labels_tensor(labels: &[i64], device: &Device) -> Tensor<1, Int> {
     Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [labels.len()]), device)
 }
 

@@ -197,15 +197,16 @@ impl SequentialModel {
 
     /// Forward pass on an image batch `[N, C, H, W]`; returns `[N, classes]` logits.
     pub fn forward(&self, input: Tensor<4>) -> Tensor<2> {
-        self.run(Activation::Image(input))
+        self.logits(Activation::Image(input))
     }
 
     /// Forward pass for a model whose spec input is flat `[F]`.
     pub fn forward_flat(&self, input: Tensor<2>) -> Tensor<2> {
-        self.run(Activation::Flat(input))
+        self.logits(Activation::Flat(input))
     }
 
-    fn run(&self, input: Activation) -> Tensor<2> {
+    /// The logits of the whole model for `input`.
+    pub(crate) fn logits(&self, input: Activation) -> Tensor<2> {
         let mut kept = HashMap::new();
         self.run_range(0..self.layers.len(), input, &mut kept)
             .into_logits()

@@ -20,8 +20,9 @@ use std::ops::Range;
 use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
-use burn::tensor::{Gradients, TensorData};
+use burn::tensor::Gradients;
 
+use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
 use crate::model::Activation;
 use crate::optim::OptimizerSpec;
@@ -243,7 +244,7 @@ impl Stage {
             )));
         }
         let device = &self.weights.device;
-        let targets = Tensor::<1, Int>::from_data(TensorData::new(labels.to_vec(), [n]), device);
+        let targets = labels_tensor(labels, device);
         let loss = self.loss.forward(logits, targets);
         let grads = (loss.clone() * weight).backward();
         let value = loss.into_scalar::<f32>();
