@@ -15,15 +15,19 @@ pub enum Arch {
     Flat,
     /// A global server over local servers, each with its own workers (`global_server`).
     Hierarchical,
+    /// Model parallel: the model's layers cut into stages, one rank per stage of each of
+    /// `data_parallel` replicas; activations and gradients go point to point between stages.
+    Pipeline,
 }
 
 impl Arch {
-    /// The config spelling of the architecture (`allreduce`, `flat`, `hierarchical`).
+    /// The config spelling of the architecture (`allreduce`, `flat`, `hierarchical`, `pipeline`).
     pub fn as_str(self) -> &'static str {
         match self {
             Arch::Allreduce => "allreduce",
             Arch::Flat => "flat",
             Arch::Hierarchical => "hierarchical",
+            Arch::Pipeline => "pipeline",
         }
     }
 }

@@ -47,12 +47,15 @@ pub enum ClusterError {
     },
 
     /// Parameter-server keys are set while `arch` is `allreduce` (often because `arch` is
-    /// missing).
+    /// missing) or `pipeline`.
     #[error(
-        "`{key}` is set but arch is `allreduce` (the default when `arch` is absent): \
-         set `arch: {suggested}` to train with parameter servers, or remove `{key}`"
+        "`{key}` is set but arch is `{arch}`{default_note}: set `arch: {suggested}` to train \
+         with parameter servers, or remove `{key}`",
+        default_note = if *arch == Arch::Allreduce { " (the default when `arch` is absent)" } else { "" }
     )]
     PsKeyWithAllreduce {
+        /// The architecture given (`allreduce` or `pipeline`).
+        arch: Arch,
         /// The parameter-server key that is set.
         key: &'static str,
         /// The architecture the key implies.
@@ -96,6 +99,15 @@ pub enum ClusterError {
     /// An all-reduce topology was requested with no processes.
     #[error("an all-reduce world needs at least 1 process, got 0")]
     ZeroWorldSize,
+
+    /// A pipeline was requested with no stage or no replica.
+    #[error("a pipeline needs at least 1 stage and 1 replica, got {stages} × {replicas}")]
+    EmptyPipeline {
+        /// Stages asked for.
+        stages: usize,
+        /// Replicas asked for (`data_parallel`).
+        replicas: usize,
+    },
 
     /// The inventory file cannot be read.
     #[error("cannot read inventory {}: {source}", path.display())]

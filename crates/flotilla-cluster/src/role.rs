@@ -28,6 +28,14 @@ pub enum RoleKind {
         /// Which local server, in config order (`global_server.local_servers[index]`).
         index: usize,
     },
+    /// One stage of a pipeline replica: it holds the layers of `stage` and trains on the data
+    /// shard of `replica`.
+    Stage {
+        /// Which stage, `0..stages`.
+        stage: usize,
+        /// Which replica of the pipeline, `0..data_parallel`.
+        replica: usize,
+    },
     /// A process that computes gradients on its part of the data.
     Worker {
         /// Global worker index `0..num_workers`, in rank order (for data sharding).
@@ -65,7 +73,7 @@ impl Role {
 
     /// Whether this is any kind of server.
     pub fn is_server(&self) -> bool {
-        !self.is_worker()
+        !self.is_worker() && !matches!(self.kind, RoleKind::Stage { .. })
     }
 
     /// The global worker index, for workers.

@@ -8,6 +8,8 @@
 //! * **hierarchical**: rank 0 is the global server (the root), then each local server
 //!   immediately followed by its workers: `global, local0, w, w, local1, w, w, ...`.
 //! * **allreduce** ([`Topology::allreduce`]): every rank is a peer worker; rank 0 is root.
+//! * **pipeline** ([`Topology::pipeline`]): `S` stages × `D` replicas; rank `r` is stage
+//!   `r % S` of replica `r / S` (the stages of a replica are neighbours); rank 0 is root.
 
 use std::ops::Range;
 
@@ -63,6 +65,33 @@ impl Topology {
             roles,
             num_shards: 1,
             num_workers: world_size,
+        })
+    }
+
+    /// A pipeline world: `replicas` copies of a `stages`-stage pipeline, rank `r` running
+    /// stage `r % stages` of replica `r / stages` (rank 0, the first stage of replica 0, is
+    /// the root).
+    pub fn pipeline(stages: usize, replicas: usize) -> Result<Topology> {
+        if stages == 0 || replicas == 0 {
+            return Err(ClusterError::EmptyPipeline { stages, replicas });
+        }
+        let roles = (0..stages * replicas)
+            .map(|rank| Role {
+                rank,
+                kind: RoleKind::Stage {
+                    stage: rank % stages,
+                    replica: rank / stages,
+                },
+                aggregation: None,
+                parents: Vec::new(),
+                children: Vec::new(),
+            })
+            .collect();
+        Ok(Topology {
+            arch: Arch::Pipeline,
+            roles,
+            num_shards: 1,
+            num_workers: replicas,
         })
     }
 
@@ -195,6 +224,12 @@ impl Topology {
         let mut parts = Vec::new();
         match self.arch {
             Arch::Allreduce => {}
+            Arch::Pipeline => {
+                let stages = self.roles.len() / self.num_workers.max(1);
+                parts.push(plural(stages, "stage"));
+                parts.push(plural(self.num_workers, "replica"));
+                return parts.join(" × ");
+            }
             Arch::Flat if self.num_shards == 1 => parts.push(plural(1, "server")),
             Arch::Flat => parts.push(plural(self.num_shards, "shard server")),
             Arch::Hierarchical => {
@@ -221,6 +256,7 @@ impl Topology {
             RoleKind::GlobalServer => "global server".to_owned(),
             RoleKind::LocalServer { index } => format!("local server {index}"),
             RoleKind::Worker { index } => format!("worker {index}"),
+            RoleKind::Stage { stage, replica } => format!("stage {stage} of replica {replica}"),
         };
         if role.is_root() {
             format!("{base} (root)")

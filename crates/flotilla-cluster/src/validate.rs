@@ -22,13 +22,13 @@ fn validate(spec: &TopologySpec) -> Result<()> {
         return Err(ClusterError::ZeroServers);
     }
     match spec.arch {
-        Arch::Allreduce => validate_allreduce(spec),
+        Arch::Allreduce | Arch::Pipeline => validate_no_servers(spec),
         Arch::Flat => validate_flat(spec),
         Arch::Hierarchical => validate_hierarchical(spec),
     }
 }
 
-fn validate_allreduce(spec: &TopologySpec) -> Result<()> {
+fn validate_no_servers(spec: &TopologySpec) -> Result<()> {
     let stray = if spec.parameter_server.is_some() {
         Some(("parameter_server", Arch::Flat))
     } else if spec.global_server.is_some() {
@@ -39,7 +39,11 @@ fn validate_allreduce(spec: &TopologySpec) -> Result<()> {
         None
     };
     match stray {
-        Some((key, suggested)) => Err(ClusterError::PsKeyWithAllreduce { key, suggested }),
+        Some((key, suggested)) => Err(ClusterError::PsKeyWithAllreduce {
+            arch: spec.arch,
+            key,
+            suggested,
+        }),
         None => Ok(()),
     }
 }

@@ -23,6 +23,8 @@ pub struct LayerCost {
     pub fixed_bytes: u64,
     /// Bytes of activations kept for backward, per micro-batch.
     pub activation_bytes: u64,
+    /// Number of parameters.
+    pub params: u64,
 }
 
 /// What one stage's host offers.
@@ -45,6 +47,8 @@ pub struct StageEstimate {
     pub time_s: f64,
     /// Estimated peak bytes (fixed + activations × in flight).
     pub memory_bytes: u64,
+    /// Number of parameters.
+    pub params: u64,
 }
 
 /// Estimated time and memory of `layers` on `host`.
@@ -57,7 +61,40 @@ pub fn estimate(costs: &[LayerCost], layers: Range<usize>, host: &StageHost) -> 
         layers,
         time_s: time / host.speed.max(f64::MIN_POSITIVE),
         memory_bytes: fixed.saturating_add(act.saturating_mul(host.in_flight)),
+        params: slice.iter().map(|c| c.params).sum(),
     }
+}
+
+/// The estimates of a given cut (`ranges`, one per host); an error with the numbers when a
+/// stage does not fit its host's memory.
+pub fn check(
+    costs: &[LayerCost],
+    ranges: &[Range<usize>],
+    hosts: &[StageHost],
+) -> Result<Vec<StageEstimate>> {
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let mut out = Vec::with_capacity(ranges.len());
+    for (k, (r, host)) in ranges.iter().zip(hosts).enumerate() {
+        let e = estimate(costs, r.clone(), host);
+        if let Some(limit) = host.memory_bytes
+            && e.memory_bytes > limit
+        {
+            let fixed: u64 = costs[r.clone()].iter().map(|c| c.fixed_bytes).sum();
+            return Err(EngineError::InvalidSpec(format!(
+                "stage {k} (layers {}..{}) does not fit its host: it needs {:.1} MiB \
+                 ({:.1} MiB of parameters and optimizer state, the rest activations of {} \
+                 micro-batches in flight) and its host has {:.1} MiB",
+                r.start,
+                r.end,
+                mib(e.memory_bytes),
+                mib(fixed),
+                host.in_flight,
+                mib(limit)
+            )));
+        }
+        out.push(e);
+    }
+    Ok(out)
 }
 
 /// The best contiguous partition of `costs` into `hosts.len()` non-empty stages (see the
@@ -155,6 +192,7 @@ mod tests {
             time_s,
             fixed_bytes,
             activation_bytes,
+            params: fixed_bytes / 4,
         }
     }
 

@@ -39,6 +39,7 @@ pub fn profile(
             time_s,
             fixed_bytes: 4 * params * (2 + optimizer.state_slots()),
             activation_bytes: 4 * (output.numel() * samples) as u64,
+            params,
         });
     }
     Ok(costs)

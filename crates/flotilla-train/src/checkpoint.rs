@@ -2,6 +2,11 @@
 //! (PyTorch layout), `optimizer.bpk` (burn's burnpack) and `state.json`; the file
 //! `<output>/checkpoints/latest` names the newest complete one.
 //!
+//! A pipeline's checkpoint holds, instead of `optimizer.bpk`, each stage's own
+//! `stage-<k>.safetensors` and `stage-<k>.optimizer.bpk`, and `model.safetensors` is the
+//! merge of the stage files (the whole model in PyTorch's names); `state.json` says how many
+//! stages there are.
+//!
 //! A checkpoint is written into a hidden temporary directory, flushed, and renamed into
 //! place; only then is `latest` replaced (also by write-and-rename). A crash at any point
 //! leaves the previous checkpoint intact and `latest` pointing at a complete directory.
@@ -35,6 +40,18 @@ pub struct CheckpointState {
     pub num_params: usize,
     /// Test accuracy at the time, when known.
     pub test_acc: Option<f64>,
+    /// A pipeline's stages as half-open layer ranges `[start, end)`; each stage has its own
+    /// weight and optimizer files.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stages: Option<Vec<[usize; 2]>>,
+}
+
+/// The weight and optimizer files of pipeline stage `k` in a checkpoint.
+pub fn stage_files(k: usize) -> [String; 2] {
+    [
+        format!("stage-{k}.safetensors"),
+        format!("stage-{k}.optimizer.bpk"),
+    ]
 }
 
 /// The checkpoint directory under a run's output directory.
@@ -63,6 +80,31 @@ fn sync_file(path: &Path) -> Result<()> {
 
 /// Writes a checkpoint of `engine` atomically and returns its directory.
 pub fn save(output: &Path, engine: &dyn Engine, state: &CheckpointState) -> Result<PathBuf> {
+    let state = CheckpointState {
+        num_params: engine.num_params(),
+        ..state.clone()
+    };
+    save_with(output, &state, |tmp| {
+        let model = tmp.join("model.safetensors");
+        engine.save_weights(&model)?;
+        sync_file(&model)?;
+        write_synced(&tmp.join("optimizer.bpk"), &engine.optimizer_state()?)
+    })
+}
+
+/// Writes a file of a checkpoint in progress (into the directory given to
+/// [`save_with`]'s writer) and flushes it.
+pub fn write_part(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
+    write_synced(&dir.join(name), bytes)
+}
+
+/// Writes a checkpoint atomically: `write` fills a temporary directory with the tensors,
+/// then `state.json` is added and the directory renamed into place and named by `latest`.
+pub fn save_with(
+    output: &Path,
+    state: &CheckpointState,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<PathBuf> {
     let root = checkpoints_dir(output);
     fs::create_dir_all(&root).map_err(|e| TrainError::io(&root, e))?;
     let name = format!("step-{:08}", state.step);
@@ -71,11 +113,7 @@ pub fn save(output: &Path, engine: &dyn Engine, state: &CheckpointState) -> Resu
         fs::remove_dir_all(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
     }
     fs::create_dir(&tmp).map_err(|e| TrainError::io(&tmp, e))?;
-
-    let model = tmp.join("model.safetensors");
-    engine.save_weights(&model)?;
-    sync_file(&model)?;
-    write_synced(&tmp.join("optimizer.bpk"), &engine.optimizer_state()?)?;
+    write(&tmp)?;
     let json = serde_json::to_vec_pretty(state).map_err(|e| ck_err(&tmp, e.to_string()))?;
     write_synced(&tmp.join("state.json"), &json)?;
 
@@ -116,9 +154,45 @@ fn prune(root: &Path, current: &str) -> Result<()> {
 /// The files every complete checkpoint directory holds.
 const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
 
-/// Whether `dir` holds every part of a checkpoint.
+/// Whether `dir` holds every part of a checkpoint (a pipeline's: every stage's files).
 fn is_complete(dir: &Path) -> bool {
-    PARTS.iter().all(|p| dir.join(p).is_file())
+    let stages = read_state(dir).ok().and_then(|s| s.stages);
+    match stages.map(|s| s.len()) {
+        Some(n) => ["model.safetensors", "state.json"]
+            .into_iter()
+            .map(String::from)
+            .chain((0..n).flat_map(stage_files))
+            .all(|p| dir.join(p).is_file()),
+        None => PARTS.iter().all(|p| dir.join(p).is_file()),
+    }
+}
+
+/// Merges the stages' safetensors files (disjoint tensor names) into one file of the whole
+/// model, keeping the first file's metadata except its stage entry; returns the file and
+/// its number of values. `out` names the file in errors.
+pub fn merge_stage_weights(parts: &[&[u8]], out: &Path) -> Result<(Vec<u8>, usize)> {
+    use safetensors::SafeTensors;
+    let mut tensors = Vec::new();
+    let mut metadata = None;
+    let mut values = 0;
+    for (k, bytes) in parts.iter().enumerate() {
+        let st = SafeTensors::deserialize(bytes)
+            .map_err(|e| ck_err(out, format!("stage {k}'s weights: {e}")))?;
+        if metadata.is_none() {
+            let (_, header) = SafeTensors::read_metadata(bytes)
+                .map_err(|e| ck_err(out, format!("stage {k}'s weights: {e}")))?;
+            let mut m = header.metadata().clone().unwrap_or_default();
+            m.remove("flotilla.stage");
+            metadata = Some(m);
+        }
+        for (name, view) in st.tensors() {
+            values += view.shape().iter().product::<usize>();
+            tensors.push((name, view));
+        }
+    }
+    let bytes = safetensors::serialize(tensors, metadata)
+        .map_err(|e| ck_err(out, format!("merging stage weights: {e}")))?;
+    Ok((bytes, values))
 }
 
 /// The newest complete checkpoint under `output`, if any (see [`newest_complete`]).

@@ -3,7 +3,7 @@
 
 use flotilla_comm::ProcessGroup;
 use flotilla_data::{ImageDataset, fill_batch};
-use flotilla_engine::{Engine, EvalStats};
+use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use crate::error::{Result, TrainError};
 
@@ -43,24 +43,31 @@ pub fn distributed(
     })
 }
 
-/// Checks that every rank holds bitwise-identical parameters; returns their hash.
-pub fn verify_identical(engine: &dyn Engine, comm: &dyn ProcessGroup) -> Result<u64> {
-    let mut params = vec![0.0f32; engine.num_params()];
-    engine.read_params(&mut params)?;
+/// XXH3 of a model's parameters (their little-endian bytes in flat order).
+pub fn param_hash(model: &dyn ModelState) -> Result<u64> {
+    let mut params = vec![0.0f32; model.num_params()];
+    model.read_params(&mut params)?;
     let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let hash = xxhash_rust::xxh3::xxh3_64(&bytes);
+    Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
+}
+
+/// Checks that every rank of `comm` holds bitwise-identical parameters; returns their hash.
+/// A rank that differs is named by its world rank.
+pub fn verify_identical(model: &dyn ModelState, comm: &dyn ProcessGroup) -> Result<u64> {
+    let hash = param_hash(model)?;
     let all = comm.all_gather_u64(hash)?;
     let differing: Vec<String> = all
         .iter()
         .enumerate()
         .filter(|(_, h)| **h != all[0])
-        .map(|(r, h)| format!("rank {r} has {h:016x}"))
+        .map(|(r, h)| format!("rank {} has {h:016x}", comm.world_rank(r)))
         .collect();
     if differing.is_empty() {
         Ok(hash)
     } else {
         Err(TrainError::Divergence(format!(
-            "rank 0 has {:016x}, {}",
+            "rank {} has {:016x}, {}",
+            comm.world_rank(0),
             all[0],
             differing.join(", ")
         )))

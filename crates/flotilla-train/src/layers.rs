@@ -31,6 +31,7 @@ const SECTIONS: &[&str] = &[
     "optimizer",
     "schedule",
     "topology",
+    "pipeline",
     "comm",
     "telemetry",
 ];
@@ -62,6 +63,13 @@ const ALIASES: &[(&str, &str)] = &[
     ("staleness_lr", "topology.staleness_lr"),
     ("local_steps", "topology.local_steps"),
     ("inventory", "topology.inventory"),
+    ("strategy", "topology.arch"),
+    ("stages", "pipeline.stages"),
+    ("split_points", "pipeline.split_points"),
+    ("micro_batches", "pipeline.micro_batches"),
+    // A string, not the `schedule` section: `schedule: 1f1b`.
+    ("schedule", "pipeline.schedule"),
+    ("data_parallel", "pipeline.data_parallel"),
     ("master_addr", "comm.master_addr"),
     ("master_port", "comm.master_port"),
     ("timeout_s", "comm.timeout_s"),

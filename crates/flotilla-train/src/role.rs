@@ -4,15 +4,17 @@
 //! ([`crate::runloop`]) drives any role the same way and does data, schedule, evaluation,
 //! checkpoints and progress reports once, for all of them.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use flotilla_comm::ProcessGroup;
 use flotilla_data::ImageDataset;
-use flotilla_engine::{Engine, EvalStats};
+use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use crate::batches::Batches;
+use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::fault::Fault;
 use crate::observe::Observer;
 use crate::runlog::RunLog;
@@ -20,8 +22,9 @@ use crate::runlog::RunLog;
 /// Who evaluates a role's model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Evaluation {
-    /// Every rank of the role's group evaluates its share of the test set and the sums are
-    /// all-reduced (sync data-parallel peers: all hold the same model).
+    /// Every rank takes part in evaluating (sync data-parallel peers each evaluate their share
+    /// of the test set and the sums are all-reduced; pipeline stages evaluate together), and
+    /// every rank gets the result.
     Collective,
     /// This rank alone evaluates the whole test set (the root of a parameter server).
     Local,
@@ -49,8 +52,9 @@ pub struct Cx<'a> {
     pub comm: &'a Arc<dyn ProcessGroup>,
     /// The run configuration.
     pub config: &'a TrainConfig,
-    /// This process's engine.
-    pub engine: &'a mut dyn Engine,
+    /// This process's whole-model engine; `None` for roles that hold their own part of the
+    /// model (pipeline stages). See [`Cx::engine`].
+    pub engine: Option<&'a mut dyn Engine>,
     /// The training set.
     pub train: &'a ImageDataset,
     /// The test set.
@@ -74,6 +78,28 @@ pub struct Cx<'a> {
 }
 
 impl Cx<'_> {
+    /// This process's whole-model engine; an error for a role that has none.
+    pub fn engine(&mut self) -> Result<&mut dyn Engine> {
+        match self.engine.as_deref_mut() {
+            Some(e) => Ok(e),
+            None => Err(TrainError::config(
+                "role",
+                "this role holds no whole-model engine",
+            )),
+        }
+    }
+
+    /// This process's whole-model engine, to read; an error for a role that has none.
+    pub fn engine_ref(&self) -> Result<&dyn Engine> {
+        match self.engine.as_deref() {
+            Some(e) => Ok(e),
+            None => Err(TrainError::config(
+                "role",
+                "this role holds no whole-model engine",
+            )),
+        }
+    }
+
     /// Writes a line to the run log and the front end.
     pub fn log(&mut self, line: &str) -> Result<()> {
         self.observer.message(line);
@@ -146,5 +172,54 @@ pub trait Role {
     fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
         let _ = cx;
         Vec::new()
+    }
+
+    /// The parameters this role holds itself, when they are not the whole-model engine of
+    /// [`Cx::engine`] (a pipeline stage's).
+    fn own_model(&mut self) -> Option<&mut dyn ModelState> {
+        None
+    }
+
+    /// Evaluates the model on the test set; called on every rank of a role whose
+    /// [`Role::evaluation`] is not `None`. By default: the engine, split across the group
+    /// (collective) or whole (local, after [`Role::prepare_model`]).
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        match self.evaluation() {
+            Evaluation::Collective => {
+                let (comm, test) = (cx.comm.clone(), cx.test);
+                crate::eval::distributed(cx.engine()?, &*comm, test)
+            }
+            Evaluation::Local | Evaluation::None => {
+                self.prepare_model(cx)?;
+                let test = cx.test;
+                crate::eval::full(cx.engine()?, test)
+            }
+        }
+    }
+
+    /// Checks at the end of a run that the ranks that should hold the same parameters do, and
+    /// returns their hash (collective roles; `None` for others).
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        if self.evaluation() != Evaluation::Collective {
+            return Ok(None);
+        }
+        let comm = cx.comm.clone();
+        crate::eval::verify_identical(cx.engine()?, &*comm).map(Some)
+    }
+
+    /// Writes a checkpoint with `state`; called on every rank when one is due. By default the
+    /// rank that [`Role::writes_checkpoints`] saves the engine (after
+    /// [`Role::prepare_model`]) and returns the directory; others do nothing.
+    fn save_checkpoint(
+        &mut self,
+        cx: &mut Cx<'_>,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        if !self.writes_checkpoints() {
+            return Ok(None);
+        }
+        self.prepare_model(cx)?;
+        let output = cx.config.telemetry.output.clone();
+        checkpoint::save(&output, cx.engine()?, state).map(Some)
     }
 }

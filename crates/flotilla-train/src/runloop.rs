@@ -10,7 +10,7 @@ use std::time::Instant;
 use flotilla_engine::EvalStats;
 
 use crate::batches::{Batches, Position};
-use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::observe::StepEvent;
@@ -182,12 +182,13 @@ impl Loop<'_, '_, '_> {
         if let Some(f) = &self.cx.fault
             && f.at(at) == Some(FaultAction::Perturb)
         {
-            let mut params = vec![0.0f32; self.cx.engine.num_params()];
-            self.cx.engine.read_params(&mut params)?;
+            let model = self.model()?;
+            let mut params = vec![0.0f32; model.num_params()];
+            model.read_params(&mut params)?;
             if let Some(p) = params.first_mut() {
                 *p += 1e-3;
             }
-            self.cx.engine.write_params(&params)?;
+            model.write_params(&params)?;
             self.cx
                 .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
         }
@@ -245,11 +246,19 @@ impl Loop<'_, '_, '_> {
         self.data.position()
     }
 
-    fn checkpoint(&mut self) -> Result<PathBuf> {
+    /// The parameters of this rank: the role's own, or the engine's.
+    fn model(&mut self) -> Result<&mut dyn flotilla_engine::ModelState> {
+        match self.role.own_model() {
+            Some(m) => Ok(m),
+            None => Ok(self.cx.engine()?),
+        }
+    }
+
+    /// A checkpoint, on every rank (the role decides who writes what).
+    fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
         let _span =
             tracing::info_span!(target: "flotilla::train", "checkpoint", step = self.progress)
                 .entered();
-        self.role.prepare_model(self.cx)?;
         let p = self.position();
         let state = CheckpointState {
             step: self.progress,
@@ -257,18 +266,21 @@ impl Loop<'_, '_, '_> {
             step_in_epoch: p.step_in_epoch,
             config_hash: self.plan.config_hash,
             model: self.plan.model.clone(),
-            num_params: self.cx.engine.num_params(),
+            num_params: 0,
             test_acc: self.last_eval.map(|e| e.accuracy()),
+            stages: None,
         };
-        let dir = checkpoint::save(&self.cx.config.telemetry.output, &*self.cx.engine, &state)?;
-        self.cx
-            .log_quiet(&format!("checkpoint {}", dir.display()))?;
+        let dir = self.role.save_checkpoint(self.cx, &state)?;
+        if let Some(dir) = &dir {
+            self.cx
+                .log_quiet(&format!("checkpoint {}", dir.display()))?;
+        }
         Ok(dir)
     }
 
     fn periodic_checkpoint(&mut self) -> Result<()> {
         let every = self.cx.config.schedule.checkpoint_every;
-        if every > 0 && self.progress.is_multiple_of(every) && self.role.writes_checkpoints() {
+        if every > 0 && self.progress.is_multiple_of(every) {
             self.checkpoint()?;
         }
         Ok(())
@@ -277,16 +289,8 @@ impl Loop<'_, '_, '_> {
     fn evaluate(&mut self) -> Result<EvalStats> {
         let _span =
             tracing::info_span!(target: "flotilla::train", "eval", step = self.progress).entered();
-        let stats = match self.role.evaluation() {
-            Evaluation::Collective => {
-                crate::eval::distributed(&*self.cx.engine, &**self.cx.comm, self.cx.test)?
-            }
-            // Only evaluating roles get here (see `after_step` and `finish`).
-            Evaluation::Local | Evaluation::None => {
-                self.role.prepare_model(self.cx)?;
-                crate::eval::full(&*self.cx.engine, self.cx.test)?
-            }
-        };
+        // Only evaluating roles get here (see `after_step` and `finish`).
+        let stats = self.role.evaluate(self.cx)?;
         metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
         metrics::gauge!("flotilla_test_loss").set(stats.loss());
         self.last_eval = Some(stats);
@@ -364,14 +368,7 @@ impl Loop<'_, '_, '_> {
             (Evaluation::Collective, Some(e)) => Some(e),
             _ => Some(self.evaluate()?),
         };
-        let param_hash = if self.role.evaluation() == Evaluation::Collective {
-            Some(crate::eval::verify_identical(
-                &*self.cx.engine,
-                &**self.cx.comm,
-            )?)
-        } else {
-            None
-        };
+        let param_hash = self.role.verify_identical(self.cx)?;
         if let Some(line) = self.role.report(self.cx) {
             self.cx.log(&line)?;
         }
@@ -389,12 +386,7 @@ impl Loop<'_, '_, '_> {
             "traffic bytes_sent={} bytes_received={} collectives={}",
             traffic.bytes_sent, traffic.bytes_received, traffic.collectives
         ))?;
-        let checkpoint = if self.role.writes_checkpoints() {
-            let dir = self.checkpoint()?;
-            Some(dir)
-        } else {
-            None
-        };
+        let checkpoint = self.checkpoint()?;
         Ok(Finished {
             progress: self.progress,
             eval,

@@ -57,7 +57,7 @@ impl RunSummary {
     /// workers) say what they did instead.
     pub fn final_line(&self) -> String {
         match self.role {
-            "peer" | "root" => format!(
+            "peer" | "root" | "stage" => format!(
                 "final test_acc={:.4} loss={:.4} steps={} wall_s={:.1}",
                 self.test_acc, self.test_loss, self.steps, self.wall_s
             ),
@@ -104,12 +104,16 @@ pub fn run(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
-    let mut engine = BurnEngine::new(
-        &spec,
-        &config.optimizer,
-        &config.model.device,
-        config.model.seed,
-    )?;
+    // A pipeline stage holds only its own layers: no whole-model engine.
+    let mut engine = match topology.arch() {
+        Arch::Pipeline => None,
+        _ => Some(BurnEngine::new(
+            &spec,
+            &config.optimizer,
+            &config.model.device,
+            config.model.seed,
+        )?),
+    };
     let job = Job {
         config,
         topology: &topology,
@@ -122,7 +126,9 @@ pub fn run(
     let mut cx = Cx {
         comm: &comm,
         config,
-        engine: &mut engine,
+        engine: engine
+            .as_mut()
+            .map(|e| e as &mut dyn flotilla_engine::Engine),
         train: &train,
         test: &test,
         rank,
@@ -134,10 +140,10 @@ pub fn run(
         fault: Fault::from_env(rank),
         last_eval: None,
     };
-    if topology.arch() == Arch::Allreduce {
-        job.data_parallel(&mut cx)
-    } else {
-        job.parameter_servers(&mut cx)
+    match topology.arch() {
+        Arch::Allreduce => job.data_parallel(&mut cx),
+        Arch::Pipeline => job.pipeline(&mut cx),
+        Arch::Flat | Arch::Hierarchical => job.parameter_servers(&mut cx),
     }
 }
 
@@ -156,48 +162,19 @@ impl Job<'_> {
     /// Sync data parallel: every rank a peer of the all-reduce, resumable.
     fn data_parallel(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
         let (config, world) = (self.config, self.comm.size());
-        let mut peer =
-            SyncAllReduce::new(self.comm.clone(), cx.engine.layout(), config.bucket_bytes());
-        let resumed = self.resume(cx)?;
-        let start = resumed.as_ref().map_or(Position::default(), |s| Position {
-            epoch: s.epoch,
-            step_in_epoch: s.step_in_epoch,
-        });
-        let data = Batches::new(
-            self.train,
-            (world, cx.rank),
-            config.model.seed,
-            config.data.batch_size,
-            start,
-        )?;
-        let steps_per_epoch = data.steps_per_epoch();
-        let s = &config.schedule;
-        let planned = steps_per_epoch * s.epochs as u64;
-        let total = match s.max_steps {
-            Some(m) if s.epochs == 0 => m,
-            Some(m) => m.min(planned),
-            None => planned,
-        };
-        cx.rounds = total;
+        let layout = cx.engine()?.layout().clone();
+        let mut peer = SyncAllReduce::new(self.comm.clone(), &layout, config.bucket_bytes());
+        let resumed = self.resume(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))?;
+        let (data, plan) = self.epochs_plan(cx, (world, cx.rank), resumed.as_ref())?;
         cx.log(&format!(
             "training: {} params, {} buckets, {} steps/epoch of {}x{} samples, {} steps, strategy sync-allreduce",
-            cx.engine.num_params(),
+            layout.total,
             peer.plan().buckets.len(),
-            steps_per_epoch,
+            data.steps_per_epoch(),
             config.data.batch_size,
             world,
-            total,
+            plan.total,
         ))?;
-        let plan = Plan {
-            total,
-            cadence: Cadence::Epochs {
-                every: s.eval_every.unwrap_or(1),
-            },
-            resumed_at: resumed.map_or(0, |s| s.step),
-            model: self.spec.name.clone(),
-            config_hash: self.hash,
-            started: self.started,
-        };
         let done = runloop::run(&mut peer, data, &plan, cx)?;
         let summary = self.summary(&peer, cx, done);
         cx.log(&format!(
@@ -208,9 +185,86 @@ impl Job<'_> {
         Ok(summary)
     }
 
-    /// Resume: rank 0 reads the newest checkpoint; its position is shared with every rank,
-    /// and its weights and optimizer state travel with the initial broadcast.
-    fn resume(&self, cx: &mut Cx<'_>) -> Result<Option<CheckpointState>> {
+    /// The batches of this rank's data `shard` (from a resumed position) and the plan of a
+    /// run counted in epochs (or `max_steps`).
+    fn epochs_plan(
+        &self,
+        cx: &mut Cx<'_>,
+        shard: (usize, usize),
+        resumed: Option<&CheckpointState>,
+    ) -> Result<(Batches<'_>, Plan)> {
+        let config = self.config;
+        let start = resumed.map_or(Position::default(), |s| Position {
+            epoch: s.epoch,
+            step_in_epoch: s.step_in_epoch,
+        });
+        let data = Batches::new(
+            self.train,
+            shard,
+            config.model.seed,
+            config.data.batch_size,
+            start,
+        )?;
+        let s = &config.schedule;
+        let planned = data.steps_per_epoch() * s.epochs as u64;
+        let total = match s.max_steps {
+            Some(m) if s.epochs == 0 => m,
+            Some(m) => m.min(planned),
+            None => planned,
+        };
+        cx.rounds = total;
+        let plan = Plan {
+            total,
+            cadence: Cadence::Epochs {
+                every: s.eval_every.unwrap_or(1),
+            },
+            resumed_at: resumed.map_or(0, |s| s.step),
+            model: self.spec.name.clone(),
+            config_hash: self.hash,
+            started: self.started,
+        };
+        Ok((data, plan))
+    }
+
+    /// Pipeline parallel: this rank's stage of its replica, resumable.
+    fn pipeline(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
+        let config = self.config;
+        let mut role = crate::pipeline::StageRole::new(cx, self.spec)?;
+        let resumed = self.resume(cx, |dir, _| {
+            let state = checkpoint::read_state(dir)?;
+            crate::pipeline::state::restore(role.pipeline(), Some(dir)).map(|()| state)
+        })?;
+        if resumed.is_some() && cx.rank != 0 {
+            crate::pipeline::state::restore(role.pipeline(), None)?;
+        }
+        let (replicas, stages) = (
+            config.pipeline.data_parallel,
+            role.pipeline().split().stages(),
+        );
+        cx.num_workers = replicas;
+        let shard = (replicas, role.pipeline().replica());
+        let (data, plan) = self.epochs_plan(cx, shard, resumed.as_ref())?;
+        cx.log(&format!(
+            "training: {stages} stages × {replicas} replica(s), {} steps/epoch of {}x{replicas} samples, {} steps, strategy pipeline ({}, {} micro-batches)",
+            data.steps_per_epoch(),
+            config.data.batch_size,
+            plan.total,
+            config.pipeline.schedule,
+            config.pipeline.micro_batches,
+        ))?;
+        let done = runloop::run(&mut role, data, &plan, cx)?;
+        let summary = self.summary(&role, cx, done);
+        cx.log_quiet(&summary.final_line())?;
+        Ok(summary)
+    }
+
+    /// Resume: rank 0 finds the newest checkpoint and `load`s it; its position is shared with
+    /// every rank (the weights travel with the initial broadcast, or the pipeline's restore).
+    fn resume(
+        &self,
+        cx: &mut Cx<'_>,
+        load: impl FnOnce(&std::path::Path, &mut Cx<'_>) -> Result<CheckpointState>,
+    ) -> Result<Option<CheckpointState>> {
         let mut bytes = Vec::new();
         let newest = if cx.rank == 0 && self.config.schedule.resume {
             let (dir, warnings) = checkpoint::newest_complete(&self.config.telemetry.output)?;
@@ -222,7 +276,7 @@ impl Job<'_> {
             None
         };
         if let Some(dir) = newest {
-            let state = checkpoint::load(&dir, cx.engine)?;
+            let state = load(&dir, cx)?;
             if state.config_hash != self.hash {
                 cx.log(&format!(
                     "warning: {} was written by a run with another config",
@@ -341,14 +395,17 @@ impl Job<'_> {
 /// What rank `rank` does in `topology`, in a word.
 fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
     use flotilla_cluster::RoleKind;
-    if topology.arch() == flotilla_cluster::Arch::Allreduce {
-        return "peer";
+    match topology.arch() {
+        flotilla_cluster::Arch::Allreduce => return "peer",
+        flotilla_cluster::Arch::Pipeline => return "stage",
+        _ => {}
     }
     match topology.role(rank).map(|r| r.kind) {
         Some(RoleKind::ShardServer { .. }) if rank == flotilla_cluster::ROOT_RANK => "root",
         Some(RoleKind::ShardServer { .. }) => "shard-server",
         Some(RoleKind::GlobalServer) => "global-server",
         Some(RoleKind::LocalServer { .. }) => "local-server",
+        Some(RoleKind::Stage { .. }) => "stage",
         Some(RoleKind::Worker { .. }) | None => "worker",
     }
 }

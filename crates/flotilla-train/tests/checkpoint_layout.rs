@@ -25,6 +25,7 @@ fn state(e: &BurnEngine) -> CheckpointState {
         model: "lenet5".into(),
         num_params: e.num_params(),
         test_acc: None,
+        stages: None,
     }
 }
 

@@ -25,6 +25,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::AllreduceWorker(args) => allreduce_worker(&args),
         BenchCommand::Step(args) => step(&args),
         BenchCommand::Ps(args) => crate::bench_ps::run(&args),
+        BenchCommand::Pipeline(args) => crate::bench_pipeline::run(&args),
     }
 }
 

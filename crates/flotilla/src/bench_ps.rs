@@ -4,7 +4,6 @@
 //! size measured in the same run.
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
@@ -23,57 +22,16 @@ struct RootFigures {
 
 /// Runs `flotilla launch` on a config text and reads the root's figures.
 fn run_job(dir: &Path, name: &str, yaml: &str, limit: Duration) -> Result<RootFigures> {
-    let cfg = dir.join(format!("{name}.yaml"));
-    std::fs::write(&cfg, yaml).with_context(|| format!("writing {}", cfg.display()))?;
-    let exe = std::env::current_exe().context("locating flotilla")?;
-    let out = dir.join(name);
-    let stderr_path = dir.join(format!("{name}.stderr"));
-    let stderr_file = std::fs::File::create(&stderr_path)
-        .with_context(|| format!("creating {}", stderr_path.display()))?;
-    let mut child = Command::new(exe)
-        .args(["launch"])
-        .arg(&cfg)
-        .arg("--output")
-        .arg(&out)
-        // Not piped: a pipe nobody drains while the job runs would block it when full.
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::from(stderr_file))
-        .spawn()
-        .context("starting a bench job")?;
-    let started = std::time::Instant::now();
-    loop {
-        if child.try_wait()?.is_some() {
-            break;
-        }
-        if started.elapsed() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            bail!("bench job {name} exceeded {limit:?}");
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    let status = child.wait()?;
-    if !status.success() {
-        bail!(
-            "bench job {name} failed:\n{}",
-            std::fs::read_to_string(&stderr_path).unwrap_or_default()
-        );
-    }
-    // The launcher's summary.json: every rank's figures, rank 0 (the root) first.
-    let path = out.join("summary.json");
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    let summary: serde_json::Value =
-        serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))?;
-    let root = &summary["ranks"][0]["figures"];
-    let get = |k: &str| root[k].as_f64().unwrap_or(f64::NAN);
-    let f = RootFigures {
+    let ranks = crate::bench_job::run(dir, name, yaml, limit)?;
+    let root = ranks.first().cloned().unwrap_or_default();
+    let get = |k: &str| root.get(k).copied().unwrap_or(f64::NAN);
+    Ok(RootFigures {
         updates_per_s: get("updates_per_s"),
         bytes_per_round: get("bytes_per_round"),
         test_acc: get("test_acc"),
         rounds: get("steps"),
         wall_s: get("wall_s"),
-    };
-    Ok(f)
+    })
 }
 
 fn hierarchical(global: &str, local: &str, workers: usize) -> String {

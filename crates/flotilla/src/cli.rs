@@ -152,6 +152,9 @@ pub enum BenchCommand {
     /// Parameter-server topologies: updates/s and bytes received at the root (flat vs
     /// hierarchical vs sharded), or time to a target accuracy for every combination.
     Ps(BenchPsArgs),
+    /// Pipeline schedules: throughput, measured bubble against the ideal, activations in
+    /// flight and the automatic cut's balance, for several stage and micro-batch counts.
+    Pipeline(BenchPipelineArgs),
     /// Internal: one rank of `bench allreduce`.
     #[command(hide = true)]
     AllreduceWorker(BenchAllreduceArgs),
@@ -189,6 +192,26 @@ pub struct BenchStepArgs {
     /// Timed steps per case (after 5 warm-up steps).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
+}
+
+/// `flotilla bench pipeline`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchPipelineArgs {
+    /// Stage counts to measure, e.g. `2,3,4`.
+    #[arg(short = 's', long, value_delimiter = ',', default_value = "2,3,4")]
+    pub stages: Vec<usize>,
+    /// Micro-batch counts, e.g. `1,2,4,8`.
+    #[arg(short = 'm', long, value_delimiter = ',', default_value = "1,2,4,8")]
+    pub micro_batches: Vec<usize>,
+    /// Training steps per case.
+    #[arg(long, default_value_t = 40)]
+    pub steps: usize,
+    /// Samples per batch.
+    #[arg(long, default_value_t = 64)]
+    pub batch_size: usize,
+    /// Model.
+    #[arg(long, default_value = "resnet-mnist")]
+    pub model: String,
 }
 
 /// `flotilla bench ps`.

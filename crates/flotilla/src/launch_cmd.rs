@@ -62,6 +62,16 @@ fn prepare(args: &LaunchArgs) -> Result<Prepared> {
         config.comm.master_addr = "127.0.0.1".into();
     }
     let spec = config.validate()?;
+    if config.topology.arch == flotilla_cluster::Arch::Pipeline {
+        // Planned here, before any rank starts: a model that does not fit is refused, and the
+        // ranks run the cut printed here (an automatic cut is measured once, not again).
+        let plan = flotilla_train::pipeline::plan(&config, &spec)?;
+        print!("{}", plan.describe(&config));
+        config.pipeline.split_points = None;
+        config.pipeline.stages = flotilla_train::config::StagesSetting::Ranges(
+            plan.ranges().iter().map(|r| [r.start, r.end - 1]).collect(),
+        );
+    }
     let n = config.effective_world_size()?;
     let output = &config.telemetry.output;
     std::fs::create_dir_all(output).with_context(|| format!("creating {}", output.display()))?;

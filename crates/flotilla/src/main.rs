@@ -1,6 +1,8 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
 
 mod bench;
+mod bench_job;
+mod bench_pipeline;
 mod bench_ps;
 mod cli;
 mod launch;
@@ -41,10 +43,16 @@ fn main() -> ExitCode {
 fn show_config(args: &cli::RunArgs) -> Result<()> {
     let layers = settings::layers(args, false)?;
     let config = layers.extract()?;
-    config.validate()?;
+    let spec = config.validate()?;
     print!("{}", settings::annotated_yaml(&layers.provenance()?));
     let topology = config.topology()?;
-    if topology.arch() != flotilla_cluster::Arch::Allreduce {
+    if topology.arch() == flotilla_cluster::Arch::Pipeline {
+        let plan = flotilla_train::pipeline::plan(&config, &spec)?;
+        println!("# plan (profiled on this machine)");
+        for line in plan.describe(&config).lines() {
+            println!("# {line}");
+        }
+    } else if topology.arch() != flotilla_cluster::Arch::Allreduce {
         let placement = match &config.topology.inventory {
             Some(path) => {
                 flotilla_cluster::place(&topology, &flotilla_cluster::Inventory::load(path)?)?

@@ -4,13 +4,20 @@
 //!
 //! The engine side (what a stage computes) is [`flotilla_engine::Stage`]; the cut is
 //! [`flotilla_engine::Split`]. This module moves tensors between stages ([`wire`]), orders
-//! the micro-batches ([`schedule`]) and gives a user the loop ([`Pipeline`]).
+//! the micro-batches ([`schedule`]) and gives a user the loop ([`Pipeline`]); the CLI's
+//! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`StageRole`] of the one
+//! run loop and writes the stages' checkpoints ([`state`]).
 
 pub mod pipe;
+pub mod plan;
+pub mod role;
 pub mod schedule;
+pub mod state;
 pub mod wire;
 
 pub use pipe::{Pipeline, PipelineOptions, micro_batches};
+pub use plan::{Plan, plan};
+pub use role::StageRole;
 pub use schedule::{Action, Schedule};
 
 #[cfg(test)]

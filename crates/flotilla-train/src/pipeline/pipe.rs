@@ -57,6 +57,9 @@ pub struct Pipeline {
     /// The size of the batch that [`Pipeline::forward`] started and [`Pipeline::backward`]
     /// has not finished.
     open: Option<usize>,
+    /// Time spent computing (the stage's forwards, backwards and optimizer steps), as
+    /// opposed to waiting for other stages.
+    compute: std::time::Duration,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -111,6 +114,7 @@ impl Pipeline {
             replicas,
             rows: Vec::new(),
             open: None,
+            compute: std::time::Duration::ZERO,
         })
     }
 
@@ -147,6 +151,29 @@ impl Pipeline {
     /// The options this pipeline runs with.
     pub fn options(&self) -> &PipelineOptions {
         &self.opts
+    }
+
+    /// The group of this stage's replicas (when `data_parallel > 1`).
+    pub fn replica_group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.replicas.as_ref()
+    }
+
+    /// This rank's stage, to read or replace its parameters and optimizer state (between
+    /// batches).
+    pub fn stage_mut(&mut self) -> &mut Stage {
+        &mut self.stage
+    }
+
+    /// The world group the pipeline runs in.
+    pub fn world(&self) -> &Arc<dyn ProcessGroup> {
+        &self.world
+    }
+
+    /// Time this rank has spent computing since it was built: its stage's forwards,
+    /// backwards and optimizer steps, not waiting for other stages or for its replicas. The
+    /// rest of the time a stage trains is the pipeline's bubble (and communication).
+    pub fn compute_time(&self) -> std::time::Duration {
+        self.compute
     }
 
     /// Sets the learning rate of the next steps.
@@ -245,7 +272,9 @@ impl Pipeline {
             grads.iter_mut().for_each(|g| *g /= d);
             drop(span);
         }
+        let started = Instant::now();
         self.stage.step(self.opts.lr)?;
+        self.compute += started.elapsed();
         Ok(())
     }
 
@@ -308,7 +337,9 @@ impl Pipeline {
         let n = rows.len();
         let inputs = self.stage_inputs(Direction::Forward, mb, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        let started = Instant::now();
         let outputs = self.stage.forward(mb, n, &refs)?;
+        self.compute += started.elapsed();
         self.send_forward(Direction::Forward, mb, outputs)
     }
 
@@ -334,19 +365,25 @@ impl Pipeline {
     /// pipeline computes it).
     fn backward_mb(&mut self, mb: usize, upstream: Upstream<'_>) -> Result<Option<f32>> {
         let s = self.stage.index();
+        // Waiting for the outputs' gradients is not compute time.
+        let received = match upstream {
+            Upstream::Stage => {
+                let outputs = self.split.outputs(s);
+                let n = self.rows.get(mb).map_or(0, |r| r.len());
+                self.receive(Direction::Backward, &outputs, mb, n)?
+            }
+            _ => Vec::new(),
+        };
+        let started = Instant::now();
         let (loss, grad_inputs) = match upstream {
             Upstream::Labels(labels, weight) => {
                 let (loss, g) = self.stage.backward_loss(mb, labels, weight)?;
                 (Some(loss), g)
             }
             Upstream::Grad(g) => (None, self.stage.backward(mb, vec![g])?),
-            Upstream::Stage => {
-                let outputs = self.split.outputs(s);
-                let n = self.rows.get(mb).map_or(0, |r| r.len());
-                let grads = self.receive(Direction::Backward, &outputs, mb, n)?;
-                (None, self.stage.backward(mb, grads)?)
-            }
+            Upstream::Stage => (None, self.stage.backward(mb, received)?),
         };
+        self.compute += started.elapsed();
         if s > 0 {
             for (c, g) in self.split.inputs(s).into_iter().zip(grad_inputs) {
                 let from = self.split.crossings[c].from;
@@ -432,7 +469,7 @@ impl Pipeline {
             let crossing = &self.split.crossings[c];
             let stage = match dir {
                 Direction::Backward => crossing.to,
-                Direction::Forward | Direction::Eval => crossing.from,
+                Direction::Forward | Direction::Eval | Direction::State => crossing.from,
             };
             let peer = self.peers[stage];
             let _span =
@@ -469,7 +506,7 @@ impl Pipeline {
     ) -> TrainError {
         let what = match dir {
             Direction::Backward => "gradient of",
-            Direction::Forward | Direction::Eval => "activation",
+            Direction::Forward | Direction::Eval | Direction::State => "activation",
         };
         TrainError::Peer {
             peer: self.world.world_rank(self.peers[stage]),

@@ -20,6 +20,9 @@ pub enum Direction {
     Backward = 1,
     /// An activation, downstream, during evaluation.
     Eval = 2,
+    /// A stage's weights or optimizer state, to or from the rank that writes checkpoints
+    /// (the crossing field numbers the part).
+    State = 3,
 }
 
 /// Most crossings a split may have (the tag has 10 bits for them).

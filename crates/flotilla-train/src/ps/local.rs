@@ -51,12 +51,12 @@ pub struct LocalServer {
 
 impl LocalServer {
     /// A local server of `len` parameters between `parent` and `children`.
-    pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Self {
+    pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Result<Self> {
         let active: BTreeSet<usize> = children.iter().copied().collect();
-        let len = cx.engine.num_params();
+        let len = cx.engine_ref()?.num_params();
         let mut peers = children.to_vec();
         peers.push(parent);
-        Self {
+        Ok(Self {
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
@@ -81,7 +81,7 @@ impl LocalServer {
             pushes_up: 0,
             round_started: Instant::now(),
             stopped: None,
-        }
+        })
     }
 
     /// How many times it pushed up.

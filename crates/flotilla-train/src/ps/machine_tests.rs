@@ -72,7 +72,7 @@ impl Fixture {
         PsContext {
             comm: &self.comm,
             config: &self.config,
-            engine: &mut self.engine,
+            engine: Some(&mut self.engine),
             train: &self.data,
             test: &self.data,
             rank: self.comm.rank(),
@@ -289,7 +289,7 @@ fn a_sync_local_server_pushes_the_mean_up_and_forwards_the_reply() {
     let (w3, w2) = (w.pop().expect("w3"), w.pop().expect("w2"));
     let mut f = Fixture::new(w.pop().expect("local"), None);
     let parent = w.pop().expect("parent");
-    let mut m = LocalServer::new(&f.cx(), 0, &[2, 3], true);
+    let mut m = LocalServer::new(&f.cx(), 0, &[2, 3], true).expect("local server");
     let inbox = Inbox::listen(&f.comm, &m.peers());
     m.on_start(&mut f.cx()).expect("start");
     assert_eq!(next(&parent, 1), Some(PsMessage::Pull));

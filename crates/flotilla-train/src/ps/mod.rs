@@ -80,7 +80,7 @@ pub fn build_role(
             .collect::<Vec<_>>()
             .join(", ")
     ))?;
-    let n = ctx.engine.num_params();
+    let n = ctx.engine()?.num_params();
     let shard_servers: Vec<usize> = topology
         .servers()
         .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
@@ -95,12 +95,12 @@ pub fn build_role(
             } else {
                 flotilla_cluster::balanced_ranges(n, 1)
             };
-            let w = worker::Worker::new(ctx, &role.parents, &ranges);
+            let w = worker::Worker::new(ctx, &role.parents, &ranges)?;
             (Box::new(w), (ctx.num_workers, index))
         }
         RoleKind::LocalServer { .. } => {
             let parent = role.parents.first().copied().unwrap_or(0);
-            let m = local::LocalServer::new(ctx, parent, &role.children, sync);
+            let m = local::LocalServer::new(ctx, parent, &role.children, sync)?;
             (Box::new(m), (1, 0))
         }
         RoleKind::ShardServer { shard } => {
@@ -111,6 +111,12 @@ pub fn build_role(
             };
             let m = root::RootServer::new(ctx, &role.children, sync, plan)?;
             (Box::new(m), (1, 0))
+        }
+        RoleKind::Stage { .. } => {
+            return Err(crate::TrainError::config(
+                "topology",
+                "a pipeline stage is not a parameter-server role",
+            ));
         }
         RoleKind::GlobalServer => {
             let plan = server::ShardPlan::whole(n);

@@ -97,6 +97,7 @@ impl RootServer {
                 max_staleness: cx.config.topology.max_staleness,
             }
         };
+        let total = cx.engine()?.num_params();
         cx.log(&format!(
             "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
             if is_root {
@@ -106,7 +107,7 @@ impl RootServer {
             },
             if sync { "sync" } else { "async" },
             shard.range(),
-            cx.engine.num_params(),
+            total,
             list(&active),
             cx.rounds
         ))?;

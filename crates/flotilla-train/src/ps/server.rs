@@ -95,9 +95,9 @@ pub(crate) struct Model {
 impl Model {
     /// The engine's current parameters, holding `range` of them.
     pub(crate) fn new(ctx: &PsContext<'_>, range: Range<usize>) -> Result<Self> {
-        let n = ctx.engine.num_params();
+        let n = ctx.engine_ref()?.num_params();
         let mut full = vec![0.0; n];
-        ctx.engine.read_params(&mut full)?;
+        ctx.engine_ref()?.read_params(&mut full)?;
         Ok(Self {
             params: Params {
                 version: 0,
@@ -138,11 +138,11 @@ impl Model {
                 *p += d;
             }
             self.full[self.range.clone()].copy_from_slice(&self.params.values);
-            ctx.engine.write_params(&self.full)?;
+            ctx.engine()?.write_params(&self.full)?;
         } else {
             self.grad[self.range.clone()].copy_from_slice(&mean.values);
-            ctx.engine.apply_grads(&self.grad, lr)?;
-            ctx.engine.read_params(&mut self.full)?;
+            ctx.engine()?.apply_grads(&self.grad, lr)?;
+            ctx.engine()?.read_params(&mut self.full)?;
             self.params
                 .values
                 .copy_from_slice(&self.full[self.range.clone()]);
@@ -218,7 +218,7 @@ pub(crate) fn gather(
             }
         }
     }
-    ctx.engine.write_params(&model.full)?;
+    ctx.engine()?.write_params(&model.full)?;
     Ok(())
 }
 

@@ -41,9 +41,9 @@ enum Pulled {
 
 impl Worker {
     /// A worker under `parents`, holding `ranges` of the parameters.
-    pub fn new(cx: &PsContext<'_>, parents: &[usize], ranges: &[Range<usize>]) -> Self {
-        let n = cx.engine.num_params();
-        Self {
+    pub fn new(cx: &PsContext<'_>, parents: &[usize], ranges: &[Range<usize>]) -> Result<Self> {
+        let n = cx.engine_ref()?.num_params();
+        Ok(Self {
             parents: parents.to_vec(),
             ranges: ranges.to_vec(),
             local_steps: cx.config.topology.local_steps.max(1),
@@ -57,7 +57,7 @@ impl Worker {
             push: Duration::ZERO,
             wait: Duration::ZERO,
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
-        }
+        })
     }
 
     /// The parents' newest parameters, or the first parent's stop. A parent other than the
@@ -124,7 +124,7 @@ impl Worker {
 
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
     fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>) -> Result<()> {
-        cx.engine.write_params(&self.params)?;
+        cx.engine()?.write_params(&self.params)?;
         let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
         for _ in 0..self.local_steps {
@@ -132,14 +132,15 @@ impl Worker {
                 let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
                 data.next_batch()?
             };
-            loss_sum += cx.engine.forward_backward(batch)?;
-            cx.engine.read_grads(&mut self.grad)?;
+            loss_sum += cx.engine()?.forward_backward(batch)?;
+            cx.engine()?.read_grads(&mut self.grad)?;
             if averaging {
-                cx.engine.apply_grads(&self.grad, cx.config.base_lr())?;
+                let lr = cx.config.base_lr();
+                cx.engine()?.apply_grads(&self.grad, lr)?;
             }
         }
         if averaging {
-            cx.engine.read_params(&mut self.local)?;
+            cx.engine()?.read_params(&mut self.local)?;
             for ((d, l), g) in self.grad.iter_mut().zip(&self.local).zip(&self.params) {
                 *d = l - g;
             }

@@ -80,7 +80,7 @@ impl Role for SyncAllReduce {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        self.synchronize_initial_state(cx.engine)
+        self.synchronize_initial_state(cx.engine()?)
     }
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
@@ -91,7 +91,7 @@ impl Role for SyncAllReduce {
             data.next_batch()?
         };
         let samples = batch.labels.len() as u64 * world;
-        let stats = self.step_on(cx.engine, batch, lr)?;
+        let stats = self.step_on(cx.engine()?, batch, lr)?;
         Ok(Step {
             progressed: true,
             loss: Some(stats.global_loss),

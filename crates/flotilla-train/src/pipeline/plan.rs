@@ -1,0 +1,161 @@
+//! A pipeline job's plan: where the model is cut (explicit ranges, split points, or the
+//! automatic partition by measured cost within each host's memory) and what every stage is
+//! estimated to cost. Printed before training and by `flotilla config`.
+
+use std::ops::Range;
+
+use flotilla_engine::partition::{self, LayerCost, StageEstimate, StageHost};
+use flotilla_engine::{ModelSpec, Split, split::ranges_from_points};
+
+use crate::config::{StagesSetting, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// Timed repetitions of each layer when profiling.
+const PROFILE_REPEATS: usize = 3;
+
+/// Where a pipeline is cut, and the estimates of each stage.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// The cut.
+    pub split: Split,
+    /// Per stage: layers, parameters, time per micro-batch and peak memory.
+    pub stages: Vec<StageEstimate>,
+    /// Each stage's host (memory limit, speed, micro-batches in flight).
+    pub hosts: Vec<StageHost>,
+    /// Whether the cut was chosen automatically.
+    pub automatic: bool,
+    /// Samples per micro-batch the estimates are for.
+    pub samples: usize,
+}
+
+/// Plans the pipeline of `config` for `spec`: profiles every layer on this machine (forward
+/// and backward of one micro-batch), then takes the configured cut or chooses one. A cut
+/// that leaves a layer out or places one twice, or a stage that does not fit its host's
+/// memory, is an error with the numbers.
+pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<Plan> {
+    let p = &config.pipeline;
+    let stages = p.num_stages();
+    let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
+    let costs = flotilla_engine::profile(
+        spec,
+        &config.optimizer,
+        &config.model.device,
+        samples,
+        PROFILE_REPEATS,
+    )?;
+    let hosts = hosts(config, stages);
+    let (ranges, automatic) = cut(config, spec, &costs, &hosts)?;
+    let split = Split::new(spec, ranges.clone())
+        .map_err(|e| TrainError::config("pipeline.stages", e.to_string()))?;
+    let stages = partition::check(&costs, &ranges, &hosts)
+        .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
+    Ok(Plan {
+        split,
+        stages,
+        hosts,
+        automatic,
+        samples,
+    })
+}
+
+/// Every stage's host, from `pipeline.hosts` (default: unlimited memory, speed 1), with
+/// the micro-batches of activations its schedule keeps alive.
+fn hosts(config: &TrainConfig, stages: usize) -> Vec<StageHost> {
+    let p = &config.pipeline;
+    (0..stages)
+        .map(|s| {
+            let h = p.hosts.get(s).cloned().unwrap_or_default();
+            StageHost {
+                memory_bytes: h.memory_mb.map(|mb| (mb * (1u64 << 20) as f64) as u64),
+                speed: h.speed,
+                in_flight: p.schedule.peak_in_flight(stages, s, p.micro_batches) as u64,
+            }
+        })
+        .collect()
+}
+
+/// The layer ranges of the stages, and whether they were chosen automatically.
+fn cut(
+    config: &TrainConfig,
+    spec: &ModelSpec,
+    costs: &[LayerCost],
+    hosts: &[StageHost],
+) -> Result<(Vec<Range<usize>>, bool)> {
+    let p = &config.pipeline;
+    let n = spec.layers.len();
+    Ok(match (&p.split_points, &p.stages) {
+        (Some(points), _) => (ranges_from_points(points, n), false),
+        (None, StagesSetting::Ranges(r)) => (
+            r.iter()
+                .map(|[first, last]| *first..last.saturating_add(1))
+                .collect(),
+            false,
+        ),
+        (None, StagesSetting::Count(_)) => {
+            let chosen = partition::partition(costs, hosts)
+                .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
+            (chosen.into_iter().map(|e| e.layers).collect(), true)
+        }
+    })
+}
+
+impl Plan {
+    /// The stages' layer ranges (what every rank must agree on).
+    pub fn ranges(&self) -> Vec<Range<usize>> {
+        self.split.ranges.clone()
+    }
+
+    /// The slowest stage's estimated time over the mean (1.0: perfectly balanced).
+    pub fn balance(&self) -> f64 {
+        let times: Vec<f64> = self.stages.iter().map(|s| s.time_s).collect();
+        let mean = times.iter().sum::<f64>() / times.len().max(1) as f64;
+        let max = times.iter().copied().fold(0.0, f64::max);
+        if mean > 0.0 { max / mean } else { 1.0 }
+    }
+
+    /// The plan as a table, one stage per row.
+    pub fn describe(&self, config: &TrainConfig) -> String {
+        let p = &config.pipeline;
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / (1 << 20) as f64);
+        let mut out = format!(
+            "pipeline: {} stages × {} replica{}, schedule {}, {} micro-batches of {} samples, cut {}\n",
+            self.stages.len(),
+            p.data_parallel,
+            if p.data_parallel == 1 { "" } else { "s" },
+            p.schedule,
+            p.micro_batches,
+            self.samples,
+            if self.automatic {
+                "automatically by measured cost"
+            } else {
+                "as configured"
+            }
+        );
+        out.push_str(
+            "stage  layers      params  ms/micro-batch  memory (est.)  host memory  speed\n",
+        );
+        for (k, (s, h)) in self.stages.iter().zip(&self.hosts).enumerate() {
+            out.push_str(&format!(
+                "{k:<6} {:<10} {:>7} {:>15.2} {:>14} {:>12} {:>6.2}\n",
+                format!("{}-{}", s.layers.start, s.layers.end.saturating_sub(1)),
+                s.params,
+                s.time_s * 1e3,
+                mib(s.memory_bytes),
+                h.memory_bytes.map_or("unlimited".into(), mib),
+                h.speed
+            ));
+        }
+        let crossings: Vec<String> = self
+            .split
+            .crossings
+            .iter()
+            .map(|c| format!("{} {}→{}", c.name, c.from, c.to))
+            .collect();
+        out.push_str(&format!(
+            "crossings: {}\nbalance (slowest stage / mean): {:.2}\n",
+            crossings.join(", "),
+            self.balance()
+        ));
+        out
+    }
+}

@@ -1,0 +1,221 @@
+//! A pipeline stage as a [`Role`] of the one run loop (`strategy: pipeline`): the cut is
+//! planned on rank 0 (profiled, printed, refused when it does not fit) and sent to every
+//! rank; each rank builds its [`Pipeline`] stage, trains its replica's batches with the
+//! configured schedule, evaluates with the other stages, and joins the pipeline's
+//! checkpoints.
+
+use std::path::PathBuf;
+
+use flotilla_engine::{EvalStats, ModelSpec, ModelState, Split};
+
+use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
+use crate::error::{Result, TrainError};
+use crate::pipeline::{Pipeline, PipelineOptions, plan, state};
+use crate::role::{Cx, Evaluation, Role, Step};
+
+/// Samples per forward when evaluating.
+const EVAL_CHUNK: usize = 500;
+
+/// One rank's stage of a pipeline job.
+pub struct StageRole {
+    pipe: Pipeline,
+    /// Time spent in training steps (computing and waiting) after the first, for the idle
+    /// fraction.
+    training: std::time::Duration,
+    /// The pipeline's compute time at the end of the first step: the first step warms up
+    /// (allocations, first use of every kernel) and is left out of the figures.
+    warmed_up: Option<std::time::Duration>,
+    /// Bytes of the stage's layer outputs for one micro-batch (what backward keeps, as the
+    /// partition estimates it).
+    activation_bytes: u64,
+}
+
+impl StageRole {
+    /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
+    /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
+    pub fn new(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Self> {
+        let ranges = agreed_cut(cx, spec)?;
+        let split = Split::new(spec, ranges)?;
+        let config = cx.config;
+        let p = &config.pipeline;
+        let layers = split.ranges[cx.rank % split.stages()].clone();
+        let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
+        let activation_bytes = spec.infer_io()?[layers]
+            .iter()
+            .map(|(_, out)| 4 * (out.numel() * samples) as u64)
+            .sum();
+        let opts = PipelineOptions {
+            micro_batches: p.micro_batches,
+            schedule: p.schedule,
+            data_parallel: p.data_parallel,
+            lr: config.base_lr(),
+            optimizer: config.optimizer.clone(),
+            device: config.model.device.clone(),
+            seed: config.model.seed,
+        };
+        let pipe = Pipeline::new(spec, split, opts, cx.comm.clone())?;
+        Ok(Self {
+            pipe,
+            training: std::time::Duration::ZERO,
+            warmed_up: None,
+            activation_bytes,
+        })
+    }
+
+    /// The pipeline this role runs.
+    pub fn pipeline(&mut self) -> &mut Pipeline {
+        &mut self.pipe
+    }
+}
+
+/// The stages' layer ranges: planned on rank 0 and broadcast (with rank 0's refusal, if it
+/// refuses), so that an automatic cut measured on one machine is the same everywhere.
+fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<usize>>> {
+    let mut bytes = Vec::new();
+    if cx.rank == 0 {
+        let planned = plan::plan(cx.config, spec);
+        let message: std::result::Result<Vec<[usize; 2]>, String> = match &planned {
+            Ok(p) => {
+                for line in p.describe(cx.config).lines() {
+                    cx.log(line)?;
+                }
+                Ok(p.ranges().iter().map(|r| [r.start, r.end]).collect())
+            }
+            Err(e) => Err(e.to_string()),
+        };
+        bytes = serde_json::to_vec(&message).unwrap_or_default();
+        if let Err(e) = planned {
+            // Tell the others why before failing, so that none waits for a cut.
+            cx.comm.broadcast_bytes(&mut bytes, 0)?;
+            return Err(e);
+        }
+    }
+    cx.comm.broadcast_bytes(&mut bytes, 0)?;
+    let message: std::result::Result<Vec<[usize; 2]>, String> = serde_json::from_slice(&bytes)
+        .map_err(|e| TrainError::Protocol {
+            peer: 0,
+            message: format!("the pipeline's cut: {e}"),
+        })?;
+    match message {
+        Ok(ranges) => Ok(ranges.into_iter().map(|[a, b]| a..b).collect()),
+        Err(reason) => Err(TrainError::config(
+            "pipeline",
+            format!("rank 0 refused the plan: {reason}"),
+        )),
+    }
+}
+
+impl Role for StageRole {
+    fn name(&self) -> &'static str {
+        "stage"
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::Collective
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.pipe.world().rank() == 0
+    }
+
+    fn stops_itself(&self) -> bool {
+        true
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+        self.pipe.set_lr(cx.lr_at(done));
+        let (_, batch) = {
+            let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
+            data.next_batch()?
+        };
+        let n = batch.labels.len();
+        let images = if self.pipe.is_first() {
+            batch.images
+        } else {
+            &[]
+        };
+        let started = std::time::Instant::now();
+        let loss = self.pipe.train_batch(images, batch.labels)?;
+        match self.warmed_up {
+            None => self.warmed_up = Some(self.pipe.compute_time()),
+            Some(_) => self.training += started.elapsed(),
+        }
+        // The last stage of every replica knows its batch's loss; every rank learns the mean.
+        let replicas = self.pipe.options().data_parallel;
+        let mut sum = [loss.unwrap_or(0.0)];
+        cx.comm.all_reduce_sum(&mut sum)?;
+        Ok(Step {
+            progressed: true,
+            loss: Some(sum[0] / replicas as f32),
+            samples: (n * replicas) as u64,
+            done: None,
+        })
+    }
+
+    fn own_model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(self.pipe.stage_mut())
+    }
+
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        let labels: Vec<i64> = cx.test.labels().iter().map(|&l| i64::from(l)).collect();
+        let images = if self.pipe.is_first() {
+            cx.test.images()
+        } else {
+            &[]
+        };
+        self.pipe.evaluate(images, &labels, EVAL_CHUNK)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        let _ = cx;
+        match self.pipe.replica_group().cloned() {
+            Some(group) => crate::eval::verify_identical(self.pipe.stage(), &*group).map(Some),
+            None => crate::eval::param_hash(self.pipe.stage()).map(Some),
+        }
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        cx: &mut Cx<'_>,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        state::save(&self.pipe, &cx.config.telemetry.output, state)
+    }
+
+    fn report(&self, cx: &Cx<'_>) -> Option<String> {
+        let _ = cx;
+        let s = self.pipe.stage();
+        Some(format!(
+            "stage {} of replica {}: layers {}..{}, {} parameters, at most {} micro-batches in flight",
+            s.index(),
+            self.pipe.replica(),
+            s.layers().start,
+            s.layers().end,
+            s.num_params(),
+            s.peak_in_flight()
+        ))
+    }
+
+    fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        let _ = cx;
+        let compute = self.pipe.compute_time() - self.warmed_up.unwrap_or_default();
+        let training = self.training.as_secs_f64();
+        let peak = self.pipe.stage().peak_in_flight();
+        vec![
+            ("stage", self.pipe.stage_index() as f64),
+            ("peak_in_flight", peak as f64),
+            (
+                "peak_activation_mib",
+                (self.activation_bytes * peak as u64) as f64 / (1u64 << 20) as f64,
+            ),
+            ("compute_s", compute.as_secs_f64()),
+            ("training_s", training),
+            // The share of training time this stage waited (bubble and communication).
+            (
+                "idle_fraction",
+                1.0 - compute.as_secs_f64() / training.max(1e-9),
+            ),
+        ]
+    }
+}

@@ -1,0 +1,155 @@
+//! A pipeline's checkpoints: the first replica's stages send their weights and optimizer
+//! state to rank 0, which writes them (one file pair per stage) and their merge (the whole
+//! model in PyTorch's names) as one atomic checkpoint; on resume, rank 0 reads them and sends
+//! every rank its stage's pair.
+
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use flotilla_engine::{ModelState, Stage};
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::error::{Result, TrainError};
+use crate::pipeline::Pipeline;
+use crate::pipeline::wire::{self, Direction};
+
+/// The part numbers of a stage's state in a [`Direction::State`] tag.
+const WEIGHTS: usize = 0;
+const OPTIMIZER: usize = 1;
+
+/// A stage's weights as safetensors bytes and its optimizer state.
+fn stage_parts(stage: &Stage) -> Result<[Vec<u8>; 2]> {
+    let path = std::env::temp_dir().join(format!(
+        "flotilla-{}-stage-{}.safetensors",
+        std::process::id(),
+        stage.index()
+    ));
+    stage.save_weights(&path)?;
+    let weights = std::fs::read(&path).map_err(|e| TrainError::io(&path, e));
+    let _ = std::fs::remove_file(&path);
+    Ok([weights?, stage.optimizer_state()?])
+}
+
+/// Replaces a stage's weights and optimizer state with `parts` (from [`stage_parts`]).
+fn load_parts(stage: &mut Stage, parts: &[Vec<u8>; 2]) -> Result<()> {
+    let path = std::env::temp_dir().join(format!(
+        "flotilla-{}-resume-stage-{}.safetensors",
+        std::process::id(),
+        stage.index()
+    ));
+    std::fs::write(&path, &parts[WEIGHTS]).map_err(|e| TrainError::io(&path, e))?;
+    let loaded = stage.load_weights(&path);
+    let _ = std::fs::remove_file(&path);
+    loaded?;
+    stage.load_optimizer_state(&parts[OPTIMIZER])?;
+    Ok(())
+}
+
+fn receive_parts(pipe: &Pipeline, from: usize) -> Result<[Vec<u8>; 2]> {
+    let world = pipe.world();
+    let deadline = Instant::now() + world.timeout();
+    let part = |p: usize| {
+        world
+            .recv(from, wire::tag(Direction::State, p, 0), deadline)
+            .map_err(|e| TrainError::Peer {
+                peer: from,
+                message: format!("waiting for the state of the stage at rank {from}: {e}"),
+            })
+    };
+    Ok([part(WEIGHTS)?, part(OPTIMIZER)?])
+}
+
+fn send_parts(pipe: &Pipeline, to: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
+    for (p, bytes) in parts.iter().enumerate() {
+        pipe.world()
+            .send(to, wire::tag(Direction::State, p, 0), bytes)?;
+    }
+    Ok(())
+}
+
+/// The layer ranges of a pipeline, as a checkpoint records them.
+fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
+    pipe.split()
+        .ranges
+        .iter()
+        .map(|r| [r.start, r.end])
+        .collect()
+}
+
+/// Writes a checkpoint of the pipeline; collective over the world. Rank 0 writes it and
+/// returns its directory; the other stages of replica 0 send their state to rank 0.
+pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<Option<PathBuf>> {
+    let rank = pipe.world().rank();
+    let stages = pipe.split().stages();
+    if pipe.replica() != 0 {
+        return Ok(None);
+    }
+    let mine = stage_parts(pipe.stage())?;
+    if rank != 0 {
+        send_parts(pipe, 0, &mine)?;
+        return Ok(None);
+    }
+    let mut all = vec![mine];
+    for s in 1..stages {
+        all.push(receive_parts(pipe, s)?);
+    }
+    let weights: Vec<&[u8]> = all.iter().map(|p| p[WEIGHTS].as_slice()).collect();
+    let (merged, num_params) =
+        checkpoint::merge_stage_weights(&weights, &output.join("model.safetensors"))?;
+    let state = CheckpointState {
+        num_params,
+        stages: Some(recorded_ranges(pipe)),
+        ..state.clone()
+    };
+    let dir = checkpoint::save_with(output, &state, |tmp| {
+        for (k, parts) in all.iter().enumerate() {
+            for (name, bytes) in checkpoint::stage_files(k).iter().zip(parts) {
+                checkpoint::write_part(tmp, name, bytes)?;
+            }
+        }
+        checkpoint::write_part(tmp, "model.safetensors", &merged)
+    })?;
+    Ok(Some(dir))
+}
+
+/// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (its cut must be
+/// the one the checkpoint recorded), loads stage 0's and sends every other rank its stage's.
+/// Every other rank: receives and loads its stage's. Collective over the world.
+pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
+    let (rank, size) = (pipe.world().rank(), pipe.world().size());
+    let stages = pipe.split().stages();
+    if rank != 0 {
+        let parts = receive_parts(pipe, 0)?;
+        return load_parts(pipe.stage_mut(), &parts);
+    }
+    let Some(dir) = dir else {
+        return Err(TrainError::config("resume", "no checkpoint to restore"));
+    };
+    let state = checkpoint::read_state(dir)?;
+    let want = recorded_ranges(pipe);
+    if state.stages.as_ref() != Some(&want) {
+        return Err(TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            message: format!(
+                "was written by {} but this pipeline has stages {want:?} (resume with the same cut)",
+                match &state.stages {
+                    Some(r) => format!("a pipeline with stages {r:?}"),
+                    None => "a run that was not a pipeline".into(),
+                }
+            ),
+        });
+    }
+    let mut per_stage = Vec::with_capacity(stages);
+    for k in 0..stages {
+        let mut parts: [Vec<u8>; 2] = Default::default();
+        for (slot, name) in parts.iter_mut().zip(checkpoint::stage_files(k)) {
+            let path = dir.join(name);
+            *slot = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+        }
+        per_stage.push(parts);
+    }
+    for r in 1..size {
+        send_parts(pipe, r, &per_stage[r % stages])?;
+    }
+    load_parts(pipe.stage_mut(), &per_stage[0])
+}

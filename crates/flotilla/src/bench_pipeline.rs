@@ -1,0 +1,117 @@
+//! `flotilla bench pipeline`: pipeline schedules compared in one run. Each case is a real local
+//! job (`flotilla launch` of a generated `strategy: pipeline` config, the cut chosen
+//! automatically); every rank reports its compute time and its time in training steps, so
+//! the measured bubble (the share of a step a stage waits) is printed next to the ideal
+//! `(S − 1) / (M + S − 1)`, with throughput as a ratio to one process (S = 1) measured in the
+//! same run, each stage's peak micro-batches of activations in flight, and the balance of the
+//! automatic cut (slowest stage's compute over the mean).
+
+use std::path::Path;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use crate::bench_job::{self, Figures};
+use crate::cli::BenchPipelineArgs;
+
+/// What one case measured.
+struct Case {
+    samples_per_s: f64,
+    idle: Vec<f64>,
+    peak: Vec<f64>,
+    activation_mib: Vec<f64>,
+    balance: f64,
+}
+
+fn measure(dir: &Path, name: &str, yaml: &str, samples: f64) -> Result<Case> {
+    let ranks = bench_job::run(dir, name, yaml, Duration::from_secs(900))?;
+    let get = |f: &Figures, k: &str| f.get(k).copied().unwrap_or(f64::NAN);
+    let column = |k: &str| ranks.iter().map(|f| get(f, k)).collect::<Vec<f64>>();
+    let training = column("training_s").into_iter().fold(0.0, f64::max);
+    let compute = column("compute_s");
+    let mean = compute.iter().sum::<f64>() / compute.len().max(1) as f64;
+    let slowest = compute.iter().copied().fold(0.0, f64::max);
+    Ok(Case {
+        samples_per_s: samples / training.max(1e-9),
+        idle: column("idle_fraction"),
+        peak: column("peak_in_flight"),
+        activation_mib: column("peak_activation_mib"),
+        balance: slowest / mean.max(1e-12),
+    })
+}
+
+fn list(v: &[f64], digits: usize) -> String {
+    v.iter()
+        .map(|x| format!("{x:.digits$}"))
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
+/// Runs the bench.
+pub fn run(args: &BenchPipelineArgs) -> Result<()> {
+    let dir = tempfile::tempdir().context("temporary directory")?;
+    let common = format!(
+        "strategy: pipeline\nmodel: {}\nbatch_size: {}\nmax_steps: {}\nwarmup_steps: 0\neval_every: 0\noptimizer: {{name: sgd, lr: 0.05, momentum: 0.9}}\n",
+        args.model, args.batch_size, args.steps
+    );
+    // The first step of every rank warms up and is not timed.
+    let samples = (args.steps.saturating_sub(1) * args.batch_size) as f64;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    println!(
+        "pipeline bench: {}, batch {}, {} steps per case, one thread per rank, {cores} cores",
+        args.model, args.batch_size, args.steps
+    );
+    println!(
+        "bubble = share of its training time a stage waits (per stage, first to last); ideal (S-1)/(M+S-1)"
+    );
+    let reference = measure(
+        dir.path(),
+        "reference",
+        &format!("{common}stages: 1\nmicro_batches: 1\n"),
+        samples,
+    )?;
+    println!(
+        "reference: 1 process, {:.0} samples/s",
+        reference.samples_per_s
+    );
+    println!(
+        "{:<3} {:<6} {:>3} {:>10} {:>6} {:>7} {:>18} {:>12} {:>14} {:>7}",
+        "S",
+        "sched",
+        "M",
+        "samples/s",
+        "ratio",
+        "ideal",
+        "bubble per stage",
+        "peak mb",
+        "act. MiB",
+        "balance"
+    );
+    for &s in &args.stages {
+        for schedule in ["gpipe", "1f1b"] {
+            for &m in &args.micro_batches {
+                let name = format!("s{s}-{schedule}-m{m}");
+                let yaml =
+                    format!("{common}stages: {s}\nmicro_batches: {m}\nschedule: {schedule}\n");
+                let c = measure(dir.path(), &name, &yaml, samples)?;
+                let ideal = (s - 1) as f64 / (m + s - 1) as f64;
+                println!(
+                    "{s:<3} {schedule:<6} {m:>3} {:>10.0} {:>6.2} {:>7.2} {:>18} {:>12} {:>14} {:>7.2}",
+                    c.samples_per_s,
+                    c.samples_per_s / reference.samples_per_s,
+                    ideal,
+                    list(&c.idle, 2),
+                    list(&c.peak, 0),
+                    list(&c.activation_mib, 1),
+                    c.balance
+                );
+            }
+        }
+    }
+    if args.stages.iter().any(|&s| s > cores) {
+        println!(
+            "note: with more stages than {cores} cores, stages share cores: their waiting includes waiting for a core"
+        );
+    }
+    Ok(())
+}
