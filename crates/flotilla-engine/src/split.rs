@@ -143,6 +143,20 @@ fn check_ranges(ranges: &[Range<usize>], layers: usize) -> Result<()> {
                 r.start
             ));
         }
+        if r.start >= layers {
+            return err(format!(
+                "stage {s} starts at layer {} but the model's layers are 0..{}",
+                r.start,
+                layers - 1
+            ));
+        }
+        if r.end > layers {
+            return err(format!(
+                "stage {s} ends at layer {} but the model's last layer is {}",
+                r.end - 1,
+                layers - 1
+            ));
+        }
         if r.end <= r.start {
             return err(format!("stage {s} ({}..{}) has no layer", r.start, r.end));
         }
@@ -177,6 +191,19 @@ mod tests {
         assert!(gap.contains("stage 1 starts at layer 4"), "{gap}");
         let empty = Split::at(&spec, &[3, 3]).unwrap_err().to_string();
         assert!(empty.contains("has no layer"), "{empty}");
+        let past = Split::new(&spec, vec![0..3, 3..n + 4])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            past.contains(&format!(
+                "ends at layer {} but the model's last layer is {}",
+                n + 3,
+                n - 1
+            )),
+            "{past}"
+        );
+        let beyond = Split::at(&spec, &[n + 2]).unwrap_err().to_string();
+        assert!(beyond.contains("the model's last layer is"), "{beyond}");
     }
 
     #[test]

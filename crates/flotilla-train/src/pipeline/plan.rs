@@ -11,7 +11,7 @@ use crate::config::{StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 
 /// Timed repetitions of each layer when profiling.
-const PROFILE_REPEATS: usize = 3;
+const PROFILE_REPEATS: usize = 5;
 
 /// Where a pipeline is cut, and the estimates of each stage.
 #[derive(Debug, Clone)]
