@@ -1,18 +1,23 @@
-//! Measuring what each layer of a model costs, for [`crate::partition`]: each layer runs as a
-//! one-layer [`Stage`] on a micro-batch of deterministic inputs, forward and backward, and the
-//! fastest of a few timed repetitions (after one warm-up) is its time: the work is
-//! deterministic, so the fastest run is the least disturbed one.
+//! Measuring what each layer of a model costs, for [`crate::partition`].
 //!
-//! Layer times do not add up to a stage's. Measured on the residual CNN (16-sample
-//! micro-batches, fastest of 20): stages are additive (two halves sum to the whole model
-//! within 3 %), but the ReLU and max-pool after the first convolution take 2.4 and 2.7 ms
-//! alone against about 0.3 ms together inside a stage, so the first three layers sum to 2.3x
-//! their stage while the last layers sum to 1.05–1.1x theirs. Only part of the difference is
-//! a one-layer stage's edge work (1.5 ms to take in and give out a 16×28×28 activation);
-//! taking it out did not make the sums additive, and timing every prefix of the model instead
-//! suffered from this machine's drift (the same stage measured 30 % apart a minute later).
-//! The partition's balance is therefore also measured in the running pipeline (`flotilla
-//! bench pipeline`, BENCHMARKS.md section 7).
+//! A layer does not cost the same alone as inside a stage, but stages add up: measured on the
+//! residual CNN (16-sample micro-batches), two halves of the model take what the whole model
+//! takes within 3 %, while the ReLU and max-pool after the first convolution take 2.4 and
+//! 2.7 ms as one-layer stages against about 0.3 ms together inside a stage (a one-layer sum
+//! charged the first three layers 2.3x their stage). So the profile times every **prefix**
+//! of the model as one stage (layers `0..j`, forward and backward of one micro-batch of
+//! deterministic inputs), and a layer's time is the difference of two consecutive prefixes:
+//! a range `i..j` then costs `prefix(j) − prefix(i)`, what a stage of those layers computes.
+//! Measured against stages timed directly, that is within 0.1–0.7 ms of 6–17 ms stages.
+//!
+//! The prefixes are timed **interleaved** — every prefix once per round, after one warm-up
+//! round — and each keeps its fastest round: a shared machine's speed drifts by tens of
+//! percent from one minute to the next, and timing one prefix after the other would turn that
+//! drift into a slope across the layers. Noise can still make a longer prefix look faster
+//! than a shorter one; a prefix is never counted faster than the one before it.
+//!
+//! The cost is `n (n + 1) / 2` layer passes per round (`n` layers); every prefix stage is
+//! built once and kept for the rounds.
 //!
 //! Memory per layer: parameters, their gradient and the optimizer's state
 //! (`4 × params × (2 + slots)` bytes); activations: the layer's output for the micro-batch
@@ -29,26 +34,54 @@ use crate::split::Split;
 use crate::stage::Stage;
 use crate::weights::ModelState;
 
-/// Per-layer costs of `spec` for micro-batches of `samples`, on the named device, timing
-/// `repeats` runs of each layer (at least 1).
+/// Per-layer costs of `spec` for micro-batches of `samples`, on the named device, from
+/// `rounds` timed rounds over every prefix (at least 1).
 pub fn profile(
     spec: &ModelSpec,
     optimizer: &OptimizerSpec,
     device: &str,
     samples: usize,
-    repeats: usize,
+    rounds: usize,
 ) -> Result<Vec<LayerCost>> {
     let n = spec.layers.len();
     let io = spec.infer_io()?;
-    let split = Split::new(spec, (0..n).map(|i| i..i + 1).collect())?;
     let samples = samples.max(1);
+    let mut prefixes = Vec::with_capacity(n);
+    for j in 1..=n {
+        // One stage of the whole model, or the prefix and the rest.
+        let ranges: Vec<_> = if j == n {
+            std::iter::once(0..n).collect()
+        } else {
+            vec![0..j, j..n]
+        };
+        let split = Split::new(spec, ranges)?;
+        let stage = Stage::new(spec, &split, 0, optimizer, device, 0)?;
+        let inputs = sample_inputs(&stage, samples);
+        prefixes.push((stage, inputs));
+    }
+    // fastest[j]: seconds of the prefix of layers 0..j (fastest[0] = 0, no layer).
+    let mut fastest = vec![f64::INFINITY; n + 1];
+    fastest[0] = 0.0;
+    for round in 0..=rounds.max(1) {
+        for (j, (stage, inputs)) in prefixes.iter_mut().enumerate() {
+            let t = pass(stage, inputs, samples, round)?;
+            // Round 0 warms up (allocations, first use of every kernel) and is not counted.
+            if round > 0 {
+                fastest[j + 1] = fastest[j + 1].min(t);
+            }
+        }
+    }
+    for j in 1..=n {
+        fastest[j] = fastest[j].max(fastest[j - 1]);
+    }
     let mut costs = Vec::with_capacity(n);
+    let mut params_before = 0u64;
     for (i, (_, output)) in io.iter().enumerate() {
-        let mut stage = Stage::new(spec, &split, i, optimizer, device, 0)?;
-        let params = stage.num_params() as u64;
-        let time_s = time_layer(&mut stage, samples, repeats.max(1))?;
+        let params_through = prefixes[i].0.num_params() as u64;
+        let params = params_through.saturating_sub(params_before);
+        params_before = params_through;
         costs.push(LayerCost {
-            time_s,
+            time_s: fastest[i + 1] - fastest[i],
             fixed_bytes: 4 * params * (2 + optimizer.state_slots()),
             activation_bytes: 4 * (output.numel() * samples) as u64,
             params,
@@ -57,9 +90,9 @@ pub fn profile(
     Ok(costs)
 }
 
-/// Fastest seconds of forward + backward of `stage` on `samples` samples.
-fn time_layer(stage: &mut Stage, samples: usize, repeats: usize) -> Result<f64> {
-    let inputs: Vec<Vec<f32>> = stage
+/// Deterministic inputs for every input slot of `stage`.
+fn sample_inputs(stage: &Stage, samples: usize) -> Vec<Vec<f32>> {
+    stage
         .inputs()
         .iter()
         .map(|slot| {
@@ -67,23 +100,22 @@ fn time_layer(stage: &mut Stage, samples: usize, repeats: usize) -> Result<f64> 
                 .map(|k| ((k * 31 % 97) as f32 / 48.0) - 1.0)
                 .collect()
         })
-        .collect();
+        .collect()
+}
+
+/// Seconds of one forward and backward of `stage` on `samples` samples (micro-batch `mb`).
+fn pass(stage: &mut Stage, inputs: &[Vec<f32>], samples: usize, mb: usize) -> Result<f64> {
     let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
-    let mut times = Vec::with_capacity(repeats);
-    for r in 0..=repeats {
-        let started = Instant::now();
-        let outputs = stage.forward(r, samples, &refs)?;
-        let grads = outputs
-            .iter()
-            .map(|o| vec![1.0 / o.len() as f32; o.len()])
-            .collect();
-        stage.backward(r, grads)?;
-        if r > 0 {
-            times.push(started.elapsed().as_secs_f64());
-        }
-    }
+    let started = Instant::now();
+    let outputs = stage.forward(mb, samples, &refs)?;
+    let grads = outputs
+        .iter()
+        .map(|o| vec![1.0 / o.len() as f32; o.len()])
+        .collect();
+    stage.backward(mb, grads)?;
+    let t = started.elapsed().as_secs_f64();
     stage.reset();
-    Ok(times.into_iter().fold(f64::INFINITY, f64::min))
+    Ok(t)
 }
 
 #[cfg(test)]
@@ -102,7 +134,10 @@ mod tests {
         };
         let costs = profile(&spec, &sgd, "flex", 8, 2).expect("profile");
         assert_eq!(costs.len(), spec.layers.len());
-        assert!(costs.iter().all(|c| c.time_s > 0.0));
+        assert!(costs.iter().all(|c| c.time_s >= 0.0));
+        assert!(costs.iter().map(|c| c.time_s).sum::<f64>() > 0.0);
+        // LeNet-5's 61,706 parameters, each counted once, in its own layer.
+        assert_eq!(costs.iter().map(|c| c.params).sum::<u64>(), 61_706);
         // Layer 0: conv 1→6, 5×5 with bias = 156 parameters; ×4 bytes × (value, gradient,
         // momentum). Its output: 6×28×28 per sample.
         assert_eq!(costs[0].fixed_bytes, 156 * 4 * 3);

@@ -212,6 +212,9 @@ pub struct BenchPipelineArgs {
     /// Model.
     #[arg(long, default_value = "resnet-mnist")]
     pub model: String,
+    /// Passes over every case (each case is reported by its median pass, with the spread).
+    #[arg(long, default_value_t = 3)]
+    pub repeats: usize,
 }
 
 /// `flotilla bench ps`.

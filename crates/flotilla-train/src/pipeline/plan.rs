@@ -10,8 +10,8 @@ use flotilla_engine::{ModelSpec, Split, split::ranges_from_points};
 use crate::config::{StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 
-/// Timed repetitions of each layer when profiling.
-const PROFILE_REPEATS: usize = 5;
+/// Timed rounds over the model's prefixes when profiling (see `flotilla_engine::profile`).
+const PROFILE_ROUNDS: usize = 8;
 
 /// Where a pipeline is cut, and the estimates of each stage.
 #[derive(Debug, Clone)]
@@ -41,7 +41,7 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<Plan> {
         &config.optimizer,
         &config.model.device,
         samples,
-        PROFILE_REPEATS,
+        PROFILE_ROUNDS,
     )?;
     let hosts = hosts(config, stages);
     let (ranges, automatic) = cut(config, spec, &costs, &hosts)?;
