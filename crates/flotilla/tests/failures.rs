@@ -79,30 +79,15 @@ fn workers_name_a_dead_parameter_server_root() {
         "ps.yaml",
         "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 200\ntimeout_s: 5\n",
     );
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr").port().to_string()
-    };
     let out = dir.path().join("dead-root-job");
     let started = Instant::now();
-    let ranks: Vec<_> = (0..3)
-        .map(|rank| {
-            let mut c = flotilla();
-            c.args(["train", &cfg, "--rank", &rank.to_string()])
-                .args([
-                    "--master-port",
-                    &port,
-                    "--output",
-                    out.to_str().expect("utf8"),
-                ])
-                .env("FLOTILLA_FAULT", "rank=0,step=10,action=exit");
-            std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(90)))
-        })
-        .collect();
-    let outs: Vec<_> = ranks
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect();
+    let outs = train_by_hand(
+        &cfg,
+        3,
+        &out,
+        "rank=0,step=10,action=exit",
+        Duration::from_secs(90),
+    );
     assert!(started.elapsed() < Duration::from_secs(60));
     assert_eq!(outs[0].status.code(), Some(3), "{}", text(&outs[0]));
     for (rank, o) in outs.iter().enumerate().skip(1) {

@@ -126,30 +126,15 @@ fn a_dead_stage_is_named_by_every_other_stage_within_the_deadline() {
         &format!("{COMMON}strategy: pipeline\nstages: 3\ntimeout_s: 5\n")
             .replace("max_steps: 50", "max_steps: 200"),
     );
-    let port = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr").port().to_string()
-    };
     let out = dir.path().join("dead-stage-job");
     let started = Instant::now();
-    let ranks: Vec<_> = (0..3)
-        .map(|rank| {
-            let mut c = flotilla();
-            c.args(["train", &cfg, "--rank", &rank.to_string()])
-                .args([
-                    "--master-port",
-                    &port,
-                    "--output",
-                    out.to_str().expect("utf8"),
-                ])
-                .env("FLOTILLA_FAULT", "rank=1,step=5,action=exit");
-            std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(120)))
-        })
-        .collect();
-    let outs: Vec<_> = ranks
-        .into_iter()
-        .map(|h| h.join().expect("rank thread"))
-        .collect();
+    let outs = train_by_hand(
+        &cfg,
+        3,
+        &out,
+        "rank=1,step=5,action=exit",
+        Duration::from_secs(120),
+    );
     assert!(started.elapsed() < Duration::from_secs(90));
     assert_eq!(outs[1].status.code(), Some(3), "{}", text(&outs[1]));
     for rank in [0, 2] {
@@ -249,9 +234,7 @@ fn the_timeline_has_each_micro_batch_and_the_summary_each_stages_peak() {
         ],
         LIMIT,
     );
-    let text = std::fs::read_to_string(&trace).expect("timeline written");
-    let v: serde_json::Value = serde_json::from_str(&text).expect("valid JSON");
-    let events = v["traceEvents"].as_array().expect("traceEvents");
+    let events = trace_events(&trace);
     for pid in [0u64, 1] {
         let spans: Vec<&serde_json::Value> = events
             .iter()
@@ -273,12 +256,7 @@ fn the_timeline_has_each_micro_batch_and_the_summary_each_stages_peak() {
                 "rank {pid} has no `{name}` span"
             );
         }
-        assert!(
-            events.iter().any(|e| e["ph"] == "M"
-                && e["pid"] == pid
-                && e["args"]["name"] == format!("rank {pid} (stage)").as_str()),
-            "rank {pid} is not named as a stage"
-        );
+        assert_eq!(process_name(&events, pid), format!("rank {pid} (stage)"));
     }
     // 1F1B on 2 stages: at most 2 micro-batches of activations alive on stage 0, 1 on stage 1.
     let summary: serde_json::Value =

@@ -13,13 +13,6 @@ use serde_json::Value;
 
 const LIMIT: Duration = Duration::from_secs(300);
 
-/// The merged trace's events.
-fn trace_events(path: &std::path::Path) -> Vec<Value> {
-    let text = std::fs::read_to_string(path).expect("timeline written");
-    let v: Value = serde_json::from_str(&text).expect("the timeline is valid JSON");
-    v["traceEvents"].as_array().expect("traceEvents").clone()
-}
-
 /// Names of the complete spans of process `pid`.
 fn span_names(events: &[Value], pid: u64) -> Vec<String> {
     events
@@ -43,14 +36,6 @@ fn assert_spans(events: &[Value], pid: u64, names: &[&str]) {
             }
         );
     }
-}
-
-fn process_name(events: &[Value], pid: u64) -> String {
-    events
-        .iter()
-        .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid)
-        .and_then(|e| e["args"]["name"].as_str().map(String::from))
-        .unwrap_or_else(|| panic!("no process_name for pid {pid}"))
 }
 
 #[test]

@@ -198,3 +198,50 @@ pub fn assert_none_left(needle: &str, limit: Duration) {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// The merged trace's events.
+pub fn trace_events(path: &std::path::Path) -> Vec<serde_json::Value> {
+    let text = std::fs::read_to_string(path).expect("timeline written");
+    let v: serde_json::Value = serde_json::from_str(&text).expect("the timeline is valid JSON");
+    v["traceEvents"].as_array().expect("traceEvents").clone()
+}
+
+/// The name a merged trace gives process `pid` (`rank 0 (peer)`).
+pub fn process_name(events: &[serde_json::Value], pid: u64) -> String {
+    events
+        .iter()
+        .find(|e| e["ph"] == "M" && e["name"] == "process_name" && e["pid"] == pid)
+        .and_then(|e| e["args"]["name"].as_str().map(String::from))
+        .unwrap_or_else(|| panic!("no process_name for pid {pid}"))
+}
+
+/// A free TCP port on 127.0.0.1, for a rendezvous.
+pub fn free_port() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port().to_string()
+}
+
+/// Starts `n` ranks of `flotilla train CONFIG` by hand (as mpirun or Slurm would, so that no
+/// launcher stops the others before they report what they saw), with `FLOTILLA_FAULT=fault`,
+/// writing to `out`; waits for every rank, each within `limit`.
+pub fn train_by_hand(cfg: &str, n: usize, out: &Path, fault: &str, limit: Duration) -> Vec<Output> {
+    let port = free_port();
+    let ranks: Vec<_> = (0..n)
+        .map(|rank| {
+            let mut c = flotilla();
+            c.args(["train", cfg, "--rank", &rank.to_string()])
+                .args([
+                    "--master-port",
+                    &port,
+                    "--output",
+                    out.to_str().expect("utf8"),
+                ])
+                .env("FLOTILLA_FAULT", fault);
+            std::thread::spawn(move || run_with_deadline(c, limit))
+        })
+        .collect();
+    ranks
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
