@@ -266,6 +266,8 @@ impl Loop<'_, '_, '_> {
             step_in_epoch: p.step_in_epoch,
             config_hash: self.plan.config_hash,
             model: self.plan.model.clone(),
+            // What the model holds is known where it is written (`checkpoint::save`, the
+            // pipeline's `state::save`), which fills these in.
             num_params: 0,
             test_acc: self.last_eval.map(|e| e.accuracy()),
             stages: None,
