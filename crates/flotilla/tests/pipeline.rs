@@ -223,18 +223,7 @@ fn the_timeline_has_each_micro_batch_and_the_summary_each_stages_peak() {
         .replace("max_steps: 50", "max_steps: 10"),
     );
     let out = dir.path().join("timeline-job");
-    let trace = dir.path().join("trace.json");
-    launch(
-        &[
-            &cfg,
-            "--output",
-            out.to_str().expect("utf8"),
-            "--timeline",
-            trace.to_str().expect("utf8"),
-        ],
-        LIMIT,
-    );
-    let events = trace_events(&trace);
+    let (_, events) = launch_traced(&cfg, &out, LIMIT);
     for pid in [0u64, 1] {
         let spans: Vec<&serde_json::Value> = events
             .iter()

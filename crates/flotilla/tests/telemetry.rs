@@ -139,18 +139,7 @@ fn parameter_server_spans_and_figures() {
         "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 10\n",
     );
     let out = dir.path().join("ps");
-    let trace = dir.path().join("ps-trace.json");
-    launch(
-        &[
-            &cfg,
-            "--output",
-            out.to_str().expect("utf8"),
-            "--timeline",
-            trace.to_str().expect("utf8"),
-        ],
-        LIMIT,
-    );
-    let events = trace_events(&trace);
+    let (_, events) = launch_traced(&cfg, &out, LIMIT);
     assert_eq!(process_name(&events, 0), "rank 0 (root)");
     assert_eq!(process_name(&events, 2), "rank 2 (worker)");
     assert_spans(&events, 0, &["ps_round", "optimizer_step", "eval"]);

@@ -245,3 +245,20 @@ pub fn train_by_hand(cfg: &str, n: usize, out: &Path, fault: &str, limit: Durati
         .map(|h| h.join().expect("rank thread"))
         .collect()
 }
+
+/// Runs `flotilla launch CONFIG --output OUT --timeline OUT.trace.json` (asserting success)
+/// and returns its output and the merged trace's events.
+pub fn launch_traced(cfg: &str, out: &Path, limit: Duration) -> (Output, Vec<serde_json::Value>) {
+    let trace = out.with_extension("trace.json");
+    let o = launch(
+        &[
+            cfg,
+            "--output",
+            out.to_str().expect("utf8"),
+            "--timeline",
+            trace.to_str().expect("utf8"),
+        ],
+        limit,
+    );
+    (o, trace_events(&trace))
+}
