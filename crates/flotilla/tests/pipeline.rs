@@ -25,7 +25,9 @@ fn run(dir: &Path, name: &str, yaml: &str) -> (Tensors, String) {
     let out = dir.join(name);
     let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
     assert_eq!(final_fields(&o)["steps"], 50.0, "{name}\n{}", text(&o));
-    (checkpoint_tensors(&out), run_log(&out, 0))
+    // What the launcher printed (the plan) and rank 0's log.
+    let said = format!("{}{}", String::from_utf8_lossy(&o.stdout), run_log(&out, 0));
+    (checkpoint_tensors(&out), said)
 }
 
 /// The parameters before the first step (a run of zero steps checkpoints them).

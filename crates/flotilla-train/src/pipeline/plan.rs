@@ -81,22 +81,35 @@ fn cut(
     costs: &[LayerCost],
     hosts: &[StageHost],
 ) -> Result<(Vec<Range<usize>>, bool)> {
+    if let Some(ranges) = configured_cut(config, spec) {
+        return Ok((ranges, false));
+    }
+    let chosen = partition::partition(costs, hosts)
+        .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
+    Ok((chosen.into_iter().map(|e| e.layers).collect(), true))
+}
+
+/// The layer ranges the config gives explicitly (ranges or split points), unchecked; `None`
+/// when the cut is to be chosen automatically.
+pub fn configured_cut(config: &TrainConfig, spec: &ModelSpec) -> Option<Vec<Range<usize>>> {
     let p = &config.pipeline;
-    let n = spec.layers.len();
-    Ok(match (&p.split_points, &p.stages) {
-        (Some(points), _) => (ranges_from_points(points, n), false),
-        (None, StagesSetting::Ranges(r)) => (
+    match (&p.split_points, &p.stages) {
+        (Some(points), _) => Some(ranges_from_points(points, spec.layers.len())),
+        (None, StagesSetting::Ranges(r)) => Some(
             r.iter()
                 .map(|[first, last]| *first..last.saturating_add(1))
                 .collect(),
-            false,
         ),
-        (None, StagesSetting::Count(_)) => {
-            let chosen = partition::partition(costs, hosts)
-                .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
-            (chosen.into_iter().map(|e| e.layers).collect(), true)
-        }
-    })
+        (None, StagesSetting::Count(_)) => None,
+    }
+}
+
+/// Whether starting the job needs the profile: an automatic cut, or a memory limit to check
+/// the cut against. (`flotilla launch` hands the ranks the cut it chose, so they do not
+/// profile again unless a stage host has a memory limit.)
+pub fn needs_profile(config: &TrainConfig, spec: &ModelSpec) -> bool {
+    configured_cut(config, spec).is_none()
+        || config.pipeline.hosts.iter().any(|h| h.memory_mb.is_some())
 }
 
 impl Plan {

@@ -69,9 +69,27 @@ impl StageRole {
     }
 }
 
-/// The stages' layer ranges: planned on rank 0 and broadcast (with rank 0's refusal, if it
-/// refuses), so that an automatic cut measured on one machine is the same everywhere.
+/// The stages' layer ranges: as configured when no profile is needed; else planned on rank 0
+/// and broadcast (with rank 0's refusal, if it refuses), so that an automatic cut measured on
+/// one machine is the same everywhere.
 fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<usize>>> {
+    if !plan::needs_profile(cx.config, spec) {
+        // The same explicit cut on every rank (checked by `Split::new`, and by the
+        // pipeline's agreement on every option).
+        let ranges = plan::configured_cut(cx.config, spec).unwrap_or_default();
+        if cx.rank == 0 {
+            let layers: Vec<String> = ranges
+                .iter()
+                .map(|r| format!("{}-{}", r.start, r.end.saturating_sub(1)))
+                .collect();
+            cx.log(&format!(
+                "pipeline: {} stages as configured, layers {}",
+                ranges.len(),
+                layers.join(" | ")
+            ))?;
+        }
+        return Ok(ranges);
+    }
     let mut bytes = Vec::new();
     if cx.rank == 0 {
         let planned = plan::plan(cx.config, spec);
