@@ -1,14 +1,17 @@
 //! The [`Engine`] trait between strategies and the tensor engine, and its burn implementation.
 
+use std::ops::Range;
+
 use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
-use burn::tensor::{Gradients, TensorData};
+use burn::tensor::TensorData;
 
+use crate::backward_groups::{self, BackwardGroup};
 use crate::error::{EngineError, Result};
+use crate::grouped::{self, GroupGrads};
 use crate::model::{Activation, SequentialModel};
 use crate::optim::OptimizerSpec;
-use crate::params;
 use crate::spec::{ModelSpec, Shape};
 use crate::weights::{ModelState, Weights, delegate_model_state};
 
@@ -60,10 +63,41 @@ pub trait Engine: ModelState {
     fn forward_backward(&mut self, batch: BatchRef<'_>) -> Result<f32>;
 
     /// Calls `f(param_index, gradient)` for each parameter in flat order, from the last
-    /// [`Engine::forward_backward`].
+    /// [`Engine::forward_backward`] or [`Engine::forward_backward_streaming`].
     fn for_each_grad(&self, f: &mut dyn FnMut(usize, &[f32]) -> Result<()>) -> Result<()>;
 
-    /// Copies the gradient of the last [`Engine::forward_backward`] into `out` (flat order).
+    /// Runs forward and backward on a batch and calls `ready(param_index, gradient)` for every
+    /// parameter as soon as its gradient exists; returns the batch's mean loss.
+    ///
+    /// Every parameter is reported exactly once: group by group in the order of
+    /// [`Engine::backward_groups`], and within a group in flat order. The gradients are the
+    /// same, bit for bit, as those of [`Engine::forward_backward`], and are kept as it keeps
+    /// them ([`Engine::for_each_grad`] and [`Engine::read_grads`] give them again). An error
+    /// from `ready` stops the pass and is returned; the gradients must not be used then
+    /// ([`BurnEngine`] drops them).
+    ///
+    /// The default runs [`Engine::forward_backward`], then [`Engine::for_each_grad`] (one
+    /// group: nothing is ready before the whole backward is done).
+    fn forward_backward_streaming(
+        &mut self,
+        batch: BatchRef<'_>,
+        ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<f32> {
+        let loss = self.forward_backward(batch)?;
+        self.for_each_grad(ready)?;
+        Ok(loss)
+    }
+
+    /// The groups of parameters that [`Engine::forward_backward_streaming`] reports together,
+    /// as ranges of indices into [`ModelState::layout`]'s `params`, in the order their
+    /// gradients become ready (for a caller to plan buckets that match them). They are
+    /// consecutive and cover every parameter once. The default is one group of all parameters.
+    fn backward_groups(&self) -> Vec<Range<usize>> {
+        std::iter::once(0..self.layout().params.len()).collect()
+    }
+
+    /// Copies the gradient of the last [`Engine::forward_backward`] (or
+    /// [`Engine::forward_backward_streaming`]) into `out` (flat order).
     fn read_grads(&self, out: &mut [f32]) -> Result<()> {
         let layout = self.layout();
         if out.len() != layout.total {
@@ -88,10 +122,18 @@ pub trait Engine: ModelState {
 }
 
 /// The burn implementation of [`Engine`] for a [`SequentialModel`].
+///
+/// Its backward pass is one group of every layer unless
+/// [`BurnEngine::set_backward_group_bytes`] splits it; then
+/// [`Engine::forward_backward_streaming`] runs backward group by group (see
+/// [`crate::grouped`]), while [`Engine::forward_backward`] stays one backward pass.
 pub struct BurnEngine {
     weights: Weights,
     input: Shape,
-    grads: Option<Gradients>,
+    /// The gradients of the last backward, one entry per group in layer order (empty: none).
+    grads: Vec<GroupGrads>,
+    /// The backward groups, in layer order.
+    groups: Vec<BackwardGroup>,
     loss: CrossEntropyLoss,
 }
 
@@ -107,12 +149,32 @@ impl BurnEngine {
         seed: u64,
     ) -> Result<Self> {
         let weights = Weights::new(spec, optimizer, device_name, seed, None)?;
+        let groups =
+            backward_groups::plan(spec, &backward_groups::layer_params(weights.model()?), 0)?;
         Ok(Self {
             input: spec.input_shape()?,
             loss: CrossEntropyLossConfig::new().init(&weights.device),
             weights,
-            grads: None,
+            grads: Vec::new(),
+            groups,
         })
+    }
+
+    /// Splits the backward pass of [`Engine::forward_backward_streaming`] into groups of
+    /// consecutive layers of at most `max_bytes` of parameters (4 bytes per value) each,
+    /// chosen from the last layer backwards and cut only where nothing but the main activation
+    /// crosses (see [`crate::backward_groups`] for the rules: a segment between allowed cuts
+    /// that is larger than `max_bytes` is a group of its own; parameterless layers join the
+    /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
+    pub fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
+        let layers = backward_groups::layer_params(self.model()?);
+        self.groups = backward_groups::plan(&self.weights.spec, &layers, max_bytes)?;
+        Ok(())
+    }
+
+    /// The backward groups, in layer order (backward runs the last one first).
+    pub fn backward_plan(&self) -> &[BackwardGroup] {
+        &self.groups
     }
 
     /// The spec this engine was built from.
@@ -179,18 +241,57 @@ impl Engine for BurnEngine {
         let grads = loss.backward();
         let value = loss.into_scalar::<f32>();
         drop(backward);
-        self.grads = Some(grads);
+        self.grads = vec![GroupGrads {
+            params: 0..self.weights.layout.params.len(),
+            grads: Some(grads),
+        }];
         Ok(value)
     }
 
     fn for_each_grad(&self, f: &mut dyn FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
-        let grads = self.grads.as_ref().ok_or(EngineError::NoGradients)?;
-        params::for_each_grad(self.model()?, grads, &self.weights.layout, f)
+        grouped::for_each_grad(self.model()?, &self.weights.layout, &self.grads, f)
+    }
+
+    fn forward_backward_streaming(
+        &mut self,
+        batch: BatchRef<'_>,
+        ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<f32> {
+        if self.groups.len() <= 1 {
+            let loss = self.forward_backward(batch)?;
+            if let Err(e) = self.for_each_grad(ready) {
+                self.grads.clear();
+                return Err(e);
+            }
+            return Ok(loss);
+        }
+        let n = self.check_batch(batch.images, batch.labels)?;
+        if n == 0 {
+            return Err(EngineError::Batch("empty batch".into()));
+        }
+        self.grads.clear();
+        let device = &self.weights.device;
+        let input = Activation::from_flat(batch.images.to_vec(), n, self.input, device);
+        let targets = labels_tensor(batch.labels, device);
+        let (value, grads) = grouped::forward_backward(
+            self.weights.model()?,
+            &self.weights.layout,
+            &self.groups,
+            input,
+            |logits| self.loss.forward(logits, targets),
+            ready,
+        )?;
+        self.grads = grads;
+        Ok(value)
+    }
+
+    fn backward_groups(&self) -> Vec<Range<usize>> {
+        self.groups.iter().rev().map(|g| g.params.clone()).collect()
     }
 
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()> {
         self.weights.step(grads, lr)?;
-        self.grads = None;
+        self.grads.clear();
         Ok(())
     }
 

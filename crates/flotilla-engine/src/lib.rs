@@ -7,10 +7,12 @@
 //! [`BurnEngine`]'s constructor arguments, which are plain data.
 #![warn(missing_docs)]
 
+pub mod backward_groups;
 pub mod device;
 pub mod engine;
 pub mod error;
 pub mod graph;
+pub mod grouped;
 pub mod layer;
 pub mod loss;
 pub mod model;
@@ -23,6 +25,7 @@ pub mod split;
 pub mod stage;
 pub mod weights;
 
+pub use backward_groups::BackwardGroup;
 pub use device::{available_devices, device_by_name};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
@@ -39,5 +42,7 @@ pub use weights::ModelState;
 
 #[cfg(test)]
 mod engine_tests;
+#[cfg(test)]
+mod grouped_tests;
 #[cfg(test)]
 mod stage_tests;

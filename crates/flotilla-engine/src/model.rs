@@ -160,6 +160,42 @@ impl Activation {
         }
     }
 
+    /// The same values as a fresh leaf of a new graph whose gradient backward will compute
+    /// (the cut between two backward groups; no copy of the values).
+    pub(crate) fn leaf(&self) -> Self {
+        match self {
+            Activation::Image(t) => Activation::Image(t.clone().detach().require_grad()),
+            Activation::Flat(t) => Activation::Flat(t.clone().detach().require_grad()),
+        }
+    }
+
+    /// Takes this leaf's gradient out of `grads` as a tensor (`None` if it got none).
+    pub(crate) fn take_grad(&self, grads: &mut Gradients) -> Option<Activation> {
+        match self {
+            Activation::Image(t) => t.grad_remove(grads).map(Activation::Image),
+            Activation::Flat(t) => t.grad_remove(grads).map(Activation::Flat),
+        }
+    }
+
+    /// `Σ self · g` for a gradient tensor `g` of `self`'s shape (taken with
+    /// [`Activation::take_grad`]): the seed of a vector-Jacobian product. Its backward hands
+    /// `self` exactly `g` (`1 · g`), bit for bit.
+    pub(crate) fn dot_grad(&self, g: Activation) -> Result<Tensor<1>> {
+        match (self, g) {
+            (Activation::Image(t), Activation::Image(g)) if t.shape() == g.shape() => {
+                Ok((t.clone() * g).sum())
+            }
+            (Activation::Flat(t), Activation::Flat(g)) if t.shape() == g.shape() => {
+                Ok((t.clone() * g).sum())
+            }
+            (_, g) => Err(EngineError::Batch(format!(
+                "a gradient of {} values for an activation of {}",
+                g.numel(),
+                self.numel()
+            ))),
+        }
+    }
+
     /// Number of values.
     pub(crate) fn numel(&self) -> usize {
         match self {

@@ -5,6 +5,8 @@
 //! tensor row-major in burn's layout (a linear weight is `[in, out]`, a convolution weight
 //! `[out, in, kh, kw]`). [`ParamLayout`] records each tensor's name, shape and offset.
 
+use std::ops::Range;
+
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::prelude::*;
@@ -208,9 +210,23 @@ pub fn for_each_grad<M: Module>(
     layout: &ParamLayout,
     f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
+    for_each_grad_in(model, Some(grads), layout, 0..layout.params.len(), f)
+}
+
+/// Calls `f(index, values)` with the gradient of each parameter whose index is in `params`,
+/// in flat order. A parameter with no gradient in `grads` (or with no `grads` at all) gives
+/// zeros.
+pub fn for_each_grad_in<M: Module>(
+    model: &M,
+    grads: Option<&Gradients>,
+    layout: &ParamLayout,
+    params: Range<usize>,
+    f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
     struct GradVisitor<'a, 'f> {
-        grads: &'a Gradients,
+        grads: Option<&'a Gradients>,
         layout: &'a ParamLayout,
+        params: Range<usize>,
         index: usize,
         zeros: Vec<f32>,
         f: &'f mut dyn FnMut(usize, &[f32]) -> Result<()>,
@@ -218,23 +234,25 @@ pub fn for_each_grad<M: Module>(
     }
     impl ModuleVisitor for GradVisitor<'_, '_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-            if self.error.is_some() {
+            let index = self.index;
+            self.index += 1;
+            if self.error.is_some() || !self.params.contains(&index) {
                 return;
             }
-            let Some(info) = self.layout.params.get(self.index) else {
+            let Some(info) = self.layout.params.get(index) else {
                 self.error = Some(EngineError::FlatLength {
                     expected: self.layout.params.len(),
-                    got: self.index + 1,
+                    got: index + 1,
                 });
                 return;
             };
             // The gradient's own buffer is handed over as it is (no intermediate copy); a
             // parameter without a gradient reads as zeros.
-            let result = match param.val().grad(self.grads) {
+            let result = match self.grads.and_then(|grads| param.val().grad(grads)) {
                 Some(g) => {
                     let data = g.into_data().convert::<f32>();
                     match data.as_slice::<f32>() {
-                        Ok(values) if values.len() == info.len => (self.f)(self.index, values),
+                        Ok(values) if values.len() == info.len => (self.f)(index, values),
                         Ok(values) => Err(EngineError::FlatLength {
                             expected: info.len,
                             got: values.len(),
@@ -244,18 +262,18 @@ pub fn for_each_grad<M: Module>(
                 }
                 None => {
                     self.zeros.resize(info.len, 0.0);
-                    (self.f)(self.index, &self.zeros[..info.len])
+                    (self.f)(index, &self.zeros[..info.len])
                 }
             };
             if let Err(e) = result {
                 self.error = Some(e);
             }
-            self.index += 1;
         }
     }
     let mut v = GradVisitor {
         grads,
         layout,
+        params,
         index: 0,
         zeros: Vec::new(),
         f,
