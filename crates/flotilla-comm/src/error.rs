@@ -235,6 +235,17 @@ pub enum CommError {
         /// Its error message.
         reason: String,
     },
+    /// Some ranks submitted a tensor (or entered a collective) and others did not for longer
+    /// than the stall limit (`stall_shutdown_s`).
+    #[error("stalled for {after:?}: {what}")]
+    Stalled {
+        /// The world ranks that never submitted what the others wait for.
+        waiting_for: Vec<usize>,
+        /// What waits, for whom (one line per tensor or collective).
+        what: String,
+        /// How long the oldest of them waited.
+        after: Duration,
+    },
     /// The rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
@@ -271,7 +282,9 @@ impl CommError {
             | CommError::Protocol { peer, .. } => Some(*peer),
             CommError::BadFrame { peer, .. } | CommError::FrameTooLarge { peer, .. } => peer.rank,
             CommError::Aborted { by, .. } => Some(*by),
-            CommError::Deadline { waiting_for, .. } => waiting_for.first().copied(),
+            CommError::Deadline { waiting_for, .. } | CommError::Stalled { waiting_for, .. } => {
+                waiting_for.first().copied()
+            }
             CommError::Poisoned(inner) => inner.blamed_rank(),
             _ => None,
         }

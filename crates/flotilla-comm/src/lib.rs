@@ -18,6 +18,9 @@
 //!   TCP, or over in-memory links between threads ([`Communicator::in_memory`]).
 //! * [`Scheduler`]: the one issuer of a group's collectives: any thread submits a named
 //!   collective, and every member runs them in one agreed order.
+//! * [`CycleReducer`]: the asynchronous all-reduce's background cycle: tensors submitted by
+//!   name, agreed ready on every rank by a bit-set all-gather each cycle, fused and reduced;
+//!   the stall inspector names tensors some ranks never submit.
 //! * [`bench`]: the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`] for
@@ -38,6 +41,7 @@ mod collectives;
 mod comm;
 mod config;
 mod conn;
+pub mod cycle;
 mod error;
 pub mod frame;
 pub mod group;
@@ -53,6 +57,8 @@ mod world;
 
 pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
+pub use cycle::stall::StallPolicy;
+pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
 pub use scheduler::{Collective, Output, Scheduler};

@@ -1,7 +1,19 @@
-//! Gradient fusion buckets: consecutive parameters (in flat order) grouped so that each
-//! all-reduce moves up to `bucket_bytes`, instead of one all-reduce per tensor.
+//! Gradient fusion buckets: the engine's backward groups (consecutive layers, cut from the
+//! last layer backwards at about `bucket_mb` each, see
+//! [`flotilla_engine::Engine::backward_groups`]) are the buckets, in the order their
+//! gradients become ready — last layers first, as PyTorch DDP's reducer orders them. Each
+//! bucket is one all-reduce instead of one per tensor.
+//!
+//! Invariant: every rank computes the same plan from the same layout and groups, so every
+//! rank issues the same all-reduces of the same sizes; the plan is the same whether backward
+//! overlaps communication or not, so both reduce the same buffers (and get bitwise the same
+//! sums).
+
+use std::ops::Range;
 
 use flotilla_engine::ParamLayout;
+
+use crate::error::{Result, TrainError};
 
 /// A contiguous range of the flat gradient buffer reduced as one all-reduce.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -10,9 +22,8 @@ pub struct Bucket {
     pub start: usize,
     /// One past the last flat index.
     pub end: usize,
-    /// Index of the last parameter tensor in the bucket: when its gradient is in, the bucket
-    /// is full and its all-reduce can start.
-    pub last_param: usize,
+    /// The parameter tensors (indices in the layout) it holds.
+    pub params: Range<usize>,
 }
 
 impl Bucket {
@@ -27,34 +38,56 @@ impl Bucket {
     }
 }
 
-/// The buckets of a model, in flat order. Every rank computes the same plan from the same
-/// layout, so every rank issues the same all-reduces in the same order.
+/// The buckets of a model in the order their gradients become ready.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BucketPlan {
     /// The buckets.
     pub buckets: Vec<Bucket>,
+    /// The bucket of each parameter tensor.
+    owner: Vec<usize>,
 }
 
 impl BucketPlan {
-    /// Groups whole parameter tensors into buckets of at most `bucket_bytes` (a tensor larger
-    /// than that gets a bucket of its own).
-    pub fn new(layout: &ParamLayout, bucket_bytes: usize) -> Self {
-        let cap = (bucket_bytes / 4).max(1);
-        let mut buckets: Vec<Bucket> = Vec::new();
-        for (i, p) in layout.params.iter().enumerate() {
-            match buckets.last_mut() {
-                Some(b) if b.len() + p.len <= cap => {
-                    b.end = p.offset + p.len;
-                    b.last_param = i;
-                }
-                _ => buckets.push(Bucket {
-                    start: p.offset,
-                    end: p.offset + p.len,
-                    last_param: i,
-                }),
+    /// One bucket per group of parameter indices (`groups` in readiness order; together
+    /// they must cover every parameter of `layout` once, each a consecutive range).
+    pub fn from_groups(layout: &ParamLayout, groups: &[Range<usize>]) -> Result<Self> {
+        let n = layout.params.len();
+        let mut owner = vec![usize::MAX; n];
+        let mut buckets = Vec::with_capacity(groups.len());
+        for (k, g) in groups.iter().enumerate() {
+            if g.is_empty() || g.end > n {
+                return Err(TrainError::Divergence(format!(
+                    "backward group {g:?} is empty or outside the {n} parameters"
+                )));
             }
+            for o in &mut owner[g.clone()] {
+                if *o != usize::MAX {
+                    return Err(TrainError::Divergence(format!(
+                        "backward groups overlap at {g:?}"
+                    )));
+                }
+                *o = k;
+            }
+            let first = &layout.params[g.start];
+            let last = &layout.params[g.end - 1];
+            buckets.push(Bucket {
+                start: first.offset,
+                end: last.offset + last.len,
+                params: g.clone(),
+            });
         }
-        Self { buckets }
+        if let Some(i) = owner.iter().position(|&o| o == usize::MAX) {
+            return Err(TrainError::Divergence(format!(
+                "parameter {} is in no backward group",
+                layout.params[i].name
+            )));
+        }
+        Ok(Self { buckets, owner })
+    }
+
+    /// The bucket holding parameter `param`.
+    pub fn bucket_of(&self, param: usize) -> usize {
+        self.owner[param]
     }
 }
 
@@ -78,20 +111,25 @@ mod tests {
     }
 
     #[test]
-    fn buckets_cover_the_buffer_in_order() {
+    fn buckets_follow_the_groups_last_layers_first() {
         let l = layout(&[10, 20, 5, 100, 1, 1]);
-        let plan = BucketPlan::new(&l, 30 * 4);
-        let ranges: Vec<(usize, usize, usize)> = plan
-            .buckets
-            .iter()
-            .map(|b| (b.start, b.end, b.last_param))
-            .collect();
+        let plan = BucketPlan::from_groups(&l, &[4..6, 3..4, 0..3]).expect("valid");
+        let ranges: Vec<(usize, usize)> = plan.buckets.iter().map(|b| (b.start, b.end)).collect();
+        assert_eq!(ranges, vec![(135, 137), (35, 135), (0, 35)]);
         assert_eq!(
-            ranges,
-            vec![(0, 30, 1), (30, 35, 2), (35, 135, 3), (135, 137, 5)]
+            (0..6).map(|i| plan.bucket_of(i)).collect::<Vec<_>>(),
+            vec![2, 2, 2, 1, 0, 0]
         );
-        let one = BucketPlan::new(&l, 1 << 30);
-        assert_eq!(one.buckets.len(), 1);
+        let one = BucketPlan::from_groups(&l, std::slice::from_ref(&(0..6))).expect("valid");
         assert_eq!(one.buckets[0].len(), l.total);
+    }
+
+    #[test]
+    fn groups_that_miss_or_repeat_a_parameter_are_refused() {
+        let l = layout(&[1, 2, 3]);
+        assert!(BucketPlan::from_groups(&l, std::slice::from_ref(&(0..2))).is_err());
+        assert!(BucketPlan::from_groups(&l, &[0..2, 1..3]).is_err());
+        assert!(BucketPlan::from_groups(&l, std::slice::from_ref(&(0..4))).is_err());
+        assert!(BucketPlan::from_groups(&l, &[0..3, 3..3]).is_err());
     }
 }

@@ -32,6 +32,7 @@ const SECTIONS: &[&str] = &[
     "schedule",
     "topology",
     "pipeline",
+    "allreduce",
     "comm",
     "telemetry",
 ];
@@ -70,6 +71,13 @@ const ALIASES: &[(&str, &str)] = &[
     // A string, not the `schedule` section: `schedule: 1f1b`.
     ("schedule", "pipeline.schedule"),
     ("data_parallel", "pipeline.data_parallel"),
+    ("cycle_duration_ms", "allreduce.cycle_duration_ms"),
+    ("all_reduce_buffer_size", "allreduce.all_reduce_buffer_size"),
+    ("staleness", "allreduce.staleness"),
+    ("overlap", "allreduce.overlap"),
+    ("correction", "allreduce.correction"),
+    ("stall_warning_s", "allreduce.stall_warning_s"),
+    ("stall_shutdown_s", "allreduce.stall_shutdown_s"),
     ("master_addr", "comm.master_addr"),
     ("master_port", "comm.master_port"),
     ("timeout_s", "comm.timeout_s"),
@@ -199,8 +207,12 @@ impl Layers {
                         return Err(err(&source, format!("no config key `{path}`")));
                     }
                     path
-                } else if let Some((_, path)) = ALIASES.iter().find(|(a, _)| *a == key) {
-                    (*path).to_string()
+                } else if ALIASES.iter().any(|(a, _)| *a == key) {
+                    // A flat key, rewritten as in a file (one may set two paths).
+                    let one = serde_json::Map::from_iter([(key, value)]);
+                    let tree = normalize(Value::Object(one), &source)?;
+                    self.layers.push(Layer { name: source, tree });
+                    continue;
                 } else {
                     // Other FLOTILLA_ variables belong to other parts (token, fault tests).
                     continue;
@@ -330,6 +342,10 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
             for (field, v) in fields {
                 set(&mut out, &format!("{key}.{field}"), v, source)?;
             }
+        } else if let Some(mode) = allreduce_strategy(&key, &value) {
+            // `strategy: async_allreduce` is the all-reduce architecture in async mode.
+            set(&mut out, "topology.arch", Value::from("allreduce"), source)?;
+            set(&mut out, "allreduce.mode", Value::from(mode), source)?;
         } else if let Some((_, path)) = ALIASES.iter().find(|(a, _)| *a == key) {
             set(&mut out, path, value, source)?;
         } else {
@@ -338,6 +354,19 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
         }
     }
     Ok(out)
+}
+
+/// The all-reduce mode a `strategy` / `arch` value of `sync_allreduce` or `async_allreduce`
+/// names.
+fn allreduce_strategy(key: &str, value: &Value) -> Option<&'static str> {
+    if key != "strategy" && key != "arch" {
+        return None;
+    }
+    match value.as_str()? {
+        "sync_allreduce" => Some("sync"),
+        "async_allreduce" => Some("async"),
+        _ => None,
+    }
 }
 
 /// Sets `section.key` in a tree; an error if the layer already set it.

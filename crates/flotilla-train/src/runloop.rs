@@ -69,6 +69,7 @@ pub struct Finished {
 struct Epoch {
     started: Instant,
     loss_sum: f64,
+    /// Steps that reported a loss (an async peer's step that applied nothing has none).
     steps: u64,
 }
 
@@ -192,15 +193,17 @@ impl Loop<'_, '_, '_> {
             self.cx
                 .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
         }
-        let loss = step.loss.unwrap_or(f32::NAN);
-        if step.loss.is_some_and(|l| !l.is_finite()) {
-            return Err(TrainError::NonFiniteLoss { step: at, loss });
+        if let Some(loss) = step.loss {
+            if !loss.is_finite() {
+                return Err(TrainError::NonFiniteLoss { step: at, loss });
+            }
+            self.epoch.loss_sum += f64::from(loss);
+            self.epoch.steps += 1;
+            self.train_loss = f64::from(loss);
         }
         self.samples += step.samples;
-        self.epoch.loss_sum += f64::from(loss);
-        self.epoch.steps += 1;
-        self.train_loss = f64::from(loss);
-        self.observe(loss);
+        // A step without a loss of its own shows the newest one.
+        self.observe(self.train_loss as f32);
         self.periodic_checkpoint()?;
         match self.plan.cadence {
             Cadence::Epochs { every } => {

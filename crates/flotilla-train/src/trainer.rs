@@ -13,7 +13,7 @@ use flotilla_engine::{BurnEngine, ModelSpec};
 
 use crate::batches::{Batches, Position};
 use crate::checkpoint::{self, CheckpointState};
-use crate::config::TrainConfig;
+use crate::config::{AllReduceMode, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::fault::Fault;
 use crate::observe::Observer;
@@ -21,7 +21,7 @@ use crate::ps;
 use crate::role::{Cx, Role};
 use crate::runlog::RunLog;
 use crate::runloop::{self, Cadence, Plan};
-use crate::strategy::SyncAllReduce;
+use crate::strategy::{AsyncAllReduce, SyncAllReduce};
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -107,12 +107,19 @@ pub fn run(
     // A pipeline stage holds only its own layers: no whole-model engine.
     let mut engine = match topology.arch() {
         Arch::Pipeline => None,
-        _ => Some(BurnEngine::new(
-            &spec,
-            &config.optimizer,
-            &config.model.device,
-            config.model.seed,
-        )?),
+        _ => {
+            let mut engine = BurnEngine::new(
+                &spec,
+                &config.optimizer,
+                &config.model.device,
+                config.model.seed,
+            )?;
+            if topology.arch() == Arch::Allreduce {
+                // Backward in groups of about one bucket: buckets start as groups finish.
+                engine.set_backward_group_bytes(config.bucket_bytes())?;
+            }
+            Some(engine)
+        }
     };
     let job = Job {
         config,
@@ -159,24 +166,52 @@ struct Job<'a> {
 }
 
 impl Job<'_> {
-    /// Sync data parallel: every rank a peer of the all-reduce, resumable.
+    /// Data parallel, sync or async: every rank a peer of the all-reduce, resumable.
     fn data_parallel(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
         let (config, world) = (self.config, self.comm.size());
         let layout = cx.engine()?.layout().clone();
-        let mut peer = SyncAllReduce::new(self.comm.clone(), &layout, config.bucket_bytes());
+        let a = &config.allreduce;
+        let (mut peer, how): (Box<dyn Role>, String) = match a.mode {
+            AllReduceMode::Sync => {
+                let peer = SyncAllReduce::new(self.comm.clone(), cx.engine_ref()?, a.overlap)?;
+                let how = format!(
+                    "{} buckets, strategy sync-allreduce{}",
+                    peer.plan().buckets.len(),
+                    if a.overlap {
+                        " (backward overlapped)"
+                    } else {
+                        ""
+                    }
+                );
+                (Box::new(peer), how)
+            }
+            AllReduceMode::Async => {
+                let peer = AsyncAllReduce::new(
+                    self.comm.clone(),
+                    &layout,
+                    a.cycle(),
+                    a.staleness,
+                    a.correction,
+                );
+                let how = format!(
+                    "strategy async-allreduce (cycle {} ms, fusion buffer {} bytes, staleness {}, correction {:?})",
+                    a.cycle_duration_ms, a.all_reduce_buffer_size, a.staleness, a.correction
+                );
+                (Box::new(peer), how)
+            }
+        };
         let resumed = self.resume(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))?;
         let (data, plan) = self.epochs_plan(cx, (world, cx.rank), resumed.as_ref())?;
         cx.log(&format!(
-            "training: {} params, {} buckets, {} steps/epoch of {}x{} samples, {} steps, strategy sync-allreduce",
+            "training: {} params, {} steps/epoch of {}x{} samples, {} steps, {how}",
             layout.total,
-            peer.plan().buckets.len(),
             data.steps_per_epoch(),
             config.data.batch_size,
             world,
             plan.total,
         ))?;
-        let done = runloop::run(&mut peer, data, &plan, cx)?;
-        let summary = self.summary(&peer, cx, done);
+        let done = runloop::run(&mut *peer, data, &plan, cx)?;
+        let summary = self.summary(&*peer, cx, done);
         cx.log(&format!(
             "parameters identical on all {world} ranks (xxh3 {:016x})",
             summary.param_hash

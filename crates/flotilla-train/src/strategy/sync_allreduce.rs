@@ -20,16 +20,23 @@ pub struct StepStats {
 }
 
 /// Sync data parallel: every rank computes gradients on its own batch, the gradients are
-/// summed by ring all-reduces (one per bucket, started as soon as the bucket is filled, so
-/// that reducing bucket `k` overlaps with copying the gradients of bucket `k + 1` out of the
-/// engine), averaged, and every rank applies the same optimizer step.
+/// summed by ring all-reduces, one per bucket ([`BucketPlan`]: the engine's backward groups,
+/// last layers first), averaged, and every rank applies the same optimizer step.
 ///
-/// The mean loss rides along as one extra value at the end of the last bucket, so logging the
-/// global loss costs no extra collective.
+/// With `overlap`, backward runs group by group ([`Engine::forward_backward_streaming`]) and
+/// a bucket's all-reduce starts as soon as its group's gradients exist, while backward of
+/// the earlier layers goes on (PyTorch DDP's reducer). Without, one backward pass finishes
+/// first and the buckets start as they are copied out. Both reduce the same buffers, so the
+/// results are bitwise equal.
+///
+/// The mean loss rides along as one extra value at the end of the last bucket to become
+/// ready (it is started when the engine returns the loss), so logging the global loss costs
+/// no extra collective.
 pub struct SyncAllReduce {
     comm: Arc<dyn ProcessGroup>,
     layout: ParamLayout,
     plan: BucketPlan,
+    overlap: bool,
     /// One reusable buffer per bucket; the last one has a slot more for the loss.
     buffers: Vec<Vec<f32>>,
     /// The averaged flat gradient handed to the optimizer.
@@ -37,23 +44,20 @@ pub struct SyncAllReduce {
 }
 
 impl SyncAllReduce {
-    /// A strategy for a model of `layout`, with buckets of at most `bucket_bytes`.
-    pub fn new(comm: Arc<dyn ProcessGroup>, layout: &ParamLayout, bucket_bytes: usize) -> Self {
-        let plan = BucketPlan::new(layout, bucket_bytes);
-        let last = plan.buckets.len().saturating_sub(1);
-        let buffers = plan
-            .buckets
-            .iter()
-            .enumerate()
-            .map(|(k, b)| vec![0.0; b.len() + usize::from(k == last)])
-            .collect();
-        Self {
+    /// A strategy for `engine`'s model, one bucket per backward group of the engine, with
+    /// backward overlapping communication when `overlap`.
+    pub fn new(comm: Arc<dyn ProcessGroup>, engine: &dyn Engine, overlap: bool) -> Result<Self> {
+        let layout = engine.layout().clone();
+        let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
+        let buffers = Vec::new();
+        Ok(Self {
             comm,
-            layout: layout.clone(),
-            plan,
-            buffers,
             flat: vec![0.0; layout.total],
-        }
+            layout,
+            plan,
+            overlap,
+            buffers,
+        })
     }
 
     /// The bucket plan in use.
@@ -80,7 +84,7 @@ impl Role for SyncAllReduce {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        self.synchronize_initial_state(cx.engine()?)
+        super::synchronize_initial_state(&*self.comm, cx.engine()?)
     }
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
@@ -102,25 +106,6 @@ impl Role for SyncAllReduce {
 }
 
 impl SyncAllReduce {
-    /// Makes every rank start from rank 0's parameters and optimizer state.
-    pub fn synchronize_initial_state(&mut self, engine: &mut dyn Engine) -> Result<()> {
-        let rank = self.comm.rank();
-        let mut params = vec![0.0; engine.num_params()];
-        engine.read_params(&mut params)?;
-        self.comm.broadcast_f32(&mut params, 0)?;
-        let mut state = if rank == 0 {
-            engine.optimizer_state()?
-        } else {
-            Vec::new()
-        };
-        self.comm.broadcast_bytes(&mut state, 0)?;
-        if rank != 0 {
-            engine.write_params(&params)?;
-            engine.load_optimizer_state(&state)?;
-        }
-        Ok(())
-    }
-
     /// One training step on this rank's batch at learning rate `lr`.
     pub fn step_on(
         &mut self,
@@ -128,46 +113,53 @@ impl SyncAllReduce {
         batch: BatchRef<'_>,
         lr: f64,
     ) -> Result<StepStats> {
-        let local_loss = engine.forward_backward(batch)?;
+        let count = self.plan.buckets.len();
+        let last = count.saturating_sub(1);
         // A step that failed half-way may have left buffers with the communicator.
-        let last_index = self.plan.buckets.len().saturating_sub(1);
+        self.buffers.resize_with(count, Vec::new);
         for (k, (buffer, bucket)) in self.buffers.iter_mut().zip(&self.plan.buckets).enumerate() {
-            buffer.resize(bucket.len() + usize::from(k == last_index), 0.0);
+            buffer.resize(bucket.len() + usize::from(k == last), 0.0);
         }
-        let world = self.comm.size() as f32;
-        let last = self.plan.buckets.len().saturating_sub(1);
-        let mut pending: Vec<PendingAllReduce> = Vec::with_capacity(self.plan.buckets.len());
-        {
+        let mut pending: Vec<Option<PendingAllReduce>> = (0..count).map(|_| None).collect();
+        let local_loss = {
             let (plan, layout, buffers, comm) =
                 (&self.plan, &self.layout, &mut self.buffers, &self.comm);
-            let mut current = 0;
-            engine.for_each_grad(&mut |i, grad| {
-                let bucket = &plan.buckets[current];
-                let info = &layout.params[i];
-                let at = info.offset - bucket.start;
-                buffers[current][at..at + grad.len()].copy_from_slice(grad);
-                if i == bucket.last_param {
-                    if current == last {
-                        buffers[current][bucket.len()] = local_loss;
-                    }
-                    pending.push(
-                        comm.all_reduce_bucket(std::mem::take(&mut buffers[current]), current),
-                    );
-                    current += 1;
+            let mut filled = vec![0usize; count];
+            let pending = &mut pending;
+            let mut on_grad = |i: usize, grad: &[f32]| {
+                let k = plan.bucket_of(i);
+                let bucket = &plan.buckets[k];
+                let at = layout.params[i].offset - bucket.start;
+                buffers[k][at..at + grad.len()].copy_from_slice(grad);
+                filled[k] += 1;
+                // The last bucket waits for the loss, known when the engine returns.
+                if filled[k] == bucket.params.len() && k != last {
+                    pending[k] = Some(comm.all_reduce_bucket(std::mem::take(&mut buffers[k]), k));
                 }
                 Ok(())
-            })?;
-        }
-        if pending.len() != self.plan.buckets.len() {
-            return Err(TrainError::Divergence(format!(
-                "the engine gave gradients for {} of {} buckets",
-                pending.len(),
-                self.plan.buckets.len()
-            )));
-        }
-        let scale = 1.0 / world;
+            };
+            let loss = if self.overlap {
+                engine.forward_backward_streaming(batch, &mut on_grad)?
+            } else {
+                let loss = engine.forward_backward(batch)?;
+                engine.for_each_grad(&mut on_grad)?;
+                loss
+            };
+            if let Some(buffer) = buffers.get_mut(last) {
+                let n = plan.buckets[last].len();
+                buffer[n] = loss;
+                pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
+            }
+            loss
+        };
+        let scale = 1.0 / self.comm.size() as f32;
         let mut global_loss = local_loss;
         for (k, p) in pending.into_iter().enumerate() {
+            let Some(p) = p else {
+                return Err(TrainError::Divergence(format!(
+                    "the engine gave no gradient for some tensors of bucket {k}"
+                )));
+            };
             let summed = p.wait()?;
             let bucket = &self.plan.buckets[k];
             for (dst, src) in self.flat[bucket.start..bucket.end].iter_mut().zip(&summed) {

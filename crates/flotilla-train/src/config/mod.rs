@@ -10,7 +10,10 @@ use flotilla_engine::{ModelSpec, OptimizerSpec};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
+
+mod allreduce;
 use crate::pipeline::Schedule;
+pub use allreduce::{AllReduceMode, AllReduceSection, StaleCorrection};
 
 /// Payload compression on the wire, as written in a config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -339,6 +342,8 @@ pub struct TrainConfig {
     pub topology: TopologySection,
     /// Pipeline stages, micro-batches and schedule (with `topology.arch: pipeline`).
     pub pipeline: PipelineSection,
+    /// Sync or async all-reduce, the background cycle, the stall inspector.
+    pub allreduce: AllReduceSection,
     /// Rendezvous, deadlines, wire.
     pub comm: CommSection,
     /// Output.
@@ -441,6 +446,16 @@ impl TrainConfig {
         }
         if t.arch == Arch::Pipeline {
             self.validate_pipeline()?;
+        }
+        self.allreduce.validate()?;
+        if self.allreduce.mode == AllReduceMode::Async && t.arch != Arch::Allreduce {
+            return Err(bad(
+                "allreduce.mode",
+                format!(
+                    "async is a mode of data-parallel all-reduce, not of arch {}",
+                    t.arch
+                ),
+            ));
         }
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {

@@ -1,0 +1,133 @@
+//! The `allreduce:` section: how data-parallel peers reduce gradients — synchronously
+//! (every step waits for its own gradient) or through the asynchronous background cycle —
+//! and the stall inspector's limits.
+
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, TrainError};
+
+/// Sync or async all-reduce (`strategy: sync_allreduce | async_allreduce` sets it too).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AllReduceMode {
+    /// Each step all-reduces its own gradients and applies them (Horovod / DDP).
+    #[default]
+    Sync,
+    /// Gradients are submitted by name to a background cycle every `cycle_duration_ms`; the
+    /// optimizer applies the gradient reduced `staleness` steps earlier.
+    Async,
+}
+
+/// How an async peer makes up for applying a stale gradient.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StaleCorrection {
+    /// Weight prediction: compute each step's gradient at the parameters it will be applied
+    /// to, extrapolated from the last update (`w + k·(w − w_prev)` with `k` steps in flight).
+    #[default]
+    Predict,
+    /// None: the gradient of parameters `staleness` updates old is applied as it is.
+    None,
+}
+
+/// Data-parallel all-reduce settings.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AllReduceSection {
+    /// `sync` (default) or `async`.
+    pub mode: AllReduceMode,
+    /// Sync: run backward in groups of about `comm.bucket_mb` and start each bucket's
+    /// all-reduce as soon as its group's gradients exist (bitwise the same result).
+    pub overlap: bool,
+    /// Async: time between the starts of two background cycles, in milliseconds.
+    pub cycle_duration_ms: f64,
+    /// Async: fusion buffer size in bytes (0: one all-reduce per tensor).
+    pub all_reduce_buffer_size: u64,
+    /// Async: the optimizer applies the gradient of this many steps earlier (0: its own, as
+    /// sync does, through the same machinery).
+    pub staleness: u64,
+    /// Async: `predict` (default) or `none`; see [`StaleCorrection`].
+    pub correction: StaleCorrection,
+    /// Warn (on every rank, again at this interval) when some ranks submitted a tensor or
+    /// entered a collective and others have not for this many seconds.
+    pub stall_warning_s: f64,
+    /// Abort the job when such a wait reaches this many seconds (default: never).
+    pub stall_shutdown_s: Option<f64>,
+}
+
+impl Default for AllReduceSection {
+    fn default() -> Self {
+        Self {
+            mode: AllReduceMode::Sync,
+            overlap: true,
+            cycle_duration_ms: 5.0,
+            all_reduce_buffer_size: 64 << 20,
+            staleness: 1,
+            correction: StaleCorrection::Predict,
+            stall_warning_s: 60.0,
+            stall_shutdown_s: None,
+        }
+    }
+}
+
+impl AllReduceSection {
+    /// Checks the ranges; errors name the key.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |key: &str, msg: String| {
+            TrainError::config("config", format!("`allreduce.{key}`: {msg}"))
+        };
+        let finite_positive = |v: f64| v.is_finite() && v > 0.0;
+        if !finite_positive(self.cycle_duration_ms) || self.cycle_duration_ms > 60_000.0 {
+            return Err(bad(
+                "cycle_duration_ms",
+                format!(
+                    "must be a positive number of milliseconds up to 60000, got {}",
+                    self.cycle_duration_ms
+                ),
+            ));
+        }
+        if self.staleness > 16 {
+            return Err(bad(
+                "staleness",
+                format!("must be at most 16, got {}", self.staleness),
+            ));
+        }
+        if !finite_positive(self.stall_warning_s) {
+            return Err(bad(
+                "stall_warning_s",
+                format!(
+                    "must be a positive number of seconds, got {}",
+                    self.stall_warning_s
+                ),
+            ));
+        }
+        if let Some(s) = self.stall_shutdown_s
+            && !finite_positive(s)
+        {
+            return Err(bad(
+                "stall_shutdown_s",
+                format!("must be a positive number of seconds, got {s}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The background cycle's settings.
+    pub fn cycle(&self) -> flotilla_comm::CycleConfig {
+        flotilla_comm::CycleConfig {
+            cycle: Duration::from_secs_f64(self.cycle_duration_ms / 1000.0),
+            buffer_bytes: usize::try_from(self.all_reduce_buffer_size).unwrap_or(usize::MAX),
+            stall: self.stall_policy(),
+        }
+    }
+
+    /// The stall inspector's limits.
+    pub fn stall_policy(&self) -> flotilla_comm::StallPolicy {
+        flotilla_comm::StallPolicy {
+            warning: Duration::from_secs_f64(self.stall_warning_s),
+            shutdown: self.stall_shutdown_s.map(Duration::from_secs_f64),
+        }
+    }
+}

@@ -1,0 +1,317 @@
+//! Asynchronous decentralized data parallel: gradients go to a background cycle
+//! ([`flotilla_comm::CycleReducer`]) by name as the engine produces them, and the optimizer
+//! applies the gradient reduced `staleness` steps earlier, so computing step `t` overlaps
+//! communicating step `t − staleness`.
+//!
+//! # The update rule
+//!
+//! Each step submits its parameters' gradients and its loss, then applies the oldest
+//! reduced steps until at most `staleness` are in flight (each waited for, averaged over
+//! the ranks, applied with the learning rate of the step that applies it). The run's first
+//! step is synchronous (it applies its own gradient, instead of the zeros a stale pipeline
+//! would start with). Before evaluating, checkpointing, checking parameters or stopping,
+//! every step in flight is applied ("drain"), so those see the same parameters on every rank
+//! and a resumed run continues exactly like an uninterrupted one. With `staleness: 0` every
+//! step applies its own gradient: sync all-reduce through the cycle.
+//!
+//! # Correcting for staleness
+//!
+//! A gradient computed at `w_t` and applied to `w_{t+k}` (k updates later) is stale; with
+//! momentum that costs accuracy (LeNet-5 on MNIST, 5 epochs, momentum 0.9: 98.3% against
+//! sync's 99.1%). With `correction: predict` (the default) each step computes its gradient
+//! at the parameters it will be applied to, predicted from the last update:
+//! `ŵ = w + k·(w − w_prev)`, `k` the steps still in flight (PipeMare/SpecTrain-style
+//! weight prediction; no hyperparameter). The engine's own parameters are put back before
+//! the optimizer step. After a drain there is no last update (`k = 0`), so a resumed run
+//! predicts exactly like an uninterrupted one.
+
+use std::collections::VecDeque;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup};
+use flotilla_engine::{EvalStats, ParamLayout};
+
+use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
+use crate::config::StaleCorrection;
+use crate::error::{Result, TrainError};
+use crate::role::{Cx, Evaluation, Role, Step};
+
+/// The name the loss is submitted under (no parameter is called that).
+const LOSS: &str = "@loss";
+
+/// One step whose gradients are with the cycle.
+struct InFlight {
+    grads: Vec<Pending<Vec<f32>>>,
+    loss: Pending<Vec<f32>>,
+}
+
+/// The async all-reduce peer; see the module documentation.
+pub struct AsyncAllReduce {
+    comm: Arc<dyn ProcessGroup>,
+    layout: ParamLayout,
+    config: CycleConfig,
+    staleness: usize,
+    reducer: Option<CycleReducer>,
+    in_flight: VecDeque<InFlight>,
+    /// The averaged flat gradient handed to the optimizer.
+    flat: Vec<f32>,
+    /// The learning rate of the newest step (drains apply with it).
+    lr: f64,
+    stats: Option<CycleStats>,
+    applied: u64,
+    correction: StaleCorrection,
+    /// The engine's parameters now, before the last update, and the prediction.
+    current: Vec<f32>,
+    previous: Vec<f32>,
+    predicted: Vec<f32>,
+    /// `current − previous` is a real update (not across a drain or the start).
+    moved: bool,
+}
+
+impl AsyncAllReduce {
+    /// A peer for a model of `layout` applying gradients `staleness` steps old, corrected by
+    /// `correction`.
+    pub fn new(
+        comm: Arc<dyn ProcessGroup>,
+        layout: &ParamLayout,
+        config: CycleConfig,
+        staleness: u64,
+        correction: StaleCorrection,
+    ) -> Self {
+        Self {
+            comm,
+            layout: layout.clone(),
+            config,
+            staleness: staleness as usize,
+            reducer: None,
+            in_flight: VecDeque::new(),
+            flat: vec![0.0; layout.total],
+            lr: 0.0,
+            stats: None,
+            applied: 0,
+            correction,
+            current: vec![0.0; layout.total],
+            previous: vec![0.0; layout.total],
+            predicted: vec![0.0; layout.total],
+            moved: false,
+        }
+    }
+
+    /// The parameters to compute this step's gradient at: predicted (written into the
+    /// engine, `true`) or the engine's own (`false`).
+    fn predict(&mut self, cx: &mut Cx<'_>) -> Result<bool> {
+        let k = self.in_flight.len() as f32;
+        if self.correction != StaleCorrection::Predict || k == 0.0 || !self.moved {
+            return Ok(false);
+        }
+        for ((p, c), q) in self
+            .predicted
+            .iter_mut()
+            .zip(&self.current)
+            .zip(&self.previous)
+        {
+            *p = c + k * (c - q);
+        }
+        cx.engine()?.write_params(&self.predicted)?;
+        Ok(true)
+    }
+
+    /// Records the engine's parameters after an update (`moved`) or a drain (not).
+    fn track(&mut self, cx: &mut Cx<'_>, moved: bool) -> Result<()> {
+        if self.correction == StaleCorrection::None {
+            return Ok(());
+        }
+        std::mem::swap(&mut self.previous, &mut self.current);
+        cx.engine()?.read_params(&mut self.current)?;
+        if !moved {
+            self.previous.copy_from_slice(&self.current);
+        }
+        self.moved = moved;
+        Ok(())
+    }
+
+    /// Submits this step's gradients (by parameter name) and loss to the cycle.
+    fn submit(&mut self, cx: &mut Cx<'_>, batch: flotilla_engine::BatchRef<'_>) -> Result<()> {
+        let predicted = self.predict(cx)?;
+        let reducer = self.reducer.as_ref().ok_or_else(|| {
+            TrainError::config(
+                "allreduce",
+                "the cycle is not running (start was not called)",
+            )
+        })?;
+        let layout = &self.layout;
+        let mut grads: Vec<Option<Pending<Vec<f32>>>> =
+            (0..layout.params.len()).map(|_| None).collect();
+        let engine = cx.engine()?;
+        let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
+            grads[i] = Some(reducer.submit(&layout.params[i].name, g.to_vec()));
+            Ok(())
+        })?;
+        if predicted {
+            engine.write_params(&self.current)?;
+        }
+        let grads = grads
+            .into_iter()
+            .enumerate()
+            .map(|(i, g)| {
+                g.ok_or_else(|| {
+                    TrainError::Divergence(format!(
+                        "the engine gave no gradient for {}",
+                        layout.params[i].name
+                    ))
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let loss = reducer.submit(LOSS, vec![loss]);
+        self.in_flight.push_back(InFlight { grads, loss });
+        Ok(())
+    }
+
+    /// Waits for the oldest step in flight, averages and applies it; its global mean loss.
+    fn apply_oldest(&mut self, cx: &mut Cx<'_>) -> Result<Option<f32>> {
+        let Some(step) = self.in_flight.pop_front() else {
+            return Ok(None);
+        };
+        let scale = 1.0 / self.comm.size() as f32;
+        {
+            let _span = tracing::info_span!(target: "flotilla::train", "wait_reduced").entered();
+            for (info, pending) in self.layout.params.iter().zip(step.grads) {
+                let summed = pending.wait()?;
+                let dst = &mut self.flat[info.offset..info.offset + info.len];
+                for (d, s) in dst.iter_mut().zip(&summed) {
+                    *d = s * scale;
+                }
+            }
+        }
+        let loss = step.loss.wait()?.first().copied().unwrap_or(f32::NAN) * scale;
+        let _span = tracing::info_span!(target: "flotilla::train", "optimizer_step").entered();
+        cx.engine()?.apply_grads(&self.flat, self.lr)?;
+        self.applied += 1;
+        self.track(cx, true)?;
+        Ok(Some(loss))
+    }
+
+    /// Applies every step in flight.
+    fn drain(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        while !self.in_flight.is_empty() {
+            self.apply_oldest(cx)?;
+        }
+        self.track(cx, false)
+    }
+}
+
+impl Role for AsyncAllReduce {
+    fn name(&self) -> &'static str {
+        "peer"
+    }
+
+    fn evaluation(&self) -> Evaluation {
+        Evaluation::Collective
+    }
+
+    fn writes_checkpoints(&self) -> bool {
+        self.comm.rank() == 0
+    }
+
+    fn stops_itself(&self) -> bool {
+        true
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        super::synchronize_initial_state(&*self.comm, cx.engine()?)?;
+        self.track(cx, false)?;
+        // The cycle issues collectives from its own thread: it gets a group of its own.
+        let everyone: Vec<usize> = (0..self.comm.size()).collect();
+        let group = self.comm.group(&everyone)?;
+        self.reducer = Some(CycleReducer::start(group, self.config)?);
+        Ok(())
+    }
+
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+        self.lr = cx.lr_at(done);
+        let world = self.comm.size() as u64;
+        let (_, batch) = {
+            let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
+            data.next_batch()?
+        };
+        let samples = batch.labels.len() as u64 * world;
+        self.submit(cx, batch)?;
+        let keep = if done == 0 { 0 } else { self.staleness };
+        let mut losses = Vec::new();
+        while self.in_flight.len() > keep {
+            losses.extend(self.apply_oldest(cx)?);
+        }
+        let loss = (!losses.is_empty()).then(|| losses.iter().sum::<f32>() / losses.len() as f32);
+        Ok(Step {
+            progressed: true,
+            loss,
+            samples,
+            done: None,
+        })
+    }
+
+    fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
+        let _ = reason;
+        self.drain(cx)?;
+        if let Some(reducer) = self.reducer.take() {
+            self.stats = Some(reducer.shutdown()?);
+        }
+        Ok(())
+    }
+
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        self.drain(cx)?;
+        let (comm, test) = (cx.comm.clone(), cx.test);
+        crate::eval::distributed(cx.engine()?, &*comm, test)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        self.drain(cx)?;
+        let comm = cx.comm.clone();
+        crate::eval::verify_identical(cx.engine()?, &*comm).map(Some)
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        cx: &mut Cx<'_>,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        self.drain(cx)?;
+        if !self.writes_checkpoints() {
+            return Ok(None);
+        }
+        let output = cx.config.telemetry.output.clone();
+        crate::checkpoint::save(&output, cx.engine()?, state).map(Some)
+    }
+
+    fn report(&self, cx: &Cx<'_>) -> Option<String> {
+        let _ = cx;
+        let s = self.stats?;
+        Some(format!(
+            "async all-reduce: staleness {}, {} steps applied, {} cycles ({} busy), {} all-reduces of {} tensors, {:.2} s reducing",
+            self.staleness,
+            self.applied,
+            s.cycles,
+            s.busy_cycles,
+            s.all_reduces,
+            s.tensors,
+            s.reduce_s
+        ))
+    }
+
+    fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        let _ = cx;
+        let Some(s) = self.stats else {
+            return Vec::new();
+        };
+        vec![
+            ("cycles", s.cycles as f64),
+            ("busy_cycles", s.busy_cycles as f64),
+            ("all_reduces", s.all_reduces as f64),
+            ("reduce_s", s.reduce_s),
+            ("staleness", self.staleness as f64),
+        ]
+    }
+}
