@@ -4,7 +4,9 @@
 //! - `hang`: stop responding (a stuck rank);
 //! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once;
 //! - `perturb`: add 0.001 to the rank's first parameter (ranks no longer agree, which the
-//!   end-of-run check must name).
+//!   end-of-run check must name);
+//! - `withhold`: an async all-reduce peer stops submitting its last parameter's gradient
+//!   from that step on (the other ranks wait for it: the stall inspector must name it).
 
 /// What to do.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +19,8 @@ pub enum FaultAction {
     BadLength,
     /// Change one parameter on this rank only.
     Perturb,
+    /// Stop submitting one tensor (async all-reduce).
+    Withhold,
 }
 
 /// A fault planned for this rank.
@@ -43,6 +47,7 @@ impl Fault {
                 Some(("action", "hang")) => action = Some(FaultAction::Hang),
                 Some(("action", "bad_len")) => action = Some(FaultAction::BadLength),
                 Some(("action", "perturb")) => action = Some(FaultAction::Perturb),
+                Some(("action", "withhold")) => action = Some(FaultAction::Withhold),
                 _ => {}
             }
         }
@@ -50,6 +55,11 @@ impl Fault {
             step: step?,
             action: action?,
         })
+    }
+
+    /// Whether this is a `withhold` fault due at or before `step`.
+    pub fn withholds_at(&self, step: u64) -> bool {
+        self.action == FaultAction::Withhold && step >= self.step
     }
 
     /// The action due at `step`, if any. `Exit` and `Hang` are carried out here and never

@@ -416,7 +416,8 @@ impl Cycle {
         }
     }
 
-    /// One line per stalled tensor, and every missing world rank.
+    /// One clause per set of missing ranks (oldest first; at most four names each), and the
+    /// missing world ranks, those of the oldest stalled tensor first.
     fn describe(&self, stalled: &[Stalled]) -> (String, Vec<usize>) {
         let g = &self.group;
         let ranks = |rs: &[usize]| {
@@ -425,24 +426,43 @@ impl Cycle {
                 .collect::<Vec<_>>()
                 .join(", ")
         };
+        let mut groups: Vec<(&Vec<usize>, Vec<&Stalled>)> = Vec::new();
+        for s in stalled {
+            match groups.iter_mut().find(|(m, _)| *m == &s.missing) {
+                Some((_, v)) => v.push(s),
+                None => groups.push((&s.missing, vec![s])),
+            }
+        }
         let mut missing: Vec<usize> = Vec::new();
-        let lines: Vec<String> = stalled
+        let clauses: Vec<String> = groups
             .iter()
-            .map(|s| {
-                let name = self.names.entry(s.id).map_or("?", |(n, _)| n.as_str());
-                let have: Vec<usize> = (0..g.size()).filter(|r| !s.missing.contains(r)).collect();
-                missing.extend(s.missing.iter().map(|&r| g.world_rank(r)));
+            .map(|(absent, list)| {
+                for &r in absent.iter() {
+                    if !missing.contains(&g.world_rank(r)) {
+                        missing.push(g.world_rank(r));
+                    }
+                }
+                let have: Vec<usize> = (0..g.size()).filter(|r| !absent.contains(r)).collect();
+                let mut names: Vec<String> = list
+                    .iter()
+                    .take(4)
+                    .map(|s| format!("{:?}", self.names.entry(s.id).map_or("?", |(n, _)| n)))
+                    .collect();
+                if list.len() > 4 {
+                    names.push(format!("and {} more", list.len() - 4));
+                }
                 format!(
-                    "tensor {name:?} submitted by rank(s) {} waits for rank(s) {} ({:.1} s)",
+                    "{} {} submitted by rank(s) {} wait{} for rank(s) {} ({:.1} s)",
+                    if list.len() == 1 { "tensor" } else { "tensors" },
+                    names.join(", "),
                     ranks(&have),
-                    ranks(&s.missing),
-                    s.waited.as_secs_f64()
+                    if list.len() == 1 { "s" } else { "" },
+                    ranks(absent),
+                    list[0].waited.as_secs_f64()
                 )
             })
             .collect();
-        missing.sort_unstable();
-        missing.dedup();
-        (lines.join("; "), missing)
+        (clauses.join("; "), missing)
     }
 
     /// Fails every pending and later submission with `e`.

@@ -43,7 +43,8 @@ const LOSS: &str = "@loss";
 
 /// One step whose gradients are with the cycle.
 struct InFlight {
-    grads: Vec<Pending<Vec<f32>>>,
+    /// By parameter index; `None` for a tensor withheld by a test fault (applied as zero).
+    grads: Vec<Option<Pending<Vec<f32>>>>,
     loss: Pending<Vec<f32>>,
 }
 
@@ -68,6 +69,8 @@ pub struct AsyncAllReduce {
     predicted: Vec<f32>,
     /// `current − previous` is a real update (not across a drain or the start).
     moved: bool,
+    /// A test fault keeps this rank from submitting one tensor.
+    withholding: bool,
 }
 
 impl AsyncAllReduce {
@@ -96,6 +99,7 @@ impl AsyncAllReduce {
             previous: vec![0.0; layout.total],
             predicted: vec![0.0; layout.total],
             moved: false,
+            withholding: false,
         }
     }
 
@@ -133,7 +137,12 @@ impl AsyncAllReduce {
     }
 
     /// Submits this step's gradients (by parameter name) and loss to the cycle.
-    fn submit(&mut self, cx: &mut Cx<'_>, batch: flotilla_engine::BatchRef<'_>) -> Result<()> {
+    fn submit(
+        &mut self,
+        cx: &mut Cx<'_>,
+        batch: flotilla_engine::BatchRef<'_>,
+        done: u64,
+    ) -> Result<()> {
         let predicted = self.predict(cx)?;
         let reducer = self.reducer.as_ref().ok_or_else(|| {
             TrainError::config(
@@ -142,28 +151,41 @@ impl AsyncAllReduce {
             )
         })?;
         let layout = &self.layout;
+        // Test fault: from its step on, this rank stops submitting its last tensor.
+        let withhold = cx
+            .fault
+            .is_some_and(|f| f.withholds_at(done + 1))
+            .then(|| layout.params.len().saturating_sub(1));
+        if let Some(i) = withhold
+            && !self.withholding
+        {
+            self.withholding = true;
+            cx.log(&format!(
+                "FLOTILLA_FAULT: withholding tensor {:?} from step {} on",
+                layout.params[i].name,
+                done + 1
+            ))?;
+        }
         let mut grads: Vec<Option<Pending<Vec<f32>>>> =
             (0..layout.params.len()).map(|_| None).collect();
+        let mut seen = vec![false; layout.params.len()];
         let engine = cx.engine()?;
         let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
-            grads[i] = Some(reducer.submit(&layout.params[i].name, g.to_vec()));
+            seen[i] = true;
+            if withhold != Some(i) {
+                grads[i] = Some(reducer.submit(&layout.params[i].name, g.to_vec()));
+            }
             Ok(())
         })?;
         if predicted {
             engine.write_params(&self.current)?;
         }
-        let grads = grads
-            .into_iter()
-            .enumerate()
-            .map(|(i, g)| {
-                g.ok_or_else(|| {
-                    TrainError::Divergence(format!(
-                        "the engine gave no gradient for {}",
-                        layout.params[i].name
-                    ))
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
+        if let Some(i) = seen.iter().position(|s| !s) {
+            return Err(TrainError::Divergence(format!(
+                "the engine gave no gradient for {}",
+                layout.params[i].name
+            )));
+        }
         let loss = reducer.submit(LOSS, vec![loss]);
         self.in_flight.push_back(InFlight { grads, loss });
         Ok(())
@@ -178,8 +200,12 @@ impl AsyncAllReduce {
         {
             let _span = tracing::info_span!(target: "flotilla::train", "wait_reduced").entered();
             for (info, pending) in self.layout.params.iter().zip(step.grads) {
-                let summed = pending.wait()?;
                 let dst = &mut self.flat[info.offset..info.offset + info.len];
+                let Some(pending) = pending else {
+                    dst.fill(0.0);
+                    continue;
+                };
+                let summed = pending.wait()?;
                 for (d, s) in dst.iter_mut().zip(&summed) {
                     *d = s * scale;
                 }
@@ -237,7 +263,7 @@ impl Role for AsyncAllReduce {
             data.next_batch()?
         };
         let samples = batch.labels.len() as u64 * world;
-        self.submit(cx, batch)?;
+        self.submit(cx, batch, done)?;
         let keep = if done == 0 { 0 } else { self.staleness };
         let mut losses = Vec::new();
         while self.in_flight.len() > keep {
