@@ -79,7 +79,7 @@ fn bytes_sent(log: &str) -> u64 {
 fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     let dir = tmp();
     let init = initial(dir.path());
-    // 10 KiB buckets: LeNet-5's 61,706 parameters (and the loss slot) span 25 buckets.
+    // 10 KiB buckets: one per LeNet-5 layer with parameters (buckets never split a layer).
     let ar = |n: usize, batch: usize, extra: &str| {
         format!("world_size: {n}\nbatch_size: {batch}\nbucket_mb: 0.01\n{extra}")
     };
