@@ -26,6 +26,7 @@ fn run(dir: &Path, name: &str, yaml: &str) -> (Tensors, String) {
     let cfg = config_file(dir, &format!("{name}.yaml"), yaml);
     let out = dir.join(name);
     let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
+    assert_eq!(final_fields(&o)["steps"], 50.0, "{name}\n{}", text(&o));
     (checkpoint_tensors(&out), run_log(&out, 0))
 }
 
