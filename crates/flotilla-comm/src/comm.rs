@@ -271,6 +271,30 @@ impl ProcessGroup for Communicator {
         self.g.world.cfg.timeout
     }
 
+    fn activity(&self) -> crate::group::Activity {
+        self.g.activity()
+    }
+
+    fn abort(&self, reason: &str) {
+        let w = &self.g.world;
+        let error = CommError::Aborted {
+            by: w.rank,
+            reason: reason.to_string(),
+        };
+        if let Ok(mut p) = w.poisoned.lock()
+            && p.is_none()
+        {
+            *p = Some(error);
+        }
+        w.ep.abort.send_if_modified(|slot| {
+            let first = slot.is_none();
+            if first {
+                *slot = Some((w.rank, reason.to_string()));
+            }
+            first
+        });
+    }
+
     fn stats(&self) -> CommStats {
         let s = &self.g.world.ep.stats;
         CommStats {

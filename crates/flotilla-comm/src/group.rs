@@ -128,6 +128,15 @@ impl<T> Pending<T> {
 /// The all-reduce handle returned by [`ProcessGroup::all_reduce_start`].
 pub type PendingAllReduce = Pending<Vec<f32>>;
 
+/// What a rank is doing in a group's collective sequence (for the stall inspector).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Activity {
+    /// Collectives this rank has issued in the group (its next sequence number).
+    pub issued: u64,
+    /// The oldest collective it issued that has not finished: sequence number and age.
+    pub oldest_open: Option<(u64, Duration)>,
+}
+
 /// A tag of a point-to-point message. Tags at and above [`Tag::RESERVED`] are Flotilla's own.
 pub type Tag = u32;
 
@@ -224,6 +233,18 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// The sub-group of `ranks` (group ranks, in the new group's order); only the members
     /// call it, in the same order relative to their other `group` calls with these ranks.
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
+
+    /// This rank's place in the group's collective sequence (the default knows nothing).
+    fn activity(&self) -> Activity {
+        Activity::default()
+    }
+
+    /// Makes this process's collectives in progress and later ones fail with
+    /// [`CommError::Aborted`] carrying `reason` (the stall inspector's abort; every rank
+    /// decides it in the same round). The default does nothing.
+    fn abort(&self, reason: &str) {
+        let _ = reason;
+    }
 
     /// Gathers one `u64` from every member.
     fn all_gather_u64(&self, v: u64) -> Result<Vec<u64>, CommError> {

@@ -52,13 +52,16 @@ mod reduce;
 mod rendezvous;
 mod ring;
 pub mod scheduler;
+pub mod stall;
 mod wire;
 mod world;
 
 pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
-pub use cycle::stall::StallPolicy;
 pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
-pub use group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags};
+pub use group::{
+    Activity, CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags,
+};
 pub use scheduler::{Collective, Output, Scheduler};
+pub use stall::{StallPolicy, StallWatcher};

@@ -1,10 +1,10 @@
 //! What the groups of one process share (connections, mailbox, failure state), and each
 //! group's own state: members and the sequence space that orders its collectives.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
 use tokio::sync::watch;
@@ -39,6 +39,8 @@ pub(crate) struct GroupState {
     turn: watch::Sender<u64>,
     /// How many sub-groups of each kind were derived from this group (to key them).
     pub(crate) derived: Mutex<HashMap<Vec<u8>, u64>>,
+    /// When each unfinished collective was issued (for the stall inspector).
+    open: Mutex<BTreeMap<u64, Instant>>,
 }
 
 /// Advances the collective turn when dropped (also on error or cancellation).
@@ -51,6 +53,9 @@ impl Drop for TurnGuard<'_> {
     fn drop(&mut self) {
         let next = self.ticket + 1;
         self.g.turn.send_modify(|t| *t = (*t).max(next));
+        if let Ok(mut open) = self.g.open.lock() {
+            *open = open.split_off(&next);
+        }
     }
 }
 
@@ -78,13 +83,26 @@ impl GroupState {
             next_ticket: AtomicU64::new(0),
             turn: watch::channel(0).0,
             derived: Mutex::new(HashMap::new()),
+            open: Mutex::new(BTreeMap::new()),
         })
     }
 
     /// Takes the next sequence number of this group.
     pub(crate) fn ticket(&self) -> u64 {
         self.world.collectives.fetch_add(1, Ordering::Relaxed);
-        self.next_ticket.fetch_add(1, Ordering::SeqCst)
+        let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
+        open.insert(ticket, Instant::now());
+        ticket
+    }
+
+    /// Collectives issued so far and the oldest unfinished one (sequence number, age).
+    pub(crate) fn activity(&self) -> crate::group::Activity {
+        let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
+        crate::group::Activity {
+            issued: self.next_ticket.load(Ordering::SeqCst),
+            oldest_open: open.iter().next().map(|(&seq, t)| (seq, t.elapsed())),
+        }
     }
 
     /// The world rank of group rank `rank`, or an error for a rank out of range.

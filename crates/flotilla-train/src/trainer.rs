@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_cluster::{Arch, Topology};
-use flotilla_comm::{Communicator, ProcessGroup};
+use flotilla_comm::{Communicator, ProcessGroup, StallWatcher};
 use flotilla_data::{ImageDataset, Mnist};
 use flotilla_engine::{BurnEngine, ModelSpec};
 
@@ -210,7 +210,12 @@ impl Job<'_> {
             world,
             plan.total,
         ))?;
+        // The stall inspector of the world group's collectives (buckets, evaluation).
+        let everyone: Vec<usize> = (0..world).collect();
+        let channel = self.comm.group(&everyone)?;
+        let watcher = StallWatcher::start(self.comm.clone(), channel, a.stall_policy())?;
         let done = runloop::run(&mut *peer, data, &plan, cx)?;
+        watcher.shutdown()?;
         let summary = self.summary(&*peer, cx, done);
         cx.log(&format!(
             "parameters identical on all {world} ranks (xxh3 {:016x})",

@@ -13,7 +13,7 @@
 //!    order), ANDs the bit sets and reduces the tensors ready everywhere, in id order, packed
 //!    into buffers of at most `buffer_bytes` ([`pack::pack`]), one ring all-reduce each. A
 //!    submitter gets the **sum** over ranks.
-//! 4. Ids set on some ranks and not others feed the stall inspector ([`stall::StallWatch`]):
+//! 4. Ids set on some ranks and not others feed the stall inspector ([`crate::stall::StallWatch`]):
 //!    past `stall.warning` every rank logs which tensors wait for which ranks (again at that
 //!    interval); past `stall.shutdown` a rank sets `abort` in its next announcement and every
 //!    rank fails everything pending with [`CommError::Stalled`] in that same cycle.
@@ -31,7 +31,6 @@
 
 pub mod negotiate;
 pub mod pack;
-pub mod stall;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -43,8 +42,8 @@ use tokio::sync::oneshot;
 
 use crate::error::CommError;
 use crate::group::{Pending, ProcessGroup};
+use crate::stall::{StallPolicy, StallWatch, Stalled, Verdict};
 use negotiate::{Agreement, Announce, Names};
-use stall::{StallPolicy, StallWatch, Stalled, Verdict};
 
 /// How the cycle runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

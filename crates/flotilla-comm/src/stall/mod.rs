@@ -1,6 +1,14 @@
-//! The stall inspector's clock: which partially submitted tensors (or collectives) have
+//! The stall inspector: names what some ranks wait for and other ranks never started.
+//!
+//! [`StallWatch`] is its clock: which partially submitted tensors (or collectives) have
 //! waited too long, when to warn again and when to give up. Pure: the caller feeds it what
-//! every cycle found partial and the time.
+//! each round found partial and the time. Two callers: the asynchronous all-reduce's cycle
+//! ([`crate::CycleReducer`]: tensors some ranks submitted) and [`StallWatcher`] (collectives
+//! some ranks entered, for sync training).
+
+mod watcher;
+
+pub use watcher::StallWatcher;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

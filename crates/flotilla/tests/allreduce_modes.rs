@@ -4,8 +4,9 @@
 //! - async (staleness 1, weight prediction) trains LeNet-5 to >= 98.5% on 2 and on 4 ranks;
 //! - `staleness: 0` through the background cycle equals sync all-reduce bitwise;
 //! - sync with backward overlapped equals sync without, bitwise, on 4 ranks and 5 buckets;
-//! - a rank that stops submitting one tensor is named by the stall inspector on every rank,
-//!   and the job aborts within `stall_shutdown_s`.
+//! - a rank that stops submitting one tensor (async), or stops entering collectives (sync),
+//!   is named by the stall inspector on every rank, and the job aborts within
+//!   `stall_shutdown_s`.
 
 mod common;
 
@@ -143,5 +144,38 @@ fn a_withheld_tensor_is_named_by_the_stall_inspector_then_the_job_aborts() {
     assert!(all.contains(warning), "{all}");
     assert!(all.contains("stalled for 4"), "{all}");
     assert!(took < Duration::from_secs(60), "aborted after {took:?}");
+    assert_none_left(out.to_str().expect("utf8"), Duration::from_secs(10));
+}
+
+#[test]
+fn a_rank_that_stops_entering_collectives_is_named_then_sync_training_aborts() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "stall.yaml",
+        "world_size: 3\nbatch_size: 32\nmax_steps: 200\nstall_warning_s: 1\nstall_shutdown_s: 4\n",
+    );
+    let out = dir.path().join("out");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
+        .env("FLOTILLA_FAULT", "rank=1,step=10,action=hang");
+    let started = Instant::now();
+    let o = run_with_deadline(c, LIMIT);
+    let took = started.elapsed();
+    assert!(!o.status.success(), "the job must fail\n{}", text(&o));
+    let all = text(&o);
+    // Rank 1 hangs after step 10 and never issues the next step's all-reduce, which ranks 0
+    // and 2 wait in: named at 1 s, 2 s, 3 s, then every rank aborts at 4 s (long before the
+    // 60 s collective deadline).
+    assert!(
+        all.contains("WARN flotilla::stall: stall: collective #")
+            && all.contains("entered by rank(s) 0, 2 waits for rank(s) 1"),
+        "{all}"
+    );
+    assert!(
+        all.contains("aborted by rank") && all.contains("stalled for 4"),
+        "{all}"
+    );
+    assert!(took < Duration::from_secs(40), "aborted after {took:?}");
     assert_none_left(out.to_str().expect("utf8"), Duration::from_secs(10));
 }
