@@ -131,3 +131,51 @@ impl AllReduceSection {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::TrainConfig;
+    use flotilla_cluster::Arch;
+
+    #[test]
+    fn strategy_async_allreduce_and_the_sections_keys() {
+        let c = TrainConfig::from_yaml(
+            "strategy: async_allreduce\ncycle_duration_ms: 2\nstaleness: 0\ncorrection: none\n",
+            "a.yaml",
+        )
+        .expect("parse");
+        c.validate().expect("valid");
+        assert_eq!(c.topology.arch, Arch::Allreduce);
+        let a = &c.allreduce;
+        assert_eq!(
+            (a.mode, a.staleness, a.correction),
+            (AllReduceMode::Async, 0, StaleCorrection::None)
+        );
+        assert_eq!(a.cycle().cycle, Duration::from_millis(2));
+        let sync =
+            TrainConfig::from_yaml("arch: sync_allreduce\noverlap: false\n", "s").expect("parse");
+        assert_eq!(sync.allreduce.mode, AllReduceMode::Sync);
+        assert!(!sync.allreduce.overlap);
+        assert_eq!(
+            TrainConfig::default().allreduce.stall_policy().shutdown,
+            None,
+            "no abort unless asked"
+        );
+        for (text, key) in [
+            ("staleness: 17\n", "allreduce.staleness"),
+            ("cycle_duration_ms: 0\n", "allreduce.cycle_duration_ms"),
+            ("stall_warning_s: 0\n", "allreduce.stall_warning_s"),
+            ("stall_shutdown_s: -1\n", "allreduce.stall_shutdown_s"),
+            (
+                "allreduce: {mode: async}\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+                "allreduce.mode",
+            ),
+        ] {
+            let err = TrainConfig::from_yaml(text, "bad.yaml")
+                .and_then(|c| c.validate().map(|_| ()))
+                .expect_err(text);
+            assert!(err.to_string().contains(key), "{text}: {err}");
+        }
+    }
+}
