@@ -6,13 +6,10 @@
 #
 # Usage: scripts/bench_allreduce_modes.sh            (from the checkout, after a release build)
 # Env:   FLOTILLA_BIN (default $CARGO_TARGET_DIR/release/flotilla), OUT (default
-#        /tmp/flotilla-bench-modes), STEPS (steps of each step-time run, default 300).
+#        /tmp/flotilla-bench-modes), LINKS_ONLY=1 (skip the loopback runs).
 #
-# Loopback: one full run per mode and rank count with target_accuracy 0.99 (8 epochs at
-# most) gives steps and seconds to 99% and the step time. Emulated links: a STEPS-step run
-# per mode, rank count and link gives the step time there; the runs are deterministic in
-# their staleness, so steps to 99% do not depend on the link, and time to 99% on a link is
-# computed as loopback steps-to-99 x that link's step time (printed as such). The links
+# Every run is a full run with target_accuracy 0.99 (evaluated each epoch, 8 epochs at
+# most): steps and seconds to 99% and the step time (median over epochs). The links
 # need root (ip netns, tc); without it the script says so and measures loopback only. The
 # 1 ms delay needs the kernel's netem qdisc; without it the links are rate-shaped only (tbf)
 # (HTB) and the script says so.
@@ -22,7 +19,6 @@ set -u
 cd "$(dirname "$0")/.."
 B=${FLOTILLA_BIN:-${CARGO_TARGET_DIR:-target}/release/flotilla}
 OUT=${OUT:-/tmp/flotilla-bench-modes}
-STEPS=${STEPS:-300}
 export RAYON_NUM_THREADS=1
 [ -x "$B" ] || { echo "no release binary at $B (cargo build --release)"; exit 1; }
 rm -rf "$OUT"; mkdir -p "$OUT"
@@ -110,19 +106,18 @@ PY
 }
 
 echo "# flotilla $("$B" --version 2>/dev/null) on $(nproc) cores, $(date -u +%FT%TZ)"
+if [ -z "${LINKS_ONLY:-}" ]; then
 echo "## loopback: full runs to 99% (8 epochs at most)"
 echo "mode ranks step_ms_median step_ms_range steps_to_99 s_to_99 best_acc"
-declare -A STEPS99
 for n in 2 4; do
   for mode in sync overlap async; do
     d=$OUT/lo-$mode-$n; mkdir -p "$d"
     config $mode $n "epochs: 8" "target_accuracy: 0.99" "output: $d" > "$d.yaml"
     "$B" launch "$d.yaml" > "$d.out" 2>&1 || { echo "$mode $n FAILED (see $d.out)"; continue; }
-    read -r ms range s99 t99 best <<< "$(summarize "$d/rank-0/run.log")"
-    STEPS99[$mode-$n]=$s99
-    echo "$mode $n $ms $range $s99 $t99 $best"
+    echo "$mode $n $(summarize "$d/rank-0/run.log")"
   done
 done
+fi
 
 if [ "$(id -u)" != 0 ] || ! command -v tc >/dev/null || ! ip netns list >/dev/null 2>&1; then
   echo "## emulated links: skipped (needs root with ip netns and tc; run as root)"
@@ -182,28 +177,19 @@ run_ns() { # dir config ranks [timeline]
 for rate in 1gbit 100mbit; do
   setup $rate || { echo "## link $rate: setup failed"; continue; }
   if [ "$SHAPER" = netem ]; then
-    echo "## link $rate, 1 ms delay each way (netem): $STEPS-step runs"
+    echo "## link $rate, 1 ms delay each way (netem): full runs to 99%"
   else
-    echo "## link $rate, NO added delay (this kernel has no sch_netem; HTB shapes the rate only): $STEPS-step runs"
+    echo "## link $rate, NO added delay (this kernel has no sch_netem; HTB shapes the rate only): full runs to 99%"
   fi
-  echo "mode ranks step_ms s_to_99_computed (loopback steps_to_99 x step_ms)"
+  echo "mode ranks step_ms_median step_ms_range steps_to_99 s_to_99 best_acc"
   for n in 2 4; do
     for mode in sync overlap async; do
       d=$OUT/$rate-$mode-$n; mkdir -p "$d"
-      extra=("max_steps: $STEPS" "eval_every: 0" "output: $d")
+      extra=("epochs: 8" "target_accuracy: 0.99" "output: $d")
       if [ $rate = 100mbit ] && [ $n = 2 ]; then extra+=("timeline_path: $d/timeline.json"); fi
       config $mode $n "${extra[@]}" > "$d.yaml"
       run_ns "$d" "$d.yaml" $n || { echo "$mode $n FAILED (see $d.rank*.out)"; continue; }
-      ms=$(python3 - "$d/rank-0/run.log" "$STEPS" <<'PY'
-import re, sys
-for line in open(sys.argv[1]):
-    m = re.search(r"epoch \d+/\d+ step=\d+ .* samples/s=(\d+)", line)
-    if m: print(f"{1000 * 128 / float(m[1]):.2f}")
-PY
-)
-      s99=${STEPS99[$mode-$n]:--}
-      t99=$(python3 -c "print('-' if '$s99' == '-' else f'{int(\"$s99\") * float(\"$ms\") / 1000:.1f}')")
-      echo "$mode $n $ms $t99"
+      echo "$mode $n $(summarize "$d/rank-0/run.log")"
       if ls "$d"/rank-*/timeline.jsonl >/dev/null 2>&1; then
         "$B" trace merge --output "$d/timeline.json" "$d"/rank-*/timeline.jsonl >/dev/null 2>&1
       fi
