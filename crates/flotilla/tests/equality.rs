@@ -54,18 +54,6 @@ fn assert_moved(name: &str, t: &Tensors, init: &Tensors) {
     );
 }
 
-fn assert_bitwise(name: &str, a: &Tensors, b: &Tensors) {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
-    for (k, va) in a {
-        let differing = va
-            .iter()
-            .zip(&b[k])
-            .filter(|(x, y)| x.to_bits() != y.to_bits())
-            .count();
-        assert_eq!(differing, 0, "{name}: {differing} values of {k} differ");
-    }
-}
-
 /// The `traffic bytes_sent=N` of a run.log.
 fn bytes_sent(log: &str) -> u64 {
     log.lines()

@@ -262,3 +262,16 @@ pub fn launch_traced(cfg: &str, out: &Path, limit: Duration) -> (Output, Vec<ser
     );
     (o, trace_events(&trace))
 }
+
+/// Asserts two checkpoints hold the same tensors, bit for bit.
+pub fn assert_bitwise(name: &str, a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, va) in a {
+        let differing = va
+            .iter()
+            .zip(&b[k])
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count();
+        assert_eq!(differing, 0, "{name}: {differing} values of {k} differ");
+    }
+}
