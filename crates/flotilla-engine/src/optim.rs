@@ -108,6 +108,15 @@ impl OptimizerSpec {
         }
     }
 
+    /// How much of one update carries into the next: SGD's momentum (0 without), Adam's and
+    /// AdamW's first-moment decay. An async peer's weight prediction extrapolates with it.
+    pub fn momentum(&self) -> f32 {
+        match self {
+            OptimizerSpec::Sgd { momentum, .. } => *momentum as f32,
+            OptimizerSpec::Adam { beta1, .. } | OptimizerSpec::Adamw { beta1, .. } => *beta1,
+        }
+    }
+
     /// Checks the settings' ranges.
     pub fn validate(&self) -> Result<()> {
         let lr = self.lr();
