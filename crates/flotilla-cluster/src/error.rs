@@ -14,6 +14,16 @@ pub type Result<T, E = ClusterError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ClusterError {
+    /// A launcher variable (rank, world size, rendezvous) is set but cannot be used.
+    #[error("${var}={value:?}: {reason}")]
+    LauncherEnv {
+        /// The variable.
+        var: String,
+        /// Its value.
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// A standalone topology document is not valid YAML or has unknown / mistyped keys.
     #[error("{source_name}: invalid topology config: {source}")]
     Yaml {

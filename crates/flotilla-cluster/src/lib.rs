@@ -36,6 +36,7 @@ mod arch;
 mod describe;
 pub mod error;
 pub mod inventory;
+pub mod launcher_env;
 pub mod placement;
 pub mod role;
 pub mod shard;
@@ -45,6 +46,7 @@ mod validate;
 
 pub use error::{ClusterError, Result};
 pub use inventory::{Host, Inventory, InventoryFormat};
+pub use launcher_env::LauncherEnv;
 pub use placement::{Placement, place};
 pub use role::{ROOT_RANK, Role, RoleKind};
 pub use shard::balanced_ranges;

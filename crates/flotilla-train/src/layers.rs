@@ -12,8 +12,9 @@
 //!   the optimizer of the layers below instead of merging into it (Adam has no momentum);
 //! - **environment**: `FLOTILLA_<SECTION>__<KEY>` (e.g. `FLOTILLA_OPTIMIZER__LR=0.05`) or a
 //!   flat alias (`FLOTILLA_BATCH_SIZE=32`); and, for processes started by a launcher,
-//!   `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT` (torchrun), `OMPI_COMM_WORLD_SIZE`,
-//!   `PMI_SIZE`, `SLURM_NTASKS`.
+//!   world size and rendezvous of torchrun, Open MPI, MPICH, Slurm (the first host of
+//!   `SLURM_JOB_NODELIST`) and Kubernetes, read in the order of
+//!   [`flotilla_cluster::launcher_env`], under the `FLOTILLA_` variables.
 
 use std::path::Path;
 
@@ -88,16 +89,6 @@ const ALIASES: &[(&str, &str)] = &[
     ("output", "telemetry.output"),
     ("timeline_path", "telemetry.timeline_path"),
     ("metrics_port", "telemetry.metrics_port"),
-];
-
-/// Launcher variables (torchrun, Open MPI, MPICH, Slurm) and the config path they set.
-const LAUNCHER_ENV: &[(&str, &str)] = &[
-    ("WORLD_SIZE", "topology.world_size"),
-    ("OMPI_COMM_WORLD_SIZE", "topology.world_size"),
-    ("PMI_SIZE", "topology.world_size"),
-    ("SLURM_NTASKS", "topology.world_size"),
-    ("MASTER_ADDR", "comm.master_addr"),
-    ("MASTER_PORT", "comm.master_port"),
 ];
 
 /// One layer: a nested tree of values and the name of where it came from.
@@ -184,6 +175,30 @@ impl Layers {
         Ok(self)
     }
 
+    /// One layer per value a launcher's variables set (world size, rendezvous host and
+    /// port; see [`flotilla_cluster::launcher_env`] for which variables, in which order).
+    fn launcher_layers(&mut self, vars: &[(String, String)]) -> Result<()> {
+        let map: std::collections::HashMap<&str, &str> =
+            vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
+        let e = flotilla_cluster::LauncherEnv::read(&|k| map.get(k).map(|v| v.to_string()))
+            .map_err(|e| err("environment", e.to_string()))?;
+        let found = [
+            e.world_size
+                .map(|v| ("topology.world_size", Value::from(v.value), v.var)),
+            e.master_addr
+                .map(|v| ("comm.master_addr", Value::from(v.value), v.var)),
+            e.master_port
+                .map(|v| ("comm.master_port", Value::from(v.value), v.var)),
+        ];
+        for (path, value, var) in found.into_iter().flatten() {
+            let source = format!("env {var}");
+            let mut tree = serde_json::Map::new();
+            set(&mut tree, path, value, &source)?;
+            self.layers.push(Layer { name: source, tree });
+        }
+        Ok(())
+    }
+
     /// Adds one layer per setting the environment makes: `FLOTILLA_...` variables, and with
     /// `launcher` the launcher variables (world size, rendezvous address and port).
     pub fn env(
@@ -196,6 +211,10 @@ impl Layers {
             .filter(|(_, v)| !v.trim().is_empty())
             .collect();
         vars.sort();
+        if launcher {
+            // Under the FLOTILLA_ variables, which are read after them and so win.
+            self.launcher_layers(&vars)?;
+        }
         for (name, raw) in vars {
             let value = scalar(&raw);
             let source = format!("env {name}");
@@ -217,10 +236,6 @@ impl Layers {
                     // Other FLOTILLA_ variables belong to other parts (token, fault tests).
                     continue;
                 }
-            } else if launcher
-                && let Some((_, path)) = LAUNCHER_ENV.iter().find(|(v, _)| *v == name)
-            {
-                (*path).to_string()
             } else {
                 continue;
             };

@@ -88,8 +88,15 @@ pub fn run(
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
+    // The launcher's local rank (rank among this host's processes), when it gave one.
+    let local = flotilla_cluster::LauncherEnv::from_process()
+        .ok()
+        .and_then(|e| e.local_rank)
+        .map_or(String::new(), |l| {
+            format!(" local_rank={} (${})", l.value, l.var)
+        });
     let up = format!(
-        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}",
+        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}{local}",
         spec.name, config.model.device
     );
     observer.message(&up);

@@ -1,7 +1,7 @@
 //! The effective [`TrainConfig`] of a command: [`Layers`] of defaults, the config file, the
 //! environment and the flags given (in that order of precedence, lowest first).
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use flotilla_train::TrainConfig;
 use flotilla_train::layers::Layers;
 use serde_json::{Value, json};
@@ -80,24 +80,11 @@ fn flags(a: &RunArgs) -> Vec<(&'static str, Value)> {
     out
 }
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-/// The rank a launcher's environment names (torchrun `RANK`, Open MPI
-/// `OMPI_COMM_WORLD_RANK`, MPICH `PMI_RANK`, Slurm `SLURM_PROCID`), if any.
+/// The rank a launcher's environment names (see [`flotilla_cluster::launcher_env`] for the
+/// variables and their order), if any.
 pub fn launcher_rank() -> Result<Option<usize>> {
-    for name in ["RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID"] {
-        if let Some(v) = env(name) {
-            let rank = v
-                .trim()
-                .parse()
-                .ok()
-                .with_context(|| format!("cannot parse ${name}={v:?} as a rank"))?;
-            return Ok(Some(rank));
-        }
-    }
-    Ok(None)
+    let e = flotilla_cluster::LauncherEnv::from_process()?;
+    Ok(e.rank.map(|r| r.value))
 }
 
 /// The effective config as YAML, every value followed by `# <where it came from>`.

@@ -375,3 +375,42 @@ fn residual_models_train_from_their_shipped_specs() {
         );
     }
 }
+
+/// A job started the way `srun` starts it: no flags, only Slurm's variables (rank, task
+/// count, local id, and the node list whose first host is the rendezvous).
+#[test]
+fn slurm_variables_alone_start_a_job() {
+    let dir = tmp();
+    let out = dir.path().join("slurm");
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut c = flotilla();
+            c.args(["train", "--max-steps", "20", "--output"])
+                .arg(out.to_str().expect("utf8"))
+                .env("SLURM_PROCID", rank.to_string())
+                .env("SLURM_LOCALID", rank.to_string())
+                .env("SLURM_NTASKS", "2")
+                .env("SLURM_JOB_NODELIST", "127.0.0.1")
+                .env("MASTER_PORT", &port);
+            std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(120)))
+        })
+        .collect();
+    for h in ranks {
+        let o = h.join().expect("rank thread");
+        assert!(o.status.success(), "{}", text(&o));
+        assert_eq!(final_fields(&o)["steps"], 20.0, "{}", text(&o));
+    }
+    let log = run_log(&out, 1);
+    assert!(
+        log.contains("rank 1/2 up") && log.contains("local_rank=1 ($SLURM_LOCALID)"),
+        "{log}"
+    );
+    // A variable that does not parse is named.
+    let mut c = flotilla();
+    c.args(["train", "--max-steps", "1"])
+        .env("SLURM_PROCID", "first");
+    let o = run_with_deadline(c, Duration::from_secs(30));
+    assert!(!o.status.success());
+    assert!(text(&o).contains("$SLURM_PROCID=\"first\""), "{}", text(&o));
+}
