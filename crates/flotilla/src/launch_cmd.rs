@@ -16,6 +16,7 @@ use serde_json::{Value, json};
 use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
+use crate::report;
 use crate::{settings, telemetry};
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
@@ -44,7 +45,28 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         }
     }
     result?;
-    relay.write_summary(&config.telemetry.output.join("summary.json"))?;
+    let output = &config.telemetry.output;
+    let epochs = match report::read_metrics(&output.join("metrics.jsonl")) {
+        Ok(e) => e,
+        Err(e) => {
+            eprintln!("warning: no plots: {e:#}");
+            Vec::new()
+        }
+    };
+    relay.write_summary(&output.join("summary.json"), report::run_figures(&epochs))?;
+    if !epochs.is_empty() {
+        match report::write_plots(output, &epochs) {
+            Ok(paths) => println!(
+                "plots: {}",
+                paths
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Err(e) => eprintln!("warning: plots: {e:#}"),
+        }
+    }
     match relay.final_line {
         Some(line) => println!("{line}"),
         None => anyhow::bail!("rank 0 exited without a final line"),
@@ -197,10 +219,11 @@ impl Relay {
         }
     }
 
-    /// `summary.json`: every rank's role and figures, by rank.
-    fn write_summary(&mut self, path: &std::path::Path) -> Result<()> {
+    /// `summary.json`: the run's figures (`run`, see [`report::run_figures`]) and every
+    /// rank's role and figures, by rank.
+    fn write_summary(&mut self, path: &std::path::Path, run: serde_json::Value) -> Result<()> {
         self.finished.sort_by_key(|v| v["rank"].as_u64());
-        let body = serde_json::to_vec_pretty(&json!({ "ranks": self.finished }))?;
+        let body = serde_json::to_vec_pretty(&json!({ "run": run, "ranks": self.finished }))?;
         std::fs::write(path, body).with_context(|| format!("writing {}", path.display()))
     }
 }

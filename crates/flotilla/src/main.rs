@@ -8,6 +8,7 @@ mod cli;
 mod launch;
 mod launch_cmd;
 mod progress;
+mod report;
 mod settings;
 mod telemetry;
 

@@ -193,6 +193,21 @@ fn lenet5_default_job_reaches_99_percent() {
         f["test_acc"],
         text(&o)
     );
+    // What the user looks at afterwards: the run's figures and its plots.
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary.json"))
+            .expect("json");
+    let run = &summary["run"];
+    assert_eq!(run["final_acc"].as_f64(), Some(f["test_acc"]), "{run}");
+    let at_99 = &run["time_to_accuracy"]["0.99"];
+    assert!(at_99["wall_s"].as_f64().is_some_and(|s| s > 0.0), "{run}");
+    for plot in ["loss.svg", "accuracy.svg"] {
+        let svg = std::fs::read_to_string(out.join(plot)).expect(plot);
+        assert!(
+            svg.starts_with("<svg") && svg.contains("against wall time"),
+            "{plot}"
+        );
+    }
 }
 
 #[test]
