@@ -148,8 +148,9 @@ pub trait Role {
     /// take their batches from `data`.
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step>;
 
-    /// Makes the engine hold the whole current model, for evaluation or a checkpoint (the
-    /// root gathers the other shards).
+    /// Makes the engine hold the whole current model (the root gathers the other shards; an
+    /// async peer applies the steps it has in flight). The default hooks call it on every rank
+    /// that takes part, before evaluating, checking parameters and writing a checkpoint.
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let _ = cx;
         Ok(())
@@ -186,6 +187,7 @@ pub trait Role {
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
         match self.evaluation() {
             Evaluation::Collective => {
+                self.prepare_model(cx)?;
                 let (comm, test) = (cx.comm.clone(), cx.test);
                 crate::eval::distributed(cx.engine()?, &*comm, test)
             }
@@ -203,22 +205,23 @@ pub trait Role {
         if self.evaluation() != Evaluation::Collective {
             return Ok(None);
         }
+        self.prepare_model(cx)?;
         let comm = cx.comm.clone();
         crate::eval::verify_identical(cx.engine()?, &*comm).map(Some)
     }
 
-    /// Writes a checkpoint with `state`; called on every rank when one is due. By default the
-    /// rank that [`Role::writes_checkpoints`] saves the engine (after
-    /// [`Role::prepare_model`]) and returns the directory; others do nothing.
+    /// Writes a checkpoint with `state`; called on every rank when one is due. By default
+    /// every rank runs [`Role::prepare_model`], then the rank that
+    /// [`Role::writes_checkpoints`] saves the engine and returns the directory.
     fn save_checkpoint(
         &mut self,
         cx: &mut Cx<'_>,
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
+        self.prepare_model(cx)?;
         if !self.writes_checkpoints() {
             return Ok(None);
         }
-        self.prepare_model(cx)?;
         let output = cx.config.telemetry.output.clone();
         checkpoint::save(&output, cx.engine()?, state).map(Some)
     }

@@ -30,14 +30,12 @@
 //! (`k·Δ = 0`), so a resumed run predicts exactly like an uninterrupted one.
 
 use std::collections::VecDeque;
-use std::path::PathBuf;
 use std::sync::Arc;
 
 use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup};
-use flotilla_engine::{EvalStats, ParamLayout};
+use flotilla_engine::ParamLayout;
 
 use crate::batches::Batches;
-use crate::checkpoint::CheckpointState;
 use crate::config::StaleCorrection;
 use crate::error::{Result, TrainError};
 use crate::role::{Cx, Evaluation, Role, Step};
@@ -306,29 +304,10 @@ impl Role for AsyncAllReduce {
         Ok(())
     }
 
-    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
-        self.drain(cx)?;
-        let (comm, test) = (cx.comm.clone(), cx.test);
-        crate::eval::distributed(cx.engine()?, &*comm, test)
-    }
-
-    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
-        self.drain(cx)?;
-        let comm = cx.comm.clone();
-        crate::eval::verify_identical(cx.engine()?, &*comm).map(Some)
-    }
-
-    fn save_checkpoint(
-        &mut self,
-        cx: &mut Cx<'_>,
-        state: &CheckpointState,
-    ) -> Result<Option<PathBuf>> {
-        self.drain(cx)?;
-        if !self.writes_checkpoints() {
-            return Ok(None);
-        }
-        let output = cx.config.telemetry.output.clone();
-        crate::checkpoint::save(&output, cx.engine()?, state).map(Some)
+    /// Applies every step in flight, so that evaluation, the final check and checkpoints see
+    /// the same parameters on every rank (the default hooks call this first).
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.drain(cx)
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {
