@@ -167,4 +167,22 @@ pub enum ClusterError {
         /// Hosts in the inventory.
         available: usize,
     },
+
+    /// An inventory variable of a host has a value Flotilla cannot use.
+    #[error("host {host}: {var}: {reason}")]
+    HostVar {
+        /// The host's inventory name.
+        host: String,
+        /// The variable.
+        var: String,
+        /// What is wrong with its value.
+        reason: String,
+    },
+
+    /// A word cannot be passed through a shell (it contains a NUL byte).
+    #[error("`{word}` cannot be passed to a remote shell (NUL byte)")]
+    Unquotable {
+        /// The word, NUL bytes shown as `\\0`.
+        word: String,
+    },
 }

@@ -14,6 +14,10 @@
 //! The format is detected from the text: any line starting with `[` makes it an ini file.
 //! Host strings are kept as written (trimmed), `host:port` included; the same host may be
 //! listed more than once to run several processes on it.
+//!
+//! As in Ansible, a value may be quoted (`ansible_ssh_common_args='-o A=b -o C=d'`, single or
+//! double quotes, shell rules), and the variables of `[pool:vars]` apply to every host of
+//! `[pool]` that does not set them itself (wherever the section appears in the file).
 
 use std::fs;
 use std::path::Path;
@@ -22,6 +26,9 @@ use crate::error::{ClusterError, Result};
 
 /// The ini section whose hosts Flotilla places roles on.
 pub const POOL_SECTION: &str = "pool";
+
+/// The section whose `key=value` lines apply to every host of [`POOL_SECTION`].
+pub const POOL_VARS_SECTION: &str = "pool:vars";
 
 /// The Ansible variable that gives a host alias its real address.
 pub const ANSIBLE_HOST_VAR: &str = "ansible_host";
@@ -40,6 +47,7 @@ pub enum InventoryFormat {
 pub struct Host {
     name: String,
     vars: Vec<(String, String)>,
+    group_vars: Vec<(String, String)>,
     line: usize,
 }
 
@@ -49,6 +57,7 @@ impl Host {
         Host {
             name: name.into(),
             vars: Vec::new(),
+            group_vars: Vec::new(),
             line: 0,
         }
     }
@@ -63,18 +72,26 @@ impl Host {
         &self.vars
     }
 
-    /// The value of attribute `key`, if present (the last one wins).
-    pub fn var(&self, key: &str) -> Option<&str> {
-        self.vars
-            .iter()
-            .rev()
-            .find(|(k, _)| k == key)
-            .map(|(_, v)| v.as_str())
+    /// The variables of `[pool:vars]`, in order (they apply where the host sets none).
+    pub fn group_vars(&self) -> &[(String, String)] {
+        &self.group_vars
     }
 
-    /// Where to reach the host: its `ansible_host` attribute if set, else its name.
+    /// The value of variable `key`: the host's own (the last one wins), else the group's.
+    pub fn var(&self, key: &str) -> Option<&str> {
+        last_value(&self.vars, key).or_else(|| last_value(&self.group_vars, key))
+    }
+
+    /// Where to reach the host: its `ansible_host` variable if set, else its name without a
+    /// `:port` suffix.
     pub fn address(&self) -> &str {
-        self.var(ANSIBLE_HOST_VAR).unwrap_or(&self.name)
+        self.var(ANSIBLE_HOST_VAR)
+            .unwrap_or_else(|| split_port(&self.name).0)
+    }
+
+    /// The port written as `name:port` (Ansible's way of giving the ssh port inline).
+    pub fn inline_port(&self) -> Option<u16> {
+        split_port(&self.name).1
     }
 
     /// The 1-based line the host was read from; 0 if it was not read from a file.
@@ -157,6 +174,26 @@ impl Inventory {
     }
 }
 
+/// The last value of `key` in `vars`.
+fn last_value<'a>(vars: &'a [(String, String)], key: &str) -> Option<&'a str> {
+    vars.iter()
+        .rev()
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.as_str())
+}
+
+/// `host:port` into its parts; a name with no `:` (or with several, as an IPv6 address) has no
+/// inline port.
+fn split_port(name: &str) -> (&str, Option<u16>) {
+    match name.split_once(':') {
+        Some((host, port)) if !port.contains(':') => match port.parse() {
+            Ok(p) => (host, Some(p)),
+            Err(_) => (name, None),
+        },
+        _ => (name, None),
+    }
+}
+
 /// Removes a `#` comment (hosts and addresses never contain `#`) and surrounding space.
 fn strip_comment(line: &str) -> &str {
     line.split_once('#')
@@ -213,6 +250,7 @@ fn parse_list(text: &str, source_name: &str) -> Result<Vec<Host>> {
         hosts.push(Host {
             name: token.to_owned(),
             vars: Vec::new(),
+            group_vars: Vec::new(),
             line,
         });
     }
@@ -221,8 +259,9 @@ fn parse_list(text: &str, source_name: &str) -> Result<Vec<Host>> {
 
 fn parse_ini(text: &str, source_name: &str) -> Result<Vec<Host>> {
     let mut sections: Vec<String> = Vec::new();
-    let mut in_pool = false;
+    let mut section = String::new();
     let mut hosts = Vec::new();
+    let mut group_vars = Vec::new();
     for (i, raw) in text.lines().enumerate() {
         let line = i + 1;
         let content = strip_comment(raw);
@@ -244,12 +283,17 @@ fn parse_ini(text: &str, source_name: &str) -> Result<Vec<Host>> {
             if !sections.iter().any(|s| s == name) {
                 sections.push(name.to_owned());
             }
-            in_pool = name == POOL_SECTION;
+            section = name.to_owned();
             continue;
         }
-        if in_pool {
+        if section == POOL_SECTION {
             hosts.push(parse_host_line(content, source_name, line)?);
+        } else if section == POOL_VARS_SECTION {
+            group_vars.push(parse_var_line(content, source_name, line)?);
         }
+    }
+    for host in &mut hosts {
+        host.group_vars = group_vars.clone();
     }
     if !sections.iter().any(|s| s == POOL_SECTION) {
         return Err(ClusterError::NoPoolSection {
@@ -260,10 +304,44 @@ fn parse_ini(text: &str, source_name: &str) -> Result<Vec<Host>> {
     Ok(hosts)
 }
 
-/// `host [key=value ...]`.
+/// Splits a line into words by shell rules (Ansible reads ini values with them).
+fn words(content: &str, source_name: &str, line: usize) -> Result<Vec<String>> {
+    shlex::split(content).ok_or_else(|| {
+        line_error(
+            source_name,
+            line,
+            format!("unbalanced quotes or a trailing `\\` in `{content}`"),
+        )
+    })
+}
+
+/// `key=value` of a `[pool:vars]` line (the value may be quoted and contain spaces).
+fn parse_var_line(content: &str, source_name: &str, line: usize) -> Result<(String, String)> {
+    let words = words(content, source_name, line)?;
+    match words.as_slice() {
+        [one] => match one.split_once('=') {
+            Some((key, value)) if !key.is_empty() => Ok((key.to_owned(), value.to_owned())),
+            _ => Err(line_error(
+                source_name,
+                line,
+                format!("expected `key=value` in [{POOL_VARS_SECTION}], found `{content}`"),
+            )),
+        },
+        _ => Err(line_error(
+            source_name,
+            line,
+            format!(
+                "expected one `key=value` per line in [{POOL_VARS_SECTION}], found `{content}` \
+                 (quote a value that has spaces)"
+            ),
+        )),
+    }
+}
+
+/// `host [key=value ...]`; values may be quoted.
 fn parse_host_line(content: &str, source_name: &str, line: usize) -> Result<Host> {
-    let mut tokens = content.split_whitespace();
-    // `content` is non-empty and trimmed, so it has a first token.
+    let words = words(content, source_name, line)?;
+    let mut tokens = words.iter().map(String::as_str);
     let name = tokens.next().unwrap_or_default();
     check_host(name, source_name, line)?;
     let mut vars = Vec::new();
@@ -285,6 +363,7 @@ fn parse_host_line(content: &str, source_name: &str, line: usize) -> Result<Host
     Ok(Host {
         name: name.to_owned(),
         vars,
+        group_vars: Vec::new(),
         line,
     })
 }

@@ -41,6 +41,7 @@ pub mod placement;
 pub mod role;
 pub mod shard;
 pub mod spec;
+pub mod ssh;
 pub mod topology;
 mod validate;
 
@@ -51,4 +52,5 @@ pub use placement::{Placement, place};
 pub use role::{ROOT_RANK, Role, RoleKind};
 pub use shard::balanced_ranges;
 pub use spec::{Aggregation, Arch, GlobalServerSpec, ServerSpec, TopologySpec};
+pub use ssh::SshTarget;
 pub use topology::Topology;

@@ -125,3 +125,33 @@ fn load_reads_a_file() -> Result<(), Box<dyn std::error::Error>> {
     );
     Ok(())
 }
+
+#[test]
+fn quoted_values_and_pool_vars() -> Result<(), ClusterError> {
+    let text = "\
+[pool:vars]
+ansible_user=ubuntu
+ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null'
+[pool]
+127.0.0.1 ansible_port=2222 ansible_user=\"root\"
+127.0.0.1:2223
+";
+    let inv = Inventory::parse(text, "pool.ini")?;
+    let (a, b) = (&inv.hosts()[0], &inv.hosts()[1]);
+    assert_eq!(a.var("ansible_user"), Some("root"));
+    assert_eq!(b.var("ansible_user"), Some("ubuntu"));
+    assert_eq!(
+        b.var("ansible_ssh_common_args"),
+        Some("-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null")
+    );
+    assert_eq!((b.address(), b.inline_port()), ("127.0.0.1", Some(2223)));
+    assert_eq!(
+        parse_error("[pool]\nh1 ansible_ssh_common_args='-o A\n"),
+        "pool.ini:2: unbalanced quotes or a trailing `\\` in `h1 ansible_ssh_common_args='-o A`"
+    );
+    assert_eq!(
+        parse_error("[pool]\nh1\n[pool:vars]\na b\n"),
+        "pool.ini:4: expected one `key=value` per line in [pool:vars], found `a b` (quote a value that has spaces)"
+    );
+    Ok(())
+}

@@ -20,9 +20,13 @@ pub enum Command {
     /// flags or, as torchrun / mpirun / Slurm set them, from RANK, WORLD_SIZE, MASTER_ADDR and
     /// MASTER_PORT.
     Train(TrainArgs),
-    /// Start N local ranks of a training job and supervise them: if one fails, all are stopped
-    /// and its error is shown.
+    /// Start the ranks of a training job and supervise them: N local processes, or with
+    /// `--inventory` one per inventory host over ssh. If one fails, all are stopped and its
+    /// error is shown; Ctrl-C stops them all.
     Launch(LaunchArgs),
+    /// End the ranks that `flotilla launch --inventory` started on the inventory's hosts, by
+    /// the pids they recorded in their job directories.
+    Stop(StopArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -140,6 +144,33 @@ pub struct LaunchArgs {
     /// rank unless already set).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// With `--inventory`: copy this binary, the config and the model spec file into the
+    /// job's directory on every host first (the data path stays the user's).
+    #[arg(long)]
+    pub sync: bool,
+    /// With `--inventory`: parent of the per-job directories on the hosts (relative paths are
+    /// under the ssh login directory).
+    #[arg(long, default_value = crate::remote::DEFAULT_REMOTE_DIR)]
+    pub remote_dir: String,
+    /// With `--inventory` and without `--sync`: the binary's path on the hosts (default: this
+    /// binary's own path).
+    #[arg(long)]
+    pub remote_exe: Option<String>,
+}
+
+/// `flotilla stop`.
+#[derive(Debug, Clone, Args)]
+pub struct StopArgs {
+    /// The inventory the job was launched on.
+    #[arg(long)]
+    pub inventory: PathBuf,
+    /// Only this job (its id, printed by `launch` and written to `<output>/job.json`);
+    /// default: every job under `--remote-dir`.
+    #[arg(long)]
+    pub job: Option<String>,
+    /// Parent of the per-job directories, as given to `launch`.
+    #[arg(long, default_value = crate::remote::DEFAULT_REMOTE_DIR)]
+    pub remote_dir: String,
 }
 
 /// `flotilla bench ...`.

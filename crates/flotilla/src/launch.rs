@@ -1,11 +1,14 @@
-//! Starting N local ranks of this binary and supervising them: their output is relayed with a
-//! `[rank i]` prefix, and the first rank to fail stops all the others and is named.
+//! Starting the ranks of a job (N local copies of this binary, or `ssh` clients that run them
+//! on inventory hosts) and supervising them: their output is relayed line by line, and the
+//! first rank to fail stops all the others and is named. Ctrl-C (or SIGTERM) on the launcher
+//! stops every rank too.
 
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -45,13 +48,28 @@ pub fn free_port() -> Result<u16> {
     Ok(l.local_addr()?.port())
 }
 
-/// The running ranks of a local job.
+/// Set by the Ctrl-C / SIGTERM handler of [`stop_on_interrupt`].
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+/// Makes Ctrl-C and SIGTERM end a supervised job cleanly (every rank stopped, remote ones
+/// included) instead of killing the launcher first. Call once, before starting ranks.
+pub fn stop_on_interrupt() -> Result<()> {
+    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst))
+        .context("installing the Ctrl-C handler")
+}
+
+/// What stops ranks the launcher cannot reach by killing its own children (remote ones).
+pub type StopHook = Box<dyn FnMut() + Send>;
+
+/// The running ranks of a job, each a child process of the launcher (the rank itself, or the
+/// `ssh` client that runs it on its host).
 pub struct LocalJob {
     children: Vec<(usize, Child)>,
     lines: Receiver<RankLine>,
     stderr_tails: Vec<VecDeque<String>>,
     blamed: Vec<Option<usize>>,
     tolerated: Vec<bool>,
+    on_stop: Option<StopHook>,
 }
 
 impl LocalJob {
@@ -63,6 +81,26 @@ impl LocalJob {
         env: impl Fn(usize) -> Vec<(String, String)>,
     ) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the flotilla executable")?;
+        let commands = (0..n).map(|rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(args);
+            for (k, v) in env(rank) {
+                cmd.env(k, v);
+            }
+            cmd
+        });
+        Self::start(commands, None)
+    }
+
+    /// Starts one command per rank, in rank order (stdin closed, output relayed).
+    /// `on_stop` runs when ranks are stopped before they all ended, before the children are
+    /// killed (e.g. to end remote ranks over ssh).
+    pub fn start(
+        commands: impl IntoIterator<Item = Command>,
+        on_stop: Option<StopHook>,
+    ) -> Result<Self> {
+        let commands: Vec<Command> = commands.into_iter().collect();
+        let n = commands.len();
         let (tx, rx) = mpsc::channel();
         let mut job = LocalJob {
             children: Vec::with_capacity(n),
@@ -70,22 +108,19 @@ impl LocalJob {
             stderr_tails: vec![VecDeque::new(); n],
             blamed: vec![None; n],
             tolerated: vec![false; n],
+            on_stop,
         };
-        for rank in 0..n {
-            let mut cmd = Command::new(&exe);
-            cmd.args(args)
-                .stdin(Stdio::null())
+        for (rank, mut cmd) in commands.into_iter().enumerate() {
+            cmd.stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
-            for (k, v) in env(rank) {
-                cmd.env(k, v);
-            }
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(e) => {
                     job.kill_all();
-                    return Err(e)
-                        .with_context(|| format!("starting rank {rank} ({})", exe.display()));
+                    return Err(e).with_context(|| {
+                        format!("starting rank {rank} ({})", cmd.get_program().display())
+                    });
                 }
             };
             if let Some(out) = child.stdout.take() {
@@ -109,8 +144,16 @@ impl LocalJob {
         }
     }
 
-    /// Kills every rank still running and reaps them all.
+    /// Kills every rank still running and reaps them all (first the stop hook, if some rank
+    /// is still running).
     pub fn kill_all(&mut self) {
+        let running = self
+            .children
+            .iter_mut()
+            .any(|(_, c)| matches!(c.try_wait(), Ok(None)));
+        if running && let Some(stop) = self.on_stop.as_mut() {
+            stop();
+        }
         for (_, c) in &mut self.children {
             let _ = c.kill();
         }
@@ -168,6 +211,11 @@ impl LocalJob {
                     }
                 }
             }
+            if INTERRUPTED.load(Ordering::SeqCst) {
+                self.kill_all();
+                self.drain(on_line);
+                bail!("interrupted (Ctrl-C or SIGTERM): stopped all ranks");
+            }
             let all_done = status.iter().all(Option::is_some);
             if let Some(first) = first_failure
                 && (all_done || grace_until.is_some_and(|t| Instant::now() >= t))
@@ -214,6 +262,11 @@ impl LocalJob {
                 .join("\n")
         };
         let what = match status[root] {
+            // ssh's own failure code: the connection ended, or the remote shell was killed.
+            Some(s) if self.on_stop.is_some() && s.code() == Some(255) => format!(
+                "rank {root} failed (ssh exit code 255: the connection to its host ended, or \
+                 the rank was killed there)"
+            ),
             Some(s) if !s.success() => format!("rank {root} failed ({})", describe(s)),
             Some(_) => format!("rank {root} exited early"),
             None => {

@@ -1,5 +1,6 @@
-//! `flotilla launch`: writes the effective config, starts N local ranks of `flotilla train`
-//! on it, relays what they print (a progress bar from rank 0's events), and at the end merges
+//! `flotilla launch`: writes the effective config, starts the ranks of `flotilla train` on it
+//! (N local processes, or over ssh on the hosts of `--inventory`: [`crate::remote_launch`]),
+//! relays what they print (a progress bar from rank 0's events), and at the end merges
 //! their timelines and writes `summary.json` from their `finished` events.
 
 use std::ffi::OsString;
@@ -16,6 +17,7 @@ use serde_json::{Value, json};
 use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
+use crate::remote_launch::{self, Remote};
 use crate::report;
 use crate::{settings, telemetry};
 
@@ -25,18 +27,48 @@ struct Prepared {
     config_path: PathBuf,
     topology: Topology,
     n: usize,
+    /// The ranks' hosts, when launched on an inventory.
+    placement: Option<flotilla_cluster::Placement>,
 }
 
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    let job = prepare(args)?;
-    let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-    let mut ranks = LocalJob::spawn(job.n, &train, rank_env(&job, args.threads))?;
+    let mut job = prepare(args)?;
+    launch::stop_on_interrupt()?;
+    let remote = match job.placement.take() {
+        Some(placement) => Some(remote_launch::prepare(&job.config, &placement, args)?),
+        None => None,
+    };
+    let mut ranks = match &remote {
+        Some(r) => {
+            r.record(&job.config.telemetry.output)?;
+            println!(
+                "[launcher] job {} (stop it with: flotilla stop --inventory {} --job {})",
+                r.job.job_id,
+                job.config
+                    .topology
+                    .inventory
+                    .as_ref()
+                    .map_or(String::new(), |p| p.display().to_string()),
+                r.job.job_id
+            );
+            r.start(rank_env(&job, args.threads))?
+        }
+        None => {
+            let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
+            LocalJob::spawn(job.n, &train, rank_env(&job, args.threads))?
+        }
+    };
     ranks.tolerate(tolerated_ranks(&job.topology));
-    let mut relay = Relay::new();
+    let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
     relay.clear_bar();
+    drop(ranks);
     let config = &job.config;
+    if let Some(r) = &remote {
+        // Also after a failure: the ranks' run.logs are where to look.
+        r.fetch_outputs(&config.telemetry.output);
+    }
     if let Some(dest) = &config.telemetry.timeline_path {
         // Also after a failure: the timeline of a failed job is where to look.
         match telemetry::merge_rank_timelines(&config.telemetry.output, job.n, dest) {
@@ -80,8 +112,18 @@ fn prepare(args: &LaunchArgs) -> Result<Prepared> {
     if args.run.master_port.is_none() {
         config.comm.master_port = launch::free_port()?;
     }
+    let placement = match &config.topology.inventory {
+        Some(path) => Some(remote_launch::placement(&config, path)?),
+        None => None,
+    };
     if args.run.master_addr.is_none() {
-        config.comm.master_addr = "127.0.0.1".into();
+        // Rank 0's host is the rendezvous; every other rank binds the address it reaches
+        // rank 0 from (its own host's), so peers connect to each other's hosts.
+        config.comm.master_addr = placement
+            .as_ref()
+            .and_then(|p| p.address(0))
+            .unwrap_or("127.0.0.1")
+            .to_owned();
     }
     let spec = config.validate()?;
     if config.topology.arch == flotilla_cluster::Arch::Pipeline {
@@ -108,11 +150,11 @@ fn prepare(args: &LaunchArgs) -> Result<Prepared> {
         output.display()
     );
     let topology = config.topology()?;
-    if topology.arch() != flotilla_cluster::Arch::Allreduce {
-        for line in flotilla_cluster::Placement::local(&topology)
-            .describe()
-            .lines()
-        {
+    if topology.arch() != flotilla_cluster::Arch::Allreduce || placement.is_some() {
+        let shown = placement
+            .clone()
+            .unwrap_or_else(|| flotilla_cluster::Placement::local(&topology));
+        for line in shown.describe().lines() {
             println!("{line}");
         }
     }
@@ -121,6 +163,7 @@ fn prepare(args: &LaunchArgs) -> Result<Prepared> {
         config_path,
         topology,
         n,
+        placement,
     })
 }
 
@@ -151,8 +194,28 @@ fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, St
     }
 }
 
+/// How each rank's lines are prefixed: `rank R`, its role unless all ranks are all-reduce
+/// peers, and `@ host` when it runs on an inventory host.
+fn rank_labels(job: &Prepared, remote: Option<&Remote>) -> Vec<String> {
+    (0..job.n)
+        .map(|r| {
+            let mut label = format!("rank {r}");
+            if job.topology.arch() != flotilla_cluster::Arch::Allreduce {
+                label.push(' ');
+                label.push_str(&job.topology.label(r));
+            }
+            if let Some(remote) = remote {
+                label.push_str(" @ ");
+                label.push_str(remote.host_name(r));
+            }
+            label
+        })
+        .collect()
+}
+
 /// What the launcher does with the ranks' lines.
 struct Relay {
+    labels: Vec<String>,
     interactive: bool,
     /// `None` until rank 0's first progress event; `Some(None)` when not on a terminal.
     bar: Option<Option<ProgressBar>>,
@@ -161,8 +224,9 @@ struct Relay {
 }
 
 impl Relay {
-    fn new() -> Self {
+    fn new(labels: Vec<String>) -> Self {
         Self {
+            labels,
             interactive: std::io::stderr().is_terminal(),
             bar: None,
             final_line: None,
@@ -181,7 +245,10 @@ impl Relay {
                 self.final_line = Some(line.text.clone());
             }
         }
-        let text = format!("[rank {}] {}", line.rank, line.text);
+        let text = match self.labels.get(line.rank) {
+            Some(label) => format!("[{label}] {}", line.text),
+            None => format!("[rank {}] {}", line.rank, line.text),
+        };
         match (&self.bar, line.stream) {
             (Some(Some(b)), _) => b.println(text),
             (_, Stream::Stdout) => println!("{text}"),

@@ -8,8 +8,11 @@ mod cli;
 mod launch;
 mod launch_cmd;
 mod progress;
+mod remote;
+mod remote_launch;
 mod report;
 mod settings;
+mod stop_cmd;
 mod telemetry;
 
 use std::process::ExitCode;
@@ -26,6 +29,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train(&args),
         Command::Launch(args) => telemetry::init(None).and_then(|_| launch_cmd::run(&args)),
+        Command::Stop(args) => stop_cmd::run(&args),
         Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),

@@ -1,0 +1,352 @@
+//! Ranks on inventory hosts, started with the system OpenSSH client.
+//!
+//! A job started by `flotilla launch --inventory` has a directory of its own on every host it
+//! uses, `<remote_dir>/<job id>` (`remote_dir` defaults to `.flotilla/jobs`, relative to the
+//! login directory). The launcher writes the job's effective config there (and with `--sync`
+//! the binary and the model spec), then starts each rank as
+//!
+//! ```sh
+//! cd <job dir> && echo $$ > rank-R.pid && env RANK=R … <flotilla> train config.yaml; rc=$?; rm -f rank-R.pid; exit $rc
+//! ```
+//!
+//! sshd makes the remote shell the leader of a new session and process group, so the pid it
+//! records is also the group of the rank: [`stop_script`] ends a rank with `kill -- -PID`,
+//! after checking that the process with that pid still runs this job's command line (a pid
+//! file left by a killed rank never hits a stranger whose pid was reused). Ranks write their
+//! output under `<job dir>/output`; the launcher copies each host's back at the end.
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+#[cfg(test)]
+use std::os::unix::process::CommandExt;
+
+use anyhow::{Context, Result, bail};
+use flotilla_cluster::ssh::{join, quote};
+use flotilla_cluster::{Placement, SshTarget};
+
+/// Default parent of the per-job directories on the hosts (relative: under the login
+/// directory).
+pub const DEFAULT_REMOTE_DIR: &str = ".flotilla/jobs";
+
+/// The job's output directory, relative to its directory on a host.
+pub const REMOTE_OUTPUT: &str = "output";
+
+/// The job's config, relative to its directory on a host.
+pub const REMOTE_CONFIG: &str = "config.yaml";
+
+/// The cluster token, relative to the job directory (mode 0600; never on a command line).
+pub const REMOTE_TOKEN: &str = "token";
+
+/// The binary, relative to the job directory, when `--sync` copied it.
+pub const REMOTE_EXE: &str = "flotilla";
+
+/// Where a job lives on its hosts and how each rank is reached.
+#[derive(Debug, Clone)]
+pub struct RemoteJob {
+    /// Unique id of the job (`<unix seconds>-<launcher pid>`).
+    pub job_id: String,
+    /// `<remote_dir>/<job id>` on every host.
+    pub dir: String,
+    /// The ssh target of each rank, in rank order.
+    pub ranks: Vec<SshTarget>,
+    /// The binary the ranks run (remote path).
+    pub exe: String,
+}
+
+impl RemoteJob {
+    /// The job of `placement` under `remote_dir`; `exe` is the binary's path on the hosts.
+    pub fn new(placement: &Placement, remote_dir: &str, exe: String) -> Result<RemoteJob> {
+        let secs = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        let job_id = format!("{secs}-{}", std::process::id());
+        let n = placement.topology().world_size();
+        let ranks = (0..n)
+            .map(|r| match placement.host(r) {
+                Some(h) => Ok(SshTarget::from_host(h)?),
+                None => bail!("placement has no host for rank {r}"),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(RemoteJob {
+            dir: format!("{}/{job_id}", remote_dir.trim_end_matches('/')),
+            job_id,
+            ranks,
+            exe,
+        })
+    }
+
+    /// One target per distinct login, in rank order of first use.
+    pub fn hosts(&self) -> Vec<&SshTarget> {
+        let mut seen = std::collections::HashSet::new();
+        self.ranks
+            .iter()
+            .filter(|t| seen.insert(t.login_key()))
+            .collect()
+    }
+
+    /// Rank `rank`'s index among the ranks on its host (its `LOCAL_RANK`).
+    pub fn local_rank(&self, rank: usize) -> usize {
+        let key = self.ranks[rank].login_key();
+        self.ranks[..rank]
+            .iter()
+            .filter(|t| t.login_key() == key)
+            .count()
+    }
+
+    /// `ssh … <remote command>` that runs rank `rank` with `env` (its pid recorded, its
+    /// exit code passed through).
+    pub fn rank_command(&self, rank: usize, env: &[(String, String)]) -> Result<Command> {
+        let target = self
+            .ranks
+            .get(rank)
+            .with_context(|| format!("no host for rank {rank}"))?;
+        let mut words: Vec<String> = vec!["env".into()];
+        words.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
+        words.extend([self.exe.clone(), "train".into(), REMOTE_CONFIG.into()]);
+        let words: Vec<&str> = words.iter().map(String::as_str).collect();
+        let pid = format!("rank-{rank}.pid");
+        let token = format!(
+            "if [ -f {REMOTE_TOKEN} ]; then FLOTILLA_TOKEN=$(cat {REMOTE_TOKEN}); export FLOTILLA_TOKEN; fi"
+        );
+        let script = format!(
+            "cd {dir} && echo $$ > {pid} && {token} && {run}; rc=$?; rm -f {pid}; exit $rc",
+            dir = quote(&self.dir)?,
+            run = join(&words)?,
+        );
+        Ok(ssh(target, &script))
+    }
+}
+
+/// `ssh <target's arguments> <script>` with no stdin.
+pub fn ssh(target: &SshTarget, script: &str) -> Command {
+    let mut cmd = Command::new("ssh");
+    cmd.args(target.args()).arg(script).stdin(Stdio::null());
+    cmd
+}
+
+/// Runs `cmd` to its end (its output captured); an error shows what the host said.
+pub fn run_checked(mut cmd: Command, target: &SshTarget, what: &str) -> Result<String> {
+    let out = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()
+        .with_context(|| {
+            format!(
+                "running ssh to {} ({what}); is OpenSSH installed?",
+                target.name
+            )
+        })?;
+    if !out.status.success() {
+        bail!(
+            "{what} on host {} ({}) failed ({}): {}",
+            target.name,
+            target.destination(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// Copies local file `src` to `<dir>/<name>` on `target` with `mode` (through ssh's stdin:
+/// needs nothing on the host but a POSIX shell; written under a temporary name, then renamed).
+pub fn copy_file(target: &SshTarget, src: &Path, dir: &str, name: &str, mode: &str) -> Result<()> {
+    let file = std::fs::File::open(src).with_context(|| format!("opening {}", src.display()))?;
+    let part = format!("{name}.part");
+    let script = format!(
+        "umask 077 && mkdir -p {d} && cd {d} && cat > {p} && chmod {mode} {p} && mv -f {p} {n}",
+        d = quote(dir)?,
+        p = quote(&part)?,
+        n = quote(name)?,
+        mode = quote(mode)?,
+    );
+    let mut cmd = ssh(target, &script);
+    cmd.stdin(Stdio::from(file));
+    run_checked(
+        cmd,
+        target,
+        &format!("copying {} to {dir}/{name}", src.display()),
+    )?;
+    Ok(())
+}
+
+/// Copies `<dir>/<REMOTE_OUTPUT>` of `target` into local `dest` (tar over ssh; nothing when
+/// the host has no output, e.g. its ranks never started).
+pub fn fetch_output(target: &SshTarget, dir: &str, dest: &Path) -> Result<()> {
+    std::fs::create_dir_all(dest).with_context(|| format!("creating {}", dest.display()))?;
+    let script = format!(
+        "if cd {} 2>/dev/null; then tar -cf - .; else tar -cf - -T /dev/null; fi",
+        quote(&format!("{dir}/{REMOTE_OUTPUT}"))?
+    );
+    let mut remote = ssh(target, &script)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("running ssh to {}", target.name))?;
+    let Some(tar_in) = remote.stdout.take() else {
+        bail!("no pipe from ssh to {}", target.name);
+    };
+    let local = Command::new("tar")
+        .arg("-xf")
+        .arg("-")
+        .arg("-C")
+        .arg(dest)
+        .stdin(Stdio::from(tar_in))
+        .output()
+        .context("running tar to unpack a host's output")?;
+    let remote_out = remote.wait_with_output()?;
+    if !remote_out.status.success() || !local.status.success() {
+        bail!(
+            "copying the output of host {} back failed: {} {}",
+            target.name,
+            String::from_utf8_lossy(&remote_out.stderr).trim(),
+            String::from_utf8_lossy(&local.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+/// The job directories to stop, as shell words: `<remote_dir>/<job>`, or every job under
+/// `remote_dir` (`<remote_dir>/*`).
+pub fn job_pattern(remote_dir: &str, job: Option<&str>) -> Result<String> {
+    let base = quote(remote_dir.trim_end_matches('/'))?;
+    Ok(match job {
+        Some(id) => format!("{base}/{}", quote(id)?),
+        None => format!("{base}/*"),
+    })
+}
+
+/// A shell script that ends every rank recorded under the job directories `dirs` (a shell
+/// pattern such as `.flotilla/jobs/*` is allowed): `TERM` to each rank's process group, `KILL`
+/// after 5 s to what is left. A pid is signalled only if `/proc/<pid>/cmdline` still holds the
+/// job's directory. Prints `stopped <dir> rank-R.pid <pid>` per rank.
+pub fn stop_script(dirs: &str) -> String {
+    format!(
+        r#"pids=""
+for d in {dirs}; do
+  for f in "$d"/rank-*.pid; do
+    [ -f "$f" ] || continue
+    p=$(cat "$f" 2>/dev/null)
+    case "$p" in ''|*[!0-9]*) rm -f "$f"; continue;; esac
+    job=$(basename "$d")
+    if tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | grep -qF -- "$job"; then
+      kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
+      pids="$pids $p"
+      echo "stopped $f pid $p"
+    fi
+    rm -f "$f"
+  done
+done
+i=0
+while [ $i -lt 50 ]; do
+  alive=""
+  for p in $pids; do kill -0 "$p" 2>/dev/null && alive="$alive $p"; done
+  [ -z "$alive" ] && exit 0
+  sleep 0.1
+  i=$((i+1))
+done
+for p in $alive; do kill -KILL -- "-$p" 2>/dev/null || kill -KILL "$p" 2>/dev/null; echo "killed pid $p"; done
+exit 0
+"#
+    )
+}
+
+/// Ends every rank of the job directories `dirs` on every host of `targets` (each host in
+/// turn; a host that cannot be reached is reported and the others are still stopped).
+/// Returns the lines the hosts printed, prefixed with the host, and the hosts' failures.
+pub fn stop_on_hosts(targets: &[&SshTarget], dirs: &str) -> (Vec<String>, Vec<String>) {
+    let script = stop_script(dirs);
+    let (mut lines, mut failures) = (Vec::new(), Vec::new());
+    for t in targets {
+        match run_checked(ssh(t, &script), t, "stopping ranks") {
+            Ok(out) => lines.extend(out.lines().map(|l| format!("{}: {l}", t.name))),
+            Err(e) => failures.push(format!("{e:#}")),
+        }
+    }
+    (lines, failures)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use flotilla_cluster::{Inventory, Topology, place};
+
+    fn job() -> Result<RemoteJob> {
+        let inv = Inventory::parse(
+            "[pool]\nh1 ansible_port=2222\nh2\nh1 ansible_port=2222\n",
+            "hosts.ini",
+        )?;
+        let topo = Topology::allreduce(3)?;
+        RemoteJob::new(&place(&topo, &inv)?, "/jobs/", "/opt/flotilla".into())
+    }
+
+    #[test]
+    fn ranks_sharing_a_host_are_one_login_with_local_ranks() -> Result<()> {
+        let j = job()?;
+        assert!(j.dir.starts_with("/jobs/"));
+        assert_eq!(j.hosts().len(), 2);
+        assert_eq!(
+            (0..3).map(|r| j.local_rank(r)).collect::<Vec<_>>(),
+            [0, 0, 1]
+        );
+        Ok(())
+    }
+
+    #[test]
+    fn a_rank_command_records_its_pid_and_passes_its_exit_code() -> Result<()> {
+        let j = job()?;
+        let cmd = j.rank_command(2, &[("RANK".into(), "2".into())])?;
+        let args: Vec<String> = cmd
+            .get_args()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let script = args.last().cloned().unwrap_or_default();
+        assert!(args.contains(&"2222".to_owned()));
+        assert!(script.starts_with(&format!("cd {} && echo $$ > rank-2.pid", j.dir)));
+        assert!(script.ends_with(
+            "env 'RANK=2' /opt/flotilla train config.yaml; rc=$?; rm -f rank-2.pid; exit $rc"
+        ));
+        Ok(())
+    }
+
+    /// The stop script, run by a local shell on a fake job: the recorded process (whose
+    /// command line names the job) is stopped, a pid file of a stranger is only removed.
+    #[test]
+    fn the_stop_script_ends_recorded_ranks_and_spares_strangers() -> Result<()> {
+        let tmp = tempfile::tempdir()?;
+        let dir = tmp.path().join("1234-5");
+        std::fs::create_dir_all(&dir)?;
+        let rank = Command::new("sh")
+            .arg("-c")
+            .arg(format!("sleep 30; echo {}", dir.display()))
+            .process_group(0)
+            .spawn()?;
+        let mut stranger = Command::new("sleep").arg("30").spawn()?;
+        std::fs::write(dir.join("rank-0.pid"), rank.id().to_string())?;
+        // Reaped as soon as it ends, as sshd reaps a remote rank's shell.
+        let mut rank = rank;
+        let reaper = std::thread::spawn(move || rank.wait());
+        std::fs::write(dir.join("rank-1.pid"), stranger.id().to_string())?;
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(stop_script(&format!("{}/*", tmp.path().display())))
+            .output()?;
+        let status = reaper
+            .join()
+            .map_err(|_| anyhow::anyhow!("reaper panicked"))??;
+        let stranger_alive = stranger.try_wait()?.is_none();
+        let _ = stranger.kill();
+        let _ = stranger.wait();
+        assert!(out.status.success(), "{out:?}");
+        assert!(!status.success(), "the rank was not stopped");
+        assert!(stranger_alive, "the stranger was killed");
+        assert!(!dir.join("rank-0.pid").exists() && !dir.join("rank-1.pid").exists());
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout).lines().count(),
+            1,
+            "{out:?}"
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,172 @@
+//! `flotilla launch --inventory`: the job's ranks on the inventory's hosts over ssh.
+//!
+//! Before any rank starts, the launcher creates the job directory on every host and writes the
+//! ranks' config into it; with `--sync` also the binary (`flotilla`) and a model spec file
+//! (`model.yaml`). Without `--sync` the hosts run the binary at the launcher's own path (or
+//! `--remote-exe`). The data path is the user's: it must exist at the same path on every host
+//! (a relative one is made absolute against the launcher's directory). At the end (also after
+//! a failure) each host's `<job dir>/output` is copied into the local output directory, so the
+//! ranks' `run.log`s, timelines and rank 0's metrics and checkpoints end up where a local run
+//! puts them.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use flotilla_cluster::{Inventory, Placement, place};
+use flotilla_train::TrainConfig;
+use serde_json::json;
+
+use crate::cli::LaunchArgs;
+use crate::launch::{LocalJob, StopHook};
+use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_TOKEN, RemoteJob};
+
+/// The model spec file's name in the job directory, when `--sync` copied it.
+const REMOTE_MODEL: &str = "model.yaml";
+
+/// A job placed on inventory hosts, its files in place, not yet started.
+pub struct Remote {
+    /// Where the job lives on its hosts.
+    pub job: RemoteJob,
+}
+
+/// Places the job's ranks on the inventory's hosts (rank `i` on host `i`).
+pub fn placement(config: &TrainConfig, inventory: &Path) -> Result<Placement> {
+    let inventory = Inventory::load(inventory)?;
+    Ok(place(&config.topology()?, &inventory)?)
+}
+
+/// Creates the job directory on every host and writes the ranks' files into it.
+pub fn prepare(config: &TrainConfig, placement: &Placement, args: &LaunchArgs) -> Result<Remote> {
+    if config.schedule.resume {
+        bail!(
+            "--resume with --inventory is not supported: each ssh job has a directory of its own \
+             on its hosts; resume with a local launch or with ranks started by mpirun / Slurm"
+        );
+    }
+    let local_exe = std::env::current_exe().context("locating the flotilla executable")?;
+    let exe = match (&args.remote_exe, args.sync) {
+        (_, true) => format!("./{REMOTE_EXE}"),
+        (Some(p), false) => p.clone(),
+        (None, false) => local_exe.display().to_string(),
+    };
+    let job = RemoteJob::new(placement, &args.remote_dir, exe)?;
+    let (ranks_config, model_file) = ranks_config(config, args.sync)?;
+    let staging = tempfile::tempdir().context("creating a staging directory")?;
+    let config_file = staging.path().join(REMOTE_CONFIG);
+    std::fs::write(&config_file, serde_norway::to_string(&ranks_config)?)
+        .with_context(|| format!("writing {}", config_file.display()))?;
+    let token = std::env::var(flotilla_comm::TOKEN_ENV).ok();
+    let token_file = staging.path().join(REMOTE_TOKEN);
+    if let Some(t) = &token {
+        std::fs::write(&token_file, t)?;
+    }
+    for target in job.hosts() {
+        println!(
+            "[launcher] {}: job directory {} ({})",
+            target.name,
+            job.dir,
+            if args.sync {
+                "copying the binary, config and model"
+            } else {
+                "writing the config"
+            }
+        );
+        remote::copy_file(target, &config_file, &job.dir, REMOTE_CONFIG, "600")?;
+        if token.is_some() {
+            remote::copy_file(target, &token_file, &job.dir, REMOTE_TOKEN, "600")?;
+        }
+        if args.sync {
+            remote::copy_file(target, &local_exe, &job.dir, REMOTE_EXE, "700")?;
+            if let Some(model) = &model_file {
+                remote::copy_file(target, model, &job.dir, REMOTE_MODEL, "600")?;
+            }
+        }
+    }
+    Ok(Remote { job })
+}
+
+/// The config the ranks read on their hosts: output in the job directory, absolute data
+/// path, the model spec file copied (`--sync`) or at its absolute path, no inventory (the
+/// launcher placed the ranks). Also returns the local model spec file to copy, if any.
+fn ranks_config(config: &TrainConfig, sync: bool) -> Result<(TrainConfig, Option<PathBuf>)> {
+    let mut c = config.clone();
+    c.telemetry.output = PathBuf::from(REMOTE_OUTPUT);
+    c.topology.inventory = None;
+    c.data.path = absolute(&c.data.path)?;
+    let spec_path = Path::new(&c.model.spec);
+    let mut model_file = None;
+    if spec_path.is_file() {
+        let abs = absolute(spec_path)?;
+        if sync {
+            c.model.spec = REMOTE_MODEL.to_owned();
+            model_file = Some(abs);
+        } else {
+            c.model.spec = abs.display().to_string();
+        }
+    }
+    Ok((c, model_file))
+}
+
+fn absolute(path: &Path) -> Result<PathBuf> {
+    std::path::absolute(path).with_context(|| format!("making {} absolute", path.display()))
+}
+
+impl Remote {
+    /// Starts every rank over ssh; `env(rank)` is its environment (`LOCAL_RANK` is added).
+    /// Stopping the job early ends the remote ranks through their recorded pids.
+    pub fn start(&self, env: impl Fn(usize) -> Vec<(String, String)>) -> Result<LocalJob> {
+        let mut commands = Vec::new();
+        for rank in 0..self.job.ranks.len() {
+            let mut vars = env(rank);
+            vars.push(("LOCAL_RANK".into(), self.job.local_rank(rank).to_string()));
+            let mut cmd: Command = self.job.rank_command(rank, &vars)?;
+            // Out of the terminal's process group: Ctrl-C reaches the launcher, which stops
+            // the remote ranks before it ends their ssh clients.
+            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+            commands.push(cmd);
+        }
+        let job = self.job.clone();
+        let dirs = flotilla_cluster::ssh::quote(&job.dir)?;
+        let stop: StopHook = Box::new(move || {
+            let (lines, failures) = remote::stop_on_hosts(&job.hosts(), &dirs);
+            for line in lines {
+                eprintln!("[launcher] {line}");
+            }
+            for f in failures {
+                eprintln!("[launcher] warning: {f}; end its ranks with `flotilla stop`");
+            }
+        });
+        LocalJob::start(commands, Some(stop))
+    }
+
+    /// Copies every host's job output into `dest` (failures are reported, not fatal).
+    pub fn fetch_outputs(&self, dest: &Path) {
+        for target in self.job.hosts() {
+            if let Err(e) = remote::fetch_output(target, &self.job.dir, dest) {
+                eprintln!("warning: {e:#}");
+            }
+        }
+    }
+
+    /// `<output>/job.json`: the job id, its directory and each rank's host (what `flotilla
+    /// stop --job` needs).
+    pub fn record(&self, output: &Path) -> Result<()> {
+        let ranks: Vec<_> = self
+            .job
+            .ranks
+            .iter()
+            .enumerate()
+            .map(|(r, t)| json!({"rank": r, "host": t.name, "destination": t.destination(), "port": t.port}))
+            .collect();
+        let body = json!({"job_id": self.job.job_id, "dir": self.job.dir, "ranks": ranks});
+        let path = output.join("job.json");
+        std::fs::write(&path, serde_json::to_vec_pretty(&body)?)
+            .with_context(|| format!("writing {}", path.display()))
+    }
+
+    /// The label of `rank` in relayed lines: `rank R <role> @ host`.
+    pub fn host_name(&self, rank: usize) -> &str {
+        self.job.ranks.get(rank).map_or("", |t| t.name.as_str())
+    }
+}

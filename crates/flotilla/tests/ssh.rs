@@ -1,0 +1,282 @@
+//! `flotilla launch --inventory` over a real OpenSSH server on a loopback port.
+//!
+//! The test installs nothing: where `sshd` exists and the test runs as root (sshd refuses to
+//! run its privilege separation otherwise), it starts `sshd -D` with a generated host key and a
+//! generated user key on a free port of 127.0.0.1, writes an Ansible-style inventory of two
+//! `127.0.0.1` entries that reach it, and launches real jobs through it. Otherwise it prints
+//! why it is skipped. `.ci/run` installs `openssh-server` so CI runs it.
+
+mod common;
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const SSHD: &str = "/usr/sbin/sshd";
+
+/// An sshd on a loopback port, killed when dropped, and the inventory that reaches it.
+struct Sshd {
+    _proc: Proc,
+    dir: tempfile::TempDir,
+    inventory: PathBuf,
+}
+
+impl Drop for Sshd {
+    /// Whatever a failed test left running on the "hosts" is ended through the same sshd.
+    fn drop(&mut self) {
+        let mut stop = flotilla();
+        stop.args(["stop", "--inventory"])
+            .arg(&self.inventory)
+            .arg("--remote-dir")
+            .arg(self.dir.path().join("jobs"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        let _ = run_with_deadline(stop, Duration::from_secs(30));
+    }
+}
+
+fn keygen(path: &Path) {
+    let ok = Command::new("ssh-keygen")
+        .args(["-q", "-t", "ed25519", "-N", "", "-f"])
+        .arg(path)
+        .status()
+        .expect("ssh-keygen runs")
+        .success();
+    assert!(ok, "ssh-keygen failed");
+}
+
+/// Starts sshd, or says why not.
+fn start_sshd() -> Option<Sshd> {
+    let root = std::fs::read_to_string("/proc/self/status")
+        .map(|s| {
+            s.lines()
+                .any(|l| l.starts_with("Uid:") && l.split_whitespace().nth(1) == Some("0"))
+        })
+        .unwrap_or(false);
+    let have_ssh = Command::new("ssh").arg("-V").output().is_ok();
+    if !Path::new(SSHD).exists() || !root || !have_ssh {
+        eprintln!(
+            "skipped: needs {SSHD} and the ssh client (openssh-server, openssh-client) and root \
+             (found sshd: {}, ssh: {have_ssh}, root: {root}); .ci/run installs them",
+            Path::new(SSHD).exists()
+        );
+        return None;
+    }
+    let dir = tmp();
+    let d = dir.path();
+    keygen(&d.join("hostkey"));
+    keygen(&d.join("userkey"));
+    std::fs::copy(d.join("userkey.pub"), d.join("authorized_keys")).expect("authorized_keys");
+    let port = free_port();
+    let config = format!(
+        "Port {port}\nListenAddress 127.0.0.1\nHostKey {d}/hostkey\n\
+         AuthorizedKeysFile {d}/authorized_keys\nPidFile {d}/sshd.pid\nStrictModes no\n\
+         PermitRootLogin prohibit-password\nPasswordAuthentication no\n\
+         KbdInteractiveAuthentication no\nUsePAM no\nMaxStartups 100\nMaxSessions 100\n",
+        d = d.display()
+    );
+    std::fs::write(d.join("sshd_config"), config).expect("sshd_config");
+    // sshd's privilege separation directory (created by the package's service normally).
+    let _ = std::fs::create_dir_all("/run/sshd");
+    let child = Command::new(SSHD)
+        .arg("-D")
+        .arg("-e")
+        .arg("-f")
+        .arg(d.join("sshd_config"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("start sshd");
+    let proc = Proc(child);
+    let inventory = d.join("hosts.ini");
+    // Ansible's syntax as users write it: quoted common args, group vars.
+    let text = format!(
+        "[pool]\n127.0.0.1 ansible_port={port}\n127.0.0.1 ansible_port={port}\n\
+         [pool:vars]\nansible_user=root\nansible_ssh_private_key_file={d}/userkey\n\
+         ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null -o LogLevel=ERROR'\n",
+        d = d.display()
+    );
+    std::fs::write(&inventory, text).expect("inventory");
+    let started = Instant::now();
+    while std::net::TcpStream::connect(format!("127.0.0.1:{port}")).is_err() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "sshd did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some(Sshd {
+        _proc: proc,
+        dir,
+        inventory,
+    })
+}
+
+const CONFIG: &str = "model:\n  spec: lenet5\ntopology:\n  world_size: 2\ndata:\n  train_limit: 6000\n\
+schedule:\n  epochs: 1\n";
+
+/// Two ranks over ssh (`--sync`) train LeNet-5 exactly as a local launch of the same config
+/// does; each rank's run.log comes back to the launcher's output directory.
+#[test]
+fn inventory_launch_over_ssh_trains_as_the_local_launch() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let cfg = config_file(dir.path(), "job.yaml", CONFIG);
+    let inv = sshd.inventory.to_str().expect("utf8");
+    let jobs = sshd.dir.path().join("jobs");
+    let (remote_out, local_out) = (dir.path().join("ssh"), dir.path().join("local"));
+    let args = [
+        cfg.as_str(),
+        "--inventory",
+        inv,
+        "--sync",
+        "--remote-dir",
+        jobs.to_str().expect("utf8"),
+        "--output",
+        remote_out.to_str().expect("utf8"),
+    ];
+    let over_ssh = launch(&args, Duration::from_secs(240));
+    let local = launch(
+        &[&cfg, "--output", local_out.to_str().expect("utf8")],
+        Duration::from_secs(240),
+    );
+    let (a, b) = (final_fields(&over_ssh), final_fields(&local));
+    assert!(a["test_acc"] > 0.25, "{}", text(&over_ssh));
+    assert_eq!(a["test_acc"], b["test_acc"], "{}", text(&over_ssh));
+    assert_eq!(a["loss"], b["loss"]);
+    let out = String::from_utf8_lossy(&over_ssh.stdout);
+    assert!(out.contains("[rank 1 @ 127.0.0.1] rank 1/2 up"), "{out}");
+    assert!(out.contains("local_rank=1"), "{out}");
+    for rank in 0..2 {
+        assert!(run_log(&remote_out, rank).contains("final test_acc="));
+    }
+    assert!(remote_out.join("summary.json").is_file());
+    // The binary was copied into the job's directory; the job left no rank running.
+    let job: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(remote_out.join("job.json")).expect("job.json"))
+            .expect("job.json is JSON");
+    let job_dir = PathBuf::from(job["dir"].as_str().expect("dir"));
+    assert!(job_dir.join("flotilla").is_file());
+    assert_none_left(job_dir.to_str().expect("utf8"), Duration::from_secs(5));
+}
+
+/// Starts a long job over ssh and returns the launcher and its job directory once both
+/// ranks train.
+fn start_long_job(sshd: &Sshd, out: &Path, jobs: &Path) -> (Proc, mpsc::Receiver<String>) {
+    let dir = out.parent().expect("parent");
+    let cfg = config_file(
+        dir,
+        "long.yaml",
+        "topology:\n  world_size: 2\nschedule:\n  epochs: 50\n",
+    );
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--inventory"])
+        .arg(&sshd.inventory)
+        .arg("--remote-dir")
+        .arg(jobs)
+        .arg("--output")
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut launcher = Proc(c.spawn().expect("launch"));
+    let (tx, rx) = mpsc::channel();
+    for stream in [
+        launcher
+            .0
+            .stdout
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+        launcher
+            .0
+            .stderr
+            .take()
+            .map(|s| Box::new(s) as Box<dyn std::io::Read + Send>),
+    ]
+    .into_iter()
+    .flatten()
+    {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stream).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut training = 0;
+    while training < 2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .expect("both ranks start training within 60 s");
+        if line.contains("] training: ") {
+            training += 1;
+        }
+    }
+    (launcher, rx)
+}
+
+fn wait_exit(launcher: &mut Proc, limit: Duration) -> std::process::ExitStatus {
+    let started = Instant::now();
+    loop {
+        if let Some(s) = launcher.0.try_wait().expect("try_wait") {
+            return s;
+        }
+        assert!(
+            started.elapsed() < limit,
+            "the launcher did not end within {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// `flotilla stop --inventory` ends every rank the launcher started over ssh (by recorded
+/// pid), and the launcher reports it; Ctrl-C on the launcher does the same.
+#[test]
+fn stop_and_ctrl_c_end_every_remote_rank() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let jobs = sshd.dir.path().join("jobs");
+    let jobs_s = jobs.to_str().expect("utf8").to_owned();
+
+    let (mut launcher, rx) = start_long_job(&sshd, &dir.path().join("a"), &jobs);
+    let mut stop = flotilla();
+    stop.args(["stop", "--inventory"])
+        .arg(&sshd.inventory)
+        .args(["--remote-dir", &jobs_s]);
+    let o = run_with_deadline(stop, Duration::from_secs(30));
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        String::from_utf8_lossy(&o.stdout).contains("stopped 2 rank(s) on 1 host(s)"),
+        "{}",
+        text(&o)
+    );
+    assert!(!wait_exit(&mut launcher, Duration::from_secs(30)).success());
+    let said: Vec<String> = rx.try_iter().collect();
+    assert!(
+        said.iter().any(|l| l.contains("ssh exit code 255")),
+        "{said:#?}"
+    );
+    assert_none_left(&jobs_s, Duration::from_secs(10));
+
+    let (mut launcher, rx) = start_long_job(&sshd, &dir.path().join("b"), &jobs);
+    let ok = Command::new("kill")
+        .args(["-INT", &launcher.0.id().to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok);
+    assert!(!wait_exit(&mut launcher, Duration::from_secs(30)).success());
+    let said: Vec<String> = rx.try_iter().collect();
+    assert!(said.iter().any(|l| l.contains("interrupted")), "{said:#?}");
+    let stopped = said
+        .iter()
+        .filter(|l| l.contains("127.0.0.1: stopped "))
+        .count();
+    assert_eq!(stopped, 2, "{said:#?}");
+    assert_none_left(&jobs_s, Duration::from_secs(10));
+}
