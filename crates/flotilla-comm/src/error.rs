@@ -47,6 +47,21 @@ impl fmt::Display for PeerName {
     }
 }
 
+/// `; refused meanwhile: a; b` (the last few), or nothing.
+fn refused_note(refused: &[String]) -> String {
+    const SHOWN: usize = 5;
+    if refused.is_empty() {
+        return String::new();
+    }
+    let skip = refused.len().saturating_sub(SHOWN);
+    let more = if skip > 0 {
+        format!("{skip} earlier, then ")
+    } else {
+        String::new()
+    };
+    format!("; refused meanwhile: {more}{}", refused[skip..].join("; "))
+}
+
 /// Why a rendezvous failed. Rank 0 sends this to the offending rank (and to every other
 /// connected rank), so all sides report the same error.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
@@ -106,7 +121,8 @@ pub enum RendezvousError {
     },
     /// Not every rank joined within `join_timeout`.
     #[error(
-        "rendezvous timed out after {after:?}: rank(s) {missing} never joined ({present} of {world_size} present)"
+        "rendezvous timed out after {after:?}: rank(s) {missing} never joined ({present} of {world_size} present){}",
+        refused_note(refused)
     )]
     JoinTimeout {
         /// The configured join timeout.
@@ -117,6 +133,9 @@ pub enum RendezvousError {
         present: usize,
         /// The world size.
         world_size: usize,
+        /// Join requests refused meanwhile (wrong config, token, world size, a duplicate rank;
+        /// connections that were no Flotilla rank), each with its reason, oldest first.
+        refused: Vec<String>,
     },
     /// Rank 0 gave up on the rendezvous for a reason not tied to the receiving rank.
     #[error("rank 0 aborted the rendezvous: {reason}")]

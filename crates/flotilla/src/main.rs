@@ -73,11 +73,13 @@ fn show_config(args: &cli::RunArgs) -> Result<()> {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    let config = settings::effective_config(&args.run, true)?;
+    let layers = settings::layers(&args.run, true)?;
+    let config = layers.extract()?;
     let rank = match args.rank {
         Some(r) => Some(r),
         None => settings::launcher_rank()?,
     };
+    settings::check_rank_source(&layers, &config, rank)?;
     let rank_telemetry = telemetry::init(Some((&config, rank)))?;
     let mut observer = TrainObserver::new(rank_telemetry, config.telemetry.metrics_port);
     let result = flotilla_train::run(&config, rank, &mut observer);

@@ -87,6 +87,32 @@ pub fn launcher_rank() -> Result<Option<usize>> {
     Ok(e.rank.map(|r| r.value))
 }
 
+/// Refuses at once a `flotilla train` of a multi-rank job that has neither a rank (flag or
+/// launcher variable) nor a rendezvous address from any layer: such a process would wait out
+/// the join deadline for a rank 0 nobody started. (With an address, a process without a rank
+/// joins and rank 0 assigns it one.)
+pub fn check_rank_source(layers: &Layers, config: &TrainConfig, rank: Option<usize>) -> Result<()> {
+    let world = config.effective_world_size()?;
+    if rank.is_some() || world <= 1 {
+        return Ok(());
+    }
+    let provenance = layers.provenance()?;
+    let given = |path: &str| {
+        provenance
+            .iter()
+            .any(|p| p.path == path && p.source != "default")
+    };
+    if given("comm.master_addr") || given("comm.master_port") {
+        return Ok(());
+    }
+    anyhow::bail!(
+        "`flotilla train` runs one rank of a {world}-rank job, and nothing says which rank it \
+         is or where rank 0 listens: set RANK (or --rank; mpirun, srun and torchrun set theirs) \
+         and MASTER_ADDR / MASTER_PORT for ranks on other hosts. To train on this machine, \
+         `flotilla launch` starts all {world} ranks, and `flotilla train -n 1` trains alone."
+    )
+}
+
 /// The effective config as YAML, every value followed by `# <where it came from>`.
 pub fn annotated_yaml(values: &[flotilla_train::layers::Provenance]) -> String {
     let mut out = String::new();

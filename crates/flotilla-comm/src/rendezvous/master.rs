@@ -59,6 +59,8 @@ struct Admission<'a> {
     rx: mpsc::UnboundedReceiver<Arrival>,
     /// Accepted connections whose join request is still being read.
     in_flight: usize,
+    /// Connections refused so far, with the reason (named in a join timeout).
+    refused: Vec<String>,
 }
 
 impl<'a> Admission<'a> {
@@ -71,6 +73,7 @@ impl<'a> Admission<'a> {
             tx,
             rx,
             in_flight: 0,
+            refused: Vec::new(),
         }
     }
 
@@ -125,7 +128,15 @@ impl<'a> Admission<'a> {
         });
     }
 
-    /// Admits a valid join; anything else fails the rendezvous.
+    /// Logs and remembers a refused connection; the rendezvous goes on waiting for the real
+    /// ranks (a stranger, a port scanner or a misconfigured process never breaks a job).
+    fn refuse(&mut self, why: String) {
+        tracing::warn!("rendezvous: refused {why}; still waiting for the job's ranks");
+        self.refused.push(why);
+    }
+
+    /// Admits a valid join. Anything else is refused (a join that fails its checks is told
+    /// why, so that process fails with the reason) and the rendezvous goes on.
     async fn on_arrival(
         &mut self,
         mut stream: TcpStream,
@@ -138,10 +149,8 @@ impl<'a> Admission<'a> {
                 return None;
             }
             Err(Some(e)) => {
-                let re = RendezvousError::MasterFailed {
-                    reason: e.to_string(),
-                };
-                return Some((e, re));
+                self.refuse(format!("a connection that is not a Flotilla rank ({e})"));
+                return None;
             }
             Ok(Ctrl::Join {
                 protocol,
@@ -152,14 +161,12 @@ impl<'a> Admission<'a> {
                 mesh_addr,
             }) => (protocol, rank, world_size, config_hash, token, mesh_addr),
             Ok(other) => {
-                let e = CommError::BadFrame {
-                    peer: PeerName::unranked(addr.to_string()),
-                    detail: format!("expected a join request, got {other:?}"),
-                };
-                let re = RendezvousError::MasterFailed {
-                    reason: e.to_string(),
-                };
-                return Some((e, re));
+                let kind = format!("{other:?}");
+                let kind = kind.split([' ', '{', '(']).next().unwrap_or_default();
+                self.refuse(format!(
+                    "a connection from {addr} that sent `{kind}` instead of a join request"
+                ));
+                return None;
             }
         };
         let peer = PeerName {
@@ -175,9 +182,9 @@ impl<'a> Admission<'a> {
             token.as_deref(),
         );
         if let Err(re) = check {
-            tracing::error!(error = %re, "rejecting join");
             reject(&mut stream, &re).await;
-            return Some((re.clone().into(), re));
+            self.refuse(format!("a join: {re}"));
+            return None;
         }
         tracing::debug!(?rank, %addr, "rank joined");
         let m = Member {
@@ -256,6 +263,7 @@ impl<'a> Admission<'a> {
             missing,
             present: 1 + self.joined(),
             world_size: self.cfg.world_size,
+            refused: self.refused.clone(),
         };
         (re.clone().into(), re)
     }

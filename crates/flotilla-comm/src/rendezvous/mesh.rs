@@ -115,7 +115,8 @@ async fn connect_lower(
 }
 
 /// Accepts the connections of ranks `rank+1..n`; a connection that is not one of them (wrong
-/// session, rank or a duplicate) is logged and ignored.
+/// session, rank or a duplicate, garbage, or silence) is logged and dropped. Handshakes are
+/// read concurrently, so a silent stranger holding a connection open delays nobody.
 async fn accept_higher(
     cfg: &CommConfig,
     rank: usize,
@@ -126,34 +127,49 @@ async fn accept_higher(
 ) -> Result<Vec<Option<TcpStream>>, CommError> {
     let mut got: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let mut missing = n - rank - 1;
+    let mut reading = tokio::task::JoinSet::new();
     while missing > 0 {
-        let (mut stream, addr) = match timeout_at(deadline, listener.accept()).await {
-            Ok(Ok(x)) => x,
-            Ok(Err(e)) => return Err(CommError::io("mesh accept failed", e)),
-            Err(_) => return Err(never_connected(cfg, rank, &got)),
-        };
-        let _ = stream.set_nodelay(true);
-        let peer = PeerName::unranked(addr.to_string());
-        match recv_ctrl(&mut stream, deadline, cfg, &peer, HANDSHAKE).await {
-            Ok(Ctrl::Hello {
-                session: s,
-                from,
-                to,
-            }) if s == session && to == rank && from > rank && from < n && got[from].is_none() => {
-                send_ctrl(&mut stream, &Ctrl::HelloAck { from: rank })
-                    .await
-                    .map_err(|e| CommError::PeerLost {
-                        peer: from,
-                        op: HANDSHAKE.into(),
-                        reason: frame::describe_io(&e),
-                    })?;
-                got[from] = Some(stream);
-                missing -= 1;
-            }
-            other => tracing::warn!(%addr, msg = ?other, "ignoring unexpected mesh connection"),
+        tokio::select! {
+            acc = timeout_at(deadline, listener.accept()) => match acc {
+                Ok(Ok((stream, addr))) => {
+                    let cfg = cfg.clone();
+                    reading.spawn(async move { read_hello(stream, addr, &cfg, deadline).await });
+                }
+                Ok(Err(e)) => return Err(CommError::io("mesh accept failed", e)),
+                Err(_) => return Err(never_connected(cfg, rank, &got)),
+            },
+            Some(Ok((mut stream, addr, hello))) = reading.join_next() => match hello {
+                Ok(Ctrl::Hello { session: s, from, to })
+                    if s == session && to == rank && from > rank && from < n && got[from].is_none() =>
+                {
+                    send_ctrl(&mut stream, &Ctrl::HelloAck { from: rank })
+                        .await
+                        .map_err(|e| CommError::PeerLost {
+                            peer: from,
+                            op: HANDSHAKE.into(),
+                            reason: frame::describe_io(&e),
+                        })?;
+                    got[from] = Some(stream);
+                    missing -= 1;
+                }
+                other => tracing::warn!(%addr, msg = ?other, "dropped a mesh connection that is not a rank of this job"),
+            },
         }
     }
     Ok(got)
+}
+
+/// Reads the first message of a mesh connection.
+async fn read_hello(
+    mut stream: TcpStream,
+    addr: SocketAddr,
+    cfg: &CommConfig,
+    deadline: Instant,
+) -> (TcpStream, SocketAddr, Result<Ctrl, CommError>) {
+    let _ = stream.set_nodelay(true);
+    let peer = PeerName::unranked(addr.to_string());
+    let hello = recv_ctrl(&mut stream, deadline, cfg, &peer, HANDSHAKE).await;
+    (stream, addr, hello)
 }
 
 /// The timeout naming the higher ranks that never connected.
