@@ -32,6 +32,13 @@ pub(crate) fn count(n: usize, what: &str) -> Result<i32, CommError> {
     })
 }
 
+/// `buf`, or when it is empty an empty slice of `pad`: an empty `&[u8]` points at address
+/// 1, which Open MPI takes for `MPI_IN_PLACE` (`(void *) 1`). (A `Vec` with capacity has a
+/// real address even when empty.)
+fn not_in_place<'a>(buf: &'a [u8], pad: &'a [u8; 1]) -> &'a [u8] {
+    if buf.is_empty() { &pad[..0] } else { buf }
+}
+
 fn rank_of(r: usize) -> Result<i32, CommError> {
     count(r, "rank")
 }
@@ -74,7 +81,11 @@ impl MpiComm {
         })?;
         count(n, "broadcast_bytes")?;
         buf.resize(n, 0);
-        root.broadcast_into(&mut buf[..]);
+        // Every member now knows the length; an empty buffer's address would read as
+        // MPI_IN_PLACE (see `not_in_place`), so nothing more is sent.
+        if n > 0 {
+            root.broadcast_into(&mut buf[..]);
+        }
         Ok(())
     }
 
@@ -91,10 +102,13 @@ impl MpiComm {
             total += c.max(0) as usize;
         }
         count(total, "all_gather_bytes (total)")?;
-        let mut all = vec![0u8; total];
+        let mut all = Vec::with_capacity(total.max(1));
+        all.resize(total, 0u8);
+        let pad = [0u8; 1];
         {
             let mut part = PartitionMut::new(&mut all[..], &counts[..], &displs[..]);
-            self.0.all_gather_varcount_into(mine, &mut part);
+            self.0
+                .all_gather_varcount_into(not_in_place(mine, &pad), &mut part);
         }
         Ok(counts
             .iter()
