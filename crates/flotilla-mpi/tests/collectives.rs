@@ -145,7 +145,9 @@ fn broadcasts_and_gathers(world: &dyn ProcessGroup) {
     assert_eq!(all, vec![vec![], vec![1], vec![2, 2]]);
     // Empty buffers everywhere (an empty slice's address is Open MPI's MPI_IN_PLACE).
     let mut empty = Vec::new();
-    world.broadcast_bytes(&mut empty, 0).expect("empty broadcast");
+    world
+        .broadcast_bytes(&mut empty, 0)
+        .expect("empty broadcast");
     assert!(empty.is_empty());
     let all = world.all_gather_bytes(&[]).expect("empty all-gather");
     assert_eq!(all, vec![Vec::<u8>::new(); 3]);

@@ -87,7 +87,10 @@ fn mpirun_rows(args: &BenchAllreduceArgs, n: usize) -> Result<(Vec<Row>, Vec<Row
     let stdout = child.stdout.take().context("mpirun's stdout")?;
     let reader = std::thread::spawn(move || {
         let (mut mpi, mut raw) = (Vec::new(), Vec::new());
-        for line in std::io::BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(|l| l.ok())
+        {
             if let Some(r) = Row::parse(&line, "mpi") {
                 mpi.push(r);
             } else if let Some(r) = Row::parse(&line, "raw") {
