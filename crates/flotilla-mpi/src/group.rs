@@ -112,7 +112,8 @@ impl MpiGroup {
         let (tx, rx) = std::sync::mpsc::channel();
         g.attach(tx);
         worker::spawn(g.clone(), rx)?;
-        rt.register(&g);
+        let served: std::sync::Weak<dyn crate::runtime::Served> = Arc::downgrade(&g) as _;
+        rt.register(served);
         Ok(MpiGroup { g })
     }
 

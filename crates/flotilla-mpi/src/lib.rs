@@ -10,7 +10,7 @@
 //!   side by side.
 //! * Point-to-point messages: one MPI tag, the Flotilla tag in a trailer (module `wire`); a
 //!   progress thread drains them into a mailbox per group, by (sender, tag) (module `mailbox`),
-//!   and fails collectives past their deadline or after an abort (module `progress`).
+//!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
 //! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
 //!
 //! ```no_run
@@ -33,11 +33,12 @@ pub mod bench;
 mod group;
 mod mailbox;
 mod ops;
-mod progress;
 mod raw;
 mod runtime;
+mod serve;
 mod split;
 mod state;
+mod stats;
 mod wire;
 mod worker;
 

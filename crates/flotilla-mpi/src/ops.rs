@@ -4,7 +4,7 @@
 use flotilla_comm::{CommError, ReduceOp};
 
 use crate::raw::MpiComm;
-use crate::runtime::Counters;
+use crate::stats::Counters;
 
 /// One collective, with the buffers it owns while queued.
 pub(crate) enum Op {

@@ -3,7 +3,7 @@
 //! caller's); what every group of the process shares (failure state, traffic counters, the
 //! list of live groups for the progress thread); and [`finalize`].
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,7 +14,15 @@ use mpi::traits::Communicator as _;
 
 use flotilla_comm::{CommError, CommStats};
 
-use crate::state::GroupState;
+use crate::stats::Counters;
+
+/// What the progress thread does for each live group.
+pub(crate) trait Served: Send + Sync {
+    /// Moves the group's waiting point-to-point messages into its mailbox; how many.
+    fn drain(&self) -> usize;
+    /// Fails the group's collectives past their deadline or after an abort.
+    fn watch_deadlines(&self);
+}
 
 /// Why MPI could not be started for Flotilla.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -45,45 +53,6 @@ impl From<MpiInitError> for CommError {
     }
 }
 
-/// Traffic counters of the process (payload bytes; see [`crate::MpiGroup`]'s `stats`).
-#[derive(Debug, Default)]
-pub(crate) struct Counters {
-    bytes_sent: AtomicU64,
-    bytes_received: AtomicU64,
-    frames_sent: AtomicU64,
-    frames_received: AtomicU64,
-    collectives: AtomicU64,
-}
-
-impl Counters {
-    /// One collective call (or message) sending `n` payload bytes.
-    pub(crate) fn add_sent(&self, n: u64) {
-        self.bytes_sent.fetch_add(n, Ordering::Relaxed);
-        self.frames_sent.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// One collective call (or message) receiving `n` payload bytes.
-    pub(crate) fn add_received(&self, n: u64) {
-        self.bytes_received.fetch_add(n, Ordering::Relaxed);
-        self.frames_received.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// One collective issued.
-    pub(crate) fn add_collective(&self) {
-        self.collectives.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn snapshot(&self) -> CommStats {
-        CommStats {
-            bytes_sent: self.bytes_sent.load(Ordering::Relaxed),
-            bytes_received: self.bytes_received.load(Ordering::Relaxed),
-            frames_sent: self.frames_sent.load(Ordering::Relaxed),
-            frames_received: self.frames_received.load(Ordering::Relaxed),
-            collectives: self.collectives.load(Ordering::Relaxed),
-        }
-    }
-}
-
 /// What every group of the process shares.
 pub(crate) struct Runtime {
     universe: Mutex<Option<Universe>>,
@@ -93,7 +62,7 @@ pub(crate) struct Runtime {
     poisoned: Mutex<Option<CommError>>,
     /// Traffic counters.
     pub(crate) stats: Counters,
-    groups: Mutex<Vec<Weak<GroupState>>>,
+    groups: Mutex<Vec<Weak<dyn Served>>>,
     progress: Mutex<Option<JoinHandle<()>>>,
     /// Tells the progress thread to end.
     pub(crate) stop: AtomicBool,
@@ -135,7 +104,7 @@ pub(crate) fn runtime() -> Result<&'static Runtime, MpiInitError> {
     if progress.is_none() {
         let handle = std::thread::Builder::new()
             .name("flotilla-mpi-progress".into())
-            .spawn(move || crate::progress::run(rt))
+            .spawn(move || rt.progress_loop())
             .map_err(|e| MpiInitError::Thread(e.to_string()))?;
         *progress = Some(handle);
     }
@@ -164,16 +133,46 @@ impl Runtime {
     }
 
     /// Makes the progress thread serve `g` (drain its messages, watch its deadlines).
-    pub(crate) fn register(&self, g: &Arc<GroupState>) {
+    pub(crate) fn register(&self, g: Weak<dyn Served>) {
         let mut groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         groups.retain(|w| w.strong_count() > 0);
-        groups.push(Arc::downgrade(g));
+        groups.push(g);
     }
 
     /// The live groups.
-    pub(crate) fn groups(&self) -> Vec<Arc<GroupState>> {
+    pub(crate) fn groups(&self) -> Vec<Arc<dyn Served>> {
         let groups = self.groups.lock().unwrap_or_else(|p| p.into_inner());
         groups.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// The progress thread: drains every group's incoming point-to-point messages into its
+    /// mailbox (so `send` completes while the receiver computes, as on TCP, and two ranks
+    /// sending to each other never deadlock), and a few times a second fails collectives
+    /// past their deadline or after an abort. It polls (`MPI_Improbe`) rather than blocking
+    /// in MPI, so that it can stop and watch the clock: right after a message it polls again
+    /// at once; when idle it backs off to a 1 ms sleep. Ends when [`Runtime::stop`] is set.
+    fn progress_loop(&self) {
+        const WATCH_EVERY: Duration = Duration::from_millis(50);
+        const MAX_IDLE: Duration = Duration::from_millis(1);
+        let mut idle = Duration::from_micros(20);
+        let mut watched = Instant::now();
+        while !self.stop.load(Ordering::SeqCst) {
+            let groups = self.groups();
+            let got: usize = groups.iter().map(|g| g.drain()).sum();
+            if watched.elapsed() >= WATCH_EVERY {
+                groups.iter().for_each(|g| g.watch_deadlines());
+                watched = Instant::now();
+            }
+            // The last handle of a group may be the one held here: the group (and its MPI
+            // communicator) is then freed on this thread.
+            drop(groups);
+            if got > 0 {
+                idle = Duration::from_micros(20);
+            } else {
+                std::thread::sleep(idle);
+                idle = (idle * 2).min(MAX_IDLE);
+            }
+        }
     }
 
     /// Waits until every group is gone (handles dropped, workers ended), up to `limit`.

@@ -13,7 +13,11 @@ use crate::cli::{BenchCommand, BenchStepArgs};
 /// Runs a bench subcommand.
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
+        BenchCommand::Allreduce(args) if args.backend == "mpi" => crate::bench_mpi::table(&args),
         BenchCommand::Allreduce(args) => crate::bench_allreduce::run(&args),
+        BenchCommand::AllreduceWorker(args) if args.backend == "mpi" => {
+            crate::bench_mpi::worker(&crate::bench_allreduce::options(&args)?)
+        }
         BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(&args),
         BenchCommand::Step(args) => step(&args),
         BenchCommand::Ps(args) => crate::bench_ps::run(&args),

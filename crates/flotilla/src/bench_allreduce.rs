@@ -1,6 +1,6 @@
 //! `flotilla bench allreduce`: the ring all-reduce's bandwidth over 127.0.0.1 against the
-//! loopback TCP bandwidth measured in the same run; with `--backend mpi`, the MPI backend
-//! next to the TCP ring and to Open MPI's own `MPI_Allreduce` ([`crate::bench_mpi`]).
+//! loopback TCP bandwidth measured in the same run; the worker lines and the TCP rows that
+//! `--backend mpi` (`crate::bench_mpi`) also uses.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -141,21 +141,17 @@ fn loopback_bandwidth(total: usize) -> Result<f64> {
     Ok(got as f64 / secs / 1e9)
 }
 
-/// `flotilla bench allreduce`.
-pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
-    for &n in &args.ranks {
-        if n < 2 {
-            bail!("all-reduce bench needs at least 2 ranks, got {n}");
-        }
-    }
-    match args.backend.as_str() {
-        "tcp" => tcp_table(args),
-        "mpi" => crate::bench_mpi::table(args),
-        other => bail!("unknown backend {other:?} (tcp or mpi)"),
+/// Fails unless every rank count is at least 2.
+pub fn check_ranks(args: &BenchAllreduceArgs) -> Result<()> {
+    match args.ranks.iter().find(|&&n| n < 2) {
+        Some(n) => bail!("all-reduce bench needs at least 2 ranks, got {n}"),
+        None => Ok(()),
     }
 }
 
-fn tcp_table(args: &BenchAllreduceArgs) -> Result<()> {
+/// `flotilla bench allreduce` (TCP).
+pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
+    check_ranks(args)?;
     let reference = loopback_bandwidth(1 << 30)?;
     println!("# flotilla bench allreduce: ring all-reduce of f32 buffers over 127.0.0.1");
     println!(
@@ -209,16 +205,18 @@ pub fn tcp_rows(args: &BenchAllreduceArgs, n: usize) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
-/// One rank of the benchmark (started by [`run`]).
-pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
-    let opts = BenchOptions {
+/// The measurement a worker makes.
+pub fn options(args: &BenchAllreduceArgs) -> Result<BenchOptions> {
+    Ok(BenchOptions {
         sizes: sizes(args)?,
         iters: args.iters,
         ..BenchOptions::default()
-    };
-    if args.backend == "mpi" {
-        return crate::bench_mpi::worker(&opts);
-    }
+    })
+}
+
+/// One TCP rank of the benchmark (started by [`run`]).
+pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
+    let opts = options(args)?;
     let mut cfg = CommConfig::from_env()?;
     if args.bf16 {
         cfg.wire_format = WireFormat::Bf16;

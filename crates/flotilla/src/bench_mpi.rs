@@ -12,6 +12,7 @@ use crate::cli::BenchAllreduceArgs;
 /// Prints the three-way table.
 #[cfg(feature = "mpi")]
 pub fn table(args: &BenchAllreduceArgs) -> Result<()> {
+    crate::bench_allreduce::check_ranks(args)?;
     println!(
         "# flotilla bench allreduce --backend mpi: f32 sums through Flotilla's MPI backend, the TCP ring over 127.0.0.1, and Open MPI's MPI_Allreduce called directly (reference), same sizes and ranks"
     );

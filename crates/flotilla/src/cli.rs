@@ -181,7 +181,7 @@ pub struct BenchAllreduceArgs {
     pub bf16: bool,
     /// `tcp`: Flotilla's ring; `mpi`: the MPI backend under mpirun, next to the TCP ring and
     /// to Open MPI's own MPI_Allreduce (a binary built with `--features mpi`).
-    #[arg(long, default_value = "tcp")]
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi"])]
     pub backend: String,
 }
 
