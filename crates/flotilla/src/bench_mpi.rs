@@ -4,8 +4,11 @@
 //! directly, next to the TCP ring measured with the same sizes.
 
 use anyhow::Result;
-use flotilla_comm::bench::{BenchOptions, format_bytes};
+use flotilla_comm::bench::BenchOptions;
+#[cfg(feature = "mpi")]
+use flotilla_comm::bench::format_bytes;
 
+#[cfg(feature = "mpi")]
 use crate::bench_allreduce::Row;
 use crate::cli::BenchAllreduceArgs;
 
