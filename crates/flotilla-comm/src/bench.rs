@@ -1,4 +1,4 @@
-//! All-reduce benchmark over a connected [`Communicator`] (used by `flotilla bench allreduce`).
+//! All-reduce benchmark over a connected [`ProcessGroup`] (used by `flotilla bench allreduce`).
 //!
 //! Bandwidths follow the nccl-tests conventions: `algbw = bytes / time` and
 //! `busbw = algbw * 2 (n - 1) / n`, in GB/s (10^9 bytes per second). The reported time of a
@@ -7,7 +7,6 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::comm::Communicator;
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 
@@ -39,7 +38,7 @@ pub struct BenchOptions {
     pub iters: usize,
     /// Caps timed iterations so that `iters * bytes` stays below this (at least 3 iterations).
     pub max_bytes_per_size: u64,
-    /// Measure [`Communicator::all_reduce_start`] + `wait` instead of the blocking call.
+    /// Measure [`ProcessGroup::all_reduce_start`] + `wait` instead of the blocking call.
     pub use_async: bool,
 }
 
@@ -65,7 +64,29 @@ pub fn default_sizes() -> Vec<usize> {
 
 /// Runs the all-reduce benchmark. Every rank of the group must call it with the same
 /// options. Also checks that each result equals the expected sum.
-pub fn run_allreduce(comm: &Communicator, opts: &BenchOptions) -> Result<Vec<BenchRow>, CommError> {
+pub fn run_allreduce(
+    comm: &dyn ProcessGroup,
+    opts: &BenchOptions,
+) -> Result<Vec<BenchRow>, CommError> {
+    let use_async = opts.use_async;
+    measure_allreduce(comm, opts, &mut |buf: &mut Vec<f32>| {
+        if use_async {
+            *buf = comm.all_reduce_start(std::mem::take(buf)).wait()?;
+            Ok(())
+        } else {
+            comm.all_reduce_sum(buf)
+        }
+    })
+}
+
+/// The benchmark loop of [`run_allreduce`] around any all-reduce `reduce` of the members of
+/// `comm` (which synchronises the iterations and gathers the times): e.g. a raw MPI call to
+/// compare with. Each result is checked against the expected sum.
+pub fn measure_allreduce(
+    comm: &dyn ProcessGroup,
+    opts: &BenchOptions,
+    reduce: &mut dyn FnMut(&mut Vec<f32>) -> Result<(), CommError>,
+) -> Result<Vec<BenchRow>, CommError> {
     let n = comm.size();
     let mut rows = Vec::with_capacity(opts.sizes.len());
     for &size in &opts.sizes {
@@ -82,11 +103,7 @@ pub fn run_allreduce(comm: &Communicator, opts: &BenchOptions) -> Result<Vec<Ben
             buf.fill(value);
             comm.barrier()?;
             let t = Instant::now();
-            if opts.use_async {
-                buf = comm.all_reduce_start(std::mem::take(&mut buf)).wait()?;
-            } else {
-                comm.all_reduce_sum(&mut buf)?;
-            }
+            reduce(&mut buf)?;
             let dt = t.elapsed();
             let expected = (n * (n + 1) / 2) as f32;
             if let Some(i) = buf.iter().position(|&x| x != expected) {
@@ -154,6 +171,7 @@ pub fn format_table(rows: &[BenchRow]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Communicator;
 
     #[test]
     fn sizes_and_format() {

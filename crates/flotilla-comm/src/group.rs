@@ -3,7 +3,7 @@
 //! A [`ProcessGroup`] is a set of ranks that run collectives together and exchange tagged
 //! point-to-point messages. The TCP [`crate::Communicator`] implements it over real
 //! connections (or over in-memory links between threads, for unit tests:
-//! [`crate::Communicator::in_memory`]); an MPI backend can implement it later. Strategies
+//! [`crate::Communicator::in_memory`]); `flotilla_mpi::MpiGroup` implements it over MPI. Strategies
 //! and servers hold an `Arc<dyn ProcessGroup>` and never see the transport.
 //!
 //! # Ranks

@@ -79,6 +79,7 @@ const ALIASES: &[(&str, &str)] = &[
     ("correction", "allreduce.correction"),
     ("stall_warning_s", "allreduce.stall_warning_s"),
     ("stall_shutdown_s", "allreduce.stall_shutdown_s"),
+    ("backend", "comm.backend"),
     ("master_addr", "comm.master_addr"),
     ("master_port", "comm.master_port"),
     ("timeout_s", "comm.timeout_s"),

@@ -5,6 +5,7 @@
 //! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod batches;
 pub mod bucket;
 pub mod checkpoint;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_cluster::{Arch, Topology};
-use flotilla_comm::{Communicator, ProcessGroup, StallWatcher};
+use flotilla_comm::{ProcessGroup, StallWatcher};
 use flotilla_data::{ImageDataset, Mnist};
 use flotilla_engine::{BurnEngine, ModelSpec};
 
@@ -80,11 +80,7 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let comm: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(config.comm_config(
-        rank,
-        hash,
-        topology.world_size(),
-    ))?);
+    let comm = crate::backend::connect(config, rank, hash, topology.world_size())?;
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;

@@ -1,187 +1,28 @@
 //! `flotilla bench`: all-reduce bandwidth and training-step throughput, each printed with a
 //! ratio against a reference measured in the same run (never a bare timing).
 
-use std::ffi::OsString;
-use std::io::{Read, Write};
-use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use anyhow::{Context, Result, bail};
-use flotilla_comm::bench::{BenchOptions, default_sizes, format_bytes, run_allreduce};
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup, WireFormat};
+use anyhow::{Context, Result};
 use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
 
-use crate::cli::{BenchAllreduceArgs, BenchCommand, BenchStepArgs};
-use crate::launch::{LocalJob, Stream, free_port};
-
-const ROW_PREFIX: &str = "@bench ";
+use crate::cli::{BenchCommand, BenchStepArgs};
 
 /// Runs a bench subcommand.
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Allreduce(args) => allreduce(&args),
-        BenchCommand::AllreduceWorker(args) => allreduce_worker(&args),
+        BenchCommand::Allreduce(args) if args.backend == "mpi" => crate::bench_mpi::table(&args),
+        BenchCommand::Allreduce(args) => crate::bench_allreduce::run(&args),
+        BenchCommand::AllreduceWorker(args) if args.backend == "mpi" => {
+            crate::bench_mpi::worker(&crate::bench_allreduce::options(&args)?)
+        }
+        BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(&args),
         BenchCommand::Step(args) => step(&args),
         BenchCommand::Ps(args) => crate::bench_ps::run(&args),
         BenchCommand::Pipeline(args) => crate::bench_pipeline::run(&args),
     }
-}
-
-fn parse_size(s: &str) -> Result<usize> {
-    let s = s.trim();
-    let (num, mult) = match s.chars().last() {
-        Some('K' | 'k') => (&s[..s.len() - 1], 1 << 10),
-        Some('M' | 'm') => (&s[..s.len() - 1], 1 << 20),
-        Some('G' | 'g') => (&s[..s.len() - 1], 1 << 30),
-        _ => (s, 1),
-    };
-    let n: usize = num.parse().with_context(|| format!("bad size {s:?}"))?;
-    Ok(n * mult)
-}
-
-fn sizes(args: &BenchAllreduceArgs) -> Result<Vec<usize>> {
-    if args.sizes.is_empty() {
-        Ok(default_sizes())
-    } else {
-        args.sizes.iter().map(|s| parse_size(s)).collect()
-    }
-}
-
-/// Single-stream TCP bandwidth over loopback in GB/s: the `B` of the ring's bound
-/// `busbw <= B`, measured with the same socket API and chunk size the ring uses.
-fn loopback_bandwidth(total: usize) -> Result<f64> {
-    let listener = TcpListener::bind("127.0.0.1:0")?;
-    let addr = listener.local_addr()?;
-    let receiver = std::thread::spawn(move || -> std::io::Result<usize> {
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; 1 << 20];
-        let mut got = 0;
-        loop {
-            let n = s.read(&mut buf)?;
-            if n == 0 {
-                return Ok(got);
-            }
-            got += n;
-        }
-    });
-    let mut s = TcpStream::connect(addr)?;
-    s.set_nodelay(true)?;
-    let chunk = vec![1u8; 1 << 20];
-    let started = Instant::now();
-    let mut sent = 0;
-    while sent < total {
-        s.write_all(&chunk)?;
-        sent += chunk.len();
-    }
-    drop(s);
-    let got = receiver
-        .join()
-        .map_err(|_| anyhow::anyhow!("loopback receiver panicked"))??;
-    let secs = started.elapsed().as_secs_f64();
-    Ok(got as f64 / secs / 1e9)
-}
-
-fn allreduce(args: &BenchAllreduceArgs) -> Result<()> {
-    let sizes = sizes(args)?;
-    let reference = loopback_bandwidth(1 << 30)?;
-    println!("# flotilla bench allreduce: ring all-reduce of f32 buffers over 127.0.0.1");
-    println!(
-        "# reference B = single-stream loopback TCP bandwidth, measured now: {reference:.2} GB/s; ideal ring busbw = B"
-    );
-    println!(
-        "# {} cores on this machine; each rank's compute runs on 1 thread",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
-    );
-    println!(
-        "{:>6} {:>10} {:>6} {:>12} {:>12} {:>12} {:>9}",
-        "ranks", "size", "iters", "time_us", "algbw_GB/s", "busbw_GB/s", "busbw/B"
-    );
-    for &n in &args.ranks {
-        if n < 2 {
-            bail!("all-reduce bench needs at least 2 ranks, got {n}");
-        }
-        let port = free_port()?;
-        let mut worker_args: Vec<OsString> = vec![
-            "bench".into(),
-            "allreduce-worker".into(),
-            "--iters".into(),
-            args.iters.to_string().into(),
-            "--sizes".into(),
-            sizes
-                .iter()
-                .map(|s| s.to_string())
-                .collect::<Vec<_>>()
-                .join(",")
-                .into(),
-        ];
-        if args.bf16 {
-            worker_args.push("--bf16".into());
-        }
-        let mut job = LocalJob::spawn(n, &worker_args, |rank| {
-            vec![
-                ("RANK".into(), rank.to_string()),
-                ("WORLD_SIZE".into(), n.to_string()),
-                ("MASTER_ADDR".into(), "127.0.0.1".into()),
-                ("MASTER_PORT".into(), port.to_string()),
-                ("RAYON_NUM_THREADS".into(), "1".into()),
-            ]
-        })?;
-        job.supervise(Some(Duration::from_secs(1800)), &mut |line| {
-            if line.stream == Stream::Stdout
-                && line.rank == 0
-                && let Some(rest) = line.text.strip_prefix(ROW_PREFIX)
-            {
-                let f: Vec<&str> = rest.split_whitespace().collect();
-                if let [bytes, iters, secs, algbw, busbw] = f.as_slice() {
-                    let bytes: usize = bytes.parse().unwrap_or(0);
-                    let secs: f64 = secs.parse().unwrap_or(f64::NAN);
-                    let busbw_v: f64 = busbw.parse().unwrap_or(f64::NAN);
-                    println!(
-                        "{:>6} {:>10} {:>6} {:>12.1} {:>12} {:>12} {:>9.2}",
-                        n,
-                        format_bytes(bytes),
-                        iters,
-                        secs * 1e6,
-                        algbw,
-                        busbw,
-                        busbw_v / reference
-                    );
-                }
-            } else if line.stream == Stream::Stderr {
-                eprintln!("[rank {}] {}", line.rank, line.text);
-            }
-        })?;
-    }
-    Ok(())
-}
-
-fn allreduce_worker(args: &BenchAllreduceArgs) -> Result<()> {
-    let mut cfg = CommConfig::from_env()?;
-    if args.bf16 {
-        cfg.wire_format = WireFormat::Bf16;
-    }
-    let comm = Communicator::connect(cfg)?;
-    let opts = BenchOptions {
-        sizes: sizes(args)?,
-        iters: args.iters,
-        ..BenchOptions::default()
-    };
-    let rows = run_allreduce(&comm, &opts)?;
-    if comm.rank() == 0 {
-        for r in rows {
-            println!(
-                "{ROW_PREFIX}{} {} {:.9} {:.3} {:.3}",
-                r.bytes,
-                r.iters,
-                r.median.as_secs_f64(),
-                r.algbw_gbs,
-                r.busbw_gbs
-            );
-        }
-    }
-    Ok(())
 }
 
 /// A deterministic batch of `n` MNIST-shaped samples.

@@ -100,6 +100,10 @@ pub struct RunArgs {
     /// Backend (flex; libtorch with the `libtorch` feature).
     #[arg(long)]
     pub device: Option<String>,
+    /// Process-group backend: `tcp` (default) or `mpi` (under mpirun; a binary built with
+    /// `--features mpi`).
+    #[arg(long)]
+    pub backend: Option<String>,
     /// Rendezvous address of rank 0.
     #[arg(long)]
     pub master_addr: Option<String>,
@@ -206,6 +210,10 @@ pub struct BenchAllreduceArgs {
     /// Use bf16 on the wire.
     #[arg(long)]
     pub bf16: bool,
+    /// `tcp`: Flotilla's ring; `mpi`: the MPI backend under mpirun, next to the TCP ring and
+    /// to Open MPI's own MPI_Allreduce (a binary built with `--features mpi`).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi"])]
+    pub backend: String,
 }
 
 /// `flotilla bench step`.

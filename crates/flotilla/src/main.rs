@@ -1,7 +1,9 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
 
 mod bench;
+mod bench_allreduce;
 mod bench_job;
+mod bench_mpi;
 mod bench_pipeline;
 mod bench_ps;
 mod cli;
@@ -34,13 +36,17 @@ fn main() -> ExitCode {
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
     };
-    match result {
+    let code = match &result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
-    }
+    };
+    // MPI (if this process started it) ends here, after every group is gone; a failure
+    // ends the whole MPI job.
+    flotilla_train::backend::finish(result.is_ok());
+    code
 }
 
 /// `flotilla config`: the effective config, checked, each value with the layer it came

@@ -58,6 +58,7 @@ fn flags(a: &RunArgs) -> Vec<(&'static str, Value)> {
     );
     put("bucket-mb", "bucket_mb", a.bucket_mb.map(|v| json!(v)));
     put("device", "device", a.device.as_ref().map(|v| json!(v)));
+    put("backend", "backend", a.backend.as_ref().map(|v| json!(v)));
     put(
         "master-addr",
         "master_addr",

@@ -37,6 +37,18 @@ pub enum WireSetting {
     Bf16,
 }
 
+/// Which implementation of the process group a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Flotilla's own TCP transport with its rendezvous (any launcher, or none).
+    #[default]
+    Tcp,
+    /// MPI (Open MPI through rsmpi): start the job with `mpirun -np N flotilla train ...`;
+    /// rank and world size come from MPI. Needs a binary built with the `mpi` feature.
+    Mpi,
+}
+
 /// How the learning rate changes over the run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -269,6 +281,10 @@ impl PipelineSection {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CommSection {
+    /// The process-group implementation: `tcp` (default) or `mpi` (under `mpirun`, with a
+    /// binary built with `--features mpi`; the rendezvous keys, `compression` and
+    /// `wire_format` then do not apply).
+    pub backend: Backend,
     /// Rendezvous address of rank 0.
     pub master_addr: String,
     /// Rendezvous port of rank 0.
@@ -288,6 +304,7 @@ pub struct CommSection {
 impl Default for CommSection {
     fn default() -> Self {
         Self {
+            backend: Backend::Tcp,
             master_addr: "127.0.0.1".into(),
             master_port: flotilla_comm::DEFAULT_MASTER_PORT,
             timeout_s: 60.0,
@@ -422,6 +439,12 @@ impl TrainConfig {
         }
         if t.world_size == 0 {
             return Err(bad("topology.world_size", "must be at least 1".into()));
+        }
+        if c.backend == Backend::Mpi && !cfg!(feature = "mpi") {
+            return Err(TrainError::config(
+                "config",
+                "`comm.backend: mpi`: this binary was built without the `mpi` feature; rebuild with `cargo build --release --features mpi`",
+            ));
         }
         positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
         positive("comm.timeout_s", c.timeout_s, "number of seconds")?;
@@ -644,6 +667,29 @@ mod tests {
             .expect_err("type")
             .to_string();
         assert!(e.contains("epochs"), "{e}");
+    }
+
+    #[test]
+    fn backend_is_tcp_by_default_and_mpi_needs_the_feature() {
+        assert_eq!(TrainConfig::default().comm.backend, Backend::Tcp);
+        let c = TrainConfig::from_yaml("backend: mpi\n", "b.yaml").expect("alias");
+        assert_eq!(c.comm.backend, Backend::Mpi);
+        let c = TrainConfig::from_yaml("comm: {backend: mpi}\n", "b.yaml").expect("section");
+        assert_eq!(c.comm.backend, Backend::Mpi);
+        let checked = c.validate();
+        if cfg!(feature = "mpi") {
+            checked.expect("valid with the feature");
+        } else {
+            let e = checked.expect_err("needs the feature").to_string();
+            assert!(
+                e.contains("built without the `mpi` feature") && e.contains("--features mpi"),
+                "{e}"
+            );
+        }
+        let e = TrainConfig::from_yaml("backend: nccl\n", "b.yaml")
+            .expect_err("unknown backend")
+            .to_string();
+        assert!(e.contains("nccl"), "{e}");
     }
 
     #[test]

@@ -1,0 +1,46 @@
+//! flotilla-mpi: Flotilla's MPI backend — [`MpiGroup`], an implementation of
+//! [`flotilla_comm::ProcessGroup`] over MPI (rsmpi on Open MPI), chosen with `backend: mpi`
+//! in a binary built with the `mpi` feature and started by `mpirun`.
+//!
+//! * MPI is initialised once per process, on first use, at
+//!   `MPI_THREAD_MULTIPLE` (anything less is a clear error), and ended by [`finalize`].
+//! * Each group runs its collectives on a worker thread of its own, in the order issued
+//!   (module `worker`): that order is the group's collective order, including non-blocking
+//!   all-reduces, and groups (the async all-reduce's cycle, the stall inspector) run
+//!   side by side.
+//! * Point-to-point messages: one MPI tag, the Flotilla tag in a trailer (module `wire`); a
+//!   progress thread drains them into a mailbox per group, by (sender, tag) (module `mailbox`),
+//!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
+//! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
+//!
+//! ```no_run
+//! use flotilla_comm::ProcessGroup;
+//! use flotilla_mpi::{MpiConfig, MpiGroup};
+//! let world = MpiGroup::world(MpiConfig::default())?;
+//! let mut grads = vec![1.0f32; 1024];
+//! world.all_reduce_sum(&mut grads)?;
+//! drop(world);
+//! flotilla_mpi::finalize(true);
+//! # Ok::<(), flotilla_comm::CommError>(())
+//! ```
+//!
+//! Everything is behind this crate's `mpi` feature (off by default), so that building the
+//! workspace needs no MPI headers; without it the crate is empty.
+#![cfg(feature = "mpi")]
+#![warn(missing_docs)]
+
+pub mod bench;
+mod group;
+mod mailbox;
+mod ops;
+mod raw;
+mod runtime;
+mod serve;
+mod split;
+mod state;
+mod stats;
+mod wire;
+mod worker;
+
+pub use group::{MpiConfig, MpiGroup};
+pub use runtime::{Finalized, MpiInitError, finalize};

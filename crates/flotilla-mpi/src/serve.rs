@@ -1,0 +1,38 @@
+//! What the progress thread does for a group ([`Served`]): drain its point-to-point
+//! messages into its mailbox, and watch its collectives' deadlines.
+
+use flotilla_comm::CommError;
+
+use crate::runtime::Served;
+use crate::state::GroupState;
+use crate::wire;
+
+impl Served for GroupState {
+    fn drain(&self) -> usize {
+        let g = self;
+        let mut n = 0;
+        while let Some((from, buf)) = g.comm.poll_recv() {
+            n += 1;
+            g.rt.stats.add_received(buf.len() as u64);
+            let len = buf.len();
+            match wire::decode(buf) {
+                Some((tag, msg)) => g.mailbox.deliver(from, tag, msg),
+                None => g.mailbox.fail(
+                    from,
+                    CommError::Protocol {
+                        peer: g.members.get(from).copied().unwrap_or(from),
+                        detail: format!(
+                            "a point-to-point message of {len} bytes, shorter than its {}-byte tag",
+                            wire::TRAILER
+                        ),
+                    },
+                ),
+            }
+        }
+        n
+    }
+
+    fn watch_deadlines(&self) {
+        GroupState::watch_deadlines(self);
+    }
+}

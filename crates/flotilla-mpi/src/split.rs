@@ -1,0 +1,110 @@
+//! `split(color, key)` on MPI: Flotilla's colors are `u32` and its keys `i64`, while
+//! `MPI_Comm_split` takes `int`s. Every member all-gathers its (color, key); each then
+//! derives the same small MPI color (the index of its color among the colors present) and
+//! MPI key (its place in its new group, ordered by `(key, rank)`), and the member list of
+//! its new group. Pure: no MPI here.
+
+use flotilla_comm::CommError;
+
+/// Bytes of one member's encoded (color, key).
+const LEN: usize = 13;
+
+/// One member's choice, as all-gathered.
+pub(crate) fn encode(color: Option<u32>, key: i64) -> Vec<u8> {
+    let mut out = Vec::with_capacity(LEN);
+    out.push(u8::from(color.is_some()));
+    out.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
+    out.extend_from_slice(&key.to_le_bytes());
+    out
+}
+
+fn decode(b: &[u8]) -> Option<(Option<u32>, i64)> {
+    if b.len() != LEN || b[0] > 1 {
+        return None;
+    }
+    let c = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
+    let mut k = [0u8; 8];
+    k.copy_from_slice(&b[5..LEN]);
+    Some(((b[0] == 1).then_some(c), i64::from_le_bytes(k)))
+}
+
+/// What this member passes to `MPI_Comm_split` and who its new group is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SplitPlan {
+    /// MPI color (`None`: `MPI_UNDEFINED`) and key.
+    pub(crate) mpi: Option<(i32, i32)>,
+    /// The new group's members as ranks of the parent group, in the new group's order.
+    pub(crate) members: Vec<usize>,
+}
+
+/// The plan of member `me` from everybody's encoded choice (`world` names a rank in errors).
+pub(crate) fn plan(
+    all: &[Vec<u8>],
+    me: usize,
+    world: impl Fn(usize) -> usize,
+) -> Result<SplitPlan, CommError> {
+    let mut parsed = Vec::with_capacity(all.len());
+    for (r, b) in all.iter().enumerate() {
+        parsed.push(decode(b).ok_or_else(|| CommError::Protocol {
+            peer: world(r),
+            detail: format!("split: malformed (color, key) of {} bytes", b.len()),
+        })?);
+    }
+    let Some(&(Some(mine), _)) = parsed.get(me) else {
+        return Ok(SplitPlan {
+            mpi: None,
+            members: Vec::new(),
+        });
+    };
+    let mut colors: Vec<u32> = parsed.iter().filter_map(|(c, _)| *c).collect();
+    colors.sort_unstable();
+    colors.dedup();
+    let color = colors.iter().position(|&c| c == mine).unwrap_or(0);
+    let mut chosen: Vec<(i64, usize)> = parsed
+        .iter()
+        .enumerate()
+        .filter(|(_, (c, _))| *c == Some(mine))
+        .map(|(r, (_, k))| (*k, r))
+        .collect();
+    chosen.sort_unstable();
+    let members: Vec<usize> = chosen.iter().map(|&(_, r)| r).collect();
+    let key = members.iter().position(|&r| r == me).unwrap_or(0);
+    let small = |v: usize| {
+        i32::try_from(v)
+            .map_err(|_| CommError::InvalidArgument(format!("split: {v} does not fit an MPI int")))
+    };
+    Ok(SplitPlan {
+        mpi: Some((small(color)?, small(key)?)),
+        members,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn colors_and_keys_become_small_mpi_ints_ordered_by_key_then_rank() {
+        let all = vec![
+            encode(Some(0xFFFF_FFFF), 5),
+            encode(Some(3), i64::MAX),
+            encode(None, 0),
+            encode(Some(3), i64::MIN),
+            encode(Some(0xFFFF_FFFF), 5),
+        ];
+        let p = plan(&all, 1, |r| r).expect("plan");
+        assert_eq!(p.mpi, Some((0, 1)));
+        assert_eq!(p.members, vec![3, 1]);
+        let p = plan(&all, 4, |r| r).expect("plan");
+        assert_eq!(p.mpi, Some((1, 1)), "equal keys: rank order");
+        assert_eq!(p.members, vec![0, 4]);
+        assert_eq!(plan(&all, 2, |r| r).expect("plan").mpi, None);
+    }
+
+    #[test]
+    fn a_malformed_entry_names_the_sender() {
+        let all = vec![encode(Some(1), 0), vec![1, 2, 3]];
+        let e = plan(&all, 0, |r| r + 10).expect_err("malformed");
+        assert_eq!(e.blamed_rank(), Some(11));
+    }
+}

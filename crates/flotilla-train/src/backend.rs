@@ -1,0 +1,79 @@
+//! The process group a run trains over, by `comm.backend`: Flotilla's TCP transport (with
+//! its rendezvous), or MPI (with the `mpi` feature; rank and world size are MPI's), and
+//! [`finish`], which ends the backend's process-wide state at exit.
+
+use std::sync::Arc;
+
+use flotilla_comm::{Communicator, ProcessGroup};
+
+use crate::config::{Backend, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// Joins the job's world group: `rank` is what a launcher said (`None`: assigned at
+/// rendezvous), `hash` the config hash every rank must share, `world` the topology's size.
+pub fn connect(
+    config: &TrainConfig,
+    rank: Option<usize>,
+    hash: u64,
+    world: usize,
+) -> Result<Arc<dyn ProcessGroup>> {
+    match config.comm.backend {
+        Backend::Tcp => Ok(Arc::new(Communicator::connect(
+            config.comm_config(rank, hash, world),
+        )?)),
+        Backend::Mpi => connect_mpi(config, rank, hash, world),
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn connect_mpi(
+    config: &TrainConfig,
+    rank: Option<usize>,
+    hash: u64,
+    world: usize,
+) -> Result<Arc<dyn ProcessGroup>> {
+    let cfg = flotilla_mpi::MpiConfig {
+        timeout: std::time::Duration::from_secs_f64(config.comm.timeout_s),
+        config_hash: Some(hash),
+    };
+    let group = flotilla_mpi::MpiGroup::world(cfg)?;
+    let bad = |message: String| TrainError::config("comm.backend: mpi", message);
+    if group.size() != world {
+        return Err(bad(format!(
+            "MPI started {} processes but this topology has {world} ranks: run `mpirun -np {world} flotilla train ...`",
+            group.size()
+        )));
+    }
+    if let Some(r) = rank
+        && r != group.rank()
+    {
+        return Err(bad(format!(
+            "the launcher says rank {r} but MPI says rank {} (start the job with mpirun alone)",
+            group.rank()
+        )));
+    }
+    Ok(Arc::new(group))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn connect_mpi(
+    _config: &TrainConfig,
+    _rank: Option<usize>,
+    _hash: u64,
+    _world: usize,
+) -> Result<Arc<dyn ProcessGroup>> {
+    Err(TrainError::config(
+        "comm.backend: mpi",
+        "this binary was built without the `mpi` feature; rebuild with `cargo build --release --features mpi`",
+    ))
+}
+
+/// Ends the backend for this process; call once at exit, after the run returned (every
+/// group dropped). With MPI: `MPI_Finalize` after a clean run, `MPI_Abort` (ending the
+/// job) after a failed one or a collective that cannot be cancelled. Nothing for TCP.
+pub fn finish(success: bool) {
+    #[cfg(feature = "mpi")]
+    flotilla_mpi::finalize(success);
+    #[cfg(not(feature = "mpi"))]
+    let _ = success;
+}
