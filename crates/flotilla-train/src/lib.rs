@@ -12,6 +12,7 @@ pub mod config;
 pub mod error;
 pub mod eval;
 pub mod fault;
+pub mod history;
 pub mod layers;
 pub mod observe;
 pub mod pipeline;
