@@ -20,6 +20,7 @@ pub mod ps;
 pub mod role;
 pub mod runlog;
 pub mod runloop;
+pub mod strategies;
 pub mod strategy;
 pub mod trainer;
 
