@@ -1,6 +1,7 @@
 //! `flotilla launch`: writes the effective config, starts N local ranks of `flotilla train`
 //! on it, relays what they print (a progress bar from rank 0's events), and at the end merges
-//! their timelines and writes `summary.json` from their `finished` events.
+//! their timelines. Rank 0 writes the run's `summary.json` and plots itself ([`crate::report`]),
+//! as it does when started by another launcher.
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -11,12 +12,10 @@ use flotilla_cluster::Topology;
 use flotilla_telemetry::RankEvent;
 use flotilla_train::TrainConfig;
 use indicatif::ProgressBar;
-use serde_json::{Value, json};
 
-use crate::cli::LaunchArgs;
+use crate::cli::{LaunchArgs, RunArgs};
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
-use crate::report;
 use crate::{settings, telemetry};
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
@@ -29,9 +28,16 @@ struct Prepared {
 
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    let job = prepare(args)?;
+    let config = settings::effective_config(&args.run, false)?;
+    launch(config, &args.run, args.threads)
+}
+
+/// Starts the ranks of `config` on this machine and supervises them to the end; the
+/// rendezvous is a free port on 127.0.0.1 unless `flags` name one. `threads` per rank.
+pub fn launch(config: TrainConfig, flags: &RunArgs, threads: usize) -> Result<()> {
+    let job = prepare(config, flags)?;
     let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-    let mut ranks = LocalJob::spawn(job.n, &train, rank_env(&job, args.threads))?;
+    let mut ranks = LocalJob::spawn(job.n, &train, rank_env(&job, threads))?;
     ranks.tolerate(tolerated_ranks(&job.topology));
     let mut relay = Relay::new();
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
@@ -45,28 +51,6 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         }
     }
     result?;
-    let output = &config.telemetry.output;
-    let epochs = match report::read_metrics(&output.join("metrics.jsonl")) {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("warning: no plots: {e:#}");
-            Vec::new()
-        }
-    };
-    relay.write_summary(&output.join("summary.json"), report::run_figures(&epochs))?;
-    if !epochs.is_empty() {
-        match report::write_plots(output, &epochs) {
-            Ok(paths) => println!(
-                "plots: {}",
-                paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            Err(e) => eprintln!("warning: plots: {e:#}"),
-        }
-    }
     match relay.final_line {
         Some(line) => println!("{line}"),
         None => anyhow::bail!("rank 0 exited without a final line"),
@@ -74,13 +58,12 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The effective config with a rendezvous address, checked and written for the ranks.
-fn prepare(args: &LaunchArgs) -> Result<Prepared> {
-    let mut config = settings::effective_config(&args.run, false)?;
-    if args.run.master_port.is_none() {
+/// The config with a rendezvous address, checked and written for the ranks.
+fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
+    if flags.master_port.is_none() {
         config.comm.master_port = launch::free_port()?;
     }
-    if args.run.master_addr.is_none() {
+    if flags.master_addr.is_none() {
         config.comm.master_addr = "127.0.0.1".into();
     }
     let spec = config.validate()?;
@@ -157,7 +140,6 @@ struct Relay {
     /// `None` until rank 0's first progress event; `Some(None)` when not on a terminal.
     bar: Option<Option<ProgressBar>>,
     final_line: Option<String>,
-    finished: Vec<Value>,
 }
 
 impl Relay {
@@ -166,7 +148,6 @@ impl Relay {
             interactive: std::io::stderr().is_terminal(),
             bar: None,
             final_line: None,
-            finished: Vec::new(),
         }
     }
 
@@ -204,12 +185,9 @@ impl Relay {
                     b.set_message(format!("epoch {epoch}/{epochs} loss {loss:.4}"));
                 }
             }
-            RankEvent::Finished { role, figures } => {
-                self.finished
-                    .push(json!({ "rank": rank, "role": role, "figures": figures }));
-            }
-            // Failures are read by the supervisor itself.
-            RankEvent::Progress { .. } | RankEvent::Failed { .. } => {}
+            // Failures are read by the supervisor itself; rank 0 reports the finished ranks
+            // in its `summary.json`.
+            RankEvent::Progress { .. } | RankEvent::Failed { .. } | RankEvent::Finished { .. } => {}
         }
     }
 
@@ -217,14 +195,6 @@ impl Relay {
         if let Some(Some(b)) = self.bar.take() {
             b.finish_and_clear();
         }
-    }
-
-    /// `summary.json`: the run's figures (`run`, see [`report::run_figures`]) and every
-    /// rank's role and figures, by rank.
-    fn write_summary(&mut self, path: &std::path::Path, run: serde_json::Value) -> Result<()> {
-        self.finished.sort_by_key(|v| v["rank"].as_u64());
-        let body = serde_json::to_vec_pretty(&json!({ "run": run, "ranks": self.finished }))?;
-        std::fs::write(path, body).with_context(|| format!("writing {}", path.display()))
     }
 }
 

@@ -7,6 +7,7 @@ mod bench_ps;
 mod cli;
 mod launch;
 mod launch_cmd;
+mod plots;
 mod progress;
 mod report;
 mod settings;
@@ -90,6 +91,12 @@ fn train(args: &TrainArgs) -> Result<()> {
     })?;
     if let Some(dir) = &summary.checkpoint {
         println!("checkpoint: {}", dir.display());
+    }
+    if summary.rank == 0 {
+        // Rank 0 has the evaluations and every rank's traffic: the run's report is its job.
+        let written = report::write_run(&config, &summary).context("writing the run's report")?;
+        let paths: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+        println!("report: {}", paths.join(", "));
     }
     if observer.emits_events() {
         let event = RankEvent::Finished {

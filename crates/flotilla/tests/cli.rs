@@ -429,3 +429,66 @@ fn slurm_variables_alone_start_a_job() {
     assert!(!o.status.success());
     assert!(text(&o).contains("$SLURM_PROCID=\"first\""), "{}", text(&o));
 }
+
+/// Reads `<dir>/summary.json`.
+fn summary_of(dir: &std::path::Path) -> serde_json::Value {
+    let path = dir.join("summary.json");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).expect("summary.json is JSON")
+}
+
+/// A short LeNet-5 run: enough steps to be far above chance, in seconds.
+const SHORT_RUN: &str = "train_limit: 4000\nepochs: 2\nwarmup_steps: 0\nbatch_size: 64\n";
+
+/// Ranks started the way mpirun or torchrun start them (RANK, WORLD_SIZE, MASTER_*), with
+/// no `flotilla launch`: rank 0 still leaves the run's report.
+#[test]
+fn a_job_started_without_the_launcher_leaves_its_report() {
+    let dir = tmp();
+    let cfg = config_file(dir.path(), "short.yaml", SHORT_RUN);
+    let out = dir.path().join("by-hand");
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut c = flotilla();
+            c.args(["train", &cfg, "--output", out.to_str().expect("utf8")])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port);
+            std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(120)))
+        })
+        .collect();
+    let outputs: Vec<_> = ranks.into_iter().map(|h| h.join().expect("rank")).collect();
+    for o in &outputs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    let s = summary_of(&out);
+    let run = &s["run"];
+    let acc = run["final_acc"].as_f64().expect("final_acc");
+    assert!(acc > 0.5, "accuracy {acc} is not above chance: {run}");
+    assert_eq!(Some(acc), Some(final_fields(&outputs[0])["test_acc"]));
+    // 2 epochs of 31 steps (each rank's 2000 samples in whole batches of 64).
+    assert_eq!(run["steps"], 62, "{run}");
+    assert_eq!(run["samples"], 62 * 128, "{run}");
+    // Ring all-reduce of LeNet-5's 61,706 f32 gradients: each rank sends at least its
+    // 2 (N-1)/N share of the buffer per step, i.e. at least 4 bytes per parameter per step
+    // in all (plus evaluation, the initial broadcast and headers).
+    let moved = run["bytes_moved"].as_f64().expect("bytes_moved");
+    assert!(moved >= 62.0 * 61_706.0 * 4.0, "{run}");
+    let per_sample = run["bytes_per_sample"].as_f64().expect("bytes_per_sample");
+    assert!((per_sample - moved / (62.0 * 128.0)).abs() < 1e-6, "{run}");
+    assert!(run["samples_per_s"].as_f64() > Some(0.0), "{run}");
+    assert_eq!(s["topology"]["roles"], serde_json::json!(["peer", "peer"]));
+    assert_eq!(s["config"]["model"]["spec"], "lenet5");
+    assert_eq!(s["history"].as_array().map(Vec::len), Some(2), "{s}");
+    assert_eq!(s["ranks"][1]["role"], "peer");
+    assert!(s["ranks"][1]["bytes_sent"].as_u64() > Some(0));
+    for plot in ["loss.svg", "accuracy.svg"] {
+        let svg = std::fs::read_to_string(out.join(plot)).expect(plot);
+        assert!(
+            svg.starts_with("<svg") && svg.contains("<polyline"),
+            "{plot}"
+        );
+    }
+}
