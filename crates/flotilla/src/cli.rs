@@ -23,6 +23,11 @@ pub enum Command {
     /// Start N local ranks of a training job and supervise them: if one fails, all are stopped
     /// and its error is shown.
     Launch(LaunchArgs),
+    /// Run one config in several strategies, one after the other on this machine (each as
+    /// `flotilla launch` would, into OUTPUT/<strategy>/), and write OUTPUT/compare.md and
+    /// OUTPUT/compare.svg: time to the target accuracy, final accuracy, samples/s, bytes moved
+    /// per sample.
+    Compare(CompareArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -138,6 +143,31 @@ pub struct LaunchArgs {
     pub run: RunArgs,
     /// Threads per rank (sets RAYON_NUM_THREADS, OMP_NUM_THREADS and MKL_NUM_THREADS in each
     /// rank unless already set).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
+}
+
+/// `flotilla compare`.
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    /// The config and its overrides (`--output`: the report's directory, default the
+    /// config's output; `-n`: ranks computing gradients in every strategy, default the
+    /// config's: all-reduce peers, parameter-server workers or pipeline stages).
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Strategies to run, in order: sync_allreduce, ps_flat_sync, ps_flat_async,
+    /// ps_hierarchical, pipeline, async_allreduce.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = flotilla_train::strategies::DEFAULT_STRATEGIES
+    )]
+    pub strategies: Vec<String>,
+    /// The accuracy whose time to reach is compared (default: the config's
+    /// `target_accuracy`, else 0.98).
+    #[arg(long)]
+    pub target_accuracy: Option<f64>,
+    /// Threads per rank (as `flotilla launch --threads`).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
 }

@@ -1,10 +1,13 @@
-//! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
+//! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `compare` (one
+//! config in several strategies), `bench`, `config`.
 
 mod bench;
 mod bench_job;
 mod bench_pipeline;
 mod bench_ps;
 mod cli;
+mod compare;
+mod compare_report;
 mod launch;
 mod launch_cmd;
 mod plots;
@@ -27,6 +30,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train(&args),
         Command::Launch(args) => telemetry::init(None).and_then(|_| launch_cmd::run(&args)),
+        Command::Compare(args) => telemetry::init(None).and_then(|_| compare::run(&args)),
         Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),

@@ -7,7 +7,7 @@
 //! its sender; frame headers included); bytes per sample divides them by the training
 //! samples of the run.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use flotilla_train::history::{EvalPoint, History, JobTraffic};
@@ -99,6 +99,13 @@ pub fn write_run(config: &TrainConfig, summary: &RunSummary) -> Result<Vec<PathB
         Err(e) => eprintln!("warning: plots: {e:#}"),
     }
     Ok(written)
+}
+
+/// Reads the `summary.json` of the run in `dir`.
+pub fn read_summary(dir: &Path) -> Result<Value> {
+    let path = dir.join(SUMMARY_FILE);
+    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
 }
 
 #[cfg(test)]

@@ -492,3 +492,67 @@ fn a_job_started_without_the_launcher_leaves_its_report() {
         );
     }
 }
+
+#[test]
+fn compare_runs_each_strategy_and_reports_them() {
+    let dir = tmp();
+    let cfg = config_file(dir.path(), "short.yaml", SHORT_RUN);
+    let out = dir.path().join("compare");
+    let started = Instant::now();
+    let o = run_with_deadline(
+        {
+            let mut c = flotilla();
+            c.args(["compare", &cfg, "-n", "2", "--target-accuracy", "0.5"])
+                .args(["--strategies", "sync_allreduce,ps_flat_sync"])
+                .args(["--output", out.to_str().expect("utf8")]);
+            c
+        },
+        Duration::from_secs(180),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    eprintln!("compare of 2 strategies took {:?}", started.elapsed());
+    let md = std::fs::read_to_string(out.join("compare.md")).expect("compare.md");
+    let row = |name: &str| -> Vec<String> {
+        let line = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{md}"));
+        line.split('|').map(|c| c.trim().to_string()).collect()
+    };
+    let pct = |cell: &str| -> f64 { cell.trim_end_matches('%').parse().expect(cell) };
+    let (ar, ps) = (row("sync_allreduce"), row("ps_flat_sync"));
+    assert_eq!(ar[2], "2 (2 peer)", "{md}");
+    assert_eq!(ps[2], "3 (1 root, 2 worker)", "{md}");
+    for r in [&ar, &ps] {
+        assert!(
+            r[3].ends_with(')') && r[3].contains(" s (step "),
+            "time to 50%: {md}"
+        );
+        assert!(pct(&r[4]) > 50.0, "final accuracy: {md}");
+        assert!(r[6].parse::<f64>().expect("samples/s") > 0.0, "{md}");
+        assert!(r[7].ends_with("KiB"), "bytes per sample: {md}");
+    }
+    // Per sample, a flat server's workers each push and pull the whole model every round;
+    // the ring moves about one model per rank per step: the server moves more.
+    let bytes = |dir: &str| summary_of(&out.join(dir))["run"]["bytes_per_sample"].as_f64();
+    assert!(bytes("ps_flat_sync") > bytes("sync_allreduce"), "{md}");
+    let svg = std::fs::read_to_string(out.join("compare.svg")).expect("compare.svg");
+    assert!(
+        svg.contains("sync_allreduce") && svg.contains("ps_flat_sync") && svg.contains("<polyline"),
+        "compare.svg"
+    );
+
+    // An unknown name is refused before anything runs, with the known names.
+    let mut c = flotilla();
+    c.args(["compare", &cfg, "--strategies", "sync_allreduce,ps_flat"])
+        .args(["--output", dir.path().join("never").to_str().expect("utf8")]);
+    let o = run_with_deadline(c, Duration::from_secs(30));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("unknown strategy `ps_flat`") && err.contains("ps_hierarchical"),
+        "{}",
+        text(&o)
+    );
+    assert!(!dir.path().join("never").exists());
+}
