@@ -496,14 +496,20 @@ fn a_job_started_without_the_launcher_leaves_its_report() {
 #[test]
 fn compare_runs_each_strategy_and_reports_them() {
     let dir = tmp();
-    let cfg = config_file(dir.path(), "short.yaml", SHORT_RUN);
+    // A pipeline cannot cut a batch of 64 into 128 micro-batches: that strategy fails in its
+    // row, the others run.
+    let cfg = config_file(
+        dir.path(),
+        "short.yaml",
+        &format!("{SHORT_RUN}micro_batches: 128\n"),
+    );
     let out = dir.path().join("compare");
     let started = Instant::now();
     let o = run_with_deadline(
         {
             let mut c = flotilla();
             c.args(["compare", &cfg, "-n", "2", "--target-accuracy", "0.5"])
-                .args(["--strategies", "sync_allreduce,ps_flat_sync"])
+                .args(["--strategies", "sync_allreduce,pipeline,ps_flat_sync"])
                 .args(["--output", out.to_str().expect("utf8")]);
             c
         },
@@ -523,6 +529,11 @@ fn compare_runs_each_strategy_and_reports_them() {
     let (ar, ps) = (row("sync_allreduce"), row("ps_flat_sync"));
     assert_eq!(ar[2], "2 (2 peer)", "{md}");
     assert_eq!(ps[2], "3 (1 root, 2 worker)", "{md}");
+    let pipeline = row("pipeline");
+    assert!(
+        pipeline[3].starts_with("failed: ") && pipeline[3].contains("128 micro-batches"),
+        "{md}"
+    );
     for r in [&ar, &ps] {
         assert!(
             r[3].ends_with(')') && r[3].contains(" s (step "),
@@ -540,6 +551,10 @@ fn compare_runs_each_strategy_and_reports_them() {
     assert!(
         svg.contains("sync_allreduce") && svg.contains("ps_flat_sync") && svg.contains("<polyline"),
         "compare.svg"
+    );
+    assert!(
+        !svg.lines().any(|l| l.trim() == "pipeline"),
+        "a failed strategy has no line in the legend"
     );
 
     // An unknown name is refused before anything runs, with the known names.
