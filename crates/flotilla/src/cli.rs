@@ -27,6 +27,10 @@ pub enum Command {
     /// `flotilla launch` would, into OUTPUT/<strategy>/), and write OUTPUT/compare.md and
     /// OUTPUT/compare.svg: time to the target accuracy, final accuracy, samples/s, bytes moved
     /// per sample.
+    ///
+    /// `--output` is the report's directory (default: the config's output); `-n` is the number
+    /// of ranks computing gradients in every strategy (default: the config's all-reduce peers,
+    /// parameter-server workers or pipeline stages).
     Compare(CompareArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
@@ -150,9 +154,7 @@ pub struct LaunchArgs {
 /// `flotilla compare`.
 #[derive(Debug, Clone, Args)]
 pub struct CompareArgs {
-    /// The config and its overrides (`--output`: the report's directory, default the
-    /// config's output; `-n`: ranks computing gradients in every strategy, default the
-    /// config's: all-reduce peers, parameter-server workers or pipeline stages).
+    /// The config and its overrides (`--output` and `-n` as the command's help says).
     #[command(flatten)]
     pub run: RunArgs,
     /// Strategies to run, in order: sync_allreduce, ps_flat_sync, ps_flat_async,
