@@ -58,6 +58,14 @@ pub enum TrainError {
         /// What went wrong.
         message: String,
     },
+    /// A strategy name that [`crate::strategies::STRATEGIES`] does not have.
+    #[error("unknown strategy `{name}` (known: {known})")]
+    UnknownStrategy {
+        /// The name given.
+        name: String,
+        /// The known names, comma-separated.
+        known: String,
+    },
     /// An I/O error with the path it concerned.
     #[error("{path}: {source}")]
     Io {

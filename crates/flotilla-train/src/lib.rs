@@ -13,6 +13,7 @@ pub mod config;
 pub mod error;
 pub mod eval;
 pub mod fault;
+pub mod history;
 pub mod layers;
 pub mod observe;
 pub mod pipeline;
@@ -20,6 +21,7 @@ pub mod ps;
 pub mod role;
 pub mod runlog;
 pub mod runloop;
+pub mod strategies;
 pub mod strategy;
 pub mod trainer;
 

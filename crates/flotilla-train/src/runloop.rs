@@ -13,6 +13,7 @@ use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
+use crate::history::{EvalPoint, History, LossPoint};
 use crate::observe::StepEvent;
 use crate::role::{Cx, Evaluation, Role, Step};
 use crate::runlog::{EpochMetrics, append_metrics};
@@ -60,6 +61,10 @@ pub struct Finished {
     pub train_loss: f64,
     /// Training samples per second over the run (all ranks).
     pub samples_per_s: f64,
+    /// Training samples of this run (all ranks; those before a resume not counted).
+    pub samples: u64,
+    /// Every step's loss and every record (epoch ends, evaluations).
+    pub history: History,
     /// The final checkpoint, if this rank writes them.
     pub checkpoint: Option<PathBuf>,
     /// XXH3 of the final parameters, checked identical on every rank (collective roles).
@@ -71,6 +76,8 @@ struct Epoch {
     loss_sum: f64,
     /// Steps that reported a loss (an async peer's step that applied nothing has none).
     steps: u64,
+    /// Training samples (all ranks) of the epoch's steps.
+    samples: u64,
 }
 
 impl Epoch {
@@ -79,6 +86,7 @@ impl Epoch {
             started: Instant::now(),
             loss_sum: 0.0,
             steps: 0,
+            samples: 0,
         }
     }
 }
@@ -96,6 +104,7 @@ struct Loop<'r, 'd, 'c> {
     samples: u64,
     last_eval: Option<EvalStats>,
     stopped: Option<String>,
+    history: History,
 }
 
 /// Runs `role` to the end of the plan (or until its server stops it).
@@ -118,6 +127,7 @@ pub fn run(
         samples: 0,
         last_eval: None,
         stopped: None,
+        history: History::default(),
     };
     let train_started = Instant::now();
     l.role.start(l.cx)?;
@@ -200,8 +210,14 @@ impl Loop<'_, '_, '_> {
             self.epoch.loss_sum += f64::from(loss);
             self.epoch.steps += 1;
             self.train_loss = f64::from(loss);
+            self.history.losses.push(LossPoint {
+                step: at,
+                wall_s: self.plan.started.elapsed().as_secs_f64(),
+                loss: f64::from(loss),
+            });
         }
         self.samples += step.samples;
+        self.epoch.samples += step.samples;
         // A step without a loss of its own shows the newest one.
         self.observe(self.train_loss as f32);
         self.periodic_checkpoint()?;
@@ -306,6 +322,7 @@ impl Loop<'_, '_, '_> {
     /// A parameter-server root's evaluation every so many rounds, and its target.
     fn evaluate_rounds(&mut self, round: u64) -> Result<()> {
         let stats = self.evaluate()?;
+        self.record_rounds(stats);
         self.cx.log(&format!(
             "eval round {round} test_loss={:.4} test_acc={:.4}",
             stats.loss(),
@@ -321,6 +338,20 @@ impl Loop<'_, '_, '_> {
             self.stop(reason)?;
         }
         Ok(())
+    }
+
+    /// The record of the rounds since the previous one, ending with evaluation `stats`.
+    fn record_rounds(&mut self, stats: EvalStats) {
+        let e = std::mem::replace(&mut self.epoch, Epoch::new());
+        let seconds = e.started.elapsed().as_secs_f64().max(1e-9);
+        self.history.records.push(EvalPoint {
+            step: self.progress,
+            wall_s: self.plan.started.elapsed().as_secs_f64(),
+            train_loss: (e.steps > 0).then(|| e.loss_sum / e.steps as f64),
+            test_loss: Some(stats.loss()),
+            test_acc: Some(stats.accuracy()),
+            samples_per_s: (e.samples > 0).then(|| e.samples as f64 / seconds),
+        });
     }
 
     /// The line (and metrics record) of a finished epoch, with its evaluation when due.
@@ -363,6 +394,14 @@ impl Loop<'_, '_, '_> {
         if self.role.writes_checkpoints() {
             append_metrics(&self.cx.config.telemetry.output, &metrics)?;
         }
+        self.history.records.push(EvalPoint {
+            step: metrics.step,
+            wall_s: metrics.wall_s,
+            train_loss: Some(metrics.train_loss).filter(|l| l.is_finite()),
+            test_loss: metrics.test_loss,
+            test_acc: metrics.test_acc,
+            samples_per_s: Some(metrics.samples_per_s),
+        });
         self.epoch = Epoch::new();
         Ok(())
     }
@@ -371,7 +410,16 @@ impl Loop<'_, '_, '_> {
         let eval = match (self.role.evaluation(), self.last_eval) {
             (Evaluation::None, _) => None,
             (Evaluation::Collective, Some(e)) => Some(e),
-            _ => Some(self.evaluate()?),
+            _ => {
+                let stats = self.evaluate()?;
+                let recorded = self.history.records.last().is_some_and(|r| {
+                    r.step == self.progress && r.test_acc == Some(stats.accuracy())
+                });
+                if !recorded {
+                    self.record_rounds(stats);
+                }
+                Some(stats)
+            }
         };
         let param_hash = self.role.verify_identical(self.cx)?;
         if let Some(line) = self.role.report(self.cx) {
@@ -397,8 +445,10 @@ impl Loop<'_, '_, '_> {
             eval,
             train_loss: self.train_loss,
             samples_per_s: self.samples as f64 / train_s.max(1e-9),
+            samples: self.samples,
             checkpoint,
             param_hash,
+            history: self.history,
         })
     }
 }

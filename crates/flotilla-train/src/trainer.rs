@@ -16,6 +16,7 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::config::{AllReduceMode, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::fault::Fault;
+use crate::history::{History, RankReport};
 use crate::observe::Observer;
 use crate::ps;
 use crate::role::{Cx, Role};
@@ -44,12 +45,20 @@ pub struct RunSummary {
     pub wall_s: f64,
     /// Global training samples per second over the run.
     pub samples_per_s: f64,
+    /// Global training samples of this run (as this rank counts them: peers and the root
+    /// count every rank's).
+    pub samples: u64,
     /// XXH3 of the final parameters (identical on every rank).
     pub param_hash: u64,
     /// The final checkpoint directory (rank 0 only).
     pub checkpoint: Option<PathBuf>,
     /// The figures above by name, and the role's own (see [`crate::Role::figures`]).
     pub figures: std::collections::BTreeMap<String, f64>,
+    /// This rank's history of the run (losses, epoch ends, evaluations).
+    pub history: History,
+    /// Every rank's role, figures and traffic, by rank, gathered at the end of the run;
+    /// `None` when a rank could not take part (e.g. a worker an async server lost).
+    pub ranks: Option<Vec<RankReport>>,
 }
 
 impl RunSummary {
@@ -398,7 +407,7 @@ impl Job<'_> {
         Ok(summary)
     }
 
-    fn summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
+    fn summary(&self, role: &dyn Role, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
         let mut s = self.bare_summary(role, cx, done);
         let own = role.figures(cx);
         s.figures = [
@@ -414,7 +423,43 @@ impl Job<'_> {
         .filter(|(_, v)| v.is_finite())
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        s.ranks = self.gather_ranks(&s, cx);
         s
+    }
+
+    /// Every rank's [`RankReport`], exchanged once at the end (the traffic of the exchange
+    /// itself is not counted). A failure is logged, not fatal: the run itself is done.
+    fn gather_ranks(&self, s: &RunSummary, cx: &mut Cx<'_>) -> Option<Vec<RankReport>> {
+        let traffic = self.comm.stats();
+        let mine = RankReport {
+            rank: s.rank,
+            role: s.role.to_string(),
+            bytes_sent: traffic.bytes_sent,
+            bytes_received: traffic.bytes_received,
+            figures: s.figures.clone(),
+        };
+        let gathered = serde_json::to_vec(&mine)
+            .map_err(|e| e.to_string())
+            .and_then(|bytes| {
+                self.comm
+                    .all_gather_bytes(&bytes)
+                    .map_err(|e| e.to_string())
+            })
+            .and_then(|all| {
+                all.iter()
+                    .map(|b| serde_json::from_slice::<RankReport>(b).map_err(|e| e.to_string()))
+                    .collect::<std::result::Result<Vec<_>, _>>()
+            });
+        match gathered {
+            Ok(ranks) => Some(ranks),
+            Err(e) => {
+                // The log is the place for it; a failed write of it changes nothing here.
+                let _ = cx.log(&format!(
+                    "warning: the ranks' traffic was not gathered (summary without bytes moved): {e}"
+                ));
+                None
+            }
+        }
     }
 
     fn bare_summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
@@ -428,15 +473,19 @@ impl Job<'_> {
             steps: done.progress,
             wall_s: self.started.elapsed().as_secs_f64(),
             samples_per_s: done.samples_per_s,
+            samples: done.samples,
             param_hash: done.param_hash.unwrap_or(0),
             checkpoint: done.checkpoint,
             figures: Default::default(),
+            history: done.history,
+            ranks: None,
         }
     }
 }
 
-/// What rank `rank` does in `topology`, in a word.
-fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
+/// What rank `rank` does in `topology`, in a word (`peer`, `stage`, `root`, `shard-server`,
+/// `global-server`, `local-server`, `worker`).
+pub fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
     use flotilla_cluster::RoleKind;
     match topology.arch() {
         flotilla_cluster::Arch::Allreduce => return "peer",

@@ -27,6 +27,15 @@ pub enum Command {
     /// End the ranks that `flotilla launch --inventory` started on the inventory's hosts, by
     /// the pids they recorded in their job directories.
     Stop(StopArgs),
+    /// Run one config in several strategies, one after the other on this machine (each as
+    /// `flotilla launch` would, into OUTPUT/<strategy>/), and write OUTPUT/compare.md and
+    /// OUTPUT/compare.svg: time to the target accuracy, final accuracy, samples/s, bytes moved
+    /// per sample.
+    ///
+    /// `--output` is the report's directory (default: the config's output); `-n` is the number
+    /// of ranks computing gradients in every strategy (default: the config's all-reduce peers,
+    /// parameter-server workers or pipeline stages).
+    Compare(CompareArgs),
     /// Benchmarks that print ratios against a reference measured in the same run.
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -148,6 +157,14 @@ pub struct LaunchArgs {
     /// rank unless already set).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Where ranks go with `--inventory`.
+    #[command(flatten)]
+    pub remote: RemoteArgs,
+}
+
+/// `flotilla launch --inventory`: how the ranks reach their hosts.
+#[derive(Debug, Clone, Args)]
+pub struct RemoteArgs {
     /// With `--inventory`: copy this binary, the config and the model spec file into the
     /// job's directory on every host first (the data path stays the user's).
     #[arg(long)]
@@ -160,6 +177,16 @@ pub struct LaunchArgs {
     /// binary's own path).
     #[arg(long)]
     pub remote_exe: Option<String>,
+}
+
+impl Default for RemoteArgs {
+    fn default() -> Self {
+        RemoteArgs {
+            sync: false,
+            remote_dir: crate::remote::DEFAULT_REMOTE_DIR.to_owned(),
+            remote_exe: None,
+        }
+    }
 }
 
 /// `flotilla stop`.
@@ -175,6 +202,29 @@ pub struct StopArgs {
     /// Parent of the per-job directories, as given to `launch`.
     #[arg(long, default_value = crate::remote::DEFAULT_REMOTE_DIR)]
     pub remote_dir: String,
+}
+
+/// `flotilla compare`.
+#[derive(Debug, Clone, Args)]
+pub struct CompareArgs {
+    /// The config and its overrides (`--output` and `-n` as the command's help says).
+    #[command(flatten)]
+    pub run: RunArgs,
+    /// Strategies to run, in order: sync_allreduce, ps_flat_sync, ps_flat_async,
+    /// ps_hierarchical, pipeline, async_allreduce.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = flotilla_train::strategies::DEFAULT_STRATEGIES
+    )]
+    pub strategies: Vec<String>,
+    /// The accuracy whose time to reach is compared (default: the config's
+    /// `target_accuracy`, else 0.98).
+    #[arg(long)]
+    pub target_accuracy: Option<f64>,
+    /// Threads per rank (as `flotilla launch --threads`).
+    #[arg(long, default_value_t = 1)]
+    pub threads: usize,
 }
 
 /// `flotilla bench ...`.

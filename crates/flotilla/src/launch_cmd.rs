@@ -1,7 +1,9 @@
 //! `flotilla launch`: writes the effective config, starts the ranks of `flotilla train` on it
 //! (N local processes, or over ssh on the hosts of `--inventory`: [`crate::remote_launch`]),
-//! relays what they print (a progress bar from rank 0's events), and at the end merges
-//! their timelines and writes `summary.json` from their `finished` events.
+//! relays what they print (a progress bar from rank 0's events), and at the end merges their
+//! timelines. Rank 0 writes the run's `summary.json` and plots itself ([`crate::report`]), as
+//! it does when started by another launcher (over ssh, on its host; the launcher copies the
+//! hosts' outputs back).
 
 use std::ffi::OsString;
 use std::io::IsTerminal;
@@ -12,13 +14,11 @@ use flotilla_cluster::Topology;
 use flotilla_telemetry::RankEvent;
 use flotilla_train::TrainConfig;
 use indicatif::ProgressBar;
-use serde_json::{Value, json};
 
-use crate::cli::LaunchArgs;
+use crate::cli::{LaunchArgs, RemoteArgs, RunArgs};
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
 use crate::remote_launch::{self, Remote};
-use crate::report;
 use crate::{settings, telemetry};
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
@@ -33,30 +33,34 @@ struct Prepared {
 
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    let mut job = prepare(args)?;
+    let config = settings::effective_config(&args.run, false)?;
+    launch(config, &args.run, args.threads, &args.remote)
+}
+
+/// Starts the ranks of `config` (on this machine, or on the hosts of its inventory) and
+/// supervises them to the end; the rendezvous is a free port on 127.0.0.1 (or on rank 0's
+/// host) unless `flags` name one. `threads` per rank.
+pub fn launch(
+    config: TrainConfig,
+    flags: &RunArgs,
+    threads: usize,
+    remote_args: &RemoteArgs,
+) -> Result<()> {
+    let mut job = prepare(config, flags)?;
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {
-        Some(placement) => Some(remote_launch::prepare(&job.config, &placement, args)?),
+        Some(placement) => Some(remote_launch::prepare(
+            &job.config,
+            &placement,
+            remote_args,
+        )?),
         None => None,
     };
     let mut ranks = match &remote {
-        Some(r) => {
-            r.record(&job.config.telemetry.output)?;
-            println!(
-                "[launcher] job {} (stop it with: flotilla stop --inventory {} --job {})",
-                r.job.job_id,
-                job.config
-                    .topology
-                    .inventory
-                    .as_ref()
-                    .map_or(String::new(), |p| p.display().to_string()),
-                r.job.job_id
-            );
-            r.start(rank_env(&job, args.threads))?
-        }
+        Some(r) => start_remote(&job, r, threads)?,
         None => {
             let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-            LocalJob::spawn(job.n, &train, rank_env(&job, args.threads))?
+            LocalJob::spawn(job.n, &train, rank_env(&job, threads))?
         }
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
@@ -77,28 +81,6 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
         }
     }
     result?;
-    let output = &config.telemetry.output;
-    let epochs = match report::read_metrics(&output.join("metrics.jsonl")) {
-        Ok(e) => e,
-        Err(e) => {
-            eprintln!("warning: no plots: {e:#}");
-            Vec::new()
-        }
-    };
-    relay.write_summary(&output.join("summary.json"), report::run_figures(&epochs))?;
-    if !epochs.is_empty() {
-        match report::write_plots(output, &epochs) {
-            Ok(paths) => println!(
-                "plots: {}",
-                paths
-                    .iter()
-                    .map(|p| p.display().to_string())
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-            Err(e) => eprintln!("warning: plots: {e:#}"),
-        }
-    }
     match relay.final_line {
         Some(line) => println!("{line}"),
         None => anyhow::bail!("rank 0 exited without a final line"),
@@ -106,17 +88,28 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     Ok(())
 }
 
-/// The effective config with a rendezvous address, checked and written for the ranks.
-fn prepare(args: &LaunchArgs) -> Result<Prepared> {
-    let mut config = settings::effective_config(&args.run, false)?;
-    if args.run.master_port.is_none() {
+/// Starts the ranks on their inventory hosts (the job id printed and recorded first).
+fn start_remote(job: &Prepared, remote: &Remote, threads: usize) -> Result<LocalJob> {
+    remote.record(&job.config.telemetry.output)?;
+    let inventory = job.config.topology.inventory.as_ref();
+    println!(
+        "[launcher] job {id} (stop it with: flotilla stop --inventory {} --job {id})",
+        inventory.map_or(String::new(), |p| p.display().to_string()),
+        id = remote.job.job_id,
+    );
+    remote.start(rank_env(job, threads))
+}
+
+/// The config with a rendezvous address, checked and written for the ranks.
+fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
+    if flags.master_port.is_none() {
         config.comm.master_port = launch::free_port()?;
     }
     let placement = match &config.topology.inventory {
         Some(path) => Some(remote_launch::placement(&config, path)?),
         None => None,
     };
-    if args.run.master_addr.is_none() {
+    if flags.master_addr.is_none() {
         // Rank 0's host is the rendezvous; every other rank binds the address it reaches
         // rank 0 from (its own host's), so peers connect to each other's hosts.
         config.comm.master_addr = placement
@@ -220,7 +213,6 @@ struct Relay {
     /// `None` until rank 0's first progress event; `Some(None)` when not on a terminal.
     bar: Option<Option<ProgressBar>>,
     final_line: Option<String>,
-    finished: Vec<Value>,
 }
 
 impl Relay {
@@ -230,7 +222,6 @@ impl Relay {
             interactive: std::io::stderr().is_terminal(),
             bar: None,
             final_line: None,
-            finished: Vec::new(),
         }
     }
 
@@ -271,12 +262,9 @@ impl Relay {
                     b.set_message(format!("epoch {epoch}/{epochs} loss {loss:.4}"));
                 }
             }
-            RankEvent::Finished { role, figures } => {
-                self.finished
-                    .push(json!({ "rank": rank, "role": role, "figures": figures }));
-            }
-            // Failures are read by the supervisor itself.
-            RankEvent::Progress { .. } | RankEvent::Failed { .. } => {}
+            // Failures are read by the supervisor itself; rank 0 reports the finished ranks
+            // in its `summary.json`.
+            RankEvent::Progress { .. } | RankEvent::Failed { .. } | RankEvent::Finished { .. } => {}
         }
     }
 
@@ -284,14 +272,6 @@ impl Relay {
         if let Some(Some(b)) = self.bar.take() {
             b.finish_and_clear();
         }
-    }
-
-    /// `summary.json`: the run's figures (`run`, see [`report::run_figures`]) and every
-    /// rank's role and figures, by rank.
-    fn write_summary(&mut self, path: &std::path::Path, run: serde_json::Value) -> Result<()> {
-        self.finished.sort_by_key(|v| v["rank"].as_u64());
-        let body = serde_json::to_vec_pretty(&json!({ "run": run, "ranks": self.finished }))?;
-        std::fs::write(path, body).with_context(|| format!("writing {}", path.display()))
     }
 }
 

@@ -1,4 +1,5 @@
-//! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `bench`, `config`.
+//! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `compare` (one
+//! config in several strategies), `bench`, `config`.
 
 mod bench;
 mod bench_allreduce;
@@ -7,8 +8,11 @@ mod bench_mpi;
 mod bench_pipeline;
 mod bench_ps;
 mod cli;
+mod compare;
+mod compare_report;
 mod launch;
 mod launch_cmd;
+mod plots;
 mod progress;
 mod remote;
 mod remote_launch;
@@ -32,6 +36,7 @@ fn main() -> ExitCode {
         Command::Train(args) => train(&args),
         Command::Launch(args) => telemetry::init(None).and_then(|_| launch_cmd::run(&args)),
         Command::Stop(args) => stop_cmd::run(&args),
+        Command::Compare(args) => telemetry::init(None).and_then(|_| compare::run(&args)),
         Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
@@ -102,6 +107,12 @@ fn train(args: &TrainArgs) -> Result<()> {
     })?;
     if let Some(dir) = &summary.checkpoint {
         println!("checkpoint: {}", dir.display());
+    }
+    if summary.rank == 0 {
+        // Rank 0 has the evaluations and every rank's traffic: the run's report is its job.
+        let written = report::write_run(&config, &summary).context("writing the run's report")?;
+        let paths: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+        println!("report: {}", paths.join(", "));
     }
     if observer.emits_events() {
         let event = RankEvent::Finished {

@@ -17,7 +17,7 @@ use flotilla_cluster::{Inventory, Placement, place};
 use flotilla_train::TrainConfig;
 use serde_json::json;
 
-use crate::cli::LaunchArgs;
+use crate::cli::RemoteArgs;
 use crate::launch::{LocalJob, StopHook};
 use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_TOKEN, RemoteJob};
 
@@ -37,7 +37,7 @@ pub fn placement(config: &TrainConfig, inventory: &Path) -> Result<Placement> {
 }
 
 /// Creates the job directory on every host and writes the ranks' files into it.
-pub fn prepare(config: &TrainConfig, placement: &Placement, args: &LaunchArgs) -> Result<Remote> {
+pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -> Result<Remote> {
     if config.schedule.resume {
         bail!(
             "--resume with --inventory is not supported: each ssh job has a directory of its own \

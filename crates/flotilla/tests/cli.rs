@@ -429,3 +429,145 @@ fn slurm_variables_alone_start_a_job() {
     assert!(!o.status.success());
     assert!(text(&o).contains("$SLURM_PROCID=\"first\""), "{}", text(&o));
 }
+
+/// Reads `<dir>/summary.json`.
+fn summary_of(dir: &std::path::Path) -> serde_json::Value {
+    let path = dir.join("summary.json");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_slice(&bytes).expect("summary.json is JSON")
+}
+
+/// A short LeNet-5 run: enough steps to be far above chance, in seconds.
+const SHORT_RUN: &str = "train_limit: 4000\nepochs: 2\nwarmup_steps: 0\nbatch_size: 64\n";
+
+/// Ranks started the way mpirun or torchrun start them (RANK, WORLD_SIZE, MASTER_*), with
+/// no `flotilla launch`: rank 0 still leaves the run's report.
+#[test]
+fn a_job_started_without_the_launcher_leaves_its_report() {
+    let dir = tmp();
+    let cfg = config_file(dir.path(), "short.yaml", SHORT_RUN);
+    let out = dir.path().join("by-hand");
+    let port = free_port();
+    let ranks: Vec<_> = (0..2)
+        .map(|rank| {
+            let mut c = flotilla();
+            c.args(["train", &cfg, "--output", out.to_str().expect("utf8")])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port);
+            std::thread::spawn(move || run_with_deadline(c, Duration::from_secs(120)))
+        })
+        .collect();
+    let outputs: Vec<_> = ranks.into_iter().map(|h| h.join().expect("rank")).collect();
+    for o in &outputs {
+        assert!(o.status.success(), "{}", text(o));
+    }
+    let s = summary_of(&out);
+    let run = &s["run"];
+    let acc = run["final_acc"].as_f64().expect("final_acc");
+    assert!(acc > 0.5, "accuracy {acc} is not above chance: {run}");
+    assert_eq!(Some(acc), Some(final_fields(&outputs[0])["test_acc"]));
+    // 2 epochs of 31 steps (each rank's 2000 samples in whole batches of 64).
+    assert_eq!(run["steps"], 62, "{run}");
+    assert_eq!(run["samples"], 62 * 128, "{run}");
+    // Ring all-reduce of LeNet-5's 61,706 f32 gradients: each rank sends at least its
+    // 2 (N-1)/N share of the buffer per step, i.e. at least 4 bytes per parameter per step
+    // in all (plus evaluation, the initial broadcast and headers).
+    let moved = run["bytes_moved"].as_f64().expect("bytes_moved");
+    assert!(moved >= 62.0 * 61_706.0 * 4.0, "{run}");
+    let per_sample = run["bytes_per_sample"].as_f64().expect("bytes_per_sample");
+    assert!((per_sample - moved / (62.0 * 128.0)).abs() < 1e-6, "{run}");
+    assert!(run["samples_per_s"].as_f64() > Some(0.0), "{run}");
+    assert_eq!(s["topology"]["roles"], serde_json::json!(["peer", "peer"]));
+    assert_eq!(s["config"]["model"]["spec"], "lenet5");
+    assert_eq!(s["history"].as_array().map(Vec::len), Some(2), "{s}");
+    assert_eq!(s["ranks"][1]["role"], "peer");
+    assert!(s["ranks"][1]["bytes_sent"].as_u64() > Some(0));
+    for plot in ["loss.svg", "accuracy.svg"] {
+        let svg = std::fs::read_to_string(out.join(plot)).expect(plot);
+        assert!(
+            svg.starts_with("<svg") && svg.contains("<polyline"),
+            "{plot}"
+        );
+    }
+}
+
+#[test]
+fn compare_runs_each_strategy_and_reports_them() {
+    let dir = tmp();
+    // A pipeline cannot cut a batch of 64 into 128 micro-batches: that strategy fails in its
+    // row, the others run.
+    let cfg = config_file(
+        dir.path(),
+        "short.yaml",
+        &format!("{SHORT_RUN}micro_batches: 128\n"),
+    );
+    let out = dir.path().join("compare");
+    let started = Instant::now();
+    let o = run_with_deadline(
+        {
+            let mut c = flotilla();
+            c.args(["compare", &cfg, "-n", "2", "--target-accuracy", "0.5"])
+                .args(["--strategies", "sync_allreduce,pipeline,ps_flat_sync"])
+                .args(["--output", out.to_str().expect("utf8")]);
+            c
+        },
+        Duration::from_secs(180),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    eprintln!("compare of 2 strategies took {:?}", started.elapsed());
+    let md = std::fs::read_to_string(out.join("compare.md")).expect("compare.md");
+    let row = |name: &str| -> Vec<String> {
+        let line = md
+            .lines()
+            .find(|l| l.starts_with(&format!("| {name} |")))
+            .unwrap_or_else(|| panic!("no row for {name}:\n{md}"));
+        line.split('|').map(|c| c.trim().to_string()).collect()
+    };
+    let pct = |cell: &str| -> f64 { cell.trim_end_matches('%').parse().expect(cell) };
+    let (ar, ps) = (row("sync_allreduce"), row("ps_flat_sync"));
+    assert_eq!(ar[2], "2 (2 peer)", "{md}");
+    assert_eq!(ps[2], "3 (1 root, 2 worker)", "{md}");
+    let pipeline = row("pipeline");
+    assert!(
+        pipeline[3].starts_with("failed: ") && pipeline[3].contains("128 micro-batches"),
+        "{md}"
+    );
+    for r in [&ar, &ps] {
+        assert!(
+            r[3].ends_with(')') && r[3].contains(" s (step "),
+            "time to 50%: {md}"
+        );
+        assert!(pct(&r[4]) > 50.0, "final accuracy: {md}");
+        assert!(r[6].parse::<f64>().expect("samples/s") > 0.0, "{md}");
+        assert!(r[7].ends_with("KiB"), "bytes per sample: {md}");
+    }
+    // Per sample, a flat server's workers each push and pull the whole model every round;
+    // the ring moves about one model per rank per step: the server moves more.
+    let bytes = |dir: &str| summary_of(&out.join(dir))["run"]["bytes_per_sample"].as_f64();
+    assert!(bytes("ps_flat_sync") > bytes("sync_allreduce"), "{md}");
+    let svg = std::fs::read_to_string(out.join("compare.svg")).expect("compare.svg");
+    assert!(
+        svg.contains("sync_allreduce") && svg.contains("ps_flat_sync") && svg.contains("<polyline"),
+        "compare.svg"
+    );
+    assert!(
+        !svg.lines().any(|l| l.trim() == "pipeline"),
+        "a failed strategy has no line in the legend"
+    );
+
+    // An unknown name is refused before anything runs, with the known names.
+    let mut c = flotilla();
+    c.args(["compare", &cfg, "--strategies", "sync_allreduce,ps_flat"])
+        .args(["--output", dir.path().join("never").to_str().expect("utf8")]);
+    let o = run_with_deadline(c, Duration::from_secs(30));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("unknown strategy `ps_flat`") && err.contains("ps_hierarchical"),
+        "{}",
+        text(&o)
+    );
+    assert!(!dir.path().join("never").exists());
+}

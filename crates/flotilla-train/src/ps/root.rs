@@ -72,6 +72,9 @@ pub struct RootServer {
     held_reply: Option<Vec<usize>>,
     /// A round finished in the last event: its mean loss and samples.
     round_done: Option<(f32, u64)>,
+    /// The round so far: its updates' sample-weighted loss sum and samples (an async round
+    /// is one update per child).
+    round_sum: (f64, u64),
     /// The root gathered the shards and stopped everyone.
     finished: Option<RootOutcome>,
 }
@@ -120,6 +123,7 @@ impl RootServer {
             inbox,
             held_reply: None,
             round_done: None,
+            round_sum: (0.0, 0),
             finished: None,
             root: shard.servers[0],
             is_root,
@@ -262,6 +266,8 @@ impl RootServer {
         self.model.apply(cx, mean, lr, self.averaging)?;
         let apply_s = t.elapsed();
         self.updates += 1;
+        self.round_sum.0 += f64::from(mean.loss) * mean.samples as f64;
+        self.round_sum.1 += mean.samples;
         self.max_staleness = self.max_staleness.max(staleness);
         self.staleness_sum += staleness;
         metrics::histogram!("flotilla_ps_staleness").record(staleness as f64);
@@ -295,7 +301,14 @@ impl RootServer {
         self.round_started = Instant::now();
         // Closing the old span ends the round in the timeline.
         self.round_span = round_span(self.rounds + 1);
-        self.round_done = Some((mean.loss, mean.samples));
+        // Every update of the round counts: its samples in all, its loss weighted by them.
+        let (loss_sum, samples) = std::mem::take(&mut self.round_sum);
+        let loss = if samples > 0 {
+            (loss_sum / samples as f64) as f32
+        } else {
+            mean.loss
+        };
+        self.round_done = Some((loss, samples));
         Ok(())
     }
 
