@@ -157,6 +157,10 @@ pub struct LaunchArgs {
     /// rank unless already set).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// Start more local ranks than this machine's limits allow (8 per core, and the ranks'
+    /// estimated memory within what is available).
+    #[arg(long)]
+    pub oversubscribe: bool,
     /// Where ranks go with `--inventory`.
     #[command(flatten)]
     pub remote: RemoteArgs,

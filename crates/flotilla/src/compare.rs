@@ -10,7 +10,7 @@ use anyhow::{Context, Result, bail};
 use flotilla_train::TrainConfig;
 use flotilla_train::strategies::{self, Strategy};
 
-use crate::cli::{CompareArgs, RemoteArgs};
+use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
 use crate::compare_report::{self, Comparison, RunFacts, StrategyRun};
 use crate::{launch_cmd, report, settings};
 
@@ -90,7 +90,13 @@ fn run_one(
     let facts = (|| -> Result<RunFacts> {
         // A summary left by an earlier comparison must not stand in for this run's.
         remove_stale(&dir.join(report::SUMMARY_FILE))?;
-        launch_cmd::launch(config, &args.run, args.threads, &RemoteArgs::default())?;
+        let opts = LaunchArgs {
+            run: args.run.clone(),
+            threads: args.threads,
+            oversubscribe: false,
+            remote: RemoteArgs::default(),
+        };
+        launch_cmd::launch(config, &opts)?;
         RunFacts::from_summary(&report::read_summary(&dir)?)
     })();
     facts.map_err(|e| format!("{e:#}"))

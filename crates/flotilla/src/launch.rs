@@ -52,10 +52,18 @@ pub fn free_port() -> Result<u16> {
 static INTERRUPTED: AtomicBool = AtomicBool::new(false);
 
 /// Makes Ctrl-C and SIGTERM end a supervised job cleanly (every rank stopped, remote ones
-/// included) instead of killing the launcher first. Call once, before starting ranks.
+/// included) instead of killing the launcher first. Call before starting ranks; the handler
+/// is installed once per process (`flotilla compare` launches several jobs in turn).
 pub fn stop_on_interrupt() -> Result<()> {
-    ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst))
-        .context("installing the Ctrl-C handler")
+    static INSTALLED: std::sync::OnceLock<std::result::Result<(), String>> =
+        std::sync::OnceLock::new();
+    INSTALLED
+        .get_or_init(|| {
+            ctrlc::set_handler(|| INTERRUPTED.store(true, Ordering::SeqCst))
+                .map_err(|e| e.to_string())
+        })
+        .clone()
+        .map_err(|e| anyhow::anyhow!("installing the Ctrl-C handler: {e}"))
 }
 
 /// What stops ranks the launcher cannot reach by killing its own children (remote ones).
@@ -114,6 +122,7 @@ impl LocalJob {
             cmd.stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped());
+            die_with_launcher(&mut cmd);
             let mut child = match cmd.spawn() {
                 Ok(c) => c,
                 Err(e) => {
@@ -321,6 +330,32 @@ impl Drop for LocalJob {
         // Never leave ranks behind, whatever path left the launcher.
         self.kill_all();
     }
+}
+
+/// Makes the child get SIGKILL when the launcher dies, however it dies (even by SIGKILL or
+/// the OOM killer, where no cleanup code runs): Linux's parent-death signal. A child whose
+/// launcher is already gone when it starts exits at once.
+fn die_with_launcher(cmd: &mut Command) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::unix::process::CommandExt;
+        // SAFETY: the closure runs in the forked child before exec and calls only
+        // async-signal-safe functions (prctl, getppid), allocating nothing.
+        let launcher = std::process::id() as libc::pid_t;
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                if libc::getppid() != launcher {
+                    return Err(std::io::Error::other("the launcher exited"));
+                }
+                Ok(())
+            });
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = cmd;
 }
 
 fn relay<R: Read + Send + 'static>(stream: R, rank: usize, which: Stream, tx: Sender<RankLine>) {

@@ -15,7 +15,8 @@ use flotilla_telemetry::RankEvent;
 use flotilla_train::TrainConfig;
 use indicatif::ProgressBar;
 
-use crate::cli::{LaunchArgs, RemoteArgs, RunArgs};
+use crate::capacity;
+use crate::cli::{LaunchArgs, RunArgs};
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
 use crate::remote_launch::{self, Remote};
@@ -34,19 +35,19 @@ struct Prepared {
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
     let config = settings::effective_config(&args.run, false)?;
-    launch(config, &args.run, args.threads, &args.remote)
+    launch(config, args)
 }
 
 /// Starts the ranks of `config` (on this machine, or on the hosts of its inventory) and
 /// supervises them to the end; the rendezvous is a free port on 127.0.0.1 (or on rank 0's
-/// host) unless `flags` name one. `threads` per rank.
-pub fn launch(
-    config: TrainConfig,
-    flags: &RunArgs,
-    threads: usize,
-    remote_args: &RemoteArgs,
-) -> Result<()> {
-    let mut job = prepare(config, flags)?;
+/// host) unless the flags of `opts.run` name one; `opts` also gives the threads per rank,
+/// `--oversubscribe`, and how remote ranks are started.
+pub fn launch(config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
+    let (threads, remote_args) = (opts.threads, &opts.remote);
+    let mut job = prepare(config, &opts.run)?;
+    if job.placement.is_none() && !opts.oversubscribe {
+        capacity::check_local(job.n, &job.config.data.path)?;
+    }
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {
         Some(placement) => Some(remote_launch::prepare(

@@ -571,3 +571,82 @@ fn compare_runs_each_strategy_and_reports_them() {
     );
     assert!(!dir.path().join("never").exists());
 }
+
+/// A local job larger than the machine is refused before anything starts, naming the limit;
+/// `flotilla train` of a multi-rank job with no rank and no rendezvous says what to set at
+/// once instead of waiting for a rank 0 nobody started.
+#[test]
+fn impossible_jobs_are_refused_at_once() {
+    let started = std::time::Instant::now();
+    let mut c = flotilla();
+    c.args(["launch", "-n", "100000", "--output"])
+        .arg(tmp().path().join("huge"));
+    let o = run_with_deadline(c, Duration::from_secs(20));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("100000 local ranks is more than this machine runs: at most 8 ranks per core")
+            && err.contains("--oversubscribe"),
+        "{}",
+        text(&o)
+    );
+    assert!(!String::from_utf8_lossy(&o.stdout).contains("[rank "));
+
+    let mut c = flotilla();
+    c.args(["train", "--output"])
+        .arg(tmp().path().join("alone"));
+    let o = run_with_deadline(c, Duration::from_secs(20));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        err.contains("nothing says which rank it is or where rank 0 listens: set RANK"),
+        "{}",
+        text(&o)
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// A launcher killed by SIGKILL (no cleanup code runs) leaves no rank behind, even ranks
+/// that print nothing (so no closed pipe would end them): rank 1 hangs, rank 0 waits for it
+/// in a collective with a long deadline, and both get the parent-death signal.
+#[test]
+fn a_killed_launcher_leaves_no_rank_behind() {
+    let dir = tmp();
+    let out = dir.path().join("orphans");
+    let mut c = flotilla();
+    c.args(["launch", "--epochs", "50", "--timeout-s", "300", "--output"])
+        .arg(&out)
+        .env("FLOTILLA_FAULT", "rank=1,step=2,action=hang")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let mut launcher = Proc(c.spawn().expect("launch"));
+    let needle = out.join("launch-config.yaml");
+    let needle = needle.to_str().expect("utf8");
+    /// Kills what the test started if it fails (the ranks are not its children).
+    struct Reaper<'a>(&'a str);
+    impl Drop for Reaper<'_> {
+        fn drop(&mut self) {
+            for (pid, _) in processes_mentioning(self.0) {
+                let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+            }
+        }
+    }
+    let _reaper = Reaper(needle);
+    let started = Instant::now();
+    while processes_mentioning(needle).len() < 2 {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "ranks never started"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Past the rendezvous and into the hang (a few steps take well under a second).
+    std::thread::sleep(Duration::from_secs(4));
+    launcher.0.kill().expect("SIGKILL the launcher");
+    let _ = launcher.0.wait();
+    assert_none_left(needle, Duration::from_secs(5));
+}
