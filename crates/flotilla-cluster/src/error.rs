@@ -120,13 +120,12 @@ pub enum ClusterError {
     },
 
     /// The inventory file cannot be read.
-    #[error("cannot read inventory {}: {source}", path.display())]
+    #[error("cannot read inventory {}: {cause}", path.display())]
     Io {
         /// The inventory file.
         path: PathBuf,
-        /// The underlying I/O error.
-        #[source]
-        source: io::Error,
+        /// The underlying I/O error (in the message, not chained: shown once).
+        cause: io::Error,
     },
 
     /// A line of an inventory is malformed.

@@ -128,9 +128,9 @@ impl Inventory {
     /// Reads and parses the inventory file at `path`.
     pub fn load(path: impl AsRef<Path>) -> Result<Inventory> {
         let path = path.as_ref();
-        let text = fs::read_to_string(path).map_err(|source| ClusterError::Io {
+        let text = fs::read_to_string(path).map_err(|cause| ClusterError::Io {
             path: path.to_path_buf(),
-            source,
+            cause,
         })?;
         Inventory::parse(&text, &path.display().to_string())
     }

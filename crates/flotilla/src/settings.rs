@@ -94,7 +94,8 @@ pub fn launcher_rank() -> Result<Option<usize>> {
 /// joins and rank 0 assigns it one.)
 pub fn check_rank_source(layers: &Layers, config: &TrainConfig, rank: Option<usize>) -> Result<()> {
     let world = config.effective_world_size()?;
-    if rank.is_some() || world <= 1 {
+    // With MPI, mpirun gives the rank (and the backend says so when it is missing).
+    if rank.is_some() || world <= 1 || config.comm.backend == flotilla_train::config::Backend::Mpi {
         return Ok(());
     }
     let provenance = layers.provenance()?;

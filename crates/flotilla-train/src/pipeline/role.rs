@@ -5,6 +5,7 @@
 //! checkpoints.
 
 use std::path::PathBuf;
+use std::time::{Duration, Instant};
 
 use flotilla_engine::{EvalStats, ModelSpec, ModelState, Split};
 
@@ -16,6 +17,10 @@ use crate::role::{Cx, Evaluation, Role, Step};
 
 /// Samples per forward when evaluating.
 const EVAL_CHUNK: usize = 500;
+
+/// Tag of rank 0's pipeline cut, sent to every other rank at start (point to point, so that
+/// the wait can be as long as joining: planning measures the model first).
+const PLAN_TAG: flotilla_comm::Tag = flotilla_comm::tags::RESERVED + 0x100;
 
 /// One rank's stage of a pipeline job.
 pub struct StageRole {
@@ -90,8 +95,7 @@ fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<u
         }
         return Ok(ranges);
     }
-    let mut bytes = Vec::new();
-    if cx.rank == 0 {
+    let bytes = if cx.rank == 0 {
         let planned = plan::plan(cx.config, spec);
         let message: std::result::Result<Vec<[usize; 2]>, String> = match &planned {
             Ok(p) => {
@@ -102,14 +106,20 @@ fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<u
             }
             Err(e) => Err(e.to_string()),
         };
-        bytes = serde_json::to_vec(&message).unwrap_or_default();
-        if let Err(e) = planned {
-            // Tell the others why before failing, so that none waits for a cut.
-            cx.comm.broadcast_bytes(&mut bytes, 0)?;
-            return Err(e);
+        let bytes = serde_json::to_vec(&message).unwrap_or_default();
+        // Also a refusal: tell the others why before failing, so that none waits for a cut.
+        for peer in 1..cx.comm.size() {
+            cx.comm.send(peer, PLAN_TAG, &bytes)?;
         }
-    }
-    cx.comm.broadcast_bytes(&mut bytes, 0)?;
+        planned?;
+        bytes
+    } else {
+        // Profiling takes rank 0 a while (longer than one collective's `timeout_s` on a busy
+        // machine): the others wait for the cut as long as for joining the job.
+        let wait =
+            Duration::from_secs_f64(cx.config.comm.join_timeout_s.max(cx.config.comm.timeout_s));
+        cx.comm.recv(0, PLAN_TAG, Instant::now() + wait)?
+    };
     let message: std::result::Result<Vec<[usize; 2]>, String> = serde_json::from_slice(&bytes)
         .map_err(|e| TrainError::Protocol {
             peer: 0,
