@@ -10,6 +10,12 @@
 //! A checkpoint is written into a hidden temporary directory, flushed, and renamed into
 //! place; only then is `latest` replaced (also by write-and-rename). A crash at any point
 //! leaves the previous checkpoint intact and `latest` pointing at a complete directory.
+//!
+//! Every checkpoint ends with `checksums.json`: the XXH3-64 of each of its files, written
+//! last. Resuming verifies them and passes over (with a warning) a checkpoint whose files no
+//! longer match — a disk that flipped bits, a copy cut short, a file edited by hand — to the
+//! newest one that is intact. (A checkpoint without the file, from before checksums, is used
+//! unverified.)
 
 use std::fs::{self, File};
 use std::io::Write;
@@ -116,6 +122,7 @@ pub fn save_with(
     write(&tmp)?;
     let json = serde_json::to_vec_pretty(state).map_err(|e| ck_err(&tmp, e.to_string()))?;
     write_synced(&tmp.join("state.json"), &json)?;
+    write_checksums(&tmp)?;
 
     let dest = root.join(&name);
     if dest.exists() {
@@ -154,17 +161,77 @@ fn prune(root: &Path, current: &str) -> Result<()> {
 /// The files every complete checkpoint directory holds.
 const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
 
-/// Whether `dir` holds every part of a checkpoint (a pipeline's: every stage's files).
-fn is_complete(dir: &Path) -> bool {
+/// The checksums file of a checkpoint directory.
+pub const CHECKSUMS: &str = "checksums.json";
+
+/// Writes `checksums.json`: the XXH3-64 (hex) of every other file in `dir`, by name.
+fn write_checksums(dir: &Path) -> Result<()> {
+    let mut sums = std::collections::BTreeMap::new();
+    for entry in fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))? {
+        let path = entry.map_err(|e| TrainError::io(dir, e))?.path();
+        let Some(name) = path.file_name().and_then(|n| n.to_str()) else {
+            continue;
+        };
+        if name == CHECKSUMS || !path.is_file() {
+            continue;
+        }
+        let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+        sums.insert(
+            name.to_owned(),
+            format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)),
+        );
+    }
+    let json = serde_json::to_vec_pretty(&sums).map_err(|e| ck_err(dir, e.to_string()))?;
+    write_synced(&dir.join(CHECKSUMS), &json)
+}
+
+/// Why `dir` cannot be resumed from, if it cannot: a part missing (a pipeline's: every
+/// stage's files), or a file that does not match its checksum.
+fn unusable(dir: &Path) -> Option<String> {
     let stages = read_state(dir).ok().and_then(|s| s.stages);
-    match stages.map(|s| s.len()) {
+    let parts: Vec<String> = match stages.map(|s| s.len()) {
         Some(n) => ["model.safetensors", "state.json"]
             .into_iter()
             .map(String::from)
             .chain((0..n).flat_map(stage_files))
-            .all(|p| dir.join(p).is_file()),
-        None => PARTS.iter().all(|p| dir.join(p).is_file()),
+            .collect(),
+        None => PARTS.iter().map(|p| p.to_string()).collect(),
+    };
+    if let Some(missing) = parts.iter().find(|p| !dir.join(p).is_file()) {
+        return Some(format!("is incomplete (no {missing})"));
     }
+    checksum_mismatch(dir)
+}
+
+/// The first file of `dir` that does not match `checksums.json` (or why that file cannot be
+/// read); `None` when all match or the checkpoint has no checksums.
+fn checksum_mismatch(dir: &Path) -> Option<String> {
+    let bytes = match fs::read(dir.join(CHECKSUMS)) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => return Some(format!("has an unreadable {CHECKSUMS}: {e}")),
+    };
+    let sums: std::collections::BTreeMap<String, String> = match serde_json::from_slice(&bytes) {
+        Ok(s) => s,
+        Err(e) => return Some(format!("has a corrupt {CHECKSUMS}: {e}")),
+    };
+    for (name, want) in sums {
+        if name.contains('/') || name.contains("..") {
+            return Some(format!("has a corrupt {CHECKSUMS} (names {name:?})"));
+        }
+        let got =
+            fs::read(dir.join(&name)).map(|b| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&b)));
+        match got {
+            Ok(got) if got == want => {}
+            Ok(got) => {
+                return Some(format!(
+                    "is corrupt: {name} has checksum {got}, {CHECKSUMS} says {want}"
+                ));
+            }
+            Err(e) => return Some(format!("is corrupt: {name} cannot be read ({e})")),
+        }
+    }
+    None
 }
 
 /// Merges the stages' safetensors files (disjoint tensor names) into one file of the whole
@@ -214,13 +281,18 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
         Ok(n) => {
             let name = n.trim();
             let valid = name.starts_with("step-") && !name.contains('/') && !name.contains("..");
-            if valid && is_complete(&root.join(name)) {
-                return Ok((Some(root.join(name)), warnings));
+            let why = if valid {
+                unusable(&root.join(name))
+            } else {
+                Some("is not a checkpoint directory".into())
+            };
+            match why {
+                None => return Ok((Some(root.join(name)), warnings)),
+                Some(why) => warnings.push(format!(
+                    "{} names {name:?}, which is not a usable checkpoint: it {why}",
+                    pointer.display()
+                )),
             }
-            warnings.push(format!(
-                "{} names {name:?}, which is not a complete checkpoint",
-                pointer.display()
-            ));
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(TrainError::io(&pointer, e)),
@@ -238,10 +310,10 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
     names.sort();
     while let Some(name) = names.pop() {
         let dir = root.join(&name);
-        if is_complete(&dir) {
-            return Ok((Some(dir), warnings));
+        match unusable(&dir) {
+            None => return Ok((Some(dir), warnings)),
+            Some(why) => warnings.push(format!("{} {why}", dir.display())),
         }
-        warnings.push(format!("{} is incomplete", dir.display()));
     }
     Ok((None, warnings))
 }
@@ -314,5 +386,45 @@ mod tests {
         let (dir, warnings) = newest_complete(out.path()).expect("newest");
         assert_eq!(dir, Some(root.join("step-00000020")));
         assert_eq!(warnings.len(), 2);
+    }
+
+    fn save_fake(out: &Path, step: u64) -> Result<PathBuf> {
+        let state = CheckpointState {
+            step,
+            epoch: 0,
+            step_in_epoch: step,
+            config_hash: 1,
+            model: "m".into(),
+            num_params: 2,
+            test_acc: None,
+            stages: None,
+        };
+        save_with(out, &state, |dir| {
+            write_part(dir, "model.safetensors", &[step as u8; 64])?;
+            write_part(dir, "optimizer.bpk", &[7; 16])
+        })
+    }
+
+    /// A flipped byte in the newest checkpoint: resume takes the one before and says why.
+    #[test]
+    fn a_corrupt_checkpoint_is_passed_over_by_its_checksums() -> Result<()> {
+        let out = tempfile::tempdir().map_err(|e| TrainError::io(Path::new("tmp"), e))?;
+        let older = save_fake(out.path(), 10)?;
+        let newer = save_fake(out.path(), 20)?;
+        assert!(newer.join(CHECKSUMS).is_file());
+        assert_eq!(newest_complete(out.path())?, (Some(newer.clone()), vec![]));
+        let weights = newer.join("model.safetensors");
+        let mut bytes = fs::read(&weights).map_err(|e| TrainError::io(&weights, e))?;
+        bytes[17] ^= 0x10;
+        fs::write(&weights, bytes).map_err(|e| TrainError::io(&weights, e))?;
+        let (dir, warnings) = newest_complete(out.path())?;
+        assert_eq!(dir, Some(older));
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("is corrupt: model.safetensors has checksum")),
+            "{warnings:?}"
+        );
+        Ok(())
     }
 }
