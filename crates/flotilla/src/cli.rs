@@ -161,6 +161,10 @@ pub struct LaunchArgs {
     /// estimated memory within what is available).
     #[arg(long)]
     pub oversubscribe: bool,
+    /// When a rank fails, start the whole job again from the newest checkpoint (see
+    /// `checkpoint_every`), up to this many times; each restart is logged with its cause.
+    #[arg(long, default_value_t = 0)]
+    pub max_restarts: u32,
     /// Where ranks go with `--inventory`.
     #[command(flatten)]
     pub remote: RemoteArgs,

@@ -94,6 +94,7 @@ fn run_one(
             run: args.run.clone(),
             threads: args.threads,
             oversubscribe: false,
+            max_restarts: 0,
             remote: RemoteArgs::default(),
         };
         launch_cmd::launch(config, &opts)?;

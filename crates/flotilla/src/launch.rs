@@ -66,6 +66,11 @@ pub fn stop_on_interrupt() -> Result<()> {
         .map_err(|e| anyhow::anyhow!("installing the Ctrl-C handler: {e}"))
 }
 
+/// Whether Ctrl-C or SIGTERM reached the launcher.
+pub fn interrupted() -> bool {
+    INTERRUPTED.load(Ordering::SeqCst)
+}
+
 /// What stops ranks the launcher cannot reach by killing its own children (remote ones).
 pub type StopHook = Box<dyn FnMut() + Send>;
 

@@ -41,8 +41,41 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 /// Starts the ranks of `config` (on this machine, or on the hosts of its inventory) and
 /// supervises them to the end; the rendezvous is a free port on 127.0.0.1 (or on rank 0's
 /// host) unless the flags of `opts.run` name one; `opts` also gives the threads per rank,
-/// `--oversubscribe`, and how remote ranks are started.
-pub fn launch(config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
+/// `--oversubscribe`, how remote ranks are started, and `--max-restarts`: when a rank fails,
+/// the whole job is started again from the newest checkpoint, up to that many times (each
+/// restart logged with its cause).
+pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
+    if opts.max_restarts > 0 && config.topology.inventory.is_some() {
+        anyhow::bail!(
+            "--max-restarts with --inventory is not supported yet (a restart resumes from the \
+             checkpoint, and ssh jobs cannot resume); use it with a local launch"
+        );
+    }
+    let mut restarts = 0;
+    loop {
+        match launch_once(config.clone(), opts)? {
+            Ok(()) => return Ok(()),
+            Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
+                restarts += 1;
+                let from = match flotilla_train::checkpoint::latest(&config.telemetry.output) {
+                    Ok(Some(dir)) => format!("resuming from {}", dir.display()),
+                    _ => "from the start (no checkpoint yet: set checkpoint_every)".to_owned(),
+                };
+                let cause = format!("{failure:#}");
+                let cause = cause.lines().next().unwrap_or_default();
+                eprintln!(
+                    "[launcher] restart {restarts}/{} after: {cause}; {from}",
+                    opts.max_restarts
+                );
+                config.schedule.resume = true;
+            }
+            Err(failure) => return Err(failure),
+        }
+    }
+}
+
+/// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed.
+fn launch_once(config: TrainConfig, opts: &LaunchArgs) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
     let mut job = prepare(config, &opts.run)?;
     if job.placement.is_none() && !opts.oversubscribe {
@@ -81,12 +114,14 @@ pub fn launch(config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
             Err(e) => eprintln!("warning: merging the timeline: {e:#}"),
         }
     }
-    result?;
+    if let Err(failure) = result {
+        return Ok(Err(failure));
+    }
     match relay.final_line {
         Some(line) => println!("{line}"),
         None => anyhow::bail!("rank 0 exited without a final line"),
     }
-    Ok(())
+    Ok(Ok(()))
 }
 
 /// Starts the ranks on their inventory hosts (the job id printed and recorded first).

@@ -1,0 +1,116 @@
+//! `flotilla launch --max-restarts`: a rank killed mid-run (twice) is survived by restarting
+//! the job from its newest checkpoint, and the run ends exactly where an uninterrupted one
+//! does (sync all-reduce resumes bitwise).
+
+mod common;
+
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const STEPS: &str = "300";
+
+fn args(out: &Path) -> Vec<String> {
+    [
+        "launch",
+        "--max-steps",
+        STEPS,
+        "--checkpoint-every",
+        "50",
+        "--train-limit",
+        "20000",
+        "--output",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain([out.display().to_string()])
+    .collect()
+}
+
+/// Waits for checkpoint `step` of `out`, then SIGKILLs one rank of the job.
+fn kill_a_rank_after(out: &Path, step: u64) {
+    let ck = out.join(format!("checkpoints/step-{step:08}"));
+    let needle = out.join("launch-config.yaml");
+    let needle = needle.to_str().expect("utf8");
+    let started = Instant::now();
+    loop {
+        let ranks = processes_mentioning(needle);
+        if ck.is_dir() && !ranks.is_empty() {
+            let (pid, _) = ranks[ranks.len() - 1];
+            let ok = Command::new("kill")
+                .args(["-9", &pid.to_string()])
+                .status()
+                .expect("kill")
+                .success();
+            assert!(ok, "kill -9 {pid}");
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{} never appeared",
+            ck.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_rank_killed_twice_is_survived_and_the_run_ends_as_an_uninterrupted_one() {
+    let dir = tmp();
+    let (elastic, plain) = (dir.path().join("elastic"), dir.path().join("plain"));
+    let mut c = flotilla();
+    c.args(args(&elastic)).args(["--max-restarts", "2"]);
+    c.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let out_dir = elastic.clone();
+    let killer = std::thread::spawn(move || {
+        kill_a_rank_after(&out_dir, 50);
+        kill_a_rank_after(&out_dir, 150);
+    });
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    killer.join().expect("killer");
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for k in [1, 2] {
+        assert!(
+            err.contains(&format!("[launcher] restart {k}/2 after: rank")),
+            "{}",
+            text(&o)
+        );
+    }
+    assert!(err.contains("resuming from"), "{}", text(&o));
+
+    let mut c = flotilla();
+    c.args(args(&plain));
+    let p = run_with_deadline(c, Duration::from_secs(300));
+    assert!(p.status.success(), "{}", text(&p));
+    let (a, b) = (final_fields(&o), final_fields(&p));
+    assert_eq!(a["steps"], 300.0, "{}", text(&o));
+    assert_eq!(a["test_acc"], b["test_acc"]);
+    assert_eq!(a["loss"], b["loss"]);
+    assert_bitwise(
+        "elastic vs uninterrupted",
+        &checkpoint_tensors(&elastic),
+        &checkpoint_tensors(&plain),
+    );
+}
+
+/// Without --max-restarts a killed rank still ends the job, named.
+#[test]
+fn without_restarts_a_killed_rank_ends_the_job() {
+    let dir = tmp();
+    let out = dir.path().join("once");
+    let mut c = flotilla();
+    c.args(args(&out));
+    let out_dir = out.clone();
+    let killer = std::thread::spawn(move || kill_a_rank_after(&out_dir, 50));
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    killer.join().expect("killer");
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("killed by signal 9"),
+        "{}",
+        text(&o)
+    );
+}
