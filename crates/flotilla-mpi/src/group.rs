@@ -57,6 +57,17 @@ impl Default for MpiConfig {
 /// - [`ProcessGroup::stats`] counts payload bytes (collective buffers sent and received by
 ///   this rank, point-to-point messages with their 4-byte tag) and MPI calls as frames;
 /// - `wire_format: bf16` does not apply: sums are always exact `f32`.
+///
+/// ```no_run
+/// use flotilla_comm::ProcessGroup;
+/// use flotilla_mpi::{MpiConfig, MpiGroup};
+/// let world = MpiGroup::world(MpiConfig::default())?;
+/// let mut grads = vec![1.0f32; 1024];
+/// world.all_reduce_sum(&mut grads)?;
+/// drop(world);
+/// flotilla_mpi::finalize(true);
+/// # Ok::<(), flotilla_comm::CommError>(())
+/// ```
 pub struct MpiGroup {
     g: Arc<GroupState>,
 }

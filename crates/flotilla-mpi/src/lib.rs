@@ -13,16 +13,7 @@
 //!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
 //! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
 //!
-//! ```no_run
-//! use flotilla_comm::ProcessGroup;
-//! use flotilla_mpi::{MpiConfig, MpiGroup};
-//! let world = MpiGroup::world(MpiConfig::default())?;
-//! let mut grads = vec![1.0f32; 1024];
-//! world.all_reduce_sum(&mut grads)?;
-//! drop(world);
-//! flotilla_mpi::finalize(true);
-//! # Ok::<(), flotilla_comm::CommError>(())
-//! ```
+//! An example is on [`MpiGroup`] (crate-level examples would be compiled without the feature).
 //!
 //! Everything is behind this crate's `mpi` feature (off by default), so that building the
 //! workspace needs no MPI headers; without it the crate is empty.
