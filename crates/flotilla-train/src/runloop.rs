@@ -202,9 +202,10 @@ impl Loop<'_, '_, '_> {
         if crate::divergence::aborts(&verdict, self.cx.config.schedule.abort_on_divergence) {
             return Err(TrainError::NotLearning { verdict, advice });
         }
+        // Once, on stderr (which the launcher shows) and in the run log.
         let line = format!("warning: {verdict}; {advice}");
         eprintln!("[rank {}] {line}", self.cx.rank);
-        self.cx.log(&line)
+        self.cx.log_quiet(&line)
     }
 
     fn after_step(&mut self, step: Step) -> Result<()> {
