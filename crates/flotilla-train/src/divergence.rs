@@ -154,13 +154,13 @@ impl DivergenceCheck {
 
 /// What to change, for the message of a verdict: the learning rate (`lr`), and for a
 /// parameter server with async levels (`async_momentum`: the momentum its root runs and the
-/// staleness it expects) the async settings; then how to check later or only warn.
+/// one suggested for its staleness) the async settings; then how to check later or only
+/// warn.
 pub fn advice(verdict: &Verdict, lr: f64, async_momentum: Option<(f64, f64)>) -> String {
     let mut out = format!("lower the learning rate (optimizer.lr, now {lr})");
-    if let Some((m, staleness)) = async_momentum {
+    if let Some((now, suggested)) = async_momentum {
         out.push_str(&format!(
-            ", or for async servers keep topology.staleness_lr on and lower the server's momentum (now {m:.2}; topology.async_momentum: {:.2} makes up for the momentum that staleness {staleness:.0} adds)",
-            crate::ps::staleness::explicit_momentum(m, staleness)
+            ", or for async servers keep topology.staleness_lr on and lower the server's momentum (now {now:.2}; topology.async_momentum: {suggested:.2} makes up for the momentum that staleness adds)"
         ));
     }
     if !verdict.is_nan() {
@@ -239,7 +239,7 @@ mod tests {
         };
         let a = advice(&nan, 10.0, None);
         assert!(a.contains("now 10") && !a.contains("async"), "{a}");
-        let a = advice(&stuck, 0.04, Some((0.9, 3.0)));
+        let a = advice(&stuck, 0.04, Some((0.9, 0.6)));
         assert!(
             a.contains("(now 0.90; topology.async_momentum: 0.60")
                 && a.contains("staleness_lr")

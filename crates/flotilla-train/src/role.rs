@@ -75,7 +75,7 @@ pub struct Cx<'a> {
     pub fault: Option<Fault>,
     /// The newest evaluation.
     pub last_eval: Option<EvalStats>,
-    /// The momentum the root runs and the staleness it expects, when its updates are stale
+    /// The momentum the root runs and the one suggested for its staleness, when its updates are stale
     /// (a parameter server with async levels), for the advice of [`crate::divergence`].
     pub async_momentum: Option<(f64, f64)>,
 }

@@ -119,8 +119,8 @@ pub fn server_optimizer(
 pub struct JobOptimizers {
     /// The optimizer of this rank's engine and its staleness policy.
     pub own: ServerOptimizer,
-    /// The root's momentum and expected staleness when its updates are stale (for advice),
-    /// else `None`.
+    /// The root's momentum, and the momentum that makes up for its expected staleness, when
+    /// its updates are stale (for advice); else `None`.
     pub root_async_momentum: Option<(f64, f64)>,
 }
 
@@ -142,8 +142,10 @@ pub fn for_job(config: &TrainConfig, topology: &Topology, rank: usize) -> JobOpt
     let (root_staleness, root) = of(topology.root());
     JobOptimizers {
         own: of(rank).1,
-        root_async_momentum: (root_staleness > 0.0)
-            .then(|| (f64::from(root.optimizer.momentum()), root_staleness)),
+        root_async_momentum: (root_staleness > 0.0).then(|| {
+            let now = f64::from(root.optimizer.momentum());
+            (now, explicit_momentum(now, root_staleness))
+        }),
     }
 }
 
