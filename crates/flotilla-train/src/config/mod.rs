@@ -830,7 +830,9 @@ mod tests {
             "mnist-mlp.yaml",
             "mnist-pipeline.yaml",
             "ps-flat-sync.yaml",
+            "ps-flat-async.yaml",
             "ps-hierarchical.yaml",
+            "ps-hierarchical-async.yaml",
         ] {
             let path = std::env::var_os("CARGO_MANIFEST_DIR")
                 .map(std::path::PathBuf::from)
