@@ -190,8 +190,8 @@ pub struct TopologySection {
     /// Async servers: a push more than this many versions stale is refused (pull again).
     pub max_staleness: Option<u64>,
     /// Parameter servers: scale each update's learning rate by `1 / (1 + staleness)`.
-    /// Unset: on for servers whose updates are stale (an async level in the tree), off
-    /// otherwise ([`crate::ps::staleness`]).
+    /// Unset: on at async servers (they apply each push on arrival), off at sync ones
+    /// ([`crate::ps::staleness`]).
     pub staleness_lr: Option<bool>,
     /// Async servers: the SGD momentum of the server's optimizer, instead of
     /// `optimizer.momentum` (asynchrony adds momentum of its own; [`crate::ps::staleness`]).

@@ -14,8 +14,9 @@
 //! combined with the implicit one, gives back the configured `μ`:
 //! `1 − μ = (1 − μ')(1 − s/(1+s))`, i.e. `μ' = max(0, 1 − (1 − μ)(1 + s))` (0.9 → 0.6 for
 //! 4 workers). Both train; the scaled learning rate reached the target soonest, and it
-//! works for any optimizer, so it is the default of a server with stale updates
-//! (`topology.staleness_lr`, unset: on there, off elsewhere). `topology.async_momentum`
+//! works for any optimizer, so it is the default of an async server (`topology.staleness_lr`,
+//! unset: on at async servers; a sync server over async local servers averages their pushes
+//! and measured slightly better without it). `topology.async_momentum`
 //! sets the server's momentum; the divergence advice suggests `μ'`.
 
 use flotilla_cluster::{Aggregation, Arch, RoleKind, Topology};
@@ -73,13 +74,16 @@ pub struct ServerOptimizer {
     pub note: Option<String>,
 }
 
-/// The policy of a server whose updates carry `staleness` (expected), given
-/// `topology.staleness_lr` and `topology.async_momentum` (the user's settings win): by
-/// default the staleness-scaled learning rate, measured best (README, parameter servers);
-/// SGD's momentum only when `async_momentum` is set.
+/// The policy of a server whose updates carry `staleness` (expected), async itself or not
+/// (`async_server`), given `topology.staleness_lr` and `topology.async_momentum` (the
+/// user's settings win): by default an async server scales its learning rate by staleness,
+/// measured best (BENCHMARKS.md §9); a sync server over async local servers averages every
+/// local server's push and does not (measured slightly worse with it); SGD's momentum
+/// changes only when `async_momentum` is set.
 pub fn server_optimizer(
     configured: &OptimizerSpec,
     staleness: f64,
+    async_server: bool,
     staleness_lr: Option<bool>,
     async_momentum: Option<f64>,
 ) -> ServerOptimizer {
@@ -91,7 +95,7 @@ pub fn server_optimizer(
     if staleness <= 0.0 {
         return out;
     }
-    out.staleness_lr = staleness_lr.unwrap_or(true);
+    out.staleness_lr = staleness_lr.unwrap_or(async_server);
     let mut parts = vec![if out.staleness_lr {
         format!(
             "learning rate scaled by 1/(1+staleness) per update (expected staleness {staleness:.0}){}",
@@ -102,7 +106,9 @@ pub fn server_optimizer(
             }
         )
     } else {
-        "learning rate not scaled by staleness (topology.staleness_lr: false)".to_string()
+        format!(
+            "learning rate not scaled by staleness (expected staleness {staleness:.0}; topology.staleness_lr: true scales it)"
+        )
     }];
     if let (Some(m), OptimizerSpec::Sgd { momentum, .. }) = (async_momentum, &mut out.optimizer) {
         parts.push(format!(
@@ -136,7 +142,16 @@ pub fn for_job(config: &TrainConfig, topology: &Topology, rank: usize) -> JobOpt
         } else {
             0.0
         };
-        let policy = server_optimizer(&config.optimizer, s, t.staleness_lr, t.async_momentum);
+        let own_async = topology
+            .role(r)
+            .is_some_and(|role| role.aggregation == Some(Aggregation::Async));
+        let policy = server_optimizer(
+            &config.optimizer,
+            s,
+            own_async,
+            t.staleness_lr,
+            t.async_momentum,
+        );
         (s, policy)
     };
     let (root_staleness, root) = of(topology.root());
@@ -198,7 +213,7 @@ mod tests {
         assert!((explicit_momentum(0.9, 3.0) - 0.6).abs() < 1e-12);
         assert_eq!(explicit_momentum(0.5, 3.0), 0.0);
         assert_eq!(explicit_momentum(0.9, 0.0), 0.9);
-        let s = server_optimizer(&sgd(0.9), 3.0, None, None);
+        let s = server_optimizer(&sgd(0.9), 3.0, true, None, None);
         assert!(s.staleness_lr);
         assert_eq!(s.optimizer, sgd(0.9));
         let note = s.note.expect("note");
@@ -207,17 +222,25 @@ mod tests {
             "{note}"
         );
         // The user's settings win.
-        let s = server_optimizer(&sgd(0.9), 3.0, Some(false), Some(0.6));
+        let s = server_optimizer(&sgd(0.9), 3.0, true, Some(false), Some(0.6));
         assert!(!s.staleness_lr);
         assert!((s.optimizer.momentum() - 0.6).abs() < 1e-6);
         let note = s.note.expect("note");
         assert!(note.contains("momentum 0.9 -> 0.6"), "{note}");
         // A sync tree: as configured, nothing to say (an explicit staleness_lr still holds).
-        let s = server_optimizer(&sgd(0.9), 0.0, None, Some(0.6));
+        let s = server_optimizer(&sgd(0.9), 0.0, false, None, Some(0.6));
         assert_eq!(
             (s.optimizer, s.staleness_lr, s.note),
             (sgd(0.9), false, None)
         );
-        assert!(server_optimizer(&sgd(0.9), 0.0, Some(true), None).staleness_lr);
+        assert!(server_optimizer(&sgd(0.9), 0.0, false, Some(true), None).staleness_lr);
+        // A sync root over async local servers: stale, not scaled unless asked, and says so.
+        let s = server_optimizer(&sgd(0.5), 1.0, false, None, None);
+        assert!(!s.staleness_lr);
+        assert!(
+            s.note
+                .expect("note")
+                .contains("staleness_lr: true scales it")
+        );
     }
 }
