@@ -42,13 +42,14 @@ pub enum TrainError {
     /// Ranks ended with different parameters (a broken invariant, never expected).
     #[error("parameters differ across ranks after training: {0}")]
     Divergence(String),
-    /// Training produced a non-finite loss.
-    #[error("loss is {loss} at step {step}: training diverged (try a smaller lr)")]
-    NonFiniteLoss {
-        /// The global step.
-        step: u64,
-        /// The loss value.
-        loss: f32,
+    /// Training diverged (NaN or infinite loss) or is not learning, and
+    /// `abort_on_divergence` says to stop (see [`crate::divergence`]).
+    #[error("{verdict}; {advice}")]
+    NotLearning {
+        /// What the check found.
+        verdict: crate::divergence::Verdict,
+        /// What to change.
+        advice: String,
     },
     /// A checkpoint could not be written or read.
     #[error("checkpoint {path}: {message}")]

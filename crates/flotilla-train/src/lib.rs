@@ -10,6 +10,7 @@ pub mod batches;
 pub mod bucket;
 pub mod checkpoint;
 pub mod config;
+pub mod divergence;
 pub mod error;
 pub mod eval;
 pub mod fault;

@@ -75,6 +75,9 @@ pub struct Cx<'a> {
     pub fault: Option<Fault>,
     /// The newest evaluation.
     pub last_eval: Option<EvalStats>,
+    /// The momentum the root runs and the one suggested for its staleness, when its updates are stale
+    /// (a parameter server with async levels), for the advice of [`crate::divergence`].
+    pub async_momentum: Option<(f64, f64)>,
 }
 
 impl Cx<'_> {

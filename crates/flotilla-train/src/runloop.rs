@@ -11,6 +11,7 @@ use flotilla_engine::EvalStats;
 
 use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
+use crate::divergence::{DivergenceCheck, Verdict};
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::history::{EvalPoint, History, LossPoint};
@@ -105,6 +106,7 @@ struct Loop<'r, 'd, 'c> {
     last_eval: Option<EvalStats>,
     stopped: Option<String>,
     history: History,
+    check: DivergenceCheck,
 }
 
 /// Runs `role` to the end of the plan (or until its server stops it).
@@ -115,6 +117,14 @@ pub fn run(
     cx: &mut Cx<'_>,
 ) -> Result<Finished> {
     let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;
+    // Roles that do not evaluate (workers, local and shard servers) leave "not learning" to
+    // the rank that does; a NaN or infinite loss is divergence wherever it shows.
+    let check_after = if role.evaluation() == Evaluation::None {
+        0
+    } else {
+        cx.config.schedule.divergence_check_rounds
+    };
+    let check = DivergenceCheck::new(check_after, cx.test.num_classes().max(2));
     let mut l = Loop {
         role,
         data,
@@ -128,6 +138,7 @@ pub fn run(
         last_eval: None,
         stopped: None,
         history: History::default(),
+        check,
     };
     let train_started = Instant::now();
     l.role.start(l.cx)?;
@@ -180,7 +191,30 @@ impl Loop<'_, '_, '_> {
         Ok(())
     }
 
+    /// Warns about a verdict of the divergence check (once per kind), or stops the run with
+    /// it when `abort_on_divergence` says so.
+    fn judge(&mut self, verdict: Option<Verdict>) -> Result<()> {
+        let Some(verdict) = verdict else {
+            return Ok(());
+        };
+        let advice =
+            crate::divergence::advice(&verdict, self.cx.config.base_lr(), self.cx.async_momentum);
+        if crate::divergence::aborts(&verdict, self.cx.config.schedule.abort_on_divergence) {
+            return Err(TrainError::NotLearning { verdict, advice });
+        }
+        // Once, on stderr (which the launcher shows) and in the run log.
+        let line = format!("warning: {verdict}; {advice}");
+        eprintln!("[rank {}] {line}", self.cx.rank);
+        self.cx.log_quiet(&line)
+    }
+
     fn after_step(&mut self, step: Step) -> Result<()> {
+        if let Some(loss) = step.loss {
+            // A loss of a step that completed nothing (a refused push) counts too.
+            let at = self.progress + u64::from(step.progressed);
+            let verdict = self.check.loss(at, loss);
+            self.judge(verdict)?;
+        }
         if let Some(reason) = step.done {
             self.stopped = Some(reason);
             return Ok(());
@@ -203,10 +237,7 @@ impl Loop<'_, '_, '_> {
             self.cx
                 .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
         }
-        if let Some(loss) = step.loss {
-            if !loss.is_finite() {
-                return Err(TrainError::NonFiniteLoss { step: at, loss });
-            }
+        if let Some(loss) = step.loss.filter(|l| l.is_finite()) {
             self.epoch.loss_sum += f64::from(loss);
             self.epoch.steps += 1;
             self.train_loss = f64::from(loss);
@@ -316,6 +347,8 @@ impl Loop<'_, '_, '_> {
         metrics::gauge!("flotilla_test_loss").set(stats.loss());
         self.last_eval = Some(stats);
         self.cx.last_eval = Some(stats);
+        let verdict = self.check.accuracy(self.progress, stats.accuracy());
+        self.judge(verdict)?;
         Ok(stats)
     }
 

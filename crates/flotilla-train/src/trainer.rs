@@ -116,13 +116,18 @@ pub fn run(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
+    let servers = crate::ps::staleness::for_job(config, &topology, rank);
+    if let Some(note) = &servers.own.note {
+        observer.message(note);
+        log.line(note)?;
+    }
     // A pipeline stage holds only its own layers: no whole-model engine.
     let mut engine = match topology.arch() {
         Arch::Pipeline => None,
         _ => {
             let mut engine = BurnEngine::new(
                 &spec,
-                &config.optimizer,
+                &servers.own.optimizer,
                 &config.model.device,
                 config.model.seed,
             )?;
@@ -158,6 +163,7 @@ pub fn run(
         observer,
         fault: Fault::from_env(rank),
         last_eval: None,
+        async_momentum: servers.root_async_momentum,
     };
     match topology.arch() {
         Arch::Allreduce => job.data_parallel(&mut cx),

@@ -145,6 +145,14 @@ pub struct ScheduleSection {
     pub num_server_rounds: Option<u64>,
     /// Parameter servers: stop as soon as the root's test accuracy reaches this.
     pub target_accuracy: Option<f64>,
+    /// After this many steps (parameter servers: rounds) a run whose test accuracy is at
+    /// chance or whose loss is not below its initial value is "not learning" (0: never
+    /// check). A NaN or infinite loss is "diverged" at any step. See [`crate::divergence`].
+    pub divergence_check_rounds: u64,
+    /// What a run that diverged or is not learning does: `true` stops it with an error,
+    /// `false` warns and goes on; unset (default) stops on a NaN or infinite loss and warns
+    /// when the run is not learning.
+    pub abort_on_divergence: Option<bool>,
 }
 
 impl Default for ScheduleSection {
@@ -159,6 +167,8 @@ impl Default for ScheduleSection {
             resume: false,
             num_server_rounds: None,
             target_accuracy: None,
+            divergence_check_rounds: crate::divergence::DEFAULT_CHECK_ROUNDS,
+            abort_on_divergence: None,
         }
     }
 }
@@ -179,8 +189,13 @@ pub struct TopologySection {
     pub servers: usize,
     /// Async servers: a push more than this many versions stale is refused (pull again).
     pub max_staleness: Option<u64>,
-    /// Async servers: scale the learning rate by `1 / (1 + staleness)`.
-    pub staleness_lr: bool,
+    /// Parameter servers: scale each update's learning rate by `1 / (1 + staleness)`.
+    /// Unset: on at async servers (they apply each push on arrival), off at sync ones
+    /// ([`crate::ps::staleness`]).
+    pub staleness_lr: Option<bool>,
+    /// Async servers: the SGD momentum of the server's optimizer, instead of
+    /// `optimizer.momentum` (asynchrony adds momentum of its own; [`crate::ps::staleness`]).
+    pub async_momentum: Option<f64>,
     /// Parameter servers: local steps per push; more than 1 is model averaging (workers push
     /// weight deltas, the server averages them weighted by samples).
     pub local_steps: usize,
@@ -197,7 +212,8 @@ impl Default for TopologySection {
             global_server: None,
             servers: 1,
             max_staleness: None,
-            staleness_lr: false,
+            staleness_lr: None,
+            async_momentum: None,
             local_steps: 1,
             inventory: None,
         }
@@ -456,6 +472,14 @@ impl TrainConfig {
             return Err(bad(
                 "schedule.target_accuracy",
                 format!("must be in [0, 1], got {a}"),
+            ));
+        }
+        if let Some(m) = t.async_momentum
+            && !(0.0..1.0).contains(&m)
+        {
+            return Err(bad(
+                "topology.async_momentum",
+                format!("must be in [0, 1), got {m}"),
             ));
         }
         if t.local_steps == 0 {
@@ -806,7 +830,9 @@ mod tests {
             "mnist-mlp.yaml",
             "mnist-pipeline.yaml",
             "ps-flat-sync.yaml",
+            "ps-flat-async.yaml",
             "ps-hierarchical.yaml",
+            "ps-hierarchical-async.yaml",
         ] {
             let path = std::env::var_os("CARGO_MANIFEST_DIR")
                 .map(std::path::PathBuf::from)

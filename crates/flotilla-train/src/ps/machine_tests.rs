@@ -83,6 +83,7 @@ impl Fixture {
             observer: &mut self.observer,
             fault: None,
             last_eval: None,
+            async_momentum: None,
         }
     }
 

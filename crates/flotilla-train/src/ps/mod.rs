@@ -14,6 +14,7 @@ pub mod protocol;
 pub mod root;
 pub mod serve;
 pub mod server;
+pub mod staleness;
 pub mod worker;
 
 #[cfg(test)]
@@ -88,6 +89,7 @@ pub fn build_role(
         .collect();
     let ranges = topology.shard_ranges(n);
     let sync = sync.unwrap_or(true);
+    let policy = staleness::for_job(ctx.config, topology, ctx.rank).own;
     Ok(match role.kind {
         RoleKind::Worker { index } => {
             let ranges = if role.parents.len() == ranges.len() {
@@ -109,7 +111,8 @@ pub fn build_role(
                 ranges,
                 servers: shard_servers,
             };
-            let m = root::RootServer::new(ctx, &role.children, sync, plan)?;
+            let m = root::RootServer::new(ctx, &role.children, sync, plan)?
+                .with_staleness_lr(policy.staleness_lr);
             (Box::new(m), (1, 0))
         }
         RoleKind::Stage { .. } => {
@@ -120,7 +123,8 @@ pub fn build_role(
         }
         RoleKind::GlobalServer => {
             let plan = server::ShardPlan::whole(n);
-            let m = root::RootServer::new(ctx, &role.children, sync, plan)?;
+            let m = root::RootServer::new(ctx, &role.children, sync, plan)?
+                .with_staleness_lr(policy.staleness_lr);
             (Box::new(m), (1, 0))
         }
     })

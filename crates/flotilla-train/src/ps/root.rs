@@ -77,6 +77,10 @@ pub struct RootServer {
     round_sum: (f64, u64),
     /// The root gathered the shards and stopped everyone.
     finished: Option<RootOutcome>,
+    /// A push reported a NaN or infinite loss (it is refused): the run loop judges it.
+    bad_loss: Option<f32>,
+    /// Scale each update's learning rate by `1 / (1 + staleness)`.
+    staleness_lr: bool,
 }
 
 impl RootServer {
@@ -125,6 +129,8 @@ impl RootServer {
             round_done: None,
             round_sum: (0.0, 0),
             finished: None,
+            bad_loss: None,
+            staleness_lr: cx.config.topology.staleness_lr.unwrap_or(false),
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -153,6 +159,14 @@ impl RootServer {
             shard_inbox,
             shard,
         })
+    }
+
+    /// Whether each update's learning rate is scaled by `1 / (1 + staleness)` (the policy
+    /// of [`super::staleness::server_optimizer`]; by default `topology.staleness_lr`, else
+    /// off).
+    pub fn with_staleness_lr(mut self, on: bool) -> Self {
+        self.staleness_lr = on;
+        self
     }
 
     /// The parameter version this server holds.
@@ -194,6 +208,11 @@ impl RootServer {
     /// A child's push: admitted into the round (or refused, changing nothing); a complete
     /// round or an async push becomes an update.
     pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
+        if let PsMessage::Push { loss, .. } = &msg
+            && !loss.is_finite()
+        {
+            self.bad_loss = Some(*loss);
+        }
         let check = PushCheck {
             admission: self.admission,
             current: self.model.version(),
@@ -258,7 +277,7 @@ impl RootServer {
             self.total_rounds,
             schedule.warmup_steps,
         );
-        if cx.config.topology.staleness_lr {
+        if self.staleness_lr {
             lr /= 1.0 + staleness as f64;
         }
         let t = Instant::now();
@@ -554,7 +573,10 @@ impl Role for RootServer {
                 samples,
                 done: None,
             },
-            None => Step::default(),
+            None => Step {
+                loss: self.bad_loss.take(),
+                ..Step::default()
+            },
         })
     }
 
