@@ -143,7 +143,7 @@ impl<'a> Admission<'a> {
                 return None;
             }
             Err(Some(CommError::Rendezvous(re))) => {
-                self.refuse(re.to_string());
+                self.refuse(format!("a connection ({re})"));
                 return None;
             }
             Ok(Ctrl::Auth(_)) => {
@@ -151,7 +151,7 @@ impl<'a> Admission<'a> {
                     peer: PeerName::unranked(addr.to_string()),
                 };
                 reject(&mut stream, &re).await;
-                self.refuse(re.to_string());
+                self.refuse(format!("a connection ({re})"));
                 return None;
             }
             Err(Some(e)) => {
