@@ -399,9 +399,9 @@ mod tests {
     fn a_proof_for_another_purpose_fails() {
         let s = secret("s");
         let m = |session, acceptor| Purpose::Mesh { session, acceptor };
-        assert_eq!(handshake(&s, &s, Purpose::Rendezvous, m(1, 1)).0, false);
-        assert_eq!(handshake(&s, &s, m(1, 1), m(2, 1)).0, false);
-        assert_eq!(handshake(&s, &s, m(1, 1), m(1, 2)).0, false);
+        assert!(!handshake(&s, &s, Purpose::Rendezvous, m(1, 1)).0);
+        assert!(!handshake(&s, &s, m(1, 1), m(2, 1)).0);
+        assert!(!handshake(&s, &s, m(1, 1), m(1, 2)).0);
     }
 
     #[test]
