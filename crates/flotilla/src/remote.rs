@@ -314,9 +314,27 @@ mod tests {
         let script = args.last().cloned().unwrap_or_default();
         assert!(args.contains(&"2222".to_owned()));
         assert!(script.starts_with(&format!("cd {} && echo $$ > rank-2.pid", j.dir)));
-        assert!(script.ends_with(
-            "env 'RANK=2' /opt/flotilla train config.yaml; rc=$?; rm -f rank-2.pid; exit $rc"
-        ));
+        // The host's own secret variables never reach the rank.
+        let clear = "env -u FLOTILLA_SECRET -u FLOTILLA_SECRET_FILE -u FLOTILLA_TOKEN";
+        assert!(
+            script.ends_with(&format!(
+                "{clear} 'RANK=2' /opt/flotilla train config.yaml; rc=$?; rm -f rank-2.pid; exit $rc"
+            )),
+            "{script}"
+        );
+        // With a secret, the rank is told the secret file's path (never the secret).
+        let mut j = j;
+        j.secret = true;
+        let cmd = j.rank_command(2, &[("RANK".into(), "2".into())])?;
+        let script = cmd
+            .get_args()
+            .last()
+            .map(|a| a.to_string_lossy().into_owned());
+        let script = script.unwrap_or_default();
+        assert!(
+            script.contains(&format!("{clear} 'FLOTILLA_SECRET_FILE=secret' 'RANK=2' ")),
+            "{script}"
+        );
         Ok(())
     }
 
