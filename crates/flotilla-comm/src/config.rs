@@ -6,9 +6,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
-
-/// The environment variable holding the shared cluster token (the only one Flotilla reads).
-pub const TOKEN_ENV: &str = "FLOTILLA_TOKEN";
+use crate::secret::Secret;
 
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -55,10 +53,11 @@ pub struct CommConfig {
     pub join_timeout: Duration,
     /// Hash of the model and training configuration; all ranks must agree.
     pub config_hash: u64,
-    /// Shared cluster token; all ranks must agree (`None` on all ranks disables the check).
-    /// It is checked at admission only and sent in clear text: it guards against joining the
-    /// wrong job, not against an attacker on the network.
-    pub token: Option<String>,
+    /// The cluster secret: every connection (to rank 0 and in the mesh) starts with a mutual
+    /// HMAC challenge-response proving that both ends hold it, before any other frame
+    /// (`None`: connections are not authenticated). The secret never goes on the wire; the
+    /// traffic after the handshake is not encrypted.
+    pub secret: Option<Secret>,
     /// Payload compression of data frames.
     pub compression: Compression,
     /// Element format of all-reduce traffic.
@@ -89,7 +88,7 @@ impl fmt::Debug for CommConfig {
             .field("timeout", &self.timeout)
             .field("join_timeout", &self.join_timeout)
             .field("config_hash", &format_args!("{:#018x}", self.config_hash))
-            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
             .field("compression", &self.compression)
             .field("wire_format", &self.wire_format)
             .field("max_frame_bytes", &self.max_frame_bytes)
@@ -112,7 +111,7 @@ impl Default for CommConfig {
             timeout: Duration::from_secs(60),
             join_timeout: Duration::from_secs(300),
             config_hash: 0,
-            token: None,
+            secret: None,
             compression: Compression::None,
             wire_format: WireFormat::F32,
             max_frame_bytes: 64 << 20,
@@ -153,7 +152,7 @@ impl CommConfig {
     /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
     /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
     /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
-    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, [`TOKEN_ENV`], `FLOTILLA_COMM_COMPRESSION`
+    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
     /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
     pub fn from_env() -> Result<Self, CommError> {
@@ -172,7 +171,7 @@ impl CommConfig {
         if let Some(s) = parse_env::<f64>("FLOTILLA_JOIN_TIMEOUT_SECS")? {
             cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
         }
-        cfg.token = env_var(TOKEN_ENV);
+        cfg.secret = Secret::from_env()?;
         if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
             cfg.compression = match c.to_ascii_lowercase().as_str() {
                 "none" | "off" => Compression::None,
@@ -233,9 +232,9 @@ impl CommConfig {
         self
     }
 
-    /// Sets the cluster token.
-    pub fn with_token(mut self, token: Option<String>) -> Self {
-        self.token = token;
+    /// Sets the cluster secret.
+    pub fn with_secret(mut self, secret: Option<Secret>) -> Self {
+        self.secret = secret;
         self
     }
 
@@ -336,8 +335,9 @@ mod tests {
     }
 
     #[test]
-    fn debug_redacts_token() {
-        let cfg = CommConfig::new(Some(0), 2).with_token(Some("s3cret".into()));
+    fn debug_redacts_the_secret() {
+        let secret = Secret::new(b"s3cret".to_vec()).expect("secret");
+        let cfg = CommConfig::new(Some(0), 2).with_secret(Some(secret));
         assert!(!format!("{cfg:?}").contains("s3cret"));
     }
 }

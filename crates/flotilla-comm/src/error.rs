@@ -77,10 +77,29 @@ pub enum RendezvousError {
         /// The peer's hash.
         got: u64,
     },
-    /// The peer presented a different (or missing) cluster token.
-    #[error("cluster token mismatch from {peer}")]
-    TokenMismatch {
-        /// The offending peer.
+    /// The authentication handshake failed: the peer does not hold this job's secret (or
+    /// this side does not hold the peer's), or spoke no valid handshake.
+    #[error("authentication failed: {peer} {reason}")]
+    AuthFailed {
+        /// The other end of the connection.
+        peer: PeerName,
+        /// What failed (never the secret or a proof).
+        reason: String,
+    },
+    /// The peer sent no proof of the secret, but this job requires one.
+    #[error(
+        "{peer} did not authenticate but rank 0 requires this job's secret (set FLOTILLA_SECRET or FLOTILLA_SECRET_FILE)"
+    )]
+    AuthRequired {
+        /// The peer that skipped the handshake.
+        peer: PeerName,
+    },
+    /// The peer started the authentication handshake, but rank 0 has no secret configured.
+    #[error(
+        "{peer} authenticates with a secret but rank 0 has none configured (set the same FLOTILLA_SECRET or FLOTILLA_SECRET_FILE on every rank)"
+    )]
+    AuthNotConfigured {
+        /// The peer that started the handshake.
         peer: PeerName,
     },
     /// Two processes claimed the same rank.
@@ -133,7 +152,8 @@ pub enum RendezvousError {
         present: usize,
         /// The world size.
         world_size: usize,
-        /// Join requests refused meanwhile (wrong config, token, world size, a duplicate rank;
+        /// Join requests refused meanwhile (failed authentication, wrong config, world size, a
+        /// duplicate rank;
         /// connections that were no Flotilla rank), each with its reason, oldest first.
         refused: Vec<String>,
     },

@@ -8,8 +8,9 @@
 //!   collectives, point-to-point share one TCP connection per pair of ranks), flags (LZ4),
 //!   sequence number and a maximum frame size.
 //! * Rendezvous (torchrun-style `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`): rank 0
-//!   admits ranks, checks config hash and cluster token, distributes the address table;
-//!   ranks then build a full mesh. See [`CommConfig`].
+//!   admits ranks, checks config hash and world size, distributes the address table;
+//!   ranks then build a full mesh. With a cluster [`Secret`], every connection first proves
+//!   both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
 //! * [`ProcessGroup`]: the interface strategies use — collectives (barrier, broadcast,
 //!   all-gather, the pipelined ring all-reduce and its non-blocking form for overlapping
 //!   gradient buckets with compute, integer and bit-set reductions), tagged point-to-point
@@ -35,6 +36,7 @@
 //! ```
 #![warn(missing_docs)]
 
+mod auth;
 pub mod bench;
 mod buf;
 mod collectives;
@@ -52,16 +54,18 @@ mod reduce;
 mod rendezvous;
 mod ring;
 pub mod scheduler;
+mod secret;
 pub mod stall;
 mod wire;
 mod world;
 
 pub use comm::Communicator;
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, TOKEN_ENV, WireFormat};
+pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, WireFormat};
 pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{
     Activity, CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags,
 };
 pub use scheduler::{Collective, Output, Scheduler};
+pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::RendezvousError;
 
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
-pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 1;
+pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 2;
 
 /// A control-channel message.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -16,7 +16,6 @@ pub(crate) enum Ctrl {
         rank: Option<usize>,
         world_size: usize,
         config_hash: u64,
-        token: Option<String>,
         mesh_addr: String,
     },
     /// Rank 0 -> rank r: accepted; `peers[i]` is rank i's mesh address.
@@ -41,6 +40,9 @@ pub(crate) enum Ctrl {
     MeshFailed { reason: String },
     /// Rank 0 -> rank r: everybody is connected, start.
     Go,
+    /// A message of the authentication handshake ([`crate::auth::AuthMsg`], encoded): with a
+    /// secret, the first frames of every connection.
+    Auth(Vec<u8>),
     /// Any rank -> all: a collective failed here; stop.
     Abort { reason: String },
 }

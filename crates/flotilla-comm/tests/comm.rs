@@ -7,7 +7,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::{
-    CommConfig, CommError, Communicator, Compression, ProcessGroup, RendezvousError, WireFormat,
+    CommConfig, CommError, Communicator, Compression, ProcessGroup, RendezvousError, Secret,
+    WireFormat,
 };
 
 /// Upper bound for any single test world.
@@ -395,28 +396,203 @@ fn config_hash_mismatch_is_refused_and_named() {
     }
 }
 
+fn secret(s: &str) -> Option<Secret> {
+    Some(Secret::new(s.as_bytes().to_vec()).expect("secret"))
+}
+
+/// A rank with another secret fails authentication against rank 0 and is told so, naming
+/// rank 0; rank 0 refuses it, keeps waiting, and at its deadline names the refusal. Neither
+/// error shows either secret.
 #[test]
-fn token_mismatch_is_refused_and_named() {
+fn wrong_secret_is_refused_at_the_rendezvous_and_named() {
     let join = Duration::from_secs(2);
     let procs = vec![
         base(Some(0), 2, 0)
             .with_join_timeout(join)
-            .with_token(Some("cluster-secret".into())),
+            .with_secret(secret("cluster-secret-A")),
         base(Some(1), 2, 0)
             .with_join_timeout(join)
-            .with_token(Some("wrong".into())),
+            .with_secret(secret("wrong-secret-B")),
     ];
     let res = run_procs(procs, |_c| Ok(()));
     let e = res[1].as_ref().expect_err("must fail");
     assert!(
-        matches!(e, CommError::Rendezvous(RendezvousError::TokenMismatch { peer }) if peer.rank == Some(1)),
+        matches!(e, CommError::Rendezvous(RendezvousError::AuthFailed { peer, .. }) if peer.rank == Some(0)),
         "{e}"
     );
+    let msg = e.to_string();
+    assert!(
+        msg.contains("authentication failed: rank 0 (127.0.0.1:")
+            && msg.contains("does not share this job's secret"),
+        "{msg}"
+    );
     let e0 = res[0].as_ref().expect_err("rank 0 times out");
-    assert_refused_at_timeout(e0, "token");
+    assert_refused_at_timeout(e0, "authentication failed: unranked process at 127.0.0.1:");
     for e in [e, e0] {
-        assert!(!e.to_string().contains("secret"), "token leaked: {e}");
+        let text = format!("{e} {e:?}");
+        assert!(
+            !text.contains("secret-A") && !text.contains("secret-B"),
+            "secret leaked: {text}"
+        );
     }
+}
+
+/// A secret on one side only: the side without one is told what to set.
+#[test]
+fn a_secret_on_one_side_only_is_refused_and_named() {
+    let join = Duration::from_millis(1500);
+    let procs = vec![
+        base(Some(0), 2, 0)
+            .with_join_timeout(join)
+            .with_secret(secret("s")),
+        base(Some(1), 2, 0).with_join_timeout(join),
+    ];
+    let res = run_procs(procs, |_c| Ok(()));
+    let e = res[1].as_ref().expect_err("no secret");
+    assert!(
+        matches!(
+            e,
+            CommError::Rendezvous(RendezvousError::AuthRequired { .. })
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("FLOTILLA_SECRET"), "{e}");
+    assert_refused_at_timeout(res[0].as_ref().expect_err("rank 0"), "did not authenticate");
+    let procs = vec![
+        base(Some(0), 2, 0).with_join_timeout(join),
+        base(Some(1), 2, 0)
+            .with_join_timeout(join)
+            .with_secret(secret("s")),
+    ];
+    let res = run_procs(procs, |_c| Ok(()));
+    let e = res[1].as_ref().expect_err("rank 0 has none");
+    assert!(
+        matches!(
+            e,
+            CommError::Rendezvous(RendezvousError::AuthNotConfigured { .. })
+        ),
+        "{e}"
+    );
+}
+
+/// Ranks sharing the secret form a job: the rendezvous and every mesh connection
+/// authenticate, and collectives run.
+#[test]
+fn the_right_secret_forms_a_job() {
+    let res = run_world(
+        4,
+        |c| c.with_secret(secret("shared")),
+        |c| c.all_gather_u64(c.rank() as u64 * 10),
+    );
+    for r in res {
+        assert_eq!(r.expect("job"), vec![0, 10, 20, 30]);
+    }
+}
+
+/// A stranger with a wrong secret knocking at rank 0 first never breaks an authenticated
+/// job; it fails, and the real rank joins.
+#[test]
+fn a_stranger_with_a_wrong_secret_never_breaks_a_job() {
+    let (l, port) = master_listener();
+    let cfg = base(Some(0), 2, port).with_secret(secret("right"));
+    let master = thread::spawn(move || {
+        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
+    });
+    let stranger = Communicator::connect(base(None, 2, port).with_secret(secret("guess")));
+    assert!(
+        matches!(
+            stranger,
+            Err(CommError::Rendezvous(RendezvousError::AuthFailed { .. }))
+        ),
+        "{:?}",
+        stranger.err()
+    );
+    let rank1 = Communicator::connect(base(Some(1), 2, port).with_secret(secret("right")))
+        .and_then(|c| c.all_gather_u64(2));
+    assert_eq!(rank1.expect("rank 1"), vec![1, 2]);
+    assert_eq!(
+        master.join().expect("no panic").expect("rank 0"),
+        vec![1, 2]
+    );
+}
+
+/// Copies one direction of a proxied connection, recording what passed.
+fn pump(
+    mut from: std::net::TcpStream,
+    mut to: std::net::TcpStream,
+    record: Option<Arc<std::sync::Mutex<Vec<u8>>>>,
+) {
+    use std::io::{Read, Write};
+    let mut buf = [0u8; 4096];
+    while let Ok(n) = from.read(&mut buf) {
+        if n == 0 || to.write_all(&buf[..n]).is_err() {
+            break;
+        }
+        if let Some(r) = &record {
+            r.lock().expect("lock").extend_from_slice(&buf[..n]);
+        }
+    }
+    let _ = to.shutdown(std::net::Shutdown::Write);
+}
+
+/// An eavesdropper records everything rank 1 sent to rank 0 in a good job (through a
+/// proxy), then replays it to a new rank 0 with the same secret: the fresh nonce of rank 0
+/// makes the recorded proof worthless, so the replay is refused and named.
+#[test]
+fn a_replayed_handshake_is_refused() {
+    use std::io::Write;
+    let (l, port) = master_listener();
+    let proxy = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let proxy_port = proxy.local_addr().expect("addr").port();
+    let recorded = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let rec = recorded.clone();
+    let relay = thread::spawn(move || {
+        let (client, _) = proxy.accept().expect("accept");
+        let server = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+        let (c2, s2) = (
+            client.try_clone().expect("clone"),
+            server.try_clone().expect("clone"),
+        );
+        let up = thread::spawn(move || pump(client, server, Some(rec)));
+        pump(s2, c2, None);
+        let _ = up.join();
+    });
+    let cfg = base(Some(0), 2, port).with_secret(secret("right"));
+    let master = thread::spawn(move || {
+        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
+    });
+    let rank1 = Communicator::connect(base(Some(1), 2, proxy_port).with_secret(secret("right")))
+        .and_then(|c| {
+            let r = c.all_gather_u64(2);
+            drop(c);
+            r
+        });
+    assert_eq!(rank1.expect("rank 1 through the proxy"), vec![1, 2]);
+    assert_eq!(
+        master.join().expect("no panic").expect("rank 0"),
+        vec![1, 2]
+    );
+    let _ = relay.join();
+    let bytes = recorded.lock().expect("lock").clone();
+    assert!(bytes.len() > 100, "recorded {} bytes", bytes.len());
+
+    let (l, port) = master_listener();
+    let cfg = base(Some(0), 2, port)
+        .with_secret(secret("right"))
+        .with_join_timeout(Duration::from_millis(1500));
+    let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l).map(|_| ()));
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
+    let _ = s.write_all(&bytes);
+    let e = master
+        .join()
+        .expect("no panic")
+        .expect_err("the replay must not join");
+    assert_refused_at_timeout(&e, "does not share this job's secret");
+    assert!(
+        e.to_string()
+            .contains(&s.local_addr().expect("addr").to_string()),
+        "the refusal names the replaying connection: {e}"
+    );
 }
 
 #[test]

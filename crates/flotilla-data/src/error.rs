@@ -33,6 +33,17 @@ pub enum DataError {
         source: io::Error,
     },
 
+    /// The file, or its decompressed content, is larger than the limit.
+    #[error("{}: the {what} is larger than the limit MAX_IDX_BYTES = {max} bytes", path.display())]
+    TooLarge {
+        /// The file being read.
+        path: PathBuf,
+        /// What is too large (`file` or `decompressed content`).
+        what: &'static str,
+        /// The limit in bytes.
+        max: u64,
+    },
+
     /// The (decompressed) content is too short to hold the IDX header.
     #[error(
         "{}: truncated IDX header: expected at least {expected} bytes, found {actual}",

@@ -31,6 +31,9 @@ pub const LABELS_MAGIC: u32 = 0x0000_0801;
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// Upper bound on the capacity pre-reserved from a gzip size trailer (it may be corrupt).
 const MAX_SIZE_HINT: usize = 1 << 30;
+/// The largest IDX content read (raw, or after decompression), in bytes: a bigger file, or a
+/// gzip stream that expands beyond it, is [`DataError::TooLarge`], never an allocation.
+pub const MAX_IDX_BYTES: u64 = 4 << 30;
 
 /// A decoded IDX images file: `count` images of `rows x cols` `u8` pixels, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -50,16 +53,32 @@ pub fn is_gzip(bytes: &[u8]) -> bool {
     bytes.starts_with(&GZIP_MAGIC)
 }
 
-/// Reads a whole file, transparently decompressing it if it is gzip data.
+/// Reads a whole file, transparently decompressing it if it is gzip data, up to
+/// [`MAX_IDX_BYTES`].
 ///
 /// # Errors
 /// [`DataError::Io`] if the file cannot be read, [`DataError::Gzip`] if it looks like
-/// gzip but does not decompress (corrupt or truncated).
+/// gzip but does not decompress (corrupt or truncated), [`DataError::TooLarge`] past the
+/// limit.
 pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
-    let raw = fs::read(path).map_err(|source| DataError::Io {
+    read_maybe_gz_limited(path, MAX_IDX_BYTES)
+}
+
+/// [`read_maybe_gz`] with a limit of `max` bytes (file and decompressed content alike).
+pub fn read_maybe_gz_limited(path: &Path, max: u64) -> Result<Vec<u8>> {
+    let io = |source| DataError::Io {
         path: path.to_path_buf(),
         source,
-    })?;
+    };
+    let too_large = |what: &'static str| DataError::TooLarge {
+        path: path.to_path_buf(),
+        what,
+        max,
+    };
+    if fs::metadata(path).map_err(io)?.len() > max {
+        return Err(too_large("file"));
+    }
+    let raw = fs::read(path).map_err(io)?;
     if !is_gzip(&raw) {
         return Ok(raw);
     }
@@ -70,14 +89,20 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
         .and_then(|at| raw.get(at..))
         .and_then(|t| <[u8; 4]>::try_from(t).ok())
         .map_or(0, |t| u32::from_le_bytes(t) as usize)
-        .min(MAX_SIZE_HINT);
+        .min(MAX_SIZE_HINT)
+        .min(usize::try_from(max).unwrap_or(usize::MAX));
     let mut out = Vec::with_capacity(hint);
+    // One byte past the limit tells a stream that expands too far from one that fits.
     MultiGzDecoder::new(raw.as_slice())
+        .take(max.saturating_add(1))
         .read_to_end(&mut out)
         .map_err(|source| DataError::Gzip {
             path: path.to_path_buf(),
             source,
         })?;
+    if out.len() as u64 > max {
+        return Err(too_large("decompressed content"));
+    }
     Ok(out)
 }
 
@@ -239,6 +264,54 @@ mod tests {
         assert_eq!(a, b);
         assert_eq!((a.count, a.rows, a.cols), (2, 2, 3));
         assert_eq!(a.pixels, (1..=12).collect::<Vec<u8>>());
+    }
+
+    #[test]
+    fn content_beyond_the_limit_is_refused_without_reading_it_all() {
+        let dir = tempfile::tempdir().unwrap();
+        // A gzip bomb: 64 MiB of zeros in a few KiB; with a 1 MiB limit it stops after 1 MiB.
+        let bomb = vec![0u8; 64 << 20];
+        let gz = write_file(dir.path(), "bomb", &bomb, true);
+        assert!(std::fs::metadata(&gz).unwrap().len() < 1 << 20);
+        let t = std::time::Instant::now();
+        let e = read_maybe_gz_limited(&gz, 1 << 20).expect_err("too large");
+        assert!(t.elapsed() < std::time::Duration::from_secs(2));
+        let msg = e.to_string();
+        assert!(
+            msg.contains("decompressed content") && msg.contains("1048576"),
+            "{msg}"
+        );
+        let raw = write_file(dir.path(), "raw", &[0u8; 4096], false);
+        let e = read_maybe_gz_limited(&raw, 1024).expect_err("raw too large");
+        assert!(e.to_string().contains("file"), "{e}");
+        assert_eq!(read_maybe_gz_limited(&raw, 4096).unwrap().len(), 4096);
+    }
+
+    /// A header announcing huge dimensions is checked against the file's length (overflow
+    /// checked), so it is an error at once, never an allocation of its size.
+    #[test]
+    fn huge_header_dimensions_are_refused_at_once() {
+        let p = Path::new("crafted");
+        let t = std::time::Instant::now();
+        let mut h = IMAGES_MAGIC.to_be_bytes().to_vec();
+        for d in [u32::MAX, u32::MAX, u32::MAX] {
+            h.extend_from_slice(&d.to_be_bytes());
+        }
+        let e = parse_header(&h, IMAGES_MAGIC, p).expect_err("overflow or truncated");
+        assert!(
+            matches!(
+                e,
+                DataError::BadDimensions { .. } | DataError::Truncated { .. }
+            ),
+            "{e}"
+        );
+        let mut h = IMAGES_MAGIC.to_be_bytes().to_vec();
+        for d in [60_000u32, 28, 28] {
+            h.extend_from_slice(&d.to_be_bytes());
+        }
+        let e = parse_header(&h, IMAGES_MAGIC, p).expect_err("truncated");
+        assert!(matches!(e, DataError::Truncated { .. }), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_millis(100));
     }
 
     #[test]

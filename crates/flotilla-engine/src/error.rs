@@ -26,6 +26,18 @@ pub enum EngineError {
     /// A spec that is structurally wrong (no layers, bad input shape, wrong number of outputs).
     #[error("model spec: {0}")]
     InvalidSpec(String),
+    /// A spec (or its file) asks for more than a limit allows (see [`crate::SpecLimits`]).
+    #[error("model spec: {what} is {value}, more than the limit {limit} = {max}")]
+    LimitExceeded {
+        /// What is too large.
+        what: String,
+        /// Its size.
+        value: u128,
+        /// The limit's name.
+        limit: &'static str,
+        /// The limit.
+        max: u64,
+    },
     /// A flat buffer's length does not match the model's parameter count.
     #[error("flat buffer has {got} values but the model has {expected} parameters")]
     FlatLength {

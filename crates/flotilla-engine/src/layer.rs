@@ -156,7 +156,9 @@ pub fn layer_output(index: usize, layer: &LayerSpec, input: Shape) -> Result<Sha
             if out == 0 || k == 0 || stride == 0 {
                 return Err(err("out, k and stride must be positive".into()));
             }
-            let (ph, pw) = (h + 2 * padding, w + 2 * padding);
+            // Saturating: a huge padding gives a huge output, refused by the activation limit.
+            let pad = padding.saturating_mul(2);
+            let (ph, pw) = (h.saturating_add(pad), w.saturating_add(pad));
             if ph < k || pw < k {
                 return Err(err(format!(
                     "kernel {k}x{k} is larger than the padded input {ph}x{pw} (input {input})"

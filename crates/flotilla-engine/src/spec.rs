@@ -9,6 +9,7 @@ use crate::error::{EngineError, Result};
 use crate::graph::{self, Node};
 use crate::layer::layer_output;
 pub use crate::layer::{LayerSpec, Shape};
+use crate::limits::{MAX_SPEC_BYTES, SpecLimits};
 
 /// A sequential model: its input shape and its layers, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -39,20 +40,33 @@ pub const BUILTIN_SPECS: &[(&str, &str)] = &[
 ];
 
 impl ModelSpec {
-    /// Parses a spec from YAML text; `source_name` names it in errors.
+    /// Parses a spec from YAML text and checks it against the default [`SpecLimits`];
+    /// `source_name` names it in errors.
     pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
+        Self::from_yaml_with(text, source_name, &SpecLimits::default())
+    }
+
+    /// Parses a spec from YAML text (at most [`MAX_SPEC_BYTES`]) and checks its shapes
+    /// against `limits`, before any tensor exists. (Later shape inference applies the
+    /// default limits: pass limits tighter than those.)
+    pub fn from_yaml_with(text: &str, source_name: &str, limits: &SpecLimits) -> Result<Self> {
+        spec_size(source_name, text.len() as u64)?;
         let spec: ModelSpec = serde_norway::from_str(text).map_err(|e| EngineError::SpecParse {
             source_name: source_name.to_string(),
             message: e.to_string(),
         })?;
-        spec.output_shape()?;
+        let io = spec.infer_io_with(limits)?;
+        flat_output(io.last().map(|(_, out)| *out))?;
         Ok(spec)
     }
 
-    /// Reads and checks a spec file.
+    /// Reads and checks a spec file (at most [`MAX_SPEC_BYTES`], checked before reading).
     pub fn load(path: &Path) -> Result<Self> {
+        let name = path.display().to_string();
+        let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
+        spec_size(&name, meta.len())?;
         let text = std::fs::read_to_string(path).map_err(|e| EngineError::io(path, e))?;
-        Self::from_yaml(&text, &path.display().to_string())
+        Self::from_yaml(&text, &name)
     }
 
     /// A spec shipped with Flotilla (`lenet5`, `mlp`).
@@ -101,18 +115,34 @@ impl ModelSpec {
     }
 
     /// Every layer's input (after its dependencies are merged in) and output shape, checking
-    /// names (dangling, cyclic, kept twice) and shapes. Errors name the layer.
+    /// names (dangling, cyclic, kept twice), shapes and the default [`SpecLimits`]. Errors
+    /// name the layer.
     pub fn infer_io(&self) -> Result<Vec<(Shape, Shape)>> {
+        self.infer_io_with(&SpecLimits::default())
+    }
+
+    /// [`ModelSpec::infer_io`] under `limits`: the layer count, every activation's size and
+    /// every layer's (and the model's) parameter count, each checked before it is used.
+    pub fn infer_io_with(&self, limits: &SpecLimits) -> Result<Vec<(Shape, Shape)>> {
         if self.layers.is_empty() {
             return Err(EngineError::InvalidSpec("the model has no layers".into()));
         }
+        limits.check_layers(self.layers.len())?;
         let producers = graph::producers(&self.layers)?;
         let mut named: HashMap<String, Shape> = HashMap::new();
         let mut shape = self.input_shape()?;
+        limits.check_activation("the input's size", &shape)?;
         let mut io = Vec::with_capacity(self.layers.len());
+        let mut params = 0u64;
         for (index, node) in self.layers.iter().enumerate() {
             let input = graph::merged_input(index, node, shape, &named, &producers)?;
+            let kind = node.layer.kind();
+            limits.check_activation(&format!("layer {index} ({kind})'s input size"), &input)?;
+            params =
+                params.saturating_add(limits.check_layer_params(index, &node.layer, &input)?);
+            limits.check_model_params(params)?;
             shape = layer_output(index, &node.layer, input)?;
+            limits.check_activation(&format!("layer {index} ({kind})'s output size"), &shape)?;
             for name in &node.out_variables {
                 named.insert(name.clone(), shape);
             }
@@ -123,14 +153,7 @@ impl ModelSpec {
 
     /// The model's output shape, which must be flat (class logits).
     pub fn output_shape(&self) -> Result<Shape> {
-        let shapes = self.infer_shapes()?;
-        match shapes.last() {
-            Some(Shape::Flat(n)) => Ok(Shape::Flat(*n)),
-            Some(other) => Err(EngineError::InvalidSpec(format!(
-                "the last layer must give flat class logits, got {other}; end with flatten + linear"
-            ))),
-            None => Err(EngineError::InvalidSpec("the model has no layers".into())),
-        }
+        flat_output(self.infer_shapes()?.last().copied())
     }
 
     /// Checks that the model takes `input` samples and gives `classes` logits.
@@ -155,6 +178,30 @@ impl ModelSpec {
     pub fn to_yaml(&self) -> String {
         serde_norway::to_string(self).unwrap_or_else(|_| format!("{self:?}"))
     }
+}
+
+/// The last layer's output, which must be flat (class logits).
+fn flat_output(last: Option<Shape>) -> Result<Shape> {
+    match last {
+        Some(Shape::Flat(n)) => Ok(Shape::Flat(n)),
+        Some(other) => Err(EngineError::InvalidSpec(format!(
+            "the last layer must give flat class logits, got {other}; end with flatten + linear"
+        ))),
+        None => Err(EngineError::InvalidSpec("the model has no layers".into())),
+    }
+}
+
+/// A spec's size in bytes against [`MAX_SPEC_BYTES`].
+fn spec_size(source_name: &str, bytes: u64) -> Result<()> {
+    if bytes > MAX_SPEC_BYTES {
+        return Err(EngineError::LimitExceeded {
+            what: format!("{source_name}'s size in bytes"),
+            value: bytes as u128,
+            limit: "MAX_SPEC_BYTES",
+            max: MAX_SPEC_BYTES,
+        });
+    }
+    Ok(())
 }
 
 #[cfg(test)]

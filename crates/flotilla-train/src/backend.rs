@@ -19,7 +19,7 @@ pub fn connect(
 ) -> Result<Arc<dyn ProcessGroup>> {
     match config.comm.backend {
         Backend::Tcp => Ok(Arc::new(Communicator::connect(
-            config.comm_config(rank, hash, world),
+            config.comm_config(rank, hash, world)?,
         )?)),
         Backend::Mpi => connect_mpi(config, rank, hash, world),
     }

@@ -240,7 +240,7 @@ impl Layers {
                     self.layers.push(Layer { name: source, tree });
                     continue;
                 } else {
-                    // Other FLOTILLA_ variables belong to other parts (token, fault tests).
+                    // Other FLOTILLA_ variables belong to other parts (the secret, fault tests).
                     continue;
                 }
             } else {
@@ -470,7 +470,11 @@ mod tests {
         let env = vec![
             ("FLOTILLA_DATA__BATCH_SIZE".to_string(), "16".to_string()),
             ("FLOTILLA_SEED".to_string(), "9".to_string()),
-            ("FLOTILLA_TOKEN".to_string(), "secret".to_string()),
+            ("FLOTILLA_SECRET".to_string(), "s3cret".to_string()),
+            (
+                "FLOTILLA_SECRET_FILE".to_string(),
+                "/nonexistent".to_string(),
+            ),
             ("WORLD_SIZE".to_string(), "3".to_string()),
         ];
         let layers = Layers::defaults()
@@ -497,6 +501,11 @@ mod tests {
         assert_eq!(src("schedule.epochs"), "file run.yaml");
         assert_eq!(src("topology.world_size"), "env WORLD_SIZE");
         assert_eq!(src("comm.bucket_mb"), "default");
+        let shown = format!("{c:?} {p:?}");
+        assert!(
+            !shown.contains("s3cret"),
+            "the secret is no config value: {shown}"
+        );
     }
 
     #[test]

@@ -77,7 +77,15 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
 /// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed.
 fn launch_once(config: TrainConfig, opts: &LaunchArgs) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
+    // A secret that cannot be read fails here, before any rank starts. Local ranks inherit
+    // the environment (or read the same `comm.secret_file`); remote ones get a 0600 file.
+    let authenticated = config.secret()?.is_some();
     let mut job = prepare(config, &opts.run)?;
+    if !authenticated && job.n > 1 {
+        println!(
+            "[launcher] no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE / comm.secret_file): the job's connections are not authenticated"
+        );
+    }
     if job.placement.is_none() && !opts.oversubscribe {
         capacity::check_local(job.n, &job.config.data.path)?;
     }

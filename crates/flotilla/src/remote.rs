@@ -24,6 +24,7 @@ use std::os::unix::process::CommandExt;
 use anyhow::{Context, Result, bail};
 use flotilla_cluster::ssh::{join, quote};
 use flotilla_cluster::{Placement, SshTarget};
+use flotilla_comm::{SECRET_ENV, SECRET_FILE_ENV, TOKEN_ENV};
 
 /// Default parent of the per-job directories on the hosts (relative: under the login
 /// directory).
@@ -35,8 +36,9 @@ pub const REMOTE_OUTPUT: &str = "output";
 /// The job's config, relative to its directory on a host.
 pub const REMOTE_CONFIG: &str = "config.yaml";
 
-/// The cluster token, relative to the job directory (mode 0600; never on a command line).
-pub const REMOTE_TOKEN: &str = "token";
+/// The cluster secret, relative to the job directory (mode 0600; never on a command line:
+/// the ranks are told its path in `FLOTILLA_SECRET_FILE`).
+pub const REMOTE_SECRET: &str = "secret";
 
 /// The binary, relative to the job directory, when `--sync` copied it.
 pub const REMOTE_EXE: &str = "flotilla";
@@ -52,6 +54,8 @@ pub struct RemoteJob {
     pub ranks: Vec<SshTarget>,
     /// The binary the ranks run (remote path).
     pub exe: String,
+    /// Whether the job has a cluster secret (in [`REMOTE_SECRET`] in the job directory).
+    pub secret: bool,
 }
 
 impl RemoteJob {
@@ -73,6 +77,7 @@ impl RemoteJob {
             job_id,
             ranks,
             exe,
+            secret: false,
         })
     }
 
@@ -95,22 +100,27 @@ impl RemoteJob {
     }
 
     /// `ssh … <remote command>` that runs rank `rank` with `env` (its pid recorded, its
-    /// exit code passed through).
+    /// exit code passed through). The host's own secret variables are cleared; with a
+    /// secret, the rank reads it from the job directory's [`REMOTE_SECRET`] file (its path,
+    /// not the secret, is on the command line).
     pub fn rank_command(&self, rank: usize, env: &[(String, String)]) -> Result<Command> {
         let target = self
             .ranks
             .get(rank)
             .with_context(|| format!("no host for rank {rank}"))?;
         let mut words: Vec<String> = vec!["env".into()];
+        for var in [SECRET_ENV, SECRET_FILE_ENV, TOKEN_ENV] {
+            words.extend(["-u".into(), var.into()]);
+        }
+        if self.secret {
+            words.push(format!("{SECRET_FILE_ENV}={REMOTE_SECRET}"));
+        }
         words.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
         words.extend([self.exe.clone(), "train".into(), REMOTE_CONFIG.into()]);
         let words: Vec<&str> = words.iter().map(String::as_str).collect();
         let pid = format!("rank-{rank}.pid");
-        let token = format!(
-            "if [ -f {REMOTE_TOKEN} ]; then FLOTILLA_TOKEN=$(cat {REMOTE_TOKEN}); export FLOTILLA_TOKEN; fi"
-        );
         let script = format!(
-            "cd {dir} && echo $$ > {pid} && {token} && {run}; rc=$?; rm -f {pid}; exit $rc",
+            "cd {dir} && echo $$ > {pid} && {run}; rc=$?; rm -f {pid}; exit $rc",
             dir = quote(&self.dir)?,
             run = join(&words)?,
         );
@@ -304,9 +314,27 @@ mod tests {
         let script = args.last().cloned().unwrap_or_default();
         assert!(args.contains(&"2222".to_owned()));
         assert!(script.starts_with(&format!("cd {} && echo $$ > rank-2.pid", j.dir)));
-        assert!(script.ends_with(
-            "env 'RANK=2' /opt/flotilla train config.yaml; rc=$?; rm -f rank-2.pid; exit $rc"
-        ));
+        // The host's own secret variables never reach the rank.
+        let clear = "env -u FLOTILLA_SECRET -u FLOTILLA_SECRET_FILE -u FLOTILLA_TOKEN";
+        assert!(
+            script.ends_with(&format!(
+                "{clear} 'RANK=2' /opt/flotilla train config.yaml; rc=$?; rm -f rank-2.pid; exit $rc"
+            )),
+            "{script}"
+        );
+        // With a secret, the rank is told the secret file's path (never the secret).
+        let mut j = j;
+        j.secret = true;
+        let cmd = j.rank_command(2, &[("RANK".into(), "2".into())])?;
+        let script = cmd
+            .get_args()
+            .last()
+            .map(|a| a.to_string_lossy().into_owned());
+        let script = script.unwrap_or_default();
+        assert!(
+            script.contains(&format!("{clear} 'FLOTILLA_SECRET_FILE=secret' 'RANK=2' ")),
+            "{script}"
+        );
         Ok(())
     }
 

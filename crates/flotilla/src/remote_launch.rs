@@ -19,7 +19,7 @@ use serde_json::json;
 
 use crate::cli::RemoteArgs;
 use crate::launch::{LocalJob, StopHook};
-use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_TOKEN, RemoteJob};
+use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_SECRET, RemoteJob};
 
 /// The model spec file's name in the job directory, when `--sync` copied it.
 const REMOTE_MODEL: &str = "model.yaml";
@@ -50,16 +50,18 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
         (Some(p), false) => p.clone(),
         (None, false) => local_exe.display().to_string(),
     };
-    let job = RemoteJob::new(placement, &args.remote_dir, exe)?;
+    let mut job = RemoteJob::new(placement, &args.remote_dir, exe)?;
     let (ranks_config, model_file) = ranks_config(config, args.sync)?;
     let staging = tempfile::tempdir().context("creating a staging directory")?;
     let config_file = staging.path().join(REMOTE_CONFIG);
     std::fs::write(&config_file, serde_norway::to_string(&ranks_config)?)
         .with_context(|| format!("writing {}", config_file.display()))?;
-    let token = std::env::var(flotilla_comm::TOKEN_ENV).ok();
-    let token_file = staging.path().join(REMOTE_TOKEN);
-    if let Some(t) = &token {
-        std::fs::write(&token_file, t)?;
+    // The secret goes to every host in a mode-0600 file of the job directory, never on a
+    // command line.
+    let secret_file = staging.path().join(REMOTE_SECRET);
+    if let Some(secret) = config.secret()? {
+        secret.write_private(&secret_file)?;
+        job.secret = true;
     }
     for target in job.hosts() {
         println!(
@@ -73,8 +75,8 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
             }
         );
         remote::copy_file(target, &config_file, &job.dir, REMOTE_CONFIG, "600")?;
-        if token.is_some() {
-            remote::copy_file(target, &token_file, &job.dir, REMOTE_TOKEN, "600")?;
+        if job.secret {
+            remote::copy_file(target, &secret_file, &job.dir, REMOTE_SECRET, "600")?;
         }
         if args.sync {
             remote::copy_file(target, &local_exe, &job.dir, REMOTE_EXE, "700")?;
@@ -93,6 +95,8 @@ fn ranks_config(config: &TrainConfig, sync: bool) -> Result<(TrainConfig, Option
     let mut c = config.clone();
     c.telemetry.output = PathBuf::from(REMOTE_OUTPUT);
     c.topology.inventory = None;
+    // A local path; the ranks read the secret from the job directory.
+    c.comm.secret_file = None;
     c.data.path = absolute(&c.data.path)?;
     let spec_path = Path::new(&c.model.spec);
     let mut model_file = None;

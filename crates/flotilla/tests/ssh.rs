@@ -119,8 +119,9 @@ fn start_sshd() -> Option<Sshd> {
 const CONFIG: &str = "model:\n  spec: lenet5\ntopology:\n  world_size: 2\ndata:\n  train_limit: 6000\n\
 schedule:\n  epochs: 1\n";
 
-/// Two ranks over ssh (`--sync`) train LeNet-5 exactly as a local launch of the same config
-/// does; each rank's run.log comes back to the launcher's output directory.
+/// Two ranks over ssh (`--sync`, with a cluster secret) train LeNet-5 exactly as a local
+/// launch of the same config does; each rank's run.log comes back to the launcher's output
+/// directory. The secret reached the ranks only through the job directory's 0600 file.
 #[test]
 fn inventory_launch_over_ssh_trains_as_the_local_launch() {
     let Some(sshd) = start_sshd() else { return };
@@ -139,7 +140,12 @@ fn inventory_launch_over_ssh_trains_as_the_local_launch() {
         "--output",
         remote_out.to_str().expect("utf8"),
     ];
-    let over_ssh = launch(&args, Duration::from_secs(240));
+    let secret = format!("ssh-job-secret-{}", std::process::id());
+    let mut c = flotilla();
+    c.arg("launch").args(args).env("FLOTILLA_SECRET", &secret);
+    let over_ssh = run_with_deadline(c, Duration::from_secs(240));
+    assert!(over_ssh.status.success(), "{}", text(&over_ssh));
+    assert!(!text(&over_ssh).contains(&secret));
     let local = launch(
         &[&cfg, "--output", local_out.to_str().expect("utf8")],
         Duration::from_secs(240),
@@ -161,6 +167,14 @@ fn inventory_launch_over_ssh_trains_as_the_local_launch() {
             .expect("job.json is JSON");
     let job_dir = PathBuf::from(job["dir"].as_str().expect("dir"));
     assert!(job_dir.join("flotilla").is_file());
+    let file = job_dir.join("secret");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(&file).expect("secret file").permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+    assert_eq!(std::fs::read_to_string(&file).expect("read"), secret);
+    let config = std::fs::read_to_string(job_dir.join("config.yaml")).expect("config");
+    assert!(!config.contains(&secret));
     assert_none_left(job_dir.to_str().expect("utf8"), Duration::from_secs(5));
 }
 

@@ -7,8 +7,10 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep, timeout_at};
 
+use super::authn;
 use super::mesh::build_mesh;
 use super::{Mesh, recv_ctrl, send_ctrl};
+use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName};
 use crate::frame;
@@ -32,13 +34,24 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
             .map(|a| a.to_string())
             .unwrap_or_else(|_| format!("{}:{}", cfg.master_addr, cfg.master_port)),
     );
+    if let Some(secret) = &cfg.secret {
+        let deadline = Instant::now() + cfg.timeout;
+        authn::initiate(
+            &mut master,
+            secret,
+            Purpose::Rendezvous,
+            &master_peer,
+            deadline,
+        )
+        .await?;
+        tracing::debug!("authenticated with rank 0");
+    }
     let (listener, mesh_addr) = mesh_listener(cfg, &master).await?;
     let join = Ctrl::Join {
         protocol: RENDEZVOUS_PROTOCOL,
         rank: cfg.rank,
         world_size: cfg.world_size,
         config_hash: cfg.config_hash,
-        token: cfg.token.clone(),
         mesh_addr,
     };
     send_ctrl(&mut master, &join)

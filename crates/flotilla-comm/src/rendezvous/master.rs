@@ -9,10 +9,11 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
-use super::{recv_ctrl, reject, send_ctrl, tokens_equal};
+use super::authn;
+use super::{recv_ctrl, reject, send_ctrl};
+use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName, RendezvousError};
-use crate::frame::{self, ReadError};
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 
 use super::Mesh;
@@ -105,25 +106,18 @@ impl<'a> Admission<'a> {
         None
     }
 
-    /// Reads the first message of an accepted connection on its own task.
+    /// Authenticates an accepted connection (with a secret) and reads its first message, on
+    /// a task of its own.
     fn read_join(&mut self, stream: TcpStream, addr: SocketAddr) {
         self.in_flight += 1;
         let _ = stream.set_nodelay(true);
-        let (tx, max, t) = (self.tx.clone(), self.cfg.max_frame_bytes, self.cfg.timeout);
+        let (tx, secret) = (self.tx.clone(), self.cfg.secret.clone());
+        let deadline = Instant::now() + self.cfg.timeout;
         tokio::spawn(async move {
             let mut stream = stream;
             let peer = PeerName::unranked(addr.to_string());
-            let res =
-                match tokio::time::timeout(t, frame::read_frame(&mut stream, max, &peer)).await {
-                    Err(_) | Ok(Err(ReadError::Io(_))) => Err(None),
-                    Ok(Err(ReadError::Comm(e))) => Err(Some(e)),
-                    Ok(Ok((_, payload))) => Ctrl::decode(&payload).map_err(|detail| {
-                        Some(CommError::BadFrame {
-                            peer: peer.clone(),
-                            detail,
-                        })
-                    }),
-                };
+            let p = Purpose::Rendezvous;
+            let res = authn::accept_first(&mut stream, secret.as_ref(), p, &peer, deadline).await;
             let _ = tx.send((stream, addr, res));
         });
     }
@@ -143,9 +137,21 @@ impl<'a> Admission<'a> {
         addr: SocketAddr,
         res: Result<Ctrl, Option<CommError>>,
     ) -> Option<Failure> {
-        let (protocol, rank, world_size, config_hash, token, mesh_addr) = match res {
+        let (protocol, rank, world_size, config_hash, mesh_addr) = match res {
             Err(None) => {
                 tracing::debug!(%addr, "connection closed or silent before joining; ignored");
+                return None;
+            }
+            Err(Some(CommError::Rendezvous(re))) => {
+                self.refuse(format!("a connection ({re})"));
+                return None;
+            }
+            Ok(Ctrl::Auth(_)) => {
+                let re = RendezvousError::AuthNotConfigured {
+                    peer: PeerName::unranked(addr.to_string()),
+                };
+                reject(&mut stream, &re).await;
+                self.refuse(format!("a connection ({re})"));
                 return None;
             }
             Err(Some(e)) => {
@@ -157,9 +163,8 @@ impl<'a> Admission<'a> {
                 rank,
                 world_size,
                 config_hash,
-                token,
                 mesh_addr,
-            }) => (protocol, rank, world_size, config_hash, token, mesh_addr),
+            }) => (protocol, rank, world_size, config_hash, mesh_addr),
             Ok(other) => {
                 let kind = format!("{other:?}");
                 let kind = kind.split([' ', '{', '(']).next().unwrap_or_default();
@@ -173,14 +178,7 @@ impl<'a> Admission<'a> {
             rank,
             addr: addr.to_string(),
         };
-        let check = self.check(
-            peer,
-            protocol,
-            rank,
-            world_size,
-            config_hash,
-            token.as_deref(),
-        );
+        let check = self.check(peer, protocol, rank, world_size, config_hash);
         if let Err(re) = check {
             reject(&mut stream, &re).await;
             self.refuse(format!("a join: {re}"));
@@ -199,7 +197,8 @@ impl<'a> Admission<'a> {
         None
     }
 
-    /// Whether a join may be admitted: protocol, world size, rank, token, config, duplicates.
+    /// Whether an (authenticated) join may be admitted: protocol, world size, rank, config,
+    /// duplicates.
     fn check(
         &self,
         peer: PeerName,
@@ -207,7 +206,6 @@ impl<'a> Admission<'a> {
         rank: Option<usize>,
         world_size: usize,
         config_hash: u64,
-        token: Option<&str>,
     ) -> Result<(), RendezvousError> {
         let (n, cfg) = (self.cfg.world_size, self.cfg);
         if protocol != RENDEZVOUS_PROTOCOL {
@@ -232,8 +230,6 @@ impl<'a> Admission<'a> {
                 peer,
                 world_size: n,
             })
-        } else if !tokens_equal(token, cfg.token.as_deref()) {
-            Err(RendezvousError::TokenMismatch { peer })
         } else if config_hash != cfg.config_hash {
             Err(RendezvousError::ConfigHashMismatch {
                 peer,
@@ -462,7 +458,11 @@ fn linger(listener: TcpListener, re: RendezvousError, grace: Duration) {
                             // Read the join request first so the rejection is not lost to a reset.
                             let _ = tokio::time::timeout(
                                 Duration::from_secs(1),
-                                frame::read_frame(&mut s, 1 << 20, &PeerName::unranked("")),
+                                crate::frame::read_frame(
+                                    &mut s,
+                                    authn::PREAUTH_MAX_FRAME_BYTES,
+                                    &PeerName::unranked(""),
+                                ),
                             )
                             .await;
                             reject(&mut s, &re).await;

@@ -1,6 +1,7 @@
 //! The mesh (step 4 of the protocol): rank r connects to every rank 1 <= j < r and accepts
-//! from every j > r, each connection opened by a `Hello { session, from, to }` / `HelloAck`
-//! handshake. Rank 0's connections are the rendezvous ones.
+//! from every j > r, each connection opened (after the authentication handshake, with a
+//! secret) by a `Hello { session, from, to }` / `HelloAck` handshake. Rank 0's connections
+//! are the rendezvous ones.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -8,11 +9,13 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep, timeout_at};
 
-use super::{recv_ctrl, send_ctrl};
+use super::{authn, recv_ctrl, send_ctrl};
+use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName};
 use crate::frame;
 use crate::net;
+use crate::secret::Secret;
 use crate::wire::Ctrl;
 
 const HANDSHAKE: &str = "mesh handshake";
@@ -97,6 +100,13 @@ async fn connect_lower(
             }
         }
     };
+    if let Some(secret) = &cfg.secret {
+        let purpose = Purpose::Mesh {
+            session,
+            acceptor: j,
+        };
+        authn::initiate(&mut stream, secret, purpose, &peer, deadline).await?;
+    }
     let hello = Ctrl::Hello {
         session,
         from: rank,
@@ -114,9 +124,10 @@ async fn connect_lower(
     }
 }
 
-/// Accepts the connections of ranks `rank+1..n`; a connection that is not one of them (wrong
-/// session, rank or a duplicate, garbage, or silence) is logged and dropped. Handshakes are
-/// read concurrently, so a silent stranger holding a connection open delays nobody.
+/// Accepts the connections of ranks `rank+1..n`; a connection that is not one of them (failed
+/// authentication, wrong session, rank or a duplicate, garbage, or silence) is logged and
+/// dropped (and named if the deadline passes). Handshakes are read concurrently, so a silent
+/// stranger holding a connection open delays nobody.
 async fn accept_higher(
     cfg: &CommConfig,
     rank: usize,
@@ -128,15 +139,22 @@ async fn accept_higher(
     let mut got: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
     let mut missing = n - rank - 1;
     let mut reading = tokio::task::JoinSet::new();
+    let mut refused: Vec<String> = Vec::new();
+    let purpose = Purpose::Mesh {
+        session,
+        acceptor: rank,
+    };
     while missing > 0 {
         tokio::select! {
             acc = timeout_at(deadline, listener.accept()) => match acc {
                 Ok(Ok((stream, addr))) => {
-                    let cfg = cfg.clone();
-                    reading.spawn(async move { read_hello(stream, addr, &cfg, deadline).await });
+                    let secret = cfg.secret.clone();
+                    reading.spawn(async move {
+                        read_hello(stream, addr, secret, purpose, deadline).await
+                    });
                 }
                 Ok(Err(e)) => return Err(CommError::io("mesh accept failed", e)),
-                Err(_) => return Err(never_connected(cfg, rank, &got)),
+                Err(_) => return Err(never_connected(cfg, rank, &got, &refused)),
             },
             Some(Ok((mut stream, addr, hello))) = reading.join_next() => match hello {
                 Ok(Ctrl::Hello { session: s, from, to })
@@ -152,28 +170,43 @@ async fn accept_higher(
                     got[from] = Some(stream);
                     missing -= 1;
                 }
-                other => tracing::warn!(%addr, msg = ?other, "dropped a mesh connection that is not a rank of this job"),
+                Err(None) => tracing::debug!(%addr, "mesh connection closed or silent; ignored"),
+                Err(Some(e)) => {
+                    tracing::warn!(%addr, "refused a mesh connection: {e}");
+                    refused.push(e.to_string());
+                }
+                Ok(other) => {
+                    tracing::warn!(%addr, msg = ?other, "dropped a mesh connection that is not a rank of this job");
+                    refused.push(format!("a connection from {addr} that is not a rank of this job"));
+                }
             },
         }
     }
     Ok(got)
 }
 
-/// Reads the first message of a mesh connection.
+/// Authenticates a mesh connection (with a `secret`) and reads its first message (`Err(None)`:
+/// closed or silent).
 async fn read_hello(
     mut stream: TcpStream,
     addr: SocketAddr,
-    cfg: &CommConfig,
+    secret: Option<Secret>,
+    purpose: Purpose,
     deadline: Instant,
-) -> (TcpStream, SocketAddr, Result<Ctrl, CommError>) {
+) -> (TcpStream, SocketAddr, Result<Ctrl, Option<CommError>>) {
     let _ = stream.set_nodelay(true);
     let peer = PeerName::unranked(addr.to_string());
-    let hello = recv_ctrl(&mut stream, deadline, cfg, &peer, HANDSHAKE).await;
+    let hello = authn::accept_first(&mut stream, secret.as_ref(), purpose, &peer, deadline).await;
     (stream, addr, hello)
 }
 
-/// The timeout naming the higher ranks that never connected.
-fn never_connected(cfg: &CommConfig, rank: usize, got: &[Option<TcpStream>]) -> CommError {
+/// The timeout naming the higher ranks that never connected (and what was refused).
+fn never_connected(
+    cfg: &CommConfig,
+    rank: usize,
+    got: &[Option<TcpStream>],
+    refused: &[String],
+) -> CommError {
     let absent: Vec<usize> = (rank + 1..got.len())
         .filter(|&j| got[j].is_none())
         .collect();
@@ -181,9 +214,117 @@ fn never_connected(cfg: &CommConfig, rank: usize, got: &[Option<TcpStream>]) -> 
     CommError::Timeout {
         peer: absent.first().copied().unwrap_or(rank),
         op: format!(
-            "mesh handshake (rank(s) {} never connected to rank {rank})",
-            list.join(", ")
+            "mesh handshake (rank(s) {} never connected to rank {rank}{})",
+            list.join(", "),
+            if refused.is_empty() {
+                String::new()
+            } else {
+                format!("; refused meanwhile: {}", refused.join("; "))
+            }
         ),
         after: cfg.timeout,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RendezvousError;
+
+    fn cfg(secret: Option<&str>) -> CommConfig {
+        let secret = secret.map(|s| Secret::new(s.as_bytes().to_vec()).expect("secret"));
+        CommConfig::new(Some(1), 3)
+            .with_timeout(Duration::from_secs(3))
+            .with_secret(secret)
+    }
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    /// Rank 1 of 3 accepts rank 2 on its mesh listener while strangers knock first: one
+    /// with the wrong secret, one with the right secret but another session's proof, one
+    /// that skips authentication. Each is refused; rank 2 (the right secret) gets in.
+    #[test]
+    fn mesh_strangers_without_the_secret_are_refused_and_the_rank_gets_in() {
+        rt().block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr").to_string();
+            let deadline = Instant::now() + Duration::from_secs(5);
+            let acceptor_cfg = cfg(Some("job-secret"));
+            let accept = tokio::spawn(async move {
+                accept_higher(&acceptor_cfg, 1, 42, 3, listener, deadline).await
+            });
+            let peer = PeerName::ranked(1, addr.clone());
+            let target: SocketAddr = addr.parse().expect("addr");
+            let knock = |secret: &str, session: u64| {
+                let (secret, peer) = (Secret::new(secret.as_bytes().to_vec()), peer.clone());
+                async move {
+                    let mut s = TcpStream::connect(target).await.expect("connect");
+                    let purpose = Purpose::Mesh {
+                        session,
+                        acceptor: 1,
+                    };
+                    authn::initiate(&mut s, &secret.expect("secret"), purpose, &peer, deadline)
+                        .await
+                }
+            };
+            let e = knock("wrong-secret", 42).await.expect_err("wrong secret");
+            assert!(
+                e.to_string().contains("authentication failed: rank 1")
+                    && e.to_string().contains("does not share this job's secret"),
+                "{e}"
+            );
+            knock("job-secret", 7)
+                .await
+                .expect_err("another session's proof");
+            // Skipping authentication: a bare hello is answered with a rejection.
+            let mut s = TcpStream::connect(target).await.expect("connect");
+            let hello = Ctrl::Hello {
+                session: 42,
+                from: 2,
+                to: 1,
+            };
+            send_ctrl(&mut s, &hello).await.expect("send");
+            let answer = recv_ctrl(&mut s, deadline, &cfg(None), &peer, "test").await;
+            assert!(
+                matches!(
+                    answer,
+                    Ok(Ctrl::Reject(RendezvousError::AuthRequired { .. }))
+                ),
+                "{answer:?}"
+            );
+            let rank2 = connect_lower(&cfg(Some("job-secret")), 2, 42, 1, &addr, deadline)
+                .await
+                .expect("rank 2 connects");
+            let got = accept.await.expect("task").expect("accepted");
+            assert!(got[2].is_some());
+            drop(rank2);
+        });
+    }
+
+    /// When the rank never comes, the deadline's error names the refused stranger.
+    #[test]
+    fn the_mesh_deadline_names_refused_strangers() {
+        rt().block_on(async {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = listener.local_addr().expect("addr").to_string();
+            let deadline = Instant::now() + Duration::from_millis(1500);
+            let acceptor_cfg = cfg(Some("job-secret"));
+            let accept = tokio::spawn(async move {
+                accept_higher(&acceptor_cfg, 1, 42, 3, listener, deadline).await
+            });
+            let stranger = connect_lower(&cfg(Some("guess")), 2, 42, 1, &addr, deadline).await;
+            assert!(stranger.is_err());
+            let e = accept.await.expect("task").expect_err("times out");
+            let msg = e.to_string();
+            assert!(
+                msg.contains("refused meanwhile") && msg.contains("authentication failed"),
+                "{msg}"
+            );
+        });
     }
 }

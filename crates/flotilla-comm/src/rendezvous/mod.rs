@@ -3,27 +3,33 @@
 //!
 //! Protocol (control channel, JSON payloads, see [`crate::wire::Ctrl`]):
 //!
+//! 0. With a cluster secret, every connection (the join connection and every mesh
+//!    connection) opens with the mutual challenge-response of [`crate::auth`] (`Auth`
+//!    frames, [`authn`]); a peer that fails it or skips it is refused before anything else it
+//!    sends is read, and frames from an unauthenticated peer are read with a small limit.
 //! 1. Every rank other than 0 binds a mesh listener, connects to `master_addr:master_port`
-//!    (retrying with backoff until `join_timeout`, since rank 0 may start later) and sends
-//!    `Join { rank, world_size, config_hash, token, mesh_addr }`.
-//! 2. Rank 0 checks each join as it arrives (protocol version, world size, rank range,
-//!    token, config hash, duplicate rank). The first violation fails the rendezvous: the
-//!    offender and every joined rank receive `Reject(error)` naming the offender, and rank 0
-//!    returns the same error. If not all ranks joined by `join_timeout`, everybody gets a
-//!    `JoinTimeout` naming the missing ranks.
+//!    (retrying with backoff until `join_timeout`, since rank 0 may start later),
+//!    authenticates, and sends `Join { rank, world_size, config_hash, mesh_addr }`.
+//! 2. Rank 0 checks each join as it arrives (authentication, protocol version, world size,
+//!    rank range, config hash, duplicate rank). A join that fails is told why
+//!    (`Reject(error)` naming it), logged and remembered; rank 0 keeps waiting. If not all
+//!    ranks joined by `join_timeout`, everybody gets a `JoinTimeout` naming the missing
+//!    ranks and what was refused meanwhile.
 //! 3. Rank 0 assigns ranks to processes that did not ask for one (lowest free first) and
 //!    sends `Welcome { rank, session, peers }`. The connection to rank 0 stays open and
 //!    becomes the data connection between rank 0 and that rank.
 //! 4. Rank r (r >= 1) connects to every rank 1 <= j < r and accepts from every j > r, with a
-//!    `Hello { session, from, to }` / `HelloAck` handshake, then reports `Ready` (or
+//!    `Hello { session, from, to }` / `HelloAck` handshake (after authentication), then reports `Ready` (or
 //!    `MeshFailed`) to rank 0. When everyone is ready rank 0 sends `Go`.
 //!
 //! Every wait has a deadline (`join_timeout` for joining, `timeout` for everything else).
 
+mod authn;
 mod client;
 mod master;
 mod mesh;
 
+use std::sync::Once;
 use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
@@ -46,6 +52,14 @@ pub(crate) async fn rendezvous(
     cfg: &CommConfig,
     listener: Option<std::net::TcpListener>,
 ) -> Result<Mesh, CommError> {
+    if cfg.secret.is_none() {
+        static UNAUTHENTICATED: Once = Once::new();
+        UNAUTHENTICATED.call_once(|| {
+            tracing::info!(
+                "no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE): this job's connections are not authenticated"
+            );
+        });
+    }
     match (cfg.rank, listener) {
         (Some(0), Some(l)) => {
             l.set_nonblocking(true)
@@ -114,34 +128,4 @@ async fn reject<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, e: &RendezvousError
         send_ctrl(w, &Ctrl::Reject(e.clone())),
     )
     .await;
-}
-
-fn tokens_equal(a: Option<&str>, b: Option<&str>) -> bool {
-    match (a, b) {
-        (None, None) => true,
-        (Some(a), Some(b)) => {
-            // Length-independent-time comparison of the bytes.
-            let (a, b) = (a.as_bytes(), b.as_bytes());
-            let mut diff = a.len() ^ b.len();
-            for i in 0..a.len().max(b.len()) {
-                diff |= (*a.get(i).unwrap_or(&0) ^ *b.get(i).unwrap_or(&0)) as usize;
-            }
-            diff == 0
-        }
-        _ => false,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn token_comparison() {
-        assert!(tokens_equal(None, None));
-        assert!(tokens_equal(Some("abc"), Some("abc")));
-        assert!(!tokens_equal(Some("abc"), Some("abd")));
-        assert!(!tokens_equal(Some("abc"), Some("abcd")));
-        assert!(!tokens_equal(Some("abc"), None));
-    }
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
-use flotilla_comm::{CommConfig, Compression, WireFormat};
+use flotilla_comm::{CommConfig, Compression, Secret, WireFormat};
 use flotilla_engine::{ModelSpec, OptimizerSpec};
 use serde::{Deserialize, Serialize};
 
@@ -315,6 +315,10 @@ pub struct CommSection {
     pub wire_format: WireSetting,
     /// Gradient fusion bucket size in MiB.
     pub bucket_mb: f64,
+    /// A file holding the cluster secret (mode 0600; not accessible to group or others).
+    /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
+    /// secret itself is never a config value or a flag, and never enters the config hash.
+    pub secret_file: Option<PathBuf>,
 }
 
 impl Default for CommSection {
@@ -328,6 +332,7 @@ impl Default for CommSection {
             compression: CompressionSetting::None,
             wire_format: WireSetting::F32,
             bucket_mb: 25.0,
+            secret_file: None,
         }
     }
 }
@@ -395,6 +400,7 @@ pub const PER_RANK: &[&str] = &[
     "comm.timeout_s",
     "comm.join_timeout_s",
     "comm.compression",
+    "comm.secret_file",
     "telemetry",
 ];
 
@@ -599,10 +605,28 @@ impl TrainConfig {
         xxhash_rust::xxh3::xxh3_64(shared.to_string().as_bytes())
     }
 
-    /// The communicator settings of `rank` (`None`: let rank 0 assign one).
-    pub fn comm_config(&self, rank: Option<usize>, hash: u64, world_size: usize) -> CommConfig {
+    /// The job's cluster secret: the environment's (`FLOTILLA_SECRET`, `FLOTILLA_SECRET_FILE`),
+    /// else the file of `comm.secret_file`; `None` when neither is set.
+    pub fn secret(&self) -> Result<Option<Secret>> {
+        if let Some(s) = Secret::from_env()? {
+            return Ok(Some(s));
+        }
+        match &self.comm.secret_file {
+            Some(path) => Ok(Some(Secret::from_file(path)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The communicator settings of `rank` (`None`: let rank 0 assign one), with the job's
+    /// secret ([`TrainConfig::secret`]).
+    pub fn comm_config(
+        &self,
+        rank: Option<usize>,
+        hash: u64,
+        world_size: usize,
+    ) -> Result<CommConfig> {
         let c = &self.comm;
-        CommConfig {
+        Ok(CommConfig {
             rank,
             world_size,
             master_addr: c.master_addr.clone(),
@@ -610,9 +634,7 @@ impl TrainConfig {
             timeout: Duration::from_secs_f64(c.timeout_s),
             join_timeout: Duration::from_secs_f64(c.join_timeout_s),
             config_hash: hash,
-            token: std::env::var(flotilla_comm::TOKEN_ENV)
-                .ok()
-                .filter(|t| !t.is_empty()),
+            secret: self.secret()?,
             compression: match c.compression {
                 CompressionSetting::None => Compression::None,
                 CompressionSetting::Lz4 => Compression::Lz4,
@@ -622,7 +644,7 @@ impl TrainConfig {
                 WireSetting::Bf16 => WireFormat::Bf16,
             },
             ..CommConfig::default()
-        }
+        })
     }
 }
 
@@ -725,6 +747,7 @@ mod tests {
         b.data.path = "other".into();
         b.comm.master_port = 1234;
         b.comm.timeout_s = 5.0;
+        b.comm.secret_file = Some("/etc/flotilla/secret".into());
         b.schedule.resume = true;
         assert_eq!(a.cluster_hash(&spec), b.cluster_hash(&spec));
         // Every shared section counts, including fields added later (no list to forget).

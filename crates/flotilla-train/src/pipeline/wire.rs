@@ -43,9 +43,10 @@ pub fn encode(values: &[f32]) -> &[u8] {
     bytemuck::cast_slice(values)
 }
 
-/// The tensor in a payload, if it has exactly `expected` values.
+/// The tensor in a payload, if it has exactly `expected` values (the payload's length, itself
+/// bounded by the frame limit, is checked before anything is allocated).
 pub fn decode(bytes: &[u8], expected: usize) -> Option<Vec<f32>> {
-    if bytes.len() != expected * 4 {
+    if expected.checked_mul(4) != Some(bytes.len()) {
         return None;
     }
     Some(bytemuck::pod_collect_to_vec(bytes))
@@ -54,6 +55,15 @@ pub fn decode(bytes: &[u8], expected: usize) -> Option<Vec<f32>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_payload_of_another_length_is_refused_without_allocating() {
+        assert_eq!(decode(&[0; 8], 2), Some(vec![0.0, 0.0]));
+        assert_eq!(decode(&[0; 8], 3), None);
+        // An expected length whose byte size overflows never matches (nor wraps around).
+        assert_eq!(decode(&[], usize::MAX / 4 + 1), None);
+        assert_eq!(decode(&[0; 4], usize::MAX), None);
+    }
 
     #[test]
     fn tags_are_distinct_and_below_the_reserved_range() {

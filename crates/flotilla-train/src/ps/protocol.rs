@@ -307,5 +307,16 @@ mod tests {
         huge.extend_from_slice(&1u64.to_le_bytes());
         huge.extend_from_slice(&u64::MAX.to_le_bytes());
         assert!(PsMessage::decode(&huge, 5).is_err());
+        // A length of 2^40 values over an 8-byte payload: checked against the payload (bounded
+        // by the frame limit) before anything is allocated, so it fails at once.
+        let t = std::time::Instant::now();
+        let mut big = vec![PARAMS];
+        big.extend_from_slice(&1u64.to_le_bytes());
+        big.extend_from_slice(&(1u64 << 40).to_le_bytes());
+        let e = PsMessage::decode(&big, 5)
+            .expect_err("announced length")
+            .to_string();
+        assert!(e.contains("truncated"), "{e}");
+        assert!(t.elapsed() < std::time::Duration::from_millis(50));
     }
 }

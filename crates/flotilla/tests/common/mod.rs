@@ -28,7 +28,10 @@ pub fn flotilla() -> Command {
         .env_remove("WORLD_SIZE")
         .env_remove("MASTER_ADDR")
         .env_remove("MASTER_PORT")
-        .env_remove("FLOTILLA_FAULT");
+        .env_remove("FLOTILLA_FAULT")
+        .env_remove("FLOTILLA_SECRET")
+        .env_remove("FLOTILLA_SECRET_FILE")
+        .env_remove("FLOTILLA_TOKEN");
     c
 }
 

@@ -1,0 +1,207 @@
+//! Upper bounds on what a model spec may ask for, checked while its shapes are inferred,
+//! before any tensor exists: a spec asking for more is an error naming the limit, never an
+//! allocation.
+
+use crate::error::{EngineError, Result};
+use crate::layer::{LayerSpec, Shape};
+
+/// The largest spec file (or text) read, in bytes.
+pub const MAX_SPEC_BYTES: u64 = 16 << 20;
+
+/// Bounds on a model spec; [`SpecLimits::default`] is what [`crate::ModelSpec::from_yaml`]
+/// applies, [`crate::ModelSpec::from_yaml_with`] takes others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpecLimits {
+    /// Most layers in a model.
+    pub max_layers: usize,
+    /// Most parameters of one layer.
+    pub max_layer_params: u64,
+    /// Most parameters of the whole model.
+    pub max_model_params: u64,
+    /// Most values of one sample's activation (the input, and every layer's input and output).
+    pub max_activation_values: u64,
+}
+
+impl Default for SpecLimits {
+    fn default() -> Self {
+        SpecLimits {
+            max_layers: 10_000,
+            max_layer_params: 1 << 30,
+            max_model_params: 4 << 30,
+            max_activation_values: 1 << 28,
+        }
+    }
+}
+
+impl SpecLimits {
+    /// The layer count against `max_layers`.
+    pub fn check_layers(&self, layers: usize) -> Result<()> {
+        over(
+            "the number of layers",
+            "max_layers",
+            layers as u128,
+            self.max_layers as u64,
+        )
+    }
+
+    /// An activation's size (`what` names it) against `max_activation_values`.
+    pub fn check_activation(&self, what: &str, shape: &Shape) -> Result<()> {
+        let values = match *shape {
+            Shape::Image { c, h, w } => c as u128 * h as u128 * w as u128,
+            Shape::Flat(f) => f as u128,
+        };
+        over(
+            what,
+            "max_activation_values",
+            values,
+            self.max_activation_values,
+        )
+    }
+
+    /// Layer `index`'s parameter count on `input` against `max_layer_params`; returns it.
+    pub fn check_layer_params(
+        &self,
+        index: usize,
+        layer: &LayerSpec,
+        input: &Shape,
+    ) -> Result<u64> {
+        let n = layer_params(layer, input);
+        let what = format!("layer {index} ({})'s parameter count", layer.kind());
+        over(&what, "max_layer_params", n, self.max_layer_params)?;
+        Ok(n as u64)
+    }
+
+    /// The model's parameter count against `max_model_params`.
+    pub fn check_model_params(&self, total: u64) -> Result<()> {
+        let what = "the model's parameter count";
+        over(
+            what,
+            "max_model_params",
+            total as u128,
+            self.max_model_params,
+        )
+    }
+}
+
+fn over(what: &str, limit: &'static str, value: u128, max: u64) -> Result<()> {
+    if value > max as u128 {
+        return Err(EngineError::LimitExceeded {
+            what: what.to_string(),
+            value,
+            limit,
+            max,
+        });
+    }
+    Ok(())
+}
+
+/// A layer's parameter count on `input`, without overflow (in `u128`).
+fn layer_params(layer: &LayerSpec, input: &Shape) -> u128 {
+    let bias = |yes: bool, out: usize| if yes { out as u128 } else { 0 };
+    match (layer, *input) {
+        (&LayerSpec::Linear { out, bias: b }, s) => {
+            let inputs = match s {
+                Shape::Flat(f) => f as u128,
+                Shape::Image { c, h, w } => c as u128 * h as u128 * w as u128,
+            };
+            inputs * out as u128 + bias(b, out)
+        }
+        (
+            &LayerSpec::Conv2d {
+                out, k, bias: b, ..
+            },
+            Shape::Image { c, .. },
+        ) => c as u128 * out as u128 * k as u128 * k as u128 + bias(b, out),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::ModelSpec;
+    use std::time::{Duration, Instant};
+
+    /// Parses `text`, expecting an error naming `limit`, within milliseconds.
+    fn refused(text: &str, limit: &str) {
+        let t = Instant::now();
+        let e = ModelSpec::from_yaml(text, "crafted.yaml")
+            .expect_err("over the limit")
+            .to_string();
+        assert!(
+            t.elapsed() < Duration::from_millis(500),
+            "took {:?}",
+            t.elapsed()
+        );
+        assert!(e.contains(limit), "{e}");
+    }
+
+    #[test]
+    fn a_huge_linear_layer_is_refused_before_allocation() {
+        refused(
+            "input: [784]\nlayers:\n  - linear: {out: 1000000000000}\n",
+            "max_layer_params",
+        );
+        refused(
+            "input: [784]\nlayers:\n  - linear: {out: 18446744073709551615}\n",
+            "max_layer_params",
+        );
+    }
+
+    #[test]
+    fn a_huge_convolution_is_refused() {
+        refused(
+            "input: [3, 8, 8]\nlayers:\n  - conv2d: {out: 100000000, k: 3, padding: 1}\n  - flatten\n  - linear: {out: 2}\n",
+            "max_layer_params",
+        );
+        // A padding that would overflow the image's size.
+        refused(
+            "input: [1, 8, 8]\nlayers:\n  - conv2d: {out: 1, k: 1, padding: 9223372036854775807}\n  - flatten\n  - linear: {out: 2}\n",
+            "max_activation_values",
+        );
+    }
+
+    #[test]
+    fn a_huge_input_or_activation_is_refused() {
+        refused(
+            "input: [4294967296, 4294967296, 4294967296]\nlayers:\n  - flatten\n  - linear: {out: 2}\n",
+            "max_activation_values",
+        );
+        refused(
+            "input: [1000000000000]\nlayers:\n  - relu\n",
+            "max_activation_values",
+        );
+    }
+
+    #[test]
+    fn too_many_layers_or_parameters_are_refused() {
+        let mut text = String::from("input: [4]\nlayers:\n");
+        for _ in 0..10_001 {
+            text.push_str("  - relu\n");
+        }
+        refused(&text, "max_layers");
+        let mut wide = String::from("input: [30000]\nlayers:\n");
+        for _ in 0..6 {
+            wide.push_str("  - linear: {out: 30000}\n");
+        }
+        refused(&wide, "max_model_params");
+        let big = "x".repeat(super::MAX_SPEC_BYTES as usize + 1);
+        refused(&big, "MAX_SPEC_BYTES");
+    }
+
+    #[test]
+    fn custom_limits_apply() {
+        let text = "input: [784]\nlayers:\n  - linear: {out: 10}\n";
+        ModelSpec::from_yaml(text, "t").expect("within the defaults");
+        let tight = super::SpecLimits {
+            max_layer_params: 1000,
+            ..Default::default()
+        };
+        let e = ModelSpec::from_yaml_with(text, "t", &tight)
+            .expect_err("7850 parameters")
+            .to_string();
+        assert!(
+            e.contains("7850") && e.contains("max_layer_params = 1000"),
+            "{e}"
+        );
+    }
+}
