@@ -53,7 +53,7 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     }
     let mut restarts = 0;
     loop {
-        match launch_once(config.clone(), opts)? {
+        match launch_once(config.clone(), opts, restarts == 0)? {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
                 restarts += 1;
@@ -62,7 +62,11 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
                     _ => "from the start (no checkpoint yet: set checkpoint_every)".to_owned(),
                 };
                 let cause = format!("{failure:#}");
-                let cause = cause.lines().next().unwrap_or_default();
+                let cause = cause
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .trim_end_matches('.');
                 eprintln!(
                     "[launcher] restart {restarts}/{} after: {cause}; {from}",
                     opts.max_restarts
@@ -74,14 +78,15 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     }
 }
 
-/// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed.
-fn launch_once(config: TrainConfig, opts: &LaunchArgs) -> Result<Result<()>> {
+/// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed. `first`:
+/// not a restart (notes about the setup are printed once).
+fn launch_once(config: TrainConfig, opts: &LaunchArgs, first: bool) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
     // A secret that cannot be read fails here, before any rank starts. Local ranks inherit
     // the environment (or read the same `comm.secret_file`); remote ones get a 0600 file.
     let authenticated = config.secret()?.is_some();
     let mut job = prepare(config, &opts.run)?;
-    if !authenticated && job.n > 1 {
+    if first && !authenticated && job.n > 1 {
         println!(
             "[launcher] no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE / comm.secret_file): the job's connections are not authenticated"
         );
