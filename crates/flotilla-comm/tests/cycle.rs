@@ -184,3 +184,25 @@ fn a_tensor_of_the_wrong_length_is_refused_naming_the_rank() {
         );
     }
 }
+
+/// The other interleaving: rank 0's tensor is registered before rank 1 submits its own of
+/// another length, so only rank 1 sees the mismatch; every rank must still fail (this hung:
+/// rank 0 waited for rank 1's tensor forever).
+#[test]
+fn a_late_tensor_of_the_wrong_length_fails_every_rank() {
+    let results = with_reducers(2, CycleConfig::default(), |r, reducer| {
+        if r == 1 {
+            thread::sleep(Duration::from_millis(200));
+        }
+        let out = reducer.submit("w", vec![1.0; 4 + r]).wait();
+        let _ = reducer.shutdown();
+        out
+    });
+    for (r, out) in results.into_iter().enumerate() {
+        let err = out.expect_err("lengths differ");
+        assert!(err.to_string().contains("\"w\""), "rank {r}: {err}");
+        if r == 1 {
+            assert!(err.to_string().contains("rank 1"), "{err}");
+        }
+    }
+}

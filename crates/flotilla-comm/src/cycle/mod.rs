@@ -254,12 +254,17 @@ impl Cycle {
                 None => new_names.push((name.clone(), len)),
                 Some(id) => match self.names.entry(id) {
                     Some((_, want)) if *want != len => {
+                        // Every rank must fail, not only this one: the others would wait for
+                        // this rank's tensor forever. Announced as an abort in this cycle.
                         let e = CommError::InvalidArgument(format!(
-                            "tensor {name:?} submitted with {len} values, registered with {want}"
+                            "rank {} submitted tensor {name:?} with {len} values, registered \
+                             with {want}",
+                            self.group.world_rank(self.group.rank())
                         ));
                         if let Some(entry) = queue.pop_front() {
-                            let _ = entry.reply.send(Err(e));
+                            let _ = entry.reply.send(Err(e.clone()));
                         }
+                        self.give_up.get_or_insert(e);
                     }
                     _ => ready.push(id),
                 },
