@@ -60,6 +60,15 @@ pub fn read_maybe_gz(path: &Path) -> Result<Vec<u8>> {
         path: path.to_path_buf(),
         source,
     })?;
+    decode_maybe_gz(raw, path)
+}
+
+/// The content of a file's bytes `raw`: gunzipped if they are gzip data, else as they are.
+/// `path` is only used in error messages.
+///
+/// # Errors
+/// [`DataError::Gzip`] if `raw` looks like gzip but does not decompress.
+pub fn decode_maybe_gz(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
     if !is_gzip(&raw) {
         return Ok(raw);
     }

@@ -57,6 +57,52 @@ impl RankEvent {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::{Strategy, any};
+
+    fn event() -> impl Strategy<Value = RankEvent> {
+        proptest::prop_oneof![
+            (
+                any::<u64>(),
+                any::<u64>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<u32>()
+            )
+                .prop_map(|(step, total, epoch, epochs, loss)| RankEvent::Progress {
+                    step,
+                    total,
+                    epoch,
+                    epochs,
+                    loss: f32::from_bits(loss),
+                }),
+            any::<usize>().prop_map(|blamed| RankEvent::Failed { blamed }),
+            (
+                any::<String>(),
+                proptest::collection::btree_map(any::<String>(), any::<u64>(), 0..4)
+            )
+                .prop_map(|(role, figures)| RankEvent::Finished {
+                    role,
+                    figures: figures
+                        .into_iter()
+                        .map(|(k, v)| (k, f64::from_bits(v)))
+                        .collect(),
+                }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Any event, whatever its numbers (NaN and infinite losses too), parses back from
+        /// its line (compared by line, so NaN counts as equal).
+        #[test]
+        fn any_event_round_trips(e in event()) {
+            let line = e.line();
+            let back = RankEvent::parse(&line).expect("an event line");
+            proptest::prop_assert!(back.is_ok(), "{} -> {:?}", line, back);
+            proptest::prop_assert_eq!(back.expect("valid").line(), line);
+        }
+    }
 
     #[test]
     fn events_round_trip_through_a_line() {

@@ -69,6 +69,17 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_tensor_round_trips(bits in proptest::collection::vec(proptest::prelude::any::<u32>(), 0..64)) {
+            let v: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            let back = decode(encode(&v), v.len()).expect("right length");
+            proptest::prop_assert_eq!(encode(&back), encode(&v));
+        }
+    }
+
     #[test]
     fn payloads_round_trip_and_wrong_lengths_are_refused() {
         let v = [1.5f32, -2.0, f32::MIN_POSITIVE];
