@@ -8,7 +8,6 @@ Run from the repository root: python3 fuzz/seeds.py"""
 import gzip
 import json
 import pathlib
-import shutil
 import struct
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -135,7 +134,7 @@ def idx():
 
 
 if __name__ == "__main__":
-    shutil.rmtree(OUT, ignore_errors=True)
+    # Regression inputs (regress-*: what fuzzing found) are kept; the rest is rewritten.
     for f in (frames, ctrl, comm_internal, announce, ps_message, pipeline_wire, rank_event,
               texts, idx):
         f()

@@ -43,8 +43,12 @@ for t in "${targets[@]}"; do
     dir="$runs/$t"
     mkdir -p "$dir" "fuzz/corpus/$t" "fuzz/seeds/$t"
     echo "== $t: ${secs}s" >&2
+    dict=()
+    case "$t" in
+        model_spec | topology | train_config) dict=(-dict="$root/fuzz/dicts/yaml.dict") ;;
+    esac
     # -jobs=1 -workers=1: one fuzzing process; libFuzzer logs it to fuzz-0.log in $dir.
-    (cd "$dir" && "$bin_dir/$t" -jobs=1 -workers=1 -max_total_time="$secs" \
+    (cd "$dir" && "$bin_dir/$t" "${dict[@]}" -jobs=1 -workers=1 -max_total_time="$secs" \
         -rss_limit_mb=2048 -malloc_limit_mb=512 -timeout=10 -print_final_stats=1 \
         -artifact_prefix="$dir/" "$root/fuzz/corpus/$t" "$root/fuzz/seeds/$t" \
         >"$dir/driver.log" 2>&1) || true

@@ -31,6 +31,9 @@ pub const LABELS_MAGIC: u32 = 0x0000_0801;
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// Upper bound on the capacity pre-reserved from a gzip size trailer (it may be corrupt).
 const MAX_SIZE_HINT: usize = 1 << 30;
+/// Deflate expands at most about 1032:1, so a trailer claiming more than this many bytes per
+/// compressed byte is corrupt and only this much is pre-reserved.
+const MAX_DEFLATE_RATIO: usize = 1032;
 
 /// A decoded IDX images file: `count` images of `rows x cols` `u8` pixels, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -79,6 +82,7 @@ pub fn decode_maybe_gz(raw: Vec<u8>, path: &Path) -> Result<Vec<u8>> {
         .and_then(|at| raw.get(at..))
         .and_then(|t| <[u8; 4]>::try_from(t).ok())
         .map_or(0, |t| u32::from_le_bytes(t) as usize)
+        .min(raw.len().saturating_mul(MAX_DEFLATE_RATIO))
         .min(MAX_SIZE_HINT);
     let mut out = Vec::with_capacity(hint);
     MultiGzDecoder::new(raw.as_slice())
@@ -232,6 +236,22 @@ pub fn read_labels(path: &Path) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::testutil::{idx_bytes, write_file};
+
+    /// Fuzzing found: 15 bytes with the gzip magic and a size trailer of 1 GiB made the
+    /// reader reserve 1 GiB before decompressing anything. The reservation is now bounded
+    /// by deflate's ratio to the compressed size; the data is still refused.
+    #[test]
+    fn a_lying_gzip_trailer_reserves_little_and_is_refused() {
+        let raw = vec![
+            0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0x3d, 0, 0, 0, 0x01, 0x1c, 0x66,
+        ];
+        let hint = u32::from_le_bytes([0, 0x01, 0x1c, 0x66]) as usize;
+        assert!(hint > raw.len() * MAX_DEFLATE_RATIO);
+        assert!(matches!(
+            decode_maybe_gz(raw, Path::new("x.gz")),
+            Err(DataError::Gzip { .. })
+        ));
+    }
 
     #[test]
     fn raw_and_gzip_read_identically() {

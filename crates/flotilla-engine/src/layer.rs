@@ -112,13 +112,49 @@ pub enum Shape {
     Flat(usize),
 }
 
+/// Most values one sample's activation, or one layer's weights, may have (8 GiB of `f32`).
+/// A spec asking for more is refused when it is read, before anything is allocated.
+pub const MAX_VALUES: usize = 1 << 31;
+
 impl Shape {
-    /// Number of values per sample.
+    /// Number of values per sample (saturating at `usize::MAX`; a checked spec's shapes are
+    /// at most [`MAX_VALUES`]).
     pub fn numel(&self) -> usize {
         match *self {
-            Shape::Image { c, h, w } => c * h * w,
+            Shape::Image { c, h, w } => c.saturating_mul(h).saturating_mul(w),
             Shape::Flat(f) => f,
         }
+    }
+}
+
+/// How many weights layer `layer` has on `input` (saturating; biases not counted).
+fn weights(layer: &LayerSpec, input: Shape) -> usize {
+    match (layer, input) {
+        (&LayerSpec::Conv2d { out, k, .. }, Shape::Image { c, .. }) => {
+            out.saturating_mul(c).saturating_mul(k).saturating_mul(k)
+        }
+        (&LayerSpec::Linear { out, .. }, input) => out.saturating_mul(input.numel()),
+        _ => 0,
+    }
+}
+
+/// Refuses layer `index` if its input, output or weights exceed [`MAX_VALUES`].
+pub fn check_size(index: usize, layer: &LayerSpec, input: Shape, output: Shape) -> Result<()> {
+    let sizes = [
+        ("input", input.numel()),
+        ("output", output.numel()),
+        ("weights", weights(layer, input)),
+    ];
+    match sizes.into_iter().find(|&(_, n)| n > MAX_VALUES) {
+        Some((what, n)) => Err(EngineError::LayerShape {
+            index,
+            kind: layer.kind().to_string(),
+            message: format!(
+                "its {what} would have {n} values (input {input}, output {output}); \
+                 at most {MAX_VALUES} are supported"
+            ),
+        }),
+        None => Ok(()),
     }
 }
 
@@ -156,7 +192,10 @@ pub fn layer_output(index: usize, layer: &LayerSpec, input: Shape) -> Result<Sha
             if out == 0 || k == 0 || stride == 0 {
                 return Err(err("out, k and stride must be positive".into()));
             }
-            let (ph, pw) = (h + 2 * padding, w + 2 * padding);
+            let pad = |x: usize| padding.checked_mul(2).and_then(|p| p.checked_add(x));
+            let (Some(ph), Some(pw)) = (pad(h), pad(w)) else {
+                return Err(err(format!("padding {padding} is too large")));
+            };
             if ph < k || pw < k {
                 return Err(err(format!(
                     "kernel {k}x{k} is larger than the padded input {ph}x{pw} (input {input})"

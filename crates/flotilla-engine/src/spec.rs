@@ -7,8 +7,8 @@ use std::path::Path;
 
 use crate::error::{EngineError, Result};
 use crate::graph::{self, Node};
-use crate::layer::layer_output;
 pub use crate::layer::{LayerSpec, Shape};
+use crate::layer::{MAX_VALUES, check_size, layer_output};
 
 /// A sequential model: its input shape and its layers, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -81,6 +81,13 @@ impl ModelSpec {
 
     /// The input shape as a [`Shape`].
     pub fn input_shape(&self) -> Result<Shape> {
+        let values = self.input.iter().try_fold(1usize, |n, &d| n.checked_mul(d));
+        if values.is_none_or(|n| n > MAX_VALUES) {
+            return Err(EngineError::InvalidSpec(format!(
+                "input {:?} has more than {MAX_VALUES} values per sample",
+                self.input
+            )));
+        }
         match self.input.as_slice() {
             [c, h, w] if *c > 0 && *h > 0 && *w > 0 => Ok(Shape::Image {
                 c: *c,
@@ -113,6 +120,7 @@ impl ModelSpec {
         for (index, node) in self.layers.iter().enumerate() {
             let input = graph::merged_input(index, node, shape, &named, &producers)?;
             shape = layer_output(index, &node.layer, input)?;
+            check_size(index, &node.layer, input, shape)?;
             for name in &node.out_variables {
                 named.insert(name.clone(), shape);
             }
@@ -172,6 +180,39 @@ mod tests {
         lenet.check_io(&[1, 28, 28], 10).expect("io");
         let mlp = ModelSpec::builtin("mlp").expect("mlp");
         assert_eq!(mlp.output_shape().expect("out"), Shape::Flat(10));
+    }
+
+    /// Fuzzing found: sizes near `usize::MAX` overflowed the shape arithmetic (a panic), and
+    /// absurd but representable sizes passed, to be allocated when the model is built.
+    #[test]
+    fn absurd_sizes_are_refused_when_read() {
+        let err = |text: &str| {
+            ModelSpec::from_yaml(text, "t")
+                .expect_err("refused")
+                .to_string()
+        };
+        let e = err(
+            "input: [1, 4, 4]\nlayers:\n  - conv2d: {out: 2, k: 1, padding: 9223372036854775807}\n  - flatten\n  - linear: {out: 10}\n",
+        );
+        assert!(
+            e.contains("layer 0 (conv2d)") && e.contains("padding"),
+            "{e}"
+        );
+        let e = err(
+            "input: [4294967296, 4294967296, 4294967296]\nlayers:\n  - flatten\n  - linear: {out: 10}\n",
+        );
+        assert!(e.contains("values per sample"), "{e}");
+        let e = err("input: [100000]\nlayers:\n  - linear: {out: 100000}\n");
+        assert!(
+            e.contains("layer 0 (linear)") && e.contains("weights"),
+            "{e}"
+        );
+        let e = err(
+            "input: [1, 60000, 60000]\nlayers:\n  - conv2d: {out: 64, k: 1}\n  - flatten\n  - linear: {out: 2}\n",
+        );
+        assert!(e.contains("output would have"), "{e}");
+        ModelSpec::from_yaml("input: [10000]\nlayers:\n  - linear: {out: 10000}\n", "t")
+            .expect("1e8 weights are fine");
     }
 
     #[test]

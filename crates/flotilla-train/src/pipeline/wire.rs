@@ -45,7 +45,7 @@ pub fn encode(values: &[f32]) -> &[u8] {
 
 /// The tensor in a payload, if it has exactly `expected` values.
 pub fn decode(bytes: &[u8], expected: usize) -> Option<Vec<f32>> {
-    if bytes.len() != expected * 4 {
+    if Some(bytes.len()) != expected.checked_mul(4) {
         return None;
     }
     Some(bytemuck::pod_collect_to_vec(bytes))
@@ -86,5 +86,12 @@ mod tests {
         assert_eq!(decode(encode(&v), 3), Some(v.to_vec()));
         assert_eq!(decode(encode(&v), 4), None);
         assert_eq!(decode(&[0u8; 5], 1), None);
+    }
+
+    /// Fuzzing found: an expected length whose byte size overflows panicked (overflow check).
+    #[test]
+    fn an_expected_length_beyond_memory_is_refused() {
+        assert_eq!(decode(&[0u8; 4], usize::MAX), None);
+        assert_eq!(decode(&[], usize::MAX / 4 + 1), None);
     }
 }
