@@ -208,7 +208,7 @@ mod tests {
             "{e}"
         );
         let e = err(
-            "input: [1, 60000, 60000]\nlayers:\n  - conv2d: {out: 64, k: 1}\n  - flatten\n  - linear: {out: 2}\n",
+            "input: [1, 40000, 40000]\nlayers:\n  - conv2d: {out: 64, k: 1}\n  - flatten\n  - linear: {out: 2}\n",
         );
         assert!(e.contains("output would have"), "{e}");
         ModelSpec::from_yaml("input: [10000]\nlayers:\n  - linear: {out: 10000}\n", "t")
