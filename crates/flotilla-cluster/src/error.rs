@@ -106,6 +106,18 @@ pub enum ClusterError {
     )]
     NotParameterServer,
 
+    /// A topology would have more processes than [`crate::topology::MAX_WORLD_SIZE`] (or a
+    /// flat one more server-worker links than [`crate::topology::MAX_LINKS`]).
+    #[error("{what}: {count} is more than the {max} this build supports")]
+    TooLarge {
+        /// What is too large (`processes`, `server-worker links`).
+        what: &'static str,
+        /// How many were asked for (saturated at `usize::MAX`).
+        count: usize,
+        /// The limit.
+        max: usize,
+    },
+
     /// An all-reduce topology was requested with no processes.
     #[error("an all-reduce world needs at least 1 process, got 0")]
     ZeroWorldSize,

@@ -118,6 +118,17 @@ impl Inventory {
         } else {
             (InventoryFormat::List, parse_list(text, source_name)?)
         };
+        if let Some(host) = hosts.iter().find(|h| h.address().trim().is_empty()) {
+            return Err(line_error(
+                source_name,
+                host.line,
+                format!(
+                    "host `{}` has no address (an empty name before `:port`, or an empty \
+                     `{ANSIBLE_HOST_VAR}`)",
+                    host.name
+                ),
+            ));
+        }
         Ok(Inventory {
             source_name: source_name.to_owned(),
             format,

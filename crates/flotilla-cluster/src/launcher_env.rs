@@ -148,19 +148,19 @@ pub fn first_host(list: &str) -> Option<String> {
             c == ',' && depth == 0
         })
         .map_or(list.len(), |(i, _)| i);
-    let entry = &list[..end];
-    let Some(open) = entry.find('[') else {
-        return (!entry.is_empty()).then(|| entry.to_string());
-    };
-    let close = entry[open..].find(']')? + open;
-    let prefix = &entry[..open];
-    let suffix = &entry[close + 1..];
-    // The first number of the first range keeps its zero padding (`[01-04]` → `01`).
-    let first = entry[open + 1..close].split([',', '-']).next()?.trim();
-    if prefix.is_empty() && first.is_empty() {
-        return None;
+    // Every bracket gives its first number, which keeps its zero padding (`[01-04]` → `01`).
+    let mut host = String::new();
+    let mut rest = &list[..end];
+    while let Some(open) = rest.find('[') {
+        let close = rest[open..].find(']')? + open;
+        host.push_str(&rest[..open]);
+        host.push_str(rest[open + 1..close].split([',', '-']).next()?.trim());
+        rest = &rest[close + 1..];
     }
-    Some(format!("{prefix}{first}{suffix}"))
+    host.push_str(rest);
+    // What is left of a malformed list (nested or unbalanced brackets) is no host.
+    let malformed = |c: char| c.is_whitespace() || matches!(c, '[' | ']' | ',');
+    (!host.is_empty() && !host.contains(malformed)).then_some(host)
 }
 
 #[cfg(test)]
@@ -184,6 +184,20 @@ mod tests {
         assert_eq!(first_host(" single ").as_deref(), Some("single"));
         assert_eq!(first_host(""), None);
         assert_eq!(first_host("[]"), None);
+        assert_eq!(
+            first_host("rack[1-2]-node[01-04]").as_deref(),
+            Some("rack1-node01")
+        );
+    }
+
+    /// Fuzzing found: a malformed list (nested or unbalanced brackets) gave a "host" with
+    /// brackets and commas in it.
+    #[test]
+    fn malformed_host_lists_give_no_host() {
+        assert_eq!(first_host("node[00x=node[00-04,07],gpu1"), None);
+        assert_eq!(first_host("a[0[1]]"), None);
+        assert_eq!(first_host("a]b,c"), None);
+        assert_eq!(first_host("node[01"), None);
     }
 
     #[test]

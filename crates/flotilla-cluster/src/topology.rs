@@ -19,6 +19,27 @@ use crate::role::{ROOT_RANK, Role, RoleKind};
 use crate::shard::balanced_ranges;
 use crate::spec::{Aggregation, Arch, ServerSpec, TopologySpec};
 
+/// Most processes a topology may have: every rank has a role (and, in a flat
+/// parameter-server topology, every server lists every worker), so an absurd size from a
+/// config would otherwise be allocated before anything checks it.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
+/// Most server-worker links of a flat parameter-server topology (servers × workers: each
+/// server lists every worker, each worker every server).
+pub const MAX_LINKS: usize = 1 << 22;
+
+/// Checks a world size (saturated sums and products welcome) against [`MAX_WORLD_SIZE`].
+pub(crate) fn check_world_size(count: usize) -> Result<()> {
+    if count > MAX_WORLD_SIZE {
+        return Err(ClusterError::TooLarge {
+            what: "processes",
+            count,
+            max: MAX_WORLD_SIZE,
+        });
+    }
+    Ok(())
+}
+
 /// The processes of a training world and how they are linked.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Topology {
@@ -51,6 +72,7 @@ impl Topology {
         if world_size == 0 {
             return Err(ClusterError::ZeroWorldSize);
         }
+        check_world_size(world_size)?;
         let roles = (0..world_size)
             .map(|rank| Role {
                 rank,
@@ -75,6 +97,7 @@ impl Topology {
         if stages == 0 || replicas == 0 {
             return Err(ClusterError::EmptyPipeline { stages, replicas });
         }
+        check_world_size(stages.saturating_mul(replicas))?;
         let roles = (0..stages * replicas)
             .map(|rank| Role {
                 rank,

@@ -2,6 +2,7 @@
 
 use crate::error::{ClusterError, Result};
 use crate::spec::{Arch, DEFAULT_SERVERS, TopologySpec};
+use crate::topology::{MAX_LINKS, check_world_size};
 
 const PARAMETER_SERVER_HINT: &str = "e.g. `parameter_server: {aggr_type: sync, num_workers: 4}`";
 const GLOBAL_SERVER_HINT: &str = "e.g. `global_server: {aggr_type: sync, local_servers: \
@@ -69,6 +70,15 @@ fn validate_flat(spec: &TopologySpec) -> Result<()> {
             key: "parameter_server.num_workers".to_owned(),
         });
     }
+    check_world_size(spec.servers.saturating_add(ps.num_workers))?;
+    let links = spec.servers.saturating_mul(ps.num_workers);
+    if links > MAX_LINKS {
+        return Err(ClusterError::TooLarge {
+            what: "server-worker links (servers × parameter_server.num_workers)",
+            count: links,
+            max: MAX_LINKS,
+        });
+    }
     Ok(())
 }
 
@@ -101,5 +111,8 @@ fn validate_hierarchical(spec: &TopologySpec) -> Result<()> {
             key: format!("global_server.local_servers[{i}].num_workers"),
         });
     }
-    Ok(())
+    let processes = global.local_servers.iter().fold(1usize, |n, l| {
+        n.saturating_add(1).saturating_add(l.num_workers)
+    });
+    check_world_size(processes)
 }

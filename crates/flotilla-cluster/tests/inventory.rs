@@ -155,3 +155,21 @@ ansible_ssh_common_args='-o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/
     );
     Ok(())
 }
+
+/// Fuzzing found: `:2222` (a port without a host) or an empty `ansible_host` gave a host
+/// with an empty address.
+#[test]
+fn a_host_without_an_address_is_refused() {
+    assert_eq!(
+        parse_error("node1\n:2222\n"),
+        "pool.ini:2: host `:2222` has no address (an empty name before `:port`, or an empty \
+         `ansible_host`)"
+    );
+    assert!(
+        parse_error("[pool]\nh ansible_host=\n").contains("pool.ini:2: host `h` has no address")
+    );
+    assert!(
+        parse_error("[pool]\nh\n[pool:vars]\nansible_host=''\n")
+            .contains("pool.ini:2: host `h` has no address")
+    );
+}

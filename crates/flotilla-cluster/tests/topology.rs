@@ -257,3 +257,32 @@ fn spec_round_trips_through_yaml() -> Result<(), ClusterError> {
     );
     Ok(())
 }
+
+/// Fuzzing found: `servers + num_workers` overflowed (a panic), and absurd sizes were
+/// allocated role by role (out of memory) before anything checked them.
+#[test]
+fn absurd_sizes_are_refused_before_anything_is_allocated() {
+    let too_large = |r: Result<Topology, ClusterError>| {
+        assert!(matches!(r, Err(ClusterError::TooLarge { .. })), "{r:?}");
+    };
+    too_large(Topology::build(&flat_spec(usize::MAX, 4)));
+    too_large(Topology::build(&flat_spec(100_000_000, 4)));
+    too_large(Topology::build(&flat_spec(4_000, 4_000)));
+    too_large(Topology::allreduce(1_000_000_000_000));
+    too_large(Topology::pipeline(usize::MAX, 2));
+    let hier = TopologySpec::from_yaml(
+        "arch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: \
+         [{aggr_type: sync, num_workers: 18446744073709551615}]}\n",
+        "t.yaml",
+    )
+    .expect("parses");
+    too_large(Topology::build(&hier));
+    let e = Topology::allreduce(70_000)
+        .expect_err("too large")
+        .to_string();
+    assert_eq!(
+        e,
+        "processes: 70000 is more than the 65536 this build supports"
+    );
+    assert!(Topology::allreduce(1 << 16).is_ok());
+}

@@ -463,6 +463,29 @@ mod tests {
         ));
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn valid_headers_round_trip(
+            channel in 0u8..3, flags in 0u8..=flags::KNOWN, op in 0u8..7,
+            group: u64, seq: u64, tag: u32, len: u32,
+        ) {
+            let h = FrameHeader { channel, flags, op, group, seq, tag, len };
+            match FrameHeader::decode(&h.encode(), 1 << 20, &peer()) {
+                Ok(back) => proptest::prop_assert_eq!(back, h),
+                Err(e) => proptest::prop_assert!(len > 1 << 20, "{e}"),
+            }
+        }
+
+        #[test]
+        fn any_header_bytes_decode_to_themselves_or_an_error(b: [u8; HEADER_LEN]) {
+            if let Ok(h) = FrameHeader::decode(&b, 1 << 20, &peer()) {
+                proptest::prop_assert_eq!(h.encode(), b);
+            }
+        }
+    }
+
     #[tokio::test]
     async fn frame_roundtrip_over_pipe() {
         let (mut a, mut b) = tokio::io::duplex(1 << 16);

@@ -46,6 +46,9 @@ mod conn;
 pub mod cycle;
 mod error;
 pub mod frame;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 mod mailbox;
 mod net;

@@ -122,6 +122,28 @@ enum Failure {
     Lost { rank: usize, reason: String },
 }
 
+/// Fuzzing hook: parses `bytes` as a scheduler `Ready` and as an `Order`; whatever parses
+/// must serialise to JSON that parses to the same JSON again. Returns how many parsed.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_messages(bytes: &[u8]) -> usize {
+    fn check<T: Serialize + for<'de> Deserialize<'de>>(bytes: &[u8]) -> usize {
+        let Ok(msg) = serde_json::from_slice::<T>(bytes) else {
+            return 0;
+        };
+        let Ok(json) = serde_json::to_vec(&msg) else {
+            panic!("a parsed scheduler message does not serialise");
+        };
+        let again: T = serde_json::from_slice(&json).expect("own output parses");
+        let json2 = serde_json::to_vec(&again).expect("serialises");
+        assert_eq!(
+            json, json2,
+            "scheduler message does not survive a round trip"
+        );
+        1
+    }
+    check::<Ready>(bytes) + check::<Order>(bytes)
+}
+
 type Reply = oneshot::Sender<Result<Output, CommError>>;
 
 /// A submitted operation waiting for its turn.

@@ -59,3 +59,20 @@ impl Ctrl {
         serde_json::from_slice(b).map_err(|e| format!("malformed control message: {e}"))
     }
 }
+
+/// Fuzzing hook: decodes a control message; when it decodes, encoding it and decoding the
+/// encoding must give the same message (compared by their encodings).
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_ctrl(bytes: &[u8]) -> bool {
+    let Ok(msg) = Ctrl::decode(bytes) else {
+        return false;
+    };
+    let encoded = msg.encode();
+    let again = Ctrl::decode(&encoded).expect("an encoded control message decodes");
+    assert_eq!(
+        again.encode(),
+        encoded,
+        "control message does not survive a round trip"
+    );
+    true
+}

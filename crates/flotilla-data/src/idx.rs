@@ -34,6 +34,9 @@ const MAX_SIZE_HINT: usize = 1 << 30;
 /// The largest IDX content read (raw, or after decompression), in bytes: a bigger file, or a
 /// gzip stream that expands beyond it, is [`DataError::TooLarge`], never an allocation.
 pub const MAX_IDX_BYTES: u64 = 4 << 30;
+/// Deflate expands at most about 1032:1, so a trailer claiming more than this many bytes per
+/// compressed byte is corrupt and only this much is pre-reserved.
+const MAX_DEFLATE_RATIO: usize = 1032;
 
 /// A decoded IDX images file: `count` images of `rows x cols` `u8` pixels, row-major.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,15 +73,32 @@ pub fn read_maybe_gz_limited(path: &Path, max: u64) -> Result<Vec<u8>> {
         path: path.to_path_buf(),
         source,
     };
+    if fs::metadata(path).map_err(io)?.len() > max {
+        return Err(DataError::TooLarge {
+            path: path.to_path_buf(),
+            what: "file",
+            max,
+        });
+    }
+    let raw = fs::read(path).map_err(io)?;
+    decode_maybe_gz(raw, path, max)
+}
+
+/// The content of a file's bytes `raw`: gunzipped if they are gzip data, else as they are,
+/// at most `max` bytes either way. `path` is only used in error messages.
+///
+/// # Errors
+/// [`DataError::Gzip`] if `raw` looks like gzip but does not decompress,
+/// [`DataError::TooLarge`] if the content exceeds `max`.
+pub fn decode_maybe_gz(raw: Vec<u8>, path: &Path, max: u64) -> Result<Vec<u8>> {
     let too_large = |what: &'static str| DataError::TooLarge {
         path: path.to_path_buf(),
         what,
         max,
     };
-    if fs::metadata(path).map_err(io)?.len() > max {
+    if raw.len() as u64 > max {
         return Err(too_large("file"));
     }
-    let raw = fs::read(path).map_err(io)?;
     if !is_gzip(&raw) {
         return Ok(raw);
     }
@@ -89,6 +109,7 @@ pub fn read_maybe_gz_limited(path: &Path, max: u64) -> Result<Vec<u8>> {
         .and_then(|at| raw.get(at..))
         .and_then(|t| <[u8; 4]>::try_from(t).ok())
         .map_or(0, |t| u32::from_le_bytes(t) as usize)
+        .min(raw.len().saturating_mul(MAX_DEFLATE_RATIO))
         .min(MAX_SIZE_HINT)
         .min(usize::try_from(max).unwrap_or(usize::MAX));
     let mut out = Vec::with_capacity(hint);
@@ -248,6 +269,22 @@ pub fn read_labels(path: &Path) -> Result<Vec<u8>> {
 mod tests {
     use super::*;
     use crate::testutil::{idx_bytes, write_file};
+
+    /// Fuzzing found: 15 bytes with the gzip magic and a size trailer of 1 GiB made the
+    /// reader reserve 1 GiB before decompressing anything. The reservation is now bounded
+    /// by deflate's ratio to the compressed size; the data is still refused.
+    #[test]
+    fn a_lying_gzip_trailer_reserves_little_and_is_refused() {
+        let raw = vec![
+            0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0x3d, 0, 0, 0, 0x01, 0x1c, 0x66,
+        ];
+        let hint = u32::from_le_bytes([0, 0x01, 0x1c, 0x66]) as usize;
+        assert!(hint > raw.len() * MAX_DEFLATE_RATIO);
+        assert!(matches!(
+            decode_maybe_gz(raw, Path::new("x.gz"), MAX_IDX_BYTES),
+            Err(DataError::Gzip { .. })
+        ));
+    }
 
     #[test]
     fn raw_and_gzip_read_identically() {

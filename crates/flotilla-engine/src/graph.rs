@@ -203,8 +203,12 @@ pub fn merged_input(
                     h: h2,
                     w: w2,
                 },
-            ) if (h, w) == (h2, w2) => Shape::Image { c: c + c2, h, w },
-            (Merge::Concat, Shape::Flat(a), Shape::Flat(b)) => Shape::Flat(a + b),
+            ) if (h, w) == (h2, w2) => Shape::Image {
+                c: c.saturating_add(c2),
+                h,
+                w,
+            },
+            (Merge::Concat, Shape::Flat(a), Shape::Flat(b)) => Shape::Flat(a.saturating_add(b)),
             (Merge::Concat, a, b) => {
                 return Err(err(format!(
                     "concatenates `{name}` of shape {b} to an input of shape {a}: images need equal height and width, flat inputs concatenate with flat ones"

@@ -113,10 +113,11 @@ pub enum Shape {
 }
 
 impl Shape {
-    /// Number of values per sample.
+    /// Number of values per sample (saturating at `usize::MAX`; a checked spec's shapes are
+    /// within [`crate::SpecLimits::max_activation_values`]).
     pub fn numel(&self) -> usize {
         match *self {
-            Shape::Image { c, h, w } => c * h * w,
+            Shape::Image { c, h, w } => c.saturating_mul(h).saturating_mul(w),
             Shape::Flat(f) => f,
         }
     }
@@ -156,9 +157,10 @@ pub fn layer_output(index: usize, layer: &LayerSpec, input: Shape) -> Result<Sha
             if out == 0 || k == 0 || stride == 0 {
                 return Err(err("out, k and stride must be positive".into()));
             }
-            // Saturating: a huge padding gives a huge output, refused by the activation limit.
-            let pad = padding.saturating_mul(2);
-            let (ph, pw) = (h.saturating_add(pad), w.saturating_add(pad));
+            let pad = |x: usize| padding.checked_mul(2).and_then(|p| p.checked_add(x));
+            let (Some(ph), Some(pw)) = (pad(h), pad(w)) else {
+                return Err(err(format!("padding {padding} is too large")));
+            };
             if ph < k || pw < k {
                 return Err(err(format!(
                     "kernel {k}x{k} is larger than the padded input {ph}x{pw} (input {input})"

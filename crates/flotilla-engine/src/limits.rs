@@ -156,6 +156,11 @@ mod tests {
         // A padding that would overflow the image's size.
         refused(
             "input: [1, 8, 8]\nlayers:\n  - conv2d: {out: 1, k: 1, padding: 9223372036854775807}\n  - flatten\n  - linear: {out: 2}\n",
+            "is too large",
+        );
+        // A padding that fits but gives an activation over the limit.
+        refused(
+            "input: [1, 8, 8]\nlayers:\n  - conv2d: {out: 1, k: 1, padding: 100000}\n  - flatten\n  - linear: {out: 2}\n",
             "max_activation_values",
         );
     }

@@ -221,6 +221,42 @@ mod tests {
         assert_eq!(mlp.output_shape().expect("out"), Shape::Flat(10));
     }
 
+    /// Fuzzing found: sizes near `usize::MAX` overflowed the shape arithmetic (a panic), and
+    /// absurd but representable sizes passed, to be allocated when the model is built.
+    #[test]
+    fn absurd_sizes_are_refused_when_read() {
+        let err = |text: &str| {
+            ModelSpec::from_yaml(text, "t")
+                .expect_err("refused")
+                .to_string()
+        };
+        let e = err(
+            "input: [1, 4, 4]\nlayers:\n  - conv2d: {out: 2, k: 1, padding: 9223372036854775807}\n  - flatten\n  - linear: {out: 10}\n",
+        );
+        assert!(
+            e.contains("layer 0 (conv2d)") && e.contains("padding"),
+            "{e}"
+        );
+        let e = err(
+            "input: [4294967296, 4294967296, 4294967296]\nlayers:\n  - flatten\n  - linear: {out: 10}\n",
+        );
+        assert!(e.contains("max_activation_values"), "{e}");
+        let e = err("input: [100000]\nlayers:\n  - linear: {out: 100000}\n");
+        assert!(
+            e.contains("layer 0 (linear)") && e.contains("max_layer_params"),
+            "{e}"
+        );
+        let e = err(
+            "input: [1, 10000, 10000]\nlayers:\n  - conv2d: {out: 64, k: 1}\n  - flatten\n  - linear: {out: 2}\n",
+        );
+        assert!(
+            e.contains("layer 0 (conv2d)'s output size") && e.contains("max_activation_values"),
+            "{e}"
+        );
+        ModelSpec::from_yaml("input: [10000]\nlayers:\n  - linear: {out: 10000}\n", "t")
+            .expect("1e8 weights are fine");
+    }
+
     #[test]
     fn linear_on_image_names_the_layer() {
         let text = "input: [1, 28, 28]\nlayers:\n  - conv2d: {out: 4, k: 3}\n  - relu\n  - linear: {out: 10}\n";

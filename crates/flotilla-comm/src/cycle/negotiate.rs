@@ -313,6 +313,30 @@ mod tests {
         assert!(agree(&stops).all_stop);
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_announcement_round_trips(
+            stop: bool, abort: bool,
+            ready in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..8),
+            new_names in proptest::collection::vec(
+                (proptest::prelude::any::<String>(), proptest::prelude::any::<u64>()), 0..4),
+        ) {
+            let a = Announce { stop, abort, ready, new_names };
+            proptest::prop_assert_eq!(Announce::decode(&a.encode()), Ok(a));
+        }
+
+        #[test]
+        fn garbage_is_an_error_or_round_trips(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+        ) {
+            if let Ok(a) = Announce::decode(&bytes) {
+                proptest::prop_assert_eq!(Announce::decode(&a.encode()), Ok(a));
+            }
+        }
+    }
+
     #[test]
     fn announcements_survive_the_wire_and_garbage_is_refused() {
         let a = Announce {

@@ -9,6 +9,8 @@
 mod watcher;
 
 pub use watcher::StallWatcher;
+#[cfg(feature = "fuzzing")]
+pub(crate) use watcher::fuzz_report;
 
 use std::collections::HashMap;
 use std::time::{Duration, Instant};

@@ -65,6 +65,22 @@ impl Report {
     }
 }
 
+/// Fuzzing hook: decodes a report; when it decodes, encoding it and decoding again must
+/// give the same report.
+#[cfg(feature = "fuzzing")]
+pub(crate) fn fuzz_report(bytes: &[u8]) -> bool {
+    let Some(report) = Report::decode(bytes) else {
+        return false;
+    };
+    let again = Report::decode(&report.encode());
+    assert_eq!(
+        again,
+        Some(report),
+        "stall report does not survive a round trip"
+    );
+    true
+}
+
 /// The collectives some ranks are in and others have not issued: (sequence number, the
 /// ranks that have not issued it), oldest first.
 fn partial(reports: &[Activity]) -> Vec<(u64, Vec<usize>)> {

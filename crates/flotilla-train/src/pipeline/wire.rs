@@ -79,11 +79,29 @@ mod tests {
         }
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        #[test]
+        fn any_tensor_round_trips(bits in proptest::collection::vec(proptest::prelude::any::<u32>(), 0..64)) {
+            let v: Vec<f32> = bits.iter().map(|&b| f32::from_bits(b)).collect();
+            let back = decode(encode(&v), v.len()).expect("right length");
+            proptest::prop_assert_eq!(encode(&back), encode(&v));
+        }
+    }
+
     #[test]
     fn payloads_round_trip_and_wrong_lengths_are_refused() {
         let v = [1.5f32, -2.0, f32::MIN_POSITIVE];
         assert_eq!(decode(encode(&v), 3), Some(v.to_vec()));
         assert_eq!(decode(encode(&v), 4), None);
         assert_eq!(decode(&[0u8; 5], 1), None);
+    }
+
+    /// Fuzzing found: an expected length whose byte size overflows panicked (overflow check).
+    #[test]
+    fn an_expected_length_beyond_memory_is_refused() {
+        assert_eq!(decode(&[0u8; 4], usize::MAX), None);
+        assert_eq!(decode(&[], usize::MAX / 4 + 1), None);
     }
 }

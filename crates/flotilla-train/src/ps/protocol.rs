@@ -281,6 +281,66 @@ mod tests {
         }
     }
 
+    use proptest::prelude::{Strategy, any};
+
+    fn floats() -> impl Strategy<Value = Vec<f32>> {
+        proptest::collection::vec(any::<u32>().prop_map(f32::from_bits), 0..32)
+    }
+
+    fn message() -> impl Strategy<Value = PsMessage> {
+        proptest::prop_oneof![
+            proptest::strategy::Just(PsMessage::Pull),
+            (
+                any::<u64>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<u32>(),
+                any::<bool>(),
+                floats()
+            )
+                .prop_map(|(version, staleness, samples, loss, delta, values)| {
+                    PsMessage::Push {
+                        version,
+                        staleness,
+                        samples,
+                        loss: f32::from_bits(loss),
+                        delta,
+                        values,
+                    }
+                }),
+            (any::<u64>(), floats())
+                .prop_map(|(version, values)| PsMessage::Params { version, values }),
+            any::<String>().prop_map(|reason| PsMessage::Reject { reason }),
+            any::<String>().prop_map(|reason| PsMessage::Stop { reason }),
+            any::<u64>().prop_map(|version| PsMessage::Gather { version }),
+        ]
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(256))]
+
+        /// Compared by encoding, so NaN values count as equal bit patterns.
+        #[test]
+        fn any_message_round_trips(m in message()) {
+            let bytes = m.encode();
+            let back = PsMessage::decode(&bytes, 1).expect("own encoding decodes");
+            proptest::prop_assert_eq!(back.encode(), bytes);
+        }
+
+        #[test]
+        fn garbage_is_an_error_or_round_trips(
+            bytes in proptest::collection::vec(any::<u8>(), 0..64),
+        ) {
+            match PsMessage::decode(&bytes, 4) {
+                Ok(m) => {
+                    let again = PsMessage::decode(&m.encode(), 4).expect("decodes");
+                    proptest::prop_assert_eq!(again.encode(), m.encode());
+                }
+                Err(e) => proptest::prop_assert!(e.to_string().contains("rank 4")),
+            }
+        }
+    }
+
     #[test]
     fn malformed_messages_are_errors_naming_the_sender() {
         let good = PsMessage::Params {

@@ -1,0 +1,20 @@
+//! Hooks for the fuzz targets in `fuzz/` (feature `fuzzing`): the private message decoders,
+//! each checking its own round trip. Not a public API.
+
+/// Decodes `bytes` as a control-channel message (JSON); a decoded message must survive
+/// encode → decode. Returns whether it decoded.
+pub fn ctrl(bytes: &[u8]) -> bool {
+    crate::wire::fuzz_ctrl(bytes)
+}
+
+/// Decodes `bytes` as a stall watcher's report; a decoded report must survive
+/// encode → decode. Returns whether it decoded.
+pub fn stall_report(bytes: &[u8]) -> bool {
+    crate::stall::fuzz_report(bytes)
+}
+
+/// Decodes `bytes` as the scheduler's ready announcement and as its order; what decodes
+/// must survive encode → decode. Returns how many of the two decoded.
+pub fn scheduler_messages(bytes: &[u8]) -> usize {
+    crate::scheduler::fuzz_messages(bytes)
+}

@@ -1,0 +1,21 @@
+//! The pipeline's tensor payload decoder, with an arbitrary expected length (the first 8
+//! bytes). Properties: never a panic; a payload decodes exactly when it holds `expected`
+//! values, and then re-encodes to the same bytes.
+#![no_main]
+
+use flotilla_train::pipeline::wire;
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    let Some((head, payload)) = data.split_first_chunk::<8>() else {
+        return;
+    };
+    let expected = u64::from_le_bytes(*head) as usize;
+    match wire::decode(payload, expected) {
+        Some(values) => {
+            assert_eq!(values.len(), expected);
+            assert_eq!(wire::encode(&values), payload);
+        }
+        None => assert_ne!(Some(payload.len()), expected.checked_mul(4)),
+    }
+});
