@@ -15,6 +15,17 @@ pub struct Position {
     pub step_in_epoch: u64,
 }
 
+impl Position {
+    /// Where a source of `steps_per_epoch` batches per epoch stands after `steps` batches.
+    pub fn after(steps: u64, steps_per_epoch: u64) -> Self {
+        let per = steps_per_epoch.max(1);
+        Position {
+            epoch: u32::try_from(steps / per).unwrap_or(u32::MAX),
+            step_in_epoch: steps % per,
+        }
+    }
+}
+
 /// Batches of shard `rank` of `world` over a training set.
 pub struct Batches<'a> {
     train: &'a ImageDataset,
@@ -117,6 +128,15 @@ impl<'a> Batches<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn position_after_steps() {
+        assert_eq!(Position::after(0, 40), Position::default());
+        let p = Position::after(85, 40);
+        assert_eq!((p.epoch, p.step_in_epoch), (2, 5));
+        let p = Position::after(80, 40);
+        assert_eq!((p.epoch, p.step_in_epoch), (2, 0));
+    }
 
     fn data(n: usize) -> ImageDataset {
         ImageDataset::new(

@@ -380,7 +380,8 @@ impl Job<'_> {
             }
         }
         let num_workers = topology.num_workers();
-        let per_round = num_workers * config.data.batch_size * config.topology.local_steps.max(1);
+        let local_steps = config.topology.local_steps.max(1);
+        let per_round = num_workers * config.data.batch_size * local_steps;
         let rounds_per_epoch = (self.train.len() / per_round.max(1)).max(1) as u64;
         let s = &config.schedule;
         cx.rounds = s
@@ -389,20 +390,22 @@ impl Job<'_> {
             .unwrap_or(s.epochs.max(1) as u64 * rounds_per_epoch);
         cx.eval_every = s.eval_every.map_or(rounds_per_epoch, u64::from);
         cx.num_workers = num_workers;
-        let (mut role, shard) = ps::build_role(cx, topology)?;
-        let data = Batches::new(
-            self.train,
-            shard,
-            config.model.seed,
-            config.data.batch_size,
-            Position::default(),
-        )?;
+        let resumed_at = self.resume_servers(cx)?;
+        let (mut role, shard) = ps::build_role(cx, topology, resumed_at)?;
+        let seed = config.model.seed;
+        let batch = config.data.batch_size;
+        // A worker resumes where its batches stood after that many rounds (exact for sync
+        // servers, where every worker pushes once a round).
+        let per_epoch = Batches::new(self.train, shard, seed, batch, Position::default())?
+            .steps_per_epoch();
+        let start = Position::after(resumed_at * local_steps as u64, per_epoch);
+        let data = Batches::new(self.train, shard, seed, batch, start)?;
         let plan = Plan {
             total: cx.rounds,
             cadence: Cadence::Rounds {
                 every: cx.eval_every,
             },
-            resumed_at: 0,
+            resumed_at,
             model: self.spec.name.clone(),
             config_hash: self.hash,
             started: self.started,
@@ -411,6 +414,38 @@ impl Job<'_> {
         let summary = self.summary(role.as_ref(), cx, done);
         cx.log_quiet(&summary.final_line())?;
         Ok(summary)
+    }
+
+    /// Resume of a parameter-server job: the root (rank 0) loads the newest checkpoint into
+    /// its engine (parameters and optimizer state) and every rank learns the round it was
+    /// taken at (0 without one). With several shard servers, the parameters then go from
+    /// the root to every rank, so that each server starts from its shard of them; the other
+    /// shards' optimizer state is not in the checkpoint and starts afresh (logged).
+    fn resume_servers(&self, cx: &mut Cx<'_>) -> Result<u64> {
+        let Some(state) = self.resume(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))? else {
+            return Ok(0);
+        };
+        let shards = self
+            .topology
+            .servers()
+            .filter(|r| matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. }))
+            .count();
+        if shards > 1 {
+            let engine = cx.engine()?;
+            let mut params = vec![0.0f32; engine.num_params()];
+            engine.read_params(&mut params)?;
+            self.comm.broadcast_f32(&mut params, self.topology.root())?;
+            cx.engine()?.write_params(&params)?;
+            if cx.rank != self.topology.root() && self.topology.role(cx.rank).is_some_and(|r| {
+                matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. })
+            }) {
+                cx.log(&format!(
+                    "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
+                    state.step
+                ))?;
+            }
+        }
+        Ok(state.step)
     }
 
     fn summary(&self, role: &dyn Role, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {

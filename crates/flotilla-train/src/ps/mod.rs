@@ -49,10 +49,12 @@ pub fn send_bytes(
 }
 
 /// This rank's role in a parameter-server topology, and the shard of the training data it
-/// trains on (`(workers, index)`; servers train on nothing).
+/// trains on (`(workers, index)`; servers train on nothing). `resumed_at`: the root's round
+/// of the checkpoint the job resumes from (0 for a fresh start).
 pub fn build_role(
     ctx: &mut PsContext<'_>,
     topology: &Topology,
+    resumed_at: u64,
 ) -> Result<(Box<dyn Role>, (usize, usize))> {
     let Some(role) = topology.role(ctx.rank).cloned() else {
         return Err(crate::TrainError::config(
@@ -97,7 +99,7 @@ pub fn build_role(
             } else {
                 flotilla_cluster::balanced_ranges(n, 1)
             };
-            let w = worker::Worker::new(ctx, &role.parents, &ranges)?;
+            let w = worker::Worker::new(ctx, &role.parents, &ranges)?.resumed_at(resumed_at);
             (Box::new(w), (ctx.num_workers, index))
         }
         RoleKind::LocalServer { .. } => {
@@ -112,7 +114,8 @@ pub fn build_role(
                 servers: shard_servers,
             };
             let m = root::RootServer::new(ctx, &role.children, sync, plan)?
-                .with_staleness_lr(policy.staleness_lr);
+                .with_staleness_lr(policy.staleness_lr)
+                .resumed_at(resumed_at);
             (Box::new(m), (1, 0))
         }
         RoleKind::Stage { .. } => {
@@ -124,7 +127,8 @@ pub fn build_role(
         RoleKind::GlobalServer => {
             let plan = server::ShardPlan::whole(n);
             let m = root::RootServer::new(ctx, &role.children, sync, plan)?
-                .with_staleness_lr(policy.staleness_lr);
+                .with_staleness_lr(policy.staleness_lr)
+                .resumed_at(resumed_at);
             (Box::new(m), (1, 0))
         }
     })

@@ -169,6 +169,23 @@ impl RootServer {
         self
     }
 
+    /// Continues a checkpoint of round `rounds` (its parameters are already in the engine):
+    /// rounds, updates and the parameter version start where that run stood, so that the
+    /// learning-rate schedule and the versions workers push against go on from there. (An
+    /// async round is one update per child.)
+    pub fn resumed_at(mut self, rounds: u64) -> Self {
+        let per_round = if self.sync {
+            1
+        } else {
+            self.children.len().max(1) as u64
+        };
+        self.rounds = rounds;
+        self.updates = rounds * per_round;
+        self.model.set_version(self.updates);
+        self.round_span = round_span(rounds + 1);
+        self
+    }
+
     /// The parameter version this server holds.
     pub fn version(&self) -> u64 {
         self.model.version()

@@ -119,6 +119,11 @@ impl Model {
         self.params.version
     }
 
+    /// Sets the version (a resumed run's).
+    pub(crate) fn set_version(&mut self, version: u64) {
+        self.params.version = version;
+    }
+
     /// The encoded `Params` message of the shard at its version.
     pub(crate) fn encoded(&self) -> Vec<u8> {
         self.params.encoded()

@@ -60,6 +60,12 @@ impl Worker {
         })
     }
 
+    /// Continues a run resumed at round `rounds` (rounds counted from there).
+    pub fn resumed_at(mut self, rounds: u64) -> Self {
+        self.rounds = rounds;
+        self
+    }
+
     /// The parents' newest parameters, or the first parent's stop. A parent other than the
     /// first that cannot be reached may just have stopped: the first parent (the root, for
     /// shards) then has a stop for this worker too.
