@@ -48,6 +48,8 @@ def ctrl():
         "Go",
         {"MeshFailed": {"reason": "no route"}},
         {"Abort": {"reason": "peer lost"}},
+        {"Rejoin": {"protocol": 2, "rank": 2, "world_size": 3, "config_hash": 42}},
+        "Rejoined",
     ]
     for i, m in enumerate(msgs):
         put("ctrl", f"msg{i}", json.dumps(m, separators=(",", ":")))

@@ -22,15 +22,15 @@
 //! for collectives ([`CommError::Poisoned`]): after a failure ranks no longer agree on what
 //! was exchanged. Point-to-point messages are not poisoned: a server outlives a lost worker.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use tokio::runtime::{Handle, Runtime};
 use tracing::Instrument;
 
 use crate::collectives;
-use crate::config::CommConfig;
+use crate::config::{CommConfig, Rejoin};
 use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::error::CommError;
 use crate::frame::{Op, channel};
@@ -56,7 +56,7 @@ impl Drop for RtOwner {
             return;
         }
         // Send FIN on every connection so peers see an orderly close rather than a reset.
-        let peers: Vec<Arc<Conn>> = self.world.peers.iter().flatten().cloned().collect();
+        let peers: Vec<Arc<Conn>> = self.world.conns();
         rt.block_on(async {
             let _ = tokio::time::timeout(Duration::from_secs(1), async {
                 for p in peers {
@@ -124,26 +124,41 @@ impl Communicator {
             ));
         }
         let rt = build_runtime(cfg.runtime_threads)?;
-        let (rank, streams) = if cfg.world_size == 1 {
-            (0, vec![None])
+        let (rank, streams, listener) = if cfg.world_size == 1 {
+            (0, vec![None], None)
         } else {
             let mesh = rt.block_on(rendezvous::rendezvous(&cfg, listener))?;
-            (mesh.rank, mesh.streams)
+            (mesh.rank, mesh.streams, mesh.listener)
         };
         let ep = Arc::new(Endpoint::default());
         let opts = ConnOpts {
             max_frame_bytes: cfg.max_frame_bytes,
             compression: cfg.compression,
         };
+        // A replacement of a lost rank reaches rank 0 alone, point to point.
+        let rejoined = cfg.rejoin == Rejoin::Join;
         let peers = {
             let _guard = rt.enter();
             streams
                 .into_iter()
                 .enumerate()
-                .map(|(r, s)| s.map(|s| Arc::new(Conn::tcp(s, r, opts, ep.clone()))))
+                .map(|(r, s)| {
+                    s.map(|s| {
+                        let c = Conn::tcp(s, r, opts, ep.clone());
+                        Arc::new(if rejoined {
+                            c.for_point_to_point_only()
+                        } else {
+                            c
+                        })
+                    })
+                })
                 .collect()
         };
         let comm = Self::assemble(rt, rank, cfg, peers, ep);
+        if let (Some(l), Some(rt)) = (listener, comm.rt.rt.as_ref()) {
+            let world = Arc::downgrade(&comm.g.world);
+            rt.spawn(rendezvous::rejoin::serve(l, world, opts));
+        }
         tracing::info!(rank, world_size = comm.size(), "communicator connected");
         Ok(comm)
     }
@@ -188,15 +203,7 @@ impl Communicator {
         ep: Arc<Endpoint>,
     ) -> Communicator {
         let n = peers.len();
-        let world = Arc::new(World {
-            rank,
-            cfg,
-            peers,
-            ep,
-            poisoned: Mutex::new(None),
-            collectives: AtomicU64::new(0),
-            handle: rt.handle().clone(),
-        });
+        let world = Arc::new(World::new(rank, cfg, peers, ep, rt.handle().clone()));
         let g = GroupState::new(world.clone(), 0, (0..n).collect(), rank);
         Communicator {
             g,
@@ -411,6 +418,12 @@ impl ProcessGroup for Communicator {
                 }),
             }
         })
+    }
+
+    fn rejoins(&self, rank: usize) -> u64 {
+        self.g
+            .world_rank_checked(rank)
+            .map_or(0, |w| self.g.world.generation(w))
     }
 
     fn recv_any(

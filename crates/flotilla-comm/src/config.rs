@@ -76,6 +76,23 @@ pub struct CommConfig {
     /// Worker threads of the communicator's internal tokio runtime (at least 1). Default 1:
     /// connection readers and collectives then share one thread, which measured fastest.
     pub runtime_threads: usize,
+    /// Rejoin: how this process enters the job, and whether rank 0 lets replaced ranks in.
+    pub rejoin: Rejoin,
+}
+
+/// Ranks replaced while a job runs (a worker of an asynchronous parameter server restarted
+/// by the launcher). See [`crate::rendezvous`]'s rejoin protocol.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Rejoin {
+    /// Neither: the rendezvous port closes once every rank joined (the default).
+    #[default]
+    Off,
+    /// Rank 0 keeps its rendezvous port open for the whole run and lets a rank whose
+    /// connection was lost back in (point-to-point traffic only).
+    Accept,
+    /// This process replaces a lost rank of a running job: it connects to rank 0 alone and
+    /// can only exchange point-to-point messages with it.
+    Join,
 }
 
 impl fmt::Debug for CommConfig {
@@ -97,6 +114,7 @@ impl fmt::Debug for CommConfig {
             .field("advertise_host", &self.advertise_host)
             .field("socket_buffer_bytes", &self.socket_buffer_bytes)
             .field("runtime_threads", &self.runtime_threads)
+            .field("rejoin", &self.rejoin)
             .finish()
     }
 }
@@ -120,6 +138,7 @@ impl Default for CommConfig {
             advertise_host: None,
             socket_buffer_bytes: None,
             runtime_threads: 1,
+            rejoin: Rejoin::Off,
         }
     }
 }

@@ -235,6 +235,8 @@ pub(crate) struct Conn {
     inbound: Arc<Inbound>,
     ep: Arc<Endpoint>,
     reader: Option<JoinHandle<()>>,
+    /// A rejoined rank's link: point-to-point messages only, never collectives.
+    p2p_only: bool,
 }
 
 impl Drop for Conn {
@@ -284,7 +286,24 @@ impl Conn {
             inbound,
             ep,
             reader: Some(reader),
+            p2p_only: false,
         }
+    }
+
+    /// Marks the connection as a rejoined rank's: collectives refuse it.
+    pub(crate) fn for_point_to_point_only(mut self) -> Self {
+        self.p2p_only = true;
+        self
+    }
+
+    /// Whether collectives refuse this connection.
+    pub(crate) fn point_to_point_only(&self) -> bool {
+        self.p2p_only
+    }
+
+    /// Whether the connection is gone (closed, reset, or a bad frame).
+    pub(crate) fn is_lost(&self) -> bool {
+        self.inbound.lost.get().is_some()
     }
 
     /// Two connected in-memory ends: the first is `a`'s connection to `b`, the second
@@ -309,6 +328,7 @@ impl Conn {
             inbound: inbound.clone(),
             ep: ep.clone(),
             reader: None,
+            p2p_only: false,
         };
         (
             end(b, a_ep, &at_a, b_ep, &at_b),

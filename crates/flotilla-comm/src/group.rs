@@ -234,6 +234,14 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// call it, in the same order relative to their other `group` calls with these ranks.
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
 
+    /// How many times group rank `rank` rejoined the running job after its connection was
+    /// lost (a replaced worker; see [`crate::config::Rejoin`]): a receiver that gave the
+    /// rank up listens to it again when this grows. The default: ranks never rejoin.
+    fn rejoins(&self, rank: usize) -> u64 {
+        let _ = rank;
+        0
+    }
+
     /// This rank's place in the group's collective sequence (the default knows nothing).
     fn activity(&self) -> Activity {
         Activity::default()

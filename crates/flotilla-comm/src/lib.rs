@@ -63,7 +63,7 @@ mod wire;
 mod world;
 
 pub use comm::Communicator;
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, WireFormat};
+pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
 pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{

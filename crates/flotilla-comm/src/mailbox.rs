@@ -66,6 +66,12 @@ impl Mailbox {
         self.changed.notify_all();
     }
 
+    /// Forgets that `from` was lost: a new connection to it (a rejoined rank) delivers again.
+    pub(crate) fn peer_back(&self, from: usize) {
+        self.lock().lost.remove(&from);
+        self.changed.notify_all();
+    }
+
     /// Takes the earliest-arrived message with `tag` in `group` from any of `from` (world
     /// ranks), or reports a sender that is gone, waiting until `deadline`. `None` when the
     /// deadline passed with nothing to report.

@@ -54,7 +54,7 @@ impl<'a> OpCtx<'a> {
     }
 
     fn conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
-        self.g.world.conn(self.world_rank(peer))
+        self.g.world.collective_conn(self.world_rank(peer))
     }
 
     /// Sends one frame of this collective to group rank `peer`.

@@ -43,6 +43,16 @@ pub(crate) enum Ctrl {
     /// A message of the authentication handshake ([`crate::auth::AuthMsg`], encoded): with a
     /// secret, the first frames of every connection.
     Auth(Vec<u8>),
+    /// A replacement of lost rank `rank` -> rank 0, on a running job's rendezvous port:
+    /// request to take the lost rank's place (point-to-point traffic only).
+    Rejoin {
+        protocol: u32,
+        rank: usize,
+        world_size: usize,
+        config_hash: u64,
+    },
+    /// Rank 0 -> the replacement: the connection is now rank 0's link to that rank.
+    Rejoined,
     /// Any rank -> all: a collective failed here; stop.
     Abort { reason: String },
 }

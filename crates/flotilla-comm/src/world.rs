@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use tokio::runtime::Handle;
@@ -19,7 +19,11 @@ use crate::wire::Ctrl;
 pub(crate) struct World {
     pub(crate) rank: usize,
     pub(crate) cfg: CommConfig,
-    pub(crate) peers: Vec<Option<Arc<Conn>>>,
+    /// The connection to each rank (`None`: itself, or never connected). A slot changes
+    /// only when a lost rank rejoins ([`World::revive`]).
+    peers: Vec<RwLock<Option<Arc<Conn>>>>,
+    /// How many times each rank's connection was replaced by a rejoin.
+    generations: Vec<AtomicU64>,
     pub(crate) ep: Arc<Endpoint>,
     pub(crate) poisoned: Mutex<Option<CommError>>,
     pub(crate) collectives: AtomicU64,
@@ -60,15 +64,89 @@ impl Drop for TurnGuard<'_> {
 }
 
 impl World {
+    /// The world of rank `rank` over `peers` (one slot per rank).
+    pub(crate) fn new(
+        rank: usize,
+        cfg: CommConfig,
+        peers: Vec<Option<Arc<Conn>>>,
+        ep: Arc<Endpoint>,
+        handle: Handle,
+    ) -> Self {
+        World {
+            rank,
+            cfg,
+            generations: peers.iter().map(|_| AtomicU64::new(0)).collect(),
+            peers: peers.into_iter().map(RwLock::new).collect(),
+            ep,
+            poisoned: Mutex::new(None),
+            collectives: AtomicU64::new(0),
+            handle,
+        }
+    }
+
+    /// The connection to `peer`, for point-to-point messages.
     pub(crate) fn conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
-        match self.peers.get(peer) {
-            Some(Some(c)) => Ok(c.clone()),
+        let slot = self.peers.get(peer).map(|s| match s.read() {
+            Ok(c) => c.clone(),
+            Err(p) => p.into_inner().clone(),
+        });
+        match slot {
+            Some(Some(c)) => Ok(c),
             _ => Err(CommError::InvalidArgument(format!(
                 "rank {peer} is not a peer of rank {} (world size {})",
                 self.rank,
                 self.peers.len()
             ))),
         }
+    }
+
+    /// The connection to `peer` for a collective: a rejoined rank's link carries
+    /// point-to-point messages only (it missed the collectives issued before it came back,
+    /// so it cannot agree on their order).
+    pub(crate) fn collective_conn(&self, peer: usize) -> Result<Arc<Conn>, CommError> {
+        let c = self.conn(peer)?;
+        if c.point_to_point_only() {
+            return Err(CommError::PeerLost {
+                peer,
+                op: "collective".into(),
+                reason: "the rank rejoined the running job: only point-to-point messages reach it"
+                    .into(),
+            });
+        }
+        Ok(c)
+    }
+
+    /// Every current connection.
+    pub(crate) fn conns(&self) -> Vec<Arc<Conn>> {
+        (0..self.peers.len())
+            .filter_map(|r| self.conn(r).ok())
+            .collect()
+    }
+
+    /// Whether the connection to `peer` exists and is lost (the rank may be replaced).
+    pub(crate) fn is_lost(&self, peer: usize) -> bool {
+        self.conn(peer).is_ok_and(|c| c.is_lost())
+    }
+
+    /// Puts `conn` in `peer`'s slot (a rejoined rank): point-to-point messages flow again
+    /// and receivers no longer see the peer as lost.
+    pub(crate) fn revive(&self, peer: usize, conn: Arc<Conn>) {
+        if let Some(slot) = self.peers.get(peer) {
+            let old = match slot.write() {
+                Ok(mut g) => g.replace(conn),
+                Err(p) => p.into_inner().replace(conn),
+            };
+            drop(old);
+            self.generations[peer].fetch_add(1, Ordering::SeqCst);
+            self.ep.mailbox.peer_back(peer);
+        }
+    }
+
+    /// How many times `peer` rejoined.
+    pub(crate) fn generation(&self, peer: usize) -> u64 {
+        self.generations
+            .get(peer)
+            .map_or(0, |g| g.load(Ordering::SeqCst))
     }
 }
 
@@ -143,7 +221,7 @@ impl GroupState {
                 reason: e.to_string(),
             }
             .encode();
-            let sends = w.peers.iter().flatten().map(|p| {
+            let sends = w.conns().into_iter().map(|p| {
                 let (p, msg) = (p.clone(), msg.clone());
                 tokio::spawn(
                     async move { p.send(channel::CONTROL, Op::Control, (0, 0, 0), &msg).await },

@@ -4,23 +4,32 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{Communicator, ProcessGroup};
+use flotilla_comm::{Communicator, ProcessGroup, Rejoin};
 
 use crate::config::{Backend, TrainConfig};
 use crate::error::{Result, TrainError};
 
 /// Joins the job's world group: `rank` is what a launcher said (`None`: assigned at
-/// rendezvous), `hash` the config hash every rank must share, `world` the topology's size.
+/// rendezvous), `hash` the config hash every rank must share, `world` the topology's size,
+/// `rejoin` whether this rank replaces a lost one or lets replacements in
+/// ([`crate::rejoin::mode`]; TCP only).
 pub fn connect(
     config: &TrainConfig,
     rank: Option<usize>,
     hash: u64,
     world: usize,
+    rejoin: Rejoin,
 ) -> Result<Arc<dyn ProcessGroup>> {
     match config.comm.backend {
-        Backend::Tcp => Ok(Arc::new(Communicator::connect(
-            config.comm_config(rank, hash, world)?,
-        )?)),
+        Backend::Tcp => {
+            let mut cfg = config.comm_config(rank, hash, world)?;
+            cfg.rejoin = rejoin;
+            Ok(Arc::new(Communicator::connect(cfg)?))
+        }
+        Backend::Mpi if rejoin == Rejoin::Join => Err(TrainError::config(
+            crate::rejoin::REJOIN_ENV,
+            "an MPI job cannot take a replaced rank back (restart the whole job)",
+        )),
         Backend::Mpi => connect_mpi(config, rank, hash, world),
     }
 }

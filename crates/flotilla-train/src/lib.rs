@@ -19,6 +19,7 @@ pub mod layers;
 pub mod observe;
 pub mod pipeline;
 pub mod ps;
+pub mod rejoin;
 pub mod role;
 pub mod runlog;
 pub mod runloop;

@@ -89,7 +89,8 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let comm = crate::backend::connect(config, rank, hash, topology.world_size())?;
+    let rejoin = crate::rejoin::mode(&topology, rank)?;
+    let comm = crate::backend::connect(config, rank, hash, topology.world_size(), rejoin)?;
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
@@ -138,6 +139,13 @@ pub fn run(
             Some(engine)
         }
     };
+    if rejoin == flotilla_comm::Rejoin::Join {
+        let note = format!(
+            "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from rank 0"
+        );
+        observer.message(&note);
+        log.line(&note)?;
+    }
     let job = Job {
         config,
         topology: &topology,
@@ -146,6 +154,7 @@ pub fn run(
         hash,
         train: &train,
         started,
+        rejoined: rejoin == flotilla_comm::Rejoin::Join,
     };
     let mut cx = Cx {
         comm: &comm,
@@ -181,6 +190,9 @@ struct Job<'a> {
     hash: u64,
     train: &'a ImageDataset,
     started: Instant,
+    /// This process replaced a lost worker of a running job: it takes part in no collective
+    /// (it missed those issued before it came).
+    rejoined: bool,
 }
 
 impl Job<'_> {
@@ -323,6 +335,9 @@ impl Job<'_> {
         cx: &mut Cx<'_>,
         load: impl FnOnce(&std::path::Path, &mut Cx<'_>) -> Result<CheckpointState>,
     ) -> Result<Option<CheckpointState>> {
+        if self.rejoined {
+            return Ok(None);
+        }
         let mut bytes = Vec::new();
         let newest = if cx.rank == 0 && self.config.schedule.resume {
             let (dir, warnings) = checkpoint::newest_complete(&self.config.telemetry.output)?;
@@ -396,8 +411,8 @@ impl Job<'_> {
         let batch = config.data.batch_size;
         // A worker resumes where its batches stood after that many rounds (exact for sync
         // servers, where every worker pushes once a round).
-        let per_epoch = Batches::new(self.train, shard, seed, batch, Position::default())?
-            .steps_per_epoch();
+        let per_epoch =
+            Batches::new(self.train, shard, seed, batch, Position::default())?.steps_per_epoch();
         let start = Position::after(resumed_at * local_steps as u64, per_epoch);
         let data = Batches::new(self.train, shard, seed, batch, start)?;
         let plan = Plan {
@@ -436,9 +451,11 @@ impl Job<'_> {
             engine.read_params(&mut params)?;
             self.comm.broadcast_f32(&mut params, self.topology.root())?;
             cx.engine()?.write_params(&params)?;
-            if cx.rank != self.topology.root() && self.topology.role(cx.rank).is_some_and(|r| {
-                matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. })
-            }) {
+            if cx.rank != self.topology.root()
+                && self.topology.role(cx.rank).is_some_and(|r| {
+                    matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. })
+                })
+            {
                 cx.log(&format!(
                     "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
                     state.step
@@ -471,6 +488,9 @@ impl Job<'_> {
     /// Every rank's [`RankReport`], exchanged once at the end (the traffic of the exchange
     /// itself is not counted). A failure is logged, not fatal: the run itself is done.
     fn gather_ranks(&self, s: &RunSummary, cx: &mut Cx<'_>) -> Option<Vec<RankReport>> {
+        if self.rejoined {
+            return None;
+        }
         let traffic = self.comm.stats();
         let mine = RankReport {
             rank: s.rank,

@@ -79,6 +79,10 @@ pub type StopHook = Box<dyn FnMut() + Send>;
 pub struct LocalJob {
     children: Vec<(usize, Child)>,
     lines: Receiver<RankLine>,
+    /// The sending end of `lines`, kept while ranks may still be started again.
+    tx: Option<Sender<RankLine>>,
+    respawn: Option<Respawn>,
+    respawns: u32,
     stderr_tails: Vec<VecDeque<String>>,
     blamed: Vec<Option<usize>>,
     tolerated: Vec<bool>,
@@ -118,34 +122,78 @@ impl LocalJob {
         let mut job = LocalJob {
             children: Vec::with_capacity(n),
             lines: rx,
+            tx: Some(tx.clone()),
+            respawn: None,
+            respawns: 0,
             stderr_tails: vec![VecDeque::new(); n],
             blamed: vec![None; n],
             tolerated: vec![false; n],
             on_stop,
         };
         for (rank, mut cmd) in commands.into_iter().enumerate() {
-            cmd.stdin(Stdio::null())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
-            die_with_launcher(&mut cmd);
-            let mut child = match cmd.spawn() {
+            let child = match start_child(&mut cmd, rank, &tx) {
                 Ok(c) => c,
                 Err(e) => {
                     job.kill_all();
-                    return Err(e).with_context(|| {
-                        format!("starting rank {rank} ({})", cmd.get_program().display())
-                    });
+                    return Err(e);
                 }
             };
-            if let Some(out) = child.stdout.take() {
-                relay(out, rank, Stream::Stdout, tx.clone());
-            }
-            if let Some(err) = child.stderr.take() {
-                relay(err, rank, Stream::Stderr, tx.clone());
-            }
             job.children.push((rank, child));
         }
         Ok(job)
+    }
+
+    /// Lets tolerated ranks be started again, alone, after they fail (each start by
+    /// `respawn.make`, at most `respawn.left` in all): a worker of an asynchronous
+    /// parameter server rejoins the running job.
+    pub fn respawn_with(&mut self, respawn: Respawn) {
+        self.respawn = Some(respawn);
+    }
+
+    /// Starts tolerated rank `i` again if the budget allows; says so either way.
+    fn try_respawn(&mut self, i: usize, how: ExitStatus) -> bool {
+        let rank = self.children[i].0;
+        let Some(r) = self
+            .respawn
+            .as_mut()
+            .filter(|r| r.left > 0 && !interrupted())
+        else {
+            eprintln!(
+                "[launcher] rank {rank} exited ({}); the job goes on without it",
+                describe(how)
+            );
+            return false;
+        };
+        let Some(tx) = self.tx.as_ref() else {
+            return false;
+        };
+        r.left -= 1;
+        r.used += 1;
+        self.respawns += 1;
+        let mut cmd = (r.make)(rank);
+        eprintln!(
+            "[launcher] restart {}/{} after: rank {rank} failed ({}); it rejoins the running job",
+            r.used,
+            r.total,
+            describe(how)
+        );
+        match start_child(&mut cmd, rank, tx) {
+            Ok(child) => {
+                self.children[i].1 = child;
+                self.blamed[i] = None;
+                self.stderr_tails[i].clear();
+                true
+            }
+            Err(e) => {
+                eprintln!("[launcher] could not restart rank {rank}: {e:#}");
+                false
+            }
+        }
+    }
+
+    /// Ranks of this job started again so far.
+    pub fn respawned(&self) -> u32 {
+        self.respawns
     }
 
     /// Ranks whose failure does not stop the job (e.g. workers of an asynchronous parameter
@@ -191,7 +239,12 @@ impl LocalJob {
         let mut status: Vec<Option<ExitStatus>> = vec![None; n];
         let mut first_failure: Option<usize> = None;
         let mut grace_until: Option<Instant> = None;
+        if self.respawn.is_none() {
+            // Nothing more will start: the line channel ends with the last rank's output.
+            self.tx = None;
+        }
         loop {
+            let mut restart: Vec<(usize, ExitStatus)> = Vec::new();
             if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(20)) {
                 self.remember(&line);
                 on_line(&line);
@@ -208,10 +261,7 @@ impl LocalJob {
                     Ok(Some(s)) => {
                         status[i] = Some(s);
                         if !s.success() && self.tolerated[i] {
-                            eprintln!(
-                                "[launcher] rank {rank} exited ({}); the job goes on without it",
-                                describe(s)
-                            );
+                            restart.push((i, s));
                         } else if !s.success() && first_failure.is_none() {
                             first_failure = Some(i);
                             grace_until = Some(Instant::now() + FAILURE_GRACE);
@@ -223,6 +273,11 @@ impl LocalJob {
                         self.kill_all();
                         return Err(e).with_context(|| format!("waiting for rank {rank}"));
                     }
+                }
+            }
+            for (i, how) in restart {
+                if first_failure.is_none() && self.try_respawn(i, how) {
+                    status[i] = None;
                 }
             }
             if INTERRUPTED.load(Ordering::SeqCst) {
@@ -361,6 +416,36 @@ fn die_with_launcher(cmd: &mut Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = cmd;
+}
+
+/// How tolerated ranks are started again (see [`LocalJob::respawn_with`]).
+pub struct Respawn {
+    /// The command that starts rank `r` again.
+    pub make: Box<dyn FnMut(usize) -> Command + Send>,
+    /// Starts still allowed.
+    pub left: u32,
+    /// The budget as given (for the "restart k/R" lines).
+    pub total: u32,
+    /// Restarts counted against the budget so far (of the job or of single ranks).
+    pub used: u32,
+}
+
+/// Starts one rank's process: stdin closed, output relayed to `tx`, ended with the launcher.
+fn start_child(cmd: &mut Command, rank: usize, tx: &Sender<RankLine>) -> Result<Child> {
+    cmd.stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    die_with_launcher(cmd);
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting rank {rank} ({})", cmd.get_program().display()))?;
+    if let Some(out) = child.stdout.take() {
+        relay(out, rank, Stream::Stdout, tx.clone());
+    }
+    if let Some(err) = child.stderr.take() {
+        relay(err, rank, Stream::Stderr, tx.clone());
+    }
+    Ok(child)
 }
 
 fn relay<R: Read + Send + 'static>(stream: R, rank: usize, which: Stream, tx: Sender<RankLine>) {

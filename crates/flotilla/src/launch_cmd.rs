@@ -53,7 +53,8 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     }
     let mut restarts = 0;
     loop {
-        match launch_once(config.clone(), opts, restarts == 0)? {
+        let first = restarts == 0;
+        match launch_once(config.clone(), opts, first, &mut restarts)? {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
                 restarts += 1;
@@ -79,8 +80,14 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
 }
 
 /// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed. `first`:
-/// not a restart (notes about the setup are printed once).
-fn launch_once(config: TrainConfig, opts: &LaunchArgs, first: bool) -> Result<Result<()>> {
+/// not a restart (notes about the setup are printed once). `restarts`: restarts so far (of
+/// the job or of single ranks), counted on when a worker restarted alone rejoins the job.
+fn launch_once(
+    config: TrainConfig,
+    opts: &LaunchArgs,
+    first: bool,
+    restarts: &mut u32,
+) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
     // A secret that cannot be read fails here, before any rank starts. Local ranks inherit
     // the environment (or read the same `comm.secret_file`); remote ones get a 0600 file.
@@ -111,8 +118,13 @@ fn launch_once(config: TrainConfig, opts: &LaunchArgs, first: bool) -> Result<Re
         }
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
+    let left = opts.max_restarts.saturating_sub(*restarts);
+    if remote.is_none() && left > 0 && flotilla_train::rejoin::workers_can_rejoin(&job.topology) {
+        ranks.respawn_with(rejoin_respawn(&job, threads, *restarts, opts.max_restarts));
+    }
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
+    *restarts += ranks.respawned();
     relay.clear_bar();
     drop(ranks);
     let config = &job.config;
@@ -135,6 +147,30 @@ fn launch_once(config: TrainConfig, opts: &LaunchArgs, first: bool) -> Result<Re
         None => anyhow::bail!("rank 0 exited without a final line"),
     }
     Ok(Ok(()))
+}
+
+/// How a failed worker of an asynchronous flat parameter server is started again, alone:
+/// the same command and environment, and [`flotilla_train::rejoin::REJOIN_ENV`], so that it
+/// rejoins the running job (restarts `done` of `max` used so far).
+fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch::Respawn {
+    let env = rank_env(job, threads);
+    let config_path = job.config_path.clone();
+    let make = move |rank: usize| {
+        let exe = std::env::current_exe().unwrap_or_else(|_| "flotilla".into());
+        let mut cmd = std::process::Command::new(exe);
+        cmd.arg("train").arg(&config_path);
+        for (k, v) in env(rank) {
+            cmd.env(k, v);
+        }
+        cmd.env(flotilla_train::rejoin::REJOIN_ENV, "1");
+        cmd
+    };
+    launch::Respawn {
+        make: Box::new(make),
+        left: max.saturating_sub(done),
+        total: max,
+        used: done,
+    }
 }
 
 /// Starts the ranks on their inventory hosts (the job id printed and recorded first).
@@ -212,7 +248,7 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
 /// Each rank's environment: its place in the job, events for this launcher, and the
 /// per-rank thread count for every thread pool a backend may use (rayon for flex,
 /// OpenMP/MKL for LibTorch) unless the caller set it: an oversubscribed OpenMP pool collapses.
-fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, String)> {
+fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, String)> + use<> {
     let threads = threads.max(1).to_string();
     let mut common: Vec<(String, String)> =
         ["RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"]

@@ -83,12 +83,13 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
     Ok(Mesh {
         rank: w.rank,
         streams,
+        listener: None,
     })
 }
 
 /// Connects to rank 0, retrying with backoff until the join deadline (rank 0 may start
 /// later). Returns the stream and when it connected.
-async fn connect_master(cfg: &CommConfig) -> Result<(TcpStream, Instant), CommError> {
+pub(super) async fn connect_master(cfg: &CommConfig) -> Result<(TcpStream, Instant), CommError> {
     let join_deadline = Instant::now() + cfg.join_timeout;
     let mut backoff = Duration::from_millis(20);
     loop {

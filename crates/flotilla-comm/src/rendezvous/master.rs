@@ -12,7 +12,7 @@ use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 use super::authn;
 use super::{recv_ctrl, reject, send_ctrl};
 use crate::auth::Purpose;
-use crate::config::CommConfig;
+use crate::config::{CommConfig, Rejoin};
 use crate::error::{CommError, PeerName, RendezvousError};
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 
@@ -41,14 +41,19 @@ pub(super) async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Me
         linger(listener, re, cfg.join_timeout.min(Duration::from_secs(5)));
         return Err(e);
     }
-    drop(listener);
+    // Kept open for ranks that rejoin the running job, when the job lets them.
+    let listener = (cfg.rejoin == Rejoin::Accept).then_some(listener);
     let (members, peers) = admission.assign_ranks();
     let (mut readers, mut writers) = split_streams(members);
     welcome(cfg, &mut writers, peers).await?;
     await_ready(cfg, &mut readers, &mut writers).await?;
     let streams = go(cfg, readers, writers).await?;
     tracing::info!(world_size = n, "rendezvous complete");
-    Ok(Mesh { rank: 0, streams })
+    Ok(Mesh {
+        rank: 0,
+        streams,
+        listener,
+    })
 }
 
 /// Step 2: the processes that joined so far, and those still being read.
@@ -207,42 +212,20 @@ impl<'a> Admission<'a> {
         world_size: usize,
         config_hash: u64,
     ) -> Result<(), RendezvousError> {
-        let (n, cfg) = (self.cfg.world_size, self.cfg);
-        if protocol != RENDEZVOUS_PROTOCOL {
-            Err(RendezvousError::ProtocolVersion {
-                peer,
-                expected: RENDEZVOUS_PROTOCOL,
-                got: protocol,
-            })
-        } else if world_size != n {
-            Err(RendezvousError::WorldSizeMismatch {
-                peer,
-                expected: n,
-                got: world_size,
-            })
-        } else if rank == Some(0) {
-            Err(RendezvousError::DuplicateRank {
-                peer,
-                holder: "rank 0 (the master)".into(),
-            })
-        } else if rank.is_some_and(|r| r >= n) {
-            Err(RendezvousError::RankOutOfRange {
-                peer,
-                world_size: n,
-            })
-        } else if config_hash != cfg.config_hash {
-            Err(RendezvousError::ConfigHashMismatch {
-                peer,
-                expected: cfg.config_hash,
-                got: config_hash,
-            })
-        } else if let Some(holder) = rank.and_then(|r| self.slots[r].as_ref()) {
-            Err(RendezvousError::DuplicateRank {
+        check_join(
+            self.cfg,
+            peer.clone(),
+            protocol,
+            rank,
+            world_size,
+            config_hash,
+        )?;
+        match rank.and_then(|r| self.slots[r].as_ref()) {
+            Some(holder) => Err(RendezvousError::DuplicateRank {
                 peer,
                 holder: holder.addr.to_string(),
-            })
-        } else {
-            Ok(())
+            }),
+            None => Ok(()),
         }
     }
 
@@ -393,6 +376,49 @@ async fn await_ready(
         return Err(err);
     }
     Ok(())
+}
+
+/// Whether a join (or a rejoin) fits this job: protocol, world size, rank, config.
+pub(super) fn check_join(
+    cfg: &CommConfig,
+    peer: PeerName,
+    protocol: u32,
+    rank: Option<usize>,
+    world_size: usize,
+    config_hash: u64,
+) -> Result<(), RendezvousError> {
+    let n = cfg.world_size;
+    if protocol != RENDEZVOUS_PROTOCOL {
+        Err(RendezvousError::ProtocolVersion {
+            peer,
+            expected: RENDEZVOUS_PROTOCOL,
+            got: protocol,
+        })
+    } else if world_size != n {
+        Err(RendezvousError::WorldSizeMismatch {
+            peer,
+            expected: n,
+            got: world_size,
+        })
+    } else if rank == Some(0) {
+        Err(RendezvousError::DuplicateRank {
+            peer,
+            holder: "rank 0 (the master)".into(),
+        })
+    } else if rank.is_some_and(|r| r >= n) {
+        Err(RendezvousError::RankOutOfRange {
+            peer,
+            world_size: n,
+        })
+    } else if config_hash != cfg.config_hash {
+        Err(RendezvousError::ConfigHashMismatch {
+            peer,
+            expected: cfg.config_hash,
+            got: config_hash,
+        })
+    } else {
+        Ok(())
+    }
 }
 
 /// Sends `Go` to every rank and reunites each connection for data.

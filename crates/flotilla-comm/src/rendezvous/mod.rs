@@ -28,6 +28,7 @@ mod authn;
 mod client;
 mod master;
 mod mesh;
+pub(crate) mod rejoin;
 
 use std::sync::Once;
 use std::time::Duration;
@@ -41,10 +42,12 @@ use crate::frame::{self, Op, channel};
 use crate::net;
 use crate::wire::Ctrl;
 
-/// Result of a successful rendezvous: this process's rank and one stream per peer rank.
+/// Result of a successful rendezvous: this process's rank and one stream per peer rank
+/// (and rank 0's rendezvous listener, kept open when the job lets lost ranks rejoin).
 pub(crate) struct Mesh {
     pub rank: usize,
     pub streams: Vec<Option<TcpStream>>,
+    pub listener: Option<TcpListener>,
 }
 
 /// Runs the rendezvous for `cfg`. `listener` optionally replaces rank 0's own bind.
@@ -77,6 +80,7 @@ pub(crate) async fn rendezvous(
         (_, Some(_)) => Err(CommError::Config(
             "only rank 0 can take a pre-bound rendezvous listener".into(),
         )),
+        (_, None) if cfg.rejoin == crate::config::Rejoin::Join => rejoin::join(cfg).await,
         (_, None) => client::client(cfg).await,
     }
 }

@@ -19,6 +19,8 @@ pub enum Event {
     Malformed(usize, TrainError),
     /// The link to the peer is gone (the peer died or closed it).
     Lost(usize, CommError),
+    /// A lost peer is back: a replacement took its place ([`ProcessGroup::rejoins`]).
+    Back(usize),
 }
 
 /// Merged messages of a set of peers. Clones share the set of peers not lost yet.
@@ -27,6 +29,8 @@ pub struct Inbox {
     group: Arc<dyn ProcessGroup>,
     /// Peers not lost yet.
     live: Arc<Mutex<Vec<usize>>>,
+    /// Lost peers, with their rejoin count when they were lost.
+    lost: Arc<Mutex<Vec<(usize, u64)>>>,
 }
 
 impl Inbox {
@@ -35,12 +39,29 @@ impl Inbox {
         Self {
             group: group.clone(),
             live: Arc::new(Mutex::new(peers.to_vec())),
+            lost: Arc::new(Mutex::new(Vec::new())),
         }
+    }
+
+    /// A lost peer that rejoined since, moved back to the live ones.
+    fn came_back(&self) -> Option<usize> {
+        let mut lost = self.lost.lock().ok()?;
+        let i = lost
+            .iter()
+            .position(|&(p, at)| self.group.rejoins(p) > at)?;
+        let (peer, _) = lost.remove(i);
+        if let Ok(mut l) = self.live.lock() {
+            l.push(peer);
+        }
+        Some(peer)
     }
 
     /// The next event, or `None` if nothing arrives before `deadline` (at once when every
     /// peer is lost).
     pub fn recv_until(&self, deadline: Instant) -> Option<Event> {
+        if let Some(peer) = self.came_back() {
+            return Some(Event::Back(peer));
+        }
         let live = self.live.lock().map(|l| l.clone()).unwrap_or_default();
         if live.is_empty() {
             return None;
@@ -59,6 +80,9 @@ impl Inbox {
                     .unwrap_or(live[0]);
                 if let Ok(mut l) = self.live.lock() {
                     l.retain(|&p| p != peer);
+                }
+                if let Ok(mut lost) = self.lost.lock() {
+                    lost.push((peer, self.group.rejoins(peer)));
                 }
                 Some(Event::Lost(peer, e))
             }

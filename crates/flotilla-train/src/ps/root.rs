@@ -81,6 +81,8 @@ pub struct RootServer {
     bad_loss: Option<f32>,
     /// Scale each update's learning rate by `1 / (1 + staleness)`.
     staleness_lr: bool,
+    /// Lost children taken back (replaced workers that rejoined).
+    rejoined: u64,
 }
 
 impl RootServer {
@@ -131,6 +133,7 @@ impl RootServer {
             finished: None,
             bad_loss: None,
             staleness_lr: cx.config.topology.staleness_lr.unwrap_or(false),
+            rejoined: 0,
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -503,6 +506,24 @@ impl ServerMachine for RootServer {
         Ok(())
     }
 
+    fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
+        let Some(i) = self.lost.iter().position(|&p| p == peer) else {
+            return Ok(());
+        };
+        if self.sync || !self.children.contains(&peer) {
+            return Ok(());
+        }
+        self.lost.remove(i);
+        self.active.insert(peer);
+        self.rejoined += 1;
+        cx.log(&format!(
+            "rank {peer} rejoined (a replaced worker) at round {}; async training goes on with {} of {} children",
+            self.rounds,
+            self.active.len(),
+            self.children.len()
+        ))
+    }
+
     fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
         if let Some((child, _)) = self.awaiting_stop {
             return Err(lost_child(child, self.rounds));
@@ -617,6 +638,7 @@ impl Role for RootServer {
             ("max_staleness", o.max_staleness as f64),
             ("mean_staleness", o.mean_staleness),
             ("lost_children", o.lost.len() as f64),
+            ("rejoined_children", self.rejoined as f64),
             ("bytes_per_round", received / o.rounds.max(1) as f64),
             (
                 "updates_per_s",

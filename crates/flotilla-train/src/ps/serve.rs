@@ -32,6 +32,13 @@ pub trait ServerMachine {
     /// The link to `peer` is gone.
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()>;
 
+    /// A lost peer is back (a replaced worker rejoined). By default nothing changes: only
+    /// servers whose workers can rejoin take it back.
+    fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
+        let _ = (cx, peer);
+        Ok(())
+    }
+
     /// Nothing arrived for `waited`: the error naming who was waited for (a server always
     /// waits for somebody).
     fn on_deadline(&mut self, cx: &mut PsContext<'_>, waited: Duration) -> Result<()>;
@@ -66,5 +73,6 @@ pub fn serve_one(
         Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg),
         Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e),
         Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e),
+        Some(Event::Back(peer)) => machine.on_back(cx, peer),
     }
 }

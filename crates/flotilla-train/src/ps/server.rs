@@ -209,6 +209,8 @@ pub(crate) fn gather(
                     message: format!("the root expects a shard, got {}", other.name()),
                 });
             }
+            // Shard servers never rejoin (only single-server jobs take workers back).
+            Some(Event::Back(_)) => {}
             Some(Event::Malformed(rank, e)) => {
                 return Err(TrainError::Peer {
                     peer: rank,

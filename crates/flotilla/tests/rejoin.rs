@@ -1,0 +1,129 @@
+//! An asynchronous flat parameter server's worker that dies is restarted alone by
+//! `flotilla launch --max-restarts` and rejoins the running job: it pulls the current
+//! parameters and trains on, the server takes it back, and the job ends normally.
+
+mod common;
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+const ROUNDS: u64 = 3000;
+
+fn config(dir: &Path, aggr: &str) -> String {
+    config_file(
+        dir,
+        &format!("{aggr}.yaml"),
+        &format!(
+            "arch: flat\nparameter_server: {{aggr_type: {aggr}, num_workers: 2}}\nmodel: mlp\n\
+             batch_size: 32\nnum_server_rounds: {ROUNDS}\neval_every: 1000\n\
+             optimizer: {{name: sgd, lr: 0.05}}\ntimeout_s: 10\n"
+        ),
+    )
+}
+
+/// The pid of rank `rank` of the job writing to `out` (its `RANK` and its config there).
+fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
+    let needle = out.join("launch-config.yaml");
+    let needle = needle.to_str().expect("utf8");
+    processes_mentioning(needle)
+        .into_iter()
+        .find_map(|(pid, _)| {
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            env.split(|&b| b == 0)
+                .any(|kv| kv == format!("RANK={rank}").as_bytes())
+                .then_some(pid)
+        })
+}
+
+/// Waits until rank 0's run.log in `out` has reached round `round`, then SIGKILLs `rank`.
+fn kill_after_round(out: &Path, round: u64, rank: usize) {
+    let log = out.join("rank-0/run.log");
+    let needle = format!("] round {round} ");
+    let started = Instant::now();
+    loop {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        if text.contains(&needle)
+            && let Some(pid) = rank_pid(out, rank)
+        {
+            // SAFETY: kill(2) on a pid of this test's own job; no memory is involved.
+            let rc = unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+            assert_eq!(rc, 0, "kill -9 {pid}");
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "round {round} never came"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+#[test]
+fn an_async_worker_killed_twice_rejoins_the_running_job() {
+    let dir = tmp();
+    let cfg = config(dir.path(), "async");
+    let out = dir.path().join("out");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--max-restarts", "2", "--output"])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let killed = out.clone();
+    let killer = std::thread::spawn(move || {
+        kill_after_round(&killed, 600, 2);
+        kill_after_round(&killed, 1800, 2);
+    });
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    killer.join().expect("killer");
+    assert!(o.status.success(), "{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for k in [1, 2] {
+        assert!(
+            err.contains(&format!(
+                "[launcher] restart {k}/2 after: rank 2 failed (killed by signal 9); it rejoins the running job"
+            )),
+            "{}",
+            text(&o)
+        );
+    }
+    let root = run_log(&out, 0);
+    assert_eq!(
+        root.matches("rank 2 rejoined (a replaced worker)").count(),
+        2,
+        "{root}"
+    );
+    // The job was never restarted as a whole: one start of rank 0, all rounds done.
+    assert_eq!(root.matches("rank 0/3 up").count(), 1, "{root}");
+    let f = final_fields(&o);
+    assert_eq!(f["steps"], ROUNDS as f64, "{}", text(&o));
+    assert!(f["test_acc"] > 0.93, "{}", text(&o));
+    let needle = out.join("launch-config.yaml");
+    assert_none_left(needle.to_str().expect("utf8"), Duration::from_secs(10));
+}
+
+/// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at
+/// once, saying so.
+#[test]
+fn a_rejoin_where_it_cannot_work_is_refused_at_once() {
+    let dir = tmp();
+    let cfg = config(dir.path(), "sync");
+    let mut c = flotilla();
+    c.args(["train", &cfg])
+        .env("RANK", "1")
+        .env("WORLD_SIZE", "3")
+        .env("MASTER_ADDR", "127.0.0.1")
+        .env("MASTER_PORT", "9")
+        .env("FLOTILLA_REJOIN", "1");
+    let t = Instant::now();
+    let o = run_with_deadline(c, Duration::from_secs(30));
+    assert!(!o.status.success());
+    assert!(t.elapsed() < Duration::from_secs(10), "{:?}", t.elapsed());
+    assert!(
+        text(&o).contains("only a worker") && text(&o).contains("FLOTILLA_REJOIN"),
+        "{}",
+        text(&o)
+    );
+}
