@@ -49,7 +49,7 @@ def ctrl():
         {"MeshFailed": {"reason": "no route"}},
         {"Abort": {"reason": "peer lost"}},
         {"Rejoin": {"protocol": 2, "rank": 2, "world_size": 3, "config_hash": 42}},
-        "Rejoined",
+        {"Rejoined": {"session": 7, "peers": ["a:1", "b:2"]}},
     ]
     for i, m in enumerate(msgs):
         put("ctrl", f"msg{i}", json.dumps(m, separators=(",", ":")))

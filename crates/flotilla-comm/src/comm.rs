@@ -124,11 +124,11 @@ impl Communicator {
             ));
         }
         let rt = build_runtime(cfg.runtime_threads)?;
-        let (rank, streams, listener) = if cfg.world_size == 1 {
+        let (rank, streams, rejoins) = if cfg.world_size == 1 {
             (0, vec![None], None)
         } else {
             let mesh = rt.block_on(rendezvous::rendezvous(&cfg, listener))?;
-            (mesh.rank, mesh.streams, mesh.listener)
+            (mesh.rank, mesh.streams, mesh.rejoins)
         };
         let ep = Arc::new(Endpoint::default());
         let opts = ConnOpts {
@@ -155,9 +155,9 @@ impl Communicator {
                 .collect()
         };
         let comm = Self::assemble(rt, rank, cfg, peers, ep);
-        if let (Some(l), Some(rt)) = (listener, comm.rt.rt.as_ref()) {
+        if let (Some(r), Some(rt)) = (rejoins, comm.rt.rt.as_ref()) {
             let world = Arc::downgrade(&comm.g.world);
-            rt.spawn(rendezvous::rejoin::serve(l, world, opts));
+            rt.spawn(rendezvous::rejoin::serve(r, world, opts));
         }
         tracing::info!(rank, world_size = comm.size(), "communicator connected");
         Ok(comm)

@@ -76,8 +76,11 @@ pub struct CommConfig {
     /// Worker threads of the communicator's internal tokio runtime (at least 1). Default 1:
     /// connection readers and collectives then share one thread, which measured fastest.
     pub runtime_threads: usize,
-    /// Rejoin: how this process enters the job, and whether rank 0 lets replaced ranks in.
+    /// Rejoin: how this process enters the job, and whether it lets replaced ranks in.
     pub rejoin: Rejoin,
+    /// With [`Rejoin::Join`]: the ranks other than 0 the replacement connects to (its
+    /// parameter servers); rank 0 is always reached first.
+    pub rejoin_links: Vec<usize>,
 }
 
 /// Ranks replaced while a job runs (a worker of an asynchronous parameter server restarted
@@ -87,11 +90,12 @@ pub enum Rejoin {
     /// Neither: the rendezvous port closes once every rank joined (the default).
     #[default]
     Off,
-    /// Rank 0 keeps its rendezvous port open for the whole run and lets a rank whose
-    /// connection was lost back in (point-to-point traffic only).
+    /// This rank keeps a port open for the whole run (rank 0 its rendezvous port, others
+    /// their mesh listener) and lets a rank whose connection was lost back in
+    /// (point-to-point traffic only).
     Accept,
-    /// This process replaces a lost rank of a running job: it connects to rank 0 alone and
-    /// can only exchange point-to-point messages with it.
+    /// This process replaces a lost rank of a running job: it connects to rank 0 and to
+    /// [`CommConfig::rejoin_links`], and exchanges only point-to-point messages with them.
     Join,
 }
 
@@ -115,6 +119,7 @@ impl fmt::Debug for CommConfig {
             .field("socket_buffer_bytes", &self.socket_buffer_bytes)
             .field("runtime_threads", &self.runtime_threads)
             .field("rejoin", &self.rejoin)
+            .field("rejoin_links", &self.rejoin_links)
             .finish()
     }
 }
@@ -139,6 +144,7 @@ impl Default for CommConfig {
             socket_buffer_bytes: None,
             runtime_threads: 1,
             rejoin: Rejoin::Off,
+            rejoin_links: Vec::new(),
         }
     }
 }

@@ -51,8 +51,9 @@ pub(crate) enum Ctrl {
         world_size: usize,
         config_hash: u64,
     },
-    /// Rank 0 -> the replacement: the connection is now rank 0's link to that rank.
-    Rejoined,
+    /// The accepting rank -> the replacement: the connection is now its link to that rank.
+    /// Rank 0 adds the session and the peer table (for the replacement's other links).
+    Rejoined { session: u64, peers: Vec<String> },
     /// Any rank -> all: a collective failed here; stop.
     Abort { reason: String },
 }

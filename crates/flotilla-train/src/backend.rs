@@ -11,19 +11,21 @@ use crate::error::{Result, TrainError};
 
 /// Joins the job's world group: `rank` is what a launcher said (`None`: assigned at
 /// rendezvous), `hash` the config hash every rank must share, `world` the topology's size,
-/// `rejoin` whether this rank replaces a lost one or lets replacements in
-/// ([`crate::rejoin::mode`]; TCP only).
+/// `rejoin` whether this rank replaces a lost one (linking to `links`) or lets replacements
+/// in ([`crate::rejoin::mode`]; TCP only).
 pub fn connect(
     config: &TrainConfig,
     rank: Option<usize>,
     hash: u64,
     world: usize,
     rejoin: Rejoin,
+    links: Vec<usize>,
 ) -> Result<Arc<dyn ProcessGroup>> {
     match config.comm.backend {
         Backend::Tcp => {
             let mut cfg = config.comm_config(rank, hash, world)?;
             cfg.rejoin = rejoin;
+            cfg.rejoin_links = links;
             Ok(Arc::new(Communicator::connect(cfg)?))
         }
         Backend::Mpi if rejoin == Rejoin::Join => Err(TrainError::config(

@@ -1,15 +1,15 @@
 //! Which ranks of a job may be replaced while it runs, and whether this process is such a
 //! replacement.
 //!
-//! A worker of an asynchronous flat parameter server with one server (rank 0) can be
-//! restarted alone (`flotilla launch --max-restarts`): the new process, started with
-//! [`REJOIN_ENV`]` = 1`, takes the lost worker's place on its link to rank 0, pulls the
-//! current parameters and trains on; the server admits it back. Every other role, and every
-//! other topology, restarts the whole job from its checkpoint instead: a sync server waits
-//! for every worker each round, and a worker under a local server or several shard servers
-//! would need links that only the full rendezvous builds.
+//! A worker whose parameter servers are all asynchronous (flat, sharded, or under an async
+//! local server) can be restarted alone (`flotilla launch --max-restarts`): the new process,
+//! started with [`REJOIN_ENV`]` = 1`, takes the lost worker's place on its links to rank 0
+//! and to its servers, pulls the current parameters and trains on; the servers admit it
+//! back. Every other rank restarts the whole job from its checkpoint instead: a sync server
+//! waits for every worker each round, and a server's or peer's state is not in anyone
+//! else's hands.
 
-use flotilla_cluster::{Aggregation, Arch, RoleKind, Topology};
+use flotilla_cluster::{Aggregation, RoleKind, Topology};
 use flotilla_comm::Rejoin;
 
 use crate::error::{Result, TrainError};
@@ -17,46 +17,63 @@ use crate::error::{Result, TrainError};
 /// Set to `1` by the launcher on a worker it restarts alone.
 pub const REJOIN_ENV: &str = "FLOTILLA_REJOIN";
 
-/// Whether a lost worker of `topology` may be replaced while the job runs: flat, one server,
-/// asynchronous.
-pub fn workers_can_rejoin(topology: &Topology) -> bool {
-    topology.arch() == Arch::Flat
-        && topology.num_shards() == 1
-        && topology
-            .role(topology.root())
-            .is_some_and(|r| r.aggregation == Some(Aggregation::Async))
+/// Whether rank `rank` of `topology` is a worker that may be replaced while the job runs:
+/// every server it pushes to aggregates asynchronously.
+pub fn can_rejoin(topology: &Topology, rank: usize) -> bool {
+    let Some(role) = topology.role(rank) else {
+        return false;
+    };
+    matches!(role.kind, RoleKind::Worker { .. })
+        && !role.parents.is_empty()
+        && role.parents.iter().all(|&p| {
+            topology
+                .role(p)
+                .is_some_and(|s| s.aggregation == Some(Aggregation::Async))
+        })
 }
 
-/// How rank `rank` of `topology` takes part in rejoins: rank 0 of a topology whose workers
-/// can rejoin accepts them; a process started with [`REJOIN_ENV`] joins (an error if its
-/// rank cannot); everyone else is [`Rejoin::Off`].
-pub fn mode(topology: &Topology, rank: Option<usize>) -> Result<Rejoin> {
+/// The workers of `topology` that may be replaced while the job runs.
+pub fn rejoinable(topology: &Topology) -> Vec<usize> {
+    (0..topology.world_size())
+        .filter(|&r| can_rejoin(topology, r))
+        .collect()
+}
+
+/// How rank `rank` of `topology` takes part in rejoins, and (for a replacement) the ranks it
+/// links to: rank 0 of a topology with rejoinable workers, and every server of such a
+/// worker, accept them; a process started with [`REJOIN_ENV`] joins, linking to its servers
+/// (an error if its rank cannot rejoin); everyone else is [`Rejoin::Off`].
+pub fn mode(topology: &Topology, rank: Option<usize>) -> Result<(Rejoin, Vec<usize>)> {
     let asked = std::env::var(REJOIN_ENV).is_ok_and(|v| v.trim() == "1");
-    let can = workers_can_rejoin(topology);
+    let workers = rejoinable(topology);
     if !asked {
-        let root = rank == Some(topology.root());
-        return Ok(if can && root {
-            Rejoin::Accept
-        } else {
-            Rejoin::Off
+        let accepts = rank.is_some_and(|r| {
+            !workers.is_empty()
+                && (r == topology.root()
+                    || workers.iter().any(|&w| {
+                        topology
+                            .role(w)
+                            .is_some_and(|role| role.parents.contains(&r))
+                    }))
         });
+        let mode = if accepts { Rejoin::Accept } else { Rejoin::Off };
+        return Ok((mode, Vec::new()));
     }
-    let worker = rank
-        .and_then(|r| topology.role(r))
-        .is_some_and(|r| matches!(r.kind, RoleKind::Worker { .. }));
-    if can && worker {
-        return Ok(Rejoin::Join);
+    match rank.filter(|r| workers.contains(r)) {
+        Some(r) => {
+            let parents = topology.role(r).map(|role| role.parents.clone());
+            Ok((Rejoin::Join, parents.unwrap_or_default()))
+        }
+        None => Err(TrainError::config(
+            REJOIN_ENV,
+            format!(
+                "only a worker (with RANK set) whose parameter servers are all asynchronous can                  rejoin a running job; this is rank {} of a {} topology ({})",
+                rank.map_or("?".to_string(), |r| r.to_string()),
+                topology.arch(),
+                topology.composition()
+            ),
+        )),
     }
-    Err(TrainError::config(
-        REJOIN_ENV,
-        format!(
-            "only a worker (with RANK set) of an asynchronous flat parameter server with one \
-             server can rejoin a running job; this is rank {} of a {} topology ({})",
-            rank.map_or("?".to_string(), |r| r.to_string()),
-            topology.arch(),
-            topology.composition()
-        ),
-    ))
 }
 
 #[cfg(test)]
@@ -70,20 +87,27 @@ mod tests {
     }
 
     #[test]
-    fn only_async_flat_single_server_workers_rejoin() {
-        let flat_async =
-            topology("arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\n");
-        assert!(workers_can_rejoin(&flat_async));
-        assert_eq!(mode(&flat_async, Some(0)).expect("root"), Rejoin::Accept);
-        assert_eq!(mode(&flat_async, Some(1)).expect("worker"), Rejoin::Off);
-        for no in [
-            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+    fn workers_under_async_servers_rejoin_and_their_servers_accept() {
+        let flat = topology("arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\n");
+        assert_eq!(rejoinable(&flat), vec![1, 2]);
+        assert_eq!(mode(&flat, Some(0)).expect("root").0, Rejoin::Accept);
+        assert_eq!(mode(&flat, Some(1)).expect("worker").0, Rejoin::Off);
+        let sharded = topology(
             "arch: flat\nservers: 2\nparameter_server: {aggr_type: async, num_workers: 2}\n",
-            "arch: hierarchical\nglobal_server:\n  aggr_type: async\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n",
-        ] {
-            let t = topology(no);
-            assert!(!workers_can_rejoin(&t), "{no}");
-            assert_eq!(mode(&t, Some(0)).expect("root"), Rejoin::Off, "{no}");
-        }
+        );
+        assert_eq!(rejoinable(&sharded), vec![2, 3]);
+        assert_eq!(mode(&sharded, Some(1)).expect("shard").0, Rejoin::Accept);
+        // Global server 0; local server 1 (async) with workers 2, 3; local server 4 (sync)
+        // with workers 5, 6.
+        let hier = topology(
+            "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: sync, num_workers: 2}\n",
+        );
+        assert_eq!(rejoinable(&hier), vec![2, 3]);
+        assert_eq!(mode(&hier, Some(0)).expect("global").0, Rejoin::Accept);
+        assert_eq!(mode(&hier, Some(1)).expect("async local").0, Rejoin::Accept);
+        assert_eq!(mode(&hier, Some(4)).expect("sync local").0, Rejoin::Off);
+        let sync = topology("arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n");
+        assert!(rejoinable(&sync).is_empty());
+        assert_eq!(mode(&sync, Some(0)).expect("root").0, Rejoin::Off);
     }
 }

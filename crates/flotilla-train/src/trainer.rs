@@ -89,8 +89,8 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
-    let rejoin = crate::rejoin::mode(&topology, rank)?;
-    let comm = crate::backend::connect(config, rank, hash, topology.world_size(), rejoin)?;
+    let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
+    let comm = crate::backend::connect(config, rank, hash, topology.world_size(), rejoin, links)?;
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
@@ -141,7 +141,7 @@ pub fn run(
     };
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
-            "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from rank 0"
+            "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
         );
         observer.message(&note);
         log.line(&note)?;

@@ -422,6 +422,8 @@ fn die_with_launcher(cmd: &mut Command) {
 pub struct Respawn {
     /// The command that starts rank `r` again.
     pub make: Box<dyn FnMut(usize) -> Command + Send>,
+    /// The ranks it may start again (others that fail are left out, as before).
+    pub ranks: Vec<usize>,
     /// Starts still allowed.
     pub left: u32,
     /// The budget as given (for the "restart k/R" lines).

@@ -119,8 +119,11 @@ fn launch_once(
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
     let left = opts.max_restarts.saturating_sub(*restarts);
-    if remote.is_none() && left > 0 && flotilla_train::rejoin::workers_can_rejoin(&job.topology) {
-        ranks.respawn_with(rejoin_respawn(&job, threads, *restarts, opts.max_restarts));
+    let rejoinable = flotilla_train::rejoin::rejoinable(&job.topology);
+    if remote.is_none() && left > 0 && !rejoinable.is_empty() {
+        let mut respawn = rejoin_respawn(&job, threads, *restarts, opts.max_restarts);
+        respawn.ranks = rejoinable;
+        ranks.respawn_with(respawn);
     }
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
@@ -149,7 +152,7 @@ fn launch_once(
     Ok(Ok(()))
 }
 
-/// How a failed worker of an asynchronous flat parameter server is started again, alone:
+/// How a failed worker under asynchronous parameter servers is started again, alone:
 /// the same command and environment, and [`flotilla_train::rejoin::REJOIN_ENV`], so that it
 /// rejoins the running job (restarts `done` of `max` used so far).
 fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch::Respawn {
@@ -167,6 +170,7 @@ fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch
     };
     launch::Respawn {
         make: Box::new(make),
+        ranks: Vec::new(),
         left: max.saturating_sub(done),
         total: max,
         used: done,

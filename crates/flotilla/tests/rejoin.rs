@@ -10,19 +10,19 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-const ROUNDS: u64 = 3000;
-
-fn config(dir: &Path, aggr: &str) -> String {
+/// A config file of `topology` in `dir` (MLP, 32 samples per batch, plain SGD).
+fn config(dir: &Path, name: &str, topology: &str, rounds: u64) -> String {
     config_file(
         dir,
-        &format!("{aggr}.yaml"),
+        &format!("{name}.yaml"),
         &format!(
-            "arch: flat\nparameter_server: {{aggr_type: {aggr}, num_workers: 2}}\nmodel: mlp\n\
-             batch_size: 32\nnum_server_rounds: {ROUNDS}\neval_every: 1000\n\
-             optimizer: {{name: sgd, lr: 0.05}}\ntimeout_s: 10\n"
+            "{topology}\nmodel: mlp\nbatch_size: 32\nnum_server_rounds: {rounds}\n\
+             eval_every: 1000\noptimizer: {{name: sgd, lr: 0.05}}\ntimeout_s: 10\n"
         ),
     )
 }
+
+const FLAT_ASYNC: &str = "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}";
 
 /// The pid of rank `rank` of the job writing to `out` (its `RANK` and its config there).
 fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
@@ -61,10 +61,19 @@ fn kill_after_round(out: &Path, round: u64, rank: usize) {
     }
 }
 
-#[test]
-fn an_async_worker_killed_twice_rejoins_the_running_job() {
+/// Launches `yaml` with `--max-restarts 2`, SIGKILLs worker `victim` after rank 0's rounds
+/// `kills`, and checks that it rejoined twice (as `server` logs), that the job was never
+/// restarted as a whole and ended normally above `min_acc`, and that nothing is left.
+fn killed_twice_rejoins(
+    yaml: &str,
+    rounds: u64,
+    victim: usize,
+    server: usize,
+    kills: [u64; 2],
+    min_acc: f64,
+) {
     let dir = tmp();
-    let cfg = config(dir.path(), "async");
+    let cfg = config(dir.path(), "job", yaml, rounds);
     let out = dir.path().join("out");
     let mut c = flotilla();
     c.args(["launch", &cfg, "--max-restarts", "2", "--output"])
@@ -73,8 +82,9 @@ fn an_async_worker_killed_twice_rejoins_the_running_job() {
         .stderr(Stdio::piped());
     let killed = out.clone();
     let killer = std::thread::spawn(move || {
-        kill_after_round(&killed, 600, 2);
-        kill_after_round(&killed, 1800, 2);
+        for round in kills {
+            kill_after_round(&killed, round, victim);
+        }
     });
     let o = run_with_deadline(c, Duration::from_secs(300));
     killer.join().expect("killer");
@@ -83,25 +93,36 @@ fn an_async_worker_killed_twice_rejoins_the_running_job() {
     for k in [1, 2] {
         assert!(
             err.contains(&format!(
-                "[launcher] restart {k}/2 after: rank 2 failed (killed by signal 9); it rejoins the running job"
+                "[launcher] restart {k}/2 after: rank {victim} failed (killed by signal 9); it rejoins the running job"
             )),
             "{}",
             text(&o)
         );
     }
-    let root = run_log(&out, 0);
-    assert_eq!(
-        root.matches("rank 2 rejoined (a replaced worker)").count(),
-        2,
-        "{root}"
-    );
+    let log = run_log(&out, server);
+    let back = format!("rank {victim} rejoined (a replaced worker)");
+    assert_eq!(log.matches(&back).count(), 2, "{log}");
     // The job was never restarted as a whole: one start of rank 0, all rounds done.
-    assert_eq!(root.matches("rank 0/3 up").count(), 1, "{root}");
+    let root = run_log(&out, 0);
+    assert_eq!(root.matches("rank 0/").count(), 1, "{root}");
     let f = final_fields(&o);
-    assert_eq!(f["steps"], ROUNDS as f64, "{}", text(&o));
-    assert!(f["test_acc"] > 0.93, "{}", text(&o));
+    assert_eq!(f["steps"], rounds as f64, "{}", text(&o));
+    assert!(f["test_acc"] > min_acc, "{}", text(&o));
     let needle = out.join("launch-config.yaml");
     assert_none_left(needle.to_str().expect("utf8"), Duration::from_secs(10));
+}
+
+#[test]
+fn an_async_worker_killed_twice_rejoins_the_running_job() {
+    killed_twice_rejoins(FLAT_ASYNC, 3000, 2, 0, [600, 1800], 0.93);
+}
+
+/// Under an async local server (global server 0; local server 1 with workers 2 and 3):
+/// the replacement links to rank 0 for the peer table and to its local server.
+#[test]
+fn a_worker_under_an_async_local_server_rejoins() {
+    let hier = "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: async, num_workers: 1}";
+    killed_twice_rejoins(hier, 1500, 3, 1, [300, 900], 0.9);
 }
 
 /// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at
@@ -109,7 +130,8 @@ fn an_async_worker_killed_twice_rejoins_the_running_job() {
 #[test]
 fn a_rejoin_where_it_cannot_work_is_refused_at_once() {
     let dir = tmp();
-    let cfg = config(dir.path(), "sync");
+    let sync = "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}";
+    let cfg = config(dir.path(), "sync", sync, 100);
     let mut c = flotilla();
     c.args(["train", &cfg])
         .env("RANK", "1")

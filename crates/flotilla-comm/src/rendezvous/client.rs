@@ -67,7 +67,8 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
     let welcome_deadline = connected_at + cfg.join_timeout + grace;
     let w = await_welcome(cfg, &mut master, &master_peer, welcome_deadline, grace).await?;
     tracing::debug!(rank = w.rank, "joined; building the peer mesh");
-    let mut streams = match build_mesh(cfg, w.rank, w.session, &w.peers, listener).await {
+    let (mut streams, listener) = match build_mesh(cfg, w.rank, w.session, &w.peers, listener).await
+    {
         Ok(s) => s,
         Err(e) => {
             let failed = Ctrl::MeshFailed {
@@ -80,10 +81,16 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
     };
     ready_and_go(cfg, &mut master, &master_peer, grace).await?;
     streams[0] = Some(master);
+    // Kept open for lost children that rejoin, when the job lets them.
+    let rejoins = (cfg.rejoin == crate::config::Rejoin::Accept).then_some(super::Rejoins {
+        listener,
+        session: w.session,
+        peers: w.peers,
+    });
     Ok(Mesh {
         rank: w.rank,
         streams,
-        listener: None,
+        rejoins,
     })
 }
 

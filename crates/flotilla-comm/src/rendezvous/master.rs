@@ -41,18 +41,22 @@ pub(super) async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Me
         linger(listener, re, cfg.join_timeout.min(Duration::from_secs(5)));
         return Err(e);
     }
-    // Kept open for ranks that rejoin the running job, when the job lets them.
-    let listener = (cfg.rejoin == Rejoin::Accept).then_some(listener);
     let (members, peers) = admission.assign_ranks();
     let (mut readers, mut writers) = split_streams(members);
-    welcome(cfg, &mut writers, peers).await?;
+    let session = welcome(cfg, &mut writers, peers.clone()).await?;
+    // Kept open for ranks that rejoin the running job, when the job lets them.
+    let rejoins = (cfg.rejoin == Rejoin::Accept).then_some(super::Rejoins {
+        listener,
+        session,
+        peers,
+    });
     await_ready(cfg, &mut readers, &mut writers).await?;
     let streams = go(cfg, readers, writers).await?;
     tracing::info!(world_size = n, "rendezvous complete");
     Ok(Mesh {
         rank: 0,
         streams,
-        listener,
+        rejoins,
     })
 }
 
@@ -297,12 +301,12 @@ fn split_streams(slots: Vec<Option<Member>>) -> (Readers, Writers) {
         .unzip()
 }
 
-/// Sends every rank its `Welcome` with the peer table.
+/// Sends every rank its `Welcome` with the peer table; returns the session.
 async fn welcome(
     cfg: &CommConfig,
     writers: &mut Writers,
     peers: Vec<String>,
-) -> Result<(), CommError> {
+) -> Result<u64, CommError> {
     let session: u64 = rand::random();
     let deadline = Instant::now() + cfg.timeout;
     for rank in 0..writers.len() {
@@ -328,7 +332,7 @@ async fn welcome(
             return Err(e);
         }
     }
-    Ok(())
+    Ok(session)
 }
 
 /// Waits until every rank reports its mesh `Ready`; the first other answer fails them all.

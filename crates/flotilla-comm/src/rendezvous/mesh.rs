@@ -20,14 +20,15 @@ use crate::wire::Ctrl;
 
 const HANDSHAKE: &str = "mesh handshake";
 
-/// Connects to ranks `1..rank` and accepts ranks `rank+1..n`.
+/// Connects to ranks `1..rank` and accepts ranks `rank+1..n` (on `listener`, handed back
+/// for the rejoins of a job that takes lost ranks back).
 pub(super) async fn build_mesh(
     cfg: &CommConfig,
     rank: usize,
     session: u64,
     peers: &[String],
     listener: TcpListener,
-) -> Result<Vec<Option<TcpStream>>, CommError> {
+) -> Result<(Vec<Option<TcpStream>>, TcpListener), CommError> {
     let deadline = Instant::now() + cfg.timeout;
     let connects = async {
         let mut out = Vec::new();
@@ -39,16 +40,16 @@ pub(super) async fn build_mesh(
         }
         Ok::<_, CommError>(out)
     };
-    let accepts = accept_higher(cfg, rank, session, peers.len(), listener, deadline);
+    let accepts = accept_higher(cfg, rank, session, peers.len(), &listener, deadline);
     let (out, mut got) = tokio::try_join!(connects, accepts)?;
     for (j, s) in out {
         got[j] = Some(s);
     }
-    Ok(got)
+    Ok((got, listener))
 }
 
 /// Where rank `j` listens: its advertised `addr`, resolved if it is a host name.
-async fn peer_address(j: usize, addr: &str) -> Result<SocketAddr, CommError> {
+pub(super) async fn peer_address(j: usize, addr: &str) -> Result<SocketAddr, CommError> {
     if let Ok(a) = addr.parse() {
         return Ok(a);
     }
@@ -133,7 +134,7 @@ async fn accept_higher(
     rank: usize,
     session: u64,
     n: usize,
-    listener: TcpListener,
+    listener: &TcpListener,
     deadline: Instant,
 ) -> Result<Vec<Option<TcpStream>>, CommError> {
     let mut got: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
@@ -256,7 +257,7 @@ mod tests {
             let deadline = Instant::now() + Duration::from_secs(5);
             let acceptor_cfg = cfg(Some("job-secret"));
             let accept = tokio::spawn(async move {
-                accept_higher(&acceptor_cfg, 1, 42, 3, listener, deadline).await
+                accept_higher(&acceptor_cfg, 1, 42, 3, &listener, deadline).await
             });
             let peer = PeerName::ranked(1, addr.clone());
             let target: SocketAddr = addr.parse().expect("addr");
@@ -315,7 +316,7 @@ mod tests {
             let deadline = Instant::now() + Duration::from_millis(1500);
             let acceptor_cfg = cfg(Some("job-secret"));
             let accept = tokio::spawn(async move {
-                accept_higher(&acceptor_cfg, 1, 42, 3, listener, deadline).await
+                accept_higher(&acceptor_cfg, 1, 42, 3, &listener, deadline).await
             });
             let stranger = connect_lower(&cfg(Some("guess")), 2, 42, 1, &addr, deadline).await;
             assert!(stranger.is_err());

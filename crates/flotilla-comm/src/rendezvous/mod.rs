@@ -43,11 +43,19 @@ use crate::net;
 use crate::wire::Ctrl;
 
 /// Result of a successful rendezvous: this process's rank and one stream per peer rank
-/// (and rank 0's rendezvous listener, kept open when the job lets lost ranks rejoin).
+/// (and what lets lost ranks back in, when the job accepts rejoins).
 pub(crate) struct Mesh {
     pub rank: usize,
     pub streams: Vec<Option<TcpStream>>,
-    pub listener: Option<TcpListener>,
+    pub rejoins: Option<Rejoins>,
+}
+
+/// What a rank that takes lost ranks back keeps from the rendezvous: its listener (rank 0's
+/// rendezvous port, another rank's mesh listener), the session and the peer table.
+pub(crate) struct Rejoins {
+    pub listener: TcpListener,
+    pub session: u64,
+    pub peers: Vec<String>,
 }
 
 /// Runs the rendezvous for `cfg`. `listener` optionally replaces rank 0's own bind.

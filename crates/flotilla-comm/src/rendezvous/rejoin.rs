@@ -1,93 +1,138 @@
 //! Rejoining a running job: a process that replaces a lost rank (a restarted worker of an
-//! asynchronous parameter server) takes that rank's place on its link to rank 0.
+//! asynchronous parameter server) takes that rank's place on its links to rank 0 and to its
+//! servers.
 //!
-//! - Rank 0 of a job that accepts rejoins ([`crate::config::Rejoin::Accept`]) keeps its
-//!   rendezvous port open for the whole run ([`serve`]). Every connection to it goes through
-//!   the same checks as a join (authentication with a secret first, then protocol, world
-//!   size, rank, config hash) and one more: the rank's connection must be lost. A stranger,
-//!   a wrong config or a rank that is still connected is refused and logged; the job never
-//!   notices.
-//! - The replacement ([`join`], [`crate::config::Rejoin::Join`]) connects to rank 0 only,
-//!   sends `Rejoin { rank, .. }` and gets `Rejoined`; the connection becomes rank 0's link to
-//!   that rank. It carries point-to-point messages only: the replacement missed the
-//!   collectives issued before it came, so collectives refuse the link on both sides.
+//! - A rank that accepts rejoins ([`crate::config::Rejoin::Accept`]) keeps a port open for
+//!   the whole run ([`serve`]): rank 0 its rendezvous port, another rank its mesh listener.
+//!   Every connection to it goes through the same checks as a join (authentication with a
+//!   secret first — for rendezvous at rank 0, for the mesh session elsewhere — then
+//!   protocol, world size, rank, config hash) and one more: the rank's connection must be
+//!   lost. A stranger, a wrong config or a rank that is still connected is refused and
+//!   logged; the job never notices.
+//! - The replacement ([`join`], [`crate::config::Rejoin::Join`]) connects to rank 0, sends
+//!   `Rejoin { rank, .. }` and gets `Rejoined { session, peers }`; then it does the same at
+//!   each of [`crate::CommConfig::rejoin_links`] (its servers), at the address of the peer
+//!   table. Each connection becomes that rank's link to the replacement. The links carry
+//!   point-to-point messages only: the replacement missed the collectives issued before it
+//!   came, so collectives refuse them on both sides.
 
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-use tokio::net::TcpListener;
-use tokio::time::Instant;
+use tokio::net::TcpStream;
+use tokio::time::{Instant, timeout_at};
 
 use super::master::check_join;
-use super::{Mesh, authn, client, recv_ctrl, reject, send_ctrl};
+use super::mesh::peer_address;
+use super::{Mesh, Rejoins, authn, client, recv_ctrl, reject, send_ctrl};
 use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::conn::{Conn, ConnOpts};
 use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame;
+use crate::net;
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 use crate::world::World;
 
 const OP: &str = "rejoin";
 
-/// The replacement's side: connect to rank 0, authenticate, ask for the rank's place.
+/// The replacement's side: rank 0 first (for the session and the peer table), then every
+/// link of [`CommConfig::rejoin_links`].
 pub(super) async fn join(cfg: &CommConfig) -> Result<Mesh, CommError> {
     let Some(rank) = cfg.rank.filter(|&r| r > 0) else {
         return Err(CommError::Config(
             "a process that rejoins a running job needs its rank (RANK, not 0)".into(),
         ));
     };
-    let (mut master, _) = client::connect_master(cfg).await?;
+    let (master, _) = client::connect_master(cfg).await?;
+    let deadline = Instant::now() + cfg.timeout;
+    let (master, session, peers) = ask(cfg, master, 0, Purpose::Rendezvous, deadline).await?;
+    let mut streams: Vec<_> = (0..cfg.world_size).map(|_| None).collect();
+    streams[0] = Some(master);
+    for &j in cfg.rejoin_links.iter().filter(|&&j| j != 0 && j != rank) {
+        let addr = peers.get(j).ok_or_else(|| CommError::BadFrame {
+            peer: PeerName::ranked(0, String::new()),
+            detail: format!("the peer table has no rank {j}"),
+        })?;
+        let target = peer_address(j, addr).await?;
+        let stream = timeout_at(deadline, net::connect(target, cfg.socket_buffer_bytes))
+            .await
+            .map_err(|_| CommError::Timeout {
+                peer: j,
+                op: OP.into(),
+                after: cfg.timeout,
+            })?
+            .map_err(|e| CommError::PeerLost {
+                peer: j,
+                op: OP.into(),
+                reason: e.to_string(),
+            })?;
+        let purpose = Purpose::Mesh {
+            session,
+            acceptor: j,
+        };
+        let (stream, _, _) = ask(cfg, stream, j, purpose, deadline).await?;
+        streams[j] = Some(stream);
+    }
+    tracing::info!(rank, links = ?cfg.rejoin_links, "rejoined the running job (point-to-point only)");
+    Ok(Mesh {
+        rank,
+        streams,
+        rejoins: None,
+    })
+}
+
+/// Authenticates to rank `j` on `stream` and asks for the lost rank's place; `j`'s answer's
+/// session and peer table (rank 0's; empty from others).
+async fn ask(
+    cfg: &CommConfig,
+    mut stream: TcpStream,
+    j: usize,
+    purpose: Purpose,
+    deadline: Instant,
+) -> Result<(TcpStream, u64, Vec<String>), CommError> {
+    let rank = cfg.rank.unwrap_or_default();
     let peer = PeerName::ranked(
-        0,
-        master
+        j,
+        stream
             .peer_addr()
             .map(|a| a.to_string())
-            .unwrap_or_else(|_| format!("{}:{}", cfg.master_addr, cfg.master_port)),
+            .unwrap_or_default(),
     );
-    let deadline = Instant::now() + cfg.timeout;
     if let Some(secret) = &cfg.secret {
-        authn::initiate(&mut master, secret, Purpose::Rendezvous, &peer, deadline).await?;
+        authn::initiate(&mut stream, secret, purpose, &peer, deadline).await?;
     }
-    let ask = Ctrl::Rejoin {
+    let req = Ctrl::Rejoin {
         protocol: RENDEZVOUS_PROTOCOL,
         rank,
         world_size: cfg.world_size,
         config_hash: cfg.config_hash,
     };
-    send_ctrl(&mut master, &ask)
+    send_ctrl(&mut stream, &req)
         .await
         .map_err(|e| CommError::PeerLost {
-            peer: 0,
+            peer: j,
             op: OP.into(),
             reason: frame::describe_io(&e),
         })?;
-    match recv_ctrl(&mut master, deadline, cfg, &peer, OP).await? {
-        Ctrl::Rejoined => {}
-        Ctrl::Reject(re) => return Err(re.into()),
-        other => {
-            return Err(CommError::BadFrame {
-                peer,
-                detail: format!("expected Rejoined, got {other:?}"),
-            });
-        }
+    match recv_ctrl(&mut stream, deadline, cfg, &peer, OP).await? {
+        Ctrl::Rejoined { session, peers } => Ok((stream, session, peers)),
+        Ctrl::Reject(re) => Err(re.into()),
+        other => Err(CommError::BadFrame {
+            peer,
+            detail: format!("expected Rejoined, got {other:?}"),
+        }),
     }
-    tracing::info!(
-        rank,
-        "rejoined the running job (point-to-point with rank 0 only)"
-    );
-    let mut streams: Vec<_> = (0..cfg.world_size).map(|_| None).collect();
-    streams[0] = Some(master);
-    Ok(Mesh {
-        rank,
-        streams,
-        listener: None,
-    })
 }
 
-/// Rank 0's side, for the whole run: admits replacements of lost ranks on `listener` into
-/// `world` (ends when the world is gone).
-pub(crate) async fn serve(listener: TcpListener, world: Weak<World>, opts: ConnOpts) {
+/// The accepting side, for the whole run: admits replacements of lost ranks on the kept
+/// listener into `world` (ends when the world is gone).
+pub(crate) async fn serve(rejoins: Rejoins, world: Weak<World>, opts: ConnOpts) {
+    let Rejoins {
+        listener,
+        session,
+        peers,
+    } = rejoins;
     loop {
         let (mut stream, addr) = match listener.accept().await {
             Ok(a) => a,
@@ -98,16 +143,23 @@ pub(crate) async fn serve(listener: TcpListener, world: Weak<World>, opts: ConnO
             }
         };
         let Some(w) = world.upgrade() else { return };
-        let cfg = w.cfg.clone();
+        let (cfg, me) = (w.cfg.clone(), w.rank);
         drop(w);
-        let world = world.clone();
+        let (world, peers) = (world.clone(), peers.clone());
         tokio::spawn(async move {
             let _ = stream.set_nodelay(true);
             let peer = PeerName::unranked(addr.to_string());
             let deadline = Instant::now() + cfg.timeout;
-            let secret = cfg.secret.as_ref();
+            let purpose = if me == 0 {
+                Purpose::Rendezvous
+            } else {
+                Purpose::Mesh {
+                    session,
+                    acceptor: me,
+                }
+            };
             let first =
-                authn::accept_first(&mut stream, secret, Purpose::Rendezvous, &peer, deadline)
+                authn::accept_first(&mut stream, cfg.secret.as_ref(), purpose, &peer, deadline)
                     .await;
             let rank = match admit(&cfg, &world, &peer, first) {
                 Ok(rank) => rank,
@@ -118,7 +170,12 @@ pub(crate) async fn serve(listener: TcpListener, world: Weak<World>, opts: ConnO
                 }
                 Err(None) => return,
             };
-            if send_ctrl(&mut stream, &Ctrl::Rejoined).await.is_err() {
+            // Only rank 0 hands out the table (the replacement's other links).
+            let peers = if me == 0 { peers } else { Vec::new() };
+            if send_ctrl(&mut stream, &Ctrl::Rejoined { session, peers })
+                .await
+                .is_err()
+            {
                 return;
             }
             let Some(w) = world.upgrade() else { return };

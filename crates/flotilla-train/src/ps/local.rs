@@ -295,6 +295,16 @@ impl ServerMachine for LocalServer {
         Ok(())
     }
 
+    fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
+        if self.sync || !self.children.contains(&peer) || !self.active.insert(peer) {
+            return Ok(());
+        }
+        cx.log(&format!(
+            "rank {peer} rejoined (a replaced worker); continuing with {} children",
+            self.active.len()
+        ))
+    }
+
     fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
         let silent: BTreeSet<usize> = if self.outstanding {
             [self.parent].into()
