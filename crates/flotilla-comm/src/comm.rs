@@ -36,9 +36,11 @@ use crate::error::CommError;
 use crate::frame::{Op, channel};
 use crate::group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag};
 use crate::mailbox::Taken;
+use crate::members::Members;
 use crate::op::OpCtx;
 use crate::rendezvous;
 use crate::ring;
+use crate::split;
 use crate::world::{GroupState, World};
 
 /// Owns the runtime; dropped with the last group handle of the process.
@@ -81,7 +83,7 @@ pub struct Communicator {
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
-            .field("rank", &self.g.me)
+            .field("rank", &self.g.me())
             .field("size", &self.g.members.len())
             .field("group", &format_args!("{:016x}", self.g.key))
             .finish()
@@ -204,7 +206,7 @@ impl Communicator {
     ) -> Communicator {
         let n = peers.len();
         let world = Arc::new(World::new(rank, cfg, peers, ep, rt.handle().clone()));
-        let g = GroupState::new(world.clone(), 0, (0..n).collect(), rank);
+        let g = GroupState::new(world.clone(), 0, Members::new((0..n).collect(), rank));
         Communicator {
             g,
             rt: Arc::new(RtOwner {
@@ -236,8 +238,7 @@ impl Communicator {
         let g = GroupState::new(
             self.g.world.clone(),
             derive_key(self.g.key, id),
-            members,
-            me,
+            Members::new(members, me),
         );
         Arc::new(Communicator {
             g,
@@ -259,7 +260,7 @@ fn derive_key(parent: u64, id: &[u8]) -> u64 {
 
 impl ProcessGroup for Communicator {
     fn rank(&self) -> usize {
-        self.g.me
+        self.g.me()
     }
 
     fn size(&self) -> usize {
@@ -267,11 +268,11 @@ impl ProcessGroup for Communicator {
     }
 
     fn world_rank(&self, rank: usize) -> usize {
-        self.g.members.get(rank).copied().unwrap_or(usize::MAX)
+        self.g.members.world_rank(rank)
     }
 
     fn group_rank(&self, world_rank: usize) -> Option<usize> {
-        self.g.members.iter().position(|&w| w == world_rank)
+        self.g.members.group_rank(world_rank)
     }
 
     fn timeout(&self) -> Duration {
@@ -459,37 +460,15 @@ impl ProcessGroup for Communicator {
         color: Option<u32>,
         key: i64,
     ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
-        let mut mine = Vec::with_capacity(13);
-        mine.push(u8::from(color.is_some()));
-        mine.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
-        mine.extend_from_slice(&key.to_le_bytes());
-        let all = self.all_gather_bytes(&mine)?;
-        let mut chosen: Vec<(i64, usize)> = Vec::new();
-        for (r, b) in all.iter().enumerate() {
-            let parsed = (b.len() == 13).then(|| {
-                let c = u32::from_le_bytes([b[1], b[2], b[3], b[4]]);
-                let mut k = [0u8; 8];
-                k.copy_from_slice(&b[5..13]);
-                ((b[0] == 1).then_some(c), i64::from_le_bytes(k))
-            });
-            let Some((c, k)) = parsed else {
-                return Err(CommError::Protocol {
-                    peer: self.world_rank(r),
-                    detail: format!("split: malformed (color, key) of {} bytes", b.len()),
-                });
-            };
-            if color.is_some() && c == color {
-                chosen.push((k, r));
-            }
-        }
+        let all = self.all_gather_bytes(&split::encode(color, key))?;
+        let plan = split::plan(&all, self.g.me(), |r| self.world_rank(r))?;
         // A split is collective on this group, so every member counts every split (in a
         // new group or not) and the n-th split has the same number everywhere.
         let n = self.next_derived(b"split");
         let Some(color) = color else {
             return Ok(None);
         };
-        chosen.sort();
-        let members = chosen.iter().map(|&(_, r)| self.world_rank(r)).collect();
+        let members = plan.members.iter().map(|&r| self.world_rank(r)).collect();
         let mut id = b"split".to_vec();
         id.extend_from_slice(&n.to_le_bytes());
         id.extend_from_slice(&color.to_le_bytes());
@@ -497,22 +476,7 @@ impl ProcessGroup for Communicator {
     }
 
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let mut members = Vec::with_capacity(ranks.len());
-        for &r in ranks {
-            let w = self.g.world_rank_checked(r)?;
-            if members.contains(&w) {
-                return Err(CommError::InvalidArgument(format!(
-                    "group: rank {r} listed twice in {ranks:?}"
-                )));
-            }
-            members.push(w);
-        }
-        if !members.contains(&self.g.world.rank) {
-            return Err(CommError::InvalidArgument(format!(
-                "group: this process (rank {}) is not in {ranks:?}",
-                self.g.me
-            )));
-        }
+        let members = self.g.members.subgroup(ranks)?;
         let mut id = b"group".to_vec();
         for w in &members {
             id.extend_from_slice(&(*w as u64).to_le_bytes());

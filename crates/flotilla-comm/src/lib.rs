@@ -51,6 +51,7 @@ pub mod frame;
 pub mod fuzzing;
 pub mod group;
 mod mailbox;
+mod members;
 mod net;
 mod op;
 mod reduce;
@@ -58,6 +59,7 @@ mod rendezvous;
 mod ring;
 pub mod scheduler;
 mod secret;
+pub mod split;
 pub mod stall;
 mod wire;
 mod world;
@@ -69,6 +71,8 @@ pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{
     Activity, CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags,
 };
+pub use mailbox::{Mailbox, Taken};
+pub use members::Members;
 pub use scheduler::{Collective, Output, Scheduler};
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};

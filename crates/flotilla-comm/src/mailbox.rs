@@ -1,6 +1,7 @@
-//! The tagged point-to-point mailbox of one process.
+//! The tagged point-to-point mailbox of one process, shared by every [`crate::ProcessGroup`]
+//! implementation (the TCP transport here, the MPI backend's groups).
 //!
-//! Point-to-point frames from every peer land here, kept per (process group, sender, tag) in
+//! Point-to-point messages from every peer land here, kept per (group key, sender, tag) in
 //! arrival order until somebody asks for them. Tags never mix: a receiver waiting for tag 7
 //! leaves tag 8 queued. [`Mailbox::take`] waits on one or several senders at once with one
 //! deadline ("whichever peer speaks first"); a sender whose connection is gone is reported
@@ -27,16 +28,18 @@ struct State {
 
 /// What [`Mailbox::take`] found.
 #[derive(Debug)]
-pub(crate) enum Taken {
+pub enum Taken {
     /// A message from the sender at this index of the `from` list.
     Message(usize, Vec<u8>),
-    /// A sender is gone and has nothing queued (the error names it).
+    /// A sender is gone (or broke the protocol) and has nothing queued (the error names it).
     Lost(CommError),
 }
 
-/// Received point-to-point messages, by group, sender and tag.
+/// Received point-to-point messages, by group, sender and tag. Senders are named by
+/// whatever rank space the owner uses (the TCP transport: world ranks; an MPI group: its
+/// group ranks), group keys likewise (0 when the mailbox serves one group).
 #[derive(Default)]
-pub(crate) struct Mailbox {
+pub struct Mailbox {
     state: Mutex<State>,
     changed: Condvar,
 }
@@ -47,8 +50,8 @@ impl Mailbox {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Queues a message from `from` (world rank).
-    pub(crate) fn deliver(&self, group: u64, from: usize, tag: u32, msg: Vec<u8>) {
+    /// Queues a message from `from`.
+    pub fn deliver(&self, group: u64, from: usize, tag: u32, msg: Vec<u8>) {
         let mut s = self.lock();
         s.arrivals += 1;
         let n = s.arrivals;
@@ -60,28 +63,23 @@ impl Mailbox {
         self.changed.notify_all();
     }
 
-    /// Records that nothing more will come from `from`.
-    pub(crate) fn peer_lost(&self, from: usize, why: CommError) {
+    /// Records that nothing more will come from `from` (its connection ended, or it broke
+    /// the protocol): receivers get `why` once its queued messages are taken. The first
+    /// reason is kept.
+    pub fn peer_lost(&self, from: usize, why: CommError) {
         self.lock().lost.entry(from).or_insert(why);
         self.changed.notify_all();
     }
 
     /// Forgets that `from` was lost: a new connection to it (a rejoined rank) delivers again.
-    pub(crate) fn peer_back(&self, from: usize) {
+    pub fn peer_back(&self, from: usize) {
         self.lock().lost.remove(&from);
         self.changed.notify_all();
     }
 
-    /// Takes the earliest-arrived message with `tag` in `group` from any of `from` (world
-    /// ranks), or reports a sender that is gone, waiting until `deadline`. `None` when the
+    /// Takes the earliest-arrived message with `tag` in `group` from any of `from`, or reports a sender that is gone, waiting until `deadline`. `None` when the
     /// deadline passed with nothing to report.
-    pub(crate) fn take(
-        &self,
-        group: u64,
-        from: &[usize],
-        tag: u32,
-        deadline: Instant,
-    ) -> Option<Taken> {
+    pub fn take(&self, group: u64, from: &[usize], tag: u32, deadline: Instant) -> Option<Taken> {
         let mut s = self.lock();
         loop {
             let earliest = from

@@ -24,7 +24,7 @@ impl<'a> OpCtx<'a> {
     }
 
     pub(crate) fn rank(&self) -> usize {
-        self.g.me
+        self.g.me()
     }
 
     pub(crate) fn size(&self) -> usize {
@@ -37,7 +37,7 @@ impl<'a> OpCtx<'a> {
 
     /// The world rank of group rank `peer` (what errors name).
     pub(crate) fn world_rank(&self, peer: usize) -> usize {
-        self.g.members.get(peer).copied().unwrap_or(usize::MAX)
+        self.g.members.world_rank(peer)
     }
 
     pub(crate) fn describe(&self) -> String {

@@ -13,6 +13,7 @@ use crate::config::CommConfig;
 use crate::conn::{Conn, Endpoint};
 use crate::error::CommError;
 use crate::frame::{Op, channel};
+use crate::members::Members;
 use crate::wire::Ctrl;
 
 /// What every group of one process shares: connections, mailbox, failure state.
@@ -35,10 +36,8 @@ pub(crate) struct GroupState {
     pub(crate) world: Arc<World>,
     /// Key carried by every frame of this group (0: the world).
     pub(crate) key: u64,
-    /// World rank of each group rank.
-    pub(crate) members: Vec<usize>,
-    /// This process's group rank.
-    pub(crate) me: usize,
+    /// The world rank of each group rank, and this process's group rank.
+    pub(crate) members: Members,
     next_ticket: AtomicU64,
     turn: watch::Sender<u64>,
     /// How many sub-groups of each kind were derived from this group (to key them).
@@ -152,12 +151,11 @@ impl World {
 
 impl GroupState {
     /// The state of a group of `members` (world ranks) with key `key`.
-    pub(crate) fn new(world: Arc<World>, key: u64, members: Vec<usize>, me: usize) -> Arc<Self> {
+    pub(crate) fn new(world: Arc<World>, key: u64, members: Members) -> Arc<Self> {
         Arc::new(Self {
             world,
             key,
             members,
-            me,
             next_ticket: AtomicU64::new(0),
             turn: watch::channel(0).0,
             derived: Mutex::new(HashMap::new()),
@@ -185,12 +183,12 @@ impl GroupState {
 
     /// The world rank of group rank `rank`, or an error for a rank out of range.
     pub(crate) fn world_rank_checked(&self, rank: usize) -> Result<usize, CommError> {
-        self.members.get(rank).copied().ok_or_else(|| {
-            CommError::InvalidArgument(format!(
-                "rank {rank} is out of range for a group of {}",
-                self.members.len()
-            ))
-        })
+        self.members.world_rank_checked(rank, "peer")
+    }
+
+    /// This process's group rank.
+    pub(crate) fn me(&self) -> usize {
+        self.members.me()
     }
 
     /// Waits until it is `ticket`'s turn; fails fast if the communicator is poisoned.

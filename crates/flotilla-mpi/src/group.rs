@@ -5,15 +5,14 @@ use std::time::{Duration, Instant};
 
 use flotilla_comm::{
     Activity, CommError, CommStats, PeerName, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, Tag,
+    RendezvousError, Tag, Taken, split,
 };
 
-use crate::mailbox::Taken;
 use crate::ops::{Op, Out};
 use crate::raw::MpiComm;
 use crate::runtime::{Runtime, runtime};
 use crate::state::GroupState;
-use crate::{split, wire, worker};
+use crate::{wire, worker};
 
 /// How to start the world group.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,7 +74,7 @@ pub struct MpiGroup {
 impl std::fmt::Debug for MpiGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MpiGroup")
-            .field("rank", &self.g.me)
+            .field("rank", &self.g.members.me())
             .field("size", &self.g.members.len())
             .finish()
     }
@@ -119,7 +118,8 @@ impl MpiGroup {
                 members.len()
             )));
         }
-        let g = Arc::new(GroupState::new(rt, comm, members, me, timeout));
+        let members = flotilla_comm::Members::new(members, me);
+        let g = Arc::new(GroupState::new(rt, comm, members, timeout));
         let (tx, rx) = std::sync::mpsc::channel();
         g.attach(tx);
         worker::spawn(g.clone(), rx)?;
@@ -166,12 +166,7 @@ impl MpiGroup {
     }
 
     fn checked(&self, rank: usize, what: &str) -> Result<usize, CommError> {
-        self.g.members.get(rank).copied().ok_or_else(|| {
-            CommError::InvalidArgument(format!(
-                "{what}: rank {rank} is out of range for a group of {}",
-                self.g.members.len()
-            ))
-        })
+        self.g.members.world_rank_checked(rank, what)
     }
 }
 
@@ -189,7 +184,7 @@ fn same_len<T: Copy>(dst: &mut [T], src: Vec<T>, what: &str) -> Result<(), CommE
 
 impl ProcessGroup for MpiGroup {
     fn rank(&self) -> usize {
-        self.g.me
+        self.g.members.me()
     }
 
     fn size(&self) -> usize {
@@ -197,11 +192,11 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn world_rank(&self, rank: usize) -> usize {
-        self.g.members.get(rank).copied().unwrap_or(usize::MAX)
+        self.g.members.world_rank(rank)
     }
 
     fn group_rank(&self, world_rank: usize) -> Option<usize> {
-        self.g.members.iter().position(|&w| w == world_rank)
+        self.g.members.group_rank(world_rank)
     }
 
     fn timeout(&self) -> Duration {
@@ -253,8 +248,8 @@ impl ProcessGroup for MpiGroup {
 
     fn send(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError> {
         self.checked(peer, "send")?;
-        if peer == self.g.me {
-            self.g.mailbox.deliver(peer, tag, msg.to_vec());
+        if peer == self.g.members.me() {
+            self.g.mailbox.deliver(0, peer, tag, msg.to_vec());
             return Ok(());
         }
         let wire = wire::encode(tag, msg);
@@ -274,9 +269,9 @@ impl ProcessGroup for MpiGroup {
             .iter()
             .map(|&p| self.checked(p, "recv_any"))
             .collect::<Result<_, _>>()?;
-        match self.g.mailbox.take(peers, tag, deadline) {
+        match self.g.mailbox.take(0, peers, tag, deadline) {
             Some(Taken::Message(i, m)) => Ok((peers[i], m)),
-            Some(Taken::Failed(e)) => Err(e),
+            Some(Taken::Lost(e)) => Err(e),
             None => Err(CommError::Deadline {
                 waiting_for: world,
                 op: format!("receive (tag {tag})"),
@@ -291,7 +286,7 @@ impl ProcessGroup for MpiGroup {
         key: i64,
     ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
         let all = self.all_gather_bytes(&split::encode(color, key))?;
-        let plan = split::plan(&all, self.g.me, |r| self.world_rank(r))?;
+        let plan = split::plan(&all, self.g.members.me(), |r| self.world_rank(r))?;
         let (c, k) = match plan.mpi {
             Some((c, k)) => (Some(c), k),
             None => (None, 0),
@@ -303,22 +298,7 @@ impl ProcessGroup for MpiGroup {
     }
 
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError> {
-        let mut world = Vec::with_capacity(ranks.len());
-        for &r in ranks {
-            let w = self.checked(r, "group")?;
-            if world.contains(&w) {
-                return Err(CommError::InvalidArgument(format!(
-                    "group: rank {r} listed twice in {ranks:?}"
-                )));
-            }
-            world.push(w);
-        }
-        if !ranks.contains(&self.g.me) {
-            return Err(CommError::InvalidArgument(format!(
-                "group: this process (rank {}) is not in {ranks:?}",
-                self.g.me
-            )));
-        }
+        self.g.members.subgroup(ranks)?;
         // The n-th group of these members gets its own MPI tag (as the TCP backend's key).
         let n = {
             let mut d = self.g.derived.lock().unwrap_or_else(|p| p.into_inner());

@@ -9,7 +9,7 @@
 //!   all-reduces, and groups (the async all-reduce's cycle, the stall inspector) run
 //!   side by side.
 //! * Point-to-point messages: one MPI tag, the Flotilla tag in a trailer (module `wire`); a
-//!   progress thread drains them into a mailbox per group, by (sender, tag) (module `mailbox`),
+//!   progress thread drains them into a mailbox per group, by (sender, tag) (`flotilla_comm::Mailbox`),
 //!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
 //! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
 //!
@@ -22,12 +22,10 @@
 
 pub mod bench;
 mod group;
-mod mailbox;
 mod ops;
 mod raw;
 mod runtime;
 mod serve;
-mod split;
 mod state;
 mod stats;
 mod wire;

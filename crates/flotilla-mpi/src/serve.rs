@@ -16,11 +16,11 @@ impl Served for GroupState {
             g.rt.stats.add_received(buf.len() as u64);
             let len = buf.len();
             match wire::decode(buf) {
-                Some((tag, msg)) => g.mailbox.deliver(from, tag, msg),
-                None => g.mailbox.fail(
+                Some((tag, msg)) => g.mailbox.deliver(0, from, tag, msg),
+                None => g.mailbox.peer_lost(
                     from,
                     CommError::Protocol {
-                        peer: g.members.get(from).copied().unwrap_or(from),
+                        peer: g.members.world_ranks().get(from).copied().unwrap_or(from),
                         detail: format!(
                             "a point-to-point message of {len} bytes, shorter than its {}-byte tag",
                             wire::TRAILER

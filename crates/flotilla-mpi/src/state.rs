@@ -8,9 +8,8 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{Activity, CommError, Pending};
+use flotilla_comm::{Activity, CommError, Members, Pending};
 
-use crate::mailbox::Mailbox;
 use crate::ops::{Op, Out};
 use crate::raw::MpiComm;
 use crate::runtime::Runtime;
@@ -62,13 +61,12 @@ struct Queue {
 pub(crate) struct GroupState {
     pub(crate) rt: &'static Runtime,
     pub(crate) comm: MpiComm,
-    /// World rank of each group rank.
-    pub(crate) members: Vec<usize>,
-    /// This process's group rank.
-    pub(crate) me: usize,
+    /// The world rank of each group rank, and this process's group rank.
+    pub(crate) members: Members,
     /// Deadline of a whole collective.
     pub(crate) timeout: Duration,
-    pub(crate) mailbox: Mailbox,
+    /// Point-to-point messages by sender (group rank) and tag, under group key 0.
+    pub(crate) mailbox: flotilla_comm::Mailbox,
     queue: Mutex<Queue>,
     /// How many groups of each member list were created from this group.
     pub(crate) derived: Mutex<HashMap<Vec<usize>, u64>>,
@@ -79,17 +77,15 @@ impl GroupState {
     pub(crate) fn new(
         rt: &'static Runtime,
         comm: MpiComm,
-        members: Vec<usize>,
-        me: usize,
+        members: Members,
         timeout: Duration,
     ) -> Self {
         Self {
             rt,
             comm,
             members,
-            me,
             timeout,
-            mailbox: Mailbox::default(),
+            mailbox: flotilla_comm::Mailbox::default(),
             queue: Mutex::new(Queue::default()),
             derived: Mutex::new(HashMap::new()),
         }
@@ -177,7 +173,7 @@ impl GroupState {
                 continue;
             }
             let e = CommError::Deadline {
-                waiting_for: self.others(),
+                waiting_for: self.members.others(),
                 op: format!(
                     "{} #{seq} of a group of {} (a blocking MPI collective: MPI does not tell which rank is late)",
                     open.name,
@@ -190,15 +186,5 @@ impl GroupState {
                 self.rt.poison(&e);
             }
         }
-    }
-
-    /// The world ranks of the other members.
-    pub(crate) fn others(&self) -> Vec<usize> {
-        let me = self.members.get(self.me).copied();
-        self.members
-            .iter()
-            .copied()
-            .filter(|&w| Some(w) != me)
-            .collect()
     }
 }

@@ -1,16 +1,16 @@
-//! `split(color, key)` on MPI: Flotilla's colors are `u32` and its keys `i64`, while
-//! `MPI_Comm_split` takes `int`s. Every member all-gathers its (color, key); each then
-//! derives the same small MPI color (the index of its color among the colors present) and
-//! MPI key (its place in its new group, ordered by `(key, rank)`), and the member list of
-//! its new group. Pure: no MPI here.
+//! [`crate::ProcessGroup::split`], shared by every implementation: every member
+//! all-gathers its (color, key) ([`encode`]); each then derives ([`plan`]) the member list
+//! of its new group (ordered by `(key, rank)`) and the same small color (the index of its
+//! color among the colors present) and key (its place in the new group), which is what
+//! `MPI_Comm_split`, taking `int`s, needs. Pure: no communication here.
 
-use flotilla_comm::CommError;
+use crate::error::CommError;
 
 /// Bytes of one member's encoded (color, key).
 const LEN: usize = 13;
 
 /// One member's choice, as all-gathered.
-pub(crate) fn encode(color: Option<u32>, key: i64) -> Vec<u8> {
+pub fn encode(color: Option<u32>, key: i64) -> Vec<u8> {
     let mut out = Vec::with_capacity(LEN);
     out.push(u8::from(color.is_some()));
     out.extend_from_slice(&color.unwrap_or(0).to_le_bytes());
@@ -28,17 +28,18 @@ fn decode(b: &[u8]) -> Option<(Option<u32>, i64)> {
     Some(((b[0] == 1).then_some(c), i64::from_le_bytes(k)))
 }
 
-/// What this member passes to `MPI_Comm_split` and who its new group is.
+/// Who this member's new group is, and its small color and key (for `MPI_Comm_split`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct SplitPlan {
-    /// MPI color (`None`: `MPI_UNDEFINED`) and key.
-    pub(crate) mpi: Option<(i32, i32)>,
+pub struct SplitPlan {
+    /// The index of this member's color among the colors present, and its place in its new
+    /// group (`None`: it joins no group).
+    pub mpi: Option<(i32, i32)>,
     /// The new group's members as ranks of the parent group, in the new group's order.
-    pub(crate) members: Vec<usize>,
+    pub members: Vec<usize>,
 }
 
 /// The plan of member `me` from everybody's encoded choice (`world` names a rank in errors).
-pub(crate) fn plan(
+pub fn plan(
     all: &[Vec<u8>],
     me: usize,
     world: impl Fn(usize) -> usize,
