@@ -54,7 +54,7 @@ impl History {
     }
 }
 
-/// What each rank tells the others at the end of the run (see [`crate::trainer::run`]).
+/// What each rank tells rank 0 at the end of the run (see [`crate::gather`]).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct RankReport {
     /// The rank.

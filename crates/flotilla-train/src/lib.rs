@@ -14,6 +14,7 @@ pub mod divergence;
 pub mod error;
 pub mod eval;
 pub mod fault;
+pub mod gather;
 pub mod history;
 pub mod layers;
 pub mod observe;

@@ -485,12 +485,10 @@ impl Job<'_> {
         s
     }
 
-    /// Every rank's [`RankReport`], exchanged once at the end (the traffic of the exchange
-    /// itself is not counted). A failure is logged, not fatal: the run itself is done.
+    /// Every rank's [`RankReport`], sent to rank 0 once at the end (the traffic of the
+    /// exchange itself is not counted; other ranks get `None`). A missing report is logged,
+    /// not fatal: the run itself is done.
     fn gather_ranks(&self, s: &RunSummary, cx: &mut Cx<'_>) -> Option<Vec<RankReport>> {
-        if self.rejoined {
-            return None;
-        }
         let traffic = self.comm.stats();
         let mine = RankReport {
             rank: s.rank,
@@ -499,28 +497,15 @@ impl Job<'_> {
             bytes_received: traffic.bytes_received,
             figures: s.figures.clone(),
         };
-        let gathered = serde_json::to_vec(&mine)
-            .map_err(|e| e.to_string())
-            .and_then(|bytes| {
-                self.comm
-                    .all_gather_bytes(&bytes)
-                    .map_err(|e| e.to_string())
-            })
-            .and_then(|all| {
-                all.iter()
-                    .map(|b| serde_json::from_slice::<RankReport>(b).map_err(|e| e.to_string()))
-                    .collect::<std::result::Result<Vec<_>, _>>()
-            });
-        match gathered {
-            Ok(ranks) => Some(ranks),
-            Err(e) => {
-                // The log is the place for it; a failed write of it changes nothing here.
-                let _ = cx.log(&format!(
-                    "warning: the ranks' traffic was not gathered (summary without bytes moved): {e}"
-                ));
-                None
-            }
+        let timeout = std::time::Duration::from_secs_f64(self.config.comm.timeout_s);
+        let gathered = crate::gather::to_root(&**self.comm, mine, timeout)?;
+        for (rank, why) in &gathered.missing {
+            // The log is the place for it; a failed write of it changes nothing here.
+            let _ = cx.log(&format!(
+                "warning: no end-of-run report from rank {rank} (its traffic is not in the summary): {why}"
+            ));
         }
+        Some(gathered.reports)
     }
 
     fn bare_summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
