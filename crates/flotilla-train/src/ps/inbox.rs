@@ -19,7 +19,8 @@ pub enum Event {
     Malformed(usize, TrainError),
     /// The link to the peer is gone (the peer died or closed it).
     Lost(usize, CommError),
-    /// A lost peer is back: a replacement took its place ([`ProcessGroup::rejoins`]).
+    /// A replacement took the peer's place ([`ProcessGroup::rejoins`]); its loss may not
+    /// have been seen first.
     Back(usize),
 }
 
@@ -29,8 +30,9 @@ pub struct Inbox {
     group: Arc<dyn ProcessGroup>,
     /// Peers not lost yet.
     live: Arc<Mutex<Vec<usize>>>,
-    /// Lost peers, with their rejoin count when they were lost.
-    lost: Arc<Mutex<Vec<(usize, u64)>>>,
+    /// Every peer with the rejoin count last seen: a count that grew means a replacement
+    /// took the peer's place (whether or not its loss was seen first).
+    seen: Arc<Mutex<Vec<(usize, u64)>>>,
 }
 
 impl Inbox {
@@ -39,18 +41,23 @@ impl Inbox {
         Self {
             group: group.clone(),
             live: Arc::new(Mutex::new(peers.to_vec())),
-            lost: Arc::new(Mutex::new(Vec::new())),
+            seen: Arc::new(Mutex::new(
+                peers.iter().map(|&p| (p, group.rejoins(p))).collect(),
+            )),
         }
     }
 
-    /// A lost peer that rejoined since, moved back to the live ones.
+    /// A peer replaced since it was last looked at (it rejoined), live again.
     fn came_back(&self) -> Option<usize> {
-        let mut lost = self.lost.lock().ok()?;
-        let i = lost
-            .iter()
-            .position(|&(p, at)| self.group.rejoins(p) > at)?;
-        let (peer, _) = lost.remove(i);
-        if let Ok(mut l) = self.live.lock() {
+        let mut seen = self.seen.lock().ok()?;
+        let (peer, count) = seen
+            .iter_mut()
+            .find(|(p, at)| self.group.rejoins(*p) > *at)?;
+        *count = self.group.rejoins(*peer);
+        let peer = *peer;
+        if let Ok(mut l) = self.live.lock()
+            && !l.contains(&peer)
+        {
             l.push(peer);
         }
         Some(peer)
@@ -80,9 +87,6 @@ impl Inbox {
                     .unwrap_or(live[0]);
                 if let Ok(mut l) = self.live.lock() {
                     l.retain(|&p| p != peer);
-                }
-                if let Ok(mut lost) = self.lost.lock() {
-                    lost.push((peer, self.group.rejoins(peer)));
                 }
                 Some(Event::Lost(peer, e))
             }

@@ -296,9 +296,10 @@ impl ServerMachine for LocalServer {
     }
 
     fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
-        if self.sync || !self.children.contains(&peer) || !self.active.insert(peer) {
+        if self.sync || !self.children.contains(&peer) {
             return Ok(());
         }
+        self.active.insert(peer);
         cx.log(&format!(
             "rank {peer} rejoined (a replaced worker); continuing with {} children",
             self.active.len()

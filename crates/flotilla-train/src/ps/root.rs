@@ -507,13 +507,10 @@ impl ServerMachine for RootServer {
     }
 
     fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
-        let Some(i) = self.lost.iter().position(|&p| p == peer) else {
-            return Ok(());
-        };
         if self.sync || !self.children.contains(&peer) {
             return Ok(());
         }
-        self.lost.remove(i);
+        self.lost.retain(|&p| p != peer);
         self.active.insert(peer);
         self.rejoined += 1;
         cx.log(&format!(
