@@ -22,6 +22,10 @@ const STDERR_TAIL: usize = 20;
 /// How long the other ranks may keep reporting after the first failure is seen.
 const FAILURE_GRACE: Duration = Duration::from_millis(1500);
 
+/// How long tolerated ranks may keep running once every rank the job needs has finished,
+/// unless [`LocalJob::stop_stragglers_after`] says otherwise (the default `timeout_s`).
+const STRAGGLER_GRACE: Duration = Duration::from_secs(60);
+
 /// Which stream a relayed line came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
@@ -71,6 +75,10 @@ pub fn interrupted() -> bool {
     INTERRUPTED.load(Ordering::SeqCst)
 }
 
+/// What [`LocalJob::reap`] found: the first failed rank the job needs, and the tolerated
+/// ranks that failed with their exit status.
+type Reaped = (Option<usize>, Vec<(usize, ExitStatus)>);
+
 /// What stops ranks the launcher cannot reach by killing its own children (remote ones).
 pub type StopHook = Box<dyn FnMut() + Send>;
 
@@ -86,6 +94,7 @@ pub struct LocalJob {
     stderr_tails: Vec<VecDeque<String>>,
     blamed: Vec<Option<usize>>,
     tolerated: Vec<bool>,
+    straggler_grace: Duration,
     on_stop: Option<StopHook>,
 }
 
@@ -128,6 +137,7 @@ impl LocalJob {
             stderr_tails: vec![VecDeque::new(); n],
             blamed: vec![None; n],
             tolerated: vec![false; n],
+            straggler_grace: STRAGGLER_GRACE,
             on_stop,
         };
         for (rank, mut cmd) in commands.into_iter().enumerate() {
@@ -206,6 +216,13 @@ impl LocalJob {
         }
     }
 
+    /// Once every rank that is not tolerated has finished successfully, tolerated ranks still
+    /// running `grace` later are stuck (a stopped worker of an asynchronous server): they are
+    /// named and stopped, and the job ends as the ranks it needs did.
+    pub fn stop_stragglers_after(&mut self, grace: Duration) {
+        self.straggler_grace = grace;
+    }
+
     /// Kills every rank still running and reaps them all (first the stop hook, if some rank
     /// is still running).
     pub fn kill_all(&mut self) {
@@ -239,12 +256,12 @@ impl LocalJob {
         let mut status: Vec<Option<ExitStatus>> = vec![None; n];
         let mut first_failure: Option<usize> = None;
         let mut grace_until: Option<Instant> = None;
+        let mut stragglers_since: Option<Instant> = None;
         if self.respawn.is_none() {
             // Nothing more will start: the line channel ends with the last rank's output.
             self.tx = None;
         }
         loop {
-            let mut restart: Vec<(usize, ExitStatus)> = Vec::new();
             if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(20)) {
                 self.remember(&line);
                 on_line(&line);
@@ -253,27 +270,12 @@ impl LocalJob {
                     on_line(&line);
                 }
             }
-            for (i, (rank, child)) in self.children.iter_mut().enumerate() {
-                if status[i].is_some() {
-                    continue;
-                }
-                match child.try_wait() {
-                    Ok(Some(s)) => {
-                        status[i] = Some(s);
-                        if !s.success() && self.tolerated[i] {
-                            restart.push((i, s));
-                        } else if !s.success() && first_failure.is_none() {
-                            first_failure = Some(i);
-                            grace_until = Some(Instant::now() + FAILURE_GRACE);
-                        }
-                    }
-                    Ok(None) => {}
-                    Err(e) => {
-                        let rank = *rank;
-                        self.kill_all();
-                        return Err(e).with_context(|| format!("waiting for rank {rank}"));
-                    }
-                }
+            let (failed, restart) = self.reap(&mut status)?;
+            if first_failure.is_none()
+                && let Some(i) = failed.or_else(|| self.blames_a_needed_rank(&status))
+            {
+                first_failure = Some(i);
+                grace_until = Some(Instant::now() + FAILURE_GRACE);
             }
             for (i, how) in restart {
                 if first_failure.is_none() && self.try_respawn(i, how) {
@@ -297,6 +299,10 @@ impl LocalJob {
                 self.drain(on_line);
                 return Ok(());
             }
+            if first_failure.is_none() && self.stragglers_stopped(&status, &mut stragglers_since) {
+                self.drain(on_line);
+                return Ok(());
+            }
             if let Some(limit) = deadline
                 && started.elapsed() > limit
             {
@@ -311,6 +317,83 @@ impl LocalJob {
                 );
             }
         }
+    }
+
+    /// Records the ranks that exited since the last call; returns the first that failed and
+    /// is not tolerated, and the tolerated ones that failed (to start again, or to report as
+    /// absorbed: [`Self::try_respawn`]).
+    fn reap(&mut self, status: &mut [Option<ExitStatus>]) -> Result<Reaped> {
+        let mut failed = None;
+        let mut tolerated = Vec::new();
+        for (i, (rank, child)) in self.children.iter_mut().enumerate() {
+            if status[i].is_some() {
+                continue;
+            }
+            match child.try_wait() {
+                Ok(Some(s)) => {
+                    status[i] = Some(s);
+                    if !s.success() && self.tolerated[i] {
+                        tolerated.push((i, s));
+                    } else if !s.success() && failed.is_none() {
+                        failed = Some(i);
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    let rank = *rank;
+                    self.kill_all();
+                    return Err(e).with_context(|| format!("waiting for rank {rank}"));
+                }
+            }
+        }
+        Ok((failed, tolerated))
+    }
+
+    /// A tolerated rank that failed blaming a rank the job cannot go on without (one not
+    /// tolerated that has not finished successfully: a stuck or dead server) reports that
+    /// rank's failure, not a loss the job absorbs. Blame can arrive after the exit is seen,
+    /// so this is asked again at every turn.
+    fn blames_a_needed_rank(&self, status: &[Option<ExitStatus>]) -> Option<usize> {
+        (0..status.len()).find(|&i| {
+            self.tolerated[i]
+                && status[i].is_some_and(|s| !s.success())
+                && self.blamed[i].is_some_and(|b| {
+                    b != i
+                        && b < status.len()
+                        && !self.tolerated[b]
+                        && !status[b].is_some_and(|s| s.success())
+                })
+        })
+    }
+
+    /// Whether tolerated ranks were still running [`Self::straggler_grace`] after every
+    /// needed rank finished successfully; if so they are named and killed.
+    fn stragglers_stopped(
+        &mut self,
+        status: &[Option<ExitStatus>],
+        since: &mut Option<Instant>,
+    ) -> bool {
+        let needed_done = (0..status.len())
+            .filter(|&i| !self.tolerated[i])
+            .all(|i| status[i].is_some_and(|s| s.success()));
+        if !needed_done {
+            return false;
+        }
+        let since = since.get_or_insert_with(Instant::now);
+        if since.elapsed() < self.straggler_grace {
+            return false;
+        }
+        let running: Vec<String> = (0..status.len())
+            .filter(|&i| status[i].is_none())
+            .map(|i| i.to_string())
+            .collect();
+        eprintln!(
+            "[launcher] rank(s) {} still running {:?} after the job ended (stuck); stopped them",
+            running.join(", "),
+            self.straggler_grace
+        );
+        self.kill_all();
+        true
     }
 
     /// Builds the error of a failed job, starting from the first rank seen failing and
@@ -484,4 +567,63 @@ fn describe(status: ExitStatus) -> String {
         }
     }
     "abnormal exit".to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `sh -c script` as a rank.
+    fn sh(script: &str) -> Command {
+        let mut c = Command::new("sh");
+        c.args(["-c", script]);
+        c
+    }
+
+    fn supervise(job: &mut LocalJob) -> (Result<()>, Duration) {
+        let started = Instant::now();
+        let r = job.supervise(Some(Duration::from_secs(20)), &mut |_| {});
+        (r, started.elapsed())
+    }
+
+    /// A tolerated rank still running after every needed rank finished is stuck: named,
+    /// stopped, and the job ends as the needed ranks did.
+    #[test]
+    fn a_stuck_tolerated_rank_is_stopped_after_the_job_ended() {
+        let mut job = LocalJob::start([sh("sleep 0.2"), sh("sleep 30")], None).expect("start");
+        job.tolerate([1]);
+        job.stop_stragglers_after(Duration::from_millis(300));
+        let (r, took) = supervise(&mut job);
+        assert!(r.is_ok(), "{r:?}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A tolerated rank that fails blaming a needed rank (its stuck server) ends the job,
+    /// which names the server.
+    #[test]
+    fn a_tolerated_rank_blaming_its_stuck_server_ends_the_job() {
+        let failed = RankEvent::Failed { blamed: 0 }.line();
+        let worker = sh(&format!("echo '{failed}'; exit 1"));
+        let mut job = LocalJob::start([sh("sleep 30"), worker], None).expect("start");
+        job.tolerate([1]);
+        let (r, took) = supervise(&mut job);
+        let e = format!("{:#}", r.expect_err("the job fails"));
+        assert!(e.contains("rank 0 stopped responding"), "{e}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// A tolerated rank failing on its own (or blaming another tolerated rank) is absorbed.
+    #[test]
+    fn a_tolerated_rank_failing_on_its_own_is_absorbed() {
+        let failed = RankEvent::Failed { blamed: 2 }.line();
+        let ranks = [
+            sh("sleep 0.5"),
+            sh(&format!("echo '{failed}'; exit 1")),
+            sh("exit 1"),
+        ];
+        let mut job = LocalJob::start(ranks, None).expect("start");
+        job.tolerate([1, 2]);
+        let (r, _) = supervise(&mut job);
+        assert!(r.is_ok(), "{r:?}");
+    }
 }

@@ -125,6 +125,10 @@ fn launch_once(
         respawn.ranks = rejoinable;
         ranks.respawn_with(respawn);
     }
+    // A tolerated rank still running a deadline after the job ended is stuck, not busy.
+    if let Ok(grace) = std::time::Duration::try_from_secs_f64(job.config.comm.timeout_s) {
+        ranks.stop_stragglers_after(grace);
+    }
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
     *restarts += ranks.respawned();

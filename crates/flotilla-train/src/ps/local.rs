@@ -4,7 +4,8 @@
 //!   next round for everyone. Losing a child or the parent ends the run naming it.
 //! - Async: answers each child at once with the newest parameters it has, and pushes up the
 //!   mean of what it gathered whenever its previous push has been answered. A lost child is
-//!   logged and the others go on.
+//!   logged and the others go on; a parent that leaves a push unanswered past the deadline
+//!   ends the run naming it, even while the children keep pushing.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
@@ -38,8 +39,8 @@ pub struct LocalServer {
     /// Children that pulled before there was anything to give.
     early_pulls: Vec<usize>,
     acc: Accumulator,
-    /// A pull or push up is waiting for the parent's answer.
-    outstanding: bool,
+    /// A pull or push up is waiting for the parent's answer, since then.
+    outstanding: Option<Instant>,
     pushes_up: u64,
     round_started: Instant,
     stopped: Option<String>,
@@ -77,7 +78,7 @@ impl LocalServer {
             active,
             early_pulls: Vec::new(),
             acc: Accumulator::new(len, sync),
-            outstanding: false,
+            outstanding: None,
             pushes_up: 0,
             round_started: Instant::now(),
             stopped: None,
@@ -110,7 +111,7 @@ impl LocalServer {
                 values: mean.values,
             },
         )?;
-        self.outstanding = true;
+        self.outstanding = Some(Instant::now());
         self.pushes_up += 1;
         self.pushed = Some((loss, samples));
         Ok(())
@@ -118,7 +119,7 @@ impl LocalServer {
 
     /// New parameters from the parent.
     fn on_params(&mut self, cx: &mut PsContext<'_>, version: u64, values: Vec<f32>) -> Result<()> {
-        self.outstanding = false;
+        self.outstanding = None;
         let first = self.params.is_none();
         let p = Params { version, values };
         if self.sync || first {
@@ -173,7 +174,7 @@ impl LocalServer {
                     self.parent
                 ))?;
                 send(cx.comm, self.parent, &PsMessage::Pull)?;
-                self.outstanding = true;
+                self.outstanding = Some(Instant::now());
                 Ok(())
             }
             other => Err(TrainError::Protocol {
@@ -214,7 +215,7 @@ impl LocalServer {
         if let Some(p) = &self.params {
             send_bytes(cx.comm, child, &p.encoded())?;
         }
-        if !self.outstanding
+        if self.outstanding.is_none()
             && let Some(mean) = self.acc.take()
         {
             self.push_up(cx, current, mean)?;
@@ -238,13 +239,25 @@ impl ServerMachine for LocalServer {
             list(&self.active)
         ))?;
         send(cx.comm, self.parent, &PsMessage::Pull)?;
-        self.outstanding = true;
+        self.outstanding = Some(Instant::now());
         Ok(())
     }
 
     fn on_message(&mut self, cx: &mut PsContext<'_>, from: usize, msg: PsMessage) -> Result<()> {
         if from == self.parent {
             return self.on_parent(cx, msg);
+        }
+        // Children that keep talking must not hide a parent that stopped answering.
+        if let Some(since) = self.outstanding
+            && since.elapsed() > self.timeout
+        {
+            return Err(TrainError::Peer {
+                peer: self.parent,
+                message: format!(
+                    "local server: no answer from rank {} within {:?}",
+                    self.parent, self.timeout
+                ),
+            });
         }
         match msg {
             PsMessage::Pull => match &self.params {
@@ -307,7 +320,7 @@ impl ServerMachine for LocalServer {
     }
 
     fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
-        let silent: BTreeSet<usize> = if self.outstanding {
+        let silent: BTreeSet<usize> = if self.outstanding.is_some() {
             [self.parent].into()
         } else if self.sync {
             self.pending.clone()
