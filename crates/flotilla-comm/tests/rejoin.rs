@@ -66,10 +66,26 @@ fn a_lost_rank_rejoins_point_to_point_and_strangers_are_refused() {
         "{lost}"
     );
 
-    // A stranger's bytes on the rendezvous port change nothing.
-    let mut s = TcpStream::connect(("127.0.0.1", port)).expect("stranger connects");
-    let _ = s.write_all(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n");
-    drop(s);
+    // Strangers on the kept rendezvous port change nothing: an HTTP request, random bytes,
+    // a frame header announcing more than follows.
+    let mut truncated = vec![0xF1, 2, 0, 0, 0, 0, 0, 0];
+    truncated.extend_from_slice(&[0; 20]);
+    truncated.extend_from_slice(&1024u32.to_le_bytes());
+    truncated.extend_from_slice(&[0x5A; 100]);
+    let random: Vec<u8> = (0..4096u32)
+        .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    for bytes in [
+        &b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"[..],
+        &random,
+        &truncated,
+    ] {
+        let mut s = TcpStream::connect(("127.0.0.1", port)).expect("stranger connects");
+        let _ = s.write_all(bytes);
+        drop(s);
+    }
+    rank1.send(0, TAG, b"still here").expect("send");
+    assert_eq!(rank0.recv(1, TAG, soon()).expect("recv"), b"still here");
     // A process with another config, and a replacement of a rank still connected: refused.
     let e = rejoin(2, port, 43).expect_err("wrong config");
     assert!(
