@@ -58,7 +58,8 @@ pub(crate) async fn rendezvous(
     cfg: &CommConfig,
     listener: Option<std::net::TcpListener>,
 ) -> Result<Mesh, CommError> {
-    if cfg.secret.is_none() {
+    // With TLS, the certificates authenticate both ends of every connection.
+    if cfg.secret.is_none() && cfg.tls.is_none() {
         static UNAUTHENTICATED: Once = Once::new();
         UNAUTHENTICATED.call_once(|| {
             tracing::info!(
@@ -66,6 +67,7 @@ pub(crate) async fn rendezvous(
             );
         });
     }
+    secure::announce(cfg.tls.as_ref());
     match (cfg.rank, listener) {
         (Some(0), Some(l)) => {
             l.set_nonblocking(true)

@@ -50,6 +50,21 @@ pub(super) fn host_of(addr: &str) -> &str {
     host.trim_start_matches('[').trim_end_matches(']')
 }
 
+/// Says once per process whether connections are encrypted (with the files' paths).
+pub(super) fn announce(tls: Option<&TlsConfig>) {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    if let Some(tls) = tls {
+        ONCE.call_once(|| {
+            let f = tls.files();
+            tracing::info!(
+                "TLS on every connection (cluster CA {}, certificate {})",
+                f.ca.display(),
+                f.cert.display()
+            );
+        });
+    }
+}
+
 fn failed(peer: &PeerName, reason: impl Into<String>) -> CommError {
     RendezvousError::TlsFailed {
         peer: peer.clone(),
