@@ -56,8 +56,8 @@ pub struct CommConfig {
     pub config_hash: u64,
     /// The cluster secret: every connection (to rank 0 and in the mesh) starts with a mutual
     /// HMAC challenge-response proving that both ends hold it, before any other frame
-    /// (`None`: connections are not authenticated). The secret never goes on the wire; the
-    /// traffic after the handshake is not encrypted.
+    /// (`None`: connections are not authenticated by a secret). The secret never goes on the
+    /// wire; it does not encrypt the traffic after the handshake ([`CommConfig::tls`] does).
     pub secret: Option<Secret>,
     /// Mutual TLS of every connection (to rank 0 and in the mesh), set up right after the
     /// TCP connection and before the secret's handshake and any frame: both ends present a
