@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::CommError;
 use crate::secret::Secret;
+use crate::tls::{TlsConfig, TlsFiles};
 
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
@@ -55,9 +56,13 @@ pub struct CommConfig {
     pub config_hash: u64,
     /// The cluster secret: every connection (to rank 0 and in the mesh) starts with a mutual
     /// HMAC challenge-response proving that both ends hold it, before any other frame
-    /// (`None`: connections are not authenticated). The secret never goes on the wire; the
-    /// traffic after the handshake is not encrypted.
+    /// (`None`: connections are not authenticated by a secret). The secret never goes on the
+    /// wire; it does not encrypt the traffic after the handshake ([`CommConfig::tls`] does).
     pub secret: Option<Secret>,
+    /// Mutual TLS of every connection (to rank 0 and in the mesh), set up right after the
+    /// TCP connection and before the secret's handshake and any frame: both ends present a
+    /// certificate of the cluster CA (`None`: plain TCP).
+    pub tls: Option<TlsConfig>,
     /// Payload compression of data frames.
     pub compression: Compression,
     /// Element format of all-reduce traffic.
@@ -110,6 +115,7 @@ impl fmt::Debug for CommConfig {
             .field("join_timeout", &self.join_timeout)
             .field("config_hash", &format_args!("{:#018x}", self.config_hash))
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.tls)
             .field("compression", &self.compression)
             .field("wire_format", &self.wire_format)
             .field("max_frame_bytes", &self.max_frame_bytes)
@@ -135,6 +141,7 @@ impl Default for CommConfig {
             join_timeout: Duration::from_secs(300),
             config_hash: 0,
             secret: None,
+            tls: None,
             compression: Compression::None,
             wire_format: WireFormat::F32,
             max_frame_bytes: 64 << 20,
@@ -177,7 +184,9 @@ impl CommConfig {
     /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
     /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
     /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
-    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), `FLOTILLA_COMM_COMPRESSION`
+    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), TLS
+    /// ([`TlsFiles::from_env`]: `FLOTILLA_TLS_CA`, `FLOTILLA_TLS_CERT`, `FLOTILLA_TLS_KEY`),
+    /// `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
     /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
     pub fn from_env() -> Result<Self, CommError> {
@@ -197,6 +206,7 @@ impl CommConfig {
             cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
         }
         cfg.secret = Secret::from_env()?;
+        cfg.tls = TlsFiles::from_env()?.map(|f| f.load()).transpose()?;
         if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
             cfg.compression = match c.to_ascii_lowercase().as_str() {
                 "none" | "off" => Compression::None,
@@ -260,6 +270,12 @@ impl CommConfig {
     /// Sets the cluster secret.
     pub fn with_secret(mut self, secret: Option<Secret>) -> Self {
         self.secret = secret;
+        self
+    }
+
+    /// Sets (or, with `None`, removes) TLS.
+    pub fn with_tls(mut self, tls: Option<TlsConfig>) -> Self {
+        self.tls = tls;
         self
     }
 

@@ -1,4 +1,4 @@
-//! One established connection to a peer rank: an outbound half (a locked TCP writer, or an
+//! One established connection to a peer rank: an outbound half (a locked TCP or TLS writer, or an
 //! in-memory link straight into the peer's [`Inbound`]) and an inbound half that
 //! demultiplexes the peer's frames: collective frames into one queue per process group,
 //! point-to-point frames into the process's [`Mailbox`], abort notices into the shared
@@ -9,8 +9,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use tokio::io::AsyncReadExt;
-use tokio::net::TcpStream;
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinHandle;
 
@@ -19,6 +17,7 @@ use crate::config::Compression;
 use crate::error::{CommError, PeerName};
 use crate::frame::{self, FrameHeader, HEADER_LEN, Op, channel, flags};
 use crate::mailbox::Mailbox;
+use crate::stream::{ReadHalf, Stream, WriteHalf};
 use crate::wire::Ctrl;
 
 /// Traffic counters shared by all connections of a communicator.
@@ -198,7 +197,7 @@ impl Inbound {
 }
 
 struct Writer {
-    half: OwnedWriteHalf,
+    half: WriteHalf,
     /// Set while a frame is being written; still set if a write was cancelled half-way, in
     /// which case the stream is out of sync and must not be used again.
     in_progress: bool,
@@ -213,7 +212,7 @@ pub(crate) struct ConnOpts {
 
 /// How frames leave this process for the peer.
 enum Outbound {
-    /// A TCP stream.
+    /// A TCP stream (plain or TLS).
     Tcp {
         writer: Mutex<Writer>,
         compression: Compression,
@@ -256,9 +255,9 @@ fn sent_counter(rank: usize) -> metrics::Counter {
 }
 
 impl Conn {
-    /// Takes over an established stream to `rank` and starts its reader task (must be
-    /// called inside the communicator's runtime).
-    pub(crate) fn tcp(stream: TcpStream, rank: usize, opts: ConnOpts, ep: Arc<Endpoint>) -> Conn {
+    /// Takes over an established stream (plain TCP or TLS) to `rank` and starts its reader
+    /// task (must be called inside the communicator's runtime).
+    pub(crate) fn tcp(stream: Stream, rank: usize, opts: ConnOpts, ep: Arc<Endpoint>) -> Conn {
         let addr = stream
             .peer_addr()
             .map(|a| a.to_string())
@@ -396,6 +395,7 @@ impl Conn {
                 }
                 w.in_progress = true;
                 frame::write_raw(&mut w.half, &header.encode(), body).await?;
+                w.half.push().await?;
                 w.in_progress = false;
                 body.len()
             }
@@ -447,7 +447,7 @@ impl Conn {
 }
 
 async fn reader_loop(
-    mut rd: OwnedReadHalf,
+    mut rd: ReadHalf,
     name: PeerName,
     max_frame_bytes: usize,
     inbound: Arc<Inbound>,
@@ -490,7 +490,7 @@ mod tests {
     use super::*;
     use std::time::{Duration, Instant};
     use tokio::io::AsyncWriteExt;
-    use tokio::net::TcpListener;
+    use tokio::net::{TcpListener, TcpStream};
 
     use crate::mailbox::Taken;
 
@@ -522,8 +522,8 @@ mod tests {
     async fn demux_and_compression() {
         let (a, b) = pair().await;
         let (ea, eb) = (Arc::new(Endpoint::default()), Arc::new(Endpoint::default()));
-        let ca = Conn::tcp(a, 1, opts(), ea.clone());
-        let _cb = Conn::tcp(b, 0, opts(), eb.clone());
+        let ca = Conn::tcp(Stream::Plain(a), 1, opts(), ea.clone());
+        let _cb = Conn::tcp(Stream::Plain(b), 0, opts(), eb.clone());
         let big = vec![7u8; 100_000];
         ca.send(channel::P2P, Op::P2p, (0, 0, 1), b"p2p")
             .await
@@ -587,7 +587,7 @@ mod tests {
     #[tokio::test]
     async fn corrupt_frame_is_typed_error_naming_peer() {
         let (mut raw, b) = pair().await;
-        let cb = Conn::tcp(b, 4, opts(), Arc::default());
+        let cb = Conn::tcp(Stream::Plain(b), 4, opts(), Arc::default());
         let mut h = FrameHeader {
             channel: 1,
             flags: 0,
@@ -610,7 +610,7 @@ mod tests {
     #[tokio::test]
     async fn oversize_frame_is_typed_error() {
         let (mut raw, b) = pair().await;
-        let cb = Conn::tcp(b, 2, opts(), Arc::default());
+        let cb = Conn::tcp(Stream::Plain(b), 2, opts(), Arc::default());
         let h = FrameHeader {
             channel: 1,
             flags: 0,

@@ -102,6 +102,32 @@ pub enum RendezvousError {
         /// The peer that started the handshake.
         peer: PeerName,
     },
+    /// The TLS handshake with the peer failed: its certificate is not signed by this job's
+    /// CA or not valid for its address, it refused this side's certificate, or it does not
+    /// speak TLS.
+    #[error("TLS handshake with {peer} failed: {reason}")]
+    TlsFailed {
+        /// The other end of the connection.
+        peer: PeerName,
+        /// What failed.
+        reason: String,
+    },
+    /// The peer did not start TLS, but this job requires it on every connection.
+    #[error(
+        "{peer} did not start TLS, but this job requires TLS on every connection (set comm.tls or FLOTILLA_TLS_CA, FLOTILLA_TLS_CERT and FLOTILLA_TLS_KEY on every rank; see `flotilla certs`)"
+    )]
+    TlsRequired {
+        /// The peer that spoke plain text.
+        peer: PeerName,
+    },
+    /// The peer started TLS, but this process has no TLS configured.
+    #[error(
+        "{peer} speaks TLS, but this process has no TLS configured (set the same comm.tls or FLOTILLA_TLS_* settings on every rank)"
+    )]
+    TlsNotConfigured {
+        /// The peer that started a TLS handshake.
+        peer: PeerName,
+    },
     /// Two processes claimed the same rank.
     #[error("{peer} claims a rank already taken by {holder}")]
     DuplicateRank {
@@ -288,6 +314,9 @@ pub enum CommError {
     /// The rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
+    /// The TLS files could not be used (each error names the file).
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
     /// An earlier collective failed; the communicator cannot be used any more.
     #[error("communicator unusable after an earlier failure: {0}")]
     Poisoned(Box<CommError>),

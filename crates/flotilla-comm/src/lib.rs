@@ -9,8 +9,9 @@
 //!   sequence number and a maximum frame size.
 //! * Rendezvous (torchrun-style `RANK`/`WORLD_SIZE`/`MASTER_ADDR`/`MASTER_PORT`): rank 0
 //!   admits ranks, checks config hash and world size, distributes the address table;
-//!   ranks then build a full mesh. With a cluster [`Secret`], every connection first proves
-//!   both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
+//!   ranks then build a full mesh. With TLS ([`tls`]), every connection is first wrapped in
+//!   mutual TLS (certificates of the cluster CA); with a cluster [`Secret`], every connection
+//!   then proves both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
 //! * [`ProcessGroup`]: the interface strategies use — collectives (barrier, broadcast,
 //!   all-gather, the pipelined ring all-reduce and its non-blocking form for overlapping
 //!   gradient buckets with compute, integer and bit-set reductions), tagged point-to-point
@@ -61,6 +62,8 @@ pub mod scheduler;
 mod secret;
 pub mod split;
 pub mod stall;
+mod stream;
+pub mod tls;
 mod wire;
 mod world;
 
@@ -76,3 +79,4 @@ pub use members::Members;
 pub use scheduler::{Collective, Output, Scheduler};
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};
+pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

@@ -45,6 +45,10 @@ pub enum Command {
     /// Timelines: merge the ranks' files of a job started without `flotilla launch`.
     #[command(subcommand)]
     Trace(TraceCommand),
+    /// Make a cluster CA and a certificate per host for mutual TLS on every connection of a
+    /// job (`comm.tls`): DIR/ca.pem, DIR/ca.key, DIR/<host>.pem, DIR/<host>.key. An
+    /// existing CA in DIR signs the new hosts.
+    Certs(crate::certs_cmd::CertsArgs),
 }
 
 /// `flotilla trace ...`.

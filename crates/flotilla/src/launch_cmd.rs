@@ -92,8 +92,16 @@ fn launch_once(
     // A secret that cannot be read fails here, before any rank starts. Local ranks inherit
     // the environment (or read the same `comm.secret_file`); remote ones get a 0600 file.
     let authenticated = config.secret()?.is_some();
+    // So do TLS files (local ranks read the same ones; remote ones: `launch_tls`).
+    let tls = crate::launch_tls::check(&config)?;
     let mut job = prepare(config, &opts.run)?;
-    if first && !authenticated && job.n > 1 {
+    if let (true, Some(files)) = (first, &tls) {
+        println!(
+            "[launcher] TLS on every connection (mutual, cluster CA {})",
+            files.ca.display()
+        );
+    }
+    if first && !authenticated && tls.is_none() && job.n > 1 {
         println!(
             "[launcher] no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE / comm.secret_file): the job's connections are not authenticated"
         );

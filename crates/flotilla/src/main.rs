@@ -1,5 +1,5 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `compare` (one
-//! config in several strategies), `bench`, `config`.
+//! config in several strategies), `bench`, `config`, `certs` (TLS certificates).
 
 mod bench;
 mod bench_allreduce;
@@ -8,11 +8,13 @@ mod bench_mpi;
 mod bench_pipeline;
 mod bench_ps;
 mod capacity;
+mod certs_cmd;
 mod cli;
 mod compare;
 mod compare_report;
 mod launch;
 mod launch_cmd;
+mod launch_tls;
 mod plots;
 mod progress;
 mod remote;
@@ -41,6 +43,7 @@ fn main() -> ExitCode {
         Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
+        Command::Certs(args) => certs_cmd::run(&args),
     };
     let code = match &result {
         Ok(()) => ExitCode::SUCCESS,

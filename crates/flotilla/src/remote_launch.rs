@@ -19,6 +19,7 @@ use serde_json::json;
 
 use crate::cli::RemoteArgs;
 use crate::launch::{LocalJob, StopHook};
+use crate::launch_tls::RemoteTls;
 use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_SECRET, RemoteJob};
 
 /// The model spec file's name in the job directory, when `--sync` copied it.
@@ -51,7 +52,11 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
         (None, false) => local_exe.display().to_string(),
     };
     let mut job = RemoteJob::new(placement, &args.remote_dir, exe)?;
-    let (ranks_config, model_file) = ranks_config(config, args.sync)?;
+    let (mut ranks_config, model_file) = ranks_config(config, args.sync)?;
+    // TLS: each host's `flotilla certs` files copied into its job directory (0600), or the
+    // configured paths on the hosts.
+    let tls = RemoteTls::plan(config, &job.hosts())?;
+    ranks_config.comm.tls = tls.ranks_setting();
     let staging = tempfile::tempdir().context("creating a staging directory")?;
     let config_file = staging.path().join(REMOTE_CONFIG);
     std::fs::write(&config_file, serde_norway::to_string(&ranks_config)?)
@@ -78,6 +83,7 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
         if job.secret {
             remote::copy_file(target, &secret_file, &job.dir, REMOTE_SECRET, "600")?;
         }
+        tls.copy_to(target, &job.dir)?;
         if args.sync {
             remote::copy_file(target, &local_exe, &job.dir, REMOTE_EXE, "700")?;
             if let Some(model) = &model_file {

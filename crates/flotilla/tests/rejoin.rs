@@ -71,11 +71,25 @@ fn killed_twice_rejoins(
     server: usize,
     kills: [u64; 2],
     min_acc: f64,
+    secure: bool,
 ) {
     let dir = tmp();
     let cfg = config(dir.path(), "job", yaml, rounds);
     let out = dir.path().join("out");
     let mut c = flotilla();
+    if secure {
+        // Every connection, the replacement's included, in TLS and authenticated.
+        let certs = dir.path().join("certs");
+        let mut make = flotilla();
+        make.args(["certs", "--hosts", "127.0.0.1", "--out"])
+            .arg(&certs);
+        let o = run_with_deadline(make, Duration::from_secs(30));
+        assert!(o.status.success(), "{}", text(&o));
+        c.env("FLOTILLA_TLS_CA", certs.join("ca.pem"))
+            .env("FLOTILLA_TLS_CERT", certs.join("127.0.0.1.pem"))
+            .env("FLOTILLA_TLS_KEY", certs.join("127.0.0.1.key"))
+            .env("FLOTILLA_SECRET", "rejoin-test-secret");
+    }
     c.args(["launch", &cfg, "--max-restarts", "2", "--output"])
         .arg(&out)
         .stdout(Stdio::piped())
@@ -114,15 +128,16 @@ fn killed_twice_rejoins(
 
 #[test]
 fn an_async_worker_killed_twice_rejoins_the_running_job() {
-    killed_twice_rejoins(FLAT_ASYNC, 3000, 2, 0, [600, 1800], 0.93);
+    killed_twice_rejoins(FLAT_ASYNC, 3000, 2, 0, [600, 1800], 0.93, false);
 }
 
 /// Under an async local server (global server 0; local server 1 with workers 2 and 3):
-/// the replacement links to rank 0 for the peer table and to its local server.
+/// the replacement links to rank 0 for the peer table and to its local server, here with
+/// TLS and a cluster secret on every connection.
 #[test]
 fn a_worker_under_an_async_local_server_rejoins() {
     let hier = "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: async, num_workers: 1}";
-    killed_twice_rejoins(hier, 1500, 3, 1, [300, 900], 0.9);
+    killed_twice_rejoins(hier, 1500, 3, 1, [300, 900], 0.9, true);
 }
 
 /// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at

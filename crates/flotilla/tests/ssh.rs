@@ -294,3 +294,66 @@ fn stop_and_ctrl_c_end_every_remote_rank() {
     assert_eq!(stopped, 2, "{said:#?}");
     assert_none_left(&jobs_s, Duration::from_secs(10));
 }
+
+/// Two ranks over ssh with TLS: the launcher finds each host's `flotilla certs` pair (by its
+/// inventory address) beside the CA and copies it into the job directory (mode 0600); the
+/// ranks' config points at the copies, and the job trains.
+#[test]
+fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let certs = dir.path().join("certs");
+    let mut c = flotilla();
+    c.args(["certs", "--hosts", "127.0.0.1", "--out"])
+        .arg(&certs);
+    let o = run_with_deadline(c, Duration::from_secs(30));
+    assert!(o.status.success(), "{}", text(&o));
+    let cfg = config_file(
+        dir.path(),
+        "tls.yaml",
+        "topology:\n  world_size: 2\ndata:\n  train_limit: 2000\nschedule:\n  max_steps: 20\n",
+    );
+    let (jobs, out) = (sshd.dir.path().join("jobs"), dir.path().join("out"));
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--inventory"])
+        .arg(&sshd.inventory)
+        .arg("--remote-dir")
+        .arg(&jobs)
+        .arg("--output")
+        .arg(&out)
+        .env("FLOTILLA_TLS_CA", certs.join("ca.pem"))
+        .env("FLOTILLA_TLS_CERT", certs.join("127.0.0.1.pem"))
+        .env("FLOTILLA_TLS_KEY", certs.join("127.0.0.1.key"));
+    let o = run_with_deadline(c, Duration::from_secs(240));
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("[launcher] TLS on every connection"),
+        "{}",
+        text(&o)
+    );
+    let job: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("job.json")).expect("job.json"))
+            .expect("job.json is JSON");
+    let job_dir = PathBuf::from(job["dir"].as_str().expect("dir"));
+    for (copy, original) in [
+        ("tls-ca.pem", "ca.pem"),
+        ("tls-cert.pem", "127.0.0.1.pem"),
+        ("tls-key.pem", "127.0.0.1.key"),
+    ] {
+        let path = job_dir.join(copy);
+        let mode = std::os::unix::fs::PermissionsExt::mode(
+            &std::fs::metadata(&path).expect(copy).permissions(),
+        );
+        assert_eq!(mode & 0o777, 0o600, "{copy}");
+        assert_eq!(
+            std::fs::read(&path).expect(copy),
+            std::fs::read(certs.join(original)).expect(original)
+        );
+    }
+    let config = std::fs::read_to_string(job_dir.join("config.yaml")).expect("config");
+    assert!(
+        config.contains("ca: tls-ca.pem") && config.contains("key: tls-key.pem"),
+        "{config}"
+    );
+    assert_none_left(job_dir.to_str().expect("utf8"), Duration::from_secs(5));
+}

@@ -9,12 +9,14 @@ use tokio::time::{Instant, sleep, timeout_at};
 
 use super::authn;
 use super::mesh::build_mesh;
+use super::secure;
 use super::{Mesh, recv_ctrl, send_ctrl};
 use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName};
 use crate::frame;
 use crate::net;
+use crate::stream::Stream;
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 
 /// What rank 0's welcome says.
@@ -26,7 +28,7 @@ struct Welcome {
 
 /// A non-zero rank's side of the rendezvous.
 pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
-    let (mut master, connected_at) = connect_master(cfg).await?;
+    let (master, connected_at) = connect_master(cfg).await?;
     let master_peer = PeerName::ranked(
         0,
         master
@@ -34,6 +36,10 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
             .map(|a| a.to_string())
             .unwrap_or_else(|_| format!("{}:{}", cfg.master_addr, cfg.master_port)),
     );
+    let host = secure::host_of(&cfg.master_addr);
+    let deadline = Instant::now() + cfg.timeout;
+    let mut master =
+        secure::connect(cfg.tls.as_ref(), master, host, &master_peer, deadline).await?;
     if let Some(secret) = &cfg.secret {
         let deadline = Instant::now() + cfg.timeout;
         authn::initiate(
@@ -129,7 +135,7 @@ pub(super) async fn connect_master(cfg: &CommConfig) -> Result<(TcpStream, Insta
 /// the address to advertise for it.
 async fn mesh_listener(
     cfg: &CommConfig,
-    master: &TcpStream,
+    master: &Stream,
 ) -> Result<(TcpListener, String), CommError> {
     let local_ip: IpAddr = master
         .local_addr()
@@ -159,7 +165,7 @@ async fn mesh_listener(
 /// Rank 0's answer to the join: a checked welcome, or its rejection as the error.
 async fn await_welcome(
     cfg: &CommConfig,
-    master: &mut TcpStream,
+    master: &mut Stream,
     master_peer: &PeerName,
     deadline: Instant,
     grace: Duration,
@@ -203,7 +209,7 @@ async fn await_welcome(
 /// Reports the mesh ready and waits for rank 0's `Go`.
 async fn ready_and_go(
     cfg: &CommConfig,
-    master: &mut TcpStream,
+    master: &mut Stream,
     master_peer: &PeerName,
     grace: Duration,
 ) -> Result<(), CommError> {

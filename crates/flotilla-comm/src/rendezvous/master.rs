@@ -4,29 +4,31 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
 use super::authn;
+use super::secure;
 use super::{recv_ctrl, reject, send_ctrl};
 use crate::auth::Purpose;
 use crate::config::{CommConfig, Rejoin};
 use crate::error::{CommError, PeerName, RendezvousError};
+use crate::stream::{ReadHalf, Stream, WriteHalf};
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 
 use super::Mesh;
 
 /// A process admitted to the job.
 struct Member {
-    stream: TcpStream,
+    stream: Stream,
     addr: SocketAddr,
     mesh_addr: String,
 }
 
-/// An accepted connection and its first message (`Err(None)`: closed or silent).
-type Arrival = (TcpStream, SocketAddr, Result<Ctrl, Option<CommError>>);
+/// An accepted connection and its first message (`Err(None)`: closed or silent; no stream:
+/// lost during the TLS handshake, always with an error).
+type Arrival = (Option<Stream>, SocketAddr, Result<Ctrl, Option<CommError>>);
 
 /// A failure to report locally and to every rank that joined.
 type Failure = (CommError, RendezvousError);
@@ -115,18 +117,23 @@ impl<'a> Admission<'a> {
         None
     }
 
-    /// Authenticates an accepted connection (with a secret) and reads its first message, on
-    /// a task of its own.
+    /// Secures (with TLS) and authenticates (with a secret) an accepted connection and reads
+    /// its first message, on a task of its own.
     fn read_join(&mut self, stream: TcpStream, addr: SocketAddr) {
         self.in_flight += 1;
         let _ = stream.set_nodelay(true);
-        let (tx, secret) = (self.tx.clone(), self.cfg.secret.clone());
+        let (tx, secret, tls) = (
+            self.tx.clone(),
+            self.cfg.secret.clone(),
+            self.cfg.tls.clone(),
+        );
         let deadline = Instant::now() + self.cfg.timeout;
         tokio::spawn(async move {
-            let mut stream = stream;
             let peer = PeerName::unranked(addr.to_string());
             let p = Purpose::Rendezvous;
-            let res = authn::accept_first(&mut stream, secret.as_ref(), p, &peer, deadline).await;
+            let (stream, res) =
+                secure::accept_first(stream, tls.as_ref(), secret.as_ref(), p, &peer, deadline)
+                    .await;
             let _ = tx.send((stream, addr, res));
         });
     }
@@ -142,7 +149,7 @@ impl<'a> Admission<'a> {
     /// why, so that process fails with the reason) and the rendezvous goes on.
     async fn on_arrival(
         &mut self,
-        mut stream: TcpStream,
+        stream: Option<Stream>,
         addr: SocketAddr,
         res: Result<Ctrl, Option<CommError>>,
     ) -> Option<Failure> {
@@ -159,7 +166,9 @@ impl<'a> Admission<'a> {
                 let re = RendezvousError::AuthNotConfigured {
                     peer: PeerName::unranked(addr.to_string()),
                 };
-                reject(&mut stream, &re).await;
+                if let Some(mut stream) = stream {
+                    reject(&mut stream, &re).await;
+                }
                 self.refuse(format!("a connection ({re})"));
                 return None;
             }
@@ -183,6 +192,8 @@ impl<'a> Admission<'a> {
                 return None;
             }
         };
+        // An answer always comes with its stream (only a TLS failure loses it).
+        let mut stream = stream?;
         let peer = PeerName {
             rank,
             addr: addr.to_string(),
@@ -258,12 +269,13 @@ impl<'a> Admission<'a> {
         }
         let drain_deadline = Instant::now() + Duration::from_secs(1);
         while self.in_flight > 0 {
-            let Ok(Some((mut stream, _, _))) = timeout_at(drain_deadline, self.rx.recv()).await
-            else {
+            let Ok(Some((stream, _, _))) = timeout_at(drain_deadline, self.rx.recv()).await else {
                 break;
             };
             self.in_flight -= 1;
-            reject(&mut stream, re).await;
+            if let Some(mut stream) = stream {
+                reject(&mut stream, re).await;
+            }
         }
     }
 
@@ -284,8 +296,8 @@ impl<'a> Admission<'a> {
     }
 }
 
-type Readers = Vec<Option<OwnedReadHalf>>;
-type Writers = Vec<Option<OwnedWriteHalf>>;
+type Readers = Vec<Option<ReadHalf>>;
+type Writers = Vec<Option<WriteHalf>>;
 
 /// Each member's stream as read and write halves, by rank.
 fn split_streams(slots: Vec<Option<Member>>) -> (Readers, Writers) {
@@ -430,9 +442,9 @@ async fn go(
     cfg: &CommConfig,
     readers: Readers,
     writers: Writers,
-) -> Result<Vec<Option<TcpStream>>, CommError> {
+) -> Result<Vec<Option<Stream>>, CommError> {
     let deadline = Instant::now() + cfg.timeout;
-    let mut streams: Vec<Option<TcpStream>> = Vec::with_capacity(readers.len());
+    let mut streams: Vec<Option<Stream>> = Vec::with_capacity(readers.len());
     for (rank, (r, w)) in readers.into_iter().zip(writers).enumerate() {
         let (Some(r), Some(mut w)) = (r, w) else {
             streams.push(None);

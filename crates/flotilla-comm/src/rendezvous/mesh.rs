@@ -1,6 +1,6 @@
 //! The mesh (step 4 of the protocol): rank r connects to every rank 1 <= j < r and accepts
-//! from every j > r, each connection opened (after the authentication handshake, with a
-//! secret) by a `Hello { session, from, to }` / `HelloAck` handshake. Rank 0's connections
+//! from every j > r, each connection opened (after TLS and the authentication handshake,
+//! when configured) by a `Hello { session, from, to }` / `HelloAck` handshake. Rank 0's connections
 //! are the rendezvous ones.
 
 use std::net::SocketAddr;
@@ -9,13 +9,15 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep, timeout_at};
 
-use super::{authn, recv_ctrl, send_ctrl};
+use super::{authn, recv_ctrl, secure, send_ctrl};
 use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName};
 use crate::frame;
 use crate::net;
 use crate::secret::Secret;
+use crate::stream::Stream;
+use crate::tls::TlsConfig;
 use crate::wire::Ctrl;
 
 const HANDSHAKE: &str = "mesh handshake";
@@ -28,7 +30,7 @@ pub(super) async fn build_mesh(
     session: u64,
     peers: &[String],
     listener: TcpListener,
-) -> Result<(Vec<Option<TcpStream>>, TcpListener), CommError> {
+) -> Result<(Vec<Option<Stream>>, TcpListener), CommError> {
     let deadline = Instant::now() + cfg.timeout;
     let connects = async {
         let mut out = Vec::new();
@@ -74,7 +76,7 @@ async fn connect_lower(
     j: usize,
     addr: &str,
     deadline: Instant,
-) -> Result<TcpStream, CommError> {
+) -> Result<Stream, CommError> {
     let peer = PeerName::ranked(j, addr.to_string());
     let lost = |reason: String| CommError::PeerLost {
         peer: j,
@@ -83,7 +85,7 @@ async fn connect_lower(
     };
     let target = peer_address(j, addr).await?;
     let mut backoff = Duration::from_millis(10);
-    let mut stream = loop {
+    let tcp = loop {
         match timeout_at(deadline, net::connect(target, cfg.socket_buffer_bytes)).await {
             Ok(Ok(s)) => break s,
             Ok(Err(e)) if Instant::now() + backoff < deadline => {
@@ -101,6 +103,8 @@ async fn connect_lower(
             }
         }
     };
+    let host = secure::host_of(addr);
+    let mut stream = secure::connect(cfg.tls.as_ref(), tcp, host, &peer, deadline).await?;
     if let Some(secret) = &cfg.secret {
         let purpose = Purpose::Mesh {
             session,
@@ -136,8 +140,8 @@ async fn accept_higher(
     n: usize,
     listener: &TcpListener,
     deadline: Instant,
-) -> Result<Vec<Option<TcpStream>>, CommError> {
-    let mut got: Vec<Option<TcpStream>> = (0..n).map(|_| None).collect();
+) -> Result<Vec<Option<Stream>>, CommError> {
+    let mut got: Vec<Option<Stream>> = (0..n).map(|_| None).collect();
     let mut missing = n - rank - 1;
     let mut reading = tokio::task::JoinSet::new();
     let mut refused: Vec<String> = Vec::new();
@@ -149,16 +153,16 @@ async fn accept_higher(
         tokio::select! {
             acc = timeout_at(deadline, listener.accept()) => match acc {
                 Ok(Ok((stream, addr))) => {
-                    let secret = cfg.secret.clone();
+                    let (secret, tls) = (cfg.secret.clone(), cfg.tls.clone());
                     reading.spawn(async move {
-                        read_hello(stream, addr, secret, purpose, deadline).await
+                        read_hello(stream, addr, tls, secret, purpose, deadline).await
                     });
                 }
                 Ok(Err(e)) => return Err(CommError::io("mesh accept failed", e)),
                 Err(_) => return Err(never_connected(cfg, rank, &got, &refused)),
             },
-            Some(Ok((mut stream, addr, hello))) = reading.join_next() => match hello {
-                Ok(Ctrl::Hello { session: s, from, to })
+            Some(Ok((stream, addr, hello))) = reading.join_next() => match (stream, hello) {
+                (Some(mut stream), Ok(Ctrl::Hello { session: s, from, to }))
                     if s == session && to == rank && from > rank && from < n && got[from].is_none() =>
                 {
                     send_ctrl(&mut stream, &Ctrl::HelloAck { from: rank })
@@ -171,12 +175,12 @@ async fn accept_higher(
                     got[from] = Some(stream);
                     missing -= 1;
                 }
-                Err(None) => tracing::debug!(%addr, "mesh connection closed or silent; ignored"),
-                Err(Some(e)) => {
+                (_, Err(None)) => tracing::debug!(%addr, "mesh connection closed or silent; ignored"),
+                (_, Err(Some(e))) => {
                     tracing::warn!(%addr, "refused a mesh connection: {e}");
                     refused.push(e.to_string());
                 }
-                Ok(other) => {
+                (_, Ok(other)) => {
                     tracing::warn!(%addr, msg = ?other, "dropped a mesh connection that is not a rank of this job");
                     refused.push(format!("a connection from {addr} that is not a rank of this job"));
                 }
@@ -186,18 +190,20 @@ async fn accept_higher(
     Ok(got)
 }
 
-/// Authenticates a mesh connection (with a `secret`) and reads its first message (`Err(None)`:
-/// closed or silent).
+/// Secures (with `tls`) and authenticates (with a `secret`) a mesh connection and reads its
+/// first message (`Err(None)`: closed or silent; no stream: lost during the TLS handshake).
 async fn read_hello(
-    mut stream: TcpStream,
+    stream: TcpStream,
     addr: SocketAddr,
+    tls: Option<TlsConfig>,
     secret: Option<Secret>,
     purpose: Purpose,
     deadline: Instant,
-) -> (TcpStream, SocketAddr, Result<Ctrl, Option<CommError>>) {
+) -> (Option<Stream>, SocketAddr, Result<Ctrl, Option<CommError>>) {
     let _ = stream.set_nodelay(true);
     let peer = PeerName::unranked(addr.to_string());
-    let hello = authn::accept_first(&mut stream, secret.as_ref(), purpose, &peer, deadline).await;
+    let (s, t) = (tls.as_ref(), secret.as_ref());
+    let (stream, hello) = secure::accept_first(stream, s, t, purpose, &peer, deadline).await;
     (stream, addr, hello)
 }
 
@@ -205,7 +211,7 @@ async fn read_hello(
 fn never_connected(
     cfg: &CommConfig,
     rank: usize,
-    got: &[Option<TcpStream>],
+    got: &[Option<Stream>],
     refused: &[String],
 ) -> CommError {
     let absent: Vec<usize> = (rank + 1..got.len())

@@ -3,7 +3,11 @@
 //!
 //! Protocol (control channel, JSON payloads, see [`crate::wire::Ctrl`]):
 //!
-//! 0. With a cluster secret, every connection (the join connection and every mesh
+//! 0. With TLS, every connection (the join connection and every mesh connection) is wrapped
+//!    in mutual TLS right after the TCP connect or accept ([`secure`]): the accepting side is
+//!    the TLS server, both present a certificate of the cluster CA; a peer without TLS, or
+//!    with another CA's certificate, is refused and logged like any stranger. Then, with a
+//!    cluster secret, every connection (the join connection and every mesh
 //!    connection) opens with the mutual challenge-response of [`crate::auth`] (`Auth`
 //!    frames, [`authn`]); a peer that fails it or skips it is refused before anything else it
 //!    sends is read, and frames from an unauthenticated peer are read with a small limit.
@@ -29,24 +33,26 @@ mod client;
 mod master;
 mod mesh;
 pub(crate) mod rejoin;
+mod secure;
 
 use std::sync::Once;
 use std::time::Duration;
 
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::time::{Instant, timeout_at};
 
 use crate::config::CommConfig;
 use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame::{self, Op, channel};
 use crate::net;
+use crate::stream::Stream;
 use crate::wire::Ctrl;
 
 /// Result of a successful rendezvous: this process's rank and one stream per peer rank
 /// (and what lets lost ranks back in, when the job accepts rejoins).
 pub(crate) struct Mesh {
     pub rank: usize,
-    pub streams: Vec<Option<TcpStream>>,
+    pub streams: Vec<Option<Stream>>,
     pub rejoins: Option<Rejoins>,
 }
 
@@ -63,7 +69,8 @@ pub(crate) async fn rendezvous(
     cfg: &CommConfig,
     listener: Option<std::net::TcpListener>,
 ) -> Result<Mesh, CommError> {
-    if cfg.secret.is_none() {
+    // With TLS, the certificates authenticate both ends of every connection.
+    if cfg.secret.is_none() && cfg.tls.is_none() {
         static UNAUTHENTICATED: Once = Once::new();
         UNAUTHENTICATED.call_once(|| {
             tracing::info!(
@@ -71,6 +78,7 @@ pub(crate) async fn rendezvous(
             );
         });
     }
+    secure::announce(cfg.tls.as_ref());
     match (cfg.rank, listener) {
         (Some(0), Some(l)) => {
             l.set_nonblocking(true)

@@ -4,8 +4,8 @@
 //!
 //! - A rank that accepts rejoins ([`crate::config::Rejoin::Accept`]) keeps a port open for
 //!   the whole run ([`serve`]): rank 0 its rendezvous port, another rank its mesh listener.
-//!   Every connection to it goes through the same checks as a join (authentication with a
-//!   secret first — for rendezvous at rank 0, for the mesh session elsewhere — then
+//!   Every connection to it goes through the same checks as a join (TLS when configured,
+//!   then authentication with a secret — for rendezvous at rank 0, for the mesh session elsewhere — then
 //!   protocol, world size, rank, config hash) and one more: the rank's connection must be
 //!   lost. A stranger, a wrong config or a rank that is still connected is refused and
 //!   logged; the job never notices.
@@ -24,13 +24,14 @@ use tokio::time::{Instant, timeout_at};
 
 use super::master::check_join;
 use super::mesh::peer_address;
-use super::{Mesh, Rejoins, authn, client, recv_ctrl, reject, send_ctrl};
+use super::{Mesh, Rejoins, authn, client, recv_ctrl, reject, secure, send_ctrl};
 use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::conn::{Conn, ConnOpts};
 use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame;
 use crate::net;
+use crate::stream::Stream;
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 use crate::world::World;
 
@@ -46,7 +47,9 @@ pub(super) async fn join(cfg: &CommConfig) -> Result<Mesh, CommError> {
     };
     let (master, _) = client::connect_master(cfg).await?;
     let deadline = Instant::now() + cfg.timeout;
-    let (master, session, peers) = ask(cfg, master, 0, Purpose::Rendezvous, deadline).await?;
+    let master_host = secure::host_of(&cfg.master_addr).to_owned();
+    let (master, session, peers) =
+        ask(cfg, master, &master_host, 0, Purpose::Rendezvous, deadline).await?;
     let mut streams: Vec<_> = (0..cfg.world_size).map(|_| None).collect();
     streams[0] = Some(master);
     for &j in cfg.rejoin_links.iter().filter(|&&j| j != 0 && j != rank) {
@@ -71,7 +74,8 @@ pub(super) async fn join(cfg: &CommConfig) -> Result<Mesh, CommError> {
             session,
             acceptor: j,
         };
-        let (stream, _, _) = ask(cfg, stream, j, purpose, deadline).await?;
+        let host = secure::host_of(addr).to_owned();
+        let (stream, _, _) = ask(cfg, stream, &host, j, purpose, deadline).await?;
         streams[j] = Some(stream);
     }
     tracing::info!(rank, links = ?cfg.rejoin_links, "rejoined the running job (point-to-point only)");
@@ -82,23 +86,23 @@ pub(super) async fn join(cfg: &CommConfig) -> Result<Mesh, CommError> {
     })
 }
 
-/// Authenticates to rank `j` on `stream` and asks for the lost rank's place; `j`'s answer's
-/// session and peer table (rank 0's; empty from others).
+/// Secures (TLS, when configured; `host` is the name its certificate must carry) and
+/// authenticates the connection `tcp` to rank `j`, and asks for the lost rank's place; `j`'s
+/// answer's session and peer table (rank 0's; empty from others).
 async fn ask(
     cfg: &CommConfig,
-    mut stream: TcpStream,
+    tcp: TcpStream,
+    host: &str,
     j: usize,
     purpose: Purpose,
     deadline: Instant,
-) -> Result<(TcpStream, u64, Vec<String>), CommError> {
+) -> Result<(Stream, u64, Vec<String>), CommError> {
     let rank = cfg.rank.unwrap_or_default();
     let peer = PeerName::ranked(
         j,
-        stream
-            .peer_addr()
-            .map(|a| a.to_string())
-            .unwrap_or_default(),
+        tcp.peer_addr().map(|a| a.to_string()).unwrap_or_default(),
     );
+    let mut stream = secure::connect(cfg.tls.as_ref(), tcp, host, &peer, deadline).await?;
     if let Some(secret) = &cfg.secret {
         authn::initiate(&mut stream, secret, purpose, &peer, deadline).await?;
     }
@@ -134,7 +138,7 @@ pub(crate) async fn serve(rejoins: Rejoins, world: Weak<World>, opts: ConnOpts) 
         peers,
     } = rejoins;
     loop {
-        let (mut stream, addr) = match listener.accept().await {
+        let (tcp, addr) = match listener.accept().await {
             Ok(a) => a,
             Err(e) => {
                 tracing::warn!(error = %e, "rejoin: accept failed");
@@ -147,7 +151,7 @@ pub(crate) async fn serve(rejoins: Rejoins, world: Weak<World>, opts: ConnOpts) 
         drop(w);
         let (world, peers) = (world.clone(), peers.clone());
         tokio::spawn(async move {
-            let _ = stream.set_nodelay(true);
+            let _ = tcp.set_nodelay(true);
             let peer = PeerName::unranked(addr.to_string());
             let deadline = Instant::now() + cfg.timeout;
             let purpose = if me == 0 {
@@ -158,9 +162,15 @@ pub(crate) async fn serve(rejoins: Rejoins, world: Weak<World>, opts: ConnOpts) 
                     acceptor: me,
                 }
             };
-            let first =
-                authn::accept_first(&mut stream, cfg.secret.as_ref(), purpose, &peer, deadline)
-                    .await;
+            let (tls, secret) = (cfg.tls.as_ref(), cfg.secret.as_ref());
+            let (stream, first) =
+                secure::accept_first(tcp, tls, secret, purpose, &peer, deadline).await;
+            let Some(mut stream) = stream else {
+                if let Err(Some(e)) = first {
+                    tracing::warn!(%peer, error = %e, "rejoin: refused a connection");
+                }
+                return;
+            };
             let rank = match admit(&cfg, &world, &peer, first) {
                 Ok(rank) => rank,
                 Err(Some(re)) => {

@@ -12,8 +12,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Result, TrainError};
 
 mod allreduce;
+mod tls;
 use crate::pipeline::Schedule;
 pub use allreduce::{AllReduceMode, AllReduceSection, StaleCorrection};
+pub use tls::TlsSetting;
 
 /// Payload compression on the wire, as written in a config.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
@@ -319,6 +321,9 @@ pub struct CommSection {
     /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
     /// secret itself is never a config value or a flag, and never enters the config hash.
     pub secret_file: Option<PathBuf>,
+    /// Mutual TLS on every connection: `{ca, cert, key}` ([`TlsSetting`]); the environment's
+    /// `FLOTILLA_TLS_CA` / `_CERT` / `_KEY` take precedence. Per rank (never hashed).
+    pub tls: Option<TlsSetting>,
 }
 
 impl Default for CommSection {
@@ -333,6 +338,7 @@ impl Default for CommSection {
             wire_format: WireSetting::F32,
             bucket_mb: 25.0,
             secret_file: None,
+            tls: None,
         }
     }
 }
@@ -401,6 +407,7 @@ pub const PER_RANK: &[&str] = &[
     "comm.join_timeout_s",
     "comm.compression",
     "comm.secret_file",
+    "comm.tls",
     "telemetry",
 ];
 
@@ -618,7 +625,7 @@ impl TrainConfig {
     }
 
     /// The communicator settings of `rank` (`None`: let rank 0 assign one), with the job's
-    /// secret ([`TrainConfig::secret`]).
+    /// secret ([`TrainConfig::secret`]) and this rank's TLS ([`TrainConfig::tls`]).
     pub fn comm_config(
         &self,
         rank: Option<usize>,
@@ -635,6 +642,7 @@ impl TrainConfig {
             join_timeout: Duration::from_secs_f64(c.join_timeout_s),
             config_hash: hash,
             secret: self.secret()?,
+            tls: self.tls()?,
             compression: match c.compression {
                 CompressionSetting::None => Compression::None,
                 CompressionSetting::Lz4 => Compression::Lz4,
@@ -748,6 +756,11 @@ mod tests {
         b.comm.master_port = 1234;
         b.comm.timeout_s = 5.0;
         b.comm.secret_file = Some("/etc/flotilla/secret".into());
+        b.comm.tls = Some(TlsSetting {
+            ca: "/etc/flotilla/ca.pem".into(),
+            cert: "/etc/flotilla/node1.pem".into(),
+            key: "/etc/flotilla/node1.key".into(),
+        });
         b.schedule.resume = true;
         assert_eq!(a.cluster_hash(&spec), b.cluster_hash(&spec));
         // Every shared section counts, including fields added later (no list to forget).
