@@ -93,6 +93,14 @@ const MODES: &[Mode] = &[
         marker: "] role ",
     },
     Mode {
+        name: "PS sharded sync (2 servers)",
+        yaml: "arch: flat\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 100000\n",
+        world: 4,
+        targets: &[(1, "shard server"), (3, "worker")],
+        tolerated: &[],
+        marker: "] role ",
+    },
+    Mode {
         name: "PS flat async",
         yaml: "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 600\n",
         world: 3,
