@@ -399,10 +399,14 @@ impl Job<'_> {
         let per_round = num_workers * config.data.batch_size * local_steps;
         let rounds_per_epoch = (self.train.len() / per_round.max(1)).max(1) as u64;
         let s = &config.schedule;
-        cx.rounds = s
-            .num_server_rounds
-            .or(s.max_steps)
-            .unwrap_or(s.epochs.max(1) as u64 * rounds_per_epoch);
+        // `num_server_rounds`, else `max_steps`, else the epochs; `max_steps` also caps
+        // `num_server_rounds` (so `--max-steps` shortens a config that sets it).
+        cx.rounds = match (s.num_server_rounds, s.max_steps) {
+            (Some(n), Some(m)) => n.min(m),
+            (Some(n), None) => n,
+            (None, Some(m)) => m,
+            (None, None) => s.epochs.max(1) as u64 * rounds_per_epoch,
+        };
         cx.eval_every = s.eval_every.map_or(rounds_per_epoch, u64::from);
         cx.num_workers = num_workers;
         let resumed_at = self.resume_servers(cx)?;

@@ -166,7 +166,9 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub oversubscribe: bool,
     /// When a rank fails, start the whole job again from the newest checkpoint (see
-    /// `checkpoint_every`), up to this many times; each restart is logged with its cause.
+    /// `checkpoint_every`), up to this many times; each restart is logged with its cause. A
+    /// worker whose parameter servers are all asynchronous is restarted alone instead and
+    /// rejoins the running job (it counts as a restart).
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
     /// Where ranks go with `--inventory`.
