@@ -1,5 +1,5 @@
-//! One established connection to a peer rank: an outbound half (a locked TCP or TLS writer, or an
-//! in-memory link straight into the peer's [`Inbound`]) and an inbound half that
+//! One established connection to a peer rank: an outbound half (a locked TCP or TLS writer,
+//! or an in-memory link straight into the peer's [`Inbound`]) and an inbound half that
 //! demultiplexes the peer's frames: collective frames into one queue per process group,
 //! point-to-point frames into the process's [`Mailbox`], abort notices into the shared
 //! abort signal.

@@ -1,7 +1,7 @@
 //! The mesh (step 4 of the protocol): rank r connects to every rank 1 <= j < r and accepts
 //! from every j > r, each connection opened (after TLS and the authentication handshake,
-//! when configured) by a `Hello { session, from, to }` / `HelloAck` handshake. Rank 0's connections
-//! are the rendezvous ones.
+//! when configured) by a `Hello { session, from, to }` / `HelloAck` handshake. Rank 0's
+//! connections are the rendezvous ones.
 
 use std::net::SocketAddr;
 use std::time::Duration;
