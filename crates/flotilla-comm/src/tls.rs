@@ -170,7 +170,7 @@ impl TlsFiles {
             path: self.key.clone(),
             detail: format!("does not fit the certificate {}: {e}", self.cert.display()),
         };
-        let server = ServerConfig::builder_with_provider(provider.clone())
+        let mut server = ServerConfig::builder_with_provider(provider.clone())
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(|e| TlsError::Settings(e.to_string()))?
             .with_client_cert_verifier(verifier)
@@ -185,7 +185,6 @@ impl TlsFiles {
         // A job's connections are few and long-lived: no session tickets, no resumption
         // (every connection checks both certificates in full).
         client.resumption = Resumption::disabled();
-        let mut server = server;
         server.send_tls13_tickets = 0;
         Ok(TlsConfig {
             files: self.clone(),
