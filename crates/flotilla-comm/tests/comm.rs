@@ -389,10 +389,15 @@ fn config_hash_mismatch_is_refused_and_named() {
         matches!(e, CommError::Rendezvous(RendezvousError::ConfigHashMismatch { peer, .. }) if peer.rank == Some(2)),
         "{e}"
     );
-    assert!(e.to_string().contains("rank 2"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("has config hash 0x000000000000bbbb but rank 0 has 0x000000000000aaaa"),
+        "{e}"
+    );
     for r in &res[..2] {
         let e = r.as_ref().expect_err("the others time out");
-        assert_refused_at_timeout(e, "rank 2");
+        assert_refused_at_timeout(e, "a join: rank 2 (127.0.0.1:");
+        assert_refused_at_timeout(e, "has config hash 0x000000000000bbbb but rank 0 has");
     }
 }
 
@@ -617,7 +622,8 @@ fn duplicate_rank_is_refused() {
     let e0 = res[0]
         .as_ref()
         .expect_err("rank 0 times out waiting for rank 2");
-    assert_refused_at_timeout(e0, "rank 1");
+    assert_refused_at_timeout(e0, "a join: rank 1 (127.0.0.1:");
+    assert_refused_at_timeout(e0, ") claims a rank already taken by 127.0.0.1:");
 }
 
 /// Strangers at rank 0's port — random bytes, an HTTP request, a frame of an unknown wire

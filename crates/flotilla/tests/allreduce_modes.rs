@@ -9,12 +9,17 @@
 //!   `stall_shutdown_s`.
 
 mod common;
+#[path = "common/running.rs"]
+mod running;
+#[path = "common/watched.rs"]
+mod watched;
 
 use common::*;
+use watched::{assert_within, run_watched};
 
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 type Tensors = BTreeMap<String, Vec<f32>>;
 
@@ -106,9 +111,10 @@ fn overlapped_backward_equals_the_one_pass_backward_bitwise() {
 }
 
 /// Launches 3 ranks of 200 steps with a 1 s stall warning and a 4 s stall abort, plus
-/// `extra` config lines and test fault `fault`; asserts that the job failed within 60 s and
+/// `extra` config lines and test fault `fault`; asserts that the job failed, that the abort
+/// ("stalled for 4") came within 4 s + slack of the fault's line `fault_line`, and that it
 /// left no process; returns everything it printed.
-fn stalled_job(extra: &str, fault: &str) -> String {
+fn stalled_job(extra: &str, fault: &str, fault_line: &str) -> String {
     let dir = tmp();
     let cfg = config_file(
         dir.path(),
@@ -121,13 +127,16 @@ fn stalled_job(extra: &str, fault: &str) -> String {
     let mut c = flotilla();
     c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
         .env("FLOTILLA_FAULT", fault);
-    let started = Instant::now();
-    let o = run_with_deadline(c, LIMIT);
-    let took = started.elapsed();
-    assert!(!o.status.success(), "the job must fail\n{}", text(&o));
-    assert!(took < Duration::from_secs(60), "aborted after {took:?}");
+    let (status, job) = run_watched(c, LIMIT);
+    assert!(!status.success(), "the job must fail\n{}", job.text());
+    assert_within(
+        &job,
+        fault_line,
+        "stalled for 4",
+        Duration::from_secs(4 + 4),
+    );
     assert_none_left(out.to_str().expect("utf8"), Duration::from_secs(10));
-    text(&o)
+    job.text()
 }
 
 #[test]
@@ -135,6 +144,7 @@ fn a_withheld_tensor_is_named_by_the_stall_inspector_then_the_job_aborts() {
     let all = stalled_job(
         "strategy: async_allreduce\n",
         "rank=1,step=10,action=withhold",
+        "withholding tensor \"layers.11.bias\" from step 10",
     );
     assert!(
         all.contains("withholding tensor \"layers.11.bias\" from step 10"),
@@ -151,7 +161,11 @@ fn a_rank_that_stops_entering_collectives_is_named_then_sync_training_aborts() {
     // Rank 1 hangs after step 10 and never issues the next step's all-reduce, which ranks 0
     // and 2 wait in: named at 1 s, 2 s, 3 s, then every rank aborts at 4 s (long before the
     // 60 s collective deadline).
-    let all = stalled_job("", "rank=1,step=10,action=hang");
+    let all = stalled_job(
+        "",
+        "rank=1,step=10,action=hang",
+        "FLOTILLA_FAULT: rank stops responding after step 10",
+    );
     assert!(
         all.contains("WARN flotilla::stall: stall: collective #")
             && all.contains("entered by rank(s) 0, 2 waits for rank(s) 1"),

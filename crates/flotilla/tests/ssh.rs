@@ -4,7 +4,8 @@
 //! run its privilege separation otherwise), it starts `sshd -D` with a generated host key and a
 //! generated user key on a free port of 127.0.0.1, writes an Ansible-style inventory of two
 //! `127.0.0.1` entries that reach it, and launches real jobs through it. Otherwise it prints
-//! why it is skipped. `.ci/run` installs `openssh-server` so CI runs it.
+//! why it is skipped — except with `CI` set, where it fails. `.ci/run` installs
+//! `openssh-server` so CI runs it.
 
 mod common;
 
@@ -59,6 +60,13 @@ fn start_sshd() -> Option<Sshd> {
         .unwrap_or(false);
     let have_ssh = Command::new("ssh").arg("-V").output().is_ok();
     if !Path::new(SSHD).exists() || !root || !have_ssh {
+        // CI installs them (.ci/run): there a missing tool is a failure, never a skip.
+        assert!(
+            std::env::var_os("CI").is_none(),
+            "CI must run the ssh test: needs {SSHD}, the ssh client and root (found sshd: {}, \
+             ssh: {have_ssh}, root: {root}); .ci/run installs openssh-server",
+            Path::new(SSHD).exists()
+        );
         eprintln!(
             "skipped: needs {SSHD} and the ssh client (openssh-server, openssh-client) and root \
              (found sshd: {}, ssh: {have_ssh}, root: {root}); .ci/run installs them",
