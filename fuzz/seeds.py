@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fuzz targets' seed corpora into fuzz/seeds/<target>/ from real encodings:
 the wire formats as documented in the decoders (frame.rs, negotiate.rs, ps/protocol.rs,
-pipeline/wire.rs, events.rs, wire.rs, scheduler.rs, stall/watcher.rs), the repository's
+pipeline/wire.rs, events.rs, wire.rs, stall/watcher.rs), the repository's
 example configs, model specs and inventory, and the first bytes of the vendored MNIST files.
 Run from the repository root: python3 fuzz/seeds.py"""
 
@@ -58,11 +58,6 @@ def ctrl():
 def comm_internal():
     put("comm_internal", "report_open", struct.pack("<BQQQ", 1, 12, 11, 250))
     put("comm_internal", "report_idle", struct.pack("<BQQQ", 0, 3, 2**64 - 1, 0))
-    put("comm_internal", "ready", json.dumps({"Op": {"name": "grads", "kind": 4, "len": 10}}))
-    put("comm_internal", "stop", '"Stop"')
-    put("comm_internal", "order", json.dumps({"Run": "grads"}))
-    put("comm_internal", "fail", json.dumps(
-        {"Fail": {"name": "g", "error": {"Missing": {"ranks": [1, 2], "after_ms": 5}}}}))
 
 
 def announce():

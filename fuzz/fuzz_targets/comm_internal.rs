@@ -1,5 +1,5 @@
-//! The communication layer's small internal messages: the stall watcher's report (binary)
-//! and the scheduler's ready/order messages (JSON). Properties: garbage is an error, never a
+//! The communication layer's small internal messages: the stall watcher's report (binary).
+//! Properties: garbage is an error, never a
 //! panic; what decodes survives encode → decode.
 #![no_main]
 
@@ -7,5 +7,4 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     flotilla_comm::fuzzing::stall_report(data);
-    flotilla_comm::fuzzing::scheduler_messages(data);
 });

@@ -11,8 +11,8 @@
 //! operation kind and a per-collective frame counter. Groups have separate queues on the
 //! shared connections, so they never wait on each other. A frame
 //! that does not match what the receiver expects is a [`CommError::Protocol`] error, never
-//! silent corruption. Issue a group's collectives from one thread, or through the
-//! [`crate::Scheduler`]; issuing from several threads at once makes the order racy.
+//! silent corruption. Issue a group's collectives from one thread (the async all-reduce's
+//! cycle has a group of its own); issuing from several threads at once makes the order racy.
 //!
 //! # Failure model
 //!

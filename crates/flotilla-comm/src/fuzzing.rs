@@ -12,9 +12,3 @@ pub fn ctrl(bytes: &[u8]) -> bool {
 pub fn stall_report(bytes: &[u8]) -> bool {
     crate::stall::fuzz_report(bytes)
 }
-
-/// Decodes `bytes` as the scheduler's ready announcement and as its order; what decodes
-/// must survive encode → decode. Returns how many of the two decoded.
-pub fn scheduler_messages(bytes: &[u8]) -> usize {
-    crate::scheduler::fuzz_messages(bytes)
-}

@@ -142,7 +142,7 @@ pub type Tag = u32;
 
 /// Tag constants.
 pub mod tags {
-    /// First tag reserved for Flotilla's internal protocols (schedulers, servers).
+    /// First tag reserved for Flotilla's internal protocols (servers, pipelines).
     pub const RESERVED: u32 = 0xFFFF_0000;
 }
 

@@ -18,8 +18,6 @@
 //!   `send` / `recv` / `recv_any` with deadlines, and sub-groups (`split`, `group`) with
 //!   their own sequence space over the same connections. [`Communicator`] implements it over
 //!   TCP, or over in-memory links between threads ([`Communicator::in_memory`]).
-//! * [`Scheduler`]: the one issuer of a group's collectives: any thread submits a named
-//!   collective, and every member runs them in one agreed order.
 //! * [`CycleReducer`]: the asynchronous all-reduce's background cycle: tensors submitted by
 //!   name, agreed ready on every rank by a bit-set all-gather each cycle, fused and reduced;
 //!   the stall inspector names tensors some ranks never submit.
@@ -58,7 +56,6 @@ mod op;
 mod reduce;
 mod rendezvous;
 mod ring;
-pub mod scheduler;
 mod secret;
 pub mod split;
 pub mod stall;
@@ -76,7 +73,6 @@ pub use group::{
 };
 pub use mailbox::{Mailbox, Taken};
 pub use members::Members;
-pub use scheduler::{Collective, Output, Scheduler};
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

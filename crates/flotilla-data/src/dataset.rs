@@ -156,11 +156,6 @@ impl ImageDataset {
             self.images.truncate(n * self.rows * self.cols);
         }
     }
-
-    /// Consumes the dataset, returning `(images, labels, rows, cols)`.
-    pub fn into_parts(self) -> (Vec<f32>, Vec<u8>, usize, usize) {
-        (self.images, self.labels, self.rows, self.cols)
-    }
 }
 
 #[cfg(test)]

@@ -87,11 +87,6 @@ impl DistributedSampler {
         self
     }
 
-    /// Dataset length the sampler was built for.
-    pub fn dataset_len(&self) -> usize {
-        self.len
-    }
-
     /// Number of ranks.
     pub fn world_size(&self) -> usize {
         self.world_size

@@ -14,8 +14,13 @@ pub fn available_devices() -> Vec<&'static str> {
     names
 }
 
+/// Checks that `name` is a backend this build can run on (see [`available_devices`]).
+pub fn check_device(name: &str) -> Result<()> {
+    device_by_name(name).map(|_| ())
+}
+
 /// The device for a backend name, without autodiff (`flex`, `libtorch`).
-pub fn device_by_name(name: &str) -> Result<Device> {
+pub(crate) fn device_by_name(name: &str) -> Result<Device> {
     match name {
         "flex" | "cpu" => Ok(Device::flex()),
         #[cfg(feature = "libtorch")]

@@ -231,16 +231,6 @@ impl SequentialModel {
         Ok(Self { layers, links })
     }
 
-    /// Forward pass on an image batch `[N, C, H, W]`; returns `[N, classes]` logits.
-    pub fn forward(&self, input: Tensor<4>) -> Tensor<2> {
-        self.logits(Activation::Image(input))
-    }
-
-    /// Forward pass for a model whose spec input is flat `[F]`.
-    pub fn forward_flat(&self, input: Tensor<2>) -> Tensor<2> {
-        self.logits(Activation::Flat(input))
-    }
-
     /// The logits of the whole model for `input`.
     pub(crate) fn logits(&self, input: Activation) -> Tensor<2> {
         let mut kept = HashMap::new();

@@ -78,6 +78,45 @@ impl RunSummary {
     }
 }
 
+/// The line a rank logs once it joined: rank, model, device, config hash and the launcher's
+/// local rank (rank among this host's processes), when it gave one.
+fn up_line(
+    config: &TrainConfig,
+    spec: &ModelSpec,
+    (rank, world): (usize, usize),
+    hash: u64,
+) -> String {
+    let local = flotilla_cluster::LauncherEnv::from_process()
+        .ok()
+        .and_then(|e| e.local_rank)
+        .map_or(String::new(), |l| {
+            format!(" local_rank={} (${})", l.value, l.var)
+        });
+    format!(
+        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}{local}",
+        spec.name, config.model.device
+    )
+}
+
+/// The whole-model engine of every role but a pipeline stage (which holds only its own
+/// layers); data-parallel peers run backward in groups of about one bucket, so that buckets
+/// start as groups finish.
+fn whole_model_engine(
+    config: &TrainConfig,
+    spec: &ModelSpec,
+    arch: Arch,
+    optimizer: &flotilla_engine::OptimizerSpec,
+) -> Result<Option<BurnEngine>> {
+    if arch == Arch::Pipeline {
+        return Ok(None);
+    }
+    let mut engine = BurnEngine::new(spec, optimizer, &config.model.device, config.model.seed)?;
+    if arch == Arch::Allreduce {
+        engine.set_backward_group_bytes(config.bucket_bytes())?;
+    }
+    Ok(Some(engine))
+}
+
 /// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
 /// rendezvous).
 pub fn run(
@@ -94,17 +133,7 @@ pub fn run(
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
-    // The launcher's local rank (rank among this host's processes), when it gave one.
-    let local = flotilla_cluster::LauncherEnv::from_process()
-        .ok()
-        .and_then(|e| e.local_rank)
-        .map_or(String::new(), |l| {
-            format!(" local_rank={} (${})", l.value, l.var)
-        });
-    let up = format!(
-        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}{local}",
-        spec.name, config.model.device
-    );
+    let up = up_line(config, &spec, (rank, world), hash);
     observer.message(&up);
     log.line(&up)?;
 
@@ -122,23 +151,7 @@ pub fn run(
         observer.message(note);
         log.line(note)?;
     }
-    // A pipeline stage holds only its own layers: no whole-model engine.
-    let mut engine = match topology.arch() {
-        Arch::Pipeline => None,
-        _ => {
-            let mut engine = BurnEngine::new(
-                &spec,
-                &servers.own.optimizer,
-                &config.model.device,
-                config.model.seed,
-            )?;
-            if topology.arch() == Arch::Allreduce {
-                // Backward in groups of about one bucket: buckets start as groups finish.
-                engine.set_backward_group_bytes(config.bucket_bytes())?;
-            }
-            Some(engine)
-        }
-    };
+    let mut engine = whole_model_engine(config, &spec, topology.arch(), &servers.own.optimizer)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"

@@ -52,6 +52,51 @@ fn list(v: &[f64], digits: usize) -> String {
 /// One case: stages, schedule, micro-batches.
 type Key = (usize, &'static str, usize);
 
+/// Prints the reference and, per case, the median pass against it with the spread.
+fn print_table(keys: &[Key], runs: Vec<Vec<Case>>, reference: f64, references: &[f64]) {
+    println!(
+        "reference: 1 process, median {reference:.0} samples/s ({})",
+        list(references, 0)
+    );
+    println!(
+        "bubble = share of its training time a stage waits (per stage, first to last), of the median pass; ideal (S-1)/(M+S-1)"
+    );
+    println!(
+        "{:<3} {:<6} {:>3} {:>10} {:>16} {:>7} {:>18} {:>12} {:>14} {:>7}",
+        "S",
+        "sched",
+        "M",
+        "samples/s",
+        "ratio (spread)",
+        "ideal",
+        "bubble per stage",
+        "peak mb",
+        "act. MiB",
+        "balance"
+    );
+    for (&(s, schedule, m), mut cases) in keys.iter().zip(runs) {
+        cases.sort_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s));
+        let (lo, hi) = (cases[0].samples_per_s, cases[cases.len() - 1].samples_per_s);
+        let c = &cases[cases.len() / 2];
+        let ideal = (s - 1) as f64 / (m + s - 1) as f64;
+        println!(
+            "{s:<3} {schedule:<6} {m:>3} {:>10.0} {:>16} {:>7.2} {:>18} {:>12} {:>14} {:>7.2}",
+            c.samples_per_s,
+            format!(
+                "{:.2} ({:.2}-{:.2})",
+                c.samples_per_s / reference,
+                lo / reference,
+                hi / reference
+            ),
+            ideal,
+            list(&c.idle, 2),
+            list(&c.peak, 0),
+            list(&c.activation_mib, 1),
+            c.balance
+        );
+    }
+}
+
 /// Runs the bench.
 pub fn run(args: &BenchPipelineArgs) -> Result<()> {
     let dir = tempfile::tempdir().context("temporary directory")?;
@@ -91,47 +136,7 @@ pub fn run(args: &BenchPipelineArgs) -> Result<()> {
         }
     }
     let reference = median(&references);
-    println!(
-        "reference: 1 process, median {reference:.0} samples/s ({})",
-        list(&references, 0)
-    );
-    println!(
-        "bubble = share of its training time a stage waits (per stage, first to last), of the median pass; ideal (S-1)/(M+S-1)"
-    );
-    println!(
-        "{:<3} {:<6} {:>3} {:>10} {:>16} {:>7} {:>18} {:>12} {:>14} {:>7}",
-        "S",
-        "sched",
-        "M",
-        "samples/s",
-        "ratio (spread)",
-        "ideal",
-        "bubble per stage",
-        "peak mb",
-        "act. MiB",
-        "balance"
-    );
-    for (&(s, schedule, m), mut cases) in keys.iter().zip(runs) {
-        cases.sort_by(|a, b| a.samples_per_s.total_cmp(&b.samples_per_s));
-        let (lo, hi) = (cases[0].samples_per_s, cases[cases.len() - 1].samples_per_s);
-        let c = &cases[cases.len() / 2];
-        let ideal = (s - 1) as f64 / (m + s - 1) as f64;
-        println!(
-            "{s:<3} {schedule:<6} {m:>3} {:>10.0} {:>16} {:>7.2} {:>18} {:>12} {:>14} {:>7.2}",
-            c.samples_per_s,
-            format!(
-                "{:.2} ({:.2}-{:.2})",
-                c.samples_per_s / reference,
-                lo / reference,
-                hi / reference
-            ),
-            ideal,
-            list(&c.idle, 2),
-            list(&c.peak, 0),
-            list(&c.activation_mib, 1),
-            c.balance
-        );
-    }
+    print_table(&keys, runs, reference, &references);
     if args.stages.iter().any(|&s| s > cores) {
         println!(
             "note: with more stages than {cores} cores, stages share cores: their waiting includes waiting for a core"

@@ -76,6 +76,40 @@ fn hosts(entries: &[String]) -> Result<Vec<Host>> {
     Ok(out)
 }
 
+/// Without `--force`: refuses to overwrite a host's files, or to go on with half a CA.
+fn refuse_to_overwrite(
+    dir: &Path,
+    hosts: &[Host],
+    have_ca: (bool, bool),
+    (ca_pem, ca_key): (&Path, &Path),
+) -> Result<()> {
+    let existing: Vec<String> = hosts
+        .iter()
+        .flat_map(|h| [format!("{}.pem", h.file), format!("{}.key", h.file)])
+        .filter(|f| dir.join(f).exists())
+        .map(|f| dir.join(f).display().to_string())
+        .collect();
+    if !existing.is_empty() {
+        bail!(
+            "{} already exist: remove them, or use --force to make a new CA and all the hosts' files again",
+            existing.join(", ")
+        );
+    }
+    if have_ca.0 != have_ca.1 {
+        let (has, lacks) = if have_ca.0 {
+            (&ca_pem, &ca_key)
+        } else {
+            (&ca_key, &ca_pem)
+        };
+        bail!(
+            "{} exists without {}: restore it, or use --force to make a new CA",
+            has.display(),
+            lacks.display()
+        );
+    }
+    Ok(())
+}
+
 /// Runs `flotilla certs`.
 pub fn run(args: &CertsArgs) -> Result<()> {
     let hosts = hosts(&args.hosts)?;
@@ -87,30 +121,7 @@ pub fn run(args: &CertsArgs) -> Result<()> {
     let (ca_pem, ca_key) = (dir.join(CA_CERT), dir.join(CA_KEY));
     let have_ca = (ca_pem.exists(), ca_key.exists());
     if !args.force {
-        let existing: Vec<String> = hosts
-            .iter()
-            .flat_map(|h| [format!("{}.pem", h.file), format!("{}.key", h.file)])
-            .filter(|f| dir.join(f).exists())
-            .map(|f| dir.join(f).display().to_string())
-            .collect();
-        if !existing.is_empty() {
-            bail!(
-                "{} already exist: remove them, or use --force to make a new CA and all the hosts' files again",
-                existing.join(", ")
-            );
-        }
-        if have_ca.0 != have_ca.1 {
-            let (has, lacks) = if have_ca.0 {
-                (&ca_pem, &ca_key)
-            } else {
-                (&ca_key, &ca_pem)
-            };
-            bail!(
-                "{} exists without {}: restore it, or use --force to make a new CA",
-                has.display(),
-                lacks.display()
-            );
-        }
+        refuse_to_overwrite(dir, &hosts, have_ca, (&ca_pem, &ca_key))?;
     }
     let now = OffsetDateTime::now_utc();
     let staging = tempfile::Builder::new()

@@ -38,6 +38,31 @@ fn assert_spans(events: &[Value], pid: u64, names: &[&str]) {
     }
 }
 
+/// Rank `pid` reduced several buckets per step (each span with its bucket and bytes) and
+/// counted its bytes at least once per step, over `steps` steps.
+fn assert_bucketed_all_reduces(events: &[Value], pid: u64, steps: usize) {
+    let buckets: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "all_reduce")
+        .filter(|e| e["args"].get("bucket").is_some())
+        .collect();
+    assert!(
+        buckets.len() >= steps * 2,
+        "rank {pid}: every step reduces several buckets: {}",
+        buckets.len()
+    );
+    assert!(
+        buckets
+            .iter()
+            .all(|e| e["args"]["bytes"].as_u64() > Some(0))
+    );
+    let counters = events
+        .iter()
+        .filter(|e| e["ph"] == "C" && e["pid"] == pid && e["name"] == "bytes")
+        .count();
+    assert!(counters >= steps, "rank {pid}: {counters} byte counters");
+}
+
 #[test]
 fn the_timeline_of_a_two_rank_job_has_every_span_from_both_ranks() {
     let dir = tmp();
@@ -84,26 +109,7 @@ fn the_timeline_of_a_two_rank_job_has_every_span_from_both_ranks() {
                 "eval",
             ],
         );
-        let buckets: Vec<&Value> = events
-            .iter()
-            .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "all_reduce")
-            .filter(|e| e["args"].get("bucket").is_some())
-            .collect();
-        assert!(
-            buckets.len() >= 12 * 2,
-            "rank {pid}: every step reduces several buckets: {}",
-            buckets.len()
-        );
-        assert!(
-            buckets
-                .iter()
-                .all(|e| e["args"]["bytes"].as_u64() > Some(0))
-        );
-        let counters = events
-            .iter()
-            .filter(|e| e["ph"] == "C" && e["pid"] == pid && e["name"] == "bytes")
-            .count();
-        assert!(counters >= 12, "rank {pid}: {counters} byte counters");
+        assert_bucketed_all_reduces(&events, pid, 12);
     }
     assert_spans(&events, 0, &["checkpoint"]);
     // One clock: both ranks' steps interleave within the same second of wall time.
@@ -185,6 +191,30 @@ for n in sorted(names):
     print(n, sorted({k for labels in names[n] for k in labels}))
 "#;
 
+/// The metric families and label names of `text` as Prometheus' own Python parser reads it
+/// (failing the test if it rejects the text).
+fn parse_with_prometheus_client(text: &str) -> String {
+    let mut py = Command::new("python3")
+        .args(["-c", PARSER])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    py.stdin
+        .take()
+        .expect("stdin")
+        .write_all(text.as_bytes())
+        .expect("write");
+    let o = py.wait_with_output().expect("parser");
+    assert!(
+        o.status.success(),
+        "prometheus_client rejects the text:\n{}\n{text}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
 #[test]
 fn a_running_rank_serves_prometheus_metrics() {
     let probe = Command::new("python3")
@@ -235,25 +265,7 @@ fn a_running_rank_serves_prometheus_metrics() {
         );
         std::thread::sleep(Duration::from_millis(200));
     };
-    let mut py = Command::new("python3")
-        .args(["-c", PARSER])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("python3");
-    py.stdin
-        .take()
-        .expect("stdin")
-        .write_all(text.as_bytes())
-        .expect("write");
-    let o = py.wait_with_output().expect("parser");
-    assert!(
-        o.status.success(),
-        "prometheus_client rejects the text:\n{}\n{text}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    let parsed = String::from_utf8_lossy(&o.stdout);
+    let parsed = parse_with_prometheus_client(&text);
     for family in [
         "flotilla_step_seconds_bucket",
         "flotilla_step_seconds_count",

@@ -451,24 +451,38 @@ impl TrainConfig {
 
     /// Checks ranges and resolves the model spec; errors name the offending key.
     pub fn validate(&self) -> Result<ModelSpec> {
-        let bad = |key: &str, msg: String| TrainError::config("config", format!("`{key}`: {msg}"));
-        let positive = |key: &str, v: f64, what: &str| {
-            if v.is_finite() && v > 0.0 {
+        self.validate_counts()?;
+        self.validate_ranges()?;
+        self.validate_topology()?;
+        self.optimizer
+            .validate()
+            .map_err(|e| bad("optimizer", e.to_string()))?;
+        flotilla_engine::check_device(&self.model.device)
+            .map_err(|e| bad("model.device", e.to_string()))?;
+        ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))
+    }
+
+    /// The counts that must be at least 1.
+    fn validate_counts(&self) -> Result<()> {
+        let (s, t) = (&self.schedule, &self.topology);
+        let at_least_one = |key: &str, ok: bool| {
+            if ok {
                 Ok(())
             } else {
-                Err(bad(key, format!("must be a positive {what}, got {v}")))
+                Err(bad(key, "must be at least 1".into()))
             }
         };
+        at_least_one("schedule.epochs", s.epochs > 0 || s.max_steps.is_some())?;
+        at_least_one("data.batch_size", self.data.batch_size > 0)?;
+        at_least_one("topology.world_size", t.world_size > 0)?;
+        at_least_one("topology.local_steps", t.local_steps > 0)?;
+        at_least_one("schedule.num_server_rounds", s.num_server_rounds != Some(0))?;
+        at_least_one("data.train_limit", self.data.train_limit != Some(0))
+    }
+
+    /// The numbers that must be positive or within a range, and the backend this build has.
+    fn validate_ranges(&self) -> Result<()> {
         let (s, t, c) = (&self.schedule, &self.topology, &self.comm);
-        if s.epochs == 0 && s.max_steps.is_none() {
-            return Err(bad("schedule.epochs", "must be at least 1".into()));
-        }
-        if self.data.batch_size == 0 {
-            return Err(bad("data.batch_size", "must be at least 1".into()));
-        }
-        if t.world_size == 0 {
-            return Err(bad("topology.world_size", "must be at least 1".into()));
-        }
         if c.backend == Backend::Mpi && !cfg!(feature = "mpi") {
             return Err(TrainError::config(
                 "config",
@@ -495,15 +509,13 @@ impl TrainConfig {
                 format!("must be in [0, 1), got {m}"),
             ));
         }
-        if t.local_steps == 0 {
-            return Err(bad("topology.local_steps", "must be at least 1".into()));
-        }
-        if s.num_server_rounds == Some(0) {
-            return Err(bad(
-                "schedule.num_server_rounds",
-                "must be at least 1".into(),
-            ));
-        }
+        Ok(())
+    }
+
+    /// The architecture's own sections, the all-reduce mode it allows, and the placement on
+    /// the inventory's hosts.
+    fn validate_topology(&self) -> Result<()> {
+        let t = &self.topology;
         if t.arch == Arch::Pipeline {
             self.validate_pipeline()?;
         }
@@ -524,21 +536,12 @@ impl TrainConfig {
             flotilla_cluster::place(&topology, &inventory)
                 .map_err(|e| bad("topology.inventory", e.to_string()))?;
         }
-        if self.data.train_limit == Some(0) {
-            return Err(bad("data.train_limit", "must be at least 1".into()));
-        }
-        self.optimizer
-            .validate()
-            .map_err(|e| bad("optimizer", e.to_string()))?;
-        flotilla_engine::device_by_name(&self.model.device)
-            .map_err(|e| bad("model.device", e.to_string()))?;
-        ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))
+        Ok(())
     }
 
     /// Checks the pipeline section's own ranges (the cut itself is checked against the model
     /// when it is planned).
     fn validate_pipeline(&self) -> Result<()> {
-        let bad = |key: &str, msg: String| TrainError::config("config", format!("`{key}`: {msg}"));
         let p = &self.pipeline;
         if p.num_stages() == 0 {
             return Err(bad("pipeline.stages", "must be at least 1".into()));
@@ -669,6 +672,20 @@ fn remove_path(v: &mut serde_json::Value, path: &str) {
     }
     if let Some(m) = cur.as_object_mut() {
         m.remove(last);
+    }
+}
+
+/// A config error naming `key`.
+fn bad(key: &str, msg: String) -> TrainError {
+    TrainError::config("config", format!("`{key}`: {msg}"))
+}
+
+/// `Ok` when `v` is a positive finite number, else an error naming `key`.
+fn positive(key: &str, v: f64, what: &str) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(bad(key, format!("must be a positive {what}, got {v}")))
     }
 }
 

@@ -4,8 +4,8 @@
 
 use std::ops::Range;
 
-use flotilla_engine::partition::{self, LayerCost, StageEstimate, StageHost};
-use flotilla_engine::{ModelSpec, Split, split::ranges_from_points};
+use flotilla_engine::{LayerCost, StageEstimate, StageHost, check_cut, partition};
+use flotilla_engine::{ModelSpec, Split, ranges_from_points};
 
 use crate::config::{StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -47,7 +47,7 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<Plan> {
     let (ranges, automatic) = cut(config, spec, &costs, &hosts)?;
     let split = Split::new(spec, ranges.clone())
         .map_err(|e| TrainError::config("pipeline.stages", e.to_string()))?;
-    let stages = partition::check(&costs, &ranges, &hosts)
+    let stages = check_cut(&costs, &ranges, &hosts)
         .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
     Ok(Plan {
         split,
@@ -84,8 +84,8 @@ fn cut(
     if let Some(ranges) = configured_cut(config, spec) {
         return Ok((ranges, false));
     }
-    let chosen = partition::partition(costs, hosts)
-        .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
+    let chosen =
+        partition(costs, hosts).map_err(|e| TrainError::config("pipeline", e.to_string()))?;
     Ok((chosen.into_iter().map(|e| e.layers).collect(), true))
 }
 
