@@ -196,7 +196,8 @@ impl SgdRef {
         let v = match self.velocity.take() {
             Some(mut v) if self.momentum > 0.0 => {
                 for (v, g) in v.iter_mut().zip(g) {
-                    *v = g * 1.0 + *v * self.momentum;
+                    // burn: `g·(1 − dampening) + μ·v`; `g·1` is `g` exactly.
+                    *v = g + *v * self.momentum;
                 }
                 v
             }
