@@ -84,7 +84,7 @@ pub(crate) fn push(version: u64, samples: u32, values: &[f32]) -> Vec<u8> {
 /// The sample-weighted mean of pushes, summed in arrival order as a server sums them:
 /// `(Σ sᵢ·vᵢ) · (1 / Σ sᵢ)` in f32.
 pub(crate) fn weighted_mean<V: AsRef<[f32]>>(parts: &[(u32, V)]) -> Vec<f32> {
-    let mut sum = vec![0.0f32; N];
+    let mut sum = [0.0f32; N];
     let mut samples = 0u64;
     for (s, v) in parts {
         let w = *s as f32;

@@ -44,9 +44,10 @@ enum Peer {
     Sync { overlap: bool },
 }
 
-/// Every rank's parameters after each step (after the step's own updates), then after the
-/// stop (which drains what is in flight).
-fn run(peer: Peer) -> Vec<Vec<Vec<f32>>> {
+/// Every rank's parameters after each step (after the step's own updates, and after the
+/// drain of an evaluation after step `drain_after`), then after the stop (which drains what
+/// is in flight).
+fn run(peer: Peer, drain_after: Option<u64>) -> Vec<Vec<Vec<f32>>> {
     let handles: Vec<_> = world(RANKS)
         .into_iter()
         .map(|comm| {
@@ -74,6 +75,10 @@ fn run(peer: Peer) -> Vec<Vec<Vec<f32>>> {
                 for done in 0..STEPS {
                     role.step(&mut rank.cx(RANKS), &mut shard, done)
                         .expect("step");
+                    if drain_after == Some(done + 1) {
+                        // What the run loop does before evaluating or checkpointing.
+                        role.prepare_model(&mut rank.cx(RANKS)).expect("drain");
+                    }
                     after.push(rank.params());
                 }
                 role.stop(&mut rank.cx(RANKS), "done").expect("stop");
@@ -104,8 +109,9 @@ fn gradient_point(ws: &[Vec<f32>], k: usize, predict: bool, momentum: f32) -> Ve
 }
 
 /// The serial formula of the module documentation: the parameters after each step, then
-/// after the final drain.
-fn reference(staleness: usize, predict: bool) -> Vec<Vec<f32>> {
+/// after the final drain. A drain after step `drain_after` applies what is in flight at that
+/// step's rate and forgets the updates before it (nothing to predict from).
+fn reference(staleness: usize, predict: bool, drain_after: Option<u64>) -> Vec<Vec<f32>> {
     let data = dataset(SAMPLES);
     let mut shards: Vec<_> = (0..RANKS).map(|r| batches(&data, RANKS, r)).collect();
     let (mut oracle, w0) = Oracle::new();
@@ -129,6 +135,12 @@ fn reference(staleness: usize, predict: bool) -> Vec<Vec<f32>> {
         while in_flight.len() > keep {
             let g = in_flight.pop_front().expect("in flight");
             apply(&mut ws, &g, lr(j));
+        }
+        if drain_after == Some(j + 1) {
+            while let Some(g) = in_flight.pop_front() {
+                apply(&mut ws, &g, lr(j));
+            }
+            ws = vec![ws[ws.len() - 1].clone()];
         }
         after.push(ws[ws.len() - 1].clone());
     }
@@ -156,30 +168,66 @@ fn assert_follows(ranks: &[Vec<Vec<f32>>], want: &[Vec<f32>], what: &str) {
 
 #[test]
 fn staleness_one_with_weight_prediction_follows_the_serial_formula() {
-    let want = reference(1, true);
+    let want = reference(1, true, None);
     // The formula is not degenerate: prediction and staleness both change the result.
     let last = STEPS as usize;
-    assert_ne!(want[last], reference(1, false)[last], "prediction matters");
-    assert_ne!(want[last], reference(0, false)[last], "staleness matters");
+    assert_ne!(
+        want[last],
+        reference(1, false, None)[last],
+        "prediction matters"
+    );
+    assert_ne!(
+        want[last],
+        reference(0, false, None)[last],
+        "staleness matters"
+    );
     // Step 2 applied nothing (one step stays in flight).
     assert_eq!(want[0], want[1]);
-    let ranks = run(Peer::Async(1, StaleCorrection::Predict));
+    let ranks = run(Peer::Async(1, StaleCorrection::Predict), None);
     assert_follows(&ranks, &want, "staleness 1, predict");
 }
 
 #[test]
 fn staleness_one_without_correction_applies_the_previous_gradient_as_it_is() {
-    let ranks = run(Peer::Async(1, StaleCorrection::None));
-    assert_follows(&ranks, &reference(1, false), "staleness 1, no correction");
+    let ranks = run(Peer::Async(1, StaleCorrection::None), None);
+    assert_follows(
+        &ranks,
+        &reference(1, false, None),
+        "staleness 1, no correction",
+    );
 }
 
 #[test]
 fn staleness_zero_equals_sync_allreduce_and_serial_mean_gradient_sgd() {
-    let want = reference(0, false);
-    let asynchronous = run(Peer::Async(0, StaleCorrection::Predict));
+    let want = reference(0, false, None);
+    let asynchronous = run(Peer::Async(0, StaleCorrection::Predict), None);
     assert_follows(&asynchronous, &want, "async staleness 0");
     for overlap in [true, false] {
-        let sync = run(Peer::Sync { overlap });
+        let sync = run(Peer::Sync { overlap }, None);
         assert_follows(&sync, &want, &format!("sync all-reduce, overlap {overlap}"));
     }
+}
+
+#[test]
+fn staleness_two_predicts_over_the_two_steps_in_flight() {
+    let want = reference(2, true, None);
+    assert_ne!(
+        want[STEPS as usize],
+        reference(2, false, None)[STEPS as usize]
+    );
+    let ranks = run(Peer::Async(2, StaleCorrection::Predict), None);
+    assert_follows(&ranks, &want, "staleness 2, predict");
+}
+
+#[test]
+fn a_drain_mid_run_applies_what_is_in_flight_and_forgets_the_updates() {
+    // An evaluation after step 5 drains; the prediction starts afresh, as after a resume.
+    let want = reference(1, true, Some(5));
+    assert_ne!(
+        want[4],
+        reference(1, true, None)[4],
+        "the drain applied a step"
+    );
+    let ranks = run(Peer::Async(1, StaleCorrection::Predict), Some(5));
+    assert_follows(&ranks, &want, "staleness 1, predict, drained after step 5");
 }
