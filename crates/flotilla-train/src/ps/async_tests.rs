@@ -197,3 +197,52 @@ fn async_local_servers_carry_their_staleness_to_an_async_root() {
     );
     assert_eq!(reference.updates, 6);
 }
+
+/// A sync root over the async local servers: each round sums one push of each local
+/// server in child order and takes one step at the round's rate, divided by
+/// `1 + staleness` only when `staleness_lr: true` (`scaled`).
+fn sync_root_over_async_locals(staleness_lr: Option<bool>, scaled: bool) {
+    let c = ps_config(|t| {
+        hierarchical(t, Aggregation::Sync, Aggregation::Async);
+        t.staleness_lr = staleness_lr;
+    });
+    let mut t = Tree::new(&c);
+    let mut reference = RootRef::new(t.root.rank.params(), MOMENTUM, 1, scaled);
+    for _ in 0..2 {
+        t.root.step();
+    }
+    t.a.step();
+    t.b.step();
+    // Round 1: A pushes rank 2's gradient (rank 3's waits), B rank 5's; both on v0.
+    t.push(2, 0, 2, 0);
+    t.push(3, 0, 3, 1);
+    t.root.step();
+    assert_eq!(
+        t.root.rank.params(),
+        reference.w,
+        "half a round changes nothing"
+    );
+    t.push(5, 0, 4, 2);
+    t.root.step();
+    let a = weighted_mean(&[(2, grad(0))]);
+    let b = weighted_mean(&[(4, grad(2))]);
+    reference.apply(&weighted_mean(&[(2, a), (4, b)]), 0);
+    assert_bitwise(&t.root.rank.params(), &reference.w, "round 1");
+    // Round 2: A pushes rank 3's gradient of v0 at v1; B, at v1, rank 6's of v0: both
+    // carry 1 from below.
+    t.a.step();
+    t.b.step();
+    t.push(6, 0, 1, 5);
+    t.root.step();
+    t.root.step();
+    let a = weighted_mean(&[(3, grad(1))]);
+    let b = weighted_mean(&[(1, grad(5))]);
+    reference.apply(&weighted_mean(&[(3, a), (1, b)]), 1);
+    assert_bitwise(&t.root.rank.params(), &reference.w, "round 2 (1 stale)");
+}
+
+#[test]
+fn a_sync_root_over_async_local_servers_does_not_scale_unless_asked() {
+    sync_root_over_async_locals(None, false);
+    sync_root_over_async_locals(Some(true), true);
+}
