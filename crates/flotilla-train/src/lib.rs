@@ -28,6 +28,11 @@ pub mod strategies;
 pub mod strategy;
 pub mod trainer;
 
+#[cfg(test)]
+mod runloop_tests;
+#[cfg(test)]
+pub(crate) mod testkit;
+
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};

@@ -18,6 +18,12 @@ pub mod staleness;
 pub mod worker;
 
 #[cfg(test)]
+mod async_tests;
+#[cfg(test)]
+mod averaging_tests;
+#[cfg(test)]
+mod formula_kit;
+#[cfg(test)]
 mod machine_tests;
 
 use flotilla_cluster::{RoleKind, Topology};

@@ -6,6 +6,11 @@
 mod async_allreduce;
 mod sync_allreduce;
 
+#[cfg(test)]
+mod async_allreduce_tests;
+#[cfg(test)]
+mod sync_allreduce_tests;
+
 pub use async_allreduce::AsyncAllReduce;
 pub use sync_allreduce::SyncAllReduce;
 
