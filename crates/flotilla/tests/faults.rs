@@ -459,8 +459,8 @@ fn hand_kill_scenario(mode: &Mode, (rank, what): (usize, &str), delay: f64, dir:
         );
     }
     let t0 = Instant::now();
-    let _ = victim.wait_exit(Duration::from_secs(5));
     let endings = survivors::wait_endings(&mut survivors, t0, Duration::from_secs_f64(HANG_S));
+    let _ = victim.wait_exit(Duration::from_secs(5));
     row.detected_s = endings.iter().filter_map(|e| e.after_s).reduce(f64::max);
     let bound = TIMEOUT_S + SURVIVOR_SLACK_S;
     match survivors::judge_endings(&endings, rank, mode.direct, bound) {
