@@ -83,7 +83,8 @@ fn a_secret_file_readable_by_others_is_refused_at_once() {
 
 /// Ranks started by hand: a rank 1 with another secret is refused by rank 0 and told so
 /// (naming rank 0), rank 0 logs the refusal naming the address and keeps waiting, and the
-/// real rank 1 (the right secret) then trains with it.
+/// real rank 1 (the right secret) then trains with it: its checkpoint is bit for bit the one
+/// of the same job launched without the intruder.
 #[test]
 fn a_rank_with_another_secret_is_refused_and_named() {
     let dir = tmp();
@@ -133,4 +134,21 @@ fn a_rank_with_another_secret_is_refused_and_named() {
     for text in [&log0.to_string(), &text(&o)] {
         assert!(!text.contains("the-right-secret") && !text.contains("a-guessed-secret"));
     }
+    // The same job undisturbed.
+    let undisturbed = dir.path().join("undisturbed");
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        &cfg,
+        "--output",
+        undisturbed.to_str().expect("utf8"),
+    ])
+    .env("FLOTILLA_SECRET", "the-right-secret");
+    let o = run_with_deadline(c, Duration::from_secs(180));
+    assert!(o.status.success(), "{}", text(&o));
+    assert_bitwise(
+        "the job the intruder tried to join against the same job undisturbed",
+        &checkpoint_tensors(&out),
+        &checkpoint_tensors(&undisturbed),
+    );
 }

@@ -38,8 +38,8 @@ fn tls_env(c: &mut Command, certs: &Path) {
 }
 
 /// `flotilla certs` writes a CA and a host pair (keys 0600) and says how to use them; a
-/// 2-rank launch with TLS on every connection then trains to exactly the accuracy and loss
-/// of the same launch without TLS.
+/// 2-rank launch with TLS on every connection then ends with the same checkpoint, bit for
+/// bit, as the same launch without TLS.
 #[test]
 fn certs_then_a_tls_launch_trains_as_a_plain_one() {
     let dir = tmp();
@@ -94,20 +94,23 @@ fn certs_then_a_tls_launch_trains_as_a_plain_one() {
     let plain = run(false, "plain");
     assert!(plain.status.success(), "{}", text(&plain));
     assert!(!text(&plain).contains("TLS on every connection"));
-    let (a, b) = (final_fields(&encrypted), final_fields(&plain));
-    assert!(a["test_acc"] > 0.3, "{all}");
+    assert!(final_fields(&encrypted)["test_acc"] > 0.3, "{all}");
     assert!(
         !all.contains("not authenticated"),
         "certificates authenticate:\n{all}"
     );
-    assert_eq!(a["test_acc"], b["test_acc"], "{all}");
-    assert_eq!(a["loss"], b["loss"]);
+    assert_bitwise(
+        "TLS against plain",
+        &checkpoint_tensors(&dir.path().join("tls")),
+        &checkpoint_tensors(&dir.path().join("plain")),
+    );
 }
 
 /// Ranks started by hand against a TLS job (rank 0 reads `comm.tls` from its config): a
 /// rank of another cluster CA fails naming rank 0 and the CA, a rank without TLS is told
 /// that the job requires it; rank 0 logs both refusals with their addresses, keeps waiting,
-/// and trains with the real rank 1.
+/// and trains with the real rank 1 to the checkpoint, bit for bit, of the same job launched
+/// without the intruders.
 #[test]
 fn a_rank_of_another_ca_or_without_tls_is_refused_and_the_job_finishes() {
     let dir = tmp();
@@ -173,6 +176,16 @@ fn a_rank_of_another_ca_or_without_tls_is_refused_and_the_job_finishes() {
         log0.contains("refused a connection (TLS handshake with unranked process at 127.0.0.1:")
             && log0.contains("did not start TLS, but this job requires TLS on every connection"),
         "rank 0 logs both refusals naming the address:\n{log0}"
+    );
+    let undisturbed = dir.path().join("undisturbed");
+    let mut c = flotilla_plain();
+    c.args(["launch", &tls_cfg, "--output"]).arg(&undisturbed);
+    let o = run_with_deadline(c, Duration::from_secs(180));
+    assert!(o.status.success(), "{}", text(&o));
+    assert_bitwise(
+        "the job the intruders tried to join against the same job undisturbed",
+        &checkpoint_tensors(&out),
+        &checkpoint_tensors(&undisturbed),
     );
 }
 

@@ -48,6 +48,9 @@ pub struct LocalServer {
     timeout: Duration,
     /// The loss and samples of the last push up, for the run loop.
     pushed: Option<(f32, u64)>,
+    /// Children lost while the run went on (async), and lost children that came back.
+    lost: u64,
+    rejoined: u64,
 }
 
 impl LocalServer {
@@ -82,6 +85,8 @@ impl LocalServer {
             pushes_up: 0,
             round_started: Instant::now(),
             stopped: None,
+            lost: 0,
+            rejoined: 0,
         })
     }
 
@@ -294,6 +299,7 @@ impl ServerMachine for LocalServer {
         }
         if self.active.remove(&peer) {
             self.pending.remove(&peer);
+            self.lost += 1;
             cx.log(&format!(
                 "rank {peer} lost ({e}); continuing with {} children",
                 self.active.len()
@@ -313,6 +319,7 @@ impl ServerMachine for LocalServer {
             return Ok(());
         }
         self.active.insert(peer);
+        self.rejoined += 1;
         cx.log(&format!(
             "rank {peer} rejoined (a replaced worker); continuing with {} children",
             self.active.len()
@@ -348,6 +355,14 @@ impl Role for LocalServer {
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::None
+    }
+
+    /// How many children it lost while the run went on, and how many came back.
+    fn figures(&self, _cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        vec![
+            ("lost_children", self.lost as f64),
+            ("rejoined_children", self.rejoined as f64),
+        ]
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {

@@ -25,6 +25,8 @@ pub struct Running {
     lines: Arc<Mutex<Vec<Line>>>,
     readers: Vec<std::thread::JoinHandle<()>>,
     status: Option<ExitStatus>,
+    /// When the test first saw it exited (as precise as the polling of [`Running::wait_exit`]).
+    ended: Option<Instant>,
     /// When it was started.
     pub started: Instant,
 }
@@ -48,6 +50,7 @@ impl Running {
             lines,
             readers,
             status: None,
+            ended: None,
             started: Instant::now(),
         }
     }
@@ -100,6 +103,7 @@ impl Running {
         while self.status.is_none() {
             if let Some(s) = self.proc.0.try_wait().expect("try_wait") {
                 self.status = Some(s);
+                self.ended = Some(Instant::now());
                 // The pipes close with the process (bounded: a descendant could hold them).
                 let drained = Instant::now() + Duration::from_secs(2);
                 while !self.readers.iter().all(|r| r.is_finished()) && Instant::now() < drained {
@@ -118,6 +122,11 @@ impl Running {
     /// Its exit status, if it has exited.
     pub fn exited(&mut self) -> Option<ExitStatus> {
         self.wait_exit(Duration::ZERO)
+    }
+
+    /// When the test first saw it exited, if it has.
+    pub fn ended(&self) -> Option<Instant> {
+        self.ended
     }
 }
 
