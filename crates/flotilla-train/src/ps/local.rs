@@ -16,6 +16,7 @@ use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
 use super::protocol::PsMessage;
+use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
@@ -48,6 +49,9 @@ pub struct LocalServer {
     timeout: Duration,
     /// The loss and samples of the last push up, for the run loop.
     pushed: Option<(f32, u64)>,
+    /// Children taken back (replaced workers that rejoined), and the pushes accepted from
+    /// each replacement.
+    rejoins: Rejoins,
 }
 
 impl LocalServer {
@@ -61,6 +65,7 @@ impl LocalServer {
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
+            rejoins: Rejoins::default(),
             parent,
             children: children.to_vec(),
             sync,
@@ -165,6 +170,9 @@ impl LocalServer {
                     "stop from rank {} ({reason}); pushed up {} times",
                     self.parent, self.pushes_up
                 ))?;
+                for r in self.rejoins.all() {
+                    cx.log(&r.to_string())?;
+                }
                 self.stopped = Some(reason);
                 Ok(())
             }
@@ -203,6 +211,7 @@ impl LocalServer {
         if check.take(cx, &mut self.acc, child, msg)?.is_none() {
             return Ok(());
         }
+        self.rejoins.accepted(child);
         if self.sync {
             self.pending.remove(&child);
             if self.pending.is_empty()
@@ -313,8 +322,12 @@ impl ServerMachine for LocalServer {
             return Ok(());
         }
         self.active.insert(peer);
+        let r = self
+            .rejoins
+            .back(peer, self.params.as_ref().map_or(0, |p| p.version));
         cx.log(&format!(
-            "rank {peer} rejoined (a replaced worker); continuing with {} children",
+            "rank {peer} rejoined (a replaced worker) at version {}; continuing with {} children",
+            r.version,
             self.active.len()
         ))
     }
