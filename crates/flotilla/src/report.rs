@@ -181,7 +181,10 @@ mod tests {
         assert_eq!(f["time_to_accuracy"]["0.99"], Value::Null);
         assert_eq!(f["samples_per_s"], json!(250.0));
         assert_eq!(f["evaluations"], json!(3));
-        assert_eq!((&f["resumed_at"], &f["steps_run"]), (&json!(10), &json!(30)));
+        assert_eq!(
+            (&f["resumed_at"], &f["steps_run"]),
+            (&json!(10), &json!(30))
+        );
         assert_eq!(f["bytes_moved"], json!(5000));
         assert_eq!(f["bytes_per_sample"], json!(5.0));
     }

@@ -65,7 +65,8 @@ fn a_rank_killed_twice_is_survived_and_the_run_ends_as_an_uninterrupted_one() {
     let (elastic, plain) = (dir.path().join("elastic"), dir.path().join("plain"));
     let mut c = flotilla();
     let trace = dir.path().join("elastic.trace.json");
-    c.args(args(&elastic)).args(["--max-restarts", "2", "--timeline"]);
+    c.args(args(&elastic))
+        .args(["--max-restarts", "2", "--timeline"]);
     c.arg(&trace);
     c.stdout(Stdio::piped()).stderr(Stdio::piped());
     let out_dir = elastic.clone();
@@ -108,7 +109,10 @@ fn a_rank_killed_twice_is_survived_and_the_run_ends_as_an_uninterrupted_one() {
 /// counts too).
 fn assert_each_start_ran_on_from_its_checkpoint(out: &Path) {
     let log = run_log(out, 0);
-    let resumes: Vec<&str> = log.lines().filter(|l| l.contains("resuming from")).collect();
+    let resumes: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("resuming from"))
+        .collect();
     let resumed = numbers_after(&resumes.join("\n"), " (step ");
     assert_eq!(resumed.len(), 2, "two resumes\n{log}");
     let from = [0, resumed[0], resumed[1]];

@@ -194,7 +194,11 @@ fn assert_replacements_contributed(out: &Path, victim: usize, server: usize) {
             first[k + 1],
             back[k]
         );
-        assert!(ledger[k].1 > 0, "no push of replacement {} accepted\n{slog}", k + 1);
+        assert!(
+            ledger[k].1 > 0,
+            "no push of replacement {} accepted\n{slog}",
+            k + 1
+        );
     }
     let last = &vlog[vlog.rfind("first pull:").expect("first pull")..];
     let pushed = numbers_after(last, ") after ");

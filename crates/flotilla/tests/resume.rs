@@ -60,7 +60,10 @@ fn assert_ran_the_rest(name: &str, out: &Path, every_rank: bool) {
             r["rank"]
         );
     }
-    assert_eq!(ranks.len(), s["topology"]["world_size"].as_u64().expect("n") as usize);
+    assert_eq!(
+        ranks.len(),
+        s["topology"]["world_size"].as_u64().expect("n") as usize
+    );
 }
 
 /// The part of rank 0's run.log written by the last run into `out` (the log appends).
