@@ -13,4 +13,4 @@ pub mod timeline;
 pub use events::{EVENT_PREFIX, RankEvent};
 pub use exporter::{ExporterError, MetricsServer, Recorder, install};
 pub use merge::{MergeError, MergeReport, merge};
-pub use timeline::{COUNTER_TARGET, Timeline, TimelineLayer, timeline};
+pub use timeline::{COUNTER_TARGET, Opening, Timeline, TimelineLayer, timeline};

@@ -10,6 +10,10 @@
 //!   `counter` field, with its numeric fields as the series.
 //! - [`Timeline::set_process`] writes the `process_name` metadata (`rank N (role)`); the pid of
 //!   every event is the rank.
+//! - A span without a parent (a step, an evaluation, a checkpoint) is flushed when it ends,
+//!   so a rank killed mid-run leaves every step it finished. A rank that continues an
+//!   earlier run ([`Opening::Continue`]: a resumed job, a replaced worker) appends, so the
+//!   file holds each start of the rank in order, each beginning with its `process_name`.
 //!
 //! `tracing-chrome` was the first choice; it writes pid 1 for every process, timestamps from a
 //! per-process monotonic clock (ranks cannot be aligned), no counters, and one JSON array that
@@ -65,6 +69,14 @@ impl Sink {
         }
     }
 
+    fn flush(&self) {
+        if let Ok(mut out) = self.out.lock()
+            && let Some(w) = out.as_mut()
+        {
+            let _ = w.flush();
+        }
+    }
+
     /// The lane (`tid`) of a named track, announcing its name the first time.
     fn track(&self, name: &str) -> u64 {
         let (tid, new) = {
@@ -87,6 +99,22 @@ impl Sink {
     }
 }
 
+/// Opens `path` to append, first cutting a last line without its newline (the earlier
+/// run died while writing it), so that every line stays one complete event.
+fn continue_file(path: &Path) -> std::io::Result<File> {
+    let complete = match std::fs::read(path) {
+        Ok(bytes) => bytes.iter().rposition(|&b| b == b'\n').map_or(0, |i| i + 1),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 0,
+        Err(e) => return Err(e),
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(path)?;
+    file.set_len(complete as u64)?;
+    Ok(file)
+}
+
 /// The handle of a rank's timeline: names the process and flushes the file.
 #[derive(Clone)]
 pub struct Timeline {
@@ -98,9 +126,24 @@ pub struct TimelineLayer {
     sink: Arc<Sink>,
 }
 
-/// Creates the timeline file at `path` (its directory must exist) and the layer writing it.
-pub fn timeline(path: &Path) -> std::io::Result<(Timeline, TimelineLayer)> {
-    let file = File::create(path)?;
+/// How a rank's timeline file is opened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Opening {
+    /// A fresh run: the file starts empty.
+    Fresh,
+    /// A run that continues an earlier one of the same rank (a resumed job, a replaced
+    /// worker): its events follow the earlier run's, after a line that run's death cut
+    /// short is dropped, so the file holds every start of the rank in order.
+    Continue,
+}
+
+/// Creates (or, to continue, opens) the timeline file at `path` (its directory must exist)
+/// and the layer writing it.
+pub fn timeline(path: &Path, opening: Opening) -> std::io::Result<(Timeline, TimelineLayer)> {
+    let file = match opening {
+        Opening::Fresh => File::create(path)?,
+        Opening::Continue => continue_file(path)?,
+    };
     let origin_us = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as f64 / 1000.0)
@@ -130,11 +173,7 @@ impl Timeline {
 
     /// Writes out what is buffered.
     pub fn flush(&self) {
-        if let Ok(mut out) = self.sink.out.lock()
-            && let Some(w) = out.as_mut()
-        {
-            let _ = w.flush();
-        }
+        self.sink.flush();
     }
 
     /// Flushes and closes the file; later events are dropped.
@@ -240,6 +279,11 @@ where
             "name": span.name(), "ph": "X", "ts": ts, "dur": dur, "tid": tid,
             "args": Value::Object(open.args),
         }));
+        if span.parent().is_none() {
+            // A whole step (or evaluation, checkpoint) is on disk once it ends: a rank killed
+            // later loses at most the one in progress.
+            sink.flush();
+        }
     }
 
     fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
@@ -266,11 +310,39 @@ mod tests {
     use super::*;
     use tracing_subscriber::prelude::*;
 
+    /// A rank that continues appends after what a killed run left, minus its cut line, and
+    /// its steps are on disk as each ends (the file is read before the handle is closed).
+    #[test]
+    fn a_continued_timeline_appends_after_the_cut_line_and_steps_are_flushed() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("t.jsonl");
+        std::fs::write(&path, "{\"ph\":\"M\",\"name\":\"a\"}\n{\"ph\":\"X\",\"na").expect("write");
+        let (handle, layer) = timeline(&path, Opening::Continue).expect("timeline");
+        let subscriber = tracing_subscriber::registry().with(layer);
+        tracing::subscriber::with_default(subscriber, || {
+            let step = tracing::info_span!(target: "flotilla::train", "step", step = 51u64);
+            let _e = step.enter();
+            tracing::info_span!(target: "flotilla::engine", "forward").in_scope(|| {});
+        });
+        let text = std::fs::read_to_string(&path).expect("read");
+        let names: Vec<String> = text
+            .lines()
+            .map(|l| {
+                let v: Value = serde_json::from_str(l).expect("every line is an event");
+                v["name"].as_str().expect("name").to_string()
+            })
+            .collect();
+        assert_eq!(names, ["a", "forward", "step"]);
+        drop(handle);
+        let (_t, _layer) = timeline(&path, Opening::Fresh).expect("fresh");
+        assert_eq!(std::fs::read_to_string(&path).expect("read"), "");
+    }
+
     #[test]
     fn spans_tracks_and_counters_become_chrome_events() {
         let dir = tempfile::tempdir().expect("tempdir");
         let path = dir.path().join("t.jsonl");
-        let (timeline, layer) = timeline(&path).expect("timeline");
+        let (timeline, layer) = timeline(&path, Opening::Fresh).expect("timeline");
         let subscriber = tracing_subscriber::registry().with(layer);
         tracing::subscriber::with_default(subscriber, || {
             timeline.set_process(3, "peer");

@@ -17,6 +17,11 @@ use crate::error::{Result, TrainError};
 /// Set to `1` by the launcher on a worker it restarts alone.
 pub const REJOIN_ENV: &str = "FLOTILLA_REJOIN";
 
+/// Whether this process was started as a replacement of a lost worker ([`REJOIN_ENV`]` = 1`).
+pub fn asked_to_rejoin() -> bool {
+    std::env::var(REJOIN_ENV).is_ok_and(|v| v.trim() == "1")
+}
+
 /// Whether rank `rank` of `topology` is a worker that may be replaced while the job runs:
 /// every server it pushes to aggregates asynchronously.
 pub fn can_rejoin(topology: &Topology, rank: usize) -> bool {
@@ -44,7 +49,7 @@ pub fn rejoinable(topology: &Topology) -> Vec<usize> {
 /// worker, accept them; a process started with [`REJOIN_ENV`] joins, linking to its servers
 /// (an error if its rank cannot rejoin); everyone else is [`Rejoin::Off`].
 pub fn mode(topology: &Topology, rank: Option<usize>) -> Result<(Rejoin, Vec<usize>)> {
-    let asked = std::env::var(REJOIN_ENV).is_ok_and(|v| v.trim() == "1");
+    let asked = asked_to_rejoin();
     let workers = rejoinable(topology);
     if !asked {
         let accepts = rank.is_some_and(|r| {

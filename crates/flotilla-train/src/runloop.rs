@@ -56,6 +56,11 @@ pub struct Plan {
 pub struct Finished {
     /// Units of progress in total (including those before a resume).
     pub progress: u64,
+    /// The progress this process started from (a resumed checkpoint's step, else 0).
+    pub resumed_at: u64,
+    /// Units of progress this process itself made, counted step by step as they finished
+    /// (so `progress - resumed_at` when a resumed run goes on exactly where it stood).
+    pub steps_run: u64,
     /// The final evaluation, if this role evaluates.
     pub eval: Option<EvalStats>,
     /// Mean training loss of the last epoch (peers) or the last unit (others).
@@ -99,6 +104,8 @@ struct Loop<'r, 'd, 'c> {
     plan: &'r Plan,
     cx: &'r mut Cx<'c>,
     progress: u64,
+    /// Steps this process made (see [`Finished::steps_run`]).
+    steps_run: u64,
     epoch: Epoch,
     epochs: u32,
     train_loss: f64,
@@ -131,6 +138,7 @@ pub fn run(
         plan,
         cx,
         progress: plan.resumed_at,
+        steps_run: 0,
         epoch: Epoch::new(),
         epochs,
         train_loss: f64::NAN,
@@ -223,6 +231,7 @@ impl Loop<'_, '_, '_> {
             return Ok(());
         }
         self.progress += 1;
+        self.steps_run += 1;
         let at = self.progress;
         if let Some(f) = &self.cx.fault
             && f.at(at) == Some(FaultAction::Perturb)
@@ -475,6 +484,8 @@ impl Loop<'_, '_, '_> {
         let checkpoint = self.checkpoint()?;
         Ok(Finished {
             progress: self.progress,
+            resumed_at: self.plan.resumed_at,
+            steps_run: self.steps_run,
             eval,
             train_loss: self.train_loss,
             samples_per_s: self.samples as f64 / train_s.max(1e-9),

@@ -41,6 +41,11 @@ pub struct RunSummary {
     pub train_loss: f64,
     /// Optimizer steps taken (in total, including those before a resume).
     pub steps: u64,
+    /// The step (or round) this process started from: a resumed checkpoint's, else 0.
+    pub resumed_at: u64,
+    /// Steps (or rounds) this process itself took, counted as they finished: a run resumed
+    /// at step `r` of `n` takes `n - r`.
+    pub steps_run: u64,
     /// Seconds from start to end.
     pub wall_s: f64,
     /// Global training samples per second over the run.
@@ -490,6 +495,8 @@ impl Job<'_> {
             ("test_loss", s.test_loss),
             ("train_loss", s.train_loss),
             ("steps", s.steps as f64),
+            ("resumed_at", s.resumed_at as f64),
+            ("steps_run", s.steps_run as f64),
             ("wall_s", s.wall_s),
             ("samples_per_s", s.samples_per_s),
         ]
@@ -534,6 +541,8 @@ impl Job<'_> {
             test_loss: done.eval.map_or(f64::NAN, |e| e.loss()),
             train_loss: done.train_loss,
             steps: done.progress,
+            resumed_at: done.resumed_at,
+            steps_run: done.steps_run,
             wall_s: self.started.elapsed().as_secs_f64(),
             samples_per_s: done.samples_per_s,
             samples: done.samples,

@@ -30,7 +30,8 @@ pub fn first_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
 }
 
 /// The run's figures: final and best accuracy, each milestone's first step and wall time,
-/// samples per second, and the bytes moved in all and per sample.
+/// samples per second, the steps in all, the step this process resumed at and the steps it
+/// ran itself, and the bytes moved in all and per sample.
 pub fn run_figures(summary: &RunSummary) -> Value {
     let h: &History = &summary.history;
     let best = h
@@ -58,6 +59,8 @@ pub fn run_figures(summary: &RunSummary) -> Value {
         "samples_per_s": finite(summary.samples_per_s),
         "samples": summary.samples,
         "steps": summary.steps,
+        "resumed_at": summary.resumed_at,
+        "steps_run": summary.steps_run,
         "wall_s": summary.wall_s,
         "evaluations": h.evaluations().count(),
         "bytes_moved": traffic.map(|t| t.bytes_sent),
@@ -140,6 +143,8 @@ mod tests {
             test_loss: 0.05,
             train_loss: 0.1,
             steps: 40,
+            resumed_at: 10,
+            steps_run: 30,
             wall_s: 4.5,
             samples_per_s: 250.0,
             samples: 1000,
@@ -176,6 +181,10 @@ mod tests {
         assert_eq!(f["time_to_accuracy"]["0.99"], Value::Null);
         assert_eq!(f["samples_per_s"], json!(250.0));
         assert_eq!(f["evaluations"], json!(3));
+        assert_eq!(
+            (&f["resumed_at"], &f["steps_run"]),
+            (&json!(10), &json!(30))
+        );
         assert_eq!(f["bytes_moved"], json!(5000));
         assert_eq!(f["bytes_per_sample"], json!(5.0));
     }

@@ -50,7 +50,13 @@ pub fn init(train: Option<(&TrainConfig, Option<usize>)>) -> Result<RankTelemetr
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
         }
-        let (timeline, layer) = flotilla_telemetry::timeline(&path)
+        // A resumed job, or a worker replaced while the job runs, goes on in the same file.
+        let opening = if config.schedule.resume || flotilla_train::rejoin::asked_to_rejoin() {
+            flotilla_telemetry::Opening::Continue
+        } else {
+            flotilla_telemetry::Opening::Fresh
+        };
+        let (timeline, layer) = flotilla_telemetry::timeline(&path, opening)
             .with_context(|| format!("creating the timeline {}", path.display()))?;
         telemetry.timeline = Some(timeline);
         timeline_layer = Some(

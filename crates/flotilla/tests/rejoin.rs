@@ -1,14 +1,18 @@
 //! An asynchronous flat parameter server's worker that dies is restarted alone by
 //! `flotilla launch --max-restarts` and rejoins the running job: it pulls the current
-//! parameters and trains on, the server takes it back, and the job ends normally.
+//! parameters and trains on, the server takes it back and applies its pushes, and the job
+//! ends normally, as accurate as an undisturbed one.
 
 mod common;
+#[path = "common/starts.rs"]
+mod starts;
 
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
+use starts::numbers_after;
 
 /// A config file of `topology` in `dir` (MLP, 32 samples per batch, plain SGD).
 fn config(dir: &Path, name: &str, topology: &str, rounds: u64) -> String {
@@ -38,14 +42,27 @@ fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
         })
 }
 
-/// Waits until rank 0's run.log in `out` has reached round `round`, then SIGKILLs `rank`.
-fn kill_after_round(out: &Path, round: u64, rank: usize) {
+/// Whether start `start` (0: the first) of worker `rank` in `out` pulled and then pushed
+/// 100 times (its run.log's `first pull` and `round 100` lines).
+fn pushed_100_times(out: &Path, rank: usize, start: usize) -> bool {
+    let log = std::fs::read_to_string(out.join(format!("rank-{rank}/run.log"))).unwrap_or_default();
+    log.matches("first pull:").count() == start + 1
+        && log
+            .rfind("first pull:")
+            .is_some_and(|at| log[at..].contains("] round 100 v"))
+}
+
+/// Waits until rank 0's run.log in `out` has reached round `round` and start `start` of
+/// `rank` has pushed 100 times (so that each replacement surely had its say), then SIGKILLs
+/// `rank`.
+fn kill_after_round(out: &Path, round: u64, rank: usize, start: usize) {
     let log = out.join("rank-0/run.log");
     let needle = format!("] round {round} ");
     let started = Instant::now();
     loop {
         let text = std::fs::read_to_string(&log).unwrap_or_default();
         if text.contains(&needle)
+            && pushed_100_times(out, rank, start)
             && let Some(pid) = rank_pid(out, rank)
         {
             // SAFETY: kill(2) on a pid of this test's own job; no memory is involved.
@@ -62,8 +79,9 @@ fn kill_after_round(out: &Path, round: u64, rank: usize) {
 }
 
 /// Launches `yaml` with `--max-restarts 2`, SIGKILLs worker `victim` after rank 0's rounds
-/// `kills`, and checks that it rejoined twice (as `server` logs), that the job was never
-/// restarted as a whole and ended normally above `min_acc`, and that nothing is left.
+/// `kills`, and checks that it rejoined twice (as `server` logs) and each replacement
+/// contributed, that the job was never restarted as a whole and ended normally above
+/// `min_acc` and within 0.02 of an undisturbed run, and that nothing is left.
 fn killed_twice_rejoins(
     yaml: &str,
     rounds: u64,
@@ -96,8 +114,8 @@ fn killed_twice_rejoins(
         .stderr(Stdio::piped());
     let killed = out.clone();
     let killer = std::thread::spawn(move || {
-        for round in kills {
-            kill_after_round(&killed, round, victim);
+        for (start, round) in kills.into_iter().enumerate() {
+            kill_after_round(&killed, round, victim, start);
         }
     });
     let o = run_with_deadline(c, Duration::from_secs(300));
@@ -124,6 +142,75 @@ fn killed_twice_rejoins(
     assert!(f["test_acc"] > min_acc, "{}", text(&o));
     let needle = out.join("launch-config.yaml");
     assert_none_left(needle.to_str().expect("utf8"), Duration::from_secs(10));
+    assert_replacements_contributed(&out, victim, server);
+
+    let calm = dir.path().join("calm");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output"]).arg(&calm);
+    let p = run_with_deadline(c, Duration::from_secs(300));
+    assert!(p.status.success(), "{}", text(&p));
+    let (acc, undisturbed) = (f["test_acc"], final_fields(&p)["test_acc"]);
+    assert!(
+        (acc - undisturbed).abs() <= 0.02,
+        "accuracy {acc} with two rejoins, {undisturbed} undisturbed"
+    );
+}
+
+/// Each replacement of `victim` contributed, by the numbers it and its server logged: the
+/// server took it back at version `V` and its first pull got a version at least `V` (the
+/// job's current parameters, not the initial ones of version 0); the server accepted some
+/// of its pushes; and the last one, which ran to the stop, pushed exactly as many times as
+/// the server accepted, plus those refused and at most one in flight at the stop.
+fn assert_replacements_contributed(out: &Path, victim: usize, server: usize) {
+    let slog = run_log(out, server);
+    let back_lines: Vec<&str> = slog
+        .lines()
+        .filter(|l| l.contains(&format!("rank {victim} rejoined (a replaced worker) at ")))
+        .collect();
+    let back = numbers_after(&back_lines.join("\n"), " version ");
+    let ledger: Vec<(u64, u64)> = slog
+        .lines()
+        .filter_map(|l| l.split(&format!(" of rank {victim} at version ")).nth(1))
+        .map(|rest| {
+            let (v, n) = rest.split_once(": ").expect("version: count");
+            let n = n.split_whitespace().next().expect("count");
+            (v.parse().expect("version"), n.parse().expect("count"))
+        })
+        .collect();
+    assert_eq!(back.len(), 2, "{slog}");
+    assert_eq!(
+        ledger.iter().map(|l| l.0).collect::<Vec<_>>(),
+        back,
+        "{slog}"
+    );
+    let vlog = run_log(out, victim);
+    let first = numbers_after(&vlog, "first pull: version ");
+    assert_eq!(first.len(), 3, "three starts of rank {victim}\n{vlog}");
+    for k in 0..2 {
+        assert!(
+            back[k] > 0 && first[k + 1] >= back[k],
+            "replacement {}: first pull got version {}, the server was at version {} when it came back",
+            k + 1,
+            first[k + 1],
+            back[k]
+        );
+        assert!(
+            ledger[k].1 > 0,
+            "no push of replacement {} accepted\n{slog}",
+            k + 1
+        );
+    }
+    let last = &vlog[vlog.rfind("first pull:").expect("first pull")..];
+    let pushed = numbers_after(last, ") after ");
+    let refused = last.matches("push rejected by rank").count() as u64;
+    assert_eq!(pushed.len(), 1, "the last replacement's stop line\n{last}");
+    let unaccounted = pushed[0] as i64 - refused as i64 - ledger[1].1 as i64;
+    assert!(
+        (0..=1).contains(&unaccounted),
+        "the last replacement pushed {} times, {refused} were refused, the server accepted {}",
+        pushed[0],
+        ledger[1].1
+    );
 }
 
 #[test]

@@ -2,8 +2,11 @@
 //! exactly the parameters of a run that was never interrupted.
 
 mod common;
+#[path = "common/starts.rs"]
+mod starts;
 
 use common::*;
+use starts::summary;
 
 use std::path::Path;
 use std::time::Duration;
@@ -34,6 +37,33 @@ fn launch_config(
         c.env("FLOTILLA_FAULT", f);
     }
     run_with_deadline(c, LIMIT)
+}
+
+/// The resumed run's own count, from its `summary.json`: it started at step (round) 50 and
+/// took exactly the 50 steps left to 100 itself — on rank 0 and, with `every_rank`, on
+/// every rank (an async server's workers push as often as they get to, so not theirs).
+fn assert_ran_the_rest(name: &str, out: &Path, every_rank: bool) {
+    let s = summary(out);
+    let run = &s["run"];
+    assert_eq!(
+        (&run["steps"], &run["resumed_at"], &run["steps_run"]),
+        (&100.into(), &50.into(), &50.into()),
+        "{name}: rank 0 must resume at 50 and run 50 of 100 steps: {run}"
+    );
+    let ranks = s["ranks"].as_array().expect("every rank's report");
+    for r in ranks.iter().filter(|r| every_rank || r["rank"] == 0) {
+        let f = &r["figures"];
+        assert_eq!(
+            (f["resumed_at"].as_f64(), f["steps_run"].as_f64()),
+            (Some(50.0), Some(50.0)),
+            "{name}: rank {} must resume at 50 and run 50 steps: {f}",
+            r["rank"]
+        );
+    }
+    assert_eq!(
+        ranks.len(),
+        s["topology"]["world_size"].as_u64().expect("n") as usize
+    );
 }
 
 /// The part of rank 0's run.log written by the last run into `out` (the log appends).
@@ -85,6 +115,7 @@ fn crash_and_resume(name: &str, optimizer: &str, extra: &str) {
     let o = launch_config(&cfg, &crashed, &["--resume"], None);
     assert!(o.status.success(), "{name}: resume failed\n{}", text(&o));
     assert_eq!(final_fields(&o)["steps"], 100.0);
+    assert_ran_the_rest(name, &crashed, true);
     let log = last_run_log(&crashed);
     assert!(
         log.contains("(step 50)"),
@@ -156,12 +187,14 @@ fn async_allreduce_resumes_bitwise() {
 
 /// A parameter-server job of `topology` (100 rounds of 16 samples per worker, checkpoints
 /// every 25 rounds) crashed by `crash` (a rank's exit at round 60) and resumed: it goes on
-/// from round 50 to round 100. Returns the uninterrupted and the resumed final parameters.
+/// from round 50 to round 100 (`sync`: every rank ran exactly those rounds). Returns the
+/// uninterrupted and the resumed final parameters.
 fn ps_crash_and_resume(
     name: &str,
     topology: &str,
     optimizer: &str,
     crash: &str,
+    sync: bool,
 ) -> [std::collections::BTreeMap<String, Vec<f32>>; 2] {
     let dir = tmp();
     let yaml = format!(
@@ -186,6 +219,7 @@ fn ps_crash_and_resume(
     let o = launch_config(&cfg, &crashed, &["--resume"], None);
     assert!(o.status.success(), "{name}: resume failed\n{}", text(&o));
     assert_eq!(final_fields(&o)["steps"], 100.0, "{name}");
+    assert_ran_the_rest(name, &crashed, sync);
     let log = last_run_log(&crashed);
     assert!(log.contains("(step 50)"), "{name}: from round 50\n{log}");
     // The root's first round after the resume is round 51 (an async round is an update per
@@ -207,6 +241,7 @@ fn flat_sync_parameter_server_resumes_bitwise() {
         "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}",
         "{name: sgd, lr: 0.05, momentum: 0.9}",
         "rank=2,step=60,action=exit",
+        true,
     );
     assert_bitwise("ps-flat", &t[0], &t[1]);
 }
@@ -220,6 +255,7 @@ fn sharded_and_hierarchical_parameter_servers_resume_bitwise() {
         "arch: flat\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}",
         "{name: sgd, lr: 0.05}",
         "rank=1,step=60,action=exit",
+        true,
     );
     assert_bitwise("ps-sharded", &t[0], &t[1]);
     let t = ps_crash_and_resume(
@@ -227,6 +263,7 @@ fn sharded_and_hierarchical_parameter_servers_resume_bitwise() {
         "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}",
         "{name: sgd, lr: 0.05, momentum: 0.9}",
         "rank=5,step=60,action=exit",
+        true,
     );
     assert_bitwise("ps-hier", &t[0], &t[1]);
 }
@@ -241,6 +278,7 @@ fn async_parameter_server_resumes() {
         "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}",
         "{name: sgd, lr: 0.05}",
         "rank=0,step=60,action=exit",
+        false,
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
 }

@@ -16,6 +16,7 @@ use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
 use super::protocol::PsMessage;
+use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
@@ -51,6 +52,9 @@ pub struct LocalServer {
     /// Children lost while the run went on (async), and lost children that came back.
     lost: u64,
     rejoined: u64,
+    /// Children taken back (replaced workers that rejoined), and the pushes accepted from
+    /// each replacement.
+    rejoins: Rejoins,
 }
 
 impl LocalServer {
@@ -64,6 +68,7 @@ impl LocalServer {
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
+            rejoins: Rejoins::default(),
             parent,
             children: children.to_vec(),
             sync,
@@ -170,6 +175,9 @@ impl LocalServer {
                     "stop from rank {} ({reason}); pushed up {} times",
                     self.parent, self.pushes_up
                 ))?;
+                for r in self.rejoins.all() {
+                    cx.log(&r.to_string())?;
+                }
                 self.stopped = Some(reason);
                 Ok(())
             }
@@ -208,6 +216,7 @@ impl LocalServer {
         if check.take(cx, &mut self.acc, child, msg)?.is_none() {
             return Ok(());
         }
+        self.rejoins.accepted(child);
         if self.sync {
             self.pending.remove(&child);
             if self.pending.is_empty()
@@ -320,8 +329,12 @@ impl ServerMachine for LocalServer {
         }
         self.active.insert(peer);
         self.rejoined += 1;
+        let r = self
+            .rejoins
+            .back(peer, self.params.as_ref().map_or(0, |p| p.version));
         cx.log(&format!(
-            "rank {peer} rejoined (a replaced worker); continuing with {} children",
+            "rank {peer} rejoined (a replaced worker) at version {}; continuing with {} children",
+            r.version,
             self.active.len()
         ))
     }

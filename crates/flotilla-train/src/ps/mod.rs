@@ -11,6 +11,7 @@ pub mod aggregate;
 pub mod inbox;
 pub mod local;
 pub mod protocol;
+pub mod rejoins;
 pub mod root;
 pub mod serve;
 pub mod server;

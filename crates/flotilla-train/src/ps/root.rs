@@ -23,6 +23,7 @@ use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
 use super::protocol::PsMessage;
+use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
@@ -81,8 +82,9 @@ pub struct RootServer {
     bad_loss: Option<f32>,
     /// Scale each update's learning rate by `1 / (1 + staleness)`.
     staleness_lr: bool,
-    /// Lost children taken back (replaced workers that rejoined).
-    rejoined: u64,
+    /// Lost children taken back (replaced workers that rejoined), and the pushes accepted
+    /// from each replacement.
+    rejoins: Rejoins,
 }
 
 impl RootServer {
@@ -133,7 +135,7 @@ impl RootServer {
             finished: None,
             bad_loss: None,
             staleness_lr: cx.config.topology.staleness_lr.unwrap_or(false),
-            rejoined: 0,
+            rejoins: Rejoins::default(),
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -243,6 +245,7 @@ impl RootServer {
         let Some(staleness) = check.take(cx, &mut self.acc, child, msg)? else {
             return Ok(());
         };
+        self.rejoins.accepted(child);
         if self.sync {
             self.pending.remove(&child);
             if !self.pending.is_empty() {
@@ -396,6 +399,9 @@ impl RootServer {
             let _ = send(cx.comm, c, &stop);
         }
         cx.log(&format!("stopping: {reason}"))?;
+        for r in self.rejoins.all() {
+            cx.log(&r.to_string())?;
+        }
         let updates = self.updates;
         let outcome = RootOutcome {
             rounds: self.rounds,
@@ -512,10 +518,11 @@ impl ServerMachine for RootServer {
         }
         self.lost.retain(|&p| p != peer);
         self.active.insert(peer);
-        self.rejoined += 1;
+        let r = self.rejoins.back(peer, self.model.version());
         cx.log(&format!(
-            "rank {peer} rejoined (a replaced worker) at round {}; async training goes on with {} of {} children",
+            "rank {peer} rejoined (a replaced worker) at round {} version {}; async training goes on with {} of {} children",
             self.rounds,
+            r.version,
             self.active.len(),
             self.children.len()
         ))
@@ -635,7 +642,7 @@ impl Role for RootServer {
             ("max_staleness", o.max_staleness as f64),
             ("mean_staleness", o.mean_staleness),
             ("lost_children", o.lost.len() as f64),
-            ("rejoined_children", self.rejoined as f64),
+            ("rejoined_children", self.rejoins.all().len() as f64),
             ("bytes_per_round", received / o.rounds.max(1) as f64),
             (
                 "updates_per_s",

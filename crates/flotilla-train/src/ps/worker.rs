@@ -29,6 +29,8 @@ pub struct Worker {
     push: Duration,
     wait: Duration,
     timeout: Duration,
+    /// The first parameters were pulled (and their versions logged).
+    pulled: bool,
 }
 
 /// What the parents said this round.
@@ -57,6 +59,7 @@ impl Worker {
             push: Duration::ZERO,
             wait: Duration::ZERO,
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            pulled: false,
         })
     }
 
@@ -126,6 +129,18 @@ impl Worker {
             Some(e) => Err(e),
             None => Ok(Pulled::Params),
         }
+    }
+
+    /// Logs the versions of the first parameters pulled (`first pull: version V from rank
+    /// P`): a replaced worker's show that it starts from the job's current parameters.
+    fn log_first_pull(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+        let from: Vec<String> = self
+            .versions
+            .iter()
+            .zip(&self.parents)
+            .map(|(v, p)| format!("version {v} from rank {p}"))
+            .collect();
+        cx.log_quiet(&format!("first pull: {}", from.join(", ")))
     }
 
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
@@ -221,6 +236,10 @@ impl Role for Worker {
                 done: Some(reason),
                 ..Step::default()
             });
+        }
+        if !self.pulled {
+            self.pulled = true;
+            self.log_first_pull(cx)?;
         }
         let t = Instant::now();
         self.compute(cx, data)?;
