@@ -218,9 +218,12 @@ fn read_to_close(mut s: TcpStream) -> Vec<u8> {
     got
 }
 
+/// A rank's thread: its sums and the gathered messages.
+type Rank = thread::JoinHandle<Result<(Vec<f32>, Vec<Vec<u8>>), CommError>>;
+
 /// Every rank all-reduces [`VALUES`] floats and all-gathers its [`plaintext`] message;
 /// checks the sums and the messages on every rank.
-fn exchange(handles: Vec<thread::JoinHandle<Result<(Vec<f32>, Vec<Vec<u8>>), CommError>>>) {
+fn exchange(handles: Vec<Rank>) {
     let n = handles.len();
     for (rank, h) in handles.into_iter().enumerate() {
         let (v, messages) = h
@@ -251,10 +254,7 @@ fn plaintext(r: usize) -> Vec<u8> {
 }
 
 /// Starts a rank with `cfg` (rank 0 on `listener`) that runs [`exchange`]'s collectives.
-fn start_rank(
-    cfg: CommConfig,
-    listener: Option<TcpListener>,
-) -> thread::JoinHandle<Result<(Vec<f32>, Vec<Vec<u8>>), CommError>> {
+fn start_rank(cfg: CommConfig, listener: Option<TcpListener>) -> Rank {
     thread::spawn(move || {
         let c = match listener {
             Some(l) => Communicator::connect_with_listener(cfg, l)?,
