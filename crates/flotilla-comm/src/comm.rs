@@ -310,6 +310,7 @@ impl ProcessGroup for Communicator {
             bytes_received: s.bytes_received.load(Ordering::Relaxed),
             frames_sent: s.frames_sent.load(Ordering::Relaxed),
             frames_received: s.frames_received.load(Ordering::Relaxed),
+            frames_compressed: s.frames_compressed.load(Ordering::Relaxed),
             collectives: self.g.world.collectives.load(Ordering::Relaxed),
         }
     }

@@ -76,6 +76,14 @@ pub struct CommConfig {
     pub bind_host: Option<String>,
     /// Address advertised to peers for the mesh. Default: the bound address.
     pub advertise_host: Option<String>,
+    /// Port of this rank's mesh listener (every rank but 0, whose connections are the
+    /// rendezvous ones): a fixed port for a firewall that opens only known ports. Default
+    /// `None`: any free port.
+    pub mesh_port: Option<u16>,
+    /// Port advertised to peers for the mesh, when they reach this rank's mesh listener
+    /// through a forwarded port (a container's published port, a NAT, a relay) rather than
+    /// at the port it is bound to. Default `None`: the bound port.
+    pub advertise_port: Option<u16>,
     /// `SO_SNDBUF`/`SO_RCVBUF` for data sockets; `None` keeps the kernel's autotuning.
     pub socket_buffer_bytes: Option<usize>,
     /// Worker threads of the communicator's internal tokio runtime (at least 1). Default 1:
@@ -122,6 +130,8 @@ impl fmt::Debug for CommConfig {
             .field("chunk_bytes", &self.chunk_bytes)
             .field("bind_host", &self.bind_host)
             .field("advertise_host", &self.advertise_host)
+            .field("mesh_port", &self.mesh_port)
+            .field("advertise_port", &self.advertise_port)
             .field("socket_buffer_bytes", &self.socket_buffer_bytes)
             .field("runtime_threads", &self.runtime_threads)
             .field("rejoin", &self.rejoin)
@@ -148,6 +158,8 @@ impl Default for CommConfig {
             chunk_bytes: 512 << 10,
             bind_host: None,
             advertise_host: None,
+            mesh_port: None,
+            advertise_port: None,
             socket_buffer_bytes: None,
             runtime_threads: 1,
             rejoin: Rejoin::Off,
@@ -300,6 +312,18 @@ impl CommConfig {
     /// Sets the ring chunk size in bytes.
     pub fn with_chunk_bytes(mut self, chunk: usize) -> Self {
         self.chunk_bytes = chunk;
+        self
+    }
+
+    /// Binds this rank's mesh listener to `port` (see [`CommConfig::mesh_port`]).
+    pub fn with_mesh_port(mut self, port: Option<u16>) -> Self {
+        self.mesh_port = port;
+        self
+    }
+
+    /// Advertises `port` to peers for the mesh (see [`CommConfig::advertise_port`]).
+    pub fn with_advertise_port(mut self, port: Option<u16>) -> Self {
+        self.advertise_port = port;
         self
     }
 

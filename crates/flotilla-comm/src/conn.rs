@@ -27,6 +27,8 @@ pub(crate) struct Stats {
     pub bytes_received: AtomicU64,
     pub frames_sent: AtomicU64,
     pub frames_received: AtomicU64,
+    /// Frames written LZ4-compressed (see [`Compression::Lz4`]).
+    pub frames_compressed: AtomicU64,
 }
 
 /// An abort notice from a peer: (rank, reason). Shared by all connections.
@@ -231,6 +233,8 @@ pub(crate) struct Conn {
     out: Outbound,
     /// `flotilla_bytes_sent_total{peer}`.
     sent: metrics::Counter,
+    /// `flotilla_frames_compressed_total{peer}`.
+    compressed: metrics::Counter,
     inbound: Arc<Inbound>,
     ep: Arc<Endpoint>,
     reader: Option<JoinHandle<()>>,
@@ -254,6 +258,12 @@ fn sent_counter(rank: usize) -> metrics::Counter {
     metrics::counter!("flotilla_bytes_sent_total", "peer" => rank.to_string())
 }
 
+/// The `flotilla_frames_compressed_total{peer}` counter of the connection to `rank`: frames
+/// that went out LZ4-compressed.
+fn compressed_counter(rank: usize) -> metrics::Counter {
+    metrics::counter!("flotilla_frames_compressed_total", "peer" => rank.to_string())
+}
+
 impl Conn {
     /// Takes over an established stream (plain TCP or TLS) to `rank` and starts its reader
     /// task (must be called inside the communicator's runtime).
@@ -275,6 +285,7 @@ impl Conn {
         Conn {
             rank,
             sent: sent_counter(rank),
+            compressed: compressed_counter(rank),
             out: Outbound::Tcp {
                 writer: Mutex::new(Writer {
                     half: wr,
@@ -319,6 +330,7 @@ impl Conn {
                    at_peer: &Arc<Inbound>| Conn {
             rank,
             sent: sent_counter(rank),
+            compressed: compressed_counter(rank),
             out: Outbound::Memory {
                 peer: peer.clone(),
                 at_peer: at_peer.clone(),
@@ -345,7 +357,7 @@ impl Conn {
     ) -> std::io::Result<()> {
         let len = u32::try_from(payload.len())
             .map_err(|_| std::io::Error::other("frame payload exceeds 4 GiB"))?;
-        let mut header = FrameHeader {
+        let header = FrameHeader {
             channel: chan,
             flags: 0,
             op: op as u8,
@@ -375,29 +387,8 @@ impl Conn {
                 writer,
                 compression,
             } => {
-                let compressed = match compression {
-                    Compression::Lz4 if chan != channel::CONTROL => frame::compress(payload),
-                    _ => None,
-                };
-                let body = match &compressed {
-                    Some(c) => {
-                        header.flags = flags::LZ4;
-                        header.len = c.len() as u32;
-                        c.as_slice()
-                    }
-                    None => payload,
-                };
-                let mut w = writer.lock().await;
-                if w.in_progress {
-                    return Err(std::io::Error::other(
-                        "an earlier write to this peer was interrupted; stream out of sync",
-                    ));
-                }
-                w.in_progress = true;
-                frame::write_raw(&mut w.half, &header.encode(), body).await?;
-                w.half.push().await?;
-                w.in_progress = false;
-                body.len()
+                self.write_tcp(writer, *compression, header, payload)
+                    .await?
             }
         };
         let stats = &self.ep.stats;
@@ -406,6 +397,46 @@ impl Conn {
         self.sent.increment(bytes);
         stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Writes one frame to a TCP stream, LZ4-compressed when `compression` says so, the
+    /// channel carries data and LZ4 makes the payload smaller (counted in
+    /// `frames_compressed`). Returns the payload bytes written.
+    async fn write_tcp(
+        &self,
+        writer: &Mutex<Writer>,
+        compression: Compression,
+        mut header: FrameHeader,
+        payload: &[u8],
+    ) -> std::io::Result<usize> {
+        let compressed = match compression {
+            Compression::Lz4 if header.channel != channel::CONTROL => frame::compress(payload),
+            _ => None,
+        };
+        let body = match &compressed {
+            Some(c) => {
+                header.flags = flags::LZ4;
+                header.len = c.len() as u32;
+                c.as_slice()
+            }
+            None => payload,
+        };
+        let mut w = writer.lock().await;
+        if w.in_progress {
+            return Err(std::io::Error::other(
+                "an earlier write to this peer was interrupted; stream out of sync",
+            ));
+        }
+        w.in_progress = true;
+        frame::write_raw(&mut w.half, &header.encode(), body).await?;
+        w.half.push().await?;
+        w.in_progress = false;
+        if compressed.is_some() {
+            let frames = &self.ep.stats.frames_compressed;
+            frames.fetch_add(1, Ordering::Relaxed);
+            self.compressed.increment(1);
+        }
+        Ok(body.len())
     }
 
     /// The next collective frame of `group`, or `None` once the connection is gone and the
@@ -541,6 +572,8 @@ mod tests {
             (9, 2, true)
         );
         assert_eq!(f.header.flags, flags::LZ4);
+        // Only the large data frame was worth compressing.
+        assert_eq!(ea.stats.frames_compressed.load(Ordering::Relaxed), 1);
         assert_eq!(&*_cb.recv(5).await.unwrap().payload, b"g5");
         let eb2 = eb.clone();
         let got = tokio::task::spawn_blocking(move || take_p2p(&eb2, 0, 1))

@@ -39,6 +39,9 @@ pub struct CommStats {
     pub frames_sent: u64,
     /// Frames read.
     pub frames_received: u64,
+    /// Frames written LZ4-compressed ([`crate::Compression::Lz4`]: data frames of at least
+    /// [`crate::frame::MIN_COMPRESS_BYTES`] that LZ4 made smaller); 0 without compression.
+    pub frames_compressed: u64,
     /// Collectives issued so far in all groups (blocking and asynchronous).
     pub collectives: u64,
 }

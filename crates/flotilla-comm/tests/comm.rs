@@ -7,8 +7,8 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::{
-    CommConfig, CommError, Communicator, Compression, ProcessGroup, RendezvousError, Secret,
-    WireFormat,
+    CommConfig, CommError, CommStats, Communicator, Compression, ProcessGroup, RendezvousError,
+    Secret, WireFormat,
 };
 
 /// Upper bound for any single test world.
@@ -97,7 +97,13 @@ fn value(rank: usize, i: usize) -> f32 {
     ((i * 7 + rank * 13) % 17) as f32 - 8.0
 }
 
-fn check_all_reduce(n: usize, lens: &[usize], tweak: fn(CommConfig) -> CommConfig) {
+/// All-reduces buffers of `lens` on `n` ranks and checks them against the serial sum;
+/// returns each rank's traffic counters.
+fn check_all_reduce(
+    n: usize,
+    lens: &[usize],
+    tweak: fn(CommConfig) -> CommConfig,
+) -> Vec<CommStats> {
     let lens_owned = lens.to_vec();
     let results = all_ok(run_world(n, tweak, move |c| {
         let mut outs = Vec::new();
@@ -106,19 +112,20 @@ fn check_all_reduce(n: usize, lens: &[usize], tweak: fn(CommConfig) -> CommConfi
             c.all_reduce_sum(&mut buf)?;
             outs.push(buf);
         }
-        Ok(outs)
+        Ok((outs, c.stats()))
     }));
     for (li, &len) in lens.iter().enumerate() {
         let expected: Vec<f32> = (0..len)
             .map(|i| (0..n).map(|r| value(r, i)).sum())
             .collect();
-        for (rank, outs) in results.iter().enumerate() {
+        for (rank, (outs, _)) in results.iter().enumerate() {
             assert!(
                 outs[li] == expected,
                 "world {n} len {len}: rank {rank} differs from the serial sum"
             );
         }
     }
+    results.into_iter().map(|(_, stats)| stats).collect()
 }
 
 #[test]
@@ -141,7 +148,24 @@ fn all_reduce_bf16_wire_and_lz4() {
         c.with_wire_format(WireFormat::Bf16)
             .with_chunk_bytes(16 << 10)
     });
-    check_all_reduce(3, &[10, 300_000], |c| c.with_compression(Compression::Lz4));
+    // lz4 really engages (the values repeat every 17 elements), on every rank, and sends
+    // fewer bytes than the same reduction without it, which compresses nothing.
+    let lz4 = check_all_reduce(3, &[10, 300_000], |c| c.with_compression(Compression::Lz4));
+    let plain = check_all_reduce(3, &[10, 300_000], |c| c);
+    for (rank, (z, p)) in lz4.iter().zip(&plain).enumerate() {
+        assert!(
+            z.frames_compressed > 0 && p.frames_compressed == 0,
+            "rank {rank}: {} frames compressed with lz4, {} without",
+            z.frames_compressed,
+            p.frames_compressed
+        );
+        assert!(
+            z.bytes_sent < p.bytes_sent / 2,
+            "rank {rank}: lz4 sent {} bytes, uncompressed {}",
+            z.bytes_sent,
+            p.bytes_sent
+        );
+    }
 }
 
 #[test]

@@ -166,6 +166,7 @@ fn assert_close(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>, wh
     );
     for (name, x) in a {
         let y = &b[name];
+        assert_eq!(x.len(), y.len(), "{what} {name}: lengths");
         let scale = x.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
         let err = x
             .iter()

@@ -40,6 +40,8 @@ impl Counters {
             bytes_received: self.bytes_received.load(Ordering::Relaxed),
             frames_sent: self.frames_sent.load(Ordering::Relaxed),
             frames_received: self.frames_received.load(Ordering::Relaxed),
+            // MPI moves payloads as they are: nothing is ever compressed.
+            frames_compressed: 0,
             collectives: self.collectives.load(Ordering::Relaxed),
         }
     }

@@ -478,8 +478,11 @@ impl Loop<'_, '_, '_> {
         }
         let traffic = self.cx.comm.stats();
         self.cx.log_quiet(&format!(
-            "traffic bytes_sent={} bytes_received={} collectives={}",
-            traffic.bytes_sent, traffic.bytes_received, traffic.collectives
+            "traffic bytes_sent={} bytes_received={} collectives={} frames_compressed={}",
+            traffic.bytes_sent,
+            traffic.bytes_received,
+            traffic.collectives,
+            traffic.frames_compressed
         ))?;
         let checkpoint = self.checkpoint()?;
         Ok(Finished {

@@ -54,13 +54,25 @@ fn assert_moved(name: &str, t: &Tensors, init: &Tensors) {
     );
 }
 
-/// The `traffic bytes_sent=N` of a run.log.
-fn bytes_sent(log: &str) -> u64 {
+/// The number `key=N` of the `traffic ...` line of a run.log.
+fn traffic(log: &str, key: &str) -> u64 {
     log.lines()
-        .find_map(|l| l.split("traffic bytes_sent=").nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
+        .find_map(|l| l.split(" traffic ").nth(1))
+        .and_then(|rest| {
+            rest.split_whitespace()
+                .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+        })
         .and_then(|n| n.parse().ok())
-        .unwrap_or_else(|| panic!("no traffic line in run.log:\n{log}"))
+        .unwrap_or_else(|| panic!("no traffic {key}= in run.log:\n{log}"))
+}
+
+/// `assert_bitwise` compares lengths: a tensor equal to a prefix of the other differs.
+#[test]
+#[should_panic(expected = "prefix: lengths of w")]
+fn assert_bitwise_refuses_a_shorter_tensor() {
+    let full = Tensors::from([("w".to_string(), vec![1.0f32, 2.0, 3.0])]);
+    let short = Tensors::from([("w".to_string(), vec![1.0f32, 2.0])]);
+    assert_bitwise("prefix", &short, &full);
 }
 
 #[test]
@@ -82,9 +94,18 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
         assert!(e <= 1e-5, "{name} vs 1 rank: relative error {e}");
     }
 
-    // lz4 changes the bytes on the wire, never the values.
-    let (lz4, _) = run(dir.path(), "lz4", &ar(2, 16, "compression: lz4\n"));
+    // lz4 changes the bytes on the wire, never the values; and it did compress frames
+    // (which the uncompressed run never does).
+    let (lz4, lz4_log) = run(dir.path(), "lz4", &ar(2, 16, "compression: lz4\n"));
     assert_bitwise("lz4 vs uncompressed", &lz4, &two);
+    let (zipped, plain) = (
+        traffic(&lz4_log, "frames_compressed"),
+        traffic(&two_log, "frames_compressed"),
+    );
+    assert!(
+        zipped > 0 && plain == 0,
+        "frames compressed by rank 0: {zipped} with lz4, {plain} without"
+    );
 
     // bf16 on the wire rounds every gradient to 8 significant bits (the all-reduce's own
     // bound is tested in flotilla-comm): the run is not the f32 one, but it trains along the
@@ -96,7 +117,10 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
         e > 0.0 && e <= 0.5 * moved,
         "bf16 vs f32 wire: relative error {e}; the f32 run moved {moved} from the start"
     );
-    let (b16, b32) = (bytes_sent(&bf16_log), bytes_sent(&two_log));
+    let (b16, b32) = (
+        traffic(&bf16_log, "bytes_sent"),
+        traffic(&two_log, "bytes_sent"),
+    );
     assert!(
         (b16 as f64) < 0.7 * b32 as f64,
         "bf16 sent {b16} bytes, f32 {b32}"

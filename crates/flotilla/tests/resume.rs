@@ -141,13 +141,7 @@ fn crash_and_resume(name: &str, optimizer: &str, extra: &str) {
     );
 
     let (a, b) = (checkpoint_tensors(&crashed), checkpoint_tensors(&straight));
-    for (k, va) in &a {
-        let same = va
-            .iter()
-            .zip(&b[k])
-            .all(|(x, y)| x.to_bits() == y.to_bits());
-        assert!(same, "{name}: {k} differs from the uninterrupted run");
-    }
+    assert_bitwise(&format!("{name}: resumed vs uninterrupted"), &a, &b);
     // The parameters did move in the resumed window (step 50 vs 100 differ).
     let at_50 = {
         let bytes = std::fs::read(ck.join("step-00000050/model.safetensors")).expect("read");

@@ -131,8 +131,9 @@ pub(super) async fn connect_master(cfg: &CommConfig) -> Result<(TcpStream, Insta
     }
 }
 
-/// The mesh listener, bound on the interface that reaches rank 0 (unless configured), and
-/// the address to advertise for it.
+/// The mesh listener, bound on the interface that reaches rank 0 and any free port (unless
+/// configured: [`CommConfig::bind_host`], [`CommConfig::mesh_port`]), and the address to
+/// advertise for it ([`CommConfig::advertise_host`], [`CommConfig::advertise_port`]).
 async fn mesh_listener(
     cfg: &CommConfig,
     master: &Stream,
@@ -145,11 +146,13 @@ async fn mesh_listener(
         Some(h) => net::resolve(h, 0).await?.ip(),
         None => local_ip,
     };
-    let listener = net::bind_listener(SocketAddr::new(bind_ip, 0), cfg.socket_buffer_bytes)?;
-    let port = listener
+    let bind = SocketAddr::new(bind_ip, cfg.mesh_port.unwrap_or(0));
+    let listener = net::bind_listener(bind, cfg.socket_buffer_bytes)?;
+    let bound = listener
         .local_addr()
         .map_err(|e| CommError::io("cannot read listener address", e))?
         .port();
+    let port = cfg.advertise_port.unwrap_or(bound);
     let adv_ip = if bind_ip.is_unspecified() {
         local_ip
     } else {

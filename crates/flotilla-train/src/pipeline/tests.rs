@@ -206,6 +206,7 @@ fn assert_matches_reference(ended: &[Ended], what: &str) {
     );
     for (name, want) in &expected {
         let got = &replica0[name];
+        assert_eq!(got.len(), want.len(), "{what}: {name} length");
         let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
         let err = got
             .iter()

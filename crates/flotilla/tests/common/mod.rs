@@ -133,6 +133,7 @@ pub fn checkpoint_tensors(output: &Path) -> BTreeMap<String, Vec<f32>> {
         .collect()
 }
 
+/// `|a - b| / |b|` over every tensor (names and lengths must agree).
 pub fn relative_error(a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) -> f64 {
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     let (mut diff, mut norm) = (0.0f64, 0.0f64);
@@ -266,13 +267,19 @@ pub fn launch_traced(cfg: &str, out: &Path, limit: Duration) -> (Output, Vec<ser
     (o, trace_events(&trace))
 }
 
-/// Asserts two checkpoints hold the same tensors, bit for bit.
+/// Asserts two checkpoints hold the same tensors (names, lengths and values), bit for bit.
 pub fn assert_bitwise(name: &str, a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<String, Vec<f32>>) {
-    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    assert_eq!(
+        a.keys().collect::<Vec<_>>(),
+        b.keys().collect::<Vec<_>>(),
+        "{name}: tensor names"
+    );
     for (k, va) in a {
+        let vb = &b[k];
+        assert_eq!(va.len(), vb.len(), "{name}: lengths of {k}");
         let differing = va
             .iter()
-            .zip(&b[k])
+            .zip(vb)
             .filter(|(x, y)| x.to_bits() != y.to_bits())
             .count();
         assert_eq!(differing, 0, "{name}: {differing} values of {k} differ");
