@@ -83,6 +83,7 @@ def ps_message():
     put("ps_message", "params", b"\x03" + struct.pack("<QQ", 9, 3) + floats)
     put("ps_message", "reject", b"\x04" + struct.pack("<I", 9) + b"too stale")
     put("ps_message", "stop", b"\x05" + struct.pack("<I", 6) + b"target")
+    put("ps_message", "abort", b"\x07" + struct.pack("<I", 4) + b"lost")
     put("ps_message", "gather", b"\x06" + struct.pack("<Q", 12))
 
 

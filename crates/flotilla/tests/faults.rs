@@ -76,10 +76,6 @@ struct Mode {
     /// Every rank prints a line starting with this once it starts its role (the launcher
     /// prefixes it with `[rank ...] `).
     marker: &'static str,
-    /// After a `kill -9`, every survivor's error names the dead rank itself: a failed
-    /// collective tells every peer why (all-reduce, pipeline). In a parameter server only
-    /// the dead rank's neighbours see it go; the others name the neighbour that failed.
-    direct: bool,
 }
 
 /// The hierarchical async parameter server (also visited by strangers while it trains).
@@ -93,7 +89,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "peer"), (2, "peer")],
         tolerated: &[],
         marker: "training: ",
-        direct: true,
     },
     Mode {
         name: "async all-reduce",
@@ -102,7 +97,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "peer"), (2, "peer")],
         tolerated: &[],
         marker: "training: ",
-        direct: true,
     },
     Mode {
         name: "pipeline, 2 stages",
@@ -111,7 +105,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "stage 0"), (1, "stage 1")],
         tolerated: &[],
         marker: "training: ",
-        direct: true,
     },
     Mode {
         name: "PS flat sync",
@@ -120,7 +113,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "root server"), (2, "worker")],
         tolerated: &[],
         marker: "role ",
-        direct: false,
     },
     Mode {
         name: "PS sharded sync (2 servers)",
@@ -129,7 +121,6 @@ const MODES: &[Mode] = &[
         targets: &[(1, "shard server"), (3, "worker")],
         tolerated: &[],
         marker: "role ",
-        direct: false,
     },
     Mode {
         name: "PS flat async",
@@ -138,7 +129,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "root server"), (2, "worker")],
         tolerated: &[1, 2],
         marker: "role ",
-        direct: false,
     },
     Mode {
         name: "PS hierarchical sync",
@@ -147,7 +137,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "global server"), (1, "local server"), (4, "worker")],
         tolerated: &[],
         marker: "role ",
-        direct: false,
     },
     Mode {
         name: "PS hierarchical async",
@@ -156,7 +145,6 @@ const MODES: &[Mode] = &[
         targets: &[(0, "global server"), (1, "local server"), (4, "worker")],
         tolerated: &[1, 2, 3, 4],
         marker: "role ",
-        direct: false,
     },
 ];
 
@@ -463,7 +451,7 @@ fn hand_kill_scenario(mode: &Mode, (rank, what): (usize, &str), delay: f64, dir:
     let _ = victim.wait_exit(Duration::from_secs(5));
     row.detected_s = endings.iter().filter_map(|e| e.after_s).reduce(f64::max);
     let bound = TIMEOUT_S + SURVIVOR_SLACK_S;
-    match survivors::judge_endings(&endings, rank, mode.direct, bound) {
+    match survivors::judge_endings(&endings, rank, bound) {
         Ok(summary) => row.outcome = summary,
         Err(why) => {
             let text: Vec<String> = survivors.iter().map(|(_, p)| p.text()).collect();

@@ -299,6 +299,19 @@ impl ServerMachine for LocalServer {
         reject(cx, from, &e.to_string())
     }
 
+    /// An async local server goes on without a child that failed, as without a lost one.
+    fn on_aborted(&mut self, cx: &mut PsContext<'_>, from: usize, reason: String) -> Result<()> {
+        if from == self.parent || self.sync {
+            return Err(super::aborted_by(from, &reason));
+        }
+        let e = CommError::PeerLost {
+            peer: from,
+            op: "its work".into(),
+            reason: format!("it failed: {reason}"),
+        };
+        self.on_lost(cx, from, e)
+    }
+
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
         if peer == self.parent || self.sync {
             return Err(TrainError::Peer {
@@ -385,7 +398,10 @@ impl Role for LocalServer {
     fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
         let inbox = self.inbox.clone();
         let timeout = self.timeout;
-        serve_one(self, cx, &inbox, timeout)?;
+        if let Err(e) = serve_one(self, cx, &inbox, timeout) {
+            // Its parent and children fail naming the same culprit.
+            return Err(super::abort_peers(cx.comm, &self.peers(), e));
+        }
         if let Some(reason) = &self.stopped {
             return Ok(Step {
                 done: Some(reason.clone()),

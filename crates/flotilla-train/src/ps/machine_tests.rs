@@ -342,3 +342,38 @@ fn a_sync_local_server_pushes_the_mean_up_and_forwards_the_reply() {
     }
     assert_eq!(m.pushes_up(), 1);
 }
+
+/// A child that failed says why (`Abort`): a sync root fails with that reason, blaming the
+/// child (so that every rank names the rank at fault), and tells its other children the
+/// same; an async root goes on without the child, as without a lost one.
+#[test]
+fn an_abort_from_a_child_fails_a_sync_root_with_its_reason_and_an_async_root_goes_on() {
+    let reason = "connection to rank 7 lost during point-to-point receive: reset";
+    for sync in [true, false] {
+        let mut w = world(3);
+        let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
+        let mut f = Fixture::new(w.pop().expect("server"), None);
+        let (mut m, inbox) = root(&mut f, sync);
+        let abort = PsMessage::Abort {
+            reason: reason.into(),
+        };
+        w2.send(0, TAG, &abort.encode()).expect("send");
+        let r = step(&mut m, &mut f, &inbox);
+        if sync {
+            let e = r.expect_err("a sync root cannot go on without a child");
+            assert_eq!(e.to_string(), format!("rank 2 failed: {reason}"));
+            assert_eq!(e.blamed_rank(), Some(2));
+            let e = super::abort_peers(&f.comm, &m.peers(), e);
+            match next(&w1, 0) {
+                Some(PsMessage::Abort { reason: told }) => assert_eq!(told, e.to_string()),
+                other => panic!("rank 1 must be told why: {other:?}"),
+            }
+        } else {
+            r.expect("an async root goes on");
+            assert!(!m.done());
+            w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
+            step(&mut m, &mut f, &inbox).expect("the other child's push");
+            assert_eq!(m.version(), 1, "rank 1's push is applied");
+        }
+    }
+}

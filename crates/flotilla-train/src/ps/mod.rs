@@ -29,7 +29,7 @@ mod machine_tests;
 
 use flotilla_cluster::{RoleKind, Topology};
 
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::role::Role;
 use protocol::PsMessage;
 
@@ -53,6 +53,32 @@ pub fn send_bytes(
 ) -> Result<()> {
     comm.send(peer, protocol::TAG, bytes)?;
     Ok(())
+}
+
+/// Tells `peers` that this rank failed with `e` ([`PsMessage::Abort`]; best effort: a peer
+/// that is gone cannot be told) and returns `e`. Every rank of the tree then fails naming
+/// the rank at fault, not only the neighbours that saw it go.
+pub fn abort_peers(
+    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    peers: &[usize],
+    e: TrainError,
+) -> TrainError {
+    let bytes = PsMessage::Abort {
+        reason: e.to_string(),
+    }
+    .encode();
+    for &p in peers {
+        let _ = send_bytes(comm, p, &bytes);
+    }
+    e
+}
+
+/// The error of a rank whose peer `from` failed with `reason` (a [`PsMessage::Abort`]).
+pub fn aborted_by(from: usize, reason: &str) -> TrainError {
+    TrainError::Peer {
+        peer: from,
+        message: format!("rank {from} failed: {reason}"),
+    }
 }
 
 /// This rank's role in a parameter-server topology, and the shard of the training data it

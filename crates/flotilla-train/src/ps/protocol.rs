@@ -6,7 +6,7 @@
 //! - `Push`: `version: u64, staleness: u32, samples: u32, loss: f32, delta: u8, len: u64,
 //!   len x f32`.
 //! - `Params`: `version: u64, len: u64, len x f32`.
-//! - `Reject` / `Stop`: `len: u32, len bytes of UTF-8 reason`.
+//! - `Reject` / `Stop` / `Abort`: `len: u32, len bytes of UTF-8 reason`.
 //! - `Gather`: `version: u64`.
 
 use crate::error::{Result, TrainError};
@@ -20,6 +20,7 @@ const PARAMS: u8 = 3;
 const REJECT: u8 = 4;
 const STOP: u8 = 5;
 const GATHER: u8 = 6;
+const ABORT: u8 = 7;
 
 /// One parameter-server message.
 #[derive(Debug, Clone, PartialEq)]
@@ -60,6 +61,13 @@ pub enum PsMessage {
         /// Why (target reached, rounds done, ...).
         reason: String,
     },
+    /// Any rank → its parameter-server peers: the sender failed (a lost or silent rank, a
+    /// refused message) and the job cannot go on; `reason` is its error, which names the rank
+    /// at fault, so that every rank of the tree fails naming it, not only its neighbours.
+    Abort {
+        /// The sender's error.
+        reason: String,
+    },
     /// Root → shard server: send me your shard once it has reached `version` (for evaluation
     /// and the checkpoint).
     Gather {
@@ -96,6 +104,7 @@ impl PsMessage {
             PsMessage::Reject { .. } => "reject",
             PsMessage::Stop { .. } => "stop",
             PsMessage::Gather { .. } => "gather",
+            PsMessage::Abort { .. } => "abort",
         }
     }
 
@@ -125,11 +134,13 @@ impl PsMessage {
                 out.push(GATHER);
                 out.extend_from_slice(&version.to_le_bytes());
             }
-            PsMessage::Reject { reason } | PsMessage::Stop { reason } => {
-                out.push(if matches!(self, PsMessage::Reject { .. }) {
-                    REJECT
-                } else {
-                    STOP
+            PsMessage::Reject { reason }
+            | PsMessage::Stop { reason }
+            | PsMessage::Abort { reason } => {
+                out.push(match self {
+                    PsMessage::Reject { .. } => REJECT,
+                    PsMessage::Stop { .. } => STOP,
+                    _ => ABORT,
                 });
                 out.extend_from_slice(&(reason.len() as u32).to_le_bytes());
                 out.extend_from_slice(reason.as_bytes());
@@ -167,13 +178,13 @@ impl PsMessage {
                 PsMessage::Params { version, values }
             }
             GATHER => PsMessage::Gather { version: r.u64()? },
-            REJECT | STOP => {
+            REJECT | STOP | ABORT => {
                 let len = r.u32()? as usize;
                 let reason = String::from_utf8_lossy(r.take(len)?).into_owned();
-                if kind == REJECT {
-                    PsMessage::Reject { reason }
-                } else {
-                    PsMessage::Stop { reason }
+                match kind {
+                    REJECT => PsMessage::Reject { reason },
+                    STOP => PsMessage::Stop { reason },
+                    _ => PsMessage::Abort { reason },
                 }
             }
             other => return Err(r.bad(&format!("unknown message kind {other}"))),
@@ -312,6 +323,7 @@ mod tests {
                 .prop_map(|(version, values)| PsMessage::Params { version, values }),
             any::<String>().prop_map(|reason| PsMessage::Reject { reason }),
             any::<String>().prop_map(|reason| PsMessage::Stop { reason }),
+            any::<String>().prop_map(|reason| PsMessage::Abort { reason }),
             any::<u64>().prop_map(|version| PsMessage::Gather { version }),
         ]
     }

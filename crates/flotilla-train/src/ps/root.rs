@@ -469,6 +469,19 @@ impl ServerMachine for RootServer {
         reject(cx, from, &e.to_string())
     }
 
+    /// An async server goes on without a child that failed, as without a lost one.
+    fn on_aborted(&mut self, cx: &mut PsContext<'_>, from: usize, reason: String) -> Result<()> {
+        if self.sync || (from == self.root && !self.is_root) {
+            return Err(super::aborted_by(from, &reason));
+        }
+        let e = CommError::PeerLost {
+            peer: from,
+            op: "its work".into(),
+            reason: format!("it failed: {reason}"),
+        };
+        self.on_lost(cx, from, e)
+    }
+
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
         if peer == self.root && !self.is_root {
             return Err(TrainError::Peer {
@@ -593,10 +606,19 @@ impl Role for RootServer {
     }
 
     fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
-        self.flush(cx)?;
-        let inbox = self.inbox.clone();
-        let timeout = self.timeout;
-        serve_one(self, cx, &inbox, timeout)?;
+        let served = self.flush(cx).and_then(|()| {
+            let inbox = self.inbox.clone();
+            let timeout = self.timeout;
+            serve_one(self, cx, &inbox, timeout)
+        });
+        if let Err(e) = served {
+            // Everyone this server talks to fails naming the same culprit.
+            let mut peers = self.peers();
+            if self.is_root {
+                peers.extend_from_slice(&self.shard.servers[1..]);
+            }
+            return Err(super::abort_peers(cx.comm, &peers, e));
+        }
         if let Some(reason) = &self.stop_reason
             && !self.is_root
         {

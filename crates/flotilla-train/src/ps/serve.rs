@@ -29,6 +29,14 @@ pub trait ServerMachine {
     /// `from` sent bytes that are not a message (the link stays up).
     fn on_malformed(&mut self, cx: &mut PsContext<'_>, from: usize, e: TrainError) -> Result<()>;
 
+    /// `from` failed and said so ([`PsMessage::Abort`]). By default this fails too, naming
+    /// it (and through its reason the rank at fault); an asynchronous server overrides it to
+    /// go on without a child, as for a lost one.
+    fn on_aborted(&mut self, cx: &mut PsContext<'_>, from: usize, reason: String) -> Result<()> {
+        let _ = cx;
+        Err(super::aborted_by(from, &reason))
+    }
+
     /// The link to `peer` is gone.
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()>;
 
@@ -70,6 +78,9 @@ pub fn serve_one(
     machine.note_wait(t.elapsed());
     match event {
         None => machine.on_deadline(cx, t.elapsed()),
+        Some(Event::Message(from, PsMessage::Abort { reason })) => {
+            machine.on_aborted(cx, from, reason)
+        }
         Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg),
         Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e),
         Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e),

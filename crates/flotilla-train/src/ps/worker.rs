@@ -107,6 +107,7 @@ impl Worker {
                         break;
                     }
                     PsMessage::Stop { reason } => return Ok(Pulled::Stop(reason)),
+                    PsMessage::Abort { reason } => return Err(super::aborted_by(parent, &reason)),
                     PsMessage::Reject { reason } => {
                         cx.log(&format!(
                             "push rejected by rank {parent}: {reason}; pulling again"
@@ -216,7 +217,16 @@ impl Role for Worker {
         Ok(())
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+        // A sync server fails naming the rank this worker lost (an async one goes on).
+        self.step_inner(cx, data, done)
+            .map_err(|e| super::abort_peers(cx.comm, &self.parents, e))
+    }
+}
+
+impl Worker {
+    /// One round: pull, compute, push.
+    fn step_inner(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, _done: u64) -> Result<Step> {
         let t = Instant::now();
         let pulled = {
             let _span = tracing::info_span!(target: "flotilla::ps", "ps_pull").entered();

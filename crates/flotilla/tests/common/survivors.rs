@@ -4,7 +4,6 @@
 //! rank R lost during OP: REASON", also inside "collective aborted by rank A: ...").
 #![allow(dead_code)]
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
@@ -65,18 +64,11 @@ pub fn wait_endings(ranks: &mut [(usize, Running)], t0: Instant, limit: Duration
 }
 
 /// Whether every survivor ended as it must after `dead` was killed: exit non-zero within
-/// `bound_s`, its error naming `dead` (`direct`), or else naming a survivor whose own error
-/// leads, survivor by survivor, to `dead` (a parameter-server rank fails because a rank next
-/// to it failed: only its neighbours saw the dead rank go). A summary, or what was wrong.
-pub fn judge_endings(
-    endings: &[Ending],
-    dead: usize,
-    direct: bool,
-    bound_s: f64,
-) -> Result<String, String> {
-    let names: BTreeMap<usize, Option<usize>> = endings.iter().map(|e| (e.rank, e.names)).collect();
+/// `bound_s`, its error naming `dead` itself (a failed collective tells every peer why; a
+/// failed parameter-server rank tells its peers with an `Abort` carrying its error). A
+/// summary, or what was wrong.
+pub fn judge_endings(endings: &[Ending], dead: usize, bound_s: f64) -> Result<String, String> {
     let mut problems = Vec::new();
-    let mut chains = Vec::new();
     for e in endings {
         let what = format!("rank {}", e.rank);
         match e.status {
@@ -90,52 +82,20 @@ pub fn judge_endings(
                 e.after_s.unwrap_or_default()
             ));
         }
-        match chain(&names, e.rank, dead) {
-            Some(c) if !direct || c.len() == 2 => chains.push(c),
-            _ => problems.push(format!(
-                "{what}'s error does not name rank {dead} (\"{}{dead}{}\"{}): {:?}",
-                LOST.0,
-                LOST.1,
-                if direct {
-                    ""
-                } else {
-                    ", or a survivor that does"
-                },
-                e.error
-            )),
+        if e.names != Some(dead) {
+            problems.push(format!(
+                "{what}'s error does not name rank {dead} (\"{}{dead}{}\"): {:?}",
+                LOST.0, LOST.1, e.error
+            ));
         }
     }
     if !problems.is_empty() {
         return Err(problems.join("; "));
     }
     let slowest = endings.iter().filter_map(|e| e.after_s).fold(0.0, f64::max);
-    let chains: Vec<String> = chains
-        .iter()
-        .map(|c| {
-            let c: Vec<String> = c.iter().map(usize::to_string).collect();
-            c.join("→")
-        })
-        .collect();
+    let ranks: Vec<String> = endings.iter().map(|e| e.rank.to_string()).collect();
     Ok(format!(
-        "every survivor exit ≠ 0 within {slowest:.1} s, naming {}",
-        chains.join(", ")
+        "every survivor ({}) exit ≠ 0 within {slowest:.1} s, naming rank {dead}",
+        ranks.join(", ")
     ))
-}
-
-/// The ranks from `start` following each one's named rank to `dead`, if it gets there.
-fn chain(names: &BTreeMap<usize, Option<usize>>, start: usize, dead: usize) -> Option<Vec<usize>> {
-    let mut path = vec![start];
-    let mut seen = BTreeSet::from([start]);
-    let mut at = start;
-    loop {
-        let next = names.get(&at).copied().flatten()?;
-        path.push(next);
-        if next == dead {
-            return Some(path);
-        }
-        if !seen.insert(next) {
-            return None;
-        }
-        at = next;
-    }
 }
