@@ -39,6 +39,14 @@ pub enum TrainError {
         /// What happened.
         message: String,
     },
+    /// A local server's push up stayed unanswered past the deadline.
+    #[error("local server: no answer from rank {peer} within {after:?}")]
+    ParentSilent {
+        /// The parent.
+        peer: usize,
+        /// The deadline.
+        after: std::time::Duration,
+    },
     /// Ranks ended with different parameters (a broken invariant, never expected).
     #[error("parameters differ across ranks after training: {0}")]
     Divergence(String),
@@ -87,11 +95,26 @@ impl TrainError {
         }
     }
 
+    /// Whether this is a wait that reached its deadline (a silent peer), rather than a lost
+    /// or misbehaving one: a rank that only waited too long for its parent must not fail
+    /// that parent, which is itself waiting for the rank at fault and will name it.
+    pub fn is_deadline(&self) -> bool {
+        use flotilla_comm::CommError;
+        matches!(
+            self,
+            TrainError::Comm(
+                CommError::Deadline { .. } | CommError::Timeout { .. } | CommError::Stalled { .. }
+            ) | TrainError::ParentSilent { .. }
+        )
+    }
+
     /// The rank this error points at, if another rank is at fault.
     pub fn blamed_rank(&self) -> Option<usize> {
         match self {
             TrainError::Comm(e) => e.blamed_rank(),
-            TrainError::Protocol { peer, .. } | TrainError::Peer { peer, .. } => Some(*peer),
+            TrainError::Protocol { peer, .. }
+            | TrainError::Peer { peer, .. }
+            | TrainError::ParentSilent { peer, .. } => Some(*peer),
             _ => None,
         }
     }

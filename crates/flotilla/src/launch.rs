@@ -396,16 +396,38 @@ impl LocalJob {
         true
     }
 
+    /// The root cause of a failure: blame followed from `first`. When blame goes round in a
+    /// circle (ranks that timed out waiting for each other while the rank at fault was
+    /// silent), the root cause is a rank some failed rank blames that is still running: the
+    /// stuck one.
+    fn root_cause(&self, first: usize, status: &[Option<ExitStatus>]) -> usize {
+        let blamed = |r: usize| {
+            self.blamed
+                .get(r)
+                .copied()
+                .flatten()
+                .filter(|&b| b != r && b < status.len())
+        };
+        let mut root = first;
+        let mut seen = vec![false; status.len()];
+        while let Some(b) = blamed(root) {
+            seen[root] = true;
+            if seen[b] {
+                let stuck = (0..status.len())
+                    .filter(|&r| status[r].is_some())
+                    .filter_map(blamed)
+                    .find(|&b| status[b].is_none());
+                return stuck.unwrap_or(root);
+            }
+            root = b;
+        }
+        root
+    }
+
     /// Builds the error of a failed job, starting from the first rank seen failing and
     /// following blame to the root cause.
     fn failure_report(&self, first: usize, status: &[Option<ExitStatus>]) -> anyhow::Error {
-        let mut root = first;
-        for _ in 0..status.len() {
-            match self.blamed.get(root).copied().flatten() {
-                Some(b) if b != root && b < status.len() => root = b,
-                _ => break,
-            }
-        }
+        let root = self.root_cause(first, status);
         let tail = |r: usize| {
             self.stderr_tails[r]
                 .iter()
@@ -606,6 +628,28 @@ mod tests {
         let worker = sh(&format!("echo '{failed}'; exit 1"));
         let mut job = LocalJob::start([sh("sleep 30"), worker], None).expect("start");
         job.tolerate([1]);
+        let (r, took) = supervise(&mut job);
+        let e = format!("{:#}", r.expect_err("the job fails"));
+        assert!(e.contains("rank 0 stopped responding"), "{e}");
+        assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// Ranks that timed out waiting for each other blame each other in a circle; the rank
+    /// at fault is the one a failed rank blames that is still running (stuck), as a
+    /// parameter server's ranks do when one of them is stopped.
+    #[test]
+    fn a_circle_of_blame_names_the_stuck_rank() {
+        let blaming = |b: usize, delay: &str| {
+            let failed = RankEvent::Failed { blamed: b }.line();
+            sh(&format!("sleep {delay}; echo '{failed}'; exit 1"))
+        };
+        let ranks = [
+            sh("sleep 30"),
+            blaming(0, "0.3"),
+            blaming(3, "0"),
+            blaming(2, "0"),
+        ];
+        let mut job = LocalJob::start(ranks, None).expect("start");
         let (r, took) = supervise(&mut job);
         let e = format!("{:#}", r.expect_err("the job fails"));
         assert!(e.contains("rank 0 stopped responding"), "{e}");

@@ -265,12 +265,9 @@ impl ServerMachine for LocalServer {
         if let Some(since) = self.outstanding
             && since.elapsed() > self.timeout
         {
-            return Err(TrainError::Peer {
+            return Err(TrainError::ParentSilent {
                 peer: self.parent,
-                message: format!(
-                    "local server: no answer from rank {} within {:?}",
-                    self.parent, self.timeout
-                ),
+                after: self.timeout,
             });
         }
         match msg {
@@ -400,7 +397,12 @@ impl Role for LocalServer {
         let timeout = self.timeout;
         if let Err(e) = serve_one(self, cx, &inbox, timeout) {
             // Its parent and children fail naming the same culprit.
-            return Err(super::abort_peers(cx.comm, &self.peers(), e));
+            return Err(super::abort_peers(
+                cx.comm,
+                &self.children,
+                &[self.parent],
+                e,
+            ));
         }
         if let Some(reason) = &self.stopped {
             return Ok(Step {

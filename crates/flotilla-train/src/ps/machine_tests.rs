@@ -363,7 +363,7 @@ fn an_abort_from_a_child_fails_a_sync_root_with_its_reason_and_an_async_root_goe
             let e = r.expect_err("a sync root cannot go on without a child");
             assert_eq!(e.to_string(), format!("rank 2 failed: {reason}"));
             assert_eq!(e.blamed_rank(), Some(2));
-            let e = super::abort_peers(&f.comm, &m.peers(), e);
+            let e = super::abort_peers(&f.comm, &m.peers(), &[], e);
             match next(&w1, 0) {
                 Some(PsMessage::Abort { reason: told }) => assert_eq!(told, e.to_string()),
                 other => panic!("rank 1 must be told why: {other:?}"),

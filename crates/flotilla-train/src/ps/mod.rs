@@ -55,19 +55,23 @@ pub fn send_bytes(
     Ok(())
 }
 
-/// Tells `peers` that this rank failed with `e` ([`PsMessage::Abort`]; best effort: a peer
-/// that is gone cannot be told) and returns `e`. Every rank of the tree then fails naming
-/// the rank at fault, not only the neighbours that saw it go.
+/// Tells `down` (children) and `up` (parents) that this rank failed with `e`
+/// ([`PsMessage::Abort`]; best effort: a peer that is gone cannot be told) and returns `e`.
+/// Every rank of the tree then fails naming the rank at fault, not only the neighbours that
+/// saw it go. A deadline is not told up: a parent that a rank waited for too long is itself
+/// waiting for the rank at fault, and its own deadline names that rank.
 pub fn abort_peers(
     comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
-    peers: &[usize],
+    down: &[usize],
+    up: &[usize],
     e: TrainError,
 ) -> TrainError {
     let bytes = PsMessage::Abort {
         reason: e.to_string(),
     }
     .encode();
-    for &p in peers {
+    let up = if e.is_deadline() { &[][..] } else { up };
+    for &p in down.iter().chain(up) {
         let _ = send_bytes(comm, p, &bytes);
     }
     e

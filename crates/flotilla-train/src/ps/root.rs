@@ -613,11 +613,14 @@ impl Role for RootServer {
         });
         if let Err(e) = served {
             // Everyone this server talks to fails naming the same culprit.
-            let mut peers = self.peers();
+            let mut down = self.children.clone();
+            let mut up = Vec::new();
             if self.is_root {
-                peers.extend_from_slice(&self.shard.servers[1..]);
+                down.extend_from_slice(&self.shard.servers[1..]);
+            } else {
+                up.push(self.root);
             }
-            return Err(super::abort_peers(cx.comm, &peers, e));
+            return Err(super::abort_peers(cx.comm, &down, &up, e));
         }
         if let Some(reason) = &self.stop_reason
             && !self.is_root

@@ -220,7 +220,7 @@ impl Role for Worker {
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         // A sync server fails naming the rank this worker lost (an async one goes on).
         self.step_inner(cx, data, done)
-            .map_err(|e| super::abort_peers(cx.comm, &self.parents, e))
+            .map_err(|e| super::abort_peers(cx.comm, &[], &self.parents, e))
     }
 }
 
