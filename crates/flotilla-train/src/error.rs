@@ -75,23 +75,23 @@ pub enum TrainError {
         /// The known names, comma-separated.
         known: String,
     },
-    /// An I/O error with the path it concerned.
-    #[error("{path}: {source}")]
+    /// An I/O error with the path it concerned. The message carries the reason itself (not as
+    /// a `source`), so an error chain printed whole does not say it twice.
+    #[error("{path}: {error}")]
     Io {
         /// The file or directory concerned.
         path: PathBuf,
         /// The underlying error.
-        #[source]
-        source: std::io::Error,
+        error: std::io::Error,
     },
 }
 
 impl TrainError {
     /// Wraps an I/O error with the path it concerned.
-    pub fn io(path: impl Into<PathBuf>, source: std::io::Error) -> Self {
+    pub fn io(path: impl Into<PathBuf>, error: std::io::Error) -> Self {
         TrainError::Io {
             path: path.into(),
-            source,
+            error,
         }
     }
 
