@@ -470,16 +470,8 @@ impl ServerMachine for RootServer {
     }
 
     /// An async server goes on without a child that failed, as without a lost one.
-    fn on_aborted(&mut self, cx: &mut PsContext<'_>, from: usize, reason: String) -> Result<()> {
-        if self.sync || (from == self.root && !self.is_root) {
-            return Err(super::aborted_by(from, &reason));
-        }
-        let e = CommError::PeerLost {
-            peer: from,
-            op: "its work".into(),
-            reason: format!("it failed: {reason}"),
-        };
-        self.on_lost(cx, from, e)
+    fn goes_on_without(&self, peer: usize) -> bool {
+        !self.sync && (self.is_root || peer != self.root)
     }
 
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {

@@ -29,12 +29,26 @@ pub trait ServerMachine {
     /// `from` sent bytes that are not a message (the link stays up).
     fn on_malformed(&mut self, cx: &mut PsContext<'_>, from: usize, e: TrainError) -> Result<()>;
 
-    /// `from` failed and said so ([`PsMessage::Abort`]). By default this fails too, naming
-    /// it (and through its reason the rank at fault); an asynchronous server overrides it to
-    /// go on without a child, as for a lost one.
+    /// Whether it goes on without `peer` when that peer fails (an asynchronous server
+    /// without a child). By default it does not.
+    fn goes_on_without(&self, peer: usize) -> bool {
+        let _ = peer;
+        false
+    }
+
+    /// `from` failed and said so ([`PsMessage::Abort`]): this fails too, naming it (and
+    /// through its reason the rank at fault), unless it goes on without `from`, which is
+    /// then handled as a lost peer.
     fn on_aborted(&mut self, cx: &mut PsContext<'_>, from: usize, reason: String) -> Result<()> {
-        let _ = cx;
-        Err(super::aborted_by(from, &reason))
+        if !self.goes_on_without(from) {
+            return Err(super::aborted_by(from, &reason));
+        }
+        let e = CommError::PeerLost {
+            peer: from,
+            op: "its work".into(),
+            reason: format!("it failed: {reason}"),
+        };
+        self.on_lost(cx, from, e)
     }
 
     /// The link to `peer` is gone.
