@@ -102,16 +102,9 @@ fn world(n: usize) -> Vec<Communicator> {
     .expect("world")
 }
 
+/// A worker's push of `len` copies of `value` (see [`super::formula_kit::push`]).
 fn push(version: u64, samples: u32, value: f32, len: usize) -> Vec<u8> {
-    PsMessage::Push {
-        version,
-        staleness: 0,
-        samples,
-        loss: 1.0,
-        delta: false,
-        values: vec![value; len],
-    }
-    .encode()
+    super::formula_kit::push(version, samples, &vec![value; len])
 }
 
 /// Receives the next message from `from` at `me`, or `None` within a short wait.
