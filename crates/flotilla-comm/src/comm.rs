@@ -34,10 +34,11 @@ use crate::config::{CommConfig, Rejoin};
 use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::error::CommError;
 use crate::frame::{Op, channel};
-use crate::group::{CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag};
+use crate::group::{CommStats, ProcessGroup, ReduceOp, Tag};
 use crate::mailbox::Taken;
 use crate::members::Members;
 use crate::op::OpCtx;
+use crate::pending::{Pending, PendingAllReduce};
 use crate::rendezvous;
 use crate::ring;
 use crate::split;
@@ -498,7 +499,7 @@ impl Communicator {
         self.g.world.handle.spawn(async move {
             let mut buf = buf;
             let r = all_reduce_ordered(&g, ticket, &mut buf, bucket).await;
-            let _ = tx.send(r.map(|()| buf));
+            tx.send(r.map(|()| buf));
         });
         pending
     }

@@ -24,9 +24,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-
 use crate::error::CommError;
+use crate::pending::PendingAllReduce;
 
 /// Traffic counters of a communicator (all connections, all channels, headers included).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -84,52 +83,6 @@ impl ReduceOp {
         }
     }
 }
-
-/// A collective running in the background; [`Pending::wait`] blocks for its result.
-#[must_use = "a pending collective must be waited for"]
-pub struct Pending<T> {
-    rx: oneshot::Receiver<Result<T, CommError>>,
-    seq: u64,
-}
-
-impl<T> std::fmt::Debug for Pending<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Pending").field("seq", &self.seq).finish()
-    }
-}
-
-impl<T> Pending<T> {
-    /// A pending result and the sender that completes it.
-    pub fn channel(seq: u64) -> (oneshot::Sender<Result<T, CommError>>, Pending<T>) {
-        let (tx, rx) = oneshot::channel();
-        (tx, Pending { rx, seq })
-    }
-
-    /// An already finished operation.
-    pub fn ready(seq: u64, result: Result<T, CommError>) -> Pending<T> {
-        let (tx, p) = Self::channel(seq);
-        let _ = tx.send(result);
-        p
-    }
-
-    /// Blocks until the operation finished. Must not be called from inside an async runtime.
-    pub fn wait(self) -> Result<T, CommError> {
-        self.rx.blocking_recv().unwrap_or(Err(CommError::Shutdown))
-    }
-
-    /// Whether [`Pending::wait`] would return at once.
-    pub fn is_finished(&self) -> bool {
-        !self.rx.is_empty() || self.rx.is_terminated()
-    }
-
-    /// The operation's sequence number in its group.
-    pub fn seq(&self) -> u64 {
-        self.seq
-    }
-}
-
-/// The all-reduce handle returned by [`ProcessGroup::all_reduce_start`].
-pub type PendingAllReduce = Pending<Vec<f32>>;
 
 /// What a rank is doing in a group's collective sequence (for the stall inspector).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

@@ -53,6 +53,7 @@ mod mailbox;
 mod members;
 mod net;
 mod op;
+mod pending;
 mod reduce;
 mod rendezvous;
 mod ring;
@@ -68,11 +69,10 @@ pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
 pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
-pub use group::{
-    Activity, CommStats, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, tags,
-};
+pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
 pub use mailbox::{Mailbox, Taken};
 pub use members::Members;
+pub use pending::{Pending, PendingAllReduce, PendingSender};
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

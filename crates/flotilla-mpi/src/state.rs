@@ -120,7 +120,7 @@ impl GroupState {
         let (tx, pending) = Pending::channel(seq);
         let done = Arc::new(Completion(Mutex::new(Some(Box::new(
             move |r: Result<Out, CommError>| {
-                let _ = tx.send(r.and_then(map));
+                tx.send(r.and_then(map));
             },
         )))));
         let name = op.name();

@@ -38,10 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use tokio::sync::oneshot;
-
 use crate::error::CommError;
-use crate::group::{Pending, ProcessGroup};
+use crate::group::ProcessGroup;
+use crate::pending::{Pending, PendingSender};
 use crate::stall::{StallPolicy, StallWatch, Stalled, Verdict};
 use negotiate::{Agreement, Announce, Names};
 
@@ -83,7 +82,7 @@ pub struct CycleStats {
     pub reduce_s: f64,
 }
 
-type Reply = oneshot::Sender<Result<Vec<f32>, CommError>>;
+type Reply = PendingSender<Vec<f32>>;
 
 struct Entry {
     data: Vec<f32>,
@@ -158,7 +157,7 @@ impl CycleReducer {
         };
         match refused {
             Some(e) => {
-                let _ = reply.send(Err(e));
+                reply.send(Err(e));
             }
             None => l
                 .queues
@@ -262,7 +261,7 @@ impl Cycle {
                             self.group.world_rank(self.group.rank())
                         ));
                         if let Some(entry) = queue.pop_front() {
-                            let _ = entry.reply.send(Err(e.clone()));
+                            entry.reply.send(Err(e.clone()));
                         }
                         self.give_up.get_or_insert(e);
                     }
@@ -352,7 +351,7 @@ impl Cycle {
                 Ok(s) => s,
                 Err(e) => {
                     for rest in entries {
-                        let _ = rest.reply.send(Err(e.clone()));
+                        rest.reply.send(Err(e.clone()));
                     }
                     return Err(e);
                 }
@@ -360,7 +359,7 @@ impl Cycle {
             let mut at = 0;
             for e in entries.by_ref().take(r.len()) {
                 let n = e.data.len();
-                let _ = e.reply.send(Ok(summed[at..at + n].to_vec()));
+                e.reply.send(Ok(summed[at..at + n].to_vec()));
                 at += n;
             }
         }
@@ -475,7 +474,7 @@ impl Cycle {
         l.closed.get_or_insert_with(|| e.clone());
         for (_, queue) in std::mem::take(&mut l.queues) {
             for entry in queue {
-                let _ = entry.reply.send(Err(e.clone()));
+                entry.reply.send(Err(e.clone()));
             }
         }
     }
