@@ -7,8 +7,7 @@
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::error::CommError;
-use crate::group::ProcessGroup;
+use flotilla_group::{CommError, ProcessGroup};
 
 /// One row of benchmark results.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -5,8 +5,9 @@
 //! bit sets). Broadcast is a pipelined chain along the ring starting at the
 //! root: a length frame, then `chunk_bytes` chunks, each forwarded as soon as it arrives.
 
+use flotilla_group::CommError;
+
 use crate::buf::f32_bytes_mut;
-use crate::error::CommError;
 use crate::op::OpCtx;
 
 /// Sends `payload` to every peer, then receives one frame from every peer (in rank order;

@@ -26,22 +26,20 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use flotilla_group::{
+    CommError, CommStats, Members, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, Taken,
+    subgroup,
+};
 use tokio::runtime::{Handle, Runtime};
 use tracing::Instrument;
 
 use crate::collectives;
 use crate::config::{CommConfig, Rejoin};
 use crate::conn::{Conn, ConnOpts, Endpoint};
-use crate::error::CommError;
 use crate::frame::{Op, channel};
-use crate::group::{CommStats, ProcessGroup, ReduceOp, Tag};
-use crate::mailbox::Taken;
-use crate::members::Members;
 use crate::op::OpCtx;
-use crate::pending::{Pending, PendingAllReduce};
 use crate::rendezvous;
 use crate::ring;
-use crate::split;
 use crate::world::{GroupState, World};
 
 /// Owns the runtime; dropped with the last group handle of the process.
@@ -72,7 +70,7 @@ impl Drop for RtOwner {
 }
 
 /// A connected member of a process group: the TCP (or in-memory) implementation of
-/// [`ProcessGroup`]. `Send + Sync`; see [`crate::group`] for the ordering invariant.
+/// [`ProcessGroup`]. `Send + Sync`; see [`flotilla_group::group`] for the ordering invariant.
 ///
 /// The blocking methods must not be called from inside an async runtime (they block the
 /// calling thread on the communicator's own runtime).
@@ -280,7 +278,7 @@ impl ProcessGroup for Communicator {
         self.g.world.cfg.timeout
     }
 
-    fn activity(&self) -> crate::group::Activity {
+    fn activity(&self) -> flotilla_group::Activity {
         self.g.activity()
     }
 
@@ -462,8 +460,8 @@ impl ProcessGroup for Communicator {
         color: Option<u32>,
         key: i64,
     ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
-        let all = self.all_gather_bytes(&split::encode(color, key))?;
-        let plan = split::plan(&all, self.g.me(), |r| self.world_rank(r))?;
+        let all = self.all_gather_bytes(&subgroup::encode(color, key))?;
+        let plan = subgroup::plan(&all, self.g.me(), |r| self.world_rank(r))?;
         // A split is collective on this group, so every member counts every split (in a
         // new group or not) and the n-th split has the same number everywhere.
         let n = self.next_derived(b"split");

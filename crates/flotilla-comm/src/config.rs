@@ -3,9 +3,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use flotilla_group::CommError;
 use serde::{Deserialize, Serialize};
 
-use crate::error::CommError;
 use crate::secret::Secret;
 use crate::tls::{TlsConfig, TlsFiles};
 

@@ -8,15 +8,14 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use flotilla_group::{CommError, Mailbox, PeerName};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinHandle;
 
 use crate::buf::{BufPool, PoolBuf};
 use crate::config::Compression;
-use crate::error::{CommError, PeerName};
 use crate::frame::{self, FrameHeader, HEADER_LEN, Op, channel, flags};
-use crate::mailbox::Mailbox;
 use crate::stream::{ReadHalf, Stream, WriteHalf};
 use crate::wire::Ctrl;
 
@@ -523,7 +522,7 @@ mod tests {
     use tokio::io::AsyncWriteExt;
     use tokio::net::{TcpListener, TcpStream};
 
-    use crate::mailbox::Taken;
+    use flotilla_group::Taken;
 
     async fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").await.unwrap();

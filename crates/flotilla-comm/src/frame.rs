@@ -24,9 +24,8 @@
 
 use std::io::IoSlice;
 
+use flotilla_group::{CommError, PeerName};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
-
-use crate::error::{CommError, PeerName};
 
 /// First header byte of every frame.
 pub const MAGIC: u8 = 0xF1;

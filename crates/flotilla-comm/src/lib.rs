@@ -23,8 +23,9 @@
 //!   the stall inspector names tensors some ranks never submit.
 //! * [`bench`]: the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
-//! All members of a group must issue its collectives in the same order; see [`group`] for
-//! the ordering invariant and [`Communicator`] for the failure model.
+//! All members of a group must issue its collectives in the same order; see
+//! [`flotilla_group::group`] for the ordering invariant and [`Communicator`] for the failure
+//! model.
 //!
 //! ```no_run
 //! use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
@@ -43,22 +44,16 @@ mod comm;
 mod config;
 mod conn;
 pub mod cycle;
-mod error;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod group;
-mod mailbox;
-mod members;
 mod net;
 mod op;
-mod pending;
 mod reduce;
 mod rendezvous;
 mod ring;
 mod secret;
-pub mod split;
 pub mod stall;
 mod stream;
 pub mod tls;
@@ -68,11 +63,10 @@ mod world;
 pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
 pub use cycle::{CycleConfig, CycleReducer, CycleStats};
-pub use error::{CommError, PeerName, RendezvousError};
-pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
-pub use mailbox::{Mailbox, Taken};
-pub use members::Members;
-pub use pending::{Pending, PendingAllReduce, PendingSender};
+pub use flotilla_group::{
+    Activity, CommError, CommStats, PeerName, Pending, PendingAllReduce, ProcessGroup, ReduceOp,
+    RendezvousError, Tag, tags,
+};
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use stall::{StallPolicy, StallWatcher};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

@@ -2,9 +2,8 @@
 
 use std::net::SocketAddr;
 
+use flotilla_group::CommError;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-
-use crate::error::CommError;
 
 /// Binds a listener with `SO_REUSEADDR` and optional socket buffer sizes (inherited by
 /// accepted sockets).

@@ -3,9 +3,10 @@
 
 use std::sync::Arc;
 
+use flotilla_group::CommError;
+
 use crate::config::CommConfig;
 use crate::conn::{Conn, Received};
-use crate::error::CommError;
 use crate::frame::{Op, channel};
 use crate::world::GroupState;
 

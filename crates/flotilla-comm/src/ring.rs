@@ -15,9 +15,10 @@
 
 use std::ops::Range;
 
+use flotilla_group::CommError;
+
 use crate::buf::{f32_bytes, f32_bytes_mut};
 use crate::config::WireFormat;
-use crate::error::CommError;
 use crate::op::OpCtx;
 use crate::reduce;
 

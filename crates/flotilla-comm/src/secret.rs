@@ -5,7 +5,7 @@ use std::fmt;
 use std::path::Path;
 use std::sync::{Arc, Once};
 
-use crate::error::CommError;
+use flotilla_group::CommError;
 
 /// The environment variable holding the cluster secret itself.
 pub const SECRET_ENV: &str = "FLOTILLA_SECRET";

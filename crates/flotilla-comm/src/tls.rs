@@ -20,6 +20,8 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
+pub use flotilla_group::TlsError;
+
 /// The environment variable naming the cluster CA certificate (PEM).
 pub const TLS_CA_ENV: &str = "FLOTILLA_TLS_CA";
 
@@ -32,36 +34,6 @@ pub const TLS_KEY_ENV: &str = "FLOTILLA_TLS_KEY";
 /// The largest PEM file read (certificates and keys are a few KiB; anything larger is a
 /// mistake).
 pub const MAX_PEM_FILE_BYTES: u64 = 1 << 20;
-
-/// Why TLS files could not be used. Every variant names the file (or the setting) at fault.
-#[derive(Debug, Clone, thiserror::Error)]
-#[non_exhaustive]
-pub enum TlsError {
-    /// A file could not be read.
-    #[error("cannot read the TLS {what} file {}: {source}", path.display())]
-    Read {
-        /// What the file should hold ("CA certificate", "certificate", "private key").
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// The underlying error.
-        #[source]
-        source: Arc<io::Error>,
-    },
-    /// A file was read but does not hold what it should, or does not fit the others.
-    #[error("the TLS {what} file {} {detail}", path.display())]
-    Invalid {
-        /// What the file should hold.
-        what: &'static str,
-        /// The file.
-        path: PathBuf,
-        /// What is wrong with it.
-        detail: String,
-    },
-    /// The settings are incomplete (e.g. a CA without a certificate and key).
-    #[error("TLS settings: {0}")]
-    Settings(String),
-}
 
 /// Where one rank's TLS files are. Every rank of a job has the same CA and its own host's
 /// certificate and key (`flotilla certs` writes `ca.pem`, `<host>.pem` and `<host>.key`).

@@ -1,8 +1,7 @@
 //! Control messages exchanged on the control channel (JSON payloads).
 
+use flotilla_group::RendezvousError;
 use serde::{Deserialize, Serialize};
-
-use crate::error::RendezvousError;
 
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
 pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 2;

@@ -6,14 +6,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
+use flotilla_group::{CommError, Members};
 use tokio::runtime::Handle;
 use tokio::sync::watch;
 
 use crate::config::CommConfig;
 use crate::conn::{Conn, Endpoint};
-use crate::error::CommError;
 use crate::frame::{Op, channel};
-use crate::members::Members;
 use crate::wire::Ctrl;
 
 /// What every group of one process shares: connections, mailbox, failure state.
@@ -173,9 +172,9 @@ impl GroupState {
     }
 
     /// Collectives issued so far and the oldest unfinished one (sequence number, age).
-    pub(crate) fn activity(&self) -> crate::group::Activity {
+    pub(crate) fn activity(&self) -> flotilla_group::Activity {
         let open = self.open.lock().unwrap_or_else(|p| p.into_inner());
-        crate::group::Activity {
+        flotilla_group::Activity {
             issued: self.next_ticket.load(Ordering::SeqCst),
             oldest_open: open.iter().next().map(|(&seq, t)| (seq, t.elapsed())),
         }

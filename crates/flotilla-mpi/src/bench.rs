@@ -4,7 +4,7 @@
 //! MPI backend's and the TCP ring's figures.
 
 use flotilla_comm::bench::{BenchOptions, BenchRow, measure_allreduce};
-use flotilla_comm::{CommError, ProcessGroup};
+use flotilla_group::{CommError, ProcessGroup};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
 

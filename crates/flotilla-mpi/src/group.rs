@@ -3,9 +3,9 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{
+use flotilla_group::{
     Activity, CommError, CommStats, PeerName, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, Tag, Taken, split,
+    RendezvousError, Tag, Taken, subgroup,
 };
 
 use crate::ops::{Op, Out};
@@ -58,14 +58,14 @@ impl Default for MpiConfig {
 /// - `wire_format: bf16` does not apply: sums are always exact `f32`.
 ///
 /// ```no_run
-/// use flotilla_comm::ProcessGroup;
+/// use flotilla_group::ProcessGroup;
 /// use flotilla_mpi::{MpiConfig, MpiGroup};
 /// let world = MpiGroup::world(MpiConfig::default())?;
 /// let mut grads = vec![1.0f32; 1024];
 /// world.all_reduce_sum(&mut grads)?;
 /// drop(world);
 /// flotilla_mpi::finalize(true);
-/// # Ok::<(), flotilla_comm::CommError>(())
+/// # Ok::<(), flotilla_group::CommError>(())
 /// ```
 pub struct MpiGroup {
     g: Arc<GroupState>,
@@ -118,7 +118,7 @@ impl MpiGroup {
                 members.len()
             )));
         }
-        let members = flotilla_comm::Members::new(members, me);
+        let members = flotilla_group::Members::new(members, me);
         let g = Arc::new(GroupState::new(rt, comm, members, timeout));
         let (tx, rx) = std::sync::mpsc::channel();
         g.attach(tx);
@@ -285,8 +285,8 @@ impl ProcessGroup for MpiGroup {
         color: Option<u32>,
         key: i64,
     ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
-        let all = self.all_gather_bytes(&split::encode(color, key))?;
-        let plan = split::plan(&all, self.g.members.me(), |r| self.world_rank(r))?;
+        let all = self.all_gather_bytes(&subgroup::encode(color, key))?;
+        let plan = subgroup::plan(&all, self.g.members.me(), |r| self.world_rank(r))?;
         let (c, k) = match plan.mpi {
             Some((c, k)) => (Some(c), k),
             None => (None, 0),

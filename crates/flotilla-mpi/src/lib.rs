@@ -1,5 +1,5 @@
 //! flotilla-mpi: Flotilla's MPI backend — [`MpiGroup`], an implementation of
-//! [`flotilla_comm::ProcessGroup`] over MPI (rsmpi on Open MPI), chosen with `backend: mpi`
+//! [`flotilla_group::ProcessGroup`] over MPI (rsmpi on Open MPI), chosen with `backend: mpi`
 //! in a binary built with the `mpi` feature and started by `mpirun`.
 //!
 //! * MPI is initialised once per process, on first use, at
@@ -9,7 +9,7 @@
 //!   all-reduces, and groups (the async all-reduce's cycle, the stall inspector) run
 //!   side by side.
 //! * Point-to-point messages: one MPI tag, the Flotilla tag in a trailer (module `wire`); a
-//!   progress thread drains them into a mailbox per group, by (sender, tag) (`flotilla_comm::Mailbox`),
+//!   progress thread drains them into a mailbox per group, by (sender, tag) (`flotilla_group::Mailbox`),
 //!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
 //! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
 //!

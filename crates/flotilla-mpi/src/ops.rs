@@ -1,7 +1,7 @@
 //! The collectives a group's worker runs ([`Op`]), what they return ([`Out`]) and running
 //! one on a communicator, counting its payload bytes.
 
-use flotilla_comm::{CommError, ReduceOp};
+use flotilla_group::{CommError, ReduceOp};
 
 use crate::raw::MpiComm;
 use crate::stats::Counters;

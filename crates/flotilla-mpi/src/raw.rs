@@ -7,7 +7,7 @@ use mpi::datatype::PartitionMut;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use flotilla_comm::{CommError, ReduceOp};
+use flotilla_group::{CommError, ReduceOp};
 
 use crate::wire::P2P_TAG;
 

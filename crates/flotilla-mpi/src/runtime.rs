@@ -12,7 +12,7 @@ use mpi::Threading;
 use mpi::environment::Universe;
 use mpi::traits::Communicator as _;
 
-use flotilla_comm::{CommError, CommStats};
+use flotilla_group::{CommError, CommStats};
 
 use crate::stats::Counters;
 

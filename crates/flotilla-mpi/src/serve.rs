@@ -1,7 +1,7 @@
 //! What the progress thread does for a group ([`Served`]): drain its point-to-point
 //! messages into its mailbox, and watch its collectives' deadlines.
 
-use flotilla_comm::CommError;
+use flotilla_group::CommError;
 
 use crate::runtime::Served;
 use crate::state::GroupState;

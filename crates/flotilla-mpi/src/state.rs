@@ -1,14 +1,14 @@
 //! One group's shared state: its communicator, members, mailbox, and the queue that orders
 //! its collectives — each takes a sequence number when issued and runs on the group's worker
 //! thread in that order ([`crate::worker`]); until it finishes it is *open*, which is what
-//! [`flotilla_comm::Activity`] reports and what the progress thread's deadline watch scans.
+//! [`flotilla_group::Activity`] reports and what the progress thread's deadline watch scans.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{Activity, CommError, Members, Pending};
+use flotilla_group::{Activity, CommError, Members, Pending};
 
 use crate::ops::{Op, Out};
 use crate::raw::MpiComm;
@@ -66,7 +66,7 @@ pub(crate) struct GroupState {
     /// Deadline of a whole collective.
     pub(crate) timeout: Duration,
     /// Point-to-point messages by sender (group rank) and tag, under group key 0.
-    pub(crate) mailbox: flotilla_comm::Mailbox,
+    pub(crate) mailbox: flotilla_group::Mailbox,
     queue: Mutex<Queue>,
     /// How many groups of each member list were created from this group.
     pub(crate) derived: Mutex<HashMap<Vec<usize>, u64>>,
@@ -85,7 +85,7 @@ impl GroupState {
             comm,
             members,
             timeout,
-            mailbox: flotilla_comm::Mailbox::default(),
+            mailbox: flotilla_group::Mailbox::default(),
             queue: Mutex::new(Queue::default()),
             derived: Mutex::new(HashMap::new()),
         }

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use flotilla_comm::CommStats;
+use flotilla_group::CommStats;
 
 /// Traffic counters of the process (payload bytes; see [`crate::MpiGroup`]'s `stats`).
 #[derive(Debug, Default)]

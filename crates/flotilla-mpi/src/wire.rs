@@ -4,10 +4,10 @@
 //! Flotilla tags are `u32` and reach up to `0xFFFF_FFFF`, while MPI guarantees tags only up
 //! to 32767 (`MPI_TAG_UB`). So every message travels under [`P2P_TAG`] with its Flotilla tag
 //! in a 4-byte little-endian trailer; the receiving side buffers it by (sender, tag) in the
-//! group's [`flotilla_comm::Mailbox`]. A trailer (not a header) lets both sides avoid
+//! group's [`flotilla_group::Mailbox`]. A trailer (not a header) lets both sides avoid
 //! moving the payload.
 
-use flotilla_comm::Tag;
+use flotilla_group::Tag;
 
 /// The MPI tag of every Flotilla point-to-point message (below any `MPI_TAG_UB`).
 pub(crate) const P2P_TAG: i32 = 0x2F1;

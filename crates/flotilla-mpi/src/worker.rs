@@ -1,13 +1,13 @@
 //! A group's worker thread: runs the group's collectives one at a time, in the order they
 //! were issued, whichever thread issued them. That order is the group's collective order
-//! (blocking calls and [`flotilla_comm::ProcessGroup::all_reduce_start`] alike), and it
+//! (blocking calls and [`flotilla_group::ProcessGroup::all_reduce_start`] alike), and it
 //! keeps MPI's rule that one communicator never runs two collectives at once. Different
 //! groups' workers run concurrently (hence `MPI_THREAD_MULTIPLE`).
 
 use std::sync::Arc;
 use std::sync::mpsc::Receiver;
 
-use flotilla_comm::CommError;
+use flotilla_group::CommError;
 
 use crate::ops;
 use crate::state::{GroupState, Job};

@@ -7,7 +7,7 @@ mod mpirun;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommError, ProcessGroup, ReduceOp};
+use flotilla_group::{CommError, ProcessGroup, ReduceOp};
 use flotilla_mpi::{Finalized, MpiConfig, MpiGroup};
 
 use mpirun::{SCENARIO, mpirun};

@@ -9,8 +9,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, timeout_at};
 
 use super::{reject, send_ctrl};
+use flotilla_group::{CommError, PeerName, RendezvousError};
+
 use crate::auth::{AuthError, AuthMsg, Initiator, Purpose, Responder};
-use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame::{self, ReadError, channel};
 use crate::secret::Secret;
 use crate::wire::Ctrl;

@@ -11,9 +11,10 @@ use super::authn;
 use super::mesh::build_mesh;
 use super::secure;
 use super::{Mesh, recv_ctrl, send_ctrl};
+use flotilla_group::{CommError, PeerName};
+
 use crate::auth::Purpose;
 use crate::config::CommConfig;
-use crate::error::{CommError, PeerName};
 use crate::frame;
 use crate::net;
 use crate::stream::Stream;

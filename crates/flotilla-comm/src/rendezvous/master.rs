@@ -11,9 +11,10 @@ use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 use super::authn;
 use super::secure;
 use super::{recv_ctrl, reject, send_ctrl};
+use flotilla_group::{CommError, PeerName, RendezvousError};
+
 use crate::auth::Purpose;
 use crate::config::{CommConfig, Rejoin};
-use crate::error::{CommError, PeerName, RendezvousError};
 use crate::stream::{ReadHalf, Stream, WriteHalf};
 use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
 

@@ -10,9 +10,10 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep, timeout_at};
 
 use super::{authn, recv_ctrl, secure, send_ctrl};
+use flotilla_group::{CommError, PeerName};
+
 use crate::auth::Purpose;
 use crate::config::CommConfig;
-use crate::error::{CommError, PeerName};
 use crate::frame;
 use crate::net;
 use crate::secret::Secret;
@@ -236,7 +237,7 @@ fn never_connected(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::RendezvousError;
+    use flotilla_group::RendezvousError;
 
     fn cfg(secret: Option<&str>) -> CommConfig {
         let secret = secret.map(|s| Secret::new(s.as_bytes().to_vec()).expect("secret"));

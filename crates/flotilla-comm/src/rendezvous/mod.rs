@@ -38,11 +38,11 @@ mod secure;
 use std::sync::Once;
 use std::time::Duration;
 
+use flotilla_group::{CommError, PeerName, RendezvousError};
 use tokio::net::TcpListener;
 use tokio::time::{Instant, timeout_at};
 
 use crate::config::CommConfig;
-use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame::{self, Op, channel};
 use crate::net;
 use crate::stream::Stream;

@@ -25,10 +25,11 @@ use tokio::time::{Instant, timeout_at};
 use super::master::check_join;
 use super::mesh::peer_address;
 use super::{Mesh, Rejoins, authn, client, recv_ctrl, reject, secure, send_ctrl};
+use flotilla_group::{CommError, PeerName, RendezvousError};
+
 use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::conn::{Conn, ConnOpts};
-use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame;
 use crate::net;
 use crate::stream::Stream;

@@ -23,8 +23,9 @@ use tokio::time::{Instant, timeout_at};
 
 use super::authn::{self, AUTH_DEADLINE};
 use super::reject;
+use flotilla_group::{CommError, PeerName, RendezvousError};
+
 use crate::auth::Purpose;
-use crate::error::{CommError, PeerName, RendezvousError};
 use crate::frame;
 use crate::secret::Secret;
 use crate::stream::Stream;

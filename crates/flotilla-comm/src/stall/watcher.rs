@@ -15,8 +15,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{StallPolicy, StallWatch, Stalled, Verdict};
-use crate::error::CommError;
-use crate::group::{Activity, ProcessGroup};
+use flotilla_group::{Activity, CommError, ProcessGroup};
 
 const RUN: u8 = 0;
 const STOP: u8 = 1;

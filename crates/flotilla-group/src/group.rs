@@ -1,9 +1,9 @@
 //! The process-group interface every strategy talks to.
 //!
 //! A [`ProcessGroup`] is a set of ranks that run collectives together and exchange tagged
-//! point-to-point messages. The TCP [`crate::Communicator`] implements it over real
+//! point-to-point messages. The TCP `flotilla_comm::Communicator` implements it over real
 //! connections (or over in-memory links between threads, for unit tests:
-//! [`crate::Communicator::in_memory`]); `flotilla_mpi::MpiGroup` implements it over MPI. Strategies
+//! `flotilla_comm::Communicator::in_memory`); `flotilla_mpi::MpiGroup` implements it over MPI. Strategies
 //! and servers hold an `Arc<dyn ProcessGroup>` and never see the transport.
 //!
 //! # Ranks
@@ -38,8 +38,9 @@ pub struct CommStats {
     pub frames_sent: u64,
     /// Frames read.
     pub frames_received: u64,
-    /// Frames written LZ4-compressed ([`crate::Compression::Lz4`]: data frames of at least
-    /// [`crate::frame::MIN_COMPRESS_BYTES`] that LZ4 made smaller); 0 without compression.
+    /// Frames written LZ4-compressed (`flotilla_comm::Compression::Lz4`: data frames of at
+    /// least `flotilla_comm::frame::MIN_COMPRESS_BYTES` that LZ4 made smaller); 0 without
+    /// compression.
     pub frames_compressed: u64,
     /// Collectives issued so far in all groups (blocking and asynchronous).
     pub collectives: u64,
@@ -93,7 +94,7 @@ pub struct Activity {
     pub oldest_open: Option<(u64, Duration)>,
 }
 
-/// A tag of a point-to-point message. Tags at and above [`Tag::RESERVED`] are Flotilla's own.
+/// A tag of a point-to-point message. Tags at and above [`tags::RESERVED`] are Flotilla's own.
 pub type Tag = u32;
 
 /// Tag constants.
@@ -191,7 +192,7 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
 
     /// How many times group rank `rank` rejoined the running job after its connection was
-    /// lost (a replaced worker; see [`crate::config::Rejoin`]): a receiver that gave the
+    /// lost (a replaced worker; see `flotilla_comm::Rejoin`): a receiver that gave the
     /// rank up listens to it again when this grows. The default: ranks never rejoin.
     fn rejoins(&self, rank: usize) -> u64 {
         let _ = rank;

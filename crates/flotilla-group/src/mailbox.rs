@@ -1,5 +1,5 @@
-//! The tagged point-to-point mailbox of one process, shared by every [`crate::ProcessGroup`]
-//! implementation (the TCP transport here, the MPI backend's groups).
+//! The tagged point-to-point mailbox shared by every [`crate::ProcessGroup`] implementation
+//! (the TCP transport keeps one per process, the MPI backend one per group).
 //!
 //! Point-to-point messages from every peer land here, kept per (group key, sender, tag) in
 //! arrival order until somebody asks for them. Tags never mix: a receiver waiting for tag 7

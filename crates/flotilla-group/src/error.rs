@@ -1,4 +1,6 @@
-//! Typed errors of the communication layer.
+//! Typed errors of every process group ([`CommError`]), and of the TCP transport's
+//! rendezvous ([`RendezvousError`], which a [`CommError`] carries; the MPI backend reports a
+//! config hash mismatch with it too).
 
 use std::fmt;
 use std::io;
@@ -316,7 +318,7 @@ pub enum CommError {
     Rendezvous(#[from] RendezvousError),
     /// The TLS files could not be used (each error names the file).
     #[error(transparent)]
-    Tls(#[from] crate::tls::TlsError),
+    Tls(#[from] crate::tls_error::TlsError),
     /// An earlier collective failed; the communicator cannot be used any more.
     #[error("communicator unusable after an earlier failure: {0}")]
     Poisoned(Box<CommError>),
@@ -335,7 +337,7 @@ fn list(ranks: &[usize]) -> String {
 
 impl CommError {
     /// Wraps a local I/O error with context.
-    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Self {
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
         CommError::Io {
             context: context.into(),
             source: Arc::new(source),

@@ -1,0 +1,33 @@
+//! flotilla-group: Flotilla's process-group interface and what every backend shares.
+//!
+//! Strategies, servers and pipelines talk to a [`ProcessGroup`] and never to a transport. A
+//! backend implements its required methods and gets the provided ones. Two backends exist:
+//! the TCP transport (`flotilla_comm::Communicator`, also over in-memory links) and MPI
+//! (`flotilla_mpi::MpiGroup`). This crate moves `&mut [f32]` and bytes and knows nothing of
+//! sockets, TLS or async runtimes.
+//!
+//! * [`ProcessGroup`] and its types ([`group`]): collectives, tagged point-to-point messages
+//!   with deadlines, sub-groups; [`Pending`] for a collective running in the background.
+//! * [`CommError`]: every group's typed, rank-naming errors (with [`RendezvousError`] and
+//!   [`TlsError`] of the TCP transport's start, which it carries).
+//! * What backends share: [`Mailbox`] (tagged messages by group, sender and tag, with
+//!   deadlines), [`Members`] (group and world ranks, the checks on ranks given) and
+//!   [`subgroup`] (the `(color, key)` exchange of `split` and the new group's order).
+//!
+//! All members of a group must issue its collectives in the same order; see [`group`].
+#![warn(missing_docs)]
+
+mod error;
+pub mod group;
+mod mailbox;
+mod members;
+mod pending;
+pub mod subgroup;
+mod tls_error;
+
+pub use error::{CommError, PeerName, RendezvousError};
+pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
+pub use mailbox::{Mailbox, Taken};
+pub use members::Members;
+pub use pending::{Pending, PendingAllReduce, PendingSender};
+pub use tls_error::TlsError;
