@@ -1,4 +1,4 @@
-//! The communication layer's small internal messages: the stall watcher's report (binary).
+//! The process-group layer's small internal messages: the stall watcher's report (binary).
 //! Properties: garbage is an error, never a
 //! panic; what decodes survives encode → decode.
 #![no_main]
@@ -6,5 +6,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    flotilla_comm::fuzzing::stall_report(data);
+    flotilla_group::fuzzing::stall_report(data);
 });

@@ -37,13 +37,11 @@
 #![warn(missing_docs)]
 
 mod auth;
-pub mod bench;
 mod buf;
 mod collectives;
 mod comm;
 mod config;
 mod conn;
-pub mod cycle;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -54,7 +52,6 @@ mod reduce;
 mod rendezvous;
 mod ring;
 mod secret;
-pub mod stall;
 mod stream;
 pub mod tls;
 mod wire;
@@ -62,11 +59,10 @@ mod world;
 
 pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
-pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use flotilla_group::{
-    Activity, CommError, CommStats, PeerName, Pending, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, Tag, tags,
+    Activity, CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
+    PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
+    bench, tags,
 };
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
-pub use stall::{StallPolicy, StallWatcher};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

@@ -13,21 +13,34 @@
 //! * What backends share: [`Mailbox`] (tagged messages by group, sender and tag, with
 //!   deadlines), [`Members`] (group and world ranks, the checks on ranks given) and
 //!   [`subgroup`] (the `(color, key)` exchange of `split` and the new group's order).
+//! * Built on the interface alone, so every backend has them: [`CycleReducer`], the
+//!   asynchronous all-reduce's background cycle (tensors submitted by name, agreed ready on
+//!   every rank by a bit-set all-gather each cycle, fused and reduced); the stall inspector
+//!   ([`stall`]: names tensors or collectives some ranks never start, [`StallWatcher`]); and
+//!   [`bench`], the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`].
 #![warn(missing_docs)]
 
+pub mod bench;
+pub mod cycle;
 mod error;
+#[cfg(feature = "fuzzing")]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod group;
 mod mailbox;
 mod members;
 mod pending;
+pub mod stall;
 pub mod subgroup;
 mod tls_error;
 
+pub use cycle::{CycleConfig, CycleReducer, CycleStats};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
 pub use mailbox::{Mailbox, Taken};
 pub use members::Members;
 pub use pending::{Pending, PendingAllReduce, PendingSender};
+pub use stall::{StallPolicy, StallWatcher};
 pub use tls_error::TlsError;

@@ -3,7 +3,7 @@
 //! in between — the reference `flotilla bench allreduce --backend mpi` puts next to the
 //! MPI backend's and the TCP ring's figures.
 
-use flotilla_comm::bench::{BenchOptions, BenchRow, measure_allreduce};
+use flotilla_group::bench::{BenchOptions, BenchRow, measure_allreduce};
 use flotilla_group::{CommError, ProcessGroup};
 use mpi::collective::SystemOperation;
 use mpi::traits::*;
@@ -12,7 +12,7 @@ use crate::group::MpiGroup;
 use crate::raw::{MpiComm, count};
 
 /// Times raw `MPI_Allreduce` with the loop and conventions of
-/// [`flotilla_comm::bench::run_allreduce`]; `world` (every process of the job) synchronises
+/// [`flotilla_group::bench::run_allreduce`]; `world` (every process of the job) synchronises
 /// the iterations and gathers the times. Collective over `world`.
 pub fn raw_allreduce(world: &MpiGroup, opts: &BenchOptions) -> Result<Vec<BenchRow>, CommError> {
     // A communicator of its own, duplicated in `world`'s collective order.

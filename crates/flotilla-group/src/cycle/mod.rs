@@ -38,8 +38,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use flotilla_group::{CommError, Pending, PendingSender, ProcessGroup};
-
+use crate::error::CommError;
+use crate::group::ProcessGroup;
+use crate::pending::{Pending, PendingSender};
 use crate::stall::{StallPolicy, StallWatch, Stalled, Verdict};
 use negotiate::{Agreement, Announce, Names};
 

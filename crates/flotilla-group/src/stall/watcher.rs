@@ -15,7 +15,8 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use super::{StallPolicy, StallWatch, Stalled, Verdict};
-use flotilla_group::{Activity, CommError, ProcessGroup};
+use crate::error::CommError;
+use crate::group::{Activity, ProcessGroup};
 
 const RUN: u8 = 0;
 const STOP: u8 = 1;
