@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_group::{
     CommError, CommStats, Members, Pending, PendingAllReduce, ProcessGroup, ReduceOp, Tag, Taken,
-    subgroup,
+    subgroup::SplitPlan,
 };
 use tokio::runtime::{Handle, Runtime};
 use tracing::Instrument;
@@ -427,45 +427,21 @@ impl ProcessGroup for Communicator {
             .map_or(0, |w| self.g.world.generation(w))
     }
 
-    fn recv_any(
-        &self,
-        peers: &[usize],
-        tag: Tag,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>), CommError> {
-        let started = Instant::now();
-        let world: Vec<usize> = peers
-            .iter()
-            .map(|&p| self.g.world_rank_checked(p))
-            .collect::<Result<_, _>>()?;
-        match self
-            .g
+    fn take_from_mailbox(&self, peers: &[usize], tag: Tag, deadline: Instant) -> Option<Taken> {
+        // The process's mailbox holds every group's messages, by group key and world rank.
+        let world: Vec<usize> = peers.iter().map(|&p| self.world_rank(p)).collect();
+        self.g
             .world
             .ep
             .mailbox
             .take(self.g.key, &world, tag, deadline)
-        {
-            Some(Taken::Message(i, m)) => Ok((peers[i], m)),
-            Some(Taken::Lost(e)) => Err(e),
-            None => Err(CommError::Deadline {
-                waiting_for: world,
-                op: format!("receive (tag {tag})"),
-                after: deadline.saturating_duration_since(started),
-            }),
-        }
     }
 
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: i64,
-    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
-        let all = self.all_gather_bytes(&subgroup::encode(color, key))?;
-        let plan = subgroup::plan(&all, self.g.me(), |r| self.world_rank(r))?;
+    fn subgroup_from(&self, plan: &SplitPlan) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
         // A split is collective on this group, so every member counts every split (in a
         // new group or not) and the n-th split has the same number everywhere.
         let n = self.next_derived(b"split");
-        let Some(color) = color else {
+        let Some(color) = plan.color else {
             return Ok(None);
         };
         let members = plan.members.iter().map(|&r| self.world_rank(r)).collect();

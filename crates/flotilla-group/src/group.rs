@@ -25,7 +25,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::CommError;
+use crate::mailbox::Taken;
+use crate::members;
 use crate::pending::PendingAllReduce;
+use crate::subgroup::{self, SplitPlan};
 
 /// Traffic counters of a communicator (all connections, all channels, headers included).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -105,6 +108,10 @@ pub mod tags {
 
 /// A group of ranks: collectives, tagged point-to-point messages and sub-groups.
 ///
+/// A backend implements the required methods (among them the backend's parts of two
+/// provided ones: [`ProcessGroup::take_from_mailbox`] behind `recv_any`,
+/// [`ProcessGroup::subgroup_from`] behind `split`) and gets the rest, written once here.
+///
 /// Blocking methods must not be called from inside an async runtime. Every wait on another
 /// rank has a deadline (the group's [`ProcessGroup::timeout`] for collectives, the caller's
 /// for receives) and a failure names the rank at fault.
@@ -177,7 +184,35 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
         peers: &[usize],
         tag: Tag,
         deadline: Instant,
-    ) -> Result<(usize, Vec<u8>), CommError>;
+    ) -> Result<(usize, Vec<u8>), CommError> {
+        let started = Instant::now();
+        let size = self.size();
+        let world: Vec<usize> = peers
+            .iter()
+            .map(|&p| {
+                if p < size {
+                    Ok(self.world_rank(p))
+                } else {
+                    Err(members::out_of_range("peer", p, size))
+                }
+            })
+            .collect::<Result<_, _>>()?;
+        match self.take_from_mailbox(peers, tag, deadline) {
+            Some(Taken::Message(i, m)) => Ok((peers[i], m)),
+            Some(Taken::Lost(e)) => Err(e),
+            None => Err(CommError::Deadline {
+                waiting_for: world,
+                op: format!("receive (tag {tag})"),
+                after: deadline.saturating_duration_since(started),
+            }),
+        }
+    }
+
+    /// The backend's part of [`ProcessGroup::recv_any`] (call that instead): takes the
+    /// earliest-arrived message with `tag` from any of `peers` (group ranks, already checked)
+    /// out of this group's [`crate::Mailbox`], or the error of a sender that is gone and has
+    /// nothing queued, waiting until `deadline`; `None` when the deadline passed.
+    fn take_from_mailbox(&self, peers: &[usize], tag: Tag, deadline: Instant) -> Option<Taken>;
 
     /// Splits the group (collectively, like `MPI_Comm_split`): members passing the same
     /// `color` form a new group, ordered by `(key, rank)`; `None` joins no group.
@@ -185,7 +220,17 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
         &self,
         color: Option<u32>,
         key: i64,
-    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError>;
+    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
+        let all = self.all_gather_bytes(&subgroup::encode(color, key))?;
+        let plan = subgroup::plan(&all, self.rank(), |r| self.world_rank(r))?;
+        self.subgroup_from(&plan)
+    }
+
+    /// The backend's part of [`ProcessGroup::split`] (call that instead): this member's new
+    /// group from `plan`, which every member derived from the same all-gather. Every member
+    /// calls it, those joining no group (`plan.color` is `None`) too, so it may be
+    /// collective (`MPI_Comm_split`) and may count splits alike on every member.
+    fn subgroup_from(&self, plan: &SplitPlan) -> Result<Option<Arc<dyn ProcessGroup>>, CommError>;
 
     /// The sub-group of `ranks` (group ranks, in the new group's order); only the members
     /// call it, in the same order relative to their other `group` calls with these ranks.

@@ -44,12 +44,10 @@ impl Members {
 
     /// The world rank of group rank `rank`, or an error naming `what` for one out of range.
     pub fn world_rank_checked(&self, rank: usize, what: &str) -> Result<usize, CommError> {
-        self.world.get(rank).copied().ok_or_else(|| {
-            CommError::InvalidArgument(format!(
-                "{what}: rank {rank} is out of range for a group of {}",
-                self.world.len()
-            ))
-        })
+        self.world
+            .get(rank)
+            .copied()
+            .ok_or_else(|| out_of_range(what, rank, self.world.len()))
     }
 
     /// The group rank of world rank `world_rank`, if it is a member.
@@ -88,6 +86,13 @@ impl Members {
         }
         Ok(world)
     }
+}
+
+/// The error for group rank `rank` given to `what` in a group of `len`.
+pub(crate) fn out_of_range(what: &str, rank: usize, len: usize) -> CommError {
+    CommError::InvalidArgument(format!(
+        "{what}: rank {rank} is out of range for a group of {len}"
+    ))
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
-//! [`crate::ProcessGroup::split`], shared by every implementation: every member
-//! all-gathers its (color, key) ([`encode`]); each then derives ([`plan`]) the member list
-//! of its new group (ordered by `(key, rank)`) and the same small color (the index of its
-//! color among the colors present) and key (its place in the new group), which is what
-//! `MPI_Comm_split`, taking `int`s, needs. Pure: no communication here.
+//! The derivation behind [`crate::ProcessGroup::split`] (whose provided body runs it for
+//! every backend): every member all-gathers its (color, key) ([`encode`]); each then
+//! derives ([`plan`]) the member list of its new group (ordered by `(key, rank)`) and the
+//! same small color (the index of its color among the colors present) and key (its place in
+//! the new group), which is what `MPI_Comm_split`, taking `int`s, needs. The backend builds
+//! the group from the plan ([`crate::ProcessGroup::subgroup_from`]). Pure: no communication
+//! here.
 
 use crate::error::CommError;
 
@@ -31,6 +33,8 @@ fn decode(b: &[u8]) -> Option<(Option<u32>, i64)> {
 /// Who this member's new group is, and its small color and key (for `MPI_Comm_split`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SplitPlan {
+    /// This member's color as it passed it (`None`: it joins no group).
+    pub color: Option<u32>,
     /// The index of this member's color among the colors present, and its place in its new
     /// group (`None`: it joins no group).
     pub mpi: Option<(i32, i32)>,
@@ -53,6 +57,7 @@ pub fn plan(
     }
     let Some(&(Some(mine), _)) = parsed.get(me) else {
         return Ok(SplitPlan {
+            color: None,
             mpi: None,
             members: Vec::new(),
         });
@@ -75,6 +80,7 @@ pub fn plan(
             .map_err(|_| CommError::InvalidArgument(format!("split: {v} does not fit an MPI int")))
     };
     Ok(SplitPlan {
+        color: Some(mine),
         mpi: Some((small(color)?, small(key)?)),
         members,
     })
@@ -94,12 +100,14 @@ mod tests {
             encode(Some(0xFFFF_FFFF), 5),
         ];
         let p = plan(&all, 1, |r| r).expect("plan");
+        assert_eq!(p.color, Some(3));
         assert_eq!(p.mpi, Some((0, 1)));
         assert_eq!(p.members, vec![3, 1]);
         let p = plan(&all, 4, |r| r).expect("plan");
         assert_eq!(p.mpi, Some((1, 1)), "equal keys: rank order");
         assert_eq!(p.members, vec![0, 4]);
-        assert_eq!(plan(&all, 2, |r| r).expect("plan").mpi, None);
+        let none = plan(&all, 2, |r| r).expect("plan");
+        assert_eq!((none.color, none.mpi), (None, None));
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_group::{
     Activity, CommError, CommStats, PeerName, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, Tag, Taken, subgroup,
+    RendezvousError, Tag, Taken, subgroup::SplitPlan,
 };
 
 use crate::ops::{Op, Out};
@@ -258,35 +258,13 @@ impl ProcessGroup for MpiGroup {
         Ok(())
     }
 
-    fn recv_any(
-        &self,
-        peers: &[usize],
-        tag: Tag,
-        deadline: Instant,
-    ) -> Result<(usize, Vec<u8>), CommError> {
-        let started = Instant::now();
-        let world: Vec<usize> = peers
-            .iter()
-            .map(|&p| self.checked(p, "recv_any"))
-            .collect::<Result<_, _>>()?;
-        match self.g.mailbox.take(0, peers, tag, deadline) {
-            Some(Taken::Message(i, m)) => Ok((peers[i], m)),
-            Some(Taken::Lost(e)) => Err(e),
-            None => Err(CommError::Deadline {
-                waiting_for: world,
-                op: format!("receive (tag {tag})"),
-                after: deadline.saturating_duration_since(started),
-            }),
-        }
+    fn take_from_mailbox(&self, peers: &[usize], tag: Tag, deadline: Instant) -> Option<Taken> {
+        // The group's own mailbox, by group rank.
+        self.g.mailbox.take(0, peers, tag, deadline)
     }
 
-    fn split(
-        &self,
-        color: Option<u32>,
-        key: i64,
-    ) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
-        let all = self.all_gather_bytes(&subgroup::encode(color, key))?;
-        let plan = subgroup::plan(&all, self.g.members.me(), |r| self.world_rank(r))?;
+    fn subgroup_from(&self, plan: &SplitPlan) -> Result<Option<Arc<dyn ProcessGroup>>, CommError> {
+        // MPI_Comm_split is collective: members joining no group take part too.
         let (c, k) = match plan.mpi {
             Some((c, k)) => (Some(c), k),
             None => (None, 0),
