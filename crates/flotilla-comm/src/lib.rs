@@ -1,8 +1,12 @@
-//! flotilla-comm: the communication layer of Flotilla.
+//! flotilla-comm: Flotilla's TCP transport, one backend of the process-group interface
+//! (`flotilla_group`).
 //!
 //! It moves flat `f32` buffers and bytes between the processes of a training job and never
 //! depends on the tensor engine. The API is blocking (one training thread per process); a
-//! small tokio runtime owned by each [`Communicator`] does the I/O.
+//! small tokio runtime owned by each [`Communicator`] does the I/O. The interface itself
+//! ([`ProcessGroup`], [`CommError`], the cycle, the stall inspector,
+//! [`bench`](mod@bench)) lives in `flotilla_group`; this crate re-exports what its users
+//! name.
 //!
 //! * [`frame`]: length-prefixed frames with a magic/version header, a channel id (control,
 //!   collectives, point-to-point share one TCP connection per pair of ranks), flags (LZ4),
@@ -12,16 +16,12 @@
 //!   ranks then build a full mesh. With TLS ([`tls`]), every connection is first wrapped in
 //!   mutual TLS (certificates of the cluster CA); with a cluster [`Secret`], every connection
 //!   then proves both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
-//! * [`ProcessGroup`]: the interface strategies use — collectives (barrier, broadcast,
-//!   all-gather, the pipelined ring all-reduce and its non-blocking form for overlapping
-//!   gradient buckets with compute, integer and bit-set reductions), tagged point-to-point
-//!   `send` / `recv` / `recv_any` with deadlines, and sub-groups (`split`, `group`) with
-//!   their own sequence space over the same connections. [`Communicator`] implements it over
-//!   TCP, or over in-memory links between threads ([`Communicator::in_memory`]).
-//! * [`CycleReducer`]: the asynchronous all-reduce's background cycle: tensors submitted by
-//!   name, agreed ready on every rank by a bit-set all-gather each cycle, fused and reduced;
-//!   the stall inspector names tensors some ranks never submit.
-//! * [`bench`]: the all-reduce benchmark behind `flotilla bench allreduce`.
+//! * [`Communicator`] implements [`ProcessGroup`] over TCP, or over in-memory links between
+//!   threads ([`Communicator::in_memory`]): collectives (barrier, broadcast, all-gather, the
+//!   pipelined ring all-reduce and its non-blocking form for overlapping gradient buckets
+//!   with compute, integer and bit-set reductions), tagged point-to-point `send` into the
+//!   process's mailbox, and sub-groups (`split`, `group`) with their own sequence space over
+//!   the same connections.
 //!
 //! All members of a group must issue its collectives in the same order; see
 //! [`flotilla_group::group`] for the ordering invariant and [`Communicator`] for the failure

@@ -1,7 +1,11 @@
 //! flotilla-group: Flotilla's process-group interface and what every backend shares.
 //!
 //! Strategies, servers and pipelines talk to a [`ProcessGroup`] and never to a transport. A
-//! backend implements its required methods and gets the provided ones. Two backends exist:
+//! backend implements the trait's required methods (ranks, collectives, `send`, `group`,
+//! and two hooks: [`ProcessGroup::take_from_mailbox`], [`ProcessGroup::subgroup_from`]) and
+//! gets the rest, written once here: `recv` and `recv_any` over its mailbox, `split` over
+//! an all-gather and its new-group hook, `all_gather_u64`, `all_reduce_bucket`, and
+//! defaults for rejoins, activity and abort. Two backends exist:
 //! the TCP transport (`flotilla_comm::Communicator`, also over in-memory links) and MPI
 //! (`flotilla_mpi::MpiGroup`). This crate moves `&mut [f32]` and bytes and knows nothing of
 //! sockets, TLS or async runtimes.
@@ -17,7 +21,7 @@
 //!   asynchronous all-reduce's background cycle (tensors submitted by name, agreed ready on
 //!   every rank by a bit-set all-gather each cycle, fused and reduced); the stall inspector
 //!   ([`stall`]: names tensors or collectives some ranks never start, [`StallWatcher`]); and
-//!   [`bench`], the all-reduce benchmark behind `flotilla bench allreduce`.
+//!   [`bench`](mod@bench), the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`].
 #![warn(missing_docs)]

@@ -1,6 +1,8 @@
 //! flotilla-mpi: Flotilla's MPI backend — [`MpiGroup`], an implementation of
 //! [`flotilla_group::ProcessGroup`] over MPI (rsmpi on Open MPI), chosen with `backend: mpi`
-//! in a binary built with the `mpi` feature and started by `mpirun`.
+//! in a binary built with the `mpi` feature and started by `mpirun`. It depends on the
+//! interface crate alone (no tokio, no TLS); `recv_any` and `split` are the interface's
+//! provided methods over this backend's mailbox take and `MPI_Comm_split`.
 //!
 //! * MPI is initialised once per process, on first use, at
 //!   `MPI_THREAD_MULTIPLE` (anything less is a clear error), and ended by [`finalize`].
@@ -9,9 +11,10 @@
 //!   all-reduces, and groups (the async all-reduce's cycle, the stall inspector) run
 //!   side by side.
 //! * Point-to-point messages: one MPI tag, the Flotilla tag in a trailer (module `wire`); a
-//!   progress thread drains them into a mailbox per group, by (sender, tag) (`flotilla_group::Mailbox`),
-//!   and fails collectives past their deadline or after an abort (modules `runtime`, `serve`).
-//! * [`bench`]: `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
+//!   progress thread drains them into a mailbox per group, by (sender, tag)
+//!   ([`flotilla_group::Mailbox`]), and fails collectives past their deadline or after an
+//!   abort (modules `runtime`, `serve`).
+//! * [`bench`](mod@bench): `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
 //!
 //! An example is on [`MpiGroup`] (crate-level examples would be compiled without the feature).
 //!
