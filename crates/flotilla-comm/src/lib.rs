@@ -60,7 +60,7 @@ mod world;
 pub use comm::Communicator;
 pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
 pub use flotilla_group::{
-    Activity, CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
+    CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
     PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
     bench, tags,
 };
