@@ -11,6 +11,7 @@ mod hash;
 mod model;
 mod pipeline;
 mod schedule;
+pub mod sources;
 mod telemetry;
 mod tls;
 mod topology;
@@ -29,7 +30,7 @@ pub use topology::TopologySection;
 
 /// Everything a training run needs, in sections. Every field has a default, so an empty
 /// file is a valid config (LeNet-5 on the vendored MNIST, 2 ranks). Build it with
-/// [`crate::layers::Layers`] (defaults < file < environment < flags); the flat keys of
+/// [`sources::Sources`] (defaults < file < environment < flags); the flat keys of
 /// earlier versions and of hcddl (`lr`, `batch_size`, `arch`, ...) are accepted as aliases.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 #[serde(deny_unknown_fields, default)]

@@ -1,15 +1,15 @@
-//! One mechanism for building a [`TrainConfig`]: layers merged in order, later ones winning
-//! key by key — defaults < config file < environment < command-line flags — with every
-//! value's source remembered ([`Layers::provenance`], printed by `flotilla config`).
+//! One mechanism for building a [`TrainConfig`]: its sources merged in order, later ones
+//! winning key by key — defaults < config file < environment < command-line flags — with every
+//! value's source remembered ([`Sources::provenance`], printed by `flotilla config`).
 //!
 //! Merging and provenance are [`figment`]'s; this module adds what is Flotilla's own:
 //! - **aliases**: the flat keys of earlier versions and of hcddl (`lr`, `batch_size`,
 //!   `arch`, `num_server_rounds`, `model: lenet5`, ...) are rewritten to their place in the
 //!   sections before merging, so there is one place per value (a file's `lr:` *is*
-//!   `optimizer.lr`, and `--lr` beats it like any flag beats any file value). A layer that
+//!   `optimizer.lr`, and `--lr` beats it like any flag beats any file value). A source that
 //!   sets a value both ways is an error naming both;
-//! - **optimizer replacement**: a layer that names an optimizer (`optimizer.name`) replaces
-//!   the optimizer of the layers below instead of merging into it (Adam has no momentum);
+//! - **optimizer replacement**: a source that names an optimizer (`optimizer.name`)
+//!   replaces the optimizer of the sources below instead of merging into it (Adam has no momentum);
 //! - **environment**: `FLOTILLA_<SECTION>__<KEY>` (e.g. `FLOTILLA_OPTIMIZER__LR=0.05`) or a
 //!   flat alias (`FLOTILLA_BATCH_SIZE=32`); and, for processes started by a launcher,
 //!   world size and rendezvous of torchrun, Open MPI, MPICH, Slurm (the first host of
@@ -98,14 +98,14 @@ const ALIASES: &[(&str, &str)] = &[
     ("metrics_port", "telemetry.metrics_port"),
 ];
 
-/// One layer: a nested tree of values and the name of where it came from.
+/// One source: a nested tree of values and the name of where it came from.
 #[derive(Debug, Clone)]
-struct Layer {
+struct Source {
     name: String,
     tree: serde_json::Map<String, Value>,
 }
 
-impl Provider for Layer {
+impl Provider for Source {
     fn metadata(&self) -> Metadata {
         Metadata::named(self.name.clone())
     }
@@ -122,21 +122,21 @@ pub struct Provenance {
     pub path: String,
     /// The value, as JSON text.
     pub value: String,
-    /// The layer that set it (`default`, `file run.yaml`, `env FLOTILLA_SEED`, `flag --lr`).
+    /// The source that set it (`default`, `file run.yaml`, `env FLOTILLA_SEED`, `flag --lr`).
     pub source: String,
 }
 
-/// Config layers, lowest first.
+/// A config's sources, lowest first.
 #[derive(Debug, Clone)]
-pub struct Layers {
-    layers: Vec<Layer>,
+pub struct Sources {
+    sources: Vec<Source>,
 }
 
 fn err(source: &str, msg: impl Into<String>) -> TrainError {
     TrainError::config(source, msg.into())
 }
 
-impl Layers {
+impl Sources {
     /// Just the defaults.
     pub fn defaults() -> Self {
         let tree = match serde_json::to_value(TrainConfig::default()) {
@@ -144,14 +144,14 @@ impl Layers {
             _ => serde_json::Map::new(),
         };
         Self {
-            layers: vec![Layer {
+            sources: vec![Source {
                 name: "default".into(),
                 tree,
             }],
         }
     }
 
-    /// Adds a layer of YAML text (`source` names it).
+    /// Adds a source of YAML text (`source` names it).
     pub fn yaml(self, text: &str, source: &str) -> Result<Self> {
         if text.trim().is_empty() {
             return Ok(self);
@@ -170,11 +170,11 @@ impl Layers {
         self.yaml(&text, &path.display().to_string())
     }
 
-    /// Adds a layer given as a tree of flat aliases and/or sections (`source` names it).
+    /// Adds a source given as a tree of flat aliases and/or sections (`source` names it).
     pub fn tree(mut self, v: Value, source: &str) -> Result<Self> {
         let tree = normalize(v, source)?;
         if !tree.is_empty() {
-            self.layers.push(Layer {
+            self.sources.push(Source {
                 name: source.to_string(),
                 tree,
             });
@@ -182,9 +182,9 @@ impl Layers {
         Ok(self)
     }
 
-    /// One layer per value a launcher's variables set (world size, rendezvous host and
+    /// One source per value a launcher's variables set (world size, rendezvous host and
     /// port; see [`flotilla_cluster::launcher_env`] for which variables, in which order).
-    fn launcher_layers(&mut self, vars: &[(String, String)]) -> Result<()> {
+    fn launcher_sources(&mut self, vars: &[(String, String)]) -> Result<()> {
         let map: std::collections::HashMap<&str, &str> =
             vars.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         let e = flotilla_cluster::LauncherEnv::read(&|k| map.get(k).map(|v| v.to_string()))
@@ -201,12 +201,12 @@ impl Layers {
             let source = format!("env {var}");
             let mut tree = serde_json::Map::new();
             set(&mut tree, path, value, &source)?;
-            self.layers.push(Layer { name: source, tree });
+            self.sources.push(Source { name: source, tree });
         }
         Ok(())
     }
 
-    /// Adds one layer per setting the environment makes: `FLOTILLA_...` variables, and with
+    /// Adds one source per setting the environment makes: `FLOTILLA_...` variables, and with
     /// `launcher` the launcher variables (world size, rendezvous address and port).
     pub fn env(
         mut self,
@@ -220,7 +220,7 @@ impl Layers {
         vars.sort();
         if launcher {
             // Under the FLOTILLA_ variables, which are read after them and so win.
-            self.launcher_layers(&vars)?;
+            self.launcher_sources(&vars)?;
         }
         for (name, raw) in vars {
             let value = scalar(&raw);
@@ -237,7 +237,7 @@ impl Layers {
                     // A flat key, rewritten as in a file (one may set two paths).
                     let one = serde_json::Map::from_iter([(key, value)]);
                     let tree = normalize(Value::Object(one), &source)?;
-                    self.layers.push(Layer { name: source, tree });
+                    self.sources.push(Source { name: source, tree });
                     continue;
                 } else {
                     // Other FLOTILLA_ variables belong to other parts (the secret, fault tests).
@@ -248,26 +248,26 @@ impl Layers {
             };
             let mut tree = serde_json::Map::new();
             set(&mut tree, &path, value, &source)?;
-            self.layers.push(Layer { name: source, tree });
+            self.sources.push(Source { name: source, tree });
         }
         Ok(self)
     }
 
-    /// The merged figment: a layer that names an optimizer replaces the optimizer below it.
+    /// The merged figment: a source that names an optimizer replaces the optimizer below it.
     fn figment(&self) -> Figment {
-        let last_named = self.layers.iter().rposition(|l| {
+        let last_named = self.sources.iter().rposition(|l| {
             l.tree
                 .get("optimizer")
                 .and_then(|o| o.get("name"))
                 .is_some()
         });
         let mut f = Figment::new();
-        for (i, layer) in self.layers.iter().enumerate() {
-            let mut layer = layer.clone();
+        for (i, source) in self.sources.iter().enumerate() {
+            let mut source = source.clone();
             if last_named.is_some_and(|n| i < n) {
-                layer.tree.remove("optimizer");
+                source.tree.remove("optimizer");
             }
-            f = f.merge(layer);
+            f = f.merge(source);
         }
         f
     }
@@ -288,7 +288,7 @@ impl Layers {
         })
     }
 
-    /// Every leaf of the effective config with the layer that set it.
+    /// Every leaf of the effective config with the source that set it.
     pub fn provenance(&self) -> Result<Vec<Provenance>> {
         let config = self.extract()?;
         let f = self.figment();
@@ -313,13 +313,13 @@ impl Layers {
 impl TrainConfig {
     /// Parses a config from YAML text over the defaults; `source_name` names it in errors.
     pub fn from_yaml(text: &str, source_name: &str) -> Result<Self> {
-        Layers::defaults().yaml(text, source_name)?.extract()
+        Sources::defaults().yaml(text, source_name)?.extract()
     }
 
     /// Reads a config file over the defaults. Relative `data`, `output` and `model` paths
     /// stay relative to the working directory, as with every command-line tool.
     pub fn load(path: &Path) -> Result<Self> {
-        Layers::defaults().file(path)?.extract()
+        Sources::defaults().file(path)?.extract()
     }
 }
 
@@ -349,7 +349,7 @@ fn known_path(path: &str) -> bool {
     }
 }
 
-/// Rewrites flat aliases into sections; a value set twice in one layer is an error.
+/// Rewrites flat aliases into sections; a value set twice in one source is an error.
 fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
     let Value::Object(top) = v else {
         return Err(err(source, "the top level must be a mapping of keys"));
@@ -391,7 +391,7 @@ fn allreduce_strategy(key: &str, value: &Value) -> Option<&'static str> {
     }
 }
 
-/// Sets `section.key` in a tree; an error if the layer already set it.
+/// Sets `section.key` in a tree; an error if the source already set it.
 fn set(
     tree: &mut serde_json::Map<String, Value>,
     path: &str,
@@ -449,24 +449,24 @@ mod tests {
             "optimizer: {name: sgd, lr: 0.1, momentum: 0.9}\n",
             "optimizer: {lr: 0.1}\n",
         ] {
-            let layers = Layers::defaults()
+            let sources = Sources::defaults()
                 .yaml(file, "run.yaml")
                 .expect("file")
                 .env(no_env(), false)
                 .expect("env")
                 .tree(json!({"lr": 0.5}), "flag --lr")
                 .expect("flags");
-            let c = layers.extract().expect("config");
+            let c = sources.extract().expect("config");
             assert_eq!(c.optimizer.lr(), 0.5, "{file}");
             assert_eq!(c.base_lr(), 0.5, "{file}");
-            let p = layers.provenance().expect("provenance");
+            let p = sources.provenance().expect("provenance");
             let lr = p.iter().find(|p| p.path == "optimizer.lr").expect("lr");
             assert_eq!(lr.source, "flag --lr");
         }
     }
 
     #[test]
-    fn layers_win_in_order_and_say_where_values_came_from() {
+    fn sources_win_in_order_and_say_where_values_came_from() {
         let env = vec![
             ("FLOTILLA_DATA__BATCH_SIZE".to_string(), "16".to_string()),
             ("FLOTILLA_SEED".to_string(), "9".to_string()),
@@ -477,19 +477,19 @@ mod tests {
             ),
             ("WORLD_SIZE".to_string(), "3".to_string()),
         ];
-        let layers = Layers::defaults()
+        let sources = Sources::defaults()
             .yaml("batch_size: 32\nseed: 1\nepochs: 2\n", "run.yaml")
             .expect("file")
             .env(env, true)
             .expect("env")
             .tree(json!({"seed": 7}), "flag --seed")
             .expect("flags");
-        let c = layers.extract().expect("config");
+        let c = sources.extract().expect("config");
         assert_eq!(c.data.batch_size, 16);
         assert_eq!(c.model.seed, 7);
         assert_eq!(c.schedule.epochs, 2);
         assert_eq!(c.topology.world_size, 3);
-        let p = layers.provenance().expect("provenance");
+        let p = sources.provenance().expect("provenance");
         let src = |path: &str| {
             p.iter()
                 .find(|p| p.path == path)
@@ -509,8 +509,8 @@ mod tests {
     }
 
     #[test]
-    fn a_value_set_twice_in_one_layer_is_an_error_naming_it() {
-        let e = Layers::defaults()
+    fn a_value_set_twice_in_one_source_is_an_error_naming_it() {
+        let e = Sources::defaults()
             .yaml("lr: 0.1\noptimizer: {name: sgd, lr: 0.2}\n", "run.yaml")
             .expect_err("twice")
             .to_string();
@@ -518,8 +518,8 @@ mod tests {
     }
 
     #[test]
-    fn an_optimizer_named_in_a_layer_replaces_the_one_below() {
-        let c = Layers::defaults()
+    fn an_optimizer_named_in_a_source_replaces_the_one_below() {
+        let c = Sources::defaults()
             .yaml("optimizer: {name: adam, lr: 0.001}\n", "r")
             .expect("file")
             .extract()
@@ -533,7 +533,7 @@ mod tests {
     #[test]
     fn unknown_environment_keys_are_errors_naming_the_variable() {
         let env = vec![("FLOTILLA_DATA__BATCHSIZE".to_string(), "3".to_string())];
-        let e = Layers::defaults()
+        let e = Sources::defaults()
             .env(env, false)
             .expect_err("unknown")
             .to_string();
@@ -542,7 +542,7 @@ mod tests {
 
     #[test]
     fn nested_sections_and_aliases_mix() {
-        let c = Layers::defaults()
+        let c = Sources::defaults()
             .yaml(
                 "model: mlp\nschedule: {epochs: 3, warmup_steps: 5}\ncomm: {timeout_s: 9}\n",
                 "r",
