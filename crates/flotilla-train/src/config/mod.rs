@@ -1,5 +1,7 @@
 //! The run configuration: one YAML file with everything the CLI accepts, in sections (one
-//! file each here). Unknown keys are errors, not silently ignored.
+//! file each here). Unknown keys are errors, not silently ignored. Every key is declared once
+//! in [`keys`] (its aliases, environment names and flag); [`sources`] builds a config from
+//! defaults < file < environment < flags, remembering where each value came from.
 
 use flotilla_engine::OptimizerSpec;
 use serde::{Deserialize, Serialize};
@@ -8,6 +10,7 @@ mod allreduce;
 mod comm;
 mod data;
 mod hash;
+pub mod keys;
 mod model;
 mod pipeline;
 mod schedule;

@@ -2,7 +2,8 @@
 //! winning key by key — defaults < config file < environment < command-line flags — with every
 //! value's source remembered ([`Sources::provenance`], printed by `flotilla config`).
 //!
-//! Merging and provenance are [`figment`]'s; this module adds what is Flotilla's own:
+//! Merging and provenance are [`figment`]'s; this module adds what is Flotilla's own, with
+//! the names of [`keys::KEYS`] (the one declaration of every key):
 //! - **aliases**: the flat keys of earlier versions and of hcddl (`lr`, `batch_size`,
 //!   `arch`, `num_server_rounds`, `model: lenet5`, ...) are rewritten to their place in the
 //!   sections before merging, so there is one place per value (a file's `lr:` *is*
@@ -22,81 +23,9 @@ use figment::value::{Dict, Map};
 use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
-use crate::config::TrainConfig;
+use super::TrainConfig;
+use super::keys;
 use crate::error::{Result, TrainError};
-
-/// The sections of a config; any other top-level key is an alias or an error.
-const SECTIONS: &[&str] = &[
-    "model",
-    "data",
-    "optimizer",
-    "schedule",
-    "topology",
-    "pipeline",
-    "allreduce",
-    "comm",
-    "telemetry",
-];
-
-/// Flat keys and where they live.
-const ALIASES: &[(&str, &str)] = &[
-    ("model", "model.spec"),
-    ("seed", "model.seed"),
-    ("device", "model.device"),
-    ("data", "data.path"),
-    ("batch_size", "data.batch_size"),
-    ("train_limit", "data.train_limit"),
-    ("lr", "optimizer.lr"),
-    ("epochs", "schedule.epochs"),
-    ("max_steps", "schedule.max_steps"),
-    ("lr_schedule", "schedule.lr_schedule"),
-    ("warmup_steps", "schedule.warmup_steps"),
-    ("eval_every", "schedule.eval_every"),
-    ("checkpoint_every", "schedule.checkpoint_every"),
-    ("resume", "schedule.resume"),
-    ("num_server_rounds", "schedule.num_server_rounds"),
-    ("target_accuracy", "schedule.target_accuracy"),
-    (
-        "divergence_check_rounds",
-        "schedule.divergence_check_rounds",
-    ),
-    ("abort_on_divergence", "schedule.abort_on_divergence"),
-    ("world_size", "topology.world_size"),
-    ("arch", "topology.arch"),
-    ("parameter_server", "topology.parameter_server"),
-    ("global_server", "topology.global_server"),
-    ("servers", "topology.servers"),
-    ("max_staleness", "topology.max_staleness"),
-    ("staleness_lr", "topology.staleness_lr"),
-    ("async_momentum", "topology.async_momentum"),
-    ("local_steps", "topology.local_steps"),
-    ("inventory", "topology.inventory"),
-    ("strategy", "topology.arch"),
-    ("stages", "pipeline.stages"),
-    ("split_points", "pipeline.split_points"),
-    ("micro_batches", "pipeline.micro_batches"),
-    // A string, not the `schedule` section: `schedule: 1f1b`.
-    ("schedule", "pipeline.schedule"),
-    ("data_parallel", "pipeline.data_parallel"),
-    ("cycle_duration_ms", "allreduce.cycle_duration_ms"),
-    ("all_reduce_buffer_size", "allreduce.all_reduce_buffer_size"),
-    ("staleness", "allreduce.staleness"),
-    ("overlap", "allreduce.overlap"),
-    ("correction", "allreduce.correction"),
-    ("stall_warning_s", "allreduce.stall_warning_s"),
-    ("stall_shutdown_s", "allreduce.stall_shutdown_s"),
-    ("backend", "comm.backend"),
-    ("master_addr", "comm.master_addr"),
-    ("master_port", "comm.master_port"),
-    ("timeout_s", "comm.timeout_s"),
-    ("join_timeout_s", "comm.join_timeout_s"),
-    ("compression", "comm.compression"),
-    ("wire_format", "comm.wire_format"),
-    ("bucket_mb", "comm.bucket_mb"),
-    ("output", "telemetry.output"),
-    ("timeline_path", "telemetry.timeline_path"),
-    ("metrics_port", "telemetry.metrics_port"),
-];
 
 /// One source: a nested tree of values and the name of where it came from.
 #[derive(Debug, Clone)]
@@ -182,6 +111,17 @@ impl Sources {
         Ok(self)
     }
 
+    /// Adds the source of one flag: `--<long>` with its value, which sets the key it is
+    /// declared for ([`keys::by_flag`]).
+    pub fn flag(mut self, long: &str, value: Value) -> Result<Self> {
+        let name = format!("flag --{long}");
+        let key = keys::by_flag(long).ok_or_else(|| err(&name, "no such flag"))?;
+        let mut tree = serde_json::Map::new();
+        set(&mut tree, key.path, value, &name)?;
+        self.sources.push(Source { name, tree });
+        Ok(self)
+    }
+
     /// One source per value a launcher's variables set (world size, rendezvous host and
     /// port; see [`flotilla_cluster::launcher_env`] for which variables, in which order).
     fn launcher_sources(&mut self, vars: &[(String, String)]) -> Result<()> {
@@ -233,7 +173,7 @@ impl Sources {
                         return Err(err(&source, format!("no config key `{path}`")));
                     }
                     path
-                } else if ALIASES.iter().any(|(a, _)| *a == key) {
+                } else if keys::by_alias(&key).is_some() {
                     // A flat key, rewritten as in a file (one may set two paths).
                     let one = serde_json::Map::from_iter([(key, value)]);
                     let tree = normalize(Value::Object(one), &source)?;
@@ -331,21 +271,14 @@ fn scalar(raw: &str) -> Value {
     }
 }
 
-/// Whether `a.b` names a key of the config (a section or a field of one).
+/// Whether `a.b` names a key of the config (a declared one, or any key of the optimizer,
+/// whose keys depend on its kind and which serde checks); further parts are serde's to check.
 fn known_path(path: &str) -> bool {
-    let tree = serde_json::to_value(TrainConfig::default()).unwrap_or_default();
     let mut parts = path.split('.');
-    let Some(section) = parts.next() else {
-        return false;
-    };
-    let Some(sec) = tree.get(section) else {
-        return false;
-    };
-    match parts.next() {
-        None => true,
-        // The optimizer's keys depend on its kind; serde checks them.
-        Some(_) if section == "optimizer" => true,
-        Some(key) => sec.as_object().is_some_and(|m| m.contains_key(key)),
+    match (parts.next(), parts.next()) {
+        (Some(section), None) => keys::is_section(section),
+        (Some(section), Some(field)) => keys::is_key(section, field),
+        (None, _) => false,
     }
 }
 
@@ -356,7 +289,7 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
     };
     let mut out = serde_json::Map::new();
     for (key, value) in top {
-        let is_section = SECTIONS.contains(&key.as_str()) && value.is_object();
+        let is_section = keys::is_section(&key) && value.is_object();
         if is_section {
             let Value::Object(fields) = value else {
                 continue;
@@ -368,8 +301,8 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
             // `strategy: async_allreduce` is the all-reduce architecture in async mode.
             set(&mut out, "topology.arch", Value::from("allreduce"), source)?;
             set(&mut out, "allreduce.mode", Value::from(mode), source)?;
-        } else if let Some((_, path)) = ALIASES.iter().find(|(a, _)| *a == key) {
-            set(&mut out, path, value, source)?;
+        } else if let Some(k) = keys::by_alias(&key) {
+            set(&mut out, k.path, value, source)?;
         } else {
             // Left for serde to reject, naming the key.
             out.insert(key, value);
@@ -433,126 +366,7 @@ fn leaves(v: &Value, prefix: String, f: &mut dyn FnMut(String, &Value)) {
     }
 }
 
+// In a file of its own beside this one (the path is relative to this file's directory).
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use serde_json::json;
-
-    fn no_env() -> Vec<(String, String)> {
-        Vec::new()
-    }
-
-    #[test]
-    fn flag_lr_beats_a_files_lr_in_either_spelling() {
-        for file in [
-            "lr: 0.1\n",
-            "optimizer: {name: sgd, lr: 0.1, momentum: 0.9}\n",
-            "optimizer: {lr: 0.1}\n",
-        ] {
-            let sources = Sources::defaults()
-                .yaml(file, "run.yaml")
-                .expect("file")
-                .env(no_env(), false)
-                .expect("env")
-                .tree(json!({"lr": 0.5}), "flag --lr")
-                .expect("flags");
-            let c = sources.extract().expect("config");
-            assert_eq!(c.optimizer.lr(), 0.5, "{file}");
-            assert_eq!(c.base_lr(), 0.5, "{file}");
-            let p = sources.provenance().expect("provenance");
-            let lr = p.iter().find(|p| p.path == "optimizer.lr").expect("lr");
-            assert_eq!(lr.source, "flag --lr");
-        }
-    }
-
-    #[test]
-    fn sources_win_in_order_and_say_where_values_came_from() {
-        let env = vec![
-            ("FLOTILLA_DATA__BATCH_SIZE".to_string(), "16".to_string()),
-            ("FLOTILLA_SEED".to_string(), "9".to_string()),
-            ("FLOTILLA_SECRET".to_string(), "s3cret".to_string()),
-            (
-                "FLOTILLA_SECRET_FILE".to_string(),
-                "/nonexistent".to_string(),
-            ),
-            ("WORLD_SIZE".to_string(), "3".to_string()),
-        ];
-        let sources = Sources::defaults()
-            .yaml("batch_size: 32\nseed: 1\nepochs: 2\n", "run.yaml")
-            .expect("file")
-            .env(env, true)
-            .expect("env")
-            .tree(json!({"seed": 7}), "flag --seed")
-            .expect("flags");
-        let c = sources.extract().expect("config");
-        assert_eq!(c.data.batch_size, 16);
-        assert_eq!(c.model.seed, 7);
-        assert_eq!(c.schedule.epochs, 2);
-        assert_eq!(c.topology.world_size, 3);
-        let p = sources.provenance().expect("provenance");
-        let src = |path: &str| {
-            p.iter()
-                .find(|p| p.path == path)
-                .map(|p| p.source.clone())
-                .expect(path)
-        };
-        assert_eq!(src("data.batch_size"), "env FLOTILLA_DATA__BATCH_SIZE");
-        assert_eq!(src("model.seed"), "flag --seed");
-        assert_eq!(src("schedule.epochs"), "file run.yaml");
-        assert_eq!(src("topology.world_size"), "env WORLD_SIZE");
-        assert_eq!(src("comm.bucket_mb"), "default");
-        let shown = format!("{c:?} {p:?}");
-        assert!(
-            !shown.contains("s3cret"),
-            "the secret is no config value: {shown}"
-        );
-    }
-
-    #[test]
-    fn a_value_set_twice_in_one_source_is_an_error_naming_it() {
-        let e = Sources::defaults()
-            .yaml("lr: 0.1\noptimizer: {name: sgd, lr: 0.2}\n", "run.yaml")
-            .expect_err("twice")
-            .to_string();
-        assert!(e.contains("optimizer.lr") && e.contains("run.yaml"), "{e}");
-    }
-
-    #[test]
-    fn an_optimizer_named_in_a_source_replaces_the_one_below() {
-        let c = Sources::defaults()
-            .yaml("optimizer: {name: adam, lr: 0.001}\n", "r")
-            .expect("file")
-            .extract()
-            .expect("adam without momentum from the defaults");
-        assert!(matches!(
-            c.optimizer,
-            flotilla_engine::OptimizerSpec::Adam { .. }
-        ));
-    }
-
-    #[test]
-    fn unknown_environment_keys_are_errors_naming_the_variable() {
-        let env = vec![("FLOTILLA_DATA__BATCHSIZE".to_string(), "3".to_string())];
-        let e = Sources::defaults()
-            .env(env, false)
-            .expect_err("unknown")
-            .to_string();
-        assert!(e.contains("FLOTILLA_DATA__BATCHSIZE"), "{e}");
-    }
-
-    #[test]
-    fn nested_sections_and_aliases_mix() {
-        let c = Sources::defaults()
-            .yaml(
-                "model: mlp\nschedule: {epochs: 3, warmup_steps: 5}\ncomm: {timeout_s: 9}\n",
-                "r",
-            )
-            .expect("file")
-            .extract()
-            .expect("config");
-        assert_eq!(c.model.spec, "mlp");
-        assert_eq!(c.schedule.epochs, 3);
-        assert_eq!(c.schedule.warmup_steps, 5);
-        assert_eq!(c.comm.timeout_s, 9.0);
-    }
-}
+#[path = "sources_tests.rs"]
+mod tests;
