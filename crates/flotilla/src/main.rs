@@ -20,6 +20,7 @@ mod progress;
 mod remote;
 mod remote_launch;
 mod report;
+mod run_args;
 mod settings;
 mod stop_cmd;
 mod telemetry;
@@ -60,7 +61,7 @@ fn main() -> ExitCode {
 
 /// `flotilla config`: the effective config, checked, each value with the source it came
 /// from, then the topology and its placement.
-fn show_config(args: &cli::RunArgs) -> Result<()> {
+fn show_config(args: &run_args::RunArgs) -> Result<()> {
     let sources = settings::sources(args, false)?;
     let config = sources.extract()?;
     let spec = config.validate()?;

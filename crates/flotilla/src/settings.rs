@@ -4,9 +4,8 @@
 use anyhow::Result;
 use flotilla_train::TrainConfig;
 use flotilla_train::config::sources::{Provenance, Sources};
-use serde_json::{Value, json};
 
-use crate::cli::RunArgs;
+use crate::run_args::RunArgs;
 
 /// The sources of a command's config. `launcher_env`: also take the world size and
 /// rendezvous address from a launcher's environment (torchrun, mpirun, Slurm) — for
@@ -17,8 +16,8 @@ pub fn sources(args: &RunArgs, launcher_env: bool) -> Result<Sources> {
         sources = sources.file(path)?;
     }
     sources = sources.env(std::env::vars(), launcher_env)?;
-    for (flag, tree) in flags(args) {
-        sources = sources.tree(tree, &format!("flag --{flag}"))?;
+    for (long, value) in &args.flags {
+        sources = sources.flag(long, value.clone())?;
     }
     Ok(sources)
 }
@@ -26,59 +25,6 @@ pub fn sources(args: &RunArgs, launcher_env: bool) -> Result<Sources> {
 /// Defaults < file < environment < flags.
 pub fn effective_config(args: &RunArgs, launcher_env: bool) -> Result<TrainConfig> {
     Ok(sources(args, launcher_env)?.extract()?)
-}
-
-/// One `(flag, {alias: value})` per flag given on the command line.
-fn flags(a: &RunArgs) -> Vec<(&'static str, Value)> {
-    let mut out = Vec::new();
-    let mut put = |flag: &'static str, key: &str, v: Option<Value>| {
-        if let Some(v) = v {
-            out.push((flag, json!({ key: v })));
-        }
-    };
-    let path = |p: &Option<std::path::PathBuf>| p.as_ref().map(|p| json!(p));
-    put("data", "data", path(&a.data));
-    put("output", "output", path(&a.output));
-    put("epochs", "epochs", a.epochs.map(|v| json!(v)));
-    put("world-size", "world_size", a.world_size.map(|v| json!(v)));
-    put("batch-size", "batch_size", a.batch_size.map(|v| json!(v)));
-    put("lr", "lr", a.lr.map(|v| json!(v)));
-    put("model", "model", a.model.as_ref().map(|v| json!(v)));
-    put("seed", "seed", a.seed.map(|v| json!(v)));
-    put("max-steps", "max_steps", a.max_steps.map(|v| json!(v)));
-    put(
-        "train-limit",
-        "train_limit",
-        a.train_limit.map(|v| json!(v)),
-    );
-    put(
-        "checkpoint-every",
-        "checkpoint_every",
-        a.checkpoint_every.map(|v| json!(v)),
-    );
-    put("bucket-mb", "bucket_mb", a.bucket_mb.map(|v| json!(v)));
-    put("device", "device", a.device.as_ref().map(|v| json!(v)));
-    put("backend", "backend", a.backend.as_ref().map(|v| json!(v)));
-    put(
-        "master-addr",
-        "master_addr",
-        a.master_addr.as_ref().map(|v| json!(v)),
-    );
-    put(
-        "master-port",
-        "master_port",
-        a.master_port.map(|v| json!(v)),
-    );
-    put("timeout-s", "timeout_s", a.timeout_s.map(|v| json!(v)));
-    put("inventory", "inventory", path(&a.inventory));
-    put("resume", "resume", a.resume.then_some(json!(true)));
-    put("timeline", "timeline_path", path(&a.timeline));
-    put(
-        "metrics-port",
-        "metrics_port",
-        a.metrics_port.map(|v| json!(v)),
-    );
-    out
 }
 
 /// The rank a launcher's environment names (see [`flotilla_cluster::launcher_env`] for the
