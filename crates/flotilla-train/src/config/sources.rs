@@ -10,12 +10,15 @@
 //!   `optimizer.lr`, and `--lr` beats it like any flag beats any file value). A source that
 //!   sets a value both ways is an error naming both;
 //! - **optimizer replacement**: a source that names an optimizer (`optimizer.name`)
-//!   replaces the optimizer of the sources below instead of merging into it (Adam has no momentum);
+//!   replaces the optimizer of the sources below instead of merging into it (Adam has no
+//!   momentum);
 //! - **environment**: `FLOTILLA_<SECTION>__<KEY>` (e.g. `FLOTILLA_OPTIMIZER__LR=0.05`) or a
 //!   flat alias (`FLOTILLA_BATCH_SIZE=32`); and, for processes started by a launcher,
 //!   world size and rendezvous of torchrun, Open MPI, MPICH, Slurm (the first host of
 //!   `SLURM_JOB_NODELIST`) and Kubernetes, read in the order of
-//!   [`flotilla_cluster::launcher_env`], under the `FLOTILLA_` variables.
+//!   [`flotilla_cluster::launcher_env`], under the `FLOTILLA_` variables;
+//! - **flags**: one source per flag given ([`Sources::flag`]), setting the key the flag is
+//!   declared for.
 
 use std::path::Path;
 
@@ -100,7 +103,7 @@ impl Sources {
     }
 
     /// Adds a source given as a tree of flat aliases and/or sections (`source` names it).
-    pub fn tree(mut self, v: Value, source: &str) -> Result<Self> {
+    fn tree(mut self, v: Value, source: &str) -> Result<Self> {
         let tree = normalize(v, source)?;
         if !tree.is_empty() {
             self.sources.push(Source {

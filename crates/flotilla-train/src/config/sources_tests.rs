@@ -22,7 +22,7 @@ fn flag_lr_beats_a_files_lr_in_either_spelling() {
             .expect("file")
             .env(no_env(), false)
             .expect("env")
-            .tree(json!({"lr": 0.5}), "flag --lr")
+            .flag("lr", json!(0.5))
             .expect("flags");
         let c = sources.extract().expect("config");
         assert_eq!(c.optimizer.lr(), 0.5, "{file}");
@@ -50,7 +50,7 @@ fn sources_win_in_order_and_say_where_values_came_from() {
         .expect("file")
         .env(env, true)
         .expect("env")
-        .tree(json!({"seed": 7}), "flag --seed")
+        .flag("seed", json!(7))
         .expect("flags");
     let c = sources.extract().expect("config");
     assert_eq!(c.data.batch_size, 16);
