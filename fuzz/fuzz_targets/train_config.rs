@@ -6,7 +6,7 @@
 #![no_main]
 
 use flotilla_train::TrainConfig;
-use flotilla_train::layers::Layers;
+use flotilla_train::config::sources::Sources;
 use libfuzzer_sys::fuzz_target;
 
 fn env_vars(text: &str) -> Vec<(String, String)> {
@@ -21,16 +21,16 @@ fuzz_target!(|data: &[u8]| {
         return;
     };
     let (yaml, env) = text.split_once('\0').unwrap_or((text, ""));
-    let Ok(layers) = Layers::defaults().yaml(yaml, "fuzz.yaml") else {
+    let Ok(sources) = Sources::defaults().yaml(yaml, "fuzz.yaml") else {
         return;
     };
-    let Ok(layers) = layers.env(env_vars(env), true) else {
+    let Ok(sources) = sources.env(env_vars(env), true) else {
         return;
     };
-    let Ok(mut config) = layers.extract() else {
+    let Ok(mut config) = sources.extract() else {
         return;
     };
-    let _ = layers.provenance();
+    let _ = sources.provenance();
     let written = serde_norway::to_string(&config).expect("a config serialises");
     let back = TrainConfig::from_yaml(&written, "written").expect("a written config parses");
     assert_eq!(

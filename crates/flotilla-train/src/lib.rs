@@ -16,7 +16,6 @@ pub mod eval;
 pub mod fault;
 pub mod gather;
 pub mod history;
-pub mod layers;
 pub mod observe;
 pub mod pipeline;
 pub mod ps;

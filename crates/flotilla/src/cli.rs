@@ -1,8 +1,11 @@
-//! Command-line arguments.
+//! Command-line arguments. The flags of a run are not listed here: [`RunArgs`] takes them
+//! from the config's key table.
 
 use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
+
+use crate::run_args::RunArgs;
 
 /// Distributed deep-learning training for Rust.
 #[derive(Debug, Parser)]
@@ -67,77 +70,6 @@ pub struct TraceMergeArgs {
     /// The ranks' timeline files.
     #[arg(required = true)]
     pub inputs: Vec<PathBuf>,
-}
-
-/// A config file and the flags that override it.
-#[derive(Debug, Clone, Args)]
-pub struct RunArgs {
-    /// YAML config file (every key optional; defaults train LeNet-5 on data/mnist with 2 ranks).
-    pub config: Option<PathBuf>,
-    /// Directory with the four MNIST-layout IDX files.
-    #[arg(long)]
-    pub data: Option<PathBuf>,
-    /// Output directory (checkpoints, metrics, each rank's run.log).
-    #[arg(long)]
-    pub output: Option<PathBuf>,
-    /// Epochs.
-    #[arg(long)]
-    pub epochs: Option<u32>,
-    /// Number of ranks.
-    #[arg(short = 'n', long = "world-size")]
-    pub world_size: Option<usize>,
-    /// Samples per step on each rank.
-    #[arg(long)]
-    pub batch_size: Option<usize>,
-    /// Learning rate.
-    #[arg(long)]
-    pub lr: Option<f64>,
-    /// Model: a built-in name (lenet5, mlp) or a spec file.
-    #[arg(long)]
-    pub model: Option<String>,
-    /// Seed of initialisation and shuffling.
-    #[arg(long)]
-    pub seed: Option<u64>,
-    /// Stop after this many steps.
-    #[arg(long)]
-    pub max_steps: Option<u64>,
-    /// Use only the first N training samples.
-    #[arg(long)]
-    pub train_limit: Option<usize>,
-    /// Checkpoint every K steps (0: only at the end).
-    #[arg(long)]
-    pub checkpoint_every: Option<u64>,
-    /// Gradient fusion bucket size in MiB.
-    #[arg(long)]
-    pub bucket_mb: Option<f64>,
-    /// Backend (flex; libtorch with the `libtorch` feature).
-    #[arg(long)]
-    pub device: Option<String>,
-    /// Process-group backend: `tcp` (default) or `mpi` (under mpirun; a binary built with
-    /// `--features mpi`).
-    #[arg(long)]
-    pub backend: Option<String>,
-    /// Rendezvous address of rank 0.
-    #[arg(long)]
-    pub master_addr: Option<String>,
-    /// Rendezvous port of rank 0.
-    #[arg(long)]
-    pub master_port: Option<u16>,
-    /// Deadline in seconds of every wait on another rank.
-    #[arg(long)]
-    pub timeout_s: Option<f64>,
-    /// Inventory (hcddl `[pool]` ini or a host list): the topology must fit on its hosts.
-    #[arg(long)]
-    pub inventory: Option<PathBuf>,
-    /// Resume from the newest checkpoint in the output directory.
-    #[arg(long)]
-    pub resume: bool,
-    /// Write a Chrome trace (Perfetto, chrome://tracing) of the whole job to this file.
-    #[arg(long, value_name = "FILE")]
-    pub timeline: Option<PathBuf>,
-    /// Serve Prometheus metrics: rank r on port P + r at /metrics.
-    #[arg(long, value_name = "P")]
-    pub metrics_port: Option<u16>,
 }
 
 /// `flotilla train`.

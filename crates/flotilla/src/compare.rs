@@ -29,9 +29,11 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         bail!("--strategies names no strategy");
     }
     let base = settings::effective_config(&args.run, false)?;
-    let workers = match args.run.world_size {
-        Some(n) => n,
-        None => strategies::workers(&base)?,
+    // `-n`, a flag, is what `base` holds; without it, the config says.
+    let workers = if args.run.given("world-size") {
+        base.topology.world_size
+    } else {
+        strategies::workers(&base)?
     };
     let target = args
         .target_accuracy

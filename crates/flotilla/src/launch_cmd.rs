@@ -16,10 +16,11 @@ use flotilla_train::TrainConfig;
 use indicatif::ProgressBar;
 
 use crate::capacity;
-use crate::cli::{LaunchArgs, RunArgs};
+use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob, RankLine, Stream};
 use crate::progress::{PROGRESS_ENV, step_bar};
 use crate::remote_launch::{self, Remote};
+use crate::run_args::RunArgs;
 use crate::{settings, telemetry};
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
@@ -203,14 +204,14 @@ fn start_remote(job: &Prepared, remote: &Remote, threads: usize) -> Result<Local
 
 /// The config with a rendezvous address, checked and written for the ranks.
 fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
-    if flags.master_port.is_none() {
+    if !flags.given("master-port") {
         config.comm.master_port = launch::free_port()?;
     }
     let placement = match &config.topology.inventory {
         Some(path) => Some(remote_launch::placement(&config, path)?),
         None => None,
     };
-    if flags.master_addr.is_none() {
+    if !flags.given("master-addr") {
         // Rank 0's host is the rendezvous; every other rank binds the address it reaches
         // rank 0 from (its own host's), so peers connect to each other's hosts.
         config.comm.master_addr = placement

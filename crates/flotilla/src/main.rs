@@ -20,6 +20,7 @@ mod progress;
 mod remote;
 mod remote_launch;
 mod report;
+mod run_args;
 mod settings;
 mod stop_cmd;
 mod telemetry;
@@ -58,13 +59,13 @@ fn main() -> ExitCode {
     code
 }
 
-/// `flotilla config`: the effective config, checked, each value with the layer it came
+/// `flotilla config`: the effective config, checked, each value with the source it came
 /// from, then the topology and its placement.
-fn show_config(args: &cli::RunArgs) -> Result<()> {
-    let layers = settings::layers(args, false)?;
-    let config = layers.extract()?;
+fn show_config(args: &run_args::RunArgs) -> Result<()> {
+    let sources = settings::sources(args, false)?;
+    let config = sources.extract()?;
     let spec = config.validate()?;
-    print!("{}", settings::annotated_yaml(&layers.provenance()?));
+    print!("{}", settings::annotated_yaml(&sources.provenance()?));
     let topology = config.topology()?;
     if topology.arch() == flotilla_cluster::Arch::Pipeline {
         let plan = flotilla_train::pipeline::plan(&config, &spec)?;
@@ -88,13 +89,13 @@ fn show_config(args: &cli::RunArgs) -> Result<()> {
 }
 
 fn train(args: &TrainArgs) -> Result<()> {
-    let layers = settings::layers(&args.run, true)?;
-    let config = layers.extract()?;
+    let sources = settings::sources(&args.run, true)?;
+    let config = sources.extract()?;
     let rank = match args.rank {
         Some(r) => Some(r),
         None => settings::launcher_rank()?,
     };
-    settings::check_rank_source(&layers, &config, rank)?;
+    settings::check_rank_source(&sources, &config, rank)?;
     let rank_telemetry = telemetry::init(Some((&config, rank)))?;
     let mut observer = TrainObserver::new(rank_telemetry, config.telemetry.metrics_port);
     let result = flotilla_train::run(&config, rank, &mut observer);

@@ -1,0 +1,171 @@
+//! The `comm:` section: the process-group backend, rendezvous, deadlines and the wire, and
+//! the communicator settings it makes.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use flotilla_comm::{CommConfig, Compression, Secret, WireFormat};
+use serde::{Deserialize, Serialize};
+
+use super::{TlsSetting, TrainConfig};
+use crate::error::Result;
+
+/// Payload compression on the wire, as written in a config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CompressionSetting {
+    /// No compression.
+    #[default]
+    None,
+    /// LZ4 on large frames.
+    Lz4,
+}
+
+/// All-reduce element format on the wire, as written in a config.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WireSetting {
+    /// Exact `f32`.
+    #[default]
+    F32,
+    /// `bf16` on the wire (half the bytes, approximate sums).
+    Bf16,
+}
+
+/// Which implementation of the process group a run uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Flotilla's own TCP transport with its rendezvous (any launcher, or none).
+    #[default]
+    Tcp,
+    /// MPI (Open MPI through rsmpi): start the job with `mpirun -np N flotilla train ...`;
+    /// rank and world size come from MPI. Needs a binary built with the `mpi` feature.
+    Mpi,
+}
+
+/// Rendezvous, deadlines and the wire.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CommSection {
+    /// The process-group implementation: `tcp` (default) or `mpi` (under `mpirun`, with a
+    /// binary built with `--features mpi`; the rendezvous keys, `compression` and
+    /// `wire_format` then do not apply).
+    pub backend: Backend,
+    /// Rendezvous address of rank 0.
+    pub master_addr: String,
+    /// Rendezvous port of rank 0.
+    pub master_port: u16,
+    /// Deadline in seconds of every wait on another rank.
+    pub timeout_s: f64,
+    /// Deadline in seconds for all ranks to join.
+    pub join_timeout_s: f64,
+    /// Payload compression on the wire.
+    pub compression: CompressionSetting,
+    /// All-reduce element format on the wire.
+    pub wire_format: WireSetting,
+    /// Gradient fusion bucket size in MiB.
+    pub bucket_mb: f64,
+    /// A file holding the cluster secret (mode 0600; not accessible to group or others).
+    /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
+    /// secret itself is never a config value or a flag, and never enters the config hash.
+    pub secret_file: Option<PathBuf>,
+    /// Mutual TLS on every connection: `{ca, cert, key}` ([`TlsSetting`]); the environment's
+    /// `FLOTILLA_TLS_CA` / `_CERT` / `_KEY` take precedence. Per rank (never hashed).
+    pub tls: Option<TlsSetting>,
+}
+
+impl Default for CommSection {
+    fn default() -> Self {
+        Self {
+            backend: Backend::Tcp,
+            master_addr: "127.0.0.1".into(),
+            master_port: flotilla_comm::DEFAULT_MASTER_PORT,
+            timeout_s: 60.0,
+            join_timeout_s: 60.0,
+            compression: CompressionSetting::None,
+            wire_format: WireSetting::F32,
+            bucket_mb: 25.0,
+            secret_file: None,
+            tls: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// Bucket size in bytes.
+    pub fn bucket_bytes(&self) -> usize {
+        (self.comm.bucket_mb * (1 << 20) as f64) as usize
+    }
+
+    /// The job's cluster secret: the environment's (`FLOTILLA_SECRET`, `FLOTILLA_SECRET_FILE`),
+    /// else the file of `comm.secret_file`; `None` when neither is set.
+    pub fn secret(&self) -> Result<Option<Secret>> {
+        if let Some(s) = Secret::from_env()? {
+            return Ok(Some(s));
+        }
+        match &self.comm.secret_file {
+            Some(path) => Ok(Some(Secret::from_file(path)?)),
+            None => Ok(None),
+        }
+    }
+
+    /// The communicator settings of `rank` (`None`: let rank 0 assign one), with the job's
+    /// secret ([`TrainConfig::secret`]) and this rank's TLS ([`TrainConfig::tls`]).
+    pub fn comm_config(
+        &self,
+        rank: Option<usize>,
+        hash: u64,
+        world_size: usize,
+    ) -> Result<CommConfig> {
+        let c = &self.comm;
+        Ok(CommConfig {
+            rank,
+            world_size,
+            master_addr: c.master_addr.clone(),
+            master_port: c.master_port,
+            timeout: Duration::from_secs_f64(c.timeout_s),
+            join_timeout: Duration::from_secs_f64(c.join_timeout_s),
+            config_hash: hash,
+            secret: self.secret()?,
+            tls: self.tls()?,
+            compression: match c.compression {
+                CompressionSetting::None => Compression::None,
+                CompressionSetting::Lz4 => Compression::Lz4,
+            },
+            wire_format: match c.wire_format {
+                WireSetting::F32 => WireFormat::F32,
+                WireSetting::Bf16 => WireFormat::Bf16,
+            },
+            ..CommConfig::default()
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backend_is_tcp_by_default_and_mpi_needs_the_feature() {
+        assert_eq!(TrainConfig::default().comm.backend, Backend::Tcp);
+        let c = TrainConfig::from_yaml("backend: mpi\n", "b.yaml").expect("alias");
+        assert_eq!(c.comm.backend, Backend::Mpi);
+        let c = TrainConfig::from_yaml("comm: {backend: mpi}\n", "b.yaml").expect("section");
+        assert_eq!(c.comm.backend, Backend::Mpi);
+        let checked = c.validate();
+        if cfg!(feature = "mpi") {
+            checked.expect("valid with the feature");
+        } else {
+            let e = checked.expect_err("needs the feature").to_string();
+            assert!(
+                e.contains("built without the `mpi` feature") && e.contains("--features mpi"),
+                "{e}"
+            );
+        }
+        let e = TrainConfig::from_yaml("backend: nccl\n", "b.yaml")
+            .expect_err("unknown backend")
+            .to_string();
+        assert!(e.contains("nccl"), "{e}");
+    }
+}

@@ -1,0 +1,25 @@
+//! The `model:` section: which model, its initialisation seed and the device it runs on.
+
+use serde::{Deserialize, Serialize};
+
+/// The model and how it is initialised.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ModelSection {
+    /// A built-in model name (`lenet5`, `mlp`) or a path to a model spec file.
+    pub spec: String,
+    /// Seed of parameter initialisation and of the per-epoch shuffle.
+    pub seed: u64,
+    /// Backend: `flex` (pure-Rust CPU) or `libtorch` (with the `libtorch` feature).
+    pub device: String,
+}
+
+impl Default for ModelSection {
+    fn default() -> Self {
+        Self {
+            spec: "lenet5".into(),
+            seed: 42,
+            device: "flex".into(),
+        }
+    }
+}

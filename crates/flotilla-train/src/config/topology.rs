@@ -1,0 +1,115 @@
+//! The `topology:` section: which processes there are and how they cooperate, and the
+//! process topology it makes.
+
+use std::path::PathBuf;
+
+use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
+use serde::{Deserialize, Serialize};
+
+use super::TrainConfig;
+use crate::error::{Result, TrainError};
+
+/// Which processes there are and how they cooperate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TopologySection {
+    /// Number of ranks (processes) for all-reduce; parameter-server trees derive theirs.
+    pub world_size: usize,
+    /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
+    pub arch: Arch,
+    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`.
+    pub parameter_server: Option<ServerSpec>,
+    /// Hierarchical: `{aggr_type, local_servers: [{aggr_type, num_workers}, ...]}`.
+    pub global_server: Option<GlobalServerSpec>,
+    /// Shard servers of a flat topology (parameters split by balanced byte ranges).
+    pub servers: usize,
+    /// Async servers: a push more than this many versions stale is refused (pull again).
+    pub max_staleness: Option<u64>,
+    /// Parameter servers: scale each update's learning rate by `1 / (1 + staleness)`.
+    /// Unset: on at async servers (they apply each push on arrival), off at sync ones
+    /// ([`crate::ps::staleness`]).
+    pub staleness_lr: Option<bool>,
+    /// Async servers: the SGD momentum of the server's optimizer, instead of
+    /// `optimizer.momentum` (asynchrony adds momentum of its own; [`crate::ps::staleness`]).
+    pub async_momentum: Option<f64>,
+    /// Parameter servers: local steps per push; more than 1 is model averaging (workers push
+    /// weight deltas, the server averages them weighted by samples).
+    pub local_steps: usize,
+    /// Inventory file (hcddl's `[pool]` ini or a plain host list) for placement checks.
+    pub inventory: Option<PathBuf>,
+}
+
+impl Default for TopologySection {
+    fn default() -> Self {
+        Self {
+            world_size: 2,
+            arch: Arch::Allreduce,
+            parameter_server: None,
+            global_server: None,
+            servers: 1,
+            max_staleness: None,
+            staleness_lr: None,
+            async_momentum: None,
+            local_steps: 1,
+            inventory: None,
+        }
+    }
+}
+
+impl TrainConfig {
+    /// The topology keys as the cluster crate takes them.
+    pub fn topology_spec(&self) -> TopologySpec {
+        let t = &self.topology;
+        TopologySpec {
+            arch: t.arch,
+            parameter_server: t.parameter_server.clone(),
+            global_server: t.global_server.clone(),
+            servers: t.servers,
+        }
+    }
+
+    /// The process topology: `world_size` peers for all-reduce, else the parameter-server
+    /// tree (whose size is what `world_size` becomes).
+    pub fn topology(&self) -> Result<Topology> {
+        let t = match self.topology.arch {
+            Arch::Allreduce => Topology::allreduce(self.topology.world_size),
+            Arch::Pipeline => {
+                self.topology_spec()
+                    .validate()
+                    .map_err(|e| TrainError::config("config", e.to_string()))?;
+                Topology::pipeline(self.pipeline.num_stages(), self.pipeline.data_parallel)
+            }
+            _ => Topology::build(&self.topology_spec()),
+        };
+        t.map_err(|e| TrainError::config("config", e.to_string()))
+    }
+
+    /// The number of processes the job needs.
+    pub fn effective_world_size(&self) -> Result<usize> {
+        Ok(self.topology()?.world_size())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hcddl_keys_are_accepted_as_they_are() {
+        let text = "num_server_rounds: 5\ntarget_accuracy: 0.9\nbatch_size: 32\narch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - type: async\n      num_workers: 2\n    - aggr_type: async\n      num_workers: 2\n";
+        let c = TrainConfig::from_yaml(text, "hcddl.yaml").expect("parse");
+        c.validate().expect("valid");
+        assert_eq!(c.effective_world_size().expect("size"), 7);
+        assert_eq!(c.schedule.num_server_rounds, Some(5));
+        let flat = TrainConfig::from_yaml(
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 4}\n",
+            "f",
+        )
+        .expect("flat");
+        assert_eq!(flat.effective_world_size().expect("size"), 5);
+        let missing = TrainConfig::from_yaml("arch: flat\n", "f").expect("parse");
+        let e = missing.validate().expect_err("no server").to_string();
+        let _ = &c.topology;
+        assert!(e.contains("parameter_server"), "{e}");
+    }
+}

@@ -1,0 +1,142 @@
+//! The checks of a whole config: ranges, counts, the topology and the all-reduce mode it
+//! allows, the placement on an inventory; every error names the key.
+
+use flotilla_cluster::Arch;
+use flotilla_engine::ModelSpec;
+
+use super::{AllReduceMode, Backend, TrainConfig};
+use crate::error::{Result, TrainError};
+
+impl TrainConfig {
+    /// Checks ranges and resolves the model spec; errors name the offending key.
+    pub fn validate(&self) -> Result<ModelSpec> {
+        self.validate_counts()?;
+        self.validate_ranges()?;
+        self.validate_topology()?;
+        self.optimizer
+            .validate()
+            .map_err(|e| bad("optimizer", e.to_string()))?;
+        flotilla_engine::check_device(&self.model.device)
+            .map_err(|e| bad("model.device", e.to_string()))?;
+        ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))
+    }
+
+    /// The counts that must be at least 1.
+    fn validate_counts(&self) -> Result<()> {
+        let (s, t) = (&self.schedule, &self.topology);
+        let at_least_one = |key: &str, ok: bool| {
+            if ok {
+                Ok(())
+            } else {
+                Err(bad(key, "must be at least 1".into()))
+            }
+        };
+        at_least_one("schedule.epochs", s.epochs > 0 || s.max_steps.is_some())?;
+        at_least_one("data.batch_size", self.data.batch_size > 0)?;
+        at_least_one("topology.world_size", t.world_size > 0)?;
+        at_least_one("topology.local_steps", t.local_steps > 0)?;
+        at_least_one("schedule.num_server_rounds", s.num_server_rounds != Some(0))?;
+        at_least_one("data.train_limit", self.data.train_limit != Some(0))
+    }
+
+    /// The numbers that must be positive or within a range, and the backend this build has.
+    fn validate_ranges(&self) -> Result<()> {
+        let (s, t, c) = (&self.schedule, &self.topology, &self.comm);
+        if c.backend == Backend::Mpi && !cfg!(feature = "mpi") {
+            return Err(TrainError::config(
+                "config",
+                "`comm.backend: mpi`: this binary was built without the `mpi` feature; rebuild with `cargo build --release --features mpi`",
+            ));
+        }
+        positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
+        positive("comm.timeout_s", c.timeout_s, "number of seconds")?;
+        positive("comm.join_timeout_s", c.join_timeout_s, "number of seconds")?;
+        positive("optimizer.lr", self.optimizer.lr(), "number")?;
+        if let Some(a) = s.target_accuracy
+            && !(0.0..=1.0).contains(&a)
+        {
+            return Err(bad(
+                "schedule.target_accuracy",
+                format!("must be in [0, 1], got {a}"),
+            ));
+        }
+        if let Some(m) = t.async_momentum
+            && !(0.0..1.0).contains(&m)
+        {
+            return Err(bad(
+                "topology.async_momentum",
+                format!("must be in [0, 1), got {m}"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The architecture's own sections, the all-reduce mode it allows, and the placement on
+    /// the inventory's hosts.
+    fn validate_topology(&self) -> Result<()> {
+        let t = &self.topology;
+        if t.arch == Arch::Pipeline {
+            self.validate_pipeline()?;
+        }
+        self.allreduce.validate()?;
+        if self.allreduce.mode == AllReduceMode::Async && t.arch != Arch::Allreduce {
+            return Err(bad(
+                "allreduce.mode",
+                format!(
+                    "async is a mode of data-parallel all-reduce, not of arch {}",
+                    t.arch
+                ),
+            ));
+        }
+        let topology = self.topology()?;
+        if let Some(path) = &t.inventory {
+            let inventory = flotilla_cluster::Inventory::load(path)
+                .map_err(|e| bad("topology.inventory", e.to_string()))?;
+            flotilla_cluster::place(&topology, &inventory)
+                .map_err(|e| bad("topology.inventory", e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+/// A config error naming `key`.
+pub(super) fn bad(key: &str, msg: String) -> TrainError {
+    TrainError::config("config", format!("`{key}`: {msg}"))
+}
+
+/// `Ok` when `v` is a positive finite number, else an error naming `key`.
+fn positive(key: &str, v: f64, what: &str) -> Result<()> {
+    if v.is_finite() && v > 0.0 {
+        Ok(())
+    } else {
+        Err(bad(key, format!("must be a positive {what}, got {v}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_values_name_the_key() {
+        let c = TrainConfig::from_yaml("batch_size: 0\n", "r").expect("parse");
+        let e = c.validate().expect_err("zero batch").to_string();
+        assert!(e.contains("data.batch_size"), "{e}");
+        let c = TrainConfig::from_yaml("model: resnet999\n", "r").expect("parse");
+        let e = c.validate().expect_err("model").to_string();
+        assert!(e.contains("model") && e.contains("resnet999"), "{e}");
+        let c = TrainConfig::from_yaml("optimizer: {name: sgd, lr: -1}\n", "r").expect("parse");
+        assert!(c.validate().expect_err("lr").to_string().contains("lr"));
+        let c = TrainConfig::from_yaml("device: tpu\n", "r").expect("parse");
+        assert!(
+            c.validate()
+                .expect_err("device")
+                .to_string()
+                .contains("tpu")
+        );
+        let e = TrainConfig::from_yaml("epochs: many\n", "r")
+            .expect_err("type")
+            .to_string();
+        assert!(e.contains("epochs"), "{e}");
+    }
+}
