@@ -1,8 +1,9 @@
-//! Flotilla's training layer: run configuration, strategies (sync data parallel over a ring
-//! all-reduce with fusion buckets), the per-rank training loop, checkpoints and run logs.
+//! Flotilla's training layer: run configuration, the ways of training ([`strategy`]: sync and
+//! async all-reduce, parameter servers, pipeline stages), the per-rank run loop, checkpoints
+//! and run logs.
 //!
 //! Strategies talk to the engine through [`flotilla_engine::Engine`] (flat buffers) and to the
-//! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
+//! other ranks through a [`flotilla_comm::ProcessGroup`]; they never see sockets.
 #![warn(missing_docs)]
 
 pub mod backend;
@@ -18,13 +19,10 @@ pub mod gather;
 pub mod history;
 pub mod layers;
 pub mod observe;
-pub mod pipeline;
-pub mod ps;
+pub mod presets;
 pub mod rejoin;
-pub mod role;
 pub mod runlog;
 pub mod runloop;
-pub mod strategies;
 pub mod strategy;
 pub mod trainer;
 
@@ -36,4 +34,13 @@ pub(crate) mod testkit;
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
+/// The pipeline and parameter servers at the crate's root, where the config
+/// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
+pub use strategy::{pipeline, ps};
 pub use trainer::{RunSummary, run};
+
+/// The compare presets under the path the CLI's `compare --strategies` default still names
+/// (`flotilla` `cli.rs`: `strategies::DEFAULT_STRATEGIES`).
+pub mod strategies {
+    pub use crate::presets::DEFAULT_PRESETS as DEFAULT_STRATEGIES;
+}

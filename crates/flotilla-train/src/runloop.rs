@@ -1,4 +1,4 @@
-//! The one run loop: drives any [`Role`] step by step and does, once for all of them, what
+//! The one run loop: drives any [`Strategy`] step by step and does, once for all of them, what
 //! is not the role's business — counting progress against the plan, epochs and their
 //! report lines, evaluation when due (collective or local), the target accuracy, periodic
 //! and final checkpoints, progress for the front end, injected faults, the cross-rank
@@ -16,8 +16,8 @@ use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::history::{EvalPoint, History, LossPoint};
 use crate::observe::StepEvent;
-use crate::role::{Cx, Evaluation, Role, Step};
 use crate::runlog::{EpochMetrics, append_metrics};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// How the run's progress is reported and evaluated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +36,7 @@ pub enum Cadence {
 }
 
 /// What the loop needs to know besides the role.
-pub struct Plan {
+pub struct LoopPlan {
     /// Units of progress to take (steps or rounds), for roles that stop themselves.
     pub total: u64,
     /// Reporting and evaluation cadence.
@@ -99,9 +99,9 @@ impl Epoch {
 
 /// The loop's state for one run.
 struct Loop<'r, 'd, 'c> {
-    role: &'r mut dyn Role,
+    role: &'r mut dyn Strategy,
     data: Batches<'d>,
-    plan: &'r Plan,
+    plan: &'r LoopPlan,
     cx: &'r mut Cx<'c>,
     progress: u64,
     /// Steps this process made (see [`Finished::steps_run`]).
@@ -118,9 +118,9 @@ struct Loop<'r, 'd, 'c> {
 
 /// Runs `role` to the end of the plan (or until its server stops it).
 pub fn run(
-    role: &mut dyn Role,
+    role: &mut dyn Strategy,
     data: Batches<'_>,
-    plan: &Plan,
+    plan: &LoopPlan,
     cx: &mut Cx<'_>,
 ) -> Result<Finished> {
     let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;

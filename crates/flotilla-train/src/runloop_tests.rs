@@ -11,8 +11,8 @@ use flotilla_engine::EvalStats;
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::Result;
-use crate::role::{Cx, Evaluation, Role, Step};
-use crate::runloop::{Cadence, Finished, Plan, run};
+use crate::runloop::{Cadence, Finished, LoopPlan, run};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 use crate::testkit::{Rank, batches, config, dataset, sgd, world};
 
 /// A role that trains on nothing: each step draws a batch, its loss is the step's number
@@ -52,7 +52,7 @@ fn accuracy(progress: u64) -> f64 {
     progress as f64 / 10.0
 }
 
-impl Role for Tiny {
+impl Strategy for Tiny {
     fn name(&self) -> &'static str {
         "tiny"
     }
@@ -111,7 +111,7 @@ impl Role for Tiny {
 
 /// Runs `role` for `plan` on 16 samples (4 batches of 4 an epoch) with `set` applied to
 /// the config.
-fn drive(role: &mut Tiny, plan: &Plan, set: impl FnOnce(&mut crate::TrainConfig)) -> Finished {
+fn drive(role: &mut Tiny, plan: &LoopPlan, set: impl FnOnce(&mut crate::TrainConfig)) -> Finished {
     let mut c = config(sgd(0.1, 0.0));
     set(&mut c);
     let comm = world(1).remove(0);
@@ -121,8 +121,8 @@ fn drive(role: &mut Tiny, plan: &Plan, set: impl FnOnce(&mut crate::TrainConfig)
     run(role, batches(&data, 1, 0), plan, &mut rank.cx(1)).expect("run")
 }
 
-fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> Plan {
-    Plan {
+fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {
+    LoopPlan {
         total,
         cadence,
         resumed_at,

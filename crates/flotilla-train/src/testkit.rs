@@ -16,8 +16,8 @@ use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, Optim
 use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
-use crate::role::Cx;
 use crate::runlog::RunLog;
+use crate::strategy::Cx;
 
 /// Two linear layers on a 2×2 input, 3 classes: 35 parameters in 4 tensors.
 pub(crate) const SPEC: &str = "name: mlp2\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 4}\n  - tanh\n  - linear: {out: 3}\n";

@@ -1,4 +1,4 @@
-//! One rank of a training job, set up: rendezvous, data, engine, this rank's [`Role`] and
+//! One rank of a training job, set up: rendezvous, data, engine, this rank's [`Strategy`] and
 //! where it starts (a resumed checkpoint's position); then the one run loop
 //! ([`crate::runloop`]) and the summary.
 
@@ -18,11 +18,11 @@ use crate::error::{Result, TrainError};
 use crate::fault::Fault;
 use crate::history::{History, RankReport};
 use crate::observe::Observer;
-use crate::ps;
-use crate::role::{Cx, Role};
 use crate::runlog::RunLog;
-use crate::runloop::{self, Cadence, Plan};
-use crate::strategy::{AsyncAllReduce, SyncAllReduce};
+use crate::runloop::{self, Cadence, LoopPlan};
+use crate::strategy::allreduce::{AsyncAllReduce, SyncAllReduce};
+use crate::strategy::ps;
+use crate::strategy::{Cx, Strategy};
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +57,7 @@ pub struct RunSummary {
     pub param_hash: u64,
     /// The final checkpoint directory (rank 0 only).
     pub checkpoint: Option<PathBuf>,
-    /// The figures above by name, and the role's own (see [`crate::Role::figures`]).
+    /// The figures above by name, and the role's own (see [`crate::strategy::Strategy::figures`]).
     pub figures: std::collections::BTreeMap<String, f64>,
     /// This rank's history of the run (losses, epoch ends, evaluations).
     pub history: History,
@@ -151,7 +151,7 @@ pub fn run(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
-    let servers = crate::ps::staleness::for_job(config, &topology, rank);
+    let servers = crate::strategy::ps::staleness::for_job(config, &topology, rank);
     if let Some(note) = &servers.own.note {
         observer.message(note);
         log.line(note)?;
@@ -219,7 +219,7 @@ impl Job<'_> {
         let (config, world) = (self.config, self.comm.size());
         let layout = cx.engine()?.layout().clone();
         let a = &config.allreduce;
-        let (mut peer, how): (Box<dyn Role>, String) = match a.mode {
+        let (mut peer, how): (Box<dyn Strategy>, String) = match a.mode {
             AllReduceMode::Sync => {
                 let peer = SyncAllReduce::new(self.comm.clone(), cx.engine_ref()?, a.overlap)?;
                 let how = format!(
@@ -280,7 +280,7 @@ impl Job<'_> {
         cx: &mut Cx<'_>,
         shard: (usize, usize),
         resumed: Option<&CheckpointState>,
-    ) -> Result<(Batches<'_>, Plan)> {
+    ) -> Result<(Batches<'_>, LoopPlan)> {
         let config = self.config;
         let start = resumed.map_or(Position::default(), |s| Position {
             epoch: s.epoch,
@@ -301,7 +301,7 @@ impl Job<'_> {
             None => planned,
         };
         cx.rounds = total;
-        let plan = Plan {
+        let plan = LoopPlan {
             total,
             cadence: Cadence::Epochs {
                 every: s.eval_every.unwrap_or(1),
@@ -317,17 +317,17 @@ impl Job<'_> {
     /// Pipeline parallel: this rank's stage of its replica, resumable.
     fn pipeline(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
         let config = self.config;
-        let mut role = crate::pipeline::StageRole::new(cx, self.spec)?;
+        let mut role = crate::strategy::pipeline::PipelineStage::new(cx, self.spec)?;
         let resumed = self.resume(cx, |dir, _| {
             let state = checkpoint::read_state(dir)?;
-            crate::pipeline::state::restore(role.pipeline(), Some(dir)).map(|()| state)
+            crate::strategy::pipeline::state::restore(role.pipeline(), Some(dir)).map(|()| state)
         })?;
         if resumed.is_some() && cx.rank != 0 {
-            crate::pipeline::state::restore(role.pipeline(), None)?;
+            crate::strategy::pipeline::state::restore(role.pipeline(), None)?;
         }
         let (replicas, stages) = (
             config.pipeline.data_parallel,
-            role.pipeline().split().stages(),
+            role.pipeline().cut().stages(),
         );
         cx.num_workers = replicas;
         let shard = (replicas, role.pipeline().replica());
@@ -437,7 +437,7 @@ impl Job<'_> {
             Batches::new(self.train, shard, seed, batch, Position::default())?.steps_per_epoch();
         let start = Position::after(resumed_at * local_steps as u64, per_epoch);
         let data = Batches::new(self.train, shard, seed, batch, start)?;
-        let plan = Plan {
+        let plan = LoopPlan {
             total: cx.rounds,
             cadence: Cadence::Rounds {
                 every: cx.eval_every,
@@ -487,7 +487,7 @@ impl Job<'_> {
         Ok(state.step)
     }
 
-    fn summary(&self, role: &dyn Role, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
+    fn summary(&self, role: &dyn Strategy, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
         let mut s = self.bare_summary(role, cx, done);
         let own = role.figures(cx);
         s.figures = [
@@ -532,7 +532,12 @@ impl Job<'_> {
         Some(gathered.reports)
     }
 
-    fn bare_summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
+    fn bare_summary(
+        &self,
+        role: &dyn Strategy,
+        cx: &Cx<'_>,
+        done: runloop::Finished,
+    ) -> RunSummary {
         RunSummary {
             role: role.name(),
             rank: cx.rank,

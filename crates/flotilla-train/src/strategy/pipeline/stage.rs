@@ -1,4 +1,4 @@
-//! A pipeline stage as a [`Role`] of the one run loop (`strategy: pipeline`): the cut is
+//! A pipeline stage as a [`Strategy`] of the one run loop (`strategy: pipeline`): the cut is
 //! planned on rank 0 (profiled, printed, refused when it does not fit) and sent to every
 //! rank; each rank builds its [`Pipeline`] stage, trains its replica's batches with the
 //! configured schedule, evaluates with the other stages, and joins the pipeline's
@@ -7,13 +7,13 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use flotilla_engine::{EvalStats, ModelSpec, ModelState, Split};
+use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
-use crate::pipeline::{Pipeline, PipelineOptions, plan, state};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::pipeline::{Pipeline, PipelineOptions, plan, state};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// Samples per forward when evaluating.
 const EVAL_CHUNK: usize = 500;
@@ -23,7 +23,7 @@ const EVAL_CHUNK: usize = 500;
 const PLAN_TAG: flotilla_comm::Tag = flotilla_comm::tags::RESERVED + 0x100;
 
 /// One rank's stage of a pipeline job.
-pub struct StageRole {
+pub struct PipelineStage {
     pipe: Pipeline,
     /// Time spent in training steps (computing and waiting) after the first, for the idle
     /// fraction.
@@ -36,15 +36,15 @@ pub struct StageRole {
     activation_bytes: u64,
 }
 
-impl StageRole {
+impl PipelineStage {
     /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
     /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
     pub fn new(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Self> {
         let ranges = agreed_cut(cx, spec)?;
-        let split = Split::new(spec, ranges)?;
+        let cut = StageCut::new(spec, ranges)?;
         let config = cx.config;
         let p = &config.pipeline;
-        let layers = split.ranges[cx.rank % split.stages()].clone();
+        let layers = cut.ranges[cx.rank % cut.stages()].clone();
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let activation_bytes = spec.infer_io()?[layers]
             .iter()
@@ -59,7 +59,7 @@ impl StageRole {
             device: config.model.device.clone(),
             seed: config.model.seed,
         };
-        let pipe = Pipeline::new(spec, split, opts, cx.comm.clone())?;
+        let pipe = Pipeline::new(spec, cut, opts, cx.comm.clone())?;
         Ok(Self {
             pipe,
             training: std::time::Duration::ZERO,
@@ -79,7 +79,7 @@ impl StageRole {
 /// one machine is the same everywhere.
 fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<usize>>> {
     if !plan::needs_profile(cx.config, spec) {
-        // The same explicit cut on every rank (checked by `Split::new`, and by the
+        // The same explicit cut on every rank (checked by `StageCut::new`, and by the
         // pipeline's agreement on every option).
         let ranges = plan::configured_cut(cx.config, spec).unwrap_or_default();
         if cx.rank == 0 {
@@ -134,7 +134,7 @@ fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<u
     }
 }
 
-impl Role for StageRole {
+impl Strategy for PipelineStage {
     fn name(&self) -> &'static str {
         "stage"
     }

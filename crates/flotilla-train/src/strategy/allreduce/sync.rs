@@ -8,7 +8,7 @@ use flotilla_engine::{BatchRef, Engine, ParamLayout};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// What one step produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -66,7 +66,7 @@ impl SyncAllReduce {
     }
 }
 
-impl Role for SyncAllReduce {
+impl Strategy for SyncAllReduce {
     fn name(&self) -> &'static str {
         "peer"
     }

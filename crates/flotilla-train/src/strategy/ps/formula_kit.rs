@@ -12,9 +12,9 @@ use flotilla_engine::ModelState;
 use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
-use super::root::RootServer;
 use super::serve::{ServerMachine, serve_one};
 use super::server::ShardPlan;
+use super::shard_server::ShardServer;
 use super::staleness;
 use crate::config::{LrSchedule, TrainConfig};
 use crate::testkit::{Rank, SgdRef, config, sgd};
@@ -128,7 +128,7 @@ impl Server {
         };
         let sync = role.aggregation == Some(Aggregation::Sync);
         let workers = topology.num_workers();
-        let m = RootServer::new(&mut rank.cx(workers), &role.children, sync, plan)
+        let m = ShardServer::new(&mut rank.cx(workers), &role.children, sync, plan)
             .expect("server")
             .with_staleness_lr(policy.staleness_lr);
         Self::with(rank, Box::new(m), workers)

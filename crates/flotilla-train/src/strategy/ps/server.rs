@@ -1,6 +1,6 @@
 //! What the parameter servers share: the model a server holds (a shard of the flat
 //! parameters and its version), the push check, refusals, and the root's gathering of the
-//! other shards. The servers themselves are state machines: [`super::root::RootServer`] and
+//! other shards. The servers themselves are state machines: [`super::shard_server::ShardServer`] and
 //! [`super::local::LocalServer`].
 
 use std::collections::BTreeSet;

@@ -19,7 +19,7 @@ use flotilla_engine::ModelState;
 
 use super::{AsyncAllReduce, SyncAllReduce};
 use crate::config::{LrSchedule, StaleCorrection};
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{
     Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, mean2, sgd, world,
 };
@@ -58,7 +58,7 @@ fn run(peer: Peer, drain_after: Option<u64>) -> Vec<Vec<Vec<f32>>> {
                 rank.rounds = STEPS;
                 let data = dataset(SAMPLES);
                 let mut shard = batches(&data, RANKS, comm.rank());
-                let mut role: Box<dyn Role> = match peer {
+                let mut role: Box<dyn Strategy> = match peer {
                     Peer::Async(staleness, correction) => Box::new(AsyncAllReduce::new(
                         comm.clone(),
                         &rank.engine.layout().clone(),

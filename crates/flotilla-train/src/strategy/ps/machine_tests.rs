@@ -13,9 +13,9 @@ use super::PsContext;
 use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
-use super::root::RootServer;
 use super::serve::{ServerMachine, serve_one};
 use super::server::ShardPlan;
+use super::shard_server::ShardServer;
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
 use crate::runlog::RunLog;
@@ -124,8 +124,8 @@ fn step(m: &mut dyn ServerMachine, f: &mut Fixture, inbox: &Inbox) -> crate::Res
     m.flush(&mut cx)
 }
 
-fn root(f: &mut Fixture, sync: bool) -> (RootServer, Inbox) {
-    let m = RootServer::new(&mut f.cx(), &[1, 2], sync, ShardPlan::whole(N)).expect("server");
+fn root(f: &mut Fixture, sync: bool) -> (ShardServer, Inbox) {
+    let m = ShardServer::new(&mut f.cx(), &[1, 2], sync, ShardPlan::whole(N)).expect("server");
     let inbox = Inbox::listen(&f.comm, &m.peers());
     (m, inbox)
 }

@@ -11,7 +11,7 @@ use super::formula_kit::{LR, MOMENTUM, N, Server, flat, ps_config, weighted_mean
 use super::staleness;
 use super::worker::Worker;
 use crate::batches::Batches;
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{Oracle, Rank, SgdRef, assert_bitwise, batches, dataset, world};
 
 /// Samples of the training set: 4 batches per worker and epoch, so 3 rounds of 2 local steps

@@ -1,8 +1,8 @@
-//! The one interface every way of training implements: a [`Role`] is what one rank does in
-//! a job (a sync all-reduce peer, a parameter-server worker, root, shard or local server;
-//! the pipeline stages and asynchronous all-reduce peers of later issues). The run loop
-//! ([`crate::runloop`]) drives any role the same way and does data, schedule, evaluation,
-//! checkpoints and progress reports once, for all of them.
+//! The one interface every way of training implements (PyTorch Lightning's word for DDP- or
+//! DeepSpeed-like ways): a [`Strategy`] is what one rank does in a job (a sync or async
+//! all-reduce peer, a parameter-server worker, root, shard or local server, a pipeline
+//! stage). The run loop ([`crate::runloop`]) drives any of them the same way and does data,
+//! schedule, evaluation, checkpoints and progress reports once, for all of them.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -32,7 +32,7 @@ pub enum Evaluation {
     None,
 }
 
-/// What one call of [`Role::step`] did.
+/// What one call of [`Strategy::step`] did.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct Step {
     /// A unit of progress was completed (an optimizer step, a pushed round, a server
@@ -123,7 +123,7 @@ impl Cx<'_> {
 }
 
 /// One rank's part in a training job.
-pub trait Role {
+pub trait Strategy {
     /// `peer`, `worker`, `root`, `shard-server` or `local-server`.
     fn name(&self) -> &'static str;
 
@@ -185,8 +185,8 @@ pub trait Role {
     }
 
     /// Evaluates the model on the test set; called on every rank of a role whose
-    /// [`Role::evaluation`] is not `None`. By default: the engine, split across the group
-    /// (collective) or whole (local, after [`Role::prepare_model`]).
+    /// [`Strategy::evaluation`] is not `None`. By default: the engine, split across the group
+    /// (collective) or whole (local, after [`Strategy::prepare_model`]).
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
         match self.evaluation() {
             Evaluation::Collective => {
@@ -214,8 +214,8 @@ pub trait Role {
     }
 
     /// Writes a checkpoint with `state`; called on every rank when one is due. By default
-    /// every rank runs [`Role::prepare_model`], then the rank that
-    /// [`Role::writes_checkpoints`] saves the engine and returns the directory.
+    /// every rank runs [`Strategy::prepare_model`], then the rank that
+    /// [`Strategy::writes_checkpoints`] saves the engine and returns the directory.
     fn save_checkpoint(
         &mut self,
         cx: &mut Cx<'_>,

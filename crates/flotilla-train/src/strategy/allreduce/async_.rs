@@ -38,7 +38,7 @@ use flotilla_engine::ParamLayout;
 use crate::batches::Batches;
 use crate::config::StaleCorrection;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// The name the loss is submitted under (no parameter is called that).
 const LOSS: &str = "@loss";
@@ -244,7 +244,7 @@ impl AsyncAllReduce {
     }
 }
 
-impl Role for AsyncAllReduce {
+impl Strategy for AsyncAllReduce {
     fn name(&self) -> &'static str {
         "peer"
     }

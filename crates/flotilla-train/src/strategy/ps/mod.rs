@@ -12,9 +12,9 @@ pub mod inbox;
 pub mod local;
 pub mod protocol;
 pub mod rejoins;
-pub mod root;
 pub mod serve;
 pub mod server;
+pub mod shard_server;
 pub mod staleness;
 pub mod worker;
 
@@ -30,11 +30,11 @@ mod machine_tests;
 use flotilla_cluster::{RoleKind, Topology};
 
 use crate::error::{Result, TrainError};
-use crate::role::Role;
+use crate::strategy::Strategy;
 use protocol::PsMessage;
 
 /// What every role of a parameter-server job is given (the run loop's context).
-pub use crate::role::Cx as PsContext;
+pub use crate::strategy::Cx as PsContext;
 
 /// Sends one message to `peer`.
 pub fn send(
@@ -92,7 +92,7 @@ pub fn build_role(
     ctx: &mut PsContext<'_>,
     topology: &Topology,
     resumed_at: u64,
-) -> Result<(Box<dyn Role>, (usize, usize))> {
+) -> Result<(Box<dyn Strategy>, (usize, usize))> {
     let Some(role) = topology.role(ctx.rank).cloned() else {
         return Err(crate::TrainError::config(
             "topology",
@@ -150,7 +150,7 @@ pub fn build_role(
                 ranges,
                 servers: shard_servers,
             };
-            let m = root::RootServer::new(ctx, &role.children, sync, plan)?
+            let m = shard_server::ShardServer::new(ctx, &role.children, sync, plan)?
                 .with_staleness_lr(policy.staleness_lr)
                 .resumed_at(resumed_at);
             (Box::new(m), (1, 0))
@@ -163,7 +163,7 @@ pub fn build_role(
         }
         RoleKind::GlobalServer => {
             let plan = server::ShardPlan::whole(n);
-            let m = root::RootServer::new(ctx, &role.children, sync, plan)?
+            let m = shard_server::ShardServer::new(ctx, &role.children, sync, plan)?
                 .with_staleness_lr(policy.staleness_lr)
                 .resumed_at(resumed_at);
             (Box::new(m), (1, 0))

@@ -8,7 +8,7 @@
 //! - Async: each admitted push is applied on arrival and answered to its sender alone; a
 //!   lost child is logged and training goes on with the others.
 //!
-//! As a [`Role`], the root's rounds are the run's progress: the run loop evaluates between
+//! As a [`Strategy`], the root's rounds are the run's progress: the run loop evaluates between
 //! rounds (the root gathers the other shards first) and stops it at `target_accuracy` or
 //! after its rounds; the root then tells every child and shard server to stop. Its reply to
 //! a round's pushes waits until the loop has decided to go on. A shard server stops when
@@ -29,10 +29,10 @@ use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reje
 use super::{send, send_bytes};
 use crate::batches::Batches;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// Root or shard server state.
-pub struct RootServer {
+pub struct ShardServer {
     shard: ShardPlan,
     is_root: bool,
     /// Rank of the root (shard 0).
@@ -87,7 +87,7 @@ pub struct RootServer {
     rejoins: Rejoins,
 }
 
-impl RootServer {
+impl ShardServer {
     /// A server of `children` holding the shard `shard` of the engine's parameters.
     pub fn new(
         cx: &mut PsContext<'_>,
@@ -427,9 +427,9 @@ impl RootServer {
     }
 }
 
-impl ServerMachine for RootServer {
+impl ServerMachine for ShardServer {
     fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
-        RootServer::flush(self, cx)
+        ShardServer::flush(self, cx)
     }
 
     fn peers(&self) -> Vec<usize> {
@@ -576,7 +576,7 @@ fn lost_child(child: usize, rounds: u64) -> TrainError {
     }
 }
 
-impl Role for RootServer {
+impl Strategy for ShardServer {
     fn name(&self) -> &'static str {
         if self.is_root { "root" } else { "shard-server" }
     }

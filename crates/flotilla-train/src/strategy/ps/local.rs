@@ -22,7 +22,7 @@ use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
 use crate::batches::Batches;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// Local server state.
 pub struct LocalServer {
@@ -363,7 +363,7 @@ impl ServerMachine for LocalServer {
     }
 }
 
-impl Role for LocalServer {
+impl Strategy for LocalServer {
     fn name(&self) -> &'static str {
         "local-server"
     }

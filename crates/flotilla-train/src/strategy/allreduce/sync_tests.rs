@@ -3,12 +3,12 @@
 //! (two buckets, the loss riding in the last), overlapped and not. A three-rank ring sums each
 //! segment in its own order, so the reference agrees within f32 rounding (1e-6 relative),
 //! and the ranks agree with each other bit for bit. (Two ranks against the formula bit for
-//! bit: `async_allreduce_tests`.)
+//! bit: `async_tests`.)
 
 use std::thread;
 
 use super::SyncAllReduce;
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{
     Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, relative_error, sgd, world,
 };

@@ -1,6 +1,6 @@
 //! A parameter-server worker: pull parameters, compute on a batch of its shard, push the
 //! gradient (or, with `local_steps > 1`, the weight delta of that many local steps), repeat
-//! until its server says stop. One round is one [`Role::step`].
+//! until its server says stop. One round is one [`Strategy::step`].
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
@@ -10,7 +10,7 @@ use super::{PsContext, send};
 use crate::batches::Batches;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// Worker state between rounds.
 pub struct Worker {
@@ -201,7 +201,7 @@ impl Worker {
     }
 }
 
-impl Role for Worker {
+impl Strategy for Worker {
     fn name(&self) -> &'static str {
         "worker"
     }
