@@ -19,6 +19,7 @@ pub mod gather;
 pub mod history;
 pub mod layers;
 pub mod observe;
+pub mod plan;
 pub mod presets;
 pub mod rejoin;
 pub mod runlog;

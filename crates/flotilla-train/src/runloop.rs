@@ -16,40 +16,9 @@ use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::history::{EvalPoint, History, LossPoint};
 use crate::observe::StepEvent;
+use crate::plan::{Cadence, LoopPlan};
 use crate::runlog::{EpochMetrics, append_metrics};
 use crate::strategy::{Cx, Evaluation, Step, Strategy};
-
-/// How the run's progress is reported and evaluated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cadence {
-    /// In epochs of the role's data: a line per epoch, evaluation every `every` epochs and
-    /// at the end (data-parallel peers).
-    Epochs {
-        /// Evaluate every this many epochs (0: only at the end).
-        every: u32,
-    },
-    /// In rounds: evaluation every `every` rounds (parameter-server root).
-    Rounds {
-        /// Evaluate every this many rounds (0: only at the end).
-        every: u64,
-    },
-}
-
-/// What the loop needs to know besides the role.
-pub struct LoopPlan {
-    /// Units of progress to take (steps or rounds), for roles that stop themselves.
-    pub total: u64,
-    /// Reporting and evaluation cadence.
-    pub cadence: Cadence,
-    /// Progress already made before this run (a resumed run's step).
-    pub resumed_at: u64,
-    /// The model's name and the cluster hash (for checkpoints).
-    pub model: String,
-    /// The cluster config hash.
-    pub config_hash: u64,
-    /// When the process started (for wall times).
-    pub started: Instant,
-}
 
 /// How the loop ended on this rank.
 #[derive(Debug, Clone)]
@@ -206,7 +175,7 @@ impl Loop<'_, '_, '_> {
             return Ok(());
         };
         let advice =
-            crate::divergence::advice(&verdict, self.cx.config.base_lr(), self.cx.async_momentum);
+            crate::divergence::advice(&verdict, self.cx.config.base_lr(), self.plan.async_momentum);
         if crate::divergence::aborts(&verdict, self.cx.config.schedule.abort_on_divergence) {
             return Err(TrainError::NotLearning { verdict, advice });
         }
@@ -413,7 +382,7 @@ impl Loop<'_, '_, '_> {
         } else {
             None
         };
-        let global_batch = self.data.batch_size() * self.cx.num_workers;
+        let global_batch = self.data.batch_size() * self.plan.workers;
         let samples_per_s = (steps as f64 * global_batch as f64) / epoch_s.max(1e-9);
         let metrics = EpochMetrics {
             epoch: epoch_no,

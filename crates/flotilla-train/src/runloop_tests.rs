@@ -11,7 +11,8 @@ use flotilla_engine::EvalStats;
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::Result;
-use crate::runloop::{Cadence, Finished, LoopPlan, run};
+use crate::plan::{Cadence, Counting, LoopPlan};
+use crate::runloop::{Finished, run};
 use crate::strategy::{Cx, Evaluation, Step, Strategy};
 use crate::testkit::{Rank, batches, config, dataset, sgd, world};
 
@@ -59,6 +60,13 @@ impl Strategy for Tiny {
 
     fn evaluation(&self) -> Evaluation {
         self.evaluation
+    }
+
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: 1,
+            index: 0,
+        }
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -129,6 +137,8 @@ fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {
         model: "mlp2".into(),
         config_hash: 7,
         started: Instant::now(),
+        workers: 1,
+        async_momentum: None,
     }
 }
 

@@ -9,6 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_cluster::Topology;
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::ImageDataset;
 use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
@@ -17,7 +18,7 @@ use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
 use crate::runlog::RunLog;
-use crate::strategy::Cx;
+use crate::strategy::{Cx, Setup};
 
 /// Two linear layers on a 2×2 input, 3 classes: 35 parameters in 4 tensors.
 pub(crate) const SPEC: &str = "name: mlp2\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 4}\n  - tanh\n  - linear: {out: 3}\n";
@@ -139,6 +140,23 @@ impl Rank {
             last_eval: None,
             async_momentum: None,
         }
+    }
+
+    /// This rank's strategy in the job of `topology` (of [`SPEC`]), made by its production
+    /// constructor `build`.
+    pub(crate) fn build<S>(
+        &mut self,
+        topology: &Topology,
+        build: impl FnOnce(&mut Cx<'_>, &Setup<'_>) -> crate::Result<S>,
+    ) -> S {
+        let spec = spec();
+        let setup = Setup {
+            spec: &spec,
+            topology,
+            samples: self.data.len(),
+        };
+        let workers = topology.num_workers();
+        build(&mut self.cx(workers), &setup).expect("strategy")
     }
 
     /// The engine's flat parameters.

@@ -5,19 +5,17 @@
 //! schedule, evaluation, checkpoints and progress reports once, for all of them.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
-use flotilla_comm::ProcessGroup;
-use flotilla_data::ImageDataset;
-use flotilla_engine::{Engine, EvalStats, ModelState};
+use flotilla_comm::StallPolicy;
+use flotilla_engine::{EvalStats, ModelState};
 
+use super::context::Cx;
+use super::resume::Resume;
 use crate::batches::Batches;
 use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
-use crate::error::{Result, TrainError};
-use crate::fault::Fault;
-use crate::observe::Observer;
-use crate::runlog::RunLog;
+use crate::error::Result;
+use crate::plan::Counting;
 
 /// Who evaluates a role's model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -46,89 +44,32 @@ pub struct Step {
     pub done: Option<String>,
 }
 
-/// What a rank's role is given: the group, the config, the engine, the data sets, the log.
-pub struct Cx<'a> {
-    /// The process group (collectives and tagged point-to-point messages).
-    pub comm: &'a Arc<dyn ProcessGroup>,
-    /// The run configuration.
-    pub config: &'a TrainConfig,
-    /// This process's whole-model engine; `None` for roles that hold their own part of the
-    /// model (pipeline stages). See [`Cx::engine`].
-    pub engine: Option<&'a mut dyn Engine>,
-    /// The training set.
-    pub train: &'a ImageDataset,
-    /// The test set.
-    pub test: &'a ImageDataset,
-    /// This process's rank.
-    pub rank: usize,
-    /// Workers of a parameter-server topology (for data sharding), else the world size.
-    pub num_workers: usize,
-    /// Units of progress the run will take (steps, or server rounds).
-    pub rounds: u64,
-    /// Parameter servers: evaluate every this many rounds (0: only at the end).
-    pub eval_every: u64,
-    /// This rank's log.
-    pub log: &'a mut RunLog,
-    /// The front end.
-    pub observer: &'a mut dyn Observer,
-    /// A fault to inject (tests).
-    pub fault: Option<Fault>,
-    /// The newest evaluation.
-    pub last_eval: Option<EvalStats>,
-    /// The momentum the root runs and the one suggested for its staleness, when its updates are stale
-    /// (a parameter server with async levels), for the advice of [`crate::divergence`].
-    pub async_momentum: Option<(f64, f64)>,
-}
-
-impl Cx<'_> {
-    /// This process's whole-model engine; an error for a role that has none.
-    pub fn engine(&mut self) -> Result<&mut dyn Engine> {
-        match self.engine.as_deref_mut() {
-            Some(e) => Ok(e),
-            None => Err(TrainError::config(
-                "role",
-                "this role holds no whole-model engine",
-            )),
-        }
-    }
-
-    /// This process's whole-model engine, to read; an error for a role that has none.
-    pub fn engine_ref(&self) -> Result<&dyn Engine> {
-        match self.engine.as_deref() {
-            Some(e) => Ok(e),
-            None => Err(TrainError::config(
-                "role",
-                "this role holds no whole-model engine",
-            )),
-        }
-    }
-
-    /// Writes a line to the run log and the front end.
-    pub fn log(&mut self, line: &str) -> Result<()> {
-        self.observer.message(line);
-        self.log.line(line)
-    }
-
-    /// Writes a line to the run log only (per-round timings).
-    pub fn log_quiet(&mut self, line: &str) -> Result<()> {
-        self.log.line(line)
-    }
-
-    /// The learning rate at `step` (0-based) of the run's schedule.
-    pub fn lr_at(&self, step: u64) -> f64 {
-        let s = &self.config.schedule;
-        s.lr_schedule
-            .lr_at(self.config.base_lr(), step, self.rounds, s.warmup_steps)
-    }
-}
-
-/// One rank's part in a training job.
+/// A way of training, as one rank takes part in it.
 pub trait Strategy {
-    /// `peer`, `worker`, `root`, `shard-server` or `local-server`.
+    /// `peer`, `stage`, `worker`, `root`, `shard-server` or `local-server`.
     fn name(&self) -> &'static str;
 
     /// Who evaluates this role's model.
     fn evaluation(&self) -> Evaluation;
+
+    /// How the run counts this strategy's progress, and the part of the data it trains on.
+    fn counting(&self) -> Counting;
+
+    /// What the line that starts training says of the strategy of `config`, `(what, how)`:
+    /// e.g. `("61706 params", "2 buckets, strategy sync-allreduce")`; `None` for strategies
+    /// that say what they are as they are built (parameter servers).
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let _ = config;
+        None
+    }
+
+    /// How long the world group's collectives may stall before every rank stops, for
+    /// strategies whose steps are collectives of the world (all-reduce peers): the run
+    /// watches them from before [`Strategy::start`] to its end. `None`: not watched.
+    fn stall_policy(&self, config: &TrainConfig) -> Option<StallPolicy> {
+        let _ = config;
+        None
+    }
 
     /// Whether this rank writes the job's checkpoints.
     fn writes_checkpoints(&self) -> bool {
@@ -227,5 +168,14 @@ pub trait Strategy {
         }
         let output = cx.config.telemetry.output.clone();
         checkpoint::save(&output, cx.engine()?, state).map(Some)
+    }
+
+    /// Restores this rank from the checkpoint the run resumes from (`from`) and returns its
+    /// state, which every rank learns (`None` for a fresh start); collective over the world,
+    /// beside [`Strategy::save_checkpoint`]. By default rank 0 loads the checkpoint into the
+    /// engine (parameters and optimizer state), and [`Strategy::start`]'s initial broadcast
+    /// hands them to every rank.
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        from.share(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))
     }
 }

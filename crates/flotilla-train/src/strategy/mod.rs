@@ -4,8 +4,13 @@
 //! loop ([`crate::runloop`]) drives any of them the same way.
 
 pub mod allreduce;
+pub mod context;
 pub mod interface;
 pub mod pipeline;
 pub mod ps;
+pub mod registry;
+pub mod resume;
 
-pub use interface::{Cx, Evaluation, Step, Strategy};
+pub use context::{Cx, Setup};
+pub use interface::{Evaluation, Step, Strategy};
+pub use resume::Resume;

@@ -32,13 +32,14 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup};
+use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup, StallPolicy};
 use flotilla_engine::ParamLayout;
 
 use crate::batches::Batches;
-use crate::config::StaleCorrection;
+use crate::config::{StaleCorrection, TrainConfig};
 use crate::error::{Result, TrainError};
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// The name the loss is submitted under (no parameter is called that).
 const LOSS: &str = "@loss";
@@ -81,6 +82,21 @@ pub struct AsyncAllReduce {
 }
 
 impl AsyncAllReduce {
+    /// This rank's peer of the configured async all-reduce (`allreduce`: cycle, staleness,
+    /// correction).
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let _ = setup;
+        let a = &cx.config.allreduce;
+        let layout = cx.engine_ref()?.layout().clone();
+        Ok(Self::new(
+            cx.comm.clone(),
+            &layout,
+            a.cycle(),
+            a.staleness,
+            a.correction,
+        ))
+    }
+
     /// A peer for a model of `layout` applying gradients `staleness` steps old, corrected by
     /// `correction`.
     pub fn new(
@@ -253,6 +269,28 @@ impl Strategy for AsyncAllReduce {
         Evaluation::Collective
     }
 
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.comm.size(),
+            index: self.comm.rank(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let a = &config.allreduce;
+        Some((
+            format!("{} params", self.layout.total),
+            format!(
+                "strategy async-allreduce (cycle {} ms, fusion buffer {} bytes, staleness {}, correction {:?})",
+                a.cycle_duration_ms, a.all_reduce_buffer_size, a.staleness, a.correction
+            ),
+        ))
+    }
+
+    fn stall_policy(&self, config: &TrainConfig) -> Option<StallPolicy> {
+        Some(config.allreduce.stall_policy())
+    }
+
     fn writes_checkpoints(&self) -> bool {
         self.comm.rank() == 0
     }
@@ -308,6 +346,11 @@ impl Strategy for AsyncAllReduce {
     /// the same parameters on every rank (the default hooks call this first).
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         self.drain(cx)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        self.drain(cx)?;
+        super::verify_identical(&*self.comm, cx).map(Some)
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {

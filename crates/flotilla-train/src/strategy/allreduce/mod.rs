@@ -18,6 +18,7 @@ use flotilla_comm::ProcessGroup;
 use flotilla_engine::Engine;
 
 use crate::error::Result;
+use crate::strategy::Cx;
 
 /// Makes every rank start from rank 0's parameters and optimizer state.
 pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engine) -> Result<()> {
@@ -36,4 +37,15 @@ pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engin
         engine.load_optimizer_state(&state)?;
     }
     Ok(())
+}
+
+/// Checks at the end of a run that every peer holds the same parameters, says so in the log
+/// and returns their hash.
+fn verify_identical(comm: &dyn ProcessGroup, cx: &mut Cx<'_>) -> Result<u64> {
+    let hash = crate::eval::verify_identical(cx.engine()?, comm)?;
+    cx.log(&format!(
+        "parameters identical on all {} ranks (xxh3 {hash:016x})",
+        comm.size()
+    ))?;
+    Ok(hash)
 }

@@ -2,13 +2,15 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{PendingAllReduce, ProcessGroup};
+use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
+use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// What one step produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -44,6 +46,16 @@ pub struct SyncAllReduce {
 }
 
 impl SyncAllReduce {
+    /// This rank's peer of the configured sync all-reduce (`allreduce.overlap`).
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let _ = setup;
+        Self::new(
+            cx.comm.clone(),
+            cx.engine_ref()?,
+            cx.config.allreduce.overlap,
+        )
+    }
+
     /// A strategy for `engine`'s model, one bucket per backward group of the engine, with
     /// backward overlapping communication when `overlap`.
     pub fn new(comm: Arc<dyn ProcessGroup>, engine: &dyn Engine, overlap: bool) -> Result<Self> {
@@ -75,6 +87,33 @@ impl Strategy for SyncAllReduce {
         Evaluation::Collective
     }
 
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.comm.size(),
+            index: self.comm.rank(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let _ = config;
+        Some((
+            format!("{} params", self.layout.total),
+            format!(
+                "{} buckets, strategy sync-allreduce{}",
+                self.plan.buckets.len(),
+                if self.overlap {
+                    " (backward overlapped)"
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+
+    fn stall_policy(&self, config: &TrainConfig) -> Option<StallPolicy> {
+        Some(config.allreduce.stall_policy())
+    }
+
     fn writes_checkpoints(&self) -> bool {
         self.comm.rank() == 0
     }
@@ -85,6 +124,10 @@ impl Strategy for SyncAllReduce {
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         super::synchronize_initial_state(&*self.comm, cx.engine()?)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        super::verify_identical(&*self.comm, cx).map(Some)
     }
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {

@@ -10,10 +10,12 @@ use std::time::{Duration, Instant};
 use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
-use crate::checkpoint::CheckpointState;
+use crate::checkpoint::{self, CheckpointState};
+use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
+use crate::plan::Counting;
 use crate::strategy::pipeline::{Pipeline, PipelineOptions, plan, state};
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Samples per forward when evaluating.
 const EVAL_CHUNK: usize = 500;
@@ -39,7 +41,8 @@ pub struct PipelineStage {
 impl PipelineStage {
     /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
     /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
-    pub fn new(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Self> {
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let spec = setup.spec;
         let ranges = agreed_cut(cx, spec)?;
         let cut = StageCut::new(spec, ranges)?;
         let config = cx.config;
@@ -143,6 +146,27 @@ impl Strategy for PipelineStage {
         Evaluation::Collective
     }
 
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.pipe.options().data_parallel,
+            index: self.pipe.replica(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let replicas = self.pipe.options().data_parallel;
+        Some((
+            format!(
+                "{} stages × {replicas} replica(s)",
+                self.pipe.cut().stages()
+            ),
+            format!(
+                "strategy pipeline ({}, {} micro-batches)",
+                config.pipeline.schedule, config.pipeline.micro_batches
+            ),
+        ))
+    }
+
     fn writes_checkpoints(&self) -> bool {
         self.pipe.world().rank() == 0
     }
@@ -209,6 +233,20 @@ impl Strategy for PipelineStage {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         state::save(&self.pipe, &cx.config.telemetry.output, state)
+    }
+
+    /// Rank 0 reads the checkpoint (refused when it was written for another cut) and sends
+    /// every rank its stage's weights and optimizer state.
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let pipe = &mut self.pipe;
+        let resumed = from.share(cx, |dir, _| {
+            let state = checkpoint::read_state(dir)?;
+            state::restore(pipe, Some(dir)).map(|()| state)
+        })?;
+        if resumed.is_some() && cx.rank != 0 {
+            state::restore(&mut self.pipe, None)?;
+        }
+        Ok(resumed)
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {

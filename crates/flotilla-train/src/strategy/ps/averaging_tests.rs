@@ -7,7 +7,7 @@
 
 use flotilla_cluster::Aggregation;
 
-use super::formula_kit::{LR, MOMENTUM, N, Server, flat, ps_config, weighted_mean};
+use super::formula_kit::{LR, MOMENTUM, Server, flat, ps_config, weighted_mean};
 use super::staleness;
 use super::worker::Worker;
 use crate::batches::Batches;
@@ -58,8 +58,7 @@ fn averaging(aggr: Aggregation) {
                 .own
                 .optimizer;
             let mut rank = Rank::new(comm, config.clone(), &optimizer, 16);
-            let ranges = flotilla_cluster::balanced_ranges(N, 1);
-            let mut w = Worker::new(&rank.cx(2), &[0], &ranges).expect("worker");
+            let mut w = rank.build(&topology, Worker::build);
             w.start(&mut rank.cx(2)).expect("start");
             (rank, w, batches(&data, 2, i))
         })

@@ -1,19 +1,17 @@
-//! What the formula tests of the servers share: servers built as [`super::build_role`]
-//! builds them (engine optimizer and staleness policy from [`super::staleness::for_job`]),
+//! What the formula tests of the servers share: servers built by their production
+//! constructors (engine optimizer and staleness policy from [`super::staleness::for_job`]),
 //! driven one event at a time on an in-memory world, and the root's update written out.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_cluster::{Aggregation, GlobalServerSpec, RoleKind, ServerSpec, Topology};
+use flotilla_cluster::{Aggregation, GlobalServerSpec, ServerSpec, Topology};
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::ModelState;
 
 use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
-use super::server::ShardPlan;
 use super::shard_server::ShardServer;
 use super::staleness;
 use crate::config::{LrSchedule, TrainConfig};
@@ -26,10 +24,11 @@ pub(crate) const ROUNDS: u64 = 4;
 /// Parameters of [`crate::testkit::SPEC`].
 pub(crate) const N: usize = 35;
 
-/// A config of `topology` keys over the test optimizer and schedule.
+/// A config of `topology` keys over the test optimizer and schedule ([`ROUNDS`] rounds).
 pub(crate) fn ps_config(set: impl FnOnce(&mut crate::config::TopologySection)) -> TrainConfig {
     let mut c = config(sgd(LR, MOMENTUM));
     c.schedule.lr_schedule = LrSchedule::Cosine;
+    c.schedule.num_server_rounds = Some(ROUNDS);
     set(&mut c.topology);
     c
 }
@@ -106,31 +105,18 @@ pub(crate) struct Server {
 }
 
 impl Server {
-    /// The root or shard server of `comm`'s rank in `topology`, as `build_role` makes it.
+    /// The root or shard server of `comm`'s rank in `topology`, built as the trainer builds
+    /// it.
     pub(crate) fn updating(
         comm: Arc<dyn ProcessGroup>,
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let r = comm.rank();
-        let policy = staleness::for_job(config, topology, r).own;
+        let policy = staleness::for_job(config, topology, comm.rank()).own;
         let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
         rank.rounds = ROUNDS;
-        let role = topology.role(r).expect("role").clone();
-        let n = rank.engine.num_params();
-        let plan = match role.kind {
-            RoleKind::ShardServer { shard } => ShardPlan {
-                index: shard,
-                ranges: topology.shard_ranges(n),
-                servers: (0..topology.num_shards()).collect(),
-            },
-            _ => ShardPlan::whole(n),
-        };
-        let sync = role.aggregation == Some(Aggregation::Sync);
         let workers = topology.num_workers();
-        let m = ShardServer::new(&mut rank.cx(workers), &role.children, sync, plan)
-            .expect("server")
-            .with_staleness_lr(policy.staleness_lr);
+        let m = rank.build(topology, ShardServer::build);
         Self::with(rank, Box::new(m), workers)
     }
 
@@ -140,14 +126,10 @@ impl Server {
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let r = comm.rank();
-        let policy = staleness::for_job(config, topology, r).own;
+        let policy = staleness::for_job(config, topology, comm.rank()).own;
         let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
-        let role = topology.role(r).expect("role").clone();
-        let sync = role.aggregation == Some(Aggregation::Sync);
         let workers = topology.num_workers();
-        let mut m = LocalServer::new(&rank.cx(workers), role.parents[0], &role.children, sync)
-            .expect("local server");
+        let mut m = rank.build(topology, LocalServer::build);
         m.on_start(&mut rank.cx(workers)).expect("start");
         Self::with(rank, Box::new(m), workers)
     }

@@ -15,14 +15,17 @@ use flotilla_comm::CommError;
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
+use super::job::Place;
 use super::protocol::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Local server state.
 pub struct LocalServer {
@@ -55,16 +58,28 @@ pub struct LocalServer {
     /// Children taken back (replaced workers that rejoined), and the pushes accepted from
     /// each replacement.
     rejoins: Rejoins,
+    /// How the run counts its rounds.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
 impl LocalServer {
-    /// A local server of `len` parameters between `parent` and `children`.
-    pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Result<Self> {
+    /// This rank's local server in the job of `setup`, between its parent and its workers.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let (parent, children, sync) = (
+            place.role.parents.first().copied().unwrap_or(0),
+            &place.role.children,
+            place.sync,
+        );
         let active: BTreeSet<usize> = children.iter().copied().collect();
         let len = cx.engine_ref()?.num_params();
         let mut peers = children.to_vec();
         peers.push(parent);
         Ok(Self {
+            counting: place.counting((1, 0)),
+            resync_from: place.resync_from,
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
@@ -370,6 +385,14 @@ impl Strategy for LocalServer {
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::None
+    }
+
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        super::job::restore(cx, from, self.resync_from)
     }
 
     /// How many children it lost while the run went on, and how many came back.

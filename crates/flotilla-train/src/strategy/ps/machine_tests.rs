@@ -5,101 +5,27 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup};
-use flotilla_data::ImageDataset;
-use flotilla_engine::{BurnEngine, ModelSpec, ModelState, OptimizerSpec};
+use flotilla_cluster::Aggregation;
+use flotilla_comm::{CommError, ProcessGroup};
 
-use super::PsContext;
+use super::formula_kit::{N, flat, hierarchical};
 use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
-use super::server::ShardPlan;
 use super::shard_server::ShardServer;
-use crate::config::{LrSchedule, TrainConfig};
-use crate::observe::Quiet;
-use crate::runlog::RunLog;
+use crate::config::TopologySection;
+use crate::testkit::{Rank, config, sgd, world};
 
-const TINY: &str = "name: tiny\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 3}\n";
-/// Parameters of [`TINY`]: a 4x3 weight and 3 biases.
-const N: usize = 15;
 const LR: f64 = 0.5;
 
-/// What a server's [`PsContext`] borrows.
-struct Fixture {
-    comm: Arc<dyn ProcessGroup>,
-    config: TrainConfig,
-    engine: BurnEngine,
-    data: ImageDataset,
-    log: RunLog,
-    observer: Quiet,
-    _dir: tempfile::TempDir,
-}
-
-impl Fixture {
-    fn new(comm: Communicator, max_staleness: Option<u64>) -> Self {
-        let mut config = TrainConfig {
-            optimizer: OptimizerSpec::Sgd {
-                lr: LR,
-                momentum: 0.0,
-                dampening: 0.0,
-                nesterov: false,
-                weight_decay: 0.0,
-            },
-            ..TrainConfig::default()
-        };
-        config.schedule.lr_schedule = LrSchedule::Constant;
-        config.schedule.warmup_steps = 0;
-        config.topology.max_staleness = max_staleness;
-        config.comm.timeout_s = 2.0;
-        let spec = ModelSpec::from_yaml(TINY, "tiny").expect("spec");
-        let engine = BurnEngine::new(&spec, &config.optimizer, "flex", 7).expect("engine");
-        let data = ImageDataset::new(vec![0.0; 8], vec![0, 1], 2, 2).expect("data");
-        let dir = tempfile::tempdir().expect("tmp");
-        let log = RunLog::open(dir.path(), comm.rank()).expect("log");
-        Self {
-            comm: Arc::new(comm),
-            config,
-            engine,
-            data,
-            log,
-            observer: Quiet,
-            _dir: dir,
-        }
-    }
-
-    fn cx(&mut self) -> PsContext<'_> {
-        PsContext {
-            comm: &self.comm,
-            config: &self.config,
-            engine: Some(&mut self.engine),
-            train: &self.data,
-            test: &self.data,
-            rank: self.comm.rank(),
-            num_workers: 2,
-            rounds: 1000,
-            eval_every: 0,
-            log: &mut self.log,
-            observer: &mut self.observer,
-            fault: None,
-            last_eval: None,
-            async_momentum: None,
-        }
-    }
-
-    fn params(&self) -> Vec<f32> {
-        let mut p = vec![0.0; N];
-        self.engine.read_params(&mut p).expect("params");
-        p
-    }
-}
-
-fn world(n: usize) -> Vec<Communicator> {
-    Communicator::in_memory(
-        n,
-        CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(2)),
-    )
-    .expect("world")
+/// The rank of `comm` in a job of the topology keys `set`, with SGD at the constant rate
+/// [`LR`], no momentum and no staleness scaling.
+fn rank(comm: Arc<dyn ProcessGroup>, set: impl FnOnce(&mut TopologySection)) -> Rank {
+    let mut c = config(sgd(LR, 0.0));
+    c.topology.staleness_lr = Some(false);
+    set(&mut c.topology);
+    Rank::new(comm, c, &sgd(LR, 0.0), 16)
 }
 
 /// A worker's push of `len` copies of `value` (see [`super::formula_kit::push`]).
@@ -108,7 +34,7 @@ fn push(version: u64, samples: u32, value: f32, len: usize) -> Vec<u8> {
 }
 
 /// Receives the next message from `from` at `me`, or `None` within a short wait.
-fn next(me: &Communicator, from: usize) -> Option<PsMessage> {
+fn next(me: &Arc<dyn ProcessGroup>, from: usize) -> Option<PsMessage> {
     match me.recv(from, TAG, Instant::now() + Duration::from_millis(150)) {
         Ok(b) => Some(PsMessage::decode(&b, from).expect("decodes")),
         Err(CommError::Deadline { .. }) => None,
@@ -118,24 +44,39 @@ fn next(me: &Communicator, from: usize) -> Option<PsMessage> {
 
 /// Takes one event off `inbox` and hands it to the machine, then lets it send what it held
 /// back for the run loop (which goes on), as a role's step does.
-fn step(m: &mut dyn ServerMachine, f: &mut Fixture, inbox: &Inbox) -> crate::Result<()> {
-    let mut cx = f.cx();
+fn step(m: &mut dyn ServerMachine, f: &mut Rank, inbox: &Inbox) -> crate::Result<()> {
+    let mut cx = f.cx(2);
     serve_one(m, &mut cx, inbox, Duration::from_millis(500))?;
     m.flush(&mut cx)
 }
 
-fn root(f: &mut Fixture, sync: bool) -> (ShardServer, Inbox) {
-    let m = ShardServer::new(&mut f.cx(), &[1, 2], sync, ShardPlan::whole(N)).expect("server");
+/// The server of a flat job of two workers (ranks 1 and 2), sync or async (then with
+/// `max_staleness`), built by its production constructor; its rank and its inbox.
+fn root(
+    comm: Arc<dyn ProcessGroup>,
+    sync: bool,
+    max_staleness: Option<u64>,
+) -> (Rank, ShardServer, Inbox) {
+    let aggr = if sync {
+        Aggregation::Sync
+    } else {
+        Aggregation::Async
+    };
+    let mut f = rank(comm, |t| {
+        flat(t, aggr, 1);
+        t.max_staleness = max_staleness;
+    });
+    let topology = f.config.topology().expect("topology");
+    let m = f.build(&topology, ShardServer::build);
     let inbox = Inbox::listen(&f.comm, &m.peers());
-    (m, inbox)
+    (f, m, inbox)
 }
 
 #[test]
 fn a_sync_round_waits_for_every_child_and_applies_the_sample_weighted_mean() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
-    let mut f = Fixture::new(w.pop().expect("server"), None);
-    let (mut m, inbox) = root(&mut f, true);
+    let (mut f, mut m, inbox) = root(w.pop().expect("server"), true, None);
     let p0 = f.params();
 
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
@@ -164,10 +105,9 @@ fn a_sync_round_waits_for_every_child_and_applies_the_sample_weighted_mean() {
 fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
-    let mut f = Fixture::new(w.pop().expect("server"), None);
-    let (mut m, inbox) = root(&mut f, true);
+    let (mut f, mut m, inbox) = root(w.pop().expect("server"), true, None);
     let p0 = f.params();
-    let rejected = |w: &Communicator, what: &str| match next(w, 0) {
+    let rejected = |w: &Arc<dyn ProcessGroup>, what: &str| match next(w, 0) {
         Some(PsMessage::Reject { reason }) => assert!(reason.contains(what), "{reason}"),
         other => panic!("expected a reject about {what:?}, got {other:?}"),
     };
@@ -177,7 +117,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     rejected(&w1, "version 5");
     w1.send(0, TAG, &push(0, 1, 1.0, N - 1)).expect("send");
     step(&mut m, &mut f, &inbox).expect("wrong length");
-    rejected(&w1, "14 values");
+    rejected(&w1, &format!("{} values", N - 1));
     w1.send(0, TAG, &[PsMessage::Pull.encode(), vec![1, 2, 3]].concat())
         .expect("send");
     step(&mut m, &mut f, &inbox).expect("malformed");
@@ -214,8 +154,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
 fn a_sync_server_names_a_lost_child_and_the_silent_ones_at_its_deadline() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
-    let mut f = Fixture::new(w.pop().expect("server"), None);
-    let (mut m, inbox) = root(&mut f, true);
+    let (mut f, mut m, inbox) = root(w.pop().expect("server"), true, None);
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     step(&mut m, &mut f, &inbox).expect("push");
     // Rank 2 is silent: the deadline names it (and not rank 1, which pushed).
@@ -233,8 +172,7 @@ fn a_sync_server_names_a_lost_child_and_the_silent_ones_at_its_deadline() {
 fn an_async_server_applies_each_push_answers_its_sender_and_survives_a_lost_child() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
-    let mut f = Fixture::new(w.pop().expect("server"), Some(1));
-    let (mut m, inbox) = root(&mut f, false);
+    let (mut f, mut m, inbox) = root(w.pop().expect("server"), false, Some(1));
     let p0 = f.params();
 
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
@@ -281,11 +219,14 @@ fn a_sync_local_server_pushes_the_mean_up_and_forwards_the_reply() {
     // Rank 0 plays the parent, 1 is the local server, 2 and 3 its workers.
     let mut w = world(4);
     let (w3, w2) = (w.pop().expect("w3"), w.pop().expect("w2"));
-    let mut f = Fixture::new(w.pop().expect("local"), None);
+    let mut f = rank(w.pop().expect("local"), |t| {
+        hierarchical(t, Aggregation::Sync, Aggregation::Sync)
+    });
     let parent = w.pop().expect("parent");
-    let mut m = LocalServer::new(&f.cx(), 0, &[2, 3], true).expect("local server");
+    let topology = f.config.topology().expect("topology");
+    let mut m = f.build(&topology, LocalServer::build);
     let inbox = Inbox::listen(&f.comm, &m.peers());
-    m.on_start(&mut f.cx()).expect("start");
+    m.on_start(&mut f.cx(2)).expect("start");
     assert_eq!(next(&parent, 1), Some(PsMessage::Pull));
     // The workers pull before there is anything to give: answered when the parent replies.
     for w in [&w2, &w3] {
@@ -345,8 +286,7 @@ fn an_abort_from_a_child_fails_a_sync_root_with_its_reason_and_an_async_root_goe
     for sync in [true, false] {
         let mut w = world(3);
         let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
-        let mut f = Fixture::new(w.pop().expect("server"), None);
-        let (mut m, inbox) = root(&mut f, sync);
+        let (mut f, mut m, inbox) = root(w.pop().expect("server"), sync, None);
         let abort = PsMessage::Abort {
             reason: reason.into(),
         };

@@ -9,6 +9,7 @@
 
 pub mod aggregate;
 pub mod inbox;
+pub mod job;
 pub mod local;
 pub mod protocol;
 pub mod rejoins;
@@ -27,10 +28,7 @@ mod formula_kit;
 #[cfg(test)]
 mod machine_tests;
 
-use flotilla_cluster::{RoleKind, Topology};
-
 use crate::error::{Result, TrainError};
-use crate::strategy::Strategy;
 use protocol::PsMessage;
 
 /// What every role of a parameter-server job is given (the run loop's context).
@@ -83,90 +81,4 @@ pub fn aborted_by(from: usize, reason: &str) -> TrainError {
         peer: from,
         message: format!("rank {from} failed: {reason}"),
     }
-}
-
-/// This rank's role in a parameter-server topology, and the shard of the training data it
-/// trains on (`(workers, index)`; servers train on nothing). `resumed_at`: the root's round
-/// of the checkpoint the job resumes from (0 for a fresh start).
-pub fn build_role(
-    ctx: &mut PsContext<'_>,
-    topology: &Topology,
-    resumed_at: u64,
-) -> Result<(Box<dyn Strategy>, (usize, usize))> {
-    let Some(role) = topology.role(ctx.rank).cloned() else {
-        return Err(crate::TrainError::config(
-            "topology",
-            format!(
-                "rank {} has no role in a topology of {}",
-                ctx.rank,
-                topology.world_size()
-            ),
-        ));
-    };
-    let sync = role
-        .aggregation
-        .map(|a| a == flotilla_cluster::Aggregation::Sync);
-    ctx.log(&format!(
-        "role {}: parents [{}] children [{}]",
-        topology.label(ctx.rank),
-        role.parents
-            .iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", "),
-        role.children
-            .iter()
-            .map(|r| r.to_string())
-            .collect::<Vec<_>>()
-            .join(", ")
-    ))?;
-    let n = ctx.engine()?.num_params();
-    let shard_servers: Vec<usize> = topology
-        .servers()
-        .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
-        .map(|r| r.rank)
-        .collect();
-    let ranges = topology.shard_ranges(n);
-    let sync = sync.unwrap_or(true);
-    let policy = staleness::for_job(ctx.config, topology, ctx.rank).own;
-    Ok(match role.kind {
-        RoleKind::Worker { index } => {
-            let ranges = if role.parents.len() == ranges.len() {
-                ranges
-            } else {
-                flotilla_cluster::balanced_ranges(n, 1)
-            };
-            let w = worker::Worker::new(ctx, &role.parents, &ranges)?.resumed_at(resumed_at);
-            (Box::new(w), (ctx.num_workers, index))
-        }
-        RoleKind::LocalServer { .. } => {
-            let parent = role.parents.first().copied().unwrap_or(0);
-            let m = local::LocalServer::new(ctx, parent, &role.children, sync)?;
-            (Box::new(m), (1, 0))
-        }
-        RoleKind::ShardServer { shard } => {
-            let plan = server::ShardPlan {
-                index: shard,
-                ranges,
-                servers: shard_servers,
-            };
-            let m = shard_server::ShardServer::new(ctx, &role.children, sync, plan)?
-                .with_staleness_lr(policy.staleness_lr)
-                .resumed_at(resumed_at);
-            (Box::new(m), (1, 0))
-        }
-        RoleKind::Stage { .. } => {
-            return Err(crate::TrainError::config(
-                "topology",
-                "a pipeline stage is not a parameter-server role",
-            ));
-        }
-        RoleKind::GlobalServer => {
-            let plan = server::ShardPlan::whole(n);
-            let m = shard_server::ShardServer::new(ctx, &role.children, sync, plan)?
-                .with_staleness_lr(policy.staleness_lr)
-                .resumed_at(resumed_at);
-            (Box::new(m), (1, 0))
-        }
-    })
 }

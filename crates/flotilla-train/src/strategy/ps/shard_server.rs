@@ -27,9 +27,14 @@ use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
+use flotilla_cluster::RoleKind;
+
+use super::job::Place;
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Root or shard server state.
 pub struct ShardServer {
@@ -85,16 +90,40 @@ pub struct ShardServer {
     /// Lost children taken back (replaced workers that rejoined), and the pushes accepted
     /// from each replacement.
     rejoins: Rejoins,
+    /// How the run counts its rounds.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
 impl ShardServer {
-    /// A server of `children` holding the shard `shard` of the engine's parameters.
-    pub fn new(
-        cx: &mut PsContext<'_>,
-        children: &[usize],
-        sync: bool,
-        shard: ShardPlan,
-    ) -> Result<Self> {
+    /// This rank's server in the job of `setup`: the root (a flat server, shard 0 of a
+    /// sharded flat topology, or the global server) or another shard server, with the
+    /// staleness policy of [`super::staleness::for_job`].
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let n = cx.engine_ref()?.num_params();
+        let shard = match place.role.kind {
+            RoleKind::ShardServer { shard } => ShardPlan {
+                index: shard,
+                ranges: setup.topology.shard_ranges(n),
+                servers: setup
+                    .topology
+                    .servers()
+                    .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
+                    .map(|r| r.rank)
+                    .collect(),
+            },
+            _ => ShardPlan::whole(n),
+        };
+        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
+        Self::new(cx, &place, shard, policy.staleness_lr)
+    }
+
+    /// A server of `place`'s children holding the shard `shard` of the engine's parameters,
+    /// scaling each update's learning rate by `1 / (1 + staleness)` when `staleness_lr`.
+    fn new(cx: &mut Cx<'_>, place: &Place, shard: ShardPlan, staleness_lr: bool) -> Result<Self> {
+        let (children, sync) = (&place.role.children, place.sync);
         let is_root = shard.index == 0;
         let model = Model::new(cx, shard.range())?;
         let n = model.len();
@@ -120,7 +149,7 @@ impl ShardServer {
             shard.range(),
             total,
             list(&active),
-            cx.rounds
+            place.rounds
         ))?;
         let mut peers = children.to_vec();
         if !is_root {
@@ -128,13 +157,15 @@ impl ShardServer {
         }
         let inbox = Inbox::listen(cx.comm, &peers);
         Ok(Self {
+            counting: place.counting((1, 0)),
+            resync_from: place.resync_from,
             inbox,
             held_reply: None,
             round_done: None,
             round_sum: (0.0, 0),
             finished: None,
             bad_loss: None,
-            staleness_lr: cx.config.topology.staleness_lr.unwrap_or(false),
+            staleness_lr,
             rejoins: Rejoins::default(),
             root: shard.servers[0],
             is_root,
@@ -143,7 +174,7 @@ impl ShardServer {
             model,
             admission,
             averaging: cx.config.topology.local_steps > 1,
-            total_rounds: cx.rounds,
+            total_rounds: place.rounds,
             base_lr: cx.config.base_lr(),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pending: active.clone(),
@@ -166,29 +197,22 @@ impl ShardServer {
         })
     }
 
-    /// Whether each update's learning rate is scaled by `1 / (1 + staleness)` (the policy
-    /// of [`super::staleness::server_optimizer`]; by default `topology.staleness_lr`, else
-    /// off).
-    pub fn with_staleness_lr(mut self, on: bool) -> Self {
-        self.staleness_lr = on;
-        self
-    }
-
     /// Continues a checkpoint of round `rounds` (its parameters are already in the engine):
     /// rounds, updates and the parameter version start where that run stood, so that the
     /// learning-rate schedule and the versions workers push against go on from there. (An
     /// async round is one update per child.)
-    pub fn resumed_at(mut self, rounds: u64) -> Self {
+    fn resume_at(&mut self, cx: &Cx<'_>, rounds: u64) -> Result<()> {
         let per_round = if self.sync {
             1
         } else {
             self.children.len().max(1) as u64
         };
+        self.model = Model::new(cx, self.shard.range())?;
         self.rounds = rounds;
         self.updates = rounds * per_round;
         self.model.set_version(self.updates);
         self.round_span = round_span(rounds + 1);
-        self
+        Ok(())
     }
 
     /// The parameter version this server holds.
@@ -589,6 +613,10 @@ impl Strategy for ShardServer {
         }
     }
 
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
     fn writes_checkpoints(&self) -> bool {
         self.is_root
     }
@@ -641,6 +669,23 @@ impl Strategy for ShardServer {
 
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         self.gather_all(cx)
+    }
+
+    /// The root loads the checkpoint and every server goes on from its round (a shard
+    /// server from the root's parameters; its shard's optimizer state, which the checkpoint
+    /// does not hold, starts afresh: logged).
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let Some(state) = super::job::restore(cx, from, self.resync_from)? else {
+            return Ok(None);
+        };
+        self.resume_at(cx, state.step)?;
+        if self.resync_from.is_some() && !self.is_root {
+            cx.log(&format!(
+                "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
+                state.step
+            ))?;
+        }
+        Ok(Some(state))
     }
 
     fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {

@@ -5,12 +5,17 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use flotilla_cluster::RoleKind;
+
+use super::job::Place;
 use super::protocol::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
-use crate::strategy::{Cx, Evaluation, Step, Strategy};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Worker state between rounds.
 pub struct Worker {
@@ -31,6 +36,10 @@ pub struct Worker {
     timeout: Duration,
     /// The first parameters were pulled (and their versions logged).
     pulled: bool,
+    /// How the run counts its rounds, and this worker's shard of the data.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
 /// What the parents said this round.
@@ -42,12 +51,30 @@ enum Pulled {
 }
 
 impl Worker {
-    /// A worker under `parents`, holding `ranges` of the parameters.
-    pub fn new(cx: &PsContext<'_>, parents: &[usize], ranges: &[Range<usize>]) -> Result<Self> {
+    /// This rank's worker in the job of `setup`: under its parents (one server, or every shard
+    /// server of a sharded flat topology, each holding its range of the parameters), training
+    /// on its shard of the data.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let RoleKind::Worker { index } = place.role.kind else {
+            return Err(TrainError::config(
+                "topology",
+                format!("rank {} is not a worker", cx.rank),
+            ));
+        };
         let n = cx.engine_ref()?.num_params();
+        let ranges = setup.topology.shard_ranges(n);
+        let ranges = if place.role.parents.len() == ranges.len() {
+            ranges
+        } else {
+            flotilla_cluster::balanced_ranges(n, 1)
+        };
+        let parents = &place.role.parents;
         Ok(Self {
-            parents: parents.to_vec(),
-            ranges: ranges.to_vec(),
+            counting: place.counting((place.workers, index)),
+            resync_from: place.resync_from,
+            parents: parents.clone(),
+            ranges,
             local_steps: cx.config.topology.local_steps.max(1),
             params: vec![0.0; n],
             versions: vec![0; parents.len()],
@@ -61,12 +88,6 @@ impl Worker {
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pulled: false,
         })
-    }
-
-    /// Continues a run resumed at round `rounds` (rounds counted from there).
-    pub fn resumed_at(mut self, rounds: u64) -> Self {
-        self.rounds = rounds;
-        self
     }
 
     /// The parents' newest parameters, or the first parent's stop. A parent other than the
@@ -208,6 +229,19 @@ impl Strategy for Worker {
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::None
+    }
+
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
+    /// Continues a resumed run at the checkpoint's round (rounds counted from there).
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let state = super::job::restore(cx, from, self.resync_from)?;
+        if let Some(s) = &state {
+            self.rounds = s.step;
+        }
+        Ok(state)
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
