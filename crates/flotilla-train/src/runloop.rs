@@ -205,15 +205,7 @@ impl Loop<'_, '_, '_> {
         if let Some(f) = &self.cx.fault
             && f.at(at) == Some(FaultAction::Perturb)
         {
-            let model = self.model()?;
-            let mut params = vec![0.0f32; model.num_params()];
-            model.read_params(&mut params)?;
-            if let Some(p) = params.first_mut() {
-                *p += 1e-3;
-            }
-            model.write_params(&params)?;
-            self.cx
-                .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
+            self.perturb()?;
         }
         if let Some(loss) = step.loss.filter(|l| l.is_finite()) {
             self.epoch.loss_sum += f64::from(loss);
@@ -274,12 +266,20 @@ impl Loop<'_, '_, '_> {
         self.data.position()
     }
 
-    /// The parameters of this rank: the role's own, or the engine's.
-    fn model(&mut self) -> Result<&mut dyn flotilla_engine::ModelState> {
-        match self.role.own_model() {
-            Some(m) => Ok(m),
-            None => Ok(self.cx.engine()?),
+    /// A `perturb` fault: this rank's first parameter changes (a rank that holds no model of
+    /// its own has none to change).
+    fn perturb(&mut self) -> Result<()> {
+        let Some(model) = self.role.model() else {
+            return Ok(());
+        };
+        let mut params = vec![0.0f32; model.num_params()];
+        model.read_params(&mut params)?;
+        if let Some(p) = params.first_mut() {
+            *p += 1e-3;
         }
+        model.write_params(&params)?;
+        self.cx
+            .log("FLOTILLA_FAULT: changed parameter 0 on this rank")
     }
 
     /// A checkpoint, on every rank (the role decides who writes what).
@@ -324,7 +324,6 @@ impl Loop<'_, '_, '_> {
         metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
         metrics::gauge!("flotilla_test_loss").set(stats.loss());
         self.last_eval = Some(stats);
-        self.cx.last_eval = Some(stats);
         let verdict = self.check.accuracy(self.progress, stats.accuracy());
         self.judge(verdict)?;
         Ok(stats)

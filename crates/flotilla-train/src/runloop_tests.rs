@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use flotilla_engine::EvalStats;
+use flotilla_engine::{EvalStats, ModelState};
 
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
@@ -60,6 +60,10 @@ impl Strategy for Tiny {
 
     fn evaluation(&self) -> Evaluation {
         self.evaluation
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        None
     }
 
     fn counting(&self) -> Counting {
@@ -123,10 +127,10 @@ fn drive(role: &mut Tiny, plan: &LoopPlan, set: impl FnOnce(&mut crate::TrainCon
     let mut c = config(sgd(0.1, 0.0));
     set(&mut c);
     let comm = world(1).remove(0);
-    let mut rank = Rank::new(comm, c, &sgd(0.1, 0.0), 16);
+    let mut rank = Rank::new(comm, c, 16);
     rank.rounds = plan.total;
     let data = dataset(16);
-    run(role, batches(&data, 1, 0), plan, &mut rank.cx(1)).expect("run")
+    run(role, batches(&data, 1, 0), plan, &mut rank.cx()).expect("run")
 }
 
 fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {

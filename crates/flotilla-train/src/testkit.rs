@@ -18,7 +18,7 @@ use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
 use crate::runlog::RunLog;
-use crate::strategy::{Cx, Setup};
+use crate::strategy::{Cx, Setup, Strategy};
 
 /// Two linear layers on a 2×2 input, 3 classes: 35 parameters in 4 tensors.
 pub(crate) const SPEC: &str = "name: mlp2\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 4}\n  - tanh\n  - linear: {out: 3}\n";
@@ -45,12 +45,15 @@ pub(crate) fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     }
 }
 
-/// A config of `optimizer`, constant learning rate, no warm-up, a 5 s deadline.
+/// A config of `optimizer`, constant learning rate, no warm-up, a 5 s deadline, engines on
+/// `flex` from [`SEED`].
 pub(crate) fn config(optimizer: OptimizerSpec) -> TrainConfig {
     let mut c = TrainConfig {
         optimizer,
         ..TrainConfig::default()
     };
+    c.model.device = "flex".into();
+    c.model.seed = SEED;
     c.schedule.lr_schedule = LrSchedule::Constant;
     c.schedule.warmup_steps = 0;
     c.schedule.divergence_check_rounds = 0;
@@ -88,7 +91,6 @@ pub(crate) fn batches(data: &ImageDataset, workers: usize, rank: usize) -> Batch
 pub(crate) struct Rank {
     pub(crate) comm: Arc<dyn ProcessGroup>,
     pub(crate) config: TrainConfig,
-    pub(crate) engine: BurnEngine,
     pub(crate) data: ImageDataset,
     pub(crate) log: RunLog,
     pub(crate) observer: Quiet,
@@ -98,22 +100,18 @@ pub(crate) struct Rank {
 }
 
 impl Rank {
-    /// Rank `comm.rank()` with an engine of [`SPEC`] built with `engine_optimizer` (a server's
-    /// may differ from the config's), `samples` training samples.
+    /// Rank `comm.rank()` of a job of `config`, with `samples` training samples.
     pub(crate) fn new(
         comm: Arc<dyn ProcessGroup>,
         mut config: TrainConfig,
-        engine_optimizer: &OptimizerSpec,
         samples: usize,
     ) -> Self {
-        let engine = BurnEngine::new(&spec(), engine_optimizer, "flex", SEED).expect("engine");
         let dir = tempfile::tempdir().expect("tmp");
         config.telemetry.output = dir.path().to_path_buf();
         let log = RunLog::open(dir.path(), comm.rank()).expect("log");
         Self {
             comm,
             config,
-            engine,
             data: dataset(samples),
             log,
             observer: Quiet,
@@ -122,28 +120,22 @@ impl Rank {
         }
     }
 
-    /// The run loop's context of this rank, with `workers` data shards.
-    pub(crate) fn cx(&mut self, workers: usize) -> Cx<'_> {
+    /// The run loop's context of this rank.
+    pub(crate) fn cx(&mut self) -> Cx<'_> {
         Cx {
             comm: &self.comm,
             config: &self.config,
-            engine: Some(&mut self.engine),
-            train: &self.data,
             test: &self.data,
             rank: self.comm.rank(),
-            num_workers: workers,
             rounds: self.rounds,
-            eval_every: 0,
             log: &mut self.log,
             observer: &mut self.observer,
             fault: None,
-            last_eval: None,
-            async_momentum: None,
         }
     }
 
     /// This rank's strategy in the job of `topology` (of [`SPEC`]), made by its production
-    /// constructor `build`.
+    /// constructor `build`: the one the trainer's [`crate::strategy::registry`] calls.
     pub(crate) fn build<S>(
         &mut self,
         topology: &Topology,
@@ -155,16 +147,16 @@ impl Rank {
             topology,
             samples: self.data.len(),
         };
-        let workers = topology.num_workers();
-        build(&mut self.cx(workers), &setup).expect("strategy")
+        build(&mut self.cx(), &setup).expect("strategy")
     }
+}
 
-    /// The engine's flat parameters.
-    pub(crate) fn params(&self) -> Vec<f32> {
-        let mut p = vec![0.0; self.engine.num_params()];
-        self.engine.read_params(&mut p).expect("params");
-        p
-    }
+/// The flat parameters `strategy` holds.
+pub(crate) fn params(strategy: &mut dyn Strategy) -> Vec<f32> {
+    let model = strategy.model().expect("a strategy with a model");
+    let mut p = vec![0.0; model.num_params()];
+    model.read_params(&mut p).expect("params");
+    p
 }
 
 /// The gradient of the loss at given parameters on a given batch, from an engine of

@@ -7,10 +7,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_cluster::{Arch, Topology};
+use flotilla_cluster::Topology;
 use flotilla_comm::{ProcessGroup, StallWatcher};
 use flotilla_data::{ImageDataset, Mnist};
-use flotilla_engine::{BurnEngine, ModelSpec};
+use flotilla_engine::ModelSpec;
 
 use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
@@ -23,6 +23,9 @@ use crate::plan::{Cadence, Counting, LoopPlan};
 use crate::runlog::RunLog;
 use crate::runloop;
 use crate::strategy::{Cx, Resume, Setup, Strategy, registry};
+
+/// What a rank does, in a word (its strategy's name, before the strategy is built).
+pub use crate::strategy::registry::role_label;
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -103,25 +106,6 @@ fn up_line(
     )
 }
 
-/// The whole-model engine of every role but a pipeline stage (which holds only its own
-/// layers); data-parallel peers run backward in groups of about one bucket, so that buckets
-/// start as groups finish.
-fn whole_model_engine(
-    config: &TrainConfig,
-    spec: &ModelSpec,
-    arch: Arch,
-    optimizer: &flotilla_engine::OptimizerSpec,
-) -> Result<Option<BurnEngine>> {
-    if arch == Arch::Pipeline {
-        return Ok(None);
-    }
-    let mut engine = BurnEngine::new(spec, optimizer, &config.model.device, config.model.seed)?;
-    if arch == Arch::Allreduce {
-        engine.set_backward_group_bytes(config.bucket_bytes())?;
-    }
-    Ok(Some(engine))
-}
-
 /// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
 /// rendezvous).
 pub fn run(
@@ -151,12 +135,6 @@ pub fn run(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
-    let servers = crate::strategy::ps::staleness::for_job(config, &topology, rank);
-    if let Some(note) = &servers.own.note {
-        observer.message(note);
-        log.line(note)?;
-    }
-    let mut engine = whole_model_engine(config, &spec, topology.arch(), &servers.own.optimizer)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
@@ -173,25 +151,19 @@ pub fn run(
         train: &train,
         started,
         rejoined: rejoin == flotilla_comm::Rejoin::Join,
-        async_momentum: servers.root_async_momentum,
+        // The root's momentum when its updates are stale, for the advice of every rank.
+        async_momentum: crate::strategy::ps::staleness::for_job(config, &topology, rank)
+            .root_async_momentum,
     };
     let mut cx = Cx {
         comm: &comm,
         config,
-        engine: engine
-            .as_mut()
-            .map(|e| e as &mut dyn flotilla_engine::Engine),
-        train: &train,
         test: &test,
         rank,
-        num_workers: world,
         rounds: 0,
-        eval_every: 0,
         log: &mut log,
         observer,
         fault: Fault::from_env(rank),
-        last_eval: None,
-        async_momentum: servers.root_async_momentum,
     };
     job.train(&mut cx)
 }
@@ -378,24 +350,5 @@ impl Job<'_> {
             history: done.history,
             ranks: None,
         }
-    }
-}
-
-/// What rank `rank` does in `topology`, in a word (`peer`, `stage`, `root`, `shard-server`,
-/// `global-server`, `local-server`, `worker`).
-pub fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
-    use flotilla_cluster::RoleKind;
-    match topology.arch() {
-        flotilla_cluster::Arch::Allreduce => return "peer",
-        flotilla_cluster::Arch::Pipeline => return "stage",
-        _ => {}
-    }
-    match topology.role(rank).map(|r| r.kind) {
-        Some(RoleKind::ShardServer { .. }) if rank == flotilla_cluster::ROOT_RANK => "root",
-        Some(RoleKind::ShardServer { .. }) => "shard-server",
-        Some(RoleKind::GlobalServer) => "global-server",
-        Some(RoleKind::LocalServer { .. }) => "local-server",
-        Some(RoleKind::Stage { .. }) => "stage",
-        Some(RoleKind::Worker { .. }) | None => "worker",
     }
 }

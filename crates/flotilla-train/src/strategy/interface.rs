@@ -14,7 +14,7 @@ use super::resume::Resume;
 use crate::batches::Batches;
 use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 
 /// Who evaluates a role's model.
@@ -92,7 +92,7 @@ pub trait Strategy {
     /// take their batches from `data`.
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step>;
 
-    /// Makes the engine hold the whole current model (the root gathers the other shards; an
+    /// Makes its model the whole current model (the root gathers the other shards; an
     /// async peer applies the steps it has in flight). The default hooks call it on every rank
     /// that takes part, before evaluating, checking parameters and writing a checkpoint.
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
@@ -119,28 +119,20 @@ pub trait Strategy {
         Vec::new()
     }
 
-    /// The parameters this role holds itself, when they are not the whole-model engine of
-    /// [`Cx::engine`] (a pipeline stage's).
-    fn own_model(&mut self) -> Option<&mut dyn ModelState> {
-        None
-    }
+    /// The parameters this rank holds: its whole-model engine, or a pipeline stage's part of
+    /// the model; `None` for a rank that holds none of its own (a local server passes its
+    /// parent's on).
+    fn model(&mut self) -> Option<&mut dyn ModelState>;
 
-    /// Evaluates the model on the test set; called on every rank of a role whose
-    /// [`Strategy::evaluation`] is not `None`. By default: the engine, split across the group
-    /// (collective) or whole (local, after [`Strategy::prepare_model`]).
+    /// Evaluates the model on the test set; called on every rank of a strategy whose
+    /// [`Strategy::evaluation`] is not `None`, which evaluates its own model (after
+    /// [`Strategy::prepare_model`], as it needs). A strategy that does not evaluate refuses.
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
-        match self.evaluation() {
-            Evaluation::Collective => {
-                self.prepare_model(cx)?;
-                let (comm, test) = (cx.comm.clone(), cx.test);
-                crate::eval::distributed(cx.engine()?, &*comm, test)
-            }
-            Evaluation::Local | Evaluation::None => {
-                self.prepare_model(cx)?;
-                let test = cx.test;
-                crate::eval::full(cx.engine()?, test)
-            }
-        }
+        let _ = cx;
+        Err(TrainError::config(
+            "evaluation",
+            format!("a {} does not evaluate", self.name()),
+        ))
     }
 
     /// Checks at the end of a run that the ranks that should hold the same parameters do, and
@@ -151,12 +143,15 @@ pub trait Strategy {
         }
         self.prepare_model(cx)?;
         let comm = cx.comm.clone();
-        crate::eval::verify_identical(cx.engine()?, &*comm).map(Some)
+        match self.model() {
+            Some(model) => crate::eval::verify_identical(model, &*comm).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Writes a checkpoint with `state`; called on every rank when one is due. By default
     /// every rank runs [`Strategy::prepare_model`], then the rank that
-    /// [`Strategy::writes_checkpoints`] saves the engine and returns the directory.
+    /// [`Strategy::writes_checkpoints`] saves its model and returns the directory.
     fn save_checkpoint(
         &mut self,
         cx: &mut Cx<'_>,
@@ -167,15 +162,22 @@ pub trait Strategy {
             return Ok(None);
         }
         let output = cx.config.telemetry.output.clone();
-        checkpoint::save(&output, cx.engine()?, state).map(Some)
+        match self.model() {
+            Some(model) => checkpoint::save(&output, model, state).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Restores this rank from the checkpoint the run resumes from (`from`) and returns its
     /// state, which every rank learns (`None` for a fresh start); collective over the world,
-    /// beside [`Strategy::save_checkpoint`]. By default rank 0 loads the checkpoint into the
-    /// engine (parameters and optimizer state), and [`Strategy::start`]'s initial broadcast
+    /// beside [`Strategy::save_checkpoint`]. By default rank 0 loads the checkpoint into its
+    /// model (parameters and optimizer state), and [`Strategy::start`]'s initial broadcast
     /// hands them to every rank.
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        from.share(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))
+        let model = self.model();
+        from.share(cx, |dir| match model {
+            Some(model) => checkpoint::load(dir, model),
+            None => checkpoint::read_state(dir),
+        })
     }
 }

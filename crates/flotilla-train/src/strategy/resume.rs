@@ -49,14 +49,14 @@ impl Resume {
     pub fn share(
         &self,
         cx: &mut Cx<'_>,
-        load: impl FnOnce(&Path, &mut Cx<'_>) -> Result<CheckpointState>,
+        load: impl FnOnce(&Path) -> Result<CheckpointState>,
     ) -> Result<Option<CheckpointState>> {
         if self.rejoined {
             return Ok(None);
         }
         let mut bytes = Vec::new();
         if let Some(dir) = &self.dir {
-            let state = load(dir, cx)?;
+            let state = load(dir)?;
             if state.config_hash != self.config_hash {
                 cx.log(&format!(
                     "warning: {} was written by a run with another config",

@@ -15,7 +15,7 @@ pub use async_::AsyncAllReduce;
 pub use sync::SyncAllReduce;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::Engine;
+use flotilla_engine::{Engine, ModelState};
 
 use crate::error::Result;
 use crate::strategy::Cx;
@@ -39,10 +39,14 @@ pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engin
     Ok(())
 }
 
-/// Checks at the end of a run that every peer holds the same parameters, says so in the log
-/// and returns their hash.
-fn verify_identical(comm: &dyn ProcessGroup, cx: &mut Cx<'_>) -> Result<u64> {
-    let hash = crate::eval::verify_identical(cx.engine()?, comm)?;
+/// Checks at the end of a run that every peer holds the same parameters as this one's `model`,
+/// says so in the log and returns their hash.
+fn verify_identical(
+    model: &dyn ModelState,
+    comm: &dyn ProcessGroup,
+    cx: &mut Cx<'_>,
+) -> Result<u64> {
+    let hash = crate::eval::verify_identical(model, comm)?;
     cx.log(&format!(
         "parameters identical on all {} ranks (xxh3 {hash:016x})",
         comm.size()

@@ -205,7 +205,7 @@ impl Strategy for PipelineStage {
         })
     }
 
-    fn own_model(&mut self) -> Option<&mut dyn ModelState> {
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
         Some(self.pipe.stage_mut())
     }
 
@@ -239,7 +239,7 @@ impl Strategy for PipelineStage {
     /// every rank its stage's weights and optimizer state.
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
         let pipe = &mut self.pipe;
-        let resumed = from.share(cx, |dir, _| {
+        let resumed = from.share(cx, |dir| {
             let state = checkpoint::read_state(dir)?;
             state::restore(pipe, Some(dir)).map(|()| state)
         })?;

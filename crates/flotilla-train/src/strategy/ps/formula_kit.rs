@@ -13,9 +13,9 @@ use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
 use super::shard_server::ShardServer;
-use super::staleness;
 use crate::config::{LrSchedule, TrainConfig};
-use crate::testkit::{Rank, SgdRef, config, sgd};
+use crate::strategy::Strategy;
+use crate::testkit::{Rank, SgdRef, config, params, sgd};
 
 /// The configured optimizer: SGD, this rate and momentum, cosine over [`ROUNDS`] rounds.
 pub(crate) const LR: f64 = 0.2;
@@ -96,12 +96,16 @@ pub(crate) fn weighted_mean<V: AsRef<[f32]>>(parts: &[(u32, V)]) -> Vec<f32> {
     sum.iter().map(|a| a * scale).collect()
 }
 
+/// A server as both: a strategy (its model) and a state machine (its events).
+pub(crate) trait Machine: ServerMachine + Strategy {}
+
+impl<T: ServerMachine + Strategy> Machine for T {}
+
 /// One server under test, driven one event at a time as its role's step does.
 pub(crate) struct Server {
     pub(crate) rank: Rank,
-    machine: Box<dyn ServerMachine>,
+    machine: Box<dyn Machine>,
     inbox: Inbox,
-    workers: usize,
 }
 
 impl Server {
@@ -112,12 +116,10 @@ impl Server {
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let policy = staleness::for_job(config, topology, comm.rank()).own;
-        let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
+        let mut rank = Rank::new(comm, config.clone(), 16);
         rank.rounds = ROUNDS;
-        let workers = topology.num_workers();
         let m = rank.build(topology, ShardServer::build);
-        Self::with(rank, Box::new(m), workers)
+        Self::with(rank, Box::new(m))
     }
 
     /// The local server of `comm`'s rank in `topology`, started (it pulled from its parent).
@@ -126,27 +128,29 @@ impl Server {
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let policy = staleness::for_job(config, topology, comm.rank()).own;
-        let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
-        let workers = topology.num_workers();
+        let mut rank = Rank::new(comm, config.clone(), 16);
         let mut m = rank.build(topology, LocalServer::build);
-        m.on_start(&mut rank.cx(workers)).expect("start");
-        Self::with(rank, Box::new(m), workers)
+        m.on_start(&mut rank.cx()).expect("start");
+        Self::with(rank, Box::new(m))
     }
 
-    fn with(rank: Rank, machine: Box<dyn ServerMachine>, workers: usize) -> Self {
+    fn with(rank: Rank, machine: Box<dyn Machine>) -> Self {
         let inbox = Inbox::listen(&rank.comm, &machine.peers());
         Self {
             rank,
             machine,
             inbox,
-            workers,
         }
+    }
+
+    /// The parameters the server holds.
+    pub(crate) fn params(&mut self) -> Vec<f32> {
+        params(&mut *self.machine)
     }
 
     /// Takes the one event waiting (at most 5 s) and sends what it held back for the loop.
     pub(crate) fn step(&mut self) {
-        let mut cx = self.rank.cx(self.workers);
+        let mut cx = self.rank.cx();
         serve_one(
             &mut *self.machine,
             &mut cx,

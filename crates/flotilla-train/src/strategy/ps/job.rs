@@ -2,6 +2,7 @@
 //! the topology, how the run counts its rounds) and how it resumes ([`restore`]).
 
 use flotilla_cluster::{Aggregation, Role, RoleKind, Topology};
+use flotilla_engine::ModelState;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
@@ -119,24 +120,32 @@ fn log_placement(cx: &mut Cx<'_>, topology: &Topology) -> Result<()> {
 }
 
 /// A parameter-server rank's resume, on every rank: the root (rank 0) loads the checkpoint
-/// into its engine (parameters and optimizer state) and every rank learns the round it was
+/// into its model (parameters and optimizer state) and every rank learns the round it was
 /// taken at. With several shard servers (`resync_from`: the root), the parameters then go from
-/// the root to every rank, so that each server starts from its shard of them.
+/// the root to every rank, so that each server starts from its shard of them. `model`: this
+/// rank's, and the length of the parameters (a local server holds no model of its own).
 pub fn restore(
     cx: &mut Cx<'_>,
     from: &Resume,
+    (mut model, len): (Option<&mut dyn ModelState>, usize),
     resync_from: Option<usize>,
 ) -> Result<Option<CheckpointState>> {
-    let Some(state) = from.share(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))? else {
+    let load = |dir: &std::path::Path| match model.as_deref_mut() {
+        Some(m) => checkpoint::load(dir, m),
+        None => checkpoint::read_state(dir),
+    };
+    let Some(state) = from.share(cx, load)? else {
         return Ok(None);
     };
     if let Some(root) = resync_from {
-        let comm = cx.comm.clone();
-        let engine = cx.engine()?;
-        let mut params = vec![0.0f32; engine.num_params()];
-        engine.read_params(&mut params)?;
-        comm.broadcast_f32(&mut params, root)?;
-        engine.write_params(&params)?;
+        let mut params = vec![0.0f32; len];
+        if let Some(m) = &model {
+            m.read_params(&mut params)?;
+        }
+        cx.comm.broadcast_f32(&mut params, root)?;
+        if let Some(m) = model {
+            m.write_params(&params)?;
+        }
     }
     Ok(Some(state))
 }

@@ -11,6 +11,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::CommError;
+use flotilla_engine::ModelState;
 
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
@@ -74,7 +75,8 @@ impl LocalServer {
             place.sync,
         );
         let active: BTreeSet<usize> = children.iter().copied().collect();
-        let len = cx.engine_ref()?.num_params();
+        // It holds no model of its own: the model is built once to count its parameters.
+        let len = setup.engine(cx.config, &cx.config.optimizer)?.num_params();
         let mut peers = children.to_vec();
         peers.push(parent);
         Ok(Self {
@@ -391,8 +393,12 @@ impl Strategy for LocalServer {
         self.counting
     }
 
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        None
+    }
+
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        super::job::restore(cx, from, self.resync_from)
+        super::job::restore(cx, from, (None, self.len), self.resync_from)
     }
 
     /// How many children it lost while the run went on, and how many came back.

@@ -15,7 +15,7 @@ use super::protocol::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
 use super::shard_server::ShardServer;
 use crate::config::TopologySection;
-use crate::testkit::{Rank, config, sgd, world};
+use crate::testkit::{Rank, config, params, sgd, world};
 
 const LR: f64 = 0.5;
 
@@ -25,7 +25,7 @@ fn rank(comm: Arc<dyn ProcessGroup>, set: impl FnOnce(&mut TopologySection)) -> 
     let mut c = config(sgd(LR, 0.0));
     c.topology.staleness_lr = Some(false);
     set(&mut c.topology);
-    Rank::new(comm, c, &sgd(LR, 0.0), 16)
+    Rank::new(comm, c, 16)
 }
 
 /// A worker's push of `len` copies of `value` (see [`super::formula_kit::push`]).
@@ -45,7 +45,7 @@ fn next(me: &Arc<dyn ProcessGroup>, from: usize) -> Option<PsMessage> {
 /// Takes one event off `inbox` and hands it to the machine, then lets it send what it held
 /// back for the run loop (which goes on), as a role's step does.
 fn step(m: &mut dyn ServerMachine, f: &mut Rank, inbox: &Inbox) -> crate::Result<()> {
-    let mut cx = f.cx(2);
+    let mut cx = f.cx();
     serve_one(m, &mut cx, inbox, Duration::from_millis(500))?;
     m.flush(&mut cx)
 }
@@ -77,7 +77,7 @@ fn a_sync_round_waits_for_every_child_and_applies_the_sample_weighted_mean() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
     let (mut f, mut m, inbox) = root(w.pop().expect("server"), true, None);
-    let p0 = f.params();
+    let p0 = params(&mut m);
 
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     step(&mut m, &mut f, &inbox).expect("first push");
@@ -92,7 +92,7 @@ fn a_sync_round_waits_for_every_child_and_applies_the_sample_weighted_mean() {
     assert_eq!(m.version(), 1);
     // Mean (1*1 + 3*(-1)) / 4 = -0.5; SGD: p - lr * mean = p + 0.25.
     let want: Vec<f32> = p0.iter().map(|p| p + 0.25).collect();
-    assert_eq!(f.params(), want);
+    assert_eq!(params(&mut m), want);
     for w in [&w1, &w2] {
         match next(w, 0) {
             Some(PsMessage::Params { version: 1, values }) => assert_eq!(values, want),
@@ -106,7 +106,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
     let (mut f, mut m, inbox) = root(w.pop().expect("server"), true, None);
-    let p0 = f.params();
+    let p0 = params(&mut m);
     let rejected = |w: &Arc<dyn ProcessGroup>, what: &str| match next(w, 0) {
         Some(PsMessage::Reject { reason }) => assert!(reason.contains(what), "{reason}"),
         other => panic!("expected a reject about {what:?}, got {other:?}"),
@@ -126,7 +126,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     step(&mut m, &mut f, &inbox).expect("nan");
     rejected(&w1, "non-finite");
     assert_eq!(
-        (m.version(), f.params()),
+        (m.version(), params(&mut m)),
         (0, p0.clone()),
         "nothing changed"
     );
@@ -141,7 +141,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     w2.send(0, TAG, &push(0, 1, 3.0, N)).expect("send");
     step(&mut m, &mut f, &inbox).expect("round");
     let want: Vec<f32> = p0.iter().map(|p| p - 1.0).collect();
-    assert_eq!((m.version(), f.params()), (1, want));
+    assert_eq!((m.version(), params(&mut m)), (1, want));
     // A push computed on version 0 is now stale in sync mode.
     let _ = (next(&w1, 0), next(&w2, 0));
     w2.send(0, TAG, &push(0, 1, 3.0, N)).expect("send");
@@ -173,7 +173,7 @@ fn an_async_server_applies_each_push_answers_its_sender_and_survives_a_lost_chil
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
     let (mut f, mut m, inbox) = root(w.pop().expect("server"), false, Some(1));
-    let p0 = f.params();
+    let p0 = params(&mut m);
 
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     step(&mut m, &mut f, &inbox).expect("push");
@@ -189,7 +189,7 @@ fn an_async_server_applies_each_push_answers_its_sender_and_survives_a_lost_chil
     assert_eq!(m.version(), 2);
     let _ = next(&w2, 0);
     let want: Vec<f32> = p0.iter().map(|p| p - 0.5 - 0.5).collect();
-    assert_eq!(f.params(), want);
+    assert_eq!(params(&mut m), want);
     // Two versions stale is not.
     w2.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     step(&mut m, &mut f, &inbox).expect("too stale");
@@ -226,7 +226,7 @@ fn a_sync_local_server_pushes_the_mean_up_and_forwards_the_reply() {
     let topology = f.config.topology().expect("topology");
     let mut m = f.build(&topology, LocalServer::build);
     let inbox = Inbox::listen(&f.comm, &m.peers());
-    m.on_start(&mut f.cx(2)).expect("start");
+    m.on_start(&mut f.cx()).expect("start");
     assert_eq!(next(&parent, 1), Some(PsMessage::Pull));
     // The workers pull before there is anything to give: answered when the parent replies.
     for w in [&w2, &w3] {

@@ -18,6 +18,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::CommError;
+use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
@@ -38,6 +39,9 @@ use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Root or shard server state.
 pub struct ShardServer {
+    /// The whole model (the root evaluates and checkpoints it); this server updates its
+    /// shard of it.
+    engine: Box<dyn Engine>,
     shard: ShardPlan,
     is_root: bool,
     /// Rank of the root (shard 0).
@@ -102,7 +106,12 @@ impl ShardServer {
     /// staleness policy of [`super::staleness::for_job`].
     pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
         let place = Place::of(cx, setup)?;
-        let n = cx.engine_ref()?.num_params();
+        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
+        if let Some(note) = &policy.note {
+            cx.log(note)?;
+        }
+        let engine = setup.engine(cx.config, &policy.optimizer)?;
+        let n = engine.num_params();
         let shard = match place.role.kind {
             RoleKind::ShardServer { shard } => ShardPlan {
                 index: shard,
@@ -116,16 +125,20 @@ impl ShardServer {
             },
             _ => ShardPlan::whole(n),
         };
-        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
-        Self::new(cx, &place, shard, policy.staleness_lr)
+        Self::new(cx, &place, (Box::new(engine), shard), policy.staleness_lr)
     }
 
-    /// A server of `place`'s children holding the shard `shard` of the engine's parameters,
+    /// A server of `place`'s children holding the shard `shard` of `engine`'s parameters,
     /// scaling each update's learning rate by `1 / (1 + staleness)` when `staleness_lr`.
-    fn new(cx: &mut Cx<'_>, place: &Place, shard: ShardPlan, staleness_lr: bool) -> Result<Self> {
+    fn new(
+        cx: &mut Cx<'_>,
+        place: &Place,
+        (engine, shard): (Box<dyn Engine>, ShardPlan),
+        staleness_lr: bool,
+    ) -> Result<Self> {
         let (children, sync) = (&place.role.children, place.sync);
         let is_root = shard.index == 0;
-        let model = Model::new(cx, shard.range())?;
+        let model = Model::new(&*engine, shard.range())?;
         let n = model.len();
         let active: BTreeSet<usize> = children.iter().copied().collect();
         let shard_inbox = (is_root && shard.servers.len() > 1)
@@ -137,7 +150,7 @@ impl ShardServer {
                 max_staleness: cx.config.topology.max_staleness,
             }
         };
-        let total = cx.engine()?.num_params();
+        let total = engine.num_params();
         cx.log(&format!(
             "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
             if is_root {
@@ -157,6 +170,7 @@ impl ShardServer {
         }
         let inbox = Inbox::listen(cx.comm, &peers);
         Ok(Self {
+            engine,
             counting: place.counting((1, 0)),
             resync_from: place.resync_from,
             inbox,
@@ -201,13 +215,13 @@ impl ShardServer {
     /// rounds, updates and the parameter version start where that run stood, so that the
     /// learning-rate schedule and the versions workers push against go on from there. (An
     /// async round is one update per child.)
-    fn resume_at(&mut self, cx: &Cx<'_>, rounds: u64) -> Result<()> {
+    fn resume_at(&mut self, rounds: u64) -> Result<()> {
         let per_round = if self.sync {
             1
         } else {
             self.children.len().max(1) as u64
         };
-        self.model = Model::new(cx, self.shard.range())?;
+        self.model = Model::new(&*self.engine, self.shard.range())?;
         self.rounds = rounds;
         self.updates = rounds * per_round;
         self.model.set_version(self.updates);
@@ -329,7 +343,8 @@ impl ShardServer {
         }
         let t = Instant::now();
         self.first_update.get_or_insert(t);
-        self.model.apply(cx, mean, lr, self.averaging)?;
+        self.model
+            .apply(&mut *self.engine, mean, lr, self.averaging)?;
         let apply_s = t.elapsed();
         self.updates += 1;
         self.round_sum.0 += f64::from(mean.loss) * mean.samples as f64;
@@ -386,6 +401,7 @@ impl ShardServer {
         let v = if self.sync { self.model.version() } else { 0 };
         gather(
             cx,
+            &mut *self.engine,
             &self.shard,
             self.shard_inbox.as_ref(),
             &mut self.model,
@@ -409,6 +425,7 @@ impl ShardServer {
             let v = if self.sync { self.model.version() } else { 0 };
             gather(
                 cx,
+                &mut *self.engine,
                 &self.shard,
                 self.shard_inbox.as_ref(),
                 &mut self.model,
@@ -671,14 +688,26 @@ impl Strategy for ShardServer {
         self.gather_all(cx)
     }
 
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
+    /// The root evaluates the whole model (the other shards gathered first).
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        self.gather_all(cx)?;
+        crate::eval::full(&*self.engine, cx.test)
+    }
+
     /// The root loads the checkpoint and every server goes on from its round (a shard
     /// server from the root's parameters; its shard's optimizer state, which the checkpoint
     /// does not hold, starts afresh: logged).
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        let Some(state) = super::job::restore(cx, from, self.resync_from)? else {
+        let n = self.engine.num_params();
+        let model = Some(&mut *self.engine as &mut dyn ModelState);
+        let Some(state) = super::job::restore(cx, from, (model, n), self.resync_from)? else {
             return Ok(None);
         };
-        self.resume_at(cx, state.step)?;
+        self.resume_at(state.step)?;
         if self.resync_from.is_some() && !self.is_root {
             cx.log(&format!(
                 "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::RoleKind;
+use flotilla_engine::{Engine, ModelState};
 
 use super::job::Place;
 use super::protocol::{PsMessage, TAG};
@@ -19,6 +20,8 @@ use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Worker state between rounds.
 pub struct Worker {
+    /// The whole model, trained on the pulled parameters.
+    engine: Box<dyn Engine>,
     /// `parents[i]` holds the parameters of `ranges[i]` (one parent holding everything, or
     /// the shard servers of a sharded flat topology).
     parents: Vec<usize>,
@@ -62,7 +65,9 @@ impl Worker {
                 format!("rank {} is not a worker", cx.rank),
             ));
         };
-        let n = cx.engine_ref()?.num_params();
+        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
+        let engine = setup.engine(cx.config, &policy.optimizer)?;
+        let n = engine.num_params();
         let ranges = setup.topology.shard_ranges(n);
         let ranges = if place.role.parents.len() == ranges.len() {
             ranges
@@ -71,6 +76,7 @@ impl Worker {
         };
         let parents = &place.role.parents;
         Ok(Self {
+            engine: Box::new(engine),
             counting: place.counting((place.workers, index)),
             resync_from: place.resync_from,
             parents: parents.clone(),
@@ -167,7 +173,8 @@ impl Worker {
 
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
     fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>) -> Result<()> {
-        cx.engine()?.write_params(&self.params)?;
+        let engine = &mut *self.engine;
+        engine.write_params(&self.params)?;
         let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
         for _ in 0..self.local_steps {
@@ -175,15 +182,14 @@ impl Worker {
                 let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
                 data.next_batch()?
             };
-            loss_sum += cx.engine()?.forward_backward(batch)?;
-            cx.engine()?.read_grads(&mut self.grad)?;
+            loss_sum += engine.forward_backward(batch)?;
+            engine.read_grads(&mut self.grad)?;
             if averaging {
-                let lr = cx.config.base_lr();
-                cx.engine()?.apply_grads(&self.grad, lr)?;
+                engine.apply_grads(&self.grad, cx.config.base_lr())?;
             }
         }
         if averaging {
-            cx.engine()?.read_params(&mut self.local)?;
+            engine.read_params(&mut self.local)?;
             for ((d, l), g) in self.grad.iter_mut().zip(&self.local).zip(&self.params) {
                 *d = l - g;
             }
@@ -235,9 +241,15 @@ impl Strategy for Worker {
         self.counting
     }
 
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
     /// Continues a resumed run at the checkpoint's round (rounds counted from there).
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        let state = super::job::restore(cx, from, self.resync_from)?;
+        let n = self.engine.num_params();
+        let model = Some(&mut *self.engine as &mut dyn ModelState);
+        let state = super::job::restore(cx, from, (model, n), self.resync_from)?;
         if let Some(s) = &state {
             self.rounds = s.step;
         }
