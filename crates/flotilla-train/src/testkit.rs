@@ -1,6 +1,7 @@
 //! What the in-memory tests of strategies, servers and the run loop share: a tiny model, a
-//! small deterministic data set, in-memory worlds, one rank's context, and the serial
-//! references they are checked against — a gradient oracle (the engine's gradient at given
+//! small deterministic data set, in-memory worlds, one rank's context and its strategies
+//! built by their production constructors ([`Rank::build`]), and the serial references they
+//! are checked against — a gradient oracle (the engine's gradient at given
 //! parameters on a given batch) and SGD written out as a formula.
 //!
 //! The references are deliberately plain: the code under test is the production strategy or

@@ -4,15 +4,14 @@
 //! named.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_engine::{
-    BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, StageCut, cross_entropy,
+    BatchRef, BurnEngine, Engine, ModelSpec, ModelState, StageCut, cross_entropy,
 };
 
 use super::{Pipeline, PipelineOptions, Schedule};
+use crate::testkit::{sgd, world};
 
 const SEED: u64 = 5;
 const BATCH: usize = 8;
@@ -45,23 +44,13 @@ layers:
     .expect("spec")
 }
 
-fn sgd() -> OptimizerSpec {
-    OptimizerSpec::Sgd {
-        lr: LR,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-    }
-}
-
 fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> PipelineOptions {
     PipelineOptions {
         micro_batches,
         schedule,
         data_parallel,
         lr: LR,
-        optimizer: sgd(),
+        optimizer: sgd(LR, 0.0),
         device: "flex".into(),
         seed: SEED,
     }
@@ -99,7 +88,7 @@ fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
 
 /// Single-process training on the same batches.
 fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
-    let mut e = BurnEngine::new(&spec(), &sgd(), "flex", SEED).expect("engine");
+    let mut e = BurnEngine::new(&spec(), &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let initial = named(&e);
     for b in 0..BATCHES {
         let (images, labels) = batch(b);
@@ -113,17 +102,6 @@ fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
         e.apply_grads(&g, LR).expect("step");
     }
     (initial, named(&e))
-}
-
-fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
-    Communicator::in_memory(
-        n,
-        CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(5)),
-    )
-    .expect("world")
-    .into_iter()
-    .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
-    .collect()
 }
 
 /// What one rank ends with.
@@ -284,7 +262,7 @@ fn one_f_one_b_keeps_at_most_the_pipeline_depth_in_flight() {
 fn evaluation_through_the_pipeline_equals_the_whole_model_on_every_rank() {
     let spec = spec();
     let cut = StageCut::at(&spec, &[2, 4]).expect("cut");
-    let whole = BurnEngine::new(&spec, &sgd(), "flex", SEED).expect("engine");
+    let whole = BurnEngine::new(&spec, &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let (mut images, mut labels) = (Vec::new(), Vec::new());
     for b in 0..3 {
         let (x, y) = batch(b);

@@ -11,6 +11,8 @@ use flotilla_cluster::Aggregation;
 use super::formula_kit::{
     MOMENTUM, RootRef, Server, answer, flat, grad, hierarchical, ps_config, push, weighted_mean,
 };
+use super::local::LocalServer;
+use super::shard_server::ShardServer;
 use crate::testkit::{assert_bitwise, world};
 
 /// Flat script: (worker, version computed on, samples, gradient).
@@ -29,7 +31,7 @@ fn flat_script(shards: usize, config: &crate::TrainConfig, scaled: bool, momentu
     let topology = config.topology().expect("topology");
     let mut comms = world(shards + 2);
     let workers = comms.split_off(shards);
-    let mut servers: Vec<Server> = comms
+    let mut servers: Vec<Server<ShardServer>> = comms
         .into_iter()
         .map(|c| Server::updating(c, config, &topology))
         .collect();
@@ -81,9 +83,9 @@ fn sharded_async_servers_each_follow_the_formula_on_their_range() {
 /// A hierarchical world: the root, local servers A (rank 1) and B (rank 4), and their
 /// workers' links (ranks 2, 3 and 5, 6).
 struct Tree {
-    root: Server,
-    a: Server,
-    b: Server,
+    root: Server<ShardServer>,
+    a: Server<LocalServer>,
+    b: Server<LocalServer>,
     workers: Vec<std::sync::Arc<dyn flotilla_comm::ProcessGroup>>,
 }
 

@@ -96,21 +96,16 @@ pub(crate) fn weighted_mean<V: AsRef<[f32]>>(parts: &[(u32, V)]) -> Vec<f32> {
     sum.iter().map(|a| a * scale).collect()
 }
 
-/// A server as both: a strategy (its model) and a state machine (its events).
-pub(crate) trait Machine: ServerMachine + Strategy {}
-
-impl<T: ServerMachine + Strategy> Machine for T {}
-
-/// One server under test, driven one event at a time as its role's step does.
-pub(crate) struct Server {
+/// One server under test: its rank, the machine its production constructor built (the one
+/// the trainer's registry calls) and its inbox, driven one event at a time as its step does.
+pub(crate) struct Server<M> {
     pub(crate) rank: Rank,
-    machine: Box<dyn Machine>,
+    pub(crate) machine: M,
     inbox: Inbox,
 }
 
-impl Server {
-    /// The root or shard server of `comm`'s rank in `topology`, built as the trainer builds
-    /// it.
+impl Server<ShardServer> {
+    /// The root or shard server of `comm`'s rank in `topology`, in a job of `config`.
     pub(crate) fn updating(
         comm: Arc<dyn ProcessGroup>,
         config: &TrainConfig,
@@ -118,10 +113,12 @@ impl Server {
     ) -> Self {
         let mut rank = Rank::new(comm, config.clone(), 16);
         rank.rounds = ROUNDS;
-        let m = rank.build(topology, ShardServer::build);
-        Self::with(rank, Box::new(m))
+        let machine = rank.build(topology, ShardServer::build);
+        Self::with(rank, machine)
     }
+}
 
+impl Server<LocalServer> {
     /// The local server of `comm`'s rank in `topology`, started (it pulled from its parent).
     pub(crate) fn local(
         comm: Arc<dyn ProcessGroup>,
@@ -129,12 +126,14 @@ impl Server {
         topology: &Topology,
     ) -> Self {
         let mut rank = Rank::new(comm, config.clone(), 16);
-        let mut m = rank.build(topology, LocalServer::build);
-        m.on_start(&mut rank.cx()).expect("start");
-        Self::with(rank, Box::new(m))
+        let mut machine = rank.build(topology, LocalServer::build);
+        machine.on_start(&mut rank.cx()).expect("start");
+        Self::with(rank, machine)
     }
+}
 
-    fn with(rank: Rank, machine: Box<dyn Machine>) -> Self {
+impl<M: ServerMachine + Strategy> Server<M> {
+    fn with(rank: Rank, machine: M) -> Self {
         let inbox = Inbox::listen(&rank.comm, &machine.peers());
         Self {
             rank,
@@ -145,20 +144,20 @@ impl Server {
 
     /// The parameters the server holds.
     pub(crate) fn params(&mut self) -> Vec<f32> {
-        params(&mut *self.machine)
+        params(&mut self.machine)
     }
 
-    /// Takes the one event waiting (at most 5 s) and sends what it held back for the loop.
-    pub(crate) fn step(&mut self) {
+    /// Takes the one event waiting (at most `wait`) and sends what it held back for the
+    /// loop, which goes on.
+    pub(crate) fn try_step(&mut self, wait: Duration) -> crate::Result<()> {
         let mut cx = self.rank.cx();
-        serve_one(
-            &mut *self.machine,
-            &mut cx,
-            &self.inbox,
-            Duration::from_secs(5),
-        )
-        .expect("server event");
-        self.machine.flush(&mut cx).expect("flush");
+        serve_one(&mut self.machine, &mut cx, &self.inbox, wait)?;
+        ServerMachine::flush(&mut self.machine, &mut cx)
+    }
+
+    /// Takes the one event waiting (at most 5 s), which must succeed.
+    pub(crate) fn step(&mut self) {
+        self.try_step(Duration::from_secs(5)).expect("server event");
     }
 }
 
