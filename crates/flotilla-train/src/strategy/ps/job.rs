@@ -1,10 +1,12 @@
 //! What every parameter-server role takes from the job as it is built ([`Place`]: its role in
-//! the topology, how the run counts its rounds) and how it resumes ([`restore`]).
+//! the topology, how the run counts its rounds, what it says when it starts) and how it
+//! resumes ([`restore`]).
 
 use flotilla_cluster::{Aggregation, Role, RoleKind, Topology};
 use flotilla_engine::ModelState;
 
 use crate::checkpoint::{self, CheckpointState};
+use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::{Cx, Resume, Setup};
@@ -27,25 +29,61 @@ pub struct Place {
     /// The rank whose parameters every rank takes on resume, in a job of several shard
     /// servers (each starts from its shard of them); `None` with one server.
     pub resync_from: Option<usize>,
+    /// What the rank says of its place when it starts.
+    pub announcement: Announcement,
+}
+
+/// The lines a parameter-server rank logs when it starts, once the job is restored: at the
+/// root the job's placement (run log only), then its role (`role <label>: parents [..]
+/// children [..]`, which says the rank is up) and what it holds.
+#[derive(Debug, Clone, Default)]
+pub struct Announcement {
+    /// Each line, and whether it goes to the run log only.
+    lines: Vec<(String, bool)>,
+}
+
+impl Announcement {
+    /// The same, and then `line` (to the run log and the front end).
+    pub fn then(mut self, line: String) -> Self {
+        self.lines.push((line, false));
+        self
+    }
+
+    /// Logs the lines.
+    pub fn log(&self, cx: &mut Cx<'_>) -> Result<()> {
+        for (line, quiet) in &self.lines {
+            if *quiet {
+                cx.log_quiet(line)?;
+            } else {
+                cx.log(line)?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Place {
-    /// This rank's place in the job of `setup`; logs its role (and, at the root, the job's
-    /// placement on its hosts when an inventory is given, else the roles).
-    pub fn of(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+    /// This rank's place in the job of `setup`, and its announcement: its role (and, at the
+    /// root, the job's placement on its hosts when an inventory is given, else the roles).
+    pub fn of(cx: &Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
         let (config, topology) = (cx.config, setup.topology);
         let Some(role) = topology.role(cx.rank).cloned() else {
             return Err(no_role(cx.rank, topology));
         };
-        if cx.rank == topology.root() {
-            log_placement(cx, topology)?;
-        }
-        cx.log(&format!(
+        let placement = if cx.rank == topology.root() {
+            placement(config, topology)
+        } else {
+            String::new()
+        };
+        let mut announcement = Announcement {
+            lines: placement.lines().map(|l| (l.to_string(), true)).collect(),
+        };
+        announcement = announcement.then(format!(
             "role {}: parents [{}] children [{}]",
             topology.label(cx.rank),
             list(&role.parents),
             list(&role.children)
-        ))?;
+        ));
         let workers = topology.num_workers();
         let local_steps = config.topology.local_steps.max(1);
         let per_round = workers * config.data.batch_size * local_steps;
@@ -69,6 +107,7 @@ impl Place {
             local_steps,
             workers,
             resync_from: (shards > 1).then(|| topology.root()),
+            announcement,
         })
     }
 
@@ -103,20 +142,15 @@ fn list(ranks: &[usize]) -> String {
         .join(", ")
 }
 
-/// The placement of the job on its hosts when an inventory is given, else its roles, into
-/// the run log.
-fn log_placement(cx: &mut Cx<'_>, topology: &Topology) -> Result<()> {
-    let described = match &cx.config.topology.inventory {
+/// The placement of the job on its hosts when an inventory is given, else its roles.
+fn placement(config: &TrainConfig, topology: &Topology) -> String {
+    match &config.topology.inventory {
         Some(path) => flotilla_cluster::Inventory::load(path)
             .and_then(|inv| flotilla_cluster::place(topology, &inv))
             .map(|p| p.describe())
             .unwrap_or_else(|_| topology.describe()),
         None => topology.describe(),
-    };
-    for line in described.lines() {
-        cx.log_quiet(line)?;
     }
-    Ok(())
 }
 
 /// A parameter-server rank's resume, on every rank: the root (rank 0) loads the checkpoint

@@ -16,7 +16,7 @@ use flotilla_engine::ModelState;
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
-use super::job::Place;
+use super::job::{Announcement, Place};
 use super::protocol::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
@@ -59,6 +59,8 @@ pub struct LocalServer {
     /// Children taken back (replaced workers that rejoined), and the pushes accepted from
     /// each replacement.
     rejoins: Rejoins,
+    /// What it says when it starts.
+    announcement: Announcement,
     /// How the run counts its rounds.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -80,6 +82,7 @@ impl LocalServer {
         let mut peers = children.to_vec();
         peers.push(parent);
         Ok(Self {
+            announcement: place.announcement.clone(),
             counting: place.counting((1, 0)),
             resync_from: place.resync_from,
             inbox: Inbox::listen(cx.comm, &peers),
@@ -410,6 +413,7 @@ impl Strategy for LocalServer {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)?;
         self.on_start(cx)
     }
 

@@ -30,7 +30,7 @@ use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reje
 use super::{send, send_bytes};
 use flotilla_cluster::RoleKind;
 
-use super::job::Place;
+use super::job::{Announcement, Place};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
@@ -94,6 +94,8 @@ pub struct ShardServer {
     /// Lost children taken back (replaced workers that rejoined), and the pushes accepted
     /// from each replacement.
     rejoins: Rejoins,
+    /// What it says when it starts.
+    announcement: Announcement,
     /// How the run counts its rounds.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -151,7 +153,7 @@ impl ShardServer {
             }
         };
         let total = engine.num_params();
-        cx.log(&format!(
+        let announcement = place.announcement.clone().then(format!(
             "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
             if is_root {
                 "root server"
@@ -163,7 +165,7 @@ impl ShardServer {
             total,
             list(&active),
             place.rounds
-        ))?;
+        ));
         let mut peers = children.to_vec();
         if !is_root {
             peers.push(shard.servers[0]);
@@ -171,6 +173,7 @@ impl ShardServer {
         let inbox = Inbox::listen(cx.comm, &peers);
         Ok(Self {
             engine,
+            announcement,
             counting: place.counting((1, 0)),
             resync_from: place.resync_from,
             inbox,
@@ -632,6 +635,10 @@ impl Strategy for ShardServer {
 
     fn counting(&self) -> Counting {
         self.counting
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)
     }
 
     fn writes_checkpoints(&self) -> bool {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use flotilla_cluster::RoleKind;
 use flotilla_engine::{Engine, ModelState};
 
-use super::job::Place;
+use super::job::{Announcement, Place};
 use super::protocol::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
@@ -39,6 +39,8 @@ pub struct Worker {
     timeout: Duration,
     /// The first parameters were pulled (and their versions logged).
     pulled: bool,
+    /// What it says when it starts.
+    announcement: Announcement,
     /// How the run counts its rounds, and this worker's shard of the data.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -77,6 +79,7 @@ impl Worker {
         let parents = &place.role.parents;
         Ok(Self {
             engine: Box::new(engine),
+            announcement: place.announcement.clone(),
             counting: place.counting((place.workers, index)),
             resync_from: place.resync_from,
             parents: parents.clone(),
@@ -257,6 +260,7 @@ impl Strategy for Worker {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)?;
         for &p in &self.parents {
             send(cx.comm, p, &PsMessage::Pull)?;
         }
