@@ -57,7 +57,7 @@ pub trait Strategy {
 
     /// What the line that starts training says of the strategy of `config`, `(what, how)`:
     /// e.g. `("61706 params", "2 buckets, strategy sync-allreduce")`; `None` for strategies
-    /// that say what they are as they are built (parameter servers).
+    /// that say what they are when they start (parameter servers).
     fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
         let _ = config;
         None
