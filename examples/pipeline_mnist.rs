@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::{Mnist, Normalization, Split as DataSplit};
-use flotilla_engine::{ModelSpec, OptimizerSpec, Split, cross_entropy};
+use flotilla_engine::{ModelSpec, OptimizerSpec, StageCut, cross_entropy};
 use flotilla_train::batches::{Batches, Position};
 use flotilla_train::pipeline::{Pipeline, PipelineOptions, Schedule};
 
@@ -60,7 +60,7 @@ fn main() -> Result<()> {
     }
     let stages = setting("STAGES", 2)?;
     let spec = ModelSpec::builtin("lenet5").context("the built-in lenet5 spec")?;
-    let split = Split::at(&spec, cut_points(stages)?)?;
+    let cut = StageCut::at(&spec, cut_points(stages)?)?;
     let (schedule, one_batch_loop) = schedule_setting()?;
     let opts = PipelineOptions {
         micro_batches: setting("MICRO_BATCHES", 4)?,
@@ -78,7 +78,7 @@ fn main() -> Result<()> {
         seed: 42,
     };
     let world: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(CommConfig::from_env()?)?);
-    let mut pipe = Pipeline::new(&spec, split, opts, world.clone())?;
+    let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;
 
     let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
     let train = Mnist::load_split(&dir, DataSplit::Train, Normalization::MNIST)?;

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fuzz targets' seed corpora into fuzz/seeds/<target>/ from real encodings:
-the wire formats as documented in the decoders (frame.rs, negotiate.rs, ps/protocol.rs,
-pipeline/wire.rs, events.rs, wire.rs, stall/watcher.rs), the repository's
+the wire formats as documented in the decoders (frame.rs, negotiate.rs, strategy/ps/protocol.rs,
+strategy/pipeline/wire.rs, events.rs, wire.rs, stall/watcher.rs), the repository's
 example configs, model specs and inventory, and the first bytes of the vendored MNIST files.
 Run from the repository root: python3 fuzz/seeds.py"""
 

@@ -7,7 +7,7 @@
 //!
 //! - A cut between layers `c - 1` and `c` is allowed only where nothing but the main
 //!   activation crosses it: no named tensor (`out_variables`) produced before `c` is taken by a
-//!   layer at or after `c` (the [`crate::Crossing`]s of a [`crate::Split`] at `c` would be the
+//!   layer at or after `c` (the [`crate::Crossing`]s of a [`crate::StageCut`] at `c` would be the
 //!   main activation alone). A skip's gradient is the sum of the gradients of its consumers;
 //!   cut across, it would be summed in another order than in one backward pass, and the
 //!   gradients would no longer be bit for bit those of [`crate::Engine::forward_backward`].
@@ -26,12 +26,12 @@
 
 use std::ops::Range;
 
+use crate::cut::ranges_from_points;
 use crate::error::{EngineError, Result};
 use crate::graph;
 use crate::model::SequentialModel;
 use crate::params::ParamLayout;
 use crate::spec::ModelSpec;
-use crate::split::ranges_from_points;
 
 /// One group of a grouped backward pass: consecutive layers and their parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]

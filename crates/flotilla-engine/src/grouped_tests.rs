@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use crate::backward_groups::{self, BackwardGroup};
-use crate::split::{MAIN, Split};
+use crate::cut::{MAIN, StageCut};
 use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 const SEED: u64 = 23;
@@ -273,17 +273,17 @@ fn cuts_fall_only_where_the_main_activation_alone_crosses() {
         let n = spec.layers.len();
         let cuts = backward_groups::clean_cuts(&spec).expect("cuts");
         for c in 1..n {
-            let split = Split::at(&spec, &[c]).expect("split");
-            let main_only = split.crossings.iter().all(|x| x.name == MAIN);
+            let cut = StageCut::at(&spec, &[c]).expect("cut");
+            let main_only = cut.crossings.iter().all(|x| x.name == MAIN);
             assert_eq!(cuts.contains(&c), main_only, "{name}: cut before layer {c}");
         }
         let plan = engine(&spec, 1).backward_plan().to_vec();
         let ranges = plan.iter().map(|g| g.layers.clone()).collect();
-        let split = Split::new(&spec, ranges).expect("split");
+        let cut = StageCut::new(&spec, ranges).expect("cut");
         assert!(
-            split.crossings.iter().all(|x| x.name == MAIN),
+            cut.crossings.iter().all(|x| x.name == MAIN),
             "{name}: {:?}",
-            split.crossings
+            cut.crossings
         );
     }
     // The residual CNN: the stem, blocks 1-2, the downsampling convolution, blocks 3-4 with

@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 mod backward_groups;
+mod cut;
 mod device;
 mod engine;
 mod error;
@@ -23,11 +24,11 @@ mod params;
 mod partition;
 mod profile;
 mod spec;
-mod split;
 mod stage;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
+pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
 pub use device::{available_devices, check_device};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
@@ -39,7 +40,6 @@ pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
 pub use spec::{LayerSpec, ModelSpec, Shape};
-pub use split::{Crossing, MAIN, Split, ranges_from_points};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;
 

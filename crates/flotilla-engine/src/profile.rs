@@ -27,11 +27,11 @@
 
 use std::time::Instant;
 
+use crate::cut::StageCut;
 use crate::error::Result;
 use crate::optim::OptimizerSpec;
 use crate::partition::LayerCost;
 use crate::spec::ModelSpec;
-use crate::split::Split;
 use crate::stage::Stage;
 use crate::weights::ModelState;
 
@@ -55,8 +55,8 @@ pub fn profile(
         } else {
             vec![0..j, j..n]
         };
-        let split = Split::new(spec, ranges)?;
-        let stage = Stage::new(spec, &split, 0, optimizer, device, 0)?;
+        let cut = StageCut::new(spec, ranges)?;
+        let stage = Stage::new(spec, &cut, 0, optimizer, device, 0)?;
         let inputs = sample_inputs(&stage, samples);
         prefixes.push((stage, inputs));
     }

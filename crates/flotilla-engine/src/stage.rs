@@ -3,8 +3,8 @@
 //!
 //! A stage takes its **input slots** and gives its **output slots**, each a flat row-major
 //! buffer of `n` samples: stage 0 takes the model input, a later stage the crossings of
-//! [`Split::inputs`]; the last stage gives the logits, an earlier stage the crossings of
-//! [`Split::outputs`]. `forward` keeps, per micro-batch in flight, what backward needs (the
+//! [`StageCut::inputs`]; the last stage gives the logits, an earlier stage the crossings of
+//! [`StageCut::outputs`]. `forward` keeps, per micro-batch in flight, what backward needs (the
 //! autodiff graph behind the outputs and the input leaves); `backward` is the vector-Jacobian
 //! product: the inputs were marked to require a gradient, and `Σ y·g` over the outputs is
 //! differentiated, giving the gradients of the inputs (sent back upstream) and of the stage's
@@ -22,13 +22,13 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
+use crate::cut::{MAIN, StageCut};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
 use crate::model::Activation;
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::spec::{ModelSpec, Shape};
-use crate::split::{MAIN, Split};
 use crate::weights::{Weights, delegate_model_state};
 
 /// One input or output of a stage: [`MAIN`] (the model input, the main activation or the
@@ -64,38 +64,38 @@ pub struct Stage {
 delegate_model_state!(Stage);
 
 impl Stage {
-    /// Builds stage `index` of `split` (a split of `spec`) on the named backend, with
+    /// Builds stage `index` of `cut` (a cut of `spec`) on the named backend, with
     /// parameters initialised from `seed` as the whole model's would be.
     pub fn new(
         spec: &ModelSpec,
-        split: &Split,
+        cut: &StageCut,
         index: usize,
         optimizer: &OptimizerSpec,
         device_name: &str,
         seed: u64,
     ) -> Result<Self> {
-        let range = split.ranges.get(index).cloned().ok_or_else(|| {
+        let range = cut.ranges.get(index).cloned().ok_or_else(|| {
             EngineError::InvalidSpec(format!(
                 "stage {index} does not exist (the split has {} stages)",
-                split.stages()
+                cut.stages()
             ))
         })?;
-        let last = index + 1 == split.stages();
+        let last = index + 1 == cut.stages();
         let slot = |i: usize| Slot {
-            name: split.crossings[i].name.clone(),
-            shape: split.crossings[i].shape,
+            name: cut.crossings[i].name.clone(),
+            shape: cut.crossings[i].shape,
         };
         let main = |shape| Slot {
             name: MAIN.to_string(),
             shape,
         };
         let inputs = match index {
-            0 => vec![main(split.input)],
-            s => split.inputs(s).into_iter().map(slot).collect(),
+            0 => vec![main(cut.input)],
+            s => cut.inputs(s).into_iter().map(slot).collect(),
         };
         let outputs = match last {
-            true => vec![main(Shape::Flat(split.classes))],
-            false => split.outputs(index).into_iter().map(slot).collect(),
+            true => vec![main(Shape::Flat(cut.classes))],
+            false => cut.outputs(index).into_iter().map(slot).collect(),
         };
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
             .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));

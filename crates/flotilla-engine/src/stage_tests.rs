@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, Split, Stage};
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, Stage, StageCut};
 
 const SEED: u64 = 17;
 
@@ -76,7 +76,13 @@ fn data(spec: &ModelSpec, n: usize) -> (Vec<f32>, Vec<i64>) {
 
 /// Runs one batch through the stages in `m` micro-batches (all forwards, then all backwards
 /// in reverse), routing every crossing by its index; returns the mean loss.
-fn run_batch(stages: &mut [Stage], split: &Split, images: &[f32], labels: &[i64], m: usize) -> f32 {
+fn run_batch(
+    stages: &mut [Stage],
+    cut: &StageCut,
+    images: &[f32],
+    labels: &[i64],
+    m: usize,
+) -> f32 {
     let n = labels.len();
     let per = images.len() / n;
     let sizes: Vec<usize> = (0..m).map(|i| n / m + usize::from(i < n % m)).collect();
@@ -96,8 +102,7 @@ fn run_batch(stages: &mut [Stage], split: &Split, images: &[f32], labels: &[i64]
             let inputs: Vec<Vec<f32>> = if s == 0 {
                 vec![images[a * per..(a + k) * per].to_vec()]
             } else {
-                split
-                    .inputs(s)
+                cut.inputs(s)
                     .iter()
                     .map(|c| sent[&(*c, mb)].clone())
                     .collect()
@@ -105,7 +110,7 @@ fn run_batch(stages: &mut [Stage], split: &Split, images: &[f32], labels: &[i64]
             let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
             let out = stage.forward(mb, k, &refs).expect("forward");
             if s < last {
-                for (c, v) in split.outputs(s).into_iter().zip(out) {
+                for (c, v) in cut.outputs(s).into_iter().zip(out) {
                     sent.insert((c, mb), v);
                 }
             }
@@ -123,7 +128,7 @@ fn run_batch(stages: &mut [Stage], split: &Split, images: &[f32], labels: &[i64]
                 loss += l * k as f32 / n as f32;
                 g
             } else {
-                let g = split
+                let g = cut
                     .outputs(s)
                     .iter()
                     .map(|c| back.remove(&(*c, mb)).expect("grad"))
@@ -131,7 +136,7 @@ fn run_batch(stages: &mut [Stage], split: &Split, images: &[f32], labels: &[i64]
                 stages[s].backward(mb, g).expect("backward")
             };
             if s > 0 {
-                for (c, g) in split.inputs(s).into_iter().zip(grads_in) {
+                for (c, g) in cut.inputs(s).into_iter().zip(grads_in) {
                     back.insert((c, mb), g);
                 }
             }
@@ -181,10 +186,10 @@ fn assert_close(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>, wh
 }
 
 fn check(spec: &ModelSpec, points: &[usize], m: usize) {
-    let split = Split::at(spec, points).expect("split");
+    let cut = StageCut::at(spec, points).expect("cut");
     let mut whole = BurnEngine::new(spec, &sgd(), "flex", SEED).expect("engine");
-    let mut stages: Vec<Stage> = (0..split.stages())
-        .map(|s| Stage::new(spec, &split, s, &sgd(), "flex", SEED).expect("stage"))
+    let mut stages: Vec<Stage> = (0..cut.stages())
+        .map(|s| Stage::new(spec, &cut, s, &sgd(), "flex", SEED).expect("stage"))
         .collect();
     // Same names and initial values: the union of the stages is the whole model.
     let mut union = HashMap::new();
@@ -203,7 +208,7 @@ fn check(spec: &ModelSpec, points: &[usize], m: usize) {
         .expect("whole");
     let mut whole_grad = vec![0.0; whole.num_params()];
     whole.read_grads(&mut whole_grad).expect("grads");
-    let loss = run_batch(&mut stages, &split, &images, &labels, m);
+    let loss = run_batch(&mut stages, &cut, &images, &labels, m);
     assert!(
         (loss - whole_loss).abs() <= 1e-5 * whole_loss.abs(),
         "loss {loss} vs {whole_loss}"
@@ -249,9 +254,9 @@ fn image_stages_equal_the_whole_model() {
 #[test]
 fn out_of_order_calls_are_errors_not_panics() {
     let spec = skip_mlp();
-    let split = Split::at(&spec, &[3]).expect("split");
-    let mut first = Stage::new(&spec, &split, 0, &sgd(), "flex", SEED).expect("stage");
-    let mut last = Stage::new(&spec, &split, 1, &sgd(), "flex", SEED).expect("stage");
+    let cut = StageCut::at(&spec, &[3]).expect("cut");
+    let mut first = Stage::new(&spec, &cut, 0, &sgd(), "flex", SEED).expect("stage");
+    let mut last = Stage::new(&spec, &cut, 1, &sgd(), "flex", SEED).expect("stage");
     let err = first
         .backward(0, vec![vec![0.0; 16]])
         .unwrap_err()
@@ -278,16 +283,16 @@ fn out_of_order_calls_are_errors_not_panics() {
     assert!(err.contains("1 labels for a micro-batch of 2"), "{err}");
     first.reset();
     assert_eq!(first.in_flight(), 0);
-    assert!(Stage::new(&spec, &split, 2, &sgd(), "flex", SEED).is_err());
+    assert!(Stage::new(&spec, &cut, 2, &sgd(), "flex", SEED).is_err());
 }
 
 #[test]
 fn evaluation_through_stages_gives_the_whole_models_logits() {
     let spec = small_cnn();
-    let split = Split::at(&spec, &[3]).expect("split");
+    let cut = StageCut::at(&spec, &[3]).expect("cut");
     let whole = BurnEngine::new(&spec, &sgd(), "flex", SEED).expect("engine");
     let stages: Vec<Stage> = (0..2)
-        .map(|s| Stage::new(&spec, &split, s, &sgd(), "flex", SEED).expect("stage"))
+        .map(|s| Stage::new(&spec, &cut, s, &sgd(), "flex", SEED).expect("stage"))
         .collect();
     let (images, labels) = data(&spec, 6);
     let mid = stages[0].forward_eval(6, &[&images]).expect("eval 0");

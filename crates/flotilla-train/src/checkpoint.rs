@@ -21,7 +21,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use flotilla_engine::Engine;
+use flotilla_engine::ModelState;
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -84,17 +84,18 @@ fn sync_file(path: &Path) -> Result<()> {
         .map_err(|e| TrainError::io(path, e))
 }
 
-/// Writes a checkpoint of `engine` atomically and returns its directory.
-pub fn save(output: &Path, engine: &dyn Engine, state: &CheckpointState) -> Result<PathBuf> {
+/// Writes a checkpoint of `model` (its weights and optimizer state) atomically and returns
+/// its directory.
+pub fn save(output: &Path, model: &dyn ModelState, state: &CheckpointState) -> Result<PathBuf> {
     let state = CheckpointState {
-        num_params: engine.num_params(),
+        num_params: model.num_params(),
         ..state.clone()
     };
     save_with(output, &state, |tmp| {
-        let model = tmp.join("model.safetensors");
-        engine.save_weights(&model)?;
-        sync_file(&model)?;
-        write_synced(&tmp.join("optimizer.bpk"), &engine.optimizer_state()?)
+        let weights = tmp.join("model.safetensors");
+        model.save_weights(&weights)?;
+        sync_file(&weights)?;
+        write_synced(&tmp.join("optimizer.bpk"), &model.optimizer_state()?)
     })
 }
 
@@ -325,25 +326,25 @@ pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     serde_json::from_slice(&bytes).map_err(|e| ck_err(&path, e.to_string()))
 }
 
-/// Loads a checkpoint's weights and optimizer state into `engine` and returns its state.
-/// A checkpoint of another model is an error and leaves the engine unchanged.
-pub fn load(dir: &Path, engine: &mut dyn Engine) -> Result<CheckpointState> {
+/// Loads a checkpoint's weights and optimizer state into `model` and returns its state.
+/// A checkpoint of another model is an error and leaves the model unchanged.
+pub fn load(dir: &Path, model: &mut dyn ModelState) -> Result<CheckpointState> {
     let state = read_state(dir)?;
-    if state.num_params != engine.num_params() {
+    if state.num_params != model.num_params() {
         return Err(ck_err(
             dir,
             format!(
                 "holds {} parameters ({}) but the model has {}",
                 state.num_params,
                 state.model,
-                engine.num_params()
+                model.num_params()
             ),
         ));
     }
     let optimizer = dir.join("optimizer.bpk");
     let bytes = fs::read(&optimizer).map_err(|e| TrainError::io(&optimizer, e))?;
-    engine.load_weights(&dir.join("model.safetensors"))?;
-    engine.load_optimizer_state(&bytes)?;
+    model.load_weights(&dir.join("model.safetensors"))?;
+    model.load_optimizer_state(&bytes)?;
     Ok(state)
 }
 

@@ -67,9 +67,9 @@ pub enum TrainError {
         /// What went wrong.
         message: String,
     },
-    /// A strategy name that [`crate::strategies::STRATEGIES`] does not have.
+    /// A preset name (`flotilla compare --strategies`) that [`crate::presets::PRESETS`] does not have.
     #[error("unknown strategy `{name}` (known: {known})")]
-    UnknownStrategy {
+    UnknownPreset {
         /// The name given.
         name: String,
         /// The known names, comma-separated.

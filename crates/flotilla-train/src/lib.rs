@@ -1,8 +1,9 @@
-//! Flotilla's training layer: run configuration, strategies (sync data parallel over a ring
-//! all-reduce with fusion buckets), the per-rank training loop, checkpoints and run logs.
+//! Flotilla's training layer: run configuration, the ways of training ([`strategy`]: sync and
+//! async all-reduce, parameter servers, pipeline stages), the per-rank run loop, checkpoints
+//! and run logs.
 //!
 //! Strategies talk to the engine through [`flotilla_engine::Engine`] (flat buffers) and to the
-//! other ranks through [`flotilla_comm::Communicator`] collectives; they never see sockets.
+//! other ranks through a [`flotilla_comm::ProcessGroup`]; they never see sockets.
 #![warn(missing_docs)]
 
 pub mod backend;
@@ -17,13 +18,11 @@ pub mod fault;
 pub mod gather;
 pub mod history;
 pub mod observe;
-pub mod pipeline;
-pub mod ps;
+pub mod plan;
+pub mod presets;
 pub mod rejoin;
-pub mod role;
 pub mod runlog;
 pub mod runloop;
-pub mod strategies;
 pub mod strategy;
 pub mod trainer;
 
@@ -35,4 +34,8 @@ pub(crate) mod testkit;
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
+/// The pipeline and parameter servers at the crate's root, where the config
+/// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
+pub use strategy::{pipeline, ps};
 pub use trainer::{RunSummary, run};
+

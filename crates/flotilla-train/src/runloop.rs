@@ -1,4 +1,4 @@
-//! The one run loop: drives any [`Role`] step by step and does, once for all of them, what
+//! The one run loop: drives any [`Strategy`] step by step and does, once for all of them, what
 //! is not the role's business — counting progress against the plan, epochs and their
 //! report lines, evaluation when due (collective or local), the target accuracy, periodic
 //! and final checkpoints, progress for the front end, injected faults, the cross-rank
@@ -16,40 +16,9 @@ use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::history::{EvalPoint, History, LossPoint};
 use crate::observe::StepEvent;
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::{Cadence, LoopPlan};
 use crate::runlog::{EpochMetrics, append_metrics};
-
-/// How the run's progress is reported and evaluated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cadence {
-    /// In epochs of the role's data: a line per epoch, evaluation every `every` epochs and
-    /// at the end (data-parallel peers).
-    Epochs {
-        /// Evaluate every this many epochs (0: only at the end).
-        every: u32,
-    },
-    /// In rounds: evaluation every `every` rounds (parameter-server root).
-    Rounds {
-        /// Evaluate every this many rounds (0: only at the end).
-        every: u64,
-    },
-}
-
-/// What the loop needs to know besides the role.
-pub struct Plan {
-    /// Units of progress to take (steps or rounds), for roles that stop themselves.
-    pub total: u64,
-    /// Reporting and evaluation cadence.
-    pub cadence: Cadence,
-    /// Progress already made before this run (a resumed run's step).
-    pub resumed_at: u64,
-    /// The model's name and the cluster hash (for checkpoints).
-    pub model: String,
-    /// The cluster config hash.
-    pub config_hash: u64,
-    /// When the process started (for wall times).
-    pub started: Instant,
-}
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 
 /// How the loop ended on this rank.
 #[derive(Debug, Clone)]
@@ -99,9 +68,9 @@ impl Epoch {
 
 /// The loop's state for one run.
 struct Loop<'r, 'd, 'c> {
-    role: &'r mut dyn Role,
+    role: &'r mut dyn Strategy,
     data: Batches<'d>,
-    plan: &'r Plan,
+    plan: &'r LoopPlan,
     cx: &'r mut Cx<'c>,
     progress: u64,
     /// Steps this process made (see [`Finished::steps_run`]).
@@ -118,9 +87,9 @@ struct Loop<'r, 'd, 'c> {
 
 /// Runs `role` to the end of the plan (or until its server stops it).
 pub fn run(
-    role: &mut dyn Role,
+    role: &mut dyn Strategy,
     data: Batches<'_>,
-    plan: &Plan,
+    plan: &LoopPlan,
     cx: &mut Cx<'_>,
 ) -> Result<Finished> {
     let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;
@@ -206,7 +175,7 @@ impl Loop<'_, '_, '_> {
             return Ok(());
         };
         let advice =
-            crate::divergence::advice(&verdict, self.cx.config.base_lr(), self.cx.async_momentum);
+            crate::divergence::advice(&verdict, self.cx.config.base_lr(), self.plan.async_momentum);
         if crate::divergence::aborts(&verdict, self.cx.config.schedule.abort_on_divergence) {
             return Err(TrainError::NotLearning { verdict, advice });
         }
@@ -236,15 +205,7 @@ impl Loop<'_, '_, '_> {
         if let Some(f) = &self.cx.fault
             && f.at(at) == Some(FaultAction::Perturb)
         {
-            let model = self.model()?;
-            let mut params = vec![0.0f32; model.num_params()];
-            model.read_params(&mut params)?;
-            if let Some(p) = params.first_mut() {
-                *p += 1e-3;
-            }
-            model.write_params(&params)?;
-            self.cx
-                .log("FLOTILLA_FAULT: changed parameter 0 on this rank")?;
+            self.perturb()?;
         }
         if let Some(loss) = step.loss.filter(|l| l.is_finite()) {
             self.epoch.loss_sum += f64::from(loss);
@@ -305,12 +266,20 @@ impl Loop<'_, '_, '_> {
         self.data.position()
     }
 
-    /// The parameters of this rank: the role's own, or the engine's.
-    fn model(&mut self) -> Result<&mut dyn flotilla_engine::ModelState> {
-        match self.role.own_model() {
-            Some(m) => Ok(m),
-            None => Ok(self.cx.engine()?),
+    /// A `perturb` fault: this rank's first parameter changes (a rank that holds no model of
+    /// its own has none to change).
+    fn perturb(&mut self) -> Result<()> {
+        let Some(model) = self.role.model() else {
+            return Ok(());
+        };
+        let mut params = vec![0.0f32; model.num_params()];
+        model.read_params(&mut params)?;
+        if let Some(p) = params.first_mut() {
+            *p += 1e-3;
         }
+        model.write_params(&params)?;
+        self.cx
+            .log("FLOTILLA_FAULT: changed parameter 0 on this rank")
     }
 
     /// A checkpoint, on every rank (the role decides who writes what).
@@ -355,7 +324,6 @@ impl Loop<'_, '_, '_> {
         metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
         metrics::gauge!("flotilla_test_loss").set(stats.loss());
         self.last_eval = Some(stats);
-        self.cx.last_eval = Some(stats);
         let verdict = self.check.accuracy(self.progress, stats.accuracy());
         self.judge(verdict)?;
         Ok(stats)
@@ -413,7 +381,7 @@ impl Loop<'_, '_, '_> {
         } else {
             None
         };
-        let global_batch = self.data.batch_size() * self.cx.num_workers;
+        let global_batch = self.data.batch_size() * self.plan.workers;
         let samples_per_s = (steps as f64 * global_batch as f64) / epoch_s.max(1e-9);
         let metrics = EpochMetrics {
             epoch: epoch_no,

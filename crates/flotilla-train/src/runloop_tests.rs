@@ -6,13 +6,14 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
-use flotilla_engine::EvalStats;
+use flotilla_engine::{EvalStats, ModelState};
 
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::Result;
-use crate::role::{Cx, Evaluation, Role, Step};
-use crate::runloop::{Cadence, Finished, Plan, run};
+use crate::plan::{Cadence, Counting, LoopPlan};
+use crate::runloop::{Finished, run};
+use crate::strategy::{Cx, Evaluation, Step, Strategy};
 use crate::testkit::{Rank, batches, config, dataset, sgd, world};
 
 /// A role that trains on nothing: each step draws a batch, its loss is the step's number
@@ -52,13 +53,24 @@ fn accuracy(progress: u64) -> f64 {
     progress as f64 / 10.0
 }
 
-impl Role for Tiny {
+impl Strategy for Tiny {
     fn name(&self) -> &'static str {
         "tiny"
     }
 
     fn evaluation(&self) -> Evaluation {
         self.evaluation
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        None
+    }
+
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: 1,
+            index: 0,
+        }
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -111,24 +123,26 @@ impl Role for Tiny {
 
 /// Runs `role` for `plan` on 16 samples (4 batches of 4 an epoch) with `set` applied to
 /// the config.
-fn drive(role: &mut Tiny, plan: &Plan, set: impl FnOnce(&mut crate::TrainConfig)) -> Finished {
+fn drive(role: &mut Tiny, plan: &LoopPlan, set: impl FnOnce(&mut crate::TrainConfig)) -> Finished {
     let mut c = config(sgd(0.1, 0.0));
     set(&mut c);
     let comm = world(1).remove(0);
-    let mut rank = Rank::new(comm, c, &sgd(0.1, 0.0), 16);
+    let mut rank = Rank::new(comm, c, 16);
     rank.rounds = plan.total;
     let data = dataset(16);
-    run(role, batches(&data, 1, 0), plan, &mut rank.cx(1)).expect("run")
+    run(role, batches(&data, 1, 0), plan, &mut rank.cx()).expect("run")
 }
 
-fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> Plan {
-    Plan {
+fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {
+    LoopPlan {
         total,
         cadence,
         resumed_at,
         model: "mlp2".into(),
         config_hash: 7,
         started: Instant::now(),
+        workers: 1,
+        async_momentum: None,
     }
 }
 

@@ -1,6 +1,7 @@
 //! What the in-memory tests of strategies, servers and the run loop share: a tiny model, a
-//! small deterministic data set, in-memory worlds, one rank's context, and the serial
-//! references they are checked against — a gradient oracle (the engine's gradient at given
+//! small deterministic data set, in-memory worlds, one rank's context and its strategies
+//! built by their production constructors ([`Rank::build`]), and the serial references they
+//! are checked against — a gradient oracle (the engine's gradient at given
 //! parameters on a given batch) and SGD written out as a formula.
 //!
 //! The references are deliberately plain: the code under test is the production strategy or
@@ -9,6 +10,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use flotilla_cluster::Topology;
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::ImageDataset;
 use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
@@ -16,8 +18,8 @@ use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, Optim
 use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
-use crate::role::Cx;
 use crate::runlog::RunLog;
+use crate::strategy::{Cx, Setup, Strategy};
 
 /// Two linear layers on a 2×2 input, 3 classes: 35 parameters in 4 tensors.
 pub(crate) const SPEC: &str = "name: mlp2\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 4}\n  - tanh\n  - linear: {out: 3}\n";
@@ -44,12 +46,15 @@ pub(crate) fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     }
 }
 
-/// A config of `optimizer`, constant learning rate, no warm-up, a 5 s deadline.
+/// A config of `optimizer`, constant learning rate, no warm-up, a 5 s deadline, engines on
+/// `flex` from [`SEED`].
 pub(crate) fn config(optimizer: OptimizerSpec) -> TrainConfig {
     let mut c = TrainConfig {
         optimizer,
         ..TrainConfig::default()
     };
+    c.model.device = "flex".into();
+    c.model.seed = SEED;
     c.schedule.lr_schedule = LrSchedule::Constant;
     c.schedule.warmup_steps = 0;
     c.schedule.divergence_check_rounds = 0;
@@ -87,7 +92,6 @@ pub(crate) fn batches(data: &ImageDataset, workers: usize, rank: usize) -> Batch
 pub(crate) struct Rank {
     pub(crate) comm: Arc<dyn ProcessGroup>,
     pub(crate) config: TrainConfig,
-    pub(crate) engine: BurnEngine,
     pub(crate) data: ImageDataset,
     pub(crate) log: RunLog,
     pub(crate) observer: Quiet,
@@ -97,22 +101,18 @@ pub(crate) struct Rank {
 }
 
 impl Rank {
-    /// Rank `comm.rank()` with an engine of [`SPEC`] built with `engine_optimizer` (a server's
-    /// may differ from the config's), `samples` training samples.
+    /// Rank `comm.rank()` of a job of `config`, with `samples` training samples.
     pub(crate) fn new(
         comm: Arc<dyn ProcessGroup>,
         mut config: TrainConfig,
-        engine_optimizer: &OptimizerSpec,
         samples: usize,
     ) -> Self {
-        let engine = BurnEngine::new(&spec(), engine_optimizer, "flex", SEED).expect("engine");
         let dir = tempfile::tempdir().expect("tmp");
         config.telemetry.output = dir.path().to_path_buf();
         let log = RunLog::open(dir.path(), comm.rank()).expect("log");
         Self {
             comm,
             config,
-            engine,
             data: dataset(samples),
             log,
             observer: Quiet,
@@ -121,32 +121,43 @@ impl Rank {
         }
     }
 
-    /// The run loop's context of this rank, with `workers` data shards.
-    pub(crate) fn cx(&mut self, workers: usize) -> Cx<'_> {
+    /// The run loop's context of this rank.
+    pub(crate) fn cx(&mut self) -> Cx<'_> {
         Cx {
             comm: &self.comm,
             config: &self.config,
-            engine: Some(&mut self.engine),
-            train: &self.data,
             test: &self.data,
             rank: self.comm.rank(),
-            num_workers: workers,
             rounds: self.rounds,
-            eval_every: 0,
             log: &mut self.log,
             observer: &mut self.observer,
             fault: None,
-            last_eval: None,
-            async_momentum: None,
         }
     }
 
-    /// The engine's flat parameters.
-    pub(crate) fn params(&self) -> Vec<f32> {
-        let mut p = vec![0.0; self.engine.num_params()];
-        self.engine.read_params(&mut p).expect("params");
-        p
+    /// This rank's strategy in the job of `topology` (of [`SPEC`]), made by its production
+    /// constructor `build`: the one the trainer's [`crate::strategy::registry`] calls.
+    pub(crate) fn build<S>(
+        &mut self,
+        topology: &Topology,
+        build: impl FnOnce(&mut Cx<'_>, &Setup<'_>) -> crate::Result<S>,
+    ) -> S {
+        let spec = spec();
+        let setup = Setup {
+            spec: &spec,
+            topology,
+            samples: self.data.len(),
+        };
+        build(&mut self.cx(), &setup).expect("strategy")
     }
+}
+
+/// The flat parameters `strategy` holds.
+pub(crate) fn params(strategy: &mut dyn Strategy) -> Vec<f32> {
+    let model = strategy.model().expect("a strategy with a model");
+    let mut p = vec![0.0; model.num_params()];
+    model.read_params(&mut p).expect("params");
+    p
 }
 
 /// The gradient of the loss at given parameters on a given batch, from an engine of

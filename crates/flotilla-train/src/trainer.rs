@@ -1,28 +1,31 @@
-//! One rank of a training job, set up: rendezvous, data, engine, this rank's [`Role`] and
-//! where it starts (a resumed checkpoint's position); then the one run loop
-//! ([`crate::runloop`]) and the summary.
+//! One rank of a training job, set up: rendezvous, data, this rank's [`Strategy`] (built by
+//! [`registry::build`], restored by [`Strategy::restore`] from the checkpoint the run resumes
+//! from) and the plan its counting gives; then the one run loop ([`crate::runloop`]) and the
+//! summary.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_cluster::{Arch, Topology};
+use flotilla_cluster::Topology;
 use flotilla_comm::{ProcessGroup, StallWatcher};
 use flotilla_data::{ImageDataset, Mnist};
-use flotilla_engine::{BurnEngine, ModelSpec};
+use flotilla_engine::ModelSpec;
 
 use crate::batches::{Batches, Position};
-use crate::checkpoint::{self, CheckpointState};
-use crate::config::{AllReduceMode, TrainConfig};
-use crate::error::{Result, TrainError};
+use crate::checkpoint::CheckpointState;
+use crate::config::TrainConfig;
+use crate::error::Result;
 use crate::fault::Fault;
 use crate::history::{History, RankReport};
 use crate::observe::Observer;
-use crate::ps;
-use crate::role::{Cx, Role};
+use crate::plan::{Cadence, Counting, LoopPlan};
 use crate::runlog::RunLog;
-use crate::runloop::{self, Cadence, Plan};
-use crate::strategy::{AsyncAllReduce, SyncAllReduce};
+use crate::runloop;
+use crate::strategy::{Cx, Resume, Setup, Strategy, registry};
+
+/// What a rank does, in a word (its strategy's name, before the strategy is built).
+pub use crate::strategy::registry::role_label;
 
 /// How a run ended.
 #[derive(Debug, Clone, PartialEq)]
@@ -57,7 +60,7 @@ pub struct RunSummary {
     pub param_hash: u64,
     /// The final checkpoint directory (rank 0 only).
     pub checkpoint: Option<PathBuf>,
-    /// The figures above by name, and the role's own (see [`crate::Role::figures`]).
+    /// The figures above by name, and the role's own (see [`crate::strategy::Strategy::figures`]).
     pub figures: std::collections::BTreeMap<String, f64>,
     /// This rank's history of the run (losses, epoch ends, evaluations).
     pub history: History,
@@ -103,25 +106,6 @@ fn up_line(
     )
 }
 
-/// The whole-model engine of every role but a pipeline stage (which holds only its own
-/// layers); data-parallel peers run backward in groups of about one bucket, so that buckets
-/// start as groups finish.
-fn whole_model_engine(
-    config: &TrainConfig,
-    spec: &ModelSpec,
-    arch: Arch,
-    optimizer: &flotilla_engine::OptimizerSpec,
-) -> Result<Option<BurnEngine>> {
-    if arch == Arch::Pipeline {
-        return Ok(None);
-    }
-    let mut engine = BurnEngine::new(spec, optimizer, &config.model.device, config.model.seed)?;
-    if arch == Arch::Allreduce {
-        engine.set_backward_group_bytes(config.bucket_bytes())?;
-    }
-    Ok(Some(engine))
-}
-
 /// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
 /// rendezvous).
 pub fn run(
@@ -151,12 +135,6 @@ pub fn run(
         &[1, train.rows(), train.cols()],
         train.num_classes().max(10),
     )?;
-    let servers = crate::ps::staleness::for_job(config, &topology, rank);
-    if let Some(note) = &servers.own.note {
-        observer.message(note);
-        log.line(note)?;
-    }
-    let mut engine = whole_model_engine(config, &spec, topology.arch(), &servers.own.optimizer)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
@@ -173,30 +151,21 @@ pub fn run(
         train: &train,
         started,
         rejoined: rejoin == flotilla_comm::Rejoin::Join,
+        // The root's momentum when its updates are stale, for the advice of every rank.
+        async_momentum: crate::strategy::ps::staleness::for_job(config, &topology, rank)
+            .root_async_momentum,
     };
     let mut cx = Cx {
         comm: &comm,
         config,
-        engine: engine
-            .as_mut()
-            .map(|e| e as &mut dyn flotilla_engine::Engine),
-        train: &train,
         test: &test,
         rank,
-        num_workers: world,
         rounds: 0,
-        eval_every: 0,
         log: &mut log,
         observer,
         fault: Fault::from_env(rank),
-        last_eval: None,
-        async_momentum: servers.root_async_momentum,
     };
-    match topology.arch() {
-        Arch::Allreduce => job.data_parallel(&mut cx),
-        Arch::Pipeline => job.pipeline(&mut cx),
-        Arch::Flat | Arch::Hierarchical => job.parameter_servers(&mut cx),
-    }
+    job.train(&mut cx)
 }
 
 /// What every rank's setup reads.
@@ -211,283 +180,107 @@ struct Job<'a> {
     /// This process replaced a lost worker of a running job: it takes part in no collective
     /// (it missed those issued before it came).
     rejoined: bool,
+    /// See [`LoopPlan::async_momentum`].
+    async_momentum: Option<(f64, f64)>,
 }
 
 impl Job<'_> {
-    /// Data parallel, sync or async: every rank a peer of the all-reduce, resumable.
-    fn data_parallel(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
-        let (config, world) = (self.config, self.comm.size());
-        let layout = cx.engine()?.layout().clone();
-        let a = &config.allreduce;
-        let (mut peer, how): (Box<dyn Role>, String) = match a.mode {
-            AllReduceMode::Sync => {
-                let peer = SyncAllReduce::new(self.comm.clone(), cx.engine_ref()?, a.overlap)?;
-                let how = format!(
-                    "{} buckets, strategy sync-allreduce{}",
-                    peer.plan().buckets.len(),
-                    if a.overlap {
-                        " (backward overlapped)"
-                    } else {
-                        ""
-                    }
-                );
-                (Box::new(peer), how)
-            }
-            AllReduceMode::Async => {
-                let peer = AsyncAllReduce::new(
-                    self.comm.clone(),
-                    &layout,
-                    a.cycle(),
-                    a.staleness,
-                    a.correction,
-                );
-                let how = format!(
-                    "strategy async-allreduce (cycle {} ms, fusion buffer {} bytes, staleness {}, correction {:?})",
-                    a.cycle_duration_ms, a.all_reduce_buffer_size, a.staleness, a.correction
-                );
-                (Box::new(peer), how)
-            }
+    /// This rank's strategy, built, restored and run to the end of the plan.
+    fn train(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
+        let setup = Setup {
+            spec: self.spec,
+            topology: self.topology,
+            samples: self.train.len(),
         };
-        let resumed = self.resume(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))?;
-        let (data, plan) = self.epochs_plan(cx, (world, cx.rank), resumed.as_ref())?;
-        cx.log(&format!(
-            "training: {} params, {} steps/epoch of {}x{} samples, {} steps, {how}",
-            layout.total,
-            data.steps_per_epoch(),
-            config.data.batch_size,
-            world,
-            plan.total,
-        ))?;
+        let mut strategy = registry::build(cx, &setup)?;
+        let from = Resume::find(cx, self.hash, self.rejoined)?;
+        let resumed = strategy.restore(cx, &from)?;
+        let (data, plan) = self.plan(strategy.counting(), cx, resumed.as_ref())?;
+        if let Some((what, how)) = strategy.describe(self.config) {
+            cx.log(&format!(
+                "training: {what}, {} steps/epoch of {}x{} samples, {} steps, {how}",
+                data.steps_per_epoch(),
+                self.config.data.batch_size,
+                plan.workers,
+                plan.total,
+            ))?;
+        }
         // The stall inspector of the world group's collectives (buckets, evaluation).
-        let everyone: Vec<usize> = (0..world).collect();
-        let channel = self.comm.group(&everyone)?;
-        let watcher = StallWatcher::start(self.comm.clone(), channel, a.stall_policy())?;
-        let done = runloop::run(&mut *peer, data, &plan, cx)?;
-        watcher.shutdown()?;
-        let summary = self.summary(&*peer, cx, done);
-        cx.log(&format!(
-            "parameters identical on all {world} ranks (xxh3 {:016x})",
-            summary.param_hash
-        ))?;
+        let watcher = match strategy.stall_policy(self.config) {
+            Some(policy) => {
+                let everyone: Vec<usize> = (0..self.comm.size()).collect();
+                let channel = self.comm.group(&everyone)?;
+                Some(StallWatcher::start(self.comm.clone(), channel, policy)?)
+            }
+            None => None,
+        };
+        let done = runloop::run(&mut *strategy, data, &plan, cx)?;
+        if let Some(w) = watcher {
+            w.shutdown()?;
+        }
+        let summary = self.summary(&*strategy, cx, done);
         cx.log_quiet(&summary.final_line())?;
         Ok(summary)
     }
 
-    /// The batches of this rank's data `shard` (from a resumed position) and the plan of a
-    /// run counted in epochs (or `max_steps`).
-    fn epochs_plan(
+    /// The batches this rank draws, from where a resumed run stood, and the loop's plan for
+    /// a strategy counting `counting`.
+    fn plan(
         &self,
+        counting: Counting,
         cx: &mut Cx<'_>,
-        shard: (usize, usize),
         resumed: Option<&CheckpointState>,
-    ) -> Result<(Batches<'_>, Plan)> {
+    ) -> Result<(Batches<'_>, LoopPlan)> {
         let config = self.config;
-        let start = resumed.map_or(Position::default(), |s| Position {
-            epoch: s.epoch,
-            step_in_epoch: s.step_in_epoch,
-        });
-        let data = Batches::new(
-            self.train,
-            shard,
-            config.model.seed,
-            config.data.batch_size,
-            start,
-        )?;
-        let s = &config.schedule;
-        let planned = data.steps_per_epoch() * s.epochs as u64;
-        let total = match s.max_steps {
-            Some(m) if s.epochs == 0 => m,
-            Some(m) => m.min(planned),
-            None => planned,
+        let (seed, batch) = (config.model.seed, config.data.batch_size);
+        let resumed_at = resumed.map_or(0, |s| s.step);
+        let (data, total, cadence) = match counting {
+            Counting::Epochs { shards, index } => {
+                let start = resumed.map_or(Position::default(), |s| Position {
+                    epoch: s.epoch,
+                    step_in_epoch: s.step_in_epoch,
+                });
+                let data = Batches::new(self.train, (shards, index), seed, batch, start)?;
+                let s = &config.schedule;
+                let planned = data.steps_per_epoch() * s.epochs as u64;
+                let total = match s.max_steps {
+                    Some(m) if s.epochs == 0 => m,
+                    Some(m) => m.min(planned),
+                    None => planned,
+                };
+                let every = s.eval_every.unwrap_or(1);
+                (data, total, Cadence::Epochs { every })
+            }
+            Counting::Rounds {
+                total,
+                every,
+                local_steps,
+                shard,
+            } => {
+                // A worker resumes where its batches stood after that many rounds (exact for
+                // sync servers, where every worker pushes once a round).
+                let fresh = Batches::new(self.train, shard, seed, batch, Position::default())?;
+                let start =
+                    Position::after(resumed_at * local_steps as u64, fresh.steps_per_epoch());
+                let data = Batches::new(self.train, shard, seed, batch, start)?;
+                (data, total, Cadence::Rounds { every })
+            }
         };
         cx.rounds = total;
-        let plan = Plan {
+        let plan = LoopPlan {
             total,
-            cadence: Cadence::Epochs {
-                every: s.eval_every.unwrap_or(1),
-            },
-            resumed_at: resumed.map_or(0, |s| s.step),
-            model: self.spec.name.clone(),
-            config_hash: self.hash,
-            started: self.started,
-        };
-        Ok((data, plan))
-    }
-
-    /// Pipeline parallel: this rank's stage of its replica, resumable.
-    fn pipeline(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
-        let config = self.config;
-        let mut role = crate::pipeline::StageRole::new(cx, self.spec)?;
-        let resumed = self.resume(cx, |dir, _| {
-            let state = checkpoint::read_state(dir)?;
-            crate::pipeline::state::restore(role.pipeline(), Some(dir)).map(|()| state)
-        })?;
-        if resumed.is_some() && cx.rank != 0 {
-            crate::pipeline::state::restore(role.pipeline(), None)?;
-        }
-        let (replicas, stages) = (
-            config.pipeline.data_parallel,
-            role.pipeline().split().stages(),
-        );
-        cx.num_workers = replicas;
-        let shard = (replicas, role.pipeline().replica());
-        let (data, plan) = self.epochs_plan(cx, shard, resumed.as_ref())?;
-        cx.log(&format!(
-            "training: {stages} stages × {replicas} replica(s), {} steps/epoch of {}x{replicas} samples, {} steps, strategy pipeline ({}, {} micro-batches)",
-            data.steps_per_epoch(),
-            config.data.batch_size,
-            plan.total,
-            config.pipeline.schedule,
-            config.pipeline.micro_batches,
-        ))?;
-        let done = runloop::run(&mut role, data, &plan, cx)?;
-        let summary = self.summary(&role, cx, done);
-        cx.log_quiet(&summary.final_line())?;
-        Ok(summary)
-    }
-
-    /// Resume: rank 0 finds the newest checkpoint and `load`s it; its position is shared with
-    /// every rank (the weights travel with the initial broadcast, or the pipeline's restore).
-    fn resume(
-        &self,
-        cx: &mut Cx<'_>,
-        load: impl FnOnce(&std::path::Path, &mut Cx<'_>) -> Result<CheckpointState>,
-    ) -> Result<Option<CheckpointState>> {
-        if self.rejoined {
-            return Ok(None);
-        }
-        let mut bytes = Vec::new();
-        let newest = if cx.rank == 0 && self.config.schedule.resume {
-            let (dir, warnings) = checkpoint::newest_complete(&self.config.telemetry.output)?;
-            for w in warnings {
-                cx.log(&format!("warning: not resuming from it: {w}"))?;
-            }
-            dir
-        } else {
-            None
-        };
-        if let Some(dir) = newest {
-            let state = load(&dir, cx)?;
-            if state.config_hash != self.hash {
-                cx.log(&format!(
-                    "warning: {} was written by a run with another config",
-                    dir.display()
-                ))?;
-            }
-            cx.log(&format!(
-                "resuming from {} (step {})",
-                dir.display(),
-                state.step
-            ))?;
-            bytes = serde_json::to_vec(&state).map_err(|e| TrainError::Checkpoint {
-                path: dir.clone(),
-                message: e.to_string(),
-            })?;
-        }
-        self.comm.broadcast_bytes(&mut bytes, 0)?;
-        if bytes.is_empty() {
-            return Ok(None);
-        }
-        serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| TrainError::Checkpoint {
-                path: self.config.telemetry.output.clone(),
-                message: format!("resume state from rank 0: {e}"),
-            })
-    }
-
-    /// A parameter-server topology: this rank's role in it.
-    fn parameter_servers(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
-        let (config, topology) = (self.config, self.topology);
-        if cx.rank == topology.root() {
-            // The placement on this job's hosts when an inventory is given, else the roles.
-            let described = match &config.topology.inventory {
-                Some(path) => flotilla_cluster::Inventory::load(path)
-                    .and_then(|inv| flotilla_cluster::place(topology, &inv))
-                    .map(|p| p.describe())
-                    .unwrap_or_else(|_| topology.describe()),
-                None => topology.describe(),
-            };
-            for line in described.lines() {
-                cx.log_quiet(line)?;
-            }
-        }
-        let num_workers = topology.num_workers();
-        let local_steps = config.topology.local_steps.max(1);
-        let per_round = num_workers * config.data.batch_size * local_steps;
-        let rounds_per_epoch = (self.train.len() / per_round.max(1)).max(1) as u64;
-        let s = &config.schedule;
-        // `num_server_rounds`, else `max_steps`, else the epochs; `max_steps` also caps
-        // `num_server_rounds` (so `--max-steps` shortens a config that sets it).
-        cx.rounds = match (s.num_server_rounds, s.max_steps) {
-            (Some(n), Some(m)) => n.min(m),
-            (Some(n), None) => n,
-            (None, Some(m)) => m,
-            (None, None) => s.epochs.max(1) as u64 * rounds_per_epoch,
-        };
-        cx.eval_every = s.eval_every.map_or(rounds_per_epoch, u64::from);
-        cx.num_workers = num_workers;
-        let resumed_at = self.resume_servers(cx)?;
-        let (mut role, shard) = ps::build_role(cx, topology, resumed_at)?;
-        let seed = config.model.seed;
-        let batch = config.data.batch_size;
-        // A worker resumes where its batches stood after that many rounds (exact for sync
-        // servers, where every worker pushes once a round).
-        let per_epoch =
-            Batches::new(self.train, shard, seed, batch, Position::default())?.steps_per_epoch();
-        let start = Position::after(resumed_at * local_steps as u64, per_epoch);
-        let data = Batches::new(self.train, shard, seed, batch, start)?;
-        let plan = Plan {
-            total: cx.rounds,
-            cadence: Cadence::Rounds {
-                every: cx.eval_every,
-            },
+            cadence,
             resumed_at,
             model: self.spec.name.clone(),
             config_hash: self.hash,
             started: self.started,
+            workers: counting.shards(),
+            async_momentum: self.async_momentum,
         };
-        let done = runloop::run(role.as_mut(), data, &plan, cx)?;
-        let summary = self.summary(role.as_ref(), cx, done);
-        cx.log_quiet(&summary.final_line())?;
-        Ok(summary)
+        Ok((data, plan))
     }
 
-    /// Resume of a parameter-server job: the root (rank 0) loads the newest checkpoint into
-    /// its engine (parameters and optimizer state) and every rank learns the round it was
-    /// taken at (0 without one). With several shard servers, the parameters then go from
-    /// the root to every rank, so that each server starts from its shard of them; the other
-    /// shards' optimizer state is not in the checkpoint and starts afresh (logged).
-    fn resume_servers(&self, cx: &mut Cx<'_>) -> Result<u64> {
-        let Some(state) = self.resume(cx, |dir, cx| checkpoint::load(dir, cx.engine()?))? else {
-            return Ok(0);
-        };
-        let shards = self
-            .topology
-            .servers()
-            .filter(|r| matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. }))
-            .count();
-        if shards > 1 {
-            let engine = cx.engine()?;
-            let mut params = vec![0.0f32; engine.num_params()];
-            engine.read_params(&mut params)?;
-            self.comm.broadcast_f32(&mut params, self.topology.root())?;
-            cx.engine()?.write_params(&params)?;
-            if cx.rank != self.topology.root()
-                && self.topology.role(cx.rank).is_some_and(|r| {
-                    matches!(r.kind, flotilla_cluster::RoleKind::ShardServer { .. })
-                })
-            {
-                cx.log(&format!(
-                    "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
-                    state.step
-                ))?;
-            }
-        }
-        Ok(state.step)
-    }
-
-    fn summary(&self, role: &dyn Role, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
+    fn summary(&self, role: &dyn Strategy, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
         let mut s = self.bare_summary(role, cx, done);
         let own = role.figures(cx);
         s.figures = [
@@ -532,7 +325,12 @@ impl Job<'_> {
         Some(gathered.reports)
     }
 
-    fn bare_summary(&self, role: &dyn Role, cx: &Cx<'_>, done: runloop::Finished) -> RunSummary {
+    fn bare_summary(
+        &self,
+        role: &dyn Strategy,
+        cx: &Cx<'_>,
+        done: runloop::Finished,
+    ) -> RunSummary {
         RunSummary {
             role: role.name(),
             rank: cx.rank,
@@ -552,24 +350,5 @@ impl Job<'_> {
             history: done.history,
             ranks: None,
         }
-    }
-}
-
-/// What rank `rank` does in `topology`, in a word (`peer`, `stage`, `root`, `shard-server`,
-/// `global-server`, `local-server`, `worker`).
-pub fn role_label(topology: &flotilla_cluster::Topology, rank: usize) -> &'static str {
-    use flotilla_cluster::RoleKind;
-    match topology.arch() {
-        flotilla_cluster::Arch::Allreduce => return "peer",
-        flotilla_cluster::Arch::Pipeline => return "stage",
-        _ => {}
-    }
-    match topology.role(rank).map(|r| r.kind) {
-        Some(RoleKind::ShardServer { .. }) if rank == flotilla_cluster::ROOT_RANK => "root",
-        Some(RoleKind::ShardServer { .. }) => "shard-server",
-        Some(RoleKind::GlobalServer) => "global-server",
-        Some(RoleKind::LocalServer { .. }) => "local-server",
-        Some(RoleKind::Stage { .. }) => "stage",
-        Some(RoleKind::Worker { .. }) | None => "worker",
     }
 }

@@ -161,7 +161,7 @@ pub struct CompareArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = flotilla_train::strategies::DEFAULT_STRATEGIES
+        default_value = flotilla_train::presets::DEFAULT_PRESETS
     )]
     pub strategies: Vec<String>,
     /// The accuracy whose time to reach is compared (default: the config's

@@ -8,7 +8,7 @@ use std::path::Path;
 
 use anyhow::{Context, Result, bail};
 use flotilla_train::TrainConfig;
-use flotilla_train::strategies::{self, Strategy};
+use flotilla_train::presets::{self, Preset};
 
 use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
 use crate::compare_report::{self, Comparison, RunFacts, StrategyRun};
@@ -23,7 +23,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let chosen = args
         .strategies
         .iter()
-        .map(|name| strategies::strategy(name.trim()))
+        .map(|name| presets::preset(name.trim()))
         .collect::<Result<Vec<_>, _>>()?;
     if chosen.is_empty() {
         bail!("--strategies names no strategy");
@@ -33,7 +33,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     let workers = if args.run.given("world-size") {
         base.topology.world_size
     } else {
-        strategies::workers(&base)?
+        presets::workers(&base)?
     };
     let target = args
         .target_accuracy
@@ -75,7 +75,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
 /// Launches `base` in strategy `s` into `<output>/<strategy>/` and reads its summary.
 fn run_one(
     base: &TrainConfig,
-    s: &Strategy,
+    s: &Preset,
     workers: usize,
     args: &CompareArgs,
 ) -> Result<RunFacts, String> {

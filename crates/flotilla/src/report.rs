@@ -80,7 +80,7 @@ pub fn document(config: &TrainConfig, summary: &RunSummary) -> Result<Value> {
         "topology": {
             "arch": topology.arch().as_str(),
             "world_size": topology.world_size(),
-            "workers": flotilla_train::strategies::workers(config)?,
+            "workers": flotilla_train::presets::workers(config)?,
             "roles": roles,
         },
         "config": serde_json::to_value(config)?,

@@ -1,39 +1,16 @@
-//! Data-parallel strategies: how peers that all hold the model cooperate on one optimizer
-//! step. Each is a [`crate::role::Role`]; it sees the engine only through
-//! [`flotilla_engine::Engine`] (flat `f32` buffers) and the other ranks only through a
-//! [`flotilla_comm::ProcessGroup`]; it never touches sockets.
+//! The ways of training, in one place: the [`Strategy`] interface every way implements
+//! ([`interface`]) and the ways themselves — data parallel over an all-reduce, sync or async
+//! ([`allreduce`]), parameter servers ([`ps`]) and pipeline stages ([`pipeline`]). The run
+//! loop ([`crate::runloop`]) drives any of them the same way.
 
-mod async_allreduce;
-mod sync_allreduce;
+pub mod allreduce;
+pub mod context;
+pub mod interface;
+pub mod pipeline;
+pub mod ps;
+pub mod registry;
+pub mod resume;
 
-#[cfg(test)]
-mod async_allreduce_tests;
-#[cfg(test)]
-mod sync_allreduce_tests;
-
-pub use async_allreduce::AsyncAllReduce;
-pub use sync_allreduce::SyncAllReduce;
-
-use flotilla_comm::ProcessGroup;
-use flotilla_engine::Engine;
-
-use crate::error::Result;
-
-/// Makes every rank start from rank 0's parameters and optimizer state.
-pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engine) -> Result<()> {
-    let rank = comm.rank();
-    let mut params = vec![0.0; engine.num_params()];
-    engine.read_params(&mut params)?;
-    comm.broadcast_f32(&mut params, 0)?;
-    let mut state = if rank == 0 {
-        engine.optimizer_state()?
-    } else {
-        Vec::new()
-    };
-    comm.broadcast_bytes(&mut state, 0)?;
-    if rank != 0 {
-        engine.write_params(&params)?;
-        engine.load_optimizer_state(&state)?;
-    }
-    Ok(())
-}
+pub use context::{Cx, Setup};
+pub use interface::{Evaluation, Step, Strategy};
+pub use resume::Resume;

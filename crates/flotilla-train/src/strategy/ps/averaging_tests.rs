@@ -7,11 +7,10 @@
 
 use flotilla_cluster::Aggregation;
 
-use super::formula_kit::{LR, MOMENTUM, N, Server, flat, ps_config, weighted_mean};
-use super::staleness;
+use super::formula_kit::{LR, MOMENTUM, Server, flat, ps_config, weighted_mean};
 use super::worker::Worker;
 use crate::batches::Batches;
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{Oracle, Rank, SgdRef, assert_bitwise, batches, dataset, world};
 
 /// Samples of the training set: 4 batches per worker and epoch, so 3 rounds of 2 local steps
@@ -54,20 +53,16 @@ fn averaging(aggr: Aggregation) {
         .into_iter()
         .enumerate()
         .map(|(i, comm)| {
-            let optimizer = staleness::for_job(&config, &topology, comm.rank())
-                .own
-                .optimizer;
-            let mut rank = Rank::new(comm, config.clone(), &optimizer, 16);
-            let ranges = flotilla_cluster::balanced_ranges(N, 1);
-            let mut w = Worker::new(&rank.cx(2), &[0], &ranges).expect("worker");
-            w.start(&mut rank.cx(2)).expect("start");
+            let mut rank = Rank::new(comm, config.clone(), 16);
+            let mut w = rank.build(&topology, Worker::build);
+            w.start(&mut rank.cx()).expect("start");
             (rank, w, batches(&data, 2, i))
         })
         .collect();
     root.step();
     root.step();
     let (mut oracle, _) = Oracle::new();
-    let mut w = root.rank.params();
+    let mut w = root.params();
     let mut refs: Vec<WorkerRef<'_>> = (0..2)
         .map(|i| WorkerRef {
             opt: SgdRef::new(MOMENTUM),
@@ -80,7 +75,7 @@ fn averaging(aggr: Aggregation) {
         let mut deltas = Vec::new();
         for (i, (rank, worker, shard)) in workers.iter_mut().enumerate() {
             worker
-                .step(&mut rank.cx(2), shard, round as u64)
+                .step(&mut rank.cx(), shard, round as u64)
                 .expect("worker round");
             root.step();
             let d = refs[i].delta(&mut oracle);
@@ -90,7 +85,7 @@ fn averaging(aggr: Aggregation) {
                 w.iter_mut().zip(&mean).for_each(|(p, d)| *p += d);
                 refs[i].pulled = w.clone();
                 let what = format!("round {} worker {i}", round + 1);
-                assert_bitwise(&root.rank.params(), &w, &what);
+                assert_bitwise(&root.params(), &w, &what);
             }
             deltas.push(d);
         }
@@ -98,7 +93,7 @@ fn averaging(aggr: Aggregation) {
             let mean = weighted_mean(&[(samples, &deltas[0]), (samples, &deltas[1])]);
             w.iter_mut().zip(&mean).for_each(|(p, d)| *p += d);
             refs.iter_mut().for_each(|r| r.pulled = w.clone());
-            assert_bitwise(&root.rank.params(), &w, &format!("round {}", round + 1));
+            assert_bitwise(&root.params(), &w, &format!("round {}", round + 1));
         }
     }
 }

@@ -1,4 +1,4 @@
-//! A pipeline stage as a [`Role`] of the one run loop (`strategy: pipeline`): the cut is
+//! A pipeline stage as a [`Strategy`] of the one run loop (`strategy: pipeline`): the cut is
 //! planned on rank 0 (profiled, printed, refused when it does not fit) and sent to every
 //! rank; each rank builds its [`Pipeline`] stage, trains its replica's batches with the
 //! configured schedule, evaluates with the other stages, and joins the pipeline's
@@ -7,13 +7,15 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use flotilla_engine::{EvalStats, ModelSpec, ModelState, Split};
+use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
-use crate::checkpoint::CheckpointState;
+use crate::checkpoint::{self, CheckpointState};
+use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::pipeline::{Pipeline, PipelineOptions, plan, state};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::pipeline::{Pipeline, PipelineOptions, plan, state};
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Samples per forward when evaluating.
 const EVAL_CHUNK: usize = 500;
@@ -23,7 +25,7 @@ const EVAL_CHUNK: usize = 500;
 const PLAN_TAG: flotilla_comm::Tag = flotilla_comm::tags::RESERVED + 0x100;
 
 /// One rank's stage of a pipeline job.
-pub struct StageRole {
+pub struct PipelineStage {
     pipe: Pipeline,
     /// Time spent in training steps (computing and waiting) after the first, for the idle
     /// fraction.
@@ -36,15 +38,16 @@ pub struct StageRole {
     activation_bytes: u64,
 }
 
-impl StageRole {
+impl PipelineStage {
     /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
     /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
-    pub fn new(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Self> {
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let spec = setup.spec;
         let ranges = agreed_cut(cx, spec)?;
-        let split = Split::new(spec, ranges)?;
+        let cut = StageCut::new(spec, ranges)?;
         let config = cx.config;
         let p = &config.pipeline;
-        let layers = split.ranges[cx.rank % split.stages()].clone();
+        let layers = cut.ranges[cx.rank % cut.stages()].clone();
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let activation_bytes = spec.infer_io()?[layers]
             .iter()
@@ -59,7 +62,7 @@ impl StageRole {
             device: config.model.device.clone(),
             seed: config.model.seed,
         };
-        let pipe = Pipeline::new(spec, split, opts, cx.comm.clone())?;
+        let pipe = Pipeline::new(spec, cut, opts, cx.comm.clone())?;
         Ok(Self {
             pipe,
             training: std::time::Duration::ZERO,
@@ -79,7 +82,7 @@ impl StageRole {
 /// one machine is the same everywhere.
 fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<usize>>> {
     if !plan::needs_profile(cx.config, spec) {
-        // The same explicit cut on every rank (checked by `Split::new`, and by the
+        // The same explicit cut on every rank (checked by `StageCut::new`, and by the
         // pipeline's agreement on every option).
         let ranges = plan::configured_cut(cx.config, spec).unwrap_or_default();
         if cx.rank == 0 {
@@ -134,13 +137,34 @@ fn agreed_cut(cx: &mut Cx<'_>, spec: &ModelSpec) -> Result<Vec<std::ops::Range<u
     }
 }
 
-impl Role for StageRole {
+impl Strategy for PipelineStage {
     fn name(&self) -> &'static str {
         "stage"
     }
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::Collective
+    }
+
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.pipe.options().data_parallel,
+            index: self.pipe.replica(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let replicas = self.pipe.options().data_parallel;
+        Some((
+            format!(
+                "{} stages × {replicas} replica(s)",
+                self.pipe.cut().stages()
+            ),
+            format!(
+                "strategy pipeline ({}, {} micro-batches)",
+                config.pipeline.schedule, config.pipeline.micro_batches
+            ),
+        ))
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -181,7 +205,7 @@ impl Role for StageRole {
         })
     }
 
-    fn own_model(&mut self) -> Option<&mut dyn ModelState> {
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
         Some(self.pipe.stage_mut())
     }
 
@@ -209,6 +233,20 @@ impl Role for StageRole {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         state::save(&self.pipe, &cx.config.telemetry.output, state)
+    }
+
+    /// Rank 0 reads the checkpoint (refused when it was written for another cut) and sends
+    /// every rank its stage's weights and optimizer state.
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let pipe = &mut self.pipe;
+        let resumed = from.share(cx, |dir| {
+            let state = checkpoint::read_state(dir)?;
+            state::restore(pipe, Some(dir)).map(|()| state)
+        })?;
+        if resumed.is_some() && cx.rank != 0 {
+            state::restore(&mut self.pipe, None)?;
+        }
+        Ok(resumed)
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {

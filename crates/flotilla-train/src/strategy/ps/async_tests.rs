@@ -11,6 +11,8 @@ use flotilla_cluster::Aggregation;
 use super::formula_kit::{
     MOMENTUM, RootRef, Server, answer, flat, grad, hierarchical, ps_config, push, weighted_mean,
 };
+use super::local::LocalServer;
+use super::shard_server::ShardServer;
 use crate::testkit::{assert_bitwise, world};
 
 /// Flat script: (worker, version computed on, samples, gradient).
@@ -29,12 +31,12 @@ fn flat_script(shards: usize, config: &crate::TrainConfig, scaled: bool, momentu
     let topology = config.topology().expect("topology");
     let mut comms = world(shards + 2);
     let workers = comms.split_off(shards);
-    let mut servers: Vec<Server> = comms
+    let mut servers: Vec<Server<ShardServer>> = comms
         .into_iter()
         .map(|c| Server::updating(c, config, &topology))
         .collect();
     let ranges = topology.shard_ranges(super::formula_kit::N);
-    let mut reference = RootRef::new(servers[0].rank.params(), momentum, 2, scaled);
+    let mut reference = RootRef::new(servers[0].params(), momentum, 2, scaled);
     for (i, &(worker, version, samples, g)) in FLAT.iter().enumerate() {
         let values = grad(g);
         let staleness = reference.updates - version;
@@ -47,7 +49,7 @@ fn flat_script(shards: usize, config: &crate::TrainConfig, scaled: bool, momentu
             server.step();
             let what = format!("push {} ({staleness} stale), shard {s}", i + 1);
             let want = &reference.w[ranges[s].clone()];
-            assert_bitwise(&server.rank.params()[ranges[s].clone()], want, &what);
+            assert_bitwise(&server.params()[ranges[s].clone()], want, &what);
             let (v, sent) = answer(&*workers[worker], s);
             assert_eq!(v, reference.updates, "{what}: version answered");
             assert_bitwise(&sent, want, &format!("{what}: answered"));
@@ -81,9 +83,9 @@ fn sharded_async_servers_each_follow_the_formula_on_their_range() {
 /// A hierarchical world: the root, local servers A (rank 1) and B (rank 4), and their
 /// workers' links (ranks 2, 3 and 5, 6).
 struct Tree {
-    root: Server,
-    a: Server,
-    b: Server,
+    root: Server<ShardServer>,
+    a: Server<LocalServer>,
+    b: Server<LocalServer>,
     workers: Vec<std::sync::Arc<dyn flotilla_comm::ProcessGroup>>,
 }
 
@@ -129,12 +131,12 @@ impl Tree {
 fn async_local_servers_carry_their_staleness_to_an_async_root() {
     let c = ps_config(|t| hierarchical(t, Aggregation::Async, Aggregation::Async));
     let mut t = Tree::new(&c);
-    let mut reference = RootRef::new(t.root.rank.params(), MOMENTUM, 2, true);
+    let mut reference = RootRef::new(t.root.params(), MOMENTUM, 2, true);
     // The root weighs a local server's mean by its samples, as any push.
     let mut root_takes = |t: &mut Tree, (samples, mean): (u32, Vec<f32>), s: u64, what: &str| {
         t.root.step();
         reference.apply(&weighted_mean(&[(samples, &mean)]), s);
-        assert_bitwise(&t.root.rank.params(), &reference.w, what);
+        assert_bitwise(&t.root.params(), &reference.w, what);
     };
     // Both local servers pull version 0.
     for _ in 0..2 {
@@ -207,7 +209,7 @@ fn sync_root_over_async_locals(staleness_lr: Option<bool>, scaled: bool) {
         t.staleness_lr = staleness_lr;
     });
     let mut t = Tree::new(&c);
-    let mut reference = RootRef::new(t.root.rank.params(), MOMENTUM, 1, scaled);
+    let mut reference = RootRef::new(t.root.params(), MOMENTUM, 1, scaled);
     for _ in 0..2 {
         t.root.step();
     }
@@ -217,17 +219,13 @@ fn sync_root_over_async_locals(staleness_lr: Option<bool>, scaled: bool) {
     t.push(2, 0, 2, 0);
     t.push(3, 0, 3, 1);
     t.root.step();
-    assert_eq!(
-        t.root.rank.params(),
-        reference.w,
-        "half a round changes nothing"
-    );
+    assert_eq!(t.root.params(), reference.w, "half a round changes nothing");
     t.push(5, 0, 4, 2);
     t.root.step();
     let a = weighted_mean(&[(2, grad(0))]);
     let b = weighted_mean(&[(4, grad(2))]);
     reference.apply(&weighted_mean(&[(2, a), (4, b)]), 0);
-    assert_bitwise(&t.root.rank.params(), &reference.w, "round 1");
+    assert_bitwise(&t.root.params(), &reference.w, "round 1");
     // Round 2: A pushes rank 3's gradient of v0 at v1; B, at v1, rank 6's of v0: both
     // carry 1 from below.
     t.a.step();
@@ -238,7 +236,7 @@ fn sync_root_over_async_locals(staleness_lr: Option<bool>, scaled: bool) {
     let a = weighted_mean(&[(3, grad(1))]);
     let b = weighted_mean(&[(1, grad(5))]);
     reference.apply(&weighted_mean(&[(3, a), (1, b)]), 1);
-    assert_bitwise(&t.root.rank.params(), &reference.w, "round 2 (1 stale)");
+    assert_bitwise(&t.root.params(), &reference.w, "round 2 (1 stale)");
 }
 
 #[test]

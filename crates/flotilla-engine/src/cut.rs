@@ -8,7 +8,7 @@
 //! it straight to the stage that consumes it (a skip over stage 2 does not pass through it).
 //! The gradient of a crossing goes back the same way. Crossings are numbered in a fixed order
 //! (main activations first, by stage; then named tensors by consuming layer), so every rank that
-//! computes the split of the same spec agrees on the numbers, which tag the messages.
+//! computes the cut of the same spec agrees on the numbers, which tag the messages.
 
 use std::ops::Range;
 
@@ -34,7 +34,7 @@ pub struct Crossing {
 
 /// A model cut into stages.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Split {
+pub struct StageCut {
     /// Each stage's layers.
     pub ranges: Vec<Range<usize>>,
     /// Every tensor that crosses a stage boundary, in tag order.
@@ -45,8 +45,8 @@ pub struct Split {
     pub classes: usize,
 }
 
-impl Split {
-    /// Splits `spec` into the given layer ranges, checking that they are contiguous, non-empty
+impl StageCut {
+    /// Cuts `spec` into the given layer ranges, checking that they are contiguous, non-empty
     /// and cover every layer once.
     pub fn new(spec: &ModelSpec, ranges: Vec<Range<usize>>) -> Result<Self> {
         check_ranges(&ranges, spec.layers.len())?;
@@ -90,7 +90,7 @@ impl Split {
         })
     }
 
-    /// Splits `spec` before each of the given layer indices (`[4]` gives `[0, 4)` and
+    /// Cuts `spec` before each of the given layer indices (`[4]` gives `[0, 4)` and
     /// `[4, n)`).
     pub fn at(spec: &ModelSpec, points: &[usize]) -> Result<Self> {
         Self::new(spec, ranges_from_points(points, spec.layers.len()))
@@ -101,12 +101,12 @@ impl Split {
         self.ranges.len()
     }
 
-    /// The crossings stage `s` receives, as indices into [`Split::crossings`], in tag order.
+    /// The crossings stage `s` receives, as indices into [`StageCut::crossings`], in tag order.
     pub fn inputs(&self, s: usize) -> Vec<usize> {
         self.indices(|c| c.to == s)
     }
 
-    /// The crossings stage `s` sends, as indices into [`Split::crossings`], in tag order.
+    /// The crossings stage `s` sends, as indices into [`StageCut::crossings`], in tag order.
     pub fn outputs(&self, s: usize) -> Vec<usize> {
         self.indices(|c| c.from == s)
     }
@@ -182,16 +182,18 @@ mod tests {
     fn ranges_must_cover_every_layer_once() {
         let spec = resnet();
         let n = spec.layers.len();
-        assert!(Split::new(&spec, vec![0..3, 3..n]).is_ok());
-        let dropped = Split::new(&spec, vec![0..3, 3..n - 1])
+        assert!(StageCut::new(&spec, vec![0..3, 3..n]).is_ok());
+        let dropped = StageCut::new(&spec, vec![0..3, 3..n - 1])
             .unwrap_err()
             .to_string();
         assert!(dropped.contains("would be dropped"), "{dropped}");
-        let gap = Split::new(&spec, vec![0..3, 4..n]).unwrap_err().to_string();
+        let gap = StageCut::new(&spec, vec![0..3, 4..n])
+            .unwrap_err()
+            .to_string();
         assert!(gap.contains("stage 1 starts at layer 4"), "{gap}");
-        let empty = Split::at(&spec, &[3, 3]).unwrap_err().to_string();
+        let empty = StageCut::at(&spec, &[3, 3]).unwrap_err().to_string();
         assert!(empty.contains("has no layer"), "{empty}");
-        let past = Split::new(&spec, vec![0..3, 3..n + 4])
+        let past = StageCut::new(&spec, vec![0..3, 3..n + 4])
             .unwrap_err()
             .to_string();
         assert!(
@@ -202,7 +204,7 @@ mod tests {
             )),
             "{past}"
         );
-        let beyond = Split::at(&spec, &[n + 2]).unwrap_err().to_string();
+        let beyond = StageCut::at(&spec, &[n + 2]).unwrap_err().to_string();
         assert!(beyond.contains("the model's last layer is"), "{beyond}");
     }
 
@@ -213,19 +215,19 @@ mod tests {
             "inline",
         )
         .expect("spec");
-        let split = Split::at(&spec, &[2, 4]).expect("split");
-        let names: Vec<(&str, usize, usize)> = split
+        let cut = StageCut::at(&spec, &[2, 4]).expect("cut");
+        let names: Vec<(&str, usize, usize)> = cut
             .crossings
             .iter()
             .map(|c| (c.name.as_str(), c.from, c.to))
             .collect();
         assert_eq!(names, vec![(MAIN, 0, 1), (MAIN, 1, 2), ("a", 0, 2)]);
-        assert_eq!(split.outputs(0), vec![0, 2]);
-        assert_eq!(split.inputs(2), vec![1, 2]);
-        assert!(split.inputs(1) == vec![0] && split.outputs(2).is_empty());
-        assert_eq!(split.classes, 3);
+        assert_eq!(cut.outputs(0), vec![0, 2]);
+        assert_eq!(cut.inputs(2), vec![1, 2]);
+        assert!(cut.inputs(1) == vec![0] && cut.outputs(2).is_empty());
+        assert_eq!(cut.classes, 3);
         // Cut inside the same stage: nothing named crosses.
-        let split = Split::at(&spec, &[5]).expect("split");
-        assert_eq!(split.crossings.len(), 1);
+        let cut = StageCut::at(&spec, &[5]).expect("cut");
+        assert_eq!(cut.crossings.len(), 1);
     }
 }

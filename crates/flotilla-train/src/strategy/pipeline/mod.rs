@@ -3,22 +3,22 @@
 //! by GPipe or 1F1B, and data-parallel replicas of every stage.
 //!
 //! The engine side (what a stage computes) is [`flotilla_engine::Stage`]; the cut is
-//! [`flotilla_engine::Split`]. This module moves tensors between stages ([`wire`]), orders
+//! [`flotilla_engine::StageCut`]. This module moves tensors between stages ([`wire`]), orders
 //! the micro-batches ([`schedule`]) and gives a user the loop ([`Pipeline`]); the CLI's
-//! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`StageRole`] of the one
+//! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 pub mod pipe;
 pub mod plan;
-pub mod role;
 pub mod schedule;
+pub mod stage;
 pub mod state;
 pub mod wire;
 
 pub use pipe::{Pipeline, PipelineOptions, micro_batches};
-pub use plan::{Plan, plan};
-pub use role::StageRole;
+pub use plan::{PipelinePlan, plan};
 pub use schedule::{Action, Schedule};
+pub use stage::PipelineStage;
 
 #[cfg(test)]
 mod tests;

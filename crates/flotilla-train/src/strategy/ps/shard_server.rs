@@ -8,7 +8,7 @@
 //! - Async: each admitted push is applied on arrival and answered to its sender alone; a
 //!   lost child is logged and training goes on with the others.
 //!
-//! As a [`Role`], the root's rounds are the run's progress: the run loop evaluates between
+//! As a [`Strategy`], the root's rounds are the run's progress: the run loop evaluates between
 //! rounds (the root gathers the other shards first) and stops it at `target_accuracy` or
 //! after its rounds; the root then tells every child and shard server to stop. Its reply to
 //! a round's pushes waits until the loop has decided to go on. A shard server stops when
@@ -18,6 +18,7 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::CommError;
+use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
@@ -27,12 +28,20 @@ use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
+use flotilla_cluster::RoleKind;
+
+use super::job::{Announcement, Place};
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Root or shard server state.
-pub struct RootServer {
+pub struct ShardServer {
+    /// The whole model (the root evaluates and checkpoints it); this server updates its
+    /// shard of it.
+    engine: Box<dyn Engine>,
     shard: ShardPlan,
     is_root: bool,
     /// Rank of the root (shard 0).
@@ -85,18 +94,53 @@ pub struct RootServer {
     /// Lost children taken back (replaced workers that rejoined), and the pushes accepted
     /// from each replacement.
     rejoins: Rejoins,
+    /// What it says when it starts.
+    announcement: Announcement,
+    /// How the run counts its rounds.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
-impl RootServer {
-    /// A server of `children` holding the shard `shard` of the engine's parameters.
-    pub fn new(
-        cx: &mut PsContext<'_>,
-        children: &[usize],
-        sync: bool,
-        shard: ShardPlan,
+impl ShardServer {
+    /// This rank's server in the job of `setup`: the root (a flat server, shard 0 of a
+    /// sharded flat topology, or the global server) or another shard server, with the
+    /// staleness policy of [`super::staleness::for_job`].
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
+        if let Some(note) = &policy.note {
+            cx.log(note)?;
+        }
+        let engine = setup.engine(cx.config, &policy.optimizer)?;
+        let n = engine.num_params();
+        let shard = match place.role.kind {
+            RoleKind::ShardServer { shard } => ShardPlan {
+                index: shard,
+                ranges: setup.topology.shard_ranges(n),
+                servers: setup
+                    .topology
+                    .servers()
+                    .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
+                    .map(|r| r.rank)
+                    .collect(),
+            },
+            _ => ShardPlan::whole(n),
+        };
+        Self::new(cx, &place, (Box::new(engine), shard), policy.staleness_lr)
+    }
+
+    /// A server of `place`'s children holding the shard `shard` of `engine`'s parameters,
+    /// scaling each update's learning rate by `1 / (1 + staleness)` when `staleness_lr`.
+    fn new(
+        cx: &mut Cx<'_>,
+        place: &Place,
+        (engine, shard): (Box<dyn Engine>, ShardPlan),
+        staleness_lr: bool,
     ) -> Result<Self> {
+        let (children, sync) = (&place.role.children, place.sync);
         let is_root = shard.index == 0;
-        let model = Model::new(cx, shard.range())?;
+        let model = Model::new(&*engine, shard.range())?;
         let n = model.len();
         let active: BTreeSet<usize> = children.iter().copied().collect();
         let shard_inbox = (is_root && shard.servers.len() > 1)
@@ -108,8 +152,8 @@ impl RootServer {
                 max_staleness: cx.config.topology.max_staleness,
             }
         };
-        let total = cx.engine()?.num_params();
-        cx.log(&format!(
+        let total = engine.num_params();
+        let announcement = place.announcement.clone().then(format!(
             "{} ({}) holding parameters {:?} of {}, children [{}], {} rounds",
             if is_root {
                 "root server"
@@ -120,21 +164,25 @@ impl RootServer {
             shard.range(),
             total,
             list(&active),
-            cx.rounds
-        ))?;
+            place.rounds
+        ));
         let mut peers = children.to_vec();
         if !is_root {
             peers.push(shard.servers[0]);
         }
         let inbox = Inbox::listen(cx.comm, &peers);
         Ok(Self {
+            engine,
+            announcement,
+            counting: place.counting((1, 0)),
+            resync_from: place.resync_from,
             inbox,
             held_reply: None,
             round_done: None,
             round_sum: (0.0, 0),
             finished: None,
             bad_loss: None,
-            staleness_lr: cx.config.topology.staleness_lr.unwrap_or(false),
+            staleness_lr,
             rejoins: Rejoins::default(),
             root: shard.servers[0],
             is_root,
@@ -143,7 +191,7 @@ impl RootServer {
             model,
             admission,
             averaging: cx.config.topology.local_steps > 1,
-            total_rounds: cx.rounds,
+            total_rounds: place.rounds,
             base_lr: cx.config.base_lr(),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pending: active.clone(),
@@ -166,29 +214,22 @@ impl RootServer {
         })
     }
 
-    /// Whether each update's learning rate is scaled by `1 / (1 + staleness)` (the policy
-    /// of [`super::staleness::server_optimizer`]; by default `topology.staleness_lr`, else
-    /// off).
-    pub fn with_staleness_lr(mut self, on: bool) -> Self {
-        self.staleness_lr = on;
-        self
-    }
-
     /// Continues a checkpoint of round `rounds` (its parameters are already in the engine):
     /// rounds, updates and the parameter version start where that run stood, so that the
     /// learning-rate schedule and the versions workers push against go on from there. (An
     /// async round is one update per child.)
-    pub fn resumed_at(mut self, rounds: u64) -> Self {
+    fn resume_at(&mut self, rounds: u64) -> Result<()> {
         let per_round = if self.sync {
             1
         } else {
             self.children.len().max(1) as u64
         };
+        self.model = Model::new(&*self.engine, self.shard.range())?;
         self.rounds = rounds;
         self.updates = rounds * per_round;
         self.model.set_version(self.updates);
         self.round_span = round_span(rounds + 1);
-        self
+        Ok(())
     }
 
     /// The parameter version this server holds.
@@ -305,7 +346,8 @@ impl RootServer {
         }
         let t = Instant::now();
         self.first_update.get_or_insert(t);
-        self.model.apply(cx, mean, lr, self.averaging)?;
+        self.model
+            .apply(&mut *self.engine, mean, lr, self.averaging)?;
         let apply_s = t.elapsed();
         self.updates += 1;
         self.round_sum.0 += f64::from(mean.loss) * mean.samples as f64;
@@ -362,6 +404,7 @@ impl RootServer {
         let v = if self.sync { self.model.version() } else { 0 };
         gather(
             cx,
+            &mut *self.engine,
             &self.shard,
             self.shard_inbox.as_ref(),
             &mut self.model,
@@ -385,6 +428,7 @@ impl RootServer {
             let v = if self.sync { self.model.version() } else { 0 };
             gather(
                 cx,
+                &mut *self.engine,
                 &self.shard,
                 self.shard_inbox.as_ref(),
                 &mut self.model,
@@ -427,9 +471,9 @@ impl RootServer {
     }
 }
 
-impl ServerMachine for RootServer {
+impl ServerMachine for ShardServer {
     fn flush(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
-        RootServer::flush(self, cx)
+        ShardServer::flush(self, cx)
     }
 
     fn peers(&self) -> Vec<usize> {
@@ -576,7 +620,7 @@ fn lost_child(child: usize, rounds: u64) -> TrainError {
     }
 }
 
-impl Role for RootServer {
+impl Strategy for ShardServer {
     fn name(&self) -> &'static str {
         if self.is_root { "root" } else { "shard-server" }
     }
@@ -587,6 +631,14 @@ impl Role for RootServer {
         } else {
             Evaluation::None
         }
+    }
+
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
+    fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -641,6 +693,35 @@ impl Role for RootServer {
 
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         self.gather_all(cx)
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
+    /// The root evaluates the whole model (the other shards gathered first).
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        self.gather_all(cx)?;
+        crate::eval::full(&*self.engine, cx.test)
+    }
+
+    /// The root loads the checkpoint and every server goes on from its round (a shard
+    /// server from the root's parameters; its shard's optimizer state, which the checkpoint
+    /// does not hold, starts afresh: logged).
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let n = self.engine.num_params();
+        let model = Some(&mut *self.engine as &mut dyn ModelState);
+        let Some(state) = super::job::restore(cx, from, (model, n), self.resync_from)? else {
+            return Ok(None);
+        };
+        self.resume_at(state.step)?;
+        if self.resync_from.is_some() && !self.is_root {
+            cx.log(&format!(
+                "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
+                state.step
+            ))?;
+        }
+        Ok(Some(state))
     }
 
     fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {

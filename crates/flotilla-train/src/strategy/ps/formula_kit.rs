@@ -1,23 +1,21 @@
-//! What the formula tests of the servers share: servers built as [`super::build_role`]
-//! builds them (engine optimizer and staleness policy from [`super::staleness::for_job`]),
+//! What the formula tests of the servers share: servers built by their production
+//! constructors (engine optimizer and staleness policy from [`super::staleness::for_job`]),
 //! driven one event at a time on an in-memory world, and the root's update written out.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_cluster::{Aggregation, GlobalServerSpec, RoleKind, ServerSpec, Topology};
+use flotilla_cluster::{Aggregation, GlobalServerSpec, ServerSpec, Topology};
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::ModelState;
 
 use super::inbox::Inbox;
 use super::local::LocalServer;
 use super::protocol::{PsMessage, TAG};
-use super::root::RootServer;
 use super::serve::{ServerMachine, serve_one};
-use super::server::ShardPlan;
-use super::staleness;
+use super::shard_server::ShardServer;
 use crate::config::{LrSchedule, TrainConfig};
-use crate::testkit::{Rank, SgdRef, config, sgd};
+use crate::strategy::Strategy;
+use crate::testkit::{Rank, SgdRef, config, params, sgd};
 
 /// The configured optimizer: SGD, this rate and momentum, cosine over [`ROUNDS`] rounds.
 pub(crate) const LR: f64 = 0.2;
@@ -26,10 +24,11 @@ pub(crate) const ROUNDS: u64 = 4;
 /// Parameters of [`crate::testkit::SPEC`].
 pub(crate) const N: usize = 35;
 
-/// A config of `topology` keys over the test optimizer and schedule.
+/// A config of `topology` keys over the test optimizer and schedule ([`ROUNDS`] rounds).
 pub(crate) fn ps_config(set: impl FnOnce(&mut crate::config::TopologySection)) -> TrainConfig {
     let mut c = config(sgd(LR, MOMENTUM));
     c.schedule.lr_schedule = LrSchedule::Cosine;
+    c.schedule.num_server_rounds = Some(ROUNDS);
     set(&mut c.topology);
     c
 }
@@ -97,82 +96,68 @@ pub(crate) fn weighted_mean<V: AsRef<[f32]>>(parts: &[(u32, V)]) -> Vec<f32> {
     sum.iter().map(|a| a * scale).collect()
 }
 
-/// One server under test, driven one event at a time as its role's step does.
-pub(crate) struct Server {
+/// One server under test: its rank, the machine its production constructor built (the one
+/// the trainer's registry calls) and its inbox, driven one event at a time as its step does.
+pub(crate) struct Server<M> {
     pub(crate) rank: Rank,
-    machine: Box<dyn ServerMachine>,
+    pub(crate) machine: M,
     inbox: Inbox,
-    workers: usize,
 }
 
-impl Server {
-    /// The root or shard server of `comm`'s rank in `topology`, as `build_role` makes it.
+impl Server<ShardServer> {
+    /// The root or shard server of `comm`'s rank in `topology`, in a job of `config`.
     pub(crate) fn updating(
         comm: Arc<dyn ProcessGroup>,
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let r = comm.rank();
-        let policy = staleness::for_job(config, topology, r).own;
-        let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
+        let mut rank = Rank::new(comm, config.clone(), 16);
         rank.rounds = ROUNDS;
-        let role = topology.role(r).expect("role").clone();
-        let n = rank.engine.num_params();
-        let plan = match role.kind {
-            RoleKind::ShardServer { shard } => ShardPlan {
-                index: shard,
-                ranges: topology.shard_ranges(n),
-                servers: (0..topology.num_shards()).collect(),
-            },
-            _ => ShardPlan::whole(n),
-        };
-        let sync = role.aggregation == Some(Aggregation::Sync);
-        let workers = topology.num_workers();
-        let m = RootServer::new(&mut rank.cx(workers), &role.children, sync, plan)
-            .expect("server")
-            .with_staleness_lr(policy.staleness_lr);
-        Self::with(rank, Box::new(m), workers)
+        let machine = rank.build(topology, ShardServer::build);
+        Self::with(rank, machine)
     }
+}
 
+impl Server<LocalServer> {
     /// The local server of `comm`'s rank in `topology`, started (it pulled from its parent).
     pub(crate) fn local(
         comm: Arc<dyn ProcessGroup>,
         config: &TrainConfig,
         topology: &Topology,
     ) -> Self {
-        let r = comm.rank();
-        let policy = staleness::for_job(config, topology, r).own;
-        let mut rank = Rank::new(comm, config.clone(), &policy.optimizer, 16);
-        let role = topology.role(r).expect("role").clone();
-        let sync = role.aggregation == Some(Aggregation::Sync);
-        let workers = topology.num_workers();
-        let mut m = LocalServer::new(&rank.cx(workers), role.parents[0], &role.children, sync)
-            .expect("local server");
-        m.on_start(&mut rank.cx(workers)).expect("start");
-        Self::with(rank, Box::new(m), workers)
+        let mut rank = Rank::new(comm, config.clone(), 16);
+        let mut machine = rank.build(topology, LocalServer::build);
+        machine.on_start(&mut rank.cx()).expect("start");
+        Self::with(rank, machine)
     }
+}
 
-    fn with(rank: Rank, machine: Box<dyn ServerMachine>, workers: usize) -> Self {
+impl<M: ServerMachine + Strategy> Server<M> {
+    fn with(rank: Rank, machine: M) -> Self {
         let inbox = Inbox::listen(&rank.comm, &machine.peers());
         Self {
             rank,
             machine,
             inbox,
-            workers,
         }
     }
 
-    /// Takes the one event waiting (at most 5 s) and sends what it held back for the loop.
+    /// The parameters the server holds.
+    pub(crate) fn params(&mut self) -> Vec<f32> {
+        params(&mut self.machine)
+    }
+
+    /// Takes the one event waiting (at most `wait`) and sends what it held back for the
+    /// loop, which goes on.
+    pub(crate) fn try_step(&mut self, wait: Duration) -> crate::Result<()> {
+        let mut cx = self.rank.cx();
+        serve_one(&mut self.machine, &mut cx, &self.inbox, wait)?;
+        ServerMachine::flush(&mut self.machine, &mut cx)
+    }
+
+    /// Takes the one event waiting (at most 5 s), which must succeed.
     pub(crate) fn step(&mut self) {
-        let mut cx = self.rank.cx(self.workers);
-        serve_one(
-            &mut *self.machine,
-            &mut cx,
-            &self.inbox,
-            Duration::from_secs(5),
-        )
-        .expect("server event");
-        self.machine.flush(&mut cx).expect("flush");
+        self.try_step(Duration::from_secs(5)).expect("server event");
     }
 }
 

@@ -1,19 +1,27 @@
 //! A parameter-server worker: pull parameters, compute on a batch of its shard, push the
 //! gradient (or, with `local_steps > 1`, the weight delta of that many local steps), repeat
-//! until its server says stop. One round is one [`Role::step`].
+//! until its server says stop. One round is one [`Strategy::step`].
 
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
+use flotilla_cluster::RoleKind;
+use flotilla_engine::{Engine, ModelState};
+
+use super::job::{Announcement, Place};
 use super::protocol::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Worker state between rounds.
 pub struct Worker {
+    /// The whole model, trained on the pulled parameters.
+    engine: Box<dyn Engine>,
     /// `parents[i]` holds the parameters of `ranges[i]` (one parent holding everything, or
     /// the shard servers of a sharded flat topology).
     parents: Vec<usize>,
@@ -31,6 +39,12 @@ pub struct Worker {
     timeout: Duration,
     /// The first parameters were pulled (and their versions logged).
     pulled: bool,
+    /// What it says when it starts.
+    announcement: Announcement,
+    /// How the run counts its rounds, and this worker's shard of the data.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
 /// What the parents said this round.
@@ -42,12 +56,34 @@ enum Pulled {
 }
 
 impl Worker {
-    /// A worker under `parents`, holding `ranges` of the parameters.
-    pub fn new(cx: &PsContext<'_>, parents: &[usize], ranges: &[Range<usize>]) -> Result<Self> {
-        let n = cx.engine_ref()?.num_params();
+    /// This rank's worker in the job of `setup`: under its parents (one server, or every shard
+    /// server of a sharded flat topology, each holding its range of the parameters), training
+    /// on its shard of the data.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let RoleKind::Worker { index } = place.role.kind else {
+            return Err(TrainError::config(
+                "topology",
+                format!("rank {} is not a worker", cx.rank),
+            ));
+        };
+        let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
+        let engine = setup.engine(cx.config, &policy.optimizer)?;
+        let n = engine.num_params();
+        let ranges = setup.topology.shard_ranges(n);
+        let ranges = if place.role.parents.len() == ranges.len() {
+            ranges
+        } else {
+            flotilla_cluster::balanced_ranges(n, 1)
+        };
+        let parents = &place.role.parents;
         Ok(Self {
-            parents: parents.to_vec(),
-            ranges: ranges.to_vec(),
+            engine: Box::new(engine),
+            announcement: place.announcement.clone(),
+            counting: place.counting((place.workers, index)),
+            resync_from: place.resync_from,
+            parents: parents.clone(),
+            ranges,
             local_steps: cx.config.topology.local_steps.max(1),
             params: vec![0.0; n],
             versions: vec![0; parents.len()],
@@ -61,12 +97,6 @@ impl Worker {
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pulled: false,
         })
-    }
-
-    /// Continues a run resumed at round `rounds` (rounds counted from there).
-    pub fn resumed_at(mut self, rounds: u64) -> Self {
-        self.rounds = rounds;
-        self
     }
 
     /// The parents' newest parameters, or the first parent's stop. A parent other than the
@@ -146,7 +176,8 @@ impl Worker {
 
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
     fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>) -> Result<()> {
-        cx.engine()?.write_params(&self.params)?;
+        let engine = &mut *self.engine;
+        engine.write_params(&self.params)?;
         let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
         for _ in 0..self.local_steps {
@@ -154,15 +185,14 @@ impl Worker {
                 let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
                 data.next_batch()?
             };
-            loss_sum += cx.engine()?.forward_backward(batch)?;
-            cx.engine()?.read_grads(&mut self.grad)?;
+            loss_sum += engine.forward_backward(batch)?;
+            engine.read_grads(&mut self.grad)?;
             if averaging {
-                let lr = cx.config.base_lr();
-                cx.engine()?.apply_grads(&self.grad, lr)?;
+                engine.apply_grads(&self.grad, cx.config.base_lr())?;
             }
         }
         if averaging {
-            cx.engine()?.read_params(&mut self.local)?;
+            engine.read_params(&mut self.local)?;
             for ((d, l), g) in self.grad.iter_mut().zip(&self.local).zip(&self.params) {
                 *d = l - g;
             }
@@ -201,7 +231,7 @@ impl Worker {
     }
 }
 
-impl Role for Worker {
+impl Strategy for Worker {
     fn name(&self) -> &'static str {
         "worker"
     }
@@ -210,7 +240,27 @@ impl Role for Worker {
         Evaluation::None
     }
 
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
+    /// Continues a resumed run at the checkpoint's round (rounds counted from there).
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let n = self.engine.num_params();
+        let model = Some(&mut *self.engine as &mut dyn ModelState);
+        let state = super::job::restore(cx, from, (model, n), self.resync_from)?;
+        if let Some(s) = &state {
+            self.rounds = s.step;
+        }
+        Ok(state)
+    }
+
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)?;
         for &p in &self.parents {
             send(cx.comm, p, &PsMessage::Pull)?;
         }

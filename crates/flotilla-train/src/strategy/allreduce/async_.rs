@@ -32,13 +32,14 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup};
-use flotilla_engine::ParamLayout;
+use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup, StallPolicy};
+use flotilla_engine::{Engine, EvalStats, ModelState, ParamLayout};
 
 use crate::batches::Batches;
-use crate::config::StaleCorrection;
+use crate::config::{StaleCorrection, TrainConfig};
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// The name the loss is submitted under (no parameter is called that).
 const LOSS: &str = "@loss";
@@ -53,6 +54,8 @@ struct InFlight {
 /// The async all-reduce peer; see the module documentation.
 pub struct AsyncAllReduce {
     comm: Arc<dyn ProcessGroup>,
+    /// The whole model.
+    engine: Box<dyn Engine>,
     layout: ParamLayout,
     config: CycleConfig,
     staleness: usize,
@@ -81,41 +84,42 @@ pub struct AsyncAllReduce {
 }
 
 impl AsyncAllReduce {
-    /// A peer for a model of `layout` applying gradients `staleness` steps old, corrected by
-    /// `correction`.
-    pub fn new(
-        comm: Arc<dyn ProcessGroup>,
-        layout: &ParamLayout,
-        config: CycleConfig,
-        staleness: u64,
-        correction: StaleCorrection,
-    ) -> Self {
-        Self {
-            comm,
-            layout: layout.clone(),
-            config,
-            staleness: staleness as usize,
+    /// This rank's peer of the configured async all-reduce (`allreduce`: cycle, staleness,
+    /// correction): the whole model, its backward run in groups of about `comm.bucket_mb`.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let config = cx.config;
+        let a = &config.allreduce;
+        let mut engine = setup.engine(config, &config.optimizer)?;
+        engine.set_backward_group_bytes(config.bucket_bytes())?;
+        let layout = engine.layout().clone();
+        let n = layout.total;
+        Ok(Self {
+            comm: cx.comm.clone(),
+            engine: Box::new(engine),
+            layout,
+            config: a.cycle(),
+            staleness: a.staleness as usize,
             reducer: None,
             in_flight: VecDeque::new(),
-            flat: vec![0.0; layout.total],
+            flat: vec![0.0; n],
             lr: 0.0,
             stats: None,
             applied: 0,
-            correction,
-            current: vec![0.0; layout.total],
-            previous: vec![0.0; layout.total],
-            previous2: vec![0.0; layout.total],
+            correction: a.correction,
+            current: vec![0.0; n],
+            previous: vec![0.0; n],
+            previous2: vec![0.0; n],
             moved2: false,
             momentum: 0.0,
-            predicted: vec![0.0; layout.total],
+            predicted: vec![0.0; n],
             moved: false,
             withholding: false,
-        }
+        })
     }
 
     /// The parameters to compute this step's gradient at: predicted (written into the
     /// engine, `true`) or the engine's own (`false`).
-    fn predict(&mut self, cx: &mut Cx<'_>) -> Result<bool> {
+    fn predict(&mut self) -> Result<bool> {
         let k = self.in_flight.len() as f32;
         if self.correction != StaleCorrection::Predict || k == 0.0 || !self.moved {
             return Ok(false);
@@ -131,18 +135,18 @@ impl AsyncAllReduce {
         {
             *p = c + k * ((1.0 + b) * (c - q) - b * (q - q2));
         }
-        cx.engine()?.write_params(&self.predicted)?;
+        self.engine.write_params(&self.predicted)?;
         Ok(true)
     }
 
     /// Records the engine's parameters after an update (`moved`) or a drain (not).
-    fn track(&mut self, cx: &mut Cx<'_>, moved: bool) -> Result<()> {
+    fn track(&mut self, moved: bool) -> Result<()> {
         if self.correction == StaleCorrection::None {
             return Ok(());
         }
         std::mem::swap(&mut self.previous2, &mut self.previous);
         std::mem::swap(&mut self.previous, &mut self.current);
-        cx.engine()?.read_params(&mut self.current)?;
+        self.engine.read_params(&mut self.current)?;
         if !moved {
             self.previous.copy_from_slice(&self.current);
             self.previous2.copy_from_slice(&self.current);
@@ -159,7 +163,7 @@ impl AsyncAllReduce {
         batch: flotilla_engine::BatchRef<'_>,
         done: u64,
     ) -> Result<()> {
-        let predicted = self.predict(cx)?;
+        let predicted = self.predict()?;
         let reducer = self.reducer.as_ref().ok_or_else(|| {
             TrainError::config(
                 "allreduce",
@@ -185,7 +189,7 @@ impl AsyncAllReduce {
         let mut grads: Vec<Option<Pending<Vec<f32>>>> =
             (0..layout.params.len()).map(|_| None).collect();
         let mut seen = vec![false; layout.params.len()];
-        let engine = cx.engine()?;
+        let engine = &mut *self.engine;
         let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
             seen[i] = true;
             if withhold != Some(i) {
@@ -208,7 +212,7 @@ impl AsyncAllReduce {
     }
 
     /// Waits for the oldest step in flight, averages and applies it; its global mean loss.
-    fn apply_oldest(&mut self, cx: &mut Cx<'_>) -> Result<Option<f32>> {
+    fn apply_oldest(&mut self) -> Result<Option<f32>> {
         let Some(step) = self.in_flight.pop_front() else {
             return Ok(None);
         };
@@ -229,28 +233,50 @@ impl AsyncAllReduce {
         }
         let loss = step.loss.wait()?.first().copied().unwrap_or(f32::NAN) * scale;
         let _span = tracing::info_span!(target: "flotilla::train", "optimizer_step").entered();
-        cx.engine()?.apply_grads(&self.flat, self.lr)?;
+        self.engine.apply_grads(&self.flat, self.lr)?;
         self.applied += 1;
-        self.track(cx, true)?;
+        self.track(true)?;
         Ok(Some(loss))
     }
 
     /// Applies every step in flight.
-    fn drain(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+    fn drain(&mut self) -> Result<()> {
         while !self.in_flight.is_empty() {
-            self.apply_oldest(cx)?;
+            self.apply_oldest()?;
         }
-        self.track(cx, false)
+        self.track(false)
     }
 }
 
-impl Role for AsyncAllReduce {
+impl Strategy for AsyncAllReduce {
     fn name(&self) -> &'static str {
         "peer"
     }
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::Collective
+    }
+
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.comm.size(),
+            index: self.comm.rank(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let a = &config.allreduce;
+        Some((
+            format!("{} params", self.layout.total),
+            format!(
+                "strategy async-allreduce (cycle {} ms, fusion buffer {} bytes, staleness {}, correction {:?})",
+                a.cycle_duration_ms, a.all_reduce_buffer_size, a.staleness, a.correction
+            ),
+        ))
+    }
+
+    fn stall_policy(&self, config: &TrainConfig) -> Option<StallPolicy> {
+        Some(config.allreduce.stall_policy())
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -262,9 +288,9 @@ impl Role for AsyncAllReduce {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        super::synchronize_initial_state(&*self.comm, cx.engine()?)?;
+        super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
         self.momentum = cx.config.optimizer.momentum();
-        self.track(cx, false)?;
+        self.track(false)?;
         // The cycle issues collectives from its own thread: it gets a group of its own.
         let everyone: Vec<usize> = (0..self.comm.size()).collect();
         let group = self.comm.group(&everyone)?;
@@ -284,7 +310,7 @@ impl Role for AsyncAllReduce {
         let keep = if done == 0 { 0 } else { self.staleness };
         let mut losses = Vec::new();
         while self.in_flight.len() > keep {
-            losses.extend(self.apply_oldest(cx)?);
+            losses.extend(self.apply_oldest()?);
         }
         let loss = (!losses.is_empty()).then(|| losses.iter().sum::<f32>() / losses.len() as f32);
         Ok(Step {
@@ -296,8 +322,8 @@ impl Role for AsyncAllReduce {
     }
 
     fn stop(&mut self, cx: &mut Cx<'_>, reason: &str) -> Result<()> {
-        let _ = reason;
-        self.drain(cx)?;
+        let _ = (cx, reason);
+        self.drain()?;
         if let Some(reducer) = self.reducer.take() {
             self.stats = Some(reducer.shutdown()?);
         }
@@ -307,7 +333,22 @@ impl Role for AsyncAllReduce {
     /// Applies every step in flight, so that evaluation, the final check and checkpoints see
     /// the same parameters on every rank (the default hooks call this first).
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        self.drain(cx)
+        let _ = cx;
+        self.drain()
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        self.drain()?;
+        crate::eval::distributed(&*self.engine, &*self.comm, cx.test)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        self.drain()?;
+        super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }
 
     fn report(&self, cx: &Cx<'_>) -> Option<String> {

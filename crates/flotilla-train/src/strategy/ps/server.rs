@@ -1,11 +1,13 @@
 //! What the parameter servers share: the model a server holds (a shard of the flat
 //! parameters and its version), the push check, refusals, and the root's gathering of the
-//! other shards. The servers themselves are state machines: [`super::root::RootServer`] and
+//! other shards. The servers themselves are state machines: [`super::shard_server::ShardServer`] and
 //! [`super::local::LocalServer`].
 
 use std::collections::BTreeSet;
 use std::ops::Range;
 use std::time::{Duration, Instant};
+
+use flotilla_engine::Engine;
 
 use super::aggregate::{Accumulator, Admission, Mean, admit};
 use super::inbox::{Event, Inbox};
@@ -93,11 +95,11 @@ pub(crate) struct Model {
 }
 
 impl Model {
-    /// The engine's current parameters, holding `range` of them.
-    pub(crate) fn new(ctx: &PsContext<'_>, range: Range<usize>) -> Result<Self> {
-        let n = ctx.engine_ref()?.num_params();
+    /// `engine`'s current parameters, holding `range` of them.
+    pub(crate) fn new(engine: &dyn Engine, range: Range<usize>) -> Result<Self> {
+        let n = engine.num_params();
         let mut full = vec![0.0; n];
-        ctx.engine_ref()?.read_params(&mut full)?;
+        engine.read_params(&mut full)?;
         Ok(Self {
             params: Params {
                 version: 0,
@@ -129,11 +131,11 @@ impl Model {
         self.params.encoded()
     }
 
-    /// Applies a mean push to the shard: a gradient through the engine's optimizer (zero
+    /// Applies a mean push to the shard: a gradient through `engine`'s optimizer (zero
     /// outside the shard), a weight delta (model averaging) by addition.
     pub(crate) fn apply(
         &mut self,
-        ctx: &mut PsContext<'_>,
+        engine: &mut dyn Engine,
         mean: &Mean,
         lr: f64,
         averaging: bool,
@@ -143,11 +145,11 @@ impl Model {
                 *p += d;
             }
             self.full[self.range.clone()].copy_from_slice(&self.params.values);
-            ctx.engine()?.write_params(&self.full)?;
+            engine.write_params(&self.full)?;
         } else {
             self.grad[self.range.clone()].copy_from_slice(&mean.values);
-            ctx.engine()?.apply_grads(&self.grad, lr)?;
-            ctx.engine()?.read_params(&mut self.full)?;
+            engine.apply_grads(&self.grad, lr)?;
+            engine.read_params(&mut self.full)?;
             self.params
                 .values
                 .copy_from_slice(&self.full[self.range.clone()]);
@@ -158,10 +160,10 @@ impl Model {
 }
 
 /// The root collects every other shard (at `version` or later; 0 for whatever they have)
-/// into its engine, so that it
-/// evaluates and checkpoints the whole model.
+/// into its `engine`, so that it evaluates and checkpoints the whole model.
 pub(crate) fn gather(
     ctx: &mut PsContext<'_>,
+    engine: &mut dyn Engine,
     shard: &ShardPlan,
     inbox: Option<&Inbox>,
     model: &mut Model,
@@ -225,7 +227,7 @@ pub(crate) fn gather(
             }
         }
     }
-    ctx.engine()?.write_params(&model.full)?;
+    engine.write_params(&model.full)?;
     Ok(())
 }
 

@@ -15,11 +15,11 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Split, Stage};
+use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
-use crate::pipeline::schedule::{Action, Schedule};
-use crate::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use crate::strategy::pipeline::schedule::{Action, Schedule};
+use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
 
 /// How a pipeline runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -44,7 +44,7 @@ pub struct PipelineOptions {
 /// One rank's part of a pipeline (see the module documentation).
 pub struct Pipeline {
     stage: Stage,
-    split: Split,
+    cut: StageCut,
     opts: PipelineOptions,
     world: Arc<dyn ProcessGroup>,
     replica: usize,
@@ -74,28 +74,21 @@ impl std::fmt::Debug for Pipeline {
 }
 
 impl Pipeline {
-    /// Builds this rank's stage of `split` (a split of `spec`); collective over `world`,
-    /// which must have `stages × data_parallel` ranks that all pass the same spec, split and
+    /// Builds this rank's stage of `cut` (a cut of `spec`); collective over `world`,
+    /// which must have `stages × data_parallel` ranks that all pass the same spec, cut and
     /// options (checked: a rank that differs is named).
     pub fn new(
         spec: &ModelSpec,
-        split: Split,
+        cut: StageCut,
         opts: PipelineOptions,
         world: Arc<dyn ProcessGroup>,
     ) -> Result<Self> {
-        let stages = split.stages();
-        check_shape(&split, &opts, world.size())?;
+        let stages = cut.stages();
+        check_shape(&cut, &opts, world.size())?;
         let index = world.rank() % stages;
         let replica = world.rank() / stages;
-        agree(&*world, spec, &split, &opts)?;
-        let stage = Stage::new(
-            spec,
-            &split,
-            index,
-            &opts.optimizer,
-            &opts.device,
-            opts.seed,
-        )?;
+        agree(&*world, spec, &cut, &opts)?;
+        let stage = Stage::new(spec, &cut, index, &opts.optimizer, &opts.device, opts.seed)?;
         let peers = (0..stages).map(|s| replica * stages + s).collect();
         let replicas = match opts.data_parallel {
             1 => None,
@@ -106,7 +99,7 @@ impl Pipeline {
         };
         Ok(Self {
             stage,
-            split,
+            cut,
             opts,
             world,
             replica,
@@ -143,9 +136,9 @@ impl Pipeline {
         self.stage.is_last()
     }
 
-    /// The split this pipeline runs.
-    pub fn split(&self) -> &Split {
-        &self.split
+    /// The cut this pipeline runs.
+    pub fn cut(&self) -> &StageCut {
+        &self.cut
     }
 
     /// The options this pipeline runs with.
@@ -188,7 +181,7 @@ impl Pipeline {
     pub fn train_batch(&mut self, images: &[f32], labels: &[i64]) -> Result<Option<f32>> {
         self.begin(images, labels.len())?;
         let rows = self.rows.clone();
-        let stages = self.split.stages();
+        let stages = self.cut.stages();
         let mut loss = 0.0;
         for action in self
             .opts
@@ -241,7 +234,7 @@ impl Pipeline {
         let Some(n) = self.open.take() else {
             return Err(self.usage("backward without a forward"));
         };
-        let classes = self.split.classes;
+        let classes = self.cut.classes;
         for (mb, r) in self.rows.clone().into_iter().enumerate() {
             let upstream = match (self.is_last(), grad_logits) {
                 (false, _) => Upstream::Stage,
@@ -315,7 +308,7 @@ impl Pipeline {
                 "a batch of {n} samples cannot be cut into {m} micro-batches"
             )));
         }
-        let per = self.split.input.numel();
+        let per = self.cut.input.numel();
         if self.is_first() && images.len() != n * per {
             return Err(self.usage(&format!(
                 "{n} samples need {} input values, got {}",
@@ -354,8 +347,8 @@ impl Pipeline {
             return Ok(outputs.into_iter().next());
         }
         let s = self.stage.index();
-        for (c, values) in self.split.outputs(s).into_iter().zip(outputs) {
-            let to = self.split.crossings[c].to;
+        for (c, values) in self.cut.outputs(s).into_iter().zip(outputs) {
+            let to = self.cut.crossings[c].to;
             self.send(self.peers[to], wire::tag(dir, c, mb), &values)?;
         }
         Ok(None)
@@ -368,7 +361,7 @@ impl Pipeline {
         // Waiting for the outputs' gradients is not compute time.
         let received = match upstream {
             Upstream::Stage => {
-                let outputs = self.split.outputs(s);
+                let outputs = self.cut.outputs(s);
                 let n = self.rows.get(mb).map_or(0, |r| r.len());
                 self.receive(Direction::Backward, &outputs, mb, n)?
             }
@@ -385,8 +378,8 @@ impl Pipeline {
         };
         self.compute += started.elapsed();
         if s > 0 {
-            for (c, g) in self.split.inputs(s).into_iter().zip(grad_inputs) {
-                let from = self.split.crossings[c].from;
+            for (c, g) in self.cut.inputs(s).into_iter().zip(grad_inputs) {
+                let from = self.cut.crossings[c].from;
                 self.send(self.peers[from], wire::tag(Direction::Backward, c, mb), &g)?;
             }
         }
@@ -404,10 +397,10 @@ impl Pipeline {
     ) -> Result<Vec<Vec<f32>>> {
         match self.stage.index() {
             0 => {
-                let per = self.split.input.numel();
+                let per = self.cut.input.numel();
                 Ok(vec![images[rows.start * per..rows.end * per].to_vec()])
             }
-            s => self.receive(dir, &self.split.inputs(s), mb, rows.len()),
+            s => self.receive(dir, &self.cut.inputs(s), mb, rows.len()),
         }
     }
 
@@ -426,7 +419,7 @@ impl Pipeline {
 
     /// Gives every rank the evaluation totals of the last stage of replica 0.
     fn share_stats(&self, stats: EvalStats) -> Result<EvalStats> {
-        let root = self.split.stages() - 1;
+        let root = self.cut.stages() - 1;
         let mut bytes = [
             stats.loss_sum.to_le_bytes(),
             (stats.correct as u64).to_le_bytes(),
@@ -466,7 +459,7 @@ impl Pipeline {
     ) -> Result<Vec<Vec<f32>>> {
         let mut out = Vec::with_capacity(crossings.len());
         for &c in crossings {
-            let crossing = &self.split.crossings[c];
+            let crossing = &self.cut.crossings[c];
             let stage = match dir {
                 Direction::Backward => crossing.to,
                 Direction::Forward | Direction::Eval | Direction::State => crossing.from,
@@ -543,14 +536,14 @@ pub fn micro_batches(n: usize, m: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-fn check_shape(split: &Split, opts: &PipelineOptions, world: usize) -> Result<()> {
+fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<()> {
     let err = |message: String| {
         Err(TrainError::Config {
             source_name: "pipeline".into(),
             message,
         })
     };
-    let (s, d) = (split.stages(), opts.data_parallel);
+    let (s, d) = (cut.stages(), opts.data_parallel);
     if d == 0 || s * d != world {
         return err(format!(
             "{s} stages × data_parallel {d} need {} ranks, but the world has {world}",
@@ -563,20 +556,20 @@ fn check_shape(split: &Split, opts: &PipelineOptions, world: usize) -> Result<()
             opts.micro_batches
         ));
     }
-    if split.crossings.len() > MAX_CROSSINGS {
+    if cut.crossings.len() > MAX_CROSSINGS {
         return err(format!(
             "{} tensors cross stage boundaries; at most {MAX_CROSSINGS} can",
-            split.crossings.len()
+            cut.crossings.len()
         ));
     }
     Ok(())
 }
 
-/// Checks that every rank runs the same spec, split and options; names a rank that does not.
+/// Checks that every rank runs the same spec, cut and options; names a rank that does not.
 fn agree(
     world: &dyn ProcessGroup,
     spec: &ModelSpec,
-    split: &Split,
+    cut: &StageCut,
     opts: &PipelineOptions,
 ) -> Result<()> {
     // Everything but the device, which may differ between hosts.
@@ -591,8 +584,8 @@ fn agree(
     let text = format!(
         "{}|{:?}|{:?}|{shared:?}",
         spec.to_yaml(),
-        split.ranges,
-        split.crossings
+        cut.ranges,
+        cut.crossings
     );
     let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
     let all = world.all_gather_u64(mine)?;

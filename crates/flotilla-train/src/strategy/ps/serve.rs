@@ -1,6 +1,6 @@
 //! How every parameter server takes its next event: it waits on all of its peers at once
 //! (one deadline) and hands the event to the server's state machine. The machines
-//! ([`super::root::RootServer`], [`super::local::LocalServer`]) hold all state and do all
+//! ([`super::shard_server::ShardServer`], [`super::local::LocalServer`]) hold all state and do all
 //! the deciding; [`serve_one`] only waits. The run loop calls it once per step.
 
 use std::time::{Duration, Instant};

@@ -10,8 +10,8 @@ use flotilla_engine::{ModelState, Stage};
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
-use crate::pipeline::Pipeline;
-use crate::pipeline::wire::{self, Direction};
+use crate::strategy::pipeline::Pipeline;
+use crate::strategy::pipeline::wire::{self, Direction};
 
 /// The part numbers of a stage's state in a [`Direction::State`] tag.
 const WEIGHTS: usize = 0;
@@ -69,18 +69,14 @@ fn send_parts(pipe: &Pipeline, to: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
 
 /// The layer ranges of a pipeline, as a checkpoint records them.
 fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
-    pipe.split()
-        .ranges
-        .iter()
-        .map(|r| [r.start, r.end])
-        .collect()
+    pipe.cut().ranges.iter().map(|r| [r.start, r.end]).collect()
 }
 
 /// Writes a checkpoint of the pipeline; collective over the world. Rank 0 writes it and
 /// returns its directory; the other stages of replica 0 send their state to rank 0.
 pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<Option<PathBuf>> {
     let rank = pipe.world().rank();
-    let stages = pipe.split().stages();
+    let stages = pipe.cut().stages();
     if pipe.replica() != 0 {
         return Ok(None);
     }
@@ -117,7 +113,7 @@ pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<O
 /// Every other rank: receives and loads its stage's. Collective over the world.
 pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let (rank, size) = (pipe.world().rank(), pipe.world().size());
-    let stages = pipe.split().stages();
+    let stages = pipe.cut().stages();
     if rank != 0 {
         let parts = receive_parts(pipe, 0)?;
         return load_parts(pipe.stage_mut(), &parts);

@@ -11,18 +11,22 @@ use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
 use flotilla_comm::CommError;
+use flotilla_engine::ModelState;
 
 use super::PsContext;
 use super::aggregate::{Accumulator, Admission, Mean};
 use super::inbox::Inbox;
+use super::job::{Announcement, Place};
 use super::protocol::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
 use super::{send, send_bytes};
 use crate::batches::Batches;
+use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Local server state.
 pub struct LocalServer {
@@ -55,16 +59,32 @@ pub struct LocalServer {
     /// Children taken back (replaced workers that rejoined), and the pushes accepted from
     /// each replacement.
     rejoins: Rejoins,
+    /// What it says when it starts.
+    announcement: Announcement,
+    /// How the run counts its rounds.
+    counting: Counting,
+    /// See [`super::job::Place::resync_from`].
+    resync_from: Option<usize>,
 }
 
 impl LocalServer {
-    /// A local server of `len` parameters between `parent` and `children`.
-    pub fn new(cx: &PsContext<'_>, parent: usize, children: &[usize], sync: bool) -> Result<Self> {
+    /// This rank's local server in the job of `setup`, between its parent and its workers.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let place = Place::of(cx, setup)?;
+        let (parent, children, sync) = (
+            place.role.parents.first().copied().unwrap_or(0),
+            &place.role.children,
+            place.sync,
+        );
         let active: BTreeSet<usize> = children.iter().copied().collect();
-        let len = cx.engine_ref()?.num_params();
+        // It holds no model of its own: the model is built once to count its parameters.
+        let len = setup.engine(cx.config, &cx.config.optimizer)?.num_params();
         let mut peers = children.to_vec();
         peers.push(parent);
         Ok(Self {
+            announcement: place.announcement.clone(),
+            counting: place.counting((1, 0)),
+            resync_from: place.resync_from,
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
@@ -363,13 +383,25 @@ impl ServerMachine for LocalServer {
     }
 }
 
-impl Role for LocalServer {
+impl Strategy for LocalServer {
     fn name(&self) -> &'static str {
         "local-server"
     }
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::None
+    }
+
+    fn counting(&self) -> Counting {
+        self.counting
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        None
+    }
+
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        super::job::restore(cx, from, (None, self.len), self.resync_from)
     }
 
     /// How many children it lost while the run went on, and how many came back.
@@ -381,6 +413,7 @@ impl Role for LocalServer {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        self.announcement.log(cx)?;
         self.on_start(cx)
     }
 

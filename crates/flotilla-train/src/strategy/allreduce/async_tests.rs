@@ -14,14 +14,11 @@
 use std::collections::VecDeque;
 use std::thread;
 
-use flotilla_comm::CycleConfig;
-use flotilla_engine::ModelState;
-
 use super::{AsyncAllReduce, SyncAllReduce};
 use crate::config::{LrSchedule, StaleCorrection};
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{
-    Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, mean2, sgd, world,
+    Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, mean2, params, sgd, world,
 };
 
 const RANKS: usize = 2;
@@ -53,36 +50,36 @@ fn run(peer: Peer, drain_after: Option<u64>) -> Vec<Vec<Vec<f32>>> {
         .map(|comm| {
             thread::spawn(move || {
                 let mut c = config(sgd(LR, MOMENTUM));
+                c.topology.world_size = RANKS;
                 c.schedule.lr_schedule = LrSchedule::Cosine;
-                let mut rank = Rank::new(comm.clone(), c, &sgd(LR, MOMENTUM), SAMPLES);
+                if let Peer::Async(staleness, correction) = peer {
+                    c.allreduce.staleness = staleness;
+                    c.allreduce.correction = correction;
+                }
+                if let Peer::Sync { overlap } = peer {
+                    c.allreduce.overlap = overlap;
+                }
+                let topology = c.topology().expect("topology");
+                let mut rank = Rank::new(comm.clone(), c, SAMPLES);
                 rank.rounds = STEPS;
                 let data = dataset(SAMPLES);
                 let mut shard = batches(&data, RANKS, comm.rank());
-                let mut role: Box<dyn Role> = match peer {
-                    Peer::Async(staleness, correction) => Box::new(AsyncAllReduce::new(
-                        comm.clone(),
-                        &rank.engine.layout().clone(),
-                        CycleConfig::default(),
-                        staleness,
-                        correction,
-                    )),
-                    Peer::Sync { overlap } => Box::new(
-                        SyncAllReduce::new(comm.clone(), &rank.engine, overlap).expect("sync"),
-                    ),
+                let mut role: Box<dyn Strategy> = match peer {
+                    Peer::Async(..) => Box::new(rank.build(&topology, AsyncAllReduce::build)),
+                    Peer::Sync { .. } => Box::new(rank.build(&topology, SyncAllReduce::build)),
                 };
-                role.start(&mut rank.cx(RANKS)).expect("start");
+                role.start(&mut rank.cx()).expect("start");
                 let mut after = Vec::new();
                 for done in 0..STEPS {
-                    role.step(&mut rank.cx(RANKS), &mut shard, done)
-                        .expect("step");
+                    role.step(&mut rank.cx(), &mut shard, done).expect("step");
                     if drain_after == Some(done + 1) {
                         // What the run loop does before evaluating or checkpointing.
-                        role.prepare_model(&mut rank.cx(RANKS)).expect("drain");
+                        role.prepare_model(&mut rank.cx()).expect("drain");
                     }
-                    after.push(rank.params());
+                    after.push(params(&mut *role));
                 }
-                role.stop(&mut rank.cx(RANKS), "done").expect("stop");
-                after.push(rank.params());
+                role.stop(&mut rank.cx(), "done").expect("stop");
+                after.push(params(&mut *role));
                 after
             })
         })

@@ -2,13 +2,15 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{PendingAllReduce, ProcessGroup};
-use flotilla_engine::{BatchRef, Engine, ParamLayout};
+use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
+use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
+use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
-use crate::role::{Cx, Evaluation, Role, Step};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// What one step produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -34,6 +36,8 @@ pub struct StepStats {
 /// no extra collective.
 pub struct SyncAllReduce {
     comm: Arc<dyn ProcessGroup>,
+    /// The whole model.
+    engine: Box<dyn Engine>,
     layout: ParamLayout,
     plan: BucketPlan,
     overlap: bool,
@@ -44,19 +48,23 @@ pub struct SyncAllReduce {
 }
 
 impl SyncAllReduce {
-    /// A strategy for `engine`'s model, one bucket per backward group of the engine, with
-    /// backward overlapping communication when `overlap`.
-    pub fn new(comm: Arc<dyn ProcessGroup>, engine: &dyn Engine, overlap: bool) -> Result<Self> {
+    /// This rank's peer of the configured sync all-reduce: the whole model, its backward
+    /// run in groups of about `comm.bucket_mb` (one bucket each, so that buckets start as
+    /// groups finish), overlapping communication when `allreduce.overlap`.
+    pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let config = cx.config;
+        let mut engine = setup.engine(config, &config.optimizer)?;
+        engine.set_backward_group_bytes(config.bucket_bytes())?;
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
-        let buffers = Vec::new();
         Ok(Self {
-            comm,
+            comm: cx.comm.clone(),
+            engine: Box::new(engine),
             flat: vec![0.0; layout.total],
             layout,
             plan,
-            overlap,
-            buffers,
+            overlap: config.allreduce.overlap,
+            buffers: Vec::new(),
         })
     }
 
@@ -66,13 +74,40 @@ impl SyncAllReduce {
     }
 }
 
-impl Role for SyncAllReduce {
+impl Strategy for SyncAllReduce {
     fn name(&self) -> &'static str {
         "peer"
     }
 
     fn evaluation(&self) -> Evaluation {
         Evaluation::Collective
+    }
+
+    fn counting(&self) -> Counting {
+        Counting::Epochs {
+            shards: self.comm.size(),
+            index: self.comm.rank(),
+        }
+    }
+
+    fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
+        let _ = config;
+        Some((
+            format!("{} params", self.layout.total),
+            format!(
+                "{} buckets, strategy sync-allreduce{}",
+                self.plan.buckets.len(),
+                if self.overlap {
+                    " (backward overlapped)"
+                } else {
+                    ""
+                }
+            ),
+        ))
+    }
+
+    fn stall_policy(&self, config: &TrainConfig) -> Option<StallPolicy> {
+        Some(config.allreduce.stall_policy())
     }
 
     fn writes_checkpoints(&self) -> bool {
@@ -84,7 +119,20 @@ impl Role for SyncAllReduce {
     }
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        super::synchronize_initial_state(&*self.comm, cx.engine()?)
+        let _ = cx;
+        super::synchronize_initial_state(&*self.comm, &mut *self.engine)
+    }
+
+    fn model(&mut self) -> Option<&mut dyn ModelState> {
+        Some(&mut *self.engine)
+    }
+
+    fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        crate::eval::distributed(&*self.engine, &*self.comm, cx.test)
+    }
+
+    fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
@@ -95,7 +143,7 @@ impl Role for SyncAllReduce {
             data.next_batch()?
         };
         let samples = batch.labels.len() as u64 * world;
-        let stats = self.step_on(cx.engine()?, batch, lr)?;
+        let stats = self.step_on(batch, lr)?;
         Ok(Step {
             progressed: true,
             loss: Some(stats.global_loss),
@@ -107,12 +155,8 @@ impl Role for SyncAllReduce {
 
 impl SyncAllReduce {
     /// One training step on this rank's batch at learning rate `lr`.
-    pub fn step_on(
-        &mut self,
-        engine: &mut dyn Engine,
-        batch: BatchRef<'_>,
-        lr: f64,
-    ) -> Result<StepStats> {
+    fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
+        let engine = &mut *self.engine;
         let count = self.plan.buckets.len();
         let last = count.saturating_sub(1);
         // A step that failed half-way may have left buffers with the communicator.

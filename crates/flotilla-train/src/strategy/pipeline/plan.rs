@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use flotilla_engine::{LayerCost, StageEstimate, StageHost, check_cut, partition};
-use flotilla_engine::{ModelSpec, Split, ranges_from_points};
+use flotilla_engine::{ModelSpec, StageCut, ranges_from_points};
 
 use crate::config::{StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -15,9 +15,9 @@ const PROFILE_ROUNDS: usize = 8;
 
 /// Where a pipeline is cut, and the estimates of each stage.
 #[derive(Debug, Clone)]
-pub struct Plan {
+pub struct PipelinePlan {
     /// The cut.
-    pub split: Split,
+    pub cut: StageCut,
     /// Per stage: layers, parameters, time per micro-batch and peak memory.
     pub stages: Vec<StageEstimate>,
     /// Each stage's host (memory limit, speed, micro-batches in flight).
@@ -32,7 +32,7 @@ pub struct Plan {
 /// and backward of one micro-batch), then takes the configured cut or chooses one. A cut
 /// that leaves a layer out or places one twice, or a stage that does not fit its host's
 /// memory, is an error with the numbers.
-pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<Plan> {
+pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
     let p = &config.pipeline;
     let stages = p.num_stages();
     let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
@@ -44,13 +44,13 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<Plan> {
         PROFILE_ROUNDS,
     )?;
     let hosts = hosts(config, stages);
-    let (ranges, automatic) = cut(config, spec, &costs, &hosts)?;
-    let split = Split::new(spec, ranges.clone())
+    let (ranges, automatic) = stage_ranges(config, spec, &costs, &hosts)?;
+    let cut = StageCut::new(spec, ranges.clone())
         .map_err(|e| TrainError::config("pipeline.stages", e.to_string()))?;
     let stages = check_cut(&costs, &ranges, &hosts)
         .map_err(|e| TrainError::config("pipeline", e.to_string()))?;
-    Ok(Plan {
-        split,
+    Ok(PipelinePlan {
+        cut,
         stages,
         hosts,
         automatic,
@@ -75,7 +75,7 @@ fn hosts(config: &TrainConfig, stages: usize) -> Vec<StageHost> {
 }
 
 /// The layer ranges of the stages, and whether they were chosen automatically.
-fn cut(
+fn stage_ranges(
     config: &TrainConfig,
     spec: &ModelSpec,
     costs: &[LayerCost],
@@ -112,10 +112,10 @@ pub fn needs_profile(config: &TrainConfig, spec: &ModelSpec) -> bool {
         || config.pipeline.hosts.iter().any(|h| h.memory_mb.is_some())
 }
 
-impl Plan {
+impl PipelinePlan {
     /// The stages' layer ranges (what every rank must agree on).
     pub fn ranges(&self) -> Vec<Range<usize>> {
-        self.split.ranges.clone()
+        self.cut.ranges.clone()
     }
 
     /// The slowest stage's estimated time over the mean (1.0: perfectly balanced).
@@ -159,7 +159,7 @@ impl Plan {
             ));
         }
         let crossings: Vec<String> = self
-            .split
+            .cut
             .crossings
             .iter()
             .map(|c| format!("{} {}→{}", c.name, c.from, c.to))

@@ -1,16 +1,17 @@
-//! The ways of training a config can be run in, by name: what `flotilla compare
-//! --strategies` accepts. Each name is a change of the topology keys only (model, data,
-//! optimizer, seed and budget stay as configured), for a job of `workers` ranks that compute
-//! gradients. The table [`STRATEGIES`] is the one place that says what each name means.
+//! The compare presets: the ways of training a config can be run in, by name — what
+//! `flotilla compare --strategies` accepts. Each preset is a change of the topology keys only
+//! (model, data, optimizer, seed and budget stay as configured), for a job of `workers` ranks
+//! that compute gradients. The table [`PRESETS`] is the one place that says what each name
+//! means. (The ways of training themselves are [`crate::strategy`].)
 
 use flotilla_cluster::{Aggregation, Arch, GlobalServerSpec, ServerSpec};
 
 use crate::config::{AllReduceMode, StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 
-/// A named way of training.
+/// A named way of training (a compare preset).
 #[derive(Debug, Clone, Copy)]
-pub struct Strategy {
+pub struct Preset {
     /// The name (`sync_allreduce`, `ps_flat_sync`, ...).
     pub name: &'static str,
     /// What it runs, in a line.
@@ -19,51 +20,51 @@ pub struct Strategy {
     apply: fn(&mut TrainConfig, usize),
 }
 
-/// Every strategy, in the order `flotilla compare` lists them.
-pub const STRATEGIES: &[Strategy] = &[
-    Strategy {
+/// Every preset, in the order `flotilla compare` lists them.
+pub const PRESETS: &[Preset] = &[
+    Preset {
         name: "sync_allreduce",
         about: "N peers, ring all-reduce of fused gradient buckets every step (DDP, Horovod)",
         apply: |c, n| allreduce(c, n, AllReduceMode::Sync),
     },
-    Strategy {
+    Preset {
         name: "ps_flat_sync",
         about: "one parameter server and N workers; the server averages all N pushes per round",
         apply: |c, n| flat(c, n, Aggregation::Sync),
     },
-    Strategy {
+    Preset {
         name: "ps_flat_async",
         about: "one parameter server and N workers; the server applies each push as it arrives",
         apply: |c, n| flat(c, n, Aggregation::Async),
     },
-    Strategy {
+    Preset {
         name: "ps_hierarchical",
         about: "a sync global server over 2 sync local servers sharing the N workers",
         apply: hierarchical,
     },
-    Strategy {
+    Preset {
         name: "pipeline",
         about: "the model cut into N stages (automatic cut), one rank each, 1 replica",
         apply: pipeline,
     },
-    Strategy {
+    Preset {
         name: "async_allreduce",
         about: "N peers; gradients reduced by a background cycle and applied one step late",
         apply: |c, n| allreduce(c, n, AllReduceMode::Async),
     },
 ];
 
-/// The strategies `flotilla compare` runs when none are named, comma-separated.
-pub const DEFAULT_STRATEGIES: &str = "sync_allreduce,ps_flat_sync,ps_flat_async,ps_hierarchical";
+/// The presets `flotilla compare` runs when none are named, comma-separated.
+pub const DEFAULT_PRESETS: &str = "sync_allreduce,ps_flat_sync,ps_flat_async,ps_hierarchical";
 
-/// The strategy called `name`; an error listing the known names otherwise.
-pub fn strategy(name: &str) -> Result<&'static Strategy> {
-    STRATEGIES
+/// The preset called `name`; an error listing the known names otherwise.
+pub fn preset(name: &str) -> Result<&'static Preset> {
+    PRESETS
         .iter()
         .find(|s| s.name == name)
-        .ok_or_else(|| TrainError::UnknownStrategy {
+        .ok_or_else(|| TrainError::UnknownPreset {
             name: name.to_string(),
-            known: STRATEGIES
+            known: PRESETS
                 .iter()
                 .map(|s| s.name)
                 .collect::<Vec<_>>()
@@ -81,12 +82,12 @@ pub fn workers(config: &TrainConfig) -> Result<usize> {
     })
 }
 
-impl Strategy {
-    /// `base` run in this strategy with `workers` gradient-computing ranks. Only the topology
+impl Preset {
+    /// `base` run in this preset with `workers` gradient-computing ranks. Only the topology
     /// changes, and what must follow it for the runs to be comparable: evaluation once per
     /// epoch (`schedule.eval_every` back to its default, whose unit differs between
     /// architectures) and the same budget for all (no `num_server_rounds`, no early stop at
-    /// `target_accuracy`: every strategy trains `epochs`, or `max_steps`).
+    /// `target_accuracy`: every preset trains `epochs`, or `max_steps`).
     pub fn configure(&self, base: &TrainConfig, workers: usize) -> TrainConfig {
         let mut c = base.clone();
         c.topology.parameter_server = None;
@@ -144,14 +145,14 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_strategy_gives_a_valid_topology_of_its_workers() {
+    fn every_preset_gives_a_valid_topology_of_its_workers() {
         let base = TrainConfig::default();
-        for s in STRATEGIES {
+        for s in PRESETS {
             let c = s.configure(&base, 3);
             c.validate().unwrap_or_else(|e| panic!("{}: {e}", s.name));
             assert_eq!(workers(&c).expect("topology"), 3, "{}", s.name);
         }
-        let h = strategy("ps_hierarchical")
+        let h = preset("ps_hierarchical")
             .expect("known")
             .configure(&base, 3);
         assert_eq!(
@@ -159,14 +160,14 @@ mod tests {
             6,
             "global + 2 local + 3 workers"
         );
-        for name in DEFAULT_STRATEGIES.split(',') {
-            strategy(name).expect("default strategies are known");
+        for name in DEFAULT_PRESETS.split(',') {
+            preset(name).expect("default presets are known");
         }
     }
 
     #[test]
     fn an_unknown_name_lists_the_known_ones() {
-        let e = strategy("ps_flat").expect_err("unknown").to_string();
+        let e = preset("ps_flat").expect_err("unknown").to_string();
         assert!(
             e.contains("ps_flat") && e.contains("sync_allreduce, ps_flat_sync"),
             "{e}"
@@ -179,9 +180,7 @@ mod tests {
         base.schedule.num_server_rounds = Some(2000);
         base.schedule.target_accuracy = Some(0.98);
         base.schedule.eval_every = Some(1);
-        let c = strategy("ps_flat_async")
-            .expect("known")
-            .configure(&base, 2);
+        let c = preset("ps_flat_async").expect("known").configure(&base, 2);
         assert_eq!(c.schedule.num_server_rounds, None);
         assert_eq!(c.schedule.target_accuracy, None);
         assert_eq!(c.schedule.eval_every, None);

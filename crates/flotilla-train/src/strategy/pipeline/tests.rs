@@ -4,15 +4,14 @@
 //! named.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_engine::{
-    BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, Split, cross_entropy,
+    BatchRef, BurnEngine, Engine, ModelSpec, ModelState, StageCut, cross_entropy,
 };
 
 use super::{Pipeline, PipelineOptions, Schedule};
+use crate::testkit::{sgd, world};
 
 const SEED: u64 = 5;
 const BATCH: usize = 8;
@@ -45,23 +44,13 @@ layers:
     .expect("spec")
 }
 
-fn sgd() -> OptimizerSpec {
-    OptimizerSpec::Sgd {
-        lr: LR,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-    }
-}
-
 fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> PipelineOptions {
     PipelineOptions {
         micro_batches,
         schedule,
         data_parallel,
         lr: LR,
-        optimizer: sgd(),
+        optimizer: sgd(LR, 0.0),
         device: "flex".into(),
         seed: SEED,
     }
@@ -99,7 +88,7 @@ fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
 
 /// Single-process training on the same batches.
 fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
-    let mut e = BurnEngine::new(&spec(), &sgd(), "flex", SEED).expect("engine");
+    let mut e = BurnEngine::new(&spec(), &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let initial = named(&e);
     for b in 0..BATCHES {
         let (images, labels) = batch(b);
@@ -113,17 +102,6 @@ fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
         e.apply_grads(&g, LR).expect("step");
     }
     (initial, named(&e))
-}
-
-fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
-    Communicator::in_memory(
-        n,
-        CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(5)),
-    )
-    .expect("world")
-    .into_iter()
-    .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
-    .collect()
 }
 
 /// What one rank ends with.
@@ -143,14 +121,14 @@ fn run(
     train: fn(&mut Pipeline, usize) -> Option<f32>,
 ) -> Vec<Ended> {
     let spec = spec();
-    let split = Split::at(&spec, points).expect("split");
+    let cut = StageCut::at(&spec, points).expect("cut");
     let d = opts.data_parallel;
-    let handles: Vec<_> = world(split.stages() * d)
+    let handles: Vec<_> = world(cut.stages() * d)
         .into_iter()
         .map(|group| {
-            let (spec, split, opts) = (spec.clone(), split.clone(), opts.clone());
+            let (spec, cut, opts) = (spec.clone(), cut.clone(), opts.clone());
             std::thread::spawn(move || {
-                let mut pipe = Pipeline::new(&spec, split, opts, group).expect("pipeline");
+                let mut pipe = Pipeline::new(&spec, cut, opts, group).expect("pipeline");
                 let losses = (0..BATCHES).filter_map(|b| train(&mut pipe, b)).collect();
                 Ended {
                     stage: pipe.stage_index(),
@@ -283,8 +261,8 @@ fn one_f_one_b_keeps_at_most_the_pipeline_depth_in_flight() {
 #[test]
 fn evaluation_through_the_pipeline_equals_the_whole_model_on_every_rank() {
     let spec = spec();
-    let split = Split::at(&spec, &[2, 4]).expect("split");
-    let whole = BurnEngine::new(&spec, &sgd(), "flex", SEED).expect("engine");
+    let cut = StageCut::at(&spec, &[2, 4]).expect("cut");
+    let whole = BurnEngine::new(&spec, &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let (mut images, mut labels) = (Vec::new(), Vec::new());
     for b in 0..3 {
         let (x, y) = batch(b);
@@ -297,11 +275,11 @@ fn evaluation_through_the_pipeline_equals_the_whole_model_on_every_rank() {
     let handles: Vec<_> = world(6)
         .into_iter()
         .map(|g| {
-            let (spec, split) = (spec.clone(), split.clone());
+            let (spec, cut) = (spec.clone(), cut.clone());
             let (images, labels) = (images.clone(), labels.clone());
             std::thread::spawn(move || {
-                let mut pipe = Pipeline::new(&spec, split, options(Schedule::GPipe, 2, 2), g)
-                    .expect("pipeline");
+                let mut pipe =
+                    Pipeline::new(&spec, cut, options(Schedule::GPipe, 2, 2), g).expect("pipeline");
                 pipe.evaluate(&images, &labels, 5).expect("evaluate")
             })
         })
@@ -319,15 +297,15 @@ fn evaluation_through_the_pipeline_equals_the_whole_model_on_every_rank() {
 #[test]
 fn a_rank_with_other_options_is_named() {
     let spec = spec();
-    let split = Split::at(&spec, &[4]).expect("split");
+    let cut = StageCut::at(&spec, &[4]).expect("cut");
     let handles: Vec<_> = world(2)
         .into_iter()
         .enumerate()
         .map(|(r, g)| {
-            let (spec, split) = (spec.clone(), split.clone());
+            let (spec, cut) = (spec.clone(), cut.clone());
             std::thread::spawn(move || {
                 let m = if r == 1 { 4 } else { 2 };
-                Pipeline::new(&spec, split, options(Schedule::GPipe, m, 1), g)
+                Pipeline::new(&spec, cut, options(Schedule::GPipe, m, 1), g)
                     .expect_err("options differ")
                     .to_string()
             })
@@ -345,12 +323,12 @@ fn a_rank_with_other_options_is_named() {
 #[test]
 fn a_lost_stage_is_named_and_bad_shapes_are_refused() {
     let spec = spec();
-    let split = Split::at(&spec, &[2, 4]).expect("split");
+    let cut = StageCut::at(&spec, &[2, 4]).expect("cut");
     let mut groups = world(3);
     // Wrong world size: named numbers.
     let err = Pipeline::new(
         &spec,
-        split.clone(),
+        cut.clone(),
         options(Schedule::GPipe, 2, 2),
         groups[0].clone(),
     )
@@ -362,10 +340,10 @@ fn a_lost_stage_is_named_and_bad_shapes_are_refused() {
     let handles: Vec<_> = groups
         .into_iter()
         .map(|g| {
-            let (spec, split) = (spec.clone(), split.clone());
+            let (spec, cut) = (spec.clone(), cut.clone());
             std::thread::spawn(move || {
-                let mut pipe = Pipeline::new(&spec, split, options(Schedule::GPipe, 2, 1), g)
-                    .expect("pipeline");
+                let mut pipe =
+                    Pipeline::new(&spec, cut, options(Schedule::GPipe, 2, 1), g).expect("pipeline");
                 let (images, labels) = batch(0);
                 pipe.train_batch(&images, &labels).expect("first batch");
                 if pipe.stage_index() == 0 {
@@ -376,7 +354,7 @@ fn a_lost_stage_is_named_and_bad_shapes_are_refused() {
         })
         .collect();
     let mut pipe =
-        Pipeline::new(&spec, split, options(Schedule::GPipe, 2, 1), last).expect("pipeline");
+        Pipeline::new(&spec, cut, options(Schedule::GPipe, 2, 1), last).expect("pipeline");
     let (images, labels) = batch(0);
     pipe.train_batch(&images, &labels).expect("first batch");
     let started = Instant::now();

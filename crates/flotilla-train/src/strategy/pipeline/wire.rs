@@ -3,7 +3,7 @@
 //!
 //! A tag is `(direction << 30) | (crossing << 20) | micro_batch`: the direction (forward
 //! activation, backward gradient, evaluation activation), the crossing's index in
-//! [`flotilla_engine::Split::crossings`] (the same on every rank, so it names the tensor), and
+//! [`flotilla_engine::StageCut::crossings`] (the same on every rank, so it names the tensor), and
 //! the micro-batch (or evaluation chunk) modulo 2^20. Messages with the same tag from the same
 //! sender arrive in order, so chunk numbers may wrap. Every tag is below
 //! [`flotilla_comm::tags::RESERVED`]. The payload is the tensor's `f32` values, little-endian,
@@ -25,7 +25,7 @@ pub enum Direction {
     State = 3,
 }
 
-/// Most crossings a split may have (the tag has 10 bits for them).
+/// Most crossings a cut may have (the tag has 10 bits for them).
 pub const MAX_CROSSINGS: usize = 1 << 10;
 
 /// Most micro-batches per batch (the tag has 20 bits for them).

@@ -3,14 +3,15 @@
 //! (two buckets, the loss riding in the last), overlapped and not. A three-rank ring sums each
 //! segment in its own order, so the reference agrees within f32 rounding (1e-6 relative),
 //! and the ranks agree with each other bit for bit. (Two ranks against the formula bit for
-//! bit: `async_allreduce_tests`.)
+//! bit: `async_tests`.)
 
 use std::thread;
 
 use super::SyncAllReduce;
-use crate::role::Role;
+use crate::strategy::Strategy;
 use crate::testkit::{
-    Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, relative_error, sgd, world,
+    Oracle, Rank, SgdRef, assert_bitwise, batches, config, dataset, params, relative_error, sgd,
+    world,
 };
 
 const RANKS: usize = 3;
@@ -26,25 +27,25 @@ fn run(overlap: bool) -> Vec<(Vec<f32>, Vec<f32>)> {
         .into_iter()
         .map(|comm| {
             thread::spawn(move || {
-                let c = config(sgd(LR, MOMENTUM));
-                let mut rank = Rank::new(comm.clone(), c, &sgd(LR, MOMENTUM), SAMPLES);
+                let mut c = config(sgd(LR, MOMENTUM));
+                c.topology.world_size = RANKS;
                 // The last layer (60 bytes) and the first (80 bytes): two groups.
-                rank.engine.set_backward_group_bytes(64).expect("groups");
-                let mut peer =
-                    SyncAllReduce::new(comm.clone(), &rank.engine, overlap).expect("strategy");
+                c.comm.bucket_mb = 64.0 / f64::from(1 << 20);
+                c.allreduce.overlap = overlap;
+                let topology = c.topology().expect("topology");
+                let mut rank = Rank::new(comm.clone(), c, SAMPLES);
+                let mut peer = rank.build(&topology, SyncAllReduce::build);
                 assert_eq!(peer.plan().buckets.len(), 2, "two buckets");
                 let data = dataset(SAMPLES);
                 let mut shard = batches(&data, RANKS, comm.rank());
-                peer.start(&mut rank.cx(RANKS)).expect("start");
+                peer.start(&mut rank.cx()).expect("start");
                 let losses = (0..STEPS)
                     .map(|done| {
-                        let step = peer
-                            .step(&mut rank.cx(RANKS), &mut shard, done)
-                            .expect("step");
+                        let step = peer.step(&mut rank.cx(), &mut shard, done).expect("step");
                         step.loss.expect("a sync step has a loss")
                     })
                     .collect();
-                (rank.params(), losses)
+                (params(&mut peer), losses)
             })
         })
         .collect();

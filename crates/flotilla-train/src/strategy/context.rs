@@ -1,0 +1,83 @@
+//! What every strategy is given by the run ([`Cx`]: the process group, the config, the test
+//! set, the log and the front end) and what it is built from ([`Setup`]: the model spec and
+//! the job's shape, from which it builds the engine it owns).
+
+use std::sync::Arc;
+
+use flotilla_cluster::Topology;
+use flotilla_comm::ProcessGroup;
+use flotilla_data::ImageDataset;
+use flotilla_engine::{BurnEngine, ModelSpec, OptimizerSpec};
+
+use crate::config::TrainConfig;
+use crate::error::Result;
+use crate::fault::Fault;
+use crate::observe::Observer;
+use crate::runlog::RunLog;
+
+/// What every strategy is given by the run: the group, the config, the test set, the
+/// schedule's length, the log, the front end and a test fault. A strategy's model is its own
+/// (given at construction), never the context's.
+pub struct Cx<'a> {
+    /// The process group (collectives and tagged point-to-point messages).
+    pub comm: &'a Arc<dyn ProcessGroup>,
+    /// The run configuration.
+    pub config: &'a TrainConfig,
+    /// The test set.
+    pub test: &'a ImageDataset,
+    /// This process's rank.
+    pub rank: usize,
+    /// Units of progress the run will take (steps, or server rounds): the length of the
+    /// learning-rate schedule.
+    pub rounds: u64,
+    /// This rank's log.
+    pub log: &'a mut RunLog,
+    /// The front end.
+    pub observer: &'a mut dyn Observer,
+    /// A fault to inject (tests).
+    pub fault: Option<Fault>,
+}
+
+impl Cx<'_> {
+    /// Writes a line to the run log and the front end.
+    pub fn log(&mut self, line: &str) -> Result<()> {
+        self.observer.message(line);
+        self.log.line(line)
+    }
+
+    /// Writes a line to the run log only (per-round timings).
+    pub fn log_quiet(&mut self, line: &str) -> Result<()> {
+        self.log.line(line)
+    }
+
+    /// The learning rate at `step` (0-based) of the run's schedule.
+    pub fn lr_at(&self, step: u64) -> f64 {
+        let s = &self.config.schedule;
+        s.lr_schedule
+            .lr_at(self.config.base_lr(), step, self.rounds, s.warmup_steps)
+    }
+}
+
+/// What a strategy is built from besides the run's context: the model and the job's shape.
+pub struct Setup<'a> {
+    /// The model spec (resolved).
+    pub spec: &'a ModelSpec,
+    /// The job's topology (each rank's role, parents and children).
+    pub topology: &'a Topology,
+    /// Samples in the training set (a parameter-server job counts its rounds in them).
+    pub samples: usize,
+}
+
+impl Setup<'_> {
+    /// The whole model as an engine of `config`'s device and seed, trained by `optimizer`
+    /// (a server's may differ from the configured one): what every strategy but a pipeline
+    /// stage owns.
+    pub fn engine(&self, config: &TrainConfig, optimizer: &OptimizerSpec) -> Result<BurnEngine> {
+        Ok(BurnEngine::new(
+            self.spec,
+            optimizer,
+            &config.model.device,
+            config.model.seed,
+        )?)
+    }
+}

@@ -1,0 +1,185 @@
+//! What every parameter-server role takes from the job as it is built ([`Place`]: its role in
+//! the topology, how the run counts its rounds, what it says when it starts) and how it
+//! resumes ([`restore`]).
+
+use flotilla_cluster::{Aggregation, Role, RoleKind, Topology};
+use flotilla_engine::ModelState;
+
+use crate::checkpoint::{self, CheckpointState};
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+use crate::plan::Counting;
+use crate::strategy::{Cx, Resume, Setup};
+
+/// One rank's place in a parameter-server job.
+pub struct Place {
+    /// This rank's role: kind, parents and children.
+    pub role: Role,
+    /// Whether its own level aggregates synchronously (a worker's: `true`).
+    pub sync: bool,
+    /// Rounds the run takes: `num_server_rounds`, else `max_steps`, else the epochs
+    /// (`max_steps` also caps `num_server_rounds`).
+    pub rounds: u64,
+    /// The root evaluates every this many rounds (default: once per epoch of rounds).
+    pub eval_every: u64,
+    /// Batches a worker takes per round.
+    pub local_steps: usize,
+    /// Workers of the job.
+    pub workers: usize,
+    /// The rank whose parameters every rank takes on resume, in a job of several shard
+    /// servers (each starts from its shard of them); `None` with one server.
+    pub resync_from: Option<usize>,
+    /// What the rank says of its place when it starts.
+    pub announcement: Announcement,
+}
+
+/// The lines a parameter-server rank logs when it starts, once the job is restored: at the
+/// root the job's placement (run log only), then its role (`role <label>: parents [..]
+/// children [..]`, which says the rank is up) and what it holds.
+#[derive(Debug, Clone, Default)]
+pub struct Announcement {
+    /// Each line, and whether it goes to the run log only.
+    lines: Vec<(String, bool)>,
+}
+
+impl Announcement {
+    /// The same, and then `line` (to the run log and the front end).
+    pub fn then(mut self, line: String) -> Self {
+        self.lines.push((line, false));
+        self
+    }
+
+    /// Logs the lines.
+    pub fn log(&self, cx: &mut Cx<'_>) -> Result<()> {
+        for (line, quiet) in &self.lines {
+            if *quiet {
+                cx.log_quiet(line)?;
+            } else {
+                cx.log(line)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Place {
+    /// This rank's place in the job of `setup`, and its announcement: its role (and, at the
+    /// root, the job's placement on its hosts when an inventory is given, else the roles).
+    pub fn of(cx: &Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
+        let (config, topology) = (cx.config, setup.topology);
+        let Some(role) = topology.role(cx.rank).cloned() else {
+            return Err(no_role(cx.rank, topology));
+        };
+        let placement = if cx.rank == topology.root() {
+            placement(config, topology)
+        } else {
+            String::new()
+        };
+        let mut announcement = Announcement {
+            lines: placement.lines().map(|l| (l.to_string(), true)).collect(),
+        };
+        announcement = announcement.then(format!(
+            "role {}: parents [{}] children [{}]",
+            topology.label(cx.rank),
+            list(&role.parents),
+            list(&role.children)
+        ));
+        let workers = topology.num_workers();
+        let local_steps = config.topology.local_steps.max(1);
+        let per_round = workers * config.data.batch_size * local_steps;
+        let rounds_per_epoch = (setup.samples / per_round.max(1)).max(1) as u64;
+        let s = &config.schedule;
+        let rounds = match (s.num_server_rounds, s.max_steps) {
+            (Some(n), Some(m)) => n.min(m),
+            (Some(n), None) => n,
+            (None, Some(m)) => m,
+            (None, None) => s.epochs.max(1) as u64 * rounds_per_epoch,
+        };
+        let shards = topology
+            .servers()
+            .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
+            .count();
+        Ok(Self {
+            sync: role.aggregation.is_none_or(|a| a == Aggregation::Sync),
+            role,
+            rounds,
+            eval_every: s.eval_every.map_or(rounds_per_epoch, u64::from),
+            local_steps,
+            workers,
+            resync_from: (shards > 1).then(|| topology.root()),
+            announcement,
+        })
+    }
+
+    /// How the run counts a role that trains on `shard` of the data (`(1, 0)`: a server).
+    pub fn counting(&self, shard: (usize, usize)) -> Counting {
+        Counting::Rounds {
+            total: self.rounds,
+            every: self.eval_every,
+            local_steps: self.local_steps,
+            shard,
+        }
+    }
+}
+
+/// The error of a rank that `topology` gives no role.
+pub fn no_role(rank: usize, topology: &Topology) -> TrainError {
+    TrainError::config(
+        "topology",
+        format!(
+            "rank {rank} has no role in a topology of {}",
+            topology.world_size()
+        ),
+    )
+}
+
+/// `1, 2, 3`.
+fn list(ranks: &[usize]) -> String {
+    ranks
+        .iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The placement of the job on its hosts when an inventory is given, else its roles.
+fn placement(config: &TrainConfig, topology: &Topology) -> String {
+    match &config.topology.inventory {
+        Some(path) => flotilla_cluster::Inventory::load(path)
+            .and_then(|inv| flotilla_cluster::place(topology, &inv))
+            .map(|p| p.describe())
+            .unwrap_or_else(|_| topology.describe()),
+        None => topology.describe(),
+    }
+}
+
+/// A parameter-server rank's resume, on every rank: the root (rank 0) loads the checkpoint
+/// into its model (parameters and optimizer state) and every rank learns the round it was
+/// taken at. With several shard servers (`resync_from`: the root), the parameters then go from
+/// the root to every rank, so that each server starts from its shard of them. `model`: this
+/// rank's, and the length of the parameters (a local server holds no model of its own).
+pub fn restore(
+    cx: &mut Cx<'_>,
+    from: &Resume,
+    (mut model, len): (Option<&mut dyn ModelState>, usize),
+    resync_from: Option<usize>,
+) -> Result<Option<CheckpointState>> {
+    let load = |dir: &std::path::Path| match model.as_deref_mut() {
+        Some(m) => checkpoint::load(dir, m),
+        None => checkpoint::read_state(dir),
+    };
+    let Some(state) = from.share(cx, load)? else {
+        return Ok(None);
+    };
+    if let Some(root) = resync_from {
+        let mut params = vec![0.0f32; len];
+        if let Some(m) = &model {
+            m.read_params(&mut params)?;
+        }
+        cx.comm.broadcast_f32(&mut params, root)?;
+        if let Some(m) = model {
+            m.write_params(&params)?;
+        }
+    }
+    Ok(Some(state))
+}
