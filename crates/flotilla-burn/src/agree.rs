@@ -6,8 +6,8 @@
 //! rank 0's; all ranks reach the same verdict, so all of them fail together, naming each
 //! differing rank and its first difference, as the config hash check does for `flotilla train`.
 
-use flotilla_comm::ProcessGroup;
 use flotilla_engine::ParamLayout;
+use flotilla_group::ProcessGroup;
 
 use crate::error::{DistError, Result};
 

@@ -7,9 +7,9 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Bytes;
-use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::ParamLayout;
 use flotilla_engine::any_module;
+use flotilla_group::{PendingAllReduce, ProcessGroup};
 
 use crate::agree::check_same_params;
 use crate::buckets::{self, DEFAULT_BUCKET_BYTES};

@@ -10,9 +10,10 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
+use flotilla_comm::{CommConfig, Communicator};
 use flotilla_engine::ParamLayout;
 use flotilla_engine::any_module::read_params;
+use flotilla_group::ProcessGroup;
 
 use crate::{DataParallel, DistError};
 

@@ -1,7 +1,7 @@
 //! What can go wrong in a data-parallel run of a user's model.
 
-use flotilla_comm::CommError;
 use flotilla_engine::EngineError;
+use flotilla_group::CommError;
 
 /// An error of [`crate::DataParallel`].
 #[derive(Debug, thiserror::Error)]

@@ -43,7 +43,7 @@ use std::sync::Arc;
 pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use data_parallel::DataParallel;
 pub use error::{DistError, Result};
-pub use flotilla_comm::{ProcessGroup, ReduceOp};
+pub use flotilla_group::{ProcessGroup, ReduceOp};
 
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
 /// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
