@@ -6,7 +6,7 @@
 //! ```
 //! Each rank trains on its shard; `DataParallel` makes the ranks start from rank 0's weights
 //! and averages the gradients. Settings: `EPOCHS` (3), `STEPS` (instead of epochs), `BATCH`
-//! (per rank, 64), `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
+//! (per rank, 64), `HIDDEN` (128), `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
 
 use anyhow::{Context, Result};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -31,13 +31,13 @@ struct Net {
 }
 
 impl Net {
-    fn new(device: &Device) -> Self {
+    fn new(device: &Device, hidden: usize) -> Self {
         Net {
             conv1: Conv2dConfig::new([1, 16], [5, 5]).init(device),
             conv2: Conv2dConfig::new([16, 32], [5, 5]).init(device),
             pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
-            fc1: LinearConfig::new(32 * 4 * 4, 128).init(device),
-            fc2: LinearConfig::new(128, 10).init(device),
+            fc1: LinearConfig::new(32 * 4 * 4, hidden).init(device),
+            fc2: LinearConfig::new(hidden, 10).init(device),
             relu: Relu::new(),
         }
     }
@@ -79,7 +79,7 @@ fn main() -> Result<()> {
     let device = Device::flex().autodiff();
     device.seed(rank as u64); // different on every rank: the broadcast makes them agree
 
-    let net = Net::new(&device);
+    let net = Net::new(&device, setting("HIDDEN", 128)?);
     let mut dp = DataParallel::new(group, &net)?;
     let mut net = dp.broadcast_model(net)?;
     let mut optim = dp.broadcast_optimizer(AdamConfig::new().init())?;
