@@ -13,6 +13,15 @@ pub type Result<T, E = DataError> = std::result::Result<T, E>;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum DataError {
+    /// A text file cannot be a data set (empty, or too short for one window per part).
+    #[error("{}: {message}", path.display())]
+    Text {
+        /// The text file.
+        path: PathBuf,
+        /// Why.
+        message: String,
+    },
+
     /// The file could not be opened or read.
     #[error("cannot read {}: {source}", path.display())]
     Io {

@@ -8,6 +8,7 @@
 //! * [`verify_md5`]: MD5 check against the original MNIST files.
 //! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
 //! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers.
+//! * [`TextSplits`]: a text file as next-token windows of bytes (training and held-out).
 //!
 //! ```no_run
 //! use flotilla_data::{Batcher, DistributedSampler, Mnist};
@@ -38,6 +39,7 @@ pub mod files;
 pub mod idx;
 pub mod mnist;
 pub mod sampler;
+pub mod text;
 
 #[cfg(test)]
 mod testutil;
@@ -49,3 +51,4 @@ pub use error::{DataError, Result};
 pub use files::{MnistFile, Split};
 pub use mnist::{Mnist, MnistSplits};
 pub use sampler::DistributedSampler;
+pub use text::{BYTE_VOCAB, TextSplits, TokenWindows};

@@ -5,9 +5,11 @@
 //! optimizers. The rest of Flotilla sees only flat `f32` buffers in the documented parameter
 //! order of [`ParamLayout`]. The modules are private and no burn type crosses this crate's
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
-//! data (specs, names, flat buffers).
+//! data (specs, names, flat buffers). The one exception is [`any_module`], the bridge from a
+//! burn user's own module to the same flat buffers, which is generic over burn's `Module`.
 #![warn(missing_docs)]
 
+pub mod any_module;
 mod backward_groups;
 mod cut;
 mod device;

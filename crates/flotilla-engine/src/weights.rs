@@ -6,8 +6,8 @@ use std::path::Path;
 
 use burn::optim::ModuleOptimizer;
 use burn::prelude::*;
-use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
 
+use crate::any_module;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::model::{Identity, Layer, SequentialModel};
@@ -177,43 +177,14 @@ impl ModelState for Weights {
     }
 
     fn save_weights(&self, path: &Path) -> Result<()> {
-        let mut store = SafetensorsStore::from_file(path)
-            .with_to_adapter(BurnToPyTorchAdapter)
-            .skip_enum_variants(true)
-            .metadata("flotilla.model", self.spec.to_yaml())
-            .overwrite(true);
-        for (key, value) in &self.metadata {
-            store = store.metadata(key, value.clone());
-        }
-        self.model()?
-            .save_into(&mut store)
-            .map_err(|e| EngineError::Checkpoint {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })
+        let mut metadata = vec![("flotilla.model".to_string(), self.spec.to_yaml())];
+        metadata.extend(self.metadata.iter().cloned());
+        any_module::save_module(self.model()?, path, &metadata)
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<()> {
-        let mut store = SafetensorsStore::from_file(path)
-            .with_from_adapter(PyTorchToBurnAdapter)
-            .skip_enum_variants(true)
-            .validate(true)
-            .allow_partial(false);
-        // Load into a copy so that a failed or partial load leaves the model as it was.
-        let mut candidate = self.model()?.clone();
-        let applied = candidate
-            .load_from(&mut store)
-            .map_err(|e| EngineError::Checkpoint {
-                path: path.to_path_buf(),
-                message: e.to_string(),
-            })?;
-        if !applied.errors.is_empty() || !applied.missing.is_empty() {
-            return Err(EngineError::Checkpoint {
-                path: path.to_path_buf(),
-                message: format!("{applied}"),
-            });
-        }
-        self.model = Some(candidate);
+        // Loads into a copy, so that a failed or partial load leaves the model as it was.
+        self.model = Some(any_module::load_module(self.model()?, path)?);
         Ok(())
     }
 }

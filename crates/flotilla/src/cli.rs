@@ -106,6 +106,15 @@ pub struct LaunchArgs {
     /// Where ranks go with `--inventory`.
     #[command(flatten)]
     pub remote: RemoteArgs,
+    /// A program to start as the ranks instead of `flotilla train`, after `--`, with its
+    /// arguments (`flotilla launch -n 2 -- target/release/examples/custom_model`). Each rank
+    /// gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them),
+    /// FLOTILLA_COMM_TIMEOUT_SECS, and the job's secret and TLS files; the ranks are
+    /// supervised as training ranks are (the first failure stops them all and is named;
+    /// `--max-restarts` starts the program again). With `--inventory`, the program must be
+    /// at the same path on every host.
+    #[arg(last = true, value_name = "PROGRAM")]
+    pub program: Vec<std::ffi::OsString>,
 }
 
 /// `flotilla launch --inventory`: how the ranks reach their hosts.

@@ -98,6 +98,7 @@ fn run_one(
             oversubscribe: false,
             max_restarts: 0,
             remote: RemoteArgs::default(),
+            program: Vec::new(),
         };
         launch_cmd::launch(config, &opts)?;
         RunFacts::from_summary(&report::read_summary(&dir)?)

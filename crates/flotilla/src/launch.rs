@@ -92,6 +92,8 @@ pub struct LocalJob {
     respawn: Option<Respawn>,
     respawns: u32,
     stderr_tails: Vec<VecDeque<String>>,
+    /// When each rank was seen to exit.
+    exited_at: Vec<Option<Instant>>,
     blamed: Vec<Option<usize>>,
     tolerated: Vec<bool>,
     straggler_grace: Duration,
@@ -135,6 +137,7 @@ impl LocalJob {
             respawn: None,
             respawns: 0,
             stderr_tails: vec![VecDeque::new(); n],
+            exited_at: vec![None; n],
             blamed: vec![None; n],
             tolerated: vec![false; n],
             straggler_grace: STRAGGLER_GRACE,
@@ -332,6 +335,7 @@ impl LocalJob {
             match child.try_wait() {
                 Ok(Some(s)) => {
                     status[i] = Some(s);
+                    self.exited_at[i] = Some(Instant::now());
                     if !s.success() && self.tolerated[i] {
                         tolerated.push((i, s));
                     } else if !s.success() && failed.is_none() {
@@ -448,6 +452,20 @@ impl LocalJob {
             }
         };
         let mut msg = format!("{what}; stopped all ranks.");
+        // Ranks that ended well before the failure: the likely reason the others waited.
+        let failed_at = self.exited_at[first];
+        let left: Vec<String> = (0..status.len())
+            .filter(|&r| status[r].is_some_and(|s| s.success()))
+            .filter(|&r| self.exited_at[r].zip(failed_at).is_some_and(|(e, f)| e < f))
+            .map(|r| r.to_string())
+            .collect();
+        if !left.is_empty() {
+            msg.push_str(&format!(
+                " Rank(s) {} had exited (code 0) while the others still ran: a rank that ends \
+                 early, before joining or before the last collective, leaves the others waiting.",
+                left.join(", ")
+            ));
+        }
         if root != first {
             msg.push_str(&format!("\n--- rank {first} reported ---\n{}", tail(first)));
         }

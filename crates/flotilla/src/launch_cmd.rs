@@ -35,6 +35,9 @@ struct Prepared {
 
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
+    if !args.program.is_empty() {
+        return crate::launch_program::run(args);
+    }
     let config = settings::effective_config(&args.run, false)?;
     launch(config, args)
 }
@@ -309,7 +312,7 @@ fn rank_labels(job: &Prepared, remote: Option<&Remote>) -> Vec<String> {
 }
 
 /// What the launcher does with the ranks' lines.
-struct Relay {
+pub(crate) struct Relay {
     labels: Vec<String>,
     interactive: bool,
     /// `None` until rank 0's first progress event; `Some(None)` when not on a terminal.
@@ -318,7 +321,8 @@ struct Relay {
 }
 
 impl Relay {
-    fn new(labels: Vec<String>) -> Self {
+    /// A relay labelling each rank's lines with `labels[rank]`.
+    pub(crate) fn new(labels: Vec<String>) -> Self {
         Self {
             labels,
             interactive: std::io::stderr().is_terminal(),
@@ -328,7 +332,7 @@ impl Relay {
     }
 
     /// Events update the bar or the summary; every other line is shown with its rank.
-    fn on_line(&mut self, line: &RankLine) {
+    pub(crate) fn on_line(&mut self, line: &RankLine) {
         if line.stream == Stream::Stdout {
             // A malformed event is shown as the text it is.
             if let Some(Ok(event)) = RankEvent::parse(&line.text) {
@@ -370,7 +374,8 @@ impl Relay {
         }
     }
 
-    fn clear_bar(&mut self) {
+    /// Removes the progress bar, if one is shown.
+    pub(crate) fn clear_bar(&mut self) {
         if let Some(Some(b)) = self.bar.take() {
             b.finish_and_clear();
         }

@@ -14,6 +14,7 @@ mod compare;
 mod compare_report;
 mod launch;
 mod launch_cmd;
+mod launch_program;
 mod launch_tls;
 mod plots;
 mod progress;

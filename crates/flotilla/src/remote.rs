@@ -104,6 +104,18 @@ impl RemoteJob {
     /// secret, the rank reads it from the job directory's [`REMOTE_SECRET`] file (its path,
     /// not the secret, is on the command line).
     pub fn rank_command(&self, rank: usize, env: &[(String, String)]) -> Result<Command> {
+        let train = [self.exe.clone(), "train".into(), REMOTE_CONFIG.into()];
+        self.program_command(rank, env, &train)
+    }
+
+    /// As [`RemoteJob::rank_command`], running `program` (its path on the host, then its
+    /// arguments) instead of `flotilla train`.
+    pub fn program_command(
+        &self,
+        rank: usize,
+        env: &[(String, String)],
+        program: &[String],
+    ) -> Result<Command> {
         let target = self
             .ranks
             .get(rank)
@@ -116,7 +128,7 @@ impl RemoteJob {
             words.push(format!("{SECRET_FILE_ENV}={REMOTE_SECRET}"));
         }
         words.extend(env.iter().map(|(k, v)| format!("{k}={v}")));
-        words.extend([self.exe.clone(), "train".into(), REMOTE_CONFIG.into()]);
+        words.extend(program.iter().cloned());
         let words: Vec<&str> = words.iter().map(String::as_str).collect();
         let pid = format!("rank-{rank}.pid");
         let script = format!(

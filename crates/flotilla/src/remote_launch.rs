@@ -29,6 +29,8 @@ const REMOTE_MODEL: &str = "model.yaml";
 pub struct Remote {
     /// Where the job lives on its hosts.
     pub job: RemoteJob,
+    /// The TLS files as the ranks find them on their hosts.
+    pub tls: Option<flotilla_train::config::TlsSetting>,
 }
 
 /// Places the job's ranks on the inventory's hosts (rank `i` on host `i`).
@@ -57,6 +59,7 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
     // configured paths on the hosts.
     let tls = RemoteTls::plan(config, &job.hosts())?;
     ranks_config.comm.tls = tls.ranks_setting();
+    let ranks_tls = ranks_config.comm.tls.clone();
     let staging = tempfile::tempdir().context("creating a staging directory")?;
     let config_file = staging.path().join(REMOTE_CONFIG);
     std::fs::write(&config_file, serde_norway::to_string(&ranks_config)?)
@@ -91,7 +94,10 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
             }
         }
     }
-    Ok(Remote { job })
+    Ok(Remote {
+        job,
+        tls: ranks_tls,
+    })
 }
 
 /// The config the ranks read on their hosts: output in the job directory, absolute data
@@ -126,11 +132,24 @@ impl Remote {
     /// Starts every rank over ssh; `env(rank)` is its environment (`LOCAL_RANK` is added).
     /// Stopping the job early ends the remote ranks through their recorded pids.
     pub fn start(&self, env: impl Fn(usize) -> Vec<(String, String)>) -> Result<LocalJob> {
+        self.start_running(env, None)
+    }
+
+    /// As [`Remote::start`], running `program` (path on the hosts, then its arguments)
+    /// instead of `flotilla train` when given.
+    pub fn start_running(
+        &self,
+        env: impl Fn(usize) -> Vec<(String, String)>,
+        program: Option<&[String]>,
+    ) -> Result<LocalJob> {
         let mut commands = Vec::new();
         for rank in 0..self.job.ranks.len() {
             let mut vars = env(rank);
             vars.push(("LOCAL_RANK".into(), self.job.local_rank(rank).to_string()));
-            let mut cmd: Command = self.job.rank_command(rank, &vars)?;
+            let mut cmd: Command = match program {
+                Some(words) => self.job.program_command(rank, &vars, words)?,
+                None => self.job.rank_command(rank, &vars)?,
+            };
             // Out of the terminal's process group: Ctrl-C reaches the launcher, which stops
             // the remote ranks before it ends their ssh clients.
             std::os::unix::process::CommandExt::process_group(&mut cmd, 0);

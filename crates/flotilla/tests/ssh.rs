@@ -186,6 +186,77 @@ fn inventory_launch_over_ssh_trains_as_the_local_launch() {
     assert_none_left(job_dir.to_str().expect("utf8"), Duration::from_secs(5));
 }
 
+/// `flotilla launch --inventory ... -- PROGRAM`: a user's program (the `custom_model`
+/// example, at the same path on the hosts) runs as the ranks over ssh, with the job's
+/// secret, and trains bitwise as the same program launched locally.
+#[test]
+fn a_user_program_over_ssh_trains_as_the_local_launch() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let exe = std::env::current_exe().expect("test path");
+    let example = exe
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target")
+        .join("examples/custom_model");
+    assert!(
+        example.is_file(),
+        "{} is missing (cargo test --release --workspace builds it)",
+        example.display()
+    );
+    let mnist = repo().join("data/mnist");
+    let program = |out: &Path| -> Vec<String> {
+        // The hosts get no environment but the job's: the program's settings are arguments.
+        ["env", "STEPS=20", "BATCH=32"]
+            .iter()
+            .map(|s| s.to_string())
+            .chain([
+                format!("OUT={}", out.display()),
+                format!("MNIST_DIR={}", mnist.display()),
+                example.display().to_string(),
+            ])
+            .collect()
+    };
+    let jobs = sshd.dir.path().join("jobs");
+    let (remote_out, local_out) = (
+        dir.path().join("ssh.safetensors"),
+        dir.path().join("local.safetensors"),
+    );
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        "-n",
+        "2",
+        "--inventory",
+        sshd.inventory.to_str().expect("utf8"),
+    ])
+    .args(["--remote-dir", jobs.to_str().expect("utf8"), "--output"])
+    .arg(dir.path().join("out"))
+    .arg("--")
+    .args(program(&remote_out))
+    .env(
+        "FLOTILLA_SECRET",
+        format!("program-secret-{}", std::process::id()),
+    );
+    let over_ssh = run_with_deadline(c, Duration::from_secs(240));
+    assert!(over_ssh.status.success(), "{}", text(&over_ssh));
+    assert!(
+        text(&over_ssh).contains("[rank 0 @ 127.0.0.1] test accuracy"),
+        "{}",
+        text(&over_ssh)
+    );
+    let mut c = flotilla();
+    c.args(["launch", "-n", "2", "--"])
+        .args(program(&local_out));
+    let local = run_with_deadline(c, Duration::from_secs(240));
+    assert!(local.status.success(), "{}", text(&local));
+    assert_bitwise(
+        "over ssh vs local",
+        &safetensors_file(&remote_out),
+        &safetensors_file(&local_out),
+    );
+}
+
 /// Starts a long job over ssh and returns the launcher and its job directory once both
 /// ranks train.
 fn start_long_job(sshd: &Sshd, out: &Path, jobs: &Path) -> (Proc, mpsc::Receiver<String>) {

@@ -117,7 +117,12 @@ pub fn final_fields(o: &Output) -> BTreeMap<String, f64> {
 pub fn checkpoint_tensors(output: &Path) -> BTreeMap<String, Vec<f32>> {
     let root = output.join("checkpoints");
     let name = std::fs::read_to_string(root.join("latest")).expect("latest");
-    let bytes = std::fs::read(root.join(name.trim()).join("model.safetensors")).expect("read");
+    safetensors_file(&root.join(name.trim()).join("model.safetensors"))
+}
+
+/// Reads every tensor of a safetensors file (all `f32`).
+pub fn safetensors_file(path: &Path) -> BTreeMap<String, Vec<f32>> {
+    let bytes = std::fs::read(path).unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
     st.tensors()
         .into_iter()

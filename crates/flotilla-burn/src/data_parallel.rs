@@ -1,0 +1,159 @@
+//! [`DataParallel`]: Horovod's and PyTorch DDP's contract for a burn user's own model and loop.
+
+use std::ops::Range;
+use std::path::Path;
+use std::sync::Arc;
+
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Bytes;
+use flotilla_engine::ParamLayout;
+use flotilla_engine::any_module;
+use flotilla_group::{PendingAllReduce, ProcessGroup};
+
+use crate::agree::check_same_params;
+use crate::buckets::{self, DEFAULT_BUCKET_BYTES};
+use crate::error::{DistError, Result};
+
+/// Data-parallel training of one burn module across the ranks of a process group.
+///
+/// Built from one rank's model, it checks that every rank has the same parameter list. Then:
+/// [`DataParallel::broadcast_model`] and [`DataParallel::broadcast_optimizer`] give every rank
+/// rank 0's parameters and optimizer state; after each backward pass,
+/// [`DataParallel::average`] turns this rank's gradients into the average over all ranks
+/// (fused into buckets, each bucket's reduction running while the next is gathered), so that
+/// every rank takes the same optimizer step and the replicas stay identical.
+#[derive(Debug)]
+pub struct DataParallel {
+    group: Arc<dyn ProcessGroup>,
+    layout: ParamLayout,
+    buckets: Vec<Range<usize>>,
+    /// Each bucket's buffer, kept between steps.
+    spare: Vec<Vec<f32>>,
+}
+
+impl DataParallel {
+    /// Data parallelism for `model` over `group` with PyTorch DDP's bucket size (25 MiB).
+    /// Collective: every rank calls it; it fails on every rank, naming the ranks whose
+    /// parameter list differs from rank 0's, if the models do not match.
+    pub fn new<M: Module>(group: Arc<dyn ProcessGroup>, model: &M) -> Result<Self> {
+        Self::with_bucket_bytes(group, model, DEFAULT_BUCKET_BYTES)
+    }
+
+    /// As [`DataParallel::new`], with gradient buckets of about `bucket_bytes`.
+    pub fn with_bucket_bytes<M: Module>(
+        group: Arc<dyn ProcessGroup>,
+        model: &M,
+        bucket_bytes: usize,
+    ) -> Result<Self> {
+        let layout = ParamLayout::of(model);
+        check_same_params(group.as_ref(), &layout)?;
+        let buckets = buckets::plan(&layout, bucket_bytes);
+        let spare = vec![Vec::new(); buckets.len()];
+        Ok(Self {
+            group,
+            layout,
+            buckets,
+            spare,
+        })
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.group.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.group.size()
+    }
+
+    /// The process group, for the user's own collectives (e.g. summing evaluation counts).
+    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
+        &self.group
+    }
+
+    /// The parameter tensors in flat order: names, shapes, offsets.
+    pub fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    /// `model` with rank 0's parameter values (bitwise) and parameter ids numbered by position,
+    /// so that optimizer state keyed by id means the same tensor on every rank. Collective.
+    pub fn broadcast_model<M: Module>(&self, model: M) -> Result<M> {
+        let model = any_module::renumber(model);
+        let mut flat = vec![0.0f32; self.layout.total];
+        any_module::read_params(&model, &self.layout, &mut flat)?;
+        self.group.broadcast_f32(&mut flat, 0)?;
+        Ok(any_module::write_params(model, &self.layout, &flat)?)
+    }
+
+    /// `optimizer` with rank 0's state (moments, step counts; empty before the first step).
+    /// Collective. Call it after [`DataParallel::broadcast_model`], whose ids the state uses.
+    pub fn broadcast_optimizer(&self, optimizer: ModuleOptimizer) -> Result<ModuleOptimizer> {
+        let mut bytes = if self.rank() == 0 {
+            optimizer
+                .into_bytes()
+                .map_err(|e| DistError::Optimizer(format!("saving: {e:?}")))?
+                .to_vec()
+        } else {
+            Vec::new()
+        };
+        self.group.broadcast_bytes(&mut bytes, 0)?;
+        optimizer
+            .from_bytes(Bytes::from_bytes_vec(bytes))
+            .map_err(|e| DistError::Optimizer(format!("loading rank 0's: {e:?}")))
+    }
+
+    /// The average over all ranks of each parameter's gradient, from this rank's `grads` of
+    /// `model`. A parameter without a gradient on a rank counts as zero there. Collective:
+    /// every rank calls it once per step.
+    pub fn average<M: Module>(
+        &mut self,
+        mut grads: GradientsParams,
+        model: &M,
+    ) -> Result<GradientsParams> {
+        let _span = tracing::info_span!(target: "flotilla::burn", "all_reduce").entered();
+        let mut pending: Vec<PendingAllReduce> = Vec::with_capacity(self.buckets.len());
+        for (k, params) in self.buckets.iter().enumerate() {
+            let mut buf = std::mem::take(&mut self.spare[k]);
+            buf.resize(bucket_len(&self.layout, params), 0.0);
+            any_module::take_grads(model, &mut grads, &self.layout, params.clone(), &mut buf)?;
+            pending.push(self.group.all_reduce_bucket(buf, k));
+        }
+        let scale = 1.0 / self.size() as f32;
+        let mut averaged = GradientsParams::new();
+        for (k, p) in pending.into_iter().enumerate() {
+            let mut buf = p.wait()?;
+            buf.iter_mut().for_each(|v| *v *= scale);
+            let params = self.buckets[k].clone();
+            any_module::put_grads(model, &mut averaged, &self.layout, params, &buf)?;
+            self.spare[k] = buf;
+        }
+        Ok(averaged)
+    }
+
+    /// Writes `model`'s parameters as safetensors under the module's own names (PyTorch's
+    /// layout), from rank 0 only, atomically (a temporary file renamed into place). Every rank
+    /// may call it; the others do nothing.
+    pub fn save<M: Module>(&self, model: &M, path: &Path) -> Result<()> {
+        if self.rank() != 0 {
+            return Ok(());
+        }
+        let tmp = path.with_extension("safetensors.tmp");
+        any_module::save_module(model, &tmp, &[])?;
+        std::fs::rename(&tmp, path).map_err(|source| DistError::Write {
+            path: path.to_path_buf(),
+            source,
+        })
+    }
+
+    /// `model` with its parameters read from `path` (written by [`DataParallel::save`]).
+    pub fn load<M: Module>(&self, model: &M, path: &Path) -> Result<M> {
+        Ok(any_module::load_module(model, path)?)
+    }
+}
+
+fn bucket_len(layout: &ParamLayout, params: &Range<usize>) -> usize {
+    layout.params[params.clone()].iter().map(|p| p.len).sum()
+}

@@ -1,0 +1,33 @@
+//! What can go wrong in a data-parallel run of a user's model.
+
+use flotilla_engine::EngineError;
+use flotilla_group::CommError;
+
+/// An error of [`crate::DataParallel`].
+#[derive(Debug, thiserror::Error)]
+pub enum DistError {
+    /// The process group failed (a lost rank, a deadline, a protocol error).
+    #[error(transparent)]
+    Comm(#[from] CommError),
+    /// Reading or writing the model's tensors failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// The ranks' models do not have the same parameter tensors (names, shapes, order), so
+    /// their gradients cannot be summed position by position.
+    #[error("the ranks' models differ: {0}")]
+    ModelsDiffer(String),
+    /// The optimizer state broadcast by rank 0 could not be saved or loaded.
+    #[error("optimizer state: {0}")]
+    Optimizer(String),
+    /// Writing a checkpoint failed.
+    #[error("writing {path}: {source}")]
+    Write {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// The result type of this crate.
+pub type Result<T, E = DistError> = std::result::Result<T, E>;

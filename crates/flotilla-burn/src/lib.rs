@@ -1,0 +1,58 @@
+//! flotilla-burn: multi-process training of a burn user's own model, in the user's own loop.
+//!
+//! What Horovod and PyTorch DDP made familiar, for any `#[derive(Module)]` struct and any burn
+//! optimizer: connect to the job ([`init`]: the torchrun variables `RANK`, `WORLD_SIZE`,
+//! `MASTER_ADDR`, `MASTER_PORT` that `flotilla launch -n N -- PROGRAM` sets), wrap the model
+//! in a [`DataParallel`] (which checks that every rank has the same parameter list), take rank
+//! 0's parameters and optimizer state, and after each backward pass hand burn's
+//! `GradientsParams` to [`DataParallel::average`]: the averaged gradients come back, ready for
+//! the optimizer. No flat buffers in user code.
+//!
+//! ```no_run
+//! # use burn::prelude::*;
+//! # use burn::nn::{Linear, LinearConfig};
+//! # use burn::optim::{GradientsParams, SgdConfig};
+//! # #[derive(Module, Debug)] struct Net { fc: Linear }
+//! # fn batch(rank: usize, step: usize) -> (Tensor<2>, Tensor<2>) { unimplemented!() }
+//! let group = flotilla_burn::init()?;
+//! let device = Device::default().autodiff();
+//! let net = Net { fc: LinearConfig::new(4, 1).init(&device) };
+//! let dp = flotilla_burn::DataParallel::new(group, &net)?;
+//! let mut net = dp.broadcast_model(net)?;
+//! let mut optim = dp.broadcast_optimizer(SgdConfig::new().init())?;
+//! # let mut dp = dp;
+//! for step in 0..100 {
+//!     let (x, y) = batch(dp.rank(), step); // this rank's shard of the global batch
+//!     let loss = (net.fc.forward(x) - y).powf_scalar(2.0).mean();
+//!     let grads = GradientsParams::from_grads(loss.backward(), &net);
+//!     let grads = dp.average(grads, &net)?;
+//!     net = optim.step(0.1, net, grads);
+//! }
+//! dp.save(&net, "net.safetensors".as_ref())?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![warn(missing_docs)]
+
+mod agree;
+mod buckets;
+mod data_parallel;
+mod error;
+
+use std::sync::Arc;
+
+pub use buckets::DEFAULT_BUCKET_BYTES;
+pub use data_parallel::DataParallel;
+pub use error::{DistError, Result};
+pub use flotilla_group::{ProcessGroup, ReduceOp};
+
+/// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
+/// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
+/// over TCP with the job's secret and TLS when the launcher set them (see
+/// `flotilla_comm::CommConfig::from_env` for every variable).
+pub fn init() -> Result<Arc<dyn ProcessGroup>> {
+    let config = flotilla_comm::CommConfig::from_env()?;
+    Ok(Arc::new(flotilla_comm::Communicator::connect(config)?))
+}
+
+#[cfg(test)]
+mod data_parallel_tests;

@@ -1,0 +1,207 @@
+//! The bridge between a burn user's own module and Flotilla's flat buffers.
+//!
+//! Flotilla's own spec models go through [`crate::Engine`]; a user who writes a model in plain
+//! burn (`#[derive(Module)]`) and runs their own loop needs the same flat views of *their*
+//! module: its parameter layout (names as PyTorch would give them, shapes, offsets), its
+//! parameters read into and written from a flat `f32` buffer, its gradients (burn's
+//! [`GradientsParams`]) gathered into and scattered from flat buckets, and its weights saved in
+//! safetensors under the module's own names. This is the one place where burn types cross the
+//! engine's public boundary, on purpose: it is what `flotilla-burn` (the user-facing data
+//! parallel API) is built on, and the functions are generic over any [`Module`].
+
+use std::ops::Range;
+use std::path::Path;
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
+use burn::tensor::TensorData;
+
+use crate::error::{EngineError, Result};
+use crate::params::ParamLayout;
+
+pub use crate::params::{read_params, renumber, write_params};
+
+/// Moves the gradients of the parameters with index in `params` (flat order) out of `grads`
+/// into `out`, which holds exactly those parameters' values, in flat order. A parameter with
+/// no gradient (unused in the forward pass, or frozen) gives zeros, so every rank fills the
+/// same buffer whatever its batch used.
+pub fn take_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    layout: &ParamLayout,
+    params: Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    let expected = span_len(layout, &params)?;
+    if out.len() != expected {
+        return Err(EngineError::FlatLength {
+            expected,
+            got: out.len(),
+        });
+    }
+    struct Taker<'a> {
+        grads: &'a mut GradientsParams,
+        params: Range<usize>,
+        index: usize,
+        out: &'a mut [f32],
+        offset: usize,
+        error: Option<EngineError>,
+    }
+    impl ModuleVisitor for Taker<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let index = self.index;
+            self.index += 1;
+            if self.error.is_some() || !self.params.contains(&index) {
+                return;
+            }
+            let len = param.lazy_shape().num_elements();
+            let dst = &mut self.out[self.offset..self.offset + len];
+            self.offset += len;
+            match self.grads.remove::<D>(param.id) {
+                Some(g) => {
+                    if let Err(e) = copy_into(g, dst) {
+                        self.error = Some(e);
+                    }
+                }
+                None => dst.fill(0.0),
+            }
+        }
+    }
+    let mut taker = Taker {
+        grads,
+        params,
+        index: 0,
+        out,
+        offset: 0,
+        error: None,
+    };
+    model.visit(&mut taker);
+    taker.error.map_or(Ok(()), Err)
+}
+
+/// Registers in `grads` one gradient per parameter with index in `params` that requires a
+/// gradient, read from `flat` (exactly those parameters' values, flat order), on the
+/// parameter's own device (without autodiff, as burn's optimizers expect).
+pub fn put_grads<M: Module>(
+    model: &M,
+    grads: &mut GradientsParams,
+    layout: &ParamLayout,
+    params: Range<usize>,
+    flat: &[f32],
+) -> Result<()> {
+    let expected = span_len(layout, &params)?;
+    if flat.len() != expected {
+        return Err(EngineError::FlatLength {
+            expected,
+            got: flat.len(),
+        });
+    }
+    struct Putter<'a> {
+        grads: &'a mut GradientsParams,
+        params: Range<usize>,
+        index: usize,
+        flat: &'a [f32],
+        offset: usize,
+    }
+    impl ModuleVisitor for Putter<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let index = self.index;
+            self.index += 1;
+            if !self.params.contains(&index) {
+                return;
+            }
+            let shape = param.lazy_shape();
+            let len = shape.num_elements();
+            let values = self.flat[self.offset..self.offset + len].to_vec();
+            self.offset += len;
+            if !param.is_require_grad() {
+                return;
+            }
+            let device = param.lazy_device().inner();
+            let tensor = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
+            self.grads.register(param.id, tensor);
+        }
+    }
+    model.visit(&mut Putter {
+        grads,
+        params,
+        index: 0,
+        flat,
+        offset: 0,
+    });
+    Ok(())
+}
+
+/// Number of values of the parameters with index in `params`.
+fn span_len(layout: &ParamLayout, params: &Range<usize>) -> Result<usize> {
+    layout
+        .params
+        .get(params.clone())
+        .map(|ps| ps.iter().map(|p| p.len).sum())
+        .ok_or(EngineError::FlatLength {
+            expected: layout.params.len(),
+            got: params.end,
+        })
+}
+
+fn copy_into<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
+    let data = tensor.into_data().convert::<f32>();
+    let values = data
+        .as_slice::<f32>()
+        .map_err(|e| EngineError::Batch(format!("reading a gradient: {e:?}")))?;
+    if values.len() != out.len() {
+        return Err(EngineError::FlatLength {
+            expected: out.len(),
+            got: values.len(),
+        });
+    }
+    out.copy_from_slice(values);
+    Ok(())
+}
+
+/// Writes `model`'s parameters as safetensors in PyTorch's layout (linear weights
+/// `[out, in]`), each under the module's own dotted name (`encoder.0.weight`), with the
+/// given metadata entries.
+pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, String)]) -> Result<()> {
+    let mut store = SafetensorsStore::from_file(path)
+        .with_to_adapter(BurnToPyTorchAdapter)
+        .skip_enum_variants(true)
+        .overwrite(true);
+    for (key, value) in metadata {
+        store = store.metadata(key, value.clone());
+    }
+    model
+        .save_into(&mut store)
+        .map_err(|e| EngineError::Checkpoint {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })
+}
+
+/// `model` with its parameters read from a safetensors file written by [`save_module`] (or
+/// by PyTorch, same names). Every parameter of the model must be in the file; tensors the
+/// model does not have are ignored. On error the model is left unchanged (it is returned
+/// only on success).
+pub fn load_module<M: Module>(model: &M, path: &Path) -> Result<M> {
+    let mut store = SafetensorsStore::from_file(path)
+        .with_from_adapter(PyTorchToBurnAdapter)
+        .skip_enum_variants(true)
+        .validate(true)
+        .allow_partial(false);
+    let mut candidate = model.clone();
+    let applied = candidate
+        .load_from(&mut store)
+        .map_err(|e| EngineError::Checkpoint {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+    if !applied.errors.is_empty() || !applied.missing.is_empty() {
+        return Err(EngineError::Checkpoint {
+            path: path.to_path_buf(),
+            message: format!("{applied}"),
+        });
+    }
+    Ok(candidate)
+}

@@ -1,0 +1,177 @@
+//! `flotilla launch -n N -- PROGRAM ARGS...`: any program as the N ranks of a job, as torchrun
+//! starts Python programs. Each rank gets the torchrun variables (`RANK`, `LOCAL_RANK`,
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job's deadline
+//! (`FLOTILLA_COMM_TIMEOUT_SECS`), secret (inherited, or `FLOTILLA_SECRET_FILE`) and TLS files
+//! (`FLOTILLA_TLS_*`), which `flotilla_burn::init` (`CommConfig::from_env`) reads. The ranks
+//! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
+//! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
+//! them, and `--max-restarts` starts the whole program again (resuming is the program's own
+//! business). With `--inventory` the ranks run on the hosts over ssh
+//! ([`crate::remote_launch`]); the program must be at the same path on every host.
+
+use std::ffi::OsString;
+use std::process::Command;
+
+use anyhow::{Context, Result, bail};
+use flotilla_comm::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
+use flotilla_train::TrainConfig;
+
+use crate::cli::LaunchArgs;
+use crate::launch::{self, LocalJob};
+use crate::launch_cmd::Relay;
+use crate::remote_launch;
+use crate::settings;
+
+/// Runs `flotilla launch ... -- PROGRAM ARGS...`.
+pub fn run(args: &LaunchArgs) -> Result<()> {
+    let config = settings::effective_config(&args.run, false)?;
+    let mut restarts = 0;
+    loop {
+        match launch_once(&config, args)? {
+            Ok(()) => return Ok(()),
+            Err(failure) if restarts < args.max_restarts && !launch::interrupted() => {
+                restarts += 1;
+                let cause = format!("{failure:#}");
+                let cause = cause.lines().next().unwrap_or_default();
+                eprintln!(
+                    "[launcher] restart {restarts}/{} after: {}; starting the program again",
+                    args.max_restarts,
+                    cause.trim_end_matches('.')
+                );
+            }
+            Err(failure) => return Err(failure),
+        }
+    }
+}
+
+/// One start of the program's ranks: `Err` if they could not start, `Ok(Err)` if one failed.
+fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
+    let mut config = config.clone();
+    let n = config.topology.world_size;
+    if n == 0 {
+        bail!("-n 0: a job needs at least one rank");
+    }
+    if !args.run.given("master-port") {
+        config.comm.master_port = launch::free_port()?;
+    }
+    let placement = match &config.topology.inventory {
+        Some(path) => Some(remote_launch::placement(&config, path)?),
+        None => None,
+    };
+    if !args.run.given("master-addr") {
+        config.comm.master_addr = placement
+            .as_ref()
+            .and_then(|p| p.address(0))
+            .unwrap_or("127.0.0.1")
+            .to_owned();
+    }
+    let program = program_words(&args.program)?;
+    println!(
+        "launching {n} ranks of {} on {}:{}",
+        program.join(" "),
+        config.comm.master_addr,
+        config.comm.master_port
+    );
+    launch::stop_on_interrupt()?;
+    let remote = match &placement {
+        Some(p) => Some(remote_launch::prepare(&config, p, &args.remote)?),
+        None => None,
+    };
+    let mut ranks = match &remote {
+        Some(r) => {
+            let tls = r.tls.as_ref().map(TlsFiles::from);
+            let env = rank_env(&config, n, args.threads, tls, None)?;
+            r.start_running(env, Some(&program))?
+        }
+        None => {
+            let secret_file = config.comm.secret_file.clone();
+            let tls = crate::launch_tls::check(&config)?;
+            let env = rank_env(&config, n, args.threads, tls, secret_file)?;
+            let commands = (0..n).map(|rank| {
+                let mut cmd = Command::new(&args.program[0]);
+                cmd.args(&args.program[1..]);
+                cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
+                cmd
+            });
+            LocalJob::start(commands, None)
+                .with_context(|| format!("starting {}", program.join(" ")))?
+        }
+    };
+    let labels = (0..n)
+        .map(|r| match &remote {
+            Some(remote) => format!("rank {r} @ {}", remote.host_name(r)),
+            None => format!("rank {r}"),
+        })
+        .collect();
+    let mut relay = Relay::new(labels);
+    let result = ranks.supervise(None, &mut |line| relay.on_line(line));
+    relay.clear_bar();
+    drop(ranks);
+    if let Some(r) = &remote {
+        r.fetch_outputs(&config.telemetry.output);
+    }
+    Ok(result)
+}
+
+/// The program and its arguments as text (for logs and ssh command lines).
+fn program_words(program: &[OsString]) -> Result<Vec<String>> {
+    program
+        .iter()
+        .map(|w| {
+            w.to_str()
+                .map(str::to_owned)
+                .with_context(|| format!("{w:?} is not valid UTF-8"))
+        })
+        .collect()
+}
+
+/// Each rank's environment: its place in the job, the rendezvous, the per-rank thread
+/// count (unless the caller set one), the deadline, and where the secret and TLS files are.
+fn rank_env(
+    config: &TrainConfig,
+    n: usize,
+    threads: usize,
+    tls: Option<TlsFiles>,
+    secret_file: Option<std::path::PathBuf>,
+) -> Result<impl Fn(usize) -> Vec<(String, String)> + use<>> {
+    let threads = threads.max(1).to_string();
+    let mut common: Vec<(String, String)> =
+        ["RAYON_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"]
+            .iter()
+            .map(|k| {
+                (
+                    k.to_string(),
+                    std::env::var(k).unwrap_or_else(|_| threads.clone()),
+                )
+            })
+            .collect();
+    let comm = &config.comm;
+    common.extend([
+        ("WORLD_SIZE".to_string(), n.to_string()),
+        ("MASTER_ADDR".to_string(), comm.master_addr.clone()),
+        ("MASTER_PORT".to_string(), comm.master_port.to_string()),
+        (
+            "FLOTILLA_COMM_TIMEOUT_SECS".to_string(),
+            comm.timeout_s.to_string(),
+        ),
+    ]);
+    if let Some(path) = secret_file {
+        let path = std::path::absolute(&path)
+            .with_context(|| format!("making {} absolute", path.display()))?;
+        common.push((SECRET_FILE_ENV.to_string(), path.display().to_string()));
+    }
+    if let Some(t) = tls {
+        for (var, path) in [
+            (TLS_CA_ENV, t.ca),
+            (TLS_CERT_ENV, t.cert),
+            (TLS_KEY_ENV, t.key),
+        ] {
+            common.push((var.to_string(), path.display().to_string()));
+        }
+    }
+    Ok(move |rank: usize| {
+        let mut env = vec![("RANK".to_string(), rank.to_string())];
+        env.extend(common.iter().cloned());
+        env
+    })
+}

@@ -1,0 +1,149 @@
+//! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
+//! built by `cargo test --release --workspace` with the other examples) as the ranks of a job.
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use common::{flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
+
+/// The example's binary beside this test's (`target/release/examples/custom_model`).
+fn example() -> PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let release = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let path = release.join("examples").join("custom_model");
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `cargo build --release -p flotilla-burn --example \
+         custom_model` (`cargo test --release --workspace` builds it)",
+        path.display()
+    );
+    path
+}
+
+/// `flotilla launch -n N -- custom_model` with `env`; its output.
+fn launch(n: usize, env: &[(&str, String)], limit: Duration) -> std::process::Output {
+    let mut cmd = flotilla();
+    cmd.args(["launch", "-n", &n.to_string(), "--"])
+        .arg(example());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    run_with_deadline(cmd, limit)
+}
+
+#[test]
+fn a_user_program_on_2_ranks_trains_as_on_1_rank_with_the_same_global_batch() {
+    let dir = tmp();
+    let run = |n: usize, steps: usize, name: &str| {
+        let out = dir.path().join(name);
+        let env = [
+            ("STEPS", steps.to_string()),
+            ("BATCH", (64 / n).to_string()),
+            ("OUT", out.display().to_string()),
+        ];
+        let o = launch(n, &env, Duration::from_secs(240));
+        assert!(o.status.success(), "{n} ranks:\n{}", text(&o));
+        safetensors_file(&out)
+    };
+    let initial = run(1, 0, "initial.safetensors");
+    let one = run(1, 50, "one.safetensors");
+    let two = run(2, 50, "two.safetensors");
+    assert!(
+        relative_error(&one, &initial) > 1e-2,
+        "50 steps did not train"
+    );
+    let e = relative_error(&two, &one);
+    assert!(
+        e <= 1e-5,
+        "2 ranks vs 1 rank after 50 steps: relative error {e}"
+    );
+    // The module's own parameter names, as PyTorch would give them.
+    let names: Vec<&str> = one.keys().map(String::as_str).collect();
+    assert_eq!(
+        names,
+        [
+            "conv1.bias",
+            "conv1.weight",
+            "conv2.bias",
+            "conv2.weight",
+            "fc1.bias",
+            "fc1.weight",
+            "fc2.bias",
+            "fc2.weight"
+        ]
+    );
+}
+
+#[test]
+fn ranks_whose_models_differ_are_named_at_start() {
+    let dir = tmp();
+    let mut cmd = flotilla();
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then export HIDDEN=64; fi; exec {}",
+        example().display()
+    );
+    cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script])
+        .env("STEPS", "5")
+        .env("OUT", dir.path().join("x.safetensors"));
+    let started = Instant::now();
+    let o = run_with_deadline(cmd, Duration::from_secs(60));
+    let all = text(&o);
+    assert!(!o.status.success(), "{all}");
+    assert!(
+        all.contains(
+            "the ranks' models differ: rank 1 has `fc1.weight [512, 64]` where rank 0 has \
+             `fc1.weight [512, 128]` (parameter tensor 4)"
+        ),
+        "{all}"
+    );
+    // Named at start: before any step, so well within the join.
+    assert!(started.elapsed() < Duration::from_secs(30), "{all}");
+}
+
+#[test]
+fn a_rank_that_exits_before_joining_is_named_by_the_launcher() {
+    let script = format!(
+        "if [ \"$RANK\" = 1 ]; then exit 0; fi; exec {}",
+        example().display()
+    );
+    let mut cmd = flotilla();
+    cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script])
+        .env("FLOTILLA_JOIN_TIMEOUT_SECS", "3")
+        .env("RUST_BACKTRACE", "0");
+    let started = Instant::now();
+    let o = run_with_deadline(cmd, Duration::from_secs(60));
+    let all = text(&o);
+    assert!(!o.status.success(), "{all}");
+    assert!(
+        all.contains("Rank(s) 1 had exited (code 0) while the others still ran"),
+        "{all}"
+    );
+    assert!(
+        all.contains("rank(s) 1 never joined (1 of 2 present)"),
+        "{all}"
+    );
+    // The join deadline (3 s) and a few seconds of slack.
+    assert!(
+        started.elapsed() < Duration::from_secs(3 + 6),
+        "{:?}\n{all}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn a_missing_program_is_an_error_naming_it() {
+    let mut cmd = flotilla();
+    cmd.args(["launch", "-n", "2", "--", "/nonexistent/program", "--flag"]);
+    let o = run_with_deadline(cmd, Duration::from_secs(30));
+    assert!(!o.status.success());
+    assert!(
+        text(&o).contains("starting /nonexistent/program --flag: starting rank 0"),
+        "{}",
+        text(&o)
+    );
+}

@@ -1,0 +1,131 @@
+//! A model written in plain burn, in the user's own loop, trained on MNIST across processes.
+//!
+//! ```text
+//! cargo build --release -p flotilla -p flotilla-burn --example custom_model
+//! target/release/flotilla launch -n 2 -- target/release/examples/custom_model
+//! ```
+//! Each rank trains on its shard; `DataParallel` makes the ranks start from rank 0's weights
+//! and averages the gradients. Settings: `EPOCHS` (3), `STEPS` (instead of epochs), `BATCH`
+//! (per rank, 64), `HIDDEN` (128), `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
+
+use anyhow::{Context, Result};
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::optim::{AdamConfig, GradientsParams};
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use flotilla_burn::{DataParallel, ReduceOp};
+use flotilla_data::{Batcher, DistributedSampler, ImageDataset, Mnist};
+
+/// The user's model: two convolutions and two linear layers.
+#[derive(Module, Debug)]
+struct Net {
+    conv1: Conv2d,
+    conv2: Conv2d,
+    pool: MaxPool2d,
+    fc1: Linear,
+    fc2: Linear,
+    relu: Relu,
+}
+
+impl Net {
+    fn new(device: &Device, hidden: usize) -> Self {
+        Net {
+            conv1: Conv2dConfig::new([1, 16], [5, 5]).init(device),
+            conv2: Conv2dConfig::new([16, 32], [5, 5]).init(device),
+            pool: MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init(),
+            fc1: LinearConfig::new(32 * 4 * 4, hidden).init(device),
+            fc2: LinearConfig::new(hidden, 10).init(device),
+            relu: Relu::new(),
+        }
+    }
+
+    fn forward(&self, x: Tensor<4>) -> Tensor<2> {
+        let x = self.pool.forward(self.relu.forward(self.conv1.forward(x)));
+        let x = self.pool.forward(self.relu.forward(self.conv2.forward(x)));
+        let x = self.relu.forward(self.fc1.forward(x.flatten(1, 3)));
+        self.fc2.forward(x)
+    }
+}
+
+/// A batch of `data` as tensors: images `[n, 1, 28, 28]` and labels.
+fn tensors(
+    data: &ImageDataset,
+    idx: &[usize],
+    b: &mut Batcher,
+    dev: &Device,
+) -> Result<(Tensor<4>, Tensor<1, Int>)> {
+    let batch = b.fill(data, idx)?;
+    let images = Tensor::from_data(TensorData::new(batch.images.to_vec(), batch.shape), dev);
+    let labels = Tensor::from_data(TensorData::new(batch.labels.to_vec(), [batch.len()]), dev);
+    Ok((images, labels))
+}
+
+/// A number from the environment, or `default`.
+fn setting(name: &str, default: usize) -> Result<usize> {
+    std::env::var(name).map_or(Ok(default), |v| {
+        v.parse().with_context(|| format!("{name}={v}"))
+    })
+}
+
+fn main() -> Result<()> {
+    let group = flotilla_burn::init().context("joining the job (start me with flotilla launch)")?;
+    let (rank, size) = (group.rank(), group.size());
+    let (batch, epochs) = (setting("BATCH", 64)?, setting("EPOCHS", 3)?);
+    let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
+    let mnist = Mnist::load(&dir).with_context(|| format!("loading MNIST from {dir}"))?;
+    let device = Device::flex().autodiff();
+    device.seed(rank as u64); // different on every rank: the broadcast makes them agree
+
+    let net = Net::new(&device, setting("HIDDEN", 128)?);
+    let mut dp = DataParallel::new(group, &net)?;
+    let mut net = dp.broadcast_model(net)?;
+    let mut optim = dp.broadcast_optimizer(AdamConfig::new().init())?;
+    let loss_fn = CrossEntropyLossConfig::new().init(&device);
+    let sampler = DistributedSampler::new(mnist.train.len(), size, rank, 42, true)?;
+    let mut batcher = Batcher::new(batch, mnist.train.image_size());
+    let total = setting("STEPS", epochs * (sampler.num_samples() / batch))?;
+    let shards = (0..).flat_map(|e| {
+        sampler
+            .indices(e)
+            .chunks_exact(batch)
+            .map(<[_]>::to_vec)
+            .collect::<Vec<_>>()
+    });
+    for (step, idx) in shards.take(total).enumerate() {
+        // Adam's learning rate: cosine decay from 2e-3 to 0 over the run.
+        let lr = 1e-3 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
+        let (x, y) = tensors(&mnist.train, &idx, &mut batcher, &device)?;
+        let loss = loss_fn.forward(net.forward(x), y);
+        if rank == 0 && step % 200 == 0 {
+            println!(
+                "step {step}/{total}: loss {:.4}",
+                loss.clone().into_scalar::<f32>()
+            );
+        }
+        let grads = dp.average(GradientsParams::from_grads(loss.backward(), &net), &net)?;
+        net = optim.step(lr, net, grads);
+    }
+    let out = std::env::var("OUT").unwrap_or_else(|_| "custom_model.safetensors".into());
+    dp.save(&net, out.as_ref())?;
+
+    // Each rank counts its share of the test set; the counts are summed across ranks.
+    let valid = net.valid();
+    let mine: Vec<usize> = (rank..mnist.test.len()).step_by(size).collect();
+    let mut counts = [0i64, mine.len() as i64];
+    for idx in mine.chunks(1000) {
+        let (x, y) = tensors(&mnist.test, idx, &mut batcher, &device.clone().inner())?;
+        let predicted = valid.forward(x).argmax(1).flatten::<1>(0, 1);
+        counts[0] += predicted.equal(y).int().sum().into_scalar::<i64>();
+    }
+    dp.group().all_reduce_i64(&mut counts, ReduceOp::Sum)?;
+    if rank == 0 {
+        println!(
+            "test accuracy {:.4} on {size} ranks",
+            counts[0] as f64 / counts[1] as f64
+        );
+    }
+    Ok(())
+}
