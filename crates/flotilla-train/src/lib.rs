@@ -38,4 +38,3 @@ pub use observe::{Observer, Quiet, StepEvent};
 /// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
 pub use strategy::{pipeline, ps};
 pub use trainer::{RunSummary, run};
-

@@ -18,7 +18,7 @@ use flotilla_train::TrainConfig;
 
 use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob};
-use crate::launch_cmd::Relay;
+use crate::relay::Relay;
 use crate::remote_launch;
 use crate::settings;
 

@@ -18,6 +18,7 @@ mod launch_program;
 mod launch_tls;
 mod plots;
 mod progress;
+mod relay;
 mod remote;
 mod remote_launch;
 mod report;
