@@ -25,7 +25,8 @@ pub enum Command {
     Train(TrainArgs),
     /// Start the ranks of a training job and supervise them: N local processes, or with
     /// `--inventory` one per inventory host over ssh. If one fails, all are stopped and its
-    /// error is shown; Ctrl-C stops them all.
+    /// error is shown; Ctrl-C stops them all. After `--`, any program (e.g. your own burn
+    /// training program using flotilla-burn) is started as the ranks instead of `flotilla train`.
     Launch(LaunchArgs),
     /// End the ranks that `flotilla launch --inventory` started on the inventory's hosts, by
     /// the pids they recorded in their job directories.
