@@ -8,7 +8,10 @@
 //! data (specs, names, flat buffers).
 #![warn(missing_docs)]
 
+mod activation;
 mod backward_groups;
+mod buffers;
+mod build;
 mod cut;
 mod device;
 mod engine;
@@ -23,6 +26,8 @@ mod optim;
 mod params;
 mod partition;
 mod profile;
+mod sequence;
+mod shape;
 mod spec;
 mod stage;
 mod weights;
