@@ -249,6 +249,43 @@ mod tests {
     }
 
     #[test]
+    fn huge_sequence_layers_are_refused_before_allocation() {
+        let seq = |layers: &str, t: u64| {
+            format!(
+                "input: [{t}]\nlayers:\n  - embedding: {{vocab: 16, dim: 8}}\n{layers}  - linear: {{out: 16}}\n"
+            )
+        };
+        refused(
+            "input: [4]\nlayers:\n  - embedding: {vocab: 16000000, dim: 1000}\n  - linear: {out: 2}\n",
+            "layer 0 (embedding)'s parameter count",
+        );
+        refused(
+            "input: [4]\nlayers:\n  - embedding: {vocab: 2, dim: 1000000000000}\n  - linear: {out: 2}\n",
+            "max_layer_params",
+        );
+        refused(
+            &seq("  - pos_embedding: {max_len: 1000000000000}\n", 4),
+            "layer 1 (pos_embedding)'s parameter count",
+        );
+        refused(
+            &seq("  - attention: {heads: 4}\n", 100_000),
+            "layer 1 (attention)'s attention scores is 40000000000",
+        );
+        refused(
+            &seq("  - transformer_block: {heads: 2, mlp: 1000000000}\n", 4),
+            "max_layer_params",
+        );
+        refused(
+            &seq("  - transformer_block: {heads: 2, mlp: 1000000}\n", 100),
+            "layer 1 (transformer_block)'s MLP hidden layer",
+        );
+        refused(
+            &seq("  - attention: {heads: 18446744073709551615}\n", 4),
+            "heads do not divide d_model 8",
+        );
+    }
+
+    #[test]
     fn custom_limits_apply() {
         let text = "input: [784]\nlayers:\n  - linear: {out: 10}\n";
         ModelSpec::from_yaml(text, "t").expect("within the defaults");

@@ -39,6 +39,8 @@ pub const BUILTIN_SPECS: &[(&str, &str)] = &[
         include_str!("../../../models/resnet-mnist.yaml"),
     ),
     ("resmlp", include_str!("../../../models/resmlp.yaml")),
+    ("resnet-bn", include_str!("../../../models/resnet-bn.yaml")),
+    ("gpt-char", include_str!("../../../models/gpt-char.yaml")),
 ];
 
 impl ModelSpec {
@@ -250,6 +252,35 @@ mod tests {
         lenet.check_io(&[1, 28, 28], 10).expect("io");
         let mlp = ModelSpec::builtin("mlp").expect("mlp");
         assert_eq!(mlp.output_shape().expect("out"), Shape::Flat(10));
+    }
+
+    #[test]
+    fn sequence_and_batch_norm_builtins_parse_and_read_back() {
+        let gpt = ModelSpec::builtin("gpt-char").expect("gpt-char");
+        let shapes = gpt.infer_shapes().expect("shapes");
+        assert_eq!(shapes[0], Shape::Seq { t: 64, d: 128 });
+        assert_eq!(
+            gpt.output_shape().expect("out"),
+            Shape::Seq { t: 64, d: 256 }
+        );
+        assert_eq!(
+            (
+                gpt.classes().expect("classes"),
+                gpt.labels_per_sample().expect("labels")
+            ),
+            (256, 64)
+        );
+        assert_eq!(gpt.token_vocab(), Some(256));
+        gpt.check_io(&[64], 256).expect("io");
+        let bn = ModelSpec::builtin("resnet-bn").expect("resnet-bn");
+        assert_eq!(bn.labels_per_sample().expect("labels"), 1);
+        assert_eq!(bn.token_vocab(), None);
+        bn.check_io(&[1, 28, 28], 10).expect("io");
+        // The canonical YAML (the config hash) reads back the same.
+        for s in [gpt, bn] {
+            let again = ModelSpec::from_yaml(&s.to_yaml(), "again").expect("round trip");
+            assert_eq!(again, s);
+        }
     }
 
     /// Fuzzing found: sizes near `usize::MAX` overflowed the shape arithmetic (a panic), and
