@@ -1,4 +1,5 @@
-//! Building a layer's burn module from its spec and input shape (checked by shape inference).
+//! Building the burn model of a spec: each layer's module from its spec and input shape
+//! (checked by shape inference), and the links between layers.
 
 use burn::nn::activation::SiLU;
 use burn::nn::attention::MultiHeadAttentionConfig;
@@ -12,12 +13,31 @@ use burn::nn::{
 use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
-use crate::model::{Flatten, Identity, Layer};
-use crate::spec::{LayerSpec, Shape};
+use crate::model::{Flatten, Identity, Layer, Links, SequentialModel};
+use crate::spec::{LayerSpec, ModelSpec, Shape};
+
+impl SequentialModel {
+    /// Builds the model on `device`; parameters are initialised from the device's RNG (seed it
+    /// first for determinism). The spec must have passed shape inference.
+    pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
+        let io = spec.infer_io()?;
+        let mut layers = Vec::with_capacity(spec.layers.len());
+        let mut links = Vec::with_capacity(spec.layers.len());
+        for (node, (input, _)) in spec.layers.iter().zip(io) {
+            layers.push(build_layer(&node.layer, input, device)?);
+            links.push(Links {
+                keep: node.out_variables.clone(),
+                take: node.dependencies.clone(),
+                merge: node.merge,
+            });
+        }
+        Ok(Self { layers, links })
+    }
+}
 
 /// The burn module of `layer` on inputs of `input`, with parameters drawn from the device's
 /// RNG.
-pub(crate) fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer> {
+fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer> {
     // The features a layer on the last dimension sees (the channels of a batch norm).
     let last = match input {
         Shape::Image { c, .. } => c,

@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
-pub use crate::shape::Shape;
+use crate::shape::Shape;
 
 /// One layer of a sequential model, as written in a spec file.
 ///

@@ -6,6 +6,12 @@
 //! order of [`ParamLayout`]. The modules are private and no burn type crosses this crate's
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
 //! data (specs, names, flat buffers).
+//!
+//! A spec's layers range from convolutions to the pieces of a GPT (token and positional
+//! embeddings, causal attention, pre-LN transformer blocks, layer and RMS norms): a model
+//! whose output is a sequence of logits is a sequence model, with one label per position
+//! ([`Engine::labels_per_sample`]). Batch norm's running statistics are buffers, a flat view
+//! of their own ([`ModelState::buffer_layout`]).
 #![warn(missing_docs)]
 
 mod activation;

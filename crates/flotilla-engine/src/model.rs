@@ -1,4 +1,5 @@
-//! The burn model built from a [`ModelSpec`]: a `Vec` of layer modules applied in order.
+//! The burn model built from a [`crate::ModelSpec`] (by [`crate::build`]): a `Vec` of layer
+//! modules applied in order.
 
 use burn::module::Module;
 use burn::nn::activation::SiLU;
@@ -16,11 +17,8 @@ use std::ops::Range;
 use burn::prelude::*;
 
 use crate::activation::{Activation, map_tensor};
-use crate::build::build_layer;
-use crate::error::Result;
 use crate::graph::Merge;
 use crate::sequence;
-use crate::spec::ModelSpec;
 
 /// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
 /// tensors are saved as `layers.<index>.<name>`, as a PyTorch `nn.Sequential` (or
@@ -102,24 +100,8 @@ pub struct SequentialModel {
     pub links: Vec<Links>,
 }
 
+// `SequentialModel::new` (building the model of a spec) is in `crate::build`.
 impl SequentialModel {
-    /// Builds the model on `device`; parameters are initialised from the device's RNG (seed it
-    /// first for determinism). The spec must have passed shape inference.
-    pub fn new(spec: &ModelSpec, device: &Device) -> Result<Self> {
-        let io = spec.infer_io()?;
-        let mut layers = Vec::with_capacity(spec.layers.len());
-        let mut links = Vec::with_capacity(spec.layers.len());
-        for (node, (input, _)) in spec.layers.iter().zip(io) {
-            layers.push(build_layer(&node.layer, input, device)?);
-            links.push(Links {
-                keep: node.out_variables.clone(),
-                take: node.dependencies.clone(),
-                merge: node.merge,
-            });
-        }
-        Ok(Self { layers, links })
-    }
-
     /// The logits of the whole model for `input`, as `[rows, classes]` (a row per sample, or
     /// per position of a sequence model).
     pub(crate) fn logits(&self, input: Activation) -> Tensor<2> {
