@@ -18,10 +18,23 @@ use burn::prelude::*;
 use burn::store::{BurnToPyTorchAdapter, ModuleSnapshot, PyTorchToBurnAdapter, SafetensorsStore};
 use burn::tensor::TensorData;
 
+use crate::buffers::{Only, Tensors};
 use crate::error::{EngineError, Result};
 use crate::params::ParamLayout;
 
-pub use crate::params::{read_params, renumber, write_params};
+pub use crate::params::renumber;
+
+/// Copies every parameter of `model` (not its buffers) into `out`, in the flat order of
+/// `layout` ([`ParamLayout::of`]).
+pub fn read_params<M: Module>(model: &M, layout: &ParamLayout, out: &mut [f32]) -> Result<()> {
+    crate::params::read_values(model, layout, out, Tensors::Params)
+}
+
+/// `model` with every parameter replaced by the values of `src` (flat order of `layout`),
+/// keeping parameter ids (so optimizer state stays attached) and gradient requirements.
+pub fn write_params<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> Result<M> {
+    crate::params::write_values(model, layout, src, Tensors::Params)
+}
 
 /// Moves the gradients of the parameters with index in `params` (flat order) out of `grads`
 /// into `out`, which holds exactly those parameters' values, in flat order. A parameter with
@@ -77,7 +90,8 @@ pub fn take_grads<M: Module>(
         offset: 0,
         error: None,
     };
-    model.visit(&mut taker);
+    // Buffers (batch norm's running statistics) are not parameters and have no gradient.
+    model.visit(&mut Only::new(&mut taker, Tensors::Params));
     taker.error.map_or(Ok(()), Err)
 }
 
@@ -124,13 +138,14 @@ pub fn put_grads<M: Module>(
             self.grads.register(param.id, tensor);
         }
     }
-    model.visit(&mut Putter {
+    let mut putter = Putter {
         grads,
         params,
         index: 0,
         flat,
         offset: 0,
-    });
+    };
+    model.visit(&mut Only::new(&mut putter, Tensors::Params));
     Ok(())
 }
 
@@ -172,7 +187,9 @@ pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, Strin
     for (key, value) in metadata {
         store = store.metadata(key, value.clone());
     }
+    // `valid()` settles pending updates of buffers such as batch norm's running statistics.
     model
+        .valid()
         .save_into(&mut store)
         .map_err(|e| EngineError::Checkpoint {
             path: path.to_path_buf(),
@@ -182,8 +199,9 @@ pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, Strin
 
 /// `model` with its parameters read from a safetensors file written by [`save_module`] (or
 /// by PyTorch, same names). Every parameter of the model must be in the file; tensors the
-/// model does not have are ignored. On error the model is left unchanged (it is returned
-/// only on success).
+/// model does not have are ignored. The model is loaded into a copy, returned only on success;
+/// but burn's copies share batch norm's running statistics, so a failed load may have changed
+/// those in `model` too (the engine's own `load_weights` puts them back).
 pub fn load_module<M: Module>(model: &M, path: &Path) -> Result<M> {
     let mut store = SafetensorsStore::from_file(path)
         .with_from_adapter(PyTorchToBurnAdapter)

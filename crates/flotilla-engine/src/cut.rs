@@ -41,7 +41,11 @@ pub struct StageCut {
     pub crossings: Vec<Crossing>,
     /// One sample's input shape (what stage 0 takes).
     pub input: Shape,
-    /// Number of class logits (what the last stage gives).
+    /// One sample's output shape (what the last stage gives): flat logits `[classes]`, or a
+    /// sequence of them `[T, classes]`.
+    pub output: Shape,
+    /// Number of logit values per sample the last stage gives (`output`'s size: the classes,
+    /// or `T × classes` for a sequence model).
     pub classes: usize,
 }
 
@@ -81,12 +85,13 @@ impl StageCut {
                 }
             }
         }
-        let classes = spec.output_shape()?.numel();
+        let output = spec.output_shape()?;
         Ok(Self {
             ranges,
             crossings,
             input: spec.input_shape()?,
-            classes,
+            output,
+            classes: output.numel(),
         })
     }
 

@@ -7,36 +7,41 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 
+use crate::activation::Activation;
 use crate::backward_groups::{self, BackwardGroup};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
-use crate::model::{Activation, SequentialModel};
+use crate::model::SequentialModel;
 use crate::optim::OptimizerSpec;
+use crate::sequence::check_tokens;
 use crate::spec::{ModelSpec, Shape};
 use crate::weights::{ModelState, Weights, delegate_model_state};
 
 /// One batch of samples in flat buffers.
 #[derive(Debug, Clone, Copy)]
 pub struct BatchRef<'a> {
-    /// `n` samples, each the model's input shape, row-major.
+    /// `n` samples, each the model's input shape, row-major (token ids as `f32` integers for a
+    /// model that starts with an embedding).
     pub images: &'a [f32],
-    /// `n` class labels.
+    /// `n × labels_per_sample` class labels (see [`Engine::labels_per_sample`]): one per
+    /// sample, or one per position of a sequence model, sample by sample.
     pub labels: &'a [i64],
 }
 
-/// Evaluation totals over a data set.
+/// Evaluation totals over a data set. A sequence model counts positions: `count` positions,
+/// `correct` positions whose largest logit is the label, `loss_sum` over positions.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct EvalStats {
-    /// Sum of per-sample cross-entropy losses.
+    /// Sum of per-sample (per-position) cross-entropy losses.
     pub loss_sum: f64,
-    /// Samples classified correctly.
+    /// Samples (positions) classified correctly.
     pub correct: usize,
-    /// Samples seen.
+    /// Samples (positions) seen.
     pub count: usize,
 }
 
 impl EvalStats {
-    /// Mean loss per sample.
+    /// Mean loss per sample (per position).
     pub fn loss(&self) -> f64 {
         if self.count == 0 {
             0.0
@@ -58,9 +63,24 @@ impl EvalStats {
 /// What a training strategy needs from a tensor engine: the flat parameter state of
 /// [`ModelState`], plus a whole-model training step. Everything crosses this boundary as flat
 /// `f32` buffers in the order of [`ModelState::layout`]; no engine type leaks out.
+///
+/// A classifier's batch has one label per sample; a sequence model's (its output is a
+/// sequence of logits) one per position, and its loss is the mean cross-entropy over every
+/// position of the batch.
 pub trait Engine: ModelState {
     /// Runs forward and backward on a batch, keeping the gradients; returns the batch's mean loss.
     fn forward_backward(&mut self, batch: BatchRef<'_>) -> Result<f32>;
+
+    /// How many labels one sample has: 1 for a classifier, `T` for a sequence model (one
+    /// class per position, row-major in [`BatchRef::labels`]).
+    fn labels_per_sample(&self) -> usize;
+
+    /// Seeds the dropout masks of every following training forward pass: each re-seeds the
+    /// backend's RNG with `seed` before it draws. Call it before each step with a seed made of
+    /// the run's seed, the rank and the step, so that every rank draws its own masks and a
+    /// resumed run draws the same ones. Until it is called, masks come from the backend's
+    /// running RNG. (Evaluation draws none.)
+    fn set_dropout_seed(&mut self, seed: u64);
 
     /// Calls `f(param_index, gradient)` for each parameter in flat order, from the last
     /// [`Engine::forward_backward`] or [`Engine::forward_backward_streaming`].
@@ -117,7 +137,8 @@ pub trait Engine: ModelState {
     /// the gradients of the last backward pass.
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()>;
 
-    /// Evaluates on a data set in chunks of `batch_size` (no gradients).
+    /// Evaluates on a data set in chunks of `batch_size` samples (no gradients; `labels` as in
+    /// [`BatchRef::labels`]).
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats>;
 }
 
@@ -130,6 +151,10 @@ pub trait Engine: ModelState {
 pub struct BurnEngine {
     weights: Weights,
     input: Shape,
+    /// Labels per sample: 1, or the positions of a sequence model.
+    labels_per_sample: usize,
+    /// The vocabulary, if the input is token ids.
+    vocab: Option<usize>,
     /// The gradients of the last backward, one entry per group in layer order (empty: none).
     grads: Vec<GroupGrads>,
     /// The backward groups, in layer order.
@@ -153,6 +178,8 @@ impl BurnEngine {
             backward_groups::plan(spec, &backward_groups::layer_params(weights.model()?), 0)?;
         Ok(Self {
             input: spec.input_shape()?,
+            labels_per_sample: spec.labels_per_sample()?,
+            vocab: spec.token_vocab(),
             loss: CrossEntropyLossConfig::new().init(&weights.device),
             weights,
             grads: Vec::new(),
@@ -186,17 +213,28 @@ impl BurnEngine {
         self.weights.model()
     }
 
+    /// The number of samples of a batch, checking its sizes (and token ids).
     fn check_batch(&self, images: &[f32], labels: &[i64]) -> Result<usize> {
         let per = self.input.numel();
-        let n = labels.len();
+        let lps = self.labels_per_sample;
+        let n = labels.len() / lps;
+        if !labels.len().is_multiple_of(lps) {
+            return Err(EngineError::Batch(format!(
+                "{} labels are not a whole number of samples of {lps} labels (one per position)",
+                labels.len()
+            )));
+        }
         if images.len() != n * per {
             return Err(EngineError::Batch(format!(
-                "{} labels need {} image values ({} each) but got {}",
-                n,
+                "{} labels need {} input values ({} per sample of {lps} labels) but got {}",
+                labels.len(),
                 n * per,
                 per,
                 images.len()
             )));
+        }
+        if let Some(vocab) = self.vocab {
+            check_tokens(images, vocab)?;
         }
         Ok(n)
     }
@@ -232,7 +270,9 @@ impl Engine for BurnEngine {
         let forward =
             tracing::info_span!(target: "flotilla::engine", "forward", samples = n as u64)
                 .entered();
-        let logits = self.logits(model, batch.images, n, &self.weights.device);
+        let logits = self
+            .weights
+            .with_dropout_rng(|| self.logits(model, batch.images, n, &self.weights.device));
         let loss = self
             .loss
             .forward(logits, labels_tensor(batch.labels, &self.weights.device));
@@ -273,16 +313,26 @@ impl Engine for BurnEngine {
         let device = &self.weights.device;
         let input = Activation::from_flat(batch.images.to_vec(), n, self.input, device);
         let targets = labels_tensor(batch.labels, device);
-        let (value, grads) = grouped::forward_backward(
-            self.weights.model()?,
-            &self.weights.layout,
-            &self.groups,
-            input,
-            |logits| self.loss.forward(logits, targets),
-            ready,
-        )?;
+        let (value, grads) = self.weights.with_dropout_rng(|| {
+            grouped::forward_backward(
+                self.weights.model()?,
+                &self.weights.layout,
+                &self.groups,
+                input,
+                |logits| self.loss.forward(logits, targets),
+                ready,
+            )
+        })?;
         self.grads = grads;
         Ok(value)
+    }
+
+    fn labels_per_sample(&self) -> usize {
+        self.labels_per_sample
+    }
+
+    fn set_dropout_seed(&mut self, seed: u64) {
+        self.weights.set_dropout_seed(seed);
     }
 
     fn backward_groups(&self) -> Vec<Range<usize>> {
@@ -297,7 +347,7 @@ impl Engine for BurnEngine {
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {
         let n = self.check_batch(images, labels)?;
-        let per = self.input.numel();
+        let (per, lps) = (self.input.numel(), self.labels_per_sample);
         let model = self.model()?.valid();
         let device = &self.weights.base_device;
         let loss_fn = CrossEntropyLossConfig::new().init(device);
@@ -307,9 +357,11 @@ impl Engine for BurnEngine {
         while start < n {
             let end = (start + batch_size).min(n);
             let count = end - start;
+            // One row of logits per label: per sample, or per position.
+            let rows = count * lps;
             let logits = self.logits(&model, &images[start * per..end * per], count, device);
-            let targets = labels_tensor(&labels[start..end], device);
-            let predicted = logits.clone().argmax(1).reshape([count]);
+            let targets = labels_tensor(&labels[start * lps..end * lps], device);
+            let predicted = logits.clone().argmax(1).reshape([rows]);
             let correct = predicted
                 .equal(targets.clone())
                 .int()
@@ -317,8 +369,8 @@ impl Engine for BurnEngine {
                 .into_scalar::<i64>();
             let loss = loss_fn.forward(logits, targets).into_scalar::<f32>();
             stats.correct += correct as usize;
-            stats.loss_sum += loss as f64 * count as f64;
-            stats.count += count;
+            stats.loss_sum += loss as f64 * rows as f64;
+            stats.count += rows;
             start = end;
         }
         Ok(stats)

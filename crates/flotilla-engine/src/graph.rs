@@ -1,7 +1,7 @@
 //! Model specs as graphs: a layer may keep its output under names (`out_variables`) and take
 //! named outputs of earlier layers as extra inputs (`dependencies`), merged into its input by
 //! `merge: add` (a residual connection, the default) or `merge: concat` (channels, or features
-//! of a flat activation). Layers stay in one order, so a name must be produced by an earlier
+//! of a flat activation or of each position of a sequence). Layers stay in one order, so a name must be produced by an earlier
 //! layer: a later one is a cycle, none at all a dangling name; both are errors that name it.
 //!
 //! In YAML a layer with links is a map with its layer key and the link keys:
@@ -21,7 +21,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_norway::{Mapping, Value};
 
 use crate::error::{EngineError, Result};
-use crate::layer::{LayerSpec, Shape};
+use crate::layer::LayerSpec;
+use crate::shape::Shape;
 
 /// How a layer's dependencies are combined with its input.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -31,7 +32,7 @@ pub enum Merge {
     #[default]
     Add,
     /// Concatenation: on channels for images (equal height and width), on features for flat
-    /// activations.
+    /// activations and for every position of sequences (of equal length).
     Concat,
 }
 
@@ -209,9 +210,15 @@ pub fn merged_input(
                 w,
             },
             (Merge::Concat, Shape::Flat(a), Shape::Flat(b)) => Shape::Flat(a.saturating_add(b)),
+            (Merge::Concat, Shape::Seq { t, d }, Shape::Seq { t: t2, d: d2 }) if t == t2 => {
+                Shape::Seq {
+                    t,
+                    d: d.saturating_add(d2),
+                }
+            }
             (Merge::Concat, a, b) => {
                 return Err(err(format!(
-                    "concatenates `{name}` of shape {b} to an input of shape {a}: images need equal height and width, flat inputs concatenate with flat ones"
+                    "concatenates `{name}` of shape {b} to an input of shape {a}: images need equal height and width, sequences equal length, flat inputs concatenate with flat ones"
                 )));
             }
         };

@@ -18,9 +18,10 @@ use std::ops::Range;
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
+use crate::activation::Activation;
 use crate::backward_groups::BackwardGroup;
 use crate::error::{EngineError, Result};
-use crate::model::{Activation, SequentialModel};
+use crate::model::SequentialModel;
 use crate::params::{self, ParamLayout};
 
 /// The gradients of one backward pass (a group's, or the whole model's).
@@ -60,10 +61,7 @@ pub(crate) fn forward_backward(
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<(f32, Vec<GroupGrads>)> {
-    let samples = match &input {
-        Activation::Image(t) => t.dims()[0],
-        Activation::Flat(t) => t.dims()[0],
-    } as u64;
+    let samples = input.samples() as u64;
     let forward = tracing::info_span!(
         target: "flotilla::engine",
         "forward",

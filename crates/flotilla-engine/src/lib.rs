@@ -7,10 +7,19 @@
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
 //! data (specs, names, flat buffers). The one exception is [`any_module`], the bridge from a
 //! burn user's own module to the same flat buffers, which is generic over burn's `Module`.
+//!
+//! A spec's layers range from convolutions to the pieces of a GPT (token and positional
+//! embeddings, causal attention, pre-LN transformer blocks, layer and RMS norms): a model
+//! whose output is a sequence of logits is a sequence model, with one label per position
+//! ([`Engine::labels_per_sample`]). Batch norm's running statistics are buffers, a flat view
+//! of their own ([`ModelState::buffer_layout`]).
 #![warn(missing_docs)]
 
+mod activation;
 pub mod any_module;
 mod backward_groups;
+mod buffers;
+mod build;
 mod cut;
 mod device;
 mod engine;
@@ -25,6 +34,8 @@ mod optim;
 mod params;
 mod partition;
 mod profile;
+mod sequence;
+mod shape;
 mod spec;
 mod stage;
 mod weights;

@@ -1,9 +1,14 @@
 //! Upper bounds on what a model spec may ask for, checked while its shapes are inferred,
 //! before any tensor exists: a spec asking for more is an error naming the limit, never an
-//! allocation.
+//! allocation. The sequence layers' sizes are bounded the same way: an embedding's `vocab`
+//! and `dim` and a positional table's `max_len` by the layer's parameters, `dim` also by its
+//! output activation, attention `heads` by the scores inside the layer (`heads × T × T` per
+//! sample, an activation of its own) and a block's `mlp` by its parameters and hidden
+//! activation.
 
 use crate::error::{EngineError, Result};
-use crate::layer::{LayerSpec, Shape};
+use crate::layer::LayerSpec;
+use crate::shape::Shape;
 
 /// The largest spec file (or text) read, in bytes.
 pub const MAX_SPEC_BYTES: u64 = 16 << 20;
@@ -18,7 +23,8 @@ pub struct SpecLimits {
     pub max_layer_params: u64,
     /// Most parameters of the whole model.
     pub max_model_params: u64,
-    /// Most values of one sample's activation (the input, and every layer's input and output).
+    /// Most values of one sample's activation (the input, every layer's input and output,
+    /// and the largest tensor inside a layer: attention scores, a block's MLP hidden layer).
     pub max_activation_values: u64,
 }
 
@@ -46,12 +52,37 @@ impl SpecLimits {
 
     /// An activation's size (`what` names it) against `max_activation_values`.
     pub fn check_activation(&self, what: &str, shape: &Shape) -> Result<()> {
-        let values = match *shape {
-            Shape::Image { c, h, w } => c as u128 * h as u128 * w as u128,
-            Shape::Flat(f) => f as u128,
-        };
         over(
             what,
+            "max_activation_values",
+            values(shape),
+            self.max_activation_values,
+        )
+    }
+
+    /// The largest tensor inside layer `index` on `input` (attention scores
+    /// `heads × T × T`, a transformer block's MLP hidden `T × mlp·d`) against
+    /// `max_activation_values`.
+    pub fn check_inner(&self, index: usize, layer: &LayerSpec, input: &Shape) -> Result<()> {
+        let Shape::Seq { t, d } = *input else {
+            return Ok(());
+        };
+        let (t, d) = (t as u128, d as u128);
+        let (what, values) = match *layer {
+            LayerSpec::Attention { heads } => ("attention scores", heads as u128 * t * t),
+            LayerSpec::TransformerBlock { heads, mlp } => {
+                let scores = heads as u128 * t * t;
+                let hidden = t * d * mlp as u128;
+                match scores >= hidden {
+                    true => ("attention scores", scores),
+                    false => ("MLP hidden layer", hidden),
+                }
+            }
+            _ => return Ok(()),
+        };
+        let what = format!("layer {index} ({})'s {what}", layer.kind());
+        over(
+            &what,
             "max_activation_values",
             values,
             self.max_activation_values,
@@ -95,23 +126,47 @@ fn over(what: &str, limit: &'static str, value: u128, max: u64) -> Result<()> {
     Ok(())
 }
 
+/// Values of one sample of `shape`, without overflow.
+fn values(shape: &Shape) -> u128 {
+    match *shape {
+        Shape::Image { c, h, w } => c as u128 * h as u128 * w as u128,
+        Shape::Flat(f) => f as u128,
+        Shape::Seq { t, d } => t as u128 * d as u128,
+    }
+}
+
 /// A layer's parameter count on `input`, without overflow (in `u128`).
 fn layer_params(layer: &LayerSpec, input: &Shape) -> u128 {
     let bias = |yes: bool, out: usize| if yes { out as u128 } else { 0 };
+    // The features a layer on the last dimension sees (the channels of a batch norm).
+    let last = match *input {
+        Shape::Image { c, .. } => c as u128,
+        Shape::Flat(f) => f as u128,
+        Shape::Seq { d, .. } => d as u128,
+    };
+    // Query, key, value and output projections with their biases.
+    let attention = 4 * (last * last + last);
     match (layer, *input) {
-        (&LayerSpec::Linear { out, bias: b }, s) => {
-            let inputs = match s {
-                Shape::Flat(f) => f as u128,
-                Shape::Image { c, h, w } => c as u128 * h as u128 * w as u128,
-            };
-            inputs * out as u128 + bias(b, out)
+        (&LayerSpec::Linear { out, bias: b }, Shape::Seq { d, .. }) => {
+            d as u128 * out as u128 + bias(b, out)
         }
+        (&LayerSpec::Linear { out, bias: b }, s) => values(&s) * out as u128 + bias(b, out),
         (
             &LayerSpec::Conv2d {
                 out, k, bias: b, ..
             },
             Shape::Image { c, .. },
         ) => c as u128 * out as u128 * k as u128 * k as u128 + bias(b, out),
+        (LayerSpec::LayerNorm | LayerSpec::BatchNorm, _) => 2 * last,
+        (LayerSpec::RmsNorm, _) => last,
+        (&LayerSpec::Embedding { vocab, dim }, _) => vocab as u128 * dim as u128,
+        (&LayerSpec::PosEmbedding { max_len }, _) => max_len as u128 * last,
+        (LayerSpec::Attention { .. }, _) => attention,
+        (&LayerSpec::TransformerBlock { mlp, .. }, _) => {
+            let hidden = last * mlp as u128;
+            // Two layer norms, attention, and the MLP's two linear layers with biases.
+            4 * last + attention + 2 * last * hidden + hidden + last
+        }
         _ => 0,
     }
 }
@@ -191,6 +246,43 @@ mod tests {
         refused(&wide, "max_model_params");
         let big = "x".repeat(super::MAX_SPEC_BYTES as usize + 1);
         refused(&big, "MAX_SPEC_BYTES");
+    }
+
+    #[test]
+    fn huge_sequence_layers_are_refused_before_allocation() {
+        let seq = |layers: &str, t: u64| {
+            format!(
+                "input: [{t}]\nlayers:\n  - embedding: {{vocab: 16, dim: 8}}\n{layers}  - linear: {{out: 16}}\n"
+            )
+        };
+        refused(
+            "input: [4]\nlayers:\n  - embedding: {vocab: 16000000, dim: 1000}\n  - linear: {out: 2}\n",
+            "layer 0 (embedding)'s parameter count",
+        );
+        refused(
+            "input: [4]\nlayers:\n  - embedding: {vocab: 2, dim: 1000000000000}\n  - linear: {out: 2}\n",
+            "max_layer_params",
+        );
+        refused(
+            &seq("  - pos_embedding: {max_len: 1000000000000}\n", 4),
+            "layer 1 (pos_embedding)'s parameter count",
+        );
+        refused(
+            &seq("  - attention: {heads: 4}\n", 100_000),
+            "layer 1 (attention)'s attention scores is 40000000000",
+        );
+        refused(
+            &seq("  - transformer_block: {heads: 2, mlp: 1000000000}\n", 4),
+            "max_layer_params",
+        );
+        refused(
+            &seq("  - transformer_block: {heads: 2, mlp: 1000000}\n", 100),
+            "layer 1 (transformer_block)'s MLP hidden layer",
+        );
+        refused(
+            &seq("  - attention: {heads: 18446744073709551615}\n", 4),
+            "heads do not divide d_model 8",
+        );
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Cross-entropy on flat logits, outside burn: the loss a pipeline's user computes on the last
-//! stage's logits, and evaluation totals from logits that crossed the wire.
+//! stage's logits, and evaluation totals from logits that crossed the wire. A row of logits
+//! is one label's: a sample's, or a position's of a sequence model (its `n × T × classes`
+//! logits are `n × T` rows, against `n × T` labels).
 
 use crate::engine::EvalStats;
 

@@ -4,6 +4,11 @@
 //! the module's visit order, that is layer order and, within a layer, weight before bias; each
 //! tensor row-major in burn's layout (a linear weight is `[in, out]`, a convolution weight
 //! `[out, in, kh, kw]`). [`ParamLayout`] records each tensor's name, shape and offset.
+//!
+//! Buffers (batch norm's running statistics) are not parameters: every view here skips them,
+//! except the buffer view that [`ParamLayout::of_tensors`], [`read_values`] and
+//! [`write_values`] give with [`Tensors::Buffers`] (see [`crate::buffers`]), in the same
+//! order and layout rules.
 
 use std::ops::Range;
 
@@ -12,12 +17,14 @@ use burn::optim::GradientsParams;
 use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
+use crate::buffers::{Only, Tensors};
 use crate::error::{EngineError, Result};
 
 /// One parameter tensor's place in the flat buffer.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParamInfo {
-    /// PyTorch-style dotted name, e.g. `layers.0.weight`.
+    /// PyTorch-style dotted name, e.g. `layers.0.weight`: the name the tensor is saved under
+    /// (a normalization's `gamma` and `beta` are its `weight` and `bias`).
     pub name: String,
     /// Shape in burn's layout.
     pub shape: Vec<usize>,
@@ -37,13 +44,18 @@ pub struct ParamLayout {
 }
 
 impl ParamLayout {
-    /// Reads the layout of `model`.
+    /// Reads the layout of `model`'s parameters.
     pub fn of<M: Module>(model: &M) -> Self {
+        Self::of_tensors(model, Tensors::Params)
+    }
+
+    /// Reads the layout of `model`'s parameters or of its buffers.
+    pub(crate) fn of_tensors<M: Module>(model: &M, which: Tensors) -> Self {
         let mut v = LayoutVisitor {
             path: Vec::new(),
             layout: ParamLayout::default(),
         };
-        model.visit(&mut v);
+        model.visit(&mut Only::new(&mut v, which));
         v.layout
     }
 
@@ -69,11 +81,19 @@ impl ModuleVisitor for LayoutVisitor {
     fn enter_module(&mut self, name: &str, container_type: &str) {
         // Enum variant names are not part of the PyTorch-style name (see SafetensorsStore's
         // `skip_enum_variants`), and the root struct's fields are entered with their own name.
-        if !container_type.starts_with("Enum:") {
-            self.path.push(name.to_string());
-        } else {
-            self.path.push(String::new());
-        }
+        // A normalization's `gamma` and `beta` are PyTorch's `weight` and `bias`, as burn's
+        // PyTorch adapter saves them.
+        let norm = matches!(
+            container_type,
+            "Struct:BatchNorm" | "Struct:LayerNorm" | "Struct:RmsNorm"
+        );
+        let part = match (norm, name) {
+            (_, _) if container_type.starts_with("Enum:") => "",
+            (true, "gamma") => "weight",
+            (true, "beta") => "bias",
+            _ => name,
+        };
+        self.path.push(part.to_string());
     }
 
     fn exit_module(&mut self, _name: &str, _container_type: &str) {
@@ -112,7 +132,7 @@ pub fn renumber<M: Module>(model: M) -> M {
             Param::from_mapped_value(id, value, mapper)
         }
     }
-    model.map(&mut Renumber(0))
+    model.map(&mut Only::new(&mut Renumber(0), Tensors::Params))
 }
 
 fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
@@ -130,8 +150,14 @@ fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()>
     Ok(())
 }
 
-/// Copies every parameter of `model` into `out` (flat order).
-pub fn read_params<M: Module>(model: &M, layout: &ParamLayout, out: &mut [f32]) -> Result<()> {
+/// Copies every parameter (or every buffer) of `model` into `out` (flat order of `layout`,
+/// the layout of the same kind of tensors).
+pub fn read_values<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    out: &mut [f32],
+    which: Tensors,
+) -> Result<()> {
     if out.len() != layout.total {
         return Err(EngineError::FlatLength {
             expected: layout.total,
@@ -165,13 +191,19 @@ pub fn read_params<M: Module>(model: &M, layout: &ParamLayout, out: &mut [f32]) 
         offset: 0,
         error: None,
     };
-    model.visit(&mut reader);
+    model.visit(&mut Only::new(&mut reader, which));
     reader.error.map_or(Ok(()), Err)
 }
 
-/// Replaces every parameter of `model` with values from `src` (flat order), keeping parameter
-/// ids (so optimizer state stays attached) and gradient requirements.
-pub fn write_params<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> Result<M> {
+/// Replaces every parameter (or every buffer) of `model` with values from `src` (flat order of
+/// `layout`), keeping parameter ids (so optimizer state stays attached) and gradient
+/// requirements.
+pub fn write_values<M: Module>(
+    model: M,
+    layout: &ParamLayout,
+    src: &[f32],
+    which: Tensors,
+) -> Result<M> {
     if src.len() != layout.total {
         return Err(EngineError::FlatLength {
             expected: layout.total,
@@ -199,7 +231,8 @@ pub fn write_params<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> R
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
-    Ok(model.map(&mut Writer { src, offset: 0 }))
+    let mut writer = Writer { src, offset: 0 };
+    Ok(model.map(&mut Only::new(&mut writer, which)))
 }
 
 /// Calls `f(index, values)` with each parameter's gradient, in flat order. A parameter with
@@ -279,7 +312,7 @@ pub fn for_each_grad_in<M: Module>(
         f,
         error: None,
     };
-    model.visit(&mut v);
+    model.visit(&mut Only::new(&mut v, Tensors::Params));
     v.error.map_or(Ok(()), Err)
 }
 
@@ -318,6 +351,6 @@ pub fn grads_from_flat<M: Module>(
         device,
         grads: GradientsParams::new(),
     };
-    model.visit(&mut b);
+    model.visit(&mut Only::new(&mut b, Tensors::Params));
     Ok(b.grads)
 }

@@ -57,7 +57,7 @@ pub fn profile(
         };
         let cut = StageCut::new(spec, ranges)?;
         let stage = Stage::new(spec, &cut, 0, optimizer, device, 0)?;
-        let inputs = sample_inputs(&stage, samples);
+        let inputs = sample_inputs(&stage, samples, spec.token_vocab());
         prefixes.push((stage, inputs));
     }
     // fastest[j]: seconds of the prefix of layers 0..j (fastest[0] = 0, no layer).
@@ -91,14 +91,18 @@ pub fn profile(
     Ok(costs)
 }
 
-/// Deterministic inputs for every input slot of `stage`.
-fn sample_inputs(stage: &Stage, samples: usize) -> Vec<Vec<f32>> {
+/// Deterministic inputs for every input slot of `stage` (stage 0 of a model of `vocab`
+/// tokens takes token ids).
+fn sample_inputs(stage: &Stage, samples: usize, vocab: Option<usize>) -> Vec<Vec<f32>> {
     stage
         .inputs()
         .iter()
         .map(|slot| {
             (0..slot.shape.numel() * samples)
-                .map(|k| ((k * 31 % 97) as f32 / 48.0) - 1.0)
+                .map(|k| match vocab {
+                    Some(v) => (k * 31 % 97 % v) as f32,
+                    None => ((k * 31 % 97) as f32 / 48.0) - 1.0,
+                })
                 .collect()
         })
         .collect()

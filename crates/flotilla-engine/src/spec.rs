@@ -7,9 +7,10 @@ use std::path::Path;
 
 use crate::error::{EngineError, Result};
 use crate::graph::{self, Node};
+pub use crate::layer::LayerSpec;
 use crate::layer::layer_output;
-pub use crate::layer::{LayerSpec, Shape};
 use crate::limits::{MAX_SPEC_BYTES, SpecLimits};
+pub use crate::shape::Shape;
 
 /// A sequential model: its input shape and its layers, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -18,7 +19,8 @@ pub struct ModelSpec {
     /// A short name for logs (`lenet5`).
     #[serde(default = "unnamed")]
     pub name: String,
-    /// One sample's input shape: `[C, H, W]` or `[F]`.
+    /// One sample's input shape: `[C, H, W]` or `[F]` (or `[T]` token ids, when the first
+    /// layer is an `embedding`).
     pub input: Vec<usize>,
     /// The layers, applied in order, with their named links (see [`crate::graph`]).
     pub layers: Vec<Node>,
@@ -37,6 +39,8 @@ pub const BUILTIN_SPECS: &[(&str, &str)] = &[
         include_str!("../../../models/resnet-mnist.yaml"),
     ),
     ("resmlp", include_str!("../../../models/resmlp.yaml")),
+    ("resnet-bn", include_str!("../../../models/resnet-bn.yaml")),
+    ("gpt-char", include_str!("../../../models/gpt-char.yaml")),
 ];
 
 impl ModelSpec {
@@ -56,7 +60,7 @@ impl ModelSpec {
             message: e.to_string(),
         })?;
         let io = spec.infer_io_with(limits)?;
-        flat_output(io.last().map(|(_, out)| *out))?;
+        logits_output(io.last().map(|(_, out)| *out))?;
         Ok(spec)
     }
 
@@ -69,7 +73,7 @@ impl ModelSpec {
         Self::from_yaml(&text, &name)
     }
 
-    /// A spec shipped with Flotilla (`lenet5`, `mlp`).
+    /// A spec shipped with Flotilla (see [`BUILTIN_SPECS`]).
     pub fn builtin(name: &str) -> Option<Self> {
         BUILTIN_SPECS
             .iter()
@@ -142,6 +146,7 @@ impl ModelSpec {
                 params.saturating_add(limits.check_layer_params(index, &node.layer, &input)?);
             limits.check_model_params(params)?;
             shape = layer_output(index, &node.layer, input)?;
+            limits.check_inner(index, &node.layer, &input)?;
             limits.check_activation(&format!("layer {index} ({kind})'s output size"), &shape)?;
             for name in &node.out_variables {
                 named.insert(name.clone(), shape);
@@ -151,12 +156,41 @@ impl ModelSpec {
         Ok(io)
     }
 
-    /// The model's output shape, which must be flat (class logits).
+    /// The model's output shape: flat class logits `[classes]` (a classifier) or a sequence
+    /// `[T, classes]` (a sequence model: class logits at every position).
     pub fn output_shape(&self) -> Result<Shape> {
-        flat_output(self.infer_shapes()?.last().copied())
+        logits_output(self.infer_shapes()?.last().copied())
     }
 
-    /// Checks that the model takes `input` samples and gives `classes` logits.
+    /// The number of classes the model's logits are over (per position, for a sequence
+    /// model).
+    pub fn classes(&self) -> Result<usize> {
+        Ok(match self.output_shape()? {
+            Shape::Seq { d, .. } => d,
+            other => other.numel(),
+        })
+    }
+
+    /// How many labels one sample has: 1 for a classifier, `T` for a sequence model (one
+    /// class per position, row-major in a batch's labels).
+    pub fn labels_per_sample(&self) -> Result<usize> {
+        Ok(match self.output_shape()? {
+            Shape::Seq { t, .. } => t,
+            _ => 1,
+        })
+    }
+
+    /// The vocabulary size if the model takes token ids (its first layer is an `embedding`):
+    /// every input value must then be an integer in `0..vocab`.
+    pub fn token_vocab(&self) -> Option<usize> {
+        match self.layers.first().map(|n| &n.layer) {
+            Some(LayerSpec::Embedding { vocab, .. }) => Some(*vocab),
+            _ => None,
+        }
+    }
+
+    /// Checks that the model takes `input` samples and gives `classes` logits (per position,
+    /// for a sequence model).
     pub fn check_io(&self, input: &[usize], classes: usize) -> Result<()> {
         let own = self.input_shape()?;
         if own.numel() != input.iter().product::<usize>() {
@@ -164,11 +198,10 @@ impl ModelSpec {
                 "the model takes input {own} but the data set gives samples of {input:?}"
             )));
         }
-        let out = self.output_shape()?;
-        if out.numel() != classes {
+        let out = self.classes()?;
+        if out != classes {
             return Err(EngineError::InvalidSpec(format!(
-                "the model gives {} outputs but the data set has {classes} classes",
-                out.numel()
+                "the model gives {out} outputs but the data set has {classes} classes"
             )));
         }
         Ok(())
@@ -180,12 +213,12 @@ impl ModelSpec {
     }
 }
 
-/// The last layer's output, which must be flat (class logits).
-fn flat_output(last: Option<Shape>) -> Result<Shape> {
+/// The last layer's output, which must be class logits: flat, or a sequence.
+fn logits_output(last: Option<Shape>) -> Result<Shape> {
     match last {
-        Some(Shape::Flat(n)) => Ok(Shape::Flat(n)),
+        Some(shape @ (Shape::Flat(_) | Shape::Seq { .. })) => Ok(shape),
         Some(other) => Err(EngineError::InvalidSpec(format!(
-            "the last layer must give flat class logits, got {other}; end with flatten + linear"
+            "the last layer must give flat class logits (or a sequence of them), got {other}; end with flatten + linear"
         ))),
         None => Err(EngineError::InvalidSpec("the model has no layers".into())),
     }
@@ -219,6 +252,35 @@ mod tests {
         lenet.check_io(&[1, 28, 28], 10).expect("io");
         let mlp = ModelSpec::builtin("mlp").expect("mlp");
         assert_eq!(mlp.output_shape().expect("out"), Shape::Flat(10));
+    }
+
+    #[test]
+    fn sequence_and_batch_norm_builtins_parse_and_read_back() {
+        let gpt = ModelSpec::builtin("gpt-char").expect("gpt-char");
+        let shapes = gpt.infer_shapes().expect("shapes");
+        assert_eq!(shapes[0], Shape::Seq { t: 64, d: 128 });
+        assert_eq!(
+            gpt.output_shape().expect("out"),
+            Shape::Seq { t: 64, d: 256 }
+        );
+        assert_eq!(
+            (
+                gpt.classes().expect("classes"),
+                gpt.labels_per_sample().expect("labels")
+            ),
+            (256, 64)
+        );
+        assert_eq!(gpt.token_vocab(), Some(256));
+        gpt.check_io(&[64], 256).expect("io");
+        let bn = ModelSpec::builtin("resnet-bn").expect("resnet-bn");
+        assert_eq!(bn.labels_per_sample().expect("labels"), 1);
+        assert_eq!(bn.token_vocab(), None);
+        bn.check_io(&[1, 28, 28], 10).expect("io");
+        // The canonical YAML (the config hash) reads back the same.
+        for s in [gpt, bn] {
+            let again = ModelSpec::from_yaml(&s.to_yaml(), "again").expect("round trip");
+            assert_eq!(again, s);
+        }
     }
 
     /// Fuzzing found: sizes near `usize::MAX` overflowed the shape arithmetic (a panic), and

@@ -22,12 +22,13 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
+use crate::activation::Activation;
 use crate::cut::{MAIN, StageCut};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
-use crate::model::Activation;
 use crate::optim::OptimizerSpec;
 use crate::params;
+use crate::sequence::check_tokens;
 use crate::spec::{ModelSpec, Shape};
 use crate::weights::{Weights, delegate_model_state};
 
@@ -52,6 +53,8 @@ pub struct Stage {
     weights: Weights,
     index: usize,
     last: bool,
+    /// The vocabulary, if this stage takes the model's input of token ids.
+    vocab: Option<usize>,
     range: Range<usize>,
     inputs: Vec<Slot>,
     outputs: Vec<Slot>,
@@ -94,7 +97,7 @@ impl Stage {
             s => cut.inputs(s).into_iter().map(slot).collect(),
         };
         let outputs = match last {
-            true => vec![main(Shape::Flat(cut.classes))],
+            true => vec![main(cut.output)],
             false => cut.outputs(index).into_iter().map(slot).collect(),
         };
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
@@ -105,6 +108,7 @@ impl Stage {
             weights,
             index,
             last,
+            vocab: spec.token_vocab().filter(|_| index == 0),
             range,
             inputs,
             outputs,
@@ -139,6 +143,12 @@ impl Stage {
         &self.outputs
     }
 
+    /// Seeds the dropout masks of every following [`Stage::forward`], as
+    /// [`crate::Engine::set_dropout_seed`] does for a whole model.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.weights.set_dropout_seed(seed);
+    }
+
     /// Micro-batches whose forward ran and whose backward has not.
     pub fn in_flight(&self) -> usize {
         self.flights.len()
@@ -161,7 +171,7 @@ impl Stage {
         let _span = tracing::info_span!(target: "flotilla::engine", "forward", mb).entered();
         let device = self.weights.device.clone();
         let acts = self.activations(n, inputs, &device, self.index > 0)?;
-        let outputs = self.run(acts.clone())?;
+        let outputs = self.weights.with_dropout_rng(|| self.run(acts.clone()))?;
         let flat = outputs
             .iter()
             .map(Activation::to_flat)
@@ -214,10 +224,10 @@ impl Stage {
         }
     }
 
-    /// On the last stage: the cross-entropy loss of micro-batch `mb` against `labels`,
-    /// differentiated with weight `weight` (the micro-batch's share of the batch, so that the
-    /// accumulated gradient is the whole batch's mean). Returns the unweighted mean loss and
-    /// the gradients of the input slots.
+    /// On the last stage: the cross-entropy loss of micro-batch `mb` against `labels` (one per
+    /// sample, or one per position of a sequence model), differentiated with weight `weight`
+    /// (the micro-batch's share of the batch, so that the accumulated gradient is the whole
+    /// batch's mean). Returns the unweighted mean loss and the gradients of the input slots.
     pub fn backward_loss(
         &mut self,
         mb: usize,
@@ -236,10 +246,10 @@ impl Stage {
             Some(y) => y.clone().into_logits(),
             None => return Err(EngineError::NoGradients),
         };
-        let [n, _] = logits.dims();
-        if labels.len() != n {
+        let [rows, _] = logits.dims();
+        if labels.len() != rows {
             return Err(EngineError::Batch(format!(
-                "{} labels for a micro-batch of {n} samples",
+                "{} labels for a micro-batch of {rows} rows of logits (samples, or positions of a sequence model)",
                 labels.len()
             )));
         }
@@ -317,6 +327,9 @@ impl Stage {
                     slot.shape,
                     values.len()
                 )));
+            }
+            if let Some(vocab) = self.vocab {
+                check_tokens(values, vocab)?;
             }
             let a = Activation::from_flat(values.to_vec(), n, slot.shape, device);
             acts.push(if require_grad { a.require_grad() } else { a });

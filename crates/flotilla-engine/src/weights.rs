@@ -1,5 +1,11 @@
 //! A model's parameters and optimizer, seen as flat buffers: the [`ModelState`] trait that a
-//! whole-model engine and a pipeline stage share, and the burn state behind both.
+//! whole-model engine and a pipeline stage share, and the burn state behind both. Its batch
+//! norms' running statistics are a second flat view, of buffers (see [`crate::buffers`]).
+//!
+//! burn keeps a running statistic's last update pending (per thread) until the next update or
+//! until the model is made `valid()`; every read of the buffers (and the weights saved) goes
+//! through `valid()`, which settles it, so that they are the statistics of every forward pass
+//! so far.
 
 use std::ops::Range;
 use std::path::Path;
@@ -8,6 +14,7 @@ use burn::optim::ModuleOptimizer;
 use burn::prelude::*;
 
 use crate::any_module;
+use crate::buffers::Tensors;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::model::{Identity, Layer, SequentialModel};
@@ -15,8 +22,9 @@ use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
 use crate::spec::ModelSpec;
 
-/// Serialises seeded initialisation (see [`Weights::new`]).
-static INIT_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+/// Serialises seeding the backend's RNG and drawing from it (see [`Weights::new`] and
+/// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
+static RNG_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Parameters, optimizer state and weight files, as flat buffers in the order of
 /// [`ModelState::layout`]. Implemented by the whole-model [`crate::BurnEngine`] and by a
@@ -50,6 +58,19 @@ pub trait ModelState {
     /// Tensors in the file that this model does not have are ignored; a tensor the model has
     /// and the file lacks is an error.
     fn load_weights(&mut self, path: &Path) -> Result<()>;
+
+    /// Where each buffer lives in the flat buffer view: the running statistics of every batch
+    /// norm (`layers.<i>.running_mean`, `layers.<i>.running_var`), in layer order. They are
+    /// not parameters (no gradient, no optimizer state) and each rank's forward passes update
+    /// its own; a strategy averages them across ranks (or takes rank 0's) before evaluation
+    /// and checkpoints. Empty for a model without batch norm.
+    fn buffer_layout(&self) -> &ParamLayout;
+
+    /// Copies the buffers into `out` (the order of [`ModelState::buffer_layout`]).
+    fn read_buffers(&self, out: &mut [f32]) -> Result<()>;
+
+    /// Replaces the buffers with `src` (the order of [`ModelState::buffer_layout`]).
+    fn write_buffers(&mut self, src: &[f32]) -> Result<()>;
 }
 
 /// The burn state behind a [`ModelState`]: the model (or a stage's part of it), its optimizer
@@ -63,6 +84,12 @@ pub(crate) struct Weights {
     model: Option<SequentialModel>,
     optimizer: ModuleOptimizer,
     pub(crate) layout: ParamLayout,
+    /// The layout of the buffers (batch norm's running statistics).
+    buffer_layout: ParamLayout,
+    /// Whether the model draws dropout masks (a dropout layer with `p > 0`).
+    has_dropout: bool,
+    /// The seed each training forward pass re-seeds the RNG with, once set.
+    dropout_seed: Option<u64>,
     /// Extra safetensors metadata written with the weights.
     metadata: Vec<(String, String)>,
 }
@@ -84,7 +111,7 @@ impl Weights {
         // The backend's RNG may be process-wide: seeding and drawing the initial values happen
         // under one lock, so that models built concurrently still depend on their seed alone.
         let model = {
-            let _guard = INIT_LOCK
+            let _guard = RNG_LOCK
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
             device.seed(seed);
@@ -93,7 +120,7 @@ impl Weights {
             // values depend on the seed alone and not on the order of first use.
             let layout = ParamLayout::of(&model);
             let mut scratch = vec![0.0; layout.total];
-            params::read_params(&model, &layout, &mut scratch)?;
+            params::read_values(&model, &layout, &mut scratch, Tensors::Params)?;
             model
         };
         let model = match keep {
@@ -101,15 +128,44 @@ impl Weights {
             Some(range) => params::renumber(keep_only(model, range)),
         };
         let layout = ParamLayout::of(&model);
+        let has_dropout = model
+            .layers
+            .iter()
+            .any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
         Ok(Self {
             spec: spec.clone(),
             device,
             base_device,
+            buffer_layout: ParamLayout::of_tensors(&model, Tensors::Buffers),
             model: Some(model),
             optimizer: optimizer.build()?,
             layout,
+            has_dropout,
+            dropout_seed: None,
             metadata: Vec::new(),
         })
+    }
+
+    /// Makes every following training forward pass re-seed the RNG with `seed` before it
+    /// draws its dropout masks (see [`crate::Engine::set_dropout_seed`]).
+    pub(crate) fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = Some(seed);
+    }
+
+    /// Runs `forward` (a training forward pass) holding the RNG, re-seeded with the dropout
+    /// seed if one was set, when the model draws dropout masks: then the masks depend on the
+    /// seed alone, even with other models drawing in other threads.
+    pub(crate) fn with_dropout_rng<T>(&self, forward: impl FnOnce() -> T) -> T {
+        if !self.has_dropout {
+            return forward();
+        }
+        let _guard = RNG_LOCK
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(seed) = self.dropout_seed {
+            self.device.seed(seed);
+        }
+        forward()
     }
 
     /// Adds a metadata entry written with the weights.
@@ -149,12 +205,33 @@ impl ModelState for Weights {
     }
 
     fn read_params(&self, out: &mut [f32]) -> Result<()> {
-        params::read_params(self.model()?, &self.layout, out)
+        params::read_values(self.model()?, &self.layout, out, Tensors::Params)
     }
 
     fn write_params(&mut self, src: &[f32]) -> Result<()> {
         let model = self.model()?.clone();
-        self.model = Some(params::write_params(model, &self.layout, src)?);
+        let model = params::write_values(model, &self.layout, src, Tensors::Params)?;
+        self.model = Some(model);
+        Ok(())
+    }
+
+    fn buffer_layout(&self) -> &ParamLayout {
+        &self.buffer_layout
+    }
+
+    fn read_buffers(&self, out: &mut [f32]) -> Result<()> {
+        // `valid()` settles the pending updates (see the module documentation).
+        let settled = self.model()?.valid();
+        params::read_values(&settled, &self.buffer_layout, out, Tensors::Buffers)
+    }
+
+    fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
+        let model = self.model()?;
+        // Settle the pending updates first: one left pending would overwrite `src` later.
+        drop(model.valid());
+        let written =
+            params::write_values(model.clone(), &self.buffer_layout, src, Tensors::Buffers)?;
+        self.model = Some(written);
         Ok(())
     }
 
@@ -183,8 +260,18 @@ impl ModelState for Weights {
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<()> {
-        // Loads into a copy, so that a failed or partial load leaves the model as it was.
-        self.model = Some(any_module::load_module(self.model()?, path)?);
+        // `load_module` loads into a copy, so that a failed or partial load leaves the model
+        // as it was; but a copy shares its running statistics with the model (burn keeps them
+        // behind a shared cell), so those are put back by hand after a failure.
+        let mut buffers = vec![0.0; self.buffer_layout.total];
+        self.read_buffers(&mut buffers)?;
+        match any_module::load_module(self.model()?, path) {
+            Ok(model) => self.model = Some(model),
+            Err(e) => {
+                self.write_buffers(&buffers)?;
+                return Err(e);
+            }
+        }
         Ok(())
     }
 }
@@ -213,6 +300,15 @@ macro_rules! delegate_model_state {
             }
             fn load_weights(&mut self, path: &std::path::Path) -> $crate::error::Result<()> {
                 self.weights.load_weights(path)
+            }
+            fn buffer_layout(&self) -> &$crate::params::ParamLayout {
+                self.weights.buffer_layout()
+            }
+            fn read_buffers(&self, out: &mut [f32]) -> $crate::error::Result<()> {
+                self.weights.read_buffers(out)
+            }
+            fn write_buffers(&mut self, src: &[f32]) -> $crate::error::Result<()> {
+                self.weights.write_buffers(src)
             }
         }
     };

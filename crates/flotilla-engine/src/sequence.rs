@@ -1,0 +1,70 @@
+//! The forward passes of the sequence layers, on burn's own modules, and the check of token
+//! ids.
+//!
+//! - `embedding`: burn's `Embedding` (weight `[vocab, dim]`, PyTorch's `nn.Embedding`
+//!   layout) on the token ids of the input, which arrive as `f32` values (exact integers, checked
+//!   by [`check_tokens`] before any tensor exists) and are cast to integers here.
+//! - `pos_embedding`: the weight `[max_len, d]` of a burn `Embedding`, whose first `T` rows are
+//!   added to every sample (burn has no learned positional embedding; its `PositionalEncoding`
+//!   is the fixed sinusoidal one).
+//! - `attention`: burn's `MultiHeadAttention` (separate `query`, `key`, `value` and `output`
+//!   linear layers with biases, scores scaled by `1/sqrt(d/heads)`), given the causal mask of
+//!   `generate_autoregressive_mask`: position `i` attends to `0..=i`.
+//! - `transformer_block`: burn's `TransformerEncoderLayer` with `norm_first` (pre-LN), no
+//!   dropout, and the same causal mask. Its tensors keep burn's names: `mha.{query,key,value,
+//!   output}`, `pwff.linear_inner` and `pwff.linear_outer` (GELU between them), and the two
+//!   layer norms `norm_2` (before the attention: burn names them for the post-LN order) and
+//!   `norm_1` (before the MLP).
+
+use burn::nn::Embedding;
+use burn::nn::attention::{MhaInput, MultiHeadAttention, generate_autoregressive_mask};
+use burn::nn::transformer::TransformerEncoderLayer;
+use burn::prelude::*;
+
+use crate::error::{EngineError, Result};
+
+/// Checks that every value of `ids` (a batch's token input) is an integer in `0..vocab`.
+pub(crate) fn check_tokens(ids: &[f32], vocab: usize) -> Result<()> {
+    let bad = ids
+        .iter()
+        .position(|&v| !(v >= 0.0 && v.fract() == 0.0 && (v as f64) < vocab as f64));
+    match bad {
+        None => Ok(()),
+        Some(i) => Err(EngineError::Batch(format!(
+            "token id {} at input value {i} is not an integer in 0..{vocab} (the embedding's vocab)",
+            ids[i]
+        ))),
+    }
+}
+
+/// The embeddings `[n, t, dim]` of token ids `[n, t]` (checked integers, as floats).
+pub(crate) fn embed_tokens(table: &Embedding, ids: Tensor<2>) -> Tensor<3> {
+    table.forward(ids.int())
+}
+
+/// `x` `[n, t, d]` plus the first `t` rows of the positional table.
+pub(crate) fn add_positions(table: &Embedding, x: Tensor<3>) -> Tensor<3> {
+    let [_, t, _] = x.dims();
+    let rows: Tensor<2> = table.weight.val().slice(0..t);
+    x + rows.unsqueeze::<3>()
+}
+
+/// The causal mask of `x` `[n, t, d]`: true where a position would see a later one.
+fn causal_mask(x: &Tensor<3>) -> Tensor<3, Bool> {
+    let [n, t, _] = x.dims();
+    generate_autoregressive_mask(n, t, &x.device())
+}
+
+/// Causal multi-head self-attention on `x` `[n, t, d]`.
+pub(crate) fn causal_attention(attention: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
+    let mask = causal_mask(&x);
+    attention
+        .forward(MhaInput::self_attn(x).mask_attn(mask))
+        .context
+}
+
+/// A pre-LN transformer block with causal attention on `x` `[n, t, d]`.
+pub(crate) fn block(block: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
+    let mask = causal_mask(&x);
+    block.forward(x, None, Some(mask))
+}
