@@ -78,14 +78,39 @@ impl DataParallel {
         &self.layout
     }
 
-    /// `model` with rank 0's parameter values (bitwise) and parameter ids numbered by position,
-    /// so that optimizer state keyed by id means the same tensor on every rank. Collective.
+    /// `model` with rank 0's parameter values and buffers (bitwise) and parameter ids numbered
+    /// by position, so that optimizer state keyed by id means the same tensor on every rank.
+    /// Collective.
     pub fn broadcast_model<M: Module>(&self, model: M) -> Result<M> {
         let model = any_module::renumber(model);
         let mut flat = vec![0.0f32; self.layout.total];
         any_module::read_params(&model, &self.layout, &mut flat)?;
         self.group.broadcast_f32(&mut flat, 0)?;
-        Ok(any_module::write_params(model, &self.layout, &flat)?)
+        let model = any_module::write_params(model, &self.layout, &flat)?;
+        self.sync_buffers(model, BufferSync::FromRank0)
+    }
+
+    /// `model` with its buffers (batch norm's running statistics, which each rank's forward
+    /// passes update from its own batches) made the same on every rank: rank 0's
+    /// ([`BufferSync::FromRank0`], PyTorch DDP's `broadcast_buffers`) or the mean over the
+    /// ranks ([`BufferSync::Average`]). Call it before evaluating or saving. Collective; a
+    /// model without buffers costs nothing.
+    pub fn sync_buffers<M: Module>(&self, model: M, how: BufferSync) -> Result<M> {
+        let layout = any_module::buffer_layout(&model);
+        if layout.total == 0 {
+            return Ok(model);
+        }
+        let mut flat = vec![0.0f32; layout.total];
+        any_module::read_buffers(&model, &layout, &mut flat)?;
+        match how {
+            BufferSync::FromRank0 => self.group.broadcast_f32(&mut flat, 0)?,
+            BufferSync::Average => {
+                self.group.all_reduce_sum(&mut flat)?;
+                let scale = 1.0 / self.size() as f32;
+                flat.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+        Ok(any_module::write_buffers(model, &layout, &flat)?)
     }
 
     /// `optimizer` with rank 0's state (moments, step counts; empty before the first step).
@@ -152,6 +177,15 @@ impl DataParallel {
     pub fn load<M: Module>(&self, model: &M, path: &Path) -> Result<M> {
         Ok(any_module::load_module(model, path)?)
     }
+}
+
+/// How [`DataParallel::sync_buffers`] makes the ranks' buffers agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BufferSync {
+    /// Every rank takes rank 0's.
+    FromRank0,
+    /// Every rank takes the mean over the ranks.
+    Average,
 }
 
 fn bucket_len(layout: &ParamLayout, params: &Range<usize>) -> usize {

@@ -267,3 +267,90 @@ fn a_rank_with_another_model_is_named_on_every_rank() {
         }
     }
 }
+
+/// A user's model with batch norm: its running statistics are buffers, not parameters.
+#[derive(Module, Debug)]
+struct NormNet {
+    norm: burn::nn::BatchNorm,
+    out: Linear,
+}
+
+#[test]
+fn batch_norm_statistics_are_synced_from_rank_0_or_averaged_and_never_summed_as_gradients() {
+    use crate::BufferSync;
+    use flotilla_engine::any_module::{buffer_layout, read_buffers};
+    let buffers = |m: &NormNet| {
+        let layout = buffer_layout(m);
+        let mut flat = vec![0.0; layout.total];
+        read_buffers(m, &layout, &mut flat).expect("buffers");
+        flat
+    };
+    let models: Vec<NormNet> = (0..2)
+        .map(|r| {
+            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            device().seed(r);
+            NormNet {
+                norm: burn::nn::BatchNormConfig::new(3).init(&device()),
+                out: LinearConfig::new(3, 2).init(&device()),
+            }
+        })
+        .collect();
+    let handles: Vec<_> = world(2)
+        .into_iter()
+        .zip(models)
+        .map(|(g, m)| {
+            std::thread::spawn(move || {
+                let rank = g.rank();
+                let mut dp = DataParallel::new(g, &m).expect("dp");
+                assert_eq!(
+                    dp.layout().params.len(),
+                    4,
+                    "running statistics are not parameters"
+                );
+                let model = dp.broadcast_model(m).expect("model");
+                let mut optim = Optim::Sgd.init();
+                let mut step = |dp: &mut DataParallel, model: NormNet, step: usize| {
+                    // Each rank's own batch: its running statistics drift apart.
+                    let (x, y) = batch(step, rank, 2);
+                    let loss = (model.out.forward(model.norm.forward(x)) - y)
+                        .powf_scalar(2.0)
+                        .mean();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    let grads = dp.average(grads, &model).expect("average");
+                    optim.step(0.01, model, grads)
+                };
+                // burn's copies of a model share its running statistics: each check works on
+                // the model itself, after steps that made the ranks' statistics differ.
+                let model = step(&mut dp, model, 0);
+                let model = step(&mut dp, model, 1);
+                let own = buffers(&model.valid());
+                let model = dp.sync_buffers(model, BufferSync::Average).expect("sync");
+                let mean = buffers(&model.valid());
+                let model = step(&mut dp, model, 2);
+                let own2 = buffers(&model.valid());
+                let model = dp.sync_buffers(model, BufferSync::FromRank0).expect("sync");
+                (own, mean, own2, buffers(&model.valid()))
+            })
+        })
+        .collect();
+    let r: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank"))
+        .collect();
+    assert_eq!(r[0].0.len(), 6, "running mean and variance of 3 features");
+    assert_ne!(r[0].0, r[1].0, "the ranks' statistics did not drift apart");
+    for (i, m) in r[0].1.iter().enumerate() {
+        let expected = (r[0].0[i] + r[1].0[i]) / 2.0;
+        assert!(
+            (m - expected).abs() <= 1e-6,
+            "buffer {i}: {m} is not the mean {expected}"
+        );
+    }
+    assert_eq!(
+        r[0].1, r[1].1,
+        "the averaged statistics differ between ranks"
+    );
+    assert_ne!(r[0].2, r[1].2, "the statistics did not drift apart again");
+    assert_eq!(r[1].3, r[0].2, "rank 1 did not take rank 0's statistics");
+    assert_eq!(r[0].3, r[0].2, "rank 0's statistics changed");
+}

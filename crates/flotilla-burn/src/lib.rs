@@ -41,7 +41,7 @@ mod error;
 use std::sync::Arc;
 
 pub use buckets::DEFAULT_BUCKET_BYTES;
-pub use data_parallel::DataParallel;
+pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_group::{ProcessGroup, ReduceOp};
 

@@ -36,6 +36,21 @@ pub fn write_params<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> R
     crate::params::write_values(model, layout, src, Tensors::Params)
 }
 
+/// The layout of `model`'s buffers (batch norm's running statistics), empty without any.
+pub fn buffer_layout<M: Module>(model: &M) -> ParamLayout {
+    ParamLayout::of_tensors(model, Tensors::Buffers)
+}
+
+/// Copies every buffer of `model` into `out`, in the order of [`buffer_layout`].
+pub fn read_buffers<M: Module>(model: &M, layout: &ParamLayout, out: &mut [f32]) -> Result<()> {
+    crate::params::read_values(model, layout, out, Tensors::Buffers)
+}
+
+/// `model` with every buffer replaced by the values of `src` (order of [`buffer_layout`]).
+pub fn write_buffers<M: Module>(model: M, layout: &ParamLayout, src: &[f32]) -> Result<M> {
+    crate::params::write_values(model, layout, src, Tensors::Buffers)
+}
+
 /// Moves the gradients of the parameters with index in `params` (flat order) out of `grads`
 /// into `out`, which holds exactly those parameters' values, in flat order. A parameter with
 /// no gradient (unused in the forward pass, or frozen) gives zeros, so every rank fills the
