@@ -142,9 +142,18 @@ impl Rank {
         topology: &Topology,
         build: impl FnOnce(&mut Cx<'_>, &Setup<'_>) -> crate::Result<S>,
     ) -> S {
-        let spec = spec();
+        self.build_model(&spec(), topology, build)
+    }
+
+    /// As [`Rank::build`], for a model of `spec`.
+    pub(crate) fn build_model<S>(
+        &mut self,
+        spec: &ModelSpec,
+        topology: &Topology,
+        build: impl FnOnce(&mut Cx<'_>, &Setup<'_>) -> crate::Result<S>,
+    ) -> S {
         let setup = Setup {
-            spec: &spec,
+            spec,
             topology,
             samples: self.data.len(),
         };

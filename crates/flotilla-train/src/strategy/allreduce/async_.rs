@@ -306,6 +306,8 @@ impl Strategy for AsyncAllReduce {
             data.next_batch()?
         };
         let samples = batch.labels.len() as u64 * world;
+        let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
+        self.engine.set_dropout_seed(seed);
         self.submit(cx, batch, done)?;
         let keep = if done == 0 { 0 } else { self.staleness };
         let mut losses = Vec::new();
@@ -334,7 +336,8 @@ impl Strategy for AsyncAllReduce {
     /// the same parameters on every rank (the default hooks call this first).
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let _ = cx;
-        self.drain()
+        self.drain()?;
+        super::average_buffers(&*self.comm, &mut *self.engine)
     }
 
     fn model(&mut self) -> Option<&mut dyn ModelState> {
@@ -342,12 +345,12 @@ impl Strategy for AsyncAllReduce {
     }
 
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
-        self.drain()?;
+        self.prepare_model(cx)?;
         crate::eval::distributed(&*self.engine, &*self.comm, cx.test)
     }
 
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
-        self.drain()?;
+        self.prepare_model(cx)?;
         super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }
 

@@ -20,8 +20,14 @@ use flotilla_engine::{Engine, ModelState};
 use crate::error::Result;
 use crate::strategy::Cx;
 
-/// Makes every rank start from rank 0's parameters and optimizer state.
+/// Makes every rank start from rank 0's parameters, buffers and optimizer state.
 pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engine) -> Result<()> {
+    let mut buffers = vec![0.0; engine.buffer_layout().total];
+    if !buffers.is_empty() {
+        engine.read_buffers(&mut buffers)?;
+        comm.broadcast_f32(&mut buffers, 0)?;
+        engine.write_buffers(&buffers)?;
+    }
     let rank = comm.rank();
     let mut params = vec![0.0; engine.num_params()];
     engine.read_params(&mut params)?;
@@ -37,6 +43,34 @@ pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engin
         engine.load_optimizer_state(&state)?;
     }
     Ok(())
+}
+
+/// Replaces every peer's buffers (batch norm's running statistics, which each rank's forward
+/// passes update from its own shard) with their mean over the peers, so that evaluation,
+/// the final check and checkpoints see one model. Collective; free without buffers.
+pub fn average_buffers(comm: &dyn ProcessGroup, model: &mut dyn ModelState) -> Result<()> {
+    let mut buffers = vec![0.0; model.buffer_layout().total];
+    if buffers.is_empty() {
+        return Ok(());
+    }
+    model.read_buffers(&mut buffers)?;
+    comm.all_reduce_sum(&mut buffers)?;
+    let scale = 1.0 / comm.size() as f32;
+    buffers.iter_mut().for_each(|v| *v *= scale);
+    model.write_buffers(&buffers)?;
+    Ok(())
+}
+
+/// The dropout seed of `rank`'s step `step` in a run seeded with `seed`: every rank draws its
+/// own masks, and a resumed run draws the ones it would have. (SplitMix64's finaliser over
+/// the three, so nearby steps and ranks get unrelated seeds; a hash crate would do the same.)
+pub fn dropout_seed(seed: u64, rank: usize, step: u64) -> u64 {
+    let mut z = seed
+        ^ (rank as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ step.wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Checks at the end of a run that every peer holds the same parameters as this one's `model`,

@@ -127,11 +127,19 @@ impl Strategy for SyncAllReduce {
         Some(&mut *self.engine)
     }
 
+    /// The peers' buffers (batch norm's running statistics) become their mean.
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let _ = cx;
+        super::average_buffers(&*self.comm, &mut *self.engine)
+    }
+
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        self.prepare_model(cx)?;
         crate::eval::distributed(&*self.engine, &*self.comm, cx.test)
     }
 
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        self.prepare_model(cx)?;
         super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }
 
@@ -143,6 +151,8 @@ impl Strategy for SyncAllReduce {
             data.next_batch()?
         };
         let samples = batch.labels.len() as u64 * world;
+        let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
+        self.engine.set_dropout_seed(seed);
         let stats = self.step_on(batch, lr)?;
         Ok(Step {
             progressed: true,

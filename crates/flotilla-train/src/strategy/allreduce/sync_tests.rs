@@ -99,3 +99,54 @@ fn three_ranks_equal_serial_sgd_on_the_mean_gradient() {
         }
     }
 }
+
+/// A model with batch norm: its running statistics are buffers each rank updates from its own
+/// shard.
+const BN_SPEC: &str = "name: bn\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  - linear: {out: 3}\n  - batch_norm\n  - relu\n  - linear: {out: 3}\n";
+
+#[test]
+fn batch_norm_statistics_are_the_peers_mean_before_evaluation() {
+    let spec = flotilla_engine::ModelSpec::from_yaml(BN_SPEC, "bn").expect("spec");
+    let handles: Vec<_> = world(2)
+        .into_iter()
+        .map(|comm| {
+            let spec = spec.clone();
+            thread::spawn(move || {
+                let mut c = config(sgd(LR, MOMENTUM));
+                c.topology.world_size = 2;
+                let topology = c.topology().expect("topology");
+                let mut rank = Rank::new(comm.clone(), c, SAMPLES);
+                let mut peer = rank.build_model(&spec, &topology, SyncAllReduce::build);
+                let data = dataset(SAMPLES);
+                let mut shard = batches(&data, 2, comm.rank());
+                peer.start(&mut rank.cx()).expect("start");
+                for done in 0..3 {
+                    peer.step(&mut rank.cx(), &mut shard, done).expect("step");
+                }
+                let read = |peer: &mut SyncAllReduce| {
+                    let model = peer.model().expect("model");
+                    let mut b = vec![0.0; model.buffer_layout().total];
+                    model.read_buffers(&mut b).expect("buffers");
+                    b
+                };
+                let own = read(&mut peer);
+                peer.evaluate(&mut rank.cx()).expect("evaluate");
+                (own, read(&mut peer))
+            })
+        })
+        .collect();
+    let r: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank"))
+        .collect();
+    assert_eq!(r[0].0.len(), 6, "running mean and variance of 3 features");
+    assert_ne!(r[0].0, r[1].0, "the ranks' statistics did not drift apart");
+    for (i, got) in r[0].1.iter().enumerate() {
+        let mean = (r[0].0[i] + r[1].0[i]) / 2.0;
+        assert!(
+            (got - mean).abs() <= 1e-6,
+            "buffer {i}: {got}, not the mean {mean}"
+        );
+    }
+    assert_bitwise(&r[1].1, &r[0].1, "rank 1's statistics against rank 0's");
+}
