@@ -147,3 +147,37 @@ fn a_missing_program_is_an_error_naming_it() {
         text(&o)
     );
 }
+
+#[test]
+fn max_restarts_starts_a_failed_program_again() {
+    let dir = tmp();
+    let flag = dir.path().join("failed-once");
+    // Rank 1 fails the first time only.
+    let script = format!(
+        "if [ \"$RANK\" = 1 ] && [ ! -f {f} ]; then touch {f}; exit 3; fi; exec {e}",
+        f = flag.display(),
+        e = example().display()
+    );
+    let mut cmd = flotilla();
+    cmd.args([
+        "launch",
+        "-n",
+        "2",
+        "--max-restarts",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ])
+    .env("STEPS", "3")
+    .env("OUT", dir.path().join("x.safetensors"));
+    let o = run_with_deadline(cmd, Duration::from_secs(120));
+    let all = text(&o);
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains("[launcher] restart 1/1 after: rank 1 failed (exit code 3)"),
+        "{all}"
+    );
+    assert_eq!(all.matches("test accuracy").count(), 1, "{all}");
+}
