@@ -31,6 +31,12 @@ pub trait Samples: Send + Sync {
     /// Number of classes a model must give logits for.
     fn classes(&self) -> usize;
 
+    /// Whether the labels are byte tokens, so that a loss in nats per label is
+    /// `loss / ln 2` bits per byte.
+    fn byte_tokens(&self) -> bool {
+        false
+    }
+
     /// Gathers the samples `indices` into `inputs` (`n × values_per_sample`, row-major) and
     /// their labels into `labels` (`n × labels_per_sample`). Both are cleared first.
     ///
@@ -78,6 +84,10 @@ impl Samples for crate::TokenWindows {
         crate::BYTE_VOCAB
     }
 
+    fn byte_tokens(&self) -> bool {
+        true
+    }
+
     fn fill(&self, indices: &[usize], inputs: &mut Vec<f32>, labels: &mut Vec<i64>) -> Result<()> {
         crate::TokenWindows::fill(self, indices, inputs, labels)
     }
@@ -113,6 +123,7 @@ mod tests {
             (3, 2, 1)
         );
         assert_eq!((s.sample_shape(), s.classes()), (vec![1, 1, 2], 10));
+        assert!(!s.byte_tokens());
         let (x, y) = gather(s, &[2, 0]);
         assert_eq!(y, [9, 7]);
         assert_eq!(x, [5.0 / 255.0, 6.0 / 255.0, 1.0 / 255.0, 2.0 / 255.0]);
@@ -130,6 +141,7 @@ mod tests {
             (43, 5, 5)
         );
         assert_eq!((w.sample_shape(), w.classes()), (vec![5], 256));
+        assert!(w.byte_tokens());
         let (x, y) = gather(w, &[42, 1]);
         assert_eq!(x, [42.0, 43.0, 44.0, 45.0, 46.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
         assert_eq!(y, [43, 44, 45, 46, 47, 2, 3, 4, 5, 6]);

@@ -100,7 +100,7 @@ pub fn run(
     } else {
         cx.config.schedule.divergence_check_rounds
     };
-    let check = DivergenceCheck::new(check_after, cx.test.num_classes().max(2));
+    let check = DivergenceCheck::new(check_after, cx.test.classes().max(2));
     let mut l = Loop {
         role,
         data,

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use flotilla_cluster::Topology;
 use flotilla_comm::{ProcessGroup, StallWatcher};
-use flotilla_data::{ImageDataset, Mnist};
+use flotilla_data::Samples;
 use flotilla_engine::ModelSpec;
 
 use crate::batches::{Batches, Position};
@@ -126,15 +126,7 @@ pub fn run(
     observer.message(&up);
     log.line(&up)?;
 
-    let splits = Mnist::load(&config.data.path)?;
-    let (mut train, test) = (splits.train, splits.test);
-    if let Some(limit) = config.data.train_limit {
-        train.truncate(limit.min(train.len()));
-    }
-    spec.check_io(
-        &[1, train.rows(), train.cols()],
-        train.num_classes().max(10),
-    )?;
+    let data = crate::job_data::JobData::load(config, &spec)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
@@ -148,7 +140,7 @@ pub fn run(
         comm: &comm,
         spec: &spec,
         hash,
-        train: &train,
+        train: &*data.train,
         started,
         rejoined: rejoin == flotilla_comm::Rejoin::Join,
         // The root's momentum when its updates are stale, for the advice of every rank.
@@ -158,7 +150,7 @@ pub fn run(
     let mut cx = Cx {
         comm: &comm,
         config,
-        test: &test,
+        test: &*data.test,
         rank,
         rounds: 0,
         log: &mut log,
@@ -175,7 +167,7 @@ struct Job<'a> {
     comm: &'a Arc<dyn ProcessGroup>,
     spec: &'a ModelSpec,
     hash: u64,
-    train: &'a ImageDataset,
+    train: &'a dyn Samples,
     started: Instant,
     /// This process replaced a lost worker of a running job: it takes part in no collective
     /// (it missed those issued before it came).
