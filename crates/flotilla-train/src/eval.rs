@@ -45,6 +45,13 @@ pub fn distributed(
     })
 }
 
+/// The mean loss of `stats` in bits per byte, when `test`'s labels are byte tokens (a
+/// loss in nats per byte over `ln 2`).
+pub fn bits_per_byte(stats: &EvalStats, test: &dyn Samples) -> Option<f64> {
+    test.byte_tokens()
+        .then(|| stats.loss() / std::f64::consts::LN_2)
+}
+
 /// XXH3 of a model's parameters (their little-endian bytes in flat order).
 pub fn param_hash(model: &dyn ModelState) -> Result<u64> {
     let mut params = vec![0.0f32; model.num_params()];

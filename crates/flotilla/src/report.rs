@@ -29,7 +29,8 @@ pub fn first_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
         .find(|r| r.test_acc.is_some_and(|a| a >= target))
 }
 
-/// The run's figures: final and best accuracy, each milestone's first step and wall time,
+/// The run's figures: final and best accuracy, final and best test loss (in nats; a text's
+/// also in bits per byte), each milestone's first step and wall time,
 /// samples per second, the steps in all, the step this process resumed at and the steps it
 /// ran itself, and the bytes moved in all and per sample.
 pub fn run_figures(summary: &RunSummary) -> Value {
@@ -39,6 +40,11 @@ pub fn run_figures(summary: &RunSummary) -> Value {
         .map(|(_, a)| a)
         .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
     let last = h.evaluations().last().map(|(_, a)| a);
+    let best_loss = h
+        .records
+        .iter()
+        .filter_map(|r| r.test_loss)
+        .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))));
     let milestones: serde_json::Map<String, Value> = MILESTONES
         .iter()
         .map(|&m| {
@@ -55,6 +61,9 @@ pub fn run_figures(summary: &RunSummary) -> Value {
     json!({
         "final_acc": finite(summary.test_acc).or(last),
         "best_acc": best,
+        "final_loss": finite(summary.test_loss),
+        "best_loss": best_loss,
+        "bpb": summary.bpb,
         "time_to_accuracy": milestones,
         "samples_per_s": finite(summary.samples_per_s),
         "samples": summary.samples,
@@ -141,6 +150,7 @@ mod tests {
             world_size: 2,
             test_acc: 0.982,
             test_loss: 0.05,
+            bpb: None,
             train_loss: 0.1,
             steps: 40,
             resumed_at: 10,

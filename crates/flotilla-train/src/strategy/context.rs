@@ -53,8 +53,13 @@ impl Cx<'_> {
     /// The learning rate at `step` (0-based) of the run's schedule.
     pub fn lr_at(&self, step: u64) -> f64 {
         let s = &self.config.schedule;
-        s.lr_schedule
-            .lr_at(self.config.base_lr(), step, self.rounds, s.warmup_steps)
+        s.lr_schedule.lr_at_floor(
+            self.config.base_lr(),
+            step,
+            self.rounds,
+            s.warmup_steps,
+            s.min_lr_ratio,
+        )
     }
 }
 
