@@ -367,10 +367,17 @@ impl Loop<'_, '_, '_> {
         });
         let figures = self.eval_part(stats);
         self.cx.log(&format!("eval step {at}{figures}"))?;
-        if let Some(reason) = self.target_reached(stats) {
-            self.stop(reason)?;
+        match self.target_reached(stats) {
+            Some(reason) => self.stop_at_target(reason),
+            None => Ok(()),
         }
-        Ok(())
+    }
+
+    /// Stops a data-parallel run at a target, saying so.
+    fn stop_at_target(&mut self, reason: String) -> Result<()> {
+        self.cx
+            .log(&format!("stopping at step {}: {reason}", self.progress))?;
+        self.stop(reason)
     }
 
     /// Why the run stops at evaluation `stats`: `target_accuracy` or `target_loss` reached.
@@ -474,7 +481,7 @@ impl Loop<'_, '_, '_> {
         if let Some(reason) = eval.and_then(|e| self.loss_target_reached(e))
             && !last
         {
-            self.stop(reason)?;
+            self.stop_at_target(reason)?;
         }
         Ok(())
     }
