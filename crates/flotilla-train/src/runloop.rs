@@ -1,8 +1,8 @@
 //! The one run loop: drives any [`Strategy`] step by step and does, once for all of them, what
 //! is not the role's business — counting progress against the plan, epochs and their
-//! report lines, evaluation when due (collective or local), the target accuracy, periodic
-//! and final checkpoints, progress for the front end, injected faults, the cross-rank
-//! identity check and the summary.
+//! report lines, evaluation when due (collective or local; a text's loss also in bits per
+//! byte), the target accuracy and loss, periodic and final checkpoints, progress for the
+//! front end, injected faults, the cross-rank identity check and the summary.
 
 use std::path::PathBuf;
 use std::time::Instant;

@@ -60,7 +60,7 @@ fn two_ranks_equal_one_with_the_global_batch_and_the_validation_loss_falls() {
         &[&cfg, "-n", "2", "--batch-size", "8", "--output", &s(&two)],
         LIMIT,
     );
-    let o0 = launch(
+    launch(
         &[&cfg, "-n", "1", "--max-steps", "0", "--output", &s(&init)],
         LIMIT,
     );
