@@ -78,14 +78,31 @@ pub fn run_figures(summary: &RunSummary) -> Value {
     })
 }
 
-/// The whole `summary.json` document.
+/// The first evaluation whose test loss fell to `target`: its step and wall time, with the
+/// target (`null` when none did).
+pub fn time_to_loss(records: &[EvalPoint], target: f64) -> Value {
+    records
+        .iter()
+        .find(|r| r.test_loss.is_some_and(|l| l <= target))
+        .map_or(
+            Value::Null,
+            |e| json!({"target": target, "step": e.step, "wall_s": e.wall_s}),
+        )
+}
+
+/// The whole `summary.json` document (with `run.time_to_loss` when the config has a
+/// `target_loss`).
 pub fn document(config: &TrainConfig, summary: &RunSummary) -> Result<Value> {
     let topology = config.topology()?;
     let roles: Vec<&str> = (0..topology.world_size())
         .map(|r| flotilla_train::trainer::role_label(&topology, r))
         .collect();
+    let mut run = run_figures(summary);
+    if let Some(target) = config.schedule.target_loss {
+        run["time_to_loss"] = time_to_loss(&summary.history.records, target);
+    }
     Ok(json!({
-        "run": run_figures(summary),
+        "run": run,
         "topology": {
             "arch": topology.arch().as_str(),
             "world_size": topology.world_size(),
@@ -197,6 +214,14 @@ mod tests {
         );
         assert_eq!(f["bytes_moved"], json!(5000));
         assert_eq!(f["bytes_per_sample"], json!(5.0));
+        // Losses 0.05, 0.0167, 0.0125 at steps 10, 30, 40; the lowest is the best.
+        assert_eq!(f["final_loss"], json!(0.05));
+        assert!((f["best_loss"].as_f64().expect("best") - 0.0125).abs() < 1e-12);
+        assert_eq!(
+            time_to_loss(&s.history.records, 0.02),
+            json!({"target": 0.02, "step": 30, "wall_s": 3.0})
+        );
+        assert_eq!(time_to_loss(&s.history.records, 0.01), Value::Null);
     }
 
     #[test]
