@@ -129,7 +129,7 @@ impl Target {
     fn first(self, records: &[EvalPoint]) -> Option<&EvalPoint> {
         match self {
             Target::Accuracy(a) => report::first_at(records, a),
-            Target::Loss(l) => records.iter().find(|r| r.test_loss.is_some_and(|x| x <= l)),
+            Target::Loss(l) => report::first_loss_at(records, l),
         }
     }
 

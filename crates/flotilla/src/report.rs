@@ -29,6 +29,13 @@ pub fn first_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
         .find(|r| r.test_acc.is_some_and(|a| a >= target))
 }
 
+/// The first evaluation whose test loss is at or below `target`, if any.
+pub fn first_loss_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
+    records
+        .iter()
+        .find(|r| r.test_loss.is_some_and(|l| l <= target))
+}
+
 /// The run's figures: final and best accuracy, final and best test loss (in nats; a text's
 /// also in bits per byte), each milestone's first step and wall time,
 /// samples per second, the steps in all, the step this process resumed at and the steps it
@@ -81,13 +88,10 @@ pub fn run_figures(summary: &RunSummary) -> Value {
 /// The first evaluation whose test loss fell to `target`: its step and wall time, with the
 /// target (`null` when none did).
 pub fn time_to_loss(records: &[EvalPoint], target: f64) -> Value {
-    records
-        .iter()
-        .find(|r| r.test_loss.is_some_and(|l| l <= target))
-        .map_or(
-            Value::Null,
-            |e| json!({"target": target, "step": e.step, "wall_s": e.wall_s}),
-        )
+    first_loss_at(records, target).map_or(
+        Value::Null,
+        |e| json!({"target": target, "step": e.step, "wall_s": e.wall_s}),
+    )
 }
 
 /// The whole `summary.json` document (with `run.time_to_loss` when the config has a
