@@ -9,6 +9,7 @@
 //! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
 //! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers.
 //! * [`TextSplits`]: a text file as next-token windows of bytes (training and held-out).
+//! * [`Samples`]: what both data sets are to the trainer (samples, labels per sample, `fill`).
 //!
 //! ```no_run
 //! use flotilla_data::{Batcher, DistributedSampler, Mnist};
@@ -39,6 +40,7 @@ pub mod files;
 pub mod idx;
 pub mod mnist;
 pub mod sampler;
+pub mod samples;
 pub mod text;
 
 #[cfg(test)]
@@ -51,4 +53,5 @@ pub use error::{DataError, Result};
 pub use files::{MnistFile, Split};
 pub use mnist::{Mnist, MnistSplits};
 pub use sampler::DistributedSampler;
+pub use samples::Samples;
 pub use text::{BYTE_VOCAB, TextSplits, TokenWindows};

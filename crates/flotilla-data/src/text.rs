@@ -67,6 +67,11 @@ impl TokenWindows {
         self.tokens.len()
     }
 
+    /// Keeps only the first `n` windows (no-op if `n >= len`). Handy for quick runs.
+    pub fn truncate(&mut self, n: usize) {
+        self.starts.truncate(n);
+    }
+
     /// Window `index`: its `context` input tokens and the `context` tokens that follow each.
     pub fn window(&self, index: usize) -> Option<(&[u8], &[u8])> {
         let s = *self.starts.get(index)?;

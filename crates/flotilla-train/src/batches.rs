@@ -1,7 +1,7 @@
 //! This rank's training batches, epoch after epoch: its interleaved shard of every epoch's
 //! shared permutation ([`DistributedSampler`]), gathered into reusable flat buffers.
 
-use flotilla_data::{DistributedSampler, ImageDataset, fill_batch};
+use flotilla_data::{DistributedSampler, Samples};
 use flotilla_engine::BatchRef;
 
 use crate::error::{Result, TrainError};
@@ -28,7 +28,7 @@ impl Position {
 
 /// Batches of shard `rank` of `world` over a training set.
 pub struct Batches<'a> {
-    train: &'a ImageDataset,
+    train: &'a dyn Samples,
     sampler: DistributedSampler,
     batch_size: usize,
     steps_per_epoch: u64,
@@ -43,7 +43,7 @@ impl<'a> Batches<'a> {
     /// Shard `rank` of `world` with `batch_size` samples per batch, shuffled per epoch from
     /// `seed`, starting at `start` (a resumed run's position).
     pub fn new(
-        train: &'a ImageDataset,
+        train: &'a dyn Samples,
         (world, rank): (usize, usize),
         seed: u64,
         batch_size: usize,
@@ -79,7 +79,7 @@ impl<'a> Batches<'a> {
         self.steps_per_epoch
     }
 
-    /// Samples in one batch.
+    /// Samples in one batch (images, or text windows: a window's labels are one sample's).
     pub fn batch_size(&self) -> usize {
         self.batch_size
     }
@@ -108,7 +108,8 @@ impl<'a> Batches<'a> {
             .epoch_batches
             .get(taken.step_in_epoch as usize)
             .ok_or_else(|| TrainError::Divergence("the sampler ran out of batches".into()))?;
-        fill_batch(self.train, indices, &mut self.images, &mut self.labels)?;
+        self.train
+            .fill(indices, &mut self.images, &mut self.labels)?;
         self.at.step_in_epoch += 1;
         Ok((
             taken,
@@ -128,6 +129,7 @@ impl<'a> Batches<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use flotilla_data::ImageDataset;
 
     #[test]
     fn position_after_steps() {
@@ -177,5 +179,48 @@ mod tests {
     fn too_large_a_batch_is_an_error() {
         let d = data(10);
         assert!(Batches::new(&d, (2, 0), 1, 8, Position::default()).is_err());
+    }
+}
+
+#[cfg(test)]
+mod text_tests {
+    use std::path::Path;
+
+    use flotilla_data::{DistributedSampler, TextSplits};
+
+    use super::*;
+
+    #[test]
+    fn text_batches_are_each_ranks_windows_with_a_label_per_position() {
+        // 100 bytes, 10 validate: 86 training windows of 4 tokens.
+        let text: Vec<u8> = (0..100u8).collect();
+        let s = TextSplits::from_bytes(text, 4, 0.1, Path::new("t")).expect("splits");
+        let (world, batch) = (2, 3);
+        let mut seen = Vec::new();
+        for rank in 0..world {
+            let mut b = Batches::new(&s.train, (world, rank), 7, batch, Position::default())
+                .expect("batches");
+            // 43 windows per rank: 14 batches of 3.
+            assert_eq!((b.steps_per_epoch(), b.batch_size()), (14, 3));
+            let sampler = DistributedSampler::new(86, world, rank, 7, true).expect("sampler");
+            let want = sampler.batches(0, batch);
+            for indices in want.iter().take(2) {
+                let (_, got) = b.next_batch().expect("batch");
+                assert_eq!((got.images.len(), got.labels.len()), (12, 12));
+                // Window `i` starts at byte `i`: its tokens are i..i+4, its targets i+1..i+5.
+                for (k, &i) in indices.iter().enumerate() {
+                    let x: Vec<f32> = (i..i + 4).map(|t| t as f32).collect();
+                    let y: Vec<i64> = (i + 1..i + 5).map(|t| t as i64).collect();
+                    assert_eq!(&got.images[k * 4..k * 4 + 4], x.as_slice());
+                    assert_eq!(&got.labels[k * 4..k * 4 + 4], y.as_slice());
+                }
+                seen.extend_from_slice(indices);
+            }
+        }
+        // The two ranks' windows are disjoint.
+        let n = seen.len();
+        seen.sort_unstable();
+        seen.dedup();
+        assert_eq!(seen.len(), n);
     }
 }

@@ -1,16 +1,18 @@
-//! Evaluating a model on the test set (by one rank, or split across a group), and checking
+//! Evaluating a model on the test (or validation) set of any [`Samples`] (by one rank, or split across a group), and checking
 //! that every rank of a group holds the same parameters.
 
 use flotilla_comm::ProcessGroup;
-use flotilla_data::{ImageDataset, fill_batch};
+use flotilla_data::Samples;
 use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use crate::error::{Result, TrainError};
 
 /// Evaluates on the whole test set in one process.
-pub fn full(engine: &dyn Engine, test: &ImageDataset) -> Result<EvalStats> {
-    let labels: Vec<i64> = test.labels().iter().map(|l| *l as i64).collect();
-    Ok(engine.evaluate(test.images(), &labels, 1000)?)
+pub fn full(engine: &dyn Engine, test: &dyn Samples) -> Result<EvalStats> {
+    let all: Vec<usize> = (0..test.len()).collect();
+    let (mut inputs, mut labels) = (Vec::new(), Vec::new());
+    test.fill(&all, &mut inputs, &mut labels)?;
+    Ok(engine.evaluate(&inputs, &labels, 1000)?)
 }
 
 /// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
@@ -18,13 +20,13 @@ pub fn full(engine: &dyn Engine, test: &ImageDataset) -> Result<EvalStats> {
 pub fn distributed(
     engine: &dyn Engine,
     comm: &dyn ProcessGroup,
-    test: &ImageDataset,
+    test: &dyn Samples,
 ) -> Result<EvalStats> {
     let (rank, world) = (comm.rank(), comm.size());
     let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
     let mut images = Vec::new();
     let mut labels = Vec::new();
-    fill_batch(test, &indices, &mut images, &mut labels)?;
+    test.fill(&indices, &mut images, &mut labels)?;
     let local = if indices.is_empty() {
         EvalStats::default()
     } else {
@@ -41,6 +43,13 @@ pub fn distributed(
         correct: sums[1].round() as usize,
         count: sums[2].round() as usize,
     })
+}
+
+/// The mean loss of `stats` in bits per byte, when `test`'s labels are byte tokens (a
+/// loss in nats per byte over `ln 2`).
+pub fn bits_per_byte(stats: &EvalStats, test: &dyn Samples) -> Option<f64> {
+    test.byte_tokens()
+        .then(|| stats.loss() / std::f64::consts::LN_2)
 }
 
 /// XXH3 of a model's parameters (their little-endian bytes in flat order).

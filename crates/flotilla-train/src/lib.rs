@@ -17,6 +17,7 @@ pub mod eval;
 pub mod fault;
 pub mod gather;
 pub mod history;
+pub mod job_data;
 pub mod observe;
 pub mod plan;
 pub mod presets;

@@ -87,7 +87,7 @@ impl Preset {
     /// changes, and what must follow it for the runs to be comparable: evaluation once per
     /// epoch (`schedule.eval_every` back to its default, whose unit differs between
     /// architectures) and the same budget for all (no `num_server_rounds`, no early stop at
-    /// `target_accuracy`: every preset trains `epochs`, or `max_steps`).
+    /// `target_accuracy` or `target_loss`: every preset trains `epochs`, or `max_steps`).
     pub fn configure(&self, base: &TrainConfig, workers: usize) -> TrainConfig {
         let mut c = base.clone();
         c.topology.parameter_server = None;
@@ -97,6 +97,7 @@ impl Preset {
         c.schedule.eval_every = None;
         c.schedule.num_server_rounds = None;
         c.schedule.target_accuracy = None;
+        c.schedule.target_loss = None;
         (self.apply)(&mut c, workers.max(1));
         c
     }
@@ -179,10 +180,12 @@ mod tests {
         let mut base = TrainConfig::default();
         base.schedule.num_server_rounds = Some(2000);
         base.schedule.target_accuracy = Some(0.98);
+        base.schedule.target_loss = Some(1.5);
         base.schedule.eval_every = Some(1);
         let c = preset("ps_flat_async").expect("known").configure(&base, 2);
         assert_eq!(c.schedule.num_server_rounds, None);
         assert_eq!(c.schedule.target_accuracy, None);
+        assert_eq!(c.schedule.target_loss, None);
         assert_eq!(c.schedule.eval_every, None);
         assert_eq!(c.schedule.epochs, base.schedule.epochs);
     }

@@ -1,8 +1,8 @@
 //! The one run loop: drives any [`Strategy`] step by step and does, once for all of them, what
 //! is not the role's business — counting progress against the plan, epochs and their
-//! report lines, evaluation when due (collective or local), the target accuracy, periodic
-//! and final checkpoints, progress for the front end, injected faults, the cross-rank
-//! identity check and the summary.
+//! report lines, evaluation when due (collective or local; a text's loss also in bits per
+//! byte), the target accuracy and loss, periodic and final checkpoints, progress for the
+//! front end, injected faults, the cross-rank identity check and the summary.
 
 use std::path::PathBuf;
 use std::time::Instant;
@@ -100,7 +100,7 @@ pub fn run(
     } else {
         cx.config.schedule.divergence_check_rounds
     };
-    let check = DivergenceCheck::new(check_after, cx.test.num_classes().max(2));
+    let check = DivergenceCheck::new(check_after, cx.test.classes().max(2));
     let mut l = Loop {
         role,
         data,
@@ -227,6 +227,8 @@ impl Loop<'_, '_, '_> {
                 let last = at >= self.plan.total;
                 if self.data.epoch_done() || last {
                     self.end_epoch(every, last)?;
+                } else if self.steps_due(at) {
+                    self.evaluate_steps(at)?;
                 }
             }
             Cadence::Rounds { every } => {
@@ -323,6 +325,9 @@ impl Loop<'_, '_, '_> {
         let stats = self.role.evaluate(self.cx)?;
         metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
         metrics::gauge!("flotilla_test_loss").set(stats.loss());
+        if let Some(bpb) = crate::eval::bits_per_byte(&stats, self.cx.test) {
+            metrics::gauge!("flotilla_test_bits_per_byte").set(bpb);
+        }
         self.last_eval = Some(stats);
         let verdict = self.check.accuracy(self.progress, stats.accuracy());
         self.judge(verdict)?;
@@ -333,21 +338,84 @@ impl Loop<'_, '_, '_> {
     fn evaluate_rounds(&mut self, round: u64) -> Result<()> {
         let stats = self.evaluate()?;
         self.record_rounds(stats);
-        self.cx.log(&format!(
-            "eval round {round} test_loss={:.4} test_acc={:.4}",
-            stats.loss(),
-            stats.accuracy()
-        ))?;
-        if let Some(target) = self.cx.config.schedule.target_accuracy
-            && stats.accuracy() >= target
-        {
-            let reason = format!(
-                "test accuracy {:.4} reached target {target}",
-                stats.accuracy()
-            );
+        let figures = self.eval_part(stats);
+        self.cx.log(&format!("eval round {round}{figures}"))?;
+        if let Some(reason) = self.target_reached(stats) {
             self.stop(reason)?;
         }
         Ok(())
+    }
+
+    /// Whether a data-parallel peer evaluates after step `at` within an epoch
+    /// (`eval_every_steps`).
+    fn steps_due(&self, at: u64) -> bool {
+        let every = self.cx.config.schedule.eval_every_steps.unwrap_or(0);
+        let evaluates = self.role.evaluation() != Evaluation::None;
+        evaluates && every > 0 && at.is_multiple_of(every)
+    }
+
+    /// A peer's evaluation within an epoch (every `eval_every_steps`), and its targets.
+    fn evaluate_steps(&mut self, at: u64) -> Result<()> {
+        let stats = self.evaluate()?;
+        self.history.records.push(EvalPoint {
+            step: at,
+            wall_s: self.plan.started.elapsed().as_secs_f64(),
+            train_loss: Some(self.train_loss).filter(|l| l.is_finite()),
+            test_loss: Some(stats.loss()),
+            test_acc: Some(stats.accuracy()),
+            samples_per_s: None,
+        });
+        let figures = self.eval_part(stats);
+        self.cx.log(&format!("eval step {at}{figures}"))?;
+        match self.target_reached(stats) {
+            Some(reason) => self.stop_at_target(reason),
+            None => Ok(()),
+        }
+    }
+
+    /// Stops a data-parallel run at a target, saying so.
+    fn stop_at_target(&mut self, reason: String) -> Result<()> {
+        self.cx
+            .log(&format!("stopping at step {}: {reason}", self.progress))?;
+        self.stop(reason)
+    }
+
+    /// Why the run stops at evaluation `stats`: `target_accuracy` or `target_loss` reached.
+    fn target_reached(&self, stats: EvalStats) -> Option<String> {
+        let s = &self.cx.config.schedule;
+        if let Some(target) = s.target_accuracy
+            && stats.accuracy() >= target
+        {
+            return Some(format!(
+                "test accuracy {:.4} reached target {target}",
+                stats.accuracy()
+            ));
+        }
+        self.loss_target_reached(stats)
+    }
+
+    /// Why the run stops at evaluation `stats`: `target_loss` reached (checked at every
+    /// evaluation, epoch ends included).
+    fn loss_target_reached(&self, stats: EvalStats) -> Option<String> {
+        match self.cx.config.schedule.target_loss {
+            Some(target) if stats.loss() <= target => Some(format!(
+                "test loss {:.4} reached target {target}",
+                stats.loss()
+            )),
+            _ => None,
+        }
+    }
+
+    /// An evaluation's figures in a report line: loss and accuracy, and for byte tokens
+    /// the loss in bits per byte.
+    fn eval_part(&self, e: EvalStats) -> String {
+        let bpb = crate::eval::bits_per_byte(&e, self.cx.test)
+            .map_or(String::new(), |b| format!(" bpb={b:.4}"));
+        format!(
+            " test_loss={:.4} test_acc={:.4}{bpb}",
+            e.loss(),
+            e.accuracy()
+        )
     }
 
     /// The record of the rounds since the previous one, ending with evaluation `stats`.
@@ -393,10 +461,7 @@ impl Loop<'_, '_, '_> {
             epoch_s,
             wall_s: self.plan.started.elapsed().as_secs_f64(),
         };
-        let test_part = match eval {
-            Some(e) => format!(" test_loss={:.4} test_acc={:.4}", e.loss(), e.accuracy()),
-            None => String::new(),
-        };
+        let test_part = eval.map_or(String::new(), |e| self.eval_part(e));
         self.cx.log(&format!(
             "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0} time={epoch_s:.1}s",
             self.epochs, self.progress, self.train_loss
@@ -413,6 +478,11 @@ impl Loop<'_, '_, '_> {
             samples_per_s: Some(metrics.samples_per_s),
         });
         self.epoch = Epoch::new();
+        if let Some(reason) = eval.and_then(|e| self.loss_target_reached(e))
+            && !last
+        {
+            self.stop_at_target(reason)?;
+        }
         Ok(())
     }
 

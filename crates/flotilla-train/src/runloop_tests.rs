@@ -104,8 +104,9 @@ impl Strategy for Tiny {
 
     fn evaluate(&mut self, _cx: &mut Cx<'_>) -> Result<EvalStats> {
         self.evaluated_at.push(self.progress);
+        // Loss `2 - accuracy`: 2 at the start, falling by a tenth per step.
         Ok(EvalStats {
-            loss_sum: 50.0,
+            loss_sum: 100.0 * (2.0 - accuracy(self.progress)),
             correct: (accuracy(self.progress) * 100.0).round() as usize,
             count: 100,
         })
@@ -228,4 +229,39 @@ fn rounds_count_only_progress_evaluate_every_k_and_stop_at_the_target() {
         vec![(6, 0, 4)],
         "only the final checkpoint"
     );
+}
+
+#[test]
+fn peers_evaluate_every_k_steps_within_an_epoch_and_stop_at_the_target_loss() {
+    // 4 steps an epoch; evaluation every 3 steps and at epoch ends; loss 2 - step / 10;
+    // target_loss is checked at both.
+    let mut role = Tiny::new(Evaluation::Collective, None, 0);
+    let done = drive(&mut role, &plan(20, Cadence::Epochs { every: 1 }, 0), |c| {
+        c.schedule.eval_every_steps = Some(3);
+        c.schedule.target_loss = Some(1.35);
+    });
+    // Steps 3 (1.7), 4 (epoch end, 1.6), 6 (1.4), 8 (epoch end, 1.2 <= 1.35: stops).
+    assert_eq!(role.evaluated_at, vec![3, 4, 6, 8]);
+    assert_eq!(done.progress, 8);
+    assert_eq!(
+        role.stopped.as_deref(),
+        Some("test loss 1.2000 reached target 1.35")
+    );
+    let records: Vec<_> = done
+        .history
+        .records
+        .iter()
+        .map(|r| (r.step, r.test_loss.map(|l| (l * 10.0).round() / 10.0)))
+        .collect();
+    assert_eq!(
+        records,
+        vec![
+            (3, Some(1.7)),
+            (4, Some(1.6)),
+            (6, Some(1.4)),
+            (8, Some(1.2))
+        ]
+    );
+    // The last evaluation is the final one (not repeated).
+    assert_eq!(done.eval.map(|e| e.correct), Some(80));
 }

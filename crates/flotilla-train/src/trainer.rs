@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use flotilla_cluster::Topology;
 use flotilla_comm::{ProcessGroup, StallWatcher};
-use flotilla_data::{ImageDataset, Mnist};
+use flotilla_data::Samples;
 use flotilla_engine::ModelSpec;
 
 use crate::batches::{Batches, Position};
@@ -38,8 +38,10 @@ pub struct RunSummary {
     pub world_size: usize,
     /// Final test accuracy.
     pub test_acc: f64,
-    /// Final test loss.
+    /// Final test loss (a text's validation loss, in nats per token).
     pub test_loss: f64,
+    /// The final test loss in bits per byte, when the tokens are bytes (a text).
+    pub bpb: Option<f64>,
     /// Mean global training loss of the last epoch.
     pub train_loss: f64,
     /// Optimizer steps taken (in total, including those before a resume).
@@ -74,10 +76,16 @@ impl RunSummary {
     /// workers) say what they did instead.
     pub fn final_line(&self) -> String {
         match self.role {
-            "peer" | "root" | "stage" => format!(
-                "final test_acc={:.4} loss={:.4} steps={} wall_s={:.1}",
-                self.test_acc, self.test_loss, self.steps, self.wall_s
-            ),
+            "peer" | "root" | "stage" => {
+                // A text's validation loss, in nats and bits per byte.
+                let text = self.bpb.map_or(String::new(), |b| {
+                    format!(" val_loss={:.4} bpb={b:.4}", self.test_loss)
+                });
+                format!(
+                    "final test_acc={:.4} loss={:.4}{text} steps={} wall_s={:.1}",
+                    self.test_acc, self.test_loss, self.steps, self.wall_s
+                )
+            }
             role => format!(
                 "final role={role} rank={} rounds={} train_loss={:.4} wall_s={:.1}",
                 self.rank, self.steps, self.train_loss, self.wall_s
@@ -126,15 +134,7 @@ pub fn run(
     observer.message(&up);
     log.line(&up)?;
 
-    let splits = Mnist::load(&config.data.path)?;
-    let (mut train, test) = (splits.train, splits.test);
-    if let Some(limit) = config.data.train_limit {
-        train.truncate(limit.min(train.len()));
-    }
-    spec.check_io(
-        &[1, train.rows(), train.cols()],
-        train.num_classes().max(10),
-    )?;
+    let data = crate::job_data::JobData::load(config, &spec)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
@@ -148,7 +148,7 @@ pub fn run(
         comm: &comm,
         spec: &spec,
         hash,
-        train: &train,
+        train: &*data.train,
         started,
         rejoined: rejoin == flotilla_comm::Rejoin::Join,
         // The root's momentum when its updates are stale, for the advice of every rank.
@@ -158,7 +158,7 @@ pub fn run(
     let mut cx = Cx {
         comm: &comm,
         config,
-        test: &test,
+        test: &*data.test,
         rank,
         rounds: 0,
         log: &mut log,
@@ -175,7 +175,7 @@ struct Job<'a> {
     comm: &'a Arc<dyn ProcessGroup>,
     spec: &'a ModelSpec,
     hash: u64,
-    train: &'a ImageDataset,
+    train: &'a dyn Samples,
     started: Instant,
     /// This process replaced a lost worker of a running job: it takes part in no collective
     /// (it missed those issued before it came).
@@ -286,6 +286,8 @@ impl Job<'_> {
         s.figures = [
             ("test_acc", s.test_acc),
             ("test_loss", s.test_loss),
+            ("val_loss", s.bpb.map_or(f64::NAN, |_| s.test_loss)),
+            ("bpb", s.bpb.unwrap_or(f64::NAN)),
             ("train_loss", s.train_loss),
             ("steps", s.steps as f64),
             ("resumed_at", s.resumed_at as f64),
@@ -337,6 +339,9 @@ impl Job<'_> {
             world_size: self.comm.size(),
             test_acc: done.eval.map_or(f64::NAN, |e| e.accuracy()),
             test_loss: done.eval.map_or(f64::NAN, |e| e.loss()),
+            bpb: done
+                .eval
+                .and_then(|e| crate::eval::bits_per_byte(&e, cx.test)),
             train_loss: done.train_loss,
             steps: done.progress,
             resumed_at: done.resumed_at,

@@ -21,15 +21,19 @@ pub const RANK_BASE_BYTES: u64 = 96 << 20;
 
 /// Bytes one rank is expected to hold, from the size of the files in its data directory.
 pub fn rank_footprint(data_dir: &Path) -> u64 {
-    let data: u64 = std::fs::read_dir(data_dir)
-        .map(|entries| {
-            entries
-                .filter_map(|e| e.ok()?.metadata().ok())
-                .filter(|m| m.is_file())
-                .map(|m| m.len())
-                .sum()
-        })
-        .unwrap_or(0);
+    // A text data set is one file.
+    let file = std::fs::metadata(data_dir).ok().filter(|m| m.is_file());
+    let data: u64 = file.map(|m| m.len()).unwrap_or_else(|| {
+        std::fs::read_dir(data_dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.metadata().ok())
+                    .filter(|m| m.is_file())
+                    .map(|m| m.len())
+                    .sum()
+            })
+            .unwrap_or(0)
+    });
     RANK_BASE_BYTES + 4 * data
 }
 

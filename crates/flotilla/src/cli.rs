@@ -175,7 +175,8 @@ pub struct CompareArgs {
     )]
     pub strategies: Vec<String>,
     /// The accuracy whose time to reach is compared (default: the config's
-    /// `target_accuracy`, else 0.98).
+    /// `target_accuracy`, else 0.98). A text job compares the time to its `target_loss`
+    /// (else 1.6 nats) instead.
     #[arg(long)]
     pub target_accuracy: Option<f64>,
     /// Threads per rank (as `flotilla launch --threads`).

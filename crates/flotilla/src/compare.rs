@@ -11,11 +11,15 @@ use flotilla_train::TrainConfig;
 use flotilla_train::presets::{self, Preset};
 
 use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
-use crate::compare_report::{self, Comparison, RunFacts, StrategyRun};
+use crate::compare_report::{self, Comparison, RunFacts, StrategyRun, Target};
 use crate::{launch_cmd, report, settings};
 
 /// The accuracy compared when neither `--target-accuracy` nor the config names one.
 pub const DEFAULT_TARGET: f64 = 0.98;
+
+/// The validation loss (nats) a text job's comparison times when the config names no
+/// `target_loss`.
+pub const DEFAULT_TARGET_LOSS: f64 = 1.6;
 
 /// Runs `flotilla compare`.
 pub fn run(args: &CompareArgs) -> Result<()> {
@@ -35,13 +39,7 @@ pub fn run(args: &CompareArgs) -> Result<()> {
     } else {
         presets::workers(&base)?
     };
-    let target = args
-        .target_accuracy
-        .or(base.schedule.target_accuracy)
-        .unwrap_or(DEFAULT_TARGET);
-    if !(target > 0.0 && target <= 1.0) {
-        bail!("--target-accuracy must be in (0, 1], got {target}");
-    }
+    let target = target(args, &base)?;
     let out = base.telemetry.output.clone();
     std::fs::create_dir_all(&out).with_context(|| format!("creating {}", out.display()))?;
     let mut runs = Vec::with_capacity(chosen.len());
@@ -70,6 +68,26 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         bail!("no strategy ran (their reasons are in {})", shown[0]);
     }
     Ok(())
+}
+
+/// What the comparison times: the validation loss of a text job (`target_loss`), else the
+/// accuracy (`--target-accuracy`, the config's `target_accuracy`).
+fn target(args: &CompareArgs, base: &TrainConfig) -> Result<Target> {
+    if matches!(
+        base.data.source(),
+        flotilla_train::config::DataSource::Text(_)
+    ) {
+        let loss = base.schedule.target_loss.unwrap_or(DEFAULT_TARGET_LOSS);
+        return Ok(Target::Loss(loss));
+    }
+    let target = args
+        .target_accuracy
+        .or(base.schedule.target_accuracy)
+        .unwrap_or(DEFAULT_TARGET);
+    if !(target > 0.0 && target <= 1.0) {
+        bail!("--target-accuracy must be in (0, 1], got {target}");
+    }
+    Ok(Target::Accuracy(target))
 }
 
 /// Launches `base` in strategy `s` into `<output>/<strategy>/` and reads its summary.

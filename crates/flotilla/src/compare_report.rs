@@ -1,7 +1,8 @@
 //! The report of `flotilla compare`: `compare.md` (one table row per strategy: shape, time to
-//! the target accuracy, final and best accuracy, samples/s, bytes moved per sample, wall
-//! time; a strategy that failed says why in its row) and `compare.svg` (test accuracy against
-//! wall time, one line per strategy).
+//! the target, final and best accuracy — for a text job, loss —, samples/s, bytes moved per
+//! sample, wall time; a strategy that failed says why in its row) and `compare.svg` (test
+//! accuracy, or loss, against wall time, one line per strategy). What is compared is a
+//! [`Target`].
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -27,6 +28,10 @@ pub struct RunFacts {
     pub final_acc: Option<f64>,
     /// Best test accuracy of any evaluation.
     pub best_acc: Option<f64>,
+    /// Final test (validation) loss.
+    pub final_loss: Option<f64>,
+    /// Lowest test loss of any evaluation.
+    pub best_loss: Option<f64>,
     /// Training samples per second over the run (all ranks).
     pub samples_per_s: Option<f64>,
     /// Bytes sent by all ranks per training sample.
@@ -62,6 +67,8 @@ impl RunFacts {
             records,
             final_acc: num("final_acc"),
             best_acc: num("best_acc"),
+            final_loss: num("final_loss"),
+            best_loss: num("best_loss"),
             samples_per_s: num("samples_per_s"),
             bytes_per_sample: num("bytes_per_sample"),
             wall_s: num("wall_s"),
@@ -85,10 +92,69 @@ pub struct StrategyRun {
 pub struct Comparison {
     /// What every strategy ran (model, data, budget, ...), one line.
     pub setup: String,
-    /// The accuracy whose time to reach is compared.
-    pub target: f64,
+    /// The accuracy (or loss) whose time to reach is compared.
+    pub target: Target,
     /// The runs, in the order they ran.
     pub runs: Vec<StrategyRun>,
+}
+
+/// What a comparison measures its runs by.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Target {
+    /// Test accuracy, to reach at least this.
+    Accuracy(f64),
+    /// Test (validation) loss in nats, to fall to at most this (a text job, where accuracy
+    /// is not what is trained for).
+    Loss(f64),
+}
+
+impl Target {
+    /// The target as the table's header and the plot's legend write it.
+    fn label(self) -> String {
+        match self {
+            Target::Accuracy(a) => pct(Some(a)),
+            Target::Loss(l) => format!("loss {l}"),
+        }
+    }
+
+    /// The figure of an evaluation that is compared.
+    fn figure(self, r: &EvalPoint) -> Option<f64> {
+        match self {
+            Target::Accuracy(_) => r.test_acc,
+            Target::Loss(_) => r.test_loss,
+        }
+    }
+
+    /// The first evaluation that reached the target.
+    fn first(self, records: &[EvalPoint]) -> Option<&EvalPoint> {
+        match self {
+            Target::Accuracy(a) => report::first_at(records, a),
+            Target::Loss(l) => report::first_loss_at(records, l),
+        }
+    }
+
+    /// The final and best figure of a run, written for the table.
+    fn final_and_best(self, f: &RunFacts) -> (String, String) {
+        let loss = |x: Option<f64>| x.map_or("–".into(), |l| format!("{l:.4}"));
+        match self {
+            Target::Accuracy(_) => (pct(f.final_acc), pct(f.best_acc)),
+            Target::Loss(_) => (loss(f.final_loss), loss(f.best_loss)),
+        }
+    }
+
+    /// What is plotted and tabled: `accuracy` or `loss`.
+    fn what(self) -> &'static str {
+        match self {
+            Target::Accuracy(_) => "accuracy",
+            Target::Loss(_) => "loss",
+        }
+    }
+
+    fn value(self) -> f64 {
+        match self {
+            Target::Accuracy(x) | Target::Loss(x) => x,
+        }
+    }
 }
 
 fn pct(x: Option<f64>) -> String {
@@ -104,7 +170,7 @@ fn bytes(x: f64) -> String {
 }
 
 /// The table row of one run.
-fn row(run: &StrategyRun, target: f64) -> String {
+fn row(run: &StrategyRun, target: Target) -> String {
     let f = match &run.outcome {
         Ok(f) => f,
         Err(reason) => {
@@ -112,17 +178,18 @@ fn row(run: &StrategyRun, target: f64) -> String {
             return format!("| {} | – | failed: {reason} | | | | | |", run.name);
         }
     };
-    let reached = report::first_at(&f.records, target).map_or("not reached".into(), |r| {
+    let reached = target.first(&f.records).map_or("not reached".into(), |r| {
         format!("{:.1} s (step {})", r.wall_s, r.step)
     });
+    let (last, best) = target.final_and_best(f);
     let opt = |x: Option<f64>, show: &dyn Fn(f64) -> String| x.map_or("–".into(), show);
     format!(
         "| {} | {} ({}) | {reached} | {} | {} | {} | {} | {} |",
         run.name,
         f.world_size,
         f.roles,
-        pct(f.final_acc),
-        pct(f.best_acc),
+        last,
+        best,
         opt(f.samples_per_s, &|x| format!("{x:.0}")),
         opt(f.bytes_per_sample, &bytes),
         opt(f.wall_s, &|x| format!("{x:.1} s")),
@@ -135,8 +202,12 @@ pub fn markdown(c: &Comparison) -> String {
     let _ = writeln!(md, "{}\n", c.setup);
     let _ = writeln!(
         md,
-        "| strategy | ranks (roles) | time to {} | final acc. | best acc. | samples/s | bytes moved / sample | wall time |",
-        pct(Some(c.target))
+        "| strategy | ranks (roles) | time to {} | final {acc} | best {acc} | samples/s | bytes moved / sample | wall time |",
+        c.target.label(),
+        acc = match c.target {
+            Target::Accuracy(_) => "acc.",
+            Target::Loss(_) => "loss",
+        }
     );
     md.push_str("|---|---|---|---|---|---|---|---|\n");
     for run in &c.runs {
@@ -147,7 +218,7 @@ pub fn markdown(c: &Comparison) -> String {
         "\nTimes are wall seconds since the ranks started, at the first evaluation at or above \
          the target (evaluations once per epoch). Bytes moved: bytes sent by all ranks \
          (frame headers included) over the training samples of the run. \
-         Accuracy against wall time: `compare.svg`.\n\n",
+         The figure against wall time: `compare.svg`.\n\n",
     );
     for run in &c.runs {
         let _ = writeln!(md, "- `{}`: {}", run.name, run.about);
@@ -155,8 +226,8 @@ pub fn markdown(c: &Comparison) -> String {
     md
 }
 
-/// `compare.svg`: test accuracy against wall time, one line per strategy that ran, and the
-/// target.
+/// `compare.svg`: test accuracy (or loss) against wall time, one line per strategy that ran,
+/// and the target.
 fn draw(path: &Path, c: &Comparison) -> Result<()> {
     let mut series: Vec<Series> = c
         .runs
@@ -169,7 +240,7 @@ fn draw(path: &Path, c: &Comparison) -> Result<()> {
             points: f
                 .records
                 .iter()
-                .filter_map(|r| r.test_acc.map(|a| (r.wall_s, a)))
+                .filter_map(|r| c.target.figure(r).map(|a| (r.wall_s, a)))
                 .collect(),
             markers: true,
         })
@@ -178,18 +249,20 @@ fn draw(path: &Path, c: &Comparison) -> Result<()> {
         .iter()
         .flat_map(|s| s.points.iter().map(|p| p.0))
         .fold(0.0, f64::max);
+    let level = c.target.value();
     series.push(Series {
-        name: format!("target {}", pct(Some(c.target))),
+        name: format!("target {}", c.target.label()),
         color: RGBColor(150, 150, 150),
-        points: vec![(0.0, c.target), (x_max, c.target)],
+        points: vec![(0.0, level), (x_max, level)],
         markers: false,
     });
     let root = SVGBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE)?;
+    let what = format!("test {}", c.target.what());
     plots::chart(
         &root,
-        "test accuracy against wall time",
-        ("wall time (s)", "test accuracy"),
+        &format!("{what} against wall time"),
+        ("wall time (s)", &what),
         &series,
     )?;
     root.present()?;
@@ -230,7 +303,7 @@ mod tests {
         assert_eq!(facts.roles, "1 root, 2 worker");
         let c = Comparison {
             setup: "lenet5 on data/mnist".into(),
-            target: 0.95,
+            target: Target::Accuracy(0.95),
             runs: vec![
                 StrategyRun {
                     name: "ps_flat_sync",
@@ -254,13 +327,47 @@ mod tests {
             md.contains("| pipeline | – | failed: the model has 1 layer \\| cannot cut"),
             "{md}"
         );
-        let high = row(&c.runs[0], 0.99);
+        let high = row(&c.runs[0], Target::Accuracy(0.99));
         assert!(high.contains("not reached"), "{high}");
         let dir = tempfile::tempdir().expect("tmp");
         let paths = write(dir.path(), &c).expect("report");
         let svg = std::fs::read_to_string(&paths[1]).expect("svg");
         assert!(
             svg.contains("ps_flat_sync") && svg.contains("target 95.00%"),
+            "{svg}"
+        );
+    }
+
+    #[test]
+    fn a_loss_target_compares_time_to_the_loss_and_final_losses() {
+        let mut v = summary();
+        v["run"]["final_loss"] = json!(0.12);
+        v["run"]["best_loss"] = json!(0.1);
+        let c = Comparison {
+            setup: "gpt-char on text:kjv.txt".into(),
+            target: Target::Loss(0.2),
+            runs: vec![StrategyRun {
+                name: "allreduce",
+                about: "peers",
+                outcome: Ok(RunFacts::from_summary(&v).expect("facts")),
+            }],
+        };
+        let md = markdown(&c);
+        assert!(
+            md.contains("| time to loss 0.2 | final loss | best loss |"),
+            "{md}"
+        );
+        // Loss 0.3 at step 10, 0.1 at step 20.
+        assert!(
+            md.contains("| allreduce | 3 (1 root, 2 worker) | 8.0 s (step 20) | 0.1200 | 0.1000 |"),
+            "{md}"
+        );
+        assert!(row(&c.runs[0], Target::Loss(0.05)).contains("not reached"));
+        let dir = tempfile::tempdir().expect("tmp");
+        let paths = write(dir.path(), &c).expect("report");
+        let svg = std::fs::read_to_string(&paths[1]).expect("svg");
+        assert!(
+            svg.contains("target loss 0.2") && svg.contains("test loss"),
             "{svg}"
         );
     }

@@ -109,7 +109,7 @@ fn launch_once(
         );
     }
     if job.placement.is_none() && !opts.oversubscribe {
-        capacity::check_local(job.n, &job.config.data.path)?;
+        capacity::check_local(job.n, job.config.data.source().path())?;
     }
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {

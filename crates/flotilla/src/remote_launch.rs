@@ -109,7 +109,8 @@ fn ranks_config(config: &TrainConfig, sync: bool) -> Result<(TrainConfig, Option
     c.topology.inventory = None;
     // A local path; the ranks read the secret from the job directory.
     c.comm.secret_file = None;
-    c.data.path = absolute(&c.data.path)?;
+    let source = c.data.source();
+    c.data.path = source.at(absolute(source.path())?).to_path();
     let spec_path = Path::new(&c.model.spec);
     let mut model_file = None;
     if spec_path.is_file() {

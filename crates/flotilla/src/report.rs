@@ -29,7 +29,15 @@ pub fn first_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
         .find(|r| r.test_acc.is_some_and(|a| a >= target))
 }
 
-/// The run's figures: final and best accuracy, each milestone's first step and wall time,
+/// The first evaluation whose test loss is at or below `target`, if any.
+pub fn first_loss_at(records: &[EvalPoint], target: f64) -> Option<&EvalPoint> {
+    records
+        .iter()
+        .find(|r| r.test_loss.is_some_and(|l| l <= target))
+}
+
+/// The run's figures: final and best accuracy, final and best test loss (in nats; a text's
+/// also in bits per byte), each milestone's first step and wall time,
 /// samples per second, the steps in all, the step this process resumed at and the steps it
 /// ran itself, and the bytes moved in all and per sample.
 pub fn run_figures(summary: &RunSummary) -> Value {
@@ -39,6 +47,11 @@ pub fn run_figures(summary: &RunSummary) -> Value {
         .map(|(_, a)| a)
         .fold(None, |m: Option<f64>, a| Some(m.map_or(a, |m| m.max(a))));
     let last = h.evaluations().last().map(|(_, a)| a);
+    let best_loss = h
+        .records
+        .iter()
+        .filter_map(|r| r.test_loss)
+        .fold(None, |m: Option<f64>, l| Some(m.map_or(l, |m| m.min(l))));
     let milestones: serde_json::Map<String, Value> = MILESTONES
         .iter()
         .map(|&m| {
@@ -55,6 +68,9 @@ pub fn run_figures(summary: &RunSummary) -> Value {
     json!({
         "final_acc": finite(summary.test_acc).or(last),
         "best_acc": best,
+        "final_loss": finite(summary.test_loss),
+        "best_loss": best_loss,
+        "bpb": summary.bpb,
         "time_to_accuracy": milestones,
         "samples_per_s": finite(summary.samples_per_s),
         "samples": summary.samples,
@@ -69,14 +85,28 @@ pub fn run_figures(summary: &RunSummary) -> Value {
     })
 }
 
-/// The whole `summary.json` document.
+/// The first evaluation whose test loss fell to `target`: its step and wall time, with the
+/// target (`null` when none did).
+pub fn time_to_loss(records: &[EvalPoint], target: f64) -> Value {
+    first_loss_at(records, target).map_or(
+        Value::Null,
+        |e| json!({"target": target, "step": e.step, "wall_s": e.wall_s}),
+    )
+}
+
+/// The whole `summary.json` document (with `run.time_to_loss` when the config has a
+/// `target_loss`).
 pub fn document(config: &TrainConfig, summary: &RunSummary) -> Result<Value> {
     let topology = config.topology()?;
     let roles: Vec<&str> = (0..topology.world_size())
         .map(|r| flotilla_train::trainer::role_label(&topology, r))
         .collect();
+    let mut run = run_figures(summary);
+    if let Some(target) = config.schedule.target_loss {
+        run["time_to_loss"] = time_to_loss(&summary.history.records, target);
+    }
     Ok(json!({
-        "run": run_figures(summary),
+        "run": run,
         "topology": {
             "arch": topology.arch().as_str(),
             "world_size": topology.world_size(),
@@ -141,6 +171,7 @@ mod tests {
             world_size: 2,
             test_acc: 0.982,
             test_loss: 0.05,
+            bpb: None,
             train_loss: 0.1,
             steps: 40,
             resumed_at: 10,
@@ -187,6 +218,14 @@ mod tests {
         );
         assert_eq!(f["bytes_moved"], json!(5000));
         assert_eq!(f["bytes_per_sample"], json!(5.0));
+        // Losses 0.05, 0.0167, 0.0125 at steps 10, 30, 40; the lowest is the best.
+        assert_eq!(f["final_loss"], json!(0.05));
+        assert!((f["best_loss"].as_f64().expect("best") - 0.0125).abs() < 1e-12);
+        assert_eq!(
+            time_to_loss(&s.history.records, 0.02),
+            json!({"target": 0.02, "step": 30, "wall_s": 3.0})
+        );
+        assert_eq!(time_to_loss(&s.history.records, 0.01), Value::Null);
     }
 
     #[test]

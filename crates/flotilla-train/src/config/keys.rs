@@ -164,7 +164,7 @@ pub const KEYS: &[Key] = &[
         "data",
         "DATA",
         Kind::Path,
-        "Directory with the four MNIST-layout IDX files",
+        "Directory with the four MNIST-layout IDX files, or `text:FILE` (byte tokens)",
     ),
     Key::new("data.batch_size").aliases(&["batch_size"]).flag(
         "batch-size",
@@ -192,7 +192,9 @@ pub const KEYS: &[Key] = &[
     ),
     Key::new("schedule.lr_schedule").aliases(&["lr_schedule"]),
     Key::new("schedule.warmup_steps").aliases(&["warmup_steps"]),
+    Key::new("schedule.min_lr_ratio").aliases(&["min_lr_ratio"]),
     Key::new("schedule.eval_every").aliases(&["eval_every"]),
+    Key::new("schedule.eval_every_steps").aliases(&["eval_every_steps"]),
     Key::new("schedule.checkpoint_every")
         .aliases(&["checkpoint_every"])
         .flag(
@@ -207,6 +209,7 @@ pub const KEYS: &[Key] = &[
     ),
     Key::new("schedule.num_server_rounds").aliases(&["num_server_rounds"]),
     Key::new("schedule.target_accuracy").aliases(&["target_accuracy"]),
+    Key::new("schedule.target_loss").aliases(&["target_loss"]),
     Key::new("schedule.divergence_check_rounds").aliases(&["divergence_check_rounds"]),
     Key::new("schedule.abort_on_divergence").aliases(&["abort_on_divergence"]),
     Key::new("topology.world_size")

@@ -22,7 +22,7 @@ mod validate;
 
 pub use allreduce::{AllReduceMode, AllReduceSection, StaleCorrection};
 pub use comm::{Backend, CommSection, CompressionSetting, WireSetting};
-pub use data::DataSection;
+pub use data::{DataSection, DataSource, TEXT_PREFIX};
 pub use hash::PER_RANK;
 pub use model::ModelSection;
 pub use pipeline::{PipelineSection, StageHostSetting, StagesSetting};

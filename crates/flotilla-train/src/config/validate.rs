@@ -36,6 +36,7 @@ impl TrainConfig {
         at_least_one("topology.world_size", t.world_size > 0)?;
         at_least_one("topology.local_steps", t.local_steps > 0)?;
         at_least_one("schedule.num_server_rounds", s.num_server_rounds != Some(0))?;
+        at_least_one("schedule.eval_every_steps", s.eval_every_steps != Some(0))?;
         at_least_one("data.train_limit", self.data.train_limit != Some(0))
     }
 
@@ -58,6 +59,15 @@ impl TrainConfig {
             return Err(bad(
                 "schedule.target_accuracy",
                 format!("must be in [0, 1], got {a}"),
+            ));
+        }
+        if let Some(l) = s.target_loss {
+            positive("schedule.target_loss", l, "number of nats")?;
+        }
+        if !(0.0..=1.0).contains(&s.min_lr_ratio) {
+            return Err(bad(
+                "schedule.min_lr_ratio",
+                format!("must be in [0, 1], got {}", s.min_lr_ratio),
             ));
         }
         if let Some(m) = t.async_momentum

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use flotilla_cluster::Topology;
 use flotilla_comm::ProcessGroup;
-use flotilla_data::ImageDataset;
+use flotilla_data::Samples;
 use flotilla_engine::{BurnEngine, ModelSpec, OptimizerSpec};
 
 use crate::config::TrainConfig;
@@ -23,8 +23,8 @@ pub struct Cx<'a> {
     pub comm: &'a Arc<dyn ProcessGroup>,
     /// The run configuration.
     pub config: &'a TrainConfig,
-    /// The test set.
-    pub test: &'a ImageDataset,
+    /// The test set (a text's validation windows).
+    pub test: &'a dyn Samples,
     /// This process's rank.
     pub rank: usize,
     /// Units of progress the run will take (steps, or server rounds): the length of the
@@ -53,8 +53,13 @@ impl Cx<'_> {
     /// The learning rate at `step` (0-based) of the run's schedule.
     pub fn lr_at(&self, step: u64) -> f64 {
         let s = &self.config.schedule;
-        s.lr_schedule
-            .lr_at(self.config.base_lr(), step, self.rounds, s.warmup_steps)
+        s.lr_schedule.lr_at_floor(
+            self.config.base_lr(),
+            step,
+            self.rounds,
+            s.warmup_steps,
+            s.min_lr_ratio,
+        )
     }
 }
 

@@ -301,11 +301,12 @@ impl Strategy for AsyncAllReduce {
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         self.lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
+        // Samples, not labels: a text window has a label per position.
+        let samples = data.batch_size() as u64 * world;
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
         };
-        let samples = batch.labels.len() as u64 * world;
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
         self.submit(cx, batch, done)?;

@@ -177,11 +177,11 @@ impl Strategy for PipelineStage {
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         self.pipe.set_lr(cx.lr_at(done));
+        let n = data.batch_size();
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
         };
-        let n = batch.labels.len();
         let images = if self.pipe.is_first() {
             batch.images
         } else {
@@ -210,13 +210,13 @@ impl Strategy for PipelineStage {
     }
 
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
-        let labels: Vec<i64> = cx.test.labels().iter().map(|&l| i64::from(l)).collect();
-        let images = if self.pipe.is_first() {
-            cx.test.images()
-        } else {
-            &[]
-        };
-        self.pipe.evaluate(images, &labels, EVAL_CHUNK)
+        let all: Vec<usize> = (0..cx.test.len()).collect();
+        let (mut images, mut labels) = (Vec::new(), Vec::new());
+        cx.test.fill(&all, &mut images, &mut labels)?;
+        if !self.pipe.is_first() {
+            images.clear();
+        }
+        self.pipe.evaluate(&images, &labels, EVAL_CHUNK)
     }
 
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {

@@ -335,11 +335,12 @@ impl ShardServer {
             self.updates / self.children.len() as u64
         };
         let schedule = &cx.config.schedule;
-        let mut lr = schedule.lr_schedule.lr_at(
+        let mut lr = schedule.lr_schedule.lr_at_floor(
             self.base_lr,
             lr_round,
             self.total_rounds,
             schedule.warmup_steps,
+            schedule.min_lr_ratio,
         );
         if self.staleness_lr {
             lr /= 1.0 + staleness as f64;

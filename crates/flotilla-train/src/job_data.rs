@@ -1,0 +1,109 @@
+//! A job's data, loaded as `data.path` names it ([`crate::config::DataSource`]) and checked
+//! against the model: MNIST images, or a text's next-token windows whose length is the
+//! model's input length. Both are [`Samples`] to the rest of the run.
+
+use flotilla_cluster::Arch;
+use flotilla_data::{BYTE_VOCAB, Mnist, Samples, TextSplits};
+use flotilla_engine::{ModelSpec, Shape};
+
+use crate::config::{DataSource, TrainConfig};
+use crate::error::{Result, TrainError};
+
+/// The training set and the set evaluation runs on (MNIST's test set, a text's validation
+/// windows).
+pub struct JobData {
+    /// The training samples.
+    pub train: Box<dyn Samples>,
+    /// The evaluation samples.
+    pub test: Box<dyn Samples>,
+}
+
+impl JobData {
+    /// Loads the data `config` names and checks that `spec` takes its samples.
+    pub fn load(config: &TrainConfig, spec: &ModelSpec) -> Result<Self> {
+        let limit = config.data.train_limit;
+        let data = match config.data.source() {
+            DataSource::Mnist(dir) => {
+                let splits = Mnist::load(&dir)?;
+                let (mut train, test) = (splits.train, splits.test);
+                if let Some(limit) = limit {
+                    train.truncate(limit.min(train.len()));
+                }
+                spec.check_io(
+                    &[1, train.rows(), train.cols()],
+                    train.num_classes().max(10),
+                )?;
+                JobData {
+                    train: Box::new(train),
+                    test: Box::new(test),
+                }
+            }
+            DataSource::Text(file) => {
+                let context = text_context(spec)?;
+                let mut splits = TextSplits::load(&file, context)?;
+                if let Some(limit) = limit {
+                    splits.train.truncate(limit);
+                }
+                spec.check_io(&[context], BYTE_VOCAB)?;
+                JobData {
+                    train: Box::new(splits.train),
+                    test: Box::new(splits.validation),
+                }
+            }
+        };
+        data.check_labels(config, spec)?;
+        Ok(data)
+    }
+
+    /// The model gives as many classes per sample as the data has labels (one, or one per
+    /// position), and a pipeline trains one label per sample.
+    fn check_labels(&self, config: &TrainConfig, spec: &ModelSpec) -> Result<()> {
+        let (model, data) = (spec.labels_per_sample()?, self.train.labels_per_sample());
+        if model != data {
+            return Err(TrainError::config(
+                "data",
+                format!(
+                    "the model `{}` gives {model} class(es) per sample but the data set has \
+                     {data} label(s) per sample of shape {:?}",
+                    spec.name,
+                    self.train.sample_shape()
+                ),
+            ));
+        }
+        if config.topology.arch == Arch::Pipeline && data > 1 {
+            return Err(TrainError::config(
+                "data",
+                format!(
+                    "a pipeline splits a batch by its labels and does not train sequence \
+                     models yet (the model `{}` gives {data} classes per sample)",
+                    spec.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The window length of a text data set: the model's input length, when it takes token ids.
+fn text_context(spec: &ModelSpec) -> Result<usize> {
+    let shape = spec.input_shape()?;
+    match (shape, spec.token_vocab()) {
+        (Shape::Flat(t), Some(vocab)) if vocab >= BYTE_VOCAB => Ok(t),
+        (Shape::Flat(_), Some(vocab)) => Err(TrainError::config(
+            "data",
+            format!(
+                "a text data set has byte tokens (a vocabulary of {BYTE_VOCAB}) but the model \
+                 `{}` embeds only {vocab} tokens",
+                spec.name
+            ),
+        )),
+        (shape, _) => Err(TrainError::config(
+            "data",
+            format!(
+                "a text data set gives windows of token ids, input [T], but the model `{}` \
+                 takes input {shape} and does not start with an embedding",
+                spec.name
+            ),
+        )),
+    }
+}
