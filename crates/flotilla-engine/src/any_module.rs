@@ -89,7 +89,7 @@ pub fn take_grads<M: Module>(
             self.offset += len;
             match self.grads.remove::<D>(param.id) {
                 Some(g) => {
-                    if let Err(e) = copy_into(g, dst) {
+                    if let Err(e) = crate::params::copy_tensor(g, dst) {
                         self.error = Some(e);
                     }
                 }
@@ -174,21 +174,6 @@ fn span_len(layout: &ParamLayout, params: &Range<usize>) -> Result<usize> {
             expected: layout.params.len(),
             got: params.end,
         })
-}
-
-fn copy_into<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
-    let data = tensor.into_data().convert::<f32>();
-    let values = data
-        .as_slice::<f32>()
-        .map_err(|e| EngineError::Batch(format!("reading a gradient: {e:?}")))?;
-    if values.len() != out.len() {
-        return Err(EngineError::FlatLength {
-            expected: out.len(),
-            got: values.len(),
-        });
-    }
-    out.copy_from_slice(values);
-    Ok(())
 }
 
 /// Writes `model`'s parameters as safetensors in PyTorch's layout (linear weights

@@ -135,7 +135,8 @@ pub fn renumber<M: Module>(model: M) -> M {
     model.map(&mut Only::new(&mut Renumber(0), Tensors::Params))
 }
 
-fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
+/// Copies `tensor`'s values into `out` (whose length must be the tensor's).
+pub(crate) fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
     let data = tensor.into_data().convert::<f32>();
     let values = data
         .as_slice::<f32>()
