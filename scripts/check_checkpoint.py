@@ -14,6 +14,9 @@ import sys
 import numpy as np
 from safetensors.numpy import load_file
 
+# Names, dtypes, PyTorch-layout shapes and finite values: one check for both scripts.
+from check_layers_torch import check_names
+
 # PyTorch layout: nn.Sequential indices match Flotilla's `layers.<i>` (activations and pooling
 # keep their index even though they have no parameters).
 EXPECTED = {
@@ -64,20 +67,7 @@ def main():
 
     tensors = load_file(a.path)
     want = EXPECTED[a.model]
-    problems = []
-    if set(tensors) != set(want):
-        problems.append(f"names differ: missing {sorted(set(want) - set(tensors))}, "
-                        f"unexpected {sorted(set(tensors) - set(want))}")
-    for name, shape in want.items():
-        t = tensors.get(name)
-        if t is None:
-            continue
-        if t.dtype != np.float32:
-            problems.append(f"{name}: dtype {t.dtype}, want float32")
-        if tuple(t.shape) != shape:
-            problems.append(f"{name}: shape {tuple(t.shape)}, want {shape} (PyTorch layout)")
-        if not np.all(np.isfinite(t)):
-            problems.append(f"{name}: non-finite values")
+    problems = check_names(tensors, want)
     if problems:
         print("FAIL\n" + "\n".join(problems))
         sys.exit(1)
