@@ -31,7 +31,11 @@ impl SequentialModel {
                 merge: node.merge,
             });
         }
-        Ok(Self { layers, links })
+        Ok(Self {
+            layers,
+            links,
+            batch_norm_sync: None,
+        })
     }
 }
 

@@ -1,6 +1,7 @@
 //! The [`Engine`] trait between strategies and the tensor engine, and its burn implementation.
 
 use std::ops::Range;
+use std::sync::Arc;
 
 use burn::module::Module;
 use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
@@ -9,6 +10,7 @@ use burn::tensor::TensorData;
 
 use crate::activation::Activation;
 use crate::backward_groups::{self, BackwardGroup};
+use crate::collective::{Reducer, ReducerHandle};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::model::SequentialModel;
@@ -81,6 +83,12 @@ pub trait Engine: ModelState {
     /// resumed run draws the same ones. Until it is called, masks come from the backend's
     /// running RNG. (Evaluation draws none.)
     fn set_dropout_seed(&mut self, seed: u64);
+
+    /// Makes every batch norm of the model train with the statistics of every rank's batch,
+    /// summed by `reducer` (PyTorch's `SyncBatchNorm`; see [`crate::sync_batch_norm`]);
+    /// `None` turns it off. Every rank must then run each training pass on a batch of the
+    /// same shape; a failed sum fails the pass with [`EngineError::BatchNormSync`].
+    fn set_batch_norm_sync(&mut self, reducer: Option<Arc<dyn Reducer>>) -> Result<()>;
 
     /// Calls `f(param_index, gradient)` for each parameter in flat order, from the last
     /// [`Engine::forward_backward`] or [`Engine::forward_backward_streaming`].
@@ -281,6 +289,7 @@ impl Engine for BurnEngine {
         let grads = loss.backward();
         let value = loss.into_scalar::<f32>();
         drop(backward);
+        self.weights.batch_norm_sync_result()?;
         self.grads = vec![GroupGrads {
             params: 0..self.weights.layout.params.len(),
             grads: Some(grads),
@@ -323,6 +332,7 @@ impl Engine for BurnEngine {
                 ready,
             )
         })?;
+        self.weights.batch_norm_sync_result()?;
         self.grads = grads;
         Ok(value)
     }
@@ -333,6 +343,11 @@ impl Engine for BurnEngine {
 
     fn set_dropout_seed(&mut self, seed: u64) {
         self.weights.set_dropout_seed(seed);
+    }
+
+    fn set_batch_norm_sync(&mut self, reducer: Option<Arc<dyn Reducer>>) -> Result<()> {
+        self.weights
+            .set_batch_norm_sync(reducer.map(ReducerHandle::new))
     }
 
     fn backward_groups(&self) -> Vec<Range<usize>> {

@@ -60,6 +60,9 @@ pub enum EngineError {
         "device `{0}` is not available in this build (known: flex; libtorch with the `libtorch` feature)"
     )]
     UnknownDevice(String),
+    /// A synchronized batch norm's sum over the ranks failed (the pass is void).
+    #[error("synchronized batch norm: {0}")]
+    BatchNormSync(String),
     /// An optimizer setting that is out of range.
     #[error("optimizer: {0}")]
     Optimizer(String),

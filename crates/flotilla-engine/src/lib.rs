@@ -20,6 +20,7 @@ pub mod any_module;
 mod backward_groups;
 mod buffers;
 mod build;
+pub mod collective;
 mod cut;
 mod device;
 mod engine;
@@ -38,6 +39,7 @@ mod sequence;
 mod shape;
 mod spec;
 mod stage;
+pub mod sync_batch_norm;
 mod weights;
 
 pub use backward_groups::BackwardGroup;

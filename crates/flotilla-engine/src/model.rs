@@ -17,8 +17,9 @@ use std::ops::Range;
 use burn::prelude::*;
 
 use crate::activation::{Activation, map_tensor};
+use crate::collective::ReducerHandle;
 use crate::graph::Merge;
-use crate::sequence;
+use crate::{sequence, sync_batch_norm};
 
 /// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
 /// tensors are saved as `layers.<index>.<name>`, as a PyTorch `nn.Sequential` (or
@@ -98,6 +99,10 @@ pub struct SequentialModel {
     /// Each layer's links, in spec order.
     #[module(skip)]
     pub links: Vec<Links>,
+    /// When set, every batch norm trains with the statistics of every rank's batch
+    /// ([`crate::sync_batch_norm`]); never saved.
+    #[module(skip)]
+    pub batch_norm_sync: Option<ReducerHandle>,
 }
 
 // `SequentialModel::new` (building the model of a spec) is in `crate::build`.
@@ -131,7 +136,7 @@ impl SequentialModel {
                     x = x.merge(other.clone(), links.merge);
                 }
             }
-            x = apply(layer, x);
+            x = apply(layer, x, self.batch_norm_sync.as_ref());
             for name in &links.keep {
                 kept.insert(name.clone(), x.clone());
             }
@@ -140,8 +145,8 @@ impl SequentialModel {
     }
 }
 
-/// One layer on one activation.
-fn apply(layer: &Layer, x: Activation) -> Activation {
+/// One layer on one activation (a batch norm synchronized over `sync`'s ranks when given).
+fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
         (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
         (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
@@ -159,7 +164,10 @@ fn apply(layer: &Layer, x: Activation) -> Activation {
         (Layer::Dropout(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::LayerNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::RmsNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
-        (Layer::BatchNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
+        (Layer::BatchNorm(m), x) => match sync {
+            Some(r) => map_tensor!(x, |t| sync_batch_norm::forward(m, t, r)),
+            None => map_tensor!(x, |t| m.forward(t)),
+        },
         (Layer::Embedding(m), Activation::Flat(ids)) => {
             Activation::Seq(sequence::embed_tokens(m, ids))
         }

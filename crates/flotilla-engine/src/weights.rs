@@ -15,6 +15,7 @@ use burn::prelude::*;
 
 use crate::any_module;
 use crate::buffers::Tensors;
+use crate::collective::ReducerHandle;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::model::{Identity, Layer, SequentialModel};
@@ -172,6 +173,24 @@ impl Weights {
     pub(crate) fn with_metadata(mut self, key: &str, value: String) -> Self {
         self.metadata.push((key.to_string(), value));
         self
+    }
+
+    /// Makes every batch norm train with the statistics of every rank of `reducer` (`None`:
+    /// each rank's own batch).
+    pub(crate) fn set_batch_norm_sync(&mut self, reducer: Option<ReducerHandle>) -> Result<()> {
+        let model = self.model.as_mut().ok_or(EngineError::ModelUnavailable)?;
+        model.batch_norm_sync = reducer;
+        Ok(())
+    }
+
+    /// The error a synchronized batch norm's sum met in the last pass, if any.
+    pub(crate) fn batch_norm_sync_result(&self) -> Result<()> {
+        let failed = self
+            .model()?
+            .batch_norm_sync
+            .as_ref()
+            .and_then(|r| r.take_error());
+        failed.map_or(Ok(()), |e| Err(EngineError::BatchNormSync(e)))
     }
 
     pub(crate) fn model(&self) -> Result<&SequentialModel> {
