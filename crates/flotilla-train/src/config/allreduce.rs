@@ -41,6 +41,10 @@ pub struct AllReduceSection {
     /// Sync: run backward in groups of about `comm.bucket_mb` and start each bucket's
     /// all-reduce as soon as its group's gradients exist (bitwise the same result).
     pub overlap: bool,
+    /// Sync: every batch norm trains with the statistics of the global batch (every rank's
+    /// samples), as PyTorch's `SyncBatchNorm`: two small all-reduces per batch norm in the
+    /// forward pass and two in the backward. Off by default (each rank's own batch).
+    pub sync_batch_norm: bool,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,
     /// Async: fusion buffer size in bytes (0: one all-reduce per tensor).
@@ -62,6 +66,7 @@ impl Default for AllReduceSection {
         Self {
             mode: AllReduceMode::Sync,
             overlap: true,
+            sync_batch_norm: false,
             cycle_duration_ms: 5.0,
             all_reduce_buffer_size: 64 << 20,
             staleness: 1,

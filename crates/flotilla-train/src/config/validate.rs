@@ -98,6 +98,17 @@ impl TrainConfig {
                 ),
             ));
         }
+        let sync_mode = t.arch == Arch::Allreduce && self.allreduce.mode == AllReduceMode::Sync;
+        if self.allreduce.sync_batch_norm && !sync_mode {
+            return Err(bad(
+                "allreduce.sync_batch_norm",
+                format!(
+                    "synchronized batch norm runs in the forward pass of sync data-parallel \
+                     all-reduce only, not under arch {} with mode {:?}",
+                    t.arch, self.allreduce.mode
+                ),
+            ));
+        }
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
+use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
 use crate::batches::Batches;
@@ -55,6 +56,9 @@ impl SyncAllReduce {
         let config = cx.config;
         let mut engine = setup.engine(config, &config.optimizer)?;
         engine.set_backward_group_bytes(config.bucket_bytes())?;
+        if config.allreduce.sync_batch_norm {
+            sync_batch_norm(&mut engine, &cx.comm)?;
+        }
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
         Ok(Self {
@@ -71,6 +75,35 @@ impl SyncAllReduce {
     /// The bucket plan in use.
     pub fn plan(&self) -> &BucketPlan {
         &self.plan
+    }
+}
+
+/// Makes `engine`'s batch norms take the statistics of every rank's batch, summed over a group
+/// of their own (split from `comm`, so that they never wait behind a gradient bucket).
+fn sync_batch_norm(engine: &mut dyn Engine, comm: &Arc<dyn ProcessGroup>) -> Result<()> {
+    if engine.buffer_layout().total == 0 {
+        return Err(TrainError::config(
+            "allreduce.sync_batch_norm",
+            "the model has no batch_norm layer to synchronize",
+        ));
+    }
+    let group = comm.split(Some(0), 0)?.ok_or_else(|| {
+        TrainError::config("allreduce.sync_batch_norm", "no group for the statistics")
+    })?;
+    engine.set_batch_norm_sync(Some(Arc::new(GroupReducer(group))))?;
+    Ok(())
+}
+
+/// The engine's [`Reducer`] over a process group.
+struct GroupReducer(Arc<dyn ProcessGroup>);
+
+impl Reducer for GroupReducer {
+    fn all_reduce_sum(&self, values: &mut [f32]) -> std::result::Result<(), String> {
+        self.0.all_reduce_sum(values).map_err(|e| e.to_string())
+    }
+
+    fn world(&self) -> usize {
+        self.0.size()
     }
 }
 
