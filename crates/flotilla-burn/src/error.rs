@@ -19,6 +19,9 @@ pub enum DistError {
     /// The optimizer state broadcast by rank 0 could not be saved or loaded.
     #[error("optimizer state: {0}")]
     Optimizer(String),
+    /// A synchronized batch norm's sum over the ranks failed.
+    #[error("synchronized batch norm: {0}")]
+    BatchNormSync(String),
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {

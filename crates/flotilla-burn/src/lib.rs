@@ -37,6 +37,7 @@ mod agree;
 mod buckets;
 mod data_parallel;
 mod error;
+mod sync_batch_norm;
 
 use std::sync::Arc;
 
@@ -44,6 +45,7 @@ pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
 /// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
@@ -56,3 +58,5 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 
 #[cfg(test)]
 mod data_parallel_tests;
+#[cfg(test)]
+mod sync_batch_norm_tests;

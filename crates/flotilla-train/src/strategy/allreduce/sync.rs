@@ -57,7 +57,7 @@ impl SyncAllReduce {
         let mut engine = setup.engine(config, &config.optimizer)?;
         engine.set_backward_group_bytes(config.bucket_bytes())?;
         if config.allreduce.sync_batch_norm {
-            sync_batch_norm(&mut engine, &cx.comm)?;
+            sync_batch_norm(&mut engine, cx.comm)?;
         }
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
