@@ -18,8 +18,8 @@ use flotilla_comm::ProcessGroup;
 use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
-use crate::strategy::pipeline::schedule::{Action, Schedule};
-use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use flotilla_comm::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use flotilla_comm::pipeline::{Action, Schedule};
 
 /// How a pipeline runs.
 #[derive(Debug, Clone, PartialEq)]
