@@ -6,4 +6,4 @@
 pub mod schedule;
 pub mod wire;
 
-pub use schedule::{Action, Schedule};
+pub use schedule::{Action, Schedule, micro_batches};
