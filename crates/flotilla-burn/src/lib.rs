@@ -37,13 +37,16 @@ mod agree;
 mod buckets;
 mod data_parallel;
 mod error;
+mod pipeline;
 
 use std::sync::Arc;
 
 pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
+pub use flotilla_comm::pipeline::Schedule;
 pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
 /// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
@@ -56,3 +59,5 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 
 #[cfg(test)]
 mod data_parallel_tests;
+#[cfg(test)]
+mod pipeline_tests;

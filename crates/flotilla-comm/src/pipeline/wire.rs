@@ -155,10 +155,17 @@ mod tests {
         let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
         let bytes = encode_shaped(&[2, 3], &v);
         assert_eq!(decode_shaped(&bytes), Ok((vec![2, 3], v.to_vec())));
-        assert_eq!(decode_shaped(&encode_shaped(&[], &[7.0])), Ok((vec![], vec![7.0])));
+        assert_eq!(
+            decode_shaped(&encode_shaped(&[], &[7.0])),
+            Ok((vec![], vec![7.0]))
+        );
         let short = &bytes[..bytes.len() - 4];
         assert!(decode_shaped(short).unwrap_err().contains("needs 6 values"));
-        assert!(decode_shaped(&bytes[..10]).unwrap_err().contains("2 dimensions"));
+        assert!(
+            decode_shaped(&bytes[..10])
+                .unwrap_err()
+                .contains("2 dimensions")
+        );
         assert!(decode_shaped(&[1, 2]).is_err());
         let many = encode_shaped(&[1; MAX_DIMS + 1], &[0.0]);
         assert!(decode_shaped(&many).unwrap_err().contains("at most"));

@@ -15,9 +15,9 @@ pub mod plan;
 pub mod stage;
 pub mod state;
 
+pub use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
-pub use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
 pub use stage::PipelineStage;
 
 #[cfg(test)]
