@@ -177,6 +177,8 @@ fn reference() -> (Vec<f32>, Vec<f32>) {
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         model = optim.step(LR, model, grads);
     }
+    let (x, y) = batch(STEPS, 0..GLOBAL_BATCH);
+    losses.push(model.loss(x, y).into_scalar::<f32>());
     (params(&model), losses)
 }
 
@@ -217,6 +219,12 @@ fn train<M: PipelineStage>(
         losses.extend(out.loss);
         stage = optim.step(LR, stage, out.grads);
     }
+    // The trained pipeline evaluates a batch it has not seen, forward only.
+    let (x, y) = batch(STEPS, 0..GLOBAL_BATCH);
+    let (b, t) = (Tensors::new().with("x", x), Tensors::new().with("y", y));
+    if let Some(mut out) = pipe.evaluate(&stage, b, t).expect("evaluate") {
+        losses.push(out.take::<1>(LOSS).expect("loss").into_scalar::<f32>());
+    }
     (pipe.stage(), pipe.replica(), params(&stage), losses)
 }
 
@@ -256,7 +264,7 @@ fn relative_error(a: &[f32], b: &[f32]) -> f32 {
 }
 
 /// Checks that the pipeline's stages (replica by replica) hold the whole model's parameters
-/// and the last stage's losses are the whole batch's.
+/// and the last stage's losses (each step's, then an evaluation's) are the whole batch's.
 fn check(ranks: usize, stages: usize, opts: PipelineOptions) {
     let (want, want_losses) = reference();
     let mut results = run(ranks, stages, opts.clone());

@@ -5,7 +5,8 @@
 //! named [`Tensors`] and the names it takes and gives. Names let any tensor travel between
 //! stages: an output goes straight to every later stage that takes that name (a skip tensor
 //! from stage 0 to stage 2 does not pass through stage 1), from the nearest earlier stage that
-//! gives it. The last stage gives its loss under [`LOSS`]. The loop stays as plain as
+//! gives it. The last stage gives its loss under [`LOSS`] (and may give more,
+//! such as a count of correct predictions, which [`Pipeline::evaluate`] hands back). The loop stays as plain as
 //! PyTorch's pipelining API:
 //!
 //! ```no_run
@@ -84,7 +85,8 @@ pub trait PipelineStage: Module {
     fn inputs(&self) -> Vec<String>;
 
     /// The names of the tensors [`PipelineStage::forward`] gives, each taken by a later
-    /// stage; the last stage gives [`LOSS`] alone.
+    /// stage; the last stage gives [`LOSS`] and may give more (handed back by
+    /// [`Pipeline::evaluate`], not sent anywhere).
     fn outputs(&self) -> Vec<String>;
 
     /// Runs the stage on one micro-batch: every tensor batch-first, float tensors to cross

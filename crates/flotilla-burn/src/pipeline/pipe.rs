@@ -64,6 +64,8 @@ pub struct Pipeline {
     declared: Vec<String>,
     replicas: Option<DataParallel>,
     device: Device,
+    /// Batches evaluated so far (they number the evaluation messages).
+    evaluated: usize,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -118,6 +120,7 @@ impl Pipeline {
             declared: mine.outputs,
             replicas,
             device: device.clone(),
+            evaluated: 0,
         })
     }
 
@@ -227,30 +230,8 @@ impl Pipeline {
     }
 
     /// Forward of micro-batch `mb`: receives the inputs, runs the module, sends the outputs.
-    fn forward<M: PipelineStage>(
-        &self,
-        module: &M,
-        mb: usize,
-        mut inputs: Tensors,
-    ) -> Result<Flight> {
-        let mut leaves = Vec::with_capacity(self.ins.len());
-        for &c in &self.ins {
-            let (dims, values) = self.receive_activation(c, mb)?;
-            let numel = values.len();
-            let leaf = Tensor::<1>::from_data(TensorData::new(values, [numel]), &self.device)
-                .require_grad();
-            leaves.push(leaf.clone());
-            let entry = Entry {
-                dims,
-                value: Flat::Float(leaf),
-            };
-            inputs.put_entry(&self.crossings[c].name, entry);
-        }
-        let mut out = {
-            let _span = tracing::info_span!(target: "flotilla::burn", "forward", mb).entered();
-            PipelineStage::forward(module, inputs)?
-        };
-        self.check_outputs(&out)?;
+    fn forward<M: PipelineStage>(&self, module: &M, mb: usize, inputs: Tensors) -> Result<Flight> {
+        let (leaves, mut out) = self.run(module, Direction::Forward, mb, inputs)?;
         let mut outputs = Vec::with_capacity(self.outs.len().max(1));
         if self.is_last() {
             let loss = float(out.take_entry(LOSS), self.stage(), LOSS)?;
@@ -262,25 +243,94 @@ impl Pipeline {
             }
             outputs.push(loss.tensor);
         }
+        outputs.extend(self.send_outputs(Direction::Forward, mb, &mut out)?);
+        Ok(Flight { leaves, outputs })
+    }
+
+    /// Evaluates one batch, forward only (no gradient is kept): the first stage reads
+    /// `batch`, the last stage `targets` and gives back everything its module gave (its loss
+    /// and whatever else it declares, such as a count of correct predictions); the other stages
+    /// give `None`. Collective over this replica's stages, which must evaluate the same
+    /// number of batches; the micro-batches do not apply.
+    pub fn evaluate<M: PipelineStage>(
+        &mut self,
+        module: &M,
+        batch: Tensors,
+        targets: Tensors,
+    ) -> Result<Option<Tensors>> {
+        let chunk = self.evaluated;
+        self.evaluated += 1;
+        let mut inputs = if self.is_first() {
+            batch
+        } else {
+            Tensors::new()
+        };
+        if self.is_last() {
+            merge_targets(&mut inputs, &targets)?;
+        }
+        let (_, mut out) = self.run(module, Direction::Eval, chunk, inputs)?;
+        if self.is_last() {
+            return Ok(Some(out));
+        }
+        self.send_outputs(Direction::Eval, chunk, &mut out)?;
+        Ok(None)
+    }
+
+    /// Receives the inputs of micro-batch (or evaluation batch) `mb` going `dir` into
+    /// `inputs` (as leaves requiring gradients when training), runs the module and checks
+    /// that it gave its declared outputs. Gives the leaves and the outputs.
+    fn run<M: PipelineStage>(
+        &self,
+        module: &M,
+        dir: Direction,
+        mb: usize,
+        mut inputs: Tensors,
+    ) -> Result<(Vec<Tensor<1>>, Tensors)> {
+        let mut leaves = Vec::with_capacity(self.ins.len());
+        for &c in &self.ins {
+            let from = self.crossings[c].from;
+            let bytes = self.receive(c, mb, dir, from)?;
+            let (dims, values) =
+                wire::decode_shaped(&bytes).map_err(|e| self.malformed(c, mb, from, e))?;
+            let numel = values.len();
+            let mut x = Tensor::<1>::from_data(TensorData::new(values, [numel]), &self.device);
+            if dir == Direction::Forward {
+                x = x.require_grad();
+                leaves.push(x.clone());
+            }
+            let value = Flat::Float(x);
+            inputs.put_entry(&self.crossings[c].name, Entry { dims, value });
+        }
+        let out = {
+            let _span = tracing::info_span!(target: "flotilla::burn", "forward", mb).entered();
+            PipelineStage::forward(module, inputs)?
+        };
+        self.check_outputs(&out)?;
+        Ok((leaves, out))
+    }
+
+    /// Sends the outputs in `out` that cross to later stages (going `dir`, for micro-batch or
+    /// evaluation batch `mb`); gives them, one per crossing out of the stage.
+    fn send_outputs(&self, dir: Direction, mb: usize, out: &mut Tensors) -> Result<Vec<Tensor<1>>> {
+        let mut sent = Vec::with_capacity(self.outs.len());
         for &c in &self.outs {
             let name = &self.crossings[c].name;
             let y = float(out.take_entry(name), self.stage(), name)?;
-            let values = to_vec(y.tensor.clone())?;
+            let payload = wire::encode_shaped(&y.dims, &to_vec(y.tensor.clone())?);
             let to = self.peer(self.crossings[c].to);
-            let payload = wire::encode_shaped(&y.dims, &values);
-            self.world
-                .send(to, wire::tag(Direction::Forward, c, mb), &payload)?;
+            self.world.send(to, wire::tag(dir, c, mb), &payload)?;
             // Another consumer of the same name gets the same tensor.
+            let value = Flat::Float(y.tensor.clone());
             out.put_entry(
                 name,
                 Entry {
                     dims: y.dims,
-                    value: Flat::Float(y.tensor.clone()),
+                    value,
                 },
             );
-            outputs.push(y.tensor);
+            sent.push(y.tensor);
         }
-        Ok(Flight { leaves, outputs })
+        Ok(sent)
     }
 
     /// Backward of micro-batch `mb`; gives the micro-batch's loss on the last stage (else 0).
@@ -346,12 +396,6 @@ impl Pipeline {
         Ok(seed)
     }
 
-    fn receive_activation(&self, c: usize, mb: usize) -> Result<(Vec<usize>, Vec<f32>)> {
-        let from = self.crossings[c].from;
-        let bytes = self.receive(c, mb, Direction::Forward, from)?;
-        wire::decode_shaped(&bytes).map_err(|e| self.malformed(c, mb, from, e))
-    }
-
     /// The message of crossing `c` for micro-batch `mb` going `dir`, from stage `stage`.
     fn receive(&self, c: usize, mb: usize, dir: Direction, stage: usize) -> Result<Vec<u8>> {
         let peer = self.peer(stage);
@@ -362,7 +406,7 @@ impl Pipeline {
             .map_err(|e| {
                 let what = match dir {
                     Direction::Backward => "gradient of",
-                    _ => "activation",
+                    Direction::Forward | Direction::Eval | Direction::State => "activation",
                 };
                 DistError::Peer {
                     rank: self.world.world_rank(peer),
