@@ -8,6 +8,10 @@
 //! `GradientsParams` to [`DataParallel::average`]: the averaged gradients come back, ready for
 //! the optimizer. No flat buffers in user code.
 //!
+//! For a model too big for one rank, [`Pipeline`] runs one user module per stage ([`PipelineStage`]:
+//! a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and replicas of every
+//! stage (`examples/pipeline_model.rs`).
+//!
 //! ```no_run
 //! # use burn::prelude::*;
 //! # use burn::nn::{Linear, LinearConfig};
