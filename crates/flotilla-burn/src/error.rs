@@ -30,6 +30,21 @@ pub enum DistError {
         /// Why.
         source: std::io::Error,
     },
+    /// A pipeline that cannot run as set up: stages that do not divide the ranks, names
+    /// that do not meet between stages, a batch too small for its micro-batches.
+    #[error("pipeline: {0}")]
+    Pipeline(String),
+    /// A named tensor that is missing or not of the rank or kind asked for.
+    #[error("tensor {0}")]
+    Tensor(String),
+    /// Another rank failed to send what was expected, or sent something malformed.
+    #[error("rank {rank}: {message}")]
+    Peer {
+        /// The rank at fault (world rank).
+        rank: usize,
+        /// What was expected.
+        message: String,
+    },
 }
 
 /// The result type of this crate.

@@ -8,6 +8,10 @@
 //! `GradientsParams` to [`DataParallel::average`]: the averaged gradients come back, ready for
 //! the optimizer. No flat buffers in user code.
 //!
+//! For a model too big for one rank, [`Pipeline`] runs one user module per stage ([`PipelineStage`]:
+//! a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and replicas of every
+//! stage (`examples/pipeline_model.rs`).
+//!
 //! ```no_run
 //! # use burn::prelude::*;
 //! # use burn::nn::{Linear, LinearConfig};
@@ -37,6 +41,7 @@ mod agree;
 mod buckets;
 mod data_parallel;
 mod error;
+mod pipeline;
 mod sync_batch_norm;
 
 use std::sync::Arc;
@@ -44,7 +49,9 @@ use std::sync::Arc;
 pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
+pub use flotilla_comm::pipeline::Schedule;
 pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
@@ -58,5 +65,7 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 
 #[cfg(test)]
 mod data_parallel_tests;
+#[cfg(test)]
+mod pipeline_tests;
 #[cfg(test)]
 mod sync_batch_norm_tests;

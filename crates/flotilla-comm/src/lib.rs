@@ -48,6 +48,7 @@ pub mod frame;
 pub mod fuzzing;
 mod net;
 mod op;
+pub mod pipeline;
 mod reduce;
 mod rendezvous;
 mod ring;

@@ -3,21 +3,21 @@
 //! by GPipe or 1F1B, and data-parallel replicas of every stage.
 //!
 //! The engine side (what a stage computes) is [`flotilla_engine::Stage`]; the cut is
-//! [`flotilla_engine::StageCut`]. This module moves tensors between stages ([`wire`]), orders
-//! the micro-batches ([`schedule`]) and gives a user the loop ([`Pipeline`]); the CLI's
+//! [`flotilla_engine::StageCut`]. How stages talk, shared with `flotilla-burn`'s pipelines of
+//! a user's modules, is [`flotilla_comm::pipeline`]: the tags and payloads of the tensors
+//! between stages (`wire`) and the order of the micro-batches (`schedule`). This module gives
+//! a user the loop ([`Pipeline`]); the CLI's
 //! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 pub mod pipe;
 pub mod plan;
-pub mod schedule;
 pub mod stage;
 pub mod state;
-pub mod wire;
 
-pub use pipe::{Pipeline, PipelineOptions, micro_batches};
+pub use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
+pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
-pub use schedule::{Action, Schedule};
 pub use stage::PipelineStage;
 
 #[cfg(test)]

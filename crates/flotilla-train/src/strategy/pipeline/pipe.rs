@@ -18,8 +18,8 @@ use flotilla_comm::ProcessGroup;
 use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
-use crate::strategy::pipeline::schedule::{Action, Schedule};
-use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use flotilla_comm::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
 
 /// How a pipeline runs.
 #[derive(Debug, Clone, PartialEq)]
@@ -520,20 +520,6 @@ enum Upstream<'a> {
     Grad(Vec<f32>),
     /// A stage receives its outputs' gradients from the stages that consumed them.
     Stage,
-}
-
-/// Cuts `n` samples into `m` contiguous micro-batches whose sizes differ by at most one.
-pub fn micro_batches(n: usize, m: usize) -> Vec<Range<usize>> {
-    let m = m.max(1);
-    let mut start = 0;
-    (0..m)
-        .map(|i| {
-            let len = n / m + usize::from(i < n % m);
-            let r = start..start + len;
-            start += len;
-            r
-        })
-        .collect()
 }
 
 fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<()> {

@@ -84,10 +84,31 @@ impl Schedule {
     }
 }
 
+/// Cuts `n` samples into `m` contiguous micro-batches whose sizes differ by at most one.
+pub fn micro_batches(n: usize, m: usize) -> Vec<std::ops::Range<usize>> {
+    let m = m.max(1);
+    let mut start = 0;
+    (0..m)
+        .map(|i| {
+            let len = n / m + usize::from(i < n % m);
+            let r = start..start + len;
+            start += len;
+            r
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use Action::{Backward as B, Forward as F};
+
+    #[test]
+    fn micro_batches_cover_the_batch_in_near_equal_parts() {
+        assert_eq!(micro_batches(10, 4), vec![0..3, 3..6, 6..8, 8..10]);
+        assert_eq!(micro_batches(4, 1), vec![0..4]);
+        assert_eq!(micro_batches(2, 0), vec![0..2]);
+    }
 
     #[test]
     fn gpipe_runs_every_forward_then_every_backward() {
