@@ -3,7 +3,7 @@
 use flotilla_engine::EngineError;
 use flotilla_group::CommError;
 
-/// An error of [`crate::DataParallel`].
+/// An error of [`crate::DataParallel`] and the other modes of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
     /// The process group failed (a lost rank, a deadline, a protocol error).
@@ -19,6 +19,9 @@ pub enum DistError {
     /// The optimizer state broadcast by rank 0 could not be saved or loaded.
     #[error("optimizer state: {0}")]
     Optimizer(String),
+    /// A setting the caller gave cannot work (it says which and why).
+    #[error("{0}")]
+    Config(String),
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {

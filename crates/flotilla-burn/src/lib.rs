@@ -34,16 +34,20 @@
 #![warn(missing_docs)]
 
 mod agree;
+mod async_all_reduce;
+mod averaging;
 mod buckets;
 mod data_parallel;
 mod error;
 
 use std::sync::Arc;
 
+pub use async_all_reduce::{AsyncAllReduce, AsyncConfig, Correction};
+pub use averaging::ModelAveraging;
 pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
-pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
 
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
 /// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
@@ -54,5 +58,9 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
     Ok(Arc::new(flotilla_comm::Communicator::connect(config)?))
 }
 
+#[cfg(test)]
+mod async_tests;
+#[cfg(test)]
+mod averaging_tests;
 #[cfg(test)]
 mod data_parallel_tests;
