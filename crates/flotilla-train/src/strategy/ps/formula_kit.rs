@@ -8,9 +8,9 @@ use std::time::{Duration, Instant};
 use flotilla_cluster::{Aggregation, GlobalServerSpec, ServerSpec, Topology};
 use flotilla_comm::ProcessGroup;
 
-use super::inbox::Inbox;
+use flotilla_ps::Inbox;
 use super::local::LocalServer;
-use super::protocol::{PsMessage, TAG};
+use flotilla_ps::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
 use super::shard_server::ShardServer;
 use crate::config::{LrSchedule, TrainConfig};

@@ -14,10 +14,9 @@ use flotilla_comm::CommError;
 use flotilla_engine::ModelState;
 
 use super::PsContext;
-use super::aggregate::{Accumulator, Admission, Mean};
-use super::inbox::Inbox;
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
 use super::job::{Announcement, Place};
-use super::protocol::PsMessage;
+use flotilla_ps::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};

@@ -9,10 +9,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_engine::Engine;
 
-use super::aggregate::{Accumulator, Admission, Mean, admit};
-use super::inbox::{Event, Inbox};
-use super::protocol::PsMessage;
-use super::protocol::encode_params;
+use flotilla_ps::{Accumulator, Admission, Event, Inbox, Mean, PsMessage, admit, encode_params};
 use super::{PsContext, send};
 use crate::error::{Result, TrainError};
 

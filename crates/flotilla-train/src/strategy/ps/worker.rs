@@ -9,7 +9,7 @@ use flotilla_cluster::RoleKind;
 use flotilla_engine::{Engine, ModelState};
 
 use super::job::{Announcement, Place};
-use super::protocol::{PsMessage, TAG};
+use flotilla_ps::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
