@@ -41,7 +41,7 @@ impl Net {
 }
 
 const GLOBAL_BATCH: usize = 12;
-const STEPS: usize = 50;
+pub(crate) const STEPS: usize = 50;
 
 pub(crate) fn device() -> Device {
     Device::flex().autodiff()
@@ -106,13 +106,13 @@ pub(crate) fn params(model: &Net) -> Vec<f32> {
 /// The optimizers of the equality test: SGD with momentum sees a wrongly scaled average (Adam
 /// would hide it: it divides the scale out).
 #[derive(Clone, Copy, Debug)]
-enum Optim {
+pub(crate) enum Optim {
     Sgd,
     Adam,
 }
 
 impl Optim {
-    fn init(self) -> ModuleOptimizer {
+    pub(crate) fn init(self) -> ModuleOptimizer {
         match self {
             Optim::Sgd => SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
@@ -141,7 +141,7 @@ fn train(group: Arc<dyn ProcessGroup>, model: Net, bucket_bytes: usize, how: Opt
 }
 
 /// The user's loop without Flotilla: rank 0's model on the whole global batch.
-fn train_alone(how: Optim) -> Vec<f32> {
+pub(crate) fn train_alone(how: Optim) -> Vec<f32> {
     let mut model = net(0, 16);
     let mut optim = how.init();
     for step in 0..STEPS {

@@ -19,6 +19,14 @@ pub enum DistError {
     /// The optimizer state broadcast by rank 0 could not be saved or loaded.
     #[error("optimizer state: {0}")]
     Optimizer(String),
+    /// A peer of a parameter-server job failed, broke the protocol or stayed silent.
+    #[error("rank {rank}: {message}")]
+    Peer {
+        /// The rank at fault (or waited for).
+        rank: usize,
+        /// What happened.
+        message: String,
+    },
     /// A setting the caller gave cannot work (it says which and why).
     #[error("{0}")]
     Config(String),

@@ -39,6 +39,7 @@ mod averaging;
 mod buckets;
 mod data_parallel;
 mod error;
+pub mod ps;
 
 use std::sync::Arc;
 
@@ -64,3 +65,5 @@ mod async_tests;
 mod averaging_tests;
 #[cfg(test)]
 mod data_parallel_tests;
+#[cfg(test)]
+mod ps_tests;
