@@ -150,7 +150,8 @@ impl AsyncAllReduce {
 
     /// Submits `grads` (this rank's gradients, computed on [`AsyncAllReduce::gradient_point`])
     /// and applies the oldest reduced steps with `optim` at `lr` until at most `staleness` are
-    /// in flight; returns the updated `model`. Every rank calls it once per step.
+    /// in flight; returns the updated `model`. `model` is the model itself, never the
+    /// gradient point (whose parameters are a prediction). Every rank calls it once per step.
     pub fn step<M: Module>(
         &mut self,
         model: M,

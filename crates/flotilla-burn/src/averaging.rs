@@ -49,6 +49,11 @@ impl ModelAveraging {
         &self.dp
     }
 
+    /// The data-parallel wrapper back (to go on synchronously, or to save).
+    pub fn into_data_parallel(self) -> DataParallel {
+        self.dp
+    }
+
     /// Counts one local optimizer step of `model`; on every `every`-th, returns it averaged
     /// over the ranks ([`ModelAveraging::average`]), else unchanged. Collective on those steps:
     /// every rank calls it after each of its steps.

@@ -8,6 +8,17 @@
 //! `GradientsParams` to [`DataParallel::average`]: the averaged gradients come back, ready for
 //! the optimizer. No flat buffers in user code.
 //!
+//! The other ways of training of `flotilla train`, for the same model and loop:
+//! - [`AsyncAllReduce`] (from a [`DataParallel`] after its broadcasts): gradients averaged by
+//!   the group's background cycle and applied one step stale, each computed at the parameters
+//!   predicted for when it is applied ([`AsyncAllReduce::gradient_point`]); `drain` before
+//!   evaluating or saving.
+//! - [`ModelAveraging`]: local SGD, each rank stepping alone, the parameters (and optionally
+//!   the buffers) averaged every `k` steps.
+//! - [`ps`]: parameter servers: [`ps::serve`] on the server rank(s) with the user's model and
+//!   optimizer (sync rounds, sharded over whole tensors, or async), a [`ps::Worker`] in the
+//!   workers' loops (pull, compute, push); the protocol of `flotilla train`'s servers.
+//!
 //! ```no_run
 //! # use burn::prelude::*;
 //! # use burn::nn::{Linear, LinearConfig};
@@ -63,6 +74,18 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 mod async_tests;
 #[cfg(test)]
 mod averaging_tests;
+/// Writes `model`'s parameters as safetensors under the module's own names (PyTorch's
+/// layout), atomically (a temporary file renamed into place): what [`DataParallel::save`] does
+/// on rank 0, for a rank that holds the model alone (a parameter server's rank 0).
+pub fn save<M: burn::module::Module>(model: &M, path: &std::path::Path) -> Result<()> {
+    let tmp = path.with_extension("safetensors.tmp");
+    flotilla_engine::any_module::save_module(model, &tmp, &[])?;
+    std::fs::rename(&tmp, path).map_err(|source| DistError::Write {
+        path: path.to_path_buf(),
+        source,
+    })
+}
+
 #[cfg(test)]
 mod data_parallel_tests;
 #[cfg(test)]

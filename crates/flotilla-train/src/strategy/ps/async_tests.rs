@@ -117,12 +117,8 @@ impl Tree {
             _ => (&self.workers[3], &mut self.b),
         };
         let parent = if w < 5 { 1 } else { 4 };
-        link.send(
-            parent,
-            flotilla_ps::TAG,
-            &push(version, samples, &grad(g)),
-        )
-        .expect("send");
+        link.send(parent, flotilla_ps::TAG, &push(version, samples, &grad(g)))
+            .expect("send");
         local.step();
     }
 }

@@ -9,11 +9,11 @@ use flotilla_cluster::Aggregation;
 use flotilla_comm::{CommError, ProcessGroup};
 
 use super::formula_kit::{N, Server, flat, hierarchical};
-use flotilla_ps::{PsMessage, TAG};
 use super::serve::ServerMachine;
 use super::shard_server::ShardServer;
 use crate::config::{TopologySection, TrainConfig};
 use crate::testkit::{config, sgd, world};
+use flotilla_ps::{PsMessage, TAG};
 
 const LR: f64 = 0.5;
 /// How long a step waits for its event.

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 use flotilla_comm::CommError;
 
 use super::PsContext;
-use flotilla_ps::{Event, Inbox, PsMessage};
 use crate::error::{Result, TrainError};
+use flotilla_ps::{Event, Inbox, PsMessage};
 
 /// A parameter server as a state machine: every input is one method call.
 pub trait ServerMachine {

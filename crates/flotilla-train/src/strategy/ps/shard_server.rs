@@ -21,13 +21,13 @@ use flotilla_comm::CommError;
 use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use super::PsContext;
-use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
-use flotilla_ps::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
 use flotilla_cluster::RoleKind;
+use flotilla_ps::PsMessage;
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
 
 use super::job::{Announcement, Place};
 use crate::batches::Batches;
