@@ -48,6 +48,7 @@ mod agree;
 mod async_all_reduce;
 mod averaging;
 mod buckets;
+mod checkpoint;
 mod data_parallel;
 mod error;
 pub mod ps;
@@ -57,6 +58,7 @@ use std::sync::Arc;
 pub use async_all_reduce::{AsyncAllReduce, AsyncConfig, Correction};
 pub use averaging::ModelAveraging;
 pub use buckets::DEFAULT_BUCKET_BYTES;
+pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
@@ -74,18 +76,6 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 mod async_tests;
 #[cfg(test)]
 mod averaging_tests;
-/// Writes `model`'s parameters as safetensors under the module's own names (PyTorch's
-/// layout), atomically (a temporary file renamed into place): what [`DataParallel::save`] does
-/// on rank 0, for a rank that holds the model alone (a parameter server's rank 0).
-pub fn save<M: burn::module::Module>(model: &M, path: &std::path::Path) -> Result<()> {
-    let tmp = path.with_extension("safetensors.tmp");
-    flotilla_engine::any_module::save_module(model, &tmp, &[])?;
-    std::fs::rename(&tmp, path).map_err(|source| DistError::Write {
-        path: path.to_path_buf(),
-        source,
-    })
-}
-
 #[cfg(test)]
 mod data_parallel_tests;
 #[cfg(test)]

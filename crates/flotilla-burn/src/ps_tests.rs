@@ -72,15 +72,17 @@ fn sync_job(servers: usize) -> Vec<f32> {
         .into_iter()
         .map(|h| h.join().expect("rank"))
         .collect();
-    let mut out = None;
-    for (rank, r) in results.into_iter().enumerate() {
-        match r {
-            Ok(Some(p)) if rank == 0 => out = Some(p),
-            Ok(_) => {}
-            Err(e) => panic!("rank {rank}: {e}"),
-        }
-    }
-    out.expect("rank 0's model")
+    let errors: Vec<String> = results
+        .iter()
+        .enumerate()
+        .filter_map(|(rank, r)| r.as_ref().err().map(|e| format!("rank {rank}: {e}")))
+        .collect();
+    assert!(errors.is_empty(), "{servers} servers: {errors:#?}");
+    results
+        .into_iter()
+        .next()
+        .and_then(|r| r.ok().flatten())
+        .expect("rank 0's model")
 }
 
 #[test]
@@ -265,5 +267,37 @@ fn layouts_that_cannot_work_are_refused_before_anything_starts() {
             Err(DistError::Config(why)) => assert!(why.contains(expected), "{why}"),
             other => panic!("expected a config error, got {other:?}"),
         }
+    }
+}
+
+#[test]
+fn an_async_server_goes_on_without_a_lost_worker_and_fails_when_none_is_left() {
+    let c = config(
+        1,
+        Aggregation::Async {
+            max_staleness: None,
+            staleness_lr: true,
+        },
+    );
+    let mut groups = world(3);
+    let server_group = groups.remove(0);
+    let server = std::thread::spawn(move || {
+        let mut optim = sgd();
+        serve(server_group, net(0, 8), &mut optim, lr, 1000, c)
+    });
+    // Both workers join, then leave without a push: each is lost, one after the other.
+    let joins: Vec<_> = groups
+        .into_iter()
+        .map(|g| std::thread::spawn(move || Worker::new(g, &net(1, 8), c).map(|_| ())))
+        .collect();
+    joins
+        .into_iter()
+        .for_each(|j| j.join().expect("join").expect("worker"));
+    match server.join().expect("server") {
+        Err(DistError::Peer { message, .. }) => assert!(
+            message.contains("every worker was lost ([1, 2]") || message.contains("([2, 1]"),
+            "{message}"
+        ),
+        other => panic!("expected the lost workers named, got {other:?}"),
     }
 }

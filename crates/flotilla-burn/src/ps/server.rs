@@ -125,6 +125,15 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
                 Some(Event::Back(_)) => {}
             }
         }
+        if !self.done() {
+            return Err(DistError::Peer {
+                rank: self.stats.lost.last().copied().unwrap_or(0),
+                message: format!(
+                    "every worker was lost ({:?}) at version {} of {}",
+                    self.stats.lost, self.stats.version, self.rounds
+                ),
+            });
+        }
         Ok(model)
     }
 

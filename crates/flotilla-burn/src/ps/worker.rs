@@ -80,8 +80,10 @@ impl Worker {
     }
 
     /// `model` with the servers' newest parameters (ids kept), or `None` once the servers said
-    /// stop. Call it before each step's forward pass.
+    /// stop. Call it before each step's forward pass. Every server's answer is read, stop or
+    /// not, so that a worker leaves only once every server finished its last round with it.
     pub fn pull<M: Module>(&mut self, model: &M) -> Result<Option<M>> {
+        let mut stopped = false;
         for s in 0..self.config.servers {
             loop {
                 let deadline = Instant::now() + self.config.timeout;
@@ -103,7 +105,10 @@ impl Worker {
                         self.versions[s] = version;
                         break;
                     }
-                    PsMessage::Stop { .. } => return Ok(None),
+                    PsMessage::Stop { .. } => {
+                        stopped = true;
+                        break;
+                    }
                     PsMessage::Abort { reason } => {
                         return Err(DistError::Peer {
                             rank: s,
@@ -125,6 +130,9 @@ impl Worker {
                     }
                 }
             }
+        }
+        if stopped {
+            return Ok(None);
         }
         let model = any_module::write_params(model.clone(), &self.layout, &self.params)?;
         Ok(Some(model))
