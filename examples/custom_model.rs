@@ -25,7 +25,7 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::ps::{self, Aggregation, PsConfig};
 use flotilla_burn::{
-    AsyncAllReduce, AsyncConfig, DataParallel, ModelAveraging, ProcessGroup, ReduceOp,
+    AsyncAllReduce, AsyncConfig, Correction, DataParallel, ModelAveraging, ProcessGroup, ReduceOp,
 };
 use flotilla_data::{Batcher, DistributedSampler, ImageDataset, Mnist, MnistSplits};
 
@@ -251,7 +251,15 @@ impl Run {
         *optim = dp.broadcast_optimizer(optim.clone())?;
         let mode = match self.mode.as_str() {
             "sync" => Mode::Sync(dp),
-            "async" => Mode::Async(AsyncAllReduce::start(dp, &net, AsyncConfig::default())?),
+            "async" => {
+                // One step stale, each gradient taken where Adam (`beta1` 0.9) will apply it.
+                let correction = Correction::Predict { momentum: 0.9 };
+                let config = AsyncConfig {
+                    correction,
+                    ..AsyncConfig::default()
+                };
+                Mode::Async(AsyncAllReduce::start(dp, &net, config)?)
+            }
             "averaging" => Mode::Averaging(ModelAveraging::new(
                 dp,
                 setting("AVERAGE_EVERY", 8)? as u64,
