@@ -4,7 +4,7 @@
 //! encode → decode (compared by encoding, so NaN values count as equal bit patterns).
 #![no_main]
 
-use flotilla_train::ps::protocol::PsMessage;
+use flotilla_ps::PsMessage;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 

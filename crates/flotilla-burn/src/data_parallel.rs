@@ -165,12 +165,7 @@ impl DataParallel {
         if self.rank() != 0 {
             return Ok(());
         }
-        let tmp = path.with_extension("safetensors.tmp");
-        any_module::save_module(model, &tmp, &[])?;
-        std::fs::rename(&tmp, path).map_err(|source| DistError::Write {
-            path: path.to_path_buf(),
-            source,
-        })
+        crate::save(model, path)
     }
 
     /// `model` with its parameters read from `path` (written by [`DataParallel::save`]).

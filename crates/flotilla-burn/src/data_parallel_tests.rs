@@ -1,5 +1,6 @@
 //! A user's own burn module trained on N in-memory ranks equals the same module trained on
 //! one rank with the same global batch; the parameter-list check names a differing rank.
+//! The model, its data and the in-memory world are shared with the tests of the other modes.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,7 +20,7 @@ use crate::{DataParallel, DistError};
 
 /// A user's model, written in plain burn.
 #[derive(Module, Debug)]
-struct Net {
+pub(crate) struct Net {
     hidden: Linear,
     act: Relu,
     out: Linear,
@@ -34,15 +35,15 @@ impl Net {
         }
     }
 
-    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+    pub(crate) fn forward(&self, x: Tensor<2>) -> Tensor<2> {
         self.out.forward(self.act.forward(self.hidden.forward(x)))
     }
 }
 
 const GLOBAL_BATCH: usize = 12;
-const STEPS: usize = 50;
+pub(crate) const STEPS: usize = 50;
 
-fn device() -> Device {
+pub(crate) fn device() -> Device {
     Device::flex().autodiff()
 }
 
@@ -52,7 +53,7 @@ static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 /// Rank `rank`'s model, initialised from its own seed (so only a broadcast makes them agree).
 /// Its parameters are drawn now (burn initialises them lazily, on first use).
-fn net(rank: u64, width: usize) -> Net {
+pub(crate) fn net(rank: u64, width: usize) -> Net {
     let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let device = device();
     device.seed(1000 + rank);
@@ -61,7 +62,7 @@ fn net(rank: u64, width: usize) -> Net {
     net
 }
 
-fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
+pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
     Communicator::in_memory(
         n,
         CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(10)),
@@ -80,7 +81,7 @@ fn sample(step: usize, i: usize) -> ([f32; 3], [f32; 2]) {
 }
 
 /// This rank's interleaved shard of step `step`'s global batch.
-fn batch(step: usize, rank: usize, n: usize) -> (Tensor<2>, Tensor<2>) {
+pub(crate) fn batch(step: usize, rank: usize, n: usize) -> (Tensor<2>, Tensor<2>) {
     let (mut xs, mut ys) = (Vec::new(), Vec::new());
     for i in (rank..GLOBAL_BATCH).step_by(n) {
         let (x, y) = sample(step, i);
@@ -95,7 +96,7 @@ fn batch(step: usize, rank: usize, n: usize) -> (Tensor<2>, Tensor<2>) {
     )
 }
 
-fn params(model: &Net) -> Vec<f32> {
+pub(crate) fn params(model: &Net) -> Vec<f32> {
     let layout = ParamLayout::of(model);
     let mut flat = vec![0.0; layout.total];
     read_params(model, &layout, &mut flat).expect("read");
@@ -105,13 +106,13 @@ fn params(model: &Net) -> Vec<f32> {
 /// The optimizers of the equality test: SGD with momentum sees a wrongly scaled average (Adam
 /// would hide it: it divides the scale out).
 #[derive(Clone, Copy, Debug)]
-enum Optim {
+pub(crate) enum Optim {
     Sgd,
     Adam,
 }
 
 impl Optim {
-    fn init(self) -> ModuleOptimizer {
+    pub(crate) fn init(self) -> ModuleOptimizer {
         match self {
             Optim::Sgd => SgdConfig::new()
                 .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
@@ -140,7 +141,7 @@ fn train(group: Arc<dyn ProcessGroup>, model: Net, bucket_bytes: usize, how: Opt
 }
 
 /// The user's loop without Flotilla: rank 0's model on the whole global batch.
-fn train_alone(how: Optim) -> Vec<f32> {
+pub(crate) fn train_alone(how: Optim) -> Vec<f32> {
     let mut model = net(0, 16);
     let mut optim = how.init();
     for step in 0..STEPS {
@@ -167,7 +168,7 @@ fn run(n: usize, bucket_bytes: usize, how: Optim) -> Vec<Vec<f32>> {
         .collect()
 }
 
-fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn max_relative_difference(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "parameter counts differ");
     a.iter()
         .zip(b)

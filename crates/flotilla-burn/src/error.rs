@@ -3,7 +3,7 @@
 use flotilla_engine::EngineError;
 use flotilla_group::CommError;
 
-/// An error of [`crate::DataParallel`].
+/// An error of [`crate::DataParallel`] and the other modes of this crate.
 #[derive(Debug, thiserror::Error)]
 pub enum DistError {
     /// The process group failed (a lost rank, a deadline, a protocol error).
@@ -22,6 +22,17 @@ pub enum DistError {
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),
+    /// A peer of a parameter-server job failed, broke the protocol or stayed silent.
+    #[error("rank {rank}: {message}")]
+    Peer {
+        /// The rank at fault (or waited for).
+        rank: usize,
+        /// What happened.
+        message: String,
+    },
+    /// A setting the caller gave cannot work (it says which and why).
+    #[error("{0}")]
+    Config(String),
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {

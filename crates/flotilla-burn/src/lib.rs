@@ -11,6 +11,16 @@
 //! For a model too big for one rank, [`Pipeline`] runs one user module per stage ([`PipelineStage`]:
 //! a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and replicas of every
 //! stage (`examples/pipeline_model.rs`).
+//! The other ways of training of `flotilla train`, for the same model and loop:
+//! - [`AsyncAllReduce`] (from a [`DataParallel`] after its broadcasts): gradients averaged by
+//!   the group's background cycle and applied one step stale, each computed at the parameters
+//!   predicted for when it is applied ([`AsyncAllReduce::gradient_point`]); `drain` before
+//!   evaluating or saving.
+//! - [`ModelAveraging`]: local SGD, each rank stepping alone, the parameters (and optionally
+//!   the buffers) averaged every `k` steps.
+//! - [`ps`]: parameter servers: [`ps::serve`] on the server rank(s) with the user's model and
+//!   optimizer (sync rounds, sharded over whole tensors, or async), a [`ps::Worker`] in the
+//!   workers' loops (pull, compute, push); the protocol of `flotilla train`'s servers.
 //!
 //! ```no_run
 //! # use burn::prelude::*;
@@ -38,19 +48,26 @@
 #![warn(missing_docs)]
 
 mod agree;
+mod async_all_reduce;
+mod averaging;
 mod buckets;
+mod checkpoint;
 mod data_parallel;
 mod error;
 mod pipeline;
 mod sync_batch_norm;
+pub mod ps;
 
 use std::sync::Arc;
 
+pub use async_all_reduce::{AsyncAllReduce, AsyncConfig, Correction};
+pub use averaging::ModelAveraging;
 pub use buckets::DEFAULT_BUCKET_BYTES;
+pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_comm::pipeline::Schedule;
-pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
 pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 
@@ -64,8 +81,14 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 }
 
 #[cfg(test)]
+mod async_tests;
+#[cfg(test)]
+mod averaging_tests;
+#[cfg(test)]
 mod data_parallel_tests;
 #[cfg(test)]
 mod pipeline_tests;
+#[cfg(test)]
+mod ps_tests;
 #[cfg(test)]
 mod sync_batch_norm_tests;

@@ -37,19 +37,24 @@ fn launch(n: usize, env: &[(&str, String)], limit: Duration) -> std::process::Ou
 }
 
 #[test]
-fn a_user_program_on_2_ranks_trains_as_on_1_rank_with_the_same_global_batch() {
+fn a_user_program_on_2_ranks_or_a_server_and_2_workers_trains_as_on_1_rank_with_the_same_global_batch()
+ {
     let dir = tmp();
-    let run = |n: usize, steps: usize, name: &str| {
+    // `trainers` of the `n` ranks train on data: all of them, or the workers under one
+    // parameter server (`MODE=ps`, rank 0); each on its share of a global batch of 64.
+    let run_as = |mode: &str, n: usize, trainers: usize, steps: usize, name: &str| {
         let out = dir.path().join(name);
         let env = [
             ("STEPS", steps.to_string()),
-            ("BATCH", (64 / n).to_string()),
+            ("BATCH", (64 / trainers).to_string()),
             ("OUT", out.display().to_string()),
+            ("MODE", mode.to_string()),
         ];
         let o = launch(n, &env, Duration::from_secs(240));
         assert!(o.status.success(), "{n} ranks:\n{}", text(&o));
         safetensors_file(&out)
     };
+    let run = |n: usize, steps: usize, name: &str| run_as("sync", n, n, steps, name);
     let initial = run(1, 0, "initial.safetensors");
     let one = run(1, 50, "one.safetensors");
     let two = run(2, 50, "two.safetensors");
@@ -61,6 +66,13 @@ fn a_user_program_on_2_ranks_trains_as_on_1_rank_with_the_same_global_batch() {
     assert!(
         e <= 1e-5,
         "2 ranks vs 1 rank after 50 steps: relative error {e}"
+    );
+    // A sync parameter server's rounds average its 2 workers' gradients, as 1 rank's batch.
+    let ps = run_as("ps", 3, 2, 50, "ps.safetensors");
+    let e = relative_error(&ps, &one);
+    assert!(
+        e <= 1e-5,
+        "a server and 2 workers vs 1 rank after 50 steps: relative error {e}"
     );
     // The module's own parameter names, as PyTorch would give them.
     let names: Vec<&str> = one.keys().map(String::as_str).collect();

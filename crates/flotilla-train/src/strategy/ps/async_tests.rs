@@ -44,7 +44,7 @@ fn flat_script(shards: usize, config: &crate::TrainConfig, scaled: bool, momentu
         for (s, server) in servers.iter_mut().enumerate() {
             let slice = &values[ranges[s].clone()];
             workers[worker]
-                .send(s, super::protocol::TAG, &push(version, samples, slice))
+                .send(s, flotilla_ps::TAG, &push(version, samples, slice))
                 .expect("send");
             server.step();
             let what = format!("push {} ({staleness} stale), shard {s}", i + 1);
@@ -117,12 +117,8 @@ impl Tree {
             _ => (&self.workers[3], &mut self.b),
         };
         let parent = if w < 5 { 1 } else { 4 };
-        link.send(
-            parent,
-            super::protocol::TAG,
-            &push(version, samples, &grad(g)),
-        )
-        .expect("send");
+        link.send(parent, flotilla_ps::TAG, &push(version, samples, &grad(g)))
+            .expect("send");
         local.step();
     }
 }

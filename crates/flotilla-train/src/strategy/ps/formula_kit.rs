@@ -8,14 +8,14 @@ use std::time::{Duration, Instant};
 use flotilla_cluster::{Aggregation, GlobalServerSpec, ServerSpec, Topology};
 use flotilla_comm::ProcessGroup;
 
-use super::inbox::Inbox;
 use super::local::LocalServer;
-use super::protocol::{PsMessage, TAG};
 use super::serve::{ServerMachine, serve_one};
 use super::shard_server::ShardServer;
 use crate::config::{LrSchedule, TrainConfig};
 use crate::strategy::Strategy;
 use crate::testkit::{Rank, SgdRef, config, params, sgd};
+use flotilla_ps::Inbox;
+use flotilla_ps::{PsMessage, TAG};
 
 /// The configured optimizer: SGD, this rate and momentum, cosine over [`ROUNDS`] rounds.
 pub(crate) const LR: f64 = 0.2;

@@ -14,10 +14,7 @@ use flotilla_comm::CommError;
 use flotilla_engine::ModelState;
 
 use super::PsContext;
-use super::aggregate::{Accumulator, Admission, Mean};
-use super::inbox::Inbox;
 use super::job::{Announcement, Place};
-use super::protocol::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
@@ -27,6 +24,8 @@ use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
+use flotilla_ps::PsMessage;
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
 
 /// Local server state.
 pub struct LocalServer {

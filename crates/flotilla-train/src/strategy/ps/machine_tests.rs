@@ -9,11 +9,11 @@ use flotilla_cluster::Aggregation;
 use flotilla_comm::{CommError, ProcessGroup};
 
 use super::formula_kit::{N, Server, flat, hierarchical};
-use super::protocol::{PsMessage, TAG};
 use super::serve::ServerMachine;
 use super::shard_server::ShardServer;
 use crate::config::{TopologySection, TrainConfig};
 use crate::testkit::{config, sgd, world};
+use flotilla_ps::{PsMessage, TAG};
 
 const LR: f64 = 0.5;
 /// How long a step waits for its event.
@@ -222,7 +222,7 @@ fn a_sync_local_server_pushes_the_mean_up_and_forwards_the_reply() {
     }
     let v0 = vec![0.5f32; N];
     parent
-        .send(1, TAG, &super::protocol::encode_params(4, &v0))
+        .send(1, TAG, &flotilla_ps::encode_params(4, &v0))
         .expect("send");
     s.try_step(WAIT).expect("params");
     for w in [&w2, &w3] {

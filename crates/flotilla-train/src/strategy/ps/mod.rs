@@ -3,15 +3,13 @@
 //! gradients, or weight deltas for model averaging (`local_steps > 1`).
 //!
 //! Every process of the job joins one world at rendezvous and takes the role of its rank in
-//! the [`flotilla_cluster::Topology`]. Roles talk by [`protocol::PsMessage`]s, point to
-//! point under [`protocol::TAG`]; every message carries the parameter version it
-//! refers to, and every wait has the run's deadline.
+//! the [`flotilla_cluster::Topology`]. Roles talk by [`flotilla_ps::PsMessage`]s, point to
+//! point under [`flotilla_ps::TAG`]; every message carries the parameter version it
+//! refers to, and every wait has the run's deadline. The protocol, push admission,
+//! aggregation and inbox live in `flotilla-ps`, shared with `flotilla-burn`'s servers.
 
-pub mod aggregate;
-pub mod inbox;
 pub mod job;
 pub mod local;
-pub mod protocol;
 pub mod rejoins;
 pub mod serve;
 pub mod server;
@@ -29,7 +27,7 @@ mod formula_kit;
 mod machine_tests;
 
 use crate::error::{Result, TrainError};
-use protocol::PsMessage;
+use flotilla_ps::PsMessage;
 
 /// What every role of a parameter-server job is given (the run loop's context).
 pub use crate::strategy::Cx as PsContext;
@@ -49,7 +47,7 @@ pub fn send_bytes(
     peer: usize,
     bytes: &[u8],
 ) -> Result<()> {
-    comm.send(peer, protocol::TAG, bytes)?;
+    comm.send(peer, flotilla_ps::TAG, bytes)?;
     Ok(())
 }
 

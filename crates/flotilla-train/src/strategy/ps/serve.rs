@@ -8,9 +8,8 @@ use std::time::{Duration, Instant};
 use flotilla_comm::CommError;
 
 use super::PsContext;
-use super::inbox::{Event, Inbox};
-use super::protocol::PsMessage;
 use crate::error::{Result, TrainError};
+use flotilla_ps::{Event, Inbox, PsMessage};
 
 /// A parameter server as a state machine: every input is one method call.
 pub trait ServerMachine {
@@ -96,7 +95,7 @@ pub fn serve_one(
             machine.on_aborted(cx, from, reason)
         }
         Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg),
-        Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e),
+        Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e.into()),
         Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e),
         Some(Event::Back(peer)) => machine.on_back(cx, peer),
     }

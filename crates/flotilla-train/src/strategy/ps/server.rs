@@ -9,12 +9,9 @@ use std::time::{Duration, Instant};
 
 use flotilla_engine::Engine;
 
-use super::aggregate::{Accumulator, Admission, Mean, admit};
-use super::inbox::{Event, Inbox};
-use super::protocol::PsMessage;
-use super::protocol::encode_params;
 use super::{PsContext, send};
 use crate::error::{Result, TrainError};
+use flotilla_ps::{Accumulator, Admission, Event, Inbox, Mean, PsMessage, admit, encode_params};
 
 /// `1, 2, 3`.
 pub(crate) fn list(ranks: &BTreeSet<usize>) -> String {

@@ -2,7 +2,7 @@
 //! shard 0 of a sharded flat topology, or the global server) or another shard server.
 //!
 //! - Sync: a round waits for one push from every active child, sums them in child order
-//!   ([`super::aggregate::Accumulator`]), applies one optimizer step and sends the new
+//!   ([`flotilla_ps::Accumulator`]), applies one optimizer step and sends the new
 //!   version to every child. A lost child, or silence past the deadline, ends the run naming
 //!   it.
 //! - Async: each admitted push is applied on arrival and answered to its sender alone; a
@@ -21,14 +21,13 @@ use flotilla_comm::CommError;
 use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use super::PsContext;
-use super::aggregate::{Accumulator, Admission, Mean};
-use super::inbox::Inbox;
-use super::protocol::PsMessage;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
 use super::{send, send_bytes};
 use flotilla_cluster::RoleKind;
+use flotilla_ps::PsMessage;
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
 
 use super::job::{Announcement, Place};
 use crate::batches::Batches;

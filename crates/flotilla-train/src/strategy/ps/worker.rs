@@ -9,7 +9,6 @@ use flotilla_cluster::RoleKind;
 use flotilla_engine::{Engine, ModelState};
 
 use super::job::{Announcement, Place};
-use super::protocol::{PsMessage, TAG};
 use super::{PsContext, send};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
@@ -17,6 +16,7 @@ use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::plan::Counting;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
+use flotilla_ps::{PsMessage, TAG};
 
 /// Worker state between rounds.
 pub struct Worker {

@@ -5,10 +5,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use flotilla_comm::{CommError, ProcessGroup};
+use flotilla_group::{CommError, ProcessGroup};
 
-use super::protocol::{PsMessage, TAG};
-use crate::error::TrainError;
+use crate::protocol::{PsMessage, TAG};
 
 /// Something that happened on a peer link.
 #[derive(Debug)]
@@ -16,7 +15,7 @@ pub enum Event {
     /// A well-formed message.
     Message(usize, PsMessage),
     /// The peer sent bytes that are not a valid message (the link stays up).
-    Malformed(usize, TrainError),
+    Malformed(usize, CommError),
     /// The link to the peer is gone (the peer died or closed it).
     Lost(usize, CommError),
     /// A replacement took the peer's place ([`ProcessGroup::rejoins`]); its loss may not

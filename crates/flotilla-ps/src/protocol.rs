@@ -9,10 +9,12 @@
 //! - `Reject` / `Stop` / `Abort`: `len: u32, len bytes of UTF-8 reason`.
 //! - `Gather`: `version: u64`.
 
-use crate::error::{Result, TrainError};
+use flotilla_group::{CommError, Tag};
+
+type Result<T> = std::result::Result<T, CommError>;
 
 /// The point-to-point tag of parameter-server messages.
-pub const TAG: flotilla_comm::Tag = 1;
+pub const TAG: Tag = 1;
 
 const PULL: u8 = 1;
 const PUSH: u8 = 2;
@@ -207,10 +209,10 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
-    fn bad(&self, what: &str) -> TrainError {
-        TrainError::Protocol {
+    fn bad(&self, what: &str) -> CommError {
+        CommError::Protocol {
             peer: self.from,
-            message: format!("malformed parameter-server message: {what}"),
+            detail: format!("malformed parameter-server message: {what}"),
         }
     }
 
