@@ -22,10 +22,11 @@ pub enum DistError {
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),
-    /// A peer of a parameter-server job failed, broke the protocol or stayed silent.
+    /// Another rank (a parameter-server peer, a pipeline stage) failed, stayed silent, broke
+    /// the protocol or sent something malformed.
     #[error("rank {rank}: {message}")]
     Peer {
-        /// The rank at fault (or waited for).
+        /// The rank at fault, or waited for (world rank).
         rank: usize,
         /// What happened.
         message: String,
@@ -48,14 +49,6 @@ pub enum DistError {
     /// A named tensor that is missing or not of the rank or kind asked for.
     #[error("tensor {0}")]
     Tensor(String),
-    /// Another rank failed to send what was expected, or sent something malformed.
-    #[error("rank {rank}: {message}")]
-    Peer {
-        /// The rank at fault (world rank).
-        rank: usize,
-        /// What was expected.
-        message: String,
-    },
 }
 
 /// The result type of this crate.

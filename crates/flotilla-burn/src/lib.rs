@@ -55,8 +55,8 @@ mod checkpoint;
 mod data_parallel;
 mod error;
 mod pipeline;
-mod sync_batch_norm;
 pub mod ps;
+mod sync_batch_norm;
 
 use std::sync::Arc;
 

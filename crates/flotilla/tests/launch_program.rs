@@ -1,5 +1,6 @@
 //! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
-//! built by `cargo test --release --workspace` with the other examples) as the ranks of a job.
+//! and `custom_model_modes.rs` for the other ways of training; built by `cargo test --release
+//! --workspace` with the other examples) as the ranks of a job.
 
 mod common;
 
@@ -10,26 +11,36 @@ use common::{flotilla, relative_error, run_with_deadline, safetensors_file, text
 
 /// The example's binary beside this test's (`target/release/examples/custom_model`).
 fn example() -> PathBuf {
+    example_named("custom_model")
+}
+
+/// Example `name`'s binary beside this test's (`target/release/examples/NAME`).
+fn example_named(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("test path");
     let release = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("target dir");
-    let path = release.join("examples").join("custom_model");
+    let path = release.join("examples").join(name);
     assert!(
         path.is_file(),
         "{} is missing: build it with `cargo build --release -p flotilla-burn --example \
-         custom_model` (`cargo test --release --workspace` builds it)",
+         {name}` (`cargo test --release --workspace` builds it)",
         path.display()
     );
     path
 }
 
-/// `flotilla launch -n N -- custom_model` with `env`; its output.
-fn launch(n: usize, env: &[(&str, String)], limit: Duration) -> std::process::Output {
+/// `flotilla launch -n N -- PROGRAM` with `env`; its output.
+fn launch(
+    program: &str,
+    n: usize,
+    env: &[(&str, String)],
+    limit: Duration,
+) -> std::process::Output {
     let mut cmd = flotilla();
     cmd.args(["launch", "-n", &n.to_string(), "--"])
-        .arg(example());
+        .arg(example_named(program));
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -42,19 +53,21 @@ fn a_user_program_on_2_ranks_or_a_server_and_2_workers_trains_as_on_1_rank_with_
     let dir = tmp();
     // `trainers` of the `n` ranks train on data: all of them, or the workers under one
     // parameter server (`MODE=ps`, rank 0); each on its share of a global batch of 64.
-    let run_as = |mode: &str, n: usize, trainers: usize, steps: usize, name: &str| {
-        let out = dir.path().join(name);
-        let env = [
-            ("STEPS", steps.to_string()),
-            ("BATCH", (64 / trainers).to_string()),
-            ("OUT", out.display().to_string()),
-            ("MODE", mode.to_string()),
-        ];
-        let o = launch(n, &env, Duration::from_secs(240));
-        assert!(o.status.success(), "{n} ranks:\n{}", text(&o));
-        safetensors_file(&out)
-    };
-    let run = |n: usize, steps: usize, name: &str| run_as("sync", n, n, steps, name);
+    let run_as =
+        |program: &str, mode: &str, n: usize, trainers: usize, steps: usize, name: &str| {
+            let out = dir.path().join(name);
+            let env = [
+                ("STEPS", steps.to_string()),
+                ("BATCH", (64 / trainers).to_string()),
+                ("OUT", out.display().to_string()),
+                ("MODE", mode.to_string()),
+            ];
+            let o = launch(program, n, &env, Duration::from_secs(240));
+            assert!(o.status.success(), "{n} ranks:\n{}", text(&o));
+            safetensors_file(&out)
+        };
+    let run =
+        |n: usize, steps: usize, name: &str| run_as("custom_model", "sync", n, n, steps, name);
     let initial = run(1, 0, "initial.safetensors");
     let one = run(1, 50, "one.safetensors");
     let two = run(2, 50, "two.safetensors");
@@ -67,9 +80,14 @@ fn a_user_program_on_2_ranks_or_a_server_and_2_workers_trains_as_on_1_rank_with_
         e <= 1e-5,
         "2 ranks vs 1 rank after 50 steps: relative error {e}"
     );
-    // A sync parameter server's rounds average its 2 workers' gradients, as 1 rank's batch.
-    let ps = run_as("ps", 3, 2, 50, "ps.safetensors");
-    let e = relative_error(&ps, &one);
+    // A sync parameter server's rounds average its 2 workers' gradients, as 1 rank's batch
+    // (the other example, whose `MODE` picks the way of training).
+    let modes = |mode: &str, n: usize, trainers: usize, name: &str| {
+        run_as("custom_model_modes", mode, n, trainers, 50, name)
+    };
+    let one_mlp = modes("sync", 1, 1, "one_mlp.safetensors");
+    let ps = modes("ps", 3, 2, "ps.safetensors");
+    let e = relative_error(&ps, &one_mlp);
     assert!(
         e <= 1e-5,
         "a server and 2 workers vs 1 rank after 50 steps: relative error {e}"
