@@ -21,4 +21,6 @@ pub use schedule::{Action, Schedule};
 pub use stage::PipelineStage;
 
 #[cfg(test)]
+mod seq_tests;
+#[cfg(test)]
 mod tests;

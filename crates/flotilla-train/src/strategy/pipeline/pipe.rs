@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Stage, StageCut};
+use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::schedule::{Action, Schedule};
@@ -174,12 +174,24 @@ impl Pipeline {
         self.opts.lr = lr;
     }
 
+    /// How many labels one sample has: 1 for a classifier, `T` for a sequence model (one per
+    /// position, row-major in a batch's labels), as [`flotilla_engine::Engine::labels_per_sample`].
+    pub fn labels_per_sample(&self) -> usize {
+        match self.cut.output {
+            Shape::Seq { t, .. } => t,
+            _ => 1,
+        }
+    }
+
     /// Trains on one batch with the configured schedule: `images` (read on the first stage;
     /// other stages may pass an empty slice) and `labels` (read on the last stage; every
-    /// stage takes the batch size from them). Every stage steps its optimizer once. Returns
-    /// the batch's mean loss on the last stage.
+    /// stage takes the batch size from them: [`Pipeline::labels_per_sample`] labels a
+    /// sample). Micro-batches are cut by samples. Every stage steps its optimizer once.
+    /// Returns the batch's mean loss (over samples, and over positions of a sequence model)
+    /// on the last stage.
     pub fn train_batch(&mut self, images: &[f32], labels: &[i64]) -> Result<Option<f32>> {
-        self.begin(images, labels.len())?;
+        let (n, per) = (self.samples(labels)?, self.labels_per_sample());
+        self.begin(images, n)?;
         let rows = self.rows.clone();
         let stages = self.cut.stages();
         let mut loss = 0.0;
@@ -194,9 +206,9 @@ impl Pipeline {
                 }
                 Action::Backward(mb) => {
                     let r = rows[mb].clone();
-                    let weight = r.len() as f32 / labels.len() as f32;
+                    let weight = r.len() as f32 / n as f32;
                     let upstream = match self.is_last() {
-                        true => Upstream::Labels(&labels[r], weight),
+                        true => Upstream::Labels(&labels[r.start * per..r.end * per], weight),
                         false => Upstream::Stage,
                     };
                     if let Some(l) = self.backward_mb(mb, upstream)? {
@@ -272,15 +284,17 @@ impl Pipeline {
     }
 
     /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
-    /// world (replica 0 runs the forwards, every rank gets the result).
+    /// world (replica 0 runs the forwards, every rank gets the result). A sequence model's
+    /// loss and accuracy are over positions, as the whole model's.
     pub fn evaluate(&mut self, images: &[f32], labels: &[i64], chunk: usize) -> Result<EvalStats> {
         let mut stats = EvalStats::default();
         if self.replica == 0 {
+            let (n, per) = (self.samples(labels)?, self.labels_per_sample());
             let chunk = chunk.max(1);
-            for (i, start) in (0..labels.len()).step_by(chunk).enumerate() {
-                let r = start..(start + chunk).min(labels.len());
+            for (i, start) in (0..n).step_by(chunk).enumerate() {
+                let r = start..(start + chunk).min(n);
                 if let Some(logits) = self.eval_chunk(i, r.clone(), images)? {
-                    let s = EvalStats::from_logits(&logits, &labels[r]);
+                    let s = EvalStats::from_logits(&logits, &labels[r.start * per..r.end * per]);
                     stats.loss_sum += s.loss_sum;
                     stats.correct += s.correct;
                     stats.count += s.count;
@@ -294,6 +308,18 @@ impl Pipeline {
         TrainError::Config {
             source_name: format!("pipeline stage {}", self.stage.index()),
             message: what.to_string(),
+        }
+    }
+
+    /// The samples of a batch of `labels` ([`Pipeline::labels_per_sample`] each).
+    fn samples(&self, labels: &[i64]) -> Result<usize> {
+        let per = self.labels_per_sample();
+        match labels.len() % per {
+            0 => Ok(labels.len() / per),
+            _ => Err(self.usage(&format!(
+                "{} labels are not whole samples of {per} labels (one per position)",
+                labels.len()
+            ))),
         }
     }
 
