@@ -80,12 +80,11 @@ fn train_batch(pipe: &mut Pipeline, b: usize) -> Option<f32> {
     pipe.train_batch(&ids, &labels).expect("train_batch")
 }
 
+/// Parameters by name.
+type Named = std::collections::HashMap<String, Vec<f32>>;
+
 /// One process on the whole batches: the initial and final parameters, and each loss.
-fn reference() -> (
-    std::collections::HashMap<String, Vec<f32>>,
-    std::collections::HashMap<String, Vec<f32>>,
-    Vec<f32>,
-) {
+fn reference() -> (Named, Named, Vec<f32>) {
     let mut e = BurnEngine::new(&spec(), &sgd(LR, 0.9), "flex", SEED).expect("engine");
     assert_eq!(e.labels_per_sample(), T);
     let initial = named(&e);
