@@ -2,17 +2,14 @@
 //! 2-stage pipeline cut between its transformer blocks trains what one process trains on the
 //! same batches, and a pipeline, an async all-reduce and a flat sync parameter server each
 //! killed mid-run and resumed from its checkpoint end with the uninterrupted run's
-//! parameters, bit for bit. Real `flotilla` processes over 127.0.0.1.
+//! parameters, bit for bit, dropout masks included. Real `flotilla` processes over 127.0.0.1.
 
 mod common;
 
 use common::*;
 
-use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
-
-type Tensors = BTreeMap<String, Vec<f32>>;
 
 const LIMIT: Duration = Duration::from_secs(240);
 
@@ -22,13 +19,22 @@ const SPEC: &str = "name: gpt-tiny\ninput: [32]\nlayers:\n  - embedding: {vocab:
      - pos_embedding: {max_len: 32}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
      - transformer_block: {heads: 2, mlp: 2}\n  - layer_norm\n  - linear: {out: 256}\n";
 
-/// The cut between the two blocks, 4 micro-batches scheduled 1F1B.
-const PIPELINE: &str = "strategy: pipeline\nsplit_points: [3]\nmicro_batches: 4\nschedule: 1f1b\n";
+/// The same with dropout after each block (layers 3 and 5), so that a resume must draw the
+/// masks the uninterrupted run drew: the blocks are layers 2 and 4.
+const SPEC_DROPOUT: &str = "name: gpt-tiny-dropout\ninput: [32]\nlayers:\n  \
+     - embedding: {vocab: 256, dim: 32}\n  - pos_embedding: {max_len: 32}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - dropout: {p: 0.1}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - dropout: {p: 0.1}\n  - layer_norm\n  \
+     - linear: {out: 256}\n";
 
-/// 40 steps (rounds) of 16 windows per rank (per worker, per replica) with AdamW, through the
-/// warm-up into the cosine decay, a checkpoint every 10; `mode` sets the strategy.
-fn config(dir: &Path, name: &str, mode: &str) -> String {
-    let model = config_file(dir, "gpt-tiny.yaml", SPEC);
+/// 4 micro-batches scheduled 1F1B (the cut is each test's).
+const PIPELINE: &str = "strategy: pipeline\nmicro_batches: 4\nschedule: 1f1b\n";
+
+/// 40 steps (rounds) of 16 windows per rank (per worker, per replica) of the model `spec`
+/// with AdamW, through the warm-up into the cosine decay, a checkpoint every 10; `mode` sets
+/// the strategy.
+fn config(dir: &Path, name: &str, spec: &str, mode: &str) -> String {
+    let model = config_file(dir, &format!("{name}-model.yaml"), spec);
     config_file(
         dir,
         &format!("{name}.yaml"),
@@ -59,13 +65,8 @@ fn run(cfg: &str, out: &Path, extra: &[&str], fault: Option<&str>) -> std::proce
 /// Runs `cfg` straight, then crashed by `fault` (a rank's exit at step 25, after the
 /// checkpoint of step 20) and resumed: the resumed run goes on from step 20 to 40, reports
 /// the validation loss in nats and bits per byte, and ends with the uninterrupted run's
-/// parameters bitwise. Returns the uninterrupted run's parameters and final line.
-fn crash_and_resume(
-    name: &str,
-    cfg: &str,
-    dir: &Path,
-    fault: &str,
-) -> (Tensors, BTreeMap<String, f64>) {
+/// parameters bitwise.
+fn crash_and_resume(name: &str, cfg: &str, dir: &Path, fault: &str) {
     let straight = dir.join(format!("{name}-straight"));
     let o = run(cfg, &straight, &[], None);
     assert!(o.status.success(), "{name}: {}", text(&o));
@@ -107,24 +108,25 @@ fn crash_and_resume(
         "{name}: {line:?}"
     );
     assert!(loss < 4.0, "{name}: validation loss {loss} after 40 steps");
-    (b, line)
 }
 
 #[test]
-fn a_gpt_pipeline_cut_between_blocks_trains_what_one_process_trains_and_resumes_bitwise() {
+fn a_gpt_pipeline_cut_between_blocks_trains_what_one_process_trains() {
     let dir = tmp();
     let d = dir.path();
-    let single = d.join("single");
-    let cfg = config(d, "single", &format!("world_size: 1\n{}", steps(40)));
+    let (single, piped) = (d.join("single"), d.join("piped"));
+    let cfg = config(d, "single", SPEC, &format!("world_size: 1\n{}", steps(40)));
     launch(&[&cfg, "--output", single.to_str().expect("utf8")], LIMIT);
-    let cfg = config(d, "piped", &format!("{PIPELINE}{}", steps(40)));
-    let (piped, _) = crash_and_resume("pipeline", &cfg, d, "rank=1,step=25,action=exit");
-    let e = relative_error(&piped, &checkpoint_tensors(&single));
+    let mode = format!("{PIPELINE}split_points: [3]\n{}", steps(40));
+    let cfg = config(d, "piped", SPEC, &mode);
+    let o = launch(&[&cfg, "--output", piped.to_str().expect("utf8")], LIMIT);
+    assert_eq!(final_fields(&o)["steps"], 40.0);
+    let e = relative_error(&checkpoint_tensors(&piped), &checkpoint_tensors(&single));
     assert!(
         e <= 1e-5,
         "2-stage 1F1B GPT pipeline vs 1 process: relative error {e}"
     );
-    let log = run_log(&d.join("pipeline-straight"), 0);
+    let log = run_log(&piped, 0);
     assert!(
         log.contains("layers 0-2 | 3-5"),
         "cut between the blocks:\n{log}"
@@ -132,18 +134,26 @@ fn a_gpt_pipeline_cut_between_blocks_trains_what_one_process_trains_and_resumes_
 }
 
 #[test]
-fn a_gpt_under_async_allreduce_resumes_bitwise() {
+fn a_gpt_pipeline_with_dropout_resumes_bitwise() {
+    let dir = tmp();
+    let mode = format!("{PIPELINE}split_points: [4]\n{}", steps(40));
+    let cfg = config(dir.path(), "piped", SPEC_DROPOUT, &mode);
+    crash_and_resume("pipeline", &cfg, dir.path(), "rank=1,step=25,action=exit");
+}
+
+#[test]
+fn a_gpt_with_dropout_under_async_allreduce_resumes_bitwise() {
     let dir = tmp();
     let mode = format!("world_size: 2\nstrategy: async_allreduce\n{}", steps(40));
-    let cfg = config(dir.path(), "async", &mode);
+    let cfg = config(dir.path(), "async", SPEC_DROPOUT, &mode);
     crash_and_resume("async", &cfg, dir.path(), "rank=1,step=25,action=exit");
 }
 
 #[test]
-fn a_gpt_under_a_flat_sync_parameter_server_resumes_bitwise() {
+fn a_gpt_with_dropout_under_a_flat_sync_parameter_server_resumes_bitwise() {
     let dir = tmp();
     let mode = "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n\
                 num_server_rounds: 40\neval_every: 20\n";
-    let cfg = config(dir.path(), "ps", mode);
+    let cfg = config(dir.path(), "ps", SPEC_DROPOUT, mode);
     crash_and_resume("ps-flat", &cfg, dir.path(), "rank=2,step=25,action=exit");
 }

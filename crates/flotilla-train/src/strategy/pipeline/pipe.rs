@@ -18,6 +18,7 @@ use flotilla_comm::ProcessGroup;
 use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
+use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::pipeline::schedule::{Action, Schedule};
 use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
 
@@ -60,6 +61,8 @@ pub struct Pipeline {
     /// Time spent computing (the stage's forwards, backwards and optimizer steps), as
     /// opposed to waiting for other stages.
     compute: std::time::Duration,
+    /// The seed of the next batch's dropout masks ([`Pipeline::set_dropout_seed`]).
+    dropout_seed: Option<u64>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -108,6 +111,7 @@ impl Pipeline {
             rows: Vec::new(),
             open: None,
             compute: std::time::Duration::ZERO,
+            dropout_seed: None,
         })
     }
 
@@ -167,6 +171,14 @@ impl Pipeline {
     /// rest of the time a stage trains is the pipeline's bubble (and communication).
     pub fn compute_time(&self) -> std::time::Duration {
         self.compute
+    }
+
+    /// Seeds the dropout masks of the following batches: micro-batch `mb`'s training forward
+    /// on this stage draws from a seed made of `seed` and `mb`, so that a batch's masks depend
+    /// on the seed alone (give each step and rank its own, as the run loop does). Until it is
+    /// called, masks come from the backend's running RNG.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = Some(seed);
     }
 
     /// Sets the learning rate of the next steps.
@@ -356,6 +368,10 @@ impl Pipeline {
         let n = rows.len();
         let inputs = self.stage_inputs(Direction::Forward, mb, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        if let Some(seed) = self.dropout_seed {
+            // The same mixing as a step's seed, with the micro-batch in the place of the rank.
+            self.stage.set_dropout_seed(dropout_seed(seed, mb, 0));
+        }
         let started = Instant::now();
         let outputs = self.stage.forward(mb, n, &refs)?;
         self.compute += started.elapsed();
