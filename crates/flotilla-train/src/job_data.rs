@@ -2,7 +2,6 @@
 //! against the model: MNIST images, or a text's next-token windows whose length is the
 //! model's input length. Both are [`Samples`] to the rest of the run.
 
-use flotilla_cluster::Arch;
 use flotilla_data::{BYTE_VOCAB, Mnist, Samples, TextSplits};
 use flotilla_engine::{ModelSpec, Shape};
 
@@ -51,13 +50,13 @@ impl JobData {
                 }
             }
         };
-        data.check_labels(config, spec)?;
+        data.check_labels(spec)?;
         Ok(data)
     }
 
     /// The model gives as many classes per sample as the data has labels (one, or one per
-    /// position), and a pipeline trains one label per sample.
-    fn check_labels(&self, config: &TrainConfig, spec: &ModelSpec) -> Result<()> {
+    /// position).
+    fn check_labels(&self, spec: &ModelSpec) -> Result<()> {
         let (model, data) = (spec.labels_per_sample()?, self.train.labels_per_sample());
         if model != data {
             return Err(TrainError::config(
@@ -67,16 +66,6 @@ impl JobData {
                      {data} label(s) per sample of shape {:?}",
                     spec.name,
                     self.train.sample_shape()
-                ),
-            ));
-        }
-        if config.topology.arch == Arch::Pipeline && data > 1 {
-            return Err(TrainError::config(
-                "data",
-                format!(
-                    "a pipeline splits a batch by its labels and does not train sequence \
-                     models yet (the model `{}` gives {data} classes per sample)",
-                    spec.name
                 ),
             ));
         }

@@ -21,4 +21,6 @@ pub use plan::{PipelinePlan, plan};
 pub use stage::PipelineStage;
 
 #[cfg(test)]
+mod seq_tests;
+#[cfg(test)]
 mod tests;

@@ -15,9 +15,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Stage, StageCut};
+use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut};
 
 use crate::error::{Result, TrainError};
+use crate::strategy::allreduce::dropout_seed;
 use flotilla_comm::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
 use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
 
@@ -60,6 +61,8 @@ pub struct Pipeline {
     /// Time spent computing (the stage's forwards, backwards and optimizer steps), as
     /// opposed to waiting for other stages.
     compute: std::time::Duration,
+    /// The seed of the next batch's dropout masks ([`Pipeline::set_dropout_seed`]).
+    dropout_seed: Option<u64>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -108,6 +111,7 @@ impl Pipeline {
             rows: Vec::new(),
             open: None,
             compute: std::time::Duration::ZERO,
+            dropout_seed: None,
         })
     }
 
@@ -169,17 +173,37 @@ impl Pipeline {
         self.compute
     }
 
+    /// Seeds the dropout masks of the following batches: micro-batch `mb`'s training forward
+    /// on this stage draws from a seed made of `seed` and `mb`, so that a batch's masks depend
+    /// on the seed alone (give each step and rank its own, as the run loop does). Until it is
+    /// called, masks come from the backend's running RNG.
+    pub fn set_dropout_seed(&mut self, seed: u64) {
+        self.dropout_seed = Some(seed);
+    }
+
     /// Sets the learning rate of the next steps.
     pub fn set_lr(&mut self, lr: f64) {
         self.opts.lr = lr;
     }
 
+    /// How many labels one sample has: 1 for a classifier, `T` for a sequence model (one per
+    /// position, row-major in a batch's labels), as [`flotilla_engine::Engine::labels_per_sample`].
+    pub fn labels_per_sample(&self) -> usize {
+        match self.cut.output {
+            Shape::Seq { t, .. } => t,
+            _ => 1,
+        }
+    }
+
     /// Trains on one batch with the configured schedule: `images` (read on the first stage;
     /// other stages may pass an empty slice) and `labels` (read on the last stage; every
-    /// stage takes the batch size from them). Every stage steps its optimizer once. Returns
-    /// the batch's mean loss on the last stage.
+    /// stage takes the batch size from them: [`Pipeline::labels_per_sample`] labels a
+    /// sample). Micro-batches are cut by samples. Every stage steps its optimizer once.
+    /// Returns the batch's mean loss (over samples, and over positions of a sequence model)
+    /// on the last stage.
     pub fn train_batch(&mut self, images: &[f32], labels: &[i64]) -> Result<Option<f32>> {
-        self.begin(images, labels.len())?;
+        let (n, per) = (self.samples(labels)?, self.labels_per_sample());
+        self.begin(images, n)?;
         let rows = self.rows.clone();
         let stages = self.cut.stages();
         let mut loss = 0.0;
@@ -194,9 +218,9 @@ impl Pipeline {
                 }
                 Action::Backward(mb) => {
                     let r = rows[mb].clone();
-                    let weight = r.len() as f32 / labels.len() as f32;
+                    let weight = r.len() as f32 / n as f32;
                     let upstream = match self.is_last() {
-                        true => Upstream::Labels(&labels[r], weight),
+                        true => Upstream::Labels(&labels[r.start * per..r.end * per], weight),
                         false => Upstream::Stage,
                     };
                     if let Some(l) = self.backward_mb(mb, upstream)? {
@@ -272,15 +296,17 @@ impl Pipeline {
     }
 
     /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
-    /// world (replica 0 runs the forwards, every rank gets the result).
+    /// world (replica 0 runs the forwards, every rank gets the result). A sequence model's
+    /// loss and accuracy are over positions, as the whole model's.
     pub fn evaluate(&mut self, images: &[f32], labels: &[i64], chunk: usize) -> Result<EvalStats> {
         let mut stats = EvalStats::default();
         if self.replica == 0 {
+            let (n, per) = (self.samples(labels)?, self.labels_per_sample());
             let chunk = chunk.max(1);
-            for (i, start) in (0..labels.len()).step_by(chunk).enumerate() {
-                let r = start..(start + chunk).min(labels.len());
+            for (i, start) in (0..n).step_by(chunk).enumerate() {
+                let r = start..(start + chunk).min(n);
                 if let Some(logits) = self.eval_chunk(i, r.clone(), images)? {
-                    let s = EvalStats::from_logits(&logits, &labels[r]);
+                    let s = EvalStats::from_logits(&logits, &labels[r.start * per..r.end * per]);
                     stats.loss_sum += s.loss_sum;
                     stats.correct += s.correct;
                     stats.count += s.count;
@@ -294,6 +320,18 @@ impl Pipeline {
         TrainError::Config {
             source_name: format!("pipeline stage {}", self.stage.index()),
             message: what.to_string(),
+        }
+    }
+
+    /// The samples of a batch of `labels` ([`Pipeline::labels_per_sample`] each).
+    fn samples(&self, labels: &[i64]) -> Result<usize> {
+        let per = self.labels_per_sample();
+        match labels.len() % per {
+            0 => Ok(labels.len() / per),
+            _ => Err(self.usage(&format!(
+                "{} labels are not whole samples of {per} labels (one per position)",
+                labels.len()
+            ))),
         }
     }
 
@@ -330,6 +368,10 @@ impl Pipeline {
         let n = rows.len();
         let inputs = self.stage_inputs(Direction::Forward, mb, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
+        if let Some(seed) = self.dropout_seed {
+            // The same mixing as a step's seed, with the micro-batch in the place of the rank.
+            self.stage.set_dropout_seed(dropout_seed(seed, mb, 0));
+        }
         let started = Instant::now();
         let outputs = self.stage.forward(mb, n, &refs)?;
         self.compute += started.elapsed();

@@ -14,6 +14,7 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
+use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::pipeline::{Pipeline, PipelineOptions, plan, state};
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
@@ -177,6 +178,10 @@ impl Strategy for PipelineStage {
 
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         self.pipe.set_lr(cx.lr_at(done));
+        // This step's dropout masks: a function of the run's seed, the rank and the step, so
+        // that a resumed stage draws the ones it would have.
+        self.pipe
+            .set_dropout_seed(dropout_seed(cx.config.model.seed, cx.rank, done));
         let n = data.batch_size();
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();

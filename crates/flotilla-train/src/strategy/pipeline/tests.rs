@@ -75,7 +75,7 @@ fn shard(b: usize, r: usize, d: usize) -> (Vec<f32>, Vec<i64>) {
     )
 }
 
-fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
+pub(super) fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
     let mut flat = vec![0.0; state.num_params()];
     state.read_params(&mut flat).expect("read");
     state
@@ -105,12 +105,12 @@ fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
 }
 
 /// What one rank ends with.
-struct Ended {
-    stage: usize,
-    replica: usize,
-    params: HashMap<String, Vec<f32>>,
-    peak: usize,
-    losses: Vec<f32>,
+pub(super) struct Ended {
+    pub(super) stage: usize,
+    pub(super) replica: usize,
+    pub(super) params: HashMap<String, Vec<f32>>,
+    pub(super) peak: usize,
+    pub(super) losses: Vec<f32>,
 }
 
 /// Runs a pipeline of `points.len() + 1` stages × `d` replicas as threads; `train` runs one
@@ -120,8 +120,18 @@ fn run(
     opts: PipelineOptions,
     train: fn(&mut Pipeline, usize) -> Option<f32>,
 ) -> Vec<Ended> {
-    let spec = spec();
-    let cut = StageCut::at(&spec, points).expect("cut");
+    run_model(&spec(), points, opts, BATCHES, train)
+}
+
+/// [`run`] for any model and number of batches.
+pub(super) fn run_model(
+    spec: &ModelSpec,
+    points: &[usize],
+    opts: PipelineOptions,
+    batches: usize,
+    train: fn(&mut Pipeline, usize) -> Option<f32>,
+) -> Vec<Ended> {
+    let cut = StageCut::at(spec, points).expect("cut");
     let d = opts.data_parallel;
     let handles: Vec<_> = world(cut.stages() * d)
         .into_iter()
@@ -129,7 +139,7 @@ fn run(
             let (spec, cut, opts) = (spec.clone(), cut.clone(), opts.clone());
             std::thread::spawn(move || {
                 let mut pipe = Pipeline::new(&spec, cut, opts, group).expect("pipeline");
-                let losses = (0..BATCHES).filter_map(|b| train(&mut pipe, b)).collect();
+                let losses = (0..batches).filter_map(|b| train(&mut pipe, b)).collect();
                 Ended {
                     stage: pipe.stage_index(),
                     replica: pipe.replica(),
@@ -171,6 +181,15 @@ fn plain_loop(pipe: &mut Pipeline, b: usize) -> Option<f32> {
 
 fn assert_matches_reference(ended: &[Ended], what: &str) {
     let (initial, expected) = reference();
+    for (name, want) in &expected {
+        assert_ne!(&initial[name], want, "{what}: {name} moved");
+    }
+    assert_matches(ended, &expected, what);
+}
+
+/// The parameters of replica 0's stages together equal `expected` (relative error ≤ 1e-5),
+/// and the replicas of a stage agree bitwise.
+pub(super) fn assert_matches(ended: &[Ended], expected: &HashMap<String, Vec<f32>>, what: &str) {
     let mut replica0 = HashMap::new();
     for e in ended {
         if e.replica == 0 {
@@ -182,7 +201,7 @@ fn assert_matches_reference(ended: &[Ended], what: &str) {
         expected.len(),
         "{what}: every parameter placed once"
     );
-    for (name, want) in &expected {
+    for (name, want) in expected {
         let got = &replica0[name];
         assert_eq!(got.len(), want.len(), "{what}: {name} length");
         let scale = want.iter().fold(1e-3f32, |m, v| m.max(v.abs()));
@@ -195,7 +214,6 @@ fn assert_matches_reference(ended: &[Ended], what: &str) {
             "{what}: {name} relative error {}",
             err / scale
         );
-        assert_ne!(&initial[name], want, "{what}: {name} moved");
     }
     // Replicas of a stage hold the same parameters.
     for e in ended {

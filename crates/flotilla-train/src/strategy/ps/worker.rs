@@ -15,6 +15,7 @@ use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::plan::Counting;
+use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 use flotilla_ps::{PsMessage, TAG};
 
@@ -175,16 +176,20 @@ impl Worker {
     }
 
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
-    fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>) -> Result<()> {
+    /// Round `done`'s dropout masks are a function of the run's seed, this rank and the
+    /// batch, so a resumed worker draws the ones it would have.
+    fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>, done: u64) -> Result<()> {
         let engine = &mut *self.engine;
         engine.write_params(&self.params)?;
         let averaging = self.local_steps > 1;
         let mut loss_sum = 0.0f32;
-        for _ in 0..self.local_steps {
+        for i in 0..self.local_steps {
             let (_, batch) = {
                 let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
                 data.next_batch()?
             };
+            let step = done * self.local_steps as u64 + i as u64;
+            engine.set_dropout_seed(dropout_seed(cx.config.model.seed, cx.rank, step));
             loss_sum += engine.forward_backward(batch)?;
             engine.read_grads(&mut self.grad)?;
             if averaging {
@@ -276,7 +281,7 @@ impl Strategy for Worker {
 
 impl Worker {
     /// One round: pull, compute, push.
-    fn step_inner(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+    fn step_inner(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
         let t = Instant::now();
         let pulled = {
             let _span = tracing::info_span!(target: "flotilla::ps", "ps_pull").entered();
@@ -302,7 +307,7 @@ impl Worker {
             self.log_first_pull(cx)?;
         }
         let t = Instant::now();
-        self.compute(cx, data)?;
+        self.compute(cx, data, done)?;
         self.compute += t.elapsed();
         let t = Instant::now();
         let samples = data.batch_size() * self.local_steps;

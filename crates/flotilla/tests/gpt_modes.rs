@@ -1,0 +1,159 @@
+//! A small GPT on the vendored `data/text/kjv.txt` beyond sync all-reduce (issue 21 §4): a
+//! 2-stage pipeline cut between its transformer blocks trains what one process trains on the
+//! same batches, and a pipeline, an async all-reduce and a flat sync parameter server each
+//! killed mid-run and resumed from its checkpoint end with the uninterrupted run's
+//! parameters, bit for bit, dropout masks included. Real `flotilla` processes over 127.0.0.1.
+
+mod common;
+
+use common::*;
+
+use std::path::Path;
+use std::time::Duration;
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+/// Two blocks of width 32 over windows of 32 bytes: layers 0 token embedding, 1 positional
+/// embedding, 2 and 3 the blocks, 4 the norm, 5 the head.
+const SPEC: &str = "name: gpt-tiny\ninput: [32]\nlayers:\n  - embedding: {vocab: 256, dim: 32}\n  \
+     - pos_embedding: {max_len: 32}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - layer_norm\n  - linear: {out: 256}\n";
+
+/// The same with dropout after each block (layers 3 and 5), so that a resume must draw the
+/// masks the uninterrupted run drew: the blocks are layers 2 and 4.
+const SPEC_DROPOUT: &str = "name: gpt-tiny-dropout\ninput: [32]\nlayers:\n  \
+     - embedding: {vocab: 256, dim: 32}\n  - pos_embedding: {max_len: 32}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - dropout: {p: 0.1}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - dropout: {p: 0.1}\n  - layer_norm\n  \
+     - linear: {out: 256}\n";
+
+/// 4 micro-batches scheduled 1F1B (the cut is each test's).
+const PIPELINE: &str = "strategy: pipeline\nmicro_batches: 4\nschedule: 1f1b\n";
+
+/// 40 steps (rounds) of 16 windows per rank (per worker, per replica) of the model `spec`
+/// with AdamW, through the warm-up into the cosine decay, a checkpoint every 10; `mode` sets
+/// the strategy.
+fn config(dir: &Path, name: &str, spec: &str, mode: &str) -> String {
+    let model = config_file(dir, &format!("{name}-model.yaml"), spec);
+    config_file(
+        dir,
+        &format!("{name}.yaml"),
+        &format!(
+            "model: {model}\ndata: text:data/text/kjv.txt\nbatch_size: 16\n\
+             optimizer: {{name: adamw, lr: 0.003, beta1: 0.9, beta2: 0.99, weight_decay: 0.1}}\n\
+             lr_schedule: cosine\nwarmup_steps: 15\nmin_lr_ratio: 0.1\nseed: 5\n\
+             checkpoint_every: 10\n{mode}"
+        ),
+    )
+}
+
+/// Peers and stages count steps and evaluate every 20; a parameter server counts rounds.
+fn steps(n: u32) -> String {
+    format!("max_steps: {n}\neval_every_steps: 20\n")
+}
+
+fn run(cfg: &str, out: &Path, extra: &[&str], fault: Option<&str>) -> std::process::Output {
+    let mut c = flotilla();
+    c.args(["launch", cfg, "--output", out.to_str().expect("utf8")])
+        .args(extra);
+    if let Some(f) = fault {
+        c.env("FLOTILLA_FAULT", f);
+    }
+    run_with_deadline(c, LIMIT)
+}
+
+/// Runs `cfg` straight, then crashed by `fault` (a rank's exit at step 25, after the
+/// checkpoint of step 20) and resumed: the resumed run goes on from step 20 to 40, reports
+/// the validation loss in nats and bits per byte, and ends with the uninterrupted run's
+/// parameters bitwise.
+fn crash_and_resume(name: &str, cfg: &str, dir: &Path, fault: &str) {
+    let straight = dir.join(format!("{name}-straight"));
+    let o = run(cfg, &straight, &[], None);
+    assert!(o.status.success(), "{name}: {}", text(&o));
+    let line = final_fields(&o);
+    assert_eq!(line["steps"], 40.0, "{name}");
+    let crashed = dir.join(format!("{name}-crashed"));
+    let o = run(cfg, &crashed, &[], Some(fault));
+    assert!(
+        !o.status.success(),
+        "{name}: the crash must fail the job\n{}",
+        text(&o)
+    );
+    let ck = crashed.join("checkpoints");
+    let latest = std::fs::read_to_string(ck.join("latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-00000020", "{name}");
+    let o = run(cfg, &crashed, &["--resume"], None);
+    assert!(o.status.success(), "{name}: resume failed\n{}", text(&o));
+    let resumed_line = final_fields(&o);
+    assert_eq!(resumed_line["steps"], 40.0, "{name}");
+    let log = run_log(&crashed, 0);
+    assert!(
+        log.contains("(step 20)"),
+        "{name}: resumed from step 20\n{log}"
+    );
+    let (a, b) = (checkpoint_tensors(&crashed), checkpoint_tensors(&straight));
+    assert_bitwise(&format!("{name}: resumed vs uninterrupted"), &a, &b);
+    // Trained after the resume: step 20's parameters are not the final ones.
+    let at_20 = safetensors_file(&ck.join("step-00000020/model.safetensors"));
+    assert!(
+        relative_error(&at_20, &a) > 1e-3,
+        "{name}: nothing trained after the resume"
+    );
+    // The final line gives the validation loss in nats and bits per byte, the same as the
+    // uninterrupted run's, and below the untrained model's ln 256 = 5.55 nats.
+    assert_eq!(resumed_line["val_loss"], line["val_loss"], "{name}");
+    let (loss, bpb) = (line["val_loss"], line["bpb"]);
+    assert!(
+        (bpb - loss / std::f64::consts::LN_2).abs() < 1e-3,
+        "{name}: {line:?}"
+    );
+    assert!(loss < 4.0, "{name}: validation loss {loss} after 40 steps");
+}
+
+#[test]
+fn a_gpt_pipeline_cut_between_blocks_trains_what_one_process_trains() {
+    let dir = tmp();
+    let d = dir.path();
+    let (single, piped) = (d.join("single"), d.join("piped"));
+    let cfg = config(d, "single", SPEC, &format!("world_size: 1\n{}", steps(40)));
+    launch(&[&cfg, "--output", single.to_str().expect("utf8")], LIMIT);
+    let mode = format!("{PIPELINE}split_points: [3]\n{}", steps(40));
+    let cfg = config(d, "piped", SPEC, &mode);
+    let o = launch(&[&cfg, "--output", piped.to_str().expect("utf8")], LIMIT);
+    assert_eq!(final_fields(&o)["steps"], 40.0);
+    let e = relative_error(&checkpoint_tensors(&piped), &checkpoint_tensors(&single));
+    assert!(
+        e <= 1e-5,
+        "2-stage 1F1B GPT pipeline vs 1 process: relative error {e}"
+    );
+    let log = run_log(&piped, 0);
+    assert!(
+        log.contains("layers 0-2 | 3-5"),
+        "cut between the blocks:\n{log}"
+    );
+}
+
+#[test]
+fn a_gpt_pipeline_with_dropout_resumes_bitwise() {
+    let dir = tmp();
+    let mode = format!("{PIPELINE}split_points: [4]\n{}", steps(40));
+    let cfg = config(dir.path(), "piped", SPEC_DROPOUT, &mode);
+    crash_and_resume("pipeline", &cfg, dir.path(), "rank=1,step=25,action=exit");
+}
+
+#[test]
+fn a_gpt_with_dropout_under_async_allreduce_resumes_bitwise() {
+    let dir = tmp();
+    let mode = format!("world_size: 2\nstrategy: async_allreduce\n{}", steps(40));
+    let cfg = config(dir.path(), "async", SPEC_DROPOUT, &mode);
+    crash_and_resume("async", &cfg, dir.path(), "rank=1,step=25,action=exit");
+}
+
+#[test]
+fn a_gpt_with_dropout_under_a_flat_sync_parameter_server_resumes_bitwise() {
+    let dir = tmp();
+    let mode = "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n\
+                num_server_rounds: 40\neval_every: 20\n";
+    let cfg = config(dir.path(), "ps", SPEC_DROPOUT, mode);
+    crash_and_resume("ps-flat", &cfg, dir.path(), "rank=2,step=25,action=exit");
+}
