@@ -1,6 +1,6 @@
 //! Tests of the burn engine through the [`Engine`] trait.
 
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
+use crate::{BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     OptimizerSpec::Sgd {
@@ -9,6 +9,7 @@ fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 

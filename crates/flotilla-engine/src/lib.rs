@@ -48,7 +48,7 @@ pub use error::{EngineError, Result};
 pub use graph::{Merge, Node};
 pub use limits::SpecLimits;
 pub use loss::cross_entropy;
-pub use optim::OptimizerSpec;
+pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
