@@ -61,4 +61,6 @@ mod engine_tests;
 #[cfg(test)]
 mod grouped_tests;
 #[cfg(test)]
+mod optim_tests;
+#[cfg(test)]
 mod stage_tests;
