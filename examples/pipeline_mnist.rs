@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::{Mnist, Normalization, Split as DataSplit};
-use flotilla_engine::{ModelSpec, OptimizerSpec, StageCut, cross_entropy};
+use flotilla_engine::{DecayParams, ModelSpec, OptimizerSpec, StageCut, cross_entropy};
 use flotilla_train::batches::{Batches, Position};
 use flotilla_train::pipeline::{Pipeline, PipelineOptions, Schedule};
 
@@ -73,6 +73,7 @@ fn main() -> Result<()> {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            decay_params: DecayParams::All,
         },
         device: "flex".into(),
         seed: 42,

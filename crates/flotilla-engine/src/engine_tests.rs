@@ -1,6 +1,6 @@
 //! Tests of the burn engine through the [`Engine`] trait.
 
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
+use crate::{BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     OptimizerSpec::Sgd {
@@ -9,6 +9,7 @@ fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 
@@ -169,46 +170,57 @@ fn gradients_match_finite_differences() {
 
 #[test]
 fn optimizer_state_survives_write_and_round_trips() {
+    optimizer_state_round_trips(&sgd(0.1, 0.9));
+    // AdamW decaying matrices only: two parameter groups, whose states both round-trip.
+    optimizer_state_round_trips(&OptimizerSpec::Adamw {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.1,
+        decay_params: DecayParams::Matrices,
+    });
+}
+
+/// Two steps of `opt`, then its state moved to an engine with other weights: the next step
+/// must be bitwise the same, and differ without the state.
+fn optimizer_state_round_trips(opt: &OptimizerSpec) {
     let (x, y) = batch(8, 3);
     let b = BatchRef {
         images: &x,
         labels: &y,
     };
-    let mut a = engine("mlp", 5, &sgd(0.1, 0.9));
-    for _ in 0..2 {
-        a.forward_backward(b).expect("fb");
-        let g = grads(&a);
-        a.apply_grads(&g, 0.1).expect("apply");
-    }
+    let lr = opt.lr();
+    let trained = |seed: u64| {
+        let mut t = engine("mlp", seed, opt);
+        for _ in 0..2 {
+            t.forward_backward(b).expect("fb");
+            let g = grads(&t);
+            t.apply_grads(&g, lr).expect("apply");
+        }
+        t
+    };
+    let mut a = trained(5);
     let state = a.optimizer_state().expect("state");
     assert!(!state.is_empty());
     // A second engine with other weights takes a's weights and optimizer state: the next
-    // momentum step must then be identical.
-    let mut c = engine("mlp", 6, &sgd(0.1, 0.9));
+    // step must then be identical.
+    let mut c = engine("mlp", 6, opt);
     c.write_params(&params(&a)).expect("w");
     c.load_optimizer_state(&state).expect("load");
     for e in [&mut a, &mut c] {
         e.forward_backward(b).expect("fb");
         let g = grads(e);
-        e.apply_grads(&g, 0.1).expect("apply");
+        e.apply_grads(&g, lr).expect("apply");
     }
-    assert_eq!(params(&a), params(&c));
+    assert_eq!(params(&a), params(&c), "{opt:?}");
     // Without the state the step differs (momentum matters here).
-    let mut d = engine("mlp", 6, &sgd(0.1, 0.9));
-    let before_last = {
-        let mut t = engine("mlp", 5, &sgd(0.1, 0.9));
-        for _ in 0..2 {
-            t.forward_backward(b).expect("fb");
-            let g = grads(&t);
-            t.apply_grads(&g, 0.1).expect("apply");
-        }
-        params(&t)
-    };
-    d.write_params(&before_last).expect("w");
+    let mut d = engine("mlp", 6, opt);
+    d.write_params(&params(&trained(5))).expect("w");
     d.forward_backward(b).expect("fb");
     let g = grads(&d);
-    d.apply_grads(&g, 0.1).expect("apply");
-    assert_ne!(params(&d), params(&a));
+    d.apply_grads(&g, lr).expect("apply");
+    assert_ne!(params(&d), params(&a), "{opt:?}");
 }
 
 #[test]

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use crate::backward_groups::{self, BackwardGroup};
 use crate::cut::{MAIN, StageCut};
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
+use crate::{BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec};
 
 const SEED: u64 = 23;
 
@@ -50,6 +50,7 @@ fn momentum() -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 

@@ -50,7 +50,7 @@ pub use error::{EngineError, Result};
 pub use graph::{Merge, Node};
 pub use limits::SpecLimits;
 pub use loss::cross_entropy;
-pub use optim::OptimizerSpec;
+pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
@@ -62,5 +62,7 @@ pub use weights::ModelState;
 mod engine_tests;
 #[cfg(test)]
 mod grouped_tests;
+#[cfg(test)]
+mod optim_tests;
 #[cfg(test)]
 mod stage_tests;

@@ -1,11 +1,36 @@
 //! Optimizer settings, turned into burn's own optimizers (never hand-written ones).
+//!
+//! Weight decay applies to every parameter, or with `decay_params: matrices` only to the
+//! parameters of two or more dimensions (linear and convolution weights, token and positional
+//! embeddings), never to biases nor to the weights and biases of normalizations: the rule of
+//! nanoGPT and of PyTorch GPT recipes (`p.dim() >= 2`). It is built with burn's parameter
+//! groups (`ModuleOptimizer::with_group`, a `ParamGroup` of the module's matrix parameter
+//! ids): the optimizer without decay for every parameter, the same optimizer with decay for
+//! the matrices. Parameter ids are positions in flat order (`params::renumber`), so the groups
+//! and the saved optimizer state agree across ranks and across a resume.
 
+use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, SgdConfig};
+use burn::optim::{AdamConfig, AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
+use burn::prelude::Tensor;
 use serde::{Deserialize, Serialize};
 
+use crate::buffers::{Only, Tensors};
 use crate::error::{EngineError, Result};
+
+/// Which parameters an optimizer's weight decay applies to.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DecayParams {
+    /// Every parameter (PyTorch's default for an optimizer's `weight_decay`).
+    #[default]
+    All,
+    /// Only parameters of two or more dimensions: linear and convolution weights and
+    /// embeddings (token and positional) decay; biases and normalizations' weights and biases
+    /// do not (nanoGPT's rule).
+    Matrices,
+}
 
 /// An optimizer and its settings, as written in a config (`{name: sgd, lr: 0.05, momentum: 0.9}`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -28,6 +53,9 @@ pub enum OptimizerSpec {
         /// L2 penalty; 0 turns it off.
         #[serde(default)]
         weight_decay: f32,
+        /// Which parameters `weight_decay` applies to.
+        #[serde(default)]
+        decay_params: DecayParams,
     },
     /// Adam.
     Adam {
@@ -45,6 +73,9 @@ pub enum OptimizerSpec {
         /// L2 penalty added to the gradient; 0 turns it off.
         #[serde(default)]
         weight_decay: f32,
+        /// Which parameters `weight_decay` applies to.
+        #[serde(default)]
+        decay_params: DecayParams,
     },
     /// AdamW (decoupled weight decay).
     Adamw {
@@ -62,6 +93,9 @@ pub enum OptimizerSpec {
         /// Decoupled weight decay.
         #[serde(default = "adamw_decay")]
         weight_decay: f32,
+        /// Which parameters `weight_decay` applies to.
+        #[serde(default)]
+        decay_params: DecayParams,
     },
 }
 
@@ -86,6 +120,7 @@ impl Default for OptimizerSpec {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 5e-4,
+            decay_params: DecayParams::All,
         }
     }
 }
@@ -117,6 +152,27 @@ impl OptimizerSpec {
         }
     }
 
+    /// The configured weight decay and the parameters it applies to.
+    pub fn weight_decay(&self) -> (f32, DecayParams) {
+        match self {
+            OptimizerSpec::Sgd {
+                weight_decay,
+                decay_params,
+                ..
+            }
+            | OptimizerSpec::Adam {
+                weight_decay,
+                decay_params,
+                ..
+            }
+            | OptimizerSpec::Adamw {
+                weight_decay,
+                decay_params,
+                ..
+            } => (*weight_decay, *decay_params),
+        }
+    }
+
     /// Checks the settings' ranges.
     pub fn validate(&self) -> Result<()> {
         let lr = self.lr();
@@ -124,6 +180,19 @@ impl OptimizerSpec {
             return Err(EngineError::Optimizer(format!(
                 "lr must be a positive number, got {lr}"
             )));
+        }
+        let (weight_decay, decay_params) = self.weight_decay();
+        if !(weight_decay.is_finite() && weight_decay >= 0.0) {
+            return Err(EngineError::Optimizer(format!(
+                "weight_decay must be a number >= 0, got {weight_decay}"
+            )));
+        }
+        if decay_params == DecayParams::Matrices && weight_decay == 0.0 {
+            return Err(EngineError::Optimizer(
+                "decay_params: matrices chooses the parameters weight decay applies to, \
+                 but weight_decay is 0"
+                    .to_string(),
+            ));
         }
         if let OptimizerSpec::Sgd {
             momentum,
@@ -139,18 +208,26 @@ impl OptimizerSpec {
         Ok(())
     }
 
-    /// Builds burn's optimizer for a whole module.
-    pub fn build(&self) -> Result<ModuleOptimizer> {
+    /// Builds burn's optimizer for `module` (the module it will step: its parameter ids
+    /// choose the group that decays with `decay_params: matrices`).
+    pub fn build<M: Module>(&self, module: &M) -> Result<ModuleOptimizer> {
         self.validate()?;
-        let decay = |w: f32| (w > 0.0).then(|| WeightDecayConfig::new(w));
+        let (weight_decay, decay_params) = self.weight_decay();
+        let groups = Groups {
+            weight_decay,
+            decay_params,
+            matrices: match decay_params {
+                DecayParams::All => Vec::new(),
+                DecayParams::Matrices => matrix_ids(module),
+            },
+        };
         Ok(match *self {
             OptimizerSpec::Sgd {
                 momentum,
                 dampening,
                 nesterov,
-                weight_decay,
                 ..
-            } => {
+            } => groups.build(|w| {
                 let momentum = (momentum > 0.0).then(|| {
                     MomentumConfig::new()
                         .with_momentum(momentum)
@@ -159,33 +236,74 @@ impl OptimizerSpec {
                 });
                 SgdConfig::new()
                     .with_momentum(momentum)
-                    .with_weight_decay(decay(weight_decay))
-                    .init()
-            }
+                    .with_weight_decay((w > 0.0).then(|| WeightDecayConfig::new(w)))
+                    .build()
+            }),
             OptimizerSpec::Adam {
                 beta1,
                 beta2,
                 epsilon,
-                weight_decay,
                 ..
-            } => AdamConfig::new()
-                .with_beta_1(beta1)
-                .with_beta_2(beta2)
-                .with_epsilon(epsilon)
-                .with_weight_decay(decay(weight_decay))
-                .init(),
+            } => groups.build(|w| {
+                AdamConfig::new()
+                    .with_beta_1(beta1)
+                    .with_beta_2(beta2)
+                    .with_epsilon(epsilon)
+                    .with_weight_decay((w > 0.0).then(|| WeightDecayConfig::new(w)))
+                    .build()
+            }),
             OptimizerSpec::Adamw {
                 beta1,
                 beta2,
                 epsilon,
-                weight_decay,
                 ..
-            } => AdamWConfig::new()
-                .with_beta_1(beta1)
-                .with_beta_2(beta2)
-                .with_epsilon(epsilon)
-                .with_weight_decay(weight_decay)
-                .init(),
+            } => groups.build(|w| {
+                AdamWConfig::new()
+                    .with_beta_1(beta1)
+                    .with_beta_2(beta2)
+                    .with_epsilon(epsilon)
+                    .with_weight_decay(w)
+                    .build()
+            }),
         })
     }
+}
+
+/// The weight decay and the parameter group it applies to.
+struct Groups {
+    weight_decay: f32,
+    decay_params: DecayParams,
+    /// The ids of the matrix parameters (with [`DecayParams::Matrices`]).
+    matrices: Vec<ParamId>,
+}
+
+impl Groups {
+    /// One optimizer made by `make` (given a weight decay) for every parameter, or, with
+    /// [`DecayParams::Matrices`], one without decay for every parameter and one with it for
+    /// the matrices (burn's last matching group wins).
+    fn build<O: Optimizer>(self, make: impl Fn(f32) -> O) -> ModuleOptimizer {
+        match self.decay_params {
+            DecayParams::All => ModuleOptimizer::from(make(self.weight_decay)),
+            DecayParams::Matrices => ModuleOptimizer::from(make(0.0)).with_group(
+                ParamGroup::from_ids(self.matrices),
+                make(self.weight_decay),
+                None,
+            ),
+        }
+    }
+}
+
+/// The ids of `module`'s parameters of two or more dimensions (not its buffers).
+fn matrix_ids<M: Module>(module: &M) -> Vec<ParamId> {
+    struct Matrices(Vec<ParamId>);
+    impl ModuleVisitor for Matrices {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            if D >= 2 {
+                self.0.push(param.id);
+            }
+        }
+    }
+    let mut found = Matrices(Vec::new());
+    module.visit(&mut Only::new(&mut found, Tensors::Params));
+    found.0
 }

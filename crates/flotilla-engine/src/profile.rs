@@ -126,6 +126,7 @@ fn pass(stage: &mut Stage, inputs: &[Vec<f32>], samples: usize, mb: usize) -> Re
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::optim::DecayParams;
 
     #[test]
     fn every_layer_gets_a_positive_time_and_its_memory() {
@@ -136,6 +137,7 @@ mod tests {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 0.0,
+            decay_params: DecayParams::All,
         };
         let costs = profile(&spec, &sgd, "flex", 8, 2).expect("profile");
         assert_eq!(costs.len(), spec.layers.len());

@@ -3,7 +3,10 @@
 
 use std::collections::HashMap;
 
-use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, Stage, StageCut};
+use crate::{
+    BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec, Stage,
+    StageCut,
+};
 
 const SEED: u64 = 17;
 
@@ -14,6 +17,7 @@ fn sgd() -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 

@@ -133,13 +133,14 @@ impl Weights {
             .layers
             .iter()
             .any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
+        let optimizer = optimizer.build(&model)?;
         Ok(Self {
             spec: spec.clone(),
             device,
             base_device,
             buffer_layout: ParamLayout::of_tensors(&model, Tensors::Buffers),
             model: Some(model),
-            optimizer: optimizer.build()?,
+            optimizer,
             layout,
             has_dropout,
             dropout_seed: None,

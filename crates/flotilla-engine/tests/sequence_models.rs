@@ -6,7 +6,8 @@ mod common;
 
 use common::{engine_of, grads, token_batch};
 use flotilla_engine::{
-    BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec, Shape, Stage, StageCut,
+    BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec, Shape, Stage,
+    StageCut,
 };
 
 /// Embeddings, an attention layer and a transformer block: every layer that mixes positions.
@@ -263,6 +264,7 @@ fn gpt_char_learns_a_tiny_repeated_text() {
         beta2: 0.999,
         epsilon: 1e-8,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     };
     let mut e = BurnEngine::new(&spec, &adam, "flex", 45).expect("engine");
     println!("gpt-char: {} parameters", e.num_params());

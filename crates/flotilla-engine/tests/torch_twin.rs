@@ -11,10 +11,13 @@
 //! shape against the spec. With `FLOTILLA_TORCH_PYTHON` naming a Python that has torch, it also
 //! builds the PyTorch module of the same architecture, loads the weights with
 //! `load_state_dict(strict=True)` and compares its outputs with the engine's within 1e-4.
-//! `FLOTILLA_TWIN_DIR` keeps the files in that directory.
+//! `FLOTILLA_TWIN_DIR` keeps the files in that directory. The PyTorch twin of the GPT example,
+//! `scripts/gpt_char_torch.py --check`, checks its model's spec, names and shapes against
+//! gpt-char's files (numpy only).
 
 mod common;
 
+use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -152,18 +155,27 @@ fn repo() -> PathBuf {
 
 /// Runs the script on `dir` with `python` (`--torch` with torch); returns its output.
 fn check(python: &str, dir: &Path, torch: bool) -> String {
-    let mut c = Command::new(python);
-    c.arg(repo().join("scripts/check_layers_torch.py")).arg(dir);
+    let mut args = vec![dir.as_os_str()];
     if torch {
-        c.arg("--torch");
+        args.push("--torch".as_ref());
     }
-    let o = c.output().expect("python runs");
+    run_script(python, "check_layers_torch.py", &args)
+}
+
+/// Runs `scripts/<script>` with `args` under `python`, asserting it succeeds; returns its
+/// output.
+fn run_script(python: &str, script: &str, args: &[&OsStr]) -> String {
+    let o = Command::new(python)
+        .arg(repo().join("scripts").join(script))
+        .args(args)
+        .output()
+        .expect("python runs");
     let text = format!(
         "{}{}",
         String::from_utf8_lossy(&o.stdout),
         String::from_utf8_lossy(&o.stderr)
     );
-    assert!(o.status.success(), "{}: {text}", dir.display());
+    assert!(o.status.success(), "{script} {args:?}: {text}");
     text
 }
 
@@ -203,6 +215,14 @@ fn pytorch_modules_of_the_same_architecture_load_the_weights_and_agree() {
         eprintln!("SKIPPED: python3 with numpy is not installed");
         return;
     }
+    // The PyTorch twin of the GPT example (scripts/gpt_char_torch.py) has this spec and
+    // these names and shapes: it loads a checkpoint of models/gpt-char.yaml.
+    let out = run_script(
+        "python3",
+        "gpt_char_torch.py",
+        &["--check".as_ref(), dirs[0].as_os_str()],
+    );
+    assert!(out.contains("OK 70 tensors, 8 layers"), "{out}");
     let torch = std::env::var("FLOTILLA_TORCH_PYTHON").ok();
     for dir in &dirs {
         let out = check("python3", dir, false);

@@ -418,6 +418,17 @@ impl Loop<'_, '_, '_> {
         )
     }
 
+    /// For samples that are token windows, the throughput in tokens (one per label, the
+    /// window's positions) in a report line; nothing for images.
+    fn tokens_part(&self, samples_per_s: f64) -> String {
+        let tokens = self.cx.test.labels_per_sample();
+        if tokens > 1 {
+            format!(" tokens/s={:.0}", samples_per_s * tokens as f64)
+        } else {
+            String::new()
+        }
+    }
+
     /// The record of the rounds since the previous one, ending with evaluation `stats`.
     fn record_rounds(&mut self, stats: EvalStats) {
         let e = std::mem::replace(&mut self.epoch, Epoch::new());
@@ -462,8 +473,9 @@ impl Loop<'_, '_, '_> {
             wall_s: self.plan.started.elapsed().as_secs_f64(),
         };
         let test_part = eval.map_or(String::new(), |e| self.eval_part(e));
+        let tokens_part = self.tokens_part(samples_per_s);
         self.cx.log(&format!(
-            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0} time={epoch_s:.1}s",
+            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s",
             self.epochs, self.progress, self.train_loss
         ))?;
         if self.role.writes_checkpoints() {

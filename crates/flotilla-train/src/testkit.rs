@@ -13,7 +13,9 @@ use std::time::Duration;
 use flotilla_cluster::Topology;
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::ImageDataset;
-use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
+use flotilla_engine::{
+    BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec,
+};
 
 use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
@@ -43,6 +45,7 @@ pub(crate) fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 

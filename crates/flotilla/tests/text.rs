@@ -1,7 +1,7 @@
 //! Text through `flotilla train` (issue 21): a small GPT on the vendored `data/text/kjv.txt`
-//! as byte tokens. Two ranks equal one rank with the same global batch, training lowers the
-//! validation loss, `target_loss` stops a run early, and bad inputs are refused naming their
-//! numbers.
+//! as byte tokens. Two ranks equal one rank with the same global batch (AdamW decaying matrices
+//! only), the epoch line gives tokens/s, training lowers the validation loss, `target_loss`
+//! stops a run early, and bad inputs are refused naming their numbers.
 
 mod common;
 
@@ -33,7 +33,8 @@ fn config(dir: &Path, name: &str, extra: &str) -> String {
         &format!("{name}.yaml"),
         &format!(
             "model: {model}\ndata: text:data/text/kjv.txt\n\
-             optimizer: {{name: adamw, lr: 0.003, beta1: 0.9, beta2: 0.99, weight_decay: 0.1}}\n\
+             optimizer: {{name: adamw, lr: 0.003, beta1: 0.9, beta2: 0.99, weight_decay: 0.1, \
+             decay_params: matrices}}\n\
              lr_schedule: cosine\nwarmup_steps: 10\nmin_lr_ratio: 0.1\nseed: 5\n{extra}"
         ),
     )
@@ -82,6 +83,26 @@ fn two_ranks_equal_one_with_the_global_batch_and_the_validation_loss_falls() {
     assert!(l0 > 5.0 && l1 < l0 - 1.0, "validation loss {l0} -> {l1}");
     let b1 = after["bpb"].as_f64().expect("bpb");
     assert!((b1 - l1 / std::f64::consts::LN_2).abs() < 1e-9, "{after}");
+    // The epoch line gives the throughput in tokens too: 32 per window.
+    let (samples, tokens) = throughput(&text(&o1));
+    assert!(
+        (tokens - 32.0 * samples).abs() <= 16.0,
+        "{samples} samples/s, {tokens} tokens/s"
+    );
+}
+
+/// The samples/s and tokens/s of the first epoch line in a run's output.
+fn throughput(out: &str) -> (f64, f64) {
+    let line = out
+        .lines()
+        .find(|l| l.contains(" epoch ") && l.contains("samples/s="))
+        .unwrap_or_else(|| panic!("no epoch line in {out}"));
+    let field = |key: &str| -> f64 {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(key)?.parse().ok())
+            .unwrap_or_else(|| panic!("no {key} in {line}"))
+    };
+    (field("samples/s="), field("tokens/s="))
 }
 
 #[test]

@@ -2,7 +2,9 @@
 //! views by tensor name, and the central-difference gradient check.
 #![allow(dead_code)] // each test file uses its own part
 
-use flotilla_engine::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, OptimizerSpec};
+use flotilla_engine::{
+    BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec,
+};
 
 /// SGD without momentum or weight decay.
 pub fn plain_sgd(lr: f64) -> OptimizerSpec {
@@ -12,6 +14,7 @@ pub fn plain_sgd(lr: f64) -> OptimizerSpec {
         dampening: 0.0,
         nesterov: false,
         weight_decay: 0.0,
+        decay_params: DecayParams::All,
     }
 }
 

@@ -168,6 +168,7 @@ pub fn for_job(config: &TrainConfig, topology: &Topology, rank: usize) -> JobOpt
 mod tests {
     use super::*;
     use flotilla_cluster::TopologySpec;
+    use flotilla_engine::DecayParams;
 
     fn topology(yaml: &str) -> Topology {
         let c = crate::config::TrainConfig::from_yaml(yaml, "t").expect("parse");
@@ -182,6 +183,7 @@ mod tests {
             dampening: 0.0,
             nesterov: false,
             weight_decay: 5e-4,
+            decay_params: DecayParams::All,
         }
     }
 
