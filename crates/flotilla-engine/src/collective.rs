@@ -128,7 +128,9 @@ impl CollectiveOps for Flex {
     }
 }
 
+// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
 #[cfg(feature = "libtorch")]
+#[allow(deprecated)]
 impl CollectiveOps for burn::backend::LibTorch {
     fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
         reducer.sum_primitive::<Self>(tensor)
