@@ -114,7 +114,7 @@ fn main() -> Result<()> {
             }
         }
     }
-    let stats = pipe.evaluate(test.images(), &labels(test.labels()), 1000)?;
+    let stats = pipe.evaluate(&test.normalized_images(), &labels(test.labels()), 1000)?;
     if world.rank() == 0 {
         println!(
             "stage {} of {}: test accuracy {:.4}, loss {:.4}, {:.1} s",

@@ -1,10 +1,13 @@
-//! Gathering samples into reusable flat batch buffers.
+//! Gathering samples into reusable flat batch buffers, normalising the data set's `u8`
+//! pixels to `f32` on the way.
 
 use crate::dataset::ImageDataset;
 use crate::error::{DataError, Result};
 
-/// Copies the samples `indices` of `dataset` into `images` (`n x 1 x rows x cols`,
-/// row-major, `n = indices.len()`) and their labels, widened to `i64`, into `labels`.
+/// Writes the samples `indices` of `dataset` into `images` (`n x 1 x rows x cols`,
+/// row-major, `n = indices.len()`), each pixel normalised by the data set's
+/// [`crate::Normalization`] (through its table, so bitwise [`crate::Normalization::apply`]),
+/// and their labels, widened to `i64`, into `labels`.
 ///
 /// Both buffers are cleared first; they only reallocate if their capacity is too small,
 /// so reusing the same buffers for batches of the same size never allocates.
@@ -29,9 +32,11 @@ pub fn fill_batch(
     images.reserve(indices.len() * dataset.image_size());
     labels.reserve(indices.len());
     let size = dataset.image_size();
-    let (all_images, all_labels) = (dataset.images(), dataset.labels());
+    let table = dataset.normalization().table();
+    let (pixels, all_labels) = (dataset.pixels(), dataset.labels());
     for &i in indices {
-        images.extend_from_slice(&all_images[i * size..(i + 1) * size]);
+        let image = &pixels[i * size..(i + 1) * size];
+        images.extend(image.iter().map(|&p| table[usize::from(p)]));
         labels.push(i64::from(all_labels[i]));
     }
     Ok(())
@@ -101,7 +106,40 @@ mod tests {
         let px: Vec<u8> = (0..5u8)
             .flat_map(|i| (0..6u8).map(move |p| 10 * i + p))
             .collect();
-        ImageDataset::from_u8(&px, vec![9, 8, 7, 6, 5], 2, 3, Normalization::UNIT).unwrap()
+        ImageDataset::new(px, vec![9, 8, 7, 6, 5], 2, 3, Normalization::UNIT).unwrap()
+    }
+
+    /// Image `i` of `ds` normalised pixel by pixel with the formula written out here, as
+    /// the data set held it in `f32` before it kept `u8`.
+    fn by_formula(ds: &ImageDataset, i: usize) -> Vec<u32> {
+        let Normalization { mean, std } = ds.normalization();
+        let image = ds.image(i).unwrap();
+        image
+            .iter()
+            .map(|&x| ((f32::from(x) / 255.0 - mean) / std).to_bits())
+            .collect()
+    }
+
+    #[test]
+    fn a_batch_from_u8_equals_the_f32_normalisation_bitwise() {
+        // 4 images of 8x8 holding every pixel value once, in a scrambled order.
+        let px: Vec<u8> = (0..=255u8)
+            .map(|x| x.wrapping_mul(167).wrapping_add(13))
+            .collect();
+        for norm in [Normalization::MNIST, Normalization::UNIT] {
+            let ds = ImageDataset::new(px.clone(), vec![0, 1, 2, 3], 8, 8, norm).unwrap();
+            let indices = [2, 0, 3, 2, 1];
+            let mut batcher = Batcher::new(indices.len(), ds.image_size());
+            let batch = batcher.fill(&ds, &indices).unwrap();
+            let got: Vec<u32> = batch.images.iter().map(|v| v.to_bits()).collect();
+            let want: Vec<u32> = indices.iter().flat_map(|&i| by_formula(&ds, i)).collect();
+            assert_eq!(got, want, "{norm:?}");
+            let whole: Vec<u32> = ds.normalized_images().iter().map(|v| v.to_bits()).collect();
+            assert_eq!(
+                whole,
+                (0..4).flat_map(|i| by_formula(&ds, i)).collect::<Vec<_>>()
+            );
+        }
     }
 
     #[test]
@@ -112,12 +150,16 @@ mod tests {
         fill_batch(&ds, &[3, 0, 3], &mut images, &mut labels).unwrap();
         assert_eq!(labels, vec![6, 9, 6]);
         assert_eq!(images.len(), 18);
-        assert_eq!(&images[..6], ds.image(3).unwrap());
-        assert_eq!(&images[6..12], ds.image(0).unwrap());
+        let unit = |i: usize| -> Vec<f32> {
+            let image = ds.image(i).unwrap();
+            image.iter().map(|&p| f32::from(p) / 255.0).collect()
+        };
+        assert_eq!(images[..6], unit(3));
+        assert_eq!(images[6..12], unit(0));
         let (ip, lp) = (images.as_ptr(), labels.as_ptr());
         fill_batch(&ds, &[1, 2, 4], &mut images, &mut labels).unwrap();
         assert_eq!(labels, vec![8, 7, 5]);
-        assert_eq!(&images[12..], ds.image(4).unwrap());
+        assert_eq!(images[12..], unit(4));
         assert_eq!(
             (ip, lp),
             (images.as_ptr(), labels.as_ptr()),

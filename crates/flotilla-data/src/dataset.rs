@@ -1,8 +1,9 @@
-//! In-memory image classification dataset with normalised `f32` pixels.
+//! In-memory image classification dataset: raw `u8` pixels, normalised to `f32` as they are
+//! gathered.
 
 use crate::error::{DataError, Result};
 
-/// Per-pixel normalisation applied when loading: `(x / 255 - mean) / std`.
+/// Per-pixel normalisation applied when pixels are read: `(x / 255 - mean) / std` in `f32`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Normalization {
     /// Mean of the `[0, 1]`-scaled pixels.
@@ -30,7 +31,7 @@ impl Normalization {
     }
 
     /// Lookup table of [`Normalization::apply`] for all 256 pixel values.
-    fn table(self) -> [f32; 256] {
+    pub(crate) fn table(self) -> [f32; 256] {
         let mut t = [0.0; 256];
         for (x, v) in (0..=u8::MAX).zip(t.iter_mut()) {
             *v = self.apply(x);
@@ -45,55 +46,49 @@ impl Default for Normalization {
     }
 }
 
-/// A set of single-channel `rows x cols` images with `u8` class labels, held in memory.
+/// A set of single-channel `rows x cols` images with `u8` class labels, held in memory as
+/// raw `u8` pixels (a quarter of `f32`'s size) with the [`Normalization`] that readers apply
+/// as they gather samples ([`crate::fill_batch`], [`ImageDataset::normalized_images`]).
 ///
-/// Invariant: `images().len() == len() * rows() * cols()` and `labels().len() == len()`.
-/// Image `i` occupies `images()[i * image_size() .. (i + 1) * image_size()]`, row-major.
+/// Invariant: `pixels().len() == len() * rows() * cols()` and `labels().len() == len()`.
+/// Image `i` occupies `pixels()[i * image_size() .. (i + 1) * image_size()]`, row-major.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ImageDataset {
-    images: Vec<f32>,
+    pixels: Vec<u8>,
     labels: Vec<u8>,
     rows: usize,
     cols: usize,
     len: usize,
+    norm: Normalization,
 }
 
 impl ImageDataset {
-    /// Builds a dataset from already-normalised pixels.
-    ///
-    /// # Errors
-    /// [`DataError::InconsistentBuffers`] if `images.len() != labels.len() * rows * cols`.
-    pub fn new(images: Vec<f32>, labels: Vec<u8>, rows: usize, cols: usize) -> Result<Self> {
-        let len = labels.len();
-        if rows.checked_mul(cols).and_then(|s| s.checked_mul(len)) != Some(images.len()) {
-            return Err(DataError::InconsistentBuffers(format!(
-                "{} pixels for {len} labels of {rows}x{cols}",
-                images.len()
-            )));
-        }
-        Ok(ImageDataset {
-            images,
-            labels,
-            rows,
-            cols,
-            len,
-        })
-    }
-
-    /// Builds a dataset from raw `u8` pixels, normalising them with `norm`.
+    /// Builds a dataset from raw `u8` pixels, normalised with `norm` when read.
     ///
     /// # Errors
     /// [`DataError::InconsistentBuffers`] if `pixels.len() != labels.len() * rows * cols`.
-    pub fn from_u8(
-        pixels: &[u8],
+    pub fn new(
+        pixels: Vec<u8>,
         labels: Vec<u8>,
         rows: usize,
         cols: usize,
         norm: Normalization,
     ) -> Result<Self> {
-        let table = norm.table();
-        let images = pixels.iter().map(|&p| table[usize::from(p)]).collect();
-        Self::new(images, labels, rows, cols)
+        let len = labels.len();
+        if rows.checked_mul(cols).and_then(|s| s.checked_mul(len)) != Some(pixels.len()) {
+            return Err(DataError::InconsistentBuffers(format!(
+                "{} pixels for {len} labels of {rows}x{cols}",
+                pixels.len()
+            )));
+        }
+        Ok(ImageDataset {
+            pixels,
+            labels,
+            rows,
+            cols,
+            len,
+            norm,
+        })
     }
 
     /// Number of samples.
@@ -121,9 +116,21 @@ impl ImageDataset {
         self.rows * self.cols
     }
 
-    /// All normalised pixels, `len x rows x cols`, row-major.
-    pub fn images(&self) -> &[f32] {
-        &self.images
+    /// The normalisation readers apply to the raw pixels.
+    pub fn normalization(&self) -> Normalization {
+        self.norm
+    }
+
+    /// All raw pixels, `len x rows x cols`, row-major.
+    pub fn pixels(&self) -> &[u8] {
+        &self.pixels
+    }
+
+    /// A normalised `f32` copy of every image, `len x rows x cols`, row-major: four times the
+    /// memory of the data set. Gather batches with [`crate::fill_batch`] instead where you can.
+    pub fn normalized_images(&self) -> Vec<f32> {
+        let table = self.norm.table();
+        self.pixels.iter().map(|&p| table[usize::from(p)]).collect()
     }
 
     /// All labels, one per sample.
@@ -131,11 +138,11 @@ impl ImageDataset {
         &self.labels
     }
 
-    /// The normalised pixels of sample `index`, or `None` if out of range.
-    pub fn image(&self, index: usize) -> Option<&[f32]> {
+    /// The raw pixels of sample `index`, or `None` if out of range.
+    pub fn image(&self, index: usize) -> Option<&[u8]> {
         let size = self.image_size();
         let start = index.checked_mul(size)?;
-        self.images.get(start..start.checked_add(size)?)
+        self.pixels.get(start..start.checked_add(size)?)
     }
 
     /// The label of sample `index`, or `None` if out of range.
@@ -148,12 +155,15 @@ impl ImageDataset {
         self.labels.iter().max().map_or(0, |&m| usize::from(m) + 1)
     }
 
-    /// Keeps only the first `n` samples (no-op if `n >= len`). Handy for quick runs.
+    /// Keeps only the first `n` samples (no-op if `n >= len`) and frees the rest's memory.
+    /// Handy for quick runs.
     pub fn truncate(&mut self, n: usize) {
         if n < self.len {
             self.len = n;
             self.labels.truncate(n);
-            self.images.truncate(n * self.rows * self.cols);
+            self.labels.shrink_to_fit();
+            self.pixels.truncate(n * self.rows * self.cols);
+            self.pixels.shrink_to_fit();
         }
     }
 }
@@ -164,8 +174,8 @@ mod tests {
 
     #[test]
     fn normalisation_and_accessors() {
-        let ds = ImageDataset::from_u8(
-            &[0, 255, 0, 255, 51, 51],
+        let ds = ImageDataset::new(
+            vec![0, 255, 0, 255, 51, 51],
             vec![3, 1, 4],
             1,
             2,
@@ -176,10 +186,14 @@ mod tests {
             (ds.len(), ds.rows(), ds.cols(), ds.image_size()),
             (3, 1, 2, 2)
         );
+        assert_eq!(ds.image(1), Some(&[0, 255][..]));
         let lo = (0.0 - 0.1307) / 0.3081;
         let hi = (1.0 - 0.1307) / 0.3081;
-        assert!((ds.image(1).unwrap()[0] - lo).abs() < 1e-6);
-        assert!((ds.image(1).unwrap()[1] - hi).abs() < 1e-6);
+        let all = ds.normalized_images();
+        assert_eq!(all.len(), 6);
+        assert!((all[2] - lo).abs() < 1e-6);
+        assert!((all[3] - hi).abs() < 1e-6);
+        assert_eq!(ds.normalization(), Normalization::MNIST);
         assert_eq!(ds.label(2), Some(4));
         assert_eq!(ds.label(3), None);
         assert!(ds.image(3).is_none());
@@ -187,19 +201,35 @@ mod tests {
     }
 
     #[test]
+    fn the_table_is_the_formula_for_every_pixel_value() {
+        for norm in [Normalization::MNIST, Normalization::UNIT] {
+            let table = norm.table();
+            for x in 0..=u8::MAX {
+                let want = (f32::from(x) / 255.0 - norm.mean) / norm.std;
+                assert_eq!(table[usize::from(x)].to_bits(), want.to_bits(), "{x}");
+            }
+        }
+    }
+
+    #[test]
     fn inconsistent_buffers_rejected() {
-        let err = ImageDataset::new(vec![0.0; 5], vec![0, 1], 1, 2).unwrap_err();
+        let err = ImageDataset::new(vec![0; 5], vec![0, 1], 1, 2, Normalization::UNIT).unwrap_err();
         assert!(matches!(err, DataError::InconsistentBuffers(_)));
     }
 
     #[test]
     fn truncate_keeps_prefix() {
-        let mut ds =
-            ImageDataset::from_u8(&[1, 2, 3, 4], vec![0, 1, 2, 3], 1, 1, Normalization::UNIT)
-                .unwrap();
+        let mut ds = ImageDataset::new(
+            vec![1, 2, 3, 4],
+            vec![0, 1, 2, 3],
+            1,
+            1,
+            Normalization::UNIT,
+        )
+        .unwrap();
         ds.truncate(2);
         assert_eq!(ds.len(), 2);
-        assert_eq!(ds.images().len(), 2);
+        assert_eq!(ds.pixels(), &[1, 2]);
         assert_eq!(ds.labels(), &[0, 1]);
     }
 }

@@ -26,7 +26,7 @@ pub struct MnistSplits {
 pub struct Mnist;
 
 impl Mnist {
-    /// Loads both splits from `dir`, normalised with [`Normalization::MNIST`].
+    /// Loads both splits from `dir`, to be normalised with [`Normalization::MNIST`].
     ///
     /// # Errors
     /// Any [`DataError`] from locating, reading or parsing the files, or
@@ -35,7 +35,7 @@ impl Mnist {
         Self::load_with(dir, Normalization::MNIST)
     }
 
-    /// Loads both splits from `dir`, normalised with `norm`.
+    /// Loads both splits from `dir`, to be normalised with `norm`.
     ///
     /// # Errors
     /// As [`Mnist::load`].
@@ -47,7 +47,8 @@ impl Mnist {
         })
     }
 
-    /// Loads one split from `dir`, normalised with `norm`.
+    /// Loads one split from `dir`: its `u8` pixels, to be normalised with `norm` as they are
+    /// gathered.
     ///
     /// # Errors
     /// As [`Mnist::load`].
@@ -69,7 +70,7 @@ impl Mnist {
                 labels: labels.len(),
             });
         }
-        ImageDataset::from_u8(&images.pixels, labels, images.rows, images.cols, norm)
+        ImageDataset::new(images.pixels, labels, images.rows, images.cols, norm)
     }
 }
 
@@ -88,8 +89,8 @@ mod tests {
         let ds = &splits.train;
         assert_eq!(ds.label(7), Some(7));
         assert_eq!(ds.label(12), Some(2));
-        let want = Normalization::MNIST.apply(pixel(7, 4));
-        assert_eq!(ds.image(7).unwrap()[4], want);
+        assert_eq!(ds.image(7).unwrap()[4], pixel(7, 4));
+        assert_eq!(ds.normalization(), Normalization::MNIST);
     }
 
     #[test]
@@ -209,13 +210,13 @@ mod tests {
         assert_eq!(splits.test.len(), 10_000);
         for ds in [&splits.train, &splits.test] {
             assert_eq!((ds.rows(), ds.cols()), (28, 28));
-            assert_eq!(ds.images().len(), ds.len() * 784);
+            assert_eq!(ds.pixels().len(), ds.len() * 784);
             assert_eq!(ds.num_classes(), 10);
         }
         assert_eq!(splits.train.label(0), Some(5));
         assert_eq!(splits.test.label(0), Some(7));
         // Mean/std of the normalised training pixels are ~0/~1 by construction.
-        let px = splits.train.images();
+        let px = splits.train.normalized_images();
         let n = px.len() as f64;
         let mean = px.iter().map(|&x| f64::from(x)).sum::<f64>() / n;
         let var = px

@@ -109,8 +109,8 @@ mod tests {
 
     #[test]
     fn an_image_is_one_sample_with_one_label() {
-        let d = ImageDataset::from_u8(
-            &[1, 2, 3, 4, 5, 6],
+        let d = ImageDataset::new(
+            vec![1, 2, 3, 4, 5, 6],
             vec![7, 3, 9],
             1,
             2,

@@ -129,7 +129,7 @@ impl<'a> Batches<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_data::ImageDataset;
+    use flotilla_data::{ImageDataset, Normalization};
 
     #[test]
     fn position_after_steps() {
@@ -142,10 +142,11 @@ mod tests {
 
     fn data(n: usize) -> ImageDataset {
         ImageDataset::new(
-            vec![0.0; n * 4],
+            vec![0; n * 4],
             (0..n).map(|i| (i % 10) as u8).collect(),
             2,
             2,
+            Normalization::UNIT,
         )
         .expect("data")
     }

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use flotilla_cluster::Topology;
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
-use flotilla_data::ImageDataset;
+use flotilla_data::{ImageDataset, Normalization};
 use flotilla_engine::{
     BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec,
 };
@@ -65,13 +65,15 @@ pub(crate) fn config(optimizer: OptimizerSpec) -> TrainConfig {
     c
 }
 
-/// `n` samples of 2×2 values in [-1, 1) and labels 0..3, all different.
+/// `n` samples of 2×2 pixels normalised into [-1, 1) and labels 0..3, all different.
 pub(crate) fn dataset(n: usize) -> ImageDataset {
-    let images = (0..n * 4)
-        .map(|i| ((i * 37 + 11) % 101) as f32 / 50.0 - 1.0)
-        .collect();
+    let pixels = (0..n * 4).map(|i| ((i * 37 + 11) % 101) as u8).collect();
     let labels = (0..n).map(|i| ((i * 7 + i / 3) % 3) as u8).collect();
-    ImageDataset::new(images, labels, 2, 2).expect("dataset")
+    let norm = Normalization {
+        mean: 0.2,
+        std: 0.2,
+    };
+    ImageDataset::new(pixels, labels, 2, 2, norm).expect("dataset")
 }
 
 /// `n` ranks of one in-memory world.
