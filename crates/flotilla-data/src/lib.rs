@@ -1,13 +1,14 @@
 //! flotilla-data: datasets, distributed sampling and batching for Flotilla.
 //!
 //! The crate is independent of the tensor engine: it yields flat `f32` pixel buffers and
-//! `u8`/`i64` labels that the trainer turns into tensors.
+//! `u8`/`i64` labels that the trainer turns into tensors. Images stay `u8` in memory
+//! ([`ImageDataset`]) and are normalised into the `f32` buffer as a batch is gathered.
 //!
 //! * [`idx`]: the IDX file format (gzipped or raw).
 //! * [`Mnist::load`]: the four files of an MNIST-layout directory into [`MnistSplits`].
 //! * [`verify_md5`]: MD5 check against the original MNIST files.
 //! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
-//! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers.
+//! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers, normalised.
 //! * [`TextSplits`]: a text file as next-token windows of bytes (training and held-out).
 //! * [`Samples`]: what both data sets are to the trainer (samples, labels per sample, `fill`).
 //!
