@@ -42,6 +42,7 @@ mod collectives;
 mod comm;
 mod config;
 mod conn;
+mod doubling;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -59,7 +60,10 @@ mod wire;
 mod world;
 
 pub use comm::Communicator;
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
+pub use config::{
+    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin,
+    WireFormat,
+};
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
     PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
