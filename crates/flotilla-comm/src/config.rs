@@ -12,8 +12,14 @@ use crate::tls::{TlsConfig, TlsFiles};
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
-/// Default of [`CommConfig::small_all_reduce_bytes`].
-pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 64 << 10;
+/// Default of [`CommConfig::small_all_reduce_bytes`]: 256 KiB. Chosen with
+/// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES=0` (ring) against `=4194304` (doubling) in
+/// `flotilla bench allreduce -n 2,4 --sizes 4K,64K,256K,512K,1M --iters 200` over 127.0.0.1 on
+/// 2 shared cores (under load, indicative; median µs of 3 runs, 512 KiB of 2). 2 ranks:
+/// 4 KiB 66 ring / 41 doubling, 64 KiB 74 / 65, 256 KiB 124 / 106, 512 KiB mixed, 1 MiB
+/// 218 / 324. 4 ranks: 4 KiB 222 / 105, 64 KiB 244 / 159, 256 KiB 381 / 311, 512 KiB
+/// 534 / 517, 1 MiB 1084 / 1418. Doubling wins up to 256 KiB; from 1 MiB the ring does.
+pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 256 << 10;
 
 /// Payload compression applied to data frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
