@@ -36,6 +36,7 @@ use tracing::Instrument;
 use crate::collectives;
 use crate::config::{CommConfig, Rejoin};
 use crate::conn::{Conn, ConnOpts, Endpoint};
+use crate::doubling;
 use crate::frame::{Op, channel};
 use crate::op::OpCtx;
 use crate::rendezvous;
@@ -549,7 +550,8 @@ impl<T> Drop for ScopedTask<T> {
     }
 }
 
-/// Runs all-reduce `ticket` of group `g` in its turn.
+/// Runs all-reduce `ticket` of group `g` in its turn: recursive doubling up to
+/// [`CommConfig::small_all_reduce_bytes`], the pipelined ring above.
 async fn all_reduce_ordered(
     g: &GroupState,
     ticket: u64,
@@ -557,22 +559,28 @@ async fn all_reduce_ordered(
     bucket: Option<usize>,
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
+    let bytes = std::mem::size_of_val(buf);
+    let small = bytes <= g.world.cfg.small_all_reduce_bytes;
     // From the group's turn to the end: the time on the wire, not the wait for the turn.
     let span = tracing::info_span!(
         target: "flotilla::comm",
         "all_reduce",
         seq = ticket,
         bucket = tracing::field::Empty,
-        bytes = std::mem::size_of_val(buf) as u64,
+        bytes = bytes as u64,
+        algorithm = if small { "doubling" } else { "ring" },
         track = "comm"
     );
     if let Some(b) = bucket {
         span.record("bucket", b as u64);
     }
     let started = std::time::Instant::now();
-    let r = ring::all_reduce(&OpCtx::new(g, ticket, Op::AllReduce), buf)
-        .instrument(span)
-        .await;
+    let ctx = OpCtx::new(g, ticket, Op::AllReduce);
+    let r = if small {
+        doubling::all_reduce(&ctx, buf).instrument(span).await
+    } else {
+        ring::all_reduce(&ctx, buf).instrument(span).await
+    };
     metrics::histogram!("flotilla_all_reduce_seconds").record(started.elapsed().as_secs_f64());
     g.finish(r).await
 }

@@ -12,6 +12,15 @@ use crate::tls::{TlsConfig, TlsFiles};
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+/// Default of [`CommConfig::small_all_reduce_bytes`]: 256 KiB. Chosen with
+/// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES=0` (ring) against `=4194304` (doubling) in
+/// `flotilla bench allreduce -n 2,4 --sizes 4K,64K,256K,512K,1M --iters 200` over 127.0.0.1 on
+/// 2 shared cores (under load, indicative; median µs of 3 runs, 512 KiB of 2). 2 ranks:
+/// 4 KiB 66 ring / 41 doubling, 64 KiB 74 / 65, 256 KiB 124 / 106, 512 KiB mixed, 1 MiB
+/// 218 / 324. 4 ranks: 4 KiB 222 / 105, 64 KiB 244 / 159, 256 KiB 381 / 311, 512 KiB
+/// 534 / 517, 1 MiB 1084 / 1418. Doubling wins up to 256 KiB; from 1 MiB the ring does.
+pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 256 << 10;
+
 /// Payload compression applied to data frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum Compression {
@@ -71,6 +80,11 @@ pub struct CommConfig {
     pub max_frame_bytes: usize,
     /// Size in bytes of the pipelined chunks of ring collectives.
     pub chunk_bytes: usize,
+    /// `f32` all-reduces of at most this many bytes take recursive doubling (`log2 n`
+    /// steps, latency-optimal) instead of the ring (`2 (n-1)` steps, bandwidth-optimal);
+    /// 0 sends every size through the ring. At most `max_frame_bytes` (one frame per step).
+    /// Every rank of a job must use the same value.
+    pub small_all_reduce_bytes: usize,
     /// Local address to bind listeners to. Default: rank 0 binds `master_addr`, other ranks
     /// bind the local address of their connection to rank 0.
     pub bind_host: Option<String>,
@@ -128,6 +142,7 @@ impl fmt::Debug for CommConfig {
             .field("wire_format", &self.wire_format)
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
+            .field("small_all_reduce_bytes", &self.small_all_reduce_bytes)
             .field("bind_host", &self.bind_host)
             .field("advertise_host", &self.advertise_host)
             .field("mesh_port", &self.mesh_port)
@@ -156,6 +171,7 @@ impl Default for CommConfig {
             wire_format: WireFormat::F32,
             max_frame_bytes: 64 << 20,
             chunk_bytes: 512 << 10,
+            small_all_reduce_bytes: DEFAULT_SMALL_ALL_REDUCE_BYTES,
             bind_host: None,
             advertise_host: None,
             mesh_port: None,
@@ -200,7 +216,7 @@ impl CommConfig {
     /// ([`TlsFiles::from_env`]: `FLOTILLA_TLS_CA`, `FLOTILLA_TLS_CERT`, `FLOTILLA_TLS_KEY`),
     /// `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
-    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
+    /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
     pub fn from_env() -> Result<Self, CommError> {
         let world_size: usize = parse_env("WORLD_SIZE")?
             .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
@@ -243,6 +259,9 @@ impl CommConfig {
         }
         if let Some(c) = parse_env("FLOTILLA_COMM_CHUNK_BYTES")? {
             cfg.chunk_bytes = c;
+        }
+        if let Some(s) = parse_env("FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES")? {
+            cfg.small_all_reduce_bytes = s;
         }
         if let Some(t) = parse_env("FLOTILLA_COMM_THREADS")? {
             cfg.runtime_threads = t;
@@ -315,6 +334,12 @@ impl CommConfig {
         self
     }
 
+    /// Sets the largest all-reduce (in bytes) that takes recursive doubling (0: none).
+    pub fn with_small_all_reduce_bytes(mut self, bytes: usize) -> Self {
+        self.small_all_reduce_bytes = bytes;
+        self
+    }
+
     /// Binds this rank's mesh listener to `port` (see [`CommConfig::mesh_port`]).
     pub fn with_mesh_port(mut self, port: Option<u16>) -> Self {
         self.mesh_port = port;
@@ -356,6 +381,12 @@ impl CommConfig {
                 self.chunk_bytes, self.max_frame_bytes
             ));
         }
+        if self.small_all_reduce_bytes > self.max_frame_bytes {
+            return bad(format!(
+                "small_all_reduce_bytes {} must be at most max_frame_bytes ({})",
+                self.small_all_reduce_bytes, self.max_frame_bytes
+            ));
+        }
         if self.runtime_threads == 0 {
             return bad("runtime_threads must be at least 1".into());
         }
@@ -394,6 +425,13 @@ mod tests {
             CommConfig::new(None, 2)
                 .with_max_frame_bytes(1 << 20)
                 .with_chunk_bytes(2 << 20)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            CommConfig::new(None, 2)
+                .with_max_frame_bytes(1 << 20)
+                .with_small_all_reduce_bytes(2 << 20)
                 .validate()
                 .is_err()
         );

@@ -18,7 +18,8 @@
 //!   then proves both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
 //! * [`Communicator`] implements [`ProcessGroup`] over TCP, or over in-memory links between
 //!   threads ([`Communicator::in_memory`]): collectives (barrier, broadcast, all-gather, the
-//!   pipelined ring all-reduce and its non-blocking form for overlapping gradient buckets
+//!   `f32` all-reduce — recursive doubling up to [`CommConfig::small_all_reduce_bytes`],
+//!   the pipelined ring above — and its non-blocking form for overlapping gradient buckets
 //!   with compute, integer and bit-set reductions), tagged point-to-point `send` into the
 //!   process's mailbox, and sub-groups (`split`, `group`) with their own sequence space over
 //!   the same connections.
@@ -42,6 +43,7 @@ mod collectives;
 mod comm;
 mod config;
 mod conn;
+mod doubling;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -59,7 +61,10 @@ mod wire;
 mod world;
 
 pub use comm::Communicator;
-pub use config::{CommConfig, Compression, DEFAULT_MASTER_PORT, Rejoin, WireFormat};
+pub use config::{
+    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin,
+    WireFormat,
+};
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
     PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,

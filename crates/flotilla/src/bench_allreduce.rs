@@ -1,6 +1,6 @@
-//! `flotilla bench allreduce`: the ring all-reduce's bandwidth over 127.0.0.1 against the
-//! loopback TCP bandwidth measured in the same run; the worker lines and the TCP rows that
-//! `--backend mpi` (`crate::bench_mpi`) also uses.
+//! `flotilla bench allreduce`: the TCP all-reduce's bandwidth (recursive doubling or ring by
+//! size) over 127.0.0.1 against the loopback TCP bandwidth measured in the same run; the
+//! worker lines and the TCP rows that `--backend mpi` (`crate::bench_mpi`) also uses.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -153,7 +153,11 @@ pub fn check_ranks(args: &BenchAllreduceArgs) -> Result<()> {
 pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
     check_ranks(args)?;
     let reference = loopback_bandwidth(1 << 30)?;
-    println!("# flotilla bench allreduce: ring all-reduce of f32 buffers over 127.0.0.1");
+    println!(
+        "# flotilla bench allreduce: all-reduce of f32 buffers over 127.0.0.1 \
+         (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, default {} KiB; the ring above)",
+        flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10
+    );
     println!(
         "# reference B = single-stream loopback TCP bandwidth, measured now: {reference:.2} GB/s; ideal ring busbw = B"
     );

@@ -49,8 +49,8 @@ pub enum Backend {
 #[serde(deny_unknown_fields, default)]
 pub struct CommSection {
     /// The process-group implementation: `tcp` (default) or `mpi` (under `mpirun`, with a
-    /// binary built with `--features mpi`; the rendezvous keys, `compression` and
-    /// `wire_format` then do not apply).
+    /// binary built with `--features mpi`; the rendezvous keys, `compression`,
+    /// `wire_format` and `small_all_reduce_kb` then do not apply).
     pub backend: Backend,
     /// Rendezvous address of rank 0.
     pub master_addr: String,
@@ -66,6 +66,9 @@ pub struct CommSection {
     pub wire_format: WireSetting,
     /// Gradient fusion bucket size in MiB.
     pub bucket_mb: f64,
+    /// All-reduces of at most this many KiB take recursive doubling (`log2 n` steps)
+    /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (TCP backend).
+    pub small_all_reduce_kb: usize,
     /// A file holding the cluster secret (mode 0600; not accessible to group or others).
     /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
     /// secret itself is never a config value or a flag, and never enters the config hash.
@@ -86,6 +89,7 @@ impl Default for CommSection {
             compression: CompressionSetting::None,
             wire_format: WireSetting::F32,
             bucket_mb: 25.0,
+            small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
             secret_file: None,
             tls: None,
         }
@@ -137,6 +141,7 @@ impl TrainConfig {
                 WireSetting::F32 => WireFormat::F32,
                 WireSetting::Bf16 => WireFormat::Bf16,
             },
+            small_all_reduce_bytes: c.small_all_reduce_kb.saturating_mul(1 << 10),
             ..CommConfig::default()
         })
     }
@@ -167,5 +172,24 @@ mod tests {
             .expect_err("unknown backend")
             .to_string();
         assert!(e.contains("nccl"), "{e}");
+    }
+
+    #[test]
+    fn small_all_reduce_kb_reaches_the_communicator_and_is_bounded() {
+        let c = TrainConfig::default()
+            .comm_config(Some(0), 0, 2)
+            .expect("default");
+        assert_eq!(
+            c.small_all_reduce_bytes,
+            flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES
+        );
+        let t = TrainConfig::from_yaml("comm: {small_all_reduce_kb: 4}\n", "s.yaml").expect("key");
+        let c = t.comm_config(Some(0), 0, 2).expect("config");
+        assert_eq!(c.small_all_reduce_bytes, 4096);
+        let t = TrainConfig::from_yaml("small_all_reduce_kb: 0\n", "s.yaml").expect("alias");
+        assert_eq!(t.comm.small_all_reduce_kb, 0);
+        let t = TrainConfig::from_yaml("small_all_reduce_kb: 1000000\n", "s.yaml").expect("parses");
+        let e = t.validate().expect_err("above a frame").to_string();
+        assert!(e.contains("comm.small_all_reduce_kb"), "{e}");
     }
 }

@@ -282,6 +282,7 @@ pub const KEYS: &[Key] = &[
         Kind::F64,
         "Gradient fusion bucket size in MiB",
     ),
+    Key::new("comm.small_all_reduce_kb").aliases(&["small_all_reduce_kb"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),
     Key::new("comm.tls"),

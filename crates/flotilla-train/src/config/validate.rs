@@ -50,6 +50,16 @@ impl TrainConfig {
             ));
         }
         positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
+        let frame_kb = flotilla_comm::CommConfig::default().max_frame_bytes >> 10;
+        if c.small_all_reduce_kb > frame_kb {
+            return Err(bad(
+                "comm.small_all_reduce_kb",
+                format!(
+                    "must be at most {frame_kb} (the largest frame), got {}",
+                    c.small_all_reduce_kb
+                ),
+            ));
+        }
         positive("comm.timeout_s", c.timeout_s, "number of seconds")?;
         positive("comm.join_timeout_s", c.join_timeout_s, "number of seconds")?;
         positive("optimizer.lr", self.optimizer.lr(), "number")?;
