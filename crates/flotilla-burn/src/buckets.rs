@@ -35,20 +35,10 @@ pub fn plan(layout: &ParamLayout, bucket_bytes: usize) -> Vec<Range<usize>> {
 #[cfg(test)]
 mod tests {
     use super::plan;
-    use flotilla_engine::{ParamInfo, ParamLayout};
+    use flotilla_engine::ParamLayout;
 
     fn layout(lens: &[usize]) -> ParamLayout {
-        let mut l = ParamLayout::default();
-        for (i, &len) in lens.iter().enumerate() {
-            l.params.push(ParamInfo {
-                name: format!("p{i}"),
-                shape: vec![len],
-                offset: l.total,
-                len,
-            });
-            l.total += len;
-        }
-        l
+        ParamLayout::of_lengths(lens)
     }
 
     #[test]

@@ -44,6 +44,22 @@ pub struct ParamLayout {
 }
 
 impl ParamLayout {
+    /// A layout of 1-d tensors `p0`, `p1`, ... of lengths `lens`, one after the other (for
+    /// code that plans over a layout, and its tests, without a model).
+    pub fn of_lengths(lens: &[usize]) -> Self {
+        let mut l = Self::default();
+        for (i, &len) in lens.iter().enumerate() {
+            l.params.push(ParamInfo {
+                name: format!("p{i}"),
+                shape: vec![len],
+                offset: l.total,
+                len,
+            });
+            l.total += len;
+        }
+        l
+    }
+
     /// Reads the layout of `model`'s parameters.
     pub fn of<M: Module>(model: &M) -> Self {
         Self::of_tensors(model, Tensors::Params)

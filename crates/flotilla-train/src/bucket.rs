@@ -94,20 +94,9 @@ impl BucketPlan {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_engine::ParamInfo;
 
     fn layout(lens: &[usize]) -> ParamLayout {
-        let mut l = ParamLayout::default();
-        for (i, &len) in lens.iter().enumerate() {
-            l.params.push(ParamInfo {
-                name: format!("p{i}"),
-                shape: vec![len],
-                offset: l.total,
-                len,
-            });
-            l.total += len;
-        }
-        l
+        ParamLayout::of_lengths(lens)
     }
 
     #[test]
