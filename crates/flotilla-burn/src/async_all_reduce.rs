@@ -26,7 +26,7 @@ use std::collections::VecDeque;
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use flotilla_engine::any_module;
-use flotilla_group::{CycleConfig, CycleReducer, CycleStats, Pending};
+use flotilla_group::{CycleConfig, CycleReducer, CycleStats, Pending, WeightHistory};
 
 use crate::data_parallel::DataParallel;
 use crate::error::Result;
@@ -77,14 +77,8 @@ pub struct AsyncAllReduce {
     steps: u64,
     /// This step's gradients, then the averaged gradients applied.
     flat: Vec<f32>,
-    /// The parameters now, before the last update and before that; the prediction.
-    current: Vec<f32>,
-    previous: Vec<f32>,
-    previous2: Vec<f32>,
-    predicted: Vec<f32>,
-    /// `current − previous` (and `previous − previous2`) are real updates.
-    moved: bool,
-    moved2: bool,
+    /// The parameters of the last updates, for the prediction.
+    history: WeightHistory,
 }
 
 impl AsyncAllReduce {
@@ -102,12 +96,7 @@ impl AsyncAllReduce {
             in_flight: VecDeque::new(),
             steps: 0,
             flat: vec![0.0; n],
-            current: vec![0.0; n],
-            previous: vec![0.0; n],
-            previous2: vec![0.0; n],
-            predicted: vec![0.0; n],
-            moved: false,
-            moved2: false,
+            history: WeightHistory::new(n),
         };
         this.track(model, false)?;
         Ok(this)
@@ -122,30 +111,14 @@ impl AsyncAllReduce {
     /// [`Correction::Predict`] and steps in flight, `model` with the predicted parameters
     /// (same parameter ids, so its gradients go to [`AsyncAllReduce::step`] as they are).
     pub fn gradient_point<M: Module>(&mut self, model: &M) -> Result<M> {
-        let k = self.in_flight.len() as f32;
         let Correction::Predict { momentum } = self.config.correction else {
             return Ok(model.clone());
         };
-        if k == 0.0 || !self.moved {
+        let Some(predicted) = self.history.predict(self.in_flight.len(), momentum) else {
             return Ok(model.clone());
-        }
-        // Without two updates in a row, only the last one is known: extrapolate it as it is.
-        let b = if self.moved2 { momentum } else { 0.0 };
-        for (((p, c), q), q2) in self
-            .predicted
-            .iter_mut()
-            .zip(&self.current)
-            .zip(&self.previous)
-            .zip(&self.previous2)
-        {
-            *p = c + k * ((1.0 + b) * (c - q) - b * (q - q2));
-        }
+        };
         let layout = self.dp.layout();
-        Ok(any_module::write_params(
-            model.clone(),
-            layout,
-            &self.predicted,
-        )?)
+        Ok(any_module::write_params(model.clone(), layout, predicted)?)
     }
 
     /// Submits `grads` (this rank's gradients, computed on [`AsyncAllReduce::gradient_point`])
@@ -246,15 +219,9 @@ impl AsyncAllReduce {
         if self.config.correction == Correction::None {
             return Ok(());
         }
-        std::mem::swap(&mut self.previous2, &mut self.previous);
-        std::mem::swap(&mut self.previous, &mut self.current);
-        any_module::read_params(model, self.dp.layout(), &mut self.current)?;
-        if !moved {
-            self.previous.copy_from_slice(&self.current);
-            self.previous2.copy_from_slice(&self.current);
-        }
-        self.moved2 = self.moved && moved;
-        self.moved = moved;
+        let layout = self.dp.layout();
+        self.history
+            .record(moved, |buf| any_module::read_params(model, layout, buf))?;
         Ok(())
     }
 }

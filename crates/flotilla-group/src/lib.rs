@@ -40,7 +40,7 @@ pub mod stall;
 pub mod subgroup;
 mod tls_error;
 
-pub use cycle::{CycleConfig, CycleReducer, CycleStats};
+pub use cycle::{CycleConfig, CycleReducer, CycleStats, WeightHistory};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
 pub use mailbox::{Mailbox, Taken};

@@ -31,6 +31,9 @@
 
 pub mod negotiate;
 pub mod pack;
+mod predict;
+
+pub use predict::WeightHistory;
 
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};

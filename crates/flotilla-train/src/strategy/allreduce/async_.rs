@@ -32,7 +32,9 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use flotilla_comm::{CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup, StallPolicy};
+use flotilla_comm::{
+    CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup, StallPolicy, WeightHistory,
+};
 use flotilla_engine::{Engine, EvalStats, ModelState, ParamLayout};
 
 use crate::batches::Batches;
@@ -68,17 +70,10 @@ pub struct AsyncAllReduce {
     stats: Option<CycleStats>,
     applied: u64,
     correction: StaleCorrection,
-    /// The engine's parameters now, before the last update, and the prediction.
-    current: Vec<f32>,
-    previous: Vec<f32>,
-    previous2: Vec<f32>,
-    /// `previous − previous2` is a real update too.
-    moved2: bool,
+    /// The engine's parameters of the last updates, for the prediction.
+    history: WeightHistory,
     /// The optimizer's momentum (see [`flotilla_engine::OptimizerSpec::momentum`]).
     momentum: f32,
-    predicted: Vec<f32>,
-    /// `current − previous` is a real update (not across a drain or the start).
-    moved: bool,
     /// A test fault keeps this rank from submitting one tensor.
     withholding: bool,
 }
@@ -106,13 +101,8 @@ impl AsyncAllReduce {
             stats: None,
             applied: 0,
             correction: a.correction,
-            current: vec![0.0; n],
-            previous: vec![0.0; n],
-            previous2: vec![0.0; n],
-            moved2: false,
+            history: WeightHistory::new(n),
             momentum: 0.0,
-            predicted: vec![0.0; n],
-            moved: false,
             withholding: false,
         })
     }
@@ -120,22 +110,13 @@ impl AsyncAllReduce {
     /// The parameters to compute this step's gradient at: predicted (written into the
     /// engine, `true`) or the engine's own (`false`).
     fn predict(&mut self) -> Result<bool> {
-        let k = self.in_flight.len() as f32;
-        if self.correction != StaleCorrection::Predict || k == 0.0 || !self.moved {
+        if self.correction != StaleCorrection::Predict {
             return Ok(false);
         }
-        // Without two updates in a row, only the last one is known: extrapolate it as it is.
-        let b = if self.moved2 { self.momentum } else { 0.0 };
-        for (((p, c), q), q2) in self
-            .predicted
-            .iter_mut()
-            .zip(&self.current)
-            .zip(&self.previous)
-            .zip(&self.previous2)
-        {
-            *p = c + k * ((1.0 + b) * (c - q) - b * (q - q2));
-        }
-        self.engine.write_params(&self.predicted)?;
+        let Some(predicted) = self.history.predict(self.in_flight.len(), self.momentum) else {
+            return Ok(false);
+        };
+        self.engine.write_params(predicted)?;
         Ok(true)
     }
 
@@ -144,15 +125,8 @@ impl AsyncAllReduce {
         if self.correction == StaleCorrection::None {
             return Ok(());
         }
-        std::mem::swap(&mut self.previous2, &mut self.previous);
-        std::mem::swap(&mut self.previous, &mut self.current);
-        self.engine.read_params(&mut self.current)?;
-        if !moved {
-            self.previous.copy_from_slice(&self.current);
-            self.previous2.copy_from_slice(&self.current);
-        }
-        self.moved2 = self.moved && moved;
-        self.moved = moved;
+        let engine = &self.engine;
+        self.history.record(moved, |buf| engine.read_params(buf))?;
         Ok(())
     }
 
@@ -198,7 +172,7 @@ impl AsyncAllReduce {
             Ok(())
         })?;
         if predicted {
-            engine.write_params(&self.current)?;
+            engine.write_params(self.history.current())?;
         }
         if let Some(i) = seen.iter().position(|s| !s) {
             return Err(TrainError::Divergence(format!(
