@@ -8,8 +8,10 @@ use flotilla_engine::{Engine, EvalStats, ModelState};
 use crate::error::{Result, TrainError};
 
 /// Samples evaluated at once: the engine's batch, and how many are gathered (read, for a
-/// set read from its file) and held as `f32` at a time.
-const EVAL_BATCH: usize = 1000;
+/// set read from its file) and held as `f32` at a time. Evaluation's activations are a
+/// rank's largest transient memory (LeNet-5's first convolution: 18.8 MB at 1000 samples);
+/// at 250 they stay below the shard's size (BENCHMARKS.md §17).
+const EVAL_BATCH: usize = 250;
 
 /// Evaluates on the whole test set in one process.
 pub fn full(engine: &dyn Engine, test: &dyn Samples) -> Result<EvalStats> {
