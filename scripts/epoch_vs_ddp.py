@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Epoch time of 2-rank sync data parallel: Flotilla against PyTorch DDP (gloo), in one run.
 
-Usage: scripts/epoch_vs_ddp.py [--runs 3] [--epochs 1] [--flotilla target/release/flotilla]
+Usage: scripts/epoch_vs_ddp.py [--runs 3] [--epochs 1] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
                                [--python /root/torchenv/bin/python]
 
 Both sides train LeNet-5 (models/lenet5.yaml) on the vendored MNIST (data/mnist), 2 local
@@ -87,6 +87,8 @@ def ddp(args, work, i):
     if any(p.returncode != 0 for p in ranks):
         raise SystemExit(f"DDP run {i} failed: {[p.returncode for p in ranks]}")
     fields = dict(kv.split("=") for kv in outs[0].split())
+    print(f"  ddp rank 0: setup {float(fields['setup_s']):.2f} s (imports, data, process group), "
+          f"evaluation {float(fields['eval_s']):.2f} s", flush=True)
     return float(fields["loop_s"]), total, float(fields["test_acc"])
 
 
@@ -98,7 +100,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--epochs", type=int, default=1)
-    p.add_argument("--flotilla", default=os.path.join(ROOT, "target/release/flotilla"))
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    p.add_argument("--flotilla", default=os.path.join(target, "release/flotilla"))
     p.add_argument("--python", default="/root/torchenv/bin/python")
     args = p.parse_args()
     results = {"flotilla": [], "ddp": []}

@@ -156,7 +156,10 @@ impl ImageFile {
 fn bad_dims(path: &Path, dims: &[usize], reason: &'static str) -> DataError {
     DataError::BadDimensions {
         path: path.to_path_buf(),
-        dims: dims.iter().map(|&d| u32::try_from(d).unwrap_or(u32::MAX)).collect(),
+        dims: dims
+            .iter()
+            .map(|&d| u32::try_from(d).unwrap_or(u32::MAX))
+            .collect(),
         reason,
     }
 }
@@ -208,7 +211,14 @@ mod tests {
             false,
         );
         let err = ImageFile::open(&path, vec![0; 3], Normalization::UNIT).expect_err("short");
-        assert!(matches!(err, DataError::Truncated { expected: 18, actual: 17, .. }));
+        assert!(matches!(
+            err,
+            DataError::Truncated {
+                expected: 18,
+                actual: 17,
+                ..
+            }
+        ));
         let path = write_file(
             dir.path(),
             "ok",

@@ -238,8 +238,8 @@ mod tests {
             let dir = tempfile::tempdir().unwrap();
             write_dataset(dir.path(), Style::Hyphen, gz, 13, 4, 3, 2);
             let loaded = Mnist::load(dir.path()).unwrap();
-            let files = Mnist::open(dir.path(), Normalization::MNIST, &dir.path().join("c"))
-                .unwrap();
+            let files =
+                Mnist::open(dir.path(), Normalization::MNIST, &dir.path().join("c")).unwrap();
             for (file, set) in [(&files.train, &loaded.train), (&files.test, &loaded.test)] {
                 let all: Vec<usize> = (0..set.len()).collect();
                 assert_eq!(&file.load(&all).unwrap(), set);

@@ -132,7 +132,12 @@ impl Drop for Prefetcher {
 impl Plan {
     /// The thread's loop: one shard per epoch, its batches sent in order, until the
     /// consumer goes away or a read fails (the error is sent on).
-    fn run(mut self, out: &SyncSender<Result<Filled>>, spares: &Receiver<Spare>, held: &AtomicUsize) {
+    fn run(
+        mut self,
+        out: &SyncSender<Result<Filled>>,
+        spares: &Receiver<Spare>,
+        held: &AtomicUsize,
+    ) {
         loop {
             if let Err(e) = self.epoch_batches(out, spares, held) {
                 // A consumer gone away ends the thread too: it would not read the error.
@@ -264,7 +269,11 @@ mod tests {
         }
         let held = Samples::held_bytes(&shard);
         assert_eq!(held, 51 * (6 + 1));
-        assert_eq!(Samples::held_bytes(&file), 103, "the file holds only its labels");
+        assert_eq!(
+            Samples::held_bytes(&file),
+            103,
+            "the file holds only its labels"
+        );
         // The prefetch thread holds one such shard (of the batches it serves).
         let mut feed = Prefetcher::start(Arc::new(file), sampler, 10, (2, 0)).expect("feed");
         feed.next(Spare::default()).expect("batch");
@@ -283,6 +292,9 @@ mod tests {
             feed.next(Spare::default()),
             Err(DataError::IndexOutOfRange { .. })
         ));
-        assert!(matches!(feed.next(Spare::default()), Err(DataError::Prefetch(_))));
+        assert!(matches!(
+            feed.next(Spare::default()),
+            Err(DataError::Prefetch(_))
+        ));
     }
 }

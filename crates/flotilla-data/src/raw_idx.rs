@@ -132,7 +132,10 @@ mod tests {
         assert_eq!(raw_idx(&raw, &cache).expect("raw"), raw);
         let copy = raw_idx(&gz, &cache).expect("copy");
         assert!(copy.starts_with(&cache));
-        assert!(copy.to_string_lossy().ends_with("-x-idx3-ubyte"), "{copy:?}");
+        assert!(
+            copy.to_string_lossy().ends_with("-x-idx3-ubyte"),
+            "{copy:?}"
+        );
         assert_eq!(std::fs::read(&copy).expect("read"), content);
         // A second call finds the copy (its mtime is unchanged).
         let mtime = std::fs::metadata(&copy).and_then(|m| m.modified()).ok();
@@ -152,7 +155,10 @@ mod tests {
         let cache = dir.path().join("cache");
         let path = dir.path().join("bad.gz");
         std::fs::write(&path, [0x1f, 0x8b, 8, 0, 1, 2, 3]).expect("write");
-        assert!(matches!(raw_idx(&path, &cache), Err(DataError::Gzip { .. })));
+        assert!(matches!(
+            raw_idx(&path, &cache),
+            Err(DataError::Gzip { .. })
+        ));
         let left = std::fs::read_dir(&cache).map_or(0, |d| d.count());
         assert_eq!(left, 0);
     }

@@ -57,10 +57,13 @@ impl TokenWindows {
         let starts = indices
             .iter()
             .map(|&i| {
-                self.starts.get(i).copied().ok_or(DataError::IndexOutOfRange {
-                    index: i,
-                    len: self.len(),
-                })
+                self.starts
+                    .get(i)
+                    .copied()
+                    .ok_or(DataError::IndexOutOfRange {
+                        index: i,
+                        len: self.len(),
+                    })
             })
             .collect::<Result<_>>()?;
         Ok(Self {

@@ -221,7 +221,8 @@ mod tests {
     #[test]
     fn a_resumed_source_continues_with_the_same_batches() {
         let d = data(40);
-        let mut straight = Batches::new(Arc::new(d.clone()), (2, 1), 5, 4, Position::default()).expect("b");
+        let mut straight =
+            Batches::new(Arc::new(d.clone()), (2, 1), 5, 4, Position::default()).expect("b");
         assert_eq!(straight.steps_per_epoch(), 5);
         let mut labels = Vec::new();
         for _ in 0..13 {
@@ -266,8 +267,14 @@ mod text_tests {
         let (world, batch) = (2, 3);
         let mut seen = Vec::new();
         for rank in 0..world {
-            let mut b = Batches::new(Arc::new(s.train.clone()), (world, rank), 7, batch, Position::default())
-                .expect("batches");
+            let mut b = Batches::new(
+                Arc::new(s.train.clone()),
+                (world, rank),
+                7,
+                batch,
+                Position::default(),
+            )
+            .expect("batches");
             // 43 windows per rank: 14 batches of 3.
             assert_eq!((b.steps_per_epoch(), b.batch_size()), (14, 3));
             let sampler = DistributedSampler::new(86, world, rank, 7, true).expect("sampler");

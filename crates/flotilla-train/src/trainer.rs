@@ -240,7 +240,8 @@ impl Job<'_> {
                     epoch: s.epoch,
                     step_in_epoch: s.step_in_epoch,
                 });
-                let data = Batches::new(Arc::clone(&self.train), (shards, index), seed, batch, start)?;
+                let data =
+                    Batches::new(Arc::clone(&self.train), (shards, index), seed, batch, start)?;
                 let s = &config.schedule;
                 let planned = data.steps_per_epoch() * s.epochs as u64;
                 let total = match s.max_steps {
@@ -259,7 +260,13 @@ impl Job<'_> {
             } => {
                 // A worker resumes where its batches stood after that many rounds (exact for
                 // sync servers, where every worker pushes once a round).
-                let fresh = Batches::new(Arc::clone(&self.train), shard, seed, batch, Position::default())?;
+                let fresh = Batches::new(
+                    Arc::clone(&self.train),
+                    shard,
+                    seed,
+                    batch,
+                    Position::default(),
+                )?;
                 let start =
                     Position::after(resumed_at * local_steps as u64, fresh.steps_per_epoch());
                 let data = Batches::new(Arc::clone(&self.train), shard, seed, batch, start)?;

@@ -46,8 +46,8 @@ fn run(file: &Path) -> Vec<Vec<f32>> {
     let handles: Vec<_> = world(2)
         .into_iter()
         .map(|comm| {
-            let file = ImageFile::open(file, data.labels().to_vec(), data.normalization())
-                .expect("open");
+            let file =
+                ImageFile::open(file, data.labels().to_vec(), data.normalization()).expect("open");
             thread::spawn(move || {
                 let mut c = config(sgd(LR, MOMENTUM));
                 c.topology.world_size = 2;
@@ -113,7 +113,10 @@ fn two_ranks_reading_their_shards_from_a_file_equal_serial_sgd_on_the_whole_set(
     let file = idx_file(dir.path(), &dataset(SAMPLES));
     let want = reference();
     let (_, initial) = Oracle::new();
-    assert!(relative_error(&initial, &want) > 1e-2, "the parameters moved");
+    assert!(
+        relative_error(&initial, &want) > 1e-2,
+        "the parameters moved"
+    );
     for (r, got) in run(&file).iter().enumerate() {
         assert_bitwise(got, &want, &format!("rank {r}"));
     }
