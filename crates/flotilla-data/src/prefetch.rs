@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{Receiver, SyncSender, TryRecvError, sync_channel};
+use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::thread::JoinHandle;
 
 use crate::error::{DataError, Result};
@@ -169,10 +169,8 @@ impl Plan {
         drop(indices);
         let mut slots = Vec::with_capacity(b);
         for (k, step) in (self.step..steps).enumerate() {
-            let (mut inputs, mut labels) = match spares.try_recv() {
-                Ok(spare) => spare,
-                Err(TryRecvError::Empty | TryRecvError::Disconnected) => Default::default(),
-            };
+            // A spare pair of the consumer's, or a new one while none came back yet.
+            let (mut inputs, mut labels) = spares.try_recv().unwrap_or_default();
             slots.clear();
             slots.extend(k * b..(k + 1) * b);
             shard.fill(&slots, &mut inputs, &mut labels)?;
