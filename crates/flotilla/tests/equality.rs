@@ -113,7 +113,11 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     for (n, name) in [(1, "n1"), (2, "n2"), (4, "n4")] {
         let shard = 60_000 / n;
         let want = (60_000 + shard * 785) as f64;
-        assert_eq!(data_bytes(&dir.path().join(name), n), vec![want; n], "{name}");
+        assert_eq!(
+            data_bytes(&dir.path().join(name), n),
+            vec![want; n],
+            "{name}"
+        );
     }
 
     // lz4 changes the bytes on the wire, never the values; and it did compress frames
