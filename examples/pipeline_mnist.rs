@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
-use flotilla_data::{Mnist, Normalization, Split as DataSplit};
+use flotilla_data::{Mnist, Normalization, Split as DataSplit, default_cache_dir};
 use flotilla_engine::{DecayParams, ModelSpec, OptimizerSpec, StageCut, cross_entropy};
 use flotilla_train::batches::{Batches, Position};
 use flotilla_train::pipeline::{Pipeline, PipelineOptions, Schedule};
@@ -82,13 +82,15 @@ fn main() -> Result<()> {
     let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;
 
     let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
-    let train = Mnist::load_split(&dir, DataSplit::Train, Normalization::MNIST)?;
+    // The training images stay in their file: each epoch, the batches' thread reads this
+    // replica's shard alone.
+    let train = Arc::new(Mnist::open(&dir, Normalization::MNIST, &default_cache_dir())?.train);
     let test = Mnist::load_split(&dir, DataSplit::Test, Normalization::MNIST)?;
     // Every stage of a replica reads the same shard in the same order: the first stage uses
     // the images, the last the labels.
     let replicas = pipe.options().data_parallel;
     let mut batches = Batches::new(
-        &train,
+        train,
         (replicas, pipe.replica()),
         42,
         setting("BATCH", 64)?,

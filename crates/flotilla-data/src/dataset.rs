@@ -155,6 +155,26 @@ impl ImageDataset {
         self.labels.iter().max().map_or(0, |&m| usize::from(m) + 1)
     }
 
+    /// The samples `indices`, in this order, copied into a data set of their own (its
+    /// sample `i` is sample `indices[i]`).
+    ///
+    /// # Errors
+    /// [`DataError::IndexOutOfRange`] if an index is `>= len()`.
+    pub fn select(&self, indices: &[usize]) -> Result<ImageDataset> {
+        let size = self.image_size();
+        let mut pixels = Vec::with_capacity(indices.len() * size);
+        let mut labels = Vec::with_capacity(indices.len());
+        for &i in indices {
+            let image = self.image(i).ok_or(DataError::IndexOutOfRange {
+                index: i,
+                len: self.len,
+            })?;
+            pixels.extend_from_slice(image);
+            labels.push(self.labels[i]);
+        }
+        ImageDataset::new(pixels, labels, self.rows, self.cols, self.norm)
+    }
+
     /// Keeps only the first `n` samples (no-op if `n >= len`) and frees the rest's memory.
     /// Handy for quick runs.
     pub fn truncate(&mut self, n: usize) {

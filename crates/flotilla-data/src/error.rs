@@ -171,6 +171,11 @@ pub enum DataError {
     #[error("inconsistent dataset buffers: {0}")]
     InconsistentBuffers(String),
 
+    /// The thread that loads shards and gathers batches ahead could not start, or ended
+    /// without saying why.
+    #[error("data prefetch thread: {0}")]
+    Prefetch(String),
+
     /// A sampler was configured with impossible parameters.
     #[error("invalid sampler configuration: {0}")]
     InvalidSampler(String),

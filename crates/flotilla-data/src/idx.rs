@@ -27,6 +27,8 @@ pub const IMAGES_MAGIC: u32 = 0x0000_0803;
 /// Magic number of an IDX file holding `u8` values in 1 dimension (labels).
 pub const LABELS_MAGIC: u32 = 0x0000_0801;
 
+/// The longest IDX header: magic and 255 dimension sizes.
+pub const MAX_HEADER_BYTES: usize = 4 * 256;
 /// The two leading bytes of every gzip stream.
 const GZIP_MAGIC: [u8; 2] = [0x1f, 0x8b];
 /// Upper bound on the capacity pre-reserved from a gzip size trailer (it may be corrupt).
@@ -154,6 +156,23 @@ pub fn describe_magic(magic: u32) -> String {
 /// [`DataError::TruncatedHeader`], [`DataError::BadMagic`], [`DataError::BadDimensions`],
 /// [`DataError::Truncated`] or [`DataError::TrailingData`].
 pub fn parse_header(bytes: &[u8], expected_magic: u32, path: &Path) -> Result<(Vec<usize>, usize)> {
+    parse_header_of(bytes, bytes.len() as u64, expected_magic, path)
+}
+
+/// [`parse_header`] of content `len` bytes long of which `head` is the beginning (at least
+/// the header, [`MAX_HEADER_BYTES`] are always enough): how a file read by position is
+/// checked without reading its data.
+///
+/// # Errors
+/// As [`parse_header`].
+pub fn parse_header_of(
+    head: &[u8],
+    len: u64,
+    expected_magic: u32,
+    path: &Path,
+) -> Result<(Vec<usize>, usize)> {
+    let len = usize::try_from(len).unwrap_or(usize::MAX);
+    let bytes = &head[..head.len().min(len)];
     let word = |i: usize| -> Option<u32> {
         let b = bytes.get(4 * i..4 * i + 4)?;
         Some(u32::from_be_bytes(<[u8; 4]>::try_from(b).ok()?))
@@ -161,7 +180,7 @@ pub fn parse_header(bytes: &[u8], expected_magic: u32, path: &Path) -> Result<(V
     let truncated_header = |expected: usize| DataError::TruncatedHeader {
         path: path.to_path_buf(),
         expected,
-        actual: bytes.len(),
+        actual: len,
     };
     let magic = word(0).ok_or_else(|| truncated_header(4))?;
     if magic != expected_magic {
@@ -188,7 +207,7 @@ pub fn parse_header(bytes: &[u8], expected_magic: u32, path: &Path) -> Result<(V
             dims: dims_u32.clone(),
             reason: "element count overflows usize",
         })?;
-    let actual = bytes.len() - offset;
+    let actual = len - offset;
     if actual < expected {
         return Err(DataError::Truncated {
             path: path.to_path_buf(),

@@ -5,12 +5,17 @@
 //! ([`ImageDataset`]) and are normalised into the `f32` buffer as a batch is gathered.
 //!
 //! * [`idx`]: the IDX file format (gzipped or raw).
-//! * [`Mnist::load`]: the four files of an MNIST-layout directory into [`MnistSplits`].
+//! * [`Mnist::load`]: the four files of an MNIST-layout directory into [`MnistSplits`];
+//!   [`Mnist::open`]: the same files read by sample ([`ImageFile`], positioned reads; a
+//!   gzipped file through its raw copy, [`raw_idx`]), only the labels held.
 //! * [`verify_md5`]: MD5 check against the original MNIST files.
 //! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
 //! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers, normalised.
 //! * [`TextSplits`]: a text file as next-token windows of bytes (training and held-out).
-//! * [`Samples`]: what both data sets are to the trainer (samples, labels per sample, `fill`).
+//! * [`Samples`]: what every data set is to the trainer (samples, labels per sample, `fill`,
+//!   `select`: a subset such as a rank's shard of an epoch, in memory).
+//! * [`Prefetcher`]: a rank's batches gathered ahead on a thread, from each epoch's shard
+//!   alone.
 //!
 //! ```no_run
 //! use flotilla_data::{Batcher, DistributedSampler, Mnist};
@@ -39,7 +44,10 @@ pub mod dataset;
 pub mod error;
 pub mod files;
 pub mod idx;
+pub mod image_file;
 pub mod mnist;
+pub mod prefetch;
+pub mod raw_idx;
 pub mod sampler;
 pub mod samples;
 pub mod text;
@@ -52,7 +60,10 @@ pub use checksum::{FileMd5, Md5Report, Md5Status, verify_md5};
 pub use dataset::{ImageDataset, Normalization};
 pub use error::{DataError, Result};
 pub use files::{MnistFile, Split};
-pub use mnist::{Mnist, MnistSplits};
+pub use image_file::ImageFile;
+pub use mnist::{Mnist, MnistFiles, MnistSplits};
+pub use prefetch::{Filled, Prefetcher};
+pub use raw_idx::{default_cache_dir, raw_idx};
 pub use sampler::DistributedSampler;
 pub use samples::Samples;
 pub use text::{BYTE_VOCAB, TextSplits, TokenWindows};

@@ -6,6 +6,7 @@ use crate::dataset::{ImageDataset, Normalization};
 use crate::error::{DataError, Result};
 use crate::files::{MnistFile, Split};
 use crate::idx;
+use crate::image_file::ImageFile;
 
 /// The train and test splits of a data set.
 #[derive(Debug, Clone, PartialEq)]
@@ -14,6 +15,15 @@ pub struct MnistSplits {
     pub train: ImageDataset,
     /// The test split.
     pub test: ImageDataset,
+}
+
+/// The train and test splits of a data set, read by sample from their files.
+#[derive(Debug)]
+pub struct MnistFiles {
+    /// The training split.
+    pub train: ImageFile,
+    /// The test split.
+    pub test: ImageFile,
 }
 
 /// Loader for any directory holding the four MNIST-layout IDX files.
@@ -44,6 +54,25 @@ impl Mnist {
         Ok(MnistSplits {
             train: Self::load_split(dir, Split::Train, norm)?,
             test: Self::load_split(dir, Split::Test, norm)?,
+        })
+    }
+
+    /// Opens both splits of `dir` to be read by sample ([`ImageFile`]), normalised with
+    /// `norm`: only the labels are read now; a gzipped images file is read through its raw
+    /// copy in `cache` ([`crate::raw_idx`]).
+    ///
+    /// # Errors
+    /// As [`Mnist::load`], and [`DataError::Io`] if the raw copy cannot be written.
+    pub fn open(dir: impl AsRef<Path>, norm: Normalization, cache: &Path) -> Result<MnistFiles> {
+        let dir = dir.as_ref();
+        let split = |split: Split| -> Result<ImageFile> {
+            let images_path = MnistFile::images(split).locate(dir)?;
+            let labels = idx::read_labels(&MnistFile::labels(split).locate(dir)?)?;
+            ImageFile::open(&crate::raw_idx(&images_path, cache)?, labels, norm)
+        };
+        Ok(MnistFiles {
+            train: split(Split::Train)?,
+            test: split(Split::Test)?,
         })
     }
 
@@ -201,6 +230,21 @@ mod tests {
             "{err:?}"
         );
         assert!(msg.contains("train-labels.idx1-ubyte.gz"), "{msg}");
+    }
+
+    #[test]
+    fn opened_files_read_what_the_loaded_sets_hold() {
+        for gz in [false, true] {
+            let dir = tempfile::tempdir().unwrap();
+            write_dataset(dir.path(), Style::Hyphen, gz, 13, 4, 3, 2);
+            let loaded = Mnist::load(dir.path()).unwrap();
+            let files =
+                Mnist::open(dir.path(), Normalization::MNIST, &dir.path().join("c")).unwrap();
+            for (file, set) in [(&files.train, &loaded.train), (&files.test, &loaded.test)] {
+                let all: Vec<usize> = (0..set.len()).collect();
+                assert_eq!(&file.load(&all).unwrap(), set);
+            }
+        }
     }
 
     #[test]

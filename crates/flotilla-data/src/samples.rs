@@ -1,7 +1,7 @@
 //! What every data set a training job draws from is ([`Samples`]): a number of samples of
 //! equal size, each with a fixed number of class labels, gathered by index into flat
 //! buffers. An image is one sample of `rows × cols` pixels with one label
-//! ([`crate::ImageDataset`]); a text window is one sample of `context` token ids with
+//! ([`crate::ImageDataset`] in memory, [`crate::ImageFile`] read from its file); a text window is one sample of `context` token ids with
 //! `context` next-token labels ([`crate::TokenWindows`]).
 
 use crate::error::Result;
@@ -43,6 +43,19 @@ pub trait Samples: Send + Sync {
     /// # Errors
     /// [`crate::DataError::IndexOutOfRange`] if an index is `>= len()`.
     fn fill(&self, indices: &[usize], inputs: &mut Vec<f32>, labels: &mut Vec<i64>) -> Result<()>;
+
+    /// The samples `indices`, in this order, as a data set held in memory (its sample `i`
+    /// is sample `indices[i]`; an index may repeat): how a rank loads the shard of an epoch
+    /// and nothing else. Gathering from it is bitwise gathering from `self`.
+    ///
+    /// # Errors
+    /// [`crate::DataError::IndexOutOfRange`] if an index is `>= len()`, or the error of
+    /// reading the samples.
+    fn select(&self, indices: &[usize]) -> Result<Box<dyn Samples>>;
+
+    /// The bytes of sample data this set holds in memory (pixels, tokens, labels, window
+    /// offsets); not what it can read from a file.
+    fn held_bytes(&self) -> usize;
 }
 
 impl Samples for crate::ImageDataset {
@@ -64,6 +77,49 @@ impl Samples for crate::ImageDataset {
 
     fn fill(&self, indices: &[usize], inputs: &mut Vec<f32>, labels: &mut Vec<i64>) -> Result<()> {
         crate::fill_batch(self, indices, inputs, labels)
+    }
+
+    fn select(&self, indices: &[usize]) -> Result<Box<dyn Samples>> {
+        Ok(Box::new(crate::ImageDataset::select(self, indices)?))
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.pixels().len() + self.labels().len()
+    }
+}
+
+impl Samples for crate::ImageFile {
+    fn len(&self) -> usize {
+        crate::ImageFile::len(self)
+    }
+
+    fn sample_shape(&self) -> Vec<usize> {
+        vec![1, self.rows(), self.cols()]
+    }
+
+    fn labels_per_sample(&self) -> usize {
+        1
+    }
+
+    fn classes(&self) -> usize {
+        self.num_classes()
+    }
+
+    /// Reads the samples from the file ([`crate::ImageFile::load`]) and gathers them.
+    fn fill(&self, indices: &[usize], inputs: &mut Vec<f32>, labels: &mut Vec<i64>) -> Result<()> {
+        inputs.clear();
+        labels.clear();
+        let loaded = self.load(indices)?;
+        let slots: Vec<usize> = (0..indices.len()).collect();
+        crate::fill_batch(&loaded, &slots, inputs, labels)
+    }
+
+    fn select(&self, indices: &[usize]) -> Result<Box<dyn Samples>> {
+        Ok(Box::new(self.load(indices)?))
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.labels().len()
     }
 }
 
@@ -90,6 +146,16 @@ impl Samples for crate::TokenWindows {
 
     fn fill(&self, indices: &[usize], inputs: &mut Vec<f32>, labels: &mut Vec<i64>) -> Result<()> {
         crate::TokenWindows::fill(self, indices, inputs, labels)
+    }
+
+    /// The windows `indices` over the same text (shared, not copied: windows overlap, so
+    /// the text is smaller than any copy of a shard's windows).
+    fn select(&self, indices: &[usize]) -> Result<Box<dyn Samples>> {
+        Ok(Box::new(crate::TokenWindows::select(self, indices)?))
+    }
+
+    fn held_bytes(&self) -> usize {
+        self.tokens() + self.len() * std::mem::size_of::<usize>()
     }
 }
 

@@ -10,6 +10,7 @@
 //! same flat batches as pixels; targets are one `i64` class per position.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{DataError, Result};
 
@@ -25,7 +26,8 @@ pub const KJV_SHA256: &str = "61825e17c79d1135c159801bdacfd9512ec35100c80674266f
 /// The windows of one part of a text.
 #[derive(Debug, Clone)]
 pub struct TokenWindows {
-    tokens: Vec<u8>,
+    /// The part of the text, shared by the windows selected from it.
+    tokens: Arc<[u8]>,
     context: usize,
     starts: Vec<usize>,
 }
@@ -41,10 +43,34 @@ impl TokenWindows {
             Vec::new()
         };
         Self {
-            tokens,
+            tokens: tokens.into(),
             context,
             starts,
         }
+    }
+
+    /// The windows `indices` of this part, in this order, over the same (shared) text.
+    ///
+    /// # Errors
+    /// [`DataError::IndexOutOfRange`] if an index is `>= len()`.
+    pub fn select(&self, indices: &[usize]) -> Result<Self> {
+        let starts = indices
+            .iter()
+            .map(|&i| {
+                self.starts
+                    .get(i)
+                    .copied()
+                    .ok_or(DataError::IndexOutOfRange {
+                        index: i,
+                        len: self.len(),
+                    })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            tokens: Arc::clone(&self.tokens),
+            context: self.context,
+            starts,
+        })
     }
 
     /// Number of windows.

@@ -1,7 +1,13 @@
 //! This rank's training batches, epoch after epoch: its interleaved shard of every epoch's
-//! shared permutation ([`DistributedSampler`]), gathered into reusable flat buffers.
+//! shared permutation ([`DistributedSampler`]), loaded alone at each epoch start and
+//! gathered into flat buffers ahead of the step on a background thread
+//! ([`flotilla_data::Prefetcher`]); the time a step waits for its batch is measured
+//! (`flotilla_data_wait_seconds`, and the mean of each epoch for its line).
 
-use flotilla_data::{DistributedSampler, Samples};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use flotilla_data::{DataError, DistributedSampler, Prefetcher, Samples};
 use flotilla_engine::BatchRef;
 
 use crate::error::{Result, TrainError};
@@ -26,24 +32,30 @@ impl Position {
     }
 }
 
-/// Batches of shard `rank` of `world` over a training set.
-pub struct Batches<'a> {
-    train: &'a dyn Samples,
+/// Batches of shard `rank` of `world` over a training set. The prefetch thread starts with
+/// the first batch drawn, so a strategy that draws none (a server) loads nothing.
+pub struct Batches {
+    train: Arc<dyn Samples>,
     sampler: DistributedSampler,
     batch_size: usize,
     steps_per_epoch: u64,
-    /// Index lists of the current epoch's batches.
-    epoch_batches: Vec<Vec<usize>>,
     at: Position,
+    feed: Option<Prefetcher>,
     images: Vec<f32>,
     labels: Vec<i64>,
+    /// Time waited for batches since [`Batches::take_wait`] last read it, and their count.
+    waited: (Duration, u64),
+    /// Time waited for every batch of the run, and their count.
+    waited_run: (Duration, u64),
+    /// The most sample bytes held at a batch ([`Batches::held_bytes`]).
+    peak_held: usize,
 }
 
-impl<'a> Batches<'a> {
+impl Batches {
     /// Shard `rank` of `world` with `batch_size` samples per batch, shuffled per epoch from
     /// `seed`, starting at `start` (a resumed run's position).
     pub fn new(
-        train: &'a dyn Samples,
+        train: Arc<dyn Samples>,
         (world, rank): (usize, usize),
         seed: u64,
         batch_size: usize,
@@ -62,13 +74,16 @@ impl<'a> Batches<'a> {
         }
         let mut b = Self {
             train,
-            epoch_batches: sampler.batches(start.epoch as u64, batch_size),
             sampler,
             batch_size,
             steps_per_epoch,
             at: start,
+            feed: None,
             images: Vec::new(),
             labels: Vec::new(),
+            waited: (Duration::ZERO, 0),
+            waited_run: (Duration::ZERO, 0),
+            peak_held: 0,
         };
         b.roll_over();
         Ok(b)
@@ -96,20 +111,44 @@ impl<'a> Batches<'a> {
                 epoch: self.at.epoch + 1,
                 step_in_epoch: 0,
             };
-            self.epoch_batches = self.sampler.batches(self.at.epoch as u64, self.batch_size);
         }
     }
 
-    /// The next batch, and the position it was taken at.
+    /// The next batch, and the position it was taken at. The wait for it is the `data`
+    /// span's time (strategies open it around this call) and `flotilla_data_wait_seconds`.
     pub fn next_batch(&mut self) -> Result<(Position, BatchRef<'_>)> {
         self.roll_over();
         let taken = self.at;
-        let indices = self
-            .epoch_batches
-            .get(taken.step_in_epoch as usize)
-            .ok_or_else(|| TrainError::Divergence("the sampler ran out of batches".into()))?;
-        self.train
-            .fill(indices, &mut self.images, &mut self.labels)?;
+        let waiting = Instant::now();
+        let feed = match &mut self.feed {
+            Some(feed) => feed,
+            None => self.feed.insert(Prefetcher::start(
+                Arc::clone(&self.train),
+                self.sampler.clone(),
+                self.batch_size,
+                (u64::from(taken.epoch), taken.step_in_epoch as usize),
+            )?),
+        };
+        let done = (
+            std::mem::take(&mut self.images),
+            std::mem::take(&mut self.labels),
+        );
+        let filled = feed.next(done)?;
+        let wait = waiting.elapsed();
+        metrics::histogram!("flotilla_data_wait_seconds").record(wait.as_secs_f64());
+        for (total, n) in [&mut self.waited, &mut self.waited_run] {
+            *total += wait;
+            *n += 1;
+        }
+        self.peak_held = self.peak_held.max(self.held_bytes());
+        if (filled.epoch, filled.step as u64) != (u64::from(taken.epoch), taken.step_in_epoch) {
+            return Err(DataError::Prefetch(format!(
+                "gave batch {} of epoch {} for batch {} of epoch {}",
+                filled.step, filled.epoch, taken.step_in_epoch, taken.epoch
+            ))
+            .into());
+        }
+        (self.images, self.labels) = (filled.inputs, filled.labels);
         self.at.step_in_epoch += 1;
         Ok((
             taken,
@@ -124,6 +163,34 @@ impl<'a> Batches<'a> {
     pub fn epoch_done(&self) -> bool {
         self.at.step_in_epoch == self.steps_per_epoch
     }
+
+    /// The mean wait for a batch since the last call (`None` if none was drawn), and
+    /// starts the next count.
+    pub fn take_wait(&mut self) -> Option<Duration> {
+        mean(std::mem::replace(&mut self.waited, (Duration::ZERO, 0)))
+    }
+
+    /// The mean wait for a batch over the run (`None` if none was drawn).
+    pub fn run_wait(&self) -> Option<Duration> {
+        mean(self.waited_run)
+    }
+
+    /// The most bytes of sample data this rank held when it drew a batch
+    /// ([`Batches::held_bytes`]).
+    pub fn peak_held_bytes(&self) -> usize {
+        self.peak_held
+    }
+
+    /// The bytes of sample data this rank holds: the set's own ([`Samples::held_bytes`]:
+    /// labels, for a set read from its file) and the current epoch's shard.
+    pub fn held_bytes(&self) -> usize {
+        self.train.held_bytes() + self.feed.as_ref().map_or(0, Prefetcher::shard_bytes)
+    }
+}
+
+/// The mean of `n` waits that took `total`.
+fn mean((total, n): (Duration, u64)) -> Option<Duration> {
+    (n > 0).then(|| total.div_f64(n as f64))
 }
 
 #[cfg(test)]
@@ -154,7 +221,8 @@ mod tests {
     #[test]
     fn a_resumed_source_continues_with_the_same_batches() {
         let d = data(40);
-        let mut straight = Batches::new(&d, (2, 1), 5, 4, Position::default()).expect("b");
+        let mut straight =
+            Batches::new(Arc::new(d.clone()), (2, 1), 5, 4, Position::default()).expect("b");
         assert_eq!(straight.steps_per_epoch(), 5);
         let mut labels = Vec::new();
         for _ in 0..13 {
@@ -167,7 +235,7 @@ mod tests {
                 epoch: at.0,
                 step_in_epoch: at.1,
             };
-            let mut resumed = Batches::new(&d, (2, 1), 5, 4, start).expect("b");
+            let mut resumed = Batches::new(Arc::new(d.clone()), (2, 1), 5, 4, start).expect("b");
             for (i, want) in labels.iter().enumerate().skip(skip).take(5) {
                 let (pos, b) = resumed.next_batch().expect("batch");
                 assert_eq!(b.labels, want.as_slice(), "batch {i} from {at:?}");
@@ -179,7 +247,7 @@ mod tests {
     #[test]
     fn too_large_a_batch_is_an_error() {
         let d = data(10);
-        assert!(Batches::new(&d, (2, 0), 1, 8, Position::default()).is_err());
+        assert!(Batches::new(Arc::new(d.clone()), (2, 0), 1, 8, Position::default()).is_err());
     }
 }
 
@@ -199,8 +267,14 @@ mod text_tests {
         let (world, batch) = (2, 3);
         let mut seen = Vec::new();
         for rank in 0..world {
-            let mut b = Batches::new(&s.train, (world, rank), 7, batch, Position::default())
-                .expect("batches");
+            let mut b = Batches::new(
+                Arc::new(s.train.clone()),
+                (world, rank),
+                7,
+                batch,
+                Position::default(),
+            )
+            .expect("batches");
             // 43 windows per rank: 14 batches of 3.
             assert_eq!((b.steps_per_epoch(), b.batch_size()), (14, 3));
             let sampler = DistributedSampler::new(86, world, rank, 7, true).expect("sampler");

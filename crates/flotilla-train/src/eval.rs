@@ -7,12 +7,32 @@ use flotilla_engine::{Engine, EvalStats, ModelState};
 
 use crate::error::{Result, TrainError};
 
+/// Samples evaluated at once: the engine's batch, and how many are gathered (read, for a
+/// set read from its file) and held as `f32` at a time. Evaluation's activations are a
+/// rank's largest transient memory (LeNet-5's first convolution: 18.8 MB at 1000 samples);
+/// at 250 they stay below the shard's size (BENCHMARKS.md §17).
+const EVAL_BATCH: usize = 250;
+
 /// Evaluates on the whole test set in one process.
 pub fn full(engine: &dyn Engine, test: &dyn Samples) -> Result<EvalStats> {
     let all: Vec<usize> = (0..test.len()).collect();
+    evaluate(engine, test, &all)
+}
+
+/// Evaluates the samples `indices` of `test`, gathered [`EVAL_BATCH`] at a time: bitwise
+/// the figures of evaluating them all at once in batches of that size (the engine sums
+/// batch after batch in the same order).
+fn evaluate(engine: &dyn Engine, test: &dyn Samples, indices: &[usize]) -> Result<EvalStats> {
     let (mut inputs, mut labels) = (Vec::new(), Vec::new());
-    test.fill(&all, &mut inputs, &mut labels)?;
-    Ok(engine.evaluate(&inputs, &labels, 1000)?)
+    let mut stats = EvalStats::default();
+    for chunk in indices.chunks(EVAL_BATCH) {
+        test.fill(chunk, &mut inputs, &mut labels)?;
+        let part = engine.evaluate(&inputs, &labels, EVAL_BATCH)?;
+        stats.loss_sum += part.loss_sum;
+        stats.correct += part.correct;
+        stats.count += part.count;
+    }
+    Ok(stats)
 }
 
 /// Evaluates on the whole test set, split across ranks (rank `r` takes samples `r, r+N, ...`)
@@ -24,14 +44,7 @@ pub fn distributed(
 ) -> Result<EvalStats> {
     let (rank, world) = (comm.rank(), comm.size());
     let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
-    let mut images = Vec::new();
-    let mut labels = Vec::new();
-    test.fill(&indices, &mut images, &mut labels)?;
-    let local = if indices.is_empty() {
-        EvalStats::default()
-    } else {
-        engine.evaluate(&images, &labels, 1000)?
-    };
+    let local = evaluate(engine, test, &indices)?;
     let mut sums = [
         local.loss_sum as f32,
         local.correct as f32,

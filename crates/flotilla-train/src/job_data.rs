@@ -1,8 +1,15 @@
-//! A job's data, loaded as `data.path` names it ([`crate::config::DataSource`]) and checked
+//! A job's data, opened as `data.path` names it ([`crate::config::DataSource`]) and checked
 //! against the model: MNIST images, or a text's next-token windows whose length is the
 //! model's input length. Both are [`Samples`] to the rest of the run.
+//!
+//! MNIST images stay in their files ([`flotilla_data::ImageFile`]: a gzipped file through
+//! its raw copy in [`default_cache_dir`]); a rank reads the samples it uses: each epoch's
+//! shard ([`crate::batches`]), the test samples it evaluates. A text is held whole (the
+//! vendored one is 1 MB; its windows overlap, so a shard of them is no smaller).
 
-use flotilla_data::{BYTE_VOCAB, Mnist, Samples, TextSplits};
+use std::sync::Arc;
+
+use flotilla_data::{BYTE_VOCAB, Mnist, Normalization, Samples, TextSplits, default_cache_dir};
 use flotilla_engine::{ModelSpec, Shape};
 
 use crate::config::{DataSource, TrainConfig};
@@ -12,7 +19,7 @@ use crate::error::{Result, TrainError};
 /// windows).
 pub struct JobData {
     /// The training samples.
-    pub train: Box<dyn Samples>,
+    pub train: Arc<dyn Samples>,
     /// The evaluation samples.
     pub test: Box<dyn Samples>,
 }
@@ -23,8 +30,8 @@ impl JobData {
         let limit = config.data.train_limit;
         let data = match config.data.source() {
             DataSource::Mnist(dir) => {
-                let splits = Mnist::load(&dir)?;
-                let (mut train, test) = (splits.train, splits.test);
+                let files = Mnist::open(&dir, Normalization::MNIST, &default_cache_dir())?;
+                let (mut train, test) = (files.train, files.test);
                 if let Some(limit) = limit {
                     train.truncate(limit.min(train.len()));
                 }
@@ -33,7 +40,7 @@ impl JobData {
                     train.num_classes().max(10),
                 )?;
                 JobData {
-                    train: Box::new(train),
+                    train: Arc::new(train),
                     test: Box::new(test),
                 }
             }
@@ -45,7 +52,7 @@ impl JobData {
                 }
                 spec.check_io(&[context], BYTE_VOCAB)?;
                 JobData {
-                    train: Box::new(splits.train),
+                    train: Arc::new(splits.train),
                     test: Box::new(splits.validation),
                 }
             }

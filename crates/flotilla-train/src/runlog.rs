@@ -68,6 +68,8 @@ pub struct EpochMetrics {
     pub epoch_s: f64,
     /// Seconds since the run started.
     pub wall_s: f64,
+    /// Mean seconds a step of the epoch waited for its batch (this rank's).
+    pub data_wait_s: f64,
 }
 
 /// Appends a JSON line to `<output>/metrics.jsonl`.

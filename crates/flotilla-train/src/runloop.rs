@@ -44,6 +44,11 @@ pub struct Finished {
     pub checkpoint: Option<PathBuf>,
     /// XXH3 of the final parameters, checked identical on every rank (collective roles).
     pub param_hash: Option<u64>,
+    /// Mean seconds a step waited for its batch (`None`: this role drew none).
+    pub data_wait_s: Option<f64>,
+    /// The most bytes of training samples this rank held (the set's own, and an epoch's
+    /// shard).
+    pub data_bytes: usize,
 }
 
 struct Epoch {
@@ -67,9 +72,9 @@ impl Epoch {
 }
 
 /// The loop's state for one run.
-struct Loop<'r, 'd, 'c> {
+struct Loop<'r, 'c> {
     role: &'r mut dyn Strategy,
-    data: Batches<'d>,
+    data: Batches,
     plan: &'r LoopPlan,
     cx: &'r mut Cx<'c>,
     progress: u64,
@@ -88,7 +93,7 @@ struct Loop<'r, 'd, 'c> {
 /// Runs `role` to the end of the plan (or until its server stops it).
 pub fn run(
     role: &mut dyn Strategy,
-    data: Batches<'_>,
+    data: Batches,
     plan: &LoopPlan,
     cx: &mut Cx<'_>,
 ) -> Result<Finished> {
@@ -161,7 +166,7 @@ fn record_step(step: &Step, seconds: f64, comm: &dyn flotilla_comm::ProcessGroup
     );
 }
 
-impl Loop<'_, '_, '_> {
+impl Loop<'_, '_> {
     fn stop(&mut self, reason: String) -> Result<()> {
         self.role.stop(self.cx, &reason)?;
         self.stopped = Some(reason);
@@ -462,6 +467,7 @@ impl Loop<'_, '_, '_> {
         };
         let global_batch = self.data.batch_size() * self.plan.workers;
         let samples_per_s = (steps as f64 * global_batch as f64) / epoch_s.max(1e-9);
+        let data_wait_s = self.data.take_wait().map_or(0.0, |w| w.as_secs_f64());
         let metrics = EpochMetrics {
             epoch: epoch_no,
             step: self.progress,
@@ -471,12 +477,16 @@ impl Loop<'_, '_, '_> {
             samples_per_s,
             epoch_s,
             wall_s: self.plan.started.elapsed().as_secs_f64(),
+            data_wait_s,
         };
         let test_part = eval.map_or(String::new(), |e| self.eval_part(e));
         let tokens_part = self.tokens_part(samples_per_s);
         self.cx.log(&format!(
-            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s",
-            self.epochs, self.progress, self.train_loss
+            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s data_wait={:.3}ms",
+            self.epochs,
+            self.progress,
+            self.train_loss,
+            data_wait_s * 1e3
         ))?;
         if self.role.writes_checkpoints() {
             append_metrics(&self.cx.config.telemetry.output, &metrics)?;
@@ -546,6 +556,8 @@ impl Loop<'_, '_, '_> {
             checkpoint,
             param_hash,
             history: self.history,
+            data_wait_s: self.data.run_wait().map(|w| w.as_secs_f64()),
+            data_bytes: self.data.peak_held_bytes(),
         })
     }
 }

@@ -81,7 +81,7 @@ impl Strategy for Tiny {
         true
     }
 
-    fn step(&mut self, _cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step(&mut self, _cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         self.calls += 1;
         self.dones.push(done);
         if self.idle.is_some_and(|k| self.calls.is_multiple_of(k)) {

@@ -89,8 +89,15 @@ pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
 }
 
 /// The batches shard `rank` of `workers` trains on, from the start.
-pub(crate) fn batches(data: &ImageDataset, workers: usize, rank: usize) -> Batches<'_> {
-    Batches::new(data, (workers, rank), DATA_SEED, BATCH, Position::default()).expect("batches")
+pub(crate) fn batches(data: &ImageDataset, workers: usize, rank: usize) -> Batches {
+    Batches::new(
+        Arc::new(data.clone()),
+        (workers, rank),
+        DATA_SEED,
+        BATCH,
+        Position::default(),
+    )
+    .expect("batches")
 }
 
 /// What one rank's [`Cx`] borrows.

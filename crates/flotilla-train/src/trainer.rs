@@ -148,7 +148,7 @@ pub fn run(
         comm: &comm,
         spec: &spec,
         hash,
-        train: &*data.train,
+        train: Arc::clone(&data.train),
         started,
         rejoined: rejoin == flotilla_comm::Rejoin::Join,
         // The root's momentum when its updates are stale, for the advice of every rank.
@@ -175,7 +175,7 @@ struct Job<'a> {
     comm: &'a Arc<dyn ProcessGroup>,
     spec: &'a ModelSpec,
     hash: u64,
-    train: &'a dyn Samples,
+    train: Arc<dyn Samples>,
     started: Instant,
     /// This process replaced a lost worker of a running job: it takes part in no collective
     /// (it missed those issued before it came).
@@ -230,7 +230,7 @@ impl Job<'_> {
         counting: Counting,
         cx: &mut Cx<'_>,
         resumed: Option<&CheckpointState>,
-    ) -> Result<(Batches<'_>, LoopPlan)> {
+    ) -> Result<(Batches, LoopPlan)> {
         let config = self.config;
         let (seed, batch) = (config.model.seed, config.data.batch_size);
         let resumed_at = resumed.map_or(0, |s| s.step);
@@ -240,7 +240,8 @@ impl Job<'_> {
                     epoch: s.epoch,
                     step_in_epoch: s.step_in_epoch,
                 });
-                let data = Batches::new(self.train, (shards, index), seed, batch, start)?;
+                let data =
+                    Batches::new(Arc::clone(&self.train), (shards, index), seed, batch, start)?;
                 let s = &config.schedule;
                 let planned = data.steps_per_epoch() * s.epochs as u64;
                 let total = match s.max_steps {
@@ -259,10 +260,16 @@ impl Job<'_> {
             } => {
                 // A worker resumes where its batches stood after that many rounds (exact for
                 // sync servers, where every worker pushes once a round).
-                let fresh = Batches::new(self.train, shard, seed, batch, Position::default())?;
+                let fresh = Batches::new(
+                    Arc::clone(&self.train),
+                    shard,
+                    seed,
+                    batch,
+                    Position::default(),
+                )?;
                 let start =
                     Position::after(resumed_at * local_steps as u64, fresh.steps_per_epoch());
-                let data = Batches::new(self.train, shard, seed, batch, start)?;
+                let data = Batches::new(Arc::clone(&self.train), shard, seed, batch, start)?;
                 (data, total, Cadence::Rounds { every })
             }
         };
@@ -281,6 +288,7 @@ impl Job<'_> {
     }
 
     fn summary(&self, role: &dyn Strategy, cx: &mut Cx<'_>, done: runloop::Finished) -> RunSummary {
+        let (data_wait_s, data_bytes) = (done.data_wait_s, done.data_bytes);
         let mut s = self.bare_summary(role, cx, done);
         let own = role.figures(cx);
         s.figures = [
@@ -294,6 +302,8 @@ impl Job<'_> {
             ("steps_run", s.steps_run as f64),
             ("wall_s", s.wall_s),
             ("samples_per_s", s.samples_per_s),
+            ("data_wait_s", data_wait_s.unwrap_or(f64::NAN)),
+            ("data_bytes", data_bytes as f64),
         ]
         .into_iter()
         .chain(own)

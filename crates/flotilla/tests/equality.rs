@@ -66,6 +66,21 @@ fn traffic(log: &str, key: &str) -> u64 {
         .unwrap_or_else(|| panic!("no traffic {key}= in run.log:\n{log}"))
 }
 
+/// Every rank's `data_bytes` figure (the most training-sample bytes it held) of the run
+/// written to `out`.
+fn data_bytes(out: &Path, ranks: usize) -> Vec<f64> {
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary.json"))
+            .expect("summary.json is JSON");
+    (0..ranks)
+        .map(|r| {
+            summary["ranks"][r]["figures"]["data_bytes"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no data_bytes of rank {r}: {summary}"))
+        })
+        .collect()
+}
+
 /// `assert_bitwise` compares lengths: a tensor equal to a prefix of the other differs.
 #[test]
 #[should_panic(expected = "prefix: lengths of w")]
@@ -92,6 +107,17 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
         // The same global batch, summed in another order: f32 rounding only.
         let e = relative_error(t, &one);
         assert!(e <= 1e-5, "{name} vs 1 rank: relative error {e}");
+    }
+    // Each rank held only its shard: 1/N of the 60 000 images (784 bytes and a label each,
+    // 1875 batches of them here), besides the 60 000 labels of the set.
+    for (n, name) in [(1, "n1"), (2, "n2"), (4, "n4")] {
+        let shard = 60_000 / n;
+        let want = (60_000 + shard * 785) as f64;
+        assert_eq!(
+            data_bytes(&dir.path().join(name), n),
+            vec![want; n],
+            "{name}"
+        );
     }
 
     // lz4 changes the bytes on the wire, never the values; and it did compress frames

@@ -269,6 +269,7 @@ fn a_running_rank_serves_prometheus_metrics() {
     for family in [
         "flotilla_step_seconds_bucket",
         "flotilla_step_seconds_count",
+        "flotilla_data_wait_seconds_count",
         "flotilla_samples_per_second",
         "flotilla_train_loss",
         "flotilla_test_accuracy",

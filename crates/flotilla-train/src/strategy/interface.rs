@@ -90,7 +90,7 @@ pub trait Strategy {
 
     /// One unit of work; `done` units of progress were completed before. Roles that train
     /// take their batches from `data`.
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step>;
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step>;
 
     /// Makes its model the whole current model (the root gathers the other shards; an
     /// async peer applies the steps it has in flight). The default hooks call it on every rank

@@ -272,7 +272,7 @@ impl Strategy for AsyncAllReduce {
         Ok(())
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         self.lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
         // Samples, not labels: a text window has a label per position.

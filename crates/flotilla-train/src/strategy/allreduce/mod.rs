@@ -9,6 +9,8 @@ mod sync;
 #[cfg(test)]
 mod async_tests;
 #[cfg(test)]
+mod shard_file_tests;
+#[cfg(test)]
 mod sync_tests;
 
 pub use async_::AsyncAllReduce;

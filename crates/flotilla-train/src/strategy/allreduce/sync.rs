@@ -176,7 +176,7 @@ impl Strategy for SyncAllReduce {
         super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         let lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
         // Samples, not labels: a text window has a label per position.

@@ -176,7 +176,7 @@ impl Strategy for PipelineStage {
         true
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         self.pipe.set_lr(cx.lr_at(done));
         // This step's dropout masks: a function of the run's seed, the rank and the step, so
         // that a resumed stage draws the ones it would have.

@@ -20,14 +20,14 @@ const ROUNDS: usize = 3;
 const LOCAL_STEPS: usize = 2;
 
 /// One worker's serial reference: its optimizer and its batches.
-struct WorkerRef<'a> {
+struct WorkerRef {
     opt: SgdRef,
-    shard: Batches<'a>,
+    shard: Batches,
     /// The parameters it pulled last.
     pulled: Vec<f32>,
 }
 
-impl WorkerRef<'_> {
+impl WorkerRef {
     /// Two local steps from the pulled parameters; the weight delta.
     fn delta(&mut self, oracle: &mut Oracle) -> Vec<f32> {
         let mut local = self.pulled.clone();
@@ -49,7 +49,7 @@ fn averaging(aggr: Aggregation) {
     let links = comms.split_off(1);
     let mut root = Server::updating(comms.remove(0), &config, &topology);
     let data = dataset(SAMPLES);
-    let mut workers: Vec<(Rank, Worker, Batches<'_>)> = links
+    let mut workers: Vec<(Rank, Worker, Batches)> = links
         .into_iter()
         .enumerate()
         .map(|(i, comm)| {
@@ -63,7 +63,7 @@ fn averaging(aggr: Aggregation) {
     root.step();
     let (mut oracle, _) = Oracle::new();
     let mut w = root.params();
-    let mut refs: Vec<WorkerRef<'_>> = (0..2)
+    let mut refs: Vec<WorkerRef> = (0..2)
         .map(|i| WorkerRef {
             opt: SgdRef::new(MOMENTUM),
             shard: batches(&data, 2, i),

@@ -416,7 +416,7 @@ impl Strategy for LocalServer {
         self.on_start(cx)
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches, _done: u64) -> Result<Step> {
         let inbox = self.inbox.clone();
         let timeout = self.timeout;
         if let Err(e) = serve_one(self, cx, &inbox, timeout) {

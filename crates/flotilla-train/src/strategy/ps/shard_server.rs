@@ -649,7 +649,7 @@ impl Strategy for ShardServer {
         self.is_root
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches<'_>, _done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches, _done: u64) -> Result<Step> {
         let served = self.flush(cx).and_then(|()| {
             let inbox = self.inbox.clone();
             let timeout = self.timeout;

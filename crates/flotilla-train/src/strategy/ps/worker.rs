@@ -178,7 +178,7 @@ impl Worker {
     /// `local_steps` batches on the pulled parameters: the gradient, or the weight delta.
     /// Round `done`'s dropout masks are a function of the run's seed, this rank and the
     /// batch, so a resumed worker draws the ones it would have.
-    fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches<'_>, done: u64) -> Result<()> {
+    fn compute(&mut self, cx: &mut PsContext<'_>, data: &mut Batches, done: u64) -> Result<()> {
         let engine = &mut *self.engine;
         engine.write_params(&self.params)?;
         let averaging = self.local_steps > 1;
@@ -272,7 +272,7 @@ impl Strategy for Worker {
         Ok(())
     }
 
-    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         // A sync server fails naming the rank this worker lost (an async one goes on).
         self.step_inner(cx, data, done)
             .map_err(|e| super::abort_peers(cx.comm, &[], &self.parents, e))
@@ -281,7 +281,7 @@ impl Strategy for Worker {
 
 impl Worker {
     /// One round: pull, compute, push.
-    fn step_inner(&mut self, cx: &mut Cx<'_>, data: &mut Batches<'_>, done: u64) -> Result<Step> {
+    fn step_inner(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         let t = Instant::now();
         let pulled = {
             let _span = tracing::info_span!(target: "flotilla::ps", "ps_pull").entered();
