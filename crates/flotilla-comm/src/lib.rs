@@ -50,6 +50,7 @@ pub mod frame;
 pub mod fuzzing;
 mod net;
 mod op;
+mod pipe;
 pub mod pipeline;
 mod reduce;
 mod rendezvous;
