@@ -11,7 +11,8 @@
 # Usage (root): scripts/bench_shaped_links.sh            (from the checkout, after a release build)
 # Env: FLOTILLA_BIN (default $CARGO_TARGET_DIR/release/flotilla), RATES (default
 #      "1gbit 10gbit"), SIZES (default 1M,16M,64M,256M), ITERS (timed iterations per size,
-#      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), and any
+#      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), NETNS_MTU (default
+#      1500; 9000 for jumbo frames), and any
 #      FLOTILLA_COMM_* variable of the ranks (e.g. FLOTILLA_COMM_CHUNK_BYTES) passes through.
 # On a machine with few cores the 10 Gbit/s links are CPU-bound (4 ranks copy every byte
 # through the kernel twice): the script prints the core count.
@@ -82,7 +83,7 @@ run_ranks() { # out_prefix
 OUT=${OUT:-/tmp/flotilla-shaped-links}
 rm -rf "$OUT"; mkdir -p "$OUT"
 echo "# flotilla $("$B" --version 2>/dev/null) on $(nproc) cores, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# $N ranks, one per namespace; links shaped by HTB (rate only, burst 15k); busbw/B: against the link rate"
+echo "# $N ranks, one per namespace; links shaped by HTB (rate only, burst 15k), MTU $NETNS_MTU; busbw/B: against the link rate"
 for rate in $RATES; do
   netns_setup $N "$rate" || { echo "## $rate: setup failed"; continue; }
   bound=$(rate_bytes "$rate")

@@ -3,7 +3,7 @@
 # the address ${NETNS_SUBNET}.(i+1), the namespace's side of each link shaped by tc.
 #
 #   NETNS_PREFIX (default flt), NETNS_SUBNET (default 10.77.0): pick others to run two
-#   benchmarks side by side.
+#   benchmarks side by side. NETNS_MTU (default 1500): e.g. 9000 for jumbo frames.
 #   netns_probe_netem          sets SHAPER=netem if the kernel has sch_netem, else SHAPER=htb
 #   netns_setup N RATE [DELAY] builds the namespaces; RATE like 1gbit; with SHAPER=netem
 #                              DELAY (default 1ms) each way, else an HTB class (rate only)
@@ -12,6 +12,7 @@
 
 NETNS_PREFIX=${NETNS_PREFIX:-flt}
 NETNS_SUBNET=${NETNS_SUBNET:-10.77.0}
+NETNS_MTU=${NETNS_MTU:-1500}
 NETNS_COUNT=0
 
 netns_addr() { echo "$NETNS_SUBNET.$(($1 + 1))"; }
@@ -43,7 +44,8 @@ netns_setup() { # count rate [delay]
     ns=$NETNS_PREFIX$i
     ip netns add "$ns" || return 1
     ip link add "$NETNS_PREFIX-v$i" type veth peer name eth0 netns "$ns" || return 1
-    ip link set "$NETNS_PREFIX-v$i" master "$NETNS_PREFIX-br" up
+    ip link set "$NETNS_PREFIX-v$i" mtu "$NETNS_MTU" master "$NETNS_PREFIX-br" up
+    ip -n "$ns" link set eth0 mtu "$NETNS_MTU"
     ip -n "$ns" addr add "$(netns_addr "$i")/24" dev eth0
     ip -n "$ns" link set eth0 up
     ip -n "$ns" link set lo up
