@@ -12,7 +12,7 @@
 # Env: FLOTILLA_BIN (default $CARGO_TARGET_DIR/release/flotilla), RATES (default
 #      "1gbit 10gbit"), SIZES (default 1M,16M,64M,256M), ITERS (timed iterations per size,
 #      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), NETNS_MTU (default
-#      1500; 9000 for jumbo frames), and any
+#      1500; 9000 for jumbo frames), RANKS (default 4), and any
 #      FLOTILLA_COMM_* variable of the ranks (e.g. FLOTILLA_COMM_CHUNK_BYTES) passes through.
 # On a machine with few cores the 10 Gbit/s links are CPU-bound (4 ranks copy every byte
 # through the kernel twice): the script prints the core count.
@@ -22,7 +22,7 @@ B=${FLOTILLA_BIN:-${CARGO_TARGET_DIR:-target}/release/flotilla}
 RATES=${RATES:-1gbit 10gbit}
 SIZES=${SIZES:-1M,16M,64M,256M}
 ITERS=${ITERS:-5}
-N=4
+N=${RANKS:-4}
 export NETNS_PREFIX=${NETNS_PREFIX:-fsl} NETNS_SUBNET=${NETNS_SUBNET:-10.79.0}
 [ -x "$B" ] || { echo "no release binary at $B (cargo build --release)"; exit 1; }
 if [ "$(id -u)" != 0 ] || ! command -v tc >/dev/null || ! ip netns list >/dev/null 2>&1; then

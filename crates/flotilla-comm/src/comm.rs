@@ -561,10 +561,12 @@ enum Algorithm {
 }
 
 impl Algorithm {
-    fn for_size(cfg: &CommConfig, bytes: usize) -> Self {
+    /// The algorithm of an all-reduce of `bytes` on `ranks` ranks (Rabenseifner's only on a
+    /// power of two: see `rabenseifner.rs`).
+    fn pick(cfg: &CommConfig, bytes: usize, ranks: usize) -> Self {
         if bytes <= cfg.small_all_reduce_bytes {
             Self::Doubling
-        } else if bytes <= cfg.mid_all_reduce_bytes {
+        } else if bytes <= cfg.mid_all_reduce_bytes && ranks.is_power_of_two() {
             Self::Rabenseifner
         } else {
             Self::Ring
@@ -582,7 +584,7 @@ impl Algorithm {
 
 /// Runs all-reduce `ticket` of group `g` in its turn: recursive doubling up to
 /// [`CommConfig::small_all_reduce_bytes`], Rabenseifner's up to
-/// [`CommConfig::mid_all_reduce_bytes`], the pipelined ring above.
+/// [`CommConfig::mid_all_reduce_bytes`] on a power-of-two group, the pipelined ring above.
 async fn all_reduce_ordered(
     g: &GroupState,
     ticket: u64,
@@ -591,7 +593,7 @@ async fn all_reduce_ordered(
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
     let bytes = std::mem::size_of_val(buf);
-    let algorithm = Algorithm::for_size(&g.world.cfg, bytes);
+    let algorithm = Algorithm::pick(&g.world.cfg, bytes, g.members.len());
     // From the group's turn to the end: the time on the wire, not the wait for the turn.
     let span = tracing::info_span!(
         target: "flotilla::comm",

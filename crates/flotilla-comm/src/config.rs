@@ -98,9 +98,9 @@ pub struct CommConfig {
     /// Every rank of a job must use the same value.
     pub small_all_reduce_bytes: usize,
     /// `f32` all-reduces larger than [`CommConfig::small_all_reduce_bytes`] and of at most
-    /// this many bytes take Rabenseifner's algorithm (reduce-scatter by recursive halving,
-    /// all-gather by recursive doubling: `2 log2 n` steps, the ring's bytes); larger ones the
-    /// ring. 0 (or a value at most `small_all_reduce_bytes`): none. Every rank of a job must
+    /// this many bytes, in a group whose size is a power of two, take Rabenseifner's
+    /// algorithm (reduce-scatter by recursive halving, all-gather by recursive doubling:
+    /// `2 log2 n` steps, the ring's bytes); larger ones, and other groups, the ring. 0 (or a value at most `small_all_reduce_bytes`): none. Every rank of a job must
     /// use the same value.
     pub mid_all_reduce_bytes: usize,
     /// Local address to bind listeners to. Default: rank 0 binds `master_addr`, other ranks

@@ -19,8 +19,8 @@
 //! * [`Communicator`] implements [`ProcessGroup`] over TCP, or over in-memory links between
 //!   threads ([`Communicator::in_memory`]): collectives (barrier, broadcast, all-gather, the
 //!   `f32` all-reduce — recursive doubling up to [`CommConfig::small_all_reduce_bytes`],
-//!   Rabenseifner's halving and doubling up to [`CommConfig::mid_all_reduce_bytes`], the
-//!   pipelined ring above — and its non-blocking form for overlapping gradient buckets
+//!   Rabenseifner's halving and doubling up to [`CommConfig::mid_all_reduce_bytes`] (on a
+//!   power-of-two group), the pipelined ring above — and its non-blocking form for overlapping gradient buckets
 //!   with compute, integer and bit-set reductions), tagged point-to-point `send` into the
 //!   process's mailbox, and sub-groups (`split`, `group`) with their own sequence space over
 //!   the same connections.
