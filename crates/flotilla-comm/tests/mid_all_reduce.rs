@@ -40,7 +40,10 @@ fn log2_floor(n: usize) -> u64 {
 /// of two, else the ring's `2 (n-1)`.
 fn frames(n: usize, r: usize, len: usize) -> u64 {
     let (steps, rem) = (log2_floor(n), n - (1 << log2_floor(n)));
-    let (fold_even, fold_odd) = (r < 2 * rem && r % 2 == 0, r < 2 * rem && r % 2 == 1);
+    let (fold_even, fold_odd) = (
+        r < 2 * rem && r.is_multiple_of(2),
+        r < 2 * rem && !r.is_multiple_of(2),
+    );
     if n == 1 {
         0
     } else if len * 4 <= SMALL {
