@@ -72,13 +72,13 @@ impl Doubling<'_, '_> {
 }
 
 /// The largest power of two `<= n` (`n >= 1`).
-pub(crate) fn pow2_floor(n: usize) -> usize {
+fn pow2_floor(n: usize) -> usize {
     1 << (usize::BITS - 1 - n.leading_zeros())
 }
 
 /// Where group rank `r` of `n` stands in the doubling: its rank among the `p` that double,
 /// or `None` for an even rank of the fold, which hands its buffer to `r + 1`.
-pub(crate) fn doubling_rank(r: usize, n: usize) -> Option<usize> {
+fn doubling_rank(r: usize, n: usize) -> Option<usize> {
     let rem = n - pow2_floor(n);
     match r {
         r if r < 2 * rem && r % 2 == 0 => None,
@@ -88,7 +88,7 @@ pub(crate) fn doubling_rank(r: usize, n: usize) -> Option<usize> {
 }
 
 /// The group rank of doubling rank `q` (the inverse of [`doubling_rank`]).
-pub(crate) fn group_rank(q: usize, n: usize) -> usize {
+fn group_rank(q: usize, n: usize) -> usize {
     let rem = n - pow2_floor(n);
     if q < rem { 2 * q + 1 } else { q + rem }
 }

@@ -21,19 +21,11 @@
 //! bf16 by its owner before the all-gather, as the ring rounds its segments, so every rank
 //! ends bit-identical.
 
-use std::ops::Range;
-
 use flotilla_group::CommError;
 
 use crate::op::OpCtx;
-use crate::pipe::{Mode, Pipe};
+use crate::pipe::{Mode, Pipe, segments as blocks};
 use crate::reduce;
-
-/// Element range of blocks `lo..hi` of `p` over `len` elements.
-fn blocks(len: usize, p: usize, lo: usize, hi: usize) -> Range<usize> {
-    let at = |i: usize| ((i as u128 * len as u128) / p as u128) as usize;
-    at(lo)..at(hi)
-}
 
 /// Rabenseifner all-reduce (sum) of `buf` in place over a world whose size is a power of
 /// two; a no-op for one rank or an empty buffer. Every rank ends with the same bits.
@@ -79,22 +71,4 @@ pub(crate) async fn all_reduce(ctx: &OpCtx<'_>, buf: &mut [f32]) -> Result<(), C
         (lo, size) = (lo.min(theirs), 2 * size);
     }
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn blocks_tile_the_buffer_and_halves_meet() {
-        for len in [0usize, 1, 3, 8, 1001] {
-            for p in [1usize, 2, 4, 8] {
-                assert_eq!(blocks(len, p, 0, p), 0..len);
-                for lo in 0..p {
-                    let (a, b) = (blocks(len, p, 0, lo), blocks(len, p, lo, p));
-                    assert_eq!((a.end, b.start), (b.start, a.end));
-                }
-            }
-        }
-    }
 }
