@@ -11,8 +11,8 @@
 # Every run is a full run with target_accuracy 0.99 (evaluated each epoch, 8 epochs at
 # most): steps and seconds to 99% and the step time (median over epochs). The links
 # need root (ip netns, tc); without it the script says so and measures loopback only. The
-# 1 ms delay needs the kernel's netem qdisc; without it the links are rate-shaped only (tbf)
-# (HTB) and the script says so.
+# 1 ms delay needs the kernel's netem qdisc; without it the links are rate-shaped only
+# (HTB) and the script says so. The namespaces come from scripts/netns_lib.sh.
 # One run (async, 2 ranks, 100 Mbit/s) writes a Chrome timeline; the fraction of
 # communication hidden behind compute is read from every timeline written.
 set -u
@@ -124,48 +124,15 @@ if [ "$(id -u)" != 0 ] || ! command -v tc >/dev/null || ! ip netns list >/dev/nu
   exit 0
 fi
 
-NS=4
-teardown() {
-  for i in $(seq 0 $((NS - 1))); do ip netns del flt$i 2>/dev/null; done
-  ip link del flt-br 2>/dev/null
-  true
-}
-setup() { # rate
-  teardown
-  ip link add flt-br type bridge && ip link set flt-br up || return 1
-  for i in $(seq 0 $((NS - 1))); do
-    ip netns add flt$i
-    ip link add flt-v$i type veth peer name eth0 netns flt$i
-    ip link set flt-v$i master flt-br up
-    ip -n flt$i addr add 10.77.0.$((i + 1))/24 dev eth0
-    ip -n flt$i link set eth0 up
-    ip -n flt$i link set lo up
-    if [ "$SHAPER" = netem ]; then
-      ip netns exec flt$i tc qdisc add dev eth0 root netem delay 1ms rate "$1" limit 100000
-    else
-      # Rate only: an HTB class with small bursts (a token bucket with a burst large enough
-      # for 64 KiB GSO packets would let a whole step's traffic through at once).
-      ip netns exec flt$i tc qdisc add dev eth0 root handle 1: htb default 10
-      ip netns exec flt$i tc class add dev eth0 parent 1: classid 1:10 htb rate "$1" ceil "$1" \
-        burst 15k cburst 15k 2>/dev/null
-    fi
-  done
-}
-# netem adds the delay; kernels without sch_netem (tc: "Specified qdisc kind is unknown")
-# get the rate alone (HTB), and the script says so.
-probe_netem() {
-  ip netns add flt-probe && ip -n flt-probe link set lo up
-  if ip netns exec flt-probe tc qdisc add dev lo root netem delay 1ms 2>/dev/null; then SHAPER=netem; else SHAPER=tbf; fi
-  ip netns del flt-probe
-}
-probe_netem
-trap teardown EXIT
+. scripts/netns_lib.sh
+netns_probe_netem
+trap netns_teardown EXIT
 
 # One rank per namespace, started torchrun-style (RANK, WORLD_SIZE, MASTER_ADDR).
 run_ns() { # dir config ranks [timeline]
   local d=$1 cfg=$2 n=$3 port=$((29700 + RANDOM % 200)) pids=()
   for i in $(seq 0 $((n - 1))); do
-    ip netns exec flt$i env RANK=$i WORLD_SIZE=$n MASTER_ADDR=10.77.0.1 MASTER_PORT=$port \
+    ip netns exec "$NETNS_PREFIX$i" env RANK=$i WORLD_SIZE=$n MASTER_ADDR="$(netns_addr 0)" MASTER_PORT=$port \
       RAYON_NUM_THREADS=1 "$B" train "$cfg" > "$d.rank$i.out" 2>&1 &
     pids+=($!)
   done
@@ -175,7 +142,7 @@ run_ns() { # dir config ranks [timeline]
 }
 
 for rate in 1gbit 100mbit; do
-  setup $rate || { echo "## link $rate: setup failed"; continue; }
+  netns_setup 4 $rate || { echo "## link $rate: setup failed"; continue; }
   if [ "$SHAPER" = netem ]; then
     echo "## link $rate, 1 ms delay each way (netem): full runs to 99%"
   else

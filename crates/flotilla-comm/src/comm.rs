@@ -39,6 +39,7 @@ use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::doubling;
 use crate::frame::{Op, channel};
 use crate::op::OpCtx;
+use crate::rabenseifner;
 use crate::rendezvous;
 use crate::ring;
 use crate::world::{GroupState, World};
@@ -550,8 +551,40 @@ impl<T> Drop for ScopedTask<T> {
     }
 }
 
+/// The all-reduce algorithms, picked by size (the same on every rank: the thresholds are
+/// part of the job's config).
+#[derive(Clone, Copy)]
+enum Algorithm {
+    Doubling,
+    Rabenseifner,
+    Ring,
+}
+
+impl Algorithm {
+    /// The algorithm of an all-reduce of `bytes` on `ranks` ranks (Rabenseifner's only on a
+    /// power of two: see `rabenseifner.rs`).
+    fn pick(cfg: &CommConfig, bytes: usize, ranks: usize) -> Self {
+        if bytes <= cfg.small_all_reduce_bytes {
+            Self::Doubling
+        } else if bytes <= cfg.mid_all_reduce_bytes && ranks.is_power_of_two() {
+            Self::Rabenseifner
+        } else {
+            Self::Ring
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Self::Doubling => "doubling",
+            Self::Rabenseifner => "rabenseifner",
+            Self::Ring => "ring",
+        }
+    }
+}
+
 /// Runs all-reduce `ticket` of group `g` in its turn: recursive doubling up to
-/// [`CommConfig::small_all_reduce_bytes`], the pipelined ring above.
+/// [`CommConfig::small_all_reduce_bytes`], Rabenseifner's up to
+/// [`CommConfig::mid_all_reduce_bytes`] on a power-of-two group, the pipelined ring above.
 async fn all_reduce_ordered(
     g: &GroupState,
     ticket: u64,
@@ -560,7 +593,7 @@ async fn all_reduce_ordered(
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
     let bytes = std::mem::size_of_val(buf);
-    let small = bytes <= g.world.cfg.small_all_reduce_bytes;
+    let algorithm = Algorithm::pick(&g.world.cfg, bytes, g.members.len());
     // From the group's turn to the end: the time on the wire, not the wait for the turn.
     let span = tracing::info_span!(
         target: "flotilla::comm",
@@ -568,7 +601,7 @@ async fn all_reduce_ordered(
         seq = ticket,
         bucket = tracing::field::Empty,
         bytes = bytes as u64,
-        algorithm = if small { "doubling" } else { "ring" },
+        algorithm = algorithm.name(),
         track = "comm"
     );
     if let Some(b) = bucket {
@@ -576,10 +609,10 @@ async fn all_reduce_ordered(
     }
     let started = std::time::Instant::now();
     let ctx = OpCtx::new(g, ticket, Op::AllReduce);
-    let r = if small {
-        doubling::all_reduce(&ctx, buf).instrument(span).await
-    } else {
-        ring::all_reduce(&ctx, buf).instrument(span).await
+    let r = match algorithm {
+        Algorithm::Doubling => doubling::all_reduce(&ctx, buf).instrument(span).await,
+        Algorithm::Rabenseifner => rabenseifner::all_reduce(&ctx, buf).instrument(span).await,
+        Algorithm::Ring => ring::all_reduce(&ctx, buf).instrument(span).await,
     };
     metrics::histogram!("flotilla_all_reduce_seconds").record(started.elapsed().as_secs_f64());
     g.finish(r).await

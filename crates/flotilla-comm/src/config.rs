@@ -21,6 +21,18 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// 534 / 517, 1 MiB 1084 / 1418. Doubling wins up to 256 KiB; from 1 MiB the ring does.
 pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 256 << 10;
 
+/// Default of [`CommConfig::mid_all_reduce_bytes`]: 16 MiB. Chosen with
+/// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES=0` and `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES=0`
+/// (ring) against `=1073741824` (Rabenseifner) in `flotilla bench allreduce -n 4 --sizes
+/// 512K,1M,4M,16M,64M --iters 30` over 127.0.0.1 on 2 shared cores, 4 interleaved runs each
+/// (under load, indicative; median busbw GB/s): 512 KiB 0.26 ring / 0.35 Rabenseifner,
+/// 1 MiB 0.23 / 0.40, 4 MiB 0.16 / 0.28, 16 MiB 0.12 / 0.22, 64 MiB 0.13 / 0.15 (a tie
+/// within the spread); CPU time of the whole runs the same (7.3–8.2 s both). On links
+/// shaped to 1 Gbit/s (`scripts/bench_shaped_links.sh`) both reach the same 0.87–0.94 of
+/// the link rate at 1–64 MiB: they send the same bytes, Rabenseifner in `2 log2 n` steps
+/// instead of `2 (n-1)`.
+pub const DEFAULT_MID_ALL_REDUCE_BYTES: usize = 16 << 20;
+
 /// Payload compression applied to data frames.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum Compression {
@@ -85,6 +97,12 @@ pub struct CommConfig {
     /// 0 sends every size through the ring. At most `max_frame_bytes` (one frame per step).
     /// Every rank of a job must use the same value.
     pub small_all_reduce_bytes: usize,
+    /// `f32` all-reduces larger than [`CommConfig::small_all_reduce_bytes`] and of at most
+    /// this many bytes, in a group whose size is a power of two, take Rabenseifner's
+    /// algorithm (reduce-scatter by recursive halving, all-gather by recursive doubling:
+    /// `2 log2 n` steps, the ring's bytes); larger ones, and other groups, the ring. 0 (or a value at most `small_all_reduce_bytes`): none. Every rank of a job must
+    /// use the same value.
+    pub mid_all_reduce_bytes: usize,
     /// Local address to bind listeners to. Default: rank 0 binds `master_addr`, other ranks
     /// bind the local address of their connection to rank 0.
     pub bind_host: Option<String>,
@@ -143,6 +161,7 @@ impl fmt::Debug for CommConfig {
             .field("max_frame_bytes", &self.max_frame_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("small_all_reduce_bytes", &self.small_all_reduce_bytes)
+            .field("mid_all_reduce_bytes", &self.mid_all_reduce_bytes)
             .field("bind_host", &self.bind_host)
             .field("advertise_host", &self.advertise_host)
             .field("mesh_port", &self.mesh_port)
@@ -172,6 +191,7 @@ impl Default for CommConfig {
             max_frame_bytes: 64 << 20,
             chunk_bytes: 512 << 10,
             small_all_reduce_bytes: DEFAULT_SMALL_ALL_REDUCE_BYTES,
+            mid_all_reduce_bytes: DEFAULT_MID_ALL_REDUCE_BYTES,
             bind_host: None,
             advertise_host: None,
             mesh_port: None,
@@ -216,7 +236,8 @@ impl CommConfig {
     /// ([`TlsFiles::from_env`]: `FLOTILLA_TLS_CA`, `FLOTILLA_TLS_CERT`, `FLOTILLA_TLS_KEY`),
     /// `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
-    /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
+    /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES`,
+    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
     pub fn from_env() -> Result<Self, CommError> {
         let world_size: usize = parse_env("WORLD_SIZE")?
             .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
@@ -262,6 +283,9 @@ impl CommConfig {
         }
         if let Some(s) = parse_env("FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES")? {
             cfg.small_all_reduce_bytes = s;
+        }
+        if let Some(s) = parse_env("FLOTILLA_COMM_MID_ALL_REDUCE_BYTES")? {
+            cfg.mid_all_reduce_bytes = s;
         }
         if let Some(t) = parse_env("FLOTILLA_COMM_THREADS")? {
             cfg.runtime_threads = t;
@@ -337,6 +361,13 @@ impl CommConfig {
     /// Sets the largest all-reduce (in bytes) that takes recursive doubling (0: none).
     pub fn with_small_all_reduce_bytes(mut self, bytes: usize) -> Self {
         self.small_all_reduce_bytes = bytes;
+        self
+    }
+
+    /// Sets the largest all-reduce (in bytes) that takes Rabenseifner's algorithm (see
+    /// [`CommConfig::mid_all_reduce_bytes`]).
+    pub fn with_mid_all_reduce_bytes(mut self, bytes: usize) -> Self {
+        self.mid_all_reduce_bytes = bytes;
         self
     }
 

@@ -69,7 +69,7 @@ enum Lost {
 }
 
 /// Frames of the collective channel buffered per connection and group. Must exceed
-/// [`crate::ring::LOOKAHEAD`] so the ring cannot deadlock.
+/// [`crate::pipe::LOOKAHEAD`] so the ring cannot deadlock.
 pub(crate) const COLLECTIVE_QUEUE_FRAMES: usize = 16;
 
 type Rx = Arc<Mutex<mpsc::UnboundedReceiver<Received>>>;

@@ -19,7 +19,8 @@
 //! * [`Communicator`] implements [`ProcessGroup`] over TCP, or over in-memory links between
 //!   threads ([`Communicator::in_memory`]): collectives (barrier, broadcast, all-gather, the
 //!   `f32` all-reduce — recursive doubling up to [`CommConfig::small_all_reduce_bytes`],
-//!   the pipelined ring above — and its non-blocking form for overlapping gradient buckets
+//!   Rabenseifner's halving and doubling up to [`CommConfig::mid_all_reduce_bytes`] (on a
+//!   power-of-two group), the pipelined ring above — and its non-blocking form for overlapping gradient buckets
 //!   with compute, integer and bit-set reductions), tagged point-to-point `send` into the
 //!   process's mailbox, and sub-groups (`split`, `group`) with their own sequence space over
 //!   the same connections.
@@ -50,7 +51,9 @@ pub mod frame;
 pub mod fuzzing;
 mod net;
 mod op;
+mod pipe;
 pub mod pipeline;
+mod rabenseifner;
 mod reduce;
 mod rendezvous;
 mod ring;
@@ -62,8 +65,8 @@ mod world;
 
 pub use comm::Communicator;
 pub use config::{
-    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin,
-    WireFormat,
+    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
+    DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,

@@ -3,15 +3,13 @@
 //! ranks (powers of two and the fold-in/fold-out of the others), in-memory and over
 //! 127.0.0.1; bf16 on the wire; a peer that dies mid-operation named by the survivors.
 
-use std::net::TcpListener;
-use std::sync::Arc;
-use std::sync::mpsc;
+mod common;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, WireFormat};
-
-const TEST_DEADLINE: Duration = Duration::from_secs(30);
+use common::{f32_tolerance, mix, ok, value, world};
+use flotilla_comm::{CommConfig, ProcessGroup, WireFormat};
 
 /// Every f32 all-reduce of the tests fits under this threshold.
 const SMALL: usize = 64 << 10;
@@ -22,72 +20,6 @@ fn cfg(n: usize) -> CommConfig {
         .with_join_timeout(Duration::from_secs(10))
         .with_chunk_bytes(4096)
         .with_small_all_reduce_bytes(SMALL)
-}
-
-/// Runs `body` on every rank of an `n`-rank world built from `c` (with its rank), each rank
-/// a thread; `tcp` picks sockets over loopback, else in-memory links.
-fn world<T, F>(n: usize, tcp: bool, c: CommConfig, body: F) -> Vec<Result<T, CommError>>
-where
-    T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
-{
-    let body = Arc::new(body);
-    let (tx, rx) = mpsc::channel();
-    if tcp {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = l.local_addr().expect("addr").port();
-        let mut l = Some(l);
-        for r in 0..n {
-            let mut c = c.clone().with_master("127.0.0.1", port);
-            c.rank = Some(r);
-            let (tx, body, l) = (tx.clone(), body.clone(), l.take().filter(|_| r == 0));
-            thread::spawn(move || {
-                let comm = match l {
-                    Some(l) => Communicator::connect_with_listener(c, l),
-                    None => Communicator::connect(c),
-                };
-                let _ = tx.send((r, comm.and_then(|c| body(c))));
-            });
-        }
-    } else {
-        let comms = Communicator::in_memory(n, c).expect("in-memory world");
-        for (r, comm) in comms.into_iter().enumerate() {
-            let (tx, body) = (tx.clone(), body.clone());
-            thread::spawn(move || {
-                let _ = tx.send((r, body(comm)));
-            });
-        }
-    }
-    let deadline = Instant::now() + TEST_DEADLINE;
-    let mut out: Vec<Option<Result<T, CommError>>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (r, res) = rx.recv_timeout(left).expect("test world hung");
-        out[r] = Some(res);
-    }
-    out.into_iter().map(|r| r.expect("result")).collect()
-}
-
-fn ok<T>(v: Vec<Result<T, CommError>>) -> Vec<T> {
-    v.into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect()
-}
-
-/// SplitMix64: deterministic pseudo-random bits.
-fn mix(mut z: u64) -> u64 {
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
-}
-
-/// Rank `r`'s element `i` of case `case`: in [-4, 4), with bits below f32's precision in
-/// any sum, so the order of additions shows in the result's last bits.
-fn value(case: usize, r: usize, i: usize) -> f32 {
-    let bits = mix(((case as u64) << 40) ^ ((r as u64) << 24) ^ i as u64);
-    (bits >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
 }
 
 /// Lengths of the cases on `n` ranks: 0, 1, fewer than `n`, random ones up to the threshold.
@@ -143,11 +75,6 @@ fn check(n: usize, tcp: bool, c: CommConfig, tolerance: f64) {
             }
         }
     }
-}
-
-/// f32 rounding of `n - 1` additions: at most `(n - 1) * 2^-24` of the magnitudes' sum.
-fn f32_tolerance(n: usize) -> f64 {
-    (n.max(2) - 1) as f64 * 2f64.powi(-24)
 }
 
 #[test]

@@ -147,8 +147,9 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;
 
     /// Sums `buf` element-wise over the group in place (the TCP backend: recursive doubling
-    /// for small buffers, ring reduce-scatter + all-gather above; bf16 on the wire when so
-    /// configured). All members end bit-identical.
+    /// for small buffers, Rabenseifner's halving and doubling for middle sizes, ring
+    /// reduce-scatter + all-gather above; bf16 on the wire when so configured). All members
+    /// end bit-identical.
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError>;
 
     /// Starts [`ProcessGroup::all_reduce_sum`] in the background and returns at once.

@@ -1,5 +1,5 @@
-//! `flotilla bench allreduce`: the TCP all-reduce's bandwidth (recursive doubling or ring by
-//! size) over 127.0.0.1 against the loopback TCP bandwidth measured in the same run; the
+//! `flotilla bench allreduce`: the TCP all-reduce's bandwidth (recursive doubling,
+//! Rabenseifner's or the ring by size) over 127.0.0.1 against the loopback TCP bandwidth measured in the same run; the
 //! worker lines and the TCP rows that `--backend mpi` (`crate::bench_mpi`) also uses.
 
 use std::ffi::OsString;
@@ -155,8 +155,10 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
     let reference = loopback_bandwidth(1 << 30)?;
     println!(
         "# flotilla bench allreduce: all-reduce of f32 buffers over 127.0.0.1 \
-         (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, default {} KiB; the ring above)",
-        flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10
+         (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, default {} KiB; \
+         Rabenseifner's up to FLOTILLA_COMM_MID_ALL_REDUCE_BYTES, default {} MiB; the ring above)",
+        flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
+        flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 20
     );
     println!(
         "# reference B = single-stream loopback TCP bandwidth, measured now: {reference:.2} GB/s; ideal ring busbw = B"

@@ -50,7 +50,7 @@ pub enum Backend {
 pub struct CommSection {
     /// The process-group implementation: `tcp` (default) or `mpi` (under `mpirun`, with a
     /// binary built with `--features mpi`; the rendezvous keys, `compression`,
-    /// `wire_format` and `small_all_reduce_kb` then do not apply).
+    /// `wire_format`, `small_all_reduce_kb` and `mid_all_reduce_kb` then do not apply).
     pub backend: Backend,
     /// Rendezvous address of rank 0.
     pub master_addr: String,
@@ -69,6 +69,11 @@ pub struct CommSection {
     /// All-reduces of at most this many KiB take recursive doubling (`log2 n` steps)
     /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (TCP backend).
     pub small_all_reduce_kb: usize,
+    /// All-reduces above `small_all_reduce_kb` and of at most this many KiB take
+    /// Rabenseifner's algorithm (reduce-scatter by recursive halving, all-gather by
+    /// recursive doubling: `2 log2 n` steps, the ring's bytes) instead of the ring; 0: none
+    /// (TCP backend).
+    pub mid_all_reduce_kb: usize,
     /// A file holding the cluster secret (mode 0600; not accessible to group or others).
     /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
     /// secret itself is never a config value or a flag, and never enters the config hash.
@@ -90,6 +95,7 @@ impl Default for CommSection {
             wire_format: WireSetting::F32,
             bucket_mb: 25.0,
             small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
+            mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             secret_file: None,
             tls: None,
         }
@@ -142,6 +148,7 @@ impl TrainConfig {
                 WireSetting::Bf16 => WireFormat::Bf16,
             },
             small_all_reduce_bytes: c.small_all_reduce_kb.saturating_mul(1 << 10),
+            mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
             ..CommConfig::default()
         })
     }
@@ -191,5 +198,26 @@ mod tests {
         let t = TrainConfig::from_yaml("small_all_reduce_kb: 1000000\n", "s.yaml").expect("parses");
         let e = t.validate().expect_err("above a frame").to_string();
         assert!(e.contains("comm.small_all_reduce_kb"), "{e}");
+    }
+
+    #[test]
+    fn mid_all_reduce_kb_reaches_the_communicator() {
+        let c = TrainConfig::default()
+            .comm_config(Some(0), 0, 4)
+            .expect("default");
+        assert_eq!(
+            c.mid_all_reduce_bytes,
+            flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES
+        );
+        let t = TrainConfig::from_yaml("comm: {mid_all_reduce_kb: 8192}\n", "m.yaml").expect("key");
+        let c = t.comm_config(Some(0), 0, 4).expect("config");
+        assert_eq!(c.mid_all_reduce_bytes, 8 << 20);
+        let t = TrainConfig::from_yaml("mid_all_reduce_kb: 0\n", "m.yaml").expect("alias");
+        assert_eq!(
+            t.comm_config(Some(0), 0, 4)
+                .expect("config")
+                .mid_all_reduce_bytes,
+            0
+        );
     }
 }

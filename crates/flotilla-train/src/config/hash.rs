@@ -83,6 +83,7 @@ mod tests {
             |c: &mut TrainConfig| c.comm.bucket_mb = 1.0,
             |c: &mut TrainConfig| c.comm.wire_format = WireSetting::Bf16,
             |c: &mut TrainConfig| c.comm.small_all_reduce_kb = 0,
+            |c: &mut TrainConfig| c.comm.mid_all_reduce_kb = 0,
             |c: &mut TrainConfig| c.topology.local_steps = 2,
             |c: &mut TrainConfig| c.model.seed = 1,
         ] {

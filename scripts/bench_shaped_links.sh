@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The TCP all-reduce between hosts, emulated: 4 ranks, one per network namespace, each
+# namespace's link to a common bridge shaped by tc (an HTB class with small bursts: rate
+# only, no added delay) to 1 Gbit/s and 10 Gbit/s. For each rate: first a raw TCP transfer
+# between two namespaces (does tc shape what we think?), then `flotilla bench allreduce`'s
+# ranks started by hand in the namespaces (RANK, WORLD_SIZE, MASTER_ADDR), all-reduces of
+# 1, 16, 64 and 256 MiB. Printed: busbw = algbw * 2(n-1)/n against the bound B (the link
+# rate: an all-reduce cannot beat t = 2(n-1)/n * S/B), as a fraction (goal >= 0.90), and
+# against the raw TCP goodput measured on the same links.
+#
+# Usage (root): scripts/bench_shaped_links.sh            (from the checkout, after a release build)
+# Env: FLOTILLA_BIN (default $CARGO_TARGET_DIR/release/flotilla), RATES (default
+#      "1gbit 10gbit"), SIZES (default 1M,16M,64M,256M), ITERS (timed iterations per size,
+#      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), NETNS_MTU (default
+#      1500; 9000 for jumbo frames), RANKS (default 4), and any
+#      FLOTILLA_COMM_* variable of the ranks (e.g. FLOTILLA_COMM_CHUNK_BYTES) passes through.
+# On a machine with few cores the 10 Gbit/s links are CPU-bound (4 ranks copy every byte
+# through the kernel twice): the script prints the core count.
+set -u
+cd "$(dirname "$0")/.."
+B=${FLOTILLA_BIN:-${CARGO_TARGET_DIR:-target}/release/flotilla}
+RATES=${RATES:-1gbit 10gbit}
+SIZES=${SIZES:-1M,16M,64M,256M}
+ITERS=${ITERS:-5}
+N=${RANKS:-4}
+export NETNS_PREFIX=${NETNS_PREFIX:-fsl} NETNS_SUBNET=${NETNS_SUBNET:-10.79.0}
+[ -x "$B" ] || { echo "no release binary at $B (cargo build --release)"; exit 1; }
+if [ "$(id -u)" != 0 ] || ! command -v tc >/dev/null || ! ip netns list >/dev/null 2>&1; then
+  echo "needs root with ip netns and tc"; exit 1
+fi
+. scripts/netns_lib.sh
+SHAPER=htb
+trap netns_teardown EXIT
+
+# Link rate in bytes per second: 1gbit -> 125000000.
+rate_bytes() {
+  python3 -c "import re,sys; m=re.fullmatch(r'([\d.]+)([kmg]?)bit', sys.argv[1].lower()); print(int(float(m[1]) * {'':1,'k':1e3,'m':1e6,'g':1e9}[m[2]] / 8))" "$1"
+}
+
+# Raw TCP goodput (bytes/s) from namespace 1 to namespace 0: 2 s of 1 MiB writes.
+raw_tcp() {
+  local port=$((29900 + RANDOM % 90))
+  timeout 30 ip netns exec "${NETNS_PREFIX}0" python3 - "$port" <<'PY' &
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+c, _ = s.accept(); got = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    if t0 is None: t0 = time.perf_counter()
+    got += len(b)
+print(int(got / (time.perf_counter() - t0)))
+PY
+  local server=$!
+  sleep 0.5
+  timeout 30 ip netns exec "${NETNS_PREFIX}1" python3 - "$(netns_addr 0)" "$port" <<'PY'
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = b"x" * (1 << 20); end = time.perf_counter() + 2
+while time.perf_counter() < end: s.sendall(buf)
+s.close()
+PY
+  wait "$server"
+}
+
+# The ranks of one measurement; prints rank 0's "@bench tcp" lines.
+run_ranks() { # out_prefix
+  local port=$((29700 + RANDOM % 200)) pids=() i
+  for i in $(seq 0 $((N - 1))); do
+    timeout 900 ip netns exec "$NETNS_PREFIX$i" env RANK=$i WORLD_SIZE=$N \
+      MASTER_ADDR="$(netns_addr 0)" MASTER_PORT=$port RAYON_NUM_THREADS=1 \
+      "$B" bench allreduce-worker --backend tcp --iters "$ITERS" --sizes "$SIZES" \
+      > "$1.rank$i.out" 2> "$1.rank$i.err" &
+    pids+=($!)
+  done
+  local ok=0
+  for p in "${pids[@]}"; do wait "$p" || ok=1; done
+  grep '^@bench tcp ' "$1.rank0.out"
+  return $ok
+}
+
+OUT=${OUT:-/tmp/flotilla-shaped-links}
+rm -rf "$OUT"; mkdir -p "$OUT"
+echo "# flotilla $("$B" --version 2>/dev/null) on $(nproc) cores, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "# $N ranks, one per namespace; links shaped by HTB (rate only, burst 15k), MTU $NETNS_MTU; busbw/B: against the link rate"
+for rate in $RATES; do
+  netns_setup $N "$rate" || { echo "## $rate: setup failed"; continue; }
+  bound=$(rate_bytes "$rate")
+  raw=$(raw_tcp)
+  echo "## link $rate: B = $(python3 -c "print(f'{$bound/1e9:.3f}')") GB/s; raw TCP goodput ns1->ns0 $(python3 -c "print(f'{${raw:-0}/1e9:.3f} GB/s = {${raw:-0}/$bound:.2f} B')")"
+  printf "%10s %6s %10s %12s %12s %8s %10s\n" size iters time_ms algbw_GB/s busbw_GB/s busbw/B busbw/raw
+  rows=$(run_ranks "$OUT/$rate") || { echo "## $rate: ranks FAILED (see $OUT/$rate.rank*.err)"; continue; }
+  echo "$rows" | while read -r _ _ bytes iters secs algbw busbw; do
+    python3 -c "
+b, i, s, a, u, B, raw = $bytes, $iters, $secs, $algbw, $busbw, $bound, ${raw:-0}
+print(f'{b >> 20:>6} MiB {i:>6} {s * 1e3:>10.1f} {a:>12.3f} {u:>12.3f} {u * 1e9 / B:>8.2f} {u * 1e9 / raw if raw else 0:>10.2f}')"
+  done
+done
