@@ -3,9 +3,10 @@
 //! The buffer is split into `world_size` contiguous segments (sizes differ by at most one
 //! element). Reduce-scatter: in step `k` (0..n-1) rank `r` sends segment `(r - k) mod n` to
 //! rank `r + 1` and adds segment `(r - k - 1) mod n` received from rank `r - 1`; afterwards
-//! rank `r` holds the full sum of segment `(r + 1) mod n`. All-gather: in step `k` rank `r`
+//! rank `r` holds the full sum of segment `(r + 1) mod n`, its `flotilla_group::shard`. All-gather: in step `k` rank `r`
 //! forwards segment `(r + 1 - k) mod n` and stores segment `(r - k) mod n`. Each rank sends
-//! and receives `2 (n-1)/n` of the buffer in total.
+//! and receives `2 (n-1)/n` of the buffer in total. The two halves are also collectives of
+//! their own ([`reduce_scatter`], [`all_gather`]).
 //!
 //! Segments are cut into chunks of `chunk_bytes` that are pipelined: a step starts by
 //! sending [`LOOKAHEAD`] chunks, then each received chunk is reduced straight from the
@@ -15,7 +16,7 @@
 
 use std::ops::Range;
 
-use flotilla_group::CommError;
+use flotilla_group::{CommError, segment, shard};
 
 use crate::buf::{f32_bytes, f32_bytes_mut};
 use crate::config::WireFormat;
@@ -24,12 +25,6 @@ use crate::reduce;
 
 /// Chunks sent ahead of the one being received in each step.
 pub(crate) const LOOKAHEAD: usize = 2;
-
-/// Element range of segment `i` of `n` over `len` elements.
-pub(crate) fn segment(len: usize, n: usize, i: usize) -> Range<usize> {
-    let at = |i: usize| ((i as u128 * len as u128) / n as u128) as usize;
-    at(i)..at(i + 1)
-}
 
 /// Element range of chunk `c` of a segment.
 fn chunk(seg: &Range<usize>, chunk_elems: usize, c: usize) -> Range<usize> {
@@ -127,60 +122,84 @@ impl Ring<'_, '_> {
     }
 }
 
-/// Ring all-reduce (sum) of `buf` in place. A no-op for one rank or an empty buffer.
+impl<'a, 'c> Ring<'a, 'c> {
+    /// The ring of `ctx`'s group: receive from the left, send to the right.
+    fn new(ctx: &'a OpCtx<'c>) -> Self {
+        let (n, r) = (ctx.size(), ctx.rank());
+        Ring {
+            ctx,
+            left: (r + n - 1) % n,
+            right: (r + 1) % n,
+            chunk_elems: (ctx.cfg().chunk_bytes / 4).max(1),
+            bf16: ctx.cfg().wire_format == WireFormat::Bf16,
+            send_tag: 0,
+            recv_tag: 0,
+            scratch: Vec::new(),
+        }
+    }
+
+    /// The reduce-scatter half: afterwards this rank holds the full sum of its
+    /// [`shard`] (bf16-rounded like what its peers receive, when the wire is bf16).
+    async fn reduce_scatter(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let (n, r, len) = (self.ctx.size(), self.ctx.rank(), buf.len());
+        for k in 0..n - 1 {
+            let send = segment(len, n, (r + n - k) % n);
+            let recv = segment(len, n, (r + 2 * n - k - 1) % n);
+            self.step(buf, send, recv, Mode::Reduce).await?;
+        }
+        if self.bf16 {
+            // Peers will receive this segment rounded to bf16; round our copy the same way so
+            // every rank ends bit-identical.
+            reduce::round_to_bf16(&mut buf[shard(len, n, r)]);
+        }
+        Ok(())
+    }
+
+    /// The all-gather half: this rank starts with its [`shard`] and ends with every one.
+    async fn all_gather(&mut self, buf: &mut [f32]) -> Result<(), CommError> {
+        let (n, r, len) = (self.ctx.size(), self.ctx.rank(), buf.len());
+        for k in 0..n - 1 {
+            let send = segment(len, n, (r + 1 + n - k) % n);
+            let recv = segment(len, n, (r + n - k) % n);
+            self.step(buf, send, recv, Mode::Copy).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Ring all-reduce (sum) of `buf` in place: [`reduce_scatter`] then [`all_gather`] on one
+/// ring. A no-op for one rank or an empty buffer.
 pub(crate) async fn all_reduce(ctx: &OpCtx<'_>, buf: &mut [f32]) -> Result<(), CommError> {
-    let (n, r) = (ctx.size(), ctx.rank());
-    if n == 1 || buf.is_empty() {
+    if ctx.size() == 1 || buf.is_empty() {
         return Ok(());
     }
-    let len = buf.len();
-    let mut ring = Ring {
-        ctx,
-        left: (r + n - 1) % n,
-        right: (r + 1) % n,
-        chunk_elems: (ctx.cfg().chunk_bytes / 4).max(1),
-        bf16: ctx.cfg().wire_format == WireFormat::Bf16,
-        send_tag: 0,
-        recv_tag: 0,
-        scratch: Vec::new(),
-    };
-    for k in 0..n - 1 {
-        let send = segment(len, n, (r + n - k) % n);
-        let recv = segment(len, n, (r + 2 * n - k - 1) % n);
-        ring.step(buf, send, recv, Mode::Reduce).await?;
+    let mut ring = Ring::new(ctx);
+    ring.reduce_scatter(buf).await?;
+    ring.all_gather(buf).await
+}
+
+/// Ring reduce-scatter (sum): afterwards `buf[shard(len, n, rank)]` holds the sum of that
+/// shard over the group, summed in the all-reduce's order (the rest of `buf` holds partial
+/// sums). A no-op for one rank or an empty buffer.
+pub(crate) async fn reduce_scatter(ctx: &OpCtx<'_>, buf: &mut [f32]) -> Result<(), CommError> {
+    if ctx.size() == 1 || buf.is_empty() {
+        return Ok(());
     }
-    if ring.bf16 {
-        // Peers will receive this segment rounded to bf16; round our copy the same way so
-        // every rank ends bit-identical.
-        reduce::round_to_bf16(&mut buf[segment(len, n, (r + 1) % n)]);
+    Ring::new(ctx).reduce_scatter(buf).await
+}
+
+/// Ring all-gather: each rank gives `buf[shard(len, n, rank)]` and ends with every shard.
+/// A no-op for one rank or an empty buffer.
+pub(crate) async fn all_gather(ctx: &OpCtx<'_>, buf: &mut [f32]) -> Result<(), CommError> {
+    if ctx.size() == 1 || buf.is_empty() {
+        return Ok(());
     }
-    for k in 0..n - 1 {
-        let send = segment(len, n, (r + 1 + n - k) % n);
-        let recv = segment(len, n, (r + n - k) % n);
-        ring.step(buf, send, recv, Mode::Copy).await?;
-    }
-    Ok(())
+    Ring::new(ctx).all_gather(buf).await
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn segments_cover_buffer() {
-        for len in [0usize, 1, 2, 7, 13, 1000003] {
-            for n in 1..=6 {
-                let mut next = 0;
-                for i in 0..n {
-                    let s = segment(len, n, i);
-                    assert_eq!(s.start, next);
-                    assert!(s.len() <= len / n + 1);
-                    next = s.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
 
     #[test]
     fn chunks_cover_segment() {
