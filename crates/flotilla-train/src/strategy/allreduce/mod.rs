@@ -5,11 +5,14 @@
 
 mod async_;
 mod sync;
+mod zero;
 
 #[cfg(test)]
 mod async_tests;
 #[cfg(test)]
 mod sync_tests;
+#[cfg(test)]
+mod zero_tests;
 
 pub use async_::AsyncAllReduce;
 pub use sync::SyncAllReduce;
