@@ -67,7 +67,9 @@ where
         let (r, res) = rx.recv_timeout(left).expect("test world hung");
         out[r] = Some(res.unwrap_or_else(|e| panic!("rank {r}: {e}")));
     }
-    out.into_iter().map(|o| o.expect("every rank answered")).collect()
+    out.into_iter()
+        .map(|o| o.expect("every rank answered"))
+        .collect()
 }
 
 const LENGTHS: [usize; 9] = [0, 1, 2, 3, 4, 7, 13, 1001, 3001];
@@ -119,7 +121,13 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
             for len in LENGTHS {
                 let mine = shard(len, c.size(), c.rank());
                 let mut buf: Vec<f32> = (0..len)
-                    .map(|i| if mine.contains(&i) { rough(c.rank(), i) } else { f32::NAN })
+                    .map(|i| {
+                        if mine.contains(&i) {
+                            rough(c.rank(), i)
+                        } else {
+                            f32::NAN
+                        }
+                    })
                     .collect();
                 c.all_gather_f32(&mut buf)?;
                 outs.push(buf);

@@ -70,7 +70,10 @@ pub fn shard_pieces(layout: &ParamLayout, owned: &[Range<usize>]) -> Result<Vec<
         for (i, p) in layout.params.iter().enumerate() {
             let (a, b) = (r.start.max(p.offset), r.end.min(p.offset + p.len));
             if a < b {
-                pieces.push(ShardPiece { range: a..b, param: i });
+                pieces.push(ShardPiece {
+                    range: a..b,
+                    param: i,
+                });
             }
         }
     }

@@ -95,11 +95,14 @@ fn shards_step_bitwise_like_the_whole_model() {
             let mut params = start.clone();
             for step in 0..6 {
                 let g = gradient(total, step);
-                whole.apply_grads(&g, 0.5 + step as f64 * 0.1).expect("whole step");
+                whole
+                    .apply_grads(&g, 0.5 + step as f64 * 0.1)
+                    .expect("whole step");
                 let mut next = params.clone();
                 for s in &mut shards {
                     let mut mine = params.clone();
-                    s.step(&mut mine, &g, 0.5 + step as f64 * 0.1).expect("shard step");
+                    s.step(&mut mine, &g, 0.5 + step as f64 * 0.1)
+                        .expect("shard step");
                     for p in s.pieces() {
                         next[p.range.clone()].copy_from_slice(&mine[p.range.clone()]);
                     }
@@ -111,8 +114,8 @@ fn shards_step_bitwise_like_the_whole_model() {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_ne!(bits(&expected), bits(&start), "{spec:?}: nothing moved");
             assert_eq!(bits(&params), bits(&expected), "{spec:?} on {n} shards");
-            let whole_bytes = optimizer_state_bytes(&whole.optimizer_state().expect("state"))
-                .expect("bytes");
+            let whole_bytes =
+                optimizer_state_bytes(&whole.optimizer_state().expect("state")).expect("bytes");
             assert_eq!(whole_bytes, spec.state_slots() * 4 * total as u64);
             for s in &shards {
                 let bytes = optimizer_state_bytes(&s.state().expect("state")).expect("bytes");

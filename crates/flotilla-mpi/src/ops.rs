@@ -166,7 +166,11 @@ pub(crate) fn execute(comm: &MpiComm, op: Op, stats: &Counters) -> Result<Out, C
         }
         Op::AllGatherF32(v) => {
             let n = 4 * v.len();
-            (Out::F32(comm.all_gather_f32(&v)?), n / comm.size().max(1), n)
+            (
+                Out::F32(comm.all_gather_f32(&v)?),
+                n / comm.size().max(1),
+                n,
+            )
         }
         Op::AllReduceI64(mut v, op) => {
             comm.all_reduce_i64(&mut v, op)?;

@@ -214,7 +214,10 @@ fn write_checksums(dir: &Path) -> Result<()> {
 fn unusable(dir: &Path) -> Option<String> {
     let state = read_state(dir).ok();
     let stages = state.as_ref().and_then(|s| s.stages.as_ref()).map(Vec::len);
-    let shards = state.as_ref().and_then(|s| s.zero.as_ref()).map(|z| z.world);
+    let shards = state
+        .as_ref()
+        .and_then(|s| s.zero.as_ref())
+        .map(|z| z.world);
     let own: Vec<String> = match (stages, shards) {
         (Some(n), _) => (0..n).flat_map(stage_files).collect(),
         (None, Some(n)) => (0..n).map(zero_file).collect(),

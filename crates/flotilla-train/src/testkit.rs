@@ -84,10 +84,10 @@ pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
 /// `n` ranks of one in-memory world of `cfg` (with a 5 s deadline).
 pub(crate) fn world_with(n: usize, cfg: CommConfig) -> Vec<Arc<dyn ProcessGroup>> {
     Communicator::in_memory(n, cfg.with_timeout(Duration::from_secs(5)))
-    .expect("world")
-    .into_iter()
-    .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
-    .collect()
+        .expect("world")
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
+        .collect()
 }
 
 /// The batches shard `rank` of `workers` trains on, from the start.

@@ -74,7 +74,14 @@ impl SyncAllReduce {
         let zero = (stage > 0)
             .then(|| {
                 let device = &config.model.device;
-                Zero::new(stage, cx.comm.clone(), &plan, &layout, &config.optimizer, device)
+                Zero::new(
+                    stage,
+                    cx.comm.clone(),
+                    &plan,
+                    &layout,
+                    &config.optimizer,
+                    device,
+                )
             })
             .transpose()?;
         Ok(Self {

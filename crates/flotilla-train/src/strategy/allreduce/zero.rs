@@ -79,7 +79,9 @@ impl Zero {
             buckets: plan.buckets.iter().map(|b| b.start..b.end).collect(),
             optimizer: ShardOptimizer::new(spec, layout, &owned_ranges(plan, n, rank), device)?,
             params: vec![0.0; layout.total],
-            wire: (0..plan.buckets.len()).map(|k| vec![0.0; wire_len(k)]).collect(),
+            wire: (0..plan.buckets.len())
+                .map(|k| vec![0.0; wire_len(k)])
+                .collect(),
             comm,
         })
     }
@@ -99,7 +101,13 @@ impl Zero {
     /// shard of `grads` (the averaged flat gradient; only the shard is read) at `lr`, the
     /// buckets' parameters are all-gathered into `engine`, and the loss slot's value as the
     /// rank owning it gave it (`loss` on that rank) is returned.
-    pub fn step(&mut self, engine: &mut dyn Engine, grads: &[f32], loss: f32, lr: f64) -> Result<f32> {
+    pub fn step(
+        &mut self,
+        engine: &mut dyn Engine,
+        grads: &[f32],
+        loss: f32,
+        lr: f64,
+    ) -> Result<f32> {
         self.optimizer.step(&mut self.params, grads, lr)?;
         engine.drop_grads();
         let last = self.buckets.len().saturating_sub(1);
@@ -122,7 +130,9 @@ impl Zero {
 
     /// Bytes of optimizer state this rank holds (its shard's momenta or moments).
     pub fn state_bytes(&self) -> Result<u64> {
-        Ok(flotilla_engine::optimizer_state_bytes(&self.optimizer.state()?)?)
+        Ok(flotilla_engine::optimizer_state_bytes(
+            &self.optimizer.state()?,
+        )?)
     }
 
     /// The manifest of this run's shards (every rank's flat ranges).
@@ -187,16 +197,28 @@ impl Zero {
         let state = checkpoint::read_state(dir)?;
         let refuse = |why: String| TrainError::Checkpoint {
             path: dir.to_path_buf(),
-            message: format!("{why}; resume with the run's world size and zero stage (ZeRO does not re-shard)"),
+            message: format!(
+                "{why}; resume with the run's world size and zero stage (ZeRO does not re-shard)"
+            ),
         };
         let want = self.manifest(plan);
         match &state.zero {
-            None => return Err(refuse(format!("was written without ZeRO, this run has zero: {}", self.stage))),
+            None => {
+                return Err(refuse(format!(
+                    "was written without ZeRO, this run has zero: {}",
+                    self.stage
+                )));
+            }
             Some(z) if z.world != want.world => {
-                return Err(refuse(format!("was written by ZeRO on {} ranks, this run has {}", z.world, want.world)));
+                return Err(refuse(format!(
+                    "was written by ZeRO on {} ranks, this run has {}",
+                    z.world, want.world
+                )));
             }
             Some(z) if z.shards != want.shards => {
-                return Err(refuse("shards the parameters otherwise (another model or bucket_mb)".into()));
+                return Err(refuse(
+                    "shards the parameters otherwise (another model or bucket_mb)".into(),
+                ));
             }
             Some(_) => {}
         }

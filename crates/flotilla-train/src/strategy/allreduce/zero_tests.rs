@@ -63,7 +63,10 @@ fn rank(comm: std::sync::Arc<dyn ProcessGroup>, optimizer: &OptimizerSpec, zero:
 }
 
 fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
-    world_with(n, CommConfig::new(Some(0), n).with_small_all_reduce_bytes(0))
+    world_with(
+        n,
+        CommConfig::new(Some(0), n).with_small_all_reduce_bytes(0),
+    )
 }
 
 /// What each rank ends with: parameters, reported losses, `optimizer_state_bytes`.
@@ -71,7 +74,14 @@ type Outcome = (Vec<f32>, Vec<f32>, f64);
 
 /// Runs steps `from..to` on `n` ranks (a checkpoint of step `from` in `output` when
 /// `from > 0`; one of step `to` written there when `save`).
-fn run(n: usize, opt: &OptimizerSpec, zero: u8, span: (u64, u64), output: &Path, save: bool) -> Vec<Outcome> {
+fn run(
+    n: usize,
+    opt: &OptimizerSpec,
+    zero: u8,
+    span: (u64, u64),
+    output: &Path,
+    save: bool,
+) -> Vec<Outcome> {
     let handles: Vec<_> = ring(n)
         .into_iter()
         .map(|comm| {
@@ -110,7 +120,8 @@ fn run(n: usize, opt: &OptimizerSpec, zero: u8, span: (u64, u64), output: &Path,
                         stages: None,
                         zero: None,
                     };
-                    peer.save_checkpoint(&mut rank.cx(), &state).expect("checkpoint");
+                    peer.save_checkpoint(&mut rank.cx(), &state)
+                        .expect("checkpoint");
                 }
                 let figures = peer.figures(&rank.cx());
                 let bytes = figures
@@ -158,7 +169,11 @@ fn optimizer_state_bytes_are_each_ranks_share() {
     let whole = run(n, adam, 0, (0, 2), tmp.path(), false);
     let total = whole[0].0.len();
     for r in 0..n {
-        assert_eq!(whole[r].2, (2 * 4 * total) as f64, "zero 0 holds all the state");
+        assert_eq!(
+            whole[r].2,
+            (2 * 4 * total) as f64,
+            "zero 0 holds all the state"
+        );
     }
     // The plan of the two buckets, as every peer cuts it.
     let comm = ring(1).remove(0);
@@ -169,11 +184,17 @@ fn optimizer_state_bytes_are_each_ranks_share() {
         let got = run(n, adam, zero, (0, 2), tmp.path(), false);
         let mut sum = 0.0;
         for (r, (_, _, bytes)) in got.iter().enumerate() {
-            let owned: usize = owned_ranges(peer.plan(), n, r).iter().map(|x| x.len()).sum();
+            let owned: usize = owned_ranges(peer.plan(), n, r)
+                .iter()
+                .map(|x| x.len())
+                .sum();
             assert_eq!(*bytes, (2 * 4 * owned) as f64, "zero {zero}, rank {r}");
             sum += bytes;
         }
-        assert_eq!(sum, whole[0].2, "zero {zero}: the shards add up to the whole state");
+        assert_eq!(
+            sum, whole[0].2,
+            "zero {zero}: the shards add up to the whole state"
+        );
     }
 }
 
@@ -187,7 +208,11 @@ fn a_resumed_zero_run_equals_the_uninterrupted_one() {
         run(n, adamw, zero, (0, 5), tmp.path(), true);
         let resumed = run(n, adamw, zero, (5, STEPS), tmp.path(), false);
         for r in 0..n {
-            assert_bitwise(&resumed[r].0, &whole[r].0, &format!("zero {zero}, rank {r}"));
+            assert_bitwise(
+                &resumed[r].0,
+                &whole[r].0,
+                &format!("zero {zero}, rank {r}"),
+            );
         }
     }
 }
