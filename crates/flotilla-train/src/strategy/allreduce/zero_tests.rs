@@ -144,10 +144,7 @@ fn zero_1_and_2_equal_zero_0_bitwise() {
     for opt in optimizers() {
         for n in [2, 3] {
             let reference = run(n, &opt, 0, (0, STEPS), tmp.path(), false);
-            let (start, _) = {
-                let r = run(n, &opt, 0, (0, 0), tmp.path(), false);
-                (r[0].0.clone(), ())
-            };
+            let start = run(n, &opt, 0, (0, 0), tmp.path(), false).remove(0).0;
             assert_ne!(reference[0].0, start, "{opt:?}: the parameters moved");
             for zero in [1, 2] {
                 let got = run(n, &opt, zero, (0, STEPS), tmp.path(), false);
@@ -168,11 +165,11 @@ fn optimizer_state_bytes_are_each_ranks_share() {
     let n = 3;
     let whole = run(n, adam, 0, (0, 2), tmp.path(), false);
     let total = whole[0].0.len();
-    for r in 0..n {
+    for (r, w) in whole.iter().enumerate() {
         assert_eq!(
-            whole[r].2,
+            w.2,
             (2 * 4 * total) as f64,
-            "zero 0 holds all the state"
+            "zero 0, rank {r}: all the state"
         );
     }
     // The plan of the two buckets, as every peer cuts it.
