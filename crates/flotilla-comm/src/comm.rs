@@ -373,6 +373,42 @@ impl ProcessGroup for Communicator {
         self.start_all_reduce(buf, Some(bucket))
     }
 
+    fn reduce_scatter_sum_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let g = &self.g;
+        let ticket = self.issue()?;
+        self.run_scoped(reduce_scatter_ordered(g, ticket, buf, None))
+    }
+
+    fn reduce_scatter_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let ticket = self.g.ticket();
+        let g = self.g.clone();
+        let (tx, pending) = Pending::channel(ticket);
+        self.g.world.handle.spawn(async move {
+            let mut buf = buf;
+            let r = reduce_scatter_ordered(&g, ticket, &mut buf, Some(bucket)).await;
+            tx.send(r.map(|()| buf));
+        });
+        pending
+    }
+
+    fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let g = &self.g;
+        let ticket = self.issue()?;
+        self.run_scoped(async move {
+            let _turn = g.begin(ticket).await?;
+            let span = tracing::info_span!(
+                target: "flotilla::comm",
+                "all_gather",
+                seq = ticket,
+                bytes = std::mem::size_of_val(buf) as u64,
+                track = "comm"
+            );
+            let ctx = OpCtx::new(g, ticket, Op::AllGatherF32);
+            let r = ring::all_gather(&ctx, buf).instrument(span).await;
+            g.finish(r).await
+        })
+    }
+
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
@@ -615,5 +651,31 @@ async fn all_reduce_ordered(
         Algorithm::Ring => ring::all_reduce(&ctx, buf).instrument(span).await,
     };
     metrics::histogram!("flotilla_all_reduce_seconds").record(started.elapsed().as_secs_f64());
+    g.finish(r).await
+}
+
+/// Runs reduce-scatter `ticket` of group `g` in its turn: always the ring's first half, so
+/// each shard is summed in the order of the ring all-reduce (the doubling below
+/// [`CommConfig::small_all_reduce_bytes`] sums in another).
+async fn reduce_scatter_ordered(
+    g: &GroupState,
+    ticket: u64,
+    buf: &mut [f32],
+    bucket: Option<usize>,
+) -> Result<(), CommError> {
+    let _turn = g.begin(ticket).await?;
+    let span = tracing::info_span!(
+        target: "flotilla::comm",
+        "reduce_scatter",
+        seq = ticket,
+        bucket = tracing::field::Empty,
+        bytes = std::mem::size_of_val(buf) as u64,
+        track = "comm"
+    );
+    if let Some(b) = bucket {
+        span.record("bucket", b as u64);
+    }
+    let ctx = OpCtx::new(g, ticket, Op::ReduceScatter);
+    let r = ring::reduce_scatter(&ctx, buf).instrument(span).await;
     g.finish(r).await
 }

@@ -75,6 +75,10 @@ pub enum Op {
     P2p = 5,
     /// Integer reductions ([`crate::ProcessGroup::all_reduce_i64`] / `_u64`).
     Reduce = 6,
+    /// [`crate::ProcessGroup::reduce_scatter_sum_f32`] and the bucket variant.
+    ReduceScatter = 7,
+    /// [`crate::ProcessGroup::all_gather_f32`].
+    AllGatherF32 = 8,
 }
 
 impl Op {
@@ -88,6 +92,8 @@ impl Op {
             4 => Op::AllReduce,
             5 => Op::P2p,
             6 => Op::Reduce,
+            7 => Op::ReduceScatter,
+            8 => Op::AllGatherF32,
             _ => return None,
         })
     }
@@ -102,6 +108,8 @@ impl Op {
             Op::AllReduce => "all_reduce",
             Op::P2p => "p2p",
             Op::Reduce => "reduce",
+            Op::ReduceScatter => "reduce_scatter",
+            Op::AllGatherF32 => "all_gather_f32",
         }
     }
 }

@@ -71,7 +71,7 @@ pub use config::{
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
     PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
-    WeightHistory, bench, tags,
+    WeightHistory, bench, shard, tags,
 };
 pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

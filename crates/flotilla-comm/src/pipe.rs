@@ -25,18 +25,6 @@ use crate::reduce;
 /// Chunks sent ahead of the one being received in each step.
 pub(crate) const LOOKAHEAD: usize = 2;
 
-/// Element range of segments `lo..hi` of `n` equal segments over `len` elements (sizes
-/// differ by at most one).
-pub(crate) fn segments(len: usize, n: usize, lo: usize, hi: usize) -> Range<usize> {
-    let at = |i: usize| ((i as u128 * len as u128) / n as u128) as usize;
-    at(lo)..at(hi)
-}
-
-/// Element range of segment `i` of `n` over `len` elements.
-pub(crate) fn segment(len: usize, n: usize, i: usize) -> Range<usize> {
-    segments(len, n, i, i + 1)
-}
-
 /// Element range of chunk `c` of a range.
 fn chunk(seg: &Range<usize>, chunk_elems: usize, c: usize) -> Range<usize> {
     let start = seg.start + c * chunk_elems;
@@ -156,38 +144,6 @@ impl<'a, 'c> Pipe<'a, 'c> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn segments_cover_buffer() {
-        for len in [0usize, 1, 2, 7, 13, 1000003] {
-            for n in 1..=6 {
-                let mut next = 0;
-                for i in 0..n {
-                    let s = segment(len, n, i);
-                    assert_eq!(s.start, next);
-                    assert!(s.len() <= len / n + 1);
-                    next = s.end;
-                }
-                assert_eq!(next, len);
-            }
-        }
-    }
-
-    #[test]
-    fn a_run_of_segments_is_their_union() {
-        for len in [0usize, 1, 3, 8, 1001] {
-            for n in [1usize, 2, 4, 8] {
-                assert_eq!(segments(len, n, 0, n), 0..len);
-                for lo in 0..n {
-                    for hi in lo + 1..=n {
-                        let run = segments(len, n, lo, hi);
-                        assert_eq!(run.start, segment(len, n, lo).start);
-                        assert_eq!(run.end, segment(len, n, hi - 1).end);
-                    }
-                }
-            }
-        }
-    }
 
     #[test]
     fn chunks_cover_segment() {

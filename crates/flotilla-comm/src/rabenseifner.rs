@@ -21,10 +21,10 @@
 //! bf16 by its owner before the all-gather, as the ring rounds its segments, so every rank
 //! ends bit-identical.
 
-use flotilla_group::CommError;
+use flotilla_group::{CommError, segments as blocks};
 
 use crate::op::OpCtx;
-use crate::pipe::{Mode, Pipe, segments as blocks};
+use crate::pipe::{Mode, Pipe};
 use crate::reduce;
 
 /// Rabenseifner all-reduce (sum) of `buf` in place over a world whose size is a power of

@@ -145,6 +145,11 @@ pub trait Engine: ModelState {
     /// the gradients of the last backward pass.
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()>;
 
+    /// Drops the gradients of the last backward pass without a step (what
+    /// [`Engine::apply_grads`] does after its step): for a caller that steps the parameters
+    /// elsewhere and writes them back ([`crate::ShardOptimizer`]).
+    fn drop_grads(&mut self);
+
     /// Evaluates on a data set in chunks of `batch_size` samples (no gradients; `labels` as in
     /// [`BatchRef::labels`]).
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats>;
@@ -358,6 +363,10 @@ impl Engine for BurnEngine {
         self.weights.step(grads, lr)?;
         self.grads.clear();
         Ok(())
+    }
+
+    fn drop_grads(&mut self) {
+        self.grads.clear();
     }
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {

@@ -37,6 +37,7 @@ mod partition;
 mod profile;
 mod sequence;
 mod shape;
+mod shard_optim;
 mod spec;
 mod stage;
 pub mod sync_batch_norm;
@@ -54,6 +55,7 @@ pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
+pub use shard_optim::{ShardOptimizer, ShardPiece, optimizer_state_bytes, shard_pieces};
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;
@@ -64,5 +66,7 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod optim_tests;
+#[cfg(test)]
+mod shard_optim_tests;
 #[cfg(test)]
 mod stage_tests;

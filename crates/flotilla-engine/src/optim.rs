@@ -211,6 +211,14 @@ impl OptimizerSpec {
     /// Builds burn's optimizer for `module` (the module it will step: its parameter ids
     /// choose the group that decays with `decay_params: matrices`).
     pub fn build<M: Module>(&self, module: &M) -> Result<ModuleOptimizer> {
+        self.build_with_matrices(matrix_ids(module))
+    }
+
+    /// Builds burn's optimizer for a module whose parameters of two or more dimensions
+    /// (those that decay with `decay_params: matrices`) have the ids `matrices`: for a
+    /// module that holds pieces of the model's parameters, flattened
+    /// ([`crate::ShardOptimizer`]).
+    pub(crate) fn build_with_matrices(&self, matrices: Vec<ParamId>) -> Result<ModuleOptimizer> {
         self.validate()?;
         let (weight_decay, decay_params) = self.weight_decay();
         let groups = Groups {
@@ -218,7 +226,7 @@ impl OptimizerSpec {
             decay_params,
             matrices: match decay_params {
                 DecayParams::All => Vec::new(),
-                DecayParams::Matrices => matrix_ids(module),
+                DecayParams::Matrices => matrices,
             },
         };
         Ok(match *self {

@@ -236,6 +236,21 @@ impl ProcessGroup for MpiGroup {
         self.g.submit(Op::AllReduceF32(buf), Out::f32s)
     }
 
+    fn reduce_scatter_sum_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let v = self.run(Op::ReduceScatterF32(buf.to_vec()), Out::f32s)?;
+        same_len(buf, v, "reduce_scatter_sum_f32")
+    }
+
+    fn reduce_scatter_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let _ = bucket;
+        self.g.submit(Op::ReduceScatterF32(buf), Out::f32s)
+    }
+
+    fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
+        let v = self.run(Op::AllGatherF32(buf.to_vec()), Out::f32s)?;
+        same_len(buf, v, "all_gather_f32")
+    }
+
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
         let v = self.run(Op::AllReduceI64(buf.to_vec(), op), Out::i64s)?;
         same_len(buf, v, "all_reduce_i64")

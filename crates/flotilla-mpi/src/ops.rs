@@ -18,6 +18,10 @@ pub(crate) enum Op {
     AllGather(Vec<u8>),
     /// `MPI_Allreduce` (sum) of `f32`s.
     AllReduceF32(Vec<f32>),
+    /// `MPI_Reduce_scatter` (sum) of `f32`s into each rank's `flotilla_group::shard`.
+    ReduceScatterF32(Vec<f32>),
+    /// `MPI_Allgatherv` of each rank's `flotilla_group::shard` of `f32`s.
+    AllGatherF32(Vec<f32>),
     /// `MPI_Allreduce` of `i64`s.
     AllReduceI64(Vec<i64>, ReduceOp),
     /// `MPI_Allreduce` of `u64`s.
@@ -34,7 +38,8 @@ impl Op {
         match self {
             Op::Barrier => "MPI_Barrier",
             Op::BroadcastF32(..) | Op::BroadcastBytes(..) => "MPI_Bcast",
-            Op::AllGather(_) => "MPI_Allgatherv",
+            Op::AllGather(_) | Op::AllGatherF32(_) => "MPI_Allgatherv",
+            Op::ReduceScatterF32(_) => "MPI_Reduce_scatter",
             Op::AllReduceF32(_) | Op::AllReduceI64(..) | Op::AllReduceU64(..) => "MPI_Allreduce",
             Op::Split(..) => "MPI_Comm_split",
             Op::CreateGroup(..) => "MPI_Comm_create_group",
@@ -154,6 +159,18 @@ pub(crate) fn execute(comm: &MpiComm, op: Op, stats: &Counters) -> Result<Out, C
         Op::AllReduceF32(v) => {
             let n = 4 * v.len();
             (Out::F32(comm.all_reduce_f32(&v)?), n, n)
+        }
+        Op::ReduceScatterF32(v) => {
+            let n = 4 * v.len();
+            (Out::F32(comm.reduce_scatter_f32(&v)?), n, n)
+        }
+        Op::AllGatherF32(v) => {
+            let n = 4 * v.len();
+            (
+                Out::F32(comm.all_gather_f32(&v)?),
+                n / comm.size().max(1),
+                n,
+            )
         }
         Op::AllReduceI64(mut v, op) => {
             comm.all_reduce_i64(&mut v, op)?;

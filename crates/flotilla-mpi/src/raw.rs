@@ -7,7 +7,7 @@ use mpi::datatype::PartitionMut;
 use mpi::topology::{Color, SimpleCommunicator};
 use mpi::traits::*;
 
-use flotilla_group::{CommError, ReduceOp};
+use flotilla_group::{CommError, ReduceOp, segment, shard};
 
 use crate::wire::P2P_TAG;
 
@@ -123,6 +123,60 @@ impl MpiComm {
         let mut out = vec![0f32; buf.len()];
         self.0
             .all_reduce_into(buf, &mut out[..], SystemOperation::sum());
+        Ok(out)
+    }
+
+    /// `MPI_Reduce_scatter` (sum) of `buf`: `buf` with this rank's [`shard`] replaced by
+    /// its sum over the communicator. MPI's blocks go in rank order and rank `r`'s shard is
+    /// segment `r + 1`, so the buffer is sent rotated to start at segment 1 (rsmpi has only
+    /// the equal-block variant, hence the FFI call).
+    pub(crate) fn reduce_scatter_f32(&self, buf: &[f32]) -> Result<Vec<f32>, CommError> {
+        let (n, len) = (self.size(), buf.len());
+        count(len, "reduce_scatter_sum_f32")?;
+        let counts = (0..n)
+            .map(|q| count(shard(len, n, q).len(), "reduce_scatter_sum_f32"))
+            .collect::<Result<Vec<i32>, _>>()?;
+        let cut = segment(len, n, 1 % n.max(1)).start;
+        let rotated: Vec<f32> = buf[cut..].iter().chain(&buf[..cut]).copied().collect();
+        let mine = shard(len, n, self.rank());
+        let mut out = vec![0f32; mine.len().max(1)];
+        // SAFETY: `rotated` holds the sum of `counts` values, `out` at least this rank's
+        // count; both outlive the blocking call; the datatype, operation and communicator
+        // handles come from rsmpi. Neither pointer is 1 (MPI_IN_PLACE): `out` is never empty
+        // and an empty `rotated` is dangling at f32's alignment.
+        unsafe {
+            mpi::ffi::MPI_Reduce_scatter(
+                rotated.as_ptr().cast(),
+                out.as_mut_ptr().cast(),
+                counts.as_ptr(),
+                f32::equivalent_datatype().as_raw(),
+                SystemOperation::sum().as_raw(),
+                self.0.as_raw(),
+            );
+        }
+        let mut result = buf.to_vec();
+        result[mine.clone()].copy_from_slice(&out[..mine.len()]);
+        Ok(result)
+    }
+
+    /// `MPI_Allgatherv` of every rank's [`shard`] of `buf`, each at its place.
+    pub(crate) fn all_gather_f32(&self, buf: &[f32]) -> Result<Vec<f32>, CommError> {
+        let (n, len) = (self.size(), buf.len());
+        count(len, "all_gather_f32")?;
+        let mut out = buf.to_vec();
+        if len == 0 {
+            return Ok(out);
+        }
+        let mut counts = Vec::with_capacity(n);
+        let mut displs = Vec::with_capacity(n);
+        for q in 0..n {
+            let s = shard(len, n, q);
+            counts.push(count(s.len(), "all_gather_f32")?);
+            displs.push(count(s.start, "all_gather_f32")?);
+        }
+        let mine = &buf[shard(len, n, self.rank())];
+        let mut part = PartitionMut::new(&mut out[..], &counts[..], &displs[..]);
+        self.0.all_gather_varcount_into(mine, &mut part);
         Ok(out)
     }
 

@@ -5,7 +5,9 @@
 //! A pipeline's checkpoint holds, instead of `optimizer.bpk`, each stage's own
 //! `stage-<k>.safetensors` and `stage-<k>.optimizer.bpk`, and `model.safetensors` is the
 //! merge of the stage files (the whole model in PyTorch's names); `state.json` says how many
-//! stages there are.
+//! stages there are. A ZeRO run's checkpoint holds, instead of `optimizer.bpk`, each rank's
+//! optimizer-state shard `optimizer-shard-<r>.bpk`, and `state.json` the world size and
+//! each shard's flat ranges ([`ZeroManifest`]).
 //!
 //! A checkpoint is written into a hidden temporary directory, flushed, and renamed into
 //! place; only then is `latest` replaced (also by write-and-rename). A crash at any point
@@ -50,6 +52,27 @@ pub struct CheckpointState {
     /// weight and optimizer files.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stages: Option<Vec<[usize; 2]>>,
+    /// A ZeRO run's optimizer state, by shard: instead of `optimizer.bpk`, each rank's
+    /// state is `optimizer-shard-<r>.bpk` ([`zero_file`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zero: Option<ZeroManifest>,
+}
+
+/// How a ZeRO run's optimizer state is split: the world it ran on and the flat parameter
+/// ranges each rank's shard holds (`shards[r]`, half-open `[start, end)`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ZeroManifest {
+    /// The ZeRO stage (1 or 2).
+    pub stage: u8,
+    /// Number of ranks, one shard each.
+    pub world: usize,
+    /// Each rank's flat parameter ranges.
+    pub shards: Vec<Vec<[usize; 2]>>,
+}
+
+/// The optimizer-state file of rank `r`'s shard in a ZeRO checkpoint.
+pub fn zero_file(r: usize) -> String {
+    format!("optimizer-shard-{r}.bpk")
 }
 
 /// The weight and optimizer files of pipeline stage `k` in a checkpoint.
@@ -189,14 +212,25 @@ fn write_checksums(dir: &Path) -> Result<()> {
 /// Why `dir` cannot be resumed from, if it cannot: a part missing (a pipeline's: every
 /// stage's files), or a file that does not match its checksum.
 fn unusable(dir: &Path) -> Option<String> {
-    let stages = read_state(dir).ok().and_then(|s| s.stages);
-    let parts: Vec<String> = match stages.map(|s| s.len()) {
-        Some(n) => ["model.safetensors", "state.json"]
+    let state = read_state(dir).ok();
+    let stages = state.as_ref().and_then(|s| s.stages.as_ref()).map(Vec::len);
+    let shards = state
+        .as_ref()
+        .and_then(|s| s.zero.as_ref())
+        .map(|z| z.world);
+    let own: Vec<String> = match (stages, shards) {
+        (Some(n), _) => (0..n).flat_map(stage_files).collect(),
+        (None, Some(n)) => (0..n).map(zero_file).collect(),
+        (None, None) => Vec::new(),
+    };
+    let parts: Vec<String> = if own.is_empty() {
+        PARTS.iter().map(|p| p.to_string()).collect()
+    } else {
+        ["model.safetensors", "state.json"]
             .into_iter()
             .map(String::from)
-            .chain((0..n).flat_map(stage_files))
-            .collect(),
-        None => PARTS.iter().map(|p| p.to_string()).collect(),
+            .chain(own)
+            .collect()
     };
     if let Some(missing) = parts.iter().find(|p| !dir.join(p).is_file()) {
         return Some(format!("is incomplete (no {missing})"));
@@ -399,6 +433,7 @@ mod tests {
             num_params: 2,
             test_acc: None,
             stages: None,
+            zero: None,
         };
         save_with(out, &state, |dir| {
             write_part(dir, "model.safetensors", &[step as u8; 64])?;

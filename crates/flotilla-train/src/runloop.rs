@@ -306,6 +306,7 @@ impl Loop<'_, '_> {
             num_params: 0,
             test_acc: self.last_eval.map(|e| e.accuracy()),
             stages: None,
+            zero: None,
         };
         let dir = self.role.save_checkpoint(self.cx, &state)?;
         if let Some(dir) = &dir {

@@ -78,14 +78,16 @@ pub(crate) fn dataset(n: usize) -> ImageDataset {
 
 /// `n` ranks of one in-memory world.
 pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
-    Communicator::in_memory(
-        n,
-        CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(5)),
-    )
-    .expect("world")
-    .into_iter()
-    .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
-    .collect()
+    world_with(n, CommConfig::new(Some(0), n))
+}
+
+/// `n` ranks of one in-memory world of `cfg` (with a 5 s deadline).
+pub(crate) fn world_with(n: usize, cfg: CommConfig) -> Vec<Arc<dyn ProcessGroup>> {
+    Communicator::in_memory(n, cfg.with_timeout(Duration::from_secs(5)))
+        .expect("world")
+        .into_iter()
+        .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)
+        .collect()
 }
 
 /// The batches shard `rank` of `workers` trains on, from the start.

@@ -26,6 +26,7 @@ fn state(e: &BurnEngine) -> CheckpointState {
         num_params: e.num_params(),
         test_acc: None,
         stages: None,
+        zero: None,
     }
 }
 

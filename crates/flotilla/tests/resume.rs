@@ -276,3 +276,62 @@ fn async_parameter_server_resumes() {
     );
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
 }
+
+/// ZeRO stage 2 (each rank holds its shard's Adam moments; checkpoints by shard), real
+/// processes: crashed and resumed it ends as the uninterrupted run, bit for bit. Every bucket
+/// takes the ring (`small_all_reduce_kb` and `mid_all_reduce_kb` 0), whose order the
+/// reduce-scatter keeps.
+#[test]
+fn zero_2_resumes_bitwise() {
+    crash_and_resume(
+        "zero2",
+        "{name: adam, lr: 0.001}",
+        "zero: 2\nsmall_all_reduce_kb: 0\nmid_all_reduce_kb: 0\n",
+    );
+}
+
+/// Through the CLI on 3 ranks: ZeRO stages 1 and 2 end with the parameters of the unsharded
+/// run, bit for bit (AdamW decaying matrices only), and each rank's optimizer state is a
+/// third of the unsharded one's.
+#[test]
+fn zero_1_and_2_equal_zero_0_on_3_ranks() {
+    let dir = tmp();
+    let optimizer = "{name: adamw, lr: 0.001, weight_decay: 0.1, decay_params: matrices}";
+    let run = |zero: u8| {
+        let extra =
+            format!("zero: {zero}\nsmall_all_reduce_kb: 0\nmid_all_reduce_kb: 0\nmax_steps: 30\n");
+        let yaml = config(optimizer, &extra).replace("max_steps: 100\n", "");
+        let cfg = config_file(dir.path(), &format!("zero{zero}.yaml"), &yaml);
+        let out = dir.path().join(format!("zero{zero}"));
+        let o = launch_config(&cfg, &out, &["-n", "3"], None);
+        assert!(o.status.success(), "zero {zero}: {}", text(&o));
+        let s = summary(&out);
+        let bytes: Vec<f64> = s["ranks"]
+            .as_array()
+            .expect("ranks")
+            .iter()
+            .map(|r| {
+                r["figures"]["optimizer_state_bytes"]
+                    .as_f64()
+                    .expect("bytes")
+            })
+            .collect();
+        (checkpoint_tensors(&out), bytes)
+    };
+    let (whole, whole_bytes) = run(0);
+    for zero in [1, 2] {
+        let (got, bytes) = run(zero);
+        assert_bitwise(&format!("zero {zero} vs zero 0"), &got, &whole);
+        let sum: f64 = bytes.iter().sum();
+        assert_eq!(
+            sum, whole_bytes[0],
+            "zero {zero}: the shards add up to the state"
+        );
+        for b in &bytes {
+            assert!(
+                (b - whole_bytes[0] / 3.0).abs() <= 8.0 * 2.0,
+                "zero {zero}: {b} of {whole_bytes:?}"
+            );
+        }
+    }
+}

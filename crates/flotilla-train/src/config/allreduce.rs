@@ -45,6 +45,11 @@ pub struct AllReduceSection {
     /// samples), as PyTorch's `SyncBatchNorm`: two small all-reduces per batch norm in the
     /// forward pass and two in the backward. Off by default (each rank's own batch).
     pub sync_batch_norm: bool,
+    /// Sync: ZeRO stage (`zero`): 0 every rank holds the whole optimizer state; 1 each rank
+    /// steps the optimizer on its shard of every bucket only (1/N of the state), then the
+    /// parameters are all-gathered; 2 as 1, and the buckets are reduce-scattered instead of
+    /// all-reduced (each rank keeps only its shard's gradient sums).
+    pub zero: u8,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,
     /// Async: fusion buffer size in bytes (0: one all-reduce per tensor).
@@ -67,6 +72,7 @@ impl Default for AllReduceSection {
             mode: AllReduceMode::Sync,
             overlap: true,
             sync_batch_norm: false,
+            zero: 0,
             cycle_duration_ms: 5.0,
             all_reduce_buffer_size: 64 << 20,
             staleness: 1,
@@ -90,6 +96,16 @@ impl AllReduceSection {
                 format!(
                     "must be a positive number of milliseconds up to 60000, got {}",
                     self.cycle_duration_ms
+                ),
+            ));
+        }
+        if self.zero > 2 {
+            return Err(bad(
+                "zero",
+                format!(
+                    "is the ZeRO stage: 0 (unsharded), 1 (optimizer state sharded) or 2 \
+                     (optimizer state and gradients sharded), got {}",
+                    self.zero
                 ),
             ));
         }
@@ -169,6 +185,12 @@ mod tests {
         );
         for (text, key) in [
             ("staleness: 17\n", "allreduce.staleness"),
+            ("zero: 3\n", "allreduce.zero"),
+            ("strategy: async_allreduce\nzero: 1\n", "allreduce.zero"),
+            (
+                "zero: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+                "allreduce.zero",
+            ),
             ("cycle_duration_ms: 0\n", "allreduce.cycle_duration_ms"),
             ("stall_warning_s: 0\n", "allreduce.stall_warning_s"),
             ("stall_shutdown_s: -1\n", "allreduce.stall_shutdown_s"),

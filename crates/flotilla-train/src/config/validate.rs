@@ -119,6 +119,16 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.allreduce.zero > 0 && !sync_mode {
+            return Err(bad(
+                "allreduce.zero",
+                format!(
+                    "ZeRO shards the optimizer step of sync data-parallel all-reduce only, not \
+                     under arch {} with mode {:?} (set zero: 0)",
+                    t.arch, self.allreduce.mode
+                ),
+            ));
+        }
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)

@@ -5,6 +5,7 @@
 
 mod async_;
 mod sync;
+mod zero;
 
 #[cfg(test)]
 mod async_tests;
@@ -12,6 +13,8 @@ mod async_tests;
 mod shard_file_tests;
 #[cfg(test)]
 mod sync_tests;
+#[cfg(test)]
+mod zero_tests;
 
 pub use async_::AsyncAllReduce;
 pub use sync::SyncAllReduce;

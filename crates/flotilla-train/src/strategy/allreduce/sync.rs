@@ -1,17 +1,20 @@
 //! Synchronous data parallel training over a ring all-reduce, with fusion buckets.
 
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
+use super::zero::Zero;
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
+use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
-use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
+use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// What one step produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -35,6 +38,10 @@ pub struct StepStats {
 /// The mean loss rides along as one extra value at the end of the last bucket to become
 /// ready (it is started when the engine returns the loss), so logging the global loss costs
 /// no extra collective.
+///
+/// With `allreduce.zero: 1` or `2` the optimizer step is sharded ([`Zero`]): each rank
+/// steps its shard of every bucket with 1/N of the optimizer state and the parameters are
+/// all-gathered; stage 2 reduce-scatters the buckets instead of all-reducing them.
 pub struct SyncAllReduce {
     comm: Arc<dyn ProcessGroup>,
     /// The whole model.
@@ -46,6 +53,8 @@ pub struct SyncAllReduce {
     buffers: Vec<Vec<f32>>,
     /// The averaged flat gradient handed to the optimizer.
     flat: Vec<f32>,
+    /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
+    zero: Option<Zero>,
 }
 
 impl SyncAllReduce {
@@ -61,7 +70,22 @@ impl SyncAllReduce {
         }
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
+        let stage = config.allreduce.zero;
+        let zero = (stage > 0)
+            .then(|| {
+                let device = &config.model.device;
+                Zero::new(
+                    stage,
+                    cx.comm.clone(),
+                    &plan,
+                    &layout,
+                    &config.optimizer,
+                    device,
+                )
+            })
+            .transpose()?;
         Ok(Self {
+            zero,
             comm: cx.comm.clone(),
             engine: Box::new(engine),
             flat: vec![0.0; layout.total],
@@ -128,12 +152,16 @@ impl Strategy for SyncAllReduce {
         Some((
             format!("{} params", self.layout.total),
             format!(
-                "{} buckets, strategy sync-allreduce{}",
+                "{} buckets, strategy sync-allreduce{}{}",
                 self.plan.buckets.len(),
                 if self.overlap {
                     " (backward overlapped)"
                 } else {
                     ""
+                },
+                match config.allreduce.zero {
+                    0 => String::new(),
+                    z => format!(", ZeRO stage {z}"),
                 }
             ),
         ))
@@ -153,7 +181,63 @@ impl Strategy for SyncAllReduce {
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let _ = cx;
-        super::synchronize_initial_state(&*self.comm, &mut *self.engine)
+        super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
+        match &mut self.zero {
+            Some(zero) => zero.load_params(&*self.engine),
+            None => Ok(()),
+        }
+    }
+
+    /// `optimizer_state_bytes`: the optimizer state this rank holds (1/N of it with ZeRO).
+    fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
+        let _ = cx;
+        let bytes = match &self.zero {
+            Some(zero) => zero.state_bytes(),
+            None => self
+                .engine
+                .optimizer_state()
+                .map_err(TrainError::from)
+                .and_then(|s| Ok(flotilla_engine::optimizer_state_bytes(&s)?)),
+        };
+        match bytes {
+            Ok(b) => vec![("optimizer_state_bytes", b as f64)],
+            Err(e) => {
+                tracing::warn!("optimizer_state_bytes: {e}");
+                Vec::new()
+            }
+        }
+    }
+
+    fn save_checkpoint(
+        &mut self,
+        cx: &mut Cx<'_>,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        self.prepare_model(cx)?;
+        let output = cx.config.telemetry.output.clone();
+        match &self.zero {
+            Some(zero) => zero.save(&output, &*self.engine, &self.plan, state),
+            None if self.comm.rank() == 0 => {
+                checkpoint::save(&output, &*self.engine, state).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
+        let engine = &mut *self.engine;
+        let Some(zero) = self.zero.as_mut() else {
+            return from.share(cx, |dir| checkpoint::load(dir, engine));
+        };
+        let mut files = Vec::new();
+        let plan = &self.plan;
+        let state = from.share(cx, |dir| {
+            let (state, shards) = zero.read(dir, engine, plan)?;
+            files = shards;
+            Ok(state)
+        })?;
+        zero.restore_shards(files, state.is_some())?;
+        Ok(state)
     }
 
     fn model(&mut self) -> Option<&mut dyn ModelState> {
@@ -203,6 +287,7 @@ impl SyncAllReduce {
         let engine = &mut *self.engine;
         let count = self.plan.buckets.len();
         let last = count.saturating_sub(1);
+        let scatter = self.zero.as_ref().is_some_and(Zero::scatters);
         // A step that failed half-way may have left buffers with the communicator.
         self.buffers.resize_with(count, Vec::new);
         for (k, (buffer, bucket)) in self.buffers.iter_mut().zip(&self.plan.buckets).enumerate() {
@@ -212,6 +297,14 @@ impl SyncAllReduce {
         let local_loss = {
             let (plan, layout, buffers, comm) =
                 (&self.plan, &self.layout, &mut self.buffers, &self.comm);
+            // Stage 2 reduce-scatters each bucket: this rank's shard gets the ring's sums.
+            let start = |buf: Vec<f32>, k: usize| {
+                if scatter {
+                    comm.reduce_scatter_bucket(buf, k)
+                } else {
+                    comm.all_reduce_bucket(buf, k)
+                }
+            };
             let mut filled = vec![0usize; count];
             let pending = &mut pending;
             let mut on_grad = |i: usize, grad: &[f32]| {
@@ -222,7 +315,7 @@ impl SyncAllReduce {
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
                 if filled[k] == bucket.params.len() && k != last {
-                    pending[k] = Some(comm.all_reduce_bucket(std::mem::take(&mut buffers[k]), k));
+                    pending[k] = Some(start(std::mem::take(&mut buffers[k]), k));
                 }
                 Ok(())
             };
@@ -236,12 +329,29 @@ impl SyncAllReduce {
             if let Some(buffer) = buffers.get_mut(last) {
                 let n = plan.buckets[last].len();
                 buffer[n] = loss;
-                pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
+                pending[last] = Some(start(std::mem::take(buffer), last));
             }
             loss
         };
+        let mut global_loss = self.wait_buckets(pending)?.unwrap_or(local_loss);
+        let engine = &mut *self.engine;
+        match &mut self.zero {
+            Some(zero) => global_loss = zero.step(engine, &self.flat, global_loss, lr)?,
+            None => engine.apply_grads(&self.flat, lr)?,
+        }
+        Ok(StepStats {
+            local_loss,
+            global_loss,
+        })
+    }
+
+    /// Waits for the buckets in order and scales their sums by `1/N` into the flat
+    /// gradient; returns the global mean loss of the last bucket's slot (with stage 2,
+    /// meaningful only on the rank whose shard holds it).
+    fn wait_buckets(&mut self, pending: Vec<Option<PendingAllReduce>>) -> Result<Option<f32>> {
         let scale = 1.0 / self.comm.size() as f32;
-        let mut global_loss = local_loss;
+        let last = self.plan.buckets.len().saturating_sub(1);
+        let mut global_loss = None;
         for (k, p) in pending.into_iter().enumerate() {
             let Some(p) = p else {
                 return Err(TrainError::Divergence(format!(
@@ -254,14 +364,10 @@ impl SyncAllReduce {
                 *dst = src * scale;
             }
             if k == last {
-                global_loss = summed[bucket.len()] * scale;
+                global_loss = Some(summed[bucket.len()] * scale);
             }
             self.buffers[k] = summed;
         }
-        engine.apply_grads(&self.flat, lr)?;
-        Ok(StepStats {
-            local_loss,
-            global_loss,
-        })
+        Ok(global_loss)
     }
 }

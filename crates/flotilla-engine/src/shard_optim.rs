@@ -1,0 +1,192 @@
+//! [`ShardOptimizer`]: burn's optimizer on one rank's shard of the flat parameters (ZeRO
+//! stages 1 and 2), with that shard's optimizer state only.
+//!
+//! The shard is a set of flat ranges; cut at the parameter tensors' boundaries they are the
+//! *pieces*, each held as one 1-D burn `Param` of a `Vec` module (parameter id = the piece's
+//! position). burn's own optimizer (the configured one, built by
+//! [`OptimizerSpec::build_with_matrices`]) steps that module, so per-parameter state and
+//! parameter groups apply as for the whole model: a piece of a tensor of two or more
+//! dimensions is in the group that decays with `decay_params: matrices`. Every update burn's
+//! optimizers make (SGD with momentum, weight decay, Nesterov; Adam; AdamW) is element-wise,
+//! so a piece's new values are bit for bit those of the same elements stepped as a whole
+//! tensor.
+
+use std::ops::Range;
+
+use burn::module::{Param, ParamId};
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::prelude::*;
+use burn::store::burn_pack::Reader;
+use burn::tensor::TensorData;
+
+use crate::device::device_by_name;
+use crate::error::{EngineError, Result};
+use crate::optim::OptimizerSpec;
+use crate::params::{ParamLayout, copy_tensor};
+
+/// One contiguous run of a shard inside one parameter tensor.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPiece {
+    /// Flat range of the piece.
+    pub range: Range<usize>,
+    /// Index of its parameter tensor in the layout.
+    pub param: usize,
+}
+
+/// The configured burn optimizer over this rank's shard of the flat parameters.
+pub struct ShardOptimizer {
+    pieces: Vec<ShardPiece>,
+    optimizer: ModuleOptimizer,
+    /// The device of the gradients (without autodiff, as burn's optimizers take them).
+    device: Device,
+    /// The device of the pieces (with autodiff, as the model's parameters are).
+    autodiff: Device,
+    total: usize,
+}
+
+impl std::fmt::Debug for ShardOptimizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShardOptimizer")
+            .field("pieces", &self.pieces.len())
+            .field("values", &self.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// `owned` (flat ranges, in any order, disjoint) cut at the tensors of `layout`, in flat order.
+pub fn shard_pieces(layout: &ParamLayout, owned: &[Range<usize>]) -> Result<Vec<ShardPiece>> {
+    let mut ranges: Vec<Range<usize>> = owned.iter().filter(|r| !r.is_empty()).cloned().collect();
+    ranges.sort_by_key(|r| r.start);
+    let mut pieces = Vec::new();
+    let mut end = 0;
+    for r in ranges {
+        if r.start < end || r.end > layout.total {
+            return Err(EngineError::FlatLength {
+                expected: layout.total,
+                got: r.end,
+            });
+        }
+        end = r.end;
+        for (i, p) in layout.params.iter().enumerate() {
+            let (a, b) = (r.start.max(p.offset), r.end.min(p.offset + p.len));
+            if a < b {
+                pieces.push(ShardPiece {
+                    range: a..b,
+                    param: i,
+                });
+            }
+        }
+    }
+    Ok(pieces)
+}
+
+impl ShardOptimizer {
+    /// The optimizer of `spec` over the flat ranges `owned` of a model of `layout`, on the
+    /// named device.
+    pub fn new(
+        spec: &OptimizerSpec,
+        layout: &ParamLayout,
+        owned: &[Range<usize>],
+        device_name: &str,
+    ) -> Result<Self> {
+        let pieces = shard_pieces(layout, owned)?;
+        let device = device_by_name(device_name)?;
+        let matrices = pieces
+            .iter()
+            .enumerate()
+            .filter(|(_, p)| layout.params[p.param].shape.len() >= 2)
+            .map(|(k, _)| ParamId::from(k as u64))
+            .collect();
+        Ok(Self {
+            optimizer: spec.build_with_matrices(matrices)?,
+            autodiff: device.clone().autodiff(),
+            device,
+            pieces,
+            total: layout.total,
+        })
+    }
+
+    /// The pieces, in flat order.
+    pub fn pieces(&self) -> &[ShardPiece] {
+        &self.pieces
+    }
+
+    /// Number of parameter values in the shard.
+    pub fn len(&self) -> usize {
+        self.pieces.iter().map(|p| p.range.len()).sum()
+    }
+
+    /// Whether the shard holds no value (a rank of a world larger than the model).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// One optimizer step at `lr`: the shard's values of `params` (the whole flat
+    /// parameters) move by the shard's values of `grads` (the whole flat gradient; only the
+    /// shard is read). The rest of `params` is left alone.
+    pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<()> {
+        for got in [params.len(), grads.len()] {
+            if got != self.total {
+                return Err(EngineError::FlatLength {
+                    expected: self.total,
+                    got,
+                });
+            }
+        }
+        if self.pieces.is_empty() {
+            return Ok(());
+        }
+        let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
+        let mut gp = GradientsParams::new();
+        let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(self.pieces.len());
+        for (k, piece) in self.pieces.iter().enumerate() {
+            let id = ParamId::from(k as u64);
+            let tensor = |v: &[f32], device: &Device| {
+                Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
+            };
+            gp.register(id, tensor(&grads[piece.range.clone()], &self.device));
+            let value = tensor(&params[piece.range.clone()], &self.autodiff);
+            module.push(Param::initialized(id, value));
+        }
+        let module = self.optimizer.step(lr, module, gp);
+        for (piece, param) in self.pieces.iter().zip(module) {
+            copy_tensor(param.val(), &mut params[piece.range.clone()])?;
+        }
+        Ok(())
+    }
+
+    /// The shard's optimizer state as bytes (burn's burnpack format, keyed by piece).
+    pub fn state(&self) -> Result<Vec<u8>> {
+        let bytes = self
+            .optimizer
+            .into_bytes()
+            .map_err(|e| EngineError::Optimizer(format!("saving state: {e:?}")))?;
+        Ok(bytes.to_vec())
+    }
+
+    /// Restores state written by [`ShardOptimizer::state`] of the same shard.
+    pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
+        self.optimizer = self
+            .optimizer
+            .clone()
+            .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()))
+            .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
+        Ok(())
+    }
+}
+
+/// Bytes of tensor values held in an optimizer state written by
+/// [`crate::ModelState::optimizer_state`] or [`ShardOptimizer::state`] (momenta, moments;
+/// not the format's headers): what the optimizer keeps in memory.
+pub fn optimizer_state_bytes(state: &[u8]) -> Result<u64> {
+    let reader = Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(state.to_vec()))
+        .map_err(|e| EngineError::Optimizer(format!("reading state: {e:?}")))?;
+    let mut total = 0u64;
+    for name in reader.tensor_names() {
+        let data = reader
+            .tensor_data(name)
+            .map_err(|e| EngineError::Optimizer(format!("reading state {name}: {e:?}")))?;
+        total += data.len() as u64;
+    }
+    Ok(total)
+}

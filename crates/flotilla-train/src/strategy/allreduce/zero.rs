@@ -1,0 +1,257 @@
+//! ZeRO stages 1 and 2 of sync data parallel (`allreduce.zero`): each rank keeps the
+//! optimizer state of its shard of the parameters only, steps burn's optimizer on that
+//! shard ([`ShardOptimizer`]) and all-gathers the parameters.
+//!
+//! The shard is cut bucket by bucket, as the ring cuts each bucket's buffer: rank `r` owns
+//! [`shard`]`(wire_len, n, r)` of bucket `k`, where a bucket's wire buffer is its gradient
+//! values plus, in the last bucket, the loss slot. Stage 2 reduce-scatters each bucket
+//! instead of all-reducing it, so the rank's shard holds exactly the bits the ring
+//! all-reduce would have left there, and the update is bitwise that of zero 0 (when the
+//! all-reduce takes the ring: buckets above `comm.mid_all_reduce_kb`, or above
+//! `comm.small_all_reduce_kb` on a world that is not a power of two; the doubling and
+//! Rabenseifner's halving below them sum in other orders). After the update, one all-gather per bucket (in bucket order)
+//! brings every rank the whole parameters; the last one carries the loss slot, so with
+//! stage 2 every rank learns the global loss from the rank that owns it.
+//!
+//! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
+//! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
+//! (world, stage, each rank's flat ranges) in `state.json`; resume sends each rank its
+//! file. A checkpoint of another world size, another stage's sharding or of an unsharded
+//! run is refused with a message saying so (no re-sharding).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use flotilla_comm::{ProcessGroup, Tag, shard, tags};
+use flotilla_engine::{Engine, ModelState, OptimizerSpec, ParamLayout, ShardOptimizer};
+
+use crate::bucket::BucketPlan;
+use crate::checkpoint::{self, CheckpointState, ZeroManifest};
+use crate::error::{Result, TrainError};
+
+/// Tag of the optimizer-state shards sent to and from rank 0 for checkpoints.
+const SHARD_TAG: Tag = tags::RESERVED + 0x102;
+
+/// This rank's part of a ZeRO run.
+pub struct Zero {
+    stage: u8,
+    comm: Arc<dyn ProcessGroup>,
+    /// The buckets' flat ranges.
+    buckets: Vec<Range<usize>>,
+    optimizer: ShardOptimizer,
+    /// The whole flat parameters, as every rank holds them between steps.
+    params: Vec<f32>,
+    /// One reusable wire buffer per bucket for the all-gather.
+    wire: Vec<Vec<f32>>,
+}
+
+/// Rank `rank` of `n`'s flat parameter ranges: its shard of each bucket's wire buffer
+/// (the last bucket's loss slot left out).
+pub fn owned_ranges(plan: &BucketPlan, n: usize, rank: usize) -> Vec<Range<usize>> {
+    let last = plan.buckets.len().saturating_sub(1);
+    plan.buckets
+        .iter()
+        .enumerate()
+        .map(|(k, b)| {
+            let s = shard(b.len() + usize::from(k == last), n, rank);
+            b.start + s.start.min(b.len())..b.start + s.end.min(b.len())
+        })
+        .collect()
+}
+
+impl Zero {
+    /// Stage `stage` (1 or 2) over `comm` for a model of `layout` cut into `plan`'s buckets,
+    /// with the optimizer of `spec` on the named device.
+    pub fn new(
+        stage: u8,
+        comm: Arc<dyn ProcessGroup>,
+        plan: &BucketPlan,
+        layout: &ParamLayout,
+        spec: &OptimizerSpec,
+        device: &str,
+    ) -> Result<Self> {
+        let (n, rank) = (comm.size(), comm.rank());
+        let last = plan.buckets.len().saturating_sub(1);
+        let wire_len = |k: usize| plan.buckets[k].len() + usize::from(k == last);
+        Ok(Self {
+            stage,
+            buckets: plan.buckets.iter().map(|b| b.start..b.end).collect(),
+            optimizer: ShardOptimizer::new(spec, layout, &owned_ranges(plan, n, rank), device)?,
+            params: vec![0.0; layout.total],
+            wire: (0..plan.buckets.len())
+                .map(|k| vec![0.0; wire_len(k)])
+                .collect(),
+            comm,
+        })
+    }
+
+    /// Whether buckets are reduce-scattered (stage 2) rather than all-reduced.
+    pub fn scatters(&self) -> bool {
+        self.stage == 2
+    }
+
+    /// Takes the model's parameters as the ones to step (after the initial broadcast).
+    pub fn load_params(&mut self, model: &dyn ModelState) -> Result<()> {
+        model.read_params(&mut self.params)?;
+        Ok(())
+    }
+
+    /// One sharded step: burn's optimizer moves this rank's shard of the parameters by its
+    /// shard of `grads` (the averaged flat gradient; only the shard is read) at `lr`, the
+    /// buckets' parameters are all-gathered into `engine`, and the loss slot's value as the
+    /// rank owning it gave it (`loss` on that rank) is returned.
+    pub fn step(
+        &mut self,
+        engine: &mut dyn Engine,
+        grads: &[f32],
+        loss: f32,
+        lr: f64,
+    ) -> Result<f32> {
+        self.optimizer.step(&mut self.params, grads, lr)?;
+        engine.drop_grads();
+        let last = self.buckets.len().saturating_sub(1);
+        let mut global_loss = loss;
+        for (k, (bucket, wire)) in self.buckets.iter().zip(&mut self.wire).enumerate() {
+            let len = bucket.len();
+            wire[..len].copy_from_slice(&self.params[bucket.clone()]);
+            if k == last {
+                wire[len] = loss;
+            }
+            self.comm.all_gather_f32(wire)?;
+            self.params[bucket.clone()].copy_from_slice(&wire[..len]);
+            if k == last {
+                global_loss = wire[len];
+            }
+        }
+        engine.write_params(&self.params)?;
+        Ok(global_loss)
+    }
+
+    /// Bytes of optimizer state this rank holds (its shard's momenta or moments).
+    pub fn state_bytes(&self) -> Result<u64> {
+        Ok(flotilla_engine::optimizer_state_bytes(
+            &self.optimizer.state()?,
+        )?)
+    }
+
+    /// The manifest of this run's shards (every rank's flat ranges).
+    fn manifest(&self, plan: &BucketPlan) -> ZeroManifest {
+        let n = self.comm.size();
+        ZeroManifest {
+            stage: self.stage,
+            world: n,
+            shards: (0..n)
+                .map(|r| {
+                    owned_ranges(plan, n, r)
+                        .into_iter()
+                        .map(|x| [x.start, x.end])
+                        .collect()
+                })
+                .collect(),
+        }
+    }
+
+    /// Writes a checkpoint (collective): every rank's optimizer shard goes to rank 0, which
+    /// writes them one by one beside `model`'s weights; returns the directory on rank 0.
+    pub fn save(
+        &self,
+        output: &Path,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        let mine = self.optimizer.state()?;
+        if self.comm.rank() != 0 {
+            self.comm.send(0, SHARD_TAG, &mine)?;
+            return Ok(None);
+        }
+        let state = CheckpointState {
+            num_params: model.num_params(),
+            zero: Some(self.manifest(plan)),
+            ..state.clone()
+        };
+        let comm = &self.comm;
+        checkpoint::save_with(output, &state, |tmp| {
+            let weights = tmp.join("model.safetensors");
+            model.save_weights(&weights)?;
+            checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
+            for r in 1..comm.size() {
+                let deadline = Instant::now() + comm.timeout();
+                let bytes = comm.recv(r, SHARD_TAG, deadline)?;
+                checkpoint::write_part(tmp, &checkpoint::zero_file(r), &bytes)?;
+            }
+            Ok(())
+        })
+        .map(Some)
+    }
+
+    /// Rank 0's part of a resume from `dir`: checks that the checkpoint was sharded as this
+    /// run is, loads the weights into `model`, and returns the state and every rank's file.
+    pub fn read(
+        &self,
+        dir: &Path,
+        model: &mut dyn ModelState,
+        plan: &BucketPlan,
+    ) -> Result<(CheckpointState, Vec<Vec<u8>>)> {
+        let state = checkpoint::read_state(dir)?;
+        let refuse = |why: String| TrainError::Checkpoint {
+            path: dir.to_path_buf(),
+            message: format!(
+                "{why}; resume with the run's world size and zero stage (ZeRO does not re-shard)"
+            ),
+        };
+        let want = self.manifest(plan);
+        match &state.zero {
+            None => {
+                return Err(refuse(format!(
+                    "was written without ZeRO, this run has zero: {}",
+                    self.stage
+                )));
+            }
+            Some(z) if z.world != want.world => {
+                return Err(refuse(format!(
+                    "was written by ZeRO on {} ranks, this run has {}",
+                    z.world, want.world
+                )));
+            }
+            Some(z) if z.shards != want.shards => {
+                return Err(refuse(
+                    "shards the parameters otherwise (another model or bucket_mb)".into(),
+                ));
+            }
+            Some(_) => {}
+        }
+        model.load_weights(&dir.join("model.safetensors"))?;
+        let files = (0..want.world)
+            .map(|r| {
+                let path = dir.join(checkpoint::zero_file(r));
+                std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
+            })
+            .collect::<Result<_>>()?;
+        Ok((state, files))
+    }
+
+    /// Every rank's part of a resume: rank 0 sends each rank its optimizer shard (`files`,
+    /// from [`Zero::read`]; empty on the others, and everywhere for a fresh start), which
+    /// each loads. `resumed` says (on every rank) whether there is a checkpoint.
+    pub fn restore_shards(&mut self, files: Vec<Vec<u8>>, resumed: bool) -> Result<()> {
+        if !resumed {
+            return Ok(());
+        }
+        let mine = if self.comm.rank() == 0 {
+            let mut files = files.into_iter();
+            let mine = files.next().unwrap_or_default();
+            for (r, bytes) in files.enumerate() {
+                self.comm.send(r + 1, SHARD_TAG, &bytes)?;
+            }
+            mine
+        } else {
+            let deadline = Instant::now() + self.comm.timeout();
+            self.comm.recv(0, SHARD_TAG, deadline)?
+        };
+        self.optimizer.load_state(&mine)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,217 @@
+//! ZeRO stages 1 and 2 against the unsharded sync all-reduce (zero 0), in-memory ranks
+//! running the production [`SyncAllReduce`] with two buckets: after a dozen steps every
+//! rank's parameters and reported losses equal zero 0's bit for bit, on 2 and 3 ranks, for
+//! SGD with momentum and weight decay, Adam and AdamW decaying matrices only. The world's
+//! all-reduces take the ring (`small_all_reduce_bytes` and `mid_all_reduce_bytes` 0): stage
+//! 2's reduce-scatter sums in the ring's order, the doubling and Rabenseifner in others. Also: each rank's
+//! `optimizer_state_bytes` is its shard's share, and a run checkpointed at step k and
+//! resumed on new ranks ends bitwise as the uninterrupted one.
+
+use std::path::Path;
+use std::thread;
+
+use flotilla_comm::{CommConfig, ProcessGroup};
+use flotilla_engine::{DecayParams, OptimizerSpec};
+
+use super::SyncAllReduce;
+use super::zero::owned_ranges;
+use crate::checkpoint::CheckpointState;
+use crate::strategy::{Resume, Strategy};
+use crate::testkit::{Rank, assert_bitwise, batches, config, params, world_with};
+
+const STEPS: u64 = 12;
+const SAMPLES: usize = 96;
+
+fn optimizers() -> Vec<OptimizerSpec> {
+    vec![
+        OptimizerSpec::Sgd {
+            lr: 0.2,
+            momentum: 0.9,
+            dampening: 0.0,
+            nesterov: false,
+            weight_decay: 0.01,
+            decay_params: DecayParams::All,
+        },
+        OptimizerSpec::Adam {
+            lr: 0.02,
+            beta1: 0.9,
+            beta2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.0,
+            decay_params: DecayParams::All,
+        },
+        OptimizerSpec::Adamw {
+            lr: 0.02,
+            beta1: 0.9,
+            beta2: 0.99,
+            epsilon: 1e-8,
+            weight_decay: 0.1,
+            decay_params: DecayParams::Matrices,
+        },
+    ]
+}
+
+/// Rank `r`'s context for a run of `zero` with `optimizer` on `n` ranks, checkpoints in
+/// `output` (resuming from there when `resume`).
+fn rank(comm: std::sync::Arc<dyn ProcessGroup>, optimizer: &OptimizerSpec, zero: u8) -> Rank {
+    let mut c = config(optimizer.clone());
+    c.topology.world_size = comm.size();
+    // The last layer (60 bytes) and the first (80 bytes): two buckets.
+    c.comm.bucket_mb = 64.0 / f64::from(1 << 20);
+    c.allreduce.zero = zero;
+    Rank::new(comm, c, SAMPLES)
+}
+
+fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
+    world_with(
+        n,
+        CommConfig::new(Some(0), n)
+            .with_small_all_reduce_bytes(0)
+            .with_mid_all_reduce_bytes(0),
+    )
+}
+
+/// What each rank ends with: parameters, reported losses, `optimizer_state_bytes`.
+type Outcome = (Vec<f32>, Vec<f32>, f64);
+
+/// Runs steps `from..to` on `n` ranks (a checkpoint of step `from` in `output` when
+/// `from > 0`; one of step `to` written there when `save`).
+fn run(
+    n: usize,
+    opt: &OptimizerSpec,
+    zero: u8,
+    span: (u64, u64),
+    output: &Path,
+    save: bool,
+) -> Vec<Outcome> {
+    let handles: Vec<_> = ring(n)
+        .into_iter()
+        .map(|comm| {
+            let (opt, output) = (opt.clone(), output.to_path_buf());
+            thread::spawn(move || {
+                let mut rank = rank(comm.clone(), &opt, zero);
+                rank.config.telemetry.output = output;
+                rank.config.schedule.resume = span.0 > 0;
+                let topology = rank.config.topology().expect("topology");
+                let mut peer = rank.build(&topology, SyncAllReduce::build);
+                assert_eq!(peer.plan().buckets.len(), 2, "two buckets");
+                let resume = Resume::find(&mut rank.cx(), 7, false).expect("find");
+                let state = peer.restore(&mut rank.cx(), &resume).expect("restore");
+                assert_eq!(state.map(|s| s.step), (span.0 > 0).then_some(span.0));
+                peer.start(&mut rank.cx()).expect("start");
+                let data = crate::testkit::dataset(SAMPLES);
+                let mut shard = batches(&data, n, comm.rank());
+                for _ in 0..span.0 {
+                    shard.next_batch().expect("skip a batch");
+                }
+                let losses = (span.0..span.1)
+                    .map(|done| {
+                        let step = peer.step(&mut rank.cx(), &mut shard, done).expect("step");
+                        step.loss.expect("a sync step has a loss")
+                    })
+                    .collect();
+                if save {
+                    let state = CheckpointState {
+                        step: span.1,
+                        epoch: 0,
+                        step_in_epoch: span.1,
+                        config_hash: 7,
+                        model: "mlp2".into(),
+                        num_params: 0,
+                        test_acc: None,
+                        stages: None,
+                        zero: None,
+                    };
+                    peer.save_checkpoint(&mut rank.cx(), &state)
+                        .expect("checkpoint");
+                }
+                let figures = peer.figures(&rank.cx());
+                let bytes = figures
+                    .iter()
+                    .find(|(k, _)| *k == "optimizer_state_bytes")
+                    .map_or(-1.0, |(_, v)| *v);
+                (params(&mut peer), losses, bytes)
+            })
+        })
+        .collect();
+    handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread"))
+        .collect()
+}
+
+#[test]
+fn zero_1_and_2_equal_zero_0_bitwise() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    for opt in optimizers() {
+        for n in [2, 3] {
+            let reference = run(n, &opt, 0, (0, STEPS), tmp.path(), false);
+            let start = run(n, &opt, 0, (0, 0), tmp.path(), false).remove(0).0;
+            assert_ne!(reference[0].0, start, "{opt:?}: the parameters moved");
+            for zero in [1, 2] {
+                let got = run(n, &opt, zero, (0, STEPS), tmp.path(), false);
+                for (r, (p, losses, _)) in got.iter().enumerate() {
+                    let what = format!("{opt:?}, {n} ranks, zero {zero}, rank {r}");
+                    assert_bitwise(p, &reference[r].0, &what);
+                    assert_bitwise(losses, &reference[r].1, &format!("{what}: losses"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn optimizer_state_bytes_are_each_ranks_share() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let adam = &optimizers()[1];
+    let n = 3;
+    let whole = run(n, adam, 0, (0, 2), tmp.path(), false);
+    let total = whole[0].0.len();
+    for (r, w) in whole.iter().enumerate() {
+        assert_eq!(
+            w.2,
+            (2 * 4 * total) as f64,
+            "zero 0, rank {r}: all the state"
+        );
+    }
+    // The plan of the two buckets, as every peer cuts it.
+    let comm = ring(1).remove(0);
+    let mut one = rank(comm, adam, 1);
+    let topology = one.config.topology().expect("topology");
+    let peer = one.build(&topology, SyncAllReduce::build);
+    for zero in [1, 2] {
+        let got = run(n, adam, zero, (0, 2), tmp.path(), false);
+        let mut sum = 0.0;
+        for (r, (_, _, bytes)) in got.iter().enumerate() {
+            let owned: usize = owned_ranges(peer.plan(), n, r)
+                .iter()
+                .map(|x| x.len())
+                .sum();
+            assert_eq!(*bytes, (2 * 4 * owned) as f64, "zero {zero}, rank {r}");
+            sum += bytes;
+        }
+        assert_eq!(
+            sum, whole[0].2,
+            "zero {zero}: the shards add up to the whole state"
+        );
+    }
+}
+
+#[test]
+fn a_resumed_zero_run_equals_the_uninterrupted_one() {
+    let adamw = &optimizers()[2];
+    for zero in [1, 2] {
+        let n = 3;
+        let tmp = tempfile::tempdir().expect("tmp");
+        let whole = run(n, adamw, zero, (0, STEPS), tmp.path(), false);
+        run(n, adamw, zero, (0, 5), tmp.path(), true);
+        let resumed = run(n, adamw, zero, (5, STEPS), tmp.path(), false);
+        for r in 0..n {
+            assert_bitwise(
+                &resumed[r].0,
+                &whole[r].0,
+                &format!("zero {zero}, rank {r}"),
+            );
+        }
+    }
+}
