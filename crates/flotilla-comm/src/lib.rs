@@ -48,6 +48,7 @@ pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod host;
 mod net;
 mod op;
 pub mod pipeline;
@@ -55,6 +56,7 @@ mod reduce;
 mod rendezvous;
 mod ring;
 mod secret;
+mod shm;
 mod stream;
 pub mod tls;
 mod wire;
@@ -62,8 +64,8 @@ mod world;
 
 pub use comm::Communicator;
 pub use config::{
-    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin,
-    WireFormat,
+    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_SHM_CHUNK_BYTES,
+    DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, Transport, WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
