@@ -329,7 +329,7 @@ impl ProcessGroup for Communicator {
             }
             first
         });
-        w.abort_segments();
+        w.abort_segments(reason);
     }
 
     fn stats(&self) -> CommStats {

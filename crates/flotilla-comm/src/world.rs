@@ -180,10 +180,10 @@ impl World {
     }
 
     /// Marks every segment of the process aborted, waking the waiters of every member.
-    pub(crate) fn abort_segments(&self) {
+    pub(crate) fn abort_segments(&self, reason: &str) {
         let s = self.segments.lock().unwrap_or_else(|p| p.into_inner());
         for seg in s.iter().filter_map(Weak::upgrade) {
-            seg.abort();
+            seg.abort(reason);
         }
     }
 

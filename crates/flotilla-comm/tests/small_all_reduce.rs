@@ -9,7 +9,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, WireFormat};
+use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Transport, WireFormat};
 
 const TEST_DEADLINE: Duration = Duration::from_secs(30);
 
@@ -22,6 +22,7 @@ fn cfg(n: usize) -> CommConfig {
         .with_join_timeout(Duration::from_secs(10))
         .with_chunk_bytes(4096)
         .with_small_all_reduce_bytes(SMALL)
+        .with_transport(Transport::Tcp)
 }
 
 /// Runs `body` on every rank of an `n`-rank world built from `c` (with its rank), each rank

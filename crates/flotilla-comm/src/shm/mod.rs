@@ -58,13 +58,12 @@ pub(crate) use sync::Watch;
 const TAG_PATH: u32 = 0;
 const TAG_MAPPED: u32 = 1;
 
-/// The directory for a new segment of `bytes`: the configured one, else `/dev/shm` when
-/// it has room, else the system temporary directory.
-fn segment_dir(configured: Option<&Path>, bytes: usize) -> PathBuf {
+/// The directory for a new segment of `bytes`: the configured one, else `shm` (`/dev/shm`)
+/// when it has room, else the system temporary directory.
+fn segment_dir(configured: Option<&Path>, shm: &Path, bytes: usize) -> PathBuf {
     if let Some(d) = configured {
         return d.to_path_buf();
     }
-    let shm = Path::new("/dev/shm");
     match rustix::fs::statvfs(shm) {
         Ok(s) if s.f_bavail.saturating_mul(s.f_frsize) >= bytes as u64 => shm.to_path_buf(),
         _ => std::env::temp_dir(),
@@ -87,7 +86,8 @@ async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
     let cfg = &g.world.cfg;
     let (n, chunk) = (ctx.size(), cfg.shm_chunk_bytes);
     let name = format!("flotilla-{:016x}-{:016x}.shm", g.world.session, g.key);
-    let dir = segment_dir(cfg.shm_dir.as_deref(), segment_bytes(n, chunk));
+    let shm = Path::new("/dev/shm");
+    let dir = segment_dir(cfg.shm_dir.as_deref(), shm, segment_bytes(n, chunk));
     let mut path = dir.join(&name);
     let mut made = Segment::create(&path, n, 0, chunk);
     if matches!(&made, Err(e) if e.kind() == io::ErrorKind::StorageFull) && cfg.shm_dir.is_none() {
@@ -192,10 +192,10 @@ impl Watch for GroupWatch<'_> {
         }
     }
 
-    fn aborted_by(&self, r: usize) -> CommError {
+    fn aborted_by(&self, r: usize, reason: String) -> CommError {
         CommError::Aborted {
             by: self.g.members.world_rank(r),
-            reason: format!("it failed during {}", self.op),
+            reason,
         }
     }
 
@@ -214,8 +214,32 @@ pub(crate) fn run_blocking<T>(
     f: impl FnOnce() -> Result<T, CommError>,
 ) -> Result<T, CommError> {
     let r = tokio::task::block_in_place(f);
-    if r.is_err() {
-        seg.abort();
+    if let Err(e) = &r {
+        seg.abort(&e.to_string());
     }
     r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_directory_falls_back_to_temp_when_dev_shm_is_small_or_missing() {
+        let tmp = std::env::temp_dir();
+        let configured = Path::new("/somewhere/else");
+        assert_eq!(
+            segment_dir(Some(configured), Path::new("/dev/shm"), 1),
+            configured
+        );
+        // No file system has room for this segment; a missing /dev/shm has none either.
+        assert_eq!(segment_dir(None, Path::new("/dev/shm"), usize::MAX), tmp);
+        assert_eq!(segment_dir(None, Path::new("/no/dev/shm"), 1), tmp);
+        if Path::new("/dev/shm").is_dir() {
+            assert_eq!(
+                segment_dir(None, Path::new("/dev/shm"), 4096),
+                Path::new("/dev/shm")
+            );
+        }
+    }
 }

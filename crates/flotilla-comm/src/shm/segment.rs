@@ -20,6 +20,9 @@ pub(super) const COUNT: usize = LINE;
 pub(super) const GENERATION: usize = 2 * LINE;
 pub(super) const SLEEPERS: usize = 3 * LINE;
 pub(super) const ABORT: usize = 4 * LINE;
+/// The aborting rank's error: its length (u32), then its bytes, up to `PROGRESS`.
+pub(super) const REASON: usize = 5 * LINE;
+pub(super) const REASON_MAX: usize = PROGRESS - REASON - 4;
 const PROGRESS: usize = 8 * LINE;
 
 /// Bytes of the header of a segment of `n` ranks (a whole number of pages).
@@ -124,6 +127,13 @@ impl Segment {
     /// Group rank `r`'s length word: the length of the buffer of its current collective.
     pub(super) fn len_word(&self, r: usize) -> &AtomicU64 {
         self.u64_at(PROGRESS + r * LINE + 8)
+    }
+
+    /// The header bytes at `off..off + len` (the abort reason), raw.
+    pub(super) fn header_bytes_at(&self, off: usize, len: usize) -> *mut u8 {
+        debug_assert!(off + len <= PROGRESS);
+        // SAFETY: inside the header.
+        unsafe { self.map.as_mut_ptr().add(off) }
     }
 
     /// The start of input slot `r` (`r == n`: the result slot) of buffer set `set` (0, 1),

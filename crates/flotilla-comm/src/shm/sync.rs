@@ -9,7 +9,10 @@ use std::time::{Duration, Instant};
 use flotilla_group::CommError;
 use rustix::thread::futex;
 
-use super::segment::{ABORT, COUNT, GENERATION, SLEEPERS, Segment};
+use super::segment::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Segment};
+
+/// The abort word while the aborting rank writes its reason.
+const CLAIMED: u32 = u32::MAX;
 
 /// Spins before the first futex wait when every member has a core of its own.
 const SPINS: u32 = 4000;
@@ -26,8 +29,8 @@ pub(crate) trait Watch {
     fn check(&self) -> Result<(), CommError>;
     /// The error naming group rank `r`, which did not arrive in time.
     fn timed_out(&self, r: usize) -> CommError;
-    /// The error naming group rank `r`, which marked the segment aborted.
-    fn aborted_by(&self, r: usize) -> CommError;
+    /// The error naming group rank `r`, which marked the segment aborted for `reason`.
+    fn aborted_by(&self, r: usize, reason: String) -> CommError;
     /// A protocol error naming group rank `r`.
     fn protocol(&self, r: usize, detail: String) -> CommError;
 }
@@ -104,9 +107,25 @@ impl Segment {
     pub(crate) fn check(&self, watch: &dyn Watch) -> Result<(), CommError> {
         watch.check()?;
         match self.word(ABORT).load(Ordering::Acquire) {
-            0 => Ok(()),
-            r => Err(watch.aborted_by(r as usize - 1)),
+            // Not aborted, or the reason is still being written (seen next time).
+            0 | CLAIMED => Ok(()),
+            r => Err(watch.aborted_by(r as usize - 1, self.reason())),
         }
+    }
+
+    /// The reason the aborting rank wrote (after its abort word was published).
+    fn reason(&self) -> String {
+        let len = (self.word(REASON).load(Ordering::Acquire) as usize).min(REASON_MAX);
+        let mut bytes = vec![0u8; len];
+        // SAFETY: written once, before the abort word that made us read it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.header_bytes_at(REASON + 4, len),
+                bytes.as_mut_ptr(),
+                len,
+            );
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
     }
 
     /// The lowest group rank that has entered fewer barriers than this one.
@@ -117,15 +136,29 @@ impl Segment {
             .unwrap_or(self.me)
     }
 
-    /// Marks the segment aborted by this rank (unless a member did first) and wakes every
-    /// waiter.
-    pub(crate) fn abort(&self) {
-        let _ = self.word(ABORT).compare_exchange(
-            0,
-            self.me as u32 + 1,
-            Ordering::AcqRel,
-            Ordering::Acquire,
-        );
+    /// Marks the segment aborted by this rank for `reason` (unless a member did first) and
+    /// wakes every waiter.
+    pub(crate) fn abort(&self, reason: &str) {
+        let abort = self.word(ABORT);
+        if abort
+            .compare_exchange(0, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let mut len = reason.len().min(REASON_MAX);
+            while !reason.is_char_boundary(len) {
+                len -= 1;
+            }
+            // SAFETY: only the rank that claimed the abort word writes the reason, once.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    reason.as_ptr(),
+                    self.header_bytes_at(REASON + 4, len),
+                    len,
+                );
+            }
+            self.word(REASON).store(len as u32, Ordering::Release);
+            abort.store(self.me as u32 + 1, Ordering::Release);
+        }
         let _ = futex::wake(
             self.word(GENERATION),
             futex::Flags::empty(),
