@@ -1,10 +1,12 @@
 //! The collectives over a segment: the `f32` sum all-reduce and the `f32` broadcast.
 //!
 //! All-reduce, chunk `k` of `chunk / 4` floats in buffer set `k % 2`: each rank copies its
-//! chunk into its input slot; barrier; each rank copies out the result of chunk `k - 1`
-//! (the barrier says every rank finished reducing it) and reduces its own slice `r` of
-//! chunk `k` (`[m r / n, m (r + 1) / n)`) over all input slots **in rank order**
-//! (`((x0 + x1) + x2) + ...`, in L1-sized blocks) into the result slot. A last barrier,
+//! chunk into its input slot (all but its own slice `r`, `[m r / n, m (r + 1) / n)`,
+//! which only it reads); barrier; each rank copies out the result of chunk `k - 1` (the
+//! barrier says every rank finished reducing it; all but its own slice, already in place)
+//! and reduces its slice of chunk `k` over all inputs **in rank order**
+//! (`((x0 + x1) + x2) + ...`, in L1-sized blocks, its own input read from its buffer) into
+//! the result slot and its buffer. A last barrier,
 //! then the last chunk's copy-out. One barrier per chunk: the two sets keep a slot from
 //! being overwritten while a slower rank still reads it (chunk `k + 2` is written only
 //! after the barrier of `k + 1`, which that rank enters after reading chunk `k`). Every
@@ -71,53 +73,68 @@ impl Segment {
 
     /// Sum all-reduce of `buf` over the group (see the module doc).
     pub(crate) fn all_reduce(&self, buf: &mut [f32], watch: &dyn Watch) -> Result<(), CommError> {
-        let (n, c, len) = (self.n, self.floats(), buf.len());
+        let (c, len) = (self.floats(), buf.len());
         let chunks = len.div_ceil(c).max(1);
         let span = |k: usize| k * c..((k + 1) * c).min(len);
         self.publish_len(len);
         for k in 0..chunks {
             let (set, part) = (k % 2, span(k));
+            let (lo, hi) = self.own_slice(part.len());
             // SAFETY: this rank's own input slot of set k % 2: its last readers reduced
             // chunk k - 2 before entering the barrier of chunk k - 1, which we passed.
-            unsafe { self.write(set, self.me, 0, part.len()) }.copy_from_slice(&buf[part.clone()]);
+            let slot = unsafe { self.write(set, self.me, 0, part.len()) };
+            slot[..lo].copy_from_slice(&buf[part.start..part.start + lo]);
+            slot[hi..].copy_from_slice(&buf[part.start + hi..part.end]);
             self.barrier(watch)?;
             if k == 0 {
                 self.check_lens(len).map_err(|r| mismatch(watch, r, len))?;
             } else {
-                let prev = span(k - 1);
-                // SAFETY: the result of chunk k - 1 is complete (every rank entered the
-                // barrier after reducing it) and is rewritten only after the next barrier.
-                let out = unsafe { self.read((k - 1) % 2, n, 0, prev.len()) };
-                buf[prev].copy_from_slice(out);
+                self.copy_out((k - 1) % 2, &mut buf[span(k - 1)]);
             }
-            self.reduce_slice(set, part.len());
+            self.reduce_slice(set, &mut buf[part]);
         }
         self.barrier(watch)?;
-        let last = span(chunks - 1);
-        // SAFETY: complete after the last barrier; the next collective writes a result slot
-        // only after its own first barrier, which this rank enters after copying.
-        let out = unsafe { self.read((chunks - 1) % 2, n, 0, last.len()) };
-        buf[last].copy_from_slice(out);
+        self.copy_out((chunks - 1) % 2, &mut buf[span(chunks - 1)]);
         Ok(())
     }
 
-    /// Reduces this rank's slice of the `m` floats of set `set` over the input slots, in
-    /// rank order, into the result slot.
-    fn reduce_slice(&self, set: usize, m: usize) {
+    /// This rank's slice `[m r / n, m (r + 1) / n)` of a chunk of `m` floats.
+    fn own_slice(&self, m: usize) -> (usize, usize) {
+        (m * self.me / self.n, m * (self.me + 1) / self.n)
+    }
+
+    /// Copies the result of set `set` into `out` (a chunk of the buffer), but for this
+    /// rank's own slice, which its reduction already wrote there.
+    fn copy_out(&self, set: usize, out: &mut [f32]) {
+        let (lo, hi) = self.own_slice(out.len());
+        // SAFETY: the result is complete (every rank entered a barrier after reducing its
+        // slice, which this rank passed) and is rewritten only after the next barrier,
+        // which this rank enters after copying.
+        let src = unsafe { self.read(set, self.n, 0, out.len()) };
+        out[..lo].copy_from_slice(&src[..lo]);
+        out[hi..].copy_from_slice(&src[hi..]);
+    }
+
+    /// Reduces this rank's slice of `part` (its chunk in set `set`) over every rank's input
+    /// in rank order (its own read from `part`), into the result slot and into `part`.
+    fn reduce_slice(&self, set: usize, part: &mut [f32]) {
         let (n, me) = (self.n, self.me);
-        let (lo, hi) = (m * me / n, m * (me + 1) / n);
+        let (lo, hi) = self.own_slice(part.len());
         let mut acc = [0.0f32; BLOCK];
         let mut at = lo;
         while at < hi {
             let b = BLOCK.min(hi - at);
             let acc = &mut acc[..b];
+            let mine = &mut part[at..at + b];
             // SAFETY: between the barrier of this chunk and the next one every input slot
             // of the set is read-only and this rank's slice of the result is its own.
-            acc.copy_from_slice(unsafe { self.read(set, 0, at, b) });
+            let input = |r: usize| unsafe { self.read(set, r, at, b) };
+            acc.copy_from_slice(if me == 0 { mine } else { input(0) });
             for r in 1..n {
-                reduce::add_assign(acc, unsafe { self.read(set, r, at, b) });
+                reduce::add_assign(acc, if r == me { mine } else { input(r) });
             }
             unsafe { self.write(set, n, at, b) }.copy_from_slice(acc);
+            mine.copy_from_slice(acc);
             at += b;
         }
     }
