@@ -179,10 +179,10 @@ fn buckets_started_back_to_back_complete_in_order_with_the_right_sums() {
     });
     for (b, &len) in lens.iter().enumerate() {
         let (serial, _, _) = reference(n, len, 100 + b as u64);
-        for got in &results {
-            let bits: Vec<u32> = got[b].iter().map(|x| x.to_bits()).collect();
-            let want: Vec<u32> = serial.iter().map(|x| x.to_bits()).collect();
-            assert_eq!(bits, want, "bucket {b}");
+        for (r, got) in results.iter().enumerate() {
+            assert_eq!(got[b].len(), len, "rank {r} bucket {b}");
+            let bad = (0..len).find(|&i| got[b][i].to_bits() != serial[i].to_bits());
+            assert_eq!(bad, None, "rank {r} bucket {b}: first element off");
         }
     }
 }
