@@ -60,6 +60,7 @@ mod reduce;
 mod rendezvous;
 mod ring;
 mod secret;
+mod segment;
 mod shm;
 mod stream;
 pub mod tls;

@@ -14,7 +14,7 @@ use crate::config::CommConfig;
 use crate::conn::{Conn, Endpoint};
 use crate::frame::{Op, channel};
 use crate::host;
-use crate::shm::Segment;
+use crate::segment::Segment;
 use crate::wire::Ctrl;
 
 /// What every group of one process shares: connections, mailbox, failure state.

@@ -107,14 +107,21 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     // gradients went through the segment (the TCP run copied nothing into one).
     assert_bitwise("2 ranks: shared memory vs tcp", &shm, &two);
     for (name, log) in [("2 ranks", &shm_log), ("4 ranks", &four_log)] {
-        assert!(traffic(log, "shm_bytes") > 0, "{name}: nothing went through shm");
+        assert!(
+            traffic(log, "shm_bytes") > 0,
+            "{name}: nothing went through shm"
+        );
     }
     assert_eq!(traffic(&two_log, "shm_bytes"), 0, "transport: tcp used shm");
 
     // lz4 changes the bytes on the wire, never the values; and it did compress frames
     // (which the uncompressed run never does).
     // (Over TCP: nothing is compressed or rounded on its way through shared memory.)
-    let (lz4, lz4_log) = run(dir.path(), "lz4", &ar(2, 16, "compression: lz4\ntransport: tcp\n"));
+    let (lz4, lz4_log) = run(
+        dir.path(),
+        "lz4",
+        &ar(2, 16, "compression: lz4\ntransport: tcp\n"),
+    );
     assert_bitwise("lz4 vs uncompressed", &lz4, &two);
     let (zipped, plain) = (
         traffic(&lz4_log, "frames_compressed"),

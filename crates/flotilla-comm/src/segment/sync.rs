@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use flotilla_group::CommError;
 use rustix::thread::futex;
 
-use super::segment::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Segment};
+use super::mapping::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Segment};
 
 /// The abort word while the aborting rank writes its reason.
 const CLAIMED: u32 = u32::MAX;

@@ -20,7 +20,7 @@
 
 use flotilla_group::CommError;
 
-use super::segment::Segment;
+use super::mapping::Segment;
 use super::sync::Watch;
 use crate::reduce;
 

@@ -5,7 +5,7 @@
 //! point-to-point messages) stays on the group's TCP (or in-memory) links, which also carry
 //! the segment's setup and the failure notices.
 //!
-//! * **Segment** ([`segment`]): one file per group, created by the group's rank 0 in its
+//! * **Segment** ([`crate::segment`]): one file per group, created by the group's rank 0 in its
 //!   turn of the first collective that needs it (`flotilla-{session}-{group key}`, so two
 //!   jobs or two groups never share one), in [`crate::CommConfig::shm_dir`] or `/dev/shm`
 //!   when it has room (`statvfs`), else the system temporary directory (a file-backed
@@ -13,13 +13,13 @@
 //!   `fallocate`, so a full file system fails the collective cleanly. Rank 0 sends the
 //!   path to the others over TCP, they map it and answer, and rank 0 removes the file:
 //!   from then on only the mappings hold it, and nothing is left behind by a crash.
-//! * **Synchronisation** ([`sync`]): a barrier of atomics in the segment, a short spin
+//! * **Synchronisation** (`segment/sync.rs`): a barrier of atomics in the segment, a short spin
 //!   (only when every member can have a core) then futex waits in 5 ms slices, each slice
 //!   checking the peers' TCP links (a killed rank's connection closes: it is named), abort
 //!   notices, and the deadline ([`crate::CommConfig::timeout`]; a stalled rank is named as
 //!   the lowest one that has not arrived). A failing rank marks the segment aborted and
 //!   wakes every waiter; [`flotilla_group::ProcessGroup::abort`] does the same.
-//! * **Collectives** ([`ops`]): the chunked, double-buffered all-reduce (each rank reduces
+//! * **Collectives** (`segment/ops.rs`): the chunked, double-buffered all-reduce (each rank reduces
 //!   its slice over the slots in rank order: every rank ends bit-identical, equal to a
 //!   serial left-to-right sum in rank order) and the broadcast.
 //!
@@ -35,10 +35,6 @@
 //! service discovery: neither gives a reduction or a barrier, which are the work here.
 //! Single-copy `process_vm_readv` (CMA) was not measured yet.
 
-mod ops;
-mod segment;
-mod sync;
-
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -49,10 +45,8 @@ use flotilla_group::CommError;
 
 use crate::frame::Op;
 use crate::op::OpCtx;
+use crate::segment::{Segment, Watch, segment_bytes};
 use crate::world::GroupState;
-pub(crate) use segment::Segment;
-use segment::segment_bytes;
-pub(crate) use sync::Watch;
 
 /// Frame tags of the setup on TCP: the path (rank 0 to each), the answer (each to rank 0).
 const TAG_PATH: u32 = 0;
