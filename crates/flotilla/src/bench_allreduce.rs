@@ -173,8 +173,9 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "{:>6} {:>10} {:>10} {:>6} {:>12} {:>12} {:>12} {:>9}",
-        "ranks", "transport", "size", "iters", "time_us", "algbw_GB/s", "busbw_GB/s", "busbw/B"
+        // The transport last: scripts read the size and busbw columns by position.
+        "{:>6} {:>10} {:>6} {:>12} {:>12} {:>12} {:>9} {:>10}",
+        "ranks", "size", "iters", "time_us", "algbw_GB/s", "busbw_GB/s", "busbw/B", "transport"
     );
     let requested = if args.transport.is_empty() {
         vec!["auto".to_string()]
@@ -190,15 +191,15 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
                     format!("{t}:{used}")
                 };
                 println!(
-                    "{:>6} {:>10} {:>10} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>9.2}",
+                    "{:>6} {:>10} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>9.2} {:>10}",
                     n,
-                    shown,
                     format_bytes(r.bytes),
                     r.iters,
                     r.secs * 1e6,
                     r.algbw,
                     r.busbw,
-                    r.busbw / reference
+                    r.busbw / reference,
+                    shown
                 );
             }
         }
