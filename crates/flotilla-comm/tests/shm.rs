@@ -414,3 +414,43 @@ fn a_stalled_rank_is_named_at_the_deadline() {
         );
     }
 }
+
+#[test]
+fn groups_of_replicas_broadcast_then_reduce_buckets_concurrently() {
+    let n = 4;
+    let results = world(n, false, cfg(n, Transport::Auto), |c| {
+        let r = c.rank();
+        let members: Vec<usize> = (0..2).map(|d| d * 2 + r % 2).collect();
+        let g = c.group(&members)?;
+        let mut b = if g.rank() == 0 {
+            input(r, 5000, 20)
+        } else {
+            vec![0.0; 5000]
+        };
+        g.broadcast_f32(&mut b, 0)?;
+        let mut out = Vec::new();
+        for step in 0..3u64 {
+            let pending: Vec<_> = (0..3)
+                .map(|k| g.all_reduce_bucket(input(r, 700 + 900 * k, 30 + step * 3 + k as u64), k))
+                .collect();
+            for p in pending {
+                out.push(p.wait()?);
+            }
+        }
+        Ok((b, out))
+    });
+    for (r, (b, out)) in results.iter().enumerate() {
+        assert_eq!(b, &input(r % 2, 5000, 20), "rank {r}: broadcast");
+        let mut i = 0;
+        for step in 0..3u64 {
+            for k in 0..3usize {
+                let len = 700 + 900 * k;
+                let salt = 30 + step * 3 + k as u64;
+                let (a, c) = (input(r % 2, len, salt), input(r % 2 + 2, len, salt));
+                let want: Vec<f32> = a.iter().zip(&c).map(|(x, y)| x + y).collect();
+                assert_eq!(out[i], want, "rank {r} step {step} bucket {k}");
+                i += 1;
+            }
+        }
+    }
+}

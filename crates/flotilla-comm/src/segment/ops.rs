@@ -150,7 +150,9 @@ impl Segment {
         self.publish_len(len);
         self.barrier(watch)?;
         self.check_lens(len).map_err(|r| mismatch(watch, r, len))?;
-        for k in 0..len.div_ceil(c) {
+        // At least one chunk, so that no rank publishes its next length before every rank
+        // has checked this one (which a single barrier would allow).
+        for k in 0..len.div_ceil(c).max(1) {
             let (set, part) = (k % 2, k * c..((k + 1) * c).min(len));
             if self.me == root {
                 // SAFETY: the readers of this set's result (chunk k - 2, or the previous
