@@ -1,6 +1,7 @@
 //! The [`Communicator`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
 //! runtime and the peer connections, orders each group's collectives and turns failures into
-//! typed, peer-naming errors.
+//! typed, peer-naming errors. The `f32` all-reduce and broadcast of a group whose members
+//! share a host go through its shared-memory segment ([`crate::shm`]) in the same order.
 //!
 //! # Ordering invariant
 //!
@@ -34,15 +35,17 @@ use tokio::runtime::{Handle, Runtime};
 use tracing::Instrument;
 
 use crate::collectives;
-use crate::config::{CommConfig, Rejoin};
+use crate::config::{CommConfig, Rejoin, Transport};
 use crate::conn::{Conn, ConnOpts, Endpoint};
 use crate::doubling;
 use crate::frame::{Op, channel};
+use crate::host;
 use crate::op::OpCtx;
 use crate::rabenseifner;
 use crate::rendezvous;
 use crate::ring;
-use crate::world::{GroupState, World};
+use crate::shm;
+use crate::world::{GroupState, Site, World};
 
 /// Owns the runtime; dropped with the last group handle of the process.
 struct RtOwner {
@@ -127,12 +130,31 @@ impl Communicator {
             ));
         }
         let rt = build_runtime(cfg.runtime_threads)?;
-        let (rank, streams, rejoins) = if cfg.world_size == 1 {
-            (0, vec![None], None)
+        let (rank, streams, rejoins, site) = if cfg.world_size == 1 {
+            let site = Site {
+                session: rand::random(),
+                hosts: vec![host::host_key()],
+            };
+            (0, vec![None], None, site)
         } else {
             let mesh = rt.block_on(rendezvous::rendezvous(&cfg, listener))?;
-            (mesh.rank, mesh.streams, mesh.rejoins)
+            let site = Site {
+                session: mesh.session,
+                hosts: mesh.hosts,
+            };
+            (mesh.rank, mesh.streams, mesh.rejoins, site)
         };
+        let everyone: Vec<usize> = (0..cfg.world_size).collect();
+        if cfg.transport == Transport::Shm
+            && cfg.rejoin != Rejoin::Join
+            && !host::all_local(&site.hosts, &everyone)
+        {
+            return Err(CommError::Config(
+                "transport shm needs every rank on this host (by the rendezvous' host keys); \
+                 use auto or tcp"
+                    .into(),
+            ));
+        }
         let ep = Arc::new(Endpoint::default());
         let opts = ConnOpts {
             max_frame_bytes: cfg.max_frame_bytes,
@@ -157,7 +179,7 @@ impl Communicator {
                 })
                 .collect()
         };
-        let comm = Self::assemble(rt, rank, cfg, peers, ep);
+        let comm = Self::assemble(rt, rank, cfg, peers, ep, site);
         if let (Some(r), Some(rt)) = (rejoins, comm.rt.rt.as_ref()) {
             let world = Arc::downgrade(&comm.g.world);
             rt.spawn(rendezvous::rejoin::serve(r, world, opts));
@@ -177,6 +199,8 @@ impl Communicator {
         cfg.rank = Some(0);
         cfg.validate()?;
         let eps: Vec<Arc<Endpoint>> = (0..n).map(|_| Arc::new(Endpoint::default())).collect();
+        // Threads of one process share its host (and memory): a world of one session.
+        let (session, here) = (rand::random::<u64>(), host::host_key());
         let mut peers: Vec<Vec<Option<Arc<Conn>>>> = (0..n).map(|_| vec![None; n]).collect();
         for a in 0..n {
             for b in a + 1..n {
@@ -193,7 +217,11 @@ impl Communicator {
                 let rt = build_runtime(cfg.runtime_threads)?;
                 let mut c = cfg.clone();
                 c.rank = Some(rank);
-                Ok(Self::assemble(rt, rank, c, p, ep))
+                let site = Site {
+                    session,
+                    hosts: vec![here.clone(); n],
+                };
+                Ok(Self::assemble(rt, rank, c, p, ep, site))
             })
             .collect()
     }
@@ -204,9 +232,10 @@ impl Communicator {
         cfg: CommConfig,
         peers: Vec<Option<Arc<Conn>>>,
         ep: Arc<Endpoint>,
+        site: Site,
     ) -> Communicator {
         let n = peers.len();
-        let world = Arc::new(World::new(rank, cfg, peers, ep, rt.handle().clone()));
+        let world = Arc::new(World::new(rank, cfg, peers, ep, rt.handle().clone(), site));
         let g = GroupState::new(world.clone(), 0, Members::new((0..n).collect(), rank));
         Communicator {
             g,
@@ -302,6 +331,7 @@ impl ProcessGroup for Communicator {
             }
             first
         });
+        w.abort_segments(reason);
     }
 
     fn stats(&self) -> CommStats {
@@ -313,6 +343,7 @@ impl ProcessGroup for Communicator {
             frames_received: s.frames_received.load(Ordering::Relaxed),
             frames_compressed: s.frames_compressed.load(Ordering::Relaxed),
             collectives: self.g.world.collectives.load(Ordering::Relaxed),
+            shm_bytes: s.shm_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -329,6 +360,14 @@ impl ProcessGroup for Communicator {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
+        if g.shm.is_some() {
+            let root = g.world_rank_checked(root).map(|_| root)?;
+            return self.g.world.handle.block_on(async move {
+                let _turn = g.begin(ticket).await?;
+                let r = shm_broadcast(g, ticket, buf, root).await;
+                g.finish(r).await
+            });
+        }
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
             let r =
@@ -362,6 +401,13 @@ impl ProcessGroup for Communicator {
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
+        if g.shm.is_some() {
+            // The copies and waits run on this (blocked anyway) thread.
+            return g
+                .world
+                .handle
+                .block_on(all_reduce_ordered(g, ticket, buf, None));
+        }
         self.run_scoped(all_reduce_ordered(g, ticket, buf, None))
     }
 
@@ -591,16 +637,20 @@ impl<T> Drop for ScopedTask<T> {
 /// part of the job's config).
 #[derive(Clone, Copy)]
 enum Algorithm {
+    Shm,
     Doubling,
     Rabenseifner,
     Ring,
 }
 
 impl Algorithm {
-    /// The algorithm of an all-reduce of `bytes` on `ranks` ranks (Rabenseifner's only on a
-    /// power of two: see `rabenseifner.rs`).
-    fn pick(cfg: &CommConfig, bytes: usize, ranks: usize) -> Self {
-        if bytes <= cfg.small_all_reduce_bytes {
+    /// The algorithm of an all-reduce of `bytes` on `ranks` ranks: the shared-memory segment
+    /// for a group on one host, else by size (Rabenseifner's only on a power of two: see
+    /// `rabenseifner.rs`).
+    fn pick(cfg: &CommConfig, shm: bool, bytes: usize, ranks: usize) -> Self {
+        if shm {
+            Self::Shm
+        } else if bytes <= cfg.small_all_reduce_bytes {
             Self::Doubling
         } else if bytes <= cfg.mid_all_reduce_bytes && ranks.is_power_of_two() {
             Self::Rabenseifner
@@ -611,6 +661,7 @@ impl Algorithm {
 
     fn name(self) -> &'static str {
         match self {
+            Self::Shm => "shm",
             Self::Doubling => "doubling",
             Self::Rabenseifner => "rabenseifner",
             Self::Ring => "ring",
@@ -618,7 +669,41 @@ impl Algorithm {
     }
 }
 
-/// Runs all-reduce `ticket` of group `g` in its turn: recursive doubling up to
+/// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn).
+async fn shm_broadcast(
+    g: &GroupState,
+    ticket: u64,
+    buf: &mut [f32],
+    root: usize,
+) -> Result<(), CommError> {
+    let seg = shm::segment(g, ticket, Op::Broadcast).await?;
+    let watch = shm::GroupWatch {
+        g,
+        op: OpCtx::new(g, ticket, Op::Broadcast).describe() + " (shared memory)",
+    };
+    if g.me() == root {
+        let s = &g.world.ep.stats;
+        s.shm_bytes
+            .fetch_add(std::mem::size_of_val(buf) as u64, Ordering::Relaxed);
+    }
+    shm::run_blocking(&seg, || seg.broadcast(buf, root, &watch))
+}
+
+/// All-reduce `ticket` of group `g` over its shared-memory segment (in its turn).
+async fn shm_all_reduce(g: &GroupState, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
+    let seg = shm::segment(g, ticket, Op::AllReduce).await?;
+    let watch = shm::GroupWatch {
+        g,
+        op: OpCtx::new(g, ticket, Op::AllReduce).describe() + " (shared memory)",
+    };
+    let s = &g.world.ep.stats;
+    s.shm_bytes
+        .fetch_add(std::mem::size_of_val(buf) as u64, Ordering::Relaxed);
+    shm::run_blocking(&seg, || seg.all_reduce(buf, &watch))
+}
+
+/// Runs all-reduce `ticket` of group `g` in its turn: over the group's shared-memory
+/// segment when its members share a host, else recursive doubling up to
 /// [`CommConfig::small_all_reduce_bytes`], Rabenseifner's up to
 /// [`CommConfig::mid_all_reduce_bytes`] on a power-of-two group, the pipelined ring above.
 async fn all_reduce_ordered(
@@ -629,7 +714,7 @@ async fn all_reduce_ordered(
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
     let bytes = std::mem::size_of_val(buf);
-    let algorithm = Algorithm::pick(&g.world.cfg, bytes, g.members.len());
+    let algorithm = Algorithm::pick(&g.world.cfg, g.shm.is_some(), bytes, g.members.len());
     // From the group's turn to the end: the time on the wire, not the wait for the turn.
     let span = tracing::info_span!(
         target: "flotilla::comm",
@@ -646,6 +731,7 @@ async fn all_reduce_ordered(
     let started = std::time::Instant::now();
     let ctx = OpCtx::new(g, ticket, Op::AllReduce);
     let r = match algorithm {
+        Algorithm::Shm => shm_all_reduce(g, ticket, buf).instrument(span).await,
         Algorithm::Doubling => doubling::all_reduce(&ctx, buf).instrument(span).await,
         Algorithm::Rabenseifner => rabenseifner::all_reduce(&ctx, buf).instrument(span).await,
         Algorithm::Ring => ring::all_reduce(&ctx, buf).instrument(span).await,
@@ -654,9 +740,12 @@ async fn all_reduce_ordered(
     g.finish(r).await
 }
 
-/// Runs reduce-scatter `ticket` of group `g` in its turn: always the ring's first half, so
-/// each shard is summed in the order of the ring all-reduce (the doubling below
-/// [`CommConfig::small_all_reduce_bytes`] sums in another).
+/// Runs reduce-scatter `ticket` of group `g` in its turn, so that each shard holds the bits
+/// the group's all-reduce would leave there: on a group over shared memory the segment's
+/// all-reduce itself (every value summed in rank order; the rank then uses its shard only),
+/// else always the ring's first half, summed in the order of the ring all-reduce (the
+/// doubling and Rabenseifner's halving, picked below [`CommConfig::mid_all_reduce_bytes`],
+/// sum in others).
 async fn reduce_scatter_ordered(
     g: &GroupState,
     ticket: u64,
@@ -675,7 +764,11 @@ async fn reduce_scatter_ordered(
     if let Some(b) = bucket {
         span.record("bucket", b as u64);
     }
-    let ctx = OpCtx::new(g, ticket, Op::ReduceScatter);
-    let r = ring::reduce_scatter(&ctx, buf).instrument(span).await;
+    let r = if g.shm.is_some() {
+        shm_all_reduce(g, ticket, buf).instrument(span).await
+    } else {
+        let ctx = OpCtx::new(g, ticket, Op::ReduceScatter);
+        ring::reduce_scatter(&ctx, buf).instrument(span).await
+    };
     g.finish(r).await
 }

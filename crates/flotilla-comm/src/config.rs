@@ -1,6 +1,7 @@
 //! Communicator configuration.
 
 use std::fmt;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use flotilla_group::CommError;
@@ -52,6 +53,48 @@ pub enum WireFormat {
     /// `bf16` on the wire (half the bytes), accumulation stays in `f32`. Each hop rounds
     /// partial sums to bf16, so results are approximate (about 3 significant digits).
     Bf16,
+}
+
+/// Default of [`CommConfig::shm_chunk_bytes`]: 1 MiB per rank slot.
+pub const DEFAULT_SHM_CHUNK_BYTES: usize = 1 << 20;
+
+/// How the `f32` collectives of a group travel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory for every group whose members all share this host (by the host keys
+    /// of the rendezvous), TCP for the others.
+    #[default]
+    Auto,
+    /// TCP for everything (the ring and recursive doubling, as between hosts).
+    Tcp,
+    /// Shared memory, required: connecting fails unless every rank shares this host.
+    Shm,
+}
+
+impl std::str::FromStr for Transport {
+    type Err = CommError;
+
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Transport::Auto),
+            "tcp" => Ok(Transport::Tcp),
+            "shm" => Ok(Transport::Shm),
+            other => Err(CommError::Config(format!(
+                "transport {other:?}: expected auto, tcp or shm"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Transport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Transport::Auto => "auto",
+            Transport::Tcp => "tcp",
+            Transport::Shm => "shm",
+        })
+    }
 }
 
 /// Configuration of a [`crate::Communicator`].
@@ -123,6 +166,17 @@ pub struct CommConfig {
     pub runtime_threads: usize,
     /// Rejoin: how this process enters the job, and whether it lets replaced ranks in.
     pub rejoin: Rejoin,
+    /// How the `f32` collectives of a group travel: over a shared-memory segment when all
+    /// its members share a host ([`Transport::Auto`], the default), or always over TCP.
+    /// Every rank of a job must use the same value.
+    pub transport: Transport,
+    /// Directory of the shared-memory segments (`None`: `/dev/shm` when it has room for the
+    /// segment, else the system's temporary directory, a file-backed mapping). A segment's
+    /// file is removed as soon as every member has mapped it.
+    pub shm_dir: Option<PathBuf>,
+    /// Bytes of each rank's slot in a shared-memory segment: an all-reduce goes through it
+    /// in chunks of this size (double-buffered). A multiple of 4096, at least 4096.
+    pub shm_chunk_bytes: usize,
     /// With [`Rejoin::Join`]: the ranks other than 0 the replacement connects to (its
     /// parameter servers); rank 0 is always reached first.
     pub rejoin_links: Vec<usize>,
@@ -169,6 +223,9 @@ impl fmt::Debug for CommConfig {
             .field("socket_buffer_bytes", &self.socket_buffer_bytes)
             .field("runtime_threads", &self.runtime_threads)
             .field("rejoin", &self.rejoin)
+            .field("transport", &self.transport)
+            .field("shm_dir", &self.shm_dir)
+            .field("shm_chunk_bytes", &self.shm_chunk_bytes)
             .field("rejoin_links", &self.rejoin_links)
             .finish()
     }
@@ -200,6 +257,9 @@ impl Default for CommConfig {
             runtime_threads: 1,
             rejoin: Rejoin::Off,
             rejoin_links: Vec::new(),
+            transport: Transport::Auto,
+            shm_dir: None,
+            shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
         }
     }
 }
@@ -237,7 +297,9 @@ impl CommConfig {
     /// `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
     /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES`,
-    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`.
+    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`,
+    /// `FLOTILLA_COMM_TRANSPORT` (`auto`|`tcp`|`shm`), `FLOTILLA_COMM_SHM_DIR`,
+    /// `FLOTILLA_COMM_SHM_CHUNK_BYTES`.
     pub fn from_env() -> Result<Self, CommError> {
         let world_size: usize = parse_env("WORLD_SIZE")?
             .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
@@ -293,8 +355,42 @@ impl CommConfig {
         if let Some(b) = parse_env("FLOTILLA_COMM_SOCKET_BUFFER_BYTES")? {
             cfg.socket_buffer_bytes = Some(b);
         }
+        cfg.apply_shm_env()?;
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// Applies the shared-memory variables of the environment (`FLOTILLA_COMM_TRANSPORT`,
+    /// `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`) over this config.
+    pub fn apply_shm_env(&mut self) -> Result<(), CommError> {
+        if let Some(t) = parse_env("FLOTILLA_COMM_TRANSPORT")? {
+            self.transport = t;
+        }
+        if let Some(d) = env_var("FLOTILLA_COMM_SHM_DIR") {
+            self.shm_dir = Some(PathBuf::from(d));
+        }
+        if let Some(c) = parse_env("FLOTILLA_COMM_SHM_CHUNK_BYTES")? {
+            self.shm_chunk_bytes = c;
+        }
+        Ok(())
+    }
+
+    /// Sets how the `f32` collectives travel.
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Sets the directory of the shared-memory segments.
+    pub fn with_shm_dir(mut self, dir: Option<PathBuf>) -> Self {
+        self.shm_dir = dir;
+        self
+    }
+
+    /// Sets the bytes of each rank's slot in a shared-memory segment.
+    pub fn with_shm_chunk_bytes(mut self, bytes: usize) -> Self {
+        self.shm_chunk_bytes = bytes;
+        self
     }
 
     /// Sets the per-wait timeout.
@@ -416,6 +512,15 @@ impl CommConfig {
             return bad(format!(
                 "small_all_reduce_bytes {} must be at most max_frame_bytes ({})",
                 self.small_all_reduce_bytes, self.max_frame_bytes
+            ));
+        }
+        if self.shm_chunk_bytes < 4096
+            || !self.shm_chunk_bytes.is_multiple_of(4096)
+            || self.shm_chunk_bytes > u32::MAX as usize
+        {
+            return bad(format!(
+                "shm_chunk_bytes {} must be a multiple of 4096 in 4096..=u32::MAX",
+                self.shm_chunk_bytes
             ));
         }
         if self.runtime_threads == 0 {

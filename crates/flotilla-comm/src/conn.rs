@@ -28,6 +28,8 @@ pub(crate) struct Stats {
     pub frames_received: AtomicU64,
     /// Frames written LZ4-compressed (see [`Compression::Lz4`]).
     pub frames_compressed: AtomicU64,
+    /// Bytes copied into shared-memory segments (`crate::shm`).
+    pub shm_bytes: AtomicU64,
 }
 
 /// An abort notice from a peer: (rank, reason). Shared by all connections.

@@ -1,5 +1,5 @@
-//! flotilla-comm: Flotilla's TCP transport, one backend of the process-group interface
-//! (`flotilla_group`).
+//! flotilla-comm: Flotilla's TCP transport (with shared memory between ranks of one host),
+//! one backend of the process-group interface (`flotilla_group`).
 //!
 //! It moves flat `f32` buffers and bytes between the processes of a training job and never
 //! depends on the tensor engine. The API is blocking (one training thread per process); a
@@ -24,6 +24,10 @@
 //!   with compute, integer and bit-set reductions), tagged point-to-point `send` into the
 //!   process's mailbox, and sub-groups (`split`, `group`) with their own sequence space over
 //!   the same connections.
+//! * Shared memory (`shm`): the `f32` all-reduce and broadcast of a group whose members all
+//!   share this host (host keys exchanged at the rendezvous; threads of
+//!   [`Communicator::in_memory`] share one) go through a shared segment instead
+//!   ([`Transport`], [`CommConfig::shm_dir`]); everything else stays on the connections.
 //!
 //! All members of a group must issue its collectives in the same order; see
 //! [`flotilla_group::group`] for the ordering invariant and [`Communicator`] for the failure
@@ -49,6 +53,7 @@ pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod host;
 mod net;
 mod op;
 mod pipe;
@@ -58,6 +63,8 @@ mod reduce;
 mod rendezvous;
 mod ring;
 mod secret;
+mod segment;
+mod shm;
 mod stream;
 pub mod tls;
 mod wire;
@@ -66,7 +73,7 @@ mod world;
 pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
-    DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, WireFormat,
+    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, Transport, WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,

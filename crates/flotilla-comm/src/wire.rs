@@ -4,7 +4,7 @@ use flotilla_group::RendezvousError;
 use serde::{Deserialize, Serialize};
 
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
-pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 2;
+pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 3;
 
 /// A control-channel message.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -16,12 +16,16 @@ pub(crate) enum Ctrl {
         world_size: usize,
         config_hash: u64,
         mesh_addr: String,
+        /// The rank's host key (`crate::host::host_key`; empty: unknown).
+        host: String,
     },
-    /// Rank 0 -> rank r: accepted; `peers[i]` is rank i's mesh address.
+    /// Rank 0 -> rank r: accepted; `peers[i]` is rank i's mesh address, `hosts[i]` its host
+    /// key.
     Welcome {
         rank: usize,
         session: u64,
         peers: Vec<String>,
+        hosts: Vec<String>,
     },
     /// Rank 0 -> rank r: the rendezvous failed.
     Reject(RendezvousError),

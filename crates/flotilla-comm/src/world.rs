@@ -3,7 +3,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use flotilla_group::{CommError, Members};
@@ -13,6 +13,8 @@ use tokio::sync::watch;
 use crate::config::CommConfig;
 use crate::conn::{Conn, Endpoint};
 use crate::frame::{Op, channel};
+use crate::host;
+use crate::segment::Segment;
 use crate::wire::Ctrl;
 
 /// What every group of one process shares: connections, mailbox, failure state.
@@ -28,6 +30,18 @@ pub(crate) struct World {
     pub(crate) poisoned: Mutex<Option<CommError>>,
     pub(crate) collectives: AtomicU64,
     pub(crate) handle: Handle,
+    /// The job's session nonce (names the shared-memory segments).
+    pub(crate) session: u64,
+    /// Each rank's host key, from the rendezvous (empty: unknown).
+    hosts: Vec<String>,
+    /// The shared-memory segments of this process's groups (to wake them on an abort).
+    segments: Mutex<Vec<Weak<Segment>>>,
+}
+
+/// Where a world's ranks are: the job's session and each rank's host key.
+pub(crate) struct Site {
+    pub(crate) session: u64,
+    pub(crate) hosts: Vec<String>,
 }
 
 /// One group's state: members and its own collective sequence space.
@@ -43,6 +57,9 @@ pub(crate) struct GroupState {
     pub(crate) derived: Mutex<HashMap<Vec<u8>, u64>>,
     /// When each unfinished collective was issued (for the stall inspector).
     open: Mutex<BTreeMap<u64, Instant>>,
+    /// The group's shared-memory segment (set up by its first `f32` collective), when its
+    /// members share a host and the transport allows it; `None`: TCP.
+    pub(crate) shm: Option<OnceLock<Arc<Segment>>>,
 }
 
 /// Advances the collective turn when dropped (also on error or cancellation).
@@ -69,10 +86,14 @@ impl World {
         peers: Vec<Option<Arc<Conn>>>,
         ep: Arc<Endpoint>,
         handle: Handle,
+        site: Site,
     ) -> Self {
         World {
             rank,
             cfg,
+            session: site.session,
+            hosts: site.hosts,
+            segments: Mutex::new(Vec::new()),
             generations: peers.iter().map(|_| AtomicU64::new(0)).collect(),
             peers: peers.into_iter().map(RwLock::new).collect(),
             ep,
@@ -140,6 +161,32 @@ impl World {
         }
     }
 
+    /// Whether a group of `members` (world ranks) exchanges `f32` collectives through
+    /// shared memory: more than one member, all on this host, transport not `tcp`.
+    pub(crate) fn uses_shm(&self, members: &[usize]) -> bool {
+        members.len() > 1
+            && self.cfg.transport != crate::config::Transport::Tcp
+            && host::all_local(&self.hosts, members)
+            && members
+                .iter()
+                .all(|&w| w == self.rank || self.conn(w).is_ok_and(|c| !c.point_to_point_only()))
+    }
+
+    /// Remembers a group's segment (so that an abort wakes its waiters).
+    pub(crate) fn add_segment(&self, seg: &Arc<Segment>) {
+        let mut s = self.segments.lock().unwrap_or_else(|p| p.into_inner());
+        s.retain(|w| w.strong_count() > 0);
+        s.push(Arc::downgrade(seg));
+    }
+
+    /// Marks every segment of the process aborted, waking the waiters of every member.
+    pub(crate) fn abort_segments(&self, reason: &str) {
+        let s = self.segments.lock().unwrap_or_else(|p| p.into_inner());
+        for seg in s.iter().filter_map(Weak::upgrade) {
+            seg.abort(reason);
+        }
+    }
+
     /// How many times `peer` rejoined.
     pub(crate) fn generation(&self, peer: usize) -> u64 {
         self.generations
@@ -151,7 +198,9 @@ impl World {
 impl GroupState {
     /// The state of a group of `members` (world ranks) with key `key`.
     pub(crate) fn new(world: Arc<World>, key: u64, members: Members) -> Arc<Self> {
+        let shm = world.uses_shm(members.world_ranks()).then(OnceLock::new);
         Arc::new(Self {
+            shm,
             world,
             key,
             members,

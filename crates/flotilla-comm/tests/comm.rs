@@ -1,4 +1,6 @@
-//! End-to-end tests: every rank is a thread with its own Communicator over 127.0.0.1.
+//! End-to-end tests: every rank is a thread with its own Communicator over 127.0.0.1, with
+//! `transport: tcp` (the ring, the doubling and the wire; `tests/shm.rs` has the shared
+//! memory that `auto` picks for ranks of one host).
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -8,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_comm::{
     CommConfig, CommError, CommStats, Communicator, Compression, ProcessGroup, RendezvousError,
-    Secret, WireFormat,
+    Secret, Transport, WireFormat,
 };
 
 /// Upper bound for any single test world.
@@ -26,6 +28,7 @@ fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
         .with_master("127.0.0.1", port)
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(10))
+        .with_transport(Transport::Tcp)
 }
 
 /// Runs `procs` (one per process: its config) as threads; rank 0 (the config with

@@ -11,7 +11,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{f32_tolerance, mix, ok, value, world};
-use flotilla_comm::{CommConfig, ProcessGroup, WireFormat};
+use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Up to this many bytes: recursive doubling.
 const SMALL: usize = 4 << 10;
@@ -27,6 +27,7 @@ fn cfg(n: usize) -> CommConfig {
         .with_chunk_bytes(MID)
         .with_small_all_reduce_bytes(SMALL)
         .with_mid_all_reduce_bytes(MID)
+        .with_transport(Transport::Tcp)
 }
 
 /// `log2` of the largest power of two `<= n`.

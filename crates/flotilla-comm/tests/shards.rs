@@ -3,7 +3,8 @@
 //! lengths below the world size: each rank's `flotilla_group::shard` against the serial sum
 //! (exact, on values whose sums are exact), bitwise against the ring all-reduce's same shard
 //! (values whose sums round, f32 and bf16 on the wire), and the gathered buffer against
-//! every rank's shard put in place; in-memory and over 127.0.0.1.
+//! every rank's shard put in place; in-memory and over 127.0.0.1. Over shared memory
+//! (ranks of one host) the shard has the bits of the segment's all-reduce.
 
 use std::net::TcpListener;
 use std::sync::Arc;
@@ -11,17 +12,22 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, WireFormat, shard};
+use flotilla_comm::{
+    CommConfig, CommError, Communicator, ProcessGroup, Transport, WireFormat, shard,
+};
 
 const TEST_DEADLINE: Duration = Duration::from_secs(60);
 
 fn cfg(n: usize) -> CommConfig {
-    // Every all-reduce on the ring (no doubling), in small chunks so segments pipeline.
+    // Every all-reduce on the TCP ring (no doubling, no Rabenseifner), in small chunks so
+    // segments pipeline.
     CommConfig::new(Some(0), n)
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(10))
         .with_chunk_bytes(1024)
         .with_small_all_reduce_bytes(0)
+        .with_mid_all_reduce_bytes(0)
+        .with_transport(Transport::Tcp)
 }
 
 /// Runs `body` on every rank of an `n`-rank world (threads; `tcp`: sockets over loopback).
@@ -149,9 +155,9 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
     }
 }
 
-/// The shard of a reduce-scatter has the bits the ring all-reduce gives it, and
+/// The shard of a reduce-scatter has the bits the group's all-reduce gives it, and
 /// reduce-scatter then all-gather is the all-reduce, bit for bit.
-fn matches_the_ring(n: usize, tcp: bool, c: CommConfig) {
+fn matches_the_all_reduce(n: usize, tcp: bool, c: CommConfig) {
     let got = world(n, tcp, c, |c| {
         let mut outs = Vec::new();
         for len in LENGTHS {
@@ -184,12 +190,19 @@ fn matches_the_ring(n: usize, tcp: bool, c: CommConfig) {
 #[test]
 fn shards_are_bitwise_the_ring_all_reduce_in_memory() {
     for n in 1..=5 {
-        matches_the_ring(n, false, cfg(n));
+        matches_the_all_reduce(n, false, cfg(n));
     }
 }
 
 #[test]
 fn shards_are_bitwise_the_ring_all_reduce_over_tcp_and_bf16() {
-    matches_the_ring(3, true, cfg(3));
-    matches_the_ring(4, false, cfg(4).with_wire_format(WireFormat::Bf16));
+    matches_the_all_reduce(3, true, cfg(3));
+    matches_the_all_reduce(4, false, cfg(4).with_wire_format(WireFormat::Bf16));
+}
+
+#[test]
+fn shards_are_bitwise_the_shared_memory_all_reduce() {
+    for n in 1..=5 {
+        matches_the_all_reduce(n, false, cfg(n).with_transport(Transport::Shm));
+    }
 }

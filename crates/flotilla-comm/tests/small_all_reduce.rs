@@ -9,7 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::{f32_tolerance, mix, ok, value, world};
-use flotilla_comm::{CommConfig, ProcessGroup, WireFormat};
+use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Every f32 all-reduce of the tests fits under this threshold.
 const SMALL: usize = 64 << 10;
@@ -20,6 +20,7 @@ fn cfg(n: usize) -> CommConfig {
         .with_join_timeout(Duration::from_secs(10))
         .with_chunk_bytes(4096)
         .with_small_all_reduce_bytes(SMALL)
+        .with_transport(Transport::Tcp)
 }
 
 /// Lengths of the cases on `n` ranks: 0, 1, fewer than `n`, random ones up to the threshold.

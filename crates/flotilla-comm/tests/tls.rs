@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use flotilla_comm::frame::{FrameHeader, HEADER_LEN, Op, channel};
 use flotilla_comm::{
     CommConfig, CommError, Communicator, PeerName, ProcessGroup, RendezvousError, Secret,
-    TlsConfig, TlsFiles,
+    TlsConfig, TlsFiles, Transport,
 };
 
 fn tempdir(tag: &str) -> PathBuf {
@@ -62,6 +62,8 @@ fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
         .with_master("127.0.0.1", port)
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(10))
+        // What these tests watch is the TLS wire (ranks of one host would share memory).
+        .with_transport(Transport::Tcp)
 }
 
 /// The error of a connect that must fail.

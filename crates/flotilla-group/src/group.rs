@@ -47,6 +47,9 @@ pub struct CommStats {
     pub frames_compressed: u64,
     /// Collectives issued so far in all groups (blocking and asynchronous).
     pub collectives: u64,
+    /// Bytes this rank copied into shared-memory segments (`flotilla_comm`'s transport
+    /// between ranks of one host; 0 for other backends).
+    pub shm_bytes: u64,
 }
 
 /// Element-wise reduction of integer buffers.

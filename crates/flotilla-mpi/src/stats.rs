@@ -43,6 +43,8 @@ impl Counters {
             // MPI moves payloads as they are: nothing is ever compressed.
             frames_compressed: 0,
             collectives: self.collectives.load(Ordering::Relaxed),
+            // MPI's own shared memory is not Flotilla's segment.
+            shm_bytes: 0,
         }
     }
 }

@@ -1,6 +1,7 @@
-//! `flotilla bench allreduce`: the TCP all-reduce's bandwidth (recursive doubling,
-//! Rabenseifner's or the ring by size) over 127.0.0.1 against the loopback TCP bandwidth measured in the same run; the
-//! worker lines and the TCP rows that `--backend mpi` (`crate::bench_mpi`) also uses.
+//! `flotilla bench allreduce`: the all-reduce's bandwidth of the TCP backend between local
+//! ranks, by transport (`--transport`: shared memory, or recursive doubling, Rabenseifner's
+//! and the ring by size over 127.0.0.1), against the loopback TCP bandwidth measured in the
+//! same run; the worker lines and the rows that `--backend mpi` (`crate::bench_mpi`) also uses.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};
@@ -9,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_comm::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup, WireFormat};
+use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Transport, WireFormat};
 
 use crate::cli::BenchAllreduceArgs;
 use crate::launch::{LocalJob, Stream, free_port};
@@ -149,14 +150,20 @@ pub fn check_ranks(args: &BenchAllreduceArgs) -> Result<()> {
     }
 }
 
-/// `flotilla bench allreduce` (TCP).
+/// The labels of a worker's rows: the transport it used.
+const USED: [&str; 2] = ["shm", "tcp"];
+
+/// `flotilla bench allreduce` (TCP backend, each requested transport).
 pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
     check_ranks(args)?;
     let reference = loopback_bandwidth(1 << 30)?;
     println!(
-        "# flotilla bench allreduce: all-reduce of f32 buffers over 127.0.0.1 \
-         (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, default {} KiB; \
-         Rabenseifner's up to FLOTILLA_COMM_MID_ALL_REDUCE_BYTES, default {} MiB; the ring above)",
+        "# flotilla bench allreduce: all-reduce of f32 buffers between local ranks; transport \
+         shm: a shared-memory segment (chunks of FLOTILLA_COMM_SHM_CHUNK_BYTES, default {} KiB \
+         per rank); tcp: 127.0.0.1 (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, \
+         default {} KiB; Rabenseifner's up to FLOTILLA_COMM_MID_ALL_REDUCE_BYTES, default {} MiB; \
+         the ring above); auto: shm between ranks of one host",
+        flotilla_comm::DEFAULT_SHM_CHUNK_BYTES >> 10,
         flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
         flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 20
     );
@@ -168,30 +175,51 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
         std::thread::available_parallelism().map_or(1, |n| n.get())
     );
     println!(
-        "{:>6} {:>10} {:>6} {:>12} {:>12} {:>12} {:>9}",
-        "ranks", "size", "iters", "time_us", "algbw_GB/s", "busbw_GB/s", "busbw/B"
+        // The transport last: scripts read the size and busbw columns by position.
+        "{:>6} {:>10} {:>6} {:>12} {:>12} {:>12} {:>9} {:>10}",
+        "ranks", "size", "iters", "time_us", "algbw_GB/s", "busbw_GB/s", "busbw/B", "transport"
     );
+    let requested = if args.transport.is_empty() {
+        vec!["auto".to_string()]
+    } else {
+        args.transport.clone()
+    };
     for &n in &args.ranks {
-        for r in tcp_rows(args, n)? {
-            println!(
-                "{:>6} {:>10} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>9.2}",
-                n,
-                format_bytes(r.bytes),
-                r.iters,
-                r.secs * 1e6,
-                r.algbw,
-                r.busbw,
-                r.busbw / reference
-            );
+        for t in &requested {
+            for (used, r) in rows(args, n, t.parse()?)? {
+                let shown = if *t == used {
+                    used
+                } else {
+                    format!("{t}:{used}")
+                };
+                println!(
+                    "{:>6} {:>10} {:>6} {:>12.1} {:>12.3} {:>12.3} {:>9.2} {:>10}",
+                    n,
+                    format_bytes(r.bytes),
+                    r.iters,
+                    r.secs * 1e6,
+                    r.algbw,
+                    r.busbw,
+                    r.busbw / reference,
+                    shown
+                );
+            }
         }
     }
     Ok(())
 }
 
-/// The TCP ring's rows with `n` local ranks.
-pub fn tcp_rows(args: &BenchAllreduceArgs, n: usize) -> Result<Vec<Row>> {
+/// The rows of the TCP backend with `n` local ranks over `transport`, each with the
+/// transport the job used (`shm` or `tcp`).
+pub fn rows(
+    args: &BenchAllreduceArgs,
+    n: usize,
+    transport: Transport,
+) -> Result<Vec<(String, Row)>> {
     let port = free_port()?;
-    let mut job = LocalJob::spawn(n, &worker_args(args, "tcp")?, |rank| {
+    let mut worker = worker_args(args, "tcp")?;
+    worker.extend(["--transport".into(), transport.to_string().into()]);
+    let mut job = LocalJob::spawn(n, &worker, |rank| {
         vec![
             ("RANK".into(), rank.to_string()),
             ("WORLD_SIZE".into(), n.to_string()),
@@ -203,7 +231,10 @@ pub fn tcp_rows(args: &BenchAllreduceArgs, n: usize) -> Result<Vec<Row>> {
     let mut rows = Vec::new();
     job.supervise(Some(Duration::from_secs(1800)), &mut |line| {
         if line.stream == Stream::Stdout && line.rank == 0 {
-            rows.extend(Row::parse(&line.text, "tcp"));
+            let parsed = USED
+                .iter()
+                .find_map(|u| Row::parse(&line.text, u).map(|r| (u.to_string(), r)));
+            rows.extend(parsed);
         } else if line.stream == Stream::Stderr {
             eprintln!("[rank {}] {}", line.rank, line.text);
         }
@@ -220,18 +251,27 @@ pub fn options(args: &BenchAllreduceArgs) -> Result<BenchOptions> {
     })
 }
 
-/// One TCP rank of the benchmark (started by [`run`]).
+/// One rank of the TCP backend's benchmark (started by [`run`]); its rows carry the
+/// transport it used.
 pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     let opts = options(args)?;
     let mut cfg = CommConfig::from_env()?;
     if args.bf16 {
         cfg.wire_format = WireFormat::Bf16;
     }
+    if let Some(t) = args.transport.first() {
+        cfg.transport = t.parse()?;
+    }
     let comm = Communicator::connect(cfg)?;
     let rows = run_allreduce(&comm, &opts)?;
+    let used = if comm.stats().shm_bytes > 0 {
+        "shm"
+    } else {
+        "tcp"
+    };
     if comm.rank() == 0 {
         for r in &rows {
-            println!("{}", Row::line("tcp", r));
+            println!("{}", Row::line(used, r));
         }
     }
     Ok(())

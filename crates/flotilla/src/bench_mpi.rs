@@ -36,7 +36,10 @@ pub fn table(args: &BenchAllreduceArgs) -> Result<()> {
         "tcp/ompi"
     );
     for &n in &args.ranks {
-        let tcp = crate::bench_allreduce::tcp_rows(args, n)?;
+        let tcp: Vec<_> = crate::bench_allreduce::rows(args, n, flotilla_comm::Transport::Tcp)?
+            .into_iter()
+            .map(|(_, r)| r)
+            .collect();
         let (mpi, raw) = mpirun_rows(args, n)?;
         for m in &mpi {
             let t = tcp.iter().find(|r| r.bytes == m.bytes);

@@ -221,6 +221,12 @@ pub struct BenchAllreduceArgs {
     /// to Open MPI's own MPI_Allreduce (a binary built with `--features mpi`).
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "mpi"])]
     pub backend: String,
+    /// Transports of the TCP backend to measure, each in its own job, e.g. `tcp,shm`:
+    /// `auto` (shared memory between ranks of this host; the default unless
+    /// FLOTILLA_COMM_TRANSPORT says otherwise), `tcp` (the ring and recursive doubling over
+    /// 127.0.0.1) or `shm`.
+    #[arg(long, value_delimiter = ',', value_parser = ["auto", "tcp", "shm"])]
+    pub transport: Vec<String>,
 }
 
 /// `flotilla bench step`.

@@ -100,9 +100,19 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     };
     let (one, _) = run(dir.path(), "n1", &ar(1, 32, ""));
     assert_moved("1 rank", &one, &init);
-    let (two, two_log) = run(dir.path(), "n2", &ar(2, 16, ""));
-    let (four, _) = run(dir.path(), "n4", &ar(4, 8, ""));
-    for (name, t) in [("2 ranks", &two), ("4 ranks", &four)] {
+    // Ranks of one host share memory by default (`transport: auto`).
+    let (shm, shm_log) = run(dir.path(), "n2-shm", &ar(2, 16, ""));
+    let (four, four_log) = run(dir.path(), "n4-shm", &ar(4, 8, ""));
+    let tcp = "transport: tcp\n";
+    let (two, two_log) = run(dir.path(), "n2", &ar(2, 16, tcp));
+    let (four_tcp, _) = run(dir.path(), "n4", &ar(4, 8, tcp));
+    let all = [
+        ("2 ranks shm", &shm),
+        ("4 ranks shm", &four),
+        ("2 ranks tcp", &two),
+        ("4 ranks tcp", &four_tcp),
+    ];
+    for (name, t) in all {
         assert_moved(name, t, &init);
         // The same global batch, summed in another order: f32 rounding only.
         let e = relative_error(t, &one);
@@ -119,10 +129,25 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
             "{name}"
         );
     }
+    // Two ranks add a + b over shared memory and over TCP alike: the same bits. The
+    // gradients went through the segment (the TCP run copied nothing into one).
+    assert_bitwise("2 ranks: shared memory vs tcp", &shm, &two);
+    for (name, log) in [("2 ranks", &shm_log), ("4 ranks", &four_log)] {
+        assert!(
+            traffic(log, "shm_bytes") > 0,
+            "{name}: nothing went through shm"
+        );
+    }
+    assert_eq!(traffic(&two_log, "shm_bytes"), 0, "transport: tcp used shm");
 
     // lz4 changes the bytes on the wire, never the values; and it did compress frames
     // (which the uncompressed run never does).
-    let (lz4, lz4_log) = run(dir.path(), "lz4", &ar(2, 16, "compression: lz4\n"));
+    // (Over TCP: nothing is compressed or rounded on its way through shared memory.)
+    let (lz4, lz4_log) = run(
+        dir.path(),
+        "lz4",
+        &ar(2, 16, "compression: lz4\ntransport: tcp\n"),
+    );
     assert_bitwise("lz4 vs uncompressed", &lz4, &two);
     let (zipped, plain) = (
         traffic(&lz4_log, "frames_compressed"),
@@ -136,7 +161,11 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     // bf16 on the wire rounds every gradient to 8 significant bits (the all-reduce's own
     // bound is tested in flotilla-comm): the run is not the f32 one, but it trains along the
     // same path, far closer to it than to where both started, for about half the bytes.
-    let (bf16, bf16_log) = run(dir.path(), "bf16", &ar(2, 16, "wire_format: bf16\n"));
+    let (bf16, bf16_log) = run(
+        dir.path(),
+        "bf16",
+        &ar(2, 16, "wire_format: bf16\ntransport: tcp\n"),
+    );
     assert_moved("bf16", &bf16, &init);
     let (e, moved) = (relative_error(&bf16, &two), relative_error(&two, &init));
     assert!(

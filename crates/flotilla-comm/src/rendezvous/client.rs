@@ -25,6 +25,7 @@ struct Welcome {
     rank: usize,
     session: u64,
     peers: Vec<String>,
+    hosts: Vec<String>,
 }
 
 /// A non-zero rank's side of the rendezvous.
@@ -60,6 +61,7 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
         world_size: cfg.world_size,
         config_hash: cfg.config_hash,
         mesh_addr,
+        host: crate::host::host_key(),
     };
     send_ctrl(&mut master, &join)
         .await
@@ -98,6 +100,8 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
         rank: w.rank,
         streams,
         rejoins,
+        session: w.session,
+        hosts: w.hosts,
     })
 }
 
@@ -175,38 +179,46 @@ async fn await_welcome(
     grace: Duration,
 ) -> Result<Welcome, CommError> {
     let op = "rendezvous (join)";
-    let (rank, session, peers) = match recv_ctrl(master, deadline, cfg, master_peer, op).await {
-        Ok(Ctrl::Welcome {
-            rank,
-            session,
-            peers,
-        }) => (rank, session, peers),
-        Ok(Ctrl::Reject(re)) => return Err(re.into()),
-        Ok(other) => {
-            return Err(CommError::BadFrame {
-                peer: master_peer.clone(),
-                detail: format!("expected Welcome, got {other:?}"),
-            });
-        }
-        Err(CommError::Timeout { .. }) => {
-            return Err(CommError::Timeout {
-                peer: 0,
-                op: "rendezvous (waiting for all ranks to join)".into(),
-                after: cfg.join_timeout + grace,
-            });
-        }
-        Err(e) => return Err(e),
-    };
-    if rank == 0 || rank >= cfg.world_size || peers.len() != cfg.world_size {
+    let (rank, session, peers, hosts) =
+        match recv_ctrl(master, deadline, cfg, master_peer, op).await {
+            Ok(Ctrl::Welcome {
+                rank,
+                session,
+                peers,
+                hosts,
+            }) => (rank, session, peers, hosts),
+            Ok(Ctrl::Reject(re)) => return Err(re.into()),
+            Ok(other) => {
+                return Err(CommError::BadFrame {
+                    peer: master_peer.clone(),
+                    detail: format!("expected Welcome, got {other:?}"),
+                });
+            }
+            Err(CommError::Timeout { .. }) => {
+                return Err(CommError::Timeout {
+                    peer: 0,
+                    op: "rendezvous (waiting for all ranks to join)".into(),
+                    after: cfg.join_timeout + grace,
+                });
+            }
+            Err(e) => return Err(e),
+        };
+    let n = cfg.world_size;
+    if rank == 0 || rank >= n || peers.len() != n || hosts.len() != n {
         return Err(CommError::BadFrame {
             peer: master_peer.clone(),
-            detail: format!("invalid welcome: rank {rank}, {} peers", peers.len()),
+            detail: format!(
+                "invalid welcome: rank {rank}, {} peers, {} hosts",
+                peers.len(),
+                hosts.len()
+            ),
         });
     }
     Ok(Welcome {
         rank,
         session,
         peers,
+        hosts,
     })
 }
 

@@ -25,6 +25,8 @@ struct Member {
     stream: Stream,
     addr: SocketAddr,
     mesh_addr: String,
+    /// Its host key.
+    host: String,
 }
 
 /// An accepted connection and its first message (`Err(None)`: closed or silent; no stream:
@@ -44,14 +46,15 @@ pub(super) async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Me
         linger(listener, re, cfg.join_timeout.min(Duration::from_secs(5)));
         return Err(e);
     }
-    let (members, peers) = admission.assign_ranks();
+    let (members, peers, hosts) = admission.assign_ranks();
     let (mut readers, mut writers) = split_streams(members);
-    let session = welcome(cfg, &mut writers, peers.clone()).await?;
+    let session: u64 = rand::random();
+    welcome(cfg, &mut writers, session, &peers, &hosts).await?;
     // Kept open for ranks that rejoin the running job, when the job lets them.
     let rejoins = (cfg.rejoin == Rejoin::Accept).then_some(super::Rejoins {
         listener,
         session,
-        peers,
+        peers: peers.clone(),
     });
     await_ready(cfg, &mut readers, &mut writers).await?;
     let streams = go(cfg, readers, writers).await?;
@@ -60,6 +63,8 @@ pub(super) async fn master(cfg: &CommConfig, listener: TcpListener) -> Result<Me
         rank: 0,
         streams,
         rejoins,
+        session,
+        hosts,
     })
 }
 
@@ -154,7 +159,7 @@ impl<'a> Admission<'a> {
         addr: SocketAddr,
         res: Result<Ctrl, Option<CommError>>,
     ) -> Option<Failure> {
-        let (protocol, rank, world_size, config_hash, mesh_addr) = match res {
+        let (protocol, rank, world_size, config_hash, mesh_addr, host) = match res {
             Err(None) => {
                 tracing::debug!(%addr, "connection closed or silent before joining; ignored");
                 return None;
@@ -183,7 +188,8 @@ impl<'a> Admission<'a> {
                 world_size,
                 config_hash,
                 mesh_addr,
-            }) => (protocol, rank, world_size, config_hash, mesh_addr),
+                host,
+            }) => (protocol, rank, world_size, config_hash, mesh_addr, host),
             Ok(other) => {
                 let kind = format!("{other:?}");
                 let kind = kind.split([' ', '{', '(']).next().unwrap_or_default();
@@ -210,6 +216,7 @@ impl<'a> Admission<'a> {
             stream,
             addr,
             mesh_addr,
+            host,
         };
         match rank {
             Some(r) => self.slots[r] = Some(m),
@@ -281,8 +288,9 @@ impl<'a> Admission<'a> {
     }
 
     /// Step 3: processes that did not ask for a rank take the lowest free ones. Returns the
-    /// members by rank and the peer table (each rank's mesh address).
-    fn assign_ranks(self) -> (Vec<Option<Member>>, Vec<String>) {
+    /// members by rank, the peer table (each rank's mesh address) and each rank's host key
+    /// (rank 0's own first).
+    fn assign_ranks(self) -> (Vec<Option<Member>>, Vec<String>, Vec<String>) {
         let (mut slots, mut anon) = (self.slots, self.anon.into_iter());
         for slot in slots.iter_mut().skip(1) {
             if slot.is_none() {
@@ -293,7 +301,12 @@ impl<'a> Admission<'a> {
             .iter()
             .map(|s| s.as_ref().map(|m| m.mesh_addr.clone()).unwrap_or_default())
             .collect();
-        (slots, table)
+        let mut hosts: Vec<String> = slots
+            .iter()
+            .map(|s| s.as_ref().map(|m| m.host.clone()).unwrap_or_default())
+            .collect();
+        hosts[0] = crate::host::host_key();
+        (slots, table, hosts)
     }
 }
 
@@ -314,13 +327,14 @@ fn split_streams(slots: Vec<Option<Member>>) -> (Readers, Writers) {
         .unzip()
 }
 
-/// Sends every rank its `Welcome` with the peer table; returns the session.
+/// Sends every rank its `Welcome` with the session, the peer table and the host keys.
 async fn welcome(
     cfg: &CommConfig,
     writers: &mut Writers,
-    peers: Vec<String>,
-) -> Result<u64, CommError> {
-    let session: u64 = rand::random();
+    session: u64,
+    peers: &[String],
+    hosts: &[String],
+) -> Result<(), CommError> {
     let deadline = Instant::now() + cfg.timeout;
     for rank in 0..writers.len() {
         let Some(w) = writers[rank].as_mut() else {
@@ -329,7 +343,8 @@ async fn welcome(
         let msg = Ctrl::Welcome {
             rank,
             session,
-            peers: peers.clone(),
+            peers: peers.to_vec(),
+            hosts: hosts.to_vec(),
         };
         let sent = timeout_at(deadline, send_ctrl(w, &msg)).await;
         if !matches!(sent, Ok(Ok(()))) {
@@ -345,7 +360,7 @@ async fn welcome(
             return Err(e);
         }
     }
-    Ok(session)
+    Ok(())
 }
 
 /// Waits until every rank reports its mesh `Ready`; the first other answer fails them all.

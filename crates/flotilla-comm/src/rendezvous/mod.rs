@@ -13,14 +13,16 @@
 //!    sends is read, and frames from an unauthenticated peer are read with a small limit.
 //! 1. Every rank other than 0 binds a mesh listener, connects to `master_addr:master_port`
 //!    (retrying with backoff until `join_timeout`, since rank 0 may start later),
-//!    authenticates, and sends `Join { rank, world_size, config_hash, mesh_addr }`.
+//!    authenticates, and sends `Join { rank, world_size, config_hash, mesh_addr, host }`
+//!    (`host`: its host key, [`crate::host::host_key`]).
 //! 2. Rank 0 checks each join as it arrives (authentication, protocol version, world size,
 //!    rank range, config hash, duplicate rank). A join that fails is told why
 //!    (`Reject(error)` naming it), logged and remembered; rank 0 keeps waiting. If not all
 //!    ranks joined by `join_timeout`, everybody gets a `JoinTimeout` naming the missing
 //!    ranks and what was refused meanwhile.
 //! 3. Rank 0 assigns ranks to processes that did not ask for one (lowest free first) and
-//!    sends `Welcome { rank, session, peers }`. The connection to rank 0 stays open and
+//!    sends `Welcome { rank, session, peers, hosts }` (every rank's mesh address and host
+//!    key: the groups whose members share a host exchange through shared memory). The connection to rank 0 stays open and
 //!    becomes the data connection between rank 0 and that rank.
 //! 4. Rank r (r >= 1) connects to every rank 1 <= j < r and accepts from every j > r, with a
 //!    `Hello { session, from, to }` / `HelloAck` handshake (after authentication), then reports `Ready` (or
@@ -54,6 +56,10 @@ pub(crate) struct Mesh {
     pub rank: usize,
     pub streams: Vec<Option<Stream>>,
     pub rejoins: Option<Rejoins>,
+    /// The job's session nonce (rank 0's random number, the same on every rank).
+    pub session: u64,
+    /// Each rank's host key (empty for a rejoined rank: it never shares memory).
+    pub hosts: Vec<String>,
 }
 
 /// What a rank that takes lost ranks back keeps from the rendezvous: its listener (rank 0's

@@ -84,6 +84,8 @@ pub(super) async fn join(cfg: &CommConfig) -> Result<Mesh, CommError> {
         rank,
         streams,
         rejoins: None,
+        session,
+        hosts: Vec::new(),
     })
 }
 

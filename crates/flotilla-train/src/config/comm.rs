@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_comm::{CommConfig, Compression, Secret, WireFormat};
+use flotilla_comm::{CommConfig, Compression, Secret, Transport, WireFormat};
 use serde::{Deserialize, Serialize};
 
 use super::{TlsSetting, TrainConfig};
@@ -67,13 +67,22 @@ pub struct CommSection {
     /// Gradient fusion bucket size in MiB.
     pub bucket_mb: f64,
     /// All-reduces of at most this many KiB take recursive doubling (`log2 n` steps)
-    /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (TCP backend).
+    /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (over TCP).
     pub small_all_reduce_kb: usize,
     /// All-reduces above `small_all_reduce_kb` and of at most this many KiB take
     /// Rabenseifner's algorithm (reduce-scatter by recursive halving, all-gather by
     /// recursive doubling: `2 log2 n` steps, the ring's bytes) instead of the ring; 0: none
     /// (TCP backend).
     pub mid_all_reduce_kb: usize,
+    /// How the `f32` all-reduces and broadcasts of a group travel (TCP backend): `auto`
+    /// (default: a shared-memory segment for every group whose ranks share a host, TCP
+    /// between hosts), `tcp` (always TCP) or `shm` (shared memory, required: every rank on
+    /// one host). `compression` and `wire_format: bf16` do not apply to shared memory.
+    pub transport: Transport,
+    /// Directory of the shared-memory segments (per rank; default: `/dev/shm` when it has
+    /// room, else the system temporary directory). Each segment's file is removed as soon
+    /// as every rank of its group has mapped it.
+    pub shm_dir: Option<PathBuf>,
     /// A file holding the cluster secret (mode 0600; not accessible to group or others).
     /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
     /// secret itself is never a config value or a flag, and never enters the config hash.
@@ -96,6 +105,8 @@ impl Default for CommSection {
             bucket_mb: 25.0,
             small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
             mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
+            transport: Transport::Auto,
+            shm_dir: None,
             secret_file: None,
             tls: None,
         }
@@ -149,6 +160,8 @@ impl TrainConfig {
             },
             small_all_reduce_bytes: c.small_all_reduce_kb.saturating_mul(1 << 10),
             mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
+            transport: c.transport,
+            shm_dir: c.shm_dir.clone(),
             ..CommConfig::default()
         })
     }
@@ -218,6 +231,36 @@ mod tests {
                 .expect("config")
                 .mid_all_reduce_bytes,
             0
+        );
+    }
+
+    #[test]
+    fn transport_and_shm_dir_reach_the_communicator_and_transport_is_hashed() {
+        let t = TrainConfig::default();
+        assert_eq!(t.comm.transport, Transport::Auto);
+        let t = TrainConfig::from_yaml("comm: {transport: tcp, shm_dir: /tmp/x}\n", "t.yaml")
+            .expect("keys");
+        let c = t.comm_config(Some(0), 0, 2).expect("comm config");
+        assert_eq!(c.transport, Transport::Tcp);
+        assert_eq!(c.shm_dir.as_deref(), Some(std::path::Path::new("/tmp/x")));
+        let t = TrainConfig::from_yaml("transport: shm\n", "t.yaml").expect("alias");
+        assert_eq!(t.comm.transport, Transport::Shm);
+        let e = TrainConfig::from_yaml("transport: pipe\n", "t.yaml").expect_err("unknown");
+        assert!(e.to_string().contains("pipe"), "{e}");
+        let a = TrainConfig::default();
+        let spec = a.validate().expect("valid");
+        let mut b = a.clone();
+        b.comm.shm_dir = Some("/elsewhere".into());
+        assert_eq!(
+            a.cluster_hash(&spec),
+            b.cluster_hash(&spec),
+            "shm_dir is per rank"
+        );
+        b.comm.transport = Transport::Tcp;
+        assert_ne!(
+            a.cluster_hash(&spec),
+            b.cluster_hash(&spec),
+            "transport is shared"
         );
     }
 }

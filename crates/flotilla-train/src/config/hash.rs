@@ -18,6 +18,7 @@ pub const PER_RANK: &[&str] = &[
     "comm.join_timeout_s",
     "comm.compression",
     "comm.secret_file",
+    "comm.shm_dir",
     "comm.tls",
     "telemetry",
 ];

@@ -1,0 +1,168 @@
+//! The segment's barrier: a counter and a generation word in the header, a short spin,
+//! then futex waits (`rustix::thread::futex`, shared between processes) in slices, so
+//! that every wait is bounded and notices a failed or stalled peer. A rank that fails
+//! marks the segment aborted and wakes every waiter.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use flotilla_group::CommError;
+use rustix::thread::futex;
+
+use super::mapping::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Segment};
+
+/// The abort word while the aborting rank writes its reason.
+const CLAIMED: u32 = u32::MAX;
+
+/// Spins before the first futex wait when every member has a core of its own.
+const SPINS: u32 = 4000;
+/// `yield_now` rounds before sleeping (when ranks share cores they hand the core over).
+const YIELDS: u32 = 16;
+/// The longest futex sleep between two checks of the peers and the deadline.
+const SLICE: Duration = Duration::from_millis(5);
+
+/// What a wait on the segment checks while it sleeps, and how it names a culprit.
+pub(crate) trait Watch {
+    /// The deadline of one wait.
+    fn timeout(&self) -> Duration;
+    /// An error when the collective must stop: an abort notice, a lost peer, poisoning.
+    fn check(&self) -> Result<(), CommError>;
+    /// The error naming group rank `r`, which did not arrive in time.
+    fn timed_out(&self, r: usize) -> CommError;
+    /// The error naming group rank `r`, which marked the segment aborted for `reason`.
+    fn aborted_by(&self, r: usize, reason: String) -> CommError;
+    /// A protocol error naming group rank `r`.
+    fn protocol(&self, r: usize, detail: String) -> CommError;
+}
+
+impl Segment {
+    /// Waits until every member has entered this barrier as often as this rank (bounded by
+    /// `watch`'s deadline). Everything a member wrote to the segment before entering is
+    /// visible to every member after it.
+    pub(crate) fn barrier(&self, watch: &dyn Watch) -> Result<(), CommError> {
+        let mine = self.progress(self.me);
+        mine.store(
+            mine.load(Ordering::Relaxed).wrapping_add(1),
+            Ordering::Relaxed,
+        );
+        let generation = self.word(GENERATION);
+        let seen = generation.load(Ordering::Acquire);
+        if self.word(COUNT).fetch_add(1, Ordering::AcqRel) + 1 == self.n as u32 {
+            // The last to arrive releases the others (the reset is ordered before the
+            // release, so a released rank entering the next barrier counts from 0).
+            self.word(COUNT).store(0, Ordering::Relaxed);
+            generation.store(seen.wrapping_add(1), Ordering::SeqCst);
+            if self.word(SLEEPERS).load(Ordering::SeqCst) > 0 {
+                let _ = futex::wake(generation, futex::Flags::empty(), i32::MAX as u32);
+            }
+            return Ok(());
+        }
+        self.wait_release(seen, watch)
+    }
+
+    fn wait_release(&self, seen: u32, watch: &dyn Watch) -> Result<(), CommError> {
+        let generation = self.word(GENERATION);
+        let released = || generation.load(Ordering::Acquire) != seen;
+        let spins = if self.spare_cores() { SPINS } else { 0 };
+        for _ in 0..spins {
+            if released() {
+                return Ok(());
+            }
+            std::hint::spin_loop();
+        }
+        for _ in 0..YIELDS {
+            if released() {
+                return Ok(());
+            }
+            std::thread::yield_now();
+        }
+        let deadline = Instant::now() + watch.timeout();
+        loop {
+            if released() {
+                return Ok(());
+            }
+            self.check(watch)?;
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(watch.timed_out(self.laggard()));
+            }
+            let slice = (deadline - now).min(SLICE);
+            let ts = futex::Timespec {
+                tv_sec: 0,
+                tv_nsec: slice.subsec_nanos().into(),
+            };
+            self.word(SLEEPERS).fetch_add(1, Ordering::SeqCst);
+            // EAGAIN (released meanwhile), EINTR and the timeout all loop back.
+            let _ = futex::wait(generation, futex::Flags::empty(), seen, Some(&ts));
+            self.word(SLEEPERS).fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether every member can have a core of its own (then spinning pays).
+    fn spare_cores(&self) -> bool {
+        std::thread::available_parallelism().map_or(1, usize::from) >= self.n
+    }
+
+    /// Fails when a member marked the segment aborted or `watch` sees a failure.
+    pub(crate) fn check(&self, watch: &dyn Watch) -> Result<(), CommError> {
+        watch.check()?;
+        match self.word(ABORT).load(Ordering::Acquire) {
+            // Not aborted, or the reason is still being written (seen next time).
+            0 | CLAIMED => Ok(()),
+            r => Err(watch.aborted_by(r as usize - 1, self.reason())),
+        }
+    }
+
+    /// The reason the aborting rank wrote (after its abort word was published).
+    fn reason(&self) -> String {
+        let len = (self.word(REASON).load(Ordering::Acquire) as usize).min(REASON_MAX);
+        let mut bytes = vec![0u8; len];
+        // SAFETY: written once, before the abort word that made us read it.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.header_bytes_at(REASON + 4, len),
+                bytes.as_mut_ptr(),
+                len,
+            );
+        }
+        String::from_utf8_lossy(&bytes).into_owned()
+    }
+
+    /// The lowest group rank that has entered fewer barriers than this one.
+    fn laggard(&self) -> usize {
+        let mine = self.progress(self.me).load(Ordering::Relaxed);
+        (0..self.n)
+            .find(|&r| (mine.wrapping_sub(self.progress(r).load(Ordering::Relaxed)) as i32) > 0)
+            .unwrap_or(self.me)
+    }
+
+    /// Marks the segment aborted by this rank for `reason` (unless a member did first) and
+    /// wakes every waiter.
+    pub(crate) fn abort(&self, reason: &str) {
+        let abort = self.word(ABORT);
+        if abort
+            .compare_exchange(0, CLAIMED, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            let mut len = reason.len().min(REASON_MAX);
+            while !reason.is_char_boundary(len) {
+                len -= 1;
+            }
+            // SAFETY: only the rank that claimed the abort word writes the reason, once.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    reason.as_ptr(),
+                    self.header_bytes_at(REASON + 4, len),
+                    len,
+                );
+            }
+            self.word(REASON).store(len as u32, Ordering::Release);
+            abort.store(self.me as u32 + 1, Ordering::Release);
+        }
+        let _ = futex::wake(
+            self.word(GENERATION),
+            futex::Flags::empty(),
+            i32::MAX as u32,
+        );
+    }
+}
