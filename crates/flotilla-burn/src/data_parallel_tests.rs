@@ -47,14 +47,10 @@ pub(crate) fn device() -> Device {
     Device::flex().autodiff()
 }
 
-/// Serialises seeding and drawing initial values: the backend's RNG is process-wide and the
-/// tests run in parallel.
-static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// Rank `rank`'s model, initialised from its own seed (so only a broadcast makes them agree).
 /// Its parameters are drawn now (burn initialises them lazily, on first use).
 pub(crate) fn net(rank: u64, width: usize) -> Net {
-    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let device = device();
     device.seed(1000 + rank);
     let net = Net::new(width, &device);
@@ -288,7 +284,7 @@ fn batch_norm_statistics_are_synced_from_rank_0_or_averaged_and_never_summed_as_
     };
     let models: Vec<NormNet> = (0..2)
         .map(|r| {
-            let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+            let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
             device().seed(r);
             NormNet {
                 norm: burn::nn::BatchNormConfig::new(3).init(&device()),

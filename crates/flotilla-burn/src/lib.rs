@@ -80,6 +80,13 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
     Ok(Arc::new(flotilla_comm::Communicator::connect(config)?))
 }
 
+/// Held by every test that seeds the device and draws parameters: the device's random
+/// generator is one for the process, and the tests run on parallel threads, so a draw of
+/// another test between a seed and its draws would change them (one lock for the crate; a
+/// lock per test file does not exclude the other files).
+#[cfg(test)]
+pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 #[cfg(test)]
 mod async_tests;
 #[cfg(test)]

@@ -112,11 +112,9 @@ fn device() -> Device {
     Device::flex().autodiff()
 }
 
-static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 /// The whole model from a fixed seed, its parameters drawn now.
 fn whole() -> Whole {
-    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let d = device();
     d.seed(7);
     let lin = |i, o| LinearConfig::new(i, o).init(&d);

@@ -39,10 +39,8 @@ fn device() -> Device {
     Device::flex().autodiff()
 }
 
-static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
 fn plain() -> Plain {
-    let _guard = SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let d = device();
     d.seed(5);
     let m = Plain {
