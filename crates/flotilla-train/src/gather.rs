@@ -81,6 +81,7 @@ mod tests {
             role: "peer".into(),
             bytes_sent: rank as u64,
             bytes_received: 0,
+            shm_bytes: 0,
             figures: Default::default(),
         }
     }

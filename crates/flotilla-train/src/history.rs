@@ -65,6 +65,9 @@ pub struct RankReport {
     pub bytes_sent: u64,
     /// Bytes it read from sockets.
     pub bytes_received: u64,
+    /// Bytes it copied into shared-memory segments (ranks of one host).
+    #[serde(default)]
+    pub shm_bytes: u64,
     /// Its run figures (see [`crate::RunSummary::figures`]).
     pub figures: BTreeMap<String, f64>,
 }
@@ -76,6 +79,8 @@ pub struct JobTraffic {
     pub bytes_sent: u64,
     /// Bytes received by all ranks (equal to `bytes_sent` once every frame has arrived).
     pub bytes_received: u64,
+    /// Bytes all ranks copied into shared-memory segments instead of sending them.
+    pub shm_bytes: u64,
 }
 
 impl JobTraffic {
@@ -84,7 +89,13 @@ impl JobTraffic {
         Self {
             bytes_sent: ranks.iter().map(|r| r.bytes_sent).sum(),
             bytes_received: ranks.iter().map(|r| r.bytes_received).sum(),
+            shm_bytes: ranks.iter().map(|r| r.shm_bytes).sum(),
         }
+    }
+
+    /// Bytes moved between ranks: sent over sockets or copied into shared memory.
+    pub fn moved(&self) -> u64 {
+        self.bytes_sent + self.shm_bytes
     }
 }
 
@@ -99,10 +110,12 @@ mod tests {
             role: "peer".into(),
             bytes_sent: sent,
             bytes_received: received,
+            shm_bytes: sent / 5,
             figures: BTreeMap::new(),
         };
         let t = JobTraffic::of(&[rank(0, 10, 7), rank(1, 5, 8)]);
-        assert_eq!((t.bytes_sent, t.bytes_received), (15, 15));
+        assert_eq!((t.bytes_sent, t.bytes_received, t.shm_bytes), (15, 15, 3));
+        assert_eq!(t.moved(), 18);
         let point = |step: u64, acc: Option<f64>| EvalPoint {
             step,
             wall_s: step as f64,

@@ -324,6 +324,7 @@ impl Job<'_> {
             role: s.role.to_string(),
             bytes_sent: traffic.bytes_sent,
             bytes_received: traffic.bytes_received,
+            shm_bytes: traffic.shm_bytes,
             figures: s.figures.clone(),
         };
         let timeout = std::time::Duration::from_secs_f64(self.config.comm.timeout_s);

@@ -217,7 +217,8 @@ pub fn markdown(c: &Comparison) -> String {
     md.push_str(
         "\nTimes are wall seconds since the ranks started, at the first evaluation at or above \
          the target (evaluations once per epoch). Bytes moved: bytes sent by all ranks \
-         (frame headers included) over the training samples of the run. \
+         (frame headers included) and copied into shared memory (ranks of one host), over \
+         the training samples of the run. \
          The figure against wall time: `compare.svg`.\n\n",
     );
     for run in &c.runs {

@@ -4,8 +4,9 @@
 //! rank's role, figures and traffic — and the plots `loss.svg` and `accuracy.svg`.
 //!
 //! Bytes moved are the bytes *sent* by all ranks (each byte on the wire counted once, by
-//! its sender; frame headers included); bytes per sample divides them by the training
-//! samples of the run.
+//! its sender; frame headers included) plus the bytes they copied into shared-memory
+//! segments (ranks of one host); bytes per sample divides them by the training samples of
+//! the run.
 
 use std::path::{Path, PathBuf};
 
@@ -63,7 +64,7 @@ pub fn run_figures(summary: &RunSummary) -> Value {
     let traffic = summary.ranks.as_deref().map(JobTraffic::of);
     let bytes_per_sample = traffic
         .filter(|_| summary.samples > 0)
-        .map(|t| t.bytes_sent as f64 / summary.samples as f64);
+        .map(|t| t.moved() as f64 / summary.samples as f64);
     let finite = |x: f64| x.is_finite().then_some(x);
     json!({
         "final_acc": finite(summary.test_acc).or(last),
@@ -79,8 +80,9 @@ pub fn run_figures(summary: &RunSummary) -> Value {
         "steps_run": summary.steps_run,
         "wall_s": summary.wall_s,
         "evaluations": h.evaluations().count(),
-        "bytes_moved": traffic.map(|t| t.bytes_sent),
+        "bytes_moved": traffic.map(|t| t.moved()),
         "bytes_received": traffic.map(|t| t.bytes_received),
+        "bytes_shm": traffic.map(|t| t.shm_bytes),
         "bytes_per_sample": bytes_per_sample,
     })
 }
@@ -163,6 +165,7 @@ mod tests {
             role: "peer".into(),
             bytes_sent: sent,
             bytes_received: sent,
+            shm_bytes: 0,
             figures: Default::default(),
         };
         RunSummary {
