@@ -114,6 +114,7 @@ impl ReducerHandle {
 /// The backend side of the differentiable all-reduce.
 #[backend_extension(
     Flex,
+    NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
     Autodiff,
 )]
@@ -123,6 +124,13 @@ pub trait CollectiveOps: Backend {
 }
 
 impl CollectiveOps for Flex {
+    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
+        reducer.sum_primitive::<Self>(tensor)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl CollectiveOps for burn::backend::NdArray {
     fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
         reducer.sum_primitive::<Self>(tensor)
     }
