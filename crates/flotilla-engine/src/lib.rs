@@ -21,7 +21,6 @@ mod backward_groups;
 mod buffers;
 mod build;
 pub mod collective;
-mod conv;
 mod cut;
 mod device;
 mod engine;
@@ -35,7 +34,6 @@ mod model;
 mod optim;
 mod params;
 mod partition;
-mod patches;
 mod profile;
 mod sequence;
 mod shape;
@@ -60,8 +58,6 @@ pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;
 
-#[cfg(test)]
-mod conv_tests;
 #[cfg(test)]
 mod engine_tests;
 #[cfg(test)]
