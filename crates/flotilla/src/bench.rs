@@ -160,7 +160,15 @@ fn step(args: &BenchStepArgs) -> Result<()> {
     );
     println!(
         "{:>8} {:>6} {:>8} {:>14} {:>14} {:>10} {:>12} {:>12} {:>10}",
-        "model", "batch", "threads", "flotilla/s", "pytorch/s", "ratio", "cpu_ms", "torch_cpu_ms", "cpu_ratio"
+        "model",
+        "batch",
+        "threads",
+        "flotilla/s",
+        "pytorch/s",
+        "ratio",
+        "cpu_ms",
+        "torch_cpu_ms",
+        "cpu_ratio"
     );
     for model in &args.models {
         for &batch in &args.batches {
