@@ -26,7 +26,9 @@ pub fn check_device(name: &str) -> Result<()> {
 pub(crate) fn device_by_name(name: &str) -> Result<Device> {
     match name {
         "flex" | "cpu" => Ok(Device::flex()),
+        // burn 0.22 deprecates NdArray (in favour of Flex) but still ships it.
         #[cfg(feature = "ndarray")]
+        #[allow(deprecated)]
         "ndarray" => Ok(Device::ndarray()),
         #[cfg(feature = "libtorch")]
         "libtorch" => Ok(Device::libtorch()),
