@@ -12,7 +12,8 @@ The step is the same work Flotilla's `bench step` times (crates/flotilla/src/ben
   4. SGD(lr=0.04, momentum=0.9, dampening=0, weight_decay=5e-4) step.
 Architectures match models/mlp.yaml and models/lenet5.yaml (PyTorch default init; the init does
 not change the work). `torch.set_num_threads(T)` and `torch.set_num_interop_threads(1)`.
-5 warm-up steps, then S timed steps. The LAST stdout line is `samples_per_s=<float>`, which
+5 warm-up steps, then S timed steps. The last two stdout lines are `cpu_ms_per_step=<float>`
+(process CPU time, every thread, per timed step) and `samples_per_s=<float>`, which
 `flotilla bench step` parses. Exits 2 with a message on stderr if torch is not installed.
 """
 import argparse
@@ -99,11 +100,14 @@ def main():
     for _ in range(args.warmup):
         step()
     t0 = time.perf_counter()
+    c0 = time.process_time()
     for _ in range(args.steps):
         loss = step()
     dt = time.perf_counter() - t0
+    cpu = time.process_time() - c0
     print(f"# torch {torch.__version__} model={args.model} batch={b} threads={torch.get_num_threads()} "
           f"steps={args.steps} secs={dt:.4f} last_loss={loss.item():.4f} params={total}")
+    print(f"cpu_ms_per_step={cpu * 1e3 / args.steps:.4f}")
     print(f"samples_per_s={b * args.steps / dt:.1f}")
 
 

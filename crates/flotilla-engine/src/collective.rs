@@ -16,6 +16,9 @@
 //! error, so a failed sum is kept in the [`ReducerHandle`] ([`ReducerHandle::take_error`]) and
 //! the op returns its input unchanged; the caller checks after the pass.
 
+// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
+#![cfg_attr(feature = "ndarray", allow(deprecated))]
+
 use std::fmt;
 use std::sync::{Arc, Mutex};
 
@@ -114,6 +117,7 @@ impl ReducerHandle {
 /// The backend side of the differentiable all-reduce.
 #[backend_extension(
     Flex,
+    NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
     Autodiff,
 )]
@@ -123,6 +127,13 @@ pub trait CollectiveOps: Backend {
 }
 
 impl CollectiveOps for Flex {
+    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
+        reducer.sum_primitive::<Self>(tensor)
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl CollectiveOps for burn::backend::NdArray {
     fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
         reducer.sum_primitive::<Self>(tensor)
     }

@@ -57,7 +57,7 @@ pub enum EngineError {
     NoGradients,
     /// The requested device is not compiled into this build.
     #[error(
-        "device `{0}` is not available in this build (known: flex; libtorch with the `libtorch` feature)"
+        "device `{0}` is not available in this build (known: flex; ndarray and libtorch with the features of those names)"
     )]
     UnknownDevice(String),
     /// A synchronized batch norm's sum over the ranks failed (the pass is void).

@@ -34,12 +34,34 @@ fn synthetic_batch(n: usize) -> (Vec<f32>, Vec<i64>) {
     (images, labels)
 }
 
-/// Samples per second of full training steps (forward, backward, gradients out as a flat
-/// buffer, optimizer step from it), as the sync strategy runs them.
-fn flotilla_step_rate(model: &str, batch: usize, steps: usize) -> Result<f64> {
+/// What one case of `bench step` measured on Flotilla's side.
+#[derive(Clone, Copy)]
+struct StepRate {
+    /// Samples per second (wall clock).
+    samples_per_s: f64,
+    /// CPU time of the whole process (every thread, user + system) per step, in milliseconds:
+    /// the figure that survives a loaded machine.
+    cpu_ms_per_step: f64,
+}
+
+/// User + system CPU time of this process so far (every thread), in seconds.
+fn process_cpu_seconds() -> f64 {
+    // SAFETY: `getrusage` only writes the `rusage` we hand it.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &raw mut usage) } != 0 {
+        return f64::NAN;
+    }
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 * 1e-6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
+/// Full training steps (forward, backward, gradients out as a flat buffer, optimizer step
+/// from it), as the sync strategy runs them, on the backend `device`.
+fn flotilla_step_rate(model: &str, device: &str, batch: usize, steps: usize) -> Result<StepRate> {
     let spec = ModelSpec::resolve(model)?;
     let opt = OptimizerSpec::default();
-    let mut engine = BurnEngine::new(&spec, &opt, "flex", 1)?;
+    let mut engine = BurnEngine::new(&spec, &opt, device, 1)?;
     let (images, labels) = synthetic_batch(batch);
     let mut flat = vec![0.0f32; engine.num_params()];
     let mut one = |engine: &mut BurnEngine| -> Result<()> {
@@ -54,11 +76,17 @@ fn flotilla_step_rate(model: &str, batch: usize, steps: usize) -> Result<f64> {
     for _ in 0..5 {
         one(&mut engine)?;
     }
+    let cpu_started = process_cpu_seconds();
     let started = Instant::now();
     for _ in 0..steps {
         one(&mut engine)?;
     }
-    Ok((batch * steps) as f64 / started.elapsed().as_secs_f64())
+    let wall = started.elapsed().as_secs_f64();
+    let cpu = process_cpu_seconds() - cpu_started;
+    Ok(StepRate {
+        samples_per_s: (batch * steps) as f64 / wall,
+        cpu_ms_per_step: cpu * 1e3 / steps as f64,
+    })
 }
 
 fn scripts_dir() -> PathBuf {
@@ -70,11 +98,17 @@ fn scripts_dir() -> PathBuf {
     }
 }
 
-/// PyTorch's samples/s for the same step, from `scripts/bench_torch_step.py`, if torch is
+/// PyTorch's rate for the same step, from `scripts/bench_torch_step.py`, if torch is
 /// installed; a failing script is reported on stderr (the row then shows `n/a`).
-fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> Option<f64> {
+fn torch_step_rate(
+    python: &str,
+    model: &str,
+    batch: usize,
+    threads: usize,
+    steps: usize,
+) -> Option<StepRate> {
     let script = scripts_dir().join("bench_torch_step.py");
-    let out = Command::new("python3")
+    let out = Command::new(python)
         .arg(&script)
         .args(["--model", model, "--batch", &batch.to_string()])
         .args([
@@ -87,7 +121,7 @@ fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> O
     let out = match out {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("# pytorch reference not run: python3: {e}");
+            eprintln!("# pytorch reference not run: {python}: {e}");
             return None;
         }
     };
@@ -99,45 +133,90 @@ fn torch_step_rate(model: &str, batch: usize, threads: usize, steps: usize) -> O
         );
         return None;
     }
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix("samples_per_s=")?.trim().parse().ok())
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let value = |key: &str| -> Option<f64> {
+        stdout
+            .lines()
+            .rev()
+            .find_map(|l| l.strip_prefix(key)?.trim().parse().ok())
+    };
+    Some(StepRate {
+        samples_per_s: value("samples_per_s=")?,
+        cpu_ms_per_step: value("cpu_ms_per_step=").unwrap_or(f64::NAN),
+    })
 }
 
 fn step(args: &BenchStepArgs) -> Result<()> {
-    println!("# flotilla bench step: samples/s of one training step (SGD), burn flex backend");
+    flotilla_engine::check_device(&args.device)?;
+    println!(
+        "# flotilla bench step: samples/s of one training step (SGD), burn backend `{}`",
+        args.device
+    );
     println!(
         "# reference: PyTorch CPU (scripts/bench_torch_step.py) measured in the same run, when torch is installed"
     );
     println!(
-        "{:>8} {:>6} {:>8} {:>14} {:>14} {:>10}",
-        "model", "batch", "threads", "flotilla/s", "pytorch/s", "ratio"
+        "# cpu_ms: process CPU time (every thread) per step; cpu ratio = pytorch's / ours (> 1: we use less)"
+    );
+    println!(
+        "{:>8} {:>6} {:>8} {:>14} {:>14} {:>10} {:>12} {:>12} {:>10}",
+        "model",
+        "batch",
+        "threads",
+        "flotilla/s",
+        "pytorch/s",
+        "ratio",
+        "cpu_ms",
+        "torch_cpu_ms",
+        "cpu_ratio"
     );
     for model in &args.models {
         for &batch in &args.batches {
             for &threads in &args.threads {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads.max(1))
-                    .build()
-                    .context("building the thread pool")?;
-                // Interleave ours, theirs, ours, theirs; each side keeps its better run.
-                let ours1 = pool.install(|| flotilla_step_rate(model, batch, args.steps))?;
-                let theirs1 = torch_step_rate(model, batch, threads, args.steps);
-                let ours2 = pool.install(|| flotilla_step_rate(model, batch, args.steps))?;
-                let theirs2 = torch_step_rate(model, batch, threads, args.steps);
-                let ours = ours1.max(ours2);
-                let theirs = match (theirs1, theirs2) {
-                    (Some(a), Some(b)) => Some(a.max(b)),
-                    (a, b) => a.or(b),
-                };
-                let (t, r) = match theirs {
-                    Some(t) => (format!("{t:.0}"), format!("{:.2}", ours / t)),
-                    None => ("n/a".to_string(), "n/a".to_string()),
-                };
-                println!("{model:>8} {batch:>6} {threads:>8} {ours:>14.0} {t:>14} {r:>10}");
+                step_case(args, model, batch, threads)?;
             }
         }
     }
+    Ok(())
+}
+
+/// One row of `bench step`: ours, theirs, ours, theirs; each side keeps its better run (the
+/// CPU time is the better run's).
+fn step_case(args: &BenchStepArgs, model: &str, batch: usize, threads: usize) -> Result<()> {
+    let pool = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads.max(1))
+        .build()
+        .context("building the thread pool")?;
+    let ours_once = || pool.install(|| flotilla_step_rate(model, &args.device, batch, args.steps));
+    let theirs_once = || torch_step_rate(&args.python, model, batch, threads, args.steps);
+    let ours1 = ours_once()?;
+    let theirs1 = theirs_once();
+    let ours2 = ours_once()?;
+    let theirs2 = theirs_once();
+    let better = |a: StepRate, b: StepRate| {
+        if b.samples_per_s > a.samples_per_s {
+            b
+        } else {
+            a
+        }
+    };
+    let ours = better(ours1, ours2);
+    let theirs = match (theirs1, theirs2) {
+        (Some(a), Some(b)) => Some(better(a, b)),
+        (a, b) => a.or(b),
+    };
+    let (t, r, tc, rc) = match theirs {
+        Some(t) => (
+            format!("{:.0}", t.samples_per_s),
+            format!("{:.2}", ours.samples_per_s / t.samples_per_s),
+            format!("{:.3}", t.cpu_ms_per_step),
+            format!("{:.2}", t.cpu_ms_per_step / ours.cpu_ms_per_step),
+        ),
+        None => ("n/a".into(), "n/a".into(), "n/a".into(), "n/a".into()),
+    };
+    println!(
+        "{model:>8} {batch:>6} {threads:>8} {:>14.0} {t:>14} {r:>10} {:>12.3} {tc:>12} {rc:>10}",
+        ours.samples_per_s, ours.cpu_ms_per_step
+    );
     Ok(())
 }

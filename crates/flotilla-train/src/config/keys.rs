@@ -158,7 +158,7 @@ pub const KEYS: &[Key] = &[
         "device",
         "DEVICE",
         Kind::Text,
-        "Backend (flex; libtorch with the `libtorch` feature)",
+        "Backend (flex; ndarray and libtorch with the cargo features of those names)",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",

@@ -10,7 +10,7 @@ pub struct ModelSection {
     pub spec: String,
     /// Seed of parameter initialisation and of the per-epoch shuffle.
     pub seed: u64,
-    /// Backend: `flex` (pure-Rust CPU) or `libtorch` (with the `libtorch` feature).
+    /// Backend: `flex` (pure-Rust CPU), `ndarray` or `libtorch` (each with the cargo feature of that name).
     pub device: String,
 }
 
