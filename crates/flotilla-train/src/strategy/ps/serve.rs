@@ -94,7 +94,16 @@ pub fn serve_one(
         Some(Event::Message(from, PsMessage::Abort { reason })) => {
             machine.on_aborted(cx, from, reason)
         }
-        Some(Event::Message(from, msg)) => machine.on_message(cx, from, msg),
+        Some(Event::Message(from, msg)) => match machine.on_message(cx, from, msg) {
+            // A reply to a peer it goes on without found the link gone (a worker killed
+            // between its request and the reply): as if the inbox had reported it lost.
+            Err(TrainError::Comm(e @ CommError::PeerLost { peer, .. }))
+                if machine.goes_on_without(peer) =>
+            {
+                machine.on_lost(cx, peer, e)
+            }
+            r => r,
+        },
         Some(Event::Malformed(from, e)) => machine.on_malformed(cx, from, e.into()),
         Some(Event::Lost(peer, e)) => machine.on_lost(cx, peer, e),
         Some(Event::Back(peer)) => machine.on_back(cx, peer),

@@ -6,6 +6,7 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::RoleKind;
+use flotilla_comm::CommError;
 use flotilla_engine::{Engine, ModelState};
 
 use super::job::{Announcement, Place};
@@ -213,7 +214,9 @@ impl Worker {
             eprintln!("FLOTILLA_FAULT: pushing a gradient of the wrong length");
             self.grad.truncate(n / 2);
         }
-        // A shard server that is gone has stopped: the root's stop comes with the next pull.
+        // A parent whose link is gone may have stopped (a shard server always, the main
+        // server when its stop crossed this push): the stop, already received, comes with the
+        // next pull, and a parent that was lost fails that pull naming it.
         for (i, &parent) in self.parents.iter().enumerate() {
             let len = self.grad.len();
             let msg = PsMessage::Push {
@@ -225,10 +228,10 @@ impl Worker {
                 values: self.grad[self.ranges[i].start.min(len)..self.ranges[i].end.min(len)]
                     .to_vec(),
             };
-            if let Err(e) = send(cx.comm, parent, &msg)
-                && i == 0
-            {
-                return Err(e);
+            match send(cx.comm, parent, &msg) {
+                Err(TrainError::Comm(CommError::PeerLost { .. })) => {}
+                Err(e) if i == 0 => return Err(e),
+                _ => {}
             }
         }
         self.grad.resize(n, 0.0);
