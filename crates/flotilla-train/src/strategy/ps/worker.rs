@@ -79,6 +79,19 @@ impl Worker {
             flotilla_cluster::balanced_ranges(n, 1)
         };
         let parents = &place.role.parents;
+        // Under a server that waits on a server itself (hierarchical), wait 1.5 times as
+        // long: a silent root then makes that server give up first and name the root, rather
+        // than this worker naming the server in between.
+        let mid_level = parents
+            .first()
+            .and_then(|&p| setup.topology.role(p))
+            .is_some_and(|r| !r.parents.is_empty());
+        let timeout = Duration::from_secs_f64(cx.config.comm.timeout_s);
+        let timeout = if mid_level {
+            timeout.mul_f64(1.5)
+        } else {
+            timeout
+        };
         Ok(Self {
             engine: Box::new(engine),
             announcement: place.announcement.clone(),
@@ -96,7 +109,7 @@ impl Worker {
             compute: Duration::ZERO,
             push: Duration::ZERO,
             wait: Duration::ZERO,
-            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            timeout,
             pulled: false,
         })
     }
