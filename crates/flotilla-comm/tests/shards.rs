@@ -6,17 +6,14 @@
 //! every rank's shard put in place; in-memory and over 127.0.0.1. Over shared memory
 //! (ranks of one host) the shard has the bits of the segment's all-reduce.
 
-use std::net::TcpListener;
-use std::sync::Arc;
-use std::sync::mpsc;
-use std::thread;
-use std::time::{Duration, Instant};
+// Only the world of ranks is used here; the rest of `common` serves the all-reduce tests.
+#[allow(dead_code)]
+mod common;
 
-use flotilla_comm::{
-    CommConfig, CommError, Communicator, ProcessGroup, Transport, WireFormat, shard,
-};
+use std::time::Duration;
 
-const TEST_DEADLINE: Duration = Duration::from_secs(60);
+use common::{ok, world};
+use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat, shard};
 
 fn cfg(n: usize) -> CommConfig {
     // Every all-reduce on the TCP ring (no doubling, no Rabenseifner), in small chunks so
@@ -28,54 +25,6 @@ fn cfg(n: usize) -> CommConfig {
         .with_small_all_reduce_bytes(0)
         .with_mid_all_reduce_bytes(0)
         .with_transport(Transport::Tcp)
-}
-
-/// Runs `body` on every rank of an `n`-rank world (threads; `tcp`: sockets over loopback).
-fn world<T, F>(n: usize, tcp: bool, c: CommConfig, body: F) -> Vec<T>
-where
-    T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
-{
-    let body = Arc::new(body);
-    let (tx, rx) = mpsc::channel();
-    if tcp {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = l.local_addr().expect("addr").port();
-        let mut l = Some(l);
-        for r in 0..n {
-            let mut c = c.clone().with_master("127.0.0.1", port);
-            c.rank = Some(r);
-            let (tx, body, l) = (tx.clone(), body.clone(), l.take().filter(|_| r == 0));
-            thread::spawn(move || {
-                let comm = match l {
-                    Some(l) => Communicator::connect_with_listener(c, l),
-                    None => Communicator::connect(c),
-                };
-                let _ = tx.send((r, comm.and_then(|c| body(c))));
-            });
-        }
-    } else {
-        for (r, comm) in Communicator::in_memory(n, c)
-            .expect("world")
-            .into_iter()
-            .enumerate()
-        {
-            let (tx, body) = (tx.clone(), body.clone());
-            thread::spawn(move || {
-                let _ = tx.send((r, body(comm)));
-            });
-        }
-    }
-    let deadline = Instant::now() + TEST_DEADLINE;
-    let mut out: Vec<Option<T>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (r, res) = rx.recv_timeout(left).expect("test world hung");
-        out[r] = Some(res.unwrap_or_else(|e| panic!("rank {r}: {e}")));
-    }
-    out.into_iter()
-        .map(|o| o.expect("every rank answered"))
-        .collect()
 }
 
 const LENGTHS: [usize; 9] = [0, 1, 2, 3, 4, 7, 13, 1001, 3001];
@@ -94,7 +43,7 @@ fn rough(r: usize, i: usize) -> f32 {
 #[test]
 fn reduce_scatter_gives_each_rank_the_serial_sum_of_its_shard() {
     for n in 1..=5 {
-        let got = world(n, false, cfg(n), |c| {
+        let got = ok(world(n, false, cfg(n), |c| {
             let mut outs = Vec::new();
             for (k, len) in LENGTHS.into_iter().enumerate() {
                 let mut buf: Vec<f32> = (0..len).map(|i| exact(c.rank(), i)).collect();
@@ -106,7 +55,7 @@ fn reduce_scatter_gives_each_rank_the_serial_sum_of_its_shard() {
                 outs.push(buf);
             }
             Ok(outs)
-        });
+        }));
         for (k, len) in LENGTHS.into_iter().enumerate() {
             for (r, outs) in got.iter().enumerate() {
                 assert_eq!(outs[k].len(), len);
@@ -122,7 +71,7 @@ fn reduce_scatter_gives_each_rank_the_serial_sum_of_its_shard() {
 #[test]
 fn all_gather_puts_every_shard_in_place_on_every_rank() {
     for n in 1..=5 {
-        let got = world(n, false, cfg(n), |c| {
+        let got = ok(world(n, false, cfg(n), |c| {
             let mut outs = Vec::new();
             for len in LENGTHS {
                 let mine = shard(len, c.size(), c.rank());
@@ -139,7 +88,7 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
                 outs.push(buf);
             }
             Ok(outs)
-        });
+        }));
         for (k, len) in LENGTHS.into_iter().enumerate() {
             let mut whole = vec![0f32; len];
             for q in 0..n {
@@ -158,7 +107,7 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
 /// The shard of a reduce-scatter has the bits the group's all-reduce gives it, and
 /// reduce-scatter then all-gather is the all-reduce, bit for bit.
 fn matches_the_all_reduce(n: usize, tcp: bool, c: CommConfig) {
-    let got = world(n, tcp, c, |c| {
+    let got = ok(world(n, tcp, c, |c| {
         let mut outs = Vec::new();
         for len in LENGTHS {
             let input: Vec<f32> = (0..len).map(|i| rough(c.rank(), i)).collect();
@@ -171,7 +120,7 @@ fn matches_the_all_reduce(n: usize, tcp: bool, c: CommConfig) {
             outs.push((reduced, scattered, gathered));
         }
         Ok(outs)
-    });
+    }));
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (k, len) in LENGTHS.into_iter().enumerate() {
         for (r, outs) in got.iter().enumerate() {
