@@ -2,15 +2,15 @@
 //! reductions. Every test runs on an in-memory world (threads of this process) and the
 //! TCP ones also over 127.0.0.1, so both transports are held to the same behaviour.
 
-use std::net::TcpListener;
-use std::sync::Arc;
-use std::sync::mpsc;
+// Only the world of ranks is used here; the rest of `common` serves the all-reduce tests.
+#[allow(dead_code)]
+mod common;
+
 use std::thread;
 use std::time::{Duration, Instant};
 
+use common::ok;
 use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, ReduceOp};
-
-const TEST_DEADLINE: Duration = Duration::from_secs(30);
 
 fn cfg(n: usize) -> CommConfig {
     CommConfig::new(Some(0), n)
@@ -19,59 +19,14 @@ fn cfg(n: usize) -> CommConfig {
         .with_chunk_bytes(4096)
 }
 
-/// Runs `body` on every rank of an `n`-rank world, each in its own thread; `tcp` picks real
-/// sockets over loopback, else in-memory links. Returns each rank's result in rank order.
+/// Runs `body` on every rank of an `n`-rank world (`tcp`: over loopback, else in memory),
+/// returning each rank's result in rank order.
 fn world<T, F>(n: usize, tcp: bool, body: F) -> Vec<Result<T, CommError>>
 where
     T: Send + 'static,
     F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
 {
-    let body = Arc::new(body);
-    let (tx, rx) = mpsc::channel();
-    if tcp {
-        let l = TcpListener::bind("127.0.0.1:0").expect("bind");
-        let port = l.local_addr().expect("addr").port();
-        let mut l = Some(l);
-        for r in 0..n {
-            let mut c = cfg(n).with_master("127.0.0.1", port);
-            c.rank = Some(r);
-            let (tx, body, l) = (
-                tx.clone(),
-                body.clone(),
-                if r == 0 { l.take() } else { None },
-            );
-            thread::spawn(move || {
-                let comm = match l {
-                    Some(l) => Communicator::connect_with_listener(c, l),
-                    None => Communicator::connect(c),
-                };
-                let _ = tx.send((r, comm.and_then(|c| body(c))));
-            });
-        }
-    } else {
-        let comms = Communicator::in_memory(n, cfg(n)).expect("in-memory world");
-        for (r, c) in comms.into_iter().enumerate() {
-            let (tx, body) = (tx.clone(), body.clone());
-            thread::spawn(move || {
-                let _ = tx.send((r, body(c)));
-            });
-        }
-    }
-    let deadline = Instant::now() + TEST_DEADLINE;
-    let mut out: Vec<Option<Result<T, CommError>>> = (0..n).map(|_| None).collect();
-    for _ in 0..n {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let (r, res) = rx.recv_timeout(left).expect("test world hung");
-        out[r] = Some(res);
-    }
-    out.into_iter().map(|r| r.expect("result")).collect()
-}
-
-fn ok<T>(v: Vec<Result<T, CommError>>) -> Vec<T> {
-    v.into_iter()
-        .enumerate()
-        .map(|(r, x)| x.unwrap_or_else(|e| panic!("rank {r}: {e}")))
-        .collect()
+    common::world(n, tcp, cfg(n), body)
 }
 
 fn value(world_rank: usize, i: usize) -> f32 {

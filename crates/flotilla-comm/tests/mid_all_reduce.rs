@@ -8,9 +8,9 @@
 mod common;
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{f32_tolerance, mix, ok, value, world};
+use common::{dead_peer_is_named, f32_tolerance, mix, ok, value, world};
 use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Up to this many bytes: recursive doubling.
@@ -176,32 +176,9 @@ fn bf16_on_the_wire_stays_bit_identical_within_bf16_rounding() {
 #[test]
 fn a_peer_dying_mid_operation_is_named() {
     for (n, dead) in [(4, 2), (8, 0), (8, 5)] {
-        let t = Instant::now();
         let c = cfg(n)
             .with_timeout(Duration::from_secs(8))
             .with_chunk_bytes(4096);
-        let res = world(n, true, c, move |c| {
-            let mut buf = vec![1.0f32; MID / 4];
-            c.all_reduce_sum(&mut buf)?;
-            if c.rank() == dead {
-                return Ok(()); // dropped: its sockets close
-            }
-            thread::sleep(Duration::from_millis(100));
-            let r = c.all_reduce_sum(&mut buf);
-            if r.is_err() {
-                // A failed rank lives on a moment (reporting, as a process would), so its
-                // abort notice, naming the dead rank, reaches the others before its close.
-                thread::sleep(Duration::from_millis(500));
-            }
-            r
-        });
-        assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
-        for (r, out) in res.iter().enumerate().filter(|&(r, _)| r != dead) {
-            let e = out.as_ref().expect_err("a survivor must fail");
-            assert!(
-                e.to_string().contains(&format!("rank {dead}")),
-                "n {n}, rank {r}: {e}"
-            );
-        }
+        dead_peer_is_named(n, dead, c, MID / 4);
     }
 }

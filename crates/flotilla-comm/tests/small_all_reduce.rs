@@ -6,9 +6,9 @@
 mod common;
 
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{f32_tolerance, mix, ok, value, world};
+use common::{dead_peer_is_named, f32_tolerance, mix, ok, value, world};
 use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Every f32 all-reduce of the tests fits under this threshold.
@@ -113,34 +113,6 @@ fn bf16_on_the_wire_stays_bit_identical_within_bf16_rounding() {
 #[test]
 fn a_peer_dying_mid_operation_is_named() {
     for (n, dead) in [(5, 4), (5, 0), (4, 2)] {
-        let t = Instant::now();
-        let res = world(
-            n,
-            true,
-            cfg(n).with_timeout(Duration::from_secs(8)),
-            move |c| {
-                let mut buf = vec![1.0f32; 1000];
-                c.all_reduce_sum(&mut buf)?;
-                if c.rank() == dead {
-                    return Ok(()); // dropped: its sockets close
-                }
-                thread::sleep(Duration::from_millis(100));
-                let r = c.all_reduce_sum(&mut buf);
-                if r.is_err() {
-                    // A failed rank lives on a moment (reporting, as a process would), so its
-                    // abort notice, naming the dead rank, reaches the others before its close.
-                    thread::sleep(Duration::from_millis(500));
-                }
-                r
-            },
-        );
-        assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
-        for (r, out) in res.iter().enumerate().filter(|&(r, _)| r != dead) {
-            let e = out.as_ref().expect_err("a survivor must fail");
-            assert!(
-                e.to_string().contains(&format!("rank {dead}")),
-                "n {n}, rank {r}: {e}"
-            );
-        }
+        dead_peer_is_named(n, dead, cfg(n).with_timeout(Duration::from_secs(8)), 1000);
     }
 }

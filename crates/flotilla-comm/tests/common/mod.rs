@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator};
+use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup};
 
 /// How long a test world may take before the test fails as hung.
 pub const TEST_DEADLINE: Duration = Duration::from_secs(30);
@@ -83,4 +83,34 @@ pub fn value(case: usize, r: usize, i: usize) -> f32 {
 /// f32 rounding of `n - 1` additions: at most `(n - 1) * 2^-24` of the magnitudes' sum.
 pub fn f32_tolerance(n: usize) -> f64 {
     (n.max(2) - 1) as f64 * 2f64.powi(-24)
+}
+
+/// A rank (`dead` of `n`, configured by `c`) that leaves after one all-reduce of `len`
+/// values is named by every survivor of the next one, which fail within 6 s rather than at
+/// the deadline.
+pub fn dead_peer_is_named(n: usize, dead: usize, c: CommConfig, len: usize) {
+    let t = Instant::now();
+    let res = world(n, true, c, move |c| {
+        let mut buf = vec![1.0f32; len];
+        c.all_reduce_sum(&mut buf)?;
+        if c.rank() == dead {
+            return Ok(()); // dropped: its sockets close
+        }
+        thread::sleep(Duration::from_millis(100));
+        let r = c.all_reduce_sum(&mut buf);
+        if r.is_err() {
+            // A failed rank lives on a moment (reporting, as a process would), so its
+            // abort notice, naming the dead rank, reaches the others before its close.
+            thread::sleep(Duration::from_millis(500));
+        }
+        r
+    });
+    assert!(t.elapsed() < Duration::from_secs(6), "{:?}", t.elapsed());
+    for (r, out) in res.iter().enumerate().filter(|&(r, _)| r != dead) {
+        let e = out.as_ref().expect_err("a survivor must fail");
+        assert!(
+            e.to_string().contains(&format!("rank {dead}")),
+            "n {n}, rank {r}: {e}"
+        );
+    }
 }
