@@ -49,10 +49,14 @@ mod comm;
 mod config;
 mod conn;
 mod doubling;
+mod flat;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod hier;
+#[cfg(test)]
+mod hier_tests;
 mod host;
 mod net;
 mod op;
@@ -73,7 +77,8 @@ mod world;
 pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
-    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, Transport, WireFormat,
+    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
+    WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
