@@ -1,7 +1,8 @@
 //! The [`Communicator`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
 //! runtime and the peer connections, orders each group's collectives and turns failures into
 //! typed, peer-naming errors. The `f32` all-reduce and broadcast of a group whose members
-//! share a host go through its shared-memory segment ([`crate::shm`]) in the same order.
+//! share a host go through its shared-memory segment ([`crate::shm`]) in the same order; the
+//! all-reduce of a group spanning hosts may be hierarchical ([`crate::hier`]).
 //!
 //! # Ordering invariant
 //!
