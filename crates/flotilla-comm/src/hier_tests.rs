@@ -183,3 +183,47 @@ fn uneven_hosts_and_one_rank_per_host_stay_flat_bit_for_bit() {
         assert!(on.iter().all(|(_, s)| s.shm_bytes == 0), "hosts {hosts:?}");
     }
 }
+
+#[test]
+fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
+    let hosts = ["a", "a", "b", "b"];
+    let keys = hosts.iter().map(|h| format!("host-{h}")).collect();
+    let comms = Communicator::in_memory_on(keys, cfg(Hierarchical::Auto)).expect("world");
+    let lens = [1001usize, 300_001, 5];
+    let (tx, rx) = mpsc::channel();
+    for (r, comm) in comms.into_iter().enumerate() {
+        let tx = tx.clone();
+        thread::spawn(move || {
+            let pending: Vec<_> = lens
+                .iter()
+                .enumerate()
+                .map(|(b, &len)| {
+                    let buf = (0..len).map(|i| value(b, r, i)).collect();
+                    comm.all_reduce_bucket(buf, b)
+                })
+                .collect();
+            let got: Result<Vec<Vec<f32>>, _> = pending.into_iter().map(|p| p.wait()).collect();
+            let _ = tx.send((r, got, comm.stats()));
+        });
+    }
+    for _ in hosts {
+        let (r, got, stats) = rx.recv_timeout(Duration::from_secs(60)).expect("hung");
+        let got = got.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(
+            stats.shm_bytes > 0 && stats.bytes_sent_inter_host > 0,
+            "rank {r}"
+        );
+        for (b, buf) in got.iter().enumerate() {
+            assert_eq!(buf.len(), lens[b]);
+            for (i, x) in buf.iter().enumerate() {
+                let v = |r| value(b, r, i);
+                let want = (v(0) + v(1)) + (v(2) + v(3));
+                assert_eq!(
+                    x.to_bits(),
+                    want.to_bits(),
+                    "rank {r} bucket {b} element {i}"
+                );
+            }
+        }
+    }
+}
