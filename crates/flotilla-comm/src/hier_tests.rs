@@ -3,7 +3,8 @@
 //! sharing real segments. Bitwise the serial reference of the documented order (two hosts:
 //! each host's left-to-right sum, then the two added), every rank bit-identical, within
 //! rounding of a serial sum for three hosts; the inter-host bytes of each run against the
-//! flat algorithms' (measured, both runs); uneven hosts flat, bit for bit.
+//! flat algorithms' (measured, both runs); uneven hosts flat, bit for bit; buckets started
+//! back to back (the non-blocking path) hierarchical too.
 
 use std::sync::{Arc, mpsc};
 use std::thread;
