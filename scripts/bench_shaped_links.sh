@@ -14,6 +14,11 @@
 #      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), NETNS_MTU (default
 #      1500; 9000 for jumbo frames), RANKS (default 4), and any
 #      FLOTILLA_COMM_* variable of the ranks (e.g. FLOTILLA_COMM_CHUNK_BYTES) passes through.
+# RANKS_PER_HOST=k (default 1) puts k consecutive ranks in each namespace (RANKS/k hosts, the
+# ranks of one host on its shared memory) and measures each value of HIERARCHICAL (default
+# "auto off" when k > 1): the hierarchical all-reduce (rows labelled hier) against the flat
+# one over every rank (tcp). Its bound is the host's link: t >= 2 (H-1)/H * S/B with H hosts,
+# printed as bound/t; busbw/B stays the per-rank formula.
 # On a machine with few cores the 10 Gbit/s links are CPU-bound (4 ranks copy every byte
 # through the kernel twice): the script prints the core count.
 set -u
@@ -23,6 +28,10 @@ RATES=${RATES:-1gbit 10gbit}
 SIZES=${SIZES:-1M,16M,64M,256M}
 ITERS=${ITERS:-5}
 N=${RANKS:-4}
+K=${RANKS_PER_HOST:-1}
+H=$((N / K))
+if [ "$K" -gt 1 ]; then HIER=${HIERARCHICAL:-auto off}; else HIER=${HIERARCHICAL:-auto}; fi
+[ $((H * K)) = "$N" ] || { echo "RANKS ($N) must be a multiple of RANKS_PER_HOST ($K)"; exit 1; }
 export NETNS_PREFIX=${NETNS_PREFIX:-fsl} NETNS_SUBNET=${NETNS_SUBNET:-10.79.0}
 [ -x "$B" ] || { echo "no release binary at $B (cargo build --release)"; exit 1; }
 if [ "$(id -u)" != 0 ] || ! command -v tc >/dev/null || ! ip netns list >/dev/null 2>&1; then
@@ -64,36 +73,42 @@ PY
   wait "$server"
 }
 
-# The ranks of one measurement; prints rank 0's "@bench tcp" lines.
-run_ranks() { # out_prefix
+# The ranks of one measurement (rank i in namespace i / K; FLOTILLA_COMM_HIERARCHICAL=$2);
+# prints rank 0's "@bench" lines (label tcp, or hier when the all-reduce was hierarchical).
+run_ranks() { # out_prefix hierarchical
   local port=$((29700 + RANDOM % 200)) pids=() i
   for i in $(seq 0 $((N - 1))); do
-    timeout 900 ip netns exec "$NETNS_PREFIX$i" env RANK=$i WORLD_SIZE=$N \
+    timeout 900 ip netns exec "$NETNS_PREFIX$((i / K))" env RANK=$i WORLD_SIZE=$N \
       MASTER_ADDR="$(netns_addr 0)" MASTER_PORT=$port RAYON_NUM_THREADS=1 \
+      FLOTILLA_COMM_HIERARCHICAL="$2" \
       "$B" bench allreduce-worker --backend tcp --iters "$ITERS" --sizes "$SIZES" \
       > "$1.rank$i.out" 2> "$1.rank$i.err" &
     pids+=($!)
   done
   local ok=0
   for p in "${pids[@]}"; do wait "$p" || ok=1; done
-  grep '^@bench tcp ' "$1.rank0.out"
+  grep -E '^@bench (tcp|hier) ' "$1.rank0.out"
   return $ok
 }
 
 OUT=${OUT:-/tmp/flotilla-shaped-links}
 rm -rf "$OUT"; mkdir -p "$OUT"
 echo "# flotilla $("$B" --version 2>/dev/null) on $(nproc) cores, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# $N ranks, one per namespace; links shaped by HTB (rate only, burst 15k), MTU $NETNS_MTU; busbw/B: against the link rate"
+echo "# $N ranks, $K per namespace ($H namespaces); links shaped by HTB (rate only, burst 15k), MTU $NETNS_MTU; busbw/B: against the link rate; bound/t: the host link's bound 2(H-1)/H S/B over the time"
 for rate in $RATES; do
-  netns_setup $N "$rate" || { echo "## $rate: setup failed"; continue; }
+  netns_setup $H "$rate" || { echo "## $rate: setup failed"; continue; }
   bound=$(rate_bytes "$rate")
   raw=$(raw_tcp)
   echo "## link $rate: B = $(python3 -c "print(f'{$bound/1e9:.3f}')") GB/s; raw TCP goodput ns1->ns0 $(python3 -c "print(f'{${raw:-0}/1e9:.3f} GB/s = {${raw:-0}/$bound:.2f} B')")"
-  printf "%10s %6s %10s %12s %12s %8s %10s\n" size iters time_ms algbw_GB/s busbw_GB/s busbw/B busbw/raw
-  rows=$(run_ranks "$OUT/$rate") || { echo "## $rate: ranks FAILED (see $OUT/$rate.rank*.err)"; continue; }
-  echo "$rows" | while read -r _ _ bytes iters secs algbw busbw; do
-    python3 -c "
-b, i, s, a, u, B, raw = $bytes, $iters, $secs, $algbw, $busbw, $bound, ${raw:-0}
-print(f'{b >> 20:>6} MiB {i:>6} {s * 1e3:>10.1f} {a:>12.3f} {u:>12.3f} {u * 1e9 / B:>8.2f} {u * 1e9 / raw if raw else 0:>10.2f}')"
+  for hier in $HIER; do
+    echo "### hierarchical: $hier"
+    printf "%5s %10s %6s %10s %12s %12s %8s %10s %8s\n" kind size iters time_ms algbw_GB/s busbw_GB/s busbw/B busbw/raw bound/t
+    rows=$(run_ranks "$OUT/$rate-$hier" "$hier") || { echo "## $rate $hier: ranks FAILED (see $OUT/$rate-$hier.rank*.err)"; continue; }
+    echo "$rows" | while read -r _ kind bytes iters secs algbw busbw; do
+      python3 -c "
+b, i, s, a, u, B, raw, H = $bytes, $iters, $secs, $algbw, $busbw, $bound, ${raw:-0}, $H
+t_min = 2 * (H - 1) / H * b / B if H > 1 else 0
+print(f'{\"$kind\":>5} {b >> 20:>6} MiB {i:>6} {s * 1e3:>10.1f} {a:>12.3f} {u:>12.3f} {u * 1e9 / B:>8.2f} {u * 1e9 / raw if raw else 0:>10.2f} {t_min / s:>8.2f}')"
+    done
   done
 done

@@ -1,7 +1,8 @@
 //! The [`Communicator`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
 //! runtime and the peer connections, orders each group's collectives and turns failures into
 //! typed, peer-naming errors. The `f32` all-reduce and broadcast of a group whose members
-//! share a host go through its shared-memory segment ([`crate::shm`]) in the same order.
+//! share a host go through its shared-memory segment ([`crate::shm`]) in the same order; the
+//! all-reduce of a group spanning hosts may be hierarchical ([`crate::hier`]).
 //!
 //! # Ordering invariant
 //!
@@ -37,15 +38,14 @@ use tracing::Instrument;
 use crate::collectives;
 use crate::config::{CommConfig, Rejoin, Transport};
 use crate::conn::{Conn, ConnOpts, Endpoint};
-use crate::doubling;
+use crate::flat::{self, Algorithm};
 use crate::frame::{Op, channel};
+use crate::hier;
 use crate::host;
 use crate::op::OpCtx;
-use crate::rabenseifner;
 use crate::rendezvous;
 use crate::ring;
-use crate::shm;
-use crate::world::{GroupState, Site, World};
+use crate::world::{GroupState, Site, World, derive_key};
 
 /// Owns the runtime; dropped with the last group handle of the process.
 struct RtOwner {
@@ -169,7 +169,8 @@ impl Communicator {
                 .enumerate()
                 .map(|(r, s)| {
                     s.map(|s| {
-                        let c = Conn::tcp(s, r, opts, ep.clone());
+                        let remote = !host::all_local(&site.hosts, &[rank, r]);
+                        let c = Conn::tcp(s, r, opts, ep.clone()).between_hosts(remote);
                         Arc::new(if rejoined {
                             c.for_point_to_point_only()
                         } else {
@@ -194,19 +195,31 @@ impl Communicator {
     /// reports are those of the TCP transport. Dropping one is seen by the others as a lost
     /// connection.
     pub fn in_memory(n: usize, cfg: CommConfig) -> Result<Vec<Communicator>, CommError> {
+        // Threads of one process share its host (and memory).
+        Self::in_memory_on(vec![host::host_key(); n], cfg)
+    }
+
+    /// Like [`Communicator::in_memory`], rank `r` reporting host key `hosts[r]` (the
+    /// crate's tests of hierarchical all-reduces emulate hosts with it: ranks of one key
+    /// share a segment, links between keys count as inter-host).
+    pub(crate) fn in_memory_on(
+        hosts: Vec<String>,
+        cfg: CommConfig,
+    ) -> Result<Vec<Communicator>, CommError> {
+        let n = hosts.len();
         let mut cfg = cfg;
         cfg.world_size = n;
         cfg.rank = Some(0);
         cfg.validate()?;
         let eps: Vec<Arc<Endpoint>> = (0..n).map(|_| Arc::new(Endpoint::default())).collect();
-        // Threads of one process share its host (and memory): a world of one session.
-        let (session, here) = (rand::random::<u64>(), host::host_key());
+        let session = rand::random::<u64>();
         let mut peers: Vec<Vec<Option<Arc<Conn>>>> = (0..n).map(|_| vec![None; n]).collect();
         for a in 0..n {
             for b in a + 1..n {
                 let (ab, ba) = Conn::memory_pair((a, &eps[a]), (b, &eps[b]));
-                peers[a][b] = Some(Arc::new(ab));
-                peers[b][a] = Some(Arc::new(ba));
+                let remote = !host::all_local(&hosts, &[a, b]);
+                peers[a][b] = Some(Arc::new(ab.between_hosts(remote)));
+                peers[b][a] = Some(Arc::new(ba.between_hosts(remote)));
             }
         }
         peers
@@ -219,7 +232,7 @@ impl Communicator {
                 c.rank = Some(rank);
                 let site = Site {
                     session,
-                    hosts: vec![here.clone(); n],
+                    hosts: hosts.clone(),
                 };
                 Ok(Self::assemble(rt, rank, c, p, ep, site))
             })
@@ -275,17 +288,6 @@ impl Communicator {
             rt: self.rt.clone(),
         })
     }
-}
-
-/// FNV-1a over the parent's key and `id`: the key of a derived group. Every member derives
-/// the same key from the same parent and creation history; 0 stays the world's.
-fn derive_key(parent: u64, id: &[u8]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in parent.to_le_bytes().iter().chain(id) {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01b3);
-    }
-    if h == 0 { 1 } else { h }
 }
 
 impl ProcessGroup for Communicator {
@@ -344,6 +346,7 @@ impl ProcessGroup for Communicator {
             frames_compressed: s.frames_compressed.load(Ordering::Relaxed),
             collectives: self.g.world.collectives.load(Ordering::Relaxed),
             shm_bytes: s.shm_bytes.load(Ordering::Relaxed),
+            bytes_sent_inter_host: s.bytes_sent_inter_host.load(Ordering::Relaxed),
         }
     }
 
@@ -364,7 +367,7 @@ impl ProcessGroup for Communicator {
             let root = g.world_rank_checked(root).map(|_| root)?;
             return self.g.world.handle.block_on(async move {
                 let _turn = g.begin(ticket).await?;
-                let r = shm_broadcast(g, ticket, buf, root).await;
+                let r = flat::shm_broadcast(g, ticket, buf, root).await;
                 g.finish(r).await
             });
         }
@@ -633,78 +636,10 @@ impl<T> Drop for ScopedTask<T> {
     }
 }
 
-/// The all-reduce algorithms, picked by size (the same on every rank: the thresholds are
-/// part of the job's config).
-#[derive(Clone, Copy)]
-enum Algorithm {
-    Shm,
-    Doubling,
-    Rabenseifner,
-    Ring,
-}
-
-impl Algorithm {
-    /// The algorithm of an all-reduce of `bytes` on `ranks` ranks: the shared-memory segment
-    /// for a group on one host, else by size (Rabenseifner's only on a power of two: see
-    /// `rabenseifner.rs`).
-    fn pick(cfg: &CommConfig, shm: bool, bytes: usize, ranks: usize) -> Self {
-        if shm {
-            Self::Shm
-        } else if bytes <= cfg.small_all_reduce_bytes {
-            Self::Doubling
-        } else if bytes <= cfg.mid_all_reduce_bytes && ranks.is_power_of_two() {
-            Self::Rabenseifner
-        } else {
-            Self::Ring
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Self::Shm => "shm",
-            Self::Doubling => "doubling",
-            Self::Rabenseifner => "rabenseifner",
-            Self::Ring => "ring",
-        }
-    }
-}
-
-/// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn).
-async fn shm_broadcast(
-    g: &GroupState,
-    ticket: u64,
-    buf: &mut [f32],
-    root: usize,
-) -> Result<(), CommError> {
-    let seg = shm::segment(g, ticket, Op::Broadcast).await?;
-    let watch = shm::GroupWatch {
-        g,
-        op: OpCtx::new(g, ticket, Op::Broadcast).describe() + " (shared memory)",
-    };
-    if g.me() == root {
-        let s = &g.world.ep.stats;
-        s.shm_bytes
-            .fetch_add(std::mem::size_of_val(buf) as u64, Ordering::Relaxed);
-    }
-    shm::run_blocking(&seg, || seg.broadcast(buf, root, &watch))
-}
-
-/// All-reduce `ticket` of group `g` over its shared-memory segment (in its turn).
-async fn shm_all_reduce(g: &GroupState, ticket: u64, buf: &mut [f32]) -> Result<(), CommError> {
-    let seg = shm::segment(g, ticket, Op::AllReduce).await?;
-    let watch = shm::GroupWatch {
-        g,
-        op: OpCtx::new(g, ticket, Op::AllReduce).describe() + " (shared memory)",
-    };
-    let s = &g.world.ep.stats;
-    s.shm_bytes
-        .fetch_add(std::mem::size_of_val(buf) as u64, Ordering::Relaxed);
-    shm::run_blocking(&seg, || seg.all_reduce(buf, &watch))
-}
-
-/// Runs all-reduce `ticket` of group `g` in its turn: over the group's shared-memory
-/// segment when its members share a host, else recursive doubling up to
-/// [`CommConfig::small_all_reduce_bytes`], Rabenseifner's up to
+/// Runs all-reduce `ticket` of group `g` in its turn: hierarchical ([`crate::hier`]) on a
+/// group spanning hosts with the same number (more than one) of its ranks on each, else
+/// over the group's shared-memory segment when its members share a host, else recursive
+/// doubling up to [`CommConfig::small_all_reduce_bytes`], Rabenseifner's up to
 /// [`CommConfig::mid_all_reduce_bytes`] on a power-of-two group, the pipelined ring above.
 async fn all_reduce_ordered(
     g: &GroupState,
@@ -713,28 +648,25 @@ async fn all_reduce_ordered(
     bucket: Option<usize>,
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
-    let bytes = std::mem::size_of_val(buf);
-    let algorithm = Algorithm::pick(&g.world.cfg, g.shm.is_some(), bytes, g.members.len());
+    let levels = hier::levels(g);
+    let algorithm = Algorithm::of(g, buf);
     // From the group's turn to the end: the time on the wire, not the wait for the turn.
     let span = tracing::info_span!(
         target: "flotilla::comm",
         "all_reduce",
         seq = ticket,
         bucket = tracing::field::Empty,
-        bytes = bytes as u64,
-        algorithm = algorithm.name(),
+        bytes = std::mem::size_of_val(buf) as u64,
+        algorithm = if levels.is_some() { "hierarchical" } else { algorithm.name() },
         track = "comm"
     );
     if let Some(b) = bucket {
         span.record("bucket", b as u64);
     }
     let started = std::time::Instant::now();
-    let ctx = OpCtx::new(g, ticket, Op::AllReduce);
-    let r = match algorithm {
-        Algorithm::Shm => shm_all_reduce(g, ticket, buf).instrument(span).await,
-        Algorithm::Doubling => doubling::all_reduce(&ctx, buf).instrument(span).await,
-        Algorithm::Rabenseifner => rabenseifner::all_reduce(&ctx, buf).instrument(span).await,
-        Algorithm::Ring => ring::all_reduce(&ctx, buf).instrument(span).await,
+    let r = match levels {
+        Some(lv) => hier::all_reduce(lv, buf).instrument(span).await,
+        None => algorithm.run(g, ticket, buf).instrument(span).await,
     };
     metrics::histogram!("flotilla_all_reduce_seconds").record(started.elapsed().as_secs_f64());
     g.finish(r).await
@@ -765,7 +697,7 @@ async fn reduce_scatter_ordered(
         span.record("bucket", b as u64);
     }
     let r = if g.shm.is_some() {
-        shm_all_reduce(g, ticket, buf).instrument(span).await
+        flat::shm_all_reduce(g, ticket, buf).instrument(span).await
     } else {
         let ctx = OpCtx::new(g, ticket, Op::ReduceScatter);
         ring::reduce_scatter(&ctx, buf).instrument(span).await

@@ -97,6 +97,45 @@ impl fmt::Display for Transport {
     }
 }
 
+/// Whether the `f32` all-reduce of a group spanning several hosts goes in three phases:
+/// each host's ranks reduce over their shared segment, each local rank all-reduces its
+/// shard over TCP with the same local rank of every other host, then each host gathers
+/// the shards over its segment (`crate::hier`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Hierarchical {
+    /// Hierarchical when the group spans several hosts, every host holds the same number
+    /// (more than one) of its ranks and the transport is not [`Transport::Tcp`]; flat
+    /// otherwise.
+    #[default]
+    Auto,
+    /// Always flat: every rank in one TCP algorithm (doubling, Rabenseifner's or the ring).
+    Off,
+}
+
+impl std::str::FromStr for Hierarchical {
+    type Err = CommError;
+
+    fn from_str(s: &str) -> Result<Self, CommError> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(Hierarchical::Auto),
+            "off" => Ok(Hierarchical::Off),
+            other => Err(CommError::Config(format!(
+                "hierarchical {other:?}: expected auto or off"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Hierarchical {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Hierarchical::Auto => "auto",
+            Hierarchical::Off => "off",
+        })
+    }
+}
+
 /// Configuration of a [`crate::Communicator`].
 ///
 /// Build it with [`CommConfig::new`] / [`CommConfig::from_env`] and the `with_*` methods, or
@@ -170,6 +209,10 @@ pub struct CommConfig {
     /// its members share a host ([`Transport::Auto`], the default), or always over TCP.
     /// Every rank of a job must use the same value.
     pub transport: Transport,
+    /// Whether the `f32` all-reduce of a group spanning several hosts is hierarchical
+    /// (shared memory inside each host, TCP between hosts on `1/k` of the bytes with `k`
+    /// ranks per host). Every rank of a job must use the same value.
+    pub hierarchical: Hierarchical,
     /// Directory of the shared-memory segments (`None`: `/dev/shm` when it has room for the
     /// segment, else the system's temporary directory, a file-backed mapping). A segment's
     /// file is removed as soon as every member has mapped it.
@@ -224,6 +267,7 @@ impl fmt::Debug for CommConfig {
             .field("runtime_threads", &self.runtime_threads)
             .field("rejoin", &self.rejoin)
             .field("transport", &self.transport)
+            .field("hierarchical", &self.hierarchical)
             .field("shm_dir", &self.shm_dir)
             .field("shm_chunk_bytes", &self.shm_chunk_bytes)
             .field("rejoin_links", &self.rejoin_links)
@@ -258,6 +302,7 @@ impl Default for CommConfig {
             rejoin: Rejoin::Off,
             rejoin_links: Vec::new(),
             transport: Transport::Auto,
+            hierarchical: Hierarchical::Auto,
             shm_dir: None,
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
         }
@@ -361,10 +406,14 @@ impl CommConfig {
     }
 
     /// Applies the shared-memory variables of the environment (`FLOTILLA_COMM_TRANSPORT`,
-    /// `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`) over this config.
+    /// `FLOTILLA_COMM_HIERARCHICAL`, `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`)
+    /// over this config.
     pub fn apply_shm_env(&mut self) -> Result<(), CommError> {
         if let Some(t) = parse_env("FLOTILLA_COMM_TRANSPORT")? {
             self.transport = t;
+        }
+        if let Some(h) = parse_env("FLOTILLA_COMM_HIERARCHICAL")? {
+            self.hierarchical = h;
         }
         if let Some(d) = env_var("FLOTILLA_COMM_SHM_DIR") {
             self.shm_dir = Some(PathBuf::from(d));
@@ -378,6 +427,12 @@ impl CommConfig {
     /// Sets how the `f32` collectives travel.
     pub fn with_transport(mut self, transport: Transport) -> Self {
         self.transport = transport;
+        self
+    }
+
+    /// Sets whether the all-reduce of a group spanning several hosts is hierarchical.
+    pub fn with_hierarchical(mut self, hierarchical: Hierarchical) -> Self {
+        self.hierarchical = hierarchical;
         self
     }
 

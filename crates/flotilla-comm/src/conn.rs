@@ -30,6 +30,9 @@ pub(crate) struct Stats {
     pub frames_compressed: AtomicU64,
     /// Bytes copied into shared-memory segments (`crate::shm`).
     pub shm_bytes: AtomicU64,
+    /// The part of `bytes_sent` written to ranks on another host (by the rendezvous' host
+    /// keys): what crosses the network between hosts.
+    pub bytes_sent_inter_host: AtomicU64,
 }
 
 /// An abort notice from a peer: (rank, reason). Shared by all connections.
@@ -241,6 +244,8 @@ pub(crate) struct Conn {
     reader: Option<JoinHandle<()>>,
     /// A rejoined rank's link: point-to-point messages only, never collectives.
     p2p_only: bool,
+    /// The peer is on another host: what is sent counts in `bytes_sent_inter_host`.
+    inter_host: bool,
 }
 
 impl Drop for Conn {
@@ -298,12 +303,20 @@ impl Conn {
             ep,
             reader: Some(reader),
             p2p_only: false,
+            inter_host: false,
         }
     }
 
     /// Marks the connection as a rejoined rank's: collectives refuse it.
     pub(crate) fn for_point_to_point_only(mut self) -> Self {
         self.p2p_only = true;
+        self
+    }
+
+    /// Marks the connection as one to a rank on another host (`yes`): its bytes count in
+    /// [`Stats::bytes_sent_inter_host`].
+    pub(crate) fn between_hosts(mut self, yes: bool) -> Self {
+        self.inter_host = yes;
         self
     }
 
@@ -341,6 +354,7 @@ impl Conn {
             ep: ep.clone(),
             reader: None,
             p2p_only: false,
+            inter_host: false,
         };
         (
             end(b, a_ep, &at_a, b_ep, &at_b),
@@ -395,6 +409,11 @@ impl Conn {
         let stats = &self.ep.stats;
         let bytes = (HEADER_LEN + sent) as u64;
         stats.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        if self.inter_host {
+            stats
+                .bytes_sent_inter_host
+                .fetch_add(bytes, Ordering::Relaxed);
+        }
         self.sent.increment(bytes);
         stats.frames_sent.fetch_add(1, Ordering::Relaxed);
         Ok(())

@@ -28,6 +28,10 @@
 //!   share this host (host keys exchanged at the rendezvous; threads of
 //!   [`Communicator::in_memory`] share one) go through a shared segment instead
 //!   ([`Transport`], [`CommConfig::shm_dir`]); everything else stays on the connections.
+//! * Hierarchical all-reduce (`hier`): a group spanning several hosts with the same number
+//!   `k > 1` of its ranks on each sums inside each host over shared memory, across hosts over
+//!   TCP on `1/k` of the buffer per rank, and gathers inside each host again
+//!   ([`Hierarchical`]); [`CommStats::bytes_sent_inter_host`] counts what crossed hosts.
 //!
 //! All members of a group must issue its collectives in the same order; see
 //! [`flotilla_group::group`] for the ordering invariant and [`Communicator`] for the failure
@@ -49,10 +53,14 @@ mod comm;
 mod config;
 mod conn;
 mod doubling;
+mod flat;
 pub mod frame;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
 pub mod fuzzing;
+mod hier;
+#[cfg(test)]
+mod hier_tests;
 mod host;
 mod net;
 mod op;
@@ -73,7 +81,8 @@ mod world;
 pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
-    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Rejoin, Transport, WireFormat,
+    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
+    WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,

@@ -2,6 +2,7 @@
 //! queues, tagged and checked.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use flotilla_group::CommError;
 
@@ -9,6 +10,9 @@ use crate::config::CommConfig;
 use crate::conn::{Conn, Received};
 use crate::frame::{Op, channel};
 use crate::world::GroupState;
+
+/// How long a failed send waits for the peer's abort notice (see `OpCtx::prefer_abort`).
+const ABORT_GRACE: Duration = Duration::from_millis(500);
 
 /// Context of one running collective: sends and receives frames tagged with its group and
 /// sequence number and validates what arrives. Ranks are group ranks.
@@ -72,12 +76,32 @@ impl<'a> OpCtx<'a> {
             .await
         {
             Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(conn.send_error(&self.describe(), &e)),
+            Ok(Err(e)) => Err(self
+                .prefer_abort(&conn, conn.send_error(&self.describe(), &e))
+                .await),
             Err(_) => Err(CommError::Timeout {
                 peer: conn.rank,
                 op: self.describe(),
                 after: t,
             }),
+        }
+    }
+
+    /// A peer that aborted closes right after its notice, so a send to it can fail before
+    /// this process has read the notice (which names the root cause, e.g. a rank lost on
+    /// another host): waits, at most [`ABORT_GRACE`], until the connection's reader has
+    /// read to the end (the notice comes before it), then prefers the notice to `e`.
+    async fn prefer_abort(&self, conn: &Conn, e: CommError) -> CommError {
+        let abort = &self.g.world.ep.abort;
+        let read_out = async {
+            while abort.borrow().is_none() && !conn.is_lost() {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        };
+        let _ = tokio::time::timeout(ABORT_GRACE, read_out).await;
+        match abort.borrow().clone() {
+            Some((by, reason)) => CommError::Aborted { by, reason },
+            None => e,
         }
     }
 

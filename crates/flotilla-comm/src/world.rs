@@ -60,6 +60,18 @@ pub(crate) struct GroupState {
     /// The group's shared-memory segment (set up by its first `f32` collective), when its
     /// members share a host and the transport allows it; `None`: TCP.
     pub(crate) shm: Option<OnceLock<Arc<Segment>>>,
+    /// The sub-groups of the hierarchical all-reduce (`crate::hier`), decided by the
+    /// group's first all-reduce; `None` inside: flat.
+    pub(crate) levels: OnceLock<Option<Levels>>,
+}
+
+/// The two sub-groups of a hierarchical all-reduce (`crate::hier`): this rank's host (over
+/// its shared segment) and the same local rank of every host (over TCP).
+pub(crate) struct Levels {
+    /// The group's ranks on this rank's host, in group order.
+    pub(crate) local: Arc<GroupState>,
+    /// The rank of each host whose local rank is this rank's, hosts in order.
+    pub(crate) cross: Arc<GroupState>,
 }
 
 /// Advances the collective turn when dropped (also on error or cancellation).
@@ -172,6 +184,11 @@ impl World {
                 .all(|&w| w == self.rank || self.conn(w).is_ok_and(|c| !c.point_to_point_only()))
     }
 
+    /// The host key of world rank `w` (empty: unknown).
+    pub(crate) fn host(&self, w: usize) -> &str {
+        self.hosts.get(w).map_or("", String::as_str)
+    }
+
     /// Remembers a group's segment (so that an abort wakes its waiters).
     pub(crate) fn add_segment(&self, seg: &Arc<Segment>) {
         let mut s = self.segments.lock().unwrap_or_else(|p| p.into_inner());
@@ -208,12 +225,19 @@ impl GroupState {
             turn: watch::channel(0).0,
             derived: Mutex::new(HashMap::new()),
             open: Mutex::new(BTreeMap::new()),
+            levels: OnceLock::new(),
         })
     }
 
     /// Takes the next sequence number of this group.
     pub(crate) fn ticket(&self) -> u64 {
         self.world.collectives.fetch_add(1, Ordering::Relaxed);
+        self.nested_ticket()
+    }
+
+    /// Takes the next sequence number of this group for a step of another group's
+    /// collective (not counted as a collective of its own).
+    pub(crate) fn nested_ticket(&self) -> u64 {
         let mut open = self.open.lock().unwrap_or_else(|p| p.into_inner());
         let ticket = self.next_ticket.fetch_add(1, Ordering::SeqCst);
         open.insert(ticket, Instant::now());
@@ -283,4 +307,15 @@ impl GroupState {
         }
         Err(e)
     }
+}
+
+/// FNV-1a over the parent's key and `id`: the key of a derived group. Every member derives
+/// the same key from the same parent and creation history; 0 stays the world's.
+pub(crate) fn derive_key(parent: u64, id: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in parent.to_le_bytes().iter().chain(id) {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    if h == 0 { 1 } else { h }
 }

@@ -50,6 +50,9 @@ pub struct CommStats {
     /// Bytes this rank copied into shared-memory segments (`flotilla_comm`'s transport
     /// between ranks of one host; 0 for other backends).
     pub shm_bytes: u64,
+    /// The part of `bytes_sent` written to ranks on another host (`flotilla_comm`, by the
+    /// rendezvous' host keys): the traffic that crosses the network. 0 for other backends.
+    pub bytes_sent_inter_host: u64,
 }
 
 /// Element-wise reduction of integer buffers.

@@ -45,6 +45,7 @@ impl Counters {
             collectives: self.collectives.load(Ordering::Relaxed),
             // MPI's own shared memory is not Flotilla's segment.
             shm_bytes: 0,
+            bytes_sent_inter_host: 0,
         }
     }
 }

@@ -82,6 +82,7 @@ mod tests {
             bytes_sent: rank as u64,
             bytes_received: 0,
             shm_bytes: 0,
+            bytes_sent_inter_host: 0,
             figures: Default::default(),
         }
     }

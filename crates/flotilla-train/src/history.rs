@@ -68,6 +68,9 @@ pub struct RankReport {
     /// Bytes it copied into shared-memory segments (ranks of one host).
     #[serde(default)]
     pub shm_bytes: u64,
+    /// The part of `bytes_sent` it wrote to ranks on another host.
+    #[serde(default)]
+    pub bytes_sent_inter_host: u64,
     /// Its run figures (see [`crate::RunSummary::figures`]).
     pub figures: BTreeMap<String, f64>,
 }
@@ -81,6 +84,8 @@ pub struct JobTraffic {
     pub bytes_received: u64,
     /// Bytes all ranks copied into shared-memory segments instead of sending them.
     pub shm_bytes: u64,
+    /// The part of `bytes_sent` that went to ranks on another host (the network's share).
+    pub bytes_sent_inter_host: u64,
 }
 
 impl JobTraffic {
@@ -90,6 +95,7 @@ impl JobTraffic {
             bytes_sent: ranks.iter().map(|r| r.bytes_sent).sum(),
             bytes_received: ranks.iter().map(|r| r.bytes_received).sum(),
             shm_bytes: ranks.iter().map(|r| r.shm_bytes).sum(),
+            bytes_sent_inter_host: ranks.iter().map(|r| r.bytes_sent_inter_host).sum(),
         }
     }
 
@@ -111,10 +117,12 @@ mod tests {
             bytes_sent: sent,
             bytes_received: received,
             shm_bytes: sent / 5,
+            bytes_sent_inter_host: sent / 2,
             figures: BTreeMap::new(),
         };
         let t = JobTraffic::of(&[rank(0, 10, 7), rank(1, 5, 8)]);
         assert_eq!((t.bytes_sent, t.bytes_received, t.shm_bytes), (15, 15, 3));
+        assert_eq!(t.bytes_sent_inter_host, 7);
         assert_eq!(t.moved(), 18);
         let point = |step: u64, acc: Option<f64>| EvalPoint {
             step,

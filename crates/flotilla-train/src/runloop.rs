@@ -539,12 +539,13 @@ impl Loop<'_, '_> {
         }
         let traffic = self.cx.comm.stats();
         self.cx.log_quiet(&format!(
-            "traffic bytes_sent={} bytes_received={} collectives={} frames_compressed={} shm_bytes={}",
+            "traffic bytes_sent={} bytes_received={} collectives={} frames_compressed={} shm_bytes={} bytes_sent_inter_host={}",
             traffic.bytes_sent,
             traffic.bytes_received,
             traffic.collectives,
             traffic.frames_compressed,
-            traffic.shm_bytes
+            traffic.shm_bytes,
+            traffic.bytes_sent_inter_host
         ))?;
         let checkpoint = self.checkpoint()?;
         Ok(Finished {

@@ -325,6 +325,7 @@ impl Job<'_> {
             bytes_sent: traffic.bytes_sent,
             bytes_received: traffic.bytes_received,
             shm_bytes: traffic.shm_bytes,
+            bytes_sent_inter_host: traffic.bytes_sent_inter_host,
             figures: s.figures.clone(),
         };
         let timeout = std::time::Duration::from_secs_f64(self.config.comm.timeout_s);

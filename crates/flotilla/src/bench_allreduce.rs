@@ -151,7 +151,7 @@ pub fn check_ranks(args: &BenchAllreduceArgs) -> Result<()> {
 }
 
 /// The labels of a worker's rows: the transport it used.
-const USED: [&str; 2] = ["shm", "tcp"];
+const USED: [&str; 3] = ["hier", "shm", "tcp"];
 
 /// `flotilla bench allreduce` (TCP backend, each requested transport).
 pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
@@ -251,8 +251,9 @@ pub fn options(args: &BenchAllreduceArgs) -> Result<BenchOptions> {
     })
 }
 
-/// One rank of the TCP backend's benchmark (started by [`run`]); its rows carry the
-/// transport it used.
+/// One rank of the TCP backend's benchmark (started by [`run`], or by hand on several
+/// hosts); its rows carry the transport it used: `shm`, `tcp`, or `hier` (the hierarchical
+/// all-reduce: shared memory and bytes to other hosts).
 pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     let opts = options(args)?;
     let mut cfg = CommConfig::from_env()?;
@@ -264,10 +265,11 @@ pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     }
     let comm = Communicator::connect(cfg)?;
     let rows = run_allreduce(&comm, &opts)?;
-    let used = if comm.stats().shm_bytes > 0 {
-        "shm"
-    } else {
-        "tcp"
+    let stats = comm.stats();
+    let used = match (stats.shm_bytes > 0, stats.bytes_sent_inter_host > 0) {
+        (true, true) => "hier",
+        (true, false) => "shm",
+        (false, _) => "tcp",
     };
     if comm.rank() == 0 {
         for r in &rows {

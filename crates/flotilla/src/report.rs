@@ -83,6 +83,7 @@ pub fn run_figures(summary: &RunSummary) -> Value {
         "bytes_moved": traffic.map(|t| t.moved()),
         "bytes_received": traffic.map(|t| t.bytes_received),
         "bytes_shm": traffic.map(|t| t.shm_bytes),
+        "bytes_inter_host": traffic.map(|t| t.bytes_sent_inter_host),
         "bytes_per_sample": bytes_per_sample,
     })
 }
@@ -166,6 +167,7 @@ mod tests {
             bytes_sent: sent,
             bytes_received: sent,
             shm_bytes: 0,
+            bytes_sent_inter_host: 0,
             figures: Default::default(),
         };
         RunSummary {

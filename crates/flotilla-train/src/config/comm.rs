@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_comm::{CommConfig, Compression, Secret, Transport, WireFormat};
+use flotilla_comm::{CommConfig, Compression, Hierarchical, Secret, Transport, WireFormat};
 use serde::{Deserialize, Serialize};
 
 use super::{TlsSetting, TrainConfig};
@@ -79,6 +79,12 @@ pub struct CommSection {
     /// between hosts), `tcp` (always TCP) or `shm` (shared memory, required: every rank on
     /// one host). `compression` and `wire_format: bf16` do not apply to shared memory.
     pub transport: Transport,
+    /// Whether the all-reduce of ranks on several hosts is hierarchical (TCP backend):
+    /// `auto` (default: when every host holds the same number, more than one, of the
+    /// group's ranks and `transport` is not `tcp`, each host reduces over shared memory, its
+    /// `k` ranks all-reduce one `k`-th each with their peers of the other hosts over TCP,
+    /// and each host gathers the parts) or `off` (one flat TCP algorithm over every rank).
+    pub hierarchical: Hierarchical,
     /// Directory of the shared-memory segments (per rank; default: `/dev/shm` when it has
     /// room, else the system temporary directory). Each segment's file is removed as soon
     /// as every rank of its group has mapped it.
@@ -106,6 +112,7 @@ impl Default for CommSection {
             small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
             mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             transport: Transport::Auto,
+            hierarchical: Hierarchical::Auto,
             shm_dir: None,
             secret_file: None,
             tls: None,
@@ -161,6 +168,7 @@ impl TrainConfig {
             small_all_reduce_bytes: c.small_all_reduce_kb.saturating_mul(1 << 10),
             mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
             transport: c.transport,
+            hierarchical: c.hierarchical,
             shm_dir: c.shm_dir.clone(),
             ..CommConfig::default()
         })
@@ -261,6 +269,28 @@ mod tests {
             a.cluster_hash(&spec),
             b.cluster_hash(&spec),
             "transport is shared"
+        );
+    }
+
+    #[test]
+    fn hierarchical_reaches_the_communicator_and_is_hashed() {
+        let t = TrainConfig::default();
+        assert_eq!(t.comm.hierarchical, Hierarchical::Auto);
+        let c = t.comm_config(Some(0), 0, 4).expect("comm config");
+        assert_eq!(c.hierarchical, Hierarchical::Auto);
+        let t = TrainConfig::from_yaml("comm: {hierarchical: off}\n", "h.yaml").expect("key");
+        let c = t.comm_config(Some(0), 0, 4).expect("comm config");
+        assert_eq!(c.hierarchical, Hierarchical::Off);
+        let a = TrainConfig::from_yaml("hierarchical: off\n", "h.yaml").expect("alias");
+        assert_eq!(a.comm.hierarchical, Hierarchical::Off);
+        let e = TrainConfig::from_yaml("hierarchical: maybe\n", "h.yaml").expect_err("unknown");
+        assert!(e.to_string().contains("maybe"), "{e}");
+        let b = TrainConfig::default();
+        let spec = b.validate().expect("valid");
+        assert_ne!(
+            a.cluster_hash(&spec),
+            b.cluster_hash(&spec),
+            "hierarchical is shared"
         );
     }
 }

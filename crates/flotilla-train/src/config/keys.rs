@@ -286,6 +286,7 @@ pub const KEYS: &[Key] = &[
     Key::new("comm.small_all_reduce_kb").aliases(&["small_all_reduce_kb"]),
     Key::new("comm.mid_all_reduce_kb").aliases(&["mid_all_reduce_kb"]),
     Key::new("comm.transport").aliases(&["transport"]),
+    Key::new("comm.hierarchical").aliases(&["hierarchical"]),
     Key::new("comm.shm_dir").aliases(&["shm_dir"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),
