@@ -39,7 +39,7 @@ pub(crate) fn exp_neg(v: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
     // n is an integer in [-126, 0]: 2^n is the float with exponent bits n + 127.
     let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
