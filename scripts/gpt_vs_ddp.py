@@ -19,7 +19,8 @@ start, data load and the final evaluation excluded on both sides:
 - PyTorch: the script's `tokens/s_with_eval=` (its loop from the first step to the end of the
   last, batch gathering included; with --eval-every 0 no evaluation falls inside it).
 
-Prints each run, then per side the median and min-max of tokens/s and the ratio Flotilla /
+Prints each run (with the training loss of its last step: Flotilla's mean over the ranks,
+PyTorch's of rank 0's batch; a sanity check, not a comparison), then per side the median and min-max of tokens/s and the ratio Flotilla /
 PyTorch of the medians (above 1: Flotilla is faster). Wall-clock figures: take them on a quiet
 machine.
 """
@@ -115,7 +116,7 @@ def main():
                 rate, total, loss = run(args, work, i)
                 results[side].append(rate)
                 print(f"run {i + 1} {side:8} tokens/s {rate:8.0f}  total {total:6.1f} s  "
-                      f"last train_loss {loss:.4f}", flush=True)
+                      f"last-step train_loss {loss:.4f}", flush=True)
     for side, rates in results.items():
         print(f"{side:8} tokens/s {spread(rates)}")
     ratio = statistics.median(results["flotilla"]) / statistics.median(results["ddp"])
