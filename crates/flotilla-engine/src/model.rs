@@ -159,7 +159,7 @@ fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activati
         (Layer::Relu(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::Tanh(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::Sigmoid(m), x) => map_tensor!(x, |t| m.forward(t)),
-        (Layer::Gelu(m), x) => map_tensor!(x, |t| m.forward(t)),
+        (Layer::Gelu(_), x) => map_tensor!(x, |t| crate::kernels::gelu::gelu(t)),
         (Layer::Silu(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::Dropout(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::LayerNorm(m), x) => map_tensor!(x, |t| m.forward(t)),

@@ -8,20 +8,25 @@
 //!   added to every sample (burn has no learned positional embedding; its `PositionalEncoding`
 //!   is the fixed sinusoidal one).
 //! - `attention`: burn's `MultiHeadAttention` (separate `query`, `key`, `value` and `output`
-//!   linear layers with biases, scores scaled by `1/sqrt(d/heads)`), given the causal mask of
-//!   `generate_autoregressive_mask`: position `i` attends to `0..=i`.
+//!   linear layers with biases, scores scaled by `1/sqrt(d/heads)`), causal as with the mask of
+//!   `generate_autoregressive_mask` (position `i` attends to `0..=i`); between its projections
+//!   the fused causal attention of [`crate::kernels`] runs instead of burn's score, mask,
+//!   softmax and head split/merge ops.
 //! - `transformer_block`: burn's `TransformerEncoderLayer` with `norm_first` (pre-LN), no
 //!   dropout, and the same causal mask. Its tensors keep burn's names: `mha.{query,key,value,
 //!   output}`, `pwff.linear_inner` and `pwff.linear_outer` (GELU between them), and the two
 //!   layer norms `norm_2` (before the attention: burn names them for the post-LN order) and
-//!   `norm_1` (before the MLP).
+//!   `norm_1` (before the MLP). Its forward is written out here (the same sums in the same
+//!   order as burn's) so that its GELU is the fused kernel of [`crate::kernels`].
 
 use burn::nn::Embedding;
-use burn::nn::attention::{MhaInput, MultiHeadAttention, generate_autoregressive_mask};
+use burn::nn::attention::MultiHeadAttention;
 use burn::nn::transformer::TransformerEncoderLayer;
 use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::kernels;
+use crate::kernels::gelu::gelu;
 
 /// Checks that every value of `ids` (a batch's token input) is an integer in `0..vocab`.
 pub(crate) fn check_tokens(ids: &[f32], vocab: usize) -> Result<()> {
@@ -49,22 +54,22 @@ pub(crate) fn add_positions(table: &Embedding, x: Tensor<3>) -> Tensor<3> {
     x + rows.unsqueeze::<3>()
 }
 
-/// The causal mask of `x` `[n, t, d]`: true where a position would see a later one.
-fn causal_mask(x: &Tensor<3>) -> Tensor<3, Bool> {
-    let [n, t, _] = x.dims();
-    generate_autoregressive_mask(n, t, &x.device())
-}
-
-/// Causal multi-head self-attention on `x` `[n, t, d]`.
+/// Causal multi-head self-attention on `x` `[n, t, d]`: burn's `MultiHeadAttention` (its
+/// projections, no dropout) with the fused core of [`crate::kernels`] between them.
 pub(crate) fn causal_attention(attention: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
-    let mask = causal_mask(&x);
-    attention
-        .forward(MhaInput::self_attn(x).mask_attn(mask))
-        .context
+    let q = attention.query.forward(x.clone());
+    let k = attention.key.forward(x.clone());
+    let v = attention.value.forward(x);
+    let context = kernels::attention::causal_attention(q, k, v, attention.n_heads);
+    attention.output.forward(context)
 }
 
-/// A pre-LN transformer block with causal attention on `x` `[n, t, d]`.
+/// A pre-LN transformer block with causal attention on `x` `[n, t, d]`: burn's
+/// `TransformerEncoderLayer::forward` with `norm_first` and no dropout, its MLP's GELU the fused
+/// one of [`kernels::gelu`].
 pub(crate) fn block(block: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
-    let mask = causal_mask(&x);
-    block.forward(x, None, Some(mask))
+    let x = x.clone() + causal_attention(&block.mha, block.norm_2.forward(x));
+    let mlp = &block.pwff;
+    let hidden = gelu(mlp.linear_inner.forward(block.norm_1.forward(x.clone())));
+    x + mlp.linear_outer.forward(hidden)
 }

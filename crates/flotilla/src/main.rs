@@ -12,6 +12,7 @@ mod certs_cmd;
 mod cli;
 mod compare;
 mod compare_report;
+mod heap;
 mod launch;
 mod launch_cmd;
 mod launch_program;
@@ -37,6 +38,7 @@ use flotilla_telemetry::RankEvent;
 use progress::TrainObserver;
 
 fn main() -> ExitCode {
+    heap::keep_freed_buffers();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train(&args),

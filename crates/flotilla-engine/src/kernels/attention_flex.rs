@@ -1,0 +1,222 @@
+//! Flex's causal attention kernels ([`super::attention`]): per (sample, head), the two
+//! products forward and four backward through `gemm` on the head's strided columns of the
+//! `[n, t, d]` buffers, the row softmax over each row's visible prefix in between.
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Flex, TensorMetadata};
+use gemm::{Parallelism, gemm};
+
+use super::host::{tensor, values};
+
+/// The shape of one attention call: `n` samples of `t` positions, `heads` heads of `dk`
+/// features each (`d = heads·dk`).
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Heads {
+    n: usize,
+    t: usize,
+    heads: usize,
+    dk: usize,
+}
+
+impl Heads {
+    /// The shape of `q` `[n, t, d]` cut into `heads` heads.
+    pub(crate) fn of(q: &FloatTensor<Flex>, heads: usize) -> Self {
+        let dims = q.shape();
+        let (n, t, d) = (dims[0], dims[1], dims[2]);
+        Self {
+            n,
+            t,
+            heads,
+            dk: d / heads.max(1),
+        }
+    }
+
+    fn d(self) -> usize {
+        self.heads * self.dk
+    }
+
+    fn scale(self) -> f32 {
+        1.0 / (self.dk as f32).sqrt()
+    }
+
+    /// Offsets of head `h` of sample `b` in an `[n, t, d]` buffer and in `[n, heads, t, t]`.
+    fn offsets(self, b: usize, h: usize) -> (usize, usize) {
+        (
+            b * self.t * self.d() + h * self.dk,
+            (b * self.heads + h) * self.t * self.t,
+        )
+    }
+}
+
+/// A strided matrix view: pointer, row stride, column stride.
+#[derive(Clone, Copy)]
+struct View(*const f32, isize, isize);
+
+/// `dst (m×n, row stride dst_rs) = alpha · lhs (m×k) · rhs (k×n)`, single-threaded.
+///
+/// # Safety
+/// Every view must address `m×k`, `k×n` and `m×n` valid elements with its strides, and `dst`
+/// must not overlap them.
+unsafe fn product(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: (*mut f32, isize),
+    lhs: View,
+    rhs: View,
+    alpha: f32,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm(
+            m,
+            n,
+            k,
+            dst.0,
+            1,
+            dst.1,
+            false,
+            lhs.0,
+            lhs.2,
+            lhs.1,
+            rhs.0,
+            rhs.2,
+            rhs.1,
+            0.0,
+            alpha,
+            false,
+            false,
+            false,
+            Parallelism::None,
+        );
+    }
+}
+
+/// Softmax of each row `i` of the `t×t` scores over columns `0..=i`, zero after them.
+fn causal_softmax_rows(scores: &mut [f32], t: usize) {
+    for (i, row) in scores.chunks_exact_mut(t).enumerate() {
+        let (seen, hidden) = row.split_at_mut(i + 1);
+        let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0.0;
+        for s in seen.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        let inv = 1.0 / sum;
+        seen.iter_mut().for_each(|s| *s *= inv);
+        hidden.fill(0.0);
+    }
+}
+
+/// `dS = P ∘ (dP − Σⱼ P·dP)` of each row, times `scale`, in place of `dP`.
+fn softmax_backward_rows(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
+    for (drow, prow) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
+        let dot: f32 = drow.iter().zip(prow).map(|(d, p)| d * p).sum();
+        drow.iter_mut()
+            .zip(prow)
+            .for_each(|(d, &p)| *d = p * (*d - dot) * scale);
+    }
+}
+
+/// The context `[n, t, d]` and the probabilities `[n, heads, t, t]`.
+pub(crate) fn forward_f32(
+    q: &FloatTensor<Flex>,
+    k: &FloatTensor<Flex>,
+    v: &FloatTensor<Flex>,
+    s: Heads,
+) -> (FloatTensor<Flex>, FloatTensor<Flex>) {
+    let (q, k, v) = (values(q), values(k), values(v));
+    let (t, d) = (s.t, s.d() as isize);
+    let mut out = vec![0.0f32; s.n * s.t * s.d()];
+    let mut probs = vec![0.0f32; s.n * s.heads * t * t];
+    for b in 0..s.n {
+        for h in 0..s.heads {
+            let (x, pp) = s.offsets(b, h);
+            let p = &mut probs[pp..pp + t * t];
+            // SAFETY: head h of sample b spans t rows of stride d from x, dk columns (x + dk ≤
+            // the sample's end), and p is t×t; out is a distinct buffer.
+            unsafe {
+                let kt = View(k[x..].as_ptr(), 1, d);
+                product(
+                    t,
+                    t,
+                    s.dk,
+                    (p.as_mut_ptr(), t as isize),
+                    View(q[x..].as_ptr(), d, 1),
+                    kt,
+                    s.scale(),
+                );
+            }
+            causal_softmax_rows(p, t);
+            // SAFETY: as above.
+            unsafe {
+                let dst = (out[x..].as_mut_ptr(), d);
+                product(
+                    t,
+                    s.dk,
+                    t,
+                    dst,
+                    View(p.as_ptr(), t as isize, 1),
+                    View(v[x..].as_ptr(), d, 1),
+                    1.0,
+                );
+            }
+        }
+    }
+    (
+        tensor(out, [s.n, s.t, s.d()]),
+        tensor(probs, [s.n, s.heads, t, t]),
+    )
+}
+
+/// The gradients of `q`, `k`, `v` from `[q, k, v, probs, grad]`.
+pub(crate) fn backward_f32(
+    inputs: [&FloatTensor<Flex>; 5],
+    s: Heads,
+) -> (FloatTensor<Flex>, FloatTensor<Flex>, FloatTensor<Flex>) {
+    let [q, k, v, probs, g] = inputs.map(values);
+    let (t, d, ti) = (s.t, s.d() as isize, s.t as isize);
+    let len = s.n * s.t * s.d();
+    let (mut dq, mut dk, mut dv) = (vec![0.0f32; len], vec![0.0f32; len], vec![0.0f32; len]);
+    let mut ds = vec![0.0f32; t * t];
+    for b in 0..s.n {
+        for h in 0..s.heads {
+            let (x, pp) = s.offsets(b, h);
+            let p = &probs[pp..pp + t * t];
+            let gv = View(g[x..].as_ptr(), d, 1);
+            // SAFETY: the head's views as in the forward pass; ds is a t×t scratch buffer and
+            // every destination a distinct buffer.
+            unsafe {
+                let pt = View(p.as_ptr(), 1, ti);
+                product(t, s.dk, t, (dv[x..].as_mut_ptr(), d), pt, gv, 1.0);
+                let vt = View(v[x..].as_ptr(), 1, d);
+                product(t, t, s.dk, (ds.as_mut_ptr(), ti), gv, vt, 1.0);
+            }
+            softmax_backward_rows(&mut ds, p, t, s.scale());
+            // SAFETY: as above.
+            unsafe {
+                let (dsv, dst) = (View(ds.as_ptr(), ti, 1), View(ds.as_ptr(), 1, ti));
+                product(
+                    t,
+                    s.dk,
+                    t,
+                    (dq[x..].as_mut_ptr(), d),
+                    dsv,
+                    View(k[x..].as_ptr(), d, 1),
+                    1.0,
+                );
+                product(
+                    t,
+                    s.dk,
+                    t,
+                    (dk[x..].as_mut_ptr(), d),
+                    dst,
+                    View(q[x..].as_ptr(), d, 1),
+                    1.0,
+                );
+            }
+        }
+    }
+    let shape = [s.n, s.t, s.d()];
+    (tensor(dq, shape), tensor(dk, shape), tensor(dv, shape))
+}

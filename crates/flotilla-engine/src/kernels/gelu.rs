@@ -1,0 +1,125 @@
+//! GELU (the exact one, `x·Φ(x)` with `erf`) as a burn backend extension: on Flex one
+//! vectorized pass forward and one backward (`erf` and `exp` by [`super::math`] instead of
+//! libm's scalar `erff` and `expf`, which were 10 % of the byte-level GPT's step), burn's own
+//! `gelu` / `gelu_backward` on the other backends, and on `Autodiff` a backward that keeps
+//! the input (as burn's does) and calls the backend's fused backward.
+
+// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
+#![cfg_attr(feature = "ndarray", allow(deprecated))]
+
+use std::f32::consts::{FRAC_1_SQRT_2, PI};
+
+use burn::backend::ops::ActivationOps;
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::prelude::*;
+use burn_autodiff::Autodiff;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
+
+use super::host::{contiguous_f32, tensor, values};
+use super::math::{erf, exp_neg};
+
+/// The backend side of [`gelu`].
+#[backend_extension(
+    Flex,
+    NdArray: cfg(feature = "ndarray"),
+    LibTorch: cfg(feature = "libtorch"),
+    Autodiff,
+)]
+pub trait GeluOps: Backend {
+    /// `x·Φ(x)` of every element (burn's `gelu` unless a backend has a faster one).
+    fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu(x)
+    }
+
+    /// `grad · d gelu(x)/dx`, element-wise (burn's `gelu_backward` unless a backend has a
+    /// faster one).
+    fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        Self::gelu_backward(x, grad)
+    }
+}
+
+/// GELU of one value.
+#[inline(always)]
+fn gelu_f32(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
+}
+
+/// The derivative of GELU at `x`: `Φ(x) + x·φ(x)`.
+#[inline(always)]
+fn gelu_slope_f32(x: f32) -> f32 {
+    let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
+    0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)) + x * inv_sqrt_2pi * exp_neg(-0.5 * x * x)
+}
+
+impl GeluOps for Flex {
+    fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let Some(x) = contiguous_f32(&x) else {
+            return Self::gelu(x);
+        };
+        let out: Vec<f32> = values(&x).iter().map(|&v| gelu_f32(v)).collect();
+        tensor(out, x.shape())
+    }
+
+    fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let (Some(x), Some(grad)) = (contiguous_f32(&x), contiguous_f32(&grad)) else {
+            return Self::gelu_backward(x, grad);
+        };
+        let out: Vec<f32> = values(&x)
+            .iter()
+            .zip(values(&grad))
+            .map(|(&v, &g)| g * gelu_slope_f32(v))
+            .collect();
+        tensor(out, x.shape())
+    }
+}
+
+#[cfg(feature = "ndarray")]
+impl GeluOps for burn::backend::NdArray {}
+
+// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
+#[cfg(feature = "libtorch")]
+#[allow(deprecated)]
+impl GeluOps for burn::backend::LibTorch {}
+
+/// GELU's backward: the backend's fused backward at the kept input.
+#[derive(Debug)]
+struct GeluBackward;
+
+impl<B: Backend + GeluOps> Backward<B, 1> for GeluBackward {
+    type State = FloatTensor<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let x = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::gelu_erf_backward(x, grad)
+        });
+    }
+}
+
+impl<B: Backend + GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
+    fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
+        let guard = x.node();
+        let x = x.into_primitive();
+        match GeluBackward
+            .prepare::<C>([guard])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let out = B::gelu_erf(x.clone());
+                prep.finish(x, out)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gelu_erf(x)),
+        }
+    }
+}
+
+/// GELU (`x·Φ(x)`, the exact form, as burn's `Gelu` and PyTorch's default), differentiable;
+/// fused on Flex.
+pub(crate) fn gelu<const D: usize>(x: Tensor<D>) -> Tensor<D> {
+    Tensor::from_dispatch(<Dispatch as GeluOps>::gelu_erf(x.into_dispatch()))
+}

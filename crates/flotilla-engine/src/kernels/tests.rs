@@ -1,0 +1,169 @@
+//! The fused kernels against burn's own ops on Flex under autodiff: outputs and the gradients
+//! of a weighted sum, to 1e-5.
+
+use burn::nn::attention::{MhaInput, MultiHeadAttentionConfig, generate_autoregressive_mask};
+use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
+use burn::prelude::*;
+use burn::tensor::activation;
+
+use crate::sequence::{block, causal_attention};
+
+use burn::backend::Flex;
+use burn::backend::tensor::FloatTensor;
+
+use super::attention::CausalAttentionOps;
+use super::gelu::gelu;
+use super::reference;
+
+fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+/// Deterministic values in about `[-scale, scale]`.
+fn values(n: usize, seed: usize, scale: f32) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919 + seed * 104_729) % 2003) as f32 / 1001.5 - 1.0)
+        .map(|v| v * scale)
+        .collect()
+}
+
+fn tensor<const D: usize>(shape: [usize; D], seed: usize, scale: f32) -> Tensor<D> {
+    let n = shape.iter().product();
+    Tensor::from_data(TensorData::new(values(n, seed, scale), shape), &device())
+}
+
+fn flat<const D: usize>(t: Tensor<D>) -> Vec<f32> {
+    t.into_data().try_into_vec_as::<f32>().unwrap_or_default()
+}
+
+fn assert_close(what: &str, ours: &[f32], theirs: &[f32], tolerance: f32) {
+    assert_eq!(ours.len(), theirs.len(), "{what}: lengths");
+    let (i, worst) = ours
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(1.0))
+        .enumerate()
+        .fold((0, 0.0f32), |w, (i, d)| if d > w.1 { (i, d) } else { w });
+    assert!(
+        worst <= tolerance,
+        "{what}: element {i}: {} against burn's {} (difference {worst})",
+        ours[i],
+        theirs[i]
+    );
+}
+
+/// The output of `f` on `x` and the gradient of `Σ w·f(x)` with respect to `x`.
+fn output_and_grad<const D: usize>(
+    x: &Tensor<D>,
+    w: &Tensor<D>,
+    f: impl Fn(Tensor<D>) -> Tensor<D>,
+) -> (Vec<f32>, Vec<f32>) {
+    let x = x.clone().require_grad();
+    let y = f(x.clone());
+    let grads = (y.clone() * w.clone()).sum().backward();
+    let grad = x.grad(&grads).map(flat).unwrap_or_default();
+    (flat(y), grad)
+}
+
+#[test]
+fn gelu_matches_burns_gelu_and_its_gradient() {
+    // Values over [-12, 12]: both tails, where erf saturates and exp underflows.
+    let x = tensor([64, 257], 1, 12.0);
+    let w = tensor([64, 257], 2, 1.0);
+    let (ours, our_grad) = output_and_grad(&x, &w, gelu);
+    let (theirs, their_grad) = output_and_grad(&x, &w, activation::gelu);
+    assert_close("gelu", &ours, &theirs, 1e-5);
+    assert_close("gelu gradient", &our_grad, &their_grad, 1e-5);
+}
+
+#[test]
+fn gelu_of_a_strided_tensor_is_gelu_of_its_values() {
+    let x = tensor([48, 32], 3, 4.0);
+    let ours = flat(gelu(x.clone().swap_dims(0, 1)));
+    let theirs = flat(activation::gelu(x.swap_dims(0, 1)));
+    assert_close("gelu of a transposed tensor", &ours, &theirs, 1e-5);
+}
+
+fn burn_block() -> TransformerEncoderLayer {
+    let config = TransformerEncoderConfig::new(64, 256, 4, 1)
+        .with_dropout(0.0)
+        .with_norm_first(true);
+    TransformerEncoderLayer::new(&config, &device())
+}
+
+#[test]
+fn block_matches_burns_transformer_layer_and_its_gradients() {
+    let layer = burn_block();
+    let x = tensor([3, 20, 64], 4, 2.0);
+    let w = tensor([3, 20, 64], 5, 1.0);
+    let (ours, our_grad) = output_and_grad(&x, &w, |x| block(&layer, x));
+    let (theirs, their_grad) = output_and_grad(&x, &w, |x| {
+        let mask = causal_mask(&x);
+        layer.forward(x, None, Some(mask))
+    });
+    assert_close("block", &ours, &theirs, 1e-5);
+    assert_close("block input gradient", &our_grad, &their_grad, 1e-5);
+}
+
+/// burn's causal mask for `x` `[n, t, d]`.
+fn causal_mask(x: &Tensor<3>) -> Tensor<3, Bool> {
+    let [n, t, _] = x.dims();
+    generate_autoregressive_mask(n, t, &x.device())
+}
+
+#[test]
+fn attention_matches_burns_multi_head_attention_and_its_gradients() {
+    let mha = MultiHeadAttentionConfig::new(64, 4)
+        .with_dropout(0.0)
+        .init(&device());
+    let x = tensor([5, 33, 64], 6, 3.0);
+    let w = tensor([5, 33, 64], 7, 1.0);
+    let (ours, our_grad) = output_and_grad(&x, &w, |x| causal_attention(&mha, x));
+    let (theirs, their_grad) = output_and_grad(&x, &w, |x| {
+        let mask = causal_mask(&x);
+        mha.forward(MhaInput::self_attn(x).mask_attn(mask)).context
+    });
+    assert_close("attention", &ours, &theirs, 1e-5);
+    assert_close("attention input gradient", &our_grad, &their_grad, 1e-5);
+}
+
+/// A Flex primitive `[n, t, d]` of deterministic values, and its values back.
+fn flex(shape: [usize; 3], seed: usize, scale: f32) -> FloatTensor<Flex> {
+    super::host::tensor(values(shape.iter().product(), seed, scale), shape)
+}
+
+fn flex_values(t: &FloatTensor<Flex>) -> Vec<f32> {
+    super::host::contiguous_f32(t).map_or_else(Vec::new, |t| super::host::values(&t).to_vec())
+}
+
+#[test]
+fn flex_kernels_match_the_reference_in_burns_ops_forward_and_backward() {
+    // The reference is what backends without a fused kernel run: checked here on Flex.
+    let (q, k, v, g) = (
+        flex([2, 9, 32], 8, 2.0),
+        flex([2, 9, 32], 9, 2.0),
+        flex([2, 9, 32], 10, 2.0),
+        flex([2, 9, 32], 11, 1.0),
+    );
+    let (ours, our_probs) = Flex::causal_attention_probs(q.clone(), k.clone(), v.clone(), 2);
+    let (theirs, their_probs) = reference::forward::<Flex>(q.clone(), k.clone(), v.clone(), 2);
+    assert_close("context", &flex_values(&ours), &flex_values(&theirs), 1e-5);
+    assert_close(
+        "probabilities",
+        &flex_values(&our_probs),
+        &flex_values(&their_probs),
+        1e-6,
+    );
+    let kept = (
+        q.clone(),
+        k.clone(),
+        v.clone(),
+        our_probs.clone(),
+        g.clone(),
+    );
+    let ours = Flex::causal_attention_backward(kept.0, kept.1, kept.2, kept.3, kept.4, 2);
+    let theirs = reference::backward::<Flex>(q, k, v, our_probs, g, 2);
+    assert_close("dq", &flex_values(&ours.0), &flex_values(&theirs.0), 1e-5);
+    assert_close("dk", &flex_values(&ours.1), &flex_values(&theirs.1), 1e-5);
+    assert_close("dv", &flex_values(&ours.2), &flex_values(&theirs.2), 1e-5);
+}

@@ -1,0 +1,128 @@
+#!/usr/bin/env python3
+"""Tokens/s of the byte-level GPT on 2 ranks: Flotilla against its PyTorch DDP twin, in one run.
+
+Usage: scripts/gpt_vs_ddp.py [--runs 3] [--steps 150] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
+                             [--python /root/torchenv/bin/python]
+
+Both sides train gpt-char (models/gpt-char.yaml, 867,328 parameters) on the vendored text
+(data/text/kjv.txt), 2 local ranks of 1 thread, 16 windows of 64 bytes per rank, AdamW lr 1e-3,
+betas (0.9, 0.99), weight decay 0.1 on matrices only, 10 warm-up steps then cosine to 10 %
+(examples/gpt-char.yaml's recipe, shortened), no evaluation during the run. Flotilla is
+`flotilla launch` of that config; PyTorch is scripts/gpt_char_torch.py (the same model, data,
+optimizer and schedule, DDP over gloo). The runs alternate (Flotilla, DDP, Flotilla, DDP, ...)
+so that a change of load hits both.
+
+Tokens/s = steps x 2 ranks x 16 windows x 64 tokens over the training loop's time, process
+start, data load and the final evaluation excluded on both sides:
+- Flotilla: rank 0's `epoch_s` in metrics.jsonl (the run loop from its start, the initial
+  parameter broadcast included, to the end of the last step).
+- PyTorch: the script's `tokens/s_with_eval=` (its loop from the first step to the end of the
+  last, batch gathering included; with --eval-every 0 no evaluation falls inside it).
+
+Prints each run (with the training loss of its last step: Flotilla's mean over the ranks,
+PyTorch's of rank 0's batch; a sanity check, not a comparison), then per side the median and min-max of tokens/s and the ratio Flotilla /
+PyTorch of the medians (above 1: Flotilla is faster). Wall-clock figures: take them on a quiet
+machine.
+"""
+import argparse
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORLD, BATCH, CONTEXT, WARMUP = 2, 16, 64, 10
+
+CONFIG = """model: gpt-char
+data: text:{data}
+batch_size: {batch}
+max_steps: {steps}
+optimizer: {{name: adamw, lr: 0.001, beta1: 0.9, beta2: 0.99, weight_decay: 0.1, decay_params: matrices}}
+lr_schedule: cosine
+warmup_steps: {warmup}
+min_lr_ratio: 0.1
+seed: 42
+world_size: {world}
+checkpoint_every: 0
+"""
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def tokens(steps):
+    return steps * WORLD * BATCH * CONTEXT
+
+
+def flotilla(args, work, i):
+    cfg = os.path.join(work, "flotilla.yaml")
+    with open(cfg, "w") as f:
+        f.write(CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
+                              steps=args.steps, warmup=WARMUP, world=WORLD))
+    out = os.path.join(work, f"flotilla-{i}")
+    cmd = [args.flotilla, "launch", cfg, "--threads", "1", "--output", out,
+           "--master-port", str(free_port())]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=ROOT, timeout=3600)
+    total = time.perf_counter() - started
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    loop = sum(r["epoch_s"] for r in rows)
+    return tokens(args.steps) / loop, total, rows[-1]["train_loss"]
+
+
+def ddp(args, work, i):
+    del work
+    script = os.path.join(ROOT, "scripts/gpt_char_torch.py")
+    cmd = [args.python, script, "--steps", str(args.steps), "--batch", str(BATCH),
+           "--world", str(WORLD), "--warmup", str(WARMUP), "--eval-every", "0"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    started = time.perf_counter()
+    out = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                         text=True, env=env, cwd=ROOT, timeout=3600)
+    total = time.perf_counter() - started
+    rate = re.search(r"tokens/s_with_eval=(\d+)", out.stdout)
+    loss = re.findall(r"train_loss=([0-9.]+)", out.stdout)
+    if out.returncode != 0 or rate is None:
+        raise SystemExit(f"DDP run {i} failed ({out.returncode}):\n{out.stdout}")
+    return float(rate.group(1)), total, float(loss[-1]) if loss else float("nan")
+
+
+def spread(xs):
+    return f"median {statistics.median(xs):8.0f} (min-max {min(xs):.0f}-{max(xs):.0f})"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--steps", type=int, default=150)
+    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
+    p.add_argument("--flotilla", default=os.path.join(target, "release/flotilla"))
+    p.add_argument("--python", default="/root/torchenv/bin/python")
+    args = p.parse_args()
+    results = {"flotilla": [], "ddp": []}
+    with tempfile.TemporaryDirectory(prefix="gpt-vs-ddp-") as work:
+        for i in range(args.runs):
+            for side, run in (("flotilla", flotilla), ("ddp", ddp)):
+                rate, total, loss = run(args, work, i)
+                results[side].append(rate)
+                print(f"run {i + 1} {side:8} tokens/s {rate:8.0f}  total {total:6.1f} s  "
+                      f"last-step train_loss {loss:.4f}", flush=True)
+    for side, rates in results.items():
+        print(f"{side:8} tokens/s {spread(rates)}")
+    ratio = statistics.median(results["flotilla"]) / statistics.median(results["ddp"])
+    print(f"ratio flotilla/ddp tokens/s: {ratio:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
