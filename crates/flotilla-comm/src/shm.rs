@@ -88,12 +88,14 @@ async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
         path = std::env::temp_dir().join(&name);
         made = Segment::create(&path, n, 0, chunk);
     }
-    let seg = made.map_err(|e| {
-        CommError::io(
-            format!("cannot create the shared-memory segment {}", path.display()),
-            e,
-        )
-    })?;
+    let seg = made
+        .map_err(|e| {
+            CommError::io(
+                format!("cannot create the shared-memory segment {}", path.display()),
+                e,
+            )
+        })?
+        .with_one_step_bytes(cfg.small_all_reduce_bytes);
     let _unlink = Unlink(path.clone());
     for p in 1..n {
         ctx.send(p, TAG_PATH, path.as_os_str().as_bytes()).await?;
@@ -109,13 +111,15 @@ async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
 async fn open(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
     let f = ctx.recv(0, TAG_PATH, None).await?;
     let path = PathBuf::from(std::ffi::OsStr::from_bytes(&f.payload));
-    let seg =
-        Segment::open(&path, ctx.size(), ctx.rank(), g.world.cfg.shm_chunk_bytes).map_err(|e| {
+    let cfg = &g.world.cfg;
+    let seg = Segment::open(&path, ctx.size(), ctx.rank(), cfg.shm_chunk_bytes)
+        .map_err(|e| {
             CommError::io(
                 format!("cannot map the shared-memory segment {}", path.display()),
                 e,
             )
-        })?;
+        })?
+        .with_one_step_bytes(cfg.small_all_reduce_bytes);
     ctx.send(0, TAG_MAPPED, &[]).await?;
     Ok(seg)
 }
