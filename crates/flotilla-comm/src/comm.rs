@@ -350,6 +350,13 @@ impl ProcessGroup for Communicator {
     fn barrier(&self) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
+        if g.shm.is_some() {
+            return self.g.world.handle.block_on(async move {
+                let _turn = g.begin(ticket).await?;
+                let r = shm_barrier(g, ticket).await;
+                g.finish(r).await
+            });
+        }
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
             let r = collectives::barrier(&OpCtx::new(g, ticket, Op::Barrier)).await;
@@ -667,6 +674,17 @@ impl Algorithm {
             Self::Ring => "ring",
         }
     }
+}
+
+/// Barrier `ticket` of group `g` on its shared-memory segment (in its turn): the segment's
+/// barrier, no frame sent.
+async fn shm_barrier(g: &GroupState, ticket: u64) -> Result<(), CommError> {
+    let seg = shm::segment(g, ticket, Op::Barrier).await?;
+    let watch = shm::GroupWatch {
+        g,
+        op: OpCtx::new(g, ticket, Op::Barrier).describe() + " (shared memory)",
+    };
+    shm::run_blocking(&seg, || seg.barrier(&watch))
 }
 
 /// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn).

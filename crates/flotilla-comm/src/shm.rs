@@ -1,9 +1,9 @@
 //! The shared-memory transport: the `f32` all-reduce and broadcast of a group whose members
-//! all share one host (equal host keys at the rendezvous, [`crate::host`]) go through one
-//! shared segment instead of loopback TCP, when [`crate::Transport`] is `auto` (the
-//! default) or `shm`. Everything else (barrier, byte and integer collectives, all-gather,
-//! point-to-point messages) stays on the group's TCP (or in-memory) links, which also carry
-//! the segment's setup and the failure notices.
+//! all share one host (equal host keys at the rendezvous, [`crate::host`]), and its
+//! barrier, go through one shared segment instead of loopback TCP, when
+//! [`crate::Transport`] is `auto` (the default) or `shm`. Everything else (byte and integer
+//! collectives, all-gather, point-to-point messages) stays on the group's TCP (or
+//! in-memory) links, which also carry the segment's setup and the failure notices.
 //!
 //! * **Segment** ([`crate::segment`]): one file per group, created by the group's rank 0 in its
 //!   turn of the first collective that needs it (`flotilla-{session}-{group key}`, so two
@@ -19,9 +19,12 @@
 //!   notices, and the deadline ([`crate::CommConfig::timeout`]; a stalled rank is named as
 //!   the lowest one that has not arrived). A failing rank marks the segment aborted and
 //!   wakes every waiter; [`flotilla_group::ProcessGroup::abort`] does the same.
-//! * **Collectives** (`segment/ops.rs`): the chunked, double-buffered all-reduce (each rank reduces
-//!   its slice over the slots in rank order: every rank ends bit-identical, equal to a
-//!   serial left-to-right sum in rank order) and the broadcast.
+//! * **Collectives** (`segment/ops.rs`): the all-reduce, in one step (one barrier, every rank
+//!   sums the whole buffer) up to [`crate::CommConfig::small_all_reduce_bytes`] (and one
+//!   slot), else chunked and double-buffered (each rank reduces its slice over the slots;
+//!   `C + 1` barriers for `C` chunks); either way in rank order, so every rank ends
+//!   bit-identical, equal to a serial left-to-right sum in rank order. The broadcast (one
+//!   barrier per chunk), and the group's barrier (the segment's, no frame sent).
 //!
 //! The copies run on a blocking section of the communicator's runtime
 //! (`tokio::task::block_in_place`: the connection readers go on on another thread), or on

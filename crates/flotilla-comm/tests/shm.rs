@@ -239,6 +239,37 @@ fn collectives_of_any_kind_and_length_follow_each_other_without_a_barrier() {
     }
 }
 
+/// The barrier of a group on shared memory goes through its segment (no frame sent once
+/// the segment is set up) and still holds every rank until the last one arrives.
+#[test]
+fn a_barrier_on_shared_memory_sends_no_frame_and_waits_for_the_last_rank() {
+    const LATE: Duration = Duration::from_millis(300);
+    let n = 3;
+    let results = world(n, true, cfg(n, Transport::Shm), |c| {
+        let mut b = vec![1.0f32; 10];
+        c.all_reduce_sum(&mut b)?;
+        let before = c.stats().frames_sent;
+        for _ in 0..20 {
+            c.barrier()?;
+        }
+        if c.rank() == 2 {
+            thread::sleep(LATE);
+        }
+        let t = Instant::now();
+        c.barrier()?;
+        Ok((c.stats().frames_sent - before, t.elapsed()))
+    });
+    for (r, (frames, waited)) in results.iter().enumerate() {
+        assert_eq!(*frames, 0, "rank {r}: frames sent by 21 barriers");
+        if r != 2 {
+            assert!(
+                *waited >= LATE / 2,
+                "rank {r} left the barrier after {waited:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
     let n = 5;
