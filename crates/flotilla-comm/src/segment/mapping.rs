@@ -11,6 +11,8 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
+use super::sync::SPINS;
+
 use memmap2::MmapRaw;
 
 const MAGIC: u64 = 0x464c_4f54_5348_4d31; // "FLOTSHM1"
@@ -50,6 +52,9 @@ pub(crate) struct Segment {
     pub(super) steps: AtomicUsize,
     /// The longest all-reduce (in floats) that takes one step (`ops.rs`): at most a slot.
     pub(crate) one_step_floats: usize,
+    /// Spins of this process's next barrier wait before it yields (`sync.rs`: adapted to
+    /// whether spinning paid in the last waits).
+    pub(super) spin_budget: AtomicU32,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access goes through the header's atomics
@@ -117,6 +122,7 @@ impl Segment {
             chunk,
             steps: AtomicUsize::new(0),
             one_step_floats: 0,
+            spin_budget: AtomicU32::new(SPINS),
         })
     }
 
