@@ -190,3 +190,34 @@ impl Segment {
         );
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spin budget halves down to `MIN_SPINS` while spins see no release and doubles
+    /// back up to `SPINS` once they do.
+    #[test]
+    fn the_spin_budget_shrinks_while_spinning_fails_and_grows_back_when_it_pays() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
+        let budget = || seg.spin_budget.load(Ordering::Relaxed);
+        if !seg.spare_cores() {
+            assert!(!seg.spin(&|| true), "no spin without a core per member");
+            assert_eq!(budget(), SPINS);
+            return;
+        }
+        let mut seen = vec![budget()];
+        for _ in 0..8 {
+            assert!(!seg.spin(&|| false));
+            seen.push(budget());
+        }
+        assert_eq!(seen, [4000, 2000, 1000, 500, 250, 125, 64, 64, 64]);
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            assert!(seg.spin(&|| true));
+            seen.push(budget());
+        }
+        assert_eq!(seen, [128, 256, 512, 1024, 2048, 4000, 4000, 4000]);
+    }
+}
