@@ -11,8 +11,6 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
-use super::sync::SPINS;
-
 use memmap2::MmapRaw;
 
 const MAGIC: u64 = 0x464c_4f54_5348_4d31; // "FLOTSHM1"
@@ -53,7 +51,7 @@ pub(crate) struct Segment {
     /// The longest all-reduce (in floats) that takes one step (`ops.rs`): at most a slot.
     pub(crate) one_step_floats: usize,
     /// Spins of this process's next barrier wait before it yields (`sync.rs`: adapted to
-    /// whether spinning paid in the last waits).
+    /// whether spinning paid in the last waits, and capped there; starts uncapped).
     pub(super) spin_budget: AtomicU32,
 }
 
@@ -122,7 +120,7 @@ impl Segment {
             chunk,
             steps: AtomicUsize::new(0),
             one_step_floats: 0,
-            spin_budget: AtomicU32::new(SPINS),
+            spin_budget: AtomicU32::new(u32::MAX),
         })
     }
 

@@ -16,7 +16,7 @@ use super::mapping::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Seg
 const CLAIMED: u32 = u32::MAX;
 
 /// The most spins before the first futex wait, when every member has a core of its own.
-pub(super) const SPINS: u32 = 4000;
+const SPINS: u32 = 4000;
 /// The fewest: enough to see a peer that arrives within a few microseconds (and so to learn
 /// that spinning pays again).
 const MIN_SPINS: u32 = 64;
@@ -108,7 +108,7 @@ impl Segment {
         if !self.spare_cores() {
             return false;
         }
-        let budget = self.spin_budget.load(Ordering::Relaxed);
+        let budget = self.spin_budget.load(Ordering::Relaxed).min(SPINS);
         for _ in 0..budget {
             if released() {
                 let more = budget.saturating_mul(2).min(SPINS);
@@ -201,7 +201,7 @@ mod tests {
     fn the_spin_budget_shrinks_while_spinning_fails_and_grows_back_when_it_pays() {
         let dir = tempfile::tempdir().expect("temporary directory");
         let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
-        let budget = || seg.spin_budget.load(Ordering::Relaxed);
+        let budget = || seg.spin_budget.load(Ordering::Relaxed).min(SPINS);
         if !seg.spare_cores() {
             assert!(!seg.spin(&|| true), "no spin without a core per member");
             assert_eq!(budget(), SPINS);
