@@ -36,7 +36,10 @@
 //! adds its own naming and locking over the same `shm_open`/`mmap` with fewer users, and
 //! `iceoryx2` is a whole zero-copy publish-subscribe framework with its own daemon-less
 //! service discovery: neither gives a reduction or a barrier, which are the work here.
-//! Single-copy `process_vm_readv` (CMA) was not measured yet.
+//! Single-copy `process_vm_readv` (CMA) is not used: it would move the same bytes (the
+//! kernel copies a peer's slice into a local buffer, where today the peer copies it into
+//! its slot), plus a system call and page pinning per peer and chunk, and needs ptrace
+//! rights over the peers; not measured.
 
 use std::io;
 use std::os::unix::ffi::OsStrExt;
