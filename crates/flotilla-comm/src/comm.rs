@@ -353,6 +353,13 @@ impl ProcessGroup for Communicator {
     fn barrier(&self) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
+        if g.shm.is_some() {
+            return self.g.world.handle.block_on(async move {
+                let _turn = g.begin(ticket).await?;
+                let r = flat::shm_barrier(g, ticket).await;
+                g.finish(r).await
+            });
+        }
         self.run_scoped(async move {
             let _turn = g.begin(ticket).await?;
             let r = collectives::barrier(&OpCtx::new(g, ticket, Op::Barrier)).await;

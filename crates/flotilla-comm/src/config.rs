@@ -177,7 +177,10 @@ pub struct CommConfig {
     /// `f32` all-reduces of at most this many bytes take recursive doubling (`log2 n`
     /// steps, latency-optimal) instead of the ring (`2 (n-1)` steps, bandwidth-optimal);
     /// 0 sends every size through the ring. At most `max_frame_bytes` (one frame per step).
-    /// Every rank of a job must use the same value.
+    /// Over shared memory, all-reduces of at most this many bytes (and one slot,
+    /// [`CommConfig::shm_chunk_bytes`]) take one step (one barrier; every rank sums the
+    /// whole buffer) instead of the chunked reduce-scatter and all-gather (two barriers
+    /// and more). Every rank of a job must use the same value.
     pub small_all_reduce_bytes: usize,
     /// `f32` all-reduces larger than [`CommConfig::small_all_reduce_bytes`] and of at most
     /// this many bytes, in a group whose size is a power of two, take Rabenseifner's

@@ -76,6 +76,17 @@ impl Algorithm {
     }
 }
 
+/// Barrier `ticket` of group `g` on its shared-memory segment (in its turn): the segment's
+/// barrier, no frame sent.
+pub(crate) async fn shm_barrier(g: &GroupState, ticket: u64) -> Result<(), CommError> {
+    let seg = shm::segment(g, ticket, Op::Barrier).await?;
+    let watch = shm::GroupWatch {
+        g,
+        op: OpCtx::new(g, ticket, Op::Barrier).describe() + " (shared memory)",
+    };
+    shm::run_blocking(&seg, || seg.barrier(&watch))
+}
+
 /// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn).
 pub(crate) async fn shm_broadcast(
     g: &GroupState,

@@ -1,9 +1,9 @@
 //! The shared-memory transport: the `f32` all-reduce and broadcast of a group whose members
-//! all share one host (equal host keys at the rendezvous, [`crate::host`]) go through one
-//! shared segment instead of loopback TCP, when [`crate::Transport`] is `auto` (the
-//! default) or `shm`. Everything else (barrier, byte and integer collectives, all-gather,
-//! point-to-point messages) stays on the group's TCP (or in-memory) links, which also carry
-//! the segment's setup and the failure notices.
+//! all share one host (equal host keys at the rendezvous, [`crate::host`]), and its
+//! barrier, go through one shared segment instead of loopback TCP, when
+//! [`crate::Transport`] is `auto` (the default) or `shm`. Everything else (byte and integer
+//! collectives, all-gather, point-to-point messages) stays on the group's TCP (or
+//! in-memory) links, which also carry the segment's setup and the failure notices.
 //!
 //! * **Segment** ([`crate::segment`]): one file per group, created by the group's rank 0 in its
 //!   turn of the first collective that needs it (`flotilla-{session}-{group key}`, so two
@@ -19,9 +19,12 @@
 //!   notices, and the deadline ([`crate::CommConfig::timeout`]; a stalled rank is named as
 //!   the lowest one that has not arrived). A failing rank marks the segment aborted and
 //!   wakes every waiter; [`flotilla_group::ProcessGroup::abort`] does the same.
-//! * **Collectives** (`segment/ops.rs`): the chunked, double-buffered all-reduce (each rank reduces
-//!   its slice over the slots in rank order: every rank ends bit-identical, equal to a
-//!   serial left-to-right sum in rank order) and the broadcast.
+//! * **Collectives** (`segment/ops.rs`): the all-reduce, in one step (one barrier, every rank
+//!   sums the whole buffer) up to [`crate::CommConfig::small_all_reduce_bytes`] (and one
+//!   slot), else chunked and double-buffered (each rank reduces its slice over the slots;
+//!   `C + 1` barriers for `C` chunks); either way in rank order, so every rank ends
+//!   bit-identical, equal to a serial left-to-right sum in rank order. The broadcast (one
+//!   barrier per chunk), and the group's barrier (the segment's, no frame sent).
 //!
 //! The copies run on a blocking section of the communicator's runtime
 //! (`tokio::task::block_in_place`: the connection readers go on on another thread), or on
@@ -33,7 +36,10 @@
 //! adds its own naming and locking over the same `shm_open`/`mmap` with fewer users, and
 //! `iceoryx2` is a whole zero-copy publish-subscribe framework with its own daemon-less
 //! service discovery: neither gives a reduction or a barrier, which are the work here.
-//! Single-copy `process_vm_readv` (CMA) was not measured yet.
+//! Single-copy `process_vm_readv` (CMA) is not used: it would move the same bytes (the
+//! kernel copies a peer's slice into a local buffer, where today the peer copies it into
+//! its slot), plus a system call and page pinning per peer and chunk, and needs ptrace
+//! rights over the peers; not measured.
 
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -88,12 +94,14 @@ async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
         path = std::env::temp_dir().join(&name);
         made = Segment::create(&path, n, 0, chunk);
     }
-    let seg = made.map_err(|e| {
-        CommError::io(
-            format!("cannot create the shared-memory segment {}", path.display()),
-            e,
-        )
-    })?;
+    let seg = made
+        .map_err(|e| {
+            CommError::io(
+                format!("cannot create the shared-memory segment {}", path.display()),
+                e,
+            )
+        })?
+        .with_one_step_bytes(cfg.small_all_reduce_bytes);
     let _unlink = Unlink(path.clone());
     for p in 1..n {
         ctx.send(p, TAG_PATH, path.as_os_str().as_bytes()).await?;
@@ -109,13 +117,15 @@ async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
 async fn open(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
     let f = ctx.recv(0, TAG_PATH, None).await?;
     let path = PathBuf::from(std::ffi::OsStr::from_bytes(&f.payload));
-    let seg =
-        Segment::open(&path, ctx.size(), ctx.rank(), g.world.cfg.shm_chunk_bytes).map_err(|e| {
+    let cfg = &g.world.cfg;
+    let seg = Segment::open(&path, ctx.size(), ctx.rank(), cfg.shm_chunk_bytes)
+        .map_err(|e| {
             CommError::io(
                 format!("cannot map the shared-memory segment {}", path.display()),
                 e,
             )
-        })?;
+        })?
+        .with_one_step_bytes(cfg.small_all_reduce_bytes);
     ctx.send(0, TAG_MAPPED, &[]).await?;
     Ok(seg)
 }

@@ -187,6 +187,89 @@ fn buckets_started_back_to_back_complete_in_order_with_the_right_sums() {
     }
 }
 
+/// One-step all-reduces (at most `SMALL` bytes), chunked ones and broadcasts of changing
+/// lengths follow each other with no barrier between them: every result is bitwise the
+/// serial rank-order sum (or the root's buffer) on every rank, although fast ranks start
+/// the next collective while slow ones still read the last (4 ranks on this machine's
+/// cores are preempted often).
+#[test]
+fn collectives_of_any_kind_and_length_follow_each_other_without_a_barrier() {
+    const SMALL: usize = 64 << 10;
+    const OPS: usize = 90;
+    let n = 4;
+    let len = |i: usize| [16384, 5, 40000, 9000, 16385, 1, 0, 12000, 33000][i % 9];
+    let c = cfg(n, Transport::Shm)
+        .with_shm_chunk_bytes(SMALL)
+        .with_small_all_reduce_bytes(SMALL);
+    let results = world(n, false, c, move |c| {
+        let mut out = Vec::new();
+        for i in 0..OPS {
+            let (r, root) = (c.rank(), i % n);
+            if i % 3 == 2 {
+                let mut b = if r == root {
+                    input(r, len(i), i as u64)
+                } else {
+                    vec![0.0; len(i)]
+                };
+                c.broadcast_f32(&mut b, root)?;
+                out.push(b);
+            } else {
+                let mut b = input(r, len(i), i as u64);
+                c.all_reduce_sum(&mut b)?;
+                out.push(b);
+            }
+        }
+        Ok(out)
+    });
+    for i in 0..OPS {
+        let want = if i % 3 == 2 {
+            input(i % n, len(i), i as u64)
+        } else {
+            reference(n, len(i), i as u64).0
+        };
+        for (r, got) in results.iter().enumerate() {
+            let bad = (0..len(i)).find(|&k| got[i][k].to_bits() != want[k].to_bits());
+            assert_eq!(
+                bad,
+                None,
+                "op {i} (length {}) rank {r}: first element off",
+                len(i)
+            );
+        }
+    }
+}
+
+/// The barrier of a group on shared memory goes through its segment (no frame sent once
+/// the segment is set up) and still holds every rank until the last one arrives.
+#[test]
+fn a_barrier_on_shared_memory_sends_no_frame_and_waits_for_the_last_rank() {
+    const LATE: Duration = Duration::from_millis(300);
+    let n = 3;
+    let results = world(n, true, cfg(n, Transport::Shm), |c| {
+        let mut b = vec![1.0f32; 10];
+        c.all_reduce_sum(&mut b)?;
+        let before = c.stats().frames_sent;
+        for _ in 0..20 {
+            c.barrier()?;
+        }
+        if c.rank() == 2 {
+            thread::sleep(LATE);
+        }
+        let t = Instant::now();
+        c.barrier()?;
+        Ok((c.stats().frames_sent - before, t.elapsed()))
+    });
+    for (r, (frames, waited)) in results.iter().enumerate() {
+        assert_eq!(*frames, 0, "rank {r}: frames sent by 21 barriers");
+        if r != 2 {
+            assert!(
+                *waited >= LATE / 2,
+                "rank {r} left the barrier after {waited:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
     let n = 5;

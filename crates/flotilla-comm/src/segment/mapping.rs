@@ -2,14 +2,14 @@
 //! others, removed once all have mapped it), its layout and the words of its header.
 //!
 //! Layout: a header of [`header_bytes`] (magic, size, chunk, then the barrier's words and
-//! one progress word per rank, each on its own cache line), then two sets (double
-//! buffering) of `n` input slots and one result slot, each `chunk` bytes.
+//! one line per rank: its progress word and its length word of each set), then two sets
+//! (double buffering) of `n` input slots and one result slot, each `chunk` bytes.
 
 use std::fs::{File, OpenOptions};
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 use memmap2::MmapRaw;
 
@@ -44,6 +44,15 @@ pub(crate) struct Segment {
     pub(crate) me: usize,
     /// Bytes of one slot.
     pub(crate) chunk: usize,
+    /// Steps (barriers) this process has taken on the segment: step `j` uses buffer set
+    /// `j % 2` (the protocol of `ops.rs`). Every member takes the same steps in the same
+    /// order, so their counts agree; only the collective in its turn touches it.
+    pub(super) steps: AtomicUsize,
+    /// The longest all-reduce (in floats) that takes one step (`ops.rs`): at most a slot.
+    pub(crate) one_step_floats: usize,
+    /// Spins of this process's next barrier wait before it yields (`sync.rs`: adapted to
+    /// whether spinning paid in the last waits, and capped there; starts uncapped).
+    pub(super) spin_budget: AtomicU32,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access goes through the header's atomics
@@ -104,7 +113,22 @@ impl Segment {
     /// Maps `file` (the mapping outlives the file and its name).
     fn map(file: &File, n: usize, me: usize, chunk: usize) -> io::Result<Self> {
         let map = MmapRaw::map_raw(file)?;
-        Ok(Segment { map, n, me, chunk })
+        Ok(Segment {
+            map,
+            n,
+            me,
+            chunk,
+            steps: AtomicUsize::new(0),
+            one_step_floats: 0,
+            spin_budget: AtomicU32::new(u32::MAX),
+        })
+    }
+
+    /// Sets the longest all-reduce that takes one step to `bytes` (at most one slot). Every
+    /// member must set the same.
+    pub(crate) fn with_one_step_bytes(mut self, bytes: usize) -> Self {
+        self.one_step_floats = bytes.min(self.chunk) / 4;
+        self
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
@@ -124,9 +148,10 @@ impl Segment {
         self.word(PROGRESS + r * LINE)
     }
 
-    /// Group rank `r`'s length word: the length of the buffer of its current collective.
-    pub(super) fn len_word(&self, r: usize) -> &AtomicU64 {
-        self.u64_at(PROGRESS + r * LINE + 8)
+    /// Group rank `r`'s length word of buffer set `set`: the length of the buffer of the
+    /// collective whose first step used that set.
+    pub(super) fn len_word(&self, r: usize, set: usize) -> &AtomicU64 {
+        self.u64_at(PROGRESS + r * LINE + 8 + 8 * set)
     }
 
     /// The header bytes at `off..off + len` (the abort reason), raw.

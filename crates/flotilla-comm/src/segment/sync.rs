@@ -1,4 +1,5 @@
-//! The segment's barrier: a counter and a generation word in the header, a short spin,
+//! The segment's barrier: a counter and a generation word in the header, a short spin
+//! (adaptive: see `Segment::spin`),
 //! then futex waits (`rustix::thread::futex`, shared between processes) in slices, so
 //! that every wait is bounded and notices a failed or stalled peer. A rank that fails
 //! marks the segment aborted and wakes every waiter.
@@ -14,8 +15,11 @@ use super::mapping::{ABORT, COUNT, GENERATION, REASON, REASON_MAX, SLEEPERS, Seg
 /// The abort word while the aborting rank writes its reason.
 const CLAIMED: u32 = u32::MAX;
 
-/// Spins before the first futex wait when every member has a core of its own.
+/// The most spins before the first futex wait, when every member has a core of its own.
 const SPINS: u32 = 4000;
+/// The fewest: enough to see a peer that arrives within a few microseconds (and so to learn
+/// that spinning pays again).
+const MIN_SPINS: u32 = 64;
 /// `yield_now` rounds before sleeping (when ranks share cores they hand the core over).
 const YIELDS: u32 = 16;
 /// The longest futex sleep between two checks of the peers and the deadline.
@@ -63,12 +67,8 @@ impl Segment {
     fn wait_release(&self, seen: u32, watch: &dyn Watch) -> Result<(), CommError> {
         let generation = self.word(GENERATION);
         let released = || generation.load(Ordering::Acquire) != seen;
-        let spins = if self.spare_cores() { SPINS } else { 0 };
-        for _ in 0..spins {
-            if released() {
-                return Ok(());
-            }
-            std::hint::spin_loop();
+        if self.spin(&released) {
+            return Ok(());
         }
         for _ in 0..YIELDS {
             if released() {
@@ -96,6 +96,30 @@ impl Segment {
             let _ = futex::wait(generation, futex::Flags::empty(), seen, Some(&ts));
             self.word(SLEEPERS).fetch_sub(1, Ordering::SeqCst);
         }
+    }
+
+    /// Spins while `released` is false, at most this process's spin budget; whether it
+    /// became true. The budget adapts as an adaptive mutex's does: doubled (up to [`SPINS`])
+    /// when the spin saw the release, halved (down to [`MIN_SPINS`]) when it did not, so a
+    /// rank whose peers are descheduled (more runnable threads than cores) stops burning the
+    /// core they wait for, while on an idle machine every wait spins. No spin at all when some
+    /// member cannot have a core of its own.
+    fn spin(&self, released: &dyn Fn() -> bool) -> bool {
+        if !self.spare_cores() {
+            return false;
+        }
+        let budget = self.spin_budget.load(Ordering::Relaxed).min(SPINS);
+        for _ in 0..budget {
+            if released() {
+                let more = budget.saturating_mul(2).min(SPINS);
+                self.spin_budget.store(more, Ordering::Relaxed);
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        self.spin_budget
+            .store((budget / 2).max(MIN_SPINS), Ordering::Relaxed);
+        false
     }
 
     /// Whether every member can have a core of its own (then spinning pays).
@@ -164,5 +188,36 @@ impl Segment {
             futex::Flags::empty(),
             i32::MAX as u32,
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The spin budget halves down to `MIN_SPINS` while spins see no release and doubles
+    /// back up to `SPINS` once they do.
+    #[test]
+    fn the_spin_budget_shrinks_while_spinning_fails_and_grows_back_when_it_pays() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
+        let budget = || seg.spin_budget.load(Ordering::Relaxed).min(SPINS);
+        if !seg.spare_cores() {
+            assert!(!seg.spin(&|| true), "no spin without a core per member");
+            assert_eq!(budget(), SPINS);
+            return;
+        }
+        let mut seen = vec![budget()];
+        for _ in 0..8 {
+            assert!(!seg.spin(&|| false));
+            seen.push(budget());
+        }
+        assert_eq!(seen, [4000, 2000, 1000, 500, 250, 125, 64, 64, 64]);
+        let mut seen = Vec::new();
+        for _ in 0..8 {
+            assert!(seg.spin(&|| true));
+            seen.push(budget());
+        }
+        assert_eq!(seen, [128, 256, 512, 1024, 2048, 4000, 4000, 4000]);
     }
 }

@@ -67,7 +67,9 @@ pub struct CommSection {
     /// Gradient fusion bucket size in MiB.
     pub bucket_mb: f64,
     /// All-reduces of at most this many KiB take recursive doubling (`log2 n` steps)
-    /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (over TCP).
+    /// instead of the ring (`2 (n-1)` steps); 0: the ring for every size (over TCP). Over
+    /// shared memory they take one step (one barrier, each rank sums the whole buffer)
+    /// instead of the chunked reduce-scatter and all-gather.
     pub small_all_reduce_kb: usize,
     /// All-reduces above `small_all_reduce_kb` and of at most this many KiB take
     /// Rabenseifner's algorithm (reduce-scatter by recursive halving, all-gather by
