@@ -27,6 +27,7 @@ mod engine;
 mod error;
 mod graph;
 mod grouped;
+mod kernels;
 mod layer;
 mod limits;
 mod loss;
