@@ -185,7 +185,9 @@ fn linear(m: &Linear, x: Activation, relu: bool) -> Activation {
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
         (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-        (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::MaxPool(m), Activation::Image(t)) => {
+            Activation::Image(kernels::max_pool::max_pool2d(m, t))
+        }
         (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
         (Layer::Linear(m), x) => linear(m, x, false),
         (Layer::Flatten(_), Activation::Image(t)) => Activation::Flat(t.flatten(1, 3)),

@@ -7,6 +7,10 @@
 mod gemm;
 mod host;
 pub mod linear;
+pub mod max_pool;
+mod pool;
 
 #[cfg(test)]
 mod linear_tests;
+#[cfg(test)]
+mod max_pool_tests;
