@@ -7,11 +7,12 @@
 
 use rayon::prelude::*;
 
-/// Multiply-adds below which a product is not split at all.
-const GRAIN: usize = 1 << 20;
-/// At most this many pieces per product (enough to balance 2-4 threads; each piece packs its
-/// share of one operand again).
-const MAX_PIECES: usize = 4;
+/// Multiply-adds per piece, at least (smaller products are not split at all).
+const GRAIN: usize = 1 << 21;
+/// At most this many pieces per product: one per thread on 2 threads. Each piece packs one
+/// operand again and multiplies a narrower block, so more pieces cost CPU time on 1 thread
+/// (4 pieces made the MLP's batch-256 step slower than burn's matmul; 2 do not).
+const MAX_PIECES: usize = 2;
 /// Piece boundaries fall on multiples of this many rows or columns (the micro-kernel's width).
 const ALIGN: usize = 16;
 
