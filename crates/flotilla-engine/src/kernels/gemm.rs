@@ -211,7 +211,7 @@ mod tests {
     fn pieces_depend_on_shapes_only_and_cover_the_output() {
         let s = split(64, 256, 784);
         assert!(
-            !s.rows && s.size % ALIGN == 0 && s.size * MAX_PIECES >= 256,
+            !s.rows && s.size.is_multiple_of(ALIGN) && s.size * MAX_PIECES >= 256,
             "{s:?}"
         );
         let s = split(784, 256, 64);

@@ -18,7 +18,7 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
             let h =
                 (i ^ seed.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
             let v = ((h >> 40) % 64) as f32 / 8.0 - 3.0;
-            v.max(0.0) + if h % 7 == 0 { 0.25 } else { 0.0 }
+            v.max(0.0) + if h.is_multiple_of(7) { 0.25 } else { 0.0 }
         })
         .collect()
 }
