@@ -71,6 +71,14 @@ pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallP
 pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 
+/// Flotilla's CPU kernels for a burn user's own forward pass (Flex; burn's ops elsewhere):
+/// `kernels::linear::linear(&layer, x, relu)` in place of `layer.forward(x)` (and a ReLU
+/// after it), `kernels::max_pool::max_pool2d(&pool, x)` in place of `pool.forward(x)`; the
+/// same parameters and values, differentiable, bitwise the same on any number of threads.
+pub mod kernels {
+    pub use flotilla_engine::kernels::{linear, max_pool};
+}
+
 /// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
 /// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
 /// over TCP with the job's secret and TLS when the launcher set them (see

@@ -257,3 +257,32 @@ fn evaluate_counts_and_bad_batches_are_errors() {
         .to_string();
     assert!(err.contains("50 labels"), "{err}");
 }
+
+/// A whole step (forward, loss, backward) of the MLP and of LeNet-5 at a batch whose GEMMs
+/// are split into pieces: the gradients on 2 threads are bitwise those on 1.
+#[test]
+fn a_step_gives_the_same_bits_on_one_and_two_threads() {
+    for model in ["mlp", "lenet5"] {
+        let (images, labels) = batch(256, 5);
+        let on = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("pool");
+            pool.install(|| {
+                let mut e = engine(model, 3, &sgd(0.1, 0.0));
+                let loss = e
+                    .forward_backward(BatchRef {
+                        images: &images,
+                        labels: &labels,
+                    })
+                    .expect("step");
+                (
+                    loss.to_bits(),
+                    grads(&e).iter().map(|g| g.to_bits()).collect::<Vec<_>>(),
+                )
+            })
+        };
+        assert_eq!(on(1), on(2), "{model}");
+    }
+}

@@ -6,7 +6,9 @@
 //! order of [`ParamLayout`]. The modules are private and no burn type crosses this crate's
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
 //! data (specs, names, flat buffers). The one exception is [`any_module`], the bridge from a
-//! burn user's own module to the same flat buffers, which is generic over burn's `Module`.
+//! burn user's own module to the same flat buffers, which is generic over burn's `Module`;
+//! [`kernels`] (the linear layer and max pooling as backend extensions) also takes burn's
+//! modules and tensors, so that a user's own forward pass can run them.
 //!
 //! A spec's layers range from convolutions to the pieces of a GPT (token and positional
 //! embeddings, causal attention, pre-LN transformer blocks, layer and RMS norms): a model
@@ -27,7 +29,7 @@ mod engine;
 mod error;
 mod graph;
 mod grouped;
-mod kernels;
+pub mod kernels;
 mod layer;
 mod limits;
 mod loss;

@@ -19,7 +19,7 @@ use burn::prelude::*;
 use crate::activation::{Activation, map_tensor};
 use crate::collective::ReducerHandle;
 use crate::graph::Merge;
-use crate::{sequence, sync_batch_norm};
+use crate::{kernels, sequence, sync_batch_norm};
 
 /// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
 /// tensors are saved as `layers.<index>.<name>`, as a PyTorch `nn.Sequential` (or
@@ -126,7 +126,8 @@ impl SequentialModel {
     ) -> Activation {
         let mut x = input;
         let none = Links::default();
-        for i in range {
+        let mut i = range.start;
+        while i < range.end {
             let Some(layer) = self.layers.get(i) else {
                 break;
             };
@@ -136,12 +137,47 @@ impl SequentialModel {
                     x = x.merge(other.clone(), links.merge);
                 }
             }
-            x = apply(layer, x, self.batch_norm_sync.as_ref());
+            // A linear layer and the ReLU right after it run as one kernel, unless something
+            // keeps the linear layer's own output or merges into the ReLU's input.
+            let fused = match (layer, self.layers.get(i + 1)) {
+                (Layer::Linear(m), Some(Layer::Relu(_)))
+                    if i + 1 < range.end && links.keep.is_empty() && self.takes_none(i + 1) =>
+                {
+                    Some(m)
+                }
+                _ => None,
+            };
+            let links = match fused {
+                Some(m) => {
+                    x = linear(m, x, true);
+                    i += 1;
+                    self.links.get(i).unwrap_or(&none)
+                }
+                None => {
+                    x = apply(layer, x, self.batch_norm_sync.as_ref());
+                    links
+                }
+            };
             for name in &links.keep {
                 kept.insert(name.clone(), x.clone());
             }
+            i += 1;
         }
         x
+    }
+
+    /// Whether layer `i` merges nothing into its input.
+    fn takes_none(&self, i: usize) -> bool {
+        self.links.get(i).is_none_or(|l| l.take.is_empty())
+    }
+}
+
+/// A linear layer (through ReLU when `relu`) on any activation, an image flattened first.
+fn linear(m: &Linear, x: Activation, relu: bool) -> Activation {
+    match x {
+        // Shape inference at load time rules out a linear layer on an image.
+        Activation::Image(t) => Activation::Flat(kernels::linear::linear(m, t.flatten(1, 3), relu)),
+        x => map_tensor!(x, |t| kernels::linear::linear(m, t, relu)),
     }
 }
 
@@ -149,11 +185,11 @@ impl SequentialModel {
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
         (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-        (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::MaxPool(m), Activation::Image(t)) => {
+            Activation::Image(kernels::max_pool::max_pool2d(m, t))
+        }
         (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
-        // Shape inference at load time rules out a linear layer on an image.
-        (Layer::Linear(m), Activation::Image(t)) => Activation::Flat(m.forward(t.flatten(1, 3))),
-        (Layer::Linear(m), x) => map_tensor!(x, |t| m.forward(t)),
+        (Layer::Linear(m), x) => linear(m, x, false),
         (Layer::Flatten(_), Activation::Image(t)) => Activation::Flat(t.flatten(1, 3)),
         (Layer::Flatten(_), Activation::Seq(t)) => Activation::Flat(t.flatten(1, 2)),
         (Layer::Relu(m), x) => map_tensor!(x, |t| m.forward(t)),

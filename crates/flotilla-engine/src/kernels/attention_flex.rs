@@ -6,7 +6,7 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
 use gemm::{Parallelism, gemm};
 
-use super::host::{tensor, values};
+use super::host::{slice, tensor};
 
 /// The shape of one attention call: `n` samples of `t` positions, `heads` heads of `dk`
 /// features each (`d = heads·dk`).
@@ -125,7 +125,7 @@ pub(crate) fn forward_f32(
     v: &FloatTensor<Flex>,
     s: Heads,
 ) -> (FloatTensor<Flex>, FloatTensor<Flex>) {
-    let (q, k, v) = (values(q), values(k), values(v));
+    let (q, k, v) = (slice(q), slice(k), slice(v));
     let (t, d) = (s.t, s.d() as isize);
     let mut out = vec![0.0f32; s.n * s.t * s.d()];
     let mut probs = vec![0.0f32; s.n * s.heads * t * t];
@@ -174,7 +174,7 @@ pub(crate) fn backward_f32(
     inputs: [&FloatTensor<Flex>; 5],
     s: Heads,
 ) -> (FloatTensor<Flex>, FloatTensor<Flex>, FloatTensor<Flex>) {
-    let [q, k, v, probs, g] = inputs.map(values);
+    let [q, k, v, probs, g] = inputs.map(slice);
     let (t, d, ti) = (s.t, s.d() as isize, s.t as isize);
     let len = s.n * s.t * s.d();
     let (mut dq, mut dk, mut dv) = (vec![0.0f32; len], vec![0.0f32; len], vec![0.0f32; len]);

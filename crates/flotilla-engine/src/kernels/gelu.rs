@@ -19,7 +19,7 @@ use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
 
-use super::host::{contiguous_f32, tensor, values};
+use super::host::{contiguous_f32, slice, tensor};
 use super::math::{erf, exp_neg};
 
 /// The backend side of [`gelu`].
@@ -60,7 +60,7 @@ impl GeluOps for Flex {
         let Some(x) = contiguous_f32(&x) else {
             return Self::gelu(x);
         };
-        let out: Vec<f32> = values(&x).iter().map(|&v| gelu_f32(v)).collect();
+        let out: Vec<f32> = slice(&x).iter().map(|&v| gelu_f32(v)).collect();
         tensor(out, x.shape())
     }
 
@@ -68,9 +68,9 @@ impl GeluOps for Flex {
         let (Some(x), Some(grad)) = (contiguous_f32(&x), contiguous_f32(&grad)) else {
             return Self::gelu_backward(x, grad);
         };
-        let out: Vec<f32> = values(&x)
+        let out: Vec<f32> = slice(&x)
             .iter()
-            .zip(values(&grad))
+            .zip(slice(&grad))
             .map(|(&v, &g)| g * gelu_slope_f32(v))
             .collect();
         tensor(out, x.shape())

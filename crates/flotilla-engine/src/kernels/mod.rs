@@ -1,21 +1,33 @@
-//! Fused CPU kernels for the sequence models, as burn **backend extensions**
-//! ([`#[backend_extension]`](burn::backend::backend_extension), as
-//! [`crate::collective`]): a fast path on Flex, burn's own ops on the other backends, and a
-//! hand-written backward on `Autodiff`. Each is tested against burn's op, outputs and
+//! Host kernels for the layers that dominate a CPU step, as burn **backend extensions**
+//! ([`#[backend_extension]`](burn::backend::backend_extension), as [`crate::collective`]):
+//! a fast path on Flex, burn's own ops on the other backends behind the same extensions, and
+//! a hand-written backward on `Autodiff`. Each is tested against burn's op, outputs and
 //! gradients.
 //!
+//! - [`linear`]: the linear layer with its bias and an optional ReLU fused; its GEMMs run on
+//!   rayon's pool, split by shape alone (`gemm.rs`), so results are bitwise the same on any
+//!   number of threads.
+//! - [`max_pool`]: max pooling (a 2×2 stride-2 loop and a general one, `pool.rs`).
 //! - [`gelu`](gelu::gelu): GELU forward and backward in one vectorized pass each.
 //! - [`causal_attention`](attention::causal_attention): `softmax(Q·Kᵀ/√dₖ + mask)·V` over the
 //!   heads, per (sample, head) on strided views (`attention_flex`), its backward from the kept
 //!   probabilities; `reference`: the same in burn's ops, for the other backends.
-//! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as `f32` slices.
+//! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as host memory.
 
 pub(crate) mod attention;
 mod attention_flex;
 pub(crate) mod gelu;
+mod gemm;
 mod host;
+pub mod linear;
 mod math;
+pub mod max_pool;
+mod pool;
 mod reference;
 
+#[cfg(test)]
+mod linear_tests;
+#[cfg(test)]
+mod max_pool_tests;
 #[cfg(test)]
 mod tests;

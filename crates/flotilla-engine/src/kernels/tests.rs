@@ -133,7 +133,7 @@ fn flex(shape: [usize; 3], seed: usize, scale: f32) -> FloatTensor<Flex> {
 }
 
 fn flex_values(t: &FloatTensor<Flex>) -> Vec<f32> {
-    super::host::contiguous_f32(t).map_or_else(Vec::new, |t| super::host::values(&t).to_vec())
+    super::host::contiguous_f32(t).map_or_else(Vec::new, |t| super::host::slice(&t).to_vec())
 }
 
 #[test]

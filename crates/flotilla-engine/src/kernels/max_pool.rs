@@ -1,0 +1,250 @@
+//! Max pooling as a burn backend extension: on Flex the host kernels of [`super::pool`]
+//! (forward with the position of each maximum, backward a scatter by those positions); on
+//! other backends burn's own `max_pool2d_with_indices` and its backward. The backward on
+//! `Autodiff` is hand-written over either.
+
+#![cfg_attr(feature = "ndarray", allow(deprecated))]
+
+use burn::backend::flex::FlexTensor;
+use burn::backend::tensor::{FloatTensor, IntTensor};
+use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::nn::PaddingConfig2d;
+use burn::nn::pool::MaxPool2d;
+use burn::prelude::*;
+use burn::tensor::{DType, IntDType, TensorData};
+use burn_autodiff::Autodiff;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
+
+use super::host;
+use super::pool::{self, PoolGeom};
+
+/// The kernels of max pooling on one backend (not differentiable; [`PoolOps`] is).
+pub trait PoolKernels: Backend {
+    /// The pooled `x` `[N, C, H, W]` and the position of each maximum.
+    fn max_pool_forward(x: FloatTensor<Self>, g: PoolGeom) -> (FloatTensor<Self>, IntTensor<Self>);
+    /// The gradient of `x` from the output's gradient and the positions of the maxima.
+    fn max_pool_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        g: PoolGeom,
+    ) -> FloatTensor<Self>;
+}
+
+fn burn_forward<B: Backend>(x: FloatTensor<B>, g: PoolGeom) -> (FloatTensor<B>, IntTensor<B>) {
+    let r = B::max_pool2d_with_indices(
+        x,
+        g.kernel,
+        g.stride,
+        g.padding,
+        g.dilation,
+        false,
+        IntDType::I64,
+    );
+    (r.output, r.indices)
+}
+
+fn burn_backward<B: Backend>(
+    x: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    indices: IntTensor<B>,
+    g: PoolGeom,
+) -> FloatTensor<B> {
+    B::max_pool2d_with_indices_backward(
+        x, g.kernel, g.stride, g.padding, g.dilation, false, grad, indices,
+    )
+    .x_grad
+}
+
+/// Implements [`PoolKernels`] with burn's own ops.
+#[cfg(any(feature = "ndarray", feature = "libtorch"))]
+macro_rules! burn_pool_kernels {
+    ($backend:ty) => {
+        impl PoolKernels for $backend {
+            fn max_pool_forward(
+                x: FloatTensor<Self>,
+                g: PoolGeom,
+            ) -> (FloatTensor<Self>, IntTensor<Self>) {
+                burn_forward::<Self>(x, g)
+            }
+            fn max_pool_backward(
+                x: FloatTensor<Self>,
+                grad: FloatTensor<Self>,
+                indices: IntTensor<Self>,
+                g: PoolGeom,
+            ) -> FloatTensor<Self> {
+                burn_backward::<Self>(x, grad, indices, g)
+            }
+        }
+    };
+}
+
+#[cfg(feature = "ndarray")]
+burn_pool_kernels!(burn::backend::NdArray);
+#[cfg(feature = "libtorch")]
+#[allow(deprecated)]
+mod libtorch {
+    use super::*;
+    burn_pool_kernels!(burn::backend::LibTorch);
+}
+
+/// `[N, C, H, W]` of a contiguous 4-D `f32` tensor, with its values.
+fn image(x: &FlexTensor) -> Option<([usize; 4], &[f32])> {
+    (x.layout().num_dims() == 4).then_some(())?;
+    Some((x.layout().shape().dims::<4>(), host::values(x)?))
+}
+
+fn flex_forward(x: &FlexTensor, g: &PoolGeom) -> Option<(FlexTensor, FlexTensor)> {
+    let ([n, c, h, w], values) = image(x)?;
+    let [ho, wo] = g.output([h, w])?;
+    let (out, idx) = pool::forward(values, n * c, [h, w], g, [ho, wo]);
+    let idx = FlexTensor::from_data(TensorData::new(idx, [n, c, ho, wo]));
+    Some((host::tensor(out, vec![n, c, ho, wo]), idx))
+}
+
+fn flex_backward(x: &FlexTensor, grad: &FlexTensor, idx: &FlexTensor) -> Option<FlexTensor> {
+    let ([n, c, h, w], _) = image(x)?;
+    let grad = host::values(grad)?;
+    let idx = (idx.dtype() == DType::I32).then(|| idx.as_slice::<i32>())??;
+    (grad.len() == idx.len()).then_some(())?;
+    Some(host::tensor(
+        pool::backward(grad, idx, n * c, h * w),
+        vec![n, c, h, w],
+    ))
+}
+
+impl PoolKernels for Flex {
+    fn max_pool_forward(x: FloatTensor<Self>, g: PoolGeom) -> (FloatTensor<Self>, IntTensor<Self>) {
+        flex_forward(&x, &g).unwrap_or_else(|| burn_forward::<Self>(x, g))
+    }
+
+    fn max_pool_backward(
+        x: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        indices: IntTensor<Self>,
+        g: PoolGeom,
+    ) -> FloatTensor<Self> {
+        let grad = if grad.is_contiguous() {
+            grad
+        } else {
+            grad.to_contiguous()
+        };
+        flex_backward(&x, &grad, &indices)
+            .unwrap_or_else(|| burn_backward::<Self>(x, grad, indices, g))
+    }
+}
+
+/// Differentiable max pooling on every backend.
+#[backend_extension(
+    Flex,
+    NdArray: cfg(feature = "ndarray"),
+    LibTorch: cfg(feature = "libtorch"),
+    Autodiff,
+)]
+pub trait PoolOps: Backend {
+    /// `x` `[N, C, H, W]` max-pooled over the windows of `g`.
+    fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self>;
+}
+
+/// Implements [`PoolOps`] on a backend by its [`PoolKernels`].
+macro_rules! pool_ops_by_kernels {
+    ($backend:ty) => {
+        impl PoolOps for $backend {
+            fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self> {
+                <Self as PoolKernels>::max_pool_forward(x, g).0
+            }
+        }
+    };
+}
+
+pool_ops_by_kernels!(Flex);
+#[cfg(feature = "ndarray")]
+pool_ops_by_kernels!(burn::backend::NdArray);
+#[cfg(feature = "libtorch")]
+#[allow(deprecated)]
+mod libtorch_ops {
+    use super::*;
+    pool_ops_by_kernels!(burn::backend::LibTorch);
+}
+
+/// What backward needs: the input, the positions of the maxima, the windows.
+#[derive(Debug, Clone)]
+struct PoolState<B: Backend> {
+    x: FloatTensor<B>,
+    indices: IntTensor<B>,
+    geom: PoolGeom,
+}
+
+/// Max pooling's backward.
+#[derive(Debug)]
+struct MaxPoolBackward;
+
+impl<B: PoolKernels> Backward<B, 1> for MaxPoolBackward {
+    type State = PoolState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let s = ops.state;
+        unary::<B, _>(ops.parents, ops.node, grads, |grad| {
+            B::max_pool_backward(s.x, grad, s.indices, s.geom)
+        });
+    }
+}
+
+impl<B: PoolKernels, C: CheckpointStrategy> PoolOps for Autodiff<B, C> {
+    fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self> {
+        let node = x.node();
+        let xp = x.into_primitive();
+        match MaxPoolBackward
+            .prepare::<C>([node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => {
+                let (y, indices) = B::max_pool_forward(xp.clone(), g);
+                prep.finish(
+                    PoolState {
+                        x: xp,
+                        indices,
+                        geom: g,
+                    },
+                    y,
+                )
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::max_pool_forward(xp, g).0),
+        }
+    }
+}
+
+/// The windows of `m`, when its padding is symmetric and its output sizes round down (the
+/// others run burn's own forward).
+fn geometry(m: &MaxPool2d) -> Option<PoolGeom> {
+    if m.ceil_mode {
+        return None;
+    }
+    let padding = match m.padding {
+        PaddingConfig2d::Valid => [0, 0],
+        PaddingConfig2d::Explicit(top, left, bottom, right) if top == bottom && left == right => {
+            [top, left]
+        }
+        _ => return None,
+    };
+    Some(PoolGeom {
+        kernel: m.kernel_size,
+        stride: m.stride,
+        padding,
+        dilation: m.dilation,
+    })
+}
+
+/// `m` applied to `x` `[N, C, H, W]`: burn's [`MaxPool2d::forward`], differentiable, on
+/// Flex in the kernels of [`super::pool`].
+pub fn max_pool2d(m: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
+    let [_, _, h, w] = x.dims();
+    match geometry(m).filter(|g| g.output([h, w]).is_some()) {
+        Some(g) => Tensor::from_dispatch(<Dispatch as PoolOps>::max_pool(x.into_dispatch(), g)),
+        None => m.forward(x),
+    }
+}
