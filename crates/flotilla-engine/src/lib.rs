@@ -21,6 +21,7 @@ mod backward_groups;
 mod buffers;
 mod build;
 pub mod collective;
+mod conv;
 mod cut;
 mod device;
 mod engine;
@@ -60,6 +61,8 @@ pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;
 
+#[cfg(test)]
+mod conv_tests;
 #[cfg(test)]
 mod engine_tests;
 #[cfg(test)]

@@ -148,7 +148,7 @@ impl SequentialModel {
 /// One layer on one activation (a batch norm synchronized over `sync`'s ranks when given).
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
-        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(crate::conv::conv2d(m, t)),
         (Layer::MaxPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
         (Layer::AvgPool(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
         // Shape inference at load time rules out a linear layer on an image.
