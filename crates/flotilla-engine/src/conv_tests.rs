@@ -25,18 +25,74 @@ struct Case {
 
 const CASES: [Case; 7] = [
     // LeNet-5's two convolutions.
-    Case { n: 3, input: [1, 28, 28], out: 6, k: 5, stride: 1, pad: 2, bias: true },
-    Case { n: 9, input: [6, 14, 14], out: 16, k: 5, stride: 1, pad: 0, bias: true },
+    Case {
+        n: 3,
+        input: [1, 28, 28],
+        out: 6,
+        k: 5,
+        stride: 1,
+        pad: 2,
+        bias: true,
+    },
+    Case {
+        n: 9,
+        input: [6, 14, 14],
+        out: 16,
+        k: 5,
+        stride: 1,
+        pad: 0,
+        bias: true,
+    },
     // Stride 2 on an odd, non-square image.
-    Case { n: 5, input: [3, 9, 7], out: 4, k: 3, stride: 2, pad: 1, bias: true },
+    Case {
+        n: 5,
+        input: [3, 9, 7],
+        out: 4,
+        k: 3,
+        stride: 2,
+        pad: 1,
+        bias: true,
+    },
     // Batch 1, no bias.
-    Case { n: 1, input: [2, 5, 6], out: 3, k: 3, stride: 1, pad: 1, bias: false },
+    Case {
+        n: 1,
+        input: [2, 5, 6],
+        out: 3,
+        k: 3,
+        stride: 1,
+        pad: 1,
+        bias: false,
+    },
     // A 1×1 kernel.
-    Case { n: 6, input: [4, 4, 4], out: 2, k: 1, stride: 1, pad: 0, bias: true },
+    Case {
+        n: 6,
+        input: [4, 4, 4],
+        out: 2,
+        k: 1,
+        stride: 1,
+        pad: 0,
+        bias: true,
+    },
     // Stride 3, padding wider than a stride, the last windows partly over the padding.
-    Case { n: 2, input: [2, 8, 11], out: 3, k: 4, stride: 3, pad: 2, bias: true },
+    Case {
+        n: 2,
+        input: [2, 8, 11],
+        out: 3,
+        k: 4,
+        stride: 3,
+        pad: 2,
+        bias: true,
+    },
     // Padding as wide as the kernel minus one: windows that see one pixel only.
-    Case { n: 2, input: [1, 3, 3], out: 2, k: 3, stride: 1, pad: 2, bias: true },
+    Case {
+        n: 2,
+        input: [1, 3, 3],
+        out: 2,
+        k: 3,
+        stride: 1,
+        pad: 2,
+        bias: true,
+    },
 ];
 
 /// Values in [-1, 1) from a seed, without burn's generator (so every run draws the same).
@@ -62,7 +118,9 @@ fn layer(case: Case, device: &Device) -> Conv2d {
     let c = case.input[0];
     let mut conv = Conv2dConfig::new([c, case.out], [case.k, case.k])
         .with_stride([case.stride; 2])
-        .with_padding(PaddingConfig2d::Explicit(case.pad, case.pad, case.pad, case.pad))
+        .with_padding(PaddingConfig2d::Explicit(
+            case.pad, case.pad, case.pad, case.pad,
+        ))
         .with_bias(case.bias)
         .init(device);
     conv.weight = Param::from_tensor(tensor([case.out, c, case.k, case.k], 1, device));
@@ -100,7 +158,10 @@ fn assert_close(case: Case, what: &str, ours: &[f32], burn: &[f32]) {
     assert_eq!(ours.len(), burn.len(), "{case:?} {what}: lengths");
     for (i, (a, b)) in ours.iter().zip(burn).enumerate() {
         let tolerance = 1e-4 * (1.0 + b.abs());
-        assert!((a - b).abs() <= tolerance, "{case:?} {what}[{i}]: {a} against burn's {b}");
+        assert!(
+            (a - b).abs() <= tolerance,
+            "{case:?} {what}[{i}]: {a} against burn's {b}"
+        );
     }
 }
 
@@ -109,7 +170,12 @@ fn output_and_gradients_match_burns_conv2d() {
     for case in CASES {
         let ours = run(case, conv2d);
         let burn = run(case, |conv, x| conv.forward(x));
-        let names = ["output", "input gradient", "weight gradient", "bias gradient"];
+        let names = [
+            "output",
+            "input gradient",
+            "weight gradient",
+            "bias gradient",
+        ];
         for ((name, o), b) in names.iter().zip(&ours).zip(&burn) {
             assert_close(case, name, o, b);
         }
@@ -128,9 +194,18 @@ fn one_and_two_threads_give_the_same_bits() {
     };
     // Batches of several blocks, one of them short, so two threads share the blocks.
     let cases = [
-        Case { n: 4 * IMAGES_PER_BLOCK + 3, ..CASES[0] },
-        Case { n: 8 * IMAGES_PER_BLOCK + 1, ..CASES[1] },
-        Case { n: 5 * IMAGES_PER_BLOCK - 1, ..CASES[2] },
+        Case {
+            n: 4 * IMAGES_PER_BLOCK + 3,
+            ..CASES[0]
+        },
+        Case {
+            n: 8 * IMAGES_PER_BLOCK + 1,
+            ..CASES[1]
+        },
+        Case {
+            n: 5 * IMAGES_PER_BLOCK - 1,
+            ..CASES[2]
+        },
     ];
     for case in cases {
         let one = pool(1).install(|| run(case, conv2d));
@@ -150,7 +225,14 @@ fn layers_outside_the_kernels_run_burns_conv2d() {
         .with_dilation([2, 2])
         .init(&device);
     let x = tensor([2, 2, 9, 9], 5, &device);
-    let ours = conv2d(&conv, x.clone()).into_data().try_to_vec::<f32>().expect("f32");
-    let burn = conv.forward(x).into_data().try_to_vec::<f32>().expect("f32");
+    let ours = conv2d(&conv, x.clone())
+        .into_data()
+        .try_to_vec::<f32>()
+        .expect("f32");
+    let burn = conv
+        .forward(x)
+        .into_data()
+        .try_to_vec::<f32>()
+        .expect("f32");
     assert_eq!(ours, burn);
 }

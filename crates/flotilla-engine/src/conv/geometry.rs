@@ -115,7 +115,6 @@ impl ConvGeom {
             dst[hi..].fill(0.0);
             let src = &x[start..];
             if sw == 1 {
-                // Rows are short (28 values in LeNet-5): a plain loop beats a `memcpy` call.
                 for (d, s) in dst[lo..hi].iter_mut().zip(&src[..hi - lo]) {
                     *d = *s;
                 }

@@ -8,9 +8,10 @@
 //! block, image after image, and the blocks' partial sums are then added in block order, so
 //! the result is bitwise the same whatever the number of threads.
 //!
-//! Why GEMM over patches for both of LeNet-5's convolutions, also the first with one input
-//! channel: it was measured against burn/Flex's direct small-channel kernel, which this
-//! replaces (`BENCHMARKS.md` §22).
+//! Every layer takes the GEMM path, also LeNet-5's first convolution with its one input
+//! channel: against Flex's direct convolution (small-channel path included) the step's CPU
+//! time fell at batch 64 and 256 (`BENCHMARKS.md` §22); a direct kernel of our own for one
+//! input channel has not been written and measured against it.
 
 use std::cell::RefCell;
 
@@ -214,7 +215,9 @@ fn block_grads(
     let mut dw = vec![0.0f32; g.out * k];
     let mut db = vec![0.0f32; g.out];
     with_scratch(k * p, |cols, dcols| {
-        let images = x_block.chunks(g.image_len()).zip(dy_block.chunks(g.out_image_len()));
+        let images = x_block
+            .chunks(g.image_len())
+            .zip(dy_block.chunks(g.out_image_len()));
         for (n, (x_image, dy_image)) in images.enumerate() {
             g.im2col(x_image, cols);
             let dy_mat = Mat::rows(dy_image, g.out, p);

@@ -9,11 +9,11 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Flex, backend_extension};
 use burn::tensor::TensorData;
 use burn_autodiff::Autodiff;
+use burn_autodiff::NodeId;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, OpsKind};
-use burn_autodiff::NodeId;
 
 use super::geometry::ConvGeom;
 use super::kernels;
@@ -42,7 +42,11 @@ pub trait ConvGradOps: ConvOps {
         grad: FloatTensor<Self>,
         geom: ConvGeom,
         with_input: bool,
-    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>);
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
 }
 
 /// A Flex tensor's values as one contiguous `f32` slice (copied only when it is a strided
@@ -85,7 +89,11 @@ impl ConvGradOps for Flex {
         grad: FloatTensor<Self>,
         geom: ConvGeom,
         with_input: bool,
-    ) -> (Option<FloatTensor<Self>>, FloatTensor<Self>, FloatTensor<Self>) {
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
         let g = kernels::backward(
             &geom,
             &values(&x),
