@@ -5,8 +5,10 @@
 //! optimizers. The rest of Flotilla sees only flat `f32` buffers in the documented parameter
 //! order of [`ParamLayout`]. The modules are private and no burn type crosses this crate's
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
-//! data (specs, names, flat buffers). The one exception is [`any_module`], the bridge from a
-//! burn user's own module to the same flat buffers, which is generic over burn's `Module`.
+//! data (specs, names, flat buffers). The exceptions are [`any_module`], the bridge from a
+//! burn user's own module to the same flat buffers, which is generic over burn's `Module`,
+//! and [`conv2d`], Flotilla's convolution on Flex for a burn `Conv2d` (the spec models' and a
+//! user's own).
 //!
 //! A spec's layers range from convolutions to the pieces of a GPT (token and positional
 //! embeddings, causal attention, pre-LN transformer blocks, layer and RMS norms): a model
@@ -45,6 +47,7 @@ pub mod sync_batch_norm;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
+pub use conv::conv2d;
 pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
 pub use device::{available_devices, check_device};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
