@@ -5,10 +5,11 @@
 //! optimizers. The rest of Flotilla sees only flat `f32` buffers in the documented parameter
 //! order of [`ParamLayout`]. The modules are private and no burn type crosses this crate's
 //! public boundary: what other crates use is re-exported here, and takes and returns plain
-//! data (specs, names, flat buffers). The one exception is [`any_module`], the bridge from a
+//! data (specs, names, flat buffers). The exceptions are [`any_module`], the bridge from a
 //! burn user's own module to the same flat buffers, which is generic over burn's `Module`;
-//! [`kernels`] (the linear layer and max pooling as backend extensions) also takes burn's
-//! modules and tensors, so that a user's own forward pass can run them.
+//! [`conv2d`], Flotilla's convolution on Flex for a burn `Conv2d` (the spec models' and a
+//! user's own); and [`kernels`] (the linear layer and max pooling as backend extensions),
+//! which also take burn's modules and tensors, so that a user's own forward pass can run them.
 //!
 //! A spec's layers range from convolutions to the pieces of a GPT (token and positional
 //! embeddings, causal attention, pre-LN transformer blocks, layer and RMS norms): a model
@@ -23,6 +24,7 @@ mod backward_groups;
 mod buffers;
 mod build;
 pub mod collective;
+mod conv;
 mod cut;
 mod device;
 mod engine;
@@ -47,6 +49,7 @@ pub mod sync_batch_norm;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
+pub use conv::conv2d;
 pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
 pub use device::{available_devices, check_device};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
@@ -63,6 +66,8 @@ pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;
 
+#[cfg(test)]
+mod conv_tests;
 #[cfg(test)]
 mod engine_tests;
 #[cfg(test)]

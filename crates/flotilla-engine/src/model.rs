@@ -184,7 +184,7 @@ fn linear(m: &Linear, x: Activation, relu: bool) -> Activation {
 /// One layer on one activation (a batch norm synchronized over `sync`'s ranks when given).
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
-        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(m.forward(t)),
+        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(crate::conv::conv2d(m, t)),
         (Layer::MaxPool(m), Activation::Image(t)) => {
             Activation::Image(kernels::max_pool::max_pool2d(m, t))
         }

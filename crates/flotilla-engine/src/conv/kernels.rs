@@ -1,0 +1,238 @@
+//! The convolution's forward and backward over plain `f32` slices: per image, its patch matrix
+//! in a per-thread buffer reused from image to image and from call to call, and one GEMM
+//! (the `gemm` crate Flex itself multiplies with, one thread per call).
+//!
+//! The batch is cut into fixed blocks of [`IMAGES_PER_BLOCK`] images, run over rayon's pool
+//! (`RAYON_NUM_THREADS`, which `--threads` sets per rank). Forward and input gradient are per
+//! image, so any split gives the same values; the weight and bias gradients are summed per
+//! block, image after image, and the blocks' partial sums are then added in block order, so
+//! the result is bitwise the same whatever the number of threads.
+//!
+//! Every layer takes the GEMM path, also LeNet-5's first convolution with its one input
+//! channel: against Flex's direct convolution (small-channel path included) the step's CPU
+//! time fell at batch 64 and 256 (`BENCHMARKS.md` §22); a direct kernel of our own for one
+//! input channel has not been written and measured against it.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::geometry::ConvGeom;
+
+/// Images per block of the batch split: the unit of work of one rayon task and of one
+/// partial weight gradient. Fixed, so the summation order never depends on the threads.
+pub const IMAGES_PER_BLOCK: usize = 4;
+
+thread_local! {
+    /// This thread's patch matrix and patch-gradient matrix, grown to the largest
+    /// convolution seen and reused by every later call.
+    static SCRATCH: RefCell<(Vec<f32>, Vec<f32>)> = const { RefCell::new((Vec::new(), Vec::new())) };
+}
+
+/// `f` with this thread's two scratch buffers, each at least `len` long.
+fn with_scratch<R>(len: usize, f: impl FnOnce(&mut [f32], &mut [f32]) -> R) -> R {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        let (cols, dcols) = &mut *scratch;
+        if cols.len() < len {
+            cols.resize(len, 0.0);
+            dcols.resize(len, 0.0);
+        }
+        f(&mut cols[..len], &mut dcols[..len])
+    })
+}
+
+/// A matrix view: `rows × cols`, element `(r, c)` at `data[r·row_stride + c·col_stride]`.
+#[derive(Clone, Copy)]
+struct Mat<'a> {
+    data: &'a [f32],
+    rows: usize,
+    cols: usize,
+    row_stride: usize,
+    col_stride: usize,
+}
+
+impl<'a> Mat<'a> {
+    /// A row-major matrix.
+    fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
+        Self {
+            data,
+            rows,
+            cols,
+            row_stride: cols,
+            col_stride: 1,
+        }
+    }
+
+    /// The transpose of this view.
+    fn t(self) -> Self {
+        Self {
+            rows: self.cols,
+            cols: self.rows,
+            row_stride: self.col_stride,
+            col_stride: self.row_stride,
+            ..self
+        }
+    }
+
+    /// Whether every element lies inside `data`.
+    fn fits(&self) -> bool {
+        self.rows == 0
+            || self.cols == 0
+            || (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride
+                < self.data.len()
+    }
+}
+
+/// `dst = lhs · rhs` (`accumulate`: `dst += lhs · rhs`), `dst` row-major `lhs.rows × rhs.cols`.
+fn matmul(dst: &mut [f32], lhs: Mat<'_>, rhs: Mat<'_>, accumulate: bool) {
+    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
+    assert!(
+        rhs.rows == k && dst.len() >= m * n && lhs.fits() && rhs.fits(),
+        "conv matmul: shapes do not agree"
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the assert above keeps every element gemm reads (`lhs`, `rhs`: `fits`) and
+    // writes (`dst`: `m·n` row-major) inside its slice; strides fit in `isize` as they index
+    // slices that exist.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst.as_mut_ptr(),
+            1,
+            n as isize,
+            accumulate,
+            lhs.data.as_ptr(),
+            lhs.col_stride as isize,
+            lhs.row_stride as isize,
+            rhs.data.as_ptr(),
+            rhs.col_stride as isize,
+            rhs.row_stride as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+/// The convolution of the batch `x` (`[N, C, H, W]`) with `weight` (`[out, C, kh, kw]`) and
+/// `bias` (`[out]`): `[N, out, Ho, Wo]`.
+pub fn forward(g: &ConvGeom, x: &[f32], weight: &[f32], bias: &[f32]) -> Vec<f32> {
+    let (k, p) = (g.patch_rows(), g.pixels());
+    let w = Mat::rows(weight, g.out, k);
+    let mut y = vec![0.0f32; g.batch * g.out_image_len()];
+    y.par_chunks_mut(g.out_image_len() * IMAGES_PER_BLOCK)
+        .zip(x.par_chunks(g.image_len() * IMAGES_PER_BLOCK))
+        .for_each(|(y_block, x_block)| {
+            with_scratch(k * p, |cols, _| {
+                let images = y_block
+                    .chunks_mut(g.out_image_len())
+                    .zip(x_block.chunks(g.image_len()));
+                for (y_image, x_image) in images {
+                    g.im2col(x_image, cols);
+                    for (row, b) in y_image.chunks_mut(p).zip(bias) {
+                        row.fill(*b);
+                    }
+                    matmul(y_image, w, Mat::rows(cols, k, p), true);
+                }
+            });
+        });
+    y
+}
+
+/// The gradients of a convolution: input (when asked for), weight and bias.
+pub struct Grads {
+    /// `[N, C, H, W]`, or `None` when not asked for.
+    pub x: Option<Vec<f32>>,
+    /// `[out, C, kh, kw]`.
+    pub weight: Vec<f32>,
+    /// `[out]`.
+    pub bias: Vec<f32>,
+}
+
+/// The gradients of [`forward`] for the output gradient `dy` (`[N, out, Ho, Wo]`); the input
+/// gradient only `with_input`.
+pub fn backward(g: &ConvGeom, x: &[f32], weight: &[f32], dy: &[f32], with_input: bool) -> Grads {
+    let x_blocks = x.par_chunks(g.image_len() * IMAGES_PER_BLOCK);
+    let dy_blocks = dy.par_chunks(g.out_image_len() * IMAGES_PER_BLOCK);
+    let (dx, partials) = if with_input {
+        let mut dx = vec![0.0f32; x.len()];
+        let partials: Vec<_> = dx
+            .par_chunks_mut(g.image_len() * IMAGES_PER_BLOCK)
+            .zip(x_blocks.zip(dy_blocks))
+            .map(|(dx_block, (x_block, dy_block))| {
+                block_grads(g, weight, x_block, dy_block, Some(dx_block))
+            })
+            .collect();
+        (Some(dx), partials)
+    } else {
+        let partials: Vec<_> = x_blocks
+            .zip(dy_blocks)
+            .map(|(x_block, dy_block)| block_grads(g, weight, x_block, dy_block, None))
+            .collect();
+        (None, partials)
+    };
+    let mut partials = partials.into_iter();
+    let (mut dw, mut db) = partials
+        .next()
+        .unwrap_or_else(|| (vec![0.0; g.out * g.patch_rows()], vec![0.0; g.out]));
+    for (pw, pb) in partials {
+        add(&mut dw, &pw);
+        add(&mut db, &pb);
+    }
+    Grads {
+        x: dx,
+        weight: dw,
+        bias: db,
+    }
+}
+
+/// `acc += v`, element by element.
+fn add(acc: &mut [f32], v: &[f32]) {
+    for (a, b) in acc.iter_mut().zip(v) {
+        *a += *b;
+    }
+}
+
+/// One block's partial weight and bias gradients, summed image after image, and its input
+/// gradient written into `dx_block` when given.
+fn block_grads(
+    g: &ConvGeom,
+    weight: &[f32],
+    x_block: &[f32],
+    dy_block: &[f32],
+    mut dx_block: Option<&mut [f32]>,
+) -> (Vec<f32>, Vec<f32>) {
+    let (k, p) = (g.patch_rows(), g.pixels());
+    let w = Mat::rows(weight, g.out, k);
+    let mut dw = vec![0.0f32; g.out * k];
+    let mut db = vec![0.0f32; g.out];
+    with_scratch(k * p, |cols, dcols| {
+        let images = x_block
+            .chunks(g.image_len())
+            .zip(dy_block.chunks(g.out_image_len()));
+        for (n, (x_image, dy_image)) in images.enumerate() {
+            g.im2col(x_image, cols);
+            let dy_mat = Mat::rows(dy_image, g.out, p);
+            // dW += dY · colsᵀ: [out, P] · [P, K].
+            matmul(&mut dw, dy_mat, Mat::rows(cols, k, p).t(), true);
+            for (b, row) in db.iter_mut().zip(dy_image.chunks(p)) {
+                *b += row.iter().sum::<f32>();
+            }
+            if let Some(dx_block) = dx_block.as_deref_mut() {
+                // dcols = Wᵀ · dY: [K, out] · [out, P], then every entry back to its pixel.
+                matmul(dcols, w.t(), dy_mat, false);
+                let len = g.image_len();
+                g.col2im_add(dcols, &mut dx_block[n * len..(n + 1) * len]);
+            }
+        }
+    });
+    (dw, db)
+}

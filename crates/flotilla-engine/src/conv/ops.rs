@@ -1,0 +1,181 @@
+//! The convolution as a burn backend extension: the forward op on Flex (over
+//! [`super::kernels`], on Flex's own buffers), and a hand-written `Backward` on `Autodiff`
+//! that computes the input, weight and bias gradients in one pass over the batch.
+//!
+//! Only Flex (and `Autodiff` over it) is routed; [`super::conv2d`] sends the other backends'
+//! tensors to burn's own convolution and never here.
+
+use burn::backend::tensor::FloatTensor;
+use burn::backend::{Backend, Flex, backend_extension};
+use burn::tensor::TensorData;
+use burn_autodiff::Autodiff;
+use burn_autodiff::NodeId;
+use burn_autodiff::checkpoint::base::Checkpointer;
+use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
+use burn_autodiff::grads::Gradients;
+use burn_autodiff::ops::{Backward, Ops, OpsKind};
+
+use super::geometry::ConvGeom;
+use super::kernels;
+
+/// The backend side of the convolution.
+#[backend_extension(Flex, Autodiff)]
+pub trait ConvOps: Backend {
+    /// `x` `[N, C, H, W]` convolved with `weight` `[out, C, kh, kw]`, plus `bias` `[out]`
+    /// (zeros for a layer without one): `[N, out, Ho, Wo]`, the windows as `geom` describes
+    /// them.
+    fn conv2d_patches(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        geom: ConvGeom,
+    ) -> FloatTensor<Self>;
+}
+
+/// The gradients of [`ConvOps::conv2d_patches`], on the backend under `Autodiff`.
+pub trait ConvGradOps: ConvOps {
+    /// The gradients of the input (when `with_input`), weight and bias for the output gradient
+    /// `grad`.
+    fn conv2d_patches_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        geom: ConvGeom,
+        with_input: bool,
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    );
+}
+
+/// A Flex tensor's values as one contiguous `f32` slice (copied only when it is a strided
+/// view). [`super::conv2d`] sends only `f32` tensors here.
+fn values(t: &FloatTensor<Flex>) -> std::borrow::Cow<'_, [f32]> {
+    match t.as_slice::<f32>() {
+        Some(v) => v.into(),
+        None => t
+            .to_contiguous()
+            .into_data()
+            .convert::<f32>()
+            .try_into_vec::<f32>()
+            .unwrap_or_default()
+            .into(),
+    }
+}
+
+/// A new Flex tensor over `values`.
+fn tensor(values: Vec<f32>, shape: Vec<usize>) -> FloatTensor<Flex> {
+    FloatTensor::<Flex>::from_data(TensorData::new(values, shape))
+}
+
+impl ConvOps for Flex {
+    fn conv2d_patches(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        geom: ConvGeom,
+    ) -> FloatTensor<Self> {
+        let y = kernels::forward(&geom, &values(&x), &values(&weight), &values(&bias));
+        let [ho, wo] = geom.output;
+        tensor(y, vec![geom.batch, geom.out, ho, wo])
+    }
+}
+
+impl ConvGradOps for Flex {
+    fn conv2d_patches_grads(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        grad: FloatTensor<Self>,
+        geom: ConvGeom,
+        with_input: bool,
+    ) -> (
+        Option<FloatTensor<Self>>,
+        FloatTensor<Self>,
+        FloatTensor<Self>,
+    ) {
+        let g = kernels::backward(
+            &geom,
+            &values(&x),
+            &values(&weight),
+            &values(&grad),
+            with_input,
+        );
+        let [c, h, w] = geom.input;
+        let [kh, kw] = geom.kernel;
+        (
+            g.x.map(|dx| tensor(dx, vec![geom.batch, c, h, w])),
+            tensor(g.weight, vec![geom.out, c, kh, kw]),
+            tensor(g.bias, vec![geom.out]),
+        )
+    }
+}
+
+/// The convolution's backward (parents: input, weight, bias).
+#[derive(Debug)]
+struct ConvBackward;
+
+/// The checkpointed input and weight, and the geometry.
+type State = (NodeId, NodeId, ConvGeom);
+
+/// The output gradient of the op at `node`, and the gradients it gives the parents that track
+/// one (`x`, `weight`, `bias`), registered in `grads`.
+fn run_backward<B: ConvGradOps>(
+    grad: FloatTensor<B>,
+    [x_node, weight_node, bias_node]: [Option<NodeId>; 3],
+    (x_state, weight_state, geom): State,
+    grads: &mut Gradients,
+    checkpointer: &mut Checkpointer,
+) {
+    let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
+    let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
+    let (dx, dw, db) = B::conv2d_patches_grads(x, weight, grad, geom, x_node.is_some());
+    if let (Some(node), Some(dx)) = (x_node, dx) {
+        grads.register::<B>(node, dx);
+    }
+    if let Some(node) = weight_node {
+        grads.register::<B>(node, dw);
+    }
+    if let Some(node) = bias_node {
+        grads.register::<B>(node, db);
+    }
+}
+
+impl<B: ConvGradOps> Backward<B, 3> for ConvBackward {
+    type State = State;
+
+    fn backward(self, ops: Ops<State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+        let grad = grads.consume::<B>(&ops.node);
+        let parents = ops.parents.map(|p| p.map(|n| n.id));
+        run_backward::<B>(grad, parents, ops.state, grads, checkpointer);
+    }
+}
+
+impl<B: ConvGradOps, C: CheckpointStrategy> ConvOps for Autodiff<B, C> {
+    fn conv2d_patches(
+        x: FloatTensor<Self>,
+        weight: FloatTensor<Self>,
+        bias: FloatTensor<Self>,
+        geom: ConvGeom,
+    ) -> FloatTensor<Self> {
+        let nodes = [x.node(), weight.node(), bias.node()];
+        match ConvBackward.prepare::<C>(nodes).compute_bound().stateful() {
+            OpsKind::Tracked(mut prep) => {
+                let state = (prep.checkpoint(&x), prep.checkpoint(&weight), geom);
+                let y = B::conv2d_patches(
+                    x.into_primitive(),
+                    weight.into_primitive(),
+                    bias.into_primitive(),
+                    geom,
+                );
+                prep.finish(state, y)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::conv2d_patches(
+                x.into_primitive(),
+                weight.into_primitive(),
+                bias.into_primitive(),
+                geom,
+            )),
+        }
+    }
+}
