@@ -69,6 +69,8 @@ mod grouped_tests;
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]
+mod reshard_tests;
+#[cfg(test)]
 mod shard_optim_tests;
 #[cfg(test)]
 mod stage_tests;
