@@ -26,6 +26,9 @@ use crate::shard_optim::shard_pieces;
 /// The scalar under which burn keeps the rank of a parameter's state.
 const RANK_KEY: &str = "__rank";
 
+/// A state's bytes and the flat ranges it was written over (`None`: the whole model).
+pub type StatePart<'a> = (Option<&'a [Range<usize>]>, &'a [u8]);
+
 /// One field of one parameter tensor's state: its element type, bytes over the whole tensor,
 /// and how many elements the parts gathered so far filled.
 #[derive(Debug, Clone, PartialEq)]
@@ -97,10 +100,7 @@ impl FlatOptimizerState {
     /// flat ranges it was written over (`None`: the whole model's state, as
     /// [`crate::ModelState::optimizer_state`] writes it; else a [`crate::ShardOptimizer`]'s
     /// over those ranges). Every field of a tensor must be covered completely.
-    pub fn gather(
-        layout: &ParamLayout,
-        parts: &[(Option<&[Range<usize>]>, &[u8])],
-    ) -> Result<Self> {
+    pub fn gather(layout: &ParamLayout, parts: &[StatePart<'_>]) -> Result<Self> {
         let mut tensors = vec![TensorState::default(); layout.params.len()];
         for (owned, bytes) in parts {
             let pieces = pieces(layout, *owned)?;

@@ -56,9 +56,12 @@ fn resume_everywhere(opt: &OptimizerSpec, sharded: &Path, whole: &Path, m: usize
     }
 }
 
+/// A checkpoint's world and stage, and the worlds and stages it resumes at.
+type Source = (usize, u8, &'static [(usize, u8)]);
+
 #[test]
 fn zero_checkpoints_resume_on_other_worlds_and_stages() {
-    let sources: [(usize, u8, &[(usize, u8)]); 2] = [
+    let sources: [Source; 2] = [
         (2, 1, &[(1, 0), (3, 2), (4, 2), (2, 2)]),
         (3, 2, &[(2, 1), (1, 1)]),
     ];
