@@ -40,6 +40,7 @@ mod optim;
 mod params;
 mod partition;
 mod profile;
+mod reshard;
 mod sequence;
 mod shape;
 mod shard_optim;
@@ -61,6 +62,7 @@ pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
+pub use reshard::{FlatOptimizerState, StatePart};
 pub use shard_optim::{ShardOptimizer, ShardPiece, optimizer_state_bytes, shard_pieces};
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
@@ -74,6 +76,8 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod optim_tests;
+#[cfg(test)]
+mod reshard_tests;
 #[cfg(test)]
 mod shard_optim_tests;
 #[cfg(test)]

@@ -20,7 +20,7 @@ layers:
   - linear: {out: 5}
 ";
 
-fn optimizers() -> Vec<OptimizerSpec> {
+pub(crate) fn optimizers() -> Vec<OptimizerSpec> {
     vec![
         OptimizerSpec::Sgd {
             lr: 0.05,
@@ -57,14 +57,14 @@ fn optimizers() -> Vec<OptimizerSpec> {
     ]
 }
 
-fn gradient(n: usize, step: usize) -> Vec<f32> {
+pub(crate) fn gradient(n: usize, step: usize) -> Vec<f32> {
     (0..n)
         .map(|i| ((i * 7 + step * 13) % 11) as f32 / 10.0 - 0.45 + i as f32 * 1e-3)
         .collect()
 }
 
 /// Rank `r`'s shard of `n`: two ranges (as from two buckets), cut mid-tensor.
-fn owned(total: usize, n: usize, r: usize) -> Vec<Range<usize>> {
+pub(crate) fn owned(total: usize, n: usize, r: usize) -> Vec<Range<usize>> {
     let half = total / 2 + 1;
     let cut = |len: usize, i: usize| i * len / n;
     vec![
@@ -73,7 +73,7 @@ fn owned(total: usize, n: usize, r: usize) -> Vec<Range<usize>> {
     ]
 }
 
-fn engine(spec: &OptimizerSpec) -> BurnEngine {
+pub(crate) fn engine(spec: &OptimizerSpec) -> BurnEngine {
     let model = ModelSpec::from_yaml(TINY_LM, "tiny-lm").expect("spec");
     BurnEngine::new(&model, spec, "flex", 7).expect("engine")
 }

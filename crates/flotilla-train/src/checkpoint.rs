@@ -23,7 +23,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use flotilla_engine::ModelState;
+use flotilla_engine::{FlatOptimizerState, ModelState, ParamLayout};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -375,11 +375,60 @@ pub fn load(dir: &Path, model: &mut dyn ModelState) -> Result<CheckpointState> {
             ),
         ));
     }
-    let optimizer = dir.join("optimizer.bpk");
-    let bytes = fs::read(&optimizer).map_err(|e| TrainError::io(&optimizer, e))?;
+    let bytes = match &state.zero {
+        None => {
+            let optimizer = dir.join("optimizer.bpk");
+            fs::read(&optimizer).map_err(|e| TrainError::io(&optimizer, e))?
+        }
+        Some(_) => read_flat_state(dir, &state, model.layout())?.whole(model.layout())?,
+    };
     model.load_weights(&dir.join("model.safetensors"))?;
     model.load_optimizer_state(&bytes)?;
     Ok(state)
+}
+
+/// The optimizer state of the checkpoint in `dir` (whose `state.json` says `state`) over a
+/// model of `layout`, in whole-model flat form: `optimizer.bpk`, or a ZeRO run's shards
+/// put together by their manifest's ranges. What re-sharding cuts anew.
+pub fn read_flat_state(
+    dir: &Path,
+    state: &CheckpointState,
+    layout: &ParamLayout,
+) -> Result<FlatOptimizerState> {
+    let read = |name: &str| {
+        let path = dir.join(name);
+        fs::read(&path).map_err(|e| TrainError::io(&path, e))
+    };
+    let flat = match &state.zero {
+        None => FlatOptimizerState::gather(layout, &[(None, &read("optimizer.bpk")?)]),
+        Some(z) => {
+            let files = (0..z.world)
+                .map(|r| read(&zero_file(r)))
+                .collect::<Result<Vec<_>>>()?;
+            let ranges: Vec<Vec<std::ops::Range<usize>>> = z
+                .shards
+                .iter()
+                .map(|s| s.iter().map(|&[a, b]| a..b).collect())
+                .collect();
+            if ranges.len() != z.world {
+                return Err(ck_err(
+                    dir,
+                    format!(
+                        "its manifest has {} shards for {} ranks",
+                        ranges.len(),
+                        z.world
+                    ),
+                ));
+            }
+            let parts: Vec<_> = ranges
+                .iter()
+                .zip(&files)
+                .map(|(r, f)| (Some(r.as_slice()), f.as_slice()))
+                .collect();
+            FlatOptimizerState::gather(layout, &parts)
+        }
+    };
+    flat.map_err(|e| ck_err(dir, e.to_string()))
 }
 
 #[cfg(test)]

@@ -14,6 +14,8 @@ mod shard_file_tests;
 #[cfg(test)]
 mod sync_tests;
 #[cfg(test)]
+mod zero_reshard_tests;
+#[cfg(test)]
 mod zero_tests;
 
 pub use async_::AsyncAllReduce;

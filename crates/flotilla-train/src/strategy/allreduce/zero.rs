@@ -16,8 +16,12 @@
 //! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
 //! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
 //! (world, stage, each rank's flat ranges) in `state.json`; resume sends each rank its
-//! file. A checkpoint of another world size, another stage's sharding or of an unsharded
-//! run is refused with a message saying so (no re-sharding).
+//! file. Checkpoints re-shard: one written on another number of ranks, or by an unsharded
+//! run (`optimizer.bpk`), is put together on rank 0 into whole-model flat form
+//! ([`flotilla_engine::FlatOptimizerState`]: every field of burn's optimizer records, Adam's
+//! step counts included) and cut by this run's ranges; an unsharded run resumes a ZeRO
+//! checkpoint the same way (`checkpoint::load`). Stages 1 and 2 shard alike, so either
+//! resumes the other's files as they are.
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -187,8 +191,10 @@ impl Zero {
         .map(Some)
     }
 
-    /// Rank 0's part of a resume from `dir`: checks that the checkpoint was sharded as this
-    /// run is, loads the weights into `model`, and returns the state and every rank's file.
+    /// Rank 0's part of a resume from `dir`: loads the weights into `model` and returns the
+    /// state and every rank's optimizer shard. A checkpoint sharded as this run is gives its
+    /// files as they are; any other (another world size, an unsharded run's `optimizer.bpk`)
+    /// is put together into whole-model form and cut by this run's shards.
     pub fn read(
         &self,
         dir: &Path,
@@ -196,40 +202,34 @@ impl Zero {
         plan: &BucketPlan,
     ) -> Result<(CheckpointState, Vec<Vec<u8>>)> {
         let state = checkpoint::read_state(dir)?;
-        let refuse = |why: String| TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            message: format!(
-                "{why}; resume with the run's world size and zero stage (ZeRO does not re-shard)"
-            ),
-        };
-        let want = self.manifest(plan);
-        match &state.zero {
-            None => {
-                return Err(refuse(format!(
-                    "was written without ZeRO, this run has zero: {}",
-                    self.stage
-                )));
-            }
-            Some(z) if z.world != want.world => {
-                return Err(refuse(format!(
-                    "was written by ZeRO on {} ranks, this run has {}",
-                    z.world, want.world
-                )));
-            }
-            Some(z) if z.shards != want.shards => {
-                return Err(refuse(
-                    "shards the parameters otherwise (another model or bucket_mb)".into(),
-                ));
-            }
-            Some(_) => {}
+        if state.num_params != model.num_params() {
+            return Err(TrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "holds {} parameters ({}) but the model has {}",
+                    state.num_params,
+                    state.model,
+                    model.num_params()
+                ),
+            });
         }
+        let want = self.manifest(plan);
+        let files = match &state.zero {
+            Some(z) if z.shards == want.shards => (0..want.world)
+                .map(|r| {
+                    let path = dir.join(checkpoint::zero_file(r));
+                    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
+                })
+                .collect::<Result<_>>()?,
+            _ => {
+                let layout = model.layout();
+                let flat = checkpoint::read_flat_state(dir, &state, layout)?;
+                (0..want.world)
+                    .map(|r| Ok(flat.shard(layout, &owned_ranges(plan, want.world, r))?))
+                    .collect::<Result<_>>()?
+            }
+        };
         model.load_weights(&dir.join("model.safetensors"))?;
-        let files = (0..want.world)
-            .map(|r| {
-                let path = dir.join(checkpoint::zero_file(r));
-                std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
-            })
-            .collect::<Result<_>>()?;
         Ok((state, files))
     }
 

@@ -19,10 +19,10 @@ use crate::checkpoint::CheckpointState;
 use crate::strategy::{Resume, Strategy};
 use crate::testkit::{Rank, assert_bitwise, batches, config, params, world_with};
 
-const STEPS: u64 = 12;
+pub(super) const STEPS: u64 = 12;
 const SAMPLES: usize = 96;
 
-fn optimizers() -> Vec<OptimizerSpec> {
+pub(super) fn optimizers() -> Vec<OptimizerSpec> {
     vec![
         OptimizerSpec::Sgd {
             lr: 0.2,
@@ -53,7 +53,11 @@ fn optimizers() -> Vec<OptimizerSpec> {
 
 /// Rank `r`'s context for a run of `zero` with `optimizer` on `n` ranks, checkpoints in
 /// `output` (resuming from there when `resume`).
-fn rank(comm: std::sync::Arc<dyn ProcessGroup>, optimizer: &OptimizerSpec, zero: u8) -> Rank {
+pub(super) fn rank(
+    comm: std::sync::Arc<dyn ProcessGroup>,
+    optimizer: &OptimizerSpec,
+    zero: u8,
+) -> Rank {
     let mut c = config(optimizer.clone());
     c.topology.world_size = comm.size();
     // The last layer (60 bytes) and the first (80 bytes): two buckets.
@@ -62,7 +66,7 @@ fn rank(comm: std::sync::Arc<dyn ProcessGroup>, optimizer: &OptimizerSpec, zero:
     Rank::new(comm, c, SAMPLES)
 }
 
-fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
+pub(super) fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
     world_with(
         n,
         CommConfig::new(Some(0), n)
@@ -72,11 +76,11 @@ fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
 }
 
 /// What each rank ends with: parameters, reported losses, `optimizer_state_bytes`.
-type Outcome = (Vec<f32>, Vec<f32>, f64);
+pub(super) type Outcome = (Vec<f32>, Vec<f32>, f64);
 
 /// Runs steps `from..to` on `n` ranks (a checkpoint of step `from` in `output` when
 /// `from > 0`; one of step `to` written there when `save`).
-fn run(
+pub(super) fn run(
     n: usize,
     opt: &OptimizerSpec,
     zero: u8,
