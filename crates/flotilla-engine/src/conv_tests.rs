@@ -167,6 +167,8 @@ fn assert_close(case: Case, what: &str, ours: &[f32], burn: &[f32]) {
 
 #[test]
 fn output_and_gradients_match_burns_conv2d() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
     for case in CASES {
         let ours = run(case, conv2d);
         let burn = run(case, |conv, x| conv.forward(x));
@@ -186,6 +188,8 @@ fn output_and_gradients_match_burns_conv2d() {
 
 #[test]
 fn one_and_two_threads_give_the_same_bits() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
     let pool = |threads| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -219,6 +223,8 @@ fn one_and_two_threads_give_the_same_bits() {
 
 #[test]
 fn layers_outside_the_kernels_run_burns_conv2d() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
     // Dilation 2: burn's own convolution, the same values as calling it directly.
     let device = Device::flex().autodiff();
     let conv = Conv2dConfig::new([2, 3], [3, 3])

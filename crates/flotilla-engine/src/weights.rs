@@ -27,6 +27,16 @@ use crate::spec::ModelSpec;
 /// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
 static RNG_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// Holds the lock under which the backend's RNG is seeded and drawn from. A test that lets
+/// burn initialise a module itself (lazily, at its first use) holds it for its whole run, so
+/// that engines built by tests running beside it still depend on their seed alone.
+#[cfg(test)]
+pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
+    RNG_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 /// Parameters, optimizer state and weight files, as flat buffers in the order of
 /// [`ModelState::layout`]. Implemented by the whole-model [`crate::BurnEngine`] and by a
 /// pipeline [`crate::Stage`] (which holds only its own layers' parameters).

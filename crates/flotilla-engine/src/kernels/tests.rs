@@ -113,6 +113,8 @@ fn causal_mask(x: &Tensor<3>) -> Tensor<3, Bool> {
 
 #[test]
 fn attention_matches_burns_multi_head_attention_and_its_gradients() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
     let mha = MultiHeadAttentionConfig::new(64, 4)
         .with_dropout(0.0)
         .init(&device());
