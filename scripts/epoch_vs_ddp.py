@@ -23,17 +23,17 @@ Prints each run, then per side the median and min-max of both times, and the rat
 Flotilla / DDP of the medians (below 1: Flotilla is faster). Wall-clock figures: take them on
 a quiet machine.
 """
-import argparse
 import json
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import vs_ddp  # scripts/vs_ddp.py: this folder is on the path when a script runs
+
+ROOT = vs_ddp.ROOT
 
 CONFIG = """model: lenet5
 data: {data}
@@ -97,21 +97,14 @@ def spread(xs):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
+    p = vs_ddp.parser(__doc__)
     p.add_argument("--epochs", type=int, default=1)
-    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-    p.add_argument("--flotilla", default=os.path.join(target, "release/flotilla"))
-    p.add_argument("--python", default="/root/torchenv/bin/python")
     args = p.parse_args()
-    results = {"flotilla": [], "ddp": []}
-    with tempfile.TemporaryDirectory(prefix="epoch-vs-ddp-") as work:
-        for i in range(args.runs):
-            for side, run in (("flotilla", flotilla), ("ddp", ddp)):
-                loop, total, acc = run(args, work, i)
-                results[side].append((loop, total))
-                print(f"run {i + 1} {side:8} loop {loop:7.2f} s  total {total:7.2f} s  "
-                      f"test_acc {acc}", flush=True)
+    runs = vs_ddp.alternate(
+        args, "epoch-vs-ddp-", (("flotilla", flotilla), ("ddp", ddp)),
+        lambda i, side, r: (f"run {i + 1} {side:8} loop {r[0]:7.2f} s  total {r[1]:7.2f} s  "
+                            f"test_acc {r[2]}"))
+    results = {side: [r[:2] for r in rows] for side, rows in runs.items()}
     for side, rows in results.items():
         print(f"{side:8} loop  {spread([r[0] for r in rows])}")
         print(f"{side:8} total {spread([r[1] for r in rows])}")

@@ -24,7 +24,6 @@ PyTorch's of rank 0's batch; a sanity check, not a comparison), then per side th
 PyTorch of the medians (above 1: Flotilla is faster). Wall-clock figures: take them on a quiet
 machine.
 """
-import argparse
 import json
 import os
 import re
@@ -32,10 +31,11 @@ import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import vs_ddp  # scripts/vs_ddp.py: this folder is on the path when a script runs
+
+ROOT = vs_ddp.ROOT
 WORLD, BATCH, CONTEXT, WARMUP = 2, 16, 64, 10
 
 CONFIG = """model: gpt-char
@@ -102,21 +102,14 @@ def spread(xs):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
+    p = vs_ddp.parser(__doc__)
     p.add_argument("--steps", type=int, default=150)
-    target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
-    p.add_argument("--flotilla", default=os.path.join(target, "release/flotilla"))
-    p.add_argument("--python", default="/root/torchenv/bin/python")
     args = p.parse_args()
-    results = {"flotilla": [], "ddp": []}
-    with tempfile.TemporaryDirectory(prefix="gpt-vs-ddp-") as work:
-        for i in range(args.runs):
-            for side, run in (("flotilla", flotilla), ("ddp", ddp)):
-                rate, total, loss = run(args, work, i)
-                results[side].append(rate)
-                print(f"run {i + 1} {side:8} tokens/s {rate:8.0f}  total {total:6.1f} s  "
-                      f"last-step train_loss {loss:.4f}", flush=True)
+    runs = vs_ddp.alternate(
+        args, "gpt-vs-ddp-", (("flotilla", flotilla), ("ddp", ddp)),
+        lambda i, side, r: (f"run {i + 1} {side:8} tokens/s {r[0]:8.0f}  total {r[1]:6.1f} s  "
+                            f"last-step train_loss {r[2]:.4f}"))
+    results = {side: [r[0] for r in rows] for side, rows in runs.items()}
     for side, rates in results.items():
         print(f"{side:8} tokens/s {spread(rates)}")
     ratio = statistics.median(results["flotilla"]) / statistics.median(results["ddp"])
