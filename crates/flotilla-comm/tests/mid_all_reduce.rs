@@ -10,7 +10,7 @@ mod common;
 use std::thread;
 use std::time::Duration;
 
-use common::{dead_peer_is_named, f32_tolerance, mix, ok, value, world};
+use common::{assert_near_serial_sum, dead_peer_is_named, f32_tolerance, mix, ok, value, world};
 use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Up to this many bytes: recursive doubling.
@@ -97,15 +97,7 @@ fn check(n: usize, tcp: bool, c: CommConfig, lens: Vec<usize>, tolerance: f64, c
             if count {
                 assert_eq!(*sent, frames(n, r, len), "n {n} len {len} rank {r}: frames");
             }
-            for (i, &g) in got.iter().enumerate() {
-                let exact: f64 = (0..n).map(|q| value(case, q, i) as f64).sum();
-                let mag: f64 = (0..n).map(|q| (value(case, q, i) as f64).abs()).sum();
-                let bound = tolerance * mag + 1e-30;
-                assert!(
-                    (g as f64 - exact).abs() <= bound,
-                    "n {n} len {len} rank {r} element {i}: {g} vs {exact} (bound {bound})"
-                );
-            }
+            assert_near_serial_sum(n, case, r, got, tolerance);
         }
     }
 }

@@ -8,7 +8,7 @@ mod common;
 use std::thread;
 use std::time::Duration;
 
-use common::{dead_peer_is_named, f32_tolerance, mix, ok, value, world};
+use common::{assert_near_serial_sum, dead_peer_is_named, f32_tolerance, mix, ok, value, world};
 use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Every f32 all-reduce of the tests fits under this threshold.
@@ -65,15 +65,7 @@ fn check(n: usize, tcp: bool, c: CommConfig, tolerance: f64) {
                 steps as u64 + 1
             };
             assert!(*frames <= most, "n {n} len {len} rank {r}: {frames} frames");
-            for (i, &g) in got.iter().enumerate() {
-                let exact: f64 = (0..n).map(|q| value(case, q, i) as f64).sum();
-                let mag: f64 = (0..n).map(|q| (value(case, q, i) as f64).abs()).sum();
-                let bound = tolerance * mag + 1e-30;
-                assert!(
-                    (g as f64 - exact).abs() <= bound,
-                    "n {n} len {len} rank {r} element {i}: {g} vs {exact} (bound {bound})"
-                );
-            }
+            assert_near_serial_sum(n, case, r, got, tolerance);
         }
     }
 }

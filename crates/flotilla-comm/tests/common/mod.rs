@@ -114,3 +114,18 @@ pub fn dead_peer_is_named(n: usize, dead: usize, c: CommConfig, len: usize) {
         );
     }
 }
+
+/// Asserts that `got`, rank `r`'s result of all-reducing case `case`'s values over `n` ranks,
+/// is within `tolerance` (relative to the sum of magnitudes) of the exact serial sum.
+pub fn assert_near_serial_sum(n: usize, case: usize, r: usize, got: &[f32], tolerance: f64) {
+    for (i, &g) in got.iter().enumerate() {
+        let exact: f64 = (0..n).map(|q| value(case, q, i) as f64).sum();
+        let mag: f64 = (0..n).map(|q| (value(case, q, i) as f64).abs()).sum();
+        let bound = tolerance * mag + 1e-30;
+        assert!(
+            (g as f64 - exact).abs() <= bound,
+            "n {n} len {} rank {r} element {i}: {g} vs {exact} (bound {bound})",
+            got.len()
+        );
+    }
+}
