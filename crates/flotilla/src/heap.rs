@@ -7,8 +7,9 @@
 //! the next step takes page faults and zeroes every page again, and it trims the heap's top
 //! above 128 KiB. Fixing the threshold at 256 MiB and the trim threshold at 512 MiB keeps
 //! those blocks in the heap: the byte-level GPT's step took 19 % less CPU time (BENCHMARKS.md
-//! §24). The peak resident memory is that of the step's peak, as before; what is not returned
-//! is memory the next step uses again.
+//! §24). The price is resident memory: the blocks kept are counted in it, so the main job's
+//! peak per rank rose from 53.6 to 73.9 MiB (BENCHMARKS.md §25); what is not returned is
+//! memory the next step uses again.
 
 /// Sets the heap policy above; a no-op on targets other than glibc.
 pub fn keep_freed_buffers() {
