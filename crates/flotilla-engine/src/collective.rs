@@ -119,6 +119,7 @@ impl ReducerHandle {
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait CollectiveOps: Backend {
@@ -143,6 +144,14 @@ impl CollectiveOps for burn::backend::NdArray {
 #[cfg(feature = "libtorch")]
 #[allow(deprecated)]
 impl CollectiveOps for burn::backend::LibTorch {
+    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
+        reducer.sum_primitive::<Self>(tensor)
+    }
+}
+
+// burn's cubecl backend (the `wgpu` feature): the sum goes through host memory as on the CPU.
+#[cfg(feature = "wgpu")]
+impl CollectiveOps for burn::backend::Cube {
     fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
         reducer.sum_primitive::<Self>(tensor)
     }

@@ -57,9 +57,37 @@ pub enum EngineError {
     NoGradients,
     /// The requested device is not compiled into this build.
     #[error(
-        "device `{0}` is not available in this build (known: flex; ndarray and libtorch with the features of those names)"
+        "device `{0}` is not available in this build (known: flex, auto; ndarray, libtorch and wgpu with the features of those names)"
     )]
     UnknownDevice(String),
+    /// The device names a backend whose cargo feature this build lacks.
+    #[error(
+        "device `{device}` needs a build with the `{feature}` feature (`cargo build --release --features {feature}`)"
+    )]
+    DeviceNotBuilt {
+        /// The device as configured.
+        device: String,
+        /// The cargo feature that compiles its backend in.
+        feature: &'static str,
+    },
+    /// No Vulkan adapter answers at the requested index (no driver, or fewer adapters).
+    #[error(
+        "device `wgpu:{index}`: no Vulkan adapter at index {index} ({found} found); install a Vulkan driver (a GPU's, or Mesa's lavapipe on the CPU: Debian's `mesa-vulkan-drivers` and `libvulkan1`) and check `vulkaninfo --summary`"
+    )]
+    NoVulkanAdapter {
+        /// The adapter index asked for.
+        index: usize,
+        /// How many Vulkan adapters this machine offers.
+        found: usize,
+    },
+    /// The Vulkan adapter was found but its device could not be opened.
+    #[error("device `wgpu:{index}`: the Vulkan device could not be opened: {message}")]
+    VulkanInit {
+        /// The adapter index.
+        index: usize,
+        /// What wgpu said.
+        message: String,
+    },
     /// A synchronized batch norm's sum over the ranks failed (the pass is void).
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),

@@ -47,12 +47,14 @@ mod shard_optim;
 mod spec;
 mod stage;
 pub mod sync_batch_norm;
+#[cfg(feature = "wgpu")]
+mod vulkan;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
 pub use conv::conv2d;
 pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
-pub use device::{available_devices, check_device};
+pub use device::{available_devices, check_device, describe_device};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
 pub use graph::{Merge, Node};

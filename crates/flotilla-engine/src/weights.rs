@@ -37,6 +37,25 @@ pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
+/// whatever the device training runs on, so that every backend starts from the same values.
+fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
+    let cpu = Device::flex().autodiff();
+    // The backend's RNG may be process-wide: seeding and drawing the initial values happen
+    // under one lock, so that models built concurrently still depend on their seed alone.
+    let _guard = RNG_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    cpu.seed(seed);
+    let model = params::renumber(SequentialModel::new(spec, &cpu)?);
+    // Materialise every lazily initialised parameter now, in flat order, so that the values
+    // depend on the seed alone and not on the order of first use.
+    let layout = ParamLayout::of(&model);
+    let mut scratch = vec![0.0; layout.total];
+    params::read_values(&model, &layout, &mut scratch, Tensors::Params)?;
+    Ok(model)
+}
+
 /// Parameters, optimizer state and weight files, as flat buffers in the order of
 /// [`ModelState::layout`]. Implemented by the whole-model [`crate::BurnEngine`] and by a
 /// pipeline [`crate::Stage`] (which holds only its own layers' parameters).
@@ -107,9 +126,10 @@ pub(crate) struct Weights {
 
 impl Weights {
     /// Builds the model of `spec` on the named backend with parameters initialised from
-    /// `seed`. With `keep`, only the layers in that range keep their parameters (the others
-    /// become identities), so a stage's parameters have the same names and initial values as
-    /// the same layers of the whole model built from the same seed.
+    /// `seed` (on the CPU, then moved to the device: the same values on every backend). With
+    /// `keep`, only the layers in that range keep their parameters (the others become
+    /// identities), so a stage's parameters have the same names and initial values as the
+    /// same layers of the whole model built from the same seed.
     pub(crate) fn new(
         spec: &ModelSpec,
         optimizer: &OptimizerSpec,
@@ -119,21 +139,8 @@ impl Weights {
     ) -> Result<Self> {
         let base_device = device_by_name(device_name)?;
         let device = base_device.clone().autodiff();
-        // The backend's RNG may be process-wide: seeding and drawing the initial values happen
-        // under one lock, so that models built concurrently still depend on their seed alone.
-        let model = {
-            let _guard = RNG_LOCK
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            device.seed(seed);
-            let model = params::renumber(SequentialModel::new(spec, &device)?);
-            // Materialise every lazily initialised parameter now, in flat order, so that the
-            // values depend on the seed alone and not on the order of first use.
-            let layout = ParamLayout::of(&model);
-            let mut scratch = vec![0.0; layout.total];
-            params::read_values(&model, &layout, &mut scratch, Tensors::Params)?;
-            model
-        };
+        // A fresh leaf on the device for every parameter, still requiring its gradient.
+        let model = initial_model(spec, seed)?.fork(&device);
         let model = match keep {
             None => model,
             Some(range) => params::renumber(keep_only(model, range)),

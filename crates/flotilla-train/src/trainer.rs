@@ -94,10 +94,11 @@ impl RunSummary {
     }
 }
 
-/// The line a rank logs once it joined: rank, model, device, config hash and the launcher's
-/// local rank (rank among this host's processes), when it gave one.
+/// The line a rank logs once it joined: rank, model, device (what it resolved to: the
+/// adapter, or what `auto` chose and why), config hash and the launcher's local rank (rank
+/// among this host's processes), when it gave one.
 fn up_line(
-    config: &TrainConfig,
+    device: &str,
     spec: &ModelSpec,
     (rank, world): (usize, usize),
     hash: u64,
@@ -109,8 +110,8 @@ fn up_line(
             format!(" local_rank={} (${})", l.value, l.var)
         });
     format!(
-        "rank {rank}/{world} up: model={} device={} config_hash={hash:016x}{local}",
-        spec.name, config.model.device
+        "rank {rank}/{world} up: model={} device={device} config_hash={hash:016x}{local}",
+        spec.name
     )
 }
 
@@ -123,6 +124,8 @@ pub fn run(
 ) -> Result<RunSummary> {
     let started = Instant::now();
     let spec = config.validate()?;
+    // Opened before joining, so that a missing driver fails this rank at once.
+    let device = flotilla_engine::describe_device(&config.model.device)?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
     let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
@@ -130,7 +133,7 @@ pub fn run(
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
-    let up = up_line(config, &spec, (rank, world), hash);
+    let up = up_line(&device, &spec, (rank, world), hash);
     observer.message(&up);
     log.line(&up)?;
 

@@ -244,8 +244,8 @@ pub struct BenchStepArgs {
     /// Timed steps per case (after 5 warm-up steps).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
-    /// The burn backend Flotilla's side runs on (`flex`, or one this build adds: `ndarray`,
-    /// `libtorch`), as `model.device` names it.
+    /// The burn backend Flotilla's side runs on (`flex`, `auto`, or one this build adds:
+    /// `ndarray`, `libtorch`, `wgpu`), as `model.device` names it.
     #[arg(long, default_value = "flex")]
     pub device: String,
     /// The Python that runs the PyTorch reference (one with torch installed).

@@ -31,6 +31,7 @@ use super::reference;
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait CausalAttentionOps: Backend {
@@ -105,6 +106,10 @@ impl CausalAttentionOps for burn::backend::NdArray {}
 #[cfg(feature = "libtorch")]
 #[allow(deprecated)]
 impl CausalAttentionOps for burn::backend::LibTorch {}
+
+// burn's cubecl backend (the `wgpu` feature): burn's own ops on the device.
+#[cfg(feature = "wgpu")]
+impl CausalAttentionOps for burn::backend::Cube {}
 
 /// The attention's backward: the backend's, from the kept inputs and probabilities.
 #[derive(Debug)]

@@ -27,6 +27,7 @@ use super::math::{erf, exp_neg};
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait GeluOps: Backend {
@@ -84,6 +85,10 @@ impl GeluOps for burn::backend::NdArray {}
 #[cfg(feature = "libtorch")]
 #[allow(deprecated)]
 impl GeluOps for burn::backend::LibTorch {}
+
+// burn's cubecl backend (the `wgpu` feature): burn's `gelu` on the device.
+#[cfg(feature = "wgpu")]
+impl GeluOps for burn::backend::Cube {}
 
 /// GELU's backward: the backend's fused backward at the kept input.
 #[derive(Debug)]

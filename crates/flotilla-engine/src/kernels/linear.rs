@@ -74,7 +74,7 @@ fn burn_sum_rows<B: Backend>(g: FloatTensor<B>) -> FloatTensor<B> {
 }
 
 /// Implements [`LinearKernels`] with burn's own ops.
-#[cfg(any(feature = "ndarray", feature = "libtorch"))]
+#[cfg(any(feature = "ndarray", feature = "libtorch", feature = "wgpu"))]
 macro_rules! burn_linear_kernels {
     ($backend:ty) => {
         impl LinearKernels for $backend {
@@ -109,6 +109,9 @@ mod libtorch {
     use super::*;
     burn_linear_kernels!(burn::backend::LibTorch);
 }
+// burn's cubecl backend (the `wgpu` feature): its own ops on the device.
+#[cfg(feature = "wgpu")]
+burn_linear_kernels!(burn::backend::Cube);
 
 /// Flex's forward: the bias rows as the GEMM's starting value, then ReLU in place.
 fn flex_forward(
@@ -192,6 +195,7 @@ fn column_sums(g: MatRef<'_>) -> Vec<f32> {
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait LinearOps: Backend {
@@ -238,6 +242,8 @@ mod libtorch_ops {
     use super::*;
     linear_ops_by_kernels!(burn::backend::LibTorch);
 }
+#[cfg(feature = "wgpu")]
+linear_ops_by_kernels!(burn::backend::Cube);
 
 /// What backward needs: the input, the weight and (with ReLU) the output.
 #[derive(Debug, Clone)]

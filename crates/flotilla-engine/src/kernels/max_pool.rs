@@ -60,7 +60,7 @@ fn burn_backward<B: Backend>(
 }
 
 /// Implements [`PoolKernels`] with burn's own ops.
-#[cfg(any(feature = "ndarray", feature = "libtorch"))]
+#[cfg(any(feature = "ndarray", feature = "libtorch", feature = "wgpu"))]
 macro_rules! burn_pool_kernels {
     ($backend:ty) => {
         impl PoolKernels for $backend {
@@ -90,6 +90,9 @@ mod libtorch {
     use super::*;
     burn_pool_kernels!(burn::backend::LibTorch);
 }
+// burn's cubecl backend (the `wgpu` feature): its own ops on the device.
+#[cfg(feature = "wgpu")]
+burn_pool_kernels!(burn::backend::Cube);
 
 /// `[N, C, H, W]` of a contiguous 4-D `f32` tensor, with its values.
 fn image(x: &FlexTensor) -> Option<([usize; 4], &[f32])> {
@@ -142,6 +145,7 @@ impl PoolKernels for Flex {
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait PoolOps: Backend {
@@ -169,6 +173,8 @@ mod libtorch_ops {
     use super::*;
     pool_ops_by_kernels!(burn::backend::LibTorch);
 }
+#[cfg(feature = "wgpu")]
+pool_ops_by_kernels!(burn::backend::Cube);
 
 /// What backward needs: the input, the positions of the maxima, the windows.
 #[derive(Debug, Clone)]

@@ -158,7 +158,7 @@ pub const KEYS: &[Key] = &[
         "device",
         "DEVICE",
         Kind::Text,
-        "Backend (flex; ndarray and libtorch with the cargo features of those names)",
+        "Backend: flex, auto[:N] (a Vulkan GPU if built with wgpu and present, else flex); ndarray, libtorch, wgpu[:N] (Vulkan adapter N) with the cargo features of those names",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",

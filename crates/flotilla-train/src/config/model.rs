@@ -10,7 +10,10 @@ pub struct ModelSection {
     pub spec: String,
     /// Seed of parameter initialisation and of the per-epoch shuffle.
     pub seed: u64,
-    /// Backend: `flex` (pure-Rust CPU), `ndarray` or `libtorch` (each with the cargo feature of that name).
+    /// Backend: `flex` (pure-Rust CPU), `auto[:N]` (the Vulkan GPU `N` when the build has the
+    /// `wgpu` feature and the machine one, else `flex`), `ndarray`, `libtorch` or `wgpu[:N]`
+    /// (burn's wgpu backend on Vulkan adapter `N`, default 0), each with the cargo feature of
+    /// that name.
     pub device: String,
 }
 
