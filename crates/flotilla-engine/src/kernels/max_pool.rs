@@ -7,11 +7,13 @@
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{
+    Backend, Dispatch, Flex, TensorMetadata, backend_extension, get_or_init_device_settings,
+};
 use burn::nn::PaddingConfig2d;
 use burn::nn::pool::MaxPool2d;
 use burn::prelude::*;
-use burn::tensor::{DType, IntDType, TensorData};
+use burn::tensor::{DType, TensorData};
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -34,15 +36,12 @@ pub trait PoolKernels: Backend {
     ) -> FloatTensor<Self>;
 }
 
+/// burn's max pooling, its indices in the device's own integer type (as burn's autodiff takes
+/// them: wgpu has no 64-bit integers, and its backward misreads `i64` indices).
 fn burn_forward<B: Backend>(x: FloatTensor<B>, g: PoolGeom) -> (FloatTensor<B>, IntTensor<B>) {
+    let int_dtype = get_or_init_device_settings::<B>(&x.device()).int_dtype;
     let r = B::max_pool2d_with_indices(
-        x,
-        g.kernel,
-        g.stride,
-        g.padding,
-        g.dilation,
-        false,
-        IntDType::I64,
+        x, g.kernel, g.stride, g.padding, g.dilation, false, int_dtype,
     );
     (r.output, r.indices)
 }
