@@ -84,3 +84,5 @@ mod reshard_tests;
 mod shard_optim_tests;
 #[cfg(test)]
 mod stage_tests;
+#[cfg(all(test, feature = "wgpu"))]
+mod wgpu_tests;

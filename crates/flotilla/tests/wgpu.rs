@@ -1,0 +1,185 @@
+//! burn's wgpu backend on Vulkan (`--features wgpu`, `device: wgpu`) through the CLI: real
+//! `flotilla` processes over 127.0.0.1 on the vendored MNIST, on whatever Vulkan driver the
+//! machine has (CI installs Mesa's lavapipe, a conforming Vulkan driver that runs on the CPU,
+//! so the runs are short). Every wgpu run is compared tensor by tensor with the same run on
+//! the CPU backend (flex): the parameters start equal (they are drawn on the CPU whatever the
+//! device), so they end within f32 rounding of each other (burn's wgpu kernels sum in
+//! another order than Flex's). A build without the feature, and a build with it but no Vulkan
+//! driver, each fail with one error naming what is missing (the build without it:
+//! `tests/cli.rs`).
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use common::*;
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Output;
+use std::time::Duration;
+
+type Tensors = BTreeMap<String, Vec<f32>>;
+
+const LIMIT: Duration = Duration::from_secs(600);
+
+/// LeNet-5 on small batches (lavapipe is slow), momentum SGD past a short warm-up.
+const COMMON: &str = "batch_size: 8\nwarmup_steps: 5\nlr_schedule: cosine\noptimizer: {name: sgd, lr: 0.05, momentum: 0.9}\n";
+
+/// wgpu against the CPU: f32 rounding of other summation orders, over every step.
+const TOLERANCE: f64 = 1e-4;
+
+/// Runs `flotilla launch` of `yaml` (plus [`COMMON`]) on `device` for `steps` steps into
+/// `dir/name-device`; returns the final tensors and rank 0's run.log.
+fn run(dir: &Path, name: &str, device: &str, steps: u64, yaml: &str) -> (Tensors, String) {
+    let name = format!("{name}-{device}");
+    let cfg = config_file(
+        dir,
+        &format!("{name}.yaml"),
+        &format!("{COMMON}max_steps: {steps}\ndevice: {device}\n{yaml}"),
+    );
+    let out = dir.join(&name);
+    let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
+    assert_eq!(
+        final_fields(&o)["steps"],
+        steps as f64,
+        "{name}\n{}",
+        text(&o)
+    );
+    (checkpoint_tensors(&out), run_log(&out, 0))
+}
+
+/// The parameters before the first step (a run of zero steps checkpoints them).
+fn initial(dir: &Path) -> Tensors {
+    let out = dir.join("initial");
+    let out_s = out.to_str().expect("utf8");
+    launch(&["-n", "1", "--max-steps", "0", "--output", out_s], LIMIT);
+    checkpoint_tensors(&out)
+}
+
+/// `wgpu` within [`TOLERANCE`] of `cpu`, both moved away from `init`.
+fn assert_close_to_cpu(name: &str, wgpu: &Tensors, cpu: &Tensors, init: &Tensors) {
+    let moved = relative_error(cpu, init);
+    assert!(moved > 1e-2, "{name}: parameters barely moved ({moved})");
+    let e = relative_error(wgpu, cpu);
+    assert!(e <= TOLERANCE, "{name}: wgpu vs cpu relative error {e}");
+}
+
+/// The XXH3 of its final parameters that a rank logged (after the all-gathered check).
+fn param_hash(log: &str) -> String {
+    log.lines()
+        .find_map(|l| l.split("parameters identical on all 2 ranks (xxh3 ").nth(1))
+        .unwrap_or_else(|| panic!("no parameter hash in run.log:\n{log}"))
+        .trim_end_matches(')')
+        .to_string()
+}
+
+/// Whether a Vulkan driver is installed (an ICD manifest where the loader looks). Without
+/// one the wgpu tests skip, except under CI, where they must run.
+fn vulkan_driver() -> bool {
+    let found = ["/usr/share/vulkan/icd.d", "/etc/vulkan/icd.d"]
+        .iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flatten()
+        .flatten()
+        .any(|e| e.path().extension().is_some_and(|x| x == "json"));
+    if !found && std::env::var_os("CI").is_some() {
+        panic!("CI needs a Vulkan driver (mesa-vulkan-drivers, libvulkan1): none is installed");
+    }
+    if !found {
+        eprintln!("skipped: no Vulkan driver (apt-get install mesa-vulkan-drivers libvulkan1)");
+    }
+    found
+}
+
+/// Runs `flotilla ARGS` expecting a failure; returns everything it printed.
+fn failing(args: &[&str], env: &[(&str, &str)]) -> (Output, String) {
+    let mut c = flotilla();
+    c.args(args);
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let o = run_with_deadline(c, Duration::from_secs(120));
+    let all = text(&o);
+    assert!(!o.status.success(), "{args:?} succeeded\n{all}");
+    (o, all)
+}
+
+#[test]
+fn two_ranks_on_wgpu_equal_the_cpu_run_and_each_other_bitwise() {
+    if !vulkan_driver() {
+        return;
+    }
+    let dir = tmp();
+    let init = initial(dir.path());
+    let two = "world_size: 2\nbucket_mb: 0.01\n";
+    let (cpu, _) = run(dir.path(), "lenet", "flex", 50, two);
+    let (wgpu, log) = run(dir.path(), "lenet", "wgpu", 50, two);
+    assert!(log.contains("device=wgpu:0 (Vulkan adapter 0"), "{log}");
+    assert_close_to_cpu("2 ranks, 50 steps", &wgpu, &cpu, &init);
+    // Each rank logs the hash of its own final parameters.
+    let out = dir.path().join("lenet-wgpu");
+    let hashes = [0, 1].map(|r| param_hash(&run_log(&out, r)));
+    assert_eq!(hashes[0], hashes[1], "the two ranks' parameters differ");
+}
+
+#[test]
+fn every_strategy_on_wgpu_equals_its_cpu_run() {
+    if !vulkan_driver() {
+        return;
+    }
+    let dir = tmp();
+    let init = initial(dir.path());
+    let strategies = [
+        (
+            "async-allreduce",
+            "world_size: 2\nstrategy: async_allreduce\nstaleness: 1\n",
+        ),
+        (
+            "flat-ps",
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+        ),
+        (
+            "pipeline",
+            "strategy: pipeline\nsplit_points: [6]\nmicro_batches: 2\nschedule: 1f1b\n",
+        ),
+    ];
+    for (name, yaml) in strategies {
+        let (cpu, _) = run(dir.path(), name, "flex", 20, yaml);
+        let (wgpu, _) = run(dir.path(), name, "wgpu", 20, yaml);
+        assert_close_to_cpu(name, &wgpu, &cpu, &init);
+    }
+}
+
+#[test]
+fn wgpu_without_a_vulkan_driver_is_one_error_naming_the_driver() {
+    // The Vulkan loader reads its drivers from these files alone: none exists.
+    let none = "/nonexistent/flotilla-no-icd.json";
+    let env = [("VK_ICD_FILENAMES", none), ("VK_DRIVER_FILES", none)];
+    let (_, all) = failing(
+        &["launch", "-n", "1", "--device", "wgpu", "--max-steps", "1"],
+        &env,
+    );
+    assert!(
+        all.contains(
+            "device `wgpu:0`: no Vulkan adapter at index 0 (0 found); install a Vulkan driver"
+        ),
+        "{all}"
+    );
+    assert!(!all.contains("panicked"), "{all}");
+}
+
+#[test]
+fn auto_takes_the_cpu_backend_without_a_vulkan_gpu_and_says_why() {
+    if !vulkan_driver() {
+        return;
+    }
+    let dir = tmp();
+    let (flex, _) = run(dir.path(), "lenet", "flex", 5, "world_size: 1\n");
+    let (auto, log) = run(dir.path(), "lenet", "auto", 5, "world_size: 1\n");
+    // lavapipe is a software adapter, not a GPU: auto keeps the CPU backend.
+    assert!(
+        log.contains("device=flex (auto: 0 Vulkan GPU(s), none at index 0; a software Vulkan adapter (lavapipe) is slower"),
+        "{log}"
+    );
+    assert_bitwise("auto vs flex", &auto, &flex);
+}
