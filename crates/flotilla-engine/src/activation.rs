@@ -5,6 +5,7 @@
 use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
+use crate::copies;
 use crate::error::{EngineError, Result};
 use crate::graph::Merge;
 use crate::shape::Shape;
@@ -64,6 +65,7 @@ impl Activation {
 
     /// `n` samples of `shape` from a flat row-major buffer (checked by the caller).
     pub(crate) fn from_flat(values: Vec<f32>, n: usize, shape: Shape, device: &Device) -> Self {
+        let _copy = copies::to_device("activations", values.len());
         match shape {
             Shape::Image { c, h, w } => Activation::Image(Tensor::from_data(
                 TensorData::new(values, [n, c, h, w]),
@@ -91,6 +93,7 @@ impl Activation {
 
     /// The values, row-major.
     pub(crate) fn to_flat(&self) -> Result<Vec<f32>> {
+        let _copy = copies::to_host("activations", self.numel());
         on_tensor!(self, |t| t.to_data())
             .convert::<f32>()
             .try_into_vec::<f32>()
@@ -99,6 +102,7 @@ impl Activation {
 
     /// This leaf's gradient after a backward pass, row-major (`None` if it got none).
     pub(crate) fn grad(&self, grads: &Gradients) -> Option<Result<Vec<f32>>> {
+        let _copy = copies::to_host("activation gradients", self.numel());
         let data = on_tensor!(self, |t| t.grad(grads)?.into_data());
         Some(
             data.convert::<f32>()
@@ -110,6 +114,7 @@ impl Activation {
     /// `Σ self · g`: the scalar whose gradient with respect to `self` is `g` (the
     /// vector-Jacobian product's seed). `g` has `self`'s shape, row-major.
     pub(crate) fn dot(&self, g: Vec<f32>) -> Tensor<1> {
+        let _copy = copies::to_device("activation gradients", g.len());
         on_tensor!(self, |t| {
             let g = Tensor::from_data(TensorData::new(g, t.shape()), &t.device());
             (t.clone() * g).sum()

@@ -20,6 +20,16 @@ pub(crate) enum Tensors {
     Buffers,
 }
 
+impl Tensors {
+    /// `parameters` or `buffers` (the copy spans' `what`).
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Tensors::Params => "parameters",
+            Tensors::Buffers => "buffers",
+        }
+    }
+}
+
 /// Whether the field `name` of a module of `container_type` (as burn's visitors name them)
 /// holds a buffer.
 fn is_buffer(name: &str, container_type: &str) -> bool {

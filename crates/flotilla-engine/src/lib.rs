@@ -25,6 +25,7 @@ mod buffers;
 mod build;
 pub mod collective;
 mod conv;
+mod copies;
 mod cut;
 mod device;
 mod engine;

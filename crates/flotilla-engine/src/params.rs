@@ -18,6 +18,7 @@ use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
 use crate::buffers::{Only, Tensors};
+use crate::copies;
 use crate::error::{EngineError, Result};
 
 /// One parameter tensor's place in the flat buffer.
@@ -203,6 +204,7 @@ pub fn read_values<M: Module>(
             self.offset += len;
         }
     }
+    let _copy = copies::to_host(which.name(), layout.total);
     let mut reader = Reader {
         out,
         offset: 0,
@@ -248,6 +250,7 @@ pub fn write_values<M: Module>(
             Param::from_mapped_value(id, tensor, mapper)
         }
     }
+    let _copy = copies::to_device(which.name(), layout.total);
     let mut writer = Writer { src, offset: 0 };
     Ok(model.map(&mut Only::new(&mut writer, which)))
 }
@@ -265,7 +268,9 @@ pub fn for_each_grad<M: Module>(
 
 /// Calls `f(index, values)` with the gradient of each parameter whose index is in `params`,
 /// in flat order. A parameter with no gradient in `grads` (or with no `grads` at all) gives
-/// zeros.
+/// zeros. The gradients are read back from the device first, all of them in one
+/// `device_to_host` span, then handed to `f` (whose work, such as starting a bucket's
+/// all-reduce, is not part of the copy).
 pub fn for_each_grad_in<M: Module>(
     model: &M,
     grads: Option<&Gradients>,
@@ -273,64 +278,81 @@ pub fn for_each_grad_in<M: Module>(
     params: Range<usize>,
     f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
-    struct GradVisitor<'a, 'f> {
+    let read = read_grads(model, grads, layout, params)?;
+    let mut zeros = Vec::new();
+    for (index, data) in read {
+        let len = layout.params[index].len;
+        match data {
+            // The gradient's own buffer is handed over as it is (no intermediate copy).
+            Some(data) => match data.as_slice::<f32>() {
+                Ok(values) if values.len() == len => f(index, values)?,
+                Ok(values) => {
+                    return Err(EngineError::FlatLength {
+                        expected: len,
+                        got: values.len(),
+                    });
+                }
+                Err(e) => return Err(EngineError::Batch(format!("reading a gradient: {e:?}"))),
+            },
+            None => {
+                zeros.resize(len, 0.0);
+                f(index, &zeros[..len])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The gradients of the parameters whose index is in `params` (`None`: no gradient), read
+/// from the device in flat order inside one `device_to_host` span.
+fn read_grads<M: Module>(
+    model: &M,
+    grads: Option<&Gradients>,
+    layout: &ParamLayout,
+    params: Range<usize>,
+) -> Result<Vec<(usize, Option<TensorData>)>> {
+    struct GradReader<'a> {
         grads: Option<&'a Gradients>,
         layout: &'a ParamLayout,
         params: Range<usize>,
         index: usize,
-        zeros: Vec<f32>,
-        f: &'f mut dyn FnMut(usize, &[f32]) -> Result<()>,
+        read: Vec<(usize, Option<TensorData>)>,
         error: Option<EngineError>,
     }
-    impl ModuleVisitor for GradVisitor<'_, '_> {
+    impl ModuleVisitor for GradReader<'_> {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
             let index = self.index;
             self.index += 1;
             if self.error.is_some() || !self.params.contains(&index) {
                 return;
             }
-            let Some(info) = self.layout.params.get(index) else {
+            if index >= self.layout.params.len() {
                 self.error = Some(EngineError::FlatLength {
                     expected: self.layout.params.len(),
                     got: index + 1,
                 });
                 return;
-            };
-            // The gradient's own buffer is handed over as it is (no intermediate copy); a
-            // parameter without a gradient reads as zeros.
-            let result = match self.grads.and_then(|grads| param.val().grad(grads)) {
-                Some(g) => {
-                    let data = g.into_data().convert::<f32>();
-                    match data.as_slice::<f32>() {
-                        Ok(values) if values.len() == info.len => (self.f)(index, values),
-                        Ok(values) => Err(EngineError::FlatLength {
-                            expected: info.len,
-                            got: values.len(),
-                        }),
-                        Err(e) => Err(EngineError::Batch(format!("reading a gradient: {e:?}"))),
-                    }
-                }
-                None => {
-                    self.zeros.resize(info.len, 0.0);
-                    (self.f)(index, &self.zeros[..info.len])
-                }
-            };
-            if let Err(e) = result {
-                self.error = Some(e);
             }
+            let grad = self.grads.and_then(|grads| param.val().grad(grads));
+            let data = grad.map(|g| g.into_data().convert::<f32>());
+            self.read.push((index, data));
         }
     }
-    let mut v = GradVisitor {
+    let values: usize = layout
+        .params
+        .get(params.clone())
+        .map_or(0, |infos| infos.iter().map(|info| info.len).sum());
+    let _copy = copies::to_host("gradients", values);
+    let mut reader = GradReader {
         grads,
         layout,
         params,
         index: 0,
-        zeros: Vec::new(),
-        f,
+        read: Vec::new(),
         error: None,
     };
-    model.visit(&mut Only::new(&mut v, Tensors::Params));
-    v.error.map_or(Ok(()), Err)
+    model.visit(&mut Only::new(&mut reader, Tensors::Params));
+    reader.error.map_or(Ok(reader.read), Err)
 }
 
 /// Builds burn's [`GradientsParams`] from a flat gradient buffer, keyed by `model`'s ids.
@@ -362,6 +384,7 @@ pub fn grads_from_flat<M: Module>(
             self.grads.register(param.id, tensor);
         }
     }
+    let _copy = copies::to_device("gradients", layout.total);
     let mut b = Builder {
         flat,
         offset: 0,

@@ -19,6 +19,7 @@ use burn::prelude::*;
 use burn::store::burn_pack::Reader;
 use burn::tensor::TensorData;
 
+use crate::copies;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
@@ -139,6 +140,8 @@ impl ShardOptimizer {
         let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
         let mut gp = GradientsParams::new();
         let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(self.pieces.len());
+        let values = self.pieces.iter().map(|p| p.range.len()).sum();
+        let upload = copies::to_device("shard", 2 * values);
         for (k, piece) in self.pieces.iter().enumerate() {
             let id = ParamId::from(k as u64);
             let tensor = |v: &[f32], device: &Device| {
@@ -148,7 +151,9 @@ impl ShardOptimizer {
             let value = tensor(&params[piece.range.clone()], &self.autodiff);
             module.push(Param::initialized(id, value));
         }
+        drop(upload);
         let module = self.optimizer.step(lr, module, gp);
+        let _read = copies::to_host("shard", values);
         for (piece, param) in self.pieces.iter().zip(module) {
             copy_tensor(param.val(), &mut params[piece.range.clone()])?;
         }
