@@ -41,7 +41,10 @@ fn selector(index: usize, counts: &[usize; 4], kinds: usize) -> Option<(DeviceKi
                 0 => (DeviceKind::DiscreteGpu(i), format!("discrete GPU {i}")),
                 1 => (DeviceKind::IntegratedGpu(i), format!("integrated GPU {i}")),
                 2 => (DeviceKind::VirtualGpu(i), format!("virtual GPU {i}")),
-                _ => (DeviceKind::Cpu, "software adapter (e.g. lavapipe)".to_string()),
+                _ => (
+                    DeviceKind::Cpu,
+                    "software adapter (e.g. lavapipe)".to_string(),
+                ),
             });
         }
         first += n;

@@ -97,12 +97,7 @@ impl RunSummary {
 /// The line a rank logs once it joined: rank, model, device (what it resolved to: the
 /// adapter, or what `auto` chose and why), config hash and the launcher's local rank (rank
 /// among this host's processes), when it gave one.
-fn up_line(
-    device: &str,
-    spec: &ModelSpec,
-    (rank, world): (usize, usize),
-    hash: u64,
-) -> String {
+fn up_line(device: &str, spec: &ModelSpec, (rank, world): (usize, usize), hash: u64) -> String {
     let local = flotilla_cluster::LauncherEnv::from_process()
         .ok()
         .and_then(|e| e.local_rank)
