@@ -27,6 +27,8 @@ use burn::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::gelu::gelu;
+use crate::kernels::layer_norm::layer_norm;
+use crate::kernels::linear::linear;
 
 /// Checks that every value of `ids` (a batch's token input) is an integer in `0..vocab`.
 pub(crate) fn check_tokens(ids: &[f32], vocab: usize) -> Result<()> {
@@ -57,19 +59,23 @@ pub(crate) fn add_positions(table: &Embedding, x: Tensor<3>) -> Tensor<3> {
 /// Causal multi-head self-attention on `x` `[n, t, d]`: burn's `MultiHeadAttention` (its
 /// projections, no dropout) with the fused core of [`crate::kernels`] between them.
 pub(crate) fn causal_attention(attention: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
-    let q = attention.query.forward(x.clone());
-    let k = attention.key.forward(x.clone());
-    let v = attention.value.forward(x);
+    let q = linear(&attention.query, x.clone(), false);
+    let k = linear(&attention.key, x.clone(), false);
+    let v = linear(&attention.value, x, false);
     let context = kernels::attention::causal_attention(q, k, v, attention.n_heads);
-    attention.output.forward(context)
+    linear(&attention.output, context, false)
 }
 
 /// A pre-LN transformer block with causal attention on `x` `[n, t, d]`: burn's
 /// `TransformerEncoderLayer::forward` with `norm_first` and no dropout, its MLP's GELU the fused
 /// one of [`kernels::gelu`].
 pub(crate) fn block(block: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
-    let x = x.clone() + causal_attention(&block.mha, block.norm_2.forward(x));
+    let x = x.clone() + causal_attention(&block.mha, layer_norm(&block.norm_2, x));
     let mlp = &block.pwff;
-    let hidden = gelu(mlp.linear_inner.forward(block.norm_1.forward(x.clone())));
-    x + mlp.linear_outer.forward(hidden)
+    let hidden = gelu(linear(
+        &mlp.linear_inner,
+        layer_norm(&block.norm_1, x.clone()),
+        false,
+    ));
+    x + linear(&mlp.linear_outer, hidden, false)
 }
