@@ -182,7 +182,9 @@ fn column_sums(g: MatRef<'_>) -> Vec<f32> {
     for i in 0..g.rows {
         let row = &g.data[i * g.rs..];
         if g.cs == 1 {
-            sums.iter_mut().zip(&row[..g.cols]).for_each(|(s, v)| *s += v);
+            sums.iter_mut()
+                .zip(&row[..g.cols])
+                .for_each(|(s, v)| *s += v);
         } else {
             for (j, s) in sums.iter_mut().enumerate() {
                 *s += row[j * g.cs];
