@@ -198,7 +198,7 @@ fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activati
         (Layer::Gelu(_), x) => map_tensor!(x, |t| crate::kernels::gelu::gelu(t)),
         (Layer::Silu(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::Dropout(m), x) => map_tensor!(x, |t| m.forward(t)),
-        (Layer::LayerNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
+        (Layer::LayerNorm(m), x) => map_tensor!(x, |t| kernels::layer_norm::layer_norm(m, t)),
         (Layer::RmsNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::BatchNorm(m), x) => match sync {
             Some(r) => map_tensor!(x, |t| sync_batch_norm::forward(m, t, r)),
