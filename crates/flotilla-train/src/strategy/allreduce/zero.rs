@@ -13,6 +13,14 @@
 //! brings every rank the whole parameters; the last one carries the loss slot, so with
 //! stage 2 every rank learns the global loss from the rank that owns it.
 //!
+//! Memory: a rank keeps, of the averaged gradient, only its shard's values (one after the
+//! other in flat order, 1/N of the model: [`Zero::keep_shard`]), and one bucket-sized wire
+//! buffer reused bucket after bucket — by stage 2's reduce-scatters (`scatter.rs`, which
+//! waits for bucket *k*'s before bucket *k+1* is copied in) and by the all-gathers. Stage 1
+//! keeps its buckets' buffers (all-reduced in place) besides. On one rank there is nothing
+//! to shard and the strategy takes the unsharded path (`SyncAllReduce::build`), with its
+//! bits and its memory.
+//!
 //! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
 //! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
 //! (world, stage, each rank's flat ranges) in `state.json`; resume sends each rank its
