@@ -144,13 +144,16 @@ fn a_shard_state_saved_and_loaded_continues_bitwise() {
     let mut a = ShardOptimizer::new(spec, whole.layout(), &shard, "flex").expect("shard");
     let mut pa = params.clone();
     for step in 0..3 {
-        a.step(&mut pa, &shard_of(&a, &gradient(total, step)), 0.1).expect("step");
+        a.step(&mut pa, &shard_of(&a, &gradient(total, step)), 0.1)
+            .expect("step");
     }
     let mut b = ShardOptimizer::new(spec, whole.layout(), &shard, "flex").expect("shard");
     b.load_state(&a.state().expect("state")).expect("load");
     let mut pb = pa.clone();
-    a.step(&mut pa, &shard_of(&a, &gradient(total, 3)), 0.1).expect("step");
-    b.step(&mut pb, &shard_of(&b, &gradient(total, 3)), 0.1).expect("step");
+    a.step(&mut pa, &shard_of(&a, &gradient(total, 3)), 0.1)
+        .expect("step");
+    b.step(&mut pb, &shard_of(&b, &gradient(total, 3)), 0.1)
+        .expect("step");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&pa), bits(&pb));
 }
@@ -175,8 +178,8 @@ fn a_shard_state_of_another_cut_is_refused_naming_the_tensor_and_both_shapes() {
     let spec = &optimizers()[2];
     let whole = engine(spec);
     let total = whole.num_params();
-    let mut three = ShardOptimizer::new(spec, whole.layout(), &owned(total, 3, 1), "flex")
-        .expect("shard");
+    let mut three =
+        ShardOptimizer::new(spec, whole.layout(), &owned(total, 3, 1), "flex").expect("shard");
     // The same shard's state loads; rank 1 of 2's does not fit rank 1 of 3's pieces.
     three
         .load_state(&stepped_shard_state(3, 1))
@@ -198,12 +201,17 @@ fn a_shard_state_of_another_cut_is_refused_naming_the_tensor_and_both_shapes() {
     assert_eq!(expected, &vec![three.pieces()[0].range.len()], "{err}");
     assert_ne!(got, expected);
     let text = err.to_string();
-    assert!(text.contains(tensor.as_str()) && text.contains("piece 0"), "{text}");
+    assert!(
+        text.contains(tensor.as_str()) && text.contains("piece 0"),
+        "{text}"
+    );
     // After the refusal the optimizer still steps (burn never saw the state).
     let mut params = vec![0.0; total];
     whole.read_params(&mut params).expect("read");
     let g = shard_of(&three, &gradient(total, 0));
-    three.step(&mut params, &g, 0.1).expect("step after a refusal");
+    three
+        .step(&mut params, &g, 0.1)
+        .expect("step after a refusal");
 }
 
 #[test]

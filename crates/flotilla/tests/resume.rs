@@ -371,13 +371,28 @@ fn a_mismatched_optimizer_state_is_refused_on_resume() {
         );
         assert!(!all.contains("panicked"), "{what}: no panic\n{all}");
     };
+    // Files put in with their checksums (as a copy from another run would bring them), so
+    // the checkpoint is whole and only its state does not fit.
+    let sums = |ck: &Path| -> serde_json::Map<String, serde_json::Value> {
+        let text = std::fs::read(ck.join("checksums.json")).expect("checksums");
+        serde_json::from_slice(&text).expect("a map")
+    };
+    let put = |ck: &Path, name: &str, bytes: &[u8], sum: &serde_json::Value| {
+        std::fs::write(ck.join(name), bytes).expect("write");
+        let mut all = sums(ck);
+        all.insert(name.to_string(), sum.clone());
+        let json = serde_json::to_vec(&all).expect("json");
+        std::fs::write(ck.join("checksums.json"), json).expect("checksums");
+    };
     let (cfg2, out2, ck2) = crashed(2);
-    let (a, b) = (ck2.join("optimizer-shard-0.bpk"), ck2.join("optimizer-shard-1.bpk"));
-    let (bytes_a, bytes_b) = (std::fs::read(&a).expect("a"), std::fs::read(&b).expect("b"));
-    std::fs::write(&a, &bytes_b).expect("swap");
-    std::fs::write(&b, &bytes_a).expect("swap");
+    let (a, b) = ("optimizer-shard-0.bpk", "optimizer-shard-1.bpk");
+    let bytes_a = std::fs::read(ck2.join(a)).expect("a");
+    let bytes_b = std::fs::read(ck2.join(b)).expect("b");
+    let original = sums(&ck2);
+    put(&ck2, a, &bytes_b, &original[b]);
+    put(&ck2, b, &bytes_a, &original[a]);
     refused(&cfg2, &out2, "zero 2, shards swapped");
     let (cfg0, out0, ck0) = crashed(0);
-    std::fs::write(ck0.join("optimizer.bpk"), &bytes_a).expect("a shard's state");
+    put(&ck0, "optimizer.bpk", &bytes_a, &original[a]);
     refused(&cfg0, &out0, "zero 0, a shard's state");
 }

@@ -168,7 +168,8 @@ fn zero_1_and_2_equal_zero_0_bitwise() {
             for (zero, overlap) in [(1, true), (2, true), (2, false)] {
                 let got = run_overlapped(n, &opt, (zero, overlap), (0, STEPS), tmp.path(), false);
                 for (r, (p, losses, _)) in got.iter().enumerate() {
-                    let what = format!("{opt:?}, {n} ranks, zero {zero}, overlap {overlap}, rank {r}");
+                    let what =
+                        format!("{opt:?}, {n} ranks, zero {zero}, overlap {overlap}, rank {r}");
                     assert_bitwise(p, &reference[r].0, &what);
                     assert_bitwise(losses, &reference[r].1, &format!("{what}: losses"));
                 }
@@ -197,10 +198,7 @@ fn optimizer_state_bytes_are_each_ranks_share() {
         let got = run(n, adam, zero, (0, 2), tmp.path(), false);
         let mut sum = 0.0;
         for (r, (_, _, figures)) in got.iter().enumerate() {
-            let owned: usize = owned_ranges(&plan, n, r)
-                .iter()
-                .map(|x| x.len())
-                .sum();
+            let owned: usize = owned_ranges(&plan, n, r).iter().map(|x| x.len()).sum();
             let bytes = figures["optimizer_state_bytes"];
             assert_eq!(bytes, (2 * 4 * owned) as f64, "zero {zero}, rank {r}");
             sum += bytes;
@@ -262,7 +260,10 @@ fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
             for (r, (_, _, f)) in got.iter().enumerate() {
                 let what = format!("zero {zero}, {n} ranks, rank {r}");
                 let owned: usize = owned_ranges(&plan, n, r).iter().map(|x| x.len()).sum();
-                assert!(owned <= total.div_ceil(n) + 1, "{what}: 1/N of {total}: {owned}");
+                assert!(
+                    owned <= total.div_ceil(n) + 1,
+                    "{what}: 1/N of {total}: {owned}"
+                );
                 assert_eq!(f["gradient_bytes"], (4 * owned) as f64, "{what}");
                 sum += f["gradient_bytes"];
                 // Stage 1 keeps every bucket (all-reduced in place) and the all-gather's
@@ -270,7 +271,11 @@ fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
                 let wire = if zero == 1 { all + largest } else { largest };
                 assert_eq!(f["bucket_buffer_bytes"], (4 * wire) as f64, "{what}");
             }
-            assert_eq!(sum, (4 * total) as f64, "zero {zero}: the shards make the model");
+            assert_eq!(
+                sum,
+                (4 * total) as f64,
+                "zero {zero}: the shards make the model"
+            );
         }
     }
 }
@@ -282,10 +287,17 @@ fn zero_on_one_rank_is_the_unsharded_path() {
     let reference = run(1, adam, 0, (0, STEPS), tmp.path(), false);
     for zero in [1, 2] {
         let got = run(1, adam, zero, (0, STEPS), tmp.path(), false);
-        assert_bitwise(&got[0].0, &reference[0].0, &format!("zero {zero}, one rank"));
+        assert_bitwise(
+            &got[0].0,
+            &reference[0].0,
+            &format!("zero {zero}, one rank"),
+        );
         assert_bitwise(&got[0].1, &reference[0].1, &format!("zero {zero}: losses"));
         // No second copy of anything: the figures are zero 0's.
-        assert_eq!(got[0].2, reference[0].2, "zero {zero}, one rank: memory figures");
+        assert_eq!(
+            got[0].2, reference[0].2,
+            "zero {zero}, one rank: memory figures"
+        );
     }
 }
 
