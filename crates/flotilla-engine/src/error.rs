@@ -66,6 +66,28 @@ pub enum EngineError {
     /// An optimizer setting that is out of range.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// Optimizer state (from a checkpoint, or sent by another rank) holds a tensor that does
+    /// not fit the parameter it is keyed to: the state of another model, or of a shard cut
+    /// otherwise and not re-sharded. Checked before burn sees the state.
+    #[error(
+        "optimizer state: tensor {tensor} has shape {got:?} but {param} has shape {expected:?} \
+         (the state of another model, or of another shard cut)"
+    )]
+    StateShape {
+        /// The state tensor's name (`{id}.{field}`, e.g. `3.moment_1`).
+        tensor: String,
+        /// What the state tensor belongs to in this optimizer (a parameter, or a shard's
+        /// piece of one), or that it belongs to nothing.
+        param: String,
+        /// The shape this optimizer expects (empty when the tensor belongs to nothing).
+        expected: Vec<usize>,
+        /// The tensor's shape in the state.
+        got: Vec<usize>,
+    },
+    /// The caller's gradient callback ([`crate::Engine::forward_backward_streaming`],
+    /// [`crate::Engine::for_each_grad`]) stopped the pass; the caller knows why.
+    #[error("the gradient callback stopped the pass: {0}")]
+    Callback(String),
     /// Saving or loading a checkpoint failed.
     #[error("checkpoint {path}: {message}")]
     Checkpoint {

@@ -46,6 +46,7 @@ mod shape;
 mod shard_optim;
 mod spec;
 mod stage;
+mod state_check;
 pub mod sync_batch_norm;
 mod weights;
 
