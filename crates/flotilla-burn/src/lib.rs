@@ -24,8 +24,9 @@
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any
-//! count): `flotilla_burn::conv2d(&self.conv, x)` in place of `self.conv.forward(x)`, the same
-//! module, parameters and checkpoints; other backends and layers it does not cover
+//! count): `flotilla_burn::conv2d(&self.conv, x, false)` in place of `self.conv.forward(x)`
+//! (`true`: and the ReLU after it, fused), the same module, parameters and checkpoints; other
+//! backends and layers it does not cover
 //! (dilation, groups, `Same` padding) run burn's own forward.
 //!
 //! ```no_run
