@@ -2,16 +2,17 @@
 //! each has, and which one a local rank takes (round-robin, as torchrun users expect:
 //! local rank `l` of a host with `G` GPUs runs on GPU `l mod G`).
 //!
-//! `cuda` asks the CUDA driver through cudarc, loaded at run time ([`crate::gpu::cuda`]
-//! under the `cuda` feature): the driver is probed before burn sees the device, so a
-//! machine without it gets one error naming `libcuda.so`, never a panic inside cubecl.
+//! `cuda` asks the CUDA driver through cudarc, loaded at run time (module `cuda`, under
+//! the `cuda-driver` feature, which `cuda` and the NCCL backend turn on): the driver is
+//! probed before burn sees the device, so a machine without it gets one error naming
+//! `libcuda.so`, never a panic inside cubecl.
 
 use burn::prelude::Device;
 
 use crate::device::DeviceSpec;
 use crate::error::{EngineError, Result};
 
-#[cfg(feature = "cuda")]
+#[cfg(feature = "cuda-driver")]
 mod cuda;
 
 /// A GPU backend.
@@ -41,9 +42,9 @@ impl GpuKind {
 /// How many GPUs of `kind` the driver reports; an error names a missing feature or driver.
 pub fn gpu_count(kind: GpuKind) -> Result<usize> {
     match kind {
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-driver")]
         GpuKind::Cuda => cuda::count().map_err(|detail| driver_error(kind.name(), detail)),
-        #[cfg(not(feature = "cuda"))]
+        #[cfg(not(feature = "cuda-driver"))]
         GpuKind::Cuda => Err(feature_missing(kind.name(), "cuda")),
     }
 }
@@ -53,9 +54,9 @@ pub fn gpu_memory(kind: GpuKind, index: usize) -> Result<u64> {
     let name = format!("{}:{index}", kind.name());
     check_index(kind, &name, index)?;
     match kind {
-        #[cfg(feature = "cuda")]
+        #[cfg(feature = "cuda-driver")]
         GpuKind::Cuda => cuda::total_memory(index).map_err(|detail| driver_error(&name, detail)),
-        #[cfg(not(feature = "cuda"))]
+        #[cfg(not(feature = "cuda-driver"))]
         GpuKind::Cuda => Err(feature_missing(&name, "cuda")),
     }
 }
@@ -88,12 +89,17 @@ pub fn local_device(name: &str, local_rank: usize) -> Result<String> {
 
 /// burn's device for GPU `index` of `kind`, after the driver was probed and the index checked.
 pub(crate) fn device(kind: GpuKind, name: &str, index: usize) -> Result<Device> {
-    check_index(kind, name, index)?;
     match kind {
         #[cfg(feature = "cuda")]
-        GpuKind::Cuda => Ok(Device::cuda(index)),
+        GpuKind::Cuda => {
+            check_index(kind, name, index)?;
+            Ok(Device::cuda(index))
+        }
         #[cfg(not(feature = "cuda"))]
-        GpuKind::Cuda => Err(feature_missing(name, "cuda")),
+        GpuKind::Cuda => {
+            let _ = index;
+            Err(feature_missing(name, "cuda"))
+        }
     }
 }
 
