@@ -253,8 +253,9 @@ pub const KEYS: &[Key] = &[
         "backend",
         "BACKEND",
         Kind::Text,
-        "Process-group backend: `tcp` (default) or `mpi` (under mpirun; a binary built with \
-         `--features mpi`)",
+        "Process-group backend: `tcp` (default), `mpi` (under mpirun; a binary built with \
+         `--features mpi`) or `nccl` (f32 collectives over NCCL on each rank's GPU; \
+         `--features nccl`)",
     ),
     Key::new("comm.master_addr").aliases(&["master_addr"]).flag(
         "master-addr",
