@@ -29,6 +29,8 @@
 mod comm;
 mod group;
 mod ops;
+#[cfg(test)]
+mod ops_tests;
 mod queue;
 
 pub use group::{NcclConfig, NcclGroup};

@@ -97,18 +97,44 @@ fn chunk(len: usize, size: usize) -> usize {
         .unwrap_or(0)
 }
 
-fn reduce_scatter(
-    comm: &NcclComm,
-    mut buf: Vec<f32>,
-    (rank, size): (usize, usize),
-) -> Result<Vec<f32>, String> {
+/// `buf` cut into its `size` shards, each at the start of a chunk of `chunk(len, size)`
+/// (zeros after it): what `ncclReduceScatter` cuts into equal parts.
+pub(crate) fn pack_shards(buf: &[f32], size: usize) -> Vec<f32> {
     let c = chunk(buf.len(), size);
     let mut padded = vec![0.0f32; c * size];
     for r in 0..size {
         let s = shard(buf.len(), size, r);
         padded[r * c..r * c + s.len()].copy_from_slice(&buf[s]);
     }
-    let send = upload(comm, &padded)?;
+    padded
+}
+
+/// This rank's own shard of `buf` in a chunk (what it gives `ncclAllGather`).
+pub(crate) fn pack_own(buf: &[f32], (rank, size): (usize, usize)) -> Vec<f32> {
+    let s = shard(buf.len(), size, rank);
+    let mut own = vec![0.0f32; chunk(buf.len(), size)];
+    own[..s.len()].copy_from_slice(&buf[s]);
+    own
+}
+
+/// Writes chunk `r` of `chunks` (laid out as [`pack_shards`] does) into shard `r` of `buf`
+/// for every `r` in `ranks`.
+pub(crate) fn unpack(buf: &mut [f32], chunks: &[f32], size: usize, ranks: std::ops::Range<usize>) {
+    let (len, c) = (buf.len(), chunk(buf.len(), size));
+    for (i, r) in ranks.enumerate() {
+        let s = shard(len, size, r);
+        let n = s.len();
+        buf[s].copy_from_slice(&chunks[i * c..i * c + n]);
+    }
+}
+
+fn reduce_scatter(
+    comm: &NcclComm,
+    mut buf: Vec<f32>,
+    (rank, size): (usize, usize),
+) -> Result<Vec<f32>, String> {
+    let c = chunk(buf.len(), size);
+    let send = upload(comm, &pack_shards(&buf, size))?;
     let mut recv = upload(comm, &vec![0.0f32; c])?;
     {
         let (src, _s1) = send.device_ptr(&comm.stream);
@@ -128,9 +154,7 @@ fn reduce_scatter(
     }
     let mut mine = vec![0.0f32; c];
     download(comm, &mut recv, &mut mine)?;
-    let s = shard(buf.len(), size, rank);
-    let n = s.len();
-    buf[s].copy_from_slice(&mine[..n]);
+    unpack(&mut buf, &mine, size, rank..rank + 1);
     Ok(buf)
 }
 
@@ -140,10 +164,7 @@ fn all_gather(
     (rank, size): (usize, usize),
 ) -> Result<Vec<f32>, String> {
     let c = chunk(buf.len(), size);
-    let s = shard(buf.len(), size, rank);
-    let mut own = vec![0.0f32; c];
-    own[..s.len()].copy_from_slice(&buf[s]);
-    let send = upload(comm, &own)?;
+    let send = upload(comm, &pack_own(&buf, (rank, size)))?;
     let mut recv = upload(comm, &vec![0.0f32; c * size])?;
     {
         let (src, _s1) = send.device_ptr(&comm.stream);
@@ -155,12 +176,7 @@ fn all_gather(
     }
     let mut all = vec![0.0f32; c * size];
     download(comm, &mut recv, &mut all)?;
-    let len = buf.len();
-    for r in 0..size {
-        let s = shard(len, size, r);
-        let n = s.len();
-        buf[s].copy_from_slice(&all[r * c..r * c + n]);
-    }
+    unpack(&mut buf, &all, size, 0..size);
     Ok(buf)
 }
 
