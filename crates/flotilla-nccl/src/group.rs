@@ -83,7 +83,7 @@ impl NcclGroup {
         let comm = NcclComm::init(cfg.device, &id, (me, n), cfg.timeout).map_err(unusable)?;
         let world: Vec<usize> = (0..n).map(|r| control.world_rank(r)).collect();
         let name = format!("of world ranks {world:?}");
-        let q = Queue::start(comm, Members::new(world, me), cfg.timeout, name)?;
+        let q = Queue::start(Box::new(comm), Members::new(world, me), cfg.timeout, name)?;
         tracing::info!(rank = me, size = n, device = cfg.device, "NCCL group up");
         Ok(NcclGroup { control, q, cfg })
     }

@@ -32,5 +32,7 @@ mod ops;
 #[cfg(test)]
 mod ops_tests;
 mod queue;
+#[cfg(test)]
+mod queue_tests;
 
 pub use group::{NcclConfig, NcclGroup};

@@ -13,6 +13,25 @@ use flotilla_group::{Activity, CommError, Members, Pending, PendingSender};
 use crate::comm::NcclComm;
 use crate::ops::{self, Op};
 
+/// What runs a group's collectives: the NCCL communicator ([`NcclComm`]; the queue's own
+/// tests give it a stand-in that hangs until aborted).
+pub(crate) trait Collectives: Send + Sync + 'static {
+    /// Runs `op` as `(rank, size)`; the host buffer with the result.
+    fn execute(&self, op: Op, me: (usize, usize)) -> Result<Vec<f32>, String>;
+    /// Stops a collective in flight and every later one; whether this call did it.
+    fn abort(&self) -> bool;
+}
+
+impl Collectives for NcclComm {
+    fn execute(&self, op: Op, me: (usize, usize)) -> Result<Vec<f32>, String> {
+        ops::execute(self, op, me)
+    }
+
+    fn abort(&self) -> bool {
+        NcclComm::abort(self)
+    }
+}
+
 /// How often the watchdog looks at the open collectives.
 const WATCH_EVERY: Duration = Duration::from_millis(50);
 
@@ -42,7 +61,7 @@ struct Inner {
 
 /// A group's queue, shared by its handle, its worker and its watchdog.
 pub(crate) struct Queue {
-    pub(crate) comm: NcclComm,
+    pub(crate) comm: Box<dyn Collectives>,
     pub(crate) members: Members,
     pub(crate) timeout: Duration,
     /// The group as errors name it (`world`, or its world ranks).
@@ -53,7 +72,7 @@ pub(crate) struct Queue {
 impl Queue {
     /// The queue of a new group, with its worker and watchdog running.
     pub(crate) fn start(
-        comm: NcclComm,
+        comm: Box<dyn Collectives>,
         members: Members,
         timeout: Duration,
         name: String,
@@ -116,15 +135,16 @@ impl Queue {
             let name = job.op.name();
             let r = match failed {
                 Some(e) => Err(CommError::Poisoned(Box::new(e))),
-                None => {
-                    ops::execute(&self.comm, job.op, me).map_err(|detail| CommError::Protocol {
+                None => self
+                    .comm
+                    .execute(job.op, me)
+                    .map_err(|detail| CommError::Protocol {
                         peer: self.members.world_rank(self.members.me()),
                         detail: format!(
                             "NCCL {name} #{} of group {}: {detail}",
                             job.seq, self.name
                         ),
-                    })
-                }
+                    }),
             };
             if let Err(e) = &r {
                 self.fail(e);
