@@ -4,8 +4,9 @@
 
 use burn::prelude::Device;
 
+use crate::device_spec::DeviceSpec;
 use crate::error::{EngineError, Result};
-use crate::gpu::{self, GpuKind};
+use crate::gpu;
 
 /// The backends this build can run on: `flex` (pure-Rust CPU, always), `ndarray` (with the
 /// `ndarray` feature), `libtorch` (with the `libtorch` feature), `cuda` (with the `cuda`
@@ -22,40 +23,6 @@ pub fn available_devices() -> Vec<&'static str> {
         names.push("cuda");
     }
     names
-}
-
-/// A device name taken apart: the backend and, for a GPU, the device index (`cuda:1`).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceSpec {
-    /// The backend's name (`flex`, `cuda`, ...).
-    pub kind: String,
-    /// The device index after a `:`; `None` when not given (a GPU then takes index 0).
-    pub index: Option<usize>,
-}
-
-impl DeviceSpec {
-    /// Parses `kind` or `kind:index`.
-    pub fn parse(name: &str) -> Result<Self> {
-        let (kind, index) = match name.split_once(':') {
-            Some((kind, i)) => {
-                let index = i
-                    .trim()
-                    .parse()
-                    .map_err(|_| EngineError::UnknownDevice(name.into()))?;
-                (kind, Some(index))
-            }
-            None => (name, None),
-        };
-        Ok(Self {
-            kind: kind.trim().to_string(),
-            index,
-        })
-    }
-
-    /// The GPU backend this names, if any.
-    pub fn gpu(&self) -> Option<GpuKind> {
-        GpuKind::from_name(&self.kind)
-    }
 }
 
 /// Checks that `name` is a backend this build can run on (see [`available_devices`]); a GPU
@@ -88,6 +55,7 @@ pub(crate) fn device_by_name(name: &str) -> Result<Device> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::device_spec::GpuKind;
 
     #[test]
     fn names_parse_with_and_without_an_index() {

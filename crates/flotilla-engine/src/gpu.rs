@@ -9,35 +9,11 @@
 
 use burn::prelude::Device;
 
-use crate::device::DeviceSpec;
+use crate::device_spec::{DeviceSpec, GpuKind};
 use crate::error::{EngineError, Result};
 
 #[cfg(feature = "cuda-driver")]
 mod cuda;
-
-/// A GPU backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GpuKind {
-    /// NVIDIA GPUs through burn's CUDA backend (feature `cuda`).
-    Cuda,
-}
-
-impl GpuKind {
-    /// The GPU backend a device's kind names (`cuda`), if any.
-    pub fn from_name(kind: &str) -> Option<Self> {
-        match kind {
-            "cuda" => Some(Self::Cuda),
-            _ => None,
-        }
-    }
-
-    /// The backend's device name (`cuda`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Cuda => "cuda",
-        }
-    }
-}
 
 /// How many GPUs of `kind` the driver reports; an error names a missing feature or driver.
 pub fn gpu_count(kind: GpuKind) -> Result<usize> {
@@ -150,5 +126,26 @@ mod tests {
         // An explicit index and the CPU stay as named.
         assert_eq!(local_device("cuda:1", 0).expect("kept"), "cuda:1");
         assert_eq!(local_device("flex", 3).expect("kept"), "flex");
+    }
+
+    /// The driver is probed for real (`--features cuda-driver`, CI): on a machine without
+    /// NVIDIA's driver the count is one error naming `libcuda.so`, not cudarc's panic; in a
+    /// build without the feature, one naming the feature.
+    #[test]
+    fn the_driver_probe_names_what_is_missing() {
+        match gpu_count(GpuKind::Cuda) {
+            Ok(n) => assert_eq!(local_device("cuda", 0).is_ok(), n > 0),
+            Err(e) => {
+                let e = e.to_string();
+                let missing = if cfg!(feature = "cuda-driver") {
+                    "device `cuda`: the CUDA driver (libcuda.so) cannot be loaded"
+                } else {
+                    "device `cuda` needs a binary built with the `cuda` feature"
+                };
+                assert!(e.starts_with(missing), "{e}");
+                let e = local_device("cuda", 1).expect_err("no GPU").to_string();
+                assert!(e.starts_with(missing), "{e}");
+            }
+        }
     }
 }

@@ -18,8 +18,14 @@ pub fn local_rank() -> Result<usize> {
 /// `config` with its device resolved for this rank (`cuda` → `cuda:i`); CPU backends and
 /// explicit indices are kept.
 pub fn on_local_gpu(config: &TrainConfig) -> Result<TrainConfig> {
+    let bad = |e: flotilla_engine::EngineError| TrainError::config("model.device", e.to_string());
     let mut config = config.clone();
-    config.model.device = flotilla_engine::local_device(&config.model.device, local_rank()?)
-        .map_err(|e| TrainError::config("model.device", e.to_string()))?;
+    let spec = flotilla_engine::DeviceSpec::parse(&config.model.device).map_err(bad)?;
+    // Only a GPU named without its index reads the launcher's local rank: the CPU path is
+    // as before.
+    if spec.gpu().is_some() && spec.index.is_none() {
+        config.model.device =
+            flotilla_engine::local_device(&config.model.device, local_rank()?).map_err(bad)?;
+    }
     Ok(config)
 }
