@@ -57,7 +57,7 @@ pub enum EngineError {
     NoGradients,
     /// The requested device is not compiled into this build.
     #[error(
-        "device `{0}` is not available in this build (known: flex; ndarray and libtorch with the features of those names)"
+        "device `{0}` is not available in this build (known: flex; ndarray, libtorch and cuda with the features of those names)"
     )]
     UnknownDevice(String),
     /// A GPU device named in a build without the feature that brings its backend.

@@ -158,7 +158,8 @@ pub const KEYS: &[Key] = &[
         "device",
         "DEVICE",
         Kind::Text,
-        "Backend (flex; ndarray and libtorch with the cargo features of those names)",
+        "Backend (flex; ndarray, libtorch and cuda with the cargo features of those names; \
+         cuda runs each local rank on its own GPU, cuda:I on GPU I)",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",
