@@ -57,9 +57,37 @@ pub enum EngineError {
     NoGradients,
     /// The requested device is not compiled into this build.
     #[error(
-        "device `{0}` is not available in this build (known: flex; ndarray and libtorch with the features of those names)"
+        "device `{0}` is not available in this build (known: flex; ndarray, libtorch and cuda with the features of those names)"
     )]
     UnknownDevice(String),
+    /// A GPU device named in a build without the feature that brings its backend.
+    #[error(
+        "device `{device}` needs a binary built with the `{feature}` feature (cargo build --release --features {feature})"
+    )]
+    FeatureMissing {
+        /// The device as named (`cuda`, `cuda:1`).
+        device: String,
+        /// The cargo feature that builds its backend.
+        feature: &'static str,
+    },
+    /// A GPU backend whose driver cannot be used on this machine (not installed, no device).
+    #[error("device `{device}`: {detail}")]
+    GpuDriver {
+        /// The device as named.
+        device: String,
+        /// What is missing (names the driver's library).
+        detail: String,
+    },
+    /// A device index beyond the GPUs the driver reports.
+    #[error("device `{device}`: GPU index {index} but the driver reports {count} GPU(s)")]
+    NoSuchGpu {
+        /// The device as named.
+        device: String,
+        /// The index asked for.
+        index: usize,
+        /// The GPUs the driver sees.
+        count: usize,
+    },
     /// A synchronized batch norm's sum over the ranks failed (the pass is void).
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),

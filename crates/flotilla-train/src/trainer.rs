@@ -125,6 +125,8 @@ pub fn run(
     let spec = config.validate()?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
+    // The device is per rank (not in the hash): `cuda` becomes this local rank's GPU.
+    let config = &crate::gpu::on_local_gpu(config)?;
     let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
     let comm = crate::backend::connect(config, rank, hash, topology.world_size(), rejoin, links)?;
     let (rank, world) = (comm.rank(), comm.size());

@@ -42,6 +42,10 @@ pub enum Backend {
     /// MPI (Open MPI through rsmpi): start the job with `mpirun -np N flotilla train ...`;
     /// rank and world size come from MPI. Needs a binary built with the `mpi` feature.
     Mpi,
+    /// NCCL for the `f32` collectives on this rank's GPU, over Flotilla's TCP group (its
+    /// rendezvous, control messages and the NCCL unique id). Needs a binary built with the
+    /// `nccl` feature, the NVIDIA driver and NCCL; untested on hardware.
+    Nccl,
 }
 
 /// Rendezvous, deadlines and the wire.
@@ -198,10 +202,22 @@ mod tests {
                 "{e}"
             );
         }
-        let e = TrainConfig::from_yaml("backend: nccl\n", "b.yaml")
-            .expect_err("unknown backend")
-            .to_string();
-        assert!(e.contains("nccl"), "{e}");
+    }
+
+    #[test]
+    fn nccl_is_a_backend_that_needs_its_feature() {
+        let c = TrainConfig::from_yaml("backend: nccl\n", "b.yaml").expect("alias");
+        assert_eq!(c.comm.backend, Backend::Nccl);
+        let checked = c.validate();
+        if cfg!(feature = "nccl") {
+            checked.expect("valid with the feature");
+        } else {
+            let e = checked.expect_err("needs the feature").to_string();
+            assert!(
+                e.contains("built without the `nccl` feature") && e.contains("--features nccl"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

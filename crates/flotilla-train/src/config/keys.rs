@@ -158,7 +158,8 @@ pub const KEYS: &[Key] = &[
         "device",
         "DEVICE",
         Kind::Text,
-        "Backend (flex; ndarray and libtorch with the cargo features of those names)",
+        "Backend (flex; ndarray, libtorch and cuda with the cargo features of those names; \
+         cuda runs each local rank on its own GPU, cuda:I on GPU I)",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",
@@ -253,8 +254,9 @@ pub const KEYS: &[Key] = &[
         "backend",
         "BACKEND",
         Kind::Text,
-        "Process-group backend: `tcp` (default) or `mpi` (under mpirun; a binary built with \
-         `--features mpi`)",
+        "Process-group backend: `tcp` (default), `mpi` (under mpirun; a binary built with \
+         `--features mpi`) or `nccl` (f32 collectives over NCCL on each rank's GPU; \
+         `--features nccl`)",
     ),
     Key::new("comm.master_addr").aliases(&["master_addr"]).flag(
         "master-addr",
