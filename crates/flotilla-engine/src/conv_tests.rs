@@ -9,7 +9,7 @@ use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::prelude::*;
 
-use crate::conv::{IMAGES_PER_BLOCK, conv2d};
+use crate::conv::{IMAGES_PER_BLOCK, conv2d_fused};
 
 /// One convolution to compare: batch, input `[C, H, W]`, out channels, kernel, stride,
 /// padding, bias.
@@ -181,7 +181,7 @@ fn output_and_gradients_match_burns_conv2d() {
     // Draws from the backend RNG: see `weights::rng_lock`.
     let _rng = crate::weights::rng_lock();
     for (case, relu) in CASES.into_iter().flat_map(|c| [(c, false), (c, true)]) {
-        let ours = run(case, |conv, x| conv2d(conv, x, relu));
+        let ours = run(case, |conv, x| conv2d_fused(conv, x, relu));
         let burn = run(case, |conv, x| burns(conv, x, relu));
         let names = [
             "output",
@@ -227,8 +227,8 @@ fn one_and_two_threads_give_the_same_bits() {
         },
     ];
     for (case, relu) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
-        let one = pool(1).install(|| run(case, |conv, x| conv2d(conv, x, relu)));
-        let two = pool(2).install(|| run(case, |conv, x| conv2d(conv, x, relu)));
+        let one = pool(1).install(|| run(case, |conv, x| conv2d_fused(conv, x, relu)));
+        let two = pool(2).install(|| run(case, |conv, x| conv2d_fused(conv, x, relu)));
         for (a, b) in one.iter().zip(&two) {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(a), bits(b), "{case:?}, relu {relu}");
@@ -247,7 +247,7 @@ fn layers_outside_the_kernels_run_burns_conv2d() {
         .init(&device);
     let x = tensor([2, 2, 9, 9], 5, &device);
     for relu in [false, true] {
-        let ours = conv2d(&conv, x.clone(), relu)
+        let ours = conv2d_fused(&conv, x.clone(), relu)
             .into_data()
             .try_to_vec::<f32>()
             .expect("f32");

@@ -53,7 +53,7 @@ pub mod sync_batch_norm;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
-pub use conv::conv2d;
+pub use conv::{conv2d, conv2d_relu};
 pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
 pub use device::{available_devices, check_device};
 pub use device_spec::{DeviceSpec, GpuKind};

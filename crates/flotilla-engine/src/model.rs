@@ -180,7 +180,7 @@ fn apply_relu_fused(layer: &Layer, x: Activation) -> Activation {
     match (layer, x) {
         (Layer::Linear(m), x) => linear(m, x, true),
         (Layer::Conv2d(m), Activation::Image(t)) => {
-            Activation::Image(crate::conv::conv2d(m, t, true))
+            Activation::Image(crate::conv::conv2d_relu(m, t))
         }
         // Shape inference rules out a convolution on anything but an image; `fused` picks
         // no other layer.
@@ -191,9 +191,7 @@ fn apply_relu_fused(layer: &Layer, x: Activation) -> Activation {
 /// One layer on one activation (a batch norm synchronized over `sync`'s ranks when given).
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
-        (Layer::Conv2d(m), Activation::Image(t)) => {
-            Activation::Image(crate::conv::conv2d(m, t, false))
-        }
+        (Layer::Conv2d(m), Activation::Image(t)) => Activation::Image(crate::conv::conv2d(m, t)),
         (Layer::MaxPool(m), Activation::Image(t)) => {
             Activation::Image(kernels::max_pool::max_pool2d(m, t))
         }

@@ -68,10 +68,20 @@ fn geometry_of(conv: &Conv2d, x: &Tensor<4>) -> Option<ConvGeom> {
     })
 }
 
-/// `conv` applied to `x` `[N, C, H, W]`, then a ReLU when `relu`: `[N, out, Ho, Wo]`, through
-/// Flotilla's kernels where they cover the layer (see the module docs; the ReLU fused into
-/// the convolution, forward and backward), else burn's `Conv2d::forward` (and burn's `relu`).
-pub fn conv2d(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
+/// `conv` applied to `x` `[N, C, H, W]`: `[N, out, Ho, Wo]`, through Flotilla's kernels where
+/// they cover the layer (see the module docs), else burn's `Conv2d::forward`.
+pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    conv2d_fused(conv, x, false)
+}
+
+/// `relu(conv(x))`, the ReLU fused into the convolution (forward and backward) where
+/// Flotilla's kernels cover the layer, else burn's `Conv2d::forward` and `relu`.
+pub fn conv2d_relu(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    conv2d_fused(conv, x, true)
+}
+
+/// `conv` applied to `x`, then a ReLU when `relu`: what [`conv2d`] and [`conv2d_relu`] run.
+pub(crate) fn conv2d_fused(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
     let Some(geom) = geometry_of(conv, &x) else {
         let y = conv.forward(x);
         return if relu {
