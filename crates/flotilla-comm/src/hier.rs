@@ -11,6 +11,11 @@
 //! 3. each host gathers the segments over its shared segment (one broadcast from each local
 //!    rank of its segment).
 //!
+//! A buffer larger than [`crate::CommConfig::hier_pipeline_bytes`] goes through the three
+//! phases piece by piece, the TCP phase of one piece overlapping the host phases of its
+//! neighbours ([`crate::hier_pipeline`]): with two hosts the same bits, with more the hosts'
+//! sums added in the TCP algorithm's order over each piece; the same inter-host payload.
+//!
 //! **Sum order** (the same on every rank, so every rank ends with the same bits): each
 //! host's sum is the serial left-to-right sum of its ranks in group order (the segment's);
 //! the hosts' sums are then added in the order of the TCP algorithm of step 2 (the same
