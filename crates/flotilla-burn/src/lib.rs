@@ -24,8 +24,9 @@
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any
-//! count): `flotilla_burn::conv2d(&self.conv, x)` in place of `self.conv.forward(x)`, the same
-//! module, parameters and checkpoints; other backends and layers it does not cover
+//! count): `flotilla_burn::conv2d(&self.conv, x)` in place of `self.conv.forward(x)`
+//! ([`conv2d_relu`] for `relu(self.conv.forward(x))`, the ReLU fused), the same module, parameters and checkpoints; other
+//! backends and layers it does not cover
 //! (dilation, groups, `Same` padding) run burn's own forward.
 //!
 //! ```no_run
@@ -73,7 +74,7 @@ pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_comm::pipeline::Schedule;
-pub use flotilla_engine::conv2d;
+pub use flotilla_engine::{conv2d, conv2d_relu};
 pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
 pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};

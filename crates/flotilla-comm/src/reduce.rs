@@ -20,6 +20,26 @@ pub(crate) fn add_assign(dst: &mut [f32], src: &[f32]) {
     }
 }
 
+/// `dst[i] = a[i] + b[i]` (all three of one length).
+#[inline]
+pub(crate) fn add_to(dst: &mut [f32], a: &[f32], b: &[f32]) {
+    let (a, b) = (&a[..dst.len()], &b[..dst.len()]);
+    for ((d, x), y) in dst.iter_mut().zip(a).zip(b) {
+        *d = *x + *y;
+    }
+}
+
+/// The two-rank reduction of one slice, written to both places in one pass:
+/// `mine[i] = peer[i] = mine[i] + peer[i]`. IEEE 754 addition is commutative, so these are
+/// the bits of the rank-order sum whichever rank's value is `mine`.
+pub(crate) fn add_both(mine: &mut [f32], peer: &mut [f32]) {
+    let peer = &mut peer[..mine.len()];
+    for (m, p) in mine.iter_mut().zip(peer.iter_mut()) {
+        let v = *m + *p;
+        (*m, *p) = (v, v);
+    }
+}
+
 /// Rounds an f32 to the nearest bf16 (round-to-nearest-even), returned as its 16 bits.
 #[inline]
 pub(crate) fn f32_to_bf16(x: f32) -> u16 {
@@ -83,6 +103,21 @@ mod tests {
         for (i, d) in dst.iter().enumerate() {
             assert_eq!(*d, 1.0 + 2.0 * i as f32);
         }
+    }
+
+    /// Both fused kernels give the bits of a plain `a + b`, written to both places.
+    #[test]
+    fn fused_sums_are_the_plain_sums_written_to_both_places() {
+        let a: Vec<f32> = (0..37).map(|i| 1.0e7 * (i as f32).sin()).collect();
+        let b: Vec<f32> = (0..37).map(|i| 0.37 * i as f32 - 3.0).collect();
+        let want: Vec<u32> = a.iter().zip(&b).map(|(x, y)| (x + y).to_bits()).collect();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let mut d = vec![0.0f32; 37];
+        add_to(&mut d, &a, &b);
+        assert_eq!(bits(&d), want);
+        let (mut m, mut p) = (a.clone(), b.clone());
+        add_both(&mut m, &mut p);
+        assert_eq!((bits(&m), bits(&p)), (want.clone(), want));
     }
 
     #[test]

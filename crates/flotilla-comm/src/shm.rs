@@ -21,8 +21,8 @@
 //!   wakes every waiter; [`flotilla_group::ProcessGroup::abort`] does the same.
 //! * **Collectives** (`segment/ops.rs`): the all-reduce, in one step (one barrier, every rank
 //!   sums the whole buffer) up to [`crate::CommConfig::small_all_reduce_bytes`] (and one
-//!   slot), else chunked and double-buffered (each rank reduces its slice over the slots;
-//!   `C + 1` barriers for `C` chunks); either way in rank order, so every rank ends
+//!   slot), else chunked and double-buffered (each rank reduces its slice over the slots,
+//!   writing the sum back into the others' slots; `C + 1` barriers for `C` chunks); either way in rank order, so every rank ends
 //!   bit-identical, equal to a serial left-to-right sum in rank order. The broadcast (one
 //!   barrier per chunk), and the group's barrier (the segment's, no frame sent).
 //!

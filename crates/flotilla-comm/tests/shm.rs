@@ -114,16 +114,22 @@ fn reference(n: usize, len: usize, salt: u64) -> (Vec<f32>, Vec<f64>, Vec<f64>) 
 }
 
 fn check_sums(n: usize, tcp: bool) {
-    let results = world(n, tcp, cfg(n, Transport::Shm), move |c| {
+    check_sums_of(n, tcp, cfg(n, Transport::Shm), &LENGTHS);
+}
+
+/// Every rank's all-reduce of each of `lengths` under `c` is bitwise the serial rank-order
+/// sum (and within the error bound of the exact one).
+fn check_sums_of(n: usize, tcp: bool, c: CommConfig, lengths: &'static [usize]) {
+    let results = world(n, tcp, c, move |c| {
         let mut out = Vec::new();
-        for (k, &len) in LENGTHS.iter().enumerate() {
+        for (k, &len) in lengths.iter().enumerate() {
             let mut buf = input(c.rank(), len, k as u64);
             c.all_reduce_sum(&mut buf)?;
             out.push(buf);
         }
         Ok((out, c.stats()))
     });
-    for (k, &len) in LENGTHS.iter().enumerate() {
+    for (k, &len) in lengths.iter().enumerate() {
         let (serial, exact, bound) = reference(n, len, k as u64);
         for (r, (got, _)) in results.iter().enumerate() {
             let got = &got[k];
@@ -140,7 +146,7 @@ fn check_sums(n: usize, tcp: bool) {
             }
         }
     }
-    let floats: usize = LENGTHS.iter().sum();
+    let floats: usize = lengths.iter().sum();
     for (_, stats) in &results {
         let want = if n > 1 { 4 * floats as u64 } else { 0 };
         assert_eq!(stats.shm_bytes, want, "n {n}: bytes through shared memory");
@@ -158,6 +164,19 @@ fn sums_are_the_serial_rank_order_sum_on_every_rank_in_memory() {
 fn sums_are_the_serial_rank_order_sum_on_every_rank_over_tcp_rendezvous() {
     for n in [2, 3, 4] {
         check_sums(n, true);
+    }
+}
+
+/// The chunked all-reduce alone (no one-step path): each rank reduces its slice of a chunk
+/// into every other rank's slot, where that rank copies the result out. Lengths shorter
+/// than the group (slices of 0 floats), not divisible by it, one float past a chunk, several
+/// chunks with a short last one; 2 ranks (the fused pass), 3 and 5 (blocks).
+#[test]
+fn chunked_sums_of_any_length_are_the_serial_rank_order_sum_on_every_rank() {
+    const CHUNKED: [usize; 9] = [1, 2, 3, 4, 7, 1023, 1025, 2048, 3 * 1024 + 2];
+    for n in [2, 3, 5] {
+        let c = cfg(n, Transport::Shm).with_small_all_reduce_bytes(0);
+        check_sums_of(n, false, c, &CHUNKED);
     }
 }
 

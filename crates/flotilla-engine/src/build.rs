@@ -13,6 +13,7 @@ use burn::nn::{
 use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
+use crate::kernels::layer_norm;
 use crate::model::{Flatten, Identity, Layer, Links, SequentialModel};
 use crate::spec::{LayerSpec, ModelSpec, Shape};
 
@@ -67,7 +68,11 @@ fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer
         LayerSpec::Flatten => Layer::Flatten(Flatten),
         LayerSpec::Dropout { p } => Layer::Dropout(DropoutConfig::new(p).init()),
         LayerSpec::Identity => Layer::Identity(Identity),
-        LayerSpec::LayerNorm => Layer::LayerNorm(LayerNormConfig::new(last).init(device)),
+        LayerSpec::LayerNorm => Layer::LayerNorm(
+            LayerNormConfig::new(last)
+                .with_epsilon(layer_norm::EPSILON)
+                .init(device),
+        ),
         LayerSpec::RmsNorm => Layer::RmsNorm(RmsNormConfig::new(last).init(device)),
         LayerSpec::BatchNorm => Layer::BatchNorm(BatchNormConfig::new(last).init(device)),
         LayerSpec::Embedding { vocab, dim } => {
@@ -84,6 +89,7 @@ fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer
         LayerSpec::TransformerBlock { heads, mlp } => {
             let config = TransformerEncoderConfig::new(last, mlp * last, heads, 1)
                 .with_dropout(0.0)
+                .with_layer_norm_eps(layer_norm::EPSILON)
                 .with_norm_first(true);
             Layer::Block(TransformerEncoderLayer::new(&config, device))
         }

@@ -1,14 +1,15 @@
 //! Flotilla's convolution (`conv`) against burn's own `Conv2d`: outputs and the gradients of
 //! input, weight and bias on several shapes (padding, stride, one and several channels,
-//! batch 1, odd sizes, a batch that is not a whole number of blocks), and bitwise the same
-//! values on one thread and on two.
+//! batch 1, odd sizes, a batch that is not a whole number of blocks), with and without the
+//! fused ReLU (against burn's `relu` after burn's convolution), and bitwise the same values on
+//! one thread and on two.
 
 use burn::module::Param;
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::prelude::*;
 
-use crate::conv::{IMAGES_PER_BLOCK, conv2d};
+use crate::conv::{IMAGES_PER_BLOCK, conv2d_fused};
 
 /// One convolution to compare: batch, input `[C, H, W]`, out channels, kernel, stride,
 /// padding, bias.
@@ -165,13 +166,23 @@ fn assert_close(case: Case, what: &str, ours: &[f32], burn: &[f32]) {
     }
 }
 
+/// burn's convolution, then burn's ReLU when `relu`.
+fn burns(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
+    let y = conv.forward(x);
+    if relu {
+        burn::tensor::activation::relu(y)
+    } else {
+        y
+    }
+}
+
 #[test]
 fn output_and_gradients_match_burns_conv2d() {
     // Draws from the backend RNG: see `weights::rng_lock`.
     let _rng = crate::weights::rng_lock();
-    for case in CASES {
-        let ours = run(case, conv2d);
-        let burn = run(case, |conv, x| conv.forward(x));
+    for (case, relu) in CASES.into_iter().flat_map(|c| [(c, false), (c, true)]) {
+        let ours = run(case, |conv, x| conv2d_fused(conv, x, relu));
+        let burn = run(case, |conv, x| burns(conv, x, relu));
         let names = [
             "output",
             "input gradient",
@@ -179,7 +190,11 @@ fn output_and_gradients_match_burns_conv2d() {
             "bias gradient",
         ];
         for ((name, o), b) in names.iter().zip(&ours).zip(&burn) {
-            assert_close(case, name, o, b);
+            assert_close(case, &format!("relu {relu}, {name}"), o, b);
+        }
+        if relu {
+            // The ReLU cut something, so its mask is tested.
+            assert!(ours[0].contains(&0.0), "{case:?}: no output was cut");
         }
         assert!(!ours[1].is_empty() && !ours[2].is_empty(), "{case:?}");
         assert_eq!(ours[3].is_empty(), !case.bias, "{case:?}: bias gradient");
@@ -211,12 +226,12 @@ fn one_and_two_threads_give_the_same_bits() {
             ..CASES[2]
         },
     ];
-    for case in cases {
-        let one = pool(1).install(|| run(case, conv2d));
-        let two = pool(2).install(|| run(case, conv2d));
+    for (case, relu) in cases.into_iter().flat_map(|c| [(c, false), (c, true)]) {
+        let one = pool(1).install(|| run(case, |conv, x| conv2d_fused(conv, x, relu)));
+        let two = pool(2).install(|| run(case, |conv, x| conv2d_fused(conv, x, relu)));
         for (a, b) in one.iter().zip(&two) {
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(a), bits(b), "{case:?}");
+            assert_eq!(bits(a), bits(b), "{case:?}, relu {relu}");
         }
     }
 }
@@ -231,14 +246,15 @@ fn layers_outside_the_kernels_run_burns_conv2d() {
         .with_dilation([2, 2])
         .init(&device);
     let x = tensor([2, 2, 9, 9], 5, &device);
-    let ours = conv2d(&conv, x.clone())
-        .into_data()
-        .try_to_vec::<f32>()
-        .expect("f32");
-    let burn = conv
-        .forward(x)
-        .into_data()
-        .try_to_vec::<f32>()
-        .expect("f32");
-    assert_eq!(ours, burn);
+    for relu in [false, true] {
+        let ours = conv2d_fused(&conv, x.clone(), relu)
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("f32");
+        let burn = burns(&conv, x.clone(), relu)
+            .into_data()
+            .try_to_vec::<f32>()
+            .expect("f32");
+        assert_eq!(ours, burn, "relu {relu}");
+    }
 }

@@ -1,17 +1,22 @@
-//! Run-time choice of burn backend by name: `flex` (or `cpu`), `ndarray`, `libtorch`,
-//! `wgpu[:N]` (burn's wgpu backend on Vulkan, adapter `N`, default 0) and `auto[:N]` (the
-//! Vulkan GPU `N` when the build has `wgpu` and the machine such a GPU, else Flex; decided
-//! once per process, and [`describe_device`] says which and why).
+//! Run-time choice of burn backend by name: `flex` (or `cpu`), `ndarray`, `libtorch`, the
+//! GPU backends with an optional device index, `cuda[:I]` and `wgpu[:I]` (burn's wgpu backend
+//! on Vulkan adapter `I`; the index picks the GPU, [`crate::local_device`] gives each local
+//! rank its own; `gpu.rs`), and `auto[:N]` (the Vulkan GPU `N` when the build has `wgpu` and
+//! the machine such a GPU, else Flex; decided once per process, and [`describe_device`] says
+//! which and why).
 
 use std::sync::OnceLock;
 
 use burn::prelude::Device;
 
+use crate::device_spec::DeviceSpec;
 use crate::error::{EngineError, Result};
+use crate::gpu;
 
 /// The backends this build can run on: `flex` (pure-Rust CPU) and `auto` always, `ndarray`
-/// (with the `ndarray` feature), `libtorch` (with the `libtorch` feature), `wgpu` (with the
-/// `wgpu` feature).
+/// (with the `ndarray` feature), `libtorch` (with the `libtorch` feature), `cuda` (with the
+/// `cuda` feature; usable only where the driver is), `wgpu` (with the `wgpu` feature; usable
+/// only where a Vulkan driver is).
 pub fn available_devices() -> Vec<&'static str> {
     let mut names = vec!["flex", "auto"];
     if cfg!(feature = "ndarray") {
@@ -20,92 +25,69 @@ pub fn available_devices() -> Vec<&'static str> {
     if cfg!(feature = "libtorch") {
         names.push("libtorch");
     }
+    if cfg!(feature = "cuda") {
+        names.push("cuda");
+    }
     if cfg!(feature = "wgpu") {
         names.push("wgpu");
     }
     names
 }
 
-/// A parsed device name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum DeviceName {
-    Flex,
-    NdArray,
-    LibTorch,
-    /// burn's wgpu backend on the Vulkan adapter of this index (only parsed, never built,
-    /// without the `wgpu` feature).
-    #[cfg_attr(not(feature = "wgpu"), allow(dead_code))]
-    Wgpu(usize),
-    /// The Vulkan GPU of this index when there is one, else Flex.
-    Auto(usize),
-}
-
-/// Parses `name` (`wgpu` and `auto` take an optional `:index`), checking that this build has
-/// its backend.
-fn parse(name: &str) -> Result<DeviceName> {
-    let (base, index) = match name.split_once(':') {
-        Some((base, index)) if matches!(base, "wgpu" | "auto") => {
-            let index = index
-                .parse::<usize>()
-                .map_err(|_| EngineError::UnknownDevice(name.to_string()))?;
-            (base, index)
-        }
-        _ => (name, 0),
-    };
-    let not_built = |feature| EngineError::DeviceNotBuilt {
-        device: name.to_string(),
-        feature,
-    };
-    match base {
-        "flex" | "cpu" => Ok(DeviceName::Flex),
-        "auto" => Ok(DeviceName::Auto(index)),
-        "ndarray" if cfg!(feature = "ndarray") => Ok(DeviceName::NdArray),
-        "ndarray" => Err(not_built("ndarray")),
-        "libtorch" if cfg!(feature = "libtorch") => Ok(DeviceName::LibTorch),
-        "libtorch" => Err(not_built("libtorch")),
-        "wgpu" if cfg!(feature = "wgpu") => Ok(DeviceName::Wgpu(index)),
-        "wgpu" => Err(not_built("wgpu")),
-        _ => Err(EngineError::UnknownDevice(name.to_string())),
+/// Checks that `name` is a backend this build can run on (see [`available_devices`]); a GPU
+/// is checked on this machine's driver too (a missing driver or index is an error naming
+/// it), without opening it.
+pub fn check_device(name: &str) -> Result<()> {
+    let spec = DeviceSpec::parse(name)?;
+    match spec.gpu() {
+        Some(kind) => gpu::check(kind, name, spec.index.unwrap_or(0)),
+        None if spec.kind == "auto" => Ok(()),
+        None => resolve(name).map(|_| ()),
     }
 }
 
-/// Checks that `name` is a backend this build can run on (see [`available_devices`]); whether
-/// a Vulkan adapter answers is found when an engine is built on it.
-pub fn check_device(name: &str) -> Result<()> {
-    parse(name).map(|_| ())
-}
-
-/// The device for a backend name, without autodiff. A `wgpu` device is opened here, so a
+/// The device for a backend name, without autodiff. A GPU device is opened here, so a
 /// missing driver is an error naming it.
 pub(crate) fn device_by_name(name: &str) -> Result<Device> {
     resolve(name).map(|(device, _)| device)
 }
 
-/// What `name` runs on in this process, opening the device: `flex`, `wgpu:0 (Vulkan adapter
-/// 0, discrete GPU 0)`, `flex (auto: ...why...)`; the line a rank logs as it starts. A
-/// `wgpu` device without a Vulkan driver is the error naming the driver.
+/// What `name` runs on in this process, opening the device: `flex`, `cuda:1`, `wgpu:0
+/// (Vulkan adapter 0, discrete GPU 0)`, `flex (auto: ...why...)`; the line a rank logs as it
+/// starts. A GPU device without its driver is the error naming the driver.
 pub fn describe_device(name: &str) -> Result<String> {
     resolve(name).map(|(_, what)| what)
 }
 
 /// The device of `name` and what it is.
 fn resolve(name: &str) -> Result<(Device, String)> {
-    match parse(name)? {
-        DeviceName::Flex => Ok((Device::flex(), "flex".into())),
+    let spec = DeviceSpec::parse(name)?;
+    if let Some(kind) = spec.gpu() {
+        return gpu::device(kind, name, spec.index.unwrap_or(0));
+    }
+    if spec.kind == "auto" {
+        return Ok(auto(spec.index.unwrap_or(0)));
+    }
+    if spec.index.is_some() {
+        return Err(EngineError::UnknownDevice(name.to_string()));
+    }
+    let not_built = |feature| EngineError::FeatureMissing {
+        device: name.to_string(),
+        feature,
+    };
+    match spec.kind.as_str() {
+        "flex" | "cpu" => Ok((Device::flex(), "flex".into())),
         // burn 0.22 deprecates NdArray (in favour of Flex) but still ships it.
         #[cfg(feature = "ndarray")]
         #[allow(deprecated)]
-        DeviceName::NdArray => Ok((Device::ndarray(), "ndarray".into())),
+        "ndarray" => Ok((Device::ndarray(), "ndarray".into())),
+        #[cfg(not(feature = "ndarray"))]
+        "ndarray" => Err(not_built("ndarray")),
         #[cfg(feature = "libtorch")]
         #[allow(deprecated)]
-        DeviceName::LibTorch => Ok((Device::libtorch(), "libtorch".into())),
-        #[cfg(feature = "wgpu")]
-        DeviceName::Wgpu(index) => {
-            let (device, what) = crate::vulkan::device(index)?;
-            Ok((device, format!("wgpu:{index} ({what})")))
-        }
-        DeviceName::Auto(index) => Ok(auto(index)),
-        #[allow(unreachable_patterns)]
+        "libtorch" => Ok((Device::libtorch(), "libtorch".into())),
+        #[cfg(not(feature = "libtorch"))]
+        "libtorch" => Err(not_built("libtorch")),
         _ => Err(EngineError::UnknownDevice(name.to_string())),
     }
 }
@@ -131,4 +113,47 @@ fn auto_choice(_index: usize) -> (Device, String) {
         Device::flex(),
         "flex (auto: this build has no GPU backend, `cargo build --features wgpu`)".to_string(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device_spec::GpuKind;
+
+    #[test]
+    fn names_parse_with_and_without_an_index() {
+        let s = DeviceSpec::parse("cuda:3").expect("parses");
+        assert_eq!((s.kind.as_str(), s.index), ("cuda", Some(3)));
+        assert_eq!(s.gpu(), Some(GpuKind::Cuda));
+        let s = DeviceSpec::parse("wgpu:1").expect("parses");
+        assert_eq!((s.gpu(), s.index), (Some(GpuKind::Wgpu), Some(1)));
+        let s = DeviceSpec::parse("flex").expect("parses");
+        assert_eq!((s.kind.as_str(), s.index, s.gpu()), ("flex", None, None));
+        assert!(DeviceSpec::parse("cuda:x").is_err());
+        // The CPU keeps its names; an index on a CPU backend is refused; auto takes one.
+        assert!(check_device("flex").is_ok() && check_device("cpu").is_ok());
+        assert!(check_device("flex:1").is_err());
+        assert!(check_device("auto").is_ok() && check_device("auto:1").is_ok());
+        assert!(check_device("auto:x").is_err());
+    }
+
+    /// Without the feature, `device: cuda` is one error naming the feature; with it on a
+    /// machine without the driver (CI), one error naming `libcuda.so`, never a panic.
+    #[test]
+    fn cuda_names_the_missing_feature_or_driver() {
+        let e = check_device("cuda:999")
+            .expect_err("no GPU 999")
+            .to_string();
+        if !cfg!(feature = "cuda") {
+            assert_eq!(
+                e,
+                "device `cuda:999` needs a binary built with the `cuda` feature (cargo build --release --features cuda)"
+            );
+            return;
+        }
+        match gpu::gpu_count(GpuKind::Cuda) {
+            Err(_) => assert!(e.contains("libcuda.so") && e.contains("`cuda:999`"), "{e}"),
+            Ok(n) => assert!(e.contains(&format!("reports {n} GPU(s)")), "{e}"),
+        }
+    }
 }

@@ -57,18 +57,36 @@ pub enum EngineError {
     NoGradients,
     /// The requested device is not compiled into this build.
     #[error(
-        "device `{0}` is not available in this build (known: flex, auto; ndarray, libtorch and wgpu with the features of those names)"
+        "device `{0}` is not available in this build (known: flex, auto; ndarray, libtorch, cuda and wgpu with the features of those names)"
     )]
     UnknownDevice(String),
-    /// The device names a backend whose cargo feature this build lacks.
+    /// A GPU device named in a build without the feature that brings its backend.
     #[error(
-        "device `{device}` needs a build with the `{feature}` feature (`cargo build --release --features {feature}`)"
+        "device `{device}` needs a binary built with the `{feature}` feature (cargo build --release --features {feature})"
     )]
-    DeviceNotBuilt {
-        /// The device as configured.
+    FeatureMissing {
+        /// The device as named (`cuda`, `cuda:1`).
         device: String,
-        /// The cargo feature that compiles its backend in.
+        /// The cargo feature that builds its backend.
         feature: &'static str,
+    },
+    /// A GPU backend whose driver cannot be used on this machine (not installed, no device).
+    #[error("device `{device}`: {detail}")]
+    GpuDriver {
+        /// The device as named.
+        device: String,
+        /// What is missing (names the driver's library).
+        detail: String,
+    },
+    /// A device index beyond the GPUs the driver reports.
+    #[error("device `{device}`: GPU index {index} but the driver reports {count} GPU(s)")]
+    NoSuchGpu {
+        /// The device as named.
+        device: String,
+        /// The index asked for.
+        index: usize,
+        /// The GPUs the driver sees.
+        count: usize,
     },
     /// No Vulkan adapter answers at the requested index (no driver, or fewer adapters).
     #[error(
@@ -94,6 +112,28 @@ pub enum EngineError {
     /// An optimizer setting that is out of range.
     #[error("optimizer: {0}")]
     Optimizer(String),
+    /// Optimizer state (from a checkpoint, or sent by another rank) holds a tensor that does
+    /// not fit the parameter it is keyed to: the state of another model, or of a shard cut
+    /// otherwise and not re-sharded. Checked before burn sees the state.
+    #[error(
+        "optimizer state: tensor {tensor} has shape {got:?} but {param} has shape {expected:?} \
+         (the state of another model, or of another shard cut)"
+    )]
+    StateShape {
+        /// The state tensor's name (`{id}.{field}`, e.g. `3.moment_1`).
+        tensor: String,
+        /// What the state tensor belongs to in this optimizer (a parameter, or a shard's
+        /// piece of one), or that it belongs to nothing.
+        param: String,
+        /// The shape this optimizer expects (empty when the tensor belongs to nothing).
+        expected: Vec<usize>,
+        /// The tensor's shape in the state.
+        got: Vec<usize>,
+    },
+    /// The caller's gradient callback ([`crate::Engine::forward_backward_streaming`],
+    /// [`crate::Engine::for_each_grad`]) stopped the pass; the caller knows why.
+    #[error("the gradient callback stopped the pass: {0}")]
+    Callback(String),
     /// Saving or loading a checkpoint failed.
     #[error("checkpoint {path}: {message}")]
     Checkpoint {

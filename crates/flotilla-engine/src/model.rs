@@ -137,26 +137,20 @@ impl SequentialModel {
                     x = x.merge(other.clone(), links.merge);
                 }
             }
-            // A linear layer and the ReLU right after it run as one kernel, unless something
-            // keeps the linear layer's own output or merges into the ReLU's input.
-            let fused = match (layer, self.layers.get(i + 1)) {
-                (Layer::Linear(m), Some(Layer::Relu(_)))
-                    if i + 1 < range.end && links.keep.is_empty() && self.takes_none(i + 1) =>
-                {
-                    Some(m)
-                }
-                _ => None,
-            };
-            let links = match fused {
-                Some(m) => {
-                    x = linear(m, x, true);
-                    i += 1;
-                    self.links.get(i).unwrap_or(&none)
-                }
-                None => {
-                    x = apply(layer, x, self.batch_norm_sync.as_ref());
-                    links
-                }
+            // A linear layer or a convolution and the ReLU right after it run as one kernel,
+            // unless something keeps the layer's own output or merges into the ReLU's input.
+            let fused = matches!(layer, Layer::Linear(_) | Layer::Conv2d(_))
+                && matches!(self.layers.get(i + 1), Some(Layer::Relu(_)))
+                && i + 1 < range.end
+                && links.keep.is_empty()
+                && self.takes_none(i + 1);
+            let links = if fused {
+                x = apply_relu_fused(layer, x);
+                i += 1;
+                self.links.get(i).unwrap_or(&none)
+            } else {
+                x = apply(layer, x, self.batch_norm_sync.as_ref());
+                links
             };
             for name in &links.keep {
                 kept.insert(name.clone(), x.clone());
@@ -181,6 +175,19 @@ fn linear(m: &Linear, x: Activation, relu: bool) -> Activation {
     }
 }
 
+/// A linear layer or a convolution followed by its ReLU, as one kernel.
+fn apply_relu_fused(layer: &Layer, x: Activation) -> Activation {
+    match (layer, x) {
+        (Layer::Linear(m), x) => linear(m, x, true),
+        (Layer::Conv2d(m), Activation::Image(t)) => {
+            Activation::Image(crate::conv::conv2d_relu(m, t))
+        }
+        // Shape inference rules out a convolution on anything but an image; `fused` picks
+        // no other layer.
+        (_, x) => x,
+    }
+}
+
 /// One layer on one activation (a batch norm synchronized over `sync`'s ranks when given).
 fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activation {
     match (layer, x) {
@@ -198,7 +205,7 @@ fn apply(layer: &Layer, x: Activation, sync: Option<&ReducerHandle>) -> Activati
         (Layer::Gelu(_), x) => map_tensor!(x, |t| crate::kernels::gelu::gelu(t)),
         (Layer::Silu(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::Dropout(m), x) => map_tensor!(x, |t| m.forward(t)),
-        (Layer::LayerNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
+        (Layer::LayerNorm(m), x) => map_tensor!(x, |t| kernels::layer_norm::layer_norm(m, t)),
         (Layer::RmsNorm(m), x) => map_tensor!(x, |t| m.forward(t)),
         (Layer::BatchNorm(m), x) => match sync {
             Some(r) => map_tensor!(x, |t| sync_batch_norm::forward(m, t, r)),

@@ -2,7 +2,7 @@
 //! the whole model's state after the same steps, for every optimizer; cut again for 2 shards
 //! and for the whole model, they continue bitwise as the whole model stepped throughout.
 
-use crate::shard_optim_tests::{engine, gradient, optimizers, owned};
+use crate::shard_optim_tests::{engine, gradient, optimizers, owned, shard_of};
 use crate::{Engine, FlatOptimizerState, ModelState, ShardOptimizer};
 
 fn bits(v: &[f32]) -> Vec<u32> {
@@ -14,7 +14,8 @@ fn step_shards(shards: &mut [ShardOptimizer], params: &[f32], g: &[f32]) -> Vec<
     let mut next = params.to_vec();
     for s in shards {
         let mut mine = params.to_vec();
-        s.step(&mut mine, g, 0.3).expect("shard step");
+        let g = shard_of(s, g);
+        s.step(&mut mine, &g, 0.3).expect("shard step");
         for p in s.pieces() {
             next[p.range.clone()].copy_from_slice(&mine[p.range.clone()]);
         }

@@ -9,15 +9,17 @@
 //!   is the fixed sinusoidal one).
 //! - `attention`: burn's `MultiHeadAttention` (separate `query`, `key`, `value` and `output`
 //!   linear layers with biases, scores scaled by `1/sqrt(d/heads)`), causal as with the mask of
-//!   `generate_autoregressive_mask` (position `i` attends to `0..=i`); between its projections
-//!   the fused causal attention of [`crate::kernels`] runs instead of burn's score, mask,
-//!   softmax and head split/merge ops.
+//!   `generate_autoregressive_mask` (position `i` attends to `0..=i`); its projections run
+//!   through the fused linear kernel of [`crate::kernels`] (bias in the GEMM) and between them
+//!   the fused causal attention runs instead of burn's score, mask, softmax and head
+//!   split/merge ops.
 //! - `transformer_block`: burn's `TransformerEncoderLayer` with `norm_first` (pre-LN), no
 //!   dropout, and the same causal mask. Its tensors keep burn's names: `mha.{query,key,value,
 //!   output}`, `pwff.linear_inner` and `pwff.linear_outer` (GELU between them), and the two
 //!   layer norms `norm_2` (before the attention: burn names them for the post-LN order) and
 //!   `norm_1` (before the MLP). Its forward is written out here (the same sums in the same
-//!   order as burn's) so that its GELU is the fused kernel of [`crate::kernels`].
+//!   order as burn's) so that its layer norms, linear layers and GELU are the fused kernels of
+//!   [`crate::kernels`].
 
 use burn::nn::Embedding;
 use burn::nn::attention::MultiHeadAttention;
@@ -27,6 +29,8 @@ use burn::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::kernels;
 use crate::kernels::gelu::gelu;
+use crate::kernels::layer_norm::layer_norm;
+use crate::kernels::linear::linear;
 
 /// Checks that every value of `ids` (a batch's token input) is an integer in `0..vocab`.
 pub(crate) fn check_tokens(ids: &[f32], vocab: usize) -> Result<()> {
@@ -57,19 +61,23 @@ pub(crate) fn add_positions(table: &Embedding, x: Tensor<3>) -> Tensor<3> {
 /// Causal multi-head self-attention on `x` `[n, t, d]`: burn's `MultiHeadAttention` (its
 /// projections, no dropout) with the fused core of [`crate::kernels`] between them.
 pub(crate) fn causal_attention(attention: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
-    let q = attention.query.forward(x.clone());
-    let k = attention.key.forward(x.clone());
-    let v = attention.value.forward(x);
+    let q = linear(&attention.query, x.clone(), false);
+    let k = linear(&attention.key, x.clone(), false);
+    let v = linear(&attention.value, x, false);
     let context = kernels::attention::causal_attention(q, k, v, attention.n_heads);
-    attention.output.forward(context)
+    linear(&attention.output, context, false)
 }
 
 /// A pre-LN transformer block with causal attention on `x` `[n, t, d]`: burn's
-/// `TransformerEncoderLayer::forward` with `norm_first` and no dropout, its MLP's GELU the fused
-/// one of [`kernels::gelu`].
+/// `TransformerEncoderLayer::forward` with `norm_first` and no dropout, its layer norms, linear
+/// layers and GELU the fused kernels.
 pub(crate) fn block(block: &TransformerEncoderLayer, x: Tensor<3>) -> Tensor<3> {
-    let x = x.clone() + causal_attention(&block.mha, block.norm_2.forward(x));
+    let x = x.clone() + causal_attention(&block.mha, layer_norm(&block.norm_2, x));
     let mlp = &block.pwff;
-    let hidden = gelu(mlp.linear_inner.forward(block.norm_1.forward(x.clone())));
-    x + mlp.linear_outer.forward(hidden)
+    let hidden = gelu(linear(
+        &mlp.linear_inner,
+        layer_norm(&block.norm_1, x.clone()),
+        false,
+    ));
+    x + linear(&mlp.linear_outer, hidden, false)
 }

@@ -24,6 +24,7 @@ use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
 use crate::params::{ParamLayout, copy_tensor};
+use crate::state_check::{Expected, check_state_shapes};
 
 /// One contiguous run of a shard inside one parameter tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,16 +124,21 @@ impl ShardOptimizer {
     }
 
     /// One optimizer step at `lr`: the shard's values of `params` (the whole flat
-    /// parameters) move by the shard's values of `grads` (the whole flat gradient; only the
-    /// shard is read). The rest of `params` is left alone.
+    /// parameters) move by `grads`, the shard's gradient alone: its pieces' values one after
+    /// the other in flat order ([`ShardOptimizer::len`] of them, as a ZeRO rank keeps it
+    /// after the reduce-scatter). The rest of `params` is left alone.
     pub fn step(&mut self, params: &mut [f32], grads: &[f32], lr: f64) -> Result<()> {
-        for got in [params.len(), grads.len()] {
-            if got != self.total {
-                return Err(EngineError::FlatLength {
-                    expected: self.total,
-                    got,
-                });
-            }
+        if params.len() != self.total {
+            return Err(EngineError::FlatLength {
+                expected: self.total,
+                got: params.len(),
+            });
+        }
+        if grads.len() != self.len() {
+            return Err(EngineError::FlatLength {
+                expected: self.len(),
+                got: grads.len(),
+            });
         }
         if self.pieces.is_empty() {
             return Ok(());
@@ -142,12 +148,15 @@ impl ShardOptimizer {
         let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(self.pieces.len());
         let values = self.pieces.iter().map(|p| p.range.len()).sum();
         let upload = copies::to_device("shard", 2 * values);
+        let mut at = 0;
         for (k, piece) in self.pieces.iter().enumerate() {
             let id = ParamId::from(k as u64);
             let tensor = |v: &[f32], device: &Device| {
                 Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
             };
-            gp.register(id, tensor(&grads[piece.range.clone()], &self.device));
+            let len = piece.range.len();
+            gp.register(id, tensor(&grads[at..at + len], &self.device));
+            at += len;
             let value = tensor(&params[piece.range.clone()], &self.autodiff);
             module.push(Param::initialized(id, value));
         }
@@ -169,8 +178,23 @@ impl ShardOptimizer {
         Ok(bytes.to_vec())
     }
 
-    /// Restores state written by [`ShardOptimizer::state`] of the same shard.
+    /// Restores state written by [`ShardOptimizer::state`] of the same shard. State whose
+    /// tensors do not fit this shard's pieces (another model, another shard cut) is refused
+    /// with [`EngineError::StateShape`] before burn sees it.
     pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let expected: Vec<Expected> = self
+            .pieces
+            .iter()
+            .enumerate()
+            .map(|(k, p)| Expected {
+                name: format!(
+                    "piece {k} of the shard (flat values {}..{}, of parameter {})",
+                    p.range.start, p.range.end, p.param
+                ),
+                shape: vec![p.range.len()],
+            })
+            .collect();
+        check_state_shapes(bytes, &expected)?;
         self.optimizer = self
             .optimizer
             .clone()

@@ -73,6 +73,14 @@ pub(crate) fn owned(total: usize, n: usize, r: usize) -> Vec<Range<usize>> {
     ]
 }
 
+/// The shard's gradient as `s` takes it: its pieces' values of the whole `g`, in flat order.
+pub(crate) fn shard_of(s: &ShardOptimizer, g: &[f32]) -> Vec<f32> {
+    s.pieces()
+        .iter()
+        .flat_map(|p| g[p.range.clone()].iter().copied())
+        .collect()
+}
+
 pub(crate) fn engine(spec: &OptimizerSpec) -> BurnEngine {
     let model = ModelSpec::from_yaml(TINY_LM, "tiny-lm").expect("spec");
     BurnEngine::new(&model, spec, "flex", 7).expect("engine")
@@ -101,7 +109,7 @@ fn shards_step_bitwise_like_the_whole_model() {
                 let mut next = params.clone();
                 for s in &mut shards {
                     let mut mine = params.clone();
-                    s.step(&mut mine, &g, 0.5 + step as f64 * 0.1)
+                    s.step(&mut mine, &shard_of(s, &g), 0.5 + step as f64 * 0.1)
                         .expect("shard step");
                     for p in s.pieces() {
                         next[p.range.clone()].copy_from_slice(&mine[p.range.clone()]);
@@ -136,13 +144,97 @@ fn a_shard_state_saved_and_loaded_continues_bitwise() {
     let mut a = ShardOptimizer::new(spec, whole.layout(), &shard, "flex").expect("shard");
     let mut pa = params.clone();
     for step in 0..3 {
-        a.step(&mut pa, &gradient(total, step), 0.1).expect("step");
+        a.step(&mut pa, &shard_of(&a, &gradient(total, step)), 0.1)
+            .expect("step");
     }
     let mut b = ShardOptimizer::new(spec, whole.layout(), &shard, "flex").expect("shard");
     b.load_state(&a.state().expect("state")).expect("load");
     let mut pb = pa.clone();
-    a.step(&mut pa, &gradient(total, 3), 0.1).expect("step");
-    b.step(&mut pb, &gradient(total, 3), 0.1).expect("step");
+    a.step(&mut pa, &shard_of(&a, &gradient(total, 3)), 0.1)
+        .expect("step");
+    b.step(&mut pb, &shard_of(&b, &gradient(total, 3)), 0.1)
+        .expect("step");
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(&pa), bits(&pb));
+}
+
+/// Adam state after two steps of the shard `owned(total, n, r)` of the tiny LM.
+fn stepped_shard_state(n: usize, r: usize) -> Vec<u8> {
+    let spec = &optimizers()[2];
+    let whole = engine(spec);
+    let total = whole.num_params();
+    let mut params = vec![0.0; total];
+    whole.read_params(&mut params).expect("read");
+    let mut s = ShardOptimizer::new(spec, whole.layout(), &owned(total, n, r), "flex").expect("s");
+    for step in 0..2 {
+        s.step(&mut params, &shard_of(&s, &gradient(total, step)), 0.1)
+            .expect("step");
+    }
+    s.state().expect("state")
+}
+
+#[test]
+fn a_shard_state_of_another_cut_is_refused_naming_the_tensor_and_both_shapes() {
+    let spec = &optimizers()[2];
+    let whole = engine(spec);
+    let total = whole.num_params();
+    let mut three =
+        ShardOptimizer::new(spec, whole.layout(), &owned(total, 3, 1), "flex").expect("shard");
+    // The same shard's state loads; rank 1 of 2's does not fit rank 1 of 3's pieces.
+    three
+        .load_state(&stepped_shard_state(3, 1))
+        .expect("its own cut");
+    let err = three
+        .load_state(&stepped_shard_state(2, 1))
+        .expect_err("another cut");
+    let crate::EngineError::StateShape {
+        tensor,
+        expected,
+        got,
+        ..
+    } = &err
+    else {
+        panic!("not a shape error: {err}");
+    };
+    // burn names Adam's state `{id}.momentum.moment_1` (the first, alphabetically).
+    assert_eq!(tensor, "0.momentum.moment_1", "{err}");
+    assert_eq!(expected, &vec![three.pieces()[0].range.len()], "{err}");
+    assert_ne!(got, expected);
+    let text = err.to_string();
+    assert!(
+        text.contains(tensor.as_str()) && text.contains("piece 0"),
+        "{text}"
+    );
+    // After the refusal the optimizer still steps (burn never saw the state).
+    let mut params = vec![0.0; total];
+    whole.read_params(&mut params).expect("read");
+    let g = shard_of(&three, &gradient(total, 0));
+    three
+        .step(&mut params, &g, 0.1)
+        .expect("step after a refusal");
+}
+
+#[test]
+fn a_whole_model_state_of_another_model_is_refused_naming_the_parameter() {
+    let spec = &optimizers()[2];
+    let mut a = engine(spec);
+    let other = TINY_LM.replace("vocab: 5", "vocab: 6");
+    let model = ModelSpec::from_yaml(&other, "tiny-lm-6").expect("spec");
+    let mut b = BurnEngine::new(&model, spec, "flex", 7).expect("engine");
+    for e in [&mut a, &mut b] {
+        let g = gradient(e.num_params(), 0);
+        e.apply_grads(&g, 0.1).expect("step");
+    }
+    let err = a
+        .load_optimizer_state(&b.optimizer_state().expect("state"))
+        .expect_err("another model's state");
+    let text = err.to_string();
+    assert!(
+        matches!(&err, crate::EngineError::StateShape { expected, got, .. }
+            if expected == &vec![5, 3] && got == &vec![6, 3]),
+        "{text}"
+    );
+    assert!(text.contains("layers.0.weight"), "{text}");
+    a.load_optimizer_state(&a.optimizer_state().expect("state"))
+        .expect("its own state");
 }

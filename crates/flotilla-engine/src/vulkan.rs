@@ -31,6 +31,13 @@ fn counts() -> [usize; 4] {
     })
 }
 
+/// How many Vulkan adapters the machine offers: GPUs (discrete, integrated, virtual) and
+/// software ones (lavapipe); `(0, 0)` without a driver.
+pub(crate) fn adapters() -> (usize, usize) {
+    let counts = counts();
+    (counts[..3].iter().sum(), counts[3])
+}
+
 /// The selector of the `index`-th adapter (of the first `kinds` kinds), and what it is.
 fn selector(index: usize, counts: &[usize; 4], kinds: usize) -> Option<(DeviceKind, String)> {
     let mut first = 0;

@@ -22,6 +22,7 @@ use crate::model::{Identity, Layer, SequentialModel};
 use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
 use crate::spec::ModelSpec;
+use crate::state_check::{Expected, check_state_shapes};
 
 /// Serialises seeding the backend's RNG and drawing from it (see [`Weights::new`] and
 /// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
@@ -77,7 +78,9 @@ pub trait ModelState {
     /// The optimizer state as bytes (burn's burnpack format), keyed by parameter position.
     fn optimizer_state(&self) -> Result<Vec<u8>>;
 
-    /// Restores optimizer state written by [`ModelState::optimizer_state`].
+    /// Restores optimizer state written by [`ModelState::optimizer_state`]; state whose
+    /// tensors do not have the shapes of this model's parameters is refused with
+    /// [`crate::EngineError::StateShape`] before burn sees it.
     fn load_optimizer_state(&mut self, bytes: &[u8]) -> Result<()>;
 
     /// Writes the parameters as safetensors in PyTorch's layout (linear weights `[out, in]`,
@@ -281,6 +284,16 @@ impl ModelState for Weights {
     }
 
     fn load_optimizer_state(&mut self, bytes: &[u8]) -> Result<()> {
+        let expected: Vec<Expected> = self
+            .layout
+            .params
+            .iter()
+            .map(|p| Expected {
+                name: format!("parameter {}", p.name),
+                shape: p.shape.clone(),
+            })
+            .collect();
+        check_state_shapes(bytes, &expected)?;
         let optimizer = self
             .optimizer
             .clone()

@@ -1,5 +1,6 @@
 //! The process group a run trains over, by `comm.backend`: Flotilla's TCP transport (with
-//! its rendezvous), or MPI (with the `mpi` feature; rank and world size are MPI's), and
+//! its rendezvous), MPI (with the `mpi` feature; rank and world size are MPI's), or NCCL
+//! over the TCP group (with the `nccl` feature: `flotilla_nccl::NcclGroup`), and
 //! [`finish`], which ends the backend's process-wide state at exit.
 
 use std::sync::Arc;
@@ -33,7 +34,51 @@ pub fn connect(
             "an MPI job cannot take a replaced rank back (restart the whole job)",
         )),
         Backend::Mpi => connect_mpi(config, rank, hash, world),
+        Backend::Nccl if rejoin == Rejoin::Join => Err(TrainError::config(
+            crate::rejoin::REJOIN_ENV,
+            "an NCCL job cannot take a replaced rank back (restart the whole job)",
+        )),
+        Backend::Nccl => {
+            let tcp = Communicator::connect(config.comm_config(rank, hash, world)?)?;
+            connect_nccl(config, Arc::new(tcp))
+        }
     }
+}
+
+/// NCCL under the TCP group `control` (which carries the unique id), on this rank's GPU:
+/// the index of `model.device` when it is `cuda:i` (as [`crate::gpu::on_local_gpu`] made
+/// it), else the local rank's round-robin GPU (NCCL as the transport of a CPU model).
+#[cfg(feature = "nccl")]
+fn connect_nccl(
+    config: &TrainConfig,
+    control: Arc<dyn ProcessGroup>,
+) -> Result<Arc<dyn ProcessGroup>> {
+    use flotilla_engine::{DeviceSpec, GpuKind};
+    let bad = |message: String| TrainError::config("comm.backend: nccl", message);
+    let spec = DeviceSpec::parse(&config.model.device).map_err(|e| bad(e.to_string()))?;
+    let device = match (spec.gpu(), spec.index) {
+        (Some(GpuKind::Cuda), Some(i)) => i,
+        _ => {
+            let gpus = flotilla_engine::gpu_count(GpuKind::Cuda).map_err(|e| bad(e.to_string()))?;
+            flotilla_engine::device_index(crate::gpu::local_rank()?, gpus)
+        }
+    };
+    let cfg = flotilla_nccl::NcclConfig {
+        device,
+        timeout: std::time::Duration::from_secs_f64(config.comm.timeout_s),
+    };
+    Ok(Arc::new(flotilla_nccl::NcclGroup::over(control, cfg)?))
+}
+
+#[cfg(not(feature = "nccl"))]
+fn connect_nccl(
+    _config: &TrainConfig,
+    _control: Arc<dyn ProcessGroup>,
+) -> Result<Arc<dyn ProcessGroup>> {
+    Err(TrainError::config(
+        "comm.backend: nccl",
+        "this binary was built without the `nccl` feature; rebuild with `cargo build --release --features nccl`",
+    ))
 }
 
 #[cfg(feature = "mpi")]

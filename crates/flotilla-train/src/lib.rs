@@ -16,6 +16,7 @@ pub mod error;
 pub mod eval;
 pub mod fault;
 pub mod gather;
+pub mod gpu;
 pub mod history;
 pub mod job_data;
 pub mod observe;

@@ -119,10 +119,12 @@ pub fn run(
 ) -> Result<RunSummary> {
     let started = Instant::now();
     let spec = config.validate()?;
-    // Opened before joining, so that a missing driver fails this rank at once.
-    let device = flotilla_engine::describe_device(&config.model.device)?;
     let topology = config.topology()?;
     let hash = config.cluster_hash(&spec);
+    // The device is per rank (not in the hash): `cuda` becomes this local rank's GPU.
+    let config = &crate::gpu::on_local_gpu(config)?;
+    // Opened before joining, so that a missing driver fails this rank at once.
+    let device = flotilla_engine::describe_device(&config.model.device)?;
     let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
     let comm = crate::backend::connect(config, rank, hash, topology.world_size(), rejoin, links)?;
     let (rank, world) = (comm.rank(), comm.size());

@@ -111,6 +111,18 @@ fn launch_once(
     if job.placement.is_none() && !opts.oversubscribe {
         capacity::check_local(job.n, job.config.data.source().path())?;
     }
+    let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
+    let device = &job.config.model.device;
+    if job.placement.is_none()
+        && let Some(gpus) =
+            crate::gpu_placement::check_local(job.n, device, nccl, opts.oversubscribe)?
+        && first
+    {
+        println!(
+            "[launcher] {} rank(s) on device {}: GPU {gpus:?} by rank",
+            job.n, job.config.model.device
+        );
+    }
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {
         Some(placement) => Some(remote_launch::prepare(
@@ -124,7 +136,7 @@ fn launch_once(
         Some(r) => start_remote(&job, r, threads)?,
         None => {
             let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-            LocalJob::spawn(job.n, &train, rank_env(&job, threads))?
+            LocalJob::spawn(job.n, &train, local_env(rank_env(&job, threads)))?
         }
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
@@ -170,7 +182,7 @@ fn launch_once(
 /// the same command and environment, and [`flotilla_train::rejoin::REJOIN_ENV`], so that it
 /// rejoins the running job (restarts `done` of `max` used so far).
 fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch::Respawn {
-    let env = rank_env(job, threads);
+    let env = local_env(rank_env(job, threads));
     let config_path = job.config_path.clone();
     let make = move |rank: usize| {
         let exe = std::env::current_exe().unwrap_or_else(|_| "flotilla".into());
@@ -287,6 +299,18 @@ fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, St
         let mut env = vec![("RANK".to_string(), rank.to_string())];
         env.extend(common.iter().cloned());
         env
+    }
+}
+
+/// A local rank's environment: `env` and its `LOCAL_RANK`, which is its rank (all share
+/// this host; its GPU index comes from it). Remote launches set theirs per host.
+fn local_env(
+    env: impl Fn(usize) -> Vec<(String, String)>,
+) -> impl Fn(usize) -> Vec<(String, String)> {
+    move |rank| {
+        let mut vars = env(rank);
+        vars.push(("LOCAL_RANK".to_string(), rank.to_string()));
+        vars
     }
 }
 

@@ -12,6 +12,7 @@ mod certs_cmd;
 mod cli;
 mod compare;
 mod compare_report;
+mod gpu_placement;
 mod heap;
 mod launch;
 mod launch_cmd;

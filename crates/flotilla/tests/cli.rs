@@ -150,7 +150,7 @@ fn wgpu_in_a_build_without_the_feature_is_one_error_naming_the_feature() {
     let o = run_with_deadline(c, Duration::from_secs(60));
     let all = text(&o);
     assert!(!o.status.success(), "{all}");
-    let want = "device `wgpu` needs a build with the `wgpu` feature (`cargo build --release --features wgpu`)";
+    let want = "device `wgpu` needs a binary built with the `wgpu` feature (cargo build --release --features wgpu)";
     assert_eq!(all.matches(want).count(), 1, "{all}");
     assert!(!all.contains(" up: model="), "a rank started:\n{all}");
 }

@@ -291,8 +291,8 @@ fn zero_2_resumes_bitwise() {
 }
 
 /// Through the CLI on 3 ranks: ZeRO stages 1 and 2 end with the parameters of the unsharded
-/// run, bit for bit (AdamW decaying matrices only), and each rank's optimizer state is a
-/// third of the unsharded one's.
+/// run, bit for bit (AdamW decaying matrices only), and each rank's optimizer state and the
+/// averaged gradient it keeps are a third of the unsharded one's.
 #[test]
 fn zero_1_and_2_equal_zero_0_on_3_ranks() {
     let dir = tmp();
@@ -306,21 +306,28 @@ fn zero_1_and_2_equal_zero_0_on_3_ranks() {
         let o = launch_config(&cfg, &out, &["-n", "3"], None);
         assert!(o.status.success(), "zero {zero}: {}", text(&o));
         let s = summary(&out);
-        let bytes: Vec<f64> = s["ranks"]
-            .as_array()
-            .expect("ranks")
-            .iter()
-            .map(|r| {
-                r["figures"]["optimizer_state_bytes"]
-                    .as_f64()
-                    .expect("bytes")
-            })
-            .collect();
-        (checkpoint_tensors(&out), bytes)
+        let figure = |name: &str| -> Vec<f64> {
+            s["ranks"]
+                .as_array()
+                .expect("ranks")
+                .iter()
+                .map(|r| r["figures"][name].as_f64().expect("a figure"))
+                .collect()
+        };
+        let bytes = figure("optimizer_state_bytes");
+        (checkpoint_tensors(&out), bytes, figure("gradient_bytes"))
     };
-    let (whole, whole_bytes) = run(0);
+    let (whole, whole_bytes, whole_grads) = run(0);
     for zero in [1, 2] {
-        let (got, bytes) = run(zero);
+        let (got, bytes, grads) = run(zero);
+        // Each rank keeps its third of the averaged gradient (the loss slot aside).
+        assert_eq!(grads.iter().sum::<f64>(), whole_grads[0], "zero {zero}");
+        for g in &grads {
+            assert!(
+                (g - whole_grads[0] / 3.0).abs() <= 4.0 * 2.0,
+                "zero {zero}: gradient bytes {g} of {whole_grads:?}"
+            );
+        }
         assert_bitwise(&format!("zero {zero} vs zero 0"), &got, &whole);
         let sum: f64 = bytes.iter().sum();
         assert_eq!(
@@ -334,4 +341,58 @@ fn zero_1_and_2_equal_zero_0_on_3_ranks() {
             );
         }
     }
+}
+
+/// A checkpoint whose optimizer state does not fit the run (files of another shard cut:
+/// ZeRO shards swapped between ranks, or a shard's state where an unsharded run keeps the
+/// whole model's) is refused on resume with the tensor and both shapes named, the job
+/// exits non-zero, and nothing panics (burn never sees the state).
+#[test]
+fn a_mismatched_optimizer_state_is_refused_on_resume() {
+    let dir = tmp();
+    let crashed = |zero: u8| {
+        let yaml = format!(
+            "world_size: 2\nbatch_size: 16\ntrain_limit: 640\nepochs: 1\nmax_steps: 20\n\
+             checkpoint_every: 5\noptimizer: {{name: adam, lr: 0.001}}\nzero: {zero}\n"
+        );
+        let cfg = config_file(dir.path(), &format!("mismatch{zero}.yaml"), &yaml);
+        let out = dir.path().join(format!("zero{zero}"));
+        let o = launch_config(&cfg, &out, &[], Some("rank=1,step=8,action=exit"));
+        assert!(!o.status.success(), "zero {zero}: the crash fails the job");
+        (cfg, out.clone(), out.join("checkpoints/step-00000005"))
+    };
+    let refused = |cfg: &str, out: &Path, what: &str| {
+        let o = launch_config(cfg, out, &["--resume"], None);
+        let all = format!("{}\n{}", text(&o), run_log(out, 0));
+        assert!(!o.status.success(), "{what}: the resume must fail\n{all}");
+        assert!(
+            all.contains("optimizer state: tensor") && all.contains("has shape"),
+            "{what}: the tensor and both shapes named\n{all}"
+        );
+        assert!(!all.contains("panicked"), "{what}: no panic\n{all}");
+    };
+    // Files put in with their checksums (as a copy from another run would bring them), so
+    // the checkpoint is whole and only its state does not fit.
+    let sums = |ck: &Path| -> serde_json::Map<String, serde_json::Value> {
+        let text = std::fs::read(ck.join("checksums.json")).expect("checksums");
+        serde_json::from_slice(&text).expect("a map")
+    };
+    let put = |ck: &Path, name: &str, bytes: &[u8], sum: &serde_json::Value| {
+        std::fs::write(ck.join(name), bytes).expect("write");
+        let mut all = sums(ck);
+        all.insert(name.to_string(), sum.clone());
+        let json = serde_json::to_vec(&all).expect("json");
+        std::fs::write(ck.join("checksums.json"), json).expect("checksums");
+    };
+    let (cfg2, out2, ck2) = crashed(2);
+    let (a, b) = ("optimizer-shard-0.bpk", "optimizer-shard-1.bpk");
+    let bytes_a = std::fs::read(ck2.join(a)).expect("a");
+    let bytes_b = std::fs::read(ck2.join(b)).expect("b");
+    let original = sums(&ck2);
+    put(&ck2, a, &bytes_b, &original[b]);
+    put(&ck2, b, &bytes_a, &original[a]);
+    refused(&cfg2, &out2, "zero 2, shards swapped");
+    let (cfg0, out0, ck0) = crashed(0);
+    put(&ck0, "optimizer.bpk", &bytes_a, &original[a]);
+    refused(&cfg0, &out0, "zero 0, a shard's state");
 }

@@ -3,7 +3,7 @@
 //!
 //! Layout: a header of [`header_bytes`] (magic, size, chunk, then the barrier's words and
 //! one line per rank: its progress word and its length word of each set), then two sets
-//! (double buffering) of `n` input slots and one result slot, each `chunk` bytes.
+//! (double buffering) of `n` slots, one per rank, each `chunk` bytes.
 
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -32,7 +32,7 @@ fn header_bytes(n: usize) -> usize {
 
 /// Bytes of the whole segment of `n` ranks with `chunk`-byte slots.
 pub(crate) fn segment_bytes(n: usize, chunk: usize) -> usize {
-    header_bytes(n) + 2 * (n + 1) * chunk
+    header_bytes(n) + 2 * n * chunk
 }
 
 /// A mapped segment. The mapping is shared with the other members' processes: what each
@@ -161,10 +161,10 @@ impl Segment {
         unsafe { self.map.as_mut_ptr().add(off) }
     }
 
-    /// The start of input slot `r` (`r == n`: the result slot) of buffer set `set` (0, 1),
-    /// `chunk / 4` floats, 64-byte aligned.
+    /// The start of rank `r`'s slot of buffer set `set` (0, 1), `chunk / 4` floats, 64-byte
+    /// aligned.
     pub(super) fn slot(&self, set: usize, r: usize) -> *mut f32 {
-        let off = header_bytes(self.n) + (set * (self.n + 1) + r) * self.chunk;
+        let off = header_bytes(self.n) + (set * self.n + r) * self.chunk;
         // SAFETY: inside the mapping, whose length is `segment_bytes(n, chunk)`.
         unsafe { self.map.as_mut_ptr().add(off).cast::<f32>() }
     }

@@ -1,36 +1,42 @@
 //! The collectives over a segment: the `f32` sum all-reduce and the `f32` broadcast.
 //!
 //! **Steps.** Every collective is a sequence of steps, counted over the segment's life
-//! (`Segment::steps`, equal on every member): step `j` uses buffer set `j % 2`. In a step a
-//! rank first writes (its own input slot of the set, its length word of the set), enters
-//! the barrier, then reads (every input slot of the set, the result slot of the *other* set)
-//! and writes its own part of the set's result slot. Why nothing is overwritten while a
-//! slower member still reads it: a slot of set `j % 2` is written in step `j` only after
+//! (`Segment::steps`, equal on every member): step `j` uses buffer set `j % 2`, one slot
+//! per rank. In a step a rank first writes (its own slot of the set, its length word of
+//! the set) and enters the barrier; then it reads the set's slots, and may rewrite a range
+//! of another rank's slot that it alone touches in this step (its slice of a chunked
+//! all-reduce); in the next step only the slot's owner reads the set (its own slot: the
+//! chunked all-reduce's copy-out). Why nothing is overwritten while a slower member still
+//! reads it: a slot of set `j % 2` is written before barrier `j` only by its owner, after
 //! this rank passed barrier `j - 1`, which every member entered after finishing its reads
-//! of step `j - 2`, the last to read that set (step `j - 1` reads the result slot of set
-//! `j % 2`, never written before a barrier). So collectives of any kind and length follow
-//! each other with no barrier between them.
+//! of step `j - 2` (the owner's own reads of step `j - 1` come first in its program order),
+//! and after barrier `j` only in ranges nobody else touches until barrier `j + 1`. So
+//! collectives of any kind and length follow each other with no barrier between them.
 //!
 //! **All-reduce, one step** (a buffer of at most [`Segment::one_step_floats`] floats): each rank
-//! copies its whole buffer into its input slot; barrier; each rank sums every element over
+//! copies its whole buffer into its slot; barrier; each rank sums every element over
 //! all slots in rank order into its buffer. Per rank: 1 barrier; copies `S` in, reads
 //! `n S`, writes `S` (`S`: the buffer's bytes) — the fewest synchronisations, paid for with
 //! every rank summing the whole buffer, which pays while the barrier is the cost.
 //!
 //! **All-reduce, chunked** (larger buffers): chunk `k` of `chunk / 4` floats is step
-//! `j0 + k`: each rank copies its chunk into its input slot (all but its own slice `r`,
-//! `[m r / n, m (r + 1) / n)`, which only it reads); barrier; each rank copies out the
-//! result of chunk `k - 1` (all but its own slice, already in place) and reduces its slice
-//! of chunk `k` over all inputs **in rank order** (`((x0 + x1) + x2) + ...`, in L1-sized
-//! blocks, its own input read from its buffer) into the set's result slot and its buffer.
-//! A last step with no writes, then the last chunk's copy-out. Per rank, `C` chunks: `C + 1`
-//! barriers; copies `(n-1)/n S` in, reads `S` and writes `2 S / n` reducing, copies
-//! `(n-1)/n S` out (`3 S` moved on 2 ranks, `4.5 S` on 4, against `5 S` and `7 S` for one step).
+//! `j0 + k`: each rank copies its chunk into its slot (all but its own slice `r`,
+//! `[m r / n, m (r + 1) / n)`, which nobody reads); barrier; each rank copies out the
+//! result of chunk `k - 1` from its **own** slot (all but its own slice, already in place)
+//! and reduces its slice of chunk `k` over all inputs **in rank order**
+//! (`((x0 + x1) + x2) + ...`, its own input read from its buffer) into its buffer and back
+//! into slice `r` of every other rank's slot, where that rank's copy-out finds it: the
+//! result overwrites the input just read, in lines already in this core's cache, and no
+//! result slot is needed. On 2 ranks that is one fused pass (`mine = peer = mine + peer`);
+//! on more, in L1-sized blocks. A last step with no writes, then the last chunk's copy-out.
+//! Per rank, `C` chunks: `C + 1` barriers; copies `(n-1)/n S` in, reads `S` and writes
+//! `S` reducing, copies `(n-1)/n S` out: bytes read and written, a copy counted twice,
+//! `4 S` on 2 ranks and `5 S` on 4, against `5 S` and `7 S` for one step.
 //!
 //! Either way every rank ends with the same bits: those of a serial left-to-right `f32`
 //! sum in rank order.
 //!
-//! **Broadcast**: chunk `k` is a step: the root copies it into its input slot; barrier; the
+//! **Broadcast**: chunk `k` is a step: the root copies it into its slot; barrier; the
 //! others copy it out of the root's slot. `C` barriers.
 //!
 //! Each rank publishes its buffer's length in its length word of the collective's first
@@ -54,7 +60,7 @@ impl Segment {
         self.chunk / 4
     }
 
-    /// Input slot `r` (`n`: the result) of set `set`, elements `at..at + len`, to read.
+    /// Rank `r`'s slot of set `set`, elements `at..at + len`, to read.
     ///
     /// # Safety
     /// The protocol above must give this rank that range to read until the next barrier
@@ -115,7 +121,7 @@ impl Segment {
         for k in 0..chunks {
             let (set, part) = (self.next_set(), span(k));
             let (lo, hi) = self.own_slice(part.len());
-            // SAFETY: this rank's own input slot of this step's set (see the module doc).
+            // SAFETY: this rank's own slot of this step's set (see the module doc).
             let slot = unsafe { self.write(set, self.me, 0, part.len()) };
             slot[..lo].copy_from_slice(&buf[part.start..part.start + lo]);
             slot[hi..].copy_from_slice(&buf[part.start + hi..part.end]);
@@ -123,7 +129,8 @@ impl Segment {
             if let Some(p) = prev {
                 self.copy_out(p, &mut buf[span(k - 1)]);
             }
-            self.reduce_slice(set, &mut buf[part]);
+            let (lo, hi) = self.own_slice(part.len());
+            self.sum_range(set, &mut buf[part], lo, hi, true);
             prev = Some(set);
         }
         let set = self.next_set();
@@ -135,7 +142,7 @@ impl Segment {
     /// The one-step all-reduce (see the module doc).
     fn all_reduce_one_step(&self, buf: &mut [f32], watch: &dyn Watch) -> Result<(), CommError> {
         let set = self.next_set();
-        // SAFETY: this rank's own input slot of this step's set.
+        // SAFETY: this rank's own slot of this step's set.
         unsafe { self.write(set, self.me, 0, buf.len()) }.copy_from_slice(buf);
         self.step_barrier(set, Some(buf.len()), watch)?;
         self.sum_range(set, buf, 0, buf.len(), false);
@@ -147,47 +154,62 @@ impl Segment {
         (m * self.me / self.n, m * (self.me + 1) / self.n)
     }
 
-    /// Copies the result of set `set` into `out` (a chunk of the buffer), but for this
-    /// rank's own slice, which its reduction already wrote there.
+    /// Copies the result of set `set` into `out` (a chunk of the buffer) from this rank's
+    /// own slot, where every other rank wrote its slice, but for this rank's own slice,
+    /// which its reduction already wrote there.
     fn copy_out(&self, set: usize, out: &mut [f32]) {
         let (lo, hi) = self.own_slice(out.len());
         // SAFETY: the result is complete (every rank entered a barrier after reducing its
-        // slice, which this rank passed) and is rewritten only after the next barrier,
-        // which this rank enters after copying.
-        let src = unsafe { self.read(set, self.n, 0, out.len()) };
+        // slice, which this rank passed); only this rank touches its slot of the set until
+        // it rewrites it itself, in its next step.
+        let src = unsafe { self.read(set, self.me, 0, out.len()) };
         out[..lo].copy_from_slice(&src[..lo]);
         out[hi..].copy_from_slice(&src[hi..]);
     }
 
-    /// Reduces this rank's slice of `part` (its chunk in set `set`) over every rank's input
-    /// in rank order (its own read from `part`), into the result slot and into `part`.
-    fn reduce_slice(&self, set: usize, part: &mut [f32]) {
-        let (lo, hi) = self.own_slice(part.len());
-        self.sum_range(set, part, lo, hi, true);
-    }
-
-    /// Sums `part[lo..hi]` over every rank's input slot of set `set` in rank order (this
-    /// rank's own input read from `part`) into `part`, and into the result slot when
-    /// `publish`.
+    /// Sums `part[lo..hi]` over every rank's input of set `set` in rank order (this rank's
+    /// own read from `part`) into `part`, and, when `publish`, into the same range of every
+    /// other rank's slot (which held that rank's input).
     fn sum_range(&self, set: usize, part: &mut [f32], lo: usize, hi: usize, publish: bool) {
         let (n, me) = (self.n, self.me);
+        if n == 2 && publish {
+            // SAFETY: between this step's barrier and the next one this range of the
+            // peer's slot is this rank's alone (its slice: see the module doc).
+            let peer = unsafe { self.write(set, 1 - me, lo, hi - lo) };
+            reduce::add_both(&mut part[lo..hi], peer);
+            return;
+        }
         let mut acc = [0.0f32; BLOCK];
         let mut at = lo;
         while at < hi {
             let b = BLOCK.min(hi - at);
             let acc = &mut acc[..b];
             let mine = &mut part[at..at + b];
-            // SAFETY: between this step's barrier and the next one every input slot of the
-            // set is read-only and this rank's slice of the result is its own.
-            let input = |r: usize| unsafe { self.read(set, r, at, b) };
-            acc.copy_from_slice(if me == 0 { mine } else { input(0) });
-            for r in 1..n {
-                reduce::add_assign(acc, if r == me { mine } else { input(r) });
-            }
-            if publish {
-                unsafe { self.write(set, n, at, b) }.copy_from_slice(acc);
+            {
+                let own: &[f32] = mine;
+                // SAFETY: between this step's barrier and the next one every slot of the
+                // set is read-only in this range but for this rank's writes below.
+                let x = |r: usize| {
+                    if r == me {
+                        own
+                    } else {
+                        unsafe { self.read(set, r, at, b) }
+                    }
+                };
+                match n {
+                    1 => acc.copy_from_slice(x(0)),
+                    _ => reduce::add_to(acc, x(0), x(1)),
+                }
+                for r in 2..n {
+                    reduce::add_assign(acc, x(r));
+                }
             }
             mine.copy_from_slice(acc);
+            for p in (0..n).filter(|&p| publish && p != me) {
+                // SAFETY: this range of rank `p`'s slot is this rank's slice, its alone
+                // until the next barrier; nothing borrowed from it is alive.
+                unsafe { self.write(set, p, at, b) }.copy_from_slice(acc);
+            }
             at += b;
         }
     }
@@ -204,7 +226,7 @@ impl Segment {
         for k in 0..len.div_ceil(c).max(1) {
             let (set, part) = (self.next_set(), k * c..((k + 1) * c).min(len));
             if self.me == root {
-                // SAFETY: the root's own input slot of this step's set.
+                // SAFETY: the root's own slot of this step's set.
                 let dst = unsafe { self.write(set, root, 0, part.len()) };
                 dst.copy_from_slice(&buf[part.clone()]);
             }

@@ -8,7 +8,11 @@
 //! (`BENCHMARKS.md` §22). [`conv2d`] runs a burn [`Conv2d`] module through
 //! [`ops::ConvOps`], a burn backend extension whose backward (`Autodiff`) computes the input,
 //! weight and bias gradients in one pass: same parameters, same module (initialisation,
-//! checkpoints and layouts are burn's), the same function up to the order of float sums.
+//! checkpoints and layouts are burn's), the same function up to the order of float sums. A
+//! ReLU that follows the layer (`relu`: the spec models fuse `conv2d` → `relu`) is applied to
+//! each image's output while it is in cache, and its backward masks the output gradient
+//! image by image inside the convolution's backward, from the kept output, as burn's
+//! `relu_backward` does: no separate pass, no extra tensor.
 //!
 //! What it covers: groups 1, dilation 1, symmetric zero padding, any stride and kernel, `f32`
 //! on Flex. Anything else (another backend, `Same` padding, dilation, groups, another float
@@ -65,10 +69,26 @@ fn geometry_of(conv: &Conv2d, x: &Tensor<4>) -> Option<ConvGeom> {
 }
 
 /// `conv` applied to `x` `[N, C, H, W]`: `[N, out, Ho, Wo]`, through Flotilla's kernels where
-/// they cover the layer (see the module docs), else burn's.
+/// they cover the layer (see the module docs), else burn's `Conv2d::forward`.
 pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    conv2d_fused(conv, x, false)
+}
+
+/// `relu(conv(x))`, the ReLU fused into the convolution (forward and backward) where
+/// Flotilla's kernels cover the layer, else burn's `Conv2d::forward` and `relu`.
+pub fn conv2d_relu(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
+    conv2d_fused(conv, x, true)
+}
+
+/// `conv` applied to `x`, then a ReLU when `relu`: what [`conv2d`] and [`conv2d_relu`] run.
+pub(crate) fn conv2d_fused(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
     let Some(geom) = geometry_of(conv, &x) else {
-        return conv.forward(x);
+        let y = conv.forward(x);
+        return if relu {
+            burn::tensor::activation::relu(y)
+        } else {
+            y
+        };
     };
     let bias = match &conv.bias {
         Some(bias) => bias.val(),
@@ -79,5 +99,6 @@ pub fn conv2d(conv: &Conv2d, x: Tensor<4>) -> Tensor<4> {
         conv.weight.val().into_dispatch(),
         bias.into_dispatch(),
         geom,
+        relu,
     ))
 }

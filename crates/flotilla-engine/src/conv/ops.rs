@@ -1,6 +1,7 @@
 //! The convolution as a burn backend extension: the forward op on Flex (over
-//! [`super::kernels`], on Flex's own buffers), and a hand-written `Backward` on `Autodiff`
-//! that computes the input, weight and bias gradients in one pass over the batch.
+//! [`super::kernels`], on Flex's own buffers; a ReLU that follows the layer fused), and a
+//! hand-written `Backward` on `Autodiff` that computes the input, weight and bias gradients
+//! in one pass over the batch (through the fused ReLU, from the kept output).
 //!
 //! Only Flex (and `Autodiff` over it) is routed; [`super::conv2d`] sends the other backends'
 //! tensors to burn's own convolution and never here.
@@ -22,24 +23,26 @@ use super::kernels;
 #[backend_extension(Flex, Autodiff)]
 pub trait ConvOps: Backend {
     /// `x` `[N, C, H, W]` convolved with `weight` `[out, C, kh, kw]`, plus `bias` `[out]`
-    /// (zeros for a layer without one): `[N, out, Ho, Wo]`, the windows as `geom` describes
-    /// them.
+    /// (zeros for a layer without one), through ReLU when `relu`: `[N, out, Ho, Wo]`, the
+    /// windows as `geom` describes them.
     fn conv2d_patches(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         geom: ConvGeom,
+        relu: bool,
     ) -> FloatTensor<Self>;
 }
 
 /// The gradients of [`ConvOps::conv2d_patches`], on the backend under `Autodiff`.
 pub trait ConvGradOps: ConvOps {
     /// The gradients of the input (when `with_input`), weight and bias for the output gradient
-    /// `grad`.
+    /// `grad`, through the fused ReLU whose output was `relu_output` when there is one.
     fn conv2d_patches_grads(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        relu_output: Option<FloatTensor<Self>>,
         geom: ConvGeom,
         with_input: bool,
     ) -> (
@@ -75,8 +78,9 @@ impl ConvOps for Flex {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         geom: ConvGeom,
+        relu: bool,
     ) -> FloatTensor<Self> {
-        let y = kernels::forward(&geom, &values(&x), &values(&weight), &values(&bias));
+        let y = kernels::forward(&geom, &values(&x), &values(&weight), &values(&bias), relu);
         let [ho, wo] = geom.output;
         tensor(y, vec![geom.batch, geom.out, ho, wo])
     }
@@ -87,6 +91,7 @@ impl ConvGradOps for Flex {
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         grad: FloatTensor<Self>,
+        relu_output: Option<FloatTensor<Self>>,
         geom: ConvGeom,
         with_input: bool,
     ) -> (
@@ -94,13 +99,15 @@ impl ConvGradOps for Flex {
         FloatTensor<Self>,
         FloatTensor<Self>,
     ) {
-        let g = kernels::backward(
-            &geom,
-            &values(&x),
-            &values(&weight),
-            &values(&grad),
-            with_input,
-        );
+        let (x, weight, grad) = (values(&x), values(&weight), values(&grad));
+        let relu_output = relu_output.as_ref().map(values);
+        let input = kernels::BackwardInputs {
+            x: &x,
+            weight: &weight,
+            dy: &grad,
+            relu_output: relu_output.as_deref(),
+        };
+        let g = kernels::backward(&geom, input, with_input);
         let [c, h, w] = geom.input;
         let [kh, kw] = geom.kernel;
         (
@@ -115,21 +122,30 @@ impl ConvGradOps for Flex {
 #[derive(Debug)]
 struct ConvBackward;
 
-/// The checkpointed input and weight, and the geometry.
-type State = (NodeId, NodeId, ConvGeom);
+/// What the backward keeps: the checkpointed input and weight, the geometry and, with a fused
+/// ReLU, the layer's output.
+#[derive(Clone, Debug)]
+struct ConvState<B: Backend> {
+    x: NodeId,
+    weight: NodeId,
+    geom: ConvGeom,
+    relu_output: Option<FloatTensor<B>>,
+}
 
 /// The output gradient of the op at `node`, and the gradients it gives the parents that track
 /// one (`x`, `weight`, `bias`), registered in `grads`.
 fn run_backward<B: ConvGradOps>(
     grad: FloatTensor<B>,
     [x_node, weight_node, bias_node]: [Option<NodeId>; 3],
-    (x_state, weight_state, geom): State,
+    state: ConvState<B>,
     grads: &mut Gradients,
     checkpointer: &mut Checkpointer,
 ) {
-    let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(x_state);
-    let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(weight_state);
-    let (dx, dw, db) = B::conv2d_patches_grads(x, weight, grad, geom, x_node.is_some());
+    let x = checkpointer.retrieve_node_output::<FloatTensor<B>>(state.x);
+    let weight = checkpointer.retrieve_node_output::<FloatTensor<B>>(state.weight);
+    let with_input = x_node.is_some();
+    let (dx, dw, db) =
+        B::conv2d_patches_grads(x, weight, grad, state.relu_output, state.geom, with_input);
     if let (Some(node), Some(dx)) = (x_node, dx) {
         grads.register::<B>(node, dx);
     }
@@ -142,9 +158,14 @@ fn run_backward<B: ConvGradOps>(
 }
 
 impl<B: ConvGradOps> Backward<B, 3> for ConvBackward {
-    type State = State;
+    type State = ConvState<B>;
 
-    fn backward(self, ops: Ops<State, 3>, grads: &mut Gradients, checkpointer: &mut Checkpointer) {
+    fn backward(
+        self,
+        ops: Ops<Self::State, 3>,
+        grads: &mut Gradients,
+        checkpointer: &mut Checkpointer,
+    ) {
         let grad = grads.consume::<B>(&ops.node);
         let parents = ops.parents.map(|p| p.map(|n| n.id));
         run_backward::<B>(grad, parents, ops.state, grads, checkpointer);
@@ -157,17 +178,25 @@ impl<B: ConvGradOps, C: CheckpointStrategy> ConvOps for Autodiff<B, C> {
         weight: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         geom: ConvGeom,
+        relu: bool,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), weight.node(), bias.node()];
         match ConvBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
-                let state = (prep.checkpoint(&x), prep.checkpoint(&weight), geom);
+                let (x_id, weight_id) = (prep.checkpoint(&x), prep.checkpoint(&weight));
                 let y = B::conv2d_patches(
                     x.into_primitive(),
                     weight.into_primitive(),
                     bias.into_primitive(),
                     geom,
+                    relu,
                 );
+                let state = ConvState {
+                    x: x_id,
+                    weight: weight_id,
+                    geom,
+                    relu_output: relu.then(|| y.clone()),
+                };
                 prep.finish(state, y)
             }
             OpsKind::UnTracked(prep) => prep.finish(B::conv2d_patches(
@@ -175,6 +204,7 @@ impl<B: ConvGradOps, C: CheckpointStrategy> ConvOps for Autodiff<B, C> {
                 weight.into_primitive(),
                 bias.into_primitive(),
                 geom,
+                relu,
             )),
         }
     }

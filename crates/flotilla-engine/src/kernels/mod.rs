@@ -12,6 +12,9 @@
 //! - [`causal_attention`](attention::causal_attention): `softmax(Q·Kᵀ/√dₖ + mask)·V` over the
 //!   heads, per (sample, head) on strided views (`attention_flex`), its backward from the kept
 //!   probabilities; `reference`: the same in burn's ops, for the other backends.
+//! - [`layer_norm`](layer_norm::layer_norm): layer normalization forward (keeping each row's
+//!   mean and `1/σ`) and backward (input, scale and shift gradients) in one pass each over
+//!   blocks of rows (`norm_rows`), instead of burn's recorded chain of element-wise ops.
 //! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as host memory.
 
 pub(crate) mod attention;
@@ -19,12 +22,16 @@ mod attention_flex;
 pub(crate) mod gelu;
 mod gemm;
 mod host;
+pub(crate) mod layer_norm;
 pub mod linear;
 mod math;
 pub mod max_pool;
+mod norm_rows;
 mod pool;
 mod reference;
 
+#[cfg(test)]
+mod layer_norm_tests;
 #[cfg(test)]
 mod linear_tests;
 #[cfg(test)]

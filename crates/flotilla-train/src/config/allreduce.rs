@@ -48,7 +48,8 @@ pub struct AllReduceSection {
     /// Sync: ZeRO stage (`zero`): 0 every rank holds the whole optimizer state; 1 each rank
     /// steps the optimizer on its shard of every bucket only (1/N of the state), then the
     /// parameters are all-gathered; 2 as 1, and the buckets are reduce-scattered instead of
-    /// all-reduced (each rank keeps only its shard's gradient sums).
+    /// all-reduced (each rank keeps only its shard's gradient sums and one bucket's wire
+    /// buffer). On one rank every stage is 0 (nothing to shard).
     pub zero: u8,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,

@@ -42,6 +42,10 @@ pub enum Backend {
     /// MPI (Open MPI through rsmpi): start the job with `mpirun -np N flotilla train ...`;
     /// rank and world size come from MPI. Needs a binary built with the `mpi` feature.
     Mpi,
+    /// NCCL for the `f32` collectives on this rank's GPU, over Flotilla's TCP group (its
+    /// rendezvous, control messages and the NCCL unique id). Needs a binary built with the
+    /// `nccl` feature, the NVIDIA driver and NCCL; untested on hardware.
+    Nccl,
 }
 
 /// Rendezvous, deadlines and the wire.
@@ -87,6 +91,11 @@ pub struct CommSection {
     /// `k` ranks all-reduce one `k`-th each with their peers of the other hosts over TCP,
     /// and each host gathers the parts) or `off` (one flat TCP algorithm over every rank).
     pub hierarchical: Hierarchical,
+    /// Hierarchical all-reduces above this many KiB go through their three phases in
+    /// pieces of this size, one piece crossing hosts over TCP while the host sums the next
+    /// and gathers the previous over shared memory (same bits with two hosts, same
+    /// inter-host bytes); 0: the phases one after the other on the whole buffer.
+    pub hier_pipeline_kb: usize,
     /// Directory of the shared-memory segments (per rank; default: `/dev/shm` when it has
     /// room, else the system temporary directory). Each segment's file is removed as soon
     /// as every rank of its group has mapped it.
@@ -115,6 +124,7 @@ impl Default for CommSection {
             mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             transport: Transport::Auto,
             hierarchical: Hierarchical::Auto,
+            hier_pipeline_kb: flotilla_comm::DEFAULT_HIER_PIPELINE_BYTES >> 10,
             shm_dir: None,
             secret_file: None,
             tls: None,
@@ -171,6 +181,7 @@ impl TrainConfig {
             mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
             transport: c.transport,
             hierarchical: c.hierarchical,
+            hier_pipeline_bytes: c.hier_pipeline_kb.saturating_mul(1 << 10),
             shm_dir: c.shm_dir.clone(),
             ..CommConfig::default()
         })
@@ -198,10 +209,22 @@ mod tests {
                 "{e}"
             );
         }
-        let e = TrainConfig::from_yaml("backend: nccl\n", "b.yaml")
-            .expect_err("unknown backend")
-            .to_string();
-        assert!(e.contains("nccl"), "{e}");
+    }
+
+    #[test]
+    fn nccl_is_a_backend_that_needs_its_feature() {
+        let c = TrainConfig::from_yaml("backend: nccl\n", "b.yaml").expect("alias");
+        assert_eq!(c.comm.backend, Backend::Nccl);
+        let checked = c.validate();
+        if cfg!(feature = "nccl") {
+            checked.expect("valid with the feature");
+        } else {
+            let e = checked.expect_err("needs the feature").to_string();
+            assert!(
+                e.contains("built without the `nccl` feature") && e.contains("--features nccl"),
+                "{e}"
+            );
+        }
     }
 
     #[test]
@@ -221,6 +244,23 @@ mod tests {
         let t = TrainConfig::from_yaml("small_all_reduce_kb: 1000000\n", "s.yaml").expect("parses");
         let e = t.validate().expect_err("above a frame").to_string();
         assert!(e.contains("comm.small_all_reduce_kb"), "{e}");
+    }
+
+    #[test]
+    fn hier_pipeline_kb_reaches_the_communicator() {
+        let c = TrainConfig::default()
+            .comm_config(Some(0), 0, 4)
+            .expect("default");
+        assert_eq!(
+            c.hier_pipeline_bytes,
+            flotilla_comm::DEFAULT_HIER_PIPELINE_BYTES
+        );
+        let t = TrainConfig::from_yaml("comm: {hier_pipeline_kb: 512}\n", "p.yaml").expect("key");
+        let c = t.comm_config(Some(0), 0, 4).expect("config");
+        assert_eq!(c.hier_pipeline_bytes, 512 << 10);
+        let t = TrainConfig::from_yaml("hier_pipeline_kb: 0\n", "p.yaml").expect("alias");
+        let c = t.comm_config(Some(0), 0, 4).expect("config");
+        assert_eq!(c.hier_pipeline_bytes, 0);
     }
 
     #[test]

@@ -158,7 +158,9 @@ pub const KEYS: &[Key] = &[
         "device",
         "DEVICE",
         Kind::Text,
-        "Backend: flex, auto[:N] (a Vulkan GPU if built with wgpu and present, else flex); ndarray, libtorch, wgpu[:N] (Vulkan adapter N) with the cargo features of those names",
+        "Backend: flex, auto[:N] (a Vulkan GPU if built with wgpu and present, else flex); \
+         ndarray, libtorch, cuda[:I] and wgpu[:I] with the cargo features of those names \
+         (a GPU named without its index runs each local rank on its own GPU, I on GPU I)",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",
@@ -253,8 +255,9 @@ pub const KEYS: &[Key] = &[
         "backend",
         "BACKEND",
         Kind::Text,
-        "Process-group backend: `tcp` (default) or `mpi` (under mpirun; a binary built with \
-         `--features mpi`)",
+        "Process-group backend: `tcp` (default), `mpi` (under mpirun; a binary built with \
+         `--features mpi`) or `nccl` (f32 collectives over NCCL on each rank's GPU; \
+         `--features nccl`)",
     ),
     Key::new("comm.master_addr").aliases(&["master_addr"]).flag(
         "master-addr",
@@ -287,6 +290,7 @@ pub const KEYS: &[Key] = &[
     Key::new("comm.mid_all_reduce_kb").aliases(&["mid_all_reduce_kb"]),
     Key::new("comm.transport").aliases(&["transport"]),
     Key::new("comm.hierarchical").aliases(&["hierarchical"]),
+    Key::new("comm.hier_pipeline_kb").aliases(&["hier_pipeline_kb"]),
     Key::new("comm.shm_dir").aliases(&["shm_dir"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),

@@ -49,6 +49,12 @@ impl TrainConfig {
                 "`comm.backend: mpi`: this binary was built without the `mpi` feature; rebuild with `cargo build --release --features mpi`",
             ));
         }
+        if c.backend == Backend::Nccl && !cfg!(feature = "nccl") {
+            return Err(TrainError::config(
+                "config",
+                "`comm.backend: nccl`: this binary was built without the `nccl` feature; rebuild with `cargo build --release --features nccl`",
+            ));
+        }
         positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
         let frame_kb = flotilla_comm::CommConfig::default().max_frame_bytes >> 10;
         if c.small_all_reduce_kb > frame_kb {

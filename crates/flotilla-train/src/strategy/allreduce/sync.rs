@@ -7,7 +7,7 @@ use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
-use super::zero::Zero;
+use super::zero::{Zero, wire_len};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState};
@@ -51,7 +51,8 @@ pub struct SyncAllReduce {
     overlap: bool,
     /// One reusable buffer per bucket; the last one has a slot more for the loss.
     buffers: Vec<Vec<f32>>,
-    /// The averaged flat gradient handed to the optimizer.
+    /// The averaged flat gradient handed to the optimizer (zero 0; empty with ZeRO, whose
+    /// ranks keep only their shard's).
     flat: Vec<f32>,
     /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
     zero: Option<Zero>,
@@ -70,7 +71,13 @@ impl SyncAllReduce {
         }
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
-        let stage = config.allreduce.zero;
+        // On one rank there is nothing to shard: ZeRO is the unsharded path (same bits,
+        // no second copy of the parameters nor gather buffers).
+        let stage = if cx.comm.size() > 1 {
+            config.allreduce.zero
+        } else {
+            0
+        };
         let zero = (stage > 0)
             .then(|| {
                 let device = &config.model.device;
@@ -88,7 +95,7 @@ impl SyncAllReduce {
             zero,
             comm: cx.comm.clone(),
             engine: Box::new(engine),
-            flat: vec![0.0; layout.total],
+            flat: vec![0.0; if stage > 0 { 0 } else { layout.total }],
             layout,
             plan,
             overlap: config.allreduce.overlap,
@@ -159,9 +166,10 @@ impl Strategy for SyncAllReduce {
                 } else {
                     ""
                 },
-                match config.allreduce.zero {
-                    0 => String::new(),
-                    z => format!(", ZeRO stage {z}"),
+                match (config.allreduce.zero, &self.zero) {
+                    (0, _) => String::new(),
+                    (z, Some(_)) => format!(", ZeRO stage {z}"),
+                    (z, None) => format!(", ZeRO stage {z} (one rank: nothing to shard)"),
                 }
             ),
         ))
@@ -188,7 +196,11 @@ impl Strategy for SyncAllReduce {
         }
     }
 
-    /// `optimizer_state_bytes`: the optimizer state this rank holds (1/N of it with ZeRO).
+    /// `optimizer_state_bytes`: the optimizer state this rank holds (1/N of it with ZeRO);
+    /// `gradient_bytes`: the averaged gradient it keeps for its optimizer step (the whole
+    /// model's, or with ZeRO its shard's); `bucket_buffer_bytes`: its wire buffers (every
+    /// bucket's when buckets are all-reduced, plus ZeRO's all-gather buffer; one bucket's
+    /// with stage 2). Both measured from the buffers held.
     fn figures(&self, cx: &Cx<'_>) -> Vec<(&'static str, f64)> {
         let _ = cx;
         let bytes = match &self.zero {
@@ -199,13 +211,21 @@ impl Strategy for SyncAllReduce {
                 .map_err(TrainError::from)
                 .and_then(|s| Ok(flotilla_engine::optimizer_state_bytes(&s)?)),
         };
+        let f32s = |n: usize| (n * std::mem::size_of::<f32>()) as f64;
+        let buckets: usize = self.buffers.iter().map(Vec::capacity).sum();
+        let (gradient, wire) = match &self.zero {
+            Some(zero) => (
+                zero.gradient_bytes() as f64,
+                f32s(buckets) + zero.staging_bytes() as f64,
+            ),
+            None => (f32s(self.flat.capacity()), f32s(buckets)),
+        };
+        let mut figures = vec![("gradient_bytes", gradient), ("bucket_buffer_bytes", wire)];
         match bytes {
-            Ok(b) => vec![("optimizer_state_bytes", b as f64)],
-            Err(e) => {
-                tracing::warn!("optimizer_state_bytes: {e}");
-                Vec::new()
-            }
+            Ok(b) => figures.push(("optimizer_state_bytes", b as f64)),
+            Err(e) => tracing::warn!("optimizer_state_bytes: {e}"),
         }
+        figures
     }
 
     fn save_checkpoint(
@@ -284,27 +304,46 @@ impl Strategy for SyncAllReduce {
 impl SyncAllReduce {
     /// One training step on this rank's batch at learning rate `lr`.
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
+        let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
+            Some(zero) => super::scatter::reduce_scatter_step(
+                zero,
+                &*self.comm,
+                &mut *self.engine,
+                (&self.plan, &self.layout),
+                batch,
+                self.overlap,
+            )?,
+            None => self.all_reduce_step(batch)?,
+        };
+        let engine = &mut *self.engine;
+        let global_loss = match &mut self.zero {
+            Some(zero) => zero.step(engine, reduced_loss, lr)?,
+            None => {
+                engine.apply_grads(&self.flat, lr)?;
+                reduced_loss
+            }
+        };
+        Ok(StepStats {
+            local_loss,
+            global_loss,
+        })
+    }
+
+    /// Forward and backward on `batch`, every bucket all-reduced (zero 0 and stage 1):
+    /// this rank's loss and the global mean loss.
+    fn all_reduce_step(&mut self, batch: BatchRef<'_>) -> Result<(f32, f32)> {
         let engine = &mut *self.engine;
         let count = self.plan.buckets.len();
         let last = count.saturating_sub(1);
-        let scatter = self.zero.as_ref().is_some_and(Zero::scatters);
         // A step that failed half-way may have left buffers with the communicator.
         self.buffers.resize_with(count, Vec::new);
-        for (k, (buffer, bucket)) in self.buffers.iter_mut().zip(&self.plan.buckets).enumerate() {
-            buffer.resize(bucket.len() + usize::from(k == last), 0.0);
+        for (k, buffer) in self.buffers.iter_mut().enumerate() {
+            buffer.resize(wire_len(&self.plan, k), 0.0);
         }
         let mut pending: Vec<Option<PendingAllReduce>> = (0..count).map(|_| None).collect();
         let local_loss = {
             let (plan, layout, buffers, comm) =
                 (&self.plan, &self.layout, &mut self.buffers, &self.comm);
-            // Stage 2 reduce-scatters each bucket: this rank's shard gets the ring's sums.
-            let start = |buf: Vec<f32>, k: usize| {
-                if scatter {
-                    comm.reduce_scatter_bucket(buf, k)
-                } else {
-                    comm.all_reduce_bucket(buf, k)
-                }
-            };
             let mut filled = vec![0usize; count];
             let pending = &mut pending;
             let mut on_grad = |i: usize, grad: &[f32]| {
@@ -315,7 +354,7 @@ impl SyncAllReduce {
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
                 if filled[k] == bucket.params.len() && k != last {
-                    pending[k] = Some(start(std::mem::take(&mut buffers[k]), k));
+                    pending[k] = Some(comm.all_reduce_bucket(std::mem::take(&mut buffers[k]), k));
                 }
                 Ok(())
             };
@@ -329,25 +368,17 @@ impl SyncAllReduce {
             if let Some(buffer) = buffers.get_mut(last) {
                 let n = plan.buckets[last].len();
                 buffer[n] = loss;
-                pending[last] = Some(start(std::mem::take(buffer), last));
+                pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
             }
             loss
         };
-        let mut global_loss = self.wait_buckets(pending)?.unwrap_or(local_loss);
-        let engine = &mut *self.engine;
-        match &mut self.zero {
-            Some(zero) => global_loss = zero.step(engine, &self.flat, global_loss, lr)?,
-            None => engine.apply_grads(&self.flat, lr)?,
-        }
-        Ok(StepStats {
-            local_loss,
-            global_loss,
-        })
+        let global_loss = self.wait_buckets(pending)?.unwrap_or(local_loss);
+        Ok((local_loss, global_loss))
     }
 
     /// Waits for the buckets in order and scales their sums by `1/N` into the flat
-    /// gradient; returns the global mean loss of the last bucket's slot (with stage 2,
-    /// meaningful only on the rank whose shard holds it).
+    /// gradient (zero 0) or this rank's shard of it (stage 1: [`Zero::keep_shard`]);
+    /// returns the global mean loss of the last bucket's slot.
     fn wait_buckets(&mut self, pending: Vec<Option<PendingAllReduce>>) -> Result<Option<f32>> {
         let scale = 1.0 / self.comm.size() as f32;
         let last = self.plan.buckets.len().saturating_sub(1);
@@ -360,8 +391,14 @@ impl SyncAllReduce {
             };
             let summed = p.wait()?;
             let bucket = &self.plan.buckets[k];
-            for (dst, src) in self.flat[bucket.start..bucket.end].iter_mut().zip(&summed) {
-                *dst = src * scale;
+            match &mut self.zero {
+                Some(zero) => zero.keep_shard(k, &summed, scale),
+                None => {
+                    let flat = &mut self.flat[bucket.start..bucket.end];
+                    for (dst, src) in flat.iter_mut().zip(&summed) {
+                        *dst = src * scale;
+                    }
+                }
             }
             if k == last {
                 global_loss = Some(summed[bucket.len()] * scale);

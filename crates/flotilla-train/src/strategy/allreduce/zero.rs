@@ -13,6 +13,14 @@
 //! brings every rank the whole parameters; the last one carries the loss slot, so with
 //! stage 2 every rank learns the global loss from the rank that owns it.
 //!
+//! Memory: a rank keeps, of the averaged gradient, only its shard's values (one after the
+//! other in flat order, 1/N of the model: [`Zero::keep_shard`]), and one bucket-sized wire
+//! buffer reused bucket after bucket — by stage 2's reduce-scatters (`scatter.rs`, which
+//! waits for bucket *k*'s before bucket *k+1* is copied in) and by the all-gathers. Stage 1
+//! keeps its buckets' buffers (all-reduced in place) besides. On one rank there is nothing
+//! to shard and the strategy takes the unsharded path (`SyncAllReduce::build`), with its
+//! bits and its memory.
+//!
 //! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
 //! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
 //! (world, stage, each rank's flat ranges) in `state.json`; resume sends each rank its
@@ -44,11 +52,28 @@ pub struct Zero {
     comm: Arc<dyn ProcessGroup>,
     /// The buckets' flat ranges.
     buckets: Vec<Range<usize>>,
+    /// Where each bucket's shard lies: in its wire buffer and in `grad`.
+    slots: Vec<Slot>,
     optimizer: ShardOptimizer,
     /// The whole flat parameters, as every rank holds them between steps.
     params: Vec<f32>,
-    /// One reusable wire buffer per bucket for the all-gather.
-    wire: Vec<Vec<f32>>,
+    /// This rank's shard of the averaged gradient: the pieces of every bucket's shard one
+    /// after the other in flat order, as [`ShardOptimizer::step`] takes them (1/N of the
+    /// model).
+    grad: Vec<f32>,
+    /// The one bucket-sized wire buffer, reused bucket after bucket: stage 2's gradient
+    /// buckets on their way through the reduce-scatter, then the all-gather's parameters.
+    staging: Vec<f32>,
+    /// The largest bucket's wire length (the staging buffer's capacity).
+    max_wire: usize,
+}
+
+/// Where one bucket's shard lies.
+struct Slot {
+    /// Its values in the bucket's wire buffer (the loss slot left out).
+    wire: Range<usize>,
+    /// Where they start in the shard's gradient.
+    at: usize,
 }
 
 /// Rank `rank` of `n`'s flat parameter ranges: its shard of each bucket's wire buffer
@@ -65,6 +90,28 @@ pub fn owned_ranges(plan: &BucketPlan, n: usize, rank: usize) -> Vec<Range<usize
         .collect()
 }
 
+/// The wire length of `plan`'s bucket `k`: its values, and the loss slot in the last one.
+pub fn wire_len(plan: &BucketPlan, k: usize) -> usize {
+    plan.buckets[k].len() + usize::from(k + 1 == plan.buckets.len())
+}
+
+/// Each bucket's [`Slot`] for the flat ranges `owned` (one per bucket): the pieces'
+/// gradient is in flat order, so a bucket's shard starts after every range below it.
+fn slots(plan: &BucketPlan, owned: &[Range<usize>]) -> Vec<Slot> {
+    owned
+        .iter()
+        .zip(&plan.buckets)
+        .map(|(r, b)| Slot {
+            wire: r.start - b.start..r.end - b.start,
+            at: owned
+                .iter()
+                .filter(|o| o.start < r.start)
+                .map(|o| o.len())
+                .sum(),
+        })
+        .collect()
+}
+
 impl Zero {
     /// Stage `stage` (1 or 2) over `comm` for a model of `layout` cut into `plan`'s buckets,
     /// with the optimizer of `spec` on the named device.
@@ -76,19 +123,57 @@ impl Zero {
         spec: &OptimizerSpec,
         device: &str,
     ) -> Result<Self> {
-        let (n, rank) = (comm.size(), comm.rank());
-        let last = plan.buckets.len().saturating_sub(1);
-        let wire_len = |k: usize| plan.buckets[k].len() + usize::from(k == last);
+        let owned = owned_ranges(plan, comm.size(), comm.rank());
+        let optimizer = ShardOptimizer::new(spec, layout, &owned, device)?;
+        let max_wire = (0..plan.buckets.len())
+            .map(|k| wire_len(plan, k))
+            .max()
+            .unwrap_or(0);
         Ok(Self {
             stage,
             buckets: plan.buckets.iter().map(|b| b.start..b.end).collect(),
-            optimizer: ShardOptimizer::new(spec, layout, &owned_ranges(plan, n, rank), device)?,
+            slots: slots(plan, &owned),
+            grad: vec![0.0; optimizer.len()],
+            optimizer,
             params: vec![0.0; layout.total],
-            wire: (0..plan.buckets.len())
-                .map(|k| vec![0.0; wire_len(k)])
-                .collect(),
+            staging: Vec::with_capacity(max_wire),
+            max_wire,
             comm,
         })
+    }
+
+    /// The staging buffer, to fill with a bucket's gradient (stage 2); give it back with
+    /// [`Zero::return_staging`]. A new one if the last step lost it (a failed collective).
+    pub fn take_staging(&mut self) -> Vec<f32> {
+        match std::mem::take(&mut self.staging) {
+            v if v.capacity() >= self.max_wire => v,
+            _ => Vec::with_capacity(self.max_wire),
+        }
+    }
+
+    /// Gives back the buffer of [`Zero::take_staging`].
+    pub fn return_staging(&mut self, buffer: Vec<f32>) {
+        self.staging = buffer;
+    }
+
+    /// Keeps this rank's shard of bucket `k`'s summed wire buffer, scaled by `scale` (1/N),
+    /// as its gradient; the rest of `summed` is not read.
+    pub fn keep_shard(&mut self, k: usize, summed: &[f32], scale: f32) {
+        let slot = &self.slots[k];
+        let dst = &mut self.grad[slot.at..slot.at + slot.wire.len()];
+        for (d, s) in dst.iter_mut().zip(&summed[slot.wire.clone()]) {
+            *d = s * scale;
+        }
+    }
+
+    /// Bytes of gradient this rank keeps for its optimizer step (its shard's: 1/N).
+    pub fn gradient_bytes(&self) -> usize {
+        self.grad.capacity() * std::mem::size_of::<f32>()
+    }
+
+    /// Bytes of its wire buffer (one bucket's).
+    pub fn staging_bytes(&self) -> usize {
+        self.staging.capacity() * std::mem::size_of::<f32>()
     }
 
     /// Whether buckets are reduce-scattered (stage 2) rather than all-reduced.
@@ -103,32 +188,29 @@ impl Zero {
     }
 
     /// One sharded step: burn's optimizer moves this rank's shard of the parameters by its
-    /// shard of `grads` (the averaged flat gradient; only the shard is read) at `lr`, the
-    /// buckets' parameters are all-gathered into `engine`, and the loss slot's value as the
-    /// rank owning it gave it (`loss` on that rank) is returned.
-    pub fn step(
-        &mut self,
-        engine: &mut dyn Engine,
-        grads: &[f32],
-        loss: f32,
-        lr: f64,
-    ) -> Result<f32> {
-        self.optimizer.step(&mut self.params, grads, lr)?;
+    /// shard of the averaged gradient (kept by [`Zero::keep_shard`]) at `lr`, the buckets'
+    /// parameters are all-gathered through the staging buffer into `engine`, and the loss
+    /// slot's value as the rank owning it gave it (`loss` on that rank) is returned.
+    pub fn step(&mut self, engine: &mut dyn Engine, loss: f32, lr: f64) -> Result<f32> {
+        self.optimizer.step(&mut self.params, &self.grad, lr)?;
         engine.drop_grads();
         let last = self.buckets.len().saturating_sub(1);
         let mut global_loss = loss;
-        for (k, (bucket, wire)) in self.buckets.iter().zip(&mut self.wire).enumerate() {
+        let mut wire = self.take_staging();
+        for (k, bucket) in self.buckets.iter().enumerate() {
             let len = bucket.len();
-            wire[..len].copy_from_slice(&self.params[bucket.clone()]);
+            wire.clear();
+            wire.extend_from_slice(&self.params[bucket.clone()]);
             if k == last {
-                wire[len] = loss;
+                wire.push(loss);
             }
-            self.comm.all_gather_f32(wire)?;
+            self.comm.all_gather_f32(&mut wire)?;
             self.params[bucket.clone()].copy_from_slice(&wire[..len]);
             if k == last {
                 global_loss = wire[len];
             }
         }
+        self.staging = wire;
         engine.write_params(&self.params)?;
         Ok(global_loss)
     }

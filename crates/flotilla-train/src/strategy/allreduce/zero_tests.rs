@@ -5,8 +5,11 @@
 //! all-reduces take the ring (`small_all_reduce_bytes` and `mid_all_reduce_bytes` 0): stage
 //! 2's reduce-scatter sums in the ring's order, the doubling and Rabenseifner in others. Also: each rank's
 //! `optimizer_state_bytes` is its shard's share, and a run checkpointed at step k and
-//! resumed on new ranks ends bitwise as the uninterrupted one.
+//! resumed on new ranks ends bitwise as the uninterrupted one. The gradient a rank keeps
+//! (`gradient_bytes`) is its shard's with ZeRO, and stage 2 holds one bucket-sized wire
+//! buffer (`bucket_buffer_bytes`); on one rank ZeRO is zero 0, bits and figures.
 
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::thread;
 
@@ -75,8 +78,8 @@ pub(super) fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
     )
 }
 
-/// What each rank ends with: parameters, reported losses, `optimizer_state_bytes`.
-pub(super) type Outcome = (Vec<f32>, Vec<f32>, f64);
+/// What each rank ends with: parameters, reported losses, figures by name.
+pub(super) type Outcome = (Vec<f32>, Vec<f32>, BTreeMap<&'static str, f64>);
 
 /// Runs steps `from..to` on `n` ranks (a checkpoint of step `from` in `output` when
 /// `from > 0`; one of step `to` written there when `save`).
@@ -88,12 +91,26 @@ pub(super) fn run(
     output: &Path,
     save: bool,
 ) -> Vec<Outcome> {
+    run_overlapped(n, opt, (zero, true), span, output, save)
+}
+
+/// [`run`] at `(zero, overlap)`: without overlap, one backward pass gives the gradients in
+/// flat order (the buckets' reverse) and the loss before them.
+fn run_overlapped(
+    n: usize,
+    opt: &OptimizerSpec,
+    (zero, overlap): (u8, bool),
+    span: (u64, u64),
+    output: &Path,
+    save: bool,
+) -> Vec<Outcome> {
     let handles: Vec<_> = ring(n)
         .into_iter()
         .map(|comm| {
             let (opt, output) = (opt.clone(), output.to_path_buf());
             thread::spawn(move || {
                 let mut rank = rank(comm.clone(), &opt, zero);
+                rank.config.allreduce.overlap = overlap;
                 rank.config.telemetry.output = output;
                 rank.config.schedule.resume = span.0 > 0;
                 let topology = rank.config.topology().expect("topology");
@@ -129,12 +146,8 @@ pub(super) fn run(
                     peer.save_checkpoint(&mut rank.cx(), &state)
                         .expect("checkpoint");
                 }
-                let figures = peer.figures(&rank.cx());
-                let bytes = figures
-                    .iter()
-                    .find(|(k, _)| *k == "optimizer_state_bytes")
-                    .map_or(-1.0, |(_, v)| *v);
-                (params(&mut peer), losses, bytes)
+                let figures = peer.figures(&rank.cx()).into_iter().collect();
+                (params(&mut peer), losses, figures)
             })
         })
         .collect();
@@ -152,10 +165,11 @@ fn zero_1_and_2_equal_zero_0_bitwise() {
             let reference = run(n, &opt, 0, (0, STEPS), tmp.path(), false);
             let start = run(n, &opt, 0, (0, 0), tmp.path(), false).remove(0).0;
             assert_ne!(reference[0].0, start, "{opt:?}: the parameters moved");
-            for zero in [1, 2] {
-                let got = run(n, &opt, zero, (0, STEPS), tmp.path(), false);
+            for (zero, overlap) in [(1, true), (2, true), (2, false)] {
+                let got = run_overlapped(n, &opt, (zero, overlap), (0, STEPS), tmp.path(), false);
                 for (r, (p, losses, _)) in got.iter().enumerate() {
-                    let what = format!("{opt:?}, {n} ranks, zero {zero}, rank {r}");
+                    let what =
+                        format!("{opt:?}, {n} ranks, zero {zero}, overlap {overlap}, rank {r}");
                     assert_bitwise(p, &reference[r].0, &what);
                     assert_bitwise(losses, &reference[r].1, &format!("{what}: losses"));
                 }
@@ -173,29 +187,24 @@ fn optimizer_state_bytes_are_each_ranks_share() {
     let total = whole[0].0.len();
     for (r, w) in whole.iter().enumerate() {
         assert_eq!(
-            w.2,
+            w.2["optimizer_state_bytes"],
             (2 * 4 * total) as f64,
             "zero 0, rank {r}: all the state"
         );
     }
     // The plan of the two buckets, as every peer cuts it.
-    let comm = ring(1).remove(0);
-    let mut one = rank(comm, adam, 1);
-    let topology = one.config.topology().expect("topology");
-    let peer = one.build(&topology, SyncAllReduce::build);
+    let plan = the_plan(adam);
     for zero in [1, 2] {
         let got = run(n, adam, zero, (0, 2), tmp.path(), false);
         let mut sum = 0.0;
-        for (r, (_, _, bytes)) in got.iter().enumerate() {
-            let owned: usize = owned_ranges(peer.plan(), n, r)
-                .iter()
-                .map(|x| x.len())
-                .sum();
-            assert_eq!(*bytes, (2 * 4 * owned) as f64, "zero {zero}, rank {r}");
+        for (r, (_, _, figures)) in got.iter().enumerate() {
+            let owned: usize = owned_ranges(&plan, n, r).iter().map(|x| x.len()).sum();
+            let bytes = figures["optimizer_state_bytes"];
+            assert_eq!(bytes, (2 * 4 * owned) as f64, "zero {zero}, rank {r}");
             sum += bytes;
         }
         assert_eq!(
-            sum, whole[0].2,
+            sum, whole[0].2["optimizer_state_bytes"],
             "zero {zero}: the shards add up to the whole state"
         );
     }
@@ -218,4 +227,83 @@ fn a_resumed_zero_run_equals_the_uninterrupted_one() {
             );
         }
     }
+}
+
+/// Each bucket's wire length (values and, in the last, the loss slot), as every peer cuts
+/// the plan.
+fn wire_lens(opt: &OptimizerSpec) -> Vec<usize> {
+    let plan = the_plan(opt);
+    (0..plan.buckets.len())
+        .map(|k| super::zero::wire_len(&plan, k))
+        .collect()
+}
+
+#[test]
+fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let adam = &optimizers()[1];
+    let wires = wire_lens(adam);
+    let (all, largest) = (wires.iter().sum::<usize>(), wires.iter().max().copied());
+    let largest = largest.expect("buckets");
+    for n in [2, 3] {
+        let whole = run(n, adam, 0, (0, 2), tmp.path(), false);
+        let total = whole[0].0.len();
+        for (r, (_, _, f)) in whole.iter().enumerate() {
+            let what = format!("zero 0, {n} ranks, rank {r}");
+            assert_eq!(f["gradient_bytes"], (4 * total) as f64, "{what}");
+            assert_eq!(f["bucket_buffer_bytes"], (4 * all) as f64, "{what}");
+        }
+        let plan = the_plan(adam);
+        for zero in [1, 2] {
+            let got = run(n, adam, zero, (0, 2), tmp.path(), false);
+            let mut sum = 0.0;
+            for (r, (_, _, f)) in got.iter().enumerate() {
+                let what = format!("zero {zero}, {n} ranks, rank {r}");
+                let owned: usize = owned_ranges(&plan, n, r).iter().map(|x| x.len()).sum();
+                assert!(
+                    owned <= total.div_ceil(n) + 1,
+                    "{what}: 1/N of {total}: {owned}"
+                );
+                assert_eq!(f["gradient_bytes"], (4 * owned) as f64, "{what}");
+                sum += f["gradient_bytes"];
+                // Stage 1 keeps every bucket (all-reduced in place) and the all-gather's
+                // buffer; stage 2 one bucket-sized buffer for both.
+                let wire = if zero == 1 { all + largest } else { largest };
+                assert_eq!(f["bucket_buffer_bytes"], (4 * wire) as f64, "{what}");
+            }
+            assert_eq!(
+                sum,
+                (4 * total) as f64,
+                "zero {zero}: the shards make the model"
+            );
+        }
+    }
+}
+
+#[test]
+fn zero_on_one_rank_is_the_unsharded_path() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let adam = &optimizers()[1];
+    let reference = run(1, adam, 0, (0, STEPS), tmp.path(), false);
+    for zero in [1, 2] {
+        let got = run(1, adam, zero, (0, STEPS), tmp.path(), false);
+        assert_bitwise(
+            &got[0].0,
+            &reference[0].0,
+            &format!("zero {zero}, one rank"),
+        );
+        assert_bitwise(&got[0].1, &reference[0].1, &format!("zero {zero}: losses"));
+        // No second copy of anything: the figures are zero 0's.
+        assert_eq!(
+            got[0].2, reference[0].2,
+            "zero {zero}, one rank: memory figures"
+        );
+    }
+}
+
+/// The bucket plan every peer cuts.
+fn the_plan(opt: &OptimizerSpec) -> crate::bucket::BucketPlan {
+    let mut one = rank(ring(1).remove(0), opt, 0);
+    let topology = one.config.topology().expect("topology");
+    one.build(&topology, SyncAllReduce::build).plan().clone()
 }

@@ -43,7 +43,7 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
         samples,
         PROFILE_ROUNDS,
     )?;
-    let hosts = hosts(config, stages);
+    let hosts = hosts(config, stages)?;
     let (ranges, automatic) = stage_ranges(config, spec, &costs, &hosts)?;
     let cut = StageCut::new(spec, ranges.clone())
         .map_err(|e| TrainError::config("pipeline.stages", e.to_string()))?;
@@ -58,20 +58,60 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
     })
 }
 
-/// Every stage's host, from `pipeline.hosts` (default: unlimited memory, speed 1), with
-/// the micro-batches of activations its schedule keeps alive.
-fn hosts(config: &TrainConfig, stages: usize) -> Vec<StageHost> {
+/// Every stage's host, from `pipeline.hosts` (default: speed 1, and the memory of
+/// [`stage_memory`]), with the micro-batches of activations its schedule keeps alive.
+fn hosts(config: &TrainConfig, stages: usize) -> Result<Vec<StageHost>> {
     let p = &config.pipeline;
     (0..stages)
         .map(|s| {
             let h = p.hosts.get(s).cloned().unwrap_or_default();
-            StageHost {
-                memory_bytes: h.memory_mb.map(|mb| (mb * (1u64 << 20) as f64) as u64),
+            let device = match h.memory_mb {
+                Some(_) => None,
+                None => stage_device_memory(config, s, stages)?,
+            };
+            Ok(StageHost {
+                memory_bytes: stage_memory(h.memory_mb, device),
                 speed: h.speed,
                 in_flight: p.schedule.peak_in_flight(stages, s, p.micro_batches) as u64,
-            }
+            })
         })
         .collect()
+}
+
+/// A stage host's memory limit, BossMan's rule: the config's `memory_mb` beats what the
+/// stage's device reports, which beats the CPU's rule (no device report: unlimited, as
+/// before; the launcher checks the host's RAM for the whole job, `flotilla` `capacity.rs`).
+pub fn stage_memory(configured_mb: Option<f64>, device_bytes: Option<u64>) -> Option<u64> {
+    match configured_mb {
+        Some(mb) => Some((mb * (1u64 << 20) as f64) as u64),
+        None => device_bytes,
+    }
+}
+
+/// The memory the GPU of stage `stage` reports (`None` on a CPU backend): the least of the
+/// GPUs its replicas run on (rank `stage + k·stages` of a local launch on GPU
+/// `rank mod G`, or the configured index), the driver's total (`cuDeviceTotalMem` for
+/// `cuda`); `None` for `wgpu` too, which reports no memory size (the CPU's rule).
+fn stage_device_memory(config: &TrainConfig, stage: usize, stages: usize) -> Result<Option<u64>> {
+    let bad = |e: flotilla_engine::EngineError| TrainError::config("model.device", e.to_string());
+    let spec = flotilla_engine::DeviceSpec::parse(&config.model.device).map_err(bad)?;
+    let Some(kind) = spec.gpu() else {
+        return Ok(None);
+    };
+    let gpus = flotilla_engine::gpu_count(kind).map_err(bad)?;
+    let replicas = config.pipeline.data_parallel.max(1);
+    let mut least: Option<u64> = None;
+    for k in 0..replicas {
+        let index = spec
+            .index
+            .unwrap_or_else(|| flotilla_engine::device_index(stage + k * stages, gpus));
+        // wgpu reports no memory size: the stage takes the CPU's rule.
+        let Some(bytes) = flotilla_engine::gpu_memory(kind, index).map_err(bad)? else {
+            return Ok(None);
+        };
+        least = Some(least.map_or(bytes, |l| l.min(bytes)));
+    }
+    Ok(least)
 }
 
 /// The layer ranges of the stages, and whether they were chosen automatically.
@@ -170,5 +210,28 @@ impl PipelinePlan {
             self.balance()
         ));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn configured_memory_beats_the_device_report_which_beats_the_cpu_rule() {
+        let gib = 1u64 << 30;
+        // The config wins over what the device reports.
+        assert_eq!(stage_memory(Some(64.0), Some(16 * gib)), Some(64 << 20));
+        // Without it, the device's report is the limit.
+        assert_eq!(stage_memory(None, Some(16 * gib)), Some(16 * gib));
+        // A CPU backend reports nothing: unlimited, as before.
+        assert_eq!(stage_memory(None, None), None);
+        assert_eq!(stage_memory(Some(0.5), None), Some(1 << 19));
+    }
+
+    #[test]
+    fn a_cpu_stage_has_no_device_memory() {
+        let config = TrainConfig::default();
+        assert_eq!(stage_device_memory(&config, 1, 2).expect("cpu"), None);
     }
 }
