@@ -38,7 +38,7 @@ use flotilla_group::{CommError, shard};
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender, unbounded_channel};
 use tokio::task::JoinHandle;
 
-use crate::hier_phases::{cross_reduce, host_gather, host_reduce};
+use crate::hier::{cross_reduce, host_gather, host_reduce};
 use crate::world::{GroupState, Levels};
 
 /// What the crossing task sends back: this rank's segment of a piece, all-reduced.

@@ -59,7 +59,6 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzzing;
 mod hier;
-mod hier_phases;
 mod hier_pipeline;
 #[cfg(test)]
 mod hier_tests;
