@@ -58,10 +58,6 @@ pub enum WireFormat {
 /// Default of [`CommConfig::shm_chunk_bytes`]: 1 MiB per rank slot.
 pub const DEFAULT_SHM_CHUNK_BYTES: usize = 1 << 20;
 
-/// Default of [`CommConfig::hier_pipeline_bytes`]: 2 MiB pieces (a 16 MiB all-reduce
-/// crosses hosts in 8 of them, while the host phases of its neighbours run).
-pub const DEFAULT_HIER_PIPELINE_BYTES: usize = 2 << 20;
-
 /// How the `f32` collectives of a group travel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -227,11 +223,6 @@ pub struct CommConfig {
     /// Bytes of each rank's slot in a shared-memory segment: an all-reduce goes through it
     /// in chunks of this size (double-buffered). A multiple of 4096, at least 4096.
     pub shm_chunk_bytes: usize,
-    /// Bytes of each piece of a hierarchical all-reduce larger than this (`crate::hier`):
-    /// piece by piece, the host phases of one piece run while its neighbour crosses hosts
-    /// over TCP. 0: never pieced (the three phases one after the other on the whole buffer).
-    /// Every rank of a job must use the same value.
-    pub hier_pipeline_bytes: usize,
     /// With [`Rejoin::Join`]: the ranks other than 0 the replacement connects to (its
     /// parameter servers); rank 0 is always reached first.
     pub rejoin_links: Vec<usize>,
@@ -282,7 +273,6 @@ impl fmt::Debug for CommConfig {
             .field("hierarchical", &self.hierarchical)
             .field("shm_dir", &self.shm_dir)
             .field("shm_chunk_bytes", &self.shm_chunk_bytes)
-            .field("hier_pipeline_bytes", &self.hier_pipeline_bytes)
             .field("rejoin_links", &self.rejoin_links)
             .finish()
     }
@@ -318,7 +308,6 @@ impl Default for CommConfig {
             hierarchical: Hierarchical::Auto,
             shm_dir: None,
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
-            hier_pipeline_bytes: DEFAULT_HIER_PIPELINE_BYTES,
         }
     }
 }
@@ -358,7 +347,7 @@ impl CommConfig {
     /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES`,
     /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`,
     /// `FLOTILLA_COMM_TRANSPORT` (`auto`|`tcp`|`shm`), `FLOTILLA_COMM_SHM_DIR`,
-    /// `FLOTILLA_COMM_SHM_CHUNK_BYTES`, `FLOTILLA_COMM_HIER_PIPELINE_BYTES`.
+    /// `FLOTILLA_COMM_SHM_CHUNK_BYTES`.
     pub fn from_env() -> Result<Self, CommError> {
         let world_size: usize = parse_env("WORLD_SIZE")?
             .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
@@ -420,8 +409,8 @@ impl CommConfig {
     }
 
     /// Applies the shared-memory variables of the environment (`FLOTILLA_COMM_TRANSPORT`,
-    /// `FLOTILLA_COMM_HIERARCHICAL`, `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`,
-    /// `FLOTILLA_COMM_HIER_PIPELINE_BYTES`) over this config.
+    /// `FLOTILLA_COMM_HIERARCHICAL`, `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`)
+    /// over this config.
     pub fn apply_shm_env(&mut self) -> Result<(), CommError> {
         if let Some(t) = parse_env("FLOTILLA_COMM_TRANSPORT")? {
             self.transport = t;
@@ -434,9 +423,6 @@ impl CommConfig {
         }
         if let Some(c) = parse_env("FLOTILLA_COMM_SHM_CHUNK_BYTES")? {
             self.shm_chunk_bytes = c;
-        }
-        if let Some(b) = parse_env("FLOTILLA_COMM_HIER_PIPELINE_BYTES")? {
-            self.hier_pipeline_bytes = b;
         }
         Ok(())
     }
@@ -462,12 +448,6 @@ impl CommConfig {
     /// Sets the bytes of each rank's slot in a shared-memory segment.
     pub fn with_shm_chunk_bytes(mut self, bytes: usize) -> Self {
         self.shm_chunk_bytes = bytes;
-        self
-    }
-
-    /// Sets the bytes of each piece of a pipelined hierarchical all-reduce (0: none).
-    pub fn with_hier_pipeline_bytes(mut self, bytes: usize) -> Self {
-        self.hier_pipeline_bytes = bytes;
         self
     }
 

@@ -11,11 +11,6 @@
 //! 3. each host gathers the segments over its shared segment (one broadcast from each local
 //!    rank of its segment).
 //!
-//! A buffer larger than [`crate::CommConfig::hier_pipeline_bytes`] goes through the three
-//! phases piece by piece, the TCP phase of one piece overlapping the host phases of its
-//! neighbours ([`crate::hier_pipeline`]): with two hosts the same bits, with more the hosts'
-//! sums added in the TCP algorithm's order over each piece; the same inter-host payload.
-//!
 //! **Sum order** (the same on every rank, so every rank ends with the same bits): each
 //! host's sum is the serial left-to-right sum of its ranks in group order (the segment's);
 //! the hosts' sums are then added in the order of the TCP algorithm of step 2 (the same
@@ -44,7 +39,6 @@ use flotilla_group::{CommError, Members, shard};
 
 use crate::config::{Hierarchical, Transport};
 use crate::flat::{self, Algorithm};
-use crate::hier_pipeline;
 use crate::world::{GroupState, Levels, derive_key};
 
 /// Where the ranks of a group are, host by host.
@@ -126,39 +120,21 @@ fn build(g: &GroupState) -> Option<Levels> {
 }
 
 /// The hierarchical all-reduce of `buf` over `lv` (in the parent group's turn; see the
-/// module doc): piece by piece ([`crate::hier_pipeline`]) when `buf` is larger than
-/// [`crate::CommConfig::hier_pipeline_bytes`], else the three phases on the whole buffer.
+/// module doc).
 pub(crate) async fn all_reduce(lv: &Levels, buf: &mut [f32]) -> Result<(), CommError> {
-    let piece = lv.local.world.cfg.hier_pipeline_bytes / 4;
-    if piece > 0 && buf.len() > piece {
-        return hier_pipeline::all_reduce(lv, buf, piece).await;
-    }
-    host_reduce(&lv.local, buf).await?;
-    let (len, k, i) = (buf.len(), lv.local.members.len(), lv.local.me());
-    cross_reduce(&lv.cross, &mut buf[shard::segment(len, k, i)]).await?;
-    host_gather(&lv.local, buf).await
-}
-
-/// Phase 1: the host's ranks all-reduce `buf` over their segment (in the next turn of
-/// `local`).
-pub(crate) async fn host_reduce(local: &GroupState, buf: &mut [f32]) -> Result<(), CommError> {
+    let (local, cross): (&GroupState, &GroupState) = (&lv.local, &lv.cross);
+    let (len, k, i) = (buf.len(), local.members.len(), local.me());
     let t = local.nested_ticket();
-    let _turn = local.begin(t).await?;
-    flat::shm_all_reduce(local, t, buf).await
-}
-
-/// Phase 2: this rank's segment `mine` of the host's sum, all-reduced over TCP with the
-/// same local rank of every other host (in the next turn of `cross`).
-pub(crate) async fn cross_reduce(cross: &GroupState, mine: &mut [f32]) -> Result<(), CommError> {
+    {
+        let _turn = local.begin(t).await?;
+        flat::shm_all_reduce(local, t, buf).await?;
+    }
     let t = cross.nested_ticket();
-    let _turn = cross.begin(t).await?;
-    Algorithm::of(cross, mine).run(cross, t, mine).await
-}
-
-/// Phase 3: local rank `j` broadcasts segment `j` of `buf` to the host, for every `j` (in
-/// the next `k` turns of `local`).
-pub(crate) async fn host_gather(local: &GroupState, buf: &mut [f32]) -> Result<(), CommError> {
-    let (len, k) = (buf.len(), local.members.len());
+    {
+        let _turn = cross.begin(t).await?;
+        let mine = &mut buf[shard::segment(len, k, i)];
+        Algorithm::of(cross, mine).run(cross, t, mine).await?;
+    }
     for j in 0..k {
         let t = local.nested_ticket();
         let _turn = local.begin(t).await?;

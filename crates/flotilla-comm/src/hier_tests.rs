@@ -172,40 +172,6 @@ fn two_hosts_of_two_send_two_thirds_of_a_flat_rings_inter_host_bytes() {
 }
 
 #[test]
-fn pieces_overlapping_the_phases_keep_the_bits_and_the_inter_host_bytes() {
-    // 2 hosts of 3, interleaved; pieces of 10_001 floats (not a multiple of k, spanning
-    // three 16 KiB shm chunks): one piece, one and a sliver, 20 and 110 pieces with a short
-    // last one; the TCP phase takes doubling, Rabenseifner's and the ring over the pieces.
-    let hosts = ["a", "b", "a", "b", "a", "b"];
-    let lens = [10_001, 10_002, 200_003, 1_100_001];
-    let piece = 10_001 * 4;
-    for mid in [1 << 20, 0] {
-        let mut c = small_thresholds(cfg(Hierarchical::Auto));
-        c.small_all_reduce_bytes = 8 << 10;
-        c.mid_all_reduce_bytes = mid;
-        let pieced = run(&hosts, c.clone().with_hier_pipeline_bytes(piece), &lens);
-        let got = agreed(&pieced);
-        for (case, bits) in got.iter().enumerate() {
-            assert_eq!(bits.len(), lens[case]);
-            for (i, &x) in bits.iter().enumerate() {
-                let host = |rs: [usize; 3]| {
-                    (value(case, rs[0], i) + value(case, rs[1], i)) + value(case, rs[2], i)
-                };
-                let want = host([0, 2, 4]) + host([1, 3, 5]);
-                assert_eq!(x, want.to_bits(), "mid {mid} case {case} element {i}");
-            }
-        }
-        // Each rank sends its segment (S/3) once across (2 (H-1)/H = 1), pieced or not.
-        let s = (lens.iter().sum::<usize>() * 4) as f64;
-        let whole = run(&hosts, c.with_hier_pipeline_bytes(0), &lens);
-        assert_eq!(agreed(&whole), got, "mid {mid}: pieced against whole");
-        let p = assert_bytes(&pieced, 2.0 * s, "pieced");
-        let w = assert_bytes(&whole, 2.0 * s, "whole");
-        assert!(p >= w, "mid {mid}: {p} B pieced, {w} B whole");
-    }
-}
-
-#[test]
 fn uneven_hosts_and_one_rank_per_host_stay_flat_bit_for_bit() {
     for hosts in [&["a", "a", "b"][..], &["a", "b", "c", "d"][..]] {
         let on = run(hosts, cfg(Hierarchical::Auto), &LENS);

@@ -59,7 +59,6 @@ pub mod frame;
 #[doc(hidden)]
 pub mod fuzzing;
 mod hier;
-mod hier_pipeline;
 #[cfg(test)]
 mod hier_tests;
 mod host;
@@ -81,9 +80,9 @@ mod world;
 
 pub use comm::Communicator;
 pub use config::{
-    CommConfig, Compression, DEFAULT_HIER_PIPELINE_BYTES, DEFAULT_MASTER_PORT,
-    DEFAULT_MID_ALL_REDUCE_BYTES, DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES,
-    Hierarchical, Rejoin, Transport, WireFormat,
+    CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
+    DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
+    WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,

@@ -7,8 +7,7 @@
 //!   inter-host bytes (`CommStats::bytes_sent_inter_host`, every rank's summed) half of the
 //!   flat run's (`FLOTILLA_COMM_HIERARCHICAL=off`, Rabenseifner's at 4 MiB), both measured.
 //! * Uneven hosts (2 + 1): flat, bit for bit and byte for byte the `off` run.
-//! * A rank killed on the other host is named by every survivor well within the deadline,
-//!   with the all-reduce in pieces whose phases overlap.
+//! * A rank killed on the other host is named by every survivor well within the deadline.
 //!
 //! Needs root and `ip` (iproute2); without them the tests are skipped, unless `CI` is set,
 //! where that is a failure. Namespaces and the bridge are removed on every exit path.
@@ -28,9 +27,6 @@ const CHILD: &str = "FLOTILLA_TEST_HIER_CHILD";
 const OUT: &str = "FLOTILLA_TEST_HIER_OUT";
 /// The lengths a `sums` rank all-reduces; the last (4 MiB) is the one whose bytes count.
 const LENS: [usize; 4] = [3, 1001, 200_003, 1 << 20];
-/// The variable of `CommConfig::hier_pipeline_bytes`: the killed world's 1.2 MB
-/// all-reduces cross in 5 pieces, so the loss lands while pieces overlap.
-const PIECES: &str = "FLOTILLA_COMM_HIER_PIPELINE_BYTES";
 /// How long a world of ranks may take before the test fails as hung.
 const DEADLINE: Duration = Duration::from_secs(60);
 
@@ -353,7 +349,7 @@ fn a_rank_killed_on_the_other_host_is_named_by_every_survivor() {
     };
     let hosts_of = [0, 0, 1, 1];
     let mut kids: Vec<Kid> = (0..4)
-        .map(|r| net.spawn(hosts_of[r], r, 4, "loop", &[(PIECES, "262144")]))
+        .map(|r| net.spawn(hosts_of[r], r, 4, "loop", &[]))
         .collect();
     let (tx, rx) = mpsc::channel();
     for (r, k) in kids.iter_mut().enumerate() {

@@ -242,10 +242,14 @@ pub fn job_pattern(remote_dir: &str, job: Option<&str>) -> Result<String> {
 /// A shell script that ends every rank recorded under the job directories `dirs` (a shell
 /// pattern such as `.flotilla/jobs/*` is allowed): `TERM` to each rank's process group, `KILL`
 /// after 5 s to what is left. A pid is signalled only if `/proc/<pid>/cmdline` still holds the
-/// job's directory. Prints `stopped <dir> rank-R.pid <pid>` per rank.
+/// job's directory. Every rank is found before any is signalled: a rank that ends because
+/// a peer was stopped removes its pid file, and would otherwise be missed (and reported as
+/// not stopped) when it ends first. Prints `stopped <dir> rank-R.pid <pid>` per rank.
 pub fn stop_script(dirs: &str) -> String {
     format!(
-        r#"pids=""
+        r#"found=""
+nl='
+'
 for d in {dirs}; do
   for f in "$d"/rank-*.pid; do
     [ -f "$f" ] || continue
@@ -253,13 +257,23 @@ for d in {dirs}; do
     case "$p" in ''|*[!0-9]*) rm -f "$f"; continue;; esac
     job=$(basename "$d")
     if tr '\0' ' ' < /proc/"$p"/cmdline 2>/dev/null | grep -qF -- "$job"; then
-      kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
-      pids="$pids $p"
-      echo "stopped $f pid $p"
+      found="$found$p:$f$nl"
+    else
+      rm -f "$f"
     fi
-    rm -f "$f"
   done
 done
+pids=""
+while IFS= read -r e; do
+  [ -n "$e" ] || continue
+  p=${{e%%:*}}; f=${{e#*:}}
+  kill -TERM -- "-$p" 2>/dev/null || kill -TERM "$p" 2>/dev/null
+  pids="$pids $p"
+  echo "stopped $f pid $p"
+  rm -f "$f"
+done <<EOF
+$found
+EOF
 i=0
 while [ $i -lt 50 ]; do
   alive=""
@@ -387,6 +401,63 @@ mod tests {
             1,
             "{out:?}"
         );
+        Ok(())
+    }
+
+    /// A rank that ends the moment its peer is signalled (and removes its pid file, as the
+    /// remote wrapper does) is still stopped and reported: every rank is found first.
+    #[test]
+    fn the_stop_script_reports_a_rank_that_ends_when_its_peer_is_stopped() -> Result<()> {
+        let tmp = tempfile::tempdir()?;
+        let dir = tmp.path().join("job-7");
+        std::fs::create_dir(&dir)?;
+        let second = dir.join("rank-1.pid");
+        let spawn = |script: String| {
+            Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .arg(dir.display().to_string())
+                .process_group(0)
+                .spawn()
+        };
+        // Rank 0 empties and removes rank 1's pid file when it is stopped (as rank 1's
+        // wrapper does when rank 1 fails on losing rank 0). It spins on builtins, so that the
+        // trap runs at once, and empties the file with a builtin: faster than the script can
+        // go on to the next file.
+        let first = spawn(format!(
+            "trap ': > {0}; rm -f {0}; exit 1' TERM; while :; do :; done",
+            second.display()
+        ))?;
+        let other = spawn("trap 'exit 1' TERM; while :; do sleep 0.02; done".into())?;
+        std::fs::write(dir.join("rank-0.pid"), first.id().to_string())?;
+        std::fs::write(&second, other.id().to_string())?;
+        let groups = [first.id(), other.id()];
+        // Reaped as soon as they end, as sshd reaps a remote rank's shell.
+        let (tx, ended) = std::sync::mpsc::channel();
+        for mut c in [first, other] {
+            let tx = tx.clone();
+            std::thread::spawn(move || tx.send(c.wait()));
+        }
+        let out = Command::new("sh")
+            .arg("-c")
+            .arg(stop_script(&format!("{}/*", tmp.path().display())))
+            .output()?;
+        let mut stopped = 0;
+        while let Ok(status) = ended.recv_timeout(std::time::Duration::from_secs(10)) {
+            assert!(!status?.success(), "a rank ended by itself");
+            stopped += 1;
+            if stopped == groups.len() {
+                break;
+            }
+        }
+        for g in groups {
+            let _ = Command::new("kill")
+                .args(["-KILL", "--", &format!("-{g}")])
+                .status();
+        }
+        assert_eq!(stopped, 2, "rank(s) left running: {out:?}");
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(said.matches("stopped ").count(), 2, "{out:?}");
         Ok(())
     }
 }

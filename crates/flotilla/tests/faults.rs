@@ -124,7 +124,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS flat async",
-        yaml: "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 600\n",
+        yaml: "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 1800\n",
         world: 3,
         targets: &[(0, "root server"), (2, "worker")],
         tolerated: &[1, 2],

@@ -91,11 +91,6 @@ pub struct CommSection {
     /// `k` ranks all-reduce one `k`-th each with their peers of the other hosts over TCP,
     /// and each host gathers the parts) or `off` (one flat TCP algorithm over every rank).
     pub hierarchical: Hierarchical,
-    /// Hierarchical all-reduces above this many KiB go through their three phases in
-    /// pieces of this size, one piece crossing hosts over TCP while the host sums the next
-    /// and gathers the previous over shared memory (same bits with two hosts, same
-    /// inter-host bytes); 0: the phases one after the other on the whole buffer.
-    pub hier_pipeline_kb: usize,
     /// Directory of the shared-memory segments (per rank; default: `/dev/shm` when it has
     /// room, else the system temporary directory). Each segment's file is removed as soon
     /// as every rank of its group has mapped it.
@@ -124,7 +119,6 @@ impl Default for CommSection {
             mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             transport: Transport::Auto,
             hierarchical: Hierarchical::Auto,
-            hier_pipeline_kb: flotilla_comm::DEFAULT_HIER_PIPELINE_BYTES >> 10,
             shm_dir: None,
             secret_file: None,
             tls: None,
@@ -181,7 +175,6 @@ impl TrainConfig {
             mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
             transport: c.transport,
             hierarchical: c.hierarchical,
-            hier_pipeline_bytes: c.hier_pipeline_kb.saturating_mul(1 << 10),
             shm_dir: c.shm_dir.clone(),
             ..CommConfig::default()
         })
@@ -244,23 +237,6 @@ mod tests {
         let t = TrainConfig::from_yaml("small_all_reduce_kb: 1000000\n", "s.yaml").expect("parses");
         let e = t.validate().expect_err("above a frame").to_string();
         assert!(e.contains("comm.small_all_reduce_kb"), "{e}");
-    }
-
-    #[test]
-    fn hier_pipeline_kb_reaches_the_communicator() {
-        let c = TrainConfig::default()
-            .comm_config(Some(0), 0, 4)
-            .expect("default");
-        assert_eq!(
-            c.hier_pipeline_bytes,
-            flotilla_comm::DEFAULT_HIER_PIPELINE_BYTES
-        );
-        let t = TrainConfig::from_yaml("comm: {hier_pipeline_kb: 512}\n", "p.yaml").expect("key");
-        let c = t.comm_config(Some(0), 0, 4).expect("config");
-        assert_eq!(c.hier_pipeline_bytes, 512 << 10);
-        let t = TrainConfig::from_yaml("hier_pipeline_kb: 0\n", "p.yaml").expect("alias");
-        let c = t.comm_config(Some(0), 0, 4).expect("config");
-        assert_eq!(c.hier_pipeline_bytes, 0);
     }
 
     #[test]

@@ -290,7 +290,6 @@ pub const KEYS: &[Key] = &[
     Key::new("comm.mid_all_reduce_kb").aliases(&["mid_all_reduce_kb"]),
     Key::new("comm.transport").aliases(&["transport"]),
     Key::new("comm.hierarchical").aliases(&["hierarchical"]),
-    Key::new("comm.hier_pipeline_kb").aliases(&["hier_pipeline_kb"]),
     Key::new("comm.shm_dir").aliases(&["shm_dir"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),

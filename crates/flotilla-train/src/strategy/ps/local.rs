@@ -114,6 +114,15 @@ impl LocalServer {
         })
     }
 
+    /// How long a push or pull up may stay unanswered: 1.25 times the deadline. The parent
+    /// waits at most the deadline for its slowest child, counted from that child's previous
+    /// message (no later than this push), so a parent stuck waiting for another rank fails
+    /// first and tells this server which rank is at fault; only a parent that is itself
+    /// silent lets this deadline fire.
+    fn parent_timeout(&self) -> Duration {
+        self.timeout.mul_f64(1.25)
+    }
+
     /// How many times it pushed up.
     pub fn pushes_up(&self) -> u64 {
         self.pushes_up
@@ -282,11 +291,11 @@ impl ServerMachine for LocalServer {
         }
         // Children that keep talking must not hide a parent that stopped answering.
         if let Some(since) = self.outstanding
-            && since.elapsed() > self.timeout
+            && since.elapsed() > self.parent_timeout()
         {
             return Err(TrainError::ParentSilent {
                 peer: self.parent,
-                after: self.timeout,
+                after: self.parent_timeout(),
             });
         }
         match msg {
@@ -361,9 +370,15 @@ impl ServerMachine for LocalServer {
     }
 
     fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
-        let silent: BTreeSet<usize> = if self.outstanding.is_some() {
-            [self.parent].into()
-        } else if self.sync {
+        if let Some(since) = self.outstanding {
+            // A deadline on the parent: told down, not up (the parent is itself waiting
+            // for the rank at fault, and its own deadline names it).
+            return Err(TrainError::ParentSilent {
+                peer: self.parent,
+                after: since.elapsed().max(waited),
+            });
+        }
+        let silent: BTreeSet<usize> = if self.sync {
             self.pending.clone()
         } else {
             self.active.clone()
@@ -418,7 +433,11 @@ impl Strategy for LocalServer {
 
     fn step(&mut self, cx: &mut Cx<'_>, _data: &mut Batches, _done: u64) -> Result<Step> {
         let inbox = self.inbox.clone();
-        let timeout = self.timeout;
+        let timeout = match self.outstanding {
+            // The parent's answer is awaited until its own deadline has passed.
+            Some(since) => self.parent_timeout().saturating_sub(since.elapsed()),
+            None => self.timeout,
+        };
         if let Err(e) = serve_one(self, cx, &inbox, timeout) {
             // Its parent and children fail naming the same culprit.
             return Err(super::abort_peers(

@@ -22,6 +22,8 @@ mod async_tests;
 #[cfg(test)]
 mod averaging_tests;
 #[cfg(test)]
+mod deadline_tests;
+#[cfg(test)]
 mod formula_kit;
 #[cfg(test)]
 mod machine_tests;
