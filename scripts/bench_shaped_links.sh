@@ -6,7 +6,8 @@
 # ranks started by hand in the namespaces (RANK, WORLD_SIZE, MASTER_ADDR), all-reduces of
 # 1, 16, 64 and 256 MiB. Printed: busbw = algbw * 2(n-1)/n against the bound B (the link
 # rate: an all-reduce cannot beat t = 2(n-1)/n * S/B), as a fraction (goal >= 0.90), and
-# against the raw TCP goodput measured on the same links.
+# against the raw TCP goodput measured on the same links, one stream alone and a ring of
+# streams at once (busbw/ring: what the machine's cores carry, on few cores below B).
 #
 # Usage (root): scripts/bench_shaped_links.sh            (from the checkout, after a release build)
 # Env: FLOTILLA_BIN (default $CARGO_TARGET_DIR/release/flotilla), RATES (default
@@ -73,6 +74,41 @@ PY
   wait "$server"
 }
 
+# Raw TCP goodput of a ring (bytes/s, the slowest link): every namespace sends to the next
+# at once for 2 s, the traffic pattern of a ring all-reduce's steps. On few cores this, not
+# the link rate, is what the machine can carry: the all-reduce is compared with it too.
+raw_ring() {
+  local port=$((29800 + RANDOM % 90)) i dir
+  dir=$(mktemp -d)
+  for i in $(seq 0 $((H - 1))); do
+    timeout 30 ip netns exec "${NETNS_PREFIX}$i" python3 - "$port" > "$dir/$i" <<'PY' &
+import socket, sys, time
+s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
+c, _ = s.accept(); got = 0; t0 = None
+while True:
+    b = c.recv(1 << 20)
+    if not b: break
+    if t0 is None: t0 = time.perf_counter()
+    got += len(b)
+print(int(got / (time.perf_counter() - t0)))
+PY
+  done
+  sleep 0.5
+  for i in $(seq 0 $((H - 1))); do
+    timeout 30 ip netns exec "${NETNS_PREFIX}$(((i + H - 1) % H))" python3 - "$(netns_addr "$i")" "$port" <<'PY' &
+import socket, sys, time
+s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
+buf = b"x" * (1 << 20); end = time.perf_counter() + 2
+while time.perf_counter() < end: s.sendall(buf)
+s.close()
+PY
+  done
+  wait
+  cat "$dir"/* | sort -n | head -1
+  rm -rf "$dir"
+}
+
 # The ranks of one measurement (rank i in namespace i / K; FLOTILLA_COMM_HIERARCHICAL=$2);
 # prints rank 0's "@bench" lines (label tcp, or hier when the all-reduce was hierarchical).
 run_ranks() { # out_prefix hierarchical
@@ -99,16 +135,17 @@ for rate in $RATES; do
   netns_setup $H "$rate" || { echo "## $rate: setup failed"; continue; }
   bound=$(rate_bytes "$rate")
   raw=$(raw_tcp)
-  echo "## link $rate: B = $(python3 -c "print(f'{$bound/1e9:.3f}')") GB/s; raw TCP goodput ns1->ns0 $(python3 -c "print(f'{${raw:-0}/1e9:.3f} GB/s = {${raw:-0}/$bound:.2f} B')")"
+  ring=$(raw_ring)
+  echo "## link $rate: B = $(python3 -c "print(f'{$bound/1e9:.3f}')") GB/s; raw TCP goodput ns1->ns0 $(python3 -c "print(f'{${raw:-0}/1e9:.3f} GB/s = {${raw:-0}/$bound:.2f} B')"); raw TCP ring of $H namespaces at once, slowest link $(python3 -c "print(f'{${ring:-0}/1e9:.3f} GB/s = {${ring:-0}/$bound:.2f} B')")"
   for hier in $HIER; do
     echo "### hierarchical: $hier"
-    printf "%5s %10s %6s %10s %12s %12s %8s %10s %8s\n" kind size iters time_ms algbw_GB/s busbw_GB/s busbw/B busbw/raw bound/t
+    printf "%5s %10s %6s %10s %12s %12s %8s %10s %8s %10s\n" kind size iters time_ms algbw_GB/s busbw_GB/s busbw/B busbw/raw bound/t busbw/ring
     rows=$(run_ranks "$OUT/$rate-$hier" "$hier") || { echo "## $rate $hier: ranks FAILED (see $OUT/$rate-$hier.rank*.err)"; continue; }
     echo "$rows" | while read -r _ kind bytes iters secs algbw busbw; do
       python3 -c "
-b, i, s, a, u, B, raw, H = $bytes, $iters, $secs, $algbw, $busbw, $bound, ${raw:-0}, $H
+b, i, s, a, u, B, raw, ring, H = $bytes, $iters, $secs, $algbw, $busbw, $bound, ${raw:-0}, ${ring:-0}, $H
 t_min = 2 * (H - 1) / H * b / B if H > 1 else 0
-print(f'{\"$kind\":>5} {b >> 20:>6} MiB {i:>6} {s * 1e3:>10.1f} {a:>12.3f} {u:>12.3f} {u * 1e9 / B:>8.2f} {u * 1e9 / raw if raw else 0:>10.2f} {t_min / s:>8.2f}')"
+print(f'{\"$kind\":>5} {b >> 20:>6} MiB {i:>6} {s * 1e3:>10.1f} {a:>12.3f} {u:>12.3f} {u * 1e9 / B:>8.2f} {u * 1e9 / raw if raw else 0:>10.2f} {t_min / s:>8.2f} {u * 1e9 / ring if ring else 0:>10.2f}')"
     done
   done
 done

@@ -154,7 +154,9 @@ impl Queue {
         }
     }
 
-    /// Records the group's first failure and aborts the communicator.
+    /// Records the group's first failure, fails every open collective with it, then aborts
+    /// the communicator. In that order: the abort makes the collective in flight return
+    /// its own error ("aborted"), and the caller must get the cause (the deadline) instead.
     pub(crate) fn fail(&self, e: &CommError) {
         {
             let mut q = self.lock();
@@ -162,12 +164,12 @@ impl Queue {
                 return;
             }
             q.failed = Some(e.clone());
+            for (_, _, done) in q.open.values() {
+                complete(done, Err(e.clone()));
+            }
         }
         if self.comm.abort() {
             tracing::error!(group = %self.name, error = %e, "NCCL communicator aborted");
-        }
-        for (_, _, done) in self.lock().open.values() {
-            complete(done, Err(e.clone()));
         }
     }
 

@@ -40,6 +40,9 @@ impl Collectives for Arc<StandIn> {
     fn abort(&self) -> bool {
         *self.aborted.lock().expect("lock") += 1;
         self.woken.notify_all();
+        // ncclCommAbort returns after the collective in flight has failed: let the worker
+        // hand over its own error ("aborted") before the abort returns.
+        std::thread::sleep(Duration::from_millis(50));
         true
     }
 }
