@@ -58,6 +58,7 @@ fn sum_rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     Flex,
     NdArray: cfg(feature = "ndarray"),
     LibTorch: cfg(feature = "libtorch"),
+    Cube: cfg(feature = "wgpu"),
     Autodiff,
 )]
 pub trait LayerNormOps: Backend {
@@ -184,6 +185,10 @@ impl LayerNormOps for burn::backend::NdArray {}
 #[cfg(feature = "libtorch")]
 #[allow(deprecated)]
 impl LayerNormOps for burn::backend::LibTorch {}
+
+// burn's cubecl backend (the `wgpu` feature): the same formulas in burn's ops on the device.
+#[cfg(feature = "wgpu")]
+impl LayerNormOps for burn::backend::Cube {}
 
 /// Layer norm's backward: the backend's, from the kept input and row statistics.
 #[derive(Debug)]
