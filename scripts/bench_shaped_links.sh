@@ -47,10 +47,10 @@ rate_bytes() {
   python3 -c "import re,sys; m=re.fullmatch(r'([\d.]+)([kmg]?)bit', sys.argv[1].lower()); print(int(float(m[1]) * {'':1,'k':1e3,'m':1e6,'g':1e9}[m[2]] / 8))" "$1"
 }
 
-# Raw TCP goodput (bytes/s) from namespace 1 to namespace 0: 2 s of 1 MiB writes.
-raw_tcp() {
-  local port=$((29900 + RANDOM % 90))
-  timeout 30 ip netns exec "${NETNS_PREFIX}0" python3 - "$port" <<'PY' &
+# Raw TCP: a receiver in namespace $1 on port $2 prints its goodput (bytes/s) once the sender
+# closes; a sender in namespace $1 writes 1 MiB blocks to $2:$3 for 2 s.
+tcp_receiver() {
+  timeout 30 ip netns exec "$1" python3 - "$2" <<'PY'
 import socket, sys, time
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
@@ -62,15 +62,24 @@ while True:
     got += len(b)
 print(int(got / (time.perf_counter() - t0)))
 PY
-  local server=$!
-  sleep 0.5
-  timeout 30 ip netns exec "${NETNS_PREFIX}1" python3 - "$(netns_addr 0)" "$port" <<'PY'
+}
+tcp_sender() {
+  timeout 30 ip netns exec "$1" python3 - "$2" "$3" <<'PY'
 import socket, sys, time
 s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
 buf = b"x" * (1 << 20); end = time.perf_counter() + 2
 while time.perf_counter() < end: s.sendall(buf)
 s.close()
 PY
+}
+
+# Raw TCP goodput (bytes/s) from namespace 1 to namespace 0.
+raw_tcp() {
+  local port=$((29900 + RANDOM % 90)) server
+  tcp_receiver "${NETNS_PREFIX}0" "$port" &
+  server=$!
+  sleep 0.5
+  tcp_sender "${NETNS_PREFIX}1" "$(netns_addr 0)" "$port"
   wait "$server"
 }
 
@@ -81,28 +90,11 @@ raw_ring() {
   local port=$((29800 + RANDOM % 90)) i dir
   dir=$(mktemp -d)
   for i in $(seq 0 $((H - 1))); do
-    timeout 30 ip netns exec "${NETNS_PREFIX}$i" python3 - "$port" > "$dir/$i" <<'PY' &
-import socket, sys, time
-s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", int(sys.argv[1]))); s.listen(1)
-c, _ = s.accept(); got = 0; t0 = None
-while True:
-    b = c.recv(1 << 20)
-    if not b: break
-    if t0 is None: t0 = time.perf_counter()
-    got += len(b)
-print(int(got / (time.perf_counter() - t0)))
-PY
+    tcp_receiver "${NETNS_PREFIX}$i" "$port" > "$dir/$i" &
   done
   sleep 0.5
   for i in $(seq 0 $((H - 1))); do
-    timeout 30 ip netns exec "${NETNS_PREFIX}$(((i + H - 1) % H))" python3 - "$(netns_addr "$i")" "$port" <<'PY' &
-import socket, sys, time
-s = socket.create_connection((sys.argv[1], int(sys.argv[2])))
-buf = b"x" * (1 << 20); end = time.perf_counter() + 2
-while time.perf_counter() < end: s.sendall(buf)
-s.close()
-PY
+    tcp_sender "${NETNS_PREFIX}$(((i + H - 1) % H))" "$(netns_addr "$i")" "$port" &
   done
   wait
   cat "$dir"/* | sort -n | head -1
