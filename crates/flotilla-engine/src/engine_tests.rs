@@ -2,7 +2,8 @@
 
 use crate::{BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec};
 
-fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
+/// Plain SGD (PyTorch semantics) at `lr` with `momentum`: the optimizer of the engine tests.
+pub(crate) fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     OptimizerSpec::Sgd {
         lr,
         momentum,

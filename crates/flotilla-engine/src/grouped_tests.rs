@@ -6,7 +6,8 @@ use std::time::Instant;
 
 use crate::backward_groups::{self, BackwardGroup};
 use crate::cut::{MAIN, StageCut};
-use crate::{BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec};
+use crate::engine_tests::sgd;
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState};
 
 const SEED: u64 = 23;
 
@@ -43,19 +44,8 @@ layers:
     ModelSpec::builtin(name).expect("shipped spec")
 }
 
-fn momentum() -> OptimizerSpec {
-    OptimizerSpec::Sgd {
-        lr: 0.05,
-        momentum: 0.9,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-        decay_params: DecayParams::All,
-    }
-}
-
 fn engine(spec: &ModelSpec, max_bytes: usize) -> BurnEngine {
-    let mut e = BurnEngine::new(spec, &momentum(), "flex", SEED).expect("engine");
+    let mut e = BurnEngine::new(spec, &sgd(0.05, 0.9), "flex", SEED).expect("engine");
     e.set_backward_group_bytes(max_bytes).expect("groups");
     e
 }

@@ -3,23 +3,10 @@
 
 use std::collections::HashMap;
 
-use crate::{
-    BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec, Stage,
-    StageCut,
-};
+use crate::engine_tests::sgd;
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, Stage, StageCut};
 
 const SEED: u64 = 17;
-
-fn sgd() -> OptimizerSpec {
-    OptimizerSpec::Sgd {
-        lr: 0.1,
-        momentum: 0.0,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-        decay_params: DecayParams::All,
-    }
-}
 
 /// A flat model with a residual skip and a concatenating skip, both crossing stages.
 fn skip_mlp() -> ModelSpec {
@@ -191,9 +178,9 @@ fn assert_close(a: &HashMap<String, Vec<f32>>, b: &HashMap<String, Vec<f32>>, wh
 
 fn check(spec: &ModelSpec, points: &[usize], m: usize) {
     let cut = StageCut::at(spec, points).expect("cut");
-    let mut whole = BurnEngine::new(spec, &sgd(), "flex", SEED).expect("engine");
+    let mut whole = BurnEngine::new(spec, &sgd(0.1, 0.0), "flex", SEED).expect("engine");
     let mut stages: Vec<Stage> = (0..cut.stages())
-        .map(|s| Stage::new(spec, &cut, s, &sgd(), "flex", SEED).expect("stage"))
+        .map(|s| Stage::new(spec, &cut, s, &sgd(0.1, 0.0), "flex", SEED).expect("stage"))
         .collect();
     // Same names and initial values: the union of the stages is the whole model.
     let mut union = HashMap::new();
@@ -259,8 +246,8 @@ fn image_stages_equal_the_whole_model() {
 fn out_of_order_calls_are_errors_not_panics() {
     let spec = skip_mlp();
     let cut = StageCut::at(&spec, &[3]).expect("cut");
-    let mut first = Stage::new(&spec, &cut, 0, &sgd(), "flex", SEED).expect("stage");
-    let mut last = Stage::new(&spec, &cut, 1, &sgd(), "flex", SEED).expect("stage");
+    let mut first = Stage::new(&spec, &cut, 0, &sgd(0.1, 0.0), "flex", SEED).expect("stage");
+    let mut last = Stage::new(&spec, &cut, 1, &sgd(0.1, 0.0), "flex", SEED).expect("stage");
     let err = first
         .backward(0, vec![vec![0.0; 16]])
         .unwrap_err()
@@ -287,16 +274,16 @@ fn out_of_order_calls_are_errors_not_panics() {
     assert!(err.contains("1 labels for a micro-batch of 2"), "{err}");
     first.reset();
     assert_eq!(first.in_flight(), 0);
-    assert!(Stage::new(&spec, &cut, 2, &sgd(), "flex", SEED).is_err());
+    assert!(Stage::new(&spec, &cut, 2, &sgd(0.1, 0.0), "flex", SEED).is_err());
 }
 
 #[test]
 fn evaluation_through_stages_gives_the_whole_models_logits() {
     let spec = small_cnn();
     let cut = StageCut::at(&spec, &[3]).expect("cut");
-    let whole = BurnEngine::new(&spec, &sgd(), "flex", SEED).expect("engine");
+    let whole = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", SEED).expect("engine");
     let stages: Vec<Stage> = (0..2)
-        .map(|s| Stage::new(&spec, &cut, s, &sgd(), "flex", SEED).expect("stage"))
+        .map(|s| Stage::new(&spec, &cut, s, &sgd(0.1, 0.0), "flex", SEED).expect("stage"))
         .collect();
     let (images, labels) = data(&spec, 6);
     let mid = stages[0].forward_eval(6, &[&images]).expect("eval 0");

@@ -5,9 +5,8 @@
 //! batch norm, GELU, causal attention), the grouped backward, and the flat views (parameters,
 //! buffers, gradients) read and written on the device.
 
-use crate::{
-    BatchRef, BurnEngine, DecayParams, Engine, EngineError, ModelSpec, ModelState, OptimizerSpec,
-};
+use crate::engine_tests::sgd;
+use crate::{BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState};
 
 /// A GPT small enough for lavapipe: embedding, attention with GELU MLP, layer norm.
 const SMALL_GPT: &str = "name: small-gpt
@@ -23,17 +22,6 @@ layers:
 /// wgpu against Flex after a few steps: f32 rounding of other summation orders.
 const TOLERANCE: f64 = 1e-4;
 
-fn sgd() -> OptimizerSpec {
-    OptimizerSpec::Sgd {
-        lr: 0.05,
-        momentum: 0.9,
-        dampening: 0.0,
-        nesterov: false,
-        weight_decay: 0.0,
-        decay_params: DecayParams::All,
-    }
-}
-
 fn spec(name: &str) -> ModelSpec {
     match name {
         "small-gpt" => ModelSpec::from_yaml(SMALL_GPT, name).expect("spec"),
@@ -44,7 +32,7 @@ fn spec(name: &str) -> ModelSpec {
 /// The engine of `model` on `device`; `None` (the test skips) when this machine has no Vulkan
 /// driver, except under CI, which must have one.
 fn engine(model: &str, device: &str) -> Option<BurnEngine> {
-    match BurnEngine::new(&spec(model), &sgd(), device, 7) {
+    match BurnEngine::new(&spec(model), &sgd(0.05, 0.9), device, 7) {
         Ok(mut e) => {
             // Several backward groups, so that gradients leave the device group by group.
             e.set_backward_group_bytes(1024).expect("groups");
