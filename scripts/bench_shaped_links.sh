@@ -21,7 +21,8 @@
 # one over every rank (tcp). Its bound is the host's link: t >= 2 (H-1)/H * S/B with H hosts,
 # printed as bound/t; busbw/B stays the per-rank formula.
 # On a machine with few cores the 10 Gbit/s links are CPU-bound (4 ranks copy every byte
-# through the kernel twice): the script prints the core count.
+# through the kernel twice): the script prints the core count, and first the raw ring's
+# goodput on links with no shaping at all, what the cores carry.
 set -u
 cd "$(dirname "$0")/.."
 B=${FLOTILLA_BIN:-${CARGO_TARGET_DIR:-target}/release/flotilla}
@@ -123,6 +124,11 @@ OUT=${OUT:-/tmp/flotilla-shaped-links}
 rm -rf "$OUT"; mkdir -p "$OUT"
 echo "# flotilla $("$B" --version 2>/dev/null) on $(nproc) cores, $(date -u +%FT%TZ), load $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "# $N ranks, $K per namespace ($H namespaces); links shaped by HTB (rate only, burst 15k), MTU $NETNS_MTU; busbw/B: against the link rate; bound/t: the host link's bound 2(H-1)/H S/B over the time"
+# What the cores carry with no shaping at all (a 100 Gbit/s class): the raw ring's ceiling.
+if netns_setup $H 100gbit; then
+  ceiling=$(raw_ring)
+  echo "# unshaped (100gbit class): raw TCP ring of $H namespaces at once, slowest link $(python3 -c "print(f'{${ceiling:-0}/1e9:.3f} GB/s')")"
+fi
 for rate in $RATES; do
   netns_setup $H "$rate" || { echo "## $rate: setup failed"; continue; }
   bound=$(rate_bytes "$rate")

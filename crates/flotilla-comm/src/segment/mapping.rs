@@ -53,6 +53,9 @@ pub(crate) struct Segment {
     /// Spins of this process's next barrier wait before it yields (`sync.rs`: adapted to
     /// whether spinning paid in the last waits, and capped there; starts uncapped).
     pub(super) spin_budget: AtomicU32,
+    /// Whether every member can have a core of its own (then barrier waits spin first):
+    /// read once here, since `available_parallelism` reads the cgroup's files each call.
+    pub(super) spare_cores: bool,
 }
 
 // SAFETY: the mapping is plain memory; concurrent access goes through the header's atomics
@@ -121,6 +124,7 @@ impl Segment {
             steps: AtomicUsize::new(0),
             one_step_floats: 0,
             spin_budget: AtomicU32::new(u32::MAX),
+            spare_cores: std::thread::available_parallelism().map_or(1, usize::from) >= n,
         })
     }
 

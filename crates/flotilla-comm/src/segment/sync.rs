@@ -105,7 +105,7 @@ impl Segment {
     /// core they wait for, while on an idle machine every wait spins. No spin at all when some
     /// member cannot have a core of its own.
     fn spin(&self, released: &dyn Fn() -> bool) -> bool {
-        if !self.spare_cores() {
+        if !self.spare_cores {
             return false;
         }
         let budget = self.spin_budget.load(Ordering::Relaxed).min(SPINS);
@@ -120,11 +120,6 @@ impl Segment {
         self.spin_budget
             .store((budget / 2).max(MIN_SPINS), Ordering::Relaxed);
         false
-    }
-
-    /// Whether every member can have a core of its own (then spinning pays).
-    fn spare_cores(&self) -> bool {
-        std::thread::available_parallelism().map_or(1, usize::from) >= self.n
     }
 
     /// Fails when a member marked the segment aborted or `watch` sees a failure.
@@ -202,7 +197,7 @@ mod tests {
         let dir = tempfile::tempdir().expect("temporary directory");
         let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
         let budget = || seg.spin_budget.load(Ordering::Relaxed).min(SPINS);
-        if !seg.spare_cores() {
+        if !seg.spare_cores {
             assert!(!seg.spin(&|| true), "no spin without a core per member");
             assert_eq!(budget(), SPINS);
             return;
