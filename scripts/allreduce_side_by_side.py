@@ -2,8 +2,9 @@
 """All-reduce busbw of Flotilla against Open MPI (defaults and TCP) and Gloo, in one run.
 
 Extends ../shared/bench/side_by_side_allreduce.sh to every size and to several rounds: each
-round runs, for each rank count, Flotilla's `bench allreduce` (once per transport), Open MPI
-at its defaults (shared memory between local ranks), Open MPI forced onto TCP, and Gloo
+round runs, for each rank count, Flotilla's `bench allreduce` (once per transport, its ranks
+bound to cores when they outnumber them: its default), Open MPI at its defaults (shared memory
+between local ranks) unbound and bound to cores, Open MPI forced onto TCP, and Gloo
 (torch.distributed), one thread per rank. Each tool's figure in a round is the median
 iteration of that round; the table prints the median over the rounds with the min-max, and
 Flotilla's ratio to Open MPI's defaults and to the best peer (medians).
@@ -64,8 +65,14 @@ def peer_lines(text, prefix):
     return res
 
 
-def mpi(binary, n, sizes, tcp):
-    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n), "--bind-to", "none"]
+def mpi(binary, n, sizes, tcp, bound=False):
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n)]
+    if bound:
+        # Rank r on core r mod cores, as `flotilla bench allreduce` binds when the ranks
+        # outnumber the cores (and as Open MPI itself binds up to 2 ranks by default).
+        cmd += ["--map-by", "core:OVERSUBSCRIBE", "--bind-to", "core:overload-allowed"]
+    else:
+        cmd += ["--bind-to", "none"]
     if tcp:
         cmd += ["--mca", "btl", "tcp,self", "--mca", "pml", "ob1", "--mca", "btl_tcp_if_include", "lo"]
     return peer_lines(run(cmd + [binary] + [str(b) for b in sizes]), "openmpi")
@@ -94,12 +101,13 @@ def main():
         sys.exit("mpicc not found: apt-get install -y libopenmpi-dev openmpi-bin")
     mpi_bin = os.path.join(tempfile.mkdtemp(), "mpi_allreduce")
     subprocess.run(["mpicc", "-O2", "-o", mpi_bin, os.path.join(SHARED, "mpi_allreduce.c")], check=True)
-    tools = [f"flotilla-{t or 'default'}" for t in transports] + ["openmpi-shm", "openmpi-tcp", "gloo"]
+    tools = [f"flotilla-{t or 'default'}" for t in transports] + PEERS
     got = {}  # (tool, n, bytes) -> [busbw per round]
     for r in range(a.runs):
         for n in ranks:
             round_ = {f"flotilla-{t or 'default'}": flotilla(a.flotilla, n, sizes, t) for t in transports}
             round_["openmpi-shm"] = mpi(mpi_bin, n, sizes, tcp=False)
+            round_["openmpi-shm-bound"] = mpi(mpi_bin, n, sizes, tcp=False, bound=True)
             round_["openmpi-tcp"] = mpi(mpi_bin, n, sizes, tcp=True)
             round_["gloo"] = gloo(a.python, n, sizes)
             for tool, res in round_.items():
@@ -107,6 +115,10 @@ def main():
                     got.setdefault((tool, n, b), []).append(v)
         print(f"# round {r + 1} of {a.runs} done", file=sys.stderr, flush=True)
     report(got, tools, ranks, sizes, transports, a.runs)
+
+
+# Open MPI unbound (`--bind-to none`, the shared script's) and bound to cores, over TCP, Gloo.
+PEERS = ["openmpi-shm", "openmpi-shm-bound", "openmpi-tcp", "gloo"]
 
 
 def cell(vals):
@@ -118,7 +130,7 @@ def cell(vals):
 def report(got, tools, ranks, sizes, transports, runs):
     print(f"busbw GB/s: median of {runs} rounds (min–max); each round's figure is its median iteration\n")
     ours = [t for t in tools if t.startswith("flotilla")]
-    peers = ["openmpi-shm", "openmpi-tcp", "gloo"]
+    peers = PEERS
     head = ["ranks", "size"] + tools + [f"{o} / openmpi-shm" for o in ours] + [f"{o} / best peer" for o in ours]
     print("| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))

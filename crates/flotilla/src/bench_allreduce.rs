@@ -12,6 +12,7 @@ use anyhow::{Context, Result, bail};
 use flotilla_comm::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
 use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Transport, WireFormat};
 
+use crate::binding;
 use crate::cli::BenchAllreduceArgs;
 use crate::launch::{LocalJob, Stream, free_port};
 
@@ -171,8 +172,10 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
         "# reference B = single-stream loopback TCP bandwidth, measured now: {reference:.2} GB/s; ideal ring busbw = B"
     );
     println!(
-        "# {} cores on this machine; each rank's compute runs on 1 thread",
-        std::thread::available_parallelism().map_or(1, |n| n.get())
+        "# {} cores on this machine; each rank's compute runs on 1 thread; ranks bound to \
+         cores: --bind {} (auto: when the ranks outnumber the cores)",
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        args.bind
     );
     println!(
         // The transport last: scripts read the size and busbw columns by position.
@@ -219,14 +222,19 @@ pub fn rows(
     let port = free_port()?;
     let mut worker = worker_args(args, "tcp")?;
     worker.extend(["--transport".into(), transport.to_string().into()]);
+    let cpus = binding::plan(args.bind, n, 1, &binding::allowed_cpus());
     let mut job = LocalJob::spawn(n, &worker, |rank| {
-        vec![
+        let mut env = vec![
             ("RANK".into(), rank.to_string()),
             ("WORLD_SIZE".into(), n.to_string()),
             ("MASTER_ADDR".into(), "127.0.0.1".into()),
             ("MASTER_PORT".into(), port.to_string()),
             ("RAYON_NUM_THREADS".into(), "1".into()),
-        ]
+        ];
+        if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
+            env.push((binding::CPUS_ENV.into(), list.clone()));
+        }
+        env
     })?;
     let mut rows = Vec::new();
     job.supervise(Some(Duration::from_secs(1800)), &mut |line| {

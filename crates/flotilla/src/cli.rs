@@ -98,6 +98,11 @@ pub struct LaunchArgs {
     /// estimated memory within what is available).
     #[arg(long)]
     pub oversubscribe: bool,
+    /// Binding of local ranks to cores: `auto` binds rank `r` of `t` threads to cores
+    /// `r t .. r t + t` (modulo the cores) when the local ranks' threads outnumber the cores,
+    /// `core` always, `none` never (the rank sees its list in FLOTILLA_CPUS).
+    #[arg(long, value_enum, default_value_t)]
+    pub bind: crate::binding::Bind,
     /// When a rank fails, start the whole job again from the newest checkpoint (see
     /// `checkpoint_every`), up to this many times; each restart is logged with its cause. A
     /// worker whose parameter servers are all asynchronous is restarted alone instead and
@@ -227,6 +232,9 @@ pub struct BenchAllreduceArgs {
     /// 127.0.0.1) or `shm`.
     #[arg(long, value_delimiter = ',', value_parser = ["auto", "tcp", "shm"])]
     pub transport: Vec<String>,
+    /// Binding of the ranks to cores, as `flotilla launch --bind`.
+    #[arg(long, value_enum, default_value_t)]
+    pub bind: crate::binding::Bind,
 }
 
 /// `flotilla bench step`.

@@ -114,6 +114,7 @@ fn run_one(
             run: args.run.clone(),
             threads: args.threads,
             oversubscribe: false,
+            bind: crate::binding::Bind::default(),
             max_restarts: 0,
             remote: RemoteArgs::default(),
             program: Vec::new(),

@@ -561,6 +561,7 @@ fn start_child(cmd: &mut Command, rank: usize, tx: &Sender<RankLine>) -> Result<
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     die_with_launcher(cmd);
+    crate::binding::bind_child(cmd);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("starting rank {rank} ({})", cmd.get_program().display()))?;

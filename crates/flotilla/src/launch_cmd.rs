@@ -12,13 +12,13 @@ use anyhow::{Context, Result};
 use flotilla_cluster::Topology;
 use flotilla_train::TrainConfig;
 
-use crate::capacity;
 use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob};
 use crate::progress::PROGRESS_ENV;
 use crate::relay::Relay;
 use crate::remote_launch::{self, Remote};
 use crate::run_args::RunArgs;
+use crate::{binding, capacity};
 use crate::{settings, telemetry};
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
@@ -132,18 +132,16 @@ fn launch_once(
         )?),
         None => None,
     };
+    let cpus = binding::plan(opts.bind, job.n, threads, &binding::allowed_cpus());
     let mut ranks = match &remote {
         Some(r) => start_remote(&job, r, threads)?,
-        None => {
-            let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-            LocalJob::spawn(job.n, &train, local_env(rank_env(&job, threads)))?
-        }
+        None => start_local(&job, threads, cpus.clone(), first)?,
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
     let left = opts.max_restarts.saturating_sub(*restarts);
     let rejoinable = flotilla_train::rejoin::rejoinable(&job.topology);
     if remote.is_none() && left > 0 && !rejoinable.is_empty() {
-        let mut respawn = rejoin_respawn(&job, threads, *restarts, opts.max_restarts);
+        let mut respawn = rejoin_respawn(&job, threads, cpus, *restarts, opts.max_restarts);
         respawn.ranks = rejoinable;
         ranks.respawn_with(respawn);
     }
@@ -181,8 +179,14 @@ fn launch_once(
 /// How a failed worker under asynchronous parameter servers is started again, alone:
 /// the same command and environment, and [`flotilla_train::rejoin::REJOIN_ENV`], so that it
 /// rejoins the running job (restarts `done` of `max` used so far).
-fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch::Respawn {
-    let env = local_env(rank_env(job, threads));
+fn rejoin_respawn(
+    job: &Prepared,
+    threads: usize,
+    cpus: Option<Vec<String>>,
+    done: u32,
+    max: u32,
+) -> launch::Respawn {
+    let env = local_env(rank_env(job, threads), cpus);
     let config_path = job.config_path.clone();
     let make = move |rank: usize| {
         let exe = std::env::current_exe().unwrap_or_else(|_| "flotilla".into());
@@ -201,6 +205,21 @@ fn rejoin_respawn(job: &Prepared, threads: usize, done: u32, max: u32) -> launch
         total: max,
         used: done,
     }
+}
+
+/// Starts the ranks on this host, each on its cores when `cpus` binds them (said on the
+/// `first` start).
+fn start_local(
+    job: &Prepared,
+    threads: usize,
+    cpus: Option<Vec<String>>,
+    first: bool,
+) -> Result<LocalJob> {
+    if let (true, Some(lists)) = (first, &cpus) {
+        println!("[launcher] {}", binding::describe(lists));
+    }
+    let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
+    LocalJob::spawn(job.n, &train, local_env(rank_env(job, threads), cpus))
 }
 
 /// Starts the ranks on their inventory hosts (the job id printed and recorded first).
@@ -302,14 +321,19 @@ fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, St
     }
 }
 
-/// A local rank's environment: `env` and its `LOCAL_RANK`, which is its rank (all share
-/// this host; its GPU index comes from it). Remote launches set theirs per host.
+/// A local rank's environment: `env`, its `LOCAL_RANK`, which is its rank (all share this
+/// host; its GPU index comes from it), and its cores when `cpus` binds them (see
+/// [`binding`]). Remote launches set theirs per host.
 fn local_env(
     env: impl Fn(usize) -> Vec<(String, String)>,
+    cpus: Option<Vec<String>>,
 ) -> impl Fn(usize) -> Vec<(String, String)> {
     move |rank| {
         let mut vars = env(rank);
         vars.push(("LOCAL_RANK".to_string(), rank.to_string()));
+        if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
+            vars.push((binding::CPUS_ENV.to_string(), list.clone()));
+        }
         vars
     }
 }
@@ -358,4 +382,23 @@ fn tolerated_ranks(topology: &Topology) -> Vec<usize> {
             false
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A local rank gets its `LOCAL_RANK` and, when the job is bound, its own cores.
+    #[test]
+    fn a_local_rank_gets_its_own_cores_when_the_job_is_bound() {
+        let base = |r: usize| vec![("RANK".to_string(), r.to_string())];
+        let bound = local_env(base, Some(vec!["0".into(), "1".into()]));
+        let var = |env: Vec<(String, String)>, k: &str| {
+            env.into_iter().find(|(key, _)| key == k).map(|(_, v)| v)
+        };
+        assert_eq!(var(bound(1), binding::CPUS_ENV).as_deref(), Some("1"));
+        assert_eq!(var(bound(1), "LOCAL_RANK").as_deref(), Some("1"));
+        let unbound = local_env(base, None);
+        assert_eq!(var(unbound(1), binding::CPUS_ENV), None);
+    }
 }

@@ -16,6 +16,7 @@ use anyhow::{Context, Result, bail};
 use flotilla_comm::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
 use flotilla_train::TrainConfig;
 
+use crate::binding;
 use crate::cli::LaunchArgs;
 use crate::launch::{self, LocalJob};
 use crate::relay::Relay;
@@ -87,10 +88,17 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
             let secret_file = config.comm.secret_file.clone();
             let tls = crate::launch_tls::check(&config)?;
             let env = rank_env(&config, n, args.threads, tls, secret_file)?;
+            let cpus = binding::plan(args.bind, n, args.threads, &binding::allowed_cpus());
+            if let Some(lists) = &cpus {
+                println!("[launcher] {}", binding::describe(lists));
+            }
             let commands = (0..n).map(|rank| {
                 let mut cmd = Command::new(&args.program[0]);
                 cmd.args(&args.program[1..]);
                 cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
+                if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
+                    cmd.env(binding::CPUS_ENV, list);
+                }
                 cmd
             });
             LocalJob::start(commands, None)

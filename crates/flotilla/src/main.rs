@@ -7,6 +7,7 @@ mod bench_job;
 mod bench_mpi;
 mod bench_pipeline;
 mod bench_ps;
+mod binding;
 mod capacity;
 mod certs_cmd;
 mod cli;

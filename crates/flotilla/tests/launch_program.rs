@@ -211,3 +211,55 @@ fn max_restarts_starts_a_failed_program_again() {
     );
     assert_eq!(all.matches("test accuracy").count(), 1, "{all}");
 }
+
+/// The cores a `Cpus_allowed_list` value names (`0-2,5` is 0, 1, 2, 5).
+fn cores_of(list: &str) -> Vec<usize> {
+    let mut cores = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (usize, usize) = (lo.parse().expect("core"), hi.parse().expect("core"));
+        cores.extend(lo..=hi);
+    }
+    cores
+}
+
+/// Each rank's cores as it sees them, from `flotilla launch ARGS -n N -- sh -c ...`.
+fn ranks_cores(n: usize, args: &[&str]) -> Vec<Vec<usize>> {
+    let mut cmd = flotilla();
+    cmd.arg("launch")
+        .args(args)
+        .args(["-n", &n.to_string(), "--"]);
+    cmd.args(["sh", "-c", "grep Cpus_allowed_list /proc/self/status"]);
+    let out = run_with_deadline(cmd, Duration::from_secs(60));
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    (0..n)
+        .map(|r| {
+            let prefix = format!("[rank {r}] Cpus_allowed_list:");
+            let line = stdout.lines().find_map(|l| l.strip_prefix(&prefix));
+            cores_of(line.unwrap_or_else(|| panic!("no line of rank {r}: {}", text(&out))))
+        })
+        .collect()
+}
+
+/// `--bind auto` (the default) binds rank `r` to the `r`-th of the launcher's cores
+/// (round-robin) when the ranks outnumber them; `--bind none` leaves every rank all of them;
+/// `--bind core` binds even a job that fits.
+#[test]
+fn local_ranks_are_bound_to_cores_when_they_outnumber_them() {
+    let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
+    let mine = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .map(cores_of)
+        .expect("this process's cores");
+    let n = mine.len() + 1;
+    let bound = ranks_cores(n, &[]);
+    let expected: Vec<Vec<usize>> = (0..n).map(|r| vec![mine[r % mine.len()]]).collect();
+    assert_eq!(bound, expected, "auto, {n} ranks on cores {mine:?}");
+    assert_eq!(ranks_cores(n, &["--bind", "none"]), vec![mine.clone(); n]);
+    assert_eq!(ranks_cores(1, &["--bind", "core"]), vec![vec![mine[0]]]);
+    if mine.len() > 1 {
+        assert_eq!(ranks_cores(1, &[]), vec![mine.clone()], "auto, 1 rank");
+    }
+}
