@@ -10,15 +10,17 @@
 /// Flex; NdArray, LibTorch and burn's cubecl `Cube` behind the features `ndarray`, `libtorch`
 /// and `wgpu`; and `Autodiff`, routed to the extension's `impl … for Autodiff<B, C>`. A file
 /// that uses it allows `deprecated` under the `ndarray` feature (the routing names NdArray).
+// rustfmt would indent the attribute's list further at every run (its macro-body formatting).
+#[rustfmt::skip]
 macro_rules! engine_extension {
     ($item:item) => {
         #[burn::backend::backend_extension(
-                    Flex,
-                    NdArray: cfg(feature = "ndarray"),
-                    LibTorch: cfg(feature = "libtorch"),
-                    Cube: cfg(feature = "wgpu"),
-                    Autodiff,
-                )]
+            Flex,
+            NdArray: cfg(feature = "ndarray"),
+            LibTorch: cfg(feature = "libtorch"),
+            Cube: cfg(feature = "wgpu"),
+            Autodiff,
+        )]
         $item
     };
 }
