@@ -25,7 +25,7 @@ mod attention_flex;
 pub(crate) mod autodiff;
 pub(crate) mod backends;
 pub(crate) mod gelu;
-mod gemm;
+pub(crate) mod gemm;
 mod host;
 pub(crate) mod layer_norm;
 pub mod linear;
