@@ -55,6 +55,18 @@ impl<'a, V> Only<'a, V> {
         }
     }
 
+    /// Enters the module field `name` of `container_type`: `inner`, to pass the entry on.
+    fn enter(&mut self, name: &str, container_type: &str) -> &mut V {
+        self.stack.push(is_buffer(name, container_type));
+        self.inner
+    }
+
+    /// Leaves the module entered last: `inner`, to pass the exit on.
+    fn exit(&mut self) -> &mut V {
+        self.stack.pop();
+        self.inner
+    }
+
     /// Whether the tensor visited now is of the wanted kind.
     fn wanted(&self) -> bool {
         let buffer = self.stack.last().copied().unwrap_or(false);
@@ -64,13 +76,12 @@ impl<'a, V> Only<'a, V> {
 
 impl<V: ModuleVisitor> ModuleVisitor for Only<'_, V> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.stack.push(is_buffer(name, container_type));
-        self.inner.enter_module(name, container_type);
+        self.enter(name, container_type)
+            .enter_module(name, container_type);
     }
 
     fn exit_module(&mut self, name: &str, container_type: &str) {
-        self.stack.pop();
-        self.inner.exit_module(name, container_type);
+        self.exit().exit_module(name, container_type);
     }
 
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -82,13 +93,12 @@ impl<V: ModuleVisitor> ModuleVisitor for Only<'_, V> {
 
 impl<M: ModuleMapper> ModuleMapper for Only<'_, M> {
     fn enter_module(&mut self, name: &str, container_type: &str) {
-        self.stack.push(is_buffer(name, container_type));
-        self.inner.enter_module(name, container_type);
+        self.enter(name, container_type)
+            .enter_module(name, container_type);
     }
 
     fn exit_module(&mut self, name: &str, container_type: &str) {
-        self.stack.pop();
-        self.inner.exit_module(name, container_type);
+        self.exit().exit_module(name, container_type);
     }
 
     fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {

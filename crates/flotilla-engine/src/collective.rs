@@ -23,14 +23,17 @@ use std::fmt;
 use std::sync::{Arc, Mutex};
 
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn_autodiff::ops::{Backward, Ops, unary};
+
+use crate::kernels::autodiff::record;
+use crate::kernels::backends::{engine_extension, impl_on_burn_backends};
 
 /// An element-wise sum of a flat buffer over every rank of a group, in place (the same buffer
 /// length on every rank).
@@ -114,48 +117,20 @@ impl ReducerHandle {
     }
 }
 
-/// The backend side of the differentiable all-reduce.
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait CollectiveOps: Backend {
-    /// The element-wise sum of `tensor` over the ranks of `reducer`.
-    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self>;
-}
-
-impl CollectiveOps for Flex {
-    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
-        reducer.sum_primitive::<Self>(tensor)
+engine_extension! {
+    /// The backend side of the differentiable all-reduce.
+    pub trait CollectiveOps: Backend {
+        /// The element-wise sum of `tensor` over the ranks of `reducer` (through host memory,
+        /// on every backend but `Autodiff`).
+        fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
+            reducer.sum_primitive::<Self>(tensor)
+        }
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl CollectiveOps for burn::backend::NdArray {
-    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
-        reducer.sum_primitive::<Self>(tensor)
-    }
-}
-
-// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-impl CollectiveOps for burn::backend::LibTorch {
-    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
-        reducer.sum_primitive::<Self>(tensor)
-    }
-}
-
-// burn's cubecl backend (the `wgpu` feature): the sum goes through host memory as on the CPU.
-#[cfg(feature = "wgpu")]
-impl CollectiveOps for burn::backend::Cube {
-    fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
-        reducer.sum_primitive::<Self>(tensor)
-    }
-}
+// Flex, NdArray, LibTorch and wgpu's `Cube`: the sum through host memory.
+impl CollectiveOps for Flex {}
+impl_on_burn_backends!(CollectiveOps);
 
 /// The all-reduce's backward: the gradient summed over the ranks.
 #[derive(Debug)]
@@ -174,16 +149,14 @@ impl<B: Backend + CollectiveOps> Backward<B, 1> for AllReduceSum {
 
 impl<B: Backend + CollectiveOps, C: CheckpointStrategy> CollectiveOps for Autodiff<B, C> {
     fn all_reduce_sum(tensor: FloatTensor<Self>, reducer: ReducerHandle) -> FloatTensor<Self> {
-        let guard = tensor.node();
-        let output = B::all_reduce_sum(tensor.into_primitive(), reducer.clone());
-        match AllReduceSum
-            .prepare::<C>([guard])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(reducer, output),
-            OpsKind::UnTracked(prep) => prep.finish(output),
-        }
+        let (tensor, node) = tensor.into_parts();
+        let output = B::all_reduce_sum(tensor, reducer.clone());
+        record(
+            AllReduceSum.prepare::<C>([node]),
+            output,
+            |output| (output, reducer),
+            |output| output,
+        )
     }
 }
 

@@ -1,6 +1,7 @@
 //! The convolution's forward and backward over plain `f32` slices: per image, its patch matrix
 //! in a per-thread buffer reused from image to image and from call to call, and one GEMM
-//! (the `gemm` crate Flex itself multiplies with, one thread per call).
+//! (the `gemm` crate Flex itself multiplies with, one thread per call:
+//! [`crate::kernels::gemm::gemm_serial`]).
 //!
 //! The batch is cut into fixed blocks of [`IMAGES_PER_BLOCK`] images, run over rayon's pool
 //! (`RAYON_NUM_THREADS`, which `--threads` sets per rank). Forward and input gradient are per
@@ -18,6 +19,7 @@ use std::cell::RefCell;
 use rayon::prelude::*;
 
 use super::geometry::ConvGeom;
+use crate::kernels::gemm::{MatRef, gemm_serial};
 
 /// Images per block of the batch split: the unit of work of one rayon task and of one
 /// partial weight gradient. Fixed, so the summation order never depends on the threads.
@@ -85,92 +87,12 @@ fn relu_grad(y: &[f32], dy: &[f32], out: &mut [f32]) {
     }
 }
 
-/// A matrix view: `rows × cols`, element `(r, c)` at `data[r·row_stride + c·col_stride]`.
-#[derive(Clone, Copy)]
-struct Mat<'a> {
-    data: &'a [f32],
-    rows: usize,
-    cols: usize,
-    row_stride: usize,
-    col_stride: usize,
-}
-
-impl<'a> Mat<'a> {
-    /// A row-major matrix.
-    fn rows(data: &'a [f32], rows: usize, cols: usize) -> Self {
-        Self {
-            data,
-            rows,
-            cols,
-            row_stride: cols,
-            col_stride: 1,
-        }
-    }
-
-    /// The transpose of this view.
-    fn t(self) -> Self {
-        Self {
-            rows: self.cols,
-            cols: self.rows,
-            row_stride: self.col_stride,
-            col_stride: self.row_stride,
-            ..self
-        }
-    }
-
-    /// Whether every element lies inside `data`.
-    fn fits(&self) -> bool {
-        self.rows == 0
-            || self.cols == 0
-            || (self.rows - 1) * self.row_stride + (self.cols - 1) * self.col_stride
-                < self.data.len()
-    }
-}
-
-/// `dst = lhs · rhs` (`accumulate`: `dst += lhs · rhs`), `dst` row-major `lhs.rows × rhs.cols`.
-fn matmul(dst: &mut [f32], lhs: Mat<'_>, rhs: Mat<'_>, accumulate: bool) {
-    let (m, k, n) = (lhs.rows, lhs.cols, rhs.cols);
-    assert!(
-        rhs.rows == k && dst.len() >= m * n && lhs.fits() && rhs.fits(),
-        "conv matmul: shapes do not agree"
-    );
-    if m == 0 || n == 0 {
-        return;
-    }
-    // SAFETY: the assert above keeps every element gemm reads (`lhs`, `rhs`: `fits`) and
-    // writes (`dst`: `m·n` row-major) inside its slice; strides fit in `isize` as they index
-    // slices that exist.
-    unsafe {
-        gemm::gemm(
-            m,
-            n,
-            k,
-            dst.as_mut_ptr(),
-            1,
-            n as isize,
-            accumulate,
-            lhs.data.as_ptr(),
-            lhs.col_stride as isize,
-            lhs.row_stride as isize,
-            rhs.data.as_ptr(),
-            rhs.col_stride as isize,
-            rhs.row_stride as isize,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
-    }
-}
-
 /// The convolution of the batch `x` (`[N, C, H, W]`) with `weight` (`[out, C, kh, kw]`) and
 /// `bias` (`[out]`), through ReLU when `relu` (each image while it is in cache):
 /// `[N, out, Ho, Wo]`.
 pub fn forward(g: &ConvGeom, x: &[f32], weight: &[f32], bias: &[f32], relu: bool) -> Vec<f32> {
     let (k, p) = (g.patch_rows(), g.pixels());
-    let w = Mat::rows(weight, g.out, k);
+    let w = MatRef::row_major(weight, g.out, k);
     let mut y = vec![0.0f32; g.batch * g.out_image_len()];
     y.par_chunks_mut(g.out_image_len() * IMAGES_PER_BLOCK)
         .zip(x.par_chunks(g.image_len() * IMAGES_PER_BLOCK))
@@ -184,7 +106,7 @@ pub fn forward(g: &ConvGeom, x: &[f32], weight: &[f32], bias: &[f32], relu: bool
                     for (row, b) in y_image.chunks_mut(p).zip(bias) {
                         row.fill(*b);
                     }
-                    matmul(y_image, w, Mat::rows(cols, k, p), true);
+                    gemm_serial(y_image, w, MatRef::row_major(cols, k, p), true);
                     if relu {
                         relu_in_place(y_image);
                     }
@@ -282,7 +204,7 @@ fn block_grads(
     mut dx_block: Option<&mut [f32]>,
 ) -> (Vec<f32>, Vec<f32>) {
     let (k, p) = (g.patch_rows(), g.pixels());
-    let w = Mat::rows(input.weight, g.out, k);
+    let w = MatRef::row_major(input.weight, g.out, k);
     let mut dw = vec![0.0f32; g.out * k];
     let mut db = vec![0.0f32; g.out];
     let masked_len = if input.relu_output.is_some() {
@@ -305,15 +227,15 @@ fn block_grads(
                 None => dy_image,
             };
             g.im2col(x_image, cols);
-            let dy_mat = Mat::rows(dy_image, g.out, p);
+            let dy_mat = MatRef::row_major(dy_image, g.out, p);
             // dW += dY · colsᵀ: [out, P] · [P, K].
-            matmul(&mut dw, dy_mat, Mat::rows(cols, k, p).t(), true);
+            gemm_serial(&mut dw, dy_mat, MatRef::row_major(cols, k, p).t(), true);
             for (b, row) in db.iter_mut().zip(dy_image.chunks(p)) {
                 *b += row.iter().sum::<f32>();
             }
             if let Some(dx_block) = dx_block.as_deref_mut() {
                 // dcols = Wᵀ · dY: [K, out] · [out, P], then every entry back to its pixel.
-                matmul(dcols, w.t(), dy_mat, false);
+                gemm_serial(dcols, w.t(), dy_mat, false);
                 let len = g.image_len();
                 g.col2im_add(dcols, &mut dx_block[n * len..(n + 1) * len]);
             }

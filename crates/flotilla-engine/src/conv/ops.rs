@@ -34,6 +34,9 @@ pub trait ConvOps: Backend {
     ) -> FloatTensor<Self>;
 }
 
+/// The gradients of a convolution: the input's (when asked), the weight's and the bias'.
+pub type ConvGrads<B> = (Option<FloatTensor<B>>, FloatTensor<B>, FloatTensor<B>);
+
 /// The gradients of [`ConvOps::conv2d_patches`], on the backend under `Autodiff`.
 pub trait ConvGradOps: ConvOps {
     /// The gradients of the input (when `with_input`), weight and bias for the output gradient
@@ -45,11 +48,7 @@ pub trait ConvGradOps: ConvOps {
         relu_output: Option<FloatTensor<Self>>,
         geom: ConvGeom,
         with_input: bool,
-    ) -> (
-        Option<FloatTensor<Self>>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    );
+    ) -> ConvGrads<Self>;
 }
 
 /// A Flex tensor's values as one contiguous `f32` slice (copied only when it is a strided
@@ -94,11 +93,7 @@ impl ConvGradOps for Flex {
         relu_output: Option<FloatTensor<Self>>,
         geom: ConvGeom,
         with_input: bool,
-    ) -> (
-        Option<FloatTensor<Self>>,
-        FloatTensor<Self>,
-        FloatTensor<Self>,
-    ) {
+    ) -> ConvGrads<Self> {
         let (x, weight, grad) = (values(&x), values(&weight), values(&grad));
         let relu_output = relu_output.as_ref().map(values);
         let input = kernels::BackwardInputs {
@@ -181,16 +176,19 @@ impl<B: ConvGradOps, C: CheckpointStrategy> ConvOps for Autodiff<B, C> {
         relu: bool,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), weight.node(), bias.node()];
+        let forward = |x: FloatTensor<Self>, weight: FloatTensor<Self>, bias: FloatTensor<Self>| {
+            B::conv2d_patches(
+                x.into_primitive(),
+                weight.into_primitive(),
+                bias.into_primitive(),
+                geom,
+                relu,
+            )
+        };
         match ConvBackward.prepare::<C>(nodes).compute_bound().stateful() {
             OpsKind::Tracked(mut prep) => {
                 let (x_id, weight_id) = (prep.checkpoint(&x), prep.checkpoint(&weight));
-                let y = B::conv2d_patches(
-                    x.into_primitive(),
-                    weight.into_primitive(),
-                    bias.into_primitive(),
-                    geom,
-                    relu,
-                );
+                let y = forward(x, weight, bias);
                 let state = ConvState {
                     x: x_id,
                     weight: weight_id,
@@ -199,13 +197,7 @@ impl<B: ConvGradOps, C: CheckpointStrategy> ConvOps for Autodiff<B, C> {
                 };
                 prep.finish(state, y)
             }
-            OpsKind::UnTracked(prep) => prep.finish(B::conv2d_patches(
-                x.into_primitive(),
-                weight.into_primitive(),
-                bias.into_primitive(),
-                geom,
-                relu,
-            )),
+            OpsKind::UnTracked(prep) => prep.finish(forward(x, weight, bias)),
         }
     }
 }

@@ -13,58 +13,55 @@
 #![cfg_attr(feature = "ndarray", allow(deprecated))]
 
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex};
 use burn::prelude::*;
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 
 use super::attention_flex::{Heads, backward_f32, forward_f32};
-use super::host::contiguous_f32;
+use super::autodiff::{fused, record};
+use super::backends::{engine_extension, impl_on_burn_backends};
+use super::host::contiguous_f32_all;
 use super::reference;
 
-/// The backend side of [`causal_attention`]: `q`, `k`, `v` and the context are `[n, t, d]`,
-/// the probabilities `[n, heads, t, t]` (zero above the diagonal).
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait CausalAttentionOps: Backend {
-    /// The context of causal attention over `heads` heads.
-    fn causal_attention(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        heads: usize,
-    ) -> FloatTensor<Self> {
-        Self::causal_attention_probs(q, k, v, heads).0
-    }
+engine_extension! {
+    /// The backend side of [`causal_attention`]: `q`, `k`, `v` and the context are `[n, t, d]`,
+    /// the probabilities `[n, heads, t, t]` (zero above the diagonal).
+    pub trait CausalAttentionOps: Backend {
+        /// The context of causal attention over `heads` heads.
+        fn causal_attention(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            heads: usize,
+        ) -> FloatTensor<Self> {
+            Self::causal_attention_probs(q, k, v, heads).0
+        }
 
-    /// The context and the attention probabilities (what the backward needs).
-    fn causal_attention_probs(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        heads: usize,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        reference::forward::<Self>(q, k, v, heads)
-    }
+        /// The context and the attention probabilities (what the backward needs).
+        fn causal_attention_probs(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            heads: usize,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            reference::forward::<Self>(q, k, v, heads)
+        }
 
-    /// The gradients of `q`, `k` and `v` given the context's gradient `grad`.
-    fn causal_attention_backward(
-        q: FloatTensor<Self>,
-        k: FloatTensor<Self>,
-        v: FloatTensor<Self>,
-        probs: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-        heads: usize,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        reference::backward::<Self>(q, k, v, probs, grad, heads)
+        /// The gradients of `q`, `k` and `v` given the context's gradient `grad`.
+        fn causal_attention_backward(
+            q: FloatTensor<Self>,
+            k: FloatTensor<Self>,
+            v: FloatTensor<Self>,
+            probs: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+            heads: usize,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            reference::backward::<Self>(q, k, v, probs, grad, heads)
+        }
     }
 }
 
@@ -75,9 +72,9 @@ impl CausalAttentionOps for Flex {
         v: FloatTensor<Self>,
         heads: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        match (contiguous_f32(&q), contiguous_f32(&k), contiguous_f32(&v)) {
-            (Some(q), Some(k), Some(v)) => forward_f32(&q, &k, &v, Heads::of(&q, heads)),
-            _ => reference::forward::<Self>(q, k, v, heads),
+        match contiguous_f32_all([&q, &k, &v]) {
+            Some([q, k, v]) => forward_f32(&q, &k, &v, Heads::of(&q, heads)),
+            None => reference::forward::<Self>(q, k, v, heads),
         }
     }
 
@@ -89,27 +86,15 @@ impl CausalAttentionOps for Flex {
         grad: FloatTensor<Self>,
         heads: usize,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let all = [&q, &k, &v, &probs, &grad].map(contiguous_f32);
-        match all {
-            [Some(q), Some(k), Some(v), Some(p), Some(g)] => {
-                backward_f32([&q, &k, &v, &p, &g], Heads::of(&q, heads))
-            }
-            _ => reference::backward::<Self>(q, k, v, probs, grad, heads),
+        match contiguous_f32_all([&q, &k, &v, &probs, &grad]) {
+            Some([q, k, v, p, g]) => backward_f32([&q, &k, &v, &p, &g], Heads::of(&q, heads)),
+            None => reference::backward::<Self>(q, k, v, probs, grad, heads),
         }
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl CausalAttentionOps for burn::backend::NdArray {}
-
-// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-impl CausalAttentionOps for burn::backend::LibTorch {}
-
-// burn's cubecl backend (the `wgpu` feature): burn's own ops on the device.
-#[cfg(feature = "wgpu")]
-impl CausalAttentionOps for burn::backend::Cube {}
+// NdArray, LibTorch and wgpu's `Cube`: burn's own ops ([`reference`]).
+impl_on_burn_backends!(CausalAttentionOps);
 
 /// The attention's backward: the backend's, from the kept inputs and probabilities.
 #[derive(Debug)]
@@ -128,14 +113,10 @@ impl<B: Backend + CausalAttentionOps> Backward<B, 3> for AttentionBackward {
     type State = Kept<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (q, k, v, probs, heads) = ops.state;
-        let (dq, dk, dv) = B::causal_attention_backward(q, k, v, probs, grad, heads);
-        for (parent, g) in ops.parents.into_iter().zip([dq, dk, dv]) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        fused::<B, _, 3>(ops, grads, |(q, k, v, probs, heads), grad| {
+            let (dq, dk, dv) = B::causal_attention_backward(q, k, v, probs, grad, heads);
+            [dq, dk, dv]
+        });
     }
 }
 
@@ -147,19 +128,16 @@ impl<B: Backend + CausalAttentionOps, C: CheckpointStrategy> CausalAttentionOps 
         heads: usize,
     ) -> FloatTensor<Self> {
         let nodes = [q.node(), k.node(), v.node()];
-        let [q, k, v] = [q, k, v].map(|t| t.into_primitive());
-        match AttentionBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
+        record(
+            AttentionBackward.prepare::<C>(nodes),
+            [q, k, v].map(|t| t.into_primitive()),
+            |[q, k, v]| {
                 let (out, probs) =
                     B::causal_attention_probs(q.clone(), k.clone(), v.clone(), heads);
-                prep.finish((q, k, v, probs, heads), out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::causal_attention(q, k, v, heads)),
-        }
+                (out, (q, k, v, probs, heads))
+            },
+            |[q, k, v]| B::causal_attention(q, k, v, heads),
+        )
     }
 }
 

@@ -11,35 +11,32 @@ use std::f32::consts::{FRAC_1_SQRT_2, PI};
 
 use burn::backend::ops::ActivationOps;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};
 use burn::prelude::*;
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn_autodiff::ops::{Backward, Ops, unary};
 
-use super::host::{contiguous_f32, slice, tensor};
+use super::autodiff::record;
+use super::backends::{engine_extension, impl_on_burn_backends};
+use super::host::{contiguous_f32, contiguous_f32_all, slice, tensor};
 use super::math::{erf, exp_neg};
 
-/// The backend side of [`gelu`].
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait GeluOps: Backend {
-    /// `x·Φ(x)` of every element (burn's `gelu` unless a backend has a faster one).
-    fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::gelu(x)
-    }
+engine_extension! {
+    /// The backend side of [`gelu`].
+    pub trait GeluOps: Backend {
+        /// `x·Φ(x)` of every element (burn's `gelu` unless a backend has a faster one).
+        fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
+            Self::gelu(x)
+        }
 
-    /// `grad · d gelu(x)/dx`, element-wise (burn's `gelu_backward` unless a backend has a
-    /// faster one).
-    fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        Self::gelu_backward(x, grad)
+        /// `grad · d gelu(x)/dx`, element-wise (burn's `gelu_backward` unless a backend has a
+        /// faster one).
+        fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+            Self::gelu_backward(x, grad)
+        }
     }
 }
 
@@ -66,7 +63,7 @@ impl GeluOps for Flex {
     }
 
     fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let (Some(x), Some(grad)) = (contiguous_f32(&x), contiguous_f32(&grad)) else {
+        let Some([x, grad]) = contiguous_f32_all([&x, &grad]) else {
             return Self::gelu_backward(x, grad);
         };
         let out: Vec<f32> = slice(&x)
@@ -78,17 +75,8 @@ impl GeluOps for Flex {
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl GeluOps for burn::backend::NdArray {}
-
-// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-impl GeluOps for burn::backend::LibTorch {}
-
-// burn's cubecl backend (the `wgpu` feature): burn's `gelu` on the device.
-#[cfg(feature = "wgpu")]
-impl GeluOps for burn::backend::Cube {}
+// NdArray, LibTorch and wgpu's `Cube`: burn's `gelu` and `gelu_backward`.
+impl_on_burn_backends!(GeluOps);
 
 /// GELU's backward: the backend's fused backward at the kept input.
 #[derive(Debug)]
@@ -107,19 +95,13 @@ impl<B: Backend + GeluOps> Backward<B, 1> for GeluBackward {
 
 impl<B: Backend + GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
     fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
-        let guard = x.node();
-        let x = x.into_primitive();
-        match GeluBackward
-            .prepare::<C>([guard])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let out = B::gelu_erf(x.clone());
-                prep.finish(x, out)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::gelu_erf(x)),
-        }
+        let (x, node) = x.into_parts();
+        record(
+            GeluBackward.prepare::<C>([node]),
+            x,
+            |x| (B::gelu_erf(x.clone()), x),
+            B::gelu_erf,
+        )
     }
 }
 

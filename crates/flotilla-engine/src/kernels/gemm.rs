@@ -3,7 +3,8 @@
 //! multiplies with, pinned to the same version) in the same order whatever the number of
 //! threads: results are bitwise the same on 1 and on N threads. The pieces run on rayon's
 //! current pool (`RAYON_NUM_THREADS`, which `--threads` sets per rank), one after the other
-//! when it has one thread.
+//! when it has one thread. [`gemm_serial`] is the same call unsplit, on the calling thread
+//! (the convolution's per-image products, whose work is already split over the batch).
 
 use rayon::prelude::*;
 
@@ -35,7 +36,6 @@ pub(crate) struct MatRef<'a> {
 
 impl<'a> MatRef<'a> {
     /// A row-major `rows × cols` matrix.
-    #[cfg(test)]
     pub fn row_major(data: &'a [f32], rows: usize, cols: usize) -> Self {
         Self {
             data,
@@ -136,6 +136,28 @@ pub(crate) fn gemm_into(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulat
     } else {
         starts.par_iter().for_each(piece);
     }
+}
+
+/// `dst = a · b` (or `dst += a · b` with `accumulate`) on this thread, in one call of the
+/// `gemm` crate, unsplit: `dst` row-major `a.rows × b.cols` at its start (a work buffer may be
+/// longer). For a caller that splits its work itself (the convolution, over the batch).
+///
+/// # Panics
+/// If the shapes do not match or a view reaches outside its buffer (a bug of the caller).
+pub(crate) fn gemm_serial(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
+    let (m, k, n) = (a.rows, a.cols, b.cols);
+    assert!(
+        b.rows == k && dst.len() >= m * n && a.in_bounds() && b.in_bounds(),
+        "gemm_serial: [{m}, {k}] · [{}, {n}] into {} values",
+        b.rows,
+        dst.len()
+    );
+    if m == 0 || n == 0 {
+        return;
+    }
+    // SAFETY: the assert above keeps every element read (`a`, `b`: `in_bounds`) and written
+    // (`dst`: `m·n` row-major) inside its slice, borrowed for the whole call.
+    unsafe { run(dst.as_mut_ptr(), n, a, 0, m, b, 0, n, accumulate) }
 }
 
 /// The output buffer, shared by the pieces that write disjoint parts of it.

@@ -50,3 +50,11 @@ pub(crate) fn matrix(t: &FlexTensor) -> Option<MatRef<'_>> {
 pub(crate) fn tensor(values: Vec<f32>, shape: impl Into<burn::tensor::Shape>) -> FloatTensor<Flex> {
     Flex::float_from_data(TensorData::new(values, shape), &Default::default())
 }
+
+/// Every one of `tensors` as [`contiguous_f32`] gives it, or `None` unless all are `f32`.
+pub(crate) fn contiguous_f32_all<const N: usize>(
+    tensors: [&FloatTensor<Flex>; N],
+) -> Option<[FloatTensor<Flex>; N]> {
+    let all: Option<Vec<_>> = tensors.into_iter().map(contiguous_f32).collect();
+    all?.try_into().ok()
+}

@@ -9,7 +9,7 @@
 #![cfg_attr(feature = "ndarray", allow(deprecated))]
 
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};
 use burn::nn::LayerNorm;
 use burn::prelude::*;
 use burn::tensor::Shape;
@@ -17,9 +17,11 @@ use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, Ops};
 
-use super::host::{contiguous_f32, slice, tensor};
+use super::autodiff::{fused, record};
+use super::backends::{engine_extension, impl_on_burn_backends};
+use super::host::{contiguous_f32_all, slice, tensor};
 use super::norm_rows;
 
 /// The epsilon of every layer norm the engine builds (burn's and PyTorch's default): burn's
@@ -52,45 +54,40 @@ fn sum_rows<B: Backend>(t: FloatTensor<B>) -> FloatTensor<B> {
     B::float_reshape(B::float_sum_dim(flat, 0), Shape::new([d]))
 }
 
-/// The backend side of [`layer_norm`]: `x` `[…, d]`, `gamma` and `beta` `[d]`, the row
-/// statistics `[…, 1]`.
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait LayerNormOps: Backend {
-    /// `(x − mean)/√(var + eps)·γ + β` over the last dimension (burn's `layer_norm`).
-    fn fused_layer_norm(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        eps: f64,
-    ) -> FloatTensor<Self> {
-        Self::layer_norm(x, gamma, Some(beta), eps)
-    }
+engine_extension! {
+    /// The backend side of [`layer_norm`]: `x` `[…, d]`, `gamma` and `beta` `[d]`, the row
+    /// statistics `[…, 1]`.
+    pub trait LayerNormOps: Backend {
+        /// `(x − mean)/√(var + eps)·γ + β` over the last dimension (burn's `layer_norm`).
+        fn fused_layer_norm(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            eps: f64,
+        ) -> FloatTensor<Self> {
+            Self::layer_norm(x, gamma, Some(beta), eps)
+        }
 
-    /// The output, each row's mean and each row's `1/√(var + eps)` (what backward needs).
-    fn fused_layer_norm_stats(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        beta: FloatTensor<Self>,
-        eps: f64,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        reference_forward::<Self>(x, gamma, beta, eps)
-    }
+        /// The output, each row's mean and each row's `1/√(var + eps)` (what backward needs).
+        fn fused_layer_norm_stats(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            beta: FloatTensor<Self>,
+            eps: f64,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            reference_forward::<Self>(x, gamma, beta, eps)
+        }
 
-    /// The gradients of `x`, `gamma` and `beta` given the output's gradient `grad`.
-    fn fused_layer_norm_backward(
-        x: FloatTensor<Self>,
-        gamma: FloatTensor<Self>,
-        mean: FloatTensor<Self>,
-        rstd: FloatTensor<Self>,
-        grad: FloatTensor<Self>,
-    ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        reference_backward::<Self>(x, gamma, mean, rstd, grad)
+        /// The gradients of `x`, `gamma` and `beta` given the output's gradient `grad`.
+        fn fused_layer_norm_backward(
+            x: FloatTensor<Self>,
+            gamma: FloatTensor<Self>,
+            mean: FloatTensor<Self>,
+            rstd: FloatTensor<Self>,
+            grad: FloatTensor<Self>,
+        ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
+            reference_backward::<Self>(x, gamma, mean, rstd, grad)
+        }
     }
 }
 
@@ -141,8 +138,7 @@ impl LayerNormOps for Flex {
         beta: FloatTensor<Self>,
         eps: f64,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let all = [&x, &gamma, &beta].map(contiguous_f32);
-        let [Some(xc), Some(g), Some(b)] = all else {
+        let Some([xc, g, b]) = contiguous_f32_all([&x, &gamma, &beta]) else {
             return reference_forward::<Self>(x, gamma, beta, eps);
         };
         let shape = xc.shape();
@@ -163,8 +159,7 @@ impl LayerNormOps for Flex {
         rstd: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>, FloatTensor<Self>) {
-        let all = [&x, &gamma, &mean, &rstd, &grad].map(contiguous_f32);
-        let [Some(xc), Some(gm), Some(m), Some(r), Some(g)] = all else {
+        let Some([xc, gm, m, r, g]) = contiguous_f32_all([&x, &gamma, &mean, &rstd, &grad]) else {
             return reference_backward::<Self>(x, gamma, mean, rstd, grad);
         };
         let d = gm.shape()[0];
@@ -178,17 +173,8 @@ impl LayerNormOps for Flex {
     }
 }
 
-#[cfg(feature = "ndarray")]
-impl LayerNormOps for burn::backend::NdArray {}
-
-// burn 0.22 deprecates its LibTorch backend but still ships it (the `libtorch` feature).
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-impl LayerNormOps for burn::backend::LibTorch {}
-
-// burn's cubecl backend (the `wgpu` feature): the same formulas in burn's ops on the device.
-#[cfg(feature = "wgpu")]
-impl LayerNormOps for burn::backend::Cube {}
+// NdArray, LibTorch and wgpu's `Cube`: the same formulas in burn's ops.
+impl_on_burn_backends!(LayerNormOps);
 
 /// Layer norm's backward: the backend's, from the kept input and row statistics.
 #[derive(Debug)]
@@ -206,14 +192,10 @@ impl<B: Backend + LayerNormOps> Backward<B, 3> for LayerNormBackward {
     type State = Kept<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let grad = grads.consume::<B>(&ops.node);
-        let (x, gamma, mean, rstd) = ops.state;
-        let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, grad);
-        for (parent, g) in ops.parents.into_iter().zip([dx, dgamma, dbeta]) {
-            if let Some(node) = parent {
-                grads.register::<B>(node.id, g);
-            }
-        }
+        fused::<B, _, 3>(ops, grads, |(x, gamma, mean, rstd), grad| {
+            let (dx, dgamma, dbeta) = B::fused_layer_norm_backward(x, gamma, mean, rstd, grad);
+            [dx, dgamma, dbeta]
+        });
     }
 }
 
@@ -225,19 +207,16 @@ impl<B: Backend + LayerNormOps, C: CheckpointStrategy> LayerNormOps for Autodiff
         eps: f64,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), gamma.node(), beta.node()];
-        let [x, gamma, beta] = [x, gamma, beta].map(|t| t.into_primitive());
-        match LayerNormBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
+        record(
+            LayerNormBackward.prepare::<C>(nodes),
+            [x, gamma, beta].map(|t| t.into_primitive()),
+            |[x, gamma, beta]| {
                 let (y, mean, rstd) =
                     B::fused_layer_norm_stats(x.clone(), gamma.clone(), beta, eps);
-                prep.finish((x, gamma, mean, rstd), y)
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::fused_layer_norm(x, gamma, beta, eps)),
-        }
+                (y, (x, gamma, mean, rstd))
+            },
+            |[x, gamma, beta]| B::fused_layer_norm(x, gamma, beta, eps),
+        )
     }
 }
 

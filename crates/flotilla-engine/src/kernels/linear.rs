@@ -6,23 +6,27 @@
 //! ([`super::gemm`]), so a step is bitwise the same on 1 and 2 threads. Other backends run
 //! burn's own ops behind the same extension.
 
+// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
 #![cfg_attr(feature = "ndarray", allow(deprecated))]
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;
-use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, backend_extension};
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};
 use burn::nn::Linear;
 use burn::prelude::*;
 use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind};
+use burn_autodiff::ops::{Backward, NodeGuard, Ops};
 
+use super::autodiff::record;
+use super::backends::{engine_extension, impl_on_burn_backends};
 use super::gemm::{MatRef, gemm_into};
 use super::host;
 
-/// The kernels of a linear layer on one backend (not differentiable; [`LinearOps`] is).
+/// The kernels of a linear layer on one backend (not differentiable; [`LinearOps`] is):
+/// burn's own ops unless a backend has faster ones.
 pub trait LinearKernels: Backend {
     /// `x·w (+ b)`, through ReLU when `relu`: `x` `[m, k]`, `w` `[k, n]`, `b` `[n]`.
     fn linear_forward(
@@ -30,16 +34,24 @@ pub trait LinearKernels: Backend {
         w: FloatTensor<Self>,
         b: Option<FloatTensor<Self>>,
         relu: bool,
-    ) -> FloatTensor<Self>;
+    ) -> FloatTensor<Self> {
+        burn_forward::<Self>(x, w, b, relu)
+    }
+
     /// `op(a)·op(b)`, `op` the transpose where asked.
     fn matmul_t(
         a: FloatTensor<Self>,
         b: FloatTensor<Self>,
         ta: bool,
         tb: bool,
-    ) -> FloatTensor<Self>;
+    ) -> FloatTensor<Self> {
+        burn_matmul_t::<Self>(a, b, ta, tb)
+    }
+
     /// The sum of the rows of `g` `[m, n]`: `[n]`, each column summed in row order.
-    fn sum_rows(g: FloatTensor<Self>) -> FloatTensor<Self>;
+    fn sum_rows(g: FloatTensor<Self>) -> FloatTensor<Self> {
+        burn_sum_rows::<Self>(g)
+    }
 }
 
 /// burn's own ops: the kernels of every backend but Flex (and Flex's for another dtype).
@@ -57,6 +69,7 @@ fn burn_forward<B: Backend>(
     if relu { B::relu(y) } else { y }
 }
 
+/// burn's `op(a)·op(b)`.
 fn burn_matmul_t<B: Backend>(
     a: FloatTensor<B>,
     b: FloatTensor<B>,
@@ -68,50 +81,14 @@ fn burn_matmul_t<B: Backend>(
     B::float_matmul(a, b)
 }
 
+/// burn's sum of the rows of `g`.
 fn burn_sum_rows<B: Backend>(g: FloatTensor<B>) -> FloatTensor<B> {
     let n = g.shape()[1];
     B::float_reshape(B::float_sum_dim(g, 0), [n].into())
 }
 
-/// Implements [`LinearKernels`] with burn's own ops.
-#[cfg(any(feature = "ndarray", feature = "libtorch", feature = "wgpu"))]
-macro_rules! burn_linear_kernels {
-    ($backend:ty) => {
-        impl LinearKernels for $backend {
-            fn linear_forward(
-                x: FloatTensor<Self>,
-                w: FloatTensor<Self>,
-                b: Option<FloatTensor<Self>>,
-                relu: bool,
-            ) -> FloatTensor<Self> {
-                burn_forward::<Self>(x, w, b, relu)
-            }
-            fn matmul_t(
-                a: FloatTensor<Self>,
-                b: FloatTensor<Self>,
-                ta: bool,
-                tb: bool,
-            ) -> FloatTensor<Self> {
-                burn_matmul_t::<Self>(a, b, ta, tb)
-            }
-            fn sum_rows(g: FloatTensor<Self>) -> FloatTensor<Self> {
-                burn_sum_rows::<Self>(g)
-            }
-        }
-    };
-}
-
-#[cfg(feature = "ndarray")]
-burn_linear_kernels!(burn::backend::NdArray);
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-mod libtorch {
-    use super::*;
-    burn_linear_kernels!(burn::backend::LibTorch);
-}
-// burn's cubecl backend (the `wgpu` feature): its own ops on the device.
-#[cfg(feature = "wgpu")]
-burn_linear_kernels!(burn::backend::Cube);
+// NdArray, LibTorch and wgpu's `Cube`: burn's own ops.
+impl_on_burn_backends!(LinearKernels);
 
 /// Flex's forward: the bias rows as the GEMM's starting value, then ReLU in place.
 fn flex_forward(
@@ -197,60 +174,40 @@ fn column_sums(g: MatRef<'_>) -> Vec<f32> {
     sums
 }
 
-/// The differentiable linear layer of every backend.
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait LinearOps: Backend {
-    /// `relu?(x·w + b)`: `x` `[m, k]`, `w` `[k, n]`, `b` `[n]`.
+engine_extension! {
+    /// The differentiable linear layer of every backend.
+    pub trait LinearOps: Backend {
+        /// `relu?(x·w + b)`: `x` `[m, k]`, `w` `[k, n]`, `b` `[n]`.
+        fn linear(
+            x: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            b: FloatTensor<Self>,
+            relu: bool,
+        ) -> FloatTensor<Self>;
+        /// `relu?(x·w)`.
+        fn linear_no_bias(
+            x: FloatTensor<Self>,
+            w: FloatTensor<Self>,
+            relu: bool,
+        ) -> FloatTensor<Self>;
+    }
+}
+
+/// [`LinearOps`] on every backend but `Autodiff` (Flex and burn's): its [`LinearKernels`].
+impl<B: LinearKernels> LinearOps for B {
     fn linear(
         x: FloatTensor<Self>,
         w: FloatTensor<Self>,
         b: FloatTensor<Self>,
         relu: bool,
-    ) -> FloatTensor<Self>;
-    /// `relu?(x·w)`.
-    fn linear_no_bias(x: FloatTensor<Self>, w: FloatTensor<Self>, relu: bool) -> FloatTensor<Self>;
-}
+    ) -> FloatTensor<Self> {
+        B::linear_forward(x, w, Some(b), relu)
+    }
 
-/// Implements [`LinearOps`] on a backend by its [`LinearKernels`].
-macro_rules! linear_ops_by_kernels {
-    ($backend:ty) => {
-        impl LinearOps for $backend {
-            fn linear(
-                x: FloatTensor<Self>,
-                w: FloatTensor<Self>,
-                b: FloatTensor<Self>,
-                relu: bool,
-            ) -> FloatTensor<Self> {
-                <Self as LinearKernels>::linear_forward(x, w, Some(b), relu)
-            }
-            fn linear_no_bias(
-                x: FloatTensor<Self>,
-                w: FloatTensor<Self>,
-                relu: bool,
-            ) -> FloatTensor<Self> {
-                <Self as LinearKernels>::linear_forward(x, w, None, relu)
-            }
-        }
-    };
+    fn linear_no_bias(x: FloatTensor<Self>, w: FloatTensor<Self>, relu: bool) -> FloatTensor<Self> {
+        B::linear_forward(x, w, None, relu)
+    }
 }
-
-linear_ops_by_kernels!(Flex);
-#[cfg(feature = "ndarray")]
-linear_ops_by_kernels!(burn::backend::NdArray);
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-mod libtorch_ops {
-    use super::*;
-    linear_ops_by_kernels!(burn::backend::LibTorch);
-}
-#[cfg(feature = "wgpu")]
-linear_ops_by_kernels!(burn::backend::Cube);
 
 /// What backward needs: the input, the weight and (with ReLU) the output.
 #[derive(Debug, Clone)]
@@ -310,6 +267,27 @@ impl<B: LinearKernels, const N: usize> Backward<B, N> for LinearBackward {
     }
 }
 
+/// The linear layer on `Autodiff`: the forward on `B`, recorded with the nodes of `x`, `w`
+/// and (when there is one) `b` as its parents.
+fn linear_autodiff<B: LinearKernels, C: CheckpointStrategy, const N: usize>(
+    nodes: [NodeGuard; N],
+    x: FloatTensor<B>,
+    w: FloatTensor<B>,
+    b: Option<FloatTensor<B>>,
+    relu: bool,
+) -> FloatTensor<Autodiff<B, C>> {
+    let y = B::linear_forward(x.clone(), w.clone(), b, relu);
+    record(
+        LinearBackward.prepare::<C>(nodes),
+        (x, w, y),
+        |(x, w, y)| {
+            let state = LinearState::new(x, w, &y, relu);
+            (y, state)
+        },
+        |(_, _, y)| y,
+    )
+}
+
 impl<B: LinearKernels, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
     fn linear(
         x: FloatTensor<Self>,
@@ -318,30 +296,14 @@ impl<B: LinearKernels, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
         relu: bool,
     ) -> FloatTensor<Self> {
         let nodes = [x.node(), w.node(), b.node()];
-        let (xp, wp) = (x.into_primitive(), w.into_primitive());
-        let y = B::linear_forward(xp.clone(), wp.clone(), Some(b.into_primitive()), relu);
-        match LinearBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(LinearState::new(xp, wp, &y, relu), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let [x, w, b] = [x, w, b].map(|t| t.into_primitive());
+        linear_autodiff::<B, C, 3>(nodes, x, w, Some(b), relu)
     }
 
     fn linear_no_bias(x: FloatTensor<Self>, w: FloatTensor<Self>, relu: bool) -> FloatTensor<Self> {
         let nodes = [x.node(), w.node()];
-        let (xp, wp) = (x.into_primitive(), w.into_primitive());
-        let y = B::linear_forward(xp.clone(), wp.clone(), None, relu);
-        match LinearBackward
-            .prepare::<C>(nodes)
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(LinearState::new(xp, wp, &y, relu), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        }
+        let [x, w] = [x, w].map(|t| t.into_primitive());
+        linear_autodiff::<B, C, 2>(nodes, x, w, None, relu)
     }
 }
 

@@ -117,3 +117,28 @@ fn one_and_two_threads_give_the_same_bits() {
         }
     }
 }
+
+/// Without autodiff (evaluation), the layer runs on the backend itself: the same outputs as
+/// burn's `Linear` (then `relu`), with and without bias and ReLU.
+#[test]
+fn inference_outputs_match_burns_linear_and_relu() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
+    let device = Device::flex();
+    let (dims, k, n) = ([5, 3, 24], 24, 17);
+    let x = Tensor::<3>::from_data(TensorData::new(values(5 * 3 * k, 5), dims), &device);
+    for (bias, relu_too) in [(true, true), (true, false), (false, true), (false, false)] {
+        let m = LinearConfig::new(k, n).with_bias(bias).init(&device);
+        let ours = linear(&m, x.clone(), relu_too);
+        let theirs = match relu_too {
+            true => relu(m.forward(x.clone())),
+            false => m.forward(x.clone()),
+        };
+        let read = |t: Tensor<3>| t.into_data().try_into_vec::<f32>().expect("f32");
+        assert_close(
+            &read(ours),
+            &read(theirs),
+            &format!("inference bias {bias} relu {relu_too}"),
+        );
+    }
+}

@@ -3,13 +3,12 @@
 //! other backends burn's own `max_pool2d_with_indices` and its backward. The backward on
 //! `Autodiff` is hand-written over either.
 
+// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
 #![cfg_attr(feature = "ndarray", allow(deprecated))]
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
-use burn::backend::{
-    Backend, Dispatch, Flex, TensorMetadata, backend_extension, get_or_init_device_settings,
-};
+use burn::backend::{Backend, Dispatch, Flex, TensorMetadata, get_or_init_device_settings};
 use burn::nn::PaddingConfig2d;
 use burn::nn::pool::MaxPool2d;
 use burn::prelude::*;
@@ -18,22 +17,30 @@ use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
+use burn_autodiff::ops::{Backward, Ops, unary};
 
+use super::autodiff::record;
+use super::backends::{engine_extension, impl_on_burn_backends};
 use super::host;
 use super::pool::{self, PoolGeom};
 
-/// The kernels of max pooling on one backend (not differentiable; [`PoolOps`] is).
+/// The kernels of max pooling on one backend (not differentiable; [`PoolOps`] is): burn's
+/// own ops unless a backend has faster ones.
 pub trait PoolKernels: Backend {
     /// The pooled `x` `[N, C, H, W]` and the position of each maximum.
-    fn max_pool_forward(x: FloatTensor<Self>, g: PoolGeom) -> (FloatTensor<Self>, IntTensor<Self>);
+    fn max_pool_forward(x: FloatTensor<Self>, g: PoolGeom) -> (FloatTensor<Self>, IntTensor<Self>) {
+        burn_forward::<Self>(x, g)
+    }
+
     /// The gradient of `x` from the output's gradient and the positions of the maxima.
     fn max_pool_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
         g: PoolGeom,
-    ) -> FloatTensor<Self>;
+    ) -> FloatTensor<Self> {
+        burn_backward::<Self>(x, grad, indices, g)
+    }
 }
 
 /// burn's max pooling, its indices in the device's own integer type (as burn's autodiff takes
@@ -46,6 +53,7 @@ fn burn_forward<B: Backend>(x: FloatTensor<B>, g: PoolGeom) -> (FloatTensor<B>, 
     (r.output, r.indices)
 }
 
+/// burn's backward of max pooling.
 fn burn_backward<B: Backend>(
     x: FloatTensor<B>,
     grad: FloatTensor<B>,
@@ -58,40 +66,8 @@ fn burn_backward<B: Backend>(
     .x_grad
 }
 
-/// Implements [`PoolKernels`] with burn's own ops.
-#[cfg(any(feature = "ndarray", feature = "libtorch", feature = "wgpu"))]
-macro_rules! burn_pool_kernels {
-    ($backend:ty) => {
-        impl PoolKernels for $backend {
-            fn max_pool_forward(
-                x: FloatTensor<Self>,
-                g: PoolGeom,
-            ) -> (FloatTensor<Self>, IntTensor<Self>) {
-                burn_forward::<Self>(x, g)
-            }
-            fn max_pool_backward(
-                x: FloatTensor<Self>,
-                grad: FloatTensor<Self>,
-                indices: IntTensor<Self>,
-                g: PoolGeom,
-            ) -> FloatTensor<Self> {
-                burn_backward::<Self>(x, grad, indices, g)
-            }
-        }
-    };
-}
-
-#[cfg(feature = "ndarray")]
-burn_pool_kernels!(burn::backend::NdArray);
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-mod libtorch {
-    use super::*;
-    burn_pool_kernels!(burn::backend::LibTorch);
-}
-// burn's cubecl backend (the `wgpu` feature): its own ops on the device.
-#[cfg(feature = "wgpu")]
-burn_pool_kernels!(burn::backend::Cube);
+// NdArray, LibTorch and wgpu's `Cube`: burn's own ops.
+impl_on_burn_backends!(PoolKernels);
 
 /// `[N, C, H, W]` of a contiguous 4-D `f32` tensor, with its values.
 fn image(x: &FlexTensor) -> Option<([usize; 4], &[f32])> {
@@ -139,41 +115,20 @@ impl PoolKernels for Flex {
     }
 }
 
-/// Differentiable max pooling on every backend.
-#[backend_extension(
-    Flex,
-    NdArray: cfg(feature = "ndarray"),
-    LibTorch: cfg(feature = "libtorch"),
-    Cube: cfg(feature = "wgpu"),
-    Autodiff,
-)]
-pub trait PoolOps: Backend {
-    /// `x` `[N, C, H, W]` max-pooled over the windows of `g`.
-    fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self>;
+engine_extension! {
+    /// Differentiable max pooling on every backend.
+    pub trait PoolOps: Backend {
+        /// `x` `[N, C, H, W]` max-pooled over the windows of `g`.
+        fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self>;
+    }
 }
 
-/// Implements [`PoolOps`] on a backend by its [`PoolKernels`].
-macro_rules! pool_ops_by_kernels {
-    ($backend:ty) => {
-        impl PoolOps for $backend {
-            fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self> {
-                <Self as PoolKernels>::max_pool_forward(x, g).0
-            }
-        }
-    };
+/// [`PoolOps`] on every backend but `Autodiff` (Flex and burn's): its [`PoolKernels`].
+impl<B: PoolKernels> PoolOps for B {
+    fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self> {
+        B::max_pool_forward(x, g).0
+    }
 }
-
-pool_ops_by_kernels!(Flex);
-#[cfg(feature = "ndarray")]
-pool_ops_by_kernels!(burn::backend::NdArray);
-#[cfg(feature = "libtorch")]
-#[allow(deprecated)]
-mod libtorch_ops {
-    use super::*;
-    pool_ops_by_kernels!(burn::backend::LibTorch);
-}
-#[cfg(feature = "wgpu")]
-pool_ops_by_kernels!(burn::backend::Cube);
 
 /// What backward needs: the input, the positions of the maxima, the windows.
 #[derive(Debug, Clone)]
@@ -200,26 +155,23 @@ impl<B: PoolKernels> Backward<B, 1> for MaxPoolBackward {
 
 impl<B: PoolKernels, C: CheckpointStrategy> PoolOps for Autodiff<B, C> {
     fn max_pool(x: FloatTensor<Self>, g: PoolGeom) -> FloatTensor<Self> {
-        let node = x.node();
-        let xp = x.into_primitive();
-        match MaxPoolBackward
-            .prepare::<C>([node])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => {
-                let (y, indices) = B::max_pool_forward(xp.clone(), g);
-                prep.finish(
+        let (x, node) = x.into_parts();
+        record(
+            MaxPoolBackward.prepare::<C>([node]),
+            x,
+            |x| {
+                let (y, indices) = B::max_pool_forward(x.clone(), g);
+                (
+                    y,
                     PoolState {
-                        x: xp,
+                        x,
                         indices,
                         geom: g,
                     },
-                    y,
                 )
-            }
-            OpsKind::UnTracked(prep) => prep.finish(B::max_pool_forward(xp, g).0),
-        }
+            },
+            |x| B::max_pool_forward(x, g).0,
+        )
     }
 }
 

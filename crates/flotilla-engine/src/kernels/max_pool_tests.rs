@@ -82,3 +82,24 @@ fn outputs_and_gradients_match_burns_max_pool() {
         }
     }
 }
+
+/// Without autodiff (evaluation), the pooling runs on the backend itself: the same outputs as
+/// burn's `MaxPool2d`, bitwise (a maximum is one of the inputs).
+#[test]
+fn inference_outputs_match_burns_max_pool_bitwise() {
+    let device = Device::flex();
+    let dims = [2, 3, 9, 8];
+    let x = Tensor::<4>::from_data(TensorData::new(values(2 * 3 * 9 * 8, 5), dims), &device);
+    for config in [
+        MaxPool2dConfig::new([2, 2]),
+        MaxPool2dConfig::new([3, 3])
+            .with_strides([2, 1])
+            .with_padding(PaddingConfig2d::Explicit(1, 1, 1, 1)),
+    ] {
+        let m = config.init();
+        let read = |t: Tensor<4>| t.into_data().try_into_vec::<f32>().expect("f32");
+        let (ours, theirs) = (read(max_pool2d(&m, x.clone())), read(m.forward(x.clone())));
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&ours), bits(&theirs), "{config:?}");
+    }
+}

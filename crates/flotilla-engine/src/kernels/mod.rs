@@ -16,11 +16,16 @@
 //!   mean and `1/σ`) and backward (input, scale and shift gradients) in one pass each over
 //!   blocks of rows (`norm_rows`), instead of burn's recorded chain of element-wise ops.
 //! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as host memory.
+//! - `backends`: the backends of every extension, listed once (the `#[backend_extension]`
+//!   list and the impls on the backends running burn's own ops); `autodiff`: the recording of
+//!   an op with its kept state on `Autodiff`, and the backward of an op with several inputs.
 
 pub(crate) mod attention;
 mod attention_flex;
+pub(crate) mod autodiff;
+pub(crate) mod backends;
 pub(crate) mod gelu;
-mod gemm;
+pub(crate) mod gemm;
 mod host;
 pub(crate) mod layer_norm;
 pub mod linear;

@@ -93,6 +93,8 @@ fn burn_block() -> TransformerEncoderLayer {
 
 #[test]
 fn block_matches_burns_transformer_layer_and_its_gradients() {
+    // Draws from the backend RNG: see `weights::rng_lock`.
+    let _rng = crate::weights::rng_lock();
     let layer = burn_block();
     let x = tensor([3, 20, 64], 4, 2.0);
     let w = tensor([3, 20, 64], 5, 1.0);
