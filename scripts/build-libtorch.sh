@@ -70,6 +70,10 @@ if [ -n "$WANT_TORCH" ] && [ "$TORCH_VERSION" != "$WANT_TORCH" ] && [ -z "${LIBT
 fi
 
 export LIBTORCH_USE_PYTORCH=1
+# torch-sys's build script asks `python3` on PATH (`python` in a virtualenv) for the torch
+# details: put $PYTHON's directory first, so that it asks the same interpreter.
+PYTHON_DIR=$(dirname "$(command -v "$PYTHON")")
+export PATH="$PYTHON_DIR:$PATH"
 export LD_LIBRARY_PATH="$TORCH_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-/work/targets/libtorch}
 # Do not let a LIBTORCH from the environment override the pip torch.
