@@ -7,9 +7,12 @@
 //! itself may run on, so ranks sharing a core are spread evenly.
 //!
 //! `auto` (the default) binds only when this job's local ranks want more threads than the
-//! host has cores: then the job fills the machine anyway, and a rank that the scheduler
+//! host has cores, and only ranks that all compute (all-reduce peers, pipeline stages: the
+//! launcher leaves parameter-server jobs and a program's ranks unbound, since binding by rank
+//! order can put the workers on one core and the mostly idle servers on the other). Then the
+//! job fills the machine anyway, and a rank that the scheduler
 //! moves between cores at every wait loses its cache (4 ranks on 2 cores: one all-reduce of
-//! 1 MiB over shared memory takes 150–180 µs bound, 200–310 µs unbound; BENCHMARKS.md §28).
+//! 1 MiB over shared memory takes 169–175 µs bound, 208–260 µs unbound; BENCHMARKS.md §28).
 //! With a core per thread the scheduler already keeps ranks apart, and two jobs started
 //! side by side on one host would be bound onto the same cores: `auto` leaves them alone,
 //! `core` binds anyway, `none` never.

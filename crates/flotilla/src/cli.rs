@@ -99,8 +99,10 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub oversubscribe: bool,
     /// Binding of local ranks to cores: `auto` binds rank `r` of `t` threads to cores
-    /// `r t .. r t + t` (modulo the cores) when the local ranks' threads outnumber the cores,
-    /// `core` always, `none` never (the rank sees its list in FLOTILLA_CPUS).
+    /// `r t .. r t + t` (modulo the cores) when the local ranks' threads outnumber the cores
+    /// and every rank computes (all-reduce or pipeline; not parameter servers, nor a
+    /// program's ranks after `--`), `core` always, `none` never (the rank sees its list in
+    /// FLOTILLA_CPUS).
     #[arg(long, value_enum, default_value_t)]
     pub bind: crate::binding::Bind,
     /// When a rank fails, start the whole job again from the newest checkpoint (see

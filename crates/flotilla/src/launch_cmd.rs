@@ -132,7 +132,8 @@ fn launch_once(
         )?),
         None => None,
     };
-    let cpus = binding::plan(opts.bind, job.n, threads, &binding::allowed_cpus());
+    let bind = peers_only(opts.bind, &job.topology);
+    let cpus = binding::plan(bind, job.n, threads, &binding::allowed_cpus());
     let mut ranks = match &remote {
         Some(r) => start_remote(&job, r, threads)?,
         None => start_local(&job, threads, cpus.clone(), first)?,
@@ -357,6 +358,17 @@ fn rank_labels(job: &Prepared, remote: Option<&Remote>) -> Vec<String> {
         .collect()
 }
 
+/// `bind`, but `auto` binds only jobs whose ranks all compute: a parameter server mostly waits
+/// for its workers, and binding by rank order can put the workers together on one core and
+/// the servers on another (the hierarchical PS on 2 cores: workers 2 and 4 beside the global
+/// server 0, local servers 1 and 3 alone on the other core).
+fn peers_only(bind: binding::Bind, topology: &Topology) -> binding::Bind {
+    match bind {
+        binding::Bind::Auto if topology.servers().next().is_some() => binding::Bind::None,
+        bind => bind,
+    }
+}
+
 /// Ranks whose loss an asynchronous server above them absorbs: a rank is tolerated if any
 /// link on its path to the root ends at an `async` server.
 fn tolerated_ranks(topology: &Topology) -> Vec<usize> {
@@ -400,5 +412,23 @@ mod tests {
         assert_eq!(var(bound(1), "LOCAL_RANK").as_deref(), Some("1"));
         let unbound = local_env(base, None);
         assert_eq!(var(unbound(1), binding::CPUS_ENV), None);
+    }
+
+    /// `auto` binds a job of all-reduce peers, not one with parameter servers; an explicit
+    /// `core` or `none` is kept.
+    #[test]
+    fn auto_binds_only_jobs_of_peers() {
+        use binding::Bind;
+        let peers = Topology::allreduce(4).expect("topology");
+        assert_eq!(peers_only(Bind::Auto, &peers), Bind::Auto);
+        let spec = flotilla_cluster::TopologySpec::from_yaml(
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+            "test",
+        )
+        .expect("spec");
+        let ps = Topology::build(&spec).expect("topology");
+        assert_eq!(peers_only(Bind::Auto, &ps), Bind::None);
+        assert_eq!(peers_only(Bind::Core, &ps), Bind::Core);
+        assert_eq!(peers_only(Bind::None, &peers), Bind::None);
     }
 }

@@ -88,7 +88,12 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
             let secret_file = config.comm.secret_file.clone();
             let tls = crate::launch_tls::check(&config)?;
             let env = rank_env(&config, n, args.threads, tls, secret_file)?;
-            let cpus = binding::plan(args.bind, n, args.threads, &binding::allowed_cpus());
+            let cpus = binding::plan(
+                program_bind(args.bind),
+                n,
+                args.threads,
+                &binding::allowed_cpus(),
+            );
             if let Some(lists) = &cpus {
                 println!("[launcher] {}", binding::describe(lists));
             }
@@ -119,6 +124,15 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
         r.fetch_outputs(&config.telemetry.output);
     }
     Ok(result)
+}
+
+/// `bind` for a program's ranks: `auto` leaves them unbound, since the launcher cannot know
+/// which of them compute and which mostly wait (a parameter server): `--bind core` binds.
+fn program_bind(bind: binding::Bind) -> binding::Bind {
+    match bind {
+        binding::Bind::Auto => binding::Bind::None,
+        bind => bind,
+    }
 }
 
 /// The program and its arguments as text (for logs and ssh command lines).

@@ -242,11 +242,11 @@ fn ranks_cores(n: usize, args: &[&str]) -> Vec<Vec<usize>> {
         .collect()
 }
 
-/// `--bind auto` (the default) binds rank `r` to the `r`-th of the launcher's cores
-/// (round-robin) when the ranks outnumber them; `--bind none` leaves every rank all of them;
-/// `--bind core` binds even a job that fits.
+/// `--bind core` binds rank `r` of a program to the `r`-th of the launcher's cores
+/// (round-robin); `auto` (the default) leaves a program's ranks unbound, as `none` does (the
+/// launcher cannot tell a program's computing ranks from its waiting ones).
 #[test]
-fn local_ranks_are_bound_to_cores_when_they_outnumber_them() {
+fn a_programs_ranks_are_bound_to_cores_with_bind_core() {
     let status = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status");
     let mine = status
         .lines()
@@ -254,12 +254,13 @@ fn local_ranks_are_bound_to_cores_when_they_outnumber_them() {
         .map(cores_of)
         .expect("this process's cores");
     let n = mine.len() + 1;
-    let bound = ranks_cores(n, &[]);
+    let bound = ranks_cores(n, &["--bind", "core"]);
     let expected: Vec<Vec<usize>> = (0..n).map(|r| vec![mine[r % mine.len()]]).collect();
-    assert_eq!(bound, expected, "auto, {n} ranks on cores {mine:?}");
+    assert_eq!(bound, expected, "--bind core, {n} ranks on cores {mine:?}");
     assert_eq!(ranks_cores(n, &["--bind", "none"]), vec![mine.clone(); n]);
-    assert_eq!(ranks_cores(1, &["--bind", "core"]), vec![vec![mine[0]]]);
-    if mine.len() > 1 {
-        assert_eq!(ranks_cores(1, &[]), vec![mine.clone()], "auto, 1 rank");
-    }
+    assert_eq!(
+        ranks_cores(n, &[]),
+        vec![mine.clone(); n],
+        "auto, a program"
+    );
 }
