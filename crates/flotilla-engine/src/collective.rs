@@ -16,8 +16,8 @@
 //! error, so a failed sum is kept in the [`ReducerHandle`] ([`ReducerHandle::take_error`]) and
 //! the op returns its input unchanged; the caller checks after the pass.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use std::fmt;
 use std::sync::{Arc, Mutex};

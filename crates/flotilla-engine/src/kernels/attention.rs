@@ -9,8 +9,8 @@
 //! mask of `generate_autoregressive_mask` (position `i` sees `0..=i`): burn fills masked scores
 //! with `-1e4`, whose `exp` is `0` in `f32` as the skipped entries here are.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex};

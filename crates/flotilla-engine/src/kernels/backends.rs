@@ -9,7 +9,8 @@
 /// ([`#[backend_extension]`](burn::backend::backend_extension)) over the engine's backends:
 /// Flex; NdArray, LibTorch and burn's cubecl `Cube` behind the features `ndarray`, `libtorch`
 /// and `wgpu`; and `Autodiff`, routed to the extension's `impl … for Autodiff<B, C>`. A file
-/// that uses it allows `deprecated` under the `ndarray` feature (the routing names NdArray).
+/// that uses it allows `deprecated` under the `ndarray` and `libtorch` features (the routing
+/// names NdArray and LibTorch).
 // rustfmt would indent the attribute's list further at every run (its macro-body formatting).
 #[rustfmt::skip]
 macro_rules! engine_extension {

@@ -4,8 +4,8 @@
 //! `gelu` / `gelu_backward` on the other backends, and on `Autodiff` a backward that keeps
 //! the input (as burn's does) and calls the backend's fused backward.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use std::f32::consts::{FRAC_1_SQRT_2, PI};
 

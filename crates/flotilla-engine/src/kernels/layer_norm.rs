@@ -5,8 +5,8 @@
 //! divide, multiply and add, each with its own buffer and backward. Other backends run the
 //! same formulas in burn's ops behind the same extension.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};

@@ -6,8 +6,8 @@
 //! ([`super::gemm`]), so a step is bitwise the same on 1 and 2 threads. Other backends run
 //! burn's own ops behind the same extension.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::FloatTensor;

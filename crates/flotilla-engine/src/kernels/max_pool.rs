@@ -3,8 +3,8 @@
 //! other backends burn's own `max_pool2d_with_indices` and its backward. The backward on
 //! `Autodiff` is hand-written over either.
 
-// burn 0.22 deprecates NdArray (in favour of Flex) but still ships it: the extension names it.
-#![cfg_attr(feature = "ndarray", allow(deprecated))]
+// burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
+#![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
 
 use burn::backend::flex::FlexTensor;
 use burn::backend::tensor::{FloatTensor, IntTensor};
