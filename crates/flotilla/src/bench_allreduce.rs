@@ -222,7 +222,7 @@ pub fn rows(
     let port = free_port()?;
     let mut worker = worker_args(args, "tcp")?;
     worker.extend(["--transport".into(), transport.to_string().into()]);
-    let cpus = binding::plan(args.bind, n, 1, &binding::allowed_cpus());
+    let cpus = binding::plan(args.bind, n, 1, &binding::allowed_cpus(), true);
     let mut job = LocalJob::spawn(n, &worker, |rank| {
         let mut env = vec![
             ("RANK".into(), rank.to_string()),
@@ -231,9 +231,7 @@ pub fn rows(
             ("MASTER_PORT".into(), port.to_string()),
             ("RAYON_NUM_THREADS".into(), "1".into()),
         ];
-        if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
-            env.push((binding::CPUS_ENV.into(), list.clone()));
-        }
+        env.extend(binding::rank_var(cpus.as_deref(), rank));
         env
     })?;
     let mut rows = Vec::new();

@@ -46,12 +46,21 @@ impl std::fmt::Display for Bind {
 
 /// The cores of each of `n` local ranks of `threads` threads, as [`CPUS_ENV`] lists, chosen
 /// among `allowed` (the cores this process may run on); `None` when `bind` says not to bind.
-pub fn plan(bind: Bind, n: usize, threads: usize, allowed: &[usize]) -> Option<Vec<String>> {
+/// `all_compute` says whether every rank computes (all-reduce peers, pipeline stages), not
+/// some of them mostly wait (parameter servers, or a program's ranks the launcher cannot
+/// see into): `auto` binds only such jobs.
+pub fn plan(
+    bind: Bind,
+    n: usize,
+    threads: usize,
+    allowed: &[usize],
+    all_compute: bool,
+) -> Option<Vec<String>> {
     let threads = threads.max(1);
     let bind = match bind {
         Bind::None => false,
         Bind::Core => true,
-        Bind::Auto => n.saturating_mul(threads) > allowed.len(),
+        Bind::Auto => all_compute && n.saturating_mul(threads) > allowed.len(),
     };
     if !bind || allowed.is_empty() {
         return None;
@@ -69,6 +78,12 @@ pub fn plan(bind: Bind, n: usize, threads: usize, allowed: &[usize]) -> Option<V
         })
         .collect();
     Some(lists)
+}
+
+/// Rank `rank`'s [`CPUS_ENV`] variable under `plan`'s lists, if it is bound.
+pub fn rank_var(lists: Option<&[String]>, rank: usize) -> Option<(String, String)> {
+    let list = lists?.get(rank)?;
+    Some((CPUS_ENV.to_string(), list.clone()))
 }
 
 /// The launcher's line for a bound job: each rank's cores.
@@ -151,17 +166,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn auto_binds_only_when_the_ranks_threads_outnumber_the_cores() {
+    fn auto_binds_only_computing_ranks_that_outnumber_the_cores() {
         let two = [0, 1];
-        assert_eq!(plan(Bind::Auto, 2, 1, &two), None);
+        assert_eq!(plan(Bind::Auto, 2, 1, &two, true), None);
         assert_eq!(
-            plan(Bind::Auto, 4, 1, &two),
+            plan(Bind::Auto, 4, 1, &two, true),
             Some(vec!["0".into(), "1".into(), "0".into(), "1".into()])
         );
-        assert_eq!(plan(Bind::None, 4, 1, &two), None);
+        assert_eq!(plan(Bind::None, 4, 1, &two, true), None);
         assert_eq!(
-            plan(Bind::Core, 2, 1, &two),
+            plan(Bind::Core, 2, 1, &two, true),
             Some(vec!["0".into(), "1".into()])
+        );
+        // Ranks that mostly wait (servers, a program's): `auto` leaves them, `core` binds.
+        assert_eq!(plan(Bind::Auto, 4, 1, &two, false), None);
+        assert_eq!(
+            plan(Bind::Core, 3, 1, &two, false),
+            Some(vec!["0".into(), "1".into(), "0".into()])
         );
     }
 
@@ -169,11 +190,14 @@ mod tests {
     fn a_rank_of_several_threads_gets_as_many_cores_of_the_allowed_ones() {
         let allowed = [2, 3, 5, 7];
         assert_eq!(
-            plan(Bind::Core, 3, 2, &allowed),
+            plan(Bind::Core, 3, 2, &allowed, true),
             Some(vec!["2,3".into(), "5,7".into(), "2,3".into()])
         );
         // More threads than cores: each rank gets them all once.
-        assert_eq!(plan(Bind::Auto, 1, 8, &[0, 1]), Some(vec!["0,1".into()]));
+        assert_eq!(
+            plan(Bind::Auto, 1, 8, &[0, 1], true),
+            Some(vec!["0,1".into()])
+        );
     }
 
     #[test]

@@ -132,8 +132,7 @@ fn launch_once(
         )?),
         None => None,
     };
-    let bind = peers_only(opts.bind, &job.topology);
-    let cpus = binding::plan(bind, job.n, threads, &binding::allowed_cpus());
+    let cpus = local_cpus(&job, opts.bind, threads);
     let mut ranks = match &remote {
         Some(r) => start_remote(&job, r, threads)?,
         None => start_local(&job, threads, cpus.clone(), first)?,
@@ -265,6 +264,15 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
         );
     }
     let n = config.effective_world_size()?;
+    if flags.given("world-size") && config.topology.world_size != n {
+        anyhow::bail!(
+            "-n {}: this job's size comes from its config, not from -n: {n} ranks ({}). A \
+             pipeline has stages × data_parallel ranks (`data_parallel: 2` in the config for 2 \
+             replicas of every stage); a hierarchical parameter server one per server and worker",
+            config.topology.world_size,
+            config.topology()?.composition()
+        );
+    }
     let output = &config.telemetry.output;
     std::fs::create_dir_all(output).with_context(|| format!("creating {}", output.display()))?;
     let config_path = output.join("launch-config.yaml");
@@ -332,9 +340,7 @@ fn local_env(
     move |rank| {
         let mut vars = env(rank);
         vars.push(("LOCAL_RANK".to_string(), rank.to_string()));
-        if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
-            vars.push((binding::CPUS_ENV.to_string(), list.clone()));
-        }
+        vars.extend(binding::rank_var(cpus.as_deref(), rank));
         vars
     }
 }
@@ -358,15 +364,16 @@ fn rank_labels(job: &Prepared, remote: Option<&Remote>) -> Vec<String> {
         .collect()
 }
 
-/// `bind`, but `auto` binds only jobs whose ranks all compute: a parameter server mostly waits
-/// for its workers, and binding by rank order can put the workers together on one core and
-/// the servers on another (the hierarchical PS on 2 cores: workers 2 and 4 beside the global
-/// server 0, local servers 1 and 3 alone on the other core).
-fn peers_only(bind: binding::Bind, topology: &Topology) -> binding::Bind {
-    match bind {
-        binding::Bind::Auto if topology.servers().next().is_some() => binding::Bind::None,
-        bind => bind,
-    }
+/// The cores of each local rank under `bind` (see `binding::plan`), `None` when unbound.
+fn local_cpus(job: &Prepared, bind: binding::Bind, threads: usize) -> Option<Vec<String>> {
+    let allowed = binding::allowed_cpus();
+    binding::plan(bind, job.n, threads, &allowed, all_compute(&job.topology))
+}
+
+/// Whether every rank of `topology` computes (see `binding::plan`): not when it has parameter
+/// servers, which mostly wait for their workers.
+fn all_compute(topology: &Topology) -> bool {
+    topology.servers().next().is_none()
 }
 
 /// Ranks whose loss an asynchronous server above them absorbs: a rank is tolerated if any
@@ -414,21 +421,16 @@ mod tests {
         assert_eq!(var(unbound(1), binding::CPUS_ENV), None);
     }
 
-    /// `auto` binds a job of all-reduce peers, not one with parameter servers; an explicit
-    /// `core` or `none` is kept.
+    /// A job of all-reduce peers computes on every rank; one with parameter servers does not
+    /// (so `--bind auto` leaves it unbound).
     #[test]
-    fn auto_binds_only_jobs_of_peers() {
-        use binding::Bind;
-        let peers = Topology::allreduce(4).expect("topology");
-        assert_eq!(peers_only(Bind::Auto, &peers), Bind::Auto);
+    fn only_jobs_without_servers_compute_on_every_rank() {
+        assert!(all_compute(&Topology::allreduce(4).expect("topology")));
         let spec = flotilla_cluster::TopologySpec::from_yaml(
             "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
             "test",
         )
         .expect("spec");
-        let ps = Topology::build(&spec).expect("topology");
-        assert_eq!(peers_only(Bind::Auto, &ps), Bind::None);
-        assert_eq!(peers_only(Bind::Core, &ps), Bind::Core);
-        assert_eq!(peers_only(Bind::None, &peers), Bind::None);
+        assert!(!all_compute(&Topology::build(&spec).expect("topology")));
     }
 }

@@ -88,12 +88,9 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
             let secret_file = config.comm.secret_file.clone();
             let tls = crate::launch_tls::check(&config)?;
             let env = rank_env(&config, n, args.threads, tls, secret_file)?;
-            let cpus = binding::plan(
-                program_bind(args.bind),
-                n,
-                args.threads,
-                &binding::allowed_cpus(),
-            );
+            // The launcher cannot see which of a program's ranks compute: `auto` binds none.
+            let allowed = binding::allowed_cpus();
+            let cpus = binding::plan(args.bind, n, args.threads, &allowed, false);
             if let Some(lists) = &cpus {
                 println!("[launcher] {}", binding::describe(lists));
             }
@@ -101,9 +98,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
                 let mut cmd = Command::new(&args.program[0]);
                 cmd.args(&args.program[1..]);
                 cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
-                if let Some(list) = cpus.as_ref().and_then(|c| c.get(rank)) {
-                    cmd.env(binding::CPUS_ENV, list);
-                }
+                cmd.envs(binding::rank_var(cpus.as_deref(), rank));
                 cmd
             });
             LocalJob::start(commands, None)
@@ -124,15 +119,6 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
         r.fetch_outputs(&config.telemetry.output);
     }
     Ok(result)
-}
-
-/// `bind` for a program's ranks: `auto` leaves them unbound, since the launcher cannot know
-/// which of them compute and which mostly wait (a parameter server): `--bind core` binds.
-fn program_bind(bind: binding::Bind) -> binding::Bind {
-    match bind {
-        binding::Bind::Auto => binding::Bind::None,
-        bind => bind,
-    }
 }
 
 /// The program and its arguments as text (for logs and ssh command lines).

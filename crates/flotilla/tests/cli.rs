@@ -669,3 +669,31 @@ fn a_killed_launcher_leaves_no_rank_behind() {
     let _ = launcher.0.wait();
     assert_none_left(needle, Duration::from_secs(5));
 }
+
+/// `-n` on a job whose size its config fixes (a pipeline's stages × replicas, a hierarchical
+/// parameter-server tree) is refused naming the size, not silently ignored.
+#[test]
+fn n_that_the_config_overrules_is_refused_naming_the_size() {
+    for (config, size) in [
+        (
+            "examples/mnist-pipeline.yaml",
+            "2 ranks (2 stages × 1 replica)",
+        ),
+        ("examples/ps-hierarchical.yaml", "7 ranks (1 global server"),
+    ] {
+        let mut c = flotilla();
+        c.args(["launch", config, "-n", "4", "--output"])
+            .arg(tmp().path().join("n"));
+        let o = run_with_deadline(c, Duration::from_secs(60));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success()
+                && err.contains(&format!(
+                    "-n 4: this job's size comes from its config, not from -n: {size}"
+                )),
+            "{config}: {}",
+            text(&o)
+        );
+        assert!(!String::from_utf8_lossy(&o.stdout).contains("[rank "));
+    }
+}
