@@ -110,8 +110,11 @@ fn run_one(
     let facts = (|| -> Result<RunFacts> {
         // A summary left by an earlier comparison must not stand in for this run's.
         remove_stale(&dir.join(report::SUMMARY_FILE))?;
+        // The preset has turned `-n` (the workers) into this strategy's ranks already.
+        let mut run = args.run.clone();
+        run.flags.retain(|(long, _)| *long != "world-size");
         let opts = LaunchArgs {
-            run: args.run.clone(),
+            run,
             threads: args.threads,
             oversubscribe: false,
             bind: crate::binding::Bind::default(),
