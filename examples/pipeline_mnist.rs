@@ -171,10 +171,20 @@ fn launch() -> Result<()> {
         .local_addr()?
         .port();
     let exe = std::env::current_exe()?;
+    // Every connection between the ranks proves a secret: the user's, or one for this run.
+    let secret = match flotilla_comm::Secret::from_env()? {
+        Some(_) => None,
+        None => {
+            Some(String::from_utf8_lossy(flotilla_comm::Secret::generate().bytes()).into_owned())
+        }
+    };
     let mut children: Vec<Child> = (0..world)
         .map(|rank| {
-            Command::new(&exe)
-                .env("RANK", rank.to_string())
+            let mut cmd = Command::new(&exe);
+            if let Some(s) = &secret {
+                cmd.env(flotilla_comm::SECRET_ENV, s);
+            }
+            cmd.env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
                 .env("MASTER_PORT", port.to_string())

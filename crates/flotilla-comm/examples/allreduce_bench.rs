@@ -121,6 +121,8 @@ fn launch(args: &Args) -> Result<(), String> {
         .and_then(|l| l.local_addr())
         .map_err(|e| e.to_string())?
         .port();
+    // The ranks prove a secret of this run's on every connection (a TCP rank refuses without).
+    let secret = String::from_utf8_lossy(flotilla_comm::Secret::generate().bytes()).into_owned();
     let mut children = Vec::new();
     for rank in 0..args.world {
         let mut cmd = Command::new(&exe);
@@ -128,6 +130,7 @@ fn launch(args: &Args) -> Result<(), String> {
             .env(CHILD_ENV, "1")
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", args.world.to_string())
+            .env(flotilla_comm::SECRET_ENV, &secret)
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
         for (k, v) in &args.passthrough {

@@ -346,8 +346,9 @@ impl<'a> Responder<'a> {
 mod tests {
     use super::*;
 
+    /// The secret named `s` (padded to a length a secret needs).
     fn secret(s: &str) -> Secret {
-        Secret::new(s.as_bytes().to_vec()).expect("secret")
+        Secret::new(format!("{s}-0123456789abcdef").into_bytes()).expect("secret")
     }
 
     /// A whole handshake over encoded bytes: the initiator's and the responder's verdicts.

@@ -162,6 +162,11 @@ pub struct CommConfig {
     /// (`None`: connections are not authenticated by a secret). The secret never goes on the
     /// wire; it does not encrypt the traffic after the handshake ([`CommConfig::tls`] does).
     pub secret: Option<Secret>,
+    /// Whether this rank may listen and connect over TCP with neither a secret nor TLS (the
+    /// user's explicit opt-out, for a trusted network: any process that reaches the ports can
+    /// then join the job). Default `false`: such a rank refuses to start, saying how to make
+    /// a secret. The in-memory transport needs neither.
+    pub insecure: bool,
     /// Mutual TLS of every connection (to rank 0 and in the mesh), set up right after the
     /// TCP connection and before the secret's handshake and any frame: both ends present a
     /// certificate of the cluster CA (`None`: plain TCP).
@@ -255,6 +260,7 @@ impl fmt::Debug for CommConfig {
             .field("join_timeout", &self.join_timeout)
             .field("config_hash", &format_args!("{:#018x}", self.config_hash))
             .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("insecure", &self.insecure)
             .field("tls", &self.tls)
             .field("compression", &self.compression)
             .field("wire_format", &self.wire_format)
@@ -289,6 +295,7 @@ impl Default for CommConfig {
             join_timeout: Duration::from_secs(300),
             config_hash: 0,
             secret: None,
+            insecure: false,
             tls: None,
             compression: Compression::None,
             wire_format: WireFormat::F32,
@@ -309,6 +316,20 @@ impl Default for CommConfig {
             shm_dir: None,
             shm_chunk_bytes: DEFAULT_SHM_CHUNK_BYTES,
         }
+    }
+}
+
+/// Whether the environment opts out of authentication ([`crate::INSECURE_ENV`]: `1`/`true`/
+/// `yes` or `0`/`false`/`no`; unset: no).
+pub fn insecure_env() -> Result<bool, CommError> {
+    let name = crate::INSECURE_ENV;
+    match env_var(name).map(|v| v.trim().to_ascii_lowercase()) {
+        None => Ok(false),
+        Some(v) if ["1", "true", "yes", "on"].contains(&v.as_str()) => Ok(true),
+        Some(v) if ["0", "false", "no", "off"].contains(&v.as_str()) => Ok(false),
+        Some(v) => Err(CommError::Config(format!(
+            "{name}={v:?}: expected 1 or 0 (true or false)"
+        ))),
     }
 }
 
@@ -340,7 +361,7 @@ impl CommConfig {
     /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
     /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
     /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
-    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), TLS
+    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), `FLOTILLA_INSECURE` ([`insecure_env`]), TLS
     /// ([`TlsFiles::from_env`]: `FLOTILLA_TLS_CA`, `FLOTILLA_TLS_CERT`, `FLOTILLA_TLS_KEY`),
     /// `FLOTILLA_COMM_COMPRESSION`
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
@@ -365,6 +386,7 @@ impl CommConfig {
             cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
         }
         cfg.secret = Secret::from_env()?;
+        cfg.insecure = insecure_env()?;
         cfg.tls = TlsFiles::from_env()?.map(|f| f.load()).transpose()?;
         if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
             cfg.compression = match c.to_ascii_lowercase().as_str() {
@@ -479,6 +501,13 @@ impl CommConfig {
     /// Sets the cluster secret.
     pub fn with_secret(mut self, secret: Option<Secret>) -> Self {
         self.secret = secret;
+        self
+    }
+
+    /// Sets [`CommConfig::insecure`]: with neither a secret nor TLS, run unauthenticated
+    /// instead of refusing (a trusted network only).
+    pub fn with_insecure(mut self, insecure: bool) -> Self {
+        self.insecure = insecure;
         self
     }
 
@@ -633,7 +662,7 @@ mod tests {
 
     #[test]
     fn debug_redacts_the_secret() {
-        let secret = Secret::new(b"s3cret".to_vec()).expect("secret");
+        let secret = Secret::new(b"s3cret-0123456789".to_vec()).expect("secret");
         let cfg = CommConfig::new(Some(0), 2).with_secret(Some(secret));
         assert!(!format!("{cfg:?}").contains("s3cret"));
     }

@@ -62,6 +62,7 @@ mod hier;
 #[cfg(test)]
 mod hier_tests;
 mod host;
+mod inherited;
 mod net;
 mod op;
 mod pipe;
@@ -82,12 +83,16 @@ pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
     DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
-    WireFormat,
+    WireFormat, insecure_env,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
     PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
     WeightHistory, bench, shard, tags,
 };
-pub use secret::{MAX_SECRET_FILE_BYTES, SECRET_ENV, SECRET_FILE_ENV, Secret, TOKEN_ENV};
+pub use inherited::LISTEN_FD_ENV;
+pub use secret::{
+    HOW_TO_MAKE_A_SECRET, INSECURE_ENV, MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES, SECRET_ENV,
+    SECRET_FILE_ENV, Secret, TOKEN_ENV,
+};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

@@ -20,6 +20,21 @@ pub const TOKEN_ENV: &str = "FLOTILLA_TOKEN";
 /// The largest secret file accepted (a secret is a short line; anything larger is a mistake).
 pub const MAX_SECRET_FILE_BYTES: u64 = 64 << 10;
 
+/// The shortest secret accepted, in bytes: 16 bytes (128 bits) of a random secret keep the
+/// HMAC's key out of reach of guessing; a shorter one is a password, refused with the reason.
+pub const MIN_SECRET_BYTES: usize = 16;
+
+/// The environment variable that lets a TCP rank run without authentication (`1`, `true`):
+/// the opt-out of [`crate::CommConfig::insecure`], for a trusted network only.
+pub const INSECURE_ENV: &str = "FLOTILLA_INSECURE";
+
+/// What a rank without a secret is told: how to make one, and how to opt out.
+pub const HOW_TO_MAKE_A_SECRET: &str = "make one with `flotilla secret --out FILE` (a fresh \
+    random secret in a new 0600 file) and give every rank the same one in FLOTILLA_SECRET_FILE=FILE \
+    (or FLOTILLA_SECRET, or `comm.secret_file`; `flotilla launch` makes one for every job it \
+    starts); to run unauthenticated on a trusted network, say so with `--insecure`, \
+    `comm.insecure: true` or FLOTILLA_INSECURE=1";
+
 /// A cluster secret: every rank of a job holds the same one and proves it on every
 /// connection. Its bytes never appear in `Debug` output, logs or errors.
 #[derive(Clone)]
@@ -32,13 +47,30 @@ impl fmt::Debug for Secret {
 }
 
 impl Secret {
-    /// A secret of these bytes; an empty one is an error.
+    /// A secret of these bytes; an empty one, or one shorter than [`MIN_SECRET_BYTES`], is an
+    /// error saying so (without the secret).
     pub fn new(bytes: impl Into<Vec<u8>>) -> Result<Secret, CommError> {
         let bytes: Vec<u8> = bytes.into();
         if bytes.is_empty() {
             return Err(CommError::Config("the cluster secret is empty".into()));
         }
+        if bytes.len() < MIN_SECRET_BYTES {
+            return Err(CommError::Config(format!(
+                "the cluster secret has {} bytes, fewer than the {MIN_SECRET_BYTES} a secret needs \
+                 to resist guessing; `flotilla secret` prints a random one",
+                bytes.len()
+            )));
+        }
         Ok(Secret(bytes.into()))
+    }
+
+    /// A fresh random secret: 32 bytes of the operating system's generator, written as 64
+    /// hexadecimal characters (text, so that it survives a file, an environment variable and
+    /// a Kubernetes Secret unchanged).
+    pub fn generate() -> Secret {
+        let bytes: [u8; 32] = rand::random();
+        let hex: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+        Secret(hex.into_bytes().into())
     }
 
     /// The secret in a file: its content without trailing white space. The file must not
@@ -64,8 +96,12 @@ impl Secret {
         while bytes.last().is_some_and(|b| b.is_ascii_whitespace()) {
             bytes.pop();
         }
-        Secret::new(bytes)
-            .map_err(|_| CommError::Config(format!("secret file {shown} holds no secret")))
+        if bytes.is_empty() {
+            return Err(CommError::Config(format!(
+                "secret file {shown} holds no secret"
+            )));
+        }
+        Secret::new(bytes).map_err(|e| CommError::Config(format!("secret file {shown}: {e}")))
     }
 
     /// The secret of the environment: [`SECRET_FILE_ENV`] (a file) or [`SECRET_ENV`] (the
@@ -105,8 +141,9 @@ impl Secret {
         file.write_all(&self.0).map_err(io)
     }
 
-    /// The secret's bytes (for the handshake's MAC only).
-    pub(crate) fn bytes(&self) -> &[u8] {
+    /// The secret's bytes (for the handshake's MAC, and for a launcher writing it where its
+    /// ranks read it: a file, a Kubernetes Secret).
+    pub fn bytes(&self) -> &[u8] {
         &self.0
     }
 }
@@ -180,11 +217,26 @@ mod tests {
         }
         let p = write(&d, "empty", b"\n", 0o600);
         assert!(Secret::from_file(&p).is_err());
+        let p = write(&d, "short", b"fifteen-bytes!!\n", 0o600);
+        let e = Secret::from_file(&p).expect_err("15 bytes").to_string();
+        assert!(e.contains("15 bytes") && e.contains("16"), "{e}");
+        assert!(!e.contains("fifteen"), "{e}");
         let p = write(&d, "huge", &vec![b'x'; 70_000], 0o600);
         let e = Secret::from_file(&p).expect_err("too large").to_string();
         assert!(e.contains("limit"), "{e}");
         assert!(Secret::from_file(&d.join("missing")).is_err());
         assert!(Secret::new(Vec::new()).is_err());
+        assert!(Secret::new(b"0123456789abcde".to_vec()).is_err());
+        assert!(Secret::new(b"0123456789abcdef".to_vec()).is_ok());
         let _ = std::fs::remove_dir_all(d);
+    }
+
+    #[test]
+    fn generated_secrets_are_long_random_text() {
+        let (a, b) = (Secret::generate(), Secret::generate());
+        assert_eq!(a.bytes().len(), 64);
+        assert!(a.bytes().iter().all(u8::is_ascii_hexdigit));
+        assert_ne!(a.bytes(), b.bytes());
+        Secret::new(a.bytes().to_vec()).expect("a generated secret is accepted");
     }
 }

@@ -23,8 +23,10 @@ fn master_listener() -> (TcpListener, u16) {
     (l, port)
 }
 
+/// A rank of the tests' TCP worlds, with the tests' secret (a TCP rank refuses without one).
 fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
     CommConfig::new(rank, n)
+        .with_secret(secret("flotilla-test"))
         .with_master("127.0.0.1", port)
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(10))
@@ -428,8 +430,14 @@ fn config_hash_mismatch_is_refused_and_named() {
     }
 }
 
+/// A secret named `s` (long enough to be accepted).
 fn secret(s: &str) -> Option<Secret> {
-    Some(Secret::new(s.as_bytes().to_vec()).expect("secret"))
+    Some(Secret::new(format!("{s}-0123456789abcdef").into_bytes()).expect("secret"))
+}
+
+/// A rank that opted out of authentication (neither a secret nor TLS).
+fn insecure(c: CommConfig) -> CommConfig {
+    c.with_secret(None).with_insecure(true)
 }
 
 /// A rank with another secret fails authentication against rank 0 and is told so, naming
@@ -469,7 +477,8 @@ fn wrong_secret_is_refused_at_the_rendezvous_and_named() {
     }
 }
 
-/// A secret on one side only: the side without one is told what to set.
+/// A secret on one side only (the other said `insecure`): the side without one is told what
+/// to set.
 #[test]
 fn a_secret_on_one_side_only_is_refused_and_named() {
     let join = Duration::from_millis(1500);
@@ -477,7 +486,7 @@ fn a_secret_on_one_side_only_is_refused_and_named() {
         base(Some(0), 2, 0)
             .with_join_timeout(join)
             .with_secret(secret("s")),
-        base(Some(1), 2, 0).with_join_timeout(join),
+        insecure(base(Some(1), 2, 0).with_join_timeout(join)),
     ];
     let res = run_procs(procs, |_c| Ok(()));
     let e = res[1].as_ref().expect_err("no secret");
@@ -491,7 +500,7 @@ fn a_secret_on_one_side_only_is_refused_and_named() {
     assert!(e.to_string().contains("FLOTILLA_SECRET"), "{e}");
     assert_refused_at_timeout(res[0].as_ref().expect_err("rank 0"), "did not authenticate");
     let procs = vec![
-        base(Some(0), 2, 0).with_join_timeout(join),
+        insecure(base(Some(0), 2, 0).with_join_timeout(join)),
         base(Some(1), 2, 0)
             .with_join_timeout(join)
             .with_secret(secret("s")),

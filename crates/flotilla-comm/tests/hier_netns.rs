@@ -112,6 +112,7 @@ impl Hosts {
             .env(CHILD, mode)
             .env("RANK", rank.to_string())
             .env("WORLD_SIZE", n.to_string())
+            .env("FLOTILLA_SECRET", "flotilla-test-secret-0123456789")
             .env("MASTER_ADDR", Self::addr(0))
             .env("MASTER_PORT", "29511")
             .env("FLOTILLA_COMM_TIMEOUT_SECS", "10")

@@ -15,6 +15,10 @@ const TAG: u32 = 7;
 
 fn cfg(rank: usize, port: u16) -> CommConfig {
     CommConfig::new(Some(rank), 3)
+        .with_secret(Some(
+            flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec())
+                .expect("secret"),
+        ))
         .with_master("127.0.0.1", port)
         .with_timeout(Duration::from_secs(5))
         .with_join_timeout(Duration::from_secs(10))

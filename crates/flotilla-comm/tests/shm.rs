@@ -22,6 +22,10 @@ const LENGTHS: [usize; 6] = [0, 1, 7, 1023, 1024, 5 * 1024 + 13];
 
 fn cfg(n: usize, transport: Transport) -> CommConfig {
     CommConfig::new(Some(0), n)
+        .with_secret(Some(
+            flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec())
+                .expect("secret"),
+        ))
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(20))
         .with_transport(transport)
@@ -417,6 +421,7 @@ fn spawn_rank(rank: usize, n: usize, port: u16, mode: &str, dir: &Path) -> Child
         .env(CHILD, mode)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", n.to_string())
+        .env("FLOTILLA_SECRET", "flotilla-test-secret-0123456789")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("FLOTILLA_COMM_SHM_DIR", dir)

@@ -86,7 +86,7 @@ fn master_listener() -> (TcpListener, u16) {
 fn a_tls_world_reduces_exactly() {
     let dir = tempdir("world");
     let tls = cluster(&dir);
-    let secret = Secret::new(b"s".to_vec()).expect("secret");
+    let secret = Secret::new(b"tls-world-secret-0123".to_vec()).expect("secret");
     let (l, port) = master_listener();
     let mut l = Some(l);
     let n = 4;
@@ -143,7 +143,7 @@ fn strangers_never_break_a_tls_job() {
     );
     assert!(e.to_string().contains("not signed by this job's CA"), "{e}");
     let e = refused(
-        Communicator::connect(base(None, 2, port)),
+        Communicator::connect(base(None, 2, port).with_insecure(true)),
         "no TLS is refused",
     );
     assert!(
@@ -171,7 +171,10 @@ fn a_tls_rank_at_a_plain_job_is_refused_and_named() {
     let dir = tempdir("plain-job");
     let tls = cluster(&dir);
     let (l, port) = master_listener();
-    let cfg = base(Some(0), 2, port).with_join_timeout(Duration::from_millis(1500));
+    // A plain job: neither TLS nor a secret (its rank 0 opted out).
+    let cfg = base(Some(0), 2, port)
+        .with_join_timeout(Duration::from_millis(1500))
+        .with_insecure(true);
     let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l).map(|_| ()));
     let e = refused(
         Communicator::connect(base(Some(1), 2, port).with_tls(Some(tls))),
@@ -423,7 +426,12 @@ fn relayed_world(tls: Option<TlsConfig>) -> Vec<Recorded> {
     let mesh_port = free_port();
     let to_rank0 = Relay::start("rank 1 -> rank 0", port);
     let to_rank1 = Relay::start("rank 2 -> rank 1", mesh_port);
-    let cfg = |r: usize, port: u16| base(Some(r), 3, port).with_tls(tls.clone());
+    // Plain: neither TLS nor a secret (which would not hide the bytes either).
+    let cfg = |r: usize, port: u16| {
+        base(Some(r), 3, port)
+            .with_tls(tls.clone())
+            .with_insecure(true)
+    };
     let rank1 = cfg(1, to_rank0.port)
         .with_mesh_port(Some(mesh_port))
         .with_advertise_port(Some(to_rank1.port));

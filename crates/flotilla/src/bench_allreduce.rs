@@ -14,7 +14,9 @@ use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Transport, WireForma
 
 use crate::binding;
 use crate::cli::BenchAllreduceArgs;
-use crate::launch::{LocalJob, Stream, free_port};
+use crate::job_secret::JobSecret;
+use crate::launch::{LocalJob, Stream};
+use crate::rendezvous_socket::RendezvousSocket;
 
 /// What a worker's result lines start with (then the label of the measurement).
 pub const ROW_PREFIX: &str = "@bench ";
@@ -219,11 +221,18 @@ pub fn rows(
     n: usize,
     transport: Transport,
 ) -> Result<Vec<(String, Row)>> {
-    let port = free_port()?;
+    let socket = RendezvousSocket::bind("127.0.0.1", 0)?;
+    let port = socket.port()?;
+    // The user's secret reaches the ranks through the environment they inherit; else one for
+    // this run.
+    let secret = match flotilla_comm::Secret::from_env()? {
+        Some(_) => None,
+        None => Some(JobSecret::fresh()?),
+    };
     let mut worker = worker_args(args, "tcp")?;
     worker.extend(["--transport".into(), transport.to_string().into()]);
     let cpus = binding::plan(args.bind, n, 1, &binding::allowed_cpus(), true);
-    let mut job = LocalJob::spawn(n, &worker, |rank| {
+    let env = |rank: usize| {
         let mut env = vec![
             ("RANK".into(), rank.to_string()),
             ("WORLD_SIZE".into(), n.to_string()),
@@ -232,8 +241,11 @@ pub fn rows(
             ("RAYON_NUM_THREADS".into(), "1".into()),
         ];
         env.extend(binding::rank_var(cpus.as_deref(), rank));
+        env.extend(secret.as_ref().and_then(JobSecret::rank_env));
         env
-    })?;
+    };
+    let mut job = LocalJob::spawn(n, &worker, env, Some(&socket))?;
+    drop(socket);
     let mut rows = Vec::new();
     job.supervise(Some(Duration::from_secs(1800)), &mut |line| {
         if line.stream == Stream::Stdout && line.rank == 0 {

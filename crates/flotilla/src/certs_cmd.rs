@@ -200,6 +200,20 @@ fn print_summary(dir: &Path, reuse: bool, written: &[String], example: &str) {
     );
 }
 
+/// A CA and a certificate per host of `addresses` for one job (valid for `days`), written
+/// into the private directory `dir` as `flotilla certs` writes them (`ca.pem`,
+/// `<address>.pem`, `<address>.key`): what `flotilla launch --inventory` makes when the
+/// user gave no TLS files. Returns the CA certificate's path.
+pub fn job_certs(dir: &Path, addresses: &[String], days: u32) -> Result<PathBuf> {
+    let hosts = hosts(addresses)?;
+    let now = OffsetDateTime::now_utc();
+    let issuer = new_ca(dir, now, days)?;
+    for host in &hosts {
+        issue(dir, host, &issuer, now, days)?;
+    }
+    Ok(dir.join(CA_CERT))
+}
+
 /// Creates `dir` (mode 0700 when created here).
 fn create_private_dir(dir: &Path) -> Result<()> {
     if dir.is_dir() {

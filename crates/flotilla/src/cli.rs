@@ -53,6 +53,10 @@ pub enum Command {
     /// job (`comm.tls`): DIR/ca.pem, DIR/ca.key, DIR/<host>.pem, DIR/<host>.key. An
     /// existing CA in DIR signs the new hosts.
     Certs(crate::certs_cmd::CertsArgs),
+    /// Make a fresh random cluster secret: printed, or with `--out FILE` written to a new
+    /// file of mode 0600 for every rank (`FLOTILLA_SECRET_FILE=FILE`). `flotilla launch`
+    /// makes one for each job itself; this is for ranks started another way.
+    Secret(crate::secret_cmd::SecretArgs),
 }
 
 /// `flotilla trace ...`.

@@ -16,6 +16,8 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, Result, bail};
 use flotilla_telemetry::RankEvent;
 
+use crate::rendezvous_socket::RendezvousSocket;
+
 /// Lines of a failed rank's stderr shown in the launcher's error.
 const STDERR_TAIL: usize = 20;
 
@@ -46,7 +48,9 @@ pub struct RankLine {
     pub text: String,
 }
 
-/// A free TCP port on 127.0.0.1 (bound and released; good enough for local jobs).
+/// A free TCP port on 127.0.0.1, bound and released: only a number for a remote rank 0 to
+/// bind on its host. A local job's port is a [`RendezvousSocket`] instead, held from the
+/// moment it is chosen.
 pub fn free_port() -> Result<u16> {
     let l = TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
     Ok(l.local_addr()?.port())
@@ -102,11 +106,12 @@ pub struct LocalJob {
 
 impl LocalJob {
     /// Starts `n` copies of this executable with `args`; `env(rank)` gives each its extra
-    /// environment.
+    /// environment; rank 0 inherits `socket`, the job's rendezvous listener, when given.
     pub fn spawn(
         n: usize,
         args: &[OsString],
         env: impl Fn(usize) -> Vec<(String, String)>,
+        socket: Option<&RendezvousSocket>,
     ) -> Result<Self> {
         let exe = std::env::current_exe().context("locating the flotilla executable")?;
         let commands = (0..n).map(|rank| {
@@ -114,6 +119,9 @@ impl LocalJob {
             cmd.args(args);
             for (k, v) in env(rank) {
                 cmd.env(k, v);
+            }
+            if let (0, Some(s)) = (rank, socket) {
+                s.hand_to(&mut cmd);
             }
             cmd
         });

@@ -13,10 +13,12 @@ use flotilla_cluster::Topology;
 use flotilla_train::TrainConfig;
 
 use crate::cli::LaunchArgs;
+use crate::job_secret::JobSecret;
 use crate::launch::{self, LocalJob};
 use crate::progress::PROGRESS_ENV;
 use crate::relay::Relay;
 use crate::remote_launch::{self, Remote};
+use crate::rendezvous_socket::RendezvousSocket;
 use crate::run_args::RunArgs;
 use crate::{binding, capacity};
 use crate::{settings, telemetry};
@@ -29,6 +31,8 @@ struct Prepared {
     n: usize,
     /// The ranks' hosts, when launched on an inventory.
     placement: Option<flotilla_cluster::Placement>,
+    /// Rank 0's listener, bound by the launcher for a local job (handed to rank 0 at start).
+    socket: Option<RendezvousSocket>,
 }
 
 /// Runs `flotilla launch`.
@@ -53,10 +57,12 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
              checkpoint, and ssh jobs cannot resume); use it with a local launch"
         );
     }
+    // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
+    let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
     loop {
         let first = restarts == 0;
-        match launch_once(config.clone(), opts, first, &mut restarts)? {
+        match launch_once(config.clone(), opts, &secret, first, &mut restarts)? {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
                 restarts += 1;
@@ -81,31 +87,26 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     }
 }
 
-/// One start of the job: `Err` if it could not start, `Ok(Err)` if a rank failed. `first`:
-/// not a restart (notes about the setup are printed once). `restarts`: restarts so far (of
-/// the job or of single ranks), counted on when a worker restarted alone rejoins the job.
+/// One start of the job with `secret`: `Err` if it could not start, `Ok(Err)` if a rank
+/// failed. `first`: not a restart (notes about the setup are printed once). `restarts`:
+/// restarts so far (of the job or of single ranks), counted on when a worker restarted alone
+/// rejoins the job.
 fn launch_once(
     config: TrainConfig,
     opts: &LaunchArgs,
+    secret: &JobSecret,
     first: bool,
     restarts: &mut u32,
 ) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
-    // A secret that cannot be read fails here, before any rank starts. Local ranks inherit
-    // the environment (or read the same `comm.secret_file`); remote ones get a 0600 file.
-    let authenticated = config.secret()?.is_some();
-    // So do TLS files (local ranks read the same ones; remote ones: `launch_tls`).
+    // TLS files that cannot be read fail here, before any rank starts (local ranks read the
+    // same ones; remote ones: `launch_tls`).
     let tls = crate::launch_tls::check(&config)?;
     let mut job = prepare(config, &opts.run)?;
     if let (true, Some(files)) = (first, &tls) {
         println!(
             "[launcher] TLS on every connection (mutual, cluster CA {})",
             files.ca.display()
-        );
-    }
-    if first && !authenticated && tls.is_none() && job.n > 1 {
-        println!(
-            "[launcher] no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE / comm.secret_file): the job's connections are not authenticated"
         );
     }
     if job.placement.is_none() && !opts.oversubscribe {
@@ -129,19 +130,20 @@ fn launch_once(
             &job.config,
             &placement,
             remote_args,
+            secret.secret(),
         )?),
         None => None,
     };
     let cpus = local_cpus(&job, opts.bind, threads);
     let mut ranks = match &remote {
         Some(r) => start_remote(&job, r, threads)?,
-        None => start_local(&job, threads, cpus.clone(), first)?,
+        None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
     let left = opts.max_restarts.saturating_sub(*restarts);
     let rejoinable = flotilla_train::rejoin::rejoinable(&job.topology);
     if remote.is_none() && left > 0 && !rejoinable.is_empty() {
-        let mut respawn = rejoin_respawn(&job, threads, cpus, *restarts, opts.max_restarts);
+        let mut respawn = rejoin_respawn(&job, threads, cpus, secret, *restarts, opts.max_restarts);
         respawn.ranks = rejoinable;
         ranks.respawn_with(respawn);
     }
@@ -183,10 +185,11 @@ fn rejoin_respawn(
     job: &Prepared,
     threads: usize,
     cpus: Option<Vec<String>>,
+    secret: &JobSecret,
     done: u32,
     max: u32,
 ) -> launch::Respawn {
-    let env = local_env(rank_env(job, threads), cpus);
+    let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
     let config_path = job.config_path.clone();
     let make = move |rank: usize| {
         let exe = std::env::current_exe().unwrap_or_else(|_| "flotilla".into());
@@ -208,18 +211,22 @@ fn rejoin_respawn(
 }
 
 /// Starts the ranks on this host, each on its cores when `cpus` binds them (said on the
-/// `first` start).
+/// `first` start), with the job's `secret`; rank 0 takes the rendezvous socket (the
+/// launcher's copy is closed once rank 0 holds it).
 fn start_local(
-    job: &Prepared,
+    job: &mut Prepared,
     threads: usize,
     cpus: Option<Vec<String>>,
+    secret: &JobSecret,
     first: bool,
 ) -> Result<LocalJob> {
     if let (true, Some(lists)) = (first, &cpus) {
         println!("[launcher] {}", binding::describe(lists));
     }
     let train: [OsString; 2] = ["train".into(), job.config_path.clone().into_os_string()];
-    LocalJob::spawn(job.n, &train, local_env(rank_env(job, threads), cpus))
+    let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
+    let socket = job.socket.take();
+    LocalJob::spawn(job.n, &train, env, socket.as_ref())
 }
 
 /// Starts the ranks on their inventory hosts (the job id printed and recorded first).
@@ -234,11 +241,9 @@ fn start_remote(job: &Prepared, remote: &Remote, threads: usize) -> Result<Local
     remote.start(rank_env(job, threads))
 }
 
-/// The config with a rendezvous address, checked and written for the ranks.
+/// The config with a rendezvous address, checked and written for the ranks. A local job's
+/// port is bound here, before it is written anywhere ([`RendezvousSocket`]).
 fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
-    if !flags.given("master-port") {
-        config.comm.master_port = launch::free_port()?;
-    }
     let placement = match &config.topology.inventory {
         Some(path) => Some(remote_launch::placement(&config, path)?),
         None => None,
@@ -252,6 +257,7 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
+    let socket = rendezvous_port(&mut config, flags, placement.is_none())?;
     let spec = config.validate()?;
     if config.topology.arch == flotilla_cluster::Arch::Pipeline {
         // Planned here, before any rank starts: a model that does not fit is refused, and the
@@ -300,7 +306,29 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
         topology,
         n,
         placement,
+        socket,
     })
+}
+
+/// Sets the job's rendezvous port: for a `local` job a socket bound now on the rendezvous
+/// address (at `--master-port`, else at a port the system picks), which rank 0 inherits; for
+/// ranks on other hosts a free port number (or `--master-port`), which rank 0 binds there.
+pub fn rendezvous_port(
+    config: &mut TrainConfig,
+    flags: &RunArgs,
+    local: bool,
+) -> Result<Option<RendezvousSocket>> {
+    let given = flags.given("master-port");
+    if !local {
+        if !given {
+            config.comm.master_port = launch::free_port()?;
+        }
+        return Ok(None);
+    }
+    let port = if given { config.comm.master_port } else { 0 };
+    let socket = RendezvousSocket::bind(&config.comm.master_addr, port)?;
+    config.comm.master_port = socket.port()?;
+    Ok(Some(socket))
 }
 
 /// Each rank's environment: its place in the job, events for this launcher, and the
@@ -331,16 +359,19 @@ fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, St
 }
 
 /// A local rank's environment: `env`, its `LOCAL_RANK`, which is its rank (all share this
-/// host; its GPU index comes from it), and its cores when `cpus` binds them (see
-/// [`binding`]). Remote launches set theirs per host.
+/// host; its GPU index comes from it), its cores when `cpus` binds them (see [`binding`]),
+/// and where the job's `secret` is when the launcher made it. Remote launches set theirs per
+/// host.
 fn local_env(
     env: impl Fn(usize) -> Vec<(String, String)>,
     cpus: Option<Vec<String>>,
+    secret: Option<(String, String)>,
 ) -> impl Fn(usize) -> Vec<(String, String)> {
     move |rank| {
         let mut vars = env(rank);
         vars.push(("LOCAL_RANK".to_string(), rank.to_string()));
         vars.extend(binding::rank_var(cpus.as_deref(), rank));
+        vars.extend(secret.clone());
         vars
     }
 }
@@ -411,13 +442,13 @@ mod tests {
     #[test]
     fn a_local_rank_gets_its_own_cores_when_the_job_is_bound() {
         let base = |r: usize| vec![("RANK".to_string(), r.to_string())];
-        let bound = local_env(base, Some(vec!["0".into(), "1".into()]));
+        let bound = local_env(base, Some(vec!["0".into(), "1".into()]), None);
         let var = |env: Vec<(String, String)>, k: &str| {
             env.into_iter().find(|(key, _)| key == k).map(|(_, v)| v)
         };
         assert_eq!(var(bound(1), binding::CPUS_ENV).as_deref(), Some("1"));
         assert_eq!(var(bound(1), "LOCAL_RANK").as_deref(), Some("1"));
-        let unbound = local_env(base, None);
+        let unbound = local_env(base, None, None);
         assert_eq!(var(unbound(1), binding::CPUS_ENV), None);
     }
 

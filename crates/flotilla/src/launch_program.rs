@@ -1,8 +1,11 @@
 //! `flotilla launch -n N -- PROGRAM ARGS...`: any program as the N ranks of a job, as torchrun
 //! starts Python programs. Each rank gets the torchrun variables (`RANK`, `LOCAL_RANK`,
 //! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job's deadline
-//! (`FLOTILLA_COMM_TIMEOUT_SECS`), secret (inherited, or `FLOTILLA_SECRET_FILE`) and TLS files
-//! (`FLOTILLA_TLS_*`), which `flotilla_burn::init` (`CommConfig::from_env`) reads. The ranks
+//! (`FLOTILLA_COMM_TIMEOUT_SECS`), secret (inherited, or `FLOTILLA_SECRET_FILE`: the user's,
+//! or one the launcher made for the job, [`JobSecret`]) and TLS files (`FLOTILLA_TLS_*`),
+//! which `flotilla_burn::init` (`CommConfig::from_env`) reads; rank 0 of a local job also
+//! inherits the rendezvous socket the launcher bound (`FLOTILLA_LISTEN_FD`,
+//! [`crate::rendezvous_socket`]), which `Communicator::connect` takes. The ranks
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
 //! them, and `--max-restarts` starts the whole program again (resuming is the program's own
@@ -18,6 +21,7 @@ use flotilla_train::TrainConfig;
 
 use crate::binding;
 use crate::cli::LaunchArgs;
+use crate::job_secret::JobSecret;
 use crate::launch::{self, LocalJob};
 use crate::relay::Relay;
 use crate::remote_launch;
@@ -26,9 +30,11 @@ use crate::settings;
 /// Runs `flotilla launch ... -- PROGRAM ARGS...`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
     let config = settings::effective_config(&args.run, false)?;
+    // One secret for every start of the program, removed at the end.
+    let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
     loop {
-        match launch_once(&config, args)? {
+        match launch_once(&config, args, &secret)? {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < args.max_restarts && !launch::interrupted() => {
                 restarts += 1;
@@ -45,15 +51,13 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
     }
 }
 
-/// One start of the program's ranks: `Err` if they could not start, `Ok(Err)` if one failed.
-fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
+/// One start of the program's ranks with `secret`: `Err` if they could not start, `Ok(Err)`
+/// if one failed.
+fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> Result<Result<()>> {
     let mut config = config.clone();
     let n = config.topology.world_size;
     if n == 0 {
         bail!("-n 0: a job needs at least one rank");
-    }
-    if !args.run.given("master-port") {
-        config.comm.master_port = launch::free_port()?;
     }
     let placement = match &config.topology.inventory {
         Some(path) => Some(remote_launch::placement(&config, path)?),
@@ -66,6 +70,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
+    let socket = crate::launch_cmd::rendezvous_port(&mut config, &args.run, placement.is_none())?;
     let program = program_words(&args.program)?;
     println!(
         "launching {n} ranks of {} on {}:{}",
@@ -75,7 +80,12 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
     );
     launch::stop_on_interrupt()?;
     let remote = match &placement {
-        Some(p) => Some(remote_launch::prepare(&config, p, &args.remote)?),
+        Some(p) => Some(remote_launch::prepare(
+            &config,
+            p,
+            &args.remote,
+            secret.secret(),
+        )?),
         None => None,
     };
     let mut ranks = match &remote {
@@ -85,7 +95,8 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
             r.start_running(env, Some(&program))?
         }
         None => {
-            let secret_file = config.comm.secret_file.clone();
+            let secret_file = (secret.made_file().map(std::path::Path::to_path_buf))
+                .or_else(|| config.comm.secret_file.clone());
             let tls = crate::launch_tls::check(&config)?;
             let env = rank_env(&config, n, args.threads, tls, secret_file)?;
             // The launcher cannot see which of a program's ranks compute: `auto` binds none.
@@ -99,12 +110,18 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs) -> Result<Result<()>> {
                 cmd.args(&args.program[1..]);
                 cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
                 cmd.envs(binding::rank_var(cpus.as_deref(), rank));
+                if let (0, Some(s)) = (rank, &socket) {
+                    s.hand_to(&mut cmd);
+                }
                 cmd
             });
             LocalJob::start(commands, None)
                 .with_context(|| format!("starting {}", program.join(" ")))?
         }
     };
+    // Rank 0 holds the rendezvous socket now; the launcher's copy would keep the port open
+    // (queueing joins) after rank 0 ended.
+    drop(socket);
     let labels = (0..n)
         .map(|r| match &remote {
             Some(remote) => format!("rank {r} @ {}", remote.host_name(r)),

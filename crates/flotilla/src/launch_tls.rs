@@ -1,8 +1,13 @@
 //! TLS in `flotilla launch`. The launcher reads and checks the TLS files before any rank
 //! starts (an unreadable or invalid file fails the launch naming it). Local ranks read the
 //! same files: they inherit the launcher's environment (`FLOTILLA_TLS_*`) and config
-//! (`comm.tls`). Ranks over ssh get theirs in one of two ways ([`RemoteTls::plan`]):
+//! (`comm.tls`). Ranks over ssh get theirs in one of three ways ([`RemoteTls::plan`]):
 //!
+//! * no TLS files given (and `comm.auto_tls`, the default): the launcher makes a CA and a
+//!   pair for every host's inventory address, for this job alone, and copies each host its
+//!   own as below (the job's connections cross a network: encrypted and authenticated by
+//!   default); the local copies go with the launch's staging directory, the hosts' when the
+//!   job ends;
 //! * the CA file's directory was written by `flotilla certs` and holds `<address>.pem` and
 //!   `<address>.key` for every host's inventory address: each host gets the CA and its own
 //!   pair in its job directory (mode 0600, like the secret) and the ranks read them there;
@@ -17,14 +22,7 @@ use flotilla_comm::TlsFiles;
 use flotilla_train::TrainConfig;
 use flotilla_train::config::TlsSetting;
 
-use crate::remote;
-
-/// The CA certificate, relative to a job directory on a host.
-pub const REMOTE_TLS_CA: &str = "tls-ca.pem";
-/// The host's certificate, relative to its job directory.
-pub const REMOTE_TLS_CERT: &str = "tls-cert.pem";
-/// The host's private key, relative to its job directory.
-pub const REMOTE_TLS_KEY: &str = "tls-key.pem";
+use crate::remote::{self, REMOTE_TLS_CA, REMOTE_TLS_CERT, REMOTE_TLS_KEY};
 
 /// A local launch's TLS files, read and checked now (`None`: no TLS). An `--inventory`
 /// launch checks its hosts' files in [`RemoteTls::plan`] instead.
@@ -49,10 +47,14 @@ pub enum RemoteTls {
 impl RemoteTls {
     /// How the hosts of `targets` get their files: copies of `flotilla certs` files when
     /// the CA's directory has a pair for every host's address (each checked now), else the
-    /// configured paths on the hosts.
-    pub fn plan(config: &TrainConfig, targets: &[&SshTarget]) -> Result<RemoteTls> {
-        let Some(files) = config.tls_files()? else {
-            return Ok(RemoteTls::Off);
+    /// configured paths on the hosts; with no files given, a CA and pairs made for this job
+    /// in `scratch` (a private directory that lives until the files are copied), unless
+    /// `comm.auto_tls` is off or the job is `insecure`.
+    pub fn plan(config: &TrainConfig, targets: &[&SshTarget], scratch: &Path) -> Result<RemoteTls> {
+        let files = match config.tls_files()? {
+            Some(files) => files,
+            None if config.comm.auto_tls && !config.comm.insecure => job_files(targets, scratch)?,
+            None => return Ok(RemoteTls::Off),
         };
         let dir = files
             .ca
@@ -102,6 +104,11 @@ impl RemoteTls {
         Ok(RemoteTls::InPlace(in_place))
     }
 
+    /// Whether the ranks use TLS.
+    pub fn is_on(&self) -> bool {
+        *self != RemoteTls::Off
+    }
+
     /// What the ranks' config says (`comm.tls`): the job directory's copies, or the paths
     /// on the hosts.
     pub fn ranks_setting(&self) -> Option<TlsSetting> {
@@ -132,4 +139,32 @@ impl RemoteTls {
         remote::copy_file(target, &f.cert, dir, REMOTE_TLS_CERT, "600")?;
         remote::copy_file(target, &f.key, dir, REMOTE_TLS_KEY, "600")
     }
+}
+
+/// A CA and a pair per host (by inventory address) made for one job in `scratch/tls`
+/// (mode 0700), as `flotilla certs` makes them: the files of the first host, with the CA.
+fn job_files(targets: &[&SshTarget], scratch: &Path) -> Result<TlsFiles> {
+    let dir = scratch.join("tls");
+    let mut b = std::fs::DirBuilder::new();
+    std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
+    b.create(&dir)
+        .with_context(|| format!("creating {}", dir.display()))?;
+    // One pair per address (several logins of one host share it).
+    let mut seen = std::collections::HashSet::new();
+    let addresses: Vec<String> = (targets.iter())
+        .filter(|t| seen.insert(t.address.as_str()))
+        .map(|t| t.address.clone())
+        .collect();
+    // Valid for a year: the files live as long as the job, and a long job's late
+    // connections (a worker rejoining) must still pass.
+    let ca = crate::certs_cmd::job_certs(&dir, &addresses, 365)?;
+    let first = addresses.first().context("an inventory job has hosts")?;
+    println!(
+        "[launcher] TLS on every connection between the hosts: a CA made for this job \
+         (removed when it ends; --no-tls turns it off on a trusted network)"
+    );
+    Ok(TlsFiles {
+        ca,
+        ..TlsFiles::in_dir(&dir, first)
+    })
 }

@@ -1,5 +1,6 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `compare` (one
-//! config in several strategies), `bench`, `config`, `certs` (TLS certificates).
+//! config in several strategies), `bench`, `config`, `certs` (TLS certificates), `secret`
+//! (a cluster secret).
 
 mod bench;
 mod bench_allreduce;
@@ -15,6 +16,7 @@ mod compare;
 mod compare_report;
 mod gpu_placement;
 mod heap;
+mod job_secret;
 mod launch;
 mod launch_cmd;
 mod launch_program;
@@ -24,8 +26,10 @@ mod progress;
 mod relay;
 mod remote;
 mod remote_launch;
+mod rendezvous_socket;
 mod report;
 mod run_args;
+mod secret_cmd;
 mod settings;
 mod stop_cmd;
 mod telemetry;
@@ -51,6 +55,7 @@ fn main() -> ExitCode {
         Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
         Command::Certs(args) => certs_cmd::run(&args),
+        Command::Secret(args) => secret_cmd::run(&args),
     };
     let code = match &result {
         Ok(()) => ExitCode::SUCCESS,

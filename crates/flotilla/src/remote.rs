@@ -43,6 +43,22 @@ pub const REMOTE_SECRET: &str = "secret";
 /// The binary, relative to the job directory, when `--sync` copied it.
 pub const REMOTE_EXE: &str = "flotilla";
 
+/// The TLS CA certificate, relative to a job directory on a host (`crate::launch_tls`).
+pub const REMOTE_TLS_CA: &str = "tls-ca.pem";
+/// The host's TLS certificate, relative to its job directory.
+pub const REMOTE_TLS_CERT: &str = "tls-cert.pem";
+/// The host's TLS private key, relative to its job directory.
+pub const REMOTE_TLS_KEY: &str = "tls-key.pem";
+
+/// The job's credentials in its directory on a host: the secret and the TLS files, removed
+/// when the job ends or is stopped.
+pub const CREDENTIALS: [&str; 4] = [
+    REMOTE_SECRET,
+    REMOTE_TLS_CA,
+    REMOTE_TLS_CERT,
+    REMOTE_TLS_KEY,
+];
+
 /// Where a job lives on its hosts and how each rank is reached.
 #[derive(Debug, Clone)]
 pub struct RemoteJob {
@@ -193,6 +209,21 @@ pub fn copy_file(target: &SshTarget, src: &Path, dir: &str, name: &str, mode: &s
     Ok(())
 }
 
+/// Removes the [`CREDENTIALS`] from job directory `dir` on `target`.
+pub fn remove_credentials(target: &SshTarget, dir: &str) -> Result<()> {
+    let script = format!(
+        "cd {} 2>/dev/null && rm -f {} || true",
+        quote(dir)?,
+        CREDENTIALS.join(" ")
+    );
+    run_checked(
+        ssh(target, &script),
+        target,
+        "removing the job's credentials",
+    )?;
+    Ok(())
+}
+
 /// Copies `<dir>/<REMOTE_OUTPUT>` of `target` into local `dest` (tar over ssh; nothing when
 /// the host has no output, e.g. its ranks never started).
 pub fn fetch_output(target: &SshTarget, dir: &str, dest: &Path) -> Result<()> {
@@ -244,13 +275,16 @@ pub fn job_pattern(remote_dir: &str, job: Option<&str>) -> Result<String> {
 /// after 5 s to what is left. A pid is signalled only if `/proc/<pid>/cmdline` still holds the
 /// job's directory. Every rank is found before any is signalled: a rank that ends because
 /// a peer was stopped removes its pid file, and would otherwise be missed (and reported as
-/// not stopped) when it ends first. Prints `stopped <dir> rank-R.pid <pid>` per rank.
+/// not stopped) when it ends first. Prints `stopped <dir> rank-R.pid <pid>` per rank. The
+/// jobs' [`CREDENTIALS`] are removed.
 pub fn stop_script(dirs: &str) -> String {
+    let credentials = CREDENTIALS.map(|c| format!("\"$d\"/{c}")).join(" ");
     format!(
         r#"found=""
 nl='
 '
 for d in {dirs}; do
+  [ -d "$d" ] && rm -f {credentials}
   for f in "$d"/rank-*.pid; do
     [ -f "$f" ] || continue
     p=$(cat "$f" 2>/dev/null)

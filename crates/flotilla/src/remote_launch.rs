@@ -21,6 +21,7 @@ use crate::cli::RemoteArgs;
 use crate::launch::{LocalJob, StopHook};
 use crate::launch_tls::RemoteTls;
 use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_SECRET, RemoteJob};
+use flotilla_comm::Secret;
 
 /// The model spec file's name in the job directory, when `--sync` copied it.
 const REMOTE_MODEL: &str = "model.yaml";
@@ -39,8 +40,14 @@ pub fn placement(config: &TrainConfig, inventory: &Path) -> Result<Placement> {
     Ok(place(&config.topology()?, &inventory)?)
 }
 
-/// Creates the job directory on every host and writes the ranks' files into it.
-pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -> Result<Remote> {
+/// Creates the job directory on every host and writes the ranks' files into it, `secret`
+/// among them when the job has one (the launcher's [`crate::job_secret::JobSecret`]).
+pub fn prepare(
+    config: &TrainConfig,
+    placement: &Placement,
+    args: &RemoteArgs,
+    secret: Option<&Secret>,
+) -> Result<Remote> {
     if config.schedule.resume {
         bail!(
             "--resume with --inventory is not supported: each ssh job has a directory of its own \
@@ -57,17 +64,22 @@ pub fn prepare(config: &TrainConfig, placement: &Placement, args: &RemoteArgs) -
     let (mut ranks_config, model_file) = ranks_config(config, args.sync)?;
     // TLS: each host's `flotilla certs` files copied into its job directory (0600), or the
     // configured paths on the hosts.
-    let tls = RemoteTls::plan(config, &job.hosts())?;
+    // 0700: it holds the job's secret and TLS keys until they are copied.
+    let staging = tempfile::Builder::new()
+        .prefix("flotilla-staging-")
+        .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+        .tempdir()
+        .context("creating a staging directory")?;
+    let tls = RemoteTls::plan(config, &job.hosts(), staging.path())?;
     ranks_config.comm.tls = tls.ranks_setting();
     let ranks_tls = ranks_config.comm.tls.clone();
-    let staging = tempfile::tempdir().context("creating a staging directory")?;
     let config_file = staging.path().join(REMOTE_CONFIG);
     std::fs::write(&config_file, serde_norway::to_string(&ranks_config)?)
         .with_context(|| format!("writing {}", config_file.display()))?;
     // The secret goes to every host in a mode-0600 file of the job directory, never on a
     // command line.
     let secret_file = staging.path().join(REMOTE_SECRET);
-    if let Some(secret) = config.secret()? {
+    if let Some(secret) = secret {
         secret.write_private(&secret_file)?;
         job.secret = true;
     }
@@ -170,6 +182,16 @@ impl Remote {
         LocalJob::start(commands, Some(stop))
     }
 
+    /// Removes the job's credentials (the secret and the TLS files) from every host's job
+    /// directory: they are only needed while the ranks run (failures are reported).
+    fn remove_credentials(&self) {
+        for target in self.job.hosts() {
+            if let Err(e) = remote::remove_credentials(target, &self.job.dir) {
+                eprintln!("warning: {e:#}");
+            }
+        }
+    }
+
     /// Copies every host's job output into `dest` (failures are reported, not fatal).
     pub fn fetch_outputs(&self, dest: &Path) {
         for target in self.job.hosts() {
@@ -198,5 +220,13 @@ impl Remote {
     /// The label of `rank` in relayed lines: `rank R <role> @ host`.
     pub fn host_name(&self, rank: usize) -> &str {
         self.job.ranks.get(rank).map_or("", |t| t.name.as_str())
+    }
+}
+
+/// The job's credentials leave the hosts with it, however the launch ends (its ranks are
+/// stopped before: a `Remote` outlives the job it started).
+impl Drop for Remote {
+    fn drop(&mut self) {
+        self.remove_credentials();
     }
 }

@@ -85,6 +85,7 @@ fn flag_arg(key: &Key, flag: &Flag) -> Arg {
     };
     let parser: ValueParser = match flag.kind {
         Kind::Switch => return arg.action(ArgAction::SetTrue),
+        Kind::SwitchOff => return arg.action(ArgAction::SetTrue),
         Kind::Text => value_parser!(String),
         Kind::Path => value_parser!(PathBuf),
         Kind::U16 => value_parser!(u16).into(),
@@ -104,6 +105,10 @@ fn flag_value(m: &ArgMatches, id: &str, kind: Kind) -> Result<Option<Value>, cla
         Kind::Switch => {
             let on = m.try_get_one::<bool>(id).map_err(misread)?;
             Ok(on.copied().filter(|on| *on).map(Value::Bool))
+        }
+        Kind::SwitchOff => {
+            let given = m.try_get_one::<bool>(id).map_err(misread)?;
+            Ok(given.copied().filter(|g| *g).map(|_| Value::Bool(false)))
         }
         Kind::Text => one::<String>(m, id),
         Kind::Path => path(m, id),
@@ -173,7 +178,7 @@ mod tests {
             let help = command.render_long_help().to_string();
             for (_, f) in keys::flags() {
                 let spelled = match f.kind {
-                    Kind::Switch => format!("--{}\n", f.long),
+                    Kind::Switch | Kind::SwitchOff => format!("--{}\n", f.long),
                     _ => format!("--{} <{}>\n", f.long, f.value_name),
                 };
                 assert!(help.contains(&spelled), "{name}: {spelled}");
@@ -193,6 +198,7 @@ mod tests {
             argv.push(format!("--{}", f.long));
             let value = match f.kind {
                 Kind::Switch => json!(true),
+                Kind::SwitchOff => json!(false),
                 Kind::Text => defaults[k.section()][k.field()].clone(),
                 Kind::Path => json!("some/where"),
                 Kind::U16 => json!(4321),

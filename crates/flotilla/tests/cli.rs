@@ -25,7 +25,7 @@ fn a_rank_that_never_joins_is_named_within_the_deadline() {
     };
     let started = Instant::now();
     let spawn = |rank: &str| {
-        let mut c = flotilla();
+        let mut c = flotilla_rank();
         c.args([
             "train",
             cfg.to_str().expect("utf8"),
@@ -417,7 +417,7 @@ fn slurm_variables_alone_start_a_job() {
     let port = free_port();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mut c = flotilla();
+            let mut c = flotilla_rank();
             c.args(["train", "--max-steps", "20", "--output"])
                 .arg(out.to_str().expect("utf8"))
                 .env("SLURM_PROCID", rank.to_string())
@@ -467,7 +467,7 @@ fn a_job_started_without_the_launcher_leaves_its_report() {
     let port = free_port();
     let ranks: Vec<_> = (0..2)
         .map(|rank| {
-            let mut c = flotilla();
+            let mut c = flotilla_rank();
             c.args(["train", &cfg, "--output", out.to_str().expect("utf8")])
                 .env("RANK", rank.to_string())
                 .env("WORLD_SIZE", "2")

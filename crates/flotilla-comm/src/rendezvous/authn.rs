@@ -196,8 +196,9 @@ async fn recv<R: AsyncRead + Unpin>(
 mod tests {
     use super::*;
 
+    /// The secret named `s` (padded to a length a secret needs).
     fn secret(s: &str) -> Secret {
-        Secret::new(s.as_bytes().to_vec()).expect("secret")
+        Secret::new(format!("{s}-0123456789abcdef").into_bytes()).expect("secret")
     }
 
     /// Runs both sides over an in-memory pipe: (initiator's result, acceptor's result).

@@ -240,7 +240,7 @@ mod tests {
     use flotilla_group::RendezvousError;
 
     fn cfg(secret: Option<&str>) -> CommConfig {
-        let secret = secret.map(|s| Secret::new(s.as_bytes().to_vec()).expect("secret"));
+        let secret = secret.map(|s| Secret::new(format!("{s}-0123456789abcdef")).expect("secret"));
         CommConfig::new(Some(1), 3)
             .with_timeout(Duration::from_secs(3))
             .with_secret(secret)
@@ -269,7 +269,8 @@ mod tests {
             let peer = PeerName::ranked(1, addr.clone());
             let target: SocketAddr = addr.parse().expect("addr");
             let knock = |secret: &str, session: u64| {
-                let (secret, peer) = (Secret::new(secret.as_bytes().to_vec()), peer.clone());
+                let secret = Secret::new(format!("{secret}-0123456789abcdef"));
+                let peer = peer.clone();
                 async move {
                     let mut s = TcpStream::connect(target).await.expect("connect");
                     let purpose = Purpose::Mesh {

@@ -75,16 +75,13 @@ pub(crate) async fn rendezvous(
     cfg: &CommConfig,
     listener: Option<std::net::TcpListener>,
 ) -> Result<Mesh, CommError> {
-    // With TLS, the certificates authenticate both ends of every connection.
-    if cfg.secret.is_none() && cfg.tls.is_none() {
-        static UNAUTHENTICATED: Once = Once::new();
-        UNAUTHENTICATED.call_once(|| {
-            tracing::info!(
-                "no cluster secret (FLOTILLA_SECRET / FLOTILLA_SECRET_FILE): this job's connections are not authenticated"
-            );
-        });
-    }
+    unauthenticated_allowed(cfg)?;
     secure::announce(cfg.tls.as_ref());
+    // Rank 0 started by a launcher that bound the port for it takes that listener.
+    let listener = match (cfg.rank, listener) {
+        (Some(0), None) => crate::inherited::take_listener(cfg.master_port),
+        (_, given) => given,
+    };
     match (cfg.rank, listener) {
         (Some(0), Some(l)) => {
             l.set_nonblocking(true)
@@ -105,6 +102,32 @@ pub(crate) async fn rendezvous(
         (_, None) if cfg.rejoin == crate::config::Rejoin::Join => rejoin::join(cfg).await,
         (_, None) => client::client(cfg).await,
     }
+}
+
+/// Whether this rank may listen and connect: with a secret or TLS (the certificates
+/// authenticate both ends of every connection), or, with neither, only when the user said
+/// `insecure` (then with a warning on every rank). Refused at once otherwise, before any
+/// socket is opened, saying how to make a secret.
+fn unauthenticated_allowed(cfg: &CommConfig) -> Result<(), CommError> {
+    if cfg.secret.is_some() || cfg.tls.is_some() {
+        return Ok(());
+    }
+    if !cfg.insecure {
+        return Err(CommError::Config(format!(
+            "rank {}: no cluster secret, so this rank will not listen or connect (anyone who \
+             reaches the job's ports could join it and read or poison its parameters): {}",
+            cfg.rank.map_or("?".to_owned(), |r| r.to_string()),
+            crate::HOW_TO_MAKE_A_SECRET
+        )));
+    }
+    static UNAUTHENTICATED: Once = Once::new();
+    UNAUTHENTICATED.call_once(|| {
+        tracing::warn!(
+            "insecure: no cluster secret and no TLS; this job's connections are not \
+             authenticated, and any process that reaches its ports can join it"
+        );
+    });
+    Ok(())
 }
 
 async fn send_ctrl<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, msg: &Ctrl) -> std::io::Result<()> {

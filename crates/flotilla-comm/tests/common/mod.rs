@@ -29,6 +29,9 @@ where
         for r in 0..n {
             let mut c = c.clone().with_master("127.0.0.1", port);
             c.rank = Some(r);
+            if c.secret.is_none() && c.tls.is_none() && !c.insecure {
+                c.secret = Some(test_secret());
+            }
             let (tx, body, l) = (tx.clone(), body.clone(), l.take().filter(|_| r == 0));
             thread::spawn(move || {
                 let comm = match l {
@@ -55,6 +58,11 @@ where
         out[r] = Some(res);
     }
     out.into_iter().map(|r| r.expect("result")).collect()
+}
+
+/// The secret of the tests' TCP worlds (every rank the same; a TCP rank refuses without one).
+pub fn test_secret() -> flotilla_comm::Secret {
+    flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec()).expect("secret")
 }
 
 /// Every rank's result, or a panic naming the first rank that failed.

@@ -99,9 +99,23 @@ pub struct CommSection {
     /// The environment's `FLOTILLA_SECRET` / `FLOTILLA_SECRET_FILE` take precedence. The
     /// secret itself is never a config value or a flag, and never enters the config hash.
     pub secret_file: Option<PathBuf>,
+    /// Run without a cluster secret or TLS (TCP backend): the user's explicit opt-out for a
+    /// trusted network, where any process that reaches the job's ports can join it; every
+    /// rank warns. Default `false`: a rank with neither refuses to start, saying how to make a
+    /// secret (`flotilla launch` makes one for every job it starts). The environment's
+    /// `FLOTILLA_INSECURE=1` sets it too. Per rank (never hashed).
+    #[serde(deserialize_with = "lenient_bool")]
+    pub insecure: bool,
     /// Mutual TLS on every connection: `{ca, cert, key}` ([`TlsSetting`]); the environment's
     /// `FLOTILLA_TLS_CA` / `_CERT` / `_KEY` take precedence. Per rank (never hashed).
     pub tls: Option<TlsSetting>,
+    /// TLS the launcher sets up itself when `tls` gives none: on every `--inventory` job (its
+    /// connections cross a network) `flotilla launch` makes a CA and a certificate per host
+    /// for that job alone, copies each host its pair and removes them when the job ends.
+    /// Default `true`; `false` (`--no-tls`): plain TCP between the hosts, authenticated by the
+    /// secret only (a trusted network). Launcher only (never hashed).
+    #[serde(deserialize_with = "lenient_bool")]
+    pub auto_tls: bool,
 }
 
 impl Default for CommSection {
@@ -121,8 +135,27 @@ impl Default for CommSection {
             hierarchical: Hierarchical::Auto,
             shm_dir: None,
             secret_file: None,
+            insecure: false,
             tls: None,
+            auto_tls: true,
         }
+    }
+}
+
+/// A switch written `true`/`false`, `1`/`0` or `yes`/`no` (as `FLOTILLA_INSECURE=1` reads
+/// in the environment, where a number stays a number).
+fn lenient_bool<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<bool, D::Error> {
+    use serde::de::Error;
+    match serde_json::Value::deserialize(d)? {
+        serde_json::Value::Bool(b) => Ok(b),
+        serde_json::Value::Number(n) if n.as_u64() == Some(1) => Ok(true),
+        serde_json::Value::Number(n) if n.as_u64() == Some(0) => Ok(false),
+        serde_json::Value::String(s) => match s.trim().to_ascii_lowercase().as_str() {
+            "true" | "yes" | "on" | "1" => Ok(true),
+            "false" | "no" | "off" | "0" => Ok(false),
+            _ => Err(D::Error::custom(format!("{s:?}: expected true or false"))),
+        },
+        other => Err(D::Error::custom(format!("{other}: expected true or false"))),
     }
 }
 
@@ -162,6 +195,7 @@ impl TrainConfig {
             join_timeout: Duration::from_secs_f64(c.join_timeout_s),
             config_hash: hash,
             secret: self.secret()?,
+            insecure: c.insecure,
             tls: self.tls()?,
             compression: match c.compression {
                 CompressionSetting::None => Compression::None,

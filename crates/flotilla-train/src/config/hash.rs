@@ -18,8 +18,10 @@ pub const PER_RANK: &[&str] = &[
     "comm.join_timeout_s",
     "comm.compression",
     "comm.secret_file",
+    "comm.insecure",
     "comm.shm_dir",
     "comm.tls",
+    "comm.auto_tls",
     "telemetry",
 ];
 
@@ -70,6 +72,7 @@ mod tests {
         b.comm.master_port = 1234;
         b.comm.timeout_s = 5.0;
         b.comm.secret_file = Some("/etc/flotilla/secret".into());
+        b.comm.insecure = true;
         b.comm.tls = Some(TlsSetting {
             ca: "/etc/flotilla/ca.pem".into(),
             cert: "/etc/flotilla/node1.pem".into(),

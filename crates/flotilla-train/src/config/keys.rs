@@ -19,6 +19,8 @@
 pub enum Kind {
     /// No value: the flag sets the key to `true`.
     Switch,
+    /// No value: the flag sets the key to `false` (`--no-tls` for `auto_tls`).
+    SwitchOff,
     /// Text (the config checks it: a model name, a backend, an address).
     Text,
     /// A file or directory.
@@ -100,6 +102,11 @@ impl Key {
     /// The same key, set to `true` by `--<long>`.
     pub const fn switch(self, long: &'static str, help: &'static str) -> Key {
         self.flag(long, "", Kind::Switch, help)
+    }
+
+    /// The same key, set to `false` by `--<long>`.
+    pub const fn switch_off(self, long: &'static str, help: &'static str) -> Key {
+        self.flag(long, "", Kind::SwitchOff, help)
     }
 
     /// The same key, its flag also written `-<short>` (a key without a flag does not compile).
@@ -293,7 +300,17 @@ pub const KEYS: &[Key] = &[
     Key::new("comm.shm_dir").aliases(&["shm_dir"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),
+    Key::new("comm.insecure").aliases(&["insecure"]).switch(
+        "insecure",
+        "Run without a cluster secret or TLS: any process that reaches the job's ports can \
+         join it (a trusted network only; `flotilla launch` otherwise makes a secret per job)",
+    ),
     Key::new("comm.tls"),
+    Key::new("comm.auto_tls").aliases(&["auto_tls"]).switch_off(
+        "no-tls",
+        "With --inventory: no TLS of the launcher's own between the hosts (plain TCP, \
+         authenticated by the secret only: a trusted network)",
+    ),
     Key::new("telemetry.output").aliases(&["output"]).flag(
         "output",
         "OUTPUT",
@@ -436,7 +453,8 @@ mod tests {
                 assert!(f.short.is_none_or(|s| shorts.insert(s)), "{f:?}");
                 assert_eq!(by_flag(f.long), Some(k));
                 assert!(!f.help.is_empty() && !f.help.ends_with('.'), "{f:?}");
-                let named = f.kind == Kind::Switch || !f.value_name.is_empty();
+                let switch = matches!(f.kind, Kind::Switch | Kind::SwitchOff);
+                let named = switch || !f.value_name.is_empty();
                 assert!(named, "--{} has no value name", f.long);
             }
         }

@@ -183,6 +183,7 @@ fn every_flag_sets_its_key_and_the_provenance_names_it() {
     for (k, f) in keys::flags() {
         let value = match f.kind {
             Kind::Switch => json!(true),
+            Kind::SwitchOff => json!(false),
             Kind::Text => default_of(k),
             Kind::Path => json!("some/where"),
             Kind::U16 => json!(4321),

@@ -21,7 +21,7 @@ pub struct HandJob<'a> {
     pub world: usize,
     /// Every rank prints a line starting with this once it starts its role.
     pub marker: &'a str,
-    /// `FLOTILLA_SECRET` of every rank, if any.
+    /// `FLOTILLA_SECRET` of every rank (`None`: the tests' own, `TEST_SECRET`).
     pub secret: Option<&'a str>,
     /// Rank 0's rendezvous port.
     pub port: String,
@@ -50,9 +50,10 @@ impl<'a> HandJob<'a> {
         c.args(["train", cfg, "--rank", &rank.to_string()])
             .args(["--master-port", &self.port, "--metrics-port", &self.metrics])
             .args(["--output", out.to_str().expect("utf8")]);
-        if let Some(s) = secret {
-            c.env("FLOTILLA_SECRET", s);
-        }
+        c.env(
+            "FLOTILLA_SECRET",
+            secret.unwrap_or(crate::common::TEST_SECRET),
+        );
         Running::start(c)
     }
 

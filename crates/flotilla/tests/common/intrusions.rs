@@ -219,14 +219,14 @@ fn servers_disturbed(out: &Path, servers: usize) -> Option<String> {
 pub fn intruder_rows(dir: &Path, baselines: &mut Baselines) -> Vec<Row> {
     let yaml = "world_size: 3\nepochs: 4\n";
     let text = format!("{COMMON}{yaml}");
-    let secret = format!("job-secret-{}", std::process::id());
+    let secret = format!("flotilla-job-secret-{}", std::process::id());
     let baseline = baselines.of("intruder", &text, 3, "training: ");
     let other = text.replace("momentum: 0.5", "momentum: 0.6");
     let other = config_file(dir, "other.yaml", &other);
     let cases = [
         (
             "peer with the wrong secret",
-            "another-secret",
+            "another-secret-of-another-job",
             None,
             "does not share this job's secret",
         ),

@@ -20,6 +20,17 @@ pub fn repo() -> PathBuf {
         .join("../..")
 }
 
+/// The secret of the ranks the tests start by hand (a TCP rank refuses to start without one;
+/// `flotilla launch` makes its own).
+pub const TEST_SECRET: &str = "flotilla-test-secret-0123456789";
+
+/// `flotilla` as a rank started by hand (with [`TEST_SECRET`]).
+pub fn flotilla_rank() -> Command {
+    let mut c = flotilla();
+    c.env("FLOTILLA_SECRET", TEST_SECRET);
+    c
+}
+
 pub fn flotilla() -> Command {
     let mut c = Command::new(BIN);
     c.current_dir(repo())
@@ -237,7 +248,7 @@ pub fn train_by_hand(cfg: &str, n: usize, out: &Path, fault: &str, limit: Durati
     let port = free_port();
     let ranks: Vec<_> = (0..n)
         .map(|rank| {
-            let mut c = flotilla();
+            let mut c = flotilla_rank();
             c.args(["train", cfg, "--rank", &rank.to_string()])
                 .args([
                     "--master-port",

@@ -8,7 +8,7 @@ use std::path::Path;
 use std::process::ExitStatus;
 use std::time::{Duration, Instant};
 
-use crate::common::{flotilla, free_port};
+use crate::common::{flotilla_rank, free_port};
 use crate::running::{Line, Running};
 
 /// What one rank did.
@@ -42,7 +42,7 @@ pub fn train_by_hand_watched(
     let port = free_port();
     let threads: Vec<_> = (0..n)
         .map(|rank| {
-            let mut c = flotilla();
+            let mut c = flotilla_rank();
             c.args(["train", cfg, "--rank", &rank.to_string()])
                 .args(["--master-port", &port, "--output"])
                 .arg(out)

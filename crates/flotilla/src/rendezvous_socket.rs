@@ -1,0 +1,79 @@
+//! The job's rendezvous port, owned from the moment it is published. The launcher of a local
+//! job binds rank 0's listening socket itself (on the job's address, at the port asked for or
+//! one the system picks) and hands it to rank 0 across `exec`
+//! ([`flotilla_comm::LISTEN_FD_ENV`]): no other local process can take the port between the
+//! launcher's choice and rank 0's start and pose as rank 0, as it could when the launcher
+//! found a free port, released it and let rank 0 bind it later.
+
+use std::net::TcpListener;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::process::Command;
+
+use anyhow::{Context, Result};
+use flotilla_comm::LISTEN_FD_ENV;
+
+/// Rank 0's listening socket, held by the launcher until rank 0 is started.
+pub struct RendezvousSocket {
+    listener: TcpListener,
+}
+
+impl RendezvousSocket {
+    /// Binds `addr:port` (`port` 0: a free port the system picks) and listens.
+    pub fn bind(addr: &str, port: u16) -> Result<RendezvousSocket> {
+        let listener = TcpListener::bind((addr, port))
+            .with_context(|| format!("binding the job's rendezvous port on {addr}:{port}"))?;
+        Ok(RendezvousSocket { listener })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> Result<u16> {
+        Ok(self
+            .listener
+            .local_addr()
+            .context("reading the rendezvous port")?
+            .port())
+    }
+
+    /// Makes `cmd` (rank 0's) inherit the listening socket: the descriptor stays open across
+    /// `exec` in that child alone, its number in [`LISTEN_FD_ENV`]. `self` must live until
+    /// `cmd` is spawned.
+    pub fn hand_to(&self, cmd: &mut Command) {
+        let fd = self.listener.as_raw_fd();
+        cmd.env(LISTEN_FD_ENV, fd.to_string());
+        // SAFETY: the closure runs in the forked child before `exec`; it only calls fcntl, which
+        // is async-signal-safe, on a descriptor number copied into it, and allocates nothing
+        // (`last_os_error` reads errno into an `io::Error` without allocating).
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::fcntl(fd, libc::F_SETFD, 0) == -1 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_port_is_taken_from_bind_to_drop() -> Result<()> {
+        let s = RendezvousSocket::bind("127.0.0.1", 0)?;
+        let port = s.port()?;
+        assert!(
+            TcpListener::bind(("127.0.0.1", port)).is_err(),
+            "a second bind"
+        );
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "test -e /proc/self/fd/$FLOTILLA_LISTEN_FD"]);
+        s.hand_to(&mut cmd);
+        assert!(cmd.status()?.success(), "the child inherits the socket");
+        drop(s);
+        // The child that held it has ended: the port is free again.
+        TcpListener::bind(("127.0.0.1", port))?;
+        Ok(())
+    }
+}
