@@ -1,7 +1,8 @@
 //! The hierarchical all-reduce on emulated hosts: ranks as threads over in-memory links,
 //! each reporting the host key it is given (`Communicator::in_memory_on`), ranks of one key
-//! sharing real segments. Bitwise the serial reference of the documented order (two hosts:
-//! each host's left-to-right sum, then the two added), every rank bit-identical, within
+//! sharing real segments. Bitwise the serial reference of the documented order (two hosts of
+//! three ranks, so that an order of additions other than each host's left-to-right sum
+//! shows in the bits: then the two added), every rank bit-identical, within
 //! rounding of a serial sum for three hosts; the inter-host bytes of each run against the
 //! flat algorithms' (measured, both runs); uneven hosts flat, bit for bit; buckets started
 //! back to back (the non-blocking path) hierarchical too.
@@ -91,16 +92,24 @@ fn small_thresholds(c: CommConfig) -> CommConfig {
     c
 }
 
+/// The reference of two hosts of three ranks (`[0, 2, 4]` and `[1, 3, 5]`): each host's
+/// left-to-right sum in rank order, then the two added (a sum of two is the same bits in
+/// either order, so three a host it takes for the order to show).
+fn two_hosts_of_three(case: usize, i: usize) -> f32 {
+    let host =
+        |rs: [usize; 3]| value(case, rs[0], i) + value(case, rs[1], i) + value(case, rs[2], i);
+    host([0, 2, 4]) + host([1, 3, 5])
+}
+
 #[test]
 fn two_hosts_sum_each_host_in_rank_order_then_the_hosts_on_every_rank() {
-    let hosts = ["a", "b", "a", "b"];
+    let hosts = ["a", "b", "a", "b", "a", "b"];
     let out = run(&hosts, small_thresholds(cfg(Hierarchical::Auto)), &LENS);
     let got = agreed(&out);
     for (case, bits) in got.iter().enumerate() {
         assert_eq!(bits.len(), LENS[case]);
         for (i, &x) in bits.iter().enumerate() {
-            let host = |rs: [usize; 2]| value(case, rs[0], i) + value(case, rs[1], i);
-            let want = host([0, 2]) + host([1, 3]);
+            let want = two_hosts_of_three(case, i);
             assert_eq!(x, want.to_bits(), "case {case} element {i}");
         }
     }
@@ -187,7 +196,7 @@ fn uneven_hosts_and_one_rank_per_host_stay_flat_bit_for_bit() {
 
 #[test]
 fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
-    let hosts = ["a", "a", "b", "b"];
+    let hosts = ["a", "b", "a", "b", "a", "b"];
     let keys = hosts.iter().map(|h| format!("host-{h}")).collect();
     let comms = Communicator::in_memory_on(keys, cfg(Hierarchical::Auto)).expect("world");
     let lens = [1001usize, 300_001, 5];
@@ -217,8 +226,7 @@ fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
         for (b, buf) in got.iter().enumerate() {
             assert_eq!(buf.len(), lens[b]);
             for (i, x) in buf.iter().enumerate() {
-                let v = |r| value(b, r, i);
-                let want = (v(0) + v(1)) + (v(2) + v(3));
+                let want = two_hosts_of_three(b, i);
                 assert_eq!(
                     x.to_bits(),
                     want.to_bits(),
