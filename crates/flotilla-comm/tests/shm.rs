@@ -289,6 +289,9 @@ fn a_barrier_on_shared_memory_sends_no_frame_and_waits_for_the_last_rank() {
     }
 }
 
+/// Sub-groups all-reduce over their own segments; broadcasts, in the world and in a
+/// sub-group, go through the segments too: no frame sent by any rank (the segments were
+/// set up by the all-reduces), and each root's bytes counted as shared-memory traffic.
 #[test]
 fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
     let n = 5;
@@ -299,22 +302,36 @@ fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
         sub.all_reduce_sum(&mut buf)?;
         let mut whole = input(r, 3000, 8);
         c.all_reduce_sum(&mut whole)?;
+        let before = c.stats();
         let mut b = if r == 3 {
             input(3, 2500, 9)
         } else {
             vec![0.0; 2500]
         };
         c.broadcast_f32(&mut b, 3)?;
-        let mut sb = if sub.rank() == 1 {
+        let sub_root = sub.rank() == 1;
+        let mut sb = if sub_root {
             input(r, 1500, 10)
         } else {
             vec![0.0; 1500]
         };
         sub.broadcast_f32(&mut sb, 1)?;
-        Ok((buf, whole, b, sb, c.stats().shm_bytes))
+        let after = c.stats();
+        let broadcasts = (
+            after.frames_sent - before.frames_sent,
+            after.shm_bytes - before.shm_bytes,
+            sub_root,
+        );
+        Ok((buf, whole, b, sb, after.shm_bytes, broadcasts))
     });
     let (whole, _, _) = reference(n, 3000, 8);
-    for (r, (buf, w, b, sb, shm)) in results.iter().enumerate() {
+    for (r, (buf, w, b, sb, shm, (frames, shm_bytes, sub_root))) in results.iter().enumerate() {
+        assert_eq!(*frames, 0, "rank {r}: frames sent by the broadcasts");
+        let rooted = if r == 3 { 4 * 2500 } else { 0 } + if *sub_root { 4 * 1500 } else { 0 };
+        assert_eq!(
+            *shm_bytes, rooted,
+            "rank {r}: bytes broadcast through shared memory"
+        );
         let members: Vec<usize> = (0..n).filter(|m| m % 2 == r % 2).collect();
         let inputs: Vec<Vec<f32>> = members.iter().map(|&m| input(m, 3000, 7)).collect();
         for i in 0..3000 {
