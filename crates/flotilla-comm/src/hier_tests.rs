@@ -18,14 +18,20 @@ use crate::{CommConfig, Communicator, Hierarchical};
 /// Each rank's result and its traffic during the all-reduces.
 type Outcome = (Vec<Vec<u32>>, CommStats);
 
-/// Rank `r`'s element `i` of case `case`: in [-4, 4) with bits below f32's precision in any
-/// sum, so the order of additions shows in the last bits.
+/// Rank `r`'s element `i` of case `case`: a full 24-bit significand at a scale from 2^-4
+/// to 2^3, either sign, so that most sums of two round (values on one fixed grid would add
+/// exactly, and every order of three would round once, alike): the order of additions
+/// shows in the last bits.
 fn value(case: usize, r: usize, i: usize) -> f32 {
     let mut z = ((case as u64) << 40) ^ ((r as u64) << 24) ^ i as u64;
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+    z ^= z >> 31;
+    let significand = 1.0 + (z >> 41) as f32 / (1u64 << 23) as f32;
+    let scale = 2f32.powi((z & 7) as i32 - 4);
+    let sign = if z & 8 == 0 { 1.0 } else { -1.0 };
+    sign * significand * scale
 }
 
 fn cfg(h: Hierarchical) -> CommConfig {
