@@ -145,7 +145,10 @@ struct Group(Child);
 impl Drop for Group {
     fn drop(&mut self) {
         let pgid = format!("-{}", self.0.id());
-        let _ = Command::new("kill").args(["-KILL", "--", &pgid]).status();
+        let _ = Command::new("kill")
+            .args(["-KILL", "--", &pgid])
+            .stderr(Stdio::null())
+            .status();
         let _ = self.0.wait();
     }
 }
