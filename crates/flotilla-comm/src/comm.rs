@@ -133,7 +133,7 @@ impl Communicator {
         let (rank, streams, rejoins, site) = if cfg.world_size == 1 {
             let site = Site {
                 session: rand::random(),
-                hosts: vec![host::host_key()],
+                hosts: vec![host::host_key(cfg.shm_dir.as_deref())],
             };
             (0, vec![None], None, site)
         } else {
@@ -196,7 +196,7 @@ impl Communicator {
     /// connection.
     pub fn in_memory(n: usize, cfg: CommConfig) -> Result<Vec<Communicator>, CommError> {
         // Threads of one process share its host (and memory).
-        Self::in_memory_on(vec![host::host_key(); n], cfg)
+        Self::in_memory_on(vec![host::host_key(cfg.shm_dir.as_deref()); n], cfg)
     }
 
     /// Like [`Communicator::in_memory`], rank `r` reporting host key `hosts[r]` (the

@@ -63,7 +63,8 @@ pub const DEFAULT_SHM_CHUNK_BYTES: usize = 1 << 20;
 #[serde(rename_all = "lowercase")]
 pub enum Transport {
     /// Shared memory for every group whose members all share this host (by the host keys
-    /// of the rendezvous), TCP for the others.
+    /// of the rendezvous), TCP for the others, and for a group whose members cannot all
+    /// open its segment (warned).
     #[default]
     Auto,
     /// TCP for everything (the ring and recursive doubling, as between hosts).

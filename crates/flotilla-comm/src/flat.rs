@@ -1,13 +1,15 @@
 //! The flat `f32` all-reduce of one group over one transport: the group's shared-memory
 //! segment when its members share a host, else a TCP algorithm picked by size (recursive
 //! doubling, Rabenseifner's halving and doubling, the pipelined ring); and the broadcast
-//! over the segment. `comm.rs` runs them in a group's turn; `hier.rs` runs them on the
-//! sub-groups of a hierarchical all-reduce.
+//! and barrier over the segment. A group whose members could not share their segment
+//! (`shm/setup.rs`) runs the TCP algorithms instead. `comm.rs` runs them in a group's turn;
+//! `hier.rs` runs them on the sub-groups of a hierarchical all-reduce.
 
 use std::sync::atomic::Ordering;
 
 use flotilla_group::CommError;
 
+use crate::collectives;
 use crate::config::CommConfig;
 use crate::doubling;
 use crate::frame::Op;
@@ -46,7 +48,7 @@ impl Algorithm {
     /// The algorithm of an all-reduce of `buf` on group `g`.
     pub(crate) fn of(g: &GroupState, buf: &[f32]) -> Self {
         let bytes = std::mem::size_of_val(buf);
-        Self::pick(&g.world.cfg, g.shm.is_some(), bytes, g.members.len())
+        Self::pick(&g.world.cfg, g.uses_segment(), bytes, g.members.len())
     }
 
     /// Its name in the `all_reduce` span.
@@ -77,9 +79,11 @@ impl Algorithm {
 }
 
 /// Barrier `ticket` of group `g` on its shared-memory segment (in its turn): the segment's
-/// barrier, no frame sent.
+/// barrier, no frame sent (over TCP when the group fell back to it).
 pub(crate) async fn shm_barrier(g: &GroupState, ticket: u64) -> Result<(), CommError> {
-    let seg = shm::segment(g, ticket, Op::Barrier).await?;
+    let Some(seg) = shm::segment(g, ticket, Op::Barrier).await? else {
+        return collectives::barrier(&OpCtx::new(g, ticket, Op::Barrier)).await;
+    };
     let watch = shm::GroupWatch {
         g,
         op: OpCtx::new(g, ticket, Op::Barrier).describe() + " (shared memory)",
@@ -87,14 +91,18 @@ pub(crate) async fn shm_barrier(g: &GroupState, ticket: u64) -> Result<(), CommE
     shm::run_blocking(&seg, || seg.barrier(&watch))
 }
 
-/// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn).
+/// Broadcast `ticket` of group `g` over its shared-memory segment (in its turn; over TCP
+/// when the group fell back to it).
 pub(crate) async fn shm_broadcast(
     g: &GroupState,
     ticket: u64,
     buf: &mut [f32],
     root: usize,
 ) -> Result<(), CommError> {
-    let seg = shm::segment(g, ticket, Op::Broadcast).await?;
+    let Some(seg) = shm::segment(g, ticket, Op::Broadcast).await? else {
+        let ctx = OpCtx::new(g, ticket, Op::Broadcast);
+        return collectives::broadcast_f32(&ctx, buf, root).await;
+    };
     let watch = shm::GroupWatch {
         g,
         op: OpCtx::new(g, ticket, Op::Broadcast).describe() + " (shared memory)",
@@ -107,13 +115,19 @@ pub(crate) async fn shm_broadcast(
     shm::run_blocking(&seg, || seg.broadcast(buf, root, &watch))
 }
 
-/// All-reduce `ticket` of group `g` over its shared-memory segment (in its turn).
+/// All-reduce `ticket` of group `g` over its shared-memory segment (in its turn; when the
+/// group fell back to TCP, with the TCP algorithm its size picks).
 pub(crate) async fn shm_all_reduce(
     g: &GroupState,
     ticket: u64,
     buf: &mut [f32],
 ) -> Result<(), CommError> {
-    let seg = shm::segment(g, ticket, Op::AllReduce).await?;
+    let Some(seg) = shm::segment(g, ticket, Op::AllReduce).await? else {
+        let bytes = std::mem::size_of_val(buf);
+        let tcp = Algorithm::pick(&g.world.cfg, false, bytes, g.members.len());
+        // Boxed: `run` calls this function (for `Shm`), never for a TCP algorithm.
+        return Box::pin(tcp.run(g, ticket, buf)).await;
+    };
     let watch = shm::GroupWatch {
         g,
         op: OpCtx::new(g, ticket, Op::AllReduce).describe() + " (shared memory)",

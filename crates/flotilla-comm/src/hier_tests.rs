@@ -1,7 +1,8 @@
 //! The hierarchical all-reduce on emulated hosts: ranks as threads over in-memory links,
 //! each reporting the host key it is given (`Communicator::in_memory_on`), ranks of one key
-//! sharing real segments. Bitwise the serial reference of the documented order (two hosts:
-//! each host's left-to-right sum, then the two added), every rank bit-identical, within
+//! sharing real segments. Bitwise the serial reference of the documented order (two hosts of
+//! three ranks, so that an order of additions other than each host's left-to-right sum
+//! shows in the bits: then the two added), every rank bit-identical, within
 //! rounding of a serial sum for three hosts; the inter-host bytes of each run against the
 //! flat algorithms' (measured, both runs); uneven hosts flat, bit for bit; buckets started
 //! back to back (the non-blocking path) hierarchical too.
@@ -17,14 +18,20 @@ use crate::{CommConfig, Communicator, Hierarchical};
 /// Each rank's result and its traffic during the all-reduces.
 type Outcome = (Vec<Vec<u32>>, CommStats);
 
-/// Rank `r`'s element `i` of case `case`: in [-4, 4) with bits below f32's precision in any
-/// sum, so the order of additions shows in the last bits.
+/// Rank `r`'s element `i` of case `case`: a full 24-bit significand at a scale from 2^-4
+/// to 2^3, either sign, so that most sums of two round (values on one fixed grid would add
+/// exactly, and every order of three would round once, alike): the order of additions
+/// shows in the last bits.
 fn value(case: usize, r: usize, i: usize) -> f32 {
     let mut z = ((case as u64) << 40) ^ ((r as u64) << 24) ^ i as u64;
     z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
+    z ^= z >> 31;
+    let significand = 1.0 + (z >> 41) as f32 / (1u64 << 23) as f32;
+    let scale = 2f32.powi((z & 7) as i32 - 4);
+    let sign = if z & 8 == 0 { 1.0 } else { -1.0 };
+    sign * significand * scale
 }
 
 fn cfg(h: Hierarchical) -> CommConfig {
@@ -91,16 +98,24 @@ fn small_thresholds(c: CommConfig) -> CommConfig {
     c
 }
 
+/// The reference of two hosts of three ranks (`[0, 2, 4]` and `[1, 3, 5]`): each host's
+/// left-to-right sum in rank order, then the two added (a sum of two is the same bits in
+/// either order, so three a host it takes for the order to show).
+fn two_hosts_of_three(case: usize, i: usize) -> f32 {
+    let host =
+        |rs: [usize; 3]| value(case, rs[0], i) + value(case, rs[1], i) + value(case, rs[2], i);
+    host([0, 2, 4]) + host([1, 3, 5])
+}
+
 #[test]
 fn two_hosts_sum_each_host_in_rank_order_then_the_hosts_on_every_rank() {
-    let hosts = ["a", "b", "a", "b"];
+    let hosts = ["a", "b", "a", "b", "a", "b"];
     let out = run(&hosts, small_thresholds(cfg(Hierarchical::Auto)), &LENS);
     let got = agreed(&out);
     for (case, bits) in got.iter().enumerate() {
         assert_eq!(bits.len(), LENS[case]);
         for (i, &x) in bits.iter().enumerate() {
-            let host = |rs: [usize; 2]| value(case, rs[0], i) + value(case, rs[1], i);
-            let want = host([0, 2]) + host([1, 3]);
+            let want = two_hosts_of_three(case, i);
             assert_eq!(x, want.to_bits(), "case {case} element {i}");
         }
     }
@@ -187,7 +202,7 @@ fn uneven_hosts_and_one_rank_per_host_stay_flat_bit_for_bit() {
 
 #[test]
 fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
-    let hosts = ["a", "a", "b", "b"];
+    let hosts = ["a", "b", "a", "b", "a", "b"];
     let keys = hosts.iter().map(|h| format!("host-{h}")).collect();
     let comms = Communicator::in_memory_on(keys, cfg(Hierarchical::Auto)).expect("world");
     let lens = [1001usize, 300_001, 5];
@@ -217,8 +232,7 @@ fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
         for (b, buf) in got.iter().enumerate() {
             assert_eq!(buf.len(), lens[b]);
             for (i, x) in buf.iter().enumerate() {
-                let v = |r| value(b, r, i);
-                let want = (v(0) + v(1)) + (v(2) + v(3));
+                let want = two_hosts_of_three(b, i);
                 assert_eq!(
                     x.to_bits(),
                     want.to_bits(),

@@ -1,18 +1,21 @@
 //! The shared-memory transport: the `f32` all-reduce and broadcast of a group whose members
-//! all share one host (equal host keys at the rendezvous, [`crate::host`]), and its
-//! barrier, go through one shared segment instead of loopback TCP, when
+//! all share one segment directory (equal host keys at the rendezvous, [`crate::host`]),
+//! and its barrier, go through one shared segment instead of loopback TCP, when
 //! [`crate::Transport`] is `auto` (the default) or `shm`. Everything else (byte and integer
 //! collectives, all-gather, point-to-point messages) stays on the group's TCP (or
 //! in-memory) links, which also carry the segment's setup and the failure notices.
 //!
 //! * **Segment** ([`crate::segment`]): one file per group, created by the group's rank 0 in its
-//!   turn of the first collective that needs it (`flotilla-{session}-{group key}`, so two
-//!   jobs or two groups never share one), in [`crate::CommConfig::shm_dir`] or `/dev/shm`
+//!   turn of the first collective that needs it (`flotilla-{pid}-{pid namespace}-{session}-{group key}.shm`,
+//!   so two jobs or two groups never share one, and a file a killed creator left is
+//!   swept by the next creation in its directory), in [`crate::CommConfig::shm_dir`] or `/dev/shm`
 //!   when it has room (`statvfs`), else the system temporary directory (a file-backed
 //!   mapping, as in containers whose `/dev/shm` is 64 MiB). Its blocks are reserved with
-//!   `fallocate`, so a full file system fails the collective cleanly. Rank 0 sends the
-//!   path to the others over TCP, they map it and answer, and rank 0 removes the file:
-//!   from then on only the mappings hold it, and nothing is left behind by a crash.
+//!   `fallocate`, so a full file system fails the creation cleanly. Rank 0 sends the
+//!   path to the others over TCP, they map it (no symbolic link; every layout parameter of
+//!   the header checked) and answer, rank 0 sends the verdict all follow (the segment, or
+//!   TCP for the group when a member cannot reach it, warned) and removes the file
+//!   (`shm/setup.rs`): from then on only the mappings hold it.
 //! * **Synchronisation** (`segment/sync.rs`): a barrier of atomics in the segment, a short spin
 //!   (only when every member can have a core) then futex waits in 5 ms slices, each slice
 //!   checking the peers' TCP links (a killed rank's connection closes: it is named), abort
@@ -41,102 +44,25 @@
 //! its slot), plus a system call and page pinning per peer and chunk, and needs ptrace
 //! rights over the peers; not measured.
 
-use std::io;
-use std::os::unix::ffi::OsStrExt;
-use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_group::CommError;
 
 use crate::frame::Op;
-use crate::op::OpCtx;
-use crate::segment::{Segment, Watch, segment_bytes};
+use crate::segment::{Segment, Watch};
 use crate::world::GroupState;
 
-/// Frame tags of the setup on TCP: the path (rank 0 to each), the answer (each to rank 0).
-const TAG_PATH: u32 = 0;
-const TAG_MAPPED: u32 = 1;
-
-/// The directory for a new segment of `bytes`: the configured one, else `shm` (`/dev/shm`)
-/// when it has room, else the system temporary directory.
-fn segment_dir(configured: Option<&Path>, shm: &Path, bytes: usize) -> PathBuf {
-    if let Some(d) = configured {
-        return d.to_path_buf();
-    }
-    match rustix::fs::statvfs(shm) {
-        Ok(s) if s.f_bavail.saturating_mul(s.f_frsize) >= bytes as u64 => shm.to_path_buf(),
-        _ => std::env::temp_dir(),
-    }
-}
-
-/// Removes the segment's file when dropped (after every member mapped it, or on failure).
-struct Unlink(PathBuf);
-
-impl Drop for Unlink {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// Rank 0's side of the setup: creates the segment (falling back to the temporary
-/// directory when `/dev/shm` turns out full), tells every member where it is, removes the
-/// file once all mapped it.
-async fn create(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
-    let cfg = &g.world.cfg;
-    let (n, chunk) = (ctx.size(), cfg.shm_chunk_bytes);
-    let name = format!("flotilla-{:016x}-{:016x}.shm", g.world.session, g.key);
-    let shm = Path::new("/dev/shm");
-    let dir = segment_dir(cfg.shm_dir.as_deref(), shm, segment_bytes(n, chunk));
-    let mut path = dir.join(&name);
-    let mut made = Segment::create(&path, n, 0, chunk);
-    if matches!(&made, Err(e) if e.kind() == io::ErrorKind::StorageFull) && cfg.shm_dir.is_none() {
-        path = std::env::temp_dir().join(&name);
-        made = Segment::create(&path, n, 0, chunk);
-    }
-    let seg = made
-        .map_err(|e| {
-            CommError::io(
-                format!("cannot create the shared-memory segment {}", path.display()),
-                e,
-            )
-        })?
-        .with_one_step_bytes(cfg.small_all_reduce_bytes);
-    let _unlink = Unlink(path.clone());
-    for p in 1..n {
-        ctx.send(p, TAG_PATH, path.as_os_str().as_bytes()).await?;
-    }
-    for p in 1..n {
-        ctx.recv(p, TAG_MAPPED, Some(0)).await?;
-    }
-    tracing::debug!(path = %path.display(), members = n, "shared-memory segment mapped by all");
-    Ok(seg)
-}
-
-/// Another member's side of the setup: maps the segment rank 0 names, then answers.
-async fn open(ctx: &OpCtx<'_>, g: &GroupState) -> Result<Segment, CommError> {
-    let f = ctx.recv(0, TAG_PATH, None).await?;
-    let path = PathBuf::from(std::ffi::OsStr::from_bytes(&f.payload));
-    let cfg = &g.world.cfg;
-    let seg = Segment::open(&path, ctx.size(), ctx.rank(), cfg.shm_chunk_bytes)
-        .map_err(|e| {
-            CommError::io(
-                format!("cannot map the shared-memory segment {}", path.display()),
-                e,
-            )
-        })?
-        .with_one_step_bytes(cfg.small_all_reduce_bytes);
-    ctx.send(0, TAG_MAPPED, &[]).await?;
-    Ok(seg)
-}
+mod setup;
 
 /// The group's segment, set up in this collective's turn the first time (`op`: the
-/// collective's kind, whose frames carry the setup).
+/// collective's kind, whose frames carry the setup); `None`: the group's members could not
+/// share one and its `f32` collectives go over TCP (`setup.rs`).
 pub(crate) async fn segment(
     g: &GroupState,
     ticket: u64,
     op: Op,
-) -> Result<Arc<Segment>, CommError> {
+) -> Result<Option<Arc<Segment>>, CommError> {
     let Some(slot) = g.shm.as_ref() else {
         return Err(CommError::InvalidArgument(
             "this group does not use shared memory".into(),
@@ -145,13 +71,10 @@ pub(crate) async fn segment(
     if let Some(s) = slot.get() {
         return Ok(s.clone());
     }
-    let ctx = OpCtx::new(g, ticket, op);
-    let seg = Arc::new(if ctx.rank() == 0 {
-        create(&ctx, g).await?
-    } else {
-        open(&ctx, g).await?
-    });
-    g.world.add_segment(&seg);
+    let seg = setup::set_up(g, ticket, op).await?.map(Arc::new);
+    if let Some(seg) = &seg {
+        g.world.add_segment(seg);
+    }
     // Only this group's turn sets it: nobody else can have set it meanwhile.
     let _ = slot.set(seg.clone());
     Ok(seg)
@@ -222,28 +145,4 @@ pub(crate) fn run_blocking<T>(
         seg.abort(&e.to_string());
     }
     r
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_directory_falls_back_to_temp_when_dev_shm_is_small_or_missing() {
-        let tmp = std::env::temp_dir();
-        let configured = Path::new("/somewhere/else");
-        assert_eq!(
-            segment_dir(Some(configured), Path::new("/dev/shm"), 1),
-            configured
-        );
-        // No file system has room for this segment; a missing /dev/shm has none either.
-        assert_eq!(segment_dir(None, Path::new("/dev/shm"), usize::MAX), tmp);
-        assert_eq!(segment_dir(None, Path::new("/no/dev/shm"), 1), tmp);
-        if Path::new("/dev/shm").is_dir() {
-            assert_eq!(
-                segment_dir(None, Path::new("/dev/shm"), 4096),
-                Path::new("/dev/shm")
-            );
-        }
-    }
 }

@@ -58,8 +58,9 @@ pub(crate) struct GroupState {
     /// When each unfinished collective was issued (for the stall inspector).
     open: Mutex<BTreeMap<u64, Instant>>,
     /// The group's shared-memory segment (set up by its first `f32` collective), when its
-    /// members share a host and the transport allows it; `None`: TCP.
-    pub(crate) shm: Option<OnceLock<Arc<Segment>>>,
+    /// members share a host and the transport allows it; `None`: TCP. Set to `None` inside
+    /// when the members could not share one (`shm/setup.rs`): TCP from then on.
+    pub(crate) shm: Option<OnceLock<Option<Arc<Segment>>>>,
     /// The sub-groups of the hierarchical all-reduce (`crate::hier`), decided by the
     /// group's first all-reduce; `None` inside: flat.
     pub(crate) levels: OnceLock<Option<Levels>>,
@@ -227,6 +228,14 @@ impl GroupState {
             open: Mutex::new(BTreeMap::new()),
             levels: OnceLock::new(),
         })
+    }
+
+    /// Whether the group's `f32` collectives go through its segment: its members share one
+    /// (or will, once set up), and its setup did not fall back to TCP.
+    pub(crate) fn uses_segment(&self) -> bool {
+        self.shm
+            .as_ref()
+            .is_some_and(|s| !matches!(s.get(), Some(None)))
     }
 
     /// Takes the next sequence number of this group.

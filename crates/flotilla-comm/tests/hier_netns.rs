@@ -1,6 +1,8 @@
-//! The hierarchical all-reduce between real hosts, emulated: network namespaces (each its
-//! own host key at the rendezvous) joined by veth pairs to a bridge, created by the test;
-//! every rank a real process (this test binary, `child_rank`) started in its namespace.
+//! The hierarchical all-reduce between real hosts, emulated: network namespaces joined by
+//! veth pairs to a bridge, created by the test, each with a segment directory of its own
+//! (`FLOTILLA_COMM_SHM_DIR`: its own host key at the rendezvous, which is the identity of
+//! that directory); every rank a real process (this test binary, `child_rank`) started in
+//! its namespace.
 //!
 //! * 2 hosts x 2 ranks: every rank bit-identical, bitwise the serial reference of the
 //!   documented order (each host's left-to-right sum, then the two hosts' added); the
@@ -40,10 +42,12 @@ fn value(case: usize, r: usize, i: usize) -> f32 {
     ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
 }
 
-/// Network namespaces `{prefix}0..` on a bridge, removed when dropped.
+/// Network namespaces `{prefix}0..` on a bridge, removed when dropped, and each one's
+/// segment directory (`host{i}` in `dirs`).
 struct Hosts {
     prefix: String,
     count: usize,
+    dirs: tempfile::TempDir,
     _turn: MutexGuard<'static, ()>,
 }
 
@@ -61,6 +65,7 @@ impl Hosts {
         let hosts = Hosts {
             prefix,
             count,
+            dirs: tempfile::tempdir().expect("segment directories"),
             _turn: turn,
         };
         match hosts.build() {
@@ -77,6 +82,11 @@ impl Hosts {
 
     fn ns(&self, i: usize) -> String {
         format!("{}{i}", self.prefix)
+    }
+
+    /// Host `i`'s segment directory.
+    fn dir(&self, i: usize) -> std::path::PathBuf {
+        self.dirs.path().join(format!("host{i}"))
     }
 
     fn addr(i: usize) -> String {
@@ -98,6 +108,7 @@ impl Hosts {
             ip(&["-n", &ns, "addr", "add", &cidr, "dev", "eth0"])?;
             ip(&["-n", &ns, "link", "set", "eth0", "up"])?;
             ip(&["-n", &ns, "link", "set", "lo", "up"])?;
+            std::fs::create_dir(self.dir(i)).map_err(|e| format!("segment directory: {e}"))?;
         }
         Ok(())
     }
@@ -116,6 +127,7 @@ impl Hosts {
             .env("MASTER_ADDR", Self::addr(0))
             .env("MASTER_PORT", "29511")
             .env("FLOTILLA_COMM_TIMEOUT_SECS", "10")
+            .env("FLOTILLA_COMM_SHM_DIR", self.dir(host))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         for (k, v) in env {

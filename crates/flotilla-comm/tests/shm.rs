@@ -13,7 +13,7 @@ use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Transport};
+use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Secret, Transport};
 
 const TEST_DEADLINE: Duration = Duration::from_secs(60);
 /// Slots of 4 KiB (1024 floats): the lengths below span several chunks.
@@ -293,6 +293,9 @@ fn a_barrier_on_shared_memory_sends_no_frame_and_waits_for_the_last_rank() {
     }
 }
 
+/// Sub-groups all-reduce over their own segments; broadcasts, in the world and in a
+/// sub-group, go through the segments too: no frame sent by any rank (the segments were
+/// set up by the all-reduces), and each root's bytes counted as shared-memory traffic.
 #[test]
 fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
     let n = 5;
@@ -303,22 +306,36 @@ fn split_groups_reduce_over_their_own_segments_and_broadcast_works() {
         sub.all_reduce_sum(&mut buf)?;
         let mut whole = input(r, 3000, 8);
         c.all_reduce_sum(&mut whole)?;
+        let before = c.stats();
         let mut b = if r == 3 {
             input(3, 2500, 9)
         } else {
             vec![0.0; 2500]
         };
         c.broadcast_f32(&mut b, 3)?;
-        let mut sb = if sub.rank() == 1 {
+        let sub_root = sub.rank() == 1;
+        let mut sb = if sub_root {
             input(r, 1500, 10)
         } else {
             vec![0.0; 1500]
         };
         sub.broadcast_f32(&mut sb, 1)?;
-        Ok((buf, whole, b, sb, c.stats().shm_bytes))
+        let after = c.stats();
+        let broadcasts = (
+            after.frames_sent - before.frames_sent,
+            after.shm_bytes - before.shm_bytes,
+            sub_root,
+        );
+        Ok((buf, whole, b, sb, after.shm_bytes, broadcasts))
     });
     let (whole, _, _) = reference(n, 3000, 8);
-    for (r, (buf, w, b, sb, shm)) in results.iter().enumerate() {
+    for (r, (buf, w, b, sb, shm, (frames, shm_bytes, sub_root))) in results.iter().enumerate() {
+        assert_eq!(*frames, 0, "rank {r}: frames sent by the broadcasts");
+        let rooted = if r == 3 { 4 * 2500 } else { 0 } + if *sub_root { 4 * 1500 } else { 0 };
+        assert_eq!(
+            *shm_bytes, rooted,
+            "rank {r}: bytes broadcast through shared memory"
+        );
         let members: Vec<usize> = (0..n).filter(|m| m % 2 == r % 2).collect();
         let inputs: Vec<Vec<f32>> = members.iter().map(|&m| input(m, 3000, 7)).collect();
         for i in 0..3000 {
@@ -395,9 +412,14 @@ fn child_rank() {
         return;
     };
     let mut c = CommConfig::from_env().expect("child config");
-    c.timeout = Duration::from_secs(3);
+    c.timeout = Duration::from_secs(if mode == "hold" { 60 } else { 3 });
     c.transport = Transport::Shm;
     let comm = Communicator::connect(c).expect("child connects");
+    if mode == "hold" && comm.rank() == 1 {
+        // Rank 0 waits in the setup of the first all-reduce, its segment's file created.
+        thread::sleep(Duration::from_secs(60));
+        return;
+    }
     let mut buf = vec![1.0f32; 300_000];
     for i in 0..200_000u64 {
         if i == 3 {
@@ -416,8 +438,15 @@ fn child_rank() {
 }
 
 fn spawn_rank(rank: usize, n: usize, port: u16, mode: &str, dir: &Path) -> Child {
-    Command::new(std::env::current_exe().expect("test binary"))
-        .args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
+    rank_command(rank, n, port, mode, dir)
+        .spawn()
+        .expect("spawn a rank")
+}
+
+/// The command of rank `rank` of `n` (`child_rank` in `mode`), segments in `dir`.
+fn rank_command(rank: usize, n: usize, port: u16, mode: &str, dir: &Path) -> Command {
+    let mut c = Command::new(std::env::current_exe().expect("test binary"));
+    c.args(["--exact", "child_rank", "--nocapture", "--test-threads=1"])
         .env(CHILD, mode)
         .env("RANK", rank.to_string())
         .env("WORLD_SIZE", n.to_string())
@@ -427,9 +456,8 @@ fn spawn_rank(rank: usize, n: usize, port: u16, mode: &str, dir: &Path) -> Child
         .env("FLOTILLA_COMM_SHM_DIR", dir)
         .env("FLOTILLA_COMM_SHM_CHUNK_BYTES", CHUNK.to_string())
         .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawn a rank")
+        .stderr(Stdio::null());
+    c
 }
 
 /// Starts 3 ranks, waits until all are reducing, kills rank 2 (`kill`) or lets it stall,
@@ -560,4 +588,139 @@ fn groups_of_replicas_broadcast_then_reduce_buckets_concurrently() {
             }
         }
     }
+}
+
+/// A test secret (every TCP rank of a new test has one).
+fn secret() -> Secret {
+    Secret::new(b"test-secret-0123456789".to_vec()).expect("secret")
+}
+
+/// Runs `body` on two ranks over 127.0.0.1, rank `r` configured by `cfgs[r]`; each rank's
+/// result.
+fn pair<T: Send + 'static>(
+    cfgs: [CommConfig; 2],
+    body: fn(&Communicator) -> Result<T, CommError>,
+) -> Vec<Result<T, CommError>> {
+    let l = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let port = l.local_addr().expect("addr").port();
+    let mut l = Some(l);
+    let (tx, rx) = mpsc::channel();
+    for (r, c) in cfgs.into_iter().enumerate() {
+        let mut c = c.with_master("127.0.0.1", port);
+        c.rank = Some(r);
+        let (tx, l) = (tx.clone(), l.take().filter(|_| r == 0));
+        thread::spawn(move || {
+            let comm = match l {
+                Some(l) => Communicator::connect_with_listener(c, l),
+                None => Communicator::connect(c),
+            };
+            let _ = tx.send((r, comm.and_then(|c| body(&c))));
+        });
+    }
+    let deadline = Instant::now() + TEST_DEADLINE;
+    let mut out: Vec<Option<Result<T, CommError>>> = vec![None, None];
+    for _ in 0..2 {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let (r, res) = rx.recv_timeout(left).expect("test world hung");
+        out[r] = Some(res);
+    }
+    out.into_iter().map(|r| r.expect("result")).collect()
+}
+
+/// Every layout parameter of a segment is in its header: a member configured differently
+/// from rank 0 (its one-step size, its slot size) makes every member fail with a
+/// configuration error naming the setting, under the default `transport: auto` too (not
+/// a fall back to TCP, not sums read from the wrong slots).
+#[test]
+fn members_configured_differently_fail_naming_the_setting() {
+    let base = || {
+        let mut c = cfg(2, Transport::Auto);
+        c.secret = Some(secret());
+        c
+    };
+    let cases = [
+        (
+            "small_all_reduce_bytes",
+            base().with_small_all_reduce_bytes(1024),
+        ),
+        ("shm_chunk_bytes", base().with_shm_chunk_bytes(2 * CHUNK)),
+    ];
+    for (setting, other) in cases {
+        let res = pair([base(), other], |c| {
+            // 700 floats: one step for rank 0 (up to 1024), chunked for 256.
+            let mut b = input(c.rank(), 700, 40);
+            c.all_reduce_sum(&mut b).map(|()| b)
+        });
+        for (r, res) in res.iter().enumerate() {
+            match res {
+                Err(CommError::Config(m)) => assert!(m.contains(setting), "rank {r}: {m}"),
+                other => panic!("rank {r}, {setting} differing: {other:?}"),
+            }
+        }
+    }
+}
+
+/// Kills its processes when dropped.
+struct Kids(Vec<Child>);
+
+impl Drop for Kids {
+    fn drop(&mut self) {
+        for k in &mut self.0 {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+    }
+}
+
+/// A segment's file left by a killed rank 0 (killed between creating it and every member
+/// mapping it) is removed by the next job's setup in that directory; the file of a rank 0
+/// still alive in that state is not.
+#[test]
+fn a_segment_left_by_a_killed_rank_0_is_swept_and_a_live_ones_kept() {
+    let dir = tempfile::tempdir().expect("segment directory");
+    let port = TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let mut kids = Kids(
+        (0..2)
+            .map(|r| {
+                let mut c = rank_command(r, 2, port, "hold", dir.path());
+                c.env("FLOTILLA_SECRET", "test-secret-0123456789")
+                    .stdout(Stdio::null());
+                c.spawn().expect("spawn a rank")
+            })
+            .collect(),
+    );
+    let files = || -> Vec<_> {
+        let d = std::fs::read_dir(dir.path()).expect("segment directory");
+        d.map(|e| e.expect("entry").path()).collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let held = loop {
+        let f = files();
+        if !f.is_empty() {
+            break f;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "rank 0 never created its segment"
+        );
+        thread::sleep(Duration::from_millis(10));
+    };
+    let job = || {
+        let c = cfg(2, Transport::Shm).with_shm_dir(Some(dir.path().to_path_buf()));
+        let sums = world(2, false, c, |c| {
+            let mut b = input(c.rank(), 100, 50);
+            c.all_reduce_sum(&mut b).map(|()| b)
+        });
+        assert_eq!(sums[0], reference(2, 100, 50).0, "the next job's sums");
+    };
+    job();
+    assert_eq!(files(), held, "a live rank 0's segment was removed");
+    let _ = kids.0[0].kill();
+    let _ = kids.0[0].wait();
+    assert_eq!(files(), held, "the file outlived its killed creator");
+    job();
+    assert_eq!(files(), Vec::<std::path::PathBuf>::new(), "not swept");
 }

@@ -30,9 +30,28 @@ fn lengths(n: usize) -> Vec<usize> {
     v
 }
 
+/// The frames rank `r` of `n` sends in a recursive-doubling all-reduce of `len` floats (one
+/// frame a step, the whole buffer in each): none when alone or empty; of the fold's first
+/// `2 (n - p)` ranks (`p` the largest power of two `<= n`), an even one hands its buffer
+/// over (one frame), an odd one doubles and sends the result back (`log2 p + 1`); the
+/// others double (`log2 p`). The ring sends `2 (n - 1)` (at least; more chunks, more frames),
+/// Rabenseifner's `2 log2 n`: at 2 ranks, 2 against the doubling's 1.
+fn frames(n: usize, r: usize, len: usize) -> u64 {
+    if len == 0 || n == 1 {
+        return 0;
+    }
+    let steps = u64::from(usize::BITS - 1 - n.leading_zeros());
+    let rem = n - (1 << steps);
+    match r {
+        r if r < 2 * rem && r.is_multiple_of(2) => 1,
+        r if r < 2 * rem => steps + 1,
+        _ => steps,
+    }
+}
+
 /// All-reduces every case of [`lengths`] on `n` ranks; checks each rank against the serial
 /// sum (within `tolerance` times the sum of magnitudes), every rank's bits against rank
-/// 0's, and that each case took the doubling's frames, not the ring's.
+/// 0's, and that each case took exactly the doubling's frames ([`frames`]).
 fn check(n: usize, tcp: bool, c: CommConfig, tolerance: f64) {
     let lens = lengths(n);
     let lens2 = lens.clone();
@@ -46,10 +65,9 @@ fn check(n: usize, tcp: bool, c: CommConfig, tolerance: f64) {
         }
         Ok(outs)
     }));
-    let steps = usize::BITS - 1 - n.leading_zeros();
     for (case, &len) in lens.iter().enumerate() {
         for (r, outs) in res.iter().enumerate() {
-            let (got, frames) = &outs[case];
+            let (got, sent) = &outs[case];
             let first_diff = got
                 .iter()
                 .zip(&res[0][case].0)
@@ -58,13 +76,11 @@ fn check(n: usize, tcp: bool, c: CommConfig, tolerance: f64) {
                 first_diff, None,
                 "n {n} len {len}: rank {r} differs from rank 0"
             );
-            // Doubling: one frame per step (two for a rank of the fold), none when empty.
-            let most = if len == 0 || n == 1 {
-                0
-            } else {
-                steps as u64 + 1
-            };
-            assert!(*frames <= most, "n {n} len {len} rank {r}: {frames} frames");
+            assert_eq!(
+                *sent,
+                frames(n, r, len),
+                "n {n} len {len} rank {r}: frames sent"
+            );
             assert_near_serial_sum(n, case, r, got, tolerance);
         }
     }

@@ -61,7 +61,7 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
         world_size: cfg.world_size,
         config_hash: cfg.config_hash,
         mesh_addr,
-        host: crate::host::host_key(),
+        host: crate::host::host_key(cfg.shm_dir.as_deref()),
     };
     send_ctrl(&mut master, &join)
         .await

@@ -305,7 +305,7 @@ impl<'a> Admission<'a> {
             .iter()
             .map(|s| s.as_ref().map(|m| m.host.clone()).unwrap_or_default())
             .collect();
-        hosts[0] = crate::host::host_key();
+        hosts[0] = crate::host::host_key(self.cfg.shm_dir.as_deref());
         (slots, table, hosts)
     }
 }

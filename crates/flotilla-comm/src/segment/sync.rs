@@ -195,7 +195,8 @@ mod tests {
     #[test]
     fn the_spin_budget_shrinks_while_spinning_fails_and_grows_back_when_it_pays() {
         let dir = tempfile::tempdir().expect("temporary directory");
-        let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
+        let layout = crate::segment::Layout::new(2, 4096, 0);
+        let seg = Segment::create(&dir.path().join("seg"), &layout, 0).expect("segment");
         let budget = || seg.spin_budget.load(Ordering::Relaxed).min(SPINS);
         if !seg.spare_cores {
             assert!(!seg.spin(&|| true), "no spin without a core per member");
