@@ -45,6 +45,7 @@
 //! # Ok::<(), flotilla_comm::CommError>(())
 //! ```
 #![warn(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod auth;
 mod buf;
