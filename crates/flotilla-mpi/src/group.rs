@@ -136,7 +136,7 @@ impl MpiGroup {
             None => Ok(()),
             Some(r) => Err(RendezvousError::ConfigHashMismatch {
                 peer: PeerName::ranked(self.world_rank(r), "mpi"),
-                expected,
+                expected: Some(expected),
                 got: all[r],
             }
             .into()),
