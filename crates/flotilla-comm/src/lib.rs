@@ -50,6 +50,8 @@
 mod auth;
 mod buf;
 mod collectives;
+#[cfg(test)]
+mod collectives_tests;
 mod comm;
 mod config;
 mod conn;

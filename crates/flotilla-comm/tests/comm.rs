@@ -296,9 +296,9 @@ fn broadcast_barrier_all_gather_p2p_and_stats() {
             } else {
                 vec![9; r]
             };
-            c.broadcast_bytes(&mut b, 1)?;
+            c.broadcast_bytes(&mut b, 1, 20_000)?;
             let mut empty = if r == 3 { Vec::new() } else { vec![1u8; 3] };
-            c.broadcast_bytes(&mut empty, 3)?;
+            c.broadcast_bytes(&mut empty, 3, 0)?;
             let g = c.all_gather_u64(1000 + r as u64)?;
             // Point-to-point ring of messages.
             let n = c.size();

@@ -217,9 +217,15 @@ impl ProcessGroup for MpiGroup {
         same_len(buf, v, "broadcast_f32")
     }
 
-    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+    fn broadcast_bytes(
+        &self,
+        buf: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError> {
         self.checked(root, "broadcast_bytes")?;
-        *buf = self.run(Op::BroadcastBytes(std::mem::take(buf), root), Out::bytes)?;
+        let op = Op::BroadcastBytes(std::mem::take(buf), root, max_len);
+        *buf = self.run(op, Out::bytes)?;
         Ok(())
     }
 
