@@ -155,7 +155,7 @@ impl Communicator {
                     .into(),
             ));
         }
-        let ep = Arc::new(Endpoint::default());
+        let ep = Arc::new(Endpoint::new(cfg.max_queued_bytes));
         let opts = ConnOpts {
             max_frame_bytes: cfg.max_frame_bytes,
             compression: cfg.compression,
@@ -211,7 +211,9 @@ impl Communicator {
         cfg.world_size = n;
         cfg.rank = Some(0);
         cfg.validate()?;
-        let eps: Vec<Arc<Endpoint>> = (0..n).map(|_| Arc::new(Endpoint::default())).collect();
+        let eps: Vec<Arc<Endpoint>> = (0..n)
+            .map(|_| Arc::new(Endpoint::new(cfg.max_queued_bytes)))
+            .collect();
         let session = rand::random::<u64>();
         let mut peers: Vec<Vec<Option<Arc<Conn>>>> = (0..n).map(|_| vec![None; n]).collect();
         for a in 0..n {
@@ -488,8 +490,7 @@ impl ProcessGroup for Communicator {
         let key = self.g.key;
         if world == self.g.world.rank {
             let mailbox = &self.g.world.ep.mailbox;
-            mailbox.deliver(key, world, tag, msg.to_vec());
-            return Ok(());
+            return mailbox.deliver(key, world, tag, msg.to_vec());
         }
         let conn = self.g.world.conn(world)?;
         let t = self.g.world.cfg.timeout;

@@ -270,8 +270,7 @@ impl ProcessGroup for MpiGroup {
     fn send(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError> {
         self.checked(peer, "send")?;
         if peer == self.g.members.me() {
-            self.g.mailbox.deliver(0, peer, tag, msg.to_vec());
-            return Ok(());
+            return self.g.mailbox.deliver(0, peer, tag, msg.to_vec());
         }
         let wire = wire::encode(tag, msg);
         self.g.comm.send(peer, &wire)?;
