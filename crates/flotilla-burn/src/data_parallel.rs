@@ -124,7 +124,8 @@ impl DataParallel {
         } else {
             Vec::new()
         };
-        self.group.broadcast_bytes(&mut bytes, 0)?;
+        let bound = flotilla_engine::optimizer_state_bound(&self.layout);
+        self.group.broadcast_bytes(&mut bytes, 0, bound)?;
         optimizer
             .from_bytes(Bytes::from_bytes_vec(bytes))
             .map_err(|e| DistError::Optimizer(format!("loading rank 0's: {e:?}")))

@@ -4,6 +4,9 @@
 //! directly (one round trip over the full mesh; integer buffers are small: counters, flags,
 //! bit sets). Broadcast is a pipelined chain along the ring starting at the
 //! root: a length frame, then `chunk_bytes` chunks, each forwarded as soon as it arrives.
+//! Each rank judges the length before it forwards it or allocates anything (the `f32`
+//! broadcast: its own length; `broadcast_bytes`: the caller's maximum), and a byte buffer
+//! grows with the chunks that arrived, never ahead of them.
 
 use flotilla_group::CommError;
 
@@ -79,45 +82,135 @@ fn check_root(ctx: &OpCtx<'_>, root: usize) -> Result<(), CommError> {
     Ok(())
 }
 
-/// Pipelined chain broadcast. `len_of` is called on non-root ranks with the root's length
-/// (in bytes) and must return the local buffer to fill, of exactly that length.
-async fn chain<'b>(
-    ctx: &OpCtx<'_>,
-    root: usize,
-    root_buf: Option<&'b mut [u8]>,
-    len_of: impl FnOnce(u64) -> Result<&'b mut [u8], CommError>,
-) -> Result<(), CommError> {
+/// What a non-root rank does with a chain broadcast: first judges the root's length (in
+/// bytes) before anything is allocated for it, then takes the bytes chunk by chunk as they
+/// arrive.
+trait Sink {
+    /// The length to receive, or why this rank refuses `len`.
+    fn accept(&mut self, len: u64) -> Result<usize, CommError>;
+    /// Bytes `at..at + bytes.len()` of the broadcast (in order, without gaps).
+    fn put(&mut self, at: usize, bytes: &[u8]);
+}
+
+/// A rank's part in a chain broadcast.
+enum Part<'s> {
+    /// The root, sending these bytes.
+    Root(&'s [u8]),
+    /// Any other rank, handing what it receives to its sink.
+    Receive(&'s mut (dyn Sink + Send)),
+}
+
+/// Pipelined chain broadcast from `root`.
+async fn chain(ctx: &OpCtx<'_>, root: usize, part: Part<'_>) -> Result<(), CommError> {
     let (n, me) = (ctx.size(), ctx.rank());
     if n == 1 {
         return Ok(());
     }
     let (left, right) = ((me + n - 1) % n, (me + 1) % n);
     let forward = right != root;
-    let chunk = ctx.cfg().chunk_bytes;
-    if let Some(buf) = root_buf {
-        ctx.send(right, 0, &(buf.len() as u64).to_le_bytes())
-            .await?;
-        for (i, c) in buf.chunks(chunk).enumerate() {
-            ctx.send(right, i as u32 + 1, c).await?;
+    let chunk = ctx.cfg().chunk_bytes.max(1);
+    let sink = match part {
+        Part::Receive(sink) => sink,
+        Part::Root(buf) => {
+            ctx.send(right, 0, &(buf.len() as u64).to_le_bytes())
+                .await?;
+            for (i, c) in buf.chunks(chunk).enumerate() {
+                ctx.send(right, i as u32 + 1, c).await?;
+            }
+            return Ok(());
         }
-        return Ok(());
-    }
+    };
     let f = ctx.recv(left, 0, Some(8)).await?;
+    let mut a = [0u8; 8];
+    a.copy_from_slice(&f.payload);
+    // Judged before it travels on or anything is allocated for it.
+    let len = sink.accept(u64::from_le_bytes(a))?;
     if forward {
         ctx.send(right, 0, &f.payload).await?;
     }
-    let mut a = [0u8; 8];
-    a.copy_from_slice(&f.payload);
-    let buf = len_of(u64::from_le_bytes(a))?;
-    for (i, c) in buf.chunks_mut(chunk).enumerate() {
-        let tag = i as u32 + 1;
-        let f = ctx.recv(left, tag, Some(c.len())).await?;
+    drop(f);
+    let (mut at, mut tag) = (0, 1u32);
+    while at < len {
+        let c = chunk.min(len - at);
+        let f = ctx.recv(left, tag, Some(c)).await?;
         if forward {
             ctx.send(right, tag, &f.payload).await?;
         }
-        c.copy_from_slice(&f.payload);
+        sink.put(at, &f.payload);
+        at += c;
+        tag = tag.wrapping_add(1);
     }
     Ok(())
+}
+
+/// A non-root rank's `f32` buffer: the root's length must be its own.
+struct IntoSlice<'b> {
+    bytes: &'b mut [u8],
+    /// Whom a mismatch names, and in which collective.
+    root_world: usize,
+    op: String,
+}
+
+impl Sink for IntoSlice<'_> {
+    fn accept(&mut self, len: u64) -> Result<usize, CommError> {
+        let mine = self.bytes.len();
+        if len == mine as u64 {
+            return Ok(mine);
+        }
+        Err(CommError::Protocol {
+            peer: self.root_world,
+            detail: format!(
+                "{}: the root broadcasts {} f32 values but this rank passed {}",
+                self.op,
+                len / 4,
+                mine / 4
+            ),
+        })
+    }
+
+    fn put(&mut self, at: usize, bytes: &[u8]) {
+        self.bytes[at..at + bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+/// A non-root rank's byte buffer: the root's length must be at most the caller's maximum,
+/// and the buffer grows with what arrived (doubling, never past the root's length), not
+/// with what the root announced.
+struct GrowVec<'b> {
+    buf: &'b mut Vec<u8>,
+    max_len: usize,
+    /// The accepted length.
+    len: usize,
+    root_world: usize,
+    op: String,
+}
+
+impl Sink for GrowVec<'_> {
+    fn accept(&mut self, len: u64) -> Result<usize, CommError> {
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&l| l <= self.max_len)
+            .ok_or_else(|| CommError::Protocol {
+                peer: self.root_world,
+                detail: format!(
+                    "{}: the root broadcasts {len} bytes, more than this rank's maximum of {} \
+                     (broadcast_bytes' max_len)",
+                    self.op, self.max_len
+                ),
+            })?;
+        self.buf.clear();
+        self.len = len;
+        Ok(len)
+    }
+
+    fn put(&mut self, _at: usize, bytes: &[u8]) {
+        let need = self.buf.len() + bytes.len();
+        if need > self.buf.capacity() {
+            let target = need.max(2 * self.buf.capacity()).min(self.len.max(need));
+            self.buf.reserve_exact(target - self.buf.len());
+        }
+        self.buf.extend_from_slice(bytes);
+    }
 }
 
 /// Broadcasts `root`'s `f32` buffer; every rank must pass the same length.
@@ -129,60 +222,39 @@ pub(crate) async fn broadcast_f32(
     check_root(ctx, root)?;
     let bytes = f32_bytes_mut(buf);
     if ctx.rank() == root {
-        return chain(ctx, root, Some(bytes), |_| unreachable_len()).await;
+        return chain(ctx, root, Part::Root(bytes)).await;
     }
-    let (mine, world_left, op) = (
-        bytes.len() as u64,
-        ctx.world_rank((ctx.rank() + ctx.size() - 1) % ctx.size()),
-        ctx.describe(),
-    );
-    chain(ctx, root, None, move |theirs| {
-        if theirs == mine {
-            Ok(bytes)
-        } else {
-            Err(CommError::Protocol {
-                peer: world_left,
-                detail: format!(
-                    "{op}: root {root} broadcasts {} f32 values but this rank passed {}",
-                    theirs / 4,
-                    mine / 4
-                ),
-            })
-        }
-    })
-    .await
+    let mut sink = IntoSlice {
+        bytes,
+        root_world: ctx.world_rank(root),
+        op: ctx.describe(),
+    };
+    chain(ctx, root, Part::Receive(&mut sink)).await
 }
 
-/// Broadcasts `root`'s bytes; other ranks' buffers are resized to match.
+/// Broadcasts `root`'s bytes, at most `max_len` of them; other ranks' buffers are replaced.
 pub(crate) async fn broadcast_bytes(
     ctx: &OpCtx<'_>,
     buf: &mut Vec<u8>,
     root: usize,
+    max_len: usize,
 ) -> Result<(), CommError> {
     check_root(ctx, root)?;
     if ctx.rank() == root {
-        return chain(ctx, root, Some(buf.as_mut_slice()), |_| unreachable_len()).await;
+        if buf.len() > max_len {
+            return Err(CommError::InvalidArgument(format!(
+                "broadcast_bytes of {} bytes, more than its max_len of {max_len}",
+                buf.len()
+            )));
+        }
+        return chain(ctx, root, Part::Root(buf)).await;
     }
-    let max = ctx.cfg().max_frame_bytes as u64 * 1024;
-    let world_left = ctx.world_rank((ctx.rank() + ctx.size() - 1) % ctx.size());
-    chain(ctx, root, None, move |len| {
-        let len = usize::try_from(len)
-            .ok()
-            .filter(|&l| l as u64 <= max)
-            .ok_or_else(|| CommError::Protocol {
-                peer: world_left,
-                detail: format!("broadcast of {len} bytes exceeds the limit of {max} bytes"),
-            })?;
-        buf.clear();
-        buf.resize(len, 0);
-        Ok(buf.as_mut_slice())
-    })
-    .await
-}
-
-/// The root never asks for a length; kept as an error rather than a panic.
-fn unreachable_len<'b>() -> Result<&'b mut [u8], CommError> {
-    Err(CommError::InvalidArgument(
-        "internal: root asked for a broadcast length".into(),
-    ))
+    let mut sink = GrowVec {
+        buf,
+        max_len,
+        len: 0,
+        root_world: ctx.world_rank(root),
+        op: ctx.describe(),
+    };
+    chain(ctx, root, Part::Receive(&mut sink)).await
 }

@@ -178,6 +178,16 @@ pub struct CommConfig {
     pub wire_format: WireFormat,
     /// Largest accepted frame payload in bytes; larger frames are a [`CommError::FrameTooLarge`].
     pub max_frame_bytes: usize,
+    /// The most bytes one peer may have queued at this process in one group: collective
+    /// frames that arrived before this rank's collective took them, point-to-point messages
+    /// nobody has received yet (each counted with [`flotilla_group::MESSAGE_OVERHEAD`]).
+    /// The frame that would pass it fails that group's traffic from the peer with a
+    /// [`CommError::Protocol`] naming both; frames of a group this process does not know
+    /// (yet) are taken for a few groups at a time, then the peer's connection is refused.
+    /// Default 1 GiB ([`flotilla_group::DEFAULT_MAX_QUEUED_BYTES`]); at least twice
+    /// `max_frame_bytes`. A broadcast or a message larger than this to a rank that has not
+    /// started taking it yet needs it raised.
+    pub max_queued_bytes: usize,
     /// Size in bytes of the pipelined chunks of ring collectives.
     pub chunk_bytes: usize,
     /// `f32` all-reduces of at most this many bytes take recursive doubling (`log2 n`
@@ -266,6 +276,7 @@ impl fmt::Debug for CommConfig {
             .field("compression", &self.compression)
             .field("wire_format", &self.wire_format)
             .field("max_frame_bytes", &self.max_frame_bytes)
+            .field("max_queued_bytes", &self.max_queued_bytes)
             .field("chunk_bytes", &self.chunk_bytes)
             .field("small_all_reduce_bytes", &self.small_all_reduce_bytes)
             .field("mid_all_reduce_bytes", &self.mid_all_reduce_bytes)
@@ -301,6 +312,7 @@ impl Default for CommConfig {
             compression: Compression::None,
             wire_format: WireFormat::F32,
             max_frame_bytes: 64 << 20,
+            max_queued_bytes: flotilla_group::DEFAULT_MAX_QUEUED_BYTES,
             chunk_bytes: 512 << 10,
             small_all_reduce_bytes: DEFAULT_SMALL_ALL_REDUCE_BYTES,
             mid_all_reduce_bytes: DEFAULT_MID_ALL_REDUCE_BYTES,
@@ -368,6 +380,7 @@ impl CommConfig {
     /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
     /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES`,
     /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`,
+    /// `FLOTILLA_COMM_MAX_QUEUED_BYTES`,
     /// `FLOTILLA_COMM_TRANSPORT` (`auto`|`tcp`|`shm`), `FLOTILLA_COMM_SHM_DIR`,
     /// `FLOTILLA_COMM_SHM_CHUNK_BYTES`.
     pub fn from_env() -> Result<Self, CommError> {
@@ -425,6 +438,9 @@ impl CommConfig {
         }
         if let Some(b) = parse_env("FLOTILLA_COMM_SOCKET_BUFFER_BYTES")? {
             cfg.socket_buffer_bytes = Some(b);
+        }
+        if let Some(b) = parse_env("FLOTILLA_COMM_MAX_QUEUED_BYTES")? {
+            cfg.max_queued_bytes = b;
         }
         cfg.apply_shm_env()?;
         cfg.validate()?;
@@ -536,6 +552,13 @@ impl CommConfig {
         self
     }
 
+    /// Sets the most bytes one peer may have queued here in one group (see
+    /// [`CommConfig::max_queued_bytes`]).
+    pub fn with_max_queued_bytes(mut self, max: usize) -> Self {
+        self.max_queued_bytes = max;
+        self
+    }
+
     /// Sets the ring chunk size in bytes.
     pub fn with_chunk_bytes(mut self, chunk: usize) -> Self {
         self.chunk_bytes = chunk;
@@ -588,6 +611,12 @@ impl CommConfig {
             return bad(format!(
                 "max_frame_bytes {} must be in 4096..=u32::MAX",
                 self.max_frame_bytes
+            ));
+        }
+        if self.max_queued_bytes / 2 < self.max_frame_bytes {
+            return bad(format!(
+                "max_queued_bytes {} must be at least twice max_frame_bytes ({})",
+                self.max_queued_bytes, self.max_frame_bytes
             ));
         }
         if self.chunk_bytes < 1024 || self.chunk_bytes > self.max_frame_bytes {
@@ -656,6 +685,12 @@ mod tests {
             CommConfig::new(None, 2)
                 .with_max_frame_bytes(1 << 20)
                 .with_small_all_reduce_bytes(2 << 20)
+                .validate()
+                .is_err()
+        );
+        assert!(
+            CommConfig::new(None, 2)
+                .with_max_queued_bytes(64 << 20)
                 .validate()
                 .is_err()
         );

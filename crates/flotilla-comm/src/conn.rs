@@ -3,12 +3,21 @@
 //! demultiplexes the peer's frames: collective frames into one queue per process group,
 //! point-to-point frames into the process's [`Mailbox`], abort notices into the shared
 //! abort signal.
+//!
+//! What a peer makes this process hold is bounded. Frames of a group this process does not
+//! know (yet: a peer may start a new group's traffic before this rank made the group) are
+//! taken for at most [`MAX_UNKNOWN_GROUPS`] such groups at a time; a frame of one more
+//! closes the connection with an error naming the peer and the group. A group's queue
+//! (its collective frames, and in the mailbox its point-to-point messages) holds at most
+//! [`Endpoint::max_queued_bytes`] of one peer's bytes: the frame that would pass it fails
+//! that group's traffic from the peer with an error naming both, and the peer's later frames
+//! of the group are dropped.
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock, RwLock};
 
-use flotilla_group::{CommError, Mailbox, PeerName};
+use flotilla_group::{CommError, DEFAULT_MAX_QUEUED_BYTES, MESSAGE_OVERHEAD, Mailbox, PeerName};
 use tokio::io::AsyncReadExt;
 use tokio::sync::{Mutex, mpsc, watch};
 use tokio::task::JoinHandle;
@@ -52,15 +61,40 @@ pub(crate) struct Endpoint {
     pub abort: AbortSignal,
     /// Traffic counters.
     pub stats: Stats,
+    /// The most bytes one peer may have queued here in one group
+    /// ([`crate::CommConfig::max_queued_bytes`]).
+    pub max_queued_bytes: usize,
+    /// The keys of the groups this process made (the world's, 0, from the start).
+    groups: RwLock<HashSet<u64>>,
 }
 
 impl Default for Endpoint {
     fn default() -> Self {
+        Self::new(DEFAULT_MAX_QUEUED_BYTES)
+    }
+}
+
+impl Endpoint {
+    /// An endpoint whose peers may each queue at most `max_queued_bytes` per group.
+    pub(crate) fn new(max_queued_bytes: usize) -> Self {
         Self {
-            mailbox: Mailbox::default(),
+            mailbox: Mailbox::with_limit(max_queued_bytes),
             abort: watch::channel(None).0,
             stats: Stats::default(),
+            max_queued_bytes,
+            groups: RwLock::new(HashSet::from([0])),
         }
+    }
+
+    /// Records that this process has the group of `key`: its frames are always taken.
+    pub(crate) fn add_group(&self, key: u64) {
+        let mut g = self.groups.write().unwrap_or_else(|p| p.into_inner());
+        g.insert(key);
+    }
+
+    fn knows(&self, key: u64) -> bool {
+        let g = self.groups.read().unwrap_or_else(|p| p.into_inner());
+        g.contains(&key)
     }
 }
 
@@ -77,19 +111,34 @@ enum Lost {
 /// [`crate::pipe::LOOKAHEAD`] so the ring cannot deadlock.
 pub(crate) const COLLECTIVE_QUEUE_FRAMES: usize = 16;
 
+/// Groups unknown to this process of which one peer may have frames held here at a time.
+/// A peer may legitimately start a new group's traffic before this rank made the group (a
+/// rank leaves a `split` early, `group` is not collective); a few are enough for that.
+pub(crate) const MAX_UNKNOWN_GROUPS: usize = 64;
+
 type Rx = Arc<Mutex<mpsc::UnboundedReceiver<Received>>>;
 
 /// The collective queue of one process group on one connection.
 struct Queue {
-    /// `None` once the connection is gone (receivers then drain and see the end).
+    /// `None` once the connection is gone or the queue refused (receivers then drain and
+    /// see the end).
     tx: Option<mpsc::UnboundedSender<Received>>,
     rx: Rx,
+    /// Bytes queued and not yet taken (each frame counted with [`MESSAGE_OVERHEAD`]).
+    queued: Arc<AtomicUsize>,
+    /// Why the group's frames from the peer are refused (they passed the limit).
+    refused: Option<CommError>,
 }
 
 #[derive(Default)]
 struct Queues {
     by_group: HashMap<u64, Queue>,
     closed: bool,
+    /// Groups of the peer's frames this process knew (checked against the endpoint once).
+    known: HashSet<u64>,
+    /// Groups of the peer's frames this process did not know, at most
+    /// [`MAX_UNKNOWN_GROUPS`] (pruned of those it came to know when full).
+    unknown: HashSet<u64>,
 }
 
 impl Queues {
@@ -100,8 +149,32 @@ impl Queues {
             Queue {
                 tx: (!closed).then_some(tx),
                 rx: Arc::new(Mutex::new(rx)),
+                queued: Arc::default(),
+                refused: None,
             }
         })
+    }
+
+    /// Whether frames of `group` are taken from the peer: a group this process knows, or
+    /// one of at most [`MAX_UNKNOWN_GROUPS`] it does not know yet.
+    fn admit(&mut self, ep: &Endpoint, group: u64) -> bool {
+        if self.known.contains(&group) {
+            return true;
+        }
+        if ep.knows(group) {
+            self.unknown.remove(&group);
+            self.known.insert(group);
+            return true;
+        }
+        if self.unknown.contains(&group) {
+            return true;
+        }
+        if self.unknown.len() >= MAX_UNKNOWN_GROUPS {
+            let (known, unknown) = self.unknown.drain().partition(|&g| ep.knows(g));
+            self.known.extend::<HashSet<u64>>(known);
+            self.unknown = unknown;
+        }
+        self.unknown.len() < MAX_UNKNOWN_GROUPS && self.unknown.insert(group)
     }
 }
 
@@ -129,36 +202,85 @@ impl Inbound {
         self.queues.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Routes one received frame to where it is waited for.
-    fn dispatch(&self, ep: &Endpoint, header: FrameHeader, payload: PoolBuf) {
+    /// Routes one received frame to where it is waited for. Fails (the connection must
+    /// close) for a frame of one group too many that this process does not know.
+    fn dispatch(
+        &self,
+        ep: &Endpoint,
+        header: FrameHeader,
+        payload: PoolBuf,
+    ) -> Result<(), CommError> {
         let bytes = (HEADER_LEN + header.len as usize) as u64;
         ep.stats.bytes_received.fetch_add(bytes, Ordering::Relaxed);
         self.received.increment(bytes);
         ep.stats.frames_received.fetch_add(1, Ordering::Relaxed);
-        match header.channel {
-            channel::CONTROL => {
-                if let Ok(Ctrl::Abort { reason }) = Ctrl::decode(&payload) {
-                    tracing::warn!(peer = self.rank, %reason, "peer aborted");
-                    ep.abort.send_if_modified(|slot| {
-                        let first = slot.is_none();
-                        if first {
-                            *slot = Some((self.rank, reason));
-                        }
-                        first
-                    });
-                }
+        if header.channel == channel::CONTROL {
+            if let Ok(Ctrl::Abort { reason }) = Ctrl::decode(&payload) {
+                tracing::warn!(peer = self.rank, %reason, "peer aborted");
+                ep.abort.send_if_modified(|slot| {
+                    let first = slot.is_none();
+                    if first {
+                        *slot = Some((self.rank, reason));
+                    }
+                    first
+                });
             }
-            channel::P2P => {
-                ep.mailbox
-                    .deliver(header.group, self.rank, header.tag, payload.into_vec());
+            return Ok(());
+        }
+        let mut q = self.queues();
+        if !q.admit(ep, header.group) {
+            return Err(self.unknown_group(header.group));
+        }
+        if header.channel == channel::P2P {
+            drop(q);
+            let (group, tag) = (header.group, header.tag);
+            if let Err(e) = ep
+                .mailbox
+                .deliver(group, self.rank, tag, payload.into_vec())
+            {
+                tracing::debug!(peer = self.rank, error = %e, "point-to-point message refused");
             }
-            _ => {
-                let mut q = self.queues();
-                if let Some(tx) = &q.get(header.group).tx {
-                    // A closed receiver only means nobody listens to that group any more.
-                    let _ = tx.send(Received { header, payload });
-                }
-            }
+            return Ok(());
+        }
+        let limit = ep.max_queued_bytes;
+        let queue = q.get(header.group);
+        let Some(tx) = &queue.tx else {
+            return Ok(());
+        };
+        let cost = payload.len().saturating_add(MESSAGE_OVERHEAD);
+        if queue.queued.fetch_add(cost, Ordering::Relaxed) + cost > limit {
+            let e = self.overflow(header.group, limit);
+            tracing::error!(peer = self.rank, error = %e, "a group's frames refused");
+            queue.tx = None;
+            queue.refused = Some(e);
+            return Ok(());
+        }
+        // A closed receiver only means nobody listens to that group any more.
+        let _ = tx.send(Received { header, payload });
+        Ok(())
+    }
+
+    /// The error for a frame of a group unknown here, past [`MAX_UNKNOWN_GROUPS`].
+    fn unknown_group(&self, group: u64) -> CommError {
+        CommError::Protocol {
+            peer: self.rank,
+            detail: format!(
+                "sent a frame of group {group:016x}, which this process does not have, while \
+                 frames of {MAX_UNKNOWN_GROUPS} other groups it does not have were held; its \
+                 connection is closed"
+            ),
+        }
+    }
+
+    /// The error for collective frames of `group` past the limit.
+    fn overflow(&self, group: u64, limit: usize) -> CommError {
+        CommError::Protocol {
+            peer: self.rank,
+            detail: format!(
+                "queued more than {limit} bytes of collective frames of group {group:016x} \
+                 that no collective here took; its frames of that group are refused (the \
+                 limit is CommConfig::max_queued_bytes)"
+            ),
         }
     }
 
@@ -177,12 +299,29 @@ impl Inbound {
             .peer_lost(self.rank, self.lost_error("point-to-point receive"));
     }
 
-    /// The next collective frame of `group`, or `None` once the connection is gone and the
-    /// queue drained.
+    /// The next collective frame of `group`, or `None` once the connection is gone (or the
+    /// group's queue refused) and the queue drained.
     async fn recv(&self, group: u64) -> Option<Received> {
-        let rx = self.queues().get(group).rx.clone();
+        let (rx, queued) = {
+            let mut q = self.queues();
+            let queue = q.get(group);
+            (queue.rx.clone(), queue.queued.clone())
+        };
         let mut rx = rx.lock().await;
-        rx.recv().await
+        let f = rx.recv().await?;
+        let cost = f.payload.len().saturating_add(MESSAGE_OVERHEAD);
+        queued.fetch_sub(cost, Ordering::Relaxed);
+        Some(f)
+    }
+
+    /// Why `group`'s queue ended during `op`: its frames refused, or the connection lost.
+    fn group_lost_error(&self, group: u64, op: &str) -> CommError {
+        let refused = self
+            .queues()
+            .by_group
+            .get(&group)
+            .and_then(|q| q.refused.clone());
+        refused.unwrap_or_else(|| self.lost_error(op))
     }
 
     fn lost_error(&self, op: &str) -> CommError {
@@ -395,7 +534,13 @@ impl Conn {
                 }
                 let mut buf = pool.take();
                 buf.vec_mut().extend_from_slice(payload);
-                at_peer.dispatch(peer, header, buf);
+                if let Err(e) = at_peer.dispatch(peer, header, buf) {
+                    at_peer.close(peer, Lost::Invalid(e));
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::BrokenPipe,
+                        "the peer refused a frame and closed the connection",
+                    ));
+                }
                 payload.len()
             }
             Outbound::Tcp {
@@ -470,6 +615,12 @@ impl Conn {
         self.inbound.lost_error(op)
     }
 
+    /// The error to report when `group`'s queue ended while waiting during `op`: the
+    /// group's frames were refused, or the connection is lost.
+    pub(crate) fn group_lost_error(&self, group: u64, op: &str) -> CommError {
+        self.inbound.group_lost_error(group, op)
+    }
+
     /// The error for a failed send during `op`.
     pub(crate) fn send_error(&self, op: &str, e: &std::io::Error) -> CommError {
         match self.inbound.lost.get() {
@@ -530,7 +681,9 @@ async fn reader_loop(
             Ok(Err(e)) => break Lost::Invalid(e),
             Ok(Ok(())) => {}
         }
-        inbound.dispatch(&ep, header, buf);
+        if let Err(e) = inbound.dispatch(&ep, header, buf) {
+            break Lost::Invalid(e);
+        }
     };
     tracing::debug!(peer = %name, reason = ?why, "connection reader stopped");
     inbound.close(&ep, why);

@@ -45,10 +45,13 @@
 //! # Ok::<(), flotilla_comm::CommError>(())
 //! ```
 #![warn(missing_docs)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod auth;
 mod buf;
 mod collectives;
+#[cfg(test)]
+mod collectives_tests;
 mod comm;
 mod config;
 mod conn;

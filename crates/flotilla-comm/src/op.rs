@@ -134,7 +134,7 @@ impl<'a> OpCtx<'a> {
             if let Some((by, reason)) = abort.borrow().clone() {
                 return Err(CommError::Aborted { by, reason });
             }
-            return Err(conn.lost_error(&self.describe()));
+            return Err(conn.group_lost_error(self.g.key, &self.describe()));
         };
         let h = &f.header;
         let len_ok = len.is_none_or(|l| f.payload.len() == l);

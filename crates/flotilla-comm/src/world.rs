@@ -217,6 +217,8 @@ impl GroupState {
     /// The state of a group of `members` (world ranks) with key `key`.
     pub(crate) fn new(world: Arc<World>, key: u64, members: Members) -> Arc<Self> {
         let shm = world.uses_shm(members.world_ranks()).then(OnceLock::new);
+        // Peers' frames of the group are taken from now on, however many.
+        world.ep.add_group(key);
         Arc::new(Self {
             shm,
             world,

@@ -204,6 +204,14 @@ fn optimizer_state_round_trips(opt: &OptimizerSpec) {
     let mut a = trained(5);
     let state = a.optimizer_state().expect("state");
     assert!(!state.is_empty());
+    // What a receiver of a broadcast state allows (`optimizer_state_bound`) holds it, with
+    // the moments counted alone (without the bound's allowance for the file).
+    let moments = crate::optimizer_state_bound(a.layout()) - (1 << 20);
+    assert!(
+        state.len() <= moments,
+        "{opt:?}: a state of {} bytes, bound {moments}",
+        state.len()
+    );
     // A second engine with other weights takes a's weights and optimizer state: the next
     // step must then be identical.
     let mut c = engine("mlp", 6, opt);

@@ -71,7 +71,9 @@ pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use profile::profile;
 pub use reshard::{FlatOptimizerState, StatePart};
-pub use shard_optim::{ShardOptimizer, ShardPiece, optimizer_state_bytes, shard_pieces};
+pub use shard_optim::{
+    ShardOptimizer, ShardPiece, optimizer_state_bound, optimizer_state_bytes, shard_pieces,
+};
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
 pub use weights::ModelState;

@@ -204,6 +204,20 @@ impl ShardOptimizer {
     }
 }
 
+/// The most bytes an optimizer state of a model of `layout` takes in burn's burnpack format
+/// (what [`crate::ModelState::optimizer_state`] writes): per parameter tensor, up to four
+/// state tensors of its `f32` values (Adam keeps two moments), each with its 256-byte
+/// alignment and metadata, plus the file's own. A receiver bounds a broadcast state by it,
+/// so that a peer's word cannot make it allocate more.
+pub fn optimizer_state_bound(layout: &crate::ParamLayout) -> usize {
+    const STATES_PER_PARAM: usize = 4;
+    const PER_TENSOR: usize = 1024;
+    const FILE: usize = 1 << 20;
+    layout.params.iter().fold(FILE, |total, p| {
+        total.saturating_add(STATES_PER_PARAM.saturating_mul(p.len.saturating_mul(4) + PER_TENSOR))
+    })
+}
+
 /// Bytes of tensor values held in an optimizer state written by
 /// [`crate::ModelState::optimizer_state`] or [`ShardOptimizer::state`] (momenta, moments;
 /// not the format's headers): what the optimizer keeps in memory.

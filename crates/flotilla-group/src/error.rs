@@ -49,33 +49,50 @@ impl fmt::Display for PeerName {
     }
 }
 
-/// `; refused meanwhile: a; b` (the last few), or nothing.
-fn refused_note(refused: &[String]) -> String {
+/// `; refused meanwhile: a; b` (the last few, after `N earlier`), or nothing.
+fn refused_note(refused: &[String], earlier: usize) -> String {
     const SHOWN: usize = 5;
     if refused.is_empty() {
         return String::new();
     }
-    let skip = refused.len().saturating_sub(SHOWN);
+    let shown_from = refused.len().saturating_sub(SHOWN);
+    let skip = shown_from + earlier;
     let more = if skip > 0 {
         format!("{skip} earlier, then ")
     } else {
         String::new()
     };
-    format!("; refused meanwhile: {more}{}", refused[skip..].join("; "))
+    format!(
+        "; refused meanwhile: {more}{}",
+        refused[shown_from..].join("; ")
+    )
+}
+
+/// Rank 0's config hash, or what a refused peer is told instead.
+fn hash_note(expected: &Option<u64>) -> String {
+    match expected {
+        Some(h) => format!("{h:#018x}"),
+        None => "another one".to_string(),
+    }
 }
 
 /// Why a rendezvous failed. Rank 0 sends this to the offending rank (and to every other
-/// connected rank), so all sides report the same error.
+/// connected rank), so all sides report the same error (but for what only the job may
+/// know: [`RendezvousError::redacted`]).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
 #[non_exhaustive]
 pub enum RendezvousError {
     /// The peer's model/training config hash differs from rank 0's.
-    #[error("{peer} has config hash {got:#018x} but rank 0 has {expected:#018x}")]
+    #[error(
+        "{peer} has config hash {got:#018x} but rank 0 has {}",
+        hash_note(expected)
+    )]
     ConfigHashMismatch {
         /// The offending peer.
         peer: PeerName,
-        /// Rank 0's hash.
-        expected: u64,
+        /// Rank 0's hash; `None` in what a refused peer is told
+        /// ([`RendezvousError::redacted`]).
+        expected: Option<u64>,
         /// The peer's hash.
         got: u64,
     },
@@ -169,7 +186,7 @@ pub enum RendezvousError {
     /// Not every rank joined within `join_timeout`.
     #[error(
         "rendezvous timed out after {after:?}: rank(s) {missing} never joined ({present} of {world_size} present){}",
-        refused_note(refused)
+        refused_note(refused, *refused_earlier)
     )]
     JoinTimeout {
         /// The configured join timeout.
@@ -182,8 +199,13 @@ pub enum RendezvousError {
         world_size: usize,
         /// Join requests refused meanwhile (failed authentication, wrong config, world size, a
         /// duplicate rank;
-        /// connections that were no Flotilla rank), each with its reason, oldest first.
+        /// connections that were no Flotilla rank), each with its reason, oldest first: the
+        /// last few only.
         refused: Vec<String>,
+        /// How many were refused before those of `refused` (not kept, so that a flood of
+        /// strangers costs rank 0 no memory).
+        #[serde(default)]
+        refused_earlier: usize,
     },
     /// Rank 0 gave up on the rendezvous for a reason not tied to the receiving rank.
     #[error("rank 0 aborted the rendezvous: {reason}")]
@@ -199,6 +221,24 @@ pub enum RendezvousError {
         /// Its error.
         reason: String,
     },
+}
+
+impl RendezvousError {
+    /// The error as a refused peer is told it: without what only the job knows (rank 0's
+    /// config hash, which would let a stranger learn the job's configuration). Rank 0 logs
+    /// the full error itself.
+    pub fn redacted(&self) -> RendezvousError {
+        match self {
+            RendezvousError::ConfigHashMismatch { peer, got, .. } => {
+                RendezvousError::ConfigHashMismatch {
+                    peer: peer.clone(),
+                    expected: None,
+                    got: *got,
+                }
+            }
+            other => other.clone(),
+        }
+    }
 }
 
 /// Errors returned by the communication layer.

@@ -147,7 +147,18 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     fn broadcast_f32(&self, buf: &mut [f32], root: usize) -> Result<(), CommError>;
 
     /// Replaces every member's `buf` with `root`'s bytes (lengths may differ before).
-    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError>;
+    ///
+    /// `max_len` is the caller's bound on the length (every member passes the same): a
+    /// broadcast of more bytes fails on every member with an error naming the root, before
+    /// a byte of it is allocated, so a peer's word never makes this process allocate more
+    /// than the caller allows. Non-root members grow `buf` as the bytes arrive (never
+    /// beyond the root's length), not ahead of them.
+    fn broadcast_bytes(
+        &self,
+        buf: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError>;
 
     /// Gathers one byte string from every member; element `i` is rank `i`'s.
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError>;

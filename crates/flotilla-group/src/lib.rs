@@ -44,7 +44,7 @@ mod tls_error;
 pub use cycle::{CycleConfig, CycleReducer, CycleStats, WeightHistory};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
-pub use mailbox::{Mailbox, Taken};
+pub use mailbox::{DEFAULT_MAX_QUEUED_BYTES, MESSAGE_OVERHEAD, Mailbox, Taken};
 pub use members::Members;
 pub use pending::{Pending, PendingAllReduce, PendingSender};
 pub use shard::{segment, segments, shard};

@@ -136,7 +136,7 @@ impl MpiGroup {
             None => Ok(()),
             Some(r) => Err(RendezvousError::ConfigHashMismatch {
                 peer: PeerName::ranked(self.world_rank(r), "mpi"),
-                expected,
+                expected: Some(expected),
                 got: all[r],
             }
             .into()),
@@ -217,9 +217,15 @@ impl ProcessGroup for MpiGroup {
         same_len(buf, v, "broadcast_f32")
     }
 
-    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+    fn broadcast_bytes(
+        &self,
+        buf: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError> {
         self.checked(root, "broadcast_bytes")?;
-        *buf = self.run(Op::BroadcastBytes(std::mem::take(buf), root), Out::bytes)?;
+        let op = Op::BroadcastBytes(std::mem::take(buf), root, max_len);
+        *buf = self.run(op, Out::bytes)?;
         Ok(())
     }
 
@@ -264,8 +270,7 @@ impl ProcessGroup for MpiGroup {
     fn send(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError> {
         self.checked(peer, "send")?;
         if peer == self.g.members.me() {
-            self.g.mailbox.deliver(0, peer, tag, msg.to_vec());
-            return Ok(());
+            return self.g.mailbox.deliver(0, peer, tag, msg.to_vec());
         }
         let wire = wire::encode(tag, msg);
         self.g.comm.send(peer, &wire)?;

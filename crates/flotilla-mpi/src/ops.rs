@@ -12,8 +12,8 @@ pub(crate) enum Op {
     Barrier,
     /// `MPI_Bcast` of `f32`s from a root.
     BroadcastF32(Vec<f32>, usize),
-    /// Length and bytes broadcast from a root.
-    BroadcastBytes(Vec<u8>, usize),
+    /// Length and bytes broadcast from a root, at most `max_len` (the last field) bytes.
+    BroadcastBytes(Vec<u8>, usize, usize),
     /// Byte strings of every member.
     AllGather(Vec<u8>),
     /// `MPI_Allreduce` (sum) of `f32`s.
@@ -141,8 +141,8 @@ pub(crate) fn execute(comm: &MpiComm, op: Op, stats: &Counters) -> Result<Out, C
             let me = comm.rank() == root;
             (Out::F32(v), if me { n } else { 0 }, if me { 0 } else { n })
         }
-        Op::BroadcastBytes(mut v, root) => {
-            comm.broadcast_bytes(&mut v, root)?;
+        Op::BroadcastBytes(mut v, root, max_len) => {
+            comm.broadcast_bytes(&mut v, root, max_len)?;
             let me = comm.rank() == root;
             let n = v.len() + 8;
             (

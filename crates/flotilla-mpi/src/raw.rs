@@ -71,14 +71,28 @@ impl MpiComm {
         Ok(())
     }
 
-    /// `MPI_Bcast` of the length, then of the bytes, from `root`.
-    pub(crate) fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
+    /// `MPI_Bcast` of the length, then of the bytes, from `root`. A length above `max_len`
+    /// fails on every member that passed that `max_len` (the root too, so no member is left
+    /// in the second `MPI_Bcast`), before the bytes are allocated.
+    pub(crate) fn broadcast_bytes(
+        &self,
+        buf: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError> {
+        let root_rank = root;
         let root = self.0.process_at_rank(rank_of(root)?);
         let mut len = buf.len() as u64;
         root.broadcast_into(&mut len);
-        let n = usize::try_from(len).map_err(|_| {
-            CommError::InvalidArgument(format!("broadcast_bytes: {len} bytes do not fit here"))
-        })?;
+        let n = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= max_len)
+            .ok_or_else(|| {
+                CommError::InvalidArgument(format!(
+                    "broadcast_bytes: root {root_rank} broadcasts {len} bytes, more than \
+                     max_len {max_len}"
+                ))
+            })?;
         count(n, "broadcast_bytes")?;
         buf.resize(n, 0);
         // Every member now knows the length; an empty buffer's address would read as

@@ -16,7 +16,12 @@ impl Served for GroupState {
             g.rt.stats.add_received(buf.len() as u64);
             let len = buf.len();
             match wire::decode(buf) {
-                Some((tag, msg)) => g.mailbox.deliver(0, from, tag, msg),
+                Some((tag, msg)) => {
+                    // A refusal (the sender passed the mailbox's limit) reaches the receivers.
+                    if let Err(e) = g.mailbox.deliver(0, from, tag, msg) {
+                        tracing::warn!(error = %e, "point-to-point message refused");
+                    }
+                }
                 None => g.mailbox.peer_lost(
                     from,
                     CommError::Protocol {

@@ -80,12 +80,13 @@ impl GroupState {
         members: Members,
         timeout: Duration,
     ) -> Self {
+        let mailbox = flotilla_group::Mailbox::default().naming(members.world_ranks().to_vec());
         Self {
             rt,
             comm,
             members,
             timeout,
-            mailbox: flotilla_group::Mailbox::default(),
+            mailbox,
             queue: Mutex::new(Queue::default()),
             derived: Mutex::new(HashMap::new()),
         }

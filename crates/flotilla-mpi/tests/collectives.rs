@@ -137,7 +137,9 @@ fn broadcasts_and_gathers(world: &dyn ProcessGroup) {
     world.broadcast_f32(&mut f, 2).expect("broadcast_f32");
     assert_eq!(f, vec![2.0; 5]);
     let mut b = vec![7u8; me * 3];
-    world.broadcast_bytes(&mut b, 1).expect("broadcast_bytes");
+    world
+        .broadcast_bytes(&mut b, 1, 3)
+        .expect("broadcast_bytes");
     assert_eq!(b, vec![7u8; 3]);
     let all = world
         .all_gather_bytes(&vec![me as u8; me])
@@ -146,7 +148,7 @@ fn broadcasts_and_gathers(world: &dyn ProcessGroup) {
     // Empty buffers everywhere (an empty slice's address is Open MPI's MPI_IN_PLACE).
     let mut empty = Vec::new();
     world
-        .broadcast_bytes(&mut empty, 0)
+        .broadcast_bytes(&mut empty, 0, 0)
         .expect("empty broadcast");
     assert!(empty.is_empty());
     let all = world.all_gather_bytes(&[]).expect("empty all-gather");

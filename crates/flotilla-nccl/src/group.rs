@@ -78,7 +78,7 @@ impl NcclGroup {
             0 => comm::new_id().map_err(unusable)?,
             _ => Vec::new(),
         };
-        control.broadcast_bytes(&mut id, 0)?;
+        control.broadcast_bytes(&mut id, 0, comm::ID_BYTES)?;
         let (me, n) = (control.rank(), control.size());
         let comm = NcclComm::init(cfg.device, &id, (me, n), cfg.timeout).map_err(unusable)?;
         let world: Vec<usize> = (0..n).map(|r| control.world_rank(r)).collect();
@@ -140,8 +140,13 @@ impl ProcessGroup for NcclGroup {
         self.run(Op::Broadcast(buf.to_vec(), root), buf, "broadcast_f32")
     }
 
-    fn broadcast_bytes(&self, buf: &mut Vec<u8>, root: usize) -> Result<(), CommError> {
-        self.control.broadcast_bytes(buf, root)
+    fn broadcast_bytes(
+        &self,
+        buf: &mut Vec<u8>,
+        root: usize,
+        max_len: usize,
+    ) -> Result<(), CommError> {
+        self.control.broadcast_bytes(buf, root, max_len)
     }
 
     fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, CommError> {

@@ -1,7 +1,9 @@
 //! The authentication handshake of [`crate::auth`] on a connection: the connecting side
 //! ([`initiate`]) and the accepting side ([`accept_first`]), each bounded by
 //! [`AUTH_DEADLINE`]. Until a peer has authenticated, its frames are read with the small
-//! [`PREAUTH_MAX_FRAME_BYTES`] limit, so a stranger can make this process allocate no more.
+//! [`PREAUTH_MAX_FRAME_BYTES`] limit, so a stranger can make this process allocate no more,
+//! and within the authentication deadline (its first frame too), so a silent stranger holds
+//! a connection no longer.
 
 use std::time::Duration;
 
@@ -60,21 +62,29 @@ pub(super) async fn read_first<R: AsyncRead + Unpin>(
     Ctrl::decode(&payload).map_err(bad)
 }
 
+/// When a connection accepted now must have authenticated (without a secret: sent its first
+/// message): [`AUTH_DEADLINE`] from now, or `deadline` when nearer.
+pub(super) fn auth_deadline(deadline: Instant) -> Instant {
+    deadline.min(Instant::now() + AUTH_DEADLINE)
+}
+
 /// The accepting side: reads the first message of a connection and, with a `secret`, runs
 /// the handshake first (a peer that skips it is told and refused), then returns the first
-/// message after it. `Err(None)`: closed or silent before sending anything.
+/// message after it. The first frame and the handshake must come by `auth_by` (see
+/// [`auth_deadline`]), the message after the handshake by `deadline`. `Err(None)`: closed
+/// or silent before sending anything.
 pub(super) async fn accept_first<S: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut S,
     secret: Option<&Secret>,
     purpose: Purpose,
     peer: &PeerName,
-    deadline: Instant,
+    (auth_by, deadline): (Instant, Instant),
 ) -> Result<Ctrl, Option<CommError>> {
-    let first = read_first(stream, peer, deadline).await?;
+    let first = read_first(stream, peer, auth_by).await?;
     let Some(secret) = secret else {
         return Ok(first);
     };
-    respond(stream, secret, purpose, first, peer, deadline)
+    respond(stream, secret, purpose, first, peer, auth_by)
         .await
         .map_err(Some)?;
     read_first(stream, peer, deadline).await
@@ -220,7 +230,7 @@ mod tests {
             }
             r
         };
-        let accept = accept_first(&mut y, b.as_ref(), p, &peer, deadline);
+        let accept = accept_first(&mut y, b.as_ref(), p, &peer, (deadline, deadline));
         tokio::join!(connect, accept)
     }
 
@@ -278,7 +288,7 @@ mod tests {
             Some(&s),
             Purpose::Rendezvous,
             &peer,
-            deadline,
+            (deadline, deadline),
         ));
         assert!(matches!(r, Err(None)), "{r:?}");
         assert!(t.elapsed() < Duration::from_secs(2));

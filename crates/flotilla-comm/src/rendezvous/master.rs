@@ -9,6 +9,8 @@ use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep, sleep_until, timeout_at};
 
 use super::authn;
+use super::inflight::InFlight;
+use super::refusals::Refusals;
 use super::secure;
 use super::{recv_ctrl, reject, send_ctrl};
 use flotilla_group::{CommError, PeerName, RendezvousError};
@@ -73,25 +75,20 @@ struct Admission<'a> {
     cfg: &'a CommConfig,
     slots: Vec<Option<Member>>,
     anon: Vec<Member>,
-    tx: mpsc::UnboundedSender<Arrival>,
-    rx: mpsc::UnboundedReceiver<Arrival>,
-    /// Accepted connections whose join request is still being read.
-    in_flight: usize,
-    /// Connections refused so far, with the reason (named in a join timeout).
-    refused: Vec<String>,
+    /// Accepted connections whose join request is still being read (a bounded number).
+    in_flight: InFlight<Arrival>,
+    /// Connections refused so far, with the reason (named in a join timeout; the last few).
+    refused: Refusals,
 }
 
 impl<'a> Admission<'a> {
     fn new(cfg: &'a CommConfig) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
         Self {
             cfg,
             slots: (0..cfg.world_size).map(|_| None).collect(),
             anon: Vec::new(),
-            tx,
-            rx,
-            in_flight: 0,
-            refused: Vec::new(),
+            in_flight: InFlight::new(cfg.world_size),
+            refused: Refusals::default(),
         }
     }
 
@@ -111,8 +108,7 @@ impl<'a> Admission<'a> {
                         sleep(Duration::from_millis(20)).await;
                     }
                 },
-                Some((stream, addr, res)) = self.rx.recv() => {
-                    self.in_flight -= 1;
+                Some((stream, addr, res)) = self.in_flight.next() => {
                     if let Some(f) = self.on_arrival(stream, addr, res).await {
                         return Some(f);
                     }
@@ -124,24 +120,27 @@ impl<'a> Admission<'a> {
     }
 
     /// Secures (with TLS) and authenticates (with a secret) an accepted connection and reads
-    /// its first message, on a task of its own.
+    /// its first message, on a task of its own (at the cap of connections being read, the
+    /// oldest is dropped first: see [`InFlight`]).
     fn read_join(&mut self, stream: TcpStream, addr: SocketAddr) {
-        self.in_flight += 1;
         let _ = stream.set_nodelay(true);
-        let (tx, secret, tls) = (
-            self.tx.clone(),
-            self.cfg.secret.clone(),
-            self.cfg.tls.clone(),
-        );
+        let (secret, tls) = (self.cfg.secret.clone(), self.cfg.tls.clone());
         let deadline = Instant::now() + self.cfg.timeout;
-        tokio::spawn(async move {
+        let read = async move {
             let peer = PeerName::unranked(addr.to_string());
             let p = Purpose::Rendezvous;
             let (stream, res) =
                 secure::accept_first(stream, tls.as_ref(), secret.as_ref(), p, &peer, deadline)
                     .await;
-            let _ = tx.send((stream, addr, res));
-        });
+            (stream, addr, res)
+        };
+        if let Some(dropped) = self.in_flight.start(addr, read) {
+            let cap = self.in_flight.cap();
+            self.refuse(format!(
+                "a connection from {dropped}: dropped before it joined, the oldest of more \
+                 than {cap} being read at once"
+            ));
+        }
     }
 
     /// Logs and remembers a refused connection; the rendezvous goes on waiting for the real
@@ -149,6 +148,13 @@ impl<'a> Admission<'a> {
     fn refuse(&mut self, why: String) {
         tracing::warn!("rendezvous: refused {why}; still waiting for the job's ranks");
         self.refused.push(why);
+    }
+
+    /// [`Admission::refuse`] of a join that failed its checks: the full reason in rank 0's
+    /// log, what the peer was told ([`RendezvousError::redacted`]) in the list.
+    fn refuse_join(&mut self, re: &RendezvousError) {
+        tracing::warn!("rendezvous: refused a join: {re}; still waiting for the job's ranks");
+        self.refused.push(format!("a join: {}", re.redacted()));
     }
 
     /// Admits a valid join. Anything else is refused (a join that fails its checks is told
@@ -208,7 +214,7 @@ impl<'a> Admission<'a> {
         let check = self.check(peer, protocol, rank, world_size, config_hash);
         if let Err(re) = check {
             reject(&mut stream, &re).await;
-            self.refuse(format!("a join: {re}"));
+            self.refuse_join(&re);
             return None;
         }
         tracing::debug!(?rank, %addr, "rank joined");
@@ -260,28 +266,31 @@ impl<'a> Admission<'a> {
             .collect();
         // Unranked joiners will take the lowest free slots; the rest are missing.
         let missing = missing[self.anon.len().min(missing.len())..].join(", ");
+        let (refused, refused_earlier) = self.refused.parts();
         let re = RendezvousError::JoinTimeout {
             after: self.cfg.join_timeout,
             missing,
             present: 1 + self.joined(),
             world_size: self.cfg.world_size,
-            refused: self.refused.clone(),
+            refused,
+            refused_earlier,
         };
         (re.clone().into(), re)
     }
 
-    /// Tells every admitted process, and those accepted but not yet admitted, of `re`.
+    /// Tells every admitted process, and those accepted but not yet admitted whose join
+    /// arrives within a second (after authentication, with a secret), of `re`.
     async fn fail(&mut self, re: &RendezvousError) {
         for m in self.slots.iter_mut().flatten().chain(self.anon.iter_mut()) {
             reject(&mut m.stream, re).await;
         }
         let drain_deadline = Instant::now() + Duration::from_secs(1);
-        while self.in_flight > 0 {
-            let Ok(Some((stream, _, _))) = timeout_at(drain_deadline, self.rx.recv()).await else {
+        while self.in_flight.len() > 0 {
+            let Ok(Some(arrival)) = timeout_at(drain_deadline, self.in_flight.next()).await else {
                 break;
             };
-            self.in_flight -= 1;
-            if let Some(mut stream) = stream {
+            // Anything else is no rank of this job and learns nothing of it.
+            if let (Some(mut stream), _, Ok(Ctrl::Join { .. })) = arrival {
                 reject(&mut stream, re).await;
             }
         }
@@ -445,7 +454,7 @@ pub(super) fn check_join(
     } else if config_hash != cfg.config_hash {
         Err(RendezvousError::ConfigHashMismatch {
             peer,
-            expected: cfg.config_hash,
+            expected: Some(cfg.config_hash),
             got: config_hash,
         })
     } else {
@@ -532,5 +541,107 @@ fn linger(listener: TcpListener, re: RendezvousError, grace: Duration) {
         });
     if let Err(e) = spawned {
         tracing::debug!(error = %e, "could not start the rendezvous linger thread");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::SocketAddr;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::super::client;
+    use super::super::inflight::SPARE;
+    use super::super::refusals::KEPT;
+    use super::*;
+    use crate::secret::Secret;
+
+    fn rt() -> tokio::runtime::Runtime {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime")
+    }
+
+    /// Rank `rank` of a world of 2 whose rank 0 listens at `addr`.
+    fn cfg(rank: usize, addr: SocketAddr, join: Duration) -> CommConfig {
+        CommConfig::new(Some(rank), 2)
+            .with_master("127.0.0.1", addr.port())
+            .with_join_timeout(join)
+            .with_secret(Some(
+                Secret::new(b"test-secret-0123456789".to_vec()).expect("secret"),
+            ))
+    }
+
+    /// Whether rank 0 closes `s` within `within` (a read sees the end or a reset).
+    async fn closed_within(s: &mut TcpStream, within: Duration) -> bool {
+        let mut b = [0u8; 64];
+        matches!(
+            tokio::time::timeout(within, s.read(&mut b)).await,
+            Ok(Ok(0) | Err(_))
+        )
+    }
+
+    /// Ten more silent strangers than rank 0 reads at once: the ten oldest are closed at
+    /// once (not at the authentication deadline), the others stay; then the rank joins
+    /// with the cap full of strangers.
+    #[test]
+    fn strangers_past_the_cap_push_out_the_oldest_and_the_rank_still_joins() {
+        rt().block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = l.local_addr().expect("addr");
+            let c0 = cfg(0, addr, Duration::from_secs(20));
+            let rank0 = tokio::spawn(async move { master(&c0, l).await });
+            let cap = 2 + SPARE;
+            let mut strangers = Vec::new();
+            for _ in 0..cap + 10 {
+                strangers.push(TcpStream::connect(addr).await.expect("connect"));
+            }
+            for (i, s) in strangers[..10].iter_mut().enumerate() {
+                let closed = closed_within(s, Duration::from_secs(3)).await;
+                assert!(closed, "stranger {i} of {} still held", cap + 10);
+            }
+            let newer = closed_within(&mut strangers[10], Duration::from_millis(200)).await;
+            assert!(!newer, "a stranger within the cap was dropped");
+            let c1 = cfg(1, addr, Duration::from_secs(20));
+            let mesh1 = client::client(&c1).await.expect("rank 1 joins");
+            let mesh0 = rank0.await.expect("task").expect("rank 0");
+            assert_eq!((mesh0.rank, mesh1.rank), (0, 1));
+        });
+    }
+
+    /// 1500 strangers sending garbage, each refused: rank 0's join timeout names the last
+    /// few and counts the others, instead of holding every reason.
+    #[test]
+    fn thousands_of_refused_strangers_keep_the_list_bounded() {
+        const N: usize = 1500;
+        let e = rt().block_on(async {
+            let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let addr = l.local_addr().expect("addr");
+            let c0 = cfg(0, addr, Duration::from_secs(6));
+            let rank0 = tokio::spawn(async move { master(&c0, l).await });
+            for i in 0..N {
+                let mut s = TcpStream::connect(addr).await.expect("connect");
+                s.write_all(&[0xAB; 64]).await.expect("garbage");
+                let closed = closed_within(&mut s, Duration::from_secs(5)).await;
+                assert!(closed, "stranger {i} not refused");
+            }
+            match rank0.await.expect("task") {
+                Ok(_) => panic!("rank 0 formed a world without rank 1"),
+                Err(e) => e,
+            }
+        });
+        let CommError::Rendezvous(RendezvousError::JoinTimeout {
+            refused,
+            refused_earlier,
+            ..
+        }) = &e
+        else {
+            panic!("{e}");
+        };
+        assert!(refused.len() <= KEPT, "{} reasons kept", refused.len());
+        assert_eq!(refused.len() + refused_earlier, N, "{e}");
+        assert!(e.to_string().contains("earlier, then"), "{e}");
     }
 }

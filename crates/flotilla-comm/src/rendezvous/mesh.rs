@@ -9,6 +9,8 @@ use std::time::Duration;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::time::{Instant, sleep, timeout_at};
 
+use super::inflight::InFlight;
+use super::refusals::Refusals;
 use super::{authn, recv_ctrl, secure, send_ctrl};
 use flotilla_group::{CommError, PeerName};
 
@@ -133,7 +135,7 @@ async fn connect_lower(
 /// Accepts the connections of ranks `rank+1..n`; a connection that is not one of them (failed
 /// authentication, wrong session, rank or a duplicate, garbage, or silence) is logged and
 /// dropped (and named if the deadline passes). Handshakes are read concurrently, so a silent
-/// stranger holding a connection open delays nobody.
+/// stranger holding a connection open delays nobody (nor do many: see [`InFlight`]).
 async fn accept_higher(
     cfg: &CommConfig,
     rank: usize,
@@ -144,8 +146,8 @@ async fn accept_higher(
 ) -> Result<Vec<Option<Stream>>, CommError> {
     let mut got: Vec<Option<Stream>> = (0..n).map(|_| None).collect();
     let mut missing = n - rank - 1;
-    let mut reading = tokio::task::JoinSet::new();
-    let mut refused: Vec<String> = Vec::new();
+    let mut reading = InFlight::new(missing);
+    let mut refused = Refusals::default();
     let purpose = Purpose::Mesh {
         session,
         acceptor: rank,
@@ -155,14 +157,16 @@ async fn accept_higher(
             acc = timeout_at(deadline, listener.accept()) => match acc {
                 Ok(Ok((stream, addr))) => {
                     let (secret, tls) = (cfg.secret.clone(), cfg.tls.clone());
-                    reading.spawn(async move {
-                        read_hello(stream, addr, tls, secret, purpose, deadline).await
-                    });
+                    let read = read_hello(stream, addr, tls, secret, purpose, deadline);
+                    if let Some(dropped) = reading.start(addr, read) {
+                        tracing::warn!(%dropped, "dropped a mesh connection still unread: too many at once");
+                        refused.push(format!("a connection from {dropped}, dropped unread: more than {} at once", reading.cap()));
+                    }
                 }
                 Ok(Err(e)) => return Err(CommError::io("mesh accept failed", e)),
                 Err(_) => return Err(never_connected(cfg, rank, &got, &refused)),
             },
-            Some(Ok((stream, addr, hello))) = reading.join_next() => match (stream, hello) {
+            Some((stream, addr, hello)) = reading.next() => match (stream, hello) {
                 (Some(mut stream), Ok(Ctrl::Hello { session: s, from, to }))
                     if s == session && to == rank && from > rank && from < n && got[from].is_none() =>
                 {
@@ -213,7 +217,7 @@ fn never_connected(
     cfg: &CommConfig,
     rank: usize,
     got: &[Option<Stream>],
-    refused: &[String],
+    refused: &Refusals,
 ) -> CommError {
     let absent: Vec<usize> = (rank + 1..got.len())
         .filter(|&j| got[j].is_none())
@@ -224,11 +228,7 @@ fn never_connected(
         op: format!(
             "mesh handshake (rank(s) {} never connected to rank {rank}{})",
             list.join(", "),
-            if refused.is_empty() {
-                String::new()
-            } else {
-                format!("; refused meanwhile: {}", refused.join("; "))
-            }
+            refused.note()
         ),
         after: cfg.timeout,
     }

@@ -32,8 +32,10 @@
 
 mod authn;
 mod client;
+mod inflight;
 mod master;
 mod mesh;
+mod refusals;
 pub(crate) mod rejoin;
 mod secure;
 
@@ -170,11 +172,12 @@ async fn recv_ctrl<R: tokio::io::AsyncRead + Unpin>(
     })
 }
 
-/// Best-effort delivery of a rejection (bounded by one second).
+/// Best-effort delivery of a rejection (bounded by one second), without what only the job
+/// knows ([`RendezvousError::redacted`]: a refused peer learns nothing of the job).
 async fn reject<W: tokio::io::AsyncWrite + Unpin>(w: &mut W, e: &RendezvousError) {
     let _ = tokio::time::timeout(
         Duration::from_secs(1),
-        send_ctrl(w, &Ctrl::Reject(e.clone())),
+        send_ctrl(w, &Ctrl::Reject(e.redacted())),
     )
     .await;
 }

@@ -22,6 +22,7 @@ use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::time::{Instant, timeout_at};
 
+use super::inflight::InFlight;
 use super::master::check_join;
 use super::mesh::peer_address;
 use super::{Mesh, Rejoins, authn, client, recv_ctrl, reject, secure, send_ctrl};
@@ -133,70 +134,99 @@ async fn ask(
 }
 
 /// The accepting side, for the whole run: admits replacements of lost ranks on the kept
-/// listener into `world` (ends when the world is gone).
+/// listener into `world` (ends when the world is gone). Connections are read concurrently,
+/// a bounded number at a time ([`InFlight`]: past it the oldest is dropped).
 pub(crate) async fn serve(rejoins: Rejoins, world: Weak<World>, opts: ConnOpts) {
-    let Rejoins {
-        listener,
-        session,
-        peers,
-    } = rejoins;
+    let Some(n) = world.upgrade().map(|w| w.cfg.world_size) else {
+        return;
+    };
+    let mut reading = InFlight::new(n);
     loop {
-        let (tcp, addr) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "rejoin: accept failed");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
+        let (tcp, addr) = tokio::select! {
+            acc = rejoins.listener.accept() => match acc {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!(error = %e, "rejoin: accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    continue;
+                }
+            },
+            Some(()) = reading.next() => continue,
         };
         let Some(w) = world.upgrade() else { return };
         let (cfg, me) = (w.cfg.clone(), w.rank);
         drop(w);
-        let (world, peers) = (world.clone(), peers.clone());
-        tokio::spawn(async move {
-            let _ = tcp.set_nodelay(true);
-            let peer = PeerName::unranked(addr.to_string());
-            let deadline = Instant::now() + cfg.timeout;
-            let purpose = if me == 0 {
-                Purpose::Rendezvous
+        let place = Place {
+            world: world.clone(),
+            session: rejoins.session,
+            peers: if me == 0 {
+                rejoins.peers.clone()
             } else {
-                Purpose::Mesh {
-                    session,
-                    acceptor: me,
-                }
-            };
-            let (tls, secret) = (cfg.tls.as_ref(), cfg.secret.as_ref());
-            let (stream, first) =
-                secure::accept_first(tcp, tls, secret, purpose, &peer, deadline).await;
-            let Some(mut stream) = stream else {
-                if let Err(Some(e)) = first {
-                    tracing::warn!(%peer, error = %e, "rejoin: refused a connection");
-                }
-                return;
-            };
-            let rank = match admit(&cfg, &world, &peer, first) {
-                Ok(rank) => rank,
-                Err(Some(re)) => {
-                    reject(&mut stream, &re).await;
-                    tracing::warn!("rejoin: refused {re}; the job goes on");
-                    return;
-                }
-                Err(None) => return,
-            };
-            // Only rank 0 hands out the table (the replacement's other links).
-            let peers = if me == 0 { peers } else { Vec::new() };
-            if send_ctrl(&mut stream, &Ctrl::Rejoined { session, peers })
-                .await
-                .is_err()
-            {
-                return;
-            }
-            let Some(w) = world.upgrade() else { return };
-            let conn = Conn::tcp(stream, rank, opts, w.ep.clone()).for_point_to_point_only();
-            w.revive(rank, Arc::new(conn));
-            tracing::warn!(rank, %addr, "rank rejoined the running job");
-        });
+                Vec::new()
+            },
+            me,
+            opts,
+        };
+        if let Some(dropped) = reading.start(addr, admit_one(cfg, tcp, addr, place)) {
+            tracing::warn!(%dropped, "rejoin: dropped a connection still unread: too many at once");
+        }
     }
+}
+
+/// What a rejoin's connection is admitted into.
+struct Place {
+    world: Weak<World>,
+    session: u64,
+    /// The peer table handed out (rank 0's; empty from others).
+    peers: Vec<String>,
+    /// This rank.
+    me: usize,
+    opts: ConnOpts,
+}
+
+/// Secures and authenticates one connection, checks its `Rejoin` and lets it in.
+async fn admit_one(cfg: CommConfig, tcp: TcpStream, addr: std::net::SocketAddr, place: Place) {
+    let _ = tcp.set_nodelay(true);
+    let peer = PeerName::unranked(addr.to_string());
+    let deadline = Instant::now() + cfg.timeout;
+    let purpose = if place.me == 0 {
+        Purpose::Rendezvous
+    } else {
+        Purpose::Mesh {
+            session: place.session,
+            acceptor: place.me,
+        }
+    };
+    let (tls, secret) = (cfg.tls.as_ref(), cfg.secret.as_ref());
+    let (stream, first) = secure::accept_first(tcp, tls, secret, purpose, &peer, deadline).await;
+    let Some(mut stream) = stream else {
+        if let Err(Some(e)) = first {
+            tracing::warn!(%peer, error = %e, "rejoin: refused a connection");
+        }
+        return;
+    };
+    let rank = match admit(&cfg, &place.world, &peer, first) {
+        Ok(rank) => rank,
+        Err(Some(re)) => {
+            reject(&mut stream, &re).await;
+            tracing::warn!("rejoin: refused {re}; the job goes on");
+            return;
+        }
+        Err(None) => return,
+    };
+    let welcome = Ctrl::Rejoined {
+        session: place.session,
+        peers: place.peers,
+    };
+    if send_ctrl(&mut stream, &welcome).await.is_err() {
+        return;
+    }
+    let Some(w) = place.world.upgrade() else {
+        return;
+    };
+    let conn = Conn::tcp(stream, rank, place.opts, w.ep.clone()).for_point_to_point_only();
+    w.revive(rank, Arc::new(conn));
+    tracing::warn!(rank, %addr, "rank rejoined the running job");
 }
 
 /// Which rank a connection may replace: `Err(Some)` to refuse it with the reason,

@@ -109,9 +109,11 @@ pub(super) async fn connect(
 
 /// The accepting side of a connection, up to its first message: TLS as the server (with
 /// `tls`; a peer without it is refused), then [`authn::accept_first`] (with `secret`).
-/// Returns the stream (`None` only if the connection was lost during the TLS handshake)
-/// and the first message after the handshakes, or why there is none (`Err(None)`: closed or
-/// silent).
+/// Everything before the peer has authenticated (its first byte, TLS, its first frame, the
+/// secret's handshake) must come within [`AUTH_DEADLINE`] of now; the message after the
+/// handshake by `deadline`. Returns the stream (`None` only if the connection was lost
+/// during the TLS handshake) and the first message after the handshakes, or why there is
+/// none (`Err(None)`: closed or silent).
 pub(super) async fn accept_first(
     tcp: TcpStream,
     tls: Option<&TlsConfig>,
@@ -120,11 +122,13 @@ pub(super) async fn accept_first(
     peer: &PeerName,
     deadline: Instant,
 ) -> (Option<Stream>, Result<Ctrl, Option<CommError>>) {
-    let mut stream = match accept(tls, tcp, peer, deadline).await {
+    let auth_by = authn::auth_deadline(deadline);
+    let mut stream = match accept(tls, tcp, peer, auth_by).await {
         Ok(s) => s,
         Err((s, e)) => return (s, Err(e)),
     };
-    let first = authn::accept_first(&mut stream, secret, purpose, peer, deadline).await;
+    let deadlines = (auth_by, deadline);
+    let first = authn::accept_first(&mut stream, secret, purpose, peer, deadlines).await;
     (Some(stream), first)
 }
 
@@ -443,6 +447,40 @@ mod tests {
             assert!(c.contains("does not speak TLS"), "{c}");
         });
         let _ = std::fs::remove_dir_all(dir);
+    }
+
+    /// A stranger that sends nothing, or one byte of a frame and no more, is given up at
+    /// the authentication deadline, not the job's (60 s here): on a paused clock the accept
+    /// ends `AUTH_DEADLINE` after it began.
+    #[test]
+    fn a_silent_stranger_is_dropped_at_the_auth_deadline_not_the_jobs() {
+        let paused = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .expect("runtime");
+        let secret = Secret::new(b"test-secret-0123456789".to_vec()).expect("secret");
+        paused.block_on(async {
+            for sent in [&b""[..], &[frame::MAGIC][..]] {
+                let l = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+                let mut stranger = TcpStream::connect(l.local_addr().expect("addr"))
+                    .await
+                    .expect("connect");
+                stranger.write_all(sent).await.expect("write");
+                let (tcp, from) = l.accept().await.expect("accept");
+                let peer = PeerName::unranked(from.to_string());
+                let start = Instant::now();
+                let job = start + Duration::from_secs(60);
+                let p = Purpose::Rendezvous;
+                let (_, r) = accept_first(tcp, None, Some(&secret), p, &peer, job).await;
+                assert!(matches!(r, Err(None)), "{r:?}");
+                let waited = start.elapsed();
+                assert!(
+                    waited >= AUTH_DEADLINE && waited < AUTH_DEADLINE + Duration::from_secs(1),
+                    "gave a stranger that sent {sent:?} {waited:?}"
+                );
+            }
+        });
     }
 
     /// A silent connection at a TLS listener is given up at the deadline.

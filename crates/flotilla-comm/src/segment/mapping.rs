@@ -127,6 +127,7 @@ pub(crate) struct Segment {
 // SAFETY: the mapping is plain memory; concurrent access goes through the header's atomics
 // and the slot discipline of `ops.rs`.
 unsafe impl Send for Segment {}
+// SAFETY: as for `Send`: shared access is through atomics and the slot discipline.
 unsafe impl Sync for Segment {}
 
 impl Segment {
@@ -228,14 +229,23 @@ impl Segment {
     }
 
     fn u64_at(&self, off: usize) -> &AtomicU64 {
-        // SAFETY: `off` is an aligned offset inside the header; the mapping is page-aligned
-        // and lives as long as `self`.
+        // Checked in release builds too (once per call).
+        assert!(
+            off.is_multiple_of(8) && off + 8 <= header_bytes(self.n),
+            "segment header word at {off} outside the header"
+        );
+        // SAFETY: `off` is an aligned offset inside the header (checked above); the mapping
+        // is page-aligned and lives as long as `self`.
         unsafe { &*self.map.as_mut_ptr().add(off).cast::<AtomicU64>() }
     }
 
     /// The header word at `off` (one of the constants above).
     pub(super) fn word(&self, off: usize) -> &AtomicU32 {
-        // SAFETY: as `u64_at`.
+        assert!(
+            off.is_multiple_of(4) && off + 4 <= header_bytes(self.n),
+            "segment header word at {off} outside the header"
+        );
+        // SAFETY: as `u64_at` (checked above).
         unsafe { &*self.map.as_mut_ptr().add(off).cast::<AtomicU32>() }
     }
 
@@ -252,16 +262,27 @@ impl Segment {
 
     /// The header bytes at `off..off + len` (the abort reason), raw.
     pub(super) fn header_bytes_at(&self, off: usize, len: usize) -> *mut u8 {
-        debug_assert!(off + len <= PROGRESS);
-        // SAFETY: inside the header.
+        // Checked in release builds too (once per call).
+        assert!(
+            off.checked_add(len).is_some_and(|end| end <= PROGRESS),
+            "segment header bytes {off}+{len} outside the reason's room"
+        );
+        // SAFETY: inside the header (checked above).
         unsafe { self.map.as_mut_ptr().add(off) }
     }
 
     /// The start of rank `r`'s slot of buffer set `set` (0, 1), `chunk / 4` floats, 64-byte
     /// aligned.
     pub(super) fn slot(&self, set: usize, r: usize) -> *mut f32 {
+        // Checked in release builds too (once per call): the slot lies inside the mapping.
+        assert!(
+            set < 2 && r < self.n,
+            "segment slot {r} of set {set} outside a segment of {} ranks",
+            self.n
+        );
         let off = header_bytes(self.n) + (set * self.n + r) * self.chunk;
-        // SAFETY: inside the mapping, whose length is `segment_bytes(n, chunk)`.
+        // SAFETY: inside the mapping (checked above), whose length is
+        // `segment_bytes(n, chunk)`.
         unsafe { self.map.as_mut_ptr().add(off).cast::<f32>() }
     }
 }

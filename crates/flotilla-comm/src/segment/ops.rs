@@ -66,8 +66,14 @@ impl Segment {
     /// The protocol above must give this rank that range to read until the next barrier
     /// (no member writes it meanwhile).
     unsafe fn read(&self, set: usize, r: usize, at: usize, len: usize) -> &[f32] {
-        debug_assert!(at + len <= self.floats());
-        // SAFETY: inside the slot; the caller guarantees nobody writes it meanwhile.
+        // Checked in release builds too: once per range, not per element.
+        assert!(
+            at.checked_add(len).is_some_and(|end| end <= self.floats()),
+            "segment read of {len} floats at {at} outside a slot of {}",
+            self.floats()
+        );
+        // SAFETY: inside the slot (checked above); the caller guarantees nobody writes it
+        // meanwhile.
         unsafe { std::slice::from_raw_parts(self.slot(set, r).add(at), len) }
     }
 
@@ -78,8 +84,12 @@ impl Segment {
     /// it) until the next barrier.
     #[allow(clippy::mut_from_ref)] // the memory is the shared mapping, not `self`
     unsafe fn write(&self, set: usize, r: usize, at: usize, len: usize) -> &mut [f32] {
-        debug_assert!(at + len <= self.floats());
-        // SAFETY: inside the slot; the caller guarantees exclusive access.
+        assert!(
+            at.checked_add(len).is_some_and(|end| end <= self.floats()),
+            "segment write of {len} floats at {at} outside a slot of {}",
+            self.floats()
+        );
+        // SAFETY: inside the slot (checked above); the caller guarantees exclusive access.
         unsafe { std::slice::from_raw_parts_mut(self.slot(set, r).add(at), len) }
     }
 
@@ -187,12 +197,13 @@ impl Segment {
             let mine = &mut part[at..at + b];
             {
                 let own: &[f32] = mine;
-                // SAFETY: between this step's barrier and the next one every slot of the
-                // set is read-only in this range but for this rank's writes below.
                 let x = |r: usize| {
                     if r == me {
                         own
                     } else {
+                        // SAFETY: between this step's barrier and the next one every slot
+                        // of the set is read-only in this range but for this rank's writes
+                        // below.
                         unsafe { self.read(set, r, at, b) }
                     }
                 };
@@ -251,4 +262,41 @@ fn mismatch(watch: &dyn Watch, r: usize, len: usize) -> CommError {
              different orders or with different sizes"
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn segment() -> (tempfile::TempDir, Segment) {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
+        (dir, seg)
+    }
+
+    /// A range past the end of its slot stops at the check, in release builds too (the
+    /// float after slot 0 is still inside the mapping: nothing else would stop it).
+    #[test]
+    #[should_panic(expected = "outside a slot")]
+    fn a_range_past_its_slot_stops_in_release_too() {
+        let (_dir, seg) = segment();
+        // SAFETY: no other process maps the segment; the check stops the read first.
+        let _ = unsafe { seg.read(0, 0, seg.floats(), 1) };
+    }
+
+    /// A slot of a rank past the group's stops at the check, in release builds too.
+    #[test]
+    #[should_panic(expected = "outside a segment of 2 ranks")]
+    fn a_slot_past_the_ranks_stops_in_release_too() {
+        let (_dir, seg) = segment();
+        let _ = seg.slot(1, 2);
+    }
+
+    /// A header word past the header stops at the check, in release builds too.
+    #[test]
+    #[should_panic(expected = "outside the header")]
+    fn a_word_past_the_header_stops_in_release_too() {
+        let (_dir, seg) = segment();
+        let _ = seg.progress(64);
+    }
 }

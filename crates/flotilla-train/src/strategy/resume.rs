@@ -9,6 +9,11 @@ use super::context::Cx;
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
 
+/// The most bytes of a checkpoint's state (`state.json`: counters, a pipeline's stage
+/// ranges, a ZeRO run's shard ranges, a few KiB for most runs, ranks times parameter
+/// tensors for ZeRO) the other ranks take from rank 0.
+const MAX_STATE_BYTES: usize = 64 << 20;
+
 /// The checkpoint a run resumes from, found on rank 0.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Resume {
@@ -73,7 +78,7 @@ impl Resume {
                 message: e.to_string(),
             })?;
         }
-        cx.comm.broadcast_bytes(&mut bytes, 0)?;
+        cx.comm.broadcast_bytes(&mut bytes, 0, MAX_STATE_BYTES)?;
         if bytes.is_empty() {
             return Ok(None);
         }

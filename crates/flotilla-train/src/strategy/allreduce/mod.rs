@@ -45,7 +45,8 @@ pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engin
     } else {
         Vec::new()
     };
-    comm.broadcast_bytes(&mut state, 0)?;
+    let bound = flotilla_engine::optimizer_state_bound(engine.layout());
+    comm.broadcast_bytes(&mut state, 0, bound)?;
     if rank != 0 {
         engine.write_params(&params)?;
         engine.load_optimizer_state(&state)?;

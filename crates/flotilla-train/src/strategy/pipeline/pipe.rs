@@ -468,7 +468,8 @@ impl Pipeline {
             (stats.count as u64).to_le_bytes(),
         ]
         .concat();
-        self.world.broadcast_bytes(&mut bytes, root)?;
+        let len = bytes.len();
+        self.world.broadcast_bytes(&mut bytes, root, len)?;
         let field = |i: usize| -> Result<[u8; 8]> {
             bytes
                 .get(i * 8..i * 8 + 8)
