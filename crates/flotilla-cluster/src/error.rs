@@ -191,7 +191,9 @@ pub enum ClusterError {
     },
 
     /// A host's address or user begins with `-`: ssh would read it as an option.
-    #[error("host `{host}`: its {what} `{word}` begins with `-`, which ssh would read as an option")]
+    #[error(
+        "host `{host}`: its {what} `{word}` begins with `-`, which ssh would read as an option"
+    )]
     OptionLikeHost {
         /// The host's inventory name.
         host: String,

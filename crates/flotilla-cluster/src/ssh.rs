@@ -208,7 +208,10 @@ mod tests {
             ("[pool]\n-F/tmp/cfg\n", "address"),
             ("[pool]\nnode1 ansible_host=-oProxyCommand=x\n", "address"),
             ("[pool]\nnode1 ansible_user=-oProxyCommand=x\n", "user"),
-            ("[pool]\nnode1\n[pool:vars]\nansible_user=-F/tmp/cfg\n", "user"),
+            (
+                "[pool]\nnode1\n[pool:vars]\nansible_user=-F/tmp/cfg\n",
+                "user",
+            ),
             ("-F/tmp/cfg:22\n", "address"),
         ] {
             let err = Inventory::parse(text, "hosts.ini").map(|_| ());
@@ -256,7 +259,11 @@ mod tests {
             return;
         };
         let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         for line in ["user ops", "hostname node1", "port 2222", "batchmode yes"] {
             assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
         }

@@ -68,7 +68,10 @@ fn check_private(dir: &Path, uid: u32) -> Result<()> {
     let why = if !meta.file_type().is_dir() {
         Some("it is not a directory (a link or a file)".to_string())
     } else if meta.uid() != uid {
-        Some(format!("it belongs to user {}, not to this user ({uid})", meta.uid()))
+        Some(format!(
+            "it belongs to user {}, not to this user ({uid})",
+            meta.uid()
+        ))
     } else if meta.mode() & 0o077 != 0 {
         Some(format!(
             "its mode {:o} lets other users in (want 0700)",
@@ -236,7 +239,10 @@ mod tests {
         assert!(e.to_string().contains("not a directory"), "{e}");
         std::fs::remove_file(&dir).expect("unlink");
         // Another user's directory (as root, the test can make one): refused.
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).expect("mkdir");
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .expect("mkdir");
         if uid == 0 {
             std::os::unix::fs::chown(&dir, Some(12345), None).expect("chown");
             let e = cache_dir_in(none, tmp.path()).expect_err("another user's");

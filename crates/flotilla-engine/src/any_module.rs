@@ -186,7 +186,12 @@ pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, Strin
 
 /// [`save_module`] into memory: the bytes of the safetensors file it would write.
 pub fn module_bytes<M: Module>(model: &M, metadata: &[(String, String)]) -> Result<Vec<u8>> {
-    let store = save_into(model, SafetensorsStore::from_bytes(None), metadata, in_memory())?;
+    let store = save_into(
+        model,
+        SafetensorsStore::from_bytes(None),
+        metadata,
+        in_memory(),
+    )?;
     store.get_bytes().map_err(|e| EngineError::Checkpoint {
         path: in_memory().to_path_buf(),
         message: e.to_string(),

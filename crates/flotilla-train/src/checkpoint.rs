@@ -286,7 +286,10 @@ fn unusable(dir: &Path) -> Option<String> {
     // a checkpoint of the plain parts.
     let state = read_state(dir).ok();
     let stages = state.as_ref().and_then(|s| s.stages.as_ref()).map(Vec::len);
-    let shards = state.as_ref().and_then(|s| s.zero.as_ref()).map(|z| z.world);
+    let shards = state
+        .as_ref()
+        .and_then(|s| s.zero.as_ref())
+        .map(|z| z.world);
     let (own, per) = match (stages, shards) {
         (Some(n), _) => (n, 2),
         (None, Some(n)) => (n, 1),
@@ -653,7 +656,11 @@ mod tests {
         assert!(e.to_string().contains("is corrupt: checksum"), "{e}");
         let (dir, warnings) = newest_complete(out.path())?;
         assert_eq!(dir, Some(older.clone()));
-        assert!(warnings.iter().any(|w| w.contains("state.json has checksum")));
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("state.json has checksum"))
+        );
         // Without checksums (a checkpoint from before them): the count is checked against
         // the files there are.
         let sums = newer.join(CHECKSUMS);
@@ -661,7 +668,9 @@ mod tests {
         let (dir, warnings) = newest_complete(out.path())?;
         assert_eq!(dir, Some(older));
         assert!(
-            warnings.iter().any(|w| w.contains("is incomplete (state.json names")),
+            warnings
+                .iter()
+                .any(|w| w.contains("is incomplete (state.json names")),
             "{warnings:?}"
         );
         let layout = ParamLayout::of_lengths(&[2]);

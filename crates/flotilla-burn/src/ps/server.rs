@@ -260,7 +260,10 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
         {
             let at = self.shard.values.start + i;
             let model = any_module::write_params(model, &self.layout, &self.flat)?;
-            let why = format!("the update would make parameter {at} non-finite ({})", next[at]);
+            let why = format!(
+                "the update would make parameter {at} non-finite ({})",
+                next[at]
+            );
             return Ok((model, Some(why)));
         }
         self.flat = next;

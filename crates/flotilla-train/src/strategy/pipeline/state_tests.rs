@@ -7,8 +7,8 @@ use std::path::{Path, PathBuf};
 
 use flotilla_engine::{ModelState, StageCut};
 
-use super::tests::{BATCHES, Ended, SEED, assert_matches, named, options, reference, spec};
 use super::tests::train_batch;
+use super::tests::{BATCHES, Ended, SEED, assert_matches, named, options, reference, spec};
 use super::{Pipeline, Schedule, state};
 use crate::checkpoint::CheckpointState;
 use crate::testkit::world;
@@ -24,7 +24,8 @@ impl Planted {
         let mut links = Vec::new();
         for k in 0..stages {
             for kind in ["stage", "resume-stage"] {
-                let link = std::env::temp_dir().join(format!("flotilla-{pid}-{kind}-{k}.safetensors"));
+                let link =
+                    std::env::temp_dir().join(format!("flotilla-{pid}-{kind}-{k}.safetensors"));
                 let _ = std::fs::remove_file(&link);
                 std::os::unix::fs::symlink(target, &link).expect("plant a link");
                 links.push(link);
@@ -56,7 +57,8 @@ fn run(
     let handles: Vec<_> = world(cut.stages())
         .into_iter()
         .map(|group| {
-            let (spec, cut, restore, out) = (spec.clone(), cut.clone(), restore.clone(), out.clone());
+            let (spec, cut, restore, out) =
+                (spec.clone(), cut.clone(), restore.clone(), out.clone());
             let batches = batches.clone();
             std::thread::spawn(move || {
                 let opts = super::PipelineOptions {

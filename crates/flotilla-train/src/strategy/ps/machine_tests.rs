@@ -342,7 +342,8 @@ fn an_overweight_or_overflowing_push_is_refused_to_its_worker_and_changes_nothin
     let mut s = Server::updating(w.pop().expect("server"), &config, &topology);
     let p0 = s.params();
     w1.send(0, TAG, &push(0, 1, 1e38, N)).expect("send");
-    s.try_step(WAIT).expect("a push that overflows the parameters");
+    s.try_step(WAIT)
+        .expect("a push that overflows the parameters");
     match next(&w1, 0) {
         Some(PsMessage::Reject { reason }) => assert!(reason.contains("non-finite"), "{reason}"),
         other => panic!("expected a refusal, got {other:?}"),
