@@ -167,6 +167,7 @@ fn main() -> Result<()> {
     };
     let ps = PsConfig {
         aggregation,
+        batch_size: u32::try_from(batch).context("BATCH")?,
         ..PsConfig::default()
     };
     let servers = if mode == "ps" { ps.servers } else { 0 };

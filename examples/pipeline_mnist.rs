@@ -84,7 +84,7 @@ fn main() -> Result<()> {
     let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
     // The training images stay in their file: each epoch, the batches' thread reads this
     // replica's shard alone.
-    let train = Arc::new(Mnist::open(&dir, Normalization::MNIST, &default_cache_dir())?.train);
+    let train = Arc::new(Mnist::open(&dir, Normalization::MNIST, &default_cache_dir()?)?.train);
     let test = Mnist::load_split(&dir, DataSplit::Test, Normalization::MNIST)?;
     // Every stage of a replica reads the same shard in the same order: the first stage uses
     // the images, the last the labels.

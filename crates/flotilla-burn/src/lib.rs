@@ -52,6 +52,7 @@
 //! dp.save(&net, "net.safetensors".as_ref())?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 mod agree;

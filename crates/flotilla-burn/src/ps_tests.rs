@@ -25,6 +25,7 @@ fn config(servers: usize, aggregation: Aggregation) -> PsConfig {
         servers,
         aggregation,
         timeout: Duration::from_secs(20),
+        batch_size: 6,
     }
 }
 
@@ -119,22 +120,35 @@ fn gradient(k: usize, len: usize) -> Vec<f32> {
         .collect()
 }
 
-/// The async script: (worker rank, version computed on, gradient number); gradient 99 holds
-/// a NaN and must be refused without changing anything.
-const SCRIPT: [(usize, u64, usize); 6] = [
+/// The async script: (worker rank, version computed on, gradient number). Pushes that must
+/// be refused without changing anything: gradient 99 holds a NaN, 98 claims `u32::MAX`
+/// samples (more than the batch), 97's finite values overflow once weighted by its samples.
+const SCRIPT: [(usize, u64, usize); 8] = [
     (1, 0, 0),
     (2, 0, 1),  // 1 stale
     (1, 1, 2),  // 1 stale
     (2, 0, 99), // refused
+    (1, 2, 98), // refused
+    (2, 2, 97), // refused
     (2, 2, 3),  // 1 stale
     (1, 1, 4),  // 3 stale: the last update, answered with stop
 ];
 
-fn push(version: u64, values: Vec<f32>) -> Vec<u8> {
+/// What the server must say when it refuses gradient `k` of [`SCRIPT`].
+fn refusal(k: usize) -> Option<&'static str> {
+    match k {
+        99 => Some("non-finite"),
+        98 => Some("claims 4294967295 samples, more than the 6"),
+        97 => Some("overflow"),
+        _ => None,
+    }
+}
+
+fn push(version: u64, samples: u32, values: Vec<f32>) -> Vec<u8> {
     PsMessage::Push {
         version,
         staleness: 0,
-        samples: 4,
+        samples,
         loss: 0.5,
         delta: false,
         values,
@@ -209,18 +223,22 @@ fn an_async_server_follows_its_formula_on_a_scripted_sequence_of_pushes() {
     }
     for (i, &(w, version, k)) in SCRIPT.iter().enumerate() {
         let mut values = gradient(k, layout.total);
-        if k == 99 {
-            values[3] = f32::NAN;
+        let mut samples = 4;
+        match k {
+            99 => values[3] = f32::NAN,
+            98 => samples = u32::MAX,
+            97 => values.iter_mut().for_each(|v| *v = 3e38),
+            _ => {}
         }
         groups[w]
-            .send(0, TAG, &push(version, values.clone()))
+            .send(0, TAG, &push(version, samples, values.clone()))
             .expect("send");
         let answer = reply(&*groups[w]);
-        if k == 99 {
-            assert!(
-                matches!(answer, PsMessage::Reject { .. }),
-                "push {i}: {answer:?}"
-            );
+        if let Some(why) = refusal(k) {
+            match answer {
+                PsMessage::Reject { reason } => assert!(reason.contains(why), "{reason}"),
+                other => panic!("push {i}: expected a refusal, got {other:?}"),
+            }
             continue;
         }
         reference.apply(&values, reference.version - version);
@@ -247,7 +265,7 @@ fn an_async_server_follows_its_formula_on_a_scripted_sequence_of_pushes() {
     );
     assert_eq!(
         (stats.version, stats.rejected, stats.max_staleness),
-        (5, 1, 3)
+        (5, 3, 3)
     );
 }
 

@@ -190,6 +190,19 @@ pub enum ClusterError {
         reason: String,
     },
 
+    /// A host's address or user begins with `-`: ssh would read it as an option.
+    #[error(
+        "host `{host}`: its {what} `{word}` begins with `-`, which ssh would read as an option"
+    )]
+    OptionLikeHost {
+        /// The host's inventory name.
+        host: String,
+        /// `address` or `user`.
+        what: &'static str,
+        /// The word.
+        word: String,
+    },
+
     /// A word cannot be passed through a shell (it contains a NUL byte).
     #[error("`{word}` cannot be passed to a remote shell (NUL byte)")]
     Unquotable {

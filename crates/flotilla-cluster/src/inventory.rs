@@ -33,6 +33,9 @@ pub const POOL_VARS_SECTION: &str = "pool:vars";
 /// The Ansible variable that gives a host alias its real address.
 pub const ANSIBLE_HOST_VAR: &str = "ansible_host";
 
+/// The Ansible variable that gives the remote user.
+pub const ANSIBLE_USER_VAR: &str = "ansible_user";
+
 /// Which syntax an inventory was written in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum InventoryFormat {
@@ -94,6 +97,25 @@ impl Host {
         split_port(&self.name).1
     }
 
+    /// Refuses a host whose address or user ssh would read as one of its options: a word
+    /// that begins with `-` (`-oProxyCommand=...` runs a command on the launcher's machine).
+    pub fn check_not_option(&self) -> Result<()> {
+        let address = self.address();
+        let user = self.var(ANSIBLE_USER_VAR).unwrap_or_default();
+        let (what, word) = if address.starts_with('-') {
+            ("address", address)
+        } else if user.starts_with('-') {
+            ("user", user)
+        } else {
+            return Ok(());
+        };
+        Err(ClusterError::OptionLikeHost {
+            host: self.name.clone(),
+            what,
+            word: word.to_owned(),
+        })
+    }
+
     /// The 1-based line the host was read from; 0 if it was not read from a file.
     pub fn line(&self) -> usize {
         self.line
@@ -128,6 +150,10 @@ impl Inventory {
                     host.name
                 ),
             ));
+        }
+        for host in &hosts {
+            host.check_not_option()
+                .map_err(|e| line_error(source_name, host.line, e.to_string()))?;
         }
         Ok(Inventory {
             source_name: source_name.to_owned(),

@@ -19,7 +19,7 @@
 use std::path::PathBuf;
 
 use crate::error::{ClusterError, Result};
-use crate::inventory::Host;
+use crate::inventory::{ANSIBLE_USER_VAR, Host};
 
 /// Options Flotilla gives every ssh connection (after the user's own).
 pub const DEFAULT_OPTIONS: [&str; 4] = [
@@ -72,10 +72,12 @@ impl SshTarget {
                 );
             }
         }
+        // `Inventory::parse` refuses such hosts already; a host built otherwise is checked here.
+        host.check_not_option()?;
         Ok(SshTarget {
             name: host.name().to_owned(),
             address: host.address().to_owned(),
-            user: host.var("ansible_user").map(str::to_owned),
+            user: host.var(ANSIBLE_USER_VAR).map(str::to_owned),
             port,
             identity: host.var("ansible_ssh_private_key_file").map(PathBuf::from),
             extra_args,
@@ -101,7 +103,8 @@ impl SshTarget {
     }
 
     /// The arguments of `ssh` before the remote command: the user's, Flotilla's options,
-    /// port, key, destination.
+    /// port, key, `--`, destination. The `--` ends ssh's options: a destination that begins
+    /// with `-` is a host name to it, never an option (`-oProxyCommand=...`).
     pub fn args(&self) -> Vec<String> {
         let mut args = self.extra_args.clone();
         for opt in DEFAULT_OPTIONS {
@@ -116,6 +119,7 @@ impl SshTarget {
             args.push("-i".to_owned());
             args.push(key.display().to_string());
         }
+        args.push("--".to_owned());
         args.push(self.destination());
         args
     }
@@ -142,7 +146,7 @@ pub fn join(words: &[&str]) -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::Inventory;
+    use crate::{ClusterError, Inventory};
 
     fn target(text: &str, i: usize) -> Result<SshTarget> {
         let inv = Inventory::parse(text, "hosts.ini")?;
@@ -177,6 +181,7 @@ mod tests {
                 "2222",
                 "-i",
                 "/keys/id",
+                "--",
                 "ubuntu@10.0.0.1",
             ]
         );
@@ -195,6 +200,80 @@ mod tests {
             err.map_err(|e| e.to_string()),
             Err("host h1: ansible_port: `ssh` is not a port number (1-65535)".to_owned())
         );
+    }
+
+    #[test]
+    fn a_host_or_user_that_ssh_would_read_as_an_option_is_refused() {
+        for (text, what) in [
+            ("[pool]\n-F/tmp/cfg\n", "address"),
+            ("[pool]\nnode1 ansible_host=-oProxyCommand=x\n", "address"),
+            ("[pool]\nnode1 ansible_user=-oProxyCommand=x\n", "user"),
+            (
+                "[pool]\nnode1\n[pool:vars]\nansible_user=-F/tmp/cfg\n",
+                "user",
+            ),
+            ("-F/tmp/cfg:22\n", "address"),
+        ] {
+            let err = Inventory::parse(text, "hosts.ini").map(|_| ());
+            let Err(e) = err else {
+                panic!("{text:?} was accepted");
+            };
+            let e = e.to_string();
+            assert!(
+                e.starts_with("hosts.ini:") && e.contains(&format!("its {what} `-")),
+                "{text:?}: {e}"
+            );
+        }
+        // A host made by hand, not parsed, is refused when it becomes a target.
+        let host = crate::inventory::Host::new("-oProxyCommand=touch");
+        assert!(matches!(
+            SshTarget::from_host(&host),
+            Err(ClusterError::OptionLikeHost { .. })
+        ));
+        // A `-` inside a name is no option.
+        assert!(target("[pool]\nnode-1 ansible_user=ops-team\n", 0).is_ok());
+    }
+
+    /// `--` ends ssh's options: OpenSSH reads the word after it as the destination, even one
+    /// beginning with `-` (checked with `ssh -G`, which prints the configuration it would use
+    /// without connecting; skipped without OpenSSH).
+    #[test]
+    fn the_destination_follows_a_double_dash_that_ssh_accepts() {
+        let t = SshTarget {
+            name: "n".into(),
+            address: "node1".into(),
+            user: Some("ops".into()),
+            port: Some(2222),
+            identity: None,
+            extra_args: Vec::new(),
+        };
+        let args = t.args();
+        assert_eq!(args[args.len() - 2..], ["--", "ops@node1"]);
+        let Ok(out) = std::process::Command::new("ssh")
+            .arg("-G")
+            .args(&args)
+            .arg("true")
+            .output()
+        else {
+            eprintln!("SKIPPED: no ssh client");
+            return;
+        };
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for line in ["user ops", "hostname node1", "port 2222", "batchmode yes"] {
+            assert!(text.lines().any(|l| l == line), "no `{line}` in:\n{text}");
+        }
+        // After `--`, an option-like word is a (refused) host name, not an option.
+        let out = std::process::Command::new("ssh")
+            .args(["-G", "--", "-oProxyCommand=true", "true"])
+            .output()
+            .expect("ssh");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(!text.contains("proxycommand true"), "{text}");
     }
 
     #[test]

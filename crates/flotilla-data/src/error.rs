@@ -22,6 +22,18 @@ pub enum DataError {
         message: String,
     },
 
+    /// The cache directory in the temporary directory is not this user's private one.
+    #[error(
+        "refusing the cache directory {}: {reason} (set FLOTILLA_CACHE_DIR or HOME to use another)",
+        path.display()
+    )]
+    UnsafeCache {
+        /// The directory.
+        path: PathBuf,
+        /// What is wrong with it.
+        reason: String,
+    },
+
     /// The file could not be opened or read.
     #[error("cannot read {}: {source}", path.display())]
     Io {

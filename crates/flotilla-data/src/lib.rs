@@ -36,6 +36,7 @@
 //! # }
 //! ```
 
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod batch;
@@ -63,7 +64,7 @@ pub use files::{MnistFile, Split};
 pub use image_file::ImageFile;
 pub use mnist::{Mnist, MnistFiles, MnistSplits};
 pub use prefetch::{Filled, Prefetcher};
-pub use raw_idx::{default_cache_dir, raw_idx};
+pub use raw_idx::{cache_dir_in, default_cache_dir, raw_idx};
 pub use sampler::DistributedSampler;
 pub use samples::Samples;
 pub use text::{BYTE_VOCAB, TextSplits, TokenWindows};

@@ -7,6 +7,7 @@
 
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
 use std::path::{Path, PathBuf};
 
 use flate2::read::MultiGzDecoder;
@@ -19,19 +20,72 @@ use crate::idx::{MAX_IDX_BYTES, is_gzip};
 pub const CACHE_DIR_VAR: &str = "FLOTILLA_CACHE_DIR";
 
 /// Where decompressed IDX files are kept: `$FLOTILLA_CACHE_DIR`, else
-/// `$XDG_CACHE_HOME/flotilla`, else `$HOME/.cache/flotilla`, else `flotilla-cache` in the
-/// temporary directory.
-pub fn default_cache_dir() -> PathBuf {
-    let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+/// `$XDG_CACHE_HOME/flotilla`, else `$HOME/.cache/flotilla`, else this user's own
+/// `flotilla-cache-<uid>` in the temporary directory (see [`cache_dir_in`]).
+///
+/// # Errors
+/// [`DataError::UnsafeCache`] when the directory in the temporary directory is not this
+/// user's private one, [`DataError::Io`] when it cannot be made.
+pub fn default_cache_dir() -> Result<PathBuf> {
+    cache_dir_in(|name| std::env::var_os(name), &std::env::temp_dir())
+}
+
+/// [`default_cache_dir`] with the environment's variables read by `var` and the temporary
+/// directory `tmp`. The fallback in `tmp`, a directory every user can write to, is made
+/// mode 0700 and is used only while it is a directory (not a link) of this user that no
+/// other user may read or write: a directory another user made there first (to read our
+/// copies, or swap them) is refused, naming it. The others are the user's own choice and are
+/// used as they are (made 0700 when missing).
+pub fn cache_dir_in(
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+    tmp: &Path,
+) -> Result<PathBuf> {
+    let var = |name: &str| var(name).filter(|v| !v.is_empty());
     if let Some(dir) = var(CACHE_DIR_VAR) {
-        return PathBuf::from(dir);
+        return Ok(PathBuf::from(dir));
     }
     if let Some(dir) = var("XDG_CACHE_HOME") {
-        return PathBuf::from(dir).join("flotilla");
+        return Ok(PathBuf::from(dir).join("flotilla"));
     }
-    match var("HOME") {
-        Some(home) => PathBuf::from(home).join(".cache").join("flotilla"),
-        None => std::env::temp_dir().join("flotilla-cache"),
+    if let Some(home) = var("HOME") {
+        return Ok(PathBuf::from(home).join(".cache").join("flotilla"));
+    }
+    let uid = rustix::process::getuid().as_raw();
+    let dir = tmp.join(format!("flotilla-cache-{uid}"));
+    match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(io(&dir)(e)),
+    }
+    check_private(&dir, uid)?;
+    Ok(dir)
+}
+
+/// Refuses `dir` unless it is a directory (not a link) owned by `uid` with no permission for
+/// its group or others.
+fn check_private(dir: &Path, uid: u32) -> Result<()> {
+    let meta = std::fs::symlink_metadata(dir).map_err(io(dir))?;
+    let why = if !meta.file_type().is_dir() {
+        Some("it is not a directory (a link or a file)".to_string())
+    } else if meta.uid() != uid {
+        Some(format!(
+            "it belongs to user {}, not to this user ({uid})",
+            meta.uid()
+        ))
+    } else if meta.mode() & 0o077 != 0 {
+        Some(format!(
+            "its mode {:o} lets other users in (want 0700)",
+            meta.mode() & 0o777
+        ))
+    } else {
+        None
+    };
+    match why {
+        Some(reason) => Err(DataError::UnsafeCache {
+            path: dir.to_path_buf(),
+            reason,
+        }),
+        None => Ok(()),
     }
 }
 
@@ -82,7 +136,11 @@ fn md5_of(path: &Path) -> Result<String> {
 /// Decompresses `path` into `copy` in the directory `cache`: into a temporary file first,
 /// renamed into place when complete.
 fn decompress(path: &Path, cache: &Path, copy: &Path) -> Result<()> {
-    std::fs::create_dir_all(cache).map_err(io(cache))?;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(cache)
+        .map_err(io(cache))?;
     let partial = copy.with_extension(format!("{}.partial", std::process::id()));
     let written = (|| {
         let source = BufReader::new(File::open(path).map_err(io(path))?);
@@ -147,6 +205,59 @@ mod tests {
         // Other content, another copy.
         let other = write_file(dir.path(), "x-idx3-ubyte.gz", &content[1..], true);
         assert_ne!(raw_idx(&other, &cache).expect("other"), copy);
+    }
+
+    /// With no `HOME` (nor `XDG_CACHE_HOME`, nor `FLOTILLA_CACHE_DIR`) the cache is this user's
+    /// own 0700 directory in the temporary directory; one that another user could reach is
+    /// refused.
+    #[test]
+    fn without_home_the_cache_is_a_private_directory_of_this_user() {
+        use std::os::unix::fs::PermissionsExt;
+        let tmp = tempfile::tempdir().expect("dir");
+        let none = |_: &str| None;
+        let dir = cache_dir_in(none, tmp.path()).expect("cache");
+        let uid = rustix::process::getuid().as_raw();
+        assert_eq!(dir, tmp.path().join(format!("flotilla-cache-{uid}")));
+        let meta = std::fs::symlink_metadata(&dir).expect("made");
+        assert!(meta.is_dir());
+        assert_eq!((meta.uid(), meta.mode() & 0o777), (uid, 0o700));
+        // Used again as it is.
+        assert_eq!(cache_dir_in(none, tmp.path()).expect("again"), dir);
+        // Opened to others (another user made it, or a umask did): refused, named.
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod");
+        let e = cache_dir_in(none, tmp.path()).expect_err("world-writable");
+        assert!(
+            matches!(&e, DataError::UnsafeCache { path, .. } if *path == dir),
+            "{e}"
+        );
+        std::fs::remove_dir(&dir).expect("rmdir");
+        // A link planted at its name: refused, not followed.
+        let elsewhere = tmp.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).expect("mkdir");
+        std::os::unix::fs::symlink(&elsewhere, &dir).expect("symlink");
+        let e = cache_dir_in(none, tmp.path()).expect_err("a link");
+        assert!(e.to_string().contains("not a directory"), "{e}");
+        std::fs::remove_file(&dir).expect("unlink");
+        // Another user's directory (as root, the test can make one): refused.
+        std::fs::DirBuilder::new()
+            .mode(0o700)
+            .create(&dir)
+            .expect("mkdir");
+        if uid == 0 {
+            std::os::unix::fs::chown(&dir, Some(12345), None).expect("chown");
+            let e = cache_dir_in(none, tmp.path()).expect_err("another user's");
+            assert!(e.to_string().contains("belongs to user 12345"), "{e}");
+        }
+        // The user's own settings come first, in order.
+        let vars = |name: &str| match name {
+            "HOME" => Some("/home/u".into()),
+            "XDG_CACHE_HOME" => Some("".into()),
+            _ => None,
+        };
+        assert_eq!(
+            cache_dir_in(vars, tmp.path()).expect("home"),
+            PathBuf::from("/home/u/.cache/flotilla")
+        );
     }
 
     #[test]

@@ -180,10 +180,40 @@ fn span_len(layout: &ParamLayout, params: &Range<usize>) -> Result<usize> {
 /// `[out, in]`), each under the module's own dotted name (`encoder.0.weight`), with the
 /// given metadata entries.
 pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, String)]) -> Result<()> {
-    let mut store = SafetensorsStore::from_file(path)
+    let store = SafetensorsStore::from_file(path).overwrite(true);
+    save_into(model, store, metadata, path).map(|_| ())
+}
+
+/// [`save_module`] into memory: the bytes of the safetensors file it would write.
+pub fn module_bytes<M: Module>(model: &M, metadata: &[(String, String)]) -> Result<Vec<u8>> {
+    let store = save_into(
+        model,
+        SafetensorsStore::from_bytes(None),
+        metadata,
+        in_memory(),
+    )?;
+    store.get_bytes().map_err(|e| EngineError::Checkpoint {
+        path: in_memory().to_path_buf(),
+        message: e.to_string(),
+    })
+}
+
+/// The name of weights kept in memory, in errors.
+fn in_memory() -> &'static Path {
+    Path::new("<weights in memory>")
+}
+
+/// Saves `model` into `store` (PyTorch's layout and names, `metadata` added); `path` names
+/// it in errors.
+fn save_into<M: Module>(
+    model: &M,
+    store: SafetensorsStore,
+    metadata: &[(String, String)],
+    path: &Path,
+) -> Result<SafetensorsStore> {
+    let mut store = store
         .with_to_adapter(BurnToPyTorchAdapter)
-        .skip_enum_variants(true)
-        .overwrite(true);
+        .skip_enum_variants(true);
     for (key, value) in metadata {
         store = store.metadata(key, value.clone());
     }
@@ -194,7 +224,8 @@ pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, Strin
         .map_err(|e| EngineError::Checkpoint {
             path: path.to_path_buf(),
             message: e.to_string(),
-        })
+        })?;
+    Ok(store)
 }
 
 /// `model` with its parameters read from a safetensors file written by [`save_module`] (or
@@ -203,7 +234,18 @@ pub fn save_module<M: Module>(model: &M, path: &Path, metadata: &[(String, Strin
 /// but burn's copies share batch norm's running statistics, so a failed load may have changed
 /// those in `model` too (the engine's own `load_weights` puts them back).
 pub fn load_module<M: Module>(model: &M, path: &Path) -> Result<M> {
-    let mut store = SafetensorsStore::from_file(path)
+    load_from(model, SafetensorsStore::from_file(path), path)
+}
+
+/// [`load_module`] from the bytes of a safetensors file ([`module_bytes`]).
+pub fn load_module_bytes<M: Module>(model: &M, bytes: &[u8]) -> Result<M> {
+    let store = SafetensorsStore::from_bytes(Some(bytes.to_vec()));
+    load_from(model, store, in_memory())
+}
+
+/// `model` with its parameters read from `store`; `path` names it in errors.
+fn load_from<M: Module>(model: &M, store: SafetensorsStore, path: &Path) -> Result<M> {
+    let mut store = store
         .with_from_adapter(PyTorchToBurnAdapter)
         .skip_enum_variants(true)
         .validate(true)

@@ -92,6 +92,13 @@ pub trait ModelState {
     /// and the file lacks is an error.
     fn load_weights(&mut self, path: &Path) -> Result<()>;
 
+    /// [`ModelState::save_weights`] into memory: the bytes of the file it would write (what
+    /// travels between ranks, never through a shared directory).
+    fn weights_bytes(&self) -> Result<Vec<u8>>;
+
+    /// [`ModelState::load_weights`] from the bytes of a safetensors file.
+    fn load_weights_bytes(&mut self, bytes: &[u8]) -> Result<()>;
+
     /// Where each buffer lives in the flat buffer view: the running statistics of every batch
     /// norm (`layers.<i>.running_mean`, `layers.<i>.running_var`), in layer order. They are
     /// not parameters (no gradient, no optimizer state) and each rank's forward passes update
@@ -219,6 +226,33 @@ impl Weights {
         self.model.as_ref().ok_or(EngineError::ModelUnavailable)
     }
 
+    /// The metadata of the weights' file: the model's spec and the extra entries.
+    fn file_metadata(&self) -> Vec<(String, String)> {
+        let mut metadata = vec![("flotilla.model".to_string(), self.spec.to_yaml())];
+        metadata.extend(self.metadata.iter().cloned());
+        metadata
+    }
+
+    /// Replaces the model with what `load` makes of it. `load` loads into a copy, so that a
+    /// failed or partial load leaves the model as it was; but a copy shares its running
+    /// statistics with the model (burn keeps them behind a shared cell), so those are put
+    /// back by hand after a failure.
+    fn load_with(
+        &mut self,
+        load: impl FnOnce(&SequentialModel) -> Result<SequentialModel>,
+    ) -> Result<()> {
+        let mut buffers = vec![0.0; self.buffer_layout.total];
+        self.read_buffers(&mut buffers)?;
+        match load(self.model()?) {
+            Ok(model) => self.model = Some(model),
+            Err(e) => {
+                self.write_buffers(&buffers)?;
+                return Err(e);
+            }
+        }
+        Ok(())
+    }
+
     /// One optimizer step with a flat gradient.
     pub(crate) fn step(&mut self, grads: &[f32], lr: f64) -> Result<()> {
         let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
@@ -304,25 +338,19 @@ impl ModelState for Weights {
     }
 
     fn save_weights(&self, path: &Path) -> Result<()> {
-        let mut metadata = vec![("flotilla.model".to_string(), self.spec.to_yaml())];
-        metadata.extend(self.metadata.iter().cloned());
-        any_module::save_module(self.model()?, path, &metadata)
+        any_module::save_module(self.model()?, path, &self.file_metadata())
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<()> {
-        // `load_module` loads into a copy, so that a failed or partial load leaves the model
-        // as it was; but a copy shares its running statistics with the model (burn keeps them
-        // behind a shared cell), so those are put back by hand after a failure.
-        let mut buffers = vec![0.0; self.buffer_layout.total];
-        self.read_buffers(&mut buffers)?;
-        match any_module::load_module(self.model()?, path) {
-            Ok(model) => self.model = Some(model),
-            Err(e) => {
-                self.write_buffers(&buffers)?;
-                return Err(e);
-            }
-        }
-        Ok(())
+        self.load_with(|model| any_module::load_module(model, path))
+    }
+
+    fn weights_bytes(&self) -> Result<Vec<u8>> {
+        any_module::module_bytes(self.model()?, &self.file_metadata())
+    }
+
+    fn load_weights_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        self.load_with(|model| any_module::load_module_bytes(model, bytes))
     }
 }
 
@@ -350,6 +378,12 @@ macro_rules! delegate_model_state {
             }
             fn load_weights(&mut self, path: &std::path::Path) -> $crate::error::Result<()> {
                 self.weights.load_weights(path)
+            }
+            fn weights_bytes(&self) -> $crate::error::Result<Vec<u8>> {
+                self.weights.weights_bytes()
+            }
+            fn load_weights_bytes(&mut self, bytes: &[u8]) -> $crate::error::Result<()> {
+                self.weights.load_weights_bytes(bytes)
             }
             fn buffer_layout(&self) -> &$crate::params::ParamLayout {
                 self.weights.buffer_layout()

@@ -24,6 +24,7 @@
 //!   [`bench`](mod@bench), the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`].
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod bench;

@@ -48,8 +48,8 @@ pub(crate) fn execute(
         Op::AllReduce(mut buf) => {
             let mut dev = upload(comm, &buf)?;
             let (p, _sync) = dev.device_ptr(&comm.stream);
+            // SAFETY: `p` holds `buf.len()` f32s on this communicator's device.
             comm.with(|c, s| unsafe {
-                // SAFETY: `p` holds `buf.len()` f32s on this communicator's device.
                 result::all_reduce(
                     p as *const c_void,
                     p as *mut c_void,
@@ -68,8 +68,8 @@ pub(crate) fn execute(
             let mut dev = upload(comm, &buf)?;
             let (p, _sync) = dev.device_ptr(&comm.stream);
             let root = i32::try_from(root).map_err(|_| format!("root {root} too large"))?;
+            // SAFETY: as above.
             comm.with(|c, s| unsafe {
-                // SAFETY: as above.
                 result::broadcast(
                     p as *const c_void,
                     p as *mut c_void,
@@ -139,8 +139,8 @@ fn reduce_scatter(
     {
         let (src, _s1) = send.device_ptr(&comm.stream);
         let (dst, _s2) = recv.device_ptr(&comm.stream);
+        // SAFETY: `src` holds `c · size` f32s, `dst` `c`, on this communicator's device.
         comm.with(|h, s| unsafe {
-            // SAFETY: `src` holds `c · size` f32s, `dst` `c`, on this communicator's device.
             result::reduce_scatter(
                 src as *const c_void,
                 dst as *mut c_void,
@@ -169,8 +169,8 @@ fn all_gather(
     {
         let (src, _s1) = send.device_ptr(&comm.stream);
         let (dst, _s2) = recv.device_ptr(&comm.stream);
+        // SAFETY: `src` holds `c` f32s, `dst` `c · size`, on this communicator's device.
         comm.with(|h, st| unsafe {
-            // SAFETY: `src` holds `c` f32s, `dst` `c · size`, on this communicator's device.
             result::all_gather(src as *const c_void, dst as *mut c_void, c, F32, h, st)
         })?;
     }

@@ -67,6 +67,24 @@ pub fn admit(
     Ok(staleness)
 }
 
+/// Checks the averaging weight a push claims: at most `max` samples, what its sender can
+/// have computed it on (a worker: its batch size times its local steps; a local server: that
+/// times its workers). A claim above it would let one push outweigh the others (`u32::MAX`
+/// drowns every other push of the round).
+pub fn check_samples(samples: u32, max: u64) -> Result<(), String> {
+    if u64::from(samples) > max {
+        return Err(format!(
+            "push claims {samples} samples, more than the {max} its sender can have trained on \
+             (batch size x local steps x workers)"
+        ));
+    }
+    Ok(())
+}
+
+/// The largest magnitude a round's weighted sum may reach: half of `f32::MAX`, so that the
+/// sum of the pushes in any order, with its rounding, stays finite.
+const SUM_LIMIT: f64 = f32::MAX as f64 / 2.0;
+
 /// A sample-weighted sum of admitted pushes. An ordered accumulator (sync rounds) keeps the
 /// pushes until [`Accumulator::take`] and sums them in child-rank order, so that a round's
 /// result does not depend on the order in which pushes arrived (runs are reproducible); an
@@ -81,6 +99,9 @@ pub struct Accumulator {
     version_sum: f64,
     loss_sum: f64,
     pushes: usize,
+    /// A bound of every element's magnitude in the sum of this round's pushes:
+    /// Σ samples × max |value|.
+    bound: f64,
 }
 
 /// A push kept by an ordered accumulator: samples, loss, base version, values.
@@ -113,6 +134,7 @@ impl Accumulator {
             version_sum: 0.0,
             loss_sum: 0.0,
             pushes: 0,
+            bound: 0.0,
         }
     }
 
@@ -122,7 +144,9 @@ impl Accumulator {
     }
 
     /// Adds `child`'s admitted push (its length was checked by [`admit`]) computed from
-    /// `base_version` (its version minus the staleness it carried).
+    /// `base_version` (its version minus the staleness it carried), or refuses it, changing
+    /// nothing, when its finite values weighted by `samples` could make the round's sum
+    /// overflow to infinity (the mean would then not be finite).
     pub fn add(
         &mut self,
         child: usize,
@@ -130,13 +154,23 @@ impl Accumulator {
         loss: f32,
         base_version: f64,
         values: Vec<f32>,
-    ) {
+    ) -> Result<(), String> {
+        let largest = values.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
+        let bound = self.bound + f64::from(samples) * largest;
+        if bound > SUM_LIMIT {
+            return Err(format!(
+                "push of values up to {largest:e} weighted by {samples} samples would overflow \
+                 the round's sum (its weighted values must stay below {SUM_LIMIT:e} in all)"
+            ));
+        }
+        self.bound = bound;
         match &mut self.held {
             Some(held) => {
                 held.insert(child, (samples, loss, base_version, values));
             }
             None => self.sum_in(samples, loss, base_version, &values),
         }
+        Ok(())
     }
 
     fn sum_in(&mut self, samples: u32, loss: f32, base_version: f64, values: &[f32]) {
@@ -175,6 +209,7 @@ impl Accumulator {
         self.samples = 0;
         self.loss_sum = 0.0;
         self.pushes = 0;
+        self.bound = 0.0;
         Some(mean)
     }
 }
@@ -218,14 +253,39 @@ mod tests {
     fn mean_is_sample_weighted_and_resets() {
         let mut acc = Accumulator::new(2, false);
         assert!(acc.take().is_none());
-        acc.add(7, 1, 1.0, 4.0, vec![1.0, 10.0]);
-        acc.add(3, 3, 2.0, 8.0, vec![5.0, 2.0]);
+        acc.add(7, 1, 1.0, 4.0, vec![1.0, 10.0]).expect("add");
+        acc.add(3, 3, 2.0, 8.0, vec![5.0, 2.0]).expect("add");
         let m = acc.take().expect("mean");
         assert_eq!(m.values, vec![4.0, 4.0]);
         assert_eq!((m.samples, m.pushes), (4, 2));
         assert!((m.loss - 1.75).abs() < 1e-6);
         assert!((m.base_version - 7.0).abs() < 1e-12);
         assert!(acc.is_empty() && acc.take().is_none());
+    }
+
+    /// A claim of more samples than the sender can have is refused; finite values whose
+    /// weighted sum overflows are refused before they are summed, and the round goes on with
+    /// the others (its mean finite and unchanged by the refused push).
+    #[test]
+    fn a_huge_claim_or_an_overflowing_push_is_refused_and_changes_nothing() {
+        assert!(check_samples(64, 64).is_ok());
+        let e = check_samples(u32::MAX, 64).expect_err("u32::MAX samples");
+        assert!(e.contains("4294967295 samples") && e.contains("64"), "{e}");
+        for ordered in [false, true] {
+            let mut acc = Accumulator::new(2, ordered);
+            acc.add(1, 2, 0.5, 0.0, vec![1.0, -3.0]).expect("add");
+            // Each value finite, their weighted sum not: 3e38 x 2 samples.
+            let e = acc
+                .add(2, 2, 0.5, 0.0, vec![3e38, 1.0])
+                .expect_err("overflow");
+            assert!(e.contains("overflow"), "{e}");
+            let e = acc
+                .add(3, u32::MAX, 0.5, 0.0, vec![1e30, 1.0])
+                .expect_err("overflow by weight");
+            assert!(e.contains("overflow"), "{e}");
+            let m = acc.take().expect("mean");
+            assert_eq!((m.values, m.samples, m.pushes), (vec![1.0, -3.0], 2, 1));
+        }
     }
 
     #[test]
@@ -242,7 +302,7 @@ mod tests {
             let mut acc = Accumulator::new(1, true);
             for i in order {
                 let (child, v) = &pushes[i];
-                acc.add(*child, 1, 0.0, 0.0, v.clone());
+                acc.add(*child, 1, 0.0, 0.0, v.clone()).expect("add");
             }
             results.push(acc.take().expect("mean").values[0].to_bits());
         }

@@ -6,13 +6,14 @@
 //!
 //! `flotilla-train`'s servers and workers (spec models, `strategy/ps/`) and `flotilla-burn`'s
 //! (a user's own burn model, `ps/`) are built on it, so both speak one protocol.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod aggregate;
 pub mod inbox;
 pub mod protocol;
 
-pub use aggregate::{Accumulator, Admission, Mean, admit};
+pub use aggregate::{Accumulator, Admission, Mean, admit, check_samples};
 pub use flotilla_group::ProcessGroup;
 pub use inbox::{Event, Inbox};
 pub use protocol::{PsMessage, TAG, encode_params};

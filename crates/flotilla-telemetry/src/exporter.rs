@@ -1,14 +1,15 @@
 //! The Prometheus endpoint of a rank: the `metrics` facade's recorder (the libraries record
 //! through `metrics::counter!`/`gauge!`/`histogram!`), rendered as Prometheus text by
-//! `metrics-exporter-prometheus` and served at `http://ADDR:PORT/metrics` by `tiny_http` on
-//! one background thread.
+//! `metrics-exporter-prometheus` and served at `http://ADDR:PORT/metrics` ([`http`]).
 
+use std::net::TcpListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
-use std::time::Duration;
 
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+
+use crate::http;
 
 /// Why the endpoint could not start.
 #[derive(Debug, thiserror::Error)]
@@ -58,28 +59,27 @@ pub fn install() -> Result<Recorder, ExporterError> {
 }
 
 impl Recorder {
-    /// Serves the recorded values on `addr:port` (port 0 picks a free one).
+    /// Serves the recorded values on `addr:port` (port 0 picks a free one): at most
+    /// [`http::MAX_CONNECTIONS`] clients at once, each given [`http::REQUEST_DEADLINE`] to
+    /// send its request. `addr` is the interface: `127.0.0.1` (the default of
+    /// `telemetry.metrics_addr`) keeps the endpoint to this machine, `0.0.0.0` opens it to
+    /// the network.
     pub fn serve(&self, addr: &str, port: u16) -> Result<MetricsServer, ExporterError> {
         let bind = format!("{addr}:{port}");
-        let server = tiny_http::Server::http(&bind).map_err(|e| ExporterError::Bind {
+        let bad = |e: std::io::Error| ExporterError::Bind {
             addr: bind.clone(),
             message: e.to_string(),
-        })?;
-        let port = server
-            .server_addr()
-            .to_ip()
-            .map(|a| a.port())
-            .unwrap_or(port);
+        };
+        let listener = TcpListener::bind((addr, port)).map_err(bad)?;
+        let port = listener.local_addr().map_err(bad)?.port();
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let (handle, stop) = (self.handle.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("metrics-http".into())
-                .spawn(move || answer(&server, &handle, &stop))
-                .map_err(|e| ExporterError::Bind {
-                    addr: bind,
-                    message: e.to_string(),
-                })?
+            let page = move || {
+                handle.run_upkeep();
+                handle.render()
+            };
+            http::start(listener, page, stop).map_err(bad)?
         };
         Ok(MetricsServer {
             handle: self.handle.clone(),
@@ -92,39 +92,6 @@ impl Recorder {
     /// The Prometheus text of the values recorded so far.
     pub fn render(&self) -> String {
         self.handle.render()
-    }
-}
-
-/// Answers requests until `stop`: `/metrics` gets the Prometheus text, anything else 404.
-fn answer(server: &tiny_http::Server, handle: &PrometheusHandle, stop: &AtomicBool) {
-    while !stop.load(Ordering::Relaxed) {
-        let request = match server.recv_timeout(Duration::from_millis(100)) {
-            Ok(Some(r)) => r,
-            Ok(None) => continue,
-            Err(_) => break,
-        };
-        let path = request
-            .url()
-            .split('?')
-            .next()
-            .unwrap_or_default()
-            .to_string();
-        let response = if path == "/metrics" {
-            handle.run_upkeep();
-            let content_type = tiny_http::Header::from_bytes(
-                &b"Content-Type"[..],
-                &b"text/plain; version=0.0.4; charset=utf-8"[..],
-            );
-            let mut r = tiny_http::Response::from_string(handle.render());
-            if let Ok(h) = content_type {
-                r.add_header(h);
-            }
-            r
-        } else {
-            tiny_http::Response::from_string("not found: try /metrics\n").with_status_code(404)
-        };
-        // A client that went away is its own problem.
-        let _ = request.respond(response);
     }
 }
 

@@ -2,11 +2,14 @@
 //! spans and `metrics` values):
 //! - [`timeline`]: a `tracing` layer writing the rank's Chrome trace events as JSON lines;
 //! - [`merge`]: joins the ranks' files into one trace for Perfetto / chrome://tracing;
-//! - [`exporter`]: the rank's Prometheus `/metrics` endpoint;
+//! - [`exporter`]: the rank's Prometheus `/metrics` endpoint, served by [`http`] (bounded);
 //! - [`events`]: the JSON-lines events a rank prints for its launcher.
+
+#![forbid(unsafe_code)]
 
 pub mod events;
 pub mod exporter;
+pub mod http;
 pub mod merge;
 pub mod timeline;
 

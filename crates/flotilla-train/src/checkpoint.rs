@@ -11,7 +11,10 @@
 //!
 //! A checkpoint is written into a hidden temporary directory, flushed, and renamed into
 //! place; only then is `latest` replaced (also by write-and-rename). A crash at any point
-//! leaves the previous checkpoint intact and `latest` pointing at a complete directory.
+//! leaves the previous checkpoint intact and `latest` pointing at a complete directory. A step
+//! saved again (a resumed run's first checkpoint) first renames its old copy aside
+//! (`.aside-step-…`), removed only once the new one is in place: a crash between the two
+//! renames leaves that copy, which resume takes.
 //!
 //! Every checkpoint ends with `checksums.json`: the XXH3-64 of each of its files, written
 //! last. Resuming verifies them and passes over (with a warning) a checkpoint whose files no
@@ -149,37 +152,98 @@ pub fn save_with(
     write_checksums(&tmp)?;
 
     let dest = root.join(&name);
-    if dest.exists() {
-        fs::remove_dir_all(&dest).map_err(|e| TrainError::io(&dest, e))?;
-    }
+    let aside = move_aside(&root, &name)?;
+    crash_point();
     fs::rename(&tmp, &dest).map_err(|e| TrainError::io(&dest, e))?;
+    if let Some(aside) = aside {
+        sync_dir(&root);
+        fs::remove_dir_all(&aside).map_err(|e| TrainError::io(&aside, e))?;
+    }
     let latest_tmp = root.join(format!(".latest.tmp-{}", std::process::id()));
     write_synced(&latest_tmp, name.as_bytes())?;
     let latest = root.join("latest");
     fs::rename(&latest_tmp, &latest).map_err(|e| TrainError::io(&latest, e))?;
-    if let Ok(d) = File::open(&root) {
-        // Persist the renames themselves; not every platform supports syncing a directory.
-        let _ = d.sync_all();
-    }
+    sync_dir(&root);
     prune(&root, &name)?;
     Ok(dest)
 }
 
-/// Deletes all but the newest [`KEEP`] checkpoints, never the current one.
+/// Persists the renames in `dir` themselves; not every platform supports syncing a directory.
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// The prefix of a checkpoint directory moved aside while its step is written again:
+/// `.aside-step-00000468`.
+const ASIDE: &str = ".aside-";
+
+/// Makes room for checkpoint `name`: an existing one is renamed to `.aside-<name>` (and
+/// returned, to be removed once the new one is in place), so that a crash between the two
+/// renames leaves it whole under that name ([`newest_complete`] takes it there). An aside copy
+/// that an earlier crash left behind is put back first when `name` is missing (it is the
+/// newest complete copy of the step), else removed.
+fn move_aside(root: &Path, name: &str) -> Result<Option<PathBuf>> {
+    let (dest, aside) = (root.join(name), root.join(format!("{ASIDE}{name}")));
+    if aside.exists() {
+        if dest.exists() {
+            fs::remove_dir_all(&aside).map_err(|e| TrainError::io(&aside, e))?;
+        } else {
+            fs::rename(&aside, &dest).map_err(|e| TrainError::io(&dest, e))?;
+        }
+    }
+    if !dest.exists() {
+        return Ok(None);
+    }
+    fs::rename(&dest, &aside).map_err(|e| TrainError::io(&aside, e))?;
+    Ok(Some(aside))
+}
+
+#[cfg(test)]
+thread_local! {
+    /// Tests: the next save on this thread stops between its two renames, as a crash would.
+    static CRASH_BETWEEN_RENAMES: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tests: panics (a crash) where [`CRASH_BETWEEN_RENAMES`] asks; nothing otherwise.
+fn crash_point() {
+    #[cfg(test)]
+    if CRASH_BETWEEN_RENAMES.with(|c| c.replace(false)) {
+        panic!("crash between the renames");
+    }
+}
+
+/// Deletes all but the newest [`KEEP`] checkpoints, never the current one (an aside copy
+/// counts as its step's checkpoint; see [`step_dirs`]).
 fn prune(root: &Path, current: &str) -> Result<()> {
-    let mut names: Vec<String> = fs::read_dir(root)
-        .map_err(|e| TrainError::io(root, e))?
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    names.sort();
-    let excess = names.len().saturating_sub(KEEP);
-    for n in names.into_iter().take(excess).filter(|n| n != current) {
-        let p = root.join(n);
+    let dirs = step_dirs(root).map_err(|e| TrainError::io(root, e))?;
+    let excess = dirs.len().saturating_sub(KEEP);
+    for (_, p) in dirs.into_iter().take(excess).filter(|(n, _)| n != current) {
         fs::remove_dir_all(&p).map_err(|e| TrainError::io(&p, e))?;
     }
     Ok(())
+}
+
+/// The checkpoint directories under `root` by step name (`step-00000468`), oldest first: each
+/// `step-*` directory, and an aside copy ([`move_aside`]) whose step has no directory (a
+/// crash between the two renames of a save left it there).
+fn step_dirs(root: &Path) -> std::io::Result<Vec<(String, PathBuf)>> {
+    let names: std::collections::BTreeSet<String> = fs::read_dir(root)?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| e.file_name().into_string().ok())
+        .collect();
+    let mut dirs: Vec<(String, PathBuf)> = names
+        .iter()
+        .filter_map(|n| {
+            let step = n.strip_prefix(ASIDE).unwrap_or(n);
+            let own = n == step;
+            (step.starts_with("step-") && (own || !names.contains(step)))
+                .then(|| (step.to_owned(), root.join(n)))
+        })
+        .collect();
+    dirs.sort();
+    Ok(dirs)
 }
 
 /// The files every complete checkpoint directory holds.
@@ -209,33 +273,48 @@ fn write_checksums(dir: &Path) -> Result<()> {
     write_synced(&dir.join(CHECKSUMS), &json)
 }
 
-/// Why `dir` cannot be resumed from, if it cannot: a part missing (a pipeline's: every
-/// stage's files), or a file that does not match its checksum.
+/// Why `dir` cannot be resumed from, if it cannot: a file that does not match its checksum,
+/// or a part missing (a pipeline's: every stage's files; a ZeRO run's: every shard). The
+/// checksums are verified before `state.json` is read, and the stage or shard count it gives
+/// is checked against the files there are before any list of them is made: a corrupt count is
+/// a reason, never a huge allocation.
 fn unusable(dir: &Path) -> Option<String> {
+    if let Some(why) = checksum_mismatch(dir) {
+        return Some(why);
+    }
+    // A state that does not parse is the loader's error to report (`read_state`); here it is
+    // a checkpoint of the plain parts.
     let state = read_state(dir).ok();
     let stages = state.as_ref().and_then(|s| s.stages.as_ref()).map(Vec::len);
     let shards = state
         .as_ref()
         .and_then(|s| s.zero.as_ref())
         .map(|z| z.world);
-    let own: Vec<String> = match (stages, shards) {
+    let (own, per) = match (stages, shards) {
+        (Some(n), _) => (n, 2),
+        (None, Some(n)) => (n, 1),
+        (None, None) => (0, 0),
+    };
+    let files = fs::read_dir(dir).map_or(0, |d| d.count());
+    if own.saturating_mul(per) > files {
+        return Some(format!(
+            "is incomplete (state.json names {own} {}, for {files} files)",
+            if per == 2 { "stages" } else { "shards" }
+        ));
+    }
+    let parts: Vec<String> = match (stages, shards) {
         (Some(n), _) => (0..n).flat_map(stage_files).collect(),
         (None, Some(n)) => (0..n).map(zero_file).collect(),
         (None, None) => Vec::new(),
     };
-    let parts: Vec<String> = if own.is_empty() {
-        PARTS.iter().map(|p| p.to_string()).collect()
+    let common: &[&str] = if parts.is_empty() {
+        &PARTS
     } else {
-        ["model.safetensors", "state.json"]
-            .into_iter()
-            .map(String::from)
-            .chain(own)
-            .collect()
+        &["model.safetensors", "state.json"]
     };
-    if let Some(missing) = parts.iter().find(|p| !dir.join(p).is_file()) {
-        return Some(format!("is incomplete (no {missing})"));
-    }
-    checksum_mismatch(dir)
+    let mut all = common.iter().map(|p| p.to_string()).chain(parts);
+    all.find(|p| !dir.join(p).is_file())
+        .map(|missing| format!("is incomplete (no {missing})"))
 }
 
 /// The first file of `dir` that does not match `checksums.json` (or why that file cannot be
@@ -305,9 +384,11 @@ pub fn latest(output: &Path) -> Result<Option<PathBuf>> {
 /// The checkpoint to resume from, and a warning for everything passed over.
 ///
 /// `latest` names the newest checkpoint when the last write finished. A crash can leave a
-/// hidden `.step-*.tmp-*` directory (ignored), a `latest` naming a directory that is missing
-/// or incomplete, or step directories without all their files: each is passed over with a
-/// warning, and the newest complete `step-*` directory is used instead.
+/// hidden `.step-*.tmp-*` directory (ignored), a step's old copy moved aside
+/// (`.aside-step-*`, taken for its step when the step has no directory), a `latest` naming a
+/// directory that is missing or incomplete, or step directories without all their files:
+/// each is passed over with a warning, and the newest complete `step-*` directory is used
+/// instead.
 pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> {
     let root = checkpoints_dir(output);
     let mut warnings = Vec::new();
@@ -316,13 +397,20 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
         Ok(n) => {
             let name = n.trim();
             let valid = name.starts_with("step-") && !name.contains('/') && !name.contains("..");
+            // A crash between the two renames of a save left the step's old copy aside.
+            let aside = root.join(format!("{ASIDE}{name}"));
+            let dir = if valid && !root.join(name).exists() && aside.is_dir() {
+                aside
+            } else {
+                root.join(name)
+            };
             let why = if valid {
-                unusable(&root.join(name))
+                unusable(&dir)
             } else {
                 Some("is not a checkpoint directory".into())
             };
             match why {
-                None => return Ok((Some(root.join(name)), warnings)),
+                None => return Ok((Some(dir), warnings)),
                 Some(why) => warnings.push(format!(
                     "{} names {name:?}, which is not a usable checkpoint: it {why}",
                     pointer.display()
@@ -332,19 +420,12 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(TrainError::io(&pointer, e)),
     }
-    let entries = match fs::read_dir(&root) {
-        Ok(entries) => entries,
+    let mut dirs = match step_dirs(&root) {
+        Ok(dirs) => dirs,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((None, warnings)),
         Err(e) => return Err(TrainError::io(&root, e)),
     };
-    let mut names: Vec<String> = entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| e.file_name().into_string().ok())
-        .filter(|n| n.starts_with("step-"))
-        .collect();
-    names.sort();
-    while let Some(name) = names.pop() {
-        let dir = root.join(&name);
+    while let Some((_, dir)) = dirs.pop() {
         match unusable(&dir) {
             None => return Ok((Some(dir), warnings)),
             Some(why) => warnings.push(format!("{} {why}", dir.display())),
@@ -353,11 +434,35 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
     Ok((None, warnings))
 }
 
-/// Reads a checkpoint's state without touching any engine.
+/// Reads a checkpoint's state without touching any engine. Its checksum (when the checkpoint
+/// has `checksums.json`) is verified before it is parsed: a corrupt file is an error.
 pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join("state.json");
     let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    if let Some(want) = recorded_checksum(dir, "state.json")? {
+        let got = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
+        if got != want {
+            return Err(ck_err(
+                &path,
+                format!("is corrupt: checksum {got}, {CHECKSUMS} says {want}"),
+            ));
+        }
+    }
     serde_json::from_slice(&bytes).map_err(|e| ck_err(&path, e.to_string()))
+}
+
+/// The checksum `checksums.json` of `dir` records for `name`; `None` when the checkpoint has
+/// no checksums (one from before them) or none for `name`.
+fn recorded_checksum(dir: &Path, name: &str) -> Result<Option<String>> {
+    let path = dir.join(CHECKSUMS);
+    let bytes = match fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(TrainError::io(&path, e)),
+    };
+    let mut sums: std::collections::BTreeMap<String, String> =
+        serde_json::from_slice(&bytes).map_err(|e| ck_err(&path, e.to_string()))?;
+    Ok(sums.remove(name))
 }
 
 /// Loads a checkpoint's weights and optimizer state into `model` and returns its state.
@@ -402,6 +507,17 @@ pub fn read_flat_state(
     let flat = match &state.zero {
         None => FlatOptimizerState::gather(layout, &[(None, &read("optimizer.bpk")?)]),
         Some(z) => {
+            // Checked before the files are read: the manifest's count is only a number.
+            if z.shards.len() != z.world {
+                return Err(ck_err(
+                    dir,
+                    format!(
+                        "its manifest has {} shards for {} ranks",
+                        z.shards.len(),
+                        z.world
+                    ),
+                ));
+            }
             let files = (0..z.world)
                 .map(|r| read(&zero_file(r)))
                 .collect::<Result<Vec<_>>>()?;
@@ -410,16 +526,6 @@ pub fn read_flat_state(
                 .iter()
                 .map(|s| s.iter().map(|&[a, b]| a..b).collect())
                 .collect();
-            if ranges.len() != z.world {
-                return Err(ck_err(
-                    dir,
-                    format!(
-                        "its manifest has {} shards for {} ranks",
-                        ranges.len(),
-                        z.world
-                    ),
-                ));
-            }
             let parts: Vec<_> = ranges
                 .iter()
                 .zip(&files)
@@ -473,6 +579,10 @@ mod tests {
     }
 
     fn save_fake(out: &Path, step: u64) -> Result<PathBuf> {
+        save_fake_with(out, step, step as u8)
+    }
+
+    fn save_fake_with(out: &Path, step: u64, byte: u8) -> Result<PathBuf> {
         let state = CheckpointState {
             step,
             epoch: 0,
@@ -485,9 +595,88 @@ mod tests {
             zero: None,
         };
         save_with(out, &state, |dir| {
-            write_part(dir, "model.safetensors", &[step as u8; 64])?;
+            write_part(dir, "model.safetensors", &[byte; 64])?;
             write_part(dir, "optimizer.bpk", &[7; 16])
         })
+    }
+
+    /// A save of a step that exists already moves the old copy aside before it renames the
+    /// new one in: a crash between the two renames leaves the old copy, which resume takes,
+    /// and the next save of the step puts things in order.
+    #[test]
+    fn a_crash_while_a_step_is_saved_again_keeps_its_old_copy() -> Result<()> {
+        let out = tempfile::tempdir().map_err(|e| TrainError::io(Path::new("tmp"), e))?;
+        save_fake(out.path(), 10)?;
+        let first = save_fake(out.path(), 20)?;
+        let weights = |dir: &Path| fs::read(dir.join("model.safetensors")).ok();
+        let old = weights(&first);
+        CRASH_BETWEEN_RENAMES.with(|c| c.set(true));
+        let crashed = std::panic::catch_unwind(|| save_fake_with(out.path(), 20, 99));
+        assert!(crashed.is_err(), "the save went past the crash point");
+        let (dir, _) = newest_complete(out.path())?;
+        let dir = dir.expect("a checkpoint to resume from");
+        assert!(
+            dir.ends_with("step-00000020") || dir.ends_with(".aside-step-00000020"),
+            "{dir:?}"
+        );
+        assert_eq!(weights(&dir), old, "resume takes step 20's old copy");
+        assert_eq!(read_state(&dir)?.step, 20);
+        // The next save of the step replaces it and leaves no aside copy behind.
+        let again = save_fake_with(out.path(), 20, 77)?;
+        assert_eq!(weights(&again), Some(vec![77; 64]));
+        assert_eq!(newest_complete(out.path())?, (Some(again), vec![]));
+        let names: Vec<String> = fs::read_dir(checkpoints_dir(out.path()))
+            .map_err(|e| TrainError::io(out.path(), e))?
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .filter(|n| n.starts_with(ASIDE))
+            .collect();
+        assert!(names.is_empty(), "{names:?}");
+        Ok(())
+    }
+
+    /// A `state.json` whose shard or stage count is corrupt (huge) is an error or a reason to
+    /// pass the checkpoint over, with or without checksums: never a panic or an allocation of
+    /// that size.
+    #[test]
+    fn a_corrupt_state_is_an_error_not_a_huge_allocation() -> Result<()> {
+        let out = tempfile::tempdir().map_err(|e| TrainError::io(Path::new("tmp"), e))?;
+        let older = save_fake(out.path(), 10)?;
+        let newer = save_fake(out.path(), 20)?;
+        let path = newer.join("state.json");
+        let mut state = read_state(&newer)?;
+        state.zero = Some(ZeroManifest {
+            stage: 1,
+            world: usize::MAX / 2,
+            shards: vec![],
+        });
+        let corrupt = serde_json::to_vec(&state).map_err(|e| ck_err(&path, e.to_string()))?;
+        fs::write(&path, &corrupt).map_err(|e| TrainError::io(&path, e))?;
+        // With checksums: state.json no longer matches; read_state refuses to parse it.
+        let e = read_state(&newer).expect_err("a corrupt state.json");
+        assert!(e.to_string().contains("is corrupt: checksum"), "{e}");
+        let (dir, warnings) = newest_complete(out.path())?;
+        assert_eq!(dir, Some(older.clone()));
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("state.json has checksum"))
+        );
+        // Without checksums (a checkpoint from before them): the count is checked against
+        // the files there are.
+        let sums = newer.join(CHECKSUMS);
+        fs::remove_file(&sums).map_err(|e| TrainError::io(&sums, e))?;
+        let (dir, warnings) = newest_complete(out.path())?;
+        assert_eq!(dir, Some(older));
+        assert!(
+            warnings
+                .iter()
+                .any(|w| w.contains("is incomplete (state.json names")),
+            "{warnings:?}"
+        );
+        let layout = ParamLayout::of_lengths(&[2]);
+        let e = read_flat_state(&newer, &read_state(&newer)?, &layout).map(|_| ());
+        assert!(e.is_err());
+        Ok(())
     }
 
     /// A flipped byte in the newest checkpoint: resume takes the one before and says why.

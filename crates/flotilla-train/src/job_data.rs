@@ -30,7 +30,7 @@ impl JobData {
         let limit = config.data.train_limit;
         let data = match config.data.source() {
             DataSource::Mnist(dir) => {
-                let files = Mnist::open(&dir, Normalization::MNIST, &default_cache_dir())?;
+                let files = Mnist::open(&dir, Normalization::MNIST, &default_cache_dir()?)?;
                 let (mut train, test) = (files.train, files.test);
                 if let Some(limit) = limit {
                     train.truncate(limit.min(train.len()));

@@ -4,6 +4,7 @@
 //!
 //! Strategies talk to the engine through [`flotilla_engine::Engine`] (flat buffers) and to the
 //! other ranks through a [`flotilla_comm::ProcessGroup`]; they never see sockets.
+#![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod backend;

@@ -137,8 +137,11 @@ pub fn bind_child(cmd: &mut Command) {
     {
         use std::os::unix::process::CommandExt;
         let size = std::mem::size_of::<libc::cpu_set_t>();
-        // SAFETY: the closure runs in the forked child before exec and makes one
-        // async-signal-safe system call on a set built before the fork, allocating nothing.
+        // SAFETY: the closure runs in the forked child before exec, where only
+        // async-signal-safe calls are allowed: it makes one system call (sched_setaffinity)
+        // on a set built and copied into it before the fork, and its error is
+        // `last_os_error` (an `io::Error` holding the number, no allocation); nothing in it
+        // allocates or formats.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::sched_setaffinity(0, size, &set) != 0 {

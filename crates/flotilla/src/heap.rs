@@ -13,8 +13,8 @@
 
 /// Sets the heap policy above; a no-op on targets other than glibc.
 pub fn keep_freed_buffers() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: `mallopt` only changes malloc's parameters; called before any thread exists.
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 256 << 20);
         libc::mallopt(libc::M_TRIM_THRESHOLD, 512 << 20);

@@ -530,16 +530,23 @@ fn die_with_launcher(cmd: &mut Command) {
     #[cfg(target_os = "linux")]
     {
         use std::os::unix::process::CommandExt;
-        // SAFETY: the closure runs in the forked child before exec and calls only
-        // async-signal-safe functions (prctl, getppid), allocating nothing.
         let launcher = std::process::id() as libc::pid_t;
+        // SAFETY: the closure runs in the forked child before exec, where only
+        // async-signal-safe calls are allowed (another thread of the parent may have held the
+        // allocator's lock at the fork): it calls prctl and getppid and builds its errors
+        // with `from_raw_os_error` (an `io::Error` that holds the number, no allocation, as
+        // `last_os_error` does), from values copied before the fork (`launcher`); nothing in it
+        // allocates or formats. Checked by reading it: no `String`, `Box`, `Vec`, `format!`,
+        // `Error::other` or `Error::new` (which box their message) is reached.
         unsafe {
             cmd.pre_exec(move || {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
                 if libc::getppid() != launcher {
-                    return Err(std::io::Error::other("the launcher exited"));
+                    // The launcher exited between the fork and here: no one is left to read
+                    // a message; "no such process" is the launcher's.
+                    return Err(std::io::Error::from_raw_os_error(libc::ESRCH));
                 }
                 Ok(())
             });

@@ -108,7 +108,11 @@ fn train(args: &TrainArgs) -> Result<()> {
     };
     settings::check_rank_source(&sources, &config, rank)?;
     let rank_telemetry = telemetry::init(Some((&config, rank)))?;
-    let mut observer = TrainObserver::new(rank_telemetry, config.telemetry.metrics_port);
+    let mut observer = TrainObserver::new(
+        rank_telemetry,
+        config.telemetry.metrics_port,
+        &config.telemetry.metrics_addr,
+    );
     let result = flotilla_train::run(&config, rank, &mut observer);
     observer.finish();
     if let Err(e) = &result

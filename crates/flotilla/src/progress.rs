@@ -37,13 +37,14 @@ pub struct TrainObserver {
     last_emit: Option<Instant>,
     telemetry: RankTelemetry,
     metrics_port: Option<u16>,
+    metrics_addr: String,
     metrics: Option<MetricsServer>,
 }
 
 impl TrainObserver {
     /// Chooses the display from the environment; `metrics_port` is the base port of the
-    /// ranks' `/metrics` endpoints.
-    pub fn new(telemetry: RankTelemetry, metrics_port: Option<u16>) -> Self {
+    /// ranks' `/metrics` endpoints, served on the interface `metrics_addr`.
+    pub fn new(telemetry: RankTelemetry, metrics_port: Option<u16>, metrics_addr: &str) -> Self {
         let emit_progress = std::env::var(PROGRESS_ENV).is_ok_and(|v| v == "1");
         Self {
             bar: None,
@@ -51,6 +52,7 @@ impl TrainObserver {
             last_emit: None,
             telemetry,
             metrics_port,
+            metrics_addr: metrics_addr.to_string(),
             metrics: None,
         }
     }
@@ -79,9 +81,10 @@ impl Observer for TrainObserver {
         }
         if let (Some(recorder), Some(base)) = (&self.telemetry.recorder, self.metrics_port) {
             let port = base.saturating_add(u16::try_from(rank).unwrap_or(u16::MAX));
-            match recorder.serve("0.0.0.0", port) {
+            match recorder.serve(&self.metrics_addr, port) {
                 Ok(server) => {
-                    println!("metrics: http://0.0.0.0:{}/metrics", server.port());
+                    let addr = &self.metrics_addr;
+                    println!("metrics: http://{addr}:{}/metrics", server.port());
                     self.metrics = Some(server);
                 }
                 // Training goes on without its endpoint; the reason is shown.

@@ -5,8 +5,10 @@
 //! The job's ranks are `0..servers` servers then the workers, as in `flotilla train`'s flat
 //! topology, and they speak its protocol (`flotilla-ps`: [`flotilla_ps::PsMessage`]s point to
 //! point, each naming the parameter version it was computed from; pushes checked by
-//! [`flotilla_ps::admit`] before they touch anything; a sync round's pushes summed in worker
-//! order by [`flotilla_ps::Accumulator`], sample-weighted). With several servers each owns a
+//! [`flotilla_ps::admit`] before they touch anything, their weight bounded by the batch size
+//! ([`PsConfig::batch_size`]) and their weighted sum by `f32`'s range; a sync round's pushes
+//! summed in worker order by [`flotilla_ps::Accumulator`], sample-weighted; an update whose
+//! new parameters would not be finite refused). With several servers each owns a
 //! contiguous run of whole parameter tensors, balanced by size ([`shards`]), steps the user's
 //! optimizer on those tensors alone, and workers pull and push each its part; rank 0 gathers
 //! the others' parts at the end, so [`serve`] returns the whole trained model there.
@@ -52,15 +54,20 @@ pub struct PsConfig {
     pub aggregation: Aggregation,
     /// Longest wait for any peer; the error names who was waited for.
     pub timeout: Duration,
+    /// The workers' batch size: the most samples a push may claim ([`Worker::push`]'s
+    /// `samples`, its weight in a round's mean). A push claiming more is refused, naming the
+    /// worker.
+    pub batch_size: u32,
 }
 
 impl Default for PsConfig {
-    /// One sync server, a 60 s deadline.
+    /// One sync server, a 60 s deadline, batches of up to 64 samples.
     fn default() -> Self {
         Self {
             servers: 1,
             aggregation: Aggregation::Sync,
             timeout: Duration::from_secs(60),
+            batch_size: 64,
         }
     }
 }

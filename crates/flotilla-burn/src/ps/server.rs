@@ -9,7 +9,9 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use flotilla_engine::{ParamLayout, any_module};
 use flotilla_group::ProcessGroup;
-use flotilla_ps::{Accumulator, Admission, Event, Inbox, PsMessage, TAG, admit, encode_params};
+use flotilla_ps::{
+    Accumulator, Admission, Event, Inbox, PsMessage, TAG, admit, check_samples, encode_params,
+};
 
 use super::{Aggregation, PsConfig, Shard, shards};
 use crate::data_parallel::DataParallel;
@@ -184,7 +186,7 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
             Aggregation::Async { max_staleness, .. } => Admission::Async { max_staleness },
         };
         let len = self.shard.values.len();
-        let staleness = match admit(
+        let verdict = admit(
             admission,
             self.stats.version,
             len,
@@ -192,7 +194,9 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
             version,
             delta,
             &values,
-        ) {
+        )
+        .and_then(|s| check_samples(samples, self.config.batch_size.into()).map(|()| s));
+        let staleness = match verdict {
             Ok(s) => s,
             Err(reason) => {
                 self.reject(w, &reason)?;
@@ -202,7 +206,10 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
         if self.done() {
             return self.answer(w).map(|()| model);
         }
-        self.acc.add(w, samples, loss, version as f64, values);
+        if let Err(reason) = self.acc.add(w, samples, loss, version as f64, values) {
+            self.reject(w, &reason)?;
+            return Ok(model);
+        }
         self.pushed.insert(w);
         if let Aggregation::Async { staleness_lr, .. } = self.config.aggregation {
             let scale = if staleness_lr {
@@ -211,35 +218,58 @@ impl<F: FnMut(u64) -> f64> Server<'_, F> {
                 1.0
             };
             self.stats.max_staleness = self.stats.max_staleness.max(staleness);
-            let model = self.apply(model, scale)?;
-            self.answer(w)?;
+            let (model, refused) = self.apply(model, scale)?;
+            match refused {
+                Some(reason) => self.reject(w, &reason)?,
+                None => self.answer(w)?,
+            }
             return Ok(model);
         }
         if self.live.iter().any(|c| !self.pushed.contains(c)) {
             return Ok(model);
         }
-        let model = self.apply(model, 1.0)?;
+        let (model, refused) = self.apply(model, 1.0)?;
         for c in self.live.clone() {
-            self.answer(c)?;
+            // Refused: every worker of the round pushes again on the same version.
+            match &refused {
+                Some(reason) => self.reject(c, reason)?,
+                None => self.answer(c)?,
+            }
         }
         Ok(model)
     }
 
-    /// One optimizer step of this server's tensors with the mean of the pushes gathered.
-    fn apply<M: Module>(&mut self, model: M, lr_scale: f64) -> Result<M> {
+    /// One optimizer step of this server's tensors with the mean of the pushes gathered; or,
+    /// when the new parameters would not all be finite, the model as it was (the optimizer's
+    /// state has taken the step) and why.
+    fn apply<M: Module>(&mut self, model: M, lr_scale: f64) -> Result<(M, Option<String>)> {
         self.pushed.clear();
         let Some(mean) = self.acc.take() else {
-            return Ok(model);
+            return Ok((model, None));
         };
         let mut grads = GradientsParams::new();
         let (layout, params) = (&self.layout, self.shard.params.clone());
         any_module::put_grads(&model, &mut grads, layout, params, &mean.values)?;
         let lr = (self.lr)(self.stats.version) * lr_scale;
         let model = self.optim.step(lr, model, grads);
-        any_module::read_params(&model, &self.layout, &mut self.flat)?;
+        let mut next = vec![0.0; self.flat.len()];
+        any_module::read_params(&model, &self.layout, &mut next)?;
+        if let Some(i) = next[self.shard.values.clone()]
+            .iter()
+            .position(|v| !v.is_finite())
+        {
+            let at = self.shard.values.start + i;
+            let model = any_module::write_params(model, &self.layout, &self.flat)?;
+            let why = format!(
+                "the update would make parameter {at} non-finite ({})",
+                next[at]
+            );
+            return Ok((model, Some(why)));
+        }
+        self.flat = next;
         self.stats.version += 1;
         self.stats.last_loss = mean.loss;
-        Ok(model)
+        Ok((model, None))
     }
 
     /// A worker failed or is gone: fatal for a sync round, dropped by an async server.

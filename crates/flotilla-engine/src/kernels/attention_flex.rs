@@ -20,15 +20,49 @@ pub(crate) struct Heads {
 
 impl Heads {
     /// The shape of `q` `[n, t, d]` cut into `heads` heads.
+    ///
+    /// # Panics
+    /// Unless `q` is `[n, t, d]` with `d` a positive multiple of `heads` (the kernels address
+    /// the buffers by this shape; a burn op panics on a wrong shape the same way).
     pub(crate) fn of(q: &FloatTensor<Flex>, heads: usize) -> Self {
         let dims = q.shape();
+        assert!(
+            dims.num_dims() == 3 && heads > 0 && dims[2] % heads == 0,
+            "causal attention: q must be [n, t, d] with d a multiple of the {heads} heads, got {dims:?}"
+        );
         let (n, t, d) = (dims[0], dims[1], dims[2]);
         Self {
             n,
             t,
             heads,
-            dk: d / heads.max(1),
+            dk: d / heads,
         }
+    }
+
+    /// Checks that `x` (named `name`) has the shape `dims` and as many values: the strided
+    /// views of the kernels read and write exactly that many, unchecked.
+    ///
+    /// # Panics
+    /// Naming the tensor and both shapes, before any unchecked access.
+    fn check(name: &str, x: &FloatTensor<Flex>, values: &[f32], dims: &[usize]) {
+        let shape = x.shape();
+        let len: usize = dims.iter().product();
+        assert!(
+            shape.as_slice() == dims && values.len() == len,
+            "causal attention: {name} must be {dims:?} ({len} contiguous values), got {shape:?} \
+             ({} values)",
+            values.len()
+        );
+    }
+
+    /// `[n, t, d]`: the shape of `q`, `k`, `v`, the context and its gradient.
+    fn rows(self) -> [usize; 3] {
+        [self.n, self.t, self.d()]
+    }
+
+    /// `[n, heads, t, t]`: the shape of the probabilities.
+    fn probs(self) -> [usize; 4] {
+        [self.n, self.heads, self.t, self.t]
     }
 
     fn d(self) -> usize {
@@ -125,6 +159,9 @@ pub(crate) fn forward_f32(
     v: &FloatTensor<Flex>,
     s: Heads,
 ) -> (FloatTensor<Flex>, FloatTensor<Flex>) {
+    for (name, x) in [("q", q), ("k", k), ("v", v)] {
+        Heads::check(name, x, slice(x), &s.rows());
+    }
     let (q, k, v) = (slice(q), slice(k), slice(v));
     let (t, d) = (s.t, s.d() as isize);
     let mut out = vec![0.0f32; s.n * s.t * s.d()];
@@ -174,6 +211,14 @@ pub(crate) fn backward_f32(
     inputs: [&FloatTensor<Flex>; 5],
     s: Heads,
 ) -> (FloatTensor<Flex>, FloatTensor<Flex>, FloatTensor<Flex>) {
+    for (name, x) in ["q", "k", "v", "probs", "grad"].into_iter().zip(inputs) {
+        let dims = if name == "probs" {
+            &s.probs()[..]
+        } else {
+            &s.rows()[..]
+        };
+        Heads::check(name, x, slice(x), dims);
+    }
     let [q, k, v, probs, g] = inputs.map(slice);
     let (t, d, ti) = (s.t, s.d() as isize, s.t as isize);
     let len = s.n * s.t * s.d();

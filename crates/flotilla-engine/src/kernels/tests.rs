@@ -171,3 +171,63 @@ fn flex_kernels_match_the_reference_in_burns_ops_forward_and_backward() {
     assert_close("dk", &flex_values(&ours.1), &flex_values(&theirs.1), 1e-5);
     assert_close("dv", &flex_values(&ours.2), &flex_values(&theirs.2), 1e-5);
 }
+
+/// The panic message of `f`, if it panics.
+fn panic_message(f: impl FnOnce()) -> Option<String> {
+    let payload = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).err()?;
+    let text = payload
+        .downcast_ref::<String>()
+        .cloned()
+        .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()));
+    Some(text.unwrap_or_default())
+}
+
+/// `k`, `v` (and backward's probabilities and gradient) of another shape than `q` are refused
+/// with a message naming the tensor before the kernels read them through unchecked strided
+/// views (which would read past their buffers).
+#[test]
+fn flex_kernels_refuse_k_v_probs_or_grad_of_the_wrong_shape() {
+    let q = flex([2, 9, 32], 1, 1.0);
+    let good = flex([2, 9, 32], 2, 1.0);
+    let short = flex([2, 3, 32], 3, 1.0);
+    let narrow = flex([2, 9, 16], 4, 1.0);
+    for (name, k, v) in [
+        ("k", short.clone(), good.clone()),
+        ("k", narrow.clone(), good.clone()),
+        ("v", good.clone(), short.clone()),
+        ("v", good.clone(), narrow.clone()),
+    ] {
+        let q = q.clone();
+        let message = panic_message(|| {
+            let _ = Flex::causal_attention_probs(q, k, v, 2);
+        });
+        let message = message.unwrap_or_else(|| panic!("a wrong {name} was taken"));
+        assert!(
+            message.contains(&format!("causal attention: {name} must be [2, 9, 32]")),
+            "{message}"
+        );
+    }
+    let (_, probs) = Flex::causal_attention_probs(q.clone(), good.clone(), good.clone(), 2);
+    let small_probs = super::host::tensor(vec![0.0; 2 * 2 * 3 * 3], [2, 2, 3, 3]);
+    for (name, probs, g) in [
+        ("probs", small_probs, good.clone()),
+        ("grad", probs, short.clone()),
+    ] {
+        let (q, k, v) = (q.clone(), good.clone(), good.clone());
+        let message = panic_message(|| {
+            let _ = Flex::causal_attention_backward(q, k, v, probs, g, 2);
+        });
+        let message = message.unwrap_or_else(|| panic!("a wrong {name} was taken"));
+        assert!(
+            message.contains(&format!("causal attention: {name} must be")),
+            "{message}"
+        );
+    }
+    let message = panic_message(|| {
+        let _ = Flex::causal_attention_probs(q.clone(), good.clone(), good.clone(), 3);
+    });
+    assert!(
+        message.is_some_and(|m| m.contains("a multiple of the 3 heads")),
+        "32 features cannot be cut into 3 heads"
+    );
+}

@@ -333,6 +333,14 @@ pub const KEYS: &[Key] = &[
             Kind::U16,
             "Serve Prometheus metrics: rank r on port P + r at /metrics",
         ),
+    Key::new("telemetry.metrics_addr")
+        .aliases(&["metrics_addr"])
+        .flag(
+            "metrics-addr",
+            "ADDR",
+            Kind::Text,
+            "Interface /metrics listens on (default 127.0.0.1; 0.0.0.0 opens it to the network)",
+        ),
 ];
 
 /// The key a flat name stands for (`lr` → `optimizer.lr`).

@@ -16,7 +16,14 @@ pub struct TelemetrySection {
     pub timeline_path: Option<PathBuf>,
     /// Serve Prometheus metrics: rank `r` on port `metrics_port + r`, at `/metrics`.
     pub metrics_port: Option<u16>,
+    /// The interface `/metrics` listens on: `127.0.0.1` (this machine only) unless widened,
+    /// e.g. to `0.0.0.0` for a Prometheus server elsewhere (anyone who reaches the port reads
+    /// the job's metrics).
+    pub metrics_addr: String,
 }
+
+/// The default of [`TelemetrySection::metrics_addr`]: loopback only.
+pub const DEFAULT_METRICS_ADDR: &str = "127.0.0.1";
 
 impl Default for TelemetrySection {
     fn default() -> Self {
@@ -24,6 +31,7 @@ impl Default for TelemetrySection {
             output: PathBuf::from("runs/latest"),
             timeline_path: None,
             metrics_port: None,
+            metrics_addr: DEFAULT_METRICS_ADDR.to_string(),
         }
     }
 }

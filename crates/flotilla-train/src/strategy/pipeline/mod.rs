@@ -23,4 +23,6 @@ pub use stage::PipelineStage;
 #[cfg(test)]
 mod seq_tests;
 #[cfg(test)]
+mod state_tests;
+#[cfg(test)]
 mod tests;

@@ -17,30 +17,16 @@ use flotilla_comm::pipeline::wire::{self, Direction};
 const WEIGHTS: usize = 0;
 const OPTIMIZER: usize = 1;
 
-/// A stage's weights as safetensors bytes and its optimizer state.
+/// A stage's weights as safetensors bytes and its optimizer state. Both stay in memory: no
+/// file in a shared directory that another local user could read, replace or plant a link
+/// at.
 fn stage_parts(stage: &Stage) -> Result<[Vec<u8>; 2]> {
-    let path = std::env::temp_dir().join(format!(
-        "flotilla-{}-stage-{}.safetensors",
-        std::process::id(),
-        stage.index()
-    ));
-    stage.save_weights(&path)?;
-    let weights = std::fs::read(&path).map_err(|e| TrainError::io(&path, e));
-    let _ = std::fs::remove_file(&path);
-    Ok([weights?, stage.optimizer_state()?])
+    Ok([stage.weights_bytes()?, stage.optimizer_state()?])
 }
 
 /// Replaces a stage's weights and optimizer state with `parts` (from [`stage_parts`]).
 fn load_parts(stage: &mut Stage, parts: &[Vec<u8>; 2]) -> Result<()> {
-    let path = std::env::temp_dir().join(format!(
-        "flotilla-{}-resume-stage-{}.safetensors",
-        std::process::id(),
-        stage.index()
-    ));
-    std::fs::write(&path, &parts[WEIGHTS]).map_err(|e| TrainError::io(&path, e))?;
-    let loaded = stage.load_weights(&path);
-    let _ = std::fs::remove_file(&path);
-    loaded?;
+    stage.load_weights_bytes(&parts[WEIGHTS])?;
     stage.load_optimizer_state(&parts[OPTIMIZER])?;
     Ok(())
 }

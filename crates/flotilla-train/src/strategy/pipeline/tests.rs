@@ -13,13 +13,13 @@ use flotilla_engine::{
 use super::{Pipeline, PipelineOptions, Schedule};
 use crate::testkit::{sgd, world};
 
-const SEED: u64 = 5;
+pub(super) const SEED: u64 = 5;
 const BATCH: usize = 8;
-const BATCHES: usize = 20;
+pub(super) const BATCHES: usize = 20;
 const LR: f64 = 0.1;
 
 /// Layers 0..10; `a` (layer 0) is taken by layer 4, `b` (layer 6) by layer 8.
-fn spec() -> ModelSpec {
+pub(super) fn spec() -> ModelSpec {
     ModelSpec::from_yaml(
         "input: [12]
 layers:
@@ -44,7 +44,11 @@ layers:
     .expect("spec")
 }
 
-fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> PipelineOptions {
+pub(super) fn options(
+    schedule: Schedule,
+    micro_batches: usize,
+    data_parallel: usize,
+) -> PipelineOptions {
     PipelineOptions {
         micro_batches,
         schedule,
@@ -87,7 +91,7 @@ pub(super) fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
 }
 
 /// Single-process training on the same batches.
-fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
+pub(super) fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
     let mut e = BurnEngine::new(&spec(), &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let initial = named(&e);
     for b in 0..BATCHES {
@@ -156,7 +160,7 @@ pub(super) fn run_model(
         .collect()
 }
 
-fn train_batch(pipe: &mut Pipeline, b: usize) -> Option<f32> {
+pub(super) fn train_batch(pipe: &mut Pipeline, b: usize) -> Option<f32> {
     let d = pipe.options().data_parallel;
     let (images, labels) = shard(b, pipe.replica(), d);
     pipe.train_batch(&images, &labels).expect("train_batch")

@@ -31,6 +31,9 @@ pub struct Place {
     pub resync_from: Option<usize>,
     /// What the rank says of its place when it starts.
     pub announcement: Announcement,
+    /// The most samples each child (of `role.children`, in order) can claim in a push: the
+    /// batch size times the local steps, times the workers under it for a local server.
+    pub max_samples: Vec<u64>,
 }
 
 /// The lines a parameter-server rank logs when it starts, once the job is restored: at the
@@ -95,6 +98,15 @@ impl Place {
             (None, Some(m)) => m,
             (None, None) => s.epochs.max(1) as u64 * rounds_per_epoch,
         };
+        let per_worker = (config.data.batch_size as u64).saturating_mul(local_steps as u64);
+        let max_samples = role
+            .children
+            .iter()
+            .map(|&c| {
+                let below = topology.role(c).map_or(0, |r| r.children.len()).max(1);
+                per_worker.saturating_mul(below as u64)
+            })
+            .collect();
         let shards = topology
             .servers()
             .filter(|r| matches!(r.kind, RoleKind::ShardServer { .. }))
@@ -108,7 +120,17 @@ impl Place {
             workers,
             resync_from: (shards > 1).then(|| topology.root()),
             announcement,
+            max_samples,
         })
+    }
+
+    /// The most samples `child` can claim in a push (0 for a rank that is not a child).
+    pub fn max_samples_of(&self, child: usize) -> u64 {
+        self.role
+            .children
+            .iter()
+            .position(|&c| c == child)
+            .map_or(0, |i| self.max_samples[i])
     }
 
     /// How the run counts a role that trains on `shard` of the data (`(1, 0)`: a server).

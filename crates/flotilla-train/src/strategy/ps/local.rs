@@ -64,6 +64,12 @@ pub struct LocalServer {
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
     resync_from: Option<usize>,
+    /// The most samples a child can claim in a push (each child is a worker).
+    max_samples: u64,
+    /// The most samples a push up claims: one push of every child. An async server that
+    /// gathered more while its parent was busy says this many, so that its parent's check
+    /// holds and one fast group cannot outweigh the others beyond its size.
+    max_up: u64,
 }
 
 impl LocalServer {
@@ -84,6 +90,8 @@ impl LocalServer {
             announcement: place.announcement.clone(),
             counting: place.counting((1, 0)),
             resync_from: place.resync_from,
+            max_samples: place.max_samples.iter().copied().max().unwrap_or(0),
+            max_up: place.max_samples.iter().sum(),
             inbox: Inbox::listen(cx.comm, &peers),
             timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
             pushed: None,
@@ -143,7 +151,7 @@ impl LocalServer {
             &PsMessage::Push {
                 version,
                 staleness,
-                samples: mean.samples.min(u32::MAX as u64) as u32,
+                samples: mean.samples.min(self.max_up).min(u32::MAX as u64) as u32,
                 loss: mean.loss,
                 delta: self.averaging,
                 values: mean.values,
@@ -240,6 +248,7 @@ impl LocalServer {
             len: self.len,
             averaging: self.averaging,
             sync_pending: self.sync.then_some(&self.pending),
+            max_samples: self.max_samples,
         };
         if check.take(cx, &mut self.acc, child, msg)?.is_none() {
             return Ok(());

@@ -296,3 +296,57 @@ fn an_abort_from_a_child_fails_a_sync_root_with_its_reason_and_an_async_root_goe
         }
     }
 }
+
+/// A push that claims more samples than its worker can have trained on (its weight in the
+/// mean), or whose finite values would overflow the round's sum to infinity, is refused to
+/// that worker and changes nothing; so is an update whose new parameters would not be finite.
+#[test]
+fn an_overweight_or_overflowing_push_is_refused_to_its_worker_and_changes_nothing() {
+    for sync in [true, false] {
+        let mut w = world(3);
+        let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
+        let mut s = root(w.pop().expect("server"), sync, None);
+        let p0 = s.params();
+        let refused = |w: &Arc<dyn ProcessGroup>, what: &str| match next(w, 0) {
+            Some(PsMessage::Reject { reason }) => assert!(reason.contains(what), "{reason}"),
+            other => panic!("expected a refusal about {what:?}, got {other:?}"),
+        };
+        // The configured batch is 64 samples, one local step.
+        w1.send(0, TAG, &push(0, u32::MAX, 1.0, N)).expect("send");
+        s.try_step(WAIT).expect("overweight");
+        refused(&w1, "claims 4294967295 samples, more than the 64");
+        w2.send(0, TAG, &push(0, 2, 3e38, N)).expect("send");
+        s.try_step(WAIT).expect("overflowing");
+        refused(&w2, "overflow");
+        assert_eq!((s.machine.version(), s.params()), (0, p0.clone()));
+        // Each push alone is fine; together they would overflow the round's sum.
+        w1.send(0, TAG, &push(0, 64, 2e36, N)).expect("send");
+        s.try_step(WAIT).expect("a large push");
+        if sync {
+            w2.send(0, TAG, &push(0, 64, -2e36, N)).expect("send");
+            s.try_step(WAIT).expect("a second large push");
+            refused(&w2, "overflow");
+            assert_eq!((s.machine.version(), s.params()), (0, p0.clone()));
+        } else {
+            // Alone it is applied: finite parameters.
+            assert_eq!(s.machine.version(), 1);
+            assert!(s.params().iter().all(|p| p.is_finite()));
+        }
+    }
+    // A finite mean whose step makes the parameters infinite: refused, nothing applied.
+    let mut w = world(3);
+    let (_w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
+    let mut config = job(|t| flat(t, Aggregation::Async, 1));
+    config.optimizer = sgd(4.0, 0.0);
+    let topology = config.topology().expect("topology");
+    let mut s = Server::updating(w.pop().expect("server"), &config, &topology);
+    let p0 = s.params();
+    w1.send(0, TAG, &push(0, 1, 1e38, N)).expect("send");
+    s.try_step(WAIT)
+        .expect("a push that overflows the parameters");
+    match next(&w1, 0) {
+        Some(PsMessage::Reject { reason }) => assert!(reason.contains("non-finite"), "{reason}"),
+        other => panic!("expected a refusal, got {other:?}"),
+    }
+    assert_eq!((s.machine.version(), s.params()), (0, p0));
+}

@@ -11,7 +11,9 @@ use flotilla_engine::Engine;
 
 use super::{PsContext, send};
 use crate::error::{Result, TrainError};
-use flotilla_ps::{Accumulator, Admission, Event, Inbox, Mean, PsMessage, admit, encode_params};
+use flotilla_ps::{
+    Accumulator, Admission, Event, Inbox, Mean, PsMessage, admit, check_samples, encode_params,
+};
 
 /// `1, 2, 3`.
 pub(crate) fn list(ranks: &BTreeSet<usize>) -> String {
@@ -129,30 +131,45 @@ impl Model {
     }
 
     /// Applies a mean push to the shard: a gradient through `engine`'s optimizer (zero
-    /// outside the shard), a weight delta (model averaging) by addition.
+    /// outside the shard), a weight delta (model averaging) by addition. New parameters that
+    /// are not all finite are refused: the shard keeps its parameters and version (the
+    /// optimizer's state has taken the step) and the reason is returned.
     pub(crate) fn apply(
         &mut self,
         engine: &mut dyn Engine,
         mean: &Mean,
         lr: f64,
         averaging: bool,
-    ) -> Result<()> {
+    ) -> Result<Option<String>> {
+        let range = self.range.clone();
         if averaging {
-            for (p, d) in self.params.values.iter_mut().zip(&mean.values) {
-                *p += d;
+            for ((f, p), d) in self.full[range.clone()]
+                .iter_mut()
+                .zip(&self.params.values)
+                .zip(&mean.values)
+            {
+                *f = p + d;
             }
-            self.full[self.range.clone()].copy_from_slice(&self.params.values);
-            engine.write_params(&self.full)?;
         } else {
-            self.grad[self.range.clone()].copy_from_slice(&mean.values);
+            self.grad[range.clone()].copy_from_slice(&mean.values);
             engine.apply_grads(&self.grad, lr)?;
             engine.read_params(&mut self.full)?;
-            self.params
-                .values
-                .copy_from_slice(&self.full[self.range.clone()]);
         }
+        if let Some(i) = self.full[range.clone()].iter().position(|v| !v.is_finite()) {
+            let at = range.start + i;
+            let bad = self.full[at];
+            self.full[range].copy_from_slice(&self.params.values);
+            engine.write_params(&self.full)?;
+            return Ok(Some(format!(
+                "the update would make parameter {at} non-finite ({bad})"
+            )));
+        }
+        if averaging {
+            engine.write_params(&self.full)?;
+        }
+        self.params.values.copy_from_slice(&self.full[range]);
         self.params.version += 1;
-        Ok(())
+        Ok(None)
     }
 }
 
@@ -236,6 +253,8 @@ pub(crate) struct PushCheck<'a> {
     pub(crate) averaging: bool,
     /// In a sync round: the children yet to push (a child pushes once per round).
     pub(crate) sync_pending: Option<&'a BTreeSet<usize>>,
+    /// The most samples the pushing child can claim ([`flotilla_ps::check_samples`]).
+    pub(crate) max_samples: u64,
 }
 
 impl PushCheck<'_> {
@@ -275,18 +294,14 @@ impl PushCheck<'_> {
         .and_then(|s| match self.sync_pending {
             Some(p) if !p.contains(&child) => Err("a second push in the same sync round".into()),
             _ => Ok(s + u64::from(below)),
+        })
+        .and_then(|s| check_samples(samples, self.max_samples).map(|()| s))
+        .and_then(|s| {
+            let base = version as f64 - f64::from(below);
+            acc.add(child, samples, loss, base, values).map(|()| s)
         });
         match verdict {
-            Ok(s) => {
-                acc.add(
-                    child,
-                    samples,
-                    loss,
-                    version as f64 - f64::from(below),
-                    values,
-                );
-                Ok(Some(s))
-            }
+            Ok(s) => Ok(Some(s)),
             Err(reason) => {
                 reject(ctx, child, &reason)?;
                 Ok(None)

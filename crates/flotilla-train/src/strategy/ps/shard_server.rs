@@ -99,6 +99,8 @@ pub struct ShardServer {
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
     resync_from: Option<usize>,
+    /// The most samples each child can claim in a push, in the order of `children`.
+    max_samples: Vec<u64>,
 }
 
 impl ShardServer {
@@ -175,6 +177,7 @@ impl ShardServer {
             announcement,
             counting: place.counting((1, 0)),
             resync_from: place.resync_from,
+            max_samples: place.max_samples.clone(),
             inbox,
             held_reply: None,
             round_done: None,
@@ -281,6 +284,11 @@ impl ShardServer {
             len: self.model.len(),
             averaging: self.averaging,
             sync_pending: self.sync.then_some(&self.pending),
+            max_samples: self
+                .children
+                .iter()
+                .position(|&c| c == child)
+                .map_or(0, |i| self.max_samples[i]),
         };
         let Some(staleness) = check.take(cx, &mut self.acc, child, msg)? else {
             return Ok(());
@@ -295,13 +303,21 @@ impl ShardServer {
         let Some(mean) = self.acc.take() else {
             return Ok(());
         };
-        self.update(cx, &mean, staleness)?;
+        let refused = self.update(cx, &mean, staleness)?;
         let targets: Vec<usize> = if self.sync {
             self.pending = self.active.clone();
             self.active.iter().copied().collect()
         } else {
             vec![child]
         };
+        if let Some(reason) = refused {
+            // Nothing applied: the round's pushes (or the one push) are refused, and their
+            // senders pull and push again on the same version.
+            for &c in &targets {
+                reject(cx, c, &reason)?;
+            }
+            return Ok(());
+        }
         if self.is_root && self.round_done.is_some() {
             // The run loop decides first whether there is another round.
             self.held_reply = Some(targets);
@@ -326,8 +342,14 @@ impl ShardServer {
         }
     }
 
-    /// Applies one mean push and does the round's bookkeeping (log, evaluation, stopping).
-    fn update(&mut self, cx: &mut PsContext<'_>, mean: &Mean, staleness: u64) -> Result<()> {
+    /// Applies one mean push and does the round's bookkeeping (log, evaluation, stopping);
+    /// or refuses it, changing nothing, and says why (its new parameters are not finite).
+    fn update(
+        &mut self,
+        cx: &mut PsContext<'_>,
+        mean: &Mean,
+        staleness: u64,
+    ) -> Result<Option<String>> {
         let lr_round = if self.sync {
             self.updates
         } else {
@@ -346,8 +368,12 @@ impl ShardServer {
         }
         let t = Instant::now();
         self.first_update.get_or_insert(t);
-        self.model
+        let refused = self
+            .model
             .apply(&mut *self.engine, mean, lr, self.averaging)?;
+        if refused.is_some() {
+            return Ok(refused);
+        }
         let apply_s = t.elapsed();
         self.updates += 1;
         self.round_sum.0 += f64::from(mean.loss) * mean.samples as f64;
@@ -364,7 +390,7 @@ impl ShardServer {
         if round_done {
             self.end_round(cx, mean, apply_s)?;
         }
-        Ok(())
+        Ok(None)
     }
 
     fn end_round(&mut self, cx: &mut PsContext<'_>, mean: &Mean, apply_s: Duration) -> Result<()> {

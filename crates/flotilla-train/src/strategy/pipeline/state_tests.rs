@@ -1,0 +1,132 @@
+//! A pipeline's checkpoint round trip: stages save after half the batches, fresh stages (built
+//! from another seed) restore it and train the rest, and end where uninterrupted training
+//! does. The stage weights never pass through a file in the temporary directory: links planted
+//! where they used to be written are not followed.
+
+use std::path::{Path, PathBuf};
+
+use flotilla_engine::{ModelState, StageCut};
+
+use super::tests::train_batch;
+use super::tests::{BATCHES, Ended, SEED, assert_matches, named, options, reference, spec};
+use super::{Pipeline, Schedule, state};
+use crate::checkpoint::CheckpointState;
+use crate::testkit::world;
+
+/// Links at the names the stage weights once had in the temporary directory
+/// (`flotilla-<pid>-stage-<k>.safetensors`, `flotilla-<pid>-resume-stage-<k>.safetensors`),
+/// each to `target`; removed when dropped.
+struct Planted(Vec<PathBuf>);
+
+impl Planted {
+    fn at(target: &Path, stages: usize) -> Self {
+        let pid = std::process::id();
+        let mut links = Vec::new();
+        for k in 0..stages {
+            for kind in ["stage", "resume-stage"] {
+                let link =
+                    std::env::temp_dir().join(format!("flotilla-{pid}-{kind}-{k}.safetensors"));
+                let _ = std::fs::remove_file(&link);
+                std::os::unix::fs::symlink(target, &link).expect("plant a link");
+                links.push(link);
+            }
+        }
+        Planted(links)
+    }
+}
+
+impl Drop for Planted {
+    fn drop(&mut self) {
+        for l in &self.0 {
+            let _ = std::fs::remove_file(l);
+        }
+    }
+}
+
+/// Runs `batches` on every rank of a 2-stage pipeline built from `seed`, after `restore` (the
+/// checkpoint directory on rank 0) if given, and saves a checkpoint of step `save_at` into
+/// `out` if given: what each rank ends with, and the checkpoint's directory.
+fn run(
+    seed: u64,
+    restore: Option<PathBuf>,
+    batches: std::ops::Range<usize>,
+    out: Option<PathBuf>,
+) -> (Vec<Ended>, Option<PathBuf>) {
+    let spec = spec();
+    let cut = StageCut::at(&spec, &[4]).expect("cut");
+    let handles: Vec<_> = world(cut.stages())
+        .into_iter()
+        .map(|group| {
+            let (spec, cut, restore, out) =
+                (spec.clone(), cut.clone(), restore.clone(), out.clone());
+            let batches = batches.clone();
+            std::thread::spawn(move || {
+                let opts = super::PipelineOptions {
+                    seed,
+                    ..options(Schedule::OneFOneB, 2, 1)
+                };
+                let mut pipe = Pipeline::new(&spec, cut, opts, group).expect("pipeline");
+                if let Some(dir) = &restore {
+                    let mine = (pipe.world().rank() == 0).then_some(dir.as_path());
+                    state::restore(&mut pipe, mine).expect("restore");
+                }
+                let losses = batches.filter_map(|b| train_batch(&mut pipe, b)).collect();
+                let saved = out.and_then(|o| {
+                    let s = checkpoint_state(&pipe);
+                    state::save(&pipe, &o, &s).expect("save")
+                });
+                let ended = Ended {
+                    stage: pipe.stage_index(),
+                    replica: pipe.replica(),
+                    params: named(pipe.stage()),
+                    peak: pipe.stage().peak_in_flight(),
+                    losses,
+                };
+                (ended, saved)
+            })
+        })
+        .collect();
+    let mut ended = Vec::new();
+    let mut dir = None;
+    for h in handles {
+        let (e, d) = h.join().expect("rank thread");
+        ended.push(e);
+        dir = dir.or(d);
+    }
+    (ended, dir)
+}
+
+fn checkpoint_state(pipe: &Pipeline) -> CheckpointState {
+    CheckpointState {
+        step: (BATCHES / 2) as u64,
+        epoch: 0,
+        step_in_epoch: (BATCHES / 2) as u64,
+        config_hash: 1,
+        model: "pipeline-test".into(),
+        num_params: pipe.stage().num_params(),
+        test_acc: None,
+        stages: None,
+        zero: None,
+    }
+}
+
+#[test]
+fn a_resumed_pipeline_trains_on_and_never_follows_a_planted_link() {
+    let dir = tempfile::tempdir().expect("dir");
+    let target = dir.path().join("someone-elses-file");
+    std::fs::write(&target, b"precious").expect("target");
+    let _planted = Planted::at(&target, 2);
+    let half = BATCHES / 2;
+    let (_, saved) = run(SEED, None, 0..half, Some(dir.path().join("run")));
+    let saved = saved.expect("rank 0 wrote a checkpoint");
+    // Another seed: only the checkpoint can bring the stages back to where they were.
+    let (ended, _) = run(SEED + 1, Some(saved), half..BATCHES, None);
+    assert_matches(&ended, &reference().1, "saved, restored and trained on");
+    let after = std::fs::read(&target).expect("target");
+    assert!(
+        after == b"precious",
+        "a link planted at a stage's old temporary path was followed: its target now holds {} \
+         bytes",
+        after.len()
+    );
+}
