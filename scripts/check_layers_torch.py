@@ -6,15 +6,20 @@ Usage: check_layers_torch.py DIR [--torch]
 DIR holds what the engine's `tests/torch_twin.rs` writes: `spec.json` (a model spec),
 `model.safetensors` (its weights, as checkpoints write them) and `batch.safetensors` (`input`,
 `output_eval`, and optionally `output_train`: the engine's outputs on that input in evaluation
-and in training mode).
+and in training mode). For a model without dropout also `labels` and `loss` in the batch (the
+engine's mean cross-entropy of the training-mode logits against them) and `grads.safetensors`:
+the gradient of that loss with respect to every parameter, under the parameter's name and in
+its PyTorch layout (written the way the weights are).
 
 Always (numpy only): every tensor's name and shape in the weights is the PyTorch module's
 (a linear weight is [out, in]; batch norm's running statistics are there too), computed from
 the spec independently of the engine. With --torch (needs torch): builds the PyTorch module
 of the spec, loads the weights with load_state_dict(strict=True), and compares its outputs on
-the batch with the engine's within 1e-4 (evaluation; training mode too when given).
-Prints "OK <n> tensors" (and "torch: outputs agree ...") on success; exits 1 with the reason
-otherwise.
+the batch with the engine's within 1e-4 (evaluation; training mode too when given); with
+`grads.safetensors`, runs one backward of the same loss and compares the loss and every
+parameter's gradient with the engine's (see GRAD_TOLERANCE).
+Prints "OK <n> tensors" (and "torch: outputs agree ...", "torch: gradients agree ...") on
+success; exits 1 with the reason otherwise.
 
 The layers, as PyTorch computes them (names of the tensors in brackets):
   conv2d, linear [weight, bias]; maxpool, avgpool; relu, tanh, sigmoid, gelu (exact), silu;
@@ -33,6 +38,7 @@ features), `out_variables` keep its output.
 import argparse
 import json
 import math
+import os
 import struct
 import sys
 
@@ -40,6 +46,21 @@ import numpy as np
 
 LINKS = ("out_variables", "dependencies", "merge")
 TOLERANCE = 1e-4
+# A parameter's gradient agrees when its largest difference from the float64 gradient
+# (PyTorch's, in double precision on the same weights and batch) is at most this share of
+# the tensor's largest float64 gradient. Both float32 computations (the engine's and
+# PyTorch's own, printed beside it) land within 2e-7 to 5e-6 of it on these models (the
+# most in resnet-bn, whose batch norm backward subtracts nearly equal sums): sums of a few
+# hundred to a few thousand products rounded at 2^-24 each, and softmax, normalization and
+# erf rounded likewise. A backward that is wrong anywhere is off by far more: with the
+# second term of GELU's derivative 1 % too small, gpt-char's gradients are off by 3.6e-3.
+# 1e-4 sits between: 20 times the rounding, 36 times below that error.
+GRAD_TOLERANCE = 1e-4
+# A gradient that is zero in exact arithmetic (an attention key's bias: it adds the same
+# amount to every score of a query, which softmax takes out) is float32 noise in both
+# libraries, of no scale of its own: there the engine may differ from float64 by up to this
+# many times PyTorch's own float32 difference.
+NOISE_FACTOR = 10
 
 
 def read_safetensors(path):
@@ -315,6 +336,75 @@ def compare_torch(plan, weights_path, batch):
     return results
 
 
+def grad_outputs(model, x, labels):
+    """The mean cross-entropy of `model`'s training-mode logits on `x` against `labels` (one
+    label per row of logits: per sample, or per position of a sequence), after one backward;
+    returns the loss and every parameter's gradient by name."""
+    import torch.nn.functional as F
+
+    model.train(True)
+    model.zero_grad()
+    logits = model(x)
+    logits = logits.reshape(-1, logits.shape[-1])
+    loss = F.cross_entropy(logits, labels.reshape(-1))
+    loss.backward()
+    grads = {n: p.grad.detach().double().numpy() for n, p in model.named_parameters()}
+    return loss.item(), grads
+
+
+def compare_grads(plan, weights_path, batch, grads_path):
+    """The engine's loss and gradients (`grads_path`) against PyTorch's on the same weights and
+    batch: per parameter, the largest difference from PyTorch's float64 gradient, within
+    GRAD_TOLERANCE of the tensor's largest value (or NOISE_FACTOR times PyTorch's own float32
+    difference, for a gradient that is zero but for rounding). Returns (problems, summary)."""
+    import torch
+
+    state = {k: torch.from_numpy(v.copy()) for k, v in read_safetensors(weights_path).items()}
+    labels = torch.from_numpy(batch["labels"].copy()).long()
+    x = torch.from_numpy(batch["input"].copy())
+    outcome = {}
+    for dtype in (torch.float32, torch.float64):
+        torch.manual_seed(0)
+        model = torch_model(plan)
+        model.load_state_dict(state, strict=True)
+        model = model.to(dtype)
+        outcome[dtype] = grad_outputs(model, x.to(dtype), labels)
+    (loss32, torch32), (loss64, exact) = outcome[torch.float32], outcome[torch.float64]
+    engine = read_safetensors(grads_path)
+    problems = []
+    missing = sorted(set(exact) - set(engine))
+    if missing:
+        problems.append(f"the engine gave no gradient for {missing}")
+    want_loss = float(batch["loss"].reshape(-1)[0])
+    if not abs(want_loss - loss64) <= 1e-5 * max(1.0, abs(loss64)):
+        problems.append(f"loss: engine {want_loss:.7f}, PyTorch {loss64:.7f}")
+    worst, worst_torch, noise = (0.0, ""), 0.0, []
+    for name, g in exact.items():
+        if name not in engine:
+            continue
+        got = engine[name].astype(np.float64).reshape(g.shape)
+        scale = float(np.max(np.abs(g)))
+        mine = float(np.max(np.abs(got - g)))
+        theirs = float(np.max(np.abs(torch32[name] - g)))
+        if NOISE_FACTOR * theirs > GRAD_TOLERANCE * scale:
+            noise.append(name)
+            allowed = NOISE_FACTOR * theirs
+        else:
+            allowed = GRAD_TOLERANCE * scale
+            worst_torch = max(worst_torch, theirs / scale)
+            if not mine / scale <= worst[0]:
+                worst = (mine / scale, name)
+        if not mine <= allowed:
+            problems.append(f"{name}: gradient off by {mine:.2e} where its largest value is "
+                            f"{scale:.2e} (PyTorch float32: off by {theirs:.2e}; allowed "
+                            f"{allowed:.2e})")
+    summary = (f"{len(exact)} parameters, worst {worst[0]:.2e} of the largest value "
+               f"({worst[1]}), PyTorch float32's worst {worst_torch:.2e}; "
+               f"{len(noise)} gradients zero but for float32 noise "
+               f"({', '.join(noise) or 'none'}); loss {want_loss:.6f} vs {loss64:.6f}")
+    return problems, summary
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("dir")
@@ -338,6 +428,14 @@ def main():
             print(f"FAIL {spec.get('name')}: {summary} (tolerance {TOLERANCE})")
             sys.exit(1)
         print(f"torch: outputs agree for {spec.get('name')}: {summary}")
+        grads_path = f"{a.dir}/grads.safetensors"
+        if os.path.exists(grads_path):
+            problems, summary = compare_grads(plan, f"{a.dir}/model.safetensors", batch,
+                                              grads_path)
+            if problems:
+                print(f"FAIL {spec.get('name')} gradients: {summary}\n" + "\n".join(problems))
+                sys.exit(1)
+            print(f"torch: gradients agree for {spec.get('name')}: {summary}")
     print(f"OK {len(tensors)} tensors")
 
 

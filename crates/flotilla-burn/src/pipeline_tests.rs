@@ -114,9 +114,14 @@ fn device() -> Device {
 
 /// The whole model from a fixed seed, its parameters drawn now.
 fn whole() -> Whole {
+    whole_from(7)
+}
+
+/// The whole model from `seed`, its parameters drawn now.
+fn whole_from(seed: u64) -> Whole {
     let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
     let d = device();
-    d.seed(7);
+    d.seed(seed);
     let lin = |i, o| LinearConfig::new(i, o).init(&d);
     let w = Whole {
         front: Front {
@@ -191,8 +196,28 @@ fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
     .collect()
 }
 
-/// One rank's result: its stage, replica, final parameters and losses (last stage).
-type RankResult = (usize, usize, Vec<f32>, Vec<f32>);
+/// One rank's result: its stage, replica, final parameters, losses (last stage) and the
+/// parameters it started training from (after [`Pipeline::broadcast_model`]).
+type RankResult = (usize, usize, Vec<f32>, Vec<f32>, Vec<f32>);
+
+/// The stage modules of `w` for a pipeline of `stages` (2: the middle layer joins the last).
+fn stage_modules(w: &Whole, stages: usize) -> (Front, Middle, Back) {
+    let (f, m, mut b) = (w.front.clone(), w.middle.clone(), w.back.clone());
+    if stages == 2 {
+        b.b = Some(m.b.clone());
+    }
+    (f, m, b)
+}
+
+/// The parameters of stage `stage` of `w` in a pipeline of `stages`.
+fn stage_params(w: &Whole, stages: usize, stage: usize) -> Vec<f32> {
+    let (f, m, b) = stage_modules(w, stages);
+    match (stage, stages) {
+        (0, _) => params(&f),
+        (1, 3) => params(&m),
+        _ => params(&b),
+    }
+}
 
 /// Trains `stage` as this rank's part of the pipeline.
 fn train<M: PipelineStage>(
@@ -203,6 +228,7 @@ fn train<M: PipelineStage>(
     let d = device();
     let mut pipe = Pipeline::new(group, &stage, &d, opts).expect("pipeline");
     let mut stage = pipe.broadcast_model(stage).expect("broadcast");
+    let started = params(&stage);
     let mut optim = pipe
         .broadcast_optimizer(sgd())
         .expect("broadcast optimizer");
@@ -223,26 +249,33 @@ fn train<M: PipelineStage>(
     if let Some(mut out) = pipe.evaluate(&stage, b, t).expect("evaluate") {
         losses.push(out.take::<1>(LOSS).expect("loss").into_scalar::<f32>());
     }
-    (pipe.stage(), pipe.replica(), params(&stage), losses)
+    (
+        pipe.stage(),
+        pipe.replica(),
+        params(&stage),
+        losses,
+        started,
+    )
 }
 
 /// Runs a pipeline of `stages` stages on `ranks` in-memory ranks; every rank's result.
+/// Replica 0 builds its stages from [`whole`]; every other replica from a model of its own
+/// seed, which [`Pipeline::broadcast_model`] must replace with its stage root's.
 fn run(ranks: usize, stages: usize, opts: PipelineOptions) -> Vec<RankResult> {
-    let w = whole();
     let handles: Vec<_> = world(ranks)
         .into_iter()
         .map(|g| {
-            let (f, m, mut b) = (w.front.clone(), w.middle.clone(), w.back.clone());
+            let (stage, replica) = (g.rank() % stages, g.rank() / stages);
+            let w = match replica {
+                0 => whole(),
+                r => whole_from(100 + r as u64),
+            };
+            let (f, m, b) = stage_modules(&w, stages);
             let opts = opts.clone();
-            std::thread::spawn(move || match (g.rank() % stages, stages) {
+            std::thread::spawn(move || match (stage, stages) {
                 (0, _) => train(g, f, opts),
                 (1, 3) => train(g, m, opts),
-                _ => {
-                    if stages == 2 {
-                        b.b = Some(m.b);
-                    }
-                    train(g, b, opts)
-                }
+                _ => train(g, b, opts),
             })
         })
         .collect();
@@ -267,6 +300,23 @@ fn check(ranks: usize, stages: usize, opts: PipelineOptions) {
     let (want, want_losses) = reference();
     let mut results = run(ranks, stages, opts.clone());
     results.sort_by_key(|r| (r.1, r.0));
+    // Every replica started from its stage root's parameters, bit for bit (the other
+    // replicas built theirs from other seeds).
+    let root = whole();
+    for (stage, replica, _, _, started) in &results {
+        let want = stage_params(&root, stages, *stage);
+        assert!(
+            started
+                .iter()
+                .map(|v| v.to_bits())
+                .eq(want.iter().map(|v| v.to_bits())),
+            "{opts:?}: stage {stage} of replica {replica} did not start from its root's parameters"
+        );
+        if *replica > 0 {
+            let own = stage_params(&whole_from(100 + *replica as u64), stages, *stage);
+            assert!(relative_error(&own, &want) > 1e-2, "the seeds differ");
+        }
+    }
     for replica in results.chunks(stages) {
         let got: Vec<f32> = replica.iter().flat_map(|r| r.2.clone()).collect();
         let e = relative_error(&got, &want);

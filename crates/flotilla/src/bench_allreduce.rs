@@ -265,6 +265,8 @@ pub fn options(args: &BenchAllreduceArgs) -> Result<BenchOptions> {
     Ok(BenchOptions {
         sizes: sizes(args)?,
         iters: args.iters,
+        // bf16 keeps 8 significant bits of each partial sum: the check's values fit them.
+        exact_bits: if args.bf16 { 8 } else { 24 },
         ..BenchOptions::default()
     })
 }

@@ -189,11 +189,7 @@ impl Strategy for SyncAllReduce {
 
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let _ = cx;
-        super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
-        match &mut self.zero {
-            Some(zero) => zero.load_params(&*self.engine),
-            None => Ok(()),
-        }
+        super::synchronize_initial_state(&*self.comm, &mut *self.engine)
     }
 
     /// `optimizer_state_bytes`: the optimizer state this rank holds (1/N of it with ZeRO);

@@ -17,9 +17,12 @@
 //! other in flat order, 1/N of the model: [`Zero::keep_shard`]), and one bucket-sized wire
 //! buffer reused bucket after bucket — by stage 2's reduce-scatters (`scatter.rs`, which
 //! waits for bucket *k*'s before bucket *k+1* is copied in) and by the all-gathers. Stage 1
-//! keeps its buckets' buffers (all-reduced in place) besides. On one rank there is nothing
-//! to shard and the strategy takes the unsharded path (`SyncAllReduce::build`), with its
-//! bits and its memory.
+//! keeps its buckets' buffers (all-reduced in place) besides. The parameters live in the
+//! engine alone: a step reads them into a flat buffer, steps the shard in it, all-gathers
+//! into it, writes it back and frees it (a second whole copy kept between steps cost a
+//! model's size on every rank, measured by `tests/zero_memory.rs`). On one rank there is
+//! nothing to shard and the strategy takes the unsharded path (`SyncAllReduce::build`), with
+//! its bits and its memory.
 //!
 //! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
 //! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
@@ -55,8 +58,8 @@ pub struct Zero {
     /// Where each bucket's shard lies: in its wire buffer and in `grad`.
     slots: Vec<Slot>,
     optimizer: ShardOptimizer,
-    /// The whole flat parameters, as every rank holds them between steps.
-    params: Vec<f32>,
+    /// The length of the flat parameters.
+    total: usize,
     /// This rank's shard of the averaged gradient: the pieces of every bucket's shard one
     /// after the other in flat order, as [`ShardOptimizer::step`] takes them (1/N of the
     /// model).
@@ -135,7 +138,7 @@ impl Zero {
             slots: slots(plan, &owned),
             grad: vec![0.0; optimizer.len()],
             optimizer,
-            params: vec![0.0; layout.total],
+            total: layout.total,
             staging: Vec::with_capacity(max_wire),
             max_wire,
             comm,
@@ -181,18 +184,14 @@ impl Zero {
         self.stage == 2
     }
 
-    /// Takes the model's parameters as the ones to step (after the initial broadcast).
-    pub fn load_params(&mut self, model: &dyn ModelState) -> Result<()> {
-        model.read_params(&mut self.params)?;
-        Ok(())
-    }
-
     /// One sharded step: burn's optimizer moves this rank's shard of the parameters by its
     /// shard of the averaged gradient (kept by [`Zero::keep_shard`]) at `lr`, the buckets'
     /// parameters are all-gathered through the staging buffer into `engine`, and the loss
     /// slot's value as the rank owning it gave it (`loss` on that rank) is returned.
     pub fn step(&mut self, engine: &mut dyn Engine, loss: f32, lr: f64) -> Result<f32> {
-        self.optimizer.step(&mut self.params, &self.grad, lr)?;
+        let mut params = vec![0.0; self.total];
+        engine.read_params(&mut params)?;
+        self.optimizer.step(&mut params, &self.grad, lr)?;
         engine.drop_grads();
         let last = self.buckets.len().saturating_sub(1);
         let mut global_loss = loss;
@@ -200,18 +199,18 @@ impl Zero {
         for (k, bucket) in self.buckets.iter().enumerate() {
             let len = bucket.len();
             wire.clear();
-            wire.extend_from_slice(&self.params[bucket.clone()]);
+            wire.extend_from_slice(&params[bucket.clone()]);
             if k == last {
                 wire.push(loss);
             }
             self.comm.all_gather_f32(&mut wire)?;
-            self.params[bucket.clone()].copy_from_slice(&wire[..len]);
+            params[bucket.clone()].copy_from_slice(&wire[..len]);
             if k == last {
                 global_loss = wire[len];
             }
         }
         self.staging = wire;
-        engine.write_params(&self.params)?;
+        engine.write_params(&params)?;
         Ok(global_loss)
     }
 
