@@ -44,9 +44,6 @@
 //! comm.all_reduce_sum(&mut grads)?;
 //! # Ok::<(), flotilla_comm::CommError>(())
 //! ```
-// SAFETY comments: comm-hardening branch (its unsafe blocks get their `// SAFETY:` comments
-// there; the lead removes this allow at merge).
-#![allow(clippy::undocumented_unsafe_blocks)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 

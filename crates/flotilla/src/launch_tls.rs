@@ -104,11 +104,6 @@ impl RemoteTls {
         Ok(RemoteTls::InPlace(in_place))
     }
 
-    /// Whether the ranks use TLS.
-    pub fn is_on(&self) -> bool {
-        *self != RemoteTls::Off
-    }
-
     /// What the ranks' config says (`comm.tls`): the job directory's copies, or the paths
     /// on the hosts.
     pub fn ranks_setting(&self) -> Option<TlsSetting> {

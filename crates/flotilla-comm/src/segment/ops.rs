@@ -270,7 +270,8 @@ mod tests {
 
     fn segment() -> (tempfile::TempDir, Segment) {
         let dir = tempfile::tempdir().expect("temporary directory");
-        let seg = Segment::create(&dir.path().join("seg"), 2, 0, 4096).expect("segment");
+        let layout = crate::segment::Layout::new(2, 4096, 0);
+        let seg = Segment::create(&dir.path().join("seg"), &layout, 0).expect("segment");
         (dir, seg)
     }
 

@@ -79,19 +79,18 @@ impl Worker {
             flotilla_cluster::balanced_ranges(n, 1)
         };
         let parents = &place.role.parents;
-        // Under a server that waits on a server itself (hierarchical), wait 1.5 times as
-        // long: a silent root then makes that server give up first and name the root, rather
-        // than this worker naming the server in between.
+        // A server waits at most the deadline for its slowest worker, counted from its last
+        // message (no earlier than this worker's push): waiting 1.25 times as long, this
+        // worker hears the server name a silent worker rather than naming the server itself
+        // (with the same deadline the two raced). Under a server that waits on a server
+        // itself (hierarchical, 1.25 times for its parent), 1.5 times: a silent root makes
+        // that server give up first and name the root.
         let mid_level = parents
             .first()
             .and_then(|&p| setup.topology.role(p))
             .is_some_and(|r| !r.parents.is_empty());
         let timeout = Duration::from_secs_f64(cx.config.comm.timeout_s);
-        let timeout = if mid_level {
-            timeout.mul_f64(1.5)
-        } else {
-            timeout
-        };
+        let timeout = timeout.mul_f64(if mid_level { 1.5 } else { 1.25 });
         Ok(Self {
             engine: Box::new(engine),
             announcement: place.announcement.clone(),
