@@ -6,14 +6,16 @@
 //! ```
 //! Each rank trains on its shard; `DataParallel` makes the ranks start from rank 0's weights
 //! and averages the gradients. Settings: `EPOCHS` (3), `STEPS` (instead of epochs), `BATCH`
-//! (per rank, 64), `HIDDEN` (128), `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
+//! (per rank, 64), `HIDDEN` (128), `OPTIMIZER` (`adam`, or `sgd` with momentum 0.9),
+//! `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
 
-use anyhow::{Context, Result};
+use anyhow::{Context, Result, bail};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::{DataParallel, ReduceOp};
@@ -70,6 +72,19 @@ fn setting(name: &str, default: usize) -> Result<usize> {
     })
 }
 
+/// The optimizer `OPTIMIZER` names (`adam`, the default; `sgd`: with momentum 0.9) and its
+/// peak learning rate.
+fn optimizer() -> Result<(ModuleOptimizer, f64)> {
+    Ok(match std::env::var("OPTIMIZER").as_deref() {
+        Ok("adam") | Err(_) => (AdamConfig::new().init(), 2e-3),
+        Ok("sgd") => {
+            let momentum = MomentumConfig::new().with_momentum(0.9);
+            (SgdConfig::new().with_momentum(Some(momentum)).init(), 0.05)
+        }
+        Ok(other) => bail!("OPTIMIZER={other}: adam or sgd"),
+    })
+}
+
 fn main() -> Result<()> {
     let group = flotilla_burn::init().context("joining the job (start me with flotilla launch)")?;
     let (rank, size) = (group.rank(), group.size());
@@ -82,7 +97,8 @@ fn main() -> Result<()> {
     let net = Net::new(&device, setting("HIDDEN", 128)?);
     let mut dp = DataParallel::new(group, &net)?;
     let mut net = dp.broadcast_model(net)?;
-    let mut optim = dp.broadcast_optimizer(AdamConfig::new().init())?;
+    let (optim, peak_lr) = optimizer()?;
+    let mut optim = dp.broadcast_optimizer(optim)?;
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
     let sampler = DistributedSampler::new(mnist.train.len(), size, rank, 42, true)?;
     let mut batcher = Batcher::new(batch, mnist.train.image_size());
@@ -95,8 +111,8 @@ fn main() -> Result<()> {
             .collect::<Vec<_>>()
     });
     for (step, idx) in shards.take(total).enumerate() {
-        // Adam's learning rate: cosine decay from 2e-3 to 0 over the run.
-        let lr = 1e-3 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
+        // Cosine decay from the peak learning rate to 0 over the run.
+        let lr = peak_lr / 2.0 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
         let (x, y) = tensors(&mnist.train, &idx, &mut batcher, &device)?;
         let loss = loss_fn.forward(net.forward(x), y);
         if rank == 0 && step % 200 == 0 {

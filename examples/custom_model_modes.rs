@@ -12,15 +12,17 @@
 //! applied one step stale), `averaging` (`ModelAveraging`: each rank steps alone, weights
 //! averaged every `AVERAGE_EVERY` (8) steps), `ps` (rank 0 serves the model with `ps::serve`,
 //! the other ranks are `ps::Worker`s; `PS_ASYNC=1` for an async server). Settings: `EPOCHS`
-//! (3), `STEPS` (instead of epochs), `BATCH` (per rank, 64), `HIDDEN` (256), `MNIST_DIR`
-//! (`data/mnist`), `OUT` (`custom_model_modes.safetensors`).
+//! (3), `STEPS` (instead of epochs), `BATCH` (per rank, 64), `HIDDEN` (256), `OPTIMIZER`
+//! (`adam`, or `sgd` with momentum 0.9), `MNIST_DIR` (`data/mnist`), `OUT`
+//! (`custom_model_modes.safetensors`).
 
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer};
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::ps::{self, Aggregation, PsConfig};
@@ -148,6 +150,21 @@ struct Run {
     me: usize,
     sampler: DistributedSampler,
     total: usize,
+    /// The learning rate the cosine decay starts from (the optimizer's).
+    peak_lr: f64,
+}
+
+/// The optimizer `OPTIMIZER` names (`adam`, the default; `sgd`: with momentum 0.9) and its
+/// peak learning rate.
+fn optimizer() -> Result<(ModuleOptimizer, f64)> {
+    Ok(match std::env::var("OPTIMIZER").as_deref() {
+        Ok("adam") | Err(_) => (AdamConfig::new().init(), 2e-3),
+        Ok("sgd") => {
+            let momentum = MomentumConfig::new().with_momentum(0.9);
+            (SgdConfig::new().with_momentum(Some(momentum)).init(), 0.05)
+        }
+        Ok(other) => anyhow::bail!("OPTIMIZER={other}: adam or sgd"),
+    })
 }
 
 fn main() -> Result<()> {
@@ -177,6 +194,7 @@ fn main() -> Result<()> {
         "STEPS",
         setting("EPOCHS", 3)? * (sampler.num_samples() / batch),
     )?;
+    let (optim, peak_lr) = optimizer()?;
     let mut run = Run {
         mode,
         batcher: Batcher::new(batch, mnist.train.image_size()),
@@ -189,10 +207,10 @@ fn main() -> Result<()> {
         me,
         sampler,
         total,
+        peak_lr,
     };
     run.device.seed(group.rank() as u64); // different on every rank: the broadcast makes them agree
     let net = Net::new(&run.device, setting("HIDDEN", 256)?);
-    let optim = AdamConfig::new().init();
     if group.rank() < servers {
         run.serve(group, net, optim)
     } else {
@@ -201,9 +219,9 @@ fn main() -> Result<()> {
 }
 
 impl Run {
-    /// Adam's learning rate: cosine decay from 2e-3 to 0 over the run.
+    /// The learning rate: cosine decay from the peak to 0 over the run.
     fn lr(&self, step: usize) -> f64 {
-        1e-3 * (1.0 + (std::f64::consts::PI * step as f64 / self.total as f64).cos())
+        self.peak_lr / 2.0 * (1.0 + (std::f64::consts::PI * step as f64 / self.total as f64).cos())
     }
 
     /// A parameter server's rank: serves the model, then saves and tests it.
@@ -248,7 +266,8 @@ impl Run {
         let mode = match self.mode.as_str() {
             "sync" => Mode::Sync(dp),
             "async" => {
-                // One step stale, each gradient taken where Adam (`beta1` 0.9) will apply it.
+                // One step stale, each gradient taken where the optimizer's momentum (Adam's
+                // `beta1`, SGD's momentum: 0.9 both) will apply it.
                 let correction = Correction::Predict { momentum: 0.9 };
                 let config = AsyncConfig {
                     correction,

@@ -11,7 +11,7 @@
 //! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `MICRO_BATCHES`
 //! (default 4), `SCHEDULE` (unset: the plain loop; `gpipe` or `1f1b`: `train_batch` with that
 //! schedule), `BATCH` (samples per replica per step, default 64), `EPOCHS` (default 1),
-//! `MNIST_DIR` (default `data/mnist`).
+//! `STEPS` (instead of epochs), `MNIST_DIR` (default `data/mnist`).
 
 use std::process::{Child, Command};
 use std::sync::Arc;
@@ -96,16 +96,14 @@ fn main() -> Result<()> {
         setting("BATCH", 64)?,
         Position::default(),
     )?;
+    let per_epoch = batches.steps_per_epoch();
     let epochs = setting("EPOCHS", 1)? as u64;
-    let total = epochs * batches.steps_per_epoch();
+    let total = setting("STEPS", (epochs * per_epoch) as usize)? as u64;
     let started = Instant::now();
-    for epoch in 0..epochs {
-        for step in 0..batches.steps_per_epoch() {
+    for epoch in 0..total.div_ceil(per_epoch) {
+        for step in 0..per_epoch.min(total - epoch * per_epoch) {
             // Linear warm-up over 100 steps, then cosine decay to zero.
-            pipe.set_lr(learning_rate(
-                epoch * batches.steps_per_epoch() + step,
-                total,
-            ));
+            pipe.set_lr(learning_rate(epoch * per_epoch + step, total));
             let (_, batch) = batches.next_batch()?;
             let loss = match one_batch_loop {
                 true => plain_step(&mut pipe, batch.images, batch.labels)?,

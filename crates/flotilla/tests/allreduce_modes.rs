@@ -4,6 +4,8 @@
 //! - async (staleness 1, weight prediction) trains LeNet-5 to >= 98.5% on 2 and on 4 ranks;
 //! - `staleness: 0` through the background cycle equals sync all-reduce bitwise;
 //! - sync with backward overlapped equals sync without, bitwise, on 4 ranks and 5 buckets;
+//!   the timelines show every step's 5 bucket all-reduces, and those of the overlapped run
+//!   (not of the other) starting while backward still runs;
 //! - a rank that stops submitting one tensor (async), or stops entering collectives (sync),
 //!   is named by the stall inspector on every rank, and the job aborts within
 //!   `stall_shutdown_s`.
@@ -34,6 +36,67 @@ fn run(dir: &Path, name: &str, yaml: &str) -> (Tensors, String) {
     let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
     assert_eq!(final_fields(&o)["steps"], 50.0, "{name}\n{}", text(&o));
     (checkpoint_tensors(&out), run_log(&out, 0))
+}
+
+/// [`run`] with the job's timeline recorded; its final tensors and its trace events.
+fn run_traced(dir: &Path, name: &str, yaml: &str) -> (Tensors, Vec<serde_json::Value>) {
+    let cfg = config_file(dir, &format!("{name}.yaml"), yaml);
+    let out = dir.join(name);
+    let (o, events) = launch_traced(&cfg, &out, LIMIT);
+    assert_eq!(final_fields(&o)["steps"], 50.0, "{name}\n{}", text(&o));
+    (checkpoint_tensors(&out), events)
+}
+
+/// A complete span of the trace: name, start and end in microseconds, and its arguments.
+struct Span<'a> {
+    name: &'a str,
+    start: f64,
+    end: f64,
+    args: &'a serde_json::Value,
+}
+
+/// Rank `pid`'s complete spans.
+fn spans(events: &[serde_json::Value], pid: u64) -> Vec<Span<'_>> {
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid)
+        .filter_map(|e| {
+            let (ts, dur) = (e["ts"].as_f64()?, e["dur"].as_f64()?);
+            Some(Span {
+                name: e["name"].as_str()?,
+                start: ts,
+                end: ts + dur,
+                args: &e["args"],
+            })
+        })
+        .collect()
+}
+
+/// Per training step of rank `pid`: the buckets whose all-reduce ran in the step (their
+/// `bucket` numbers, in order of start) and how many of them started before the step's
+/// backward ended (its last backward span: one per group when overlapped).
+fn bucket_starts(events: &[serde_json::Value], pid: u64) -> Vec<(Vec<u64>, usize)> {
+    let all = spans(events, pid);
+    let within = |s: &Span<'_>, step: &Span<'_>| s.start >= step.start && s.start <= step.end;
+    all.iter()
+        .filter(|s| s.name == "step")
+        .map(|step| {
+            let backward_end = all
+                .iter()
+                .filter(|s| s.name == "backward" && within(s, step))
+                .map(|s| s.end)
+                .fold(f64::NEG_INFINITY, f64::max);
+            let mut reduces: Vec<&Span<'_>> = all
+                .iter()
+                .filter(|s| s.name == "all_reduce" && within(s, step))
+                .filter(|s| s.args.get("bucket").is_some())
+                .collect();
+            reduces.sort_by(|a, b| a.start.total_cmp(&b.start));
+            let early = reduces.iter().filter(|s| s.start < backward_end).count();
+            let buckets = reduces.iter().filter_map(|s| s.args["bucket"].as_u64());
+            (buckets.collect(), early)
+        })
+        .collect()
 }
 
 #[test]
@@ -97,17 +160,42 @@ fn overlapped_backward_equals_the_one_pass_backward_bitwise() {
     // 5 buckets, one per LeNet-5 layer with parameters; 4 ranks so that the ring's
     // segmentation (and so the order of additions) depends on the buckets.
     let base = format!("{SCHEDULE}world_size: 4\nbatch_size: 16\nbucket_mb: 0.001\n");
-    let (over, over_log) = run(dir.path(), "overlap", &format!("{base}overlap: true\n"));
-    let (flat, flat_log) = run(dir.path(), "one-pass", &format!("{base}overlap: false\n"));
-    assert!(
-        over_log.contains("5 buckets, strategy sync-allreduce (backward overlapped)"),
-        "{over_log}"
-    );
-    assert!(
-        flat_log.contains("5 buckets, strategy sync-allreduce\n"),
-        "{flat_log}"
-    );
+    let (over, over_events) = run_traced(dir.path(), "overlap", &format!("{base}overlap: true\n"));
+    let (flat, flat_events) =
+        run_traced(dir.path(), "one-pass", &format!("{base}overlap: false\n"));
     assert_bitwise("overlapped vs one-pass backward", &over, &flat);
+    for pid in 0..4 {
+        let (over, flat) = (
+            bucket_starts(&over_events, pid),
+            bucket_starts(&flat_events, pid),
+        );
+        assert_eq!((over.len(), flat.len()), (50, 50), "rank {pid}: steps");
+        // Every step all-reduces each of the 5 buckets once, bucket 4 (the first layer's,
+        // with the loss) last. Overlapped, the others go as backward produces them, the last
+        // layer's (bucket 0) first; in one pass, as the gradients are read out afterwards,
+        // in the order of the parameters (the first layer's first).
+        for (name, steps, order) in [
+            ("overlapped", &over, [0, 1, 2, 3, 4]),
+            ("one pass", &flat, [3, 2, 1, 0, 4]),
+        ] {
+            for (step, (buckets, _)) in steps.iter().enumerate() {
+                assert_eq!(buckets, &order, "rank {pid}, {name}, step {step}");
+            }
+        }
+        // One pass: every bucket starts after backward has ended.
+        let flat_early: Vec<usize> = flat.iter().map(|s| s.1).collect();
+        assert_eq!(flat_early, vec![0; 50], "rank {pid}, one pass");
+        // Overlapped: buckets 0-3 can start while backward runs on the earlier layers
+        // (bucket 4 waits for the loss, known when backward ends). On 2 shared cores a
+        // bucket's all-reduce may still start late in some steps; most steps overlap.
+        let overlapped = over.iter().filter(|s| s.1 > 0).count();
+        let early: usize = over.iter().map(|s| s.1).sum();
+        assert!(
+            over.iter().all(|s| s.1 <= 4) && overlapped >= 25,
+            "rank {pid}: {overlapped} of 50 steps started a bucket before backward ended ({early} buckets): {:?}",
+            over.iter().map(|s| s.1).collect::<Vec<_>>()
+        );
+    }
 }
 
 /// Launches 3 ranks of 200 steps with a 1 s stall warning and a 4 s stall abort, plus

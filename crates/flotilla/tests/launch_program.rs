@@ -1,6 +1,8 @@
 //! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
-//! and `custom_model_modes.rs` for the other ways of training; built by `cargo test --release
-//! --workspace` with the other examples) as the ranks of a job.
+//! `custom_model_modes.rs` for the other ways of training, `pipeline_mnist.rs` for
+//! flotilla-train's pipeline; built by `cargo test --release --workspace` with the other
+//! examples) as the ranks of a job. The equalities train with SGD and momentum (`OPTIMIZER=sgd`): Adam would divide
+//! a wrongly scaled average of the gradients out of its steps.
 
 mod common;
 
@@ -8,6 +10,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use common::{flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
+
+/// The secret of the jobs the tests below start.
+const SECRET: &str = "test-secret-0123456789";
 
 /// The example's binary beside this test's (`target/release/examples/custom_model`).
 fn example() -> PathBuf {
@@ -61,6 +66,7 @@ fn a_user_program_on_2_ranks_or_a_server_and_2_workers_trains_as_on_1_rank_with_
                 ("BATCH", (64 / trainers).to_string()),
                 ("OUT", out.display().to_string()),
                 ("MODE", mode.to_string()),
+                ("OPTIMIZER", "sgd".to_string()),
             ];
             let o = launch(program, n, &env, Duration::from_secs(240));
             assert!(o.status.success(), "{n} ranks:\n{}", text(&o));
@@ -263,4 +269,114 @@ fn a_programs_ranks_are_bound_to_cores_with_bind_core() {
         vec![mine.clone(); n],
         "auto, a program"
     );
+}
+
+/// The number after `prefix` in `o`'s standard output (`test accuracy 0.9123 (...)`).
+fn printed(o: &std::process::Output, prefix: &str) -> f64 {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    stdout
+        .lines()
+        .find_map(|l| l.split(prefix).nth(1))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no `{prefix}N` printed:\n{}", text(o)))
+}
+
+/// `examples/custom_model_modes.rs`'s other ways of training, briefly (2 ranks, or a server
+/// and 2 workers, 40 steps of SGD with momentum, a global batch of 64). Model averaging after
+/// every step is sync data parallel: each rank's momentum is linear in its gradients, so the
+/// mean of the ranks' steps is the step of the mean gradient (to f32 rounding). The async
+/// all-reduce (one step stale) and an async parameter server train: the parameters moved and
+/// the printed test accuracy is what 40 steps reach (70%; 77% seen from the server).
+#[test]
+fn the_modes_example_averages_as_sync_and_trains_async() {
+    let dir = tmp();
+    let run = |mode: &str, n: usize, trainers: usize, steps: usize, extra: &[(&str, &str)]| {
+        let out = dir.path().join(format!("{mode}-{n}-{steps}.safetensors"));
+        let mut env = vec![
+            ("MODE", mode.to_string()),
+            ("STEPS", steps.to_string()),
+            ("BATCH", (64 / trainers).to_string()),
+            ("OPTIMIZER", "sgd".to_string()),
+            ("OUT", out.display().to_string()),
+            ("FLOTILLA_SECRET", SECRET.to_string()),
+        ];
+        env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
+        let o = launch("custom_model_modes", n, &env, Duration::from_secs(240));
+        assert!(o.status.success(), "{mode} on {n} ranks:\n{}", text(&o));
+        (safetensors_file(&out), printed(&o, "test accuracy "))
+    };
+    let (initial, _) = run("sync", 2, 2, 0, &[]);
+    let (sync, _) = run("sync", 2, 2, 40, &[]);
+    let (averaged, _) = run("averaging", 2, 2, 40, &[("AVERAGE_EVERY", "1")]);
+    let moved = relative_error(&sync, &initial);
+    assert!(moved > 1e-2, "40 steps did not train: {moved}");
+    // Rounding differs (the ranks' parameters are averaged, not their gradients) and 40
+    // steps amplify it: 6e-5 seen; an average of the wrong scale is off by far more.
+    let e = relative_error(&averaged, &sync);
+    assert!(
+        e <= 3e-4,
+        "averaging every step vs sync: relative error {e}"
+    );
+    let (stale, acc_async) = run("async", 2, 2, 40, &[]);
+    let (served, acc_ps) = run("ps", 3, 2, 40, &[("PS_ASYNC", "1")]);
+    for (name, t, acc) in [("async", &stale, acc_async), ("async ps", &served, acc_ps)] {
+        let moved = relative_error(t, &initial);
+        assert!(
+            moved > 1e-2 && acc >= 0.7,
+            "{name}: moved {moved}, accuracy {acc}"
+        );
+    }
+}
+
+/// What rank 0 of `examples/pipeline_mnist.rs` printed at the end: test accuracy and loss
+/// (`stage 0 of 2: test accuracy 0.9123, loss 0.2841, 3.1 s`).
+fn pipeline_mnist_figures(o: &std::process::Output) -> (f64, f64) {
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let figure = |line: &str, name: &str| -> Option<f64> {
+        let rest = line.split(name).nth(1)?;
+        rest.split([',', ' ']).next()?.parse().ok()
+    };
+    stdout
+        .lines()
+        .find_map(|l| Some((figure(l, "test accuracy ")?, figure(l, ", loss ")?)))
+        .unwrap_or_else(|| panic!("no test accuracy and loss printed:\n{}", text(o)))
+}
+
+/// `examples/pipeline_mnist.rs` (LeNet-5 cut into 2 stages by flotilla-train's `Pipeline`,
+/// SGD with momentum) as the ranks of a job, 200 steps of a global batch of 64: its plain
+/// loop (forward, the loss and its gradient, backward, step), `train_batch` with the GPipe
+/// schedule, and 2 replicas of the stages each on its half of the batch all train LeNet-5
+/// past 90% test accuracy, and end within 0.5% of accuracy and 0.01 of test loss of one
+/// another (the same maths; not bitwise: 200 steps amplify their different rounding).
+#[test]
+fn the_pipeline_mnist_example_trains_alike_in_its_loops_and_on_2_replicas() {
+    let run = |replicas: usize, schedule: Option<&str>| -> (f64, f64) {
+        let mut env = vec![
+            ("STEPS", "200".to_string()),
+            ("DATA_PARALLEL", replicas.to_string()),
+            ("BATCH", (64 / replicas).to_string()),
+            ("FLOTILLA_SECRET", SECRET.to_string()),
+        ];
+        env.extend(schedule.map(|s| ("SCHEDULE", s.to_string())));
+        let o = launch(
+            "pipeline_mnist",
+            2 * replicas,
+            &env,
+            Duration::from_secs(300),
+        );
+        assert!(o.status.success(), "{env:?}:\n{}", text(&o));
+        pipeline_mnist_figures(&o)
+    };
+    let plain = run(1, None);
+    assert!(plain.0 >= 0.9, "200 steps reach 90%: {plain:?}");
+    for (name, other) in [
+        ("gpipe's train_batch", run(1, Some("gpipe"))),
+        ("2 replicas", run(2, None)),
+    ] {
+        assert!(
+            (other.0 - plain.0).abs() <= 0.005 && (other.1 - plain.1).abs() <= 0.01,
+            "{name} vs the plain loop on 1 replica (test accuracy, loss): {other:?} vs {plain:?}"
+        );
+    }
 }

@@ -38,24 +38,38 @@ fn assert_spans(events: &[Value], pid: u64, names: &[&str]) {
     }
 }
 
-/// Rank `pid` reduced several buckets per step (each span with its bucket and bytes) and
-/// counted its bytes at least once per step, over `steps` steps.
-fn assert_bucketed_all_reduces(events: &[Value], pid: u64, steps: usize) {
-    let buckets: Vec<&Value> = events
+/// Rank `pid` all-reduced exactly buckets `0..buckets` in each of its `steps` steps, in that
+/// order (each span with its bucket and bytes), and counted its bytes at least once per step.
+fn assert_bucketed_all_reduces(events: &[Value], pid: u64, steps: usize, buckets: u64) {
+    let span = |e: &&Value| e["ph"] == "X" && e["pid"] == pid;
+    let at = |e: &Value| {
+        let ts = e["ts"].as_f64().expect("ts");
+        (ts, ts + e["dur"].as_f64().expect("dur"))
+    };
+    let mut per_step: Vec<(f64, Vec<u64>)> = events
         .iter()
-        .filter(|e| e["ph"] == "X" && e["pid"] == pid && e["name"] == "all_reduce")
-        .filter(|e| e["args"].get("bucket").is_some())
+        .filter(span)
+        .filter(|e| e["name"] == "step")
+        .map(|step| {
+            let (start, end) = at(step);
+            let mut reduces: Vec<(f64, u64)> = events
+                .iter()
+                .filter(span)
+                .filter(|e| e["name"] == "all_reduce" && e["args"].get("bucket").is_some())
+                .filter(|e| (start..=end).contains(&at(e).0))
+                .inspect(|e| assert!(e["args"]["bytes"].as_u64() > Some(0), "{e}"))
+                .map(|e| (at(e).0, e["args"]["bucket"].as_u64().expect("bucket")))
+                .collect();
+            reduces.sort_by(|a, b| a.0.total_cmp(&b.0));
+            (start, reduces.into_iter().map(|r| r.1).collect())
+        })
         .collect();
-    assert!(
-        buckets.len() >= steps * 2,
-        "rank {pid}: every step reduces several buckets: {}",
-        buckets.len()
-    );
-    assert!(
-        buckets
-            .iter()
-            .all(|e| e["args"]["bytes"].as_u64() > Some(0))
-    );
+    per_step.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let want: Vec<u64> = (0..buckets).collect();
+    assert_eq!(per_step.len(), steps, "rank {pid}: steps");
+    for (i, (_, got)) in per_step.iter().enumerate() {
+        assert_eq!(got, &want, "rank {pid}, step {}: bucket all-reduces", i + 1);
+    }
     let counters = events
         .iter()
         .filter(|e| e["ph"] == "C" && e["pid"] == pid && e["name"] == "bytes")
@@ -109,7 +123,9 @@ fn the_timeline_of_a_two_rank_job_has_every_span_from_both_ranks() {
                 "eval",
             ],
         );
-        assert_bucketed_all_reduces(&events, pid, 12);
+        // 0.05 MB buckets from LeNet-5's last layer back: fc3 and fc2 (44 056 bytes), fc1
+        // alone (192 480 bytes: larger than a bucket), conv2 and conv1 (10 288 bytes).
+        assert_bucketed_all_reduces(&events, pid, 12, 3);
     }
     assert_spans(&events, 0, &["checkpoint"]);
     // One clock: both ranks' steps interleave within the same second of wall time.
