@@ -274,6 +274,16 @@ fn signal_scenario(
         mode.name,
         format!("rank {rank} ({what})"),
     );
+    // A job that goes on without the rank trains to its end after the fault: up to twice
+    // its undisturbed time (the survivors take the lost rank's share) on top of the bound.
+    let baseline = mode
+        .tolerated
+        .contains(&rank)
+        .then(|| baselines.of(&slug(mode.name), &text, mode.world, mode.marker));
+    let training_left = baseline
+        .as_ref()
+        .and_then(|b| b.as_ref().ok())
+        .map_or(0.0, |b| 2.0 * b.secs);
     let mut c = flotilla();
     c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")]);
     let mut launcher = Running::start(c);
@@ -283,14 +293,14 @@ fn signal_scenario(
         Err(why) => fail(&mut row, why, &launcher.text()),
         Ok((ranks, t0)) => {
             pids.extend(ranks.values());
-            judge(&mut row, &mut launcher, mode, rank, signal, t0);
+            let bound = Duration::from_secs_f64(HANG_S + training_left);
+            judge(&mut row, &mut launcher, (mode, rank, signal), t0, bound);
             acc = final_acc(&launcher.text());
         }
     }
     drop(launcher);
     check_nothing_left(&mut row, &pids, &out);
-    if mode.tolerated.contains(&rank) {
-        let baseline = baselines.of(&slug(mode.name), &text, mode.world, mode.marker);
+    if let Some(baseline) = baseline {
         judge_accuracy(&mut row, acc, baseline.map(|b| b.acc));
     }
     row
@@ -323,11 +333,20 @@ fn hit(
 /// Whether the job ended as documented: a rank the job needs is named by the launcher,
 /// which exits non-zero within `TIMEOUT_S` + slack; a rank under an async server is named
 /// too (a killed one by its server, within `TIMEOUT_S` + slack), and the job trains to its
-/// end.
-fn judge(row: &mut Row, launcher: &mut Running, mode: &Mode, rank: usize, s: Signal, t0: Instant) {
-    let status = launcher.wait_exit(Duration::from_secs_f64(HANG_S));
+/// end. The launcher still running `bound` after the fault is a hang.
+fn judge(
+    row: &mut Row,
+    launcher: &mut Running,
+    (mode, rank, s): (&Mode, usize, Signal),
+    t0: Instant,
+    bound: Duration,
+) {
+    let status = launcher.wait_exit(bound);
     let Some(status) = status else {
-        let why = format!("HANG: the launcher still ran {HANG_S} s after the fault");
+        let why = format!(
+            "HANG: the launcher still ran {:.0} s after the fault",
+            bound.as_secs_f64()
+        );
         return fail(row, why, &launcher.text());
     };
     let goes_on = mode.tolerated.contains(&rank);

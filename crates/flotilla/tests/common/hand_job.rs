@@ -138,6 +138,8 @@ pub struct Baseline {
     pub acc: f64,
     /// The run's output directory (`checkpoints/latest`).
     pub out: PathBuf,
+    /// How long it ran, in seconds.
+    pub secs: f64,
 }
 
 /// Undisturbed runs by hand, one per config text, each run when first asked for.
@@ -169,15 +171,16 @@ impl Baselines {
         let job = HandJob::new(&self.dir, &format!("{name}-baseline"), text, world, marker);
         let started = std::time::Instant::now();
         let (acc, _) = job.run(&mut |_| Ok(()), &mut |_| Ok(()));
+        let secs = started.elapsed().as_secs_f64();
         let run = acc
             .map(|acc| Baseline {
                 acc,
                 out: job.out.clone(),
+                secs,
             })
             .map_err(|e| format!("the undisturbed run failed: {e}"));
         println!(
-            "baseline {name}: {run:?} in {:.1} s",
-            started.elapsed().as_secs_f64()
+            "baseline {name}: {run:?} in {secs:.1} s"
         );
         self.runs.insert(text.to_string(), run.clone());
         run
