@@ -78,6 +78,24 @@ fn layout_is_pytorch_named_and_ordered() {
     assert_eq!(mlp.num_params(), 235_146);
 }
 
+/// Where the parameter tensors are comes from the tensors: all ten of LeNet-5's on Flex; a
+/// stage of parameterless layers has none to report.
+#[test]
+fn parameter_placement_is_read_from_the_tensors() {
+    let e = engine("lenet5", 1, &sgd(0.1, 0.0));
+    let p = e.param_placement().expect("placement").expect("parameters");
+    assert_eq!(
+        (p.device.as_str(), p.backend(), p.tensors),
+        ("flex", "flex", 10)
+    );
+    assert_eq!(p.to_string(), "flex (all 10 parameter tensors)");
+    let spec = ModelSpec::builtin("lenet5").expect("builtin");
+    // Layers 1 and 2 (ReLU, max pooling) hold no parameters.
+    let cut = crate::StageCut::at(&spec, &[1, 3]).expect("cut");
+    let stage = crate::Stage::new(&spec, &cut, 1, &sgd(0.1, 0.0), "flex", 1).expect("stage");
+    assert_eq!(stage.param_placement().expect("placement"), None);
+}
+
 #[test]
 fn init_is_seeded_and_deterministic() {
     let a = params(&engine("lenet5", 7, &sgd(0.1, 0.0)));

@@ -106,6 +106,22 @@ pub enum EngineError {
         /// What wgpu said.
         message: String,
     },
+    /// A model's parameter tensors are not all on one device (as the tensors report it; see
+    /// [`crate::ModelState::param_placement`]): a tensor was created or written back on
+    /// another backend than the rest.
+    #[error(
+        "parameter tensors on two devices: {first_tensor} is on {first} but {tensor} is on {device}"
+    )]
+    MixedDevices {
+        /// The first parameter tensor (flat order).
+        first_tensor: String,
+        /// Where it is.
+        first: String,
+        /// The first tensor that is elsewhere.
+        tensor: String,
+        /// Where that one is.
+        device: String,
+    },
     /// A synchronized batch norm's sum over the ranks failed (the pass is void).
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),

@@ -42,6 +42,7 @@ mod model;
 mod optim;
 mod params;
 mod partition;
+mod placement;
 mod profile;
 mod reshard;
 mod sequence;
@@ -69,6 +70,7 @@ pub use loss::cross_entropy;
 pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
+pub use placement::Placement;
 pub use profile::profile;
 pub use reshard::{FlatOptimizerState, StatePart};
 pub use shard_optim::{

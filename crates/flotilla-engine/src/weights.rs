@@ -21,6 +21,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{Identity, Layer, SequentialModel};
 use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
+use crate::placement::Placement;
 use crate::spec::ModelSpec;
 use crate::state_check::{Expected, check_state_shapes};
 
@@ -98,6 +99,13 @@ pub trait ModelState {
 
     /// [`ModelState::load_weights`] from the bytes of a safetensors file.
     fn load_weights_bytes(&mut self, bytes: &[u8]) -> Result<()>;
+
+    /// Where the parameter tensors are, read from the tensors themselves (each one's
+    /// `Tensor::device()`, the device of its backend primitive), not from the device name the
+    /// model was built for: the evidence that training runs on the backend it was asked for.
+    /// `None` for a model without parameters (a stage of parameterless layers);
+    /// [`crate::EngineError::MixedDevices`] when the tensors are not all on one device.
+    fn param_placement(&self) -> Result<Option<Placement>>;
 
     /// Where each buffer lives in the flat buffer view: the running statistics of every batch
     /// norm (`layers.<i>.running_mean`, `layers.<i>.running_var`), in layer order. They are
@@ -289,6 +297,10 @@ impl ModelState for Weights {
         Ok(())
     }
 
+    fn param_placement(&self) -> Result<Option<Placement>> {
+        crate::placement::of(self.model()?, &self.layout)
+    }
+
     fn buffer_layout(&self) -> &ParamLayout {
         &self.buffer_layout
     }
@@ -384,6 +396,11 @@ macro_rules! delegate_model_state {
             }
             fn load_weights_bytes(&mut self, bytes: &[u8]) -> $crate::error::Result<()> {
                 self.weights.load_weights_bytes(bytes)
+            }
+            fn param_placement(
+                &self,
+            ) -> $crate::error::Result<Option<$crate::placement::Placement>> {
+                self.weights.param_placement()
             }
             fn buffer_layout(&self) -> &$crate::params::ParamLayout {
                 self.weights.buffer_layout()

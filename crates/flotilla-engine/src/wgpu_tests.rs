@@ -182,3 +182,33 @@ fn flat_views_cross_to_the_device_and_back_bitwise() {
     let e = relative(&params(&gpu), &params(&cpu));
     assert!(e <= TOLERANCE, "after a step from written parameters: {e}");
 }
+
+/// Where `e`'s parameter tensors are (it has some).
+fn placed(e: &dyn ModelState) -> crate::Placement {
+    e.param_placement().expect("placement").expect("parameters")
+}
+
+/// The parameter tensors of an engine (and of a pipeline stage) built for `wgpu` are on the
+/// wgpu device, as the tensors themselves report it, before and after a step and a write of
+/// the flat parameters; the same engine on Flex reports Flex (so the check can fail).
+#[test]
+fn parameter_tensors_are_on_the_wgpu_device() {
+    let Some(mut gpu) = engine("lenet5", "wgpu") else {
+        return;
+    };
+    let tensors = gpu.layout().params.len();
+    let p = placed(&gpu);
+    assert_eq!((p.backend(), p.tensors), ("wgpu", tensors), "{p}");
+    step(&mut gpu, 3);
+    gpu.write_params(&params(&gpu)).expect("write");
+    assert_eq!(placed(&gpu), p, "after a step and a write");
+    let cpu = engine("lenet5", "flex").expect("flex");
+    assert_eq!(placed(&cpu).backend(), "flex");
+    let spec = spec("lenet5");
+    let cut = crate::StageCut::at(&spec, &[6]).expect("cut");
+    for index in 0..2 {
+        let stage =
+            crate::Stage::new(&spec, &cut, index, &sgd(0.05, 0.0), "wgpu", 7).expect("stage");
+        assert_eq!(placed(&stage).backend(), "wgpu", "stage {index}");
+    }
+}

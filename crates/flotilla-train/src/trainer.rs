@@ -110,6 +110,25 @@ fn up_line(device: &str, spec: &ModelSpec, (rank, world): (usize, usize), hash: 
     )
 }
 
+/// The line a rank logs at the end of its run saying where its parameter tensors are, as
+/// the tensors themselves report it ([`flotilla_engine::ModelState::param_placement`], not the
+/// configured device): `rank 1 (worker) parameter tensors on wgpu (Cpu on Vulkan) (all 10
+/// parameter tensors)`. One mechanism for every role, through [`Strategy::model`]: a peer's,
+/// a worker's and a server's engine, a pipeline stage's part of the model; a role that holds
+/// no model of its own (a local server relays its parent's as flat host buffers) says so.
+/// Tensors on two devices are an error.
+fn placement_line(strategy: &mut dyn Strategy, rank: usize) -> Result<String> {
+    let role = strategy.name();
+    let what = match strategy.model() {
+        Some(model) => match model.param_placement()? {
+            Some(placement) => format!("on {placement}"),
+            None => "none (no layer of its part has parameters)".to_string(),
+        },
+        None => "none (it holds no model of its own)".to_string(),
+    };
+    Ok(format!("rank {rank} ({role}) parameter tensors {what}"))
+}
+
 /// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
 /// rendezvous).
 pub fn run(
@@ -218,6 +237,8 @@ impl Job<'_> {
         if let Some(w) = watcher {
             w.shutdown()?;
         }
+        let placed = placement_line(&mut *strategy, cx.rank)?;
+        cx.log_quiet(&placed)?;
         let summary = self.summary(&*strategy, cx, done);
         cx.log_quiet(&summary.final_line())?;
         Ok(summary)

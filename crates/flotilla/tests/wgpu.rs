@@ -7,6 +7,17 @@
 //! another order than Flex's). A build without the feature, and a build with it but no Vulkan
 //! driver, each fail with one error naming what is missing (the build without it:
 //! `tests/cli.rs`).
+//!
+//! Closeness to the CPU run alone would pass a strategy that silently built its engine on the
+//! CPU (the difference is then 0): every rank of every run also logs where its parameter
+//! tensors are at the end of the run, read from the tensors themselves (each parameter's
+//! `Tensor::device()`, the device of its backend primitive; `ModelState::param_placement`),
+//! and every rank of every strategy must report wgpu: a sync and an async all-reduce peer, a
+//! pipeline stage, a parameter-server worker and the parameter server (the flat root, which
+//! holds the whole model in an engine on the configured device and steps it there). The same
+//! runs on Flex must report flex, so that the check can fail. (A hierarchical job's local
+//! server holds no model: it relays flat buffers on the host and logs that it has no
+//! parameter tensors; none runs here.)
 #![cfg(feature = "wgpu")]
 
 mod common;
@@ -28,9 +39,32 @@ const COMMON: &str = "batch_size: 8\nwarmup_steps: 5\nlr_schedule: cosine\noptim
 /// wgpu against the CPU: f32 rounding of other summation orders, over every step.
 const TOLERANCE: f64 = 1e-4;
 
+/// A finished run: its final tensors, rank 0's run.log, and every rank's role and where its
+/// parameter tensors were at the end (see [`tensor_devices`]).
+struct Run {
+    tensors: Tensors,
+    log: String,
+    devices: Vec<(String, String)>,
+}
+
+impl Run {
+    /// Asserts that the ranks had exactly the roles `roles` (by rank) and that every one's
+    /// parameter tensors were on `backend` (`wgpu`, `flex`), as the tensors reported it.
+    fn assert_tensors_on(&self, name: &str, backend: &str, roles: &[&str]) {
+        let got: Vec<&str> = self.devices.iter().map(|(r, _)| r.as_str()).collect();
+        assert_eq!(got, roles, "{name}: the ranks' roles");
+        for (rank, (role, place)) in self.devices.iter().enumerate() {
+            assert!(
+                place.starts_with(&format!("on {backend} (")),
+                "{name}: rank {rank} ({role}) parameter tensors {place}, not on {backend}"
+            );
+        }
+    }
+}
+
 /// Runs `flotilla launch` of `yaml` (plus [`COMMON`]) on `device` for `steps` steps into
-/// `dir/name-device`; returns the final tensors and rank 0's run.log.
-fn run(dir: &Path, name: &str, device: &str, steps: u64, yaml: &str) -> (Tensors, String) {
+/// `dir/name-device`.
+fn run(dir: &Path, name: &str, device: &str, steps: u64, yaml: &str) -> Run {
     let name = format!("{name}-{device}");
     let cfg = config_file(
         dir,
@@ -45,7 +79,33 @@ fn run(dir: &Path, name: &str, device: &str, steps: u64, yaml: &str) -> (Tensors
         "{name}\n{}",
         text(&o)
     );
-    (checkpoint_tensors(&out), run_log(&out, 0))
+    Run {
+        tensors: checkpoint_tensors(&out),
+        log: run_log(&out, 0),
+        devices: tensor_devices(&out),
+    }
+}
+
+/// Every rank's role and where its parameter tensors were at the end of the run (`on wgpu
+/// (Cpu on Vulkan) (all 10 parameter tensors)`), by rank: the line each rank's run.log has
+/// from `ModelState::param_placement`, which reads the tensors' own devices.
+fn tensor_devices(out: &Path) -> Vec<(String, String)> {
+    let ranks = std::fs::read_dir(out)
+        .expect("output directory")
+        .flatten()
+        .filter(|e| e.path().is_dir() && e.file_name().to_string_lossy().starts_with("rank-"))
+        .count();
+    (0..ranks)
+        .map(|rank| {
+            let log = run_log(out, rank);
+            let prefix = format!("rank {rank} (");
+            log.lines()
+                .filter_map(|l| l.strip_prefix(&prefix))
+                .find_map(|l| l.split_once(") parameter tensors "))
+                .map(|(role, place)| (role.to_string(), place.to_string()))
+                .unwrap_or_else(|| panic!("rank {rank} logged no parameter tensors:\n{log}"))
+        })
+        .collect()
 }
 
 /// The parameters before the first step (a run of zero steps checkpoints them).
@@ -112,10 +172,14 @@ fn two_ranks_on_wgpu_equal_the_cpu_run_and_each_other_bitwise() {
     let dir = tmp();
     let init = initial(dir.path());
     let two = "world_size: 2\nbucket_mb: 0.01\n";
-    let (cpu, _) = run(dir.path(), "lenet", "flex", 50, two);
-    let (wgpu, log) = run(dir.path(), "lenet", "wgpu", 50, two);
+    let cpu = run(dir.path(), "lenet", "flex", 50, two);
+    let wgpu = run(dir.path(), "lenet", "wgpu", 50, two);
+    let log = &wgpu.log;
     assert!(log.contains("device=wgpu:0 (Vulkan adapter 0"), "{log}");
-    assert_close_to_cpu("2 ranks, 50 steps", &wgpu, &cpu, &init);
+    // What the tensors say, not what the configuration asked for.
+    cpu.assert_tensors_on("sync all-reduce on flex", "flex", &["peer"; 2]);
+    wgpu.assert_tensors_on("sync all-reduce on wgpu", "wgpu", &["peer"; 2]);
+    assert_close_to_cpu("2 ranks, 50 steps", &wgpu.tensors, &cpu.tensors, &init);
     // Each rank logs the hash of its own final parameters.
     let out = dir.path().join("lenet-wgpu");
     let hashes = [0, 1].map(|r| param_hash(&run_log(&out, r)));
@@ -129,24 +193,30 @@ fn every_strategy_on_wgpu_equals_its_cpu_run() {
     }
     let dir = tmp();
     let init = initial(dir.path());
-    let strategies = [
+    // Each strategy with the roles of its ranks, by rank.
+    let strategies: [(&str, &str, &[&str]); 3] = [
         (
             "async-allreduce",
             "world_size: 2\nstrategy: async_allreduce\nstaleness: 1\n",
+            &["peer", "peer"],
         ),
         (
             "flat-ps",
             "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+            &["root", "worker", "worker"],
         ),
         (
             "pipeline",
             "strategy: pipeline\nsplit_points: [6]\nmicro_batches: 2\nschedule: 1f1b\n",
+            &["stage", "stage"],
         ),
     ];
-    for (name, yaml) in strategies {
-        let (cpu, _) = run(dir.path(), name, "flex", 20, yaml);
-        let (wgpu, _) = run(dir.path(), name, "wgpu", 20, yaml);
-        assert_close_to_cpu(name, &wgpu, &cpu, &init);
+    for (name, yaml, roles) in strategies {
+        let cpu = run(dir.path(), name, "flex", 20, yaml);
+        let wgpu = run(dir.path(), name, "wgpu", 20, yaml);
+        cpu.assert_tensors_on(&format!("{name} on flex"), "flex", roles);
+        wgpu.assert_tensors_on(&format!("{name} on wgpu"), "wgpu", roles);
+        assert_close_to_cpu(name, &wgpu.tensors, &cpu.tensors, &init);
     }
 }
 
@@ -174,12 +244,14 @@ fn auto_takes_the_cpu_backend_without_a_vulkan_gpu_and_says_why() {
         return;
     }
     let dir = tmp();
-    let (flex, _) = run(dir.path(), "lenet", "flex", 5, "world_size: 1\n");
-    let (auto, log) = run(dir.path(), "lenet", "auto", 5, "world_size: 1\n");
+    let flex = run(dir.path(), "lenet", "flex", 5, "world_size: 1\n");
+    let auto = run(dir.path(), "lenet", "auto", 5, "world_size: 1\n");
     // lavapipe is a software adapter, not a GPU: auto keeps the CPU backend.
+    let log = &auto.log;
     assert!(
         log.contains("device=flex (auto: 0 Vulkan GPU(s), none at index 0; a software Vulkan adapter (lavapipe) is slower"),
         "{log}"
     );
-    assert_bitwise("auto vs flex", &auto, &flex);
+    auto.assert_tensors_on("auto", "flex", &["peer"]);
+    assert_bitwise("auto vs flex", &auto.tensors, &flex.tensors);
 }
