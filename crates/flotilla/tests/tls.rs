@@ -150,11 +150,10 @@ fn a_rank_of_another_ca_or_without_tls_is_refused_and_the_job_finishes() {
         "{}",
         text(&o)
     );
-    // No TLS at all.
-    let o = run_with_deadline(
-        rank(&plain_cfg, "1", &dir.path().join("plain")),
-        Duration::from_secs(60),
-    );
+    // No TLS at all (and no secret: it says `--insecure`, or it would refuse to connect).
+    let mut plain = rank(&plain_cfg, "1", &dir.path().join("plain"));
+    plain.arg("--insecure");
+    let o = run_with_deadline(plain, Duration::from_secs(60));
     assert!(
         !o.status.success(),
         "the plain rank must fail:\n{}",
