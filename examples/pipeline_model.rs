@@ -10,14 +10,17 @@
 //! pixels) to stage 1 (the classifier), which adds them and computes the loss; gradients
 //! come back. Settings: `REPLICAS` (1; the ranks are `2 × REPLICAS`), `MICRO` (micro-batches,
 //! 4), `SCHEDULE` (`1f1b` or `gpipe`), `EPOCHS` (2), `STEPS` (instead of epochs), `BATCH` (per
-//! replica, 64), `MNIST_DIR` (`data/mnist`).
+//! replica, 64), `OPTIMIZER` (`adam`, or `sgd` with momentum 0.9), `MNIST_DIR` (`data/mnist`),
+//! `OUT` (unset: nothing is saved; else replica 0's stage `s` saves its module to
+//! `OUT.stage<s>.safetensors`).
 
 use anyhow::{Context, Result, bail};
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
 use burn::nn::{Linear, LinearConfig, Relu};
-use burn::optim::AdamConfig;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamConfig, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::{LOSS, Pipeline, PipelineOptions, PipelineStage, Schedule, Tensors};
@@ -93,6 +96,19 @@ fn setting(name: &str, default: usize) -> Result<usize> {
     })
 }
 
+/// The optimizer `OPTIMIZER` names (`adam`, the default; `sgd`: with momentum 0.9) and its
+/// peak learning rate.
+fn optimizer() -> Result<(ModuleOptimizer, f64)> {
+    Ok(match std::env::var("OPTIMIZER").as_deref() {
+        Ok("adam") | Err(_) => (AdamConfig::new().init(), 2e-3),
+        Ok("sgd") => {
+            let momentum = MomentumConfig::new().with_momentum(0.9);
+            (SgdConfig::new().with_momentum(Some(momentum)).init(), 0.05)
+        }
+        Ok(other) => bail!("OPTIMIZER={other}: adam or sgd"),
+    })
+}
+
 /// Samples `idx` of `data`: images `[n, 1, 28, 28]` as the batch, labels as the targets.
 fn tensors(
     data: &ImageDataset,
@@ -120,7 +136,8 @@ fn run<M: PipelineStage>(
 ) -> Result<()> {
     let (batch, replicas) = (setting("BATCH", 64)?, pipe.replicas());
     let mut stage = pipe.broadcast_model(stage)?;
-    let mut optim = pipe.broadcast_optimizer(AdamConfig::new().init())?;
+    let (optim, peak_lr) = optimizer()?;
+    let mut optim = pipe.broadcast_optimizer(optim)?;
     let sampler = DistributedSampler::new(mnist.train.len(), replicas, pipe.replica(), 42, true)?;
     let mut batcher = Batcher::new(batch, mnist.train.image_size());
     let total = setting(
@@ -135,13 +152,19 @@ fn run<M: PipelineStage>(
             .collect::<Vec<_>>()
     });
     for (step, idx) in shards.take(total).enumerate() {
-        let lr = 1e-3 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
+        let lr = peak_lr / 2.0 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
         let (x, y) = tensors(&mnist.train, &idx, &mut batcher, dev)?;
         let out = pipe.step(&stage, x, y)?;
         if let Some(loss) = out.loss.filter(|_| step % 200 == 0 && pipe.replica() == 0) {
             println!("step {step}/{total}: loss {loss:.4}");
         }
         stage = optim.step(lr, stage, out.grads);
+    }
+    if let Ok(out) = std::env::var("OUT").as_deref()
+        && pipe.replica() == 0
+    {
+        let path = format!("{out}.stage{}.safetensors", pipe.stage());
+        flotilla_burn::save(&stage, path.as_ref())?;
     }
     let (mut correct, mut count) = (0.0, 0);
     let all: Vec<usize> = (0..mnist.test.len()).collect();

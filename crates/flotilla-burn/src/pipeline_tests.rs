@@ -461,3 +461,74 @@ fn a_forward_that_gives_other_names_fails_and_its_consumer_names_it() {
         errors[1]
     );
 }
+
+/// One stage whose forward reads its layers in the other order than the module declares
+/// them (`b`, then `a`), as `examples/pipeline_model.rs`'s first stage reads its skip layer.
+#[derive(Module, Debug)]
+struct ReadsBackwards {
+    a: Linear,
+    b: Linear,
+}
+
+impl PipelineStage for ReadsBackwards {
+    fn inputs(&self) -> Vec<String> {
+        vec!["x".into()]
+    }
+    fn outputs(&self) -> Vec<String> {
+        vec![LOSS.into()]
+    }
+    fn forward(&self, mut t: Tensors) -> Result<Tensors> {
+        let x = t.take::<2>("x")?;
+        let late = self.b.forward(x.clone());
+        let y = self.a.forward(x) + late;
+        let loss = (y - t.take::<2>("y")?).powf_scalar(2.0).mean();
+        Ok(Tensors::new().with(LOSS, loss))
+    }
+}
+
+/// [`ReadsBackwards`] from seed 11, its parameters left lazy (burn draws each when first
+/// read). The caller holds [`crate::SEED_LOCK`].
+fn lazy_stage() -> ReadsBackwards {
+    let d = device();
+    d.seed(11);
+    let lin = || LinearConfig::new(3, 2).init(&d);
+    ReadsBackwards { a: lin(), b: lin() }
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Without replicas, a stage trains from the parameters its seed gives in the module's order
+/// (those that replicas broadcast, and that a save before training holds), not from those
+/// drawn in the order its first forward reads them; and so does a module handed to
+/// `broadcast_model` alone.
+#[test]
+fn a_stage_without_replicas_draws_its_lazy_parameters_in_the_modules_order() {
+    let _guard = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    let want = params(&lazy_stage());
+    let read_by_forward = lazy_stage();
+    let (x, y) = batch(0, 0..4);
+    let inputs = Tensors::new().with("x", x.clone()).with("y", y.clone());
+    read_by_forward.forward(inputs).expect("forward");
+    let (bt, tt) = (Tensors::new().with("x", x), Tensors::new().with("y", y));
+    assert_ne!(
+        bits(&params(&read_by_forward)),
+        bits(&want),
+        "the orders differ"
+    );
+    let stage = lazy_stage();
+    let group = world(1).remove(0);
+    let mut pipe =
+        Pipeline::new(group, &stage, &device(), PipelineOptions::new(1, 2)).expect("pipeline");
+    let stage = pipe.broadcast_model(stage).expect("broadcast");
+    pipe.step(&stage, bt.clone(), tt.clone()).expect("step");
+    assert_eq!(bits(&params(&stage)), bits(&want), "the stage's parameters");
+    let fresh = pipe.broadcast_model(lazy_stage()).expect("broadcast");
+    pipe.step(&fresh, bt, tt).expect("step");
+    assert_eq!(
+        bits(&params(&fresh)),
+        bits(&want),
+        "a fresh module's parameters"
+    );
+}

@@ -1,18 +1,22 @@
 //! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
-//! `custom_model_modes.rs` for the other ways of training, `pipeline_mnist.rs` for
-//! flotilla-train's pipeline; built by `cargo test --release --workspace` with the other
-//! examples) as the ranks of a job. The equalities train with SGD and momentum (`OPTIMIZER=sgd`): Adam would divide
+//! `custom_model_modes.rs` for the other ways of training, `pipeline_model.rs` for pipeline
+//! stages of the user's own modules, `pipeline_mnist.rs` for flotilla-train's pipeline; built
+//! by `cargo test --release --workspace` with the other examples) as the ranks of a job. The equalities train with SGD and momentum (`OPTIMIZER=sgd`): Adam would divide
 //! a wrongly scaled average of the gradients out of its steps.
 
 mod common;
 
-use std::path::PathBuf;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
 
 /// The secret of the jobs the tests below start.
 const SECRET: &str = "test-secret-0123456789";
+
+/// Tensors by name, as `safetensors_file` reads them.
+type Tensors = BTreeMap<String, Vec<f32>>;
 
 /// The example's binary beside this test's (`target/release/examples/custom_model`).
 fn example() -> PathBuf {
@@ -280,6 +284,60 @@ fn printed(o: &std::process::Output, prefix: &str) -> f64 {
         .and_then(|rest| rest.split_whitespace().next())
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| panic!("no `{prefix}N` printed:\n{}", text(o)))
+}
+
+/// `examples/pipeline_model.rs` on `replicas` replicas of its 2 stages for `steps` steps of
+/// a global batch of 64 (SGD with momentum), saving into `dir/name`: replica 0's stages'
+/// parameters (by `stage<s>.` and name) and the test accuracy it printed.
+fn pipeline_example(dir: &Path, replicas: usize, steps: usize, name: &str) -> (Tensors, f64) {
+    let out = dir.join(name);
+    let env = [
+        ("REPLICAS", replicas.to_string()),
+        ("BATCH", (64 / replicas).to_string()),
+        ("STEPS", steps.to_string()),
+        ("OPTIMIZER", "sgd".to_string()),
+        ("OUT", out.display().to_string()),
+        ("FLOTILLA_SECRET", SECRET.to_string()),
+    ];
+    let o = launch(
+        "pipeline_model",
+        2 * replicas,
+        &env,
+        Duration::from_secs(240),
+    );
+    assert!(o.status.success(), "{replicas} replicas:\n{}", text(&o));
+    let mut tensors = Tensors::new();
+    for stage in 0..2 {
+        let file = PathBuf::from(format!("{}.stage{stage}.safetensors", out.display()));
+        for (k, v) in safetensors_file(&file) {
+            tensors.insert(format!("stage{stage}.{k}"), v);
+        }
+    }
+    (tensors, printed(&o, "test accuracy "))
+}
+
+/// The pipeline example, briefly: 2 stages x 2 replicas (32 samples each a step) train what
+/// 2 stages x 1 replica train on the same global batch of 64 (the sampler's shards of it),
+/// up to f32 rounding, and print the same test accuracy, above what 30 steps must reach.
+/// Every rank seeds its own initial stage: the second replica starts from the first one's
+/// only through `broadcast_model`.
+#[test]
+fn the_pipeline_example_on_2_replicas_trains_what_1_replica_trains() {
+    let dir = tmp();
+    let (initial, _) = pipeline_example(dir.path(), 1, 0, "initial");
+    let (one, acc_one) = pipeline_example(dir.path(), 1, 30, "one");
+    let (two, acc_two) = pipeline_example(dir.path(), 2, 30, "two");
+    let moved = relative_error(&one, &initial);
+    assert!(moved > 1e-2, "30 steps did not train: {moved}");
+    let e = relative_error(&two, &one);
+    assert!(
+        e <= 1e-5,
+        "2 replicas vs 1 after 30 steps: relative error {e}"
+    );
+    assert!(
+        acc_one >= 0.8 && (acc_one - acc_two).abs() <= 0.002,
+        "test accuracy: 1 replica {acc_one}, 2 replicas {acc_two}"
+    );
 }
 
 /// `examples/custom_model_modes.rs`'s other ways of training, briefly (2 ranks, or a server

@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use burn::module::Module;
+use burn::module::{Module, ModuleVisitor, Param};
 use burn::optim::{GradientsAccumulator, GradientsParams, ModuleOptimizer};
 use burn::prelude::*;
 use burn::tensor::TensorData;
@@ -83,12 +83,18 @@ impl Pipeline {
     /// Collective over `group`: every rank checks that all ranks run the same options, that the
     /// replicas of a stage declare the same names and parameters, and that every stage's
     /// inputs come from an earlier stage's outputs; all fail alike if not, naming why.
+    ///
+    /// Draws `module`'s lazily initialised parameters now, in the module's order, so that a
+    /// stage seeded alike starts from the same values whatever the number of replicas (burn
+    /// draws a parameter when it is first read: left to the first forward pass, in the order
+    /// that forward reads them).
     pub fn new<M: PipelineStage>(
         group: Arc<dyn ProcessGroup>,
         module: &M,
         device: &Device,
         options: PipelineOptions,
     ) -> Result<Self> {
+        materialize(module);
         let place = options.place(group.as_ref())?;
         let mine = Names {
             inputs: module.inputs(),
@@ -155,11 +161,15 @@ impl Pipeline {
     }
 
     /// `module` with the parameters of this stage's replica 0 (collective over the stage's
-    /// replicas; without replicas, `module` itself).
+    /// replicas; without replicas, `module` itself, its lazily initialised parameters drawn
+    /// now in the module's order, as the broadcast reads them).
     pub fn broadcast_model<M: Module>(&self, module: M) -> Result<M> {
         match &self.replicas {
             Some(dp) => dp.broadcast_model(module),
-            None => Ok(module),
+            None => {
+                materialize(&module);
+                Ok(module)
+            }
         }
     }
 
@@ -449,6 +459,29 @@ impl Pipeline {
             self.stage()
         )))
     }
+}
+
+/// Draws every lazily initialised parameter of `module` now, in the module's order.
+///
+/// burn draws a parameter's initial values from the device's generator when it is first
+/// read. Left lazy, a stage's parameters would be drawn by its first forward pass, in the
+/// order that forward reads them: a stage without replicas (whose parameters nothing reads
+/// before) would start from other values than the same stage, seeded alike, with replicas
+/// (whose broadcast reads them in the module's order) or saved before training.
+fn materialize<M: Module>(module: &M) {
+    struct Draw;
+    impl ModuleVisitor for Draw {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let _ = std::ops::Deref::deref(param);
+        }
+        fn visit_int<const D: usize>(&mut self, param: &Param<Tensor<D, Int>>) {
+            let _ = std::ops::Deref::deref(param);
+        }
+        fn visit_bool<const D: usize>(&mut self, param: &Param<Tensor<D, Bool>>) {
+            let _ = std::ops::Deref::deref(param);
+        }
+    }
+    module.visit(&mut Draw);
 }
 
 /// A float output and its dimensions.
