@@ -6,7 +6,6 @@
 use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
-use std::net::TcpListener;
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -46,14 +45,6 @@ pub struct RankLine {
     pub stream: Stream,
     /// The text, without its newline.
     pub text: String,
-}
-
-/// A free TCP port on 127.0.0.1, bound and released: only a number for a remote rank 0 to
-/// bind on its host. A local job's port is a [`RendezvousSocket`] instead, held from the
-/// moment it is chosen.
-pub fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
-    Ok(l.local_addr()?.port())
 }
 
 /// Set by the Ctrl-C / SIGTERM handler of [`stop_on_interrupt`].

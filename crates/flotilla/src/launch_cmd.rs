@@ -18,7 +18,7 @@ use crate::launch::{self, LocalJob};
 use crate::progress::PROGRESS_ENV;
 use crate::relay::Relay;
 use crate::remote_launch::{self, Remote};
-use crate::rendezvous_socket::RendezvousSocket;
+use crate::rendezvous_socket::{self, RendezvousSocket};
 use crate::run_args::RunArgs;
 use crate::{binding, capacity};
 use crate::{settings, telemetry};
@@ -257,7 +257,7 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
-    let socket = rendezvous_port(&mut config, flags, placement.is_none())?;
+    let socket = rendezvous_socket::for_job(&mut config, flags, placement.is_none())?;
     let spec = config.validate()?;
     if config.topology.arch == flotilla_cluster::Arch::Pipeline {
         // Planned here, before any rank starts: a model that does not fit is refused, and the
@@ -308,27 +308,6 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
         placement,
         socket,
     })
-}
-
-/// Sets the job's rendezvous port: for a `local` job a socket bound now on the rendezvous
-/// address (at `--master-port`, else at a port the system picks), which rank 0 inherits; for
-/// ranks on other hosts a free port number (or `--master-port`), which rank 0 binds there.
-pub fn rendezvous_port(
-    config: &mut TrainConfig,
-    flags: &RunArgs,
-    local: bool,
-) -> Result<Option<RendezvousSocket>> {
-    let given = flags.given("master-port");
-    if !local {
-        if !given {
-            config.comm.master_port = launch::free_port()?;
-        }
-        return Ok(None);
-    }
-    let port = if given { config.comm.master_port } else { 0 };
-    let socket = RendezvousSocket::bind(&config.comm.master_addr, port)?;
-    config.comm.master_port = socket.port()?;
-    Ok(Some(socket))
 }
 
 /// Each rank's environment: its place in the job, events for this launcher, and the

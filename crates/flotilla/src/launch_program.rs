@@ -70,7 +70,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
-    let socket = crate::launch_cmd::rendezvous_port(&mut config, &args.run, placement.is_none())?;
+    let socket = crate::rendezvous_socket::for_job(&mut config, &args.run, placement.is_none())?;
     let program = program_words(&args.program)?;
     println!(
         "launching {n} ranks of {} on {}:{}",

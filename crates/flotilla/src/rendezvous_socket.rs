@@ -12,6 +12,9 @@ use std::process::Command;
 
 use anyhow::{Context, Result};
 use flotilla_comm::LISTEN_FD_ENV;
+use flotilla_train::TrainConfig;
+
+use crate::run_args::RunArgs;
 
 /// Rank 0's listening socket, held by the launcher until rank 0 is started.
 pub struct RendezvousSocket {
@@ -53,6 +56,35 @@ impl RendezvousSocket {
             });
         }
     }
+}
+
+/// Sets the job's rendezvous port: for a `local` job a socket bound now on the rendezvous
+/// address (at `--master-port`, else at a port the system picks), which rank 0 inherits; for
+/// ranks on other hosts a free port number (or `--master-port`), which rank 0 binds there.
+pub fn for_job(
+    config: &mut TrainConfig,
+    flags: &RunArgs,
+    local: bool,
+) -> Result<Option<RendezvousSocket>> {
+    let given = flags.given("master-port");
+    if !local {
+        if !given {
+            config.comm.master_port = free_port()?;
+        }
+        return Ok(None);
+    }
+    let port = if given { config.comm.master_port } else { 0 };
+    let socket = RendezvousSocket::bind(&config.comm.master_addr, port)?;
+    config.comm.master_port = socket.port()?;
+    Ok(Some(socket))
+}
+
+/// A free TCP port on 127.0.0.1, bound and released: only a number for a remote rank 0 to
+/// bind on its host. A local job's port is a [`RendezvousSocket`] instead, held from the
+/// moment it is chosen.
+fn free_port() -> Result<u16> {
+    let l = TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
+    Ok(l.local_addr()?.port())
 }
 
 #[cfg(test)]

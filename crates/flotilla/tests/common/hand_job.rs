@@ -179,9 +179,7 @@ impl Baselines {
                 secs,
             })
             .map_err(|e| format!("the undisturbed run failed: {e}"));
-        println!(
-            "baseline {name}: {run:?} in {secs:.1} s"
-        );
+        println!("baseline {name}: {run:?} in {secs:.1} s");
         self.runs.insert(text.to_string(), run.clone());
         run
     }
