@@ -379,7 +379,7 @@ fn stop_and_ctrl_c_end_every_remote_rank() {
 
 /// Two ranks over ssh with TLS: the launcher finds each host's `flotilla certs` pair (by its
 /// inventory address) beside the CA and copies it into the job directory (mode 0600); the
-/// ranks' config points at the copies, and the job trains.
+/// ranks' config points at the copies, the job trains, and the copies are removed at its end.
 #[test]
 fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
     let Some(sshd) = start_sshd() else { return };
@@ -417,20 +417,10 @@ fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
         serde_json::from_slice(&std::fs::read(out.join("job.json")).expect("job.json"))
             .expect("job.json is JSON");
     let job_dir = PathBuf::from(job["dir"].as_str().expect("dir"));
-    for (copy, original) in [
-        ("tls-ca.pem", "ca.pem"),
-        ("tls-cert.pem", "127.0.0.1.pem"),
-        ("tls-key.pem", "127.0.0.1.key"),
-    ] {
-        let path = job_dir.join(copy);
-        let mode = std::os::unix::fs::PermissionsExt::mode(
-            &std::fs::metadata(&path).expect(copy).permissions(),
-        );
-        assert_eq!(mode & 0o777, 0o600, "{copy}");
-        assert_eq!(
-            std::fs::read(&path).expect(copy),
-            std::fs::read(certs.join(original)).expect(original)
-        );
+    // The ranks trained with TLS from the copies (a wrong CA, certificate or key fails the
+    // handshake), and the copies, credentials, are gone with the job.
+    for copy in ["tls-ca.pem", "tls-cert.pem", "tls-key.pem"] {
+        assert!(!job_dir.join(copy).exists(), "{copy} left in {}", job_dir.display());
     }
     let config = std::fs::read_to_string(job_dir.join("config.yaml")).expect("config");
     assert!(

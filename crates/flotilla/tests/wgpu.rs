@@ -100,7 +100,8 @@ fn tensor_devices(out: &Path) -> Vec<(String, String)> {
             let log = run_log(out, rank);
             let prefix = format!("rank {rank} (");
             log.lines()
-                .filter_map(|l| l.strip_prefix(&prefix))
+                // After the line's `[  12.345s] ` time.
+                .filter_map(|l| l.split_once(&prefix).map(|(_, rest)| rest))
                 .find_map(|l| l.split_once(") parameter tensors "))
                 .map(|(role, place)| (role.to_string(), place.to_string()))
                 .unwrap_or_else(|| panic!("rank {rank} logged no parameter tensors:\n{log}"))

@@ -27,7 +27,7 @@ impl Heads {
     pub(crate) fn of(q: &FloatTensor<Flex>, heads: usize) -> Self {
         let dims = q.shape();
         assert!(
-            dims.num_dims() == 3 && heads > 0 && dims[2] % heads == 0,
+            dims.num_dims() == 3 && heads > 0 && dims[2].is_multiple_of(heads),
             "causal attention: q must be [n, t, d] with d a multiple of the {heads} heads, got {dims:?}"
         );
         let (n, t, d) = (dims[0], dims[1], dims[2]);
