@@ -184,6 +184,19 @@ impl Reference {
     }
 }
 
+/// The gradient and sample count of the script's push `k` (97-99: the pushes refused).
+fn scripted_push(k: usize, total: usize) -> (Vec<f32>, u32) {
+    let mut values = gradient(k, total);
+    let mut samples = 4;
+    match k {
+        99 => values[3] = f32::NAN,
+        98 => samples = u32::MAX,
+        97 => values.iter_mut().for_each(|v| *v = 3e38),
+        _ => {}
+    }
+    (values, samples)
+}
+
 #[test]
 fn an_async_server_follows_its_formula_on_a_scripted_sequence_of_pushes() {
     let c = config(
@@ -222,14 +235,7 @@ fn an_async_server_follows_its_formula_on_a_scripted_sequence_of_pushes() {
         assert!(matches!(reply(&**g), PsMessage::Params { version: 0, .. }));
     }
     for (i, &(w, version, k)) in SCRIPT.iter().enumerate() {
-        let mut values = gradient(k, layout.total);
-        let mut samples = 4;
-        match k {
-            99 => values[3] = f32::NAN,
-            98 => samples = u32::MAX,
-            97 => values.iter_mut().for_each(|v| *v = 3e38),
-            _ => {}
-        }
+        let (values, samples) = scripted_push(k, layout.total);
         groups[w]
             .send(0, TAG, &push(version, samples, values.clone()))
             .expect("send");

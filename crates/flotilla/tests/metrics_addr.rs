@@ -97,11 +97,19 @@ impl Drop for Netns {
 fn rank(ns: &Netns, port: u16, extra: &[&str]) -> Proc {
     let dir = tmp();
     let mut c = flotilla();
-    c.args(["train", "-n", "1", "--batch-size", "16", "--train-limit", "640"])
-        .args(["--epochs", "200", "--metrics-port", &port.to_string()])
-        .args(extra)
-        .args(["--output", dir.path().join("run").to_str().expect("utf8")])
-        .env("FLOTILLA_SECRET", "test-secret-0123456789");
+    c.args([
+        "train",
+        "-n",
+        "1",
+        "--batch-size",
+        "16",
+        "--train-limit",
+        "640",
+    ])
+    .args(["--epochs", "200", "--metrics-port", &port.to_string()])
+    .args(extra)
+    .args(["--output", dir.path().join("run").to_str().expect("utf8")])
+    .env("FLOTILLA_SECRET", "test-secret-0123456789");
     let child = ns
         .wrap(&c)
         .stdout(Stdio::null())

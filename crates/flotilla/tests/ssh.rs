@@ -420,7 +420,11 @@ fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
     // The ranks trained with TLS from the copies (a wrong CA, certificate or key fails the
     // handshake), and the copies, credentials, are gone with the job.
     for copy in ["tls-ca.pem", "tls-cert.pem", "tls-key.pem"] {
-        assert!(!job_dir.join(copy).exists(), "{copy} left in {}", job_dir.display());
+        assert!(
+            !job_dir.join(copy).exists(),
+            "{copy} left in {}",
+            job_dir.display()
+        );
     }
     let config = std::fs::read_to_string(job_dir.join("config.yaml")).expect("config");
     assert!(
