@@ -14,6 +14,10 @@
 //! Needs root and `ip` (iproute2); without them the tests are skipped, unless `CI` is set,
 //! where that is a failure. Namespaces and the bridge are removed on every exit path.
 
+#[allow(dead_code)] // the world helpers are the in-process tests'
+mod common;
+use common::value;
+
 use std::io::{BufRead, BufReader};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -31,16 +35,6 @@ const OUT: &str = "FLOTILLA_TEST_HIER_OUT";
 const LENS: [usize; 4] = [3, 1001, 200_003, 1 << 20];
 /// How long a world of ranks may take before the test fails as hung.
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Rank `r`'s element `i` of case `case`: in [-4, 4), bits below f32's precision in any
-/// sum, so the order of additions shows.
-fn value(case: usize, r: usize, i: usize) -> f32 {
-    let mut z = ((case as u64) << 40) ^ ((r as u64) << 24) ^ i as u64;
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
-}
 
 /// Network namespaces `{prefix}0..` on a bridge, removed when dropped, and each one's
 /// segment directory (`host{i}` in `dirs`).

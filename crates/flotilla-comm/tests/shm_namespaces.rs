@@ -13,6 +13,10 @@
 //! Needs root and `unshare`; without them the tests are skipped, unless `CI` is set, where
 //! that is a failure.
 
+#[allow(dead_code)] // the world helpers are the in-process tests'
+mod common;
+use common::value;
+
 use std::fs::File;
 use std::os::unix::fs::MetadataExt;
 use std::os::unix::process::CommandExt;
@@ -31,16 +35,6 @@ const LENS: [usize; 4] = [3, 1001, 70_000, 300_001];
 const BROADCAST: usize = 5000;
 /// How long a pair of ranks may take before the test fails as hung.
 const DEADLINE: Duration = Duration::from_secs(60);
-
-/// Rank `r`'s element `i` of case `case`: in [-4, 4), bits below f32's precision in any
-/// sum.
-fn value(case: usize, r: usize, i: usize) -> f32 {
-    let mut z = ((case as u64) << 40) ^ ((r as u64) << 24) ^ i as u64;
-    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
-}
 
 /// The device and inode of `p` as the rank sees it.
 fn identity(p: &str) -> String {
