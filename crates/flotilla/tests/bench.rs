@@ -11,7 +11,7 @@ use std::io::Read;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use common::{flotilla, run_with_deadline, text};
+use common::{cores_of, flotilla, run_with_deadline, text};
 
 /// The tests of this file one at a time: the step benchmark reads the CPU time of this
 /// process's children, which another test's children would add to.
@@ -140,17 +140,6 @@ fn bench_step_reports_measured_figures_and_their_ratios() {
         (0.67..=1.5).contains(&(spent / claimed)),
         "40 more steps a run cost {spent:.3} s of CPU; the rows claim {claimed:.3} s: {short:?} {long:?}"
     );
-}
-
-/// The cores a `Cpus_allowed_list` value names (`0-2,5` is 0, 1, 2, 5).
-fn cores_of(list: &str) -> Vec<usize> {
-    let mut cores = Vec::new();
-    for part in list.trim().split(',') {
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        let (lo, hi): (usize, usize) = (lo.parse().expect("core"), hi.parse().expect("core"));
-        cores.extend(lo..=hi);
-    }
-    cores
 }
 
 /// The cores process `pid` may run on, from `/proc`.

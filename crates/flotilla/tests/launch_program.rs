@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
+use common::{cores_of, flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
 
 /// The secret of the jobs the tests below start.
 const SECRET: &str = "test-secret-0123456789";
@@ -220,17 +220,6 @@ fn max_restarts_starts_a_failed_program_again() {
         "{all}"
     );
     assert_eq!(all.matches("test accuracy").count(), 1, "{all}");
-}
-
-/// The cores a `Cpus_allowed_list` value names (`0-2,5` is 0, 1, 2, 5).
-fn cores_of(list: &str) -> Vec<usize> {
-    let mut cores = Vec::new();
-    for part in list.trim().split(',') {
-        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
-        let (lo, hi): (usize, usize) = (lo.parse().expect("core"), hi.parse().expect("core"));
-        cores.extend(lo..=hi);
-    }
-    cores
 }
 
 /// Each rank's cores as it sees them, from `flotilla launch ARGS -n N -- sh -c ...`.

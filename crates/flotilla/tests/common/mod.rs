@@ -301,3 +301,14 @@ pub fn assert_bitwise(name: &str, a: &BTreeMap<String, Vec<f32>>, b: &BTreeMap<S
         assert_eq!(differing, 0, "{name}: {differing} values of {k} differ");
     }
 }
+
+/// The cores a `Cpus_allowed_list` value names (`0-2,5` is 0, 1, 2, 5).
+pub fn cores_of(list: &str) -> Vec<usize> {
+    let mut cores = Vec::new();
+    for part in list.trim().split(',') {
+        let (lo, hi) = part.split_once('-').unwrap_or((part, part));
+        let (lo, hi): (usize, usize) = (lo.parse().expect("core"), hi.parse().expect("core"));
+        cores.extend(lo..=hi);
+    }
+    cores
+}
