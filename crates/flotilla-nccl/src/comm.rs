@@ -38,6 +38,7 @@ pub(crate) fn probe_libraries() -> Result<(), String> {
                 .into(),
         );
     }
+    // SAFETY: as above: it only tries to open NCCL's library (dlopen) by its usual names.
     if !unsafe { sys::is_culib_present() } {
         return Err(
             "NCCL (libnccl.so.2) cannot be loaded: install NCCL (e.g. Debian's libnccl2)".into(),
