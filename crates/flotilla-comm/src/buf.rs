@@ -19,17 +19,25 @@ pub(crate) fn f32_bytes_mut(s: &mut [f32]) -> &mut [u8] {
 }
 
 /// A small free list of byte buffers so that the hot receive path does not allocate.
+///
+/// It keeps at most `keep` buffers of at most `max_capacity` bytes each: a buffer returned
+/// beyond these, or grown past that size, is freed. What a pool holds when its frames are
+/// done is thus bounded by `keep * max_capacity` and, once traffic has once had `keep`
+/// frames in flight together, is that much whatever the frames' timing was (a pool that
+/// kept every buffer it ever needed at once would hold as many as the busiest moment had).
 pub(crate) struct BufPool {
     free: Mutex<Vec<Vec<u8>>>,
     keep: usize,
+    max_capacity: usize,
 }
 
 impl BufPool {
-    /// A pool retaining at most `keep` buffers.
-    pub(crate) fn new(keep: usize) -> Arc<Self> {
+    /// A pool retaining at most `keep` buffers of at most `max_capacity` bytes each.
+    pub(crate) fn new(keep: usize, max_capacity: usize) -> Arc<Self> {
         Arc::new(Self {
             free: Mutex::new(Vec::new()),
             keep,
+            max_capacity,
         })
     }
 
@@ -48,7 +56,7 @@ impl BufPool {
     }
 
     fn give(&self, mut v: Vec<u8>) {
-        if v.capacity() == 0 {
+        if v.capacity() == 0 || v.capacity() > self.max_capacity {
             return;
         }
         v.clear();
@@ -100,7 +108,7 @@ mod tests {
 
     #[test]
     fn pool_reuses_buffers() {
-        let pool = BufPool::new(2);
+        let pool = BufPool::new(2, 1024);
         let mut b = pool.take();
         b.vec_mut().extend_from_slice(&[1, 2, 3]);
         let ptr = b.as_ptr();
@@ -109,6 +117,32 @@ mod tests {
         assert!(b2.is_empty());
         assert_eq!(b2.v.as_ptr(), ptr);
         assert!(b2.into_vec().capacity() >= 3);
+    }
+
+    /// Past `keep` buffers, or past `max_capacity` bytes, a returned buffer is freed.
+    #[test]
+    fn pool_keeps_what_it_is_told() {
+        let pool = BufPool::new(2, 1024);
+        let mut bufs: Vec<PoolBuf> = (0..4).map(|_| pool.take()).collect();
+        for b in &mut bufs {
+            b.vec_mut().resize(512, 1);
+        }
+        drop(bufs);
+        assert_eq!(pool.free.lock().map(|f| f.len()).unwrap_or(0), 2);
+        let mut big = pool.take();
+        big.vec_mut().resize(4096, 1);
+        drop(big);
+        let kept = pool
+            .free
+            .lock()
+            .map(|f| f.iter().map(Vec::capacity).max())
+            .ok();
+        assert_eq!(
+            kept.flatten(),
+            Some(512),
+            "the grown buffer was freed, not kept"
+        );
+        assert_eq!(pool.free.lock().map(|f| f.len()).unwrap_or(0), 1);
     }
 
     #[test]

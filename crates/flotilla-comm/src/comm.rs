@@ -159,6 +159,7 @@ impl Communicator {
         let opts = ConnOpts {
             max_frame_bytes: cfg.max_frame_bytes,
             compression: cfg.compression,
+            pooled_frame_bytes: cfg.chunk_bytes,
         };
         // A replacement of a lost rank reaches rank 0 alone, point to point.
         let rejoined = cfg.rejoin == Rejoin::Join;
@@ -218,7 +219,7 @@ impl Communicator {
         let mut peers: Vec<Vec<Option<Arc<Conn>>>> = (0..n).map(|_| vec![None; n]).collect();
         for a in 0..n {
             for b in a + 1..n {
-                let (ab, ba) = Conn::memory_pair((a, &eps[a]), (b, &eps[b]));
+                let (ab, ba) = Conn::memory_pair((a, &eps[a]), (b, &eps[b]), cfg.chunk_bytes);
                 let remote = !host::all_local(&hosts, &[a, b]);
                 peers[a][b] = Some(Arc::new(ab.between_hosts(remote)));
                 peers[b][a] = Some(Arc::new(ba.between_hosts(remote)));
@@ -387,7 +388,8 @@ impl ProcessGroup for Communicator {
                 g.finish(r).await
             });
         }
-        self.run_here(async move {
+        let bytes = std::mem::size_of_val(buf);
+        self.run_borrowed(bytes, async move {
             let _turn = g.begin(ticket).await?;
             let r =
                 collectives::broadcast_f32(&OpCtx::new(g, ticket, Op::Broadcast), buf, root).await;
@@ -431,7 +433,12 @@ impl ProcessGroup for Communicator {
 
     fn all_reduce_sum(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let ticket = self.issue()?;
-        self.run_here(all_reduce_ordered(&self.g, ticket, buf, None))
+        if self.g.shm.is_some() {
+            // The copies and waits of the shared segment run on this (blocked anyway) thread.
+            return self.run_here(all_reduce_ordered(&self.g, ticket, buf, None));
+        }
+        let bytes = std::mem::size_of_val(buf);
+        self.run_borrowed(bytes, all_reduce_ordered(&self.g, ticket, buf, None))
     }
 
     fn all_reduce_start(&self, buf: Vec<f32>) -> PendingAllReduce {
@@ -444,7 +451,8 @@ impl ProcessGroup for Communicator {
 
     fn reduce_scatter_sum_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let ticket = self.issue()?;
-        self.run_here(reduce_scatter_ordered(&self.g, ticket, buf, None))
+        let bytes = std::mem::size_of_val(buf);
+        self.run_borrowed(bytes, reduce_scatter_ordered(&self.g, ticket, buf, None))
     }
 
     fn reduce_scatter_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
@@ -462,7 +470,8 @@ impl ProcessGroup for Communicator {
     fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
         let g = &self.g;
         let ticket = self.issue()?;
-        self.run_here(async move {
+        let bytes = std::mem::size_of_val(buf);
+        self.run_borrowed(bytes, async move {
             let _turn = g.begin(ticket).await?;
             let span = tracing::info_span!(
                 target: "flotilla::comm",
@@ -611,15 +620,97 @@ impl Communicator {
     }
 
     /// Runs `op`, which borrows the caller's buffers, on the calling thread (blocked anyway)
-    /// until it has finished; the connection readers stay on the runtime's workers. The
-    /// collectives of large borrowed buffers run so: no copy of the buffer, and no borrow
-    /// handed to another thread. Over TCP on 127.0.0.1 (2 shared cores under load, median
-    /// of 15) this measured as fast as running them on a worker (2 ranks, 64 MiB: 277-326
-    /// ms against 312-346; 4 ranks: 668-867 against 879-957), while copying the buffer into
-    /// an owned one for a worker took 750-816 ms at 2 ranks.
+    /// until it has finished; the connection readers stay on the runtime's workers. For
+    /// what needs no frame from a peer per step: a point-to-point send (written from the
+    /// caller's buffer), the shared segment's copies and waits.
     fn run_here<T>(&self, op: impl Future<Output = Result<T, CommError>>) -> Result<T, CommError> {
         outside_runtime()?;
         self.g.world.handle.block_on(op)
+    }
+
+    /// Runs `op`, a collective over TCP of the caller's `bytes`-long borrowed buffer: on the
+    /// calling thread ([`Self::run_here`]) up to [`SCOPED_MIN_CHUNKS`] chunks, on a worker
+    /// ([`Self::run_scoped`]) above.
+    fn run_borrowed<T: Send + 'static>(
+        &self,
+        bytes: usize,
+        op: impl Future<Output = Result<T, CommError>> + Send,
+    ) -> Result<T, CommError> {
+        if bytes <= SCOPED_MIN_CHUNKS * self.g.world.cfg.chunk_bytes {
+            self.run_here(op)
+        } else {
+            self.run_scoped(op)
+        }
+    }
+
+    /// Runs `op`, which borrows the caller's buffers (the `&mut [f32]` being reduced), on the
+    /// runtime's workers next to the connection readers, and blocks the calling thread until
+    /// it has finished.
+    ///
+    /// Why not on the calling thread ([`Self::run_here`]): each received chunk would then
+    /// wake it from the reader's thread, two busy threads a rank; 2 ranks over TCP on
+    /// 127.0.0.1, 16 MiB, median of 6 alternating rounds of 60: 15.6 ms there against
+    /// 12.0 ms here (BENCHMARKS.md, section 29); below a few chunks the two hops to and from
+    /// the worker cost more than the wake-ups ([`SCOPED_MIN_CHUNKS`]). Why not a copy of the buffer moved to a
+    /// worker, as [`Self::run_owned`] does: copying 16 MiB in and out costs 6 ms on this
+    /// machine. Why our own: `async-scoped`'s `scope_and_block` does the same (an unsafe
+    /// lifetime extension behind a blocking scope) but blocks with `block_in_place`, which
+    /// needs the caller inside the runtime's context, where a blocking `Communicator`
+    /// method refuses to run.
+    fn run_scoped<'a, T: Send + 'static>(
+        &self,
+        op: impl Future<Output = Result<T, CommError>> + Send + 'a,
+    ) -> Result<T, CommError> {
+        outside_runtime()?;
+        let handle = &self.g.world.handle;
+        let boxed: ScopedFuture<'a, T> = Box::pin(op);
+        // SAFETY: the future may outlive 'a on paper only. This function does not return
+        // before the task has finished (`block_on` of its handle below), nor unwind before
+        // (the `ScopedTask` guard aborts it and waits for `is_finished`); tokio drops a
+        // task's future before it marks the task finished, on completion, panic or abort.
+        // The runtime cannot shut down meanwhile: `self` holds it. So no borrow `op`
+        // captured is used after 'a ends.
+        let boxed =
+            unsafe { std::mem::transmute::<ScopedFuture<'a, T>, ScopedFuture<'static, T>>(boxed) };
+        let mut task = ScopedTask(Some(handle.spawn(boxed)));
+        let joined = match task.0.as_mut() {
+            Some(h) => handle.block_on(h),
+            None => return Err(CommError::Shutdown),
+        };
+        // The handle resolved: the task and its future are gone.
+        task.0 = None;
+        match joined {
+            Ok(r) => r,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Err(CommError::Shutdown),
+        }
+    }
+}
+
+/// Chunks ([`CommConfig::chunk_bytes`]) of a borrowed buffer up to which a blocking TCP
+/// collective runs on the calling thread rather than on a worker ([`Communicator::run_borrowed`]).
+/// 2 ranks on 127.0.0.1 (medians of 5 alternating rounds of 200): 1 MiB took 530 us on the
+/// calling thread and 642 us on a worker, 4 MiB 3.42 ms and 3.01 ms.
+const SCOPED_MIN_CHUNKS: usize = 4;
+
+/// A collective's future that borrows the caller's buffers for `'a`.
+type ScopedFuture<'a, T> =
+    std::pin::Pin<Box<dyn Future<Output = Result<T, CommError>> + Send + 'a>>;
+
+/// A task running a [`ScopedFuture`] whose borrows live in the stack frame of
+/// [`Communicator::run_scoped`]. Dropped before it was joined (only while unwinding), it
+/// aborts the task and waits until the task has finished, so the borrows end first.
+struct ScopedTask<T>(Option<tokio::task::JoinHandle<T>>);
+
+impl<T> Drop for ScopedTask<T> {
+    fn drop(&mut self) {
+        if let Some(h) = self.0.take() {
+            h.abort();
+            // No `block_on` here: a panic while unwinding would abort the process.
+            while !h.is_finished() {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
     }
 }
 

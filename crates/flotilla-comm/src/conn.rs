@@ -107,9 +107,12 @@ enum Lost {
     Invalid(CommError),
 }
 
-/// Frames of the collective channel buffered per connection and group. Must exceed
-/// [`crate::pipe::LOOKAHEAD`] so the ring cannot deadlock.
-pub(crate) const COLLECTIVE_QUEUE_FRAMES: usize = 16;
+/// Receive buffers a connection keeps for reuse ([`BufPool`]): the frames a pipelined step
+/// has in flight on one link ([`crate::pipe::LOOKAHEAD`] sent ahead of the one being
+/// reduced) and one more. Frames beyond these (a broadcast's chain runs ahead) get buffers
+/// of their own from the allocator, freed when done; so between collectives a connection
+/// holds this many chunk-sized buffers, not as many as its busiest moment needed.
+pub(crate) const POOLED_FRAMES: usize = crate::pipe::LOOKAHEAD + 2;
 
 /// Groups unknown to this process of which one peer may have frames held here at a time.
 /// A peer may legitimately start a new group's traffic before this rank made the group (a
@@ -353,6 +356,9 @@ struct Writer {
 pub(crate) struct ConnOpts {
     pub max_frame_bytes: usize,
     pub compression: Compression,
+    /// The largest receive buffer kept for reuse: the collectives' chunk
+    /// ([`crate::CommConfig::chunk_bytes`]); larger frames' buffers are freed when done.
+    pub pooled_frame_bytes: usize,
 }
 
 /// How frames leave this process for the peer.
@@ -420,13 +426,7 @@ impl Conn {
         let name = PeerName::ranked(rank, addr);
         let (rd, wr) = stream.into_split();
         let inbound = Inbound::new(rank);
-        let reader = tokio::spawn(reader_loop(
-            rd,
-            name,
-            opts.max_frame_bytes,
-            inbound.clone(),
-            ep.clone(),
-        ));
+        let reader = tokio::spawn(reader_loop(rd, name, opts, inbound.clone(), ep.clone()));
         Conn {
             rank,
             sent: sent_counter(rank),
@@ -470,10 +470,12 @@ impl Conn {
     }
 
     /// Two connected in-memory ends: the first is `a`'s connection to `b`, the second
-    /// `b`'s connection to `a`.
+    /// `b`'s connection to `a`; each keeps [`POOLED_FRAMES`] buffers of up to
+    /// `pooled_frame_bytes` for the frames it hands over.
     pub(crate) fn memory_pair(
         (a, a_ep): (usize, &Arc<Endpoint>),
         (b, b_ep): (usize, &Arc<Endpoint>),
+        pooled_frame_bytes: usize,
     ) -> (Conn, Conn) {
         let (at_a, at_b) = (Inbound::new(b), Inbound::new(a));
         let end = |rank,
@@ -487,7 +489,7 @@ impl Conn {
             out: Outbound::Memory {
                 peer: peer.clone(),
                 at_peer: at_peer.clone(),
-                pool: BufPool::new(COLLECTIVE_QUEUE_FRAMES + 8),
+                pool: BufPool::new(POOLED_FRAMES, pooled_frame_bytes),
             },
             inbound: inbound.clone(),
             ep: ep.clone(),
@@ -651,11 +653,12 @@ impl Conn {
 async fn reader_loop(
     mut rd: ReadHalf,
     name: PeerName,
-    max_frame_bytes: usize,
+    opts: ConnOpts,
     inbound: Arc<Inbound>,
     ep: Arc<Endpoint>,
 ) {
-    let pool = BufPool::new(COLLECTIVE_QUEUE_FRAMES + 8);
+    let max_frame_bytes = opts.max_frame_bytes;
+    let pool = BufPool::new(POOLED_FRAMES, opts.pooled_frame_bytes);
     let mut scratch = Vec::new();
     let why = loop {
         let mut hb = [0u8; HEADER_LEN];
@@ -680,6 +683,10 @@ async fn reader_loop(
             Err(e) => break Lost::Io(frame::describe_io(&e)),
             Ok(Err(e)) => break Lost::Invalid(e),
             Ok(Ok(())) => {}
+        }
+        if scratch.capacity() > opts.pooled_frame_bytes {
+            // A compressed frame larger than the chunk: its staging is not kept either.
+            scratch = Vec::new();
         }
         if let Err(e) = inbound.dispatch(&ep, header, buf) {
             break Lost::Invalid(e);
@@ -709,6 +716,7 @@ mod tests {
         ConnOpts {
             max_frame_bytes: 1 << 20,
             compression: Compression::Lz4,
+            pooled_frame_bytes: 64 << 10,
         }
     }
 
@@ -772,7 +780,7 @@ mod tests {
     #[tokio::test]
     async fn memory_pair_delivers_and_reports_loss() {
         let (ea, eb) = (Arc::new(Endpoint::default()), Arc::new(Endpoint::default()));
-        let (ab, ba) = Conn::memory_pair((0, &ea), (1, &eb));
+        let (ab, ba) = Conn::memory_pair((0, &ea), (1, &eb), 64 << 10);
         ab.send(channel::COLLECTIVE, Op::AllReduce, (0, 3, 4), b"hi")
             .await
             .unwrap();

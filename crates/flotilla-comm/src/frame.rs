@@ -313,7 +313,8 @@ pub async fn read_payload<R: AsyncRead + Unpin>(
         &mut *out
     };
     target.clear();
-    target.reserve(len);
+    // Exactly: a reused receive buffer keeps the capacity of the frames it carried.
+    target.reserve_exact(len);
     while target.len() < len {
         let remaining = (len - target.len()) as u64;
         let n = (&mut *r).take(remaining).read_buf(target).await?;

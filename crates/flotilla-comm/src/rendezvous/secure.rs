@@ -352,6 +352,7 @@ mod tests {
             let opts = ConnOpts {
                 max_frame_bytes: 8 << 20,
                 compression: Compression::Lz4,
+                pooled_frame_bytes: 1 << 20,
             };
             let (ea, eb) = (Arc::new(Endpoint::default()), Arc::new(Endpoint::default()));
             let ca = Conn::tcp(client, 1, opts, ea);
