@@ -650,13 +650,13 @@ impl Communicator {
     /// Why not on the calling thread ([`Self::run_here`]): each received chunk would then
     /// wake it from the reader's thread, two busy threads a rank; 2 ranks over TCP on
     /// 127.0.0.1, 16 MiB, median of 6 alternating rounds of 60: 15.6 ms there against
-    /// 12.8 ms on a worker (BENCHMARKS.md, section 29); below a few chunks the two hops to and from
-    /// the worker cost more than the wake-ups ([`SCOPED_MIN_CHUNKS`]). Why not a copy of the buffer moved to a
-    /// worker, as [`Self::run_owned`] does: copying 16 MiB in and out costs 6 ms on this
-    /// machine. Why our own: `async-scoped`'s `scope_and_block` does the same (an unsafe
-    /// lifetime extension behind a blocking scope) but blocks with `block_in_place`, which
-    /// needs the caller inside the runtime's context, where a blocking `Communicator`
-    /// method refuses to run.
+    /// 12.8 ms on a worker (BENCHMARKS.md, section 29); below a few chunks the two hops to
+    /// and from the worker cost more than the wake-ups ([`SCOPED_MIN_CHUNKS`]). Why not a
+    /// copy of the buffer moved to a worker, as [`Self::run_owned`] does: copying 16 MiB in
+    /// and out costs 6 ms on this machine. Why our own: `async-scoped`'s `scope_and_block`
+    /// does the same (an unsafe lifetime extension behind a blocking scope) but blocks with
+    /// `block_in_place`, which needs the caller inside the runtime's context, where a
+    /// blocking `Communicator` method refuses to run.
     fn run_scoped<'a, T: Send + 'static>(
         &self,
         op: impl Future<Output = Result<T, CommError>> + Send + 'a,

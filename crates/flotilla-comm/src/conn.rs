@@ -108,11 +108,11 @@ enum Lost {
 }
 
 /// Receive buffers a connection keeps for reuse ([`BufPool`]): the frames a pipelined step
-/// has in flight on one link ([`crate::pipe::LOOKAHEAD`] sent ahead of the one being
+/// has in flight on one link ([`crate::pipe::LOOKAHEAD`], 2, sent ahead of the one being
 /// reduced) and one more. Frames beyond these (a broadcast's chain runs ahead) get buffers
 /// of their own from the allocator, freed when done; so between collectives a connection
 /// holds this many chunk-sized buffers, not as many as its busiest moment needed.
-pub(crate) const POOLED_FRAMES: usize = crate::pipe::LOOKAHEAD + 2;
+pub(crate) const POOLED_FRAMES: usize = 4;
 
 /// Groups unknown to this process of which one peer may have frames held here at a time.
 /// A peer may legitimately start a new group's traffic before this rank made the group (a
