@@ -72,6 +72,13 @@ impl StallWatch {
         }
     }
 
+    /// How long the oldest entry still partial at the last [`Self::observe`] has been
+    /// partial at `now`.
+    pub fn longest(&self, now: Instant) -> Option<Duration> {
+        let oldest = self.since.values().min()?;
+        Some(now.saturating_duration_since(*oldest))
+    }
+
     /// Records the entries found partial at `now` (id, missing ranks); entries no longer
     /// partial are forgotten.
     pub fn observe(&mut self, partial: &[(u32, Vec<usize>)], now: Instant) -> Verdict {
@@ -112,6 +119,19 @@ impl StallWatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn longest_is_the_oldest_partial_entrys_wait() {
+        let mut w = StallWatch::new(StallPolicy::default());
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert_eq!(w.longest(at(0)), None);
+        w.observe(&[(7, vec![1])], at(1));
+        w.observe(&[(7, vec![1]), (8, vec![1])], at(3));
+        assert_eq!(w.longest(at(5)), Some(Duration::from_secs(4)));
+        w.observe(&[(8, vec![1])], at(6));
+        assert_eq!(w.longest(at(6)), Some(Duration::from_secs(3)));
+    }
 
     #[test]
     fn warns_at_the_interval_then_aborts_and_forgets_what_completed() {

@@ -187,10 +187,18 @@ fn watch(
         let activity: Vec<Activity> = reports.iter().map(|r| r.activity).collect();
         let found = partial(&activity);
         if reports.iter().any(|r| r.abort) {
+            // A rank that did not give up itself says the same as those that did: whichever
+            // rank's abort reaches a collective first is the error every rank reports.
             let reason = give_up.unwrap_or_else(|| {
+                let gave_up: Vec<String> = (reports.iter().enumerate())
+                    .filter(|(_, r)| r.abort)
+                    .map(|(i, _)| channel.world_rank(i).to_string())
+                    .collect();
+                let waited = clock.longest(Instant::now()).unwrap_or_default();
                 format!(
-                    "{} (another rank gave up first)",
-                    describe(target, &found, &activity)
+                    "stalled for {waited:.1?}: {} (rank(s) {} gave up first)",
+                    describe(target, &found, &activity),
+                    gave_up.join(", ")
                 )
             });
             target.abort(&reason);
