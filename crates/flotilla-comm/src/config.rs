@@ -149,7 +149,9 @@ pub struct CommConfig {
     pub world_size: usize,
     /// Host name or IP of rank 0's rendezvous listener.
     pub master_addr: String,
-    /// Port of rank 0's rendezvous listener.
+    /// Port of rank 0's rendezvous listener. 0 on rank 0: a port the system picks, which
+    /// rank 0 then says on standard error ([`crate::PORT_ANNOUNCEMENT`]) for its launcher to
+    /// give the other ranks.
     pub master_port: u16,
     /// Deadline of every individual wait on a peer (default 60 s).
     pub timeout: Duration,

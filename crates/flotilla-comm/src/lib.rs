@@ -94,6 +94,7 @@ pub use flotilla_group::{
     WeightHistory, bench, shard, tags,
 };
 pub use inherited::LISTEN_FD_ENV;
+pub use rendezvous::announce::{PORT_ANNOUNCEMENT, announced_port};
 pub use secret::{
     HOW_TO_MAKE_A_SECRET, INSECURE_ENV, MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES, SECRET_ENV,
     SECRET_FILE_ENV, Secret, TOKEN_ENV,

@@ -93,6 +93,9 @@ pub struct LocalJob {
     tolerated: Vec<bool>,
     straggler_grace: Duration,
     on_stop: Option<StopHook>,
+    /// Lines read before [`LocalJob::supervise`] (while waiting for rank 0's port), relayed
+    /// first by it.
+    early: Vec<RankLine>,
 }
 
 impl LocalJob {
@@ -141,6 +144,7 @@ impl LocalJob {
             tolerated: vec![false; n],
             straggler_grace: STRAGGLER_GRACE,
             on_stop,
+            early: Vec::new(),
         };
         for (rank, mut cmd) in commands.into_iter().enumerate() {
             let child = match start_child(&mut cmd, rank, &tx) {
@@ -153,6 +157,68 @@ impl LocalJob {
             job.children.push((rank, child));
         }
         Ok(job)
+    }
+
+    /// Waits until rank 0 says the rendezvous port it bound ([`flotilla_comm::announced_port`])
+    /// and returns it; fails (its stderr shown) if it exits first, or after `within`. The
+    /// lines read meanwhile are relayed by [`Self::supervise`].
+    pub fn announced_port(&mut self, within: Duration) -> Result<u16> {
+        let until = Instant::now() + within;
+        loop {
+            if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(50)) {
+                self.remember(&line);
+                let port = flotilla_comm::announced_port(&line.text).filter(|_| line.rank == 0);
+                self.early.push(line);
+                if let Some(port) = port {
+                    return Ok(port);
+                }
+                continue;
+            }
+            let exited = match self.children.first_mut() {
+                Some((_, c)) => c.try_wait().context("waiting for rank 0")?,
+                None => bail!("rank 0 was not started"),
+            };
+            let why = match exited {
+                Some(status) => format!("rank 0 exited ({}) before", describe(status)),
+                None if INTERRUPTED.load(Ordering::SeqCst) => "interrupted before rank 0".into(),
+                None if Instant::now() >= until => format!("rank 0 did not say within {within:?}"),
+                None => continue,
+            };
+            while let Ok(line) = self.lines.recv_timeout(Duration::from_millis(200)) {
+                self.remember(&line);
+            }
+            self.kill_all();
+            let tail: Vec<&str> = self.stderr_tails[0].iter().map(String::as_str).collect();
+            bail!(
+                "{why} it listened for the other ranks (they were not started)\n--- last lines \
+                 of rank 0's stderr ---\n{}",
+                tail.join("\n")
+            );
+        }
+    }
+
+    /// Starts the next ranks (numbered on from those running), e.g. once rank 0's port is
+    /// known; on failure every rank is stopped.
+    pub fn start_more(&mut self, commands: impl IntoIterator<Item = Command>) -> Result<()> {
+        let Some(tx) = self.tx.clone() else {
+            bail!("the job's ranks are already supervised");
+        };
+        for mut cmd in commands {
+            let rank = self.children.len();
+            let child = match start_child(&mut cmd, rank, &tx) {
+                Ok(c) => c,
+                Err(e) => {
+                    self.kill_all();
+                    return Err(e);
+                }
+            };
+            self.children.push((rank, child));
+            self.stderr_tails.push(VecDeque::new());
+            self.exited_at.push(None);
+            self.blamed.push(None);
+            self.tolerated.push(false);
+        }
+        Ok(())
     }
 
     /// Lets tolerated ranks be started again, alone, after they fail (each start by
@@ -262,6 +328,9 @@ impl LocalJob {
         if self.respawn.is_none() {
             // Nothing more will start: the line channel ends with the last rank's output.
             self.tx = None;
+        }
+        for line in std::mem::take(&mut self.early) {
+            on_line(&line);
         }
         loop {
             if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(20)) {

@@ -285,10 +285,9 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
     std::fs::write(&config_path, serde_norway::to_string(&config)?)
         .with_context(|| format!("writing {}", config_path.display()))?;
     println!(
-        "launching {n} ranks of {} on {}:{} (output {})",
+        "launching {n} ranks of {} on {} (output {})",
         spec.name,
-        config.comm.master_addr,
-        config.comm.master_port,
+        rendezvous_socket::describe(&config.comm.master_addr, config.comm.master_port),
         output.display()
     );
     let topology = config.topology()?;

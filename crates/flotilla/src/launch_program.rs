@@ -73,10 +73,9 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     let socket = crate::rendezvous_socket::for_job(&mut config, &args.run, placement.is_none())?;
     let program = program_words(&args.program)?;
     println!(
-        "launching {n} ranks of {} on {}:{}",
+        "launching {n} ranks of {} on {}",
         program.join(" "),
-        config.comm.master_addr,
-        config.comm.master_port
+        crate::rendezvous_socket::describe(&config.comm.master_addr, config.comm.master_port)
     );
     launch::stop_on_interrupt()?;
     let remote = match &placement {

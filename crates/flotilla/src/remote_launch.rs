@@ -11,6 +11,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use flotilla_cluster::{Inventory, Placement, place};
@@ -32,6 +33,9 @@ pub struct Remote {
     pub job: RemoteJob,
     /// The TLS files as the ranks find them on their hosts.
     pub tls: Option<flotilla_train::config::TlsSetting>,
+    /// How long rank 0 may take to bind a port on its host and say it, when it picks one
+    /// (`master_port` 0: the other ranks start once it has); `None` when the port is given.
+    port_wait: Option<Duration>,
 }
 
 /// Places the job's ranks on the inventory's hosts (rank `i` on host `i`).
@@ -106,9 +110,13 @@ pub fn prepare(
             }
         }
     }
+    let port_wait = (config.comm.master_port == 0)
+        .then(|| Duration::try_from_secs_f64(config.comm.join_timeout_s).ok())
+        .flatten();
     Ok(Remote {
         job,
         tls: ranks_tls,
+        port_wait,
     })
 }
 
@@ -149,25 +157,15 @@ impl Remote {
     }
 
     /// As [`Remote::start`], running `program` (path on the hosts, then its arguments)
-    /// instead of `flotilla train` when given.
+    /// instead of `flotilla train` when given. When rank 0 picks its port, it starts first
+    /// and the others once it has said the port ([`LocalJob::announced_port`]), with
+    /// `MASTER_PORT` set to it.
     pub fn start_running(
         &self,
         env: impl Fn(usize) -> Vec<(String, String)>,
         program: Option<&[String]>,
     ) -> Result<LocalJob> {
-        let mut commands = Vec::new();
-        for rank in 0..self.job.ranks.len() {
-            let mut vars = env(rank);
-            vars.push(("LOCAL_RANK".into(), self.job.local_rank(rank).to_string()));
-            let mut cmd: Command = match program {
-                Some(words) => self.job.program_command(rank, &vars, words)?,
-                None => self.job.rank_command(rank, &vars)?,
-            };
-            // Out of the terminal's process group: Ctrl-C reaches the launcher, which stops
-            // the remote ranks before it ends their ssh clients.
-            std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-            commands.push(cmd);
-        }
+        let n = self.job.ranks.len();
         let job = self.job.clone();
         let dirs = flotilla_cluster::ssh::quote(&job.dir)?;
         let stop: StopHook = Box::new(move || {
@@ -179,7 +177,42 @@ impl Remote {
                 eprintln!("[launcher] warning: {f}; end its ranks with `flotilla stop`");
             }
         });
-        LocalJob::start(commands, Some(stop))
+        let Some(wait) = self.port_wait else {
+            let commands = (0..n).map(|r| self.command(r, env(r), program));
+            return LocalJob::start(commands.collect::<Result<Vec<_>>>()?, Some(stop));
+        };
+        let mut ranks = LocalJob::start([self.command(0, env(0), program)?], Some(stop))?;
+        let port = ranks.announced_port(wait)?;
+        println!(
+            "[launcher] rank 0 listens on port {port} of {}; starting the other ranks",
+            self.host_name(0)
+        );
+        let with_port = |rank| {
+            let mut vars = env(rank);
+            vars.retain(|(k, _)| k != "MASTER_PORT");
+            vars.push(("MASTER_PORT".into(), port.to_string()));
+            self.command(rank, vars, program)
+        };
+        ranks.start_more((1..n).map(with_port).collect::<Result<Vec<_>>>()?)?;
+        Ok(ranks)
+    }
+
+    /// The ssh command that runs `rank` with `vars` (`LOCAL_RANK` added), out of the
+    /// terminal's process group: Ctrl-C reaches the launcher, which stops the remote ranks
+    /// before it ends their ssh clients.
+    fn command(
+        &self,
+        rank: usize,
+        mut vars: Vec<(String, String)>,
+        program: Option<&[String]>,
+    ) -> Result<Command> {
+        vars.push(("LOCAL_RANK".into(), self.job.local_rank(rank).to_string()));
+        let mut cmd: Command = match program {
+            Some(words) => self.job.program_command(rank, &vars, words)?,
+            None => self.job.rank_command(rank, &vars)?,
+        };
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        Ok(cmd)
     }
 
     /// Removes the job's credentials (the secret and the TLS files) from every host's job

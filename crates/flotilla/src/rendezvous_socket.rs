@@ -60,7 +60,10 @@ impl RendezvousSocket {
 
 /// Sets the job's rendezvous port: for a `local` job a socket bound now on the rendezvous
 /// address (at `--master-port`, else at a port the system picks), which rank 0 inherits; for
-/// ranks on other hosts a free port number (or `--master-port`), which rank 0 binds there.
+/// ranks on other hosts `--master-port` if given, else 0: rank 0 binds a port the system picks
+/// on its host and says it, and the launcher starts the other ranks with it
+/// ([`crate::remote_launch::Remote::start_running`]). Either way no port is published before
+/// rank 0 holds it.
 pub fn for_job(
     config: &mut TrainConfig,
     flags: &RunArgs,
@@ -69,7 +72,7 @@ pub fn for_job(
     let given = flags.given("master-port");
     if !local {
         if !given {
-            config.comm.master_port = free_port()?;
+            config.comm.master_port = 0;
         }
         return Ok(None);
     }
@@ -79,12 +82,14 @@ pub fn for_job(
     Ok(Some(socket))
 }
 
-/// A free TCP port on 127.0.0.1, bound and released: only a number for a remote rank 0 to
-/// bind on its host. A local job's port is a [`RendezvousSocket`] instead, held from the
-/// moment it is chosen.
-fn free_port() -> Result<u16> {
-    let l = TcpListener::bind("127.0.0.1:0").context("finding a free port on 127.0.0.1")?;
-    Ok(l.local_addr()?.port())
+/// Where the ranks meet, for the launcher's first line: `ADDR:PORT`, or the address and that
+/// rank 0 picks the port there (port 0).
+pub fn describe(addr: &str, port: u16) -> String {
+    if port == 0 {
+        format!("{addr} (a port rank 0 picks there)")
+    } else {
+        format!("{addr}:{port}")
+    }
 }
 
 #[cfg(test)]

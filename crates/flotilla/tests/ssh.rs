@@ -8,6 +8,8 @@
 //! `openssh-server` so CI runs it.
 
 mod common;
+#[path = "common/running.rs"]
+mod running;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -258,6 +260,70 @@ fn a_user_program_over_ssh_trains_as_the_local_launch() {
         &safetensors_file(&remote_out),
         &safetensors_file(&local_out),
     );
+}
+
+/// The first rendezvous port the launcher has published, if any: on its `launching ... on
+/// ADDR:PORT` line, or on its `rank 0 listens on port PORT` line.
+fn published_port(job: &running::Running) -> Option<u16> {
+    job.lines().iter().find_map(|l| {
+        let t = l.text.as_str();
+        if let Some(rest) = t.split("listens on port ").nth(1) {
+            return rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok();
+        }
+        let on = t.strip_prefix("launching ")?.rsplit(" on ").next()?;
+        on.rsplit(':').next()?.trim().parse().ok()
+    })
+}
+
+/// Over ssh no port is published before rank 0 holds it: rank 0 binds a port on its host
+/// and says it, and only then does the launcher give it to the other ranks. Rank 0 here is
+/// a program held at a gate: whatever the launcher published meanwhile must already be
+/// taken (a port picked by the launcher and bound by rank 0 later could be taken by any
+/// local process in between, which would then play rank 0). Then the job trains.
+#[test]
+fn over_ssh_no_port_is_published_before_rank_0_holds_it() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let exe = std::env::current_exe().expect("test path");
+    let example = exe.parent().and_then(|d| d.parent()).expect("target");
+    let example = example.join("examples/custom_model");
+    let gate = dir.path().join("gate");
+    let script = format!(
+        "if [ \"$RANK\" = 0 ]; then while [ ! -e '{}' ]; do sleep 0.05; done; fi; exec \"$0\" \"$@\"",
+        gate.display()
+    );
+    let out = dir.path().join("model.safetensors");
+    let mut c = flotilla();
+    c.args(["launch", "-n", "2", "--inventory"])
+        .arg(&sshd.inventory)
+        .arg("--remote-dir")
+        .arg(sshd.dir.path().join("jobs"))
+        .arg("--output")
+        .arg(dir.path().join("out"))
+        .args(["--", "sh", "-c", &script, "env", "STEPS=5", "BATCH=32"])
+        .arg(format!("OUT={}", out.display()))
+        .arg(format!("MNIST_DIR={}", repo().join("data/mnist").display()))
+        .arg(&example)
+        .env("FLOTILLA_SECRET", format!("port-secret-{}", std::process::id()));
+    let mut job = running::Running::start(c);
+    job.wait_lines(1, Duration::from_secs(60), |l| l.starts_with("launching "))
+        .unwrap_or_else(|| panic!("no launching line:\n{}", job.text()));
+    // Both ranks' ssh sessions have had time to start; rank 0 waits at its gate.
+    std::thread::sleep(Duration::from_secs(2));
+    if let Some(port) = published_port(&job) {
+        assert!(
+            std::net::TcpListener::bind(("127.0.0.1", port)).is_err(),
+            "port {port} was published while rank 0 (at its gate) did not hold it:\n{}",
+            job.text()
+        );
+    }
+    std::fs::write(&gate, "").expect("open the gate");
+    job.wait_lines(1, Duration::from_secs(60), |l| l.contains("listens on port"))
+        .unwrap_or_else(|| panic!("rank 0 never said its port:\n{}", job.text()));
+    published_port(&job).expect("a published port");
+    let status = job.wait_exit(Duration::from_secs(240));
+    assert!(status.is_some_and(|s| s.success()), "{}", job.text());
+    assert!(out.is_file(), "{}", job.text());
 }
 
 /// Starts a long job over ssh and returns the launcher and its job directory once both

@@ -28,8 +28,13 @@
 //!    `Hello { session, from, to }` / `HelloAck` handshake (after authentication), then reports `Ready` (or
 //!    `MeshFailed`) to rank 0. When everyone is ready rank 0 sends `Go`.
 //!
+//! Rank 0 listens on `master_port`, on a socket its launcher bound for it
+//! ([`crate::inherited`]), or, with `master_port` 0, on a port the system picks, which it then
+//! says ([`announce`]).
+//!
 //! Every wait has a deadline (`join_timeout` for joining, `timeout` for everything else).
 
+pub(crate) mod announce;
 mod authn;
 mod client;
 mod inflight;
@@ -96,6 +101,13 @@ pub(crate) async fn rendezvous(
             let host = cfg.bind_host.as_deref().unwrap_or(&cfg.master_addr);
             let addr = net::resolve(host, cfg.master_port).await?;
             let l = net::bind_listener(addr, cfg.socket_buffer_bytes)?;
+            if cfg.master_port == 0 {
+                let port = l
+                    .local_addr()
+                    .map_err(|e| CommError::io("reading the rendezvous port", e))?
+                    .port();
+                announce::announce(port);
+            }
             master::master(cfg, l).await
         }
         (_, Some(_)) => Err(CommError::Config(
