@@ -109,8 +109,17 @@ fn launch_once(
             files.ca.display()
         );
     }
-    if job.placement.is_none() && !opts.oversubscribe {
-        capacity::check_local(job.n, job.config.data.source().path())?;
+    if job.placement.is_none() {
+        // Once, here, rather than once per rank after every rank started.
+        let data = job.config.data.source();
+        anyhow::ensure!(
+            data.path().exists(),
+            "the data path {} does not exist (data.path, --data); no rank was started",
+            data.path().display()
+        );
+        if !opts.oversubscribe {
+            capacity::check_local(job.n, data.path())?;
+        }
     }
     let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
     let device = &job.config.model.device;

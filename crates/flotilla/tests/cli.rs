@@ -84,6 +84,34 @@ fn bad_inputs_give_clear_errors() {
         &["unknown.yaml", "learning_rate"],
     );
 
+    // A near miss names the key it was meant to be, with its place; a flag's number must be
+    // a finite one; a missing data path is refused once, before any rank starts.
+    let near = dir.path().join("near.yaml");
+    std::fs::write(&near, "batchsize: 32\nschedule: {epoch: 1}\n").expect("write");
+    check(
+        &["config", near.to_str().expect("utf8")],
+        &["near.yaml", "`batchsize`; did you mean `batch_size` (schedule.batch_size)?"],
+    );
+    check(
+        &["launch", "-n", "2", "--lr", "nan"],
+        &["--lr", "must be a finite number"],
+    );
+    check(
+        &["launch", "-n", "2", "--lr=-0.1"],
+        &["optimizer.lr", "must be a finite positive number"],
+    );
+    let mut c = flotilla();
+    c.args(["launch", "-n", "2", "--data", "/nonexistent-flotilla-data"]);
+    let o = run_with_deadline(c, Duration::from_secs(60));
+    assert!(!o.status.success(), "{}", text(&o));
+    let all = text(&o);
+    assert_eq!(
+        all.matches("/nonexistent-flotilla-data").count(),
+        1,
+        "said once, by the launcher:\n{all}"
+    );
+    assert!(all.contains("does not exist") && !all.contains("[rank"), "{all}");
+
     let spec = dir.path().join("bad-model.yaml");
     std::fs::write(
         &spec,

@@ -15,6 +15,7 @@ mod model;
 mod pipeline;
 mod schedule;
 pub mod sources;
+mod suggest;
 mod telemetry;
 mod tls;
 mod topology;

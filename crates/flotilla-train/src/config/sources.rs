@@ -27,7 +27,7 @@ use figment::{Figment, Metadata, Profile, Provider};
 use serde_json::Value;
 
 use super::TrainConfig;
-use super::keys;
+use super::{keys, suggest};
 use crate::error::{Result, TrainError};
 
 /// One source: a nested tree of values and the name of where it came from.
@@ -298,6 +298,9 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
                 continue;
             };
             for (field, v) in fields {
+                if !keys::is_key(&key, &field) {
+                    return Err(err(source, suggest::unknown_field(&key, &field)));
+                }
                 set(&mut out, &format!("{key}.{field}"), v, source)?;
             }
         } else if let Some(mode) = allreduce_strategy(&key, &value) {
@@ -307,8 +310,7 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
         } else if let Some(k) = keys::by_alias(&key) {
             set(&mut out, k.path, value, source)?;
         } else {
-            // Left for serde to reject, naming the key.
-            out.insert(key, value);
+            return Err(err(source, suggest::unknown_top_level(&key)));
         }
     }
     Ok(out)
