@@ -90,7 +90,10 @@ fn bad_inputs_give_clear_errors() {
     std::fs::write(&near, "batchsize: 32\nschedule: {epoch: 1}\n").expect("write");
     check(
         &["config", near.to_str().expect("utf8")],
-        &["near.yaml", "`batchsize`; did you mean `batch_size` (schedule.batch_size)?"],
+        &[
+            "near.yaml",
+            "`batchsize`; did you mean `batch_size` (schedule.batch_size)?",
+        ],
     );
     check(
         &["launch", "-n", "2", "--lr", "nan"],
@@ -110,7 +113,10 @@ fn bad_inputs_give_clear_errors() {
         1,
         "said once, by the launcher:\n{all}"
     );
-    assert!(all.contains("does not exist") && !all.contains("[rank"), "{all}");
+    assert!(
+        all.contains("does not exist") && !all.contains("[rank"),
+        "{all}"
+    );
 
     let spec = dir.path().join("bad-model.yaml");
     std::fs::write(

@@ -268,7 +268,11 @@ fn published_port(job: &running::Running) -> Option<u16> {
     job.lines().iter().find_map(|l| {
         let t = l.text.as_str();
         if let Some(rest) = t.split("listens on port ").nth(1) {
-            return rest.split(|c: char| !c.is_ascii_digit()).next()?.parse().ok();
+            return rest
+                .split(|c: char| !c.is_ascii_digit())
+                .next()?
+                .parse()
+                .ok();
         }
         let on = t.strip_prefix("launching ")?.rsplit(" on ").next()?;
         on.rsplit(':').next()?.trim().parse().ok()
@@ -304,7 +308,10 @@ fn over_ssh_no_port_is_published_before_rank_0_holds_it() {
         .arg(format!("OUT={}", out.display()))
         .arg(format!("MNIST_DIR={}", repo().join("data/mnist").display()))
         .arg(&example)
-        .env("FLOTILLA_SECRET", format!("port-secret-{}", std::process::id()));
+        .env(
+            "FLOTILLA_SECRET",
+            format!("port-secret-{}", std::process::id()),
+        );
     let mut job = running::Running::start(c);
     job.wait_lines(1, Duration::from_secs(60), |l| l.starts_with("launching "))
         .unwrap_or_else(|| panic!("no launching line:\n{}", job.text()));
@@ -318,8 +325,10 @@ fn over_ssh_no_port_is_published_before_rank_0_holds_it() {
         );
     }
     std::fs::write(&gate, "").expect("open the gate");
-    job.wait_lines(1, Duration::from_secs(60), |l| l.contains("listens on port"))
-        .unwrap_or_else(|| panic!("rank 0 never said its port:\n{}", job.text()));
+    job.wait_lines(1, Duration::from_secs(60), |l| {
+        l.contains("listens on port")
+    })
+    .unwrap_or_else(|| panic!("rank 0 never said its port:\n{}", job.text()));
     published_port(&job).expect("a published port");
     let status = job.wait_exit(Duration::from_secs(240));
     assert!(status.is_some_and(|s| s.success()), "{}", job.text());

@@ -30,8 +30,14 @@ mod tests {
 
     #[test]
     fn only_the_announcement_gives_a_port() {
-        assert_eq!(announced_port(&format!("{PORT_ANNOUNCEMENT}41234")), Some(41234));
-        assert_eq!(announced_port(&format!("{PORT_ANNOUNCEMENT}41234\r")), Some(41234));
+        assert_eq!(
+            announced_port(&format!("{PORT_ANNOUNCEMENT}41234")),
+            Some(41234)
+        );
+        assert_eq!(
+            announced_port(&format!("{PORT_ANNOUNCEMENT}41234\r")),
+            Some(41234)
+        );
         for other in [
             format!("{PORT_ANNOUNCEMENT}0"),
             format!("{PORT_ANNOUNCEMENT}70000"),

@@ -11,7 +11,9 @@ const SIMILAR: f64 = 0.85;
 /// The error text for `key` at the top level of a source, which is no section and no flat
 /// name: the nearest of those, or the sections when none is near.
 pub(crate) fn unknown_top_level(key: &str) -> String {
-    let flat = KEYS.iter().flat_map(|k| k.aliases.iter().map(move |a| (*a, k.path)));
+    let flat = KEYS
+        .iter()
+        .flat_map(|k| k.aliases.iter().map(move |a| (*a, k.path)));
     let sections = sections().into_iter().map(|s| (s, s));
     let paths = KEYS.iter().map(|k| (k.path, k.path));
     match nearest(key, flat.chain(sections).chain(paths)) {

@@ -156,7 +156,10 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
     if v.is_finite() && v > 0.0 {
         Ok(())
     } else {
-        Err(bad(key, format!("must be a finite positive {what}, got {v}")))
+        Err(bad(
+            key,
+            format!("must be a finite positive {what}, got {v}"),
+        ))
     }
 }
 
