@@ -110,28 +110,7 @@ fn launch_once(
         );
     }
     if job.placement.is_none() {
-        // Once, here, rather than once per rank after every rank started.
-        let data = job.config.data.source();
-        anyhow::ensure!(
-            data.path().exists(),
-            "the data path {} does not exist (data.path, --data); no rank was started",
-            data.path().display()
-        );
-        if !opts.oversubscribe {
-            capacity::check_local(job.n, data.path())?;
-        }
-    }
-    let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
-    let device = &job.config.model.device;
-    if job.placement.is_none()
-        && let Some(gpus) =
-            crate::gpu_placement::check_local(job.n, device, nccl, opts.oversubscribe)?
-        && first
-    {
-        println!(
-            "[launcher] {} rank(s) on device {}: GPU {gpus:?} by rank",
-            job.n, job.config.model.device
-        );
+        check_local(&job, opts, first)?;
     }
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {
@@ -185,6 +164,32 @@ fn launch_once(
         None => anyhow::bail!("rank 0 exited without a final line"),
     }
     Ok(Ok(()))
+}
+
+/// What a job on this host needs, checked once here rather than by every rank after all
+/// started: its data path, the host's cores and memory (unless `--oversubscribe`), and the
+/// GPUs of a GPU device (said on the `first` start).
+fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
+    let data = job.config.data.source();
+    anyhow::ensure!(
+        data.path().exists(),
+        "the data path {} does not exist (data.path, --data); no rank was started",
+        data.path().display()
+    );
+    if !opts.oversubscribe {
+        capacity::check_local(job.n, data.path())?;
+    }
+    let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
+    let device = &job.config.model.device;
+    if let Some(gpus) = crate::gpu_placement::check_local(job.n, device, nccl, opts.oversubscribe)?
+        && first
+    {
+        println!(
+            "[launcher] {} rank(s) on device {}: GPU {gpus:?} by rank",
+            job.n, job.config.model.device
+        );
+    }
+    Ok(())
 }
 
 /// How a failed worker under asynchronous parameter servers is started again, alone:

@@ -60,32 +60,27 @@ fn a_rank_that_never_joins_is_named_within_the_deadline() {
     );
 }
 
-#[test]
-fn bad_inputs_give_clear_errors() {
-    let dir = tmp();
-    let check = |args: &[&str], want: &[&str]| {
-        let mut c = flotilla();
-        c.args(args);
-        let o = run_with_deadline(c, Duration::from_secs(60));
-        assert!(!o.status.success(), "{args:?} should fail\n{}", text(&o));
-        let err = String::from_utf8_lossy(&o.stderr);
-        for w in want {
-            assert!(
-                err.contains(w),
-                "{args:?}: error should mention {w:?}\n{}",
-                text(&o)
-            );
-        }
-    };
-    let unknown = dir.path().join("unknown.yaml");
-    std::fs::write(&unknown, "epochs: 1\nlearning_rate: 0.1\n").expect("write");
-    check(
-        &["config", unknown.to_str().expect("utf8")],
-        &["unknown.yaml", "learning_rate"],
-    );
+/// Runs `flotilla ARGS`, which must fail with an error that mentions each of `want`.
+fn check(args: &[&str], want: &[&str]) {
+    let mut c = flotilla();
+    c.args(args);
+    let o = run_with_deadline(c, Duration::from_secs(60));
+    assert!(!o.status.success(), "{args:?} should fail\n{}", text(&o));
+    let err = String::from_utf8_lossy(&o.stderr);
+    for w in want {
+        assert!(
+            err.contains(w),
+            "{args:?}: error should mention {w:?}\n{}",
+            text(&o)
+        );
+    }
+}
 
-    // A near miss names the key it was meant to be, with its place; a flag's number must be
-    // a finite one; a missing data path is refused once, before any rank starts.
+/// A near miss names the key it was meant to be, with its place; a flag's number must be a
+/// finite one; a missing data path is refused once, by the launcher, before any rank starts.
+#[test]
+fn settings_errors_say_what_to_change() {
+    let dir = tmp();
     let near = dir.path().join("near.yaml");
     std::fs::write(&near, "batchsize: 32\nschedule: {epoch: 1}\n").expect("write");
     check(
@@ -116,6 +111,17 @@ fn bad_inputs_give_clear_errors() {
     assert!(
         all.contains("does not exist") && !all.contains("[rank"),
         "{all}"
+    );
+}
+
+#[test]
+fn bad_inputs_give_clear_errors() {
+    let dir = tmp();
+    let unknown = dir.path().join("unknown.yaml");
+    std::fs::write(&unknown, "epochs: 1\nlearning_rate: 0.1\n").expect("write");
+    check(
+        &["config", unknown.to_str().expect("utf8")],
+        &["unknown.yaml", "learning_rate"],
     );
 
     let spec = dir.path().join("bad-model.yaml");

@@ -14,9 +14,9 @@ pub(crate) fn unknown_top_level(key: &str) -> String {
     let flat = KEYS
         .iter()
         .flat_map(|k| k.aliases.iter().map(move |a| (*a, k.path)));
-    let sections = sections().into_iter().map(|s| (s, s));
+    let section_names = sections().into_iter().map(|s| (s, s));
     let paths = KEYS.iter().map(|k| (k.path, k.path));
-    match nearest(key, flat.chain(sections).chain(paths)) {
+    match nearest(key, flat.chain(section_names).chain(paths)) {
         Some((name, path)) if name == path => {
             format!("unknown key `{key}`; did you mean `{name}`?")
         }
