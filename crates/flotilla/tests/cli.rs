@@ -87,7 +87,7 @@ fn settings_errors_say_what_to_change() {
         &["config", near.to_str().expect("utf8")],
         &[
             "near.yaml",
-            "`batchsize`; did you mean `batch_size` (schedule.batch_size)?",
+            "`batchsize`; did you mean `batch_size` (data.batch_size)?",
         ],
     );
     check(
