@@ -81,7 +81,7 @@ mod tests {
     fn near_names_are_suggested_with_their_place() {
         let e = unknown_top_level("batchsize");
         assert!(e.contains("did you mean `batch_size`"), "{e}");
-        assert!(e.contains("schedule.batch_size"), "{e}");
+        assert!(e.contains("data.batch_size"), "{e}");
         let e = unknown_top_level("Max-Step");
         assert!(e.contains("did you mean `max_steps`"), "{e}");
         let e = unknown_top_level("telemetri");
