@@ -129,33 +129,22 @@ impl LocalJob {
         commands: impl IntoIterator<Item = Command>,
         on_stop: Option<StopHook>,
     ) -> Result<Self> {
-        let commands: Vec<Command> = commands.into_iter().collect();
-        let n = commands.len();
         let (tx, rx) = mpsc::channel();
         let mut job = LocalJob {
-            children: Vec::with_capacity(n),
+            children: Vec::new(),
             lines: rx,
-            tx: Some(tx.clone()),
+            tx: Some(tx),
             respawn: None,
             respawns: 0,
-            stderr_tails: vec![VecDeque::new(); n],
-            exited_at: vec![None; n],
-            blamed: vec![None; n],
-            tolerated: vec![false; n],
+            stderr_tails: Vec::new(),
+            exited_at: Vec::new(),
+            blamed: Vec::new(),
+            tolerated: Vec::new(),
             straggler_grace: STRAGGLER_GRACE,
             on_stop,
             early: Vec::new(),
         };
-        for (rank, mut cmd) in commands.into_iter().enumerate() {
-            let child = match start_child(&mut cmd, rank, &tx) {
-                Ok(c) => c,
-                Err(e) => {
-                    job.kill_all();
-                    return Err(e);
-                }
-            };
-            job.children.push((rank, child));
-        }
+        job.start_more(commands)?;
         Ok(job)
     }
 
@@ -197,8 +186,9 @@ impl LocalJob {
         }
     }
 
-    /// Starts the next ranks (numbered on from those running), e.g. once rank 0's port is
-    /// known; on failure every rank is stopped.
+    /// Starts the next ranks (numbered on from those running: all of them from
+    /// [`Self::start`], the others once rank 0's port is known); on failure every rank is
+    /// stopped.
     pub fn start_more(&mut self, commands: impl IntoIterator<Item = Command>) -> Result<()> {
         let Some(tx) = self.tx.clone() else {
             bail!("the job's ranks are already supervised");

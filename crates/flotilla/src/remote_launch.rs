@@ -177,23 +177,27 @@ impl Remote {
                 eprintln!("[launcher] warning: {f}; end its ranks with `flotilla stop`");
             }
         });
-        let Some(wait) = self.port_wait else {
-            let commands = (0..n).map(|r| self.command(r, env(r), program));
-            return LocalJob::start(commands.collect::<Result<Vec<_>>>()?, Some(stop));
-        };
         let mut ranks = LocalJob::start([self.command(0, env(0), program)?], Some(stop))?;
-        let port = ranks.announced_port(wait)?;
-        println!(
-            "[launcher] rank 0 listens on port {port} of {}; starting the other ranks",
-            self.host_name(0)
-        );
-        let with_port = |rank| {
-            let mut vars = env(rank);
-            vars.retain(|(k, _)| k != "MASTER_PORT");
-            vars.push(("MASTER_PORT".into(), port.to_string()));
-            self.command(rank, vars, program)
+        let port = match self.port_wait {
+            Some(wait) => {
+                let port = ranks.announced_port(wait)?;
+                println!(
+                    "[launcher] rank 0 listens on port {port} of {}; starting the other ranks",
+                    self.host_name(0)
+                );
+                Some(port)
+            }
+            None => None,
         };
-        ranks.start_more((1..n).map(with_port).collect::<Result<Vec<_>>>()?)?;
+        let rest = (1..n).map(|rank| {
+            let mut vars = env(rank);
+            if let Some(port) = port {
+                vars.retain(|(k, _)| k != "MASTER_PORT");
+                vars.push(("MASTER_PORT".into(), port.to_string()));
+            }
+            self.command(rank, vars, program)
+        });
+        ranks.start_more(rest.collect::<Result<Vec<_>>>()?)?;
         Ok(ranks)
     }
 
