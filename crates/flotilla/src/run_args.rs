@@ -92,21 +92,11 @@ fn flag_arg(key: &Key, flag: &Flag) -> Arg {
         Kind::U32 => value_parser!(u32).into(),
         Kind::U64 => value_parser!(u64).into(),
         Kind::Usize => value_parser!(usize).into(),
-        Kind::F64 => ValueParser::new(finite),
+        Kind::F64 => ValueParser::new(flotilla_train::config::sources::finite_number),
     };
     arg.value_name(flag.value_name)
         .action(ArgAction::Set)
         .value_parser(parser)
-}
-
-/// A flag's floating-point value: a finite number (`nan` and `inf` parse as `f64` but are no
-/// setting, and JSON, which carries the flags to the config, has no such numbers).
-fn finite(raw: &str) -> Result<f64, String> {
-    match raw.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() => Ok(v),
-        Ok(_) => Err("must be a finite number".into()),
-        Err(_) => Err("must be a number (e.g. 0.05 or 1e-3)".into()),
-    }
 }
 
 /// The value of the flag with this id, if given (a switch: only when on).

@@ -92,7 +92,7 @@ fn settings_errors_say_what_to_change() {
     );
     check(
         &["launch", "-n", "2", "--lr", "nan"],
-        &["--lr", "must be a finite number"],
+        &["--lr", "nan is not a finite number"],
     );
     check(
         &["launch", "-n", "2", "--lr=-0.1"],

@@ -88,12 +88,13 @@ impl Sources {
         if text.trim().is_empty() {
             return Ok(self);
         }
-        let v: Value = serde_norway::from_str(text).map_err(|e| err(source, e.to_string()))?;
+        let source = format!("file {source}");
+        let v = parse_yaml(text).map_err(|e| err(&source, e))?;
         let v = match v {
             Value::Null => return Ok(self),
             v => v,
         };
-        self.tree(v, &format!("file {source}"))
+        self.tree(v, &source)
     }
 
     /// Adds a config file.
@@ -166,8 +167,8 @@ impl Sources {
             self.launcher_sources(&vars)?;
         }
         for (name, raw) in vars {
-            let value = scalar(&raw);
             let source = format!("env {name}");
+            let value = scalar(&raw).map_err(|e| err(&source, e))?;
             let path = if let Some(key) = name.strip_prefix("FLOTILLA_") {
                 let key = key.to_ascii_lowercase();
                 if key.contains("__") {
@@ -266,11 +267,60 @@ impl TrainConfig {
     }
 }
 
-/// Parses an environment value as a YAML scalar (numbers, booleans), else a string.
-fn scalar(raw: &str) -> Value {
-    match serde_norway::from_str::<Value>(raw) {
-        Ok(v @ (Value::Number(_) | Value::Bool(_))) => v,
-        _ => Value::String(raw.to_string()),
+/// A number as a setting: finite. `nan` and `inf` parse as `f64` but set nothing a run can
+/// use, and the JSON that carries every source to the config has no such numbers (they
+/// would arrive as null: "invalid type: found unit"). The command line's floating-point
+/// flags parse with it too.
+pub fn finite_number(raw: &str) -> std::result::Result<f64, String> {
+    match raw.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() => Ok(v),
+        Ok(_) => Err(format!("{raw} is not a finite number")),
+        Err(_) => Err(format!("{raw} is not a number (e.g. 0.05 or 1e-3)")),
+    }
+}
+
+/// Parses YAML text, refusing a number that is not finite (`.nan`, `.inf`) by its key.
+fn parse_yaml(text: &str) -> std::result::Result<Value, String> {
+    let v: serde_norway::Value = serde_norway::from_str(text).map_err(|e| e.to_string())?;
+    non_finite_at(&v, "")?;
+    serde_json::to_value(v).map_err(|e| e.to_string())
+}
+
+/// Fails naming the first key under `at` whose value is a number that is not finite.
+fn non_finite_at(v: &serde_norway::Value, at: &str) -> std::result::Result<(), String> {
+    match v {
+        serde_norway::Value::Number(n) if n.is_nan() || n.is_infinite() => Err(format!(
+            "`{at}`: {} is not a finite number",
+            serde_norway::to_string(n).unwrap_or_default().trim()
+        )),
+        serde_norway::Value::Mapping(m) => m.iter().try_for_each(|(k, v)| {
+            let k = k.as_str().map_or_else(|| format!("{k:?}"), str::to_owned);
+            let path = if at.is_empty() {
+                k
+            } else {
+                format!("{at}.{k}")
+            };
+            non_finite_at(v, &path)
+        }),
+        serde_norway::Value::Sequence(items) => items.iter().try_for_each(|v| non_finite_at(v, at)),
+        _ => Ok(()),
+    }
+}
+
+/// Parses an environment value as a YAML scalar (numbers, booleans), else a string; a
+/// number that is not finite (`nan`, `.inf`) is refused ([`finite_number`]).
+fn scalar(raw: &str) -> std::result::Result<Value, String> {
+    if raw.trim().parse::<f64>().is_ok() {
+        finite_number(raw)?;
+    }
+    match serde_norway::from_str::<serde_norway::Value>(raw) {
+        Ok(serde_norway::Value::Number(n)) if n.is_nan() || n.is_infinite() => {
+            Err(format!("{raw} is not a finite number"))
+        }
+        Ok(v @ (serde_norway::Value::Number(_) | serde_norway::Value::Bool(_))) => {
+            serde_json::to_value(v).map_err(|e| e.to_string())
+        }
+        _ => Ok(Value::String(raw.to_string())),
     }
 }
 

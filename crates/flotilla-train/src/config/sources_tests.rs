@@ -208,3 +208,34 @@ fn every_flag_sets_its_key_and_the_provenance_names_it() {
         .expect_err("undeclared");
     assert!(e.to_string().contains("--no-such"), "{e}");
 }
+
+/// A number that is not finite is refused by every source, naming where it came from and
+/// saying so (JSON has no NaN: it would arrive as null, "invalid type: found unit").
+#[test]
+fn numbers_that_are_not_finite_are_refused_by_every_source() {
+    let file = Sources::defaults().yaml("optimizer: {name: sgd, lr: .nan}\n", "run.yaml");
+    let e = file.expect_err(".nan").to_string();
+    assert!(
+        e.contains("run.yaml") && e.contains("`optimizer.lr`: .nan is not a finite number"),
+        "{e}"
+    );
+    for (var, raw) in [
+        ("FLOTILLA_LR", "nan"),
+        ("FLOTILLA_OPTIMIZER__LR", ".inf"),
+        ("FLOTILLA_LR", "-inf"),
+    ] {
+        let env = Sources::defaults().env([(var.to_string(), raw.to_string())], false);
+        let e = env.expect_err(raw).to_string();
+        assert!(
+            e.contains(var) && e.contains(&format!("{raw} is not a finite number")),
+            "{e}"
+        );
+    }
+    assert_eq!(finite_number(" 0.05"), Ok(0.05));
+    assert!(finite_number("inf").is_err() && finite_number("x").is_err());
+    let ok = Sources::defaults().env([("FLOTILLA_LR".to_string(), "0.25".to_string())], false);
+    assert_eq!(
+        ok.expect("lr").extract().expect("config").optimizer.lr(),
+        0.25
+    );
+}
