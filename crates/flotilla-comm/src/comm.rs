@@ -621,8 +621,9 @@ impl Communicator {
 
     /// Runs `op`, which borrows the caller's buffers, on the calling thread (blocked anyway)
     /// until it has finished; the connection readers stay on the runtime's workers. For
-    /// what needs no frame from a peer per step: a point-to-point send (written from the
-    /// caller's buffer), the shared segment's copies and waits.
+    /// what needs few or no frames from a peer: a point-to-point send (written from the
+    /// caller's buffer), the shared segment's copies and waits, and borrowed buffers of a few
+    /// chunks ([`Self::run_borrowed`]).
     fn run_here<T>(&self, op: impl Future<Output = Result<T, CommError>>) -> Result<T, CommError> {
         outside_runtime()?;
         self.g.world.handle.block_on(op)
