@@ -18,7 +18,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::{Mnist, Normalization, Split as DataSplit, default_cache_dir};
 use flotilla_engine::{DecayParams, ModelSpec, OptimizerSpec, StageCut, cross_entropy};
 use flotilla_train::batches::{Batches, Position};
@@ -78,7 +77,7 @@ fn main() -> Result<()> {
         device: "flex".into(),
         seed: 42,
     };
-    let world: Arc<dyn ProcessGroup> = Arc::new(Communicator::connect(CommConfig::from_env()?)?);
+    let (_settings, world) = flotilla_train::program::join_from_env()?;
     let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;
 
     let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());

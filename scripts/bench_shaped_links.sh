@@ -14,7 +14,7 @@
 #      "1gbit 10gbit"), SIZES (default 1M,16M,64M,256M), ITERS (timed iterations per size,
 #      default 5), NETNS_PREFIX / NETNS_SUBNET (default fsl / 10.79.0), NETNS_MTU (default
 #      1500; 9000 for jumbo frames), RANKS (default 4), and any
-#      FLOTILLA_COMM_* variable of the ranks (e.g. FLOTILLA_COMM_CHUNK_BYTES) passes through.
+#      FLOTILLA_COMM__* setting of the ranks (e.g. FLOTILLA_COMM__CHUNK_KB) passes through.
 # RANKS_PER_HOST=k (default 1) puts k consecutive ranks in each namespace (RANKS/k hosts, the
 # ranks of one host on its shared memory) and measures each value of HIERARCHICAL (default
 # "auto off" when k > 1): the hierarchical all-reduce (rows labelled hier) against the flat
@@ -102,14 +102,14 @@ raw_ring() {
   rm -rf "$dir"
 }
 
-# The ranks of one measurement (rank i in namespace i / K; FLOTILLA_COMM_HIERARCHICAL=$2);
+# The ranks of one measurement (rank i in namespace i / K; FLOTILLA_COMM__HIERARCHICAL=$2);
 # prints rank 0's "@bench" lines (label tcp, or hier when the all-reduce was hierarchical).
 run_ranks() { # out_prefix hierarchical
   local port=$((29700 + RANDOM % 200)) pids=() i
   for i in $(seq 0 $((N - 1))); do
     timeout 900 ip netns exec "$NETNS_PREFIX$((i / K))" env RANK=$i WORLD_SIZE=$N \
       MASTER_ADDR="$(netns_addr 0)" MASTER_PORT=$port RAYON_NUM_THREADS=1 \
-      FLOTILLA_COMM_HIERARCHICAL="$2" \
+      FLOTILLA_COMM__HIERARCHICAL="$2" \
       "$B" bench allreduce-worker --backend tcp --iters "$ITERS" --sizes "$SIZES" \
       > "$1.rank$i.out" 2> "$1.rank$i.err" &
     pids+=($!)

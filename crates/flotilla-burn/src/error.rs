@@ -9,6 +9,9 @@ pub enum DistError {
     /// The process group failed (a lost rank, a deadline, a protocol error).
     #[error(transparent)]
     Comm(#[from] CommError),
+    /// The job's settings are wrong, or joining it failed (the error names the key or rank).
+    #[error(transparent)]
+    Settings(#[from] flotilla_train::TrainError),
     /// Reading or writing the model's tensors failed.
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -88,13 +88,15 @@ pub mod kernels {
     pub use flotilla_engine::kernels::{linear, max_pool};
 }
 
-/// Joins the job this process was started in, as torchrun's ranks do: rendezvous at
-/// `MASTER_ADDR:MASTER_PORT` with `WORLD_SIZE` ranks (`RANK` from the environment or assigned),
-/// over TCP with the job's secret and TLS when the launcher set them (see
-/// `flotilla_comm::CommConfig::from_env` for every variable).
+/// Joins the job this process was started in, as torchrun's ranks do: the settings of
+/// the environment in the one schema a config job reads (`flotilla_train::program`: the
+/// launcher's `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, `RANK`, every
+/// `FLOTILLA_<SECTION>__<FIELD>`, the file `FLOTILLA_CONFIG` names), over the backend they
+/// name (`comm.backend`: TCP by default, with the job's secret and TLS when the launcher set
+/// them; MPI, NCCL).
 pub fn init() -> Result<Arc<dyn ProcessGroup>> {
-    let config = flotilla_comm::CommConfig::from_env()?;
-    Ok(Arc::new(flotilla_comm::Communicator::connect(config)?))
+    let (_settings, group) = flotilla_train::program::join_from_env()?;
+    Ok(group)
 }
 
 /// Held by every test that seeds the device and draws parameters: the device's random

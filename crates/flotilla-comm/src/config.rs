@@ -8,13 +8,13 @@ use flotilla_group::CommError;
 use serde::{Deserialize, Serialize};
 
 use crate::secret::Secret;
-use crate::tls::{TlsConfig, TlsFiles};
+use crate::tls::TlsConfig;
 
 /// Default TCP port of the rendezvous master (same as torchrun).
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
 /// Default of [`CommConfig::small_all_reduce_bytes`]: 256 KiB. Chosen with
-/// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES=0` (ring) against `=4194304` (doubling) in
+/// `FLOTILLA_COMM__SMALL_ALL_REDUCE_KB=0` (ring) against `=4096` (doubling) in
 /// `flotilla bench allreduce -n 2,4 --sizes 4K,64K,256K,512K,1M --iters 200` over 127.0.0.1 on
 /// 2 shared cores (under load, indicative; median µs of 3 runs, 512 KiB of 2). 2 ranks:
 /// 4 KiB 66 ring / 41 doubling, 64 KiB 74 / 65, 256 KiB 124 / 106, 512 KiB mixed, 1 MiB
@@ -23,8 +23,8 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 256 << 10;
 
 /// Default of [`CommConfig::mid_all_reduce_bytes`]: 16 MiB. Chosen with
-/// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES=0` and `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES=0`
-/// (ring) against `=1073741824` (Rabenseifner) in `flotilla bench allreduce -n 4 --sizes
+/// `FLOTILLA_COMM__SMALL_ALL_REDUCE_KB=0` and `FLOTILLA_COMM__MID_ALL_REDUCE_KB=0`
+/// (ring) against `=1048576` (Rabenseifner) in `flotilla bench allreduce -n 4 --sizes
 /// 512K,1M,4M,16M,64M --iters 30` over 127.0.0.1 on 2 shared cores, 4 interleaved runs each
 /// (under load, indicative; median busbw GB/s): 512 KiB 0.26 ring / 0.35 Rabenseifner,
 /// 1 MiB 0.23 / 0.40, 4 MiB 0.16 / 0.28, 16 MiB 0.12 / 0.22, 64 MiB 0.13 / 0.15 (a tie
@@ -34,8 +34,9 @@ pub const DEFAULT_SMALL_ALL_REDUCE_BYTES: usize = 256 << 10;
 /// instead of `2 (n-1)`.
 pub const DEFAULT_MID_ALL_REDUCE_BYTES: usize = 16 << 20;
 
-/// Payload compression applied to data frames.
+/// Payload compression applied to data frames (`comm.compression`: `none` or `lz4`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Compression {
     /// Send payloads as they are (fastest on fast networks).
     #[default]
@@ -44,8 +45,9 @@ pub enum Compression {
     Lz4,
 }
 
-/// Element format of all-reduce traffic on the wire.
+/// Element format of all-reduce traffic on the wire (`comm.wire_format`: `f32` or `bf16`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum WireFormat {
     /// Full-precision `f32` (bit-exact).
     #[default]
@@ -139,8 +141,9 @@ impl fmt::Display for Hierarchical {
 
 /// Configuration of a [`crate::Communicator`].
 ///
-/// Build it with [`CommConfig::new`] / [`CommConfig::from_env`] and the `with_*` methods, or
-/// fill the public fields directly.
+/// Build it with [`CommConfig::new`] and the `with_*` methods, or fill the public fields
+/// directly. A program started by a launcher gets one from the settings of the environment
+/// (`flotilla_train::program`: the same keys, names and units as a config job's).
 #[derive(Clone)]
 pub struct CommConfig {
     /// This process's rank; `None` lets rank 0 assign one (rank 0 itself must be explicit).
@@ -334,35 +337,6 @@ impl Default for CommConfig {
     }
 }
 
-/// Whether the environment opts out of authentication ([`crate::INSECURE_ENV`]: `1`/`true`/
-/// `yes` or `0`/`false`/`no`; unset: no).
-pub fn insecure_env() -> Result<bool, CommError> {
-    let name = crate::INSECURE_ENV;
-    match env_var(name).map(|v| v.trim().to_ascii_lowercase()) {
-        None => Ok(false),
-        Some(v) if ["1", "true", "yes", "on"].contains(&v.as_str()) => Ok(true),
-        Some(v) if ["0", "false", "no", "off"].contains(&v.as_str()) => Ok(false),
-        Some(v) => Err(CommError::Config(format!(
-            "{name}={v:?}: expected 1 or 0 (true or false)"
-        ))),
-    }
-}
-
-fn env_var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-fn parse_env<T: std::str::FromStr>(name: &str) -> Result<Option<T>, CommError> {
-    match env_var(name) {
-        None => Ok(None),
-        Some(v) => v
-            .trim()
-            .parse()
-            .map(Some)
-            .map_err(|_| CommError::Config(format!("cannot parse {name}={v:?}"))),
-    }
-}
-
 impl CommConfig {
     /// A config for `rank` of `world_size` with all other fields at their defaults.
     pub fn new(rank: Option<usize>, world_size: usize) -> Self {
@@ -371,101 +345,6 @@ impl CommConfig {
             world_size,
             ..Self::default()
         }
-    }
-
-    /// Reads the torchrun-style environment: `RANK` (optional: assigned by rank 0 when
-    /// unset), `WORLD_SIZE` (required), `MASTER_ADDR` (default 127.0.0.1), `MASTER_PORT`
-    /// (default 29500); and optionally `FLOTILLA_COMM_TIMEOUT_SECS`,
-    /// `FLOTILLA_JOIN_TIMEOUT_SECS`, the secret ([`Secret::from_env`]), `FLOTILLA_INSECURE` ([`insecure_env`]), TLS
-    /// ([`TlsFiles::from_env`]: `FLOTILLA_TLS_CA`, `FLOTILLA_TLS_CERT`, `FLOTILLA_TLS_KEY`),
-    /// `FLOTILLA_COMM_COMPRESSION`
-    /// (`none`|`lz4`), `FLOTILLA_COMM_WIRE` (`f32`|`bf16`), `FLOTILLA_COMM_CHUNK_BYTES`,
-    /// `FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES`, `FLOTILLA_COMM_MID_ALL_REDUCE_BYTES`,
-    /// `FLOTILLA_COMM_SOCKET_BUFFER_BYTES`, `FLOTILLA_COMM_THREADS`,
-    /// `FLOTILLA_COMM_MAX_QUEUED_BYTES`,
-    /// `FLOTILLA_COMM_TRANSPORT` (`auto`|`tcp`|`shm`), `FLOTILLA_COMM_SHM_DIR`,
-    /// `FLOTILLA_COMM_SHM_CHUNK_BYTES`.
-    pub fn from_env() -> Result<Self, CommError> {
-        let world_size: usize = parse_env("WORLD_SIZE")?
-            .ok_or_else(|| CommError::Config("WORLD_SIZE is not set".to_string()))?;
-        let mut cfg = Self::new(parse_env("RANK")?, world_size);
-        if let Some(addr) = env_var("MASTER_ADDR") {
-            cfg.master_addr = addr;
-        }
-        if let Some(port) = parse_env("MASTER_PORT")? {
-            cfg.master_port = port;
-        }
-        if let Some(s) = parse_env::<f64>("FLOTILLA_COMM_TIMEOUT_SECS")? {
-            cfg.timeout = secs("FLOTILLA_COMM_TIMEOUT_SECS", s)?;
-        }
-        if let Some(s) = parse_env::<f64>("FLOTILLA_JOIN_TIMEOUT_SECS")? {
-            cfg.join_timeout = secs("FLOTILLA_JOIN_TIMEOUT_SECS", s)?;
-        }
-        cfg.secret = Secret::from_env()?;
-        cfg.insecure = insecure_env()?;
-        cfg.tls = TlsFiles::from_env()?.map(|f| f.load()).transpose()?;
-        if let Some(c) = env_var("FLOTILLA_COMM_COMPRESSION") {
-            cfg.compression = match c.to_ascii_lowercase().as_str() {
-                "none" | "off" => Compression::None,
-                "lz4" => Compression::Lz4,
-                other => {
-                    return Err(CommError::Config(format!(
-                        "FLOTILLA_COMM_COMPRESSION={other:?}: expected none or lz4"
-                    )));
-                }
-            };
-        }
-        if let Some(w) = env_var("FLOTILLA_COMM_WIRE") {
-            cfg.wire_format = match w.to_ascii_lowercase().as_str() {
-                "f32" => WireFormat::F32,
-                "bf16" => WireFormat::Bf16,
-                other => {
-                    return Err(CommError::Config(format!(
-                        "FLOTILLA_COMM_WIRE={other:?}: expected f32 or bf16"
-                    )));
-                }
-            };
-        }
-        if let Some(c) = parse_env("FLOTILLA_COMM_CHUNK_BYTES")? {
-            cfg.chunk_bytes = c;
-        }
-        if let Some(s) = parse_env("FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES")? {
-            cfg.small_all_reduce_bytes = s;
-        }
-        if let Some(s) = parse_env("FLOTILLA_COMM_MID_ALL_REDUCE_BYTES")? {
-            cfg.mid_all_reduce_bytes = s;
-        }
-        if let Some(t) = parse_env("FLOTILLA_COMM_THREADS")? {
-            cfg.runtime_threads = t;
-        }
-        if let Some(b) = parse_env("FLOTILLA_COMM_SOCKET_BUFFER_BYTES")? {
-            cfg.socket_buffer_bytes = Some(b);
-        }
-        if let Some(b) = parse_env("FLOTILLA_COMM_MAX_QUEUED_BYTES")? {
-            cfg.max_queued_bytes = b;
-        }
-        cfg.apply_shm_env()?;
-        cfg.validate()?;
-        Ok(cfg)
-    }
-
-    /// Applies the shared-memory variables of the environment (`FLOTILLA_COMM_TRANSPORT`,
-    /// `FLOTILLA_COMM_HIERARCHICAL`, `FLOTILLA_COMM_SHM_DIR`, `FLOTILLA_COMM_SHM_CHUNK_BYTES`)
-    /// over this config.
-    pub fn apply_shm_env(&mut self) -> Result<(), CommError> {
-        if let Some(t) = parse_env("FLOTILLA_COMM_TRANSPORT")? {
-            self.transport = t;
-        }
-        if let Some(h) = parse_env("FLOTILLA_COMM_HIERARCHICAL")? {
-            self.hierarchical = h;
-        }
-        if let Some(d) = env_var("FLOTILLA_COMM_SHM_DIR") {
-            self.shm_dir = Some(PathBuf::from(d));
-        }
-        if let Some(c) = parse_env("FLOTILLA_COMM_SHM_CHUNK_BYTES")? {
-            self.shm_chunk_bytes = c;
-        }
-        Ok(())
     }
 
     /// Sets how the `f32` collectives travel.
@@ -650,15 +529,6 @@ impl CommConfig {
         }
         Ok(())
     }
-}
-
-fn secs(name: &str, s: f64) -> Result<Duration, CommError> {
-    Duration::try_from_secs_f64(s)
-        .ok()
-        .filter(|d| !d.is_zero())
-        .ok_or_else(|| {
-            CommError::Config(format!("{name}={s}: expected a positive number of seconds"))
-        })
 }
 
 #[cfg(test)]

@@ -38,8 +38,10 @@
 //! model.
 //!
 //! ```no_run
-//! use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
-//! let comm = Communicator::connect(CommConfig::from_env()?)?;
+//! use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Secret};
+//! // Rank 1 of 2; rank 0 listens at 127.0.0.1:29500 (the default).
+//! let secret = Secret::from_env()?.expect("FLOTILLA_SECRET or FLOTILLA_SECRET_FILE");
+//! let comm = Communicator::connect(CommConfig::new(Some(1), 2).with_secret(Some(secret)))?;
 //! let mut grads = vec![1.0f32; 1024];
 //! comm.all_reduce_sum(&mut grads)?;
 //! # Ok::<(), flotilla_comm::CommError>(())
@@ -86,7 +88,7 @@ pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
     DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
-    WireFormat, insecure_env,
+    WireFormat,
 };
 pub use flotilla_group::{
     CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,

@@ -1,13 +1,13 @@
 //! The hierarchical all-reduce between real hosts, emulated: network namespaces joined by
 //! veth pairs to a bridge, created by the test, each with a segment directory of its own
-//! (`FLOTILLA_COMM_SHM_DIR`: its own host key at the rendezvous, which is the identity of
+//! (`CHILD_SHM_DIR`: its own host key at the rendezvous, which is the identity of
 //! that directory); every rank a real process (this test binary, `child_rank`) started in
 //! its namespace.
 //!
 //! * 2 hosts x 2 ranks: every rank bit-identical, bitwise the serial reference of the
 //!   documented order (each host's left-to-right sum, then the two hosts' added); the
 //!   inter-host bytes (`CommStats::bytes_sent_inter_host`, every rank's summed) half of the
-//!   flat run's (`FLOTILLA_COMM_HIERARCHICAL=off`, Rabenseifner's at 4 MiB), both measured.
+//!   flat run's (`CHILD_HIERARCHICAL=off`, Rabenseifner's at 4 MiB), both measured.
 //! * Uneven hosts (2 + 1): flat, bit for bit and byte for byte the `off` run.
 //! * A rank killed on the other host is named by every survivor well within the deadline.
 //!
@@ -25,7 +25,7 @@ use std::sync::{Mutex, MutexGuard, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
+use flotilla_comm::{Communicator, ProcessGroup};
 
 /// The variable that makes `child_rank` a rank: its mode (`sums` or `loop`).
 const CHILD: &str = "FLOTILLA_TEST_HIER_CHILD";
@@ -120,8 +120,8 @@ impl Hosts {
             .env("FLOTILLA_SECRET", "flotilla-test-secret-0123456789")
             .env("MASTER_ADDR", Self::addr(0))
             .env("MASTER_PORT", "29511")
-            .env("FLOTILLA_COMM_TIMEOUT_SECS", "10")
-            .env("FLOTILLA_COMM_SHM_DIR", self.dir(host))
+            .env("CHILD_TIMEOUT_SECS", "10")
+            .env("CHILD_SHM_DIR", self.dir(host))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
         for (k, v) in env {
@@ -174,7 +174,7 @@ fn child_rank() {
     let Ok(mode) = std::env::var(CHILD) else {
         return;
     };
-    let c = CommConfig::from_env().expect("child config");
+    let c = common::child_config();
     let comm = Communicator::connect(c).expect("child connects");
     let r = comm.rank();
     if mode == "loop" {
@@ -251,10 +251,7 @@ fn sums(net: &Hosts, hosts_of: &[usize], hierarchical: &str) -> Vec<Sums> {
     let mut kids: Vec<Kid> = (0..n)
         .map(|r| {
             let out = outs[r].to_string_lossy().into_owned();
-            let env = [
-                (OUT, out.as_str()),
-                ("FLOTILLA_COMM_HIERARCHICAL", hierarchical),
-            ];
+            let env = [(OUT, out.as_str()), ("CHILD_HIERARCHICAL", hierarchical)];
             net.spawn(hosts_of[r], r, n, "sums", &env)
         })
         .collect();

@@ -5,6 +5,9 @@
 //! the file-backed fallback directory; and real processes: a killed rank named by every
 //! survivor, a stalled one by the deadline, no file left behind.
 
+#[allow(dead_code)] // the world helpers are the in-process tests'
+mod common;
+
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::Path;
@@ -411,7 +414,7 @@ fn child_rank() {
     let Ok(mode) = std::env::var(CHILD) else {
         return;
     };
-    let mut c = CommConfig::from_env().expect("child config");
+    let mut c = common::child_config();
     c.timeout = Duration::from_secs(if mode == "hold" { 60 } else { 3 });
     c.transport = Transport::Shm;
     let comm = Communicator::connect(c).expect("child connects");
@@ -453,8 +456,8 @@ fn rank_command(rank: usize, n: usize, port: u16, mode: &str, dir: &Path) -> Com
         .env("FLOTILLA_SECRET", "flotilla-test-secret-0123456789")
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
-        .env("FLOTILLA_COMM_SHM_DIR", dir)
-        .env("FLOTILLA_COMM_SHM_CHUNK_BYTES", CHUNK.to_string())
+        .env("CHILD_SHM_DIR", dir)
+        .env("CHILD_SHM_CHUNK_BYTES", CHUNK.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::null());
     c

@@ -25,7 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup};
+use flotilla_comm::{CommError, Communicator, ProcessGroup};
 
 /// The variable that makes `child_rank` a rank: the directory of its report.
 const OUT: &str = "FLOTILLA_TEST_MNTNS_OUT";
@@ -76,7 +76,7 @@ fn child_rank() {
         return;
     };
     let rank = std::env::var("RANK").expect("RANK");
-    let c = CommConfig::from_env().expect("child config");
+    let c = common::child_config();
     let result = Communicator::connect(c).and_then(|comm| collectives(&comm));
     let body = match result {
         Ok(lines) => format!("ok\n{lines}"),
@@ -190,10 +190,10 @@ fn pair(outer: &str, inner: &str, env: &[(&str, &str)]) -> Vec<Report> {
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
         .env("FLOTILLA_SECRET", "test-secret-0123456789")
-        .env("FLOTILLA_COMM_TIMEOUT_SECS", "10")
+        .env("CHILD_TIMEOUT_SECS", "10")
         .env_remove("TMPDIR")
-        .env_remove("FLOTILLA_COMM_SHM_DIR")
-        .env_remove("FLOTILLA_COMM_TRANSPORT")
+        .env_remove("CHILD_SHM_DIR")
+        .env_remove("CHILD_TRANSPORT")
         .stdout(Stdio::null())
         .stderr(log)
         .process_group(0);
@@ -277,7 +277,7 @@ fn a_segment_one_member_cannot_open_falls_back_to_tcp_on_every_member() {
     assert_eq!(reports[0].dev_shm, reports[1].dev_shm, "one /dev/shm");
     assert_ne!(reports[0].tmp, reports[1].tmp, "one /tmp");
     assert_right_over_tcp(&reports);
-    let reports = pair(outer, inner, &[("FLOTILLA_COMM_TRANSPORT", "shm")]);
+    let reports = pair(outer, inner, &[("CHILD_TRANSPORT", "shm")]);
     for (r, rep) in reports.iter().enumerate() {
         match &rep.outcome {
             Err(e) => assert!(e.contains("transport shm"), "rank {r}: {e}"),

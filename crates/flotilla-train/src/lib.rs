@@ -23,6 +23,7 @@ pub mod job_data;
 pub mod observe;
 pub mod plan;
 pub mod presets;
+pub mod program;
 pub mod rejoin;
 pub mod runlog;
 pub mod runloop;

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_comm::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Transport, WireFormat};
+use flotilla_comm::{Communicator, ProcessGroup, Transport, WireFormat};
 
 use crate::binding;
 use crate::cli::BenchAllreduceArgs;
@@ -162,10 +162,10 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
     let reference = loopback_bandwidth(1 << 30)?;
     println!(
         "# flotilla bench allreduce: all-reduce of f32 buffers between local ranks; transport \
-         shm: a shared-memory segment (chunks of FLOTILLA_COMM_SHM_CHUNK_BYTES, default {} KiB \
-         per rank); tcp: 127.0.0.1 (recursive doubling up to FLOTILLA_COMM_SMALL_ALL_REDUCE_BYTES, \
-         default {} KiB; Rabenseifner's up to FLOTILLA_COMM_MID_ALL_REDUCE_BYTES, default {} MiB; \
-         the ring above); auto: shm between ranks of one host",
+         shm: a shared-memory segment (chunks of comm.shm_chunk_kb, default {} KiB per rank); \
+         tcp: 127.0.0.1 (recursive doubling up to comm.small_all_reduce_kb, default {} KiB; \
+         Rabenseifner's up to comm.mid_all_reduce_kb, default {} MiB; the ring above; \
+         FLOTILLA_COMM__<KEY> sets them); auto: shm between ranks of one host",
         flotilla_comm::DEFAULT_SHM_CHUNK_BYTES >> 10,
         flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
         flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 20
@@ -276,7 +276,11 @@ pub fn options(args: &BenchAllreduceArgs) -> Result<BenchOptions> {
 /// all-reduce: shared memory and bytes to other hosts).
 pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     let opts = options(args)?;
-    let mut cfg = CommConfig::from_env()?;
+    // The settings of the environment, in the schema's names (`FLOTILLA_COMM__CHUNK_KB`...).
+    let settings = flotilla_train::program::settings()?;
+    let rank = flotilla_train::program::launcher_rank()?;
+    let world = settings.effective_world_size()?;
+    let mut cfg = settings.comm_config(rank, settings.shared_hash(None), world)?;
     if args.bf16 {
         cfg.wire_format = WireFormat::Bf16;
     }

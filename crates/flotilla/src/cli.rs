@@ -121,7 +121,8 @@ pub struct LaunchArgs {
     /// A program to start as the ranks instead of `flotilla train`, after `--`, with its
     /// arguments (`flotilla launch -n 2 -- target/release/examples/custom_model`). Each rank
     /// gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them),
-    /// FLOTILLA_COMM_TIMEOUT_SECS, and the job's secret and TLS files; the ranks are
+    /// every other setting given (file, environment, flags) as FLOTILLA_<SECTION>__<FIELD>,
+    /// and the job's secret and TLS files; the ranks are
     /// supervised as training ranks are (the first failure stops them all and is named;
     /// `--max-restarts` starts the program again). With `--inventory`, the program must be
     /// at the same path on every host.
@@ -234,7 +235,7 @@ pub struct BenchAllreduceArgs {
     pub backend: String,
     /// Transports of the TCP backend to measure, each in its own job, e.g. `tcp,shm`:
     /// `auto` (shared memory between ranks of this host; the default unless
-    /// FLOTILLA_COMM_TRANSPORT says otherwise), `tcp` (the ring and recursive doubling over
+    /// FLOTILLA_COMM__TRANSPORT says otherwise), `tcp` (the ring and recursive doubling over
     /// 127.0.0.1) or `shm`.
     #[arg(long, value_delimiter = ',', value_parser = ["auto", "tcp", "shm"])]
     pub transport: Vec<String>,

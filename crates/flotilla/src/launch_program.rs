@@ -1,9 +1,10 @@
 //! `flotilla launch -n N -- PROGRAM ARGS...`: any program as the N ranks of a job, as torchrun
 //! starts Python programs. Each rank gets the torchrun variables (`RANK`, `LOCAL_RANK`,
-//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), the job's deadline
-//! (`FLOTILLA_COMM_TIMEOUT_SECS`), secret (inherited, or `FLOTILLA_SECRET_FILE`: the user's,
-//! or one the launcher made for the job, [`JobSecret`]) and TLS files (`FLOTILLA_TLS_*`),
-//! which `flotilla_burn::init` (`CommConfig::from_env`) reads; rank 0 of a local job also
+//! `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`), every other setting the launcher was given
+//! in the schema's names (`FLOTILLA_COMM__TIMEOUT_S`, ...: [`TrainConfig::settings_env`]),
+//! the secret (inherited, or `FLOTILLA_SECRET_FILE`: the user's, or one the launcher made for
+//! the job, [`JobSecret`]) and TLS files (`FLOTILLA_TLS_*`), which `flotilla_burn::init`
+//! (`flotilla_train::program`) reads; rank 0 of a local job also
 //! inherits the rendezvous socket the launcher bound (`FLOTILLA_LISTEN_FD`,
 //! [`crate::rendezvous_socket`]), which `Communicator::connect` takes. The ranks
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
@@ -30,6 +31,8 @@ use crate::settings;
 /// Runs `flotilla launch ... -- PROGRAM ARGS...`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
     let config = settings::effective_config(&args.run, false)?;
+    // Checked once here, as each rank would check it (`flotilla_train::program::settings`).
+    config.validate()?;
     // One secret for every start of the program, removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
@@ -151,6 +154,19 @@ fn program_words(program: &[OsString]) -> Result<Vec<String>> {
 
 /// Each rank's environment: its place in the job, the rendezvous, the per-rank thread
 /// count (unless the caller set one), the deadline, and where the secret and TLS files are.
+/// The keys a program's ranks get in variables of their own: the world size and the
+/// rendezvous address as torchrun's, the secret and TLS files as theirs; the inventory and
+/// the launcher's TLS are the launcher's.
+const PASSED_OTHERWISE: &[&str] = &[
+    "topology.world_size",
+    "topology.inventory",
+    "comm.master_addr",
+    "comm.master_port",
+    "comm.secret_file",
+    "comm.tls",
+    "comm.auto_tls",
+];
+
 fn rank_env(
     config: &TrainConfig,
     n: usize,
@@ -174,11 +190,9 @@ fn rank_env(
         ("WORLD_SIZE".to_string(), n.to_string()),
         ("MASTER_ADDR".to_string(), comm.master_addr.clone()),
         ("MASTER_PORT".to_string(), comm.master_port.to_string()),
-        (
-            "FLOTILLA_COMM_TIMEOUT_SECS".to_string(),
-            comm.timeout_s.to_string(),
-        ),
     ]);
+    // Every other setting the launcher was given, in the schema's own names.
+    common.extend(config.settings_env(PASSED_OTHERWISE));
     if let Some(path) = secret_file {
         let path = std::path::absolute(&path)
             .with_context(|| format!("making {} absolute", path.display()))?;

@@ -98,6 +98,17 @@ fn settings_errors_say_what_to_change() {
         &["launch", "-n", "2", "--lr=-0.1"],
         &["optimizer.lr", "must be a finite positive number"],
     );
+    // A program's launch checks the settings it hands the ranks, once, before any starts.
+    let mut c = flotilla();
+    c.args(["launch", "-n", "2", "--", "true"])
+        .env("FLOTILLA_COMM__CHUNK_KB", "0");
+    let o = run_with_deadline(c, Duration::from_secs(60));
+    let all = text(&o);
+    assert!(!o.status.success(), "{all}");
+    assert!(
+        all.contains("`comm.chunk_kb`: must be from 1 to") && !all.contains("launching"),
+        "{all}"
+    );
     let mut c = flotilla();
     c.args(["launch", "-n", "2", "--data", "/nonexistent-flotilla-data"]);
     let o = run_with_deadline(c, Duration::from_secs(60));

@@ -10,7 +10,9 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{cores_of, flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp};
+use common::{
+    config_file, cores_of, flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp,
+};
 
 /// The secret of the jobs the tests below start.
 const SECRET: &str = "test-secret-0123456789";
@@ -145,15 +147,20 @@ fn ranks_whose_models_differ_are_named_at_start() {
     assert!(started.elapsed() < Duration::from_secs(30), "{all}");
 }
 
+/// The join deadline comes from the launcher's config file: it reaches the program only
+/// through the settings the launcher passes (`FLOTILLA_COMM__JOIN_TIMEOUT_S`), read back by
+/// `flotilla_burn::init`; with the default (60 s) the deadline below fails.
 #[test]
 fn a_rank_that_exits_before_joining_is_named_by_the_launcher() {
+    let dir = tmp();
+    let config = config_file(dir.path(), "job.yaml", "comm: {join_timeout_s: 3}\n");
     let script = format!(
         "if [ \"$RANK\" = 1 ]; then exit 0; fi; exec {}",
         example().display()
     );
     let mut cmd = flotilla();
-    cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script])
-        .env("FLOTILLA_JOIN_TIMEOUT_SECS", "3")
+    cmd.args(["launch", &config])
+        .args(["-n", "2", "--", "sh", "-c", &script])
         .env("RUST_BACKTRACE", "0");
     let started = Instant::now();
     let o = run_with_deadline(cmd, Duration::from_secs(60));

@@ -137,3 +137,36 @@ pub fn assert_near_serial_sum(n: usize, case: usize, r: usize, got: &[f32], tole
         );
     }
 }
+
+/// The config of a rank this test binary started as a child process: `RANK` (unset: assigned),
+/// `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` as a launcher sets them, the environment's
+/// secret, and the test's own settings of the transport (`CHILD_TIMEOUT_SECS`,
+/// `CHILD_TRANSPORT`, `CHILD_HIERARCHICAL`, `CHILD_SHM_DIR`, `CHILD_SHM_CHUNK_BYTES`). A
+/// program's settings are Flotilla's schema, read by `flotilla_train::program`, which this
+/// crate's tests do not depend on.
+#[allow(dead_code)] // the child-process tests'
+pub fn child_config() -> CommConfig {
+    let var = |k: &str| std::env::var(k).ok().filter(|v| !v.is_empty());
+    let number = |k: &str| var(k).map(|v| v.parse::<u64>().unwrap_or_else(|_| panic!("{k}={v}")));
+    let world = number("WORLD_SIZE").expect("WORLD_SIZE") as usize;
+    let mut c = CommConfig::new(number("RANK").map(|r| r as usize), world)
+        .with_master(
+            var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
+            number("MASTER_PORT").expect("MASTER_PORT") as u16,
+        )
+        .with_secret(flotilla_comm::Secret::from_env().expect("the secret"));
+    if let Some(s) = number("CHILD_TIMEOUT_SECS") {
+        c.timeout = Duration::from_secs(s);
+    }
+    if let Some(t) = var("CHILD_TRANSPORT") {
+        c.transport = t.parse().expect("CHILD_TRANSPORT");
+    }
+    if let Some(h) = var("CHILD_HIERARCHICAL") {
+        c.hierarchical = h.parse().expect("CHILD_HIERARCHICAL");
+    }
+    c.shm_dir = var("CHILD_SHM_DIR").map(Into::into);
+    if let Some(b) = number("CHILD_SHM_CHUNK_BYTES") {
+        c.shm_chunk_bytes = b as usize;
+    }
+    c
+}

@@ -10,28 +10,6 @@ use serde::{Deserialize, Serialize};
 use super::{TlsSetting, TrainConfig};
 use crate::error::Result;
 
-/// Payload compression on the wire, as written in a config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum CompressionSetting {
-    /// No compression.
-    #[default]
-    None,
-    /// LZ4 on large frames.
-    Lz4,
-}
-
-/// All-reduce element format on the wire, as written in a config.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum WireSetting {
-    /// Exact `f32`.
-    #[default]
-    F32,
-    /// `bf16` on the wire (half the bytes, approximate sums).
-    Bf16,
-}
-
 /// Which implementation of the process group a run uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -64,10 +42,11 @@ pub struct CommSection {
     pub timeout_s: f64,
     /// Deadline in seconds for all ranks to join.
     pub join_timeout_s: f64,
-    /// Payload compression on the wire.
-    pub compression: CompressionSetting,
-    /// All-reduce element format on the wire.
-    pub wire_format: WireSetting,
+    /// Payload compression on the wire: `none` (default) or `lz4`.
+    pub compression: Compression,
+    /// All-reduce element format on the wire: `f32` (default, exact) or `bf16` (half the
+    /// bytes, approximate sums).
+    pub wire_format: WireFormat,
     /// Gradient fusion bucket size in MiB.
     pub bucket_mb: f64,
     /// All-reduces of at most this many KiB take recursive doubling (`log2 n` steps)
@@ -91,6 +70,21 @@ pub struct CommSection {
     /// `k` ranks all-reduce one `k`-th each with their peers of the other hosts over TCP,
     /// and each host gathers the parts) or `off` (one flat TCP algorithm over every rank).
     pub hierarchical: Hierarchical,
+    /// The pipelined chunks of the TCP ring collectives, in KiB (default 512). Every rank of
+    /// a job must use the same value.
+    pub chunk_kb: usize,
+    /// Each rank's slot of a shared-memory segment in KiB (default 1024; a multiple of 4):
+    /// an all-reduce goes through it in chunks of this size.
+    pub shm_chunk_kb: usize,
+    /// The most MiB one peer may have queued at this rank in one group before its traffic
+    /// is refused (default 1024); raise it for a broadcast or message larger than that.
+    pub max_queued_mb: usize,
+    /// `SO_SNDBUF`/`SO_RCVBUF` of the data sockets in KiB; unset (default): the kernel's
+    /// autotuning.
+    pub socket_buffer_kb: Option<usize>,
+    /// Threads of the TCP transport's own runtime (default 1: connection readers and
+    /// collectives share one thread, which measured fastest).
+    pub threads: usize,
     /// Directory of the shared-memory segments (per rank; default: `/dev/shm` when it has
     /// room, else the system temporary directory). Each segment's file is removed as soon
     /// as every rank of its group has mapped it.
@@ -120,19 +114,26 @@ pub struct CommSection {
 
 impl Default for CommSection {
     fn default() -> Self {
+        // The transport's own defaults, in the section's units.
+        let d = CommConfig::default();
         Self {
             backend: Backend::Tcp,
             master_addr: "127.0.0.1".into(),
             master_port: flotilla_comm::DEFAULT_MASTER_PORT,
             timeout_s: 60.0,
             join_timeout_s: 60.0,
-            compression: CompressionSetting::None,
-            wire_format: WireSetting::F32,
+            compression: Compression::None,
+            wire_format: WireFormat::F32,
             bucket_mb: 25.0,
             small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
             mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             transport: Transport::Auto,
             hierarchical: Hierarchical::Auto,
+            chunk_kb: d.chunk_bytes >> 10,
+            shm_chunk_kb: d.shm_chunk_bytes >> 10,
+            max_queued_mb: d.max_queued_bytes >> 20,
+            socket_buffer_kb: None,
+            threads: d.runtime_threads,
             shm_dir: None,
             secret_file: None,
             insecure: false,
@@ -197,16 +198,15 @@ impl TrainConfig {
             secret: self.secret()?,
             insecure: c.insecure,
             tls: self.tls()?,
-            compression: match c.compression {
-                CompressionSetting::None => Compression::None,
-                CompressionSetting::Lz4 => Compression::Lz4,
-            },
-            wire_format: match c.wire_format {
-                WireSetting::F32 => WireFormat::F32,
-                WireSetting::Bf16 => WireFormat::Bf16,
-            },
+            compression: c.compression,
+            wire_format: c.wire_format,
             small_all_reduce_bytes: c.small_all_reduce_kb.saturating_mul(1 << 10),
             mid_all_reduce_bytes: c.mid_all_reduce_kb.saturating_mul(1 << 10),
+            chunk_bytes: c.chunk_kb.saturating_mul(1 << 10),
+            shm_chunk_bytes: c.shm_chunk_kb.saturating_mul(1 << 10),
+            max_queued_bytes: c.max_queued_mb.saturating_mul(1 << 20),
+            socket_buffer_bytes: c.socket_buffer_kb.map(|kb| kb.saturating_mul(1 << 10)),
+            runtime_threads: c.threads,
             transport: c.transport,
             hierarchical: c.hierarchical,
             shm_dir: c.shm_dir.clone(),

@@ -20,6 +20,9 @@ pub const PER_RANK: &[&str] = &[
     "comm.secret_file",
     "comm.insecure",
     "comm.shm_dir",
+    "comm.max_queued_mb",
+    "comm.socket_buffer_kb",
+    "comm.threads",
     "comm.tls",
     "comm.auto_tls",
     "telemetry",
@@ -30,11 +33,19 @@ impl TrainConfig {
     /// [`PER_RANK`] paths, with the model spec resolved (a file path and the built-in name of
     /// the same model hash alike; two different files of the same name do not).
     pub fn cluster_hash(&self, spec: &ModelSpec) -> u64 {
+        self.shared_hash(Some(spec))
+    }
+
+    /// A hash of the whole config except the [`PER_RANK`] paths, with `spec` in place of
+    /// `model.spec` when given (a program, whose model is its own code, gives none).
+    pub fn shared_hash(&self, spec: Option<&ModelSpec>) -> u64 {
         let mut shared = serde_json::to_value(self).unwrap_or_default();
         for path in PER_RANK {
             remove_path(&mut shared, path);
         }
-        if let Some(m) = shared.get_mut("model").and_then(|m| m.as_object_mut()) {
+        if let Some(spec) = spec
+            && let Some(m) = shared.get_mut("model").and_then(|m| m.as_object_mut())
+        {
             m.insert("spec".into(), serde_json::Value::String(spec.to_yaml()));
         }
         xxhash_rust::xxh3::xxh3_64(shared.to_string().as_bytes())
@@ -60,7 +71,8 @@ fn remove_path(v: &mut serde_json::Value, path: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{TlsSetting, WireSetting};
+    use crate::config::TlsSetting;
+    use flotilla_comm::WireFormat;
 
     #[test]
     fn cluster_hash_ignores_per_rank_settings() {
@@ -85,9 +97,11 @@ mod tests {
             |c: &mut TrainConfig| c.data.batch_size = 32,
             |c: &mut TrainConfig| c.schedule.warmup_steps = 1,
             |c: &mut TrainConfig| c.comm.bucket_mb = 1.0,
-            |c: &mut TrainConfig| c.comm.wire_format = WireSetting::Bf16,
+            |c: &mut TrainConfig| c.comm.wire_format = WireFormat::Bf16,
             |c: &mut TrainConfig| c.comm.small_all_reduce_kb = 0,
             |c: &mut TrainConfig| c.comm.mid_all_reduce_kb = 0,
+            |c: &mut TrainConfig| c.comm.chunk_kb = 64,
+            |c: &mut TrainConfig| c.comm.shm_chunk_kb = 64,
             |c: &mut TrainConfig| c.topology.local_steps = 2,
             |c: &mut TrainConfig| c.model.seed = 1,
         ] {

@@ -135,11 +135,13 @@ impl Key {
 
     /// Its environment variable: `FLOTILLA_MODEL__SEED`.
     pub fn env_name(&self) -> String {
-        format!(
-            "FLOTILLA_{}",
-            self.path.replace('.', "__").to_ascii_uppercase()
-        )
+        env_name(self.path)
     }
+}
+
+/// The environment's name of the key at `section.field`: `FLOTILLA_<SECTION>__<FIELD>`.
+pub fn env_name(path: &str) -> String {
+    format!("FLOTILLA_{}", path.replace('.', "__").to_ascii_uppercase())
 }
 
 /// The sections whose fields are not all declared: the optimizer's depend on its `name` (SGD
@@ -297,6 +299,11 @@ pub const KEYS: &[Key] = &[
     Key::new("comm.mid_all_reduce_kb").aliases(&["mid_all_reduce_kb"]),
     Key::new("comm.transport").aliases(&["transport"]),
     Key::new("comm.hierarchical").aliases(&["hierarchical"]),
+    Key::new("comm.chunk_kb").aliases(&["chunk_kb"]),
+    Key::new("comm.shm_chunk_kb").aliases(&["shm_chunk_kb"]),
+    Key::new("comm.max_queued_mb").aliases(&["max_queued_mb"]),
+    Key::new("comm.socket_buffer_kb").aliases(&["socket_buffer_kb"]),
+    Key::new("comm.threads"),
     Key::new("comm.shm_dir").aliases(&["shm_dir"]),
     // The secret is never a key: only its file is (and the environment's variables win).
     Key::new("comm.secret_file"),

@@ -183,6 +183,8 @@ impl Sources {
                     let tree = normalize(Value::Object(one), &source)?;
                     self.sources.push(Source { name: source, tree });
                     continue;
+                } else if let Some(why) = super::retired::replacement(&name) {
+                    return Err(err(&source, why));
                 } else {
                     // Other FLOTILLA_ variables belong to other parts (the secret, fault tests).
                     continue;
@@ -197,18 +199,28 @@ impl Sources {
         Ok(self)
     }
 
-    /// The merged figment: a source that names an optimizer replaces the optimizer below it.
+    /// The merged figment: a layer (the file, the environment, the flags) that names an
+    /// optimizer replaces the optimizer of the layers below it; the sources of that layer
+    /// (`FLOTILLA_OPTIMIZER__NAME` and `FLOTILLA_OPTIMIZER__MOMENTUM`) make one optimizer.
     fn figment(&self) -> Figment {
+        let layer = |s: &Source| s.name.split(' ').next().unwrap_or_default().to_string();
         let last_named = self.sources.iter().rposition(|l| {
             l.tree
                 .get("optimizer")
                 .and_then(|o| o.get("name"))
                 .is_some()
         });
+        let first_of_layer = last_named.map(|n| {
+            let named = layer(&self.sources[n]);
+            self.sources[..n]
+                .iter()
+                .rposition(|s| layer(s) != named)
+                .map_or(0, |p| p + 1)
+        });
         let mut f = Figment::new();
         for (i, source) in self.sources.iter().enumerate() {
             let mut source = source.clone();
-            if last_named.is_some_and(|n| i < n) {
+            if first_of_layer.is_some_and(|n| i < n) {
                 source.tree.remove("optimizer");
             }
             f = f.merge(source);

@@ -109,6 +109,46 @@ fn unknown_environment_keys_are_errors_naming_the_variable() {
 }
 
 #[test]
+fn a_retired_variable_is_refused_with_its_new_name() {
+    let env = vec![("FLOTILLA_COMM_TIMEOUT_SECS".to_string(), "5".to_string())];
+    let e = Sources::defaults()
+        .env(env, false)
+        .expect_err("retired")
+        .to_string();
+    assert!(
+        e.contains("FLOTILLA_COMM_TIMEOUT_SECS")
+            && e.contains("FLOTILLA_COMM__TIMEOUT_S (seconds)"),
+        "{e}"
+    );
+}
+
+#[test]
+fn one_layer_names_an_optimizer_and_sets_its_fields() {
+    let env = [
+        ("FLOTILLA_OPTIMIZER__LR", "0.2"),
+        ("FLOTILLA_OPTIMIZER__MOMENTUM", "0.5"),
+        ("FLOTILLA_OPTIMIZER__NAME", "sgd"),
+    ]
+    .map(|(k, v)| (k.to_string(), v.to_string()));
+    let c = Sources::defaults()
+        .yaml("optimizer: {name: adam, lr: 0.01}\n", "file r")
+        .expect("file")
+        .env(env, false)
+        .expect("env")
+        .extract()
+        .expect("config");
+    let text = format!("{:?}", c.optimizer);
+    assert!(
+        text.starts_with("Sgd") && text.contains("momentum: 0.5"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("0.01"),
+        "the file's Adam is replaced whole: {text}"
+    );
+}
+
+#[test]
 fn nested_sections_and_aliases_mix() {
     let c = Sources::defaults()
         .yaml(

@@ -12,6 +12,7 @@ impl TrainConfig {
     pub fn validate(&self) -> Result<ModelSpec> {
         self.validate_counts()?;
         self.validate_ranges()?;
+        self.validate_wire()?;
         self.validate_topology()?;
         self.optimizer
             .validate()
@@ -56,16 +57,6 @@ impl TrainConfig {
             ));
         }
         positive("comm.bucket_mb", c.bucket_mb, "number of MiB")?;
-        let frame_kb = flotilla_comm::CommConfig::default().max_frame_bytes >> 10;
-        if c.small_all_reduce_kb > frame_kb {
-            return Err(bad(
-                "comm.small_all_reduce_kb",
-                format!(
-                    "must be at most {frame_kb} (the largest frame), got {}",
-                    c.small_all_reduce_kb
-                ),
-            ));
-        }
         positive("comm.timeout_s", c.timeout_s, "number of seconds")?;
         positive("comm.join_timeout_s", c.join_timeout_s, "number of seconds")?;
         positive("optimizer.lr", self.optimizer.lr(), "number")?;
@@ -93,6 +84,59 @@ impl TrainConfig {
                 "topology.async_momentum",
                 format!("must be in [0, 1), got {m}"),
             ));
+        }
+        Ok(())
+    }
+
+    /// The TCP transport's sizes, each within what the transport takes (its largest frame).
+    fn validate_wire(&self) -> Result<()> {
+        let c = &self.comm;
+        let frame_kb = flotilla_comm::CommConfig::default().max_frame_bytes >> 10;
+        let within = |key: &str, v: usize, lo: usize, hi: usize, unit: &str| {
+            if (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(bad(
+                    key,
+                    format!("must be from {lo} to {hi} {unit}, got {v}"),
+                ))
+            }
+        };
+        within(
+            "comm.small_all_reduce_kb",
+            c.small_all_reduce_kb,
+            0,
+            frame_kb,
+            "KiB (the largest frame)",
+        )?;
+        within(
+            "comm.chunk_kb",
+            c.chunk_kb,
+            1,
+            frame_kb,
+            "KiB (the largest frame)",
+        )?;
+        within("comm.shm_chunk_kb", c.shm_chunk_kb, 4, 1 << 20, "KiB")?;
+        if !c.shm_chunk_kb.is_multiple_of(4) {
+            return Err(bad(
+                "comm.shm_chunk_kb",
+                format!(
+                    "must be a multiple of 4 (whole pages), got {}",
+                    c.shm_chunk_kb
+                ),
+            ));
+        }
+        // At least two frames: a frame must fit beside another one queued.
+        within(
+            "comm.max_queued_mb",
+            c.max_queued_mb,
+            2 * (frame_kb >> 10),
+            usize::MAX >> 20,
+            "MiB (two frames)",
+        )?;
+        within("comm.threads", c.threads, 1, 1024, "threads")?;
+        if let Some(kb) = c.socket_buffer_kb {
+            within("comm.socket_buffer_kb", kb, 1, 1 << 20, "KiB")?;
         }
         Ok(())
     }
