@@ -16,7 +16,6 @@ use std::ops::Range;
 use crate::describe::{format_ranks, render_table};
 use crate::error::{ClusterError, Result};
 use crate::role::{ROOT_RANK, Role, RoleKind};
-use crate::shard::balanced_ranges;
 use crate::spec::{Aggregation, Arch, ServerSpec, TopologySpec};
 
 /// Most processes a topology may have: every rank has a role (and, in a flat
@@ -235,9 +234,13 @@ impl Topology {
 
     /// The ranges of a flat parameter buffer of `total_params` elements held by each shard
     /// ([`Topology::num_shards`] of them; shard `i` sits at rank `i` in a flat topology).
-    /// See [`balanced_ranges`].
+    /// The one sharding rule of Flotilla, the ring's ([`flotilla_group::segment`]: sizes
+    /// differing by at most one, the first ones shorter), so a parameter server and ZeRO cut
+    /// a model at the same places.
     pub fn shard_ranges(&self, total_params: usize) -> Vec<Range<usize>> {
-        balanced_ranges(total_params, self.num_shards)
+        (0..self.num_shards)
+            .map(|i| flotilla_group::segment(total_params, self.num_shards, i))
+            .collect()
     }
 
     /// What the processes are, e.g. `1 global server, 2 local servers, 4 workers`.

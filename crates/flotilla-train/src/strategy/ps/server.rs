@@ -73,7 +73,7 @@ impl ShardPlan {
     pub fn whole(n: usize) -> Self {
         Self {
             index: 0,
-            ranges: flotilla_cluster::balanced_ranges(n, 1),
+            ranges: std::iter::once(0..n).collect(),
             servers: vec![0],
         }
     }
