@@ -162,6 +162,7 @@ pub trait Engine: ModelState {
 /// [`Engine::forward_backward_streaming`] runs backward group by group (see
 /// [`crate::grouped`]), while [`Engine::forward_backward`] stays one backward pass.
 pub struct BurnEngine {
+    spec: ModelSpec,
     weights: Weights,
     input: Shape,
     /// Labels per sample: 1, or the positions of a sequence model.
@@ -190,6 +191,7 @@ impl BurnEngine {
         let groups =
             backward_groups::plan(spec, &backward_groups::layer_params(weights.model()?), 0)?;
         Ok(Self {
+            spec: spec.clone(),
             input: spec.input_shape()?,
             labels_per_sample: spec.labels_per_sample()?,
             vocab: spec.token_vocab(),
@@ -208,7 +210,7 @@ impl BurnEngine {
     /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
     pub fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
         let layers = backward_groups::layer_params(self.model()?);
-        self.groups = backward_groups::plan(&self.weights.spec, &layers, max_bytes)?;
+        self.groups = backward_groups::plan(&self.spec, &layers, max_bytes)?;
         Ok(())
     }
 
@@ -219,7 +221,7 @@ impl BurnEngine {
 
     /// The spec this engine was built from.
     pub fn spec(&self) -> &ModelSpec {
-        &self.weights.spec
+        &self.spec
     }
 
     fn model(&self) -> Result<&SequentialModel> {

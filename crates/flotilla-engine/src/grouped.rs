@@ -34,8 +34,8 @@ pub(crate) struct GroupGrads {
 
 /// Calls `f(index, gradient)` for every parameter of `passes` (in the order given; within a
 /// pass in flat order).
-pub(crate) fn for_each_grad(
-    model: &SequentialModel,
+pub(crate) fn for_each_grad<M: Module>(
+    model: &M,
     layout: &ParamLayout,
     passes: &[GroupGrads],
     f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,

@@ -39,6 +39,7 @@ mod layer;
 mod limits;
 mod loss;
 mod model;
+mod module_engine;
 mod optim;
 mod params;
 mod partition;
@@ -67,6 +68,7 @@ pub use gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
 pub use graph::{Merge, Node};
 pub use limits::SpecLimits;
 pub use loss::cross_entropy;
+pub use module_engine::{ModuleEngine, TrainModule};
 pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
@@ -86,6 +88,8 @@ mod conv_tests;
 mod engine_tests;
 #[cfg(test)]
 mod grouped_tests;
+#[cfg(test)]
+mod module_engine_tests;
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]

@@ -122,27 +122,28 @@ pub trait ModelState {
 }
 
 /// The burn state behind a [`ModelState`]: the model (or a stage's part of it), its optimizer
-/// and its flat layout.
-pub(crate) struct Weights {
-    pub(crate) spec: ModelSpec,
+/// and its flat layout. `M` is the spec's [`SequentialModel`] or a user's own module
+/// ([`crate::ModuleEngine`]): one implementation of the flat view for both.
+pub(crate) struct Weights<M: Module = SequentialModel> {
     /// The autodiff device training runs on.
     pub(crate) device: Device,
     /// The same device without autodiff (evaluation, gradients handed to the optimizer).
     pub(crate) base_device: Device,
-    model: Option<SequentialModel>,
+    model: Option<M>,
     optimizer: ModuleOptimizer,
     pub(crate) layout: ParamLayout,
     /// The layout of the buffers (batch norm's running statistics).
     buffer_layout: ParamLayout,
-    /// Whether the model draws dropout masks (a dropout layer with `p > 0`).
+    /// Whether the model may draw dropout masks (a spec's dropout layer with `p > 0`; any
+    /// user module).
     has_dropout: bool,
     /// The seed each training forward pass re-seeds the RNG with, once set.
     dropout_seed: Option<u64>,
-    /// Extra safetensors metadata written with the weights.
+    /// Safetensors metadata written with the weights (a spec model's spec first).
     metadata: Vec<(String, String)>,
 }
 
-impl Weights {
+impl Weights<SequentialModel> {
     /// Builds the model of `spec` on the named backend with parameters initialised from
     /// `seed` (on the CPU, then moved to the device: the same values on every backend). With
     /// `keep`, only the layers in that range keep their parameters (the others become
@@ -163,20 +164,50 @@ impl Weights {
             None => model,
             Some(range) => params::renumber(keep_only(model, range)),
         };
-        let layout = ParamLayout::of(&model);
         let has_dropout = model
             .layers
             .iter()
             .any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
+        let weights = Weights::of_module(model, optimizer, base_device, has_dropout)?;
+        Ok(weights.with_metadata("flotilla.model", spec.to_yaml()))
+    }
+
+    /// Makes every batch norm train with the statistics of every rank of `reducer` (`None`:
+    /// each rank's own batch).
+    pub(crate) fn set_batch_norm_sync(&mut self, reducer: Option<ReducerHandle>) -> Result<()> {
+        let model = self.model.as_mut().ok_or(EngineError::ModelUnavailable)?;
+        model.batch_norm_sync = reducer;
+        Ok(())
+    }
+
+    /// The error a synchronized batch norm's sum met in the last pass, if any.
+    pub(crate) fn batch_norm_sync_result(&self) -> Result<()> {
+        let failed = self
+            .model()?
+            .batch_norm_sync
+            .as_ref()
+            .and_then(|r| r.take_error());
+        failed.map_or(Ok(()), |e| Err(EngineError::BatchNormSync(e)))
+    }
+}
+
+impl<M: Module> Weights<M> {
+    /// `model`, already on `base_device`'s autodiff twin (its parameters leaves that require
+    /// their gradients, ids numbered by position), with the optimizer of `optimizer`.
+    pub(crate) fn of_module(
+        model: M,
+        optimizer: &OptimizerSpec,
+        base_device: Device,
+        has_dropout: bool,
+    ) -> Result<Self> {
         let optimizer = optimizer.build(&model)?;
         Ok(Self {
-            spec: spec.clone(),
-            device,
+            device: base_device.clone().autodiff(),
             base_device,
+            layout: ParamLayout::of(&model),
             buffer_layout: ParamLayout::of_tensors(&model, Tensors::Buffers),
             model: Some(model),
             optimizer,
-            layout,
             has_dropout,
             dropout_seed: None,
             metadata: Vec::new(),
@@ -211,44 +242,16 @@ impl Weights {
         self
     }
 
-    /// Makes every batch norm train with the statistics of every rank of `reducer` (`None`:
-    /// each rank's own batch).
-    pub(crate) fn set_batch_norm_sync(&mut self, reducer: Option<ReducerHandle>) -> Result<()> {
-        let model = self.model.as_mut().ok_or(EngineError::ModelUnavailable)?;
-        model.batch_norm_sync = reducer;
-        Ok(())
-    }
-
-    /// The error a synchronized batch norm's sum met in the last pass, if any.
-    pub(crate) fn batch_norm_sync_result(&self) -> Result<()> {
-        let failed = self
-            .model()?
-            .batch_norm_sync
-            .as_ref()
-            .and_then(|r| r.take_error());
-        failed.map_or(Ok(()), |e| Err(EngineError::BatchNormSync(e)))
-    }
-
-    pub(crate) fn model(&self) -> Result<&SequentialModel> {
+    pub(crate) fn model(&self) -> Result<&M> {
         // The model is only taken out for the duration of a call that puts it back.
         self.model.as_ref().ok_or(EngineError::ModelUnavailable)
-    }
-
-    /// The metadata of the weights' file: the model's spec and the extra entries.
-    fn file_metadata(&self) -> Vec<(String, String)> {
-        let mut metadata = vec![("flotilla.model".to_string(), self.spec.to_yaml())];
-        metadata.extend(self.metadata.iter().cloned());
-        metadata
     }
 
     /// Replaces the model with what `load` makes of it. `load` loads into a copy, so that a
     /// failed or partial load leaves the model as it was; but a copy shares its running
     /// statistics with the model (burn keeps them behind a shared cell), so those are put
     /// back by hand after a failure.
-    fn load_with(
-        &mut self,
-        load: impl FnOnce(&SequentialModel) -> Result<SequentialModel>,
-    ) -> Result<()> {
+    fn load_with(&mut self, load: impl FnOnce(&M) -> Result<M>) -> Result<()> {
         let mut buffers = vec![0.0; self.buffer_layout.total];
         self.read_buffers(&mut buffers)?;
         match load(self.model()?) {
@@ -281,7 +284,7 @@ fn keep_only(mut model: SequentialModel, range: Range<usize>) -> SequentialModel
     model
 }
 
-impl ModelState for Weights {
+impl<M: Module> ModelState for Weights<M> {
     fn layout(&self) -> &ParamLayout {
         &self.layout
     }
@@ -350,7 +353,7 @@ impl ModelState for Weights {
     }
 
     fn save_weights(&self, path: &Path) -> Result<()> {
-        any_module::save_module(self.model()?, path, &self.file_metadata())
+        any_module::save_module(self.model()?, path, &self.metadata)
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<()> {
@@ -358,7 +361,7 @@ impl ModelState for Weights {
     }
 
     fn weights_bytes(&self) -> Result<Vec<u8>> {
-        any_module::module_bytes(self.model()?, &self.file_metadata())
+        any_module::module_bytes(self.model()?, &self.metadata)
     }
 
     fn load_weights_bytes(&mut self, bytes: &[u8]) -> Result<()> {
@@ -368,8 +371,8 @@ impl ModelState for Weights {
 
 /// Implements [`ModelState`] for a type by delegating to its `weights` field.
 macro_rules! delegate_model_state {
-    ($ty:ty) => {
-        impl $crate::weights::ModelState for $ty {
+    ([$($generics:tt)*] $ty:ty) => {
+        impl<$($generics)*> $crate::weights::ModelState for $ty {
             fn layout(&self) -> &$crate::params::ParamLayout {
                 self.weights.layout()
             }
@@ -412,6 +415,9 @@ macro_rules! delegate_model_state {
                 self.weights.write_buffers(src)
             }
         }
+    };
+    ($ty:ty) => {
+        $crate::weights::delegate_model_state!([] $ty);
     };
 }
 pub(crate) use delegate_model_state;
