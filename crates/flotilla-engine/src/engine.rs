@@ -124,6 +124,14 @@ pub trait Engine: ModelState {
         std::iter::once(0..self.layout().params.len()).collect()
     }
 
+    /// Splits the backward pass of [`Engine::forward_backward_streaming`] into groups of at
+    /// most about `max_bytes` of parameters each, where the model allows a cut (`0`: one
+    /// group). The default keeps one group: an engine that cannot cut ignores it.
+    fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
+        let _ = max_bytes;
+        Ok(())
+    }
+
     /// Copies the gradient of the last [`Engine::forward_backward`] (or
     /// [`Engine::forward_backward_streaming`]) into `out` (flat order).
     fn read_grads(&self, out: &mut [f32]) -> Result<()> {
@@ -200,18 +208,6 @@ impl BurnEngine {
             grads: Vec::new(),
             groups,
         })
-    }
-
-    /// Splits the backward pass of [`Engine::forward_backward_streaming`] into groups of
-    /// consecutive layers of at most `max_bytes` of parameters (4 bytes per value) each,
-    /// chosen from the last layer backwards and cut only where nothing but the main activation
-    /// crosses (see [`crate::backward_groups`] for the rules: a segment between allowed cuts
-    /// that is larger than `max_bytes` is a group of its own; parameterless layers join the
-    /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
-    pub fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
-        let layers = backward_groups::layer_params(self.model()?);
-        self.groups = backward_groups::plan(&self.spec, &layers, max_bytes)?;
-        Ok(())
     }
 
     /// The backward groups, in layer order (backward runs the last one first).
@@ -342,6 +338,18 @@ impl Engine for BurnEngine {
         self.weights.batch_norm_sync_result()?;
         self.grads = grads;
         Ok(value)
+    }
+
+    /// Splits the backward pass of [`Engine::forward_backward_streaming`] into groups of
+    /// consecutive layers of at most `max_bytes` of parameters (4 bytes per value) each,
+    /// chosen from the last layer backwards and cut only where nothing but the main activation
+    /// crosses (see [`crate::backward_groups`] for the rules: a segment between allowed cuts
+    /// that is larger than `max_bytes` is a group of its own; parameterless layers join the
+    /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
+    fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
+        let layers = backward_groups::layer_params(self.model()?);
+        self.groups = backward_groups::plan(&self.spec, &layers, max_bytes)?;
+        Ok(())
     }
 
     fn labels_per_sample(&self) -> usize {

@@ -167,6 +167,7 @@ impl Rank {
         build: impl FnOnce(&mut Cx<'_>, &Setup<'_>) -> crate::Result<S>,
     ) -> S {
         let setup = Setup {
+            model: spec,
             spec,
             topology,
             samples: self.data.len(),

@@ -207,6 +207,7 @@ impl Job<'_> {
     /// This rank's strategy, built, restored and run to the end of the plan.
     fn train(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
         let setup = Setup {
+            model: self.spec,
             spec: self.spec,
             topology: self.topology,
             samples: self.train.len(),

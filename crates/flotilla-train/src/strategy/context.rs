@@ -7,7 +7,7 @@ use std::sync::Arc;
 use flotilla_cluster::Topology;
 use flotilla_comm::ProcessGroup;
 use flotilla_data::Samples;
-use flotilla_engine::{BurnEngine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec};
 
 use crate::config::TrainConfig;
 use crate::error::Result;
@@ -63,9 +63,33 @@ impl Cx<'_> {
     }
 }
 
+/// What a run trains, built the same way on every rank as the whole model's [`Engine`]: a
+/// spec's model ([`ModelSpec`]: a YAML or built-in model), or a user's own burn module
+/// ([`flotilla_engine::ModuleEngine`]). The one model abstraction every strategy but a
+/// pipeline stage is built over.
+pub trait ModelSource {
+    /// The whole model on the named device, its initial parameters drawn from `seed`,
+    /// trained by `optimizer`.
+    fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
+    -> Result<Box<dyn Engine>>;
+}
+
+impl ModelSource for ModelSpec {
+    fn engine(
+        &self,
+        optimizer: &OptimizerSpec,
+        device: &str,
+        seed: u64,
+    ) -> Result<Box<dyn Engine>> {
+        Ok(Box::new(BurnEngine::new(self, optimizer, device, seed)?))
+    }
+}
+
 /// What a strategy is built from besides the run's context: the model and the job's shape.
 pub struct Setup<'a> {
-    /// The model spec (resolved).
+    /// What the run trains.
+    pub model: &'a dyn ModelSource,
+    /// The model spec (resolved): a pipeline's stages are cut from it.
     pub spec: &'a ModelSpec,
     /// The job's topology (each rank's role, parents and children).
     pub topology: &'a Topology,
@@ -77,12 +101,12 @@ impl Setup<'_> {
     /// The whole model as an engine of `config`'s device and seed, trained by `optimizer`
     /// (a server's may differ from the configured one): what every strategy but a pipeline
     /// stage owns.
-    pub fn engine(&self, config: &TrainConfig, optimizer: &OptimizerSpec) -> Result<BurnEngine> {
-        Ok(BurnEngine::new(
-            self.spec,
-            optimizer,
-            &config.model.device,
-            config.model.seed,
-        )?)
+    pub fn engine(
+        &self,
+        config: &TrainConfig,
+        optimizer: &OptimizerSpec,
+    ) -> Result<Box<dyn Engine>> {
+        let m = &config.model;
+        self.model.engine(optimizer, &m.device, m.seed)
     }
 }

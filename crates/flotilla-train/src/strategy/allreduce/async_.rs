@@ -90,7 +90,7 @@ impl AsyncAllReduce {
         let n = layout.total;
         Ok(Self {
             comm: cx.comm.clone(),
-            engine: Box::new(engine),
+            engine,
             layout,
             config: a.cycle(),
             staleness: a.staleness as usize,

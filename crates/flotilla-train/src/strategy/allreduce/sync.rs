@@ -67,7 +67,7 @@ impl SyncAllReduce {
         let mut engine = setup.engine(config, &config.optimizer)?;
         engine.set_backward_group_bytes(config.bucket_bytes())?;
         if config.allreduce.sync_batch_norm {
-            sync_batch_norm(&mut engine, cx.comm)?;
+            sync_batch_norm(&mut *engine, cx.comm)?;
         }
         let layout = engine.layout().clone();
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
@@ -94,7 +94,7 @@ impl SyncAllReduce {
         Ok(Self {
             zero,
             comm: cx.comm.clone(),
-            engine: Box::new(engine),
+            engine,
             flat: vec![0.0; if stage > 0 { 0 } else { layout.total }],
             layout,
             plan,

@@ -128,7 +128,7 @@ impl ShardServer {
             },
             _ => ShardPlan::whole(n),
         };
-        Self::new(cx, &place, (Box::new(engine), shard), policy.staleness_lr)
+        Self::new(cx, &place, (engine, shard), policy.staleness_lr)
     }
 
     /// A server of `place`'s children holding the shard `shard` of `engine`'s parameters,

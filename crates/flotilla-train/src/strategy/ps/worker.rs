@@ -92,7 +92,7 @@ impl Worker {
         let timeout = Duration::from_secs_f64(cx.config.comm.timeout_s);
         let timeout = timeout.mul_f64(if mid_level { 1.5 } else { 1.25 });
         Ok(Self {
-            engine: Box::new(engine),
+            engine,
             announcement: place.announcement.clone(),
             counting: place.counting((place.workers, index)),
             resync_from: place.resync_from,
