@@ -381,32 +381,44 @@ impl Engine for BurnEngine {
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {
         let n = self.check_batch(images, labels)?;
-        let (per, lps) = (self.input.numel(), self.labels_per_sample);
         let model = self.model()?.valid();
         let device = &self.weights.base_device;
-        let loss_fn = CrossEntropyLossConfig::new().init(device);
-        let mut stats = EvalStats::default();
-        let batch_size = batch_size.max(1);
-        let mut start = 0;
-        while start < n {
-            let end = (start + batch_size).min(n);
-            let count = end - start;
-            // One row of logits per label: per sample, or per position.
-            let rows = count * lps;
-            let logits = self.logits(&model, &images[start * per..end * per], count, device);
-            let targets = labels_tensor(&labels[start * lps..end * lps], device);
-            let predicted = logits.clone().argmax(1).reshape([rows]);
-            let correct = predicted
-                .equal(targets.clone())
-                .int()
-                .sum()
-                .into_scalar::<i64>();
-            let loss = loss_fn.forward(logits, targets).into_scalar::<f32>();
-            stats.correct += correct as usize;
-            stats.loss_sum += loss as f64 * rows as f64;
-            stats.count += rows;
-            start = end;
-        }
-        Ok(stats)
+        let counts = (n, self.input.numel(), self.labels_per_sample);
+        Ok(evaluate_in_chunks(
+            images,
+            labels,
+            counts,
+            batch_size,
+            device,
+            |x, k| self.logits(&model, x, k, device),
+        ))
     }
+}
+
+/// Evaluation totals of `n` samples (`per` input values and `lps` labels each) in chunks of
+/// `batch_size`, from `logits(inputs, samples)`: one row per label. Both engines' evaluation.
+pub(crate) fn evaluate_in_chunks(
+    images: &[f32],
+    labels: &[i64],
+    (n, per, lps): (usize, usize, usize),
+    batch_size: usize,
+    device: &Device,
+    logits: impl Fn(&[f32], usize) -> Tensor<2>,
+) -> EvalStats {
+    let loss_fn = CrossEntropyLossConfig::new().init(device);
+    let mut stats = EvalStats::default();
+    for start in (0..n).step_by(batch_size.max(1)) {
+        let end = (start + batch_size.max(1)).min(n);
+        // One row of logits per label: per sample, or per position.
+        let rows = (end - start) * lps;
+        let out = logits(&images[start * per..end * per], end - start);
+        let targets = labels_tensor(&labels[start * lps..end * lps], device);
+        let predicted = out.clone().argmax(1).reshape([rows]);
+        let correct = predicted.equal(targets.clone()).int().sum();
+        let loss = loss_fn.forward(out, targets).into_scalar::<f32>();
+        stats.correct += correct.into_scalar::<i64>() as usize;
+        stats.loss_sum += loss as f64 * rows as f64;
+        stats.count += rows;
+    }
+    stats
 }

@@ -7,12 +7,11 @@
 use std::sync::Arc;
 
 use burn::module::Module;
-use burn::nn::loss::CrossEntropyLossConfig;
 use burn::prelude::*;
 
 use crate::collective::Reducer;
 use crate::device::device_by_name;
-use crate::engine::{BatchRef, Engine, EvalStats, labels_tensor};
+use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::optim::OptimizerSpec;
@@ -139,23 +138,16 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
                 labels.len()
             )));
         }
-        let per = images.len() / n;
         let model = self.weights.model()?.valid();
         let device = &self.weights.base_device;
-        let loss_fn = CrossEntropyLossConfig::new().init(device);
-        let mut stats = EvalStats::default();
-        for start in (0..n).step_by(batch_size.max(1)) {
-            let end = (start + batch_size.max(1)).min(n);
-            let rows = (end - start) * lps;
-            let logits = model.logits(&images[start * per..end * per], end - start, device);
-            let targets = labels_tensor(&labels[start * lps..end * lps], device);
-            let predicted = logits.clone().argmax(1).reshape([rows]);
-            let correct = predicted.equal(targets.clone()).int().sum();
-            let loss = loss_fn.forward(logits, targets).into_scalar::<f32>();
-            stats.correct += correct.into_scalar::<i64>() as usize;
-            stats.loss_sum += loss as f64 * rows as f64;
-            stats.count += rows;
-        }
-        Ok(stats)
+        let counts = (n, images.len() / n, lps);
+        Ok(evaluate_in_chunks(
+            images,
+            labels,
+            counts,
+            batch_size,
+            device,
+            |x, k| model.logits(x, k, device),
+        ))
     }
 }
