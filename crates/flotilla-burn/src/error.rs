@@ -9,9 +9,14 @@ pub enum DistError {
     /// The process group failed (a lost rank, a deadline, a protocol error).
     #[error(transparent)]
     Comm(#[from] CommError),
-    /// The job's settings are wrong, or joining it failed (the error names the key or rank).
+    /// The job's settings are wrong, joining it failed (the error names the key or rank), or
+    /// its run failed.
     #[error(transparent)]
     Settings(#[from] flotilla_train::TrainError),
+    /// A run of [`crate::train`] failed outside training itself (its telemetry, its
+    /// report).
+    #[error(transparent)]
+    Run(flotilla_rank::RankError),
     /// Reading or writing the model's tensors failed.
     #[error(transparent)]
     Engine(#[from] EngineError),
@@ -56,3 +61,12 @@ pub enum DistError {
 
 /// The result type of this crate.
 pub type Result<T, E = DistError> = std::result::Result<T, E>;
+
+impl From<flotilla_rank::RankError> for DistError {
+    fn from(e: flotilla_rank::RankError) -> Self {
+        match e {
+            flotilla_rank::RankError::Train(e) => Self::Settings(e),
+            other => Self::Run(other),
+        }
+    }
+}

@@ -65,6 +65,7 @@ mod error;
 mod pipeline;
 pub mod ps;
 mod sync_batch_norm;
+mod user_module;
 
 use std::sync::Arc;
 
@@ -75,10 +76,13 @@ pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
 pub use flotilla_comm::pipeline::Schedule;
+pub use flotilla_engine::{BatchRef, TrainModule};
 pub use flotilla_engine::{conv2d, conv2d_relu};
 pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
+pub use flotilla_train::RunSummary;
 pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
+pub use user_module::{UserModule, train};
 
 /// Flotilla's CPU kernels for a burn user's own forward pass (Flex; burn's ops elsewhere):
 /// `kernels::linear::linear(&layer, x, relu)` in place of `layer.forward(x)` (and a ReLU

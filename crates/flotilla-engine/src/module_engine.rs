@@ -4,6 +4,7 @@
 //! ([`TrainModule`]); parameters, buffers, optimizer state and weight files go through the
 //! same [`Weights`] as a spec model's, and its gradients through the same flat views.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use burn::module::Module;
@@ -15,7 +16,7 @@ use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::optim::OptimizerSpec;
-use crate::params;
+use crate::params::{self, ParamLayout};
 use crate::weights::{Weights, delegate_model_state};
 
 /// What a user's burn module tells the engine: its training loss and its logits on a batch of
@@ -37,12 +38,19 @@ pub trait TrainModule: Module + 'static {
     }
 }
 
-/// A user's module as an [`Engine`]: one backward pass per batch (one group), burn's
-/// optimizer of an [`OptimizerSpec`] on the flat gradients a strategy hands it.
+/// A user's module as an [`Engine`]: one backward pass per batch, burn's optimizer of an
+/// [`OptimizerSpec`] on the flat gradients a strategy hands it.
+///
+/// burn runs a module's backward in one pass (it offers no hook when a gradient is ready),
+/// so nothing is handed on before it ends; after it, the gradients are handed on in groups
+/// of about the strategy's bucket size ([`Engine::set_backward_group_bytes`]), last layer
+/// first, so that a bucket's all-reduce starts while the next is copied out.
 pub struct ModuleEngine<M: TrainModule> {
     weights: Weights<M>,
     /// The gradients of the last backward (empty: none).
     grads: Vec<GroupGrads>,
+    /// The groups the gradients are handed on in, in that order (last layers first).
+    groups: Vec<Range<usize>>,
 }
 
 delegate_model_state!([M: TrainModule] ModuleEngine<M>);
@@ -55,11 +63,26 @@ impl<M: TrainModule> ModuleEngine<M> {
         // `train()`: a module built on a plain device gets its parameters' configured
         // gradient tracking back on the autodiff one (a frozen parameter stays frozen).
         let model = params::renumber(model.fork(&base_device.clone().autodiff()).train());
+        let weights = Weights::of_module(model, optimizer, base_device, true)?;
         Ok(Self {
+            groups: layer_groups(&weights.layout, 0),
             // A user's module may draw dropout masks: seeded like a spec model's.
-            weights: Weights::of_module(model, optimizer, base_device, true)?,
+            weights,
             grads: Vec::new(),
         })
+    }
+
+    /// The module `build` makes with the backend's RNG seeded with `seed` (on the CPU, then
+    /// moved to the named device), as a spec's model is drawn: the same initial parameters
+    /// on every rank that builds it with the same seed, without a broadcast.
+    pub fn seeded(
+        build: impl FnOnce(&Device) -> M,
+        seed: u64,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+    ) -> Result<Self> {
+        let model = crate::weights::seeded_module(seed, |cpu| Ok(build(cpu)))?;
+        Self::new(model, optimizer, device_name)
     }
 
     /// The module with its current parameters (on the training device).
@@ -91,6 +114,35 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
             grads: Some(grads),
         }];
         Ok(value)
+    }
+
+    fn backward_groups(&self) -> Vec<Range<usize>> {
+        self.groups.clone()
+    }
+
+    fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
+        self.groups = layer_groups(&self.weights.layout, max_bytes);
+        Ok(())
+    }
+
+    fn forward_backward_streaming(
+        &mut self,
+        batch: BatchRef<'_>,
+        ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<f32> {
+        let loss = self.forward_backward(batch)?;
+        let (groups, layout) = (&self.groups, &self.weights.layout);
+        let mut grads: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
+        grouped::for_each_grad(self.weights.model()?, layout, &self.grads, &mut |i, g| {
+            grads[i] = Some(g.to_vec());
+            Ok(())
+        })?;
+        for i in groups.iter().flat_map(Range::clone) {
+            if let Some(g) = grads[i].take() {
+                ready(i, &g)?;
+            }
+        }
+        Ok(loss)
     }
 
     fn labels_per_sample(&self) -> usize {
@@ -150,4 +202,39 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
             |x, k| model.logits(x, k, device),
         ))
     }
+}
+
+/// The parameters of `layout` in groups of about `max_bytes` (4 per value), last layer
+/// first: a layer's tensors (those of one name prefix, `fc1.weight` and `fc1.bias`) stay
+/// together, a layer larger than `max_bytes` is a group of its own; `0` or `usize::MAX`:
+/// one group. The rule of a spec model's backward groups, with a module's layers as its
+/// segments.
+fn layer_groups(layout: &ParamLayout, max_bytes: usize) -> Vec<Range<usize>> {
+    let n = layout.params.len();
+    if max_bytes == 0 || max_bytes == usize::MAX || n == 0 {
+        return std::iter::once(0..n).collect();
+    }
+    let prefix = |i: usize| {
+        let name = &layout.params[i].name;
+        name.rsplit_once('.').map_or(name.as_str(), |(p, _)| p)
+    };
+    let mut groups = Vec::new();
+    let (mut end, mut bytes) = (n, 0usize);
+    let mut i = n;
+    while i > 0 {
+        // The layer ending at `i`: the tensors before it of the same prefix.
+        let mut start = i - 1;
+        while start > 0 && prefix(start - 1) == prefix(i - 1) {
+            start -= 1;
+        }
+        let layer: usize = layout.params[start..i].iter().map(|p| 4 * p.len).sum();
+        if bytes > 0 && bytes + layer > max_bytes {
+            groups.push(i..end);
+            (end, bytes) = (i, 0);
+        }
+        bytes += layer;
+        i = start;
+    }
+    groups.push(0..end);
+    groups
 }

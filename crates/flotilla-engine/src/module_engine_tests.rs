@@ -188,3 +188,34 @@ fn a_user_modules_state_round_trips_through_its_files() {
         "no gradients after drop_grads"
     );
 }
+
+#[test]
+fn a_modules_gradients_are_handed_on_in_bucket_sized_layer_groups_last_layer_first() {
+    let opt = sgd(0.05, 0.0);
+    let mut engine = ModuleEngine::new(Mlp::new(&Device::flex()), &opt, "flex").expect("engine");
+    assert_eq!(engine.backward_groups(), vec![0..6], "one group by default");
+    // fc3 and fc2 (5,160 + 131,584 bytes) fit 140,000; fc1 (803,840) is a group of its own.
+    engine.set_backward_group_bytes(140_000).expect("groups");
+    assert_eq!(engine.backward_groups(), vec![2..6, 0..2]);
+    let (images, labels) = batch(16, 3);
+    let b = BatchRef {
+        images: &images,
+        labels: &labels,
+    };
+    let mut order = Vec::new();
+    let mut streamed = vec![0.0; engine.num_params()];
+    let layout = engine.layout().clone();
+    engine
+        .forward_backward_streaming(b, &mut |i, g| {
+            order.push(i);
+            let p = &layout.params[i];
+            streamed[p.offset..p.offset + p.len].copy_from_slice(g);
+            Ok(())
+        })
+        .expect("streaming step");
+    assert_eq!(order, vec![2, 3, 4, 5, 0, 1]);
+    let mut whole = vec![0.0; engine.num_params()];
+    engine.read_grads(&mut whole).expect("grads");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&streamed) == bits(&whole), "streamed gradients differ");
+}

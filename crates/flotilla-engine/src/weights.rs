@@ -42,6 +42,17 @@ pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
 fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
+    seeded_module(seed, |cpu| SequentialModel::new(spec, cpu))
+}
+
+/// The module `build` makes on the CPU (Flex) with the backend's RNG seeded with `seed`, its
+/// parameters numbered by position and every lazily initialised one materialised, in flat
+/// order: the same values for the same seed on every rank and backend (a spec's model and a
+/// user's module alike).
+pub(crate) fn seeded_module<M: Module>(
+    seed: u64,
+    build: impl FnOnce(&Device) -> Result<M>,
+) -> Result<M> {
     let cpu = Device::flex().autodiff();
     // The backend's RNG may be process-wide: seeding and drawing the initial values happen
     // under one lock, so that models built concurrently still depend on their seed alone.
@@ -49,7 +60,7 @@ fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     cpu.seed(seed);
-    let model = params::renumber(SequentialModel::new(spec, &cpu)?);
+    let model = params::renumber(build(&cpu)?);
     // Materialise every lazily initialised parameter now, in flat order, so that the values
     // depend on the seed alone and not on the order of first use.
     let layout = ParamLayout::of(&model);

@@ -10,10 +10,10 @@
 use std::sync::Arc;
 
 use flotilla_data::{BYTE_VOCAB, Mnist, Normalization, Samples, TextSplits, default_cache_dir};
-use flotilla_engine::{ModelSpec, Shape};
 
 use crate::config::{DataSource, TrainConfig};
 use crate::error::{Result, TrainError};
+use crate::strategy::context::{ModelIo, ModelSource};
 
 /// The training set and the set evaluation runs on (MNIST's test set, a text's validation
 /// windows).
@@ -25,9 +25,10 @@ pub struct JobData {
 }
 
 impl JobData {
-    /// Loads the data `config` names and checks that `spec` takes its samples.
-    pub fn load(config: &TrainConfig, spec: &ModelSpec) -> Result<Self> {
+    /// Loads the data `config` names and checks that `model` takes its samples.
+    pub fn load(config: &TrainConfig, model: &dyn ModelSource) -> Result<Self> {
         let limit = config.data.train_limit;
+        let (name, io) = (model.name(), model.io()?);
         let data = match config.data.source() {
             DataSource::Mnist(dir) => {
                 let files = Mnist::open(&dir, Normalization::MNIST, &default_cache_dir()?)?;
@@ -35,7 +36,9 @@ impl JobData {
                 if let Some(limit) = limit {
                     train.truncate(limit.min(train.len()));
                 }
-                spec.check_io(
+                check_io(
+                    name,
+                    &io,
                     &[1, train.rows(), train.cols()],
                     train.num_classes().max(10),
                 )?;
@@ -45,33 +48,32 @@ impl JobData {
                 }
             }
             DataSource::Text(file) => {
-                let context = text_context(spec)?;
+                let context = text_context(name, &io)?;
                 let mut splits = TextSplits::load(&file, context)?;
                 if let Some(limit) = limit {
                     splits.train.truncate(limit);
                 }
-                spec.check_io(&[context], BYTE_VOCAB)?;
+                check_io(name, &io, &[context], BYTE_VOCAB)?;
                 JobData {
                     train: Arc::new(splits.train),
                     test: Box::new(splits.validation),
                 }
             }
         };
-        data.check_labels(spec)?;
+        data.check_labels(name, &io)?;
         Ok(data)
     }
 
     /// The model gives as many classes per sample as the data has labels (one, or one per
     /// position).
-    fn check_labels(&self, spec: &ModelSpec) -> Result<()> {
-        let (model, data) = (spec.labels_per_sample()?, self.train.labels_per_sample());
+    fn check_labels(&self, name: &str, io: &ModelIo) -> Result<()> {
+        let (model, data) = (io.labels_per_sample, self.train.labels_per_sample());
         if model != data {
             return Err(TrainError::config(
                 "data",
                 format!(
-                    "the model `{}` gives {model} class(es) per sample but the data set has \
+                    "the model `{name}` gives {model} class(es) per sample but the data set has \
                      {data} label(s) per sample of shape {:?}",
-                    spec.name,
                     self.train.sample_shape()
                 ),
             ));
@@ -80,25 +82,49 @@ impl JobData {
     }
 }
 
+/// The model takes the data's `sample`s and, when it says how many, gives `classes` logits
+/// (per position, for a sequence model).
+fn check_io(name: &str, io: &ModelIo, sample: &[usize], classes: usize) -> Result<()> {
+    let (own, given) = (
+        io.input.iter().product::<usize>(),
+        sample.iter().product::<usize>(),
+    );
+    if own != given {
+        return Err(TrainError::config(
+            "data",
+            format!(
+                "the model `{name}` takes input {:?} but the data set gives samples of {sample:?}",
+                io.input
+            ),
+        ));
+    }
+    match io.classes {
+        Some(out) if out != classes => Err(TrainError::config(
+            "data",
+            format!(
+                "the model `{name}` gives {out} outputs but the data set has {classes} classes"
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// The window length of a text data set: the model's input length, when it takes token ids.
-fn text_context(spec: &ModelSpec) -> Result<usize> {
-    let shape = spec.input_shape()?;
-    match (shape, spec.token_vocab()) {
-        (Shape::Flat(t), Some(vocab)) if vocab >= BYTE_VOCAB => Ok(t),
-        (Shape::Flat(_), Some(vocab)) => Err(TrainError::config(
+fn text_context(name: &str, io: &ModelIo) -> Result<usize> {
+    match (io.input.as_slice(), io.vocab) {
+        (&[t], Some(vocab)) if vocab >= BYTE_VOCAB => Ok(t),
+        (&[_], Some(vocab)) => Err(TrainError::config(
             "data",
             format!(
                 "a text data set has byte tokens (a vocabulary of {BYTE_VOCAB}) but the model \
-                 `{}` embeds only {vocab} tokens",
-                spec.name
+                 `{name}` embeds only {vocab} tokens"
             ),
         )),
         (shape, _) => Err(TrainError::config(
             "data",
             format!(
-                "a text data set gives windows of token ids, input [T], but the model `{}` \
-                 takes input {shape} and does not start with an embedding",
-                spec.name
+                "a text data set gives windows of token ids, input [T], but the model `{name}` \
+                 takes input {shape:?} and does not take token ids"
             ),
         )),
     }

@@ -38,6 +38,7 @@ pub(crate) mod testkit;
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
+pub use strategy::{ModelIo, ModelSource};
 /// The pipeline and parameter servers at the crate's root, where the config
 /// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
 pub use strategy::{pipeline, ps};

@@ -168,7 +168,6 @@ impl Rank {
     ) -> S {
         let setup = Setup {
             model: spec,
-            spec,
             topology,
             samples: self.data.len(),
         };

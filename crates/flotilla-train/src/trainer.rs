@@ -10,7 +10,6 @@ use std::time::Instant;
 use flotilla_cluster::Topology;
 use flotilla_comm::{ProcessGroup, StallWatcher};
 use flotilla_data::Samples;
-use flotilla_engine::ModelSpec;
 
 use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
@@ -22,7 +21,7 @@ use crate::observe::Observer;
 use crate::plan::{Cadence, Counting, LoopPlan};
 use crate::runlog::RunLog;
 use crate::runloop;
-use crate::strategy::{Cx, Resume, Setup, Strategy, registry};
+use crate::strategy::{Cx, ModelSource, Resume, Setup, Strategy, registry};
 
 /// What a rank does, in a word (its strategy's name, before the strategy is built).
 pub use crate::strategy::registry::role_label;
@@ -97,17 +96,14 @@ impl RunSummary {
 /// The line a rank logs once it joined: rank, model, device (what it resolved to: the
 /// adapter, or what `auto` chose and why), config hash and the launcher's local rank (rank
 /// among this host's processes), when it gave one.
-fn up_line(device: &str, spec: &ModelSpec, (rank, world): (usize, usize), hash: u64) -> String {
+fn up_line(device: &str, model: &str, (rank, world): (usize, usize), hash: u64) -> String {
     let local = flotilla_cluster::LauncherEnv::from_process()
         .ok()
         .and_then(|e| e.local_rank)
         .map_or(String::new(), |l| {
             format!(" local_rank={} (${})", l.value, l.var)
         });
-    format!(
-        "rank {rank}/{world} up: model={} device={device} config_hash={hash:016x}{local}",
-        spec.name
-    )
+    format!("rank {rank}/{world} up: model={model} device={device} config_hash={hash:016x}{local}")
 }
 
 /// The line a rank logs at the end of its run saying where its parameter tensors are, as
@@ -129,17 +125,18 @@ fn placement_line(strategy: &mut dyn Strategy, rank: usize) -> Result<String> {
     Ok(format!("rank {rank} ({role}) parameter tensors {what}"))
 }
 
-/// Runs one rank of a training job. `rank` is this process's rank (`None`: assigned at
-/// rendezvous).
+/// Runs one rank of a training job of `model` (a spec's model: `&config.validate()?`; a
+/// program's own module). `rank` is this process's rank (`None`: assigned at rendezvous).
 pub fn run(
     config: &TrainConfig,
+    model: &dyn ModelSource,
     rank: Option<usize>,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
     let started = Instant::now();
-    let spec = config.validate()?;
+    config.validate()?;
     let topology = config.topology()?;
-    let hash = config.cluster_hash(&spec);
+    let hash = config.shared_hash(Some(&model.fingerprint()?));
     // The device is per rank (not in the hash): `cuda` becomes this local rank's GPU.
     let config = &crate::gpu::on_local_gpu(config)?;
     // Opened before joining, so that a missing driver fails this rank at once.
@@ -149,11 +146,11 @@ pub fn run(
     let (rank, world) = (comm.rank(), comm.size());
     observer.started(rank, world, role_label(&topology, rank));
     let mut log = RunLog::open(&config.telemetry.output, rank)?;
-    let up = up_line(&device, &spec, (rank, world), hash);
+    let up = up_line(&device, model.name(), (rank, world), hash);
     observer.message(&up);
     log.line(&up)?;
 
-    let data = crate::job_data::JobData::load(config, &spec)?;
+    let data = crate::job_data::JobData::load(config, model)?;
     if rejoin == flotilla_comm::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
@@ -165,7 +162,7 @@ pub fn run(
         config,
         topology: &topology,
         comm: &comm,
-        spec: &spec,
+        model,
         hash,
         train: Arc::clone(&data.train),
         started,
@@ -192,7 +189,7 @@ struct Job<'a> {
     config: &'a TrainConfig,
     topology: &'a Topology,
     comm: &'a Arc<dyn ProcessGroup>,
-    spec: &'a ModelSpec,
+    model: &'a dyn ModelSource,
     hash: u64,
     train: Arc<dyn Samples>,
     started: Instant,
@@ -207,8 +204,7 @@ impl Job<'_> {
     /// This rank's strategy, built, restored and run to the end of the plan.
     fn train(&self, cx: &mut Cx<'_>) -> Result<RunSummary> {
         let setup = Setup {
-            model: self.spec,
-            spec: self.spec,
+            model: self.model,
             topology: self.topology,
             samples: self.train.len(),
         };
@@ -300,7 +296,7 @@ impl Job<'_> {
             total,
             cadence,
             resumed_at,
-            model: self.spec.name.clone(),
+            model: self.model.name().to_string(),
             config_hash: self.hash,
             started: self.started,
             workers: counting.shards(),

@@ -138,7 +138,9 @@ fn held(zero: u8) -> f64 {
             };
             let (config, failed) = (config.clone(), arrived.clone());
             std::thread::spawn(move || {
-                let r = flotilla_train::run(&config, Some(rank), &mut pause)
+                let r = config
+                    .validate()
+                    .and_then(|spec| flotilla_train::run(&config, &spec, Some(rank), &mut pause))
                     .map(|_| ())
                     .map_err(|e| format!("rank {rank}: {e}"));
                 if let Err(e) = &r {

@@ -12,7 +12,8 @@ use flotilla_train::presets::{self, Preset};
 
 use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
 use crate::compare_report::{self, Comparison, RunFacts, StrategyRun, Target};
-use crate::{launch_cmd, report, settings};
+use crate::{launch_cmd, settings};
+use flotilla_rank::report;
 
 /// The accuracy compared when neither `--target-accuracy` nor the config names one.
 pub const DEFAULT_TARGET: f64 = 0.98;

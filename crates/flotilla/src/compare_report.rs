@@ -12,8 +12,8 @@ use flotilla_train::history::EvalPoint;
 use plotters::prelude::*;
 use serde_json::Value;
 
-use crate::plots::{self, PALETTE, Series};
-use crate::report;
+use flotilla_rank::plots::{self, PALETTE, Series};
+use flotilla_rank::report;
 
 /// What the report needs of one strategy's `summary.json`.
 #[derive(Debug, Clone, PartialEq)]
@@ -265,7 +265,8 @@ fn draw(path: &Path, c: &Comparison) -> Result<()> {
         &format!("{what} against wall time"),
         ("wall time (s)", &what),
         &series,
-    )?;
+    )
+    .map_err(anyhow::Error::msg)?;
     root.present()?;
     Ok(())
 }

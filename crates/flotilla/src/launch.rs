@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use flotilla_telemetry::RankEvent;
+use flotilla_train::TrainConfig;
 
 use crate::rendezvous_socket::RendezvousSocket;
 
@@ -673,6 +674,27 @@ fn describe(status: ExitStatus) -> String {
         }
     }
     "abnormal exit".to_string()
+}
+
+/// Before restart `restarts.0` of `restarts.1` of a job that failed with `failure`: says why
+/// and where from (the newest checkpoint, or the start), and makes the next start resume
+/// (a config job's ranks and a program's alike: `schedule.resume`).
+pub fn restart_for(config: &mut TrainConfig, failure: &anyhow::Error, restarts: (u32, u32)) {
+    let from = match flotilla_train::checkpoint::latest(&config.telemetry.output) {
+        Ok(Some(dir)) => format!("resuming from {}", dir.display()),
+        _ => "from the start (no checkpoint yet: set checkpoint_every)".to_owned(),
+    };
+    let cause = format!("{failure:#}");
+    let cause = cause
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('.');
+    eprintln!(
+        "[launcher] restart {}/{} after: {cause}; {from}",
+        restarts.0, restarts.1
+    );
+    config.schedule.resume = true;
 }
 
 #[cfg(test)]

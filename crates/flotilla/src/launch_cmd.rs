@@ -1,7 +1,7 @@
 //! `flotilla launch`: writes the effective config, starts the ranks of `flotilla train` on it
 //! (N local processes, or over ssh on the hosts of `--inventory`: [`crate::remote_launch`]),
 //! relays what they print (a progress bar from rank 0's events), and at the end merges their
-//! timelines. Rank 0 writes the run's `summary.json` and plots itself ([`crate::report`]), as
+//! timelines. Rank 0 writes the run's `summary.json` and plots itself ([`flotilla_rank::report`]), as
 //! it does when started by another launcher (over ssh, on its host; the launcher copies the
 //! hosts' outputs back).
 
@@ -15,13 +15,14 @@ use flotilla_train::TrainConfig;
 use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
 use crate::launch::{self, LocalJob};
-use crate::progress::PROGRESS_ENV;
 use crate::relay::Relay;
 use crate::remote_launch::{self, Remote};
 use crate::rendezvous_socket::{self, RendezvousSocket};
 use crate::run_args::RunArgs;
+use crate::settings;
 use crate::{binding, capacity};
-use crate::{settings, telemetry};
+use flotilla_rank::progress::PROGRESS_ENV;
+use flotilla_rank::telemetry;
 
 /// A job ready to start: its config (as the ranks will read it) and shape.
 struct Prepared {
@@ -66,21 +67,7 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
                 restarts += 1;
-                let from = match flotilla_train::checkpoint::latest(&config.telemetry.output) {
-                    Ok(Some(dir)) => format!("resuming from {}", dir.display()),
-                    _ => "from the start (no checkpoint yet: set checkpoint_every)".to_owned(),
-                };
-                let cause = format!("{failure:#}");
-                let cause = cause
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .trim_end_matches('.');
-                eprintln!(
-                    "[launcher] restart {restarts}/{} after: {cause}; {from}",
-                    opts.max_restarts
-                );
-                config.schedule.resume = true;
+                launch::restart_for(&mut config, &failure, (restarts, opts.max_restarts));
             }
             Err(failure) => return Err(failure),
         }

@@ -9,8 +9,8 @@
 //! [`crate::rendezvous_socket`]), which `Communicator::connect` takes. The ranks
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
-//! them, and `--max-restarts` starts the whole program again (resuming is the program's own
-//! business). With `--inventory` the ranks run on the hosts over ssh
+//! them, and `--max-restarts` starts the whole program again with `schedule.resume` set (a
+//! program on `flotilla_burn::train` resumes from the newest checkpoint). With `--inventory` the ranks run on the hosts over ssh
 //! ([`crate::remote_launch`]); the program must be at the same path on every host.
 
 use std::ffi::OsString;
@@ -27,10 +27,11 @@ use crate::launch::{self, LocalJob};
 use crate::relay::Relay;
 use crate::remote_launch;
 use crate::settings;
+use flotilla_rank::telemetry;
 
 /// Runs `flotilla launch ... -- PROGRAM ARGS...`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    let config = settings::effective_config(&args.run, false)?;
+    let mut config = settings::effective_config(&args.run, false)?;
     // Checked once here, as each rank would check it (`flotilla_train::program::settings`).
     config.validate()?;
     // One secret for every start of the program, removed at the end.
@@ -41,13 +42,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < args.max_restarts && !launch::interrupted() => {
                 restarts += 1;
-                let cause = format!("{failure:#}");
-                let cause = cause.lines().next().unwrap_or_default();
-                eprintln!(
-                    "[launcher] restart {restarts}/{} after: {}; starting the program again",
-                    args.max_restarts,
-                    cause.trim_end_matches('.')
-                );
+                launch::restart_for(&mut config, &failure, (restarts, args.max_restarts));
             }
             Err(failure) => return Err(failure),
         }
@@ -58,7 +53,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 /// if one failed.
 fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> Result<Result<()>> {
     let mut config = config.clone();
-    let n = config.topology.world_size;
+    let n = config.effective_world_size()?;
     if n == 0 {
         bail!("-n 0: a job needs at least one rank");
     }
@@ -134,10 +129,23 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
     relay.clear_bar();
     drop(ranks);
-    if let Some(r) = &remote {
+    collect_outputs(&config, remote.as_ref(), n);
+    Ok(result)
+}
+
+/// After the ranks ended (also after a failure, where they are where to look): the remote
+/// ranks' outputs fetched, and the ranks' timelines merged when one was asked for (a
+/// program on `flotilla_burn::train` records its as a config job's ranks do).
+fn collect_outputs(config: &TrainConfig, remote: Option<&remote_launch::Remote>, n: usize) {
+    if let Some(r) = remote {
         r.fetch_outputs(&config.telemetry.output);
     }
-    Ok(result)
+    if let Some(dest) = &config.telemetry.timeline_path {
+        match telemetry::merge_rank_timelines(&config.telemetry.output, n, dest) {
+            Ok(line) => println!("{line}"),
+            Err(e) => eprintln!("warning: merging the timeline: {e:#}"),
+        }
+    }
 }
 
 /// The program and its arguments as text (for logs and ssh command lines).

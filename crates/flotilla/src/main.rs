@@ -21,18 +21,14 @@ mod launch;
 mod launch_cmd;
 mod launch_program;
 mod launch_tls;
-mod plots;
-mod progress;
 mod relay;
 mod remote;
 mod remote_launch;
 mod rendezvous_socket;
-mod report;
 mod run_args;
 mod secret_cmd;
 mod settings;
 mod stop_cmd;
-mod telemetry;
 
 use std::process::ExitCode;
 
@@ -40,19 +36,18 @@ use anyhow::{Context, Result};
 use clap::Parser;
 
 use cli::{Cli, Command, TrainArgs};
-use flotilla_telemetry::RankEvent;
-use progress::TrainObserver;
+use flotilla_rank::telemetry;
 
 fn main() -> ExitCode {
     heap::keep_freed_buffers();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train(&args),
-        Command::Launch(args) => telemetry::init(None).and_then(|_| launch_cmd::run(&args)),
+        Command::Launch(args) => init_telemetry().and_then(|_| launch_cmd::run(&args)),
         Command::Stop(args) => stop_cmd::run(&args),
-        Command::Compare(args) => telemetry::init(None).and_then(|_| compare::run(&args)),
-        Command::Bench(cmd) => telemetry::init(None).and_then(|_| bench::run(cmd)),
-        Command::Config(args) => telemetry::init(None).and_then(|_| show_config(&args)),
+        Command::Compare(args) => init_telemetry().and_then(|_| compare::run(&args)),
+        Command::Bench(cmd) => init_telemetry().and_then(|_| bench::run(cmd)),
+        Command::Config(args) => init_telemetry().and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
         Command::Certs(args) => certs_cmd::run(&args),
         Command::Secret(args) => secret_cmd::run(&args),
@@ -99,6 +94,12 @@ fn show_config(args: &run_args::RunArgs) -> Result<()> {
     Ok(())
 }
 
+/// The process's tracing subscriber, for a command that is not a training rank.
+fn init_telemetry() -> Result<()> {
+    telemetry::init(None)?;
+    Ok(())
+}
+
 fn train(args: &TrainArgs) -> Result<()> {
     let sources = settings::sources(&args.run, true)?;
     let config = sources.extract()?;
@@ -107,41 +108,11 @@ fn train(args: &TrainArgs) -> Result<()> {
         None => settings::launcher_rank()?,
     };
     settings::check_rank_source(&sources, &config, rank)?;
-    let rank_telemetry = telemetry::init(Some((&config, rank)))?;
-    let mut observer = TrainObserver::new(
-        rank_telemetry,
-        config.telemetry.metrics_port,
-        &config.telemetry.metrics_addr,
-    );
-    let result = flotilla_train::run(&config, rank, &mut observer);
-    observer.finish();
-    if let Err(e) = &result
-        && let Some(blamed) = e.blamed_rank()
-    {
-        // Tells a supervising launcher which rank this failure points at.
-        println!("{}", RankEvent::Failed { blamed }.line());
-    }
-    let summary = result.with_context(|| match rank {
+    let spec = config.validate()?;
+    flotilla_rank::run(&config, &spec, rank).with_context(|| match rank {
         Some(r) => format!("rank {r} failed"),
         None => "training failed".to_string(),
     })?;
-    if let Some(dir) = &summary.checkpoint {
-        println!("checkpoint: {}", dir.display());
-    }
-    if summary.rank == 0 {
-        // Rank 0 has the evaluations and every rank's traffic: the run's report is its job.
-        let written = report::write_run(&config, &summary).context("writing the run's report")?;
-        let paths: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
-        println!("report: {}", paths.join(", "));
-    }
-    if observer.emits_events() {
-        let event = RankEvent::Finished {
-            role: summary.role.to_string(),
-            figures: summary.figures.clone(),
-        };
-        println!("{}", event.line());
-    }
-    println!("{}", summary.final_line());
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use flotilla_telemetry::RankEvent;
 use indicatif::ProgressBar;
 
 use crate::launch::{RankLine, Stream};
-use crate::progress::step_bar;
+use flotilla_rank::progress::step_bar;
 
 /// What the launcher does with the ranks' lines.
 pub(crate) struct Relay {

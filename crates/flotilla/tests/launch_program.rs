@@ -11,7 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    config_file, cores_of, flotilla, relative_error, run_with_deadline, safetensors_file, text, tmp,
+    config_file, cores_of, example, flotilla, relative_error, run_with_deadline, safetensors_file,
+    text, tmp,
 };
 
 /// The secret of the jobs the tests below start.
@@ -20,26 +21,9 @@ const SECRET: &str = "test-secret-0123456789";
 /// Tensors by name, as `safetensors_file` reads them.
 type Tensors = BTreeMap<String, Vec<f32>>;
 
-/// The example's binary beside this test's (`target/release/examples/custom_model`).
-fn example() -> PathBuf {
-    example_named("custom_model")
-}
-
-/// Example `name`'s binary beside this test's (`target/release/examples/NAME`).
-fn example_named(name: &str) -> PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    let release = exe
-        .parent()
-        .and_then(|deps| deps.parent())
-        .expect("target dir");
-    let path = release.join("examples").join(name);
-    assert!(
-        path.is_file(),
-        "{} is missing: build it with `cargo build --release -p flotilla-burn --example \
-         {name}` (`cargo test --release --workspace` builds it)",
-        path.display()
-    );
-    path
+/// The `custom_model` example's binary.
+fn custom_model() -> PathBuf {
+    example("custom_model")
 }
 
 /// `flotilla launch -n N -- PROGRAM` with `env`; its output.
@@ -51,7 +35,7 @@ fn launch(
 ) -> std::process::Output {
     let mut cmd = flotilla();
     cmd.args(["launch", "-n", &n.to_string(), "--"])
-        .arg(example_named(program));
+        .arg(example(program));
     for (k, v) in env {
         cmd.env(k, v);
     }
@@ -127,7 +111,7 @@ fn ranks_whose_models_differ_are_named_at_start() {
     let mut cmd = flotilla();
     let script = format!(
         "if [ \"$RANK\" = 1 ]; then export HIDDEN=64; fi; exec {}",
-        example().display()
+        custom_model().display()
     );
     cmd.args(["launch", "-n", "2", "--", "sh", "-c", &script])
         .env("STEPS", "5")
@@ -156,7 +140,7 @@ fn a_rank_that_exits_before_joining_is_named_by_the_launcher() {
     let config = config_file(dir.path(), "job.yaml", "comm: {join_timeout_s: 3}\n");
     let script = format!(
         "if [ \"$RANK\" = 1 ]; then exit 0; fi; exec {}",
-        example().display()
+        custom_model().display()
     );
     let mut cmd = flotilla();
     cmd.args(["launch", &config])
@@ -203,7 +187,7 @@ fn max_restarts_starts_a_failed_program_again() {
     let script = format!(
         "if [ \"$RANK\" = 1 ] && [ ! -f {f} ]; then touch {f}; exit 3; fi; exec {e}",
         f = flag.display(),
-        e = example().display()
+        e = custom_model().display()
     );
     let mut cmd = flotilla();
     cmd.args([

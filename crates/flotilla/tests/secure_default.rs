@@ -15,18 +15,9 @@ use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use common::{TEST_SECRET, flotilla, safetensors_file, text, tmp};
+use common::{TEST_SECRET, example, flotilla, safetensors_file, text, tmp};
 use flotilla_comm::{CommConfig, CommError, Communicator, RendezvousError};
 use running::Running;
-
-/// The `custom_model` example's binary beside this test's.
-fn example() -> PathBuf {
-    let exe = std::env::current_exe().expect("test path");
-    let release = exe.parent().and_then(|d| d.parent()).expect("target dir");
-    let path = release.join("examples").join("custom_model");
-    assert!(path.is_file(), "{} is missing", path.display());
-    path
-}
 
 /// `flotilla launch -n 2 -- sh -c GATE custom_model` where rank `gated` waits for `gate` to
 /// exist before it runs; the model is written to `out`.
@@ -37,7 +28,7 @@ fn gated_launch(gated: usize, gate: &Path, out: &Path) -> Running {
     );
     let mut c = flotilla();
     c.args(["launch", "-n", "2", "--", "sh", "-c", &script])
-        .arg(example())
+        .arg(example("custom_model"))
         .env("STEPS", "20")
         .env("BATCH", "32")
         .env("OUT", out);

@@ -79,28 +79,40 @@ fn assert_bucketed_all_reduces(events: &[Value], pid: u64, steps: usize, buckets
 
 #[test]
 fn the_timeline_of_a_two_rank_job_has_every_span_from_both_ranks() {
+    timeline_of_two_ranks(&[]);
+}
+
+/// The same of a program: LeNet-5 written in burn, trained by `flotilla_burn::train`.
+#[test]
+fn the_timeline_of_a_programs_two_ranks_has_every_span_from_both() {
+    let program = example("lenet5_program");
+    timeline_of_two_ranks(&["--", program.to_str().expect("utf8")]);
+}
+
+/// A two-rank job's timeline (of the ranks `program` names after `--`, if any) has every
+/// span of both ranks on one clock, and rank 0's summary every rank's figures.
+fn timeline_of_two_ranks(program: &[&str]) {
     let dir = tmp();
     let out = dir.path().join("ar");
     let trace = dir.path().join("trace.json");
-    let o = launch(
-        &[
-            "-n",
-            "2",
-            "--batch-size",
-            "16",
-            "--max-steps",
-            "12",
-            "--bucket-mb",
-            "0.05",
-            "--checkpoint-every",
-            "6",
-            "--output",
-            out.to_str().expect("utf8"),
-            "--timeline",
-            trace.to_str().expect("utf8"),
-        ],
-        LIMIT,
-    );
+    let mut args = vec![
+        "-n",
+        "2",
+        "--batch-size",
+        "16",
+        "--max-steps",
+        "12",
+        "--bucket-mb",
+        "0.05",
+        "--checkpoint-every",
+        "6",
+        "--output",
+        out.to_str().expect("utf8"),
+        "--timeline",
+        trace.to_str().expect("utf8"),
+    ];
+    args.extend_from_slice(program);
+    let o = launch(&args, LIMIT);
     assert!(
         String::from_utf8_lossy(&o.stdout).contains("timeline: "),
         "{}",
@@ -233,6 +245,19 @@ fn parse_with_prometheus_client(text: &str) -> String {
 
 #[test]
 fn a_running_rank_serves_prometheus_metrics() {
+    serves_prometheus_metrics(&[]);
+}
+
+/// The same of a program's rank (`flotilla_burn::train`).
+#[test]
+fn a_programs_running_rank_serves_prometheus_metrics() {
+    let program = example("lenet5_program");
+    serves_prometheus_metrics(&["--", program.to_str().expect("utf8")]);
+}
+
+/// Rank 1 of a running job (of the program after `--`, if any) serves `/metrics` that the
+/// Prometheus client parses, with every family of a training rank.
+fn serves_prometheus_metrics(program: &[&str]) {
     let probe = Command::new("python3")
         .args(["-c", "import prometheus_client"])
         .output();
@@ -263,6 +288,7 @@ fn a_running_rank_serves_prometheus_metrics() {
     ])
     .args(["--epochs", "50", "--metrics-port", &base.to_string()])
     .args(["--output", dir.path().join("run").to_str().expect("utf8")])
+    .args(program)
     .stdout(Stdio::null())
     .stderr(Stdio::null());
     let _job = Proc(c.spawn().expect("spawn"));

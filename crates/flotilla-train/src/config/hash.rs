@@ -33,20 +33,21 @@ impl TrainConfig {
     /// [`PER_RANK`] paths, with the model spec resolved (a file path and the built-in name of
     /// the same model hash alike; two different files of the same name do not).
     pub fn cluster_hash(&self, spec: &ModelSpec) -> u64 {
-        self.shared_hash(Some(spec))
+        self.shared_hash(Some(&spec.to_yaml()))
     }
 
-    /// A hash of the whole config except the [`PER_RANK`] paths, with `spec` in place of
-    /// `model.spec` when given (a program, whose model is its own code, gives none).
-    pub fn shared_hash(&self, spec: Option<&ModelSpec>) -> u64 {
+    /// A hash of the whole config except the [`PER_RANK`] paths, with `model` (the model's
+    /// fingerprint: a spec's canonical text, a module's parameter shapes) in place of
+    /// `model.spec` when given (a program that only joins a group gives none).
+    pub fn shared_hash(&self, model: Option<&str>) -> u64 {
         let mut shared = serde_json::to_value(self).unwrap_or_default();
         for path in PER_RANK {
             remove_path(&mut shared, path);
         }
-        if let Some(spec) = spec
+        if let Some(model) = model
             && let Some(m) = shared.get_mut("model").and_then(|m| m.as_object_mut())
         {
-            m.insert("spec".into(), serde_json::Value::String(spec.to_yaml()));
+            m.insert("spec".into(), serde_json::Value::String(model.to_string()));
         }
         xxhash_rust::xxh3::xxh3_64(shared.to_string().as_bytes())
     }

@@ -332,6 +332,13 @@ fn scalar(raw: &str) -> std::result::Result<Value, String> {
         Ok(v @ (serde_norway::Value::Number(_) | serde_norway::Value::Bool(_))) => {
             serde_json::to_value(v).map_err(|e| e.to_string())
         }
+        // A section or list written in YAML's flow style (`{aggr_type: sync, num_workers:
+        // 2}`, as a launcher passes `parameter_server`); other text is a name or a path.
+        Ok(v @ (serde_norway::Value::Mapping(_) | serde_norway::Value::Sequence(_)))
+            if raw.trim_start().starts_with(['{', '[']) =>
+        {
+            serde_json::to_value(v).map_err(|e| e.to_string())
+        }
         _ => Ok(Value::String(raw.to_string())),
     }
 }

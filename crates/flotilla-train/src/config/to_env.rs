@@ -9,7 +9,8 @@ use super::keys::{KEYS, OPEN_SECTIONS, env_name};
 
 impl TrainConfig {
     /// `(FLOTILLA_<SECTION>__<FIELD>, value)` for every declared key whose value is not its
-    /// default and is one scalar (a number, a switch, a name or a path), leaving out the
+    /// default (a number, a switch, a name or a path; a section such as `parameter_server`
+    /// in YAML's flow style), leaving out the
     /// keys of `skip` (what the launcher passes in variables of its own: the world size and
     /// rendezvous address as torchrun's, the secret and TLS files as theirs).
     pub fn settings_env(&self, skip: &[&str]) -> Vec<(String, String)> {
@@ -38,23 +39,23 @@ impl TrainConfig {
                 if defaults.pointer(&pointer) == Some(value) {
                     return None;
                 }
-                Some((env_name(&path), scalar_text(value)?))
+                Some((env_name(&path), value_text(value)?))
             })
             .chain(open.filter_map(|path| {
                 let pointer = format!("/{}", path.replace('.', "/"));
-                Some((env_name(&path), scalar_text(ours.pointer(&pointer)?)?))
+                Some((env_name(&path), value_text(ours.pointer(&pointer)?)?))
             }))
             .collect()
     }
 }
 
-/// A scalar as a variable writes it; `None` for a list or a map.
-fn scalar_text(value: &Value) -> Option<String> {
+/// A value as a variable writes it: a scalar as its text, a list or a map as JSON (YAML's
+/// flow style, which the environment's reader parses back); `None` for no value.
+fn value_text(value: &Value) -> Option<String> {
     match value {
+        Value::Null => None,
         Value::String(s) => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        Value::Bool(b) => Some(b.to_string()),
-        _ => None,
+        other => Some(other.to_string()),
     }
 }
 
@@ -67,7 +68,9 @@ mod tests {
     fn settings_sent_through_the_environment_read_back_the_same() {
         let text = "comm: {timeout_s: 7.5, transport: tcp, compression: lz4, chunk_kb: 128, \
                     insecure: true}\ndata: {batch_size: 32, path: data/x}\noptimizer: \
-                    {name: sgd, lr: 0.25, momentum: 0.5}\nschedule: {epochs: 2}\n";
+                    {name: sgd, lr: 0.25, momentum: 0.5}\nschedule: {epochs: 2}\n\
+                    arch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: \
+                    [{aggr_type: async, num_workers: 2}, {aggr_type: sync, num_workers: 3}]}\n";
         let sent = TrainConfig::from_yaml(text, "job.yaml").expect("config");
         let env = sent.settings_env(&["comm.master_port"]);
         let names: Vec<&str> = env.iter().map(|(k, _)| k.as_str()).collect();

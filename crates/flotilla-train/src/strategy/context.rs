@@ -63,11 +63,41 @@ impl Cx<'_> {
     }
 }
 
+/// What a model takes and gives, as the job's data is checked against it before any step.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelIo {
+    /// One sample's shape: `[C, H, W]` (an image) or `[T]` (a window of token ids).
+    pub input: Vec<usize>,
+    /// The vocabulary of its token ids, if it takes tokens (`None`: real-valued input).
+    pub vocab: Option<usize>,
+    /// The classes its logits are over (per position), when known before it runs (a spec's
+    /// are; a user's module is not asked).
+    pub classes: Option<usize>,
+    /// Labels per sample: 1 for a classifier, `T` for a sequence model.
+    pub labels_per_sample: usize,
+}
+
 /// What a run trains, built the same way on every rank as the whole model's [`Engine`]: a
 /// spec's model ([`ModelSpec`]: a YAML or built-in model), or a user's own burn module
-/// ([`flotilla_engine::ModuleEngine`]). The one model abstraction every strategy but a
-/// pipeline stage is built over.
+/// (`flotilla_burn`'s, over [`flotilla_engine::ModuleEngine`]). The one model abstraction
+/// every strategy is built over.
 pub trait ModelSource {
+    /// The model's name (logs, checkpoints).
+    fn name(&self) -> &str;
+
+    /// What the ranks must agree on about the model, in the job's hash (a spec's canonical
+    /// text; a module's parameter names and shapes): ranks of different models are refused
+    /// at the rendezvous.
+    fn fingerprint(&self) -> Result<String>;
+
+    /// What one sample in and out looks like.
+    fn io(&self) -> Result<ModelIo>;
+
+    /// The model as a spec, when it is one: a pipeline cuts its stages from it.
+    fn spec(&self) -> Option<&ModelSpec> {
+        None
+    }
+
     /// The whole model on the named device, its initial parameters drawn from `seed`,
     /// trained by `optimizer`.
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
@@ -75,6 +105,27 @@ pub trait ModelSource {
 }
 
 impl ModelSource for ModelSpec {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn fingerprint(&self) -> Result<String> {
+        Ok(self.to_yaml())
+    }
+
+    fn io(&self) -> Result<ModelIo> {
+        Ok(ModelIo {
+            input: self.input.clone(),
+            vocab: self.token_vocab(),
+            classes: Some(self.classes()?),
+            labels_per_sample: self.labels_per_sample()?,
+        })
+    }
+
+    fn spec(&self) -> Option<&ModelSpec> {
+        Some(self)
+    }
+
     fn engine(
         &self,
         optimizer: &OptimizerSpec,
@@ -89,8 +140,6 @@ impl ModelSource for ModelSpec {
 pub struct Setup<'a> {
     /// What the run trains.
     pub model: &'a dyn ModelSource,
-    /// The model spec (resolved): a pipeline's stages are cut from it.
-    pub spec: &'a ModelSpec,
     /// The job's topology (each rank's role, parents and children).
     pub topology: &'a Topology,
     /// Samples in the training set (a parameter-server job counts its rounds in them).

@@ -11,6 +11,6 @@ pub mod ps;
 pub mod registry;
 pub mod resume;
 
-pub use context::{Cx, Setup};
+pub use context::{Cx, ModelIo, ModelSource, Setup};
 pub use interface::{Evaluation, Step, Strategy};
 pub use resume::Resume;

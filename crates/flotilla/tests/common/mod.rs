@@ -312,3 +312,21 @@ pub fn cores_of(list: &str) -> Vec<usize> {
     }
     cores
 }
+
+/// Example `name`'s binary beside the test's (`target/release/examples/NAME`), which
+/// `cargo test --release --workspace` builds.
+pub fn example(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test path");
+    let release = exe
+        .parent()
+        .and_then(|deps| deps.parent())
+        .expect("target dir");
+    let path = release.join("examples").join(name);
+    assert!(
+        path.is_file(),
+        "{} is missing: build it with `cargo build --release -p flotilla-burn --example \
+         {name}` (`cargo test --release --workspace` builds it)",
+        path.display()
+    );
+    path
+}

@@ -43,7 +43,16 @@ impl PipelineStage {
     /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
     /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
     pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
-        let spec = setup.spec;
+        let spec = setup.model.spec().ok_or_else(|| {
+            crate::error::TrainError::config(
+                "topology.arch",
+                format!(
+                    "a pipeline cuts a model spec into stages, and `{}` is a program's own \
+                     module: give its stages to flotilla_burn::Pipeline instead",
+                    setup.model.name()
+                ),
+            )
+        })?;
         let ranges = agreed_cut(cx, spec)?;
         let cut = StageCut::new(spec, ranges)?;
         let config = cx.config;

@@ -1,14 +1,15 @@
-//! The binary's telemetry: the `tracing` subscriber (`RUST_LOG` for stderr, default `warn`),
+//! A process's telemetry: the `tracing` subscriber (`RUST_LOG` for stderr, default `warn`),
 //! a rank's timeline file and its `/metrics` endpoint.
 
 use std::io::IsTerminal;
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
 use flotilla_telemetry::{Recorder, Timeline};
 use flotilla_train::TrainConfig;
 use tracing_subscriber::filter::{EnvFilter, LevelFilter, Targets};
 use tracing_subscriber::prelude::*;
+
+use crate::error::{RankError, Result};
 
 /// The file a rank records its timeline into, before `flotilla launch` merges them.
 pub const RANK_TIMELINE: &str = "timeline.jsonl";
@@ -48,7 +49,8 @@ pub fn init(train: Option<(&TrainConfig, Option<usize>)>) -> Result<RankTelemetr
     {
         let path = rank_timeline_path(&config.telemetry.output, rank);
         if let Some(dir) = path.parent() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::create_dir_all(dir)
+                .map_err(|e| RankError::file("create the directory", dir, e))?;
         }
         // A resumed job, or a worker replaced while the job runs, goes on in the same file.
         let opening = if config.schedule.resume || flotilla_train::rejoin::asked_to_rejoin() {
@@ -57,7 +59,7 @@ pub fn init(train: Option<(&TrainConfig, Option<usize>)>) -> Result<RankTelemetr
             flotilla_telemetry::Opening::Fresh
         };
         let (timeline, layer) = flotilla_telemetry::timeline(&path, opening)
-            .with_context(|| format!("creating the timeline {}", path.display()))?;
+            .map_err(|e| RankError::file("create the timeline", &path, e))?;
         telemetry.timeline = Some(timeline);
         timeline_layer = Some(
             layer.with_filter(
@@ -67,15 +69,27 @@ pub fn init(train: Option<(&TrainConfig, Option<usize>)>) -> Result<RankTelemetr
             ),
         );
     }
-    tracing_subscriber::registry()
+    let wants_timeline = timeline_layer.is_some();
+    let installed = tracing_subscriber::registry()
         .with(fmt)
         .with(timeline_layer)
-        .try_init()
-        .context("installing the tracing subscriber")?;
+        .try_init();
+    // A program may have installed its own subscriber: it keeps it, and only a timeline
+    // (which records through Flotilla's) cannot be had.
+    if let Err(e) = installed
+        && wants_timeline
+    {
+        return Err(RankError::Telemetry(format!(
+            "a timeline (telemetry.timeline_path) records through Flotilla's tracing \
+             subscriber, and this process installed its own ({e}): unset the timeline or \
+             leave the subscriber to Flotilla"
+        )));
+    }
     if let Some((config, _)) = train
         && config.telemetry.metrics_port.is_some()
     {
-        telemetry.recorder = Some(flotilla_telemetry::install()?);
+        let recorder = flotilla_telemetry::install();
+        telemetry.recorder = Some(recorder.map_err(|e| RankError::Telemetry(e.to_string()))?);
     }
     Ok(telemetry)
 }
@@ -87,9 +101,11 @@ pub fn merge_rank_timelines(output: &Path, ranks: usize, dest: &Path) -> Result<
         .filter(|p| p.is_file())
         .collect();
     if let Some(dir) = dest.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .map_err(|e| RankError::file("create the directory", dir, e))?;
     }
-    let report = flotilla_telemetry::merge(&files, dest)?;
+    let report =
+        flotilla_telemetry::merge(&files, dest).map_err(|e| RankError::Telemetry(e.to_string()))?;
     let mut line = format!(
         "timeline: {} events of {} ranks in {}",
         report.events,

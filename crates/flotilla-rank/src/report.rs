@@ -10,11 +10,11 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
 use flotilla_train::history::{EvalPoint, History, JobTraffic};
 use flotilla_train::{RunSummary, TrainConfig};
 use serde_json::{Value, json};
 
+use crate::error::{RankError, Result};
 use crate::plots;
 
 /// Accuracy milestones reported in `summary.json`.
@@ -116,7 +116,10 @@ pub fn document(config: &TrainConfig, summary: &RunSummary) -> Result<Value> {
             "workers": flotilla_train::presets::workers(config)?,
             "roles": roles,
         },
-        "config": serde_json::to_value(config)?,
+        "config": serde_json::to_value(config).map_err(|e| RankError::Summary {
+            path: config.telemetry.output.join(SUMMARY_FILE),
+            detail: e.to_string(),
+        })?,
         "history": summary.history.records,
         "ranks": summary.ranks,
     }))
@@ -127,12 +130,16 @@ pub fn document(config: &TrainConfig, summary: &RunSummary) -> Result<Value> {
 pub fn write_run(config: &TrainConfig, summary: &RunSummary) -> Result<Vec<PathBuf>> {
     let dir = &config.telemetry.output;
     let path = dir.join(SUMMARY_FILE);
-    let body = serde_json::to_vec_pretty(&document(config, summary)?)?;
-    std::fs::write(&path, body).with_context(|| format!("writing {}", path.display()))?;
+    let body =
+        serde_json::to_vec_pretty(&document(config, summary)?).map_err(|e| RankError::Summary {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+    std::fs::write(&path, body).map_err(|e| RankError::file("write", &path, e))?;
     let mut written = vec![path];
     match plots::write_run_plots(dir, &summary.history) {
         Ok(paths) => written.extend(paths),
-        Err(e) => eprintln!("warning: plots: {e:#}"),
+        Err(e) => eprintln!("warning: plots: {e}"),
     }
     Ok(written)
 }
@@ -140,8 +147,11 @@ pub fn write_run(config: &TrainConfig, summary: &RunSummary) -> Result<Vec<PathB
 /// Reads the `summary.json` of the run in `dir`.
 pub fn read_summary(dir: &Path) -> Result<Value> {
     let path = dir.join(SUMMARY_FILE);
-    let bytes = std::fs::read(&path).with_context(|| format!("reading {}", path.display()))?;
-    serde_json::from_slice(&bytes).with_context(|| format!("parsing {}", path.display()))
+    let bytes = std::fs::read(&path).map_err(|e| RankError::file("read", &path, e))?;
+    serde_json::from_slice(&bytes).map_err(|e| RankError::Summary {
+        path,
+        detail: e.to_string(),
+    })
 }
 
 #[cfg(test)]

@@ -4,10 +4,19 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{Context, Result};
 use flotilla_train::history::{EvalPoint, History};
+
+use crate::error::{RankError, Result};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+
+/// A plotters failure, as text (its error type is generic over the drawing backend).
+type Drawn<T> = std::result::Result<T, String>;
+
+/// Plotters' result as [`Drawn`].
+fn drawn<T, E: std::fmt::Display>(r: std::result::Result<T, E>) -> Drawn<T> {
+    r.map_err(|e| e.to_string())
+}
 
 /// Most points drawn of a per-step series (longer ones are averaged in runs of steps).
 const MAX_POINTS: usize = 1000;
@@ -42,7 +51,7 @@ pub fn chart(
     title: &str,
     axes: (&str, &str),
     series: &[Series],
-) -> Result<()> {
+) -> Drawn<()> {
     let (mut x_max, mut y_min, mut y_max) = (1e-9f64, f64::INFINITY, f64::NEG_INFINITY);
     for &(x, y) in series.iter().flat_map(|s| s.points.iter()) {
         x_max = x_max.max(x);
@@ -53,42 +62,43 @@ pub fn chart(
         (y_min, y_max) = (0.0, 1.0);
     }
     let pad = ((y_max - y_min) * 0.05).max(1e-3);
-    let mut chart = ChartBuilder::on(area)
+    let chart = ChartBuilder::on(area)
         .caption(title, ("sans-serif", 18))
         .margin(12)
         .x_label_area_size(35)
         .y_label_area_size(55)
-        .build_cartesian_2d(0f64..x_max * 1.02, (y_min - pad)..(y_max + pad))?;
+        .build_cartesian_2d(0f64..x_max * 1.02, (y_min - pad)..(y_max + pad));
+    let mut chart = drawn(chart)?;
     chart
         .configure_mesh()
         .x_desc(axes.0)
         .y_desc(axes.1)
-        .draw()?;
+        .draw()
+        .map_err(|e| e.to_string())?;
     for s in series {
         let color = s.color;
-        chart
-            .draw_series(LineSeries::new(
-                s.points.iter().copied(),
-                color.stroke_width(2),
-            ))?
-            .label(s.name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
+        drawn(chart.draw_series(LineSeries::new(
+            s.points.iter().copied(),
+            color.stroke_width(2),
+        )))?
+        .label(s.name.as_str())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color));
         if s.markers {
-            chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled())))?;
+            drawn(chart.draw_series(s.points.iter().map(|&p| Circle::new(p, 3, color.filled()))))?;
         }
     }
     chart
         .configure_series_labels()
         .border_style(BLACK)
         .background_style(WHITE.mix(0.8))
-        .draw()?;
-    Ok(())
+        .draw()
+        .map_err(|e| e.to_string())
 }
 
 /// Draws the same quantity against step (left) and wall time (right) into `path`.
-fn two_panels(path: &Path, what: &str, by_step: &[Series], by_time: &[Series]) -> Result<()> {
+fn two_panels(path: &Path, what: &str, by_step: &[Series], by_time: &[Series]) -> Drawn<()> {
     let root = SVGBackend::new(path, (1000, 380)).into_drawing_area();
-    root.fill(&WHITE)?;
+    drawn(root.fill(&WHITE))?;
     let (left, right) = root.split_horizontally(500);
     chart(
         &left,
@@ -102,8 +112,15 @@ fn two_panels(path: &Path, what: &str, by_step: &[Series], by_time: &[Series]) -
         ("wall time (s)", what),
         by_time,
     )?;
-    root.present()?;
-    Ok(())
+    drawn(root.present())
+}
+
+/// The error of a plot that could not be drawn into `path`.
+fn plot_error(path: &Path, detail: String) -> RankError {
+    RankError::Plot {
+        path: path.to_path_buf(),
+        detail,
+    }
 }
 
 /// At most [`MAX_POINTS`] points: consecutive runs of points averaged.
@@ -156,10 +173,10 @@ pub fn write_run_plots(dir: &Path, history: &History) -> Result<Vec<PathBuf>> {
     };
     let loss_svg = dir.join("loss.svg");
     two_panels(&loss_svg, "loss", &loss(step), &loss(wall))
-        .with_context(|| format!("drawing {}", loss_svg.display()))?;
+        .map_err(|detail| plot_error(&loss_svg, detail))?;
     let acc_svg = dir.join("accuracy.svg");
     two_panels(&acc_svg, "accuracy", &acc(step), &acc(wall))
-        .with_context(|| format!("drawing {}", acc_svg.display()))?;
+        .map_err(|detail| plot_error(&acc_svg, detail))?;
     Ok(vec![loss_svg, acc_svg])
 }
 

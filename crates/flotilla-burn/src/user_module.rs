@@ -1,0 +1,114 @@
+//! A burn user's own module as what a Flotilla run trains ([`UserModule`], a
+//! [`ModelSource`]), and [`train`]: the whole run of a config job — every way of training
+//! but a spec's pipeline, checkpoints and `--resume`, timeline, `/metrics`, run.log,
+//! summary.json and plots, target stop — for it, in one call of the user's program.
+
+use std::sync::OnceLock;
+
+use burn::prelude::*;
+use flotilla_engine::{Engine, ModelState, ModuleEngine, OptimizerSpec, TrainModule};
+use flotilla_train::{ModelIo, ModelSource, RunSummary, TrainError};
+
+use crate::error::{DistError, Result};
+
+/// A user's module, built by `build` on the device it is given (the run seeds the device
+/// first, so every rank draws the same initial parameters), with what one sample of the
+/// job's data looks like to it.
+pub struct UserModule<F> {
+    name: String,
+    input: Vec<usize>,
+    vocab: Option<usize>,
+    build: F,
+    /// The module's parameter names and shapes and its labels per sample, from one build.
+    probe: OnceLock<std::result::Result<(String, usize), String>>,
+}
+
+impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
+    /// The module `build` makes, named `name` (logs, checkpoints), taking samples of shape
+    /// `input` (`[1, 28, 28]` for MNIST's images).
+    pub fn new(name: &str, input: &[usize], build: F) -> Self {
+        Self {
+            name: name.to_string(),
+            input: input.to_vec(),
+            vocab: None,
+            build,
+            probe: OnceLock::new(),
+        }
+    }
+
+    /// The module takes windows of token ids below `vocab` (a text's data set): `input` is
+    /// then `[T]`, the window's length.
+    pub fn with_vocab(mut self, vocab: usize) -> Self {
+        self.vocab = Some(vocab);
+        self
+    }
+
+    /// One build of the module (seed 0): its parameters' names and shapes, and its labels
+    /// per sample.
+    fn probe(&self) -> flotilla_train::Result<&(String, usize)> {
+        let probe = self.probe.get_or_init(|| {
+            let optimizer = OptimizerSpec::default();
+            let engine = ModuleEngine::seeded(&self.build, 0, &optimizer, "flex")
+                .map_err(|e| e.to_string())?;
+            let params: Vec<String> = engine
+                .layout()
+                .params
+                .iter()
+                .map(|p| format!("{}{:?}", p.name, p.shape))
+                .collect();
+            Ok((params.join(" "), engine.labels_per_sample()))
+        });
+        probe
+            .as_ref()
+            .map_err(|e| TrainError::config("model", format!("building `{}`: {e}", self.name)))
+    }
+}
+
+impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn fingerprint(&self) -> flotilla_train::Result<String> {
+        let (params, _) = self.probe()?;
+        Ok(format!(
+            "{} {:?} {:?} {params}",
+            self.name, self.input, self.vocab
+        ))
+    }
+
+    fn io(&self) -> flotilla_train::Result<ModelIo> {
+        Ok(ModelIo {
+            input: self.input.clone(),
+            vocab: self.vocab,
+            classes: None,
+            labels_per_sample: self.probe()?.1,
+        })
+    }
+
+    fn engine(
+        &self,
+        optimizer: &OptimizerSpec,
+        device: &str,
+        seed: u64,
+    ) -> flotilla_train::Result<Box<dyn Engine>> {
+        Ok(Box::new(ModuleEngine::seeded(
+            &self.build,
+            seed,
+            optimizer,
+            device,
+        )?))
+    }
+}
+
+/// Trains `model` as this process's rank of the job it was started in (`flotilla launch -n
+/// N -- PROGRAM`, torchrun, mpirun, Slurm): the settings of the environment in the one
+/// schema a config job reads ([`flotilla_train::program::settings`]: the launcher's
+/// variables, `FLOTILLA_<SECTION>__<FIELD>`, the file `FLOTILLA_CONFIG` names), then the
+/// run a config job's rank makes ([`flotilla_rank::run`]): the configured way of training,
+/// data, optimizer and schedule, checkpoints and resume, telemetry and rank 0's report.
+pub fn train<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Result<RunSummary> {
+    let config = flotilla_train::program::settings()?;
+    let rank = flotilla_train::program::launcher_rank()?;
+    flotilla_rank::run(&config, model, rank).map_err(DistError::from)
+}

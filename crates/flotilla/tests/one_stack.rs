@@ -1,0 +1,286 @@
+//! One stack: every way of training × {the spec model, a user's module}. LeNet-5 as the YAML
+//! model `lenet5` (`flotilla launch CONFIG`) and LeNet-5 written in burn by its user with the
+//! same layer functions (`examples/lenet5_program.rs` through `flotilla launch CONFIG --
+//! PROGRAM`, which hands the program the same settings) start from the same seed's weights,
+//! see the same batches and end with bit-identical parameters, compared tensor by tensor in
+//! their final checkpoints — under sync all-reduce, ZeRO-2, async all-reduce, a flat sync
+//! parameter server, a hierarchical one, model averaging, and across a resume. The program's
+//! module is trained by the library's run (`flotilla_burn::train`), not by code of its own.
+
+mod common;
+#[path = "common/procfs.rs"]
+mod procfs;
+
+use common::*;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+type Tensors = BTreeMap<String, Vec<f32>>;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// Every run: warm-up to step 20, cosine decay, SGD with momentum and weight decay.
+const COMMON: &str = "model: lenet5\nwarmup_steps: 20\nlr_schedule: cosine\nseed: 7\n\
+    optimizer: {name: sgd, lr: 0.04, momentum: 0.9, weight_decay: 0.0005}\n";
+
+/// The program's binary (`target/release/examples/lenet5_program`).
+fn program() -> PathBuf {
+    example("lenet5_program")
+}
+
+/// The spec's tensor name of the user's: `conv1.weight` is `layers.0.weight`.
+fn spec_name(user: &str) -> String {
+    let (layer, what) = user.split_once('.').expect("a dotted name");
+    let index = match layer {
+        "conv1" => 0,
+        "conv2" => 3,
+        "fc1" => 7,
+        "fc2" => 9,
+        "fc3" => 11,
+        other => panic!("no LeNet-5 layer {other}"),
+    };
+    format!("layers.{index}.{what}")
+}
+
+/// Runs `flotilla launch` of `yaml` (plus [`COMMON`]) into `dir/name`, with `extra`
+/// arguments after the config; returns the final checkpoint's tensors under the spec's names.
+fn run(dir: &Path, name: &str, yaml: &str, extra: &[&str]) -> Tensors {
+    run_with_env(dir, name, yaml, extra, &[])
+}
+
+/// [`run`] with `env` set for the launcher (and so its ranks).
+fn run_with_env(
+    dir: &Path,
+    name: &str,
+    yaml: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Tensors {
+    let cfg = config_file(dir, &format!("{name}.yaml"), &format!("{COMMON}{yaml}"));
+    let out = dir.join(name);
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
+        .args(extra)
+        .envs(env.iter().copied());
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "{name} failed\n{}", text(&o));
+    checkpoint_tensors(&out)
+        .into_iter()
+        .map(|(k, v)| match k.starts_with("layers.") {
+            true => (k, v),
+            false => (spec_name(&k), v),
+        })
+        .collect()
+}
+
+/// The spec model's and the user's module's runs of `yaml`, bitwise equal and trained.
+fn both_ways(dir: &Path, name: &str, yaml: &str) {
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let spec = run(dir, &format!("{name}-spec"), yaml, &[]);
+    let user = run(dir, &format!("{name}-user"), yaml, &["--", exe]);
+    let initial = run(dir, &format!("{name}-initial"), "max_steps: 0\n", &[]);
+    let moved = relative_error(&spec, &initial);
+    assert!(
+        moved > 1e-2,
+        "{name}: the parameters barely moved ({moved})"
+    );
+    assert_bitwise(&format!("{name}: user module vs spec model"), &user, &spec);
+}
+
+#[test]
+fn sync_all_reduce() {
+    let dir = tmp();
+    both_ways(
+        dir.path(),
+        "sync",
+        "world_size: 2\nbatch_size: 32\nmax_steps: 200\n",
+    );
+}
+
+/// With burn's own `forward`s (`burn::nn` layers) instead of Flotilla's kernels: the same
+/// training, up to the rounding of other kernels.
+#[test]
+fn burn_nn_layers_train_within_rounding_of_the_spec_model() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 20\n";
+    let spec = run(dir.path(), "spec", job, &[]);
+    let burn = run_with_env(dir.path(), "burn", job, &["--", exe], &[("LAYERS", "burn")]);
+    let initial = run(dir.path(), "initial", "max_steps: 0\n", &[]);
+    let moved = relative_error(&spec, &initial);
+    assert!(moved > 1e-3, "the parameters barely moved ({moved})");
+    let e = relative_error(&burn, &spec);
+    assert!(
+        e > 0.0,
+        "burn's layers gave the kernels' bits: the switch did nothing"
+    );
+    assert!(
+        e <= 1e-4,
+        "burn::nn layers vs the spec model: relative error {e}"
+    );
+}
+
+#[test]
+fn zero_2() {
+    let dir = tmp();
+    both_ways(
+        dir.path(),
+        "zero2",
+        "world_size: 2\nbatch_size: 32\nmax_steps: 200\nzero: 2\n",
+    );
+}
+
+#[test]
+fn async_all_reduce() {
+    let dir = tmp();
+    both_ways(
+        dir.path(),
+        "async",
+        "world_size: 2\nbatch_size: 32\nmax_steps: 200\nstrategy: async_allreduce\n",
+    );
+}
+
+#[test]
+fn flat_sync_parameter_server() {
+    let dir = tmp();
+    both_ways(
+        dir.path(),
+        "ps-flat",
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nbatch_size: 32\n\
+         num_server_rounds: 200\n",
+    );
+}
+
+#[test]
+fn hierarchical_sync_parameter_server_with_model_averaging() {
+    let dir = tmp();
+    both_ways(
+        dir.path(),
+        "ps-hier",
+        "arch: hierarchical\nbatch_size: 16\nnum_server_rounds: 60\nlocal_steps: 2\n\
+         global_server:\n  aggr_type: sync\n  local_servers:\n\
+         \x20   - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 2}\n",
+    );
+}
+
+#[test]
+fn exact_resume_of_a_program() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 120\ncheckpoint_every: 50\n";
+    let straight = run(dir.path(), "job", job, &["--", exe]);
+    // Back to the checkpoint of step 50 (mid-epoch), as if the job had stopped there, and
+    // resumed from it: the same 70 steps again, to the same bits.
+    let root = dir.path().join("job").join("checkpoints");
+    for later in ["step-00000100", "step-00000120"] {
+        std::fs::remove_dir_all(root.join(later)).expect("remove a later checkpoint");
+    }
+    std::fs::write(root.join("latest"), "step-00000050\n").expect("latest");
+    let cfg = dir.path().join("job.yaml");
+    let out = dir.path().join("job");
+    let (cfg, out) = (cfg.to_str().expect("utf8"), out.to_str().expect("utf8"));
+    launch(&[cfg, "--output", out, "--resume", "--", exe], LIMIT);
+    // It took 70 steps from 50 (a run from scratch would give the same bits, in 120).
+    let summary = std::fs::read(Path::new(out).join("summary.json")).expect("summary.json");
+    let summary: serde_json::Value = serde_json::from_slice(&summary).expect("json");
+    let run = &summary["run"];
+    assert_eq!(
+        (run["resumed_at"].as_f64(), run["steps_run"].as_f64()),
+        (Some(50.0), Some(70.0)),
+        "{run}"
+    );
+    let resumed = checkpoint_tensors(Path::new(out))
+        .into_iter()
+        .map(|(k, v)| (spec_name(&k), v))
+        .collect::<Tensors>();
+    assert_bitwise("resumed at 50 vs straight to 120", &resumed, &straight);
+}
+
+/// `flotilla launch --max-restarts 1 -- PROGRAM` with one rank SIGKILLed after the checkpoint
+/// of step 50: the launcher starts the program again, its ranks resume from the newest
+/// checkpoint, and the run ends bitwise where an uninterrupted one does.
+#[test]
+fn a_program_killed_mid_run_restarts_from_its_checkpoint_to_the_same_bits() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 150\ncheckpoint_every: 25\n\
+               train_limit: 20000\n";
+    let straight = run(dir.path(), "straight", job, &["--", exe]);
+    let cfg = config_file(dir.path(), "killed.yaml", &format!("{COMMON}{job}"));
+    let out = dir.path().join("killed");
+    let log = std::fs::File::create(dir.path().join("killed.log")).expect("log");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--max-restarts", "1", "--output"])
+        .arg(&out)
+        .args(["--", exe])
+        .stdout(log.try_clone().expect("log"))
+        .stderr(log);
+    let mut launcher = Proc(c.spawn().expect("spawn the launcher"));
+    let started = std::time::Instant::now();
+    let ck = out.join("checkpoints/step-00000050");
+    while !ck.is_dir() {
+        assert!(started.elapsed() < LIMIT, "{} never appeared", ck.display());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let ranks = procfs::children_of(launcher.0.id());
+    let victim = *ranks.last().expect("the launcher's ranks");
+    let killed = std::process::Command::new("kill")
+        .args(["-9", &victim.to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success(), "kill -9 {victim}");
+    let status = loop {
+        if let Some(status) = launcher.0.try_wait().expect("wait") {
+            break status;
+        }
+        assert!(started.elapsed() < LIMIT, "the launcher did not end");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let printed = std::fs::read_to_string(dir.path().join("killed.log")).expect("log");
+    assert!(status.success(), "{printed}");
+    assert!(
+        printed.contains("[launcher] restart 1/1 after: rank"),
+        "no restart:\n{printed}"
+    );
+    let summary = std::fs::read(out.join("summary.json")).expect("summary.json");
+    let summary: serde_json::Value = serde_json::from_slice(&summary).expect("json");
+    let resumed_at = summary["run"]["resumed_at"].as_f64().expect("resumed_at");
+    assert!(
+        resumed_at >= 50.0,
+        "the restart did not resume from a checkpoint: {}",
+        summary["run"]
+    );
+    let ended = checkpoint_tensors(&out)
+        .into_iter()
+        .map(|(k, v)| (spec_name(&k), v))
+        .collect::<Tensors>();
+    assert_bitwise("killed and restarted vs uninterrupted", &ended, &straight);
+}
+
+#[test]
+fn a_pipeline_of_a_users_module_is_refused_with_what_to_do() {
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "pipe.yaml",
+        &format!("{COMMON}arch: pipeline\nworld_size: 2\nmax_steps: 5\n"),
+    );
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output"])
+        .arg(dir.path().join("pipe"))
+        .arg("--")
+        .arg(program());
+    let o = run_with_deadline(c, LIMIT);
+    assert!(!o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains("flotilla_burn::Pipeline"),
+        "the refusal does not say what to do:\n{}",
+        text(&o)
+    );
+}

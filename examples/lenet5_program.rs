@@ -1,0 +1,100 @@
+//! LeNet-5 written in burn by its user, trained by the library's run exactly as the YAML
+//! model `lenet5` is by `flotilla train`: the same strategies, settings, checkpoints and
+//! `--resume`, timeline, `/metrics` and report.
+//!
+//! ```text
+//! cargo build --release -p flotilla -p flotilla-burn --example lenet5_program
+//! target/release/flotilla launch -n 2 --data data/mnist --epochs 1 -- target/release/examples/lenet5_program
+//! ```
+//! Every setting is the config job's, by the same names (`--optimizer`, `--arch ps`, `--mode
+//! async`, `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`, ...). The layers run through
+//! Flotilla's kernels (`conv2d_relu`, `max_pool2d`, `linear`), which the spec model uses too:
+//! from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
+//! `forward`s instead (the same values up to rounding).
+
+use burn::nn::PaddingConfig2d;
+use burn::nn::conv::{Conv2d, Conv2dConfig};
+use burn::nn::loss::CrossEntropyLossConfig;
+use burn::nn::pool::{MaxPool2d, MaxPool2dConfig};
+use burn::nn::{Linear, LinearConfig, Relu};
+use burn::prelude::*;
+use burn::tensor::{Int, TensorData};
+use flotilla_burn::kernels::{linear::linear, max_pool::max_pool2d};
+use flotilla_burn::{BatchRef, TrainModule, UserModule, conv2d_relu};
+
+/// LeNet-5 for 28x28 MNIST, as `models/lenet5.yaml` describes it.
+#[derive(Module, Debug)]
+struct LeNet5 {
+    conv1: Conv2d,
+    pool1: MaxPool2d,
+    conv2: Conv2d,
+    pool2: MaxPool2d,
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+    relu: Relu,
+    /// Run burn's own `forward`s rather than Flotilla's kernels.
+    burn_layers: bool,
+}
+
+impl LeNet5 {
+    fn new(device: &Device, burn_layers: bool) -> Self {
+        let pool = || MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init();
+        LeNet5 {
+            conv1: Conv2dConfig::new([1, 6], [5, 5])
+                .with_padding(PaddingConfig2d::Explicit(2, 2, 2, 2))
+                .init(device),
+            pool1: pool(),
+            conv2: Conv2dConfig::new([6, 16], [5, 5])
+                .with_padding(PaddingConfig2d::Explicit(0, 0, 0, 0))
+                .init(device),
+            pool2: pool(),
+            fc1: LinearConfig::new(16 * 5 * 5, 120).init(device),
+            fc2: LinearConfig::new(120, 84).init(device),
+            fc3: LinearConfig::new(84, 10).init(device),
+            relu: Relu::new(),
+            burn_layers,
+        }
+    }
+
+    fn forward(&self, x: Tensor<4>) -> Tensor<2> {
+        if self.burn_layers {
+            let x = self.pool1.forward(self.relu.forward(self.conv1.forward(x)));
+            let x = self.pool2.forward(self.relu.forward(self.conv2.forward(x)));
+            let x = self.relu.forward(self.fc1.forward(x.flatten(1, 3)));
+            let x = self.relu.forward(self.fc2.forward(x));
+            return self.fc3.forward(x);
+        }
+        let x = max_pool2d(&self.pool1, conv2d_relu(&self.conv1, x));
+        let x = max_pool2d(&self.pool2, conv2d_relu(&self.conv2, x));
+        let x = linear(&self.fc1, x.flatten(1, 3), true);
+        let x = linear(&self.fc2, x, true);
+        linear(&self.fc3, x, false)
+    }
+}
+
+impl TrainModule for LeNet5 {
+    fn loss(&self, batch: BatchRef<'_>, device: &Device) -> Tensor<1> {
+        let n = batch.labels.len();
+        let logits = self.logits(batch.images, n, device);
+        let labels =
+            Tensor::<1, Int>::from_data(TensorData::new(batch.labels.to_vec(), [n]), device);
+        CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(logits, labels)
+    }
+
+    fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
+        let x = TensorData::new(inputs.to_vec(), [n, 1, 28, 28]);
+        self.forward(Tensor::from_data(x, device))
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let burn_layers = std::env::var("LAYERS").is_ok_and(|v| v == "burn");
+    let model = UserModule::new("lenet5-program", &[1, 28, 28], move |device| {
+        LeNet5::new(device, burn_layers)
+    });
+    flotilla_burn::train(&model)?;
+    Ok(())
+}
