@@ -30,8 +30,8 @@ pub enum DistError {
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),
-    /// Another rank (a parameter-server peer, a pipeline stage) failed, stayed silent, broke
-    /// the protocol or sent something malformed.
+    /// Another rank (a pipeline stage) failed, stayed silent, broke the protocol or sent
+    /// something malformed.
     #[error("rank {rank}: {message}")]
     Peer {
         /// The rank at fault, or waited for (world rank).
@@ -39,9 +39,6 @@ pub enum DistError {
         /// What happened.
         message: String,
     },
-    /// A setting the caller gave cannot work (it says which and why).
-    #[error("{0}")]
-    Config(String),
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {

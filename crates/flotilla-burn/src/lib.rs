@@ -8,19 +8,16 @@
 //! `GradientsParams` to [`DataParallel::average`]: the averaged gradients come back, ready for
 //! the optimizer. No flat buffers in user code.
 //!
-//! For a model too big for one rank, [`Pipeline`] runs one user module per stage ([`PipelineStage`]:
-//! a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and replicas of every
-//! stage (`examples/pipeline_model.rs`).
-//! The other ways of training of `flotilla train`, for the same model and loop:
-//! - [`AsyncAllReduce`] (from a [`DataParallel`] after its broadcasts): gradients averaged by
-//!   the group's background cycle and applied one step stale, each computed at the parameters
-//!   predicted for when it is applied ([`AsyncAllReduce::gradient_point`]); `drain` before
-//!   evaluating or saving.
-//! - [`ModelAveraging`]: local SGD, each rank stepping alone, the parameters (and optionally
-//!   the buffers) averaged every `k` steps.
-//! - [`ps`]: parameter servers: [`ps::serve`] on the server rank(s) with the user's model and
-//!   optimizer (sync rounds, sharded over whole tensors, or async), a [`ps::Worker`] in the
-//!   workers' loops (pull, compute, push); the protocol of `flotilla train`'s servers.
+//! Every other way of training of `flotilla train` — async all-reduce, ZeRO, parameter
+//! servers (flat, sharded, hierarchical; sync or async; model averaging with
+//! `local_steps`) — is the library's one implementation, for a user's module as for a spec
+//! model: [`train`] runs the configured one on a [`UserModule`] (the module says its loss
+//! and logits through [`TrainModule`]), with checkpoints and `--resume`, the timeline,
+//! `/metrics` and the report of a config job (`examples/lenet5_program.rs`).
+//!
+//! For a model too big for one rank, [`Pipeline`] runs one user module per stage
+//! ([`PipelineStage`]: a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and
+//! replicas of every stage (`examples/pipeline_model.rs`).
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any
@@ -56,21 +53,16 @@
 #![warn(missing_docs)]
 
 mod agree;
-mod async_all_reduce;
-mod averaging;
 mod buckets;
 mod checkpoint;
 mod data_parallel;
 mod error;
 mod pipeline;
-pub mod ps;
 mod sync_batch_norm;
 mod user_module;
 
 use std::sync::Arc;
 
-pub use async_all_reduce::{AsyncAllReduce, AsyncConfig, Correction};
-pub use averaging::ModelAveraging;
 pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
@@ -78,7 +70,7 @@ pub use error::{DistError, Result};
 pub use flotilla_comm::pipeline::Schedule;
 pub use flotilla_engine::{BatchRef, TrainModule};
 pub use flotilla_engine::{conv2d, conv2d_relu};
-pub use flotilla_group::{CycleConfig, CycleStats, ProcessGroup, ReduceOp, StallPolicy};
+pub use flotilla_group::{ProcessGroup, ReduceOp};
 pub use flotilla_train::RunSummary;
 pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
@@ -111,14 +103,8 @@ pub fn init() -> Result<Arc<dyn ProcessGroup>> {
 pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
-mod async_tests;
-#[cfg(test)]
-mod averaging_tests;
-#[cfg(test)]
 mod data_parallel_tests;
 #[cfg(test)]
 mod pipeline_tests;
-#[cfg(test)]
-mod ps_tests;
 #[cfg(test)]
 mod sync_batch_norm_tests;

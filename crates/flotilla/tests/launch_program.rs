@@ -1,5 +1,5 @@
 //! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
-//! `custom_model_modes.rs` for the other ways of training, `pipeline_model.rs` for pipeline
+//! `lenet5_program.rs` for the library's run of a user's module, `pipeline_model.rs` for pipeline
 //! stages of the user's own modules, `pipeline_mnist.rs` for flotilla-train's pipeline; built
 //! by `cargo test --release --workspace` with the other examples) as the ranks of a job. The equalities train with SGD and momentum (`OPTIMIZER=sgd`): Adam would divide
 //! a wrongly scaled average of the gradients out of its steps.
@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    config_file, cores_of, example, flotilla, relative_error, run_with_deadline, safetensors_file,
-    text, tmp,
+    checkpoint_tensors, config_file, cores_of, example, flotilla, relative_error,
+    run_with_deadline, safetensors_file, text, tmp,
 };
 
 /// The secret of the jobs the tests below start.
@@ -76,14 +76,40 @@ fn a_user_program_on_2_ranks_or_a_server_and_2_workers_trains_as_on_1_rank_with_
         e <= 1e-5,
         "2 ranks vs 1 rank after 50 steps: relative error {e}"
     );
-    // A sync parameter server's rounds average its 2 workers' gradients, as 1 rank's batch
-    // (the other example, whose `MODE` picks the way of training).
-    let modes = |mode: &str, n: usize, trainers: usize, name: &str| {
-        run_as("custom_model_modes", mode, n, trainers, 50, name)
+    // A sync parameter server's rounds average its 2 workers' gradients, as 1 rank's batch:
+    // LeNet-5 of a program on the library's run (`flotilla_burn::train`), by the settings a
+    // config job reads.
+    let lenet = |yaml: &str, name: &str| {
+        let out = dir.path().join(name);
+        let common = "model: lenet5\nseed: 3\noptimizer: {name: sgd, lr: 0.04, momentum: 0.9}\n";
+        let cfg = config_file(
+            dir.path(),
+            &format!("{name}.yaml"),
+            &format!("{common}{yaml}"),
+        );
+        let mut c = flotilla();
+        c.args([
+            "launch",
+            &cfg,
+            "--output",
+            out.to_str().expect("utf8"),
+            "--",
+        ])
+        .arg(example("lenet5_program"));
+        let o = run_with_deadline(c, Duration::from_secs(240));
+        assert!(o.status.success(), "{name}:\n{}", text(&o));
+        checkpoint_tensors(&out)
     };
-    let one_mlp = modes("sync", 1, 1, "one_mlp.safetensors");
-    let ps = modes("ps", 3, 2, "ps.safetensors");
-    let e = relative_error(&ps, &one_mlp);
+    let one_lenet = lenet(
+        "world_size: 1\nbatch_size: 64\nmax_steps: 50\n",
+        "one-lenet",
+    );
+    let ps = lenet(
+        "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nbatch_size: 32\n\
+         num_server_rounds: 50\n",
+        "ps",
+    );
+    let e = relative_error(&ps, &one_lenet);
     assert!(
         e <= 1e-5,
         "a server and 2 workers vs 1 rank after 50 steps: relative error {e}"
@@ -318,53 +344,6 @@ fn the_pipeline_example_on_2_replicas_trains_what_1_replica_trains() {
         acc_one >= 0.8 && (acc_one - acc_two).abs() <= 0.002,
         "test accuracy: 1 replica {acc_one}, 2 replicas {acc_two}"
     );
-}
-
-/// `examples/custom_model_modes.rs`'s other ways of training, briefly (2 ranks, or a server
-/// and 2 workers, 40 steps of SGD with momentum, a global batch of 64). Model averaging after
-/// every step is sync data parallel: each rank's momentum is linear in its gradients, so the
-/// mean of the ranks' steps is the step of the mean gradient (to f32 rounding). The async
-/// all-reduce (one step stale) and an async parameter server train: the parameters moved and
-/// the printed test accuracy is what 40 steps reach (70%; 77% seen from the server).
-#[test]
-fn the_modes_example_averages_as_sync_and_trains_async() {
-    let dir = tmp();
-    let run = |mode: &str, n: usize, trainers: usize, steps: usize, extra: &[(&str, &str)]| {
-        let out = dir.path().join(format!("{mode}-{n}-{steps}.safetensors"));
-        let mut env = vec![
-            ("MODE", mode.to_string()),
-            ("STEPS", steps.to_string()),
-            ("BATCH", (64 / trainers).to_string()),
-            ("OPTIMIZER", "sgd".to_string()),
-            ("OUT", out.display().to_string()),
-            ("FLOTILLA_SECRET", SECRET.to_string()),
-        ];
-        env.extend(extra.iter().map(|(k, v)| (*k, v.to_string())));
-        let o = launch("custom_model_modes", n, &env, Duration::from_secs(240));
-        assert!(o.status.success(), "{mode} on {n} ranks:\n{}", text(&o));
-        (safetensors_file(&out), printed(&o, "test accuracy "))
-    };
-    let (initial, _) = run("sync", 2, 2, 0, &[]);
-    let (sync, _) = run("sync", 2, 2, 40, &[]);
-    let (averaged, _) = run("averaging", 2, 2, 40, &[("AVERAGE_EVERY", "1")]);
-    let moved = relative_error(&sync, &initial);
-    assert!(moved > 1e-2, "40 steps did not train: {moved}");
-    // Rounding differs (the ranks' parameters are averaged, not their gradients) and 40
-    // steps amplify it: 6e-5 seen; an average of the wrong scale is off by far more.
-    let e = relative_error(&averaged, &sync);
-    assert!(
-        e <= 3e-4,
-        "averaging every step vs sync: relative error {e}"
-    );
-    let (stale, acc_async) = run("async", 2, 2, 40, &[]);
-    let (served, acc_ps) = run("ps", 3, 2, 40, &[("PS_ASYNC", "1")]);
-    for (name, t, acc) in [("async", &stale, acc_async), ("async ps", &served, acc_ps)] {
-        let moved = relative_error(t, &initial);
-        assert!(
-            moved > 1e-2 && acc >= 0.7,
-            "{name}: moved {moved}, accuracy {acc}"
-        );
-    }
 }
 
 /// What rank 0 of `examples/pipeline_mnist.rs` printed at the end: test accuracy and loss
