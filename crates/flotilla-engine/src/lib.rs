@@ -72,7 +72,7 @@ pub use module_engine::{ModuleEngine, TrainModule};
 pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
-pub use placement::Placement;
+pub use placement::ParamPlacement;
 pub use profile::profile;
 pub use reshard::{FlatOptimizerState, StatePart};
 pub use shard_optim::{

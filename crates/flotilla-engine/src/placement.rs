@@ -17,7 +17,7 @@ use crate::params::ParamLayout;
 
 /// Where every parameter tensor of a model is, read from the tensors.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Placement {
+pub struct ParamPlacement {
     /// The backend and device every parameter tensor's primitive belongs to: `flex`,
     /// `ndarray`, `libtorch`, `cuda:1`, `wgpu (Cpu on Vulkan)` (the wgpu adapter's kind and
     /// graphics API); an autodiff tensor names the device it wraps.
@@ -26,15 +26,15 @@ pub struct Placement {
     pub tensors: usize,
 }
 
-impl Placement {
-    /// The backend alone: [`Placement::device`] up to its first `:` or space (`flex`,
+impl ParamPlacement {
+    /// The backend alone: [`ParamPlacement::device`] up to its first `:` or space (`flex`,
     /// `wgpu`, `cuda`).
     pub fn backend(&self) -> &str {
         self.device.split([':', ' ']).next().unwrap_or(&self.device)
     }
 }
 
-impl fmt::Display for Placement {
+impl fmt::Display for ParamPlacement {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -46,7 +46,7 @@ impl fmt::Display for Placement {
 
 /// Where the parameters of `model` (laid out as `layout`) are: `None` for a model without
 /// parameters; [`EngineError::MixedDevices`] when a tensor is not where the first one is.
-pub(crate) fn of<M: Module>(model: &M, layout: &ParamLayout) -> Result<Option<Placement>> {
+pub(crate) fn of<M: Module>(model: &M, layout: &ParamLayout) -> Result<Option<ParamPlacement>> {
     struct Devices(Vec<String>);
     impl ModuleVisitor for Devices {
         fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
@@ -73,13 +73,13 @@ pub(crate) fn of<M: Module>(model: &M, layout: &ParamLayout) -> Result<Option<Pl
             device: other.clone(),
         });
     }
-    Ok(Some(Placement {
+    Ok(Some(ParamPlacement {
         device: first.clone(),
         tensors: seen.len(),
     }))
 }
 
-/// The backend and device of `device` (see [`Placement::device`]).
+/// The backend and device of `device` (see [`ParamPlacement::device`]).
 pub(crate) fn device_label(device: &Device) -> String {
     dispatch_label(device.as_dispatch())
 }

@@ -21,7 +21,7 @@ use crate::error::{EngineError, Result};
 use crate::model::{Identity, Layer, SequentialModel};
 use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
-use crate::placement::Placement;
+use crate::placement::ParamPlacement;
 use crate::spec::ModelSpec;
 use crate::state_check::{Expected, check_state_shapes};
 
@@ -116,7 +116,7 @@ pub trait ModelState {
     /// model was built for: the evidence that training runs on the backend it was asked for.
     /// `None` for a model without parameters (a stage of parameterless layers);
     /// [`crate::EngineError::MixedDevices`] when the tensors are not all on one device.
-    fn param_placement(&self) -> Result<Option<Placement>>;
+    fn param_placement(&self) -> Result<Option<ParamPlacement>>;
 
     /// Where each buffer lives in the flat buffer view: the running statistics of every batch
     /// norm (`layers.<i>.running_mean`, `layers.<i>.running_var`), in layer order. They are
@@ -311,7 +311,7 @@ impl<M: Module> ModelState for Weights<M> {
         Ok(())
     }
 
-    fn param_placement(&self) -> Result<Option<Placement>> {
+    fn param_placement(&self) -> Result<Option<ParamPlacement>> {
         crate::placement::of(self.model()?, &self.layout)
     }
 
@@ -413,7 +413,7 @@ macro_rules! delegate_model_state {
             }
             fn param_placement(
                 &self,
-            ) -> $crate::error::Result<Option<$crate::placement::Placement>> {
+            ) -> $crate::error::Result<Option<$crate::placement::ParamPlacement>> {
                 self.weights.param_placement()
             }
             fn buffer_layout(&self) -> &$crate::params::ParamLayout {

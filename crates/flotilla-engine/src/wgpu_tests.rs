@@ -184,7 +184,7 @@ fn flat_views_cross_to_the_device_and_back_bitwise() {
 }
 
 /// Where `e`'s parameter tensors are (it has some).
-fn placed(e: &dyn ModelState) -> crate::Placement {
+fn placed(e: &dyn ModelState) -> crate::ParamPlacement {
     e.param_placement().expect("placement").expect("parameters")
 }
 

@@ -44,7 +44,7 @@ use std::time::{Duration, Instant};
 use crate::error::CommError;
 use crate::group::ProcessGroup;
 use crate::pending::{Pending, PendingSender};
-use crate::stall::{StallPolicy, StallWatch, Stalled, Verdict};
+use crate::stall::{StallPolicy, StallVerdict, StallWatch, Stalled};
 use negotiate::{Agreement, Announce, Names};
 
 /// How the cycle runs.
@@ -377,12 +377,12 @@ impl Cycle {
     /// The stall inspector: warn, or give up (announced in the next cycle).
     fn inspect(&mut self, agreement: &Agreement, now: Instant) {
         match self.watch.observe(&agreement.partial, now) {
-            Verdict::Quiet => {}
-            Verdict::Warn(stalled) => {
+            StallVerdict::Quiet => {}
+            StallVerdict::Warn(stalled) => {
                 let (what, _) = self.describe(&stalled);
                 tracing::warn!(target: "flotilla::stall", "stall: {what}");
             }
-            Verdict::Abort(stalled) => {
+            StallVerdict::Abort(stalled) => {
                 let (what, waiting_for) = self.describe(&stalled);
                 tracing::error!(target: "flotilla::stall", "stall: {what}; aborting");
                 self.give_up = Some(CommError::Stalled {
@@ -411,8 +411,8 @@ impl Cycle {
             })
             .collect();
         let waited = match self.watch.observe(&agreement.partial, now) {
-            Verdict::Warn(s) | Verdict::Abort(s) => s.first().map(|s| s.waited),
-            Verdict::Quiet => None,
+            StallVerdict::Warn(s) | StallVerdict::Abort(s) => s.first().map(|s| s.waited),
+            StallVerdict::Quiet => None,
         };
         let (what, waiting_for) = self.describe(&stalled);
         CommError::Stalled {

@@ -46,7 +46,7 @@ pub struct Stalled {
 
 /// What to do after a cycle.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Verdict {
+pub enum StallVerdict {
     /// Nothing waited too long (or the last warning is recent).
     Quiet,
     /// Log these (oldest first).
@@ -81,7 +81,7 @@ impl StallWatch {
 
     /// Records the entries found partial at `now` (id, missing ranks); entries no longer
     /// partial are forgotten.
-    pub fn observe(&mut self, partial: &[(u32, Vec<usize>)], now: Instant) -> Verdict {
+    pub fn observe(&mut self, partial: &[(u32, Vec<usize>)], now: Instant) -> StallVerdict {
         self.since
             .retain(|id, _| partial.iter().any(|(p, _)| p == id));
         let mut stalled: Vec<Stalled> = partial
@@ -98,19 +98,21 @@ impl StallWatch {
             .collect();
         if stalled.is_empty() {
             self.last_warning = None;
-            return Verdict::Quiet;
+            return StallVerdict::Quiet;
         }
         stalled.sort_by(|a, b| b.waited.cmp(&a.waited).then(a.id.cmp(&b.id)));
         if let Some(limit) = self.policy.shutdown
             && stalled[0].waited >= limit
         {
-            return Verdict::Abort(stalled);
+            return StallVerdict::Abort(stalled);
         }
         match self.last_warning {
-            Some(t) if now.saturating_duration_since(t) < self.policy.warning => Verdict::Quiet,
+            Some(t) if now.saturating_duration_since(t) < self.policy.warning => {
+                StallVerdict::Quiet
+            }
             _ => {
                 self.last_warning = Some(now);
-                Verdict::Warn(stalled)
+                StallVerdict::Warn(stalled)
             }
         }
     }
@@ -142,11 +144,11 @@ mod tests {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         let partial = vec![(7, vec![1]), (2, vec![0, 3])];
-        assert_eq!(w.observe(&partial, at(0)), Verdict::Quiet);
-        assert_eq!(w.observe(&partial[..1], at(5)), Verdict::Quiet);
+        assert_eq!(w.observe(&partial, at(0)), StallVerdict::Quiet);
+        assert_eq!(w.observe(&partial[..1], at(5)), StallVerdict::Quiet);
         // id 2 completed at 5 s and is partial again from 6 s: its clock restarts.
-        assert_eq!(w.observe(&partial, at(6)), Verdict::Quiet);
-        let Verdict::Warn(s) = w.observe(&partial, at(10)) else {
+        assert_eq!(w.observe(&partial, at(6)), StallVerdict::Quiet);
+        let StallVerdict::Warn(s) = w.observe(&partial, at(10)) else {
             panic!("a warning at 10 s")
         };
         assert_eq!(
@@ -157,16 +159,16 @@ mod tests {
                 waited: Duration::from_secs(10)
             }]
         );
-        assert_eq!(w.observe(&partial, at(19)), Verdict::Quiet);
-        let Verdict::Warn(s) = w.observe(&partial, at(20)) else {
+        assert_eq!(w.observe(&partial, at(19)), StallVerdict::Quiet);
+        let StallVerdict::Warn(s) = w.observe(&partial, at(20)) else {
             panic!("again at 20 s")
         };
         assert_eq!(s.iter().map(|s| s.id).collect::<Vec<_>>(), vec![7, 2]);
-        let Verdict::Abort(s) = w.observe(&partial, at(25)) else {
+        let StallVerdict::Abort(s) = w.observe(&partial, at(25)) else {
             panic!("abort at 25 s")
         };
         assert_eq!(s[0].waited, Duration::from_secs(25));
-        assert_eq!(w.observe(&[], at(26)), Verdict::Quiet);
+        assert_eq!(w.observe(&[], at(26)), StallVerdict::Quiet);
     }
 
     #[test]
@@ -180,7 +182,7 @@ mod tests {
         w.observe(&p, t0);
         for s in 1..100 {
             let v = w.observe(&p, t0 + Duration::from_secs(s));
-            assert!(matches!(v, Verdict::Warn(_)), "{v:?}");
+            assert!(matches!(v, StallVerdict::Warn(_)), "{v:?}");
         }
     }
 }

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use super::{StallPolicy, StallWatch, Stalled, Verdict};
+use super::{StallPolicy, StallVerdict, StallWatch, Stalled};
 use crate::error::CommError;
 use crate::group::{Activity, ProcessGroup};
 
@@ -212,12 +212,12 @@ fn watch(
             .map(|(seq, missing)| (*seq as u32, missing.clone()))
             .collect();
         match clock.observe(&ids, Instant::now()) {
-            Verdict::Quiet => {}
-            Verdict::Warn(_) => {
+            StallVerdict::Quiet => {}
+            StallVerdict::Warn(_) => {
                 let what = describe(target, &found, &activity);
                 tracing::warn!(target: "flotilla::stall", "stall: {what}");
             }
-            Verdict::Abort(s) => {
+            StallVerdict::Abort(s) => {
                 let what = describe(target, &found, &activity);
                 let waited = s.first().map_or(Duration::ZERO, |s: &Stalled| s.waited);
                 tracing::error!(target: "flotilla::stall", "stall: {what}; aborting");

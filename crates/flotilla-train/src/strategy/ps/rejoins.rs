@@ -7,7 +7,7 @@ use std::fmt;
 
 /// One rejoin of a replaced worker, as its server saw it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Rejoin {
+pub struct WorkerRejoin {
     /// The worker's rank.
     pub rank: usize,
     /// Which rejoin of this rank it is (1 for its first replacement).
@@ -18,7 +18,7 @@ pub struct Rejoin {
     pub accepted: u64,
 }
 
-impl fmt::Display for Rejoin {
+impl fmt::Display for WorkerRejoin {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
@@ -31,14 +31,14 @@ impl fmt::Display for Rejoin {
 /// Every rejoin a server saw, in order, with the pushes it accepted from each replacement.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Rejoins {
-    list: Vec<Rejoin>,
+    list: Vec<WorkerRejoin>,
 }
 
 impl Rejoins {
     /// `rank` came back while the server held parameters of `version`.
-    pub fn back(&mut self, rank: usize, version: u64) -> Rejoin {
+    pub fn back(&mut self, rank: usize, version: u64) -> WorkerRejoin {
         let nth = self.list.iter().filter(|r| r.rank == rank).count() as u32 + 1;
-        let r = Rejoin {
+        let r = WorkerRejoin {
             rank,
             nth,
             version,
@@ -57,7 +57,7 @@ impl Rejoins {
     }
 
     /// Every rejoin so far, in order.
-    pub fn all(&self) -> &[Rejoin] {
+    pub fn all(&self) -> &[WorkerRejoin] {
         &self.list
     }
 }
@@ -79,13 +79,13 @@ mod tests {
         assert_eq!(
             r.all(),
             [
-                Rejoin {
+                WorkerRejoin {
                     rank: 2,
                     nth: 1,
                     version: 1200,
                     accepted: 2
                 },
-                Rejoin {
+                WorkerRejoin {
                     rank: 2,
                     nth: 2,
                     version: 3600,
