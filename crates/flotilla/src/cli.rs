@@ -194,6 +194,11 @@ pub struct CompareArgs {
     /// Threads per rank (as `flotilla launch --threads`).
     #[arg(long, default_value_t = 1)]
     pub threads: usize,
+    /// A program to run as each strategy's ranks instead of `flotilla train`, after `--`
+    /// (one on `flotilla_burn::train`: `flotilla compare -- target/release/examples/lenet5_program`),
+    /// given each strategy's settings as `flotilla launch -- PROGRAM` gives them.
+    #[arg(last = true, value_name = "PROGRAM")]
+    pub program: Vec<std::ffi::OsString>,
 }
 
 /// `flotilla bench ...`.

@@ -2,7 +2,8 @@
 //! seed trained in each strategy, one after the other on this machine, each launched as
 //! `flotilla launch` launches (into `OUTPUT/<strategy>/`, where its rank 0 writes its
 //! `summary.json`), then one report of them all ([`crate::compare_report`]). A strategy that
-//! cannot run this config fails in its own row, not the whole comparison.
+//! cannot run this config fails in its own row, not the whole comparison. After `--`, a
+//! program (one on `flotilla_burn::train`) runs as each strategy's ranks instead.
 
 use std::path::Path;
 
@@ -121,9 +122,13 @@ fn run_one(
             bind: crate::binding::Bind::default(),
             max_restarts: 0,
             remote: RemoteArgs::default(),
-            program: Vec::new(),
+            program: args.program.clone(),
         };
-        launch_cmd::launch(config, &opts)?;
+        if opts.program.is_empty() {
+            launch_cmd::launch(config, &opts)?;
+        } else {
+            crate::launch_program::launch(config, &opts)?;
+        }
         RunFacts::from_summary(&report::read_summary(&dir)?)
     })();
     facts.map_err(|e| format!("{e:#}"))

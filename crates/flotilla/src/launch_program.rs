@@ -31,7 +31,13 @@ use flotilla_rank::telemetry;
 
 /// Runs `flotilla launch ... -- PROGRAM ARGS...`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    let mut config = settings::effective_config(&args.run, false)?;
+    launch(settings::effective_config(&args.run, false)?, args)
+}
+
+/// Starts `args.program` as the ranks of the job `config` describes (supervised, restarted
+/// up to `args.max_restarts` times): `flotilla launch -- PROGRAM`, and each strategy of
+/// `flotilla compare -- PROGRAM`.
+pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     // Checked once here, as each rank would check it (`flotilla_train::program::settings`).
     config.validate()?;
     // One secret for every start of the program, removed at the end.

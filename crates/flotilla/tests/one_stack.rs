@@ -284,3 +284,40 @@ fn a_pipeline_of_a_users_module_is_refused_with_what_to_do() {
         text(&o)
     );
 }
+
+/// `flotilla compare -- PROGRAM` runs each strategy with the program as its ranks: the
+/// user's module ends each strategy as the spec model's comparison does, bit for bit.
+#[test]
+fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
+    let dir = tmp();
+    let exe = program();
+    let compare = |name: &str, extra: &[&str]| -> PathBuf {
+        let out = dir.path().join(name);
+        let mut c = flotilla();
+        c.args(["compare", "--strategies", "sync_allreduce,ps_flat_sync"])
+            .args(["--max-steps", "40", "--batch-size", "32", "--seed", "5"])
+            .args(["--output", out.to_str().expect("utf8")])
+            .args(extra);
+        let o = run_with_deadline(c, LIMIT);
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        out
+    };
+    let spec = compare("spec", &[]);
+    let user = compare("user", &["--", exe.to_str().expect("utf8")]);
+    for strategy in ["sync_allreduce", "ps_flat_sync"] {
+        let renamed = |t: Tensors| -> Tensors {
+            t.into_iter()
+                .map(|(k, v)| match k.starts_with("layers.") {
+                    true => (k, v),
+                    false => (spec_name(&k), v),
+                })
+                .collect()
+        };
+        let a = renamed(checkpoint_tensors(&spec.join(strategy)));
+        let b = checkpoint_tensors(&user.join(strategy));
+        // The program's ranks wrote it: its module's own names, not the spec's.
+        assert!(b.contains_key("conv1.weight"), "{strategy}: {:?}", b.keys());
+        let b = renamed(b);
+        assert_bitwise(&format!("compare {strategy}: program vs spec"), &b, &a);
+    }
+}
