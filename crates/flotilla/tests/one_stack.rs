@@ -321,3 +321,44 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
         assert_bitwise(&format!("compare {strategy}: program vs spec"), &b, &a);
     }
 }
+
+/// Gradient accumulation (`accumulation_steps: 2`, DDP's `no_sync`): 2 ranks of 2
+/// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 gives
+/// the bits of plain all-reduce; the user's module the bits of the spec model.
+#[test]
+fn gradient_accumulation() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let two = "world_size: 2\nbatch_size: 16\naccumulation_steps: 2\nmax_steps: 50\n";
+    let spec = run(dir.path(), "two", two, &[]);
+    let one = run(
+        dir.path(),
+        "one",
+        "world_size: 1\nbatch_size: 64\nmax_steps: 50\n",
+        &[],
+    );
+    let initial = run(dir.path(), "initial", "max_steps: 0\n", &[]);
+    let moved = relative_error(&one, &initial);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    let e = relative_error(&spec, &one);
+    assert!(
+        e <= 1e-5,
+        "2 ranks x 2 micro-batches vs 1 rank: relative error {e}"
+    );
+    let unaccumulated = run(
+        dir.path(),
+        "two-plain",
+        "world_size: 2\nbatch_size: 16\nmax_steps: 50\n",
+        &[],
+    );
+    let e = relative_error(&unaccumulated, &one);
+    assert!(
+        e > 1e-3,
+        "the check cannot tell half the batch from all of it ({e})"
+    );
+    let zero = run(dir.path(), "two-zero1", &format!("{two}zero: 1\n"), &[]);
+    assert_bitwise("accumulation: ZeRO-1 vs all-reduce", &zero, &spec);
+    let user = run(dir.path(), "two-user", two, &["--", exe]);
+    assert_bitwise("accumulation: user module vs spec model", &user, &spec);
+}

@@ -51,6 +51,11 @@ pub struct AllReduceSection {
     /// all-reduced (each rank keeps only its shard's gradient sums and one bucket's wire
     /// buffer). On one rank every stage is 0 (nothing to shard).
     pub zero: u8,
+    /// Sync: micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
+    /// DeepSpeed's `gradient_accumulation_steps`): a rank differentiates each, sums their
+    /// gradients locally and all-reduces once, after the last; the step's global batch is
+    /// `batch_size × accumulation_steps × ranks`. 1: every batch is a step.
+    pub accumulation_steps: u32,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,
     /// Async: fusion buffer size in bytes (0: one all-reduce per tensor).
@@ -74,6 +79,7 @@ impl Default for AllReduceSection {
             overlap: true,
             sync_batch_norm: false,
             zero: 0,
+            accumulation_steps: 1,
             cycle_duration_ms: 5.0,
             all_reduce_buffer_size: 64 << 20,
             staleness: 1,

@@ -254,6 +254,8 @@ pub const KEYS: &[Key] = &[
     Key::new("allreduce.overlap").aliases(&["overlap"]),
     Key::new("allreduce.sync_batch_norm").aliases(&["sync_batch_norm"]),
     Key::new("allreduce.zero").aliases(&["zero"]),
+    Key::new("allreduce.accumulation_steps")
+        .aliases(&["accumulation_steps", "gradient_accumulation_steps"]),
     Key::new("allreduce.cycle_duration_ms").aliases(&["cycle_duration_ms"]),
     Key::new("allreduce.all_reduce_buffer_size").aliases(&["all_reduce_buffer_size"]),
     Key::new("allreduce.staleness").aliases(&["staleness"]),

@@ -179,6 +179,17 @@ impl TrainConfig {
                 ),
             ));
         }
+        let k = self.allreduce.accumulation_steps;
+        if k == 0 || (k > 1 && (!sync_mode || self.allreduce.zero > 1)) {
+            return Err(bad(
+                "allreduce.accumulation_steps",
+                format!(
+                    "{k}: at least 1, and more than 1 only under sync data-parallel all-reduce \
+                     with zero 0 or 1 (here arch {}, mode {:?}, zero {})",
+                    t.arch, self.allreduce.mode, self.allreduce.zero
+                ),
+            ));
+        }
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
@@ -210,6 +221,21 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn accumulation_is_refused_where_no_strategy_accumulates() {
+        let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
+        check("accumulation_steps: 4\nzero: 1\n").expect("sync all-reduce accumulates");
+        for yaml in [
+            "accumulation_steps: 0\n",
+            "accumulation_steps: 2\nzero: 2\n",
+            "accumulation_steps: 2\nstrategy: async_allreduce\n",
+            "accumulation_steps: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+        ] {
+            let e = check(yaml).expect_err(yaml).to_string();
+            assert!(e.contains("allreduce.accumulation_steps"), "{yaml}: {e}");
+        }
+    }
 
     #[test]
     fn bad_values_name_the_key() {

@@ -56,6 +56,13 @@ pub struct SyncAllReduce {
     flat: Vec<f32>,
     /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
     zero: Option<Zero>,
+    /// Micro-batches per step (`allreduce.accumulation_steps`).
+    accumulation: usize,
+    /// The local sum of the gradients of a step's micro-batches before its last (flat order;
+    /// empty without accumulation).
+    accumulated: Vec<f32>,
+    /// The sum of those micro-batches' losses.
+    accumulated_loss: f32,
 }
 
 impl SyncAllReduce {
@@ -100,6 +107,9 @@ impl SyncAllReduce {
             plan,
             overlap: config.allreduce.overlap,
             buffers: Vec::new(),
+            accumulation: config.allreduce.accumulation_steps.max(1) as usize,
+            accumulated: Vec::new(),
+            accumulated_loss: 0.0,
         })
     }
 
@@ -287,7 +297,8 @@ impl Strategy for SyncAllReduce {
         };
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
-        let stats = self.step_on(batch, lr)?;
+        let last = self.accumulate(batch)?;
+        let stats = self.step_on(last, lr)?;
         Ok(Step {
             progressed: true,
             loss: Some(stats.global_loss),
@@ -298,6 +309,47 @@ impl Strategy for SyncAllReduce {
 }
 
 impl SyncAllReduce {
+    /// Differentiates every micro-batch of `batch` but its last (`accumulation_steps` of
+    /// them, in order), summing their gradients and losses locally (no collective: DDP's
+    /// `no_sync`); returns the last, which [`Self::all_reduce_step`] adds them to. Without
+    /// accumulation, `batch` itself.
+    fn accumulate<'b>(&mut self, batch: BatchRef<'b>) -> Result<BatchRef<'b>> {
+        let k = self.accumulation;
+        self.accumulated_loss = 0.0;
+        if k == 1 {
+            self.accumulated.clear();
+            return Ok(batch);
+        }
+        let lps = self.engine.labels_per_sample().max(1);
+        let n = batch.labels.len() / lps;
+        if n == 0 || !n.is_multiple_of(k) {
+            return Err(TrainError::config(
+                "allreduce.accumulation_steps",
+                format!("a batch of {n} samples does not cut into {k} equal micro-batches"),
+            ));
+        }
+        let (inputs, labels) = (batch.images.len() / k, batch.labels.len() / k);
+        let micro = |j: usize| BatchRef {
+            images: &batch.images[j * inputs..(j + 1) * inputs],
+            labels: &batch.labels[j * labels..(j + 1) * labels],
+        };
+        self.accumulated.clear();
+        self.accumulated.resize(self.layout.total, 0.0);
+        let layout = &self.layout;
+        for j in 0..k - 1 {
+            self.accumulated_loss += self.engine.forward_backward(micro(j))?;
+            let sum = &mut self.accumulated;
+            self.engine.for_each_grad(&mut |i, g| {
+                let p = &layout.params[i];
+                for (a, x) in sum[p.offset..p.offset + p.len].iter_mut().zip(g) {
+                    *a += x;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(micro(k - 1))
+    }
+
     /// One training step on this rank's batch at learning rate `lr`.
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
         let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
@@ -340,13 +392,23 @@ impl SyncAllReduce {
         let local_loss = {
             let (plan, layout, buffers, comm) =
                 (&self.plan, &self.layout, &mut self.buffers, &self.comm);
+            let (accumulated, k_micro) = (&self.accumulated, self.accumulation as f32);
             let mut filled = vec![0usize; count];
             let pending = &mut pending;
             let mut on_grad = |i: usize, grad: &[f32]| {
                 let k = plan.bucket_of(i);
                 let bucket = &plan.buckets[k];
                 let at = layout.params[i].offset - bucket.start;
-                buffers[k][at..at + grad.len()].copy_from_slice(grad);
+                let dst = &mut buffers[k][at..at + grad.len()];
+                match accumulated.get(layout.params[i].offset..) {
+                    // The earlier micro-batches' sum, plus this one's.
+                    Some(sum) if !sum.is_empty() => {
+                        for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
+                            *d = g + a;
+                        }
+                    }
+                    _ => dst.copy_from_slice(grad),
+                }
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
                 if filled[k] == bucket.params.len() && k != last {
@@ -363,7 +425,8 @@ impl SyncAllReduce {
             };
             if let Some(buffer) = buffers.get_mut(last) {
                 let n = plan.buckets[last].len();
-                buffer[n] = loss;
+                // The mean of the step's micro-batch losses.
+                buffer[n] = (self.accumulated_loss + loss) / k_micro;
                 pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
             }
             loss
@@ -376,7 +439,10 @@ impl SyncAllReduce {
     /// gradient (zero 0) or this rank's shard of it (stage 1: [`Zero::keep_shard`]);
     /// returns the global mean loss of the last bucket's slot.
     fn wait_buckets(&mut self, pending: Vec<Option<PendingAllReduce>>) -> Result<Option<f32>> {
-        let scale = 1.0 / self.comm.size() as f32;
+        // The mean over the ranks and a step's micro-batches; the loss slot holds a mean
+        // over the micro-batches already.
+        let micro = self.accumulation as f32;
+        let scale = 1.0 / (self.comm.size() as f32 * micro);
         let last = self.plan.buckets.len().saturating_sub(1);
         let mut global_loss = None;
         for (k, p) in pending.into_iter().enumerate() {
@@ -397,7 +463,7 @@ impl SyncAllReduce {
                 }
             }
             if k == last {
-                global_loss = Some(summed[bucket.len()] * scale);
+                global_loss = Some(summed[bucket.len()] * scale * micro);
             }
             self.buffers[k] = summed;
         }
