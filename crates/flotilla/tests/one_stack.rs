@@ -362,3 +362,51 @@ fn gradient_accumulation() {
     let user = run(dir.path(), "two-user", two, &["--", exe]);
     assert_bitwise("accumulation: user module vs spec model", &user, &spec);
 }
+
+/// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
+/// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
+/// (the norm summed from the ranks' shards) gives the bits of plain all-reduce, and the
+/// user's module the bits of the spec model.
+#[test]
+fn clipping_by_global_norm() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let clip = "clip_grad_norm: 0.5\nmax_steps: 50\n";
+    let two = run(
+        dir.path(),
+        "two",
+        &format!("world_size: 2\nbatch_size: 32\n{clip}"),
+        &[],
+    );
+    let one = run(
+        dir.path(),
+        "one",
+        &format!("world_size: 1\nbatch_size: 64\n{clip}"),
+        &[],
+    );
+    let e = relative_error(&two, &one);
+    assert!(e <= 1e-5, "clipped: 2 ranks vs 1 rank: relative error {e}");
+    let unclipped = run(
+        dir.path(),
+        "unclipped",
+        "world_size: 1\nbatch_size: 64\nmax_steps: 50\n",
+        &[],
+    );
+    let e = relative_error(&unclipped, &one);
+    assert!(e > 1e-3, "clipping at 0.5 changed nothing ({e})");
+    let zero = run(
+        dir.path(),
+        "zero1",
+        &format!("world_size: 2\nbatch_size: 32\nzero: 1\n{clip}"),
+        &[],
+    );
+    assert_bitwise("clipped: ZeRO-1 vs all-reduce", &zero, &two);
+    let user = run(
+        dir.path(),
+        "user",
+        &format!("world_size: 2\nbatch_size: 32\n{clip}"),
+        &["--", exe],
+    );
+    assert_bitwise("clipped: user module vs spec model", &user, &two);
+}

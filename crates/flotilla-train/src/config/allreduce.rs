@@ -56,6 +56,10 @@ pub struct AllReduceSection {
     /// gradients locally and all-reduces once, after the last; the step's global batch is
     /// `batch_size × accumulation_steps × ranks`. 1: every batch is a step.
     pub accumulation_steps: u32,
+    /// Sync: clip the averaged gradient to this global L2 norm before the optimizer step
+    /// (PyTorch's `clip_grad_norm_`: scaled by `min(1, max / (norm + 1e-6))`), the norm over
+    /// every parameter also under ZeRO. None: no clipping.
+    pub clip_grad_norm: Option<f64>,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,
     /// Async: fusion buffer size in bytes (0: one all-reduce per tensor).
@@ -80,6 +84,7 @@ impl Default for AllReduceSection {
             sync_batch_norm: false,
             zero: 0,
             accumulation_steps: 1,
+            clip_grad_norm: None,
             cycle_duration_ms: 5.0,
             all_reduce_buffer_size: 64 << 20,
             staleness: 1,

@@ -256,6 +256,7 @@ pub const KEYS: &[Key] = &[
     Key::new("allreduce.zero").aliases(&["zero"]),
     Key::new("allreduce.accumulation_steps")
         .aliases(&["accumulation_steps", "gradient_accumulation_steps"]),
+    Key::new("allreduce.clip_grad_norm").aliases(&["clip_grad_norm", "max_grad_norm"]),
     Key::new("allreduce.cycle_duration_ms").aliases(&["cycle_duration_ms"]),
     Key::new("allreduce.all_reduce_buffer_size").aliases(&["all_reduce_buffer_size"]),
     Key::new("allreduce.staleness").aliases(&["staleness"]),

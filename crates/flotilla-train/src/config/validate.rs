@@ -190,6 +190,19 @@ impl TrainConfig {
                 ),
             ));
         }
+        if let Some(max) = self.allreduce.clip_grad_norm {
+            positive("allreduce.clip_grad_norm", max, "norm")?;
+            if !sync_mode || self.allreduce.zero > 1 {
+                return Err(bad(
+                    "allreduce.clip_grad_norm",
+                    format!(
+                        "clipping by global norm runs in sync data-parallel all-reduce with \
+                         zero 0 or 1 only (here arch {}, mode {:?}, zero {})",
+                        t.arch, self.allreduce.mode, self.allreduce.zero
+                    ),
+                ));
+            }
+        }
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
@@ -223,7 +236,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn accumulation_is_refused_where_no_strategy_accumulates() {
+    fn accumulation_and_clipping_are_refused_where_no_strategy_does_them() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         check("accumulation_steps: 4\nzero: 1\n").expect("sync all-reduce accumulates");
         for yaml in [
@@ -234,6 +247,16 @@ mod tests {
         ] {
             let e = check(yaml).expect_err(yaml).to_string();
             assert!(e.contains("allreduce.accumulation_steps"), "{yaml}: {e}");
+        }
+        check("clip_grad_norm: 1.0\nzero: 1\n").expect("sync all-reduce clips");
+        for yaml in [
+            "clip_grad_norm: 0\n",
+            "clip_grad_norm: -1\n",
+            "clip_grad_norm: 1.0\nzero: 2\n",
+            "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
+        ] {
+            let e = check(yaml).expect_err(yaml).to_string();
+            assert!(e.contains("allreduce.clip_grad_norm"), "{yaml}: {e}");
         }
     }
 

@@ -63,6 +63,8 @@ pub struct SyncAllReduce {
     accumulated: Vec<f32>,
     /// The sum of those micro-batches' losses.
     accumulated_loss: f32,
+    /// Clip the averaged gradient to this global norm (`allreduce.clip_grad_norm`).
+    clip_grad_norm: Option<f64>,
 }
 
 impl SyncAllReduce {
@@ -110,6 +112,7 @@ impl SyncAllReduce {
             accumulation: config.allreduce.accumulation_steps.max(1) as usize,
             accumulated: Vec::new(),
             accumulated_loss: 0.0,
+            clip_grad_norm: config.allreduce.clip_grad_norm,
         })
     }
 
@@ -363,6 +366,13 @@ impl SyncAllReduce {
             )?,
             None => self.all_reduce_step(batch)?,
         };
+        if let Some(max) = self.clip_grad_norm {
+            let (grads, sharded) = match &mut self.zero {
+                Some(zero) => (zero.grad_mut(), true),
+                None => (self.flat.as_mut_slice(), false),
+            };
+            super::clip::clip(grads, max, sharded, &self.plan, &*self.comm)?;
+        }
         let engine = &mut *self.engine;
         let global_loss = match &mut self.zero {
             Some(zero) => zero.step(engine, reduced_loss, lr)?,

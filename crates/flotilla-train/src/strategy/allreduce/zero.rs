@@ -169,6 +169,12 @@ impl Zero {
         }
     }
 
+    /// This rank's shard of the averaged gradient (its owned ranges, in flat order), as
+    /// [`Zero::keep_shard`] left it: what its optimizer step applies.
+    pub fn grad_mut(&mut self) -> &mut [f32] {
+        &mut self.grad
+    }
+
     /// Bytes of gradient this rank keeps for its optimizer step (its shard's: 1/N).
     pub fn gradient_bytes(&self) -> usize {
         self.grad.capacity() * std::mem::size_of::<f32>()
