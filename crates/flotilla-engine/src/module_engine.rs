@@ -131,16 +131,11 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<f32> {
         let loss = self.forward_backward(batch)?;
-        let (groups, layout) = (&self.groups, &self.weights.layout);
-        let mut grads: Vec<Option<Vec<f32>>> = vec![None; layout.params.len()];
-        grouped::for_each_grad(self.weights.model()?, layout, &self.grads, &mut |i, g| {
-            grads[i] = Some(g.to_vec());
-            Ok(())
-        })?;
-        for i in groups.iter().flat_map(Range::clone) {
-            if let Some(g) = grads[i].take() {
-                ready(i, &g)?;
-            }
+        // Read group by group from the one backward's gradients, no copy in between.
+        let (model, layout) = (self.weights.model()?, &self.weights.layout);
+        let grads = self.grads.first().and_then(|g| g.grads.as_ref());
+        for group in &self.groups {
+            params::for_each_grad_in(model, grads, layout, group.clone(), ready)?;
         }
         Ok(loss)
     }

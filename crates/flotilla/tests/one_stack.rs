@@ -44,6 +44,16 @@ fn spec_name(user: &str) -> String {
     format!("layers.{index}.{what}")
 }
 
+/// `t` under the spec's names (a user's checkpoint renamed; a spec's as it is).
+fn spec_names(t: Tensors) -> Tensors {
+    t.into_iter()
+        .map(|(k, v)| match k.starts_with("layers.") {
+            true => (k, v),
+            false => (spec_name(&k), v),
+        })
+        .collect()
+}
+
 /// Runs `flotilla launch` of `yaml` (plus [`COMMON`]) into `dir/name`, with `extra`
 /// arguments after the config; returns the final checkpoint's tensors under the spec's names.
 fn run(dir: &Path, name: &str, yaml: &str, extra: &[&str]) -> Tensors {
@@ -66,13 +76,7 @@ fn run_with_env(
         .envs(env.iter().copied());
     let o = run_with_deadline(c, LIMIT);
     assert!(o.status.success(), "{name} failed\n{}", text(&o));
-    checkpoint_tensors(&out)
-        .into_iter()
-        .map(|(k, v)| match k.starts_with("layers.") {
-            true => (k, v),
-            false => (spec_name(&k), v),
-        })
-        .collect()
+    spec_names(checkpoint_tensors(&out))
 }
 
 /// The spec model's and the user's module's runs of `yaml`, bitwise equal and trained.
@@ -194,10 +198,7 @@ fn exact_resume_of_a_program() {
         (Some(50.0), Some(70.0)),
         "{run}"
     );
-    let resumed = checkpoint_tensors(Path::new(out))
-        .into_iter()
-        .map(|(k, v)| (spec_name(&k), v))
-        .collect::<Tensors>();
+    let resumed = spec_names(checkpoint_tensors(Path::new(out)));
     assert_bitwise("resumed at 50 vs straight to 120", &resumed, &straight);
 }
 
@@ -256,10 +257,7 @@ fn a_program_killed_mid_run_restarts_from_its_checkpoint_to_the_same_bits() {
         "the restart did not resume from a checkpoint: {}",
         summary["run"]
     );
-    let ended = checkpoint_tensors(&out)
-        .into_iter()
-        .map(|(k, v)| (spec_name(&k), v))
-        .collect::<Tensors>();
+    let ended = spec_names(checkpoint_tensors(&out));
     assert_bitwise("killed and restarted vs uninterrupted", &ended, &straight);
 }
 
@@ -305,19 +303,11 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
     let spec = compare("spec", &[]);
     let user = compare("user", &["--", exe.to_str().expect("utf8")]);
     for strategy in ["sync_allreduce", "ps_flat_sync"] {
-        let renamed = |t: Tensors| -> Tensors {
-            t.into_iter()
-                .map(|(k, v)| match k.starts_with("layers.") {
-                    true => (k, v),
-                    false => (spec_name(&k), v),
-                })
-                .collect()
-        };
-        let a = renamed(checkpoint_tensors(&spec.join(strategy)));
+        let a = spec_names(checkpoint_tensors(&spec.join(strategy)));
         let b = checkpoint_tensors(&user.join(strategy));
         // The program's ranks wrote it: its module's own names, not the spec's.
         assert!(b.contains_key("conv1.weight"), "{strategy}: {:?}", b.keys());
-        let b = renamed(b);
+        let b = spec_names(b);
         assert_bitwise(&format!("compare {strategy}: program vs spec"), &b, &a);
     }
 }

@@ -179,30 +179,7 @@ impl TrainConfig {
                 ),
             ));
         }
-        let k = self.allreduce.accumulation_steps;
-        if k == 0 || (k > 1 && (!sync_mode || self.allreduce.zero > 1)) {
-            return Err(bad(
-                "allreduce.accumulation_steps",
-                format!(
-                    "{k}: at least 1, and more than 1 only under sync data-parallel all-reduce \
-                     with zero 0 or 1 (here arch {}, mode {:?}, zero {})",
-                    t.arch, self.allreduce.mode, self.allreduce.zero
-                ),
-            ));
-        }
-        if let Some(max) = self.allreduce.clip_grad_norm {
-            positive("allreduce.clip_grad_norm", max, "norm")?;
-            if !sync_mode || self.allreduce.zero > 1 {
-                return Err(bad(
-                    "allreduce.clip_grad_norm",
-                    format!(
-                        "clipping by global norm runs in sync data-parallel all-reduce with \
-                         zero 0 or 1 only (here arch {}, mode {:?}, zero {})",
-                        t.arch, self.allreduce.mode, self.allreduce.zero
-                    ),
-                ));
-            }
-        }
+        self.check_step_shaping(sync_mode)?;
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
@@ -211,6 +188,39 @@ impl TrainConfig {
                 .map_err(|e| bad("topology.inventory", e.to_string()))?;
         }
         Ok(())
+    }
+}
+
+impl TrainConfig {
+    /// Gradient accumulation and clipping by global norm: in range, and only where a
+    /// strategy does them (sync all-reduce with `zero` 0 or 1).
+    fn check_step_shaping(&self, sync_mode: bool) -> Result<()> {
+        let a = &self.allreduce;
+        let k = a.accumulation_steps;
+        if let Some(max) = a.clip_grad_norm {
+            positive("allreduce.clip_grad_norm", max, "norm")?;
+        }
+        if k == 0 {
+            return Err(bad(
+                "allreduce.accumulation_steps",
+                "must be at least 1, got 0".into(),
+            ));
+        }
+        let asked = [
+            ("allreduce.accumulation_steps", k > 1),
+            ("allreduce.clip_grad_norm", a.clip_grad_norm.is_some()),
+        ];
+        match asked.into_iter().find(|(_, on)| *on) {
+            Some((key, _)) if !sync_mode || a.zero > 1 => Err(bad(
+                key,
+                format!(
+                    "runs in sync data-parallel all-reduce with zero 0 or 1 only (here arch {}, \
+                     mode {:?}, zero {})",
+                    self.topology.arch, a.mode, a.zero
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
 }
 

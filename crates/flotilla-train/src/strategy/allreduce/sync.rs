@@ -410,14 +410,15 @@ impl SyncAllReduce {
                 let bucket = &plan.buckets[k];
                 let at = layout.params[i].offset - bucket.start;
                 let dst = &mut buffers[k][at..at + grad.len()];
-                match accumulated.get(layout.params[i].offset..) {
+                if accumulated.is_empty() {
+                    dst.copy_from_slice(grad);
+                } else {
                     // The earlier micro-batches' sum, plus this one's.
-                    Some(sum) if !sum.is_empty() => {
-                        for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
-                            *d = g + a;
-                        }
+                    let offset = layout.params[i].offset;
+                    let sum = &accumulated[offset..offset + grad.len()];
+                    for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
+                        *d = g + a;
                     }
-                    _ => dst.copy_from_slice(grad),
                 }
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
