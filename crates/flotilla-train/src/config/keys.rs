@@ -229,7 +229,14 @@ pub const KEYS: &[Key] = &[
         .short('n'),
     // `strategy` (and `arch`) also take `sync_allreduce` / `async_allreduce`, which set
     // `allreduce.mode` too (`super::sources`).
-    Key::new("topology.arch").aliases(&["arch", "strategy"]),
+    Key::new("topology.arch")
+        .aliases(&["arch", "strategy"])
+        .flag(
+            "strategy",
+            "STRATEGY",
+            Kind::Text,
+            "sync_allreduce, async_allreduce, flat, hierarchical (parameter servers) or pipeline",
+        ),
     Key::new("topology.parameter_server").aliases(&["parameter_server"]),
     Key::new("topology.global_server").aliases(&["global_server"]),
     Key::new("topology.servers").aliases(&["servers"]),
@@ -243,20 +250,57 @@ pub const KEYS: &[Key] = &[
         Kind::Path,
         "Inventory (hcddl `[pool]` ini or a host list): the topology must fit on its hosts",
     ),
-    Key::new("pipeline.stages").aliases(&["stages"]),
+    Key::new("pipeline.stages").aliases(&["stages"]).flag(
+        "stages",
+        "S",
+        Kind::Usize,
+        "Pipeline stages (strategy pipeline)",
+    ),
     Key::new("pipeline.split_points").aliases(&["split_points"]),
-    Key::new("pipeline.micro_batches").aliases(&["micro_batches"]),
+    Key::new("pipeline.micro_batches")
+        .aliases(&["micro_batches"])
+        .flag(
+            "micro-batches",
+            "M",
+            Kind::Usize,
+            "Micro-batches per batch (strategy pipeline)",
+        ),
     // A string, not the `schedule` section: `schedule: 1f1b`.
     Key::new("pipeline.schedule").aliases(&["schedule"]),
-    Key::new("pipeline.data_parallel").aliases(&["data_parallel"]),
+    Key::new("pipeline.data_parallel")
+        .aliases(&["data_parallel"])
+        .flag(
+            "data-parallel",
+            "D",
+            Kind::Usize,
+            "Replicas of every pipeline stage (strategy pipeline)",
+        ),
     Key::new("pipeline.hosts"),
     Key::new("allreduce.mode"),
     Key::new("allreduce.overlap").aliases(&["overlap"]),
     Key::new("allreduce.sync_batch_norm").aliases(&["sync_batch_norm"]),
-    Key::new("allreduce.zero").aliases(&["zero"]),
+    Key::new("allreduce.zero").aliases(&["zero"]).flag(
+        "zero",
+        "STAGE",
+        Kind::Usize,
+        "ZeRO: 1 shards the optimizer state, 2 also the gradients (sync all-reduce)",
+    ),
     Key::new("allreduce.accumulation_steps")
-        .aliases(&["accumulation_steps", "gradient_accumulation_steps"]),
-    Key::new("allreduce.clip_grad_norm").aliases(&["clip_grad_norm", "max_grad_norm"]),
+        .aliases(&["accumulation_steps", "gradient_accumulation_steps"])
+        .flag(
+            "accumulation-steps",
+            "K",
+            Kind::Usize,
+            "Micro-batches per step, summed before one all-reduce (sync all-reduce)",
+        ),
+    Key::new("allreduce.clip_grad_norm")
+        .aliases(&["clip_grad_norm", "max_grad_norm"])
+        .flag(
+            "clip-grad-norm",
+            "NORM",
+            Kind::F64,
+            "Clip the gradient to this global norm before each step (sync all-reduce)",
+        ),
     Key::new("allreduce.cycle_duration_ms").aliases(&["cycle_duration_ms"]),
     Key::new("allreduce.all_reduce_buffer_size").aliases(&["all_reduce_buffer_size"]),
     Key::new("allreduce.staleness").aliases(&["staleness"]),

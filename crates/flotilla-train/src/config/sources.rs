@@ -372,10 +372,6 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
                 }
                 set(&mut out, &format!("{key}.{field}"), v, source)?;
             }
-        } else if let Some(mode) = allreduce_strategy(&key, &value) {
-            // `strategy: async_allreduce` is the all-reduce architecture in async mode.
-            set(&mut out, "topology.arch", Value::from("allreduce"), source)?;
-            set(&mut out, "allreduce.mode", Value::from(mode), source)?;
         } else if let Some(k) = keys::by_alias(&key) {
             set(&mut out, k.path, value, source)?;
         } else {
@@ -385,10 +381,10 @@ fn normalize(v: Value, source: &str) -> Result<serde_json::Map<String, Value>> {
     Ok(out)
 }
 
-/// The all-reduce mode a `strategy` / `arch` value of `sync_allreduce` or `async_allreduce`
-/// names.
-fn allreduce_strategy(key: &str, value: &Value) -> Option<&'static str> {
-    if key != "strategy" && key != "arch" {
+/// The all-reduce mode a `topology.arch` (`strategy`, `arch`) of `sync_allreduce` or
+/// `async_allreduce` names.
+fn allreduce_strategy(path: &str, value: &Value) -> Option<&'static str> {
+    if path != "topology.arch" {
         return None;
     }
     match value.as_str()? {
@@ -398,13 +394,18 @@ fn allreduce_strategy(key: &str, value: &Value) -> Option<&'static str> {
     }
 }
 
-/// Sets `section.key` in a tree; an error if the source already set it.
+/// Sets `section.key` in a tree; an error if the source already set it. `strategy:
+/// async_allreduce` (from any source) is the all-reduce architecture in async mode.
 fn set(
     tree: &mut serde_json::Map<String, Value>,
     path: &str,
     value: Value,
     source: &str,
 ) -> Result<()> {
+    if let Some(mode) = allreduce_strategy(path, &value) {
+        set(tree, path, Value::from("allreduce"), source)?;
+        return set(tree, "allreduce.mode", Value::from(mode), source);
+    }
     let (section, key) = path.split_once('.').unwrap_or((path, ""));
     let entry = tree
         .entry(section.to_string())

@@ -279,3 +279,27 @@ fn numbers_that_are_not_finite_are_refused_by_every_source() {
         0.25
     );
 }
+
+/// `strategy: async_allreduce` is the all-reduce architecture in async mode from every
+/// source: a file's flat key, its section, the environment and `--strategy`.
+#[test]
+fn an_all_reduce_strategy_sets_the_mode_from_every_source() {
+    use crate::config::AllReduceMode;
+    let env = |v: &str| vec![("FLOTILLA_TOPOLOGY__ARCH".to_string(), v.to_string())];
+    let each = [
+        Sources::defaults().yaml("strategy: async_allreduce\n", "run.yaml"),
+        Sources::defaults().yaml("topology: {arch: async_allreduce}\n", "run.yaml"),
+        Sources::defaults().env(env("async_allreduce"), false),
+        Sources::defaults().flag("strategy", json!("async_allreduce")),
+    ];
+    for sources in each {
+        let c = sources.expect("sources").extract().expect("config");
+        assert_eq!(c.topology.arch, flotilla_cluster::Arch::Allreduce);
+        assert_eq!(c.allreduce.mode, AllReduceMode::Async);
+    }
+    let c = Sources::defaults()
+        .flag("strategy", json!("pipeline"))
+        .and_then(|s| s.extract())
+        .expect("pipeline");
+    assert_eq!(c.topology.arch, flotilla_cluster::Arch::Pipeline);
+}
