@@ -6,11 +6,12 @@
 //! cargo build --release -p flotilla -p flotilla-burn --example lenet5_program
 //! target/release/flotilla launch -n 2 --data data/mnist --epochs 1 -- target/release/examples/lenet5_program
 //! ```
-//! Every setting is the config job's, by the same names (`--optimizer`, `--arch ps`, `--mode
-//! async`, `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`, ...). The layers run through
+//! Every setting is the config job's, by the same names (`--strategy async_allreduce`,
+//! `--strategy flat`, `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`, ...). The layers run through
 //! Flotilla's kernels (`conv2d_relu`, `max_pool2d`, `linear`), which the spec model uses too:
 //! from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
-//! `forward`s instead (the same values up to rounding).
+//! `forward`s instead (the same values up to rounding). `--strategy pipeline` trains its two
+//! halves as two pipeline stages (`--stages 2`, one rank each; `--data-parallel 2`: 4 ranks).
 
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -20,27 +21,45 @@ use burn::nn::{Linear, LinearConfig, Relu};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::kernels::{linear::linear, max_pool::max_pool2d};
-use flotilla_burn::{BatchRef, TrainModule, UserModule, conv2d_relu};
+use flotilla_burn::{
+    BatchRef, EngineError, NamedTensors, StageModule, StageModules, TrainModule, UserModule,
+    conv2d_relu,
+};
 
-/// LeNet-5 for 28x28 MNIST, as `models/lenet5.yaml` describes it.
+/// LeNet-5's convolutions: `[n, 1, 28, 28]` images to `[n, 400]` features.
 #[derive(Module, Debug)]
-struct LeNet5 {
+struct Features {
     conv1: Conv2d,
     pool1: MaxPool2d,
     conv2: Conv2d,
     pool2: MaxPool2d,
-    fc1: Linear,
-    fc2: Linear,
-    fc3: Linear,
     relu: Relu,
     /// Run burn's own `forward`s rather than Flotilla's kernels.
     burn_layers: bool,
 }
 
-impl LeNet5 {
+/// LeNet-5's classifier: features to 10 logits.
+#[derive(Module, Debug)]
+struct Classifier {
+    fc1: Linear,
+    fc2: Linear,
+    fc3: Linear,
+    relu: Relu,
+    burn_layers: bool,
+}
+
+/// LeNet-5 for 28x28 MNIST, as `models/lenet5.yaml` describes it: the two halves, which are
+/// also its two pipeline stages.
+#[derive(Module, Debug)]
+struct LeNet5 {
+    features: Features,
+    classifier: Classifier,
+}
+
+impl Features {
     fn new(device: &Device, burn_layers: bool) -> Self {
         let pool = || MaxPool2dConfig::new([2, 2]).with_strides([2, 2]).init();
-        LeNet5 {
+        Features {
             conv1: Conv2dConfig::new([1, 6], [5, 5])
                 .with_padding(PaddingConfig2d::Explicit(2, 2, 2, 2))
                 .init(device),
@@ -49,9 +68,6 @@ impl LeNet5 {
                 .with_padding(PaddingConfig2d::Explicit(0, 0, 0, 0))
                 .init(device),
             pool2: pool(),
-            fc1: LinearConfig::new(16 * 5 * 5, 120).init(device),
-            fc2: LinearConfig::new(120, 84).init(device),
-            fc3: LinearConfig::new(84, 10).init(device),
             relu: Relu::new(),
             burn_layers,
         }
@@ -61,13 +77,32 @@ impl LeNet5 {
         if self.burn_layers {
             let x = self.pool1.forward(self.relu.forward(self.conv1.forward(x)));
             let x = self.pool2.forward(self.relu.forward(self.conv2.forward(x)));
-            let x = self.relu.forward(self.fc1.forward(x.flatten(1, 3)));
-            let x = self.relu.forward(self.fc2.forward(x));
-            return self.fc3.forward(x);
+            return x.flatten(1, 3);
         }
         let x = max_pool2d(&self.pool1, conv2d_relu(&self.conv1, x));
         let x = max_pool2d(&self.pool2, conv2d_relu(&self.conv2, x));
-        let x = linear(&self.fc1, x.flatten(1, 3), true);
+        x.flatten(1, 3)
+    }
+}
+
+impl Classifier {
+    fn new(device: &Device, burn_layers: bool) -> Self {
+        Classifier {
+            fc1: LinearConfig::new(16 * 5 * 5, 120).init(device),
+            fc2: LinearConfig::new(120, 84).init(device),
+            fc3: LinearConfig::new(84, 10).init(device),
+            relu: Relu::new(),
+            burn_layers,
+        }
+    }
+
+    fn forward(&self, x: Tensor<2>) -> Tensor<2> {
+        if self.burn_layers {
+            let x = self.relu.forward(self.fc1.forward(x));
+            let x = self.relu.forward(self.fc2.forward(x));
+            return self.fc3.forward(x);
+        }
+        let x = linear(&self.fc1, x, true);
         let x = linear(&self.fc2, x, true);
         linear(&self.fc3, x, false)
     }
@@ -85,16 +120,47 @@ impl TrainModule for LeNet5 {
     }
 
     fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
-        let x = TensorData::new(inputs.to_vec(), [n, 1, 28, 28]);
-        self.forward(Tensor::from_data(x, device))
+        let x = Tensor::from_data(TensorData::new(inputs.to_vec(), [n, 1, 28, 28]), device);
+        self.classifier.forward(self.features.forward(x))
+    }
+}
+
+/// Stage 0 of `strategy: pipeline`: images in, features out.
+impl StageModule for Features {
+    fn inputs(&self) -> Vec<String> {
+        vec!["image".into()]
+    }
+    fn outputs(&self) -> Vec<String> {
+        vec!["features".into()]
+    }
+    fn forward(&self, mut t: NamedTensors) -> Result<NamedTensors, EngineError> {
+        Ok(NamedTensors::new().with("features", self.forward(t.take::<4>("image")?)))
+    }
+}
+
+/// Stage 1: features in, logits out (the run computes the loss).
+impl StageModule for Classifier {
+    fn inputs(&self) -> Vec<String> {
+        vec!["features".into()]
+    }
+    fn outputs(&self) -> Vec<String> {
+        vec!["logits".into()]
+    }
+    fn forward(&self, mut t: NamedTensors) -> Result<NamedTensors, EngineError> {
+        Ok(NamedTensors::new().with("logits", self.forward(t.take::<2>("features")?)))
     }
 }
 
 fn main() -> anyhow::Result<()> {
     let burn_layers = std::env::var("LAYERS").is_ok_and(|v| v == "burn");
-    let model = UserModule::new("lenet5-program", &[1, 28, 28], move |device| {
-        LeNet5::new(device, burn_layers)
-    });
+    let stages = StageModules::new()
+        .stage(move |device| Features::new(device, burn_layers))
+        .stage(move |device| Classifier::new(device, burn_layers));
+    let model = UserModule::new("lenet5-program", &[1, 28, 28], move |device| LeNet5 {
+        features: Features::new(device, burn_layers),
+        classifier: Classifier::new(device, burn_layers),
+    })
+    .with_stages(stages);
     flotilla_burn::train(&model)?;
     Ok(())
 }

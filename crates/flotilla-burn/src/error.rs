@@ -30,15 +30,6 @@ pub enum DistError {
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),
-    /// Another rank (a pipeline stage) failed, stayed silent, broke the protocol or sent
-    /// something malformed.
-    #[error("rank {rank}: {message}")]
-    Peer {
-        /// The rank at fault, or waited for (world rank).
-        rank: usize,
-        /// What happened.
-        message: String,
-    },
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {
@@ -47,13 +38,6 @@ pub enum DistError {
         /// Why.
         source: std::io::Error,
     },
-    /// A pipeline that cannot run as set up: stages that do not divide the ranks, names
-    /// that do not meet between stages, a batch too small for its micro-batches.
-    #[error("pipeline: {0}")]
-    Pipeline(String),
-    /// A named tensor that is missing or not of the rank or kind asked for.
-    #[error("tensor {0}")]
-    Tensor(String),
 }
 
 /// The result type of this crate.

@@ -15,9 +15,11 @@
 //! and logits through [`TrainModule`]), with checkpoints and `--resume`, the timeline,
 //! `/metrics` and the report of a config job (`examples/lenet5_program.rs`).
 //!
-//! For a model too big for one rank, [`Pipeline`] runs one user module per stage
-//! ([`PipelineStage`]: a forward over named [`Tensors`]) with the GPipe or 1F1B schedule and
-//! replicas of every stage (`examples/pipeline_model.rs`).
+//! For a model too big for one rank, the program cuts it into stage modules
+//! ([`StageModule`]: a forward over [`NamedTensors`]; [`UserModule::with_stages`]), and
+//! `strategy: pipeline` runs them in the library's one pipeline — the spec's: GPipe or 1F1B,
+//! skip tensors straight to the stage that takes them, replicas of every stage, checkpoints
+//! and `--resume` (`examples/pipeline_model.rs`).
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any
@@ -57,7 +59,6 @@ mod buckets;
 mod checkpoint;
 mod data_parallel;
 mod error;
-mod pipeline;
 mod sync_batch_norm;
 mod user_module;
 
@@ -67,14 +68,12 @@ pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
-pub use flotilla_comm::pipeline::Schedule;
-pub use flotilla_engine::{BatchRef, TrainModule};
+pub use flotilla_engine::{BatchRef, EngineError, NamedTensors, StageModule, TrainModule};
 pub use flotilla_engine::{conv2d, conv2d_relu};
 pub use flotilla_group::{ProcessGroup, ReduceOp};
 pub use flotilla_train::RunSummary;
-pub use pipeline::{LOSS, Pipeline, PipelineOptions, PipelineStage, Place, StepOutput, Tensors};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
-pub use user_module::{UserModule, train};
+pub use user_module::{StageModules, UserModule, train};
 
 /// Flotilla's CPU kernels for a burn user's own forward pass (Flex; burn's ops elsewhere):
 /// `kernels::linear::linear(&layer, x, relu)` in place of `layer.forward(x)` (and a ReLU
@@ -104,7 +103,5 @@ pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
 mod data_parallel_tests;
-#[cfg(test)]
-mod pipeline_tests;
 #[cfg(test)]
 mod sync_batch_norm_tests;

@@ -6,7 +6,10 @@
 use std::sync::OnceLock;
 
 use burn::prelude::*;
-use flotilla_engine::{Engine, ModelState, ModuleEngine, OptimizerSpec, TrainModule};
+use flotilla_engine::{
+    Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageCut, StageEngine,
+    StageInput, StageModule, TrainModule, module_pipeline,
+};
 use flotilla_train::{ModelIo, ModelSource, RunSummary, TrainError};
 
 use crate::error::{DistError, Result};
@@ -19,8 +22,37 @@ pub struct UserModule<F> {
     input: Vec<usize>,
     vocab: Option<usize>,
     build: F,
+    /// The same model cut into stage modules, for `strategy: pipeline` (empty: not cut).
+    stages: Vec<StageBuilder>,
     /// The module's parameter names and shapes and its labels per sample, from one build.
     probe: OnceLock<std::result::Result<(String, usize), String>>,
+}
+
+/// A model cut by its program into pipeline stages: one burn module per stage
+/// ([`StageModule`]), in order.
+#[derive(Default)]
+pub struct StageModules {
+    builders: Vec<StageBuilder>,
+}
+
+impl StageModules {
+    /// No stages yet.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// `self` with one more stage, the module `build` makes on the device it is given.
+    /// Stages are built in order from one seed, so a stage draws the initial parameters
+    /// that the same layers of the whole module get when it is built of the stages' modules
+    /// in the same order.
+    pub fn stage<S: StageModule>(
+        mut self,
+        build: impl Fn(&Device) -> S + Send + Sync + 'static,
+    ) -> Self {
+        self.builders
+            .push(Box::new(move |device| Box::new(build(device))));
+        self
+    }
 }
 
 impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
@@ -32,8 +64,17 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
             input: input.to_vec(),
             vocab: None,
             build,
+            stages: Vec::new(),
             probe: OnceLock::new(),
         }
+    }
+
+    /// The same model cut into `stages`, which `strategy: pipeline` trains (one stage per
+    /// rank, the GPipe or 1F1B schedule, replicas of every stage); every other way of
+    /// training trains the whole module.
+    pub fn with_stages(mut self, stages: StageModules) -> Self {
+        self.stages = stages.builders;
+        self
     }
 
     /// The module takes windows of token ids below `vocab` (a text's data set): `input` is
@@ -98,6 +139,35 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
             optimizer,
             device,
         )?))
+    }
+
+    fn stage(
+        &self,
+        index: usize,
+        optimizer: &OptimizerSpec,
+        device: &str,
+        seed: u64,
+    ) -> Option<flotilla_train::Result<(StageCut, Box<dyn StageEngine>)>> {
+        if self.stages.is_empty() {
+            return None;
+        }
+        let input = match Shape::of_sample(&self.input) {
+            Some(shape) => StageInput {
+                shape,
+                vocab: self.vocab,
+            },
+            None => {
+                return Some(Err(TrainError::config(
+                    "model",
+                    format!(
+                        "`{}` takes samples of shape {:?}; a pipeline's input is [c, h, w] or [f]",
+                        self.name, self.input
+                    ),
+                )));
+            }
+        };
+        let built = module_pipeline(&self.stages, input, index, optimizer, device, seed);
+        Some(built.map_err(TrainError::from))
     }
 }
 

@@ -40,6 +40,8 @@ mod limits;
 mod loss;
 mod model;
 mod module_engine;
+mod module_stage;
+mod named_tensors;
 mod optim;
 mod params;
 mod partition;
@@ -51,6 +53,7 @@ mod shape;
 mod shard_optim;
 mod spec;
 mod stage;
+mod stage_engine;
 mod state_check;
 pub mod sync_batch_norm;
 #[cfg(feature = "wgpu")]
@@ -69,6 +72,10 @@ pub use graph::{Merge, Node};
 pub use limits::SpecLimits;
 pub use loss::cross_entropy;
 pub use module_engine::{ModuleEngine, TrainModule};
+pub use module_stage::{
+    AnyStageModule, StageBuilder, StageInput, StageModule, StageSlotsOf, module_pipeline,
+};
+pub use named_tensors::NamedTensors;
 pub use optim::{DecayParams, OptimizerSpec};
 pub use params::{ParamInfo, ParamLayout};
 pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
@@ -80,6 +87,7 @@ pub use shard_optim::{
 };
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use stage::{Slot, Stage};
+pub use stage_engine::StageEngine;
 pub use weights::ModelState;
 
 #[cfg(test)]
@@ -90,6 +98,8 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod module_engine_tests;
+#[cfg(test)]
+mod module_stage_tests;
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]

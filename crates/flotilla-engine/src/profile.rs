@@ -33,6 +33,7 @@ use crate::optim::OptimizerSpec;
 use crate::partition::LayerCost;
 use crate::spec::ModelSpec;
 use crate::stage::Stage;
+use crate::stage_engine::StageEngine;
 use crate::weights::ModelState;
 
 /// Per-layer costs of `spec` for micro-batches of `samples`, on the named device, from

@@ -27,6 +27,16 @@ pub enum Shape {
 }
 
 impl Shape {
+    /// The shape of one sample of `dims`: `[c, h, w]` an image, `[f]` a flat vector (`None`
+    /// for anything else or a zero size).
+    pub fn of_sample(dims: &[usize]) -> Option<Shape> {
+        match *dims {
+            [c, h, w] if c > 0 && h > 0 && w > 0 => Some(Shape::Image { c, h, w }),
+            [f] if f > 0 => Some(Shape::Flat(f)),
+            _ => None,
+        }
+    }
+
     /// Number of values per sample (saturating at `usize::MAX`; a checked spec's shapes are
     /// within [`crate::SpecLimits::max_activation_values`]).
     pub fn numel(&self) -> usize {

@@ -99,17 +99,12 @@ impl ModelSpec {
 
     /// The input shape as a [`Shape`].
     pub fn input_shape(&self) -> Result<Shape> {
-        match self.input.as_slice() {
-            [c, h, w] if *c > 0 && *h > 0 && *w > 0 => Ok(Shape::Image {
-                c: *c,
-                h: *h,
-                w: *w,
-            }),
-            [f] if *f > 0 => Ok(Shape::Flat(*f)),
-            other => Err(EngineError::InvalidSpec(format!(
-                "input must be [C, H, W] or [F] with positive sizes, got {other:?}"
-            ))),
-        }
+        Shape::of_sample(&self.input).ok_or_else(|| {
+            EngineError::InvalidSpec(format!(
+                "input must be [C, H, W] or [F] with positive sizes, got {:?}",
+                self.input
+            ))
+        })
     }
 
     /// The activation shape after every layer (`shapes[i]` is layer `i`'s output), checking

@@ -8,7 +8,7 @@
 //! autodiff graph behind the outputs and the input leaves); `backward` is the vector-Jacobian
 //! product: the inputs were marked to require a gradient, and `Σ y·g` over the outputs is
 //! differentiated, giving the gradients of the inputs (sent back upstream) and of the stage's
-//! parameters (accumulated over micro-batches until [`Stage::step`]).
+//! parameters (accumulated over micro-batches until [`StageEngine::step`]).
 //!
 //! The stage's parameters have the names and initial values of the same layers of the whole
 //! model built from the same seed (the other layers are replaced by identities after seeded
@@ -26,10 +26,12 @@ use crate::activation::Activation;
 use crate::cut::{MAIN, StageCut};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
+use crate::model::SequentialModel;
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::sequence::check_tokens;
 use crate::spec::{ModelSpec, Shape};
+use crate::stage_engine::StageEngine;
 use crate::weights::{Weights, delegate_model_state};
 
 /// One input or output of a stage: [`MAIN`] (the model input, the main activation or the
@@ -48,25 +50,37 @@ struct Flight {
     outputs: Vec<Activation>,
 }
 
-/// One stage of a pipeline (see the module documentation).
-pub struct Stage {
-    weights: Weights,
-    index: usize,
-    last: bool,
+/// Where a stage sits and what it takes and gives.
+pub(crate) struct StageSlots {
+    pub(crate) index: usize,
+    pub(crate) last: bool,
     /// The vocabulary, if this stage takes the model's input of token ids.
-    vocab: Option<usize>,
-    range: Range<usize>,
-    inputs: Vec<Slot>,
-    outputs: Vec<Slot>,
+    pub(crate) vocab: Option<usize>,
+    /// The model layers it runs (a program's stage: its index, one module).
+    pub(crate) range: Range<usize>,
+    pub(crate) inputs: Vec<Slot>,
+    pub(crate) outputs: Vec<Slot>,
+}
+
+/// How a stage's module turns its input slots into its output slots (the last stage: its
+/// logits), in [`StageSlots`] order.
+pub(crate) type RunStage<M> = fn(&M, &StageSlots, Vec<Activation>) -> Result<Vec<Activation>>;
+
+/// One stage of a pipeline (see the module documentation): a slice of a spec's layers
+/// ([`Stage::new`]) or a user's module ([`crate::StageModule`]).
+pub struct Stage<M: Module = SequentialModel> {
+    weights: Weights<M>,
+    slots: StageSlots,
+    run: RunStage<M>,
     flights: HashMap<usize, Flight>,
     peak: usize,
     grads: Vec<f32>,
     loss: CrossEntropyLoss,
 }
 
-delegate_model_state!(Stage);
+delegate_model_state!([M: Module] Stage<M>);
 
-impl Stage {
+impl Stage<SequentialModel> {
     /// Builds stage `index` of `cut` (a cut of `spec`) on the named backend, with
     /// parameters initialised from `seed` as the whole model's would be.
     pub fn new(
@@ -102,75 +116,76 @@ impl Stage {
         };
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
             .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
-        let grads = vec![0.0; weights.layout.total];
-        Ok(Self {
-            loss: CrossEntropyLossConfig::new().init(&weights.device),
-            weights,
+        let slots = StageSlots {
             index,
             last,
             vocab: spec.token_vocab().filter(|_| index == 0),
             range,
             inputs,
             outputs,
+        };
+        Ok(Stage::of(weights, slots, run_layers))
+    }
+}
+
+impl<M: Module> Stage<M> {
+    /// A stage of `weights` at `slots`, running `run`.
+    pub(crate) fn of(weights: Weights<M>, slots: StageSlots, run: RunStage<M>) -> Self {
+        Self {
+            loss: CrossEntropyLossConfig::new().init(&weights.device),
+            grads: vec![0.0; weights.layout.total],
+            weights,
+            slots,
+            run,
             flights: HashMap::new(),
             peak: 0,
-            grads,
-        })
+        }
+    }
+}
+
+impl<M: Module + 'static> StageEngine for Stage<M> {
+    fn index(&self) -> usize {
+        self.slots.index
     }
 
-    /// This stage's position in the pipeline.
-    pub fn index(&self) -> usize {
-        self.index
+    fn layers(&self) -> Range<usize> {
+        self.slots.range.clone()
     }
 
-    /// The model layers this stage runs.
-    pub fn layers(&self) -> Range<usize> {
-        self.range.clone()
+    fn is_last(&self) -> bool {
+        self.slots.last
     }
 
-    /// Whether this is the last stage (it gives logits and computes the loss).
-    pub fn is_last(&self) -> bool {
-        self.last
+    fn inputs(&self) -> &[Slot] {
+        &self.slots.inputs
     }
 
-    /// What [`Stage::forward`] takes, in order.
-    pub fn inputs(&self) -> &[Slot] {
-        &self.inputs
+    fn outputs(&self) -> &[Slot] {
+        &self.slots.outputs
     }
 
-    /// What [`Stage::forward`] gives, in order.
-    pub fn outputs(&self) -> &[Slot] {
-        &self.outputs
-    }
-
-    /// Seeds the dropout masks of every following [`Stage::forward`], as
-    /// [`crate::Engine::set_dropout_seed`] does for a whole model.
-    pub fn set_dropout_seed(&mut self, seed: u64) {
+    fn set_dropout_seed(&mut self, seed: u64) {
         self.weights.set_dropout_seed(seed);
     }
 
-    /// Micro-batches whose forward ran and whose backward has not.
-    pub fn in_flight(&self) -> usize {
+    fn in_flight(&self) -> usize {
         self.flights.len()
     }
 
-    /// The most micro-batches ever in flight at once.
-    pub fn peak_in_flight(&self) -> usize {
+    fn peak_in_flight(&self) -> usize {
         self.peak
     }
 
-    /// Runs forward on micro-batch `mb` of `n` samples, keeping what its backward needs;
-    /// returns the output slots.
-    pub fn forward(&mut self, mb: usize, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+    fn forward(&mut self, mb: usize, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
         if self.flights.contains_key(&mb) {
             return Err(EngineError::Batch(format!(
                 "stage {}: micro-batch {mb} is already in flight",
-                self.index
+                self.slots.index
             )));
         }
         let _span = tracing::info_span!(target: "flotilla::engine", "forward", mb).entered();
         let device = self.weights.device.clone();
-        let acts = self.activations(n, inputs, &device, self.index > 0)?;
+        let acts = self.activations(n, inputs, &device, self.slots.index > 0)?;
         let outputs = self.weights.with_dropout_rng(|| self.run(acts.clone()))?;
         let flat = outputs
             .iter()
@@ -187,15 +202,12 @@ impl Stage {
         Ok(flat)
     }
 
-    /// Runs backward for micro-batch `mb` given the gradients of its output slots (same
-    /// order and sizes as [`Stage::forward`] gave); accumulates the parameters' gradients and
-    /// returns the gradients of the input slots (empty on stage 0).
-    pub fn backward(&mut self, mb: usize, grad_outputs: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+    fn backward(&mut self, mb: usize, grad_outputs: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
         let flight = self.take_flight(mb)?;
         if grad_outputs.len() != flight.outputs.len() {
             return Err(EngineError::Batch(format!(
                 "stage {}: {} output gradients for {} outputs",
-                self.index,
+                self.slots.index,
                 grad_outputs.len(),
                 flight.outputs.len()
             )));
@@ -224,20 +236,16 @@ impl Stage {
         }
     }
 
-    /// On the last stage: the cross-entropy loss of micro-batch `mb` against `labels` (one per
-    /// sample, or one per position of a sequence model), differentiated with weight `weight`
-    /// (the micro-batch's share of the batch, so that the accumulated gradient is the whole
-    /// batch's mean). Returns the unweighted mean loss and the gradients of the input slots.
-    pub fn backward_loss(
+    fn backward_loss(
         &mut self,
         mb: usize,
         labels: &[i64],
         weight: f32,
     ) -> Result<(f32, Vec<Vec<f32>>)> {
-        if !self.last {
+        if !self.slots.last {
             return Err(EngineError::Batch(format!(
                 "stage {} is not the last stage and has no loss",
-                self.index
+                self.slots.index
             )));
         }
         let flight = self.take_flight(mb)?;
@@ -262,21 +270,17 @@ impl Stage {
         Ok((value, grad_inputs))
     }
 
-    /// The gradient accumulated since the last step, in [`crate::ModelState::layout`] order (to be
-    /// averaged across replicas in place before [`Stage::step`]).
-    pub fn grads_mut(&mut self) -> &mut [f32] {
+    fn grads_mut(&mut self) -> &mut [f32] {
         &mut self.grads
     }
 
-    /// Applies one optimizer step with the accumulated gradient, then zeroes it. Every
-    /// micro-batch must have finished its backward pass.
-    pub fn step(&mut self, lr: f64) -> Result<()> {
+    fn step(&mut self, lr: f64) -> Result<()> {
         if !self.flights.is_empty() {
             let mut open: Vec<usize> = self.flights.keys().copied().collect();
             open.sort_unstable();
             return Err(EngineError::Batch(format!(
                 "stage {}: step with micro-batches {open:?} still waiting for backward",
-                self.index
+                self.slots.index
             )));
         }
         self.weights.step(&self.grads, lr)?;
@@ -284,23 +288,23 @@ impl Stage {
         Ok(())
     }
 
-    /// Drops every micro-batch in flight and the accumulated gradient (after a failure).
-    pub fn reset(&mut self) {
+    fn reset(&mut self) {
         self.flights.clear();
         self.grads.fill(0.0);
     }
 
-    /// Forward without gradients (evaluation): returns the output slots.
-    pub fn forward_eval(&self, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
+    fn forward_eval(&self, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
         let device = self.weights.base_device.clone();
         let acts = self.activations(n, inputs, &device, false)?;
         let model = self.weights.model()?.valid();
-        self.outputs_of(&model, acts)?
+        (self.run)(&model, &self.slots, acts)?
             .iter()
             .map(Activation::to_flat)
             .collect()
     }
+}
 
+impl<M: Module> Stage<M> {
     fn activations(
         &self,
         n: usize,
@@ -308,27 +312,27 @@ impl Stage {
         device: &Device,
         require_grad: bool,
     ) -> Result<Vec<Activation>> {
-        if inputs.len() != self.inputs.len() {
+        if inputs.len() != self.slots.inputs.len() {
             return Err(EngineError::Batch(format!(
                 "stage {} takes {} inputs, got {}",
-                self.index,
-                self.inputs.len(),
+                self.slots.index,
+                self.slots.inputs.len(),
                 inputs.len()
             )));
         }
         let mut acts = Vec::with_capacity(inputs.len());
-        for (slot, values) in self.inputs.iter().zip(inputs) {
+        for (slot, values) in self.slots.inputs.iter().zip(inputs) {
             let expected = n * slot.shape.numel();
             if values.len() != expected || n == 0 {
                 return Err(EngineError::Batch(format!(
                     "stage {} input `{}`: {n} samples of {} need {expected} values, got {}",
-                    self.index,
+                    self.slots.index,
                     slot.name,
                     slot.shape,
                     values.len()
                 )));
             }
-            if let Some(vocab) = self.vocab {
+            if let Some(vocab) = self.slots.vocab {
                 check_tokens(values, vocab)?;
             }
             let a = Activation::from_flat(values.to_vec(), n, slot.shape, device);
@@ -338,58 +342,20 @@ impl Stage {
     }
 
     fn run(&self, acts: Vec<Activation>) -> Result<Vec<Activation>> {
-        self.outputs_of(self.weights.model()?, acts)
-    }
-
-    fn outputs_of(
-        &self,
-        model: &crate::model::SequentialModel,
-        acts: Vec<Activation>,
-    ) -> Result<Vec<Activation>> {
-        let mut acts = acts.into_iter();
-        let Some(main) = acts.next() else {
-            return Err(EngineError::Batch("a stage needs its main input".into()));
-        };
-        let mut kept: HashMap<String, Activation> = self
-            .inputs
-            .iter()
-            .skip(1)
-            .map(|s| s.name.clone())
-            .zip(acts)
-            .collect();
-        let x = model.run_range(self.range.clone(), main, &mut kept);
-        if self.last {
-            return Ok(vec![Activation::Flat(x.into_logits())]);
-        }
-        let mut x = Some(x);
-        let mut outputs = Vec::with_capacity(self.outputs.len());
-        for slot in &self.outputs {
-            let value = if slot.name == MAIN {
-                x.take()
-            } else {
-                kept.get(&slot.name).cloned()
-            };
-            outputs.push(value.ok_or_else(|| {
-                EngineError::InvalidSpec(format!(
-                    "stage {} does not produce `{}`",
-                    self.index, slot.name
-                ))
-            })?);
-        }
-        Ok(outputs)
+        (self.run)(self.weights.model()?, &self.slots, acts)
     }
 
     /// Whether a backward pass computes anything (stage 0 without parameters has nothing
     /// to differentiate).
     fn needs_backward(&self) -> bool {
-        self.index > 0 || self.weights.layout.total > 0
+        self.slots.index > 0 || self.weights.layout.total > 0
     }
 
     fn take_flight(&mut self, mb: usize) -> Result<Flight> {
         self.flights.remove(&mb).ok_or_else(|| {
             EngineError::Batch(format!(
                 "stage {}: backward for micro-batch {mb}, which has no forward in flight",
-                self.index
+                self.slots.index
             ))
         })
     }
@@ -405,7 +371,7 @@ impl Stage {
             }
             Ok(())
         })?;
-        if self.index == 0 {
+        if self.slots.index == 0 {
             return Ok(Vec::new());
         }
         flight
@@ -414,4 +380,43 @@ impl Stage {
             .map(|x| x.grad(grads).unwrap_or_else(|| Ok(vec![0.0; x.numel()])))
             .collect()
     }
+}
+
+/// A spec stage's run: its layers over the main input and the named tensors it takes.
+fn run_layers(
+    model: &SequentialModel,
+    slots: &StageSlots,
+    acts: Vec<Activation>,
+) -> Result<Vec<Activation>> {
+    let mut acts = acts.into_iter();
+    let Some(main) = acts.next() else {
+        return Err(EngineError::Batch("a stage needs its main input".into()));
+    };
+    let mut kept: HashMap<String, Activation> = slots
+        .inputs
+        .iter()
+        .skip(1)
+        .map(|s| s.name.clone())
+        .zip(acts)
+        .collect();
+    let x = model.run_range(slots.range.clone(), main, &mut kept);
+    if slots.last {
+        return Ok(vec![Activation::Flat(x.into_logits())]);
+    }
+    let mut x = Some(x);
+    let mut outputs = Vec::with_capacity(slots.outputs.len());
+    for slot in &slots.outputs {
+        let value = if slot.name == MAIN {
+            x.take()
+        } else {
+            kept.get(&slot.name).cloned()
+        };
+        outputs.push(value.ok_or_else(|| {
+            EngineError::InvalidSpec(format!(
+                "stage {} does not produce `{}`",
+                slots.index, slot.name
+            ))
+        })?);
+    }
+    Ok(outputs)
 }

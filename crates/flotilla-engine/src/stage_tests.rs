@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use crate::StageEngine;
 use crate::engine_tests::sgd;
 use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState, Stage, StageCut};
 

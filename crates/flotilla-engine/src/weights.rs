@@ -53,16 +53,27 @@ pub(crate) fn seeded_module<M: Module>(
     seed: u64,
     build: impl FnOnce(&Device) -> Result<M>,
 ) -> Result<M> {
+    seeded(seed, |cpu| materialized(build(cpu)?))
+}
+
+/// What `draw` makes on the CPU (Flex) with the backend's RNG seeded with `seed`, drawing
+/// nothing else meanwhile: the backend's RNG may be process-wide, so seeding and drawing the
+/// initial values happen under one lock, and models built concurrently still depend on
+/// their seed alone.
+pub(crate) fn seeded<T>(seed: u64, draw: impl FnOnce(&Device) -> Result<T>) -> Result<T> {
     let cpu = Device::flex().autodiff();
-    // The backend's RNG may be process-wide: seeding and drawing the initial values happen
-    // under one lock, so that models built concurrently still depend on their seed alone.
     let _guard = RNG_LOCK
         .lock()
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     cpu.seed(seed);
-    let model = params::renumber(build(&cpu)?);
-    // Materialise every lazily initialised parameter now, in flat order, so that the values
-    // depend on the seed alone and not on the order of first use.
+    draw(&cpu)
+}
+
+/// `model` with its parameters numbered by position and every lazily initialised one
+/// materialised now, in flat order, so that the values depend on the seed alone and not on
+/// the order of first use.
+pub(crate) fn materialized<M: Module>(model: M) -> Result<M> {
+    let model = params::renumber(model);
     let layout = ParamLayout::of(&model);
     let mut scratch = vec![0.0; layout.total];
     params::read_values(&model, &layout, &mut scratch, Tensors::Params)?;

@@ -5,6 +5,7 @@
 mod common;
 
 use common::{engine_of, grads, token_batch};
+use flotilla_engine::StageEngine;
 use flotilla_engine::{
     BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec, Shape, Stage,
     StageCut,

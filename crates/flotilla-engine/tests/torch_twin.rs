@@ -27,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::{batch, token_batch};
+use flotilla_engine::StageEngine;
 use flotilla_engine::{
     BatchRef, BurnEngine, Engine, LayerSpec, ModelSpec, ModelState, Shape, Stage, StageCut,
 };

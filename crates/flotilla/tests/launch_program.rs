@@ -1,6 +1,6 @@
 //! `flotilla launch -n N -- PROGRAM`: a user's own burn program (`examples/custom_model.rs`,
-//! `lenet5_program.rs` for the library's run of a user's module, `pipeline_model.rs` for pipeline
-//! stages of the user's own modules, `pipeline_mnist.rs` for flotilla-train's pipeline; built
+//! `lenet5_program.rs` for the library's run of a user's module, `pipeline_model.rs` for a
+//! program's own stage modules in the library's pipeline, `pipeline_mnist.rs` for flotilla-train's pipeline; built
 //! by `cargo test --release --workspace` with the other examples) as the ranks of a job. The equalities train with SGD and momentum (`OPTIMIZER=sgd`): Adam would divide
 //! a wrongly scaled average of the gradients out of its steps.
 
@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    checkpoint_tensors, config_file, cores_of, example, flotilla, relative_error,
+    assert_bitwise, checkpoint_tensors, config_file, cores_of, example, flotilla, relative_error,
     run_with_deadline, safetensors_file, text, tmp,
 };
 
@@ -281,68 +281,85 @@ fn a_programs_ranks_are_bound_to_cores_with_bind_core() {
     );
 }
 
-/// The number after `prefix` in `o`'s standard output (`test accuracy 0.9123 (...)`).
-fn printed(o: &std::process::Output, prefix: &str) -> f64 {
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    stdout
-        .lines()
-        .find_map(|l| l.split(prefix).nth(1))
-        .and_then(|rest| rest.split_whitespace().next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("no `{prefix}N` printed:\n{}", text(o)))
-}
-
-/// `examples/pipeline_model.rs` on `replicas` replicas of its 2 stages for `steps` steps of
-/// a global batch of 64 (SGD with momentum), saving into `dir/name`: replica 0's stages'
-/// parameters (by `stage<s>.` and name) and the test accuracy it printed.
-fn pipeline_example(dir: &Path, replicas: usize, steps: usize, name: &str) -> (Tensors, f64) {
+/// `examples/pipeline_model.rs` launched with `args` (after the config) for 40 steps of 64
+/// (SGD with momentum) into `dir/name`, `env` set: its final checkpoint's tensors under the whole
+/// module's names (a pipeline's `stage<k>.` as the module's field of stage `k`), and the
+/// run's summary.json.
+fn pipeline_example(
+    dir: &Path,
+    name: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+) -> (Tensors, serde_json::Value) {
+    let cfg = config_file(
+        dir,
+        &format!("{name}.yaml"),
+        "batch_size: 64\nmax_steps: 40\nseed: 3\n\
+         optimizer: {name: sgd, lr: 0.05, momentum: 0.9}\n",
+    );
     let out = dir.join(name);
-    let env = [
-        ("REPLICAS", replicas.to_string()),
-        ("BATCH", (64 / replicas).to_string()),
-        ("STEPS", steps.to_string()),
-        ("OPTIMIZER", "sgd".to_string()),
-        ("OUT", out.display().to_string()),
-        ("FLOTILLA_SECRET", SECRET.to_string()),
-    ];
-    let o = launch(
-        "pipeline_model",
-        2 * replicas,
-        &env,
-        Duration::from_secs(240),
-    );
-    assert!(o.status.success(), "{replicas} replicas:\n{}", text(&o));
-    let mut tensors = Tensors::new();
-    for stage in 0..2 {
-        let file = PathBuf::from(format!("{}.stage{stage}.safetensors", out.display()));
-        for (k, v) in safetensors_file(&file) {
-            tensors.insert(format!("stage{stage}.{k}"), v);
-        }
-    }
-    (tensors, printed(&o, "test accuracy "))
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
+        .args(args)
+        .arg("--")
+        .arg(example("pipeline_model"))
+        .env("FLOTILLA_SECRET", SECRET)
+        .envs(env.iter().copied());
+    let o = run_with_deadline(c, Duration::from_secs(240));
+    assert!(o.status.success(), "{name}:\n{}", text(&o));
+    let fields = ["stem", "body", "head"];
+    let tensors = checkpoint_tensors(&out)
+        .into_iter()
+        .map(
+            |(k, v)| match k.strip_prefix("stage").and_then(|r| r.split_once('.')) {
+                Some((s, rest)) => (
+                    format!("{}.{rest}", fields[s.parse::<usize>().expect("k")]),
+                    v,
+                ),
+                None => (k, v),
+            },
+        )
+        .collect();
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out.join("summary.json")).expect("summary.json"),
+    )
+    .expect("summary");
+    (tensors, summary)
 }
 
-/// The pipeline example, briefly: 2 stages x 2 replicas (32 samples each a step) train what
-/// 2 stages x 1 replica train on the same global batch of 64 (the sampler's shards of it),
-/// up to f32 rounding, and print the same test accuracy, above what 30 steps must reach.
-/// Every rank seeds its own initial stage: the second replica starts from the first one's
-/// only through `broadcast_model`.
+/// The pipeline example's three stage modules (a skip tensor from the first straight to the
+/// last) in the library's one pipeline train what the same program's whole module trains on
+/// one rank: bit for bit with one micro-batch (a stage's backward hands on exactly the
+/// gradient the whole module's would), within rounding with four (the micro-batches'
+/// gradients summed), and GPipe and 1F1B give the same bits.
 #[test]
-fn the_pipeline_example_on_2_replicas_trains_what_1_replica_trains() {
+fn the_pipeline_examples_stage_modules_train_what_its_whole_module_trains() {
     let dir = tmp();
-    let (initial, _) = pipeline_example(dir.path(), 1, 0, "initial");
-    let (one, acc_one) = pipeline_example(dir.path(), 1, 30, "one");
-    let (two, acc_two) = pipeline_example(dir.path(), 2, 30, "two");
-    let moved = relative_error(&one, &initial);
-    assert!(moved > 1e-2, "30 steps did not train: {moved}");
-    let e = relative_error(&two, &one);
+    let dir = dir.path();
+    let pipe = |micro: &'static str| {
+        [
+            "--strategy",
+            "pipeline",
+            "--stages",
+            "3",
+            "--micro-batches",
+            micro,
+        ]
+    };
+    let (whole, summary) = pipeline_example(dir, "whole", &["-n", "1"], &[]);
+    let acc = summary["run"]["final_acc"].as_f64().expect("final_acc");
+    let (one, _) = pipeline_example(dir, "one", &pipe("1"), &[]);
+    let (four, _) = pipeline_example(dir, "four", &pipe("4"), &[]);
+    let gpipe = [("FLOTILLA_PIPELINE__SCHEDULE", "gpipe")];
+    let (gpipe, summary) = pipeline_example(dir, "gpipe", &pipe("4"), &gpipe);
+    assert_eq!(summary["config"]["pipeline"]["schedule"], "gpipe");
+    assert!(acc >= 0.8, "40 steps did not train: test accuracy {acc}");
+    assert_bitwise("3 stages, 1 micro-batch vs the whole module", &one, &whole);
+    assert_bitwise("GPipe vs 1F1B", &gpipe, &four);
+    let e = relative_error(&four, &whole);
     assert!(
-        e <= 1e-5,
-        "2 replicas vs 1 after 30 steps: relative error {e}"
-    );
-    assert!(
-        acc_one >= 0.8 && (acc_one - acc_two).abs() <= 0.002,
-        "test accuracy: 1 replica {acc_one}, 2 replicas {acc_two}"
+        e > 0.0 && e <= 1e-5,
+        "3 stages, 4 micro-batches vs the whole module: relative error {e}"
     );
 }
 

@@ -30,9 +30,14 @@ fn program() -> PathBuf {
     example("lenet5_program")
 }
 
-/// The spec's tensor name of the user's: `conv1.weight` is `layers.0.weight`.
+/// The spec's tensor name of the user's: `features.conv1.weight` (the whole module's) and
+/// `conv1.weight` (its pipeline stage's) are `layers.0.weight`.
 fn spec_name(user: &str) -> String {
-    let (layer, what) = user.split_once('.').expect("a dotted name");
+    let mut parts = user.rsplitn(3, '.');
+    let (what, layer) = (parts.next(), parts.next());
+    let (Some(what), Some(layer)) = (what, layer) else {
+        panic!("{user} is not a LeNet-5 parameter's name");
+    };
     let index = match layer {
         "conv1" => 0,
         "conv2" => 3,
@@ -81,10 +86,16 @@ fn run_with_env(
 
 /// The spec model's and the user's module's runs of `yaml`, bitwise equal and trained.
 fn both_ways(dir: &Path, name: &str, yaml: &str) {
+    both_ways_cut(dir, name, yaml, yaml);
+}
+
+/// [`both_ways`] with the spec model's job `spec_yaml` and the user's `user_yaml` (a
+/// pipeline: the spec cut by layers, the program by its stage modules).
+fn both_ways_cut(dir: &Path, name: &str, spec_yaml: &str, user_yaml: &str) {
     let exe = program();
     let exe = exe.to_str().expect("utf8");
-    let spec = run(dir, &format!("{name}-spec"), yaml, &[]);
-    let user = run(dir, &format!("{name}-user"), yaml, &["--", exe]);
+    let spec = run(dir, &format!("{name}-spec"), spec_yaml, &[]);
+    let user = run(dir, &format!("{name}-user"), user_yaml, &["--", exe]);
     let initial = run(dir, &format!("{name}-initial"), "max_steps: 0\n", &[]);
     let moved = relative_error(&spec, &initial);
     assert!(
@@ -261,13 +272,30 @@ fn a_program_killed_mid_run_restarts_from_its_checkpoint_to_the_same_bits() {
     assert_bitwise("killed and restarted vs uninterrupted", &ended, &straight);
 }
 
+/// LeNet-5 cut after its convolutions (layer 7) into 2 stages, 4 micro-batches, 1F1B: the
+/// spec cut by `split_points`, the program's two stage modules (`Features`, `Classifier`)
+/// in the same pipeline.
 #[test]
-fn a_pipeline_of_a_users_module_is_refused_with_what_to_do() {
+fn two_pipeline_stages() {
+    let dir = tmp();
+    let job = "arch: pipeline\nbatch_size: 32\nmicro_batches: 4\nmax_steps: 200\n";
+    both_ways_cut(
+        dir.path(),
+        "pipeline",
+        &format!("{job}split_points: [7]\n"),
+        &format!("{job}stages: 2\n"),
+    );
+}
+
+/// A program's stages are its modules: a cut by layers is refused, naming the key and
+/// what to give instead.
+#[test]
+fn a_programs_pipeline_refuses_a_cut_by_layers() {
     let dir = tmp();
     let cfg = config_file(
         dir.path(),
         "pipe.yaml",
-        &format!("{COMMON}arch: pipeline\nworld_size: 2\nmax_steps: 5\n"),
+        &format!("{COMMON}arch: pipeline\nsplit_points: [7]\nmax_steps: 5\n"),
     );
     let mut c = flotilla();
     c.args(["launch", &cfg, "--output"])
@@ -277,7 +305,7 @@ fn a_pipeline_of_a_users_module_is_refused_with_what_to_do() {
     let o = run_with_deadline(c, LIMIT);
     assert!(!o.status.success(), "{}", text(&o));
     assert!(
-        text(&o).contains("flotilla_burn::Pipeline"),
+        text(&o).contains("pipeline.stages") && text(&o).contains("stages: N"),
         "the refusal does not say what to do:\n{}",
         text(&o)
     );

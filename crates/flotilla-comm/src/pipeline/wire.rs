@@ -3,15 +3,13 @@
 //!
 //! A tag is `(direction << 30) | (crossing << 20) | micro_batch`: the direction (forward
 //! activation, backward gradient, evaluation activation), the crossing's index in the
-//! list of crossings every rank derives alike (`flotilla_engine::StageCut::crossings` for a spec
-//! model, the stages' declared names for a user's modules), so it names the tensor, and
-//! the micro-batch (or evaluation chunk) modulo 2^20. Messages with the same tag from the same
-//! sender arrive in order, so chunk numbers may wrap. Every tag is below
+//! list of crossings every rank derives alike (`flotilla_engine::StageCut::crossings`: cut
+//! from a spec, or routed by the names a user's stage modules declare), so it names the
+//! tensor, and the micro-batch (or evaluation chunk) modulo 2^20. Messages with the same tag
+//! from the same sender arrive in order, so chunk numbers may wrap. Every tag is below
 //! [`crate::tags::RESERVED`]. The payload is the tensor's `f32` values, little-endian,
-//! row-major, with no header: its length is checked against the crossing's shape. Where the
-//! receiver does not know the shape beforehand (a user's module may give any shape), a
-//! *shaped* payload ([`encode_shaped`]) leads with the dimensions: their count (`u32`), each
-//! as a `u64`, all little-endian, then the values.
+//! row-major, with no header: its length is checked against the crossing's shape (a user's
+//! stage modules' shapes are learned before training, from a one-sample forward pass).
 
 use crate::Tag;
 
@@ -58,52 +56,6 @@ pub fn decode(bytes: &[u8], expected: usize) -> Option<Vec<f32>> {
     Some(values)
 }
 
-/// Most dimensions of a shaped payload.
-pub const MAX_DIMS: usize = 8;
-
-/// The shaped payload of a tensor of shape `dims` (row-major `values`, as many as the
-/// dimensions' product).
-pub fn encode_shaped(dims: &[usize], values: &[f32]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(4 + 8 * dims.len() + 4 * values.len());
-    out.extend_from_slice(&(dims.len() as u32).to_le_bytes());
-    for &d in dims {
-        out.extend_from_slice(&(d as u64).to_le_bytes());
-    }
-    out.extend_from_slice(encode(values));
-    out
-}
-
-/// The shape and values of a shaped payload, or why it is malformed (too many dimensions, a
-/// truncated header, values that do not fill the shape). Nothing is allocated before the
-/// lengths agree.
-pub fn decode_shaped(bytes: &[u8]) -> Result<(Vec<usize>, Vec<f32>), String> {
-    let (count, rest) = bytes
-        .split_first_chunk::<4>()
-        .ok_or_else(|| format!("{} bytes hold no dimension count", bytes.len()))?;
-    let count = u32::from_le_bytes(*count) as usize;
-    if count > MAX_DIMS {
-        return Err(format!("{count} dimensions (at most {MAX_DIMS})"));
-    }
-    let header = rest
-        .get(..8 * count)
-        .ok_or_else(|| format!("{count} dimensions but {} bytes", rest.len()))?;
-    let dims: Vec<usize> = header
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()) as usize)
-        .collect();
-    let numel = dims
-        .iter()
-        .try_fold(1usize, |n, &d| n.checked_mul(d))
-        .ok_or_else(|| format!("shape {dims:?} overflows"))?;
-    let values = decode(&rest[8 * count..], numel).ok_or_else(|| {
-        format!(
-            "shape {dims:?} needs {numel} values, got {} bytes",
-            rest.len() - 8 * count
-        )
-    })?;
-    Ok((dims, values))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -148,29 +100,6 @@ mod tests {
         assert_eq!(decode(encode(&v), 3), Some(v.to_vec()));
         assert_eq!(decode(encode(&v), 4), None);
         assert_eq!(decode(&[0u8; 5], 1), None);
-    }
-
-    #[test]
-    fn shaped_payloads_round_trip_and_malformed_ones_are_refused() {
-        let v = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
-        let bytes = encode_shaped(&[2, 3], &v);
-        assert_eq!(decode_shaped(&bytes), Ok((vec![2, 3], v.to_vec())));
-        assert_eq!(
-            decode_shaped(&encode_shaped(&[], &[7.0])),
-            Ok((vec![], vec![7.0]))
-        );
-        let short = &bytes[..bytes.len() - 4];
-        assert!(decode_shaped(short).unwrap_err().contains("needs 6 values"));
-        assert!(
-            decode_shaped(&bytes[..10])
-                .unwrap_err()
-                .contains("2 dimensions")
-        );
-        assert!(decode_shaped(&[1, 2]).is_err());
-        let many = encode_shaped(&[1; MAX_DIMS + 1], &[0.0]);
-        assert!(decode_shaped(&many).unwrap_err().contains("at most"));
-        let huge = encode_shaped(&[usize::MAX, 2], &[]);
-        assert!(decode_shaped(&huge).unwrap_err().contains("overflows"));
     }
 
     /// Fuzzing found: an expected length whose byte size overflows panicked (overflow check).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use flotilla_cluster::Topology;
 use flotilla_comm::ProcessGroup;
 use flotilla_data::Samples;
-use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec};
+use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec, StageCut, StageEngine};
 
 use crate::config::TrainConfig;
 use crate::error::Result;
@@ -102,6 +102,21 @@ pub trait ModelSource {
     /// trained by `optimizer`.
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
     -> Result<Box<dyn Engine>>;
+
+    /// When the model is a program's own pipeline stages (one module per stage): the cut,
+    /// and stage `index` of it on the named device, its initial parameters drawn
+    /// from `seed` as the whole model's. `None`: a spec (its pipeline is cut by the planner)
+    /// or a module not cut into stages.
+    fn stage(
+        &self,
+        index: usize,
+        optimizer: &OptimizerSpec,
+        device: &str,
+        seed: u64,
+    ) -> Option<Result<(StageCut, Box<dyn StageEngine>)>> {
+        let _ = (index, optimizer, device, seed);
+        None
+    }
 }
 
 impl ModelSource for ModelSpec {

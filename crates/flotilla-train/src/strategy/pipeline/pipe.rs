@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_comm::ProcessGroup;
-use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut};
+use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut, StageEngine};
 
 use crate::error::{Result, TrainError};
 use crate::strategy::allreduce::dropout_seed;
@@ -44,7 +44,7 @@ pub struct PipelineOptions {
 
 /// One rank's part of a pipeline (see the module documentation).
 pub struct Pipeline {
-    stage: Stage,
+    stage: Box<dyn StageEngine>,
     cut: StageCut,
     opts: PipelineOptions,
     world: Arc<dyn ProcessGroup>,
@@ -86,12 +86,38 @@ impl Pipeline {
         opts: PipelineOptions,
         world: Arc<dyn ProcessGroup>,
     ) -> Result<Self> {
+        check_shape(&cut, &opts, world.size())?;
+        let index = world.rank() % cut.stages();
+        let stage = Stage::new(spec, &cut, index, &opts.optimizer, &opts.device, opts.seed)?;
+        Self::of(Box::new(stage), cut, &spec.to_yaml(), opts, world)
+    }
+
+    /// This rank's part of a pipeline whose stage is built already: `stage` (this rank's
+    /// stage of `cut`: a spec's layers or a user's module), `model` what every rank must
+    /// agree on about the whole model (a spec's text, a program's modules). Collective over
+    /// `world`, as [`Pipeline::new`].
+    pub fn of(
+        stage: Box<dyn StageEngine>,
+        cut: StageCut,
+        model: &str,
+        opts: PipelineOptions,
+        world: Arc<dyn ProcessGroup>,
+    ) -> Result<Self> {
         let stages = cut.stages();
         check_shape(&cut, &opts, world.size())?;
         let index = world.rank() % stages;
+        if stage.index() != index {
+            return Err(TrainError::config(
+                "pipeline",
+                format!(
+                    "rank {} runs stage {index} of {stages}, but was given stage {}",
+                    world.rank(),
+                    stage.index()
+                ),
+            ));
+        }
         let replica = world.rank() / stages;
-        agree(&*world, spec, &cut, &opts)?;
-        let stage = Stage::new(spec, &cut, index, &opts.optimizer, &opts.device, opts.seed)?;
+        agree(&*world, model, &cut, &opts)?;
         let peers = (0..stages).map(|s| replica * stages + s).collect();
         let replicas = match opts.data_parallel {
             1 => None,
@@ -116,8 +142,8 @@ impl Pipeline {
     }
 
     /// This rank's stage.
-    pub fn stage(&self) -> &Stage {
-        &self.stage
+    pub fn stage(&self) -> &dyn StageEngine {
+        &*self.stage
     }
 
     /// This rank's stage index.
@@ -157,8 +183,8 @@ impl Pipeline {
 
     /// This rank's stage, to read or replace its parameters and optimizer state (between
     /// batches).
-    pub fn stage_mut(&mut self) -> &mut Stage {
-        &mut self.stage
+    pub fn stage_mut(&mut self) -> &mut dyn StageEngine {
+        &mut *self.stage
     }
 
     /// The world group the pipeline runs in.
@@ -597,7 +623,7 @@ fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<(
 /// Checks that every rank runs the same spec, cut and options; names a rank that does not.
 fn agree(
     world: &dyn ProcessGroup,
-    spec: &ModelSpec,
+    model: &str,
     cut: &StageCut,
     opts: &PipelineOptions,
 ) -> Result<()> {
@@ -610,12 +636,7 @@ fn agree(
         &opts.optimizer,
         opts.seed,
     );
-    let text = format!(
-        "{}|{:?}|{:?}|{shared:?}",
-        spec.to_yaml(),
-        cut.ranges,
-        cut.crossings
-    );
+    let text = format!("{model}|{:?}|{:?}|{shared:?}", cut.ranges, cut.crossings);
     let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());
     let all = world.all_gather_u64(mine)?;
     match all.iter().position(|&h| h != all[0]) {

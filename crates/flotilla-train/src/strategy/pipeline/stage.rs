@@ -11,7 +11,7 @@ use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
 use crate::checkpoint::{self, CheckpointState};
-use crate::config::TrainConfig;
+use crate::config::{StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::allreduce::dropout_seed;
@@ -37,32 +37,16 @@ pub struct PipelineStage {
     /// Bytes of the stage's layer outputs for one micro-batch (what backward keeps, as the
     /// partition estimates it).
     activation_bytes: u64,
+    /// Whether the stage is a program's module (not a spec's layers).
+    program: bool,
 }
 
 impl PipelineStage {
     /// Plans the cut on rank 0 (printing the plan to its log) and builds this rank's stage;
     /// collective over the world. A plan that rank 0 refuses fails every rank with its reason.
     pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
-        let spec = setup.model.spec().ok_or_else(|| {
-            crate::error::TrainError::config(
-                "topology.arch",
-                format!(
-                    "a pipeline cuts a model spec into stages, and `{}` is a program's own \
-                     module: give its stages to flotilla_burn::Pipeline instead",
-                    setup.model.name()
-                ),
-            )
-        })?;
-        let ranges = agreed_cut(cx, spec)?;
-        let cut = StageCut::new(spec, ranges)?;
         let config = cx.config;
         let p = &config.pipeline;
-        let layers = cut.ranges[cx.rank % cut.stages()].clone();
-        let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
-        let activation_bytes = spec.infer_io()?[layers]
-            .iter()
-            .map(|(_, out)| 4 * (out.numel() * samples) as u64)
-            .sum();
         let opts = PipelineOptions {
             micro_batches: p.micro_batches,
             schedule: p.schedule,
@@ -72,12 +56,26 @@ impl PipelineStage {
             device: config.model.device.clone(),
             seed: config.model.seed,
         };
-        let pipe = Pipeline::new(spec, cut, opts, cx.comm.clone())?;
+        let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
+        let (pipe, activation_bytes) = match setup.model.spec() {
+            Some(spec) => {
+                let ranges = agreed_cut(cx, spec)?;
+                let cut = StageCut::new(spec, ranges)?;
+                let layers = cut.ranges[cx.rank % cut.stages()].clone();
+                let bytes = spec.infer_io()?[layers]
+                    .iter()
+                    .map(|(_, out)| 4 * (out.numel() * samples) as u64)
+                    .sum();
+                (Pipeline::new(spec, cut, opts, cx.comm.clone())?, bytes)
+            }
+            None => program_stage(cx, setup, opts, samples)?,
+        };
         Ok(Self {
             pipe,
             training: std::time::Duration::ZERO,
             warmed_up: None,
             activation_bytes,
+            program: setup.model.spec().is_none(),
         })
     }
 
@@ -85,6 +83,65 @@ impl PipelineStage {
     pub fn pipeline(&mut self) -> &mut Pipeline {
         &mut self.pipe
     }
+}
+
+/// This rank's stage of a program's own stage modules, and the bytes of its outputs for one
+/// micro-batch. The program cuts the model: the configured number of stages must be its
+/// number of modules, and a cut by layers (`stages: [[a, b], ...]`, `split_points`) is
+/// refused.
+fn program_stage(
+    cx: &mut Cx<'_>,
+    setup: &Setup<'_>,
+    opts: PipelineOptions,
+    samples: usize,
+) -> Result<(Pipeline, u64)> {
+    let p = &cx.config.pipeline;
+    let name = setup.model.name();
+    let stages = match (&p.split_points, &p.stages) {
+        (None, StagesSetting::Count(n)) => *n,
+        _ => {
+            return Err(TrainError::config(
+                "pipeline.stages",
+                format!(
+                    "`{name}` is cut into stages by its program: give their number \
+                     (`stages: N`), not layer ranges or split points"
+                ),
+            ));
+        }
+    };
+    let built = setup.model.stage(
+        cx.rank % stages.max(1),
+        &opts.optimizer,
+        &opts.device,
+        opts.seed,
+    );
+    let Some(built) = built else {
+        return Err(TrainError::config(
+            "topology.arch",
+            format!(
+                "a pipeline trains a model spec or a program's stage modules, and `{name}` is \
+                 one module: give its stages to flotilla_burn::UserModule::with_stages"
+            ),
+        ));
+    };
+    let (cut, stage) = built?;
+    if cut.stages() != stages {
+        return Err(TrainError::config(
+            "pipeline.stages",
+            format!(
+                "`{name}` has {} stage modules, the config {stages} stages",
+                cut.stages()
+            ),
+        ));
+    }
+    let bytes = stage
+        .outputs()
+        .iter()
+        .map(|s| 4 * (s.shape.numel() * samples) as u64)
+        .sum();
+    let fingerprint = setup.model.fingerprint()?;
+    let pipe = Pipeline::of(stage, cut, &fingerprint, opts, cx.comm.clone())?;
+    Ok((pipe, bytes))
 }
 
 /// The stages' layer ranges: as configured when no profile is needed; else planned on rank 0
@@ -266,12 +323,14 @@ impl Strategy for PipelineStage {
     fn report(&self, cx: &Cx<'_>) -> Option<String> {
         let _ = cx;
         let s = self.pipe.stage();
+        let runs = match self.program {
+            true => format!("the program's module {}", s.index()),
+            false => format!("layers {}..{}", s.layers().start, s.layers().end),
+        };
         Some(format!(
-            "stage {} of replica {}: layers {}..{}, {} parameters, at most {} micro-batches in flight",
+            "stage {} of replica {}: {runs}, {} parameters, at most {} micro-batches in flight",
             s.index(),
             self.pipe.replica(),
-            s.layers().start,
-            s.layers().end,
             s.num_params(),
             s.peak_in_flight()
         ))

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use flotilla_engine::{ModelState, Stage};
+use flotilla_engine::StageEngine;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
@@ -20,12 +20,12 @@ const OPTIMIZER: usize = 1;
 /// A stage's weights as safetensors bytes and its optimizer state. Both stay in memory: no
 /// file in a shared directory that another local user could read, replace or plant a link
 /// at.
-fn stage_parts(stage: &Stage) -> Result<[Vec<u8>; 2]> {
+fn stage_parts(stage: &dyn StageEngine) -> Result<[Vec<u8>; 2]> {
     Ok([stage.weights_bytes()?, stage.optimizer_state()?])
 }
 
 /// Replaces a stage's weights and optimizer state with `parts` (from [`stage_parts`]).
-fn load_parts(stage: &mut Stage, parts: &[Vec<u8>; 2]) -> Result<()> {
+fn load_parts(stage: &mut dyn StageEngine, parts: &[Vec<u8>; 2]) -> Result<()> {
     stage.load_weights_bytes(&parts[WEIGHTS])?;
     stage.load_optimizer_state(&parts[OPTIMIZER])?;
     Ok(())

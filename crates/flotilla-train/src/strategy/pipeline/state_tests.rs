@@ -5,7 +5,7 @@
 
 use std::path::{Path, PathBuf};
 
-use flotilla_engine::{ModelState, StageCut};
+use flotilla_engine::StageCut;
 
 use super::tests::train_batch;
 use super::tests::{BATCHES, Ended, SEED, assert_matches, named, options, reference, spec};

@@ -1,0 +1,308 @@
+//! A pipeline of a burn user's own modules, one per stage ([`StageModule`]), cut and run by
+//! the same pipeline as a spec's layers: [`module_pipeline`] draws every stage's initial
+//! parameters from one seed in stage order (as the whole model's would be drawn), learns the
+//! shape of every tensor that crosses between stages from a one-sample forward pass, routes
+//! each by name, and makes this rank's stage a [`Stage`] — the same forward, backward, loss,
+//! gradient accumulation and optimizer step as a spec's stage.
+
+use burn::module::Module;
+use burn::prelude::*;
+
+use crate::activation::Activation;
+use crate::cut::{Crossing, StageCut};
+use crate::device::device_by_name;
+use crate::error::{EngineError, Result};
+use crate::named_tensors::{NamedTensors, sample_shape};
+use crate::optim::OptimizerSpec;
+use crate::params;
+use crate::shape::Shape;
+use crate::stage::{Slot, Stage, StageSlots};
+use crate::stage_engine::StageEngine;
+use crate::weights::{Weights, materialized, seeded};
+
+/// One stage of a pipeline written as a burn module by its user: the names of the tensors it
+/// takes and gives, and its forward pass over them.
+///
+/// Stage 0 takes one tensor, the batch's inputs (`[n, c, h, w]` images, `[n, f]` features, or
+/// `[n, t]` token ids as floats), under the name it declares. A later stage takes tensors
+/// that earlier stages give, by name: each comes from the nearest earlier stage that gives
+/// it, straight (a skip tensor from stage 0 to stage 2 does not pass through stage 1). The
+/// last stage gives one tensor, its logits (`[n, classes]`, or `[n, t, classes]` for a
+/// sequence); the run computes the cross-entropy against the labels, as for a spec model.
+/// Tensors that cross stages are batch-first with 2, 3 or 4 dimensions.
+pub trait StageModule: Module + 'static {
+    /// The names of the tensors [`StageModule::forward`] takes.
+    fn inputs(&self) -> Vec<String>;
+
+    /// The names of the tensors [`StageModule::forward`] gives (the last stage: one, its
+    /// logits).
+    fn outputs(&self) -> Vec<String>;
+
+    /// Runs the stage on one micro-batch.
+    fn forward(&self, inputs: NamedTensors) -> Result<NamedTensors>;
+}
+
+/// A [`StageModule`] of any type, as [`module_pipeline`] handles it before it trains.
+pub trait AnyStageModule {
+    /// What it takes and gives.
+    fn names(&self) -> (Vec<String>, Vec<String>);
+
+    /// Its parameters numbered by position and drawn now, in flat order.
+    fn materialized(self: Box<Self>) -> Result<Box<dyn AnyStageModule>>;
+
+    /// Its forward pass (a probe of one sample, to learn the shapes it gives).
+    fn probe(&self, inputs: NamedTensors) -> Result<NamedTensors>;
+
+    /// The stage that trains it at `slots`, on the named device.
+    fn into_stage(
+        self: Box<Self>,
+        slots: StageSlotsOf,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+    ) -> Result<Box<dyn StageEngine>>;
+}
+
+/// Where a user's stage sits (opaque outside the engine).
+pub struct StageSlotsOf(StageSlots);
+
+impl<M: StageModule> AnyStageModule for M {
+    fn names(&self) -> (Vec<String>, Vec<String>) {
+        (self.inputs(), self.outputs())
+    }
+
+    fn materialized(self: Box<Self>) -> Result<Box<dyn AnyStageModule>> {
+        Ok(Box::new(materialized(*self)?))
+    }
+
+    fn probe(&self, inputs: NamedTensors) -> Result<NamedTensors> {
+        self.forward(inputs)
+    }
+
+    fn into_stage(
+        self: Box<Self>,
+        slots: StageSlotsOf,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+    ) -> Result<Box<dyn StageEngine>> {
+        let base_device = device_by_name(device_name)?;
+        // As a whole user module: fresh leaves on the training device, numbered by position.
+        let model = params::renumber(self.fork(&base_device.clone().autodiff()).train());
+        let weights = Weights::of_module(model, optimizer, base_device, true)?.with_metadata(
+            "flotilla.stage",
+            format!("{} of a program's modules", slots.0.index),
+        );
+        Ok(Box::new(Stage::of(weights, slots.0, run_module::<M>)))
+    }
+}
+
+/// Builds one stage's module on the device it is given.
+pub type StageBuilder = Box<dyn Fn(&Device) -> Box<dyn AnyStageModule> + Send + Sync>;
+
+/// What one sample looks like to a pipeline of modules: its input's shape (`[c, h, w]`,
+/// `[f]`) and, for token ids, the vocabulary.
+#[derive(Debug, Clone, Copy)]
+pub struct StageInput {
+    /// One sample's input.
+    pub shape: Shape,
+    /// The vocabulary of token ids, if the input is token ids.
+    pub vocab: Option<usize>,
+}
+
+/// The pipeline of the modules `builders` make (one per stage, in order) and stage `index`
+/// of it, trained by `optimizer` on the named device. Every rank that calls it with the same
+/// builders and `seed` draws the same initial parameters (each stage's as the whole model's,
+/// built stage after stage, would be drawn) and computes the same cut (crossings numbered by
+/// consuming stage, then by the order it declares its inputs).
+pub fn module_pipeline(
+    builders: &[StageBuilder],
+    input: StageInput,
+    index: usize,
+    optimizer: &OptimizerSpec,
+    device_name: &str,
+    seed: u64,
+) -> Result<(StageCut, Box<dyn StageEngine>)> {
+    if builders.is_empty() || index >= builders.len() {
+        return Err(EngineError::InvalidSpec(format!(
+            "stage {index} does not exist (the program gives {} stage modules)",
+            builders.len()
+        )));
+    }
+    let mut modules = seeded(seed, |cpu| {
+        builders
+            .iter()
+            .map(|build| build(cpu).materialized())
+            .collect::<Result<Vec<_>>>()
+    })?;
+    let names: Vec<_> = modules.iter().map(|m| m.names()).collect();
+    check_ends(&names)?;
+    let shapes = probe_shapes(&modules, &names, input.shape)?;
+    let cut = route(&names, &shapes, input.shape)?;
+    let slots = slots_of(&cut, &names, index, input.vocab);
+    let module = modules.swap_remove(index);
+    drop(modules);
+    let stage = module.into_stage(StageSlotsOf(slots), optimizer, device_name)?;
+    Ok((cut, stage))
+}
+
+/// Every stage's output shapes (one sample), from a forward pass of one sample of zeros
+/// through the stages in order.
+fn probe_shapes(
+    modules: &[Box<dyn AnyStageModule>],
+    names: &[(Vec<String>, Vec<String>)],
+    input: Shape,
+) -> Result<Vec<Vec<Shape>>> {
+    let device = Device::flex().autodiff();
+    let first = &names[0].0[0];
+    let mut given = NamedTensors::new();
+    given.put(
+        first,
+        Activation::from_flat(vec![0.0; input.numel()], 1, input, &device),
+    );
+    let mut shapes = Vec::with_capacity(modules.len());
+    for (s, (module, (ins, outs))) in modules.iter().zip(names).enumerate() {
+        let mut inputs = NamedTensors::new();
+        for name in ins {
+            if !given.contains(name) {
+                return Err(EngineError::InvalidSpec(format!(
+                    "stage {s} takes `{name}`, which no earlier stage gives"
+                )));
+            }
+            inputs.put(name, given.activation(name, s)?);
+        }
+        let out = module.probe(inputs)?;
+        let mut mine = Vec::with_capacity(outs.len());
+        for name in outs {
+            let a = out.activation(name, s)?;
+            mine.push(sample_shape(&a));
+            given.put(name, a);
+        }
+        shapes.push(mine);
+    }
+    Ok(shapes)
+}
+
+/// Refuses a pipeline whose stage 0 does not take one tensor (the batch's inputs) or whose
+/// last stage does not give one (its logits).
+fn check_ends(names: &[(Vec<String>, Vec<String>)]) -> Result<()> {
+    let (first, last) = (&names[0].0, &names[names.len() - 1].1);
+    if first.len() != 1 {
+        return Err(EngineError::InvalidSpec(format!(
+            "stage 0 takes {first:?}; it takes one tensor, the batch's inputs"
+        )));
+    }
+    if last.len() != 1 {
+        return Err(EngineError::InvalidSpec(format!(
+            "the last stage gives {last:?}; it gives one tensor, its logits"
+        )));
+    }
+    Ok(())
+}
+
+/// The cut of a pipeline of modules: every input of a later stage comes from the nearest
+/// earlier stage that gives it; stage 0 takes the batch's inputs, the last gives the logits.
+fn route(
+    names: &[(Vec<String>, Vec<String>)],
+    shapes: &[Vec<Shape>],
+    input: Shape,
+) -> Result<StageCut> {
+    let stages = names.len();
+    let bad = |m: String| Err(EngineError::InvalidSpec(m));
+    let output = shapes[stages - 1][0];
+    let mut crossings = Vec::new();
+    for (to, (ins, _)) in names.iter().enumerate().skip(1) {
+        for name in ins {
+            let from = (0..to).rev().find(|&t| names[t].1.contains(name));
+            let Some(from) = from else {
+                return bad(format!(
+                    "stage {to} takes `{name}`, which no earlier stage gives"
+                ));
+            };
+            let at = names[from].1.iter().position(|n| n == name).unwrap_or(0);
+            crossings.push(Crossing {
+                name: name.clone(),
+                shape: shapes[from][at],
+                from,
+                to,
+            });
+        }
+    }
+    for (from, (_, outs)) in names.iter().enumerate().take(stages - 1) {
+        if let Some(unused) = outs
+            .iter()
+            .find(|n| !crossings.iter().any(|c| c.from == from && &c.name == *n))
+        {
+            return bad(format!(
+                "stage {from} gives `{unused}`, which no later stage takes"
+            ));
+        }
+    }
+    Ok(StageCut {
+        ranges: (0..stages).map(|s| s..s + 1).collect(),
+        crossings,
+        input,
+        output,
+        classes: output.numel(),
+    })
+}
+
+/// Stage `index`'s slots in `cut`: its crossings in tag order (stage 0: the batch's inputs;
+/// the last stage: its logits).
+fn slots_of(
+    cut: &StageCut,
+    names: &[(Vec<String>, Vec<String>)],
+    index: usize,
+    vocab: Option<usize>,
+) -> StageSlots {
+    let slot = |c: usize| Slot {
+        name: cut.crossings[c].name.clone(),
+        shape: cut.crossings[c].shape,
+    };
+    let last = index + 1 == cut.stages();
+    let inputs = match index {
+        0 => vec![Slot {
+            name: names[0].0[0].clone(),
+            shape: cut.input,
+        }],
+        s => cut.inputs(s).into_iter().map(slot).collect(),
+    };
+    let outputs = match last {
+        true => vec![Slot {
+            name: names[index].1[0].clone(),
+            shape: cut.output,
+        }],
+        false => cut.outputs(index).into_iter().map(slot).collect(),
+    };
+    StageSlots {
+        index,
+        last,
+        vocab: vocab.filter(|_| index == 0),
+        range: index..index + 1,
+        inputs,
+        outputs,
+    }
+}
+
+/// A user's stage run: its module's forward over its input slots by name; its output slots
+/// by name (the last stage: its logits, one row per sample or position).
+fn run_module<M: StageModule>(
+    model: &M,
+    slots: &StageSlots,
+    acts: Vec<Activation>,
+) -> Result<Vec<Activation>> {
+    let mut inputs = NamedTensors::new();
+    for (slot, a) in slots.inputs.iter().zip(acts) {
+        inputs.put(&slot.name, a);
+    }
+    let out = model.forward(inputs)?;
+    let mut outputs = Vec::with_capacity(slots.outputs.len());
+    for slot in &slots.outputs {
+        outputs.push(out.activation(&slot.name, slots.index)?);
+    }
+    if slots.last {
+        return Ok(outputs
+            .into_iter()
+            .map(|a| Activation::Flat(a.into_logits()))
+            .collect());
+    }
+    Ok(outputs)
+}
