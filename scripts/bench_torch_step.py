@@ -3,7 +3,7 @@
 
 Usage: bench_torch_step.py --model mlp|lenet5 --batch B --threads T --steps S [--warmup 5]
 
-The step is the same work Flotilla's `bench step` times (crates/flotilla/src/bench.rs):
+The step is the same work Flotilla's `bench step` times (crates/flotilla/src/bench/mod.rs):
   1. a batch of B synthetic MNIST-shaped samples ([B,1,28,28] f32, labels i64), copied from
      a host buffer into a fresh tensor (Flotilla builds its input tensor from a Vec each step);
   2. forward, CrossEntropyLoss (mean), backward;
@@ -69,7 +69,8 @@ def main():
     opt = torch.optim.SGD(params, lr=0.04, momentum=0.9, dampening=0.0, weight_decay=5e-4)
     loss_fn = nn.CrossEntropyLoss()
 
-    # The same deterministic synthetic batch as bench.rs: ((i*7919) % 255)/255 - 0.5, label i%10.
+    # The same deterministic synthetic batch as bench/mod.rs: ((i*7919) % 255)/255 - 0.5,
+    # label i%10.
     b = args.batch
     idx = torch.arange(b * 784, dtype=torch.int64)
     host_images = (((idx * 7919) % 255).to(torch.float32) / 255.0 - 0.5).reshape(b, 1, 28, 28)

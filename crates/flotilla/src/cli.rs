@@ -139,7 +139,7 @@ pub struct RemoteArgs {
     pub sync: bool,
     /// With `--inventory`: parent of the per-job directories on the hosts (relative paths are
     /// under the ssh login directory).
-    #[arg(long, default_value = crate::remote::DEFAULT_REMOTE_DIR)]
+    #[arg(long, default_value = crate::launch::remote::DEFAULT_REMOTE_DIR)]
     pub remote_dir: String,
     /// With `--inventory` and without `--sync`: the binary's path on the hosts (default: this
     /// binary's own path).
@@ -151,7 +151,7 @@ impl Default for RemoteArgs {
     fn default() -> Self {
         RemoteArgs {
             sync: false,
-            remote_dir: crate::remote::DEFAULT_REMOTE_DIR.to_owned(),
+            remote_dir: crate::launch::remote::DEFAULT_REMOTE_DIR.to_owned(),
             remote_exe: None,
         }
     }
@@ -168,7 +168,7 @@ pub struct StopArgs {
     #[arg(long)]
     pub job: Option<String>,
     /// Parent of the per-job directories, as given to `launch`.
-    #[arg(long, default_value = crate::remote::DEFAULT_REMOTE_DIR)]
+    #[arg(long, default_value = crate::launch::remote::DEFAULT_REMOTE_DIR)]
     pub remote_dir: String,
 }
 

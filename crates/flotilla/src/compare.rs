@@ -13,7 +13,7 @@ use flotilla_train::presets::{self, Preset};
 
 use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
 use crate::compare_report::{self, Comparison, RunFacts, StrategyRun, Target};
-use crate::{launch_cmd, settings};
+use crate::settings;
 use flotilla_rank::report;
 
 /// The accuracy compared when neither `--target-accuracy` nor the config names one.
@@ -125,9 +125,9 @@ fn run_one(
             program: args.program.clone(),
         };
         if opts.program.is_empty() {
-            launch_cmd::launch(config, &opts)?;
+            crate::launch::cmd::launch(config, &opts)?;
         } else {
-            crate::launch_program::launch(config, &opts)?;
+            crate::launch::program::launch(config, &opts)?;
         }
         RunFacts::from_summary(&report::read_summary(&dir)?)
     })();

@@ -6,7 +6,7 @@
 //!
 //! The ranks are told the file's path (`FLOTILLA_SECRET_FILE`), never the secret: local ranks
 //! in their environment, ranks over ssh in a copy in their job directory
-//! ([`crate::remote_launch`], removed there when the job ends).
+//! ([`crate::launch::inventory`], removed there when the job ends).
 
 use std::path::{Path, PathBuf};
 

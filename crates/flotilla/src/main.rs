@@ -3,11 +3,6 @@
 //! (a cluster secret).
 
 mod bench;
-mod bench_allreduce;
-mod bench_job;
-mod bench_mpi;
-mod bench_pipeline;
-mod bench_ps;
 mod binding;
 mod capacity;
 mod certs_cmd;
@@ -18,12 +13,6 @@ mod gpu_placement;
 mod heap;
 mod job_secret;
 mod launch;
-mod launch_cmd;
-mod launch_program;
-mod launch_tls;
-mod relay;
-mod remote;
-mod remote_launch;
 mod rendezvous_socket;
 mod run_args;
 mod secret_cmd;
@@ -43,7 +32,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Train(args) => train(&args),
-        Command::Launch(args) => init_telemetry().and_then(|_| launch_cmd::run(&args)),
+        Command::Launch(args) => init_telemetry().and_then(|_| launch::cmd::run(&args)),
         Command::Stop(args) => stop_cmd::run(&args),
         Command::Compare(args) => init_telemetry().and_then(|_| compare::run(&args)),
         Command::Bench(cmd) => init_telemetry().and_then(|_| bench::run(cmd)),

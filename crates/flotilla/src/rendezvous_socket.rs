@@ -62,7 +62,7 @@ impl RendezvousSocket {
 /// address (at `--master-port`, else at a port the system picks), which rank 0 inherits; for
 /// ranks on other hosts `--master-port` if given, else 0: rank 0 binds a port the system picks
 /// on its host and says it, and the launcher starts the other ranks with it
-/// ([`crate::remote_launch::Remote::start_running`]). Either way no port is published before
+/// ([`crate::launch::inventory::Remote::start_running`]). Either way no port is published before
 /// rank 0 holds it.
 pub fn for_job(
     config: &mut TrainConfig,

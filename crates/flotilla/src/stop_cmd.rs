@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 use flotilla_cluster::{Inventory, SshTarget};
 
 use crate::cli::StopArgs;
-use crate::remote;
+use crate::launch::remote;
 
 /// Runs `flotilla stop`.
 pub fn run(args: &StopArgs) -> Result<()> {

@@ -1,5 +1,5 @@
 //! `flotilla launch`: writes the effective config, starts the ranks of `flotilla train` on it
-//! (N local processes, or over ssh on the hosts of `--inventory`: [`crate::remote_launch`]),
+//! (N local processes, or over ssh on the hosts of `--inventory`: [`crate::launch::inventory`]),
 //! relays what they print (a progress bar from rank 0's events), and at the end merges their
 //! timelines. Rank 0 writes the run's `summary.json` and plots itself ([`flotilla_rank::report`]), as
 //! it does when started by another launcher (over ssh, on its host; the launcher copies the
@@ -14,9 +14,9 @@ use flotilla_train::TrainConfig;
 
 use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
+use crate::launch::inventory::{self, Remote};
+use crate::launch::relay::Relay;
 use crate::launch::{self, LocalJob};
-use crate::relay::Relay;
-use crate::remote_launch::{self, Remote};
 use crate::rendezvous_socket::{self, RendezvousSocket};
 use crate::run_args::RunArgs;
 use crate::settings;
@@ -39,7 +39,7 @@ struct Prepared {
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
     if !args.program.is_empty() {
-        return crate::launch_program::run(args);
+        return crate::launch::program::run(args);
     }
     let config = settings::effective_config(&args.run, false)?;
     launch(config, args)
@@ -87,8 +87,8 @@ fn launch_once(
 ) -> Result<Result<()>> {
     let (threads, remote_args) = (opts.threads, &opts.remote);
     // TLS files that cannot be read fail here, before any rank starts (local ranks read the
-    // same ones; remote ones: `launch_tls`).
-    let tls = crate::launch_tls::check(&config)?;
+    // same ones; remote ones: `launch::tls`).
+    let tls = crate::launch::tls::check(&config)?;
     let mut job = prepare(config, &opts.run)?;
     if let (true, Some(files)) = (first, &tls) {
         println!(
@@ -101,7 +101,7 @@ fn launch_once(
     }
     launch::stop_on_interrupt()?;
     let remote = match job.placement.take() {
-        Some(placement) => Some(remote_launch::prepare(
+        Some(placement) => Some(inventory::prepare(
             &job.config,
             &placement,
             remote_args,
@@ -246,7 +246,7 @@ fn start_remote(job: &Prepared, remote: &Remote, threads: usize) -> Result<Local
 /// port is bound here, before it is written anywhere ([`RendezvousSocket`]).
 fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
     let placement = match &config.topology.inventory {
-        Some(path) => Some(remote_launch::placement(&config, path)?),
+        Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
     if !flags.given("master-addr") {

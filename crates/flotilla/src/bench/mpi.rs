@@ -9,13 +9,13 @@ use flotilla_comm::bench::BenchOptions;
 use flotilla_comm::bench::format_bytes;
 
 #[cfg(feature = "mpi")]
-use crate::bench_allreduce::Row;
+use crate::bench::allreduce::Row;
 use crate::cli::BenchAllreduceArgs;
 
 /// Prints the three-way table.
 #[cfg(feature = "mpi")]
 pub fn table(args: &BenchAllreduceArgs) -> Result<()> {
-    crate::bench_allreduce::check_ranks(args)?;
+    crate::bench::allreduce::check_ranks(args)?;
     println!(
         "# flotilla bench allreduce --backend mpi: f32 sums through Flotilla's MPI backend, the TCP ring over 127.0.0.1, and Open MPI's MPI_Allreduce called directly (reference), same sizes and ranks"
     );
@@ -36,7 +36,7 @@ pub fn table(args: &BenchAllreduceArgs) -> Result<()> {
         "tcp/ompi"
     );
     for &n in &args.ranks {
-        let tcp: Vec<_> = crate::bench_allreduce::rows(args, n, flotilla_comm::Transport::Tcp)?
+        let tcp: Vec<_> = crate::bench::allreduce::rows(args, n, flotilla_comm::Transport::Tcp)?
             .into_iter()
             .map(|(_, r)| r)
             .collect();
@@ -83,7 +83,7 @@ fn mpirun_rows(args: &BenchAllreduceArgs, n: usize) -> Result<(Vec<Row>, Vec<Row
     let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "-np", &n.to_string()])
         .arg(exe)
-        .args(crate::bench_allreduce::worker_args(args, "mpi")?)
+        .args(crate::bench::allreduce::worker_args(args, "mpi")?)
         // Lets mpirun run when the user is root (containers); no effect otherwise.
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")

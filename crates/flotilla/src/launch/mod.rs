@@ -2,6 +2,17 @@
 //! on inventory hosts) and supervising them: their output is relayed line by line, and the
 //! first rank to fail stops all the others and is named. Ctrl-C (or SIGTERM) on the launcher
 //! stops every rank too.
+//!
+//! Around it: the `flotilla launch` command ([`cmd`]; [`program`] for `-- PROGRAM`), what
+//! the launcher does with its ranks' lines ([`relay`](mod@relay)), jobs on inventory hosts
+//! ([`inventory`], over [`remote`]'s ssh) and their TLS files ([`tls`]).
+
+pub(crate) mod cmd;
+pub(crate) mod inventory;
+pub(crate) mod program;
+mod relay;
+pub(crate) mod remote;
+mod tls;
 
 use std::collections::VecDeque;
 use std::ffi::OsString;

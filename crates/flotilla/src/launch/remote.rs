@@ -43,7 +43,7 @@ pub const REMOTE_SECRET: &str = "secret";
 /// The binary, relative to the job directory, when `--sync` copied it.
 pub const REMOTE_EXE: &str = "flotilla";
 
-/// The TLS CA certificate, relative to a job directory on a host (`crate::launch_tls`).
+/// The TLS CA certificate, relative to a job directory on a host (`crate::launch::tls`).
 pub const REMOTE_TLS_CA: &str = "tls-ca.pem";
 /// The host's TLS certificate, relative to its job directory.
 pub const REMOTE_TLS_CERT: &str = "tls-cert.pem";

@@ -11,7 +11,7 @@
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
 //! them, and `--max-restarts` starts the whole program again with `schedule.resume` set (a
 //! program on `flotilla_burn::train` resumes from the newest checkpoint). With `--inventory` the ranks run on the hosts over ssh
-//! ([`crate::remote_launch`]); the program must be at the same path on every host.
+//! ([`crate::launch::inventory`]); the program must be at the same path on every host.
 
 use std::ffi::OsString;
 use std::process::Command;
@@ -23,9 +23,9 @@ use flotilla_train::TrainConfig;
 use crate::binding;
 use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
+use crate::launch::inventory;
+use crate::launch::relay::Relay;
 use crate::launch::{self, LocalJob};
-use crate::relay::Relay;
-use crate::remote_launch;
 use crate::settings;
 use flotilla_rank::telemetry;
 
@@ -64,7 +64,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         bail!("-n 0: a job needs at least one rank");
     }
     let placement = match &config.topology.inventory {
-        Some(path) => Some(remote_launch::placement(&config, path)?),
+        Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
     if !args.run.given("master-addr") {
@@ -83,7 +83,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     );
     launch::stop_on_interrupt()?;
     let remote = match &placement {
-        Some(p) => Some(remote_launch::prepare(
+        Some(p) => Some(inventory::prepare(
             &config,
             p,
             &args.remote,
@@ -100,7 +100,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         None => {
             let secret_file = (secret.made_file().map(std::path::Path::to_path_buf))
                 .or_else(|| config.comm.secret_file.clone());
-            let tls = crate::launch_tls::check(&config)?;
+            let tls = crate::launch::tls::check(&config)?;
             let env = rank_env(&config, n, args.threads, tls, secret_file)?;
             // The launcher cannot see which of a program's ranks compute: `auto` binds none.
             let allowed = binding::allowed_cpus();
@@ -142,7 +142,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
 /// After the ranks ended (also after a failure, where they are where to look): the remote
 /// ranks' outputs fetched, and the ranks' timelines merged when one was asked for (a
 /// program on `flotilla_burn::train` records its as a config job's ranks do).
-fn collect_outputs(config: &TrainConfig, remote: Option<&remote_launch::Remote>, n: usize) {
+fn collect_outputs(config: &TrainConfig, remote: Option<&inventory::Remote>, n: usize) {
     if let Some(r) = remote {
         r.fetch_outputs(&config.telemetry.output);
     }

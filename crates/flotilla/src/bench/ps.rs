@@ -22,7 +22,7 @@ struct RootFigures {
 
 /// Runs `flotilla launch` on a config text and reads the root's figures.
 fn run_job(dir: &Path, name: &str, yaml: &str, limit: Duration) -> Result<RootFigures> {
-    let ranks = crate::bench_job::run(dir, name, yaml, limit)?;
+    let ranks = crate::bench::job::run(dir, name, yaml, limit)?;
     let root = ranks.first().cloned().unwrap_or_default();
     let get = |k: &str| root.get(k).copied().unwrap_or(f64::NAN);
     Ok(RootFigures {

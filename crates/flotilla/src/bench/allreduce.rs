@@ -1,7 +1,7 @@
 //! `flotilla bench allreduce`: the all-reduce's bandwidth of the TCP backend between local
 //! ranks, by transport (`--transport`: shared memory, or recursive doubling, Rabenseifner's
 //! and the ring by size over 127.0.0.1), against the loopback TCP bandwidth measured in the
-//! same run; the worker lines and the rows that `--backend mpi` (`crate::bench_mpi`) also uses.
+//! same run; the worker lines and the rows that `--backend mpi` (`crate::bench::mpi`) also uses.
 
 use std::ffi::OsString;
 use std::io::{Read, Write};

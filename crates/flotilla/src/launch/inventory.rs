@@ -19,9 +19,11 @@ use flotilla_train::TrainConfig;
 use serde_json::json;
 
 use crate::cli::RemoteArgs;
+use crate::launch::remote::{
+    self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_SECRET, RemoteJob,
+};
+use crate::launch::tls::RemoteTls;
 use crate::launch::{LocalJob, StopHook};
-use crate::launch_tls::RemoteTls;
-use crate::remote::{self, REMOTE_CONFIG, REMOTE_EXE, REMOTE_OUTPUT, REMOTE_SECRET, RemoteJob};
 use flotilla_comm::Secret;
 
 /// The model spec file's name in the job directory, when `--sync` copied it.

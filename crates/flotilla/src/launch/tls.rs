@@ -22,7 +22,7 @@ use flotilla_comm::TlsFiles;
 use flotilla_train::TrainConfig;
 use flotilla_train::config::TlsSetting;
 
-use crate::remote::{self, REMOTE_TLS_CA, REMOTE_TLS_CERT, REMOTE_TLS_KEY};
+use crate::launch::remote::{self, REMOTE_TLS_CA, REMOTE_TLS_CERT, REMOTE_TLS_KEY};
 
 /// A local launch's TLS files, read and checked now (`None`: no TLS). An `--inventory`
 /// launch checks its hosts' files in [`RemoteTls::plan`] instead.

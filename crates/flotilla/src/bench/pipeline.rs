@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use crate::bench_job::{self, Figures};
+use crate::bench::job::{self, Figures};
 use crate::cli::BenchPipelineArgs;
 
 /// What one case measured.
@@ -26,7 +26,7 @@ struct Case {
 }
 
 fn measure(dir: &Path, name: &str, yaml: &str, samples: f64) -> Result<Case> {
-    let ranks = bench_job::run(dir, name, yaml, Duration::from_secs(900))?;
+    let ranks = job::run(dir, name, yaml, Duration::from_secs(900))?;
     let get = |f: &Figures, k: &str| f.get(k).copied().unwrap_or(f64::NAN);
     let column = |k: &str| ranks.iter().map(|f| get(f, k)).collect::<Vec<f64>>();
     let training = column("training_s").into_iter().fold(0.0, f64::max);

@@ -1,5 +1,14 @@
 //! `flotilla bench`: all-reduce bandwidth and training-step throughput, each printed with a
 //! ratio against a reference measured in the same run (never a bare timing).
+//!
+//! `bench step` is here; `bench allreduce` is [`allreduce`] ([`mpi`] with `--backend mpi`),
+//! `bench ps` [`ps`] and `bench pipeline` [`pipeline`], each case of those two a [`job`].
+
+mod allreduce;
+mod job;
+mod mpi;
+mod pipeline;
+mod ps;
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -13,15 +22,15 @@ use crate::cli::{BenchCommand, BenchStepArgs};
 /// Runs a bench subcommand.
 pub fn run(cmd: BenchCommand) -> Result<()> {
     match cmd {
-        BenchCommand::Allreduce(args) if args.backend == "mpi" => crate::bench_mpi::table(&args),
-        BenchCommand::Allreduce(args) => crate::bench_allreduce::run(&args),
+        BenchCommand::Allreduce(args) if args.backend == "mpi" => crate::bench::mpi::table(&args),
+        BenchCommand::Allreduce(args) => crate::bench::allreduce::run(&args),
         BenchCommand::AllreduceWorker(args) if args.backend == "mpi" => {
-            crate::bench_mpi::worker(&crate::bench_allreduce::options(&args)?)
+            crate::bench::mpi::worker(&crate::bench::allreduce::options(&args)?)
         }
-        BenchCommand::AllreduceWorker(args) => crate::bench_allreduce::worker(&args),
+        BenchCommand::AllreduceWorker(args) => crate::bench::allreduce::worker(&args),
         BenchCommand::Step(args) => step(&args),
-        BenchCommand::Ps(args) => crate::bench_ps::run(&args),
-        BenchCommand::Pipeline(args) => crate::bench_pipeline::run(&args),
+        BenchCommand::Ps(args) => crate::bench::ps::run(&args),
+        BenchCommand::Pipeline(args) => crate::bench::pipeline::run(&args),
     }
 }
 
