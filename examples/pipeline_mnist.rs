@@ -76,6 +76,7 @@ fn main() -> Result<()> {
         },
         device: "flex".into(),
         seed: 42,
+        clip_grad_norm: None,
     };
     let (_settings, world) = flotilla_train::program::join_from_env()?;
     let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;

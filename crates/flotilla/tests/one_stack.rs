@@ -287,6 +287,50 @@ fn two_pipeline_stages() {
     );
 }
 
+/// Clipping and accumulation in a pipeline: the norm over both stages' gradients (each
+/// stage's share summed in stage order) and `accumulation_steps` times the micro-batches.
+/// 2 stages of 2 accumulated batches of 32 in 2 micro-batches each, clipped at 0.5, train
+/// as 1 rank on the batch of 64 clipped at 0.5 (to rounding); the program's stage modules
+/// give the spec's bits.
+#[test]
+fn a_pipeline_clips_by_the_norm_over_its_stages_and_accumulates() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let clip = "clip_grad_norm: 0.5\nmax_steps: 50\n";
+    let pipe =
+        format!("arch: pipeline\nbatch_size: 32\naccumulation_steps: 2\nmicro_batches: 2\n{clip}");
+    let spec = run(
+        dir.path(),
+        "spec",
+        &format!("{pipe}split_points: [7]\n"),
+        &[],
+    );
+    let one = run(
+        dir.path(),
+        "one",
+        &format!("world_size: 1\nbatch_size: 64\n{clip}"),
+        &[],
+    );
+    let e = relative_error(&spec, &one);
+    assert!(e <= 1e-5, "clipped pipeline vs 1 rank: relative error {e}");
+    let unclipped = run(
+        dir.path(),
+        "unclipped",
+        "world_size: 1\nbatch_size: 64\nmax_steps: 50\n",
+        &[],
+    );
+    let e = relative_error(&unclipped, &one);
+    assert!(e > 1e-3, "clipping at 0.5 changed nothing ({e})");
+    let user = run(
+        dir.path(),
+        "user",
+        &format!("{pipe}stages: 2\n"),
+        &["--", exe],
+    );
+    assert_bitwise("clipped pipeline: user stages vs spec", &user, &spec);
+}
+
 /// A program's stages are its modules: a cut by layers is refused, naming the key and
 /// what to give instead.
 #[test]
@@ -341,8 +385,8 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
 }
 
 /// Gradient accumulation (`accumulation_steps: 2`, DDP's `no_sync`): 2 ranks of 2
-/// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 gives
-/// the bits of plain all-reduce; the user's module the bits of the spec model.
+/// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 and
+/// ZeRO-2 give the bits of plain all-reduce; the user's module the bits of the spec model.
 #[test]
 fn gradient_accumulation() {
     let dir = tmp();
@@ -375,16 +419,23 @@ fn gradient_accumulation() {
         e > 1e-3,
         "the check cannot tell half the batch from all of it ({e})"
     );
-    let zero = run(dir.path(), "two-zero1", &format!("{two}zero: 1\n"), &[]);
-    assert_bitwise("accumulation: ZeRO-1 vs all-reduce", &zero, &spec);
+    for zero in [1, 2] {
+        let name = format!("two-zero{zero}");
+        let sharded = run(dir.path(), &name, &format!("{two}zero: {zero}\n"), &[]);
+        assert_bitwise(
+            &format!("accumulation: ZeRO-{zero} vs all-reduce"),
+            &sharded,
+            &spec,
+        );
+    }
     let user = run(dir.path(), "two-user", two, &["--", exe]);
     assert_bitwise("accumulation: user module vs spec model", &user, &spec);
 }
 
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
 /// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
-/// (the norm summed from the ranks' shards) gives the bits of plain all-reduce, and the
-/// user's module the bits of the spec model.
+/// and ZeRO-2 (the norm summed from the ranks' shards) give the bits of plain all-reduce,
+/// and the user's module the bits of the spec model.
 #[test]
 fn clipping_by_global_norm() {
     let dir = tmp();
@@ -413,13 +464,19 @@ fn clipping_by_global_norm() {
     );
     let e = relative_error(&unclipped, &one);
     assert!(e > 1e-3, "clipping at 0.5 changed nothing ({e})");
-    let zero = run(
-        dir.path(),
-        "zero1",
-        &format!("world_size: 2\nbatch_size: 32\nzero: 1\n{clip}"),
-        &[],
-    );
-    assert_bitwise("clipped: ZeRO-1 vs all-reduce", &zero, &two);
+    for zero in [1, 2] {
+        let sharded = run(
+            dir.path(),
+            &format!("zero{zero}"),
+            &format!("world_size: 2\nbatch_size: 32\nzero: {zero}\n{clip}"),
+            &[],
+        );
+        assert_bitwise(
+            &format!("clipped: ZeRO-{zero} vs all-reduce"),
+            &sharded,
+            &two,
+        );
+    }
     let user = run(
         dir.path(),
         "user",

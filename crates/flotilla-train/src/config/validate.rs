@@ -193,7 +193,7 @@ impl TrainConfig {
 
 impl TrainConfig {
     /// Gradient accumulation and clipping by global norm: in range, and only where a
-    /// strategy does them (sync all-reduce with `zero` 0 or 1).
+    /// strategy does them (sync all-reduce with any `zero`, and pipelines).
     fn check_step_shaping(&self, sync_mode: bool) -> Result<()> {
         let a = &self.allreduce;
         let k = a.accumulation_steps;
@@ -210,13 +210,14 @@ impl TrainConfig {
             ("allreduce.accumulation_steps", k > 1),
             ("allreduce.clip_grad_norm", a.clip_grad_norm.is_some()),
         ];
+        let pipeline = self.topology.arch == Arch::Pipeline;
         match asked.into_iter().find(|(_, on)| *on) {
-            Some((key, _)) if !sync_mode || a.zero > 1 => Err(bad(
+            Some((key, _)) if !sync_mode && !pipeline => Err(bad(
                 key,
                 format!(
-                    "runs in sync data-parallel all-reduce with zero 0 or 1 only (here arch {}, \
-                     mode {:?}, zero {})",
-                    self.topology.arch, a.mode, a.zero
+                    "runs in sync data-parallel all-reduce (zero 0 to 2) and pipelines only \
+                     (here arch {}, mode {:?})",
+                    self.topology.arch, a.mode
                 ),
             )),
             _ => Ok(()),
@@ -248,22 +249,33 @@ mod tests {
     #[test]
     fn accumulation_and_clipping_are_refused_where_no_strategy_does_them() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
-        check("accumulation_steps: 4\nzero: 1\n").expect("sync all-reduce accumulates");
+        for yaml in [
+            "accumulation_steps: 4\nzero: 1\n",
+            "accumulation_steps: 4\nzero: 2\n",
+            "accumulation_steps: 2\nstrategy: pipeline\n",
+        ] {
+            check(yaml).expect(yaml);
+        }
         for yaml in [
             "accumulation_steps: 0\n",
-            "accumulation_steps: 2\nzero: 2\n",
             "accumulation_steps: 2\nstrategy: async_allreduce\n",
             "accumulation_steps: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             let e = check(yaml).expect_err(yaml).to_string();
             assert!(e.contains("allreduce.accumulation_steps"), "{yaml}: {e}");
         }
-        check("clip_grad_norm: 1.0\nzero: 1\n").expect("sync all-reduce clips");
+        for yaml in [
+            "clip_grad_norm: 1.0\nzero: 1\n",
+            "clip_grad_norm: 1.0\nzero: 2\n",
+            "clip_grad_norm: 1.0\nstrategy: pipeline\n",
+        ] {
+            check(yaml).expect(yaml);
+        }
         for yaml in [
             "clip_grad_norm: 0\n",
             "clip_grad_norm: -1\n",
-            "clip_grad_norm: 1.0\nzero: 2\n",
             "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
+            "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             let e = check(yaml).expect_err(yaml).to_string();
             assert!(e.contains("allreduce.clip_grad_norm"), "{yaml}: {e}");

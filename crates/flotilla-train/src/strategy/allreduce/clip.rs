@@ -15,7 +15,7 @@ use crate::error::{Result, TrainError};
 const EPSILON: f64 = 1e-6;
 
 /// The sum of the squares of `values`, in order, in `f64`.
-fn square_sum(values: &[f32]) -> f64 {
+pub(crate) fn square_sum(values: &[f32]) -> f64 {
     values.iter().map(|&v| f64::from(v) * f64::from(v)).sum()
 }
 
@@ -41,11 +41,22 @@ fn whole_norm(flat: &[f32], plan: &BucketPlan, n: usize) -> f64 {
 /// The global norm of a gradient sharded over `comm`'s ranks (`shard`: this rank's values,
 /// in flat order): every rank's share gathered, summed in rank order.
 fn sharded_norm(shard: &[f32], comm: &dyn ProcessGroup) -> Result<f64> {
-    let mine = square_sum(shard).to_le_bytes();
-    let shares = comm.all_gather_bytes(&mine)?;
+    gathered_norm(square_sum(shard), comm, 0..comm.size())
+}
+
+/// The norm of a gradient whose shares of squares (`mine`: this rank's) are gathered over
+/// `comm`: the shares of the ranks `members` summed in that order (a pipeline's: the stages
+/// of one replica). Collective over `comm`.
+pub(crate) fn gathered_norm(
+    mine: f64,
+    comm: &dyn ProcessGroup,
+    members: std::ops::Range<usize>,
+) -> Result<f64> {
+    let shares = comm.all_gather_bytes(&mine.to_le_bytes())?;
     let mut total = 0.0f64;
-    for (rank, bytes) in shares.iter().enumerate() {
-        let bytes: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
+    for rank in members {
+        let bytes = shares.get(rank).map(Vec::as_slice).unwrap_or_default();
+        let bytes: [u8; 8] = bytes.try_into().map_err(|_| {
             TrainError::Divergence(format!(
                 "rank {rank} sent a gradient norm share of {} bytes, not 8",
                 bytes.len()
@@ -54,6 +65,16 @@ fn sharded_norm(shard: &[f32], comm: &dyn ProcessGroup) -> Result<f64> {
         total += f64::from_le_bytes(bytes);
     }
     Ok(total.sqrt())
+}
+
+/// Scales `grads` of global norm `norm` to at most `max` (PyTorch's factor).
+pub(crate) fn scale_to(grads: &mut [f32], norm: f64, max: f64) {
+    let f = factor(norm, max);
+    if f < 1.0 {
+        for g in grads.iter_mut() {
+            *g *= f;
+        }
+    }
 }
 
 /// Clips `grads` (the whole averaged gradient, or with `sharded` this rank's ZeRO shard of
@@ -70,11 +91,6 @@ pub fn clip(
     } else {
         whole_norm(grads, plan, comm.size())
     };
-    let f = factor(norm, max);
-    if f < 1.0 {
-        for g in grads.iter_mut() {
-            *g *= f;
-        }
-    }
+    scale_to(grads, norm, max);
     Ok(norm)
 }

@@ -4,7 +4,7 @@
 //! [`flotilla_comm::ProcessGroup`]; it never touches sockets.
 
 mod async_;
-mod clip;
+pub(crate) mod clip;
 mod scatter;
 mod sync;
 mod zero;

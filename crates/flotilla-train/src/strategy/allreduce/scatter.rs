@@ -10,6 +10,11 @@
 //! still overlaps the backward of the layers before it (what does not overlap is the copy
 //! of bucket *k+1*, which waits for the buffer).
 //!
+//! With gradient accumulation (DDP's and FSDP's `no_sync`), the earlier micro-batches'
+//! gradients are summed locally, whole (as FSDP's `no_sync` keeps them unsharded), and added
+//! to the last micro-batch's as they enter the staging buffer: one reduce-scatter per step,
+//! the same sums in the same order as stage 1 and plain all-reduce.
+//!
 //! Invariant: backward gives each bucket's gradients together (the buckets are the engine's
 //! backward groups; one backward pass gives them in flat order, which keeps each bucket's
 //! together too). A gradient of another bucket arriving while one is half filled is an
@@ -22,9 +27,21 @@ use super::zero::{Zero, wire_len};
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
 
+/// The micro-batches of a step before its last (gradient accumulation).
+#[derive(Clone, Copy)]
+pub struct Accumulated<'a> {
+    /// Their gradients' sum, in flat order (empty: no accumulation).
+    pub sum: &'a [f32],
+    /// Their losses' sum.
+    pub loss: f32,
+    /// Micro-batches in the step (1: no accumulation).
+    pub steps: usize,
+}
+
 /// One step's buckets on their way through the staging buffer.
 struct Scatter<'a> {
     comm: &'a dyn ProcessGroup,
+    accumulated: Accumulated<'a>,
     plan: &'a BucketPlan,
     layout: &'a ParamLayout,
     zero: &'a mut Zero,
@@ -53,12 +70,13 @@ pub fn reduce_scatter_step(
     comm: &dyn ProcessGroup,
     engine: &mut dyn Engine,
     (plan, layout): (&BucketPlan, &ParamLayout),
-    batch: BatchRef<'_>,
+    (batch, accumulated): (BatchRef<'_>, Accumulated<'_>),
     overlap: bool,
 ) -> Result<(f32, f32)> {
     let buffer = Some(zero.take_staging());
     let mut s = Scatter {
         comm,
+        accumulated,
         plan,
         layout,
         zero,
@@ -109,7 +127,18 @@ impl Scatter<'_> {
                 "stage 2: the staging buffer is with a reduce-scatter".into(),
             ));
         };
-        buffer[at..at + grad.len()].copy_from_slice(grad);
+        let dst = &mut buffer[at..at + grad.len()];
+        match self.accumulated.sum {
+            [] => dst.copy_from_slice(grad),
+            sum => {
+                // The earlier micro-batches' sum, plus this one's.
+                let offset = self.layout.params[i].offset;
+                let sum = &sum[offset..offset + grad.len()];
+                for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
+                    *d = g + a;
+                }
+            }
+        }
         let filled = self.filling.map_or(0, |(_, n)| n) + 1;
         self.filling = Some((k, filled));
         if filled == bucket.params.len() && (k + 1 < self.plan.buckets.len() || self.loss.is_some())
@@ -144,8 +173,10 @@ impl Scatter<'_> {
             return;
         };
         if k + 1 == self.plan.buckets.len() {
+            // The mean of the step's micro-batch losses.
             let n = self.plan.buckets[k].len();
-            buffer[n] = self.loss.unwrap_or_default();
+            let loss = self.loss.unwrap_or_default();
+            buffer[n] = (self.accumulated.loss + loss) / self.accumulated.steps as f32;
         }
         self.filling = None;
         self.pending = Some((k, self.comm.reduce_scatter_bucket(buffer, k)));
@@ -158,10 +189,13 @@ impl Scatter<'_> {
             return Ok(());
         };
         let summed = pending.wait()?;
-        let scale = 1.0 / self.comm.size() as f32;
+        // The mean over the ranks and the step's micro-batches (the loss slot holds a mean
+        // over the micro-batches already).
+        let micro = self.accumulated.steps as f32;
+        let scale = 1.0 / (self.comm.size() as f32 * micro);
         self.zero.keep_shard(k, &summed, scale);
         if k + 1 == self.plan.buckets.len() {
-            self.global_loss = Some(summed[self.plan.buckets[k].len()] * scale);
+            self.global_loss = Some(summed[self.plan.buckets[k].len()] * scale * micro);
         }
         self.reduced[k] = true;
         self.buffer = Some(summed);

@@ -355,13 +355,19 @@ impl SyncAllReduce {
 
     /// One training step on this rank's batch at learning rate `lr`.
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
+        // The step's micro-batches before its last.
+        let accumulated = super::scatter::Accumulated {
+            sum: &self.accumulated,
+            loss: self.accumulated_loss,
+            steps: self.accumulation,
+        };
         let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
             Some(zero) => super::scatter::reduce_scatter_step(
                 zero,
                 &*self.comm,
                 &mut *self.engine,
                 (&self.plan, &self.layout),
-                batch,
+                (batch, accumulated),
                 self.overlap,
             )?,
             None => self.all_reduce_step(batch)?,

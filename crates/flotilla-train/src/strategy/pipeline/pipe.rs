@@ -18,7 +18,7 @@ use flotilla_comm::ProcessGroup;
 use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut, StageEngine};
 
 use crate::error::{Result, TrainError};
-use crate::strategy::allreduce::dropout_seed;
+use crate::strategy::allreduce::{clip, dropout_seed};
 use flotilla_comm::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
 use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
 
@@ -40,6 +40,9 @@ pub struct PipelineOptions {
     /// Seed of the initial parameters (the same on every rank: a stage starts from the whole
     /// model's values for its layers).
     pub seed: u64,
+    /// Clip the gradient to this global norm (over every stage's parameters) before each
+    /// step (`allreduce.clip_grad_norm`).
+    pub clip_grad_norm: Option<f64>,
 }
 
 /// One rank's part of a pipeline (see the module documentation).
@@ -304,8 +307,9 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`) and
-    /// applies one optimizer step.
+    /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`),
+    /// clips it by the global norm over every stage (when set; collective over the world),
+    /// and applies one optimizer step.
     pub fn step(&mut self) -> Result<()> {
         if let Some(group) = &self.replicas {
             let span = tracing::info_span!(target: "flotilla::pipeline", "allreduce").entered();
@@ -314,6 +318,15 @@ impl Pipeline {
             group.all_reduce_sum(grads)?;
             grads.iter_mut().for_each(|g| *g /= d);
             drop(span);
+        }
+        if let Some(max) = self.opts.clip_grad_norm {
+            // Every replica holds the same averaged gradient: each sums its own stages' shares
+            // in stage order, and all find the same norm.
+            let stages = self.cut.stages();
+            let mine = clip::square_sum(self.stage.grads_mut());
+            let members = self.replica * stages..(self.replica + 1) * stages;
+            let norm = clip::gathered_norm(mine, &*self.world, members)?;
+            clip::scale_to(self.stage.grads_mut(), norm, max);
         }
         let started = Instant::now();
         self.stage.step(self.opts.lr)?;

@@ -46,6 +46,7 @@ fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> Pi
         optimizer: sgd(LR, 0.9),
         device: "flex".into(),
         seed: SEED,
+        clip_grad_norm: None,
     }
 }
 

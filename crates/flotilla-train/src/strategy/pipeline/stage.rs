@@ -47,14 +47,17 @@ impl PipelineStage {
     pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
         let config = cx.config;
         let p = &config.pipeline;
+        // A step's batch is `accumulation_steps` batches: as many times the micro-batches.
+        let k = config.allreduce.accumulation_steps.max(1) as usize;
         let opts = PipelineOptions {
-            micro_batches: p.micro_batches,
+            micro_batches: p.micro_batches * k,
             schedule: p.schedule,
             data_parallel: p.data_parallel,
             lr: config.base_lr(),
             optimizer: config.optimizer.clone(),
             device: config.model.device.clone(),
             seed: config.model.seed,
+            clip_grad_norm: config.allreduce.clip_grad_norm,
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let (pipe, activation_bytes) = match setup.model.spec() {

@@ -57,6 +57,7 @@ pub(super) fn options(
         optimizer: sgd(LR, 0.0),
         device: "flex".into(),
         seed: SEED,
+        clip_grad_norm: None,
     }
 }
 
