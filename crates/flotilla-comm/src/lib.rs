@@ -71,7 +71,6 @@ mod inherited;
 mod net;
 mod op;
 mod pipe;
-pub mod pipeline;
 mod rabenseifner;
 mod reduce;
 mod rendezvous;

@@ -2,20 +2,22 @@
 //! activations sent forward and gradients backward point to point, micro-batches scheduled
 //! by GPipe or 1F1B, and data-parallel replicas of every stage.
 //!
-//! The engine side (what a stage computes) is [`flotilla_engine::Stage`]; the cut is
-//! [`flotilla_engine::StageCut`]. How stages talk, shared with `flotilla-burn`'s pipelines of
-//! a user's modules, is [`flotilla_comm::pipeline`]: the tags and payloads of the tensors
-//! between stages (`wire`) and the order of the micro-batches (`schedule`). This module gives
-//! a user the loop ([`Pipeline`]); the CLI's
+//! The engine side (what a stage computes: a spec's layers or a program's stage module) is
+//! [`flotilla_engine::StageEngine`]; the cut is [`flotilla_engine::StageCut`]. How stages
+//! talk: the tags and payloads of the tensors between stages ([`wire`], over any
+//! [`flotilla_comm::ProcessGroup`]) and the order of the micro-batches ([`schedule`]). This
+//! module gives a user the loop ([`Pipeline`]); the CLI's
 //! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 pub mod pipe;
 pub mod plan;
+pub mod schedule;
 pub mod stage;
 pub mod state;
+pub mod wire;
 
-pub use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
+pub use schedule::{Action, Schedule, micro_batches};
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
 pub use stage::PipelineStage;

@@ -19,8 +19,8 @@ use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCu
 
 use crate::error::{Result, TrainError};
 use crate::strategy::allreduce::{clip, dropout_seed};
-use flotilla_comm::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
-use flotilla_comm::pipeline::{Action, Schedule, micro_batches};
+use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use crate::strategy::pipeline::{Action, Schedule, micro_batches};
 
 /// How a pipeline runs.
 #[derive(Debug, Clone, PartialEq)]

@@ -11,7 +11,7 @@ use flotilla_engine::StageEngine;
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
-use flotilla_comm::pipeline::wire::{self, Direction};
+use crate::strategy::pipeline::wire::{self, Direction};
 
 /// The part numbers of a stage's state in a [`Direction::State`] tag.
 const WEIGHTS: usize = 0;
