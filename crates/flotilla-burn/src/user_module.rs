@@ -24,8 +24,18 @@ pub struct UserModule<F> {
     build: F,
     /// The same model cut into stage modules, for `strategy: pipeline` (empty: not cut).
     stages: Vec<StageBuilder>,
-    /// The module's parameter names and shapes and its labels per sample, from one build.
-    probe: OnceLock<std::result::Result<(String, usize), String>>,
+    /// What one build of the module tells (see [`Probe`]).
+    probe: OnceLock<std::result::Result<Probe, String>>,
+}
+
+/// What one build of a user's module tells.
+struct Probe {
+    /// Its parameters' names and shapes.
+    params: String,
+    /// Labels per sample.
+    labels_per_sample: usize,
+    /// Logits per label: the classes it gives.
+    classes: usize,
 }
 
 /// A model cut by its program into pipeline stages: one burn module per stage
@@ -84,9 +94,9 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
         self
     }
 
-    /// One build of the module (seed 0): its parameters' names and shapes, and its labels
-    /// per sample.
-    fn probe(&self) -> flotilla_train::Result<&(String, usize)> {
+    /// One build of the module (seed 0): its parameters' names and shapes, its labels per
+    /// sample, and its classes (the logits of one sample of zeros).
+    fn probe(&self) -> flotilla_train::Result<&Probe> {
         let probe = self.probe.get_or_init(|| {
             let optimizer = OptimizerSpec::default();
             let engine = ModuleEngine::seeded(&self.build, 0, &optimizer, "flex")
@@ -97,7 +107,14 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
                 .iter()
                 .map(|p| format!("{}{:?}", p.name, p.shape))
                 .collect();
-            Ok((params.join(" "), engine.labels_per_sample()))
+            let module = engine.module().map_err(|e| e.to_string())?;
+            let zeros = vec![0.0; self.input.iter().product()];
+            let [_, classes] = module.logits(&zeros, 1, &Device::flex().autodiff()).dims();
+            Ok(Probe {
+                params: params.join(" "),
+                labels_per_sample: engine.labels_per_sample(),
+                classes,
+            })
         });
         probe
             .as_ref()
@@ -111,7 +128,7 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
     }
 
     fn fingerprint(&self) -> flotilla_train::Result<String> {
-        let (params, _) = self.probe()?;
+        let params = &self.probe()?.params;
         Ok(format!(
             "{} {:?} {:?} {params}",
             self.name, self.input, self.vocab
@@ -122,8 +139,8 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
         Ok(ModelIo {
             input: self.input.clone(),
             vocab: self.vocab,
-            classes: None,
-            labels_per_sample: self.probe()?.1,
+            classes: Some(self.probe()?.classes),
+            labels_per_sample: self.probe()?.labels_per_sample,
         })
     }
 
@@ -181,4 +198,42 @@ pub fn train<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Resu
     let config = flotilla_train::program::settings()?;
     let rank = flotilla_train::program::launcher_rank()?;
     flotilla_rank::run(&config, model, rank).map_err(DistError::from)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::nn::{Linear, LinearConfig};
+
+    use super::*;
+
+    /// A linear classifier of `[4]` inputs into 3 classes.
+    #[derive(Module, Debug)]
+    struct Tiny {
+        fc: Linear,
+    }
+
+    impl TrainModule for Tiny {
+        fn loss(&self, batch: flotilla_engine::BatchRef<'_>, device: &Device) -> Tensor<1> {
+            self.logits(batch.images, batch.labels.len(), device).sum()
+        }
+
+        fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
+            let x = burn::tensor::TensorData::new(inputs.to_vec(), [n, 4]);
+            self.fc.forward(Tensor::from_data(x, device))
+        }
+    }
+
+    /// A user's module says what the data checks need: its classes (from its logits), its
+    /// labels per sample and its parameters (in the fingerprint the ranks agree on).
+    #[test]
+    fn a_users_module_says_its_classes_and_parameters() {
+        let _seed = crate::SEED_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let m = UserModule::new("tiny", &[4], |d| Tiny {
+            fc: LinearConfig::new(4, 3).init(d),
+        });
+        let io = m.io().expect("io");
+        assert_eq!((io.classes, io.labels_per_sample), (Some(3), 1));
+        let fingerprint = m.fingerprint().expect("fingerprint");
+        assert!(fingerprint.contains("fc.weight[4, 3]"), "{fingerprint}");
+    }
 }

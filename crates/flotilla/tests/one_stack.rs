@@ -378,7 +378,11 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
         let a = spec_names(checkpoint_tensors(&spec.join(strategy)));
         let b = checkpoint_tensors(&user.join(strategy));
         // The program's ranks wrote it: its module's own names, not the spec's.
-        assert!(b.contains_key("features.conv1.weight"), "{strategy}: {:?}", b.keys());
+        assert!(
+            b.contains_key("features.conv1.weight"),
+            "{strategy}: {:?}",
+            b.keys()
+        );
         let b = spec_names(b);
         assert_bitwise(&format!("compare {strategy}: program vs spec"), &b, &a);
     }

@@ -71,7 +71,7 @@ pub struct ModelIo {
     /// The vocabulary of its token ids, if it takes tokens (`None`: real-valued input).
     pub vocab: Option<usize>,
     /// The classes its logits are over (per position), when known before it runs (a spec's
-    /// are; a user's module is not asked).
+    /// from its layers, a user's module's from the logits of one sample).
     pub classes: Option<usize>,
     /// Labels per sample: 1 for a classifier, `T` for a sequence model.
     pub labels_per_sample: usize,

@@ -17,9 +17,9 @@ pub mod stage;
 pub mod state;
 pub mod wire;
 
-pub use schedule::{Action, Schedule, micro_batches};
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
+pub use schedule::{Action, Schedule, micro_batches};
 pub use stage::PipelineStage;
 
 #[cfg(test)]
