@@ -86,8 +86,8 @@ pub use shard_optim::{
     ShardOptimizer, ShardPiece, optimizer_state_bound, optimizer_state_bytes, shard_pieces,
 };
 pub use spec::{LayerSpec, ModelSpec, Shape};
-pub use stage::{Slot, Stage};
-pub use stage_engine::StageEngine;
+pub use stage::Stage;
+pub use stage_engine::{Slot, StageEngine};
 pub use weights::ModelState;
 
 #[cfg(test)]

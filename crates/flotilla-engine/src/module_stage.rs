@@ -16,8 +16,8 @@ use crate::named_tensors::{NamedTensors, sample_shape};
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::shape::Shape;
-use crate::stage::{Slot, Stage, StageSlots};
-use crate::stage_engine::StageEngine;
+use crate::stage::{Stage, StageSlots};
+use crate::stage_engine::{Slot, StageEngine};
 use crate::weights::{Weights, materialized, seeded};
 
 /// One stage of a pipeline written as a burn module by its user: the names of the tensors it

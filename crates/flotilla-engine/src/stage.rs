@@ -30,19 +30,9 @@ use crate::model::SequentialModel;
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::sequence::check_tokens;
-use crate::spec::{ModelSpec, Shape};
-use crate::stage_engine::StageEngine;
+use crate::spec::ModelSpec;
+use crate::stage_engine::{Slot, StageEngine};
 use crate::weights::{Weights, delegate_model_state};
-
-/// One input or output of a stage: [`MAIN`] (the model input, the main activation or the
-/// logits) or a named skip tensor, and one sample's shape.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
-    /// [`MAIN`] or the `out_variables` name.
-    pub name: String,
-    /// One sample's shape.
-    pub shape: Shape,
-}
 
 /// What a micro-batch in flight keeps for its backward pass.
 struct Flight {

@@ -5,8 +5,19 @@
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::stage::Slot;
+use crate::shape::Shape;
 use crate::weights::ModelState;
+
+/// One input or output of a stage, and one sample's shape: a spec's stage names the model
+/// input, its main activation and its logits [`crate::MAIN`] and a skip tensor by its
+/// `out_variables` name; a program's stage module names each tensor itself.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Slot {
+    /// [`crate::MAIN`], an `out_variables` name, or the name a stage module gives.
+    pub name: String,
+    /// One sample's shape.
+    pub shape: Shape,
+}
 
 /// One pipeline stage: forward and backward on micro-batches, gradients accumulated until
 /// [`StageEngine::step`]; its parameters, optimizer state and weight files through
@@ -15,7 +26,7 @@ pub trait StageEngine: ModelState {
     /// This stage's position in the pipeline.
     fn index(&self) -> usize;
 
-    /// The model layers this stage runs.
+    /// The model layers this stage runs (a program's stage module `s`: `s..s + 1`).
     fn layers(&self) -> Range<usize>;
 
     /// Whether this is the last stage (it gives logits and computes the loss).

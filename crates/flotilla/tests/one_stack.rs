@@ -287,50 +287,6 @@ fn two_pipeline_stages() {
     );
 }
 
-/// Clipping and accumulation in a pipeline: the norm over both stages' gradients (each
-/// stage's share summed in stage order) and `accumulation_steps` times the micro-batches.
-/// 2 stages of 2 accumulated batches of 32 in 2 micro-batches each, clipped at 0.5, train
-/// as 1 rank on the batch of 64 clipped at 0.5 (to rounding); the program's stage modules
-/// give the spec's bits.
-#[test]
-fn a_pipeline_clips_by_the_norm_over_its_stages_and_accumulates() {
-    let dir = tmp();
-    let exe = program();
-    let exe = exe.to_str().expect("utf8");
-    let clip = "clip_grad_norm: 0.5\nmax_steps: 50\n";
-    let pipe =
-        format!("arch: pipeline\nbatch_size: 32\naccumulation_steps: 2\nmicro_batches: 2\n{clip}");
-    let spec = run(
-        dir.path(),
-        "spec",
-        &format!("{pipe}split_points: [7]\n"),
-        &[],
-    );
-    let one = run(
-        dir.path(),
-        "one",
-        &format!("world_size: 1\nbatch_size: 64\n{clip}"),
-        &[],
-    );
-    let e = relative_error(&spec, &one);
-    assert!(e <= 1e-5, "clipped pipeline vs 1 rank: relative error {e}");
-    let unclipped = run(
-        dir.path(),
-        "unclipped",
-        "world_size: 1\nbatch_size: 64\nmax_steps: 50\n",
-        &[],
-    );
-    let e = relative_error(&unclipped, &one);
-    assert!(e > 1e-3, "clipping at 0.5 changed nothing ({e})");
-    let user = run(
-        dir.path(),
-        "user",
-        &format!("{pipe}stages: 2\n"),
-        &["--", exe],
-    );
-    assert_bitwise("clipped pipeline: user stages vs spec", &user, &spec);
-}
-
 /// A program's stages are its modules: a cut by layers is refused, naming the key and
 /// what to give instead.
 #[test]
@@ -439,7 +395,9 @@ fn gradient_accumulation() {
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
 /// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
 /// and ZeRO-2 (the norm summed from the ranks' shards) give the bits of plain all-reduce,
-/// and the user's module the bits of the spec model.
+/// and the user's module the bits of the spec model. So do 2 pipeline stages of 2
+/// accumulated batches of 32 in 2 micro-batches each (to rounding; the program's stage
+/// modules: the spec's bits).
 #[test]
 fn clipping_by_global_norm() {
     let dir = tmp();
@@ -488,4 +446,23 @@ fn clipping_by_global_norm() {
         &["--", exe],
     );
     assert_bitwise("clipped: user module vs spec model", &user, &two);
+    // A pipeline: the norm over both stages' gradients (shares summed in stage order), and
+    // accumulation as twice the micro-batches.
+    let pipe =
+        format!("arch: pipeline\nbatch_size: 32\naccumulation_steps: 2\nmicro_batches: 2\n{clip}");
+    let spec = run(
+        dir.path(),
+        "pipe",
+        &format!("{pipe}split_points: [7]\n"),
+        &[],
+    );
+    let e = relative_error(&spec, &one);
+    assert!(e <= 1e-5, "clipped pipeline vs 1 rank: relative error {e}");
+    let user = run(
+        dir.path(),
+        "pipe-user",
+        &format!("{pipe}stages: 2\n"),
+        &["--", exe],
+    );
+    assert_bitwise("clipped pipeline: user stages vs spec", &user, &spec);
 }
