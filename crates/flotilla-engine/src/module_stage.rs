@@ -17,7 +17,7 @@ use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::shape::Shape;
 use crate::stage::{Stage, StageSlots};
-use crate::stage_engine::{Slot, StageEngine};
+use crate::stage_engine::StageEngine;
 use crate::weights::{Weights, materialized, seeded};
 
 /// One stage of a pipeline written as a burn module by its user: the names of the tensors it
@@ -137,7 +137,8 @@ pub fn module_pipeline(
     check_ends(&names)?;
     let shapes = probe_shapes(&modules, &names, input.shape)?;
     let cut = route(&names, &shapes, input.shape)?;
-    let slots = slots_of(&cut, &names, index, input.vocab);
+    let ends = [names[0].0[0].clone(), names[index].1[0].clone()];
+    let slots = StageSlots::of_cut(&cut, index, ends, input.vocab, index..index + 1);
     let module = modules.swap_remove(index);
     drop(modules);
     let stage = module.into_stage(StageSlotsOf(slots), optimizer, device_name)?;
@@ -243,43 +244,6 @@ fn route(
         output,
         classes: output.numel(),
     })
-}
-
-/// Stage `index`'s slots in `cut`: its crossings in tag order (stage 0: the batch's inputs;
-/// the last stage: its logits).
-fn slots_of(
-    cut: &StageCut,
-    names: &[(Vec<String>, Vec<String>)],
-    index: usize,
-    vocab: Option<usize>,
-) -> StageSlots {
-    let slot = |c: usize| Slot {
-        name: cut.crossings[c].name.clone(),
-        shape: cut.crossings[c].shape,
-    };
-    let last = index + 1 == cut.stages();
-    let inputs = match index {
-        0 => vec![Slot {
-            name: names[0].0[0].clone(),
-            shape: cut.input,
-        }],
-        s => cut.inputs(s).into_iter().map(slot).collect(),
-    };
-    let outputs = match last {
-        true => vec![Slot {
-            name: names[index].1[0].clone(),
-            shape: cut.output,
-        }],
-        false => cut.outputs(index).into_iter().map(slot).collect(),
-    };
-    StageSlots {
-        index,
-        last,
-        vocab: vocab.filter(|_| index == 0),
-        range: index..index + 1,
-        inputs,
-        outputs,
-    }
 }
 
 /// A user's stage run: its module's forward over its input slots by name; its output slots

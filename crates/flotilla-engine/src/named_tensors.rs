@@ -52,21 +52,19 @@ impl NamedTensors {
     /// Removes the tensor `name` and gives it back with `D` dimensions; an error names what
     /// is missing or differs (no such tensor, another rank).
     pub fn take<const D: usize>(&mut self, name: &str) -> Result<Tensor<D>> {
-        let Some(entry) = self.map.get(name) else {
+        let Some(entry) = self.map.remove(name) else {
             return Err(EngineError::Batch(format!(
                 "no tensor `{name}` (there are: {})",
                 self.names().join(", ")
             )));
         };
-        if entry.dims.len() != D {
+        let Ok(dims) = <[usize; D]>::try_from(entry.dims.as_slice()) else {
+            let shape = format!("{:?}", entry.dims);
+            self.map.insert(name.to_string(), entry);
             return Err(EngineError::Batch(format!(
-                "`{name}` has shape {:?}, not {D} dimensions",
-                entry.dims
+                "`{name}` has shape {shape}, not {D} dimensions"
             )));
-        }
-        let entry = self.map.remove(name).ok_or(EngineError::NoGradients)?;
-        let mut dims = [0; D];
-        dims.copy_from_slice(&entry.dims);
+        };
         Ok(entry.values.reshape(dims))
     }
 

@@ -52,6 +52,47 @@ pub(crate) struct StageSlots {
     pub(crate) outputs: Vec<Slot>,
 }
 
+impl StageSlots {
+    /// Stage `index`'s slots in `cut`: its crossings in tag order, stage 0's input and the
+    /// last stage's logits under the names `ends` (a spec's [`MAIN`]; a stage module's own),
+    /// the token vocabulary on stage 0 only.
+    pub(crate) fn of_cut(
+        cut: &StageCut,
+        index: usize,
+        [first_input, last_output]: [String; 2],
+        vocab: Option<usize>,
+        range: Range<usize>,
+    ) -> Self {
+        let slot = |c: usize| Slot {
+            name: cut.crossings[c].name.clone(),
+            shape: cut.crossings[c].shape,
+        };
+        let last = index + 1 == cut.stages();
+        let inputs = match index {
+            0 => vec![Slot {
+                name: first_input,
+                shape: cut.input,
+            }],
+            s => cut.inputs(s).into_iter().map(slot).collect(),
+        };
+        let outputs = match last {
+            true => vec![Slot {
+                name: last_output,
+                shape: cut.output,
+            }],
+            false => cut.outputs(index).into_iter().map(slot).collect(),
+        };
+        StageSlots {
+            index,
+            last,
+            vocab: vocab.filter(|_| index == 0),
+            range,
+            inputs,
+            outputs,
+        }
+    }
+}
+
 /// How a stage's module turns its input slots into its output slots (the last stage: its
 /// logits), in [`StageSlots`] order.
 pub(crate) type RunStage<M> = fn(&M, &StageSlots, Vec<Activation>) -> Result<Vec<Activation>>;
@@ -87,33 +128,10 @@ impl Stage<SequentialModel> {
                 cut.stages()
             ))
         })?;
-        let last = index + 1 == cut.stages();
-        let slot = |i: usize| Slot {
-            name: cut.crossings[i].name.clone(),
-            shape: cut.crossings[i].shape,
-        };
-        let main = |shape| Slot {
-            name: MAIN.to_string(),
-            shape,
-        };
-        let inputs = match index {
-            0 => vec![main(cut.input)],
-            s => cut.inputs(s).into_iter().map(slot).collect(),
-        };
-        let outputs = match last {
-            true => vec![main(cut.output)],
-            false => cut.outputs(index).into_iter().map(slot).collect(),
-        };
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
             .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
-        let slots = StageSlots {
-            index,
-            last,
-            vocab: spec.token_vocab().filter(|_| index == 0),
-            range,
-            inputs,
-            outputs,
-        };
+        let ends = [MAIN.to_string(), MAIN.to_string()];
+        let slots = StageSlots::of_cut(cut, index, ends, spec.token_vocab(), range);
         Ok(Stage::of(weights, slots, run_layers))
     }
 }
