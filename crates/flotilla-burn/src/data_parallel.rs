@@ -8,11 +8,10 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Bytes;
 use flotilla_engine::ParamLayout;
-use flotilla_engine::any_module;
+use flotilla_engine::{any_module, layer_groups};
 use flotilla_group::{PendingAllReduce, ProcessGroup};
 
 use crate::agree::check_same_params;
-use crate::buckets::{self, DEFAULT_BUCKET_BYTES};
 use crate::error::{DistError, Result};
 
 /// Data-parallel training of one burn module across the ranks of a process group.
@@ -33,14 +32,18 @@ pub struct DataParallel {
 }
 
 impl DataParallel {
-    /// Data parallelism for `model` over `group` with PyTorch DDP's bucket size (25 MiB).
-    /// Collective: every rank calls it; it fails on every rank, naming the ranks whose
-    /// parameter list differs from rank 0's, if the models do not match.
+    /// Data parallelism for `model` over `group` with the run's default bucket size
+    /// (`comm.bucket_mb`, PyTorch DDP's 25 MiB). Collective: every rank calls it; it fails on
+    /// every rank, naming the ranks whose parameter list differs from rank 0's, if the models
+    /// do not match.
     pub fn new<M: Module>(group: Arc<dyn ProcessGroup>, model: &M) -> Result<Self> {
-        Self::with_bucket_bytes(group, model, DEFAULT_BUCKET_BYTES)
+        let bytes = flotilla_train::TrainConfig::default().bucket_bytes();
+        Self::with_bucket_bytes(group, model, bytes)
     }
 
-    /// As [`DataParallel::new`], with gradient buckets of about `bucket_bytes`.
+    /// As [`DataParallel::new`], with gradient buckets of about `bucket_bytes`: the run's
+    /// buckets of a user module ([`layer_groups`]: a layer's tensors together, last layers
+    /// first).
     pub fn with_bucket_bytes<M: Module>(
         group: Arc<dyn ProcessGroup>,
         model: &M,
@@ -48,7 +51,7 @@ impl DataParallel {
     ) -> Result<Self> {
         let layout = ParamLayout::of(model);
         check_same_params(group.as_ref(), &layout)?;
-        let buckets = buckets::plan(&layout, bucket_bytes);
+        let buckets = layer_groups(&layout, bucket_bytes);
         let spare = vec![Vec::new(); buckets.len()];
         Ok(Self {
             group,

@@ -55,7 +55,6 @@
 #![warn(missing_docs)]
 
 mod agree;
-mod buckets;
 mod checkpoint;
 mod data_parallel;
 mod error;
@@ -64,7 +63,6 @@ mod user_module;
 
 use std::sync::Arc;
 
-pub use buckets::DEFAULT_BUCKET_BYTES;
 pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};

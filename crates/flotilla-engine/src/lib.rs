@@ -71,7 +71,7 @@ pub use gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
 pub use graph::{Merge, Node};
 pub use limits::SpecLimits;
 pub use loss::cross_entropy;
-pub use module_engine::{ModuleEngine, TrainModule};
+pub use module_engine::{ModuleEngine, TrainModule, layer_groups};
 pub use module_stage::{
     AnyStageModule, StageBuilder, StageInput, StageModule, StageSlotsOf, module_pipeline,
 };

@@ -203,8 +203,8 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
 /// first: a layer's tensors (those of one name prefix, `fc1.weight` and `fc1.bias`) stay
 /// together, a layer larger than `max_bytes` is a group of its own; `0` or `usize::MAX`:
 /// one group. The rule of a spec model's backward groups, with a module's layers as its
-/// segments.
-fn layer_groups(layout: &ParamLayout, max_bytes: usize) -> Vec<Range<usize>> {
+/// segments; the gradient buckets of every user module (the run's and `DataParallel`'s).
+pub fn layer_groups(layout: &ParamLayout, max_bytes: usize) -> Vec<Range<usize>> {
     let n = layout.params.len();
     if max_bytes == 0 || max_bytes == usize::MAX || n == 0 {
         return std::iter::once(0..n).collect();
