@@ -7,11 +7,10 @@
 //! target/release/flotilla launch -n 2 --data data/mnist --epochs 1 -- target/release/examples/lenet5_program
 //! ```
 //! Every setting is the config job's, by the same names (`--strategy async_allreduce -n 4`,
-//! `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`; a flat parameter server:
-//! `--strategy flat` with `FLOTILLA_TOPOLOGY__PARAMETER_SERVER='{aggr_type: sync,
-//! num_workers: 2}'` or that section in the file, ...). The layers run through
-//! Flotilla's kernels (`conv2d_relu`, `max_pool2d`, `linear`), which the spec model uses too:
-//! from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
+//! `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`; `--strategy flat -n 3`: a parameter
+//! server and two sync workers, or a `parameter_server` section for others, ...). The layers
+//! run through Flotilla's kernels (`conv2d_relu`, `max_pool2d`, `linear`), which the spec
+//! model uses too: from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
 //! `forward`s instead (the same values up to rounding). `--strategy pipeline` trains its two
 //! halves as two pipeline stages (`--stages 2`, one rank each; `--data-parallel 2`: 4 ranks).
 

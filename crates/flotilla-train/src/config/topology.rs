@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use flotilla_cluster::{Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
+use flotilla_cluster::{Aggregation, Arch, GlobalServerSpec, ServerSpec, Topology, TopologySpec};
 use serde::{Deserialize, Serialize};
 
 use super::TrainConfig;
@@ -17,7 +17,9 @@ pub struct TopologySection {
     pub world_size: usize,
     /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
     pub arch: Arch,
-    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`.
+    /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`. Unset under
+    /// `arch: flat`: sync, and every rank after the `servers` is a worker (`-n 3
+    /// --strategy flat`: one server, two workers).
     pub parameter_server: Option<ServerSpec>,
     /// Hierarchical: `{aggr_type, local_servers: [{aggr_type, num_workers}, ...]}`.
     pub global_server: Option<GlobalServerSpec>,
@@ -57,12 +59,17 @@ impl Default for TopologySection {
 }
 
 impl TrainConfig {
-    /// The topology keys as the cluster crate takes them.
+    /// The topology keys as the cluster crate takes them (a flat server's default filled in).
     pub fn topology_spec(&self) -> TopologySpec {
         let t = &self.topology;
         TopologySpec {
             arch: t.arch,
-            parameter_server: t.parameter_server.clone(),
+            parameter_server: t.parameter_server.clone().or_else(|| {
+                (t.arch == Arch::Flat).then(|| ServerSpec {
+                    aggr_type: Aggregation::Sync,
+                    num_workers: t.world_size.saturating_sub(t.servers),
+                })
+            }),
             global_server: t.global_server.clone(),
             servers: t.servers,
         }
@@ -107,9 +114,24 @@ mod tests {
         )
         .expect("flat");
         assert_eq!(flat.effective_world_size().expect("size"), 5);
-        let missing = TrainConfig::from_yaml("arch: flat\n", "f").expect("parse");
-        let e = missing.validate().expect_err("no server").to_string();
-        let _ = &c.topology;
-        assert!(e.contains("parameter_server"), "{e}");
+    }
+
+    #[test]
+    fn a_flat_server_without_its_section_makes_every_other_rank_a_sync_worker() {
+        let c = |yaml: &str| TrainConfig::from_yaml(yaml, "f").expect("parse");
+        let three = c("arch: flat\nworld_size: 3\n");
+        three.validate().expect("valid");
+        let ps = three.topology_spec().parameter_server.expect("filled in");
+        assert_eq!((ps.aggr_type, ps.num_workers), (Aggregation::Sync, 2));
+        assert_eq!(three.effective_world_size().expect("size"), 3);
+        let sharded = c("arch: flat\nworld_size: 5\nservers: 2\n");
+        assert_eq!(sharded.effective_world_size().expect("size"), 5);
+        let none_left = c("arch: flat\nworld_size: 2\nservers: 2\n");
+        let e = none_left.validate().expect_err("no worker").to_string();
+        assert!(e.contains("world_size") && e.contains("at least 3"), "{e}");
+        // A written section wins; `world_size` then follows from it.
+        let written =
+            c("arch: flat\nworld_size: 9\nparameter_server: {aggr_type: async, num_workers: 1}\n");
+        assert_eq!(written.effective_world_size().expect("size"), 2);
     }
 }

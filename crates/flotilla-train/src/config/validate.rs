@@ -148,6 +148,19 @@ impl TrainConfig {
         if t.arch == Arch::Pipeline {
             self.validate_pipeline()?;
         }
+        if t.arch == Arch::Flat && t.parameter_server.is_none() && t.world_size <= t.servers {
+            return Err(bad(
+                "topology.world_size",
+                format!(
+                    "`arch: flat` without a `parameter_server` section makes every rank after \
+                     the {} server(s) a sync worker: {} rank(s) leave none (at least {}, or \
+                     e.g. `parameter_server: {{aggr_type: sync, num_workers: 2}}`)",
+                    t.servers,
+                    t.world_size,
+                    t.servers + 1
+                ),
+            ));
+        }
         self.allreduce.validate()?;
         if self.allreduce.mode == AllReduceMode::Async && t.arch != Arch::Allreduce {
             return Err(bad(
