@@ -3,7 +3,8 @@
 
 use anyhow::Result;
 use flotilla_train::TrainConfig;
-use flotilla_train::config::sources::{Provenance, Sources};
+use flotilla_train::config::sources::Provenance;
+pub use flotilla_train::config::sources::Sources;
 
 use crate::run_args::RunArgs;
 

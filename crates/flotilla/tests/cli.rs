@@ -109,20 +109,28 @@ fn settings_errors_say_what_to_change() {
         all.contains("`comm.chunk_kb`: must be from 1 to") && !all.contains("launching"),
         "{all}"
     );
-    let mut c = flotilla();
-    c.args(["launch", "-n", "2", "--data", "/nonexistent-flotilla-data"]);
-    let o = run_with_deadline(c, Duration::from_secs(60));
-    assert!(!o.status.success(), "{}", text(&o));
-    let all = text(&o);
-    assert_eq!(
-        all.matches("/nonexistent-flotilla-data").count(),
-        1,
-        "said once, by the launcher:\n{all}"
-    );
-    assert!(
-        all.contains("does not exist") && !all.contains("[rank"),
-        "{all}"
-    );
+    // A data path given and missing: said once, by the launcher, for a config job and for a
+    // program (`sh -c 'echo started'` would print if any rank were started).
+    let program = ["--", "sh", "-c", "echo rank-started"];
+    for tail in [&[][..], &program[..]] {
+        let mut c = flotilla();
+        c.args(["launch", "-n", "2", "--data", "/nonexistent-flotilla-data"])
+            .args(tail);
+        let o = run_with_deadline(c, Duration::from_secs(60));
+        assert!(!o.status.success(), "{}", text(&o));
+        let all = text(&o);
+        assert_eq!(
+            all.matches("/nonexistent-flotilla-data").count(),
+            1,
+            "said once, by the launcher:\n{all}"
+        );
+        assert!(
+            all.contains("does not exist")
+                && !all.contains("[rank")
+                && !all.contains("rank-started"),
+            "{all}"
+        );
+    }
 }
 
 #[test]

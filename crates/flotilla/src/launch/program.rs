@@ -31,7 +31,29 @@ use flotilla_rank::telemetry;
 
 /// Runs `flotilla launch ... -- PROGRAM ARGS...`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
-    launch(settings::effective_config(&args.run, false)?, args)
+    let sources = settings::sources(&args.run, false)?;
+    let config = sources.extract()?;
+    check_given_data(&sources, &config)?;
+    launch(config, args)
+}
+
+/// A data path the user gave (flag, environment or file) must exist: refused once here,
+/// before any rank starts, rather than by every rank. The default path is not checked: a
+/// program may read data of its own.
+fn check_given_data(sources: &settings::Sources, config: &TrainConfig) -> Result<()> {
+    let given = sources
+        .provenance()?
+        .into_iter()
+        .find(|p| p.path == "data.path" && p.source != "default");
+    let path = config.data.source();
+    match given {
+        Some(p) if !path.path().exists() => bail!(
+            "the data path {} does not exist (data.path, from {}); no rank was started",
+            path.path().display(),
+            p.source
+        ),
+        _ => Ok(()),
+    }
 }
 
 /// Starts `args.program` as the ranks of the job `config` describes (supervised, restarted
