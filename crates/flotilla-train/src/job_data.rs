@@ -129,3 +129,37 @@ fn text_context(name: &str, io: &ModelIo) -> Result<usize> {
         )),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn io(input: &[usize], classes: Option<usize>) -> ModelIo {
+        ModelIo {
+            input: input.to_vec(),
+            vocab: None,
+            classes,
+            labels_per_sample: 1,
+        }
+    }
+
+    #[test]
+    fn a_model_that_does_not_take_the_datas_samples_or_classes_is_refused_naming_both() {
+        check_io("mlp", &io(&[784], Some(10)), &[1, 28, 28], 10).expect("same numbers");
+        check_io("net", &io(&[1, 28, 28], None), &[1, 28, 28], 10).expect("classes unknown");
+        let e = check_io("mlp", &io(&[784], Some(10)), &[1, 28, 28], 7)
+            .expect_err("classes")
+            .to_string();
+        assert!(
+            e.contains("`mlp` gives 10 outputs") && e.contains("7 classes"),
+            "{e}"
+        );
+        let e = check_io("mlp", &io(&[100], Some(10)), &[1, 28, 28], 10)
+            .expect_err("input")
+            .to_string();
+        assert!(
+            e.contains("takes input [100]") && e.contains("[1, 28, 28]"),
+            "{e}"
+        );
+    }
+}
