@@ -346,7 +346,8 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
 
 /// Gradient accumulation (`accumulation_steps: 2`, DDP's `no_sync`): 2 ranks of 2
 /// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 and
-/// ZeRO-2 give the bits of plain all-reduce; the user's module the bits of the spec model.
+/// ZeRO-2 give the bits of plain all-reduce; the user's module the bits of the spec model;
+/// async all-reduce with `staleness: 0` the bits of sync.
 #[test]
 fn gradient_accumulation() {
     let dir = tmp();
@@ -390,12 +391,20 @@ fn gradient_accumulation() {
     }
     let user = run(dir.path(), "two-user", two, &["--", exe]);
     assert_bitwise("accumulation: user module vs spec model", &user, &spec);
+    // Async all-reduce with nothing in flight (`staleness: 0`) steps as sync does.
+    let async_ = run(
+        dir.path(),
+        "two-async",
+        &format!("{two}strategy: async_allreduce\nstaleness: 0\n"),
+        &[],
+    );
+    assert_bitwise("accumulation: async (staleness 0) vs sync", &async_, &spec);
 }
 
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
 /// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
 /// and ZeRO-2 (the norm summed from the ranks' shards) give the bits of plain all-reduce,
-/// and the user's module the bits of the spec model. So do 2 pipeline stages of 2
+/// and the user's module and async all-reduce with `staleness: 0` the bits of sync. So do 2 pipeline stages of 2
 /// accumulated batches of 32 in 2 micro-batches each (to rounding; the program's stage
 /// modules: the spec's bits).
 #[test]
@@ -446,6 +455,13 @@ fn clipping_by_global_norm() {
         &["--", exe],
     );
     assert_bitwise("clipped: user module vs spec model", &user, &two);
+    let async_ = run(
+        dir.path(),
+        "async",
+        &format!("world_size: 2\nbatch_size: 32\nstrategy: async_allreduce\nstaleness: 0\n{clip}"),
+        &[],
+    );
+    assert_bitwise("clipped: async (staleness 0) vs sync", &async_, &two);
     // A pipeline: the norm over both stages' gradients (shares summed in stage order), and
     // accumulation as twice the micro-batches.
     let pipe =

@@ -51,14 +51,16 @@ pub struct AllReduceSection {
     /// all-reduced (each rank keeps only its shard's gradient sums and one bucket's wire
     /// buffer). On one rank every stage is 0 (nothing to shard).
     pub zero: u8,
-    /// Sync: micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
+    /// Micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
     /// DeepSpeed's `gradient_accumulation_steps`): a rank differentiates each, sums their
-    /// gradients locally and all-reduces once, after the last; the step's global batch is
+    /// gradients locally and reduces once, after the last (sync, any ZeRO stage, or async;
+    /// pipelines: that many times the micro-batches); the step's global batch is
     /// `batch_size × accumulation_steps × ranks`. 1: every batch is a step.
     pub accumulation_steps: u32,
-    /// Sync: clip the averaged gradient to this global L2 norm before the optimizer step
+    /// Clip the averaged gradient to this global L2 norm before the optimizer step
     /// (PyTorch's `clip_grad_norm_`: scaled by `min(1, max / (norm + 1e-6))`), the norm over
-    /// every parameter also under ZeRO. None: no clipping.
+    /// every parameter also under ZeRO and across pipeline stages; async: each applied
+    /// (stale) average. None: no clipping.
     pub clip_grad_norm: Option<f64>,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,

@@ -192,7 +192,7 @@ impl TrainConfig {
                 ),
             ));
         }
-        self.check_step_shaping(sync_mode)?;
+        self.check_step_shaping()?;
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {
             let inventory = flotilla_cluster::Inventory::load(path)
@@ -206,8 +206,8 @@ impl TrainConfig {
 
 impl TrainConfig {
     /// Gradient accumulation and clipping by global norm: in range, and only where a
-    /// strategy does them (sync all-reduce with any `zero`, and pipelines).
-    fn check_step_shaping(&self, sync_mode: bool) -> Result<()> {
+    /// strategy does them (all-reduce, sync with any `zero` or async, and pipelines).
+    fn check_step_shaping(&self) -> Result<()> {
         let a = &self.allreduce;
         let k = a.accumulation_steps;
         if let Some(max) = a.clip_grad_norm {
@@ -223,14 +223,14 @@ impl TrainConfig {
             ("allreduce.accumulation_steps", k > 1),
             ("allreduce.clip_grad_norm", a.clip_grad_norm.is_some()),
         ];
-        let pipeline = self.topology.arch == Arch::Pipeline;
+        let done_here = matches!(self.topology.arch, Arch::Allreduce | Arch::Pipeline);
         match asked.into_iter().find(|(_, on)| *on) {
-            Some((key, _)) if !sync_mode && !pipeline => Err(bad(
+            Some((key, _)) if !done_here => Err(bad(
                 key,
                 format!(
-                    "runs in sync data-parallel all-reduce (zero 0 to 2) and pipelines only \
-                     (here arch {}, mode {:?})",
-                    self.topology.arch, a.mode
+                    "runs in data-parallel all-reduce (sync with any zero, or async) and \
+                     pipelines, not under parameter servers (here arch {})",
+                    self.topology.arch
                 ),
             )),
             _ => Ok(()),
@@ -266,12 +266,12 @@ mod tests {
             "accumulation_steps: 4\nzero: 1\n",
             "accumulation_steps: 4\nzero: 2\n",
             "accumulation_steps: 2\nstrategy: pipeline\n",
+            "accumulation_steps: 2\nstrategy: async_allreduce\n",
         ] {
             check(yaml).expect(yaml);
         }
         for yaml in [
             "accumulation_steps: 0\n",
-            "accumulation_steps: 2\nstrategy: async_allreduce\n",
             "accumulation_steps: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             let e = check(yaml).expect_err(yaml).to_string();
@@ -281,13 +281,13 @@ mod tests {
             "clip_grad_norm: 1.0\nzero: 1\n",
             "clip_grad_norm: 1.0\nzero: 2\n",
             "clip_grad_norm: 1.0\nstrategy: pipeline\n",
+            "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
         ] {
             check(yaml).expect(yaml);
         }
         for yaml in [
             "clip_grad_norm: 0\n",
             "clip_grad_norm: -1\n",
-            "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
             "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             let e = check(yaml).expect_err(yaml).to_string();

@@ -37,7 +37,9 @@ use flotilla_comm::{
 };
 use flotilla_engine::{Engine, EvalStats, ModelState, ParamLayout};
 
+use super::accumulate::Accumulator;
 use crate::batches::Batches;
+use crate::bucket::BucketPlan;
 use crate::config::{StaleCorrection, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
@@ -76,6 +78,13 @@ pub struct AsyncAllReduce {
     momentum: f32,
     /// A test fault keeps this rank from submitting one tensor.
     withholding: bool,
+    /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
+    accumulator: Accumulator,
+    /// Clip each applied (averaged) gradient to this global norm (`allreduce.clip_grad_norm`).
+    clip_grad_norm: Option<f64>,
+    /// The buckets of sync all-reduce, whose order the clipping norm is summed in (so that
+    /// `staleness: 0` clips as sync all-reduce does, to the bit).
+    plan: BucketPlan,
 }
 
 impl AsyncAllReduce {
@@ -88,7 +97,11 @@ impl AsyncAllReduce {
         engine.set_backward_group_bytes(config.bucket_bytes())?;
         let layout = engine.layout().clone();
         let n = layout.total;
+        let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
         Ok(Self {
+            accumulator: Accumulator::new(a.accumulation_steps as usize),
+            clip_grad_norm: a.clip_grad_norm,
+            plan,
             comm: cx.comm.clone(),
             engine,
             layout,
@@ -164,10 +177,14 @@ impl AsyncAllReduce {
             (0..layout.params.len()).map(|_| None).collect();
         let mut seen = vec![false; layout.params.len()];
         let engine = &mut *self.engine;
+        let batch = self.accumulator.run(engine, layout, batch)?;
+        let accumulator = &self.accumulator;
         let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
             seen[i] = true;
             if withhold != Some(i) {
-                grads[i] = Some(reducer.submit(&layout.params[i].name, g.to_vec()));
+                let mut summed = vec![0.0; g.len()];
+                accumulator.add_into(&mut summed, g, layout.params[i].offset);
+                grads[i] = Some(reducer.submit(&layout.params[i].name, summed));
             }
             Ok(())
         })?;
@@ -180,7 +197,7 @@ impl AsyncAllReduce {
                 layout.params[i].name
             )));
         }
-        let loss = reducer.submit(LOSS, vec![loss]);
+        let loss = reducer.submit(LOSS, vec![accumulator.mean_loss(loss)]);
         self.in_flight.push_back(InFlight { grads, loss });
         Ok(())
     }
@@ -190,7 +207,10 @@ impl AsyncAllReduce {
         let Some(step) = self.in_flight.pop_front() else {
             return Ok(None);
         };
-        let scale = 1.0 / self.comm.size() as f32;
+        // The mean over the ranks and the step's micro-batches (the loss is a mean over the
+        // micro-batches already).
+        let ranks = 1.0 / self.comm.size() as f32;
+        let scale = 1.0 / (self.comm.size() as f32 * self.accumulator.steps as f32);
         {
             let _span = tracing::info_span!(target: "flotilla::train", "wait_reduced").entered();
             for (info, pending) in self.layout.params.iter().zip(step.grads) {
@@ -205,7 +225,10 @@ impl AsyncAllReduce {
                 }
             }
         }
-        let loss = step.loss.wait()?.first().copied().unwrap_or(f32::NAN) * scale;
+        let loss = step.loss.wait()?.first().copied().unwrap_or(f32::NAN) * ranks;
+        if let Some(max) = self.clip_grad_norm {
+            super::clip::clip(&mut self.flat, max, false, &self.plan, &*self.comm)?;
+        }
         let _span = tracing::info_span!(target: "flotilla::train", "optimizer_step").entered();
         self.engine.apply_grads(&self.flat, self.lr)?;
         self.applied += 1;

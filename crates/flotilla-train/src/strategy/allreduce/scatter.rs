@@ -23,25 +23,15 @@
 use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
+use super::accumulate::Accumulator;
 use super::zero::{Zero, wire_len};
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
 
-/// The micro-batches of a step before its last (gradient accumulation).
-#[derive(Clone, Copy)]
-pub struct Accumulated<'a> {
-    /// Their gradients' sum, in flat order (empty: no accumulation).
-    pub sum: &'a [f32],
-    /// Their losses' sum.
-    pub loss: f32,
-    /// Micro-batches in the step (1: no accumulation).
-    pub steps: usize,
-}
-
 /// One step's buckets on their way through the staging buffer.
 struct Scatter<'a> {
     comm: &'a dyn ProcessGroup,
-    accumulated: Accumulated<'a>,
+    accumulated: &'a Accumulator,
     plan: &'a BucketPlan,
     layout: &'a ParamLayout,
     zero: &'a mut Zero,
@@ -70,7 +60,7 @@ pub fn reduce_scatter_step(
     comm: &dyn ProcessGroup,
     engine: &mut dyn Engine,
     (plan, layout): (&BucketPlan, &ParamLayout),
-    (batch, accumulated): (BatchRef<'_>, Accumulated<'_>),
+    (batch, accumulated): (BatchRef<'_>, &Accumulator),
     overlap: bool,
 ) -> Result<(f32, f32)> {
     let buffer = Some(zero.take_staging());
@@ -128,17 +118,8 @@ impl Scatter<'_> {
             ));
         };
         let dst = &mut buffer[at..at + grad.len()];
-        match self.accumulated.sum {
-            [] => dst.copy_from_slice(grad),
-            sum => {
-                // The earlier micro-batches' sum, plus this one's.
-                let offset = self.layout.params[i].offset;
-                let sum = &sum[offset..offset + grad.len()];
-                for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
-                    *d = g + a;
-                }
-            }
-        }
+        self.accumulated
+            .add_into(dst, grad, self.layout.params[i].offset);
         let filled = self.filling.map_or(0, |(_, n)| n) + 1;
         self.filling = Some((k, filled));
         if filled == bucket.params.len() && (k + 1 < self.plan.buckets.len() || self.loss.is_some())
@@ -176,7 +157,7 @@ impl Scatter<'_> {
             // The mean of the step's micro-batch losses.
             let n = self.plan.buckets[k].len();
             let loss = self.loss.unwrap_or_default();
-            buffer[n] = (self.accumulated.loss + loss) / self.accumulated.steps as f32;
+            buffer[n] = self.accumulated.mean_loss(loss);
         }
         self.filling = None;
         self.pending = Some((k, self.comm.reduce_scatter_bucket(buffer, k)));

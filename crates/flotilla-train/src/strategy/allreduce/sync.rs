@@ -7,6 +7,7 @@ use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
+use super::accumulate::Accumulator;
 use super::zero::{Zero, wire_len};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
@@ -56,13 +57,8 @@ pub struct SyncAllReduce {
     flat: Vec<f32>,
     /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
     zero: Option<Zero>,
-    /// Micro-batches per step (`allreduce.accumulation_steps`).
-    accumulation: usize,
-    /// The local sum of the gradients of a step's micro-batches before its last (flat order;
-    /// empty without accumulation).
-    accumulated: Vec<f32>,
-    /// The sum of those micro-batches' losses.
-    accumulated_loss: f32,
+    /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
+    accumulator: Accumulator,
     /// Clip the averaged gradient to this global norm (`allreduce.clip_grad_norm`).
     clip_grad_norm: Option<f64>,
 }
@@ -109,9 +105,7 @@ impl SyncAllReduce {
             plan,
             overlap: config.allreduce.overlap,
             buffers: Vec::new(),
-            accumulation: config.allreduce.accumulation_steps.max(1) as usize,
-            accumulated: Vec::new(),
-            accumulated_loss: 0.0,
+            accumulator: Accumulator::new(config.allreduce.accumulation_steps as usize),
             clip_grad_norm: config.allreduce.clip_grad_norm,
         })
     }
@@ -300,7 +294,9 @@ impl Strategy for SyncAllReduce {
         };
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
-        let last = self.accumulate(batch)?;
+        let last = self
+            .accumulator
+            .run(&mut *self.engine, &self.layout, batch)?;
         let stats = self.step_on(last, lr)?;
         Ok(Step {
             progressed: true,
@@ -312,62 +308,15 @@ impl Strategy for SyncAllReduce {
 }
 
 impl SyncAllReduce {
-    /// Differentiates every micro-batch of `batch` but its last (`accumulation_steps` of
-    /// them, in order), summing their gradients and losses locally (no collective: DDP's
-    /// `no_sync`); returns the last, which [`Self::all_reduce_step`] adds them to. Without
-    /// accumulation, `batch` itself.
-    fn accumulate<'b>(&mut self, batch: BatchRef<'b>) -> Result<BatchRef<'b>> {
-        let k = self.accumulation;
-        self.accumulated_loss = 0.0;
-        if k == 1 {
-            self.accumulated.clear();
-            return Ok(batch);
-        }
-        let lps = self.engine.labels_per_sample().max(1);
-        let n = batch.labels.len() / lps;
-        if n == 0 || !n.is_multiple_of(k) {
-            return Err(TrainError::config(
-                "allreduce.accumulation_steps",
-                format!("a batch of {n} samples does not cut into {k} equal micro-batches"),
-            ));
-        }
-        let (inputs, labels) = (batch.images.len() / k, batch.labels.len() / k);
-        let micro = |j: usize| BatchRef {
-            images: &batch.images[j * inputs..(j + 1) * inputs],
-            labels: &batch.labels[j * labels..(j + 1) * labels],
-        };
-        self.accumulated.clear();
-        self.accumulated.resize(self.layout.total, 0.0);
-        let layout = &self.layout;
-        for j in 0..k - 1 {
-            self.accumulated_loss += self.engine.forward_backward(micro(j))?;
-            let sum = &mut self.accumulated;
-            self.engine.for_each_grad(&mut |i, g| {
-                let p = &layout.params[i];
-                for (a, x) in sum[p.offset..p.offset + p.len].iter_mut().zip(g) {
-                    *a += x;
-                }
-                Ok(())
-            })?;
-        }
-        Ok(micro(k - 1))
-    }
-
     /// One training step on this rank's batch at learning rate `lr`.
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
-        // The step's micro-batches before its last.
-        let accumulated = super::scatter::Accumulated {
-            sum: &self.accumulated,
-            loss: self.accumulated_loss,
-            steps: self.accumulation,
-        };
         let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
             Some(zero) => super::scatter::reduce_scatter_step(
                 zero,
                 &*self.comm,
                 &mut *self.engine,
                 (&self.plan, &self.layout),
-                (batch, accumulated),
+                (batch, &self.accumulator),
                 self.overlap,
             )?,
             None => self.all_reduce_step(batch)?,
@@ -408,7 +357,7 @@ impl SyncAllReduce {
         let local_loss = {
             let (plan, layout, buffers, comm) =
                 (&self.plan, &self.layout, &mut self.buffers, &self.comm);
-            let (accumulated, k_micro) = (&self.accumulated, self.accumulation as f32);
+            let accumulator = &self.accumulator;
             let mut filled = vec![0usize; count];
             let pending = &mut pending;
             let mut on_grad = |i: usize, grad: &[f32]| {
@@ -416,16 +365,7 @@ impl SyncAllReduce {
                 let bucket = &plan.buckets[k];
                 let at = layout.params[i].offset - bucket.start;
                 let dst = &mut buffers[k][at..at + grad.len()];
-                if accumulated.is_empty() {
-                    dst.copy_from_slice(grad);
-                } else {
-                    // The earlier micro-batches' sum, plus this one's.
-                    let offset = layout.params[i].offset;
-                    let sum = &accumulated[offset..offset + grad.len()];
-                    for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
-                        *d = g + a;
-                    }
-                }
+                accumulator.add_into(dst, grad, layout.params[i].offset);
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
                 if filled[k] == bucket.params.len() && k != last {
@@ -443,7 +383,7 @@ impl SyncAllReduce {
             if let Some(buffer) = buffers.get_mut(last) {
                 let n = plan.buckets[last].len();
                 // The mean of the step's micro-batch losses.
-                buffer[n] = (self.accumulated_loss + loss) / k_micro;
+                buffer[n] = accumulator.mean_loss(loss);
                 pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
             }
             loss
@@ -458,7 +398,7 @@ impl SyncAllReduce {
     fn wait_buckets(&mut self, pending: Vec<Option<PendingAllReduce>>) -> Result<Option<f32>> {
         // The mean over the ranks and a step's micro-batches; the loss slot holds a mean
         // over the micro-batches already.
-        let micro = self.accumulation as f32;
+        let micro = self.accumulator.steps as f32;
         let scale = 1.0 / (self.comm.size() as f32 * micro);
         let last = self.plan.buckets.len().saturating_sub(1);
         let mut global_loss = None;

@@ -1,0 +1,91 @@
+//! Gradient accumulation (`allreduce.accumulation_steps`, DDP's `no_sync`): a step's batch
+//! is cut into `k` equal micro-batches; all but the last are differentiated and summed
+//! locally, without a collective, and the last one's gradients go out with that sum added
+//! as the backward produces them. Every data-parallel strategy that accumulates (sync with
+//! any ZeRO stage, async) does it through [`Accumulator`], so they sum in one order.
+
+use flotilla_engine::{BatchRef, Engine, ParamLayout};
+
+use crate::error::{Result, TrainError};
+
+/// The micro-batches of a step before its last.
+#[derive(Debug)]
+pub struct Accumulator {
+    /// Micro-batches per step (1: no accumulation).
+    pub steps: usize,
+    /// Their gradients' sum, in flat order (empty: no accumulation).
+    pub sum: Vec<f32>,
+    /// Their losses' sum.
+    pub loss: f32,
+}
+
+impl Accumulator {
+    /// `steps` micro-batches per step.
+    pub fn new(steps: usize) -> Self {
+        Self {
+            steps: steps.max(1),
+            sum: Vec::new(),
+            loss: 0.0,
+        }
+    }
+
+    /// Differentiates every micro-batch of `batch` but its last, in order, summing their
+    /// gradients and losses; returns the last. Without accumulation, `batch` itself.
+    pub fn run<'b>(
+        &mut self,
+        engine: &mut dyn Engine,
+        layout: &ParamLayout,
+        batch: BatchRef<'b>,
+    ) -> Result<BatchRef<'b>> {
+        let k = self.steps;
+        self.loss = 0.0;
+        self.sum.clear();
+        if k == 1 {
+            return Ok(batch);
+        }
+        let lps = engine.labels_per_sample().max(1);
+        let n = batch.labels.len() / lps;
+        if n == 0 || !n.is_multiple_of(k) {
+            return Err(TrainError::config(
+                "allreduce.accumulation_steps",
+                format!("a batch of {n} samples does not cut into {k} equal micro-batches"),
+            ));
+        }
+        let (inputs, labels) = (batch.images.len() / k, batch.labels.len() / k);
+        let micro = |j: usize| BatchRef {
+            images: &batch.images[j * inputs..(j + 1) * inputs],
+            labels: &batch.labels[j * labels..(j + 1) * labels],
+        };
+        self.sum.resize(layout.total, 0.0);
+        for j in 0..k - 1 {
+            self.loss += engine.forward_backward(micro(j))?;
+            let sum = &mut self.sum;
+            engine.for_each_grad(&mut |i, g| {
+                let p = &layout.params[i];
+                for (a, x) in sum[p.offset..p.offset + p.len].iter_mut().zip(g) {
+                    *a += x;
+                }
+                Ok(())
+            })?;
+        }
+        Ok(micro(k - 1))
+    }
+
+    /// Writes into `dst` the last micro-batch's `grad` of the tensor at flat `offset`, plus
+    /// the earlier micro-batches' sum of it.
+    pub fn add_into(&self, dst: &mut [f32], grad: &[f32], offset: usize) {
+        match self.sum.get(offset..offset + grad.len()) {
+            Some(sum) => {
+                for ((d, g), a) in dst.iter_mut().zip(grad).zip(sum) {
+                    *d = g + a;
+                }
+            }
+            None => dst.copy_from_slice(grad),
+        }
+    }
+
+    /// The mean of the step's micro-batch losses, the last one being `last`.
+    pub fn mean_loss(&self, last: f32) -> f32 {
+        (self.loss + last) / self.steps as f32
+    }
+}
