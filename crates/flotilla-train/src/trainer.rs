@@ -216,7 +216,7 @@ impl Job<'_> {
             cx.log(&format!(
                 "training: {what}, {} steps/epoch of {}x{} samples, {} steps, {how}",
                 data.steps_per_epoch(),
-                self.config.data.batch_size * self.config.allreduce.accumulation_steps as usize,
+                self.config.step_batch(),
                 plan.workers,
                 plan.total,
             ))?;
@@ -252,8 +252,7 @@ impl Job<'_> {
         let config = self.config;
         // A step takes its micro-batches as one batch, which the strategy cuts: epochs,
         // positions and resume count in steps.
-        let steps_batch = config.data.batch_size * config.allreduce.accumulation_steps as usize;
-        let (seed, batch) = (config.model.seed, steps_batch);
+        let (seed, batch) = (config.model.seed, config.step_batch());
         let resumed_at = resumed.map_or(0, |s| s.step);
         let (data, total, cadence) = match counting {
             Counting::Epochs { shards, index } => {

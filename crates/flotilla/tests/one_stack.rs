@@ -347,7 +347,8 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
 /// Gradient accumulation (`accumulation_steps: 2`, DDP's `no_sync`): 2 ranks of 2
 /// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 and
 /// ZeRO-2 give the bits of plain all-reduce; the user's module the bits of the spec model;
-/// async all-reduce with `staleness: 0` the bits of sync.
+/// async all-reduce with `staleness: 0` the bits of sync; a sync parameter server's workers
+/// of 2 micro-batches what they train on one batch of both.
 #[test]
 fn gradient_accumulation() {
     let dir = tmp();
@@ -399,6 +400,23 @@ fn gradient_accumulation() {
         &[],
     );
     assert_bitwise("accumulation: async (staleness 0) vs sync", &async_, &spec);
+    // A sync parameter server's workers push the mean over their micro-batches: as a
+    // batch of all of them (to rounding).
+    let ps = "arch: flat\nworld_size: 3\nmax_steps: 50\n";
+    let whole = run(dir.path(), "ps", &format!("{ps}batch_size: 32\n"), &[]);
+    let micro = run(
+        dir.path(),
+        "ps-micro",
+        &format!("{ps}batch_size: 16\naccumulation_steps: 2\n"),
+        &[],
+    );
+    let e = relative_error(&micro, &whole);
+    assert!(
+        e <= 1e-5,
+        "PS workers: 2 micro-batches of 16 vs 32: relative error {e}"
+    );
+    let e = relative_error(&whole, &initial);
+    assert!(e > 1e-2, "the PS run barely moved ({e})");
 }
 
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks

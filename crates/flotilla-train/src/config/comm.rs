@@ -161,6 +161,12 @@ fn lenient_bool<'de, D: serde::Deserializer<'de>>(d: D) -> std::result::Result<b
 }
 
 impl TrainConfig {
+    /// The samples a rank trains on per step (or per push): `batch_size` times
+    /// `accumulation_steps` micro-batches.
+    pub fn step_batch(&self) -> usize {
+        self.data.batch_size * self.allreduce.accumulation_steps.max(1) as usize
+    }
+
     /// Bucket size in bytes.
     pub fn bucket_bytes(&self) -> usize {
         (self.comm.bucket_mb * (1 << 20) as f64) as usize

@@ -205,36 +205,33 @@ impl TrainConfig {
 }
 
 impl TrainConfig {
-    /// Gradient accumulation and clipping by global norm: in range, and only where a
-    /// strategy does them (all-reduce, sync with any `zero` or async, and pipelines).
+    /// Gradient accumulation and clipping by global norm: in range, and clipping only where
+    /// a strategy does it (all-reduce, sync with any `zero` or async, and pipelines; every
+    /// strategy accumulates).
     fn check_step_shaping(&self) -> Result<()> {
         let a = &self.allreduce;
-        let k = a.accumulation_steps;
-        if let Some(max) = a.clip_grad_norm {
-            positive("allreduce.clip_grad_norm", max, "norm")?;
-        }
-        if k == 0 {
+        if a.accumulation_steps == 0 {
             return Err(bad(
                 "allreduce.accumulation_steps",
                 "must be at least 1, got 0".into(),
             ));
         }
-        let asked = [
-            ("allreduce.accumulation_steps", k > 1),
-            ("allreduce.clip_grad_norm", a.clip_grad_norm.is_some()),
-        ];
-        let done_here = matches!(self.topology.arch, Arch::Allreduce | Arch::Pipeline);
-        match asked.into_iter().find(|(_, on)| *on) {
-            Some((key, _)) if !done_here => Err(bad(
-                key,
-                format!(
-                    "runs in data-parallel all-reduce (sync with any zero, or async) and \
-                     pipelines, not under parameter servers (here arch {})",
-                    self.topology.arch
-                ),
-            )),
-            _ => Ok(()),
+        let Some(max) = a.clip_grad_norm else {
+            return Ok(());
+        };
+        positive("allreduce.clip_grad_norm", max, "norm")?;
+        if matches!(self.topology.arch, Arch::Allreduce | Arch::Pipeline) {
+            return Ok(());
         }
+        Err(bad(
+            "allreduce.clip_grad_norm",
+            format!(
+                "runs in data-parallel all-reduce (sync with any zero, or async) and \
+                 pipelines, not under parameter servers (here arch {}: the norm of a step \
+                 spans the shard servers' slices)",
+                self.topology.arch
+            ),
+        ))
     }
 }
 
@@ -260,23 +257,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn accumulation_and_clipping_are_refused_where_no_strategy_does_them() {
+    fn accumulation_runs_everywhere_and_clipping_is_refused_where_no_strategy_does_it() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         for yaml in [
             "accumulation_steps: 4\nzero: 1\n",
             "accumulation_steps: 4\nzero: 2\n",
             "accumulation_steps: 2\nstrategy: pipeline\n",
             "accumulation_steps: 2\nstrategy: async_allreduce\n",
+            "accumulation_steps: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             check(yaml).expect(yaml);
         }
-        for yaml in [
-            "accumulation_steps: 0\n",
-            "accumulation_steps: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
-        ] {
-            let e = check(yaml).expect_err(yaml).to_string();
-            assert!(e.contains("allreduce.accumulation_steps"), "{yaml}: {e}");
-        }
+        let e = check("accumulation_steps: 0\n").expect_err("0").to_string();
+        assert!(e.contains("allreduce.accumulation_steps"), "{e}");
         for yaml in [
             "clip_grad_norm: 1.0\nzero: 1\n",
             "clip_grad_norm: 1.0\nzero: 2\n",

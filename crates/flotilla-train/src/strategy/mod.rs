@@ -3,6 +3,7 @@
 //! ([`allreduce`]), parameter servers ([`ps`]) and pipeline stages ([`pipeline`]). The run
 //! loop ([`crate::runloop`]) drives any of them the same way.
 
+pub(crate) mod accumulate;
 pub mod allreduce;
 pub mod context;
 pub mod interface;

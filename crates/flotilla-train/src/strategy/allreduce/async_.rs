@@ -37,12 +37,12 @@ use flotilla_comm::{
 };
 use flotilla_engine::{Engine, EvalStats, ModelState, ParamLayout};
 
-use super::accumulate::Accumulator;
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
 use crate::config::{StaleCorrection, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
+use crate::strategy::accumulate::Accumulator;
 use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// The name the loss is submitted under (no parameter is called that).

@@ -3,7 +3,6 @@
 //! [`flotilla_engine::Engine`] (flat `f32` buffers) and the other ranks only through a
 //! [`flotilla_comm::ProcessGroup`]; it never touches sockets.
 
-mod accumulate;
 mod async_;
 pub(crate) mod clip;
 mod scatter;

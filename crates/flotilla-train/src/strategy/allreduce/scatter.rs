@@ -23,10 +23,10 @@
 use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
-use super::accumulate::Accumulator;
 use super::zero::{Zero, wire_len};
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
+use crate::strategy::accumulate::Accumulator;
 
 /// One step's buckets on their way through the staging buffer.
 struct Scatter<'a> {

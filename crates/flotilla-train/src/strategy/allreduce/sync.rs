@@ -7,7 +7,6 @@ use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 
-use super::accumulate::Accumulator;
 use super::zero::{Zero, wire_len};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
@@ -15,6 +14,7 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
+use crate::strategy::accumulate::Accumulator;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// What one step produced.

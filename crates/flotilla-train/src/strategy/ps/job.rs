@@ -89,7 +89,7 @@ impl Place {
         ));
         let workers = topology.num_workers();
         let local_steps = config.topology.local_steps.max(1);
-        let per_round = workers * config.data.batch_size * local_steps;
+        let per_round = workers * config.step_batch() * local_steps;
         let rounds_per_epoch = (setup.samples / per_round.max(1)).max(1) as u64;
         let s = &config.schedule;
         let rounds = match (s.num_server_rounds, s.max_steps) {
@@ -98,7 +98,7 @@ impl Place {
             (None, Some(m)) => m,
             (None, None) => s.epochs.max(1) as u64 * rounds_per_epoch,
         };
-        let per_worker = (config.data.batch_size as u64).saturating_mul(local_steps as u64);
+        let per_worker = (config.step_batch() as u64).saturating_mul(local_steps as u64);
         let max_samples = role
             .children
             .iter()

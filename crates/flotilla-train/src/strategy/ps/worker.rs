@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_cluster::RoleKind;
 use flotilla_comm::CommError;
-use flotilla_engine::{Engine, ModelState};
+use flotilla_engine::{Engine, ModelState, ParamLayout};
 
 use super::job::{Announcement, Place};
 use super::{PsContext, send};
@@ -16,6 +16,7 @@ use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::plan::Counting;
+use crate::strategy::accumulate::Accumulator;
 use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 use flotilla_ps::{PsMessage, TAG};
@@ -29,6 +30,10 @@ pub struct Worker {
     parents: Vec<usize>,
     ranges: Vec<Range<usize>>,
     local_steps: usize,
+    /// A push's (or local step's) micro-batches before its last
+    /// (`allreduce.accumulation_steps`).
+    accumulator: Accumulator,
+    layout: ParamLayout,
     params: Vec<f32>,
     versions: Vec<u64>,
     grad: Vec<f32>,
@@ -72,6 +77,7 @@ impl Worker {
         let policy = super::staleness::for_job(cx.config, setup.topology, cx.rank).own;
         let engine = setup.engine(cx.config, &policy.optimizer)?;
         let n = engine.num_params();
+        let layout = engine.layout().clone();
         let ranges = setup.topology.shard_ranges(n);
         let ranges = if place.role.parents.len() == ranges.len() {
             ranges
@@ -99,6 +105,8 @@ impl Worker {
             parents: parents.clone(),
             ranges,
             local_steps: cx.config.topology.local_steps.max(1),
+            accumulator: Accumulator::new(cx.config.allreduce.accumulation_steps as usize),
+            layout,
             params: vec![0.0; n],
             versions: vec![0; parents.len()],
             grad: vec![0.0; n],
@@ -203,8 +211,11 @@ impl Worker {
             };
             let step = done * self.local_steps as u64 + i as u64;
             engine.set_dropout_seed(dropout_seed(cx.config.model.seed, cx.rank, step));
-            loss_sum += engine.forward_backward(batch)?;
+            let batch = self.accumulator.run(engine, &self.layout, batch)?;
+            let loss = engine.forward_backward(batch)?;
+            loss_sum += self.accumulator.mean_loss(loss);
             engine.read_grads(&mut self.grad)?;
+            self.accumulator.mean_into(&mut self.grad);
             if averaging {
                 engine.apply_grads(&self.grad, cx.config.base_lr())?;
             }

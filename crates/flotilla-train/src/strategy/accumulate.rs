@@ -1,8 +1,9 @@
 //! Gradient accumulation (`allreduce.accumulation_steps`, DDP's `no_sync`): a step's batch
 //! is cut into `k` equal micro-batches; all but the last are differentiated and summed
 //! locally, without a collective, and the last one's gradients go out with that sum added
-//! as the backward produces them. Every data-parallel strategy that accumulates (sync with
-//! any ZeRO stage, async) does it through [`Accumulator`], so they sum in one order.
+//! as the backward produces them (or, for a parameter-server worker, before its push).
+//! Every data-parallel strategy that accumulates (sync with any ZeRO stage, async, a
+//! worker) does it through [`Accumulator`], so they sum in one order.
 
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
@@ -81,6 +82,18 @@ impl Accumulator {
                 }
             }
             None => dst.copy_from_slice(grad),
+        }
+    }
+
+    /// Makes `grad`, the last micro-batch's whole gradient, the mean over the step's
+    /// micro-batches (what one batch of them all gives, to rounding).
+    pub fn mean_into(&self, grad: &mut [f32]) {
+        if self.sum.len() != grad.len() {
+            return;
+        }
+        let scale = 1.0 / self.steps as f32;
+        for (g, a) in grad.iter_mut().zip(&self.sum) {
+            *g = (*g + a) * scale;
         }
     }
 
