@@ -85,6 +85,15 @@ impl Accumulator {
         }
     }
 
+    /// The last micro-batch's `grad` of the tensor at flat `offset` plus the earlier
+    /// micro-batches' sum of it, as a new buffer (a copy of `grad` when nothing accumulated).
+    pub fn summed(&self, grad: &[f32], offset: usize) -> Vec<f32> {
+        match self.sum.get(offset..offset + grad.len()) {
+            Some(sum) => grad.iter().zip(sum).map(|(g, a)| g + a).collect(),
+            None => grad.to_vec(),
+        }
+    }
+
     /// Makes `grad`, the last micro-batch's whole gradient, the mean over the step's
     /// micro-batches (what one batch of them all gives, to rounding).
     pub fn mean_into(&self, grad: &mut [f32]) {

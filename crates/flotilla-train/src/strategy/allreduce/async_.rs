@@ -182,8 +182,7 @@ impl AsyncAllReduce {
         let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
             seen[i] = true;
             if withhold != Some(i) {
-                let mut summed = vec![0.0; g.len()];
-                accumulator.add_into(&mut summed, g, layout.params[i].offset);
+                let summed = accumulator.summed(g, layout.params[i].offset);
                 grads[i] = Some(reducer.submit(&layout.params[i].name, summed));
             }
             Ok(())
