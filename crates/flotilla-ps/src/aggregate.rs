@@ -13,7 +13,44 @@ pub enum Admission {
     },
 }
 
-/// Checks a push against the server's state; `Ok(staleness)` or the reason to reject it.
+/// Why a push was refused, and whether its sender may retry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// What was wrong with it, for the sender's error and the server's log.
+    pub reason: String,
+    /// `true` when another push may be taken: this one was stale, or its values (computed
+    /// on one batch) were not finite or too large; the sender pulls and pushes again, a
+    /// bounded number of times in a row. `false` when every retry would be refused alike (its
+    /// length, its kind, the samples it claims, a version the server has not reached): the
+    /// sender stops, naming the reason, instead of pulling and pushing without end.
+    pub retry: bool,
+}
+
+impl Refusal {
+    /// A push that a later one may replace: pull and recompute.
+    pub fn retry(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            retry: true,
+        }
+    }
+
+    /// A push that no retry can make acceptable.
+    pub fn lasting(reason: impl Into<String>) -> Self {
+        Self {
+            reason: reason.into(),
+            retry: false,
+        }
+    }
+}
+
+impl std::fmt::Display for Refusal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.reason)
+    }
+}
+
+/// Checks a push against the server's state; `Ok(staleness)` or why it is refused.
 pub fn admit(
     admission: Admission,
     current_version: u64,
@@ -22,12 +59,12 @@ pub fn admit(
     version: u64,
     delta: bool,
     values: &[f32],
-) -> Result<u64, String> {
+) -> Result<u64, Refusal> {
     if values.len() != expected_len {
-        return Err(format!(
+        return Err(Refusal::lasting(format!(
             "push has {} values but the model has {expected_len} parameters",
             values.len()
-        ));
+        )));
     }
     if delta != expect_delta {
         let (got, want) = if delta {
@@ -35,34 +72,36 @@ pub fn admit(
         } else {
             ("a gradient", "weight deltas (model averaging)")
         };
-        return Err(format!("push carries {got} but this server takes {want}"));
+        return Err(Refusal::lasting(format!(
+            "push carries {got} but this server takes {want}"
+        )));
     }
     if version > current_version {
-        return Err(format!(
+        return Err(Refusal::lasting(format!(
             "push claims parameter version {version} but the server is only at version {current_version}"
-        ));
+        )));
     }
     let staleness = current_version - version;
     match admission {
         Admission::Sync if staleness != 0 => {
-            return Err(format!(
+            return Err(Refusal::retry(format!(
                 "push computed on version {version} but this sync round is on version {current_version}"
-            ));
+            )));
         }
         Admission::Async {
             max_staleness: Some(max),
         } if staleness > max => {
-            return Err(format!(
+            return Err(Refusal::retry(format!(
                 "push is {staleness} versions stale, more than max_staleness {max}: pull and recompute"
-            ));
+            )));
         }
         _ => {}
     }
     if let Some(i) = values.iter().position(|v| !v.is_finite()) {
-        return Err(format!(
+        return Err(Refusal::retry(format!(
             "push has a non-finite value at index {i} ({})",
             values[i]
-        ));
+        )));
     }
     Ok(staleness)
 }
@@ -71,12 +110,12 @@ pub fn admit(
 /// have computed it on (a worker: its batch size times its local steps; a local server: that
 /// times its workers). A claim above it would let one push outweigh the others (`u32::MAX`
 /// drowns every other push of the round).
-pub fn check_samples(samples: u32, max: u64) -> Result<(), String> {
+pub fn check_samples(samples: u32, max: u64) -> Result<(), Refusal> {
     if u64::from(samples) > max {
-        return Err(format!(
+        return Err(Refusal::lasting(format!(
             "push claims {samples} samples, more than the {max} its sender can have trained on \
-             (batch size x local steps x workers)"
-        ));
+             (batch size x accumulation steps x local steps x workers)"
+        )));
     }
     Ok(())
 }
@@ -154,14 +193,14 @@ impl Accumulator {
         loss: f32,
         base_version: f64,
         values: Vec<f32>,
-    ) -> Result<(), String> {
+    ) -> Result<(), Refusal> {
         let largest = values.iter().fold(0.0f64, |m, v| m.max(f64::from(v.abs())));
         let bound = self.bound + f64::from(samples) * largest;
         if bound > SUM_LIMIT {
-            return Err(format!(
+            return Err(Refusal::retry(format!(
                 "push of values up to {largest:e} weighted by {samples} samples would overflow \
                  the round's sum (its weighted values must stay below {SUM_LIMIT:e} in all)"
-            ));
+            )));
         }
         self.bound = bound;
         match &mut self.held {
@@ -225,20 +264,32 @@ mod tests {
         let ok = [1.0, 2.0, 3.0];
         assert_eq!(admit(SYNC, 4, 3, false, 4, false, &ok), Ok(0));
         let e = admit(SYNC, 4, 3, false, 4, false, &ok[..2]).expect_err("len");
+        assert!(!e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("2 values") && e.contains("3 parameters"), "{e}");
         let e = admit(SYNC, 4, 3, false, 3, false, &ok).expect_err("stale in sync");
+        assert!(e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("version 3") && e.contains("version 4"), "{e}");
         let e = admit(SYNC, 4, 3, false, 9, false, &ok).expect_err("future");
+        assert!(!e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("only at version 4"), "{e}");
         let e = admit(SYNC, 4, 3, false, 4, true, &ok).expect_err("kind");
+        assert!(!e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("weight delta"), "{e}");
         let e = admit(SYNC, 4, 3, false, 4, false, &[1.0, f32::NAN, 0.0]).expect_err("nan");
+        assert!(e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("index 1"), "{e}");
         let a = Admission::Async {
             max_staleness: Some(2),
         };
         assert_eq!(admit(a, 10, 3, false, 8, false, &ok), Ok(2));
         let e = admit(a, 10, 3, false, 7, false, &ok).expect_err("too stale");
+        assert!(e.retry, "{e}");
+        let e = e.reason;
         assert!(
             e.contains("3 versions stale") && e.contains("max_staleness 2"),
             "{e}"
@@ -270,6 +321,8 @@ mod tests {
     fn a_huge_claim_or_an_overflowing_push_is_refused_and_changes_nothing() {
         assert!(check_samples(64, 64).is_ok());
         let e = check_samples(u32::MAX, 64).expect_err("u32::MAX samples");
+        assert!(!e.retry, "{e}");
+        let e = e.reason;
         assert!(e.contains("4294967295 samples") && e.contains("64"), "{e}");
         for ordered in [false, true] {
             let mut acc = Accumulator::new(2, ordered);
@@ -278,11 +331,11 @@ mod tests {
             let e = acc
                 .add(2, 2, 0.5, 0.0, vec![3e38, 1.0])
                 .expect_err("overflow");
-            assert!(e.contains("overflow"), "{e}");
+            assert!(e.reason.contains("overflow") && e.retry, "{e}");
             let e = acc
                 .add(3, u32::MAX, 0.5, 0.0, vec![1e30, 1.0])
                 .expect_err("overflow by weight");
-            assert!(e.contains("overflow"), "{e}");
+            assert!(e.reason.contains("overflow") && e.retry, "{e}");
             let m = acc.take().expect("mean");
             assert_eq!((m.values, m.samples, m.pushes), (vec![1.0, -3.0], 2, 1));
         }

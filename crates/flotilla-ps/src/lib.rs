@@ -4,8 +4,8 @@
 //! it touches anything ([`admit`]), the sample-weighted mean of a round ([`Accumulator`],
 //! summed in child order for sync rounds) and an [`Inbox`] that waits on every child at once.
 //!
-//! `flotilla-train`'s servers and workers (spec models, `strategy/ps/`) and `flotilla-burn`'s
-//! (a user's own burn model, `ps/`) are built on it, so both speak one protocol.
+//! `flotilla-train`'s servers and workers (`strategy/ps/`, for a spec model and a user's burn
+//! module alike) are built on it.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -13,7 +13,7 @@ pub mod aggregate;
 pub mod inbox;
 pub mod protocol;
 
-pub use aggregate::{Accumulator, Admission, Mean, admit, check_samples};
+pub use aggregate::{Accumulator, Admission, Mean, Refusal, admit, check_samples};
 pub use flotilla_group::ProcessGroup;
 pub use inbox::{Event, Inbox};
 pub use protocol::{PsMessage, TAG, encode_params};

@@ -6,7 +6,8 @@
 //! - `Push`: `version: u64, staleness: u32, samples: u32, loss: f32, delta: u8, len: u64,
 //!   len x f32`.
 //! - `Params`: `version: u64, len: u64, len x f32`.
-//! - `Reject` / `Stop` / `Abort`: `len: u32, len bytes of UTF-8 reason`.
+//! - `Reject`: `retry: u8`, then as `Stop`.
+//! - `Stop` / `Abort`: `len: u32, len bytes of UTF-8 reason`.
 //! - `Gather`: `version: u64`.
 
 use flotilla_group::{CommError, Tag};
@@ -53,10 +54,14 @@ pub enum PsMessage {
         /// The flat parameters.
         values: Vec<f32>,
     },
-    /// Parent → child: the last push was refused (and changed nothing); pull and recompute.
+    /// Parent → child: the last push was refused (and changed nothing).
     Reject {
         /// Why.
         reason: String,
+        /// Whether a push computed on newer parameters may be taken (it was stale): pull and
+        /// recompute. `false`: the same refusal would follow every retry (its length, kind or
+        /// claimed samples, values that are not finite in a sync round), so the child stops.
+        retry: bool,
     },
     /// Parent → child: training is over.
     Stop {
@@ -136,11 +141,14 @@ impl PsMessage {
                 out.push(GATHER);
                 out.extend_from_slice(&version.to_le_bytes());
             }
-            PsMessage::Reject { reason }
-            | PsMessage::Stop { reason }
-            | PsMessage::Abort { reason } => {
+            PsMessage::Reject { reason, retry } => {
+                out.push(REJECT);
+                out.push(u8::from(*retry));
+                out.extend_from_slice(&(reason.len() as u32).to_le_bytes());
+                out.extend_from_slice(reason.as_bytes());
+            }
+            PsMessage::Stop { reason } | PsMessage::Abort { reason } => {
                 out.push(match self {
-                    PsMessage::Reject { .. } => REJECT,
                     PsMessage::Stop { .. } => STOP,
                     _ => ABORT,
                 });
@@ -181,10 +189,19 @@ impl PsMessage {
             }
             GATHER => PsMessage::Gather { version: r.u64()? },
             REJECT | STOP | ABORT => {
+                let retry = if kind == REJECT {
+                    match r.u8()? {
+                        0 => false,
+                        1 => true,
+                        other => return Err(r.bad(&format!("a reject's retry flag is {other}"))),
+                    }
+                } else {
+                    false
+                };
                 let len = r.u32()? as usize;
                 let reason = String::from_utf8_lossy(r.take(len)?).into_owned();
                 match kind {
-                    REJECT => PsMessage::Reject { reason },
+                    REJECT => PsMessage::Reject { reason, retry },
                     STOP => PsMessage::Stop { reason },
                     _ => PsMessage::Abort { reason },
                 }
@@ -283,6 +300,11 @@ mod tests {
             },
             PsMessage::Reject {
                 reason: "too stale".into(),
+                retry: true,
+            },
+            PsMessage::Reject {
+                reason: "wrong length".into(),
+                retry: false,
             },
             PsMessage::Stop {
                 reason: "target".into(),
@@ -323,7 +345,8 @@ mod tests {
                 }),
             (any::<u64>(), floats())
                 .prop_map(|(version, values)| PsMessage::Params { version, values }),
-            any::<String>().prop_map(|reason| PsMessage::Reject { reason }),
+            (any::<String>(), any::<bool>())
+                .prop_map(|(reason, retry)| PsMessage::Reject { reason, retry }),
             any::<String>().prop_map(|reason| PsMessage::Stop { reason }),
             any::<String>().prop_map(|reason| PsMessage::Abort { reason }),
             any::<u64>().prop_map(|version| PsMessage::Gather { version }),

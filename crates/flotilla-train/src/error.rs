@@ -39,6 +39,17 @@ pub enum TrainError {
         /// What happened.
         message: String,
     },
+    /// A parameter server refused this rank's push for a reason no retry changes, or refused
+    /// [`crate::strategy::ps::MAX_REFUSED_IN_A_ROW`] retries in a row.
+    #[error("rank {parent} refused this rank's push {how}: {reason}")]
+    PushRefused {
+        /// The server that refused it.
+        parent: usize,
+        /// `for good`, or how many times in a row.
+        how: String,
+        /// The server's reason (the last one's).
+        reason: String,
+    },
     /// A local server's push up stayed unanswered past the deadline.
     #[error("local server: no answer from rank {peer} within {after:?}")]
     ParentSilent {

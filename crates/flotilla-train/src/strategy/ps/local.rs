@@ -13,11 +13,11 @@ use std::time::{Duration, Instant};
 use flotilla_comm::CommError;
 use flotilla_engine::ModelState;
 
-use super::PsContext;
 use super::job::{Announcement, Place};
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
+use super::{PsContext, Refusals};
 use super::{send, send_bytes};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
@@ -25,7 +25,7 @@ use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 use flotilla_ps::PsMessage;
-use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean, Refusal};
 
 /// Local server state.
 pub struct LocalServer {
@@ -45,6 +45,8 @@ pub struct LocalServer {
     acc: Accumulator,
     /// A pull or push up is waiting for the parent's answer, since then.
     outstanding: Option<Instant>,
+    /// The parent's refusals of this server's pushes up in a row.
+    refusals: Refusals,
     pushes_up: u64,
     round_started: Instant,
     stopped: Option<String>,
@@ -114,6 +116,7 @@ impl LocalServer {
             early_pulls: Vec::new(),
             acc: Accumulator::new(len, sync),
             outstanding: None,
+            refusals: Refusals::default(),
             pushes_up: 0,
             round_started: Instant::now(),
             stopped: None,
@@ -199,7 +202,10 @@ impl LocalServer {
 
     fn on_parent(&mut self, cx: &mut PsContext<'_>, msg: PsMessage) -> Result<()> {
         match msg {
-            PsMessage::Params { version, values } => self.on_params(cx, version, values),
+            PsMessage::Params { version, values } => {
+                self.refusals.params();
+                self.on_params(cx, version, values)
+            }
             PsMessage::Stop { reason } => {
                 let stop = PsMessage::Stop {
                     reason: reason.clone(),
@@ -217,7 +223,8 @@ impl LocalServer {
                 self.stopped = Some(reason);
                 Ok(())
             }
-            PsMessage::Reject { reason } => {
+            PsMessage::Reject { reason, retry } => {
+                self.refusals.refused(self.parent, reason.clone(), retry)?;
                 cx.log(&format!(
                     "push rejected by rank {}: {reason}; pulling again",
                     self.parent
@@ -240,7 +247,7 @@ impl LocalServer {
     /// round is complete (sync) or the parent is free (async).
     pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
         let Some(current) = self.params.as_ref().map(|p| p.version) else {
-            return reject(cx, child, "no parameters yet: pull first");
+            return reject(cx, child, &Refusal::retry("no parameters yet: pull first"));
         };
         let check = PushCheck {
             admission: self.admission,
@@ -330,7 +337,7 @@ impl ServerMachine for LocalServer {
                 message: e.to_string(),
             });
         }
-        reject(cx, from, &e.to_string())
+        reject(cx, from, &Refusal::lasting(e.to_string()))
     }
 
     /// An async local server goes on without a child that failed, as without a lost one.

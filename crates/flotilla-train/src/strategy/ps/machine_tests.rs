@@ -97,24 +97,30 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
     let mut s = root(w.pop().expect("server"), true, None);
     let p0 = s.params();
-    let rejected = |w: &Arc<dyn ProcessGroup>, what: &str| match next(w, 0) {
-        Some(PsMessage::Reject { reason }) => assert!(reason.contains(what), "{reason}"),
+    // Whether the worker may retry: only when a later push can be taken.
+    let rejected = |w: &Arc<dyn ProcessGroup>, what: &str, may: bool| match next(w, 0) {
+        Some(PsMessage::Reject { reason, retry }) => {
+            assert!(
+                reason.contains(what) && retry == may,
+                "{reason} (retry {retry})"
+            )
+        }
         other => panic!("expected a reject about {what:?}, got {other:?}"),
     };
 
     w1.send(0, TAG, &push(5, 1, 1.0, N)).expect("send");
     s.try_step(WAIT).expect("future version");
-    rejected(&w1, "version 5");
+    rejected(&w1, "version 5", false);
     w1.send(0, TAG, &push(0, 1, 1.0, N - 1)).expect("send");
     s.try_step(WAIT).expect("wrong length");
-    rejected(&w1, &format!("{} values", N - 1));
+    rejected(&w1, &format!("{} values", N - 1), false);
     w1.send(0, TAG, &[PsMessage::Pull.encode(), vec![1, 2, 3]].concat())
         .expect("send");
     s.try_step(WAIT).expect("malformed");
-    assert!(matches!(next(&w1, 0), Some(PsMessage::Reject { .. })));
+    rejected(&w1, "trailing bytes", false);
     w1.send(0, TAG, &push(0, 1, f32::NAN, N)).expect("send");
     s.try_step(WAIT).expect("nan");
-    rejected(&w1, "non-finite");
+    rejected(&w1, "non-finite", true);
     assert_eq!(
         (s.machine.version(), s.params()),
         (0, p0.clone()),
@@ -126,7 +132,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     s.try_step(WAIT).expect("push");
     w1.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     s.try_step(WAIT).expect("second push");
-    rejected(&w1, "second push");
+    rejected(&w1, "second push", true);
     // The round completes with w2, on w1's first push only: mean (1 + 3) / 2 = 2.
     w2.send(0, TAG, &push(0, 1, 3.0, N)).expect("send");
     s.try_step(WAIT).expect("round");
@@ -136,7 +142,7 @@ fn stale_duplicate_malformed_and_wrong_length_pushes_change_nothing() {
     let _ = (next(&w1, 0), next(&w2, 0));
     w2.send(0, TAG, &push(0, 1, 3.0, N)).expect("send");
     s.try_step(WAIT).expect("stale");
-    rejected(&w2, "version 0");
+    rejected(&w2, "version 0", true);
     assert_eq!(s.machine.version(), 1);
 }
 
@@ -182,8 +188,8 @@ fn an_async_server_applies_each_push_answers_its_sender_and_survives_a_lost_chil
     w2.send(0, TAG, &push(0, 1, 1.0, N)).expect("send");
     s.try_step(WAIT).expect("too stale");
     match next(&w2, 0) {
-        Some(PsMessage::Reject { reason }) => {
-            assert!(reason.contains("max_staleness 1"), "{reason}")
+        Some(PsMessage::Reject { reason, retry }) => {
+            assert!(reason.contains("max_staleness 1") && retry, "{reason}")
         }
         other => panic!("{other:?}"),
     }
@@ -307,17 +313,22 @@ fn an_overweight_or_overflowing_push_is_refused_to_its_worker_and_changes_nothin
         let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
         let mut s = root(w.pop().expect("server"), sync, None);
         let p0 = s.params();
-        let refused = |w: &Arc<dyn ProcessGroup>, what: &str| match next(w, 0) {
-            Some(PsMessage::Reject { reason }) => assert!(reason.contains(what), "{reason}"),
+        let refused = |w: &Arc<dyn ProcessGroup>, what: &str, may: bool| match next(w, 0) {
+            Some(PsMessage::Reject { reason, retry }) => {
+                assert!(
+                    reason.contains(what) && retry == may,
+                    "{reason} (retry {retry})"
+                )
+            }
             other => panic!("expected a refusal about {what:?}, got {other:?}"),
         };
-        // The configured batch is 64 samples, one local step.
+        // The configured batch is 64 samples, one local step: no retry claims fewer.
         w1.send(0, TAG, &push(0, u32::MAX, 1.0, N)).expect("send");
         s.try_step(WAIT).expect("overweight");
-        refused(&w1, "claims 4294967295 samples, more than the 64");
+        refused(&w1, "claims 4294967295 samples, more than the 64", false);
         w2.send(0, TAG, &push(0, 2, 3e38, N)).expect("send");
         s.try_step(WAIT).expect("overflowing");
-        refused(&w2, "overflow");
+        refused(&w2, "overflow", true);
         assert_eq!((s.machine.version(), s.params()), (0, p0.clone()));
         // Each push alone is fine; together they would overflow the round's sum.
         w1.send(0, TAG, &push(0, 64, 2e36, N)).expect("send");
@@ -325,7 +336,7 @@ fn an_overweight_or_overflowing_push_is_refused_to_its_worker_and_changes_nothin
         if sync {
             w2.send(0, TAG, &push(0, 64, -2e36, N)).expect("send");
             s.try_step(WAIT).expect("a second large push");
-            refused(&w2, "overflow");
+            refused(&w2, "overflow", true);
             assert_eq!((s.machine.version(), s.params()), (0, p0.clone()));
         } else {
             // Alone it is applied: finite parameters.
@@ -345,8 +356,86 @@ fn an_overweight_or_overflowing_push_is_refused_to_its_worker_and_changes_nothin
     s.try_step(WAIT)
         .expect("a push that overflows the parameters");
     match next(&w1, 0) {
-        Some(PsMessage::Reject { reason }) => assert!(reason.contains("non-finite"), "{reason}"),
+        Some(PsMessage::Reject { reason, retry }) => {
+            assert!(reason.contains("non-finite") && retry, "{reason}")
+        }
         other => panic!("expected a refusal, got {other:?}"),
     }
     assert_eq!((s.machine.version(), s.params()), (0, p0));
+}
+
+/// A worker told its push will never be taken (its claim, length or kind) stops at once,
+/// naming its server and the reason; one whose pushes are refused [`MAX_REFUSED_IN_A_ROW`]
+/// times in a row (stale, or not finite, each time) stops too. Before, it pulled and pushed
+/// again without end.
+#[test]
+fn a_worker_stops_on_a_refusal_no_retry_changes_or_on_too_many_in_a_row() {
+    use super::MAX_REFUSED_IN_A_ROW;
+    use super::worker::Worker;
+    use crate::strategy::Strategy;
+    use crate::testkit::{Rank, batches, dataset};
+
+    for (retry, refusals) in [(false, 1), (true, MAX_REFUSED_IN_A_ROW)] {
+        let mut w = world(3);
+        let _w2 = w.pop().expect("w2");
+        let (w1, server) = (w.pop().expect("w1"), w.pop().expect("server"));
+        let config = job(|t| flat(t, Aggregation::Sync, 1));
+        let topology = config.topology().expect("topology");
+        let worker = std::thread::spawn(move || {
+            let mut rank = Rank::new(w1, config, 64);
+            let mut worker = rank.build(&topology, Worker::build);
+            let mut data = batches(&dataset(64), 2, 0);
+            worker.start(&mut rank.cx()).expect("start");
+            let mut done = 0;
+            loop {
+                match worker.step(&mut rank.cx(), &mut data, done) {
+                    Ok(_) => done += 1,
+                    Err(e) => return (e, done),
+                }
+            }
+        });
+        let mut answered = 0;
+        let params = flotilla_ps::encode_params(0, &[0.0; N]);
+        // Bounded: a worker that pushes past the refusals that must stop it ends the test.
+        while answered <= refusals + 2
+            && let Some(msg) = next_within(&server, 1, Duration::from_secs(5))
+        {
+            match msg {
+                PsMessage::Pull => server.send(1, TAG, &params).expect("params"),
+                PsMessage::Push { .. } => {
+                    answered += 1;
+                    let reject = PsMessage::Reject {
+                        reason: format!("refusal {answered}"),
+                        retry,
+                    };
+                    server.send(1, TAG, &reject.encode()).expect("reject");
+                }
+                // The worker's failure, told to its server.
+                PsMessage::Abort { reason } => {
+                    assert!(reason.contains(&format!("refusal {answered}")), "{reason}");
+                    break;
+                }
+                other => panic!("a worker sent {other:?}"),
+            }
+        }
+        drop(server);
+        let (e, done) = worker.join().expect("worker thread");
+        // A refusal is read at the next round's pull, after the step that pushed.
+        assert_eq!((answered, done), (refusals, u64::from(refusals)), "{e}");
+        let how = if retry {
+            format!("{refusals} times in a row (the last)")
+        } else {
+            "for good".into()
+        };
+        assert_eq!(
+            e.to_string(),
+            format!("rank 0 refused this rank's push {how}: refusal {refusals}")
+        );
+    }
+}
+
+/// Receives the next message from `from` at `me`, or `None` within `wait`.
+fn next_within(me: &Arc<dyn ProcessGroup>, from: usize, wait: Duration) -> Option<PsMessage> {
+    let b = me.recv(from, TAG, Instant::now() + wait).ok()?;
+    Some(PsMessage::decode(&b, from).expect("decodes"))
 }

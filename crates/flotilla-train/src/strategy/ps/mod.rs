@@ -6,7 +6,7 @@
 //! the [`flotilla_cluster::Topology`]. Roles talk by [`flotilla_ps::PsMessage`]s, point to
 //! point under [`flotilla_ps::TAG`]; every message carries the parameter version it
 //! refers to, and every wait has the run's deadline. The protocol, push admission,
-//! aggregation and inbox live in `flotilla-ps`, shared with `flotilla-burn`'s servers.
+//! aggregation and inbox live in `flotilla-ps`.
 
 pub mod job;
 pub mod local;
@@ -73,6 +73,49 @@ pub fn abort_peers(
         let _ = send_bytes(comm, p, &bytes);
     }
     e
+}
+
+/// Refusals in a row after which a worker or local server stops pushing, naming the last
+/// reason: a push refused that often (stale each time, or not finite on batch after batch)
+/// will not be taken.
+pub const MAX_REFUSED_IN_A_ROW: u32 = 100;
+
+/// A child's count of its parent's refusals in a row.
+#[derive(Debug, Default)]
+pub(crate) struct Refusals {
+    in_a_row: u32,
+    /// A refusal was answered with a pull, whose parameters do not mean a push was taken.
+    pulled_again: bool,
+}
+
+impl Refusals {
+    /// Takes `parent`'s refusal of this rank's push: `Ok` to pull and push again, or the
+    /// error that ends this rank (a refusal no retry changes, or too many in a row).
+    pub(crate) fn refused(&mut self, parent: usize, reason: String, retry: bool) -> Result<()> {
+        self.in_a_row += 1;
+        self.pulled_again = true;
+        let how = if !retry {
+            "for good".to_string()
+        } else if self.in_a_row >= MAX_REFUSED_IN_A_ROW {
+            format!("{} times in a row (the last)", self.in_a_row)
+        } else {
+            return Ok(());
+        };
+        Err(TrainError::PushRefused {
+            parent,
+            how,
+            reason,
+        })
+    }
+
+    /// Parameters came: the answer to the pull after a refusal, or to a push that was
+    /// taken (which ends a run of refusals).
+    pub(crate) fn params(&mut self) {
+        if std::mem::take(&mut self.pulled_again) {
+            return;
+        }
+        self.in_a_row = 0;
+    }
 }
 
 /// The error of a rank whose peer `from` failed with `reason` (a [`PsMessage::Abort`]).

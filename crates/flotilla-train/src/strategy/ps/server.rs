@@ -12,7 +12,8 @@ use flotilla_engine::Engine;
 use super::{PsContext, send};
 use crate::error::{Result, TrainError};
 use flotilla_ps::{
-    Accumulator, Admission, Event, Inbox, Mean, PsMessage, admit, check_samples, encode_params,
+    Accumulator, Admission, Event, Inbox, Mean, PsMessage, Refusal, admit, check_samples,
+    encode_params,
 };
 
 /// `1, 2, 3`.
@@ -292,7 +293,9 @@ impl PushCheck<'_> {
             &values,
         )
         .and_then(|s| match self.sync_pending {
-            Some(p) if !p.contains(&child) => Err("a second push in the same sync round".into()),
+            Some(p) if !p.contains(&child) => {
+                Err(Refusal::retry("a second push in the same sync round"))
+            }
             _ => Ok(s + u64::from(below)),
         })
         .and_then(|s| check_samples(samples, self.max_samples).map(|()| s))
@@ -311,13 +314,15 @@ impl PushCheck<'_> {
 }
 
 /// Handles a push that [`admit`] refused: logged, answered with `Reject`, nothing changed.
-pub(crate) fn reject(ctx: &mut PsContext<'_>, child: usize, reason: &str) -> Result<()> {
-    ctx.log(&format!("rejected push from rank {child}: {reason}"))?;
+pub(crate) fn reject(ctx: &mut PsContext<'_>, child: usize, refusal: &Refusal) -> Result<()> {
+    let then = if refusal.retry { "" } else { " (for good)" };
+    ctx.log(&format!("rejected push from rank {child}{then}: {refusal}"))?;
     send(
         ctx.comm,
         child,
         &PsMessage::Reject {
-            reason: reason.to_string(),
+            reason: refusal.reason.clone(),
+            retry: refusal.retry,
         },
     )
 }

@@ -27,7 +27,7 @@ use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reje
 use super::{send, send_bytes};
 use flotilla_cluster::RoleKind;
 use flotilla_ps::PsMessage;
-use flotilla_ps::{Accumulator, Admission, Inbox, Mean};
+use flotilla_ps::{Accumulator, Admission, Inbox, Mean, Refusal};
 
 use super::job::{Announcement, Place};
 use crate::batches::Batches;
@@ -313,8 +313,9 @@ impl ShardServer {
         if let Some(reason) = refused {
             // Nothing applied: the round's pushes (or the one push) are refused, and their
             // senders pull and push again on the same version.
+            let refusal = Refusal::retry(reason);
             for &c in &targets {
-                reject(cx, c, &reason)?;
+                reject(cx, c, &refusal)?;
             }
             return Ok(());
         }
@@ -536,7 +537,7 @@ impl ServerMachine for ShardServer {
                 message: e.to_string(),
             });
         }
-        reject(cx, from, &e.to_string())
+        reject(cx, from, &Refusal::lasting(e.to_string()))
     }
 
     /// An async server goes on without a child that failed, as without a lost one.

@@ -10,7 +10,7 @@ use flotilla_comm::CommError;
 use flotilla_engine::{Engine, ModelState, ParamLayout};
 
 use super::job::{Announcement, Place};
-use super::{PsContext, send};
+use super::{PsContext, Refusals, send};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
@@ -46,6 +46,8 @@ pub struct Worker {
     timeout: Duration,
     /// The first parameters were pulled (and their versions logged).
     pulled: bool,
+    /// Each parent's refusals of this worker's pushes in a row.
+    refusals: Vec<Refusals>,
     /// What it says when it starts.
     announcement: Announcement,
     /// How the run counts its rounds, and this worker's shard of the data.
@@ -118,6 +120,7 @@ impl Worker {
             wait: Duration::ZERO,
             timeout,
             pulled: false,
+            refusals: parents.iter().map(|_| Refusals::default()).collect(),
         })
     }
 
@@ -156,11 +159,13 @@ impl Worker {
                         }
                         self.params[range].copy_from_slice(&values);
                         self.versions[i] = version;
+                        self.refusals[i].params();
                         break;
                     }
                     PsMessage::Stop { reason } => return Ok(Pulled::Stop(reason)),
                     PsMessage::Abort { reason } => return Err(super::aborted_by(parent, &reason)),
-                    PsMessage::Reject { reason } => {
+                    PsMessage::Reject { reason, retry } => {
+                        self.refusals[i].refused(parent, reason.clone(), retry)?;
                         cx.log(&format!(
                             "push rejected by rank {parent}: {reason}; pulling again"
                         ))?;
