@@ -170,17 +170,17 @@ fn launch() -> Result<()> {
         .port();
     let exe = std::env::current_exe()?;
     // Every connection between the ranks proves a secret: the user's, or one for this run.
-    let secret = match flotilla_comm::Secret::from_env()? {
+    let secret = match flotilla_tcp::Secret::from_env()? {
         Some(_) => None,
         None => {
-            Some(String::from_utf8_lossy(flotilla_comm::Secret::generate().bytes()).into_owned())
+            Some(String::from_utf8_lossy(flotilla_tcp::Secret::generate().bytes()).into_owned())
         }
     };
     let mut children: Vec<Child> = (0..world)
         .map(|rank| {
             let mut cmd = Command::new(&exe);
             if let Some(s) = &secret {
-                cmd.env(flotilla_comm::SECRET_ENV, s);
+                cmd.env(flotilla_tcp::SECRET_ENV, s);
             }
             cmd.env("RANK", rank.to_string())
                 .env("WORLD_SIZE", world.to_string())

@@ -3,7 +3,7 @@
 //! encode → decode; an arbitrary announcement survives encode → decode.
 #![no_main]
 
-use flotilla_group::cycle::negotiate::Announce;
+use flotilla_train::strategy::allreduce::cycle::negotiate::Announce;
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 

@@ -5,5 +5,5 @@
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
-    flotilla_comm::fuzzing::ctrl(data);
+    flotilla_tcp::fuzzing::ctrl(data);
 });

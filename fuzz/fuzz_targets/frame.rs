@@ -8,8 +8,8 @@ use std::future::Future;
 use std::pin::pin;
 use std::task::{Context, Poll, Waker};
 
-use flotilla_comm::PeerName;
-use flotilla_comm::frame::{self, FrameHeader, HEADER_LEN, flags};
+use flotilla_tcp::PeerName;
+use flotilla_tcp::frame::{self, FrameHeader, HEADER_LEN, flags};
 use libfuzzer_sys::arbitrary::{Result, Unstructured};
 use libfuzzer_sys::fuzz_target;
 

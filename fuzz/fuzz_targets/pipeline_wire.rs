@@ -4,7 +4,7 @@
 //! either kind re-encodes to the same bytes.
 #![no_main]
 
-use flotilla_comm::pipeline::wire;
+use flotilla_tcp::pipeline::wire;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

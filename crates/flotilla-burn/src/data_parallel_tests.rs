@@ -11,10 +11,10 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use flotilla_comm::{CommConfig, Communicator};
 use flotilla_engine::ParamLayout;
 use flotilla_engine::any_module::read_params;
 use flotilla_group::ProcessGroup;
+use flotilla_tcp::{CommConfig, TcpGroup};
 
 use crate::{DataParallel, DistError};
 
@@ -59,7 +59,7 @@ pub(crate) fn net(rank: u64, width: usize) -> Net {
 }
 
 pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
-    Communicator::in_memory(
+    TcpGroup::in_memory(
         n,
         CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(10)),
     )

@@ -9,10 +9,10 @@ use burn::nn::{BatchNorm, BatchNormConfig, Linear, LinearConfig};
 use burn::optim::{GradientsParams, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
-use flotilla_comm::{CommConfig, Communicator};
 use flotilla_engine::ParamLayout;
 use flotilla_engine::any_module::{buffer_layout, read_buffers, read_params};
 use flotilla_group::ProcessGroup;
+use flotilla_tcp::{CommConfig, TcpGroup};
 
 use crate::{BatchNormSync, DataParallel, SyncBatchNorm, batch_norm_sync};
 
@@ -120,7 +120,7 @@ fn rank(group: Arc<dyn ProcessGroup>, sync: bool) -> Vec<f32> {
     let mut m = synced(&stats);
     if !sync {
         // The control: the same loop with each rank's own statistics.
-        let solo = Communicator::in_memory(1, CommConfig::new(Some(0), 1)).expect("solo");
+        let solo = TcpGroup::in_memory(1, CommConfig::new(Some(0), 1)).expect("solo");
         let solo: Arc<dyn ProcessGroup> = Arc::new(solo.into_iter().next().expect("one"));
         m.norm = SyncBatchNorm::new(
             &BatchNormConfig::new(6),
@@ -144,7 +144,7 @@ fn rank(group: Arc<dyn ProcessGroup>, sync: bool) -> Vec<f32> {
 }
 
 fn two_ranks(sync: bool) -> Vec<Vec<f32>> {
-    let groups: Vec<Arc<dyn ProcessGroup>> = Communicator::in_memory(
+    let groups: Vec<Arc<dyn ProcessGroup>> = TcpGroup::in_memory(
         2,
         CommConfig::new(Some(0), 2).with_timeout(Duration::from_secs(10)),
     )

@@ -1,9 +1,9 @@
 //! The process-group interface every strategy talks to.
 //!
 //! A [`ProcessGroup`] is a set of ranks that run collectives together and exchange tagged
-//! point-to-point messages. The TCP `flotilla_comm::Communicator` implements it over real
+//! point-to-point messages. The TCP `flotilla_tcp::TcpGroup` implements it over real
 //! connections (or over in-memory links between threads, for unit tests:
-//! `flotilla_comm::Communicator::in_memory`); `flotilla_mpi::MpiGroup` implements it over MPI. Strategies
+//! `flotilla_tcp::TcpGroup::in_memory`); `flotilla_mpi::MpiGroup` implements it over MPI. Strategies
 //! and servers hold an `Arc<dyn ProcessGroup>` and never see the transport.
 //!
 //! # Ranks
@@ -41,16 +41,16 @@ pub struct CommStats {
     pub frames_sent: u64,
     /// Frames read.
     pub frames_received: u64,
-    /// Frames written LZ4-compressed (`flotilla_comm::Compression::Lz4`: data frames of at
-    /// least `flotilla_comm::frame::MIN_COMPRESS_BYTES` that LZ4 made smaller); 0 without
+    /// Frames written LZ4-compressed (`flotilla_tcp::Compression::Lz4`: data frames of at
+    /// least `flotilla_tcp::frame::MIN_COMPRESS_BYTES` that LZ4 made smaller); 0 without
     /// compression.
     pub frames_compressed: u64,
     /// Collectives issued so far in all groups (blocking and asynchronous).
     pub collectives: u64,
-    /// Bytes this rank copied into shared-memory segments (`flotilla_comm`'s transport
+    /// Bytes this rank copied into shared-memory segments (`flotilla_tcp`'s transport
     /// between ranks of one host; 0 for other backends).
     pub shm_bytes: u64,
-    /// The part of `bytes_sent` written to ranks on another host (`flotilla_comm`, by the
+    /// The part of `bytes_sent` written to ranks on another host (`flotilla_tcp`, by the
     /// rendezvous' host keys): the traffic that crosses the network. 0 for other backends.
     pub bytes_sent_inter_host: u64,
 }
@@ -273,7 +273,7 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     fn group(&self, ranks: &[usize]) -> Result<Arc<dyn ProcessGroup>, CommError>;
 
     /// How many times group rank `rank` rejoined the running job after its connection was
-    /// lost (a replaced worker; see `flotilla_comm::Rejoin`): a receiver that gave the
+    /// lost (a replaced worker; see `flotilla_tcp::Rejoin`): a receiver that gave the
     /// rank up listens to it again when this grows. The default: ranks never rejoin.
     fn rejoins(&self, rank: usize) -> u64 {
         let _ = rank;

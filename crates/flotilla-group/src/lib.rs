@@ -6,7 +6,7 @@
 //! gets the rest, written once here: `recv` and `recv_any` over its mailbox, `split` over
 //! an all-gather and its new-group hook, `all_gather_u64`, `all_reduce_bucket`, and
 //! defaults for rejoins, activity and abort. Two backends exist:
-//! the TCP transport (`flotilla_comm::Communicator`, also over in-memory links) and MPI
+//! the TCP transport (`flotilla_tcp::TcpGroup`, also over in-memory links) and MPI
 //! (`flotilla_mpi::MpiGroup`). This crate moves `&mut [f32]` and bytes and knows nothing of
 //! sockets, TLS or async runtimes.
 //!
@@ -17,10 +17,9 @@
 //! * What backends share: [`Mailbox`] (tagged messages by group, sender and tag, with
 //!   deadlines), [`Members`] (group and world ranks, the checks on ranks given) and
 //!   [`subgroup`] (the `(color, key)` exchange of `split` and the new group's order).
-//! * Built on the interface alone, so every backend has them: [`CycleReducer`], the
-//!   asynchronous all-reduce's background cycle (tensors submitted by name, agreed ready on
-//!   every rank by a bit-set all-gather each cycle, fused and reduced); the stall inspector
-//!   ([`stall`]: names tensors or collectives some ranks never start, [`StallWatcher`]); and
+//! * Built on the interface alone, so every backend has them: the stall inspector
+//!   ([`stall`]: names tensors or collectives some ranks never start, [`StallWatcher`], and
+//!   the report that the asynchronous all-reduce's cycle, in `flotilla-train`, feeds); and
 //!   [`bench`](mod@bench), the all-reduce benchmark behind `flotilla bench allreduce`.
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`].
@@ -28,7 +27,6 @@
 #![warn(missing_docs)]
 
 pub mod bench;
-pub mod cycle;
 mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -42,7 +40,6 @@ pub mod stall;
 pub mod subgroup;
 mod tls_error;
 
-pub use cycle::{CycleConfig, CycleReducer, CycleStats, WeightHistory};
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
 pub use mailbox::{DEFAULT_MAX_QUEUED_BYTES, MESSAGE_OVERHEAD, Mailbox, Taken};

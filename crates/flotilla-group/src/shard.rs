@@ -1,6 +1,6 @@
 //! Where a flat buffer splits over a group's ranks: the ring's segments, and which rank owns
 //! which one after a reduce-scatter. Defined once here, so that the TCP ring
-//! (`flotilla-comm`), the MPI backend and sharded training (ZeRO) cut the same boundaries.
+//! (`flotilla-tcp`), the MPI backend and sharded training (ZeRO) cut the same boundaries.
 //!
 //! A buffer of `len` values splits into `n` contiguous [`segment`]s whose sizes differ by at
 //! most one (the first ones may be shorter). The ring all-reduce reduces segment `s` starting

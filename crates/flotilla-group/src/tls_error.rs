@@ -1,5 +1,5 @@
 //! [`TlsError`]: why a rank's TLS files could not be used. The files and the rustls
-//! configurations are the TCP transport's (`flotilla_comm::tls`); the error lives here because
+//! configurations are the TCP transport's (`flotilla_tcp::tls`); the error lives here because
 //! [`crate::CommError::Tls`] carries it.
 
 use std::io;

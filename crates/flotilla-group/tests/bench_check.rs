@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use flotilla_comm::{CommConfig, Communicator, Transport, WireFormat};
 use flotilla_group::ProcessGroup;
 use flotilla_group::bench::{BenchOptions, measure_allreduce};
+use flotilla_tcp::{CommConfig, TcpGroup, Transport, WireFormat};
 
 fn opts(bytes: usize, exact_bits: u32) -> BenchOptions {
     BenchOptions {
@@ -27,8 +27,8 @@ where
     F: Fn(&dyn ProcessGroup) -> Result<(), String> + Send + Sync + 'static,
 {
     let body = Arc::new(body);
-    let comms = Communicator::in_memory(n, cfg.with_timeout(Duration::from_secs(10)))
-        .expect("in-memory world");
+    let comms =
+        TcpGroup::in_memory(n, cfg.with_timeout(Duration::from_secs(10))).expect("in-memory world");
     let handles: Vec<_> = comms
         .into_iter()
         .map(|c| {

@@ -38,7 +38,7 @@ pub struct NcclConfig {
 /// # fn control() -> std::sync::Arc<dyn flotilla_group::ProcessGroup> { unimplemented!() }
 /// use flotilla_group::ProcessGroup;
 /// use flotilla_nccl::{NcclConfig, NcclGroup};
-/// let tcp = control(); // e.g. flotilla_comm::Communicator::connect(..)
+/// let tcp = control(); // e.g. flotilla_tcp::TcpGroup::connect(..)
 /// let cfg = NcclConfig { device: 0, timeout: std::time::Duration::from_secs(60) };
 /// let world = NcclGroup::over(tcp, cfg)?;
 /// let mut grads = vec![1.0f32; 1024];

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use flotilla_comm::{Communicator, ProcessGroup, Rejoin};
+use flotilla_tcp::{ProcessGroup, Rejoin, TcpGroup};
 
 use crate::config::{Backend, TrainConfig};
 use crate::error::{Result, TrainError};
@@ -27,7 +27,7 @@ pub fn connect(
             let mut cfg = config.comm_config(rank, hash, world)?;
             cfg.rejoin = rejoin;
             cfg.rejoin_links = links;
-            Ok(Arc::new(Communicator::connect(cfg)?))
+            Ok(Arc::new(TcpGroup::connect(cfg)?))
         }
         Backend::Mpi if rejoin == Rejoin::Join => Err(TrainError::config(
             crate::rejoin::REJOIN_ENV,
@@ -39,7 +39,7 @@ pub fn connect(
             "an NCCL job cannot take a replaced rank back (restart the whole job)",
         )),
         Backend::Nccl => {
-            let tcp = Communicator::connect(config.comm_config(rank, hash, world)?)?;
+            let tcp = TcpGroup::connect(config.comm_config(rank, hash, world)?)?;
             connect_nccl(config, Arc::new(tcp))
         }
     }

@@ -18,7 +18,7 @@ pub enum TrainError {
     Engine(#[from] flotilla_engine::EngineError),
     /// Communication with other ranks failed.
     #[error(transparent)]
-    Comm(#[from] flotilla_comm::CommError),
+    Comm(#[from] flotilla_tcp::CommError),
     /// The data set could not be read.
     #[error(transparent)]
     Data(#[from] flotilla_data::DataError),
@@ -110,7 +110,7 @@ impl TrainError {
     /// or misbehaving one: a rank that only waited too long for its parent must not fail
     /// that parent, which is itself waiting for the rank at fault and will name it.
     pub fn is_deadline(&self) -> bool {
-        use flotilla_comm::CommError;
+        use flotilla_tcp::CommError;
         matches!(
             self,
             TrainError::Comm(

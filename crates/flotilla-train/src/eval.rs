@@ -1,9 +1,9 @@
 //! Evaluating a model on the test (or validation) set of any [`Samples`] (by one rank, or split across a group), and checking
 //! that every rank of a group holds the same parameters.
 
-use flotilla_comm::ProcessGroup;
 use flotilla_data::Samples;
 use flotilla_engine::{Engine, EvalStats, ModelState};
+use flotilla_tcp::ProcessGroup;
 
 use crate::error::{Result, TrainError};
 

@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommError, ProcessGroup, Tag, tags};
+use flotilla_tcp::{CommError, ProcessGroup, Tag, tags};
 
 use crate::history::RankReport;
 
@@ -72,7 +72,7 @@ pub fn to_root(comm: &dyn ProcessGroup, mine: RankReport, timeout: Duration) -> 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use flotilla_comm::{CommConfig, Communicator};
+    use flotilla_tcp::{CommConfig, TcpGroup};
     use std::sync::Arc;
 
     fn report(rank: usize) -> RankReport {
@@ -90,7 +90,7 @@ mod tests {
     #[test]
     fn rank_0_gets_every_report_and_names_a_lost_rank() {
         let cfg = CommConfig::default().with_timeout(Duration::from_secs(5));
-        let mut comms: Vec<Arc<Communicator>> = Communicator::in_memory(4, cfg)
+        let mut comms: Vec<Arc<TcpGroup>> = TcpGroup::in_memory(4, cfg)
             .expect("world")
             .into_iter()
             .map(Arc::new)

@@ -3,7 +3,7 @@
 //! and run logs.
 //!
 //! Strategies talk to the engine through [`flotilla_engine::Engine`] (flat buffers) and to the
-//! other ranks through a [`flotilla_comm::ProcessGroup`]; they never see sockets.
+//! other ranks through a [`flotilla_tcp::ProcessGroup`]; they never see sockets.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 

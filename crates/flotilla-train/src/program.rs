@@ -9,7 +9,7 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use flotilla_comm::{ProcessGroup, Rejoin};
+use flotilla_tcp::{ProcessGroup, Rejoin};
 
 use crate::config::TrainConfig;
 use crate::config::sources::Sources;
@@ -101,9 +101,9 @@ mod tests {
             ("10.0.0.7", 29555)
         );
         assert_eq!(comm.timeout, std::time::Duration::from_millis(7500));
-        assert_eq!(comm.transport, flotilla_comm::Transport::Tcp);
-        assert_eq!(comm.compression, flotilla_comm::Compression::Lz4);
-        assert_eq!(comm.wire_format, flotilla_comm::WireFormat::Bf16);
+        assert_eq!(comm.transport, flotilla_tcp::Transport::Tcp);
+        assert_eq!(comm.compression, flotilla_tcp::Compression::Lz4);
+        assert_eq!(comm.wire_format, flotilla_tcp::WireFormat::Bf16);
         assert_eq!(comm.small_all_reduce_bytes, 64 << 10);
         assert_eq!(comm.chunk_bytes, 128 << 10);
         assert_eq!(comm.shm_chunk_bytes, 256 << 10);
@@ -150,10 +150,6 @@ mod tests {
         ]))
         .expect("settings");
         assert_eq!(c.comm.timeout_s, 4.0, "the environment wins");
-        assert_eq!(
-            c.comm.transport,
-            flotilla_comm::Transport::Shm,
-            "the file's"
-        );
+        assert_eq!(c.comm.transport, flotilla_tcp::Transport::Shm, "the file's");
     }
 }

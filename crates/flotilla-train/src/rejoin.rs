@@ -10,7 +10,7 @@
 //! else's hands.
 
 use flotilla_cluster::{Aggregation, RoleKind, Topology};
-use flotilla_comm::Rejoin;
+use flotilla_tcp::Rejoin;
 
 use crate::error::{Result, TrainError};
 

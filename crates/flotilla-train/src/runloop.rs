@@ -145,7 +145,7 @@ pub fn run(
 
 /// The step's metrics (Prometheus, when an exporter is installed) and the traffic counters of
 /// the timeline.
-fn record_step(step: &Step, seconds: f64, comm: &dyn flotilla_comm::ProcessGroup) {
+fn record_step(step: &Step, seconds: f64, comm: &dyn flotilla_tcp::ProcessGroup) {
     if !step.progressed {
         return;
     }

@@ -11,11 +11,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use flotilla_cluster::Topology;
-use flotilla_comm::{CommConfig, Communicator, ProcessGroup};
 use flotilla_data::{ImageDataset, Normalization};
 use flotilla_engine::{
     BatchRef, BurnEngine, DecayParams, Engine, ModelSpec, ModelState, OptimizerSpec,
 };
+use flotilla_tcp::{CommConfig, ProcessGroup, TcpGroup};
 
 use crate::batches::{Batches, Position};
 use crate::config::{LrSchedule, TrainConfig};
@@ -83,7 +83,7 @@ pub(crate) fn world(n: usize) -> Vec<Arc<dyn ProcessGroup>> {
 
 /// `n` ranks of one in-memory world of `cfg` (with a 5 s deadline).
 pub(crate) fn world_with(n: usize, cfg: CommConfig) -> Vec<Arc<dyn ProcessGroup>> {
-    Communicator::in_memory(n, cfg.with_timeout(Duration::from_secs(5)))
+    TcpGroup::in_memory(n, cfg.with_timeout(Duration::from_secs(5)))
         .expect("world")
         .into_iter()
         .map(|c| Arc::new(c) as Arc<dyn ProcessGroup>)

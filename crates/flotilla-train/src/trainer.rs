@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_cluster::Topology;
-use flotilla_comm::{ProcessGroup, StallWatcher};
 use flotilla_data::Samples;
+use flotilla_tcp::{ProcessGroup, StallWatcher};
 
 use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
@@ -151,7 +151,7 @@ pub fn run(
     log.line(&up)?;
 
     let data = crate::job_data::JobData::load(config, model)?;
-    if rejoin == flotilla_comm::Rejoin::Join {
+    if rejoin == flotilla_tcp::Rejoin::Join {
         let note = format!(
             "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
         );
@@ -166,7 +166,7 @@ pub fn run(
         hash,
         train: Arc::clone(&data.train),
         started,
-        rejoined: rejoin == flotilla_comm::Rejoin::Join,
+        rejoined: rejoin == flotilla_tcp::Rejoin::Join,
         // The root's momentum when its updates are stale, for the advice of every rank.
         async_momentum: crate::strategy::ps::staleness::for_job(config, &topology, rank)
             .root_async_momentum,

@@ -11,7 +11,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
-use flotilla_comm::{SECRET_FILE_ENV, Secret};
+use flotilla_tcp::{SECRET_FILE_ENV, Secret};
 use flotilla_train::TrainConfig;
 
 /// A job's secret, and the private directory of the one the launcher made (removed on drop).

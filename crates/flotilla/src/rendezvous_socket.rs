@@ -1,7 +1,7 @@
 //! The job's rendezvous port, owned from the moment it is published. The launcher of a local
 //! job binds rank 0's listening socket itself (on the job's address, at the port asked for or
 //! one the system picks) and hands it to rank 0 across `exec`
-//! ([`flotilla_comm::LISTEN_FD_ENV`]): no other local process can take the port between the
+//! ([`flotilla_tcp::LISTEN_FD_ENV`]): no other local process can take the port between the
 //! launcher's choice and rank 0's start and pose as rank 0, as it could when the launcher
 //! found a free port, released it and let rank 0 bind it later.
 
@@ -11,7 +11,7 @@ use std::os::unix::process::CommandExt;
 use std::process::Command;
 
 use anyhow::{Context, Result};
-use flotilla_comm::LISTEN_FD_ENV;
+use flotilla_tcp::LISTEN_FD_ENV;
 use flotilla_train::TrainConfig;
 
 use crate::run_args::RunArgs;

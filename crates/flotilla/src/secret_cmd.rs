@@ -8,7 +8,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use flotilla_comm::{SECRET_FILE_ENV, Secret};
+use flotilla_tcp::{SECRET_FILE_ENV, Secret};
 
 /// `flotilla secret`.
 #[derive(Debug, Clone, Args)]

@@ -159,7 +159,7 @@ fn n_ranks_equal_one_rank_with_the_global_batch_through_every_wire_setting() {
     );
 
     // bf16 on the wire rounds every gradient to 8 significant bits (the all-reduce's own
-    // bound is tested in flotilla-comm): the run is not the f32 one, but it trains along the
+    // bound is tested in flotilla-tcp): the run is not the f32 one, but it trains along the
     // same path, far closer to it than to where both started, for about half the bytes.
     let (bf16, bf16_log) = run(
         dir.path(),

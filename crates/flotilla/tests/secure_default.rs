@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{TEST_SECRET, example, flotilla, safetensors_file, text, tmp};
-use flotilla_comm::{CommConfig, CommError, Communicator, RendezvousError};
+use flotilla_tcp::{CommConfig, CommError, RendezvousError, TcpGroup};
 use running::Running;
 
 /// `flotilla launch -n 2 -- sh -c GATE custom_model` where rank `gated` waits for `gate` to
@@ -77,7 +77,7 @@ fn a_default_launch_makes_a_secret_and_a_stranger_without_it_is_refused() {
         .with_insecure(true)
         .with_join_timeout(Duration::from_secs(20));
     let t = Instant::now();
-    let refused = Communicator::connect(stranger).err();
+    let refused = TcpGroup::connect(stranger).err();
     assert!(
         matches!(
             refused,
@@ -175,7 +175,7 @@ fn flotilla_secret_makes_fresh_private_secrets() {
     assert!(o.status.success(), "{}", text(&o));
     let mode = std::fs::metadata(&file).expect("file").permissions().mode();
     assert_eq!(mode & 0o777, 0o600);
-    flotilla_comm::Secret::from_file(&file).expect("a rank accepts it");
+    flotilla_tcp::Secret::from_file(&file).expect("a rank accepts it");
     assert!(
         !run(&["--out", file.to_str().expect("utf8")])
             .status

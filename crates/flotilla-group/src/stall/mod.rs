@@ -3,7 +3,7 @@
 //! [`StallWatch`] is its clock: which partially submitted tensors (or collectives) have
 //! waited too long, when to warn again and when to give up. Pure: the caller feeds it what
 //! each round found partial and the time. Two callers: the asynchronous all-reduce's cycle
-//! ([`crate::CycleReducer`]: tensors some ranks submitted) and [`StallWatcher`] (collectives
+//! (`flotilla-train`'s `CycleReducer`: tensors some ranks submitted) and [`StallWatcher`] (collectives
 //! some ranks entered, for sync training).
 
 mod watcher;

@@ -150,8 +150,8 @@ impl AllReduceSection {
     }
 
     /// The background cycle's settings.
-    pub fn cycle(&self) -> flotilla_comm::CycleConfig {
-        flotilla_comm::CycleConfig {
+    pub fn cycle(&self) -> crate::strategy::allreduce::cycle::CycleConfig {
+        crate::strategy::allreduce::cycle::CycleConfig {
             cycle: Duration::from_secs_f64(self.cycle_duration_ms / 1000.0),
             buffer_bytes: usize::try_from(self.all_reduce_buffer_size).unwrap_or(usize::MAX),
             stall: self.stall_policy(),
@@ -159,8 +159,8 @@ impl AllReduceSection {
     }
 
     /// The stall inspector's limits.
-    pub fn stall_policy(&self) -> flotilla_comm::StallPolicy {
-        flotilla_comm::StallPolicy {
+    pub fn stall_policy(&self) -> flotilla_tcp::StallPolicy {
+        flotilla_tcp::StallPolicy {
             warning: Duration::from_secs_f64(self.stall_warning_s),
             shutdown: self.stall_shutdown_s.map(Duration::from_secs_f64),
         }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use flotilla_comm::{CommConfig, Compression, Hierarchical, Secret, Transport, WireFormat};
+use flotilla_tcp::{CommConfig, Compression, Hierarchical, Secret, Transport, WireFormat};
 use serde::{Deserialize, Serialize};
 
 use super::{TlsSetting, TrainConfig};
@@ -119,14 +119,14 @@ impl Default for CommSection {
         Self {
             backend: Backend::Tcp,
             master_addr: "127.0.0.1".into(),
-            master_port: flotilla_comm::DEFAULT_MASTER_PORT,
+            master_port: flotilla_tcp::DEFAULT_MASTER_PORT,
             timeout_s: 60.0,
             join_timeout_s: 60.0,
             compression: Compression::None,
             wire_format: WireFormat::F32,
             bucket_mb: 25.0,
-            small_all_reduce_kb: flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
-            mid_all_reduce_kb: flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
+            small_all_reduce_kb: flotilla_tcp::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
+            mid_all_reduce_kb: flotilla_tcp::DEFAULT_MID_ALL_REDUCE_BYTES >> 10,
             transport: Transport::Auto,
             hierarchical: Hierarchical::Auto,
             chunk_kb: d.chunk_bytes >> 10,
@@ -267,7 +267,7 @@ mod tests {
             .expect("default");
         assert_eq!(
             c.small_all_reduce_bytes,
-            flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES
+            flotilla_tcp::DEFAULT_SMALL_ALL_REDUCE_BYTES
         );
         let t = TrainConfig::from_yaml("comm: {small_all_reduce_kb: 4}\n", "s.yaml").expect("key");
         let c = t.comm_config(Some(0), 0, 2).expect("config");
@@ -286,7 +286,7 @@ mod tests {
             .expect("default");
         assert_eq!(
             c.mid_all_reduce_bytes,
-            flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES
+            flotilla_tcp::DEFAULT_MID_ALL_REDUCE_BYTES
         );
         let t = TrainConfig::from_yaml("comm: {mid_all_reduce_kb: 8192}\n", "m.yaml").expect("key");
         let c = t.comm_config(Some(0), 0, 4).expect("config");

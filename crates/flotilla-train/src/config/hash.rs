@@ -73,7 +73,7 @@ fn remove_path(v: &mut serde_json::Value, path: &str) {
 mod tests {
     use super::*;
     use crate::config::TlsSetting;
-    use flotilla_comm::WireFormat;
+    use flotilla_tcp::WireFormat;
 
     #[test]
     fn cluster_hash_ignores_per_rank_settings() {

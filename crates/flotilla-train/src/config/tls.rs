@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use flotilla_comm::{CommError, TlsConfig, TlsFiles};
+use flotilla_tcp::{CommError, TlsConfig, TlsFiles};
 use serde::{Deserialize, Serialize};
 
 use super::TrainConfig;
@@ -73,7 +73,7 @@ mod tests {
             .to_string();
         assert!(e.contains("key"), "{e}");
         // Files that do not exist fail naming the file (unless the environment sets others).
-        if std::env::var_os(flotilla_comm::TLS_CA_ENV).is_none() {
+        if std::env::var_os(flotilla_tcp::TLS_CA_ENV).is_none() {
             let e = c.tls().expect_err("no such files").to_string();
             assert!(e.contains("certs/ca.pem"), "{e}");
         }

@@ -91,7 +91,7 @@ impl TrainConfig {
     /// The TCP transport's sizes, each within what the transport takes (its largest frame).
     fn validate_wire(&self) -> Result<()> {
         let c = &self.comm;
-        let frame_kb = flotilla_comm::CommConfig::default().max_frame_bytes >> 10;
+        let frame_kb = flotilla_tcp::CommConfig::default().max_frame_bytes >> 10;
         let within = |key: &str, v: usize, lo: usize, hi: usize, unit: &str| {
             if (lo..=hi).contains(&v) {
                 Ok(())

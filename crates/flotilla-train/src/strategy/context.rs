@@ -5,9 +5,9 @@
 use std::sync::Arc;
 
 use flotilla_cluster::Topology;
-use flotilla_comm::ProcessGroup;
 use flotilla_data::Samples;
 use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec, StageCut, StageEngine};
+use flotilla_tcp::ProcessGroup;
 
 use crate::config::TrainConfig;
 use crate::error::Result;

@@ -6,8 +6,8 @@
 
 use std::path::PathBuf;
 
-use flotilla_comm::StallPolicy;
 use flotilla_engine::{EvalStats, ModelState};
+use flotilla_tcp::StallPolicy;
 
 use super::context::Cx;
 use super::resume::Resume;

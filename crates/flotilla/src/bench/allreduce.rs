@@ -9,8 +9,8 @@ use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
-use flotilla_comm::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
-use flotilla_comm::{Communicator, ProcessGroup, Transport, WireFormat};
+use flotilla_tcp::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
+use flotilla_tcp::{ProcessGroup, TcpGroup, Transport, WireFormat};
 
 use crate::binding;
 use crate::cli::BenchAllreduceArgs;
@@ -166,9 +166,9 @@ pub fn run(args: &BenchAllreduceArgs) -> Result<()> {
          tcp: 127.0.0.1 (recursive doubling up to comm.small_all_reduce_kb, default {} KiB; \
          Rabenseifner's up to comm.mid_all_reduce_kb, default {} MiB; the ring above; \
          FLOTILLA_COMM__<KEY> sets them); auto: shm between ranks of one host",
-        flotilla_comm::DEFAULT_SHM_CHUNK_BYTES >> 10,
-        flotilla_comm::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
-        flotilla_comm::DEFAULT_MID_ALL_REDUCE_BYTES >> 20
+        flotilla_tcp::DEFAULT_SHM_CHUNK_BYTES >> 10,
+        flotilla_tcp::DEFAULT_SMALL_ALL_REDUCE_BYTES >> 10,
+        flotilla_tcp::DEFAULT_MID_ALL_REDUCE_BYTES >> 20
     );
     println!(
         "# reference B = single-stream loopback TCP bandwidth, measured now: {reference:.2} GB/s; ideal ring busbw = B"
@@ -225,7 +225,7 @@ pub fn rows(
     let port = socket.port()?;
     // The user's secret reaches the ranks through the environment they inherit; else one for
     // this run.
-    let secret = match flotilla_comm::Secret::from_env()? {
+    let secret = match flotilla_tcp::Secret::from_env()? {
         Some(_) => None,
         None => Some(JobSecret::fresh()?),
     };
@@ -287,7 +287,7 @@ pub fn worker(args: &BenchAllreduceArgs) -> Result<()> {
     if let Some(t) = args.transport.first() {
         cfg.transport = t.parse()?;
     }
-    let comm = Communicator::connect(cfg)?;
+    let comm = TcpGroup::connect(cfg)?;
     let rows = run_allreduce(&comm, &opts)?;
     let stats = comm.stats();
     let used = match (stats.shm_bytes > 0, stats.bytes_sent_inter_host > 0) {

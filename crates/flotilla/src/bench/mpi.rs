@@ -4,9 +4,9 @@
 //! directly, next to the TCP ring measured with the same sizes.
 
 use anyhow::Result;
-use flotilla_comm::bench::BenchOptions;
+use flotilla_tcp::bench::BenchOptions;
 #[cfg(feature = "mpi")]
-use flotilla_comm::bench::format_bytes;
+use flotilla_tcp::bench::format_bytes;
 
 #[cfg(feature = "mpi")]
 use crate::bench::allreduce::Row;
@@ -36,7 +36,7 @@ pub fn table(args: &BenchAllreduceArgs) -> Result<()> {
         "tcp/ompi"
     );
     for &n in &args.ranks {
-        let tcp: Vec<_> = crate::bench::allreduce::rows(args, n, flotilla_comm::Transport::Tcp)?
+        let tcp: Vec<_> = crate::bench::allreduce::rows(args, n, flotilla_tcp::Transport::Tcp)?
             .into_iter()
             .map(|(_, r)| r)
             .collect();
@@ -130,8 +130,8 @@ fn mpirun_rows(args: &BenchAllreduceArgs, n: usize) -> Result<(Vec<Row>, Vec<Row
 /// One MPI rank: the backend's all-reduce, then raw `MPI_Allreduce`; rank 0 prints both.
 #[cfg(feature = "mpi")]
 pub fn worker(opts: &BenchOptions) -> Result<()> {
-    use flotilla_comm::ProcessGroup;
-    use flotilla_comm::bench::run_allreduce;
+    use flotilla_tcp::ProcessGroup;
+    use flotilla_tcp::bench::run_allreduce;
 
     let world = flotilla_mpi::MpiGroup::world(flotilla_mpi::MpiConfig::default())?;
     let mpi = run_allreduce(&world, opts)?;

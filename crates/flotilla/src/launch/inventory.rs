@@ -24,7 +24,7 @@ use crate::launch::remote::{
 };
 use crate::launch::tls::RemoteTls;
 use crate::launch::{LocalJob, StopHook};
-use flotilla_comm::Secret;
+use flotilla_tcp::Secret;
 
 /// The model spec file's name in the job directory, when `--sync` copied it.
 const REMOTE_MODEL: &str = "model.yaml";

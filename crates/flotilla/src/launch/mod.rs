@@ -160,7 +160,7 @@ impl LocalJob {
         Ok(job)
     }
 
-    /// Waits until rank 0 says the rendezvous port it bound ([`flotilla_comm::announced_port`])
+    /// Waits until rank 0 says the rendezvous port it bound ([`flotilla_tcp::announced_port`])
     /// and returns it; fails (its stderr shown) if it exits first, or after `within`. The
     /// lines read meanwhile are relayed by [`Self::supervise`].
     pub fn announced_port(&mut self, within: Duration) -> Result<u16> {
@@ -168,7 +168,7 @@ impl LocalJob {
         loop {
             if let Ok(line) = self.lines.recv_timeout(Duration::from_millis(50)) {
                 self.remember(&line);
-                let port = flotilla_comm::announced_port(&line.text).filter(|_| line.rank == 0);
+                let port = flotilla_tcp::announced_port(&line.text).filter(|_| line.rank == 0);
                 self.early.push(line);
                 if let Some(port) = port {
                     return Ok(port);

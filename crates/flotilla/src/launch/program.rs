@@ -6,7 +6,7 @@
 //! the job, [`JobSecret`]) and TLS files (`FLOTILLA_TLS_*`), which `flotilla_burn::init`
 //! (`flotilla_train::program`) reads; rank 0 of a local job also
 //! inherits the rendezvous socket the launcher bound (`FLOTILLA_LISTEN_FD`,
-//! [`crate::rendezvous_socket`]), which `Communicator::connect` takes. The ranks
+//! [`crate::rendezvous_socket`]), which `TcpGroup::connect` takes. The ranks
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
 //! them, and `--max-restarts` starts the whole program again with `schedule.resume` set (a
@@ -17,7 +17,7 @@ use std::ffi::OsString;
 use std::process::Command;
 
 use anyhow::{Context, Result, bail};
-use flotilla_comm::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
+use flotilla_tcp::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
 use flotilla_train::TrainConfig;
 
 use crate::binding;

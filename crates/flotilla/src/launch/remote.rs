@@ -24,7 +24,7 @@ use std::os::unix::process::CommandExt;
 use anyhow::{Context, Result, bail};
 use flotilla_cluster::ssh::{join, quote};
 use flotilla_cluster::{Placement, SshTarget};
-use flotilla_comm::{SECRET_ENV, SECRET_FILE_ENV, TOKEN_ENV};
+use flotilla_tcp::{SECRET_ENV, SECRET_FILE_ENV, TOKEN_ENV};
 
 /// Default parent of the per-job directories on the hosts (relative: under the login
 /// directory).

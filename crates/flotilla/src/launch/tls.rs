@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, Result};
 use flotilla_cluster::SshTarget;
-use flotilla_comm::TlsFiles;
+use flotilla_tcp::TlsFiles;
 use flotilla_train::TrainConfig;
 use flotilla_train::config::TlsSetting;
 

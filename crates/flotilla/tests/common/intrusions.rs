@@ -28,7 +28,7 @@ struct Visited {
     /// [`ASYNC_ACC_TOLERANCE`], and its servers lost and took back no child.
     deterministic: bool,
     /// Its ranks accept rejoins, so while it trains rank 0's rendezvous port and its
-    /// servers' mesh listeners stay open (`flotilla-comm` `rendezvous/rejoin.rs`).
+    /// servers' mesh listeners stay open (`flotilla-tcp` `rendezvous/rejoin.rs`).
     rejoinable: bool,
     /// How many of its ranks are servers that report the children they lost and took
     /// back (`lost_children`, `rejoined_children` in `summary.json`): the async one's.

@@ -44,7 +44,7 @@ impl Stranger {
             }
             Stranger::Http => b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept: */*\r\n\r\n".to_vec(),
             Stranger::TruncatedFrame => {
-                // See crates/flotilla-comm/src/frame.rs: magic, version, channel, flags, op,
+                // See crates/flotilla-tcp/src/frame.rs: magic, version, channel, flags, op,
                 // 3 reserved, group u64, seq u64, tag u32, len u32 (little endian).
                 let mut b = vec![0xF1, 2, 0, 0, 0, 0, 0, 0];
                 b.extend_from_slice(&0u64.to_le_bytes());

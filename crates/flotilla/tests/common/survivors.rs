@@ -1,6 +1,6 @@
 //! How the ranks that outlive a killed rank end, when no launcher stops them: each must exit
 //! non-zero within a bound of the kill, its error naming the rank it lost with
-//! `flotilla-comm`'s own phrase ([`LOST`]: `CommError::PeerLost`'s Display, "connection to
+//! `flotilla-tcp`'s own phrase ([`LOST`]: `CommError::PeerLost`'s Display, "connection to
 //! rank R lost during OP: REASON", also inside "collective aborted by rank A: ...").
 #![allow(dead_code)]
 

@@ -1,5 +1,5 @@
 //! Asynchronous decentralized data parallel: gradients go to a background cycle
-//! ([`flotilla_comm::CycleReducer`]) by name as the engine produces them, and the optimizer
+//! ([`super::cycle::CycleReducer`]) by name as the engine produces them, and the optimizer
 //! applies the gradient reduced `staleness` steps earlier, so computing step `t` overlaps
 //! communicating step `t − staleness`.
 //!
@@ -32,9 +32,9 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use flotilla_comm::{
-    CycleConfig, CycleReducer, CycleStats, Pending, ProcessGroup, StallPolicy, WeightHistory,
-};
+use flotilla_tcp::{Pending, ProcessGroup, StallPolicy};
+
+use super::cycle::{CycleConfig, CycleReducer, CycleStats, WeightHistory};
 use flotilla_engine::{Engine, EvalStats, ModelState, ParamLayout};
 
 use crate::batches::Batches;

@@ -5,7 +5,7 @@
 //! summed in `f64`, then the shares summed in rank order; so ZeRO's step stays bitwise the
 //! step of plain all-reduce.
 
-use flotilla_comm::ProcessGroup;
+use flotilla_tcp::ProcessGroup;
 
 use super::zero::owned_ranges;
 use crate::bucket::BucketPlan;

@@ -1,10 +1,11 @@
 //! Data-parallel strategies: how peers that all hold the model cooperate on one optimizer
 //! step. Each is a [`crate::strategy::Strategy`]; it sees the engine only through
 //! [`flotilla_engine::Engine`] (flat `f32` buffers) and the other ranks only through a
-//! [`flotilla_comm::ProcessGroup`]; it never touches sockets.
+//! [`flotilla_tcp::ProcessGroup`]; it never touches sockets.
 
 mod async_;
 pub(crate) mod clip;
+pub mod cycle;
 mod scatter;
 mod sync;
 mod zero;
@@ -23,8 +24,8 @@ mod zero_tests;
 pub use async_::AsyncAllReduce;
 pub use sync::SyncAllReduce;
 
-use flotilla_comm::ProcessGroup;
 use flotilla_engine::{Engine, ModelState};
+use flotilla_tcp::ProcessGroup;
 
 use crate::error::Result;
 use crate::strategy::Cx;

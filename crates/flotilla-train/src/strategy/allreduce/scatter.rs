@@ -20,8 +20,8 @@
 //! together too). A gradient of another bucket arriving while one is half filled is an
 //! error, as is a bucket left incomplete.
 
-use flotilla_comm::{PendingAllReduce, ProcessGroup};
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
+use flotilla_tcp::{PendingAllReduce, ProcessGroup};
 
 use super::zero::{Zero, wire_len};
 use crate::bucket::BucketPlan;

@@ -3,9 +3,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use flotilla_comm::{PendingAllReduce, ProcessGroup, StallPolicy};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
+use flotilla_tcp::{PendingAllReduce, ProcessGroup, StallPolicy};
 
 use super::zero::{Zero, wire_len};
 use crate::batches::Batches;

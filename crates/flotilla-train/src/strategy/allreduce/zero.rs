@@ -39,8 +39,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_comm::{ProcessGroup, Tag, shard, tags};
 use flotilla_engine::{Engine, ModelState, OptimizerSpec, ParamLayout, ShardOptimizer};
+use flotilla_tcp::{ProcessGroup, Tag, shard, tags};
 
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};

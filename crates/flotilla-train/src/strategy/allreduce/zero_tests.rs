@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::thread;
 
-use flotilla_comm::{CommConfig, ProcessGroup};
 use flotilla_engine::{DecayParams, OptimizerSpec};
+use flotilla_tcp::{CommConfig, ProcessGroup};
 
 use super::SyncAllReduce;
 use super::zero::owned_ranges;

@@ -5,7 +5,7 @@
 //! The engine side (what a stage computes: a spec's layers or a program's stage module) is
 //! [`flotilla_engine::StageEngine`]; the cut is [`flotilla_engine::StageCut`]. How stages
 //! talk: the tags and payloads of the tensors between stages ([`wire`], over any
-//! [`flotilla_comm::ProcessGroup`]) and the order of the micro-batches ([`schedule`]). This
+//! [`flotilla_tcp::ProcessGroup`]) and the order of the micro-batches ([`schedule`]). This
 //! module gives a user the loop ([`Pipeline`]); the CLI's
 //! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).

@@ -14,8 +14,8 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_comm::ProcessGroup;
 use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut, StageEngine};
+use flotilla_tcp::ProcessGroup;
 
 use crate::error::{Result, TrainError};
 use crate::strategy::allreduce::{clip, dropout_seed};
@@ -525,7 +525,7 @@ impl Pipeline {
         })
     }
 
-    fn send(&self, peer: usize, tag: flotilla_comm::Tag, values: &[f32]) -> Result<()> {
+    fn send(&self, peer: usize, tag: flotilla_tcp::Tag, values: &[f32]) -> Result<()> {
         let _span = tracing::info_span!(target: "flotilla::pipeline", "send", peer, tag).entered();
         Ok(self.world.send(peer, tag, wire::encode(values))?)
     }
@@ -577,7 +577,7 @@ impl Pipeline {
         name: &str,
         mb: usize,
         dir: Direction,
-        e: flotilla_comm::CommError,
+        e: flotilla_tcp::CommError,
     ) -> TrainError {
         let what = match dir {
             Direction::Backward => "gradient of",

@@ -23,7 +23,7 @@ const EVAL_CHUNK: usize = 500;
 
 /// Tag of rank 0's pipeline cut, sent to every other rank at start (point to point, so that
 /// the wait can be as long as joining: planning measures the model first).
-const PLAN_TAG: flotilla_comm::Tag = flotilla_comm::tags::RESERVED + 0x100;
+const PLAN_TAG: flotilla_tcp::Tag = flotilla_tcp::tags::RESERVED + 0x100;
 
 /// One rank's stage of a pipeline job.
 pub struct PipelineStage {

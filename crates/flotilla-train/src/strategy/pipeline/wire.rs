@@ -7,11 +7,11 @@
 //! from a spec, or routed by the names a user's stage modules declare), so it names the
 //! tensor, and the micro-batch (or evaluation chunk) modulo 2^20. Messages with the same tag
 //! from the same sender arrive in order, so chunk numbers may wrap. Every tag is below
-//! [`flotilla_comm::tags::RESERVED`]. The payload is the tensor's `f32` values, little-endian,
+//! [`flotilla_tcp::tags::RESERVED`]. The payload is the tensor's `f32` values, little-endian,
 //! row-major, with no header: its length is checked against the crossing's shape (a user's
 //! stage modules' shapes are learned before training, from a one-sample forward pass).
 
-use flotilla_comm::Tag;
+use flotilla_tcp::Tag;
 
 /// Which way a message goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +76,7 @@ mod tests {
             for c in [0, 1, MAX_CROSSINGS - 1] {
                 for mb in [0, 1, MAX_MICRO_BATCHES - 1] {
                     let t = tag(dir, c, mb);
-                    assert!(t < flotilla_comm::tags::RESERVED);
+                    assert!(t < flotilla_tcp::tags::RESERVED);
                     assert!(seen.insert(t), "{dir:?} {c} {mb}");
                 }
             }

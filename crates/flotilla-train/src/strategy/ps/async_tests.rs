@@ -86,7 +86,7 @@ struct Tree {
     root: Server<ShardServer>,
     a: Server<LocalServer>,
     b: Server<LocalServer>,
-    workers: Vec<std::sync::Arc<dyn flotilla_comm::ProcessGroup>>,
+    workers: Vec<std::sync::Arc<dyn flotilla_tcp::ProcessGroup>>,
 }
 
 impl Tree {

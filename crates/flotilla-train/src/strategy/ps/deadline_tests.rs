@@ -9,7 +9,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::Aggregation;
-use flotilla_comm::{CommError, ProcessGroup};
+use flotilla_tcp::{CommError, ProcessGroup};
 
 use super::formula_kit::{Server, grad, hierarchical, ps_config, push};
 use super::local::LocalServer;

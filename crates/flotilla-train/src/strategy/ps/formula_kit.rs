@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::{Aggregation, GlobalServerSpec, ServerSpec, Topology};
-use flotilla_comm::ProcessGroup;
+use flotilla_tcp::ProcessGroup;
 
 use super::local::LocalServer;
 use super::serve::{ServerMachine, serve_one};

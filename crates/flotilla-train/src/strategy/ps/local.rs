@@ -10,8 +10,8 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::CommError;
 use flotilla_engine::ModelState;
+use flotilla_tcp::CommError;
 
 use super::job::{Announcement, Place};
 use super::rejoins::Rejoins;

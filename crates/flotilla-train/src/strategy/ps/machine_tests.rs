@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::Aggregation;
-use flotilla_comm::{CommError, ProcessGroup};
+use flotilla_tcp::{CommError, ProcessGroup};
 
 use super::formula_kit::{N, Server, flat, hierarchical};
 use super::serve::ServerMachine;

@@ -36,7 +36,7 @@ pub use crate::strategy::Cx as PsContext;
 
 /// Sends one message to `peer`.
 pub fn send(
-    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    comm: &std::sync::Arc<dyn flotilla_tcp::ProcessGroup>,
     peer: usize,
     msg: &PsMessage,
 ) -> Result<()> {
@@ -45,7 +45,7 @@ pub fn send(
 
 /// Sends an already encoded message to `peer` (to encode once for several peers).
 pub fn send_bytes(
-    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    comm: &std::sync::Arc<dyn flotilla_tcp::ProcessGroup>,
     peer: usize,
     bytes: &[u8],
 ) -> Result<()> {
@@ -59,7 +59,7 @@ pub fn send_bytes(
 /// saw it go. A deadline is not told up: a parent that a rank waited for too long is itself
 /// waiting for the rank at fault, and its own deadline names that rank.
 pub fn abort_peers(
-    comm: &std::sync::Arc<dyn flotilla_comm::ProcessGroup>,
+    comm: &std::sync::Arc<dyn flotilla_tcp::ProcessGroup>,
     down: &[usize],
     up: &[usize],
     e: TrainError,

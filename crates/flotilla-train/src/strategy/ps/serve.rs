@@ -5,7 +5,7 @@
 
 use std::time::{Duration, Instant};
 
-use flotilla_comm::CommError;
+use flotilla_tcp::CommError;
 
 use super::PsContext;
 use crate::error::{Result, TrainError};

@@ -17,8 +17,8 @@
 use std::collections::BTreeSet;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::CommError;
 use flotilla_engine::{Engine, EvalStats, ModelState};
+use flotilla_tcp::CommError;
 
 use super::PsContext;
 use super::rejoins::Rejoins;

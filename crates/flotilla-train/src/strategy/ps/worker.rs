@@ -6,8 +6,8 @@ use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use flotilla_cluster::RoleKind;
-use flotilla_comm::CommError;
 use flotilla_engine::{Engine, ModelState, ParamLayout};
+use flotilla_tcp::CommError;
 
 use super::job::{Announcement, Place};
 use super::{PsContext, Refusals, send};

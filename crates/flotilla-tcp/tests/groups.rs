@@ -10,7 +10,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::ok;
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, ReduceOp};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, ReduceOp, TcpGroup};
 
 fn cfg(n: usize) -> CommConfig {
     CommConfig::new(Some(0), n)
@@ -24,7 +24,7 @@ fn cfg(n: usize) -> CommConfig {
 fn world<T, F>(n: usize, tcp: bool, body: F) -> Vec<Result<T, CommError>>
 where
     T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+    F: Fn(TcpGroup) -> Result<T, CommError> + Send + Sync + 'static,
 {
     common::world(n, tcp, cfg(n), body)
 }

@@ -13,7 +13,7 @@
 //! (an even rank hands its whole buffer to the odd rank above it and gets the result back)
 //! puts two whole buffers more on the folded ranks' links, and measured 2.2× slower than the
 //! ring with 3 ranks on 1 Gbit/s links (`scripts/bench_shaped_links.sh`, `RANKS=3`), so the
-//! size dispatch (`comm.rs`) sends those worlds to the ring.
+//! size dispatch (`tcp_group.rs`) sends those worlds to the ring.
 //!
 //! Every block is summed by one rank only and then copied, so every rank ends with the same
 //! bits. Every exchange is a [`Pipe::step`] (chunked and pipelined), so frames stay at

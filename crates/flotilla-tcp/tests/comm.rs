@@ -1,4 +1,4 @@
-//! End-to-end tests: every rank is a thread with its own Communicator over 127.0.0.1, with
+//! End-to-end tests: every rank is a thread with its own TcpGroup over 127.0.0.1, with
 //! `transport: tcp` (the ring, the doubling and the wire; `tests/shm.rs` has the shared
 //! memory that `auto` picks for ranks of one host).
 
@@ -8,9 +8,9 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{
-    CommConfig, CommError, CommStats, Communicator, Compression, ProcessGroup, RendezvousError,
-    Secret, Transport, WireFormat,
+use flotilla_tcp::{
+    CommConfig, CommError, CommStats, Compression, ProcessGroup, RendezvousError, Secret, TcpGroup,
+    Transport, WireFormat,
 };
 
 /// Upper bound for any single test world.
@@ -38,7 +38,7 @@ fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
 fn run_procs<T, F>(procs: Vec<CommConfig>, body: F) -> Vec<Result<T, CommError>>
 where
     T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+    F: Fn(TcpGroup) -> Result<T, CommError> + Send + Sync + 'static,
 {
     let (listener, port) = master_listener();
     let mut listener = Some(listener);
@@ -55,8 +55,8 @@ where
         let (tx, body) = (tx.clone(), body.clone());
         thread::spawn(move || {
             let comm = match l {
-                Some(l) => Communicator::connect_with_listener(cfg, l),
-                None => Communicator::connect(cfg),
+                Some(l) => TcpGroup::connect_with_listener(cfg, l),
+                None => TcpGroup::connect(cfg),
             };
             let r = comm.and_then(|c| body(c));
             let _ = tx.send((i, r));
@@ -85,7 +85,7 @@ fn run_world<T, F>(
 ) -> Vec<Result<T, CommError>>
 where
     T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+    F: Fn(TcpGroup) -> Result<T, CommError> + Send + Sync + 'static,
 {
     run_procs((0..n).map(|r| tweak(base(Some(r), n, 0))).collect(), body)
 }
@@ -373,9 +373,8 @@ fn unreachable_master_fails_within_join_timeout() {
     let (l, port) = master_listener();
     drop(l);
     let t = Instant::now();
-    let e =
-        Communicator::connect(base(Some(1), 2, port).with_join_timeout(Duration::from_millis(600)))
-            .unwrap_err();
+    let e = TcpGroup::connect(base(Some(1), 2, port).with_join_timeout(Duration::from_millis(600)))
+        .unwrap_err();
     assert!(matches!(e, CommError::MasterUnreachable { .. }), "{e}");
     assert!(t.elapsed() < Duration::from_secs(3));
 }
@@ -550,9 +549,9 @@ fn a_stranger_with_a_wrong_secret_never_breaks_a_job() {
     let (l, port) = master_listener();
     let cfg = base(Some(0), 2, port).with_secret(secret("right"));
     let master = thread::spawn(move || {
-        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
+        TcpGroup::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
     });
-    let stranger = Communicator::connect(base(None, 2, port).with_secret(secret("guess")));
+    let stranger = TcpGroup::connect(base(None, 2, port).with_secret(secret("guess")));
     assert!(
         matches!(
             stranger,
@@ -561,7 +560,7 @@ fn a_stranger_with_a_wrong_secret_never_breaks_a_job() {
         "{:?}",
         stranger.err()
     );
-    let rank1 = Communicator::connect(base(Some(1), 2, port).with_secret(secret("right")))
+    let rank1 = TcpGroup::connect(base(Some(1), 2, port).with_secret(secret("right")))
         .and_then(|c| c.all_gather_u64(2));
     assert_eq!(rank1.expect("rank 1"), vec![1, 2]);
     assert_eq!(
@@ -613,9 +612,9 @@ fn a_replayed_handshake_is_refused() {
     });
     let cfg = base(Some(0), 2, port).with_secret(secret("right"));
     let master = thread::spawn(move || {
-        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
+        TcpGroup::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(1))
     });
-    let rank1 = Communicator::connect(base(Some(1), 2, proxy_port).with_secret(secret("right")))
+    let rank1 = TcpGroup::connect(base(Some(1), 2, proxy_port).with_secret(secret("right")))
         .and_then(|c| {
             let r = c.all_gather_u64(2);
             drop(c);
@@ -634,7 +633,7 @@ fn a_replayed_handshake_is_refused() {
     let cfg = base(Some(0), 2, port)
         .with_secret(secret("right"))
         .with_join_timeout(Duration::from_millis(1500));
-    let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l).map(|_| ()));
+    let master = thread::spawn(move || TcpGroup::connect_with_listener(cfg, l).map(|_| ()));
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).expect("connect");
     let _ = s.write_all(&bytes);
     let e = master
@@ -680,7 +679,7 @@ fn duplicate_rank_is_refused() {
 /// ranks still form the job. With no real rank, rank 0's deadline names what it refused.
 #[test]
 fn strangers_at_the_rendezvous_never_break_a_job() {
-    use flotilla_comm::frame::FrameHeader;
+    use flotilla_tcp::frame::FrameHeader;
     use std::io::Write;
     let header = |corrupt: Option<usize>| {
         let mut h = FrameHeader {
@@ -709,7 +708,7 @@ fn strangers_at_the_rendezvous_never_break_a_job() {
     let (l, port) = master_listener();
     let cfg = base(Some(0), 2, port).with_join_timeout(Duration::from_secs(10));
     let master = thread::spawn(move || {
-        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(7))
+        TcpGroup::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(7))
     });
     let mut strangers = Vec::new();
     for bytes in &garbage {
@@ -718,7 +717,7 @@ fn strangers_at_the_rendezvous_never_break_a_job() {
         strangers.push(s); // kept open: a silent or half-talking peer must not block either
     }
     thread::sleep(Duration::from_millis(300));
-    let rank1 = Communicator::connect(base(Some(1), 2, port)).and_then(|c| c.all_gather_u64(9));
+    let rank1 = TcpGroup::connect(base(Some(1), 2, port)).and_then(|c| c.all_gather_u64(9));
     assert_eq!(
         rank1.expect("rank 1 joins despite the strangers"),
         vec![7, 9]
@@ -731,7 +730,7 @@ fn strangers_at_the_rendezvous_never_break_a_job() {
     // Nobody real comes: the deadline names the refused connections and who they were.
     let (l, port) = master_listener();
     let cfg = base(Some(0), 2, port).with_join_timeout(Duration::from_millis(1500));
-    let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l).map(|_| ()));
+    let master = thread::spawn(move || TcpGroup::connect_with_listener(cfg, l).map(|_| ()));
     let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
     s.write_all(&header(Some(1))).unwrap();
     let e = master.join().expect("no panic").expect_err("must time out");
@@ -847,14 +846,14 @@ fn broadcast_root_out_of_range_is_an_error() {
 
 #[test]
 fn blocking_calls_inside_a_runtime_are_errors_not_panics() {
-    let comm = Communicator::connect(CommConfig::new(Some(0), 1)).unwrap();
+    let comm = TcpGroup::connect(CommConfig::new(Some(0), 1)).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .build()
         .unwrap();
     rt.block_on(async {
         assert!(matches!(comm.barrier(), Err(CommError::InvalidArgument(_))));
         assert!(matches!(
-            Communicator::connect(CommConfig::new(Some(0), 1)),
+            TcpGroup::connect(CommConfig::new(Some(0), 1)),
             Err(CommError::InvalidArgument(_))
         ));
     });
@@ -866,8 +865,8 @@ fn blocking_calls_inside_a_runtime_are_errors_not_panics() {
 
 #[test]
 fn single_rank_bench_runs() {
-    use flotilla_comm::bench::{BenchOptions, format_table, run_allreduce};
-    let comm = Communicator::connect(CommConfig::new(Some(0), 1)).unwrap();
+    use flotilla_tcp::bench::{BenchOptions, format_table, run_allreduce};
+    let comm = TcpGroup::connect(CommConfig::new(Some(0), 1)).unwrap();
     let opts = BenchOptions {
         sizes: vec![4096],
         warmup: 1,

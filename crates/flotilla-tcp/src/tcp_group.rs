@@ -1,4 +1,4 @@
-//! The [`Communicator`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
+//! The [`TcpGroup`]: the TCP (and in-memory) implementation of [`ProcessGroup`]. Owns the
 //! runtime and the peer connections, orders each group's collectives and turns failures into
 //! typed, peer-naming errors. The `f32` all-reduce and broadcast of a group whose members
 //! share a host go through its shared-memory segment ([`crate::shm`]) in the same order; the
@@ -79,14 +79,14 @@ impl Drop for RtOwner {
 ///
 /// The blocking methods must not be called from inside an async runtime (they block the
 /// calling thread on the communicator's own runtime).
-pub struct Communicator {
+pub struct TcpGroup {
     g: Arc<GroupState>,
     rt: Arc<RtOwner>,
 }
 
-impl std::fmt::Debug for Communicator {
+impl std::fmt::Debug for TcpGroup {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Communicator")
+        f.debug_struct("TcpGroup")
             .field("rank", &self.g.me())
             .field("size", &self.g.members.len())
             .field("group", &format_args!("{:016x}", self.g.key))
@@ -97,36 +97,36 @@ impl std::fmt::Debug for Communicator {
 fn build_runtime(threads: usize) -> Result<Runtime, CommError> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads.max(1))
-        .thread_name("flotilla-comm")
+        .thread_name("flotilla-tcp")
         .enable_all()
         .build()
         .map_err(|e| CommError::io("cannot start the communication runtime", e))
 }
 
-impl Communicator {
+impl TcpGroup {
     /// Joins the process group described by `cfg` (rendezvous + peer mesh), blocking until
     /// every rank is connected or a deadline expires.
-    pub fn connect(cfg: CommConfig) -> Result<Communicator, CommError> {
+    pub fn connect(cfg: CommConfig) -> Result<TcpGroup, CommError> {
         Self::connect_inner(cfg, None)
     }
 
-    /// Like [`Communicator::connect`] for rank 0, using an already bound rendezvous listener
+    /// Like [`TcpGroup::connect`] for rank 0, using an already bound rendezvous listener
     /// instead of binding `master_addr:master_port` (useful to pick a free port with port 0).
     pub fn connect_with_listener(
         cfg: CommConfig,
         listener: std::net::TcpListener,
-    ) -> Result<Communicator, CommError> {
+    ) -> Result<TcpGroup, CommError> {
         Self::connect_inner(cfg, Some(listener))
     }
 
     fn connect_inner(
         cfg: CommConfig,
         listener: Option<std::net::TcpListener>,
-    ) -> Result<Communicator, CommError> {
+    ) -> Result<TcpGroup, CommError> {
         cfg.validate()?;
         if Handle::try_current().is_ok() {
             return Err(CommError::InvalidArgument(
-                "Communicator::connect cannot be called from inside an async runtime".into(),
+                "TcpGroup::connect cannot be called from inside an async runtime".into(),
             ));
         }
         let rt = build_runtime(cfg.runtime_threads)?;
@@ -195,18 +195,18 @@ impl Communicator {
     /// runtime and `cfg` (with its rank); the collectives, ordering, deadlines and failure
     /// reports are those of the TCP transport. Dropping one is seen by the others as a lost
     /// connection.
-    pub fn in_memory(n: usize, cfg: CommConfig) -> Result<Vec<Communicator>, CommError> {
+    pub fn in_memory(n: usize, cfg: CommConfig) -> Result<Vec<TcpGroup>, CommError> {
         // Threads of one process share its host (and memory).
         Self::in_memory_on(vec![host::host_key(cfg.shm_dir.as_deref()); n], cfg)
     }
 
-    /// Like [`Communicator::in_memory`], rank `r` reporting host key `hosts[r]` (the
+    /// Like [`TcpGroup::in_memory`], rank `r` reporting host key `hosts[r]` (the
     /// crate's tests of hierarchical all-reduces emulate hosts with it: ranks of one key
     /// share a segment, links between keys count as inter-host).
     pub(crate) fn in_memory_on(
         hosts: Vec<String>,
         cfg: CommConfig,
-    ) -> Result<Vec<Communicator>, CommError> {
+    ) -> Result<Vec<TcpGroup>, CommError> {
         let n = hosts.len();
         let mut cfg = cfg;
         cfg.world_size = n;
@@ -249,11 +249,11 @@ impl Communicator {
         peers: Vec<Option<Arc<Conn>>>,
         ep: Arc<Endpoint>,
         site: Site,
-    ) -> Communicator {
+    ) -> TcpGroup {
         let n = peers.len();
         let world = Arc::new(World::new(rank, cfg, peers, ep, rt.handle().clone(), site));
         let g = GroupState::new(world.clone(), 0, Members::new((0..n).collect(), rank));
-        Communicator {
+        TcpGroup {
             g,
             rt: Arc::new(RtOwner {
                 rt: Some(rt),
@@ -293,14 +293,14 @@ impl Communicator {
             derive_key(self.g.key, id),
             Members::new(members, me),
         );
-        Arc::new(Communicator {
+        Arc::new(TcpGroup {
             g,
             rt: self.rt.clone(),
         })
     }
 }
 
-impl ProcessGroup for Communicator {
+impl ProcessGroup for TcpGroup {
     fn rank(&self) -> usize {
         self.g.me()
     }
@@ -562,7 +562,7 @@ impl ProcessGroup for Communicator {
     }
 }
 
-impl Communicator {
+impl TcpGroup {
     /// Starts an all-reduce on the runtime (of `bucket`, when the caller has buckets).
     fn start_all_reduce(&self, buf: Vec<f32>, bucket: Option<usize>) -> PendingAllReduce {
         let ticket = self.g.ticket();
@@ -657,7 +657,7 @@ impl Communicator {
     /// and out costs 6 ms on this machine. Why our own: `async-scoped`'s `scope_and_block`
     /// does the same (an unsafe lifetime extension behind a blocking scope) but blocks with
     /// `block_in_place`, which needs the caller inside the runtime's context, where a
-    /// blocking `Communicator` method refuses to run.
+    /// blocking `TcpGroup` method refuses to run.
     fn run_scoped<'a, T: Send + 'static>(
         &self,
         op: impl Future<Output = Result<T, CommError>> + Send + 'a,
@@ -689,7 +689,7 @@ impl Communicator {
 }
 
 /// Chunks ([`CommConfig::chunk_bytes`]) of a borrowed buffer up to which a blocking TCP
-/// collective runs on the calling thread rather than on a worker ([`Communicator::run_borrowed`]).
+/// collective runs on the calling thread rather than on a worker ([`TcpGroup::run_borrowed`]).
 /// 2 ranks on 127.0.0.1 (medians of 5 alternating rounds of 200): 1 MiB took 530 us on the
 /// calling thread and 642 us on a worker, 4 MiB 3.42 ms and 3.01 ms.
 const SCOPED_MIN_CHUNKS: usize = 4;
@@ -699,7 +699,7 @@ type ScopedFuture<'a, T> =
     std::pin::Pin<Box<dyn Future<Output = Result<T, CommError>> + Send + 'a>>;
 
 /// A task running a [`ScopedFuture`] whose borrows live in the stack frame of
-/// [`Communicator::run_scoped`]. Dropped before it was joined (only while unwinding), it
+/// [`TcpGroup::run_scoped`]. Dropped before it was joined (only while unwinding), it
 /// aborts the task and waits until the task has finished, so the borrows end first.
 struct ScopedTask<T>(Option<tokio::task::JoinHandle<T>>);
 
@@ -719,7 +719,7 @@ impl<T> Drop for ScopedTask<T> {
 fn outside_runtime() -> Result<(), CommError> {
     if Handle::try_current().is_ok() {
         return Err(CommError::InvalidArgument(
-            "blocking Communicator methods cannot be called from inside an async runtime".into(),
+            "blocking TcpGroup methods cannot be called from inside an async runtime".into(),
         ));
     }
     Ok(())

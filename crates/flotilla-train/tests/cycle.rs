@@ -6,9 +6,8 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{
-    CommConfig, CommError, Communicator, CycleConfig, CycleReducer, ProcessGroup, StallPolicy,
-};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, StallPolicy, TcpGroup};
+use flotilla_train::strategy::allreduce::cycle::{CycleConfig, CycleReducer};
 
 /// Runs `body(rank, reducer)` on every rank of an in-memory world of `n`, one thread each;
 /// the reducer runs on a group of its own, as the training role uses it.
@@ -18,7 +17,7 @@ fn with_reducers<T: Send + 'static>(
     body: impl Fn(usize, CycleReducer) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
     let cfg = CommConfig::new(Some(0), n).with_timeout(Duration::from_secs(20));
-    let comms = Communicator::in_memory(n, cfg).expect("world");
+    let comms = TcpGroup::in_memory(n, cfg).expect("world");
     let body = Arc::new(body);
     let started = Instant::now();
     let handles: Vec<_> = comms

@@ -1,5 +1,5 @@
 //! The asynchronous all-reduce's background cycle (Horovod's background thread, without a
-//! coordinator): tensors are submitted by name from any thread, and every
+//! coordinator), over any [`ProcessGroup`]: tensors are submitted by name from any thread, and every
 //! `cycle_duration` the ranks agree which of them every rank holds, fuse those into buffers
 //! and all-reduce them.
 //!
@@ -13,7 +13,7 @@
 //!    order), ANDs the bit sets and reduces the tensors ready everywhere, in id order, packed
 //!    into buffers of at most `buffer_bytes` ([`pack::pack`]), one ring all-reduce each. A
 //!    submitter gets the **sum** over ranks.
-//! 4. Ids set on some ranks and not others feed the stall inspector ([`crate::stall::StallWatch`]):
+//! 4. Ids set on some ranks and not others feed the stall inspector ([`flotilla_group::stall::StallWatch`]):
 //!    past `stall.warning` every rank logs which tensors wait for which ranks (again at that
 //!    interval); past `stall.shutdown` a rank sets `abort` in its next announcement and every
 //!    rank fails everything pending with [`CommError::Stalled`] in that same cycle.
@@ -41,10 +41,8 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::error::CommError;
-use crate::group::ProcessGroup;
-use crate::pending::{Pending, PendingSender};
-use crate::stall::{StallPolicy, StallVerdict, StallWatch, Stalled};
+use flotilla_group::stall::{StallPolicy, StallVerdict, StallWatch, Stalled};
+use flotilla_group::{CommError, Pending, PendingSender, ProcessGroup};
 use negotiate::{Agreement, Announce, Names};
 
 /// How the cycle runs.

@@ -9,15 +9,14 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Rejoin, RendezvousError};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, Rejoin, RendezvousError, TcpGroup};
 
 const TAG: u32 = 7;
 
 fn cfg(rank: usize, port: u16) -> CommConfig {
     CommConfig::new(Some(rank), 3)
         .with_secret(Some(
-            flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec())
-                .expect("secret"),
+            flotilla_tcp::Secret::new(b"flotilla-test-secret-0123456789".to_vec()).expect("secret"),
         ))
         .with_master("127.0.0.1", port)
         .with_timeout(Duration::from_secs(5))
@@ -29,10 +28,10 @@ fn soon() -> Instant {
     Instant::now() + Duration::from_secs(5)
 }
 
-fn rejoin(rank: usize, port: u16, hash: u64) -> Result<Communicator, CommError> {
+fn rejoin(rank: usize, port: u16, hash: u64) -> Result<TcpGroup, CommError> {
     let mut c = cfg(rank, port).with_config_hash(hash);
     c.rejoin = Rejoin::Join;
-    Communicator::connect(c)
+    TcpGroup::connect(c)
 }
 
 #[test]
@@ -41,16 +40,16 @@ fn a_lost_rank_rejoins_point_to_point_and_strangers_are_refused() {
     let port = l.local_addr().expect("addr").port();
     let mut c0 = cfg(0, port);
     c0.rejoin = Rejoin::Accept;
-    let master = thread::spawn(move || Communicator::connect_with_listener(c0, l));
+    let master = thread::spawn(move || TcpGroup::connect_with_listener(c0, l));
     let (tx, rx) = mpsc::channel();
     for r in [1, 2] {
         let tx = tx.clone();
         thread::spawn(move || {
-            let _ = tx.send((r, Communicator::connect(cfg(r, port))));
+            let _ = tx.send((r, TcpGroup::connect(cfg(r, port))));
         });
     }
     let rank0 = master.join().expect("rank 0").expect("rank 0 connects");
-    let mut others: Vec<(usize, Communicator)> = (0..2)
+    let mut others: Vec<(usize, TcpGroup)> = (0..2)
         .map(|_| {
             let (r, c) = rx.recv_timeout(Duration::from_secs(20)).expect("rank");
             (r, c.expect("connects"))

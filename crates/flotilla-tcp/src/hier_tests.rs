@@ -1,5 +1,5 @@
 //! The hierarchical all-reduce on emulated hosts: ranks as threads over in-memory links,
-//! each reporting the host key it is given (`Communicator::in_memory_on`), ranks of one key
+//! each reporting the host key it is given (`TcpGroup::in_memory_on`), ranks of one key
 //! sharing real segments. Bitwise the serial reference of the documented order (two hosts of
 //! three ranks, so that an order of additions other than each host's left-to-right sum
 //! shows in the bits: then the two added), every rank bit-identical, within
@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 
 use flotilla_group::{CommStats, ProcessGroup};
 
-use crate::{CommConfig, Communicator, Hierarchical};
+use crate::{CommConfig, Hierarchical, TcpGroup};
 
 /// Each rank's result and its traffic during the all-reduces.
 type Outcome = (Vec<Vec<u32>>, CommStats);
@@ -45,7 +45,7 @@ fn cfg(h: Hierarchical) -> CommConfig {
 /// returns every rank's results (as bits) and its traffic.
 fn run(hosts: &[&str], c: CommConfig, lens: &[usize]) -> Vec<Outcome> {
     let keys = hosts.iter().map(|h| format!("host-{h}")).collect();
-    let comms = Communicator::in_memory_on(keys, c).expect("world");
+    let comms = TcpGroup::in_memory_on(keys, c).expect("world");
     let lens: Arc<[usize]> = lens.into();
     let (tx, rx) = mpsc::channel();
     for (r, comm) in comms.into_iter().enumerate() {
@@ -204,7 +204,7 @@ fn uneven_hosts_and_one_rank_per_host_stay_flat_bit_for_bit() {
 fn buckets_started_back_to_back_are_hierarchical_and_in_order() {
     let hosts = ["a", "b", "a", "b", "a", "b"];
     let keys = hosts.iter().map(|h| format!("host-{h}")).collect();
-    let comms = Communicator::in_memory_on(keys, cfg(Hierarchical::Auto)).expect("world");
+    let comms = TcpGroup::in_memory_on(keys, cfg(Hierarchical::Auto)).expect("world");
     let lens = [1001usize, 300_001, 5];
     let (tx, rx) = mpsc::channel();
     for (r, comm) in comms.into_iter().enumerate() {

@@ -25,7 +25,7 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommError, Communicator, ProcessGroup};
+use flotilla_tcp::{CommError, ProcessGroup, TcpGroup};
 
 /// The variable that makes `child_rank` a rank: the directory of its report.
 const OUT: &str = "FLOTILLA_TEST_MNTNS_OUT";
@@ -44,7 +44,7 @@ fn identity(p: &str) -> String {
 /// A rank's collectives: each case of [`LENS`] all-reduced, a broadcast from rank 1, a
 /// barrier; the results' bits, one case a line, and the bytes that went through shared
 /// memory.
-fn collectives(comm: &Communicator) -> Result<String, CommError> {
+fn collectives(comm: &TcpGroup) -> Result<String, CommError> {
     let r = comm.rank();
     let mut lines = Vec::new();
     for (case, &len) in LENS.iter().enumerate() {
@@ -77,7 +77,7 @@ fn child_rank() {
     };
     let rank = std::env::var("RANK").expect("RANK");
     let c = common::child_config();
-    let result = Communicator::connect(c).and_then(|comm| collectives(&comm));
+    let result = TcpGroup::connect(c).and_then(|comm| collectives(&comm));
     let body = match result {
         Ok(lines) => format!("ok\n{lines}"),
         Err(e) => format!("error {e}"),

@@ -1,4 +1,4 @@
-//! TLS end to end in one process: every rank is a thread with its own Communicator over
+//! TLS end to end in one process: every rank is a thread with its own TcpGroup over
 //! 127.0.0.1, each connection (rendezvous and mesh) wrapped in mutual TLS; a relay between
 //! two ranks sees only TLS records.
 
@@ -8,10 +8,10 @@ use std::path::{Path, PathBuf};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::frame::{FrameHeader, HEADER_LEN, Op, channel};
-use flotilla_comm::{
-    CommConfig, CommError, Communicator, PeerName, ProcessGroup, RendezvousError, Secret,
-    TlsConfig, TlsFiles, Transport,
+use flotilla_tcp::frame::{FrameHeader, HEADER_LEN, Op, channel};
+use flotilla_tcp::{
+    CommConfig, CommError, PeerName, ProcessGroup, RendezvousError, Secret, TcpGroup, TlsConfig,
+    TlsFiles, Transport,
 };
 
 fn tempdir(tag: &str) -> PathBuf {
@@ -67,7 +67,7 @@ fn base(rank: Option<usize>, n: usize, port: u16) -> CommConfig {
 }
 
 /// The error of a connect that must fail.
-fn refused(r: Result<Communicator, CommError>, what: &str) -> CommError {
+fn refused(r: Result<TcpGroup, CommError>, what: &str) -> CommError {
     match r {
         Ok(_) => panic!("{what}: connected"),
         Err(e) => e,
@@ -98,8 +98,8 @@ fn a_tls_world_reduces_exactly() {
             let l = if r == 0 { l.take() } else { None };
             thread::spawn(move || {
                 let c = match l {
-                    Some(l) => Communicator::connect_with_listener(cfg, l)?,
-                    None => Communicator::connect(cfg)?,
+                    Some(l) => TcpGroup::connect_with_listener(cfg, l)?,
+                    None => TcpGroup::connect(cfg)?,
                 };
                 let mut v: Vec<f32> = (0..300_000).map(|i| ((i + r) % 7) as f32).collect();
                 c.all_reduce_sum(&mut v)?;
@@ -128,10 +128,10 @@ fn strangers_never_break_a_tls_job() {
     let (l, port) = master_listener();
     let cfg = base(Some(0), 2, port).with_tls(Some(tls.clone()));
     let master = thread::spawn(move || {
-        Communicator::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(10))
+        TcpGroup::connect_with_listener(cfg, l).and_then(|c| c.all_gather_u64(10))
     });
     let e = refused(
-        Communicator::connect(base(None, 2, port).with_tls(Some(foreign))),
+        TcpGroup::connect(base(None, 2, port).with_tls(Some(foreign))),
         "another CA is refused",
     );
     assert!(
@@ -143,7 +143,7 @@ fn strangers_never_break_a_tls_job() {
     );
     assert!(e.to_string().contains("not signed by this job's CA"), "{e}");
     let e = refused(
-        Communicator::connect(base(None, 2, port).with_insecure(true)),
+        TcpGroup::connect(base(None, 2, port).with_insecure(true)),
         "no TLS is refused",
     );
     assert!(
@@ -154,7 +154,7 @@ fn strangers_never_break_a_tls_job() {
         "{e}"
     );
     assert!(e.to_string().contains("FLOTILLA_TLS_CA"), "{e}");
-    let rank1 = Communicator::connect(base(Some(1), 2, port).with_tls(Some(tls)))
+    let rank1 = TcpGroup::connect(base(Some(1), 2, port).with_tls(Some(tls)))
         .and_then(|c| c.all_gather_u64(11));
     assert_eq!(rank1.expect("rank 1"), vec![10, 11]);
     assert_eq!(
@@ -175,9 +175,9 @@ fn a_tls_rank_at_a_plain_job_is_refused_and_named() {
     let cfg = base(Some(0), 2, port)
         .with_join_timeout(Duration::from_millis(1500))
         .with_insecure(true);
-    let master = thread::spawn(move || Communicator::connect_with_listener(cfg, l).map(|_| ()));
+    let master = thread::spawn(move || TcpGroup::connect_with_listener(cfg, l).map(|_| ()));
     let e = refused(
-        Communicator::connect(base(Some(1), 2, port).with_tls(Some(tls))),
+        TcpGroup::connect(base(Some(1), 2, port).with_tls(Some(tls))),
         "refused",
     );
     assert!(e.to_string().contains("does not speak TLS"), "{e}");
@@ -262,8 +262,8 @@ fn plaintext(r: usize) -> Vec<u8> {
 fn start_rank(cfg: CommConfig, listener: Option<TcpListener>) -> Rank {
     thread::spawn(move || {
         let c = match listener {
-            Some(l) => Communicator::connect_with_listener(cfg, l)?,
-            None => Communicator::connect(cfg)?,
+            Some(l) => TcpGroup::connect_with_listener(cfg, l)?,
+            None => TcpGroup::connect(cfg)?,
         };
         let r = c.rank();
         let mut v: Vec<f32> = (0..VALUES).map(|i| ((i + r) % 7) as f32).collect();

@@ -16,7 +16,7 @@ use std::sync::{Arc, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Secret, Transport};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, Secret, TcpGroup, Transport};
 
 const TEST_DEADLINE: Duration = Duration::from_secs(60);
 /// Slots of 4 KiB (1024 floats): the lengths below span several chunks.
@@ -26,8 +26,7 @@ const LENGTHS: [usize; 6] = [0, 1, 7, 1023, 1024, 5 * 1024 + 13];
 fn cfg(n: usize, transport: Transport) -> CommConfig {
     CommConfig::new(Some(0), n)
         .with_secret(Some(
-            flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec())
-                .expect("secret"),
+            flotilla_tcp::Secret::new(b"flotilla-test-secret-0123456789".to_vec()).expect("secret"),
         ))
         .with_timeout(Duration::from_secs(10))
         .with_join_timeout(Duration::from_secs(20))
@@ -40,11 +39,11 @@ fn cfg(n: usize, transport: Transport) -> CommConfig {
 fn world<T, F>(n: usize, tcp: bool, c: CommConfig, body: F) -> Vec<T>
 where
     T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+    F: Fn(TcpGroup) -> Result<T, CommError> + Send + Sync + 'static,
 {
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel();
-    let comms: Vec<Box<dyn FnOnce() -> Result<Communicator, CommError> + Send>> = if tcp {
+    let comms: Vec<Box<dyn FnOnce() -> Result<TcpGroup, CommError> + Send>> = if tcp {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind");
         let port = l.local_addr().expect("addr").port();
         let mut l = Some(l);
@@ -54,13 +53,13 @@ where
                 c.rank = Some(r);
                 let l = l.take().filter(|_| r == 0);
                 Box::new(move || match l {
-                    Some(l) => Communicator::connect_with_listener(c, l),
-                    None => Communicator::connect(c),
+                    Some(l) => TcpGroup::connect_with_listener(c, l),
+                    None => TcpGroup::connect(c),
                 }) as Box<dyn FnOnce() -> _ + Send>
             })
             .collect()
     } else {
-        Communicator::in_memory(n, c)
+        TcpGroup::in_memory(n, c)
             .expect("in-memory world")
             .into_iter()
             .map(|c| Box::new(move || Ok(c)) as Box<dyn FnOnce() -> _ + Send>)
@@ -417,7 +416,7 @@ fn child_rank() {
     let mut c = common::child_config();
     c.timeout = Duration::from_secs(if mode == "hold" { 60 } else { 3 });
     c.transport = Transport::Shm;
-    let comm = Communicator::connect(c).expect("child connects");
+    let comm = TcpGroup::connect(c).expect("child connects");
     if mode == "hold" && comm.rank() == 1 {
         // Rank 0 waits in the setup of the first all-reduce, its segment's file created.
         thread::sleep(Duration::from_secs(60));
@@ -602,7 +601,7 @@ fn secret() -> Secret {
 /// result.
 fn pair<T: Send + 'static>(
     cfgs: [CommConfig; 2],
-    body: fn(&Communicator) -> Result<T, CommError>,
+    body: fn(&TcpGroup) -> Result<T, CommError>,
 ) -> Vec<Result<T, CommError>> {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
     let port = l.local_addr().expect("addr").port();
@@ -614,8 +613,8 @@ fn pair<T: Send + 'static>(
         let (tx, l) = (tx.clone(), l.take().filter(|_| r == 0));
         thread::spawn(move || {
             let comm = match l {
-                Some(l) => Communicator::connect_with_listener(c, l),
-                None => Communicator::connect(c),
+                Some(l) => TcpGroup::connect_with_listener(c, l),
+                None => TcpGroup::connect(c),
             };
             let _ = tx.send((r, comm.and_then(|c| body(&c))));
         });

@@ -6,7 +6,7 @@ use std::net::TcpListener;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup, Secret};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, Secret, TcpGroup};
 
 fn free_port() -> u16 {
     let l = TcpListener::bind("127.0.0.1:0").expect("bind");
@@ -21,7 +21,7 @@ fn a_tcp_rank_without_a_secret_refuses_at_once_without_touching_the_network() {
             .with_master("127.0.0.1", port)
             .with_join_timeout(Duration::from_secs(30));
         let t = Instant::now();
-        let e = Communicator::connect(cfg).err();
+        let e = TcpGroup::connect(cfg).err();
         let elapsed = t.elapsed();
         let Some(CommError::Config(msg)) = e else {
             panic!("rank {rank:?}: expected a refusal, got {e:?}");
@@ -42,7 +42,7 @@ fn a_tcp_rank_without_a_secret_refuses_at_once_without_touching_the_network() {
 
 #[test]
 fn the_in_memory_transport_needs_no_secret_and_insecure_opts_out() {
-    let comms = Communicator::in_memory(2, CommConfig::new(Some(0), 2)).expect("in memory");
+    let comms = TcpGroup::in_memory(2, CommConfig::new(Some(0), 2)).expect("in memory");
     let handles: Vec<_> = comms
         .into_iter()
         .map(|c| thread::spawn(move || c.all_gather_u64(c.rank() as u64 + 5)))
@@ -60,9 +60,9 @@ fn the_in_memory_transport_needs_no_secret_and_insecure_opts_out() {
     };
     let (c0, c1) = (cfg(0), cfg(1));
     let rank0 = thread::spawn(move || {
-        Communicator::connect_with_listener(c0, l).and_then(|c| c.all_gather_u64(1))
+        TcpGroup::connect_with_listener(c0, l).and_then(|c| c.all_gather_u64(1))
     });
-    let rank1 = Communicator::connect(c1).and_then(|c| c.all_gather_u64(2));
+    let rank1 = TcpGroup::connect(c1).and_then(|c| c.all_gather_u64(2));
     assert_eq!(rank1.expect("insecure rank 1"), vec![1, 2]);
     assert_eq!(rank0.join().expect("thread").expect("rank 0"), vec![1, 2]);
 }

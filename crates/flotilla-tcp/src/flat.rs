@@ -2,7 +2,7 @@
 //! segment when its members share a host, else a TCP algorithm picked by size (recursive
 //! doubling, Rabenseifner's halving and doubling, the pipelined ring); and the broadcast
 //! and barrier over the segment. A group whose members could not share their segment
-//! (`shm/setup.rs`) runs the TCP algorithms instead. `comm.rs` runs them in a group's turn;
+//! (`shm/setup.rs`) runs the TCP algorithms instead. `tcp_group.rs` runs them in a group's turn;
 //! `hier.rs` runs them on the sub-groups of a hierarchical all-reduce.
 
 use std::sync::atomic::Ordering;

@@ -13,7 +13,7 @@ mod common;
 use std::time::Duration;
 
 use common::{ok, world};
-use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat, shard};
+use flotilla_tcp::{CommConfig, ProcessGroup, Transport, WireFormat, shard};
 
 fn cfg(n: usize) -> CommConfig {
     // Every all-reduce on the TCP ring (no doubling, no Rabenseifner), in small chunks so

@@ -8,7 +8,7 @@ use std::sync::mpsc;
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, Communicator, ProcessGroup};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, TcpGroup};
 
 /// How long a test world may take before the test fails as hung.
 pub const TEST_DEADLINE: Duration = Duration::from_secs(30);
@@ -18,7 +18,7 @@ pub const TEST_DEADLINE: Duration = Duration::from_secs(30);
 pub fn world<T, F>(n: usize, tcp: bool, c: CommConfig, body: F) -> Vec<Result<T, CommError>>
 where
     T: Send + 'static,
-    F: Fn(Communicator) -> Result<T, CommError> + Send + Sync + 'static,
+    F: Fn(TcpGroup) -> Result<T, CommError> + Send + Sync + 'static,
 {
     let body = Arc::new(body);
     let (tx, rx) = mpsc::channel();
@@ -35,14 +35,14 @@ where
             let (tx, body, l) = (tx.clone(), body.clone(), l.take().filter(|_| r == 0));
             thread::spawn(move || {
                 let comm = match l {
-                    Some(l) => Communicator::connect_with_listener(c, l),
-                    None => Communicator::connect(c),
+                    Some(l) => TcpGroup::connect_with_listener(c, l),
+                    None => TcpGroup::connect(c),
                 };
                 let _ = tx.send((r, comm.and_then(|c| body(c))));
             });
         }
     } else {
-        let comms = Communicator::in_memory(n, c).expect("in-memory world");
+        let comms = TcpGroup::in_memory(n, c).expect("in-memory world");
         for (r, comm) in comms.into_iter().enumerate() {
             let (tx, body) = (tx.clone(), body.clone());
             thread::spawn(move || {
@@ -61,8 +61,8 @@ where
 }
 
 /// The secret of the tests' TCP worlds (every rank the same; a TCP rank refuses without one).
-pub fn test_secret() -> flotilla_comm::Secret {
-    flotilla_comm::Secret::new(b"flotilla-test-secret-0123456789".to_vec()).expect("secret")
+pub fn test_secret() -> flotilla_tcp::Secret {
+    flotilla_tcp::Secret::new(b"flotilla-test-secret-0123456789".to_vec()).expect("secret")
 }
 
 /// Every rank's result, or a panic naming the first rank that failed.
@@ -154,7 +154,7 @@ pub fn child_config() -> CommConfig {
             var("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".into()),
             number("MASTER_PORT").expect("MASTER_PORT") as u16,
         )
-        .with_secret(flotilla_comm::Secret::from_env().expect("the secret"));
+        .with_secret(flotilla_tcp::Secret::from_env().expect("the secret"));
     if let Some(s) = number("CHILD_TIMEOUT_SECS") {
         c.timeout = Duration::from_secs(s);
     }

@@ -25,7 +25,7 @@ use std::sync::{Mutex, MutexGuard, mpsc};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{Communicator, ProcessGroup};
+use flotilla_tcp::{ProcessGroup, TcpGroup};
 
 /// The variable that makes `child_rank` a rank: its mode (`sums` or `loop`).
 const CHILD: &str = "FLOTILLA_TEST_HIER_CHILD";
@@ -175,7 +175,7 @@ fn child_rank() {
         return;
     };
     let c = common::child_config();
-    let comm = Communicator::connect(c).expect("child connects");
+    let comm = TcpGroup::connect(c).expect("child connects");
     let r = comm.rank();
     if mode == "loop" {
         let mut buf = vec![1.0f32; 300_000];

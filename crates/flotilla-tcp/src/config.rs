@@ -1,4 +1,4 @@
-//! Communicator configuration.
+//! TcpGroup configuration.
 
 use std::fmt;
 use std::path::PathBuf;
@@ -139,7 +139,7 @@ impl fmt::Display for Hierarchical {
     }
 }
 
-/// Configuration of a [`crate::Communicator`].
+/// Configuration of a [`crate::TcpGroup`].
 ///
 /// Build it with [`CommConfig::new`] and the `with_*` methods, or fill the public fields
 /// directly. A program started by a launcher gets one from the settings of the environment

@@ -8,8 +8,8 @@ mod common;
 use std::time::Duration;
 
 use common::world;
-use flotilla_comm::{CommConfig, ProcessGroup};
 use flotilla_group::bench::{BenchOptions, measure_allreduce};
+use flotilla_tcp::{CommConfig, ProcessGroup};
 
 fn opts(iters: usize) -> BenchOptions {
     BenchOptions {

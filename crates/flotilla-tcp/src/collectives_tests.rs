@@ -9,20 +9,20 @@ use std::time::{Duration, Instant};
 use flotilla_group::{CommError, ProcessGroup};
 
 use crate::frame::{Op, channel};
-use crate::{CommConfig, Communicator};
+use crate::{CommConfig, TcpGroup};
 
 const CHUNK: usize = 64 << 10;
 
 /// A world of two (rank 0 the forger) whose chain broadcast moves `CHUNK`-byte chunks.
-fn world() -> Vec<Communicator> {
+fn world() -> Vec<TcpGroup> {
     let cfg = CommConfig::new(Some(0), 2)
         .with_timeout(Duration::from_secs(1))
         .with_chunk_bytes(CHUNK);
-    Communicator::in_memory(2, cfg).expect("world")
+    TcpGroup::in_memory(2, cfg).expect("world")
 }
 
 /// Writes frame `tag` of the world's first collective (a broadcast) from rank 0 to rank 1.
-fn forge(comms: &[Communicator], tag: u32, payload: &[u8]) {
+fn forge(comms: &[TcpGroup], tag: u32, payload: &[u8]) {
     let w = comms[0].world();
     let conn = w.conn(1).expect("link to rank 1");
     w.handle

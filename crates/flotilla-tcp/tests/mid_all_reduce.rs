@@ -11,7 +11,7 @@ use std::thread;
 use std::time::Duration;
 
 use common::{assert_near_serial_sum, dead_peer_is_named, f32_tolerance, mix, ok, value, world};
-use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
+use flotilla_tcp::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Up to this many bytes: recursive doubling.
 const SMALL: usize = 4 << 10;

@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use flotilla_comm::{CommConfig, CommError, ProcessGroup, Secret};
+use flotilla_tcp::{CommConfig, CommError, ProcessGroup, Secret};
 
 const LIMIT: usize = 4 << 20;
 

@@ -1,10 +1,10 @@
-//! flotilla-comm: Flotilla's TCP transport (with shared memory between ranks of one host),
+//! flotilla-tcp: Flotilla's TCP transport (with shared memory between ranks of one host),
 //! one backend of the process-group interface (`flotilla_group`).
 //!
 //! It moves flat `f32` buffers and bytes between the processes of a training job and never
 //! depends on the tensor engine. The API is blocking (one training thread per process); a
-//! small tokio runtime owned by each [`Communicator`] does the I/O. The interface itself
-//! ([`ProcessGroup`], [`CommError`], the cycle, the stall inspector,
+//! small tokio runtime owned by each [`TcpGroup`] does the I/O. The interface itself
+//! ([`ProcessGroup`], [`CommError`], the stall inspector,
 //! [`bench`](mod@bench)) lives in `flotilla_group`; this crate re-exports what its users
 //! name.
 //!
@@ -16,8 +16,8 @@
 //!   ranks then build a full mesh. With TLS ([`tls`]), every connection is first wrapped in
 //!   mutual TLS (certificates of the cluster CA); with a cluster [`Secret`], every connection
 //!   then proves both ends hold it (a mutual HMAC challenge-response). See [`CommConfig`].
-//! * [`Communicator`] implements [`ProcessGroup`] over TCP, or over in-memory links between
-//!   threads ([`Communicator::in_memory`]): collectives (barrier, broadcast, all-gather, the
+//! * [`TcpGroup`] implements [`ProcessGroup`] over TCP, or over in-memory links between
+//!   threads ([`TcpGroup::in_memory`]): collectives (barrier, broadcast, all-gather, the
 //!   `f32` all-reduce — recursive doubling up to [`CommConfig::small_all_reduce_bytes`],
 //!   Rabenseifner's halving and doubling up to [`CommConfig::mid_all_reduce_bytes`] (on a
 //!   power-of-two group), the pipelined ring above — and its non-blocking form for overlapping gradient buckets
@@ -26,7 +26,7 @@
 //!   the same connections.
 //! * Shared memory (`shm`): the `f32` all-reduce and broadcast of a group whose members all
 //!   share this host (host keys exchanged at the rendezvous; threads of
-//!   [`Communicator::in_memory`] share one) go through a shared segment instead
+//!   [`TcpGroup::in_memory`] share one) go through a shared segment instead
 //!   ([`Transport`], [`CommConfig::shm_dir`]); everything else stays on the connections.
 //! * Hierarchical all-reduce (`hier`): a group spanning several hosts with the same number
 //!   `k > 1` of its ranks on each sums inside each host over shared memory, across hosts over
@@ -34,17 +34,17 @@
 //!   ([`Hierarchical`]); [`CommStats::bytes_sent_inter_host`] counts what crossed hosts.
 //!
 //! All members of a group must issue its collectives in the same order; see
-//! [`flotilla_group::group`] for the ordering invariant and [`Communicator`] for the failure
+//! [`flotilla_group::group`] for the ordering invariant and [`TcpGroup`] for the failure
 //! model.
 //!
 //! ```no_run
-//! use flotilla_comm::{CommConfig, Communicator, ProcessGroup, Secret};
+//! use flotilla_tcp::{CommConfig, TcpGroup, ProcessGroup, Secret};
 //! // Rank 1 of 2; rank 0 listens at 127.0.0.1:29500 (the default).
 //! let secret = Secret::from_env()?.expect("FLOTILLA_SECRET or FLOTILLA_SECRET_FILE");
-//! let comm = Communicator::connect(CommConfig::new(Some(1), 2).with_secret(Some(secret)))?;
+//! let comm = TcpGroup::connect(CommConfig::new(Some(1), 2).with_secret(Some(secret)))?;
 //! let mut grads = vec![1.0f32; 1024];
 //! comm.all_reduce_sum(&mut grads)?;
-//! # Ok::<(), flotilla_comm::CommError>(())
+//! # Ok::<(), flotilla_tcp::CommError>(())
 //! ```
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
@@ -54,7 +54,6 @@ mod buf;
 mod collectives;
 #[cfg(test)]
 mod collectives_tests;
-mod comm;
 mod config;
 mod conn;
 mod doubling;
@@ -79,20 +78,19 @@ mod secret;
 mod segment;
 mod shm;
 mod stream;
+mod tcp_group;
 pub mod tls;
 mod wire;
 mod world;
 
-pub use comm::Communicator;
 pub use config::{
     CommConfig, Compression, DEFAULT_MASTER_PORT, DEFAULT_MID_ALL_REDUCE_BYTES,
     DEFAULT_SHM_CHUNK_BYTES, DEFAULT_SMALL_ALL_REDUCE_BYTES, Hierarchical, Rejoin, Transport,
     WireFormat,
 };
 pub use flotilla_group::{
-    CommError, CommStats, CycleConfig, CycleReducer, CycleStats, PeerName, Pending,
-    PendingAllReduce, ProcessGroup, ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag,
-    WeightHistory, bench, shard, tags,
+    CommError, CommStats, PeerName, Pending, PendingAllReduce, ProcessGroup, ReduceOp,
+    RendezvousError, StallPolicy, StallWatcher, Tag, bench, shard, tags,
 };
 pub use inherited::LISTEN_FD_ENV;
 pub use rendezvous::announce::{PORT_ANNOUNCEMENT, announced_port};
@@ -100,4 +98,5 @@ pub use secret::{
     HOW_TO_MAKE_A_SECRET, INSECURE_ENV, MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES, SECRET_ENV,
     SECRET_FILE_ENV, Secret, TOKEN_ENV,
 };
+pub use tcp_group::TcpGroup;
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

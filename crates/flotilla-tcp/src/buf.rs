@@ -5,7 +5,7 @@ use std::sync::{Arc, Mutex};
 
 #[cfg(not(target_endian = "little"))]
 compile_error!(
-    "flotilla-comm sends f32 in native byte order and supports little-endian targets only"
+    "flotilla-tcp sends f32 in native byte order and supports little-endian targets only"
 );
 
 /// Views an `f32` slice as its little-endian bytes (no copy).

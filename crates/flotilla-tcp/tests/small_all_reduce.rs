@@ -9,7 +9,7 @@ use std::thread;
 use std::time::Duration;
 
 use common::{assert_near_serial_sum, dead_peer_is_named, f32_tolerance, mix, ok, value, world};
-use flotilla_comm::{CommConfig, ProcessGroup, Transport, WireFormat};
+use flotilla_tcp::{CommConfig, ProcessGroup, Transport, WireFormat};
 
 /// Every f32 all-reduce of the tests fits under this threshold.
 const SMALL: usize = 64 << 10;
