@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use mpi::Threading;
 use mpi::environment::Universe;
-use mpi::traits::TcpGroup as _;
+use mpi::traits::Communicator as _;
 
 use flotilla_group::{CommError, CommStats};
 
