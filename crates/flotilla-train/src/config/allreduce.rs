@@ -60,7 +60,8 @@ pub struct AllReduceSection {
     /// Clip the averaged gradient to this global L2 norm before the optimizer step
     /// (PyTorch's `clip_grad_norm_`: scaled by `min(1, max / (norm + 1e-6))`), the norm over
     /// every parameter also under ZeRO and across pipeline stages; async: each applied
-    /// (stale) average. None: no clipping.
+    /// (stale) average; a parameter server holding every parameter: each mean gradient it
+    /// applies. None: no clipping.
     pub clip_grad_norm: Option<f64>,
     /// Async: time between the starts of two background cycles, in milliseconds.
     pub cycle_duration_ms: f64,

@@ -206,7 +206,8 @@ impl TrainConfig {
 
 impl TrainConfig {
     /// Gradient accumulation and clipping by global norm: in range, and clipping only where
-    /// a strategy does it (all-reduce, sync with any `zero` or async, and pipelines; every
+    /// a strategy does it (all-reduce, sync with any `zero` or async; pipelines; a parameter
+    /// server holding every parameter, which clips each mean gradient it applies; every
     /// strategy accumulates).
     fn check_step_shaping(&self) -> Result<()> {
         let a = &self.allreduce;
@@ -220,18 +221,22 @@ impl TrainConfig {
             return Ok(());
         };
         positive("allreduce.clip_grad_norm", max, "norm")?;
-        if matches!(self.topology.arch, Arch::Allreduce | Arch::Pipeline) {
-            return Ok(());
-        }
-        Err(bad(
-            "allreduce.clip_grad_norm",
-            format!(
-                "runs in data-parallel all-reduce (sync with any zero, or async) and \
-                 pipelines, not under parameter servers (here arch {}: the norm of a step \
-                 spans the shard servers' slices)",
-                self.topology.arch
+        let t = &self.topology;
+        let why = match t.arch {
+            Arch::Allreduce | Arch::Pipeline => return Ok(()),
+            _ if t.local_steps > 1 => format!(
+                "is not done under model averaging (topology.local_steps {}: workers step \
+                 their own optimizers and push weight deltas, not gradients)",
+                t.local_steps
             ),
-        ))
+            Arch::Flat if t.servers > 1 => format!(
+                "runs at a parameter server that holds every parameter, not over {} shard \
+                 servers (topology.servers: the norm of a step spans every shard's slice)",
+                t.servers
+            ),
+            _ => return Ok(()),
+        };
+        Err(bad("allreduce.clip_grad_norm", why))
     }
 }
 
@@ -275,13 +280,17 @@ mod tests {
             "clip_grad_norm: 1.0\nzero: 2\n",
             "clip_grad_norm: 1.0\nstrategy: pipeline\n",
             "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
+            "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+            "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\n",
+            "clip_grad_norm: 1.0\nstrategy: ps_hierarchical\n",
         ] {
             check(yaml).expect(yaml);
         }
         for yaml in [
             "clip_grad_norm: 0\n",
             "clip_grad_norm: -1\n",
-            "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+            "clip_grad_norm: 1.0\narch: flat\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+            "clip_grad_norm: 1.0\narch: flat\nlocal_steps: 4\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
         ] {
             let e = check(yaml).expect_err(yaml).to_string();
             assert!(e.contains("allreduce.clip_grad_norm"), "{yaml}: {e}");

@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use flotilla_engine::Engine;
 
 use super::{PsContext, send};
+use crate::strategy::allreduce::clip::{scale_to, square_sum};
 use crate::error::{Result, TrainError};
 use flotilla_ps::{
     Accumulator, Admission, Event, Inbox, Mean, PsMessage, Refusal, admit, check_samples,
@@ -92,6 +93,9 @@ pub(crate) struct Model {
     full: Vec<f32>,
     grad: Vec<f32>,
     range: Range<usize>,
+    /// Clips each applied mean gradient to this global norm (a server holding every
+    /// parameter: the norm is its gradient's).
+    clip: Option<f64>,
 }
 
 impl Model {
@@ -108,7 +112,32 @@ impl Model {
             full,
             grad: vec![0.0; n],
             range,
+            clip: None,
         })
+    }
+
+    /// `self` clipping each applied mean gradient to global norm `max`
+    /// (`allreduce.clip_grad_norm`), as sync all-reduce clips the averaged gradient. Only a
+    /// server holding every parameter can: a shard's norm is not the step's.
+    pub(crate) fn clipping(mut self, max: Option<f64>) -> Result<Self> {
+        if max.is_some() && self.range.len() != self.full.len() {
+            return Err(TrainError::config(
+                "allreduce.clip_grad_norm",
+                format!(
+                    "a shard server holds {} of the {} parameters: the norm of a step spans \
+                     every shard",
+                    self.range.len(),
+                    self.full.len()
+                ),
+            ));
+        }
+        self.clip = max;
+        Ok(self)
+    }
+
+    /// The global norm this server clips to, if it does.
+    pub(crate) fn clip(&self) -> Option<f64> {
+        self.clip
     }
 
     /// Values in the shard.
@@ -131,8 +160,8 @@ impl Model {
         self.params.encoded()
     }
 
-    /// Applies a mean push to the shard: a gradient through `engine`'s optimizer (zero
-    /// outside the shard), a weight delta (model averaging) by addition. New parameters that
+    /// Applies a mean push to the shard: a gradient (clipped, when the server clips) through
+    /// `engine`'s optimizer (zero outside the shard), a weight delta (model averaging) by addition. New parameters that
     /// are not all finite are refused: the shard keeps its parameters and version (the
     /// optimizer's state has taken the step) and the reason is returned.
     pub(crate) fn apply(
@@ -152,7 +181,11 @@ impl Model {
                 *f = p + d;
             }
         } else {
-            self.grad[range.clone()].copy_from_slice(&mean.values);
+            let grad = &mut self.grad[range.clone()];
+            grad.copy_from_slice(&mean.values);
+            if let Some(max) = self.clip {
+                scale_to(grad, square_sum(grad).sqrt(), max);
+            }
             engine.apply_grads(&self.grad, lr)?;
             engine.read_params(&mut self.full)?;
         }

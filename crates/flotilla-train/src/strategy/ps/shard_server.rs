@@ -141,7 +141,8 @@ impl ShardServer {
     ) -> Result<Self> {
         let (children, sync) = (&place.role.children, place.sync);
         let is_root = shard.index == 0;
-        let model = Model::new(&*engine, shard.range())?;
+        let clip = cx.config.allreduce.clip_grad_norm;
+        let model = Model::new(&*engine, shard.range())?.clipping(clip)?;
         let n = model.len();
         let active: BTreeSet<usize> = children.iter().copied().collect();
         let shard_inbox = (is_root && shard.servers.len() > 1)
@@ -226,7 +227,8 @@ impl ShardServer {
         } else {
             self.children.len().max(1) as u64
         };
-        self.model = Model::new(&*self.engine, self.shard.range())?;
+        let clip = self.model.clip();
+        self.model = Model::new(&*self.engine, self.shard.range())?.clipping(clip)?;
         self.rounds = rounds;
         self.updates = rounds * per_round;
         self.model.set_version(self.updates);
