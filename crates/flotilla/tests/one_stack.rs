@@ -490,7 +490,10 @@ fn clipping_by_global_norm() {
         &[],
     );
     let e = relative_error(&ps, &two);
-    assert!(e <= 1e-5, "clipped: flat sync PS vs all-reduce: relative error {e}");
+    assert!(
+        e <= 1e-5,
+        "clipped: flat sync PS vs all-reduce: relative error {e}"
+    );
     // A pipeline: the norm over both stages' gradients (shares summed in stage order), and
     // accumulation as twice the micro-batches.
     let pipe =

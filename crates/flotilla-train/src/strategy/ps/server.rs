@@ -10,8 +10,8 @@ use std::time::{Duration, Instant};
 use flotilla_engine::Engine;
 
 use super::{PsContext, send};
-use crate::strategy::allreduce::clip::{scale_to, square_sum};
 use crate::error::{Result, TrainError};
+use crate::strategy::allreduce::clip::{scale_to, square_sum};
 use flotilla_ps::{
     Accumulator, Admission, Event, Inbox, Mean, PsMessage, Refusal, admit, check_samples,
     encode_params,
