@@ -282,7 +282,7 @@ mod tests {
             "clip_grad_norm: 1.0\nstrategy: async_allreduce\n",
             "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
             "clip_grad_norm: 1.0\narch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\n",
-            "clip_grad_norm: 1.0\nstrategy: ps_hierarchical\n",
+            "clip_grad_norm: 1.0\narch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: [{aggr_type: async, num_workers: 2}]}\n",
         ] {
             check(yaml).expect(yaml);
         }
