@@ -422,8 +422,7 @@ fn gradient_accumulation() {
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
 /// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
 /// and ZeRO-2 (the norm summed from the ranks' shards) give the bits of plain all-reduce,
-/// and the user's module and async all-reduce with `staleness: 0` the bits of sync; a sync
-/// parameter server's 2 workers train as 2 all-reduce ranks (to rounding). So do 2 pipeline stages of 2
+/// and the user's module and async all-reduce with `staleness: 0` the bits of sync. So do 2 pipeline stages of 2
 /// accumulated batches of 32 in 2 micro-batches each (to rounding; the program's stage
 /// modules: the spec's bits).
 #[test]
@@ -481,19 +480,6 @@ fn clipping_by_global_norm() {
         &[],
     );
     assert_bitwise("clipped: async (staleness 0) vs sync", &async_, &two);
-    // A sync parameter server holding every parameter clips each mean gradient it applies:
-    // its 2 workers train as 2 all-reduce ranks (to rounding).
-    let ps = run(
-        dir.path(),
-        "ps",
-        &format!("arch: flat\nworld_size: 3\nbatch_size: 32\n{clip}"),
-        &[],
-    );
-    let e = relative_error(&ps, &two);
-    assert!(
-        e <= 1e-5,
-        "clipped: flat sync PS vs all-reduce: relative error {e}"
-    );
     // A pipeline: the norm over both stages' gradients (shares summed in stage order), and
     // accumulation as twice the micro-batches.
     let pipe =
@@ -513,4 +499,29 @@ fn clipping_by_global_norm() {
         &["--", exe],
     );
     assert_bitwise("clipped pipeline: user stages vs spec", &user, &spec);
+}
+
+/// Clipping at a sync parameter server that holds every parameter: each mean gradient it
+/// applies, so its 2 workers train as 2 all-reduce ranks do (to rounding).
+#[test]
+fn clipping_at_a_parameter_server() {
+    let dir = tmp();
+    let clip = "clip_grad_norm: 0.5\nmax_steps: 50\n";
+    let two = run(
+        dir.path(),
+        "two",
+        &format!("world_size: 2\nbatch_size: 32\n{clip}"),
+        &[],
+    );
+    let ps = run(
+        dir.path(),
+        "ps",
+        &format!("arch: flat\nworld_size: 3\nbatch_size: 32\n{clip}"),
+        &[],
+    );
+    let e = relative_error(&ps, &two);
+    assert!(
+        e <= 1e-5,
+        "clipped: flat sync PS vs all-reduce: relative error {e}"
+    );
 }
