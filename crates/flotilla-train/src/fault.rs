@@ -2,7 +2,8 @@
 //! `R` misbehave after its step (or round) `S`:
 //! - `exit`: exit with code 3 (a dead rank);
 //! - `hang`: stop responding (a stuck rank);
-//! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once;
+//! - `bad_len`: a parameter-server worker pushes a gradient of the wrong length once (its
+//!   server refuses it for good, and the worker stops naming why);
 //! - `perturb`: add 0.001 to the rank's first parameter (ranks no longer agree, which the
 //!   end-of-run check must name);
 //! - `withhold`: an async all-reduce peer stops submitting its last parameter's gradient
