@@ -161,9 +161,10 @@ impl Model {
     }
 
     /// Applies a mean push to the shard: a gradient (clipped, when the server clips) through
-    /// `engine`'s optimizer (zero outside the shard), a weight delta (model averaging) by addition. New parameters that
-    /// are not all finite are refused: the shard keeps its parameters and version (the
-    /// optimizer's state has taken the step) and the reason is returned.
+    /// `engine`'s optimizer (zero outside the shard), a weight delta (model averaging) by
+    /// addition. New parameters that are not all finite are refused: the shard keeps its
+    /// parameters and version (the optimizer's state has taken the step) and the reason is
+    /// returned.
     pub(crate) fn apply(
         &mut self,
         engine: &mut dyn Engine,
