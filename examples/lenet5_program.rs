@@ -13,6 +13,8 @@
 //! model uses too: from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
 //! `forward`s instead (the same values up to rounding). `--strategy pipeline` trains its two
 //! halves as two pipeline stages (`--stages 2`, one rank each; `--data-parallel 2`: 4 ranks).
+//! `LOOP=own` runs the same training in the program's own loop (`flotilla_burn::session`);
+//! `MODEL=spec` the job's YAML model in it (`flotilla_burn::spec_session`).
 
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -162,6 +164,62 @@ fn main() -> anyhow::Result<()> {
         classifier: Classifier::new(device, burn_layers),
     })
     .with_stages(stages);
+    if std::env::var("LOOP").is_ok_and(|v| v == "own") {
+        return own_loop(&model);
+    }
+    if std::env::var("MODEL").is_ok_and(|v| v == "spec") {
+        return spec_loop();
+    }
     flotilla_burn::train(&model)?;
+    Ok(())
+}
+
+/// `MODEL=spec`: the job's YAML model (`model: lenet5`) instead of this module, in the
+/// program's own loop (`flotilla_burn::spec_session`).
+fn spec_loop() -> anyhow::Result<()> {
+    let mut run = flotilla_burn::spec_session()?;
+    while run.step()?.is_some() {}
+    run.finish()?;
+    Ok(())
+}
+
+/// `LOOP=own`: the same run in the program's own loop (`flotilla_burn::session`), which
+/// prints a line of its own every 50 steps; it trains to the same bits as
+/// `flotilla_burn::train`. `CHECKPOINT_AT=S` writes a checkpoint after step `S`, `STOP_AT=S`
+/// ends the run after step `S` (every rank decides alike).
+fn own_loop<M, F>(model: &UserModule<F>) -> anyhow::Result<()>
+where
+    M: TrainModule,
+    F: Fn(&Device) -> M,
+{
+    let at = |var: &str| -> anyhow::Result<Option<u64>> {
+        match std::env::var(var) {
+            Ok(v) => Ok(Some(
+                v.parse().map_err(|e| anyhow::anyhow!("{var}={v}: {e}"))?,
+            )),
+            Err(_) => Ok(None),
+        }
+    };
+    let (checkpoint_at, stop_at) = (at("CHECKPOINT_AT")?, at("STOP_AT")?);
+    let mut run = flotilla_burn::session(model)?;
+    while let Some(p) = run.step()? {
+        if !p.progressed {
+            continue;
+        }
+        if p.step % 50 == 0
+            && let Some(loss) = p.loss
+        {
+            println!("own loop: step {}/{} loss {loss:.4}", p.step, p.total);
+        }
+        if checkpoint_at == Some(p.step)
+            && let Some(dir) = run.checkpoint()?
+        {
+            println!("own loop: checkpoint {}", dir.display());
+        }
+        if stop_at == Some(p.step) {
+            run.stop(&format!("the program's own stop at step {}", p.step))?;
+        }
+    }
+    run.finish()?;
     Ok(())
 }

@@ -13,7 +13,10 @@
 //! `local_steps`) — is the library's one implementation, for a user's module as for a spec
 //! model: [`train`] runs the configured one on a [`UserModule`] (the module says its loss
 //! and logits through [`TrainModule`]), with checkpoints and `--resume`, the timeline,
-//! `/metrics` and the report of a config job (`examples/lenet5_program.rs`).
+//! `/metrics` and the report of a config job (`examples/lenet5_program.rs`). [`session`] is
+//! the same run for the program's own loop: `while let Some(p) = run.step()? { ... }`, with
+//! evaluation, checkpoints and a stop of its own between steps ([`Session`]);
+//! [`spec_session`] the same for the job's YAML model.
 //!
 //! For a model too big for one rank, the program cuts it into stage modules
 //! ([`StageModule`]: a forward over [`NamedTensors`]; [`UserModule::with_stages`]), and
@@ -69,9 +72,11 @@ pub use error::{DistError, Result};
 pub use flotilla_engine::{BatchRef, EngineError, NamedTensors, StageModule, TrainModule};
 pub use flotilla_engine::{conv2d, conv2d_relu};
 pub use flotilla_group::{ProcessGroup, ReduceOp};
+pub use flotilla_rank::Session;
+pub use flotilla_train::Progress;
 pub use flotilla_train::RunSummary;
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
-pub use user_module::{StageModules, UserModule, train};
+pub use user_module::{StageModules, UserModule, session, spec_session, train};
 
 /// Flotilla's CPU kernels for a burn user's own forward pass (Flex; burn's ops elsewhere):
 /// `kernels::linear::linear(&layer, x, relu)` in place of `layer.forward(x)` (and a ReLU

@@ -10,6 +10,7 @@ use flotilla_engine::{
     Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageCut, StageEngine,
     StageInput, StageModule, TrainModule, module_pipeline,
 };
+use flotilla_rank::Session;
 use flotilla_train::{ModelIo, ModelSource, RunSummary, TrainError};
 
 use crate::error::{DistError, Result};
@@ -198,6 +199,42 @@ pub fn train<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Resu
     let config = flotilla_train::program::settings()?;
     let rank = flotilla_train::program::launcher_rank()?;
     flotilla_rank::run(&config, model, rank).map_err(DistError::from)
+}
+
+/// The run [`train`] makes, for the caller's own loop: this process's rank of the job it
+/// was started in, set up and started, to be stepped until the run ends —
+///
+/// ```no_run
+/// # fn demo<M: flotilla_burn::TrainModule, F: Fn(&burn::prelude::Device) -> M>(
+/// #     model: &flotilla_burn::UserModule<F>) -> anyhow::Result<()> {
+/// let mut run = flotilla_burn::session(model)?;
+/// while let Some(p) = run.step()? {
+///     if p.loss.is_some_and(|l| l < 0.05) {
+///         run.stop("the loss is low enough")?; // every all-reduce peer sees the same loss
+///     }
+/// }
+/// let summary = run.finish()?;
+/// # Ok(()) }
+/// ```
+///
+/// Every way of training, setting, checkpoint and report of [`train`] is there; between
+/// steps the loop may evaluate ([`Session::evaluate`]), write a checkpoint
+/// ([`Session::checkpoint`]) or stop ([`Session::stop`]), each on every rank after the same
+/// step for the collective ways of training.
+pub fn session<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Result<Session> {
+    let config = flotilla_train::program::settings()?;
+    let rank = flotilla_train::program::launcher_rank()?;
+    Session::start(&config, model, rank).map_err(DistError::from)
+}
+
+/// [`session`] for the job's YAML model (`model:` of its settings, a spec of `models/` or
+/// a file) instead of a module of the program's: the model `flotilla train` would train,
+/// in the caller's own loop.
+pub fn spec_session() -> Result<Session> {
+    let config = flotilla_train::program::settings()?;
+    let spec = config.validate()?;
+    let rank = flotilla_train::program::launcher_rank()?;
+    Session::start(&config, &spec, rank).map_err(DistError::from)
 }
 
 #[cfg(test)]

@@ -12,49 +12,178 @@ pub mod progress;
 pub mod report;
 pub mod telemetry;
 
+use std::path::PathBuf;
+
+use flotilla_engine::EvalStats;
 use flotilla_telemetry::RankEvent;
-use flotilla_train::{ModelSource, RunSummary, TrainConfig};
+use flotilla_train::{ModelSource, Progress, RunSummary, TrainConfig};
 
 pub use error::{RankError, Result};
 
 /// Runs this process's rank of the job `config` describes, training `model`: telemetry
 /// started, progress shown, and at the end the checkpoint's place, rank 0's report and the
 /// final line printed (the launcher reads them). `rank`: this process's rank (`None`:
-/// assigned at the rendezvous).
+/// assigned at the rendezvous). A [`Session`] stepped to its end.
 pub fn run(
     config: &TrainConfig,
     model: &dyn ModelSource,
     rank: Option<usize>,
 ) -> Result<RunSummary> {
-    let rank_telemetry = telemetry::init(Some((config, rank)))?;
-    let t = &config.telemetry;
-    let mut observer =
-        progress::TrainObserver::new(rank_telemetry, t.metrics_port, &t.metrics_addr);
-    let result = flotilla_train::run(config, model, rank, &mut observer);
-    observer.finish();
-    if let Err(e) = &result
-        && let Some(blamed) = e.blamed_rank()
-    {
-        // Tells a supervising launcher which rank this failure points at.
+    let mut session = Session::start(config, model, rank)?;
+    while session.step()?.is_some() {}
+    session.finish()
+}
+
+/// One rank of a job as a process runs it, driven step by step by the caller's own loop: the
+/// run of [`flotilla_train::Session`] with this process's telemetry (the timeline, `/metrics`)
+/// and display, and at [`Session::finish`] what [`run`] prints and writes (the checkpoint's
+/// place, rank 0's report, the final line). An error of any call names the rank to blame, if
+/// another, on the line the launcher reads.
+pub struct Session {
+    inner: Option<flotilla_train::Session>,
+    observer: progress::TrainObserver,
+    config: TrainConfig,
+    /// Rank, world size and role.
+    place: (usize, usize, &'static str),
+}
+
+impl Session {
+    /// Starts the telemetry and joins the job (see [`flotilla_train::Session::start`]).
+    pub fn start(
+        config: &TrainConfig,
+        model: &dyn ModelSource,
+        rank: Option<usize>,
+    ) -> Result<Session> {
+        let rank_telemetry = telemetry::init(Some((config, rank)))?;
+        let t = &config.telemetry;
+        let mut observer =
+            progress::TrainObserver::new(rank_telemetry, t.metrics_port, &t.metrics_addr);
+        let started = flotilla_train::Session::start(config, model, rank, &mut observer);
+        let inner = match started {
+            Ok(inner) => inner,
+            Err(e) => {
+                observer.finish();
+                return Err(fail(e));
+            }
+        };
+        Ok(Session {
+            place: (inner.rank(), inner.world_size(), inner.role()),
+            inner: Some(inner),
+            observer,
+            config: config.clone(),
+        })
+    }
+
+    /// This process's rank (see [`flotilla_train::Session::rank`]).
+    pub fn rank(&self) -> usize {
+        self.place.0
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.place.1
+    }
+
+    /// This rank's role (see [`flotilla_train::Session::role`]).
+    pub fn role(&self) -> &'static str {
+        self.place.2
+    }
+
+    /// The newest training loss (NaN before the first, or once the run has failed).
+    pub fn train_loss(&self) -> f64 {
+        self.inner.as_ref().map_or(f64::NAN, |s| s.train_loss())
+    }
+
+    /// The last evaluation of the run, if this role evaluates and has.
+    pub fn last_eval(&self) -> Option<EvalStats> {
+        self.inner.as_ref().and_then(|s| s.last_eval())
+    }
+
+    /// One unit of this rank's part of the run; `None` once the run has ended (see
+    /// [`flotilla_train::Session::step`]).
+    pub fn step(&mut self) -> Result<Option<Progress>> {
+        let r = self.call(|s, o| s.step(o))?;
+        Ok(r.flatten())
+    }
+
+    /// Ends the run after this step for `reason` (see [`flotilla_train::Session::stop`]).
+    pub fn stop(&mut self, reason: &str) -> Result<()> {
+        self.call(|s, o| s.stop(o, reason)).map(drop)
+    }
+
+    /// Evaluates the current model now (see [`flotilla_train::Session::evaluate`]).
+    pub fn evaluate(&mut self) -> Result<Option<EvalStats>> {
+        Ok(self.call(|s, o| s.evaluate(o))?.flatten())
+    }
+
+    /// Writes a checkpoint now (see [`flotilla_train::Session::checkpoint`]).
+    pub fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
+        Ok(self.call(|s, o| s.checkpoint(o))?.flatten())
+    }
+
+    /// The end of the run (see [`flotilla_train::Session::finish`]), and what a rank prints
+    /// and writes at its end.
+    pub fn finish(mut self) -> Result<RunSummary> {
+        let Some(inner) = self.inner.take() else {
+            return Err(flotilla_train::TrainError::config(
+                "session",
+                "the run has already failed".to_string(),
+            )
+            .into());
+        };
+        let result = inner.finish(&mut self.observer);
+        self.observer.finish();
+        let summary = match result {
+            Ok(s) => s,
+            Err(e) => return Err(fail(e)),
+        };
+        if let Some(dir) = &summary.checkpoint {
+            println!("checkpoint: {}", dir.display());
+        }
+        if summary.rank == 0 {
+            let written = report::write_run(&self.config, &summary)?;
+            let paths: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
+            println!("report: {}", paths.join(", "));
+        }
+        if self.observer.emits_events() {
+            let event = RankEvent::Finished {
+                role: summary.role.to_string(),
+                figures: summary.figures.clone(),
+            };
+            println!("{}", event.line());
+        }
+        println!("{}", summary.final_line());
+        Ok(summary)
+    }
+
+    /// `f` on the run; an error ends it (the display and telemetry closed, the rank to blame
+    /// named as [`fail`] does). `None` once it has failed before.
+    fn call<T>(
+        &mut self,
+        f: impl FnOnce(
+            &mut flotilla_train::Session,
+            &mut dyn flotilla_train::Observer,
+        ) -> flotilla_train::Result<T>,
+    ) -> Result<Option<T>> {
+        let Some(inner) = self.inner.as_mut() else {
+            return Ok(None);
+        };
+        match f(inner, &mut self.observer) {
+            Ok(v) => Ok(Some(v)),
+            Err(e) => {
+                self.inner = None;
+                self.observer.finish();
+                Err(fail(e))
+            }
+        }
+    }
+}
+
+/// A failed run's error, after the line naming the rank to blame (if another) is printed for
+/// the launcher.
+fn fail(e: flotilla_train::TrainError) -> RankError {
+    if let Some(blamed) = e.blamed_rank() {
         println!("{}", RankEvent::Failed { blamed }.line());
     }
-    let summary = result?;
-    if let Some(dir) = &summary.checkpoint {
-        println!("checkpoint: {}", dir.display());
-    }
-    if summary.rank == 0 {
-        // Rank 0 has the evaluations and every rank's traffic: the run's report is its job.
-        let written = report::write_run(config, &summary)?;
-        let paths: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
-        println!("report: {}", paths.join(", "));
-    }
-    if observer.emits_events() {
-        let event = RankEvent::Finished {
-            role: summary.role.to_string(),
-            figures: summary.figures.clone(),
-        };
-        println!("{}", event.line());
-    }
-    println!("{}", summary.final_line());
-    Ok(summary)
+    e.into()
 }

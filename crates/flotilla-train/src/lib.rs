@@ -27,6 +27,7 @@ pub mod program;
 pub mod rejoin;
 pub mod runlog;
 pub mod runloop;
+pub mod session;
 pub mod strategy;
 pub mod trainer;
 
@@ -38,8 +39,9 @@ pub(crate) mod testkit;
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
+pub use session::{Progress, Session, run};
 pub use strategy::{ModelIo, ModelSource};
 /// The pipeline and parameter servers at the crate's root, where the config
 /// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
 pub use strategy::{pipeline, ps};
-pub use trainer::{RunSummary, run};
+pub use trainer::RunSummary;

@@ -71,12 +71,9 @@ impl Epoch {
     }
 }
 
-/// The loop's state for one run.
-struct Loop<'r, 'c> {
-    role: &'r mut dyn Strategy,
-    data: Batches,
-    plan: &'r LoopPlan,
-    cx: &'r mut Cx<'c>,
+/// The loop's progress between steps: kept by [`run`], or by a [`crate::session::Session`]
+/// that its caller drives step by step.
+pub(crate) struct LoopState {
     progress: u64,
     /// Steps this process made (see [`Finished::steps_run`]).
     steps_run: u64,
@@ -88,59 +85,84 @@ struct Loop<'r, 'c> {
     stopped: Option<String>,
     history: History,
     check: DivergenceCheck,
+    /// When training started (before the role's start: its broadcast or first pull).
+    train_started: Instant,
+}
+
+impl LoopState {
+    /// The state before the first step of `role` on `data` under `plan`.
+    pub(crate) fn new(role: &dyn Strategy, data: &Batches, plan: &LoopPlan, cx: &Cx<'_>) -> Self {
+        let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;
+        // Roles that do not evaluate (workers, local and shard servers) leave "not learning"
+        // to the rank that does; a NaN or infinite loss is divergence wherever it shows.
+        let check_after = if role.evaluation() == Evaluation::None {
+            0
+        } else {
+            cx.config.schedule.divergence_check_rounds
+        };
+        LoopState {
+            progress: plan.resumed_at,
+            steps_run: 0,
+            epoch: Epoch::new(),
+            epochs,
+            train_loss: f64::NAN,
+            samples: 0,
+            last_eval: None,
+            stopped: None,
+            history: History::default(),
+            check: DivergenceCheck::new(check_after, cx.test.classes().max(2)),
+            train_started: Instant::now(),
+        }
+    }
+
+    /// Units of progress in total (including those before a resume).
+    pub(crate) fn progress(&self) -> u64 {
+        self.progress
+    }
+
+    /// Why the run stopped, once it has.
+    pub(crate) fn stopped(&self) -> Option<&str> {
+        self.stopped.as_deref()
+    }
+
+    /// The newest training loss: the last step's, or an epoch's mean at its end.
+    pub(crate) fn train_loss(&self) -> f64 {
+        self.train_loss
+    }
+
+    /// The last evaluation, if this role evaluates and has.
+    pub(crate) fn last_eval(&self) -> Option<EvalStats> {
+        self.last_eval
+    }
+}
+
+/// One run's loop over the parts it borrows for a turn.
+pub(crate) struct Loop<'r, 'c> {
+    pub(crate) role: &'r mut dyn Strategy,
+    pub(crate) data: &'r mut Batches,
+    pub(crate) plan: &'r LoopPlan,
+    pub(crate) cx: &'r mut Cx<'c>,
+    pub(crate) s: &'r mut LoopState,
 }
 
 /// Runs `role` to the end of the plan (or until its server stops it).
 pub fn run(
     role: &mut dyn Strategy,
-    data: Batches,
+    mut data: Batches,
     plan: &LoopPlan,
     cx: &mut Cx<'_>,
 ) -> Result<Finished> {
-    let epochs = plan.total.div_ceil(data.steps_per_epoch().max(1)) as u32;
-    // Roles that do not evaluate (workers, local and shard servers) leave "not learning" to
-    // the rank that does; a NaN or infinite loss is divergence wherever it shows.
-    let check_after = if role.evaluation() == Evaluation::None {
-        0
-    } else {
-        cx.config.schedule.divergence_check_rounds
-    };
-    let check = DivergenceCheck::new(check_after, cx.test.classes().max(2));
-    let mut l = Loop {
+    let mut s = LoopState::new(role, &data, plan, cx);
+    let l = &mut Loop {
         role,
-        data,
+        data: &mut data,
         plan,
         cx,
-        progress: plan.resumed_at,
-        steps_run: 0,
-        epoch: Epoch::new(),
-        epochs,
-        train_loss: f64::NAN,
-        samples: 0,
-        last_eval: None,
-        stopped: None,
-        history: History::default(),
-        check,
+        s: &mut s,
     };
-    let train_started = Instant::now();
     l.role.start(l.cx)?;
-    while l.stopped.is_none() {
-        if l.role.stops_itself() && l.progress >= l.plan.total {
-            let reason = format!("{} rounds done", l.progress);
-            l.stop(reason)?;
-            break;
-        }
-        let started = Instant::now();
-        let step = {
-            let _span =
-                tracing::info_span!(target: "flotilla::train", "step", step = l.progress + 1)
-                    .entered();
-            l.role.step(l.cx, &mut l.data, l.progress)?
-        };
-        record_step(&step, started.elapsed().as_secs_f64(), &**l.cx.comm);
-        l.after_step(step)?;
-    }
-    l.finish(train_started.elapsed().as_secs_f64())
+    while l.turn()?.is_some() {}
+    l.finish()
 }
 
 /// The step's metrics (Prometheus, when an exporter is installed) and the traffic counters of
@@ -167,9 +189,34 @@ fn record_step(step: &Step, seconds: f64, comm: &dyn flotilla_tcp::ProcessGroup)
 }
 
 impl Loop<'_, '_> {
-    fn stop(&mut self, reason: String) -> Result<()> {
+    /// One turn of the loop: the role's next step and what follows it (counting, epoch
+    /// lines, evaluation, checkpoints); `None` when the run has ended before a step (stopped,
+    /// or a role that stops itself has done the planned progress).
+    pub(crate) fn turn(&mut self) -> Result<Option<Step>> {
+        if self.s.stopped.is_some() {
+            return Ok(None);
+        }
+        if self.role.stops_itself() && self.s.progress >= self.plan.total {
+            let reason = format!("{} rounds done", self.s.progress);
+            self.stop(reason)?;
+            return Ok(None);
+        }
+        let started = Instant::now();
+        let step = {
+            let _span =
+                tracing::info_span!(target: "flotilla::train", "step", step = self.s.progress + 1)
+                    .entered();
+            self.role.step(self.cx, self.data, self.s.progress)?
+        };
+        record_step(&step, started.elapsed().as_secs_f64(), &**self.cx.comm);
+        self.after_step(step.clone())?;
+        Ok(Some(step))
+    }
+
+    /// Ends the run for `reason` (the role tells those below it).
+    pub(crate) fn stop(&mut self, reason: String) -> Result<()> {
         self.role.stop(self.cx, &reason)?;
-        self.stopped = Some(reason);
+        self.s.stopped = Some(reason);
         Ok(())
     }
 
@@ -193,39 +240,39 @@ impl Loop<'_, '_> {
     fn after_step(&mut self, step: Step) -> Result<()> {
         if let Some(loss) = step.loss {
             // A loss of a step that completed nothing (a refused push) counts too.
-            let at = self.progress + u64::from(step.progressed);
-            let verdict = self.check.loss(at, loss);
+            let at = self.s.progress + u64::from(step.progressed);
+            let verdict = self.s.check.loss(at, loss);
             self.judge(verdict)?;
         }
         if let Some(reason) = step.done {
-            self.stopped = Some(reason);
+            self.s.stopped = Some(reason);
             return Ok(());
         }
         if !step.progressed {
             return Ok(());
         }
-        self.progress += 1;
-        self.steps_run += 1;
-        let at = self.progress;
+        self.s.progress += 1;
+        self.s.steps_run += 1;
+        let at = self.s.progress;
         if let Some(f) = &self.cx.fault
             && f.at(at) == Some(FaultAction::Perturb)
         {
             self.perturb()?;
         }
         if let Some(loss) = step.loss.filter(|l| l.is_finite()) {
-            self.epoch.loss_sum += f64::from(loss);
-            self.epoch.steps += 1;
-            self.train_loss = f64::from(loss);
-            self.history.losses.push(LossPoint {
+            self.s.epoch.loss_sum += f64::from(loss);
+            self.s.epoch.steps += 1;
+            self.s.train_loss = f64::from(loss);
+            self.s.history.losses.push(LossPoint {
                 step: at,
                 wall_s: self.plan.started.elapsed().as_secs_f64(),
                 loss: f64::from(loss),
             });
         }
-        self.samples += step.samples;
-        self.epoch.samples += step.samples;
+        self.s.samples += step.samples;
+        self.s.epoch.samples += step.samples;
         // A step without a loss of its own shows the newest one.
-        self.observe(self.train_loss as f32);
+        self.observe(self.s.train_loss as f32);
         self.periodic_checkpoint()?;
         match self.plan.cadence {
             Cadence::Epochs { every } => {
@@ -254,16 +301,16 @@ impl Loop<'_, '_> {
                 p.epoch,
                 p.step_in_epoch,
                 self.data.steps_per_epoch(),
-                self.epochs,
+                self.s.epochs,
             ),
-            Cadence::Rounds { .. } => (0, self.progress, self.plan.total, 1),
+            Cadence::Rounds { .. } => (0, self.s.progress, self.plan.total, 1),
         };
         self.cx.observer.step(&StepEvent {
             epoch,
             epochs,
             step_in_epoch,
             steps_per_epoch,
-            step: self.progress,
+            step: self.s.progress,
             total_steps: self.plan.total,
             loss,
         });
@@ -290,13 +337,13 @@ impl Loop<'_, '_> {
     }
 
     /// A checkpoint, on every rank (the role decides who writes what).
-    fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
+    pub(crate) fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
         let _span =
-            tracing::info_span!(target: "flotilla::train", "checkpoint", step = self.progress)
+            tracing::info_span!(target: "flotilla::train", "checkpoint", step = self.s.progress)
                 .entered();
         let p = self.position();
         let state = CheckpointState {
-            step: self.progress,
+            step: self.s.progress,
             epoch: p.epoch,
             step_in_epoch: p.step_in_epoch,
             config_hash: self.plan.config_hash,
@@ -304,7 +351,7 @@ impl Loop<'_, '_> {
             // What the model holds is known where it is written (`checkpoint::save`, the
             // pipeline's `state::save`), which fills these in.
             num_params: 0,
-            test_acc: self.last_eval.map(|e| e.accuracy()),
+            test_acc: self.s.last_eval.map(|e| e.accuracy()),
             stages: None,
             zero: None,
         };
@@ -318,15 +365,16 @@ impl Loop<'_, '_> {
 
     fn periodic_checkpoint(&mut self) -> Result<()> {
         let every = self.cx.config.schedule.checkpoint_every;
-        if every > 0 && self.progress.is_multiple_of(every) {
+        if every > 0 && self.s.progress.is_multiple_of(every) {
             self.checkpoint()?;
         }
         Ok(())
     }
 
-    fn evaluate(&mut self) -> Result<EvalStats> {
-        let _span =
-            tracing::info_span!(target: "flotilla::train", "eval", step = self.progress).entered();
+    /// Evaluates the role's model (callers check that the role evaluates).
+    pub(crate) fn evaluate(&mut self) -> Result<EvalStats> {
+        let _span = tracing::info_span!(target: "flotilla::train", "eval", step = self.s.progress)
+            .entered();
         // Only evaluating roles get here (see `after_step` and `finish`).
         let stats = self.role.evaluate(self.cx)?;
         metrics::gauge!("flotilla_test_accuracy").set(stats.accuracy());
@@ -334,8 +382,8 @@ impl Loop<'_, '_> {
         if let Some(bpb) = crate::eval::bits_per_byte(&stats, self.cx.test) {
             metrics::gauge!("flotilla_test_bits_per_byte").set(bpb);
         }
-        self.last_eval = Some(stats);
-        let verdict = self.check.accuracy(self.progress, stats.accuracy());
+        self.s.last_eval = Some(stats);
+        let verdict = self.s.check.accuracy(self.s.progress, stats.accuracy());
         self.judge(verdict)?;
         Ok(stats)
     }
@@ -363,10 +411,10 @@ impl Loop<'_, '_> {
     /// A peer's evaluation within an epoch (every `eval_every_steps`), and its targets.
     fn evaluate_steps(&mut self, at: u64) -> Result<()> {
         let stats = self.evaluate()?;
-        self.history.records.push(EvalPoint {
+        self.s.history.records.push(EvalPoint {
             step: at,
             wall_s: self.plan.started.elapsed().as_secs_f64(),
-            train_loss: Some(self.train_loss).filter(|l| l.is_finite()),
+            train_loss: Some(self.s.train_loss).filter(|l| l.is_finite()),
             test_loss: Some(stats.loss()),
             test_acc: Some(stats.accuracy()),
             samples_per_s: None,
@@ -382,7 +430,7 @@ impl Loop<'_, '_> {
     /// Stops a data-parallel run at a target, saying so.
     fn stop_at_target(&mut self, reason: String) -> Result<()> {
         self.cx
-            .log(&format!("stopping at step {}: {reason}", self.progress))?;
+            .log(&format!("stopping at step {}: {reason}", self.s.progress))?;
         self.stop(reason)
     }
 
@@ -437,10 +485,10 @@ impl Loop<'_, '_> {
 
     /// The record of the rounds since the previous one, ending with evaluation `stats`.
     fn record_rounds(&mut self, stats: EvalStats) {
-        let e = std::mem::replace(&mut self.epoch, Epoch::new());
+        let e = std::mem::replace(&mut self.s.epoch, Epoch::new());
         let seconds = e.started.elapsed().as_secs_f64().max(1e-9);
-        self.history.records.push(EvalPoint {
-            step: self.progress,
+        self.s.history.records.push(EvalPoint {
+            step: self.s.progress,
             wall_s: self.plan.started.elapsed().as_secs_f64(),
             train_loss: (e.steps > 0).then(|| e.loss_sum / e.steps as f64),
             test_loss: Some(stats.loss()),
@@ -452,10 +500,10 @@ impl Loop<'_, '_> {
     /// The line (and metrics record) of a finished epoch, with its evaluation when due.
     fn end_epoch(&mut self, every: u32, last: bool) -> Result<()> {
         let epoch_no = self.position().epoch + 1;
-        let epoch_s = self.epoch.started.elapsed().as_secs_f64();
-        let steps = self.epoch.steps;
-        self.train_loss = if steps > 0 {
-            self.epoch.loss_sum / steps as f64
+        let epoch_s = self.s.epoch.started.elapsed().as_secs_f64();
+        let steps = self.s.epoch.steps;
+        self.s.train_loss = if steps > 0 {
+            self.s.epoch.loss_sum / steps as f64
         } else {
             f64::NAN
         };
@@ -471,8 +519,8 @@ impl Loop<'_, '_> {
         let data_wait_s = self.data.take_wait().map_or(0.0, |w| w.as_secs_f64());
         let metrics = EpochMetrics {
             epoch: epoch_no,
-            step: self.progress,
-            train_loss: self.train_loss,
+            step: self.s.progress,
+            train_loss: self.s.train_loss,
             test_loss: eval.map(|e| e.loss()),
             test_acc: eval.map(|e| e.accuracy()),
             samples_per_s,
@@ -484,15 +532,15 @@ impl Loop<'_, '_> {
         let tokens_part = self.tokens_part(samples_per_s);
         self.cx.log(&format!(
             "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s data_wait={:.3}ms",
-            self.epochs,
-            self.progress,
-            self.train_loss,
+            self.s.epochs,
+            self.s.progress,
+            self.s.train_loss,
             data_wait_s * 1e3
         ))?;
         if self.role.writes_checkpoints() {
             append_metrics(&self.cx.config.telemetry.output, &metrics)?;
         }
-        self.history.records.push(EvalPoint {
+        self.s.history.records.push(EvalPoint {
             step: metrics.step,
             wall_s: metrics.wall_s,
             train_loss: Some(metrics.train_loss).filter(|l| l.is_finite()),
@@ -500,7 +548,7 @@ impl Loop<'_, '_> {
             test_acc: metrics.test_acc,
             samples_per_s: Some(metrics.samples_per_s),
         });
-        self.epoch = Epoch::new();
+        self.s.epoch = Epoch::new();
         if let Some(reason) = eval.and_then(|e| self.loss_target_reached(e))
             && !last
         {
@@ -509,14 +557,17 @@ impl Loop<'_, '_> {
         Ok(())
     }
 
-    fn finish(mut self, train_s: f64) -> Result<Finished> {
-        let eval = match (self.role.evaluation(), self.last_eval) {
+    /// The end of the run: the final evaluation, the identity check, the last lines and
+    /// checkpoint.
+    pub(crate) fn finish(&mut self) -> Result<Finished> {
+        let train_s = self.s.train_started.elapsed().as_secs_f64();
+        let eval = match (self.role.evaluation(), self.s.last_eval) {
             (Evaluation::None, _) => None,
             (Evaluation::Collective, Some(e)) => Some(e),
             _ => {
                 let stats = self.evaluate()?;
-                let recorded = self.history.records.last().is_some_and(|r| {
-                    r.step == self.progress && r.test_acc == Some(stats.accuracy())
+                let recorded = self.s.history.records.last().is_some_and(|r| {
+                    r.step == self.s.progress && r.test_acc == Some(stats.accuracy())
                 });
                 if !recorded {
                     self.record_rounds(stats);
@@ -549,16 +600,16 @@ impl Loop<'_, '_> {
         ))?;
         let checkpoint = self.checkpoint()?;
         Ok(Finished {
-            progress: self.progress,
+            progress: self.s.progress,
             resumed_at: self.plan.resumed_at,
-            steps_run: self.steps_run,
+            steps_run: self.s.steps_run,
             eval,
-            train_loss: self.train_loss,
-            samples_per_s: self.samples as f64 / train_s.max(1e-9),
-            samples: self.samples,
+            train_loss: self.s.train_loss,
+            samples_per_s: self.s.samples as f64 / train_s.max(1e-9),
+            samples: self.s.samples,
             checkpoint,
             param_hash,
-            history: self.history,
+            history: std::mem::take(&mut self.s.history),
             data_wait_s: self.data.run_wait().map(|w| w.as_secs_f64()),
             data_bytes: self.data.peak_held_bytes(),
         })

@@ -5,7 +5,8 @@
 //! see the same batches and end with bit-identical parameters, compared tensor by tensor in
 //! their final checkpoints — under sync all-reduce, ZeRO-2, async all-reduce, a flat sync
 //! parameter server, a hierarchical one, model averaging, and across a resume. The program's
-//! module is trained by the library's run (`flotilla_burn::train`), not by code of its own.
+//! module is trained by the library's run (`flotilla_burn::train`), not by code of its own;
+//! and the same again from the program's own loop (`flotilla_burn::session`, `LOOP=own`).
 
 mod common;
 #[path = "common/procfs.rs"]
@@ -96,6 +97,13 @@ fn both_ways_cut(dir: &Path, name: &str, spec_yaml: &str, user_yaml: &str) {
     let exe = exe.to_str().expect("utf8");
     let spec = run(dir, &format!("{name}-spec"), spec_yaml, &[]);
     let user = run(dir, &format!("{name}-user"), user_yaml, &["--", exe]);
+    let own = run_with_env(
+        dir,
+        &format!("{name}-own-loop"),
+        user_yaml,
+        &["--", exe],
+        &[("LOOP", "own")],
+    );
     let initial = run(dir, &format!("{name}-initial"), "max_steps: 0\n", &[]);
     let moved = relative_error(&spec, &initial);
     assert!(
@@ -103,15 +111,33 @@ fn both_ways_cut(dir: &Path, name: &str, spec_yaml: &str, user_yaml: &str) {
         "{name}: the parameters barely moved ({moved})"
     );
     assert_bitwise(&format!("{name}: user module vs spec model"), &user, &spec);
+    assert_bitwise(
+        &format!("{name}: the program's own loop vs the library's"),
+        &own,
+        &user,
+    );
 }
 
 #[test]
 fn sync_all_reduce() {
     let dir = tmp();
-    both_ways(
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    both_ways(dir.path(), "sync", job);
+    // The YAML model from a program's own loop (`flotilla_burn::spec_session`).
+    let exe = program();
+    let env = [("MODEL", "spec")];
+    let looped = run_with_env(
         dir.path(),
-        "sync",
-        "world_size: 2\nbatch_size: 32\nmax_steps: 200\n",
+        "spec-loop",
+        job,
+        &["--", exe.to_str().expect("utf8")],
+        &env,
+    );
+    let spec = spec_names(checkpoint_tensors(&dir.path().join("sync-spec")));
+    assert_bitwise(
+        "the YAML model from a program's loop vs flotilla launch",
+        &looped,
+        &spec,
     );
 }
 
@@ -211,6 +237,43 @@ fn exact_resume_of_a_program() {
     );
     let resumed = spec_names(checkpoint_tensors(Path::new(out)));
     assert_bitwise("resumed at 50 vs straight to 120", &resumed, &straight);
+}
+
+/// A program's own loop (`flotilla_burn::session`, `LOOP=own`) writes a checkpoint where it
+/// asks (after step 30) and stops where it says (after step 70, its final checkpoint there);
+/// resumed from that one, it goes on to the bits of a run that never stopped.
+#[test]
+fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_same_bits() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 120\n";
+    let straight = run(dir.path(), "straight", job, &["--", exe]);
+    let own = [("LOOP", "own"), ("CHECKPOINT_AT", "30"), ("STOP_AT", "70")];
+    run_with_env(dir.path(), "own", job, &["--", exe], &own);
+    let out = dir.path().join("own");
+    let root = out.join("checkpoints");
+    let mut written: Vec<String> = std::fs::read_dir(&root)
+        .expect("checkpoints")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("step-"))
+        .collect();
+    written.sort();
+    assert_eq!(written, ["step-00000030", "step-00000070"], "{root:?}");
+    let cfg = dir.path().join("own.yaml");
+    let (cfg, out) = (cfg.to_str().expect("utf8"), out.to_str().expect("utf8"));
+    let mut c = flotilla();
+    c.args(["launch", cfg, "--output", out, "--resume", "--", exe])
+        .env("LOOP", "own");
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "resume failed\n{}", text(&o));
+    let resumed = spec_names(checkpoint_tensors(Path::new(out)));
+    assert_bitwise(
+        "stopped at 70, resumed to 120 vs straight",
+        &resumed,
+        &straight,
+    );
 }
 
 /// `flotilla launch --max-restarts 1 -- PROGRAM` with one rank SIGKILLed after the checkpoint

@@ -1,0 +1,400 @@
+//! One rank's run, driven step by step by its caller ([`Session`]): what [`crate::run`] runs
+//! to its end for `flotilla train` and `flotilla_burn::train`, and what a user's own loop
+//! drives — the same setup (rendezvous, data, the configured way of training, resume, plan),
+//! the same steps, evaluations and checkpoints, the same summary.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Instant;
+
+use flotilla_cluster::Topology;
+use flotilla_data::Samples;
+use flotilla_engine::EvalStats;
+use flotilla_tcp::{ProcessGroup, StallWatcher};
+
+use crate::batches::{Batches, Position};
+use crate::checkpoint::CheckpointState;
+use crate::config::TrainConfig;
+use crate::error::Result;
+use crate::fault::Fault;
+use crate::job_data::JobData;
+use crate::observe::Observer;
+use crate::plan::{Cadence, Counting, LoopPlan};
+use crate::runlog::RunLog;
+use crate::runloop::{Loop, LoopState};
+use crate::strategy::{Cx, Evaluation, ModelSource, Resume, Setup, Strategy, registry};
+use crate::trainer::{self, RunSummary};
+
+/// Runs one rank of a training job of `model` (a spec's model: `&config.validate()?`; a
+/// program's own module) to its end: a [`Session`] stepped until the run ends. `rank` is
+/// this process's rank (`None`: assigned at rendezvous).
+pub fn run(
+    config: &TrainConfig,
+    model: &dyn ModelSource,
+    rank: Option<usize>,
+    observer: &mut dyn Observer,
+) -> Result<RunSummary> {
+    let mut session = Session::start(config, model, rank, observer)?;
+    while session.step(observer)?.is_some() {}
+    session.finish(observer)
+}
+
+/// Where a run stands after one of its steps ([`Session::step`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    /// Units of progress done in total (optimizer steps, or parameter-server rounds),
+    /// including those before a resume.
+    pub step: u64,
+    /// Units of progress the run plans.
+    pub total: u64,
+    /// Whether this step completed a unit (a server's step that only answered a pull did
+    /// not).
+    pub progressed: bool,
+    /// The step's training loss, when the role knows it (the global mean for all-reduce
+    /// peers).
+    pub loss: Option<f32>,
+    /// The 0-based epoch of the next batch and the batches of it already taken (a role that
+    /// draws none stays at 0).
+    pub epoch: u32,
+    /// See [`Progress::epoch`].
+    pub step_in_epoch: u64,
+}
+
+/// What a [`Session`] keeps for the [`Cx`] of each of its calls.
+struct Parts {
+    config: TrainConfig,
+    comm: Arc<dyn ProcessGroup>,
+    data: JobData,
+    log: RunLog,
+    rank: usize,
+    rounds: u64,
+    fault: Option<Fault>,
+    started: Instant,
+}
+
+impl Parts {
+    fn cx<'a>(&'a mut self, observer: &'a mut dyn Observer) -> Cx<'a> {
+        Cx {
+            comm: &self.comm,
+            config: &self.config,
+            test: &*self.data.test,
+            rank: self.rank,
+            rounds: self.rounds,
+            log: &mut self.log,
+            observer,
+            fault: self.fault,
+        }
+    }
+}
+
+/// One rank of a training job, set up and driven step by step: [`Session::start`] joins the
+/// job and makes this rank's part of the configured way of training (restored from the
+/// checkpoint the run resumes from, its initial state agreed); each [`Session::step`] is one
+/// unit of it with everything the run does after a step (epoch lines, evaluation when due,
+/// targets, periodic checkpoints, progress, metrics); [`Session::finish`] makes the final
+/// evaluation, checkpoint and summary. Every rank of the job drives its own session (servers
+/// and pipeline stages too), each until [`Session::step`] returns `None`.
+///
+/// `observer` is the front end of every call (progress bars, the run log's lines); pass the
+/// same one throughout.
+pub struct Session {
+    parts: Parts,
+    role: Box<dyn Strategy>,
+    batches: Batches,
+    plan: LoopPlan,
+    state: LoopState,
+    watcher: Option<StallWatcher>,
+}
+
+/// A borrow of a session's parts as the loop's, for one call.
+macro_rules! with_loop {
+    ($session:expr, $observer:expr, |$l:ident| $body:expr) => {{
+        let s = &mut *$session;
+        let mut cx = s.parts.cx($observer);
+        let $l = &mut Loop {
+            role: &mut *s.role,
+            data: &mut s.batches,
+            plan: &s.plan,
+            cx: &mut cx,
+            s: &mut s.state,
+        };
+        $body
+    }};
+}
+
+impl Session {
+    /// Joins the job of `config` as rank `rank` (`None`: assigned at the rendezvous) to train
+    /// `model` (a spec's model, or a program's own module), and sets up this rank's part:
+    /// data, strategy, resume, plan; the strategy's start (the initial broadcast, a worker's
+    /// first pull) is done when it returns. Collective: every rank of the job calls it.
+    pub fn start(
+        config: &TrainConfig,
+        model: &dyn ModelSource,
+        rank: Option<usize>,
+        observer: &mut dyn Observer,
+    ) -> Result<Session> {
+        let started = Instant::now();
+        config.validate()?;
+        let topology = config.topology()?;
+        let hash = config.shared_hash(Some(&model.fingerprint()?));
+        // The device is per rank (not in the hash): `cuda` becomes this local rank's GPU.
+        let config = crate::gpu::on_local_gpu(config)?;
+        // Opened before joining, so that a missing driver fails this rank at once.
+        let device = flotilla_engine::describe_device(&config.model.device)?;
+        let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
+        let world = topology.world_size();
+        let comm = crate::backend::connect(&config, rank, hash, world, rejoin, links)?;
+        let (rank, world) = (comm.rank(), comm.size());
+        observer.started(rank, world, trainer::role_label(&topology, rank));
+        let mut log = RunLog::open(&config.telemetry.output, rank)?;
+        let up = trainer::up_line(&device, model.name(), (rank, world), hash);
+        observer.message(&up);
+        log.line(&up)?;
+        let data = JobData::load(&config, model)?;
+        let rejoined = rejoin == flotilla_tcp::Rejoin::Join;
+        if rejoined {
+            let note = format!(
+                "rank {rank} rejoined the running job (a replaced worker): it pulls the current parameters from its servers"
+            );
+            observer.message(&note);
+            log.line(&note)?;
+        }
+        let parts = Parts {
+            config,
+            comm,
+            data,
+            log,
+            rank,
+            rounds: 0,
+            fault: Fault::from_env(rank),
+            started,
+        };
+        let job = Job {
+            topology: &topology,
+            model,
+            hash,
+            rejoined,
+        };
+        job.set_up(parts, observer)
+    }
+
+    /// This process's rank.
+    pub fn rank(&self) -> usize {
+        self.parts.rank
+    }
+
+    /// Ranks in the job.
+    pub fn world_size(&self) -> usize {
+        self.parts.comm.size()
+    }
+
+    /// This rank's role: `peer`, `stage`, `worker`, `root`, `shard-server`, `local-server`.
+    pub fn role(&self) -> &'static str {
+        self.role.name()
+    }
+
+    /// The settings the run took (this rank's device resolved).
+    pub fn config(&self) -> &TrainConfig {
+        &self.parts.config
+    }
+
+    /// Why the run stopped, once it has (planned progress done, a target reached, its
+    /// server's word, [`Session::stop`]).
+    pub fn stopped(&self) -> Option<&str> {
+        self.state.stopped()
+    }
+
+    /// One unit of this rank's part of the run, and what the run does after it; `None` once
+    /// the run has ended (then [`Session::finish`]). An error ends the run: the rank to
+    /// blame, if another, is named in it.
+    pub fn step(&mut self, observer: &mut dyn Observer) -> Result<Option<Progress>> {
+        let step = with_loop!(self, observer, |l| l.turn())?;
+        Ok(step.map(|step| {
+            let at = self.batches.position();
+            Progress {
+                step: self.state.progress(),
+                total: self.plan.total,
+                progressed: step.progressed,
+                loss: step.loss,
+                epoch: at.epoch,
+                step_in_epoch: at.step_in_epoch,
+            }
+        }))
+    }
+
+    /// Ends the run here for `reason` (the caller's own criterion): a server tells everyone
+    /// below it. All-reduce peers and pipeline stages must stop after the same step (each
+    /// would wait for the others' next collective until its deadline).
+    pub fn stop(&mut self, observer: &mut dyn Observer, reason: &str) -> Result<()> {
+        if self.state.stopped().is_some() {
+            return Ok(());
+        }
+        with_loop!(self, observer, |l| l.stop(reason.to_string()))
+    }
+
+    /// Evaluates the current model on the test set, as the run does when an evaluation is
+    /// due: collective for all-reduce peers and pipeline stages (every rank calls it after
+    /// the same step), local at a parameter server's root; `None` for a role that holds no
+    /// model to evaluate (workers, shard and local servers).
+    pub fn evaluate(&mut self, observer: &mut dyn Observer) -> Result<Option<EvalStats>> {
+        if self.role.evaluation() == Evaluation::None {
+            return Ok(None);
+        }
+        with_loop!(self, observer, |l| l.evaluate()).map(Some)
+    }
+
+    /// Writes a checkpoint of the whole training state now (parameters, optimizer, step, data
+    /// position), as a periodic one is written: every rank calls it after the same step; the
+    /// rank that writes returns the directory.
+    pub fn checkpoint(&mut self, observer: &mut dyn Observer) -> Result<Option<PathBuf>> {
+        with_loop!(self, observer, |l| l.checkpoint())
+    }
+
+    /// The end of the run: the final evaluation, the cross-rank identity check, the final
+    /// checkpoint and this rank's summary (with every rank's report on rank 0).
+    pub fn finish(mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
+        let done = with_loop!(&mut self, observer, |l| l.finish())?;
+        if let Some(w) = self.watcher.take() {
+            w.shutdown()?;
+        }
+        let started = self.parts.started;
+        let mut cx = self.parts.cx(observer);
+        let placed = trainer::placement_line(&mut *self.role, cx.rank)?;
+        cx.log_quiet(&placed)?;
+        let summary = trainer::summary(&*self.role, &mut cx, done, started);
+        cx.log_quiet(&summary.final_line())?;
+        Ok(summary)
+    }
+
+    /// The newest training loss (the last step's, or an epoch's mean at its end; NaN before
+    /// the first).
+    pub fn train_loss(&self) -> f64 {
+        self.state.train_loss()
+    }
+
+    /// The last evaluation of the run, if this role evaluates and has.
+    pub fn last_eval(&self) -> Option<EvalStats> {
+        self.state.last_eval()
+    }
+}
+
+/// What a rank's setup reads besides its parts.
+struct Job<'a> {
+    topology: &'a Topology,
+    model: &'a dyn ModelSource,
+    hash: u64,
+    /// This process replaced a lost worker of a running job: it takes part in no collective
+    /// (it missed those issued before it came).
+    rejoined: bool,
+}
+
+impl Job<'_> {
+    /// This rank's strategy, built, restored and started, with its batches and plan.
+    fn set_up(&self, mut parts: Parts, observer: &mut dyn Observer) -> Result<Session> {
+        let (train, started) = (Arc::clone(&parts.data.train), parts.started);
+        let mut cx = parts.cx(observer);
+        let setup = Setup {
+            model: self.model,
+            topology: self.topology,
+            samples: train.len(),
+        };
+        let mut role = registry::build(&mut cx, &setup)?;
+        let from = Resume::find(&mut cx, self.hash, self.rejoined)?;
+        let resumed = role.restore(&mut cx, &from)?;
+        let (batches, plan) =
+            self.plan(role.counting(), &mut cx, (train, started), resumed.as_ref())?;
+        let config = cx.config;
+        if let Some((what, how)) = role.describe(config) {
+            cx.log(&format!(
+                "training: {what}, {} steps/epoch of {}x{} samples, {} steps, {how}",
+                batches.steps_per_epoch(),
+                config.step_batch(),
+                plan.workers,
+                plan.total,
+            ))?;
+        }
+        // The stall inspector of the world group's collectives (buckets, evaluation).
+        let watcher = match role.stall_policy(config) {
+            Some(policy) => {
+                let everyone: Vec<usize> = (0..cx.comm.size()).collect();
+                let channel = cx.comm.group(&everyone)?;
+                Some(StallWatcher::start(cx.comm.clone(), channel, policy)?)
+            }
+            None => None,
+        };
+        let state = LoopState::new(&*role, &batches, &plan, &cx);
+        role.start(&mut cx)?;
+        let rounds = cx.rounds;
+        parts.rounds = rounds;
+        Ok(Session {
+            parts,
+            role,
+            batches,
+            plan,
+            state,
+            watcher,
+        })
+    }
+
+    /// The batches this rank draws, from where a resumed run stood, and the loop's plan for
+    /// a strategy counting `counting` over `train` (`started`: when the process started).
+    fn plan(
+        &self,
+        counting: Counting,
+        cx: &mut Cx<'_>,
+        (train, started): (Arc<dyn Samples>, Instant),
+        resumed: Option<&CheckpointState>,
+    ) -> Result<(Batches, LoopPlan)> {
+        let config = cx.config;
+        // A step takes its micro-batches as one batch, which the strategy cuts: epochs,
+        // positions and resume count in steps.
+        let (seed, batch) = (config.model.seed, config.step_batch());
+        let resumed_at = resumed.map_or(0, |s| s.step);
+        let (data, total, cadence) = match counting {
+            Counting::Epochs { shards, index } => {
+                let start = resumed.map_or(Position::default(), |s| Position {
+                    epoch: s.epoch,
+                    step_in_epoch: s.step_in_epoch,
+                });
+                let data = Batches::new(train, (shards, index), seed, batch, start)?;
+                let s = &config.schedule;
+                let planned = data.steps_per_epoch() * s.epochs as u64;
+                let total = match s.max_steps {
+                    Some(m) if s.epochs == 0 => m,
+                    Some(m) => m.min(planned),
+                    None => planned,
+                };
+                let every = s.eval_every.unwrap_or(1);
+                (data, total, Cadence::Epochs { every })
+            }
+            Counting::Rounds {
+                total,
+                every,
+                local_steps,
+                shard,
+            } => {
+                // A worker resumes where its batches stood after that many rounds (exact for
+                // sync servers, where every worker pushes once a round).
+                let fresh = Batches::new(train.clone(), shard, seed, batch, Position::default())?;
+                let start =
+                    Position::after(resumed_at * local_steps as u64, fresh.steps_per_epoch());
+                let data = Batches::new(train, shard, seed, batch, start)?;
+                (data, total, Cadence::Rounds { every })
+            }
+        };
+        cx.rounds = total;
+        let plan = LoopPlan {
+            total,
+            cadence,
+            resumed_at,
+            model: self.model.name().to_string(),
+            config_hash: self.hash,
+            started,
+            workers: counting.shards(),
+            // The root's momentum when its updates are stale, for the advice of every rank.
+            async_momentum: crate::strategy::ps::staleness::for_job(config, self.topology, cx.rank)
+                .root_async_momentum,
+        };
+        Ok((data, plan))
+    }
+}
