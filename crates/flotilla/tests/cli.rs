@@ -199,21 +199,6 @@ fn bad_inputs_give_clear_errors() {
     );
 }
 
-/// `device: wgpu` in a build without the feature: one error, naming the feature, before any
-/// rank starts (with the feature: `tests/wgpu.rs`).
-#[cfg(not(feature = "wgpu"))]
-#[test]
-fn wgpu_in_a_build_without_the_feature_is_one_error_naming_the_feature() {
-    let mut c = flotilla();
-    c.args(["launch", "-n", "2", "--device", "wgpu", "--max-steps", "1"]);
-    let o = run_with_deadline(c, Duration::from_secs(60));
-    let all = text(&o);
-    assert!(!o.status.success(), "{all}");
-    let want = "device `wgpu` needs a binary built with the `wgpu` feature (cargo build --release --features wgpu)";
-    assert_eq!(all.matches(want).count(), 1, "{all}");
-    assert!(!all.contains(" up: model="), "a rank started:\n{all}");
-}
-
 #[test]
 fn checkpoint_loads_in_python_safetensors_with_pytorch_shapes() {
     let dir = tmp();

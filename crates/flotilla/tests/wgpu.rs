@@ -4,9 +4,8 @@
 //! so the runs are short). Every wgpu run is compared tensor by tensor with the same run on
 //! the CPU backend (flex): the parameters start equal (they are drawn on the CPU whatever the
 //! device), so they end within f32 rounding of each other (burn's wgpu kernels sum in
-//! another order than Flex's). A build without the feature, and a build with it but no Vulkan
-//! driver, each fail with one error naming what is missing (the build without it:
-//! `tests/cli.rs`).
+//! another order than Flex's). A build with it but no Vulkan driver fails with one error
+//! naming what is missing (a build without a GPU feature: `tests/gpu.rs`, on `cuda`).
 //!
 //! Closeness to the CPU run alone would pass a strategy that silently built its engine on the
 //! CPU (the difference is then 0): every rank of every run also logs where its parameter
