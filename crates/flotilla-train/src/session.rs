@@ -222,11 +222,14 @@ impl Session {
         }))
     }
 
-    /// Ends the run here for `reason` (the caller's own criterion): a server tells everyone
-    /// below it. All-reduce peers and pipeline stages must stop after the same step (each
-    /// would wait for the others' next collective until its deadline).
+    /// Ends the run here for `reason` (the caller's own criterion), on a rank whose role
+    /// stops itself: an all-reduce peer or a pipeline stage (each must stop after the same
+    /// step, or the others wait for its next collective until their deadline), or a
+    /// parameter server's root, which tells every server and worker below it. On the other
+    /// roles (workers, shard and local servers) it does nothing: they run until the root's
+    /// stop reaches them, as in a run of the plan's length.
     pub fn stop(&mut self, observer: &mut dyn Observer, reason: &str) -> Result<()> {
-        if self.state.stopped().is_some() {
+        if self.state.stopped().is_some() || !self.role.stops_itself() {
             return Ok(());
         }
         with_loop!(self, observer, |l| l.stop(reason.to_string()))
@@ -251,7 +254,9 @@ impl Session {
     }
 
     /// The end of the run: the final evaluation, the cross-rank identity check, the final
-    /// checkpoint and this rank's summary (with every rank's report on rank 0).
+    /// checkpoint and this rank's summary (with every rank's report on rank 0). Call it once
+    /// [`Session::step`] has returned `None`, or after [`Session::stop`]: a rank that leaves
+    /// earlier leaves the others waiting for it until their deadline, which names it.
     pub fn finish(mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
         let done = with_loop!(&mut self, observer, |l| l.finish())?;
         if let Some(w) = self.watcher.take() {

@@ -276,6 +276,28 @@ fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_sa
     );
 }
 
+/// Under a parameter server every rank of a program's own loop says `stop` after step 20:
+/// the root's ends the job there and tells the workers (a worker's own does nothing, so no
+/// worker leaves a round unfinished); the final checkpoint is round 20's.
+#[test]
+fn a_programs_own_stop_under_a_parameter_server_ends_the_job_at_the_roots_round() {
+    let dir = tmp();
+    let exe = program();
+    let job = "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nbatch_size: 32\n\
+               num_server_rounds: 60\n";
+    let env = [("LOOP", "own"), ("STOP_AT", "20")];
+    run_with_env(
+        dir.path(),
+        "ps",
+        job,
+        &["--", exe.to_str().expect("utf8")],
+        &env,
+    );
+    let root = dir.path().join("ps").join("checkpoints");
+    let latest = std::fs::read_to_string(root.join("latest")).expect("latest");
+    assert_eq!(latest.trim(), "step-00000020");
+}
+
 /// `flotilla launch --max-restarts 1 -- PROGRAM` with one rank SIGKILLed after the checkpoint
 /// of step 50: the launcher starts the program again, its ranks resume from the newest
 /// checkpoint, and the run ends bitwise where an uninterrupted one does.
