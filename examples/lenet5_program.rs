@@ -186,7 +186,8 @@ fn spec_loop() -> anyhow::Result<()> {
 /// `LOOP=own`: the same run in the program's own loop (`flotilla_burn::session`), which
 /// prints a line of its own every 50 steps; it trains to the same bits as
 /// `flotilla_burn::train`. `CHECKPOINT_AT=S` writes a checkpoint after step `S`, `STOP_AT=S`
-/// ends the run after step `S` (every rank decides alike).
+/// ends the run after step `S`, `EVAL_AT=S,T,...` evaluates after those steps (every rank
+/// decides alike).
 fn own_loop<M, F>(model: &UserModule<F>) -> anyhow::Result<()>
 where
     M: TrainModule,
@@ -201,6 +202,17 @@ where
         }
     };
     let (checkpoint_at, stop_at) = (at("CHECKPOINT_AT")?, at("STOP_AT")?);
+    let eval_at: Vec<u64> = match std::env::var("EVAL_AT") {
+        Ok(v) => v
+            .split(',')
+            .map(|s| {
+                s.trim()
+                    .parse()
+                    .map_err(|e| anyhow::anyhow!("EVAL_AT={v}: {e}"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        Err(_) => Vec::new(),
+    };
     let mut run = flotilla_burn::session(model)?;
     while let Some(p) = run.step()? {
         if !p.progressed {
@@ -215,6 +227,15 @@ where
             && let Some(dir) = run.checkpoint()?
         {
             println!("own loop: checkpoint {}", dir.display());
+        }
+        if eval_at.contains(&p.step)
+            && let Some(e) = run.evaluate()?
+        {
+            println!(
+                "own loop: eval at step {} test_acc={:.6}",
+                p.step,
+                e.accuracy()
+            );
         }
         if stop_at == Some(p.step) {
             run.stop(&format!("the program's own stop at step {}", p.step))?;

@@ -276,6 +276,59 @@ fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_sa
     );
 }
 
+/// A program's own evaluations (`Session::evaluate`, `EVAL_AT=60,120`): the one after the
+/// last step gives the run's final accuracy on every rank, and the one mid-run changes
+/// nothing in training (the bits of a run without them).
+#[test]
+fn a_programs_own_evaluation_is_the_runs_and_changes_nothing() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 120\n";
+    let straight = run(dir.path(), "straight", job, &["--", exe]);
+    let cfg = config_file(dir.path(), "eval.yaml", &format!("{COMMON}{job}"));
+    let out = dir.path().join("eval");
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        &cfg,
+        "--output",
+        out.to_str().expect("utf8"),
+        "--",
+        exe,
+    ])
+    .envs([("LOOP", "own"), ("EVAL_AT", "60,120")]);
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let accuracy_at = |rank: usize, step: u64| -> f64 {
+        let head = format!("[rank {rank}] own loop: eval at step {step} test_acc=");
+        let line = stdout.lines().find_map(|l| l.strip_prefix(head.as_str()));
+        let line = line.unwrap_or_else(|| panic!("no `{head}` line\n{stdout}"));
+        line.trim().parse().expect("an accuracy")
+    };
+    let summary = std::fs::read(out.join("summary.json")).expect("summary.json");
+    let summary: serde_json::Value = serde_json::from_slice(&summary).expect("json");
+    let fin = summary["run"]["final_acc"].as_f64().expect("final_acc");
+    for rank in [0, 1] {
+        assert_eq!(
+            accuracy_at(rank, 120),
+            (fin * 1e6).round() / 1e6,
+            "rank {rank}"
+        );
+        assert!(
+            accuracy_at(rank, 60) > 0.1,
+            "rank {rank} evaluated an untrained model"
+        );
+    }
+    let evaluated = spec_names(checkpoint_tensors(&out));
+    assert_bitwise(
+        "with evaluations at 60 and 120 vs without",
+        &evaluated,
+        &straight,
+    );
+}
+
 /// Under a parameter server every rank of a program's own loop says `stop` after step 20:
 /// the root's ends the job there and tells the workers (a worker's own does nothing, so no
 /// worker leaves a round unfinished); the final checkpoint is round 20's.
