@@ -74,6 +74,19 @@ fn run_with_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> Tensors {
+    launch_job(dir, name, yaml, extra, env);
+    spec_names(checkpoint_tensors(&dir.join(name)))
+}
+
+/// `flotilla launch` of `yaml` (plus [`COMMON`]) into `dir/name`, with `extra` arguments
+/// after the config and `env` for the launcher; succeeded, its output.
+fn launch_job(
+    dir: &Path,
+    name: &str,
+    yaml: &str,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> std::process::Output {
     let cfg = config_file(dir, &format!("{name}.yaml"), &format!("{COMMON}{yaml}"));
     let out = dir.join(name);
     let mut c = flotilla();
@@ -82,7 +95,7 @@ fn run_with_env(
         .envs(env.iter().copied());
     let o = run_with_deadline(c, LIMIT);
     assert!(o.status.success(), "{name} failed\n{}", text(&o));
-    spec_names(checkpoint_tensors(&out))
+    o
 }
 
 /// The spec model's and the user's module's runs of `yaml`, bitwise equal and trained.
@@ -261,14 +274,8 @@ fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_sa
         .collect();
     written.sort();
     assert_eq!(written, ["step-00000030", "step-00000070"], "{root:?}");
-    let cfg = dir.path().join("own.yaml");
-    let (cfg, out) = (cfg.to_str().expect("utf8"), out.to_str().expect("utf8"));
-    let mut c = flotilla();
-    c.args(["launch", cfg, "--output", out, "--resume", "--", exe])
-        .env("LOOP", "own");
-    let o = run_with_deadline(c, LIMIT);
-    assert!(o.status.success(), "resume failed\n{}", text(&o));
-    let resumed = spec_names(checkpoint_tensors(Path::new(out)));
+    let own = [("LOOP", "own")];
+    let resumed = run_with_env(dir.path(), "own", job, &["--resume", "--", exe], &own);
     assert_bitwise(
         "stopped at 70, resumed to 120 vs straight",
         &resumed,
@@ -286,20 +293,9 @@ fn a_programs_own_evaluation_is_the_runs_and_changes_nothing() {
     let exe = exe.to_str().expect("utf8");
     let job = "world_size: 2\nbatch_size: 32\nmax_steps: 120\n";
     let straight = run(dir.path(), "straight", job, &["--", exe]);
-    let cfg = config_file(dir.path(), "eval.yaml", &format!("{COMMON}{job}"));
+    let env = [("LOOP", "own"), ("EVAL_AT", "60,120")];
+    let o = launch_job(dir.path(), "eval", job, &["--", exe], &env);
     let out = dir.path().join("eval");
-    let mut c = flotilla();
-    c.args([
-        "launch",
-        &cfg,
-        "--output",
-        out.to_str().expect("utf8"),
-        "--",
-        exe,
-    ])
-    .envs([("LOOP", "own"), ("EVAL_AT", "60,120")]);
-    let o = run_with_deadline(c, LIMIT);
-    assert!(o.status.success(), "{}", text(&o));
     let stdout = String::from_utf8_lossy(&o.stdout);
     let accuracy_at = |rank: usize, step: u64| -> f64 {
         let head = format!("[rank {rank}] own loop: eval at step {step} test_acc=");
