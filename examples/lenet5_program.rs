@@ -14,7 +14,12 @@
 //! `forward`s instead (the same values up to rounding). `--strategy pipeline` trains its two
 //! halves as two pipeline stages (`--stages 2`, one rank each; `--data-parallel 2`: 4 ranks).
 //! `LOOP=own` runs the same training in the program's own loop (`flotilla_burn::session`);
-//! `MODEL=spec` the job's YAML model in it (`flotilla_burn::spec_session`).
+//! `MODEL=spec` the job's YAML model in it (`flotilla_burn::spec_session`); `DATA=DIR` (with
+//! `LOOP=own`) its own data: the program reads MNIST from `DIR` into memory itself, keeps
+//! the first `TRAIN_SAMPLES` images, and hands them to the run
+//! (`flotilla_burn::session_with_data`), which shards them by rank as it does a job's data.
+
+use std::sync::Arc;
 
 use burn::nn::PaddingConfig2d;
 use burn::nn::conv::{Conv2d, Conv2dConfig};
@@ -25,9 +30,10 @@ use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
 use flotilla_burn::kernels::{linear::linear, max_pool::max_pool2d};
 use flotilla_burn::{
-    BatchRef, EngineError, NamedTensors, StageModule, StageModules, TrainModule, UserModule,
-    conv2d_relu,
+    BatchRef, EngineError, ImageDataset, NamedTensors, Normalization, StageModule, StageModules,
+    TrainModule, UserModule, conv2d_relu,
 };
+use flotilla_data::Mnist;
 
 /// LeNet-5's convolutions: `[n, 1, 28, 28]` images to `[n, 400]` features.
 #[derive(Module, Debug)]
@@ -213,7 +219,13 @@ where
             .collect::<anyhow::Result<_>>()?,
         Err(_) => Vec::new(),
     };
-    let mut run = flotilla_burn::session(model)?;
+    let mut run = match std::env::var("DATA") {
+        Ok(dir) => {
+            let (train, test) = own_data(&dir, at("TRAIN_SAMPLES")?)?;
+            flotilla_burn::session_with_data(model, Arc::new(train), Box::new(test))?
+        }
+        Err(_) => flotilla_burn::session(model)?,
+    };
     while let Some(p) = run.step()? {
         if !p.progressed {
             continue;
@@ -243,4 +255,21 @@ where
     }
     run.finish()?;
     Ok(())
+}
+
+/// `DATA=DIR`: MNIST read by the program itself, its training images cut to the first
+/// `keep` (all: `None`) and copied into a data set of the program's own making.
+fn own_data(dir: &str, keep: Option<u64>) -> anyhow::Result<(ImageDataset, ImageDataset)> {
+    let splits = Mnist::load(dir)?;
+    let train = &splits.train;
+    let n = keep.map_or(train.len(), |k| (k as usize).min(train.len()));
+    let size = train.rows() * train.cols();
+    let own = ImageDataset::new(
+        train.pixels()[..n * size].to_vec(),
+        train.labels()[..n].to_vec(),
+        train.rows(),
+        train.cols(),
+        Normalization::MNIST,
+    )?;
+    Ok((own, splits.test))
 }

@@ -69,6 +69,7 @@ use std::sync::Arc;
 pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
 pub use error::{DistError, Result};
+pub use flotilla_data::{ImageDataset, Normalization, Samples};
 pub use flotilla_engine::{BatchRef, EngineError, NamedTensors, StageModule, TrainModule};
 pub use flotilla_engine::{conv2d, conv2d_relu};
 pub use flotilla_group::{ProcessGroup, ReduceOp};
@@ -76,7 +77,7 @@ pub use flotilla_rank::Session;
 pub use flotilla_train::Progress;
 pub use flotilla_train::RunSummary;
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
-pub use user_module::{StageModules, UserModule, session, spec_session, train};
+pub use user_module::{StageModules, UserModule, session, session_with_data, spec_session, train};
 
 /// Flotilla's CPU kernels for a burn user's own forward pass (Flex; burn's ops elsewhere):
 /// `kernels::linear::linear(&layer, x, relu)` in place of `layer.forward(x)` (and a ReLU

@@ -3,14 +3,16 @@
 //! but a spec's pipeline, checkpoints and `--resume`, timeline, `/metrics`, run.log,
 //! summary.json and plots, target stop — for it, in one call of the user's program.
 
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use burn::prelude::*;
+use flotilla_data::Samples;
 use flotilla_engine::{
     Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageCut, StageEngine,
     StageInput, StageModule, TrainModule, module_pipeline,
 };
 use flotilla_rank::Session;
+use flotilla_train::job_data::JobData;
 use flotilla_train::{ModelIo, ModelSource, RunSummary, TrainError};
 
 use crate::error::{DistError, Result};
@@ -224,7 +226,22 @@ pub fn train<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Resu
 pub fn session<M: TrainModule, F: Fn(&Device) -> M>(model: &UserModule<F>) -> Result<Session> {
     let config = flotilla_train::program::settings()?;
     let rank = flotilla_train::program::launcher_rank()?;
-    Session::start(&config, model, rank).map_err(DistError::from)
+    Session::start(&config, model, None, rank).map_err(DistError::from)
+}
+
+/// [`session`] on the program's own data instead of what `data.path` names: `train` to
+/// draw the batches from (each rank its shard of each epoch's shuffle, as for a config
+/// job's data), `test` to evaluate on. Every rank gives the same samples; they are checked
+/// against the model as a config job's data is ([`JobData::given`]).
+pub fn session_with_data<M: TrainModule, F: Fn(&Device) -> M>(
+    model: &UserModule<F>,
+    train: Arc<dyn Samples>,
+    test: Box<dyn Samples>,
+) -> Result<Session> {
+    let config = flotilla_train::program::settings()?;
+    let rank = flotilla_train::program::launcher_rank()?;
+    let data = JobData::given(&config, model, train, test)?;
+    Session::start(&config, model, Some(data), rank).map_err(DistError::from)
 }
 
 /// [`session`] for the job's YAML model (`model:` of its settings, a spec of `models/` or
@@ -234,7 +251,7 @@ pub fn spec_session() -> Result<Session> {
     let config = flotilla_train::program::settings()?;
     let spec = config.validate()?;
     let rank = flotilla_train::program::launcher_rank()?;
-    Session::start(&config, &spec, rank).map_err(DistError::from)
+    Session::start(&config, &spec, None, rank).map_err(DistError::from)
 }
 
 #[cfg(test)]

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 
 use flotilla_engine::EvalStats;
 use flotilla_telemetry::RankEvent;
+use flotilla_train::job_data::JobData;
 use flotilla_train::{ModelSource, Progress, RunSummary, TrainConfig};
 
 pub use error::{RankError, Result};
@@ -29,7 +30,7 @@ pub fn run(
     model: &dyn ModelSource,
     rank: Option<usize>,
 ) -> Result<RunSummary> {
-    let mut session = Session::start(config, model, rank)?;
+    let mut session = Session::start(config, model, None, rank)?;
     while session.step()?.is_some() {}
     session.finish()
 }
@@ -48,17 +49,19 @@ pub struct Session {
 }
 
 impl Session {
-    /// Starts the telemetry and joins the job (see [`flotilla_train::Session::start`]).
+    /// Starts the telemetry and joins the job to train `model` on `data` (`None`: what
+    /// `data.path` names; see [`flotilla_train::Session::start`]).
     pub fn start(
         config: &TrainConfig,
         model: &dyn ModelSource,
+        data: Option<JobData>,
         rank: Option<usize>,
     ) -> Result<Session> {
         let rank_telemetry = telemetry::init(Some((config, rank)))?;
         let t = &config.telemetry;
         let mut observer =
             progress::TrainObserver::new(rank_telemetry, t.metrics_port, &t.metrics_addr);
-        let started = flotilla_train::Session::start(config, model, rank, &mut observer);
+        let started = flotilla_train::Session::start(config, model, data, rank, &mut observer);
         let inner = match started {
             Ok(inner) => inner,
             Err(e) => {

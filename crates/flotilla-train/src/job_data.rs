@@ -1,6 +1,7 @@
-//! A job's data, opened as `data.path` names it ([`crate::config::DataSource`]) and checked
-//! against the model: MNIST images, or a text's next-token windows whose length is the
-//! model's input length. Both are [`Samples`] to the rest of the run.
+//! A job's data, opened as `data.path` names it ([`crate::config::DataSource`]) or given by a
+//! program ([`JobData::given`]), and checked against the model: MNIST images, a text's
+//! next-token windows whose length is the model's input length, or a program's own
+//! [`Samples`]. All are [`Samples`] to the rest of the run.
 //!
 //! MNIST images stay in their files ([`flotilla_data::ImageFile`]: a gzipped file through
 //! its raw copy in [`default_cache_dir`]); a rank reads the samples it uses: each epoch's
@@ -62,6 +63,77 @@ impl JobData {
         };
         data.check_labels(name, &io)?;
         Ok(data)
+    }
+
+    /// A program's own data: `train` to draw batches from (sharded by rank as `data.path`'s
+    /// are), `test` to evaluate on. `data.train_limit` keeps the first samples of `train`.
+    /// Every rank gives the same samples (the rendezvous compares their numbers and shape).
+    pub fn given(
+        config: &TrainConfig,
+        model: &dyn ModelSource,
+        train: Arc<dyn Samples>,
+        test: Box<dyn Samples>,
+    ) -> Result<Self> {
+        let train = match config.data.train_limit {
+            Some(limit) if limit < train.len() => {
+                let first: Vec<usize> = (0..limit).collect();
+                Arc::from(train.select(&first)?)
+            }
+            _ => train,
+        };
+        let data = JobData { train, test };
+        data.check_given(model)?;
+        Ok(data)
+    }
+
+    /// What the rendezvous compares of a program's data: its sizes and sample shape.
+    pub fn fingerprint(&self) -> String {
+        format!(
+            "data {}x{:?}/{} test {}x{:?}/{}",
+            self.train.len(),
+            self.train.sample_shape(),
+            self.train.labels_per_sample(),
+            self.test.len(),
+            self.test.sample_shape(),
+            self.test.labels_per_sample(),
+        )
+    }
+
+    /// A program's data is checked against the model as `data.path`'s is: the samples the
+    /// model takes, its classes (token ids for a text), labels per sample; the test set
+    /// like the training set.
+    fn check_given(&self, model: &dyn ModelSource) -> Result<()> {
+        let (name, io) = (model.name(), model.io()?);
+        let (train, test) = (&self.train, &self.test);
+        if train.is_empty() {
+            return Err(TrainError::config(
+                "data",
+                "the program's training set is empty",
+            ));
+        }
+        if test.sample_shape() != train.sample_shape()
+            || test.labels_per_sample() != train.labels_per_sample()
+        {
+            return Err(TrainError::config(
+                "data",
+                format!(
+                    "the program's test samples are {:?} with {} label(s) but its training \
+                     samples are {:?} with {}",
+                    test.sample_shape(),
+                    test.labels_per_sample(),
+                    train.sample_shape(),
+                    train.labels_per_sample()
+                ),
+            ));
+        }
+        if train.byte_tokens() {
+            text_context(name, &io)?;
+        }
+        // A model may give more classes than the labels use (not fewer).
+        let labels = train.classes().max(test.classes());
+        let classes = io.classes.map_or(labels, |out| out.max(labels));
+        check_io(name, &io, &train.sample_shape(), classes)?;
+        self.check_labels(name, &io)
     }
 
     /// The model gives as many classes per sample as the data has labels (one, or one per
@@ -132,7 +204,47 @@ fn text_context(name: &str, io: &ModelIo) -> Result<usize> {
 
 #[cfg(test)]
 mod tests {
+    use flotilla_data::{ImageDataset, Normalization};
+
     use super::*;
+
+    /// `n` blank images of `side × side` with labels `0..classes` in turn.
+    fn images(n: usize, side: usize, classes: u8) -> ImageDataset {
+        let labels = (0..n).map(|i| (i % usize::from(classes)) as u8).collect();
+        let norm = Normalization::MNIST;
+        ImageDataset::new(vec![0; n * side * side], labels, side, side, norm).expect("images")
+    }
+
+    #[test]
+    fn a_programs_data_is_cut_by_train_limit_and_checked_against_the_model() {
+        let mut config = TrainConfig::default();
+        config.model.spec = "lenet5".into();
+        config.data.train_limit = Some(30);
+        let model = config.validate().expect("lenet5");
+        let given = |train: ImageDataset, test: ImageDataset| {
+            JobData::given(&config, &model, Arc::new(train), Box::new(test))
+        };
+        let data = given(images(100, 28, 10), images(20, 28, 10)).expect("MNIST-like");
+        assert_eq!((data.train.len(), data.test.len()), (30, 20));
+        // Fewer classes in the labels than the model gives: fine; more: refused.
+        given(images(100, 28, 7), images(20, 28, 7)).expect("7 of 10 classes");
+        let e = given(images(100, 28, 12), images(20, 28, 10))
+            .err()
+            .expect("12 classes");
+        assert!(e.to_string().contains("12 classes"), "{e}");
+        let e = given(images(100, 20, 10), images(20, 20, 10))
+            .err()
+            .expect("20x20");
+        assert!(e.to_string().contains("[1, 20, 20]"), "{e}");
+        let e = given(images(100, 28, 10), images(20, 14, 10))
+            .err()
+            .expect("test 14x14");
+        assert!(e.to_string().contains("test samples"), "{e}");
+        let e = given(images(0, 28, 10), images(20, 28, 10))
+            .err()
+            .expect("empty");
+        assert!(e.to_string().contains("empty"), "{e}");
+    }
 
     fn io(input: &[usize], classes: Option<usize>) -> ModelIo {
         ModelIo {

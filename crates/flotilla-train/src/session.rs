@@ -34,7 +34,7 @@ pub fn run(
     rank: Option<usize>,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
-    let mut session = Session::start(config, model, rank, observer)?;
+    let mut session = Session::start(config, model, None, rank, observer)?;
     while session.step(observer)?.is_some() {}
     session.finish(observer)
 }
@@ -124,19 +124,25 @@ macro_rules! with_loop {
 
 impl Session {
     /// Joins the job of `config` as rank `rank` (`None`: assigned at the rendezvous) to train
-    /// `model` (a spec's model, or a program's own module), and sets up this rank's part:
+    /// `model` (a spec's model, or a program's own module) on `data` (a program's own, made
+    /// by [`JobData::given`]; `None`: what `data.path` names), and sets up this rank's part:
     /// data, strategy, resume, plan; the strategy's start (the initial broadcast, a worker's
     /// first pull) is done when it returns. Collective: every rank of the job calls it.
     pub fn start(
         config: &TrainConfig,
         model: &dyn ModelSource,
+        data: Option<JobData>,
         rank: Option<usize>,
         observer: &mut dyn Observer,
     ) -> Result<Session> {
         let started = Instant::now();
         config.validate()?;
         let topology = config.topology()?;
-        let hash = config.shared_hash(Some(&model.fingerprint()?));
+        let mut fingerprint = model.fingerprint()?;
+        if let Some(data) = &data {
+            fingerprint = format!("{fingerprint}; {}", data.fingerprint());
+        }
+        let hash = config.shared_hash(Some(&fingerprint));
         // The device is per rank (not in the hash): `cuda` becomes this local rank's GPU.
         let config = crate::gpu::on_local_gpu(config)?;
         // Opened before joining, so that a missing driver fails this rank at once.
@@ -150,7 +156,10 @@ impl Session {
         let up = trainer::up_line(&device, model.name(), (rank, world), hash);
         observer.message(&up);
         log.line(&up)?;
-        let data = JobData::load(&config, model)?;
+        let data = match data {
+            Some(data) => data,
+            None => JobData::load(&config, model)?,
+        };
         let rejoined = rejoin == flotilla_tcp::Rejoin::Join;
         if rejoined {
             let note = format!(

@@ -283,6 +283,34 @@ fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_sa
     );
 }
 
+/// A program's own data (`DATA=data/mnist TRAIN_SAMPLES=8000`: the first 8,000 training
+/// images read and held by the program, handed to `flotilla_burn::session_with_data`) trains
+/// to the bits of the job's data cut to the same images (`train_limit: 8000`) on 2 ranks,
+/// past an epoch's end (125 steps): the run shards and shuffles a program's samples as it
+/// does `data.path`'s. Its data is the one trained on: the job's whole data gives others.
+#[test]
+fn a_programs_own_data_trains_to_the_bits_of_the_jobs_data() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 160\n";
+    let cut = format!("{job}train_limit: 8000\n");
+    let limited = run(dir.path(), "limited", &cut, &["--", exe]);
+    let env = [
+        ("LOOP", "own"),
+        ("DATA", "data/mnist"),
+        ("TRAIN_SAMPLES", "8000"),
+    ];
+    let own = run_with_env(dir.path(), "own", job, &["--", exe], &env);
+    assert_bitwise(
+        "the program's 8000 images vs train_limit: 8000",
+        &own,
+        &limited,
+    );
+    let whole = run(dir.path(), "whole", job, &["--", exe]);
+    assert_ne!(own, whole, "the program's data made no difference");
+}
+
 /// A program's own evaluations (`Session::evaluate`, `EVAL_AT=60,120`): the one after the
 /// last step gives the run's final accuracy on every rank, and the one mid-run changes
 /// nothing in training (the bits of a run without them).
