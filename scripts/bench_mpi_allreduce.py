@@ -10,7 +10,7 @@ over loopback, 1 thread per rank. Run it under mpirun, e.g.
 
   python3 scripts/bench_mpi_allreduce.py -n 2,4
 
-Timing as Flotilla's bench (crates/flotilla-group/src/bench.rs): buffers filled with rank+1,
+Timing as Flotilla's bench (crates/flotilla/src/bench/measure.rs): buffers filled with rank+1,
 a barrier, one timed Allreduce; 2 warm-up iterations; iterations capped so that
 iters * bytes <= 4 GiB (at least 3); each rank's median, then the max over ranks;
 algbw = bytes / time, busbw = algbw * 2(N-1)/N (GB = 1e9 bytes). Needs numpy and mpi4py.

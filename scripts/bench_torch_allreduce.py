@@ -8,7 +8,7 @@ For each rank count N it spawns N processes (torch.multiprocessing, start method
 joining a gloo process group with a TCP store on 127.0.0.1 (GLOO_SOCKET_IFNAME=lo), and for
 each size runs `--warmup` untimed then `--iters` timed all_reduce calls, each preceded by a
 barrier so every rank starts together. The timing is the one of Flotilla's bench
-(crates/flotilla-group/src/bench.rs): each rank's median over iterations, then the max over ranks; iterations are capped so that
+(crates/flotilla/src/bench/measure.rs): each rank's median over iterations, then the max over ranks; iterations are capped so that
 iters * bytes <= 4 GiB (at least 3); the result is checked against the expected sum.
 algbw = bytes / time, busbw = algbw * 2(N-1)/N (GB = 1e9 bytes).
 """

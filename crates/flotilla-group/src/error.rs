@@ -356,9 +356,10 @@ pub enum CommError {
     /// The rendezvous failed.
     #[error(transparent)]
     Rendezvous(#[from] RendezvousError),
-    /// The TLS files could not be used (each error names the file).
+    /// A backend's own setup failed (the TCP transport's TLS files, each error naming the
+    /// file): the backend's typed error, kept as the source.
     #[error(transparent)]
-    Tls(#[from] crate::tls_error::TlsError),
+    Setup(Arc<dyn std::error::Error + Send + Sync>),
     /// An earlier collective failed; the communicator cannot be used any more.
     #[error("communicator unusable after an earlier failure: {0}")]
     Poisoned(Box<CommError>),

@@ -12,21 +12,19 @@
 //!
 //! * [`ProcessGroup`] and its types ([`group`]): collectives, tagged point-to-point messages
 //!   with deadlines, sub-groups; [`Pending`] for a collective running in the background.
-//! * [`CommError`]: every group's typed, rank-naming errors (with [`RendezvousError`] and
-//!   [`TlsError`] of the TCP transport's start, which it carries).
+//! * [`CommError`]: every group's typed, rank-naming errors (with [`RendezvousError`] of
+//!   the TCP transport's start, and any backend's own setup error as a source).
 //! * What backends share: [`Mailbox`] (tagged messages by group, sender and tag, with
 //!   deadlines), [`Members`] (group and world ranks, the checks on ranks given) and
 //!   [`subgroup`] (the `(color, key)` exchange of `split` and the new group's order).
 //! * Built on the interface alone, so every backend has them: the stall inspector
 //!   ([`stall`]: names tensors or collectives some ranks never start, [`StallWatcher`], and
-//!   the report that the asynchronous all-reduce's cycle, in `flotilla-train`, feeds); and
-//!   [`bench`](mod@bench), the all-reduce benchmark behind `flotilla bench allreduce`.
+//!   the report that the asynchronous all-reduce's cycle, in `flotilla-train`, feeds).
 //!
 //! All members of a group must issue its collectives in the same order; see [`group`].
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod bench;
 mod error;
 #[cfg(feature = "fuzzing")]
 #[doc(hidden)]
@@ -38,7 +36,6 @@ mod pending;
 pub mod shard;
 pub mod stall;
 pub mod subgroup;
-mod tls_error;
 
 pub use error::{CommError, PeerName, RendezvousError};
 pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
@@ -47,4 +44,3 @@ pub use members::Members;
 pub use pending::{Pending, PendingAllReduce, PendingSender};
 pub use shard::{segment, segments, shard};
 pub use stall::{StallPolicy, StallWatcher};
-pub use tls_error::TlsError;

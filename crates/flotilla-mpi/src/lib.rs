@@ -14,7 +14,8 @@
 //!   progress thread drains them into a mailbox per group, by (sender, tag)
 //!   ([`flotilla_group::Mailbox`]), and fails collectives past their deadline or after an
 //!   abort (modules `runtime`, `serve`).
-//! * [`bench`](mod@bench): `MPI_Allreduce` timed directly, for `flotilla bench allreduce --backend mpi`.
+//! * [`RawAllReduce`]: `MPI_Allreduce` with nothing between, the reference `flotilla bench
+//!   allreduce --backend mpi` times.
 //!
 //! An example is on [`MpiGroup`] (crate-level examples would be compiled without the feature).
 //!
@@ -23,10 +24,10 @@
 #![cfg(feature = "mpi")]
 #![warn(missing_docs)]
 
-pub mod bench;
 mod group;
 mod ops;
 mod raw;
+mod raw_allreduce;
 mod runtime;
 mod serve;
 mod state;
@@ -35,4 +36,5 @@ mod wire;
 mod worker;
 
 pub use group::{MpiConfig, MpiGroup};
+pub use raw_allreduce::RawAllReduce;
 pub use runtime::{Finalized, MpiInitError, finalize};

@@ -4,9 +4,8 @@
 //! It moves flat `f32` buffers and bytes between the processes of a training job and never
 //! depends on the tensor engine. The API is blocking (one training thread per process); a
 //! small tokio runtime owned by each [`TcpGroup`] does the I/O. The interface itself
-//! ([`ProcessGroup`], [`CommError`], the stall inspector,
-//! [`bench`](mod@bench)) lives in `flotilla_group`; this crate re-exports what its users
-//! name.
+//! ([`ProcessGroup`], [`CommError`], the stall inspector) lives in `flotilla_group`; this
+//! crate re-exports what its users name.
 //!
 //! * [`frame`]: length-prefixed frames with a magic/version header, a channel id (control,
 //!   collectives, point-to-point share one TCP connection per pair of ranks), flags (LZ4),
@@ -80,6 +79,7 @@ mod shm;
 mod stream;
 mod tcp_group;
 pub mod tls;
+mod tls_error;
 mod wire;
 mod world;
 
@@ -90,7 +90,7 @@ pub use config::{
 };
 pub use flotilla_group::{
     CommError, CommStats, PeerName, Pending, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, StallPolicy, StallWatcher, Tag, bench, shard, tags,
+    RendezvousError, StallPolicy, StallWatcher, Tag, shard, tags,
 };
 pub use inherited::LISTEN_FD_ENV;
 pub use rendezvous::announce::{PORT_ANNOUNCEMENT, announced_port};

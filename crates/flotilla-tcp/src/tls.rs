@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, UnixTime};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{ClientConfig, RootCertStore, ServerConfig};
 
-pub use flotilla_group::TlsError;
+pub use crate::tls_error::TlsError;
 
 /// The environment variable naming the cluster CA certificate (PEM).
 pub const TLS_CA_ENV: &str = "FLOTILLA_TLS_CA";

@@ -862,19 +862,3 @@ fn blocking_calls_inside_a_runtime_are_errors_not_panics() {
     comm.all_reduce_sum(&mut v).unwrap();
     assert_eq!(v, vec![2.0; 3]);
 }
-
-#[test]
-fn single_rank_bench_runs() {
-    use flotilla_tcp::bench::{BenchOptions, format_table, run_allreduce};
-    let comm = TcpGroup::connect(CommConfig::new(Some(0), 1)).unwrap();
-    let opts = BenchOptions {
-        sizes: vec![4096],
-        warmup: 1,
-        iters: 3,
-        ..Default::default()
-    };
-    let rows = run_allreduce(&comm, &opts).unwrap();
-    assert_eq!(rows.len(), 1);
-    assert_eq!(rows[0].busbw_gbs, 0.0);
-    assert!(format_table(&rows).contains("4 KiB"));
-}

@@ -8,8 +8,8 @@ use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
+use crate::bench::measure::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
 use anyhow::{Context, Result, bail};
-use flotilla_tcp::bench::{BenchOptions, BenchRow, default_sizes, format_bytes, run_allreduce};
 use flotilla_tcp::{ProcessGroup, TcpGroup, Transport, WireFormat};
 
 use crate::binding;

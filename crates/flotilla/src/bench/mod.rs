@@ -6,6 +6,9 @@
 
 mod allreduce;
 mod job;
+pub(crate) mod measure;
+#[cfg(test)]
+mod measure_tests;
 mod mpi;
 mod pipeline;
 mod ps;

@@ -3,10 +3,10 @@
 //! group's worker, `MPI_Allreduce`, copied back) and Open MPI's own `MPI_Allreduce` called
 //! directly, next to the TCP ring measured with the same sizes.
 
-use anyhow::Result;
-use flotilla_tcp::bench::BenchOptions;
+use crate::bench::measure::BenchOptions;
 #[cfg(feature = "mpi")]
-use flotilla_tcp::bench::format_bytes;
+use crate::bench::measure::format_bytes;
+use anyhow::Result;
 
 #[cfg(feature = "mpi")]
 use crate::bench::allreduce::Row;
@@ -130,12 +130,15 @@ fn mpirun_rows(args: &BenchAllreduceArgs, n: usize) -> Result<(Vec<Row>, Vec<Row
 /// One MPI rank: the backend's all-reduce, then raw `MPI_Allreduce`; rank 0 prints both.
 #[cfg(feature = "mpi")]
 pub fn worker(opts: &BenchOptions) -> Result<()> {
+    use crate::bench::measure::{measure_allreduce, run_allreduce};
     use flotilla_tcp::ProcessGroup;
-    use flotilla_tcp::bench::run_allreduce;
 
     let world = flotilla_mpi::MpiGroup::world(flotilla_mpi::MpiConfig::default())?;
     let mpi = run_allreduce(&world, opts)?;
-    let raw = flotilla_mpi::bench::raw_allreduce(&world, opts)?;
+    // Raw `MPI_Allreduce` on a communicator of its own, in the same loop; `world`
+    // synchronises the iterations and gathers the times.
+    let mut raw = flotilla_mpi::RawAllReduce::new(&world)?;
+    let raw = measure_allreduce(&world, opts, &mut |buf: &mut Vec<f32>| raw.sum(buf))?;
     if world.rank() == 0 {
         for r in &mpi {
             println!("{}", Row::line("mpi", r));

@@ -1,14 +1,15 @@
-//! The all-reduce benchmark's result check on a real group (in-memory ranks): an
-//! all-reduce that sums one rank's chunk at another chunk's offset fails every rank that
-//! got the wrong sum, and a bf16 wire's rounded partial sums still check exactly.
+//! The all-reduce benchmark's loop on a real group (in-memory ranks): the time of a size is
+//! the median of each iteration's slowest rank; an all-reduce that sums one rank's chunk at
+//! another chunk's offset fails every rank that got the wrong sum, and a bf16 wire's rounded
+//! partial sums still check exactly.
 
 use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use flotilla_group::ProcessGroup;
-use flotilla_group::bench::{BenchOptions, measure_allreduce};
-use flotilla_tcp::{CommConfig, TcpGroup, Transport, WireFormat};
+use flotilla_tcp::{CommConfig, ProcessGroup, TcpGroup, Transport, WireFormat};
+
+use super::measure::{BenchOptions, measure_allreduce, run_allreduce};
 
 fn opts(bytes: usize, exact_bits: u32) -> BenchOptions {
     BenchOptions {
@@ -22,9 +23,10 @@ fn opts(bytes: usize, exact_bits: u32) -> BenchOptions {
 
 /// Runs `body` on every rank of an in-memory world of `n` (a 10 s deadline); each rank's
 /// result, as text.
-fn world<F>(n: usize, cfg: CommConfig, body: F) -> Vec<Result<(), String>>
+fn world<T, F>(n: usize, cfg: CommConfig, body: F) -> Vec<Result<T, String>>
 where
-    F: Fn(&dyn ProcessGroup) -> Result<(), String> + Send + Sync + 'static,
+    T: Send + 'static,
+    F: Fn(&dyn ProcessGroup) -> Result<T, String> + Send + Sync + 'static,
 {
     let body = Arc::new(body);
     let comms =
@@ -99,4 +101,78 @@ fn a_bf16_wire_checks_exactly_with_8_bit_values() {
         run(24).iter().any(Result::is_err),
         "f32-sized values passed a bf16 wire"
     );
+}
+
+fn iterations(iters: usize) -> BenchOptions {
+    BenchOptions {
+        sizes: vec![4096],
+        warmup: 0,
+        iters,
+        ..BenchOptions::default()
+    }
+}
+
+/// In iteration `i` only rank `i % 3` is slow (30 ms), so each rank is slow in at most 2 of
+/// 5 iterations: a rank's own median is fast, while the slowest rank of every iteration is
+/// slow. The reported median must be the latter.
+#[test]
+fn the_time_of_a_size_is_the_median_of_each_iterations_slowest_rank() {
+    const SLOW: Duration = Duration::from_millis(30);
+    let rows = world(3, CommConfig::new(Some(0), 3), |c| {
+        let mut it = 0;
+        let reduce = &mut |buf: &mut Vec<f32>| {
+            c.all_reduce_sum(buf)?;
+            if it % 3 == c.rank() {
+                thread::sleep(SLOW);
+            }
+            it += 1;
+            Ok(())
+        };
+        measure_allreduce(c, &iterations(5), reduce).map_err(|e| e.to_string())
+    });
+    for (r, rows) in rows.into_iter().enumerate() {
+        let rows = rows.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert_eq!(rows.len(), 1);
+        assert!(
+            rows[0].median >= SLOW,
+            "rank {r} reports {:?}: not the slowest rank's time",
+            rows[0].median
+        );
+    }
+}
+
+/// A rank whose result differs from the sum in one element fails, naming it; the others,
+/// whose results are right, do not.
+#[test]
+fn a_wrong_sum_fails_the_benchmark_on_the_rank_that_got_it() {
+    let res = world(2, CommConfig::new(Some(0), 2), |c| {
+        let mut it = 0;
+        let reduce = &mut |buf: &mut Vec<f32>| {
+            c.all_reduce_sum(buf)?;
+            it += 1;
+            if it == 3 && c.rank() == 1 {
+                buf[7] += 1.0;
+            }
+            Ok(())
+        };
+        measure_allreduce(c, &iterations(3), reduce).map_err(|e| e.to_string())
+    });
+    assert!(res[0].is_ok(), "rank 0: {:?}", res[0]);
+    let err = res[1].as_ref().expect_err("rank 1's wrong sum passed");
+    assert!(err.contains("element 7"), "{err}");
+}
+
+/// One rank: the group's all-reduce timed, with no bus traffic.
+#[test]
+fn a_single_rank_runs_and_prints() {
+    let rows = world(1, CommConfig::new(Some(0), 1), |c| {
+        run_allreduce(c, &iterations(3)).map_err(|e| e.to_string())
+    });
+    let rows = rows.into_iter().next().expect("rank 0").expect("ran");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (rows[0].bytes, rows[0].world_size, rows[0].iters),
+        (4096, 1, 3)
+    );
+    assert_eq!(rows[0].busbw_gbs, 0.0);
 }

@@ -1,14 +1,14 @@
-//! All-reduce benchmark over a connected [`ProcessGroup`] (used by `flotilla bench allreduce`).
+//! The all-reduce benchmark's loop over any connected [`ProcessGroup`] (the TCP transport,
+//! MPI, raw `MPI_Allreduce`; `flotilla bench allreduce`). It is the command's, not the
+//! interface's: nothing but the benchmark times collectives this way.
 //!
 //! Bandwidths follow the nccl-tests conventions: `algbw = bytes / time` and
 //! `busbw = algbw * 2 (n - 1) / n`, in GB/s (10^9 bytes per second). The reported time of a
 //! size is the median over iterations of the slowest rank's time.
 
-use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
-use crate::error::CommError;
-use crate::group::ProcessGroup;
+use flotilla_tcp::{CommError, ProcessGroup};
 
 /// One row of benchmark results.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -194,29 +194,6 @@ pub fn format_bytes(b: usize) -> String {
         b if b >= 1 << 10 && b % (1 << 10) == 0 => format!("{} KiB", b >> 10),
         b => format!("{b} B"),
     }
-}
-
-/// Formats rows as a fixed-width table.
-pub fn format_table(rows: &[BenchRow]) -> String {
-    let mut s = String::new();
-    let _ = writeln!(
-        s,
-        "{:>10} {:>5} {:>6} {:>12} {:>12} {:>12}",
-        "size", "world", "iters", "median", "algbw GB/s", "busbw GB/s"
-    );
-    for r in rows {
-        let _ = writeln!(
-            s,
-            "{:>10} {:>5} {:>6} {:>9.3} ms {:>12.3} {:>12.3}",
-            format_bytes(r.bytes),
-            r.world_size,
-            r.iters,
-            r.median.as_secs_f64() * 1e3,
-            r.algbw_gbs,
-            r.busbw_gbs
-        );
-    }
-    s
 }
 
 #[cfg(test)]

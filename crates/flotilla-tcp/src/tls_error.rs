@@ -1,10 +1,11 @@
-//! [`TlsError`]: why a rank's TLS files could not be used. The files and the rustls
-//! configurations are the TCP transport's (`flotilla_tcp::tls`); the error lives here because
-//! [`crate::CommError::Tls`] carries it.
+//! [`TlsError`]: why a rank's TLS files could not be used ([`crate::tls`]); a group's
+//! operation carries it as its backend's setup error ([`CommError::Setup`]).
 
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
+
+use flotilla_group::CommError;
 
 /// Why TLS files could not be used. Every variant names the file (or the setting) at fault.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -34,4 +35,10 @@ pub enum TlsError {
     /// The settings are incomplete (e.g. a CA without a certificate and key).
     #[error("TLS settings: {0}")]
     Settings(String),
+}
+
+impl From<TlsError> for CommError {
+    fn from(e: TlsError) -> Self {
+        CommError::Setup(Arc::new(e))
+    }
 }
