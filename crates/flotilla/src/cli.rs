@@ -52,11 +52,11 @@ pub enum Command {
     /// Make a cluster CA and a certificate per host for mutual TLS on every connection of a
     /// job (`comm.tls`): DIR/ca.pem, DIR/ca.key, DIR/<host>.pem, DIR/<host>.key. An
     /// existing CA in DIR signs the new hosts.
-    Certs(crate::certs_cmd::CertsArgs),
+    Certs(crate::certs::CertsArgs),
     /// Make a fresh random cluster secret: printed, or with `--out FILE` written to a new
     /// file of mode 0600 for every rank (`FLOTILLA_SECRET_FILE=FILE`). `flotilla launch`
     /// makes one for each job itself; this is for ranks started another way.
-    Secret(crate::secret_cmd::SecretArgs),
+    Secret(crate::secret::SecretArgs),
 }
 
 /// `flotilla trace ...`.

@@ -5,19 +5,18 @@
 mod bench;
 mod binding;
 mod capacity;
-mod certs_cmd;
+mod certs;
 mod cli;
 mod compare;
-mod compare_report;
 mod gpu_placement;
 mod heap;
 mod job_secret;
 mod launch;
 mod rendezvous_socket;
 mod run_args;
-mod secret_cmd;
+mod secret;
 mod settings;
-mod stop_cmd;
+mod stop;
 
 use std::process::ExitCode;
 
@@ -33,13 +32,13 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Train(args) => train(&args),
         Command::Launch(args) => init_telemetry().and_then(|_| launch::cmd::run(&args)),
-        Command::Stop(args) => stop_cmd::run(&args),
+        Command::Stop(args) => stop::run(&args),
         Command::Compare(args) => init_telemetry().and_then(|_| compare::run(&args)),
         Command::Bench(cmd) => init_telemetry().and_then(|_| bench::run(cmd)),
         Command::Config(args) => init_telemetry().and_then(|_| show_config(&args)),
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
-        Command::Certs(args) => certs_cmd::run(&args),
-        Command::Secret(args) => secret_cmd::run(&args),
+        Command::Certs(args) => certs::run(&args),
+        Command::Secret(args) => secret::run(&args),
     };
     let code = match &result {
         Ok(()) => ExitCode::SUCCESS,

@@ -152,7 +152,7 @@ fn job_files(targets: &[&SshTarget], scratch: &Path) -> Result<TlsFiles> {
         .collect();
     // Valid for a year: the files live as long as the job, and a long job's late
     // connections (a worker rejoining) must still pass.
-    let ca = crate::certs_cmd::job_certs(&dir, &addresses, 365)?;
+    let ca = crate::certs::job_certs(&dir, &addresses, 365)?;
     let first = addresses.first().context("an inventory job has hosts")?;
     println!(
         "[launcher] TLS on every connection between the hosts: a CA made for this job \

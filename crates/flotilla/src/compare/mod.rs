@@ -1,9 +1,11 @@
 //! `flotilla compare CONFIG --strategies a,b,c`: the same model, data, optimizer, budget and
 //! seed trained in each strategy, one after the other on this machine, each launched as
 //! `flotilla launch` launches (into `OUTPUT/<strategy>/`, where its rank 0 writes its
-//! `summary.json`), then one report of them all ([`crate::compare_report`]). A strategy that
+//! `summary.json`), then one report of them all ([`report`]). A strategy that
 //! cannot run this config fails in its own row, not the whole comparison. After `--`, a
 //! program (one on `flotilla_burn::train`) runs as each strategy's ranks instead.
+
+mod report;
 
 use std::path::Path;
 
@@ -12,9 +14,9 @@ use flotilla_train::TrainConfig;
 use flotilla_train::presets::{self, Preset};
 
 use crate::cli::{CompareArgs, LaunchArgs, RemoteArgs};
-use crate::compare_report::{self, Comparison, RunFacts, StrategyRun, Target};
 use crate::settings;
-use flotilla_rank::report;
+use flotilla_rank::report::{SUMMARY_FILE, read_summary};
+use report::{Comparison, RunFacts, StrategyRun, Target};
 
 /// The accuracy compared when neither `--target-accuracy` nor the config names one.
 pub const DEFAULT_TARGET: f64 = 0.98;
@@ -62,8 +64,8 @@ pub fn run(args: &CompareArgs) -> Result<()> {
         target,
         runs,
     };
-    let paths = compare_report::write(&out, &comparison)?;
-    print!("{}", compare_report::markdown(&comparison));
+    let paths = report::write(&out, &comparison)?;
+    print!("{}", report::markdown(&comparison));
     let shown: Vec<String> = paths.iter().map(|p| p.display().to_string()).collect();
     println!("report: {}", shown.join(", "));
     if comparison.runs.iter().all(|r| r.outcome.is_err()) {
@@ -111,7 +113,7 @@ fn run_one(
         .map(|name| dir.join(name));
     let facts = (|| -> Result<RunFacts> {
         // A summary left by an earlier comparison must not stand in for this run's.
-        remove_stale(&dir.join(report::SUMMARY_FILE))?;
+        remove_stale(&dir.join(SUMMARY_FILE))?;
         // The preset has turned `-n` (the workers) into this strategy's ranks already.
         let mut run = args.run.clone();
         run.flags.retain(|(long, _)| *long != "world-size");
@@ -129,7 +131,7 @@ fn run_one(
         } else {
             crate::launch::program::launch(config, &opts)?;
         }
-        RunFacts::from_summary(&report::read_summary(&dir)?)
+        RunFacts::from_summary(&read_summary(&dir)?)
     })();
     facts.map_err(|e| format!("{e:#}"))
 }
