@@ -26,12 +26,12 @@
 
 use std::ops::Range;
 
-use crate::cut::ranges_from_points;
 use crate::error::{EngineError, Result};
-use crate::graph;
-use crate::model::SequentialModel;
 use crate::params::ParamLayout;
+use crate::pipeline::cut::ranges_from_points;
 use crate::spec::ModelSpec;
+use crate::spec::graph;
+use crate::spec::model::SequentialModel;
 
 /// One group of a grouped backward pass: consecutive layers and their parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]

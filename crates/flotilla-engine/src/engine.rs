@@ -8,14 +8,14 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 
-use crate::activation::Activation;
 use crate::backward_groups::{self, BackwardGroup};
 use crate::collective::{Reducer, ReducerHandle};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
-use crate::model::SequentialModel;
 use crate::optim::OptimizerSpec;
-use crate::sequence::check_tokens;
+use crate::spec::activation::Activation;
+use crate::spec::model::SequentialModel;
+use crate::spec::sequence::check_tokens;
 use crate::spec::{ModelSpec, Shape};
 use crate::weights::{ModelState, Weights, delegate_model_state};
 

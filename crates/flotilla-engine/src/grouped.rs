@@ -18,11 +18,11 @@ use std::ops::Range;
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
-use crate::activation::Activation;
 use crate::backward_groups::BackwardGroup;
 use crate::error::{EngineError, Result};
-use crate::model::SequentialModel;
 use crate::params::{self, ParamLayout};
+use crate::spec::activation::Activation;
+use crate::spec::model::SequentialModel;
 
 /// The gradients of one backward pass (a group's, or the whole model's).
 pub(crate) struct GroupGrads {

@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use crate::backward_groups::{self, BackwardGroup};
-use crate::cut::{MAIN, StageCut};
 use crate::engine_tests::sgd;
+use crate::pipeline::cut::{MAIN, StageCut};
 use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState};
 
 const SEED: u64 = 23;

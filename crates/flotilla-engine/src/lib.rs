@@ -16,78 +16,62 @@
 //! whose output is a sequence of logits is a sequence model, with one label per position
 //! ([`Engine::labels_per_sample`]). Batch norm's running statistics are buffers, a flat view
 //! of their own ([`ModelState::buffer_layout`]).
+//!
+//! The source is in folders by job: `spec/` (model specs, and the burn models built from
+//! them), `device/` (devices by name, this machine's GPUs, where parameters are, the copies
+//! between host and device), `optim/` (optimizers and their state, whole or one rank's shard),
+//! `pipeline/` (cutting a model into stages, profiling and partitioning it, running a stage).
+//! At the top is the engine itself (the [`Engine`] trait and its implementations, flat views
+//! of parameters and buffers, the grouped backward, the differentiable all-reduce), with
+//! `conv/` and `kernels/` (the host kernels).
 #![warn(missing_docs)]
 
-mod activation;
 pub mod any_module;
 mod backward_groups;
 mod buffers;
-mod build;
 pub mod collective;
 mod conv;
-mod copies;
-mod cut;
 mod device;
-mod device_spec;
 mod engine;
 mod error;
-mod gpu;
-mod graph;
 mod grouped;
 pub mod kernels;
-mod layer;
-mod limits;
-mod loss;
-mod model;
 mod module_engine;
-mod module_stage;
-mod named_tensors;
 mod optim;
 mod params;
-mod partition;
-mod placement;
-mod profile;
-mod reshard;
-mod sequence;
-mod shape;
-mod shard_optim;
+mod pipeline;
 mod spec;
-mod stage;
-mod stage_engine;
-mod state_check;
 pub mod sync_batch_norm;
-#[cfg(feature = "wgpu")]
-mod vulkan;
 mod weights;
 
 pub use backward_groups::BackwardGroup;
 pub use conv::{conv2d, conv2d_relu};
-pub use cut::{Crossing, MAIN, StageCut, ranges_from_points};
+pub use device::device_spec::{DeviceSpec, GpuKind};
+pub use device::gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
+pub use device::placement::ParamPlacement;
 pub use device::{available_devices, check_device, describe_device};
-pub use device_spec::{DeviceSpec, GpuKind};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
-pub use gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
-pub use graph::{Merge, Node};
-pub use limits::SpecLimits;
-pub use loss::cross_entropy;
 pub use module_engine::{ModuleEngine, TrainModule, layer_groups};
-pub use module_stage::{
-    AnyStageModule, StageBuilder, StageInput, StageModule, StageSlotsOf, module_pipeline,
-};
-pub use named_tensors::NamedTensors;
-pub use optim::{DecayParams, OptimizerSpec};
-pub use params::{ParamInfo, ParamLayout};
-pub use partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
-pub use placement::ParamPlacement;
-pub use profile::profile;
-pub use reshard::{FlatOptimizerState, StatePart};
-pub use shard_optim::{
+pub use optim::reshard::{FlatOptimizerState, StatePart};
+pub use optim::shard_optim::{
     ShardOptimizer, ShardPiece, optimizer_state_bound, optimizer_state_bytes, shard_pieces,
 };
+pub use optim::{DecayParams, OptimizerSpec};
+pub use params::{ParamInfo, ParamLayout};
+pub use pipeline::cut::{Crossing, MAIN, StageCut, ranges_from_points};
+pub use pipeline::loss::cross_entropy;
+pub use pipeline::module_stage::{
+    AnyStageModule, StageBuilder, StageInput, StageModule, StageSlotsOf, module_pipeline,
+};
+pub use pipeline::named_tensors::NamedTensors;
+pub use pipeline::partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
+pub use pipeline::profile::profile;
+pub use pipeline::stage::Stage;
+pub use pipeline::stage_engine::{Slot, StageEngine};
+pub use spec::graph::{Merge, Node};
+pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};
-pub use stage::Stage;
-pub use stage_engine::{Slot, StageEngine};
 pub use weights::ModelState;
 
 #[cfg(test)]
@@ -98,15 +82,5 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod module_engine_tests;
-#[cfg(test)]
-mod module_stage_tests;
-#[cfg(test)]
-mod optim_tests;
-#[cfg(test)]
-mod reshard_tests;
-#[cfg(test)]
-mod shard_optim_tests;
-#[cfg(test)]
-mod stage_tests;
 #[cfg(all(test, feature = "wgpu"))]
 mod wgpu_tests;

@@ -18,7 +18,7 @@ use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
 use crate::buffers::{Only, Tensors};
-use crate::copies;
+use crate::device::copies;
 use crate::error::{EngineError, Result};
 
 /// One parameter tensor's place in the flat buffer.

@@ -17,13 +17,13 @@ use crate::any_module;
 use crate::buffers::Tensors;
 use crate::collective::ReducerHandle;
 use crate::device::device_by_name;
+use crate::device::placement::ParamPlacement;
 use crate::error::{EngineError, Result};
-use crate::model::{Identity, Layer, SequentialModel};
 use crate::optim::OptimizerSpec;
+use crate::optim::state_check::{Expected, check_state_shapes};
 use crate::params::{self, ParamLayout};
-use crate::placement::ParamPlacement;
 use crate::spec::ModelSpec;
-use crate::state_check::{Expected, check_state_shapes};
+use crate::spec::model::{Identity, Layer, SequentialModel};
 
 /// Serialises seeding the backend's RNG and drawing from it (see [`Weights::new`] and
 /// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
@@ -323,7 +323,7 @@ impl<M: Module> ModelState for Weights<M> {
     }
 
     fn param_placement(&self) -> Result<Option<ParamPlacement>> {
-        crate::placement::of(self.model()?, &self.layout)
+        crate::device::placement::of(self.model()?, &self.layout)
     }
 
     fn buffer_layout(&self) -> &ParamLayout {
@@ -424,7 +424,7 @@ macro_rules! delegate_model_state {
             }
             fn param_placement(
                 &self,
-            ) -> $crate::error::Result<Option<$crate::placement::ParamPlacement>> {
+            ) -> $crate::error::Result<Option<$crate::device::placement::ParamPlacement>> {
                 self.weights.param_placement()
             }
             fn buffer_layout(&self) -> &$crate::params::ParamLayout {

@@ -6,7 +6,7 @@ use burn::nn::transformer::{TransformerEncoderConfig, TransformerEncoderLayer};
 use burn::prelude::*;
 use burn::tensor::activation;
 
-use crate::sequence::{block, causal_attention};
+use crate::spec::sequence::{block, causal_attention};
 
 use burn::backend::Flex;
 use burn::backend::tensor::FloatTensor;

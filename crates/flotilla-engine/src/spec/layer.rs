@@ -3,7 +3,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::error::{EngineError, Result};
-use crate::shape::Shape;
+use crate::spec::shape::Shape;
 
 /// One layer of a sequential model, as written in a spec file.
 ///

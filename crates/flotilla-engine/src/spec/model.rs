@@ -1,4 +1,4 @@
-//! The burn model built from a [`crate::ModelSpec`] (by [`crate::build`]): a `Vec` of layer
+//! The burn model built from a [`crate::ModelSpec`] (by [`crate::spec::build`]): a `Vec` of layer
 //! modules applied in order.
 
 use burn::module::Module;
@@ -16,16 +16,17 @@ use std::ops::Range;
 
 use burn::prelude::*;
 
-use crate::activation::{Activation, map_tensor};
 use crate::collective::ReducerHandle;
-use crate::graph::Merge;
-use crate::{kernels, sequence, sync_batch_norm};
+use crate::spec::activation::{Activation, map_tensor};
+use crate::spec::graph::Merge;
+use crate::spec::sequence;
+use crate::{kernels, sync_batch_norm};
 
 /// One layer of a [`SequentialModel`]. Its variant names do not appear in checkpoints:
 /// tensors are saved as `layers.<index>.<name>`, as a PyTorch `nn.Sequential` (or
 /// `nn.ModuleList`) named `layers` would name them (`weight`, `bias`; a batch norm's
 /// `running_mean` and `running_var`; the sub-modules of attention and of a block: see
-/// [`crate::sequence`]).
+/// [`crate::spec::sequence`]).
 // A model holds one `Layer` per layer of its spec, so the size of the largest variant costs
 // nothing worth boxing (and burn's `Module` derive does not take a `Box`).
 #[allow(clippy::large_enum_variant)]
@@ -105,7 +106,7 @@ pub struct SequentialModel {
     pub batch_norm_sync: Option<ReducerHandle>,
 }
 
-// `SequentialModel::new` (building the model of a spec) is in `crate::build`.
+// `SequentialModel::new` (building the model of a spec) is in `crate::spec::build`.
 impl SequentialModel {
     /// The logits of the whole model for `input`, as `[rows, classes]` (a row per sample, or
     /// per position of a sequence model).

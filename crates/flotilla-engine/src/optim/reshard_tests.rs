@@ -2,7 +2,7 @@
 //! the whole model's state after the same steps, for every optimizer; cut again for 2 shards
 //! and for the whole model, they continue bitwise as the whole model stepped throughout.
 
-use crate::shard_optim_tests::{engine, gradient, optimizers, owned, shard_of};
+use crate::optim::shard_optim_tests::{engine, gradient, optimizers, owned, shard_of};
 use crate::{Engine, FlatOptimizerState, ModelState, ShardOptimizer};
 
 fn bits(v: &[f32]) -> Vec<u32> {

@@ -7,8 +7,8 @@
 //! activation.
 
 use crate::error::{EngineError, Result};
-use crate::layer::LayerSpec;
-use crate::shape::Shape;
+use crate::spec::layer::LayerSpec;
+use crate::spec::shape::Shape;
 
 /// The largest spec file (or text) read, in bytes.
 pub const MAX_SPEC_BYTES: u64 = 16 << 20;

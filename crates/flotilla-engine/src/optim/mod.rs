@@ -1,4 +1,9 @@
-//! Optimizer settings, turned into burn's own optimizers (never hand-written ones).
+//! Optimizers and their state: the settings turned into burn's optimizers (here), burn's
+//! optimizer on one rank's shard for ZeRO ([`shard_optim`]), optimizer state re-cut for other
+//! shards ([`reshard`]) and checked against the parameters' shapes before burn takes it
+//! ([`state_check`]).
+//!
+//! Here, optimizer settings, turned into burn's own optimizers (never hand-written ones).
 //!
 //! Weight decay applies to every parameter, or with `decay_params: matrices` only to the
 //! parameters of two or more dimensions (linear and convolution weights, token and positional
@@ -8,6 +13,17 @@
 //! ids): the optimizer without decay for every parameter, the same optimizer with decay for
 //! the matrices. Parameter ids are positions in flat order (`params::renumber`), so the groups
 //! and the saved optimizer state agree across ranks and across a resume.
+
+pub(crate) mod reshard;
+pub(crate) mod shard_optim;
+pub(crate) mod state_check;
+
+#[cfg(test)]
+mod optim_tests;
+#[cfg(test)]
+mod reshard_tests;
+#[cfg(test)]
+mod shard_optim_tests;
 
 use burn::module::{Module, ModuleVisitor, Param, ParamGroup, ParamId};
 use burn::optim::decay::WeightDecayConfig;

@@ -1,16 +1,31 @@
-//! Model specs: an ordered list of layers read from YAML, with named links between them (see
-//! [`crate::graph`]), shapes inferred and checked at load time, before any tensor exists.
+//! Model specs, and the burn models built from them: a spec's layers ([`layer`]), named links
+//! ([`graph`]), shapes ([`shape`]) and limits ([`limits`]); the model built from a spec
+//! ([`build`], [`model`]), the activations between its layers ([`activation`]) and its
+//! sequence layers ([`sequence`]).
+//!
+//! Here, the spec itself: an ordered list of layers read from YAML, with named links between
+//! them (see [`crate::spec::graph`]), shapes inferred and checked at load time, before any
+//! tensor exists.
+
+pub(crate) mod activation;
+mod build;
+pub(crate) mod graph;
+mod layer;
+pub(crate) mod limits;
+pub(crate) mod model;
+pub(crate) mod sequence;
+pub(crate) mod shape;
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
 
 use crate::error::{EngineError, Result};
-use crate::graph::{self, Node};
-pub use crate::layer::LayerSpec;
-use crate::layer::layer_output;
-use crate::limits::{MAX_SPEC_BYTES, SpecLimits};
-pub use crate::shape::Shape;
+use crate::spec::graph::Node;
+pub use crate::spec::layer::LayerSpec;
+use crate::spec::layer::layer_output;
+use crate::spec::limits::{MAX_SPEC_BYTES, SpecLimits};
+pub use crate::spec::shape::Shape;
 
 /// A sequential model: its input shape and its layers, in order.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -22,7 +37,7 @@ pub struct ModelSpec {
     /// One sample's input shape: `[C, H, W]` or `[F]` (or `[T]` token ids, when the first
     /// layer is an `embedding`).
     pub input: Vec<usize>,
-    /// The layers, applied in order, with their named links (see [`crate::graph`]).
+    /// The layers, applied in order, with their named links (see [`crate::spec::graph`]).
     pub layers: Vec<Node>,
 }
 
@@ -32,15 +47,18 @@ fn unnamed() -> String {
 
 /// Specs shipped with Flotilla, by name.
 pub const BUILTIN_SPECS: &[(&str, &str)] = &[
-    ("lenet5", include_str!("../../../models/lenet5.yaml")),
-    ("mlp", include_str!("../../../models/mlp.yaml")),
+    ("lenet5", include_str!("../../../../models/lenet5.yaml")),
+    ("mlp", include_str!("../../../../models/mlp.yaml")),
     (
         "resnet-mnist",
-        include_str!("../../../models/resnet-mnist.yaml"),
+        include_str!("../../../../models/resnet-mnist.yaml"),
     ),
-    ("resmlp", include_str!("../../../models/resmlp.yaml")),
-    ("resnet-bn", include_str!("../../../models/resnet-bn.yaml")),
-    ("gpt-char", include_str!("../../../models/gpt-char.yaml")),
+    ("resmlp", include_str!("../../../../models/resmlp.yaml")),
+    (
+        "resnet-bn",
+        include_str!("../../../../models/resnet-bn.yaml"),
+    ),
+    ("gpt-char", include_str!("../../../../models/gpt-char.yaml")),
 ];
 
 impl ModelSpec {

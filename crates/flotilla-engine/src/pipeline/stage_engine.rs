@@ -5,7 +5,7 @@
 use std::ops::Range;
 
 use crate::error::Result;
-use crate::shape::Shape;
+use crate::spec::shape::Shape;
 use crate::weights::ModelState;
 
 /// One input or output of a stage, and one sample's shape: a spec's stage names the model

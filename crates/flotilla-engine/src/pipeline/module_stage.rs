@@ -8,16 +8,16 @@
 use burn::module::Module;
 use burn::prelude::*;
 
-use crate::activation::Activation;
-use crate::cut::{Crossing, StageCut};
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
-use crate::named_tensors::{NamedTensors, sample_shape};
 use crate::optim::OptimizerSpec;
 use crate::params;
-use crate::shape::Shape;
-use crate::stage::{Stage, StageSlots};
-use crate::stage_engine::StageEngine;
+use crate::pipeline::cut::{Crossing, StageCut};
+use crate::pipeline::named_tensors::{NamedTensors, sample_shape};
+use crate::pipeline::stage::{Stage, StageSlots};
+use crate::pipeline::stage_engine::StageEngine;
+use crate::spec::activation::Activation;
+use crate::spec::shape::Shape;
 use crate::weights::{Weights, materialized, seeded};
 
 /// One stage of a pipeline written as a burn module by its user: the names of the tensors it

@@ -20,8 +20,8 @@ use std::ops::Range;
 use burn::store::burn_pack::{self, Bytes, DType, Reader, Scalar, Writer};
 
 use crate::error::{EngineError, Result};
+use crate::optim::shard_optim::shard_pieces;
 use crate::params::ParamLayout;
-use crate::shard_optim::shard_pieces;
 
 /// The scalar under which burn keeps the rank of a parameter's state.
 const RANK_KEY: &str = "__rank";

@@ -12,9 +12,9 @@ use std::collections::BTreeMap;
 
 use burn::prelude::*;
 
-use crate::activation::Activation;
 use crate::error::{EngineError, Result};
-use crate::shape::Shape;
+use crate::spec::activation::Activation;
+use crate::spec::shape::Shape;
 
 /// One named tensor: its dimensions and its values, flattened row-major.
 #[derive(Debug, Clone)]

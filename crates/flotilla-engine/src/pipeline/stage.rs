@@ -22,16 +22,16 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
-use crate::activation::Activation;
-use crate::cut::{MAIN, StageCut};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
-use crate::model::SequentialModel;
 use crate::optim::OptimizerSpec;
 use crate::params;
-use crate::sequence::check_tokens;
+use crate::pipeline::cut::{MAIN, StageCut};
+use crate::pipeline::stage_engine::{Slot, StageEngine};
 use crate::spec::ModelSpec;
-use crate::stage_engine::{Slot, StageEngine};
+use crate::spec::activation::Activation;
+use crate::spec::model::SequentialModel;
+use crate::spec::sequence::check_tokens;
 use crate::weights::{Weights, delegate_model_state};
 
 /// What a micro-batch in flight keeps for its backward pass.

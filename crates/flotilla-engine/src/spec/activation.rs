@@ -5,10 +5,10 @@
 use burn::prelude::*;
 use burn::tensor::{Gradients, TensorData};
 
-use crate::copies;
+use crate::device::copies;
 use crate::error::{EngineError, Result};
-use crate::graph::Merge;
-use crate::shape::Shape;
+use crate::spec::graph::Merge;
+use crate::spec::shape::Shape;
 
 /// An activation between layers, with the batch dimension first.
 #[derive(Clone)]
@@ -26,11 +26,15 @@ pub(crate) enum Activation {
 macro_rules! map_tensor {
     ($x:expr, |$t:ident| $body:expr) => {
         match $x {
-            $crate::activation::Activation::Image($t) => {
-                $crate::activation::Activation::Image($body)
+            $crate::spec::activation::Activation::Image($t) => {
+                $crate::spec::activation::Activation::Image($body)
             }
-            $crate::activation::Activation::Flat($t) => $crate::activation::Activation::Flat($body),
-            $crate::activation::Activation::Seq($t) => $crate::activation::Activation::Seq($body),
+            $crate::spec::activation::Activation::Flat($t) => {
+                $crate::spec::activation::Activation::Flat($body)
+            }
+            $crate::spec::activation::Activation::Seq($t) => {
+                $crate::spec::activation::Activation::Seq($body)
+            }
         }
     };
 }

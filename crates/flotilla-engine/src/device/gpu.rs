@@ -15,7 +15,7 @@
 
 use burn::prelude::Device;
 
-use crate::device_spec::{DeviceSpec, GpuKind};
+use crate::device::device_spec::{DeviceSpec, GpuKind};
 use crate::error::{EngineError, Result};
 
 #[cfg(feature = "cuda-driver")]
@@ -30,7 +30,7 @@ pub fn gpu_count(kind: GpuKind) -> Result<usize> {
         #[cfg(not(feature = "cuda-driver"))]
         GpuKind::Cuda => Err(feature_missing(kind.name(), "cuda")),
         #[cfg(feature = "wgpu")]
-        GpuKind::Wgpu => match crate::vulkan::adapters() {
+        GpuKind::Wgpu => match crate::device::vulkan::adapters() {
             (0, 0) => Err(EngineError::NoVulkanAdapter { index: 0, found: 0 }),
             (gpus, software) => Ok(gpus + software),
         },
@@ -47,7 +47,7 @@ pub fn software_only(kind: GpuKind) -> Result<bool> {
         GpuKind::Cuda => Ok(false),
         #[cfg(feature = "wgpu")]
         GpuKind::Wgpu => {
-            let (gpus, software) = crate::vulkan::adapters();
+            let (gpus, software) = crate::device::vulkan::adapters();
             Ok(gpus == 0 && software > 0)
         }
         #[cfg(not(feature = "wgpu"))]
@@ -109,7 +109,7 @@ pub(crate) fn check(kind: GpuKind, name: &str, index: usize) -> Result<()> {
         GpuKind::Cuda => Err(feature_missing(name, "cuda")),
         #[cfg(feature = "wgpu")]
         GpuKind::Wgpu => {
-            let (gpus, software) = crate::vulkan::adapters();
+            let (gpus, software) = crate::device::vulkan::adapters();
             if index >= gpus + software {
                 return Err(EngineError::NoVulkanAdapter {
                     index,
@@ -132,7 +132,7 @@ pub(crate) fn device(kind: GpuKind, name: &str, index: usize) -> Result<(Device,
         GpuKind::Cuda => Ok((Device::cuda(index), format!("cuda:{index}"))),
         #[cfg(feature = "wgpu")]
         GpuKind::Wgpu => {
-            let (device, what) = crate::vulkan::device(index)?;
+            let (device, what) = crate::device::vulkan::device(index)?;
             Ok((device, format!("wgpu:{index} ({what})")))
         }
         // `check` refused a backend this build lacks.

@@ -1,17 +1,28 @@
-//! Run-time choice of burn backend by name: `flex` (or `cpu`), `ndarray`, `libtorch`, the
+//! Devices: a device's name ([`device_spec`]) and the burn backend it runs on (here), the GPUs
+//! of this machine ([`gpu`]; the Vulkan adapters in `vulkan.rs`, with the feature `wgpu`),
+//! where a model's parameters are ([`placement`]) and the spans of host↔device copies
+//! ([`copies`]).
+//!
+//! Here, run-time choice of burn backend by name: `flex` (or `cpu`), `ndarray`, `libtorch`, the
 //! GPU backends with an optional device index, `cuda[:I]` and `wgpu[:I]` (burn's wgpu backend
 //! on Vulkan adapter `I`; the index picks the GPU, [`crate::local_device`] gives each local
 //! rank its own; `gpu.rs`), and `auto[:N]` (the Vulkan GPU `N` when the build has `wgpu` and
 //! the machine such a GPU, else Flex; decided once per process, and [`describe_device`] says
 //! which and why).
 
+pub(crate) mod copies;
+pub(crate) mod device_spec;
+pub(crate) mod gpu;
+pub(crate) mod placement;
+#[cfg(feature = "wgpu")]
+mod vulkan;
+
 use std::sync::OnceLock;
 
 use burn::prelude::Device;
 
-use crate::device_spec::DeviceSpec;
+use crate::device::device_spec::DeviceSpec;
 use crate::error::{EngineError, Result};
-use crate::gpu;
 
 /// The backends this build can run on: `flex` (pure-Rust CPU) and `auto` always, `ndarray`
 /// (with the `ndarray` feature), `libtorch` (with the `libtorch` feature), `cuda` (with the
@@ -101,7 +112,7 @@ fn auto(index: usize) -> (Device, String) {
 
 #[cfg(feature = "wgpu")]
 fn auto_choice(index: usize) -> (Device, String) {
-    match crate::vulkan::gpu(index) {
+    match crate::device::vulkan::gpu(index) {
         Ok((device, what)) => (device, format!("wgpu:{index} (auto: {what})")),
         Err(reason) => (Device::flex(), format!("flex (auto: {reason})")),
     }
@@ -118,7 +129,7 @@ fn auto_choice(_index: usize) -> (Device, String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::device_spec::GpuKind;
+    use crate::device::device_spec::GpuKind;
 
     #[test]
     fn names_parse_with_and_without_an_index() {

@@ -14,7 +14,7 @@ use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::layer_norm;
-use crate::model::{Flatten, Identity, Layer, Links, SequentialModel};
+use crate::spec::model::{Flatten, Identity, Layer, Links, SequentialModel};
 use crate::spec::{LayerSpec, ModelSpec, Shape};
 
 impl SequentialModel {

@@ -4,7 +4,7 @@
 //! the same size).
 //!
 //! burn keys a [`burn::optim::ModuleOptimizer`]'s state tensors `"{id}.{field}"` by parameter
-//! id (see [`crate::reshard`]); Flotilla's ids are positions in flat order, so the id says
+//! id (see [`crate::optim::reshard`]); Flotilla's ids are positions in flat order, so the id says
 //! which parameter (or shard piece) the tensor belongs to and which shape it must have.
 
 use burn::store::burn_pack::{Bytes, Reader};

@@ -19,12 +19,12 @@ use burn::prelude::*;
 use burn::store::burn_pack::Reader;
 use burn::tensor::TensorData;
 
-use crate::copies;
+use crate::device::copies;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
+use crate::optim::state_check::{Expected, check_state_shapes};
 use crate::params::{ParamLayout, copy_tensor};
-use crate::state_check::{Expected, check_state_shapes};
 
 /// One contiguous run of a shard inside one parameter tensor.
 #[derive(Debug, Clone, PartialEq, Eq)]

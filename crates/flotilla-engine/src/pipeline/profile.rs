@@ -27,13 +27,13 @@
 
 use std::time::Instant;
 
-use crate::cut::StageCut;
 use crate::error::Result;
 use crate::optim::OptimizerSpec;
-use crate::partition::LayerCost;
+use crate::pipeline::cut::StageCut;
+use crate::pipeline::partition::LayerCost;
+use crate::pipeline::stage::Stage;
+use crate::pipeline::stage_engine::StageEngine;
 use crate::spec::ModelSpec;
-use crate::stage::Stage;
-use crate::stage_engine::StageEngine;
 use crate::weights::ModelState;
 
 /// Per-layer costs of `spec` for micro-batches of `samples`, on the named device, from

@@ -13,7 +13,7 @@
 use std::ops::Range;
 
 use crate::error::{EngineError, Result};
-use crate::graph;
+use crate::spec::graph;
 use crate::spec::{ModelSpec, Shape};
 
 /// The name of the main activation between consecutive stages (not a valid spec name).

@@ -21,8 +21,8 @@ use serde::{Deserialize, Deserializer, Serialize, Serializer};
 use serde_norway::{Mapping, Value};
 
 use crate::error::{EngineError, Result};
-use crate::layer::LayerSpec;
-use crate::shape::Shape;
+use crate::spec::layer::LayerSpec;
+use crate::spec::shape::Shape;
 
 /// How a layer's dependencies are combined with its input.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
