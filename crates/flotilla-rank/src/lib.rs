@@ -36,12 +36,12 @@ pub fn run(
 }
 
 /// One rank of a job as a process runs it, driven step by step by the caller's own loop: the
-/// run of [`flotilla_train::Session`] with this process's telemetry (the timeline, `/metrics`)
+/// run of [`flotilla_train::Run`] with this process's telemetry (the timeline, `/metrics`)
 /// and display, and at [`Session::finish`] what [`run`] prints and writes (the checkpoint's
 /// place, rank 0's report, the final line). An error of any call names the rank to blame, if
 /// another, on the line the launcher reads.
 pub struct Session {
-    inner: Option<flotilla_train::Session>,
+    inner: Option<flotilla_train::Run>,
     observer: progress::TrainObserver,
     config: TrainConfig,
     /// Rank, world size and role.
@@ -50,7 +50,7 @@ pub struct Session {
 
 impl Session {
     /// Starts the telemetry and joins the job to train `model` on `data` (`None`: what
-    /// `data.path` names; see [`flotilla_train::Session::start`]).
+    /// `data.path` names; see [`flotilla_train::Run::start`]).
     pub fn start(
         config: &TrainConfig,
         model: &dyn ModelSource,
@@ -61,7 +61,7 @@ impl Session {
         let t = &config.telemetry;
         let mut observer =
             progress::TrainObserver::new(rank_telemetry, t.metrics_port, &t.metrics_addr);
-        let started = flotilla_train::Session::start(config, model, data, rank, &mut observer);
+        let started = flotilla_train::Run::start(config, model, data, rank, &mut observer);
         let inner = match started {
             Ok(inner) => inner,
             Err(e) => {
@@ -77,7 +77,7 @@ impl Session {
         })
     }
 
-    /// This process's rank (see [`flotilla_train::Session::rank`]).
+    /// This process's rank (see [`flotilla_train::Run::rank`]).
     pub fn rank(&self) -> usize {
         self.place.0
     }
@@ -87,7 +87,7 @@ impl Session {
         self.place.1
     }
 
-    /// This rank's role (see [`flotilla_train::Session::role`]).
+    /// This rank's role (see [`flotilla_train::Run::role`]).
     pub fn role(&self) -> &'static str {
         self.place.2
     }
@@ -103,28 +103,28 @@ impl Session {
     }
 
     /// One unit of this rank's part of the run; `None` once the run has ended (see
-    /// [`flotilla_train::Session::step`]).
+    /// [`flotilla_train::Run::step`]).
     pub fn step(&mut self) -> Result<Option<Progress>> {
         let r = self.call(|s, o| s.step(o))?;
         Ok(r.flatten())
     }
 
-    /// Ends the run after this step for `reason` (see [`flotilla_train::Session::stop`]).
+    /// Ends the run after this step for `reason` (see [`flotilla_train::Run::stop`]).
     pub fn stop(&mut self, reason: &str) -> Result<()> {
         self.call(|s, o| s.stop(o, reason)).map(drop)
     }
 
-    /// Evaluates the current model now (see [`flotilla_train::Session::evaluate`]).
+    /// Evaluates the current model now (see [`flotilla_train::Run::evaluate`]).
     pub fn evaluate(&mut self) -> Result<Option<EvalStats>> {
         Ok(self.call(|s, o| s.evaluate(o))?.flatten())
     }
 
-    /// Writes a checkpoint now (see [`flotilla_train::Session::checkpoint`]).
+    /// Writes a checkpoint now (see [`flotilla_train::Run::checkpoint`]).
     pub fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
         Ok(self.call(|s, o| s.checkpoint(o))?.flatten())
     }
 
-    /// The end of the run (see [`flotilla_train::Session::finish`]), and what a rank prints
+    /// The end of the run (see [`flotilla_train::Run::finish`]), and what a rank prints
     /// and writes at its end.
     pub fn finish(mut self) -> Result<RunSummary> {
         let Some(inner) = self.inner.take() else {
@@ -164,7 +164,7 @@ impl Session {
     fn call<T>(
         &mut self,
         f: impl FnOnce(
-            &mut flotilla_train::Session,
+            &mut flotilla_train::Run,
             &mut dyn flotilla_train::Observer,
         ) -> flotilla_train::Result<T>,
     ) -> Result<Option<T>> {

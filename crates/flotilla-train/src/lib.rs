@@ -25,9 +25,9 @@ pub mod plan;
 pub mod presets;
 pub mod program;
 pub mod rejoin;
+pub mod run;
 pub mod runlog;
 pub mod runloop;
-pub mod session;
 pub mod strategy;
 pub mod trainer;
 
@@ -39,7 +39,7 @@ pub(crate) mod testkit;
 pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
-pub use session::{Progress, Session, run};
+pub use run::{Progress, Run, run};
 pub use strategy::{ModelIo, ModelSource};
 /// The pipeline and parameter servers at the crate's root, where the config
 /// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.

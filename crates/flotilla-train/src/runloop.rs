@@ -71,7 +71,7 @@ impl Epoch {
     }
 }
 
-/// The loop's progress between steps: kept by [`run`], or by a [`crate::session::Session`]
+/// The loop's progress between steps: kept by [`run`], or by a [`crate::run::Run`]
 /// that its caller drives step by step.
 pub(crate) struct LoopState {
     progress: u64,

@@ -3,7 +3,7 @@
 //! locally, without a collective, and the last one's gradients go out with that sum added
 //! as the backward produces them (or, for a parameter-server worker, before its push).
 //! Every data-parallel strategy that accumulates (sync with any ZeRO stage, async, a
-//! worker) does it through [`Accumulator`], so they sum in one order.
+//! worker) does it through [`MicroBatches`], so they sum in one order.
 
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
@@ -11,7 +11,7 @@ use crate::error::{Result, TrainError};
 
 /// The micro-batches of a step before its last.
 #[derive(Debug)]
-pub struct Accumulator {
+pub struct MicroBatches {
     /// Micro-batches per step (1: no accumulation).
     pub steps: usize,
     /// Their gradients' sum, in flat order (empty: no accumulation).
@@ -20,7 +20,7 @@ pub struct Accumulator {
     pub loss: f32,
 }
 
-impl Accumulator {
+impl MicroBatches {
     /// `steps` micro-batches per step.
     pub fn new(steps: usize) -> Self {
         Self {

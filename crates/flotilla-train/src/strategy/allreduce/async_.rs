@@ -42,7 +42,7 @@ use crate::bucket::BucketPlan;
 use crate::config::{StaleCorrection, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
-use crate::strategy::accumulate::Accumulator;
+use crate::strategy::accumulate::MicroBatches;
 use crate::strategy::{Cx, Evaluation, Setup, Step, Strategy};
 
 /// The name the loss is submitted under (no parameter is called that).
@@ -79,7 +79,7 @@ pub struct AsyncAllReduce {
     /// A test fault keeps this rank from submitting one tensor.
     withholding: bool,
     /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
-    accumulator: Accumulator,
+    accumulator: MicroBatches,
     /// Clip each applied (averaged) gradient to this global norm (`allreduce.clip_grad_norm`).
     clip_grad_norm: Option<f64>,
     /// The buckets of sync all-reduce, whose order the clipping norm is summed in (so that
@@ -99,7 +99,7 @@ impl AsyncAllReduce {
         let n = layout.total;
         let plan = BucketPlan::from_groups(&layout, &engine.backward_groups())?;
         Ok(Self {
-            accumulator: Accumulator::new(a.accumulation_steps as usize),
+            accumulator: MicroBatches::new(a.accumulation_steps as usize),
             clip_grad_norm: a.clip_grad_norm,
             plan,
             comm: cx.comm.clone(),

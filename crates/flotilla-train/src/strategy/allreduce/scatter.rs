@@ -26,12 +26,12 @@ use flotilla_tcp::{PendingAllReduce, ProcessGroup};
 use super::zero::{Zero, wire_len};
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
-use crate::strategy::accumulate::Accumulator;
+use crate::strategy::accumulate::MicroBatches;
 
 /// One step's buckets on their way through the staging buffer.
 struct Scatter<'a> {
     comm: &'a dyn ProcessGroup,
-    accumulated: &'a Accumulator,
+    accumulated: &'a MicroBatches,
     plan: &'a BucketPlan,
     layout: &'a ParamLayout,
     zero: &'a mut Zero,
@@ -60,7 +60,7 @@ pub fn reduce_scatter_step(
     comm: &dyn ProcessGroup,
     engine: &mut dyn Engine,
     (plan, layout): (&BucketPlan, &ParamLayout),
-    (batch, accumulated): (BatchRef<'_>, &Accumulator),
+    (batch, accumulated): (BatchRef<'_>, &MicroBatches),
     overlap: bool,
 ) -> Result<(f32, f32)> {
     let buffer = Some(zero.take_staging());

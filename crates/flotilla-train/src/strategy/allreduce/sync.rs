@@ -14,7 +14,7 @@ use crate::checkpoint::{self, CheckpointState};
 use crate::config::TrainConfig;
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
-use crate::strategy::accumulate::Accumulator;
+use crate::strategy::accumulate::MicroBatches;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// What one step produced.
@@ -58,7 +58,7 @@ pub struct SyncAllReduce {
     /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
     zero: Option<Zero>,
     /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
-    accumulator: Accumulator,
+    accumulator: MicroBatches,
     /// Clip the averaged gradient to this global norm (`allreduce.clip_grad_norm`).
     clip_grad_norm: Option<f64>,
 }
@@ -105,7 +105,7 @@ impl SyncAllReduce {
             plan,
             overlap: config.allreduce.overlap,
             buffers: Vec::new(),
-            accumulator: Accumulator::new(config.allreduce.accumulation_steps as usize),
+            accumulator: MicroBatches::new(config.allreduce.accumulation_steps as usize),
             clip_grad_norm: config.allreduce.clip_grad_norm,
         })
     }

@@ -16,7 +16,7 @@ use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
 use crate::fault::FaultAction;
 use crate::plan::Counting;
-use crate::strategy::accumulate::Accumulator;
+use crate::strategy::accumulate::MicroBatches;
 use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 use flotilla_ps::{PsMessage, TAG};
@@ -32,7 +32,7 @@ pub struct Worker {
     local_steps: usize,
     /// A push's (or local step's) micro-batches before its last
     /// (`allreduce.accumulation_steps`).
-    accumulator: Accumulator,
+    accumulator: MicroBatches,
     layout: ParamLayout,
     params: Vec<f32>,
     versions: Vec<u64>,
@@ -107,7 +107,7 @@ impl Worker {
             parents: parents.clone(),
             ranges,
             local_steps: cx.config.topology.local_steps.max(1),
-            accumulator: Accumulator::new(cx.config.allreduce.accumulation_steps as usize),
+            accumulator: MicroBatches::new(cx.config.allreduce.accumulation_steps as usize),
             layout,
             params: vec![0.0; n],
             versions: vec![0; parents.len()],

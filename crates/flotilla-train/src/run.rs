@@ -1,4 +1,4 @@
-//! One rank's run, driven step by step by its caller ([`Session`]): what [`crate::run`] runs
+//! One rank's run, driven step by step by its caller ([`Run`]): what [`crate::run`] runs
 //! to its end for `flotilla train` and `flotilla_burn::train`, and what a user's own loop
 //! drives — the same setup (rendezvous, data, the configured way of training, resume, plan),
 //! the same steps, evaluations and checkpoints, the same summary.
@@ -26,7 +26,7 @@ use crate::strategy::{Cx, Evaluation, ModelSource, Resume, Setup, Strategy, regi
 use crate::trainer::{self, RunSummary};
 
 /// Runs one rank of a training job of `model` (a spec's model: `&config.validate()?`; a
-/// program's own module) to its end: a [`Session`] stepped until the run ends. `rank` is
+/// program's own module) to its end: a [`Run`] stepped until the run ends. `rank` is
 /// this process's rank (`None`: assigned at rendezvous).
 pub fn run(
     config: &TrainConfig,
@@ -34,12 +34,12 @@ pub fn run(
     rank: Option<usize>,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
-    let mut session = Session::start(config, model, None, rank, observer)?;
+    let mut session = Run::start(config, model, None, rank, observer)?;
     while session.step(observer)?.is_some() {}
     session.finish(observer)
 }
 
-/// Where a run stands after one of its steps ([`Session::step`]).
+/// Where a run stands after one of its steps ([`Run::step`]).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Progress {
     /// Units of progress done in total (optimizer steps, or parameter-server rounds),
@@ -60,7 +60,7 @@ pub struct Progress {
     pub step_in_epoch: u64,
 }
 
-/// What a [`Session`] keeps for the [`Cx`] of each of its calls.
+/// What a [`Run`] keeps for the [`Cx`] of each of its calls.
 struct Parts {
     config: TrainConfig,
     comm: Arc<dyn ProcessGroup>,
@@ -87,17 +87,17 @@ impl Parts {
     }
 }
 
-/// One rank of a training job, set up and driven step by step: [`Session::start`] joins the
+/// One rank of a training job, set up and driven step by step: [`Run::start`] joins the
 /// job and makes this rank's part of the configured way of training (restored from the
-/// checkpoint the run resumes from, its initial state agreed); each [`Session::step`] is one
+/// checkpoint the run resumes from, its initial state agreed); each [`Run::step`] is one
 /// unit of it with everything the run does after a step (epoch lines, evaluation when due,
-/// targets, periodic checkpoints, progress, metrics); [`Session::finish`] makes the final
+/// targets, periodic checkpoints, progress, metrics); [`Run::finish`] makes the final
 /// evaluation, checkpoint and summary. Every rank of the job drives its own session (servers
-/// and pipeline stages too), each until [`Session::step`] returns `None`.
+/// and pipeline stages too), each until [`Run::step`] returns `None`.
 ///
 /// `observer` is the front end of every call (progress bars, the run log's lines); pass the
 /// same one throughout.
-pub struct Session {
+pub struct Run {
     parts: Parts,
     role: Box<dyn Strategy>,
     batches: Batches,
@@ -122,7 +122,7 @@ macro_rules! with_loop {
     }};
 }
 
-impl Session {
+impl Run {
     /// Joins the job of `config` as rank `rank` (`None`: assigned at the rendezvous) to train
     /// `model` (a spec's model, or a program's own module) on `data` (a program's own, made
     /// by [`JobData::given`]; `None`: what `data.path` names), and sets up this rank's part:
@@ -134,7 +134,7 @@ impl Session {
         data: Option<JobData>,
         rank: Option<usize>,
         observer: &mut dyn Observer,
-    ) -> Result<Session> {
+    ) -> Result<Run> {
         let started = Instant::now();
         config.validate()?;
         let topology = config.topology()?;
@@ -208,13 +208,13 @@ impl Session {
     }
 
     /// Why the run stopped, once it has (planned progress done, a target reached, its
-    /// server's word, [`Session::stop`]).
+    /// server's word, [`Run::stop`]).
     pub fn stopped(&self) -> Option<&str> {
         self.state.stopped()
     }
 
     /// One unit of this rank's part of the run, and what the run does after it; `None` once
-    /// the run has ended (then [`Session::finish`]). An error ends the run: the rank to
+    /// the run has ended (then [`Run::finish`]). An error ends the run: the rank to
     /// blame, if another, is named in it.
     pub fn step(&mut self, observer: &mut dyn Observer) -> Result<Option<Progress>> {
         let step = with_loop!(self, observer, |l| l.turn())?;
@@ -264,7 +264,7 @@ impl Session {
 
     /// The end of the run: the final evaluation, the cross-rank identity check, the final
     /// checkpoint and this rank's summary (with every rank's report on rank 0). Call it once
-    /// [`Session::step`] has returned `None`, or after [`Session::stop`]: a rank that leaves
+    /// [`Run::step`] has returned `None`, or after [`Run::stop`]: a rank that leaves
     /// earlier leaves the others waiting for it until their deadline, which names it.
     pub fn finish(mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
         let done = with_loop!(&mut self, observer, |l| l.finish())?;
@@ -304,7 +304,7 @@ struct Job<'a> {
 
 impl Job<'_> {
     /// This rank's strategy, built, restored and started, with its batches and plan.
-    fn set_up(&self, mut parts: Parts, observer: &mut dyn Observer) -> Result<Session> {
+    fn set_up(&self, mut parts: Parts, observer: &mut dyn Observer) -> Result<Run> {
         let (train, started) = (Arc::clone(&parts.data.train), parts.started);
         let mut cx = parts.cx(observer);
         let setup = Setup {
@@ -340,7 +340,7 @@ impl Job<'_> {
         role.start(&mut cx)?;
         let rounds = cx.rounds;
         parts.rounds = rounds;
-        Ok(Session {
+        Ok(Run {
             parts,
             role,
             batches,
