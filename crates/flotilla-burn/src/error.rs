@@ -17,6 +17,9 @@ pub enum DistError {
     /// report).
     #[error(transparent)]
     Run(flotilla_rank::RankError),
+    /// A data set could not be set up (a sharded data set's rank outside its world).
+    #[error(transparent)]
+    Data(#[from] flotilla_data::DataError),
     /// Reading or writing the model's tensors failed.
     #[error(transparent)]
     Engine(#[from] EngineError),

@@ -61,6 +61,7 @@ mod agree;
 mod checkpoint;
 mod data_parallel;
 mod error;
+mod sharded_dataset;
 mod sync_batch_norm;
 mod user_module;
 
@@ -76,6 +77,7 @@ pub use flotilla_group::{ProcessGroup, ReduceOp};
 pub use flotilla_rank::Session;
 pub use flotilla_train::Progress;
 pub use flotilla_train::RunSummary;
+pub use sharded_dataset::{EpochHandle, ShardedDataset};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 pub use user_module::{StageModules, UserModule, session, session_with_data, spec_session, train};
 
@@ -107,5 +109,7 @@ pub(crate) static SEED_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 #[cfg(test)]
 mod data_parallel_tests;
+#[cfg(test)]
+mod sharded_dataset_tests;
 #[cfg(test)]
 mod sync_batch_norm_tests;
