@@ -82,6 +82,13 @@ pub fn for_job(
     Ok(Some(socket))
 }
 
+/// A port free on `addr` now, for a program that binds it itself later (torch's rendezvous
+/// under `flotilla launch -- PROGRAM`, as under torchrun): bound, read and released, so
+/// another local process could take it first, as with torchrun.
+pub fn free_port(addr: &str) -> Result<u16> {
+    RendezvousSocket::bind(addr, 0)?.port()
+}
+
 /// Where the ranks meet, for the launcher's first line: `ADDR:PORT`, or the address and that
 /// rank 0 picks the port there (port 0).
 pub fn describe(addr: &str, port: u16) -> String {

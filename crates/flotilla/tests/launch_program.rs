@@ -414,3 +414,54 @@ fn the_pipeline_mnist_example_trains_alike_in_its_loops_and_on_2_replicas() {
         );
     }
 }
+
+/// A program that meets its peers by itself binds `MASTER_PORT` in rank 0, as under
+/// torchrun: the launcher leaves that port free (its own rendezvous socket, which a Flotilla
+/// rank 0 inherits, is at `FLOTILLA_COMM__MASTER_PORT`). Rank 0 of a plain Python program
+/// binds it; a torch program's 3 ranks all-reduce over gloo with `init_process_group`'s
+/// `env://` (with the torch of `FLOTILLA_TORCH_PYTHON`; under `CI` its absence fails).
+#[test]
+fn a_program_that_binds_master_port_itself_meets_its_peers_as_under_torchrun() {
+    const BIND: &str = "import os, socket\n\
+        s = socket.socket()\n\
+        s.bind((os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT'])))\n\
+        print('bound', os.environ['MASTER_PORT'], 'ours', os.environ['FLOTILLA_COMM__MASTER_PORT'])\n";
+    const TORCH: &str = "import torch, torch.distributed as dist\n\
+        dist.init_process_group('gloo')\n\
+        t = torch.tensor([float(dist.get_rank() + 1)])\n\
+        dist.all_reduce(t)\n\
+        print(f'sum={t.item()}')\n\
+        dist.destroy_process_group()\n";
+    let run = |python: &str, n: usize, script: &str| {
+        let mut cmd = flotilla();
+        cmd.args(["launch", "-n", &n.to_string(), "--", python, "-c", script])
+            .env("FLOTILLA_SECRET", SECRET);
+        let o = run_with_deadline(cmd, Duration::from_secs(120));
+        assert!(o.status.success(), "{}", text(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    };
+    let out = run("python3", 1, BIND);
+    let line = out.lines().find(|l| l.starts_with("[rank 0] bound "));
+    let line = line.unwrap_or_else(|| panic!("{out}"));
+    let ports: Vec<&str> = line
+        .split_whitespace()
+        .filter(|w| w.parse::<u16>().is_ok())
+        .collect();
+    assert!(ports.len() == 2 && ports[0] != ports[1], "{line}");
+    let python = std::env::var("FLOTILLA_TORCH_PYTHON").ok();
+    let Some(python) = python.filter(|p| common::python_has(p, "torch")) else {
+        assert!(
+            std::env::var("CI").is_err(),
+            "CI runs a torch program: FLOTILLA_TORCH_PYTHON names no Python with torch (.ci/run installs it)"
+        );
+        eprintln!("SKIPPED the torch program: FLOTILLA_TORCH_PYTHON names no Python with torch");
+        return;
+    };
+    let out = run(&python, 3, TORCH);
+    for rank in 0..3 {
+        assert!(
+            out.contains(&format!("[rank {rank}] sum=6.0")),
+            "rank {rank}:\n{out}"
+        );
+    }
+}

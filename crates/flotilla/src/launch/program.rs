@@ -6,7 +6,9 @@
 //! the job, [`JobSecret`]) and TLS files (`FLOTILLA_TLS_*`), which `flotilla_burn::init`
 //! (`flotilla_train::program`) reads; rank 0 of a local job also
 //! inherits the rendezvous socket the launcher bound (`FLOTILLA_LISTEN_FD`,
-//! [`crate::rendezvous_socket`]), which `TcpGroup::connect` takes. The ranks
+//! [`crate::rendezvous_socket`]), which `TcpGroup::connect` takes, at a port of its own
+//! (`FLOTILLA_COMM__MASTER_PORT`): `MASTER_PORT` stays free for a program that binds it
+//! itself, as torch's does ([`ports`]). The ranks
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
 //! them, and `--max-restarts` starts the whole program again with `schedule.resume` set (a
@@ -96,10 +98,13 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
-    let socket = crate::rendezvous_socket::for_job(&mut config, &args.run, placement.is_none())?;
+    let (socket, program_port) = ports(&mut config, args, placement.is_none())?;
     let program = program_words(&args.program)?;
+    let own = program_port.map_or(String::new(), |p| {
+        format!(" (MASTER_PORT {p} left free for the program's own rendezvous)")
+    });
     println!(
-        "launching {n} ranks of {} on {}",
+        "launching {n} ranks of {} on {}{own}",
         program.join(" "),
         crate::rendezvous_socket::describe(&config.comm.master_addr, config.comm.master_port)
     );
@@ -116,14 +121,14 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     let mut ranks = match &remote {
         Some(r) => {
             let tls = r.tls.as_ref().map(TlsFiles::from);
-            let env = rank_env(&config, n, args.threads, tls, None)?;
+            let env = rank_env(&config, (n, program_port), args.threads, tls, None)?;
             r.start_running(env, Some(&program))?
         }
         None => {
             let secret_file = (secret.made_file().map(std::path::Path::to_path_buf))
                 .or_else(|| config.comm.secret_file.clone());
             let tls = crate::launch::tls::check(&config)?;
-            let env = rank_env(&config, n, args.threads, tls, secret_file)?;
+            let env = rank_env(&config, (n, program_port), args.threads, tls, secret_file)?;
             // The launcher cannot see which of a program's ranks compute: `auto` binds none.
             let allowed = binding::allowed_cpus();
             let cpus = binding::plan(args.bind, n, args.threads, &allowed, false);
@@ -188,8 +193,38 @@ fn program_words(program: &[OsString]) -> Result<Vec<String>> {
         .collect()
 }
 
-/// Each rank's environment: its place in the job, the rendezvous, the per-rank thread
-/// count (unless the caller set one), the deadline, and where the secret and TLS files are.
+/// Where the ranks meet. `MASTER_PORT` is the program's: a program that meets its peers by
+/// itself (torch's `init_process_group`) binds it in rank 0, as under torchrun, so for a local
+/// job the launcher leaves it free (`--master-port`, else a port the system picks now) and
+/// Flotilla's own ranks meet at the socket the launcher binds and rank 0 inherits, a port of
+/// its own that they read from `FLOTILLA_COMM__MASTER_PORT` (which wins over
+/// `MASTER_PORT`). Ranks on other hosts meet as [`crate::rendezvous_socket::for_job`] says.
+fn ports(
+    config: &mut TrainConfig,
+    args: &LaunchArgs,
+    local: bool,
+) -> Result<(
+    Option<crate::rendezvous_socket::RendezvousSocket>,
+    Option<u16>,
+)> {
+    if !local {
+        let socket = crate::rendezvous_socket::for_job(config, &args.run, false)?;
+        return Ok((socket, None));
+    }
+    let addr = config.comm.master_addr.clone();
+    let program_port = match args.run.given("master-port") {
+        true => config.comm.master_port,
+        false => crate::rendezvous_socket::free_port(&addr)?,
+    };
+    // The launcher's socket at a port the system picks.
+    let socket = crate::rendezvous_socket::RendezvousSocket::bind(&addr, 0)?;
+    config.comm.master_port = socket.port()?;
+    Ok((Some(socket), Some(program_port)))
+}
+
+/// Each rank's environment: its place in the job (of `n` ranks), the rendezvous (the
+/// program's own `MASTER_PORT` when it has one, [`ports`]), the per-rank thread count
+/// (unless the caller set one), the deadline, and where the secret and TLS files are.
 /// The keys a program's ranks get in variables of their own: the world size and the
 /// rendezvous address as torchrun's, the secret and TLS files as theirs; the inventory and
 /// the launcher's TLS are the launcher's.
@@ -205,7 +240,7 @@ const PASSED_OTHERWISE: &[&str] = &[
 
 fn rank_env(
     config: &TrainConfig,
-    n: usize,
+    (n, program_port): (usize, Option<u16>),
     threads: usize,
     tls: Option<TlsFiles>,
     secret_file: Option<std::path::PathBuf>,
@@ -225,8 +260,15 @@ fn rank_env(
     common.extend([
         ("WORLD_SIZE".to_string(), n.to_string()),
         ("MASTER_ADDR".to_string(), comm.master_addr.clone()),
-        ("MASTER_PORT".to_string(), comm.master_port.to_string()),
+        (
+            "MASTER_PORT".to_string(),
+            program_port.unwrap_or(comm.master_port).to_string(),
+        ),
     ]);
+    if program_port.is_some() {
+        let ours = ("FLOTILLA_COMM__MASTER_PORT", comm.master_port.to_string());
+        common.push((ours.0.to_string(), ours.1));
+    }
     // Every other setting the launcher was given, in the schema's own names.
     common.extend(config.settings_env(PASSED_OTHERWISE));
     if let Some(path) = secret_file {

@@ -330,3 +330,11 @@ pub fn example(name: &str) -> PathBuf {
     );
     path
 }
+
+/// Whether `python` runs and imports `module`.
+pub fn python_has(python: &str, module: &str) -> bool {
+    Command::new(python)
+        .args(["-c", &format!("import {module}")])
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
