@@ -100,14 +100,14 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     }
     let (socket, program_port) = ports(&mut config, args, placement.is_none())?;
     let program = program_words(&args.program)?;
-    let own = program_port.map_or(String::new(), |p| {
-        format!(" (MASTER_PORT {p} left free for the program's own rendezvous)")
-    });
     println!(
-        "launching {n} ranks of {} on {}{own}",
+        "launching {n} ranks of {} on {}",
         program.join(" "),
         crate::rendezvous_socket::describe(&config.comm.master_addr, config.comm.master_port)
     );
+    if let Some(p) = program_port {
+        println!("[launcher] MASTER_PORT {p} is left free for the program's own rendezvous");
+    }
     launch::stop_on_interrupt()?;
     let remote = match &placement {
         Some(p) => Some(inventory::prepare(
