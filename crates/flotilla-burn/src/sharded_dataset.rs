@@ -108,11 +108,6 @@ impl<D> ShardedDataset<D> {
             }
         }
     }
-
-    /// The whole data set.
-    pub fn inner(&self) -> &D {
-        &self.inner
-    }
 }
 
 impl<D, I, E> Dataset<I, E> for ShardedDataset<D>

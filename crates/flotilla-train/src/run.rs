@@ -34,9 +34,9 @@ pub fn run(
     rank: Option<usize>,
     observer: &mut dyn Observer,
 ) -> Result<RunSummary> {
-    let mut session = Run::start(config, model, None, rank, observer)?;
-    while session.step(observer)?.is_some() {}
-    session.finish(observer)
+    let mut run = Run::start(config, model, None, rank, observer)?;
+    while run.step(observer)?.is_some() {}
+    run.finish(observer)
 }
 
 /// Where a run stands after one of its steps ([`Run::step`]).
@@ -92,7 +92,7 @@ impl Parts {
 /// checkpoint the run resumes from, its initial state agreed); each [`Run::step`] is one
 /// unit of it with everything the run does after a step (epoch lines, evaluation when due,
 /// targets, periodic checkpoints, progress, metrics); [`Run::finish`] makes the final
-/// evaluation, checkpoint and summary. Every rank of the job drives its own session (servers
+/// evaluation, checkpoint and summary. Every rank of the job drives its own run (servers
 /// and pipeline stages too), each until [`Run::step`] returns `None`.
 ///
 /// `observer` is the front end of every call (progress bars, the run log's lines); pass the
@@ -106,10 +106,10 @@ pub struct Run {
     watcher: Option<StallWatcher>,
 }
 
-/// A borrow of a session's parts as the loop's, for one call.
+/// A borrow of a run's parts as the loop's, for one call.
 macro_rules! with_loop {
-    ($session:expr, $observer:expr, |$l:ident| $body:expr) => {{
-        let s = &mut *$session;
+    ($run:expr, $observer:expr, |$l:ident| $body:expr) => {{
+        let s = &mut *$run;
         let mut cx = s.parts.cx($observer);
         let $l = &mut Loop {
             role: &mut *s.role,

@@ -21,6 +21,7 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use flotilla_tcp::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
 use flotilla_train::TrainConfig;
+use flotilla_train::config::keys;
 
 use crate::binding;
 use crate::cli::LaunchArgs;
@@ -211,15 +212,14 @@ fn ports(
         let socket = crate::rendezvous_socket::for_job(config, &args.run, false)?;
         return Ok((socket, None));
     }
-    let addr = config.comm.master_addr.clone();
     let program_port = match args.run.given("master-port") {
         true => config.comm.master_port,
-        false => crate::rendezvous_socket::free_port(&addr)?,
+        false => crate::rendezvous_socket::free_port(&config.comm.master_addr)?,
     };
-    // The launcher's socket at a port the system picks.
-    let socket = crate::rendezvous_socket::RendezvousSocket::bind(&addr, 0)?;
-    config.comm.master_port = socket.port()?;
-    Ok((Some(socket), Some(program_port)))
+    // Flotilla's own socket, bound as a config job's is, at a port the system picks.
+    config.comm.master_port = 0;
+    let socket = crate::rendezvous_socket::for_job(config, &args.run, true)?;
+    Ok((socket, Some(program_port)))
 }
 
 /// Each rank's environment: its place in the job (of `n` ranks), the rendezvous (the
@@ -266,8 +266,8 @@ fn rank_env(
         ),
     ]);
     if program_port.is_some() {
-        let ours = ("FLOTILLA_COMM__MASTER_PORT", comm.master_port.to_string());
-        common.push((ours.0.to_string(), ours.1));
+        let ours = keys::env_name("comm.master_port");
+        common.push((ours, comm.master_port.to_string()));
     }
     // Every other setting the launcher was given, in the schema's own names.
     common.extend(config.settings_env(PASSED_OTHERWISE));
