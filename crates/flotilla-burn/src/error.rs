@@ -30,6 +30,12 @@ pub enum DistError {
     /// The optimizer state broadcast by rank 0 could not be saved or loaded.
     #[error("optimizer state: {0}")]
     Optimizer(String),
+    /// A step's output from another rank could not be read or combined.
+    #[error("a step's output of the ranks: {0}")]
+    Output(String),
+    /// The ranks' data loaders disagree (one ran out of batches before the others).
+    #[error("the ranks' data loaders disagree: {0}")]
+    Loaders(String),
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),

@@ -61,6 +61,7 @@ mod agree;
 mod checkpoint;
 mod data_parallel;
 mod error;
+mod learner;
 mod sharded_dataset;
 mod sync_batch_norm;
 mod user_module;
@@ -77,7 +78,8 @@ pub use flotilla_group::{ProcessGroup, ReduceOp};
 pub use flotilla_rank::Session;
 pub use flotilla_train::Progress;
 pub use flotilla_train::RunSummary;
-pub use sharded_dataset::{EpochHandle, ShardedDataset};
+pub use learner::{GlobalOutput, LearnerStrategy, Piece, global_output};
+pub use sharded_dataset::{EpochHandle, ShardedDataset, StridedDataset};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 pub use user_module::{StageModules, UserModule, session, session_with_data, spec_session, train};
 

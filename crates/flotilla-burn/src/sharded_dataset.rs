@@ -126,3 +126,47 @@ where
         self.sampler.num_samples()
     }
 }
+
+/// Every `world`-th sample of a dataset from `rank` on (`rank`, `rank + world`, ...), in
+/// order: a validation set cut by rank with every sample in exactly one part (the parts differ
+/// by at most one sample; nothing is shuffled or repeated).
+#[derive(Debug, Clone)]
+pub struct StridedDataset<D> {
+    inner: D,
+    rank: usize,
+    world: usize,
+}
+
+impl<D> StridedDataset<D> {
+    /// Rank `rank`'s part of `inner` among `world` ranks.
+    pub fn new(inner: D, rank: usize, world: usize) -> Self {
+        Self {
+            inner,
+            rank,
+            world: world.max(1),
+        }
+    }
+}
+
+impl<D, I, E> Dataset<I, E> for StridedDataset<D>
+where
+    D: Dataset<I, E>,
+    E: std::error::Error + Send + Sync + 'static,
+{
+    fn get(&self, index: usize) -> std::result::Result<I, E> {
+        let at = index
+            .checked_mul(self.world)
+            .and_then(|i| i.checked_add(self.rank))
+            .filter(|_| index < self.len());
+        self.inner.get(at.unwrap_or(self.inner.len()))
+    }
+
+    fn len(&self) -> usize {
+        let n = self.inner.len();
+        if self.rank >= n {
+            0
+        } else {
+            (n - self.rank).div_ceil(self.world)
+        }
+    }
+}

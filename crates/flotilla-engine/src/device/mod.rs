@@ -59,7 +59,7 @@ pub fn check_device(name: &str) -> Result<()> {
 
 /// The device for a backend name, without autodiff. A GPU device is opened here, so a
 /// missing driver is an error naming it.
-pub(crate) fn device_by_name(name: &str) -> Result<Device> {
+pub fn device_by_name(name: &str) -> Result<Device> {
     resolve(name).map(|(device, _)| device)
 }
 

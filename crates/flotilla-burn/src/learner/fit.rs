@@ -1,0 +1,308 @@
+//! [`LearnerStrategy`]'s training loop: burn-train's epoch loops (as its single-device
+//! strategy runs them), with the gradients averaged over the ranks, each step's outputs
+//! gathered for rank 0's metrics, and every decision to stop agreed by all ranks.
+
+use burn::data::dataloader::Progress;
+use burn::data::dataset::DatasetError;
+use burn::optim::GradientsAccumulator;
+use burn::prelude::*;
+use burn::train::train::WorkerFailure;
+use burn::train::{
+    EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearnerModel,
+    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
+    TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+};
+
+use super::LearnerStrategy;
+use super::global_output::{GlobalOutput, gather};
+use crate::data_parallel::DataParallel;
+use crate::error::{DistError, Result};
+
+impl<M> SupervisedLearningStrategy<M> for LearnerStrategy
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalOutput,
+    <M as InferenceStep>::Output: GlobalOutput,
+{
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        dataloader_train: TrainLoader<M>,
+        dataloader_valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let train = dataloader_train.to_device(&self.device);
+        let valid = dataloader_valid.to_device(&self.device.clone().inner());
+        learner.fork(&self.device);
+        let mut fit = Fit {
+            strategy: self,
+            c: components,
+            outputs_on: self.device.clone().inner(),
+        };
+        if let Err(e) = fit.run(&mut learner, &train, &valid, starting_epoch) {
+            tracing::error!(target: "flotilla::burn", "rank {}: {e}", self.rank());
+            fit.c
+                .interrupter
+                .fail(TrainingError::Workers(vec![WorkerFailure {
+                    device_id: self.rank(),
+                    message: format!("Flotilla rank {}: {e}", self.rank()),
+                }]));
+        }
+        (learner.model(), fit.c.event_processor)
+    }
+}
+
+/// The next batch as the ranks agreed on it.
+struct Next<I> {
+    /// This rank's batch, if it has one.
+    item: Option<I>,
+    /// Whether any rank has one (the loop goes on).
+    any: bool,
+}
+
+/// One `fit`: the strategy, burn's training components, where gathered outputs are built.
+struct Fit<'a, M: LearnerModel> {
+    strategy: &'a LearnerStrategy,
+    c: TrainingComponents<M>,
+    outputs_on: Device,
+}
+
+impl<M> Fit<'_, M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalOutput,
+    <M as InferenceStep>::Output: GlobalOutput,
+{
+    fn is_rank0(&self) -> bool {
+        self.strategy.rank() == 0
+    }
+
+    fn run(
+        &mut self,
+        learner: &mut Learner<M>,
+        train: &TrainLoader<M>,
+        valid: &ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> Result<()> {
+        let group = self.strategy.group.clone();
+        let bucket_bytes = self.strategy.bucket_bytes;
+        let mut dp = DataParallel::with_bucket_bytes(group, &learner.model(), bucket_bytes)?;
+        // Rank 0's parameters (and buffers), ids numbered by position on every rank.
+        let model = dp.broadcast_model(learner.model())?;
+        learner.load_model(model.into_record());
+        for epoch in starting_epoch..=self.c.num_epochs {
+            self.strategy.set_epoch(epoch);
+            let total_items = train.num_items() * self.strategy.world_size();
+            self.train_event(LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items,
+            });
+            self.train_epoch(learner, &mut dp, train)?;
+            self.train_event(LearnerEvent::EndSplit(epoch));
+            if self.agree_stop(false)? {
+                break;
+            }
+            self.valid_epoch(learner, valid, epoch)?;
+            self.train_event(LearnerEvent::EndEpoch(epoch));
+            if self.is_rank0() && (self.c.checkpointer.is_some() || self.c.early_stopping.is_some())
+            {
+                let flushed = self.c.event_processor.flush();
+                self.c.interrupter.fail_on_error(flushed);
+            }
+            if self.agree_stop(false)? {
+                break;
+            }
+            if self.end_of_epoch(learner, epoch)? {
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Rank 0's checkpoint and early-stopping decision, agreed: whether to stop.
+    fn end_of_epoch(&mut self, learner: &Learner<M>, epoch: usize) -> Result<bool> {
+        let mut early = false;
+        if self.is_rank0() {
+            if let Some(checkpointer) = &mut self.c.checkpointer {
+                checkpointer.checkpoint(learner, epoch, &self.c.event_store);
+            }
+            if let Some(early_stopping) = &mut self.c.early_stopping {
+                early = early_stopping.should_stop(epoch, &self.c.event_store);
+            }
+        }
+        self.agree_stop(early)
+    }
+
+    fn train_epoch(
+        &mut self,
+        learner: &mut Learner<M>,
+        dp: &mut DataParallel,
+        loader: &TrainLoader<M>,
+    ) -> Result<()> {
+        let mut iterator = loader.iter();
+        let mut accumulator = GradientsAccumulator::new();
+        let (mut iteration, mut accumulated) = (0, 0);
+        loop {
+            let next = self.agree_next(iterator.next(), true)?;
+            let Some(item) = next.item else { break };
+            iteration += 1;
+            let progress = iterator.progress();
+            let out = learner.train_step(item);
+            let grads = match self.c.grad_accumulation {
+                Some(k) => {
+                    accumulator.accumulate(&learner.model(), out.grads);
+                    accumulated += 1;
+                    let due = accumulated >= k || progress.is_completed();
+                    due.then(|| {
+                        accumulated = 0;
+                        accumulator.grads()
+                    })
+                }
+                None => Some(out.grads),
+            };
+            if let Some(grads) = grads {
+                let grads = dp.average(grads, &learner.model())?;
+                learner.lr_step();
+                learner.optimizer_step(grads);
+            }
+            let group = self.strategy.group.as_ref();
+            if let Some(item) = gather(group, Some(out.item), &self.outputs_on)? {
+                let progress = self.global(progress);
+                let lr = Some(learner.lr_current());
+                let item = TrainingItem::new(item, progress, Some(iteration), lr);
+                self.train_event(LearnerEvent::ProcessedItem(item));
+            }
+        }
+        Ok(())
+    }
+
+    fn valid_epoch(
+        &mut self,
+        learner: &Learner<M>,
+        loader: &ValidLoader<M>,
+        epoch: usize,
+    ) -> Result<()> {
+        let mine = loader.num_items() as f32;
+        let mut total = [mine];
+        self.strategy.group.all_reduce_sum(&mut total)?;
+        self.valid_event(LearnerEvent::StartSplit {
+            epoch_number: epoch,
+            total_items: total[0] as usize,
+        });
+        let model = learner.model().valid();
+        let mut iterator = loader.iter();
+        let (mut iteration, mut done) = (0, false);
+        loop {
+            let item = if done { None } else { iterator.next() };
+            done = item.is_none();
+            let next = self.agree_next(item, false)?;
+            if !next.any {
+                break;
+            }
+            iteration += 1;
+            let out = next.item.map(|item| InferenceStep::step(&model, item));
+            let group = self.strategy.group.as_ref();
+            if let Some(item) = gather(group, out, &self.outputs_on)? {
+                let progress = self.global(iterator.progress());
+                let item = TrainingItem::new(item, progress, Some(iteration), None);
+                self.valid_event(LearnerEvent::ProcessedItem(item));
+            }
+        }
+        self.valid_event(LearnerEvent::EndSplit(epoch));
+        Ok(())
+    }
+
+    /// This rank's next batch, agreed with the other ranks: none when any rank's loader failed
+    /// or any rank's interrupter stopped (then this rank's stops too); with `every_rank`, a
+    /// rank without a batch while another has one is an error (a training step needs all).
+    fn agree_next<I>(
+        &mut self,
+        item: Option<std::result::Result<I, DatasetError>>,
+        every_rank: bool,
+    ) -> Result<Next<I>> {
+        let (item, failed) = match item {
+            Some(Ok(item)) => (Some(item), None),
+            Some(Err(e)) => (None, Some(e)),
+            None => (None, None),
+        };
+        let stopping = self.c.interrupter.should_stop() || failed.is_some();
+        let mut flags = [
+            f32::from(u8::from(item.is_some())),
+            f32::from(u8::from(stopping)),
+        ];
+        self.strategy.group.all_reduce_sum(&mut flags)?;
+        if let Some(e) = failed {
+            self.c.interrupter.fail(TrainingError::Dataset(e));
+        }
+        if flags[1] > 0.0 {
+            self.stop_with_the_others();
+            return Ok(Next {
+                item: None,
+                any: false,
+            });
+        }
+        let (with, world) = (flags[0] as usize, self.strategy.world_size());
+        if every_rank && with > 0 && with < world {
+            return Err(DistError::Loaders(format!(
+                "{with} of {world} ranks have another training batch (rank {} {}): every rank \
+                 needs as many per epoch (LearnerStrategy::shard gives each as many samples)",
+                self.strategy.rank(),
+                if item.is_some() {
+                    "has one"
+                } else {
+                    "has none"
+                },
+            )));
+        }
+        Ok(Next {
+            item,
+            any: with > 0,
+        })
+    }
+
+    /// Whether any rank stops: its interrupter stopped (then every rank's interrupter says
+    /// so), or, `early`, rank 0's early stopping said to (every rank just ends, as burn's
+    /// loop does).
+    fn agree_stop(&mut self, early: bool) -> Result<bool> {
+        let interrupted = self.c.interrupter.should_stop();
+        let mut flags = [f32::from(u8::from(interrupted)), f32::from(u8::from(early))];
+        self.strategy.group.all_reduce_sum(&mut flags)?;
+        if flags[0] > 0.0 {
+            self.stop_with_the_others();
+        }
+        Ok(flags[0] > 0.0 || flags[1] > 0.0)
+    }
+
+    fn stop_with_the_others(&self) {
+        if !self.c.interrupter.should_stop() {
+            self.c
+                .interrupter
+                .stop(Some("another rank of the Flotilla job stopped"));
+        }
+    }
+
+    /// A rank's loader progress as the global batch's (every rank as far).
+    fn global(&self, p: Progress) -> Progress {
+        let world = self.strategy.world_size();
+        Progress {
+            items_processed: p.items_processed * world,
+            items_total: p.items_total * world,
+            unit: p.unit,
+        }
+    }
+
+    fn train_event(&mut self, event: LearnerEvent<<M as TrainStep>::Output>) {
+        if self.is_rank0() {
+            let done = self.c.event_processor.process_train(event);
+            self.c.interrupter.fail_on_error(done);
+        }
+    }
+
+    fn valid_event(&mut self, event: LearnerEvent<<M as InferenceStep>::Output>) {
+        if self.is_rank0() {
+            let done = self.c.event_processor.process_valid(event);
+            self.c.interrupter.fail_on_error(done);
+        }
+    }
+}

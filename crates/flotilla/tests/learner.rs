@@ -1,0 +1,122 @@
+//! burn-train's own `Learner` on Flotilla (`flotilla_burn::LearnerStrategy`, through
+//! `examples/mnist_learner.rs`, burn's guide MNIST model, started by `flotilla launch -n N --
+//! PROGRAM`): it trains to the bits of the same model in the program's own loop, N ranks equal
+//! one rank of the same global batch within rounding — parameters and the metrics rank 0
+//! logs —, and the `Learner`'s resume from its epoch checkpoint ends on the bits of a run
+//! without a stop. No dropout (its masks differ by rank).
+
+mod common;
+
+use common::*;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+type Tensors = BTreeMap<String, Vec<f32>>;
+
+const LIMIT: Duration = Duration::from_secs(300);
+
+/// 1,600 training images (800 per rank at 2 ranks): 25 steps of a global batch of 64 per
+/// epoch; validation on the 10,000 test images.
+const COMMON: &[(&str, &str)] = &[("TRAIN_SAMPLES", "1600"), ("DROPOUT", "0"), ("LR", "0.002")];
+
+/// `flotilla launch -n ranks -- mnist_learner` with `env` into `dir/name` (the `Learner`'s
+/// artifacts there); rank 0's trained parameters.
+fn train(dir: &Path, name: &str, ranks: usize, env: &[(&str, &str)]) -> Tensors {
+    let out = dir.join(name);
+    let save = dir.join(format!("{name}.safetensors"));
+    let exe = example("mnist_learner");
+    let mut c = flotilla();
+    c.args(["launch", "-n", &ranks.to_string(), "--"])
+        .arg(&exe)
+        .env("DATA", repo().join("data/mnist"))
+        .env("ARTIFACTS", &out)
+        .env("SAVE", &save)
+        .envs(COMMON.iter().copied())
+        .envs(env.iter().copied());
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "{name} failed\n{}", text(&o));
+    safetensors_file(&save)
+}
+
+/// The values of a metric's log (`ARTIFACTS/SPLIT/epoch-E/METRIC.log`: `value,items` per
+/// line, the last line the epoch's `value,final`).
+fn metric(dir: &Path, name: &str, split: &str, epoch: usize, metric: &str) -> Vec<(f64, String)> {
+    let path: PathBuf = dir
+        .join(name)
+        .join(format!("{split}/epoch-{epoch}/{metric}.log"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
+    text.lines()
+        .filter_map(|l| l.split_once(','))
+        .map(|(v, n)| (v.parse().expect("a number"), n.to_string()))
+        .collect()
+}
+
+#[test]
+fn the_learner_trains_to_the_bits_of_the_programs_own_loop() {
+    let dir = tmp();
+    let env = [("EPOCHS", "2"), ("BATCH", "32")];
+    let learner = train(dir.path(), "learner", 2, &env);
+    let own = train(dir.path(), "own", 2, &[env[0], env[1], ("LOOP", "own")]);
+    let initial = train(dir.path(), "initial", 2, &[("EPOCHS", "0")]);
+    let moved = relative_error(&learner, &initial);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    assert_bitwise("the Learner vs the program's own loop", &learner, &own);
+}
+
+#[test]
+fn two_ranks_are_one_rank_of_the_same_global_batch_parameters_and_metrics() {
+    let dir = tmp();
+    let one = train(dir.path(), "one", 1, &[("EPOCHS", "1"), ("BATCH", "64")]);
+    let two = train(dir.path(), "two", 2, &[("EPOCHS", "1"), ("BATCH", "32")]);
+    let initial = train(dir.path(), "initial", 1, &[("EPOCHS", "0")]);
+    let moved = relative_error(&one, &initial);
+    let apart = relative_error(&two, &one);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    assert!(
+        apart < 1e-4 * moved,
+        "2 ranks of 32 end {apart} from 1 rank of 64 (they moved {moved})"
+    );
+    // What rank 0 logs is the global batch's: every step's loss and accuracy with its
+    // sample count, as one rank logs them; and the epoch's validation loss and accuracy over
+    // all 10,000 test images (the ranks evaluate 5,000 each).
+    for (split, name, lines) in [
+        ("train", "Loss", usize::MAX),
+        ("train", "Accuracy", usize::MAX),
+        ("valid", "Loss", 1),
+        ("valid", "Accuracy", 1),
+    ] {
+        let last = |run: &str| {
+            let m = metric(dir.path(), run, split, 1, name);
+            m[m.len().saturating_sub(lines)..].to_vec()
+        };
+        let (a, b) = (last("one"), last("two"));
+        assert_eq!(a.len(), b.len(), "{split} {name}: lines");
+        for (i, ((va, na), (vb, nb))) in a.iter().zip(&b).enumerate() {
+            assert_eq!(na, nb, "{split} {name} line {i}: items");
+            assert!(
+                (va - vb).abs() <= 1e-4 * va.abs().max(1.0),
+                "{split} {name} line {i}: one rank logs {va}, two ranks {vb}"
+            );
+        }
+    }
+    let last = metric(dir.path(), "two", "valid", 1, "Accuracy");
+    assert_eq!(last.last().map(|(_, n)| n.as_str()), Some("final"));
+}
+
+#[test]
+fn the_learners_resume_from_its_epoch_checkpoint_ends_on_the_bits_of_an_unstopped_run() {
+    let dir = tmp();
+    let env = [("BATCH", "32")];
+    let whole = train(dir.path(), "whole", 2, &[env[0], ("EPOCHS", "2")]);
+    let _first = train(dir.path(), "stopped", 2, &[env[0], ("EPOCHS", "1")]);
+    let resumed = train(
+        dir.path(),
+        "stopped",
+        2,
+        &[env[0], ("EPOCHS", "2"), ("RESUME", "1")],
+    );
+    assert_bitwise("resumed at epoch 1 vs not stopped", &resumed, &whole);
+}
