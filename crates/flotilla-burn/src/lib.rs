@@ -18,6 +18,10 @@
 //! evaluation, checkpoints and a stop of its own between steps ([`Session`]);
 //! [`spec_session`] the same for the job's YAML model.
 //!
+//! A program written as burn's guide writes it, with burn-train's `Learner`
+//! (`SupervisedTraining`: its metrics, checkpoints and resume), trains on every rank with
+//! [`LearnerStrategy`] ([`learner`]; `examples/mnist_learner.rs`).
+//!
 //! For a model too big for one rank, the program cuts it into stage modules
 //! ([`StageModule`]: a forward over [`NamedTensors`]; [`UserModule::with_stages`]), and
 //! `strategy: pipeline` runs them in the library's one pipeline — the spec's: GPipe or 1F1B,
@@ -61,7 +65,7 @@ mod agree;
 mod checkpoint;
 mod data_parallel;
 mod error;
-mod learner;
+pub mod learner;
 mod sharded_dataset;
 mod sync_batch_norm;
 mod user_module;
@@ -78,7 +82,7 @@ pub use flotilla_group::{ProcessGroup, ReduceOp};
 pub use flotilla_rank::Session;
 pub use flotilla_train::Progress;
 pub use flotilla_train::RunSummary;
-pub use learner::{GlobalOutput, LearnerStrategy, Piece, global_output};
+pub use learner::{GlobalOutput, LearnerStrategy, Piece};
 pub use sharded_dataset::{EpochHandle, ShardedDataset, StridedDataset};
 pub use sync_batch_norm::{BatchNormSync, SyncBatchNorm, batch_norm_sync};
 pub use user_module::{StageModules, UserModule, session, session_with_data, spec_session, train};

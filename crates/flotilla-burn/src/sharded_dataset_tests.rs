@@ -178,3 +178,52 @@ fn a_bad_rank_is_refused_and_an_unshuffled_shard_strides_the_set() {
     s.set_epoch(9);
     assert_eq!(s.indices().as_slice(), [1, 4, 7]);
 }
+
+/// A resumed run builds its loader afresh and sets the epoch it resumes in: with one worker it
+/// gives that epoch's batches in the order the run that went through the earlier epochs gave.
+#[test]
+fn a_resumed_loader_gives_the_epochs_batches_in_the_same_order() {
+    let s = shard(90, 1, 3, false);
+    let handle = s.epoch_handle();
+    let loader = DataLoaderBuilder::new(Items)
+        .batch_size(7)
+        .num_workers(1)
+        .build(s);
+    let mut went_through = Vec::new();
+    for e in 0..4 {
+        handle.set(e);
+        went_through.push(
+            loader
+                .iter()
+                .map(|b| b.expect("a batch"))
+                .collect::<Vec<_>>(),
+        );
+    }
+    let resumed = shard(90, 1, 3, false);
+    resumed.set_epoch(3);
+    assert_eq!(batches(resumed, 7, 1), went_through[3]);
+    assert_ne!(went_through[2], went_through[3]);
+}
+
+/// A validation set cut by [`StridedDataset`]: every sample in exactly one rank's part, in
+/// order, the parts differing by at most one sample.
+#[test]
+fn a_strided_validation_set_gives_every_sample_once() {
+    let (len, world) = (103, 4);
+    let mut seen = Vec::new();
+    for rank in 0..world {
+        let part = StridedDataset::new(numbers(len), rank, world);
+        assert_eq!(part.len(), if rank < 3 { 26 } else { 25 }, "rank {rank}");
+        let items: Vec<usize> = (0..part.len())
+            .map(|i| part.get(i).expect("in the part"))
+            .collect();
+        assert!(
+            items.windows(2).all(|w| w[1] == w[0] + world),
+            "rank {rank}: {items:?}"
+        );
+        seen.extend(items);
+    }
+    seen.sort_unstable();
+    assert_eq!(seen, (0..len).collect::<Vec<_>>());
+    assert_eq!(StridedDataset::new(numbers(2), 3, 4).len(), 0);
+}

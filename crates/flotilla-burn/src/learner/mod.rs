@@ -19,7 +19,7 @@
 //! ```
 //!
 //! What it does on every rank, each step: the `Learner`'s own forward and backward on this
-//! rank's batch, the gradients averaged over the ranks in fusion buckets ([`DataParallel`]),
+//! rank's batch, the gradients averaged over the ranks in fusion buckets ([`crate::DataParallel`]),
 //! the `Learner`'s own learning-rate scheduler and optimizer step — so N ranks of batch B
 //! train as one device of batch N·B (the same global batch ends within rounding). Rank 0's
 //! parameters are broadcast before the first step. burn's gradient accumulation
@@ -53,10 +53,43 @@ use burn::prelude::*;
 use burn::train::{LearnerModel, TrainingStrategy};
 use flotilla_group::ProcessGroup;
 
-use crate::error::Result;
+use flotilla_cluster::Arch;
+use flotilla_train::config::AllReduceMode;
+use flotilla_train::{TrainConfig, TrainError};
+
+use crate::error::{DistError, Result};
 use crate::sharded_dataset::{EpochHandle, ShardedDataset, StridedDataset};
 
 pub use global_output::{GlobalOutput, Piece};
+
+/// Refuses a job whose way of training the strategy does not run yet (it runs sync
+/// all-reduce peers with the `Learner`'s own optimizer; ZeRO, async all-reduce and parameter
+/// servers are the one stack's, for a module in [`crate::train`] or [`crate::session`]).
+fn check_way(settings: &TrainConfig) -> Result<()> {
+    let (arch, all) = (&settings.topology.arch, &settings.allreduce);
+    let way = if *arch != Arch::Allreduce {
+        Some(format!(
+            "strategy {arch:?} (parameter servers or a pipeline)"
+        ))
+    } else if all.mode != AllReduceMode::Sync {
+        Some("async all-reduce".to_string())
+    } else if all.zero != 0 {
+        Some(format!("ZeRO stage {}", all.zero))
+    } else {
+        None
+    };
+    match way {
+        None => Ok(()),
+        Some(way) => Err(DistError::Settings(TrainError::config(
+            "strategy",
+            format!(
+                "the Learner strategy trains sync all-reduce (ZeRO-0) with the Learner's own \
+                 optimizer; {way} is not on it yet: train the module with \
+                 flotilla_burn::train or flotilla_burn::session, which run every way"
+            ),
+        ))),
+    }
+}
 
 /// burn-train's `Learner` on every rank of a Flotilla job (see the [module](self) docs).
 #[derive(Debug)]
@@ -86,7 +119,10 @@ impl LearnerStrategy {
     /// autodiff ([`LearnerStrategy::device`]); the fusion bucket size is the job's
     /// `comm.bucket_mb`, the shuffle's seed its `model.seed`.
     pub fn join() -> Result<Self> {
-        let (settings, group) = flotilla_train::program::join_from_env()?;
+        let settings = flotilla_train::program::settings()?;
+        check_way(&settings)?;
+        let group =
+            flotilla_train::program::join(&settings, flotilla_train::program::launcher_rank()?)?;
         let settings = flotilla_train::gpu::on_local_gpu(&settings)?;
         let device = flotilla_engine::device_by_name(&settings.model.device)?.autodiff();
         let mut strategy = Self::new(group, device);
