@@ -3,7 +3,7 @@
 //! the samples it loads ([`ImageFile::load`]: a rank's shard of an epoch, as `u8`).
 //!
 //! Reads are positioned (`pread`), so one open file serves any thread without a shared
-//! cursor; a gzipped file is read through its raw copy ([`crate::raw_idx`]).
+//! cursor; a gzipped file is read through its raw copy ([`mod@crate::raw_idx`]).
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -7,7 +7,7 @@
 //! * [`idx`]: the IDX file format (gzipped or raw).
 //! * [`Mnist::load`]: the four files of an MNIST-layout directory into [`MnistSplits`];
 //!   [`Mnist::open`]: the same files read by sample ([`ImageFile`], positioned reads; a
-//!   gzipped file through its raw copy, [`raw_idx`]), only the labels held.
+//!   gzipped file through its raw copy, [`mod@raw_idx`]), only the labels held.
 //! * [`verify_md5`]: MD5 check against the original MNIST files.
 //! * [`DistributedSampler`]: per-epoch shuffled, per-rank shards of equal size.
 //! * [`fill_batch`] / [`Batcher`]: gathering a batch into reusable buffers, normalised.

@@ -59,7 +59,7 @@ impl Mnist {
 
     /// Opens both splits of `dir` to be read by sample ([`ImageFile`]), normalised with
     /// `norm`: only the labels are read now; a gzipped images file is read through its raw
-    /// copy in `cache` ([`crate::raw_idx`]).
+    /// copy in `cache` ([`crate::raw_idx()`]).
     ///
     /// # Errors
     /// As [`Mnist::load`], and [`DataError::Io`] if the raw copy cannot be written.

@@ -163,12 +163,12 @@ pub trait Engine: ModelState {
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats>;
 }
 
-/// The burn implementation of [`Engine`] for a [`SequentialModel`].
+/// The burn implementation of [`Engine`] for the sequential model of a [`ModelSpec`].
 ///
 /// Its backward pass is one group of every layer unless
 /// [`BurnEngine::set_backward_group_bytes`] splits it; then
-/// [`Engine::forward_backward_streaming`] runs backward group by group (see
-/// [`crate::grouped`]), while [`Engine::forward_backward`] stays one backward pass.
+/// [`Engine::forward_backward_streaming`] runs backward group by group (module `grouped`),
+/// while [`Engine::forward_backward`] stays one backward pass.
 pub struct BurnEngine {
     spec: ModelSpec,
     weights: Weights,
@@ -343,7 +343,7 @@ impl Engine for BurnEngine {
     /// Splits the backward pass of [`Engine::forward_backward_streaming`] into groups of
     /// consecutive layers of at most `max_bytes` of parameters (4 bytes per value) each,
     /// chosen from the last layer backwards and cut only where nothing but the main activation
-    /// crosses (see [`crate::backward_groups`] for the rules: a segment between allowed cuts
+    /// crosses (see module `backward_groups` for the rules: a segment between allowed cuts
     /// that is larger than `max_bytes` is a group of its own; parameterless layers join the
     /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
     fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {

@@ -180,10 +180,10 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     }
 
     /// Sums `buf` element-wise over the group, leaving this rank's shard of the sum in
-    /// `buf[`[`crate::shard`]`(buf.len(), size, rank)]` (the rest of `buf` is unspecified):
-    /// the first half of a ring all-reduce. The TCP backend sums each value in the order its
-    /// ring all-reduce does (bitwise its result there, bf16 rounding included); MPI
-    /// (`MPI_Reduce_scatter`) in MPI's order.
+    /// `buf[`[`crate::shard`](crate::shard())`(buf.len(), size, rank)]` (the rest of `buf`
+    /// is unspecified): the first half of a ring all-reduce. The TCP backend sums each value in
+    /// the order its ring all-reduce does (bitwise its result there, bf16 rounding included);
+    /// MPI (`MPI_Reduce_scatter`) in MPI's order.
     fn reduce_scatter_sum_f32(&self, buf: &mut [f32]) -> Result<(), CommError>;
 
     /// [`ProcessGroup::reduce_scatter_sum_f32`] of gradient bucket `bucket`, started in the
@@ -192,8 +192,8 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     fn reduce_scatter_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce;
 
     /// Fills `buf` with every rank's shard: each member passes its own values in its
-    /// [`crate::shard`] of `buf` (the rest is overwritten), and all end with the same buffer,
-    /// bit for bit. The second half of a ring all-reduce.
+    /// [`crate::shard`](crate::shard()) of `buf` (the rest is overwritten), and all end with
+    /// the same buffer, bit for bit. The second half of a ring all-reduce.
     fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError>;
 
     /// Reduces small integer buffers element-wise (counters, flags, bit sets), combining in

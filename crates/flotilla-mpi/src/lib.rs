@@ -1,8 +1,13 @@
-//! flotilla-mpi: Flotilla's MPI backend — [`MpiGroup`], an implementation of
+//! flotilla-mpi: Flotilla's MPI backend — `MpiGroup`, an implementation of
 //! [`flotilla_group::ProcessGroup`] over MPI (rsmpi on Open MPI), chosen with `backend: mpi`
 //! in a binary built with the `mpi` feature and started by `mpirun`. It depends on the
 //! interface crate alone (no tokio, no TLS); `recv_any` and `split` are the interface's
 //! provided methods over this backend's mailbox take and `MPI_Comm_split`.
+//!
+//! Everything is behind this crate's `mpi` feature (off by default), so that building the
+//! workspace needs no MPI headers; without it the crate is empty, and so are its docs from
+//! here on (they link to the feature's items).
+#![cfg(feature = "mpi")]
 //!
 //! * MPI is initialised once per process, on first use, at
 //!   `MPI_THREAD_MULTIPLE` (anything less is a clear error), and ended by [`finalize`].
@@ -18,10 +23,6 @@
 //!   allreduce --backend mpi` times.
 //!
 //! An example is on [`MpiGroup`] (crate-level examples would be compiled without the feature).
-//!
-//! Everything is behind this crate's `mpi` feature (off by default), so that building the
-//! workspace needs no MPI headers; without it the crate is empty.
-#![cfg(feature = "mpi")]
 #![warn(missing_docs)]
 
 mod group;

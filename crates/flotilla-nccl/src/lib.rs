@@ -1,8 +1,14 @@
-//! flotilla-nccl: Flotilla's NCCL backend — [`NcclGroup`], an implementation of
+//! flotilla-nccl: Flotilla's NCCL backend — `NcclGroup`, an implementation of
 //! [`flotilla_group::ProcessGroup`] whose `f32` collectives (all-reduce, broadcast,
 //! reduce-scatter, all-gather) run over NCCL on this rank's GPU, chosen with
 //! `backend: nccl` in a binary built with the `nccl` feature. **Compile-checked only: it
 //! has not run on NVIDIA hardware** (none is attached to the machines Flotilla is tested on).
+//!
+//! Everything is behind this crate's `nccl` feature (off by default); without it the crate
+//! is empty, and so are its docs from here on (they link to the feature's items).
+#![cfg(feature = "nccl")]
+//!
+//! The backend: [`NcclGroup`], configured by [`NcclConfig`].
 //!
 //! * **Two planes**, as PyTorch's NCCL process group over its TCP store: a control group
 //!   (Flotilla's TCP [`flotilla_group::ProcessGroup`], after its rendezvous) carries the NCCL
@@ -20,10 +26,6 @@
 //!   and calls `ncclCommAbort` so the stuck kernel returns; an abort does the same.
 //! * The driver and NCCL are loaded at run time (cudarc's dynamic loading): a machine without
 //!   `libcuda.so` or `libnccl.so` gets an error naming the library, not a panic.
-//!
-//! Everything is behind this crate's `nccl` feature (off by default); without it the crate
-//! is empty.
-#![cfg(feature = "nccl")]
 #![warn(missing_docs)]
 
 mod comm;

@@ -1,7 +1,7 @@
 //! One rank of a Flotilla job as a process runs it — `flotilla train` and a user's program
 //! (`flotilla_burn::train`) alike: its telemetry ([`telemetry`]: tracing, the timeline, the
 //! `/metrics` endpoint), its display ([`progress`]: a bar, plain lines, or events for a
-//! supervising launcher), the run itself ([`flotilla_train::run`]), and rank 0's report
+//! supervising launcher), the run itself ([`flotilla_train::run()`]), and rank 0's report
 //! ([`report`]: `summary.json` and the plots of [`plots`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -250,7 +250,7 @@ pub struct CommConfig {
 }
 
 /// Ranks replaced while a job runs (a worker of an asynchronous parameter server restarted
-/// by the launcher). See [`crate::rendezvous`]'s rejoin protocol.
+/// by the launcher). The rejoin protocol is in `src/rendezvous/rejoin.rs`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Rejoin {
     /// Neither: the rendezvous port closes once every rank joined (the default).

@@ -1,7 +1,7 @@
 //! Telemetry of a Flotilla rank, outside the training libraries (which only emit `tracing`
 //! spans and `metrics` values):
-//! - [`timeline`]: a `tracing` layer writing the rank's Chrome trace events as JSON lines;
-//! - [`merge`]: joins the ranks' files into one trace for Perfetto / chrome://tracing;
+//! - [`mod@timeline`]: a `tracing` layer writing the rank's Chrome trace events as JSON lines;
+//! - [`mod@merge`]: joins the ranks' files into one trace for Perfetto / chrome://tracing;
 //! - [`exporter`]: the rank's Prometheus `/metrics` endpoint, served by [`http`] (bounded);
 //! - [`events`]: the JSON-lines events a rank prints for its launcher.
 

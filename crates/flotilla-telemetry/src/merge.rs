@@ -1,4 +1,4 @@
-//! Joining the ranks' timeline files (JSON lines, see [`crate::timeline`]) into one Chrome
+//! Joining the ranks' timeline files (JSON lines, see [`mod@crate::timeline`]) into one Chrome
 //! trace-event file that Perfetto and chrome://tracing open: `{"traceEvents": [...]}`.
 //!
 //! A file cut short by a crash still merges: a last line that is not complete JSON is

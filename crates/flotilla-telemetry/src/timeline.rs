@@ -1,5 +1,5 @@
 //! A `tracing` layer that records a rank's spans as Chrome trace events, one JSON object per
-//! line (`<output>/rank-N/timeline.jsonl`), for [`crate::merge`] to join into one trace.
+//! line (`<output>/rank-N/timeline.jsonl`), for [`crate::merge()`] to join into one trace.
 //!
 //! - Every closed span of a `flotilla*` target becomes a complete event (`"ph": "X"`) with its
 //!   fields as `args`; `ts` is microseconds since the Unix epoch, so ranks on one host line up.

@@ -1,4 +1,4 @@
-//! One rank's run, driven step by step by its caller ([`Run`]): what [`crate::run`] runs
+//! One rank's run, driven step by step by its caller ([`Run`]): what [`crate::run()`] runs
 //! to its end for `flotilla train` and `flotilla_burn::train`, and what a user's own loop
 //! drives — the same setup (rendezvous, data, the configured way of training, resume, plan),
 //! the same steps, evaluations and checkpoints, the same summary.

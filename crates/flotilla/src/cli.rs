@@ -32,8 +32,8 @@ pub enum Command {
     /// the pids they recorded in their job directories.
     Stop(StopArgs),
     /// Run one config in several strategies, one after the other on this machine (each as
-    /// `flotilla launch` would, into OUTPUT/<strategy>/), and write OUTPUT/compare.md and
-    /// OUTPUT/compare.svg: time to the target accuracy, final accuracy, samples/s, bytes moved
+    /// `flotilla launch` would, into `OUTPUT/<strategy>/`), and write `OUTPUT/compare.md` and
+    /// `OUTPUT/compare.svg`: time to the target accuracy, final accuracy, samples/s, bytes moved
     /// per sample.
     ///
     /// `--output` is the report's directory (default: the config's output); `-n` is the number
@@ -50,8 +50,8 @@ pub enum Command {
     #[command(subcommand)]
     Trace(TraceCommand),
     /// Make a cluster CA and a certificate per host for mutual TLS on every connection of a
-    /// job (`comm.tls`): DIR/ca.pem, DIR/ca.key, DIR/<host>.pem, DIR/<host>.key. An
-    /// existing CA in DIR signs the new hosts.
+    /// job (`comm.tls`): `DIR/ca.pem`, `DIR/ca.key`, `DIR/<host>.pem`, `DIR/<host>.key`.
+    /// An existing CA in DIR signs the new hosts.
     Certs(crate::certs::CertsArgs),
     /// Make a fresh random cluster secret: printed, or with `--out FILE` written to a new
     /// file of mode 0600 for every rank (`FLOTILLA_SECRET_FILE=FILE`). `flotilla launch`
@@ -121,7 +121,7 @@ pub struct LaunchArgs {
     /// A program to start as the ranks instead of `flotilla train`, after `--`, with its
     /// arguments (`flotilla launch -n 2 -- target/release/examples/custom_model`). Each rank
     /// gets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them),
-    /// every other setting given (file, environment, flags) as FLOTILLA_<SECTION>__<FIELD>,
+    /// every other setting given (file, environment, flags) as `FLOTILLA_<SECTION>__<FIELD>`,
     /// and the job's secret and TLS files; the ranks are
     /// supervised as training ranks are (the first failure stops them all and is named;
     /// `--max-restarts` starts the program again). With `--inventory`, the program must be

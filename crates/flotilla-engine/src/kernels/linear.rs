@@ -3,7 +3,7 @@
 //! as it is computed; backward, the weight gradient `xᵀ·g` and the input gradient `g·Wᵀ` as
 //! GEMMs over the same buffers (transposes are strides, never copies) and the bias gradient
 //! as column sums in row order. The GEMMs are split over rayon's pool by shape alone
-//! ([`super::gemm`]), so a step is bitwise the same on 1 and 2 threads. Other backends run
+//! (`kernels/gemm.rs`), so a step is bitwise the same on 1 and 2 threads. Other backends run
 //! burn's own ops behind the same extension.
 
 // burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.

@@ -1,4 +1,4 @@
-//! Max pooling as a burn backend extension: on Flex the host kernels of [`super::pool`]
+//! Max pooling as a burn backend extension: on Flex the host kernels of `pool.rs`
 //! (forward with the position of each maximum, backward a scatter by those positions); on
 //! other backends burn's own `max_pool2d_with_indices` and its backward. The backward on
 //! `Autodiff` is hand-written over either.
@@ -197,7 +197,7 @@ fn geometry(m: &MaxPool2d) -> Option<PoolGeom> {
 }
 
 /// `m` applied to `x` `[N, C, H, W]`: burn's [`MaxPool2d::forward`], differentiable, on
-/// Flex in the kernels of [`super::pool`].
+/// Flex in the kernels of `kernels/pool.rs`.
 pub fn max_pool2d(m: &MaxPool2d, x: Tensor<4>) -> Tensor<4> {
     let [_, _, h, w] = x.dims();
     match geometry(m).filter(|g| g.output([h, w]).is_some()) {

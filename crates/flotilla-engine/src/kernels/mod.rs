@@ -8,11 +8,11 @@
 //!   rayon's pool, split by shape alone (`gemm.rs`), so results are bitwise the same on any
 //!   number of threads.
 //! - [`max_pool`]: max pooling (a 2×2 stride-2 loop and a general one, `pool.rs`).
-//! - [`gelu`](gelu::gelu): GELU forward and backward in one vectorized pass each.
-//! - [`causal_attention`](attention::causal_attention): `softmax(Q·Kᵀ/√dₖ + mask)·V` over the
+//! - `gelu`: GELU forward and backward in one vectorized pass each.
+//! - `causal_attention` (`attention.rs`): `softmax(Q·Kᵀ/√dₖ + mask)·V` over the
 //!   heads, per (sample, head) on strided views (`attention_flex`), its backward from the kept
 //!   probabilities; `reference`: the same in burn's ops, for the other backends.
-//! - [`layer_norm`](layer_norm::layer_norm): layer normalization forward (keeping each row's
+//! - `layer_norm`: layer normalization forward (keeping each row's
 //!   mean and `1/σ`) and backward (input, scale and shift gradients) in one pass each over
 //!   blocks of rows (`norm_rows`), instead of burn's recorded chain of element-wise ops.
 //! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as host memory.

@@ -37,7 +37,7 @@ pub struct ModelSpec {
     /// One sample's input shape: `[C, H, W]` or `[F]` (or `[T]` token ids, when the first
     /// layer is an `embedding`).
     pub input: Vec<usize>,
-    /// The layers, applied in order, with their named links (see [`crate::spec::graph`]).
+    /// The layers, applied in order, with their named links (see [`Node`]).
     pub layers: Vec<Node>,
 }
 
@@ -68,7 +68,7 @@ impl ModelSpec {
         Self::from_yaml_with(text, source_name, &SpecLimits::default())
     }
 
-    /// Parses a spec from YAML text (at most [`MAX_SPEC_BYTES`]) and checks its shapes
+    /// Parses a spec from YAML text (at most `MAX_SPEC_BYTES`, 16 MiB) and checks its shapes
     /// against `limits`, before any tensor exists. (Later shape inference applies the
     /// default limits: pass limits tighter than those.)
     pub fn from_yaml_with(text: &str, source_name: &str, limits: &SpecLimits) -> Result<Self> {
@@ -82,7 +82,8 @@ impl ModelSpec {
         Ok(spec)
     }
 
-    /// Reads and checks a spec file (at most [`MAX_SPEC_BYTES`], checked before reading).
+    /// Reads and checks a spec file (at most `MAX_SPEC_BYTES`, 16 MiB, checked before
+    /// reading).
     pub fn load(path: &Path) -> Result<Self> {
         let name = path.display().to_string();
         let meta = std::fs::metadata(path).map_err(|e| EngineError::io(path, e))?;
@@ -91,7 +92,8 @@ impl ModelSpec {
         Self::from_yaml(&text, &name)
     }
 
-    /// A spec shipped with Flotilla (see [`BUILTIN_SPECS`]).
+    /// A spec shipped with Flotilla by its name (`BUILTIN_SPECS`: the repository's
+    /// `models/*.yaml`), or `None`.
     pub fn builtin(name: &str) -> Option<Self> {
         BUILTIN_SPECS
             .iter()

@@ -40,7 +40,7 @@ pub struct StepStats {
 /// ready (it is started when the engine returns the loss), so logging the global loss costs
 /// no extra collective.
 ///
-/// With `allreduce.zero: 1` or `2` the optimizer step is sharded ([`Zero`]): each rank
+/// With `allreduce.zero: 1` or `2` the optimizer step is sharded (`Zero`): each rank
 /// steps its shard of every bucket with 1/N of the optimizer state and the parameters are
 /// all-gathered; stage 2 reduce-scatters the buckets instead of all-reducing them.
 pub struct SyncAllReduce {

@@ -7,7 +7,7 @@
 //! talk: the tags and payloads of the tensors between stages ([`wire`], over any
 //! [`flotilla_tcp::ProcessGroup`]) and the order of the micro-batches ([`schedule`]). This
 //! module gives a user the loop ([`Pipeline`]); the CLI's
-//! `strategy: pipeline` plans the cut ([`plan`]), runs each rank as a [`PipelineStage`] of the one
+//! `strategy: pipeline` plans the cut ([`plan()`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 pub mod pipe;
