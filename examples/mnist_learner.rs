@@ -13,7 +13,9 @@
 //! `Learner`'s directory: metrics and checkpoints; default `mnist-learner-artifacts`),
 //! `RESUME=E` (go on from the checkpoint of epoch E), `SAVE=FILE` (rank 0 writes the trained
 //! parameters as safetensors), `LOOP=own` (the same training in the program's own loop with
-//! `flotilla_burn::DataParallel`, no `Learner`: what the tests compare it with). Rank 0 prints
+//! `flotilla_burn::DataParallel`, no `Learner`: what the tests compare it with; it prints
+//! each rank's optimizer state size). `--zero 1` shards the optimizer state by parameter
+//! (ZeRO-1, `flotilla_burn::ParamShards`), in the `Learner` and in the own loop. Rank 0 prints
 //! `test accuracy: X` at the end.
 
 use std::path::PathBuf;
@@ -33,7 +35,7 @@ use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
-use flotilla_burn::{DataParallel, ImageDataset, LearnerStrategy};
+use flotilla_burn::{DataParallel, ImageDataset, LearnerStrategy, ParamShards};
 
 /// The guide's model: two convolutions, adaptive pooling, two linear layers, dropout.
 #[derive(Module, Debug)]
@@ -263,15 +265,31 @@ fn own_loop(
 ) -> anyhow::Result<Model> {
     let mut dp = DataParallel::new(flotilla.group().clone(), &model)?;
     let mut model = dp.broadcast_model(model)?;
+    // ZeRO-1 (`--zero 1`): the optimizer steps this rank's share of the parameters only.
+    let shards = (flotilla.zero() == 1).then(|| ParamShards::new(&dp));
     let mut optim = AdamConfig::new().init();
     for epoch in 1..=s.epochs {
         flotilla.set_epoch(epoch);
         for batch in train.iter() {
             let out = TrainStep::step(&model, batch?);
             let grads: GradientsParams = dp.average(out.grads, &model)?;
-            model = optim.step(s.lr, model, grads);
+            model = match &shards {
+                None => optim.step(s.lr, model, grads),
+                Some(shards) => {
+                    let mine = shards.own_grads(grads, &model)?;
+                    shards.gather(optim.step(s.lr, model, mine))?
+                }
+            };
         }
     }
+    let state = optim
+        .into_bytes()
+        .map_err(|e| anyhow::anyhow!("the optimizer's state: {e:?}"))?;
+    println!(
+        "rank {} optimizer state: {} bytes",
+        flotilla.rank(),
+        state.len()
+    );
     Ok(model)
 }
 

@@ -24,11 +24,24 @@ const COMMON: &[(&str, &str)] = &[("TRAIN_SAMPLES", "1600"), ("DROPOUT", "0"), (
 /// `flotilla launch -n ranks -- mnist_learner` with `env` into `dir/name` (the `Learner`'s
 /// artifacts there); rank 0's trained parameters.
 fn train(dir: &Path, name: &str, ranks: usize, env: &[(&str, &str)]) -> Tensors {
+    launch(dir, name, ranks, &[], env).0
+}
+
+/// [`train`] with `flags` for the launcher; also what the job printed.
+fn launch(
+    dir: &Path,
+    name: &str,
+    ranks: usize,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> (Tensors, String) {
     let out = dir.join(name);
     let save = dir.join(format!("{name}.safetensors"));
     let exe = example("mnist_learner");
     let mut c = flotilla();
-    c.args(["launch", "-n", &ranks.to_string(), "--"])
+    c.args(["launch", "-n", &ranks.to_string()])
+        .args(flags)
+        .arg("--")
         .arg(&exe)
         .env("DATA", repo().join("data/mnist"))
         .env("ARTIFACTS", &out)
@@ -37,7 +50,20 @@ fn train(dir: &Path, name: &str, ranks: usize, env: &[(&str, &str)]) -> Tensors 
         .envs(env.iter().copied());
     let o = run_with_deadline(c, LIMIT);
     assert!(o.status.success(), "{name} failed\n{}", text(&o));
-    safetensors_file(&save)
+    (safetensors_file(&save), text(&o))
+}
+
+/// The optimizer state sizes the own loop printed, by rank.
+fn state_bytes(output: &str) -> BTreeMap<usize, usize> {
+    output
+        .lines()
+        .filter_map(|l| l.split_once("] rank ").map(|(_, rest)| rest))
+        .filter_map(|l| l.split_once(" optimizer state: "))
+        .map(|(rank, bytes)| {
+            let bytes = bytes.trim_end_matches(" bytes");
+            (rank.parse().expect("a rank"), bytes.parse().expect("bytes"))
+        })
+        .collect()
 }
 
 /// The values of a metric's log (`ARTIFACTS/SPLIT/epoch-E/METRIC.log`: `value,items` per
@@ -119,4 +145,40 @@ fn the_learners_resume_from_its_epoch_checkpoint_ends_on_the_bits_of_an_unstoppe
         &[env[0], ("EPOCHS", "2"), ("RESUME", "1")],
     );
     assert_bitwise("resumed at epoch 1 vs not stopped", &resumed, &whole);
+}
+
+#[test]
+fn zero_1_keeps_one_copy_of_the_optimizer_state_and_trains_to_the_bits_of_sync() {
+    let dir = tmp();
+    let env = [("EPOCHS", "1"), ("BATCH", "32")];
+    let own = |zero: &[&str], name: &str| {
+        launch(
+            dir.path(),
+            name,
+            2,
+            zero,
+            &[env[0], env[1], ("LOOP", "own")],
+        )
+    };
+    let (sync, sync_out) = own(&[], "sync-own");
+    let (zero, zero_out) = own(&["--zero", "1"], "zero-own");
+    let (learner, _) = launch(dir.path(), "zero-learner", 2, &["--zero", "1"], &env);
+    assert_bitwise("ZeRO-1 vs sync, the program's own loop", &zero, &sync);
+    assert_bitwise(
+        "ZeRO-1: the Learner vs the program's own loop",
+        &learner,
+        &zero,
+    );
+    // Adam's state of every parameter lives on one rank: the ranks' states add up to one
+    // rank's whole state under sync (up to each record's own few bytes), each smaller.
+    let (whole, parts) = (state_bytes(&sync_out), state_bytes(&zero_out));
+    assert_eq!(whole.len(), 2, "{sync_out}");
+    assert_eq!(parts.len(), 2, "{zero_out}");
+    let one = whole[&0];
+    let sum: usize = parts.values().sum();
+    assert!(
+        sum.abs_diff(one) < one / 100,
+        "the ranks hold {parts:?} bytes of optimizer state, sync one rank {one}"
+    );
+    assert!(parts.values().all(|b| *b < one), "{parts:?} against {one}");
 }

@@ -4,7 +4,7 @@
 
 use burn::data::dataloader::Progress;
 use burn::data::dataset::DatasetError;
-use burn::optim::GradientsAccumulator;
+use burn::optim::{GradientsAccumulator, GradientsParams};
 use burn::prelude::*;
 use burn::train::train::WorkerFailure;
 use burn::train::{
@@ -17,6 +17,7 @@ use super::LearnerStrategy;
 use super::global_output::{GlobalOutput, gather};
 use crate::data_parallel::DataParallel;
 use crate::error::{DistError, Result};
+use crate::param_shards::ParamShards;
 
 impl<M> SupervisedLearningStrategy<M> for LearnerStrategy
 where
@@ -51,6 +52,27 @@ where
         }
         (learner.model(), fit.c.event_processor)
     }
+}
+
+/// One optimizer step of the `Learner` with `grads` averaged over the ranks: on every
+/// parameter, or (ZeRO-1) on this rank's share, the others then taken from their owners.
+fn apply<M: LearnerModel>(
+    learner: &mut Learner<M>,
+    dp: &mut DataParallel,
+    shards: Option<&ParamShards>,
+    grads: GradientsParams,
+) -> Result<()> {
+    let grads = dp.average(grads, &learner.model())?;
+    learner.lr_step();
+    match shards {
+        None => learner.optimizer_step(grads),
+        Some(shards) => {
+            learner.optimizer_step(shards.own_grads(grads, &learner.model())?);
+            let model = shards.gather(learner.model())?;
+            learner.load_model(model.into_record());
+        }
+    }
+    Ok(())
 }
 
 /// The next batch as the ranks agreed on it.
@@ -91,6 +113,14 @@ where
         // Rank 0's parameters (and buffers), ids numbered by position on every rank.
         let model = dp.broadcast_model(learner.model())?;
         learner.load_model(model.into_record());
+        let shards = (self.strategy.zero == 1).then(|| ParamShards::new(&dp));
+        if shards.is_some() && starting_epoch > 1 {
+            return Err(DistError::Optimizer(
+                "resuming under ZeRO-1: the Learner's checkpoint holds rank 0's share of the \
+                 optimizer state only (its checkpointer writes one file); resume without ZeRO"
+                    .into(),
+            ));
+        }
         for epoch in starting_epoch..=self.c.num_epochs {
             self.strategy.set_epoch(epoch);
             let total_items = train.num_items() * self.strategy.world_size();
@@ -98,7 +128,7 @@ where
                 epoch_number: epoch,
                 total_items,
             });
-            self.train_epoch(learner, &mut dp, train)?;
+            self.train_epoch(learner, (&mut dp, shards.as_ref()), train)?;
             self.train_event(LearnerEvent::EndSplit(epoch));
             if self.agree_stop(false)? {
                 break;
@@ -137,7 +167,7 @@ where
     fn train_epoch(
         &mut self,
         learner: &mut Learner<M>,
-        dp: &mut DataParallel,
+        (dp, shards): (&mut DataParallel, Option<&ParamShards>),
         loader: &TrainLoader<M>,
     ) -> Result<()> {
         let mut iterator = loader.iter();
@@ -162,9 +192,7 @@ where
                 None => Some(out.grads),
             };
             if let Some(grads) = grads {
-                let grads = dp.average(grads, &learner.model())?;
-                learner.lr_step();
-                learner.optimizer_step(grads);
+                apply(learner, dp, shards, grads)?;
             }
             let group = self.strategy.group.as_ref();
             if let Some(item) = gather(group, Some(out.item), &self.outputs_on)? {

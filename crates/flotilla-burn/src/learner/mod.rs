@@ -24,6 +24,10 @@
 //! train as one device of batch N·B (the same global batch ends within rounding). Rank 0's
 //! parameters are broadcast before the first step. burn's gradient accumulation
 //! (`grads_accumulation(k)`) sums k local batches before the average, as on one device.
+//! With ZeRO stage 1 (the job's `allreduce.zero: 1`, `flotilla launch --zero 1`), the
+//! `Learner`'s optimizer steps this rank's share of the parameters only and holds only their
+//! state ([`crate::ParamShards`]; the same bits as without); its checkpoints then hold rank
+//! 0's share of the optimizer state, so a ZeRO-1 run does not resume (refused, said so).
 //!
 //! Rank 0 shows the metrics, of the global batch: each step's outputs ([`GlobalOutput`]) are
 //! gathered and rank 0's event processor sees one output of every rank's samples; the other
@@ -63,8 +67,9 @@ use crate::sharded_dataset::{EpochHandle, ShardedDataset, StridedDataset};
 pub use global_output::{GlobalOutput, Piece};
 
 /// Refuses a job whose way of training the strategy does not run yet (it runs sync
-/// all-reduce peers with the `Learner`'s own optimizer; ZeRO, async all-reduce and parameter
-/// servers are the one stack's, for a module in [`crate::train`] or [`crate::session`]).
+/// all-reduce peers with the `Learner`'s own optimizer, whole or sharded by parameter:
+/// ZeRO-1; ZeRO-2, async all-reduce and parameter servers are the one stack's, for a module
+/// in [`crate::train`] or [`crate::session`]).
 fn check_way(settings: &TrainConfig) -> Result<()> {
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     let way = if *arch != Arch::Allreduce {
@@ -73,7 +78,7 @@ fn check_way(settings: &TrainConfig) -> Result<()> {
         ))
     } else if all.mode != AllReduceMode::Sync {
         Some("async all-reduce".to_string())
-    } else if all.zero != 0 {
+    } else if all.zero > 1 {
         Some(format!("ZeRO stage {}", all.zero))
     } else {
         None
@@ -83,8 +88,8 @@ fn check_way(settings: &TrainConfig) -> Result<()> {
         Some(way) => Err(DistError::Settings(TrainError::config(
             "strategy",
             format!(
-                "the Learner strategy trains sync all-reduce (ZeRO-0) with the Learner's own \
-                 optimizer; {way} is not on it yet: train the module with \
+                "the Learner strategy trains sync all-reduce with the Learner's own optimizer \
+                 (ZeRO-0 or ZeRO-1); {way} is not on it yet: train the module with \
                  flotilla_burn::train or flotilla_burn::session, which run every way"
             ),
         ))),
@@ -98,6 +103,7 @@ pub struct LearnerStrategy {
     device: Device,
     bucket_bytes: usize,
     seed: u64,
+    zero: u8,
     epochs: Mutex<Vec<EpochHandle>>,
 }
 
@@ -109,6 +115,7 @@ impl LearnerStrategy {
             device,
             bucket_bytes: flotilla_train::TrainConfig::default().bucket_bytes(),
             seed: 0,
+            zero: 0,
             epochs: Mutex::new(Vec::new()),
         }
     }
@@ -128,6 +135,7 @@ impl LearnerStrategy {
         let mut strategy = Self::new(group, device);
         strategy.bucket_bytes = settings.bucket_bytes();
         strategy.seed = settings.model.seed;
+        strategy.zero = settings.allreduce.zero;
         Ok(strategy)
     }
 
@@ -140,6 +148,19 @@ impl LearnerStrategy {
     /// The device this rank trains on (an autodiff device): build the model on it.
     pub fn device(&self) -> &Device {
         &self.device
+    }
+
+    /// ZeRO stage 1 (`1`: the `Learner`'s optimizer steps this rank's share of the parameters
+    /// only, [`crate::ParamShards`]) or none (`0`, the default); [`LearnerStrategy::join`]
+    /// takes the job's `allreduce.zero`.
+    pub fn with_zero(mut self, stage: u8) -> Self {
+        self.zero = stage;
+        self
+    }
+
+    /// The ZeRO stage: 0 or 1.
+    pub fn zero(&self) -> u8 {
+        self.zero
     }
 
     /// This process's rank.
