@@ -8,14 +8,16 @@
 //! ```
 //! Its own settings (environment): `DATA` (the MNIST directory, default `data/mnist`: burn's
 //! `MnistDataset` downloads, this machine reads the vendored files), `EPOCHS` (default 5),
-//! `BATCH` (per rank, default 64), `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the
+//! `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the
 //! guide's 0.5 needs more epochs to reach 99 %), `TRAIN_SAMPLES` (the first n training images, default all), `ARTIFACTS` (the
 //! `Learner`'s directory: metrics and checkpoints; default `mnist-learner-artifacts`),
 //! `RESUME=E` (go on from the checkpoint of epoch E), `SAVE=FILE` (rank 0 writes the trained
 //! parameters as safetensors), `LOOP=own` (the same training in the program's own loop with
 //! `flotilla_burn::DataParallel`, no `Learner`: what the tests compare it with; it prints
-//! each rank's optimizer state size). `--zero 1` shards the optimizer state by parameter
-//! (ZeRO-1, `flotilla_burn::ParamShards`), in the `Learner` and in the own loop. Rank 0 prints
+//! each rank's optimizer state size). The launcher's settings of the job: `--batch-size`
+//! (per rank, default 64), `--zero 1` (the optimizer state sharded by parameter, ZeRO-1:
+//! `flotilla_burn::ParamShards`, in the `Learner` and in the own loop), `--strategy
+//! async_allreduce` (the one stack's async all-reduce drives the `Learner`). Rank 0 prints
 //! `test accuracy: X` at the end.
 
 use std::path::PathBuf;
@@ -161,7 +163,6 @@ impl Batcher<MnistItem, MnistBatch> for MnistBatcher {
 struct Settings {
     data: PathBuf,
     epochs: usize,
-    batch: usize,
     lr: f64,
     dropout: f64,
     train_samples: Option<usize>,
@@ -194,7 +195,6 @@ impl Settings {
         Ok(Self {
             data: env("DATA", PathBuf::from("data/mnist"))?,
             epochs: env("EPOCHS", 5)?,
-            batch: env("BATCH", 64)?,
             lr: env("LR", 1e-3)?,
             dropout: env("DROPOUT", 0.1)?,
             train_samples: parse_opt("TRAIN_SAMPLES")?,
@@ -221,11 +221,8 @@ fn main() -> anyhow::Result<()> {
     let model = Model::new(s.dropout, &device);
     device.seed(1000 + rank as u64);
     let test = Arc::new(splits.test);
-    let train: Arc<dyn DataLoader<MnistBatch>> = DataLoaderBuilder::new(MnistBatcher)
-        .batch_size(s.batch)
-        .num_workers(1)
-        .set_device(device.clone())
-        .build(flotilla.shard(Mnist(Arc::new(splits.train)))?);
+    // This rank's part of the training set, at the job's batch size (`--batch-size`).
+    let train = flotilla.train_loader(Mnist(Arc::new(splits.train)), MnistBatcher)?;
     let valid: Arc<dyn DataLoader<MnistBatch>> = DataLoaderBuilder::new(MnistBatcher)
         .batch_size(500)
         .num_workers(1)
@@ -263,7 +260,10 @@ fn own_loop(
     train: &Arc<dyn DataLoader<MnistBatch>>,
     s: &Settings,
 ) -> anyhow::Result<Model> {
-    let mut dp = DataParallel::new(flotilla.group().clone(), &model)?;
+    let group = flotilla.group().ok_or_else(|| {
+        anyhow::anyhow!("the own loop runs sync all-reduce (ZeRO-0 or 1), not this job's way")
+    })?;
+    let mut dp = DataParallel::new(group.clone(), &model)?;
     let mut model = dp.broadcast_model(model)?;
     // ZeRO-1 (`--zero 1`): the optimizer steps this rank's share of the parameters only.
     let shards = (flotilla.zero() == 1).then(|| ParamShards::new(&dp));

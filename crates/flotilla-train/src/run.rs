@@ -202,6 +202,20 @@ impl Run {
         self.role.name()
     }
 
+    /// The job's process group (a strategy's background reductions use groups of their own,
+    /// so a caller's collectives on it between steps cannot interleave with them).
+    pub fn group(&self) -> Arc<dyn ProcessGroup> {
+        self.parts.comm.clone()
+    }
+
+    /// Makes the strategy's model the whole current model, as before an evaluation or a
+    /// checkpoint (an async peer applies the steps it has in flight): collective, every rank
+    /// after the same step.
+    pub fn prepare_model(&mut self, observer: &mut dyn Observer) -> Result<()> {
+        let mut cx = self.parts.cx(observer);
+        self.role.prepare_model(&mut cx)
+    }
+
     /// The settings the run took (this rank's device resolved).
     pub fn config(&self) -> &TrainConfig {
         &self.parts.config

@@ -23,8 +23,9 @@ const COMMON: &[(&str, &str)] = &[("TRAIN_SAMPLES", "1600"), ("DROPOUT", "0"), (
 
 /// `flotilla launch -n ranks -- mnist_learner` with `env` into `dir/name` (the `Learner`'s
 /// artifacts there); rank 0's trained parameters.
-fn train(dir: &Path, name: &str, ranks: usize, env: &[(&str, &str)]) -> Tensors {
-    launch(dir, name, ranks, &[], env).0
+fn train(dir: &Path, name: &str, ranks: usize, batch: usize, env: &[(&str, &str)]) -> Tensors {
+    let batch = batch.to_string();
+    launch(dir, name, ranks, &["--batch-size", &batch], env).0
 }
 
 /// [`train`] with `flags` for the launcher; also what the job printed.
@@ -83,10 +84,10 @@ fn metric(dir: &Path, name: &str, split: &str, epoch: usize, metric: &str) -> Ve
 #[test]
 fn the_learner_trains_to_the_bits_of_the_programs_own_loop() {
     let dir = tmp();
-    let env = [("EPOCHS", "2"), ("BATCH", "32")];
-    let learner = train(dir.path(), "learner", 2, &env);
-    let own = train(dir.path(), "own", 2, &[env[0], env[1], ("LOOP", "own")]);
-    let initial = train(dir.path(), "initial", 2, &[("EPOCHS", "0")]);
+    let env = [("EPOCHS", "2")];
+    let learner = train(dir.path(), "learner", 2, 32, &env);
+    let own = train(dir.path(), "own", 2, 32, &[env[0], ("LOOP", "own")]);
+    let initial = train(dir.path(), "initial", 2, 32, &[("EPOCHS", "0")]);
     let moved = relative_error(&learner, &initial);
     assert!(moved > 1e-2, "the parameters barely moved ({moved})");
     assert_bitwise("the Learner vs the program's own loop", &learner, &own);
@@ -95,9 +96,9 @@ fn the_learner_trains_to_the_bits_of_the_programs_own_loop() {
 #[test]
 fn two_ranks_are_one_rank_of_the_same_global_batch_parameters_and_metrics() {
     let dir = tmp();
-    let one = train(dir.path(), "one", 1, &[("EPOCHS", "1"), ("BATCH", "64")]);
-    let two = train(dir.path(), "two", 2, &[("EPOCHS", "1"), ("BATCH", "32")]);
-    let initial = train(dir.path(), "initial", 1, &[("EPOCHS", "0")]);
+    let one = train(dir.path(), "one", 1, 64, &[("EPOCHS", "1")]);
+    let two = train(dir.path(), "two", 2, 32, &[("EPOCHS", "1")]);
+    let initial = train(dir.path(), "initial", 1, 64, &[("EPOCHS", "0")]);
     let moved = relative_error(&one, &initial);
     let apart = relative_error(&two, &one);
     assert!(moved > 1e-2, "the parameters barely moved ({moved})");
@@ -135,14 +136,14 @@ fn two_ranks_are_one_rank_of_the_same_global_batch_parameters_and_metrics() {
 #[test]
 fn the_learners_resume_from_its_epoch_checkpoint_ends_on_the_bits_of_an_unstopped_run() {
     let dir = tmp();
-    let env = [("BATCH", "32")];
-    let whole = train(dir.path(), "whole", 2, &[env[0], ("EPOCHS", "2")]);
-    let _first = train(dir.path(), "stopped", 2, &[env[0], ("EPOCHS", "1")]);
+    let whole = train(dir.path(), "whole", 2, 32, &[("EPOCHS", "2")]);
+    let _first = train(dir.path(), "stopped", 2, 32, &[("EPOCHS", "1")]);
     let resumed = train(
         dir.path(),
         "stopped",
         2,
-        &[env[0], ("EPOCHS", "2"), ("RESUME", "1")],
+        32,
+        &[("EPOCHS", "2"), ("RESUME", "1")],
     );
     assert_bitwise("resumed at epoch 1 vs not stopped", &resumed, &whole);
 }
@@ -181,4 +182,32 @@ fn zero_1_keeps_one_copy_of_the_optimizer_state_and_trains_to_the_bits_of_sync()
         "the ranks hold {parts:?} bytes of optimizer state, sync one rank {one}"
     );
     assert!(parts.values().all(|b| *b < one), "{parts:?} against {one}");
+}
+
+/// Async all-reduce (the one stack's, `--strategy async_allreduce`) drives the `Learner`: the
+/// run draws the batches (sample indices) and the `Learner`'s model trains through its cycle.
+/// With `staleness: 0` every step applies its own reduced gradient: the same bits as the
+/// strategy's own sync loop (and so as the program's own loop); with the default staleness it
+/// trains elsewhere and rank 0 logs the global batch's metrics.
+#[test]
+fn async_all_reduce_drives_the_learner_through_the_one_stacks_run() {
+    let dir = tmp();
+    let env = [("EPOCHS", "1")];
+    let sync = train(dir.path(), "sync", 2, 32, &env);
+    let flags = ["--batch-size", "32", "--strategy", "async_allreduce"];
+    let fresh = [env[0], ("FLOTILLA_ALLREDUCE__STALENESS", "0")];
+    let (stale0, _) = launch(dir.path(), "async-0", 2, &flags, &fresh);
+    let (stale1, _) = launch(dir.path(), "async-1", 2, &flags, &env);
+    let initial = train(dir.path(), "initial", 2, 32, &[("EPOCHS", "0")]);
+    let moved = relative_error(&sync, &initial);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    assert_bitwise("async all-reduce at staleness 0 vs sync", &stale0, &sync);
+    let stale = relative_error(&stale1, &sync);
+    assert!(stale > 1e-3, "staleness 1 ends where sync does ({stale})");
+    let logged = metric(dir.path(), "async-1", "train", 1, "Loss");
+    assert_eq!(
+        logged.len(),
+        26,
+        "a line per step and the epoch's: {logged:?}"
+    );
 }

@@ -1,4 +1,4 @@
-//! [`LearnerStrategy`]'s training loop: burn-train's epoch loops (as its single-device
+//! [`LearnerStrategy`]'s own training loop: burn-train's epoch loops (as its single-device
 //! strategy runs them), with the gradients averaged over the ranks, each step's outputs
 //! gathered for rank 0's metrics, and every decision to stop agreed by all ranks.
 
@@ -9,9 +9,13 @@ use burn::prelude::*;
 use burn::train::train::WorkerFailure;
 use burn::train::{
     EventProcessorTraining, InferenceStep, Learner, LearnerEvent, LearnerModel,
-    SupervisedLearningStrategy, SupervisedTrainingEventProcessor, TrainLoader, TrainStep,
-    TrainingComponents, TrainingError, TrainingItem, ValidLoader,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingError,
+    TrainingItem, ValidLoader,
 };
+
+use std::sync::Arc;
+
+use flotilla_group::ProcessGroup;
 
 use super::LearnerStrategy;
 use super::global_output::{GlobalOutput, gather};
@@ -19,39 +23,40 @@ use crate::data_parallel::DataParallel;
 use crate::error::{DistError, Result};
 use crate::param_shards::ParamShards;
 
-impl<M> SupervisedLearningStrategy<M> for LearnerStrategy
+/// The `Learner` trained by the strategy's own loop (sync all-reduce, ZeRO-0 or 1); its
+/// model and event processor.
+pub(super) fn fit<M>(
+    strategy: &LearnerStrategy,
+    components: TrainingComponents<M>,
+    mut learner: Learner<M>,
+    (train, valid): (&TrainLoader<M>, &ValidLoader<M>),
+    starting_epoch: usize,
+) -> (M, SupervisedTrainingEventProcessor<M>)
 where
     M: LearnerModel,
     <M as TrainStep>::Output: GlobalOutput,
     <M as InferenceStep>::Output: GlobalOutput,
 {
-    fn fit(
-        &self,
-        components: TrainingComponents<M>,
-        mut learner: Learner<M>,
-        dataloader_train: TrainLoader<M>,
-        dataloader_valid: ValidLoader<M>,
-        starting_epoch: usize,
-    ) -> (M, SupervisedTrainingEventProcessor<M>) {
-        let train = dataloader_train.to_device(&self.device);
-        let valid = dataloader_valid.to_device(&self.device.clone().inner());
-        learner.fork(&self.device);
-        let mut fit = Fit {
-            strategy: self,
-            c: components,
-            outputs_on: self.device.clone().inner(),
-        };
-        if let Err(e) = fit.run(&mut learner, &train, &valid, starting_epoch) {
-            tracing::error!(target: "flotilla::burn", "rank {}: {e}", self.rank());
-            fit.c
-                .interrupter
-                .fail(TrainingError::Workers(vec![WorkerFailure {
-                    device_id: self.rank(),
-                    message: format!("Flotilla rank {}: {e}", self.rank()),
-                }]));
-        }
-        (learner.model(), fit.c.event_processor)
+    let Some(group) = strategy.group.clone() else {
+        let message = "the strategy has no process group".to_string();
+        fail(&components, strategy.rank, message);
+        return (learner.model(), components.event_processor);
+    };
+    let mut fit = Fit::new(strategy, components, group);
+    if let Err(e) = fit.run(&mut learner, train, valid, starting_epoch) {
+        fail(&fit.c, strategy.rank, e.to_string());
     }
+    (learner.model(), fit.c.event_processor)
+}
+
+/// Fails the `Learner`'s run with `message`, naming this rank.
+pub(super) fn fail<M: LearnerModel>(c: &TrainingComponents<M>, rank: usize, message: String) {
+    tracing::error!(target: "flotilla::burn", "rank {rank}: {message}");
+    c.interrupter
+        .fail(TrainingError::Workers(vec![WorkerFailure {
+            device_id: rank,
+            message: format!("Flotilla rank {rank}: {message}"),
+        }]));
 }
 
 /// One optimizer step of the `Learner` with `grads` averaged over the ranks: on every
@@ -83,21 +88,40 @@ struct Next<I> {
     any: bool,
 }
 
-/// One `fit`: the strategy, burn's training components, where gathered outputs are built.
-struct Fit<'a, M: LearnerModel> {
-    strategy: &'a LearnerStrategy,
-    c: TrainingComponents<M>,
-    outputs_on: Device,
+/// One `fit`: the strategy, burn's training components, the group the ranks agree over,
+/// where gathered outputs are built.
+pub(super) struct Fit<'a, M: LearnerModel> {
+    pub(super) strategy: &'a LearnerStrategy,
+    pub(super) c: TrainingComponents<M>,
+    pub(super) group: Arc<dyn ProcessGroup>,
+    pub(super) outputs_on: Device,
 }
 
-impl<M> Fit<'_, M>
+impl<'a, M> Fit<'a, M>
 where
     M: LearnerModel,
     <M as TrainStep>::Output: GlobalOutput,
     <M as InferenceStep>::Output: GlobalOutput,
 {
+    pub(super) fn new(
+        strategy: &'a LearnerStrategy,
+        c: TrainingComponents<M>,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Self {
+        Self {
+            strategy,
+            c,
+            group,
+            outputs_on: strategy.device.clone().inner(),
+        }
+    }
+
     fn is_rank0(&self) -> bool {
-        self.strategy.rank() == 0
+        self.group.rank() == 0
+    }
+
+    fn world(&self) -> usize {
+        self.group.size()
     }
 
     fn run(
@@ -107,7 +131,7 @@ where
         valid: &ValidLoader<M>,
         starting_epoch: usize,
     ) -> Result<()> {
-        let group = self.strategy.group.clone();
+        let group = self.group.clone();
         let bucket_bytes = self.strategy.bucket_bytes;
         let mut dp = DataParallel::with_bucket_bytes(group, &learner.model(), bucket_bytes)?;
         // Rank 0's parameters (and buffers), ids numbered by position on every rank.
@@ -123,7 +147,7 @@ where
         }
         for epoch in starting_epoch..=self.c.num_epochs {
             self.strategy.set_epoch(epoch);
-            let total_items = train.num_items() * self.strategy.world_size();
+            let total_items = train.num_items() * self.world();
             self.train_event(LearnerEvent::StartSplit {
                 epoch_number: epoch,
                 total_items,
@@ -133,21 +157,31 @@ where
             if self.agree_stop(false)? {
                 break;
             }
-            self.valid_epoch(learner, valid, epoch)?;
-            self.train_event(LearnerEvent::EndEpoch(epoch));
-            if self.is_rank0() && (self.c.checkpointer.is_some() || self.c.early_stopping.is_some())
-            {
-                let flushed = self.c.event_processor.flush();
-                self.c.interrupter.fail_on_error(flushed);
-            }
-            if self.agree_stop(false)? {
-                break;
-            }
-            if self.end_of_epoch(learner, epoch)? {
+            if self.end_epoch(learner, valid, epoch)? {
                 break;
             }
         }
         Ok(())
+    }
+
+    /// The end of a training epoch: validation, the epoch's events, rank 0's checkpoint and
+    /// early stopping; whether to stop (agreed).
+    pub(super) fn end_epoch(
+        &mut self,
+        learner: &Learner<M>,
+        valid: &ValidLoader<M>,
+        epoch: usize,
+    ) -> Result<bool> {
+        self.valid_epoch(learner, valid, epoch)?;
+        self.train_event(LearnerEvent::EndEpoch(epoch));
+        if self.is_rank0() && (self.c.checkpointer.is_some() || self.c.early_stopping.is_some()) {
+            let flushed = self.c.event_processor.flush();
+            self.c.interrupter.fail_on_error(flushed);
+        }
+        if self.agree_stop(false)? {
+            return Ok(true);
+        }
+        self.end_of_epoch(learner, epoch)
     }
 
     /// Rank 0's checkpoint and early-stopping decision, agreed: whether to stop.
@@ -194,7 +228,7 @@ where
             if let Some(grads) = grads {
                 apply(learner, dp, shards, grads)?;
             }
-            let group = self.strategy.group.as_ref();
+            let group = self.group.as_ref();
             if let Some(item) = gather(group, Some(out.item), &self.outputs_on)? {
                 let progress = self.global(progress);
                 let lr = Some(learner.lr_current());
@@ -213,7 +247,7 @@ where
     ) -> Result<()> {
         let mine = loader.num_items() as f32;
         let mut total = [mine];
-        self.strategy.group.all_reduce_sum(&mut total)?;
+        self.group.all_reduce_sum(&mut total)?;
         self.valid_event(LearnerEvent::StartSplit {
             epoch_number: epoch,
             total_items: total[0] as usize,
@@ -230,7 +264,7 @@ where
             }
             iteration += 1;
             let out = next.item.map(|item| InferenceStep::step(&model, item));
-            let group = self.strategy.group.as_ref();
+            let group = self.group.as_ref();
             if let Some(item) = gather(group, out, &self.outputs_on)? {
                 let progress = self.global(iterator.progress());
                 let item = TrainingItem::new(item, progress, Some(iteration), None);
@@ -259,7 +293,7 @@ where
             f32::from(u8::from(item.is_some())),
             f32::from(u8::from(stopping)),
         ];
-        self.strategy.group.all_reduce_sum(&mut flags)?;
+        self.group.all_reduce_sum(&mut flags)?;
         if let Some(e) = failed {
             self.c.interrupter.fail(TrainingError::Dataset(e));
         }
@@ -270,12 +304,12 @@ where
                 any: false,
             });
         }
-        let (with, world) = (flags[0] as usize, self.strategy.world_size());
+        let (with, world) = (flags[0] as usize, self.world());
         if every_rank && with > 0 && with < world {
             return Err(DistError::Loaders(format!(
                 "{with} of {world} ranks have another training batch (rank {} {}): every rank \
                  needs as many per epoch (LearnerStrategy::shard gives each as many samples)",
-                self.strategy.rank(),
+                self.group.rank(),
                 if item.is_some() {
                     "has one"
                 } else {
@@ -292,10 +326,10 @@ where
     /// Whether any rank stops: its interrupter stopped (then every rank's interrupter says
     /// so), or, `early`, rank 0's early stopping said to (every rank just ends, as burn's
     /// loop does).
-    fn agree_stop(&mut self, early: bool) -> Result<bool> {
+    pub(super) fn agree_stop(&mut self, early: bool) -> Result<bool> {
         let interrupted = self.c.interrupter.should_stop();
         let mut flags = [f32::from(u8::from(interrupted)), f32::from(u8::from(early))];
-        self.strategy.group.all_reduce_sum(&mut flags)?;
+        self.group.all_reduce_sum(&mut flags)?;
         if flags[0] > 0.0 {
             self.stop_with_the_others();
         }
@@ -312,7 +346,7 @@ where
 
     /// A rank's loader progress as the global batch's (every rank as far).
     fn global(&self, p: Progress) -> Progress {
-        let world = self.strategy.world_size();
+        let world = self.world();
         Progress {
             items_processed: p.items_processed * world,
             items_total: p.items_total * world,
@@ -320,7 +354,7 @@ where
         }
     }
 
-    fn train_event(&mut self, event: LearnerEvent<<M as TrainStep>::Output>) {
+    pub(super) fn train_event(&mut self, event: LearnerEvent<<M as TrainStep>::Output>) {
         if self.is_rank0() {
             let done = self.c.event_processor.process_train(event);
             self.c.interrupter.fail_on_error(done);

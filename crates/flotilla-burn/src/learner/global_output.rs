@@ -44,6 +44,9 @@ pub trait GlobalOutput: Sized {
     /// The output of the global batch from every rank's pieces, in rank order (a rank with
     /// no output this step gives none), on `device`.
     fn from_ranks(ranks: Vec<Vec<Piece>>, device: &Device) -> Result<Self>;
+
+    /// The batch's mean loss (what the one stack's run logs for the step).
+    fn loss_value(&self) -> f32;
 }
 
 /// The output of the global batch on rank 0 (`None` on the other ranks); `mine` is `None` when
@@ -202,6 +205,10 @@ pub fn weighted_loss(
 }
 
 impl GlobalOutput for ClassificationOutput {
+    fn loss_value(&self) -> f32 {
+        self.loss.clone().into_scalar::<f32>()
+    }
+
     fn into_pieces(self) -> Vec<Piece> {
         vec![
             float_piece(self.loss),
@@ -220,6 +227,10 @@ impl GlobalOutput for ClassificationOutput {
 }
 
 impl GlobalOutput for MultiLabelClassificationOutput {
+    fn loss_value(&self) -> f32 {
+        self.loss.clone().into_scalar::<f32>()
+    }
+
     fn into_pieces(self) -> Vec<Piece> {
         vec![
             float_piece(self.loss),
@@ -238,6 +249,10 @@ impl GlobalOutput for MultiLabelClassificationOutput {
 }
 
 impl GlobalOutput for RegressionOutput {
+    fn loss_value(&self) -> f32 {
+        self.loss.clone().into_scalar::<f32>()
+    }
+
     fn into_pieces(self) -> Vec<Piece> {
         vec![
             float_piece(self.loss),
@@ -256,6 +271,10 @@ impl GlobalOutput for RegressionOutput {
 }
 
 impl GlobalOutput for SequenceOutput {
+    fn loss_value(&self) -> f32 {
+        self.loss.clone().into_scalar::<f32>()
+    }
+
     /// The loss, logits and targets (the predictions, if any, are dropped: the metrics take
     /// the logits' largest then, as burn does without them).
     fn into_pieces(self) -> Vec<Piece> {

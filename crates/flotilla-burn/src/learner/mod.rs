@@ -10,8 +10,10 @@
 //! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
 //! let flotilla = flotilla_burn::LearnerStrategy::join()?;
 //! let device = flotilla.device().clone(); // the job's `model.device`, with autodiff
-//! let train = flotilla.shard(InMemDataset::new(vec![1u8, 2, 3, 4]))?; // this rank's part
-//! // ... DataLoaderBuilder::new(batcher).build(train), the validation loader likewise,
+//! // This rank's part of the training set, at the job's batch size:
+//! // let train_loader = flotilla.train_loader(train_dataset, batcher)?;
+//! let valid = flotilla.shard_in_order(InMemDataset::new(vec![1u8, 2, 3, 4]));
+//! // ... DataLoaderBuilder::new(batcher).build(valid),
 //! // SupervisedTraining::new(dir, train_loader, valid_loader)
 //! //     .with_training_strategy(flotilla.training())
 //! //     .launch(Learner::new(model, optim, lr));
@@ -29,6 +31,17 @@
 //! state ([`crate::ParamShards`]; the same bits as without); its checkpoints then hold rank
 //! 0's share of the optimizer state, so a ZeRO-1 run does not resume (refused, said so).
 //!
+//! Async all-reduce (`strategy: async_allreduce`, `flotilla launch --strategy
+//! async_allreduce`) is the one stack's, not a second implementation: the `Learner` is the
+//! run's engine (its `train_step` and its optimizer, `engine.rs`), the run's data are the
+//! training set's sample indices (`source.rs`: sharded, reshuffled and cut into batches as a
+//! job's data, which the user's batcher turns into the `Learner`'s input: the training loader
+//! must be [`LearnerStrategy::train_loader`]'s), and the run's cycle reduces the gradients
+//! (`stack.rs`); at staleness 0 it ends on the bits of the sync loop. The run joins the job
+//! when the `Learner` starts and writes its own report (`run.log`, `summary.json`) under the
+//! job's `telemetry.output`; it drops a last partial batch where the sync loop's loader pads.
+//! Resume under it: not yet (refused). Parameter servers and pipelines are refused by name.
+//!
 //! Rank 0 shows the metrics, of the global batch: each step's outputs ([`GlobalOutput`]) are
 //! gathered and rank 0's event processor sees one output of every rank's samples; the other
 //! ranks process no events. Rank 0 writes the `Learner`'s checkpoints (its own format and
@@ -37,7 +50,8 @@
 //! reading rank 0's files (a directory every rank sees); the one stack's exact mid-epoch
 //! resume is the [`crate::session`] API's.
 //!
-//! The training data: [`LearnerStrategy::shard`] cuts a burn `Dataset` by rank
+//! The training data: [`LearnerStrategy::train_loader`] (or [`LearnerStrategy::shard`] under
+//! a loader of the program's own) cuts a burn `Dataset` by rank
 //! ([`ShardedDataset`]: PyTorch's `DistributedSampler`, reshuffled per epoch with the same
 //! seed on every rank, the last samples repeated so that every rank has as many), and the
 //! strategy sets its epoch before each epoch. Every rank must give as many training batches
@@ -47,9 +61,15 @@
 //! process; this strategy trains one device per Flotilla rank (a process, on any machine):
 //! start one rank per device (`flotilla launch -n N`), each with its own device.
 
+mod engine;
 mod fit;
 pub mod global_output;
+mod source;
+mod stack;
+mod supervised;
+mod way;
 
+use std::any::Any;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use burn::data::dataset::Dataset;
@@ -57,85 +77,115 @@ use burn::prelude::*;
 use burn::train::{LearnerModel, TrainingStrategy};
 use flotilla_group::ProcessGroup;
 
-use flotilla_cluster::Arch;
-use flotilla_train::config::AllReduceMode;
-use flotilla_train::{TrainConfig, TrainError};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use flotilla_train::TrainConfig;
 
 use crate::error::{DistError, Result};
 use crate::sharded_dataset::{EpochHandle, ShardedDataset, StridedDataset};
+use engine::BatchMaker;
+use source::TrainData;
 
 pub use global_output::{GlobalOutput, Piece};
 
-/// Refuses a job whose way of training the strategy does not run yet (it runs sync
-/// all-reduce peers with the `Learner`'s own optimizer, whole or sharded by parameter:
-/// ZeRO-1; ZeRO-2, async all-reduce and parameter servers are the one stack's, for a module
-/// in [`crate::train`] or [`crate::session`]).
-fn check_way(settings: &TrainConfig) -> Result<()> {
-    let (arch, all) = (&settings.topology.arch, &settings.allreduce);
-    let way = if *arch != Arch::Allreduce {
-        Some(format!(
-            "strategy {arch:?} (parameter servers or a pipeline)"
-        ))
-    } else if all.mode != AllReduceMode::Sync {
-        Some("async all-reduce".to_string())
-    } else if all.zero > 1 {
-        Some(format!("ZeRO stage {}", all.zero))
-    } else {
-        None
-    };
-    match way {
-        None => Ok(()),
-        Some(way) => Err(DistError::Settings(TrainError::config(
-            "strategy",
-            format!(
-                "the Learner strategy trains sync all-reduce with the Learner's own optimizer \
-                 (ZeRO-0 or ZeRO-1); {way} is not on it yet: train the module with \
-                 flotilla_burn::train or flotilla_burn::session, which run every way"
-            ),
-        ))),
-    }
-}
-
 /// burn-train's `Learner` on every rank of a Flotilla job (see the [module](self) docs).
-#[derive(Debug)]
 pub struct LearnerStrategy {
-    group: Arc<dyn ProcessGroup>,
+    /// The job's group; `None` when the one stack's run joins (and holds) it.
+    group: Option<Arc<dyn ProcessGroup>>,
+    rank: usize,
+    world: usize,
     device: Device,
     bucket_bytes: usize,
     seed: u64,
     zero: u8,
+    /// The job's settings, for a run of the one stack ([`LearnerStrategy::join`]'s).
+    settings: TrainConfig,
+    /// The rank the launcher gave (`None`: assigned at the rendezvous).
+    launcher_rank: Option<usize>,
+    /// Whether the one stack's run trains (async all-reduce), not the strategy's own loop.
+    through_run: bool,
     epochs: Mutex<Vec<EpochHandle>>,
+    /// The training set and batcher [`LearnerStrategy::train_loader`] registered (a
+    /// [`TrainData`] of the `Learner`'s input type).
+    train_data: Mutex<Option<Box<dyn Any + Send + Sync>>>,
+}
+
+impl std::fmt::Debug for LearnerStrategy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LearnerStrategy")
+            .field("rank", &self.rank)
+            .field("world", &self.world)
+            .field("device", &self.device)
+            .field("zero", &self.zero)
+            .field("through_run", &self.through_run)
+            .finish_non_exhaustive()
+    }
 }
 
 impl LearnerStrategy {
-    /// A strategy over `group`, training on `device` (an autodiff device).
+    /// A strategy over `group`, training on `device` (an autodiff device), sync all-reduce.
     pub fn new(group: Arc<dyn ProcessGroup>, device: Device) -> Self {
+        let (rank, world) = (group.rank(), group.size());
+        Self::of(Some(group), (rank, world), device)
+    }
+
+    fn of(
+        group: Option<Arc<dyn ProcessGroup>>,
+        (rank, world): (usize, usize),
+        device: Device,
+    ) -> Self {
+        let settings = TrainConfig::default();
         Self {
+            rank,
+            world,
             group,
             device,
-            bucket_bytes: flotilla_train::TrainConfig::default().bucket_bytes(),
+            bucket_bytes: settings.bucket_bytes(),
             seed: 0,
             zero: 0,
+            launcher_rank: None,
+            through_run: false,
+            settings,
             epochs: Mutex::new(Vec::new()),
+            train_data: Mutex::new(None),
         }
     }
 
     /// Joins the job this process was started in ([`crate::init`]: `flotilla launch -n N --
     /// PROGRAM` or torchrun's variables) and trains on the job's device (`model.device`,
     /// `flex` by default; `cuda` or `wgpu` without an index: the local rank's GPU), with
-    /// autodiff ([`LearnerStrategy::device`]); the fusion bucket size is the job's
-    /// `comm.bucket_mb`, the shuffle's seed its `model.seed`.
+    /// autodiff ([`LearnerStrategy::device`]), the job's way of training (sync all-reduce,
+    /// ZeRO-1, async all-reduce), fusion bucket size (`comm.bucket_mb`) and seed
+    /// (`model.seed`, the shuffle's). Under async all-reduce the one stack's run joins the
+    /// job when the `Learner` starts; the rank is then the launcher's (`RANK`).
     pub fn join() -> Result<Self> {
         let settings = flotilla_train::program::settings()?;
-        check_way(&settings)?;
-        let group =
-            flotilla_train::program::join(&settings, flotilla_train::program::launcher_rank()?)?;
-        let settings = flotilla_train::gpu::on_local_gpu(&settings)?;
-        let device = flotilla_engine::device_by_name(&settings.model.device)?.autodiff();
-        let mut strategy = Self::new(group, device);
+        let through_run = way::through_run(&settings)?;
+        let launcher_rank = flotilla_train::program::launcher_rank()?;
+        let local = flotilla_train::gpu::on_local_gpu(&settings)?;
+        let device = flotilla_engine::device_by_name(&local.model.device)?.autodiff();
+        let mut strategy = if through_run {
+            let world = settings.effective_world_size()?;
+            let rank = launcher_rank.ok_or_else(|| {
+                DistError::Loaders(
+                    "a Learner under async all-reduce takes its rank from the launcher \
+                     (RANK): start it with flotilla launch or torchrun"
+                        .into(),
+                )
+            })?;
+            Self::of(None, (rank, world), device)
+        } else {
+            Self::new(
+                flotilla_train::program::join(&settings, launcher_rank)?,
+                device,
+            )
+        };
         strategy.bucket_bytes = settings.bucket_bytes();
         strategy.seed = settings.model.seed;
         strategy.zero = settings.allreduce.zero;
+        strategy.launcher_rank = launcher_rank;
+        strategy.through_run = through_run;
+        strategy.settings = settings;
         Ok(strategy)
     }
 
@@ -165,17 +215,18 @@ impl LearnerStrategy {
 
     /// This process's rank.
     pub fn rank(&self) -> usize {
-        self.group.rank()
+        self.rank
     }
 
     /// The number of ranks.
     pub fn world_size(&self) -> usize {
-        self.group.size()
+        self.world
     }
 
-    /// The job's process group.
-    pub fn group(&self) -> &Arc<dyn ProcessGroup> {
-        &self.group
+    /// The job's process group; `None` under async all-reduce, where the one stack's run
+    /// joins the job when the `Learner` starts.
+    pub fn group(&self) -> Option<&Arc<dyn ProcessGroup>> {
+        self.group.as_ref()
     }
 
     /// This rank's part of a training set: shuffled per epoch (the strategy sets the epoch),
@@ -192,6 +243,58 @@ impl LearnerStrategy {
             .unwrap_or_else(PoisonError::into_inner)
             .push(sharded.epoch_handle());
         Ok(sharded)
+    }
+
+    /// The training loader of `dataset` and `batcher` at the job's batch size (`batch_size`,
+    /// per rank) on this rank's device: over this rank's part ([`LearnerStrategy::shard`]).
+    /// Under async all-reduce the one stack's run draws the batches (sample indices, sharded
+    /// and reshuffled as a job's data) and the `Learner`'s input is made of them by the same
+    /// batcher: a training loader the program builds itself is refused there.
+    pub fn train_loader<D, B, I, O>(&self, dataset: D, batcher: B) -> Result<Arc<dyn DataLoader<O>>>
+    where
+        D: Dataset<I> + 'static,
+        B: Batcher<I, O> + Clone + 'static,
+        I: Send + Sync + Clone + std::fmt::Debug + 'static,
+        O: Send + Clone + std::fmt::Debug + 'static,
+    {
+        let dataset = Arc::new(dataset);
+        let (items, batch) = (dataset.clone(), batcher.clone());
+        let make: BatchMaker<O> = Arc::new(move |indices: &[usize], device: &Device| {
+            let got: std::result::Result<Vec<I>, _> =
+                indices.iter().map(|&i| items.get(i)).collect();
+            got.map(|items| batch.batch(items, device))
+                .map_err(|e| e.to_string())
+        });
+        let data = TrainData {
+            make,
+            len: dataset.len(),
+        };
+        *self
+            .train_data
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = Some(Box::new(data));
+        let batch_size = self.settings.data.batch_size;
+        Ok(DataLoaderBuilder::new(batcher)
+            .batch_size(batch_size)
+            .num_workers(1)
+            .set_device(self.device.clone())
+            .build(self.shard(dataset)?))
+    }
+
+    /// What [`LearnerStrategy::train_loader`] registered, for a `Learner` of input `I`.
+    fn train_data<I: 'static>(&self) -> Result<TrainData<I>> {
+        let held = self
+            .train_data
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        match held.as_ref().and_then(|d| d.downcast_ref::<TrainData<I>>()) {
+            Some(d) => Ok(d.clone()),
+            None => Err(DistError::Loaders(
+                "under async all-reduce the run draws the Learner's batches: build the \
+                 training loader with LearnerStrategy::train_loader(dataset, batcher)"
+                    .into(),
+            )),
+        }
     }
 
     /// This rank's part of a validation set, in order and not padded: samples `rank`,
@@ -212,8 +315,10 @@ impl LearnerStrategy {
         TrainingStrategy::Custom(Arc::new(self))
     }
 
-    /// Orders every dataset [`LearnerStrategy::shard`] made for `epoch` (the strategy does it
-    /// before each epoch; a program's own loop over the same loaders calls it).
+    /// Orders every dataset [`LearnerStrategy::shard`] made for the `Learner`'s epoch `epoch`
+    /// (1-based, as burn counts them): the sampler's epoch `epoch − 1`, the order the one
+    /// stack's run gives its 0-based epoch of the same number (the strategy sets it before each
+    /// epoch; a program's own loop over the same loaders calls it).
     pub fn set_epoch(&self, epoch: usize) {
         for handle in self
             .epochs
@@ -221,7 +326,7 @@ impl LearnerStrategy {
             .unwrap_or_else(PoisonError::into_inner)
             .iter()
         {
-            handle.set(epoch as u64);
+            handle.set(epoch.saturating_sub(1) as u64);
         }
     }
 }

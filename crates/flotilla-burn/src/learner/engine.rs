@@ -1,0 +1,233 @@
+//! [`LearnerEngine`]: burn-train's `Learner` as the one stack's [`Engine`], so that every way
+//! of training written against the engine (async all-reduce, parameter-server workers, model
+//! averaging) trains a `Learner`'s model: a batch is a list of sample indices (the run's data
+//! are the training set's indices, see [`super::source::IndexSamples`]), turned into the
+//! `Learner`'s input by the user's batcher; forward and backward are the `Learner`'s
+//! `train_step`; an optimizer step is the `Learner`'s own (its scheduler and optimizer).
+
+use std::cell::RefCell;
+use std::path::Path;
+use std::rc::Rc;
+use std::sync::Arc;
+
+use burn::optim::GradientsParams;
+use burn::prelude::*;
+use burn::train::{Learner, LearnerModel, TrainStep};
+use flotilla_engine::collective::Reducer;
+use flotilla_engine::{
+    BatchRef, Engine, EngineError, EvalStats, ModelState, ParamLayout, ParamPlacement, any_module,
+};
+
+use super::global_output::GlobalOutput;
+
+/// Makes the `Learner`'s input of the samples with these indices, on this device.
+pub(crate) type BatchMaker<I> = Arc<dyn Fn(&[usize], &Device) -> Result<I, String> + Send + Sync>;
+
+/// What the engine and the strategy's loop share: the `Learner`, and the output of the last
+/// training step (for the metrics).
+pub(crate) struct Shared<M: LearnerModel> {
+    pub(crate) learner: Learner<M>,
+    pub(crate) output: Option<<M as TrainStep>::Output>,
+}
+
+/// The `Learner` as an [`Engine`] (see the module docs).
+pub(crate) struct LearnerEngine<M: LearnerModel> {
+    shared: Rc<RefCell<Shared<M>>>,
+    make: BatchMaker<<M as TrainStep>::Input>,
+    device: Device,
+    layout: ParamLayout,
+    buffers: ParamLayout,
+    /// The last backward's gradients, flat (layout order); `None`: none kept.
+    grads: Option<Vec<f32>>,
+}
+
+fn failed(what: &str, e: impl std::fmt::Display) -> EngineError {
+    EngineError::Callback(format!("{what}: {e}"))
+}
+
+impl<M> LearnerEngine<M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalOutput,
+{
+    pub(crate) fn new(
+        shared: Rc<RefCell<Shared<M>>>,
+        make: BatchMaker<<M as TrainStep>::Input>,
+        device: Device,
+    ) -> Self {
+        let model = shared.borrow().learner.model();
+        Self {
+            layout: ParamLayout::of(&model),
+            buffers: any_module::buffer_layout(&model),
+            shared,
+            make,
+            device,
+            grads: None,
+        }
+    }
+
+    fn model(&self) -> M {
+        self.shared.borrow().learner.model()
+    }
+
+    fn set_model(&mut self, model: M) {
+        self.shared
+            .borrow_mut()
+            .learner
+            .load_model(model.into_record());
+    }
+}
+
+impl<M> ModelState for LearnerEngine<M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalOutput,
+{
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    fn read_params(&self, out: &mut [f32]) -> flotilla_engine::Result<()> {
+        any_module::read_params(&self.model(), &self.layout, out)
+    }
+
+    fn write_params(&mut self, src: &[f32]) -> flotilla_engine::Result<()> {
+        let model = any_module::write_params(self.model(), &self.layout, src)?;
+        self.set_model(model);
+        Ok(())
+    }
+
+    /// Empty: the `Learner`'s optimizer state is its own (its checkpointer saves it); every
+    /// rank starts from the same (a fresh one, or the same checkpoint's).
+    fn optimizer_state(&self) -> flotilla_engine::Result<Vec<u8>> {
+        Ok(Vec::new())
+    }
+
+    fn load_optimizer_state(&mut self, bytes: &[u8]) -> flotilla_engine::Result<()> {
+        if bytes.is_empty() {
+            Ok(())
+        } else {
+            Err(EngineError::Optimizer(
+                "the Learner keeps its own optimizer state (its checkpointer saves it)".into(),
+            ))
+        }
+    }
+
+    fn save_weights(&self, path: &Path) -> flotilla_engine::Result<()> {
+        any_module::save_module(&self.model(), path, &[])
+    }
+
+    fn load_weights(&mut self, path: &Path) -> flotilla_engine::Result<()> {
+        let model = any_module::load_module(&self.model(), path)?;
+        self.set_model(model);
+        Ok(())
+    }
+
+    fn weights_bytes(&self) -> flotilla_engine::Result<Vec<u8>> {
+        any_module::module_bytes(&self.model(), &[])
+    }
+
+    fn load_weights_bytes(&mut self, bytes: &[u8]) -> flotilla_engine::Result<()> {
+        let model = any_module::load_module_bytes(&self.model(), bytes)?;
+        self.set_model(model);
+        Ok(())
+    }
+
+    fn param_placement(&self) -> flotilla_engine::Result<Option<ParamPlacement>> {
+        Ok(None)
+    }
+
+    fn buffer_layout(&self) -> &ParamLayout {
+        &self.buffers
+    }
+
+    fn read_buffers(&self, out: &mut [f32]) -> flotilla_engine::Result<()> {
+        any_module::read_buffers(&self.model(), &self.buffers, out)
+    }
+
+    fn write_buffers(&mut self, src: &[f32]) -> flotilla_engine::Result<()> {
+        let model = any_module::write_buffers(self.model(), &self.buffers, src)?;
+        self.set_model(model);
+        Ok(())
+    }
+}
+
+impl<M> Engine for LearnerEngine<M>
+where
+    M: LearnerModel,
+    <M as TrainStep>::Output: GlobalOutput,
+{
+    /// The batch's "inputs" are sample indices (as `f32` integers); its labels are unused
+    /// (the `Learner`'s batcher makes the targets).
+    fn forward_backward(&mut self, batch: BatchRef<'_>) -> flotilla_engine::Result<f32> {
+        let indices: Vec<usize> = batch.images.iter().map(|i| *i as usize).collect();
+        let input = (self.make)(&indices, &self.device).map_err(|e| failed("a batch", e))?;
+        let out = self.shared.borrow().learner.train_step(input);
+        let model = self.model();
+        let mut flat = vec![0.0f32; self.layout.total];
+        let mut grads = out.grads;
+        let all = 0..self.layout.params.len();
+        any_module::take_grads(&model, &mut grads, &self.layout, all, &mut flat)?;
+        let loss = out.item.loss_value();
+        self.grads = Some(flat);
+        self.shared.borrow_mut().output = Some(out.item);
+        Ok(loss)
+    }
+
+    fn labels_per_sample(&self) -> usize {
+        1
+    }
+
+    /// Nothing: the `Learner`'s model draws its dropout masks from the device's generator,
+    /// as on one device.
+    fn set_dropout_seed(&mut self, _seed: u64) {}
+
+    fn set_batch_norm_sync(
+        &mut self,
+        reducer: Option<Arc<dyn Reducer>>,
+    ) -> flotilla_engine::Result<()> {
+        match reducer {
+            None => Ok(()),
+            Some(_) => Err(EngineError::BatchNormSync(
+                "a Learner's model synchronizes its own batch norms \
+                 (flotilla_burn::SyncBatchNorm in its forward)"
+                    .into(),
+            )),
+        }
+    }
+
+    fn for_each_grad(
+        &self,
+        f: &mut dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()>,
+    ) -> flotilla_engine::Result<()> {
+        let grads = self.grads.as_ref().ok_or(EngineError::NoGradients)?;
+        for (i, p) in self.layout.params.iter().enumerate() {
+            f(i, &grads[p.offset..p.offset + p.len])?;
+        }
+        Ok(())
+    }
+
+    /// The `Learner`'s own step: its scheduler's learning rate (not `_lr`: the job's
+    /// schedule does not apply to a `Learner`), its optimizer.
+    fn apply_grads(&mut self, grads: &[f32], _lr: f64) -> flotilla_engine::Result<()> {
+        let model = self.model();
+        let mut params = GradientsParams::new();
+        let all = 0..self.layout.params.len();
+        any_module::put_grads(&model, &mut params, &self.layout, all, grads)?;
+        let mut shared = self.shared.borrow_mut();
+        shared.learner.lr_step();
+        shared.learner.optimizer_step(params);
+        self.grads = None;
+        Ok(())
+    }
+
+    fn drop_grads(&mut self) {
+        self.grads = None;
+    }
+
+    /// Nothing counted: the `Learner` validates (its own loader, metrics and events); the
+    /// run's final evaluation finds no samples.
+    fn evaluate(&self, _: &[f32], _: &[i64], _: usize) -> flotilla_engine::Result<EvalStats> {
+        Ok(EvalStats::default())
+    }
+}
