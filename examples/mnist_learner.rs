@@ -7,7 +7,7 @@
 //! target/release/flotilla launch -n 2 -- target/release/examples/mnist_learner
 //! ```
 //! Its own settings (environment): `DATA` (the MNIST directory, default `data/mnist`: burn's
-//! `MnistDataset` downloads, this machine reads the vendored files), `EPOCHS` (default 5),
+//! `MnistDataset` downloads, this machine reads the vendored files), `EPOCHS` (default 6),
 //! `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the
 //! guide's 0.5 needs more epochs to reach 99 %), `TRAIN_SAMPLES` (the first n training images, default all), `ARTIFACTS` (the
 //! `Learner`'s directory: metrics and checkpoints; default `mnist-learner-artifacts`),
@@ -194,7 +194,7 @@ impl Settings {
         };
         Ok(Self {
             data: env("DATA", PathBuf::from("data/mnist"))?,
-            epochs: env("EPOCHS", 5)?,
+            epochs: env("EPOCHS", 6)?,
             lr: env("LR", 1e-3)?,
             dropout: env("DROPOUT", 0.1)?,
             train_samples: parse_opt("TRAIN_SAMPLES")?,
