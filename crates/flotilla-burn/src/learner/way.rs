@@ -13,7 +13,7 @@ use crate::error::{DistError, Result};
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     let way = if *arch != Arch::Allreduce {
-        format!("strategy {arch:?} (parameter servers or a pipeline)")
+        format!("strategy {arch} (parameter servers or a pipeline)")
     } else if all.mode != AllReduceMode::Sync {
         if all.zero > 0 {
             format!("async all-reduce with ZeRO stage {}", all.zero)
@@ -33,4 +33,40 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
              or flotilla_burn::session, which run every way"
         ),
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(arch: Arch, mode: AllReduceMode, zero: u8) -> TrainConfig {
+        let mut c = TrainConfig::default();
+        c.topology.arch = arch;
+        c.allreduce.mode = mode;
+        c.allreduce.zero = zero;
+        c
+    }
+
+    #[test]
+    fn sync_and_zero_1_run_in_the_strategys_loop_async_through_the_run_the_rest_is_refused() {
+        use AllReduceMode::{Async, Sync};
+        assert!(!through_run(&settings(Arch::Allreduce, Sync, 0)).expect("sync"));
+        assert!(!through_run(&settings(Arch::Allreduce, Sync, 1)).expect("ZeRO-1"));
+        assert!(through_run(&settings(Arch::Allreduce, Async, 0)).expect("async"));
+        for (arch, mode, zero, named) in [
+            (Arch::Allreduce, Sync, 2, "ZeRO stage 2"),
+            (
+                Arch::Allreduce,
+                Async,
+                1,
+                "async all-reduce with ZeRO stage 1",
+            ),
+            (Arch::Flat, Sync, 0, "strategy flat"),
+            (Arch::Hierarchical, Sync, 0, "strategy hierarchical"),
+            (Arch::Pipeline, Sync, 0, "strategy pipeline"),
+        ] {
+            let e = through_run(&settings(arch, mode, zero)).expect_err(named);
+            assert!(e.to_string().contains(named), "{e}");
+        }
+    }
 }
