@@ -383,8 +383,12 @@ impl Loop<'_, '_> {
             metrics::gauge!("flotilla_test_bits_per_byte").set(bpb);
         }
         self.s.last_eval = Some(stats);
-        let verdict = self.s.check.accuracy(self.s.progress, stats.accuracy());
-        self.judge(verdict)?;
+        // An evaluation that counted no sample (a model validated elsewhere, as burn's
+        // `Learner` validates its own) is no evidence of learning or not.
+        if stats.count > 0 {
+            let verdict = self.s.check.accuracy(self.s.progress, stats.accuracy());
+            self.judge(verdict)?;
+        }
         Ok(stats)
     }
 

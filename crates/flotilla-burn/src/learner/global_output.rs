@@ -204,49 +204,35 @@ pub fn weighted_loss(
     ))
 }
 
-impl GlobalOutput for ClassificationOutput {
-    fn loss_value(&self) -> f32 {
-        self.loss.clone().into_scalar::<f32>()
-    }
+/// `GlobalOutput` for an output of a loss, float rows `output` and integer `targets` (burn's
+/// classification and multi-label classification outputs).
+macro_rules! loss_output_targets {
+    ($($output:ty),*) => {$(
+        impl GlobalOutput for $output {
+            fn loss_value(&self) -> f32 {
+                self.loss.clone().into_scalar::<f32>()
+            }
 
-    fn into_pieces(self) -> Vec<Piece> {
-        vec![
-            float_piece(self.loss),
-            float_piece(self.output),
-            int_piece(self.targets),
-        ]
-    }
+            fn into_pieces(self) -> Vec<Piece> {
+                vec![
+                    float_piece(self.loss),
+                    float_piece(self.output),
+                    int_piece(self.targets),
+                ]
+            }
 
-    fn from_ranks(ranks: Vec<Vec<Piece>>, device: &Device) -> Result<Self> {
-        Ok(Self {
-            loss: weighted_loss(&ranks, 0, 2, device)?,
-            output: concat_float(&ranks, 1, device)?,
-            targets: concat_int(&ranks, 2, device)?,
-        })
-    }
+            fn from_ranks(ranks: Vec<Vec<Piece>>, device: &Device) -> Result<Self> {
+                Ok(Self {
+                    loss: weighted_loss(&ranks, 0, 2, device)?,
+                    output: concat_float(&ranks, 1, device)?,
+                    targets: concat_int(&ranks, 2, device)?,
+                })
+            }
+        }
+    )*};
 }
 
-impl GlobalOutput for MultiLabelClassificationOutput {
-    fn loss_value(&self) -> f32 {
-        self.loss.clone().into_scalar::<f32>()
-    }
-
-    fn into_pieces(self) -> Vec<Piece> {
-        vec![
-            float_piece(self.loss),
-            float_piece(self.output),
-            int_piece(self.targets),
-        ]
-    }
-
-    fn from_ranks(ranks: Vec<Vec<Piece>>, device: &Device) -> Result<Self> {
-        Ok(Self {
-            loss: weighted_loss(&ranks, 0, 2, device)?,
-            output: concat_float(&ranks, 1, device)?,
-            targets: concat_int(&ranks, 2, device)?,
-        })
-    }
-}
+loss_output_targets!(ClassificationOutput, MultiLabelClassificationOutput);
 
 impl GlobalOutput for RegressionOutput {
     fn loss_value(&self) -> f32 {

@@ -86,11 +86,10 @@ where
     let mut config = strategy.settings.clone();
     config.schedule.epochs = u32::try_from(epochs).unwrap_or(u32::MAX);
     config.schedule.max_steps = None;
-    // The Learner validates and judges its metrics: the run evaluates nothing (its engine
-    // counts no test samples), so it must not call that "not learning".
+    // The Learner validates: the run evaluates only at its end (its engine counts no test
+    // samples there, which its divergence check takes as no evidence).
     config.schedule.eval_every = Some(0);
     config.schedule.eval_every_steps = None;
-    config.schedule.divergence_check_rounds = 0;
     let source = LearnerSource {
         shared: shared.clone(),
         make: data.make,
