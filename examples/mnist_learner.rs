@@ -14,11 +14,15 @@
 //! `RESUME=E` (go on from the checkpoint of epoch E), `SAVE=FILE` (rank 0 writes the trained
 //! parameters as safetensors), `LOOP=own` (the same training in the program's own loop with
 //! `flotilla_burn::DataParallel`, no `Learner`: what the tests compare it with; it prints
-//! each rank's optimizer state size). The launcher's settings of the job: `--batch-size`
-//! (per rank, default 64), `--zero 1` (the optimizer state sharded by parameter, ZeRO-1:
-//! `flotilla_burn::ParamShards`, in the `Learner` and in the own loop), `--strategy
-//! async_allreduce` (the one stack's async all-reduce drives the `Learner`). Rank 0 prints
-//! `test accuracy: X` at the end.
+//! each rank's optimizer state size; with `AVERAGE_EVERY=K` each rank steps its own Adam on
+//! its own batches and the models are averaged every K steps, `DataParallel::average_model`).
+//! The launcher's settings of the job: `--batch-size` (per rank, default 64), `--zero 1` (the
+//! optimizer state sharded by parameter, ZeRO-1: `flotilla_burn::ParamShards`, in the
+//! `Learner` and in the own loop), `--strategy async_allreduce` (the one stack's async
+//! all-reduce drives the `Learner`), `--strategy flat -n 3` (a parameter server, rank 0, and
+//! two workers; a config file with `local_steps: 4` makes it model averaging, `aggr_type:
+//! async` asynchronous, `arch: hierarchical` a tree). Rank 0 prints `test accuracy: X` at the
+//! end (under parameter servers rank 0 is the root server, which holds the model).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -170,6 +174,7 @@ struct Settings {
     resume: Option<usize>,
     save: Option<PathBuf>,
     own_loop: bool,
+    average_every: Option<usize>,
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
@@ -202,6 +207,7 @@ impl Settings {
             resume: parse_opt("RESUME")?,
             save: opt("SAVE").map(PathBuf::from),
             own_loop: opt("LOOP").is_some_and(|v| v == "own"),
+            average_every: parse_opt("AVERAGE_EVERY")?,
         })
     }
 }
@@ -268,10 +274,20 @@ fn own_loop(
     // ZeRO-1 (`--zero 1`): the optimizer steps this rank's share of the parameters only.
     let shards = (flotilla.zero() == 1).then(|| ParamShards::new(&dp));
     let mut optim = AdamConfig::new().init();
+    let mut step = 0;
     for epoch in 1..=s.epochs {
         flotilla.set_epoch(epoch);
         for batch in train.iter() {
             let out = TrainStep::step(&model, batch?);
+            step += 1;
+            if let Some(every) = s.average_every {
+                // Model averaging: this rank's own step, the replicas averaged every `every`.
+                model = optim.step(s.lr, model, out.grads);
+                if step % every == 0 {
+                    model = dp.average_model(model)?;
+                }
+                continue;
+            }
             let grads: GradientsParams = dp.average(out.grads, &model)?;
             model = match &shards {
                 None => optim.step(s.lr, model, grads),

@@ -116,6 +116,19 @@ impl DataParallel {
         Ok(any_module::write_buffers(model, &layout, &flat)?)
     }
 
+    /// `model` with every parameter the mean of its values over the ranks: model averaging
+    /// (local SGD, PyTorch's `PostLocalSGDOptimizer`), where each rank takes its own
+    /// optimizer steps on its own batches and the replicas are averaged every few steps.
+    /// Buffers are left alone ([`DataParallel::sync_buffers`] averages them). Collective.
+    pub fn average_model<M: Module>(&self, model: M) -> Result<M> {
+        let mut flat = vec![0.0f32; self.layout.total];
+        any_module::read_params(&model, &self.layout, &mut flat)?;
+        self.group.all_reduce_sum(&mut flat)?;
+        let scale = 1.0 / self.size() as f32;
+        flat.iter_mut().for_each(|v| *v *= scale);
+        Ok(any_module::write_params(model, &self.layout, &flat)?)
+    }
+
     /// `optimizer` with rank 0's state (moments, step counts; empty before the first step).
     /// Collective. Call it after [`DataParallel::broadcast_model`], whose ids the state uses.
     pub fn broadcast_optimizer(&self, optimizer: ModuleOptimizer) -> Result<ModuleOptimizer> {

@@ -146,6 +146,15 @@ impl<D> StridedDataset<D> {
             world: world.max(1),
         }
     }
+
+    /// No sample of `inner` (a rank that validates nothing).
+    pub fn none_of(inner: D) -> Self {
+        Self {
+            inner,
+            rank: usize::MAX,
+            world: 1,
+        }
+    }
 }
 
 impl<D, I, E> Dataset<I, E> for StridedDataset<D>

@@ -23,6 +23,10 @@ pub struct JobData {
     pub train: Arc<dyn Samples>,
     /// The evaluation samples.
     pub test: Box<dyn Samples>,
+    /// Epochs of the training data already trained before this run, without a checkpoint of
+    /// the run's own (a `Learner` resumed from its epoch checkpoint): a fresh run starts its
+    /// batches and its count where a run resumed at that epoch's end would. 0 by default.
+    pub start_epoch: u32,
 }
 
 impl JobData {
@@ -44,6 +48,7 @@ impl JobData {
                     train.num_classes().max(10),
                 )?;
                 JobData {
+                    start_epoch: 0,
                     train: Arc::new(train),
                     test: Box::new(test),
                 }
@@ -56,6 +61,7 @@ impl JobData {
                 }
                 check_io(name, &io, &[context], BYTE_VOCAB)?;
                 JobData {
+                    start_epoch: 0,
                     train: Arc::new(splits.train),
                     test: Box::new(splits.validation),
                 }
@@ -81,21 +87,32 @@ impl JobData {
             }
             _ => train,
         };
-        let data = JobData { train, test };
+        let data = JobData {
+            train,
+            test,
+            start_epoch: 0,
+        };
         data.check_given(model)?;
         Ok(data)
+    }
+
+    /// `self` starting after `epochs` epochs of its training data ([`JobData::start_epoch`]).
+    pub fn starting_at_epoch(mut self, epochs: u32) -> Self {
+        self.start_epoch = epochs;
+        self
     }
 
     /// What the rendezvous compares of a program's data: its sizes and sample shape.
     pub fn fingerprint(&self) -> String {
         format!(
-            "data {}x{:?}/{} test {}x{:?}/{}",
+            "data {}x{:?}/{} test {}x{:?}/{} from epoch {}",
             self.train.len(),
             self.train.sample_shape(),
             self.train.labels_per_sample(),
             self.test.len(),
             self.test.sample_shape(),
             self.test.labels_per_sample(),
+            self.start_epoch,
         )
     }
 

@@ -25,6 +25,8 @@ pub enum Counting {
         total: u64,
         /// Evaluate every this many rounds (0: only at the end).
         every: u64,
+        /// Rounds that take one epoch of the training data (every worker's batches).
+        per_epoch: u64,
         /// Batches a worker takes per round.
         local_steps: usize,
         /// This rank's shard of the data, `(shards, index)`.
@@ -63,6 +65,9 @@ pub enum Cadence {
 pub struct LoopPlan {
     /// Units of progress to take (steps or rounds), for roles that stop themselves.
     pub total: u64,
+    /// Units of progress that take one epoch of the training data (this rank's steps over
+    /// its shard; a parameter server's rounds over every worker's).
+    pub per_epoch: u64,
     /// Reporting and evaluation cadence.
     pub cadence: Cadence,
     /// Progress already made before this run (a resumed run's step).

@@ -216,6 +216,13 @@ impl Run {
         self.role.prepare_model(&mut cx)
     }
 
+    /// Units of progress ([`Progress::step`]) that take one epoch of the training data: this
+    /// rank's steps over its shard, or, on a parameter-server role, rounds over every
+    /// worker's shard.
+    pub fn per_epoch(&self) -> u64 {
+        self.plan.per_epoch
+    }
+
     /// The settings the run took (this rank's device resolved).
     pub fn config(&self) -> &TrainConfig {
         &self.parts.config
@@ -306,6 +313,16 @@ impl Run {
     }
 }
 
+/// Where a run's count and batches start.
+#[derive(Clone, Copy)]
+enum Start<'a> {
+    /// Where the checkpoint it resumed from stood.
+    Resumed(&'a CheckpointState),
+    /// A fresh run after this many epochs of its data ([`JobData::start_epoch`]; 0: the
+    /// beginning).
+    AfterEpochs(u64),
+}
+
 /// What a rank's setup reads besides its parts.
 struct Job<'a> {
     topology: &'a Topology,
@@ -320,6 +337,7 @@ impl Job<'_> {
     /// This rank's strategy, built, restored and started, with its batches and plan.
     fn set_up(&self, mut parts: Parts, observer: &mut dyn Observer) -> Result<Run> {
         let (train, started) = (Arc::clone(&parts.data.train), parts.started);
+        let start_epoch = parts.data.start_epoch;
         let mut cx = parts.cx(observer);
         let setup = Setup {
             model: self.model,
@@ -329,8 +347,11 @@ impl Job<'_> {
         let mut role = registry::build(&mut cx, &setup)?;
         let from = Resume::find(&mut cx, self.hash, self.rejoined)?;
         let resumed = role.restore(&mut cx, &from)?;
-        let (batches, plan) =
-            self.plan(role.counting(), &mut cx, (train, started), resumed.as_ref())?;
+        let start = match &resumed {
+            Some(s) => Start::Resumed(s),
+            None => Start::AfterEpochs(u64::from(start_epoch)),
+        };
+        let (batches, plan) = self.plan(role.counting(), &mut cx, (train, started), start)?;
         let config = cx.config;
         if let Some((what, how)) = role.describe(config) {
             cx.log(&format!(
@@ -371,20 +392,32 @@ impl Job<'_> {
         counting: Counting,
         cx: &mut Cx<'_>,
         (train, started): (Arc<dyn Samples>, Instant),
-        resumed: Option<&CheckpointState>,
+        start: Start<'_>,
     ) -> Result<(Batches, LoopPlan)> {
         let config = cx.config;
         // A step takes its micro-batches as one batch, which the strategy cuts: epochs,
         // positions and resume count in steps.
         let (seed, batch) = (config.model.seed, config.step_batch());
-        let resumed_at = resumed.map_or(0, |s| s.step);
-        let (data, total, cadence) = match counting {
+        let mut resumed_at = match start {
+            Start::Resumed(s) => s.step,
+            Start::AfterEpochs(_) => 0,
+        };
+        let (data, total, cadence, per_epoch) = match counting {
             Counting::Epochs { shards, index } => {
-                let start = resumed.map_or(Position::default(), |s| Position {
-                    epoch: s.epoch,
-                    step_in_epoch: s.step_in_epoch,
-                });
-                let data = Batches::new(train, (shards, index), seed, batch, start)?;
+                let at = match start {
+                    Start::Resumed(s) => Position {
+                        epoch: s.epoch,
+                        step_in_epoch: s.step_in_epoch,
+                    },
+                    Start::AfterEpochs(epochs) => Position {
+                        epoch: u32::try_from(epochs).unwrap_or(u32::MAX),
+                        step_in_epoch: 0,
+                    },
+                };
+                let data = Batches::new(train, (shards, index), seed, batch, at)?;
+                if let Start::AfterEpochs(epochs) = start {
+                    resumed_at = epochs * data.steps_per_epoch();
+                }
                 let s = &config.schedule;
                 let planned = data.steps_per_epoch() * s.epochs as u64;
                 let total = match s.max_steps {
@@ -393,26 +426,32 @@ impl Job<'_> {
                     None => planned,
                 };
                 let every = s.eval_every.unwrap_or(1);
-                (data, total, Cadence::Epochs { every })
+                let per_epoch = data.steps_per_epoch();
+                (data, total, Cadence::Epochs { every }, per_epoch)
             }
             Counting::Rounds {
                 total,
                 every,
+                per_epoch,
                 local_steps,
                 shard,
             } => {
                 // A worker resumes where its batches stood after that many rounds (exact for
                 // sync servers, where every worker pushes once a round).
+                if let Start::AfterEpochs(epochs) = start {
+                    resumed_at = epochs * per_epoch;
+                }
                 let fresh = Batches::new(train.clone(), shard, seed, batch, Position::default())?;
                 let start =
                     Position::after(resumed_at * local_steps as u64, fresh.steps_per_epoch());
                 let data = Batches::new(train, shard, seed, batch, start)?;
-                (data, total, Cadence::Rounds { every })
+                (data, total, Cadence::Rounds { every }, per_epoch)
             }
         };
         cx.rounds = total;
         let plan = LoopPlan {
             total,
+            per_epoch,
             cadence,
             resumed_at,
             model: self.model.name().to_string(),

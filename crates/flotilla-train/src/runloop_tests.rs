@@ -137,6 +137,7 @@ fn drive(role: &mut Tiny, plan: &LoopPlan, set: impl FnOnce(&mut crate::TrainCon
 fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {
     LoopPlan {
         total,
+        per_epoch: 1,
         cadence,
         resumed_at,
         model: "mlp2".into(),

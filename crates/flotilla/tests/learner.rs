@@ -3,7 +3,9 @@
 //! PROGRAM`): it trains to the bits of the same model in the program's own loop, N ranks equal
 //! one rank of the same global batch within rounding — parameters and the metrics rank 0
 //! logs —, and the `Learner`'s resume from its epoch checkpoint ends on the bits of a run
-//! without a stop. No dropout (its masks differ by rank).
+//! without a stop; under ZeRO-1, async all-reduce, parameter servers and model averaging it
+//! trains as the same model does in the program's own loop or under sync all-reduce. No
+//! dropout (its masks differ by rank).
 
 mod common;
 
@@ -209,5 +211,111 @@ fn async_all_reduce_drives_the_learner_through_the_one_stacks_run() {
         logged.len(),
         26,
         "a line per step and the epoch's: {logged:?}"
+    );
+}
+
+/// Under a parameter server the `Learner`'s resume goes through the one stack's run: the
+/// model and the server's optimizer from the `Learner`'s checkpoint, the run's batches and
+/// its count of rounds from after the checkpoint's epoch. It ends on the bits of a run
+/// without a stop.
+#[test]
+fn the_learners_resume_under_a_parameter_server_ends_on_the_bits_of_an_unstopped_run() {
+    let dir = tmp();
+    let flags = ["--batch-size", "32", "--strategy", "flat"];
+    let (whole, _) = launch(dir.path(), "whole", 3, &flags, &[("EPOCHS", "2")]);
+    let _first = launch(dir.path(), "stopped", 3, &flags, &[("EPOCHS", "1")]);
+    let resumed = [("EPOCHS", "2"), ("RESUME", "1")];
+    let (resumed, _) = launch(dir.path(), "stopped", 3, &flags, &resumed);
+    assert_bitwise("resumed at epoch 1 vs not stopped", &resumed, &whole);
+}
+
+/// A job's config file for `flotilla launch FILE -- PROGRAM`.
+fn config(dir: &Path, name: &str, yaml: &str) -> String {
+    let path = dir.join(format!("{name}.yaml"));
+    std::fs::write(&path, yaml).expect("writing the config");
+    path.display().to_string()
+}
+
+/// Parameter-server workers drive the `Learner` (the one stack's servers, `--strategy flat`:
+/// rank 0 the server, the other ranks workers; the server steps with its `Learner`'s Adam).
+/// One sync server averaging 2 workers' gradients of 32 samples applies what sync all-reduce
+/// over the same 2 shards applies: the same bits. Two shard servers end on the bits of one
+/// (each starts from the root's initial parameters, although each rank of the program draws
+/// its own). The root validates the whole model — the metrics of sync all-reduce — and the
+/// first worker shows the training metrics of its own batches.
+#[test]
+fn parameter_server_workers_train_the_learner_to_the_bits_of_sync_all_reduce() {
+    let dir = tmp();
+    let env = [("EPOCHS", "1")];
+    let sync = train(dir.path(), "sync", 2, 32, &env);
+    let flags = ["--batch-size", "32", "--strategy", "flat"];
+    let (ps, _) = launch(dir.path(), "ps", 3, &flags, &env);
+    let sharded = config(
+        dir.path(),
+        "sharded",
+        "arch: flat\nservers: 2\nbatch_size: 32\nparameter_server: {aggr_type: sync, num_workers: 2}\n",
+    );
+    let (shards, _) = launch(dir.path(), "shards", 4, &[&sharded], &env);
+    let initial = train(dir.path(), "initial", 2, 32, &[("EPOCHS", "0")]);
+    let moved = relative_error(&sync, &initial);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    assert_bitwise(
+        "a flat sync parameter server vs sync all-reduce",
+        &ps,
+        &sync,
+    );
+    assert_bitwise("2 shard servers vs 1", &shards, &ps);
+    // The same model over the same 10,000 images (sync all-reduce's ranks 5,000 each: the
+    // loss summed in another order).
+    for name in ["Loss", "Accuracy"] {
+        let (a, b) = (
+            metric(dir.path(), "ps", "valid", 1, name),
+            metric(dir.path(), "sync", "valid", 1, name),
+        );
+        let (Some((a, _)), Some((b, _))) = (a.last(), b.last()) else {
+            panic!("no validation {name}");
+        };
+        assert!(
+            (a - b).abs() <= 1e-6 * b.abs(),
+            "validation {name}: {a} vs {b}"
+        );
+    }
+    // The first worker's 25 batches of 32 (800 of the 1,600 images) and the epoch's line.
+    let logged = metric(dir.path(), "ps", "train", 1, "Loss");
+    assert_eq!(logged.len(), 26, "{logged:?}");
+}
+
+/// Model averaging (`topology.local_steps: 2` under a flat sync server): each worker takes 2
+/// steps of its own `Learner` (its Adam) from the server's parameters and pushes the change,
+/// which the server averages. The program's own loop computes the same — 2 ranks, each its
+/// own Adam on its own batches, the models averaged every 2 steps
+/// (`DataParallel::average_model`) — and both end within rounding (the server adds the mean
+/// change to its parameters, the own loop averages the parameters), far from sync.
+#[test]
+fn model_averaging_trains_the_learner_as_the_programs_own_averaging_loop_does() {
+    let dir = tmp();
+    // 768 images per rank: 24 batches of 32, 12 rounds of 2 local steps.
+    let env = [("EPOCHS", "1"), ("TRAIN_SAMPLES", "1536")];
+    let batch = ["--batch-size", "32"];
+    let (own, _) = launch(
+        dir.path(),
+        "own",
+        2,
+        &batch,
+        &[env[0], env[1], ("LOOP", "own"), ("AVERAGE_EVERY", "2")],
+    );
+    let flags = ["--batch-size", "32", "--strategy", "flat"];
+    let local = ("FLOTILLA_TOPOLOGY__LOCAL_STEPS", "2");
+    let (averaged, _) = launch(dir.path(), "averaged", 3, &flags, &[env[0], env[1], local]);
+    let (sync, _) = launch(dir.path(), "sync", 2, &batch, &env);
+    let apart = relative_error(&averaged, &own);
+    let from_sync = relative_error(&averaged, &sync);
+    assert!(
+        from_sync > 1e-2,
+        "averaging ends where sync does ({from_sync})"
+    );
+    assert!(
+        apart < 1e-5,
+        "model averaging ends {apart} from the program's own averaging loop"
     );
 }

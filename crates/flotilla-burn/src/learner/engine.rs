@@ -23,11 +23,12 @@ use super::global_output::GlobalOutput;
 /// Makes the `Learner`'s input of the samples with these indices, on this device.
 pub(crate) type BatchMaker<I> = Arc<dyn Fn(&[usize], &Device) -> Result<I, String> + Send + Sync>;
 
-/// What the engine and the strategy's loop share: the `Learner`, and the output of the last
-/// training step (for the metrics).
+/// What the engine and the strategy's loop share: the `Learner`, and the outputs of the
+/// training steps since the loop last took them (for the metrics; a model-averaging worker
+/// takes several steps per round).
 pub(crate) struct Shared<M: LearnerModel> {
     pub(crate) learner: Learner<M>,
-    pub(crate) output: Option<<M as TrainStep>::Output>,
+    pub(crate) outputs: Vec<<M as TrainStep>::Output>,
 }
 
 /// The `Learner` as an [`Engine`] (see the module docs).
@@ -170,7 +171,7 @@ where
         any_module::take_grads(&model, &mut grads, &self.layout, all, &mut flat)?;
         let loss = out.item.loss_value();
         self.grads = Some(flat);
-        self.shared.borrow_mut().output = Some(out.item);
+        self.shared.borrow_mut().outputs.push(out.item);
         Ok(loss)
     }
 

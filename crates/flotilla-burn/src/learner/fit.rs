@@ -42,7 +42,7 @@ where
         fail(&components, strategy.rank, message);
         return (learner.model(), components.event_processor);
     };
-    let mut fit = Fit::new(strategy, components, group);
+    let mut fit = Fit::new(strategy, components, Some(group));
     if let Err(e) = fit.run(&mut learner, train, valid, starting_epoch) {
         fail(&fit.c, strategy.rank, e.to_string());
     }
@@ -88,13 +88,21 @@ struct Next<I> {
     any: bool,
 }
 
-/// One `fit`: the strategy, burn's training components, the group the ranks agree over,
-/// where gathered outputs are built.
+/// One `fit`: the strategy, burn's training components, the group the ranks agree over
+/// (`None`: this rank decides alone, as a parameter server's ranks do, whose group is the
+/// run's), where gathered outputs are built, and which of the `Learner`'s events this rank's
+/// event processor sees.
 pub(super) struct Fit<'a, M: LearnerModel> {
     pub(super) strategy: &'a LearnerStrategy,
     pub(super) c: TrainingComponents<M>,
-    pub(super) group: Arc<dyn ProcessGroup>,
+    pub(super) group: Option<Arc<dyn ProcessGroup>>,
     pub(super) outputs_on: Device,
+    /// Whether this rank shows the training split's events (rank 0 of a group; under
+    /// parameter servers the first worker, of its own batches).
+    pub(super) shows_train: bool,
+    /// Whether this rank validates for the metrics, writes the checkpoints and decides early
+    /// stopping (rank 0: a group's, or a parameter server's root).
+    pub(super) shows_valid: bool,
 }
 
 impl<'a, M> Fit<'a, M>
@@ -106,22 +114,38 @@ where
     pub(super) fn new(
         strategy: &'a LearnerStrategy,
         c: TrainingComponents<M>,
-        group: Arc<dyn ProcessGroup>,
+        group: Option<Arc<dyn ProcessGroup>>,
     ) -> Self {
+        let rank0 = group.as_ref().map_or(strategy.rank, |g| g.rank()) == 0;
         Self {
             strategy,
             c,
             group,
             outputs_on: strategy.device.clone().inner(),
+            shows_train: rank0,
+            shows_valid: rank0,
         }
     }
 
-    fn is_rank0(&self) -> bool {
-        self.group.rank() == 0
+    fn world(&self) -> usize {
+        self.group.as_ref().map_or(1, |g| g.size())
     }
 
-    fn world(&self) -> usize {
-        self.group.size()
+    /// Every rank's `mine` as one output on rank 0 (`None` elsewhere); without a group,
+    /// `mine`.
+    pub(super) fn global_output<O: GlobalOutput>(&self, mine: Option<O>) -> Result<Option<O>> {
+        match &self.group {
+            Some(group) => gather(group.as_ref(), mine, &self.outputs_on),
+            None => Ok(mine),
+        }
+    }
+
+    /// Sums `flags` over the ranks (without a group: this rank's).
+    fn sum(&self, flags: &mut [f32]) -> Result<()> {
+        if let Some(group) = &self.group {
+            group.all_reduce_sum(flags)?;
+        }
+        Ok(())
     }
 
     fn run(
@@ -131,7 +155,9 @@ where
         valid: &ValidLoader<M>,
         starting_epoch: usize,
     ) -> Result<()> {
-        let group = self.group.clone();
+        let group = self.group.clone().ok_or(DistError::Loaders(
+            "the Learner's own loop needs the job's group".into(),
+        ))?;
         let bucket_bytes = self.strategy.bucket_bytes;
         let mut dp = DataParallel::with_bucket_bytes(group, &learner.model(), bucket_bytes)?;
         // Rank 0's parameters (and buffers), ids numbered by position on every rank.
@@ -141,7 +167,8 @@ where
         if shards.is_some() && starting_epoch > 1 {
             return Err(DistError::Optimizer(
                 "resuming under ZeRO-1: the Learner's checkpoint holds rank 0's share of the \
-                 optimizer state only (its checkpointer writes one file); resume without ZeRO"
+                 optimizer state only (burn-train 0.22.1 lets only its checkpointer read a \
+                 Learner's optimizer, and it writes one file); resume without ZeRO"
                     .into(),
             ));
         }
@@ -174,7 +201,7 @@ where
     ) -> Result<bool> {
         self.valid_epoch(learner, valid, epoch)?;
         self.train_event(LearnerEvent::EndEpoch(epoch));
-        if self.is_rank0() && (self.c.checkpointer.is_some() || self.c.early_stopping.is_some()) {
+        if self.shows_valid && (self.c.checkpointer.is_some() || self.c.early_stopping.is_some()) {
             let flushed = self.c.event_processor.flush();
             self.c.interrupter.fail_on_error(flushed);
         }
@@ -187,7 +214,7 @@ where
     /// Rank 0's checkpoint and early-stopping decision, agreed: whether to stop.
     fn end_of_epoch(&mut self, learner: &Learner<M>, epoch: usize) -> Result<bool> {
         let mut early = false;
-        if self.is_rank0() {
+        if self.shows_valid {
             if let Some(checkpointer) = &mut self.c.checkpointer {
                 checkpointer.checkpoint(learner, epoch, &self.c.event_store);
             }
@@ -228,8 +255,7 @@ where
             if let Some(grads) = grads {
                 apply(learner, dp, shards, grads)?;
             }
-            let group = self.group.as_ref();
-            if let Some(item) = gather(group, Some(out.item), &self.outputs_on)? {
+            if let Some(item) = self.global_output(Some(out.item))? {
                 let progress = self.global(progress);
                 let lr = Some(learner.lr_current());
                 let item = TrainingItem::new(item, progress, Some(iteration), lr);
@@ -247,7 +273,7 @@ where
     ) -> Result<()> {
         let mine = loader.num_items() as f32;
         let mut total = [mine];
-        self.group.all_reduce_sum(&mut total)?;
+        self.sum(&mut total)?;
         self.valid_event(LearnerEvent::StartSplit {
             epoch_number: epoch,
             total_items: total[0] as usize,
@@ -264,8 +290,7 @@ where
             }
             iteration += 1;
             let out = next.item.map(|item| InferenceStep::step(&model, item));
-            let group = self.group.as_ref();
-            if let Some(item) = gather(group, out, &self.outputs_on)? {
+            if let Some(item) = self.global_output(out)? {
                 let progress = self.global(iterator.progress());
                 let item = TrainingItem::new(item, progress, Some(iteration), None);
                 self.valid_event(LearnerEvent::ProcessedItem(item));
@@ -293,7 +318,7 @@ where
             f32::from(u8::from(item.is_some())),
             f32::from(u8::from(stopping)),
         ];
-        self.group.all_reduce_sum(&mut flags)?;
+        self.sum(&mut flags)?;
         if let Some(e) = failed {
             self.c.interrupter.fail(TrainingError::Dataset(e));
         }
@@ -309,7 +334,7 @@ where
             return Err(DistError::Loaders(format!(
                 "{with} of {world} ranks have another training batch (rank {} {}): every rank \
                  needs as many per epoch (LearnerStrategy::shard gives each as many samples)",
-                self.group.rank(),
+                self.strategy.rank,
                 if item.is_some() {
                     "has one"
                 } else {
@@ -329,7 +354,7 @@ where
     pub(super) fn agree_stop(&mut self, early: bool) -> Result<bool> {
         let interrupted = self.c.interrupter.should_stop();
         let mut flags = [f32::from(u8::from(interrupted)), f32::from(u8::from(early))];
-        self.group.all_reduce_sum(&mut flags)?;
+        self.sum(&mut flags)?;
         if flags[0] > 0.0 {
             self.stop_with_the_others();
         }
@@ -354,15 +379,21 @@ where
         }
     }
 
+    /// A training event to this rank's event processor, if it shows them; an epoch's end also
+    /// to the rank that validates (its processor counts epochs by it).
     pub(super) fn train_event(&mut self, event: LearnerEvent<<M as TrainStep>::Output>) {
-        if self.is_rank0() {
+        let shown = match event {
+            LearnerEvent::EndEpoch(_) => self.shows_train || self.shows_valid,
+            _ => self.shows_train,
+        };
+        if shown {
             let done = self.c.event_processor.process_train(event);
             self.c.interrupter.fail_on_error(done);
         }
     }
 
     fn valid_event(&mut self, event: LearnerEvent<<M as InferenceStep>::Output>) {
-        if self.is_rank0() {
+        if self.shows_valid {
             let done = self.c.event_processor.process_valid(event);
             self.c.interrupter.fail_on_error(done);
         }

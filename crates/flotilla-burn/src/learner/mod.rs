@@ -40,7 +40,28 @@
 //! (`stack.rs`); at staleness 0 it ends on the bits of the sync loop. The run joins the job
 //! when the `Learner` starts and writes its own report (`run.log`, `summary.json`) under the
 //! job's `telemetry.output`; it drops a last partial batch where the sync loop's loader pads.
-//! Resume under it: not yet (refused). Parameter servers and pipelines are refused by name.
+//!
+//! Parameter servers (`strategy: flat` or `hierarchical`, sync or async, sharded, and model
+//! averaging with `topology.local_steps > 1`) go through the same run (`rounds.rs`): every
+//! rank runs the same program and the `Learner`; a worker's steps are its `train_step` (and,
+//! averaging, its optimizer), a server applies the mean update with its `Learner`'s optimizer
+//! and scheduler. The ranks' group carries the servers' messages, so nothing is agreed over
+//! it: rank 0, the root server, validates the whole model on the whole validation set
+//! ([`LearnerStrategy::shard_in_order`] gives it every sample), writes the checkpoints and
+//! decides early stopping (its stop reaches every rank through the servers); the first
+//! worker's event processor shows the training metrics of its own batches. A flat sync
+//! server ends on the bits of sync all-reduce; several shard servers start from the root's
+//! initial parameters (the ranks' own models may have drawn other values).
+//!
+//! Resume through the run (async all-reduce, parameter servers) starts the run's batches and
+//! count after the checkpoint's epoch ([`flotilla_train::job_data::JobData::start_epoch`]):
+//! the same bits as a run without a stop under a parameter server, not under async
+//! all-reduce (the stale gradients in flight and the last update, which weight prediction
+//! extrapolates, are not in the `Learner`'s checkpoint: it starts afresh). The `Learner`'s
+//! checkpoint holds rank 0's optimizer state (burn-train 0.22.1 lets only its checkpointer
+//! read a `Learner`'s optimizer), so ZeRO-1, model averaging (each worker's own) and shard
+//! servers (each its own shard's) do not resume: refused, said so. Pipelines are refused by
+//! name (a middle stage has no batches).
 //!
 //! Rank 0 shows the metrics, of the global batch: each step's outputs ([`GlobalOutput`]) are
 //! gathered and rank 0's event processor sees one output of every rank's samples; the other
@@ -64,6 +85,7 @@
 mod engine;
 mod fit;
 pub mod global_output;
+mod rounds;
 mod source;
 mod stack;
 mod supervised;
@@ -88,6 +110,31 @@ use source::TrainData;
 
 pub use global_output::{GlobalOutput, Piece};
 
+/// What a rank of a parameter-server job shows of the `Learner`'s run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct PsPart {
+    /// The root server: it validates the whole model (the whole validation set), writes the
+    /// checkpoints and decides early stopping.
+    root: bool,
+    /// The first worker: its event processor shows the training metrics of its own batches.
+    first_worker: bool,
+}
+
+impl PsPart {
+    /// Rank `rank`'s part in the job of `settings`; `None` for an all-reduce job.
+    fn of(settings: &TrainConfig, rank: usize) -> Result<Option<Self>> {
+        if settings.topology.arch == flotilla_cluster::Arch::Allreduce {
+            return Ok(None);
+        }
+        let topology = settings.topology().map_err(DistError::Settings)?;
+        let first_worker = topology.workers().next().map(|r| r.rank);
+        Ok(Some(Self {
+            root: rank == topology.root(),
+            first_worker: first_worker == Some(rank),
+        }))
+    }
+}
+
 /// burn-train's `Learner` on every rank of a Flotilla job (see the [module](self) docs).
 pub struct LearnerStrategy {
     /// The job's group; `None` when the one stack's run joins (and holds) it.
@@ -102,8 +149,11 @@ pub struct LearnerStrategy {
     settings: TrainConfig,
     /// The rank the launcher gave (`None`: assigned at the rendezvous).
     launcher_rank: Option<usize>,
-    /// Whether the one stack's run trains (async all-reduce), not the strategy's own loop.
+    /// Whether the one stack's run trains (async all-reduce, parameter servers), not the
+    /// strategy's own loop.
     through_run: bool,
+    /// This rank's part in a parameter-server job (`None`: an all-reduce job).
+    ps: Option<PsPart>,
     epochs: Mutex<Vec<EpochHandle>>,
     /// The training set and batcher [`LearnerStrategy::train_loader`] registered (a
     /// [`TrainData`] of the `Learner`'s input type).
@@ -145,6 +195,7 @@ impl LearnerStrategy {
             zero: 0,
             launcher_rank: None,
             through_run: false,
+            ps: None,
             settings,
             epochs: Mutex::new(Vec::new()),
             train_data: Mutex::new(None),
@@ -155,9 +206,10 @@ impl LearnerStrategy {
     /// PROGRAM` or torchrun's variables) and trains on the job's device (`model.device`,
     /// `flex` by default; `cuda` or `wgpu` without an index: the local rank's GPU), with
     /// autodiff ([`LearnerStrategy::device`]), the job's way of training (sync all-reduce,
-    /// ZeRO-1, async all-reduce), fusion bucket size (`comm.bucket_mb`) and seed
-    /// (`model.seed`, the shuffle's). Under async all-reduce the one stack's run joins the
-    /// job when the `Learner` starts; the rank is then the launcher's (`RANK`).
+    /// ZeRO-1, async all-reduce, parameter servers), fusion bucket size (`comm.bucket_mb`)
+    /// and seed (`model.seed`, the shuffle's). Under async all-reduce and parameter servers
+    /// the one stack's run joins the job when the `Learner` starts; the rank is then the
+    /// launcher's (`RANK`).
     pub fn join() -> Result<Self> {
         let settings = flotilla_train::program::settings()?;
         let through_run = way::through_run(&settings)?;
@@ -168,12 +220,14 @@ impl LearnerStrategy {
             let world = settings.effective_world_size()?;
             let rank = launcher_rank.ok_or_else(|| {
                 DistError::Loaders(
-                    "a Learner under async all-reduce takes its rank from the launcher \
-                     (RANK): start it with flotilla launch or torchrun"
+                    "a Learner under async all-reduce or parameter servers takes its rank \
+                     from the launcher (RANK): start it with flotilla launch or torchrun"
                         .into(),
                 )
             })?;
-            Self::of(None, (rank, world), device)
+            let mut strategy = Self::of(None, (rank, world), device);
+            strategy.ps = PsPart::of(&settings, rank)?;
+            strategy
         } else {
             Self::new(
                 flotilla_train::program::join(&settings, launcher_rank)?,
@@ -223,8 +277,8 @@ impl LearnerStrategy {
         self.world
     }
 
-    /// The job's process group; `None` under async all-reduce, where the one stack's run
-    /// joins the job when the `Learner` starts.
+    /// The job's process group; `None` under async all-reduce and parameter servers, where
+    /// the one stack's run joins the job when the `Learner` starts.
     pub fn group(&self) -> Option<&Arc<dyn ProcessGroup>> {
         self.group.as_ref()
     }
@@ -247,9 +301,10 @@ impl LearnerStrategy {
 
     /// The training loader of `dataset` and `batcher` at the job's batch size (`batch_size`,
     /// per rank) on this rank's device: over this rank's part ([`LearnerStrategy::shard`]).
-    /// Under async all-reduce the one stack's run draws the batches (sample indices, sharded
-    /// and reshuffled as a job's data) and the `Learner`'s input is made of them by the same
-    /// batcher: a training loader the program builds itself is refused there.
+    /// Under async all-reduce and parameter servers the one stack's run draws the batches
+    /// (sample indices, sharded and reshuffled as a job's data) and the `Learner`'s input is
+    /// made of them by the same batcher: a training loader the program builds itself is
+    /// refused there.
     pub fn train_loader<D, B, I, O>(&self, dataset: D, batcher: B) -> Result<Arc<dyn DataLoader<O>>>
     where
         D: Dataset<I> + 'static,
@@ -290,7 +345,8 @@ impl LearnerStrategy {
         match held.as_ref().and_then(|d| d.downcast_ref::<TrainData<I>>()) {
             Some(d) => Ok(d.clone()),
             None => Err(DistError::Loaders(
-                "under async all-reduce the run draws the Learner's batches: build the \
+                "under async all-reduce and parameter servers the run draws the Learner's \
+                 batches: build the \
                  training loader with LearnerStrategy::train_loader(dataset, batcher)"
                     .into(),
             )),
@@ -300,8 +356,14 @@ impl LearnerStrategy {
     /// This rank's part of a validation set, in order and not padded: samples `rank`,
     /// `rank + N`, ... (ranks differ by at most one sample), so that every sample is
     /// evaluated once, by one rank, and the metrics rank 0 shows are those of the whole set.
+    /// Under parameter servers the root server validates the whole set (the model is
+    /// there), and the other ranks' parts are empty.
     pub fn shard_in_order<D>(&self, dataset: D) -> StridedDataset<D> {
-        StridedDataset::new(dataset, self.rank(), self.world_size())
+        match self.ps {
+            Some(PsPart { root: true, .. }) => StridedDataset::new(dataset, 0, 1),
+            Some(_) => StridedDataset::none_of(dataset),
+            None => StridedDataset::new(dataset, self.rank(), self.world_size()),
+        }
     }
 
     /// This strategy as burn-train's `TrainingStrategy::Custom`, for

@@ -1,9 +1,11 @@
 //! [`LearnerStrategy`]'s loop through the one stack's run, for the ways of training the run
-//! implements and the strategy's own loop does not (async all-reduce): the run draws each
-//! step's batch (sample indices, sharded and reshuffled as a job's data) and runs the
-//! configured strategy on the `Learner`'s model ([`super::engine::LearnerEngine`]); this loop
-//! gathers each step's outputs for rank 0's metrics and, at each epoch's end, drains the run
-//! and lets the `Learner` validate, checkpoint and decide to stop, as the sync loop does.
+//! implements and the strategy's own loop does not (async all-reduce, parameter servers,
+//! model averaging): the run draws each step's batch (sample indices, sharded and reshuffled
+//! as a job's data) and runs the configured strategy on the `Learner`'s model
+//! ([`super::engine::LearnerEngine`]). For all-reduce peers this loop gathers each step's
+//! outputs for rank 0's metrics and, at each epoch's end, drains the run and lets the
+//! `Learner` validate, checkpoint and decide to stop, as the sync loop does; a parameter
+//! server's ranks go through [`super::rounds`].
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -20,9 +22,9 @@ use flotilla_train::{Quiet, Run};
 use super::LearnerStrategy;
 use super::engine::Shared;
 use super::fit::{Fit, fail};
-use super::global_output::{GlobalOutput, gather};
+use super::global_output::GlobalOutput;
 use super::source::{IndexSamples, LearnerSource};
-use crate::error::{DistError, Result};
+use crate::error::Result;
 
 /// The `Learner` trained through the run (see the module docs); its model and event processor.
 pub(super) fn fit<M>(
@@ -39,7 +41,7 @@ where
 {
     let shared = Rc::new(RefCell::new(Shared {
         learner,
-        output: None,
+        outputs: Vec::new(),
     }));
     let started = start(strategy, c.num_epochs, &shared, starting_epoch);
     let (run, samples) = match started {
@@ -49,14 +51,20 @@ where
             return (into_learner(shared).model(), c.event_processor);
         }
     };
-    let mut fit = Fit::new(strategy, c, run.group());
-    if let Err(e) = drive(&mut fit, run, &shared, valid, samples) {
-        fail(&fit.c, strategy.rank(), e.to_string());
+    let driven = if run.role() == "peer" {
+        let mut fit = Fit::new(strategy, c, Some(run.group()));
+        let driven = drive(&mut fit, run, &shared, valid, (samples, starting_epoch));
+        (fit.c, driven)
+    } else {
+        super::rounds::fit(strategy, c, run, &shared, (valid, samples, starting_epoch))
+    };
+    if let (c, Err(e)) = &driven {
+        fail(c, strategy.rank(), e.to_string());
     }
-    (into_learner(shared).model(), fit.c.event_processor)
+    (into_learner(shared).model(), driven.0.event_processor)
 }
 
-fn into_learner<M: LearnerModel>(shared: Rc<RefCell<Shared<M>>>) -> Learner<M> {
+pub(super) fn into_learner<M: LearnerModel>(shared: Rc<RefCell<Shared<M>>>) -> Learner<M> {
     match Rc::try_unwrap(shared) {
         Ok(cell) => cell.into_inner().learner,
         Err(shared) => shared.borrow().learner.clone(),
@@ -65,7 +73,7 @@ fn into_learner<M: LearnerModel>(shared: Rc<RefCell<Shared<M>>>) -> Learner<M> {
 
 /// The run of the job's settings for `epochs` epochs of the registered training set; its
 /// number of samples.
-fn start<M>(
+pub(super) fn start<M>(
     strategy: &LearnerStrategy,
     epochs: usize,
     shared: &Rc<RefCell<Shared<M>>>,
@@ -75,17 +83,15 @@ where
     M: LearnerModel,
     <M as TrainStep>::Output: GlobalOutput,
 {
+    let settings = &strategy.settings;
     if starting_epoch > 1 {
-        return Err(DistError::Loaders(
-            "resuming a Learner under async all-reduce is not on the strategy yet (sync and \
-             ZeRO-0 resume per epoch)"
-                .into(),
-        ));
+        super::way::resumable(settings)?;
     }
     let data = strategy.train_data::<<M as TrainStep>::Input>()?;
     let mut config = strategy.settings.clone();
     config.schedule.epochs = u32::try_from(epochs).unwrap_or(u32::MAX);
     config.schedule.max_steps = None;
+    config.schedule.num_server_rounds = None;
     // The Learner validates: the run evaluates only at its end (its engine counts no test
     // samples there, which its divergence check takes as no evidence).
     config.schedule.eval_every = Some(0);
@@ -96,7 +102,8 @@ where
         device: strategy.device.clone(),
     };
     let train = Arc::new(IndexSamples::new(data.len)?);
-    let job = JobData::given(&config, &source, train, Box::new(IndexSamples::new(1)?))?;
+    let job = JobData::given(&config, &source, train, Box::new(IndexSamples::new(1)?))?
+        .starting_at_epoch(u32::try_from(starting_epoch.saturating_sub(1)).unwrap_or(u32::MAX));
     let run = Run::start(
         &config,
         &source,
@@ -114,7 +121,7 @@ fn drive<M>(
     mut run: Run,
     shared: &Rc<RefCell<Shared<M>>>,
     valid: &ValidLoader<M>,
-    samples: usize,
+    (samples, first): (usize, usize),
 ) -> Result<()>
 where
     M: LearnerModel,
@@ -122,15 +129,17 @@ where
     <M as InferenceStep>::Output: GlobalOutput,
 {
     let batch = run.config().data.batch_size * run.world_size();
-    let (mut epoch, mut iteration) = (0u32, 0usize);
+    // The run's 0-based epoch of the data, and the Learner's 1-based one that starts.
+    let mut epoch = u32::try_from(first.saturating_sub(1)).unwrap_or(u32::MAX);
+    let mut iteration = 0usize;
     fit.train_event(LearnerEvent::StartSplit {
-        epoch_number: 1,
+        epoch_number: first,
         total_items: samples,
     });
     while let Some(p) = run.step(&mut Quiet)? {
         iteration += 1;
-        let out = shared.borrow_mut().output.take();
-        if let Some(item) = gather(fit.group.as_ref(), out, &fit.outputs_on)? {
+        let out = std::mem::take(&mut shared.borrow_mut().outputs).pop();
+        if let Some(item) = fit.global_output(out)? {
             let progress = Progress {
                 items_processed: (iteration * batch).min(samples),
                 items_total: samples,

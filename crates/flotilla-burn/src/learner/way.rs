@@ -1,6 +1,6 @@
 //! Which ways of training [`super::LearnerStrategy`] runs: sync all-reduce (whole, or ZeRO-1
-//! by parameter with the `Learner`'s optimizer) in its own loop, async all-reduce through the
-//! one stack's run; the others are refused by name.
+//! by parameter with the `Learner`'s optimizer) in its own loop; async all-reduce, parameter
+//! servers and model averaging through the one stack's run; the others are refused by name.
 
 use flotilla_cluster::Arch;
 use flotilla_train::config::AllReduceMode;
@@ -8,30 +8,51 @@ use flotilla_train::{TrainConfig, TrainError};
 
 use crate::error::{DistError, Result};
 
-/// Whether the job's way of training goes through the one stack's run (async all-reduce);
-/// an error naming the way when the strategy does not run it yet.
+/// Whether the job's way of training goes through the one stack's run (async all-reduce,
+/// parameter servers); an error naming the way when the strategy does not run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
-    let way = if *arch != Arch::Allreduce {
-        format!("strategy {arch} (parameter servers or a pipeline)")
-    } else if all.mode != AllReduceMode::Sync {
-        if all.zero > 0 {
+    let refused = match arch {
+        Arch::Pipeline => "strategy pipeline (a middle stage has no batches for a Learner: cut \
+                           the model into stage modules for flotilla_burn::train or \
+                           flotilla_burn::session)"
+            .to_string(),
+        Arch::Flat | Arch::Hierarchical => return Ok(true),
+        Arch::Allreduce if all.mode != AllReduceMode::Sync && all.zero > 0 => {
             format!("async all-reduce with ZeRO stage {}", all.zero)
-        } else {
-            return Ok(true);
         }
-    } else if all.zero > 1 {
-        format!("ZeRO stage {}", all.zero)
-    } else {
-        return Ok(false);
+        Arch::Allreduce if all.mode != AllReduceMode::Sync => return Ok(true),
+        Arch::Allreduce if all.zero > 1 => format!(
+            "ZeRO stage {} (flotilla_burn::train or flotilla_burn::session run it)",
+            all.zero
+        ),
+        Arch::Allreduce => return Ok(false),
     };
     Err(DistError::Settings(TrainError::config(
         "strategy",
         format!(
-            "the Learner strategy trains sync all-reduce (whole or ZeRO-1) and async \
-             all-reduce; {way} is not on it yet: train the module with flotilla_burn::train \
-             or flotilla_burn::session, which run every way"
+            "the Learner strategy trains sync all-reduce (whole or ZeRO-1), async all-reduce \
+             and parameter servers (with model averaging), not {refused}"
         ),
+    )))
+}
+
+/// Whether the `Learner`'s checkpoint holds every rank's optimizer state for the job of
+/// `settings`: it holds rank 0's (the only one, or the same on every rank, under async
+/// all-reduce and a parameter server that is one rank); an error naming what it lacks
+/// otherwise.
+pub(super) fn resumable(settings: &TrainConfig) -> Result<()> {
+    let lacks = if settings.topology.local_steps > 1 {
+        "each worker's own optimizer state (model averaging)"
+    } else if settings.topology.servers > 1 {
+        "the optimizer state of every shard server but the root"
+    } else {
+        return Ok(());
+    };
+    Err(DistError::Optimizer(format!(
+        "the Learner's checkpoint holds rank 0's optimizer state, not {lacks}; \
+         burn-train 0.22.1 lets only its checkpointer read a Learner's optimizer state, \
+         so the strategy cannot add the other ranks' (flotilla_burn::session resumes every way)"
     )))
 }
 
@@ -48,11 +69,13 @@ mod tests {
     }
 
     #[test]
-    fn sync_and_zero_1_run_in_the_strategys_loop_async_through_the_run_the_rest_is_refused() {
+    fn sync_and_zero_1_run_in_the_strategys_loop_async_and_servers_through_the_run() {
         use AllReduceMode::{Async, Sync};
         assert!(!through_run(&settings(Arch::Allreduce, Sync, 0)).expect("sync"));
         assert!(!through_run(&settings(Arch::Allreduce, Sync, 1)).expect("ZeRO-1"));
         assert!(through_run(&settings(Arch::Allreduce, Async, 0)).expect("async"));
+        assert!(through_run(&settings(Arch::Flat, Sync, 0)).expect("flat"));
+        assert!(through_run(&settings(Arch::Hierarchical, Async, 0)).expect("hierarchical"));
         for (arch, mode, zero, named) in [
             (Arch::Allreduce, Sync, 2, "ZeRO stage 2"),
             (
@@ -61,11 +84,30 @@ mod tests {
                 1,
                 "async all-reduce with ZeRO stage 1",
             ),
-            (Arch::Flat, Sync, 0, "strategy flat"),
-            (Arch::Hierarchical, Sync, 0, "strategy hierarchical"),
             (Arch::Pipeline, Sync, 0, "strategy pipeline"),
         ] {
             let e = through_run(&settings(arch, mode, zero)).expect_err(named);
+            assert!(e.to_string().contains(named), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_learner_resumes_where_its_checkpoint_holds_every_ranks_optimizer_state() {
+        use AllReduceMode::{Async, Sync};
+        for (arch, mode) in [
+            (Arch::Allreduce, Async),
+            (Arch::Flat, Sync),
+            (Arch::Flat, Async),
+            (Arch::Hierarchical, Sync),
+        ] {
+            resumable(&settings(arch, mode, 0)).expect("resumes");
+        }
+        let mut averaging = settings(Arch::Flat, Sync, 0);
+        averaging.topology.local_steps = 2;
+        let mut shards = settings(Arch::Flat, Sync, 0);
+        shards.topology.servers = 2;
+        for (c, named) in [(averaging, "model averaging"), (shards, "shard server")] {
+            let e = resumable(&c).expect_err(named);
             assert!(e.to_string().contains(named), "{e}");
         }
     }

@@ -48,6 +48,12 @@ impl Resume {
         })
     }
 
+    /// Whether this process replaced a lost worker of a running job (it takes part in no
+    /// collective of the job's start).
+    pub fn rejoined(&self) -> bool {
+        self.rejoined
+    }
+
     /// Collective over the world (but for a rejoined process, which returns `None` at once):
     /// rank 0 `load`s the checkpoint it found, logs where it resumes from, and every rank
     /// gets its state; `None` for a fresh start.

@@ -22,6 +22,8 @@ pub struct Place {
     pub rounds: u64,
     /// The root evaluates every this many rounds (default: once per epoch of rounds).
     pub eval_every: u64,
+    /// Rounds that take one epoch of the training data.
+    pub rounds_per_epoch: u64,
     /// Batches a worker takes per round.
     pub local_steps: usize,
     /// Workers of the job.
@@ -116,6 +118,7 @@ impl Place {
             role,
             rounds,
             eval_every: s.eval_every.map_or(rounds_per_epoch, u64::from),
+            rounds_per_epoch,
             local_steps,
             workers,
             resync_from: (shards > 1).then(|| topology.root()),
@@ -138,6 +141,7 @@ impl Place {
         Counting::Rounds {
             total: self.rounds,
             every: self.eval_every,
+            per_epoch: self.rounds_per_epoch,
             local_steps: self.local_steps,
             shard,
         }
@@ -178,8 +182,10 @@ fn placement(config: &TrainConfig, topology: &Topology) -> String {
 /// A parameter-server rank's resume, on every rank: the root (rank 0) loads the checkpoint
 /// into its model (parameters and optimizer state) and every rank learns the round it was
 /// taken at. With several shard servers (`resync_from`: the root), the parameters then go from
-/// the root to every rank, so that each server starts from its shard of them. `model`: this
-/// rank's, and the length of the parameters (a local server holds no model of its own).
+/// the root to every rank, so that each server starts from its shard of them — a fresh start
+/// too: the root's initial model is the job's, whatever the other ranks built (a program's
+/// own model may draw other values on each rank). `model`: this rank's, and the length of the
+/// parameters (a local server holds no model of its own).
 pub fn restore(
     cx: &mut Cx<'_>,
     from: &Resume,
@@ -190,9 +196,10 @@ pub fn restore(
         Some(m) => checkpoint::load(dir, m),
         None => checkpoint::read_state(dir),
     };
-    let Some(state) = from.share(cx, load)? else {
-        return Ok(None);
-    };
+    let state = from.share(cx, load)?;
+    if from.rejoined() {
+        return Ok(state);
+    }
     if let Some(root) = resync_from {
         let mut params = vec![0.0f32; len];
         if let Some(m) = &model {
@@ -203,5 +210,5 @@ pub fn restore(
             m.write_params(&params)?;
         }
     }
-    Ok(Some(state))
+    Ok(state)
 }

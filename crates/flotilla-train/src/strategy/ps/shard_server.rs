@@ -736,11 +736,15 @@ impl Strategy for ShardServer {
 
     /// The root loads the checkpoint and every server goes on from its round (a shard
     /// server from the root's parameters; its shard's optimizer state, which the checkpoint
-    /// does not hold, starts afresh: logged).
+    /// does not hold, starts afresh: logged). A fresh start of several shard servers starts
+    /// every shard from the root's initial parameters.
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
         let n = self.engine.num_params();
         let model = Some(&mut *self.engine as &mut dyn ModelState);
         let Some(state) = super::job::restore(cx, from, (model, n), self.resync_from)? else {
+            if self.resync_from.is_some() && !from.rejoined() {
+                self.resume_at(0)?;
+            }
             return Ok(None);
         };
         self.resume_at(state.step)?;
