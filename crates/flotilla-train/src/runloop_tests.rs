@@ -10,7 +10,7 @@ use flotilla_engine::{EvalStats, ModelState};
 
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
-use crate::error::Result;
+use crate::error::{Result, TrainError};
 use crate::plan::{Cadence, Counting, LoopPlan};
 use crate::runloop::{Finished, run};
 use crate::strategy::{Cx, Evaluation, Step, Strategy};
@@ -31,6 +31,8 @@ struct Tiny {
     stopped: Option<String>,
     /// Progress as the role counts it.
     progress: u64,
+    /// Whether its evaluations count samples (a model validated elsewhere counts none).
+    counted: bool,
 }
 
 impl Tiny {
@@ -44,6 +46,7 @@ impl Tiny {
             checkpoints: Vec::new(),
             stopped: None,
             progress: resumed_at,
+            counted: true,
         }
     }
 }
@@ -104,6 +107,9 @@ impl Strategy for Tiny {
 
     fn evaluate(&mut self, _cx: &mut Cx<'_>) -> Result<EvalStats> {
         self.evaluated_at.push(self.progress);
+        if !self.counted {
+            return Ok(EvalStats::default());
+        }
         // Loss `2 - accuracy`: 2 at the start, falling by a tenth per step.
         Ok(EvalStats {
             loss_sum: 100.0 * (2.0 - accuracy(self.progress)),
@@ -125,13 +131,42 @@ impl Strategy for Tiny {
 /// Runs `role` for `plan` on 16 samples (4 batches of 4 an epoch) with `set` applied to
 /// the config.
 fn drive(role: &mut Tiny, plan: &LoopPlan, set: impl FnOnce(&mut crate::TrainConfig)) -> Finished {
+    try_drive(role, plan, set).expect("run")
+}
+
+/// [`drive`], its error kept.
+fn try_drive(
+    role: &mut Tiny,
+    plan: &LoopPlan,
+    set: impl FnOnce(&mut crate::TrainConfig),
+) -> Result<Finished> {
     let mut c = config(sgd(0.1, 0.0));
     set(&mut c);
     let comm = world(1).remove(0);
     let mut rank = Rank::new(comm, c, 16);
     rank.rounds = plan.total;
     let data = dataset(16);
-    run(role, batches(&data, 1, 0), plan, &mut rank.cx()).expect("run")
+    run(role, batches(&data, 1, 0), plan, &mut rank.cx())
+}
+
+#[test]
+fn an_evaluation_that_counted_no_sample_is_no_evidence_of_not_learning() {
+    // Accuracy 0.1 after the first step, below chance for 3 classes: the check (due from step
+    // 1, aborting) stops a run whose evaluation counted samples, not one whose counted none.
+    let judged = |counted: bool| {
+        let mut role = Tiny::new(Evaluation::Collective, None, 0);
+        role.counted = counted;
+        let plan = plan(4, Cadence::Epochs { every: 1 }, 0);
+        try_drive(&mut role, &plan, |c| {
+            c.schedule.eval_every_steps = Some(1);
+            c.schedule.divergence_check_rounds = 1;
+            c.schedule.abort_on_divergence = Some(true);
+        })
+        .map(|done| done.progress)
+    };
+    let e = judged(true).expect_err("at chance");
+    assert!(matches!(e, TrainError::NotLearning { .. }), "{e}");
+    assert_eq!(judged(false).expect("no evidence"), 4);
 }
 
 fn plan(total: u64, cadence: Cadence, resumed_at: u64) -> LoopPlan {
