@@ -11,6 +11,7 @@ pub mod backend;
 pub mod batches;
 pub mod bucket;
 pub mod checkpoint;
+pub mod checkpoint_export;
 pub mod config;
 pub mod divergence;
 pub mod error;

@@ -57,6 +57,10 @@ pub enum Command {
     /// file of mode 0600 for every rank (`FLOTILLA_SECRET_FILE=FILE`). `flotilla launch`
     /// makes one for each job itself; this is for ranks started another way.
     Secret(crate::secret::SecretArgs),
+    /// Show what a checkpoint holds (step and place in the data, model, ZeRO shards or
+    /// pipeline stages, optimizer state, tensors, files); with `--export FILE`, write the
+    /// whole of it as one safetensors file PyTorch loads.
+    Checkpoint(crate::checkpoint::CheckpointArgs),
 }
 
 /// `flotilla trace ...`.

@@ -1,11 +1,12 @@
 //! The `flotilla` command: `train` (one rank), `launch` (N local ranks), `compare` (one
 //! config in several strategies), `bench`, `config`, `certs` (TLS certificates), `secret`
-//! (a cluster secret).
+//! (a cluster secret), `checkpoint` (what a checkpoint holds, its export).
 
 mod bench;
 mod binding;
 mod capacity;
 mod certs;
+mod checkpoint;
 mod cli;
 mod compare;
 mod gpu_placement;
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
         Command::Trace(cli::TraceCommand::Merge(args)) => trace_merge(&args),
         Command::Certs(args) => certs::run(&args),
         Command::Secret(args) => secret::run(&args),
+        Command::Checkpoint(args) => checkpoint::run(&args),
     };
     let code = match &result {
         Ok(()) => ExitCode::SUCCESS,

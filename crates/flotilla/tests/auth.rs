@@ -36,7 +36,7 @@ fn a_launch_with_a_secret_trains_and_keeps_the_secret_to_itself() {
     let dir = tmp();
     let cfg = config_file(dir.path(), "short.yaml", SHORT_RUN);
     let out = dir.path().join("out");
-    let secret = format!("launch-secret-{}", std::process::id());
+    let secret = format!("launch-job-secret-{}", std::process::id());
     let mut c = flotilla();
     c.args(["launch", &cfg, "--output", out.to_str().expect("utf8")])
         .env("FLOTILLA_SECRET", &secret)

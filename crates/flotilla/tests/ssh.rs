@@ -310,7 +310,7 @@ fn over_ssh_no_port_is_published_before_rank_0_holds_it() {
         .arg(&example)
         .env(
             "FLOTILLA_SECRET",
-            format!("port-secret-{}", std::process::id()),
+            format!("port-job-secret-{}", std::process::id()),
         );
     let mut job = running::Running::start(c);
     job.wait_lines(1, Duration::from_secs(60), |l| l.starts_with("launching "))

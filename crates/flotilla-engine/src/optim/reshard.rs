@@ -171,6 +171,13 @@ impl FlatOptimizerState {
         Some(out)
     }
 
+    /// The names of the state's fields (e.g. `moment_1`) over any parameter tensor, sorted.
+    pub fn field_names(&self) -> Vec<String> {
+        let names: std::collections::BTreeSet<&String> =
+            self.tensors.iter().flat_map(|s| s.fields.keys()).collect();
+        names.into_iter().cloned().collect()
+    }
+
     /// The scalars of parameter tensor `i`'s state (e.g. Adam's `time`), by name.
     pub fn scalars(&self, i: usize) -> Option<&BTreeMap<String, Scalar>> {
         self.tensors.get(i).map(|s| &s.scalars)
