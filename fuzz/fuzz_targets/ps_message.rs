@@ -14,7 +14,7 @@ fn floats(u: &mut Unstructured<'_>) -> Result<Vec<f32>> {
 }
 
 fn message_from(u: &mut Unstructured<'_>) -> Result<PsMessage> {
-    Ok(match u.int_in_range(0..=5)? {
+    Ok(match u.int_in_range(0..=6)? {
         0 => PsMessage::Pull,
         1 => PsMessage::Push {
             version: u.arbitrary()?,
@@ -30,12 +30,17 @@ fn message_from(u: &mut Unstructured<'_>) -> Result<PsMessage> {
         },
         3 => PsMessage::Reject {
             reason: u.arbitrary()?,
+            retry: u.arbitrary()?,
         },
         4 => PsMessage::Stop {
             reason: u.arbitrary()?,
         },
+        5 => PsMessage::State {
+            bytes: u.arbitrary()?,
+        },
         _ => PsMessage::Gather {
             version: u.arbitrary()?,
+            state: u.arbitrary()?,
         },
     })
 }

@@ -24,6 +24,7 @@ const REJECT: u8 = 4;
 const STOP: u8 = 5;
 const GATHER: u8 = 6;
 const ABORT: u8 = 7;
+const STATE: u8 = 8;
 
 /// One parameter-server message.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,10 +77,18 @@ pub enum PsMessage {
         reason: String,
     },
     /// Root → shard server: send me your shard once it has reached `version` (for evaluation
-    /// and the checkpoint).
+    /// and the checkpoint), and with `state` your optimizer's state after it.
     Gather {
         /// The version the shard must have reached (0: whatever it has).
         version: u64,
+        /// Whether the optimizer state follows the shard (a [`PsMessage::State`]).
+        state: bool,
+    },
+    /// Shard server → root: its optimizer's state (an engine's whole-model state bytes, of
+    /// which its shard's part counts), for the checkpoint.
+    State {
+        /// The state's bytes.
+        bytes: Vec<u8>,
     },
 }
 
@@ -111,6 +120,7 @@ impl PsMessage {
             PsMessage::Reject { .. } => "reject",
             PsMessage::Stop { .. } => "stop",
             PsMessage::Gather { .. } => "gather",
+            PsMessage::State { .. } => "state",
             PsMessage::Abort { .. } => "abort",
         }
     }
@@ -137,9 +147,15 @@ impl PsMessage {
                 put_f32s(&mut out, values);
             }
             PsMessage::Params { version, values } => return encode_params(*version, values),
-            PsMessage::Gather { version } => {
+            PsMessage::Gather { version, state } => {
                 out.push(GATHER);
                 out.extend_from_slice(&version.to_le_bytes());
+                out.push(u8::from(*state));
+            }
+            PsMessage::State { bytes } => {
+                out.push(STATE);
+                out.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+                out.extend_from_slice(bytes);
             }
             PsMessage::Reject { reason, retry } => {
                 out.push(REJECT);
@@ -187,7 +203,21 @@ impl PsMessage {
                 let values = r.f32s()?;
                 PsMessage::Params { version, values }
             }
-            GATHER => PsMessage::Gather { version: r.u64()? },
+            GATHER => {
+                let version = r.u64()?;
+                let state = match r.u8()? {
+                    0 => false,
+                    1 => true,
+                    other => return Err(r.bad(&format!("a gather's state flag is {other}"))),
+                };
+                PsMessage::Gather { version, state }
+            }
+            STATE => {
+                let len = usize::try_from(r.u64()?).map_err(|_| r.bad("state length"))?;
+                PsMessage::State {
+                    bytes: r.take(len)?.to_vec(),
+                }
+            }
             REJECT | STOP | ABORT => {
                 let retry = if kind == REJECT {
                     match r.u8()? {
@@ -309,7 +339,13 @@ mod tests {
             PsMessage::Stop {
                 reason: "target".into(),
             },
-            PsMessage::Gather { version: 12 },
+            PsMessage::Gather {
+                version: 12,
+                state: true,
+            },
+            PsMessage::State {
+                bytes: vec![1, 2, 3],
+            },
         ];
         for m in msgs {
             assert_eq!(PsMessage::decode(&m.encode(), 3).expect("decode"), m);
@@ -349,7 +385,10 @@ mod tests {
                 .prop_map(|(reason, retry)| PsMessage::Reject { reason, retry }),
             any::<String>().prop_map(|reason| PsMessage::Stop { reason }),
             any::<String>().prop_map(|reason| PsMessage::Abort { reason }),
-            any::<u64>().prop_map(|version| PsMessage::Gather { version }),
+            (any::<u64>(), any::<bool>())
+                .prop_map(|(version, state)| PsMessage::Gather { version, state }),
+            proptest::collection::vec(any::<u8>(), 0..64)
+                .prop_map(|bytes| PsMessage::State { bytes }),
         ]
     }
 

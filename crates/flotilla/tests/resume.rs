@@ -245,14 +245,14 @@ fn flat_sync_parameter_server_resumes_bitwise() {
     assert_bitwise("ps-flat", &t[0], &t[1]);
 }
 
-/// Two shard servers: the root sends the resumed parameters to the other shard server.
-/// (Plain SGD: the other shard's optimizer state is not checkpointed.)
+/// Two shard servers: the root's checkpoint holds every shard's optimizer state (momentum
+/// here), and sends the other shard server its parameters and state on resume.
 #[test]
 fn sharded_and_hierarchical_parameter_servers_resume_bitwise() {
     let t = ps_crash_and_resume(
         "ps-sharded",
         "arch: flat\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}",
-        "{name: sgd, lr: 0.05}",
+        "{name: sgd, lr: 0.05, momentum: 0.9}",
         "rank=1,step=60,action=exit",
         true,
     );
@@ -418,4 +418,38 @@ fn a_mismatched_optimizer_state_is_refused_on_resume() {
     let (cfg0, out0, ck0) = crashed(0);
     put(&ck0, "optimizer.bpk", &bytes_a, &original[a]);
     refused(&cfg0, &out0, "zero 0, a shard's state");
+}
+
+/// A checkpoint of 2 shard servers resumes at 1 and at 3: it holds the whole model and every
+/// shard's optimizer state (Adam's moments, cut anywhere inside a tensor), so each resumed
+/// run ends on the bits of the uninterrupted 2-server run (the number of shard servers
+/// changes no bit of a sync server's run: `tests/equality.rs`).
+#[test]
+fn a_parameter_server_checkpoint_resumes_at_another_number_of_shard_servers() {
+    let dir = tmp();
+    let yaml = |servers: usize| {
+        format!(
+            "arch: flat\nservers: {servers}\nparameter_server: {{aggr_type: sync, num_workers: 2}}\n\
+             batch_size: 16\ntrain_limit: 1280\nnum_server_rounds: 100\neval_every: 50\n\
+             checkpoint_every: 25\noptimizer: {{name: adam, lr: 0.002}}\n"
+        )
+    };
+    let cfg = |servers: usize| config_file(dir.path(), &format!("s{servers}.yaml"), &yaml(servers));
+    let straight = dir.path().join("straight");
+    let o = launch_config(&cfg(2), &straight, &[], None);
+    assert!(o.status.success(), "{}", text(&o));
+    let whole = checkpoint_tensors(&straight);
+    for servers in [1, 3] {
+        let crashed = dir.path().join(format!("crashed-{servers}"));
+        let o = launch_config(&cfg(2), &crashed, &[], Some("rank=1,step=60,action=exit"));
+        assert!(!o.status.success(), "the crash fails the job");
+        let o = launch_config(&cfg(servers), &crashed, &["--resume"], None);
+        assert!(o.status.success(), "resumed by {servers}: {}", text(&o));
+        assert!(
+            last_run_log(&crashed).contains("(step 50)"),
+            "resumed at 50"
+        );
+        let name = format!("saved by 2 shard servers, resumed by {servers}");
+        assert_bitwise(&name, &checkpoint_tensors(&crashed), &whole);
+    }
 }

@@ -184,13 +184,14 @@ fn placement(config: &TrainConfig, topology: &Topology) -> String {
 /// taken at. With several shard servers (`resync_from`: the root), the parameters then go from
 /// the root to every rank, so that each server starts from its shard of them — a fresh start
 /// too: the root's initial model is the job's, whatever the other ranks built (a program's
-/// own model may draw other values on each rank). `model`: this rank's, and the length of the
-/// parameters (a local server holds no model of its own).
+/// own model may draw other values on each rank). A resumed shard server (`server`) also
+/// takes the root's optimizer state, which holds every shard's. `model`: this rank's, and the
+/// length of the parameters (a local server holds no model of its own).
 pub fn restore(
     cx: &mut Cx<'_>,
     from: &Resume,
     (mut model, len): (Option<&mut dyn ModelState>, usize),
-    resync_from: Option<usize>,
+    (resync_from, server): (Option<usize>, bool),
 ) -> Result<Option<CheckpointState>> {
     let load = |dir: &std::path::Path| match model.as_deref_mut() {
         Some(m) => checkpoint::load(dir, m),
@@ -206,9 +207,37 @@ pub fn restore(
             m.read_params(&mut params)?;
         }
         cx.comm.broadcast_f32(&mut params, root)?;
-        if let Some(m) = model {
+        if let Some(m) = model.as_deref_mut() {
             m.write_params(&params)?;
+        }
+        if state.is_some() {
+            share_optimizer_state(cx, model, root, server)?;
         }
     }
     Ok(state)
+}
+
+/// The root's optimizer state (a resumed checkpoint's: every shard's) to every rank;
+/// collective. A shard server (`server`) takes it, the others drop it.
+fn share_optimizer_state(
+    cx: &mut Cx<'_>,
+    model: Option<&mut dyn ModelState>,
+    root: usize,
+    server: bool,
+) -> Result<()> {
+    let mut bytes = match (&model, cx.rank == root) {
+        (Some(m), true) => m.optimizer_state()?,
+        _ => Vec::new(),
+    };
+    let bound = model.as_ref().map_or(usize::MAX, |m| {
+        flotilla_engine::optimizer_state_bound(m.layout())
+    });
+    cx.comm.broadcast_bytes(&mut bytes, root, bound)?;
+    if let Some(m) = model
+        && server
+        && cx.rank != root
+    {
+        m.load_optimizer_state(&bytes)?;
+    }
+    Ok(())
 }

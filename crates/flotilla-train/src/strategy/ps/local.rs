@@ -431,7 +431,7 @@ impl Strategy for LocalServer {
     }
 
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        super::job::restore(cx, from, (None, self.len), self.resync_from)
+        super::job::restore(cx, from, (None, self.len), (self.resync_from, false))
     }
 
     /// How many children it lost while the run went on, and how many came back.

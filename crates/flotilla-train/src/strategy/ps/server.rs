@@ -209,29 +209,38 @@ impl Model {
 }
 
 /// The root collects every other shard (at `version` or later; 0 for whatever they have)
-/// into its `engine`, so that it evaluates and checkpoints the whole model.
+/// into its `engine`, so that it evaluates and checkpoints the whole model; with `state`,
+/// every shard server's optimizer state too, each shard's part of it put into the engine's
+/// (so that a checkpoint holds the optimizer state of every shard).
 pub(crate) fn gather(
     ctx: &mut PsContext<'_>,
     engine: &mut dyn Engine,
-    shard: &ShardPlan,
-    inbox: Option<&Inbox>,
+    (shard, inbox): (&ShardPlan, Option<&Inbox>),
     model: &mut Model,
-    version: u64,
+    (version, state): (u64, bool),
 ) -> Result<()> {
     let Some(inbox) = inbox else { return Ok(()) };
     let timeout = Duration::from_secs_f64(ctx.config.comm.timeout_s);
     for &rank in &shard.servers[1..] {
-        send(ctx.comm, rank, &PsMessage::Gather { version })?;
+        send(ctx.comm, rank, &PsMessage::Gather { version, state })?;
     }
     let mut missing: BTreeSet<usize> = shard.servers[1..].iter().copied().collect();
+    let mut states: Vec<Option<Vec<u8>>> = vec![None; shard.servers.len()];
+    if state {
+        states[0] = Some(engine.optimizer_state()?);
+    }
+    let waiting = |missing: &BTreeSet<usize>, states: &[Option<Vec<u8>>]| {
+        !missing.is_empty() || (state && states.iter().any(Option::is_none))
+    };
     let deadline = Instant::now() + timeout;
-    while !missing.is_empty() {
+    while waiting(&missing, &states) {
         match inbox.recv_until(deadline) {
             None => {
                 return Err(TrainError::Peer {
                     peer: missing.first().copied().unwrap_or(0),
                     message: format!(
-                        "shard server(s) {} did not send their shard within {timeout:?}",
+                        "shard server(s) {} did not send their shard (and state) within \
+                         {timeout:?}",
                         list(&missing)
                     ),
                 });
@@ -253,6 +262,11 @@ pub(crate) fn gather(
                 }
                 model.full[range].copy_from_slice(&values);
                 missing.remove(&rank);
+            }
+            Some(Event::Message(rank, PsMessage::State { bytes })) if state => {
+                if let Some(i) = shard.servers.iter().position(|r| *r == rank) {
+                    states[i] = Some(bytes);
+                }
             }
             Some(Event::Message(rank, other)) => {
                 return Err(TrainError::Protocol {
@@ -277,7 +291,36 @@ pub(crate) fn gather(
         }
     }
     engine.write_params(&model.full)?;
+    if state {
+        let states: Vec<Vec<u8>> = states.into_iter().flatten().collect();
+        let whole = compose_states(engine, &shard.ranges, &states)?;
+        engine.load_optimizer_state(&whole)?;
+    }
     Ok(())
+}
+
+/// The whole model's optimizer state of shard servers' `states` (each an engine's
+/// whole-model state, of which the part over its server's range counts): each range's part
+/// from its server. Exact for an optimizer that treats each value alone (SGD, momentum,
+/// Adam, AdamW), whose per-tensor counters every server steps alike.
+fn compose_states(
+    engine: &dyn Engine,
+    ranges: &[Range<usize>],
+    states: &[Vec<u8>],
+) -> Result<Vec<u8>> {
+    use flotilla_engine::FlatOptimizerState;
+    let layout = engine.layout();
+    let mut parts = Vec::with_capacity(states.len());
+    for (range, bytes) in ranges.iter().zip(states) {
+        let whole = FlatOptimizerState::gather(layout, &[(None, bytes)])?;
+        parts.push(whole.shard(layout, std::slice::from_ref(range))?);
+    }
+    let pieces: Vec<_> = ranges
+        .iter()
+        .zip(&parts)
+        .map(|(r, b)| (Some(std::slice::from_ref(r)), b.as_slice()))
+        .collect();
+    Ok(FlatOptimizerState::gather(layout, &pieces)?.whole(layout)?)
 }
 
 /// What a server checks a push against.

@@ -67,8 +67,9 @@ pub struct ShardServer {
     round_span: tracing::Span,
     wait: Duration,
     stop_reason: Option<String>,
-    /// A shard server asked by the root for its shard at a version it has not reached.
-    gather_wait: Option<u64>,
+    /// A shard server asked by the root for its shard (and, `true`, its optimizer state) at
+    /// a version it has not reached.
+    gather_wait: Option<(u64, bool)>,
     /// A shard server that lost children expects the root's stop before this instant (the
     /// root is stopping everyone); `(lost child, deadline)`.
     awaiting_stop: Option<(usize, Instant)>,
@@ -251,14 +252,24 @@ impl ShardServer {
         self.updates
     }
 
+    /// Sends the root this shard server's shard and, with `state`, its optimizer state.
+    fn send_shard(&self, cx: &mut PsContext<'_>, state: bool) -> Result<()> {
+        send_bytes(cx.comm, self.root, &self.model.encoded())?;
+        if state {
+            let bytes = self.engine.optimizer_state()?;
+            send(cx.comm, self.root, &PsMessage::State { bytes })?;
+        }
+        Ok(())
+    }
+
     /// A message from the root to a shard server: stop, or send the shard.
     fn on_root_message(&mut self, cx: &mut PsContext<'_>, msg: PsMessage) -> Result<()> {
         match msg {
             PsMessage::Stop { reason } => self.stop_reason = Some(reason),
-            PsMessage::Gather { version } if self.model.version() >= version => {
-                send_bytes(cx.comm, self.root, &self.model.encoded())?;
+            PsMessage::Gather { version, state } if self.model.version() >= version => {
+                self.send_shard(cx, state)?;
             }
-            PsMessage::Gather { version } => self.gather_wait = Some(version),
+            PsMessage::Gather { version, state } => self.gather_wait = Some((version, state)),
             other => {
                 return Err(TrainError::Protocol {
                     peer: self.root,
@@ -385,9 +396,11 @@ impl ShardServer {
         self.staleness_sum += staleness;
         metrics::histogram!("flotilla_ps_staleness").record(staleness as f64);
         metrics::gauge!("flotilla_ps_version").set(self.model.version() as f64);
-        if self.gather_wait.is_some_and(|v| self.model.version() >= v) {
+        if let Some((v, state)) = self.gather_wait
+            && self.model.version() >= v
+        {
             self.gather_wait = None;
-            send_bytes(cx.comm, self.root, &self.model.encoded())?;
+            self.send_shard(cx, state)?;
         }
         let round_done = self.sync || self.updates.is_multiple_of(self.children.len() as u64);
         if round_done {
@@ -425,8 +438,9 @@ impl ShardServer {
         Ok(())
     }
 
-    /// Makes the engine hold the whole model at this round (gathers the other shards).
-    fn gather_all(&mut self, cx: &mut PsContext<'_>) -> Result<()> {
+    /// Makes the engine hold the whole model at this round (gathers the other shards) and,
+    /// with `state`, every shard's optimizer state (for a checkpoint).
+    fn gather_all(&mut self, cx: &mut PsContext<'_>, state: bool) -> Result<()> {
         if self.finished.is_some() {
             return Ok(());
         }
@@ -434,10 +448,9 @@ impl ShardServer {
         gather(
             cx,
             &mut *self.engine,
-            &self.shard,
-            self.shard_inbox.as_ref(),
+            (&self.shard, self.shard_inbox.as_ref()),
             &mut self.model,
-            v,
+            (v, state),
         )
     }
 
@@ -458,10 +471,9 @@ impl ShardServer {
             gather(
                 cx,
                 &mut *self.engine,
-                &self.shard,
-                self.shard_inbox.as_ref(),
+                (&self.shard, self.shard_inbox.as_ref()),
                 &mut self.model,
-                v,
+                (v, true),
             )?;
             for &rank in &self.shard.servers[1..] {
                 let _ = send(cx.comm, rank, &stop);
@@ -720,8 +732,9 @@ impl Strategy for ShardServer {
         })
     }
 
+    /// The whole model and every shard's optimizer state at the root (before a checkpoint).
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        self.gather_all(cx)
+        self.gather_all(cx, true)
     }
 
     fn model(&mut self) -> Option<&mut dyn ModelState> {
@@ -730,30 +743,25 @@ impl Strategy for ShardServer {
 
     /// The root evaluates the whole model (the other shards gathered first).
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
-        self.gather_all(cx)?;
+        self.gather_all(cx, false)?;
         crate::eval::full(&*self.engine, cx.test)
     }
 
-    /// The root loads the checkpoint and every server goes on from its round (a shard
-    /// server from the root's parameters; its shard's optimizer state, which the checkpoint
-    /// does not hold, starts afresh: logged). A fresh start of several shard servers starts
-    /// every shard from the root's initial parameters.
+    /// The root loads the checkpoint and every server goes on from its round, a shard
+    /// server from the root's parameters and its shard's optimizer state (the checkpoint
+    /// holds every shard's, so it resumes at another number of shard servers too). A fresh
+    /// start of several shard servers starts every shard from the root's initial parameters.
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
         let n = self.engine.num_params();
         let model = Some(&mut *self.engine as &mut dyn ModelState);
-        let Some(state) = super::job::restore(cx, from, (model, n), self.resync_from)? else {
+        let resync = (self.resync_from, true);
+        let Some(state) = super::job::restore(cx, from, (model, n), resync)? else {
             if self.resync_from.is_some() && !from.rejoined() {
                 self.resume_at(0)?;
             }
             return Ok(None);
         };
         self.resume_at(state.step)?;
-        if self.resync_from.is_some() && !self.is_root {
-            cx.log(&format!(
-                "warning: resumed parameters of round {}; this shard's optimizer state (momentum) starts afresh",
-                state.step
-            ))?;
-        }
         Ok(Some(state))
     }
 

@@ -288,7 +288,7 @@ impl Strategy for Worker {
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
         let n = self.engine.num_params();
         let model = Some(&mut *self.engine as &mut dyn ModelState);
-        let state = super::job::restore(cx, from, (model, n), self.resync_from)?;
+        let state = super::job::restore(cx, from, (model, n), (self.resync_from, false))?;
         if let Some(s) = &state {
             self.rounds = s.step;
         }
