@@ -60,6 +60,10 @@ impl<M: TrainModule> ModuleEngine<M> {
     /// there, as fresh leaves numbered by position) with the optimizer of `optimizer`.
     pub fn new(model: M, optimizer: &OptimizerSpec, device_name: &str) -> Result<Self> {
         let base_device = device_by_name(device_name)?;
+        // burn draws a lazily initialised parameter's values at its first use, from the
+        // backend's process-wide RNG: drawn here under the lock that seeded builds hold, so
+        // that a model built meanwhile in another thread still depends on its seed alone.
+        let model = crate::weights::under_rng_lock(|| crate::weights::materialized(model))?;
         // `train()`: a module built on a plain device gets its parameters' configured
         // gradient tracking back on the autodiff one (a frozen parameter stays frozen).
         let model = params::renumber(model.fork(&base_device.clone().autodiff()).train());

@@ -29,6 +29,15 @@ use crate::spec::model::{Identity, Layer, SequentialModel};
 /// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
 static RNG_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
+/// What `draw` returns, run holding the lock under which the backend's RNG is seeded and
+/// drawn from (the lock is not re-entrant: `draw` must not build a seeded model).
+pub(crate) fn under_rng_lock<T>(draw: impl FnOnce() -> T) -> T {
+    let _guard = RNG_LOCK
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    draw()
+}
+
 /// Holds the lock under which the backend's RNG is seeded and drawn from. A test that lets
 /// burn initialise a module itself (lazily, at its first use) holds it for its whole run, so
 /// that engines built by tests running beside it still depend on their seed alone.

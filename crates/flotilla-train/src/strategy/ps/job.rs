@@ -236,6 +236,7 @@ fn share_optimizer_state(
     if let Some(m) = model
         && server
         && cx.rank != root
+        && !bytes.is_empty()
     {
         m.load_optimizer_state(&bytes)?;
     }

@@ -291,8 +291,9 @@ pub(crate) fn gather(
         }
     }
     engine.write_params(&model.full)?;
-    if state {
-        let states: Vec<Vec<u8>> = states.into_iter().flatten().collect();
+    let states: Vec<Vec<u8>> = states.into_iter().flatten().collect();
+    // An engine whose optimizer keeps its state elsewhere (a `Learner`'s) gives none.
+    if state && states.iter().all(|s| !s.is_empty()) {
         let whole = compose_states(engine, &shard.ranges, &states)?;
         engine.load_optimizer_state(&whole)?;
     }
