@@ -204,10 +204,11 @@ pub fn weighted_loss(
     ))
 }
 
-/// `GlobalOutput` for an output of a loss, float rows `output` and integer `targets` (burn's
-/// classification and multi-label classification outputs).
+/// `GlobalOutput` for an output of a loss, float rows `output` and `targets` of the piece
+/// kind given (integer for burn's classification and multi-label outputs, float for its
+/// regression output).
 macro_rules! loss_output_targets {
-    ($($output:ty),*) => {$(
+    ($($output:ty: $piece:ident, $concat:ident);*) => {$(
         impl GlobalOutput for $output {
             fn loss_value(&self) -> f32 {
                 self.loss.clone().into_scalar::<f32>()
@@ -217,7 +218,7 @@ macro_rules! loss_output_targets {
                 vec![
                     float_piece(self.loss),
                     float_piece(self.output),
-                    int_piece(self.targets),
+                    $piece(self.targets),
                 ]
             }
 
@@ -225,36 +226,18 @@ macro_rules! loss_output_targets {
                 Ok(Self {
                     loss: weighted_loss(&ranks, 0, 2, device)?,
                     output: concat_float(&ranks, 1, device)?,
-                    targets: concat_int(&ranks, 2, device)?,
+                    targets: $concat(&ranks, 2, device)?,
                 })
             }
         }
     )*};
 }
 
-loss_output_targets!(ClassificationOutput, MultiLabelClassificationOutput);
-
-impl GlobalOutput for RegressionOutput {
-    fn loss_value(&self) -> f32 {
-        self.loss.clone().into_scalar::<f32>()
-    }
-
-    fn into_pieces(self) -> Vec<Piece> {
-        vec![
-            float_piece(self.loss),
-            float_piece(self.output),
-            float_piece(self.targets),
-        ]
-    }
-
-    fn from_ranks(ranks: Vec<Vec<Piece>>, device: &Device) -> Result<Self> {
-        Ok(Self {
-            loss: weighted_loss(&ranks, 0, 2, device)?,
-            output: concat_float(&ranks, 1, device)?,
-            targets: concat_float(&ranks, 2, device)?,
-        })
-    }
-}
+loss_output_targets!(
+    ClassificationOutput: int_piece, concat_int;
+    MultiLabelClassificationOutput: int_piece, concat_int;
+    RegressionOutput: float_piece, concat_float
+);
 
 impl GlobalOutput for SequenceOutput {
     fn loss_value(&self) -> f32 {
