@@ -63,13 +63,25 @@ pub fn resolve(path: &Path) -> Result<PathBuf> {
     })
 }
 
-/// Reads what the checkpoint `path` names holds (see [`resolve`]).
-pub fn contents(path: &Path) -> Result<Contents> {
+/// The checkpoint `path` names (see [`resolve`]): its directory, state and
+/// `model.safetensors` bytes.
+fn open(path: &Path) -> Result<(PathBuf, CheckpointState, Vec<u8>)> {
     let dir = resolve(path)?;
     let state = checkpoint::read_state(&dir)?;
     let weights = read(&dir.join("model.safetensors"))?;
-    let st = SafeTensors::deserialize(&weights)
-        .map_err(|e| error(&dir.join("model.safetensors"), e.to_string()))?;
+    Ok((dir, state, weights))
+}
+
+/// The tensors of `weights`, the `model.safetensors` of `dir`.
+fn parse<'a>(dir: &Path, weights: &'a [u8]) -> Result<SafeTensors<'a>> {
+    SafeTensors::deserialize(weights)
+        .map_err(|e| error(&dir.join("model.safetensors"), e.to_string()))
+}
+
+/// Reads what the checkpoint `path` names holds (see [`resolve`]).
+pub fn contents(path: &Path) -> Result<Contents> {
+    let (dir, state, weights) = open(path)?;
+    let st = parse(&dir, &weights)?;
     let mut tensors: Vec<_> = st
         .tensors()
         .into_iter()
@@ -176,11 +188,8 @@ pub struct Exported {
 /// Writes the checkpoint `path` names (see [`resolve`]) as one safetensors file `out` (see
 /// the module docs), atomically.
 pub fn export(path: &Path, out: &Path) -> Result<Exported> {
-    let dir = resolve(path)?;
-    let state = checkpoint::read_state(&dir)?;
-    let weights = read(&dir.join("model.safetensors"))?;
-    let st = SafeTensors::deserialize(&weights)
-        .map_err(|e| error(&dir.join("model.safetensors"), e.to_string()))?;
+    let (dir, state, weights) = open(path)?;
+    let st = parse(&dir, &weights)?;
     let (_, header) = SafeTensors::read_metadata(&weights)
         .map_err(|e| error(&dir.join("model.safetensors"), e.to_string()))?;
     let mut metadata: HashMap<String, String> = header.metadata().clone().unwrap_or_default();
