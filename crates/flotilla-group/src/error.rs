@@ -221,6 +221,39 @@ pub enum RendezvousError {
         /// Its error.
         reason: String,
     },
+    /// An elastic job has fewer ranks than its minimum: it stops (no survivor waits for
+    /// ranks that will not come).
+    #[error("the job is down to {present} rank(s), fewer than its minimum of {min}; lost: {lost}")]
+    BelowMinimum {
+        /// The job's minimum number of ranks.
+        min: usize,
+        /// How many ranks are left.
+        present: usize,
+        /// The lost processes (their slots and last ranks), oldest first.
+        lost: String,
+    },
+    /// A process of an elastic job came back from a generation the job has left without it
+    /// (frozen or cut off past the deadline): it is refused and exits, to be replaced.
+    #[error(
+        "{peer} is of generation {generation}, but the job went on without it in generation \
+         {current} (it was frozen or cut off past the deadline); it exits, to be replaced"
+    )]
+    StaleGeneration {
+        /// The stale process.
+        peer: PeerName,
+        /// The generation it was last a member of.
+        generation: u64,
+        /// The job's generation.
+        current: u64,
+    },
+    /// An elastic job already has its maximum number of ranks.
+    #[error("{peer} cannot join: the job already has its maximum of {max} ranks")]
+    JobFull {
+        /// The refused process.
+        peer: PeerName,
+        /// The job's maximum.
+        max: usize,
+    },
 }
 
 impl RendezvousError {

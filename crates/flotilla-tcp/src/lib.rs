@@ -94,9 +94,11 @@ pub use flotilla_group::{
 };
 pub use inherited::LISTEN_FD_ENV;
 pub use rendezvous::announce::{PORT_ANNOUNCEMENT, announced_port};
+pub use rendezvous::beacon::Beacon;
+pub use rendezvous::lighthouse::{Lighthouse, LighthouseConfig, LighthouseEvent};
 pub use secret::{
     HOW_TO_MAKE_A_SECRET, INSECURE_ENV, MAX_SECRET_FILE_BYTES, MIN_SECRET_BYTES, SECRET_ENV,
     SECRET_FILE_ENV, Secret, TOKEN_ENV,
 };
-pub use tcp_group::TcpGroup;
+pub use tcp_group::{Generation, TcpGroup};
 pub use tls::{TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsConfig, TlsError, TlsFiles};

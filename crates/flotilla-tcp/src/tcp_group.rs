@@ -44,8 +44,21 @@ use crate::hier;
 use crate::host;
 use crate::op::OpCtx;
 use crate::rendezvous;
+use crate::rendezvous::beacon::Beacon;
 use crate::ring;
 use crate::world::{GroupState, Site, World, derive_key};
+
+/// A generation of an elastic job, as [`TcpGroup::connect_elastic`] joined it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Generation {
+    /// Its number (1: the job's first).
+    pub number: u64,
+    /// Its members' slots (the launcher's names of the processes), by rank.
+    pub slots: Vec<u64>,
+    /// The steps its rank 0's training state holds: where the generation resumes (every
+    /// member takes rank 0's state).
+    pub step: u64,
+}
 
 /// Owns the runtime; dropped with the last group handle of the process.
 struct RtOwner {
@@ -144,6 +157,51 @@ impl TcpGroup {
             };
             (mesh.rank, mesh.streams, mesh.rejoins, site)
         };
+        Self::over_streams(rt, cfg, (rank, streams), rejoins, site)
+    }
+
+    /// Joins the next generation of an elastic job through this process's `beacon` (its
+    /// link to the job's lighthouse, [`Beacon::connect`]): enlists with `step`, the steps
+    /// its training state holds (`None`: none yet; it takes a member's), and connects to
+    /// every member of the generation the lighthouse forms. `cfg`'s rank and world size are
+    /// the generation's (the lighthouse assigns them). Blocks until the generation runs, or
+    /// the lighthouse refuses this process (a stale generation, fewer ranks than the
+    /// minimum, a full job): a refusal is the error.
+    pub fn connect_elastic(
+        mut cfg: CommConfig,
+        beacon: &mut Beacon,
+        step: Option<u64>,
+    ) -> Result<(TcpGroup, Generation), CommError> {
+        if Handle::try_current().is_ok() {
+            return Err(CommError::InvalidArgument(
+                "TcpGroup::connect_elastic cannot be called from inside an async runtime".into(),
+            ));
+        }
+        let rt = build_runtime(cfg.runtime_threads)?;
+        let (mesh, formed) = rendezvous::elastic::form(&rt, &cfg, beacon, step)?;
+        (cfg.world_size, cfg.rank) = (formed.peers.len(), Some(mesh.rank));
+        cfg.validate()?;
+        let site = Site {
+            session: mesh.session,
+            hosts: mesh.hosts,
+        };
+        let generation = Generation {
+            number: formed.generation,
+            slots: formed.slots,
+            step: formed.step,
+        };
+        let comm = Self::over_streams(rt, cfg, (mesh.rank, mesh.streams), None, site)?;
+        Ok((comm, generation))
+    }
+
+    /// The group of rank `rank` over the rendezvous' `streams` (one per peer rank).
+    fn over_streams(
+        rt: Runtime,
+        cfg: CommConfig,
+        (rank, streams): (usize, Vec<Option<crate::stream::Stream>>),
+        rejoins: Option<rendezvous::Rejoins>,
+        site: Site,
+    ) -> Result<TcpGroup, CommError> {
         let everyone: Vec<usize> = (0..cfg.world_size).collect();
         if cfg.transport == Transport::Shm
             && cfg.rejoin != Rejoin::Join

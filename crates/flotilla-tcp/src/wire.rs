@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 3;
 
 /// A control-channel message.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Ctrl {
     /// Rank r -> rank 0: request to join.
     Join {
@@ -59,6 +59,35 @@ pub(crate) enum Ctrl {
     Rejoined { session: u64, peers: Vec<String> },
     /// Any rank -> all: a collective failed here; stop.
     Abort { reason: String },
+    /// A rank of an elastic job -> the lighthouse (`crate::rendezvous::lighthouse`): take
+    /// me into the next generation. `slot`: the process's name for the launcher (unique per
+    /// process of the job); `generation`: the last one it was a member of (0: none, a new
+    /// process); `step`: the optimizer steps its training state holds (`None`: it holds
+    /// none yet, it takes a member's).
+    Enlist {
+        protocol: u32,
+        slot: u64,
+        config_hash: u64,
+        mesh_addr: String,
+        host: String,
+        generation: u64,
+        step: Option<u64>,
+    },
+    /// The lighthouse -> each member of a new generation: its rank, the generation's
+    /// session nonce, every member's mesh address, host key and slot (by rank), and the step
+    /// the generation resumes at (rank 0's, the most any member holds).
+    Formed {
+        generation: u64,
+        rank: usize,
+        session: u64,
+        peers: Vec<String>,
+        hosts: Vec<String>,
+        slots: Vec<u64>,
+        step: u64,
+    },
+    /// The lighthouse -> the members of the running generation: the membership changes
+    /// (a rank lost, a rank waiting to join); enlist again at the next step boundary.
+    Regroup { generation: u64 },
 }
 
 impl Ctrl {

@@ -76,7 +76,8 @@ pub(super) async fn client(cfg: &CommConfig) -> Result<Mesh, CommError> {
     let welcome_deadline = connected_at + cfg.join_timeout + grace;
     let w = await_welcome(cfg, &mut master, &master_peer, welcome_deadline, grace).await?;
     tracing::debug!(rank = w.rank, "joined; building the peer mesh");
-    let (mut streams, listener) = match build_mesh(cfg, w.rank, w.session, &w.peers, listener).await
+    let (mut streams, listener) = match build_mesh(cfg, (w.rank, 1), w.session, &w.peers, listener)
+        .await
     {
         Ok(s) => s,
         Err(e) => {
@@ -147,6 +148,14 @@ async fn mesh_listener(
         .local_addr()
         .map_err(|e| CommError::io("cannot read local address", e))?
         .ip();
+    mesh_listener_at(cfg, local_ip).await
+}
+
+/// [`mesh_listener`] where `local_ip` is the interface that reaches the rendezvous.
+pub(super) async fn mesh_listener_at(
+    cfg: &CommConfig,
+    local_ip: IpAddr,
+) -> Result<(TcpListener, String), CommError> {
     let bind_ip = match &cfg.bind_host {
         Some(h) => net::resolve(h, 0).await?.ip(),
         None => local_ip,

@@ -25,11 +25,12 @@ use crate::wire::Ctrl;
 
 const HANDSHAKE: &str = "mesh handshake";
 
-/// Connects to ranks `1..rank` and accepts ranks `rank+1..n` (on `listener`, handed back
-/// for the rejoins of a job that takes lost ranks back).
+/// Connects to ranks `first..rank` and accepts ranks `rank+1..n` (on `listener`, handed
+/// back for the rejoins of a job that takes lost ranks back). `first`: 1 when rank 0's
+/// connections are the rendezvous' own, 0 in an elastic job (the lighthouse keeps none).
 pub(super) async fn build_mesh(
     cfg: &CommConfig,
-    rank: usize,
+    (rank, first): (usize, usize),
     session: u64,
     peers: &[String],
     listener: TcpListener,
@@ -37,7 +38,7 @@ pub(super) async fn build_mesh(
     let deadline = Instant::now() + cfg.timeout;
     let connects = async {
         let mut out = Vec::new();
-        for (j, addr) in peers.iter().enumerate().take(rank).skip(1) {
+        for (j, addr) in peers.iter().enumerate().take(rank).skip(first) {
             out.push((
                 j,
                 connect_lower(cfg, rank, session, j, addr, deadline).await?,

@@ -36,10 +36,14 @@
 
 pub(crate) mod announce;
 mod authn;
+pub(crate) mod beacon;
 mod client;
+pub(crate) mod elastic;
 mod inflight;
+pub(crate) mod lighthouse;
 mod master;
 mod mesh;
+mod quorum;
 mod refusals;
 pub(crate) mod rejoin;
 mod secure;
@@ -122,7 +126,7 @@ pub(crate) async fn rendezvous(
 /// authenticate both ends of every connection), or, with neither, only when the user said
 /// `insecure` (then with a warning on every rank). Refused at once otherwise, before any
 /// socket is opened, saying how to make a secret.
-fn unauthenticated_allowed(cfg: &CommConfig) -> Result<(), CommError> {
+pub(crate) fn unauthenticated_allowed(cfg: &CommConfig) -> Result<(), CommError> {
     if cfg.secret.is_some() || cfg.tls.is_some() {
         return Ok(());
     }

@@ -1,0 +1,228 @@
+//! The lighthouse's membership rules, event by event.
+
+use super::*;
+
+fn bounds() -> Bounds {
+    Bounds {
+        min: 2,
+        max: 3,
+        join_timeout: Duration::from_secs(10),
+        agreement: Duration::from_secs(2),
+        mesh: Duration::from_secs(4),
+    }
+}
+
+/// `step` 0 of generation 0: a new process, without state.
+fn enlisted(slot: u64, generation: u64, step: u64) -> Enlisted {
+    Enlisted {
+        slot,
+        addr: format!("127.0.0.1:{}", 4000 + slot),
+        mesh_addr: format!("127.0.0.1:{}", 5000 + slot),
+        host: "h".into(),
+        generation,
+        step: (generation > 0).then_some(step),
+        protocol: RENDEZVOUS_PROTOCOL,
+        config_hash: 7,
+    }
+}
+
+/// The `Formed` sent to each slot: (slot, generation, rank, slots, step).
+fn formed(out: &[Out]) -> Vec<(u64, u64, usize, Vec<u64>, u64)> {
+    out.iter()
+        .filter_map(|o| match o {
+            Out::Send(
+                slot,
+                Ctrl::Formed {
+                    generation,
+                    rank,
+                    slots,
+                    step,
+                    ..
+                },
+            ) => Some((*slot, *generation, *rank, slots.clone(), *step)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn regroups(out: &[Out]) -> Vec<u64> {
+    out.iter()
+        .filter_map(|o| match o {
+            Out::Send(slot, Ctrl::Regroup { .. }) => Some(*slot),
+            _ => None,
+        })
+        .collect()
+}
+
+fn rejection(out: &[Out]) -> Option<RendezvousError> {
+    out.iter().find_map(|o| match o {
+        Out::Send(_, Ctrl::Reject(re)) => Some(re.clone()),
+        _ => None,
+    })
+}
+
+/// Slots 0, 1, 2 form generation 1 and are running.
+fn running(t: Instant) -> Quorum {
+    let mut q = Quorum::new(bounds(), t);
+    assert!(q.enlist(enlisted(0, 0, 0), t).is_empty());
+    assert!(q.enlist(enlisted(1, 0, 0), t).is_empty());
+    let out = q.enlist(enlisted(2, 0, 0), t);
+    let f = formed(&out);
+    assert_eq!(f.len(), 3, "{out:?}");
+    assert!(
+        f.iter()
+            .all(|(_, g, _, slots, _)| *g == 1 && slots == &[0, 1, 2])
+    );
+    assert!(q.ready(0, t).is_empty());
+    assert!(q.ready(1, t).is_empty());
+    let out = q.ready(2, t);
+    assert!(out.contains(&Out::Running(1, vec![0, 1, 2])), "{out:?}");
+    assert_eq!(
+        out.iter()
+            .filter(|o| matches!(o, Out::Send(_, Ctrl::Go)))
+            .count(),
+        3
+    );
+    q
+}
+
+#[test]
+fn a_lost_member_leaves_a_generation_of_the_others_led_by_the_most_steps() {
+    let t = Instant::now();
+    let mut q = running(t);
+    let out = q.closed(0, t);
+    assert_eq!(regroups(&out), vec![1, 2], "the survivors are told at once");
+    assert!(q.enlist(enlisted(2, 1, 41), t).is_empty());
+    let out = q.enlist(enlisted(1, 1, 40), t);
+    // Slot 2 finished step 41, slot 1 did not: slot 2 leads and everyone resumes at 41.
+    assert_eq!(
+        formed(&out),
+        vec![(2, 2, 0, vec![2, 1], 41), (1, 2, 1, vec![2, 1], 41)]
+    );
+}
+
+#[test]
+fn a_member_silent_past_the_agreement_deadline_is_left_out_and_refused_when_it_wakes() {
+    let t = Instant::now();
+    let mut q = running(t);
+    // Slot 1 saw its collective fail; slot 2 is frozen (its connection stays open).
+    let out = q.enlist(enlisted(1, 1, 5), t);
+    assert_eq!(regroups(&out), vec![0, 2]);
+    assert!(
+        q.enlist(enlisted(0, 1, 5), t).is_empty(),
+        "slot 2 is awaited"
+    );
+    assert!(q.tick(t + Duration::from_secs(1)).is_empty());
+    let out = q.tick(t + Duration::from_secs(3));
+    assert_eq!(formed(&out).len(), 2, "{out:?}");
+    // Slot 2 wakes up in generation 1: refused, and closed.
+    let out = q.enlist(enlisted(2, 1, 5), t + Duration::from_secs(4));
+    assert!(
+        matches!(
+            rejection(&out),
+            Some(RendezvousError::StaleGeneration {
+                generation: 1,
+                current: 2,
+                ..
+            })
+        ),
+        "{out:?}"
+    );
+    assert!(out.contains(&Out::Close(2)));
+}
+
+#[test]
+fn below_the_minimum_the_job_ends_at_once_naming_the_lost() {
+    let t = Instant::now();
+    let mut q = running(t);
+    q.closed(0, t);
+    let out = q.closed(1, t);
+    assert!(formed(&out).is_empty());
+    // Slot 2, the last, enlists: alone it is below the minimum of 2, and nobody else is
+    // awaited, so the deadline is not waited for.
+    let out = q.enlist(enlisted(2, 1, 9), t);
+    let Some(Out::Failed(RendezvousError::BelowMinimum { min, present, lost })) =
+        out.iter().find(|o| matches!(o, Out::Failed(_))).cloned()
+    else {
+        panic!("{out:?}");
+    };
+    assert_eq!((min, present), (2, 1));
+    assert!(
+        lost.contains("slot 0 (rank 0 of generation 1)") && lost.contains("slot 1"),
+        "{lost}"
+    );
+    assert!(rejection(&out).is_some(), "slot 2 is told why");
+    assert!(q.failed());
+}
+
+#[test]
+fn a_joiner_waits_for_a_step_boundary_and_comes_in_last() {
+    let t = Instant::now();
+    let mut q = Quorum::new(
+        Bounds {
+            min: 2,
+            max: 3,
+            ..bounds()
+        },
+        t,
+    );
+    q.enlist(enlisted(0, 0, 0), t);
+    q.enlist(enlisted(1, 0, 0), t);
+    // The first generation forms at the join deadline with the two there.
+    let out = q.tick(t + Duration::from_secs(11));
+    assert_eq!(formed(&out).len(), 2);
+    // A joiner while the mesh is built waits for it to run, then every member is told.
+    assert!(q.enlist(enlisted(9, 0, 0), t).is_empty());
+    q.ready(0, t);
+    let out = q.ready(1, t);
+    assert!(out.contains(&Out::Running(1, vec![0, 1])));
+    assert_eq!(regroups(&out), vec![0, 1]);
+    q.enlist(enlisted(1, 1, 30), t);
+    let out = q.enlist(enlisted(0, 1, 30), t);
+    assert_eq!(
+        formed(&out).iter().map(|f| (f.0, f.2)).collect::<Vec<_>>(),
+        vec![(0, 0), (1, 1), (9, 2)]
+    );
+    // Full: a fourth process is refused.
+    let out = q.enlist(enlisted(10, 0, 0), t);
+    assert!(
+        matches!(
+            rejection(&out),
+            Some(RendezvousError::JobFull { max: 3, .. })
+        ),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn another_config_and_a_claimed_slot_are_refused() {
+    let t = Instant::now();
+    let mut q = running(t);
+    let mut other = enlisted(5, 0, 0);
+    other.config_hash = 8;
+    let out = q.enlist(other, t);
+    assert!(matches!(
+        rejection(&out),
+        Some(RendezvousError::ConfigHashMismatch { .. })
+    ));
+    let out = q.enlist(enlisted(1, 0, 0), t);
+    assert!(matches!(
+        rejection(&out),
+        Some(RendezvousError::DuplicateRank { .. })
+    ));
+    assert_eq!(q.generation(), 1);
+}
+
+#[test]
+fn a_mesh_that_fails_forms_the_generation_again() {
+    let t = Instant::now();
+    let mut q = running(t);
+    q.closed(2, t);
+    q.enlist(enlisted(0, 1, 3), t);
+    q.enlist(enlisted(1, 1, 3), t);
+    let out = q.mesh_failed(1, t);
+    assert_eq!(regroups(&out), vec![0, 1]);
+    q.enlist(enlisted(1, 2, 3), t);
+    let out = q.enlist(enlisted(0, 2, 3), t);
+    assert!(formed(&out).iter().all(|f| f.1 == 3), "{out:?}");
+}
