@@ -44,6 +44,9 @@ pub struct DistributedSampler {
     seed: u64,
     drop_last: bool,
     shuffle: bool,
+    /// Elastic: every global batch of this many samples cut among the ranks
+    /// ([`DistributedSampler::with_global_batch`]).
+    global_batch: Option<usize>,
 }
 
 impl DistributedSampler {
@@ -76,6 +79,7 @@ impl DistributedSampler {
             seed,
             drop_last,
             shuffle: true,
+            global_batch: None,
         })
     }
 
@@ -85,6 +89,27 @@ impl DistributedSampler {
     pub fn with_shuffle(mut self, shuffle: bool) -> Self {
         self.shuffle = shuffle;
         self
+    }
+
+    /// Cuts each global batch of `global_batch` samples (the epoch's permutation in
+    /// consecutive slices, the last partial one dropped) among the ranks, whatever their
+    /// number: rank `r` of `N` takes the slice's samples `r, r + N, r + 2N, ...`, so the
+    /// ranks' batches differ by at most one sample ([`DistributedSampler::rank_batch`]) and
+    /// their union is the global batch, for every `N`. Where `N` divides `global_batch`
+    /// this is exactly the unsliced rule with batches of `global_batch / N` (the module's
+    /// equivalence). An elastic job's sampler: the members change, the global batches do not.
+    #[must_use]
+    pub fn with_global_batch(mut self, global_batch: usize) -> Self {
+        self.global_batch = Some(global_batch.max(1));
+        self
+    }
+
+    /// With a global batch ([`DistributedSampler::with_global_batch`]): this rank's share
+    /// of each, `ceil((global_batch - rank) / world_size)` samples (0 for a rank beyond the
+    /// global batch).
+    pub fn rank_batch(&self) -> Option<usize> {
+        self.global_batch
+            .map(|b| b.saturating_sub(self.rank).div_ceil(self.world_size))
     }
 
     /// Number of ranks.
@@ -139,9 +164,18 @@ impl DistributedSampler {
     }
 
     /// This rank's indices for epoch `epoch`, in the order they should be visited:
-    /// exactly [`num_samples`](Self::num_samples) of them.
+    /// exactly [`num_samples`](Self::num_samples) of them (with a global batch: its share
+    /// of each full global batch, [`DistributedSampler::with_global_batch`]).
     pub fn indices(&self, epoch: u64) -> Vec<usize> {
         let perm = self.permutation(epoch);
+        if let Some(b) = self.global_batch {
+            let steps = perm.len() / b;
+            return perm[..steps * b]
+                .chunks_exact(b)
+                .flat_map(|slice| slice.iter().skip(self.rank).step_by(self.world_size))
+                .copied()
+                .collect();
+        }
         perm.iter()
             .copied()
             .cycle()
@@ -158,6 +192,9 @@ impl DistributedSampler {
     /// If `batch_size == 0`.
     pub fn steps_per_epoch(&self, batch_size: usize) -> usize {
         assert!(batch_size > 0, "batch_size must be at least 1");
+        if let Some(b) = self.global_batch {
+            return self.len / b;
+        }
         self.num_samples() / batch_size
     }
 
@@ -322,6 +359,58 @@ mod tests {
                         assert_eq!(union, want, "len={len} n={n} b={b} k={k}");
                     }
                 }
+            }
+        }
+    }
+
+    /// A global batch cut among any number of ranks: where the number divides it, the
+    /// batches of the unsliced rule; otherwise shares differing by one sample whose union
+    /// is the slice of the permutation, each sample once per epoch.
+    #[test]
+    fn a_global_batch_is_cut_among_any_number_of_ranks() {
+        let (len, seed, global) = (1000, 3, 96);
+        for n in [1, 2, 4] {
+            for r in 0..n {
+                let plain = DistributedSampler::new(len, n, r, seed, true).unwrap();
+                let sliced = plain.clone().with_global_batch(global);
+                let b = global / n;
+                assert_eq!(sliced.rank_batch(), Some(b));
+                let steps = plain.steps_per_epoch(b);
+                assert_eq!(sliced.steps_per_epoch(b), steps);
+                assert_eq!(
+                    sliced.indices(2),
+                    plain.indices(2)[..steps * b],
+                    "n {n} rank {r}"
+                );
+            }
+        }
+        for n in [3, 5, 7] {
+            let ranks: Vec<DistributedSampler> = (0..n)
+                .map(|r| {
+                    DistributedSampler::new(len, n, r, seed, true)
+                        .unwrap()
+                        .with_global_batch(global)
+                })
+                .collect();
+            let sizes: Vec<usize> = ranks.iter().map(|s| s.rank_batch().unwrap()).collect();
+            assert_eq!(sizes.iter().sum::<usize>(), global);
+            assert!(
+                sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1,
+                "{sizes:?}"
+            );
+            let perm = ranks[0].permutation(1);
+            let steps = ranks[0].steps_per_epoch(1);
+            assert_eq!(steps, len / global);
+            for k in 0..steps {
+                let mut union: Vec<usize> = ranks
+                    .iter()
+                    .zip(&sizes)
+                    .flat_map(|(s, &c)| s.indices(1)[k * c..(k + 1) * c].to_vec())
+                    .collect();
+                union.sort_unstable();
+                let mut slice = perm[k * global..(k + 1) * global].to_vec();
+                slice.sort_unstable();
+                assert_eq!(union, slice, "n {n} step {k}");
             }
         }
     }

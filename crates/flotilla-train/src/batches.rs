@@ -38,6 +38,8 @@ pub struct Batches {
     train: Arc<dyn Samples>,
     sampler: DistributedSampler,
     batch_size: usize,
+    /// The global batch this rank's is a share of ([`Batches::sliced`]).
+    global: Option<usize>,
     steps_per_epoch: u64,
     at: Position,
     feed: Option<Prefetcher>,
@@ -62,6 +64,40 @@ impl Batches {
         start: Position,
     ) -> Result<Self> {
         let sampler = DistributedSampler::new(train.len(), world, rank, seed, true)?;
+        Self::of(train, sampler, batch_size, start)
+    }
+
+    /// Shard `rank` of `world` of every global batch of `global_batch` samples (an elastic
+    /// job's: [`DistributedSampler::with_global_batch`]): the ranks' batches differ by at
+    /// most one sample, and the global batches are the same whatever `world` is.
+    pub fn sliced(
+        train: Arc<dyn Samples>,
+        (world, rank): (usize, usize),
+        seed: u64,
+        global_batch: usize,
+        start: Position,
+    ) -> Result<Self> {
+        let sampler = DistributedSampler::new(train.len(), world, rank, seed, true)?
+            .with_global_batch(global_batch);
+        let batch_size = sampler.rank_batch().unwrap_or(global_batch);
+        if batch_size == 0 {
+            return Err(TrainError::config(
+                "config",
+                format!("{world} ranks share a global batch of only {global_batch} samples"),
+            ));
+        }
+        let mut b = Self::of(train, sampler, batch_size, start)?;
+        b.global = Some(global_batch);
+        Ok(b)
+    }
+
+    fn of(
+        train: Arc<dyn Samples>,
+        sampler: DistributedSampler,
+        batch_size: usize,
+        start: Position,
+    ) -> Result<Self> {
+        let world = sampler.world_size();
         let steps_per_epoch = sampler.steps_per_epoch(batch_size) as u64;
         if steps_per_epoch == 0 {
             return Err(TrainError::config(
@@ -76,6 +112,7 @@ impl Batches {
             train,
             sampler,
             batch_size,
+            global: None,
             steps_per_epoch,
             at: start,
             feed: None,
@@ -97,6 +134,12 @@ impl Batches {
     /// Samples in one batch (images, or text windows: a window's labels are one sample's).
     pub fn batch_size(&self) -> usize {
         self.batch_size
+    }
+
+    /// The samples of one step over every rank, when batches are shares of global batches
+    /// ([`Batches::sliced`]): this rank's batch is its share of it.
+    pub fn global_batch(&self) -> Option<usize> {
+        self.global
     }
 
     /// Where the next batch comes from.

@@ -14,6 +14,7 @@ pub mod checkpoint;
 pub mod checkpoint_export;
 pub mod config;
 pub mod divergence;
+pub mod elastic;
 pub mod error;
 pub mod eval;
 pub mod fault;

@@ -15,6 +15,7 @@ use flotilla_tcp::{ProcessGroup, StallWatcher};
 use crate::batches::{Batches, Position};
 use crate::checkpoint::CheckpointState;
 use crate::config::TrainConfig;
+use crate::elastic::Elastic;
 use crate::error::Result;
 use crate::fault::Fault;
 use crate::job_data::JobData;
@@ -104,6 +105,8 @@ pub struct Run {
     plan: LoopPlan,
     state: LoopState,
     watcher: Option<StallWatcher>,
+    /// An elastic job's membership ([`crate::elastic`]).
+    elastic: Option<Elastic>,
 }
 
 /// A borrow of a run's parts as the loop's, for one call.
@@ -149,10 +152,28 @@ impl Run {
         let device = flotilla_engine::describe_device(&config.model.device)?;
         let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
         let world = topology.world_size();
-        let comm = crate::backend::connect(&config, rank, hash, world, rejoin, links)?;
+        let (comm, elastic) = if config.topology.min_world_size.is_some() {
+            let (comm, e) = Elastic::join(&config, hash)?;
+            (comm, Some(e))
+        } else {
+            let comm = crate::backend::connect(&config, rank, hash, world, rejoin, links)?;
+            (comm, None)
+        };
         let (rank, world) = (comm.rank(), comm.size());
+        // An elastic generation's members: a topology of its size.
+        let mut config = config;
+        let topology = match elastic {
+            Some(_) => {
+                config.topology.world_size = world;
+                config.topology()?
+            }
+            None => topology,
+        };
         observer.started(rank, world, trainer::role_label(&topology, rank));
-        let mut log = RunLog::open(&config.telemetry.output, rank)?;
+        let mut log = match &elastic {
+            Some(e) => RunLog::open_in(&config.telemetry.output, &format!("slot-{}", e.slot()))?,
+            None => RunLog::open(&config.telemetry.output, rank)?,
+        };
         let up = trainer::up_line(&device, model.name(), (rank, world), hash);
         observer.message(&up);
         log.line(&up)?;
@@ -183,8 +204,17 @@ impl Run {
             model,
             hash,
             rejoined,
+            elastic: elastic
+                .as_ref()
+                .map(|e| (e.global_batch, e.generation.clone())),
         };
-        job.set_up(parts, observer)
+        let mut run = job.set_up(parts, observer)?;
+        if let Some(mut e) = elastic {
+            e.started(true, rank);
+            run.elastic = Some(e);
+            run.generation_line(observer)?;
+        }
+        Ok(run)
     }
 
     /// This process's rank.
@@ -237,19 +267,38 @@ impl Run {
     /// One unit of this rank's part of the run, and what the run does after it; `None` once
     /// the run has ended (then [`Run::finish`]). An error ends the run: the rank to
     /// blame, if another, is named in it.
+    ///
+    /// In an elastic job a step lost with a member is not an error: the run joins the next
+    /// generation and resumes at the most steps any member holds (the step returned did not
+    /// progress), and after each step every member votes whether the membership changes.
     pub fn step(&mut self, observer: &mut dyn Observer) -> Result<Option<Progress>> {
-        let step = with_loop!(self, observer, |l| l.turn())?;
-        Ok(step.map(|step| {
-            let at = self.batches.position();
-            Progress {
-                step: self.state.progress(),
-                total: self.plan.total,
-                progressed: step.progressed,
-                loss: step.loss,
-                epoch: at.epoch,
-                step_in_epoch: at.step_in_epoch,
+        let turned = with_loop!(self, observer, |l| l.turn());
+        let step = match turned {
+            Err(e) if self.elastic.is_some() && crate::elastic::survivable(&e) => {
+                self.regroup(observer, &e.to_string())?;
+                return Ok(Some(self.progress(false, None)));
             }
-        }))
+            other => other?,
+        };
+        if step.is_some()
+            && let Some(why) = self.vote()
+        {
+            self.regroup(observer, &why)?;
+        }
+        Ok(step.map(|step| self.progress(step.progressed, step.loss)))
+    }
+
+    /// Where the run stands after a step that `progressed` with `loss`.
+    fn progress(&self, progressed: bool, loss: Option<f32>) -> Progress {
+        let at = self.batches.position();
+        Progress {
+            step: self.state.progress(),
+            total: self.plan.total,
+            progressed,
+            loss,
+            epoch: at.epoch,
+            step_in_epoch: at.step_in_epoch,
+        }
     }
 
     /// Ends the run here for `reason` (the caller's own criterion), on a rank whose role
@@ -288,7 +337,15 @@ impl Run {
     /// [`Run::step`] has returned `None`, or after [`Run::stop`]: a rank that leaves
     /// earlier leaves the others waiting for it until their deadline, which names it.
     pub fn finish(mut self, observer: &mut dyn Observer) -> Result<RunSummary> {
-        let done = with_loop!(&mut self, observer, |l| l.finish())?;
+        let done = loop {
+            match with_loop!(&mut self, observer, |l| l.finish()) {
+                // A member lost at the end: the others finish in the next generation.
+                Err(e) if self.elastic.is_some() && crate::elastic::survivable(&e) => {
+                    self.regroup(observer, &e.to_string())?;
+                }
+                other => break other?,
+            }
+        };
         if let Some(w) = self.watcher.take() {
             w.shutdown()?;
         }
@@ -321,6 +378,8 @@ enum Start<'a> {
     /// A fresh run after this many epochs of its data ([`JobData::start_epoch`]; 0: the
     /// beginning).
     AfterEpochs(u64),
+    /// A process joining a running elastic job at this many steps (the members' state).
+    AtStep(u64),
 }
 
 /// What a rank's setup reads besides its parts.
@@ -331,6 +390,8 @@ struct Job<'a> {
     /// This process replaced a lost worker of a running job: it takes part in no collective
     /// (it missed those issued before it came).
     rejoined: bool,
+    /// An elastic job's global batch and the generation this process joined.
+    elastic: Option<(usize, flotilla_tcp::Generation)>,
 }
 
 impl Job<'_> {
@@ -345,11 +406,19 @@ impl Job<'_> {
             samples: train.len(),
         };
         let mut role = registry::build(&mut cx, &setup)?;
-        let from = Resume::find(&mut cx, self.hash, self.rejoined)?;
-        let resumed = role.restore(&mut cx, &from)?;
-        let start = match &resumed {
-            Some(s) => Start::Resumed(s),
-            None => Start::AfterEpochs(u64::from(start_epoch)),
+        // Joining a running elastic job: its members' state comes with the start.
+        let joining = self.elastic.as_ref().filter(|(_, g)| g.number > 1);
+        let resumed = match joining {
+            Some(_) => None,
+            None => {
+                let from = Resume::find(&mut cx, self.hash, self.rejoined)?;
+                role.restore(&mut cx, &from)?
+            }
+        };
+        let start = match (&resumed, joining) {
+            (Some(s), _) => Start::Resumed(s),
+            (None, Some((_, g))) => Start::AtStep(g.step),
+            (None, None) => Start::AfterEpochs(u64::from(start_epoch)),
         };
         let (batches, plan) = self.plan(role.counting(), &mut cx, (train, started), start)?;
         let config = cx.config;
@@ -382,6 +451,7 @@ impl Job<'_> {
             plan,
             state,
             watcher,
+            elastic: None,
         })
     }
 
@@ -400,6 +470,7 @@ impl Job<'_> {
         let (seed, batch) = (config.model.seed, config.step_batch());
         let mut resumed_at = match start {
             Start::Resumed(s) => s.step,
+            Start::AtStep(step) => step,
             Start::AfterEpochs(_) => 0,
         };
         let (data, total, cadence, per_epoch) = match counting {
@@ -413,8 +484,18 @@ impl Job<'_> {
                         epoch: u32::try_from(epochs).unwrap_or(u32::MAX),
                         step_in_epoch: 0,
                     },
+                    Start::AtStep(_) => Position::default(),
                 };
-                let data = Batches::new(train, (shards, index), seed, batch, at)?;
+                let data = match &self.elastic {
+                    Some((global, _)) => {
+                        let at = match start {
+                            Start::AtStep(step) => elastic_position(&train, *global, step),
+                            _ => at,
+                        };
+                        Batches::sliced(train, (shards, index), seed, *global, at)?
+                    }
+                    None => Batches::new(train, (shards, index), seed, batch, at)?,
+                };
                 if let Start::AfterEpochs(epochs) = start {
                     resumed_at = epochs * data.steps_per_epoch();
                 }
@@ -465,3 +546,13 @@ impl Job<'_> {
         Ok((data, plan))
     }
 }
+
+/// Where an elastic job's batches stand after `step` steps (its global batches are the
+/// same for every number of members).
+fn elastic_position(train: &Arc<dyn Samples>, global: usize, step: u64) -> Position {
+    let per_epoch = (train.len() / global.max(1)) as u64;
+    Position::after(step, per_epoch)
+}
+
+#[path = "run_regroup.rs"]
+mod regroup;

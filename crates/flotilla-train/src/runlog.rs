@@ -20,7 +20,13 @@ pub struct RunLog {
 impl RunLog {
     /// Opens (appending) `<output>/rank-<rank>/run.log`.
     pub fn open(output: &Path, rank: usize) -> Result<Self> {
-        let dir = output.join(format!("rank-{rank}"));
+        Self::open_in(output, &format!("rank-{rank}"))
+    }
+
+    /// Opens (appending) `<output>/<name>/run.log` (an elastic job's process: `slot-<k>`,
+    /// its rank changing with each generation).
+    pub fn open_in(output: &Path, name: &str) -> Result<Self> {
+        let dir = output.join(name);
         fs::create_dir_all(&dir).map_err(|e| TrainError::io(&dir, e))?;
         let path = dir.join("run.log");
         let file = OpenOptions::new()

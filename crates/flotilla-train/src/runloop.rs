@@ -120,6 +120,13 @@ impl LoopState {
         self.progress
     }
 
+    /// Counts on from `progress` units (an elastic job's next generation resumes at its
+    /// rank 0's steps: one more than this process's when its last step was lost with a
+    /// member but went through elsewhere).
+    pub(crate) fn resume_at(&mut self, progress: u64) {
+        self.progress = progress;
+    }
+
     /// Why the run stopped, once it has.
     pub(crate) fn stopped(&self) -> Option<&str> {
         self.stopped.as_deref()

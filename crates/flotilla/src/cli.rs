@@ -321,3 +321,81 @@ pub struct BenchPsArgs {
     #[arg(long)]
     pub time_to_accuracy: Option<f64>,
 }
+
+/// `-n MIN:MAX` (also `--world-size MIN:MAX`, `-nMIN:MAX`, `--world-size=MIN:MAX`): an
+/// elastic job's sizes, as `--world-size MAX --min-world-size MIN` (the two settings the
+/// config has). Every other argument, and everything after `--` (a program's own), as given.
+pub fn expand_size_range(
+    args: impl IntoIterator<Item = std::ffi::OsString>,
+) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut args = args.into_iter();
+    let mut size_next = false;
+    while let Some(arg) = args.next() {
+        let text = arg.to_string_lossy().into_owned();
+        if text == "--" {
+            out.push(arg);
+            out.extend(args.by_ref());
+            break;
+        }
+        let value = if size_next {
+            size_next = false;
+            Some(text.as_str())
+        } else if text == "-n" || text == "--world-size" {
+            size_next = true;
+            out.push(arg);
+            continue;
+        } else {
+            text.strip_prefix("--world-size=")
+                .or_else(|| text.strip_prefix("-n").filter(|v| !v.is_empty()))
+        };
+        match value.and_then(|v| v.split_once(':')) {
+            Some((min, max)) => {
+                if !out.last().is_some_and(|a| a == "-n" || a == "--world-size") {
+                    out.push("--world-size".into());
+                }
+                out.push(max.into());
+                out.push("--min-world-size".into());
+                out.push(min.into());
+            }
+            None => out.push(arg),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod size_range_tests {
+    use super::expand_size_range;
+
+    fn expand(args: &[&str]) -> Vec<String> {
+        expand_size_range(args.iter().map(|a| a.into()))
+            .into_iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect()
+    }
+
+    #[test]
+    fn a_size_range_is_max_and_min() {
+        let elastic = [
+            "flotilla",
+            "launch",
+            "--world-size",
+            "4",
+            "--min-world-size",
+            "3",
+        ];
+        assert_eq!(
+            expand(&["flotilla", "launch", "-n", "3:4"]),
+            ["flotilla", "launch", "-n", "4", "--min-world-size", "3"]
+        );
+        assert_eq!(expand(&["flotilla", "launch", "--world-size=3:4"]), elastic);
+        assert_eq!(expand(&["flotilla", "launch", "-n3:4"]), elastic);
+        let fixed = ["flotilla", "launch", "-n", "4", "--", "prog", "-n", "1:2"];
+        assert_eq!(
+            expand(&fixed),
+            fixed,
+            "a program's own arguments are its own"
+        );
+    }
+}

@@ -29,7 +29,7 @@ use flotilla_rank::telemetry;
 
 fn main() -> ExitCode {
     heap::keep_freed_buffers();
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(cli::expand_size_range(std::env::args_os()));
     let result = match cli.command {
         Command::Train(args) => train(&args),
         Command::Launch(args) => init_telemetry().and_then(|_| launch::cmd::run(&args)),

@@ -38,6 +38,11 @@ impl RendezvousSocket {
             .port())
     }
 
+    /// The listening socket itself (an elastic job's lighthouse serves on it).
+    pub fn into_listener(self) -> TcpListener {
+        self.listener
+    }
+
     /// Makes `cmd` (rank 0's) inherit the listening socket: the descriptor stays open across
     /// `exec` in that child alone, its number in [`LISTEN_FD_ENV`]. `self` must live until
     /// `cmd` is spawned.

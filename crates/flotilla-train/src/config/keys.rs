@@ -227,6 +227,14 @@ pub const KEYS: &[Key] = &[
         .aliases(&["world_size"])
         .flag("world-size", "WORLD_SIZE", Kind::Usize, "Number of ranks")
         .short('n'),
+    Key::new("topology.min_world_size")
+        .aliases(&["min_world_size"])
+        .flag(
+            "min-world-size",
+            "MIN",
+            Kind::Usize,
+            "Elastic: the fewest ranks the job trains with (`-n MIN:MAX` says both)",
+        ),
     // `strategy` (and `arch`) also take `sync_allreduce` / `async_allreduce`, which set
     // `allreduce.mode` too (`super::sources`).
     Key::new("topology.arch")

@@ -14,7 +14,13 @@ use crate::error::{Result, TrainError};
 #[serde(deny_unknown_fields, default)]
 pub struct TopologySection {
     /// Number of ranks (processes) for all-reduce; parameter-server trees derive theirs.
+    /// In an elastic job (`min_world_size` set) the most it takes.
     pub world_size: usize,
+    /// An elastic job (`flotilla launch -n MIN:MAX`): the fewest ranks it trains with. Its
+    /// membership is kept by the launcher's lighthouse; a lost rank leaves the others
+    /// training in a new generation, a new process joins at a step boundary, and the
+    /// global batch (`batch_size` x `world_size`) stays. Unset: a fixed-size job.
+    pub min_world_size: Option<usize>,
     /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
     pub arch: Arch,
     /// Flat parameter server: `{aggr_type: sync|async, num_workers: N}`. Unset under
@@ -45,6 +51,7 @@ impl Default for TopologySection {
     fn default() -> Self {
         Self {
             world_size: 2,
+            min_world_size: None,
             arch: Arch::Allreduce,
             parameter_server: None,
             global_server: None,

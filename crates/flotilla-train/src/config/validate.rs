@@ -148,6 +148,9 @@ impl TrainConfig {
         if t.arch == Arch::Pipeline {
             self.validate_pipeline()?;
         }
+        if let Some(min) = t.min_world_size {
+            self.validate_elastic(min)?;
+        }
         if t.arch == Arch::Flat && t.parameter_server.is_none() && t.world_size <= t.servers {
             return Err(bad(
                 "topology.world_size",
@@ -254,6 +257,48 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
             key,
             format!("must be a finite positive {what}, got {v}"),
         ))
+    }
+}
+
+impl TrainConfig {
+    /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce without
+    /// ZeRO over TCP, `1 <= min <= world_size`. Each refusal names the setting.
+    fn validate_elastic(&self, min: usize) -> Result<()> {
+        let key = "topology.min_world_size";
+        let t = &self.topology;
+        if min == 0 || min > t.world_size {
+            return Err(bad(
+                key,
+                format!(
+                    "must be between 1 and world_size ({}), not {min}",
+                    t.world_size
+                ),
+            ));
+        }
+        let not_yet = |what: &str| {
+            Err(bad(
+                key,
+                format!(
+                    "an elastic job trains with sync all-reduce over TCP without ZeRO so far; \
+                     {what} keeps a fixed size (drop MIN: `-n {}`, and `--max-restarts` \
+                     restarts the whole job from its checkpoint)",
+                    t.world_size
+                ),
+            ))
+        };
+        if t.arch != Arch::Allreduce || self.allreduce.mode != super::AllReduceMode::Sync {
+            return not_yet("this strategy");
+        }
+        if self.allreduce.zero > 0 {
+            return not_yet("ZeRO (`allreduce.zero`)");
+        }
+        if self.allreduce.accumulation_steps > 1 {
+            return not_yet("gradient accumulation (`allreduce.accumulation_steps`)");
+        }
+        if self.comm.backend != super::Backend::Tcp {
+            return not_yet("an MPI or NCCL backend");
+        }
+        Ok(())
     }
 }
 

@@ -88,6 +88,18 @@ pub trait Strategy {
         Ok(())
     }
 
+    /// Takes `cx.comm`, an elastic job's next generation, in place of the group it had
+    /// (its model and optimizer state kept; [`Strategy::start`] then agrees on them with
+    /// the new members). `Err` names what keeps this way of training from changing its
+    /// members (the default).
+    fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let _ = cx;
+        Err(crate::error::TrainError::config(
+            "topology.min_world_size",
+            format!("the `{}` role cannot change its members yet", self.name()),
+        ))
+    }
+
     /// One unit of work; `done` units of progress were completed before. Roles that train
     /// take their batches from `data`.
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step>;

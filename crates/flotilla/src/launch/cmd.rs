@@ -61,6 +61,10 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
+    if config.topology.min_world_size.is_some() {
+        // An elastic job replaces lost processes itself; it never restarts as a whole.
+        return launch_once(config, opts, &secret, true, &mut restarts)?;
+    }
     loop {
         let first = restarts == 0;
         match launch_once(config.clone(), opts, &secret, first, &mut restarts)? {
@@ -110,8 +114,13 @@ fn launch_once(
         None => None,
     };
     let cpus = local_cpus(&job, opts.bind, threads);
+    let elastic = job.config.topology.min_world_size.is_some();
     let mut ranks = match &remote {
+        Some(_) if elastic => anyhow::bail!(
+            "an elastic job (-n MIN:MAX) runs on this host so far, not on --inventory hosts"
+        ),
         Some(r) => start_remote(&job, r, threads)?,
+        None if elastic => start_elastic(&mut job, threads, cpus.clone(), secret, opts)?,
         None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
     };
     ranks.tolerate(tolerated_ranks(&job.topology));
@@ -123,10 +132,13 @@ fn launch_once(
         ranks.respawn_with(respawn);
     }
     // A tolerated rank still running a deadline after the job ended is stuck, not busy.
+    // (An elastic job has no needed rank: nobody's end makes another a straggler.)
     if let Ok(grace) = std::time::Duration::try_from_secs_f64(job.config.comm.timeout_s) {
         ranks.stop_stragglers_after(grace);
     }
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
+    // An elastic job's rank 0 at the end may be any process.
+    relay.any_final_line = elastic;
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
     *restarts += ranks.respawned();
     relay.clear_bar();
@@ -228,6 +240,30 @@ fn start_local(
     let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
     let socket = job.socket.take();
     LocalJob::spawn(job.n, &train, env, socket.as_ref())
+}
+
+/// Starts an elastic job's processes on this host around its lighthouse
+/// ([`crate::launch::elastic`]).
+fn start_elastic(
+    job: &mut Prepared,
+    threads: usize,
+    cpus: Option<Vec<String>>,
+    secret: &JobSecret,
+    opts: &LaunchArgs,
+) -> Result<LocalJob> {
+    let socket = job
+        .socket
+        .take()
+        .context("the rendezvous port was not bound")?;
+    let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
+    crate::launch::elastic::start(crate::launch::elastic::Start {
+        config: &job.config,
+        config_path: job.config_path.clone().into_os_string(),
+        socket,
+        secret,
+        env: Box::new(env),
+        restarts: opts.max_restarts,
+    })
 }
 
 /// Starts the ranks on their inventory hosts (the job id printed and recorded first).

@@ -8,6 +8,7 @@
 //! ([`inventory`], over [`remote`]'s ssh) and their TLS files ([`tls`]).
 
 pub(crate) mod cmd;
+pub(crate) mod elastic;
 pub(crate) mod inventory;
 pub(crate) mod program;
 mod relay;
@@ -108,7 +109,12 @@ pub struct LocalJob {
     /// Lines read before [`LocalJob::supervise`] (while waiting for rank 0's port), relayed
     /// first by it.
     early: Vec<RankLine>,
+    /// Asked at every turn: a reason the whole job must stop ([`LocalJob::fail_when`]).
+    fail_when: Option<FailWhen>,
 }
+
+/// A check of the job as a whole (see [`LocalJob::fail_when`]).
+pub type FailWhen = Box<dyn FnMut() -> Option<String> + Send>;
 
 impl LocalJob {
     /// Starts `n` copies of this executable with `args`; `env(rank)` gives each its extra
@@ -155,6 +161,7 @@ impl LocalJob {
             straggler_grace: STRAGGLER_GRACE,
             on_stop,
             early: Vec::new(),
+            fail_when: None,
         };
         job.start_more(commands)?;
         Ok(job)
@@ -271,6 +278,12 @@ impl LocalJob {
         }
     }
 
+    /// Asks `check` at every turn of [`LocalJob::supervise`]: a reason it gives stops every
+    /// rank and ends the job with it (an elastic job's lighthouse below the minimum).
+    pub fn fail_when(&mut self, check: FailWhen) {
+        self.fail_when = Some(check);
+    }
+
     /// Ranks of this job started again so far.
     pub fn respawned(&self) -> u32 {
         self.respawns
@@ -359,6 +372,11 @@ impl LocalJob {
                 self.kill_all();
                 self.drain(on_line);
                 bail!("interrupted (Ctrl-C or SIGTERM): stopped all ranks");
+            }
+            if let Some(why) = self.fail_when.as_mut().and_then(|check| check()) {
+                self.drain(on_line);
+                self.kill_all();
+                bail!("{why}; stopped all ranks");
             }
             let all_done = status.iter().all(Option::is_some);
             if let Some(first) = first_failure
@@ -450,7 +468,8 @@ impl LocalJob {
         let needed_done = (0..status.len())
             .filter(|&i| !self.tolerated[i])
             .all(|i| status[i].is_some_and(|s| s.success()));
-        if !needed_done {
+        // Without a needed rank (an elastic job's) nobody's end makes another a straggler.
+        if !needed_done || self.tolerated.iter().all(|t| *t) {
             return false;
         }
         let since = since.get_or_insert_with(Instant::now);

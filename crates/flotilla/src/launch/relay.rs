@@ -18,6 +18,9 @@ pub(crate) struct Relay {
     bar: Option<Option<ProgressBar>>,
     /// Rank 0's `final ...` line, once seen.
     pub(crate) final_line: Option<String>,
+    /// Keep any process's `final ...` line (an elastic job's: its rank 0 at the end may be
+    /// any of them, and every member prints the same).
+    pub(crate) any_final_line: bool,
 }
 
 impl Relay {
@@ -28,6 +31,7 @@ impl Relay {
             interactive: std::io::stderr().is_terminal(),
             bar: None,
             final_line: None,
+            any_final_line: false,
         }
     }
 
@@ -38,7 +42,7 @@ impl Relay {
             if let Some(Ok(event)) = RankEvent::parse(&line.text) {
                 return self.on_event(line.rank, event);
             }
-            if line.rank == 0 && line.text.starts_with("final ") {
+            if (line.rank == 0 || self.any_final_line) && line.text.starts_with("final ") {
                 self.final_line = Some(line.text.clone());
             }
         }

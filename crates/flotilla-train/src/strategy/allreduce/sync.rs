@@ -199,6 +199,23 @@ impl Strategy for SyncAllReduce {
         super::synchronize_initial_state(&*self.comm, &mut *self.engine)
     }
 
+    fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        if self.zero.is_some() {
+            return Err(TrainError::config(
+                "allreduce.zero",
+                "a ZeRO run cannot change its members yet (a lost rank's optimizer shard is \
+                 lost with it); use zero: 0, or restart from the checkpoint",
+            ));
+        }
+        self.comm = cx.comm.clone();
+        if cx.config.allreduce.sync_batch_norm {
+            sync_batch_norm(&mut *self.engine, cx.comm)?;
+        }
+        // Buffers a failed step left with the old group's collectives.
+        self.buffers.clear();
+        Ok(())
+    }
+
     /// `optimizer_state_bytes`: the optimizer state this rank holds (1/N of it with ZeRO);
     /// `gradient_bytes`: the averaged gradient it keeps for its optimizer step (the whole
     /// model's, or with ZeRO its shard's); `bucket_buffer_bytes`: its wire buffers (every
@@ -287,7 +304,16 @@ impl Strategy for SyncAllReduce {
         let lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
         // Samples, not labels: a text window has a label per position.
-        let samples = data.batch_size() as u64 * world;
+        let mine = data.batch_size() as u64;
+        let samples = data.global_batch().map_or(mine * world, |g| g as u64);
+        // Shares of a global batch that differ (an elastic job's members do not divide it):
+        // each rank's mean gradient weighted by its samples, so that the sum is the mean
+        // over the global batch; 1 (untouched) where the shares are equal.
+        let weight = if mine * world == samples {
+            1.0
+        } else {
+            (mine * world) as f32 / samples as f32
+        };
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
@@ -297,7 +323,7 @@ impl Strategy for SyncAllReduce {
         let last = self
             .accumulator
             .run(&mut *self.engine, &self.layout, batch)?;
-        let stats = self.step_on(last, lr)?;
+        let stats = self.step_on(last, lr, weight)?;
         Ok(Step {
             progressed: true,
             loss: Some(stats.global_loss),
@@ -308,8 +334,9 @@ impl Strategy for SyncAllReduce {
 }
 
 impl SyncAllReduce {
-    /// One training step on this rank's batch at learning rate `lr`.
-    fn step_on(&mut self, batch: BatchRef<'_>, lr: f64) -> Result<StepStats> {
+    /// One training step on this rank's batch at learning rate `lr`, its gradient and loss
+    /// scaled by `weight` (its share of the global batch times the ranks; 1: equal shares).
+    fn step_on(&mut self, batch: BatchRef<'_>, lr: f64, weight: f32) -> Result<StepStats> {
         let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
             Some(zero) => super::scatter::reduce_scatter_step(
                 zero,
@@ -319,7 +346,7 @@ impl SyncAllReduce {
                 (batch, &self.accumulator),
                 self.overlap,
             )?,
-            None => self.all_reduce_step(batch)?,
+            None => self.all_reduce_step(batch, weight)?,
         };
         if let Some(max) = self.clip_grad_norm {
             let (grads, sharded) = match &mut self.zero {
@@ -343,8 +370,8 @@ impl SyncAllReduce {
     }
 
     /// Forward and backward on `batch`, every bucket all-reduced (zero 0 and stage 1):
-    /// this rank's loss and the global mean loss.
-    fn all_reduce_step(&mut self, batch: BatchRef<'_>) -> Result<(f32, f32)> {
+    /// this rank's loss and the global mean loss. `weight`: see [`Self::step_on`].
+    fn all_reduce_step(&mut self, batch: BatchRef<'_>, weight: f32) -> Result<(f32, f32)> {
         let engine = &mut *self.engine;
         let count = self.plan.buckets.len();
         let last = count.saturating_sub(1);
@@ -366,6 +393,9 @@ impl SyncAllReduce {
                 let at = layout.params[i].offset - bucket.start;
                 let dst = &mut buffers[k][at..at + grad.len()];
                 accumulator.add_into(dst, grad, layout.params[i].offset);
+                if weight != 1.0 {
+                    dst.iter_mut().for_each(|v| *v *= weight);
+                }
                 filled[k] += 1;
                 // The last bucket waits for the loss, known when the engine returns.
                 if filled[k] == bucket.params.len() && k != last {
@@ -383,7 +413,7 @@ impl SyncAllReduce {
             if let Some(buffer) = buffers.get_mut(last) {
                 let n = plan.buckets[last].len();
                 // The mean of the step's micro-batch losses.
-                buffer[n] = accumulator.mean_loss(loss);
+                buffer[n] = accumulator.mean_loss(loss) * weight;
                 pending[last] = Some(comm.all_reduce_bucket(std::mem::take(buffer), last));
             }
             loss

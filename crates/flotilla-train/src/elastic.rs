@@ -1,0 +1,99 @@
+//! One process of an elastic job (`topology.min_world_size`, `flotilla launch -n MIN:MAX`):
+//! its link to the launcher's lighthouse ([`flotilla_tcp::Beacon`]) and the generations it
+//! joins ([`flotilla_tcp::TcpGroup::connect_elastic`]). A [`crate::run::Run`] of such a job
+//! votes after each step whether the membership changes (a loss, a joiner) so that every
+//! member leaves its generation after the same step; a step that fails on a lost member is
+//! not counted, and the next generation resumes at the most steps any member holds (its
+//! rank 0, whose state every member takes).
+
+use std::sync::Arc;
+
+use flotilla_tcp::{Beacon, CommConfig, CommError, Generation, ProcessGroup, TcpGroup};
+
+use crate::config::TrainConfig;
+use crate::error::{Result, TrainError};
+
+/// The variable the launcher names each process of an elastic job by (its slot).
+pub const SLOT_ENV: &str = "FLOTILLA_SLOT";
+
+/// An elastic process's membership.
+pub(crate) struct Elastic {
+    beacon: Beacon,
+    cfg: CommConfig,
+    /// The generation it is a member of.
+    pub(crate) generation: Generation,
+    /// Whether it holds training state (it took part in a generation's start).
+    has_state: bool,
+    /// The samples of one step over every member (`batch_size` x the maximum ranks).
+    pub(crate) global_batch: usize,
+}
+
+impl Elastic {
+    /// Reaches the lighthouse (`comm.master_addr:master_port`) as this process's slot
+    /// ([`SLOT_ENV`]; its process id without one) and joins the job's first generation it
+    /// can: the first (a start), or a running job's next (a joiner).
+    pub(crate) fn join(
+        config: &TrainConfig,
+        hash: u64,
+    ) -> Result<(Arc<dyn ProcessGroup>, Elastic)> {
+        let slot = match std::env::var(SLOT_ENV) {
+            Ok(v) => v
+                .trim()
+                .parse::<u64>()
+                .map_err(|_| TrainError::config(SLOT_ENV, format!("not a number: {v:?}")))?,
+            Err(_) => u64::from(std::process::id()),
+        };
+        let max = config.topology.world_size;
+        let cfg = config.comm_config(None, hash, max)?;
+        let mut beacon = Beacon::connect(&cfg, slot)?;
+        let (group, generation) = TcpGroup::connect_elastic(cfg.clone(), &mut beacon, None)?;
+        let e = Elastic {
+            beacon,
+            cfg,
+            generation,
+            has_state: false,
+            global_batch: config.step_batch() * max,
+        };
+        Ok((Arc::new(group), e))
+    }
+
+    /// This process's slot.
+    pub(crate) fn slot(&self) -> u64 {
+        self.beacon.slot()
+    }
+
+    /// Whether the lighthouse announced a change (or is lost).
+    pub(crate) fn changing(&self) -> bool {
+        self.beacon.changing()
+    }
+
+    /// Joins the next generation, offering the state of `step` steps if it holds one.
+    pub(crate) fn next(&mut self, step: u64) -> Result<Arc<dyn ProcessGroup>> {
+        let offer = self.has_state.then_some(step);
+        let (group, generation) =
+            TcpGroup::connect_elastic(self.cfg.clone(), &mut self.beacon, offer)?;
+        self.generation = generation;
+        Ok(Arc::new(group))
+    }
+
+    /// Records whether this process holds training state after a generation's start
+    /// (`synced`: it went through; a member other than rank 0 that did not may hold a
+    /// mixture).
+    pub(crate) fn started(&mut self, synced: bool, rank: usize) {
+        self.has_state = synced || (self.has_state && rank == 0);
+    }
+}
+
+/// Whether a run's error is a lost generation, which an elastic process survives by
+/// joining the next: a failed or timed-out exchange with a member. The lighthouse's
+/// refusals (a stale generation, below the minimum) and local errors are not.
+pub(crate) fn survivable(e: &TrainError) -> bool {
+    match e {
+        TrainError::Comm(c) => !matches!(
+            c,
+            CommError::Rendezvous(_) | CommError::Config(_) | CommError::InvalidArgument(_)
+        ),
+        TrainError::Protocol { .. } | TrainError::Peer { .. } => true,
+        _ => false,
+    }
+}

@@ -1,0 +1,123 @@
+//! An elastic run between two generations ([`crate::elastic`]): the vote after each step
+//! whether the membership changes, and the move to the next generation — the strategy
+//! takes the new group and agrees on its state with the members (rank 0's, the most steps),
+//! the batches are cut among the new members from the same global batch, and every member
+//! checks that all hold the same parameters before training on.
+
+use std::sync::Arc;
+
+use flotilla_tcp::{ProcessGroup, StallWatcher};
+
+use super::{Run, elastic_position};
+use crate::batches::Batches;
+use crate::error::{Result, TrainError};
+use crate::observe::Observer;
+
+impl Run {
+    /// After a step of an elastic run: whether any member heard of a change (or its
+    /// exchange failed: the generation is lost), so that all leave it after this step.
+    pub(super) fn vote(&mut self) -> Option<String> {
+        let e = self.elastic.as_ref()?;
+        let mut flag = [if e.changing() { 1.0 } else { 0.0 }];
+        match self.parts.comm.all_reduce_sum(&mut flag) {
+            Ok(()) if flag[0] > 0.0 => Some("the membership changes".into()),
+            Ok(()) => None,
+            Err(e) => Some(e.to_string()),
+        }
+    }
+
+    /// Leaves the current generation (`why`) and trains on in the next one; an error only
+    /// when the lighthouse refuses this process (a stale generation, fewer members than the
+    /// minimum) or the strategy cannot change its members.
+    pub(super) fn regroup(&mut self, observer: &mut dyn Observer, why: &str) -> Result<()> {
+        if let Some(w) = self.watcher.take() {
+            // Its error is the lost generation's, reported already.
+            let _ = w.shutdown();
+        }
+        let step = self.state.progress();
+        loop {
+            let Some(e) = self.elastic.as_mut() else {
+                return Ok(());
+            };
+            let left = e.generation.number;
+            let note = format!("left generation {left} after step {step}: {why}; joining the next");
+            observer.message(&note);
+            self.parts.log.line(&note)?;
+            let comm = e.next(step)?;
+            match self.take_generation(comm, observer) {
+                Ok(()) => return Ok(()),
+                Err(err) if crate::elastic::survivable(&err) => {
+                    let note = format!("the generation was lost while starting: {err}");
+                    observer.message(&note);
+                    self.parts.log.line(&note)?;
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// Trains on in the generation of `comm`: the strategy's state agreed with rank 0's, the
+    /// count and batches where rank 0 stands, the parameters checked equal on every member.
+    fn take_generation(
+        &mut self,
+        comm: Arc<dyn ProcessGroup>,
+        observer: &mut dyn Observer,
+    ) -> Result<()> {
+        let (rank, world) = (comm.rank(), comm.size());
+        self.parts.comm = comm;
+        self.parts.rank = rank;
+        self.parts.config.topology.world_size = world;
+        let started = {
+            let mut cx = self.parts.cx(observer);
+            self.role.regroup(&mut cx)?;
+            self.role.start(&mut cx)
+        };
+        let Some(e) = self.elastic.as_mut() else {
+            return Ok(());
+        };
+        e.started(started.is_ok(), rank);
+        started?;
+        let (global, step) = (e.global_batch, e.generation.step);
+        self.state.resume_at(step);
+        let train = Arc::clone(&self.parts.data.train);
+        let at = elastic_position(&train, global, step);
+        let seed = self.parts.config.model.seed;
+        self.batches = Batches::sliced(train, (world, rank), seed, global, at)?;
+        self.plan.workers = world;
+        self.generation_line(observer)?;
+        let cx = self.parts.cx(observer);
+        if let Some(policy) = self.role.stall_policy(cx.config) {
+            let everyone: Vec<usize> = (0..world).collect();
+            let channel = cx.comm.group(&everyone)?;
+            self.watcher = Some(StallWatcher::start(cx.comm.clone(), channel, policy)?);
+        }
+        Ok(())
+    }
+
+    /// Says (and checks: collective) which generation this process trains in: its members,
+    /// this process's rank, the step it starts from and the parameters' hash, the same on
+    /// every member.
+    pub(super) fn generation_line(&mut self, observer: &mut dyn Observer) -> Result<()> {
+        let Some(e) = &self.elastic else {
+            return Ok(());
+        };
+        let g = e.generation.clone();
+        let comm = self.parts.comm.clone();
+        let model = self.role.model().ok_or_else(|| {
+            TrainError::config("topology.min_world_size", "this role holds no model")
+        })?;
+        let hash = crate::eval::verify_identical(model, &*comm)?;
+        let line = format!(
+            "generation {}: {} ranks (slots {:?}), this process (pid {}) rank {}, from step \
+             {}; parameters identical on every member (xxh3 {hash:016x})",
+            g.number,
+            comm.size(),
+            g.slots,
+            std::process::id(),
+            comm.rank(),
+            self.state.progress(),
+        );
+        observer.message(&line);
+        self.parts.log.line(&line)
+    }
+}

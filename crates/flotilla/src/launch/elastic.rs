@@ -1,0 +1,101 @@
+//! `flotilla launch -n MIN:MAX`: an elastic job on this host. The launcher keeps the job's
+//! membership (a [`Lighthouse`] on the rendezvous port, so that no rank's loss — rank 0's
+//! included — ends the job), starts MAX processes, each named by a slot
+//! ([`flotilla_train::elastic::SLOT_ENV`]), and supervises them: a process that fails is
+//! left out by the survivors, who train on, and (with `--max-restarts K`) replaced, at most
+//! K times, by a new process under a new slot that joins at a step boundary. Fewer than
+//! MIN ranks ends the job at once, naming the lost.
+
+use std::ffi::OsString;
+use std::process::Command;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use flotilla_tcp::{Lighthouse, LighthouseConfig, LighthouseEvent};
+use flotilla_train::TrainConfig;
+use flotilla_train::elastic::SLOT_ENV;
+
+use crate::job_secret::JobSecret;
+use crate::launch::{LocalJob, Respawn};
+use crate::rendezvous_socket::RendezvousSocket;
+
+/// What an elastic start needs from the launch.
+pub(crate) struct Start<'a> {
+    pub config: &'a TrainConfig,
+    /// The launch config the ranks read.
+    pub config_path: OsString,
+    pub socket: RendezvousSocket,
+    pub secret: &'a JobSecret,
+    /// Each process's environment, by its index.
+    pub env: Box<dyn Fn(usize) -> Vec<(String, String)> + Send>,
+    /// Replacements allowed (`--max-restarts`).
+    pub restarts: u32,
+}
+
+/// Starts the lighthouse and MAX processes; the job fails when the lighthouse says it
+/// cannot go on (fewer than MIN members).
+pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
+    let c = s.config;
+    let max = c.topology.world_size;
+    let min = c.topology.min_world_size.unwrap_or(max);
+    let timeout = Duration::try_from_secs_f64(c.comm.timeout_s).context("comm.timeout_s")?;
+    let join_timeout =
+        Duration::try_from_secs_f64(c.comm.join_timeout_s).context("comm.join_timeout_s")?;
+    let cfg = LighthouseConfig {
+        min,
+        max,
+        secret: s.secret.secret().cloned(),
+        tls: c.tls()?,
+        insecure: c.comm.insecure,
+        join_timeout,
+        // A member that has not enlisted again within the job's deadline is left out.
+        agreement: timeout,
+        timeout,
+    };
+    let lighthouse = Lighthouse::start(cfg, s.socket.into_listener())?;
+    println!(
+        "[launcher] elastic job: {min} to {max} ranks; the launcher keeps the membership \
+         (lighthouse on port {}){}",
+        lighthouse.port(),
+        if s.restarts > 0 {
+            format!("; a failed rank is replaced, at most {} times", s.restarts)
+        } else {
+            String::new()
+        }
+    );
+    let exe = std::env::current_exe().context("locating the flotilla executable")?;
+    let args = ["train".into(), s.config_path];
+    let env = s.env;
+    let command = move |index: usize, slot: usize| {
+        let mut cmd = Command::new(&exe);
+        cmd.args(&args);
+        for (k, v) in env(index) {
+            cmd.env(k, v);
+        }
+        cmd.env(SLOT_ENV, slot.to_string());
+        cmd
+    };
+    let commands: Vec<Command> = (0..max).map(|i| command(i, i)).collect();
+    let mut job = LocalJob::start(commands, None)?;
+    // No process is needed by name: the survivors go on without a lost one.
+    job.tolerate(0..max);
+    let mut next_slot = max;
+    job.respawn_with(Respawn {
+        make: Box::new(move |index| {
+            next_slot += 1;
+            command(index, next_slot - 1)
+        }),
+        ranks: (0..max).collect(),
+        left: s.restarts,
+        total: s.restarts,
+        used: 0,
+    });
+    job.fail_when(Box::new(move || match lighthouse.try_event()? {
+        LighthouseEvent::Running { generation, slots } => {
+            println!("[launcher] generation {generation}: slots {slots:?} (by rank)");
+            None
+        }
+        LighthouseEvent::Failed(re) => Some(format!("the elastic job cannot go on: {re}")),
+    }));
+    Ok(job)
+}

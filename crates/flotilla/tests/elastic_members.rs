@@ -1,0 +1,275 @@
+//! `flotilla launch -n 3:4 --max-restarts 2`: an elastic job whose membership the launcher
+//! keeps. One rank SIGKILLed mid-run, then the rank 0 of the generation after: no survivor
+//! exits (the same process, by its pid, in every generation it trains in), each commits to
+//! the next generation within the deadline plus the agreement timeout, every generation's
+//! members hold the same parameters (their hashes, checked among them and here), each lost
+//! process is replaced by a new one that joins the running job, the launcher exits 0, and
+//! the accuracy is within 0.3 % of an undisturbed run of the same length.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use common::*;
+
+/// The deadline of every wait on a peer (and the lighthouse's agreement timeout).
+const TIMEOUT_S: f64 = 10.0;
+
+fn args(out: &Path, size: &str) -> Vec<String> {
+    let out = out.display().to_string();
+    [
+        "launch",
+        "-n",
+        size,
+        "--epochs",
+        "12",
+        "--train-limit",
+        "20000",
+        "--timeout-s",
+        "10",
+        "--output",
+        &out,
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// One `generation G: ...` line of a process's log.
+#[derive(Debug, Clone)]
+struct Joined {
+    at: f64,
+    generation: u64,
+    slots: Vec<u64>,
+    pid: u32,
+    rank: usize,
+    step: u64,
+    hash: String,
+}
+
+fn between<'a>(line: &'a str, from: &str, to: &str) -> &'a str {
+    let rest = &line[line.find(from).map_or(line.len(), |i| i + from.len())..];
+    &rest[..rest.find(to).unwrap_or(rest.len())]
+}
+
+/// The seconds stamp of a run.log line (`[   6.169s] ...`).
+fn stamp(line: &str) -> f64 {
+    between(line, "[", "s]").trim().parse().unwrap_or(f64::NAN)
+}
+
+fn generations(log: &str) -> Vec<Joined> {
+    log.lines()
+        .filter(|l| l.contains("] generation "))
+        .map(|l| Joined {
+            at: stamp(l),
+            generation: between(l, "] generation ", ":").parse().expect("number"),
+            slots: between(l, "(slots [", "])")
+                .split(", ")
+                .map(|s| s.parse().expect("slot"))
+                .collect(),
+            pid: between(l, "(pid ", ")").parse().expect("pid"),
+            rank: between(l, ") rank ", ",").parse().expect("rank"),
+            step: between(l, "from step ", ";").parse().expect("step"),
+            hash: between(l, "(xxh3 ", ")").to_string(),
+        })
+        .collect()
+}
+
+fn slot_log(out: &Path, slot: u64) -> String {
+    std::fs::read_to_string(out.join(format!("slot-{slot}/run.log"))).unwrap_or_default()
+}
+
+/// The newest step an `epoch ... step=S` line of `log` reached.
+fn newest_step(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains(" epoch ") && l.contains(" step="))
+        .filter_map(|l| between(l, " step=", " ").parse().ok())
+        .max()
+        .unwrap_or(0)
+}
+
+fn kill(pid: u32) {
+    let ok = Command::new("kill")
+        .args(["-9", &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill -9 {pid}");
+}
+
+/// Waits (bounded) until `ready` finds a process to kill in `out`'s logs, and kills it:
+/// returns its slot.
+fn kill_when(out: &Path, what: &str, ready: impl Fn(&Path) -> Option<(u64, u32)>) -> u64 {
+    let started = Instant::now();
+    loop {
+        if let Some((slot, pid)) = ready(out) {
+            kill(pid);
+            return slot;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{what}: never"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The newest generation any of the first `slots` processes logged, as that process saw it.
+fn newest_generation(out: &Path, slots: u64) -> Option<Joined> {
+    (0..slots)
+        .flat_map(|s| generations(&slot_log(out, s)))
+        .max_by_key(|j| j.generation)
+}
+
+/// The pid of `slot` as its own log says.
+fn pid_of(out: &Path, slot: u64) -> Option<u32> {
+    generations(&slot_log(out, slot)).last().map(|j| j.pid)
+}
+
+#[test]
+fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
+    let dir = tmp();
+    let (elastic, plain) = (dir.path().join("elastic"), dir.path().join("plain"));
+    let mut c = flotilla();
+    c.args(args(&elastic, "3:4")).args(["--max-restarts", "2"]);
+    let out = elastic.clone();
+    let killer = std::thread::spawn(move || {
+        // First a rank that is not rank 0, in the third epoch.
+        let first = kill_when(&out, "epoch 3 of generation 1", |out| {
+            let g = newest_generation(out, 4)?;
+            let slot = g.slots[2];
+            (g.generation == 1 && newest_step(&slot_log(out, slot)) >= 234)
+                .then_some((slot, pid_of(out, slot)?))
+        });
+        // Then the rank 0 of a newer generation, once it trained two more epochs.
+        let second = kill_when(&out, "rank 0 of a newer generation", |out| {
+            let g = newest_generation(out, 6)?;
+            let lead = g.slots[0];
+            let log = slot_log(out, lead);
+            (g.generation > 1 && newest_step(&log) >= g.step + 156)
+                .then_some((lead, pid_of(out, lead)?))
+        });
+        (first, second)
+    });
+    let o = run_with_deadline(c, Duration::from_secs(400));
+    let (first, second) = killer.join().expect("killer");
+    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    for k in ["restart 1/2 after: rank", "restart 2/2 after: rank"] {
+        assert!(stderr.contains(k), "no `{k}` in:\n{stderr}");
+    }
+    assert_ne!(first, second);
+    assert_members_kept_training(&elastic, &[first, second]);
+
+    let o = run_with_deadline(
+        {
+            let mut c = flotilla();
+            c.args(args(&plain, "4"));
+            c
+        },
+        Duration::from_secs(300),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    let undisturbed = final_fields(&o)["test_acc"];
+    let acc = final_fields_of(&stdout)["test_acc"];
+    assert!(
+        (acc - undisturbed).abs() <= 0.003,
+        "elastic {acc} vs undisturbed {undisturbed}"
+    );
+}
+
+/// The `final k=v ...` line of a launcher's stdout.
+fn final_fields_of(stdout: &str) -> BTreeMap<String, f64> {
+    let line = stdout
+        .lines()
+        .rfind(|l| l.starts_with("final "))
+        .expect("a final line");
+    line.split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect()
+}
+
+/// Every process but the `killed` trained to the end as one process, committing to each
+/// new generation within the deadline plus the agreement timeout; every generation's
+/// members logged the same parameters' hash; each generation had at least 3 members.
+fn assert_members_kept_training(out: &Path, killed: &[u64]) {
+    let slots: Vec<u64> = (0..8)
+        .filter(|s| out.join(format!("slot-{s}")).is_dir())
+        .collect();
+    assert!(slots.len() >= 6, "two replacements started: {slots:?}");
+    let mut hashes: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    let mut members: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
+    for &slot in &slots {
+        let log = slot_log(out, slot);
+        let joined = generations(&log);
+        assert!(!joined.is_empty(), "slot {slot} never trained:\n{log}");
+        for j in &joined {
+            hashes
+                .entry(j.generation)
+                .or_default()
+                .insert(j.hash.clone());
+            members.insert(j.generation, j.slots.clone());
+            assert_eq!(j.slots[j.rank], slot, "slot {slot}: {j:?}");
+        }
+        if killed.contains(&slot) {
+            continue;
+        }
+        let pids: BTreeSet<u32> = joined.iter().map(|j| j.pid).collect();
+        assert_eq!(
+            pids.len(),
+            1,
+            "slot {slot} is one process throughout: {pids:?}"
+        );
+        assert!(
+            log.contains("final test_acc="),
+            "slot {slot} did not finish:\n{log}"
+        );
+        // From leaving a generation to training in the next: a liveness bound.
+        let left: Vec<f64> = log
+            .lines()
+            .filter(|l| l.contains("] left generation "))
+            .map(stamp)
+            .collect();
+        for t in left {
+            let next = joined
+                .iter()
+                .find(|j| j.at >= t)
+                .expect("a next generation");
+            assert!(
+                next.at - t <= 2.0 * TIMEOUT_S + 5.0,
+                "slot {slot} took {:.1} s to commit to generation {}",
+                next.at - t,
+                next.generation
+            );
+        }
+    }
+    for (g, h) in &hashes {
+        assert_eq!(
+            h.len(),
+            1,
+            "generation {g}: members hold different parameters: {h:?}"
+        );
+    }
+    assert!(
+        members.len() >= 3,
+        "at least two changes of members: {members:?}"
+    );
+    for (g, m) in &members {
+        assert!(
+            m.len() >= 3,
+            "generation {g} ran with {m:?}, below the minimum"
+        );
+        for k in killed {
+            let last = members.keys().next_back().copied().unwrap_or(0);
+            assert!(
+                *g < last || !m.contains(k),
+                "killed slot {k} is in the last generation"
+            );
+        }
+    }
+}
