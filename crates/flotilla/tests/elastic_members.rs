@@ -15,10 +15,12 @@ use std::time::{Duration, Instant};
 
 use common::*;
 
-/// The deadline of every wait on a peer (and the lighthouse's agreement timeout).
-const TIMEOUT_S: f64 = 10.0;
-
 fn args(out: &Path, size: &str) -> Vec<String> {
+    args_with(out, size, "10")
+}
+
+/// [`args`] with another deadline (`--timeout-s`).
+fn args_with(out: &Path, size: &str, timeout_s: &str) -> Vec<String> {
     let out = out.display().to_string();
     [
         "launch",
@@ -29,7 +31,7 @@ fn args(out: &Path, size: &str) -> Vec<String> {
         "--train-limit",
         "20000",
         "--timeout-s",
-        "10",
+        timeout_s,
         "--output",
         &out,
     ]
@@ -162,7 +164,7 @@ fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
         assert!(stderr.contains(k), "no `{k}` in:\n{stderr}");
     }
     assert_ne!(first, second);
-    assert_members_kept_training(&elastic, &[first, second]);
+    assert_members_kept_training(&elastic, &[first, second], (6, 3, 10.0));
 
     let o = run_with_deadline(
         {
@@ -196,12 +198,22 @@ fn final_fields_of(stdout: &str) -> BTreeMap<String, f64> {
 
 /// Every process but the `killed` trained to the end as one process, committing to each
 /// new generation within the deadline plus the agreement timeout; every generation's
-/// members logged the same parameters' hash; each generation had at least 3 members.
-fn assert_members_kept_training(out: &Path, killed: &[u64]) {
+/// members logged the same parameters' hash; each generation had at least `min` members;
+/// `processes` processes ran in all (the replacements included). `timeout_s`: the job's
+/// deadline, which is also the lighthouse's agreement timeout.
+fn assert_members_kept_training(
+    out: &Path,
+    killed: &[u64],
+    (processes, min, timeout_s): (usize, usize, f64),
+) {
     let slots: Vec<u64> = (0..8)
         .filter(|s| out.join(format!("slot-{s}")).is_dir())
         .collect();
-    assert!(slots.len() >= 6, "two replacements started: {slots:?}");
+    assert_eq!(
+        slots.len(),
+        processes,
+        "the replacements started: {slots:?}"
+    );
     let mut hashes: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
     let mut members: BTreeMap<u64, Vec<u64>> = BTreeMap::new();
     for &slot in &slots {
@@ -241,7 +253,7 @@ fn assert_members_kept_training(out: &Path, killed: &[u64]) {
                 .find(|j| j.at >= t)
                 .expect("a next generation");
             assert!(
-                next.at - t <= 2.0 * TIMEOUT_S + 5.0,
+                next.at - t <= 2.0 * timeout_s + 5.0,
                 "slot {slot} took {:.1} s to commit to generation {}",
                 next.at - t,
                 next.generation
@@ -261,7 +273,7 @@ fn assert_members_kept_training(out: &Path, killed: &[u64]) {
     );
     for (g, m) in &members {
         assert!(
-            m.len() >= 3,
+            m.len() >= min,
             "generation {g} ran with {m:?}, below the minimum"
         );
         for k in killed {
@@ -272,4 +284,89 @@ fn assert_members_kept_training(out: &Path, killed: &[u64]) {
             );
         }
     }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// Waits (bounded) for `done`.
+fn wait_until(what: &str, done: impl Fn() -> bool) {
+    let started = Instant::now();
+    while !done() {
+        assert!(
+            started.elapsed() < Duration::from_secs(120),
+            "{what}: never"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A rank frozen (SIGSTOP) past the deadline: the others go on without it in a new
+/// generation; continued, it finds its generation gone, is refused and exits, and a new
+/// process takes its place; every generation's members hold the same parameters.
+#[test]
+fn a_frozen_rank_is_left_out_refused_when_it_wakes_and_replaced() {
+    let dir = tmp();
+    let out = dir.path().join("frozen");
+    let mut c = flotilla();
+    c.args(args_with(&out, "2:3", "3"))
+        .args(["--max-restarts", "1"]);
+    let o_dir = out.clone();
+    let freezer = std::thread::spawn(move || {
+        let out = o_dir;
+        wait_until("epoch 2", || newest_step(&slot_log(&out, 1)) >= 104);
+        let pid = pid_of(&out, 1).expect("slot 1's pid");
+        signal(pid, "-STOP");
+        wait_until("a generation without slot 1", || {
+            newest_generation(&out, 3).is_some_and(|g| g.generation > 1 && !g.slots.contains(&1))
+        });
+        signal(pid, "-CONT");
+    });
+    let o = run_with_deadline(c, Duration::from_secs(400));
+    freezer.join().expect("freezer");
+    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("the job went on without it in generation"),
+        "the woken rank was not refused by its stale generation:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("restart 1/1 after: rank 1 failed"),
+        "{stderr}"
+    );
+    assert_members_kept_training(&out, &[1], (4, 2, 3.0));
+}
+
+/// Fewer ranks than the minimum: the job stops at once, naming the lost.
+#[test]
+fn below_the_minimum_the_job_stops_naming_the_lost() {
+    let dir = tmp();
+    let out = dir.path().join("below");
+    let mut c = flotilla();
+    c.args(args(&out, "3:3"));
+    let o_dir = out.clone();
+    let killer = std::thread::spawn(move || {
+        kill_when(&o_dir, "epoch 2", |out| {
+            (newest_step(&slot_log(out, 2)) >= 78).then_some((2, pid_of(out, 2)?))
+        })
+    });
+    let started = Instant::now();
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    killer.join().expect("killer");
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!o.status.success());
+    assert!(
+        stderr.contains("fewer than its minimum of 3; lost: slot 2 (rank 2 of generation 1)"),
+        "{stderr}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(60),
+        "it waited for a deadline"
+    );
 }

@@ -162,8 +162,14 @@ fn members_that_do_not_divide_the_global_batch_train_as_one_rank_on_it() {
     let sliced = |workers: usize, rank: usize| {
         let train = std::sync::Arc::new(data.clone());
         let at = crate::batches::Position::default();
-        crate::batches::Batches::sliced(train, (workers, rank), crate::testkit::DATA_SEED, GLOBAL, at)
-            .expect("batches")
+        crate::batches::Batches::sliced(
+            train,
+            (workers, rank),
+            crate::testkit::DATA_SEED,
+            GLOBAL,
+            at,
+        )
+        .expect("batches")
     };
     let (mut oracle, mut want) = Oracle::new();
     let mut opt = SgdRef::new(MOMENTUM);
