@@ -25,6 +25,7 @@ fn lighthouse(min: usize, max: usize) -> Lighthouse {
     let cfg = LighthouseConfig {
         min,
         max,
+        first: max,
         secret: Some(secret()),
         tls: None,
         insecure: false,

@@ -116,9 +116,15 @@ pub struct LaunchArgs {
     /// When a rank fails, start the whole job again from the newest checkpoint (see
     /// `checkpoint_every`), up to this many times; each restart is logged with its cause. A
     /// worker whose parameter servers are all asynchronous is restarted alone instead and
-    /// rejoins the running job (it counts as a restart).
+    /// rejoins the running job (it counts as a restart). In an elastic job (`-n MIN:MAX`) a
+    /// failed rank is replaced alone, by a new process that joins the running job.
     #[arg(long, default_value_t = 0)]
     pub max_restarts: u32,
+    /// An elastic job (`-n MIN:MAX`): how many processes to start here (default MAX; at
+    /// least MIN); more may join the running job later, up to MAX (the command to start one
+    /// is printed).
+    #[arg(long, value_name = "N")]
+    pub start_ranks: Option<usize>,
     /// Where ranks go with `--inventory`.
     #[command(flatten)]
     pub remote: RemoteArgs,

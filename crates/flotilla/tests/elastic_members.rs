@@ -370,3 +370,84 @@ fn below_the_minimum_the_job_stops_naming_the_lost() {
         "it waited for a deadline"
     );
 }
+
+/// Scale up: the job starts with 2 processes (`-n 2:4 --start-ranks 2`); two more, started
+/// by hand mid-run with the job's secret and config, join it at a step boundary, take the
+/// members' state (their parameters' hash equals the members' in the generation they join,
+/// before their first step), and all four train to the end.
+#[test]
+fn processes_started_mid_run_join_the_job_with_the_members_state() {
+    let dir = tmp();
+    let out = dir.path().join("up");
+    let port = free_port();
+    let secret = "elastic-scale-up-test-secret-0123456789";
+    let mut c = flotilla();
+    c.args(args(&out, "2:4"))
+        .args(["--start-ranks", "2", "--master-port", &port])
+        .env("FLOTILLA_SECRET", secret);
+    let o_dir = out.clone();
+    let joiners = std::thread::spawn(move || {
+        wait_until("epoch 2", || newest_step(&slot_log(&o_dir, 0)) >= 156);
+        let config = o_dir.join("launch-config.yaml");
+        let started: Vec<_> = [100, 101]
+            .map(|slot| {
+                let mut j = flotilla();
+                j.arg("train")
+                    .arg(&config)
+                    .env("FLOTILLA_SLOT", slot.to_string())
+                    .env("FLOTILLA_SECRET", secret);
+                std::thread::spawn(move || run_with_deadline(j, Duration::from_secs(300)))
+            })
+            .into();
+        started
+            .into_iter()
+            .map(|h| h.join().expect("joiner"))
+            .collect::<Vec<_>>()
+    });
+    let o = run_with_deadline(c, Duration::from_secs(400));
+    let joined = joiners.join().expect("joiners");
+    assert!(o.status.success(), "{}", text(&o));
+    for j in &joined {
+        assert!(j.status.success(), "a joiner failed: {}", text(j));
+    }
+    let mut hashes: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    let mut last = (0, Vec::new());
+    for slot in [0, 1, 100, 101] {
+        let log = slot_log(&out, slot);
+        assert!(
+            log.contains("final test_acc="),
+            "slot {slot} did not finish:\n{log}"
+        );
+        let gens = generations(&log);
+        if slot >= 100 {
+            let first = gens.first().expect("the joiner's generation");
+            assert!(
+                first.generation > 1 && first.step >= 156,
+                "joined mid-run: {first:?}"
+            );
+        }
+        for g in gens {
+            hashes
+                .entry(g.generation)
+                .or_default()
+                .insert(g.hash.clone());
+            if g.generation > last.0 {
+                last = (g.generation, g.slots.clone());
+            }
+        }
+    }
+    for (g, h) in &hashes {
+        assert_eq!(
+            h.len(),
+            1,
+            "generation {g}: members hold different parameters: {h:?}"
+        );
+    }
+    let mut members = last.1;
+    members.sort_unstable();
+    assert_eq!(
+        members,
+        [0, 1, 100, 101],
+        "the last generation has all four"
+    );
+}

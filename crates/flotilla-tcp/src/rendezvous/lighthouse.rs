@@ -33,6 +33,9 @@ pub struct LighthouseConfig {
     pub min: usize,
     /// Most ranks it takes.
     pub max: usize,
+    /// How many processes the first generation waits for (those the launcher starts; more
+    /// may join later, up to `max`).
+    pub first: usize,
     /// The cluster secret every process proves (`None`: TLS alone, or `insecure`).
     pub secret: Option<Secret>,
     /// The cluster's TLS (every connection in mutual TLS).
@@ -170,6 +173,7 @@ impl Server {
         let bounds = Bounds {
             min: cfg.min,
             max: cfg.max,
+            first: cfg.first.clamp(cfg.min, cfg.max),
             join_timeout: cfg.join_timeout,
             agreement: cfg.agreement,
             mesh: cfg.timeout * 2 + Duration::from_secs(1),

@@ -61,7 +61,10 @@ pub(crate) struct Bounds {
     pub min: usize,
     /// Most ranks it takes.
     pub max: usize,
-    /// How long the first generation waits for its maximum.
+    /// How many processes the first generation waits for (the ones started with the job;
+    /// `max` unless fewer were): more may join it later, up to `max`.
+    pub first: usize,
+    /// How long the first generation waits for its `first` processes.
     pub join_timeout: Duration,
     /// How long a later generation waits for the previous one's members to enlist again.
     pub agreement: Duration,
@@ -361,7 +364,7 @@ impl Quorum {
             .all(|m| enlisted.contains_key(&m.slot));
         let survivors = enlisted.values().filter(|e| e.step.is_some()).count();
         let complete = if !self.ran {
-            enlisted.len() >= self.bounds.max
+            enlisted.len() >= self.bounds.first
         } else {
             awaited && survivors > 0
         };

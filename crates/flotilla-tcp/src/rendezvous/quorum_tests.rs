@@ -6,6 +6,7 @@ fn bounds() -> Bounds {
     Bounds {
         min: 2,
         max: 3,
+        first: 3,
         join_timeout: Duration::from_secs(10),
         agreement: Duration::from_secs(2),
         mesh: Duration::from_secs(4),

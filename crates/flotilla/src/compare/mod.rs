@@ -123,6 +123,7 @@ fn run_one(
             oversubscribe: false,
             bind: crate::binding::Bind::default(),
             max_restarts: 0,
+            start_ranks: None,
             remote: RemoteArgs::default(),
             program: args.program.clone(),
         };

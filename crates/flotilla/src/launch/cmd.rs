@@ -263,6 +263,7 @@ fn start_elastic(
         secret,
         env: Box::new(env),
         restarts: opts.max_restarts,
+        start: opts.start_ranks,
     })
 }
 

@@ -30,6 +30,8 @@ pub(crate) struct Start<'a> {
     pub env: Box<dyn Fn(usize) -> Vec<(String, String)> + Send>,
     /// Replacements allowed (`--max-restarts`).
     pub restarts: u32,
+    /// Processes to start now (`--start-ranks`; `None`: MAX).
+    pub start: Option<usize>,
 }
 
 /// Starts the lighthouse and MAX processes; the job fails when the lighthouse says it
@@ -41,9 +43,14 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
     let timeout = Duration::try_from_secs_f64(c.comm.timeout_s).context("comm.timeout_s")?;
     let join_timeout =
         Duration::try_from_secs_f64(c.comm.join_timeout_s).context("comm.join_timeout_s")?;
+    let first = s.start.unwrap_or(max);
+    if first < min || first > max {
+        anyhow::bail!("--start-ranks {first}: an elastic job of {min}:{max} starts {min} to {max}");
+    }
     let cfg = LighthouseConfig {
         min,
         max,
+        first,
         secret: s.secret.secret().cloned(),
         tls: c.tls()?,
         insecure: c.comm.insecure,
@@ -64,6 +71,7 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
         }
     );
     let exe = std::env::current_exe().context("locating the flotilla executable")?;
+    let config_shown = std::path::PathBuf::from(&s.config_path);
     let args = ["train".into(), s.config_path];
     let env = s.env;
     let command = move |index: usize, slot: usize| {
@@ -75,17 +83,27 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
         cmd.env(SLOT_ENV, slot.to_string());
         cmd
     };
-    let commands: Vec<Command> = (0..max).map(|i| command(i, i)).collect();
+    if first < max {
+        println!(
+            "[launcher] more ranks join this job (up to {max}) with: {SLOT_ENV}=<a number of \
+             your own, from 1000> MASTER_ADDR={} MASTER_PORT={} and this job's secret: \
+             flotilla train {}",
+            c.comm.master_addr,
+            lighthouse.port(),
+            config_shown.display()
+        );
+    }
+    let commands: Vec<Command> = (0..first).map(|i| command(i, i)).collect();
     let mut job = LocalJob::start(commands, None)?;
     // No process is needed by name: the survivors go on without a lost one.
-    job.tolerate(0..max);
-    let mut next_slot = max;
+    job.tolerate(0..first);
+    let mut next_slot = first;
     job.respawn_with(Respawn {
         make: Box::new(move |index| {
             next_slot += 1;
             command(index, next_slot - 1)
         }),
-        ranks: (0..max).collect(),
+        ranks: (0..first).collect(),
         left: s.restarts,
         total: s.restarts,
         used: 0,
