@@ -36,6 +36,7 @@ GEN = re.compile(
     r"\(pid (\d+)\) rank (\d+), from step (\d+); .*\(xxh3 ([0-9a-f]+)\)"
 )
 LEFT = re.compile(r"\[\s*([\d.]+)s\] left generation (\d+) after step (\d+)")
+EPOCH = re.compile(r"\[\s*([\d.]+)s\] epoch \d+/\d+ .* time=([\d.]+)s")
 
 
 def generations(log):
@@ -134,7 +135,16 @@ def check_elastic(out):
     bad = {g: h for g, h in hashes.items() if len(h) != 1}
     if bad:
         sys.exit(f"generations whose members hold different parameters: {bad}")
-    return len(hashes), pauses, steps_lost
+    # The epochs of the process that trained longest, those with a change starred.
+    longest = max(logs.values(), key=lambda log: len(EPOCH.findall(log)))
+    changes = [float(m[1]) for m in LEFT.finditer(longest)]
+    epochs, start = [], 0.0
+    for m in EPOCH.finditer(longest):
+        end, took = float(m[1]), float(m[2])
+        star = "*" if any(start <= c <= end for c in changes) else ""
+        epochs.append(f"{took:.1f}{star}")
+        start = end
+    return len(hashes), pauses, steps_lost, epochs
 
 
 def main():
@@ -170,11 +180,13 @@ def main():
                   f"{', '.join(f'{k:.0f}' for k in kills)} s), {cost:.1f} s per fault over "
                   f"the undisturbed run  {final[-1] if final else ''}")
             if name == "elastic":
-                gens, pauses, lost = check_elastic(out_dir)
+                gens, pauses, lost, epochs = check_elastic(out_dir)
                 print(f"  {gens} generations, parameters equal on every member of each; "
                       f"survivors' pause per change: "
                       f"{', '.join(f'{x:.2f}' for x in sorted(pauses))} s; steps lost per "
                       f"change: {sorted(set(lost))}")
+                print(f"  epoch times of the longest-lived process (s; * a change in it): "
+                      f"{' '.join(epochs)}")
 
 
 if __name__ == "__main__":

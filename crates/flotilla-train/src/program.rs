@@ -54,6 +54,16 @@ pub fn launcher_rank() -> Result<Option<usize>> {
 /// is not per rank ([`TrainConfig::shared_hash`]), or the rendezvous refuses the one that
 /// differs. Collective: every rank of the job calls it.
 pub fn join(config: &TrainConfig, rank: Option<usize>) -> Result<Arc<dyn ProcessGroup>> {
+    if let Some(min) = config.topology.min_world_size {
+        return Err(crate::error::TrainError::config(
+            "topology.min_world_size",
+            format!(
+                "an elastic job ({min}:{}) trains `flotilla train`'s models so far; a \
+                 program's group keeps a fixed size (drop min_world_size)",
+                config.topology.world_size
+            ),
+        ));
+    }
     let world = config.effective_world_size()?;
     let hash = config.shared_hash(None);
     crate::backend::connect(config, rank, hash, world, Rejoin::Off, Vec::new())

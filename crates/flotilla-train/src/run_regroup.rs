@@ -30,10 +30,9 @@ impl Run {
     /// when the lighthouse refuses this process (a stale generation, fewer members than the
     /// minimum) or the strategy cannot change its members.
     pub(super) fn regroup(&mut self, observer: &mut dyn Observer, why: &str) -> Result<()> {
-        if let Some(w) = self.watcher.take() {
-            // Its error is the lost generation's, reported already.
-            let _ = w.shutdown();
-        }
+        // Left without stopping it collectively (that waits for every member, a lost one
+        // too): it ends on its own.
+        drop(self.watcher.take());
         let step = self.state.progress();
         loop {
             let Some(e) = self.elastic.as_mut() else {

@@ -65,6 +65,14 @@ fn check_given_data(sources: &settings::Sources, config: &TrainConfig) -> Result
 pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     // Checked once here, as each rank would check it (`flotilla_train::program::settings`).
     config.validate()?;
+    if config.topology.min_world_size.is_some() {
+        anyhow::bail!(
+            "-n MIN:MAX (an elastic job) starts `flotilla train` ranks so far; a program's \
+             ranks keep a fixed size: `-n {}`, and --max-restarts restarts them from the \
+             checkpoint",
+            config.topology.world_size
+        );
+    }
     // One secret for every start of the program, removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
