@@ -88,6 +88,9 @@ pub(crate) enum Ctrl {
     /// The lighthouse -> the members of the running generation: the membership changes
     /// (a rank lost, a rank waiting to join); enlist again at the next step boundary.
     Regroup { generation: u64 },
+    /// A member -> the lighthouse: its run ended (its last collectives done): the job is
+    /// ending, and a member that leaves now is not lost.
+    Finished,
 }
 
 impl Ctrl {

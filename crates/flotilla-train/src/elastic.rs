@@ -76,6 +76,11 @@ impl Elastic {
         Ok(Arc::new(group))
     }
 
+    /// Tells the lighthouse this process's run ended (after its last collectives).
+    pub(crate) fn finished(&mut self) {
+        self.beacon.finished();
+    }
+
     /// Records whether this process holds training state after a generation's start
     /// (`synced`: it went through; a member other than rank 0 that did not may hold a
     /// mixture).

@@ -346,6 +346,9 @@ impl Run {
                 other => break other?,
             }
         };
+        if let Some(e) = self.elastic.as_mut() {
+            e.finished();
+        }
         if let Some(w) = self.watcher.take() {
             w.shutdown()?;
         }

@@ -194,6 +194,13 @@ impl Beacon {
         }
     }
 
+    /// Tells the lighthouse this process's run ended (its last collectives done): the job
+    /// is ending, and members that leave now are not lost (best effort: a lighthouse gone
+    /// already has nothing to decide).
+    pub fn finished(&mut self) {
+        let _ = self.send(&Ctrl::Finished, "finishing");
+    }
+
     /// Tells the lighthouse this process could not build its mesh.
     pub(crate) fn mesh_failed(&mut self, reason: String) {
         let _ = self.send(&Ctrl::MeshFailed { reason }, "mesh failed");

@@ -299,6 +299,7 @@ impl Server {
                 self.quorum.closed(slot, now)
             }
             Inbound::Said(slot, Ctrl::Ready) => self.quorum.ready(slot, now),
+            Inbound::Said(slot, Ctrl::Finished) => self.quorum.finished(slot),
             Inbound::Said(slot, Ctrl::MeshFailed { reason }) => {
                 tracing::warn!(slot, "lighthouse: a mesh failed: {reason}");
                 self.quorum.mesh_failed(slot, now)

@@ -85,6 +85,8 @@ enum Phase {
         deadline: Instant,
     },
     Running,
+    /// A member's run ended: the job is ending (no new generation; leaving is not a loss).
+    Finished,
     Failed,
 }
 
@@ -155,6 +157,12 @@ impl Quorum {
         let joiner = e.step.is_none() && !self.is_member(e.slot);
         match &mut self.phase {
             Phase::Failed => return vec![Out::Close(e.slot)],
+            Phase::Finished => {
+                let re = RendezvousError::MasterFailed {
+                    reason: "the job has finished".into(),
+                };
+                return vec![Out::Send(e.slot, Ctrl::Reject(re)), Out::Close(e.slot)];
+            }
             Phase::Forming { enlisted, .. } => {
                 enlisted.insert(e.slot, e);
             }
@@ -203,6 +211,15 @@ impl Quorum {
         out
     }
 
+    /// A member's run ended: no generation forms any more, and members that leave are not
+    /// lost.
+    pub(crate) fn finished(&mut self, slot: u64) -> Vec<Out> {
+        if self.is_member(slot) && matches!(self.phase, Phase::Running) {
+            self.phase = Phase::Finished;
+        }
+        Vec::new()
+    }
+
     /// A member could not build its mesh: the generation forms again.
     pub(crate) fn mesh_failed(&mut self, slot: u64, now: Instant) -> Vec<Out> {
         let mut out = Vec::new();
@@ -218,6 +235,9 @@ impl Quorum {
         self.connected.remove(&slot);
         self.waiting.remove(&slot);
         let member = self.is_member(slot);
+        if matches!(self.phase, Phase::Finished) {
+            return out;
+        }
         if member {
             self.note_lost(slot);
         }
@@ -336,7 +356,10 @@ impl Quorum {
     /// Starts collecting enlistments for the next generation (with the joiners waiting),
     /// telling every connected member of the current one to enlist again.
     fn start_forming(&mut self, now: Instant, out: &mut Vec<Out>) {
-        if matches!(self.phase, Phase::Forming { .. } | Phase::Failed) {
+        if matches!(
+            self.phase,
+            Phase::Forming { .. } | Phase::Failed | Phase::Finished
+        ) {
             return;
         }
         let next = self.generation + 1;

@@ -227,3 +227,23 @@ fn a_mesh_that_fails_forms_the_generation_again() {
     let out = q.enlist(enlisted(0, 2, 3), t);
     assert!(formed(&out).iter().all(|f| f.1 == 3), "{out:?}");
 }
+
+#[test]
+fn members_that_leave_a_finished_job_are_not_lost_and_nobody_joins_it() {
+    let t = Instant::now();
+    let mut q = running(t);
+    assert!(q.finished(1).is_empty());
+    for slot in [1, 0, 2] {
+        assert!(
+            q.closed(slot, t).is_empty(),
+            "slot {slot}: no generation after the end"
+        );
+    }
+    assert!(q.tick(t + Duration::from_secs(60)).is_empty());
+    assert!(!q.failed());
+    let out = q.enlist(enlisted(7, 0, 0), t);
+    assert!(
+        matches!(rejection(&out), Some(RendezvousError::MasterFailed { reason }) if reason.contains("finished")),
+        "{out:?}"
+    );
+}
