@@ -7,7 +7,7 @@ mod common;
 mod starts;
 
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -42,12 +42,7 @@ fn kill_a_rank_after(out: &Path, step: u64) {
         let ranks = processes_mentioning(needle);
         if ck.is_dir() && !ranks.is_empty() {
             let (pid, _) = ranks[ranks.len() - 1];
-            let ok = Command::new("kill")
-                .args(["-9", &pid.to_string()])
-                .status()
-                .expect("kill")
-                .success();
-            assert!(ok, "kill -9 {pid}");
+            signal(pid, "-9");
             return;
         }
         assert!(

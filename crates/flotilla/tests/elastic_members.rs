@@ -10,7 +10,6 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -93,22 +92,13 @@ fn newest_step(log: &str) -> u64 {
         .unwrap_or(0)
 }
 
-fn kill(pid: u32) {
-    let ok = Command::new("kill")
-        .args(["-9", &pid.to_string()])
-        .status()
-        .expect("kill")
-        .success();
-    assert!(ok, "kill -9 {pid}");
-}
-
 /// Waits (bounded) until `ready` finds a process to kill in `out`'s logs, and kills it:
 /// returns its slot.
 fn kill_when(out: &Path, what: &str, ready: impl Fn(&Path) -> Option<(u64, u32)>) -> u64 {
     let started = Instant::now();
     loop {
         if let Some((slot, pid)) = ready(out) {
-            kill(pid);
+            signal(pid, "-9");
             return slot;
         }
         assert!(
@@ -284,15 +274,6 @@ fn assert_members_kept_training(
             );
         }
     }
-}
-
-fn signal(pid: u32, sig: &str) {
-    let ok = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .expect("kill")
-        .success();
-    assert!(ok, "kill {sig} {pid}");
 }
 
 /// Waits (bounded) for `done`.

@@ -61,6 +61,8 @@ pub enum LighthouseEvent {
         /// Its members' slots, by rank.
         slots: Vec<u64>,
     },
+    /// A member's run ended: the job is ending (a process lost now is not replaced).
+    Finished,
     /// The job cannot go on (fewer ranks than its minimum): every process was told.
     Failed(RendezvousError),
 }
@@ -334,6 +336,9 @@ impl Server {
                     let _ = self
                         .events
                         .send(LighthouseEvent::Running { generation, slots });
+                }
+                Out::Finished => {
+                    let _ = self.events.send(LighthouseEvent::Finished);
                 }
                 Out::Failed(re) => {
                     tracing::error!("lighthouse: {re}");

@@ -50,6 +50,8 @@ pub(crate) enum Out {
     Close(u64),
     /// A generation is running (after its `Go`): its number and members, by rank.
     Running(u64, Vec<u64>),
+    /// A member's run ended: the job is ending.
+    Finished,
     /// The job cannot go on.
     Failed(RendezvousError),
 }
@@ -216,6 +218,7 @@ impl Quorum {
     pub(crate) fn finished(&mut self, slot: u64) -> Vec<Out> {
         if self.is_member(slot) && matches!(self.phase, Phase::Running) {
             self.phase = Phase::Finished;
+            return vec![Out::Finished];
         }
         Vec::new()
     }

@@ -220,6 +220,7 @@ fn rejoin_respawn(
         left: max.saturating_sub(done),
         total: max,
         used: done,
+        ending: None,
     }
 }
 

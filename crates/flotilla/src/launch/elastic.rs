@@ -8,6 +8,8 @@
 
 use std::ffi::OsString;
 use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::{Context, Result};
@@ -16,7 +18,7 @@ use flotilla_train::TrainConfig;
 use flotilla_train::elastic::SLOT_ENV;
 
 use crate::job_secret::JobSecret;
-use crate::launch::{LocalJob, Respawn};
+use crate::launch::{FailWhen, LocalJob, Respawn};
 use crate::rendezvous_socket::RendezvousSocket;
 
 /// What an elastic start needs from the launch.
@@ -40,26 +42,14 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
     let c = s.config;
     let max = c.topology.world_size;
     let min = c.topology.min_world_size.unwrap_or(max);
-    let timeout = Duration::try_from_secs_f64(c.comm.timeout_s).context("comm.timeout_s")?;
-    let join_timeout =
-        Duration::try_from_secs_f64(c.comm.join_timeout_s).context("comm.join_timeout_s")?;
     let first = s.start.unwrap_or(max);
     if first < min || first > max {
         anyhow::bail!("--start-ranks {first}: an elastic job of {min}:{max} starts {min} to {max}");
     }
-    let cfg = LighthouseConfig {
-        min,
-        max,
-        first,
-        secret: s.secret.secret().cloned(),
-        tls: c.tls()?,
-        insecure: c.comm.insecure,
-        join_timeout,
-        // A member that has not enlisted again within the job's deadline is left out.
-        agreement: timeout,
-        timeout,
-    };
-    let lighthouse = Lighthouse::start(cfg, s.socket.into_listener())?;
+    let lighthouse = Lighthouse::start(
+        lighthouse_config(c, s.secret, first)?,
+        s.socket.into_listener(),
+    )?;
     println!(
         "[launcher] elastic job: {min} to {max} ranks; the launcher keeps the membership \
          (lighthouse on port {}){}",
@@ -98,6 +88,7 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
     // No process is needed by name: the survivors go on without a lost one.
     job.tolerate(0..first);
     let mut next_slot = first;
+    let ending = Arc::new(AtomicBool::new(false));
     job.respawn_with(Respawn {
         make: Box::new(move |index| {
             next_slot += 1;
@@ -107,13 +98,48 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
         left: s.restarts,
         total: s.restarts,
         used: 0,
+        ending: Some(ending.clone()),
     });
-    job.fail_when(Box::new(move || match lighthouse.try_event()? {
+    job.fail_when(watch(lighthouse, ending));
+    Ok(job)
+}
+
+/// The lighthouse of an elastic job of `c` that starts with `first` processes.
+fn lighthouse_config(
+    c: &TrainConfig,
+    secret: &JobSecret,
+    first: usize,
+) -> Result<LighthouseConfig> {
+    let max = c.topology.world_size;
+    let timeout = Duration::try_from_secs_f64(c.comm.timeout_s).context("comm.timeout_s")?;
+    Ok(LighthouseConfig {
+        min: c.topology.min_world_size.unwrap_or(max),
+        max,
+        first,
+        secret: secret.secret().cloned(),
+        tls: c.tls()?,
+        insecure: c.comm.insecure,
+        join_timeout: Duration::try_from_secs_f64(c.comm.join_timeout_s)
+            .context("comm.join_timeout_s")?,
+        // A member that has not enlisted again within the job's deadline is left out.
+        agreement: timeout,
+        timeout,
+    })
+}
+
+/// What the launcher does with the lighthouse's news: says each generation, stops
+/// replacing processes once the job is ending (`ending`), and ends the job below the
+/// minimum.
+fn watch(lighthouse: Lighthouse, ending: Arc<AtomicBool>) -> FailWhen {
+    Box::new(move || match lighthouse.try_event()? {
         LighthouseEvent::Running { generation, slots } => {
             println!("[launcher] generation {generation}: slots {slots:?} (by rank)");
             None
         }
+        LighthouseEvent::Finished => {
+            ending.store(true, Ordering::SeqCst);
+            None
+        }
         LighthouseEvent::Failed(re) => Some(format!("the elastic job cannot go on: {re}")),
-    }));
-    Ok(job)
+    })
 }

@@ -19,6 +19,7 @@ use std::collections::VecDeque;
 use std::ffi::OsString;
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender};
 use std::thread;
@@ -240,10 +241,11 @@ impl LocalJob {
     /// Starts tolerated rank `i` again if the budget allows; says so either way.
     fn try_respawn(&mut self, i: usize, how: ExitStatus) -> bool {
         let rank = self.children[i].0;
+        let ending = |r: &Respawn| r.ending.as_ref().is_some_and(|e| e.load(Ordering::SeqCst));
         let Some(r) = self
             .respawn
             .as_mut()
-            .filter(|r| r.left > 0 && !interrupted())
+            .filter(|r| r.left > 0 && !interrupted() && !ending(r))
         else {
             eprintln!(
                 "[launcher] rank {rank} exited ({}); the job goes on without it",
@@ -649,6 +651,9 @@ pub struct Respawn {
     pub total: u32,
     /// Restarts counted against the budget so far (of the job or of single ranks).
     pub used: u32,
+    /// Once set, no rank is started again (an elastic job that is ending: a replacement
+    /// would be refused).
+    pub ending: Option<Arc<AtomicBool>>,
 }
 
 /// Starts one rank's process: stdin closed, output relayed to `tx`, ended with the launcher.

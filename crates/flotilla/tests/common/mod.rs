@@ -338,3 +338,13 @@ pub fn python_has(python: &str, module: &str) -> bool {
         .output()
         .is_ok_and(|o| o.status.success())
 }
+
+/// Sends `sig` (`-9`, `-STOP`, `-CONT`) to process `pid` with `kill`, which must succeed.
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .expect("kill")
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
