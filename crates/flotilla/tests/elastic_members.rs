@@ -432,3 +432,32 @@ fn processes_started_mid_run_join_the_job_with_the_members_state() {
         "the last generation has all four"
     );
 }
+
+/// A rank frozen for good: the others go on without it and finish; the launcher stops the
+/// frozen process a deadline after the job ended (it never hangs on it) and exits 0.
+#[test]
+fn a_rank_frozen_for_good_is_stopped_once_the_others_finished() {
+    let dir = tmp();
+    let out = dir.path().join("stuck");
+    let mut c = flotilla();
+    c.args(args_with(&out, "2:3", "3"));
+    let o_dir = out.clone();
+    let freezer = std::thread::spawn(move || {
+        wait_until("epoch 2", || newest_step(&slot_log(&o_dir, 2)) >= 104);
+        signal(pid_of(&o_dir, 2).expect("slot 2's pid"), "-STOP");
+    });
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    freezer.join().expect("freezer");
+    let stderr = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(o.status.success(), "{}\n{stderr}", text(&o));
+    assert!(
+        stderr.contains("[launcher] rank(s) 2 still running"),
+        "the frozen process was not named and stopped:\n{stderr}"
+    );
+    for slot in [0, 1] {
+        assert!(
+            slot_log(&out, slot).contains("final test_acc="),
+            "slot {slot}"
+        );
+    }
+}

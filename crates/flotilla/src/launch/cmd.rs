@@ -131,8 +131,8 @@ fn launch_once(
         respawn.ranks = rejoinable;
         ranks.respawn_with(respawn);
     }
-    // A tolerated rank still running a deadline after the job ended is stuck, not busy.
-    // (An elastic job has no needed rank: nobody's end makes another a straggler.)
+    // A tolerated rank still running a deadline after the job ended is stuck, not busy (in
+    // an elastic job: a deadline after a process finished, a frozen one left out).
     if let Ok(grace) = std::time::Duration::try_from_secs_f64(job.config.comm.timeout_s) {
         ranks.stop_stragglers_after(grace);
     }

@@ -461,17 +461,22 @@ impl LocalJob {
     }
 
     /// Whether tolerated ranks were still running [`Self::straggler_grace`] after every
-    /// needed rank finished successfully; if so they are named and killed.
+    /// needed rank finished successfully (in a job without one, an elastic job's: after one
+    /// rank did); if so they are named and killed.
     fn stragglers_stopped(
         &mut self,
         status: &[Option<ExitStatus>],
         since: &mut Option<Instant>,
     ) -> bool {
-        let needed_done = (0..status.len())
-            .filter(|&i| !self.tolerated[i])
-            .all(|i| status[i].is_some_and(|s| s.success()));
-        // Without a needed rank (an elastic job's) nobody's end makes another a straggler.
-        if !needed_done || self.tolerated.iter().all(|t| *t) {
+        let needed_done = if self.tolerated.iter().all(|t| *t) {
+            // No rank needed by name (an elastic job): it ended once one finished.
+            status.iter().any(|s| s.is_some_and(|s| s.success()))
+        } else {
+            (0..status.len())
+                .filter(|&i| !self.tolerated[i])
+                .all(|i| status[i].is_some_and(|s| s.success()))
+        };
+        if !needed_done {
             return false;
         }
         let since = since.get_or_insert_with(Instant::now);
