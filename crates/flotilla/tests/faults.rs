@@ -1,6 +1,7 @@
 //! Fault injection (issue 10) over real processes on 127.0.0.1: SIGKILL and SIGSTOP of a
 //! rank (a peer, rank 0, a parameter server — root and local — a worker, a pipeline stage) in
-//! every strategy, at a random moment of training; strangers at every listening port; a peer
+//! every strategy, and a peer of an elastic job (which trains on without it), at a random
+//! moment of training; strangers at every listening port; a peer
 //! with the wrong secret or another config. Each scenario must end within its deadline with
 //! the documented outcome and leave no process behind. Every `kill -9` of a rank the job
 //! needs runs twice: under `flotilla launch` (which must name the rank) and with the ranks
@@ -88,6 +89,15 @@ const MODES: &[Mode] = &[
         world: 3,
         targets: &[(0, "peer"), (2, "peer")],
         tolerated: &[],
+        marker: "training: ",
+    },
+    Mode {
+        name: "sync all-reduce, elastic 2:3",
+        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 3000\n",
+        world: 3,
+        targets: &[(0, "peer"), (2, "peer")],
+        // Every rank's loss is absorbed: the others train on in a new generation.
+        tolerated: &[0, 1, 2],
         marker: "training: ",
     },
     Mode {
@@ -276,10 +286,13 @@ fn signal_scenario(
     );
     // A job that goes on without the rank trains to its end after the fault: up to twice
     // its undisturbed time (the survivors take the lost rank's share) on top of the bound.
+    // An elastic job's undisturbed run is the fixed-size job (the same bits at full size),
+    // started by hand as every baseline is.
+    let fixed = text.replace("min_world_size: 2\n", "");
     let baseline = mode
         .tolerated
         .contains(&rank)
-        .then(|| baselines.of(&slug(mode.name), &text, mode.world, mode.marker));
+        .then(|| baselines.of(&slug(mode.name), &fixed, mode.world, mode.marker));
     let training_left = baseline
         .as_ref()
         .and_then(|b| b.as_ref().ok())
@@ -407,8 +420,15 @@ fn naming_line(launcher: &Running, rank: usize, s: Signal, goes_on: bool) -> Opt
     launcher.find(|l| match (goes_on, killed) {
         (false, true) => l.contains(&format!("rank {rank} failed (killed by signal 9)")),
         (false, false) => l.contains(&format!("rank {rank} stopped responding")),
-        // `[rank S server ...] rank R lost (connection to rank R lost during ...); ...`
-        (true, true) => l.starts_with("[rank ") && l.contains(&format!("] rank {rank} lost (")),
+        // `[rank S server ...] rank R lost (connection to rank R lost during ...); ...`, or
+        // an elastic job's survivor: `[rank S] left generation 1 after step N: connection to
+        // rank R lost during ...` (the first generation's ranks are the launcher's).
+        (true, true) => {
+            l.starts_with("[rank ")
+                && (l.contains(&format!("] rank {rank} lost ("))
+                    || (l.contains("] left generation 1 ")
+                        && l.contains(&format!("connection to rank {rank} lost"))))
+        }
         (true, false) => l.strip_prefix("[launcher] rank(s) ").is_some_and(|rest| {
             let list = rest.split(" still running").next().unwrap_or_default();
             list.split(", ").any(|r| r == rank.to_string())
