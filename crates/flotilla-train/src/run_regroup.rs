@@ -33,8 +33,10 @@ impl Run {
         // Left without stopping it collectively (that waits for every member, a lost one
         // too): it ends on its own.
         drop(self.watcher.take());
-        let step = self.state.progress();
         loop {
+            // Read again after a generation lost while starting: its state (and count) may
+            // be rank 0's of that generation by then.
+            let step = self.state.progress();
             let Some(e) = self.elastic.as_mut() else {
                 return Ok(());
             };
