@@ -146,50 +146,67 @@ impl Beacon {
             step,
         };
         self.send(&msg, "enlisting")?;
-        let deadline = Instant::now() + within;
-        loop {
-            match self.next(deadline, "waiting for the generation to form")? {
-                Ctrl::Formed {
-                    generation,
-                    rank,
-                    session,
-                    peers,
-                    hosts,
-                    slots,
-                    step,
-                } => {
-                    let n = peers.len();
-                    if rank >= n || hosts.len() != n || slots.len() != n {
-                        return Err(self.bad(format!("invalid generation: rank {rank} of {n}")));
-                    }
-                    self.generation = generation;
-                    return Ok(Formed {
-                        generation,
-                        rank,
-                        session,
-                        peers,
-                        hosts,
-                        slots,
-                        step,
-                    });
-                }
-                Ctrl::Reject(re) => return Err(re.into()),
-                _ => continue,
-            }
+        let formed = self.answer(within, "waiting for the generation to form", |msg| {
+            let Ctrl::Formed {
+                generation,
+                rank,
+                session,
+                peers,
+                hosts,
+                slots,
+                step,
+            } = msg
+            else {
+                return None;
+            };
+            Some(Formed {
+                generation,
+                rank,
+                session,
+                peers,
+                hosts,
+                slots,
+                step,
+            })
+        })?;
+        let n = formed.peers.len();
+        if formed.rank >= n || formed.hosts.len() != n || formed.slots.len() != n {
+            let rank = formed.rank;
+            return Err(self.bad(format!("invalid generation: rank {rank} of {n}")));
         }
+        self.generation = formed.generation;
+        Ok(formed)
     }
 
     /// Says this process's mesh is up and waits for every member's (`Go`): `Ok(false)` if
     /// the generation is abandoned meanwhile (a member lost: enlist again).
     pub(crate) fn ready(&mut self, within: Duration) -> Result<bool, CommError> {
         self.send(&Ctrl::Ready, "mesh ready")?;
+        let current = self.generation;
+        self.answer(within, "waiting for every member's mesh", |msg| match msg {
+            Ctrl::Go => Some(true),
+            Ctrl::Regroup { generation } if generation > current => Some(false),
+            _ => None,
+        })
+    }
+
+    /// The first of the lighthouse's messages within `within` that `pick` takes; a
+    /// rejection is the error, anything else is passed over.
+    fn answer<T>(
+        &mut self,
+        within: Duration,
+        during: &str,
+        mut pick: impl FnMut(Ctrl) -> Option<T>,
+    ) -> Result<T, CommError> {
         let deadline = Instant::now() + within;
         loop {
-            match self.next(deadline, "waiting for every member's mesh")? {
-                Ctrl::Go => return Ok(true),
-                Ctrl::Regroup { generation } if generation > self.generation => return Ok(false),
+            match self.next(deadline, during)? {
                 Ctrl::Reject(re) => return Err(re.into()),
-                _ => continue,
+                msg => {
+                    if let Some(t) = pick(msg) {
+                        return Ok(t);
+                    }
+                }
             }
         }
     }
