@@ -49,7 +49,10 @@ pub use conv::{conv2d, conv2d_relu};
 pub use device::device_spec::{DeviceSpec, GpuKind};
 pub use device::gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
 pub use device::placement::ParamPlacement;
-pub use device::{available_devices, check_device, describe_device, device_by_name};
+pub use device::{
+    BURN_DEVICE_ENV, available_devices, burn_device_for, check_device, describe_device,
+    device_by_name,
+};
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
 pub use module_engine::{ModuleEngine, TrainModule, layer_groups};

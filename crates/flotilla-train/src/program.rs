@@ -58,8 +58,9 @@ pub fn join(config: &TrainConfig, rank: Option<usize>) -> Result<Arc<dyn Process
         return Err(crate::error::TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job ({min}:{}) trains `flotilla train`'s models so far; a \
-                 program's group keeps a fixed size (drop min_world_size)",
+                "an elastic job ({min}:{}) trains through the library's run so far \
+                 (`flotilla train`, `flotilla_burn::train` or `::session`); a program's own \
+                 group keeps a fixed size (drop min_world_size)",
                 config.topology.world_size
             ),
         ));

@@ -70,6 +70,21 @@ pub fn describe_device(name: &str) -> Result<String> {
     resolve(name).map(|(_, what)| what)
 }
 
+/// The variable burn reads for its default device (`BURN_DEVICE`).
+pub const BURN_DEVICE_ENV: &str = "BURN_DEVICE";
+
+/// What `BURN_DEVICE` should say in a process that trains on `name`: `flex` for a CPU device,
+/// nothing for a GPU (burn's default is the GPU already). burn loads an optimizer's state on
+/// its default device (`ModuleOptimizer::load_record`, moved to the parameters' device at the
+/// next step), which in a build with `wgpu` is wgpu's: without this, a rank training on Flex
+/// opened Vulkan (Mesa's lavapipe on a machine without a GPU, with its threads and its
+/// "XDG_RUNTIME_DIR is invalid" lines) whenever it took optimizer state from a checkpoint or
+/// a peer. A name that does not parse says nothing (the rank refuses it itself).
+pub fn burn_device_for(name: &str) -> Option<&'static str> {
+    let spec = DeviceSpec::parse(name).ok()?;
+    spec.gpu().is_none().then_some("flex")
+}
+
 /// The device of `name` and what it is.
 fn resolve(name: &str) -> Result<(Device, String)> {
     let spec = DeviceSpec::parse(name)?;
@@ -146,6 +161,19 @@ mod tests {
         assert!(check_device("flex:1").is_err());
         assert!(check_device("auto").is_ok() && check_device("auto:1").is_ok());
         assert!(check_device("auto:x").is_err());
+    }
+
+    /// burn's default device in a rank: Flex for every CPU name (and `auto`, whose GPU takes
+    /// the state at its first step), burn's own (the GPU) for a GPU name.
+    #[test]
+    fn burns_default_device_is_flex_unless_the_rank_trains_on_a_gpu() {
+        for cpu in ["flex", "cpu", "auto", "auto:1"] {
+            assert_eq!(burn_device_for(cpu), Some("flex"), "{cpu}");
+        }
+        for gpu in ["wgpu", "wgpu:1", "cuda", "cuda:0"] {
+            assert_eq!(burn_device_for(gpu), None, "{gpu}");
+        }
+        assert_eq!(burn_device_for("cuda:x"), None);
     }
 
     /// Without the feature, `device: cuda` is one error naming the feature; with it on a

@@ -7,6 +7,7 @@
 
 use std::ffi::OsString;
 use std::path::PathBuf;
+use std::process::Command;
 
 use anyhow::{Context, Result};
 use flotilla_cluster::Topology;
@@ -257,12 +258,19 @@ fn start_elastic(
         .take()
         .context("the rendezvous port was not bound")?;
     let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
+    let exe = std::env::current_exe().context("locating the flotilla executable")?;
+    let config_path = job.config_path.clone();
+    let join_with = format!("flotilla train {}", config_path.display());
     crate::launch::elastic::start(crate::launch::elastic::Start {
         config: &job.config,
-        config_path: job.config_path.clone().into_os_string(),
+        command: Box::new(move |index| {
+            let mut cmd = Command::new(&exe);
+            cmd.arg("train").arg(&config_path).envs(env(index));
+            cmd
+        }),
+        join_with,
         socket,
         secret,
-        env: Box::new(env),
         restarts: opts.max_restarts,
         start: opts.start_ranks,
     })
@@ -368,6 +376,7 @@ fn rank_env(job: &Prepared, threads: usize) -> impl Fn(usize) -> Vec<(String, St
         ("MASTER_PORT".to_string(), comm.master_port.to_string()),
         (PROGRESS_ENV.to_string(), "1".to_string()),
     ]);
+    common.extend(launch::burn_device_env(&job.config));
     move |rank| {
         let mut env = vec![("RANK".to_string(), rank.to_string())];
         env.extend(common.iter().cloned());

@@ -6,7 +6,6 @@
 //! K times, by a new process under a new slot that joins at a step boundary. Fewer than
 //! MIN ranks ends the job at once, naming the lost.
 
-use std::ffi::OsString;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -24,12 +23,13 @@ use crate::rendezvous_socket::RendezvousSocket;
 /// What an elastic start needs from the launch.
 pub(crate) struct Start<'a> {
     pub config: &'a TrainConfig,
-    /// The launch config the ranks read.
-    pub config_path: OsString,
+    /// Each process's command and environment, by its index: `flotilla train CONFIG`, or
+    /// the user's program (`flotilla launch -n MIN:MAX -- PROGRAM`).
+    pub command: Box<dyn Fn(usize) -> Command + Send>,
+    /// What a process started by hand runs to join the job (said when it can grow).
+    pub join_with: String,
     pub socket: RendezvousSocket,
     pub secret: &'a JobSecret,
-    /// Each process's environment, by its index.
-    pub env: Box<dyn Fn(usize) -> Vec<(String, String)> + Send>,
     /// Replacements allowed (`--max-restarts`).
     pub restarts: u32,
     /// Processes to start now (`--start-ranks`; `None`: MAX).
@@ -60,27 +60,20 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
             String::new()
         }
     );
-    let exe = std::env::current_exe().context("locating the flotilla executable")?;
-    let config_shown = std::path::PathBuf::from(&s.config_path);
-    let args = ["train".into(), s.config_path];
-    let env = s.env;
+    let base = s.command;
     let command = move |index: usize, slot: usize| {
-        let mut cmd = Command::new(&exe);
-        cmd.args(&args);
-        for (k, v) in env(index) {
-            cmd.env(k, v);
-        }
+        let mut cmd = base(index);
         cmd.env(SLOT_ENV, slot.to_string());
         cmd
     };
     if first < max {
         println!(
             "[launcher] more ranks join this job (up to {max}) with: {SLOT_ENV}=<a number of \
-             your own, from 1000> MASTER_ADDR={} MASTER_PORT={} and this job's secret: \
-             flotilla train {}",
+             your own, from 1000> MASTER_ADDR={} {}={} and this job's secret: {}",
             c.comm.master_addr,
+            flotilla_train::config::keys::env_name("comm.master_port"),
             lighthouse.port(),
-            config_shown.display()
+            s.join_with
         );
     }
     let commands: Vec<Command> = (0..first).map(|i| command(i, i)).collect();

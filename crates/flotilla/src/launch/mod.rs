@@ -390,6 +390,11 @@ impl LocalJob {
             }
             if all_done {
                 self.drain(on_line);
+                // Tolerated ranks go on without one another, but a job none of whose ranks
+                // succeeded failed (every process of an elastic job refused at its start).
+                if status.iter().all(|s| s.is_some_and(|s| !s.success())) {
+                    return Err(self.failure_report(0, &status));
+                }
                 return Ok(());
             }
             if first_failure.is_none() && self.stragglers_stopped(&status, &mut stragglers_since) {
@@ -716,6 +721,20 @@ fn describe(status: ExitStatus) -> String {
     "abnormal exit".to_string()
 }
 
+/// The default device burn should use in a rank of `config` (`BURN_DEVICE`, see
+/// [`flotilla_engine::burn_device_for`]), unless the user set one: the variable for each
+/// rank's environment, local or remote, `flotilla train`'s or a program's.
+pub fn burn_device_env(config: &TrainConfig) -> Option<(String, String)> {
+    if std::env::var_os(flotilla_engine::BURN_DEVICE_ENV).is_some() {
+        return None;
+    }
+    let device = flotilla_engine::burn_device_for(&config.model.device)?;
+    Some((
+        flotilla_engine::BURN_DEVICE_ENV.to_string(),
+        device.to_string(),
+    ))
+}
+
 /// Before restart `restarts.0` of `restarts.1` of a job that failed with `failure`: says why
 /// and where from (the newest checkpoint, or the start), and makes the next start resume
 /// (a config job's ranks and a program's alike: `schedule.resume`).
@@ -764,6 +783,21 @@ mod tests {
         let (r, took) = supervise(&mut job);
         assert!(r.is_ok(), "{r:?}");
         assert!(took < Duration::from_secs(5), "{took:?}");
+    }
+
+    /// Tolerated ranks that all fail (an elastic job's processes, each refused as it
+    /// starts) fail the job, naming the first's error; one success among them is a job
+    /// that went on without the others.
+    #[test]
+    fn a_job_whose_tolerated_ranks_all_failed_failed() {
+        let mut job = LocalJob::start([sh("echo no >&2; exit 3"), sh("exit 3")], None)
+            .expect("start");
+        job.tolerate([0, 1]);
+        let e = format!("{:#}", supervise(&mut job).0.expect_err("the job fails"));
+        assert!(e.contains("rank 0") && e.contains("no"), "{e}");
+        let mut job = LocalJob::start([sh("exit 3"), sh("sleep 0.2")], None).expect("start");
+        job.tolerate([0, 1]);
+        assert!(supervise(&mut job).0.is_ok());
     }
 
     /// A tolerated rank that fails blaming a needed rank (its stuck server) ends the job,

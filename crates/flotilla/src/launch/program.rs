@@ -12,7 +12,10 @@
 //! are supervised as `flotilla train` ranks are ([`LocalJob::supervise`]): the first failure
 //! stops them all and is named with its stderr, no rank outlives the launcher, Ctrl-C stops
 //! them, and `--max-restarts` starts the whole program again with `schedule.resume` set (a
-//! program on `flotilla_burn::train` resumes from the newest checkpoint). With `--inventory` the ranks run on the hosts over ssh
+//! program on `flotilla_burn::train` resumes from the newest checkpoint). `-n MIN:MAX` makes
+//! it an elastic job ([`crate::launch::elastic`]: a program on `flotilla_burn::train` or
+//! `::session` trains on without a lost rank, which a new process of the program replaces).
+//! With `--inventory` the ranks run on the hosts over ssh
 //! ([`crate::launch::inventory`]); the program must be at the same path on every host.
 
 use std::ffi::OsString;
@@ -65,16 +68,12 @@ fn check_given_data(sources: &settings::Sources, config: &TrainConfig) -> Result
 pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     // Checked once here, as each rank would check it (`flotilla_train::program::settings`).
     config.validate()?;
-    if config.topology.min_world_size.is_some() {
-        anyhow::bail!(
-            "-n MIN:MAX (an elastic job) starts `flotilla train` ranks so far; a program's \
-             ranks keep a fixed size: `-n {}`, and --max-restarts restarts them from the \
-             checkpoint",
-            config.topology.world_size
-        );
-    }
     // One secret for every start of the program, removed at the end.
     let secret = JobSecret::for_job(&config)?;
+    if config.topology.min_world_size.is_some() {
+        // An elastic job replaces lost processes itself; it never restarts as a whole.
+        return launch_once(&config, args, &secret)?;
+    }
     let mut restarts = 0;
     loop {
         match launch_once(&config, args, &secret)? {
@@ -107,7 +106,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
-    let (socket, program_port) = ports(&mut config, args, placement.is_none())?;
+    let (mut socket, program_port) = ports(&mut config, args, placement.is_none())?;
     let program = program_words(&args.program)?;
     println!(
         "launching {n} ranks of {} on {}",
@@ -127,39 +126,20 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         )?),
         None => None,
     };
+    let elastic = config.topology.min_world_size.is_some();
     let mut ranks = match &remote {
+        Some(_) if elastic => {
+            bail!("an elastic job (-n MIN:MAX) runs on this host so far, not on --inventory hosts")
+        }
         Some(r) => {
             let tls = r.tls.as_ref().map(TlsFiles::from);
             let env = rank_env(&config, (n, program_port), args.threads, tls, None)?;
             r.start_running(env, Some(&program))?
         }
-        None => {
-            let secret_file = (secret.made_file().map(std::path::Path::to_path_buf))
-                .or_else(|| config.comm.secret_file.clone());
-            let tls = crate::launch::tls::check(&config)?;
-            let env = rank_env(&config, (n, program_port), args.threads, tls, secret_file)?;
-            // The launcher cannot see which of a program's ranks compute: `auto` binds none.
-            let allowed = binding::allowed_cpus();
-            let cpus = binding::plan(args.bind, n, args.threads, &allowed, false);
-            if let Some(lists) = &cpus {
-                println!("[launcher] {}", binding::describe(lists));
-            }
-            let commands = (0..n).map(|rank| {
-                let mut cmd = Command::new(&args.program[0]);
-                cmd.args(&args.program[1..]);
-                cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
-                cmd.envs(binding::rank_var(cpus.as_deref(), rank));
-                if let (0, Some(s)) = (rank, &socket) {
-                    s.hand_to(&mut cmd);
-                }
-                cmd
-            });
-            LocalJob::start(commands, None)
-                .with_context(|| format!("starting {}", program.join(" ")))?
-        }
+        None => start_local(&config, args, (n, program_port), secret, &mut socket)?,
     };
-    // Rank 0 holds the rendezvous socket now; the launcher's copy would keep the port open
-    // (queueing joins) after rank 0 ended.
+    // Rank 0 (or the lighthouse) holds the rendezvous socket now; the launcher's copy would
+    // keep the port open (queueing joins) after rank 0 ended.
     drop(socket);
     let labels = (0..n)
         .map(|r| match &remote {
@@ -173,6 +153,68 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     drop(ranks);
     collect_outputs(&config, remote.as_ref(), n);
     Ok(result)
+}
+
+/// Starts the program's ranks on this host: `n` of them (rank 0 with the rendezvous
+/// `socket`), or an elastic job's processes around the launcher's lighthouse (which takes
+/// the socket).
+fn start_local(
+    config: &TrainConfig,
+    args: &LaunchArgs,
+    (n, program_port): (usize, Option<u16>),
+    secret: &JobSecret,
+    socket: &mut Option<crate::rendezvous_socket::RendezvousSocket>,
+) -> Result<LocalJob> {
+    let command = local_command(config, args, (n, program_port), secret)?;
+    let program = program_words(&args.program)?.join(" ");
+    if config.topology.min_world_size.is_some() {
+        let socket = socket.take().context("the rendezvous port was not bound")?;
+        return crate::launch::elastic::start(crate::launch::elastic::Start {
+            config,
+            command: Box::new(command),
+            join_with: program,
+            socket,
+            secret,
+            restarts: args.max_restarts,
+            start: args.start_ranks,
+        });
+    }
+    let commands = (0..n).map(|rank| {
+        let mut cmd = command(rank);
+        if let (0, Some(s)) = (rank, socket.as_ref()) {
+            s.hand_to(&mut cmd);
+        }
+        cmd
+    });
+    LocalJob::start(commands, None).with_context(|| format!("starting {program}"))
+}
+
+/// Each local rank's command, by its index: the program with the rank's environment
+/// ([`rank_env`]), its `LOCAL_RANK` and its cores when `--bind` names them.
+fn local_command(
+    config: &TrainConfig,
+    args: &LaunchArgs,
+    (n, program_port): (usize, Option<u16>),
+    secret: &JobSecret,
+) -> Result<impl Fn(usize) -> Command + Send + use<>> {
+    let secret_file = (secret.made_file().map(std::path::Path::to_path_buf))
+        .or_else(|| config.comm.secret_file.clone());
+    let tls = crate::launch::tls::check(config)?;
+    let env = rank_env(config, (n, program_port), args.threads, tls, secret_file)?;
+    // The launcher cannot see which of a program's ranks compute: `auto` binds none.
+    let allowed = binding::allowed_cpus();
+    let cpus = binding::plan(args.bind, n, args.threads, &allowed, false);
+    if let Some(lists) = &cpus {
+        println!("[launcher] {}", binding::describe(lists));
+    }
+    let program = args.program.clone();
+    Ok(move |rank: usize| {
+        let mut cmd = Command::new(&program[0]);
+        cmd.args(&program[1..]);
+        cmd.envs(env(rank)).env("LOCAL_RANK", rank.to_string());
+        cmd.envs(binding::rank_var(cpus.as_deref(), rank));
+        cmd
+    })
 }
 
 /// After the ranks ended (also after a failure, where they are where to look): the remote
@@ -279,6 +321,7 @@ fn rank_env(
     }
     // Every other setting the launcher was given, in the schema's own names.
     common.extend(config.settings_env(PASSED_OTHERWISE));
+    common.extend(launch::burn_device_env(config));
     if let Some(path) = secret_file {
         let path = std::path::absolute(&path)
             .with_context(|| format!("making {} absolute", path.display()))?;
