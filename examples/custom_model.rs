@@ -6,7 +6,8 @@
 //! ```
 //! Each rank trains on its shard; `DataParallel` makes the ranks start from rank 0's weights
 //! and averages the gradients. Settings: `EPOCHS` (3), `STEPS` (instead of epochs), `BATCH`
-//! (per rank, 64), `HIDDEN` (128), `OPTIMIZER` (`adam`, or `sgd` with momentum 0.9),
+//! (per rank, 64), `HIDDEN` (128), `OPTIMIZER` (`adam`, or `sgd` with momentum 0.9), `LR`
+//! (the peak learning rate: 2e-3 for Adam, 0.05 for SGD),
 //! `MNIST_DIR` (`data/mnist`), `OUT` (`custom_model.safetensors`).
 
 use anyhow::{Context, Result, bail};
@@ -18,7 +19,9 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamConfig, GradientsParams, ModuleOptimizer, SgdConfig};
 use burn::prelude::*;
 use burn::tensor::{Int, TensorData};
-use flotilla_burn::{DataParallel, ReduceOp};
+use std::f64::consts::PI;
+
+use flotilla_burn::{DistError, ReduceOp, TrainState};
 use flotilla_data::{Batcher, DistributedSampler, ImageDataset, Mnist};
 
 /// The user's model: two convolutions and two linear layers.
@@ -86,44 +89,59 @@ fn optimizer() -> Result<(ModuleOptimizer, f64)> {
 }
 
 fn main() -> Result<()> {
-    let group = flotilla_burn::init().context("joining the job (start me with flotilla launch)")?;
-    let (rank, size) = (group.rank(), group.size());
     let (batch, epochs) = (setting("BATCH", 64)?, setting("EPOCHS", 3)?);
+    // The global batch: BATCH on each of the job's ranks (the most of an elastic job's).
+    let global = batch * setting("WORLD_SIZE", 1)?;
     let dir = std::env::var("MNIST_DIR").unwrap_or_else(|_| "data/mnist".into());
     let mnist = Mnist::load(&dir).with_context(|| format!("loading MNIST from {dir}"))?;
     let device = Device::flex().autodiff();
-    device.seed(rank as u64); // different on every rank: the broadcast makes them agree
-
-    let net = Net::new(&device, setting("HIDDEN", 128)?);
-    let mut dp = DataParallel::new(group, &net)?;
-    let mut net = dp.broadcast_model(net)?;
-    let (optim, peak_lr) = optimizer()?;
-    let mut optim = dp.broadcast_optimizer(optim)?;
+    device.seed(42); // a joiner's draw does not matter: it takes the members' state
+    let steps_per_epoch = mnist.train.len() / global;
+    let total = setting("STEPS", epochs * steps_per_epoch)? as u64;
+    let (optim, default_lr) = optimizer()?;
+    let peak_lr = match std::env::var("LR") {
+        Ok(v) => v.parse().with_context(|| format!("LR={v}"))?,
+        Err(_) => default_lr,
+    };
+    let state = TrainState::new(Net::new(&device, setting("HIDDEN", 128)?), optim);
     let loss_fn = CrossEntropyLossConfig::new().init(&device);
-    let sampler = DistributedSampler::new(mnist.train.len(), size, rank, 42, true)?;
-    let mut batcher = Batcher::new(batch, mnist.train.image_size());
-    let total = setting("STEPS", epochs * (sampler.num_samples() / batch))?;
-    let shards = (0..).flat_map(|e| {
-        sampler
-            .indices(e)
-            .chunks_exact(batch)
-            .map(<[_]>::to_vec)
-            .collect::<Vec<_>>()
-    });
-    for (step, idx) in shards.take(total).enumerate() {
-        // Cosine decay from the peak learning rate to 0 over the run.
-        let lr = peak_lr / 2.0 * (1.0 + (std::f64::consts::PI * step as f64 / total as f64).cos());
-        let (x, y) = tensors(&mnist.train, &idx, &mut batcher, &device)?;
-        let loss = loss_fn.forward(net.forward(x), y);
-        if rank == 0 && step % 200 == 0 {
-            println!(
-                "step {step}/{total}: loss {:.4}",
-                loss.clone().into_scalar::<f32>()
-            );
+    let mut batcher = Batcher::new(global, mnist.train.image_size());
+    // Runs again after each change of an elastic job's members (`-n MIN:MAX`), from the
+    // state they committed last: the data is cut among the members anew.
+    let done = flotilla_burn::elastic::run(state, |r| {
+        let (rank, size) = (r.dp.rank(), r.dp.size());
+        let sampler = DistributedSampler::new(mnist.train.len(), size, rank, 42, true)?
+            .with_global_batch(global);
+        let share = sampler.rank_batch().unwrap_or(0);
+        let mut epoch = (u64::MAX, Vec::new());
+        while r.state.step < total {
+            let step = r.state.step;
+            let e = step / steps_per_epoch as u64;
+            if epoch.0 != e {
+                epoch = (e, sampler.indices(e));
+            }
+            let k = (step % steps_per_epoch as u64) as usize;
+            let idx = &epoch.1[k * share..(k + 1) * share];
+            // Cosine decay from the peak learning rate to 0 over the run.
+            let lr = peak_lr / 2.0 * (1.0 + (PI * step as f64 / total as f64).cos());
+            let batch = tensors(&mnist.train, idx, &mut batcher, &device);
+            let (x, y) = batch.map_err(DistError::program)?;
+            let loss = loss_fn.forward(r.state.model.forward(x), y);
+            if rank == 0 && step % 200 == 0 {
+                let l = loss.clone().into_scalar::<f32>();
+                println!("step {step}/{total}: loss {l:.4}");
+            }
+            let grads = GradientsParams::from_grads(loss.backward(), &r.state.model);
+            let grads =
+                r.dp.average_over_samples(grads, &r.state.model, idx.len())?;
+            r.state.model = r.state.optimizer.step(lr, r.state.model.clone(), grads);
+            r.state.step += 1;
+            r.commit()?;
         }
-        let grads = dp.average(GradientsParams::from_grads(loss.backward(), &net), &net)?;
-        net = optim.step(lr, net, grads);
-    }
+        Ok(())
+    })?;
+    let (net, dp) = (done.state.model, done.dp);
+    let (rank, size) = (dp.rank(), dp.size());
     let out = std::env::var("OUT").unwrap_or_else(|_| "custom_model.safetensors".into());
     dp.save(&net, out.as_ref())?;
 

@@ -152,18 +152,53 @@ impl DataParallel {
     /// every rank calls it once per step.
     pub fn average<M: Module>(
         &mut self,
-        mut grads: GradientsParams,
+        grads: GradientsParams,
         model: &M,
     ) -> Result<GradientsParams> {
+        self.reduce(grads, model, None)
+    }
+
+    /// The mean gradient over every sample of the ranks' batches, from this rank's `grads`
+    /// (the mean over its own `samples`): each rank's gradient weighted by its samples, for
+    /// ranks whose batches differ in size (a global batch cut among members that do not
+    /// divide it, [`flotilla_data::DistributedSampler::with_global_batch`]). Equal batches
+    /// give [`DataParallel::average`]'s result. Collective.
+    pub fn average_over_samples<M: Module>(
+        &mut self,
+        grads: GradientsParams,
+        model: &M,
+        samples: usize,
+    ) -> Result<GradientsParams> {
+        self.reduce(grads, model, Some(samples))
+    }
+
+    /// The sum over the ranks of `grads`, each weighted by its `samples` (or 1), divided by
+    /// the sum of the weights.
+    fn reduce<M: Module>(
+        &mut self,
+        mut grads: GradientsParams,
+        model: &M,
+        samples: Option<usize>,
+    ) -> Result<GradientsParams> {
         let _span = tracing::info_span!(target: "flotilla::burn", "all_reduce").entered();
+        let (weight, scale) = match samples {
+            None => (None, 1.0 / self.size() as f32),
+            Some(n) => {
+                let mut total = [n as f32];
+                self.group.all_reduce_sum(&mut total)?;
+                (Some(n as f32), 1.0 / total[0].max(1.0))
+            }
+        };
         let mut pending: Vec<PendingAllReduce> = Vec::with_capacity(self.buckets.len());
         for (k, params) in self.buckets.iter().enumerate() {
             let mut buf = std::mem::take(&mut self.spare[k]);
             buf.resize(bucket_len(&self.layout, params), 0.0);
             any_module::take_grads(model, &mut grads, &self.layout, params.clone(), &mut buf)?;
+            if let Some(w) = weight {
+                buf.iter_mut().for_each(|v| *v *= w);
+            }
             pending.push(self.group.all_reduce_bucket(buf, k));
         }
-        let scale = 1.0 / self.size() as f32;
         let mut averaged = GradientsParams::new();
         for (k, p) in pending.into_iter().enumerate() {
             let mut buf = p.wait()?;

@@ -204,6 +204,46 @@ fn n_ranks_train_a_user_module_as_the_plain_loop_does_on_the_same_global_batch()
     }
 }
 
+/// Ranks whose shares of the global batch differ (12 samples on 5 ranks: 3, 3, 2, 2, 2)
+/// train as the plain loop on the whole batch when each gradient is weighted by its samples
+/// (`average_over_samples`), on every rank alike.
+#[test]
+fn ranks_with_unequal_batches_weighted_by_their_samples_train_as_the_plain_loop() {
+    let reference = train_alone(Optim::Sgd);
+    let n = 5;
+    let models: Vec<Net> = (0..n as u64).map(|r| net(r, 16)).collect();
+    let handles: Vec<_> = world(n)
+        .into_iter()
+        .zip(models)
+        .map(|(group, model)| {
+            std::thread::spawn(move || {
+                let (rank, n) = (group.rank(), group.size());
+                let mut dp = DataParallel::new(group, &model).expect("dp");
+                let mut model = dp.broadcast_model(model).expect("broadcast model");
+                let mut optim = Optim::Sgd.init();
+                for step in 0..STEPS {
+                    let (x, y) = batch(step, rank, n);
+                    let samples = x.dims()[0];
+                    let loss = (model.forward(x) - y).powf_scalar(2.0).mean();
+                    let grads = GradientsParams::from_grads(loss.backward(), &model);
+                    let grads = dp.average_over_samples(grads, &model, samples);
+                    model = optim.step(0.01, model, grads.expect("average"));
+                }
+                params(&model)
+            })
+        })
+        .collect();
+    let ranks: Vec<Vec<f32>> = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank"))
+        .collect();
+    for p in &ranks {
+        assert_eq!(p, &ranks[0], "the replicas differ");
+    }
+    let d = max_relative_difference(&ranks[0], &reference);
+    assert!(d <= 1e-5, "5 unequal ranks vs the plain loop: {d} > 1e-5");
+}
+
 /// One Adam step on `model` with the gradient of step `step`'s whole global batch.
 fn adam_step(optim: &mut ModuleOptimizer, model: Net, step: usize) -> Net {
     let (x, y) = batch(step, 0, 1);

@@ -12,11 +12,11 @@ pub enum DistError {
     /// The job's settings are wrong, joining it failed (the error names the key or rank), or
     /// its run failed.
     #[error(transparent)]
-    Settings(#[from] flotilla_train::TrainError),
+    Settings(Box<flotilla_train::TrainError>),
     /// A run of [`crate::train`] failed outside training itself (its telemetry, its
     /// report).
     #[error(transparent)]
-    Run(flotilla_rank::RankError),
+    Run(Box<flotilla_rank::RankError>),
     /// A data set could not be set up (a sharded data set's rank outside its world).
     #[error(transparent)]
     Data(#[from] flotilla_data::DataError),
@@ -39,6 +39,15 @@ pub enum DistError {
     /// A synchronized batch norm's sum over the ranks failed.
     #[error("synchronized batch norm: {0}")]
     BatchNormSync(String),
+    /// The members of an elastic job change ([`crate::elastic::ElasticRun::commit`]):
+    /// returned to the training closure after the same step on every member, which
+    /// returns it, and [`crate::elastic::run`] goes on in the next generation.
+    #[error("the job's members change: return this error from the training closure")]
+    MembershipChanged,
+    /// The program's own error, from inside an elastic run's training closure
+    /// ([`DistError::program`]): it ends the run as it is.
+    #[error(transparent)]
+    Program(Box<dyn std::error::Error + Send + Sync + 'static>),
     /// Writing a checkpoint failed.
     #[error("writing {path}: {source}")]
     Write {
@@ -49,14 +58,28 @@ pub enum DistError {
     },
 }
 
+impl DistError {
+    /// The program's own error `e` (an `anyhow::Error`, an I/O error, ...) as this crate's,
+    /// to return it from a closure that returns [`Result`]: `.map_err(DistError::program)?`.
+    pub fn program(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
+        Self::Program(e.into())
+    }
+}
+
 /// The result type of this crate.
 pub type Result<T, E = DistError> = std::result::Result<T, E>;
+
+impl From<flotilla_train::TrainError> for DistError {
+    fn from(e: flotilla_train::TrainError) -> Self {
+        Self::Settings(Box::new(e))
+    }
+}
 
 impl From<flotilla_rank::RankError> for DistError {
     fn from(e: flotilla_rank::RankError) -> Self {
         match e {
-            flotilla_rank::RankError::Train(e) => Self::Settings(e),
-            other => Self::Run(other),
+            flotilla_rank::RankError::Train(e) => Self::Settings(Box::new(e)),
+            other => Self::Run(Box::new(other)),
         }
     }
 }

@@ -18,6 +18,11 @@
 //! evaluation, checkpoints and a stop of its own between steps ([`Session`]);
 //! [`spec_session`] the same for the job's YAML model.
 //!
+//! A program's own loop in an elastic job (`flotilla launch -n MIN:MAX -- PROGRAM`) runs
+//! under [`elastic::run`]: its [`TrainState`] committed after each step, rolled back and
+//! taken from the members when one is lost, handed to a process that joins
+//! (`examples/custom_model.rs`).
+//!
 //! A program written as burn's guide writes it, with burn-train's `Learner`
 //! (`SupervisedTraining`: its metrics, checkpoints and resume), trains on every rank with
 //! [`LearnerStrategy`] ([`learner`]; `examples/mnist_learner.rs`).
@@ -64,6 +69,7 @@
 mod agree;
 mod checkpoint;
 mod data_parallel;
+pub mod elastic;
 mod error;
 pub mod learner;
 mod param_shards;
@@ -75,6 +81,7 @@ use std::sync::Arc;
 
 pub use checkpoint::save;
 pub use data_parallel::{BufferSync, DataParallel};
+pub use elastic::{ElasticRun, TrainState};
 pub use error::{DistError, Result};
 pub use flotilla_data::{ImageDataset, Normalization, Samples};
 pub use flotilla_engine::{BatchRef, EngineError, NamedTensors, StageModule, TrainModule};

@@ -16,26 +16,25 @@ use crate::error::{Result, TrainError};
 /// The variable the launcher names each process of an elastic job by (its slot).
 pub const SLOT_ENV: &str = "FLOTILLA_SLOT";
 
-/// An elastic process's membership.
-pub(crate) struct Elastic {
+/// An elastic process's membership: its link to the lighthouse and the generation it is a
+/// member of. [`crate::run::Run`] holds one for a job of the library's run; a program's own
+/// loop holds one through `flotilla_burn::elastic`.
+pub struct Elastic {
     beacon: Beacon,
     cfg: CommConfig,
     /// The generation it is a member of.
-    pub(crate) generation: Generation,
+    pub generation: Generation,
     /// Whether it holds training state (it took part in a generation's start).
     has_state: bool,
     /// The samples of one step over every member (`batch_size` x the maximum ranks).
-    pub(crate) global_batch: usize,
+    pub global_batch: usize,
 }
 
 impl Elastic {
     /// Reaches the lighthouse (`comm.master_addr:master_port`) as this process's slot
     /// ([`SLOT_ENV`]; its process id without one) and joins the job's first generation it
     /// can: the first (a start), or a running job's next (a joiner).
-    pub(crate) fn join(
-        config: &TrainConfig,
-        hash: u64,
-    ) -> Result<(Arc<dyn ProcessGroup>, Elastic)> {
+    pub fn join(config: &TrainConfig, hash: u64) -> Result<(Arc<dyn ProcessGroup>, Elastic)> {
         let slot = match std::env::var(SLOT_ENV) {
             Ok(v) => v
                 .trim()
@@ -58,17 +57,17 @@ impl Elastic {
     }
 
     /// This process's slot.
-    pub(crate) fn slot(&self) -> u64 {
+    pub fn slot(&self) -> u64 {
         self.beacon.slot()
     }
 
     /// Whether the lighthouse announced a change (or is lost).
-    pub(crate) fn changing(&self) -> bool {
+    pub fn changing(&self) -> bool {
         self.beacon.changing()
     }
 
     /// Joins the next generation, offering the state of `step` steps if it holds one.
-    pub(crate) fn next(&mut self, step: u64) -> Result<Arc<dyn ProcessGroup>> {
+    pub fn next(&mut self, step: u64) -> Result<Arc<dyn ProcessGroup>> {
         let offer = self.has_state.then_some(step);
         let (group, generation) =
             TcpGroup::connect_elastic(self.cfg.clone(), &mut self.beacon, offer)?;
@@ -77,14 +76,14 @@ impl Elastic {
     }
 
     /// Tells the lighthouse this process's run ended (after its last collectives).
-    pub(crate) fn finished(&mut self) {
+    pub fn finished(&mut self) {
         self.beacon.finished();
     }
 
     /// Records whether this process holds training state after a generation's start
     /// (`synced`: it went through; a member other than rank 0 that did not may hold a
     /// mixture).
-    pub(crate) fn started(&mut self, synced: bool, rank: usize) {
+    pub fn started(&mut self, synced: bool, rank: usize) {
         self.has_state = synced || (self.has_state && rank == 0);
     }
 }
@@ -92,13 +91,19 @@ impl Elastic {
 /// Whether a run's error is a lost generation, which an elastic process survives by
 /// joining the next: a failed or timed-out exchange with a member. The lighthouse's
 /// refusals (a stale generation, below the minimum) and local errors are not.
-pub(crate) fn survivable(e: &TrainError) -> bool {
+pub fn survivable(e: &TrainError) -> bool {
     match e {
-        TrainError::Comm(c) => !matches!(
-            c,
-            CommError::Rendezvous(_) | CommError::Config(_) | CommError::InvalidArgument(_)
-        ),
+        TrainError::Comm(c) => survivable_comm(c),
         TrainError::Protocol { .. } | TrainError::Peer { .. } => true,
         _ => false,
     }
+}
+
+/// Whether a failed collective is a lost generation (see [`survivable`]): anything but the
+/// lighthouse's refusals and a wrong call.
+pub fn survivable_comm(c: &CommError) -> bool {
+    !matches!(
+        c,
+        CommError::Rendezvous(_) | CommError::Config(_) | CommError::InvalidArgument(_)
+    )
 }

@@ -58,9 +58,10 @@ pub fn join(config: &TrainConfig, rank: Option<usize>) -> Result<Arc<dyn Process
         return Err(crate::error::TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job ({min}:{}) trains through the library's run so far \
-                 (`flotilla train`, `flotilla_burn::train` or `::session`); a program's own \
-                 group keeps a fixed size (drop min_world_size)",
+                "an elastic job ({min}:{}) trains through the library's run \
+                 (`flotilla train`, `flotilla_burn::train` or `::session`) or a program's \
+                 own loop under `flotilla_burn::elastic::run`; a group joined by itself \
+                 (`flotilla_burn::init`) keeps a fixed size (drop min_world_size)",
                 config.topology.world_size
             ),
         ));

@@ -7,6 +7,8 @@
 //! the accuracy is within 0.3 % of an undisturbed run of the same length.
 
 mod common;
+#[path = "common/running.rs"]
+mod running;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -259,9 +261,11 @@ fn assert_members_kept_training(
             "generation {g}: members hold different parameters: {h:?}"
         );
     }
+    // A generation after each loss (a replacement may join the one after a loss, or form
+    // its own).
     assert!(
-        members.len() >= 3,
-        "at least two changes of members: {members:?}"
+        members.len() > killed.len(),
+        "a change of members after each loss: {members:?}"
     );
     for (g, m) in &members {
         assert!(
@@ -509,4 +513,128 @@ fn a_users_program_trains_on_when_a_rank_is_lost_and_is_replaced() {
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"
     );
+}
+
+/// The program's own loop under `flotilla_burn::elastic::run` (`examples/custom_model.rs`:
+/// its state committed after each step), 3 processes of `-n 2:3 --max-restarts 1`, one
+/// SIGKILLed mid-run: the survivors roll back to their last commit and train on in a new
+/// generation with the same pids, a new process of the program joins with their state
+/// (every generation's members logged the same parameters' hash), each generation starts
+/// at the step its members left the last one at (no step lost or taken twice), exit 0; and
+/// the test accuracy is within 0.3 % of an undisturbed 3-rank run's (the same global batch
+/// of 3 x 64 cut among 2 or 3 members, each gradient weighted by its samples; parameters
+/// not compared: the sums' order differs with the members, and this convolutional net's
+/// trajectory amplifies that to 1e-3 relative over 450 steps even between fixed 1- and
+/// 3-rank runs).
+#[test]
+fn a_programs_own_loop_rolls_back_to_its_commit_and_trains_on() {
+    let dir = tmp();
+    let program = example("custom_model");
+    let own = |size: &str, out: &str| {
+        let mut c = flotilla();
+        c.args([
+            "launch",
+            "-n",
+            size,
+            "--max-restarts",
+            "1",
+            "--timeout-s",
+            "10",
+            "--",
+        ])
+        .arg(&program)
+        .env("STEPS", "450")
+        .env("OUT", dir.path().join(out));
+        c
+    };
+    let mut p = running::Running::start(own("2:3", "elastic.safetensors"));
+    p.wait_lines(1, Duration::from_secs(120), |l| l.contains("step 200/450"))
+        .expect("step 200");
+    let first = |p: &running::Running| {
+        let g = own_generations(&p.text());
+        g.into_iter().find(|j| j.generation == 1 && j.rank == 2)
+    };
+    let victim = first(&p).expect("rank 2 of generation 1");
+    signal(victim.pid, "-9");
+    let status = p.wait_exit(Duration::from_secs(300)).expect("the job ends");
+    let out = p.text();
+    assert!(status.success(), "{out}");
+    assert!(out.contains("restart 1/1 after: rank"), "{out}");
+    assert_own_generations(&out, victim.slots[2]);
+
+    let o = run_with_deadline(own("3", "plain.safetensors"), Duration::from_secs(300));
+    let plain = text(&o);
+    assert!(o.status.success(), "{plain}");
+    let accuracy = |t: &str| -> f64 {
+        let l = t
+            .lines()
+            .rfind(|l| l.contains("test accuracy "))
+            .expect("accuracy");
+        between(l, "test accuracy ", " ").parse().expect("a number")
+    };
+    let (elastic, undisturbed) = (accuracy(&out), accuracy(&plain));
+    assert!(
+        (elastic - undisturbed).abs() <= 0.003,
+        "elastic {elastic} vs undisturbed {undisturbed}"
+    );
+}
+
+/// A program's generations (its stdout `out`): each generation's members hold the same
+/// parameters, each slot is one process throughout, the last generation has 3 members
+/// without the `killed` slot, and each generation after the first starts at the step its
+/// members left the one before at (no step lost or taken twice).
+fn assert_own_generations(out: &str, killed: u64) {
+    let joined = own_generations(out);
+    let mut hashes: BTreeMap<u64, BTreeSet<String>> = BTreeMap::new();
+    let mut pids: BTreeMap<u64, BTreeSet<u32>> = BTreeMap::new();
+    for j in &joined {
+        hashes
+            .entry(j.generation)
+            .or_default()
+            .insert(j.hash.clone());
+        pids.entry(j.slots[j.rank]).or_default().insert(j.pid);
+    }
+    assert!(hashes.len() >= 2, "a change of members: {joined:?}");
+    for (g, h) in &hashes {
+        assert_eq!(h.len(), 1, "generation {g}: members differ: {h:?}");
+    }
+    for (slot, p) in &pids {
+        assert_eq!(p.len(), 1, "slot {slot} is one process throughout: {p:?}");
+    }
+    let last = joined
+        .iter()
+        .max_by_key(|j| j.generation)
+        .expect("a generation");
+    assert_eq!(last.slots.len(), 3, "the replacement joined: {last:?}");
+    assert!(!last.slots.contains(&killed), "{last:?}");
+
+    for l in out.lines().filter(|l| l.contains("] left generation ")) {
+        let (g, step): (u64, u64) = (
+            between(l, "left generation ", " ")
+                .parse()
+                .expect("generation"),
+            between(l, " at step ", ":").parse().expect("step"),
+        );
+        let next = joined
+            .iter()
+            .filter(|j| j.generation > g)
+            .min_by_key(|j| j.generation);
+        let next = next.expect("a next generation");
+        assert_eq!(next.step, step, "{l} -> {next:?}");
+    }
+}
+
+/// The `generation G: ...` lines a program's ranks printed (the launcher's stdout).
+fn own_generations(text: &str) -> Vec<Joined> {
+    let lines: Vec<String> = text
+        .lines()
+        .filter(|l| l.contains("] generation ") && l.contains("(pid "))
+        .map(|l| {
+            format!(
+                "[0.0s] {}",
+                &l[l.find("] generation ").map_or(0, |i| i + 2)..]
+            )
+        })
+        .collect();
+    generations(&lines.join("\n"))
 }

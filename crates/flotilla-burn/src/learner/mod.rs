@@ -126,7 +126,7 @@ impl PsPart {
         if settings.topology.arch == flotilla_cluster::Arch::Allreduce {
             return Ok(None);
         }
-        let topology = settings.topology().map_err(DistError::Settings)?;
+        let topology = settings.topology().map_err(DistError::from)?;
         let first_worker = topology.workers().next().map(|r| r.rank);
         Ok(Some(Self {
             root: rank == topology.root(),

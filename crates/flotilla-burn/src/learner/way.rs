@@ -28,7 +28,7 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
         ),
         Arch::Allreduce => return Ok(false),
     };
-    Err(DistError::Settings(TrainError::config(
+    Err(DistError::from(TrainError::config(
         "strategy",
         format!(
             "the Learner strategy trains sync all-reduce (whole or ZeRO-1), async all-reduce \

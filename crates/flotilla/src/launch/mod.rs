@@ -790,8 +790,8 @@ mod tests {
     /// that went on without the others.
     #[test]
     fn a_job_whose_tolerated_ranks_all_failed_failed() {
-        let mut job = LocalJob::start([sh("echo no >&2; exit 3"), sh("exit 3")], None)
-            .expect("start");
+        let mut job =
+            LocalJob::start([sh("echo no >&2; exit 3"), sh("exit 3")], None).expect("start");
         job.tolerate([0, 1]);
         let e = format!("{:#}", supervise(&mut job).0.expect_err("the job fails"));
         assert!(e.contains("rank 0") && e.contains("no"), "{e}");
