@@ -11,6 +11,19 @@ use crate::error::{DistError, Result};
 /// Whether the job's way of training goes through the one stack's run (async all-reduce,
 /// parameter servers); an error naming the way when the strategy does not run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
+    if let Some(min) = settings.topology.min_world_size {
+        // Its per-step metrics and per-epoch validation are collectives of its own, which
+        // a change of members would have to reach in step with the run's.
+        return Err(DistError::from(TrainError::config(
+            "topology.min_world_size",
+            format!(
+                "an elastic job ({min}:{}) does not run burn's Learner yet; a program trains \
+                 elastic on flotilla_burn::train or ::session, or in its own loop under \
+                 flotilla_burn::elastic::run",
+                settings.topology.world_size
+            ),
+        )));
+    }
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     let refused = match arch {
         Arch::Pipeline => "strategy pipeline (a middle stage has no batches for a Learner: cut \
@@ -89,6 +102,14 @@ mod tests {
             let e = through_run(&settings(arch, mode, zero)).expect_err(named);
             assert!(e.to_string().contains(named), "{e}");
         }
+    }
+
+    #[test]
+    fn an_elastic_job_is_refused_by_name() {
+        let mut c = settings(Arch::Allreduce, AllReduceMode::Sync, 0);
+        c.topology.min_world_size = Some(2);
+        let e = through_run(&c).expect_err("elastic").to_string();
+        assert!(e.contains("does not run burn's Learner yet"), "{e}");
     }
 
     #[test]
