@@ -71,6 +71,13 @@ impl Run {
         let started = {
             let mut cx = self.parts.cx(observer);
             self.role.regroup(&mut cx)?;
+            // Before the strategy's start, as a run's start makes them: each sub-group of a
+            // generation is numbered in the order its members make it (a joiner's too).
+            if let Some(policy) = self.role.stall_policy(cx.config) {
+                let everyone: Vec<usize> = (0..world).collect();
+                let channel = cx.comm.group(&everyone)?;
+                self.watcher = Some(StallWatcher::start(cx.comm.clone(), channel, policy)?);
+            }
             self.role.start(&mut cx)
         };
         let Some(e) = self.elastic.as_mut() else {
@@ -85,14 +92,7 @@ impl Run {
         let seed = self.parts.config.model.seed;
         self.batches = Batches::sliced(train, (world, rank), seed, global, at)?;
         self.plan.workers = world;
-        self.generation_line(observer)?;
-        let cx = self.parts.cx(observer);
-        if let Some(policy) = self.role.stall_policy(cx.config) {
-            let everyone: Vec<usize> = (0..world).collect();
-            let channel = cx.comm.group(&everyone)?;
-            self.watcher = Some(StallWatcher::start(cx.comm.clone(), channel, policy)?);
-        }
-        Ok(())
+        self.generation_line(observer)
     }
 
     /// Says (and checks: collective) which generation this process trains in: its members,

@@ -101,6 +101,14 @@ const MODES: &[Mode] = &[
         marker: "training: ",
     },
     Mode {
+        name: "async all-reduce, elastic 2:3",
+        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 3000\n",
+        world: 3,
+        targets: &[(2, "peer")],
+        tolerated: &[0, 1, 2],
+        marker: "training: ",
+    },
+    Mode {
         name: "async all-reduce",
         yaml: "world_size: 3\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 100000\n",
         world: 3,

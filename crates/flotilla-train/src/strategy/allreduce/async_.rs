@@ -144,10 +144,12 @@ impl AsyncAllReduce {
     }
 
     /// Submits this step's gradients (by parameter name) and loss to the cycle.
+    /// `weight`: this rank's share of the global batch times the ranks (1: equal shares),
+    /// which its gradient and loss are scaled by (see `SyncAllReduce::step`).
     fn submit(
         &mut self,
         cx: &mut Cx<'_>,
-        batch: flotilla_engine::BatchRef<'_>,
+        (batch, weight): (flotilla_engine::BatchRef<'_>, f32),
         done: u64,
     ) -> Result<()> {
         let predicted = self.predict()?;
@@ -182,7 +184,10 @@ impl AsyncAllReduce {
         let loss = engine.forward_backward_streaming(batch, &mut |i, g| {
             seen[i] = true;
             if withhold != Some(i) {
-                let summed = accumulator.summed(g, layout.params[i].offset);
+                let mut summed = accumulator.summed(g, layout.params[i].offset);
+                if weight != 1.0 {
+                    summed.iter_mut().for_each(|v| *v *= weight);
+                }
                 grads[i] = Some(reducer.submit(&layout.params[i].name, summed));
             }
             Ok(())
@@ -196,7 +201,7 @@ impl AsyncAllReduce {
                 layout.params[i].name
             )));
         }
-        let loss = reducer.submit(LOSS, vec![accumulator.mean_loss(loss)]);
+        let loss = reducer.submit(LOSS, vec![accumulator.mean_loss(loss) * weight]);
         self.in_flight.push_back(InFlight { grads, loss });
         Ok(())
     }
@@ -294,18 +299,45 @@ impl Strategy for AsyncAllReduce {
         Ok(())
     }
 
+    /// An elastic job's next generation: the steps in flight went to the old generation's
+    /// cycle and are dropped with it (at most `staleness` steps' gradients, not redone); the
+    /// engine keeps its own parameters, which [`Strategy::start`] agrees with the members
+    /// (rank 0's), and a new cycle starts on the new group.
+    fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let dropped = self.in_flight.len();
+        // Not shut down collectively: the old cycle leaves without waiting for anyone.
+        drop(self.reducer.take());
+        self.in_flight.clear();
+        self.accumulator = MicroBatches::new(cx.config.allreduce.accumulation_steps as usize);
+        self.history = WeightHistory::new(self.layout.total);
+        self.comm = cx.comm.clone();
+        if dropped > 0 {
+            cx.log(&format!(
+                "async all-reduce: {dropped} step(s) in flight dropped with the old generation"
+            ))?;
+        }
+        Ok(())
+    }
+
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         self.lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
         // Samples, not labels: a text window has a label per position.
-        let samples = data.batch_size() as u64 * world;
+        let mine = data.batch_size() as u64;
+        let samples = data.global_batch().map_or(mine * world, |g| g as u64);
+        // Shares of a global batch that differ (an elastic job): weighted as sync's are.
+        let weight = if mine * world == samples {
+            1.0
+        } else {
+            (mine * world) as f32 / samples as f32
+        };
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
         };
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
-        self.submit(cx, batch, done)?;
+        self.submit(cx, (batch, weight), done)?;
         let keep = if done == 0 { 0 } else { self.staleness };
         let mut losses = Vec::new();
         while self.in_flight.len() > keep {
