@@ -144,6 +144,32 @@ impl FlatOptimizerState {
         Ok(Self { tensors })
     }
 
+    /// The states of consecutive parts of a model (a pipeline's stages, each gathered over
+    /// its own layout) as one state over their tensors in order.
+    pub fn concat(parts: Vec<Self>) -> Self {
+        Self {
+            tensors: parts.into_iter().flat_map(|p| p.tensors).collect(),
+        }
+    }
+
+    /// The state of parameter tensors `params` alone (a pipeline stage of them), over a
+    /// layout of those tensors; `None` when the state has fewer.
+    pub fn select(&self, params: Range<usize>) -> Option<Self> {
+        Some(Self {
+            tensors: self.tensors.get(params)?.to_vec(),
+        })
+    }
+
+    /// How many parameter tensors the state is over.
+    pub fn len(&self) -> usize {
+        self.tensors.len()
+    }
+
+    /// Whether the state is over no parameter tensor.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
     /// The state of the whole model, as [`crate::ModelState::load_optimizer_state`] takes it.
     pub fn whole(&self, layout: &ParamLayout) -> Result<Vec<u8>> {
         self.cut(layout, None)

@@ -12,6 +12,7 @@
 
 pub mod pipe;
 pub mod plan;
+mod recut;
 pub mod schedule;
 pub mod stage;
 pub mod state;

@@ -94,8 +94,9 @@ pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<O
     Ok(Some(dir))
 }
 
-/// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (its cut must be
-/// the one the checkpoint recorded), loads stage 0's and sends every other rank its stage's.
+/// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (re-cut when the
+/// checkpoint recorded another cut: [`super::recut`]), loads stage 0's and sends every other
+/// rank its stage's.
 /// Every other rank: receives and loads its stage's. Collective over the world.
 pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let (rank, size) = (pipe.world().rank(), pipe.world().size());
@@ -109,18 +110,28 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     };
     let state = checkpoint::read_state(dir)?;
     let want = recorded_ranges(pipe);
-    if state.stages.as_ref() != Some(&want) {
-        return Err(TrainError::Checkpoint {
-            path: dir.to_path_buf(),
-            message: format!(
-                "was written by {} but this pipeline has stages {want:?} (resume with the same cut)",
-                match &state.stages {
-                    Some(r) => format!("a pipeline with stages {r:?}"),
-                    None => "a run that was not a pipeline".into(),
-                }
-            ),
-        });
+    let per_stage = match &state.stages {
+        Some(cut) if *cut == want => read_parts(dir, stages)?,
+        // Written at another cut: its stages' state re-cut for this one.
+        Some(cut) => super::recut::recut(dir, cut, &pipe.cut().ranges)?,
+        None => {
+            return Err(TrainError::Checkpoint {
+                path: dir.to_path_buf(),
+                message: format!(
+                    "was written by a run that was not a pipeline; this pipeline has stages \
+                     {want:?}"
+                ),
+            });
+        }
+    };
+    for r in 1..size {
+        send_parts(pipe, r, &per_stage[r % stages])?;
     }
+    load_parts(pipe.stage_mut(), &per_stage[0])
+}
+
+/// The stage files of checkpoint `dir`, written at this pipeline's cut of `stages` stages.
+fn read_parts(dir: &Path, stages: usize) -> Result<Vec<[Vec<u8>; 2]>> {
     let mut per_stage = Vec::with_capacity(stages);
     for k in 0..stages {
         let mut parts: [Vec<u8>; 2] = Default::default();
@@ -130,8 +141,5 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
         }
         per_stage.push(parts);
     }
-    for r in 1..size {
-        send_parts(pipe, r, &per_stage[r % stages])?;
-    }
-    load_parts(pipe.stage_mut(), &per_stage[0])
+    Ok(per_stage)
 }
