@@ -95,7 +95,7 @@ pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<O
 }
 
 /// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (re-cut when the
-/// checkpoint recorded another cut: [`super::recut`]), loads stage 0's and sends every other
+/// checkpoint recorded another cut: `recut.rs`), loads stage 0's and sends every other
 /// rank its stage's.
 /// Every other rank: receives and loads its stage's. Collective over the world.
 pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
