@@ -108,7 +108,7 @@ pub fn run<M: Module>(
     if config.topology.min_world_size.is_none() {
         let group =
             flotilla_train::program::join(&config, flotilla_train::program::launcher_rank()?)?;
-        let (dp, state) = take_state(group, state)?;
+        let (dp, state) = take_state(group, state, config.bucket_bytes())?;
         let mut r = ElasticRun {
             state,
             dp,
@@ -124,6 +124,7 @@ pub fn run<M: Module>(
         membership: Some(membership),
         committed: state,
         changes: 0,
+        bucket_bytes: config.bucket_bytes(),
     };
     run.train(group, &mut train)
 }
@@ -134,6 +135,8 @@ struct Generations<M> {
     membership: Option<Elastic>,
     committed: TrainState<M>,
     changes: u32,
+    /// The job's fusion bucket size (`comm.bucket_mb`).
+    bucket_bytes: usize,
 }
 
 impl<M: Module> Generations<M> {
@@ -150,7 +153,7 @@ impl<M: Module> Generations<M> {
     ) -> Result<ElasticRun<M>> {
         loop {
             let rank = group.rank();
-            let started = take_state(group, self.committed.clone());
+            let started = take_state(group, self.committed.clone(), self.bucket_bytes);
             self.membership()?.started(started.is_ok(), rank);
             let why = match started {
                 Ok((dp, state)) => match self.generation(dp, state, train)? {
@@ -234,13 +237,15 @@ fn lost(e: &DistError) -> bool {
     }
 }
 
-/// Data parallelism over `group` and `state` made rank 0's: its parameters, buffers and
-/// optimizer state, its step and bytes. Collective.
+/// Data parallelism over `group` (gradient buckets of about `bucket_bytes`) and `state`
+/// made rank 0's: its parameters, buffers and optimizer state, its step and bytes.
+/// Collective.
 fn take_state<M: Module>(
     group: Arc<dyn ProcessGroup>,
     state: TrainState<M>,
+    bucket_bytes: usize,
 ) -> Result<(DataParallel, TrainState<M>)> {
-    let dp = DataParallel::new(group, &state.model)?;
+    let dp = DataParallel::with_bucket_bytes(group, &state.model, bucket_bytes)?;
     let model = dp.broadcast_model(state.model)?;
     let optimizer = dp.broadcast_optimizer(state.optimizer)?;
     let mut bytes = Vec::new();

@@ -69,10 +69,11 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
     if first < max {
         println!(
             "[launcher] more ranks join this job (up to {max}) with: {SLOT_ENV}=<a number of \
-             your own, from 1000> MASTER_ADDR={} {}={} and this job's secret: {}",
+             your own, from 1000> MASTER_ADDR={} {}={}{} and this job's secret: {}",
             c.comm.master_addr,
             flotilla_train::config::keys::env_name("comm.master_port"),
             lighthouse.port(),
+            crate::launch::burn_device_env(c).map_or(String::new(), |(k, v)| format!(" {k}={v}")),
             s.join_with
         );
     }

@@ -169,10 +169,24 @@ fn start_local(
     let program = program_words(&args.program)?.join(" ");
     if config.topology.min_world_size.is_some() {
         let socket = socket.take().context("the rendezvous port was not bound")?;
+        // A process started by hand takes the job's settings from this file (the ranks
+        // have them in their environment).
+        let output = &config.telemetry.output;
+        std::fs::create_dir_all(output)
+            .with_context(|| format!("creating {}", output.display()))?;
+        let path = std::path::absolute(output.join("launch-config.yaml"))
+            .context("the output directory")?;
+        std::fs::write(&path, serde_norway::to_string(config)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+        let join_with = format!(
+            "{}={} {program}",
+            flotilla_train::program::CONFIG_ENV,
+            path.display()
+        );
         return crate::launch::elastic::start(crate::launch::elastic::Start {
             config,
             command: Box::new(command),
-            join_with: program,
+            join_with,
             socket,
             secret,
             restarts: args.max_restarts,
