@@ -187,17 +187,10 @@ impl<M: Module> Generations<M> {
             Err(e) if lost(&e) => return Ok(Err(e.to_string())),
             Err(e) => return Err(e),
         };
-        let g = &self.membership()?.generation;
-        println!(
-            "generation {}: {} ranks (slots {:?}), this process (pid {}) rank {}, from step \
-             {}; parameters identical on every member (xxh3 {hash:016x})",
-            g.number,
-            dp.size(),
-            g.slots,
-            std::process::id(),
-            dp.rank(),
-            state.step
-        );
+        let line = self
+            .membership()?
+            .generation_line(dp.rank(), state.step, hash);
+        println!("{line}");
         let mut r = ElasticRun {
             committed: Some(state.clone()),
             state,

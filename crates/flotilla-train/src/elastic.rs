@@ -75,6 +75,22 @@ impl Elastic {
         Ok(Arc::new(group))
     }
 
+    /// The line each member logs as it starts training in its generation: the members'
+    /// slots, this process and its `rank`, the `step` it starts from and the parameters'
+    /// `hash` (checked the same on every member). One format for the library's run and a
+    /// program's own loop (`flotilla_burn::elastic`), which tests and scripts parse.
+    pub fn generation_line(&self, rank: usize, step: u64, hash: u64) -> String {
+        let g = &self.generation;
+        format!(
+            "generation {}: {} ranks (slots {:?}), this process (pid {}) rank {rank}, from \
+             step {step}; parameters identical on every member (xxh3 {hash:016x})",
+            g.number,
+            g.slots.len(),
+            g.slots,
+            std::process::id(),
+        )
+    }
+
     /// Tells the lighthouse this process's run ended (after its last collectives).
     pub fn finished(&mut self) {
         self.beacon.finished();

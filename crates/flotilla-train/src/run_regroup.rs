@@ -99,25 +99,19 @@ impl Run {
     /// this process's rank, the step it starts from and the parameters' hash, the same on
     /// every member.
     pub(super) fn generation_line(&mut self, observer: &mut dyn Observer) -> Result<()> {
-        let Some(e) = &self.elastic else {
+        if self.elastic.is_none() {
             return Ok(());
-        };
-        let g = e.generation.clone();
+        }
         let comm = self.parts.comm.clone();
         let model = self.role.model().ok_or_else(|| {
             TrainError::config("topology.min_world_size", "this role holds no model")
         })?;
         let hash = crate::eval::verify_identical(model, &*comm)?;
-        let line = format!(
-            "generation {}: {} ranks (slots {:?}), this process (pid {}) rank {}, from step \
-             {}; parameters identical on every member (xxh3 {hash:016x})",
-            g.number,
-            comm.size(),
-            g.slots,
-            std::process::id(),
-            comm.rank(),
-            self.state.progress(),
-        );
+        let step = self.state.progress();
+        let line = match &self.elastic {
+            Some(e) => e.generation_line(comm.rank(), step, hash),
+            None => return Ok(()),
+        };
         observer.message(&line);
         self.parts.log.line(&line)
     }
