@@ -72,6 +72,23 @@ pub fn average_buffers(comm: &dyn ProcessGroup, model: &mut dyn ModelState) -> R
     Ok(())
 }
 
+/// One step's samples over the `world` ranks and this rank's weight: `data`'s batch is its
+/// share of a global batch (an elastic job's members, [`crate::batches::Batches::sliced`]);
+/// where the shares differ, each rank's mean gradient and loss are scaled by its share times
+/// the ranks, so that their sum over the ranks is the mean over the global batch. 1
+/// (untouched, bitwise today's step) where the shares are equal.
+pub(crate) fn share_weight(data: &crate::batches::Batches, world: u64) -> (u64, f32) {
+    // Samples, not labels: a text window has a label per position.
+    let mine = data.batch_size() as u64;
+    let samples = data.global_batch().map_or(mine * world, |g| g as u64);
+    let weight = if mine * world == samples {
+        1.0
+    } else {
+        (mine * world) as f32 / samples as f32
+    };
+    (samples, weight)
+}
+
 /// The dropout seed of `rank`'s step `step` in a run seeded with `seed`: every rank draws its
 /// own masks, and a resumed run draws the ones it would have. (SplitMix64's finaliser over
 /// the three, so nearby steps and ranks get unrelated seeds; a hash crate would do the same.)

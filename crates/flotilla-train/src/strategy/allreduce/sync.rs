@@ -303,17 +303,7 @@ impl Strategy for SyncAllReduce {
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step> {
         let lr = cx.lr_at(done);
         let world = self.comm.size() as u64;
-        // Samples, not labels: a text window has a label per position.
-        let mine = data.batch_size() as u64;
-        let samples = data.global_batch().map_or(mine * world, |g| g as u64);
-        // Shares of a global batch that differ (an elastic job's members do not divide it):
-        // each rank's mean gradient weighted by its samples, so that the sum is the mean
-        // over the global batch; 1 (untouched) where the shares are equal.
-        let weight = if mine * world == samples {
-            1.0
-        } else {
-            (mine * world) as f32 / samples as f32
-        };
+        let (samples, weight) = super::share_weight(data, world);
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
