@@ -101,6 +101,14 @@ const MODES: &[Mode] = &[
         marker: "training: ",
     },
     Mode {
+        name: "sync all-reduce ZeRO-2, elastic 2:3",
+        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 3000\n",
+        world: 3,
+        targets: &[(1, "peer")],
+        tolerated: &[0, 1, 2],
+        marker: "training: ",
+    },
+    Mode {
         name: "async all-reduce, elastic 2:3",
         yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 3000\n",
         world: 3,

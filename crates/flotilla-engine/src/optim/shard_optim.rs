@@ -44,6 +44,11 @@ pub struct ShardOptimizer {
     /// The device of the pieces (with autodiff, as the model's parameters are).
     autodiff: Device,
     total: usize,
+    /// Whether each step keeps the state from before it ([`ShardOptimizer::keep_undo`]).
+    keeps_undo: bool,
+    /// The state before the last step, while [`ShardOptimizer::keep_undo`] is on: a clone of
+    /// burn's records (its tensors' handles, not their values).
+    before: Option<ModuleOptimizer>,
 }
 
 impl std::fmt::Debug for ShardOptimizer {
@@ -105,7 +110,37 @@ impl ShardOptimizer {
             device,
             pieces,
             total: layout.total,
+            keeps_undo: false,
+            before: None,
         })
+    }
+
+    /// Whether each step keeps the state from before it, so that one step can be taken back
+    /// ([`ShardOptimizer::state_before`], [`ShardOptimizer::undo`]): an elastic ZeRO run
+    /// whose step went through here but not on every member (its all-gather failed) goes on
+    /// from the step before it.
+    pub fn keep_undo(&mut self, on: bool) {
+        self.keeps_undo = on;
+        if !on {
+            self.before = None;
+        }
+    }
+
+    /// The state from before the last step (as [`ShardOptimizer::state`] writes it), if
+    /// [`ShardOptimizer::keep_undo`] kept it.
+    pub fn state_before(&self) -> Option<Result<Vec<u8>>> {
+        self.before.as_ref().map(module_state)
+    }
+
+    /// Takes the last step's state change back; `false` when no state from before it is kept.
+    pub fn undo(&mut self) -> bool {
+        match self.before.take() {
+            Some(before) => {
+                self.optimizer = before;
+                true
+            }
+            None => false,
+        }
     }
 
     /// The pieces, in flat order.
@@ -161,6 +196,9 @@ impl ShardOptimizer {
             module.push(Param::initialized(id, value));
         }
         drop(upload);
+        if self.keeps_undo {
+            self.before = Some(self.optimizer.clone());
+        }
         let module = self.optimizer.step(lr, module, gp);
         let _read = copies::to_host("shard", values);
         for (piece, param) in self.pieces.iter().zip(module) {
@@ -171,11 +209,7 @@ impl ShardOptimizer {
 
     /// The shard's optimizer state as bytes (burn's burnpack format, keyed by piece).
     pub fn state(&self) -> Result<Vec<u8>> {
-        let bytes = self
-            .optimizer
-            .into_bytes()
-            .map_err(|e| EngineError::Optimizer(format!("saving state: {e:?}")))?;
-        Ok(bytes.to_vec())
+        module_state(&self.optimizer)
     }
 
     /// Restores state written by [`ShardOptimizer::state`] of the same shard. State whose
@@ -195,6 +229,7 @@ impl ShardOptimizer {
             })
             .collect();
         check_state_shapes(bytes, &expected)?;
+        self.before = None;
         self.optimizer = self
             .optimizer
             .clone()
@@ -202,6 +237,14 @@ impl ShardOptimizer {
             .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
         Ok(())
     }
+}
+
+/// `optimizer`'s state as bytes (burn's burnpack format).
+fn module_state(optimizer: &ModuleOptimizer) -> Result<Vec<u8>> {
+    let bytes = optimizer
+        .into_bytes()
+        .map_err(|e| EngineError::Optimizer(format!("saving state: {e:?}")))?;
+    Ok(bytes.to_vec())
 }
 
 /// The most bytes an optimizer state of a model of `layout` takes in burn's burnpack format

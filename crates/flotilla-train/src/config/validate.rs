@@ -261,8 +261,9 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 }
 
 impl TrainConfig {
-    /// What an elastic job (`topology.min_world_size`) takes today: sync or async all-reduce
-    /// without ZeRO over TCP, `1 <= min <= world_size`. Each refusal names the setting.
+    /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
+    /// `zero`) or async all-reduce over TCP, `1 <= min <= world_size`. Each refusal names the
+    /// setting.
     fn validate_elastic(&self, min: usize) -> Result<()> {
         let key = "topology.min_world_size";
         let t = &self.topology;
@@ -279,8 +280,7 @@ impl TrainConfig {
             Err(bad(
                 key,
                 format!(
-                    "an elastic job trains with sync or async all-reduce over TCP without ZeRO so \
-                     far; \
+                    "an elastic job trains with sync or async all-reduce over TCP so far; \
                      {what} keeps a fixed size (drop MIN: `-n {}`, and `--max-restarts` \
                      restarts the whole job from its checkpoint)",
                     t.world_size
@@ -289,9 +289,6 @@ impl TrainConfig {
         };
         if t.arch != Arch::Allreduce {
             return not_yet("this strategy");
-        }
-        if self.allreduce.zero > 0 {
-            return not_yet("ZeRO (`allreduce.zero`)");
         }
         if self.allreduce.accumulation_steps > 1 {
             return not_yet("gradient accumulation (`allreduce.accumulation_steps`)");

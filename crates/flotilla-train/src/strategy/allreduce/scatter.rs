@@ -49,19 +49,23 @@ struct Scatter<'a> {
     reduced: Vec<bool>,
     /// Why the gradient callback stopped the pass (the engine returns only its text).
     error: Option<TrainError>,
+    /// This rank's share of the global batch times the ranks (1: equal shares): its
+    /// gradients and loss are scaled by it, so that the mean is the global batch's.
+    weight: f32,
 }
 
 /// Runs forward and backward on `batch` and reduce-scatters every bucket of `plan`
 /// through `zero`'s staging buffer, keeping this rank's shard of the averaged gradient in
 /// `zero`. Returns this rank's loss and the loss slot's mean (the global loss on the rank
-/// whose shard holds the slot; [`Zero::step`] tells every rank).
+/// whose shard holds the slot; [`Zero::step`] tells every rank). `weight`: this rank's
+/// share of the global batch times the ranks (1: equal shares).
 pub fn reduce_scatter_step(
     zero: &mut Zero,
     comm: &dyn ProcessGroup,
     engine: &mut dyn Engine,
     (plan, layout): (&BucketPlan, &ParamLayout),
     (batch, accumulated): (BatchRef<'_>, &MicroBatches),
-    overlap: bool,
+    (overlap, weight): (bool, f32),
 ) -> Result<(f32, f32)> {
     let buffer = Some(zero.take_staging());
     let mut s = Scatter {
@@ -77,6 +81,7 @@ pub fn reduce_scatter_step(
         global_loss: None,
         reduced: vec![false; plan.buckets.len()],
         error: None,
+        weight,
     };
     let passed = if overlap {
         engine.forward_backward_streaming(batch, &mut |i, g| s.on_grad(i, g))
@@ -120,6 +125,9 @@ impl Scatter<'_> {
         let dst = &mut buffer[at..at + grad.len()];
         self.accumulated
             .add_into(dst, grad, self.layout.params[i].offset);
+        if self.weight != 1.0 {
+            dst.iter_mut().for_each(|v| *v *= self.weight);
+        }
         let filled = self.filling.map_or(0, |(_, n)| n) + 1;
         self.filling = Some((k, filled));
         if filled == bucket.params.len() && (k + 1 < self.plan.buckets.len() || self.loss.is_some())
@@ -157,7 +165,7 @@ impl Scatter<'_> {
             // The mean of the step's micro-batch losses.
             let n = self.plan.buckets[k].len();
             let loss = self.loss.unwrap_or_default();
-            buffer[n] = self.accumulated.mean_loss(loss);
+            buffer[n] = self.accumulated.mean_loss(loss) * self.weight;
         }
         self.filling = None;
         self.pending = Some((k, self.comm.reduce_scatter_bucket(buffer, k)));

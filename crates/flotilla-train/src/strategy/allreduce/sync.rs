@@ -86,14 +86,18 @@ impl SyncAllReduce {
         let zero = (stage > 0)
             .then(|| {
                 let device = &config.model.device;
-                Zero::new(
+                let mut zero = Zero::new(
                     stage,
                     cx.comm.clone(),
                     &plan,
                     &layout,
                     &config.optimizer,
                     device,
-                )
+                )?;
+                if config.topology.min_world_size.is_some() {
+                    zero.make_elastic(&config.optimizer, device);
+                }
+                Ok::<_, TrainError>(zero)
             })
             .transpose()?;
         Ok(Self {
@@ -113,6 +117,12 @@ impl SyncAllReduce {
     /// The bucket plan in use.
     pub fn plan(&self) -> &BucketPlan {
         &self.plan
+    }
+
+    /// The ZeRO part (tests).
+    #[cfg(test)]
+    pub(super) fn zero_mut(&mut self) -> Option<&mut Zero> {
+        self.zero.as_mut()
     }
 }
 
@@ -194,18 +204,26 @@ impl Strategy for SyncAllReduce {
         true
     }
 
+    /// Rank 0's parameters and buffers to every rank; in an elastic ZeRO job, the optimizer
+    /// state re-cut among the members (`zero/elastic.rs`).
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        let _ = cx;
-        super::synchronize_initial_state(&*self.comm, &mut *self.engine)
+        super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
+        let Some(zero) = &mut self.zero else {
+            return Ok(());
+        };
+        if let Some((from, step)) = zero.recut(&self.plan, &self.layout)? {
+            cx.log(&format!(
+                "ZeRO: the optimizer state of step {step} re-cut from {from} to {} shard(s), \
+                 each held by two ranks",
+                self.comm.size()
+            ))?;
+        }
+        Ok(())
     }
 
     fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        if self.zero.is_some() {
-            return Err(TrainError::config(
-                "allreduce.zero",
-                "a ZeRO run cannot change its members yet (a lost rank's optimizer shard is \
-                 lost with it); use zero: 0, or restart from the checkpoint",
-            ));
+        if let Some(zero) = &mut self.zero {
+            zero.regroup(cx.comm.clone());
         }
         self.comm = cx.comm.clone();
         if cx.config.allreduce.sync_batch_norm {
@@ -277,6 +295,9 @@ impl Strategy for SyncAllReduce {
             Ok(state)
         })?;
         zero.restore_shards(files, state.is_some())?;
+        if let Some(s) = &state {
+            zero.resumed_at(s.step);
+        }
         Ok(state)
     }
 
@@ -334,7 +355,7 @@ impl SyncAllReduce {
                 &mut *self.engine,
                 (&self.plan, &self.layout),
                 (batch, &self.accumulator),
-                self.overlap,
+                (self.overlap, weight),
             )?,
             None => self.all_reduce_step(batch, weight)?,
         };

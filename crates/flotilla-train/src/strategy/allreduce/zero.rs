@@ -33,6 +33,9 @@
 //! step counts included) and cut by this run's ranges; an unsharded run resumes a ZeRO
 //! checkpoint the same way (`checkpoint::load`). Stages 1 and 2 shard alike, so either
 //! resumes the other's files as they are.
+//!
+//! In an elastic job every shard also lives on the rank before its owner and the state is
+//! re-cut among a new generation's members (`zero/elastic.rs`).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};
@@ -45,6 +48,10 @@ use flotilla_tcp::{ProcessGroup, Tag, shard, tags};
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
 use crate::error::{Result, TrainError};
+
+pub(super) mod elastic;
+
+use elastic::{Cut, Redundancy};
 
 /// Tag of the optimizer-state shards sent to and from rank 0 for checkpoints.
 const SHARD_TAG: Tag = tags::RESERVED + 0x102;
@@ -69,6 +76,15 @@ pub struct Zero {
     staging: Vec<f32>,
     /// The largest bucket's wire length (the staging buffer's capacity).
     max_wire: usize,
+    /// Which shard `optimizer` holds: this rank's of its group, except between an elastic
+    /// job's change of members and the start's re-cut (the old cut's).
+    cut: Cut,
+    /// An elastic job's second copy of a shard ([`Redundancy`]); `None`: a fixed-size job.
+    elastic: Option<Redundancy>,
+    /// Tests: the next step fails after its optimizer update, before its all-gather (a rank
+    /// lost there).
+    #[cfg(test)]
+    pub(super) fail_before_gather: bool,
 }
 
 /// Where one bucket's shard lies.
@@ -141,6 +157,13 @@ impl Zero {
             total: layout.total,
             staging: Vec::with_capacity(max_wire),
             max_wire,
+            cut: Cut {
+                world: comm.size(),
+                index: comm.rank(),
+            },
+            elastic: None,
+            #[cfg(test)]
+            fail_before_gather: false,
             comm,
         })
     }
@@ -197,7 +220,13 @@ impl Zero {
     pub fn step(&mut self, engine: &mut dyn Engine, loss: f32, lr: f64) -> Result<f32> {
         let mut params = vec![0.0; self.total];
         engine.read_params(&mut params)?;
+        self.begin_step();
         self.optimizer.step(&mut params, &self.grad, lr)?;
+        self.step_spare(&mut params, lr)?;
+        #[cfg(test)]
+        if self.fail_before_gather {
+            return Err(TrainError::Divergence("lost before the all-gather".into()));
+        }
         engine.drop_grads();
         let last = self.buckets.len().saturating_sub(1);
         let mut global_loss = loss;
@@ -217,14 +246,18 @@ impl Zero {
         }
         self.staging = wire;
         engine.write_params(&params)?;
+        self.finish_step();
         Ok(global_loss)
     }
 
-    /// Bytes of optimizer state this rank holds (its shard's momenta or moments).
+    /// Bytes of optimizer state this rank holds (its shard's momenta or moments, and in an
+    /// elastic job its spare's).
     pub fn state_bytes(&self) -> Result<u64> {
-        Ok(flotilla_engine::optimizer_state_bytes(
-            &self.optimizer.state()?,
-        )?)
+        let spare = match &self.elastic {
+            Some(e) => e.spare_bytes()?,
+            None => 0,
+        };
+        Ok(flotilla_engine::optimizer_state_bytes(&self.optimizer.state()?)? + spare)
     }
 
     /// The manifest of this run's shards (every rank's flat ranges).

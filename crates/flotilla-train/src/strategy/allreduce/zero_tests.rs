@@ -70,12 +70,14 @@ pub(super) fn rank(
 }
 
 pub(super) fn ring(n: usize) -> Vec<std::sync::Arc<dyn ProcessGroup>> {
-    world_with(
-        n,
-        CommConfig::new(Some(0), n)
-            .with_small_all_reduce_bytes(0)
-            .with_mid_all_reduce_bytes(0),
-    )
+    world_with(n, ring_config(n))
+}
+
+/// A world of `n` whose all-reduces all take the ring.
+pub(super) fn ring_config(n: usize) -> CommConfig {
+    CommConfig::new(Some(0), n)
+        .with_small_all_reduce_bytes(0)
+        .with_mid_all_reduce_bytes(0)
 }
 
 /// What each rank ends with: parameters, reported losses, figures by name.
