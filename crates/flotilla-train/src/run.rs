@@ -150,9 +150,10 @@ impl Run {
         let config = crate::gpu::on_local_gpu(config)?;
         // Opened before joining, so that a missing driver fails this rank at once.
         let device = flotilla_engine::describe_device(&config.model.device)?;
-        let (rejoin, links) = crate::rejoin::mode(&topology, rank)?;
+        let (rejoin, links) = crate::rejoin::mode(&config, &topology, rank)?;
         let world = topology.world_size();
-        let (comm, elastic) = if config.topology.min_world_size.is_some() {
+        let generations = config.elasticity() == Some(crate::config::Elasticity::Generations);
+        let (comm, elastic) = if generations {
             let (comm, e) = Elastic::join(&config, hash)?;
             (comm, Some(e))
         } else {

@@ -141,6 +141,15 @@ const MODES: &[Mode] = &[
         marker: "role ",
     },
     Mode {
+        name: "PS flat sync, elastic 2:3",
+        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 3000\n",
+        world: 3,
+        targets: &[(2, "worker")],
+        // The server leaves a lost or silent worker out and trains on with the other.
+        tolerated: &[1, 2],
+        marker: "role ",
+    },
+    Mode {
         name: "PS sharded sync (2 servers)",
         yaml: "arch: flat\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 100000\n",
         world: 4,

@@ -1,7 +1,8 @@
 //! An asynchronous flat parameter server's worker that dies is restarted alone by
 //! `flotilla launch --max-restarts` and rejoins the running job: it pulls the current
 //! parameters and trains on, the server takes it back and applies its pushes, and the job
-//! ends normally, as accurate as an undisturbed one.
+//! ends normally, as accurate as an undisturbed one. So does a worker of an elastic flat
+//! server (`min_world_size`), sync or model averaging.
 
 mod common;
 #[path = "common/starts.rs"]
@@ -216,6 +217,17 @@ fn assert_replacements_contributed(out: &Path, victim: usize, server: usize) {
 #[test]
 fn an_async_worker_killed_twice_rejoins_the_running_job() {
     killed_twice_rejoins(FLAT_ASYNC, 3000, 2, 0, [600, 1800], 0.93, false);
+}
+
+/// An elastic flat job (`min_world_size: 2`): its sync server leaves the lost worker out of
+/// the rounds and takes each replacement back into the round under way; with model averaging
+/// (`local_steps: 4`) the same.
+#[test]
+fn a_worker_of_an_elastic_sync_server_killed_twice_rejoins_the_running_job() {
+    let sync = "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
+    killed_twice_rejoins(sync, 1500, 1, 0, [300, 900], 0.9, false);
+    let averaging = format!("{sync}\nlocal_steps: 4");
+    killed_twice_rejoins(&averaging, 600, 2, 0, [150, 400], 0.9, false);
 }
 
 /// Under an async local server (global server 0; local server 1 with workers 2 and 3):

@@ -32,7 +32,7 @@ pub use pipeline::{PipelineSection, StageHostSetting, StagesSetting};
 pub use schedule::{LrSchedule, ScheduleSection};
 pub use telemetry::TelemetrySection;
 pub use tls::TlsSetting;
-pub use topology::TopologySection;
+pub use topology::{Elasticity, TopologySection};
 
 /// Everything a training run needs, in sections. Every field has a default, so an empty
 /// file is a valid config (LeNet-5 on the vendored MNIST, 2 ranks). Build it with

@@ -16,10 +16,9 @@ pub struct TopologySection {
     /// Number of ranks (processes) for all-reduce; parameter-server trees derive theirs.
     /// In an elastic job (`min_world_size` set) the most it takes.
     pub world_size: usize,
-    /// An elastic job (`flotilla launch -n MIN:MAX`): the fewest ranks it trains with. Its
-    /// membership is kept by the launcher's lighthouse; a lost rank leaves the others
-    /// training in a new generation, a new process joins at a step boundary, and the
-    /// global batch (`batch_size` x `world_size`) stays. Unset: a fixed-size job.
+    /// An elastic job (`flotilla launch -n MIN:MAX`): the fewest ranks it trains with
+    /// ([`Elasticity`]: all-reduce peers in generations the launcher's lighthouse keeps, or a
+    /// parameter server's workers the server keeps). Unset: a fixed-size job.
     pub min_world_size: Option<usize>,
     /// Architecture: `allreduce` (default), `flat` or `hierarchical` parameter servers.
     pub arch: Arch,
@@ -45,6 +44,31 @@ pub struct TopologySection {
     pub local_steps: usize,
     /// Inventory file (hcddl's `[pool]` ini or a plain host list) for placement checks.
     pub inventory: Option<PathBuf>,
+}
+
+/// How an elastic job (`topology.min_world_size`) changes its members.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Elasticity {
+    /// All-reduce peers: the launcher's lighthouse keeps the membership; a lost rank leaves
+    /// the others training in a new generation, a new process joins at a step boundary, and
+    /// the global batch (`batch_size` x `world_size`) stays ([`crate::elastic`]).
+    Generations,
+    /// A flat parameter server's workers: the server keeps them; a lost (or silent) worker
+    /// is left out of the rounds while at least `min_world_size` ranks remain, and its
+    /// replacement, started alone by the launcher, pulls the current parameters and is
+    /// taken back into the next round. A lost server ends the job.
+    ServerWorkers,
+}
+
+impl TrainConfig {
+    /// How this job changes its members; `None`: a fixed-size job.
+    pub fn elasticity(&self) -> Option<Elasticity> {
+        self.topology.min_world_size?;
+        Some(match self.topology.arch {
+            Arch::Flat => Elasticity::ServerWorkers,
+            _ => Elasticity::Generations,
+        })
+    }
 }
 
 impl Default for TopologySection {

@@ -262,8 +262,8 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 
 impl TrainConfig {
     /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
-    /// `zero`) or async all-reduce over TCP, `1 <= min <= world_size`. Each refusal names the
-    /// setting.
+    /// `zero`), async all-reduce, or one flat parameter server (sync or async, any
+    /// `local_steps`) over TCP, `1 <= min <= world_size`. Each refusal names the setting.
     fn validate_elastic(&self, min: usize) -> Result<()> {
         let key = "topology.min_world_size";
         let t = &self.topology;
@@ -280,14 +280,24 @@ impl TrainConfig {
             Err(bad(
                 key,
                 format!(
-                    "an elastic job trains with sync or async all-reduce over TCP so far; \
-                     {what} keeps a fixed size (drop MIN: `-n {}`, and `--max-restarts` \
-                     restarts the whole job from its checkpoint)",
+                    "an elastic job trains with sync or async all-reduce, or a flat parameter \
+                     server's workers, over TCP so far; {what} keeps a fixed size (drop MIN: \
+                     `-n {}`, and `--max-restarts` restarts the whole job from its checkpoint)",
                     t.world_size
                 ),
             ))
         };
-        if t.arch != Arch::Allreduce {
+        if t.arch == Arch::Flat {
+            if t.servers > 1 {
+                return not_yet("a sharded parameter server (`servers`)");
+            }
+            if min < 2 {
+                return Err(bad(
+                    key,
+                    format!("must leave the server at least one worker: 2 or more, not {min}"),
+                ));
+            }
+        } else if t.arch != Arch::Allreduce {
             return not_yet("this strategy");
         }
         if self.allreduce.accumulation_steps > 1 {
@@ -361,5 +371,37 @@ mod tests {
             .expect_err("type")
             .to_string();
         assert!(e.contains("epochs"), "{e}");
+    }
+
+    #[test]
+    fn an_elastic_job_takes_all_reduce_or_one_flat_server_and_refuses_the_rest() {
+        let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
+        let flat =
+            "arch: flat\nworld_size: 3\nparameter_server: {aggr_type: sync, num_workers: 2}\n";
+        for yaml in [
+            "world_size: 3\nmin_world_size: 2\n".to_string(),
+            "world_size: 3\nmin_world_size: 2\nzero: 2\n".to_string(),
+            format!("{flat}min_world_size: 2\n"),
+            format!("{flat}min_world_size: 2\nlocal_steps: 4\n"),
+        ] {
+            check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
+        }
+        for (yaml, why) in [
+            (format!("{flat}min_world_size: 1\n"), "at least one worker"),
+            (
+                format!("{flat}min_world_size: 2\nservers: 2\n"),
+                "sharded parameter server",
+            ),
+            (
+                "strategy: pipeline\nstages: 2\nworld_size: 2\nmin_world_size: 1\n".into(),
+                "this strategy keeps a fixed size",
+            ),
+        ] {
+            let e = check(&yaml).expect_err(&yaml).to_string();
+            assert!(
+                e.contains("min_world_size") && e.contains(why),
+                "{yaml}: {e}"
+            );
+        }
     }
 }

@@ -12,6 +12,7 @@ use std::process::Command;
 use anyhow::{Context, Result};
 use flotilla_cluster::Topology;
 use flotilla_train::TrainConfig;
+use flotilla_train::config::Elasticity;
 
 use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
@@ -62,8 +63,10 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
-    if config.topology.min_world_size.is_some() {
-        // An elastic job replaces lost processes itself; it never restarts as a whole.
+    if config.elasticity() == Some(Elasticity::Generations) {
+        // Elastic peers replace lost processes themselves; the job never restarts as a
+        // whole. (An elastic parameter server's workers are replaced alone, below; a lost
+        // server restarts the job from its checkpoint.)
         return launch_once(config, opts, &secret, true, &mut restarts)?;
     }
     loop {
@@ -115,18 +118,24 @@ fn launch_once(
         None => None,
     };
     let cpus = local_cpus(&job, opts.bind, threads);
-    let elastic = job.config.topology.min_world_size.is_some();
+    let elastic = job.config.elasticity().is_some();
+    let generations = job.config.elasticity() == Some(Elasticity::Generations);
     let mut ranks = match &remote {
         Some(_) if elastic => anyhow::bail!(
             "an elastic job (-n MIN:MAX) runs on this host so far, not on --inventory hosts"
         ),
         Some(r) => start_remote(&job, r, threads)?,
-        None if elastic => start_elastic(&mut job, threads, cpus.clone(), secret, opts)?,
+        None if generations => start_elastic(&mut job, threads, cpus.clone(), secret, opts)?,
         None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
     };
-    ranks.tolerate(tolerated_ranks(&job.topology));
+    let rejoinable = flotilla_train::rejoin::rejoinable(&job.config, &job.topology);
+    let mut tolerated = tolerated_ranks(&job.topology);
+    if job.config.elasticity() == Some(Elasticity::ServerWorkers) {
+        // Its server leaves a lost worker out while the job keeps its minimum.
+        tolerated.extend(&rejoinable);
+    }
+    ranks.tolerate(tolerated);
     let left = opts.max_restarts.saturating_sub(*restarts);
-    let rejoinable = flotilla_train::rejoin::rejoinable(&job.topology);
     if remote.is_none() && left > 0 && !rejoinable.is_empty() {
         let mut respawn = rejoin_respawn(&job, threads, cpus, secret, *restarts, opts.max_restarts);
         respawn.ranks = rejoinable;
@@ -139,7 +148,7 @@ fn launch_once(
     }
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     // An elastic job's rank 0 at the end may be any process.
-    relay.any_final_line = elastic;
+    relay.any_final_line = generations;
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
     *restarts += ranks.respawned();
     relay.clear_bar();

@@ -70,6 +70,13 @@ pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     config.validate()?;
     // One secret for every start of the program, removed at the end.
     let secret = JobSecret::for_job(&config)?;
+    if config.elasticity() == Some(flotilla_train::config::Elasticity::ServerWorkers) {
+        bail!(
+            "an elastic parameter-server job (-n MIN:MAX with arch flat) runs a config's model \
+             (`flotilla launch CONFIG`) so far; a program's keeps a fixed size (`-n {}`)",
+            config.topology.world_size
+        );
+    }
     if config.topology.min_world_size.is_some() {
         // An elastic job replaces lost processes itself; it never restarts as a whole.
         return launch_once(&config, args, &secret)?;

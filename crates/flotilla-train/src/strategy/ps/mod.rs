@@ -24,6 +24,8 @@ mod averaging_tests;
 #[cfg(test)]
 mod deadline_tests;
 #[cfg(test)]
+mod elastic_tests;
+#[cfg(test)]
 mod formula_kit;
 #[cfg(test)]
 mod machine_tests;

@@ -30,6 +30,8 @@ use flotilla_ps::PsMessage;
 use flotilla_ps::{Accumulator, Admission, Inbox, Mean, Refusal};
 
 use super::job::{Announcement, Place};
+
+mod elastic;
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
@@ -96,6 +98,10 @@ pub struct ShardServer {
     rejoins: Rejoins,
     /// What it says when it starts.
     announcement: Announcement,
+    /// An elastic job's fewest workers (`topology.min_world_size` less the server): a lost
+    /// or silent worker is left out of the rounds while this many remain
+    /// (`shard_server/elastic.rs`). `None`: a fixed-size job.
+    min_children: Option<usize>,
     /// How the run counts its rounds.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -188,6 +194,7 @@ impl ShardServer {
             bad_loss: None,
             staleness_lr,
             rejoins: Rejoins::default(),
+            min_children: elastic::min_children(cx.config, &shard),
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -286,6 +293,9 @@ impl ShardServer {
     /// A child's push: admitted into the round (or refused, changing nothing); a complete
     /// round or an async push becomes an update.
     pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
+        if self.left_out(child) {
+            return self.refuse_left_out(cx, child);
+        }
         if let PsMessage::Push { loss, .. } = &msg
             && !loss.is_finite()
         {
@@ -313,6 +323,12 @@ impl ShardServer {
                 return Ok(());
             }
         }
+        self.close(cx, staleness, child)
+    }
+
+    /// Applies the pushes taken (a sync round's, once every active child pushed; an async
+    /// push, of `child`) and answers.
+    fn close(&mut self, cx: &mut PsContext<'_>, staleness: u64, child: usize) -> Result<()> {
         let Some(mean) = self.acc.take() else {
             return Ok(());
         };
@@ -556,7 +572,7 @@ impl ServerMachine for ShardServer {
 
     /// An async server goes on without a child that failed, as without a lost one.
     fn goes_on_without(&self, peer: usize) -> bool {
-        !self.sync && (self.is_root || peer != self.root)
+        (!self.sync || self.min_children.is_some()) && (self.is_root || peer != self.root)
     }
 
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
@@ -568,6 +584,9 @@ impl ServerMachine for ShardServer {
         }
         if !self.active.contains(&peer) {
             return Ok(());
+        }
+        if self.min_children.is_some() {
+            return self.leave_out(cx, &[peer], &format!("lost ({e})"));
         }
         if self.sync {
             // A shard server may see a worker leave because the root has just told everyone
@@ -603,6 +622,9 @@ impl ServerMachine for ShardServer {
     }
 
     fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
+        if self.min_children.is_some() {
+            return self.take_back(cx, peer);
+        }
         if self.sync || !self.children.contains(&peer) {
             return Ok(());
         }
@@ -618,9 +640,14 @@ impl ServerMachine for ShardServer {
         ))
     }
 
-    fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
+    fn on_deadline(&mut self, cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
         if let Some((child, _)) = self.awaiting_stop {
             return Err(lost_child(child, self.rounds));
+        }
+        if self.min_children.is_some() && self.sync {
+            let silent: Vec<usize> = self.pending.iter().copied().collect();
+            let why = format!("silent for {waited:?}");
+            return self.leave_out(cx, &silent, &why);
         }
         let silent = if self.sync {
             &self.pending
