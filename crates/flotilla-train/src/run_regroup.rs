@@ -35,13 +35,24 @@ impl Run {
         drop(self.watcher.take());
         loop {
             // Read again after a generation lost while starting: its state (and count) may
-            // be rank 0's of that generation by then.
-            let step = self.state.progress();
+            // be rank 0's of that generation by then. Steps counted but not in the model yet
+            // (an async peer's in flight) are redone.
+            let progress = self.state.progress();
+            let step = self
+                .role
+                .applied_until()
+                .map_or(progress, |a| a.min(progress));
             let Some(e) = self.elastic.as_mut() else {
                 return Ok(());
             };
             let left = e.generation.number;
-            let note = format!("left generation {left} after step {step}: {why}; joining the next");
+            let redo = match progress - step {
+                0 => String::new(),
+                n => format!(" ({n} in flight, redone from step {step})"),
+            };
+            let note = format!(
+                "left generation {left} after step {progress}{redo}: {why}; joining the next"
+            );
             observer.message(&note);
             self.parts.log.line(&note)?;
             let comm = e.next(step)?;

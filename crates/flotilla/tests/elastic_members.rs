@@ -494,6 +494,7 @@ fn async_all_reduce_peers_train_on_without_a_lost_rank() {
     let stdout = text(&o);
     assert!(o.status.success(), "{stdout}");
     assert_members_kept_training(&elastic, &[killed], (4, 2, 10.0));
+    assert_steps_in_flight_redone(&elastic, killed);
 
     let mut c = flotilla();
     c.args(args(&plain, "3"))
@@ -506,6 +507,34 @@ fn async_all_reduce_peers_train_on_without_a_lost_rank() {
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"
     );
+}
+
+/// Each survivor of generation 1 in `out` (all slots but `killed`) left it with steps in
+/// flight and trained on from before them: the next generation starts at the step the
+/// survivors had applied, below the step each had counted, so the steps whose gradients
+/// were dropped with the old cycle are redone, their samples with them.
+fn assert_steps_in_flight_redone(out: &Path, killed: u64) {
+    for slot in (0..3).filter(|&s| s != killed) {
+        let log = slot_log(out, slot);
+        let left = log
+            .lines()
+            .find(|l| l.contains("] left generation 1 after step "))
+            .unwrap_or_else(|| panic!("slot {slot} left generation 1:\n{log}"));
+        let counted: u64 = between(left, "after step ", " ")
+            .trim_end_matches(':')
+            .parse()
+            .expect("the step it left after");
+        assert!(left.contains("in flight, redone from step"), "{left}");
+        let next = generations(&log)
+            .into_iter()
+            .find(|j| j.generation > 1)
+            .unwrap_or_else(|| panic!("slot {slot} trained on:\n{log}"));
+        assert!(
+            next.step < counted,
+            "slot {slot} left after step {counted} and went on from step {}",
+            next.step
+        );
+    }
 }
 
 /// Sync all-reduce with ZeRO stage 2 (`--zero 2`) under `-n 2:3 --max-restarts 1`: the

@@ -100,6 +100,14 @@ pub trait Strategy {
         ))
     }
 
+    /// The first step (the run's count) whose update is not in the model yet, for a role
+    /// that applies steps after it counts them (an async all-reduce peer's oldest step in
+    /// flight); `None`: every step counted is applied. An elastic job goes on from there, so
+    /// that steps lost with a generation are redone.
+    fn applied_until(&self) -> Option<u64> {
+        None
+    }
+
     /// One unit of work; `done` units of progress were completed before. Roles that train
     /// take their batches from `data`.
     fn step(&mut self, cx: &mut Cx<'_>, data: &mut Batches, done: u64) -> Result<Step>;

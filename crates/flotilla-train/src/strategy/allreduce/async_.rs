@@ -53,6 +53,8 @@ struct InFlight {
     /// By parameter index; `None` for a tensor withheld by a test fault (applied as zero).
     grads: Vec<Option<Pending<Vec<f32>>>>,
     loss: Pending<Vec<f32>>,
+    /// The run's step (0-based) it is.
+    done: u64,
 }
 
 /// The async all-reduce peer; see the module documentation.
@@ -65,6 +67,8 @@ pub struct AsyncAllReduce {
     staleness: usize,
     reducer: Option<CycleReducer>,
     in_flight: VecDeque<InFlight>,
+    /// The first step (0-based, the run's count) whose update is not in the model.
+    applied_until: u64,
     /// The averaged flat gradient handed to the optimizer.
     flat: Vec<f32>,
     /// The learning rate of the newest step (drains apply with it).
@@ -109,6 +113,7 @@ impl AsyncAllReduce {
             staleness: a.staleness as usize,
             reducer: None,
             in_flight: VecDeque::new(),
+            applied_until: 0,
             flat: vec![0.0; n],
             lr: 0.0,
             stats: None,
@@ -202,7 +207,11 @@ impl AsyncAllReduce {
             )));
         }
         let loss = reducer.submit(LOSS, vec![accumulator.mean_loss(loss) * weight]);
-        self.in_flight.push_back(InFlight { grads, loss });
+        if self.in_flight.is_empty() {
+            // Every step submitted before this one is in the model.
+            self.applied_until = done;
+        }
+        self.in_flight.push_back(InFlight { grads, loss, done });
         Ok(())
     }
 
@@ -236,6 +245,7 @@ impl AsyncAllReduce {
         let _span = tracing::info_span!(target: "flotilla::train", "optimizer_step").entered();
         self.engine.apply_grads(&self.flat, self.lr)?;
         self.applied += 1;
+        self.applied_until = step.done + 1;
         self.track(true)?;
         Ok(Some(loss))
     }
@@ -299,10 +309,16 @@ impl Strategy for AsyncAllReduce {
         Ok(())
     }
 
+    /// The first step whose update is not in the model: the oldest in flight.
+    fn applied_until(&self) -> Option<u64> {
+        Some(self.applied_until)
+    }
+
     /// An elastic job's next generation: the steps in flight went to the old generation's
-    /// cycle and are dropped with it (at most `staleness` steps' gradients, not redone); the
+    /// cycle and are dropped with it (at most `staleness` steps' gradients); the run goes on
+    /// from [`Strategy::applied_until`], so they are redone, their samples with them. The
     /// engine keeps its own parameters, which [`Strategy::start`] agrees with the members
-    /// (rank 0's), and a new cycle starts on the new group.
+    /// (rank 0's: the most steps applied), and a new cycle starts on the new group.
     fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let dropped = self.in_flight.len();
         // Not shut down collectively: the old cycle leaves without waiting for anyone.
@@ -313,7 +329,9 @@ impl Strategy for AsyncAllReduce {
         self.comm = cx.comm.clone();
         if dropped > 0 {
             cx.log(&format!(
-                "async all-reduce: {dropped} step(s) in flight dropped with the old generation"
+                "async all-reduce: {dropped} step(s) in flight dropped with the old generation, \
+                 to be redone from step {}",
+                self.applied_until
             ))?;
         }
         Ok(())
