@@ -87,6 +87,21 @@ pub fn for_job(
     Ok(Some(socket))
 }
 
+/// This host's address toward `host` (the source address its routes pick to reach it): where
+/// processes on `host` reach a service of this host, such as an elastic job's lighthouse. A
+/// UDP socket is connected, which sends nothing.
+pub fn address_toward(host: &str) -> Result<String> {
+    let socket = std::net::UdpSocket::bind(("0.0.0.0", 0)).context("a UDP socket")?;
+    socket
+        .connect((host, 9))
+        .with_context(|| format!("no route from this host to {host}"))?;
+    Ok(socket
+        .local_addr()
+        .context("its local address")?
+        .ip()
+        .to_string())
+}
+
 /// A port free on `addr` now, for a program that binds it itself later (torch's rendezvous
 /// under `flotilla launch -- PROGRAM`, as under torchrun): bound, read and released, so
 /// another local process could take it first, as with torchrun.

@@ -508,3 +508,136 @@ fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
     );
     assert_none_left(job_dir.to_str().expect("utf8"), Duration::from_secs(5));
 }
+
+/// The pid of the process of an elastic job's slot `slot` that runs in a directory under
+/// `jobs` (its `FLOTILLA_SLOT` and its working directory: the job's, on the "host").
+fn slot_pid(jobs: &Path, slot: u64) -> Option<u32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        (cwd.starts_with(jobs)
+            && env
+                .split(|&b| b == 0)
+                .any(|kv| kv == format!("FLOTILLA_SLOT={slot}").as_bytes()))
+        .then_some(pid)
+    })
+}
+
+/// SIGKILLs the process of slot `slot` under `jobs` once it has run for 3 s (within 120 s);
+/// its pid, or `None` if it never ran.
+fn kill_slot_later(jobs: &Path, slot: u64) -> std::thread::JoinHandle<Option<u32>> {
+    let at = jobs.to_path_buf();
+    std::thread::spawn(move || {
+        let started = Instant::now();
+        let mut seen = None;
+        while started.elapsed() < Duration::from_secs(120) {
+            if let Some(pid) = slot_pid(&at, slot)
+                && seen.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(3)
+            {
+                // SAFETY: kill(2) on a pid of this test's own job; no memory is involved.
+                assert_eq!(unsafe { libc::kill(pid as i32, libc::SIGKILL) }, 0);
+                return Some(pid);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        None
+    })
+}
+
+/// Slots 0 and 2 of the job in `out` trained on in a later generation without exiting, and
+/// slot 3 (the replacement) joined; each finished.
+fn assert_trained_on(out: &Path, all: &str) {
+    for slot in [0, 2, 3] {
+        let log = std::fs::read_to_string(out.join(format!("slot-{slot}/run.log")))
+            .unwrap_or_else(|e| panic!("slot {slot}'s run.log: {e}\n{all}"));
+        let generations: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("] generation "))
+            .collect();
+        assert!(
+            generations.iter().any(|l| !l.contains("] generation 1:")),
+            "slot {slot} trained in a later generation:\n{log}"
+        );
+        let pids: std::collections::BTreeSet<&str> = generations
+            .iter()
+            .filter_map(|l| l.split("(pid ").nth(1)?.split(')').next())
+            .collect();
+        assert_eq!(pids.len(), 1, "slot {slot} is one process:\n{log}");
+        assert!(log.contains("final test_acc="), "slot {slot}:\n{log}");
+    }
+}
+
+/// `flotilla launch -n 2:3 --inventory ... --max-restarts 1`: an elastic job over ssh, its
+/// membership kept by the launcher here (the lighthouse on this host's address toward the
+/// hosts). A process SIGKILLed on its host is left out, the others train on in a new
+/// generation without exiting, a replacement started over ssh joins them, the job ends at 0,
+/// and every process's run.log comes back with one line per generation it trained in.
+#[test]
+fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "job.yaml",
+        "model:\n  spec: lenet5\ndata:\n  train_limit: 12000\nschedule:\n  epochs: 12\n\
+         comm:\n  timeout_s: 10\n",
+    );
+    // A third entry for the third process (one process per inventory entry).
+    let three = dir.path().join("three.ini");
+    let hosts = std::fs::read_to_string(&sshd.inventory).expect("inventory");
+    let first = hosts.lines().nth(1).expect("a host line");
+    std::fs::write(
+        &three,
+        hosts.replacen(first, &format!("{first}\n{first}"), 1),
+    )
+    .expect("inventory");
+    let inv = three.to_str().expect("utf8");
+    let jobs = sshd.dir.path().join("jobs");
+    let out = dir.path().join("out");
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        &cfg,
+        "-n",
+        "2:3",
+        "--max-restarts",
+        "1",
+        "--inventory",
+        inv,
+    ])
+    .arg("--remote-dir")
+    .arg(&jobs)
+    .arg("--output")
+    .arg(&out)
+    .env(
+        "FLOTILLA_SECRET",
+        format!("elastic-ssh-{}", std::process::id()),
+    );
+    let killer = kill_slot_later(&jobs, 1);
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    let killed = killer.join().expect("killer");
+    let all = text(&o);
+    assert!(killed.is_some(), "slot 1's process was never found:\n{all}");
+    assert!(o.status.success(), "{all}");
+    assert!(all.contains("the launcher keeps the membership"), "{all}");
+    assert!(
+        // ssh says a remote SIGKILL as exit code 137.
+        all.contains("restart 1/1 after: rank 1 failed (exit code 137)"),
+        "killed {killed:?}: {all}"
+    );
+    assert_trained_on(&out, &all);
+    // Nothing left running on the "hosts", and the job's credentials left with it.
+    let job: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("job.json")).expect("job.json"))
+            .expect("job.json is JSON");
+    let job_dir = PathBuf::from(job["dir"].as_str().expect("dir"));
+    for file in ["secret", "tls-ca.pem", "tls-cert.pem", "tls-key.pem"] {
+        assert!(
+            !job_dir.join(file).exists(),
+            "{file} left in {}",
+            job_dir.display()
+        );
+    }
+    assert!(slot_pid(&jobs, 0).is_none() && slot_pid(&jobs, 2).is_none());
+}

@@ -54,7 +54,8 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 /// the whole job is started again from the newest checkpoint, up to that many times (each
 /// restart logged with its cause).
 pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
-    if opts.max_restarts > 0 && config.topology.inventory.is_some() {
+    let generations = config.elasticity() == Some(Elasticity::Generations);
+    if opts.max_restarts > 0 && config.topology.inventory.is_some() && !generations {
         anyhow::bail!(
             "--max-restarts with --inventory is not supported yet (a restart resumes from the \
              checkpoint, and ssh jobs cannot resume); use it with a local launch"
@@ -63,7 +64,7 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
-    if config.elasticity() == Some(Elasticity::Generations) {
+    if generations {
         // Elastic peers replace lost processes themselves; the job never restarts as a
         // whole. (An elastic parameter server's workers are replaced alone, below; a lost
         // server restarts the job from its checkpoint.)
@@ -121,9 +122,11 @@ fn launch_once(
     let elastic = job.config.elasticity().is_some();
     let generations = job.config.elasticity() == Some(Elasticity::Generations);
     let mut ranks = match &remote {
-        Some(_) if elastic => anyhow::bail!(
-            "an elastic job (-n MIN:MAX) runs on this host so far, not on --inventory hosts"
+        Some(_) if elastic && !generations => anyhow::bail!(
+            "an elastic parameter-server job (-n MIN:MAX with arch flat) runs on this host so \
+             far, not on --inventory hosts"
         ),
+        Some(r) if generations => start_elastic_remote(&mut job, r, threads, secret, opts)?,
         Some(r) => start_remote(&job, r, threads)?,
         None if generations => start_elastic(&mut job, threads, cpus.clone(), secret, opts)?,
         None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
@@ -222,7 +225,7 @@ fn rejoin_respawn(
             cmd.env(k, v);
         }
         cmd.env(flotilla_train::rejoin::REJOIN_ENV, "1");
-        cmd
+        Ok(cmd)
     };
     launch::Respawn {
         make: Box::new(make),
@@ -272,12 +275,50 @@ fn start_elastic(
     let join_with = format!("flotilla train {}", config_path.display());
     crate::launch::elastic::start(crate::launch::elastic::Start {
         config: &job.config,
-        command: Box::new(move |index| {
+        command: Box::new(move |index, vars| {
             let mut cmd = Command::new(&exe);
             cmd.arg("train").arg(&config_path).envs(env(index));
-            cmd
+            cmd.envs(vars.iter().map(|(k, v)| (k, v)));
+            Ok(cmd)
         }),
+        stop: None,
+        tls: None,
         join_with,
+        socket,
+        secret,
+        restarts: opts.max_restarts,
+        start: opts.start_ranks,
+    })
+}
+
+/// Starts an elastic job's processes on its inventory's hosts over ssh, around its
+/// lighthouse here ([`crate::launch::elastic`]): process `k` on the host of rank `k`, a
+/// replacement round the hosts.
+fn start_elastic_remote(
+    job: &mut Prepared,
+    remote: &Remote,
+    threads: usize,
+    secret: &JobSecret,
+    opts: &LaunchArgs,
+) -> Result<LocalJob> {
+    let socket = job
+        .socket
+        .take()
+        .context("the lighthouse's port was not bound")?;
+    remote.record(&job.config.telemetry.output)?;
+    let env = rank_env(job, threads);
+    let make = remote.slot_commands();
+    let config_path = job.config_path.display().to_string();
+    crate::launch::elastic::start(crate::launch::elastic::Start {
+        config: &job.config,
+        command: Box::new(move |index, vars| {
+            let mut all = env(index);
+            all.extend_from_slice(vars);
+            make(index, all)
+        }),
+        stop: Some(remote.stop_hook()?),
+        tls: remote.lighthouse_tls.clone(),
+        join_with: format!("flotilla train {config_path} (on a host of the inventory)"),
         socket,
         secret,
         restarts: opts.max_restarts,
@@ -313,7 +354,16 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
             .unwrap_or("127.0.0.1")
             .to_owned();
     }
-    let socket = rendezvous_socket::for_job(&mut config, flags, placement.is_none())?;
+    let generations = config.elasticity() == Some(Elasticity::Generations);
+    if generations && !flags.given("master-addr") {
+        // An elastic job's membership is kept here, by the launcher's lighthouse: the ranks
+        // reach it at this host's address toward rank 0's host.
+        if let Some(to) = placement.as_ref().and_then(|p| p.address(0)) {
+            config.comm.master_addr = rendezvous_socket::address_toward(to)?;
+        }
+    }
+    let local = placement.is_none() || generations;
+    let socket = rendezvous_socket::for_job(&mut config, flags, local)?;
     let spec = config.validate()?;
     if config.topology.arch == flotilla_cluster::Arch::Pipeline {
         // Planned here, before any rank starts: a model that does not fit is refused, and the

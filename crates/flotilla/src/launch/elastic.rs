@@ -20,12 +20,20 @@ use crate::job_secret::JobSecret;
 use crate::launch::{FailWhen, LocalJob, Respawn};
 use crate::rendezvous_socket::RendezvousSocket;
 
+/// Each process's command by its index, with more environment variables (its slot).
+pub(crate) type SlotCommand = Box<dyn Fn(usize, &[(String, String)]) -> Result<Command> + Send>;
+
 /// What an elastic start needs from the launch.
 pub(crate) struct Start<'a> {
     pub config: &'a TrainConfig,
-    /// Each process's command and environment, by its index: `flotilla train CONFIG`, or
-    /// the user's program (`flotilla launch -n MIN:MAX -- PROGRAM`).
-    pub command: Box<dyn Fn(usize) -> Command + Send>,
+    /// Each process's command and environment, by its index, with `vars` (its slot) added
+    /// to its environment: `flotilla train CONFIG` or the user's program (`flotilla launch
+    /// -n MIN:MAX -- PROGRAM`), here or over ssh on an inventory's host.
+    pub command: SlotCommand,
+    /// Ends the processes where they run when the job ends early (the inventory's hosts').
+    pub stop: Option<crate::launch::StopHook>,
+    /// The lighthouse's TLS when not the config's (an inventory job's made CA).
+    pub tls: Option<flotilla_tcp::TlsConfig>,
     /// What a process started by hand runs to join the job (said when it can grow).
     pub join_with: String,
     pub socket: RendezvousSocket,
@@ -46,10 +54,11 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
     if first < min || first > max {
         anyhow::bail!("--start-ranks {first}: an elastic job of {min}:{max} starts {min} to {max}");
     }
-    let lighthouse = Lighthouse::start(
-        lighthouse_config(c, s.secret, first)?,
-        s.socket.into_listener(),
-    )?;
+    let mut config = lighthouse_config(c, s.secret, first)?;
+    if s.tls.is_some() {
+        config.tls = s.tls;
+    }
+    let lighthouse = Lighthouse::start(config, s.socket.into_listener())?;
     println!(
         "[launcher] elastic job: {min} to {max} ranks; the launcher keeps the membership \
          (lighthouse on port {}){}",
@@ -61,11 +70,8 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
         }
     );
     let base = s.command;
-    let command = move |index: usize, slot: usize| {
-        let mut cmd = base(index);
-        cmd.env(SLOT_ENV, slot.to_string());
-        cmd
-    };
+    let command =
+        move |index: usize, slot: usize| base(index, &[(SLOT_ENV.into(), slot.to_string())]);
     if first < max {
         println!(
             "[launcher] more ranks join this job (up to {max}) with: {SLOT_ENV}=<a number of \
@@ -77,8 +83,10 @@ pub(crate) fn start(s: Start<'_>) -> Result<LocalJob> {
             s.join_with
         );
     }
-    let commands: Vec<Command> = (0..first).map(|i| command(i, i)).collect();
-    let mut job = LocalJob::start(commands, None)?;
+    let commands = (0..first)
+        .map(|i| command(i, i))
+        .collect::<Result<Vec<_>>>()?;
+    let mut job = LocalJob::start(commands, s.stop)?;
     // No process is needed by name: the survivors go on without a lost one.
     job.tolerate(0..first);
     let mut next_slot = first;

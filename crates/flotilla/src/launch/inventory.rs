@@ -38,6 +38,9 @@ pub struct Remote {
     /// How long rank 0 may take to bind a port on its host and say it, when it picks one
     /// (`master_port` 0: the other ranks start once it has); `None` when the port is given.
     port_wait: Option<Duration>,
+    /// An elastic job's lighthouse's TLS (on this host, at `comm.master_addr`), loaded
+    /// before the job's made files are removed; `None` without TLS or when not elastic.
+    pub lighthouse_tls: Option<flotilla_tcp::TlsConfig>,
 }
 
 /// Places the job's ranks on the inventory's hosts (rank `i` on host `i`).
@@ -76,7 +79,18 @@ pub fn prepare(
         .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
         .tempdir()
         .context("creating a staging directory")?;
-    let tls = RemoteTls::plan(config, &job.hosts(), staging.path())?;
+    let generations = config.elasticity() == Some(flotilla_train::config::Elasticity::Generations);
+    let lighthouse = generations.then_some(config.comm.master_addr.as_str());
+    let tls = RemoteTls::plan(config, &job.hosts(), lighthouse, staging.path())?;
+    let lighthouse_tls = match lighthouse.and_then(|a| tls.files_for(a)) {
+        Some(files) => Some(files.load().with_context(|| {
+            format!(
+                "TLS of the elastic job's lighthouse at {} (this host): its certificate",
+                config.comm.master_addr
+            )
+        })?),
+        None => None,
+    };
     ranks_config.comm.tls = tls.ranks_setting();
     let ranks_tls = ranks_config.comm.tls.clone();
     let config_file = staging.path().join(REMOTE_CONFIG);
@@ -119,6 +133,7 @@ pub fn prepare(
         job,
         tls: ranks_tls,
         port_wait,
+        lighthouse_tls,
     })
 }
 
@@ -168,17 +183,7 @@ impl Remote {
         program: Option<&[String]>,
     ) -> Result<LocalJob> {
         let n = self.job.ranks.len();
-        let job = self.job.clone();
-        let dirs = flotilla_cluster::ssh::quote(&job.dir)?;
-        let stop: StopHook = Box::new(move || {
-            let (lines, failures) = remote::stop_on_hosts(&job.hosts(), &dirs);
-            for line in lines {
-                eprintln!("[launcher] {line}");
-            }
-            for f in failures {
-                eprintln!("[launcher] warning: {f}; end its ranks with `flotilla stop`");
-            }
-        });
+        let stop = self.stop_hook()?;
         let mut ranks = LocalJob::start([self.command(0, env(0), program)?], Some(stop))?;
         let port = match self.port_wait {
             Some(wait) => {
@@ -203,22 +208,40 @@ impl Remote {
         Ok(ranks)
     }
 
-    /// The ssh command that runs `rank` with `vars` (`LOCAL_RANK` added), out of the
-    /// terminal's process group: Ctrl-C reaches the launcher, which stops the remote ranks
-    /// before it ends their ssh clients.
+    /// What ends the job's processes on every host (through their recorded pids) when the
+    /// job ends early.
+    pub fn stop_hook(&self) -> Result<StopHook> {
+        let job = self.job.clone();
+        let dirs = flotilla_cluster::ssh::quote(&job.dir)?;
+        Ok(Box::new(move || {
+            let (lines, failures) = remote::stop_on_hosts(&job.hosts(), &dirs);
+            for line in lines {
+                eprintln!("[launcher] {line}");
+            }
+            for f in failures {
+                eprintln!("[launcher] warning: {f}; end its ranks with `flotilla stop`");
+            }
+        }))
+    }
+
+    /// The ssh command of an elastic job's process `index` with `vars`: `flotilla train` on
+    /// the host of rank `index` modulo the inventory's ranks (a replacement goes round the
+    /// hosts), owning nothing of the launcher.
+    pub fn slot_commands(
+        &self,
+    ) -> impl Fn(usize, Vec<(String, String)>) -> Result<Command> + Send + use<> {
+        let job = self.job.clone();
+        move |index, vars| rank_command(&job, index % job.ranks.len().max(1), vars, None)
+    }
+
+    /// The ssh command that runs `rank` with `vars` (see [`rank_command`]).
     fn command(
         &self,
         rank: usize,
-        mut vars: Vec<(String, String)>,
+        vars: Vec<(String, String)>,
         program: Option<&[String]>,
     ) -> Result<Command> {
-        vars.push(("LOCAL_RANK".into(), self.job.local_rank(rank).to_string()));
-        let mut cmd: Command = match program {
-            Some(words) => self.job.program_command(rank, &vars, words)?,
-            None => self.job.rank_command(rank, &vars)?,
-        };
-        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
-        Ok(cmd)
+        rank_command(&self.job, rank, vars, program)
     }
 
     /// Removes the job's credentials (the secret and the TLS files) from every host's job
@@ -260,6 +283,24 @@ impl Remote {
     pub fn host_name(&self, rank: usize) -> &str {
         self.job.ranks.get(rank).map_or("", |t| t.name.as_str())
     }
+}
+
+/// The ssh command that runs `rank` of `job` with `vars` (`LOCAL_RANK` added), out of the
+/// terminal's process group: Ctrl-C reaches the launcher, which stops the remote ranks before
+/// it ends their ssh clients.
+fn rank_command(
+    job: &RemoteJob,
+    rank: usize,
+    mut vars: Vec<(String, String)>,
+    program: Option<&[String]>,
+) -> Result<Command> {
+    vars.push(("LOCAL_RANK".into(), job.local_rank(rank).to_string()));
+    let mut cmd: Command = match program {
+        Some(words) => job.program_command(rank, &vars, words)?,
+        None => job.rank_command(rank, &vars)?,
+    };
+    std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+    Ok(cmd)
 }
 
 /// The job's credentials leave the hosts with it, however the launch ends (its ranks are

@@ -259,14 +259,13 @@ impl LocalJob {
         r.left -= 1;
         r.used += 1;
         self.respawns += 1;
-        let mut cmd = (r.make)(rank);
         eprintln!(
             "[launcher] restart {}/{} after: rank {rank} failed ({}); it rejoins the running job",
             r.used,
             r.total,
             describe(how)
         );
-        match start_child(&mut cmd, rank, tx) {
+        match (r.make)(rank).and_then(|mut cmd| start_child(&mut cmd, rank, tx)) {
             Ok(child) => {
                 self.children[i].1 = child;
                 self.blamed[i] = None;
@@ -652,7 +651,7 @@ fn die_with_launcher(cmd: &mut Command) {
 /// How tolerated ranks are started again (see [`LocalJob::respawn_with`]).
 pub struct Respawn {
     /// The command that starts rank `r` again.
-    pub make: Box<dyn FnMut(usize) -> Command + Send>,
+    pub make: Box<dyn FnMut(usize) -> Result<Command> + Send>,
     /// The ranks it may start again (others that fail are left out, as before).
     pub ranks: Vec<usize>,
     /// Starts still allowed.

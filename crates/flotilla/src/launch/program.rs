@@ -136,7 +136,11 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     let elastic = config.topology.min_world_size.is_some();
     let mut ranks = match &remote {
         Some(_) if elastic => {
-            bail!("an elastic job (-n MIN:MAX) runs on this host so far, not on --inventory hosts")
+            bail!(
+                "an elastic program (-n MIN:MAX -- PROGRAM) runs on this host so far, not on \
+                 --inventory hosts (a config's model does: `flotilla launch CONFIG -n MIN:MAX \
+                 --inventory ...`)"
+            )
         }
         Some(r) => {
             let tls = r.tls.as_ref().map(TlsFiles::from);
@@ -192,7 +196,13 @@ fn start_local(
         );
         return crate::launch::elastic::start(crate::launch::elastic::Start {
             config,
-            command: Box::new(command),
+            command: Box::new(move |index, vars| {
+                let mut cmd = command(index);
+                cmd.envs(vars.iter().map(|(k, v)| (k, v)));
+                Ok(cmd)
+            }),
+            stop: None,
+            tls: None,
             join_with,
             socket,
             secret,

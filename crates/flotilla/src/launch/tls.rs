@@ -50,10 +50,19 @@ impl RemoteTls {
     /// configured paths on the hosts; with no files given, a CA and pairs made for this job
     /// in `scratch` (a private directory that lives until the files are copied), unless
     /// `comm.auto_tls` is off or the job is `insecure`.
-    pub fn plan(config: &TrainConfig, targets: &[&SshTarget], scratch: &Path) -> Result<RemoteTls> {
+    /// `launcher`: the address of this host's service the ranks connect to (an elastic
+    /// job's lighthouse), which a job-made CA makes a pair for too.
+    pub fn plan(
+        config: &TrainConfig,
+        targets: &[&SshTarget],
+        launcher: Option<&str>,
+        scratch: &Path,
+    ) -> Result<RemoteTls> {
         let files = match config.tls_files()? {
             Some(files) => files,
-            None if config.comm.auto_tls && !config.comm.insecure => job_files(targets, scratch)?,
+            None if config.comm.auto_tls && !config.comm.insecure => {
+                job_files(targets, launcher, scratch)?
+            }
             None => return Ok(RemoteTls::Off),
         };
         let dir = files
@@ -122,6 +131,23 @@ impl RemoteTls {
         }
     }
 
+    /// The files of `address` on this host (an elastic job's lighthouse): its pair beside
+    /// the CA (copies), or the configured paths; `None` without TLS.
+    pub fn files_for(&self, address: &str) -> Option<TlsFiles> {
+        match self {
+            RemoteTls::Off => None,
+            RemoteTls::Copy(pairs) => {
+                let ca = pairs.first()?.1.ca.clone();
+                let dir = ca.parent().unwrap_or(Path::new(".")).to_path_buf();
+                Some(TlsFiles {
+                    ca,
+                    ..TlsFiles::in_dir(&dir, address)
+                })
+            }
+            RemoteTls::InPlace(f) => Some(f.clone()),
+        }
+    }
+
     /// Copies `target`'s files into its job directory `dir` (with [`RemoteTls::Copy`]).
     pub fn copy_to(&self, target: &SshTarget, dir: &str) -> Result<()> {
         let RemoteTls::Copy(pairs) = self else {
@@ -138,7 +164,7 @@ impl RemoteTls {
 
 /// A CA and a pair per host (by inventory address) made for one job in `scratch/tls`
 /// (mode 0700), as `flotilla certs` makes them: the files of the first host, with the CA.
-fn job_files(targets: &[&SshTarget], scratch: &Path) -> Result<TlsFiles> {
+fn job_files(targets: &[&SshTarget], launcher: Option<&str>, scratch: &Path) -> Result<TlsFiles> {
     let dir = scratch.join("tls");
     let mut b = std::fs::DirBuilder::new();
     std::os::unix::fs::DirBuilderExt::mode(&mut b, 0o700);
@@ -146,9 +172,10 @@ fn job_files(targets: &[&SshTarget], scratch: &Path) -> Result<TlsFiles> {
         .with_context(|| format!("creating {}", dir.display()))?;
     // One pair per address (several logins of one host share it).
     let mut seen = std::collections::HashSet::new();
-    let addresses: Vec<String> = (targets.iter())
-        .filter(|t| seen.insert(t.address.as_str()))
-        .map(|t| t.address.clone())
+    let addresses: Vec<String> = (targets.iter().map(|t| t.address.as_str()))
+        .chain(launcher)
+        .filter(|a| seen.insert(*a))
+        .map(str::to_string)
         .collect();
     // Valid for a year: the files live as long as the job, and a long job's late
     // connections (a worker rejoining) must still pass.
