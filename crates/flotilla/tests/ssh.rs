@@ -641,3 +641,80 @@ fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
     }
     assert!(slot_pid(&jobs, 0).is_none() && slot_pid(&jobs, 2).is_none());
 }
+
+/// `flotilla launch -n 2:3 --inventory ... --max-restarts 1 -- PROGRAM`: a program's own
+/// loop under `flotilla_burn::elastic::run` (`examples/custom_model.rs`) as an elastic job
+/// over ssh. A process SIGKILLed on its host is left out, the others roll back to their
+/// commit and train on, a replacement started over ssh joins with their state, and the job
+/// ends at 0 with one test accuracy.
+#[test]
+fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let example = std::env::current_exe()
+        .expect("test path")
+        .parent()
+        .and_then(|d| d.parent())
+        .expect("target")
+        .join("examples/custom_model");
+    assert!(example.is_file(), "{} is missing", example.display());
+    let three = dir.path().join("three.ini");
+    let hosts = std::fs::read_to_string(&sshd.inventory).expect("inventory");
+    let first = hosts.lines().nth(1).expect("a host line");
+    std::fs::write(
+        &three,
+        hosts.replacen(first, &format!("{first}\n{first}"), 1),
+    )
+    .expect("inventory");
+    let jobs = sshd.dir.path().join("jobs");
+    let mut c = flotilla();
+    c.args([
+        "launch",
+        "-n",
+        "2:3",
+        "--max-restarts",
+        "1",
+        "--timeout-s",
+        "10",
+    ])
+    .arg("--inventory")
+    .arg(&three)
+    .arg("--remote-dir")
+    .arg(&jobs)
+    .arg("--output")
+    .arg(dir.path().join("out"))
+    .arg("--")
+    .args(["env", "STEPS=450"])
+    .arg(format!(
+        "OUT={}",
+        dir.path().join("model.safetensors").display()
+    ))
+    .arg(format!("MNIST_DIR={}", repo().join("data/mnist").display()))
+    .arg(&example)
+    .env(
+        "FLOTILLA_SECRET",
+        format!("elastic-program-{}", std::process::id()),
+    );
+    let killer = kill_slot_later(&jobs, 1);
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    let killed = killer.join().expect("killer");
+    let all = text(&o);
+    assert!(killed.is_some(), "slot 1's process was never found:\n{all}");
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains("restart 1/1 after: rank 1 failed (exit code 137)"),
+        "{all}"
+    );
+    // The survivors and the replacement trained together in a later generation.
+    let slots = |l: &str| -> Option<std::collections::BTreeSet<u64>> {
+        let list = l.split("(slots [").nth(1)?.split(']').next()?;
+        list.split(", ").map(|s| s.parse().ok()).collect()
+    };
+    assert!(
+        all.lines()
+            .filter(|l| l.contains("] generation "))
+            .any(|l| slots(l) == Some([0, 2, 3].into())),
+        "{all}"
+    );
+    assert_eq!(all.matches("] test accuracy ").count(), 1, "{all}");
+}

@@ -307,7 +307,7 @@ fn start_elastic_remote(
         .context("the lighthouse's port was not bound")?;
     remote.record(&job.config.telemetry.output)?;
     let env = rank_env(job, threads);
-    let make = remote.slot_commands();
+    let make = remote.slot_commands(None);
     let config_path = job.config_path.display().to_string();
     crate::launch::elastic::start(crate::launch::elastic::Start {
         config: &job.config,

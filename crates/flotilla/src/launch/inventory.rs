@@ -224,14 +224,19 @@ impl Remote {
         }))
     }
 
-    /// The ssh command of an elastic job's process `index` with `vars`: `flotilla train` on
-    /// the host of rank `index` modulo the inventory's ranks (a replacement goes round the
-    /// hosts), owning nothing of the launcher.
+    /// The ssh command of an elastic job's process `index` with `vars`: `flotilla train`, or
+    /// `program` (path on the hosts, then its arguments), on the host of rank `index` modulo
+    /// the inventory's ranks (a replacement goes round the hosts), owning nothing of the
+    /// launcher.
     pub fn slot_commands(
         &self,
+        program: Option<Vec<String>>,
     ) -> impl Fn(usize, Vec<(String, String)>) -> Result<Command> + Send + use<> {
         let job = self.job.clone();
-        move |index, vars| rank_command(&job, index % job.ranks.len().max(1), vars, None)
+        move |index, vars| {
+            let rank = index % job.ranks.len().max(1);
+            rank_command(&job, rank, vars, program.as_deref())
+        }
     }
 
     /// The ssh command that runs `rank` with `vars` (see [`rank_command`]).

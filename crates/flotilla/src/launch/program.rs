@@ -106,14 +106,18 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
+    let elastic = config.topology.min_world_size.is_some();
     if !args.run.given("master-addr") {
-        config.comm.master_addr = placement
-            .as_ref()
-            .and_then(|p| p.address(0))
-            .unwrap_or("127.0.0.1")
-            .to_owned();
+        let rank_0 = placement.as_ref().and_then(|p| p.address(0));
+        config.comm.master_addr = match rank_0 {
+            // An elastic job's lighthouse is here: the ranks reach it at this host's address
+            // toward theirs.
+            Some(to) if elastic => crate::rendezvous_socket::address_toward(to)?,
+            Some(to) => to.to_owned(),
+            None => "127.0.0.1".to_owned(),
+        };
     }
-    let (mut socket, program_port) = ports(&mut config, args, placement.is_none())?;
+    let (mut socket, program_port) = ports(&mut config, args, placement.is_none() || elastic)?;
     let program = program_words(&args.program)?;
     println!(
         "launching {n} ranks of {} on {}",
@@ -133,19 +137,16 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         )?),
         None => None,
     };
-    let elastic = config.topology.min_world_size.is_some();
     let mut ranks = match &remote {
-        Some(_) if elastic => {
-            bail!(
-                "an elastic program (-n MIN:MAX -- PROGRAM) runs on this host so far, not on \
-                 --inventory hosts (a config's model does: `flotilla launch CONFIG -n MIN:MAX \
-                 --inventory ...`)"
-            )
-        }
         Some(r) => {
             let tls = r.tls.as_ref().map(TlsFiles::from);
             let env = rank_env(&config, (n, program_port), args.threads, tls, None)?;
-            r.start_running(env, Some(&program))?
+            match socket.take() {
+                Some(socket) if elastic => {
+                    start_elastic_remote(&config, args, r, (env, program), (socket, secret))?
+                }
+                _ => r.start_running(env, Some(&program))?,
+            }
         }
         None => start_local(&config, args, (n, program_port), secret, &mut socket)?,
     };
@@ -164,6 +165,37 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
     drop(ranks);
     collect_outputs(&config, remote.as_ref(), n);
     Ok(result)
+}
+
+/// Starts an elastic program's processes on the inventory's hosts over ssh, around the
+/// launcher's lighthouse here (which takes `socket`): process `k` on the host of rank `k`, a
+/// replacement round the hosts.
+fn start_elastic_remote(
+    config: &TrainConfig,
+    args: &LaunchArgs,
+    remote: &inventory::Remote,
+    (env, program): (
+        impl Fn(usize) -> Vec<(String, String)> + Send + 'static,
+        Vec<String>,
+    ),
+    (socket, secret): (crate::rendezvous_socket::RendezvousSocket, &JobSecret),
+) -> Result<LocalJob> {
+    let make = remote.slot_commands(Some(program.clone()));
+    crate::launch::elastic::start(crate::launch::elastic::Start {
+        config,
+        command: Box::new(move |index, vars| {
+            let mut all = env(index);
+            all.extend_from_slice(vars);
+            make(index, all)
+        }),
+        stop: Some(remote.stop_hook()?),
+        tls: remote.lighthouse_tls.clone(),
+        join_with: format!("{} (on a host of the inventory)", program.join(" ")),
+        socket,
+        secret,
+        restarts: args.max_restarts,
+        start: args.start_ranks,
+    })
 }
 
 /// Starts the program's ranks on this host: `n` of them (rank 0 with the rendezvous
