@@ -60,11 +60,7 @@ pub enum TrainError {
     },
     /// An elastic ZeRO job's new generation cannot put its optimizer state together: the
     /// ranks that held some shard (its own and the one before it) all left.
-    #[error(
-        "ZeRO: the optimizer state of {0} was held only by ranks that left (each shard lives \
-         on its rank and the one before it); the job cannot go on without a restart from its \
-         checkpoint"
-    )]
+    #[error("ZeRO: the optimizer state cannot be put together: {0}")]
     ShardsLost(String),
     /// Ranks ended with different parameters (a broken invariant, never expected).
     #[error("parameters differ across ranks after training: {0}")]

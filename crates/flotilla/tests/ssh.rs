@@ -524,6 +524,39 @@ fn slot_pid(jobs: &Path, slot: u64) -> Option<u32> {
     })
 }
 
+/// The sshd's inventory with a third entry for a third process (one process per entry), in
+/// `dir`.
+fn three_entries(sshd: &Sshd, dir: &Path) -> PathBuf {
+    let three = dir.join("three.ini");
+    let hosts = std::fs::read_to_string(&sshd.inventory).expect("inventory");
+    let first = hosts.lines().nth(1).expect("a host line");
+    std::fs::write(
+        &three,
+        hosts.replacen(first, &format!("{first}\n{first}"), 1),
+    )
+    .expect("inventory");
+    three
+}
+
+/// Runs the elastic launch `c` whose processes run under `jobs`, SIGKILLing slot 1's once it
+/// has run a while; the launcher must say the lighthouse keeps the membership, replace the
+/// process and end at 0. Its output.
+fn run_losing_slot_1(c: Command, jobs: &Path) -> String {
+    let killer = kill_slot_later(jobs, 1);
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    let killed = killer.join().expect("killer");
+    let all = text(&o);
+    assert!(killed.is_some(), "slot 1's process was never found:\n{all}");
+    assert!(o.status.success(), "{all}");
+    assert!(all.contains("the launcher keeps the membership"), "{all}");
+    assert!(
+        // ssh says a remote SIGKILL as exit code 137.
+        all.contains("restart 1/1 after: rank 1 failed (exit code 137)"),
+        "{all}"
+    );
+    all
+}
+
 /// SIGKILLs the process of slot `slot` under `jobs` once it has run for 3 s (within 120 s);
 /// its pid, or `None` if it never ran.
 fn kill_slot_later(jobs: &Path, slot: u64) -> std::thread::JoinHandle<Option<u32>> {
@@ -583,15 +616,7 @@ fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
         "model:\n  spec: lenet5\ndata:\n  train_limit: 12000\nschedule:\n  epochs: 12\n\
          comm:\n  timeout_s: 10\n",
     );
-    // A third entry for the third process (one process per inventory entry).
-    let three = dir.path().join("three.ini");
-    let hosts = std::fs::read_to_string(&sshd.inventory).expect("inventory");
-    let first = hosts.lines().nth(1).expect("a host line");
-    std::fs::write(
-        &three,
-        hosts.replacen(first, &format!("{first}\n{first}"), 1),
-    )
-    .expect("inventory");
+    let three = three_entries(&sshd, dir.path());
     let inv = three.to_str().expect("utf8");
     let jobs = sshd.dir.path().join("jobs");
     let out = dir.path().join("out");
@@ -614,18 +639,7 @@ fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
         "FLOTILLA_SECRET",
         format!("elastic-ssh-{}", std::process::id()),
     );
-    let killer = kill_slot_later(&jobs, 1);
-    let o = run_with_deadline(c, Duration::from_secs(300));
-    let killed = killer.join().expect("killer");
-    let all = text(&o);
-    assert!(killed.is_some(), "slot 1's process was never found:\n{all}");
-    assert!(o.status.success(), "{all}");
-    assert!(all.contains("the launcher keeps the membership"), "{all}");
-    assert!(
-        // ssh says a remote SIGKILL as exit code 137.
-        all.contains("restart 1/1 after: rank 1 failed (exit code 137)"),
-        "killed {killed:?}: {all}"
-    );
+    let all = run_losing_slot_1(c, &jobs);
     assert_trained_on(&out, &all);
     // Nothing left running on the "hosts", and the job's credentials left with it.
     let job: serde_json::Value =
@@ -658,14 +672,7 @@ fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
         .expect("target")
         .join("examples/custom_model");
     assert!(example.is_file(), "{} is missing", example.display());
-    let three = dir.path().join("three.ini");
-    let hosts = std::fs::read_to_string(&sshd.inventory).expect("inventory");
-    let first = hosts.lines().nth(1).expect("a host line");
-    std::fs::write(
-        &three,
-        hosts.replacen(first, &format!("{first}\n{first}"), 1),
-    )
-    .expect("inventory");
+    let three = three_entries(&sshd, dir.path());
     let jobs = sshd.dir.path().join("jobs");
     let mut c = flotilla();
     c.args([
@@ -695,16 +702,7 @@ fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
         "FLOTILLA_SECRET",
         format!("elastic-program-{}", std::process::id()),
     );
-    let killer = kill_slot_later(&jobs, 1);
-    let o = run_with_deadline(c, Duration::from_secs(300));
-    let killed = killer.join().expect("killer");
-    let all = text(&o);
-    assert!(killed.is_some(), "slot 1's process was never found:\n{all}");
-    assert!(o.status.success(), "{all}");
-    assert!(
-        all.contains("restart 1/1 after: rank 1 failed (exit code 137)"),
-        "{all}"
-    );
+    let all = run_losing_slot_1(c, &jobs);
     // The survivors and the replacement trained together in a later generation.
     let slots = |l: &str| -> Option<std::collections::BTreeSet<u64>> {
         let list = l.split("(slots [").nth(1)?.split(']').next()?;

@@ -16,6 +16,7 @@ use flotilla_train::config::Elasticity;
 
 use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
+use crate::launch::elastic::SlotCommand;
 use crate::launch::inventory::{self, Remote};
 use crate::launch::relay::Relay;
 use crate::launch::{self, LocalJob};
@@ -126,9 +127,11 @@ fn launch_once(
             "an elastic parameter-server job (-n MIN:MAX with arch flat) runs on this host so \
              far, not on --inventory hosts"
         ),
-        Some(r) if generations => start_elastic_remote(&mut job, r, threads, secret, opts)?,
+        Some(r) if generations => start_elastic(&mut job, Some(r), (threads, None), secret, opts)?,
         Some(r) => start_remote(&job, r, threads)?,
-        None if generations => start_elastic(&mut job, threads, cpus.clone(), secret, opts)?,
+        None if generations => {
+            start_elastic(&mut job, None, (threads, cpus.clone()), secret, opts)?
+        }
         None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
     };
     let rejoinable = flotilla_train::rejoin::rejoinable(&job.config, &job.topology);
@@ -256,48 +259,13 @@ fn start_local(
     LocalJob::spawn(job.n, &train, env, socket.as_ref())
 }
 
-/// Starts an elastic job's processes on this host around its lighthouse
-/// ([`crate::launch::elastic`]).
+/// Starts an elastic job's processes around its lighthouse here
+/// ([`crate::launch::elastic`]): on this host, or over ssh on `remote`'s hosts (process `k`
+/// on the host of rank `k`, a replacement round the hosts).
 fn start_elastic(
     job: &mut Prepared,
-    threads: usize,
-    cpus: Option<Vec<String>>,
-    secret: &JobSecret,
-    opts: &LaunchArgs,
-) -> Result<LocalJob> {
-    let socket = job
-        .socket
-        .take()
-        .context("the rendezvous port was not bound")?;
-    let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
-    let exe = std::env::current_exe().context("locating the flotilla executable")?;
-    let config_path = job.config_path.clone();
-    let join_with = format!("flotilla train {}", config_path.display());
-    crate::launch::elastic::start(crate::launch::elastic::Start {
-        config: &job.config,
-        command: Box::new(move |index, vars| {
-            let mut cmd = Command::new(&exe);
-            cmd.arg("train").arg(&config_path).envs(env(index));
-            cmd.envs(vars.iter().map(|(k, v)| (k, v)));
-            Ok(cmd)
-        }),
-        stop: None,
-        tls: None,
-        join_with,
-        socket,
-        secret,
-        restarts: opts.max_restarts,
-        start: opts.start_ranks,
-    })
-}
-
-/// Starts an elastic job's processes on its inventory's hosts over ssh, around its
-/// lighthouse here ([`crate::launch::elastic`]): process `k` on the host of rank `k`, a
-/// replacement round the hosts.
-fn start_elastic_remote(
-    job: &mut Prepared,
-    remote: &Remote,
-    threads: usize,
+    remote: Option<&Remote>,
+    (threads, cpus): (usize, Option<Vec<String>>),
     secret: &JobSecret,
     opts: &LaunchArgs,
 ) -> Result<LocalJob> {
@@ -305,20 +273,32 @@ fn start_elastic_remote(
         .socket
         .take()
         .context("the lighthouse's port was not bound")?;
-    remote.record(&job.config.telemetry.output)?;
-    let env = rank_env(job, threads);
-    let make = remote.slot_commands(None);
-    let config_path = job.config_path.display().to_string();
+    let config_path = job.config_path.clone();
+    let join_with = format!("flotilla train {}", config_path.display());
+    let (command, stop, tls): (SlotCommand, _, _) = match remote {
+        Some(r) => {
+            r.record(&job.config.telemetry.output)?;
+            let command = r.slot_command(rank_env(job, threads), None);
+            (command, Some(r.stop_hook()?), r.lighthouse_tls.clone())
+        }
+        None => {
+            let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
+            let exe = std::env::current_exe().context("locating the flotilla executable")?;
+            let command = Box::new(move |index, vars: &[(String, String)]| {
+                let mut cmd = Command::new(&exe);
+                cmd.arg("train").arg(&config_path).envs(env(index));
+                cmd.envs(vars.iter().map(|(k, v)| (k, v)));
+                Ok(cmd)
+            });
+            (command, None, None)
+        }
+    };
     crate::launch::elastic::start(crate::launch::elastic::Start {
         config: &job.config,
-        command: Box::new(move |index, vars| {
-            let mut all = env(index);
-            all.extend_from_slice(vars);
-            make(index, all)
-        }),
-        stop: Some(remote.stop_hook()?),
-        tls: remote.lighthouse_tls.clone(),
-        join_with: format!("flotilla train {config_path} (on a host of the inventory)"),
+        command,
+        stop,
+        tls,
+        join_with,
         socket,
         secret,
         restarts: opts.max_restarts,

@@ -224,19 +224,22 @@ impl Remote {
         }))
     }
 
-    /// The ssh command of an elastic job's process `index` with `vars`: `flotilla train`, or
-    /// `program` (path on the hosts, then its arguments), on the host of rank `index` modulo
-    /// the inventory's ranks (a replacement goes round the hosts), owning nothing of the
-    /// launcher.
-    pub fn slot_commands(
+    /// The ssh command of an elastic job's process `index`: `flotilla train`, or `program`
+    /// (path on the hosts, then its arguments), with `env(index)` and the slot's variables,
+    /// on the host of rank `index` modulo the inventory's ranks (a replacement goes round the
+    /// hosts), owning nothing of the launcher.
+    pub fn slot_command(
         &self,
+        env: impl Fn(usize) -> Vec<(String, String)> + Send + 'static,
         program: Option<Vec<String>>,
-    ) -> impl Fn(usize, Vec<(String, String)>) -> Result<Command> + Send + use<> {
+    ) -> crate::launch::elastic::SlotCommand {
         let job = self.job.clone();
-        move |index, vars| {
+        Box::new(move |index, vars| {
             let rank = index % job.ranks.len().max(1);
-            rank_command(&job, rank, vars, program.as_deref())
-        }
+            let mut all = env(index);
+            all.extend_from_slice(vars);
+            rank_command(&job, rank, all, program.as_deref())
+        })
     }
 
     /// The ssh command that runs `rank` with `vars` (see [`rank_command`]).

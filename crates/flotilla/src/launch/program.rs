@@ -180,17 +180,13 @@ fn start_elastic_remote(
     ),
     (socket, secret): (crate::rendezvous_socket::RendezvousSocket, &JobSecret),
 ) -> Result<LocalJob> {
-    let make = remote.slot_commands(Some(program.clone()));
+    let join_with = format!("{} (on a host of the inventory)", program.join(" "));
     crate::launch::elastic::start(crate::launch::elastic::Start {
         config,
-        command: Box::new(move |index, vars| {
-            let mut all = env(index);
-            all.extend_from_slice(vars);
-            make(index, all)
-        }),
+        command: remote.slot_command(env, Some(program)),
         stop: Some(remote.stop_hook()?),
         tls: remote.lighthouse_tls.clone(),
-        join_with: format!("{} (on a host of the inventory)", program.join(" ")),
+        join_with,
         socket,
         secret,
         restarts: args.max_restarts,

@@ -170,7 +170,8 @@ pub(crate) fn choose(headers: &[Header]) -> Result<Choice> {
         ));
     }
     Err(TrainError::ShardsLost(format!(
-        "{} at step {step}",
+        "{} at step {step} held only by ranks that left (each shard lives on its rank and the \
+         one before it); the job cannot go on without a restart from its checkpoint",
         if missing.is_empty() {
             "every shard".to_string()
         } else {
@@ -308,7 +309,7 @@ impl Zero {
         match optimizer.state_before() {
             Some(state) => Ok(state?),
             None => Err(TrainError::ShardsLost(format!(
-                "step {step} (this rank's shards hold step {}, not the one before it)",
+                "this rank's shards hold step {}, not step {step} before it",
                 e.applied
             ))),
         }
