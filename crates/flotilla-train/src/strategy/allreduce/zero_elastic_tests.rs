@@ -5,7 +5,9 @@
 //! member ends bit for bit as zero 0 run through the same worlds from checkpoints (ZeRO on
 //! the ring is bitwise zero 0). Also the choice of holders: a shard whose owner left comes
 //! from its spare, a step that finished nowhere is taken back, one that finished somewhere
-//! is kept, and two neighbours lost together name the shard that is gone. A rank lost in a
+//! is kept, and two neighbours lost together name the shard that is gone. Every member holds
+//! its own shard and a spare: the job's ranks hold each value's state twice (their
+//! `optimizer_state_bytes` sum to twice a fixed-size run's). A rank lost in a
 //! step after its optimizer update and before its all-gather (every member's update of that
 //! step done, none finished): the members take it back and redo it among themselves.
 
@@ -65,11 +67,23 @@ fn generations() -> Vec<Groups> {
     ]
 }
 
+/// What a process ends with: its parameters and the optimizer state it holds in bytes.
+type Ended = (Vec<f32>, f64);
+
+/// `peer`'s parameters and `optimizer_state_bytes`.
+fn ended(peer: &mut SyncAllReduce, r: &mut Rank) -> Ended {
+    let bytes = peer
+        .figures(&r.cx())
+        .into_iter()
+        .find(|f| f.0 == "optimizer_state_bytes");
+    (params(peer), bytes.expect("optimizer_state_bytes").1)
+}
+
 /// Process `p` through the script: processes 0, 1, 2 train to `K1`; 1 is lost (with
 /// `mid_step`: in step `K1`, after its optimizer update and before its all-gather, so that
 /// the others' step fails after their updates too); 0 and 2 train (again) from `K1` to `K2`;
 /// process 3 joins; 0, 2, 3 train to [`STEPS`]. Its parameters at the end.
-fn member(p: usize, groups: Groups, opt: OptimizerSpec, (zero, mid_step): (u8, bool)) -> Vec<f32> {
+fn member(p: usize, groups: Groups, opt: OptimizerSpec, (zero, mid_step): (u8, bool)) -> Ended {
     let [first, second, third] = groups;
     let elastic = |comm: Arc<dyn ProcessGroup>| {
         let mut r = rank(comm, &opt, zero);
@@ -86,7 +100,7 @@ fn member(p: usize, groups: Groups, opt: OptimizerSpec, (zero, mid_step): (u8, b
         let mut peer = build(&mut r);
         peer.start(&mut r.cx()).expect("a joiner's start");
         train(&mut peer, &mut r, (K2, STEPS));
-        return params(&mut peer);
+        return ended(&mut peer, &mut r);
     }
     let mut r = elastic(first.expect("a first generation's member"));
     let mut peer = build(&mut r);
@@ -114,13 +128,13 @@ fn member(p: usize, groups: Groups, opt: OptimizerSpec, (zero, mid_step): (u8, b
         );
     }
     let Some(second) = second else {
-        return Vec::new();
+        return (Vec::new(), 0.0);
     };
     regroup(&mut peer, &mut r, second);
     train(&mut peer, &mut r, (K1, K2));
     regroup(&mut peer, &mut r, third());
     train(&mut peer, &mut r, (K2, STEPS));
-    params(&mut peer)
+    ended(&mut peer, &mut r)
 }
 
 #[test]
@@ -130,6 +144,11 @@ fn a_zero_run_that_loses_a_rank_and_takes_one_in_trains_as_zero_0_through_checkp
         run(3, opt, 0, (0, K1), tmp.path(), true);
         run(2, opt, 0, (K1, K2), tmp.path(), true);
         let want = run(3, opt, 0, (K2, STEPS), tmp.path(), false).remove(0).0;
+        // A fixed-size ZeRO run's shards hold each value's state once.
+        let once: f64 = run(3, opt, 1, (K2, STEPS), tmp.path(), false)
+            .iter()
+            .map(|o| o.2["optimizer_state_bytes"])
+            .sum();
         for (zero, mid_step) in [(1, false), (2, false), (1, true), (2, true)] {
             let handles: Vec<_> = generations()
                 .into_iter()
@@ -139,14 +158,18 @@ fn a_zero_run_that_loses_a_rank_and_takes_one_in_trains_as_zero_0_through_checkp
                     thread::spawn(move || member(p, groups, opt, (zero, mid_step)))
                 })
                 .collect();
+            let mut held = 0.0;
             for (p, h) in handles.into_iter().enumerate() {
-                let got = h.join().expect("process thread");
+                let (got, bytes) = h.join().expect("process thread");
+                held += bytes;
                 if p != 1 {
                     let what =
                         format!("{opt:?}, zero {zero}, lost mid-step {mid_step}, process {p}");
                     assert_bitwise(&got, &want, &what);
                 }
             }
+            // Own shard and spare: every value's state twice, 2/N of it per rank.
+            assert_eq!(held, 2.0 * once, "{opt:?}, zero {zero}: state held");
         }
     }
 }
