@@ -637,7 +637,7 @@ fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
     .arg(&out)
     .env(
         "FLOTILLA_SECRET",
-        format!("elastic-ssh-{}", std::process::id()),
+        format!("elastic-ssh-job-secret-{}", std::process::id()),
     );
     let all = run_losing_slot_1(c, &jobs);
     assert_trained_on(&out, &all);
