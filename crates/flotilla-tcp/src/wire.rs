@@ -4,7 +4,7 @@ use flotilla_group::RendezvousError;
 use serde::{Deserialize, Serialize};
 
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
-pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 3;
+pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 4;
 
 /// A control-channel message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -91,6 +91,11 @@ pub(crate) enum Ctrl {
     /// A member -> the lighthouse: its run ended (its last collectives done): the job is
     /// ending, and a member that leaves now is not lost.
     Finished,
+    /// The lighthouse -> a process waiting for a generation that it holds a place for
+    /// (repeated while it waits): generation `generation` ran without it, as it had no
+    /// whole replica to fill (a pipeline's replica takes one process per stage); it stands by
+    /// for the next.
+    Standby { generation: u64 },
 }
 
 impl Ctrl {

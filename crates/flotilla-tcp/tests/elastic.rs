@@ -32,6 +32,7 @@ fn lighthouse(min: usize, max: usize) -> Lighthouse {
         join_timeout: Duration::from_secs(10),
         agreement: Duration::from_secs(2),
         timeout: Duration::from_secs(3),
+        unit: 1,
     };
     Lighthouse::start(cfg, l).expect("lighthouse")
 }

@@ -26,7 +26,8 @@ pub struct Elastic {
     pub generation: Generation,
     /// Whether it holds training state (it took part in a generation's start).
     has_state: bool,
-    /// The samples of one step over every member (`batch_size` x the maximum ranks).
+    /// The samples of one step over every member (`batch_size` x the most replicas: ranks,
+    /// or a pipeline's ranks over its stages).
     pub global_batch: usize,
 }
 
@@ -51,7 +52,7 @@ impl Elastic {
             cfg,
             generation,
             has_state: false,
-            global_batch: config.step_batch() * max,
+            global_batch: config.step_batch() * max / config.elastic_unit(),
         };
         Ok((Arc::new(group), e))
     }

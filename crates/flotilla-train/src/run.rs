@@ -404,14 +404,15 @@ impl Job<'_> {
         let (train, started) = (Arc::clone(&parts.data.train), parts.started);
         let start_epoch = parts.data.start_epoch;
         let mut cx = parts.cx(observer);
+        // Joining a running elastic job: its members' state comes with the start.
+        let joining = self.elastic.as_ref().filter(|(_, g)| g.number > 1);
         let setup = Setup {
             model: self.model,
             topology: self.topology,
             samples: train.len(),
+            joining: joining.is_some(),
         };
         let mut role = registry::build(&mut cx, &setup)?;
-        // Joining a running elastic job: its members' state comes with the start.
-        let joining = self.elastic.as_ref().filter(|(_, g)| g.number > 1);
         let resumed = match joining {
             Some(_) => None,
             None => {

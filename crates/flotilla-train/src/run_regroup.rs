@@ -10,8 +10,9 @@ use flotilla_tcp::{ProcessGroup, StallWatcher};
 
 use super::{Run, elastic_position};
 use crate::batches::Batches;
-use crate::error::{Result, TrainError};
+use crate::error::Result;
 use crate::observe::Observer;
+use crate::plan::Counting;
 
 impl Run {
     /// After a step of an elastic run: whether any member heard of a change (or its
@@ -101,8 +102,13 @@ impl Run {
         let train = Arc::clone(&self.parts.data.train);
         let at = elastic_position(&train, global, step);
         let seed = self.parts.config.model.seed;
-        self.batches = Batches::sliced(train, (world, rank), seed, global, at)?;
-        self.plan.workers = world;
+        // The data's shards: one per member, or per replica (a pipeline's).
+        let shard = match self.role.counting() {
+            Counting::Epochs { shards, index } => (shards, index),
+            Counting::Rounds { .. } => (world, rank),
+        };
+        self.batches = Batches::sliced(train, shard, seed, global, at)?;
+        self.plan.workers = shard.0;
         self.generation_line(observer)
     }
 
@@ -113,14 +119,11 @@ impl Run {
         if self.elastic.is_none() {
             return Ok(());
         }
-        let comm = self.parts.comm.clone();
-        let model = self.role.model().ok_or_else(|| {
-            TrainError::config("topology.min_world_size", "this role holds no model")
-        })?;
-        let hash = crate::eval::verify_identical(model, &*comm)?;
+        let rank = self.parts.comm.rank();
+        let hash = self.role.generation_hash(&mut self.parts.cx(observer))?;
         let step = self.state.progress();
         let line = match &self.elastic {
-            Some(e) => e.generation_line(comm.rank(), step, hash),
+            Some(e) => e.generation_line(rank, step, hash),
             None => return Ok(()),
         };
         observer.message(&line);

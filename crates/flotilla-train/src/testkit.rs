@@ -170,6 +170,7 @@ impl Rank {
             model: spec,
             topology,
             samples: self.data.len(),
+            joining: false,
         };
         build(&mut self.cx(), &setup).expect("strategy")
     }

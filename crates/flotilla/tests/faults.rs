@@ -133,6 +133,15 @@ const MODES: &[Mode] = &[
         marker: "training: ",
     },
     Mode {
+        name: "pipeline 2 stages × 2, elastic 2:4",
+        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 3000\n",
+        world: 4,
+        targets: &[(1, "stage 1")],
+        // The other replica trains on; the lost rank's partner stands by.
+        tolerated: &[0, 1, 2, 3],
+        marker: "training: ",
+    },
+    Mode {
         name: "PS flat sync",
         yaml: "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 100000\n",
         world: 3,

@@ -146,29 +146,44 @@ impl Beacon {
             step,
         };
         self.send(&msg, "enlisting")?;
-        let formed = self.answer(within, "waiting for the generation to form", |msg| {
-            let Ctrl::Formed {
-                generation,
-                rank,
-                session,
-                peers,
-                hosts,
-                slots,
-                step,
-            } = msg
-            else {
-                return None;
-            };
-            Some(Formed {
-                generation,
-                rank,
-                session,
-                peers,
-                hosts,
-                slots,
-                step,
-            })
-        })?;
+        // A process left standing by hears so again and again while it waits: each time,
+        // the wait starts over (the lighthouse is alive and holds its place).
+        let formed = loop {
+            let got = self.answer(
+                within,
+                "waiting for the generation to form",
+                |msg| match msg {
+                    Ctrl::Standby { generation } => Some(Err(generation)),
+                    Ctrl::Formed {
+                        generation,
+                        rank,
+                        session,
+                        peers,
+                        hosts,
+                        slots,
+                        step,
+                    } => Some(Ok(Formed {
+                        generation,
+                        rank,
+                        session,
+                        peers,
+                        hosts,
+                        slots,
+                        step,
+                    })),
+                    _ => None,
+                },
+            )?;
+            match got {
+                Ok(formed) => break formed,
+                Err(generation) => {
+                    tracing::debug!(
+                        generation,
+                        "standing by: the generation ran without this process"
+                    );
+                }
+            }
+        };
         let n = formed.peers.len();
         if formed.rank >= n || formed.hosts.len() != n || formed.slots.len() != n {
             let rank = formed.rank;

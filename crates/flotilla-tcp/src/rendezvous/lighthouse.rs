@@ -49,6 +49,9 @@ pub struct LighthouseConfig {
     pub agreement: Duration,
     /// The job's deadline for any wait on a peer (members build their mesh within twice it).
     pub timeout: Duration,
+    /// Ranks per replica (a pipeline's stages; 1 otherwise): a generation has whole
+    /// replicas, each survivor at the stage it ran; a process that fills none stands by.
+    pub unit: usize,
 }
 
 /// What the lighthouse tells its owner.
@@ -91,6 +94,13 @@ impl Lighthouse {
             return Err(CommError::Config(format!(
                 "an elastic job needs 1 <= min <= max ranks, not {}:{}",
                 cfg.min, cfg.max
+            )));
+        }
+        if cfg.unit == 0 || !cfg.min.is_multiple_of(cfg.unit) || !cfg.max.is_multiple_of(cfg.unit) {
+            return Err(CommError::Config(format!(
+                "an elastic job of replicas of {} ranks needs min and max multiples of it, not \
+                 {}:{}",
+                cfg.unit, cfg.min, cfg.max
             )));
         }
         let port = listener
@@ -179,6 +189,7 @@ impl Server {
             join_timeout: cfg.join_timeout,
             agreement: cfg.agreement,
             mesh: cfg.timeout * 2 + Duration::from_secs(1),
+            unit: cfg.unit,
         };
         Self {
             quorum: Quorum::new(bounds, Instant::now()),

@@ -46,6 +46,7 @@ mod mesh;
 mod quorum;
 mod refusals;
 pub(crate) mod rejoin;
+mod replicas;
 mod secure;
 
 use std::sync::Once;

@@ -72,7 +72,13 @@ pub(crate) struct Bounds {
     pub agreement: Duration,
     /// How long members have to build their mesh.
     pub mesh: Duration,
+    /// Ranks per replica: a generation has whole replicas of this many (a pipeline's
+    /// stages; 1 otherwise), and rank `r` runs stage `r % unit` ([`super::replicas`]).
+    pub unit: usize,
 }
+
+/// How often a process waiting for a generation hears that it stands by.
+const STANDBY_EVERY: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 enum Phase {
@@ -112,6 +118,8 @@ pub(crate) struct Quorum {
     /// Whether a generation ever ran (until then nobody holds training state, and a
     /// generation waits for the maximum, as the first).
     ran: bool,
+    /// When the processes waiting next hear that they stand by.
+    next_standby: Instant,
 }
 
 impl Quorum {
@@ -130,6 +138,7 @@ impl Quorum {
             config_hash: None,
             lost: Vec::new(),
             ran: false,
+            next_standby: now,
         }
     }
 
@@ -157,6 +166,7 @@ impl Quorum {
         self.config_hash.get_or_insert(e.config_hash);
         let mut out = Vec::new();
         let joiner = e.step.is_none() && !self.is_member(e.slot);
+        let grows = self.grows_with(1);
         match &mut self.phase {
             Phase::Failed => return vec![Out::Close(e.slot)],
             Phase::Finished => {
@@ -169,6 +179,12 @@ impl Quorum {
                 enlisted.insert(e.slot, e);
             }
             Phase::Meshing { .. } if joiner => {
+                self.waiting.insert(e.slot, e);
+                return out;
+            }
+            // Not enough for another whole replica yet: it stands by.
+            Phase::Running if joiner && !grows => {
+                out.push(Out::Send(e.slot, self.standby()));
                 self.waiting.insert(e.slot, e);
                 return out;
             }
@@ -205,7 +221,7 @@ impl Quorum {
             ));
             self.phase = Phase::Running;
             self.ran = true;
-            if !self.waiting.is_empty() {
+            if self.grows_with(0) {
                 self.start_forming(now, &mut out);
                 self.try_form(now, false, &mut out);
             }
@@ -216,11 +232,21 @@ impl Quorum {
     /// A member's run ended: no generation forms any more, and members that leave are not
     /// lost.
     pub(crate) fn finished(&mut self, slot: u64) -> Vec<Out> {
-        if self.is_member(slot) && matches!(self.phase, Phase::Running) {
-            self.phase = Phase::Finished;
-            return vec![Out::Finished];
+        if !(self.is_member(slot) && matches!(self.phase, Phase::Running)) {
+            return Vec::new();
         }
-        Vec::new()
+        self.phase = Phase::Finished;
+        let mut out = vec![Out::Finished];
+        let re = RendezvousError::MasterFailed {
+            reason: "the job finished while this process stood by (no whole replica had a \
+                     place for it)"
+                .into(),
+        };
+        for slot in std::mem::take(&mut self.waiting).into_keys() {
+            out.push(Out::Send(slot, Ctrl::Reject(re.clone())));
+            out.push(Out::Close(slot));
+        }
+        out
     }
 
     /// A member could not build its mesh: the generation forms again.
@@ -260,6 +286,11 @@ impl Quorum {
     /// The clock: a deadline passed forms what is there or ends the job.
     pub(crate) fn tick(&mut self, now: Instant) -> Vec<Out> {
         let mut out = Vec::new();
+        if now >= self.next_standby && !self.waiting.is_empty() {
+            self.next_standby = now + STANDBY_EVERY;
+            let standby = self.standby();
+            out.extend(self.waiting.keys().map(|s| Out::Send(*s, standby.clone())));
+        }
         match &self.phase {
             Phase::Forming { deadline, .. } if now >= *deadline => {
                 self.try_form(now, true, &mut out);
@@ -340,6 +371,22 @@ impl Quorum {
         }
     }
 
+    /// Whether `more` processes beside the waiting ones would make the running generation
+    /// another whole replica larger (within the maximum).
+    fn grows_with(&self, more: usize) -> bool {
+        let unit = self.bounds.unit.max(1);
+        let members = self.members.len();
+        let could = (members + self.waiting.len() + more).min(self.bounds.max);
+        could / unit * unit > members
+    }
+
+    /// What a process waiting for a generation hears: it stands by.
+    fn standby(&self) -> Ctrl {
+        Ctrl::Standby {
+            generation: self.generation,
+        }
+    }
+
     fn is_member(&self, slot: u64) -> bool {
         self.members.iter().any(|m| m.slot == slot)
     }
@@ -397,7 +444,9 @@ impl Quorum {
         if !complete && !at_deadline {
             return;
         }
-        let ok = enlisted.len() >= self.bounds.min && (!self.ran || survivors > 0);
+        let unit = self.bounds.unit.max(1);
+        let usable = enlisted.len() / unit * unit;
+        let ok = usable >= self.bounds.min.max(unit) && (!self.ran || survivors > 0);
         if !ok {
             let re = RendezvousError::BelowMinimum {
                 min: self.bounds.min,
@@ -428,23 +477,56 @@ impl Quorum {
         }
     }
 
+    /// The members of the next generation by rank, and the processes left to stand by:
+    /// `survivors` in their old order, then `joiners`. Whole replicas when a replica has
+    /// several ranks ([`super::replicas::arrange`]); else every survivor and joiner up to the
+    /// maximum, rank 0 one that holds the most steps (`step`).
+    fn arrange(
+        &self,
+        mut survivors: Vec<Enlisted>,
+        joiners: Vec<Enlisted>,
+        step: u64,
+    ) -> (Vec<Enlisted>, Vec<Enlisted>) {
+        let old: Vec<u64> = self.members.iter().map(|m| m.slot).collect();
+        if self.bounds.unit > 1 {
+            let (mut kept, mut others) = (Vec::new(), Vec::new());
+            for e in survivors {
+                match old.iter().position(|s| *s == e.slot) {
+                    Some(rank) => kept.push((rank, e)),
+                    // Standing by since an earlier generation.
+                    None => others.push(e),
+                }
+            }
+            others.extend(joiners);
+            return super::replicas::arrange(kept, others, self.bounds.unit, self.bounds.max);
+        }
+        if let Some(i) = survivors.iter().position(|e| e.step == Some(step)) {
+            let source = survivors.remove(i);
+            survivors.insert(0, source);
+        }
+        let mut members: Vec<Enlisted> = survivors.into_iter().chain(joiners).collect();
+        let rest = members.split_off(members.len().min(self.bounds.max));
+        (members, rest)
+    }
+
     /// Generation `generation + 1` of `enlisted` (at most the maximum: the rest wait).
     fn form(&mut self, enlisted: BTreeMap<u64, Enlisted>, now: Instant, out: &mut Vec<Out>) {
         let old: Vec<u64> = self.members.iter().map(|m| m.slot).collect();
         let (mut survivors, joiners): (Vec<Enlisted>, Vec<Enlisted>) =
             enlisted.into_values().partition(|e| e.step.is_some());
         survivors.sort_by_key(|e| old.iter().position(|s| *s == e.slot));
-        // Rank 0 holds the most steps (the first such in the old order).
         let step = survivors.iter().filter_map(|e| e.step).max().unwrap_or(0);
-        if let Some(i) = survivors.iter().position(|e| e.step == Some(step)) {
-            let source = survivors.remove(i);
-            survivors.insert(0, source);
-        }
-        let mut members: Vec<Enlisted> = survivors.into_iter().chain(joiners).collect();
-        for extra in members.split_off(members.len().min(self.bounds.max)) {
+        let (members, rest) = self.arrange(survivors, joiners, step);
+        self.generation += 1;
+        for extra in rest {
+            out.push(Out::Send(
+                extra.slot,
+                Ctrl::Standby {
+                    generation: self.generation,
+                },
+            ));
             self.waiting.insert(extra.slot, extra);
         }
-        self.generation += 1;
         let session: u64 = rand::random();
         let peers: Vec<String> = members.iter().map(|m| m.mesh_addr.clone()).collect();
         let hosts: Vec<String> = members.iter().map(|m| m.host.clone()).collect();

@@ -10,6 +10,7 @@ fn bounds() -> Bounds {
         join_timeout: Duration::from_secs(10),
         agreement: Duration::from_secs(2),
         mesh: Duration::from_secs(4),
+        unit: 1,
     }
 }
 
@@ -247,4 +248,82 @@ fn members_that_leave_a_finished_job_are_not_lost_and_nobody_joins_it() {
         matches!(rejection(&out), Some(RendezvousError::MasterFailed { reason }) if reason.contains("finished")),
         "{out:?}"
     );
+}
+
+fn standbys(out: &[Out]) -> Vec<u64> {
+    out.iter()
+        .filter_map(|o| match o {
+            Out::Send(slot, Ctrl::Standby { .. }) => Some(*slot),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Replicas of two ranks (a pipeline of two stages), 2 to 4 ranks: slot 1 (rank 1, stage
+/// 1 of replica 0) is lost; of the three survivors one replica goes on, each at the stage
+/// it ran (slot 0 stage 0, slot 3 stage 1), and slot 2 stands by (told so again while it
+/// waits) without the running generation forming again; a joiner makes two replicas again,
+/// the survivors at their stages; at the job's end a process standing by is told why.
+#[test]
+fn replicas_of_two_ranks_form_whole_and_a_process_left_over_stands_by() {
+    let t = Instant::now();
+    let b = Bounds {
+        min: 2,
+        max: 4,
+        first: 4,
+        unit: 2,
+        ..bounds()
+    };
+    let mut q = Quorum::new(b, t);
+    for slot in 0..4 {
+        q.enlist(enlisted(slot, 0, 0), t);
+    }
+    (0..4).for_each(|s| drop(q.ready(s, t)));
+    let out = q.closed(1, t);
+    assert_eq!(regroups(&out), vec![0, 2, 3]);
+    assert!(q.enlist(enlisted(0, 1, 7), t).is_empty());
+    assert!(q.enlist(enlisted(2, 1, 7), t).is_empty());
+    let out = q.enlist(enlisted(3, 1, 7), t);
+    assert_eq!(
+        formed(&out),
+        vec![(0, 2, 0, vec![0, 3], 7), (3, 2, 1, vec![0, 3], 7)]
+    );
+    assert_eq!(standbys(&out), vec![2]);
+    q.ready(0, t);
+    let out = q.ready(3, t);
+    assert!(out.contains(&Out::Running(2, vec![0, 3])), "{out:?}");
+    assert!(
+        regroups(&out).is_empty(),
+        "one waiting process fills no replica"
+    );
+    let later = t + Duration::from_secs(3);
+    assert_eq!(
+        standbys(&q.tick(later)),
+        vec![2],
+        "told again while it waits"
+    );
+    // A joiner: two whole replicas again, the survivors at the stages they ran.
+    let out = q.enlist(enlisted(9, 0, 0), later);
+    assert_eq!(regroups(&out), vec![0, 3]);
+    q.enlist(enlisted(0, 2, 9), later);
+    let out = q.enlist(enlisted(3, 2, 9), later);
+    let ranks: Vec<(u64, usize)> = formed(&out).iter().map(|f| (f.0, f.2)).collect();
+    assert_eq!(ranks, vec![(0, 0), (3, 1), (2, 2), (9, 3)], "{out:?}");
+    (0..4).for_each(|s| drop(q.ready([0, 3, 2, 9][s], later)));
+    // Slot 3 is lost: slot 9 (stage 1) takes its place, slot 2 (stage 0) stands by; the
+    // job then finishes.
+    q.closed(3, later);
+    q.enlist(enlisted(0, 3, 11), later);
+    q.enlist(enlisted(2, 3, 11), later);
+    let out = q.enlist(enlisted(9, 3, 11), later);
+    assert_eq!(standbys(&out), vec![2], "{out:?}");
+    q.ready(0, later);
+    q.ready(9, later);
+    let out = q.finished(0);
+    assert!(out.contains(&Out::Finished));
+    assert!(
+        matches!(rejection(&out), Some(RendezvousError::MasterFailed { reason }) if reason.contains("stood by")),
+        "{out:?}"
+    );
+    assert!(out.contains(&Out::Close(2)), "{out:?}");
 }

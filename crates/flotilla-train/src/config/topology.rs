@@ -69,6 +69,15 @@ impl TrainConfig {
             _ => Elasticity::Generations,
         })
     }
+
+    /// Ranks per replica of an elastic job: its generations have whole replicas of this
+    /// many (a pipeline's stages; 1 for every other way of training).
+    pub fn elastic_unit(&self) -> usize {
+        match self.topology.arch {
+            Arch::Pipeline => self.pipeline.num_stages().max(1),
+            _ => 1,
+        }
+    }
 }
 
 impl Default for TopologySection {
@@ -115,7 +124,12 @@ impl TrainConfig {
                 self.topology_spec()
                     .validate()
                     .map_err(|e| TrainError::config("config", e.to_string()))?;
-                Topology::pipeline(self.pipeline.num_stages(), self.pipeline.data_parallel)
+                // An elastic pipeline has as many replicas as its generation's ranks make.
+                let replicas = match self.topology.min_world_size {
+                    Some(_) => self.topology.world_size / self.elastic_unit(),
+                    None => self.pipeline.data_parallel,
+                };
+                Topology::pipeline(self.pipeline.num_stages(), replicas)
             }
             _ => Topology::build(&self.topology_spec()),
         };

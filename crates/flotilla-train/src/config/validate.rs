@@ -280,8 +280,8 @@ impl TrainConfig {
             Err(bad(
                 key,
                 format!(
-                    "an elastic job trains with sync or async all-reduce, or a flat parameter \
-                     server's workers, over TCP so far; {what} keeps a fixed size (drop MIN: \
+                    "an elastic job trains with sync or async all-reduce, a pipeline's replicas \
+                     or a flat parameter server's workers, over TCP so far; {what} keeps a fixed size (drop MIN: \
                      `-n {}`, and `--max-restarts` restarts the whole job from its checkpoint)",
                     t.world_size
                 ),
@@ -295,6 +295,18 @@ impl TrainConfig {
                 return Err(bad(
                     key,
                     format!("must leave the server at least one worker: 2 or more, not {min}"),
+                ));
+            }
+        } else if t.arch == Arch::Pipeline {
+            let s = self.elastic_unit();
+            if !min.is_multiple_of(s) || !t.world_size.is_multiple_of(s) {
+                return Err(bad(
+                    key,
+                    format!(
+                        "an elastic pipeline of {s} stages runs whole replicas: MIN and MAX must \
+                         be multiples of {s}, not {min}:{}",
+                        t.world_size
+                    ),
                 ));
             }
         } else if t.arch != Arch::Allreduce {
@@ -374,7 +386,7 @@ mod tests {
     }
 
     #[test]
-    fn an_elastic_job_takes_all_reduce_or_one_flat_server_and_refuses_the_rest() {
+    fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_one_flat_server_and_refuses_the_rest() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         let flat =
             "arch: flat\nworld_size: 3\nparameter_server: {aggr_type: sync, num_workers: 2}\n";
@@ -383,6 +395,7 @@ mod tests {
             "world_size: 3\nmin_world_size: 2\nzero: 2\n".to_string(),
             format!("{flat}min_world_size: 2\n"),
             format!("{flat}min_world_size: 2\nlocal_steps: 4\n"),
+            "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\n".into(),
         ] {
             check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
         }
@@ -393,7 +406,11 @@ mod tests {
                 "sharded parameter server",
             ),
             (
-                "strategy: pipeline\nstages: 2\nworld_size: 2\nmin_world_size: 1\n".into(),
+                "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 3\n".into(),
+                "multiples of 2, not 3:4",
+            ),
+            (
+                "world_size: 5\nmin_world_size: 4\narch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: [{aggr_type: async, num_workers: 2}]}\n".into(),
                 "this strategy keeps a fixed size",
             ),
         ] {

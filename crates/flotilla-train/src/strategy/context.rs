@@ -159,6 +159,9 @@ pub struct Setup<'a> {
     pub topology: &'a Topology,
     /// Samples in the training set (a parameter-server job counts its rounds in them).
     pub samples: usize,
+    /// This process joins a running elastic job: its state comes from the members, which
+    /// take part in no collective of a build (they are training).
+    pub joining: bool,
 }
 
 impl Setup<'_> {

@@ -169,6 +169,16 @@ pub trait Strategy {
         }
     }
 
+    /// The parameters' hash an elastic generation's start logs, checked the same on every
+    /// member (collective): by default this rank's model checked against every rank's.
+    fn generation_hash(&mut self, cx: &mut Cx<'_>) -> Result<u64> {
+        let comm = cx.comm.clone();
+        let model = self.model().ok_or_else(|| {
+            TrainError::config("topology.min_world_size", "this role holds no model")
+        })?;
+        crate::eval::verify_identical(model, &*comm)
+    }
+
     /// Writes a checkpoint with `state`; called on every rank when one is due. By default
     /// every rank runs [`Strategy::prepare_model`], then the rank that
     /// [`Strategy::writes_checkpoints`] saves its model and returns the directory.

@@ -126,6 +126,7 @@ fn lighthouse_config(
         // A member that has not enlisted again within the job's deadline is left out.
         agreement: timeout,
         timeout,
+        unit: c.elastic_unit(),
     })
 }
 

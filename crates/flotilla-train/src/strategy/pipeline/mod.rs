@@ -10,6 +10,7 @@
 //! `strategy: pipeline` plans the cut ([`plan()`]), runs each rank as a [`PipelineStage`] of the one
 //! run loop and writes the stages' checkpoints ([`state`]).
 
+mod elastic;
 pub mod pipe;
 pub mod plan;
 mod recut;

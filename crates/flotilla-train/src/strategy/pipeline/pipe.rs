@@ -66,6 +66,9 @@ pub struct Pipeline {
     compute: std::time::Duration,
     /// The seed of the next batch's dropout masks ([`Pipeline::set_dropout_seed`]).
     dropout_seed: Option<u64>,
+    /// This replica's share of the step's samples, when replicas' batches differ
+    /// ([`Pipeline::set_share`]); `None`: equal batches, the gradients' plain mean.
+    share: Option<f32>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -119,16 +122,8 @@ impl Pipeline {
                 ),
             ));
         }
-        let replica = world.rank() / stages;
         agree(&*world, model, &cut, &opts)?;
-        let peers = (0..stages).map(|s| replica * stages + s).collect();
-        let replicas = match opts.data_parallel {
-            1 => None,
-            d => {
-                let members: Vec<usize> = (0..d).map(|r| r * stages + index).collect();
-                Some(world.group(&members)?)
-            }
-        };
+        let (replica, peers, replicas) = layout(&world, stages, opts.data_parallel)?;
         Ok(Self {
             stage,
             cut,
@@ -141,7 +136,40 @@ impl Pipeline {
             open: None,
             compute: std::time::Duration::ZERO,
             dropout_seed: None,
+            share: None,
         })
+    }
+
+    /// Takes `world` (an elastic job's next generation: `stages × D` ranks for any `D`) in
+    /// place of the world it ran in, with `stage` in place of its stage when given (this
+    /// rank's stage in `world` changed); collective over `world`, as [`Pipeline::of`]
+    /// (`model` as there). Whatever a failed batch left in flight is dropped.
+    pub fn rejoin(
+        &mut self,
+        world: Arc<dyn ProcessGroup>,
+        stage: Option<Box<dyn StageEngine>>,
+        model: &str,
+    ) -> Result<()> {
+        let stages = self.cut.stages();
+        self.opts.data_parallel = world.size() / stages;
+        check_shape(&self.cut, &self.opts, world.size())?;
+        if let Some(stage) = stage {
+            self.stage = stage;
+        }
+        if self.stage.index() != world.rank() % stages {
+            return Err(self.usage(&format!(
+                "rank {} of the new world runs stage {}",
+                world.rank(),
+                world.rank() % stages
+            )));
+        }
+        self.stage.reset();
+        agree(&*world, model, &self.cut, &self.opts)?;
+        (self.replica, self.peers, self.replicas) =
+            layout(&world, stages, self.opts.data_parallel)?;
+        self.world = world;
+        (self.rows, self.open) = (Vec::new(), None);
+        Ok(())
     }
 
     /// This rank's stage.
@@ -208,6 +236,13 @@ impl Pipeline {
     /// called, masks come from the backend's running RNG.
     pub fn set_dropout_seed(&mut self, seed: u64) {
         self.dropout_seed = Some(seed);
+    }
+
+    /// Weights this replica's gradient by `share` (its batch's samples over the step's, all
+    /// replicas together) before the replicas sum them, for batches that differ in size
+    /// (an elastic job's replicas share a fixed global batch); `None`: the plain mean.
+    pub fn set_share(&mut self, share: Option<f32>) {
+        self.share = share;
     }
 
     /// Sets the learning rate of the next steps.
@@ -315,8 +350,16 @@ impl Pipeline {
             let span = tracing::info_span!(target: "flotilla::pipeline", "allreduce").entered();
             let d = group.size() as f32;
             let grads = self.stage.grads_mut();
-            group.all_reduce_sum(grads)?;
-            grads.iter_mut().for_each(|g| *g /= d);
+            match self.share {
+                Some(w) => {
+                    grads.iter_mut().for_each(|g| *g *= w);
+                    group.all_reduce_sum(grads)?;
+                }
+                None => {
+                    group.all_reduce_sum(grads)?;
+                    grads.iter_mut().for_each(|g| *g /= d);
+                }
+            }
             drop(span);
         }
         if let Some(max) = self.opts.clip_grad_norm {
@@ -602,6 +645,24 @@ enum Upstream<'a> {
     Grad(Vec<f32>),
     /// A stage receives its outputs' gradients from the stages that consumed them.
     Stage,
+}
+
+/// A rank's place in a pipeline's world: its replica, the world ranks of its replica's
+/// stages, and the group of its stage's replicas (when there are several).
+type Place = (usize, Vec<usize>, Option<Arc<dyn ProcessGroup>>);
+
+/// Where rank `world.rank()` stands in a world of `stages × d` ranks.
+fn layout(world: &Arc<dyn ProcessGroup>, stages: usize, d: usize) -> Result<Place> {
+    let (replica, index) = (world.rank() / stages, world.rank() % stages);
+    let peers = (0..stages).map(|s| replica * stages + s).collect();
+    let replicas = match d {
+        1 => None,
+        d => {
+            let members: Vec<usize> = (0..d).map(|r| r * stages + index).collect();
+            Some(world.group(&members)?)
+        }
+    };
+    Ok((replica, peers, replicas))
 }
 
 fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<()> {

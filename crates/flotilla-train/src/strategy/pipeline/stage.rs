@@ -11,11 +11,11 @@ use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
 use crate::checkpoint::{self, CheckpointState};
-use crate::config::{StagesSetting, TrainConfig};
+use crate::config::{Elasticity, StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::allreduce::dropout_seed;
-use crate::strategy::pipeline::{Pipeline, PipelineOptions, plan, state};
+use crate::strategy::pipeline::{Pipeline, PipelineOptions, elastic, plan, state};
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Samples per forward when evaluating.
@@ -39,6 +39,9 @@ pub struct PipelineStage {
     activation_bytes: u64,
     /// Whether the stage is a program's module (not a spec's layers).
     program: bool,
+    /// In an elastic job: the spec (to build another stage from) and what this rank's
+    /// stage state holds ([`elastic`]).
+    elastic: Option<(ModelSpec, elastic::Held)>,
 }
 
 impl PipelineStage {
@@ -49,10 +52,15 @@ impl PipelineStage {
         let p = &config.pipeline;
         // A step's batch is `accumulation_steps` batches: as many times the micro-batches.
         let k = config.allreduce.accumulation_steps.max(1) as usize;
+        let elastic = config.elasticity() == Some(Elasticity::Generations);
         let opts = PipelineOptions {
             micro_batches: p.micro_batches * k,
             schedule: p.schedule,
-            data_parallel: p.data_parallel,
+            // An elastic generation has as many replicas as its ranks make.
+            data_parallel: match elastic {
+                true => cx.comm.size() / p.num_stages().max(1),
+                false => p.data_parallel,
+            },
             lr: config.base_lr(),
             optimizer: config.optimizer.clone(),
             device: config.model.device.clone(),
@@ -60,18 +68,40 @@ impl PipelineStage {
             clip_grad_norm: config.allreduce.clip_grad_norm,
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
-        let (pipe, activation_bytes) = match setup.model.spec() {
+        let mut held = elastic::Held::default();
+        let pipe = match setup.model.spec() {
+            // A running elastic job's members build nothing collectively: the joiner takes
+            // the cut and its stage's state from them.
+            Some(spec) if elastic && setup.joining => {
+                let world = cx.comm.clone();
+                let mut fresh = || StageCut::new(spec, agreed_cut(cx, spec)?).map_err(Into::into);
+                let (pipe, step) = elastic::join(world, spec, opts, &mut fresh)?;
+                (held.committed, held.at) = (step, step);
+                pipe
+            }
             Some(spec) => {
                 let ranges = agreed_cut(cx, spec)?;
                 let cut = StageCut::new(spec, ranges)?;
-                let layers = cut.ranges[cx.rank % cut.stages()].clone();
-                let bytes = spec.infer_io()?[layers]
-                    .iter()
-                    .map(|(_, out)| 4 * (out.numel() * samples) as u64)
-                    .sum();
-                (Pipeline::new(spec, cut, opts, cx.comm.clone())?, bytes)
+                Pipeline::new(spec, cut, opts, cx.comm.clone())?
             }
-            None => program_stage(cx, setup, opts, samples)?,
+            None if elastic => {
+                return Err(TrainError::config(
+                    "topology.min_world_size",
+                    "an elastic pipeline trains a model spec; a program's stage modules keep \
+                     a fixed size (drop MIN)",
+                ));
+            }
+            None => program_stage(cx, setup, opts)?,
+        };
+        // What backward keeps for one micro-batch: a spec stage's every layer output, a
+        // program's stage outputs.
+        let activation_bytes = match setup.model.spec() {
+            Some(spec) => (spec.infer_io()?[pipe.stage().layers()].iter())
+                .map(|(_, out)| 4 * (out.numel() * samples) as u64)
+                .sum(),
+            None => (pipe.stage().outputs().iter())
+                .map(|s| 4 * (s.shape.numel() * samples) as u64)
+                .sum(),
         };
         Ok(Self {
             pipe,
@@ -79,6 +109,10 @@ impl PipelineStage {
             warmed_up: None,
             activation_bytes,
             program: setup.model.spec().is_none(),
+            elastic: match setup.model.spec() {
+                Some(spec) if elastic => Some((spec.clone(), held)),
+                _ => None,
+            },
         })
     }
 
@@ -88,16 +122,10 @@ impl PipelineStage {
     }
 }
 
-/// This rank's stage of a program's own stage modules, and the bytes of its outputs for one
-/// micro-batch. The program cuts the model: the configured number of stages must be its
+/// This rank's stage of a program's own stage modules. The program cuts the model: the configured number of stages must be its
 /// number of modules, and a cut by layers (`stages: [[a, b], ...]`, `split_points`) is
 /// refused.
-fn program_stage(
-    cx: &mut Cx<'_>,
-    setup: &Setup<'_>,
-    opts: PipelineOptions,
-    samples: usize,
-) -> Result<(Pipeline, u64)> {
+fn program_stage(cx: &mut Cx<'_>, setup: &Setup<'_>, opts: PipelineOptions) -> Result<Pipeline> {
     let p = &cx.config.pipeline;
     let name = setup.model.name();
     let stages = match (&p.split_points, &p.stages) {
@@ -137,14 +165,8 @@ fn program_stage(
             ),
         ));
     }
-    let bytes = stage
-        .outputs()
-        .iter()
-        .map(|s| 4 * (s.shape.numel() * samples) as u64)
-        .sum();
     let fingerprint = setup.model.fingerprint()?;
-    let pipe = Pipeline::of(stage, cut, &fingerprint, opts, cx.comm.clone())?;
-    Ok((pipe, bytes))
+    Pipeline::of(stage, cut, &fingerprint, opts, cx.comm.clone())
 }
 
 /// The stages' layer ranges: as configured when no profile is needed; else planned on rank 0
@@ -252,6 +274,15 @@ impl Strategy for PipelineStage {
         self.pipe
             .set_dropout_seed(dropout_seed(cx.config.model.seed, cx.rank, done));
         let n = data.batch_size();
+        // An elastic job's replicas share a fixed global batch, possibly unequally: each
+        // weighs its gradient and loss by its share of the samples.
+        let global = data.global_batch().filter(|_| self.elastic.is_some());
+        let share = global.map(|g| n as f32 / g.max(1) as f32);
+        self.pipe.set_share(share);
+        if let Some((_, held)) = &mut self.elastic {
+            // Until this step finished everywhere, the state from before it.
+            held.undo = Some(state::stage_parts(self.pipe.stage())?);
+        }
         let (_, batch) = {
             let _span = tracing::info_span!(target: "flotilla::train", "data").entered();
             data.next_batch()?
@@ -263,20 +294,71 @@ impl Strategy for PipelineStage {
         };
         let started = std::time::Instant::now();
         let loss = self.pipe.train_batch(images, batch.labels)?;
+        if let Some((_, held)) = &mut self.elastic {
+            held.at = done + 1;
+        }
         match self.warmed_up {
             None => self.warmed_up = Some(self.pipe.compute_time()),
             Some(_) => self.training += started.elapsed(),
         }
         // The last stage of every replica knows its batch's loss; every rank learns the mean.
         let replicas = self.pipe.options().data_parallel;
-        let mut sum = [loss.unwrap_or(0.0)];
+        let mut sum = [loss.unwrap_or(0.0) * share.unwrap_or(1.0)];
         cx.comm.all_reduce_sum(&mut sum)?;
+        if let Some((_, held)) = &mut self.elastic {
+            (held.committed, held.undo) = (done + 1, None);
+        }
         Ok(Step {
             progressed: true,
-            loss: Some(sum[0] / replicas as f32),
-            samples: (n * replicas) as u64,
+            loss: Some(match share {
+                Some(_) => sum[0],
+                None => sum[0] / replicas as f32,
+            }),
+            samples: global.unwrap_or(n * replicas) as u64,
             done: None,
         })
+    }
+
+    /// An elastic job's next generation: the members agree on each stage's state at the
+    /// generation's step, and this rank runs stage `rank % S` of replica `rank / S`
+    /// (`pipeline/elastic.rs`).
+    fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let Some((spec, held)) = &mut self.elastic else {
+            return Err(TrainError::config(
+                "topology.min_world_size",
+                "a fixed-size pipeline cannot change its members",
+            ));
+        };
+        self.pipe.set_lr(cx.config.base_lr());
+        let cut = self.pipe.cut().clone();
+        let entering = elastic::Entering {
+            spec,
+            opts: self.pipe.options(),
+            held: Some((held, self.pipe.stage())),
+        };
+        let mut known = || Ok(cut.clone());
+        let entered = elastic::enter(&**cx.comm, &entering, Some(&cut), &mut known)?;
+        if let Some(parts) = &entered.reload {
+            state::load_parts(self.pipe.stage_mut(), parts)?;
+        }
+        self.pipe
+            .rejoin(cx.comm.clone(), entered.stage, &spec.to_yaml())?;
+        *held = elastic::Held {
+            committed: entered.step,
+            at: entered.step,
+            undo: None,
+        };
+        Ok(())
+    }
+
+    /// The hash of the whole model, the same on every rank: each stage's replicas checked
+    /// equal, then replica 0's stages' hashes in stage order, hashed.
+    fn generation_hash(&mut self, cx: &mut Cx<'_>) -> Result<u64> {
+        let mine = self.verify_identical(cx)?.unwrap_or_default();
+        let all = cx.comm.all_gather_u64(mine)?;
+        let stages = self.pipe.cut().stages().min(all.len());
+        let bytes: Vec<u8> = all[..stages].iter().flat_map(|h| h.to_le_bytes()).collect();
+        Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
     }
 
     fn model(&mut self) -> Option<&mut dyn ModelState> {
@@ -319,6 +401,9 @@ impl Strategy for PipelineStage {
         })?;
         if resumed.is_some() && cx.rank != 0 {
             state::restore(&mut self.pipe, None)?;
+        }
+        if let (Some((_, held)), Some(s)) = (&mut self.elastic, &resumed) {
+            (held.committed, held.at) = (s.step, s.step);
         }
         Ok(resumed)
     }

@@ -7,6 +7,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use flotilla_engine::StageEngine;
+use flotilla_tcp::ProcessGroup;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
@@ -20,19 +21,19 @@ const OPTIMIZER: usize = 1;
 /// A stage's weights as safetensors bytes and its optimizer state. Both stay in memory: no
 /// file in a shared directory that another local user could read, replace or plant a link
 /// at.
-fn stage_parts(stage: &dyn StageEngine) -> Result<[Vec<u8>; 2]> {
+pub(super) fn stage_parts(stage: &dyn StageEngine) -> Result<[Vec<u8>; 2]> {
     Ok([stage.weights_bytes()?, stage.optimizer_state()?])
 }
 
 /// Replaces a stage's weights and optimizer state with `parts` (from [`stage_parts`]).
-fn load_parts(stage: &mut dyn StageEngine, parts: &[Vec<u8>; 2]) -> Result<()> {
+pub(super) fn load_parts(stage: &mut dyn StageEngine, parts: &[Vec<u8>; 2]) -> Result<()> {
     stage.load_weights_bytes(&parts[WEIGHTS])?;
     stage.load_optimizer_state(&parts[OPTIMIZER])?;
     Ok(())
 }
 
-fn receive_parts(pipe: &Pipeline, from: usize) -> Result<[Vec<u8>; 2]> {
-    let world = pipe.world();
+/// A stage's state from world rank `from` (sent by [`send_parts`]).
+pub(super) fn receive_parts(world: &dyn ProcessGroup, from: usize) -> Result<[Vec<u8>; 2]> {
     let deadline = Instant::now() + world.timeout();
     let part = |p: usize| {
         world
@@ -45,10 +46,10 @@ fn receive_parts(pipe: &Pipeline, from: usize) -> Result<[Vec<u8>; 2]> {
     Ok([part(WEIGHTS)?, part(OPTIMIZER)?])
 }
 
-fn send_parts(pipe: &Pipeline, to: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
+/// Sends a stage's state to world rank `to`.
+pub(super) fn send_parts(world: &dyn ProcessGroup, to: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
     for (p, bytes) in parts.iter().enumerate() {
-        pipe.world()
-            .send(to, wire::tag(Direction::State, p, 0), bytes)?;
+        world.send(to, wire::tag(Direction::State, p, 0), bytes)?;
     }
     Ok(())
 }
@@ -68,12 +69,12 @@ pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<O
     }
     let mine = stage_parts(pipe.stage())?;
     if rank != 0 {
-        send_parts(pipe, 0, &mine)?;
+        send_parts(&**pipe.world(), 0, &mine)?;
         return Ok(None);
     }
     let mut all = vec![mine];
     for s in 1..stages {
-        all.push(receive_parts(pipe, s)?);
+        all.push(receive_parts(&**pipe.world(), s)?);
     }
     let weights: Vec<&[u8]> = all.iter().map(|p| p[WEIGHTS].as_slice()).collect();
     let (merged, num_params) =
@@ -102,7 +103,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let (rank, size) = (pipe.world().rank(), pipe.world().size());
     let stages = pipe.cut().stages();
     if rank != 0 {
-        let parts = receive_parts(pipe, 0)?;
+        let parts = receive_parts(&**pipe.world(), 0)?;
         return load_parts(pipe.stage_mut(), &parts);
     }
     let Some(dir) = dir else {
@@ -125,7 +126,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
         }
     };
     for r in 1..size {
-        send_parts(pipe, r, &per_stage[r % stages])?;
+        send_parts(&**pipe.world(), r, &per_stage[r % stages])?;
     }
     load_parts(pipe.stage_mut(), &per_stage[0])
 }

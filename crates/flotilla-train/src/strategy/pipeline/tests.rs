@@ -269,6 +269,22 @@ fn replicas_of_every_stage_equal_training_on_the_global_batch() {
     assert_matches_reference(&ended, "2 stages × 2 replicas");
 }
 
+/// Three replicas of unequal batches (8 samples as 3, 3 and 2), each weighing its gradient
+/// by its share of the samples (an elastic job's, `Pipeline::set_share`): the model of one
+/// process trained on the whole batch. Without the weights, the plain mean of the three.
+#[test]
+fn replicas_of_unequal_batches_weighted_by_their_share_train_as_one_process() {
+    let ended = run(&[4], options(Schedule::OneFOneB, 2, 3), |pipe, b| {
+        let (images, labels) = batch(b);
+        let rows = [0..3, 3..6, 6..8][pipe.replica()].clone();
+        pipe.set_share(Some(rows.len() as f32 / BATCH as f32));
+        let images = &images[rows.start * 12..rows.end * 12];
+        pipe.train_batch(images, &labels[rows])
+            .expect("train_batch")
+    });
+    assert_matches_reference(&ended, "3 replicas of 3, 3 and 2 samples");
+}
+
 #[test]
 fn one_f_one_b_keeps_at_most_the_pipeline_depth_in_flight() {
     let ended = run(&[2, 4], options(Schedule::OneFOneB, 8, 1), train_batch);
