@@ -6,25 +6,23 @@
 
 use std::collections::VecDeque;
 
-use super::quorum::Enlisted;
-
 /// `survivors` (the previous generation's members that enlisted again, with their ranks
 /// there) and `others` (processes standing by, then joiners) as the members of a generation
 /// of at most `max` ranks in whole replicas of `unit`, by rank, and the processes left out.
-pub(crate) fn arrange(
-    survivors: Vec<(usize, Enlisted)>,
-    others: Vec<Enlisted>,
+pub(crate) fn arrange<P: Clone>(
+    survivors: Vec<(usize, P)>,
+    others: Vec<P>,
     unit: usize,
     max: usize,
-) -> (Vec<Enlisted>, Vec<Enlisted>) {
+) -> (Vec<P>, Vec<P>) {
     let unit = unit.max(1);
     let total = survivors.len() + others.len();
     let replicas = (total / unit).min(max / unit);
-    let mut by_stage: Vec<VecDeque<Enlisted>> = vec![VecDeque::new(); unit];
+    let mut by_stage: Vec<VecDeque<P>> = vec![VecDeque::new(); unit];
     for (old_rank, e) in survivors {
         by_stage[old_rank % unit].push_back(e);
     }
-    let mut others: VecDeque<Enlisted> = others.into();
+    let mut others: VecDeque<P> = others.into();
     let mut members = Vec::with_capacity(replicas * unit);
     for _ in 0..replicas {
         for queue in 0..unit {
@@ -47,21 +45,13 @@ pub(crate) fn arrange(
 mod tests {
     use super::*;
 
-    fn e(slot: u64) -> Enlisted {
-        Enlisted {
-            slot,
-            addr: String::new(),
-            mesh_addr: String::new(),
-            host: String::new(),
-            generation: 1,
-            step: Some(5),
-            protocol: 0,
-            config_hash: 0,
-        }
+    /// A process, by its slot.
+    fn e(slot: u64) -> u64 {
+        slot
     }
 
-    fn slots(v: &[Enlisted]) -> Vec<u64> {
-        v.iter().map(|e| e.slot).collect()
+    fn slots(v: &[u64]) -> Vec<u64> {
+        v.to_vec()
     }
 
     /// Two replicas of two stages lose rank 1 (replica 0's stage 1): one replica goes on
