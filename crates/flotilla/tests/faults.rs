@@ -93,7 +93,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "sync all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 3000\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 1500\n",
         world: 3,
         targets: &[(0, "peer"), (2, "peer")],
         // Every rank's loss is absorbed: the others train on in a new generation.
@@ -102,7 +102,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "sync all-reduce ZeRO-2, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 3000\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 1500\n",
         world: 3,
         targets: &[(1, "peer")],
         tolerated: &[0, 1, 2],
@@ -110,7 +110,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "async all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 3000\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 1500\n",
         world: 3,
         targets: &[(2, "peer")],
         tolerated: &[0, 1, 2],
@@ -134,7 +134,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "pipeline 2 stages × 2, elastic 2:4",
-        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 3000\n",
+        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 1500\n",
         world: 4,
         targets: &[(1, "stage 1")],
         // The other replica trains on; the lost rank's partner stands by.
@@ -151,7 +151,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS flat sync, elastic 2:3",
-        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 3000\n",
+        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 1500\n",
         world: 3,
         targets: &[(2, "worker")],
         // The server leaves a lost or silent worker out and trains on with the other.
