@@ -148,6 +148,7 @@ impl Beacon {
         self.send(&msg, "enlisting")?;
         // A process left standing by hears so again and again while it waits: each time,
         // the wait starts over (the lighthouse is alive and holds its place).
+        let mut standing = false;
         let formed = loop {
             let got = self.answer(
                 within,
@@ -176,12 +177,16 @@ impl Beacon {
             )?;
             match got {
                 Ok(formed) => break formed,
-                Err(generation) => {
-                    tracing::debug!(
+                // Said once per wait (the lighthouse repeats it every 2 s).
+                Err(generation) if !standing => {
+                    standing = true;
+                    tracing::info!(
                         generation,
-                        "standing by: the generation ran without this process"
+                        "standing by: generation {generation} has no whole replica with a place \
+                         for this process; it joins the next one that has"
                     );
                 }
+                Err(_) => {}
             }
         };
         let n = formed.peers.len();
