@@ -6,6 +6,19 @@ use serde::{Deserialize, Serialize};
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
 pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 4;
 
+/// A generation the lighthouse formed, as it tells each member: [`Ctrl::Formed`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub(crate) struct Formed {
+    pub generation: u64,
+    /// The member's rank in it.
+    pub rank: usize,
+    pub session: u64,
+    pub peers: Vec<String>,
+    pub hosts: Vec<String>,
+    pub slots: Vec<u64>,
+    pub step: u64,
+}
+
 /// A control-channel message.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub(crate) enum Ctrl {
@@ -76,15 +89,7 @@ pub(crate) enum Ctrl {
     /// The lighthouse -> each member of a new generation: its rank, the generation's
     /// session nonce, every member's mesh address, host key and slot (by rank), and the step
     /// the generation resumes at (rank 0's, the most any member holds).
-    Formed {
-        generation: u64,
-        rank: usize,
-        session: u64,
-        peers: Vec<String>,
-        hosts: Vec<String>,
-        slots: Vec<u64>,
-        step: u64,
-    },
+    Formed(Formed),
     /// The lighthouse -> the members of the running generation: the membership changes
     /// (a rank lost, a rank waiting to join); enlist again at the next step boundary.
     Regroup { generation: u64 },

@@ -18,19 +18,7 @@ use crate::auth::Purpose;
 use crate::config::CommConfig;
 use crate::frame;
 use crate::stream::{ReadHalf, WriteHalf};
-use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
-
-/// The generation a process was told to form ([`Beacon`]'s enlistment).
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct Formed {
-    pub generation: u64,
-    pub rank: usize,
-    pub session: u64,
-    pub peers: Vec<String>,
-    pub hosts: Vec<String>,
-    pub slots: Vec<u64>,
-    pub step: u64,
-}
+use crate::wire::{Ctrl, Formed, RENDEZVOUS_PROTOCOL};
 
 /// `u64::MAX` in [`Beacon`]'s announced generation: the lighthouse is lost.
 const LOST: u64 = u64::MAX;
@@ -155,23 +143,7 @@ impl Beacon {
                 "waiting for the generation to form",
                 |msg| match msg {
                     Ctrl::Standby { generation } => Some(Err(generation)),
-                    Ctrl::Formed {
-                        generation,
-                        rank,
-                        session,
-                        peers,
-                        hosts,
-                        slots,
-                        step,
-                    } => Some(Ok(Formed {
-                        generation,
-                        rank,
-                        session,
-                        peers,
-                        hosts,
-                        slots,
-                        step,
-                    })),
+                    Ctrl::Formed(f) => Some(Ok(f)),
                     _ => None,
                 },
             )?;

@@ -11,10 +11,11 @@ use flotilla_group::{CommError, RendezvousError};
 use tokio::runtime::Runtime;
 
 use super::Mesh;
-use super::beacon::{Beacon, Formed};
+use super::beacon::Beacon;
 use super::client::mesh_listener_at;
 use super::mesh::build_mesh;
 use crate::config::CommConfig;
+use crate::wire::Formed;
 
 /// Forms this process's next generation on `rt` (the new group's runtime); `step`: the
 /// steps this process's training state holds (`None`: none, it takes a member's).

@@ -18,7 +18,7 @@ use std::time::Duration;
 use flotilla_group::{PeerName, RendezvousError};
 use tokio::time::Instant;
 
-use crate::wire::{Ctrl, RENDEZVOUS_PROTOCOL};
+use crate::wire::{Ctrl, Formed, RENDEZVOUS_PROTOCOL};
 
 /// What a process said when it enlisted.
 #[derive(Debug, Clone, PartialEq)]
@@ -532,7 +532,7 @@ impl Quorum {
         let hosts: Vec<String> = members.iter().map(|m| m.host.clone()).collect();
         let slots: Vec<u64> = members.iter().map(|m| m.slot).collect();
         for (rank, m) in members.iter().enumerate() {
-            let msg = Ctrl::Formed {
+            let msg = Ctrl::Formed(Formed {
                 generation: self.generation,
                 rank,
                 session,
@@ -540,7 +540,7 @@ impl Quorum {
                 hosts: hosts.clone(),
                 slots: slots.clone(),
                 step,
-            };
+            });
             out.push(Out::Send(m.slot, msg));
         }
         tracing::info!(

@@ -34,13 +34,13 @@ fn formed(out: &[Out]) -> Vec<(u64, u64, usize, Vec<u64>, u64)> {
         .filter_map(|o| match o {
             Out::Send(
                 slot,
-                Ctrl::Formed {
+                Ctrl::Formed(Formed {
                     generation,
                     rank,
                     slots,
                     step,
                     ..
-                },
+                }),
             ) => Some((*slot, *generation, *rank, slots.clone(), *step)),
             _ => None,
         })
