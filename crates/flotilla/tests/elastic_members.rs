@@ -20,15 +20,24 @@ fn args(out: &Path, size: &str) -> Vec<String> {
     args_with(out, size, "10")
 }
 
+/// The epochs of a job here: the faults come in epochs 2 and 3, and the runs compared end
+/// where an undisturbed one's accuracy moves by well under the 0.3 % allowed.
+const EPOCHS: &str = "7";
+
 /// [`args`] with another deadline (`--timeout-s`).
 fn args_with(out: &Path, size: &str, timeout_s: &str) -> Vec<String> {
+    args_for(out, size, timeout_s, EPOCHS)
+}
+
+/// [`args_with`] of `epochs` epochs.
+fn args_for(out: &Path, size: &str, timeout_s: &str, epochs: &str) -> Vec<String> {
     let out = out.display().to_string();
     [
         "launch",
         "-n",
         size,
         "--epochs",
-        "12",
+        epochs,
         "--train-limit",
         "20000",
         "--timeout-s",
@@ -128,7 +137,10 @@ fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
     let dir = tmp();
     let (elastic, plain) = (dir.path().join("elastic"), dir.path().join("plain"));
     let mut c = flotilla();
-    c.args(args(&elastic, "3:4")).args(["--max-restarts", "2"]);
+    // Two faults, the second two epochs after the first, and a replacement after each.
+    let epochs = "9";
+    c.args(args_for(&elastic, "3:4", "10", epochs))
+        .args(["--max-restarts", "2"]);
     let out = elastic.clone();
     let killer = std::thread::spawn(move || {
         // First a rank that is not rank 0, in the third epoch.
@@ -161,7 +173,7 @@ fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
     let o = run_with_deadline(
         {
             let mut c = flotilla();
-            c.args(args(&plain, "4"));
+            c.args(args_for(&plain, "4", "10", epochs));
             c
         },
         Duration::from_secs(300),
@@ -169,6 +181,7 @@ fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
     let acc = final_fields_of(&stdout)["test_acc"];
+    println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"
@@ -440,7 +453,7 @@ fn processes_started_mid_run_join_the_job_with_the_members_state() {
 }
 
 /// A rank frozen for good: the others go on without it and finish; the launcher stops the
-/// frozen process a deadline after the job ended (it never hangs on it) and exits 0.
+/// frozen process once the job ended (it never hangs on it), naming it, and exits 0.
 #[test]
 fn a_rank_frozen_for_good_is_stopped_once_the_others_finished() {
     let dir = tmp();
@@ -457,7 +470,7 @@ fn a_rank_frozen_for_good_is_stopped_once_the_others_finished() {
     let stderr = String::from_utf8_lossy(&o.stderr).to_string();
     assert!(o.status.success(), "{}\n{stderr}", text(&o));
     assert!(
-        stderr.contains("[launcher] rank(s) 2 still running"),
+        stderr.contains("[launcher] rank(s) 2 still running after the job ended, frozen"),
         "the frozen process was not named and stopped:\n{stderr}"
     );
     for slot in [0, 1] {
@@ -514,6 +527,7 @@ fn lose_rank_1_in_epoch_3(
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
     let acc = final_fields_of(&stdout)["test_acc"];
+    println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"
@@ -667,6 +681,7 @@ fn a_users_program_trains_on_when_a_rank_is_lost_and_is_replaced() {
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
     let acc = final_fields_of(&stdout)["test_acc"];
+    println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"

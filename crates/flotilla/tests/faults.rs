@@ -6,7 +6,8 @@
 //! the documented outcome and leave no process behind. Every `kill -9` of a rank the job
 //! needs runs twice: under `flotilla launch` (which must name the rank) and with the ranks
 //! started by hand (every survivor must exit non-zero within the deadline, naming it). The
-//! scenarios run one after the other in one test, which prints the table of BENCHMARKS.md §13
+//! scenarios run in one test, in two lanes at once (the faults that end their job beside the
+//! jobs that train on through theirs), which prints the table of BENCHMARKS.md §13
 //! (also written to `$CARGO_TARGET_TMPDIR/faults-table.md`). `FLOTILLA_FAULT_SEED=N` replays
 //! a run's delays; `FLOTILLA_FAULT_ONLY=TEXT` runs only the signal rows whose "signal mode"
 //! contains TEXT (e.g. `kill -9 PS flat`), or `strangers`, or `intruders` (a selection of
@@ -239,28 +240,32 @@ fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
         "FLOTILLA_FAULT_ONLY={only:?} selects no scenario (a signal row's \"signal mode\", \
          e.g. \"kill -9 PS flat\", or \"strangers\" or \"intruders\")"
     );
-    let mut baselines = Baselines::new(dir.path());
-    let mut rows = Vec::new();
-    for (mode, target, signal, delay) in planned {
-        let row = signal_scenario(mode, target, signal, delay, dir.path(), &mut baselines);
-        println!("{}", row_line(&row));
-        rows.push(row);
-        if signal.number == libc::SIGKILL && !mode.tolerated.contains(&target.0) {
-            let row = hand_kill_scenario(mode, target, delay, dir.path());
-            println!("{}", row_line(&row));
-            rows.push(row);
+    // Two lanes at once: the faults that end the job (mostly waiting on a deadline: little
+    // CPU) and the strangers' jobs beside the jobs that train on through their fault (mostly
+    // training), so that one's waits overlap the other's work. Each job's bounds are
+    // wall-clock deadlines, which a neighbour's load does not move; the table keeps the
+    // planned order.
+    let (stops, absorbs): (Vec<_>, Vec<_>) = planned
+        .into_iter()
+        .enumerate()
+        .partition(|(_, (mode, target, ..))| !mode.tolerated.contains(&target.0));
+    let mut ordered = std::thread::scope(|s| {
+        let lane = s.spawn(|| signal_rows(absorbs, dir.path(), &mut Baselines::new(dir.path())));
+        let mut baselines = Baselines::new(dir.path());
+        let mut rows = signal_rows(stops, dir.path(), &mut baselines);
+        if strangers {
+            let more = intrusions::stranger_rows(&mut rng, dir.path(), &mut baselines);
+            rows.extend(more.into_iter().map(|r| (usize::MAX, r)));
         }
-    }
-    if strangers {
-        rows.extend(intrusions::stranger_rows(
-            &mut rng,
-            dir.path(),
-            &mut baselines,
-        ));
-    }
-    if intruders {
-        rows.extend(intrusions::intruder_rows(dir.path(), &mut baselines));
-    }
+        if intruders {
+            let more = intrusions::intruder_rows(dir.path(), &mut baselines);
+            rows.extend(more.into_iter().map(|r| (usize::MAX, r)));
+        }
+        rows.extend(lane.join().expect("the lane of the jobs that train on"));
+        rows
+    });
+    ordered.sort_by_key(|(order, _)| *order);
+    let rows: Vec<Row> = ordered.into_iter().map(|(_, r)| r).collect();
     let wall = started.elapsed().as_secs_f64();
     let table = table(&rows, seed, wall, TIMEOUT_S);
     println!("\n{table}");
@@ -280,6 +285,27 @@ fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
         problems.len(),
         problems.join("\n\n")
     );
+}
+
+/// The rows of `planned` scenarios (each with its place in the plan), one after the other; a
+/// `kill -9` of a rank the job needs also with the ranks started by hand.
+fn signal_rows(
+    planned: Vec<(usize, Planned)>,
+    dir: &Path,
+    baselines: &mut Baselines,
+) -> Vec<(usize, Row)> {
+    let mut rows = Vec::new();
+    for (order, (mode, target, signal, delay)) in planned {
+        let row = signal_scenario(mode, target, signal, delay, dir, baselines);
+        println!("{}", row_line(&row));
+        rows.push((order, row));
+        if signal.number == libc::SIGKILL && !mode.tolerated.contains(&target.0) {
+            let row = hand_kill_scenario(mode, target, delay, dir);
+            println!("{}", row_line(&row));
+            rows.push((order, row));
+        }
+    }
+    rows
 }
 
 /// The signal scenarios `only` selects, each with its delay (drawn for every scenario, so

@@ -148,7 +148,8 @@ fn launch_once(
         ranks.respawn_with(respawn);
     }
     // A tolerated rank still running a deadline after the job ended is stuck, not busy (in
-    // an elastic job: a deadline after a process finished, a frozen one left out).
+    // an elastic job: a deadline after a process finished, a frozen one left out); one
+    // stopped by a signal is stopped at once.
     if let Ok(grace) = std::time::Duration::try_from_secs_f64(job.config.comm.timeout_s) {
         ranks.stop_stragglers_after(grace);
     }

@@ -9,6 +9,7 @@
 
 pub(crate) mod cmd;
 pub(crate) mod elastic;
+mod frozen;
 pub(crate) mod inventory;
 pub(crate) mod program;
 mod relay;
@@ -484,17 +485,24 @@ impl LocalJob {
             return false;
         }
         let since = since.get_or_insert_with(Instant::now);
-        if since.elapsed() < self.straggler_grace {
+        let running: Vec<usize> = (0..status.len()).filter(|&i| status[i].is_none()).collect();
+        // A stopped process cannot finish, whatever the grace.
+        let frozen = running.iter().all(|&i| {
+            let pid = self.children.get(i).map(|(_, c)| c.id());
+            pid.is_some_and(frozen::frozen)
+        });
+        if !frozen && since.elapsed() < self.straggler_grace {
             return false;
         }
-        let running: Vec<String> = (0..status.len())
-            .filter(|&i| status[i].is_none())
-            .map(|i| i.to_string())
-            .collect();
+        let names: Vec<String> = running.iter().map(usize::to_string).collect();
+        let why = if frozen {
+            "frozen (stopped by a signal)".to_string()
+        } else {
+            format!("{:?} (stuck)", self.straggler_grace)
+        };
         eprintln!(
-            "[launcher] rank(s) {} still running {:?} after the job ended (stuck); stopped them",
-            running.join(", "),
-            self.straggler_grace
+            "[launcher] rank(s) {} still running after the job ended, {why}; stopped them",
+            names.join(", ")
         );
         self.kill_all();
         true
