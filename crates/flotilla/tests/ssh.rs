@@ -512,15 +512,17 @@ fn inventory_launch_over_ssh_copies_each_hosts_tls_files() {
 /// The pid of the process of an elastic job's slot `slot` that runs in a directory under
 /// `jobs` (its `FLOTILLA_SLOT` and its working directory: the job's, on the "host").
 fn slot_pid(jobs: &Path, slot: u64) -> Option<u32> {
+    pid_with(jobs, &format!("FLOTILLA_SLOT={slot}"))
+}
+
+/// The pid of a process that runs in a directory under `jobs` (on the "host") with the
+/// environment variable `kv` (`NAME=value`).
+fn pid_with(jobs: &Path, kv: &str) -> Option<u32> {
     std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
         let pid: u32 = e.file_name().to_str()?.parse().ok()?;
         let cwd = std::fs::read_link(format!("/proc/{pid}/cwd")).ok()?;
         let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        (cwd.starts_with(jobs)
-            && env
-                .split(|&b| b == 0)
-                .any(|kv| kv == format!("FLOTILLA_SLOT={slot}").as_bytes()))
-        .then_some(pid)
+        (cwd.starts_with(jobs) && env.split(|&b| b == 0).any(|v| v == kv.as_bytes())).then_some(pid)
     })
 }
 
@@ -560,12 +562,18 @@ fn run_losing_slot_1(c: Command, jobs: &Path) -> String {
 /// SIGKILLs the process of slot `slot` under `jobs` once it has run for 3 s (within 120 s);
 /// its pid, or `None` if it never ran.
 fn kill_slot_later(jobs: &Path, slot: u64) -> std::thread::JoinHandle<Option<u32>> {
+    kill_later(jobs, format!("FLOTILLA_SLOT={slot}"))
+}
+
+/// SIGKILLs the process under `jobs` with the environment variable `kv` once it has run for
+/// 3 s (within 120 s); its pid, or `None` if it never ran.
+fn kill_later(jobs: &Path, kv: String) -> std::thread::JoinHandle<Option<u32>> {
     let at = jobs.to_path_buf();
     std::thread::spawn(move || {
         let started = Instant::now();
         let mut seen = None;
         while started.elapsed() < Duration::from_secs(120) {
-            if let Some(pid) = slot_pid(&at, slot)
+            if let Some(pid) = pid_with(&at, &kv)
                 && seen.get_or_insert_with(Instant::now).elapsed() > Duration::from_secs(3)
             {
                 // SAFETY: kill(2) on a pid of this test's own job; no memory is involved.
@@ -715,4 +723,80 @@ fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
         "{all}"
     );
     assert_eq!(all.matches("] test accuracy ").count(), 1, "{all}");
+}
+
+/// An elastic flat parameter server over ssh (`min_world_size: 2`, 3 inventory entries: the
+/// server and two workers): worker 2 SIGKILLed on its host is started again there over ssh
+/// as a replacement, which rejoins the running job: the server takes it back into its rounds
+/// at a version past 0, accepts its pushes, and the job ends at 0 with nothing left running.
+#[test]
+fn an_elastic_parameter_server_over_ssh_takes_back_a_replaced_worker() {
+    let Some(sshd) = start_sshd() else { return };
+    let dir = tmp();
+    let cfg = config_file(
+        dir.path(),
+        "ps.yaml",
+        "arch: flat\nworld_size: 3\nmin_world_size: 2\n\
+         parameter_server: {aggr_type: sync, num_workers: 2}\nmodel: mlp\nbatch_size: 32\n\
+         num_server_rounds: 3000\neval_every: 1000\noptimizer: {name: sgd, lr: 0.05}\n\
+         timeout_s: 10\n",
+    );
+    let three = three_entries(&sshd, dir.path());
+    let jobs = sshd.dir.path().join("jobs");
+    let out = dir.path().join("out");
+    let mut c = flotilla();
+    c.args(["launch", &cfg, "--max-restarts", "1", "--inventory"])
+        .arg(&three)
+        .arg("--remote-dir")
+        .arg(&jobs)
+        .arg("--output")
+        .arg(&out)
+        .env(
+            "FLOTILLA_SECRET",
+            format!("elastic-ps-ssh-job-secret-{}", std::process::id()),
+        );
+    let killer = kill_later(&jobs, "RANK=2".into());
+    let o = run_with_deadline(c, Duration::from_secs(300));
+    let killed = killer.join().expect("killer");
+    let all = text(&o);
+    assert!(killed.is_some(), "worker 2 was never found:\n{all}");
+    assert!(o.status.success(), "{all}");
+    assert!(
+        all.contains("restart 1/1 after: rank 2 failed (exit code 137); it rejoins"),
+        "{all}"
+    );
+    let server = run_log(&out, 0);
+    let back: u64 = server
+        .lines()
+        .find_map(|l| {
+            l.split("rank 2 rejoined (a replaced worker) at round ")
+                .nth(1)
+        })
+        .and_then(|rest| {
+            rest.split(" version ")
+                .nth(1)?
+                .split(';')
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("the server never took rank 2 back:\n{server}"));
+    let accepted: u64 = server
+        .lines()
+        .find_map(|l| l.split(" of rank 2 at version ").nth(1))
+        .and_then(|rest| {
+            rest.split(": ")
+                .nth(1)?
+                .split_whitespace()
+                .next()?
+                .parse()
+                .ok()
+        })
+        .unwrap_or_else(|| panic!("no ledger of rank 2's rejoin:\n{server}"));
+    assert!(back > 0, "taken back at version {back}:\n{server}");
+    assert!(
+        accepted > 0,
+        "no push of the replacement accepted:\n{server}"
+    );
+    assert!(pid_with(&jobs, "RANK=0").is_none() && pid_with(&jobs, "RANK=1").is_none());
 }

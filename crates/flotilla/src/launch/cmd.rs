@@ -56,11 +56,17 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 /// restart logged with its cause).
 pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     let generations = config.elasticity() == Some(Elasticity::Generations);
-    if opts.max_restarts > 0 && config.topology.inventory.is_some() && !generations {
-        anyhow::bail!(
-            "--max-restarts with --inventory is not supported yet (a restart resumes from the \
-             checkpoint, and ssh jobs cannot resume); use it with a local launch"
-        );
+    let on_hosts = config.topology.inventory.is_some();
+    if opts.max_restarts > 0 && on_hosts && !generations {
+        let topology = config.topology()?;
+        if flotilla_train::rejoin::rejoinable(&config, &topology).is_empty() {
+            anyhow::bail!(
+                "--max-restarts with --inventory replaces a lost worker alone (an async or \
+                 elastic parameter server's) or a lost process of an elastic job (-n MIN:MAX); \
+                 this job has neither, and a whole-job restart resumes from the checkpoint, \
+                 which an ssh job cannot yet: use it with a local launch"
+            );
+        }
     }
     // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
     let secret = JobSecret::for_job(&config)?;
@@ -75,7 +81,8 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
         let first = restarts == 0;
         match launch_once(config.clone(), opts, &secret, first, &mut restarts)? {
             Ok(()) => return Ok(()),
-            Err(failure) if restarts < opts.max_restarts && !launch::interrupted() => {
+            // Over ssh only workers are started again (alone, above): no whole-job restart.
+            Err(failure) if !on_hosts && restarts < opts.max_restarts && !launch::interrupted() => {
                 restarts += 1;
                 launch::restart_for(&mut config, &failure, (restarts, opts.max_restarts));
             }
@@ -120,13 +127,8 @@ fn launch_once(
         None => None,
     };
     let cpus = local_cpus(&job, opts.bind, threads);
-    let elastic = job.config.elasticity().is_some();
     let generations = job.config.elasticity() == Some(Elasticity::Generations);
     let mut ranks = match &remote {
-        Some(_) if elastic && !generations => anyhow::bail!(
-            "an elastic parameter-server job (-n MIN:MAX with arch flat) runs on this host so \
-             far, not on --inventory hosts"
-        ),
         Some(r) if generations => start_elastic(&mut job, Some(r), (threads, None), secret, opts)?,
         Some(r) => start_remote(&job, r, threads)?,
         None if generations => {
@@ -142,8 +144,12 @@ fn launch_once(
     }
     ranks.tolerate(tolerated);
     let left = opts.max_restarts.saturating_sub(*restarts);
-    if remote.is_none() && left > 0 && !rejoinable.is_empty() {
+    if left > 0 && !rejoinable.is_empty() {
         let mut respawn = rejoin_respawn(&job, threads, cpus, secret, *restarts, opts.max_restarts);
+        if let Some(r) = &remote {
+            // On its host, over ssh, as the job's ranks were started.
+            respawn.make = r.rejoin_command(rank_env(&job, threads));
+        }
         respawn.ranks = rejoinable;
         ranks.respawn_with(respawn);
     }

@@ -41,6 +41,8 @@ pub struct Remote {
     /// An elastic job's lighthouse's TLS (on this host, at `comm.master_addr`), loaded
     /// before the job's made files are removed; `None` without TLS or when not elastic.
     pub lighthouse_tls: Option<flotilla_tcp::TlsConfig>,
+    /// The port rank 0 said it listens on, once it has (when it picks one).
+    announced: std::sync::OnceLock<u16>,
 }
 
 /// Places the job's ranks on the inventory's hosts (rank `i` on host `i`).
@@ -134,6 +136,7 @@ pub fn prepare(
         tls: ranks_tls,
         port_wait,
         lighthouse_tls,
+        announced: std::sync::OnceLock::new(),
     })
 }
 
@@ -192,18 +195,12 @@ impl Remote {
                     "[launcher] rank 0 listens on port {port} of {}; starting the other ranks",
                     self.host_name(0)
                 );
+                let _ = self.announced.set(port);
                 Some(port)
             }
             None => None,
         };
-        let rest = (1..n).map(|rank| {
-            let mut vars = env(rank);
-            if let Some(port) = port {
-                vars.retain(|(k, _)| k != "MASTER_PORT");
-                vars.push(("MASTER_PORT".into(), port.to_string()));
-            }
-            self.command(rank, vars, program)
-        });
+        let rest = (1..n).map(|rank| self.command(rank, at_port(env(rank), port), program));
         ranks.start_more(rest.collect::<Result<Vec<_>>>()?)?;
         Ok(ranks)
     }
@@ -239,6 +236,22 @@ impl Remote {
             let mut all = env(index);
             all.extend_from_slice(vars);
             rank_command(&job, rank, all, program.as_deref())
+        })
+    }
+
+    /// What starts a lost worker of this job again on its host, as a replacement that
+    /// rejoins the running job (`flotilla_train::rejoin`): `flotilla train` with `env(rank)`,
+    /// at the port rank 0 said (once the job started).
+    pub fn rejoin_command(
+        &self,
+        env: impl Fn(usize) -> Vec<(String, String)> + Send + 'static,
+    ) -> Box<dyn FnMut(usize) -> Result<Command> + Send> {
+        let job = self.job.clone();
+        let port = self.announced.get().copied();
+        Box::new(move |rank| {
+            let mut vars = at_port(env(rank), port);
+            vars.push((flotilla_train::rejoin::REJOIN_ENV.into(), "1".into()));
+            rank_command(&job, rank, vars, None)
         })
     }
 
@@ -291,6 +304,15 @@ impl Remote {
     pub fn host_name(&self, rank: usize) -> &str {
         self.job.ranks.get(rank).map_or("", |t| t.name.as_str())
     }
+}
+
+/// `vars` with `MASTER_PORT` the port rank 0 said, if it picked one.
+fn at_port(mut vars: Vec<(String, String)>, port: Option<u16>) -> Vec<(String, String)> {
+    if let Some(port) = port {
+        vars.retain(|(k, _)| k != "MASTER_PORT");
+        vars.push(("MASTER_PORT".into(), port.to_string()));
+    }
+    vars
 }
 
 /// The ssh command that runs `rank` of `job` with `vars` (`LOCAL_RANK` added), out of the
