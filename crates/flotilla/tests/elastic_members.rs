@@ -180,27 +180,12 @@ fn survivors_of_two_lost_ranks_train_on_in_new_generations_with_replacements() {
     );
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
-    let acc = final_fields_of(&stdout)["test_acc"];
+    let acc = final_fields_in(&stdout)["test_acc"];
     println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,
         "elastic {acc} vs undisturbed {undisturbed}"
     );
-}
-
-/// The last `final k=v ...` line of a launcher's stdout (its own, or a rank's for a
-/// program's job).
-fn final_fields_of(stdout: &str) -> BTreeMap<String, f64> {
-    let line = stdout
-        .lines()
-        .rfind(|l| l.contains("final test_acc="))
-        .expect("a final line");
-    line[line.find("final ").unwrap_or(0)..]
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|kv| kv.split_once('='))
-        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
-        .collect()
 }
 
 /// Every process but the `killed` trained to the end as one process, committing to each
@@ -526,7 +511,7 @@ fn lose_rank_1_in_epoch_3(
     let o = run_with_deadline(c, Duration::from_secs(300));
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
-    let acc = final_fields_of(&stdout)["test_acc"];
+    let acc = final_fields_in(&stdout)["test_acc"];
     println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,
@@ -680,7 +665,7 @@ fn a_users_program_trains_on_when_a_rank_is_lost_and_is_replaced() {
     let o = run_with_deadline(c, Duration::from_secs(300));
     assert!(o.status.success(), "{}", text(&o));
     let undisturbed = final_fields(&o)["test_acc"];
-    let acc = final_fields_of(&stdout)["test_acc"];
+    let acc = final_fields_in(&stdout)["test_acc"];
     println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
         (acc - undisturbed).abs() <= 0.003,

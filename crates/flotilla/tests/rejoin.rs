@@ -29,18 +29,21 @@ fn config(dir: &Path, name: &str, topology: &str, rounds: u64) -> String {
 
 const FLAT_ASYNC: &str = "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}";
 
-/// The pid of rank `rank` of the job writing to `out` (its `RANK` and its config there).
+/// The pid of rank `rank` of the job writing to `out`: its `RANK`, and `out` in its command
+/// line (a config's rank: its config there) or its environment (a program's: its settings).
 fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
-    let needle = out.join("launch-config.yaml");
-    let needle = needle.to_str().expect("utf8");
-    processes_mentioning(needle)
-        .into_iter()
-        .find_map(|(pid, _)| {
-            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-            env.split(|&b| b == 0)
-                .any(|kv| kv == format!("RANK={rank}").as_bytes())
-                .then_some(pid)
-        })
+    let out = out.to_str().expect("utf8").as_bytes();
+    let mentions = |raw: &[u8]| raw.windows(out.len()).any(|w| w == out);
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let ranked = env
+            .split(|&b| b == 0)
+            .any(|kv| kv == format!("RANK={rank}").as_bytes());
+        (pid != std::process::id() && ranked && (mentions(&cmdline) || mentions(&env)))
+            .then_some(pid)
+    })
 }
 
 /// Whether start `start` (0: the first) of worker `rank` in `out` pulled and then pushed
@@ -79,24 +82,41 @@ fn kill_after_round(out: &Path, round: u64, rank: usize, start: usize) {
     }
 }
 
+/// How the job's ranks are started.
+#[derive(Clone, Copy, PartialEq)]
+enum Ranks {
+    /// `flotilla launch CONFIG`.
+    Plain,
+    /// The same, with TLS and a cluster secret on every connection.
+    Secure,
+    /// `flotilla launch CONFIG -- examples/lenet5_program` (its own LeNet-5 module, trained
+    /// by the library's run).
+    Program,
+}
+
 /// Launches `yaml` with `--max-restarts 2`, SIGKILLs worker `victim` after rank 0's rounds
-/// `kills`, and checks that it rejoined twice (as `server` logs) and each replacement
-/// contributed, that the job was never restarted as a whole and ended normally above
+/// `kills`, and checks that it rejoined twice (as each of `servers` logs) and each replacement
+/// contributed to each, that the job was never restarted as a whole and ended normally above
 /// `min_acc` and within 0.02 of an undisturbed run, and that nothing is left.
 fn killed_twice_rejoins(
     yaml: &str,
     rounds: u64,
     victim: usize,
-    server: usize,
+    servers: &[usize],
     kills: [u64; 2],
     min_acc: f64,
-    secure: bool,
+    ranks: Ranks,
 ) {
     let dir = tmp();
     let cfg = config(dir.path(), "job", yaml, rounds);
     let out = dir.path().join("out");
+    let program = example("lenet5_program");
+    let program_args: Vec<&std::ffi::OsStr> = match ranks {
+        Ranks::Program => vec!["--".as_ref(), program.as_os_str()],
+        _ => Vec::new(),
+    };
     let mut c = flotilla();
-    if secure {
+    if ranks == Ranks::Secure {
         // Every connection, the replacement's included, in TLS and authenticated.
         let certs = dir.path().join("certs");
         let mut make = flotilla();
@@ -111,6 +131,7 @@ fn killed_twice_rejoins(
     }
     c.args(["launch", &cfg, "--max-restarts", "2", "--output"])
         .arg(&out)
+        .args(&program_args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let killed = out.clone();
@@ -132,25 +153,32 @@ fn killed_twice_rejoins(
             text(&o)
         );
     }
-    let log = run_log(&out, server);
-    let back = format!("rank {victim} rejoined (a replaced worker)");
-    assert_eq!(log.matches(&back).count(), 2, "{log}");
+    for &server in servers {
+        let log = run_log(&out, server);
+        let back = format!("rank {victim} rejoined (a replaced worker)");
+        assert_eq!(log.matches(&back).count(), 2, "{log}");
+    }
     // The job was never restarted as a whole: one start of rank 0, all rounds done.
     let root = run_log(&out, 0);
     assert_eq!(root.matches("rank 0/").count(), 1, "{root}");
-    let f = final_fields(&o);
+    let f = final_fields_in(&String::from_utf8_lossy(&o.stdout));
     assert_eq!(f["steps"], rounds as f64, "{}", text(&o));
     assert!(f["test_acc"] > min_acc, "{}", text(&o));
     let needle = out.join("launch-config.yaml");
     assert_none_left(needle.to_str().expect("utf8"), Duration::from_secs(10));
-    assert_replacements_contributed(&out, victim, server);
+    for &server in servers {
+        assert_replacements_contributed(&out, victim, server);
+    }
 
     let calm = dir.path().join("calm");
     let mut c = flotilla();
-    c.args(["launch", &cfg, "--output"]).arg(&calm);
+    c.args(["launch", &cfg, "--output"])
+        .arg(&calm)
+        .args(&program_args);
     let p = run_with_deadline(c, Duration::from_secs(300));
     assert!(p.status.success(), "{}", text(&p));
-    let (acc, undisturbed) = (f["test_acc"], final_fields(&p)["test_acc"]);
+    let undisturbed = final_fields_in(&String::from_utf8_lossy(&p.stdout))["test_acc"];
+    let acc = f["test_acc"];
     assert!(
         (acc - undisturbed).abs() <= 0.02,
         "accuracy {acc} with two rejoins, {undisturbed} undisturbed"
@@ -216,7 +244,7 @@ fn assert_replacements_contributed(out: &Path, victim: usize, server: usize) {
 
 #[test]
 fn an_async_worker_killed_twice_rejoins_the_running_job() {
-    killed_twice_rejoins(FLAT_ASYNC, 3000, 2, 0, [600, 1800], 0.93, false);
+    killed_twice_rejoins(FLAT_ASYNC, 3000, 2, &[0], [600, 1800], 0.93, Ranks::Plain);
 }
 
 /// An elastic flat job (`min_world_size: 2`): its sync server leaves the lost worker out of
@@ -225,9 +253,27 @@ fn an_async_worker_killed_twice_rejoins_the_running_job() {
 #[test]
 fn a_worker_of_an_elastic_sync_server_killed_twice_rejoins_the_running_job() {
     let sync = "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
-    killed_twice_rejoins(sync, 1500, 1, 0, [300, 900], 0.9, false);
+    killed_twice_rejoins(sync, 1500, 1, &[0], [300, 900], 0.9, Ranks::Plain);
     let averaging = format!("{sync}\nlocal_steps: 4");
-    killed_twice_rejoins(&averaging, 600, 2, 0, [150, 400], 0.9, false);
+    killed_twice_rejoins(&averaging, 600, 2, &[0], [150, 400], 0.9, Ranks::Plain);
+}
+
+/// An elastic sharded job (`servers: 2`, `min_world_size: 3`): both shard servers leave the
+/// lost worker out and take each replacement back; the one that is not the root hears the
+/// job's stop from the root, not from workers that leave.
+#[test]
+fn a_worker_of_elastic_sync_shard_servers_killed_twice_rejoins_both() {
+    let sharded = "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
+    killed_twice_rejoins(sharded, 1500, 3, &[0, 1], [300, 900], 0.9, Ranks::Plain);
+}
+
+/// A program's own burn module (`examples/lenet5_program.rs` on `flotilla_burn::train`) as
+/// the workers of an elastic flat sync server: a lost worker's replacement is the program
+/// started again, which rejoins through the library's run.
+#[test]
+fn a_programs_worker_of_an_elastic_sync_server_killed_twice_rejoins() {
+    let sync = "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
+    killed_twice_rejoins(sync, 600, 2, &[0], [150, 400], 0.9, Ranks::Program);
 }
 
 /// Under an async local server (global server 0; local server 1 with workers 2 and 3):
@@ -236,7 +282,7 @@ fn a_worker_of_an_elastic_sync_server_killed_twice_rejoins_the_running_job() {
 #[test]
 fn a_worker_under_an_async_local_server_rejoins() {
     let hier = "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: async, num_workers: 1}";
-    killed_twice_rejoins(hier, 1500, 3, 1, [300, 900], 0.9, true);
+    killed_twice_rejoins(hier, 1500, 3, &[1], [300, 900], 0.9, Ranks::Secure);
 }
 
 /// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at

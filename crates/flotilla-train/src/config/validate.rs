@@ -262,8 +262,9 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 
 impl TrainConfig {
     /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
-    /// `zero`), async all-reduce, or one flat parameter server (sync or async, any
-    /// `local_steps`) over TCP, `1 <= min <= world_size`. Each refusal names the setting.
+    /// `zero`), async all-reduce, a pipeline's replicas, or a flat parameter server's
+    /// workers (one server or shards, sync or async, any `local_steps`) over TCP,
+    /// `1 <= min <= world_size`. Each refusal names the setting.
     fn validate_elastic(&self, min: usize) -> Result<()> {
         let key = "topology.min_world_size";
         let t = &self.topology;
@@ -288,13 +289,15 @@ impl TrainConfig {
             ))
         };
         if t.arch == Arch::Flat {
-            if t.servers > 1 {
-                return not_yet("a sharded parameter server (`servers`)");
-            }
-            if min < 2 {
+            let servers = t.servers.max(1);
+            if min <= servers {
                 return Err(bad(
                     key,
-                    format!("must leave the server at least one worker: 2 or more, not {min}"),
+                    format!(
+                        "must leave the {servers} server(s) at least one worker: {} or more, \
+                         not {min}",
+                        servers + 1
+                    ),
                 ));
             }
         } else if t.arch == Arch::Pipeline {
@@ -386,7 +389,7 @@ mod tests {
     }
 
     #[test]
-    fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_one_flat_server_and_refuses_the_rest() {
+    fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_flat_servers_and_refuses_the_rest() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         let flat =
             "arch: flat\nworld_size: 3\nparameter_server: {aggr_type: sync, num_workers: 2}\n";
@@ -396,14 +399,15 @@ mod tests {
             format!("{flat}min_world_size: 2\n"),
             format!("{flat}min_world_size: 2\nlocal_steps: 4\n"),
             "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\n".into(),
+            "arch: flat\nworld_size: 4\nservers: 2\nmin_world_size: 3\n".into(),
         ] {
             check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
         }
         for (yaml, why) in [
             (format!("{flat}min_world_size: 1\n"), "at least one worker"),
             (
-                format!("{flat}min_world_size: 2\nservers: 2\n"),
-                "sharded parameter server",
+                "arch: flat\nworld_size: 4\nservers: 2\nmin_world_size: 2\n".into(),
+                "2 server(s) at least one worker: 3 or more, not 2",
             ),
             (
                 "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 3\n".into(),

@@ -19,7 +19,7 @@ use crate::job_secret::JobSecret;
 use crate::launch::elastic::SlotCommand;
 use crate::launch::inventory::{self, Remote};
 use crate::launch::relay::Relay;
-use crate::launch::{self, LocalJob};
+use crate::launch::{self, LocalJob, replace};
 use crate::rendezvous_socket::{self, RendezvousSocket};
 use crate::run_args::RunArgs;
 use crate::settings;
@@ -136,29 +136,13 @@ fn launch_once(
         }
         None => start_local(&mut job, threads, cpus.clone(), secret, first)?,
     };
-    let rejoinable = flotilla_train::rejoin::rejoinable(&job.config, &job.topology);
-    let mut tolerated = tolerated_ranks(&job.topology);
-    if job.config.elasticity() == Some(Elasticity::ServerWorkers) {
-        // Its server leaves a lost worker out while the job keeps its minimum.
-        tolerated.extend(&rejoinable);
-    }
-    ranks.tolerate(tolerated);
-    let left = opts.max_restarts.saturating_sub(*restarts);
-    if left > 0 && !rejoinable.is_empty() {
-        let mut respawn = rejoin_respawn(&job, threads, cpus, secret, *restarts, opts.max_restarts);
-        if let Some(r) = &remote {
-            // On its host, over ssh, as the job's ranks were started.
-            respawn.make = r.rejoin_command(rank_env(&job, threads));
-        }
-        respawn.ranks = rejoinable;
-        ranks.respawn_with(respawn);
-    }
-    // A tolerated rank still running a deadline after the job ended is stuck, not busy (in
-    // an elastic job: a deadline after a process finished, a frozen one left out); one
-    // stopped by a signal is stopped at once.
-    if let Ok(grace) = std::time::Duration::try_from_secs_f64(job.config.comm.timeout_s) {
-        ranks.stop_stragglers_after(grace);
-    }
+    let make: replace::Make = match &remote {
+        // On its host, over ssh, as the job's ranks were started.
+        Some(r) => r.rank_command(rank_env(&job, threads), None),
+        None => local_rank_command(&job, threads, cpus, secret),
+    };
+    let budget = (*restarts, opts.max_restarts);
+    replace::workers(&mut ranks, (&job.config, &job.topology), make, budget);
     let mut relay = Relay::new(rank_labels(&job, remote.as_ref()));
     // An elastic job's rank 0 at the end may be any process.
     relay.any_final_line = generations;
@@ -214,37 +198,22 @@ fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
     Ok(())
 }
 
-/// How a failed worker under asynchronous parameter servers is started again, alone:
-/// the same command and environment, and [`flotilla_train::rejoin::REJOIN_ENV`], so that it
-/// rejoins the running job (restarts `done` of `max` used so far).
-fn rejoin_respawn(
+/// How a rank of this host is started again, alone: the same command and environment
+/// (see [`replace::workers`], which adds the rejoin variable).
+fn local_rank_command(
     job: &Prepared,
     threads: usize,
     cpus: Option<Vec<String>>,
     secret: &JobSecret,
-    done: u32,
-    max: u32,
-) -> launch::Respawn {
+) -> replace::Make {
     let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
     let config_path = job.config_path.clone();
-    let make = move |rank: usize| {
-        let exe = std::env::current_exe().unwrap_or_else(|_| "flotilla".into());
-        let mut cmd = std::process::Command::new(exe);
-        cmd.arg("train").arg(&config_path);
-        for (k, v) in env(rank) {
-            cmd.env(k, v);
-        }
-        cmd.env(flotilla_train::rejoin::REJOIN_ENV, "1");
+    Box::new(move |rank: usize| {
+        let exe = std::env::current_exe().context("locating the flotilla executable")?;
+        let mut cmd = Command::new(exe);
+        cmd.arg("train").arg(&config_path).envs(env(rank));
         Ok(cmd)
-    };
-    launch::Respawn {
-        make: Box::new(make),
-        ranks: Vec::new(),
-        left: max.saturating_sub(done),
-        total: max,
-        used: done,
-        ending: None,
-    }
+    })
 }
 
 /// Starts the ranks on this host, each on its cores when `cpus` binds them (said on the
@@ -477,33 +446,6 @@ fn local_cpus(job: &Prepared, bind: binding::Bind, threads: usize) -> Option<Vec
 /// servers, which mostly wait for their workers.
 fn all_compute(topology: &Topology) -> bool {
     topology.servers().next().is_none()
-}
-
-/// Ranks whose loss an asynchronous server above them absorbs: a rank is tolerated if any
-/// link on its path to the root ends at an `async` server.
-fn tolerated_ranks(topology: &Topology) -> Vec<usize> {
-    let is_async = |rank: usize| {
-        topology
-            .role(rank)
-            .and_then(|r| r.aggregation)
-            .is_some_and(|a| a == flotilla_cluster::Aggregation::Async)
-    };
-    (0..topology.world_size())
-        .filter(|&rank| {
-            let mut at = rank;
-            for _ in 0..topology.world_size() {
-                let Some(parent) = topology.role(at).and_then(|r| r.parents.first().copied())
-                else {
-                    return false;
-                };
-                if is_async(parent) {
-                    return true;
-                }
-                at = parent;
-            }
-            false
-        })
-        .collect()
 }
 
 #[cfg(test)]

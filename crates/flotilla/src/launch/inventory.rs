@@ -239,20 +239,18 @@ impl Remote {
         })
     }
 
-    /// What starts a lost worker of this job again on its host, as a replacement that
-    /// rejoins the running job (`flotilla_train::rejoin`): `flotilla train` with `env(rank)`,
-    /// at the port rank 0 said (once the job started).
-    pub fn rejoin_command(
+    /// What starts a rank of this job again on its host (a lost worker, which rejoins the
+    /// running job: `crate::launch::replace`): `flotilla train`, or `program` (path on the
+    /// hosts, then its arguments), with `env(rank)`, at the port rank 0 said (once the job
+    /// started).
+    pub fn rank_command(
         &self,
         env: impl Fn(usize) -> Vec<(String, String)> + Send + 'static,
-    ) -> Box<dyn FnMut(usize) -> Result<Command> + Send> {
+        program: Option<Vec<String>>,
+    ) -> crate::launch::replace::Make {
         let job = self.job.clone();
         let port = self.announced.get().copied();
-        Box::new(move |rank| {
-            let mut vars = at_port(env(rank), port);
-            vars.push((flotilla_train::rejoin::REJOIN_ENV.into(), "1".into()));
-            rank_command(&job, rank, vars, None)
-        })
+        Box::new(move |rank| rank_command(&job, rank, at_port(env(rank), port), program.as_deref()))
     }
 
     /// The ssh command that runs `rank` with `vars` (see [`rank_command`]).

@@ -14,6 +14,7 @@ pub(crate) mod inventory;
 pub(crate) mod program;
 mod relay;
 pub(crate) mod remote;
+pub(crate) mod replace;
 mod tls;
 
 use std::collections::VecDeque;
@@ -246,7 +247,7 @@ impl LocalJob {
         let Some(r) = self
             .respawn
             .as_mut()
-            .filter(|r| r.left > 0 && !interrupted() && !ending(r))
+            .filter(|r| r.left > 0 && r.ranks.contains(&rank) && !interrupted() && !ending(r))
         else {
             eprintln!(
                 "[launcher] rank {rank} exited ({}); the job goes on without it",
@@ -805,6 +806,28 @@ mod tests {
         let mut job = LocalJob::start([sh("exit 3"), sh("sleep 0.2")], None).expect("start");
         job.tolerate([0, 1]);
         assert!(supervise(&mut job).0.is_ok());
+    }
+
+    /// Only the ranks a respawn names are started again: another tolerated rank that fails
+    /// (a local server under an async global one) is left out, the budget untouched.
+    #[test]
+    fn only_the_ranks_a_respawn_names_start_again() {
+        let mut job = LocalJob::start(
+            [sh("sleep 0.5"), sh("exit 3"), sh("sleep 0.2; exit 3")],
+            None,
+        )
+        .expect("start");
+        job.tolerate([1, 2]);
+        job.respawn_with(Respawn {
+            make: Box::new(|_| Ok(sh("exit 0"))),
+            ranks: vec![2],
+            left: 5,
+            total: 5,
+            used: 0,
+            ending: None,
+        });
+        assert!(supervise(&mut job).0.is_ok());
+        assert_eq!(job.respawned(), 1, "rank 2 once, rank 1 never");
     }
 
     /// A tolerated rank that fails blaming a needed rank (its stuck server) ends the job,

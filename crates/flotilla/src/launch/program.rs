@@ -20,6 +20,7 @@
 
 use std::ffi::OsString;
 use std::process::Command;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use flotilla_tcp::{SECRET_FILE_ENV, TLS_CA_ENV, TLS_CERT_ENV, TLS_KEY_ENV, TlsFiles};
@@ -31,7 +32,7 @@ use crate::cli::LaunchArgs;
 use crate::job_secret::JobSecret;
 use crate::launch::inventory;
 use crate::launch::relay::Relay;
-use crate::launch::{self, LocalJob};
+use crate::launch::{self, LocalJob, replace};
 use crate::settings;
 use flotilla_rank::telemetry;
 
@@ -70,20 +71,13 @@ pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     config.validate()?;
     // One secret for every start of the program, removed at the end.
     let secret = JobSecret::for_job(&config)?;
-    if config.elasticity() == Some(flotilla_train::config::Elasticity::ServerWorkers) {
-        bail!(
-            "an elastic parameter-server job (-n MIN:MAX with arch flat) runs a config's model \
-             (`flotilla launch CONFIG`) so far; a program's keeps a fixed size (`-n {}`)",
-            config.topology.world_size
-        );
-    }
-    if config.topology.min_world_size.is_some() {
-        // An elastic job replaces lost processes itself; it never restarts as a whole.
-        return launch_once(&config, args, &secret)?;
-    }
     let mut restarts = 0;
+    if generations(&config) {
+        // An elastic job replaces lost processes itself; it never restarts as a whole.
+        return launch_once(&config, args, &secret, &mut restarts)?;
+    }
     loop {
-        match launch_once(&config, args, &secret)? {
+        match launch_once(&config, args, &secret, &mut restarts)? {
             Ok(()) => return Ok(()),
             Err(failure) if restarts < args.max_restarts && !launch::interrupted() => {
                 restarts += 1;
@@ -94,9 +88,21 @@ pub fn launch(mut config: TrainConfig, args: &LaunchArgs) -> Result<()> {
     }
 }
 
+/// Whether `config` is an elastic job of generations (peers or a pipeline's replicas), whose
+/// membership the launcher's lighthouse keeps.
+fn generations(config: &TrainConfig) -> bool {
+    config.elasticity() == Some(flotilla_train::config::Elasticity::Generations)
+}
+
 /// One start of the program's ranks with `secret`: `Err` if they could not start, `Ok(Err)`
-/// if one failed.
-fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> Result<Result<()>> {
+/// if one failed. `restarts`: restarts so far (of the job or of single ranks), counted on
+/// when a worker restarted alone rejoins the job.
+fn launch_once(
+    config: &TrainConfig,
+    args: &LaunchArgs,
+    secret: &JobSecret,
+    restarts: &mut u32,
+) -> Result<Result<()>> {
     let mut config = config.clone();
     let n = config.effective_world_size()?;
     if n == 0 {
@@ -106,7 +112,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
-    let elastic = config.topology.min_world_size.is_some();
+    let elastic = generations(&config);
     if !args.run.given("master-addr") {
         let rank_0 = placement.as_ref().and_then(|p| p.address(0));
         config.comm.master_addr = match rank_0 {
@@ -137,19 +143,32 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         )?),
         None => None,
     };
-    let mut ranks = match &remote {
+    let (mut ranks, make) = match &remote {
         Some(r) => {
             let tls = r.tls.as_ref().map(TlsFiles::from);
-            let env = rank_env(&config, (n, program_port), args.threads, tls, None)?;
-            match socket.take() {
+            let env = || rank_env(&config, (n, program_port), args.threads, tls.clone(), None);
+            let ranks = match socket.take() {
                 Some(socket) if elastic => {
-                    start_elastic_remote(&config, args, r, (env, program), (socket, secret))?
+                    let words = (env()?, program.clone());
+                    start_elastic_remote(&config, args, r, words, (socket, secret))?
                 }
-                _ => r.start_running(env, Some(&program))?,
-            }
+                _ => r.start_running(env()?, Some(&program))?,
+            };
+            // A worker started again runs on its host, over ssh, as the ranks were started.
+            (ranks, r.rank_command(env()?, Some(program.clone())))
         }
-        None => start_local(&config, args, (n, program_port), secret, &mut socket)?,
+        None => {
+            let command = Arc::new(local_command(&config, args, (n, program_port), secret)?);
+            let ranks = start_local(&config, args, Arc::clone(&command), (&mut socket, secret))?;
+            let make: replace::Make = Box::new(move |rank| Ok((*command)(rank)));
+            (ranks, make)
+        }
     };
+    if !elastic {
+        let topology = config.topology()?;
+        let budget = (*restarts, args.max_restarts);
+        replace::workers(&mut ranks, (&config, &topology), make, budget);
+    }
     // Rank 0 (or the lighthouse) holds the rendezvous socket now; the launcher's copy would
     // keep the port open (queueing joins) after rank 0 ended.
     drop(socket);
@@ -161,6 +180,7 @@ fn launch_once(config: &TrainConfig, args: &LaunchArgs, secret: &JobSecret) -> R
         .collect();
     let mut relay = Relay::new(labels);
     let result = ranks.supervise(None, &mut |line| relay.on_line(line));
+    *restarts += ranks.respawned();
     relay.clear_bar();
     drop(ranks);
     collect_outputs(&config, remote.as_ref(), n);
@@ -200,13 +220,15 @@ fn start_elastic_remote(
 fn start_local(
     config: &TrainConfig,
     args: &LaunchArgs,
-    (n, program_port): (usize, Option<u16>),
-    secret: &JobSecret,
-    socket: &mut Option<crate::rendezvous_socket::RendezvousSocket>,
+    command: Arc<impl Fn(usize) -> Command + Send + Sync + 'static>,
+    (socket, secret): (
+        &mut Option<crate::rendezvous_socket::RendezvousSocket>,
+        &JobSecret,
+    ),
 ) -> Result<LocalJob> {
-    let command = local_command(config, args, (n, program_port), secret)?;
     let program = program_words(&args.program)?.join(" ");
-    if config.topology.min_world_size.is_some() {
+    let n = config.effective_world_size()?;
+    if generations(config) {
         let socket = socket.take().context("the rendezvous port was not bound")?;
         // A process started by hand takes the job's settings from this file (the ranks
         // have them in their environment).
@@ -225,7 +247,7 @@ fn start_local(
         return crate::launch::elastic::start(crate::launch::elastic::Start {
             config,
             command: Box::new(move |index, vars| {
-                let mut cmd = command(index);
+                let mut cmd = (*command)(index);
                 cmd.envs(vars.iter().map(|(k, v)| (k, v)));
                 Ok(cmd)
             }),
@@ -239,7 +261,7 @@ fn start_local(
         });
     }
     let commands = (0..n).map(|rank| {
-        let mut cmd = command(rank);
+        let mut cmd = (*command)(rank);
         if let (0, Some(s)) = (rank, socket.as_ref()) {
             s.hand_to(&mut cmd);
         }

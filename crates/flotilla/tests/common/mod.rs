@@ -124,6 +124,21 @@ pub fn final_fields(o: &Output) -> BTreeMap<String, f64> {
         .collect()
 }
 
+/// The fields of the last `final test_acc=...` line of `stdout`: the launcher's own, or a
+/// rank's relayed one (`[rank 0] final ...`: a program's job, an elastic job's).
+pub fn final_fields_in(stdout: &str) -> BTreeMap<String, f64> {
+    let line = stdout
+        .lines()
+        .rfind(|l| l.contains("final test_acc="))
+        .unwrap_or_else(|| panic!("no final line in:\n{stdout}"));
+    line[line.find("final ").unwrap_or(0)..]
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|kv| kv.split_once('='))
+        .filter_map(|(k, v)| Some((k.to_string(), v.parse().ok()?)))
+        .collect()
+}
+
 /// Reads every tensor of the newest checkpoint under `output`.
 pub fn checkpoint_tensors(output: &Path) -> BTreeMap<String, Vec<f32>> {
     let root = output.join("checkpoints");

@@ -522,7 +522,7 @@ impl ShardServer {
     }
 
     /// A shard server whose children leave is being stopped by the root: wait for that.
-    fn expect_stop(&mut self, child: usize) {
+    pub(super) fn expect_stop(&mut self, child: usize) {
         self.awaiting_stop
             .get_or_insert((child, Instant::now() + self.timeout));
     }

@@ -1,5 +1,7 @@
 //! An elastic flat parameter server's workers ([`crate::config::Elasticity::ServerWorkers`],
-//! `flotilla launch -n MIN:MAX` with `arch: flat`): the server keeps its workers' membership.
+//! `flotilla launch -n MIN:MAX` with `arch: flat`, one server or `servers` shards): each
+//! server keeps its workers' membership (every shard server the same workers, each on its
+//! own: a worker lost is lost to all of them).
 //!
 //! - A worker lost (its connection closed) or, in a sync round, silent past the deadline is
 //!   left out: the round closes with the pushes of the others (sample-weighted, as every
@@ -25,13 +27,13 @@ use crate::strategy::ps::server::{ShardPlan, list, reject};
 use flotilla_ps::Refusal;
 
 /// The fewest children the server of `shard` keeps training with in an elastic job of
-/// `config` (its minimum ranks less the server); `None` in a fixed-size job.
+/// `config` (its minimum ranks less the servers); `None` in a fixed-size job.
 pub(super) fn min_children(config: &TrainConfig, shard: &ShardPlan) -> Option<usize> {
-    if config.elasticity() != Some(Elasticity::ServerWorkers) || shard.servers.len() != 1 {
+    if config.elasticity() != Some(Elasticity::ServerWorkers) {
         return None;
     }
     let min = config.topology.min_world_size?;
-    Some(min.saturating_sub(1).max(1))
+    Some(min.saturating_sub(shard.servers.len()).max(1))
 }
 
 impl ShardServer {
@@ -67,6 +69,12 @@ impl ShardServer {
             self.lost.push(peer);
         }
         let left: std::collections::BTreeSet<usize> = self.lost.iter().copied().collect();
+        if self.active.len() < min && !self.is_root {
+            // Workers leave a shard server when the root told them the job stops, maybe
+            // before it told this server: that stop must arrive within the deadline.
+            self.expect_stop(peers.first().copied().unwrap_or(0));
+            return Ok(());
+        }
         if self.active.len() < min {
             return Err(TrainError::Peer {
                 peer: peers.first().copied().unwrap_or(0),
