@@ -246,6 +246,17 @@ pub enum RendezvousError {
         /// The job's generation.
         current: u64,
     },
+    /// An elastic job finished while this process stood by (its pipeline had no whole
+    /// replica with a place for it): nothing is left for it to do, and it ends as the job
+    /// did (exit 0 for `flotilla train`).
+    #[error(
+        "the job finished while this process stood by (no whole replica had a place for it \
+         after generation {generation})"
+    )]
+    StoodBy {
+        /// The last generation the job formed.
+        generation: u64,
+    },
     /// An elastic job already has its maximum number of ranks.
     #[error("{peer} cannot join: the job already has its maximum of {max} ranks")]
     JobFull {

@@ -4,6 +4,14 @@ use std::path::PathBuf;
 
 use flotilla_train::TrainError;
 
+impl RankError {
+    /// Whether the job finished while this process stood by, which ends it as the job
+    /// ended, not as a failure ([`flotilla_train::elastic::stood_by`]).
+    pub fn stood_by(&self) -> bool {
+        matches!(self, RankError::Train(e) if flotilla_train::elastic::stood_by(e))
+    }
+}
+
 /// A rank's failure: the run's own ([`TrainError`]), or its telemetry's or report's.
 #[derive(Debug, thiserror::Error)]
 pub enum RankError {

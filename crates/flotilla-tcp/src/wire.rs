@@ -4,7 +4,7 @@ use flotilla_group::RendezvousError;
 use serde::{Deserialize, Serialize};
 
 /// Version of the rendezvous protocol carried in [`Ctrl::Join`].
-pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 4;
+pub(crate) const RENDEZVOUS_PROTOCOL: u32 = 5;
 
 /// A generation the lighthouse formed, as it tells each member: [`Ctrl::Formed`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

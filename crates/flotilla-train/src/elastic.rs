@@ -116,6 +116,18 @@ pub fn survivable(e: &TrainError) -> bool {
     }
 }
 
+/// Whether a run's error says the job finished while this process stood by (a pipeline's
+/// generations had no whole replica with a place for it): it has nothing left to do and
+/// ends as the job did, without a final evaluation of its own.
+pub fn stood_by(e: &TrainError) -> bool {
+    matches!(
+        e,
+        TrainError::Comm(CommError::Rendezvous(
+            flotilla_tcp::RendezvousError::StoodBy { .. }
+        ))
+    )
+}
+
 /// Whether a failed collective is a lost generation (see [`survivable`]): anything but the
 /// lighthouse's refusals and a wrong call.
 pub fn survivable_comm(c: &CommError) -> bool {

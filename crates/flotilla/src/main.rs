@@ -21,7 +21,7 @@ mod stop;
 
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Parser;
 
 use cli::{Cli, Command, TrainArgs};
@@ -99,11 +99,18 @@ fn train(args: &TrainArgs) -> Result<()> {
     };
     settings::check_rank_source(&sources, &config, rank)?;
     let spec = config.validate()?;
-    flotilla_rank::run(&config, &spec, rank).with_context(|| match rank {
-        Some(r) => format!("rank {r} failed"),
-        None => "training failed".to_string(),
-    })?;
-    Ok(())
+    match flotilla_rank::run(&config, &spec, rank) {
+        Ok(_) => Ok(()),
+        // A process standing by for a place in a pipeline's replicas when the job ended.
+        Err(e) if e.stood_by() => {
+            println!("{e}: it ends with the job");
+            Ok(())
+        }
+        Err(e) => Err(anyhow::Error::from(e).context(match rank {
+            Some(r) => format!("rank {r} failed"),
+            None => "training failed".to_string(),
+        })),
+    }
 }
 
 /// `flotilla trace merge`: joins rank timeline files into one Chrome trace.

@@ -237,10 +237,8 @@ impl Quorum {
         }
         self.phase = Phase::Finished;
         let mut out = vec![Out::Finished];
-        let re = RendezvousError::MasterFailed {
-            reason: "the job finished while this process stood by (no whole replica had a \
-                     place for it)"
-                .into(),
+        let re = RendezvousError::StoodBy {
+            generation: self.generation,
         };
         for slot in std::mem::take(&mut self.waiting).into_keys() {
             out.push(Out::Send(slot, Ctrl::Reject(re.clone())));

@@ -3,7 +3,7 @@
 //! others' pushes (their sample-weighted mean, a serial formula here), the rounds after wait
 //! for the remaining workers only, a silent worker is left out at the deadline and its pushes
 //! refused for good, a replacement is taken into the round under way, and below the minimum
-//! the server stops naming the workers left out.
+//! the server stops naming the workers left out; a round nobody pushed waits once more.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -127,4 +127,25 @@ fn a_lost_worker_closes_the_round_and_below_the_minimum_the_server_stops() {
     drop(w2);
     let e = s.try_step(WAIT).expect_err("below the minimum").to_string();
     assert!(e.contains("fewer than its minimum of 2"), "{e}");
+}
+
+/// A deadline with no worker's push in the round blames nobody the first time (with shard
+/// servers a worker may be waiting for another shard's answer: a worker frozen between its
+/// pushes to two shards leaves their rounds one apart); the next deadline leaves out the
+/// workers still silent, and the round closes with the others' pushes.
+#[test]
+fn a_round_nobody_pushed_waits_once_more_before_it_leaves_anyone_out() {
+    let mut w = world(3);
+    let (_w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
+    let mut s = server(w.pop().expect("server"), 2);
+    let p0 = s.params();
+    s.try_step(WAIT)
+        .expect("nobody pushed: the server waits once more");
+    assert_eq!(s.machine.version(), 0);
+    // Rank 1's push comes (it was waiting for another server); rank 2 stays silent.
+    w1.send(0, TAG, &push(0, 2, &all(1.0))).expect("send");
+    s.step();
+    s.try_step(WAIT).expect("the silent worker is left out");
+    assert_eq!((s.machine.version(), s.params()), (1, stepped(&p0, 1.0)));
+    assert_eq!(answer(&*w1, 0).0, 1);
 }

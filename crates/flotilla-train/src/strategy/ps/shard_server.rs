@@ -102,6 +102,10 @@ pub struct ShardServer {
     /// or silent worker is left out of the rounds while this many remain
     /// (`shard_server/elastic.rs`). `None`: a fixed-size job.
     min_children: Option<usize>,
+    /// An elastic sync server's deadline passed with no worker's push in its round: a
+    /// worker may be waiting for another shard, so it waits once more before it leaves the
+    /// silent ones out (`shard_server/elastic.rs`). Cleared when a round closes.
+    stalled: bool,
     /// How the run counts its rounds.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -195,6 +199,7 @@ impl ShardServer {
             staleness_lr,
             rejoins: Rejoins::default(),
             min_children: elastic::min_children(cx.config, &shard),
+            stalled: false,
             root: shard.servers[0],
             is_root,
             children: children.to_vec(),
@@ -332,6 +337,7 @@ impl ShardServer {
         let Some(mean) = self.acc.take() else {
             return Ok(());
         };
+        self.stalled = false;
         let refused = self.update(cx, &mean, staleness)?;
         let targets: Vec<usize> = if self.sync {
             self.pending = self.active.clone();
@@ -645,9 +651,7 @@ impl ServerMachine for ShardServer {
             return Err(lost_child(child, self.rounds));
         }
         if self.min_children.is_some() && self.sync {
-            let silent: Vec<usize> = self.pending.iter().copied().collect();
-            let why = format!("silent for {waited:?}");
-            return self.leave_out(cx, &silent, &why);
+            return self.silent_left_out(cx, waited);
         }
         let silent = if self.sync {
             &self.pending

@@ -25,6 +25,7 @@ use crate::error::{Result, TrainError};
 use crate::strategy::ps::PsContext;
 use crate::strategy::ps::server::{ShardPlan, list, reject};
 use flotilla_ps::Refusal;
+use std::time::Duration;
 
 /// The fewest children the server of `shard` keeps training with in an elastic job of
 /// `config` (its minimum ranks less the servers); `None` in a fixed-size job.
@@ -54,6 +55,27 @@ impl ShardServer {
         reject(cx, child, &Refusal::lasting(reason))
     }
 
+    /// A sync round's deadline passed: the workers that did not push are left out — unless
+    /// none pushed, the first time: with shard servers a worker may wait for another
+    /// shard's answer (a worker frozen between its pushes to two shards leaves the rounds
+    /// of the two one apart), so the server waits once more before it blames anyone.
+    pub(super) fn silent_left_out(
+        &mut self,
+        cx: &mut PsContext<'_>,
+        waited: Duration,
+    ) -> Result<()> {
+        if self.pending.len() == self.active.len() && !self.stalled {
+            self.stalled = true;
+            return cx.log(&format!(
+                "no worker pushed round {} within {waited:?}; waiting once more (a worker may \
+                 be waiting for another server)",
+                self.rounds
+            ));
+        }
+        let silent: Vec<usize> = self.pending.iter().copied().collect();
+        self.leave_out(cx, &silent, &format!("silent for {waited:?}"))
+    }
+
     /// Leaves `peers` (active children) out of the rounds (`why`): the job goes on with the
     /// others while it keeps its minimum, and a sync round waiting only for them closes.
     pub(super) fn leave_out(
@@ -63,18 +85,20 @@ impl ShardServer {
         why: &str,
     ) -> Result<()> {
         let min = self.min_children.unwrap_or(1);
+        let remaining = self.active.iter().filter(|p| !peers.contains(p)).count();
+        if remaining < min && !self.is_root {
+            // Workers leave a shard server when the root told them the job stops, maybe
+            // before it told this server: that stop must arrive within the deadline (the
+            // root names the workers if the job is below its minimum).
+            self.expect_stop(peers.first().copied().unwrap_or(0));
+            return Ok(());
+        }
         for &peer in peers {
             self.active.remove(&peer);
             self.pending.remove(&peer);
             self.lost.push(peer);
         }
         let left: std::collections::BTreeSet<usize> = self.lost.iter().copied().collect();
-        if self.active.len() < min && !self.is_root {
-            // Workers leave a shard server when the root told them the job stops, maybe
-            // before it told this server: that stop must arrive within the deadline.
-            self.expect_stop(peers.first().copied().unwrap_or(0));
-            return Ok(());
-        }
         if self.active.len() < min {
             return Err(TrainError::Peer {
                 peer: peers.first().copied().unwrap_or(0),
