@@ -765,38 +765,6 @@ fn an_elastic_parameter_server_over_ssh_takes_back_a_replaced_worker() {
         all.contains("restart 1/1 after: rank 2 failed (exit code 137); it rejoins"),
         "{all}"
     );
-    let server = run_log(&out, 0);
-    let back: u64 = server
-        .lines()
-        .find_map(|l| {
-            l.split("rank 2 rejoined (a replaced worker) at round ")
-                .nth(1)
-        })
-        .and_then(|rest| {
-            rest.split(" version ")
-                .nth(1)?
-                .split(';')
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("the server never took rank 2 back:\n{server}"));
-    let accepted: u64 = server
-        .lines()
-        .find_map(|l| l.split(" of rank 2 at version ").nth(1))
-        .and_then(|rest| {
-            rest.split(": ")
-                .nth(1)?
-                .split_whitespace()
-                .next()?
-                .parse()
-                .ok()
-        })
-        .unwrap_or_else(|| panic!("no ledger of rank 2's rejoin:\n{server}"));
-    assert!(back > 0, "taken back at version {back}:\n{server}");
-    assert!(
-        accepted > 0,
-        "no push of the replacement accepted:\n{server}"
-    );
+    assert_rejoined(&out, 2);
     assert!(pid_with(&jobs, "RANK=0").is_none() && pid_with(&jobs, "RANK=1").is_none());
 }

@@ -11,14 +11,19 @@ use crate::error::{DistError, Result};
 /// Whether the job's way of training goes through the one stack's run (async all-reduce,
 /// parameter servers); an error naming the way when the strategy does not run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
-    if let Some(min) = settings.topology.min_world_size {
+    let generations =
+        settings.elasticity() == Some(flotilla_train::config::Elasticity::Generations);
+    if let (true, Some(min)) = (generations, settings.topology.min_world_size) {
         // Its per-step metrics and per-epoch validation are collectives of its own, which
-        // a change of members would have to reach in step with the run's.
+        // a change of members would have to reach in step with the run's. (An elastic
+        // server's workers change no collective: a lost one's program, started again,
+        // rejoins through the run.)
         return Err(DistError::from(TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job ({min}:{}) does not run burn's Learner yet; a program trains \
-                 elastic on flotilla_burn::train or ::session, or in its own loop under \
+                "an elastic job of peers ({min}:{}) does not run burn's Learner yet (an elastic \
+                 flat server's workers do); a program trains elastic peers on \
+                 flotilla_burn::train or ::session, or in its own loop under \
                  flotilla_burn::elastic::run",
                 settings.topology.world_size
             ),
@@ -105,11 +110,14 @@ mod tests {
     }
 
     #[test]
-    fn an_elastic_job_is_refused_by_name() {
+    fn elastic_peers_are_refused_by_name_and_an_elastic_servers_workers_run() {
         let mut c = settings(Arch::Allreduce, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
         let e = through_run(&c).expect_err("elastic").to_string();
         assert!(e.contains("does not run burn's Learner yet"), "{e}");
+        let mut c = settings(Arch::Flat, AllReduceMode::Sync, 0);
+        c.topology.min_world_size = Some(2);
+        assert!(through_run(&c).expect("an elastic server's workers"));
     }
 
     #[test]

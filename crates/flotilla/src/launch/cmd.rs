@@ -208,10 +208,11 @@ fn local_rank_command(
 ) -> replace::Make {
     let env = local_env(rank_env(job, threads), cpus, secret.rank_env());
     let config_path = job.config_path.clone();
-    Box::new(move |rank: usize| {
+    Box::new(move |rank, more| {
         let exe = std::env::current_exe().context("locating the flotilla executable")?;
         let mut cmd = Command::new(exe);
         cmd.arg("train").arg(&config_path).envs(env(rank));
+        cmd.envs(more.iter().map(|(k, v)| (k, v)));
         Ok(cmd)
     })
 }

@@ -250,7 +250,11 @@ impl Remote {
     ) -> crate::launch::replace::Make {
         let job = self.job.clone();
         let port = self.announced.get().copied();
-        Box::new(move |rank| rank_command(&job, rank, at_port(env(rank), port), program.as_deref()))
+        Box::new(move |rank, more| {
+            let mut vars = at_port(env(rank), port);
+            vars.extend_from_slice(more);
+            rank_command(&job, rank, vars, program.as_deref())
+        })
     }
 
     /// The ssh command that runs `rank` with `vars` (see [`rank_command`]).

@@ -157,12 +157,7 @@ fn launch_once(
             // A worker started again runs on its host, over ssh, as the ranks were started.
             (ranks, r.rank_command(env()?, Some(program.clone())))
         }
-        None => {
-            let command = Arc::new(local_command(&config, args, (n, program_port), secret)?);
-            let ranks = start_local(&config, args, Arc::clone(&command), (&mut socket, secret))?;
-            let make: replace::Make = Box::new(move |rank| Ok((*command)(rank)));
-            (ranks, make)
-        }
+        None => start_here(&config, args, (n, program_port), (&mut socket, secret))?,
     };
     if !elastic {
         let topology = config.topology()?;
@@ -185,6 +180,26 @@ fn launch_once(
     drop(ranks);
     collect_outputs(&config, remote.as_ref(), n);
     Ok(result)
+}
+
+/// The program's ranks on this host ([`start_local`]), and what starts one of them again.
+fn start_here(
+    config: &TrainConfig,
+    args: &LaunchArgs,
+    (n, program_port): (usize, Option<u16>),
+    (socket, secret): (
+        &mut Option<crate::rendezvous_socket::RendezvousSocket>,
+        &JobSecret,
+    ),
+) -> Result<(LocalJob, replace::Make)> {
+    let command = Arc::new(local_command(config, args, (n, program_port), secret)?);
+    let ranks = start_local(config, args, Arc::clone(&command), (socket, secret))?;
+    let make: replace::Make = Box::new(move |rank, more| {
+        let mut cmd = (*command)(rank);
+        cmd.envs(more.iter().map(|(k, v)| (k, v)));
+        Ok(cmd)
+    });
+    Ok((ranks, make))
 }
 
 /// Starts an elastic program's processes on the inventory's hosts over ssh, around the

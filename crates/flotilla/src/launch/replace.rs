@@ -17,8 +17,9 @@ use flotilla_train::config::Elasticity;
 
 use crate::launch::{LocalJob, Respawn};
 
-/// What starts a rank again: its command by rank, the rejoin variable not yet set.
-pub type Make = Box<dyn FnMut(usize) -> Result<Command> + Send>;
+/// What starts a rank again: its command by rank, with more environment variables for the
+/// rank's process (set where it runs: on its host for an ssh command).
+pub type Make = Box<dyn FnMut(usize, &[(String, String)]) -> Result<Command> + Send>;
 
 /// Lets `ranks` go on without its tolerated ranks and start its rejoinable ones again with
 /// `make` while `restarts` (used, allowed) leave any; a tolerated rank still running a
@@ -39,9 +40,11 @@ pub fn workers(
     if left > 0 && !rejoinable.is_empty() {
         ranks.respawn_with(Respawn {
             make: Box::new(move |rank| {
-                let mut cmd = make(rank)?;
-                cmd.env(flotilla_train::rejoin::REJOIN_ENV, "1");
-                Ok(cmd)
+                let rejoin = (
+                    flotilla_train::rejoin::REJOIN_ENV.to_string(),
+                    "1".to_string(),
+                );
+                make(rank, &[rejoin])
             }),
             ranks: rejoinable,
             left,

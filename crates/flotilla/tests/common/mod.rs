@@ -193,6 +193,74 @@ pub fn run_log(output: &Path, rank: usize) -> String {
     std::fs::read_to_string(output.join(format!("rank-{rank}/run.log"))).expect("run.log")
 }
 
+/// The pid of rank `rank` of the job writing to `out`: its `RANK`, and `out` in its command
+/// line (a config's rank: its config there) or its environment (a program's: its settings).
+pub fn rank_pid(out: &Path, rank: usize) -> Option<u32> {
+    let out = out.to_str().expect("utf8").as_bytes();
+    let mentions = |raw: &[u8]| raw.windows(out.len()).any(|w| w == out);
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+        let ranked = env
+            .split(|&b| b == 0)
+            .any(|kv| kv == format!("RANK={rank}").as_bytes());
+        (pid != std::process::id() && ranked && (mentions(&cmdline) || mentions(&env)))
+            .then_some(pid)
+    })
+}
+
+/// Worker `rank` of the job writing to `out` was replaced once and rejoined: its server
+/// (rank 0) took the replacement back past version 0 and accepted its pushes.
+pub fn assert_rejoined(out: &Path, rank: usize) {
+    let server = run_log(out, 0);
+    assert!(
+        first_rejoin(&server, rank).is_some_and(|(version, accepted)| version > 0 && accepted > 0),
+        "the server took rank {rank} back past version 0 and accepted its pushes:\n{server}"
+    );
+}
+
+/// What a parameter server's `log` says of the first replacement of worker `rank`: the
+/// version it took it back at, and how many of its pushes it accepted (`None` if it never
+/// took it back).
+pub fn first_rejoin(log: &str, rank: usize) -> Option<(u64, u64)> {
+    let back = log
+        .lines()
+        .find_map(|l| {
+            l.split(&format!(
+                "rank {rank} rejoined (a replaced worker) at round "
+            ))
+            .nth(1)
+        })
+        .and_then(|r| r.split(" version ").nth(1)?.split(';').next()?.parse().ok())?;
+    let accepted = log
+        .lines()
+        .find_map(|l| l.split(&format!(" of rank {rank} at version ")).nth(1))
+        .and_then(|r| r.split(": ").nth(1)?.split(' ').next()?.parse().ok())?;
+    Some((back, accepted))
+}
+
+/// SIGKILLs rank `rank` of the job writing to `out` once its rank 0's run.log has reached
+/// round `round` (within 120 s); whether it did.
+pub fn kill_rank_at_round(out: &Path, rank: usize, round: u64) -> std::thread::JoinHandle<bool> {
+    let out = out.to_path_buf();
+    std::thread::spawn(move || {
+        let (log, needle) = (out.join("rank-0/run.log"), format!("] round {round} "));
+        let started = std::time::Instant::now();
+        while started.elapsed() < Duration::from_secs(120) {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            if text.contains(&needle)
+                && let Some(pid) = rank_pid(&out, rank)
+            {
+                // SAFETY: kill(2) on a pid of this test's own job; no memory is involved.
+                return unsafe { libc::kill(pid as i32, libc::SIGKILL) } == 0;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    })
+}
+
 /// Processes (other than this one) whose command line mentions `needle`: pid and command line.
 pub fn processes_mentioning(needle: &str) -> Vec<(u32, String)> {
     let me = std::process::id();

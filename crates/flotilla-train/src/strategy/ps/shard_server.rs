@@ -362,10 +362,19 @@ impl ShardServer {
         self.reply(cx, &targets)
     }
 
-    fn reply(&self, cx: &mut PsContext<'_>, targets: &[usize]) -> Result<()> {
+    fn reply(&mut self, cx: &mut PsContext<'_>, targets: &[usize]) -> Result<()> {
         let msg = self.model.encoded();
         for &c in targets {
-            send_bytes(cx.comm, c, &msg)?;
+            match send_bytes(cx.comm, c, &msg) {
+                // A child lost between its push and the reply (a killed worker): as if the
+                // inbox had said so, when the server goes on without it.
+                Err(TrainError::Comm(e @ CommError::PeerLost { .. }))
+                    if self.goes_on_without(c) =>
+                {
+                    ServerMachine::on_lost(self, cx, c, e)?
+                }
+                r => r?,
+            }
         }
         Ok(())
     }
