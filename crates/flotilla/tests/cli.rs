@@ -720,25 +720,36 @@ fn a_killed_launcher_leaves_no_rank_behind() {
 }
 
 /// `-n` on a job whose size its config fixes (a pipeline's stages × replicas, a hierarchical
-/// parameter-server tree) is refused naming the size, not silently ignored.
+/// parameter-server tree, a flat server's workers) is refused naming the size, not silently
+/// ignored; an elastic range as it was given, with the MAX to give.
 #[test]
 fn n_that_the_config_overrules_is_refused_naming_the_size() {
-    for (config, size) in [
+    for (config, n, size) in [
         (
             "examples/mnist-pipeline.yaml",
+            "4",
             "2 ranks (2 stages × 1 replica)",
         ),
-        ("examples/ps-hierarchical.yaml", "7 ranks (1 global server"),
+        (
+            "examples/ps-hierarchical.yaml",
+            "4",
+            "7 ranks (1 global server",
+        ),
+        (
+            "examples/ps-flat-sync.yaml",
+            "2:3",
+            "5 ranks (1 server, 4 workers) (`-n MIN:5`)",
+        ),
     ] {
         let mut c = flotilla();
-        c.args(["launch", config, "-n", "4", "--output"])
+        c.args(["launch", config, "-n", n, "--output"])
             .arg(tmp().path().join("n"));
         let o = run_with_deadline(c, Duration::from_secs(60));
         let err = String::from_utf8_lossy(&o.stderr);
         assert!(
             !o.status.success()
                 && err.contains(&format!(
-                    "-n 4: this job's size comes from its config, not from -n: {size}"
+                    "-n {n}: this job's size comes from its config, not from -n: {size}"
                 )),
             "{config}: {}",
             text(&o)

@@ -68,6 +68,9 @@ pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
             );
         }
     }
+    // Checked before anything is made for the job (its secret, its files), as each rank
+    // would check it.
+    config.validate()?;
     // One secret for every start of the job (a restart, a rejoining worker), removed at the end.
     let secret = JobSecret::for_job(&config)?;
     let mut restarts = 0;
@@ -334,11 +337,19 @@ fn prepare(mut config: TrainConfig, flags: &RunArgs) -> Result<Prepared> {
     }
     let n = config.effective_world_size()?;
     if flags.given("world-size") && config.topology.world_size != n {
+        let t = &config.topology;
+        let (asked, elastic) = match t.min_world_size {
+            Some(min) => (
+                format!("{min}:{}", t.world_size),
+                format!(" (`-n MIN:{n}`)"),
+            ),
+            None => (t.world_size.to_string(), String::new()),
+        };
         anyhow::bail!(
-            "-n {}: this job's size comes from its config, not from -n: {n} ranks ({}). A \
-             pipeline has stages × data_parallel ranks (`data_parallel: 2` in the config for 2 \
-             replicas of every stage); a hierarchical parameter server one per server and worker",
-            config.topology.world_size,
+            "-n {asked}: this job's size comes from its config, not from -n: {n} ranks \
+             ({}){elastic}. A pipeline has stages × data_parallel ranks (`data_parallel: 2` in \
+             the config for 2 replicas of every stage); a hierarchical parameter server one per \
+             server and worker",
             config.topology()?.composition()
         );
     }
