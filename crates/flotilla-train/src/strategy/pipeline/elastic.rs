@@ -6,9 +6,12 @@
 //! At a generation's start every member says what it holds (`Header`): the steps the run
 //! finished, its stage, the steps in that stage's state and whether it keeps the state from
 //! before its last step (kept from a batch's start until its step finished everywhere: a
-//! stage's optimizer step may have run on some stages of a step that failed on others). The
-//! generation's step is the most any member finished; for each stage, the lowest-ranked
-//! member holding it at that step gives it to the members that run it and do not hold it
+//! stage's optimizer step may have run on some stages of a step that failed on others), and
+//! its lineage (one more than the most any member of its last generation brought: a process
+//! that stood by while the others trained on has an older one, and its state, even at the
+//! same count of steps, is not theirs). Only the members of the newest lineage count: the
+//! generation's step is the most they finished; for each stage, the lowest-ranked of them
+//! holding it at that step gives it to the members that run it and do not hold it
 //! (weights and optimizer state, over the wire: no disk). A stage nobody holds at that step
 //! ends the job, naming it (a fixed-size pipeline's checkpoint restart is the way back).
 
@@ -36,6 +39,8 @@ pub(crate) struct Held {
     /// The stage's state before its last update (weights, optimizer state), kept until that
     /// step finished here.
     pub(crate) undo: Option<[Vec<u8>; 2]>,
+    /// The lineage of the generation it last trained in (0 before any change of members).
+    pub(crate) lineage: u64,
 }
 
 /// What a member says at a generation's start.
@@ -49,6 +54,8 @@ pub(crate) struct Header {
     pub(crate) at: u64,
     /// Whether it keeps that state from before its last update.
     pub(crate) undoable: bool,
+    /// The lineage of its state (see the module).
+    pub(crate) lineage: u64,
     /// The pipeline's cut, as layer ranges (empty: a joiner's).
     pub(crate) cut: Vec<[usize; 2]>,
 }
@@ -63,6 +70,7 @@ impl Header {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let stage = self.stage.map_or(0, |s| s as u64 + 1);
         let mut words = vec![self.committed, stage, self.at, u64::from(self.undoable)];
+        words.push(self.lineage);
         words.push(self.cut.len() as u64);
         words.extend(self.cut.iter().flat_map(|r| [r[0] as u64, r[1] as u64]));
         words.iter().flat_map(|w| w.to_le_bytes()).collect()
@@ -71,15 +79,15 @@ impl Header {
     /// Parses a header from `peer`.
     pub(crate) fn decode(bytes: &[u8], peer: usize) -> Result<Header> {
         let bad = |message: String| TrainError::Protocol { peer, message };
-        if !bytes.len().is_multiple_of(8) || bytes.len() < 40 {
+        if !bytes.len().is_multiple_of(8) || bytes.len() < 48 {
             return Err(bad(format!("a pipeline header of {} bytes", bytes.len())));
         }
         let words: Vec<u64> = bytes
             .chunks_exact(8)
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
             .collect();
-        let n = usize::try_from(words[4]).unwrap_or(usize::MAX);
-        if n > MAX_STAGES || words.len() != 5 + 2 * n || words[1] > MAX_STAGES as u64 {
+        let n = usize::try_from(words[5]).unwrap_or(usize::MAX);
+        if n > MAX_STAGES || words.len() != 6 + 2 * n || words[1] > MAX_STAGES as u64 {
             return Err(bad(format!(
                 "a malformed pipeline header ({} words)",
                 words.len()
@@ -87,7 +95,7 @@ impl Header {
         }
         let index = |w: u64| usize::try_from(w).map_err(|_| bad(format!("layer {w}")));
         let mut cut = Vec::with_capacity(n);
-        for pair in words[5..].chunks_exact(2) {
+        for pair in words[6..].chunks_exact(2) {
             cut.push([index(pair[0])?, index(pair[1])?]);
         }
         Ok(Header {
@@ -95,6 +103,7 @@ impl Header {
             stage: words[1].checked_sub(1).map(|s| s as usize),
             at: words[2],
             undoable: words[3] != 0,
+            lineage: words[4],
             cut,
         })
     }
@@ -107,14 +116,27 @@ pub(crate) struct Handover {
     pub(crate) step: u64,
     /// For each stage, the member giving its state (`None` at step 0: built from the seed).
     pub(crate) holders: Vec<Option<usize>>,
+    /// The newest lineage among the members: only theirs counts.
+    pub(crate) newest: u64,
+}
+
+impl Handover {
+    /// Whether the member that said `h` holds stage `stage` as this generation takes it.
+    fn held_by(&self, h: &Header, stage: usize) -> bool {
+        h.lineage == self.newest && h.gives(stage, self.step)
+    }
 }
 
 /// The handover of a generation whose members said `headers`, of a pipeline of `stages`.
 pub(crate) fn choose(headers: &[Header], stages: usize) -> Result<Handover> {
-    let step = headers.iter().map(|h| h.committed).max().unwrap_or(0);
+    let newest = headers.iter().map(|h| h.lineage).max().unwrap_or(0);
+    let current = || headers.iter().filter(|h| h.lineage == newest);
+    let step = current().map(|h| h.committed).max().unwrap_or(0);
     let mut holders = Vec::with_capacity(stages);
     for s in 0..stages {
-        let holder = headers.iter().position(|h| h.gives(s, step));
+        let holder = headers
+            .iter()
+            .position(|h| h.lineage == newest && h.gives(s, step));
         if holder.is_none() && step > 0 {
             return Err(TrainError::ShardsLost(format!(
                 "no member holds pipeline stage {s} at step {step} (every process that ran it \
@@ -123,7 +145,11 @@ pub(crate) fn choose(headers: &[Header], stages: usize) -> Result<Handover> {
         }
         holders.push(holder);
     }
-    Ok(Handover { step, holders })
+    Ok(Handover {
+        step,
+        holders,
+        newest,
+    })
 }
 
 /// This member's stage state at a generation's start: what it holds (`held`, with its
@@ -144,6 +170,8 @@ pub(crate) struct Entered {
     /// The state to load into the held stage (its own from before its last update).
     pub(crate) reload: Option<[Vec<u8>; 2]>,
     pub(crate) step: u64,
+    /// The generation's lineage (every member's from now on).
+    pub(crate) lineage: u64,
 }
 
 /// The collective start of a generation (see the module's documentation), on `world`:
@@ -161,6 +189,7 @@ pub(crate) fn enter(
             stage: Some(stage.index()),
             at: held.at,
             undoable: held.undo.is_some(),
+            lineage: held.lineage,
             cut: cut.ranges.iter().map(|r| [r.start, r.end]).collect(),
         },
         _ => Header::default(),
@@ -183,7 +212,7 @@ pub(crate) fn enter(
     let mut given = None;
     for (r, h) in headers.iter().enumerate() {
         let s = r % stages;
-        if r != rank && plan.holders[s] == Some(rank) && !h.gives(s, plan.step) {
+        if r != rank && plan.holders[s] == Some(rank) && !plan.held_by(h, s) {
             let parts = match &given {
                 Some(p) => p,
                 None => given.insert(state_at(e, plan.step)?),
@@ -192,7 +221,8 @@ pub(crate) fn enter(
         }
     }
     let s = rank % stages;
-    if headers[rank].gives(s, plan.step) {
+    let lineage = plan.newest + 1;
+    if plan.held_by(&headers[rank], s) {
         let reload = match headers[rank].at == plan.step {
             true => None,
             false => Some(state_at(e, plan.step)?),
@@ -202,6 +232,7 @@ pub(crate) fn enter(
             stage: None,
             reload,
             step: plan.step,
+            lineage,
         });
     }
     let o = e.opts;
@@ -215,6 +246,7 @@ pub(crate) fn enter(
         stage: Some(Box::new(stage)),
         reload: None,
         step: plan.step,
+        lineage,
     })
 }
 
@@ -235,13 +267,13 @@ fn state_at(e: &Entering<'_>, step: u64) -> Result<[Vec<u8>; 2]> {
 
 /// Builds a joiner's pipeline in a running job's generation (`world`): collective with the
 /// members' [`enter`]; `fresh` plans the cut when every member is new. Returns the
-/// generation's step.
+/// generation's step and lineage.
 pub(crate) fn join(
     world: Arc<dyn ProcessGroup>,
     spec: &ModelSpec,
     opts: PipelineOptions,
     fresh: &mut dyn FnMut() -> Result<StageCut>,
-) -> Result<(Pipeline, u64)> {
+) -> Result<(Pipeline, u64, u64)> {
     let entering = Entering {
         spec,
         opts: &opts,
@@ -251,7 +283,7 @@ pub(crate) fn join(
     let stage = (entered.stage)
         .ok_or_else(|| TrainError::ShardsLost("a joiner was given no stage".into()))?;
     let pipe = Pipeline::of(stage, entered.cut, &spec.to_yaml(), opts, world)?;
-    Ok((pipe, entered.step))
+    Ok((pipe, entered.step, entered.lineage))
 }
 
 #[cfg(test)]

@@ -8,8 +8,36 @@ fn header(committed: u64, stage: Option<usize>, at: u64, undoable: bool) -> Head
         stage,
         at,
         undoable,
+        lineage: 1,
         cut: vec![[0, 3], [3, 7]],
     }
+}
+
+/// A process that stood by while the others trained on (an older lineage) holds its stage
+/// at the generation's count of steps, but not the others' state: its own update of a step
+/// that finished nowhere, which the others redid without it. The stage comes from the newest
+/// lineage, whose steps count; the standby takes it.
+#[test]
+fn a_standbys_state_of_an_older_lineage_is_not_the_generations_even_at_its_step() {
+    let standby = Header {
+        lineage: 1,
+        ..header(313, Some(0), 314, true)
+    };
+    let newer = |stage| Header {
+        lineage: 2,
+        ..header(314, Some(stage), 314, false)
+    };
+    let headers = [standby.clone(), newer(0), newer(1), newer(1)];
+    let h = choose(&headers, 2).expect("handover");
+    assert_eq!((h.step, h.holders.clone()), (314, vec![Some(1), Some(2)]));
+    assert!(!h.held_by(&standby, 0), "the standby takes stage 0");
+    // Its steps do not count either: a standby that finished more is rolled back.
+    let ahead = Header {
+        lineage: 1,
+        ..header(320, Some(0), 320, false)
+    };
+    let h = choose(&[ahead, newer(0), newer(1)], 2).expect("handover");
+    assert_eq!((h.step, h.holders), (314, vec![Some(1), Some(2)]));
 }
 
 /// Each stage from the lowest-ranked member holding it at the generation's step (the most
@@ -55,7 +83,7 @@ fn a_header_survives_the_wire_and_malformed_ones_are_refused() {
         Vec::new(),
         good[..good.len() - 8].to_vec(),
         good[..good.len() - 1].to_vec(),
-        [&good[..32], &u64::MAX.to_le_bytes()[..], &good[40..]].concat(),
+        [&good[..40], &u64::MAX.to_le_bytes()[..], &good[48..]].concat(),
     ] {
         let e = Header::decode(&bad, 3).expect_err("malformed");
         assert!(matches!(e, TrainError::Protocol { peer: 3, .. }), "{e}");

@@ -75,8 +75,8 @@ impl PipelineStage {
             Some(spec) if elastic && setup.joining => {
                 let world = cx.comm.clone();
                 let mut fresh = || StageCut::new(spec, agreed_cut(cx, spec)?).map_err(Into::into);
-                let (pipe, step) = elastic::join(world, spec, opts, &mut fresh)?;
-                (held.committed, held.at) = (step, step);
+                let (pipe, step, lineage) = elastic::join(world, spec, opts, &mut fresh)?;
+                (held.committed, held.at, held.lineage) = (step, step, lineage);
                 pipe
             }
             Some(spec) => {
@@ -347,6 +347,7 @@ impl Strategy for PipelineStage {
             committed: entered.step,
             at: entered.step,
             undo: None,
+            lineage: entered.lineage,
         };
         Ok(())
     }
