@@ -159,11 +159,10 @@ fn launch_once(
         }
         None => start_here(&config, args, (n, program_port), (&mut socket, secret))?,
     };
-    if !elastic {
-        let topology = config.topology()?;
-        let budget = (*restarts, args.max_restarts);
-        replace::workers(&mut ranks, (&config, &topology), make, budget);
-    }
+    // The same policy as a config's job: whom the job goes on without, whom it restarts.
+    let topology = config.topology()?;
+    let budget = (*restarts, args.max_restarts);
+    replace::workers(&mut ranks, (&config, &topology), make, budget);
     // Rank 0 (or the lighthouse) holds the rendezvous socket now; the launcher's copy would
     // keep the port open (queueing joins) after rank 0 ended.
     drop(socket);
