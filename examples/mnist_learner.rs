@@ -11,7 +11,9 @@
 //! `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the
 //! guide's 0.5 needs more epochs to reach 99 %), `TRAIN_SAMPLES` (the first n training images, default all), `ARTIFACTS` (the
 //! `Learner`'s directory: metrics and checkpoints; default `mnist-learner-artifacts`),
-//! `RESUME=E` (go on from the checkpoint of epoch E), `SAVE=FILE` (rank 0 writes the trained
+//! `RESUME=E` (go on from the checkpoint of epoch E), `STOP_AFTER=E` (burn's early
+//! stopping, a strategy of the program's, ends the training once epoch E is validated),
+//! `SAVE=FILE` (rank 0 writes the trained
 //! parameters as safetensors), `LOOP=own` (the same training in the program's own loop with
 //! `flotilla_burn::DataParallel`, no `Learner`: what the tests compare it with; it prints
 //! each rank's optimizer state size; with `AVERAGE_EVERY=K` each rank steps its own Adam on
@@ -37,9 +39,11 @@ use burn::nn::{Dropout, DropoutConfig, Linear, LinearConfig, Relu};
 use burn::optim::{AdamConfig, GradientsParams};
 use burn::prelude::*;
 use burn::tensor::TensorData;
+use burn::train::metric::store::EventStoreClient;
 use burn::train::metric::{AccuracyMetric, LossMetric};
 use burn::train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
+    ClassificationOutput, EarlyStoppingStrategy, InferenceStep, Learner, SupervisedTraining,
+    TrainOutput, TrainStep,
 };
 use flotilla_burn::{DataParallel, ImageDataset, LearnerStrategy, ParamShards};
 
@@ -175,6 +179,18 @@ struct Settings {
     save: Option<PathBuf>,
     own_loop: bool,
     average_every: Option<usize>,
+    stop_after: Option<usize>,
+}
+
+/// burn's early stopping as a program gives its own (`STOP_AFTER=E`): stop once epoch `E`
+/// is validated.
+#[derive(Clone)]
+struct StopAfter(usize);
+
+impl EarlyStoppingStrategy for StopAfter {
+    fn should_stop(&mut self, epoch: usize, _: &EventStoreClient) -> bool {
+        epoch >= self.0
+    }
 }
 
 fn env<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
@@ -208,6 +224,7 @@ impl Settings {
             save: opt("SAVE").map(PathBuf::from),
             own_loop: opt("LOOP").is_some_and(|v| v == "own"),
             average_every: parse_opt("AVERAGE_EVERY")?,
+            stop_after: parse_opt("STOP_AFTER")?,
         })
     }
 }
@@ -246,6 +263,9 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(epoch) = s.resume {
             training = training.checkpoint(epoch);
+        }
+        if let Some(epoch) = s.stop_after {
+            training = training.early_stopping(StopAfter(epoch));
         }
         let result = training
             .with_training_strategy(flotilla.training())

@@ -22,7 +22,7 @@ use crate::buffers::{Only, Tensors};
 use crate::error::{EngineError, Result};
 use crate::params::ParamLayout;
 
-pub use crate::params::renumber;
+pub use crate::params::{param_ids, renumber};
 
 /// Copies every parameter of `model` (not its buffers) into `out`, in the flat order of
 /// `layout` ([`ParamLayout::of`]).

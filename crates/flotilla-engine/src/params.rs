@@ -152,6 +152,20 @@ pub fn renumber<M: Module>(model: M) -> M {
     model.map(&mut Only::new(&mut Renumber(0), Tensors::Params))
 }
 
+/// The ids of `model`'s parameters in flat order (its buffers skipped): what optimizer state
+/// keyed by id is keyed by in this process.
+pub fn param_ids<M: Module>(model: &M) -> Vec<ParamId> {
+    struct Ids(Vec<ParamId>);
+    impl ModuleVisitor for Ids {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            self.0.push(param.id);
+        }
+    }
+    let mut ids = Ids(Vec::new());
+    model.visit(&mut Only::new(&mut ids, Tensors::Params));
+    ids.0
+}
+
 /// Copies `tensor`'s values into `out` (whose length must be the tensor's).
 pub(crate) fn copy_tensor<const D: usize>(tensor: Tensor<D>, out: &mut [f32]) -> Result<()> {
     let data = tensor.into_data().convert::<f32>();

@@ -107,6 +107,8 @@ pub struct Run {
     watcher: Option<StallWatcher>,
     /// An elastic job's membership ([`crate::elastic`]).
     elastic: Option<Elastic>,
+    /// A stop this member proposes, until the members agree on it ([`Run::propose_stop`]).
+    proposed_stop: Option<String>,
 }
 
 /// A borrow of a run's parts as the loop's, for one call.
@@ -242,9 +244,19 @@ impl Run {
     /// Makes the strategy's model the whole current model, as before an evaluation or a
     /// checkpoint (an async peer applies the steps it has in flight): collective, every rank
     /// after the same step.
+    ///
+    /// In an elastic job a member lost meanwhile is not an error: the run joins the next
+    /// generation, whose start gives every member rank 0's state (buffers included), and
+    /// returns; a member that got through goes on to its next step, whose exchange fails
+    /// and brings it to the same generation.
     pub fn prepare_model(&mut self, observer: &mut dyn Observer) -> Result<()> {
         let mut cx = self.parts.cx(observer);
-        self.role.prepare_model(&mut cx)
+        match self.role.prepare_model(&mut cx) {
+            Err(e) if self.elastic.is_some() && crate::elastic::survivable(&e) => {
+                self.regroup(observer, &e.to_string())
+            }
+            other => other,
+        }
     }
 
     /// Units of progress ([`Progress::step`]) that take one epoch of the training data: this
@@ -281,12 +293,49 @@ impl Run {
             }
             other => other?,
         };
-        if step.is_some()
-            && let Some(why) = self.vote()
-        {
-            self.regroup(observer, &why)?;
+        if step.is_some() {
+            self.settle(observer)?;
         }
         Ok(step.map(|step| self.progress(step.progressed, step.loss)))
+    }
+
+    /// Carries out what the members voted after a step: stop, regroup or go on.
+    fn settle(&mut self, observer: &mut dyn Observer) -> Result<()> {
+        match self.ballot() {
+            Vote::Stop(reason) => {
+                self.proposed_stop = None;
+                with_loop!(self, observer, |l| l.stop(reason))
+            }
+            Vote::Regroup(why) => self.regroup(observer, &why),
+            Vote::On => Ok(()),
+        }
+    }
+
+    /// Votes now, between two steps, as the members do after each step: a stop proposed
+    /// ([`Run::propose_stop`]) ends the run here, a change of members moves it to the next
+    /// generation (a lost vote too: a proposal is then carried in the next). Collective in an
+    /// elastic job (every member calls it after the same step, as where an epoch ends);
+    /// elsewhere nothing. Whether the run has stopped.
+    pub fn vote(&mut self, observer: &mut dyn Observer) -> Result<bool> {
+        if self.elastic.is_some() && self.state.stopped().is_none() {
+            self.settle(observer)?;
+        }
+        Ok(self.state.stopped().is_some())
+    }
+
+    /// Proposes that the run end for `reason` (the caller's own criterion, decided on one
+    /// member: its early stopping, its interrupter). In an elastic job every member stops
+    /// after the same step: the one whose vote (after each step, or [`Run::vote`]) first
+    /// carries the proposal (a proposal in a lost generation's vote is carried again in the
+    /// next). Elsewhere it is [`Run::stop`].
+    pub fn propose_stop(&mut self, observer: &mut dyn Observer, reason: &str) -> Result<()> {
+        if self.elastic.is_none() {
+            return self.stop(observer, reason);
+        }
+        if self.state.stopped().is_none() {
+            self.proposed_stop = Some(reason.to_string());
+        }
+        Ok(())
     }
 
     /// Where the run stands after a step that `progressed` with `loss`.
@@ -457,6 +506,7 @@ impl Job<'_> {
             state,
             watcher,
             elastic: None,
+            proposed_stop: None,
         })
     }
 
@@ -561,3 +611,5 @@ fn elastic_position(train: &Arc<dyn Samples>, global: usize, step: u64) -> Posit
 
 #[path = "run_regroup.rs"]
 mod regroup;
+
+use regroup::Vote;

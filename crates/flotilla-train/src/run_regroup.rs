@@ -14,16 +14,35 @@ use crate::error::Result;
 use crate::observe::Observer;
 use crate::plan::Counting;
 
+/// What the members of an elastic run agreed after a step.
+pub(super) enum Vote {
+    /// Train on.
+    On,
+    /// Stop after this step (a member proposed it, [`Run::propose_stop`]): the reason.
+    Stop(String),
+    /// Leave the generation (a member heard of a change, or the vote failed): why.
+    Regroup(String),
+}
+
 impl Run {
-    /// After a step of an elastic run: whether any member heard of a change (or its
-    /// exchange failed: the generation is lost), so that all leave it after this step.
-    pub(super) fn vote(&mut self) -> Option<String> {
-        let e = self.elastic.as_ref()?;
-        let mut flag = [if e.changing() { 1.0 } else { 0.0 }];
-        match self.parts.comm.all_reduce_sum(&mut flag) {
-            Ok(()) if flag[0] > 0.0 => Some("the membership changes".into()),
-            Ok(()) => None,
-            Err(e) => Some(e.to_string()),
+    /// After a step of an elastic run: whether any member proposed to stop, or heard of a
+    /// change (or its exchange failed: the generation is lost), so that all stop, or leave
+    /// the generation, after this step. A stop agreed wins over a change: the run's end
+    /// takes a lost member as any collective does.
+    pub(super) fn ballot(&mut self) -> Vote {
+        let Some(e) = self.elastic.as_ref() else {
+            return Vote::On;
+        };
+        let flag = |b: bool| if b { 1.0 } else { 0.0 };
+        let mut flags = [flag(e.changing()), flag(self.proposed_stop.is_some())];
+        match self.parts.comm.all_reduce_sum(&mut flags) {
+            Ok(()) if flags[1] > 0.0 => Vote::Stop(match &self.proposed_stop {
+                Some(reason) => reason.clone(),
+                None => "another member stopped the run".into(),
+            }),
+            Ok(()) if flags[0] > 0.0 => Vote::Regroup("the membership changes".into()),
+            Ok(()) => Vote::On,
+            Err(e) => Vote::Regroup(e.to_string()),
         }
     }
 

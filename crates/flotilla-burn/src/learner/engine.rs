@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use burn::optim::GradientsParams;
 use burn::prelude::*;
+use burn::train::metric::store::EventStoreClient;
 use burn::train::{Learner, LearnerModel, TrainStep};
 use flotilla_engine::collective::Reducer;
 use flotilla_engine::{
@@ -29,6 +30,9 @@ pub(crate) type BatchMaker<I> = Arc<dyn Fn(&[usize], &Device) -> Result<I, Strin
 pub(crate) struct Shared<M: LearnerModel> {
     pub(crate) learner: Learner<M>,
     pub(crate) outputs: Vec<<M as TrainStep>::Output>,
+    /// The training's event store, which reading the `Learner`'s optimizer state takes
+    /// ([`super::state`]).
+    pub(crate) store: Arc<EventStoreClient>,
 }
 
 /// The `Learner` as an [`Engine`] (see the module docs).
@@ -98,20 +102,19 @@ where
         Ok(())
     }
 
-    /// Empty: the `Learner`'s optimizer state is its own (its checkpointer saves it); every
-    /// rank starts from the same (a fresh one, or the same checkpoint's).
+    /// The `Learner`'s optimizer and learning-rate scheduler state, keyed by parameter
+    /// position ([`super::state`]): what the run gives every member at a start (a joiner's
+    /// too) and writes in its checkpoints.
     fn optimizer_state(&self) -> flotilla_engine::Result<Vec<u8>> {
-        Ok(Vec::new())
+        let shared = self.shared.borrow();
+        super::state::export(&shared.learner, &shared.store)
+            .map_err(|e| EngineError::Optimizer(format!("the Learner's state: {e}")))
     }
 
     fn load_optimizer_state(&mut self, bytes: &[u8]) -> flotilla_engine::Result<()> {
-        if bytes.is_empty() {
-            Ok(())
-        } else {
-            Err(EngineError::Optimizer(
-                "the Learner keeps its own optimizer state (its checkpointer saves it)".into(),
-            ))
-        }
+        let mut shared = self.shared.borrow_mut();
+        super::state::import(&mut shared.learner, bytes)
+            .map_err(|e| EngineError::Optimizer(format!("loading the Learner's state: {e}")))
     }
 
     fn save_weights(&self, path: &Path) -> flotilla_engine::Result<()> {

@@ -53,6 +53,13 @@
 //! server ends on the bits of sync all-reduce; several shard servers start from the root's
 //! initial parameters (the ranks' own models may have drawn other values).
 //!
+//! In an elastic job of sync all-reduce peers (`flotilla launch -n MIN:MAX --max-restarts K
+//! -- PROGRAM`) the run's generations carry the `Learner` (`elastic.rs`): a lost member's
+//! step is redone among the others, a joiner receives the parameters and the `Learner`'s
+//! optimizer and scheduler state from a member over the wire (`state.rs`); the generation's
+//! rank 0 shows its own batches' metrics, validates the whole validation set, writes the
+//! checkpoints and decides early stopping; every member stops where the run's vote agrees.
+//!
 //! Resume through the run (async all-reduce, parameter servers) starts the run's batches and
 //! count after the checkpoint's epoch ([`flotilla_train::job_data::JobData::start_epoch`]):
 //! the same bits as a run without a stop under a parameter server, not under async
@@ -82,12 +89,14 @@
 //! process; this strategy trains one device per Flotilla rank (a process, on any machine):
 //! start one rank per device (`flotilla launch -n N`), each with its own device.
 
+mod elastic;
 mod engine;
 mod fit;
 pub mod global_output;
 mod rounds;
 mod source;
 mod stack;
+mod state;
 mod supervised;
 mod way;
 
@@ -133,6 +142,12 @@ impl PsPart {
             first_worker: first_worker == Some(rank),
         }))
     }
+}
+
+/// Whether the job of `settings` is an elastic job of generations (of peers: an elastic
+/// server's workers are fixed ranks that rejoin).
+fn elastic(settings: &TrainConfig) -> bool {
+    settings.elasticity() == Some(flotilla_train::config::Elasticity::Generations)
 }
 
 /// burn-train's `Learner` on every rank of a Flotilla job (see the [module](self) docs).
@@ -218,7 +233,9 @@ impl LearnerStrategy {
         let device = flotilla_engine::device_by_name(&local.model.device)?.autodiff();
         let mut strategy = if through_run {
             let world = settings.effective_world_size()?;
-            let rank = launcher_rank.ok_or_else(|| {
+            // An elastic job's ranks are its generations' (the run learns them).
+            let rank = launcher_rank.or(elastic(&settings).then_some(0));
+            let rank = rank.ok_or_else(|| {
                 DistError::Loaders(
                     "a Learner under async all-reduce or parameter servers takes its rank \
                      from the launcher (RANK): start it with flotilla launch or torchrun"
@@ -357,8 +374,12 @@ impl LearnerStrategy {
     /// `rank + N`, ... (ranks differ by at most one sample), so that every sample is
     /// evaluated once, by one rank, and the metrics rank 0 shows are those of the whole set.
     /// Under parameter servers the root server validates the whole set (the model is
-    /// there), and the other ranks' parts are empty.
+    /// there), and the other ranks' parts are empty; in an elastic job every process holds
+    /// the whole set, and the rank 0 of the generation under way validates it.
     pub fn shard_in_order<D>(&self, dataset: D) -> StridedDataset<D> {
+        if elastic(&self.settings) {
+            return StridedDataset::new(dataset, 0, 1);
+        }
         match self.ps {
             Some(PsPart { root: true, .. }) => StridedDataset::new(dataset, 0, 1),
             Some(_) => StridedDataset::none_of(dataset),

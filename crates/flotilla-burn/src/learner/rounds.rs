@@ -18,44 +18,17 @@ use std::rc::Rc;
 
 use burn::data::dataloader::Progress;
 use burn::train::{
-    InferenceStep, LearnerEvent, LearnerModel, TrainStep, TrainingComponents, TrainingItem,
-    ValidLoader,
+    InferenceStep, LearnerEvent, LearnerModel, TrainStep, TrainingItem, ValidLoader,
 };
 use flotilla_train::{Quiet, Run};
 
-use super::LearnerStrategy;
 use super::engine::Shared;
 use super::fit::Fit;
 use super::global_output::GlobalOutput;
 use crate::error::Result;
 
-/// Drives `run` on a parameter server's rank (see the module docs); the components back and
-/// how it ended.
-pub(super) fn fit<M>(
-    strategy: &LearnerStrategy,
-    c: TrainingComponents<M>,
-    run: Run,
-    shared: &Rc<RefCell<Shared<M>>>,
-    (valid, samples, first): (&ValidLoader<M>, usize, usize),
-) -> (TrainingComponents<M>, Result<()>)
-where
-    M: LearnerModel,
-    <M as TrainStep>::Output: GlobalOutput,
-    <M as InferenceStep>::Output: GlobalOutput,
-{
-    let mut fit = Fit::new(strategy, c, None);
-    let part = strategy.ps.unwrap_or(super::PsPart {
-        root: run.rank() == 0,
-        first_worker: false,
-    });
-    fit.shows_train = part.first_worker;
-    fit.shows_valid = part.root;
-    let driven = drive(&mut fit, run, shared, valid, (samples, first));
-    (fit.c, driven)
-}
-
-/// Steps the run to its end (see the module docs).
-fn drive<M>(
+/// Steps the run of a parameter server's rank to its end (see the module docs).
+pub(super) fn drive<M>(
     fit: &mut Fit<'_, M>,
     mut run: Run,
     shared: &Rc<RefCell<Shared<M>>>,
@@ -67,6 +40,12 @@ where
     <M as TrainStep>::Output: GlobalOutput,
     <M as InferenceStep>::Output: GlobalOutput,
 {
+    let part = fit.strategy.ps.unwrap_or(super::PsPart {
+        root: run.rank() == 0,
+        first_worker: false,
+    });
+    fit.shows_train = part.first_worker;
+    fit.shows_valid = part.root;
     let per_epoch = run.per_epoch().max(1);
     let batch = run.config().data.batch_size;
     let per_round = batch * run.config().topology.local_steps.max(1);

@@ -4,8 +4,9 @@
 //! as a job's data) and runs the configured strategy on the `Learner`'s model
 //! ([`super::engine::LearnerEngine`]). For all-reduce peers this loop gathers each step's
 //! outputs for rank 0's metrics and, at each epoch's end, drains the run and lets the
-//! `Learner` validate, checkpoint and decide to stop, as the sync loop does; a parameter
-//! server's ranks go through [`super::rounds`].
+//! `Learner` validate, checkpoint and decide to stop, as the sync loop does; the members of
+//! an elastic job go through [`super::elastic`], a parameter server's ranks through
+//! [`super::rounds`].
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -16,6 +17,7 @@ use burn::train::{
     InferenceStep, Learner, LearnerEvent, LearnerModel, SupervisedTrainingEventProcessor,
     TrainStep, TrainingComponents, TrainingItem, ValidLoader,
 };
+use flotilla_train::config::Elasticity;
 use flotilla_train::job_data::JobData;
 use flotilla_train::{Quiet, Run};
 
@@ -42,6 +44,7 @@ where
     let shared = Rc::new(RefCell::new(Shared {
         learner,
         outputs: Vec::new(),
+        store: c.event_store.clone(),
     }));
     let started = start(strategy, c.num_epochs, &shared, starting_epoch);
     let (run, samples) = match started {
@@ -51,12 +54,20 @@ where
             return (into_learner(shared).model(), c.event_processor);
         }
     };
-    let driven = if run.role() == "peer" {
+    let elastic = strategy.settings.elasticity() == Some(Elasticity::Generations);
+    let at = (samples, starting_epoch);
+    let driven = if run.role() == "peer" && !elastic {
         let mut fit = Fit::new(strategy, c, Some(run.group()));
-        let driven = drive(&mut fit, run, &shared, valid, (samples, starting_epoch));
+        let driven = drive(&mut fit, run, &shared, valid, at);
         (fit.c, driven)
     } else {
-        super::rounds::fit(strategy, c, run, &shared, (valid, samples, starting_epoch))
+        // Each rank decides alone: no collective of the Learner's loop on the run's group.
+        let mut fit = Fit::new(strategy, c, None);
+        let driven = match elastic {
+            true => super::elastic::drive(&mut fit, run, &shared, valid, at),
+            false => super::rounds::drive(&mut fit, run, &shared, valid, at),
+        };
+        (fit.c, driven)
     };
     if let (c, Err(e)) = &driven {
         fail(c, strategy.rank(), e.to_string());

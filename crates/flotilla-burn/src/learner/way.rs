@@ -1,6 +1,7 @@
 //! Which ways of training [`super::LearnerStrategy`] runs: sync all-reduce (whole, or ZeRO-1
 //! by parameter with the `Learner`'s optimizer) in its own loop; async all-reduce, parameter
-//! servers and model averaging through the one stack's run; the others are refused by name.
+//! servers, model averaging and an elastic job's sync peers through the one stack's run;
+//! the others are refused by name.
 
 use flotilla_cluster::Arch;
 use flotilla_train::config::AllReduceMode;
@@ -9,27 +10,32 @@ use flotilla_train::{TrainConfig, TrainError};
 use crate::error::{DistError, Result};
 
 /// Whether the job's way of training goes through the one stack's run (async all-reduce,
-/// parameter servers); an error naming the way when the strategy does not run it.
+/// parameter servers, elastic peers); an error naming the way when the strategy does not
+/// run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
     let generations =
         settings.elasticity() == Some(flotilla_train::config::Elasticity::Generations);
+    let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     if let (true, Some(min)) = (generations, settings.topology.min_world_size) {
-        // Its per-step metrics and per-epoch validation are collectives of its own, which
-        // a change of members would have to reach in step with the run's. (An elastic
-        // server's workers change no collective: a lost one's program, started again,
-        // rejoins through the run.)
+        // Members of sync all-reduce through the run's generations (super::elastic). ZeRO
+        // shards the run's optimizer, not the Learner's; elastic async peers are not
+        // checked with a Learner yet, so they are refused rather than trusted.
+        let whole_sync =
+            *arch == Arch::Allreduce && all.mode == AllReduceMode::Sync && all.zero == 0;
+        if whole_sync {
+            return Ok(true);
+        }
         return Err(DistError::from(TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job of peers ({min}:{}) does not run burn's Learner yet (an elastic \
-                 flat server's workers do); a program trains elastic peers on \
-                 flotilla_burn::train or ::session, or in its own loop under \
+                "an elastic job ({min}:{}) runs burn's Learner on sync all-reduce peers without \
+                 ZeRO, and on an elastic flat server's workers; a program trains the other \
+                 ways elastic on flotilla_burn::train or ::session, or in its own loop under \
                  flotilla_burn::elastic::run",
                 settings.topology.world_size
             ),
         )));
     }
-    let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     let refused = match arch {
         Arch::Pipeline => "strategy pipeline (a middle stage has no batches for a Learner: cut \
                            the model into stage modules for flotilla_burn::train or \
@@ -110,11 +116,19 @@ mod tests {
     }
 
     #[test]
-    fn elastic_peers_are_refused_by_name_and_an_elastic_servers_workers_run() {
+    fn elastic_sync_peers_and_an_elastic_servers_workers_run_the_rest_is_refused_by_name() {
         let mut c = settings(Arch::Allreduce, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
-        let e = through_run(&c).expect_err("elastic").to_string();
-        assert!(e.contains("does not run burn's Learner yet"), "{e}");
+        assert!(
+            through_run(&c).expect("elastic sync peers"),
+            "through the run"
+        );
+        for (mode, zero) in [(AllReduceMode::Sync, 1), (AllReduceMode::Async, 0)] {
+            let mut c = settings(Arch::Allreduce, mode, zero);
+            c.topology.min_world_size = Some(2);
+            let e = through_run(&c).expect_err("refused").to_string();
+            assert!(e.contains("sync all-reduce peers without ZeRO"), "{e}");
+        }
         let mut c = settings(Arch::Flat, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
         assert!(through_run(&c).expect("an elastic server's workers"));
