@@ -181,12 +181,21 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// `MODEL=spec`: the job's YAML model (`model: lenet5`) instead of this module, in the
-/// program's own loop (`flotilla_burn::spec_session`).
+/// program's own loop (`flotilla_burn::spec_session`). In an elastic pipeline a process can
+/// stand by (no whole replica has a place for it) until the job ends: it ends as the job did.
 fn spec_loop() -> anyhow::Result<()> {
-    let mut run = flotilla_burn::spec_session()?;
-    while run.step()?.is_some() {}
-    run.finish()?;
-    Ok(())
+    let trained = flotilla_burn::spec_session().and_then(|mut run| {
+        while run.step()?.is_some() {}
+        run.finish()?;
+        Ok(())
+    });
+    match trained {
+        Err(e) if e.stood_by() => {
+            println!("{e}");
+            Ok(())
+        }
+        other => other.map_err(Into::into),
+    }
 }
 
 /// `LOOP=own`: the same run in the program's own loop (`flotilla_burn::session`), which

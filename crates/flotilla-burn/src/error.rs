@@ -64,6 +64,20 @@ impl DistError {
     pub fn program(e: impl Into<Box<dyn std::error::Error + Send + Sync + 'static>>) -> Self {
         Self::Program(e.into())
     }
+
+    /// Whether this says that an elastic job finished while this process stood by (its
+    /// generations had no whole pipeline replica with a place for it): nothing is left for
+    /// it to do, and a program ends as the job did, with success
+    /// ([`flotilla_train::elastic::stood_by`]).
+    pub fn stood_by(&self) -> bool {
+        match self {
+            Self::Settings(e) => flotilla_train::elastic::stood_by(e),
+            Self::Comm(CommError::Rendezvous(flotilla_group::RendezvousError::StoodBy {
+                ..
+            })) => true,
+            _ => false,
+        }
+    }
 }
 
 /// The result type of this crate.
@@ -81,5 +95,23 @@ impl From<flotilla_rank::RankError> for DistError {
             flotilla_rank::RankError::Train(e) => Self::Settings(Box::new(e)),
             other => Self::Run(Box::new(other)),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use flotilla_group::RendezvousError;
+
+    use super::*;
+
+    #[test]
+    fn a_job_that_finished_while_this_process_stood_by_is_told_from_failures() {
+        let stood_by = || CommError::Rendezvous(RendezvousError::StoodBy { generation: 3 });
+        let run = DistError::from(flotilla_train::TrainError::Comm(stood_by()));
+        assert!(run.stood_by(), "{run}");
+        assert!(DistError::Comm(stood_by()).stood_by());
+        let refused = CommError::Config("no such setting".into());
+        assert!(!DistError::from(flotilla_train::TrainError::Comm(refused)).stood_by());
+        assert!(!DistError::Loaders("short".into()).stood_by());
     }
 }
