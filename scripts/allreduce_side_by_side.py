@@ -10,7 +10,7 @@ iteration of that round; the table prints the median over the rounds with the mi
 Flotilla's ratio to Open MPI's defaults and to the best peer (medians).
 
 Usage (from the project root, after `cargo build --release`, on a quiet machine):
-    python3 scripts/allreduce_side_by_side.py --python ~/torchenv/bin/python --runs 3
+    python3 scripts/allreduce_side_by_side.py --runs 3
 """
 import argparse
 import os
@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+import torch_python
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "bench"))
@@ -86,7 +88,7 @@ def gloo(python, n, sizes):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--python", default="python3", help="a python with torch, for Gloo")
+    ap.add_argument("--python", default=torch_python.default(), help=torch_python.HELP)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--ranks", default="2,4")
     ap.add_argument("--sizes", default="1M,16M,64M,256M")

@@ -2,7 +2,7 @@
 """Epoch time of 2-rank sync data parallel: Flotilla against PyTorch DDP (gloo), in one run.
 
 Usage: scripts/epoch_vs_ddp.py [--runs 3] [--epochs 1] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
-                               [--python /root/torchenv/bin/python]
+                               [--python PY]
 
 Both sides train LeNet-5 (models/lenet5.yaml) on the vendored MNIST (data/mnist), 2 local
 ranks, batch 64 per rank, SGD lr 0.01 momentum 0.9 (no weight decay, constant rate, no

@@ -2,7 +2,7 @@
 """Tokens/s of the byte-level GPT on 2 ranks: Flotilla against its PyTorch DDP twin, in one run.
 
 Usage: scripts/gpt_vs_ddp.py [--runs 3] [--steps 150] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
-                             [--python /root/torchenv/bin/python]
+                             [--python PY]
 
 Both sides train gpt-char (models/gpt-char.yaml, 867,328 parameters) on the vendored text
 (data/text/kjv.txt), 2 local ranks of 1 thread, 16 windows of 64 bytes per rank, AdamW lr 1e-3,

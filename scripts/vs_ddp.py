@@ -7,6 +7,8 @@ import argparse
 import os
 import tempfile
 
+import torch_python
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -16,7 +18,7 @@ def parser(doc):
     p.add_argument("--runs", type=int, default=3)
     target = os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target"))
     p.add_argument("--flotilla", default=os.path.join(target, "release/flotilla"))
-    p.add_argument("--python", default="/root/torchenv/bin/python")
+    p.add_argument("--python", default=torch_python.default(), help=torch_python.HELP)
     return p
 
 

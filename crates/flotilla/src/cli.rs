@@ -278,9 +278,11 @@ pub struct BenchStepArgs {
     /// `ndarray`, `libtorch`, `wgpu`), as `model.device` names it.
     #[arg(long, default_value = "flex")]
     pub device: String,
-    /// The Python that runs the PyTorch reference (one with torch installed).
-    #[arg(long, default_value = "python3")]
-    pub python: String,
+    /// The Python that runs the PyTorch reference (one with torch installed); default:
+    /// scripts/torch_python.py's (`$FLOTILLA_TORCH_PYTHON`, else the venv of
+    /// scripts/torch_venv.sh with the newest torch, else `python3`).
+    #[arg(long)]
+    pub python: Option<String>,
 }
 
 /// `flotilla bench pipeline`.

@@ -110,6 +110,21 @@ fn scripts_dir() -> PathBuf {
     }
 }
 
+/// The Python of the PyTorch peer when none is named: what `scripts/torch_python.py` says
+/// (the scripts' default, kept in one place), else `python3`.
+fn torch_python() -> String {
+    let script = scripts_dir().join("torch_python.py");
+    Command::new("python3")
+        .arg(&script)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "python3".into())
+}
+
 /// PyTorch's rate for the same step, from `scripts/bench_torch_step.py`, if torch is
 /// installed; a failing script is reported on stderr (the row then shows `n/a`).
 fn torch_step_rate(
@@ -160,6 +175,10 @@ fn torch_step_rate(
 
 fn step(args: &BenchStepArgs) -> Result<()> {
     flotilla_engine::check_device(&args.device)?;
+    let mut args = args.clone();
+    let python = args.python.get_or_insert_with(torch_python);
+    println!("# the PyTorch peer: {python}");
+    let args = &args;
     println!(
         "# flotilla bench step: samples/s of one training step (SGD), burn backend `{}`",
         args.device
@@ -200,7 +219,8 @@ fn step_case(args: &BenchStepArgs, model: &str, batch: usize, threads: usize) ->
         .build()
         .context("building the thread pool")?;
     let ours_once = || pool.install(|| flotilla_step_rate(model, &args.device, batch, args.steps));
-    let theirs_once = || torch_step_rate(&args.python, model, batch, threads, args.steps);
+    let python = args.python.as_deref().unwrap_or("python3");
+    let theirs_once = || torch_step_rate(python, model, batch, threads, args.steps);
     let ours1 = ours_once()?;
     let theirs1 = theirs_once();
     let ours2 = ours_once()?;
