@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::time::{Duration, Instant};
 
-use flotilla_cluster::RoleKind;
+use flotilla_cluster::{Aggregation, RoleKind};
 use flotilla_engine::{Engine, ModelState, ParamLayout};
 use flotilla_tcp::CommError;
 
@@ -54,6 +54,8 @@ pub struct Worker {
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
     resync_from: Option<usize>,
+    /// Whether its parents are sync servers (each waits for every worker's push of a round).
+    sync: bool,
 }
 
 /// What the parents said this round.
@@ -99,7 +101,12 @@ impl Worker {
             .is_some_and(|r| !r.parents.is_empty());
         let timeout = Duration::from_secs_f64(cx.config.comm.timeout_s);
         let timeout = timeout.mul_f64(if mid_level { 1.5 } else { 1.25 });
+        let sync = parents
+            .first()
+            .and_then(|&p| setup.topology.role(p))
+            .is_some_and(|r| r.aggregation.is_none_or(|a| a == Aggregation::Sync));
         Ok(Self {
+            sync,
             engine,
             announcement: place.announcement.clone(),
             counting: place.counting((place.workers, index)),
@@ -187,6 +194,58 @@ impl Worker {
             Some(e) => Err(e),
             None => Ok(Pulled::Params),
         }
+    }
+
+    /// Brings a worker's first pull from sync shard servers to one version of every shard: a
+    /// replacement taken back by the shards in rounds one apart (one shard had closed its
+    /// round when it was taken, the other not) closes each round behind with a push of no
+    /// samples (which weighs nothing in the mean) and pulls that shard again. Left apart, its
+    /// pushes would reach the shards in different rounds, and where the root waits for every
+    /// shard's round (an epoch's end) the shard behind would wait for this worker while
+    /// this worker waits for the root. The reason of a stop heard meanwhile.
+    fn align(&mut self, cx: &mut PsContext<'_>) -> Result<Option<String>> {
+        let newest = self.versions.iter().copied().max().unwrap_or(0);
+        if !self.sync || self.versions.iter().all(|&v| v == newest) {
+            return Ok(None);
+        }
+        for i in 0..self.parents.len() {
+            while self.versions[i] < newest {
+                let (parent, range) = (self.parents[i], self.ranges[i].clone());
+                let nothing = PsMessage::Push {
+                    version: self.versions[i],
+                    staleness: 0,
+                    samples: 0,
+                    loss: 0.0,
+                    delta: self.local_steps > 1,
+                    values: vec![0.0; range.len()],
+                };
+                cx.log(&format!(
+                    "round of version {} of rank {parent} closed with no samples: this \
+                     worker trains on version {newest} of every shard",
+                    self.versions[i]
+                ))?;
+                send(cx.comm, parent, &nothing)?;
+                let deadline = Instant::now() + self.timeout;
+                let bytes = cx.comm.recv(parent, TAG, deadline)?;
+                match PsMessage::decode(&bytes, parent)? {
+                    PsMessage::Params { version, values } if values.len() == range.len() => {
+                        self.params[range].copy_from_slice(&values);
+                        self.versions[i] = version;
+                    }
+                    PsMessage::Stop { reason } => return Ok(Some(reason)),
+                    other => {
+                        return Err(TrainError::Protocol {
+                            peer: parent,
+                            message: format!(
+                                "a worker aligning expects params, got {}",
+                                other.name()
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        Ok(None)
     }
 
     /// Logs the versions of the first parameters pulled (`first pull: version V from rank
@@ -336,6 +395,12 @@ impl Worker {
         if !self.pulled {
             self.pulled = true;
             self.log_first_pull(cx)?;
+            if let Some(reason) = self.align(cx)? {
+                return Ok(Step {
+                    done: Some(reason),
+                    ..Step::default()
+                });
+            }
         }
         let t = Instant::now();
         self.compute(cx, data, done)?;
