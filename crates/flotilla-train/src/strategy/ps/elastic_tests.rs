@@ -51,19 +51,27 @@ fn next(me: &Arc<dyn ProcessGroup>) -> Option<PsMessage> {
     }
 }
 
-#[test]
-fn a_sync_round_closes_without_a_lost_worker_and_takes_its_replacement_back() {
+/// Round 1 of [`server`] (at least 2 ranks): rank 1 pushes 1.0 of 2 samples, rank 2 is
+/// silent past the deadline and left out. Ranks 1 and 2, the server, its first parameters.
+fn rank_2_left_out_in_round_1() -> (Link, Link, Server<ShardServer>, Vec<f32>) {
     let mut w = world(3);
     let (w2, w1) = (w.pop().expect("w2"), w.pop().expect("w1"));
     let mut s = server(w.pop().expect("server"), 2);
     let p0 = s.params();
-
-    // Round 1: rank 1 pushes, rank 2 is silent past the deadline and left out; the round
-    // closes on rank 1's push alone.
     w1.send(0, TAG, &push(0, 2, &all(1.0))).expect("send");
     s.step();
     s.try_step(WAIT)
         .expect("a silent worker is left out, not an error");
+    (w1, w2, s, p0)
+}
+
+/// A worker's end of the in-memory group.
+type Link = Arc<dyn ProcessGroup>;
+
+#[test]
+fn a_sync_round_closes_without_a_lost_worker_and_takes_its_replacement_back() {
+    // Round 1 closes on rank 1's push alone.
+    let (w1, w2, mut s, p0) = rank_2_left_out_in_round_1();
     let p1 = stepped(&p0, 1.0);
     assert_eq!((s.machine.version(), s.params()), (1, p1.clone()));
     assert_eq!(answer(&*w1, 0), (1, p1.clone()));
@@ -148,4 +156,27 @@ fn a_round_nobody_pushed_waits_once_more_before_it_leaves_anyone_out() {
     s.try_step(WAIT).expect("the silent worker is left out");
     assert_eq!((s.machine.version(), s.params()), (1, stepped(&p0, 1.0)));
     assert_eq!(answer(&*w1, 0).0, 1);
+}
+
+/// A replacement that a shard took back a round behind the others closes that round with a
+/// push of no samples (`worker.rs::Worker::align`): the round closes at once, on the other
+/// worker's gradient alone (a push of no samples weighs nothing in the mean), and both are
+/// answered with the next version. Broken (the push counted as a worker's, or waited on
+/// again): the parameters or the version differ.
+#[test]
+fn a_push_of_no_samples_closes_a_replacements_round_and_weighs_nothing() {
+    let (w1, w2, mut s, p0) = rank_2_left_out_in_round_1();
+    let p1 = stepped(&p0, 1.0);
+    assert_eq!(answer(&*w1, 0), (1, p1.clone()));
+    // Its replacement, taken into round 2, pushes nothing there.
+    ServerMachine::on_back(&mut s.machine, &mut s.rank.cx(), 2).expect("back");
+    w1.send(0, TAG, &push(1, 2, &all(3.0))).expect("send");
+    s.step();
+    assert_eq!(s.machine.version(), 1, "round 2 waits for the replacement");
+    w2.send(0, TAG, &push(1, 0, &all(0.0))).expect("send");
+    s.step();
+    let p2 = stepped(&p1, 3.0);
+    assert_eq!((s.machine.version(), s.params()), (2, p2.clone()));
+    assert_eq!(answer(&*w1, 0), (2, p2.clone()));
+    assert_eq!(answer(&*w2, 0), (2, p2));
 }
