@@ -146,7 +146,7 @@ impl PsPart {
 
 /// Whether the job of `settings` is an elastic job of generations (of peers: an elastic
 /// server's workers are fixed ranks that rejoin).
-fn elastic(settings: &TrainConfig) -> bool {
+pub(super) fn elastic(settings: &TrainConfig) -> bool {
     settings.elasticity() == Some(flotilla_train::config::Elasticity::Generations)
 }
 

@@ -17,7 +17,6 @@ use burn::train::{
     InferenceStep, Learner, LearnerEvent, LearnerModel, SupervisedTrainingEventProcessor,
     TrainStep, TrainingComponents, TrainingItem, ValidLoader,
 };
-use flotilla_train::config::Elasticity;
 use flotilla_train::job_data::JobData;
 use flotilla_train::{Quiet, Run};
 
@@ -54,7 +53,7 @@ where
             return (into_learner(shared).model(), c.event_processor);
         }
     };
-    let elastic = strategy.settings.elasticity() == Some(Elasticity::Generations);
+    let elastic = super::elastic(&strategy.settings);
     let at = (samples, starting_epoch);
     let driven = if run.role() == "peer" && !elastic {
         let mut fit = Fit::new(strategy, c, Some(run.group()));

@@ -13,8 +13,7 @@ use crate::error::{DistError, Result};
 /// parameter servers, elastic peers); an error naming the way when the strategy does not
 /// run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
-    let generations =
-        settings.elasticity() == Some(flotilla_train::config::Elasticity::Generations);
+    let generations = super::elastic(settings);
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     if let (true, Some(min)) = (generations, settings.topology.min_world_size) {
         // Members of sync all-reduce through the run's generations (super::elastic). ZeRO
