@@ -167,8 +167,8 @@ where
         if shards.is_some() && starting_epoch > 1 {
             return Err(DistError::Optimizer(
                 "resuming under ZeRO-1: the Learner's checkpoint holds rank 0's share of the \
-                 optimizer state only (burn-train 0.22.1 lets only its checkpointer read a \
-                 Learner's optimizer, and it writes one file); resume without ZeRO"
+                 optimizer state only (burn-train 0.22.1's checkpointer writes one \
+                 optimizer file, of the rank that checkpoints); resume without ZeRO"
                     .into(),
             ));
         }

@@ -73,9 +73,9 @@ pub(super) fn resumable(settings: &TrainConfig) -> Result<()> {
         return Ok(());
     };
     Err(DistError::Optimizer(format!(
-        "the Learner's checkpoint holds rank 0's optimizer state, not {lacks}; \
-         burn-train 0.22.1 lets only its checkpointer read a Learner's optimizer state, \
-         so the strategy cannot add the other ranks' (flotilla_burn::session resumes every way)"
+        "the Learner's checkpoint holds rank 0's optimizer state, not {lacks}: \
+         burn-train 0.22.1's checkpointer writes one optimizer file, of the rank that \
+         checkpoints (flotilla_burn::session resumes every way)"
     )))
 }
 
