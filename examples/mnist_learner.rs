@@ -8,9 +8,11 @@
 //! ```
 //! Its own settings (environment): `DATA` (the MNIST directory, default `data/mnist`: burn's
 //! `MnistDataset` downloads, this machine reads the vendored files), `EPOCHS` (default 6),
-//! `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the
-//! guide's 0.5 needs more epochs to reach 99 %), `TRAIN_SAMPLES` (the first n training images, default all), `ARTIFACTS` (the
-//! `Learner`'s directory: metrics and checkpoints; default `mnist-learner-artifacts`),
+//! `LR` (Adam's, default 1e-3), `DROPOUT` (default 0.1; the guide's 0.5 needs more epochs to
+//! reach 99 %), `TRAIN_SAMPLES` (the first n training images, default all), `TEST_SAMPLES`
+//! (the first n test images, which validate each epoch and give the final accuracy; default
+//! all), `ARTIFACTS` (the `Learner`'s directory: metrics and checkpoints; default
+//! `mnist-learner-artifacts`),
 //! `RESUME=E` (go on from the checkpoint of epoch E), `STOP_AFTER=E` (burn's early
 //! stopping, a strategy of the program's, ends the training once epoch E is validated),
 //! `SAVE=FILE` (rank 0 writes the trained
@@ -174,6 +176,7 @@ struct Settings {
     lr: f64,
     dropout: f64,
     train_samples: Option<usize>,
+    test_samples: Option<usize>,
     artifacts: PathBuf,
     resume: Option<usize>,
     save: Option<PathBuf>,
@@ -219,6 +222,7 @@ impl Settings {
             lr: env("LR", 1e-3)?,
             dropout: env("DROPOUT", 0.1)?,
             train_samples: parse_opt("TRAIN_SAMPLES")?,
+            test_samples: parse_opt("TEST_SAMPLES")?,
             artifacts: env("ARTIFACTS", PathBuf::from("mnist-learner-artifacts"))?,
             resume: parse_opt("RESUME")?,
             save: opt("SAVE").map(PathBuf::from),
@@ -234,6 +238,9 @@ fn main() -> anyhow::Result<()> {
     let mut splits = flotilla_data::Mnist::load(&s.data)?;
     if let Some(n) = s.train_samples {
         splits.train.truncate(n);
+    }
+    if let Some(n) = s.test_samples {
+        splits.test.truncate(n);
     }
     let flotilla = LearnerStrategy::join()?;
     let device = flotilla.device().clone();
