@@ -93,7 +93,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "sync all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 1500\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 600\n",
         world: 3,
         targets: &[(0, "peer"), (2, "peer")],
         // Every rank's loss is absorbed: the others train on in a new generation.
@@ -102,7 +102,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "sync all-reduce ZeRO-2, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 1500\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 600\n",
         world: 3,
         targets: &[(1, "peer")],
         tolerated: &[0, 1, 2],
@@ -110,7 +110,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "async all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 1500\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 600\n",
         world: 3,
         targets: &[(2, "peer")],
         tolerated: &[0, 1, 2],
@@ -134,7 +134,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "pipeline 2 stages × 2, elastic 2:4",
-        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 1500\n",
+        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 600\n",
         world: 4,
         targets: &[(1, "stage 1")],
         // The other replica trains on; the lost rank's partner stands by.
@@ -151,7 +151,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS flat sync, elastic 2:3",
-        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 1500\n",
+        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 600\n",
         world: 3,
         targets: &[(2, "worker")],
         // The server leaves a lost or silent worker out and trains on with the other.
@@ -168,7 +168,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS sharded sync (2 servers), elastic 3:4",
-        yaml: "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 1500\n",
+        yaml: "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 600\n",
         world: 4,
         targets: &[(3, "worker")],
         // Both shard servers leave a lost or silent worker out and train on with the other.
@@ -177,7 +177,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS flat async",
-        yaml: "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 1800\n",
+        yaml: "arch: flat\nparameter_server: {aggr_type: async, num_workers: 2}\nnum_server_rounds: 900\n",
         world: 3,
         targets: &[(0, "root server"), (2, "worker")],
         tolerated: &[1, 2],
@@ -300,14 +300,14 @@ fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
 
 /// The planned scenarios (each with its place in the plan) cut into two lanes of about the
 /// same wall time, by what each row takes on this machine: a job that trains on through its
-/// fault about 18 s, one that ends about 8 s (with its run by hand for a `kill -9`); the
+/// fault about 12 s, one that ends about 8 s (with its run by hand for a `kill -9`); the
 /// first lane also runs the strangers' and intruders' rows (about 80 s).
 fn lanes(planned: Vec<Planned>) -> (Lane, Lane) {
     let (mut first, mut second) = ((80, Vec::new()), (0, Vec::new()));
     for (order, p) in planned.into_iter().enumerate() {
         let (mode, target, ..) = p;
         let secs = if mode.tolerated.contains(&target.0) {
-            18
+            12
         } else {
             8
         };

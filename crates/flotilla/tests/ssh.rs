@@ -621,7 +621,7 @@ fn an_elastic_job_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
     let cfg = config_file(
         dir.path(),
         "job.yaml",
-        "model:\n  spec: lenet5\ndata:\n  train_limit: 12000\nschedule:\n  epochs: 12\n\
+        "model:\n  spec: lenet5\ndata:\n  train_limit: 12000\nschedule:\n  epochs: 8\n\
          comm:\n  timeout_s: 10\n",
     );
     let three = three_entries(&sshd, dir.path());
@@ -699,7 +699,7 @@ fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
     .arg("--output")
     .arg(dir.path().join("out"))
     .arg("--")
-    .args(["env", "STEPS=450"])
+    .args(["env", "STEPS=300"])
     .arg(format!(
         "OUT={}",
         dir.path().join("model.safetensors").display()
@@ -738,7 +738,7 @@ fn an_elastic_parameter_server_over_ssh_takes_back_a_replaced_worker() {
         "ps.yaml",
         "arch: flat\nworld_size: 3\nmin_world_size: 2\n\
          parameter_server: {aggr_type: sync, num_workers: 2}\nmodel: mlp\nbatch_size: 32\n\
-         num_server_rounds: 3000\neval_every: 1000\noptimizer: {name: sgd, lr: 0.05}\n\
+         num_server_rounds: 1500\neval_every: 1000\noptimizer: {name: sgd, lr: 0.05}\n\
          timeout_s: 10\n",
     );
     let three = three_entries(&sshd, dir.path());
