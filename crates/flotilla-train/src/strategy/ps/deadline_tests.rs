@@ -143,3 +143,47 @@ fn a_local_server_names_a_silent_parent_after_its_longer_deadline_and_tells_only
         "B sent its parent {sent:?}"
     );
 }
+
+/// A silent worker (2, under A) is named by A, not A by the root, even when the root heard
+/// its last message (B's push) a little before A heard its own (worker 3's push): the root
+/// waits on local servers 1.1 times the deadline, so A gives up on worker 2 first and the
+/// root fails with A's verdict. (With one deadline for both, the root gave up first and
+/// blamed A: the launcher then named a local server for its worker's fault.)
+#[test]
+fn a_silent_worker_is_named_by_its_local_server_not_the_local_server_by_the_root() {
+    let t = Duration::from_secs(2);
+    let mut c = ps_config(|t| hierarchical(t, Aggregation::Sync, Aggregation::Sync));
+    c.comm.timeout_s = t.as_secs_f64();
+    let topology = c.topology().expect("topology");
+    let mut comms = world(7).into_iter();
+    let mut next = || comms.next().expect("rank");
+    let mut root = Server::updating(next(), &c, &topology);
+    let mut a = Server::local(next(), &c, &topology);
+    let (w2, w3) = (next(), next());
+    let mut b = Server::local(next(), &c, &topology);
+    let (w5, w6) = (next(), next());
+    root.step();
+    root.step();
+    a.step();
+    b.step();
+    for (i, w) in [&w5, &w6].into_iter().enumerate() {
+        w.send(4, TAG, &push(0, 2, &grad(i))).expect("send");
+        b.step();
+    }
+    // B's push up: the root's last message; worker 3's push, 50 ms later: A's.
+    root.step();
+    thread::sleep(t / 40);
+    w3.send(1, TAG, &push(0, 2, &grad(2))).expect("send");
+    a.step();
+    let (root_error, a_error) = thread::scope(|s| {
+        let a = s.spawn(|| fail(&mut a));
+        let r = fail(&mut root);
+        (r, a.join().expect("A"))
+    });
+    assert_eq!(a_error.blamed_rank(), Some(2), "A: {a_error}");
+    assert!(
+        root_error.to_string().contains("no message from rank(s) 2"),
+        "the root passes on A's reason, naming worker 2: {root_error}"
+    );
+    drop((w2, b, w5, w6));
+}

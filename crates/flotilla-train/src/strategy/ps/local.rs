@@ -126,7 +126,8 @@ impl LocalServer {
     }
 
     /// How long a push or pull up may stay unanswered: 1.25 times the deadline. The parent
-    /// waits at most the deadline for its slowest child, counted from that child's previous
+    /// waits at most 1.1 times the deadline for its slowest child (`shard_server.rs::
+    /// children_deadline`), counted from that child's previous
     /// message (no later than this push), so a parent stuck waiting for another rank fails
     /// first and tells this server which rank is at fault; only a parent that is itself
     /// silent lets this deadline fire.

@@ -209,7 +209,7 @@ impl ShardServer {
             averaging: cx.config.topology.local_steps > 1,
             total_rounds: place.rounds,
             base_lr: cx.config.base_lr(),
-            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            timeout: children_deadline(cx, place),
             pending: active.clone(),
             active,
             acc: Accumulator::new(n, sync),
@@ -684,6 +684,20 @@ impl ServerMachine for ShardServer {
 
     fn done(&self) -> bool {
         self.stop_reason.is_some()
+    }
+}
+
+/// How long a server waits for its children: the deadline (`comm.timeout_s`); 1.1 times it
+/// for the global server of a hierarchical job, whose children are local servers that wait
+/// on their workers with the deadline itself. A silent worker is then named by its local
+/// server, which tells the global server, and not its local server by the global server
+/// (with the same deadline the two raced: whichever heard its last message first gave up
+/// first). Below the 1.25 times a local server waits on the global one (`local.rs`).
+fn children_deadline(cx: &Cx<'_>, place: &Place) -> Duration {
+    let deadline = Duration::from_secs_f64(cx.config.comm.timeout_s);
+    match place.role.kind {
+        RoleKind::GlobalServer => deadline.mul_f64(1.1),
+        _ => deadline,
     }
 }
 
