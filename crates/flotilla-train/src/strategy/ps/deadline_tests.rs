@@ -35,9 +35,19 @@ struct Stalled {
     _silent: (Server<LocalServer>, Vec<Arc<dyn ProcessGroup>>),
 }
 
-fn stalled(root_steps: bool) -> Stalled {
+/// The tree with a deadline of `t`, after B pushed its first round up (the root has not
+/// taken that push yet): the root, A, B and the workers 2, 3, 5 and 6, and the root's link.
+struct Tree {
+    root: Server<ShardServer>,
+    a: Server<LocalServer>,
+    b: Server<LocalServer>,
+    workers: [Arc<dyn ProcessGroup>; 4],
+    root_link: Arc<dyn ProcessGroup>,
+}
+
+fn tree(t: Duration) -> Tree {
     let mut c = ps_config(|t| hierarchical(t, Aggregation::Sync, Aggregation::Sync));
-    c.comm.timeout_s = T.as_secs_f64();
+    c.comm.timeout_s = t.as_secs_f64();
     let topology = c.topology().expect("topology");
     let mut comms = world(7).into_iter();
     let mut next = || comms.next().expect("rank");
@@ -56,16 +66,27 @@ fn stalled(root_steps: bool) -> Stalled {
         w.send(4, TAG, &push(0, 2, &grad(i))).expect("send");
         b.step();
     }
+    Tree {
+        root,
+        a,
+        b,
+        workers: [w2, w3, w5, w6],
+        root_link,
+    }
+}
+
+fn stalled(root_steps: bool) -> Stalled {
+    let mut tree = tree(T);
     let pushed = Instant::now();
     if root_steps {
-        root.step();
+        tree.root.step();
     }
     Stalled {
-        root,
-        b,
+        root: tree.root,
+        b: tree.b,
         pushed,
-        root_link,
-        _silent: (a, vec![w2, w3, w5, w6]),
+        root_link: tree.root_link,
+        _silent: (tree.a, tree.workers.into()),
     }
 }
 
@@ -152,28 +173,20 @@ fn a_local_server_names_a_silent_parent_after_its_longer_deadline_and_tells_only
 #[test]
 fn a_silent_worker_is_named_by_its_local_server_not_the_local_server_by_the_root() {
     let t = Duration::from_secs(2);
-    let mut c = ps_config(|t| hierarchical(t, Aggregation::Sync, Aggregation::Sync));
-    c.comm.timeout_s = t.as_secs_f64();
-    let topology = c.topology().expect("topology");
-    let mut comms = world(7).into_iter();
-    let mut next = || comms.next().expect("rank");
-    let mut root = Server::updating(next(), &c, &topology);
-    let mut a = Server::local(next(), &c, &topology);
-    let (w2, w3) = (next(), next());
-    let mut b = Server::local(next(), &c, &topology);
-    let (w5, w6) = (next(), next());
-    root.step();
-    root.step();
-    a.step();
-    b.step();
-    for (i, w) in [&w5, &w6].into_iter().enumerate() {
-        w.send(4, TAG, &push(0, 2, &grad(i))).expect("send");
-        b.step();
-    }
+    // B, the root's link and the other workers stay alive (their links open), silent.
+    let Tree {
+        mut root,
+        mut a,
+        b: _b,
+        workers,
+        root_link: _link,
+    } = tree(t);
     // B's push up: the root's last message; worker 3's push, 50 ms later: A's.
     root.step();
     thread::sleep(t / 40);
-    w3.send(1, TAG, &push(0, 2, &grad(2))).expect("send");
+    workers[1]
+        .send(1, TAG, &push(0, 2, &grad(2)))
+        .expect("send");
     a.step();
     let (root_error, a_error) = thread::scope(|s| {
         let a = s.spawn(|| fail(&mut a));
@@ -185,5 +198,4 @@ fn a_silent_worker_is_named_by_its_local_server_not_the_local_server_by_the_root
         root_error.to_string().contains("no message from rank(s) 2"),
         "the root passes on A's reason, naming worker 2: {root_error}"
     );
-    drop((w2, b, w5, w6));
 }
