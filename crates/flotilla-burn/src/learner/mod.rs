@@ -66,9 +66,9 @@
 //! all-reduce (the stale gradients in flight and the last update, which weight prediction
 //! extrapolates, are not in the `Learner`'s checkpoint: it starts afresh). The `Learner`'s
 //! checkpoint holds rank 0's optimizer state (burn-train 0.22.1's checkpointer writes one
-//! optimizer file, of the rank that checkpoints), so ZeRO-1, model averaging (each worker's own) and shard
-//! servers (each its own shard's) do not resume: refused, said so. Pipelines are refused by
-//! name (a middle stage has no batches).
+//! optimizer file, of the rank that checkpoints), so ZeRO-1, model averaging (each worker's
+//! own) and shard servers (each its own shard's) do not resume: refused, said so. Pipelines
+//! are refused by name (a middle stage has no batches).
 //!
 //! Rank 0 shows the metrics, of the global batch: each step's outputs ([`GlobalOutput`]) are
 //! gathered and rank 0's event processor sees one output of every rank's samples; the other

@@ -17,7 +17,7 @@ use super::job::{Announcement, Place};
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
-use super::{PsContext, Refusals};
+use super::{PsContext, Refusals, deadlines};
 use super::{send, send_bytes};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
@@ -95,7 +95,7 @@ impl LocalServer {
             max_samples: place.max_samples.iter().copied().max().unwrap_or(0),
             max_up: place.max_samples.iter().sum(),
             inbox: Inbox::listen(cx.comm, &peers),
-            timeout: Duration::from_secs_f64(cx.config.comm.timeout_s),
+            timeout: deadlines::of(cx.config, deadlines::SERVER_ON_WORKERS),
             pushed: None,
             rejoins: Rejoins::default(),
             parent,
@@ -125,14 +125,13 @@ impl LocalServer {
         })
     }
 
-    /// How long a push or pull up may stay unanswered: 1.25 times the deadline. The parent
-    /// waits at most 1.1 times the deadline for its slowest child (`shard_server.rs::
-    /// children_deadline`), counted from that child's previous
-    /// message (no later than this push), so a parent stuck waiting for another rank fails
+    /// How long a push or pull up may stay unanswered (`deadlines.rs`): longer than the
+    /// parent waits for its slowest child, so a parent stuck waiting for another rank fails
     /// first and tells this server which rank is at fault; only a parent that is itself
     /// silent lets this deadline fire.
     fn parent_timeout(&self) -> Duration {
-        self.timeout.mul_f64(1.25)
+        self.timeout
+            .mul_f64(deadlines::LOCAL_ON_GLOBAL / deadlines::SERVER_ON_WORKERS)
     }
 
     /// How many times it pushed up.

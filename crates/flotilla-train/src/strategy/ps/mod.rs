@@ -8,6 +8,7 @@
 //! refers to, and every wait has the run's deadline. The protocol, push admission,
 //! aggregation and inbox live in `flotilla-ps`.
 
+mod deadlines;
 pub mod job;
 pub mod local;
 pub mod rejoins;

@@ -20,10 +20,10 @@ use std::time::{Duration, Instant};
 use flotilla_engine::{Engine, EvalStats, ModelState};
 use flotilla_tcp::CommError;
 
-use super::PsContext;
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
+use super::{PsContext, deadlines};
 use super::{send, send_bytes};
 use flotilla_cluster::RoleKind;
 use flotilla_ps::PsMessage;
@@ -687,18 +687,14 @@ impl ServerMachine for ShardServer {
     }
 }
 
-/// How long a server waits for its children: the deadline (`comm.timeout_s`); 1.1 times it
-/// for the global server of a hierarchical job, whose children are local servers that wait
-/// on their workers with the deadline itself. A silent worker is then named by its local
-/// server, which tells the global server, and not its local server by the global server
-/// (with the same deadline the two raced: whichever heard its last message first gave up
-/// first). Below the 1.25 times a local server waits on the global one (`local.rs`).
+/// How long a server waits for its children (`deadlines.rs`): longer for the global server
+/// of a hierarchical job, whose children are local servers waiting on their workers.
 fn children_deadline(cx: &Cx<'_>, place: &Place) -> Duration {
-    let deadline = Duration::from_secs_f64(cx.config.comm.timeout_s);
-    match place.role.kind {
-        RoleKind::GlobalServer => deadline.mul_f64(1.1),
-        _ => deadline,
-    }
+    let factor = match place.role.kind {
+        RoleKind::GlobalServer => deadlines::GLOBAL_ON_LOCALS,
+        _ => deadlines::SERVER_ON_WORKERS,
+    };
+    deadlines::of(cx.config, factor)
 }
 
 /// The timeline span of round `round`, from now until it is dropped.

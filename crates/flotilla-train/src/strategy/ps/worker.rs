@@ -10,7 +10,7 @@ use flotilla_engine::{Engine, ModelState, ParamLayout};
 use flotilla_tcp::CommError;
 
 use super::job::{Announcement, Place};
-use super::{PsContext, Refusals, send};
+use super::{PsContext, Refusals, deadlines, send};
 use crate::batches::Batches;
 use crate::checkpoint::CheckpointState;
 use crate::error::{Result, TrainError};
@@ -89,18 +89,13 @@ impl Worker {
             std::iter::once(0..n).collect()
         };
         let parents = &place.role.parents;
-        // A server waits at most the deadline for its slowest worker, counted from its last
-        // message (no earlier than this worker's push): waiting 1.25 times as long, this
-        // worker hears the server name a silent worker rather than naming the server itself
-        // (with the same deadline the two raced). Under a server that waits on a server
-        // itself (hierarchical, 1.25 times for its parent), 1.5 times: a silent root makes
-        // that server give up first and name the root.
-        let mid_level = parents
+        // Longer than its server waits on it (`deadlines.rs`): the worker hears the server
+        // name a silent worker, or a local server name a silent root.
+        let under_local = parents
             .first()
             .and_then(|&p| setup.topology.role(p))
             .is_some_and(|r| !r.parents.is_empty());
-        let timeout = Duration::from_secs_f64(cx.config.comm.timeout_s);
-        let timeout = timeout.mul_f64(if mid_level { 1.5 } else { 1.25 });
+        let timeout = deadlines::worker_on(cx.config, under_local);
         let sync = parents
             .first()
             .and_then(|&p| setup.topology.role(p))
