@@ -6,7 +6,7 @@
 //! the documented outcome and leave no process behind. Every `kill -9` of a rank the job
 //! needs runs twice: under `flotilla launch` (which must name the rank) and with the ranks
 //! started by hand (every survivor must exit non-zero within the deadline, naming it). The
-//! scenarios run in one test, in two lanes at once, which prints the table of BENCHMARKS.md §13
+//! scenarios run in one test, in three lanes at once, which prints the table of BENCHMARKS.md §13
 //! (also written to `$CARGO_TARGET_TMPDIR/faults-table.md`). `FLOTILLA_FAULT_SEED=N` replays
 //! a run's delays; `FLOTILLA_FAULT_ONLY=TEXT` runs only the signal rows whose "signal mode"
 //! contains TEXT (e.g. `kill -9 PS flat`), or `strangers`, or `intruders` (a selection of
@@ -30,8 +30,9 @@ mod stranger;
 #[path = "common/survivors.rs"]
 mod survivors;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -223,8 +224,8 @@ const SIGNALS: [Signal; 2] = [
 /// job started training.
 type Planned = (&'static Mode, (usize, &'static str), Signal, f64);
 
-/// Scenarios one after the other, each with its place in the plan.
-type Lane = Vec<(usize, Planned)>;
+/// The scenarios not yet taken by a lane, each with its place in the plan.
+type Queue = Mutex<VecDeque<(usize, Planned)>>;
 
 #[test]
 fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
@@ -251,28 +252,38 @@ fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
         "FLOTILLA_FAULT_ONLY={only:?} selects no scenario (a signal row's \"signal mode\", \
          e.g. \"kill -9 PS flat\", or \"strangers\" or \"intruders\")"
     );
-    // Two lanes at once, so that one's waits (a deadline, mostly: little CPU) overlap the
-    // other's work. Each job's bounds are wall-clock deadlines, which a neighbour's load does
-    // not move; the table keeps the planned order.
-    let (first, second) = lanes(planned);
+    // Lanes at once, so that one's waits (a deadline, mostly: little CPU) overlap the others'
+    // work; each lane takes the next planned scenario when it is free (the first lane after
+    // the strangers' and intruders' rows), and the baselines are the lanes' together. Each
+    // job's bounds are wall-clock deadlines, which a neighbour's load does not move; the
+    // table keeps the planned order.
+    let queue = Mutex::new(planned.into_iter().enumerate().collect::<VecDeque<_>>());
+    let baselines = Baselines::new(dir.path());
     let mut ordered = std::thread::scope(|s| {
-        let lane = s.spawn(|| {
-            let rows = signal_rows(second, dir.path(), &mut Baselines::new(dir.path()));
-            println!("(the second lane ended at {:.0} s)", lap(started));
-            rows
-        });
-        let mut baselines = Baselines::new(dir.path());
-        let mut rows = signal_rows(first, dir.path(), &mut baselines);
+        let others: Vec<_> = (2..=LANES)
+            .map(|lane| {
+                let (queue, baselines, dir) = (&queue, &baselines, dir.path());
+                s.spawn(move || {
+                    let rows = signal_rows(queue, dir, baselines);
+                    println!("(lane {lane} ended at {:.0} s)", lap(started));
+                    rows
+                })
+            })
+            .collect();
+        let mut rows = Vec::new();
         if strangers {
-            let more = intrusions::stranger_rows(&mut rng, dir.path(), &mut baselines);
+            let more = intrusions::stranger_rows(&mut rng, dir.path(), &baselines);
             rows.extend(more.into_iter().map(|r| (usize::MAX, r)));
         }
         if intruders {
-            let more = intrusions::intruder_rows(dir.path(), &mut baselines);
+            let more = intrusions::intruder_rows(dir.path(), &baselines);
             rows.extend(more.into_iter().map(|r| (usize::MAX, r)));
         }
-        println!("(the first lane ended at {:.0} s)", lap(started));
-        rows.extend(lane.join().expect("the second lane"));
+        rows.extend(signal_rows(&queue, dir.path(), &baselines));
+        println!("(lane 1 ended at {:.0} s)", lap(started));
+        for lane in others {
+            rows.extend(lane.join().expect("a lane"));
+        }
         rows
     });
     ordered.sort_by_key(|(order, _)| *order);
@@ -298,40 +309,23 @@ fn every_fault_ends_within_its_deadline_as_documented_and_leaves_no_process() {
     );
 }
 
-/// The planned scenarios (each with its place in the plan) cut into two lanes of about the
-/// same wall time, by what each row takes on this machine: a job that trains on through its
-/// fault about 12 s, one that ends about 8 s (with its run by hand for a `kill -9`); the
-/// first lane also runs the strangers' and intruders' rows (about 80 s).
-fn lanes(planned: Vec<Planned>) -> (Lane, Lane) {
-    let (mut first, mut second) = ((80, Vec::new()), (0, Vec::new()));
-    for (order, p) in planned.into_iter().enumerate() {
-        let (mode, target, ..) = p;
-        let secs = if mode.tolerated.contains(&target.0) {
-            12
-        } else {
-            8
-        };
-        let lane = if first.0 <= second.0 {
-            &mut first
-        } else {
-            &mut second
-        };
-        lane.0 += secs;
-        lane.1.push((order, p));
-    }
-    (first.1, second.1)
-}
+/// The scenarios that run at once: about a quarter of a job's time is spent waiting on a
+/// deadline or a stopped rank (the suite used 1.55 of 2 cores in two lanes), so three
+/// lanes keep both cores busy.
+const LANES: usize = 3;
 
 /// Seconds since `started`.
 fn lap(started: Instant) -> f64 {
     started.elapsed().as_secs_f64()
 }
 
-/// The rows of `planned` scenarios (each with its place in the plan), one after the other; a
-/// `kill -9` of a rank the job needs also with the ranks started by hand.
-fn signal_rows(planned: Lane, dir: &Path, baselines: &mut Baselines) -> Vec<(usize, Row)> {
+/// The rows of the scenarios taken from `queue` (each with its place in the plan) one after
+/// the other until it is empty; a `kill -9` of a rank the job needs also with the ranks
+/// started by hand.
+fn signal_rows(queue: &Queue, dir: &Path, baselines: &Baselines) -> Vec<(usize, Row)> {
     let mut rows = Vec::new();
-    for (order, (mode, target, signal, delay)) in planned {
+    let next = || queue.lock().unwrap_or_else(|e| e.into_inner()).pop_front();
+    while let Some((order, (mode, target, signal, delay))) = next() {
         let row = signal_scenario(mode, target, signal, delay, dir, baselines);
         println!("{}", row_line(&row));
         rows.push((order, row));
@@ -369,7 +363,7 @@ fn signal_scenario(
     signal: Signal,
     delay: f64,
     dir: &Path,
-    baselines: &mut Baselines,
+    baselines: &Baselines,
 ) -> Row {
     let name = format!("{}-{}-{rank}", slug(mode.name), signal.number);
     let text = format!("{COMMON}{}", mode.yaml);

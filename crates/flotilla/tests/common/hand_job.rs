@@ -5,6 +5,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use crate::common::{config_file, flotilla, free_port};
@@ -142,45 +143,53 @@ pub struct Baseline {
     pub secs: f64,
 }
 
-/// Undisturbed runs by hand, one per config text, each run when first asked for.
+/// Undisturbed runs by hand, one per config text, each run when first asked for; shared by
+/// the suite's lanes (a run asked for while another lane makes it is waited for, not run
+/// twice).
 pub struct Baselines {
     dir: PathBuf,
-    runs: BTreeMap<String, Result<Baseline, String>>,
+    runs: Mutex<BTreeMap<String, Arc<Once>>>,
 }
+
+/// One undisturbed run, made by the first lane that asks for it.
+type Once = OnceLock<Result<Baseline, String>>;
 
 impl Baselines {
     /// Baselines written under `dir`.
     pub fn new(dir: &Path) -> Self {
         Baselines {
             dir: dir.to_path_buf(),
-            runs: BTreeMap::new(),
+            runs: Mutex::new(BTreeMap::new()),
         }
     }
 
     /// The undisturbed run of the config `text` (`world` ranks, role `marker`), named `name`.
     pub fn of(
-        &mut self,
+        &self,
         name: &str,
         text: &str,
         world: usize,
         marker: &str,
     ) -> Result<Baseline, String> {
-        if let Some(run) = self.runs.get(text) {
-            return run.clone();
-        }
-        let job = HandJob::new(&self.dir, &format!("{name}-baseline"), text, world, marker);
-        let started = std::time::Instant::now();
-        let (acc, _) = job.run(&mut |_| Ok(()), &mut |_| Ok(()));
-        let secs = started.elapsed().as_secs_f64();
-        let run = acc
-            .map(|acc| Baseline {
-                acc,
-                out: job.out.clone(),
-                secs,
-            })
-            .map_err(|e| format!("the undisturbed run failed: {e}"));
-        println!("baseline {name}: {run:?} in {secs:.1} s");
-        self.runs.insert(text.to_string(), run.clone());
-        run
+        let once = {
+            let mut runs = self.runs.lock().unwrap_or_else(|e| e.into_inner());
+            Arc::clone(runs.entry(text.to_string()).or_default())
+        };
+        once.get_or_init(|| {
+            let job = HandJob::new(&self.dir, &format!("{name}-baseline"), text, world, marker);
+            let started = std::time::Instant::now();
+            let (acc, _) = job.run(&mut |_| Ok(()), &mut |_| Ok(()));
+            let secs = started.elapsed().as_secs_f64();
+            let run = acc
+                .map(|acc| Baseline {
+                    acc,
+                    out: job.out.clone(),
+                    secs,
+                })
+                .map_err(|e| format!("the undisturbed run failed: {e}"));
+            println!("baseline {name}: {run:?} in {secs:.1} s");
+            run
+        })
+        .clone()
     }
 }

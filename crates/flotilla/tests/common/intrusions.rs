@@ -85,7 +85,7 @@ fn visit_all(kind: Stranger, pids: &[u32], seed: u64, wait: Duration) -> Result<
 /// listeners while the last rank has not joined; while training, every `/metrics` port and,
 /// in the rejoinable job, rank 0's rendezvous port and the servers' mesh listeners: the job
 /// ends as it does without them.
-pub fn stranger_rows(rng: &mut SplitMix, dir: &Path, baselines: &mut Baselines) -> Vec<Row> {
+pub fn stranger_rows(rng: &mut SplitMix, dir: &Path, baselines: &Baselines) -> Vec<Row> {
     let mut rows = Vec::new();
     for v in &VISITED {
         let text = format!("{COMMON}{}", v.yaml);
@@ -216,7 +216,7 @@ fn servers_disturbed(out: &Path, servers: usize) -> Option<String> {
 /// A process that is not one of the job's ranks tries to join as its last rank while the
 /// real ranks wait: with another secret, and with another config. It is refused with a
 /// clear error; the real last rank then joins and the job ends bit for bit as undisturbed.
-pub fn intruder_rows(dir: &Path, baselines: &mut Baselines) -> Vec<Row> {
+pub fn intruder_rows(dir: &Path, baselines: &Baselines) -> Vec<Row> {
     let yaml = "world_size: 3\nepochs: 4\n";
     let text = format!("{COMMON}{yaml}");
     let secret = format!("flotilla-job-secret-{}", std::process::id());
