@@ -338,6 +338,12 @@ impl Run {
         Ok(())
     }
 
+    /// Where the run stands before its next step ([`Progress::progressed`] false): a process
+    /// that joined an elastic job stands at its members' step and epoch.
+    pub fn position(&self) -> Progress {
+        self.progress(false, None)
+    }
+
     /// Where the run stands after a step that `progressed` with `loss`.
     fn progress(&self, progressed: bool, loss: Option<f32>) -> Progress {
         let at = self.batches.position();

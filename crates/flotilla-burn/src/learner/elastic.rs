@@ -1,4 +1,4 @@
-//! The `Learner` on the members of an elastic job of peers (sync all-reduce, `flotilla
+//! The `Learner` on the members of an elastic job of peers (sync or async all-reduce, `flotilla
 //! launch -n MIN:MAX`), through the one stack's run: when a member is lost or one joins, the
 //! run leaves its generation, redoes the step in flight among the members of the next and
 //! gives every member the state of the one whose step stood — the `Learner`'s parameters,
@@ -35,15 +35,17 @@ pub(super) fn drive<M>(
     run: Run,
     shared: &Rc<RefCell<Shared<M>>>,
     valid: &ValidLoader<M>,
-    (samples, first): (usize, usize),
+    (samples, _first): (usize, usize),
 ) -> Result<()>
 where
     M: LearnerModel,
     <M as TrainStep>::Output: GlobalOutput,
     <M as InferenceStep>::Output: GlobalOutput,
 {
+    // The epoch the run stands in, not the Learner's first: in a process that joined the
+    // job, the members' (else its first step would look like an epoch's end to it alone).
     let mut member = Member {
-        epoch: u32::try_from(first.saturating_sub(1)).unwrap_or(u32::MAX),
+        epoch: run.position().epoch,
         opened: None,
         iteration: 0,
         samples,

@@ -53,10 +53,11 @@
 //! server ends on the bits of sync all-reduce; several shard servers start from the root's
 //! initial parameters (the ranks' own models may have drawn other values).
 //!
-//! In an elastic job of sync all-reduce peers (`flotilla launch -n MIN:MAX --max-restarts K
-//! -- PROGRAM`) the run's generations carry the `Learner` (`elastic.rs`): a lost member's
-//! step is redone among the others, a joiner receives the parameters and the `Learner`'s
-//! optimizer and scheduler state from a member over the wire (`state.rs`); the generation's
+//! In an elastic job of sync or async all-reduce peers (`flotilla launch -n MIN:MAX
+//! --max-restarts K -- PROGRAM`) the run's generations carry the `Learner` (`elastic.rs`): a
+//! lost member's step (async: its steps in flight) is redone among the others, a joiner
+//! receives the parameters and the `Learner`'s optimizer and scheduler state from a member
+//! over the wire (`state.rs`) and trains on in the epoch the members stand in; the generation's
 //! rank 0 shows its own batches' metrics, validates the whole validation set, writes the
 //! checkpoints and decides early stopping; every member stops where the run's vote agrees.
 //!

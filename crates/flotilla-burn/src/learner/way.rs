@@ -1,6 +1,6 @@
 //! Which ways of training [`super::LearnerStrategy`] runs: sync all-reduce (whole, or ZeRO-1
 //! by parameter with the `Learner`'s optimizer) in its own loop; async all-reduce, parameter
-//! servers, model averaging and an elastic job's sync peers through the one stack's run;
+//! servers, model averaging and an elastic job's sync or async peers through the one stack's run;
 //! the others are refused by name.
 
 use flotilla_cluster::Arch;
@@ -16,21 +16,18 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
     let generations = super::elastic(settings);
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     if let (true, Some(min)) = (generations, settings.topology.min_world_size) {
-        // Members of sync all-reduce through the run's generations (super::elastic). ZeRO
-        // shards the run's optimizer, not the Learner's; elastic async peers are not
-        // checked with a Learner yet, so they are refused rather than trusted.
-        let whole_sync =
-            *arch == Arch::Allreduce && all.mode == AllReduceMode::Sync && all.zero == 0;
-        if whole_sync {
+        // Members of sync or async all-reduce through the run's generations
+        // (super::elastic). ZeRO shards the run's optimizer, not the Learner's.
+        if *arch == Arch::Allreduce && all.zero == 0 {
             return Ok(true);
         }
         return Err(DistError::from(TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job ({min}:{}) runs burn's Learner on sync all-reduce peers without \
-                 ZeRO, and on an elastic flat server's workers; a program trains the other \
-                 ways elastic on flotilla_burn::train or ::session, or in its own loop under \
-                 flotilla_burn::elastic::run",
+                "an elastic job ({min}:{}) runs burn's Learner on sync or async all-reduce peers \
+                 without ZeRO, and on an elastic flat server's workers; a program trains the \
+                 other ways elastic on flotilla_burn::train or ::session, or in its own loop \
+                 under flotilla_burn::elastic::run",
                 settings.topology.world_size
             ),
         )));
@@ -115,18 +112,24 @@ mod tests {
     }
 
     #[test]
-    fn elastic_sync_peers_and_an_elastic_servers_workers_run_the_rest_is_refused_by_name() {
+    fn elastic_peers_without_zero_and_an_elastic_servers_workers_run_the_rest_is_refused_by_name() {
         let mut c = settings(Arch::Allreduce, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
         assert!(
             through_run(&c).expect("elastic sync peers"),
             "through the run"
         );
-        for (mode, zero) in [(AllReduceMode::Sync, 1), (AllReduceMode::Async, 0)] {
+        let mut c = settings(Arch::Allreduce, AllReduceMode::Async, 0);
+        c.topology.min_world_size = Some(2);
+        assert!(through_run(&c).expect("elastic async peers"));
+        for (mode, zero) in [(AllReduceMode::Sync, 1), (AllReduceMode::Sync, 2)] {
             let mut c = settings(Arch::Allreduce, mode, zero);
             c.topology.min_world_size = Some(2);
             let e = through_run(&c).expect_err("refused").to_string();
-            assert!(e.contains("sync all-reduce peers without ZeRO"), "{e}");
+            assert!(
+                e.contains("sync or async all-reduce peers without ZeRO"),
+                "{e}"
+            );
         }
         let mut c = settings(Arch::Flat, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
