@@ -286,6 +286,36 @@ fn assert_members_kept_training(
     }
 }
 
+/// Runs `c`, an elastic job of at most `max` ranks into `out` with `--max-restarts 1`, and
+/// SIGKILLs generation 1's rank 1 once the log of its rank `watched` shows step `step`; the
+/// job must end at 0 after restarting one process, with its members kept training
+/// ([`assert_members_kept_training`], `min` members at least). Its stdout and stderr, and
+/// the killed slot.
+fn kill_rank_1_in_generation_1(
+    c: Command,
+    out: &Path,
+    (max, min): (u64, usize),
+    (watched, step): (usize, u64),
+) -> ((String, String), u64) {
+    let log_dir = out.to_path_buf();
+    let killer = std::thread::spawn(move || {
+        kill_when(&log_dir, &format!("step {step} of generation 1"), |out| {
+            let g = newest_generation(out, max)?;
+            let slot = g.slots[1];
+            (g.generation == 1 && newest_step(&slot_log(out, g.slots[watched])) >= step)
+                .then_some((slot, pid_of(out, slot)?))
+        })
+    });
+    let o = run_with_deadline(c, Duration::from_secs(400));
+    let killed = killer.join().expect("killer");
+    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
+    assert!(o.status.success(), "{stdout}\n{stderr}");
+    assert!(stderr.contains("restart 1/1 after: rank"), "{stderr}");
+    let processes = usize::try_from(max).expect("ranks") + 1;
+    assert_members_kept_training(out, &[killed], (processes, min, 10.0));
+    ((stdout, stderr), killed)
+}
+
 /// Waits (bounded) for `done`.
 fn wait_until(what: &str, done: impl Fn() -> bool) {
     let started = Instant::now();
@@ -501,21 +531,7 @@ fn lose_rank_1_in_epoch_3(
     c.args(args_for(&elastic, size, "10", epochs))
         .args(flags)
         .args(["--max-restarts", "1"]);
-    let out = elastic.clone();
-    let killer = std::thread::spawn(move || {
-        kill_when(&out, "epoch 3 of generation 1", |out| {
-            let g = newest_generation(out, max)?;
-            let slot = g.slots[1];
-            (g.generation == 1 && newest_step(&slot_log(out, slot)) >= 2 * 104)
-                .then_some((slot, pid_of(out, slot)?))
-        })
-    });
-    let o = run_with_deadline(c, Duration::from_secs(400));
-    let killed = killer.join().expect("killer");
-    let stdout = text(&o);
-    assert!(o.status.success(), "{stdout}");
-    let processes = usize::try_from(max).expect("ranks") + 1;
-    assert_members_kept_training(&elastic, &[killed], (processes, min, 10.0));
+    let ((stdout, _), killed) = kill_rank_1_in_generation_1(c, &elastic, (max, min), (1, 2 * 104));
     let (acc, undisturbed) = (final_fields_in(&stdout)["test_acc"], undisturbed());
     println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
@@ -677,21 +693,7 @@ fn a_users_program_trains_on_when_a_rank_is_lost_and_is_replaced() {
         .args(args(&elastic, "2:3").into_iter().skip(1))
         .args(["--max-restarts", "1", "--"])
         .arg(&program);
-    let out = elastic.clone();
-    let killer = std::thread::spawn(move || {
-        kill_when(&out, "epoch 3 of generation 1", |out| {
-            let g = newest_generation(out, 3)?;
-            let slot = g.slots[1];
-            (g.generation == 1 && newest_step(&slot_log(out, slot)) >= 2 * 104 + 10)
-                .then_some((slot, pid_of(out, slot)?))
-        })
-    });
-    let o = run_with_deadline(c, Duration::from_secs(400));
-    let killed = killer.join().expect("killer");
-    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
-    assert!(o.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("restart 1/1 after: rank"), "{stderr}");
-    assert_members_kept_training(&elastic, &[killed], (4, 2, 10.0));
+    let ((stdout, stderr), _) = kill_rank_1_in_generation_1(c, &elastic, (3, 2), (1, 2 * 104 + 10));
     // The launcher names burn's default device for the ranks (`BURN_DEVICE`): loading the
     // members' optimizer state no longer opens Vulkan in a rank that trains on Flex.
     assert!(!stderr.contains("XDG_RUNTIME_DIR"), "{stderr}");
@@ -929,21 +931,7 @@ fn burns_learner_on_async_peers_trains_on_when_a_member_is_lost_and_replaced() {
     let dir = tmp();
     let async_peers = ["--strategy", "async_allreduce"];
     let (c, out) = learner(&dir.path().join("elastic"), "2:3", "1", &async_peers);
-    let watched = out.clone();
-    let killer = std::thread::spawn(move || {
-        kill_when(&watched, "epoch 2 of generation 1", |out| {
-            let g = newest_generation(out, 3)?;
-            let slot = g.slots[1];
-            (g.generation == 1 && newest_step(&slot_log(out, g.slots[0])) >= 72)
-                .then_some((slot, pid_of(out, slot)?))
-        })
-    });
-    let o = run_with_deadline(c, Duration::from_secs(300));
-    let killed = killer.join().expect("killer");
-    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
-    assert!(o.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("restart 1/1 after: rank"), "{stderr}");
-    assert_members_kept_training(&out, &[killed], (4, 2, 10.0));
+    let ((stdout, _), _) = kill_rank_1_in_generation_1(c, &out, (3, 2), (0, 72));
     for slot in 0..4 {
         let log = slot_log(&out, slot);
         let stalled = log
