@@ -47,6 +47,9 @@ pub struct DistributedSampler {
     /// Elastic: every global batch of this many samples cut among the ranks
     /// ([`DistributedSampler::with_global_batch`]).
     global_batch: Option<usize>,
+    /// Samples a rank's share of a global batch is a multiple of
+    /// ([`DistributedSampler::with_micro_batches`]).
+    micro_batches: usize,
 }
 
 impl DistributedSampler {
@@ -80,6 +83,7 @@ impl DistributedSampler {
             drop_last,
             shuffle: true,
             global_batch: None,
+            micro_batches: 1,
         })
     }
 
@@ -104,12 +108,41 @@ impl DistributedSampler {
         self
     }
 
+    /// Cuts each rank's share of a global batch into `k` equal micro-batches (gradient
+    /// accumulation): where the ranks' shares of the [`DistributedSampler::with_global_batch`]
+    /// rule are not multiples of `k`, the global batch is cut in groups of `k` consecutive
+    /// samples instead, rank `r` of `N` taking `ceil((global_batch / k - r) / N)` of them in
+    /// one run after the lower ranks' (shares differing by `k` samples at most; `k` must
+    /// divide the global batch). Elsewhere nothing changes.
+    #[must_use]
+    pub fn with_micro_batches(mut self, k: usize) -> Self {
+        self.micro_batches = k.max(1);
+        self
+    }
+
     /// With a global batch ([`DistributedSampler::with_global_batch`]): this rank's share
     /// of each, `ceil((global_batch - rank) / world_size)` samples (0 for a rank beyond the
-    /// global batch).
+    /// global batch), or its groups' ([`DistributedSampler::with_micro_batches`]).
     pub fn rank_batch(&self) -> Option<usize> {
-        self.global_batch
-            .map(|b| b.saturating_sub(self.rank).div_ceil(self.world_size))
+        let b = self.global_batch?;
+        Some(match self.groups() {
+            Some((_, len)) => len,
+            None => b.saturating_sub(self.rank).div_ceil(self.world_size),
+        })
+    }
+
+    /// Where the micro-batches' groups apply, this rank's run of a global batch: its first
+    /// sample and its length. `None` where the interleaved rule gives every rank a multiple
+    /// of the micro-batches.
+    fn groups(&self) -> Option<(usize, usize)> {
+        let (b, k, n) = (self.global_batch?, self.micro_batches, self.world_size);
+        if k == 1 || b % (n * k) == 0 {
+            return None;
+        }
+        let groups = b / k;
+        let of = |r: usize| groups.saturating_sub(r).div_ceil(n);
+        let before: usize = (0..self.rank).map(of).sum();
+        Some((before * k, of(self.rank) * k))
     }
 
     /// Number of ranks.
@@ -170,8 +203,14 @@ impl DistributedSampler {
         let perm = self.permutation(epoch);
         if let Some(b) = self.global_batch {
             let steps = perm.len() / b;
-            return perm[..steps * b]
-                .chunks_exact(b)
+            let slices = perm[..steps * b].chunks_exact(b);
+            if let Some((first, len)) = self.groups() {
+                return slices
+                    .flat_map(|slice| &slice[first..first + len])
+                    .copied()
+                    .collect();
+            }
+            return slices
                 .flat_map(|slice| slice.iter().skip(self.rank).step_by(self.world_size))
                 .copied()
                 .collect();
@@ -411,6 +450,45 @@ mod tests {
                 let mut slice = perm[k * global..(k + 1) * global].to_vec();
                 slice.sort_unstable();
                 assert_eq!(union, slice, "n {n} step {k}");
+            }
+        }
+    }
+
+    /// With `k` micro-batches a rank: where the interleaved shares are multiples of `k`,
+    /// they stand; otherwise runs of whole groups of `k`, differing by `k` samples at most,
+    /// whose union is each global batch of the permutation, each sample once per epoch.
+    #[test]
+    fn shares_of_a_global_batch_are_whole_micro_batches() {
+        let (len, seed, global) = (1000, 5, 96);
+        for (n, k) in [(2, 4), (3, 4), (4, 8), (3, 8), (5, 4), (7, 2), (2, 2)] {
+            let ranks: Vec<DistributedSampler> = (0..n)
+                .map(|r| {
+                    DistributedSampler::new(len, n, r, seed, true)
+                        .unwrap()
+                        .with_global_batch(global)
+                        .with_micro_batches(k)
+                })
+                .collect();
+            let sizes: Vec<usize> = ranks.iter().map(|s| s.rank_batch().unwrap()).collect();
+            assert_eq!(sizes.iter().sum::<usize>(), global, "n {n} k {k}");
+            assert!(sizes.iter().all(|c| c % k == 0), "n {n} k {k}: {sizes:?}");
+            let (most, least) = (sizes.iter().max().unwrap(), sizes.iter().min().unwrap());
+            assert!(most - least <= k, "n {n} k {k}: {sizes:?}");
+            if global % (n * k) == 0 {
+                let plain = ranks[1].clone().with_micro_batches(1);
+                assert_eq!(ranks[1].indices(3), plain.indices(3), "n {n} k {k}");
+            }
+            let perm = ranks[0].permutation(2);
+            for step in 0..len / global {
+                let mut union: Vec<usize> = ranks
+                    .iter()
+                    .zip(&sizes)
+                    .flat_map(|(s, &c)| s.indices(2)[step * c..(step + 1) * c].to_vec())
+                    .collect();
+                union.sort_unstable();
+                let mut slice = perm[step * global..(step + 1) * global].to_vec();
+                slice.sort_unstable();
+                assert_eq!(union, slice, "n {n} k {k} step {step}");
             }
         }
     }

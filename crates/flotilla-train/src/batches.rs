@@ -68,17 +68,21 @@ impl Batches {
     }
 
     /// Shard `rank` of `world` of every global batch of `global_batch` samples (an elastic
-    /// job's: [`DistributedSampler::with_global_batch`]): the ranks' batches differ by at
-    /// most one sample, and the global batches are the same whatever `world` is.
+    /// job's: [`DistributedSampler::with_global_batch`]), each rank's a whole number of
+    /// `micro` micro-batches (gradient accumulation's:
+    /// [`DistributedSampler::with_micro_batches`]): the ranks' batches differ by at most one
+    /// sample (`micro` samples with accumulation), and the global batches are the same
+    /// whatever `world` is.
     pub fn sliced(
         train: Arc<dyn Samples>,
         (world, rank): (usize, usize),
         seed: u64,
-        global_batch: usize,
+        (global_batch, micro): (usize, usize),
         start: Position,
     ) -> Result<Self> {
         let sampler = DistributedSampler::new(train.len(), world, rank, seed, true)?
-            .with_global_batch(global_batch);
+            .with_global_batch(global_batch)
+            .with_micro_batches(micro);
         let batch_size = sampler.rank_batch().unwrap_or(global_batch);
         if batch_size == 0 {
             return Err(TrainError::config(

@@ -553,7 +553,8 @@ impl Job<'_> {
                             Start::AtStep(step) => elastic_position(&train, *global, step),
                             _ => at,
                         };
-                        Batches::sliced(train, (shards, index), seed, *global, at)?
+                        let micro = config.allreduce.accumulation_steps as usize;
+                        Batches::sliced(train, (shards, index), seed, (*global, micro), at)?
                     }
                     None => Batches::new(train, (shards, index), seed, batch, at)?,
                 };

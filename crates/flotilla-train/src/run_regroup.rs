@@ -126,7 +126,8 @@ impl Run {
             Counting::Epochs { shards, index } => (shards, index),
             Counting::Rounds { .. } => (world, rank),
         };
-        self.batches = Batches::sliced(train, shard, seed, global, at)?;
+        let micro = self.parts.config.allreduce.accumulation_steps as usize;
+        self.batches = Batches::sliced(train, shard, seed, (global, micro), at)?;
         self.plan.workers = shard.0;
         self.generation_line(observer)
     }

@@ -102,11 +102,13 @@ const MODES: &[Mode] = &[
         marker: "training: ",
     },
     Mode {
-        name: "sync all-reduce ZeRO-2, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nzero: 2\nepochs: 1000\nmax_steps: 600\n",
-        world: 3,
+        // Two micro-batches a step: three members' shares of the global batch of 256 are
+        // whole micro-batches (86, 86 and 84 samples), not 86, 85 and 85.
+        name: "sync all-reduce ZeRO-2 + accumulation 2, elastic 3:4",
+        yaml: "world_size: 4\nmin_world_size: 3\nzero: 2\naccumulation_steps: 2\nepochs: 1000\nmax_steps: 600\n",
+        world: 4,
         targets: &[(1, "peer")],
-        tolerated: &[0, 1, 2],
+        tolerated: &[0, 1, 2, 3],
         marker: "training: ",
     },
     Mode {
@@ -378,7 +380,11 @@ fn signal_scenario(
     // its undisturbed time (the survivors take the lost rank's share) on top of the bound.
     // An elastic job's undisturbed run is the fixed-size job (the same bits at full size),
     // started by hand as every baseline is.
-    let fixed = text.replace("min_world_size: 2\n", "");
+    let fixed: String = text
+        .lines()
+        .filter(|l| !l.starts_with("min_world_size:"))
+        .map(|l| format!("{l}\n"))
+        .collect();
     let baseline = mode
         .tolerated
         .contains(&rank)

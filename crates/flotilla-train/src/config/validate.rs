@@ -262,9 +262,9 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 
 impl TrainConfig {
     /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
-    /// `zero`), async all-reduce, a pipeline's replicas, or a flat parameter server's
-    /// workers (one server or shards, sync or async, any `local_steps`) over TCP,
-    /// `1 <= min <= world_size`. Each refusal names the setting.
+    /// `zero`), async all-reduce, a pipeline's replicas (without `accumulation_steps`), or a
+    /// flat parameter server's workers (one server or shards, sync or async, any
+    /// `local_steps`) over TCP, `1 <= min <= world_size`. Each refusal names the setting.
     fn validate_elastic(&self, min: usize) -> Result<()> {
         let key = "topology.min_world_size";
         let t = &self.topology;
@@ -315,8 +315,8 @@ impl TrainConfig {
         } else if t.arch != Arch::Allreduce {
             return not_yet("this strategy");
         }
-        if self.allreduce.accumulation_steps > 1 {
-            return not_yet("gradient accumulation (`allreduce.accumulation_steps`)");
+        if self.allreduce.accumulation_steps > 1 && t.arch == Arch::Pipeline {
+            return not_yet("gradient accumulation (`allreduce.accumulation_steps`) in a pipeline");
         }
         if self.comm.backend != super::Backend::Tcp {
             return not_yet("an MPI or NCCL backend");
@@ -400,6 +400,10 @@ mod tests {
             format!("{flat}min_world_size: 2\nlocal_steps: 4\n"),
             "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\n".into(),
             "arch: flat\nworld_size: 4\nservers: 2\nmin_world_size: 3\n".into(),
+            "world_size: 3\nmin_world_size: 2\naccumulation_steps: 4\nzero: 1\n".into(),
+            "world_size: 3\nmin_world_size: 2\naccumulation_steps: 2\nstrategy: async_allreduce\n"
+                .into(),
+            format!("{flat}min_world_size: 2\naccumulation_steps: 2\n"),
         ] {
             check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
         }
@@ -412,6 +416,11 @@ mod tests {
             (
                 "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 3\n".into(),
                 "multiples of 2, not 3:4",
+            ),
+            (
+                "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\naccumulation_steps: 2\n"
+                    .into(),
+                "gradient accumulation (`allreduce.accumulation_steps`) in a pipeline keeps a fixed size",
             ),
             (
                 "world_size: 5\nmin_world_size: 4\narch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: [{aggr_type: async, num_workers: 2}]}\n".into(),

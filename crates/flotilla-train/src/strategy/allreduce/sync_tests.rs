@@ -156,18 +156,22 @@ fn batch_norm_statistics_are_the_peers_mean_before_evaluation() {
 /// serial SGD on the whole global batch does (1e-6 relative: the ring's order of sums).
 /// Without the weights the update is the mean of the ranks' means: off by 3.7e-2. The same
 /// for async all-reduce at staleness 0 (each step applies its own gradient, through the
-/// cycle).
+/// cycle); and with 2 micro-batches a step (gradient accumulation), where the shares are
+/// whole micro-batches: 6, 6 and 4.
 #[test]
 fn members_that_do_not_divide_the_global_batch_train_as_one_rank_on_it() {
-    for zero in [0, 1, 2] {
-        unequal_shares_train_as_one_rank(false, zero);
+    for micro in [1, 2] {
+        for zero in [0, 1, 2] {
+            unequal_shares_train_as_one_rank(false, zero, micro);
+        }
+        unequal_shares_train_as_one_rank(true, 0, micro);
     }
-    unequal_shares_train_as_one_rank(true, 0);
 }
 
-/// `RANKS` peers (async or sync at `zero`) on shares 6, 5, 5 of a global batch of 16 against
-/// one rank on all of it.
-fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8) {
+/// `RANKS` peers (async or sync at `zero`, `micro` micro-batches a step) on shares of a
+/// global batch of 16 (6, 5, 5; or 6, 6, 4 in micro-batches of 2) against one rank on all
+/// of it.
+fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8, micro: usize) {
     const GLOBAL: usize = 16;
     let data = dataset(SAMPLES);
     let sliced = |workers: usize, rank: usize| {
@@ -177,7 +181,7 @@ fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8) {
             train,
             (workers, rank),
             crate::testkit::DATA_SEED,
-            GLOBAL,
+            (GLOBAL, micro),
             at,
         )
         .expect("batches")
@@ -192,7 +196,7 @@ fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8) {
     }
     let shares: Vec<_> = (0..RANKS).map(|r| sliced(RANKS, r)).collect();
     let sizes: Vec<usize> = shares.iter().map(|b| b.batch_size()).collect();
-    assert_eq!(sizes, [6, 5, 5]);
+    assert_eq!(sizes, if micro == 1 { [6, 5, 5] } else { [6, 6, 4] });
     let handles: Vec<_> = world(RANKS)
         .into_iter()
         .zip(shares)
@@ -202,6 +206,7 @@ fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8) {
                 c.topology.world_size = RANKS;
                 c.allreduce.staleness = 0;
                 c.allreduce.zero = zero;
+                c.allreduce.accumulation_steps = micro as u32;
                 let topology = c.topology().expect("topology");
                 let mut rank = Rank::new(comm.clone(), c, SAMPLES);
                 let mut peer: Box<dyn Strategy> = if asynchronous {
@@ -222,7 +227,7 @@ fn unequal_shares_train_as_one_rank(asynchronous: bool, zero: u8) {
         let err = relative_error(&got, &want);
         assert!(
             err <= 1e-6,
-            "async {asynchronous}, zero {zero}, rank {r}: relative error {err:e}"
+            "async {asynchronous}, zero {zero}, micro {micro}, rank {r}: relative error {err:e}"
         );
     }
 }
