@@ -437,20 +437,31 @@ mod tests {
                 sizes.iter().max().unwrap() - sizes.iter().min().unwrap() <= 1,
                 "{sizes:?}"
             );
-            let perm = ranks[0].permutation(1);
-            let steps = ranks[0].steps_per_epoch(1);
-            assert_eq!(steps, len / global);
-            for k in 0..steps {
-                let mut union: Vec<usize> = ranks
-                    .iter()
-                    .zip(&sizes)
-                    .flat_map(|(s, &c)| s.indices(1)[k * c..(k + 1) * c].to_vec())
-                    .collect();
-                union.sort_unstable();
-                let mut slice = perm[k * global..(k + 1) * global].to_vec();
-                slice.sort_unstable();
-                assert_eq!(union, slice, "n {n} step {k}");
-            }
+            assert_eq!(ranks[0].steps_per_epoch(1), len / global);
+            assert_each_global_batch_is_cut(&ranks, &sizes, 1, &format!("n {n}"));
+        }
+    }
+
+    /// In epoch `epoch`, the ranks' batches of each step (`sizes` samples each) are together
+    /// that step's global batch of the permutation: each sample once.
+    fn assert_each_global_batch_is_cut(
+        ranks: &[DistributedSampler],
+        sizes: &[usize],
+        epoch: u64,
+        what: &str,
+    ) {
+        let global: usize = sizes.iter().sum();
+        let perm = ranks[0].permutation(epoch);
+        for step in 0..ranks[0].steps_per_epoch(1) {
+            let mut union: Vec<usize> = ranks
+                .iter()
+                .zip(sizes)
+                .flat_map(|(s, &c)| s.indices(epoch)[step * c..(step + 1) * c].to_vec())
+                .collect();
+            union.sort_unstable();
+            let mut slice = perm[step * global..(step + 1) * global].to_vec();
+            slice.sort_unstable();
+            assert_eq!(union, slice, "{what} step {step}");
         }
     }
 
@@ -478,18 +489,7 @@ mod tests {
                 let plain = ranks[1].clone().with_micro_batches(1);
                 assert_eq!(ranks[1].indices(3), plain.indices(3), "n {n} k {k}");
             }
-            let perm = ranks[0].permutation(2);
-            for step in 0..len / global {
-                let mut union: Vec<usize> = ranks
-                    .iter()
-                    .zip(&sizes)
-                    .flat_map(|(s, &c)| s.indices(2)[step * c..(step + 1) * c].to_vec())
-                    .collect();
-                union.sort_unstable();
-                let mut slice = perm[step * global..(step + 1) * global].to_vec();
-                slice.sort_unstable();
-                assert_eq!(union, slice, "n {n} k {k} step {step}");
-            }
+            assert_each_global_batch_is_cut(&ranks, &sizes, 2, &format!("n {n} k {k}"));
         }
     }
 }
