@@ -32,14 +32,17 @@ pub struct JobData {
 impl JobData {
     /// Loads the data `config` names and checks that `model` takes its samples.
     pub fn load(config: &TrainConfig, model: &dyn ModelSource) -> Result<Self> {
-        let limit = config.data.train_limit;
+        let (limit, test_limit) = (config.data.train_limit, config.data.test_limit);
         let (name, io) = (model.name(), model.io()?);
         let data = match config.data.source() {
             DataSource::Mnist(dir) => {
                 let files = Mnist::open(&dir, Normalization::MNIST, &default_cache_dir()?)?;
-                let (mut train, test) = (files.train, files.test);
+                let (mut train, mut test) = (files.train, files.test);
                 if let Some(limit) = limit {
                     train.truncate(limit.min(train.len()));
+                }
+                if let Some(limit) = test_limit {
+                    test.truncate(limit.min(test.len()));
                 }
                 check_io(
                     name,
@@ -59,6 +62,9 @@ impl JobData {
                 if let Some(limit) = limit {
                     splits.train.truncate(limit);
                 }
+                if let Some(limit) = test_limit {
+                    splits.validation.truncate(limit);
+                }
                 check_io(name, &io, &[context], BYTE_VOCAB)?;
                 JobData {
                     start_epoch: 0,
@@ -72,7 +78,8 @@ impl JobData {
     }
 
     /// A program's own data: `train` to draw batches from (sharded by rank as `data.path`'s
-    /// are), `test` to evaluate on. `data.train_limit` keeps the first samples of `train`.
+    /// are), `test` to evaluate on. `data.train_limit` keeps the first samples of `train`,
+    /// `data.test_limit` those of `test`.
     /// Every rank gives the same samples (the rendezvous compares their numbers and shape).
     pub fn given(
         config: &TrainConfig,
@@ -86,6 +93,13 @@ impl JobData {
                 Arc::from(train.select(&first)?)
             }
             _ => train,
+        };
+        let test = match config.data.test_limit {
+            Some(limit) if limit < test.len() => {
+                let first: Vec<usize> = (0..limit).collect();
+                test.select(&first)?
+            }
+            _ => test,
         };
         let data = JobData {
             train,
@@ -233,7 +247,7 @@ mod tests {
     }
 
     #[test]
-    fn a_programs_data_is_cut_by_train_limit_and_checked_against_the_model() {
+    fn a_programs_data_is_cut_by_its_limits_and_checked_against_the_model() {
         let mut config = TrainConfig::default();
         config.model.spec = "lenet5".into();
         config.data.train_limit = Some(30);
@@ -243,6 +257,16 @@ mod tests {
         };
         let data = given(images(100, 28, 10), images(20, 28, 10)).expect("MNIST-like");
         assert_eq!((data.train.len(), data.test.len()), (30, 20));
+        let mut cut = config.clone();
+        cut.data.test_limit = Some(8);
+        let data = JobData::given(
+            &cut,
+            &model,
+            Arc::new(images(100, 28, 10)),
+            Box::new(images(20, 28, 10)),
+        )
+        .expect("a test limit");
+        assert_eq!((data.train.len(), data.test.len()), (30, 8));
         // Fewer classes in the labels than the model gives: fine; more: refused.
         given(images(100, 28, 7), images(20, 28, 7)).expect("7 of 10 classes");
         let e = given(images(100, 28, 12), images(20, 28, 10))

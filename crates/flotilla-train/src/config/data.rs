@@ -20,6 +20,9 @@ pub struct DataSection {
     pub batch_size: usize,
     /// Use only the first `train_limit` training samples (for quick runs and tests).
     pub train_limit: Option<usize>,
+    /// Evaluate on only the first `test_limit` test samples (or validation windows of a
+    /// text): quicker evaluations, on a subset.
+    pub test_limit: Option<usize>,
 }
 
 impl Default for DataSection {
@@ -28,6 +31,7 @@ impl Default for DataSection {
             path: PathBuf::from("data/mnist"),
             batch_size: 64,
             train_limit: None,
+            test_limit: None,
         }
     }
 }

@@ -189,6 +189,12 @@ pub const KEYS: &[Key] = &[
         Kind::Usize,
         "Use only the first N training samples",
     ),
+    Key::new("data.test_limit").aliases(&["test_limit"]).flag(
+        "test-limit",
+        "TEST_LIMIT",
+        Kind::Usize,
+        "Evaluate on only the first N test samples",
+    ),
     Key::new("optimizer.lr")
         .aliases(&["lr"])
         .flag("lr", "LR", Kind::F64, "Learning rate"),

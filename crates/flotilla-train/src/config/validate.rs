@@ -38,7 +38,8 @@ impl TrainConfig {
         at_least_one("topology.local_steps", t.local_steps > 0)?;
         at_least_one("schedule.num_server_rounds", s.num_server_rounds != Some(0))?;
         at_least_one("schedule.eval_every_steps", s.eval_every_steps != Some(0))?;
-        at_least_one("data.train_limit", self.data.train_limit != Some(0))
+        at_least_one("data.train_limit", self.data.train_limit != Some(0))?;
+        at_least_one("data.test_limit", self.data.test_limit != Some(0))
     }
 
     /// The numbers that must be positive or within a range, and the backend this build has.
