@@ -287,21 +287,21 @@ fn assert_members_kept_training(
 }
 
 /// Runs `c`, an elastic job of at most `max` ranks into `out` with `--max-restarts 1`, and
-/// SIGKILLs generation 1's rank 1 once the log of its rank `watched` shows step `step`; the
+/// SIGKILLs generation 1's rank `victim` once the log of its rank `watched` shows step `step`; the
 /// job must end at 0 after restarting one process, with its members kept training
 /// ([`assert_members_kept_training`], `min` members at least). Its stdout and stderr, and
 /// the killed slot.
-fn kill_rank_1_in_generation_1(
+fn kill_in_generation_1(
     c: Command,
     out: &Path,
     (max, min): (u64, usize),
-    (watched, step): (usize, u64),
+    (victim, watched, step): (usize, usize, u64),
 ) -> ((String, String), u64) {
     let log_dir = out.to_path_buf();
     let killer = std::thread::spawn(move || {
         kill_when(&log_dir, &format!("step {step} of generation 1"), |out| {
             let g = newest_generation(out, max)?;
-            let slot = g.slots[1];
+            let slot = g.slots[victim];
             (g.generation == 1 && newest_step(&slot_log(out, g.slots[watched])) >= step)
                 .then_some((slot, pid_of(out, slot)?))
         })
@@ -531,7 +531,7 @@ fn lose_rank_1_in_epoch_3(
     c.args(args_for(&elastic, size, "10", epochs))
         .args(flags)
         .args(["--max-restarts", "1"]);
-    let ((stdout, _), killed) = kill_rank_1_in_generation_1(c, &elastic, (max, min), (1, 2 * 104));
+    let ((stdout, _), killed) = kill_in_generation_1(c, &elastic, (max, min), (1, 1, 2 * 104));
     let (acc, undisturbed) = (final_fields_in(&stdout)["test_acc"], undisturbed());
     println!("test accuracy: elastic {acc}, undisturbed {undisturbed}");
     assert!(
@@ -693,7 +693,7 @@ fn a_users_program_trains_on_when_a_rank_is_lost_and_is_replaced() {
         .args(args(&elastic, "2:3").into_iter().skip(1))
         .args(["--max-restarts", "1", "--"])
         .arg(&program);
-    let ((stdout, stderr), _) = kill_rank_1_in_generation_1(c, &elastic, (3, 2), (1, 2 * 104 + 10));
+    let ((stdout, stderr), _) = kill_in_generation_1(c, &elastic, (3, 2), (1, 1, 2 * 104 + 10));
     // The launcher names burn's default device for the ranks (`BURN_DEVICE`): loading the
     // members' optimizer state no longer opens Vulkan in a rank that trains on Flex.
     assert!(!stderr.contains("XDG_RUNTIME_DIR"), "{stderr}");
@@ -851,22 +851,8 @@ fn burns_learner_trains_on_when_its_rank_0_is_lost_and_replaced() {
         learner(&dir.path().join(name), size, restarts, &[])
     };
     let (c, out) = run("elastic", "2:3", "1");
-    let watched = out.clone();
     // 62 steps of 96 samples an epoch: rank 0 of the first generation, 10 steps into epoch 2.
-    let killer = std::thread::spawn(move || {
-        kill_when(&watched, "epoch 2 of generation 1", |out| {
-            let g = newest_generation(out, 3)?;
-            let lead = g.slots[0];
-            (g.generation == 1 && newest_step(&slot_log(out, lead)) >= 72)
-                .then_some((lead, pid_of(out, lead)?))
-        })
-    });
-    let o = run_with_deadline(c, Duration::from_secs(300));
-    let killed = killer.join().expect("killer");
-    let (stdout, stderr) = (text(&o), String::from_utf8_lossy(&o.stderr).to_string());
-    assert!(o.status.success(), "{stdout}\n{stderr}");
-    assert!(stderr.contains("restart 1/1 after: rank"), "{stderr}");
-    assert_members_kept_training(&out, &[killed], (4, 2, 10.0));
+    let _ = kill_in_generation_1(c, &out, (3, 2), (0, 0, 72));
     for epoch in 1..=3 {
         let validated = out.join(format!("artifacts/valid/epoch-{epoch}/Loss.log"));
         assert!(validated.is_file(), "epoch {epoch} not validated");
@@ -931,7 +917,7 @@ fn burns_learner_on_async_peers_trains_on_when_a_member_is_lost_and_replaced() {
     let dir = tmp();
     let async_peers = ["--strategy", "async_allreduce"];
     let (c, out) = learner(&dir.path().join("elastic"), "2:3", "1", &async_peers);
-    let ((stdout, _), _) = kill_rank_1_in_generation_1(c, &out, (3, 2), (0, 72));
+    let ((stdout, _), _) = kill_in_generation_1(c, &out, (3, 2), (1, 0, 72));
     for slot in 0..4 {
         let log = slot_log(&out, slot);
         let stalled = log
@@ -948,17 +934,10 @@ fn burns_learner_on_async_peers_trains_on_when_a_member_is_lost_and_replaced() {
     let o = run_with_deadline(c, Duration::from_secs(300));
     let plain = text(&o);
     assert!(o.status.success(), "{plain}");
-    let accuracy = |t: &str| -> f64 {
-        let l = t
-            .lines()
-            .rfind(|l| l.contains("test accuracy: "))
-            .expect("accuracy");
-        l.rsplit(' ')
-            .next()
-            .and_then(|v| v.parse().ok())
-            .expect("a number")
-    };
-    let (elastic, undisturbed) = (accuracy(&stdout), accuracy(&plain));
+    let (elastic, undisturbed) = (
+        learner_test_accuracy(&stdout),
+        learner_test_accuracy(&plain),
+    );
     println!("test accuracy: elastic {elastic}, undisturbed {undisturbed}");
     assert!(
         (elastic - undisturbed).abs() <= 0.02,

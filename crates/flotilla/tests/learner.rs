@@ -370,16 +370,7 @@ fn a_learner_worker_of_an_elastic_server_killed_is_replaced_and_rejoins() {
         "{all}"
     );
     assert_rejoined(&out, 2);
-    let accuracy = |t: &str| -> f64 {
-        let l = t
-            .lines()
-            .rfind(|l| l.contains("test accuracy: "))
-            .expect("accuracy");
-        l.split("test accuracy: ")
-            .nth(1)
-            .and_then(|v| v.trim().parse().ok())
-            .expect("a number")
-    };
+    let accuracy = learner_test_accuracy;
     let (c, _) = start("plain", "3");
     let plain = run_with_deadline(c, LIMIT);
     assert!(plain.status.success(), "{}", text(&plain));

@@ -431,3 +431,16 @@ pub fn signal(pid: u32, sig: &str) {
         .success();
     assert!(ok, "kill {sig} {pid}");
 }
+
+/// The accuracy of the last `test accuracy: X` line of `text` (what
+/// `examples/mnist_learner.rs` prints at its end).
+pub fn learner_test_accuracy(text: &str) -> f64 {
+    let l = text
+        .lines()
+        .rfind(|l| l.contains("test accuracy: "))
+        .expect("accuracy");
+    l.split("test accuracy: ")
+        .nth(1)
+        .and_then(|v| v.trim().parse().ok())
+        .expect("a number")
+}
