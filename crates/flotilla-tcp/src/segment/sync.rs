@@ -81,7 +81,11 @@ impl Segment {
             if released() {
                 return Ok(());
             }
-            self.check(watch)?;
+            if let Err(e) = self.check(watch) {
+                // A member released between the two looks, then left (its last collective
+                // done, its links closed) or failed later: this barrier still completed.
+                return if released() { Ok(()) } else { Err(e) };
+            }
             let now = Instant::now();
             if now >= deadline {
                 return Err(watch.timed_out(self.laggard()));
@@ -189,6 +193,60 @@ impl Segment {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A watch whose first look at the peers lets the other member arrive (releasing the
+    /// barrier) and then reports it lost, as a member that finished its last collective and
+    /// closed its links between the waiter's two looks.
+    struct LeavesAfterArriving<'a> {
+        other: &'a Segment,
+        looks: std::cell::Cell<u32>,
+    }
+
+    impl Watch for LeavesAfterArriving<'_> {
+        fn timeout(&self) -> Duration {
+            Duration::from_secs(5)
+        }
+        fn check(&self) -> Result<(), CommError> {
+            self.looks.set(self.looks.get() + 1);
+            self.other.barrier(self)?;
+            Err(CommError::PeerLost {
+                peer: 1,
+                op: "barrier".into(),
+                reason: "connection closed by peer".into(),
+            })
+        }
+        fn timed_out(&self, r: usize) -> CommError {
+            CommError::Timeout {
+                peer: r,
+                op: "barrier".into(),
+                after: self.timeout(),
+            }
+        }
+        fn aborted_by(&self, r: usize, reason: String) -> CommError {
+            CommError::Aborted { by: r, reason }
+        }
+        fn protocol(&self, r: usize, detail: String) -> CommError {
+            CommError::Protocol { peer: r, detail }
+        }
+    }
+
+    /// A barrier every member entered has completed, whatever a member does after it: a
+    /// waiter that sees the release only after a peer has gone is not failed by its going
+    /// (the CI of 06d9f4c failed a pipeline's last all-reduce on a replica that had ended).
+    #[test]
+    fn a_member_that_leaves_after_the_release_does_not_fail_the_barrier() {
+        let dir = tempfile::tempdir().expect("temporary directory");
+        let layout = crate::segment::Layout::new(2, 4096, 0);
+        let path = dir.path().join("seg");
+        let seg = Segment::create(&path, &layout, 0).expect("segment");
+        let other = Segment::open(&path, &layout, 1).expect("second mapping");
+        let watch = LeavesAfterArriving {
+            other: &other,
+            looks: std::cell::Cell::new(0),
+        };
+        seg.barrier(&watch).expect("the barrier completed");
+        assert_eq!(watch.looks.get(), 1, "the waiter looked at its peers once");
+    }
 
     /// The spin budget halves down to `MIN_SPINS` while spins see no release and doubles
     /// back up to `SPINS` once they do.
