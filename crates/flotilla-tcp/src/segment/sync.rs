@@ -2,7 +2,10 @@
 //! (adaptive: see `Segment::spin`),
 //! then futex waits (`rustix::thread::futex`, shared between processes) in slices, so
 //! that every wait is bounded and notices a failed or stalled peer. A rank that fails
-//! marks the segment aborted and wakes every waiter.
+//! marks the segment aborted and wakes every waiter. A barrier every member entered has
+//! completed whatever a member does next: a waiter whose look at the peers fails looks at
+//! the release once more before it reports the failure (a member that ended after its last
+//! collective closes its links).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
