@@ -274,6 +274,10 @@ pub struct BenchStepArgs {
     /// Timed steps per case (after 5 warm-up steps).
     #[arg(long, default_value_t = 30)]
     pub steps: usize,
+    /// Runs of each side per case, alternating (ours, theirs, ours, ...); each side keeps
+    /// its best run, as noise on a shared machine only ever slows a run down.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
+    pub rounds: u32,
     /// The burn backend Flotilla's side runs on (`flex`, `auto`, or one this build adds:
     /// `ndarray`, `libtorch`, `wgpu`), as `model.device` names it.
     #[arg(long, default_value = "flex")]

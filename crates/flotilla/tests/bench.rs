@@ -60,13 +60,14 @@ fn step_row(stdout: &str) -> BTreeMap<&'static str, f64> {
         .collect()
 }
 
-/// `bench step` of LeNet-5, batch 32, 1 thread, `steps` timed steps (each side runs twice,
-/// after 5 warm-up steps); its row and the CPU seconds the command took, children included.
-fn bench_step(steps: usize, python: &str) -> (BTreeMap<&'static str, f64>, f64) {
+/// `bench step` of LeNet-5, batch 32, 1 thread, `steps` timed steps (each side runs `rounds`
+/// times, after 5 warm-up steps); its row and the CPU seconds the command took, children
+/// included.
+fn bench_step(steps: usize, rounds: u32, python: &str) -> (BTreeMap<&'static str, f64>, f64) {
     let mut c = flotilla();
     c.args(["bench", "step", "--models", "lenet5", "--batches", "32"])
         .args(["--threads", "1", "--steps", &steps.to_string()])
-        .args(["--python", python]);
+        .args(["--rounds", &rounds.to_string(), "--python", python]);
     let before = children_cpu_seconds();
     let o = run_with_deadline(c, Duration::from_secs(600));
     let cpu = children_cpu_seconds() - before;
@@ -90,8 +91,9 @@ fn reference_python() -> (String, bool) {
 }
 
 /// `bench step` on a tiny case prints one row of measured figures. Its CPU time per step is
-/// real: without the reference (its Python missing), 40 more timed steps a run (two runs)
-/// cost the command 80 steps' worth of its `cpu_ms`, within a third. Its rate is no faster
+/// real, and `--rounds` makes that many runs: without the reference (its Python missing),
+/// three runs of 45 timed steps against two of 5 cost the command 130 steps' worth of its
+/// `cpu_ms` more (each run 5 warm-up steps), within a third. Its rate is no faster
 /// than its CPU time allows on one thread (a step's wall time at least its CPU time). With
 /// the reference, the ratios are the quotients of the columns.
 #[test]
@@ -99,9 +101,9 @@ fn bench_step_reports_measured_figures_and_their_ratios() {
     let _serial = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
     let (python, torch) = reference_python();
     let alone = "/nonexistent/python3";
-    let (short, cpu_short) = bench_step(5, alone);
-    let (long, cpu_long) = bench_step(45, alone);
-    let (with_torch, _) = bench_step(5, &python);
+    let (short, cpu_short) = bench_step(5, 2, alone);
+    let (long, cpu_long) = bench_step(45, 3, alone);
+    let (with_torch, _) = bench_step(5, 2, &python);
     for row in [&short, &long, &with_torch] {
         assert_eq!((row["batch"], row["threads"]), (32.0, 1.0), "{row:?}");
         assert!(row["flotilla/s"] > 0.0 && row["cpu_ms"] > 0.0, "{row:?}");
@@ -134,11 +136,13 @@ fn bench_step_reports_measured_figures_and_their_ratios() {
             "{row:?}"
         );
     }
-    let claimed = 2.0 * 40.0 * (short["cpu_ms"] + long["cpu_ms"]) / 2.0 / 1e3;
+    // Three runs of 5 + 45 steps against two of 5 + 5: 130 steps more (80 if the third
+    // run were not made).
+    let claimed = 130.0 * (short["cpu_ms"] + long["cpu_ms"]) / 2.0 / 1e3;
     let spent = cpu_long - cpu_short;
     assert!(
         (0.67..=1.5).contains(&(spent / claimed)),
-        "40 more steps a run cost {spent:.3} s of CPU; the rows claim {claimed:.3} s: {short:?} {long:?}"
+        "130 more steps cost {spent:.3} s of CPU; the rows claim {claimed:.3} s: {short:?} {long:?}"
     );
 }
 

@@ -211,8 +211,8 @@ fn step(args: &BenchStepArgs) -> Result<()> {
     Ok(())
 }
 
-/// One row of `bench step`: ours, theirs, ours, theirs; each side keeps its better run (the
-/// CPU time is the better run's).
+/// One row of `bench step`: ours, theirs, ours, theirs, ... (`args.rounds` runs of each);
+/// each side keeps its best run (the CPU time is the best run's).
 fn step_case(args: &BenchStepArgs, model: &str, batch: usize, threads: usize) -> Result<()> {
     let pool = rayon::ThreadPoolBuilder::new()
         .num_threads(threads.max(1))
@@ -221,10 +221,6 @@ fn step_case(args: &BenchStepArgs, model: &str, batch: usize, threads: usize) ->
     let ours_once = || pool.install(|| flotilla_step_rate(model, &args.device, batch, args.steps));
     let python = args.python.as_deref().unwrap_or("python3");
     let theirs_once = || torch_step_rate(python, model, batch, threads, args.steps);
-    let ours1 = ours_once()?;
-    let theirs1 = theirs_once();
-    let ours2 = ours_once()?;
-    let theirs2 = theirs_once();
     let better = |a: StepRate, b: StepRate| {
         if b.samples_per_s > a.samples_per_s {
             b
@@ -232,11 +228,15 @@ fn step_case(args: &BenchStepArgs, model: &str, batch: usize, threads: usize) ->
             a
         }
     };
-    let ours = better(ours1, ours2);
-    let theirs = match (theirs1, theirs2) {
-        (Some(a), Some(b)) => Some(better(a, b)),
-        (a, b) => a.or(b),
-    };
+    let (mut ours, mut theirs): (Option<StepRate>, Option<StepRate>) = (None, None);
+    for _ in 0..args.rounds {
+        let o = ours_once()?;
+        ours = Some(ours.map_or(o, |a| better(a, o)));
+        if let Some(t) = theirs_once() {
+            theirs = Some(theirs.map_or(t, |a| better(a, t)));
+        }
+    }
+    let ours = ours.context("bench step: --rounds must be at least 1")?;
     let (t, r, tc, rc) = match theirs {
         Some(t) => (
             format!("{:.0}", t.samples_per_s),
