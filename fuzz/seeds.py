@@ -85,6 +85,7 @@ def ps_message():
     put("ps_message", "stop", b"\x05" + struct.pack("<I", 6) + b"target")
     put("ps_message", "abort", b"\x07" + struct.pack("<I", 4) + b"lost")
     put("ps_message", "gather", b"\x06" + struct.pack("<Q", 12))
+    put("ps_message", "members", b"\x09" + struct.pack("<III", 2, 3, 7))
 
 
 def pipeline_wire():

@@ -9,6 +9,7 @@
 //! - `Reject`: `retry: u8`, then as `Stop`.
 //! - `Stop` / `Abort`: `len: u32, len bytes of UTF-8 reason`.
 //! - `Gather`: `version: u64`.
+//! - `Members`: `len: u32, len x u32` (ranks, ascending).
 
 use flotilla_group::{CommError, Tag};
 
@@ -25,6 +26,7 @@ const STOP: u8 = 5;
 const GATHER: u8 = 6;
 const ABORT: u8 = 7;
 const STATE: u8 = 8;
+const MEMBERS: u8 = 9;
 
 /// One parameter-server message.
 #[derive(Debug, Clone, PartialEq)]
@@ -90,6 +92,13 @@ pub enum PsMessage {
         /// The state's bytes.
         bytes: Vec<u8>,
     },
+    /// Local server → its parent, in an elastic job: the workers under it now left out
+    /// (lost, silent past the deadline), sent whenever that changes, so that the root can
+    /// stop the job when fewer than its minimum remain across every group.
+    Members {
+        /// The workers left out, ascending (empty: every worker is back).
+        left_out: Vec<u32>,
+    },
 }
 
 fn put_f32s(out: &mut Vec<u8>, values: &[f32]) {
@@ -122,6 +131,7 @@ impl PsMessage {
             PsMessage::Gather { .. } => "gather",
             PsMessage::State { .. } => "state",
             PsMessage::Abort { .. } => "abort",
+            PsMessage::Members { .. } => "members",
         }
     }
 
@@ -170,6 +180,13 @@ impl PsMessage {
                 });
                 out.extend_from_slice(&(reason.len() as u32).to_le_bytes());
                 out.extend_from_slice(reason.as_bytes());
+            }
+            PsMessage::Members { left_out } => {
+                out.push(MEMBERS);
+                out.extend_from_slice(&(left_out.len() as u32).to_le_bytes());
+                for rank in left_out {
+                    out.extend_from_slice(&rank.to_le_bytes());
+                }
             }
         }
         out
@@ -234,6 +251,17 @@ impl PsMessage {
                     REJECT => PsMessage::Reject { reason, retry },
                     STOP => PsMessage::Stop { reason },
                     _ => PsMessage::Abort { reason },
+                }
+            }
+            MEMBERS => {
+                let len = r.u32()? as usize;
+                // Checked against the payload before anything is allocated.
+                let bytes = r.take(len.checked_mul(4).ok_or_else(|| r.bad("members length"))?)?;
+                PsMessage::Members {
+                    left_out: bytes
+                        .chunks_exact(4)
+                        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect(),
                 }
             }
             other => return Err(r.bad(&format!("unknown message kind {other}"))),
@@ -346,6 +374,10 @@ mod tests {
             PsMessage::State {
                 bytes: vec![1, 2, 3],
             },
+            PsMessage::Members {
+                left_out: vec![3, 7],
+            },
+            PsMessage::Members { left_out: vec![] },
         ];
         for m in msgs {
             assert_eq!(PsMessage::decode(&m.encode(), 3).expect("decode"), m);
@@ -389,6 +421,8 @@ mod tests {
                 .prop_map(|(version, state)| PsMessage::Gather { version, state }),
             proptest::collection::vec(any::<u8>(), 0..64)
                 .prop_map(|bytes| PsMessage::State { bytes }),
+            proptest::collection::vec(any::<u32>(), 0..16)
+                .prop_map(|left_out| PsMessage::Members { left_out }),
         ]
     }
 

@@ -5,7 +5,7 @@
 //! local server) can be restarted alone (`flotilla launch --max-restarts`): the new process,
 //! started with [`REJOIN_ENV`]` = 1`, takes the lost worker's place on its links to rank 0
 //! and to its servers, pulls the current parameters and trains on; the servers admit it
-//! back. So can every worker of an elastic flat parameter server (`-n MIN:MAX`,
+//! back. So can every worker of an elastic parameter server, flat or hierarchical (`-n MIN:MAX`,
 //! [`Elasticity::ServerWorkers`]), sync ones too: its server leaves a lost worker out of
 //! the rounds and takes the replacement back. Every other rank restarts the whole job from
 //! its checkpoint instead: a fixed-size sync server waits for every worker each round, and a
@@ -82,7 +82,7 @@ pub fn mode(
             REJOIN_ENV,
             format!(
                 "only a worker (with RANK set) whose parameter servers are all asynchronous, or \
-                 of an elastic flat server, can rejoin a running job; this is rank {} of a {} \
+                 of an elastic parameter server, can rejoin a running job; this is rank {} of a {} \
                  topology ({})",
                 rank.map_or("?".to_string(), |r| r.to_string()),
                 topology.arch(),

@@ -195,6 +195,15 @@ const MODES: &[Mode] = &[
         marker: "role ",
     },
     Mode {
+        name: "PS hierarchical sync, elastic 5:6",
+        yaml: "arch: hierarchical\nmin_world_size: 5\nnum_server_rounds: 600\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}\n",
+        world: 6,
+        targets: &[(3, "worker")],
+        // Local server 1 leaves a lost or silent worker out and trains on with the other.
+        tolerated: &[2, 3],
+        marker: "role ",
+    },
+    Mode {
         name: "PS hierarchical async",
         yaml: PS_HIERARCHICAL_ASYNC,
         world: 5,

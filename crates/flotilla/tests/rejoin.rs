@@ -2,7 +2,7 @@
 //! `flotilla launch --max-restarts` and rejoins the running job: it pulls the current
 //! parameters and trains on, the server takes it back and applies its pushes, and the job
 //! ends normally, as accurate as an undisturbed one. So does a worker of an elastic flat
-//! server (`min_world_size`), sync or model averaging.
+//! server (`min_world_size`), sync or model averaging, and of an elastic sync local server.
 
 mod common;
 #[path = "common/starts.rs"]
@@ -280,6 +280,15 @@ fn a_programs_worker_of_an_elastic_sync_server_killed_twice_rejoins() {
 fn a_worker_under_an_async_local_server_rejoins() {
     let hier = "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: async, num_workers: 1}";
     killed_twice_rejoins(hier, 900, 3, &[1], [200, 500], 0.9, Ranks::Secure);
+}
+
+/// An elastic hierarchical job (global server 0; sync local server 1 with workers 2 and 3,
+/// local server 4 with worker 5; `min_world_size: 5`): the local server leaves the lost
+/// worker out, tells the global server, and takes each replacement back.
+#[test]
+fn a_worker_under_an_elastic_sync_local_server_killed_twice_rejoins() {
+    let hier = "arch: hierarchical\nmin_world_size: 5\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}";
+    killed_twice_rejoins(hier, 900, 3, &[1], [200, 500], 0.9, Ranks::Plain);
 }
 
 /// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at

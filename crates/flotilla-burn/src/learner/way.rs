@@ -25,7 +25,7 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
             "topology.min_world_size",
             format!(
                 "an elastic job ({min}:{}) runs burn's Learner on sync or async all-reduce peers \
-                 without ZeRO, and on an elastic flat server's workers; a program trains the \
+                 without ZeRO, and on an elastic parameter server's workers; a program trains the \
                  other ways elastic on flotilla_burn::train or ::session, or in its own loop \
                  under flotilla_burn::elastic::run",
                 settings.topology.world_size

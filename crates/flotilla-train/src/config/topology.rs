@@ -53,10 +53,10 @@ pub enum Elasticity {
     /// the others training in a new generation, a new process joins at a step boundary, and
     /// the global batch (`batch_size` x `world_size`) stays ([`crate::elastic`]).
     Generations,
-    /// A flat parameter server's workers: the server keeps them; a lost (or silent) worker
-    /// is left out of the rounds while at least `min_world_size` ranks remain, and its
-    /// replacement, started alone by the launcher, pulls the current parameters and is
-    /// taken back into the next round. A lost server ends the job.
+    /// A parameter server's workers (flat or hierarchical): their servers keep them; a lost
+    /// (or silent) worker is left out of the rounds while at least `min_world_size` ranks
+    /// remain, and its replacement, started alone by the launcher, pulls the current
+    /// parameters and is taken back into the round under way. A lost server ends the job.
     ServerWorkers,
 }
 
@@ -65,7 +65,7 @@ impl TrainConfig {
     pub fn elasticity(&self) -> Option<Elasticity> {
         self.topology.min_world_size?;
         Some(match self.topology.arch {
-            Arch::Flat => Elasticity::ServerWorkers,
+            Arch::Flat | Arch::Hierarchical => Elasticity::ServerWorkers,
             _ => Elasticity::Generations,
         })
     }

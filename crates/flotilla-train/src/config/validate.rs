@@ -264,18 +264,17 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 impl TrainConfig {
     /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
     /// `zero`), async all-reduce, a pipeline's replicas (without `accumulation_steps`), or a
-    /// flat parameter server's workers (one server or shards, sync or async, any
-    /// `local_steps`) over TCP, `1 <= min <= world_size`. Each refusal names the setting.
+    /// parameter server's workers (flat, one server or shards, or hierarchical; sync or
+    /// async, any `local_steps`) over TCP, `1 <= min <= world_size`, and a parameter server's
+    /// minimum leaves its servers a worker at least. Each refusal names the setting.
     fn validate_elastic(&self, min: usize) -> Result<()> {
         let key = "topology.min_world_size";
         let t = &self.topology;
-        if min == 0 || min > t.world_size {
+        let world = self.effective_world_size()?;
+        if min == 0 || min > world {
             return Err(bad(
                 key,
-                format!(
-                    "must be between 1 and world_size ({}), not {min}",
-                    t.world_size
-                ),
+                format!("must be between 1 and world_size ({world}), not {min}"),
             ));
         }
         let not_yet = |what: &str| {
@@ -283,14 +282,13 @@ impl TrainConfig {
                 key,
                 format!(
                     "an elastic job trains with sync or async all-reduce, a pipeline's replicas \
-                     or a flat parameter server's workers, over TCP so far; {what} keeps a fixed size (drop MIN: \
-                     `-n {}`, and `--max-restarts` restarts the whole job from its checkpoint)",
-                    t.world_size
+                     or a parameter server's workers, over TCP so far; {what} keeps a fixed size (drop MIN: \
+                     `-n {world}`, and `--max-restarts` restarts the whole job from its checkpoint)"
                 ),
             ))
         };
-        if t.arch == Arch::Flat {
-            let servers = t.servers.max(1);
+        if matches!(t.arch, Arch::Flat | Arch::Hierarchical) {
+            let servers = world - self.topology()?.num_workers();
             if min <= servers {
                 return Err(bad(
                     key,
@@ -313,8 +311,6 @@ impl TrainConfig {
                     ),
                 ));
             }
-        } else if t.arch != Arch::Allreduce {
-            return not_yet("this strategy");
         }
         if self.allreduce.accumulation_steps > 1 && t.arch == Arch::Pipeline {
             return not_yet("gradient accumulation (`allreduce.accumulation_steps`) in a pipeline");
@@ -390,10 +386,12 @@ mod tests {
     }
 
     #[test]
-    fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_flat_servers_and_refuses_the_rest() {
+    fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_server_workers_and_refuses_the_rest() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         let flat =
             "arch: flat\nworld_size: 3\nparameter_server: {aggr_type: sync, num_workers: 2}\n";
+        // 6 ranks: the global server, 2 local servers, 3 workers.
+        let hier = "arch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: [{aggr_type: sync, num_workers: 2}, {aggr_type: async, num_workers: 1}]}\n";
         for yaml in [
             "world_size: 3\nmin_world_size: 2\n".to_string(),
             "world_size: 3\nmin_world_size: 2\nzero: 2\n".to_string(),
@@ -405,6 +403,8 @@ mod tests {
             "world_size: 3\nmin_world_size: 2\naccumulation_steps: 2\nstrategy: async_allreduce\n"
                 .into(),
             format!("{flat}min_world_size: 2\naccumulation_steps: 2\n"),
+            format!("{hier}min_world_size: 5\n"),
+            format!("{hier}min_world_size: 6\n"),
         ] {
             check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
         }
@@ -424,8 +424,12 @@ mod tests {
                 "gradient accumulation (`allreduce.accumulation_steps`) in a pipeline keeps a fixed size",
             ),
             (
-                "world_size: 5\nmin_world_size: 4\narch: hierarchical\nglobal_server: {aggr_type: sync, local_servers: [{aggr_type: async, num_workers: 2}]}\n".into(),
-                "this strategy keeps a fixed size",
+                format!("{hier}min_world_size: 3\n"),
+                "3 server(s) at least one worker: 4 or more, not 3",
+            ),
+            (
+                format!("{hier}min_world_size: 7\n"),
+                "between 1 and world_size (6), not 7",
             ),
         ] {
             let e = check(&yaml).expect_err(&yaml).to_string();

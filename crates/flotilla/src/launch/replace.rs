@@ -2,7 +2,7 @@
 //! policy for a config's job (`flotilla launch CONFIG`) and a program's (`-- PROGRAM`).
 //!
 //! A rank under an asynchronous server is tolerated (its server trains on without it); so is
-//! every worker of an elastic flat parameter server (`-n MIN:MAX`: its servers leave a lost
+//! every worker of an elastic parameter server, flat or hierarchical (`-n MIN:MAX`: its servers leave a lost
 //! worker out while the job keeps its minimum). Those that can rejoin
 //! (`flotilla_train::rejoin`) are started again, within `--max-restarts`, by `make` with
 //! the rejoin variable set.

@@ -1,7 +1,12 @@
 //! A local server as a state machine: a server to its workers and a child of its parent.
 //!
 //! - Sync: one averaged push up per round of all children; the parent's reply starts the
-//!   next round for everyone. Losing a child or the parent ends the run naming it.
+//!   next round for everyone. Losing a child or the parent ends the run naming it — except
+//!   in an elastic job (`flotilla launch -n MIN:MAX`), where a lost or silent worker is left
+//!   out by the rules of `members.rs` (the round closes with the others' pushes, a left-out
+//!   worker's pushes are refused for good, a replacement is taken back) and the parent is
+//!   told who is out, to keep the job's minimum; a local server whose every worker is out
+//!   ends the run naming them.
 //! - Async: answers each child at once with the newest parameters it has, and pushes up the
 //!   mean of what it gathered whenever its previous push has been answered. A lost child is
 //!   logged and the others go on; a parent that leaves a push unanswered past the deadline
@@ -14,6 +19,7 @@ use flotilla_engine::ModelState;
 use flotilla_tcp::CommError;
 
 use super::job::{Announcement, Place};
+use super::members::{Left, Members, min_children};
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Params, PushCheck, list, reject};
@@ -30,16 +36,14 @@ use flotilla_ps::{Accumulator, Admission, Inbox, Mean, Refusal};
 /// Local server state.
 pub struct LocalServer {
     parent: usize,
-    children: Vec<usize>,
+    /// Its workers and who of them takes part (`members.rs`).
+    members: Members,
     sync: bool,
     len: usize,
     admission: Admission,
     averaging: bool,
     /// The newest parameters from the parent.
     params: Option<Params>,
-    active: BTreeSet<usize>,
-    /// Sync: the children yet to push in this round.
-    pending: BTreeSet<usize>,
     /// Children that pulled before there was anything to give.
     early_pulls: Vec<usize>,
     acc: Accumulator,
@@ -83,7 +87,7 @@ impl LocalServer {
             &place.role.children,
             place.sync,
         );
-        let active: BTreeSet<usize> = children.iter().copied().collect();
+        let min = min_children(cx.config, setup.topology, cx.rank);
         // It holds no model of its own: the model is built once to count its parameters.
         let len = setup.engine(cx.config, &cx.config.optimizer)?.num_params();
         let mut peers = children.to_vec();
@@ -99,7 +103,7 @@ impl LocalServer {
             pushed: None,
             rejoins: Rejoins::default(),
             parent,
-            children: children.to_vec(),
+            members: Members::new(children, sync, min),
             sync,
             len,
             admission: if sync {
@@ -111,8 +115,6 @@ impl LocalServer {
             },
             averaging: cx.config.topology.local_steps > 1,
             params: None,
-            pending: active.clone(),
-            active,
             early_pulls: Vec::new(),
             acc: Accumulator::new(len, sync),
             outstanding: None,
@@ -175,15 +177,15 @@ impl LocalServer {
             // Sync: the new round starts for everyone. Async: answer the children that
             // pulled before there was anything to give.
             let msg = p.encoded();
+            let round = self.members.next_round();
             let targets: Vec<usize> = if self.sync && !first {
-                self.active.iter().copied().collect()
+                round
             } else {
                 std::mem::take(&mut self.early_pulls)
             };
             for c in targets {
                 send_bytes(cx.comm, c, &msg)?;
             }
-            self.pending = self.active.clone();
             cx.log_quiet(&format!(
                 "v{version} from rank {}; round {:.1}ms",
                 self.parent,
@@ -210,7 +212,7 @@ impl LocalServer {
                 let stop = PsMessage::Stop {
                     reason: reason.clone(),
                 };
-                for &c in &self.active {
+                for &c in self.members.active() {
                     let _ = send(cx.comm, c, &stop);
                 }
                 cx.log(&format!(
@@ -246,6 +248,9 @@ impl LocalServer {
     /// A child's push: admitted (or refused, changing nothing), then pushed up when the
     /// round is complete (sync) or the parent is free (async).
     pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
+        if self.members.left_out(child) {
+            return reject(cx, child, &Members::refusal(child, self.pushes_up));
+        }
         let Some(current) = self.params.as_ref().map(|p| p.version) else {
             return reject(cx, child, &Refusal::retry("no parameters yet: pull first"));
         };
@@ -254,7 +259,7 @@ impl LocalServer {
             current,
             len: self.len,
             averaging: self.averaging,
-            sync_pending: self.sync.then_some(&self.pending),
+            sync_pending: self.sync.then_some(self.members.pending()),
             max_samples: self.max_samples,
         };
         if check.take(cx, &mut self.acc, child, msg)?.is_none() {
@@ -262,8 +267,7 @@ impl LocalServer {
         }
         self.rejoins.accepted(child);
         if self.sync {
-            self.pending.remove(&child);
-            if self.pending.is_empty()
+            if self.members.pushed(child)
                 && let Some(mean) = self.acc.take()
             {
                 self.push_up(cx, current, mean)?;
@@ -282,9 +286,58 @@ impl LocalServer {
     }
 }
 
+impl LocalServer {
+    /// A child's pull: answered with the newest parameters — except in a sync round already
+    /// pushed up, which the parent's reply answers for every child taking part (a
+    /// replacement taken back then would otherwise push on parameters already replaced).
+    fn on_pull(&mut self, cx: &mut PsContext<'_>, from: usize) -> Result<()> {
+        match &self.params {
+            Some(_)
+                if self.sync
+                    && self.outstanding.is_some()
+                    && self.members.active().contains(&from) =>
+            {
+                Ok(())
+            }
+            Some(p) => send_bytes(cx.comm, from, &p.encoded()),
+            None => {
+                self.early_pulls.push(from);
+                Ok(())
+            }
+        }
+    }
+
+    /// Leaves `peers` (workers taking part) out of an elastic job's rounds (`why`), tells
+    /// the parent, and pushes a sync round that waited only for them up.
+    fn leave_out(&mut self, cx: &mut PsContext<'_>, peers: &[usize], why: &str) -> Result<()> {
+        let Left::Out(round_closes) = self.members.leave_out(peers) else {
+            let mut out: BTreeSet<usize> = self.members.lost().iter().copied().collect();
+            out.extend(peers);
+            return Err(TrainError::Peer {
+                peer: peers.first().copied().unwrap_or(self.parent),
+                message: format!(
+                    "every worker of this local server is left out (rank(s) {}): it trains                      with one at least",
+                    list(&out)
+                ),
+            });
+        };
+        self.lost += peers.len() as u64;
+        cx.log(&self.members.left_line(peers, why, self.pushes_up))?;
+        send(cx.comm, self.parent, &self.members.report())?;
+        let current = self.params.as_ref().map(|p| p.version);
+        if round_closes
+            && let Some(version) = current
+            && let Some(mean) = self.acc.take()
+        {
+            self.push_up(cx, version, mean)?;
+        }
+        Ok(())
+    }
+}
+
 impl ServerMachine for LocalServer {
     fn peers(&self) -> Vec<usize> {
-        let mut peers = self.children.clone();
+        let mut peers = self.members.children().to_vec();
         peers.push(self.parent);
         peers
     }
@@ -294,7 +347,7 @@ impl ServerMachine for LocalServer {
             "local server ({}) under rank {} with children [{}]",
             if self.sync { "sync" } else { "async" },
             self.parent,
-            list(&self.active)
+            list(self.members.active())
         ))?;
         send(cx.comm, self.parent, &PsMessage::Pull)?;
         self.outstanding = Some(Instant::now());
@@ -315,13 +368,10 @@ impl ServerMachine for LocalServer {
             });
         }
         match msg {
-            PsMessage::Pull => match &self.params {
-                Some(p) => send_bytes(cx.comm, from, &p.encoded()),
-                None => {
-                    self.early_pulls.push(from);
-                    Ok(())
-                }
-            },
+            PsMessage::Pull if self.members.left_out(from) => {
+                reject(cx, from, &Members::refusal(from, self.pushes_up))
+            }
+            PsMessage::Pull => self.on_pull(cx, from),
             msg @ PsMessage::Push { .. } => self.on_push(cx, from, msg),
             other => Err(TrainError::Protocol {
                 peer: from,
@@ -340,27 +390,33 @@ impl ServerMachine for LocalServer {
         reject(cx, from, &Refusal::lasting(e.to_string()))
     }
 
-    /// An async local server goes on without a child that failed, as without a lost one.
+    /// An async or elastic local server goes on without a child that failed, as without a
+    /// lost one.
     fn goes_on_without(&self, peer: usize) -> bool {
-        !self.sync && peer != self.parent
+        (!self.sync || self.members.elastic()) && peer != self.parent
     }
 
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
+        if peer != self.parent && self.members.elastic() {
+            if !self.members.active().contains(&peer) {
+                return Ok(());
+            }
+            return self.leave_out(cx, &[peer], &format!("lost ({e})"));
+        }
         if peer == self.parent || self.sync {
             return Err(TrainError::Peer {
                 peer,
                 message: format!("rank {peer} lost: {e}"),
             });
         }
-        if self.active.remove(&peer) {
-            self.pending.remove(&peer);
+        if self.members.lose(peer) {
             self.lost += 1;
             cx.log(&format!(
                 "rank {peer} lost ({e}); continuing with {} children",
-                self.active.len()
+                self.members.active().len()
             ))?;
         }
-        if self.active.is_empty() {
+        if self.members.active().is_empty() {
             return Err(TrainError::Peer {
                 peer,
                 message: "every child of this local server is lost".into(),
@@ -370,22 +426,26 @@ impl ServerMachine for LocalServer {
     }
 
     fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
-        if self.sync || !self.children.contains(&peer) {
+        if self.sync && !self.members.elastic() {
             return Ok(());
         }
-        self.active.insert(peer);
+        // A sync round already pushed up is answered by the parent's reply; the replacement
+        // waits for the next one.
+        if !self.members.take_back(peer, self.outstanding.is_none()) {
+            return Ok(());
+        }
         self.rejoined += 1;
         let r = self
             .rejoins
             .back(peer, self.params.as_ref().map_or(0, |p| p.version));
-        cx.log(&format!(
-            "rank {peer} rejoined (a replaced worker) at version {}; continuing with {} children",
-            r.version,
-            self.active.len()
-        ))
+        cx.log(&self.members.back_line(peer, self.pushes_up, r.version))?;
+        if self.members.elastic() {
+            send(cx.comm, self.parent, &self.members.report())?;
+        }
+        Ok(())
     }
 
-    fn on_deadline(&mut self, _cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
+    fn on_deadline(&mut self, cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
         if let Some(since) = self.outstanding {
             // A deadline on the parent: told down, not up (the parent is itself waiting
             // for the rank at fault, and its own deadline names it).
@@ -394,10 +454,14 @@ impl ServerMachine for LocalServer {
                 after: since.elapsed().max(waited),
             });
         }
+        if self.sync && self.members.elastic() {
+            let silent: Vec<usize> = self.members.pending().iter().copied().collect();
+            return self.leave_out(cx, &silent, &format!("silent for {waited:?}"));
+        }
         let silent: BTreeSet<usize> = if self.sync {
-            self.pending.clone()
+            self.members.pending().clone()
         } else {
-            self.active.clone()
+            self.members.active().clone()
         };
         Err(TrainError::Peer {
             peer: silent.first().copied().unwrap_or(self.parent),
@@ -458,7 +522,7 @@ impl Strategy for LocalServer {
             // Its parent and children fail naming the same culprit.
             return Err(super::abort_peers(
                 cx.comm,
-                &self.children,
+                self.members.children(),
                 &[self.parent],
                 e,
             ));

@@ -11,6 +11,7 @@
 mod deadlines;
 pub mod job;
 pub mod local;
+mod members;
 pub mod rejoins;
 pub mod serve;
 pub mod server;
@@ -28,6 +29,8 @@ mod deadline_tests;
 mod elastic_tests;
 #[cfg(test)]
 mod formula_kit;
+#[cfg(test)]
+mod local_elastic_tests;
 #[cfg(test)]
 mod machine_tests;
 

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 use flotilla_engine::{Engine, EvalStats, ModelState};
 use flotilla_tcp::CommError;
 
+use super::members::{JobWorkers, Members, min_children};
 use super::rejoins::Rejoins;
 use super::serve::{ServerMachine, serve_one};
 use super::server::{Model, PushCheck, RootOutcome, ShardPlan, gather, list, reject};
@@ -47,7 +48,10 @@ pub struct ShardServer {
     is_root: bool,
     /// Rank of the root (shard 0).
     root: usize,
-    children: Vec<usize>,
+    /// Its children and who of them takes part (`members.rs`).
+    members: Members,
+    /// An elastic hierarchical job's root: its workers, by local server.
+    job_workers: Option<JobWorkers>,
     sync: bool,
     model: Model,
     admission: Admission,
@@ -55,11 +59,7 @@ pub struct ShardServer {
     total_rounds: u64,
     base_lr: f64,
     timeout: Duration,
-    active: BTreeSet<usize>,
-    /// Sync: the children yet to push in this round.
-    pending: BTreeSet<usize>,
     acc: Accumulator,
-    lost: Vec<usize>,
     rounds: u64,
     updates: u64,
     max_staleness: u64,
@@ -98,14 +98,6 @@ pub struct ShardServer {
     rejoins: Rejoins,
     /// What it says when it starts.
     announcement: Announcement,
-    /// An elastic job's fewest workers (`topology.min_world_size` less the server): a lost
-    /// or silent worker is left out of the rounds while this many remain
-    /// (`shard_server/elastic.rs`). `None`: a fixed-size job.
-    min_children: Option<usize>,
-    /// An elastic sync server's deadline passed with no worker's push in its round: a
-    /// worker may be waiting for another shard, so it waits once more before it leaves the
-    /// silent ones out (`shard_server/elastic.rs`). Cleared when a round closes.
-    stalled: bool,
     /// How the run counts its rounds.
     counting: Counting,
     /// See [`super::job::Place::resync_from`].
@@ -139,23 +131,29 @@ impl ShardServer {
             },
             _ => ShardPlan::whole(n),
         };
-        Self::new(cx, &place, (engine, shard), policy.staleness_lr)
+        let elastic = (
+            min_children(cx.config, setup.topology, cx.rank),
+            JobWorkers::of(cx.config, setup.topology, cx.rank),
+        );
+        Self::new(cx, &place, (engine, shard), (policy.staleness_lr, elastic))
     }
 
     /// A server of `place`'s children holding the shard `shard` of `engine`'s parameters,
-    /// scaling each update's learning rate by `1 / (1 + staleness)` when `staleness_lr`.
+    /// scaling each update's learning rate by `1 / (1 + staleness)` when `staleness_lr`,
+    /// elastic down to `min` children (and, the root of an elastic hierarchical job,
+    /// counting the job's workers in `job`).
     fn new(
         cx: &mut Cx<'_>,
         place: &Place,
         (engine, shard): (Box<dyn Engine>, ShardPlan),
-        staleness_lr: bool,
+        (staleness_lr, (min, job)): (bool, (Option<usize>, Option<JobWorkers>)),
     ) -> Result<Self> {
         let (children, sync) = (&place.role.children, place.sync);
         let is_root = shard.index == 0;
         let clip = cx.config.allreduce.clip_grad_norm;
         let model = Model::new(&*engine, shard.range())?.clipping(clip)?;
         let n = model.len();
-        let active: BTreeSet<usize> = children.iter().copied().collect();
+        let members = Members::new(children, sync, min);
         let shard_inbox = (is_root && shard.servers.len() > 1)
             .then(|| Inbox::listen(cx.comm, &shard.servers[1..]));
         let admission = if sync {
@@ -176,7 +174,7 @@ impl ShardServer {
             if sync { "sync" } else { "async" },
             shard.range(),
             total,
-            list(&active),
+            list(members.active()),
             place.rounds
         ));
         let mut peers = children.to_vec();
@@ -198,11 +196,10 @@ impl ShardServer {
             bad_loss: None,
             staleness_lr,
             rejoins: Rejoins::default(),
-            min_children: elastic::min_children(cx.config, &shard),
-            stalled: false,
             root: shard.servers[0],
             is_root,
-            children: children.to_vec(),
+            members,
+            job_workers: job,
             sync,
             model,
             admission,
@@ -210,10 +207,7 @@ impl ShardServer {
             total_rounds: place.rounds,
             base_lr: cx.config.base_lr(),
             timeout: children_deadline(cx, place),
-            pending: active.clone(),
-            active,
             acc: Accumulator::new(n, sync),
-            lost: Vec::new(),
             rounds: 0,
             updates: 0,
             max_staleness: 0,
@@ -238,7 +232,7 @@ impl ShardServer {
         let per_round = if self.sync {
             1
         } else {
-            self.children.len().max(1) as u64
+            self.members.children().len().max(1) as u64
         };
         let clip = self.model.clip();
         self.model = Model::new(&*self.engine, self.shard.range())?.clipping(clip)?;
@@ -256,7 +250,7 @@ impl ShardServer {
 
     /// Children still taking part.
     pub fn active(&self) -> &BTreeSet<usize> {
-        &self.active
+        self.members.active()
     }
 
     /// Updates applied so far.
@@ -298,8 +292,8 @@ impl ShardServer {
     /// A child's push: admitted into the round (or refused, changing nothing); a complete
     /// round or an async push becomes an update.
     pub fn on_push(&mut self, cx: &mut PsContext<'_>, child: usize, msg: PsMessage) -> Result<()> {
-        if self.left_out(child) {
-            return self.refuse_left_out(cx, child);
+        if self.members.left_out(child) {
+            return reject(cx, child, &Members::refusal(child, self.rounds));
         }
         if let PsMessage::Push { loss, .. } = &msg
             && !loss.is_finite()
@@ -311,9 +305,10 @@ impl ShardServer {
             current: self.model.version(),
             len: self.model.len(),
             averaging: self.averaging,
-            sync_pending: self.sync.then_some(&self.pending),
+            sync_pending: self.sync.then_some(self.members.pending()),
             max_samples: self
-                .children
+                .members
+                .children()
                 .iter()
                 .position(|&c| c == child)
                 .map_or(0, |i| self.max_samples[i]),
@@ -322,11 +317,8 @@ impl ShardServer {
             return Ok(());
         };
         self.rejoins.accepted(child);
-        if self.sync {
-            self.pending.remove(&child);
-            if !self.pending.is_empty() {
-                return Ok(());
-            }
+        if self.sync && !self.members.pushed(child) {
+            return Ok(());
         }
         self.close(cx, staleness, child)
     }
@@ -337,11 +329,9 @@ impl ShardServer {
         let Some(mean) = self.acc.take() else {
             return Ok(());
         };
-        self.stalled = false;
         let refused = self.update(cx, &mean, staleness)?;
         let targets: Vec<usize> = if self.sync {
-            self.pending = self.active.clone();
-            self.active.iter().copied().collect()
+            self.members.next_round()
         } else {
             vec![child]
         };
@@ -398,7 +388,7 @@ impl ShardServer {
         let lr_round = if self.sync {
             self.updates
         } else {
-            self.updates / self.children.len() as u64
+            self.updates / self.members.children().len() as u64
         };
         let schedule = &cx.config.schedule;
         let mut lr = schedule.lr_schedule.lr_at_floor(
@@ -433,7 +423,10 @@ impl ShardServer {
             self.gather_wait = None;
             self.send_shard(cx, state)?;
         }
-        let round_done = self.sync || self.updates.is_multiple_of(self.children.len() as u64);
+        let round_done = self.sync
+            || self
+                .updates
+                .is_multiple_of(self.members.children().len() as u64);
         if round_done {
             self.end_round(cx, mean, apply_s)?;
         }
@@ -510,7 +503,7 @@ impl ShardServer {
                 let _ = send(cx.comm, rank, &stop);
             }
         }
-        for &c in &self.active {
+        for &c in self.members.active() {
             // A child that already left cannot be told; that is not an error at the end.
             let _ = send(cx.comm, c, &stop);
         }
@@ -523,7 +516,7 @@ impl ShardServer {
             rounds: self.rounds,
             updates,
             reason,
-            lost: self.lost.clone(),
+            lost: self.members.lost().to_vec(),
             max_staleness: self.max_staleness,
             mean_staleness: if updates > 0 {
                 self.staleness_sum as f64 / updates as f64
@@ -549,7 +542,7 @@ impl ServerMachine for ShardServer {
     }
 
     fn peers(&self) -> Vec<usize> {
-        let mut peers = self.children.clone();
+        let mut peers = self.members.children().to_vec();
         if !self.is_root {
             peers.push(self.root);
         }
@@ -568,6 +561,13 @@ impl ServerMachine for ShardServer {
         match msg {
             PsMessage::Pull => send_bytes(cx.comm, from, &self.model.encoded()),
             msg @ PsMessage::Push { .. } => self.on_push(cx, from, msg),
+            PsMessage::Members { left_out } if self.job_workers.is_some() => {
+                let Some(job) = &mut self.job_workers else {
+                    return Ok(());
+                };
+                let line = job.report(from, &left_out)?;
+                cx.log(&line)
+            }
             other => Err(TrainError::Protocol {
                 peer: from,
                 message: format!("a server expects pull or push, got {}", other.name()),
@@ -587,7 +587,7 @@ impl ServerMachine for ShardServer {
 
     /// An async server goes on without a child that failed, as without a lost one.
     fn goes_on_without(&self, peer: usize) -> bool {
-        (!self.sync || self.min_children.is_some()) && (self.is_root || peer != self.root)
+        (!self.sync || self.members.elastic()) && (self.is_root || peer != self.root)
     }
 
     fn on_lost(&mut self, cx: &mut PsContext<'_>, peer: usize, e: CommError) -> Result<()> {
@@ -597,10 +597,10 @@ impl ServerMachine for ShardServer {
                 message: format!("root server rank {peer} lost: {e}"),
             });
         }
-        if !self.active.contains(&peer) {
+        if !self.members.active().contains(&peer) {
             return Ok(());
         }
-        if self.min_children.is_some() {
+        if self.members.elastic() {
             return self.leave_out(cx, &[peer], &format!("lost ({e})"));
         }
         if self.sync {
@@ -615,15 +615,13 @@ impl ServerMachine for ShardServer {
                 message: format!("rank {peer} lost during sync round {}: {e}", self.rounds),
             });
         }
-        self.active.remove(&peer);
-        self.pending.remove(&peer);
-        self.lost.push(peer);
+        self.members.lose(peer);
         cx.log(&format!(
             "rank {peer} lost ({e}); async training continues with {} of {} children",
-            self.active.len(),
-            self.children.len()
+            self.members.active().len(),
+            self.members.children().len()
         ))?;
-        if self.active.is_empty() {
+        if self.members.active().is_empty() {
             if !self.is_root {
                 self.expect_stop(peer);
                 return Ok(());
@@ -637,35 +635,27 @@ impl ServerMachine for ShardServer {
     }
 
     fn on_back(&mut self, cx: &mut PsContext<'_>, peer: usize) -> Result<()> {
-        if self.min_children.is_some() {
-            return self.take_back(cx, peer);
-        }
-        if self.sync || !self.children.contains(&peer) {
+        if self.sync && !self.members.elastic() {
             return Ok(());
         }
-        self.lost.retain(|&p| p != peer);
-        self.active.insert(peer);
+        if !self.members.take_back(peer, true) {
+            return Ok(());
+        }
         let r = self.rejoins.back(peer, self.model.version());
-        cx.log(&format!(
-            "rank {peer} rejoined (a replaced worker) at round {} version {}; async training goes on with {} of {} children",
-            self.rounds,
-            r.version,
-            self.active.len(),
-            self.children.len()
-        ))
+        cx.log(&self.members.back_line(peer, self.rounds, r.version))
     }
 
     fn on_deadline(&mut self, cx: &mut PsContext<'_>, waited: Duration) -> Result<()> {
         if let Some((child, _)) = self.awaiting_stop {
             return Err(lost_child(child, self.rounds));
         }
-        if self.min_children.is_some() && self.sync {
+        if self.members.elastic() && self.sync {
             return self.silent_left_out(cx, waited);
         }
         let silent = if self.sync {
-            &self.pending
+            self.members.pending()
         } else {
-            &self.active
+            self.members.active()
         };
         Err(TrainError::Peer {
             peer: silent.first().copied().unwrap_or(0),
@@ -748,7 +738,7 @@ impl Strategy for ShardServer {
         });
         if let Err(e) = served {
             // Everyone this server talks to fails naming the same culprit.
-            let mut down = self.children.clone();
+            let mut down = self.members.children().to_vec();
             let mut up = Vec::new();
             if self.is_root {
                 down.extend_from_slice(&self.shard.servers[1..]);
