@@ -8,12 +8,12 @@ use std::sync::{Arc, OnceLock};
 use burn::prelude::*;
 use flotilla_data::Samples;
 use flotilla_engine::{
-    Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageCut, StageEngine,
-    StageInput, StageModule, TrainModule, module_pipeline,
+    Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageInput, StageModule,
+    TrainModule, module_pipeline,
 };
 use flotilla_rank::Session;
 use flotilla_train::job_data::JobData;
-use flotilla_train::{ModelIo, ModelSource, RunSummary, TrainError};
+use flotilla_train::{ModelIo, ModelSource, RunSummary, StageMaker, TrainError};
 
 use crate::error::{DistError, Result};
 
@@ -25,8 +25,9 @@ pub struct UserModule<F> {
     input: Vec<usize>,
     vocab: Option<usize>,
     build: F,
-    /// The same model cut into stage modules, for `strategy: pipeline` (empty: not cut).
-    stages: Vec<StageBuilder>,
+    /// The same model cut into stage modules, for `strategy: pipeline` (empty: not cut);
+    /// shared with the [`StageMaker`] an elastic pipeline keeps.
+    stages: Arc<Vec<StageBuilder>>,
     /// What one build of the module tells (see [`Probe`]).
     probe: OnceLock<std::result::Result<Probe, String>>,
 }
@@ -77,7 +78,7 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
             input: input.to_vec(),
             vocab: None,
             build,
-            stages: Vec::new(),
+            stages: Arc::new(Vec::new()),
             probe: OnceLock::new(),
         }
     }
@@ -86,7 +87,7 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
     /// rank, the GPipe or 1F1B schedule, replicas of every stage); every other way of
     /// training trains the whole module.
     pub fn with_stages(mut self, stages: StageModules) -> Self {
-        self.stages = stages.builders;
+        self.stages = Arc::new(stages.builders);
         self
     }
 
@@ -161,33 +162,22 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
         )?))
     }
 
-    fn stage(
-        &self,
-        index: usize,
-        optimizer: &OptimizerSpec,
-        device: &str,
-        seed: u64,
-    ) -> Option<flotilla_train::Result<(StageCut, Box<dyn StageEngine>)>> {
+    fn stages(&self) -> Option<StageMaker> {
         if self.stages.is_empty() {
             return None;
         }
-        let input = match Shape::of_sample(&self.input) {
-            Some(shape) => StageInput {
-                shape,
-                vocab: self.vocab,
-            },
-            None => {
-                return Some(Err(TrainError::config(
-                    "model",
-                    format!(
-                        "`{}` takes samples of shape {:?}; a pipeline's input is [c, h, w] or [f]",
-                        self.name, self.input
-                    ),
-                )));
-            }
-        };
-        let built = module_pipeline(&self.stages, input, index, optimizer, device, seed);
-        Some(built.map_err(TrainError::from))
+        let (stages, vocab) = (self.stages.clone(), self.vocab);
+        let shape = Shape::of_sample(&self.input);
+        let refusal = format!(
+            "`{}` takes samples of shape {:?}; a pipeline's input is [c, h, w] or [f]",
+            self.name, self.input
+        );
+        Some(Arc::new(move |index, optimizer, device, seed| {
+            let shape = shape.ok_or_else(|| TrainError::config("model", refusal.clone()))?;
+            let input = StageInput { shape, vocab };
+            let built = module_pipeline(&stages, input, index, optimizer, device, seed);
+            Ok(built?)
+        }))
     }
 }
 

@@ -42,7 +42,7 @@ pub use config::TrainConfig;
 pub use error::{Result, TrainError};
 pub use observe::{Observer, Quiet, StepEvent};
 pub use run::{Progress, Run, run};
-pub use strategy::{ModelIo, ModelSource};
+pub use strategy::{ModelIo, ModelSource, StageMaker};
 /// The pipeline and parameter servers at the crate's root, where the config
 /// (`crate::pipeline::Schedule`), the CLI and the fuzz targets name them.
 pub use strategy::{pipeline, ps};

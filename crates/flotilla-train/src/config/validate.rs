@@ -263,7 +263,7 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 
 impl TrainConfig {
     /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
-    /// `zero`), async all-reduce, a pipeline's replicas (without `accumulation_steps`), or a
+    /// `zero`), async all-reduce, a pipeline's replicas, or a
     /// parameter server's workers (flat, one server or shards, or hierarchical; sync or
     /// async, any `local_steps`) over TCP, `1 <= min <= world_size`, and a parameter server's
     /// minimum leaves its servers a worker at least. Each refusal names the setting.
@@ -311,9 +311,6 @@ impl TrainConfig {
                     ),
                 ));
             }
-        }
-        if self.allreduce.accumulation_steps > 1 && t.arch == Arch::Pipeline {
-            return not_yet("gradient accumulation (`allreduce.accumulation_steps`) in a pipeline");
         }
         if self.comm.backend != super::Backend::Tcp {
             return not_yet("an MPI or NCCL backend");
@@ -404,6 +401,8 @@ mod tests {
                 .into(),
             format!("{flat}min_world_size: 2\naccumulation_steps: 2\n"),
             format!("{hier}min_world_size: 5\n"),
+            "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\naccumulation_steps: 2\n"
+                .into(),
             format!("{hier}min_world_size: 6\n"),
         ] {
             check(&yaml).unwrap_or_else(|e| panic!("{yaml}: {e}"));
@@ -417,11 +416,6 @@ mod tests {
             (
                 "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 3\n".into(),
                 "multiples of 2, not 3:4",
-            ),
-            (
-                "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\naccumulation_steps: 2\n"
-                    .into(),
-                "gradient accumulation (`allreduce.accumulation_steps`) in a pipeline keeps a fixed size",
             ),
             (
                 format!("{hier}min_world_size: 3\n"),

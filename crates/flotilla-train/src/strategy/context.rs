@@ -103,21 +103,23 @@ pub trait ModelSource {
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
     -> Result<Box<dyn Engine>>;
 
-    /// When the model is a program's own pipeline stages (one module per stage): the cut,
-    /// and stage `index` of it on the named device, its initial parameters drawn
-    /// from `seed` as the whole model's. `None`: a spec (its pipeline is cut by the planner)
-    /// or a module not cut into stages.
-    fn stage(
-        &self,
-        index: usize,
-        optimizer: &OptimizerSpec,
-        device: &str,
-        seed: u64,
-    ) -> Option<Result<(StageCut, Box<dyn StageEngine>)>> {
-        let _ = (index, optimizer, device, seed);
+    /// When the model is a program's own pipeline stages (one module per stage): what
+    /// builds them ([`StageMaker`]). `None`: a spec (its pipeline is cut by the planner) or
+    /// a module not cut into stages.
+    fn stages(&self) -> Option<StageMaker> {
         None
     }
 }
+
+/// What builds a program's own pipeline stages: given `(index, optimizer, device, seed)`,
+/// the cut and stage `index` of it on the named device, its initial parameters drawn from
+/// `seed` as the whole model's. Owned, so that an elastic pipeline's member builds another
+/// stage when the members change.
+pub type StageMaker = Arc<
+    dyn Fn(usize, &OptimizerSpec, &str, u64) -> Result<(StageCut, Box<dyn StageEngine>)>
+        + Send
+        + Sync,
+>;
 
 impl ModelSource for ModelSpec {
     fn name(&self) -> &str {

@@ -12,6 +12,6 @@ pub mod ps;
 pub mod registry;
 pub mod resume;
 
-pub use context::{Cx, ModelIo, ModelSource, Setup};
+pub use context::{Cx, ModelIo, ModelSource, Setup, StageMaker};
 pub use interface::{Evaluation, Step, Strategy};
 pub use resume::Resume;

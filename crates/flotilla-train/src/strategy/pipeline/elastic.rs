@@ -18,9 +18,10 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use flotilla_engine::{ModelSpec, Stage, StageCut, StageEngine};
+use flotilla_engine::{StageCut, StageEngine};
 use flotilla_tcp::ProcessGroup;
 
+use super::source::StageSource;
 use super::state::{load_parts, receive_parts, send_parts, stage_parts};
 use super::{Pipeline, PipelineOptions};
 use crate::error::{Result, TrainError};
@@ -153,9 +154,9 @@ pub(crate) fn choose(headers: &[Header], stages: usize) -> Result<Handover> {
 }
 
 /// This member's stage state at a generation's start: what it holds (`held`, with its
-/// current `stage`; `None` for a joiner) and the spec and cut to build another stage from.
+/// current `stage`; `None` for a joiner) and the model to build another stage from.
 pub(crate) struct Entering<'a> {
-    pub(crate) spec: &'a ModelSpec,
+    pub(crate) source: &'a StageSource,
     pub(crate) opts: &'a PipelineOptions,
     pub(crate) held: Option<(&'a Held, &'a dyn StageEngine)>,
 }
@@ -201,7 +202,7 @@ pub(crate) fn enter(
         (Some(cut), _) => cut.clone(),
         (None, Some(h)) => {
             let ranges: Vec<Range<usize>> = h.cut.iter().map(|r| r[0]..r[1]).collect();
-            StageCut::new(e.spec, ranges)?
+            e.source.cut(ranges, e.opts)?
         }
         (None, None) => fresh()?,
     };
@@ -235,15 +236,14 @@ pub(crate) fn enter(
             lineage,
         });
     }
-    let o = e.opts;
-    let mut stage = Stage::new(e.spec, &cut, s, &o.optimizer, &o.device, o.seed)?;
+    let mut stage = e.source.build(&cut, s, e.opts)?;
     if let Some(from) = plan.holders[s] {
         let parts = receive_parts(world, from)?;
-        load_parts(&mut stage, &parts)?;
+        load_parts(&mut *stage, &parts)?;
     }
     Ok(Entered {
         cut,
-        stage: Some(Box::new(stage)),
+        stage: Some(stage),
         reload: None,
         step: plan.step,
         lineage,
@@ -270,19 +270,19 @@ fn state_at(e: &Entering<'_>, step: u64) -> Result<[Vec<u8>; 2]> {
 /// generation's step and lineage.
 pub(crate) fn join(
     world: Arc<dyn ProcessGroup>,
-    spec: &ModelSpec,
+    source: &StageSource,
     opts: PipelineOptions,
     fresh: &mut dyn FnMut() -> Result<StageCut>,
 ) -> Result<(Pipeline, u64, u64)> {
     let entering = Entering {
-        spec,
+        source,
         opts: &opts,
         held: None,
     };
     let entered = enter(&*world, &entering, None, fresh)?;
     let stage = (entered.stage)
         .ok_or_else(|| TrainError::ShardsLost("a joiner was given no stage".into()))?;
-    let pipe = Pipeline::of(stage, entered.cut, &spec.to_yaml(), opts, world)?;
+    let pipe = Pipeline::of(stage, entered.cut, &source.model(), opts, world)?;
     Ok((pipe, entered.step, entered.lineage))
 }
 

@@ -15,6 +15,7 @@ pub mod pipe;
 pub mod plan;
 mod recut;
 pub mod schedule;
+mod source;
 pub mod stage;
 pub mod state;
 pub mod wire;

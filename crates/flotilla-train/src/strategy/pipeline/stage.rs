@@ -15,6 +15,7 @@ use crate::config::{Elasticity, StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::allreduce::dropout_seed;
+use crate::strategy::pipeline::source::StageSource;
 use crate::strategy::pipeline::{Pipeline, PipelineOptions, elastic, plan, state};
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
@@ -39,9 +40,9 @@ pub struct PipelineStage {
     activation_bytes: u64,
     /// Whether the stage is a program's module (not a spec's layers).
     program: bool,
-    /// In an elastic job: the spec (to build another stage from) and what this rank's
+    /// In an elastic job: the model (to build another stage from) and what this rank's
     /// stage state holds ([`elastic`]).
-    elastic: Option<(ModelSpec, elastic::Held)>,
+    elastic: Option<(StageSource, elastic::Held)>,
 }
 
 impl PipelineStage {
@@ -69,29 +70,31 @@ impl PipelineStage {
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let mut held = elastic::Held::default();
-        let pipe = match setup.model.spec() {
+        let source = match (setup.model.spec(), setup.model.stages()) {
+            (Some(spec), _) => Some(StageSource::Spec(spec.clone())),
+            (None, Some(make)) => Some(StageSource::Program(make, setup.model.fingerprint()?)),
+            (None, None) => None,
+        };
+        let pipe = match (setup.model.spec(), &source) {
             // A running elastic job's members build nothing collectively: the joiner takes
             // the cut and its stage's state from them.
-            Some(spec) if elastic && setup.joining => {
+            (spec, Some(source)) if elastic && setup.joining => {
                 let world = cx.comm.clone();
-                let mut fresh = || StageCut::new(spec, agreed_cut(cx, spec)?).map_err(Into::into);
-                let (pipe, step, lineage) = elastic::join(world, spec, opts, &mut fresh)?;
+                let own = opts.clone();
+                let mut fresh = || match spec {
+                    Some(spec) => StageCut::new(spec, agreed_cut(cx, spec)?).map_err(Into::into),
+                    None => program_cut(cx, source, &own),
+                };
+                let (pipe, step, lineage) = elastic::join(world, source, opts, &mut fresh)?;
                 (held.committed, held.at, held.lineage) = (step, step, lineage);
                 pipe
             }
-            Some(spec) => {
+            (Some(spec), _) => {
                 let ranges = agreed_cut(cx, spec)?;
                 let cut = StageCut::new(spec, ranges)?;
                 Pipeline::new(spec, cut, opts, cx.comm.clone())?
             }
-            None if elastic => {
-                return Err(TrainError::config(
-                    "topology.min_world_size",
-                    "an elastic pipeline trains a model spec; a program's stage modules keep \
-                     a fixed size (drop MIN)",
-                ));
-            }
-            None => program_stage(cx, setup, opts)?,
+            (None, _) => program_stage(cx, setup, opts)?,
         };
         // What backward keeps for one micro-batch: a spec stage's every layer output, a
         // program's stage outputs.
@@ -109,8 +112,8 @@ impl PipelineStage {
             warmed_up: None,
             activation_bytes,
             program: setup.model.spec().is_none(),
-            elastic: match setup.model.spec() {
-                Some(spec) if elastic => Some((spec.clone(), held)),
+            elastic: match source {
+                Some(source) if elastic => Some((source, held)),
                 _ => None,
             },
         })
@@ -140,13 +143,7 @@ fn program_stage(cx: &mut Cx<'_>, setup: &Setup<'_>, opts: PipelineOptions) -> R
             ));
         }
     };
-    let built = setup.model.stage(
-        cx.rank % stages.max(1),
-        &opts.optimizer,
-        &opts.device,
-        opts.seed,
-    );
-    let Some(built) = built else {
+    let Some(make) = setup.model.stages() else {
         return Err(TrainError::config(
             "topology.arch",
             format!(
@@ -155,7 +152,12 @@ fn program_stage(cx: &mut Cx<'_>, setup: &Setup<'_>, opts: PipelineOptions) -> R
             ),
         ));
     };
-    let (cut, stage) = built?;
+    let (cut, stage) = make(
+        cx.rank % stages.max(1),
+        &opts.optimizer,
+        &opts.device,
+        opts.seed,
+    )?;
     if cut.stages() != stages {
         return Err(TrainError::config(
             "pipeline.stages",
@@ -167,6 +169,16 @@ fn program_stage(cx: &mut Cx<'_>, setup: &Setup<'_>, opts: PipelineOptions) -> R
     }
     let fingerprint = setup.model.fingerprint()?;
     Pipeline::of(stage, cut, &fingerprint, opts, cx.comm.clone())
+}
+
+/// The cut of a program's stage modules, for an elastic pipeline's first generation of
+/// joiners only (every member new): the program's own, of the configured number of stages.
+fn program_cut(cx: &Cx<'_>, source: &StageSource, opts: &PipelineOptions) -> Result<StageCut> {
+    let stages = match cx.config.pipeline.stages {
+        StagesSetting::Count(n) => n,
+        _ => 0,
+    };
+    source.cut((0..stages).map(|s| s..s + 1).collect(), opts)
 }
 
 /// The stages' layer ranges: as configured when no profile is needed; else planned on rank 0
@@ -323,7 +335,7 @@ impl Strategy for PipelineStage {
     /// generation's step, and this rank runs stage `rank % S` of replica `rank / S`
     /// (`pipeline/elastic.rs`).
     fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
-        let Some((spec, held)) = &mut self.elastic else {
+        let Some((source, held)) = &mut self.elastic else {
             return Err(TrainError::config(
                 "topology.min_world_size",
                 "a fixed-size pipeline cannot change its members",
@@ -332,7 +344,7 @@ impl Strategy for PipelineStage {
         self.pipe.set_lr(cx.config.base_lr());
         let cut = self.pipe.cut().clone();
         let entering = elastic::Entering {
-            spec,
+            source,
             opts: self.pipe.options(),
             held: Some((held, self.pipe.stage())),
         };
@@ -342,7 +354,7 @@ impl Strategy for PipelineStage {
             state::load_parts(self.pipe.stage_mut(), parts)?;
         }
         self.pipe
-            .rejoin(cx.comm.clone(), entered.stage, &spec.to_yaml())?;
+            .rejoin(cx.comm.clone(), entered.stage, &source.model())?;
         *held = elastic::Held {
             committed: entered.step,
             at: entered.step,
