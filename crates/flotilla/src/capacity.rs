@@ -73,6 +73,24 @@ pub fn check(n: usize, cores: usize, footprint: u64, available: Option<u64>) -> 
     Ok(())
 }
 
+/// Refuses a launch whose ranks' estimated footprint (`footprint` bytes each) is above the
+/// memory each may use (`--memory-per-rank`), naming the ranks and the estimate.
+pub fn check_limit(n: usize, footprint: u64, limit: bytesize::ByteSize) -> Result<()> {
+    if footprint <= limit.as_u64() {
+        return Ok(());
+    }
+    bail!(
+        "every rank (0 to {}) is estimated to need about {} ({} for the data set as f32, {} for \
+         the rest), above --memory-per-rank {}; no rank was started. Give a larger limit, or \
+         drop it",
+        n.saturating_sub(1),
+        mib(footprint),
+        mib(footprint.saturating_sub(RANK_BASE_BYTES)),
+        mib(RANK_BASE_BYTES),
+        limit.display().iec()
+    );
+}
+
 /// Checks a local launch of `n` ranks reading `data_dir` against this machine.
 pub fn check_local(n: usize, data_dir: &Path) -> Result<()> {
     let cores = std::thread::available_parallelism().map_or(1, |c| c.get());

@@ -106,6 +106,12 @@ pub struct LaunchArgs {
     /// estimated memory within what is available).
     #[arg(long)]
     pub oversubscribe: bool,
+    /// Confine each local rank to this much memory (`512M`, `2G`, `1.5GiB`): a memory cgroup
+    /// per rank (cgroup v1's `memory.limit_in_bytes`). The launch is refused before any rank
+    /// starts when a rank's estimated peak is above it, and a rank the kernel's OOM killer
+    /// takes at the limit is named as such.
+    #[arg(long, value_name = "SIZE")]
+    pub memory_per_rank: Option<bytesize::ByteSize>,
     /// Binding of local ranks to cores: `auto` binds rank `r` of `t` threads to cores
     /// `r t .. r t + t` (modulo the cores) when the local ranks' threads outnumber the cores
     /// and every rank computes (all-reduce or pipeline; not parameter servers, nor a

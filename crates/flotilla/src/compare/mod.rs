@@ -121,6 +121,7 @@ fn run_one(
             run,
             threads: args.threads,
             oversubscribe: false,
+            memory_per_rank: None,
             bind: crate::binding::Bind::default(),
             max_restarts: 0,
             start_ranks: None,

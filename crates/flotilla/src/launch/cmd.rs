@@ -41,6 +41,10 @@ struct Prepared {
 
 /// Runs `flotilla launch`.
 pub fn run(args: &LaunchArgs) -> Result<()> {
+    // Removed when the launch ends, every start of the job included.
+    let _confined = (args.memory_per_rank)
+        .map(launch::memory_limit::confine_ranks)
+        .transpose()?;
     if !args.program.is_empty() {
         return crate::launch::program::run(args);
     }
@@ -57,6 +61,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     let generations = config.elasticity() == Some(Elasticity::Generations);
     let on_hosts = config.topology.inventory.is_some();
+    refuse_remote_limit(on_hosts)?;
     if opts.max_restarts > 0 && on_hosts && !generations {
         let topology = config.topology()?;
         if flotilla_train::rejoin::rejoinable(&config, &topology).is_empty() {
@@ -188,6 +193,9 @@ fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
     if !opts.oversubscribe {
         capacity::check_local(job.n, data.path())?;
     }
+    if let Some(limit) = launch::memory_limit::limit() {
+        capacity::check_limit(job.n, capacity::rank_footprint(data.path()), limit)?;
+    }
     let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
     let device = &job.config.model.device;
     if let Some(gpus) = crate::gpu_placement::check_local(job.n, device, nccl, opts.oversubscribe)?
@@ -196,6 +204,16 @@ fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
         println!(
             "[launcher] {} rank(s) on device {}: GPU {gpus:?} by rank",
             job.n, job.config.model.device
+        );
+    }
+    Ok(())
+}
+
+/// `--memory-per-rank` confines the ranks of this host only: refused `on_hosts`.
+pub(crate) fn refuse_remote_limit(on_hosts: bool) -> Result<()> {
+    if on_hosts && launch::memory_limit::limit().is_some() {
+        anyhow::bail!(
+            "--memory-per-rank confines the ranks started on this host; with --inventory give              each host's limits there"
         );
     }
     Ok(())

@@ -11,6 +11,7 @@ pub(crate) mod cmd;
 pub(crate) mod elastic;
 mod frozen;
 pub(crate) mod inventory;
+pub mod memory_limit;
 pub(crate) mod program;
 mod relay;
 pub(crate) mod remote;
@@ -251,7 +252,7 @@ impl LocalJob {
         else {
             eprintln!(
                 "[launcher] rank {rank} exited ({}); the job goes on without it",
-                describe(how)
+                describe_rank(rank, how)
             );
             return false;
         };
@@ -265,7 +266,7 @@ impl LocalJob {
             "[launcher] restart {}/{} after: rank {rank} failed ({}); it rejoins the running job",
             r.used,
             r.total,
-            describe(how)
+            describe_rank(rank, how)
         );
         match (r.make)(rank).and_then(|mut cmd| start_child(&mut cmd, rank, tx)) {
             Ok(child) => {
@@ -554,7 +555,7 @@ impl LocalJob {
                 "rank {root} failed (ssh exit code 255: the connection to its host ended, or \
                  the rank was killed there)"
             ),
-            Some(s) if !s.success() => format!("rank {root} failed ({})", describe(s)),
+            Some(s) if !s.success() => format!("rank {root} failed ({})", describe_rank(root, s)),
             Some(_) => format!("rank {root} exited early"),
             None => {
                 format!("rank {root} stopped responding (still running when the others gave up)")
@@ -681,6 +682,8 @@ fn start_child(cmd: &mut Command, rank: usize, tx: &Sender<RankLine>) -> Result<
         .stderr(Stdio::piped());
     die_with_launcher(cmd);
     crate::binding::bind_child(cmd);
+    // Held open until the child has entered its cgroup (it writes its pid there).
+    let _cgroup = memory_limit::confine_child(cmd, rank)?;
     let mut child = cmd
         .spawn()
         .with_context(|| format!("starting rank {rank} ({})", cmd.get_program().display()))?;
@@ -713,6 +716,16 @@ fn relay<R: Read + Send + 'static>(stream: R, rank: usize, which: Stream, tx: Se
             }
         }
     });
+}
+
+/// How rank `rank` ended: [`describe`], and the OOM killer when its memory cgroup says so
+/// (`--memory-per-rank`).
+fn describe_rank(rank: usize, status: ExitStatus) -> String {
+    let how = describe(status);
+    match memory_limit::oom_cause(rank, status) {
+        Some(cause) => format!("{how}: {cause}"),
+        None => how,
+    }
 }
 
 fn describe(status: ExitStatus) -> String {

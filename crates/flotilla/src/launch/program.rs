@@ -112,6 +112,11 @@ fn launch_once(
         Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
+    crate::launch::cmd::refuse_remote_limit(placement.is_some())?;
+    if let Some(limit) = launch::memory_limit::limit() {
+        let footprint = crate::capacity::rank_footprint(config.data.source().path());
+        crate::capacity::check_limit(n, footprint, limit)?;
+    }
     let elastic = generations(&config);
     if !args.run.given("master-addr") {
         let rank_0 = placement.as_ref().and_then(|p| p.address(0));
