@@ -61,7 +61,7 @@ pub fn run(args: &LaunchArgs) -> Result<()> {
 pub fn launch(mut config: TrainConfig, opts: &LaunchArgs) -> Result<()> {
     let generations = config.elasticity() == Some(Elasticity::Generations);
     let on_hosts = config.topology.inventory.is_some();
-    refuse_remote_limit(on_hosts)?;
+    launch::memory_limit::refuse_remote(on_hosts)?;
     if opts.max_restarts > 0 && on_hosts && !generations {
         let topology = config.topology()?;
         if flotilla_train::rejoin::rejoinable(&config, &topology).is_empty() {
@@ -204,16 +204,6 @@ fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
         println!(
             "[launcher] {} rank(s) on device {}: GPU {gpus:?} by rank",
             job.n, job.config.model.device
-        );
-    }
-    Ok(())
-}
-
-/// `--memory-per-rank` confines the ranks of this host only: refused `on_hosts`.
-pub(crate) fn refuse_remote_limit(on_hosts: bool) -> Result<()> {
-    if on_hosts && launch::memory_limit::limit().is_some() {
-        anyhow::bail!(
-            "--memory-per-rank confines the ranks started on this host; with --inventory give              each host's limits there"
         );
     }
     Ok(())

@@ -61,6 +61,17 @@ pub fn confine_ranks(limit: ByteSize) -> Result<Confinement> {
     Ok(Confinement { dir })
 }
 
+/// `--memory-per-rank` confines the ranks of this host only: refused `on_hosts`.
+pub fn refuse_remote(on_hosts: bool) -> Result<()> {
+    if on_hosts && limit().is_some() {
+        bail!(
+            "--memory-per-rank confines the ranks started on this host; with --inventory give \
+             each host's limits there"
+        );
+    }
+    Ok(())
+}
+
 /// The limit ranks are confined to, if any.
 pub fn limit() -> Option<ByteSize> {
     LIMIT.get().map(|l| ByteSize(l.bytes))

@@ -112,7 +112,7 @@ fn launch_once(
         Some(path) => Some(inventory::placement(&config, path)?),
         None => None,
     };
-    crate::launch::cmd::refuse_remote_limit(placement.is_some())?;
+    launch::memory_limit::refuse_remote(placement.is_some())?;
     if let Some(limit) = launch::memory_limit::limit() {
         let footprint = crate::capacity::rank_footprint(config.data.source().path());
         crate::capacity::check_limit(n, footprint, limit)?;
