@@ -635,7 +635,7 @@ fn a_programs_own_stage_modules_train_on_when_a_stage_is_lost_and_replaced() {
         c.args(["launch", "examples/pipeline-program.yaml", "-n", size])
             .args([
                 "--epochs",
-                "3",
+                "2",
                 "--train-limit",
                 "8000",
                 "--timeout-s",
@@ -650,7 +650,7 @@ fn a_programs_own_stage_modules_train_on_when_a_stage_is_lost_and_replaced() {
     };
     let elastic = dir.path().join("elastic");
     let c = job(&elastic, "3:6", &["--max-restarts", "1"]);
-    let ((stdout, _), _) = kill_in_generation_1(c, &elastic, (6, 3), (4, 4, 70));
+    let ((stdout, _), _) = kill_in_generation_1(c, &elastic, (6, 3), (4, 4, 40));
     let o = run_with_deadline(
         job(&dir.path().join("plain"), "6", &["--data-parallel", "2"]),
         Duration::from_secs(300),

@@ -288,7 +288,7 @@ fn a_worker_under_an_async_local_server_rejoins() {
 #[test]
 fn a_worker_under_an_elastic_sync_local_server_killed_twice_rejoins() {
     let hier = "arch: hierarchical\nmin_world_size: 5\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}";
-    killed_twice_rejoins(hier, 900, 3, &[1], [200, 500], 0.9, Ranks::Plain);
+    killed_twice_rejoins(hier, 600, 3, &[1], [150, 400], 0.9, Ranks::Plain);
 }
 
 /// Only a worker of an asynchronous single-server job can rejoin; asking elsewhere fails at
