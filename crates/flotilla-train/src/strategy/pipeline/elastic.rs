@@ -198,13 +198,16 @@ pub(crate) fn enter(
     let headers: Vec<Header> = (world.all_gather_bytes(&mine.encode())?.iter().enumerate())
         .map(|(r, b)| Header::decode(b, world.world_rank(r)))
         .collect::<Result<_>>()?;
-    let cut = match (cut, headers.iter().find(|h| !h.cut.is_empty())) {
-        (Some(cut), _) => cut.clone(),
+    // A joiner learns the cut from a member and builds the stage it will run with it.
+    let (cut, built) = match (cut, headers.iter().find(|h| !h.cut.is_empty())) {
+        (Some(cut), _) => (cut.clone(), None),
         (None, Some(h)) => {
             let ranges: Vec<Range<usize>> = h.cut.iter().map(|r| r[0]..r[1]).collect();
-            e.source.cut(ranges, e.opts)?
+            let index = world.rank() % ranges.len().max(1);
+            let (cut, stage) = e.source.cut_and_stage(ranges, index, e.opts)?;
+            (cut, Some(stage))
         }
-        (None, None) => fresh()?,
+        (None, None) => (fresh()?, None),
     };
     let stages = cut.stages();
     let plan = choose(&headers, stages)?;
@@ -236,7 +239,10 @@ pub(crate) fn enter(
             lineage,
         });
     }
-    let mut stage = e.source.build(&cut, s, e.opts)?;
+    let mut stage = match built {
+        Some(stage) => stage,
+        None => e.source.build(&cut, s, e.opts)?,
+    };
     if let Some(from) = plan.holders[s] {
         let parts = receive_parts(world, from)?;
         load_parts(&mut *stage, &parts)?;

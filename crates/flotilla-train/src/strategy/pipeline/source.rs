@@ -29,22 +29,38 @@ impl StageSource {
     ) -> Result<StageCut> {
         match self {
             Self::Spec(spec) => Ok(StageCut::new(spec, ranges)?),
-            Self::Program(make, _) => {
-                // The program's cut comes with any of its stages (each build probes them all).
-                let (cut, _) = make(0, &opts.optimizer, &opts.device, opts.seed)?;
-                if cut.stages() != ranges.len() {
-                    return Err(TrainError::config(
-                        "pipeline.stages",
-                        format!(
-                            "the members run {} stages, this program's model has {}",
-                            ranges.len(),
-                            cut.stages()
-                        ),
-                    ));
-                }
-                Ok(cut)
-            }
+            // The program's cut comes with any of its stages (each build probes them all).
+            Self::Program(..) => Ok(self.cut_and_stage(ranges, 0, opts)?.0),
         }
+    }
+
+    /// The cut of the given layer ranges and stage `index` of it: one build of a program's
+    /// modules (a joiner's, which learns the cut from the members).
+    pub(crate) fn cut_and_stage(
+        &self,
+        ranges: Vec<Range<usize>>,
+        index: usize,
+        opts: &PipelineOptions,
+    ) -> Result<(StageCut, Box<dyn StageEngine>)> {
+        let stages = ranges.len();
+        let (cut, stage) = match self {
+            Self::Spec(spec) => {
+                let cut = StageCut::new(spec, ranges)?;
+                let stage = self.build(&cut, index, opts)?;
+                (cut, stage)
+            }
+            Self::Program(make, _) => make(index, &opts.optimizer, &opts.device, opts.seed)?,
+        };
+        if cut.stages() != stages {
+            return Err(TrainError::config(
+                "pipeline.stages",
+                format!(
+                    "the members run {stages} stages, this program's model has {}",
+                    cut.stages()
+                ),
+            ));
+        }
+        Ok((cut, stage))
     }
 
     /// Stage `index` of `cut`, with its initial parameters (the whole model's from the seed).

@@ -311,12 +311,12 @@ impl LocalServer {
     /// the parent, and pushes a sync round that waited only for them up.
     fn leave_out(&mut self, cx: &mut PsContext<'_>, peers: &[usize], why: &str) -> Result<()> {
         let Left::Out(round_closes) = self.members.leave_out(peers) else {
-            let mut out: BTreeSet<usize> = self.members.lost().iter().copied().collect();
-            out.extend(peers);
+            let out = self.members.out_with(peers);
             return Err(TrainError::Peer {
                 peer: peers.first().copied().unwrap_or(self.parent),
                 message: format!(
-                    "every worker of this local server is left out (rank(s) {}): it trains                      with one at least",
+                    "every worker of this local server is left out (rank(s) {}): it trains \
+                     with one at least",
                     list(&out)
                 ),
             });

@@ -201,7 +201,10 @@ fn a_lost_worker_closes_the_round_and_a_local_server_with_none_left_ends_the_run
     drop(w2);
     let e = s.try_step(WAIT).expect_err("none left").to_string();
     assert!(
-        e.contains("every worker of this local server is left out (rank(s) 2, 3)"),
+        e.contains(
+            "every worker of this local server is left out (rank(s) 2, 3): it trains with one \
+             at least"
+        ),
         "{e}"
     );
 }

@@ -154,13 +154,23 @@ impl Members {
         Left::Out(self.sync && self.pending.is_empty())
     }
 
+    /// The children out once `peers` are too.
+    pub fn out_with(&self, peers: &[usize]) -> BTreeSet<usize> {
+        let mut out: BTreeSet<usize> = self.lost.iter().copied().collect();
+        out.extend(peers);
+        out
+    }
+
     /// The error that stops the job: leaving `peers` out leaves fewer than the minimum.
     pub fn below_minimum(&self, peers: &[usize]) -> TrainError {
         let min = self.min.unwrap_or(1);
-        let mut left: BTreeSet<usize> = self.lost.iter().copied().collect();
-        left.extend(peers);
         let remaining = self.active.iter().filter(|p| !peers.contains(p)).count();
-        down_to(peers.first().copied().unwrap_or(0), remaining, min, &left)
+        down_to(
+            peers.first().copied().unwrap_or(0),
+            remaining,
+            min,
+            &self.out_with(peers),
+        )
     }
 
     /// Takes `peer`'s replacement back; into the sync round under way when `into_round`
@@ -180,9 +190,8 @@ impl Members {
 
     /// What a local server tells its parent: the children left out now.
     pub fn report(&self) -> PsMessage {
-        let out: BTreeSet<usize> = self.lost.iter().copied().collect();
         PsMessage::Members {
-            left_out: out.into_iter().map(|r| r as u32).collect(),
+            left_out: self.out_with(&[]).into_iter().map(|r| r as u32).collect(),
         }
     }
 
