@@ -20,29 +20,6 @@ use flotilla_group::ProcessGroup;
 use crate::data_parallel::DataParallel;
 use crate::error::{DistError, Result};
 
-/// Consecutive parameters for each of `world` ranks: parameter `i` to the rank whose equal
-/// share of the values holds its middle.
-fn cut(layout: &ParamLayout, world: usize) -> Vec<Range<usize>> {
-    let world = world.max(1);
-    let total = layout.total.max(1) as f64;
-    let rank_of = |i: usize| {
-        let p = &layout.params[i];
-        let middle = (p.offset as f64 + p.len as f64 / 2.0) / total;
-        ((middle * world as f64) as usize).min(world - 1)
-    };
-    let mut ranges = Vec::with_capacity(world);
-    let mut start = 0;
-    for rank in 0..world {
-        let mut end = start;
-        while end < layout.params.len() && rank_of(end) == rank {
-            end += 1;
-        }
-        ranges.push(start..end);
-        start = end;
-    }
-    ranges
-}
-
 /// The parameters of a model cut among the ranks for ZeRO stage 1 (see the module docs).
 #[derive(Debug, Clone)]
 pub struct ParamShards {
@@ -58,7 +35,7 @@ impl ParamShards {
     /// and about `1/N` of the values, as whole tensors allow).
     pub fn new(dp: &DataParallel) -> Self {
         let layout = dp.layout().clone();
-        let ranges = cut(&layout, dp.size());
+        let ranges = layout.whole_param_cut(dp.size());
         Self {
             group: dp.group().clone(),
             layout,
@@ -142,12 +119,12 @@ mod tests {
     fn the_cut_gives_every_parameter_to_one_rank_in_consecutive_parts_of_about_equal_size() {
         // burn's guide MNIST model: one tensor holds 99 % of the values.
         let guide = ParamLayout::of_lengths(&[72, 8, 1152, 16, 524_288, 512, 5120, 10]);
-        assert_eq!(cut(&guide, 2), vec![0..5, 5..8]);
+        assert_eq!(guide.whole_param_cut(2), vec![0..5, 5..8]);
         let even = ParamLayout::of_lengths(&[10; 8]);
-        assert_eq!(cut(&even, 4), vec![0..2, 2..4, 4..6, 6..8]);
+        assert_eq!(even.whole_param_cut(4), vec![0..2, 2..4, 4..6, 6..8]);
         // More ranks than parameters: some own none, every parameter is owned once.
         let few = ParamLayout::of_lengths(&[5, 5]);
-        let parts = cut(&few, 3);
+        let parts = few.whole_param_cut(3);
         assert_eq!(parts.iter().map(|r| r.len()).sum::<usize>(), 2);
         assert!(
             parts.windows(2).all(|w| w[0].end == w[1].start),

@@ -158,6 +158,47 @@ pub trait Engine: ModelState {
     /// elsewhere and writes them back ([`crate::ShardOptimizer`]).
     fn drop_grads(&mut self);
 
+    /// Whether the engine steps with an optimizer of its own (burn's `Learner`'s: a burn
+    /// optimizer keyed by parameter, not Flotilla's flat one), so that ZeRO shards its state
+    /// by whole parameter through [`Engine::apply_grads_to`],
+    /// [`Engine::optimizer_state_of`] and [`Engine::load_optimizer_parts`].
+    fn steps_own_optimizer(&self) -> bool {
+        false
+    }
+
+    /// [`Engine::apply_grads`] for the parameters of `params` only (ranges of indices into
+    /// [`ModelState::layout`]'s `params`; `grads` is the whole flat gradient): the others
+    /// and their optimizer state are left as they are. Only an engine that
+    /// [`Engine::steps_own_optimizer`] has it.
+    fn apply_grads_to(&mut self, grads: &[f32], params: &[Range<usize>], lr: f64) -> Result<()> {
+        let _ = (grads, params, lr);
+        Err(EngineError::Optimizer(
+            "stepping some parameters only: this engine steps the run's flat optimizer".into(),
+        ))
+    }
+
+    /// The optimizer state of the parameters of `params` only (as
+    /// [`ModelState::optimizer_state`] gives the whole, with what is not per parameter, a
+    /// learning-rate scheduler's, included). Only an engine that
+    /// [`Engine::steps_own_optimizer`] has it.
+    fn optimizer_state_of(&self, params: &[Range<usize>]) -> Result<Vec<u8>> {
+        let _ = params;
+        Err(EngineError::Optimizer(
+            "the state of some parameters only: this engine steps the run's flat optimizer".into(),
+        ))
+    }
+
+    /// Loads the optimizer state put together from `parts` (each of
+    /// [`Engine::optimizer_state_of`], of disjoint parameters; what is not per parameter taken
+    /// from the first), keeping only that of the parameters of `keep`: the state of every
+    /// other parameter is dropped. Only an engine that [`Engine::steps_own_optimizer`] has it.
+    fn load_optimizer_parts(&mut self, parts: &[Vec<u8>], keep: &[Range<usize>]) -> Result<()> {
+        let _ = (parts, keep);
+        Err(EngineError::Optimizer(
+            "loading parts of a state: this engine steps the run's flat optimizer".into(),
+        ))
+    }
+
     /// Evaluates on a data set in chunks of `batch_size` samples (no gradients; `labels` as in
     /// [`BatchRef::labels`]).
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats>;

@@ -76,6 +76,31 @@ impl ParamLayout {
         v.layout
     }
 
+    /// Consecutive parameters for each of `world` ranks, by whole parameter (for an optimizer
+    /// that steps whole tensors, as burn's do): parameter `i` to the rank whose equal share of
+    /// the values holds its middle, so every rank's parameters are consecutive and about `1/N`
+    /// of the values as whole tensors allow (some ranges may be empty).
+    pub fn whole_param_cut(&self, world: usize) -> Vec<std::ops::Range<usize>> {
+        let world = world.max(1);
+        let total = self.total.max(1) as f64;
+        let rank_of = |i: usize| {
+            let p = &self.params[i];
+            let middle = (p.offset as f64 + p.len as f64 / 2.0) / total;
+            ((middle * world as f64) as usize).min(world - 1)
+        };
+        let mut ranges = Vec::with_capacity(world);
+        let mut start = 0;
+        for rank in 0..world {
+            let mut end = start;
+            while end < self.params.len() && rank_of(end) == rank {
+                end += 1;
+            }
+            ranges.push(start..end);
+            start = end;
+        }
+        ranges
+    }
+
     /// A stable 64-bit fingerprint of names and shapes (XXH3), for cluster-wide checks.
     pub fn fingerprint(&self) -> u64 {
         let mut h = xxhash_rust::xxh3::Xxh3::new();

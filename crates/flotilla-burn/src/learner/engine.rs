@@ -6,6 +6,7 @@
 //! `train_step`; an optimizer step is the `Learner`'s own (its scheduler and optimizer).
 
 use std::cell::RefCell;
+use std::ops::Range;
 use std::path::Path;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -211,18 +212,63 @@ where
         Ok(())
     }
 
-    /// The `Learner`'s own step: its scheduler's learning rate (not `_lr`: the job's
+    /// The `Learner`'s own step: its scheduler's learning rate (not `lr`: the job's
     /// schedule does not apply to a `Learner`), its optimizer.
-    fn apply_grads(&mut self, grads: &[f32], _lr: f64) -> flotilla_engine::Result<()> {
+    fn apply_grads(&mut self, grads: &[f32], lr: f64) -> flotilla_engine::Result<()> {
+        let every = 0..self.layout.params.len();
+        self.apply_grads_to(grads, std::slice::from_ref(&every), lr)
+    }
+
+    /// The `Learner`'s optimizer steps and keeps state for what it is given gradients of:
+    /// ZeRO by whole parameter.
+    fn steps_own_optimizer(&self) -> bool {
+        true
+    }
+
+    /// [`Self::apply_grads`] with the gradients of `params` only: burn's optimizer steps
+    /// those, and its scheduler steps once.
+    fn apply_grads_to(
+        &mut self,
+        grads: &[f32],
+        params: &[Range<usize>],
+        _lr: f64,
+    ) -> flotilla_engine::Result<()> {
         let model = self.model();
-        let mut params = GradientsParams::new();
-        let all = 0..self.layout.params.len();
-        any_module::put_grads(&model, &mut params, &self.layout, all, grads)?;
+        let mut given = GradientsParams::new();
+        for range in params.iter().filter(|r| !r.is_empty()) {
+            let at = |i: usize| self.layout.params.get(i).map(|p| p.offset);
+            let start = at(range.start).ok_or(EngineError::NoGradients)?;
+            let end = at(range.end).unwrap_or(self.layout.total);
+            let span = grads.get(start..end).ok_or(EngineError::FlatLength {
+                expected: self.layout.total,
+                got: grads.len(),
+            })?;
+            any_module::put_grads(&model, &mut given, &self.layout, range.clone(), span)?;
+        }
         let mut shared = self.shared.borrow_mut();
         shared.learner.lr_step();
-        shared.learner.optimizer_step(params);
+        shared.learner.optimizer_step(given);
         self.grads = None;
         Ok(())
+    }
+
+    fn optimizer_state_of(&self, params: &[Range<usize>]) -> flotilla_engine::Result<Vec<u8>> {
+        let whole = self.optimizer_state()?;
+        let keep = |p: u64| params.iter().any(|r| r.contains(&(p as usize)));
+        super::state::combine(&[&whole], &keep)
+            .map_err(|e| EngineError::Optimizer(format!("the Learner's state: {e}")))
+    }
+
+    fn load_optimizer_parts(
+        &mut self,
+        parts: &[Vec<u8>],
+        keep: &[Range<usize>],
+    ) -> flotilla_engine::Result<()> {
+        let parts: Vec<&[u8]> = parts.iter().map(Vec::as_slice).collect();
+        let keep = |p: u64| keep.iter().any(|r| r.contains(&(p as usize)));
+        let state = super::state::combine(&parts, &keep)
+            .map_err(|e| EngineError::Optimizer(format!("the Learner's state: {e}")))?;
+        self.load_optimizer_state(&state)
     }
 
     fn drop_grads(&mut self) {

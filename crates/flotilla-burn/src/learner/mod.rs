@@ -60,6 +60,9 @@
 //! over the wire (`state.rs`) and trains on in the epoch the members stand in; the generation's
 //! rank 0 shows its own batches' metrics, validates the whole validation set, writes the
 //! checkpoints and decides early stopping; every member stops where the run's vote agrees.
+//! With ZeRO-1 there the run cuts the `Learner`'s optimizer state among the members by whole
+//! parameter (`flotilla_train`'s ZeRO by parameter, through [`flotilla_engine::Engine::apply_grads_to`]):
+//! each part on its owner and the member before it, re-cut at each new generation.
 //!
 //! Resume through the run (async all-reduce, parameter servers) starts the run's batches and
 //! count after the checkpoint's epoch ([`flotilla_train::job_data::JobData::start_epoch`]):

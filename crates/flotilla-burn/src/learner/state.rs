@@ -135,6 +135,50 @@ pub(crate) fn import<M: LearnerModel>(
     Ok(())
 }
 
+/// The state put together from `parts` (each of [`export`]'s bytes, or a part of them):
+/// every entry of a parameter whose position `keep` holds, and every entry not of a parameter
+/// (the scheduler's, the format's own), each name from the first part that has it; empty
+/// parts are skipped. So one part and a `keep` give that part's parameters (a member's share
+/// under ZeRO), and the parts of disjoint parameters give their union.
+pub(crate) fn combine(parts: &[&[u8]], keep: &dyn Fn(u64) -> bool) -> Result<Vec<u8>, String> {
+    let wanted = |name: &str| {
+        let head = name.split_once('.').map_or(name, |(h, _)| h);
+        head.parse::<u64>().map_or(true, keep)
+    };
+    let mut seen = std::collections::BTreeSet::new();
+    let (mut tensors, mut scalars, mut paths) = (Vec::new(), Vec::new(), Vec::new());
+    for part in parts.iter().filter(|p| !p.is_empty()) {
+        let reader = Reader::from_bytes(Bytes::from_bytes_vec(part.to_vec()))
+            .map_err(|e| format!("{e:?}"))?;
+        let mut fresh =
+            |kind: &str, name: &str| wanted(name) && seen.insert(format!("{kind}{name}"));
+        for (k, v) in reader.scalars() {
+            if fresh("s", k) {
+                scalars.push((k.clone(), *v));
+            }
+        }
+        for (k, v) in reader.metadata() {
+            if fresh("m", k) {
+                paths.push((k.clone(), v.clone()));
+            }
+        }
+        for t in reader.into_tensors().map_err(|e| format!("{e:?}"))? {
+            let (name, dtype, shape, id, bytes) = t.into_parts().map_err(|e| format!("{e:?}"))?;
+            if fresh("t", &name) {
+                tensors.push(Tensor::new(name, dtype, shape, id, bytes));
+            }
+        }
+    }
+    let mut writer = Writer::new(tensors);
+    for (k, v) in scalars {
+        writer = writer.with_scalar(&k, v);
+    }
+    for (k, v) in paths {
+        writer = writer.with_metadata(&k, &v);
+    }
+    Ok(writer.into_bytes().map_err(|e| format!("{e:?}"))?.to_vec())
+}
+
 /// The optimizer state of `reader` with each parameter key `k` (a tensor's id and name
 /// prefix, a scalar's and a path's prefix) as `to[k]`; the scheduler's scalars left out.
 /// A parameter key `to` does not hold is an error: the state is of another model.

@@ -17,15 +17,18 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     if let (true, Some(min)) = (generations, settings.topology.min_world_size) {
         // Members of sync or async all-reduce through the run's generations
-        // (super::elastic). ZeRO shards the run's optimizer, not the Learner's.
-        if *arch == Arch::Allreduce && all.zero == 0 {
+        // (super::elastic); sync ones with ZeRO-1, the Learner's optimizer state cut by whole
+        // parameter among them (the run's ZeRO by parameter, engine.rs).
+        let sync = all.mode == AllReduceMode::Sync;
+        if *arch == Arch::Allreduce && (all.zero == 0 || (all.zero == 1 && sync)) {
             return Ok(true);
         }
         return Err(DistError::from(TrainError::config(
             "topology.min_world_size",
             format!(
-                "an elastic job ({min}:{}) runs burn's Learner on sync or async all-reduce peers \
-                 without ZeRO, and on an elastic parameter server's workers; a program trains the \
+                "an elastic job ({min}:{}) runs burn's Learner on sync all-reduce peers (whole or \
+                 ZeRO-1), async ones without ZeRO, and on an elastic parameter server's workers; \
+                 a program trains the \
                  other ways elastic on flotilla_burn::train or ::session, or in its own loop \
                  under flotilla_burn::elastic::run",
                 settings.topology.world_size
@@ -62,7 +65,9 @@ pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
 /// all-reduce and a parameter server that is one rank); an error naming what it lacks
 /// otherwise.
 pub(super) fn resumable(settings: &TrainConfig) -> Result<()> {
-    let lacks = if settings.topology.local_steps > 1 {
+    let lacks = if settings.allreduce.zero > 0 {
+        "the other ranks' parts of it (ZeRO-1)"
+    } else if settings.topology.local_steps > 1 {
         "each worker's own optimizer state (model averaging)"
     } else if settings.topology.servers > 1 {
         "the optimizer state of every shard server but the root"
@@ -112,24 +117,21 @@ mod tests {
     }
 
     #[test]
-    fn elastic_peers_without_zero_and_an_elastic_servers_workers_run_the_rest_is_refused_by_name() {
-        let mut c = settings(Arch::Allreduce, AllReduceMode::Sync, 0);
-        c.topology.min_world_size = Some(2);
-        assert!(
-            through_run(&c).expect("elastic sync peers"),
-            "through the run"
-        );
-        let mut c = settings(Arch::Allreduce, AllReduceMode::Async, 0);
-        c.topology.min_world_size = Some(2);
-        assert!(through_run(&c).expect("elastic async peers"));
-        for (mode, zero) in [(AllReduceMode::Sync, 1), (AllReduceMode::Sync, 2)] {
+    fn elastic_peers_with_zero_1_at_most_and_an_elastic_servers_workers_run_the_rest_is_refused() {
+        use AllReduceMode::{Async, Sync};
+        for (mode, zero) in [(Sync, 0), (Sync, 1), (Async, 0)] {
+            let mut c = settings(Arch::Allreduce, mode, zero);
+            c.topology.min_world_size = Some(2);
+            assert!(
+                through_run(&c).expect("elastic peers"),
+                "{mode:?} ZeRO-{zero}: through the run"
+            );
+        }
+        for (mode, zero) in [(Sync, 2), (Async, 1)] {
             let mut c = settings(Arch::Allreduce, mode, zero);
             c.topology.min_world_size = Some(2);
             let e = through_run(&c).expect_err("refused").to_string();
-            assert!(
-                e.contains("sync or async all-reduce peers without ZeRO"),
-                "{e}"
-            );
+            assert!(e.contains("sync all-reduce peers (whole or ZeRO-1)"), "{e}");
         }
         let mut c = settings(Arch::Flat, AllReduceMode::Sync, 0);
         c.topology.min_world_size = Some(2);
@@ -151,7 +153,12 @@ mod tests {
         averaging.topology.local_steps = 2;
         let mut shards = settings(Arch::Flat, Sync, 0);
         shards.topology.servers = 2;
-        for (c, named) in [(averaging, "model averaging"), (shards, "shard server")] {
+        let zero = settings(Arch::Allreduce, Sync, 1);
+        for (c, named) in [
+            (averaging, "model averaging"),
+            (shards, "shard server"),
+            (zero, "ZeRO-1"),
+        ] {
             let e = resumable(&c).expect_err(named);
             assert!(e.to_string().contains(named), "{e}");
         }

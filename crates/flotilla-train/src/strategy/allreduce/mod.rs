@@ -34,16 +34,8 @@ use crate::strategy::Cx;
 
 /// Makes every rank start from rank 0's parameters, buffers and optimizer state.
 pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engine) -> Result<()> {
-    let mut buffers = vec![0.0; engine.buffer_layout().total];
-    if !buffers.is_empty() {
-        engine.read_buffers(&mut buffers)?;
-        comm.broadcast_f32(&mut buffers, 0)?;
-        engine.write_buffers(&buffers)?;
-    }
+    synchronize_model(comm, engine)?;
     let rank = comm.rank();
-    let mut params = vec![0.0; engine.num_params()];
-    engine.read_params(&mut params)?;
-    comm.broadcast_f32(&mut params, 0)?;
     let mut state = if rank == 0 {
         engine.optimizer_state()?
     } else {
@@ -52,8 +44,25 @@ pub fn synchronize_initial_state(comm: &dyn ProcessGroup, engine: &mut dyn Engin
     let bound = flotilla_engine::optimizer_state_bound(engine.layout());
     comm.broadcast_bytes(&mut state, 0, bound)?;
     if rank != 0 {
-        engine.write_params(&params)?;
         engine.load_optimizer_state(&state)?;
+    }
+    Ok(())
+}
+
+/// Rank 0's buffers and parameters to every rank (collective): [`synchronize_initial_state`]
+/// without the optimizer state, for a ZeRO whose ranks each hold a part of it.
+pub(crate) fn synchronize_model(comm: &dyn ProcessGroup, engine: &mut dyn Engine) -> Result<()> {
+    let mut buffers = vec![0.0; engine.buffer_layout().total];
+    if !buffers.is_empty() {
+        engine.read_buffers(&mut buffers)?;
+        comm.broadcast_f32(&mut buffers, 0)?;
+        engine.write_buffers(&buffers)?;
+    }
+    let mut params = vec![0.0; engine.num_params()];
+    engine.read_params(&mut params)?;
+    comm.broadcast_f32(&mut params, 0)?;
+    if comm.rank() != 0 {
+        engine.write_params(&params)?;
     }
     Ok(())
 }

@@ -7,6 +7,7 @@ use flotilla_engine::collective::Reducer;
 use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 use flotilla_tcp::{PendingAllReduce, ProcessGroup, StallPolicy};
 
+use super::zero::by_param::ParamZero;
 use super::zero::{Zero, wire_len};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
@@ -55,8 +56,10 @@ pub struct SyncAllReduce {
     /// The averaged flat gradient handed to the optimizer (zero 0; empty with ZeRO, whose
     /// ranks keep only their shard's).
     flat: Vec<f32>,
-    /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0).
+    /// The sharded optimizer step of ZeRO stages 1 and 2 (`None`: zero 0, or by parameter).
     zero: Option<Zero>,
+    /// ZeRO stage 1 by whole parameter, for an engine with an optimizer of its own.
+    by_param: Option<ParamZero>,
     /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
     accumulator: MicroBatches,
     /// Clip the averaged gradient to this global norm (`allreduce.clip_grad_norm`).
@@ -83,7 +86,19 @@ impl SyncAllReduce {
         } else {
             0
         };
-        let zero = (stage > 0)
+        let own = stage > 0 && engine.steps_own_optimizer();
+        if own && stage > 1 {
+            return Err(TrainError::config(
+                "allreduce.zero",
+                format!(
+                    "a model stepped by an optimizer of its own (burn's Learner's) has its \
+                     optimizer state sharded by whole parameter: ZeRO stage 1, not {stage}"
+                ),
+            ));
+        }
+        let elastic = config.topology.min_world_size.is_some();
+        let by_param = own.then(|| ParamZero::new(cx.comm.clone(), &layout, elastic));
+        let zero = (stage > 0 && !own)
             .then(|| {
                 let device = &config.model.device;
                 let mut zero = Zero::new(
@@ -94,17 +109,18 @@ impl SyncAllReduce {
                     &config.optimizer,
                     device,
                 )?;
-                if config.topology.min_world_size.is_some() {
+                if elastic {
                     zero.make_elastic(&config.optimizer, device);
                 }
                 Ok::<_, TrainError>(zero)
             })
             .transpose()?;
         Ok(Self {
+            flat: vec![0.0; if zero.is_some() { 0 } else { layout.total }],
             zero,
+            by_param,
             comm: cx.comm.clone(),
             engine,
-            flat: vec![0.0; if stage > 0 { 0 } else { layout.total }],
             layout,
             plan,
             overlap: config.allreduce.overlap,
@@ -185,6 +201,9 @@ impl Strategy for SyncAllReduce {
                 },
                 match (config.allreduce.zero, &self.zero) {
                     (0, _) => String::new(),
+                    (_, None) if self.by_param.is_some() => {
+                        ", ZeRO stage 1 by whole parameter (the model's own optimizer)".into()
+                    }
                     (z, Some(_)) => format!(", ZeRO stage {z}"),
                     (z, None) => format!(", ZeRO stage {z} (one rank: nothing to shard)"),
                 }
@@ -207,6 +226,17 @@ impl Strategy for SyncAllReduce {
     /// Rank 0's parameters and buffers to every rank; in an elastic ZeRO job, the optimizer
     /// state re-cut among the members (`zero/elastic.rs`).
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        if let Some(by_param) = &mut self.by_param {
+            super::synchronize_model(&*self.comm, &mut *self.engine)?;
+            if let Some((from, step)) = by_param.recut(&mut *self.engine)? {
+                cx.log(&format!(
+                    "ZeRO: the optimizer state of step {step} re-cut by parameter from {from} to \
+                     {} part(s)",
+                    self.comm.size()
+                ))?;
+            }
+            return Ok(());
+        }
         super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
         let Some(zero) = &mut self.zero else {
             return Ok(());
@@ -224,6 +254,9 @@ impl Strategy for SyncAllReduce {
     fn regroup(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         if let Some(zero) = &mut self.zero {
             zero.regroup(cx.comm.clone());
+        }
+        if let Some(by_param) = &mut self.by_param {
+            by_param.regroup(cx.comm.clone());
         }
         self.comm = cx.comm.clone();
         if cx.config.allreduce.sync_batch_norm {
@@ -273,6 +306,9 @@ impl Strategy for SyncAllReduce {
     ) -> Result<Option<PathBuf>> {
         self.prepare_model(cx)?;
         let output = cx.config.telemetry.output.clone();
+        if let Some(by_param) = &self.by_param {
+            return by_param.save(&output, &mut *self.engine, state);
+        }
         match &self.zero {
             Some(zero) => zero.save(&output, &*self.engine, &self.plan, state),
             None if self.comm.rank() == 0 => {
@@ -284,6 +320,13 @@ impl Strategy for SyncAllReduce {
 
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
         let engine = &mut *self.engine;
+        if let Some(by_param) = self.by_param.as_mut() {
+            let state = from.share(cx, |dir| checkpoint::load(dir, engine))?;
+            if let Some(s) = &state {
+                by_param.resumed(engine, s.step)?;
+            }
+            return Ok(state);
+        }
         let Some(zero) = self.zero.as_mut() else {
             return from.share(cx, |dir| checkpoint::load(dir, engine));
         };
@@ -367,9 +410,13 @@ impl SyncAllReduce {
             super::clip::clip(grads, max, sharded, &self.plan, &*self.comm)?;
         }
         let engine = &mut *self.engine;
-        let global_loss = match &mut self.zero {
-            Some(zero) => zero.step(engine, reduced_loss, lr)?,
-            None => {
+        let global_loss = match (&mut self.zero, &mut self.by_param) {
+            (Some(zero), _) => zero.step(engine, reduced_loss, lr)?,
+            (None, Some(by_param)) => {
+                by_param.step(engine, &self.flat, lr)?;
+                reduced_loss
+            }
+            (None, None) => {
                 engine.apply_grads(&self.flat, lr)?;
                 reduced_loss
             }

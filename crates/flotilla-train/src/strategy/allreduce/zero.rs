@@ -49,6 +49,7 @@ use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
 use crate::error::{Result, TrainError};
 
+pub(crate) mod by_param;
 pub(super) mod elastic;
 
 use elastic::{Cut, Redundancy};
