@@ -140,6 +140,10 @@ pub(crate) fn summary(
         ("samples_per_s", s.samples_per_s),
         ("data_wait_s", data_wait_s.unwrap_or(f64::NAN)),
         ("data_bytes", data_bytes as f64),
+        (
+            "peak_resident_bytes",
+            peak_resident_bytes().unwrap_or(f64::NAN),
+        ),
     ]
     .into_iter()
     .chain(own)
@@ -148,6 +152,15 @@ pub(crate) fn summary(
     .collect();
     s.ranks = gather_ranks(&s, cx);
     s
+}
+
+/// This process's peak resident memory (`VmHWM` of `/proc/self/status`: measured by the
+/// kernel, not counted by the strategy), in bytes; `None` where it cannot be read.
+fn peak_resident_bytes() -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024.0)
 }
 
 /// Every rank's [`RankReport`], sent to rank 0 once at the end (the traffic of the

@@ -6,8 +6,10 @@
 //!   which honours CPU affinity and cgroup quotas).
 //! - **Memory**: the ranks' estimated footprint must fit in `MemAvailable` (`/proc/meminfo`;
 //!   no check where it cannot be read). A rank holds its data set as `f32` (four bytes per
-//!   byte of the IDX files) plus [`RANK_BASE_BYTES`] for the runtime, model, gradients and
-//!   buffers; a LeNet-5 rank on MNIST measured 240 MB resident against 316 MB estimated.
+//!   byte of the IDX files) plus [`RANK_BASE_BYTES`] for the runtime, a small model's state
+//!   and buffers; a LeNet-5 rank on MNIST measured 240 MB resident against 316 MB estimated.
+//!   Under `--memory-per-rank` a config's model state counts too, by ZeRO stage
+//!   ([`model_state_bytes`]).
 
 use std::path::Path;
 
@@ -35,6 +37,71 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
             .unwrap_or(0)
     });
     RANK_BASE_BYTES + 4 * data
+}
+
+/// A data-parallel rank's model state in bytes, by ZeRO stage, for a model of `params`
+/// parameters whose optimizer keeps `slots` values per parameter, `zero` the stage over `n`
+/// ranks (`elastic`: each optimizer shard is also held by a second rank), buckets of
+/// `bucket` bytes; four bytes a value, each term a copy the step holds:
+/// - the parameters; burn's gradients after backward, and the engine's flat copy of them;
+/// - the averaged gradient kept for the step (stage 1 and 2: this rank's 1/N);
+/// - the wire buffers (every bucket's; stage 2: one bucket);
+/// - the gathered parameters (stage 1 and 2);
+/// - the optimizer state (stage 1 and 2: 1/N; 2/N elastic);
+/// - the step's transients: the update and the new parameters before the old are dropped;
+///
+/// and 15 % over their sum. Measured against the kernel's peak (`VmHWM`) of a 23 M-parameter
+/// MLP (SGD with momentum, 2 ranks, `tests/memory_limit.rs`): ZeRO-0 785–874 MiB and ZeRO-2
+/// 650–721 MiB resident, against estimates (with the data and the runtime) of 954 and 881 MiB.
+pub fn model_state_bytes(
+    params: u64,
+    slots: u64,
+    (zero, n, elastic): (u8, usize, bool),
+    bucket: u64,
+) -> u64 {
+    let whole = params.saturating_mul(4);
+    let n = n.max(1) as u64;
+    let share = |bytes: u64| match zero {
+        0 => bytes,
+        _ => bytes
+            .div_ceil(n)
+            .saturating_mul(if elastic { 2 } else { 1 }),
+    };
+    let averaged = if zero > 0 { whole.div_ceil(n) } else { whole };
+    let wire = if zero >= 2 { bucket.min(whole) } else { whole };
+    let gathered = if zero > 0 { whole } else { 0 };
+    let optimizer = share(whole.saturating_mul(slots));
+    let transients = whole.saturating_mul(2);
+    let sum = [
+        whole, whole, whole, averaged, wire, gathered, optimizer, transients,
+    ]
+    .into_iter()
+    .fold(0u64, u64::saturating_add);
+    sum.saturating_add(sum / 100 * 15)
+}
+
+/// The model state of a config's job on each of its `n` ranks ([`model_state_bytes`]; a
+/// parameter server or pipeline rank counted as an unsharded data-parallel one) and what
+/// it counts, as the launcher says it.
+pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Result<(u64, String)> {
+    let spec = flotilla_engine::ModelSpec::resolve(&config.model.spec)?;
+    let params = spec.param_count()?;
+    let slots = config.optimizer.state_slots();
+    let data_parallel = config.topology.arch == flotilla_cluster::Arch::Allreduce;
+    let zero = if data_parallel && n > 1 {
+        config.allreduce.zero
+    } else {
+        0
+    };
+    let elastic = config.topology.min_world_size.is_some();
+    let bucket = config.bucket_bytes() as u64;
+    let bytes = model_state_bytes(params, slots, (zero, n, elastic), bucket);
+    let what = format!(
+        "{} for the model's state: {params} parameters, {slots} optimizer value(s) each, ZeRO \
+         stage {zero} over {n} rank(s)",
+        mib(bytes)
+    );
+    Ok((bytes, what))
 }
 
 /// `MemAvailable` of `/proc/meminfo`, in bytes.
@@ -73,18 +140,27 @@ pub fn check(n: usize, cores: usize, footprint: u64, available: Option<u64>) -> 
     Ok(())
 }
 
-/// Refuses a launch whose ranks' estimated footprint (`footprint` bytes each) is above the
-/// memory each may use (`--memory-per-rank`), naming the ranks and the estimate.
-pub fn check_limit(n: usize, footprint: u64, limit: bytesize::ByteSize) -> Result<()> {
-    if footprint <= limit.as_u64() {
+/// Refuses a launch whose ranks' estimated footprint (`footprint` bytes each: the data and
+/// the rest, [`rank_footprint`]; plus `model`, the model's state and what it counts, where
+/// the launcher knows the model) is above the memory each may use (`--memory-per-rank`),
+/// naming the ranks and the estimate.
+pub fn check_limit(
+    n: usize,
+    footprint: u64,
+    model: Option<(u64, String)>,
+    limit: bytesize::ByteSize,
+) -> Result<()> {
+    let (state, what) = model.unwrap_or((0, "the model's state not known here".into()));
+    let total = footprint.saturating_add(state);
+    if total <= limit.as_u64() {
         return Ok(());
     }
     bail!(
-        "every rank (0 to {}) is estimated to need about {} ({} for the data set as f32, {} for \
-         the rest), above --memory-per-rank {}; no rank was started. Give a larger limit, or \
-         drop it",
+        "every rank (0 to {}) is estimated to need about {} ({} for the data set as f32, \
+         {what}, {} for the rest), above --memory-per-rank {}; no rank was started. Give a \
+         larger limit, or drop it",
         n.saturating_sub(1),
-        mib(footprint),
+        mib(total),
         mib(footprint.saturating_sub(RANK_BASE_BYTES)),
         mib(RANK_BASE_BYTES),
         limit.display().iec()
@@ -121,6 +197,30 @@ mod tests {
                 .contains("16 local ranks need about 32768 MiB of memory (2048 MiB each")
                 && e.contains("but 8192 MiB is available")),
             "{memory:?}"
+        );
+    }
+
+    #[test]
+    fn the_model_state_shrinks_by_zero_stage_and_doubles_its_shards_when_elastic() {
+        // 1,000 parameters (4,000 bytes a copy), Adam (2 values each), 4 ranks, 1 KB buckets.
+        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic), 1000);
+        let margin = |sum: u64| sum + sum / 100 * 15;
+        // Parameters, burn's gradients and their flat copy, the averaged gradient, the wire,
+        // Adam's two moments, the step's two transients.
+        assert_eq!(at(0, false), margin(4000 * 5 + 8000 + 8000));
+        // Stage 1: a quarter of the averaged gradient and of Adam's state, the gathered
+        // parameters; stage 2 also one bucket on the wire.
+        assert_eq!(
+            at(1, false),
+            margin(4000 * 3 + 1000 + 4000 + 4000 + 2000 + 8000)
+        );
+        assert_eq!(
+            at(2, false),
+            margin(4000 * 3 + 1000 + 1000 + 4000 + 2000 + 8000)
+        );
+        assert_eq!(
+            at(2, true),
+            margin(4000 * 3 + 1000 + 1000 + 4000 + 4000 + 8000)
         );
     }
 

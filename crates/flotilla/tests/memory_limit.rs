@@ -106,3 +106,70 @@ fn a_rank_the_oom_killer_takes_at_its_limit_is_named_and_the_cgroups_are_removed
         .unwrap_or_else(|| panic!("{stdout}\n{err}"));
     assert!(line.contains("limit 314572800 in /flotilla-"), "{line}");
 }
+
+/// The launcher's estimate in MiB from its refusal (`... estimated to need about N MiB ...`).
+fn estimated_mib(err: &str) -> u64 {
+    err.split("estimated to need about ")
+        .nth(1)
+        .and_then(|s| s.split(" MiB").next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no estimate in: {err}"))
+}
+
+/// The model's state counts by ZeRO stage: an MLP of 23 M parameters (SGD with momentum) on
+/// 2 ranks under a limit halfway between the estimates of ZeRO-0 and ZeRO-2 (each read from
+/// the refusal of a 1 MiB limit): ZeRO-0 is refused before any rank starts, ZeRO-2 trains to
+/// its end inside the cgroups of that limit, and each of its ranks' peak resident memory (the
+/// kernel's `VmHWM`, in the run's report) is below the estimate.
+#[test]
+fn between_the_needs_of_zero_0_and_zero_2_zero_2_trains_and_zero_0_is_refused() {
+    let dir = tmp();
+    let spec = dir.path().join("wide.yaml");
+    std::fs::write(
+        &spec,
+        "name: wide\ninput: [1, 28, 28]\nlayers:\n  - flatten\n  - linear: {out: 8192}\n  \
+         - relu\n  - linear: {out: 2048}\n  - relu\n  - linear: {out: 10}\n",
+    )
+    .expect("the spec written");
+    let spec = spec.to_string_lossy().to_string();
+    let job = |zero: &'static str| {
+        let mut args = vec!["--model", spec.as_str(), "--zero", zero];
+        args.extend(["--max-steps", "3", "--batch-size", "16"]);
+        args
+    };
+    let estimate = |zero: &'static str| {
+        let out = dir.path().join(format!("probe-{zero}"));
+        let (ok, _, err) = launch("1MiB", &out, &job(zero));
+        assert!(!ok, "{err}");
+        estimated_mib(&err)
+    };
+    let (whole, sharded) = (estimate("0"), estimate("2"));
+    println!("estimates: ZeRO-0 {whole} MiB, ZeRO-2 {sharded} MiB a rank");
+    assert!(sharded < whole, "ZeRO-2 {sharded} MiB, ZeRO-0 {whole} MiB");
+    let limit = format!("{}MiB", (whole + sharded) / 2);
+
+    let (ok, _, err) = launch(&limit, &dir.path().join("zero-0"), &job("0"));
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("ZeRO stage 0 over 2 rank(s)") && err.contains("no rank was started"),
+        "{err}"
+    );
+    let out = dir.path().join("zero-2");
+    let (ok, stdout, err) = launch(&limit, &out, &job("2"));
+    assert!(ok, "{stdout}\n{err}");
+    let bytes = std::fs::read(out.join("summary.json")).expect("summary.json");
+    let summary: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+    let ranks = summary["ranks"].as_array().expect("every rank's report");
+    assert_eq!(ranks.len(), 2, "{summary}");
+    for r in ranks {
+        let peak = r["figures"]["peak_resident_bytes"]
+            .as_f64()
+            .expect("measured");
+        let peak_mib = peak / f64::from(1 << 20);
+        println!("rank {}: peak resident {peak_mib:.0} MiB", r["rank"]);
+        assert!(
+            peak_mib < sharded as f64,
+            "{peak_mib} MiB above the estimate"
+        );
+    }
+}

@@ -136,7 +136,7 @@ fn values(shape: &Shape) -> u128 {
 }
 
 /// A layer's parameter count on `input`, without overflow (in `u128`).
-fn layer_params(layer: &LayerSpec, input: &Shape) -> u128 {
+pub(crate) fn layer_params(layer: &LayerSpec, input: &Shape) -> u128 {
     let bias = |yes: bool, out: usize| if yes { out as u128 } else { 0 };
     // The features a layer on the last dimension sees (the channels of a batch norm).
     let last = match *input {

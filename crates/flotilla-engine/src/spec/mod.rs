@@ -171,6 +171,19 @@ impl ModelSpec {
         Ok(io)
     }
 
+    /// The model's parameter count, from its layers' shapes (no model is built): what the
+    /// launcher's memory estimate starts from.
+    pub fn param_count(&self) -> Result<u64> {
+        let io = self.infer_io()?;
+        let total: u128 = self
+            .layers
+            .iter()
+            .zip(&io)
+            .map(|(node, (input, _))| limits::layer_params(&node.layer, input))
+            .sum();
+        Ok(u64::try_from(total).unwrap_or(u64::MAX))
+    }
+
     /// The model's output shape: flat class logits `[classes]` (a classifier) or a sequence
     /// `[T, classes]` (a sequence model: class logits at every position).
     pub fn output_shape(&self) -> Result<Shape> {
@@ -237,6 +250,18 @@ fn spec_size(source_name: &str, bytes: u64) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_parameter_count_of_every_shipped_spec_is_its_built_models() {
+        use crate::{BurnEngine, ModelState, OptimizerSpec};
+        for (name, _) in BUILTIN_SPECS {
+            let spec = ModelSpec::builtin(name).expect("a builtin");
+            let built = BurnEngine::new(&spec, &OptimizerSpec::default(), "flex", 0)
+                .expect("built")
+                .num_params();
+            assert_eq!(spec.param_count().expect("counted"), built as u64, "{name}");
+        }
+    }
 
     #[test]
     fn builtins_parse_and_infer() {

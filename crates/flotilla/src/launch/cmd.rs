@@ -194,7 +194,9 @@ fn check_local(job: &Prepared, opts: &LaunchArgs, first: bool) -> Result<()> {
         capacity::check_local(job.n, data.path())?;
     }
     if let Some(limit) = launch::memory_limit::limit() {
-        capacity::check_limit(job.n, capacity::rank_footprint(data.path()), limit)?;
+        let model = capacity::config_model_state(&job.config, job.n)?;
+        let footprint = capacity::rank_footprint(data.path());
+        capacity::check_limit(job.n, footprint, Some(model), limit)?;
     }
     let nccl = job.config.comm.backend == flotilla_train::config::Backend::Nccl;
     let device = &job.config.model.device;

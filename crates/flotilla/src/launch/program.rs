@@ -115,7 +115,8 @@ fn launch_once(
     launch::memory_limit::refuse_remote(placement.is_some())?;
     if let Some(limit) = launch::memory_limit::limit() {
         let footprint = crate::capacity::rank_footprint(config.data.source().path());
-        crate::capacity::check_limit(n, footprint, limit)?;
+        // A program builds its own model: the launcher does not know it.
+        crate::capacity::check_limit(n, footprint, None, limit)?;
     }
     let elastic = generations(&config);
     if !args.run.given("master-addr") {
