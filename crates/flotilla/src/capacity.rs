@@ -63,9 +63,10 @@ pub fn model_state_bytes(
     let n = n.max(1) as u64;
     let share = |bytes: u64| match zero {
         0 => bytes,
+        // Elastic: each shard also on a second rank (none on one rank).
         _ => bytes
             .div_ceil(n)
-            .saturating_mul(if elastic { 2 } else { 1 }),
+            .saturating_mul(if elastic && n > 1 { 2 } else { 1 }),
     };
     let averaged = if zero > 0 { whole.div_ceil(n) } else { whole };
     let wire = if zero >= 2 { bucket.min(whole) } else { whole };
@@ -88,18 +89,25 @@ pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Res
     let params = spec.param_count()?;
     let slots = config.optimizer.state_slots();
     let data_parallel = config.topology.arch == flotilla_cluster::Arch::Allreduce;
+    // An elastic job's shares are largest when it is down to its minimum.
+    let elastic = config.topology.min_world_size;
+    let n = elastic.map_or(n, |min| min.clamp(1, n.max(1)));
     let zero = if data_parallel && n > 1 {
         config.allreduce.zero
     } else {
         0
     };
-    let elastic = config.topology.min_world_size.is_some();
     let bucket = config.bucket_bytes() as u64;
-    let bytes = model_state_bytes(params, slots, (zero, n, elastic), bucket);
+    let bytes = model_state_bytes(params, slots, (zero, n, elastic.is_some()), bucket);
     let what = format!(
         "{} for the model's state: {params} parameters, {slots} optimizer value(s) each, ZeRO \
-         stage {zero} over {n} rank(s)",
-        mib(bytes)
+         stage {zero} over {n} rank(s){}",
+        mib(bytes),
+        if elastic.is_some() {
+            " (the elastic job's minimum)"
+        } else {
+            ""
+        }
     );
     Ok((bytes, what))
 }
@@ -222,6 +230,33 @@ mod tests {
             at(2, true),
             margin(4000 * 3 + 1000 + 1000 + 4000 + 4000 + 8000)
         );
+    }
+
+    #[test]
+    fn a_configs_model_state_is_its_specs_and_an_elastic_jobs_is_at_its_minimum()
+    -> anyhow::Result<()> {
+        let mut config = flotilla_train::TrainConfig::default();
+        config.allreduce.zero = 2;
+        let params = flotilla_engine::ModelSpec::resolve(&config.model.spec)?.param_count()?;
+        let (slots, bucket) = (config.optimizer.state_slots(), config.bucket_bytes() as u64);
+        let (bytes, what) = config_model_state(&config, 4)?;
+        assert_eq!(
+            bytes,
+            model_state_bytes(params, slots, (2, 4, false), bucket)
+        );
+        assert!(what.contains("ZeRO stage 2 over 4 rank(s)"), "{what}");
+        // Down to 2 of 4 members, each holds half of the state, twice.
+        config.topology.min_world_size = Some(2);
+        let (bytes, what) = config_model_state(&config, 4)?;
+        assert_eq!(
+            bytes,
+            model_state_bytes(params, slots, (2, 2, true), bucket)
+        );
+        assert!(
+            what.contains("over 2 rank(s) (the elastic job's minimum)"),
+            "{what}"
+        );
+        Ok(())
     }
 
     #[test]

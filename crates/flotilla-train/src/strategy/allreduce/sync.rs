@@ -224,7 +224,8 @@ impl Strategy for SyncAllReduce {
     }
 
     /// Rank 0's parameters and buffers to every rank; in an elastic ZeRO job, the optimizer
-    /// state re-cut among the members (`zero/elastic.rs`).
+    /// state re-cut among the members (`zero/elastic.rs`; by parameter, `zero/by_param.rs`,
+    /// also at a job's first start).
     fn start(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         if let Some(by_param) = &mut self.by_param {
             super::synchronize_model(&*self.comm, &mut *self.engine)?;

@@ -78,7 +78,7 @@ impl Header {
             .map(|c| u64::from_le_bytes(c.try_into().unwrap_or_default()))
             .collect();
         let held = (usize::try_from(w[2]).ok()?, usize::try_from(w[3]).ok()?);
-        (held.1 < held.0.max(1)).then_some(Self {
+        (held.1 < held.0).then_some(Self {
             finished: w[0],
             applied: w[1],
             held,
@@ -106,7 +106,7 @@ fn assign(
     step: u64,
     spare: bool,
 ) -> Option<(usize, Vec<Vec<Range<usize>>>)> {
-    let able = |h: &Header| h.applied == step && h.held.0 > 0;
+    let able = |h: &Header| h.applied == step;
     let mut worlds: Vec<usize> = headers
         .iter()
         .filter(|h| able(h))
@@ -336,6 +336,18 @@ mod tests {
         let mut outside = h.encode();
         outside[24] = 3; // index 3 of a 3-member cut
         assert_eq!(Header::decode(&outside), None);
+    }
+
+    proptest::proptest! {
+        /// Whatever a member sends as its header, decoding gives a header or nothing (no
+        /// panic), and a header it gives encodes back to the same bytes.
+        #[test]
+        fn any_bytes_decode_to_a_header_or_nothing(bytes in proptest::collection::vec(0u8..=255, 0..48)) {
+            if let Some(h) = Header::decode(&bytes) {
+                proptest::prop_assert_eq!(h.encode(), bytes);
+                proptest::prop_assert!(h.held.1 < h.held.0);
+            }
+        }
     }
 
     #[test]
