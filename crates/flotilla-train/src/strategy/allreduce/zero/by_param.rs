@@ -45,7 +45,8 @@ pub(crate) struct ParamZero {
     finished: bool,
     /// The state from before the last applied step, until it finished (an elastic job).
     before: Option<Vec<u8>>,
-    /// The parameters from before the step under way.
+    /// The parameters from before the step under way (an elastic job, which goes on after a
+    /// failed step; empty otherwise).
     params: Vec<f32>,
 }
 
@@ -144,7 +145,7 @@ impl ParamZero {
             applied: 0,
             finished: true,
             before: None,
-            params: vec![0.0; layout.total],
+            params: vec![0.0; if spare { layout.total } else { 0 }],
         }
     }
 
@@ -170,8 +171,8 @@ impl ParamZero {
     /// the parameters back (the step's optimizer state is taken back at the next start).
     pub(crate) fn step(&mut self, engine: &mut dyn Engine, grads: &[f32], lr: f64) -> Result<()> {
         let (rank, world) = (self.comm.rank(), self.comm.size());
-        engine.read_params(&mut self.params)?;
         if self.spare {
+            engine.read_params(&mut self.params)?;
             self.before = Some(engine.optimizer_state()?);
         }
         engine.apply_grads_to(grads, &self.mine(), lr)?;
@@ -186,14 +187,14 @@ impl ParamZero {
         let gathered = match self.comm.all_gather_bytes(&own) {
             Ok(g) => g,
             Err(e) => {
-                engine.write_params(&self.params)?;
+                self.put_back(engine)?;
                 return Err(e.into());
             }
         };
         for (k, bytes) in gathered.iter().enumerate() {
             let dst = &mut now[self.span(&cut[k])];
             if bytes.len() != dst.len() * 4 {
-                engine.write_params(&self.params)?;
+                self.put_back(engine)?;
                 return Err(TrainError::Protocol {
                     peer: k,
                     message: format!(
@@ -209,6 +210,15 @@ impl ParamZero {
         }
         engine.write_params(&now)?;
         (self.finished, self.before) = (true, None);
+        Ok(())
+    }
+
+    /// Puts the parameters from before a failed step back (an elastic job trains on from
+    /// them; a job of fixed size ends at the error, so it keeps no copy).
+    fn put_back(&self, engine: &mut dyn Engine) -> Result<()> {
+        if self.spare {
+            engine.write_params(&self.params)?;
+        }
         Ok(())
     }
 
