@@ -13,6 +13,7 @@ use crate::collective::{Reducer, ReducerHandle};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::optim::OptimizerSpec;
+use crate::sharded::{self, ShardedPass};
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
 use crate::spec::sequence::check_tokens;
@@ -196,6 +197,36 @@ pub trait Engine: ModelState {
         let _ = (parts, keep);
         Err(EngineError::Optimizer(
             "loading parts of a state: this engine steps the run's flat optimizer".into(),
+        ))
+    }
+
+    /// Releases every parameter (ZeRO-3: the caller keeps this rank's shard and gathers
+    /// each group's parameters in [`Engine::forward_backward_sharded`]). Whole-model calls
+    /// fail with [`EngineError::ParamsSharded`] until [`ModelState::write_params`] gives the
+    /// whole parameters back. Refused for a model that cannot be trained so (one whose
+    /// forward changes state or draws random numbers, recomputed in the sharded backward),
+    /// and by an engine that keeps whole parameters (the default).
+    fn release_params(&mut self) -> Result<()> {
+        Err(EngineError::ParamsSharded(
+            "this engine keeps whole parameters: ZeRO stage 2 or less".into(),
+        ))
+    }
+
+    /// Forward and backward on a batch of a model whose parameters are released
+    /// ([`Engine::release_params`]): each backward group's parameters gathered from `pass`
+    /// before its forward and again before its recomputed forward in backward, its gradients
+    /// handed to `pass` as its backward ends (every parameter once, group by group from the
+    /// last, within a group in flat order), none kept; bit for bit the gradients of
+    /// [`Engine::forward_backward`]. Returns the batch's mean loss. The parameters are
+    /// released again after it, failed or not. The default refuses.
+    fn forward_backward_sharded(
+        &mut self,
+        batch: BatchRef<'_>,
+        pass: &mut dyn ShardedPass,
+    ) -> Result<f32> {
+        let _ = (batch, pass);
+        Err(EngineError::ParamsSharded(
+            "this engine keeps whole parameters: ZeRO stage 2 or less".into(),
         ))
     }
 
@@ -418,6 +449,37 @@ impl Engine for BurnEngine {
 
     fn drop_grads(&mut self) {
         self.grads.clear();
+    }
+
+    fn release_params(&mut self) -> Result<()> {
+        sharded::check_shardable(self.model()?)?;
+        self.grads.clear();
+        self.weights.release()
+    }
+
+    fn forward_backward_sharded(
+        &mut self,
+        batch: BatchRef<'_>,
+        pass: &mut dyn ShardedPass,
+    ) -> Result<f32> {
+        let n = self.check_batch(batch.images, batch.labels)?;
+        if n == 0 {
+            return Err(EngineError::Batch("empty batch".into()));
+        }
+        self.grads.clear();
+        let device = self.weights.device.clone();
+        let input = Activation::from_flat(batch.images.to_vec(), n, self.input, &device);
+        let targets = labels_tensor(batch.labels, &device);
+        let layout = self.weights.layout.clone();
+        let loss = &self.loss;
+        sharded::forward_backward(
+            self.weights.released_model()?,
+            &layout,
+            &self.groups,
+            input,
+            |logits| loss.forward(logits, targets),
+            pass,
+        )
     }
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {

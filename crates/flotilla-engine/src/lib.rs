@@ -40,6 +40,7 @@ mod module_engine;
 mod optim;
 mod params;
 mod pipeline;
+mod sharded;
 mod spec;
 pub mod sync_batch_norm;
 mod weights;
@@ -72,6 +73,7 @@ pub use pipeline::partition::{LayerCost, StageEstimate, StageHost, check as chec
 pub use pipeline::profile::profile;
 pub use pipeline::stage::Stage;
 pub use pipeline::stage_engine::{Slot, StageEngine};
+pub use sharded::ShardedPass;
 pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};
@@ -85,5 +87,7 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod module_engine_tests;
+#[cfg(test)]
+mod sharded_tests;
 #[cfg(all(test, feature = "wgpu"))]
 mod wgpu_tests;

@@ -268,30 +268,98 @@ pub fn write_values<M: Module>(
             got: src.len(),
         });
     }
-    struct Writer<'a> {
-        src: &'a [f32],
-        offset: usize,
-    }
-    impl ModuleMapper for Writer<'_> {
-        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
-            let (id, value, mapper) = param.consume();
-            let shape = value.shape();
-            let len = shape.num_elements();
-            let device = value.device();
-            let require_grad = value.is_require_grad();
-            // The length was checked against the layout above, so the slice is in range.
-            let values = self.src[self.offset..self.offset + len].to_vec();
-            self.offset += len;
-            let mut tensor = Tensor::<D>::from_data(TensorData::new(values, shape), &device);
-            if require_grad {
-                tensor = tensor.require_grad();
-            }
-            Param::from_mapped_value(id, tensor, mapper)
-        }
-    }
     let _copy = copies::to_device(which.name(), layout.total);
-    let mut writer = Writer { src, offset: 0 };
+    let mut writer = RangeWriter {
+        layout,
+        params: 0..layout.params.len(),
+        src: Some(src),
+        require_grad: None,
+        index: 0,
+    };
     Ok(model.map(&mut Only::new(&mut writer, which)))
+}
+
+/// Replaces the parameters whose index is in `params` (consecutive, flat order) with the
+/// values of `src` (theirs one after the other), each a leaf that requires its gradient when
+/// `require_grad`; with `src` `None`, releases them: each becomes an empty tensor of its rank
+/// (ZeRO-3 between the uses of a group's parameters; [`ParamLayout`] keeps their shapes).
+/// Parameter ids are kept, the other parameters left as they are.
+pub(crate) fn write_range<M: Module>(
+    model: M,
+    layout: &ParamLayout,
+    params: Range<usize>,
+    src: Option<&[f32]>,
+    require_grad: bool,
+) -> Result<M> {
+    let infos = layout
+        .params
+        .get(params.clone())
+        .ok_or(EngineError::FlatLength {
+            expected: layout.params.len(),
+            got: params.end,
+        })?;
+    let len: usize = infos.iter().map(|p| p.len).sum();
+    if let Some(src) = src
+        && src.len() != len
+    {
+        return Err(EngineError::FlatLength {
+            expected: len,
+            got: src.len(),
+        });
+    }
+    let _copy = src.map(|_| copies::to_device("parameters", len));
+    let mut writer = RangeWriter {
+        layout,
+        params,
+        src,
+        require_grad: Some(require_grad),
+        index: 0,
+    };
+    Ok(model.map(&mut Only::new(&mut writer, Tensors::Params)))
+}
+
+/// Writes the tensors whose index is in `params` from `src` (which starts at the first of
+/// them), in the layout's shapes, or releases them (`src` `None`).
+struct RangeWriter<'a> {
+    layout: &'a ParamLayout,
+    params: Range<usize>,
+    src: Option<&'a [f32]>,
+    /// Whether the written tensors require their gradient (`None`: as the old ones did).
+    require_grad: Option<bool>,
+    index: usize,
+}
+
+impl ModuleMapper for RangeWriter<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        let index = self.index;
+        self.index += 1;
+        if !self.params.contains(&index) {
+            return param;
+        }
+        let (id, value, mapper) = param.consume();
+        let device = value.device();
+        let require_grad = self.require_grad.unwrap_or_else(|| value.is_require_grad());
+        drop(value);
+        // Both lengths were checked against the layout by the callers, so the slices are in
+        // range.
+        let info = &self.layout.params[index];
+        let first = self.layout.params[self.params.start].offset;
+        let tensor = match self.src {
+            Some(src) => {
+                let at = info.offset - first;
+                let values = src[at..at + info.len].to_vec();
+                let shape = burn::tensor::Shape::from(info.shape.clone());
+                Tensor::<D>::from_data(TensorData::new(values, shape), &device)
+            }
+            None => Tensor::<D>::empty([0; D], &device),
+        };
+        let tensor = if require_grad && self.src.is_some() {
+            tensor.require_grad()
+        } else {
+            tensor
+        };
+        Param::from_mapped_value(id, tensor, mapper)
+    }
 }
 
 /// Calls `f(index, values)` with each parameter's gradient, in flat order. A parameter with

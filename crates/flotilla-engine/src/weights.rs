@@ -172,6 +172,9 @@ pub(crate) struct Weights<M: Module = SequentialModel> {
     dropout_seed: Option<u64>,
     /// Safetensors metadata written with the weights (a spec model's spec first).
     metadata: Vec<(String, String)>,
+    /// Whether the parameters are released (ZeRO-3: the model's parameter tensors are
+    /// empty between the uses of a group's; [`Weights::release`]).
+    released: bool,
 }
 
 impl Weights<SequentialModel> {
@@ -242,6 +245,7 @@ impl<M: Module> Weights<M> {
             has_dropout,
             dropout_seed: None,
             metadata: Vec::new(),
+            released: false,
         })
     }
 
@@ -274,8 +278,38 @@ impl<M: Module> Weights<M> {
     }
 
     pub(crate) fn model(&self) -> Result<&M> {
+        if self.released {
+            return Err(EngineError::ParamsSharded(
+                "this rank holds its shard only; the whole model is gathered first".into(),
+            ));
+        }
         // The model is only taken out for the duration of a call that puts it back.
         self.model.as_ref().ok_or(EngineError::ModelUnavailable)
+    }
+
+    /// Releases every parameter (each becomes an empty tensor of its rank; the layout keeps
+    /// their shapes): ZeRO-3, whose rank holds its shard only. Whole-model calls fail until
+    /// [`ModelState::write_params`] gives the parameters back.
+    pub(crate) fn release(&mut self) -> Result<()> {
+        if self.released {
+            return Ok(());
+        }
+        let model = self.model.take().ok_or(EngineError::ModelUnavailable)?;
+        let all = 0..self.layout.params.len();
+        self.model = Some(params::write_range(model, &self.layout, all, None, false)?);
+        self.released = true;
+        Ok(())
+    }
+
+    /// The released model's slot, for a pass that gathers and releases each group's
+    /// parameters itself ([`crate::sharded`]) and leaves them released.
+    pub(crate) fn released_model(&mut self) -> Result<&mut Option<M>> {
+        if !self.released {
+            return Err(EngineError::ParamsSharded(
+                "a sharded pass on a model holding its whole parameters".into(),
+            ));
+        }
+        Ok(&mut self.model)
     }
 
     /// Replaces the model with what `load` makes of it. `load` loads into a copy, so that a
@@ -324,10 +358,22 @@ impl<M: Module> ModelState for Weights<M> {
         params::read_values(self.model()?, &self.layout, out, Tensors::Params)
     }
 
+    /// Also gives a released model ([`Weights::release`]) its whole parameters back.
     fn write_params(&mut self, src: &[f32]) -> Result<()> {
-        let model = self.model()?.clone();
-        let model = params::write_values(model, &self.layout, src, Tensors::Params)?;
+        let model = self
+            .model
+            .as_ref()
+            .ok_or(EngineError::ModelUnavailable)?
+            .clone();
+        let model = if self.released {
+            // Released tensors require no gradient: the whole model's parameters do.
+            let all = 0..self.layout.params.len();
+            params::write_range(model, &self.layout, all, Some(src), true)?
+        } else {
+            params::write_values(model, &self.layout, src, Tensors::Params)?
+        };
         self.model = Some(model);
+        self.released = false;
         Ok(())
     }
 

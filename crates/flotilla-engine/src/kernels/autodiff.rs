@@ -4,6 +4,7 @@
 //! that one backend call computes for all of an op's inputs to the inputs that track one (as
 //! burn's `unary` and `binary` do for one and two inputs).
 
+use std::cell::Cell;
 use std::fmt::Debug;
 
 use burn::backend::Backend;
@@ -34,8 +35,32 @@ where
             let (output, state) = tracked(inputs);
             prep.finish(state, output)
         }
+        OpsKind::UnTracked(prep) if AS_TRACKED.get() => prep.finish(tracked(inputs).0),
         OpsKind::UnTracked(prep) => prep.finish(untracked(inputs)),
     }
+}
+
+thread_local! {
+    /// Whether an untracked op computes its output as its tracked twin does
+    /// ([`as_tracked`]).
+    static AS_TRACKED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// `f`, with every op of [`record`] that tracks no gradient computing its output with the
+/// tracked forward (its state dropped) instead of its own: the same bits as on the tape.
+/// Some untracked forwards take a faster path with another summation order (attention
+/// without its probabilities, layer norm without its statistics); a forward off the tape
+/// that a taped recomputation must match bit for bit (ZeRO-3's, [`crate::sharded`]) runs
+/// under this.
+pub(crate) fn as_tracked<T>(f: impl FnOnce() -> T) -> T {
+    struct Reset(bool);
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            AS_TRACKED.set(self.0);
+        }
+    }
+    let _reset = Reset(AS_TRACKED.replace(true));
+    f()
 }
 
 /// The backward of an op whose `N` input gradients one backend call computes together:

@@ -169,6 +169,40 @@ impl ShardOptimizer {
                 got: params.len(),
             });
         }
+        let ranges: Vec<Range<usize>> = self.pieces.iter().map(|p| p.range.clone()).collect();
+        self.step_in(params, &ranges, grads, lr)
+    }
+
+    /// [`ShardOptimizer::step`] on the shard's values alone (`shard`: its pieces' values one
+    /// after the other in flat order, as `grads`), for a rank that holds no other parameter
+    /// (ZeRO-3).
+    pub fn step_shard(&mut self, shard: &mut [f32], grads: &[f32], lr: f64) -> Result<()> {
+        if shard.len() != self.len() {
+            return Err(EngineError::FlatLength {
+                expected: self.len(),
+                got: shard.len(),
+            });
+        }
+        let mut at = 0;
+        let ranges: Vec<Range<usize>> = self
+            .pieces
+            .iter()
+            .map(|p| {
+                at += p.range.len();
+                at - p.range.len()..at
+            })
+            .collect();
+        self.step_in(shard, &ranges, grads, lr)
+    }
+
+    /// One step of the pieces whose values are `values[ranges[k]]` (piece `k`'s).
+    fn step_in(
+        &mut self,
+        values: &mut [f32],
+        ranges: &[Range<usize>],
+        grads: &[f32],
+        lr: f64,
+    ) -> Result<()> {
         if grads.len() != self.len() {
             return Err(EngineError::FlatLength {
                 expected: self.len(),
@@ -181,18 +215,18 @@ impl ShardOptimizer {
         let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
         let mut gp = GradientsParams::new();
         let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(self.pieces.len());
-        let values = self.pieces.iter().map(|p| p.range.len()).sum();
-        let upload = copies::to_device("shard", 2 * values);
+        let count = self.pieces.iter().map(|p| p.range.len()).sum();
+        let upload = copies::to_device("shard", 2 * count);
         let mut at = 0;
-        for (k, piece) in self.pieces.iter().enumerate() {
+        for (k, range) in ranges.iter().enumerate() {
             let id = ParamId::from(k as u64);
             let tensor = |v: &[f32], device: &Device| {
                 Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
             };
-            let len = piece.range.len();
+            let len = range.len();
             gp.register(id, tensor(&grads[at..at + len], &self.device));
             at += len;
-            let value = tensor(&params[piece.range.clone()], &self.autodiff);
+            let value = tensor(&values[range.clone()], &self.autodiff);
             module.push(Param::initialized(id, value));
         }
         drop(upload);
@@ -200,9 +234,9 @@ impl ShardOptimizer {
             self.before = Some(self.optimizer.clone());
         }
         let module = self.optimizer.step(lr, module, gp);
-        let _read = copies::to_host("shard", values);
-        for (piece, param) in self.pieces.iter().zip(module) {
-            copy_tensor(param.val(), &mut params[piece.range.clone()])?;
+        let _read = copies::to_host("shard", count);
+        for (range, param) in ranges.iter().zip(module) {
+            copy_tensor(param.val(), &mut values[range.clone()])?;
         }
         Ok(())
     }

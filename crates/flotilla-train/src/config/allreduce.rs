@@ -114,13 +114,23 @@ impl AllReduceSection {
                 ),
             ));
         }
-        if self.zero > 2 {
+        if self.zero > 3 {
             return Err(bad(
                 "zero",
                 format!(
-                    "is the ZeRO stage: 0 (unsharded), 1 (optimizer state sharded) or 2 \
-                     (optimizer state and gradients sharded), got {}",
+                    "is the ZeRO stage: 0 (unsharded), 1 (optimizer state sharded), 2 \
+                     (optimizer state and gradients sharded) or 3 (parameters too), got {}",
                     self.zero
+                ),
+            ));
+        }
+        if self.zero == 3 && self.accumulation_steps > 1 {
+            return Err(bad(
+                "zero",
+                format!(
+                    "ZeRO stage 3 takes one micro-batch a step (accumulation_steps is {}: the \
+                     earlier micro-batches' gradients would be kept whole); use zero: 2",
+                    self.accumulation_steps
                 ),
             ));
         }
@@ -200,7 +210,8 @@ mod tests {
         );
         for (text, key) in [
             ("staleness: 17\n", "allreduce.staleness"),
-            ("zero: 3\n", "allreduce.zero"),
+            ("zero: 4\n", "allreduce.zero"),
+            ("zero: 3\naccumulation_steps: 2\n", "allreduce.zero"),
             ("strategy: async_allreduce\nzero: 1\n", "allreduce.zero"),
             (
                 "zero: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",

@@ -297,7 +297,7 @@ pub const KEYS: &[Key] = &[
         "zero",
         "STAGE",
         Kind::Usize,
-        "ZeRO: 1 shards the optimizer state, 2 also the gradients (sync all-reduce)",
+        "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce)",
     ),
     Key::new("allreduce.accumulation_steps")
         .aliases(&["accumulation_steps", "gradient_accumulation_steps"])

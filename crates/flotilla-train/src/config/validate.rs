@@ -315,6 +315,9 @@ impl TrainConfig {
         if self.comm.backend != super::Backend::Tcp {
             return not_yet("an MPI or NCCL backend");
         }
+        if self.allreduce.zero == 3 {
+            return not_yet("ZeRO stage 3 (parameters sharded; stages 1 and 2 are elastic)");
+        }
         Ok(())
     }
 }

@@ -20,7 +20,9 @@
 //! together too). A gradient of another bucket arriving while one is half filled is an
 //! error, as is a bucket left incomplete.
 
-use flotilla_engine::{BatchRef, Engine, ParamLayout};
+use std::ops::Range;
+
+use flotilla_engine::{BatchRef, Engine, ParamLayout, ShardedPass};
 use flotilla_tcp::{PendingAllReduce, ProcessGroup};
 
 use super::zero::{Zero, wire_len};
@@ -83,7 +85,10 @@ pub fn reduce_scatter_step(
         error: None,
         weight,
     };
-    let passed = if overlap {
+    let passed = if s.zero.shards_params() {
+        // Stage 3: the engine gathers each group's parameters through `s` too.
+        engine.forward_backward_sharded(batch, &mut s)
+    } else if overlap {
         engine.forward_backward_streaming(batch, &mut |i, g| s.on_grad(i, g))
     } else {
         engine.forward_backward(batch).and_then(|loss| {
@@ -211,6 +216,25 @@ impl Scatter<'_> {
             self.zero.return_staging(buffer);
         }
         Ok(())
+    }
+}
+
+/// Stage 3's pass: a group's parameters are gathered from every rank's shard, after the
+/// reduce-scatter under way (the one collective at a time on the group).
+impl ShardedPass for Scatter<'_> {
+    fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> flotilla_engine::Result<()> {
+        let gathered = self
+            .finish()
+            .and_then(|()| self.zero.gather_group(self.plan, params, out));
+        gathered.map_err(|e| {
+            let text = e.to_string();
+            self.error = Some(e);
+            flotilla_engine::EngineError::Callback(text)
+        })
+    }
+
+    fn ready(&mut self, param: usize, grad: &[f32]) -> flotilla_engine::Result<()> {
+        self.on_grad(param, grad)
     }
 }
 

@@ -43,7 +43,9 @@ pub struct StepStats {
 ///
 /// With `allreduce.zero: 1` or `2` the optimizer step is sharded (`Zero`): each rank
 /// steps its shard of every bucket with 1/N of the optimizer state and the parameters are
-/// all-gathered; stage 2 reduce-scatters the buckets instead of all-reducing them.
+/// all-gathered; stage 2 reduce-scatters the buckets instead of all-reducing them; stage 3
+/// keeps only the shard of the parameters too, gathered group by group in each pass
+/// (`zero/stage3.rs`).
 pub struct SyncAllReduce {
     comm: Arc<dyn ProcessGroup>,
     /// The whole model.
@@ -249,6 +251,9 @@ impl Strategy for SyncAllReduce {
                 self.comm.size()
             ))?;
         }
+        if zero.shards_params() {
+            zero.take_param_shard(&mut *self.engine)?;
+        }
         Ok(())
     }
 
@@ -296,6 +301,9 @@ impl Strategy for SyncAllReduce {
         match bytes {
             Ok(b) => figures.push(("optimizer_state_bytes", b as f64)),
             Err(e) => tracing::warn!("optimizer_state_bytes: {e}"),
+        }
+        if let Some(zero) = self.zero.as_ref().filter(|z| z.shards_params()) {
+            figures.push(("param_shard_bytes", zero.param_shard_bytes() as f64));
         }
         figures
     }
@@ -349,9 +357,13 @@ impl Strategy for SyncAllReduce {
         Some(&mut *self.engine)
     }
 
-    /// The peers' buffers (batch norm's running statistics) become their mean.
+    /// The peers' buffers (batch norm's running statistics) become their mean; under ZeRO
+    /// stage 3 the parameters are gathered whole first (the next step releases them).
     fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
         let _ = cx;
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            zero.materialize(&mut *self.engine, &self.plan)?;
+        }
         super::average_buffers(&*self.comm, &mut *self.engine)
     }
 
@@ -392,6 +404,9 @@ impl SyncAllReduce {
     /// One training step on this rank's batch at learning rate `lr`, its gradient and loss
     /// scaled by `weight` (its share of the global batch times the ranks; 1: equal shares).
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64, weight: f32) -> Result<StepStats> {
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            zero.release(&mut *self.engine)?;
+        }
         let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
             Some(zero) => super::scatter::reduce_scatter_step(
                 zero,
@@ -412,6 +427,9 @@ impl SyncAllReduce {
         }
         let engine = &mut *self.engine;
         let global_loss = match (&mut self.zero, &mut self.by_param) {
+            (Some(zero), _) if zero.shards_params() => {
+                zero.step_sharded(reduced_loss, lr, &self.plan)?
+            }
             (Some(zero), _) => zero.step(engine, reduced_loss, lr)?,
             (None, Some(by_param)) => {
                 by_param.step(engine, &self.flat, lr)?;

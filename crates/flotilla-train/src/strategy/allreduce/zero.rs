@@ -51,6 +51,7 @@ use crate::error::{Result, TrainError};
 
 pub(crate) mod by_param;
 pub(super) mod elastic;
+mod stage3;
 
 use elastic::{Cut, Redundancy};
 
@@ -82,6 +83,14 @@ pub struct Zero {
     cut: Cut,
     /// An elastic job's second copy of a shard ([`Redundancy`]); `None`: a fixed-size job.
     elastic: Option<Redundancy>,
+    /// Stage 3: this rank's shard of the parameters, its pieces one after the other in flat
+    /// order as `grad` (empty before the start and at stages 1 and 2).
+    params: Vec<f32>,
+    /// Stage 3: the wire buffer of the parameters' all-gathers (one bucket's).
+    gathered: Vec<f32>,
+    /// Stage 3: whether the engine's parameters are released (they are gathered whole for a
+    /// whole-model operation between steps).
+    released: bool,
     /// Tests: the next step fails after its optimizer update, before its all-gather (a rank
     /// lost there).
     #[cfg(test)]
@@ -133,7 +142,7 @@ fn slots(plan: &BucketPlan, owned: &[Range<usize>]) -> Vec<Slot> {
 }
 
 impl Zero {
-    /// Stage `stage` (1 or 2) over `comm` for a model of `layout` cut into `plan`'s buckets,
+    /// Stage `stage` (1, 2 or 3) over `comm` for a model of `layout` cut into `plan`'s buckets,
     /// with the optimizer of `spec` on the named device.
     pub fn new(
         stage: u8,
@@ -163,6 +172,9 @@ impl Zero {
                 index: comm.rank(),
             },
             elastic: None,
+            params: Vec::new(),
+            gathered: Vec::new(),
+            released: false,
             #[cfg(test)]
             fail_before_gather: false,
             comm,
@@ -204,14 +216,15 @@ impl Zero {
         self.grad.capacity() * std::mem::size_of::<f32>()
     }
 
-    /// Bytes of its wire buffer (one bucket's).
+    /// Bytes of its wire buffers (one bucket's; stage 3's parameter all-gathers have one
+    /// more).
     pub fn staging_bytes(&self) -> usize {
-        self.staging.capacity() * std::mem::size_of::<f32>()
+        (self.staging.capacity() + self.gathered.capacity()) * std::mem::size_of::<f32>()
     }
 
     /// Whether buckets are reduce-scattered (stage 2) rather than all-reduced.
     pub fn scatters(&self) -> bool {
-        self.stage == 2
+        self.stage >= 2
     }
 
     /// One sharded step: burn's optimizer moves this rank's shard of the parameters by its

@@ -1,4 +1,4 @@
-//! ZeRO stages 1 and 2 against the unsharded sync all-reduce (zero 0), in-memory ranks
+//! ZeRO stages 1, 2 and 3 against the unsharded sync all-reduce (zero 0), in-memory ranks
 //! running the production [`SyncAllReduce`] with two buckets: after a dozen steps every
 //! rank's parameters and reported losses equal zero 0's bit for bit, on 2 and 3 ranks, for
 //! SGD with momentum and weight decay, Adam and AdamW decaying matrices only. The world's
@@ -149,6 +149,8 @@ fn run_overlapped(
                         .expect("checkpoint");
                 }
                 let figures = peer.figures(&rank.cx()).into_iter().collect();
+                // Stage 3 gathers the whole parameters for a whole-model read.
+                peer.prepare_model(&mut rank.cx()).expect("prepare");
                 (params(&mut peer), losses, figures)
             })
         })
@@ -160,14 +162,14 @@ fn run_overlapped(
 }
 
 #[test]
-fn zero_1_and_2_equal_zero_0_bitwise() {
+fn zero_1_2_and_3_equal_zero_0_bitwise() {
     let tmp = tempfile::tempdir().expect("tmp");
     for opt in optimizers() {
         for n in [2, 3] {
             let reference = run(n, &opt, 0, (0, STEPS), tmp.path(), false);
             let start = run(n, &opt, 0, (0, 0), tmp.path(), false).remove(0).0;
             assert_ne!(reference[0].0, start, "{opt:?}: the parameters moved");
-            for (zero, overlap) in [(1, true), (2, true), (2, false)] {
+            for (zero, overlap) in [(1, true), (2, true), (2, false), (3, true)] {
                 let got = run_overlapped(n, &opt, (zero, overlap), (0, STEPS), tmp.path(), false);
                 for (r, (p, losses, _)) in got.iter().enumerate() {
                     let what =
@@ -215,7 +217,7 @@ fn optimizer_state_bytes_are_each_ranks_share() {
 #[test]
 fn a_resumed_zero_run_equals_the_uninterrupted_one() {
     let adamw = &optimizers()[2];
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let n = 3;
         let tmp = tempfile::tempdir().expect("tmp");
         let whole = run(n, adamw, zero, (0, STEPS), tmp.path(), false);
@@ -241,7 +243,7 @@ fn wire_lens(opt: &OptimizerSpec) -> Vec<usize> {
 }
 
 #[test]
-fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
+fn a_stage_2_or_3_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
     let tmp = tempfile::tempdir().expect("tmp");
     let adam = &optimizers()[1];
     let wires = wire_lens(adam);
@@ -256,7 +258,7 @@ fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
             assert_eq!(f["bucket_buffer_bytes"], (4 * all) as f64, "{what}");
         }
         let plan = the_plan(adam);
-        for zero in [1, 2] {
+        for zero in [1, 2, 3] {
             let got = run(n, adam, zero, (0, 2), tmp.path(), false);
             let mut sum = 0.0;
             for (r, (_, _, f)) in got.iter().enumerate() {
@@ -269,9 +271,17 @@ fn a_stage_2_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
                 assert_eq!(f["gradient_bytes"], (4 * owned) as f64, "{what}");
                 sum += f["gradient_bytes"];
                 // Stage 1 keeps every bucket (all-reduced in place) and the all-gather's
-                // buffer; stage 2 one bucket-sized buffer for both.
-                let wire = if zero == 1 { all + largest } else { largest };
+                // buffer; stage 2 one bucket-sized buffer for both; stage 3 one for the
+                // reduce-scatters and one for the parameters' all-gathers.
+                let wire = match zero {
+                    1 => all + largest,
+                    2 => largest,
+                    _ => 2 * largest,
+                };
                 assert_eq!(f["bucket_buffer_bytes"], (4 * wire) as f64, "{what}");
+                let shard = f.get("param_shard_bytes").copied();
+                let want = (zero == 3).then_some((4 * owned) as f64);
+                assert_eq!(shard, want, "{what}: the parameters kept between steps");
             }
             assert_eq!(
                 sum,
@@ -287,7 +297,7 @@ fn zero_on_one_rank_is_the_unsharded_path() {
     let tmp = tempfile::tempdir().expect("tmp");
     let adam = &optimizers()[1];
     let reference = run(1, adam, 0, (0, STEPS), tmp.path(), false);
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let got = run(1, adam, zero, (0, STEPS), tmp.path(), false);
         assert_bitwise(
             &got[0].0,

@@ -1,0 +1,171 @@
+//! The sharded pass (ZeRO-3: parameters gathered group by group, forward off the tape,
+//! each group recomputed in backward) against the grouped backward of the same groups: the
+//! same loss and gradients bit for bit, reported in the same order; the model holds no
+//! parameter after it; a model whose forward changes state is refused.
+
+use std::ops::Range;
+
+use crate::engine_tests::sgd;
+use crate::error::Result;
+use crate::{BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState, ShardedPass};
+
+const SEED: u64 = 29;
+
+/// A [`ShardedPass`] over a whole flat copy of the parameters, recording what it was asked.
+struct Gatherer {
+    whole: Vec<f32>,
+    layout: crate::ParamLayout,
+    gathered: Vec<Range<usize>>,
+    grads: Vec<f32>,
+    order: Vec<usize>,
+}
+
+impl ShardedPass for Gatherer {
+    fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> Result<()> {
+        let first = &self.layout.params[params.start];
+        let last = &self.layout.params[params.end - 1];
+        out.copy_from_slice(&self.whole[first.offset..last.offset + last.len]);
+        self.gathered.push(params);
+        Ok(())
+    }
+
+    fn ready(&mut self, param: usize, grad: &[f32]) -> Result<()> {
+        let p = &self.layout.params[param];
+        self.grads[p.offset..p.offset + p.len].copy_from_slice(grad);
+        self.order.push(param);
+        Ok(())
+    }
+}
+
+/// A deterministic batch of `n` samples for `spec` (token ids for a sequence model).
+fn batch(spec: &ModelSpec, n: usize, salt: u32) -> (Vec<f32>, Vec<i64>) {
+    let per = spec.input_shape().expect("input").numel();
+    let lps = spec.labels_per_sample().expect("labels");
+    let classes = spec.output_shape().expect("output").numel() / lps;
+    let mut x = salt.wrapping_mul(2654435761).wrapping_add(777);
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        x
+    };
+    let images = match spec.token_vocab() {
+        Some(v) => (0..n * per).map(|_| (next() % v as u32) as f32).collect(),
+        None => (0..n * per)
+            .map(|_| (next() % 1000) as f32 / 500.0 - 1.0)
+            .collect(),
+    };
+    let labels = (0..n * lps)
+        .map(|_| (next() % classes as u32) as i64)
+        .collect();
+    (images, labels)
+}
+
+fn engine(spec: &ModelSpec, max_bytes: usize) -> BurnEngine {
+    let mut e = BurnEngine::new(spec, &sgd(0.05, 0.9), "flex", SEED).expect("engine");
+    e.set_backward_group_bytes(max_bytes).expect("groups");
+    e
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn a_sharded_pass_gives_the_grouped_pass_gradients_bit_for_bit() {
+    for name in ["mlp", "lenet5", "resmlp", "gpt-char"] {
+        let spec = ModelSpec::builtin(name).expect("shipped spec");
+        let mut grouped = engine(&spec, 1);
+        let mut sharded = engine(&spec, 1);
+        let layout = grouped.layout().clone();
+        let groups = grouped.backward_groups();
+        assert!(groups.len() >= 3, "{name}: {groups:?}");
+        let mut whole = vec![0.0; layout.total];
+        grouped.read_params(&mut whole).expect("params");
+        sharded.release_params().expect("release");
+        let n = if spec.token_vocab().is_some() { 2 } else { 8 };
+        let (images, labels) = batch(&spec, n, 3);
+        let b = BatchRef {
+            images: &images,
+            labels: &labels,
+        };
+        let mut expected = vec![0.0; layout.total];
+        let mut order = Vec::new();
+        let loss = grouped
+            .forward_backward_streaming(b, &mut |i, g| {
+                let p = &layout.params[i];
+                expected[p.offset..p.offset + p.len].copy_from_slice(g);
+                order.push(i);
+                Ok(())
+            })
+            .expect("grouped");
+        let mut pass = Gatherer {
+            whole: whole.clone(),
+            layout: layout.clone(),
+            gathered: Vec::new(),
+            grads: vec![f32::NAN; layout.total],
+            order: Vec::new(),
+        };
+        let got = sharded
+            .forward_backward_sharded(b, &mut pass)
+            .expect("sharded");
+        assert_eq!(
+            got.to_bits(),
+            loss.to_bits(),
+            "{name}: loss {got} vs {loss}"
+        );
+        assert_eq!(
+            pass.order, order,
+            "{name}: the order gradients are handed on"
+        );
+        assert!(
+            bits(&pass.grads) == bits(&expected),
+            "{name}: gradients differ first at {:?}",
+            pass.grads
+                .iter()
+                .zip(&expected)
+                .position(|(a, b)| a.to_bits() != b.to_bits())
+        );
+        // Forward gathers every group but the last once, backward every group again.
+        let mut want: Vec<Range<usize>> = groups.iter().rev().cloned().collect();
+        want.pop();
+        want.extend(groups.iter().cloned());
+        assert_eq!(pass.gathered, want, "{name}: what was gathered");
+        // Nothing is held after the pass: a whole-model read is refused until the
+        // parameters are written back.
+        let mut out = vec![0.0; layout.total];
+        let refused = sharded.read_params(&mut out).expect_err("released");
+        assert!(
+            matches!(refused, EngineError::ParamsSharded(_)),
+            "{refused}"
+        );
+        sharded.write_params(&whole).expect("write back");
+        sharded.read_params(&mut out).expect("whole again");
+        assert_eq!(bits(&out), bits(&whole), "{name}: written back");
+        let loss_whole = sharded.forward_backward(b).expect("whole pass");
+        assert_eq!(
+            loss_whole.to_bits(),
+            loss.to_bits(),
+            "{name}: trains whole again"
+        );
+    }
+}
+
+#[test]
+fn a_model_whose_forward_changes_state_or_draws_is_not_released() {
+    for (name, spec) in [
+        ("resnet-bn", ModelSpec::builtin("resnet-bn").expect("spec")),
+        (
+            "dropout",
+            ModelSpec::from_yaml(
+                "input: [8]\nlayers:\n  - linear: {out: 8}\n  - dropout: {p: 0.1}\n  - linear: {out: 3}\n",
+                "dropout",
+            )
+            .expect("spec"),
+        ),
+    ] {
+        let mut e = engine(&spec, 1);
+        let e = e.release_params().expect_err(name).to_string();
+        assert!(e.contains("recomputes"), "{name}: {e}");
+    }
+}
