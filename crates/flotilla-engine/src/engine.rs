@@ -8,12 +8,12 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::TensorData;
 
-use crate::backward_groups::{self, BackwardGroup};
+use crate::backward_groups::{self, BackwardGroup, LayerParams};
 use crate::collective::{Reducer, ReducerHandle};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::optim::OptimizerSpec;
-use crate::sharded::{self, ShardedPass};
+use crate::sharded::{self, ShardSink, ShardedPass};
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
 use crate::spec::sequence::check_tokens;
@@ -230,6 +230,23 @@ pub trait Engine: ModelState {
         ))
     }
 
+    /// Evaluates one batch (`labels` as in [`BatchRef::labels`]; it may be empty) on a model
+    /// whose parameters are released ([`Engine::release_params`]): each backward group's
+    /// gathered from `pass`, run, and released. Collective through `pass`: every rank
+    /// gathers every group once per call, with or without samples. The figures are
+    /// [`Engine::evaluate`]'s. The default refuses.
+    fn evaluate_sharded(
+        &mut self,
+        images: &[f32],
+        labels: &[i64],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<EvalStats> {
+        let _ = (images, labels, pass);
+        Err(EngineError::ParamsSharded(
+            "this engine keeps whole parameters: ZeRO stage 2 or less".into(),
+        ))
+    }
+
     /// Evaluates on a data set in chunks of `batch_size` samples (no gradients; `labels` as in
     /// [`BatchRef::labels`]).
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats>;
@@ -253,6 +270,8 @@ pub struct BurnEngine {
     grads: Vec<GroupGrads>,
     /// The backward groups, in layer order.
     groups: Vec<BackwardGroup>,
+    /// Each layer's parameters (what the groups are planned from).
+    layers: Vec<LayerParams>,
     loss: CrossEntropyLoss,
 }
 
@@ -268,8 +287,34 @@ impl BurnEngine {
         seed: u64,
     ) -> Result<Self> {
         let weights = Weights::new(spec, optimizer, device_name, seed, None)?;
-        let groups =
-            backward_groups::plan(spec, &backward_groups::layer_params(weights.model()?), 0)?;
+        let layers = backward_groups::layer_params(weights.model()?);
+        let groups = backward_groups::plan(spec, &layers, 0)?;
+        Self::of(spec, weights, layers, groups)
+    }
+
+    /// ZeRO-3's engine, which never holds the whole model: its parameters are drawn from
+    /// `seed` one layer at a time (the values of [`BurnEngine::new`]), each layer's handed to
+    /// `sink` and released ([`Engine::release_params`]), with backward groups of at most
+    /// `group_bytes` (as [`Engine::set_backward_group_bytes`]), which `sink` learns first.
+    /// A model whose forward changes state or draws random numbers is refused.
+    pub fn new_released(
+        spec: &ModelSpec,
+        optimizer: &OptimizerSpec,
+        (device_name, seed): (&str, u64),
+        group_bytes: usize,
+        sink: &mut dyn ShardSink,
+    ) -> Result<Self> {
+        let (weights, layers, groups) =
+            Weights::new_released(spec, optimizer, (device_name, seed), group_bytes, sink)?;
+        Self::of(spec, weights, layers, groups)
+    }
+
+    fn of(
+        spec: &ModelSpec,
+        weights: Weights,
+        layers: Vec<LayerParams>,
+        groups: Vec<BackwardGroup>,
+    ) -> Result<Self> {
         Ok(Self {
             spec: spec.clone(),
             input: spec.input_shape()?,
@@ -279,6 +324,7 @@ impl BurnEngine {
             weights,
             grads: Vec::new(),
             groups,
+            layers,
         })
     }
 
@@ -419,8 +465,7 @@ impl Engine for BurnEngine {
     /// that is larger than `max_bytes` is a group of its own; parameterless layers join the
     /// group before them). `0` (the default) or `usize::MAX` gives one group: one backward pass.
     fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
-        let layers = backward_groups::layer_params(self.model()?);
-        self.groups = backward_groups::plan(&self.spec, &layers, max_bytes)?;
+        self.groups = backward_groups::plan(&self.spec, &self.layers, max_bytes)?;
         Ok(())
     }
 
@@ -480,6 +525,37 @@ impl Engine for BurnEngine {
             |logits| loss.forward(logits, targets),
             pass,
         )
+    }
+
+    fn evaluate_sharded(
+        &mut self,
+        images: &[f32],
+        labels: &[i64],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<EvalStats> {
+        let n = self.check_batch(images, labels)?;
+        let device = self.weights.device.clone();
+        let input = (n > 0).then(|| Activation::from_flat(images.to_vec(), n, self.input, &device));
+        let layout = self.weights.layout.clone();
+        let logits = sharded::logits(
+            self.weights.released_model()?,
+            &layout,
+            &self.groups,
+            input,
+            pass,
+        )?;
+        let Some(logits) = logits else {
+            return Ok(EvalStats::default());
+        };
+        let counts = (n, self.input.numel(), self.labels_per_sample);
+        Ok(evaluate_in_chunks(
+            images,
+            labels,
+            counts,
+            n,
+            &device,
+            |_, _| logits.clone(),
+        ))
     }
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {

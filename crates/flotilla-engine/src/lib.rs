@@ -73,7 +73,7 @@ pub use pipeline::partition::{LayerCost, StageEstimate, StageHost, check as chec
 pub use pipeline::profile::profile;
 pub use pipeline::stage::Stage;
 pub use pipeline::stage_engine::{Slot, StageEngine};
-pub use sharded::ShardedPass;
+pub use sharded::{ShardSink, ShardedPass};
 pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};

@@ -56,6 +56,23 @@ pub trait ShardedPass {
     fn ready(&mut self, param: usize, grad: &[f32]) -> Result<()>;
 }
 
+/// Where a ZeRO-3 rank's shard of the initial parameters goes as
+/// [`crate::BurnEngine::new_released`] draws them, one layer at a time.
+pub trait ShardSink {
+    /// The model's layout and its backward groups (in the order of
+    /// [`crate::Engine::backward_groups`]), before any value.
+    ///
+    /// # Errors
+    /// The caller's; the engine is not built.
+    fn plan(&mut self, layout: &ParamLayout, groups: &[Range<usize>]) -> Result<()>;
+
+    /// Parameter `param`'s initial values (every parameter once, in flat order).
+    ///
+    /// # Errors
+    /// The caller's; the engine is not built.
+    fn values(&mut self, param: usize, values: &[f32]) -> Result<()>;
+}
+
 /// Refuses a model whose forward pass changes state or draws random numbers, which the
 /// recomputed forward of a sharded backward would do twice.
 pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
@@ -182,6 +199,26 @@ pub(crate) fn forward_backward(
         handed?;
     }
     Ok(value)
+}
+
+/// The logits of `input` (`None`: no samples on this rank, but the gathers take part) by a
+/// model whose parameters `pass` gathers, group by group off the tape, each released after
+/// it ran: an evaluation's forward.
+pub(crate) fn logits(
+    model: &mut Option<SequentialModel>,
+    layout: &ParamLayout,
+    groups: &[BackwardGroup],
+    input: Option<Activation>,
+    pass: &mut dyn ShardedPass,
+) -> Result<Option<Tensor<2>>> {
+    let mut scratch = Vec::new();
+    let mut x = input;
+    for group in groups {
+        let m = gathered(take(model)?, layout, group, pass, (&mut scratch, false))?;
+        x = x.map(|x| m.run_range(group.layers.clone(), x, &mut HashMap::new()));
+        *model = Some(released(m, layout, group)?);
+    }
+    Ok(x.map(Activation::into_logits))
 }
 
 /// The model out of its slot (put back by the caller).

@@ -7,7 +7,9 @@ use std::ops::Range;
 
 use crate::engine_tests::sgd;
 use crate::error::Result;
-use crate::{BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState, ShardedPass};
+use crate::{
+    BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState, ShardSink, ShardedPass,
+};
 
 const SEED: u64 = 29;
 
@@ -142,11 +144,104 @@ fn a_sharded_pass_gives_the_grouped_pass_gradients_bit_for_bit() {
         sharded.write_params(&whole).expect("write back");
         sharded.read_params(&mut out).expect("whole again");
         assert_eq!(bits(&out), bits(&whole), "{name}: written back");
+        sharded.write_params(&whole).expect("write back");
         let loss_whole = sharded.forward_backward(b).expect("whole pass");
         assert_eq!(
             loss_whole.to_bits(),
             loss.to_bits(),
             "{name}: trains whole again"
+        );
+    }
+}
+
+#[test]
+fn an_evaluation_through_the_shards_gives_the_whole_models_figures() {
+    for name in ["lenet5", "gpt-char"] {
+        let spec = ModelSpec::builtin(name).expect("shipped spec");
+        let mut e = engine(&spec, 1);
+        let layout = e.layout().clone();
+        let groups = e.backward_groups();
+        let mut whole = vec![0.0; layout.total];
+        e.read_params(&mut whole).expect("params");
+        let (images, labels) = batch(&spec, 3, 5);
+        let expected = e.evaluate(&images, &labels, 3).expect("whole evaluation");
+        e.release_params().expect("release");
+        let mut pass = Gatherer {
+            whole,
+            layout: layout.clone(),
+            gathered: Vec::new(),
+            grads: Vec::new(),
+            order: Vec::new(),
+        };
+        let got = e
+            .evaluate_sharded(&images, &labels, &mut pass)
+            .expect("sharded evaluation");
+        assert_eq!(got, expected, "{name}: bit for bit");
+        // Each group gathered once, in layer order; a rank without samples gathers too.
+        let in_layer_order: Vec<Range<usize>> = groups.iter().rev().cloned().collect();
+        assert_eq!(pass.gathered, in_layer_order, "{name}");
+        let none = e.evaluate_sharded(&[], &[], &mut pass).expect("no samples");
+        assert_eq!(none.count, 0, "{name}");
+        assert_eq!(pass.gathered.len(), 2 * groups.len(), "{name}");
+    }
+}
+
+/// A [`ShardSink`] keeping every value it is handed.
+#[derive(Default)]
+struct Everything {
+    groups: Vec<Range<usize>>,
+    values: Vec<f32>,
+    params: Vec<usize>,
+}
+
+impl ShardSink for Everything {
+    fn plan(&mut self, layout: &crate::ParamLayout, groups: &[Range<usize>]) -> Result<()> {
+        assert!(self.values.is_empty(), "the plan comes first");
+        self.groups = groups.to_vec();
+        self.values.reserve(layout.total);
+        Ok(())
+    }
+
+    fn values(&mut self, param: usize, values: &[f32]) -> Result<()> {
+        self.params.push(param);
+        self.values.extend_from_slice(values);
+        Ok(())
+    }
+}
+
+#[test]
+fn a_released_engine_draws_the_whole_engines_values_one_layer_at_a_time() {
+    for name in ["mlp", "lenet5", "gpt-char"] {
+        let spec = ModelSpec::builtin(name).expect("shipped spec");
+        let whole = engine(&spec, 1);
+        let mut expected = vec![0.0; whole.num_params()];
+        whole.read_params(&mut expected).expect("params");
+        let mut sink = Everything::default();
+        let released =
+            BurnEngine::new_released(&spec, &sgd(0.05, 0.9), ("flex", SEED), 1, &mut sink)
+                .expect("released engine");
+        assert_eq!(
+            bits(&sink.values),
+            bits(&expected),
+            "{name}: the same values"
+        );
+        let count = whole.layout().params.len();
+        assert_eq!(
+            sink.params,
+            (0..count).collect::<Vec<_>>(),
+            "{name}: flat order"
+        );
+        assert_eq!(sink.groups, whole.backward_groups(), "{name}: the groups");
+        assert_eq!(released.layout(), whole.layout(), "{name}: the layout");
+        assert_eq!(
+            released.backward_groups(),
+            whole.backward_groups(),
+            "{name}"
+        );
+        let mut out = vec![0.0; count];
+        assert!(
+            released.read_params(&mut out).is_err(),
+            "{name}: nothing held"
         );
     }
 }

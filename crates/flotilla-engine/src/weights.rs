@@ -14,6 +14,7 @@ use burn::optim::ModuleOptimizer;
 use burn::prelude::*;
 
 use crate::any_module;
+use crate::backward_groups::{self, BackwardGroup, LayerParams};
 use crate::buffers::Tensors;
 use crate::collective::ReducerHandle;
 use crate::device::device_by_name;
@@ -22,6 +23,7 @@ use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
 use crate::optim::state_check::{Expected, check_state_shapes};
 use crate::params::{self, ParamLayout};
+use crate::sharded::ShardSink;
 use crate::spec::ModelSpec;
 use crate::spec::model::{Identity, Layer, SequentialModel};
 
@@ -206,6 +208,54 @@ impl Weights<SequentialModel> {
         Ok(weights.with_metadata("flotilla.model", spec.to_yaml()))
     }
 
+    /// ZeRO-3's start without the whole model: the model of `spec` with the parameters
+    /// [`Weights::new`] draws from `seed` (the same values, drawn in the same order), drawn
+    /// one layer at a time, each layer's handed to `sink` and released at once, so that no
+    /// more than one layer's values exist at a time. `sink` learns the layout and the
+    /// backward groups of at most `group_bytes` first. Returns the released weights, each
+    /// layer's parameters and the groups (layer order).
+    pub(crate) fn new_released(
+        spec: &ModelSpec,
+        optimizer: &OptimizerSpec,
+        (device_name, seed): (&str, u64),
+        group_bytes: usize,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(Self, Vec<LayerParams>, Vec<BackwardGroup>)> {
+        let base_device = device_by_name(device_name)?;
+        let device = base_device.clone().autodiff();
+        let (model, layout, layers, groups) = seeded(seed, |cpu| {
+            // burn draws a parameter at its first use: building the model draws nothing.
+            let mut model = SequentialModel::new(spec, cpu)?;
+            crate::sharded::check_shardable(&model)?;
+            let layout = ParamLayout::of(&model);
+            let layers = backward_groups::layer_params(&model);
+            let groups = backward_groups::plan(spec, &layers, group_bytes)?;
+            let ready: Vec<Range<usize>> = groups.iter().rev().map(|g| g.params.clone()).collect();
+            sink.plan(&layout, &ready)?;
+            let mut first = 0;
+            for slot in &mut model.layers {
+                let layer = std::mem::replace(slot, Layer::Identity(Identity));
+                let local = ParamLayout::of(&layer);
+                let mut values = vec![0.0; local.total];
+                // Drawn here, in flat order, as `materialized` draws the whole model's.
+                params::read_values(&layer, &local, &mut values, Tensors::Params)?;
+                for (j, p) in local.params.iter().enumerate() {
+                    sink.values(first + j, &values[p.offset..p.offset + p.len])?;
+                }
+                first += local.params.len();
+                let all = 0..local.params.len();
+                *slot = params::write_range(layer, &local, all, None, false)?;
+            }
+            Ok((model, layout, layers, groups))
+        })?;
+        let model = params::renumber(model).fork(&device);
+        let mut weights = Weights::of_module(model, optimizer, base_device, false)?;
+        weights.layout = layout;
+        weights.released = true;
+        let weights = weights.with_metadata("flotilla.model", spec.to_yaml());
+        Ok((weights, layers, groups))
+    }
+
     /// Makes every batch norm train with the statistics of every rank of `reducer` (`None`:
     /// each rank's own batch).
     pub(crate) fn set_batch_norm_sync(&mut self, reducer: Option<ReducerHandle>) -> Result<()> {
@@ -378,7 +428,9 @@ impl<M: Module> ModelState for Weights<M> {
     }
 
     fn param_placement(&self) -> Result<Option<ParamPlacement>> {
-        crate::device::placement::of(self.model()?, &self.layout)
+        // Released tensors (ZeRO-3) are still on their device.
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        crate::device::placement::of(model, &self.layout)
     }
 
     fn buffer_layout(&self) -> &ParamLayout {

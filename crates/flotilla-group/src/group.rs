@@ -112,6 +112,10 @@ pub mod tags {
     pub const RESERVED: u32 = 0xFFFF_0000;
 }
 
+/// The largest piece of a [`ProcessGroup::send_large`] message: 8 MiB, well under any frame
+/// limit worth setting, and few enough pieces that a model's shard is a handful of sends.
+pub const LARGE_MESSAGE_PIECE: usize = 8 << 20;
+
 /// A group of ranks: collectives, tagged point-to-point messages and sub-groups.
 ///
 /// A backend implements the required methods (among them the backend's parts of two
@@ -209,6 +213,53 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// Receives the next message with `tag` from `peer`, waiting until `deadline`.
     fn recv(&self, peer: usize, tag: Tag, deadline: Instant) -> Result<Vec<u8>, CommError> {
         self.recv_any(&[peer], tag, deadline).map(|(_, m)| m)
+    }
+
+    /// Sends `msg` of any length to `peer` under `tag` as [`ProcessGroup::send`] does, in
+    /// pieces of at most [`LARGE_MESSAGE_PIECE`] bytes after one giving its length (a
+    /// frame is at most `max_frame_bytes`, 64 MiB by default; a ZeRO rank's optimizer
+    /// shard of a large model is more). Take it with [`ProcessGroup::recv_large`].
+    fn send_large(&self, peer: usize, tag: Tag, msg: &[u8]) -> Result<(), CommError> {
+        self.send(peer, tag, &(msg.len() as u64).to_le_bytes())?;
+        for piece in msg.chunks(LARGE_MESSAGE_PIECE) {
+            self.send(peer, tag, piece)?;
+        }
+        Ok(())
+    }
+
+    /// Receives a message of [`ProcessGroup::send_large`] from `peer` under `tag`, every
+    /// piece by `deadline`.
+    fn recv_large(&self, peer: usize, tag: Tag, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        let head = self.recv(peer, tag, deadline)?;
+        let len = <[u8; 8]>::try_from(head.as_slice())
+            .map(u64::from_le_bytes)
+            .map_err(|_| CommError::Protocol {
+                peer,
+                detail: format!(
+                    "a large message began with {} bytes, not its length",
+                    head.len()
+                ),
+            })?;
+        let len = usize::try_from(len).map_err(|_| CommError::Protocol {
+            peer,
+            detail: format!("a large message of {len} bytes"),
+        })?;
+        let mut msg = Vec::new();
+        while msg.len() < len {
+            let piece = self.recv(peer, tag, deadline)?;
+            if piece.is_empty() || msg.len() + piece.len() > len {
+                return Err(CommError::Protocol {
+                    peer,
+                    detail: format!(
+                        "a large message of {len} bytes: a piece of {} after {}",
+                        piece.len(),
+                        msg.len()
+                    ),
+                });
+            }
+            msg.extend_from_slice(&piece);
+        }
+        Ok(msg)
     }
 
     /// Receives the earliest-arrived message with `tag` from any of `peers`; returns the

@@ -38,7 +38,7 @@ pub mod stall;
 pub mod subgroup;
 
 pub use error::{CommError, PeerName, RendezvousError};
-pub use group::{Activity, CommStats, ProcessGroup, ReduceOp, Tag, tags};
+pub use group::{Activity, CommStats, LARGE_MESSAGE_PIECE, ProcessGroup, ReduceOp, Tag, tags};
 pub use mailbox::{DEFAULT_MAX_QUEUED_BYTES, MESSAGE_OVERHEAD, Mailbox, Taken};
 pub use members::Members;
 pub use pending::{Pending, PendingAllReduce, PendingSender};

@@ -89,8 +89,8 @@ pub use config::{
     WireFormat,
 };
 pub use flotilla_group::{
-    CommError, CommStats, PeerName, Pending, PendingAllReduce, ProcessGroup, ReduceOp,
-    RendezvousError, StallPolicy, StallWatcher, Tag, shard, tags,
+    CommError, CommStats, LARGE_MESSAGE_PIECE, PeerName, Pending, PendingAllReduce, ProcessGroup,
+    ReduceOp, RendezvousError, StallPolicy, StallWatcher, Tag, shard, tags,
 };
 pub use inherited::LISTEN_FD_ENV;
 pub use rendezvous::announce::{PORT_ANNOUNCEMENT, announced_port};

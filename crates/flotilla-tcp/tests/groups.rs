@@ -149,6 +149,40 @@ fn tags_never_mix(tcp: bool) {
     assert_eq!(res[1], want);
 }
 
+/// A message larger than a frame may be (`max_frame_bytes`, here 64 MiB by default) goes
+/// through `send_large` in pieces and arrives whole, beside an ordinary one.
+fn a_large_message_arrives_whole(tcp: bool) {
+    let len = 2 * flotilla_tcp::LARGE_MESSAGE_PIECE + 12_345;
+    let body: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+    let sent = body.clone();
+    let res = ok(world(2, tcp, move |c| {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        if c.rank() == 0 {
+            c.send_large(1, 40, &sent)?;
+            c.send(1, 41, b"after")?;
+            c.send_large(1, 40, &[])?;
+            Ok((Vec::new(), Vec::new(), Vec::new()))
+        } else {
+            let after = c.recv(0, 41, deadline)?;
+            let big = c.recv_large(0, 40, deadline)?;
+            Ok((big, after, c.recv_large(0, 40, deadline)?))
+        }
+    }));
+    assert!(res[1].0 == body, "the large message arrived whole");
+    assert_eq!(res[1].1, b"after");
+    assert!(res[1].2.is_empty(), "an empty one too");
+}
+
+#[test]
+fn a_large_message_arrives_whole_in_memory() {
+    a_large_message_arrives_whole(false);
+}
+
+#[test]
+fn a_large_message_arrives_whole_over_tcp() {
+    a_large_message_arrives_whole(true);
+}
+
 #[test]
 fn tags_never_mix_in_memory() {
     tags_never_mix(false);

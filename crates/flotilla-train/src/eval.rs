@@ -2,7 +2,7 @@
 //! that every rank of a group holds the same parameters.
 
 use flotilla_data::Samples;
-use flotilla_engine::{Engine, EvalStats, ModelState};
+use flotilla_engine::{Engine, EvalStats, ModelState, ShardedPass};
 use flotilla_tcp::ProcessGroup;
 
 use crate::error::{Result, TrainError};
@@ -45,6 +45,40 @@ pub fn distributed(
     let (rank, world) = (comm.rank(), comm.size());
     let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
     let local = evaluate(engine, test, &indices)?;
+    sum_over(comm, local)
+}
+
+/// [`distributed`] for a model whose parameters are sharded over the ranks (ZeRO-3): each
+/// rank's samples `batch` at a time through [`Engine::evaluate_sharded`], which gathers every
+/// group from `pass` once per batch; every rank runs as many batches as the rank with the
+/// most samples (the last ones empty on the others), so that the gathers match.
+pub fn distributed_sharded(
+    engine: &mut dyn Engine,
+    comm: &dyn ProcessGroup,
+    test: &dyn Samples,
+    batch: usize,
+    pass: &mut dyn ShardedPass,
+) -> Result<EvalStats> {
+    let (rank, world) = (comm.rank(), comm.size());
+    let batch = batch.max(1);
+    let indices: Vec<usize> = (rank..test.len()).step_by(world).collect();
+    let batches = test.len().div_ceil(world).div_ceil(batch);
+    let (mut inputs, mut labels) = (Vec::new(), Vec::new());
+    let mut local = EvalStats::default();
+    for b in 0..batches {
+        let chunk = indices.get(b * batch..).unwrap_or(&[]);
+        let chunk = &chunk[..chunk.len().min(batch)];
+        test.fill(chunk, &mut inputs, &mut labels)?;
+        let part = engine.evaluate_sharded(&inputs, &labels, pass)?;
+        local.loss_sum += part.loss_sum;
+        local.correct += part.correct;
+        local.count += part.count;
+    }
+    sum_over(comm, local)
+}
+
+/// `local`'s figures summed over the ranks of `comm` (one all-reduce).
+fn sum_over(comm: &dyn ProcessGroup, local: EvalStats) -> Result<EvalStats> {
     let mut sums = [
         local.loss_sum as f32,
         local.correct as f32,
@@ -69,8 +103,11 @@ pub fn bits_per_byte(stats: &EvalStats, test: &dyn Samples) -> Option<f64> {
 pub fn param_hash(model: &dyn ModelState) -> Result<u64> {
     let mut params = vec![0.0f32; model.num_params()];
     model.read_params(&mut params)?;
-    let bytes: Vec<u8> = params.iter().flat_map(|v| v.to_le_bytes()).collect();
-    Ok(xxhash_rust::xxh3::xxh3_64(&bytes))
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    for v in &params {
+        hasher.update(&v.to_le_bytes());
+    }
+    Ok(hasher.digest())
 }
 
 /// Checks that every rank of `comm` holds bitwise-identical parameters; returns their hash.

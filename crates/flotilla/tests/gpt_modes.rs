@@ -2,7 +2,9 @@
 //! 2-stage pipeline cut between its transformer blocks trains what one process trains on the
 //! same batches, and a pipeline, an async all-reduce and a flat sync parameter server each
 //! killed mid-run and resumed from its checkpoint end with the uninterrupted run's
-//! parameters, bit for bit, dropout masks included. Real `flotilla` processes over 127.0.0.1.
+//! parameters, bit for bit, dropout masks included; under ZeRO-3 (parameters sharded, each
+//! block gathered for its forward and again for its recomputed forward in backward) it trains
+//! what ZeRO-0 trains, bit for bit, and resumes so. Real `flotilla` processes over 127.0.0.1.
 
 mod common;
 
@@ -156,4 +158,51 @@ fn a_gpt_with_dropout_under_a_flat_sync_parameter_server_resumes_bitwise() {
                 num_server_rounds: 40\neval_every: 20\n";
     let cfg = config(dir.path(), "ps", SPEC_DROPOUT, mode);
     crash_and_resume("ps-flat", &cfg, dir.path(), "rank=2,step=25,action=exit");
+}
+
+/// ZeRO stage 3 over 2 ranks, each transformer block a group of its own (20 KiB buckets), every
+/// bucket summed in the ring's order (as stage 3's reduce-scatter sums it).
+const ZERO_3: &str = "world_size: 2\nzero: 3\nbucket_mb: 0.02\nsmall_all_reduce_kb: 0\n\
+                      mid_all_reduce_kb: 0\n";
+
+#[test]
+fn a_gpt_under_zero_3_trains_what_zero_0_trains_bitwise_and_resumes_so() {
+    let dir = tmp();
+    let d = dir.path();
+    let zero_0 = ZERO_3.replace("zero: 3", "zero: 0");
+    let cfg = config(d, "zero-0", SPEC, &format!("{zero_0}{}", steps(40)));
+    let whole = d.join("zero-0");
+    launch(&[&cfg, "--output", whole.to_str().expect("utf8")], LIMIT);
+    let cfg = config(d, "zero-3", SPEC, &format!("{ZERO_3}{}", steps(40)));
+    crash_and_resume("zero-3", &cfg, d, "rank=1,step=25,action=exit");
+    let sharded = d.join("zero-3-straight");
+    assert_bitwise(
+        "ZeRO-3 vs ZeRO-0",
+        &checkpoint_tensors(&sharded),
+        &checkpoint_tensors(&whole),
+    );
+    let log = run_log(&sharded, 0);
+    assert!(log.contains("ZeRO stage 3"), "{log}");
+    // The sharded evaluation and the parameters' hash are the whole model's.
+    let after = |log: &str, key: &str| {
+        log.lines()
+            .find_map(|l| l.split(key).nth(1).map(str::to_string))
+            .unwrap_or_default()
+    };
+    let log_0 = run_log(&whole, 0);
+    assert_eq!(after(&log, "(xxh3 "), after(&log_0, "(xxh3 "), "{log}");
+    assert_eq!(
+        after(&log, "final eval "),
+        after(&log_0, "final eval "),
+        "{log}"
+    );
+    // A model that draws in its forward cannot be recomputed: refused, named.
+    let cfg = config(d, "dropout", SPEC_DROPOUT, &format!("{ZERO_3}{}", steps(2)));
+    let o = run(&cfg, &d.join("dropout"), &[], None);
+    assert!(!o.status.success(), "dropout under ZeRO-3 must be refused");
+    assert!(
+        text(&o).contains("dropout draws its mask in forward"),
+        "{}",
+        text(&o)
+    );
 }

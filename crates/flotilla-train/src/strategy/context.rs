@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use flotilla_cluster::Topology;
 use flotilla_data::Samples;
-use flotilla_engine::{BurnEngine, Engine, ModelSpec, OptimizerSpec, StageCut, StageEngine};
+use flotilla_engine::{
+    BurnEngine, Engine, ModelSpec, OptimizerSpec, ShardSink, StageCut, StageEngine,
+};
 use flotilla_tcp::ProcessGroup;
 
 use crate::config::TrainConfig;
@@ -103,6 +105,22 @@ pub trait ModelSource {
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
     -> Result<Box<dyn Engine>>;
 
+    /// ZeRO-3's whole model that never is whole on this rank: its parameters drawn from
+    /// `seed` one layer at a time as [`ModelSource::engine`] draws them, each handed to
+    /// `sink` and released, with backward groups of at most `group_bytes`
+    /// ([`BurnEngine::new_released`]). `None`: this model is built whole only (a user's
+    /// module).
+    fn released_engine(
+        &self,
+        optimizer: &OptimizerSpec,
+        (device, seed): (&str, u64),
+        group_bytes: usize,
+        sink: &mut dyn ShardSink,
+    ) -> Option<Result<Box<dyn Engine>>> {
+        let _ = (optimizer, device, seed, group_bytes, sink);
+        None
+    }
+
     /// When the model is a program's own pipeline stages (one module per stage): what
     /// builds them ([`StageMaker`]). `None`: a spec (its pipeline is cut by the planner) or
     /// a module not cut into stages.
@@ -150,6 +168,21 @@ impl ModelSource for ModelSpec {
         seed: u64,
     ) -> Result<Box<dyn Engine>> {
         Ok(Box::new(BurnEngine::new(self, optimizer, device, seed)?))
+    }
+
+    fn released_engine(
+        &self,
+        optimizer: &OptimizerSpec,
+        (device, seed): (&str, u64),
+        group_bytes: usize,
+        sink: &mut dyn ShardSink,
+    ) -> Option<Result<Box<dyn Engine>>> {
+        let engine = BurnEngine::new_released(self, optimizer, (device, seed), group_bytes, sink);
+        Some(
+            engine
+                .map(|e| Box::new(e) as Box<dyn Engine>)
+                .map_err(Into::into),
+        )
     }
 }
 

@@ -8,6 +8,7 @@ use flotilla_engine::{BatchRef, Engine, EvalStats, ModelState, ParamLayout};
 use flotilla_tcp::{PendingAllReduce, ProcessGroup, StallPolicy};
 
 use super::zero::by_param::ParamZero;
+use super::zero::initial::InitialShard;
 use super::zero::{Zero, wire_len};
 use crate::batches::Batches;
 use crate::bucket::BucketPlan;
@@ -74,7 +75,7 @@ impl SyncAllReduce {
     /// groups finish), overlapping communication when `allreduce.overlap`.
     pub fn build(cx: &mut Cx<'_>, setup: &Setup<'_>) -> Result<Self> {
         let config = cx.config;
-        let mut engine = setup.engine(config, &config.optimizer)?;
+        let (mut engine, initial) = whole_or_released(cx, setup)?;
         engine.set_backward_group_bytes(config.bucket_bytes())?;
         if config.allreduce.sync_batch_norm {
             sync_batch_norm(&mut *engine, cx.comm)?;
@@ -114,6 +115,9 @@ impl SyncAllReduce {
                 if elastic {
                     zero.make_elastic(&config.optimizer, device);
                 }
+                if let Some(initial) = initial {
+                    zero.keep_initial_shard(initial)?;
+                }
                 Ok::<_, TrainError>(zero)
             })
             .transpose()?;
@@ -142,6 +146,31 @@ impl SyncAllReduce {
     pub(super) fn zero_mut(&mut self) -> Option<&mut Zero> {
         self.zero.as_mut()
     }
+}
+
+/// The peer's engine: whole, or under ZeRO stage 3 on more than one rank of a fresh start
+/// (no `resume`) released from the start, its shard of the initial parameters kept as they
+/// are drawn ([`InitialShard`]; a model that is built whole only, a user's module, is
+/// built whole).
+fn whole_or_released(
+    cx: &Cx<'_>,
+    setup: &Setup<'_>,
+) -> Result<(Box<dyn Engine>, Option<InitialShard>)> {
+    let config = cx.config;
+    let m = &config.model;
+    if config.allreduce.zero == 3 && cx.comm.size() > 1 && !config.schedule.resume {
+        let mut initial = InitialShard::new(cx.comm.size(), cx.comm.rank());
+        let built = setup.model.released_engine(
+            &config.optimizer,
+            (&m.device, m.seed),
+            config.bucket_bytes(),
+            &mut initial,
+        );
+        if let Some(engine) = built {
+            return Ok((engine?, Some(initial)));
+        }
+    }
+    Ok((setup.engine(config, &config.optimizer)?, None))
 }
 
 /// Makes `engine`'s batch norms take the statistics of every rank's batch, summed over a group
@@ -239,6 +268,10 @@ impl Strategy for SyncAllReduce {
                 ))?;
             }
             return Ok(());
+        }
+        if let Some(zero) = self.zero.as_ref().filter(|z| z.started_released()) {
+            // Every rank drew the same model from the seed, one layer at a time.
+            return zero.check_initial();
         }
         super::synchronize_initial_state(&*self.comm, &mut *self.engine)?;
         let Some(zero) = &mut self.zero else {
@@ -367,12 +400,27 @@ impl Strategy for SyncAllReduce {
         super::average_buffers(&*self.comm, &mut *self.engine)
     }
 
+    /// Under ZeRO stage 3, group by group through the shards, a training batch at a time.
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            let batch = cx.config.data.batch_size;
+            return zero.evaluate(&mut *self.engine, &self.plan, cx.test, batch);
+        }
         self.prepare_model(cx)?;
         crate::eval::distributed(&*self.engine, &*self.comm, cx.test)
     }
 
+    /// Under ZeRO stage 3 the hash of the parameters gathered one bucket at a time (the
+    /// same on every rank by construction, and the one an unsharded run's model gives).
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            let hash = zero.param_hash(&self.plan)?;
+            cx.log(&format!(
+                "parameters of the {} shards gathered (xxh3 {hash:016x})",
+                self.comm.size()
+            ))?;
+            return Ok(Some(hash));
+        }
         self.prepare_model(cx)?;
         super::verify_identical(&*self.engine, &*self.comm, cx).map(Some)
     }

@@ -51,6 +51,7 @@ use crate::error::{Result, TrainError};
 
 pub(crate) mod by_param;
 pub(super) mod elastic;
+pub(super) mod initial;
 mod stage3;
 
 use elastic::{Cut, Redundancy};
@@ -91,6 +92,9 @@ pub struct Zero {
     /// Stage 3: whether the engine's parameters are released (they are gathered whole for a
     /// whole-model operation between steps).
     released: bool,
+    /// Stage 3 started without the whole model: the hash of the initial model this rank
+    /// drew, for the start's check (`initial.rs`).
+    drawn: Option<u64>,
     /// Tests: the next step fails after its optimizer update, before its all-gather (a rank
     /// lost there).
     #[cfg(test)]
@@ -175,6 +179,7 @@ impl Zero {
             params: Vec::new(),
             gathered: Vec::new(),
             released: false,
+            drawn: None,
             #[cfg(test)]
             fail_before_gather: false,
             comm,
@@ -302,7 +307,7 @@ impl Zero {
     ) -> Result<Option<PathBuf>> {
         let mine = self.optimizer.state()?;
         if self.comm.rank() != 0 {
-            self.comm.send(0, SHARD_TAG, &mine)?;
+            self.comm.send_large(0, SHARD_TAG, &mine)?;
             return Ok(None);
         }
         let state = CheckpointState {
@@ -317,7 +322,7 @@ impl Zero {
             checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
             for r in 1..comm.size() {
                 let deadline = Instant::now() + comm.timeout();
-                let bytes = comm.recv(r, SHARD_TAG, deadline)?;
+                let bytes = comm.recv_large(r, SHARD_TAG, deadline)?;
                 checkpoint::write_part(tmp, &checkpoint::zero_file(r), &bytes)?;
             }
             Ok(())
@@ -378,12 +383,12 @@ impl Zero {
             let mut files = files.into_iter();
             let mine = files.next().unwrap_or_default();
             for (r, bytes) in files.enumerate() {
-                self.comm.send(r + 1, SHARD_TAG, &bytes)?;
+                self.comm.send_large(r + 1, SHARD_TAG, &bytes)?;
             }
             mine
         } else {
             let deadline = Instant::now() + self.comm.timeout();
-            self.comm.recv(0, SHARD_TAG, deadline)?
+            self.comm.recv_large(0, SHARD_TAG, deadline)?
         };
         self.optimizer.load_state(&mine)?;
         Ok(())

@@ -250,9 +250,9 @@ impl Zero {
         };
         let (n, r) = (self.comm.size(), self.comm.rank());
         self.comm
-            .send((r + n - 1) % n, SPARE_TAG, bytemuck::cast_slice(&self.grad))?;
+            .send_large((r + n - 1) % n, SPARE_TAG, bytemuck::cast_slice(&self.grad))?;
         let deadline = Instant::now() + self.comm.timeout();
-        let bytes = self.comm.recv(cut.index, SPARE_TAG, deadline)?;
+        let bytes = self.comm.recv_large(cut.index, SPARE_TAG, deadline)?;
         if bytes.len() != grad.len() * 4 {
             return Err(TrainError::Protocol {
                 peer: cut.index,

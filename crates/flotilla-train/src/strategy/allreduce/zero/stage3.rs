@@ -21,9 +21,11 @@
 
 use std::ops::Range;
 
-use flotilla_engine::Engine;
+use flotilla_data::Samples;
+use flotilla_engine::{Engine, EngineError, EvalStats, ShardedPass};
 use flotilla_tcp::shard;
 
+use super::initial::{InitialShard, check_same_draw};
 use super::{Zero, wire_len};
 use crate::bucket::BucketPlan;
 use crate::error::{Result, TrainError};
@@ -47,6 +49,37 @@ impl Zero {
         engine.release_params()?;
         self.released = true;
         Ok(())
+    }
+
+    /// Stage 3's start from the shard this rank kept as its released engine drew the
+    /// initial model (`initial.rs`): the engine holds no parameter already.
+    pub fn keep_initial_shard(&mut self, shard: InitialShard) -> Result<()> {
+        let (values, hash) = shard.finish()?;
+        if values.len() != self.optimizer.len() {
+            return Err(TrainError::Divergence(format!(
+                "ZeRO-3: an initial shard of {} values for a shard of {}",
+                values.len(),
+                self.optimizer.len()
+            )));
+        }
+        self.params = values;
+        self.released = true;
+        self.drawn = Some(hash);
+        Ok(())
+    }
+
+    /// Whether this rank started without the whole model; then the start checks that every
+    /// rank drew the same ([`Zero::check_initial`]) instead of broadcasting rank 0's.
+    pub fn started_released(&self) -> bool {
+        self.drawn.is_some()
+    }
+
+    /// The start's check that every rank drew the same initial model (collective).
+    pub fn check_initial(&self) -> Result<()> {
+        match self.drawn {
+            Some(hash) => check_same_draw(&*self.comm, hash),
+            None => Ok(()),
+        }
     }
 
     /// Releases the parameters a whole-model operation gathered ([`Zero::materialize`]),
@@ -133,8 +166,75 @@ impl Zero {
         Ok(loss[0])
     }
 
+    /// Evaluates `engine` on `test` split across the ranks, group by group through the
+    /// shards ([`crate::eval::distributed_sharded`], `batch` samples at a time): no rank
+    /// holds the whole parameters.
+    pub fn evaluate(
+        &mut self,
+        engine: &mut dyn Engine,
+        plan: &BucketPlan,
+        test: &dyn Samples,
+        batch: usize,
+    ) -> Result<EvalStats> {
+        self.release(engine)?;
+        let comm = self.comm.clone();
+        let mut pass = GatherOnly {
+            zero: self,
+            plan,
+            error: None,
+        };
+        let stats = crate::eval::distributed_sharded(engine, &*comm, test, batch, &mut pass);
+        match pass.error.take() {
+            Some(e) => Err(e),
+            None => stats,
+        }
+    }
+
+    /// XXH3 of the whole parameters in flat order (as [`crate::eval::param_hash`] of the
+    /// model would give), gathered one bucket at a time (collective).
+    pub fn param_hash(&mut self, plan: &BucketPlan) -> Result<u64> {
+        let mut order: Vec<usize> = (0..plan.buckets.len()).collect();
+        order.sort_by_key(|&k| plan.buckets[k].start);
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        let mut values = Vec::new();
+        for k in order {
+            values.clear();
+            values.resize(plan.buckets[k].len(), 0.0f32);
+            self.gather_bucket(plan, k, &mut values)?;
+            for v in &values {
+                hasher.update(&v.to_le_bytes());
+            }
+        }
+        Ok(hasher.digest())
+    }
+
     /// Bytes of parameters this rank keeps between steps (its shard's).
     pub fn param_shard_bytes(&self) -> usize {
         self.params.capacity() * std::mem::size_of::<f32>()
+    }
+}
+
+/// The [`ShardedPass`] of an evaluation: groups gathered from the shards, no gradient.
+struct GatherOnly<'a> {
+    zero: &'a mut Zero,
+    plan: &'a BucketPlan,
+    /// What stopped the pass (the engine returns only its text).
+    error: Option<TrainError>,
+}
+
+impl ShardedPass for GatherOnly<'_> {
+    fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> flotilla_engine::Result<()> {
+        self.zero.gather_group(self.plan, params, out).map_err(|e| {
+            let text = e.to_string();
+            self.error = Some(e);
+            EngineError::Callback(text)
+        })
+    }
+
+    fn ready(&mut self, param: usize, grad: &[f32]) -> flotilla_engine::Result<()> {
+        let _ = grad;
+        Err(EngineError::Callback(format!(
+            "an evaluation got the gradient of parameter {param}"
+        )))
     }
 }
