@@ -44,6 +44,7 @@ mod sharded;
 mod spec;
 pub mod sync_batch_norm;
 mod weights;
+mod weights_writer;
 
 pub use backward_groups::BackwardGroup;
 pub use conv::{conv2d, conv2d_relu};
@@ -78,6 +79,7 @@ pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use weights::ModelState;
+pub use weights_writer::{SavedTensor, WeightsWriter};
 
 #[cfg(test)]
 mod conv_tests;
@@ -89,5 +91,7 @@ mod grouped_tests;
 mod module_engine_tests;
 #[cfg(test)]
 mod sharded_tests;
+#[cfg(test)]
+mod weights_writer_tests;
 #[cfg(all(test, feature = "wgpu"))]
 mod wgpu_tests;

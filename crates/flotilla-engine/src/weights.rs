@@ -26,6 +26,7 @@ use crate::params::{self, ParamLayout};
 use crate::sharded::ShardSink;
 use crate::spec::ModelSpec;
 use crate::spec::model::{Identity, Layer, SequentialModel};
+use crate::weights_writer::WeightsWriter;
 
 /// Serialises seeding the backend's RNG and drawing from it (see [`Weights::new`] and
 /// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
@@ -152,6 +153,17 @@ pub trait ModelState {
 
     /// Replaces the buffers with `src` (the order of [`ModelState::buffer_layout`]).
     fn write_buffers(&mut self, src: &[f32]) -> Result<()>;
+
+    /// Starts the file [`ModelState::save_weights`] writes at `path`, to be written one
+    /// parameter at a time in flat order ([`WeightsWriter::write_next`]): for a model whose
+    /// parameters are released (ZeRO-3) and gathered piece by piece. A model with buffers
+    /// (batch norm's statistics, which it holds whole) or that is not burn's is refused.
+    fn weights_writer(&self, path: &Path) -> Result<WeightsWriter> {
+        let _ = path;
+        Err(EngineError::ParamsSharded(
+            "this model writes its weights whole only".into(),
+        ))
+    }
 }
 
 /// The burn state behind a [`ModelState`]: the model (or a stage's part of it), its optimizer
@@ -485,6 +497,18 @@ impl<M: Module> ModelState for Weights<M> {
         any_module::save_module(self.model()?, path, &self.metadata)
     }
 
+    fn weights_writer(&self, path: &Path) -> Result<WeightsWriter> {
+        if self.buffer_layout.total > 0 {
+            return Err(EngineError::ParamsSharded(
+                "a model with buffers writes its weights whole".into(),
+            ));
+        }
+        // The module's structure only: the parameters may be released.
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        let tensors = crate::weights_writer::saved_tensors(model, &self.layout);
+        WeightsWriter::create(path, tensors, &self.metadata)
+    }
+
     fn load_weights(&mut self, path: &Path) -> Result<()> {
         self.load_with(|model| any_module::load_module(model, path))
     }
@@ -542,6 +566,12 @@ macro_rules! delegate_model_state {
             }
             fn write_buffers(&mut self, src: &[f32]) -> $crate::error::Result<()> {
                 self.weights.write_buffers(src)
+            }
+            fn weights_writer(
+                &self,
+                path: &std::path::Path,
+            ) -> $crate::error::Result<$crate::WeightsWriter> {
+                self.weights.weights_writer(path)
             }
         }
     };

@@ -27,6 +27,7 @@ pub mod plan;
 pub mod presets;
 pub mod program;
 pub mod rejoin;
+mod resident;
 pub mod run;
 pub mod runlog;
 pub mod runloop;

@@ -49,6 +49,9 @@ pub struct Finished {
     /// The most bytes of training samples this rank held (the set's own, and an epoch's
     /// shard).
     pub data_bytes: usize,
+    /// The kernel's peak of this process's resident memory at the end of its last step
+    /// (the start and every step, not the end of run's evaluation and checkpoint).
+    pub steps_peak_resident_bytes: Option<f64>,
 }
 
 struct Epoch {
@@ -87,6 +90,8 @@ pub(crate) struct LoopState {
     check: DivergenceCheck,
     /// When training started (before the role's start: its broadcast or first pull).
     train_started: Instant,
+    /// The kernel's peak of this process's resident memory at the end of the last step.
+    steps_peak: Option<f64>,
 }
 
 impl LoopState {
@@ -112,6 +117,7 @@ impl LoopState {
             history: History::default(),
             check: DivergenceCheck::new(check_after, cx.test.classes().max(2)),
             train_started: Instant::now(),
+            steps_peak: None,
         }
     }
 
@@ -215,6 +221,7 @@ impl Loop<'_, '_> {
                     .entered();
             self.role.step(self.cx, self.data, self.s.progress)?
         };
+        self.s.steps_peak = crate::resident::peak_resident_bytes();
         record_step(&step, started.elapsed().as_secs_f64(), &**self.cx.comm);
         self.after_step(step.clone())?;
         Ok(Some(step))
@@ -623,6 +630,7 @@ impl Loop<'_, '_> {
             history: std::mem::take(&mut self.s.history),
             data_wait_s: self.data.run_wait().map(|w| w.as_secs_f64()),
             data_bytes: self.data.peak_held_bytes(),
+            steps_peak_resident_bytes: self.s.steps_peak,
         })
     }
 }

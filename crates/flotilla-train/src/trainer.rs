@@ -125,6 +125,7 @@ pub(crate) fn summary(
     started: Instant,
 ) -> RunSummary {
     let (data_wait_s, data_bytes) = (done.data_wait_s, done.data_bytes);
+    let steps_peak = done.steps_peak_resident_bytes;
     let mut s = bare_summary(role, cx, done, started);
     let own = role.figures(cx);
     s.figures = [
@@ -142,8 +143,9 @@ pub(crate) fn summary(
         ("data_bytes", data_bytes as f64),
         (
             "peak_resident_bytes",
-            peak_resident_bytes().unwrap_or(f64::NAN),
+            crate::resident::peak_resident_bytes().unwrap_or(f64::NAN),
         ),
+        ("steps_peak_resident_bytes", steps_peak.unwrap_or(f64::NAN)),
     ]
     .into_iter()
     .chain(own)
@@ -152,15 +154,6 @@ pub(crate) fn summary(
     .collect();
     s.ranks = gather_ranks(&s, cx);
     s
-}
-
-/// This process's peak resident memory (`VmHWM` of `/proc/self/status`: measured by the
-/// kernel, not counted by the strategy), in bytes; `None` where it cannot be read.
-fn peak_resident_bytes() -> Option<f64> {
-    let status = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
-    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
-    Some(kib * 1024.0)
 }
 
 /// Every rank's [`RankReport`], sent to rank 0 once at the end (the traffic of the

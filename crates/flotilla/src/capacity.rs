@@ -53,14 +53,35 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
 /// and 15 % over their sum. Measured against the kernel's peak (`VmHWM`) of a 23 M-parameter
 /// MLP (SGD with momentum, 2 ranks, `tests/memory_limit.rs`): ZeRO-0 785–874 MiB and ZeRO-2
 /// 650–721 MiB resident, against estimates (with the data and the runtime) of 954 and 881 MiB.
+///
+/// Stage 3 (`layer`: the bytes of the model's largest layer) holds 1/N of the parameters, of
+/// the averaged gradient and of the optimizer state; one backward group at a time gathered
+/// (its values, burn's tensors of them and their gradients) and two bucket-sized wire
+/// buffers, five groups' worth (a group the larger of a bucket and the largest layer); and
+/// at a checkpoint, its optimizer share serialized and, on rank 0, another rank's received:
+/// three shares.
 pub fn model_state_bytes(
     params: u64,
     slots: u64,
     (zero, n, elastic): (u8, usize, bool),
-    bucket: u64,
+    (bucket, layer): (u64, u64),
 ) -> u64 {
     let whole = params.saturating_mul(4);
     let n = n.max(1) as u64;
+    if zero == 3 {
+        let share = whole.div_ceil(n);
+        let optimizer = whole.saturating_mul(slots).div_ceil(n);
+        let group = bucket.max(layer).min(whole);
+        let sum = [
+            share,
+            share,
+            optimizer.saturating_mul(4),
+            group.saturating_mul(5),
+        ]
+        .into_iter()
+        .fold(0u64, u64::saturating_add);
+        return sum.saturating_add(sum / 100 * 15);
+    }
     let share = |bytes: u64| match zero {
         0 => bytes,
         // Elastic: each shard also on a second rank (none on one rank).
@@ -98,7 +119,8 @@ pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Res
         0
     };
     let bucket = config.bucket_bytes() as u64;
-    let bytes = model_state_bytes(params, slots, (zero, n, elastic.is_some()), bucket);
+    let layer = spec.largest_layer_params()?.saturating_mul(4);
+    let bytes = model_state_bytes(params, slots, (zero, n, elastic.is_some()), (bucket, layer));
     let what = format!(
         "{} for the model's state: {params} parameters, {slots} optimizer value(s) each, ZeRO \
          stage {zero} over {n} rank(s){}",
@@ -211,7 +233,7 @@ mod tests {
     #[test]
     fn the_model_state_shrinks_by_zero_stage_and_doubles_its_shards_when_elastic() {
         // 1,000 parameters (4,000 bytes a copy), Adam (2 values each), 4 ranks, 1 KB buckets.
-        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic), 1000);
+        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic), (1000, 600));
         let margin = |sum: u64| sum + sum / 100 * 15;
         // Parameters, burn's gradients and their flat copy, the averaged gradient, the wire,
         // Adam's two moments, the step's two transients.
@@ -230,6 +252,15 @@ mod tests {
             at(2, true),
             margin(4000 * 3 + 1000 + 1000 + 4000 + 4000 + 8000)
         );
+        // Stage 3: a quarter of the parameters and of the averaged gradient, Adam's quarter
+        // and three more at a checkpoint, five groups of a bucket (above the largest layer).
+        assert_eq!(at(3, false), margin(1000 + 1000 + 4 * 2000 + 5 * 1000));
+        let larger = model_state_bytes(1000, 2, (3, 4, false), (1000, 1600));
+        assert_eq!(
+            larger,
+            margin(1000 + 1000 + 4 * 2000 + 5 * 1600),
+            "a layer's group"
+        );
     }
 
     #[test]
@@ -239,6 +270,8 @@ mod tests {
         config.allreduce.zero = 2;
         let params = flotilla_engine::ModelSpec::resolve(&config.model.spec)?.param_count()?;
         let (slots, bucket) = (config.optimizer.state_slots(), config.bucket_bytes() as u64);
+        let spec = flotilla_engine::ModelSpec::resolve(&config.model.spec)?;
+        let bucket = (bucket, spec.largest_layer_params()? * 4);
         let (bytes, what) = config_model_state(&config, 4)?;
         assert_eq!(
             bytes,

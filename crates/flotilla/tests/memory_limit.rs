@@ -173,3 +173,93 @@ fn between_the_needs_of_zero_0_and_zero_2_zero_2_trains_and_zero_0_is_refused() 
         );
     }
 }
+
+/// Stage 3 one stage up: a GPT of 28.8 M parameters (4 blocks of d 768) on 2 ranks
+/// under a limit halfway between the estimates of ZeRO-2 and ZeRO-3: ZeRO-2 is refused before
+/// any rank starts, ZeRO-3 (the parameters sharded too, each group gathered for its forward
+/// and again for its recomputed forward in backward) trains, evaluates and checkpoints inside
+/// the cgroups of that limit, and each rank's measured peak is below ZeRO-3's estimate.
+#[test]
+fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() {
+    let dir = tmp();
+    let spec = dir.path().join("gpt.yaml");
+    let block = "  - transformer_block: {heads: 12, mlp: 4}\n";
+    std::fs::write(
+        &spec,
+        format!(
+            "name: gpt-29m\ninput: [64]\nlayers:\n  - embedding: {{vocab: 256, dim: 768}}\n  \
+             - pos_embedding: {{max_len: 64}}\n{}  - layer_norm\n  - linear: {{out: 256}}\n",
+            block.repeat(4)
+        ),
+    )
+    .expect("the spec written");
+    let spec = spec.to_string_lossy().to_string();
+    let job = |zero: &'static str| {
+        let mut args = vec!["--model", spec.as_str(), "--zero", zero];
+        args.extend(["--data", "text:data/text/kjv.txt", "--test-limit", "16"]);
+        args.extend(["--max-steps", "2", "--batch-size", "4"]);
+        args
+    };
+    let estimate = |zero: &'static str| {
+        let out = dir.path().join(format!("probe-{zero}"));
+        let (ok, _, err) = launch("1MiB", &out, &job(zero));
+        assert!(!ok, "{err}");
+        estimated_mib(&err)
+    };
+    let (stage_2, stage_3) = (estimate("2"), estimate("3"));
+    println!("estimates: ZeRO-2 {stage_2} MiB, ZeRO-3 {stage_3} MiB a rank");
+    assert!(
+        stage_3 < stage_2,
+        "ZeRO-3 {stage_3} MiB, ZeRO-2 {stage_2} MiB"
+    );
+    let limit = format!("{}MiB", (stage_2 + stage_3) / 2);
+    let (ok, _, err) = launch(&limit, &dir.path().join("zero-2"), &job("2"));
+    assert!(!ok, "{err}");
+    assert!(
+        err.contains("ZeRO stage 2 over 2 rank(s)") && err.contains("no rank was started"),
+        "{err}"
+    );
+    let out = dir.path().join("zero-3");
+    let (ok, stdout, err) = launch(&limit, &out, &job("3"));
+    assert!(ok, "{stdout}\n{err}");
+    assert!(out.join("checkpoints/latest").exists(), "checkpointed");
+    // ZeRO-2 on the same job without that limit, for its measured peaks.
+    let whole = dir.path().join("zero-2-unlimited");
+    let (ok, stdout, err) = launch("16GiB", &whole, &job("2"));
+    assert!(ok, "{stdout}\n{err}");
+    // Each rank's peak over the whole run (the end's evaluation and checkpoint included)
+    // is below the estimate; to the end of its last step, below ZeRO-2's.
+    let whole_run = peaks_mib(&out, "peak_resident_bytes");
+    let steps = peaks_mib(&out, "steps_peak_resident_bytes");
+    let steps_2 = peaks_mib(&whole, "steps_peak_resident_bytes");
+    for rank in 0..2 {
+        let (peak, at_steps, at_steps_2) = (whole_run[rank], steps[rank], steps_2[rank]);
+        println!(
+            "rank {rank}: peak resident {peak:.0} MiB; to the last step {at_steps:.0} MiB \
+             (ZeRO-2: {at_steps_2:.0} MiB)"
+        );
+        assert!(peak < stage_3 as f64, "{peak} MiB above the estimate");
+        // A model of 115 MB next to a runtime of about 150 MB: ZeRO-2 holds the parameters,
+        // burn's gradients and their flat copy whole; ZeRO-3 a group of them.
+        assert!(
+            at_steps < 0.7 * at_steps_2,
+            "rank {rank}: {at_steps} MiB against ZeRO-2's {at_steps_2}"
+        );
+    }
+}
+
+/// Each rank's figure `name` in MiB from the run's report (`peak_resident_bytes`: the
+/// kernel's `VmHWM` at the end; `steps_peak_resident_bytes`: at the end of the last step).
+fn peaks_mib(out: &std::path::Path, name: &str) -> Vec<f64> {
+    let bytes = std::fs::read(out.join("summary.json")).expect("summary.json");
+    let summary: serde_json::Value = serde_json::from_slice(&bytes).expect("JSON");
+    let ranks = summary["ranks"].as_array().expect("every rank's report");
+    assert_eq!(ranks.len(), 2, "{summary}");
+    ranks
+        .iter()
+        .map(|r| {
+            let peak = r["figures"][name].as_f64();
+            peak.expect("measured") / f64::from(1 << 20)
+        })
+        .collect()
+}

@@ -184,6 +184,20 @@ impl ModelSpec {
         Ok(u64::try_from(total).unwrap_or(u64::MAX))
     }
 
+    /// The parameters of the model's largest layer (a transformer block's, say): the least a
+    /// backward group holds, so what ZeRO-3 gathers at a time at least.
+    pub fn largest_layer_params(&self) -> Result<u64> {
+        let io = self.infer_io()?;
+        let largest = self
+            .layers
+            .iter()
+            .zip(&io)
+            .map(|(node, (input, _))| limits::layer_params(&node.layer, input))
+            .max()
+            .unwrap_or(0);
+        Ok(u64::try_from(largest).unwrap_or(u64::MAX))
+    }
+
     /// The model's output shape: flat class logits `[classes]` (a classifier) or a sequence
     /// `[T, classes]` (a sequence model: class logits at every position).
     pub fn output_shape(&self) -> Result<Shape> {

@@ -346,8 +346,12 @@ impl Strategy for SyncAllReduce {
         cx: &mut Cx<'_>,
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
-        self.prepare_model(cx)?;
         let output = cx.config.telemetry.output.clone();
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            // Gathered one bucket at a time; the model has no buffers to average.
+            return zero.save_sharded(&output, &*self.engine, &self.plan, state);
+        }
+        self.prepare_model(cx)?;
         if let Some(by_param) = &self.by_param {
             return by_param.save(&output, &mut *self.engine, state);
         }

@@ -59,6 +59,28 @@ use elastic::{Cut, Redundancy};
 /// Tag of the optimizer-state shards sent to and from rank 0 for checkpoints.
 const SHARD_TAG: Tag = tags::RESERVED + 0x102;
 
+/// Tag of rank 0's request for a rank's optimizer shard ([`receive_shards`]).
+const ASK_TAG: Tag = tags::RESERVED + 0x104;
+
+/// A checkpoint's optimizer shard to rank 0, when rank 0 asks for it ([`receive_shards`]).
+fn send_shard(comm: &dyn ProcessGroup, mine: &[u8]) -> Result<()> {
+    comm.recv(0, ASK_TAG, Instant::now() + comm.timeout())?;
+    comm.send_large(0, SHARD_TAG, mine)?;
+    Ok(())
+}
+
+/// Rank 0's part of [`send_shard`]: asks each rank for its shard in turn and writes it into
+/// the checkpoint directory `tmp`, so that rank 0 holds one other rank's shard at a time,
+/// not every rank's queued at once.
+fn receive_shards(comm: &dyn ProcessGroup, tmp: &Path) -> Result<()> {
+    for r in 1..comm.size() {
+        comm.send(r, ASK_TAG, &[])?;
+        let bytes = comm.recv_large(r, SHARD_TAG, Instant::now() + comm.timeout())?;
+        checkpoint::write_part(tmp, &checkpoint::zero_file(r), &bytes)?;
+    }
+    Ok(())
+}
+
 /// This rank's part of a ZeRO run.
 pub struct Zero {
     stage: u8,
@@ -307,7 +329,7 @@ impl Zero {
     ) -> Result<Option<PathBuf>> {
         let mine = self.optimizer.state()?;
         if self.comm.rank() != 0 {
-            self.comm.send_large(0, SHARD_TAG, &mine)?;
+            send_shard(&*self.comm, &mine)?;
             return Ok(None);
         }
         let state = CheckpointState {
@@ -320,12 +342,7 @@ impl Zero {
             let weights = tmp.join("model.safetensors");
             model.save_weights(&weights)?;
             checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
-            for r in 1..comm.size() {
-                let deadline = Instant::now() + comm.timeout();
-                let bytes = comm.recv_large(r, SHARD_TAG, deadline)?;
-                checkpoint::write_part(tmp, &checkpoint::zero_file(r), &bytes)?;
-            }
-            Ok(())
+            receive_shards(&**comm, tmp)
         })
         .map(Some)
     }

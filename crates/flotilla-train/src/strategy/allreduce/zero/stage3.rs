@@ -20,14 +20,16 @@
 //! [`ShardOptimizer::step_shard`]: flotilla_engine::ShardOptimizer::step_shard
 
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 
 use flotilla_data::Samples;
-use flotilla_engine::{Engine, EngineError, EvalStats, ShardedPass};
+use flotilla_engine::{Engine, EngineError, EvalStats, ModelState, ShardedPass};
 use flotilla_tcp::shard;
 
 use super::initial::{InitialShard, check_same_draw};
-use super::{Zero, wire_len};
-use crate::bucket::BucketPlan;
+use super::{Zero, receive_shards, send_shard, wire_len};
+use crate::bucket::{Bucket, BucketPlan};
+use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
 
 impl Zero {
@@ -193,19 +195,80 @@ impl Zero {
     /// XXH3 of the whole parameters in flat order (as [`crate::eval::param_hash`] of the
     /// model would give), gathered one bucket at a time (collective).
     pub fn param_hash(&mut self, plan: &BucketPlan) -> Result<u64> {
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.gather_in_flat_order(plan, &mut |_, values| {
+            for v in values {
+                hasher.update(&v.to_le_bytes());
+            }
+            Ok(())
+        })?;
+        Ok(hasher.digest())
+    }
+
+    /// Stage 3's checkpoint (collective): the parameters are gathered one bucket at a time
+    /// in flat order and rank 0 writes each bucket's tensors into `model.safetensors` as it
+    /// comes ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes),
+    /// then every rank's optimizer shard, asked for one at a time. No rank holds the whole
+    /// parameters. Returns the directory on rank 0.
+    pub fn save_sharded(
+        &mut self,
+        output: &Path,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        if self.comm.rank() != 0 {
+            self.gather_in_flat_order(plan, &mut |_, _| Ok(()))?;
+            return send_shard(&*self.comm, &self.optimizer.state()?).map(|()| None);
+        }
+        let state = CheckpointState {
+            num_params: model.num_params(),
+            zero: Some(self.manifest(plan)),
+            ..state.clone()
+        };
+        let layout = model.layout().clone();
+        checkpoint::save_with(output, &state, |tmp| {
+            let mut writer = model.weights_writer(&tmp.join("model.safetensors"));
+            // Every bucket is gathered (collective) even after a failed write.
+            self.gather_in_flat_order(plan, &mut |bucket, values| {
+                if let Ok(w) = writer.as_mut() {
+                    let written = layout.params[bucket.params.clone()]
+                        .iter()
+                        .try_for_each(|p| {
+                            let at = p.offset - bucket.start;
+                            w.write_next(&values[at..at + p.len])
+                        });
+                    if let Err(e) = written {
+                        writer = Err(e);
+                    }
+                }
+                Ok(())
+            })?;
+            writer?.finish()?;
+            let mine = self.optimizer.state()?;
+            checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
+            drop(mine);
+            receive_shards(&*self.comm, tmp)
+        })
+        .map(Some)
+    }
+
+    /// Gathers every bucket's parameters in flat order, handing each to `f` (collective).
+    fn gather_in_flat_order(
+        &mut self,
+        plan: &BucketPlan,
+        f: &mut dyn FnMut(&Bucket, &[f32]) -> Result<()>,
+    ) -> Result<()> {
         let mut order: Vec<usize> = (0..plan.buckets.len()).collect();
         order.sort_by_key(|&k| plan.buckets[k].start);
-        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
         let mut values = Vec::new();
         for k in order {
             values.clear();
             values.resize(plan.buckets[k].len(), 0.0f32);
             self.gather_bucket(plan, k, &mut values)?;
-            for v in &values {
-                hasher.update(&v.to_le_bytes());
-            }
+            f(&plan.buckets[k], &values)?;
         }
-        Ok(hasher.digest())
+        Ok(())
     }
 
     /// Bytes of parameters this rank keeps between steps (its shard's).

@@ -1,0 +1,193 @@
+//! A model's weights file written piece by piece: the safetensors file
+//! [`crate::ModelState::save_weights`] writes (burn's `SafetensorsStore` through its PyTorch
+//! adapter: the same names, PyTorch's shapes, a linear layer's weight transposed, burn's
+//! metadata), from values handed over one tensor at a time, so that no process holds the
+//! whole model to write it (ZeRO-3's checkpoints: the parameters are gathered one backward
+//! group at a time).
+//!
+//! The header is written first, from the layout alone (every tensor's name, shape and
+//! length are known before any value); then each tensor's values in flat order. Written by
+//! hand because burn's store and the `safetensors` crate both serialize from tensors that
+//! are all in memory at once.
+
+use std::fs::File;
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+
+use burn::module::{Module, ModuleVisitor, Param};
+use burn::prelude::*;
+use burn::store::SafetensorsStore;
+
+use crate::buffers::{Only, Tensors};
+use crate::error::{EngineError, Result};
+use crate::params::ParamLayout;
+
+/// One tensor of a weights file: its name, burn's shape and whether PyTorch's layout is its
+/// transpose (a linear layer's weight).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SavedTensor {
+    /// The name it is saved under.
+    pub name: String,
+    /// Its shape in burn's layout (the flat buffers').
+    pub shape: Vec<usize>,
+    /// Whether it is saved transposed (PyTorch's `[out, in]` of burn's `[in, out]`).
+    pub transposed: bool,
+}
+
+/// The tensors `model`'s weights file holds, in flat order (`layout`: its parameters').
+/// Reads the module's structure only: the parameters may be released.
+pub(crate) fn saved_tensors<M: Module>(model: &M, layout: &ParamLayout) -> Vec<SavedTensor> {
+    /// The module type of each parameter: the innermost struct or enum around it, as burn's
+    /// adapters read it (collections looked past).
+    struct Types {
+        stack: Vec<String>,
+        types: Vec<bool>,
+    }
+    impl ModuleVisitor for Types {
+        fn enter_module(&mut self, _name: &str, container_type: &str) {
+            self.stack.push(container_type.to_string());
+        }
+        fn exit_module(&mut self, _name: &str, _container_type: &str) {
+            self.stack.pop();
+        }
+        fn visit_float<const D: usize>(&mut self, _param: &Param<Tensor<D>>) {
+            let module = self
+                .stack
+                .iter()
+                .rev()
+                .find(|c| c.starts_with("Struct:") || c.starts_with("Enum:"));
+            self.types
+                .push(module.is_some_and(|m| m == "Struct:Linear"));
+        }
+    }
+    let mut v = Types {
+        stack: Vec::new(),
+        types: Vec::new(),
+    };
+    model.visit(&mut Only::new(&mut v, Tensors::Params));
+    layout
+        .params
+        .iter()
+        .zip(v.types)
+        .map(|(p, linear)| {
+            let weight = p.name.rsplit('.').next() == Some("weight");
+            SavedTensor {
+                name: p.name.clone(),
+                shape: p.shape.clone(),
+                transposed: linear && weight && p.shape.len() == 2,
+            }
+        })
+        .collect()
+}
+
+/// A weights file being written, tensor after tensor.
+pub struct WeightsWriter {
+    out: BufWriter<File>,
+    path: PathBuf,
+    tensors: Vec<SavedTensor>,
+    next: usize,
+}
+
+impl WeightsWriter {
+    /// Creates `path` with the header of `tensors` and `metadata` (burn's own fields first).
+    pub fn create(
+        path: &Path,
+        tensors: Vec<SavedTensor>,
+        metadata: &[(String, String)],
+    ) -> Result<Self> {
+        let io = |e: std::io::Error| EngineError::Checkpoint {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        };
+        let mut meta: serde_json::Map<String, serde_json::Value> =
+            SafetensorsStore::default_metadata()
+                .into_iter()
+                .map(|(k, v)| (k, v.into()))
+                .collect();
+        for (k, v) in metadata {
+            meta.insert(k.clone(), v.clone().into());
+        }
+        let mut header = serde_json::Map::new();
+        header.insert("__metadata__".into(), meta.into());
+        let mut at = 0usize;
+        for t in &tensors {
+            let len: usize = t.shape.iter().product::<usize>() * std::mem::size_of::<f32>();
+            let mut shape = t.shape.clone();
+            if t.transposed {
+                shape.reverse();
+            }
+            header.insert(
+                t.name.clone(),
+                serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + len]}),
+            );
+            at += len;
+        }
+        let mut text = serde_json::Value::Object(header).to_string().into_bytes();
+        // The data starts 8-byte aligned, as the safetensors crate writes it.
+        text.resize(text.len().next_multiple_of(8), b' ');
+        let mut out = BufWriter::new(File::create(path).map_err(io)?);
+        out.write_all(&(text.len() as u64).to_le_bytes())
+            .and_then(|()| out.write_all(&text))
+            .map_err(io)?;
+        Ok(Self {
+            out,
+            path: path.to_path_buf(),
+            tensors,
+            next: 0,
+        })
+    }
+
+    /// Writes the next tensor's values (flat order, burn's layout).
+    pub fn write_next(&mut self, values: &[f32]) -> Result<()> {
+        let t = self
+            .tensors
+            .get(self.next)
+            .ok_or_else(|| EngineError::Checkpoint {
+                path: self.path.clone(),
+                message: format!("a tensor more than the {} of the file", self.tensors.len()),
+            })?;
+        let len: usize = t.shape.iter().product();
+        if values.len() != len {
+            return Err(EngineError::FlatLength {
+                expected: len,
+                got: values.len(),
+            });
+        }
+        let mut bytes = Vec::with_capacity(4 * len);
+        match (t.transposed, t.shape.as_slice()) {
+            (true, &[rows, cols]) => {
+                for j in 0..cols {
+                    for i in 0..rows {
+                        bytes.extend_from_slice(&values[i * cols + j].to_le_bytes());
+                    }
+                }
+            }
+            _ => bytes.extend(values.iter().flat_map(|v| v.to_le_bytes())),
+        }
+        self.out
+            .write_all(&bytes)
+            .map_err(|e| EngineError::Checkpoint {
+                path: self.path.clone(),
+                message: e.to_string(),
+            })?;
+        self.next += 1;
+        Ok(())
+    }
+
+    /// Checks that every tensor was written and flushes the file to disk.
+    pub fn finish(self) -> Result<()> {
+        let path = self.path.clone();
+        let io = |e: std::io::Error| EngineError::Checkpoint {
+            path: path.clone(),
+            message: e.to_string(),
+        };
+        if self.next != self.tensors.len() {
+            return Err(EngineError::Checkpoint {
+                path: path.clone(),
+                message: format!("{} of {} tensors written", self.next, self.tensors.len()),
+            });
+        }
+        let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
+        file.sync_all().map_err(io)
+    }
+}

@@ -1,0 +1,55 @@
+//! A weights file written tensor by tensor is the file `save_weights` writes: the same
+//! tensors (names, PyTorch's shapes, bytes) and metadata, and it loads back into the model.
+
+use crate::engine_tests::sgd;
+use crate::{BurnEngine, ModelSpec, ModelState};
+
+#[test]
+fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    for name in ["mlp", "lenet5", "gpt-char"] {
+        let spec = ModelSpec::builtin(name).expect("shipped spec");
+        let e = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 3).expect("engine");
+        let whole = tmp.path().join(format!("{name}-whole.safetensors"));
+        e.save_weights(&whole).expect("save");
+        let mut values = vec![0.0; e.num_params()];
+        e.read_params(&mut values).expect("params");
+        let pieces = tmp.path().join(format!("{name}-pieces.safetensors"));
+        let mut w = e.weights_writer(&pieces).expect("writer");
+        for p in &e.layout().params {
+            w.write_next(&values[p.offset..p.offset + p.len])
+                .expect("tensor");
+        }
+        w.finish().expect("finish");
+        let (a, b) = (
+            std::fs::read(&whole).expect("whole"),
+            std::fs::read(&pieces).expect("pieces"),
+        );
+        let (a, b) = (
+            safetensors::SafeTensors::deserialize(&a).expect("whole file"),
+            safetensors::SafeTensors::deserialize(&b).expect("file of pieces"),
+        );
+        let mut names_a = a.names();
+        let mut names_b = b.names();
+        names_a.sort();
+        names_b.sort();
+        assert_eq!(names_a, names_b, "{name}: tensors");
+        for n in names_a {
+            let (x, y) = (a.tensor(n).expect("a"), b.tensor(n).expect("b"));
+            assert_eq!(x.shape(), y.shape(), "{name}: {n}'s shape");
+            assert_eq!(x.dtype(), y.dtype(), "{name}: {n}'s type");
+            assert!(x.data() == y.data(), "{name}: {n}'s values");
+        }
+        let meta = |path: &std::path::Path| {
+            let bytes = std::fs::read(path).expect("file");
+            let (_, m) = safetensors::SafeTensors::read_metadata(&bytes).expect("header");
+            m.metadata().clone()
+        };
+        assert_eq!(meta(&whole), meta(&pieces), "{name}: metadata");
+        let mut fresh = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 4).expect("engine");
+        fresh.load_weights(&pieces).expect("loads");
+        let mut back = vec![0.0; values.len()];
+        fresh.read_params(&mut back).expect("params");
+        assert!(back == values, "{name}: loads back");
+    }
+}
