@@ -3,7 +3,8 @@
 the strategy): every 0.2 s the RSS of each `flotilla train` process is read; printed per rank
 are the largest before the end-of-run checkpoint (training and evaluation: samples taken
 before rank 0's run.log says the parameters were hashed) and over the whole run, with the
-kernel's own peak (VmHWM, `peak_resident_bytes` of summary.json).
+kernel's own peak (VmHWM) at the end of the last step and at the end of the run
+(`steps_peak_resident_bytes` and `peak_resident_bytes` of summary.json).
 
     python3 scripts/rss_peaks.py OUTPUT -- flotilla launch examples/gpt-zero3.yaml -n 4 ...
 
@@ -69,11 +70,13 @@ def main():
     if job.returncode != 0:
         sys.exit(f"the job failed: {job.stderr.read().decode()[-2000:]}")
     summary = json.load(open(os.path.join(output, "summary.json")))
-    hwm = {r["rank"]: r.get("figures", {}).get("peak_resident_bytes", 0) / 2**20
-           for r in summary.get("ranks", [])}
+    figures = {r["rank"]: r.get("figures", {}) for r in summary.get("ranks", [])}
+    mib = lambda rank, name: figures.get(rank, {}).get(name, 0) / 2**20
     for rank in sorted(whole):
         print(f"rank {rank}: training+evaluation {before.get(rank, 0):.0f} MiB, "
-              f"whole run {whole[rank]:.0f} MiB (sampled), VmHWM {hwm.get(rank, 0):.0f} MiB")
+              f"whole run {whole[rank]:.0f} MiB (sampled); VmHWM at the last step "
+              f"{mib(rank, 'steps_peak_resident_bytes'):.0f} MiB, at the end "
+              f"{mib(rank, 'peak_resident_bytes'):.0f} MiB")
 
 
 main()

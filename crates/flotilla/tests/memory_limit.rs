@@ -137,16 +137,7 @@ fn between_the_needs_of_zero_0_and_zero_2_zero_2_trains_and_zero_0_is_refused() 
         args.extend(["--max-steps", "3", "--batch-size", "16"]);
         args
     };
-    let estimate = |zero: &'static str| {
-        let out = dir.path().join(format!("probe-{zero}"));
-        let (ok, _, err) = launch("1MiB", &out, &job(zero));
-        assert!(!ok, "{err}");
-        estimated_mib(&err)
-    };
-    let (whole, sharded) = (estimate("0"), estimate("2"));
-    println!("estimates: ZeRO-0 {whole} MiB, ZeRO-2 {sharded} MiB a rank");
-    assert!(sharded < whole, "ZeRO-2 {sharded} MiB, ZeRO-0 {whole} MiB");
-    let limit = format!("{}MiB", (whole + sharded) / 2);
+    let (_, sharded, limit) = limit_between(dir.path(), &job, ("0", "2"));
 
     let (ok, _, err) = launch(&limit, &dir.path().join("zero-0"), &job("0"));
     assert!(!ok, "{err}");
@@ -200,19 +191,7 @@ fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() 
         args.extend(["--max-steps", "2", "--batch-size", "4"]);
         args
     };
-    let estimate = |zero: &'static str| {
-        let out = dir.path().join(format!("probe-{zero}"));
-        let (ok, _, err) = launch("1MiB", &out, &job(zero));
-        assert!(!ok, "{err}");
-        estimated_mib(&err)
-    };
-    let (stage_2, stage_3) = (estimate("2"), estimate("3"));
-    println!("estimates: ZeRO-2 {stage_2} MiB, ZeRO-3 {stage_3} MiB a rank");
-    assert!(
-        stage_3 < stage_2,
-        "ZeRO-3 {stage_3} MiB, ZeRO-2 {stage_2} MiB"
-    );
-    let limit = format!("{}MiB", (stage_2 + stage_3) / 2);
+    let (_, stage_3, limit) = limit_between(dir.path(), &job, ("2", "3"));
     let (ok, _, err) = launch(&limit, &dir.path().join("zero-2"), &job("2"));
     assert!(!ok, "{err}");
     assert!(
@@ -246,6 +225,25 @@ fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() 
             "rank {rank}: {at_steps} MiB against ZeRO-2's {at_steps_2}"
         );
     }
+}
+
+/// The estimates in MiB of the job `job(stage)` at two ZeRO stages, `more` needing more than
+/// `less` (each read from the refusal of a 1 MiB limit), and the limit halfway between.
+fn limit_between<'a>(
+    dir: &std::path::Path,
+    job: &dyn Fn(&'static str) -> Vec<&'a str>,
+    (more, less): (&'static str, &'static str),
+) -> (u64, u64, String) {
+    let estimate = |zero: &'static str| {
+        let out = dir.join(format!("probe-{zero}"));
+        let (ok, _, err) = launch("1MiB", &out, &job(zero));
+        assert!(!ok, "{err}");
+        estimated_mib(&err)
+    };
+    let (high, low) = (estimate(more), estimate(less));
+    println!("estimates: ZeRO-{more} {high} MiB, ZeRO-{less} {low} MiB a rank");
+    assert!(low < high, "ZeRO-{less} {low} MiB, ZeRO-{more} {high} MiB");
+    (high, low, format!("{}MiB", (high + low) / 2))
 }
 
 /// Each rank's figure `name` in MiB from the run's report (`peak_resident_bytes`: the
