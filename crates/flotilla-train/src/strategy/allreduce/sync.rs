@@ -150,27 +150,45 @@ impl SyncAllReduce {
 
 /// The peer's engine: whole, or under ZeRO stage 3 on more than one rank of a fresh start
 /// (no `resume`) released from the start, its shard of the initial parameters kept as they
-/// are drawn ([`InitialShard`]; a model that is built whole only, a user's module, is
-/// built whole).
+/// are drawn ([`InitialShard`]). A model built whole only (a user's module) is refused
+/// under stage 3.
 fn whole_or_released(
     cx: &Cx<'_>,
     setup: &Setup<'_>,
 ) -> Result<(Box<dyn Engine>, Option<InitialShard>)> {
     let config = cx.config;
     let m = &config.model;
-    if config.allreduce.zero == 3 && cx.comm.size() > 1 && !config.schedule.resume {
-        let mut initial = InitialShard::new(cx.comm.size(), cx.comm.rank());
-        let built = setup.model.released_engine(
+    if config.allreduce.zero != 3 || cx.comm.size() < 2 {
+        return Ok((setup.engine(config, &config.optimizer)?, None));
+    }
+    let refused = || {
+        TrainError::config(
+            "allreduce.zero",
+            format!(
+                "ZeRO stage 3 shards a YAML model's parameters so far, not a program's own \
+                 module ({}): use zero 2 or less",
+                setup.model.name()
+            ),
+        )
+    };
+    if setup.model.spec().is_none() {
+        return Err(refused());
+    }
+    if config.schedule.resume {
+        // Rank 0 loads the checkpoint into the whole model; the start keeps the shards.
+        return Ok((setup.engine(config, &config.optimizer)?, None));
+    }
+    let mut initial = InitialShard::new(cx.comm.size(), cx.comm.rank());
+    let engine = setup
+        .model
+        .released_engine(
             &config.optimizer,
             (&m.device, m.seed),
             config.bucket_bytes(),
             &mut initial,
-        );
-        if let Some(engine) = built {
-            return Ok((engine?, Some(initial)));
-        }
-    }
-    Ok((setup.engine(config, &config.optimizer)?, None))
+        )
+        .ok_or_else(refused)??;
+    Ok((engine, Some(initial)))
 }
 
 /// Makes `engine`'s batch norms take the statistics of every rank's batch, summed over a group

@@ -35,7 +35,8 @@
 //! resumes the other's files as they are.
 //!
 //! In an elastic job every shard also lives on the rank before its owner and the state is
-//! re-cut among a new generation's members (`zero/elastic.rs`).
+//! re-cut among a new generation's members (`zero/elastic.rs`). Stage 3 keeps only the
+//! shard of the parameters too, gathered bucket by bucket in each pass (`zero/stage3.rs`).
 
 use std::ops::Range;
 use std::path::{Path, PathBuf};

@@ -13,9 +13,13 @@
 //! parameters are the values stage 2's all-gather writes, so stage 3 equals stage 2, and
 //! zero 0 where stage 2 does, bit for bit.
 //!
-//! A whole-model operation between steps (evaluation, the parameters' hash, a checkpoint:
-//! each after [`crate::strategy::Strategy::prepare_model`]) gathers every bucket into the
-//! engine first ([`Zero::materialize`]); the next step releases them again.
+//! No rank holds the whole parameters at any point of a fresh run: the start keeps the
+//! shard as the initial model is drawn one layer at a time (`initial.rs`); evaluation, the
+//! parameters' hash and a checkpoint's `model.safetensors` go one bucket at a time
+//! ([`Zero::evaluate`], [`Zero::param_hash`], [`Zero::save_sharded`]). What asks for the whole
+//! model between steps ([`crate::strategy::Strategy::prepare_model`], a library user's) gets
+//! every bucket gathered into the engine ([`Zero::materialize`]); the next step releases them
+//! again. A resumed run starts whole (rank 0 loads the checkpoint; [`Zero::take_param_shard`]).
 //!
 //! [`ShardOptimizer::step_shard`]: flotilla_engine::ShardOptimizer::step_shard
 
