@@ -515,11 +515,11 @@ impl Engine for BurnEngine {
         let device = self.weights.device.clone();
         let input = Activation::from_flat(batch.images.to_vec(), n, self.input, &device);
         let targets = labels_tensor(batch.labels, &device);
-        let layout = self.weights.layout.clone();
         let loss = &self.loss;
+        let (model, layout) = self.weights.released_model()?;
         sharded::forward_backward(
-            self.weights.released_model()?,
-            &layout,
+            model,
+            layout,
             &self.groups,
             input,
             |logits| loss.forward(logits, targets),
@@ -536,14 +536,8 @@ impl Engine for BurnEngine {
         let n = self.check_batch(images, labels)?;
         let device = self.weights.device.clone();
         let input = (n > 0).then(|| Activation::from_flat(images.to_vec(), n, self.input, &device));
-        let layout = self.weights.layout.clone();
-        let logits = sharded::logits(
-            self.weights.released_model()?,
-            &layout,
-            &self.groups,
-            input,
-            pass,
-        )?;
+        let (model, layout) = self.weights.released_model()?;
+        let logits = sharded::logits(model, layout, &self.groups, input, pass)?;
         let Some(logits) = logits else {
             return Ok(EvalStats::default());
         };

@@ -363,15 +363,15 @@ impl<M: Module> Weights<M> {
         Ok(())
     }
 
-    /// The released model's slot, for a pass that gathers and releases each group's
-    /// parameters itself ([`crate::sharded`]) and leaves them released.
-    pub(crate) fn released_model(&mut self) -> Result<&mut Option<M>> {
+    /// The released model's slot and the layout, for a pass that gathers and releases each
+    /// group's parameters itself ([`crate::sharded`]) and leaves them released.
+    pub(crate) fn released_model(&mut self) -> Result<(&mut Option<M>, &ParamLayout)> {
         if !self.released {
             return Err(EngineError::ParamsSharded(
                 "a sharded pass on a model holding its whole parameters".into(),
             ));
         }
-        Ok(&mut self.model)
+        Ok((&mut self.model, &self.layout))
     }
 
     /// Replaces the model with what `load` makes of it. `load` loads into a copy, so that a
