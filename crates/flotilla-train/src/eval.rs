@@ -114,21 +114,28 @@ pub fn param_hash(model: &dyn ModelState) -> Result<u64> {
 /// A rank that differs is named by its world rank.
 pub fn verify_identical(model: &dyn ModelState, comm: &dyn ProcessGroup) -> Result<u64> {
     let hash = param_hash(model)?;
-    let all = comm.all_gather_u64(hash)?;
+    match differing_hashes(comm, hash, "has")? {
+        None => Ok(hash),
+        Some(which) => Err(TrainError::Divergence(which)),
+    }
+}
+
+/// Every rank's `mine` (collective): `None` when all are rank 0's, else which differ, as
+/// `rank 0 {verb} <hash>, rank 2 {verb} <hash>` (world ranks).
+pub fn differing_hashes(comm: &dyn ProcessGroup, mine: u64, verb: &str) -> Result<Option<String>> {
+    let all = comm.all_gather_u64(mine)?;
     let differing: Vec<String> = all
         .iter()
         .enumerate()
         .filter(|(_, h)| **h != all[0])
-        .map(|(r, h)| format!("rank {} has {h:016x}", comm.world_rank(r)))
+        .map(|(r, h)| format!("rank {} {verb} {h:016x}", comm.world_rank(r)))
         .collect();
-    if differing.is_empty() {
-        Ok(hash)
-    } else {
-        Err(TrainError::Divergence(format!(
-            "rank {} has {:016x}, {}",
+    Ok((!differing.is_empty()).then(|| {
+        format!(
+            "rank {} {verb} {:016x}, {}",
             comm.world_rank(0),
             all[0],
             differing.join(", ")
-        )))
-    }
+        )
+    }))
 }

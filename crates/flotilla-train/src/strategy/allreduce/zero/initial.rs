@@ -106,21 +106,10 @@ impl ShardSink for InitialShard {
 /// Checks that every rank of `comm` drew the model of hash `mine` (collective); a rank that
 /// drew another is named.
 pub fn check_same_draw(comm: &dyn ProcessGroup, mine: u64) -> Result<()> {
-    let all = comm.all_gather_u64(mine)?;
-    let differing: Vec<String> = all
-        .iter()
-        .enumerate()
-        .filter(|(_, h)| **h != all[0])
-        .map(|(r, h)| format!("rank {} drew {h:016x}", comm.world_rank(r)))
-        .collect();
-    if differing.is_empty() {
-        return Ok(());
+    match crate::eval::differing_hashes(comm, mine, "drew")? {
+        None => Ok(()),
+        Some(which) => Err(TrainError::Divergence(format!(
+            "ZeRO-3: the ranks drew different initial models from the seed: {which}"
+        ))),
     }
-    Err(TrainError::Divergence(format!(
-        "ZeRO-3: the ranks drew different initial models from the seed: rank {} drew \
-         {:016x}, {}",
-        comm.world_rank(0),
-        all[0],
-        differing.join(", ")
-    )))
 }
