@@ -13,6 +13,7 @@ use crate::collective::{Reducer, ReducerHandle};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::optim::OptimizerSpec;
+use crate::recompute;
 use crate::sharded::{self, ShardSink, ShardedPass};
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
@@ -200,6 +201,23 @@ pub trait Engine: ModelState {
         ))
     }
 
+    /// Recomputes each backward group's forward in backward when `on` (activation
+    /// checkpointing, `recompute: true`): [`Engine::forward_backward`] and
+    /// [`Engine::forward_backward_streaming`] run every group but the last off the tape and
+    /// recompute it from its kept input, so one group's activations are held at a time; the
+    /// gradients are bit for bit the same. Refused for a model whose forward changes state or
+    /// draws random numbers, and by an engine that cannot (the default).
+    fn set_recompute(&mut self, on: bool) -> Result<()> {
+        if on {
+            return Err(EngineError::Recompute(
+                "this engine runs its model's own forward (a user's module): it cannot \
+                 recompute it"
+                    .into(),
+            ));
+        }
+        Ok(())
+    }
+
     /// Releases every parameter (ZeRO-3: the caller keeps this rank's shard and gathers
     /// each group's parameters in [`Engine::forward_backward_sharded`]). Whole-model calls
     /// fail with [`EngineError::ParamsSharded`] until [`ModelState::write_params`] gives the
@@ -272,6 +290,9 @@ pub struct BurnEngine {
     groups: Vec<BackwardGroup>,
     /// Each layer's parameters (what the groups are planned from).
     layers: Vec<LayerParams>,
+    /// The groups whose forward is recomputed in backward (`recompute: true`): every
+    /// segment between the allowed cuts, in layer order (`None`: no recomputation).
+    recompute: Option<Vec<BackwardGroup>>,
     loss: CrossEntropyLoss,
 }
 
@@ -325,6 +346,7 @@ impl BurnEngine {
             grads: Vec::new(),
             groups,
             layers,
+            recompute: None,
         })
     }
 
@@ -391,6 +413,9 @@ pub(crate) fn labels_tensor(labels: &[i64], device: &Device) -> Tensor<1, Int> {
 
 impl Engine for BurnEngine {
     fn forward_backward(&mut self, batch: BatchRef<'_>) -> Result<f32> {
+        if self.recompute.is_some() {
+            return self.forward_backward_streaming(batch, &mut |_, _| Ok(()));
+        }
         let n = self.check_batch(batch.images, batch.labels)?;
         if n == 0 {
             return Err(EngineError::Batch("empty batch".into()));
@@ -427,7 +452,7 @@ impl Engine for BurnEngine {
         batch: BatchRef<'_>,
         ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<f32> {
-        if self.groups.len() <= 1 {
+        if self.groups.len() <= 1 && self.recompute.is_none() {
             let loss = self.forward_backward(batch)?;
             if let Err(e) = self.for_each_grad(ready) {
                 self.grads.clear();
@@ -443,16 +468,14 @@ impl Engine for BurnEngine {
         let device = &self.weights.device;
         let input = Activation::from_flat(batch.images.to_vec(), n, self.input, device);
         let targets = labels_tensor(batch.labels, device);
-        let (value, grads) = self.weights.with_dropout_rng(|| {
-            grouped::forward_backward(
-                self.weights.model()?,
-                &self.weights.layout,
-                &self.groups,
-                input,
-                |logits| self.loss.forward(logits, targets),
-                ready,
-            )
-        })?;
+        let (model, layout) = (self.weights.model()?, &self.weights.layout);
+        let loss = |logits| self.loss.forward(logits, targets);
+        let (value, grads) = match &self.recompute {
+            Some(groups) => recompute::forward_backward(model, layout, groups, input, loss, ready)?,
+            None => self.weights.with_dropout_rng(|| {
+                grouped::forward_backward(model, layout, &self.groups, input, loss, ready)
+            })?,
+        };
         self.weights.batch_norm_sync_result()?;
         self.grads = grads;
         Ok(value)
@@ -494,6 +517,19 @@ impl Engine for BurnEngine {
 
     fn drop_grads(&mut self) {
         self.grads.clear();
+    }
+
+    fn set_recompute(&mut self, on: bool) -> Result<()> {
+        if !on {
+            self.recompute = None;
+            return Ok(());
+        }
+        if let Some(why) = recompute::not_recomputable(self.model()?, "recomputation") {
+            return Err(EngineError::Recompute(why));
+        }
+        self.grads.clear();
+        self.recompute = Some(backward_groups::plan(&self.spec, &self.layers, 1)?);
+        Ok(())
     }
 
     fn release_params(&mut self) -> Result<()> {

@@ -150,6 +150,9 @@ pub enum EngineError {
     /// [`crate::Engine::for_each_grad`]) stopped the pass; the caller knows why.
     #[error("the gradient callback stopped the pass: {0}")]
     Callback(String),
+    /// Activation recomputation (`recompute: true`) refused for this model or engine.
+    #[error("activation recomputation: {0}")]
+    Recompute(String),
     /// A whole-model operation on a model whose parameters are sharded (ZeRO-3: each rank
     /// holds its shard; the run gathers them first), or a model that cannot be sharded so.
     #[error("parameters sharded over the ranks (ZeRO-3): {0}")]

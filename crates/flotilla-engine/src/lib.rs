@@ -40,6 +40,7 @@ mod module_engine;
 mod optim;
 mod params;
 mod pipeline;
+mod recompute;
 mod sharded;
 mod spec;
 pub mod sync_batch_norm;
@@ -89,6 +90,8 @@ mod engine_tests;
 mod grouped_tests;
 #[cfg(test)]
 mod module_engine_tests;
+#[cfg(test)]
+mod recompute_tests;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]

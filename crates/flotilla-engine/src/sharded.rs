@@ -26,13 +26,14 @@ use std::collections::HashMap;
 use std::ops::Range;
 
 use burn::prelude::*;
+use burn::tensor::Gradients;
 
 use crate::backward_groups::BackwardGroup;
 use crate::error::{EngineError, Result};
-use crate::kernels::autodiff::as_tracked;
 use crate::params::{self, ParamLayout};
-use crate::spec::activation::{Activation, map_tensor};
-use crate::spec::model::{Layer, SequentialModel};
+use crate::recompute::{self, GroupSource};
+use crate::spec::activation::Activation;
+use crate::spec::model::SequentialModel;
 
 /// Where a sharded model's parameters come from and where its gradients go: the caller's
 /// side of [`crate::Engine::forward_backward_sharded`] (a ZeRO-3 rank's shard and its
@@ -76,18 +77,12 @@ pub trait ShardSink {
 /// Refuses a model whose forward pass changes state or draws random numbers, which the
 /// recomputed forward of a sharded backward would do twice.
 pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
-    for (i, layer) in model.layers.iter().enumerate() {
-        let why = match layer {
-            Layer::BatchNorm(_) => "batch norm updates its running statistics in forward",
-            Layer::Dropout(d) if d.prob > 0.0 => "dropout draws its mask in forward",
-            _ => continue,
-        };
-        return Err(EngineError::ParamsSharded(format!(
-            "layer {i}: {why}, and a sharded backward recomputes each group's forward; \
-             train it with ZeRO stage 2 or less"
-        )));
+    match recompute::not_recomputable(model, "a sharded backward") {
+        Some(why) => Err(EngineError::ParamsSharded(format!(
+            "{why}; train it with ZeRO stage 2 or less"
+        ))),
+        None => Ok(()),
     }
-    Ok(())
 }
 
 /// The model with group `group`'s parameters gathered from `pass` (requiring their
@@ -121,10 +116,46 @@ fn released(
     params::write_range(model, layout, group.params.clone(), None, false)
 }
 
-/// `x` without a tape behind it and requiring no gradient (the next group's input off the
-/// tape; no copy of the values).
-fn detached(x: Activation) -> Activation {
-    map_tensor!(x, |t| t.detach())
+/// A sharded model's parameters for a recomputing pass: each group's gathered from `pass`
+/// for each use and released after it, its gradients handed to `pass` and dropped.
+struct Gathered<'a> {
+    model: &'a mut Option<SequentialModel>,
+    layout: &'a ParamLayout,
+    groups: &'a [BackwardGroup],
+    pass: &'a mut dyn ShardedPass,
+    scratch: Vec<f32>,
+}
+
+impl GroupSource for Gathered<'_> {
+    fn model(&mut self, g: usize, tape: bool) -> Result<SequentialModel> {
+        let m = take(self.model)?;
+        let scratch = &mut self.scratch;
+        gathered(m, self.layout, &self.groups[g], self.pass, (scratch, tape))
+    }
+
+    fn forward_done(&mut self, g: usize, model: SequentialModel) -> Result<()> {
+        *self.model = Some(released(model, self.layout, &self.groups[g])?);
+        Ok(())
+    }
+
+    fn backward_done(
+        &mut self,
+        g: usize,
+        model: SequentialModel,
+        grads: Option<Gradients>,
+    ) -> Result<()> {
+        let pass = &mut *self.pass;
+        let handed = params::for_each_grad_in(
+            &model,
+            grads.as_ref(),
+            self.layout,
+            self.groups[g].params.clone(),
+            &mut |i, grad| pass.ready(i, grad),
+        );
+        drop(grads);
+        *self.model = Some(released(model, self.layout, &self.groups[g])?);
+        handed
+    }
 }
 
 /// Forward of `input` and backward through `groups` (layer order, at least one) of a model
@@ -139,66 +170,14 @@ pub(crate) fn forward_backward(
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     pass: &mut dyn ShardedPass,
 ) -> Result<f32> {
-    let last = groups
-        .len()
-        .checked_sub(1)
-        .ok_or_else(|| EngineError::InvalidSpec("no backward group".into()))?;
-    let mut scratch = Vec::new();
-    // Each group's input, kept off the tape for its recomputation.
-    let mut inputs: Vec<Activation> = Vec::with_capacity(groups.len());
-    let mut x = input;
-    {
-        let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
-        for group in &groups[..last] {
-            let m = take(model)?;
-            let m = gathered(m, layout, group, pass, (&mut scratch, false))?;
-            let y =
-                as_tracked(|| m.run_range(group.layers.clone(), x.clone(), &mut HashMap::new()));
-            *model = Some(released(m, layout, group)?);
-            inputs.push(x);
-            x = detached(y);
-        }
-    }
-    inputs.push(x);
-    let mut grad_out: Option<Activation> = None;
-    let mut value = 0.0;
-    let mut loss = Some(loss);
-    for g in (0..groups.len()).rev() {
-        let group = &groups[g];
-        let _span =
-            tracing::info_span!(target: "flotilla::engine", "backward", group = g as u64).entered();
-        let m = gathered(take(model)?, layout, group, pass, (&mut scratch, true))?;
-        let input = inputs.pop().ok_or(EngineError::NoGradients)?;
-        let leaf = if g > 0 { input.require_grad() } else { input };
-        let y = m.run_range(group.layers.clone(), leaf.clone(), &mut HashMap::new());
-        let mut grads = if let Some(loss) = loss.take() {
-            let l = loss(y.into_logits());
-            let grads = l.backward();
-            value = l.into_scalar::<f32>();
-            Some(grads)
-        } else {
-            match grad_out.take() {
-                Some(gy) => Some(y.dot_grad(gy)?.backward()),
-                // The next group's input got no gradient: this group's parameters get none.
-                None => None,
-            }
-        };
-        grad_out = match (g > 0, grads.as_mut()) {
-            (true, Some(grads)) => leaf.take_grad(grads),
-            _ => None,
-        };
-        let handed = params::for_each_grad_in(
-            &m,
-            grads.as_ref(),
-            layout,
-            group.params.clone(),
-            &mut |i, grad| pass.ready(i, grad),
-        );
-        drop(grads);
-        *model = Some(released(m, layout, group)?);
-        handed?;
-    }
-    Ok(value)
+    let mut source = Gathered {
+        model,
+        layout,
+        groups,
+        pass,
+        scratch: Vec::new(),
+    };
+    recompute::run(groups, input, loss, &mut source)
 }
 
 /// The logits of `input` (`None`: no samples on this rank, but the gathers take part) by a

@@ -40,7 +40,7 @@ impl ShardedPass for Gatherer {
 }
 
 /// A deterministic batch of `n` samples for `spec` (token ids for a sequence model).
-fn batch(spec: &ModelSpec, n: usize, salt: u32) -> (Vec<f32>, Vec<i64>) {
+pub(crate) fn batch(spec: &ModelSpec, n: usize, salt: u32) -> (Vec<f32>, Vec<i64>) {
     let per = spec.input_shape().expect("input").numel();
     let lps = spec.labels_per_sample().expect("labels");
     let classes = spec.output_shape().expect("output").numel() / lps;
@@ -63,13 +63,13 @@ fn batch(spec: &ModelSpec, n: usize, salt: u32) -> (Vec<f32>, Vec<i64>) {
     (images, labels)
 }
 
-fn engine(spec: &ModelSpec, max_bytes: usize) -> BurnEngine {
+pub(crate) fn engine(spec: &ModelSpec, max_bytes: usize) -> BurnEngine {
     let mut e = BurnEngine::new(spec, &sgd(0.05, 0.9), "flex", SEED).expect("engine");
     e.set_backward_group_bytes(max_bytes).expect("groups");
     e
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 

@@ -484,11 +484,16 @@ impl Job<'_> {
         let config = cx.config;
         if let Some((what, how)) = role.describe(config) {
             cx.log(&format!(
-                "training: {what}, {} steps/epoch of {}x{} samples, {} steps, {how}",
+                "training: {what}, {} steps/epoch of {}x{} samples, {} steps, {how}{}",
                 batches.steps_per_epoch(),
                 config.step_batch(),
                 plan.workers,
                 plan.total,
+                if config.model.recompute {
+                    ", each block's forward recomputed in backward"
+                } else {
+                    ""
+                },
             ))?;
         }
         // The stall inspector of the world group's collectives (buckets, evaluation).

@@ -4,7 +4,9 @@
 //! killed mid-run and resumed from its checkpoint end with the uninterrupted run's
 //! parameters, bit for bit, dropout masks included; under ZeRO-3 (parameters sharded, each
 //! block gathered for its forward and again for its recomputed forward in backward) it trains
-//! what ZeRO-0 trains, bit for bit, and resumes so. Real `flotilla` processes over 127.0.0.1.
+//! what ZeRO-0 trains, bit for bit, and resumes so; recomputing each block in backward
+//! (`recompute: true`) it trains what it trains without, bit for bit. Real `flotilla`
+//! processes over 127.0.0.1.
 
 mod common;
 
@@ -200,6 +202,55 @@ fn a_gpt_under_zero_3_trains_what_zero_0_trains_bitwise_and_resumes_so() {
     let cfg = config(d, "dropout", SPEC_DROPOUT, &format!("{ZERO_3}{}", steps(2)));
     let o = run(&cfg, &d.join("dropout"), &[], None);
     assert!(!o.status.success(), "dropout under ZeRO-3 must be refused");
+    assert!(
+        text(&o).contains("dropout draws its mask in forward"),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
+    let dir = tmp();
+    let d = dir.path();
+    let zero_0 = ZERO_3.replace("zero: 3", "zero: 0");
+    let cfg = config(d, "plain", SPEC, &format!("{zero_0}{}", steps(20)));
+    let out = |name: &str| d.join(name).to_str().expect("utf8").to_string();
+    launch(&[&cfg, "--output", &out("plain")], LIMIT);
+    let recomputing = config(
+        d,
+        "recomputed",
+        SPEC,
+        &format!("{zero_0}recompute: true\n{}", steps(20)),
+    );
+    launch(&[&recomputing, "--output", &out("recomputed")], LIMIT);
+    // The flag, under ZeRO-2 (its gradients reduce-scattered as each block's backward ends).
+    launch(
+        &[
+            &cfg,
+            "--recompute",
+            "--zero",
+            "2",
+            "--output",
+            &out("zero-2"),
+        ],
+        LIMIT,
+    );
+    let plain = checkpoint_tensors(&d.join("plain"));
+    for name in ["recomputed", "zero-2"] {
+        assert_bitwise(
+            &format!("{name} vs plain"),
+            &checkpoint_tensors(&d.join(name)),
+            &plain,
+        );
+    }
+    // A model that draws in its forward cannot be recomputed: refused, named.
+    let cfg = config(d, "dropout", SPEC_DROPOUT, &format!("{zero_0}{}", steps(2)));
+    let o = run(&cfg, &d.join("dropout"), &["--recompute"], None);
+    assert!(
+        !o.status.success(),
+        "dropout with recompute must be refused"
+    );
     assert!(
         text(&o).contains("dropout draws its mask in forward"),
         "{}",

@@ -13,6 +13,15 @@ use crate::error::{DistError, Result};
 /// parameter servers, elastic peers); an error naming the way when the strategy does not
 /// run it.
 pub(super) fn through_run(settings: &TrainConfig) -> Result<bool> {
+    if settings.model.recompute {
+        // burn's Learner runs the module's own forward and backward.
+        return Err(DistError::from(TrainError::config(
+            "model.recompute",
+            "burn's Learner runs the model's own forward: recomputation is for a YAML model \
+             (set recompute: false)"
+                .to_string(),
+        )));
+    }
     let generations = super::elastic(settings);
     let (arch, all) = (&settings.topology.arch, &settings.allreduce);
     if let (true, Some(min)) = (generations, settings.topology.min_world_size) {

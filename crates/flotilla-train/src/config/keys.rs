@@ -171,6 +171,11 @@ pub const KEYS: &[Key] = &[
          ndarray, libtorch, cuda[:I] and wgpu[:I] with the cargo features of those names \
          (a GPU named without its index runs each local rank on its own GPU, I on GPU I)",
     ),
+    Key::new("model.recompute").aliases(&["recompute"]).switch(
+        "recompute",
+        "Recompute each block's forward in backward: one block's activations held at a time \
+         (a spec model without dropout or batch norm; ZeRO-3 always does)",
+    ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",
         "DATA",

@@ -1,4 +1,5 @@
-//! The `model:` section: which model, its initialisation seed and the device it runs on.
+//! The `model:` section: which model, its initialisation seed, the device it runs on and
+//! whether its backward recomputes its forward.
 
 use serde::{Deserialize, Serialize};
 
@@ -15,6 +16,11 @@ pub struct ModelSection {
     /// (burn's wgpu backend on Vulkan adapter `N`, default 0), each with the cargo feature of
     /// that name.
     pub device: String,
+    /// Recompute each block's forward in backward (activation checkpointing): one block's
+    /// activations held at a time instead of all of them, the gradients bit for bit the
+    /// same, about one more forward's time. A spec model without dropout or batch norm;
+    /// ZeRO stage 3 always recomputes.
+    pub recompute: bool,
 }
 
 impl Default for ModelSection {
@@ -23,6 +29,7 @@ impl Default for ModelSection {
             spec: "lenet5".into(),
             seed: 42,
             device: "flex".into(),
+            recompute: false,
         }
     }
 }

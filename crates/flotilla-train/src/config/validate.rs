@@ -196,6 +196,15 @@ impl TrainConfig {
                 ),
             ));
         }
+        if self.model.recompute && t.arch == Arch::Pipeline {
+            return Err(bad(
+                "model.recompute",
+                "a pipeline stage keeps its micro-batches' activations for their backward: \
+                 recomputation is for the whole model of data parallelism and parameter \
+                 servers (set recompute: false)"
+                    .into(),
+            ));
+        }
         self.check_step_shaping()?;
         let topology = self.topology()?;
         if let Some(path) = &t.inventory {

@@ -201,14 +201,18 @@ pub struct Setup<'a> {
 
 impl Setup<'_> {
     /// The whole model as an engine of `config`'s device and seed, trained by `optimizer`
-    /// (a server's may differ from the configured one): what every strategy but a pipeline
-    /// stage owns.
+    /// (a server's may differ from the configured one), recomputing its forward in backward
+    /// when `model.recompute`: what every strategy but a pipeline stage owns.
     pub fn engine(
         &self,
         config: &TrainConfig,
         optimizer: &OptimizerSpec,
     ) -> Result<Box<dyn Engine>> {
         let m = &config.model;
-        self.model.engine(optimizer, &m.device, m.seed)
+        let mut engine = self.model.engine(optimizer, &m.device, m.seed)?;
+        if m.recompute {
+            engine.set_recompute(true)?;
+        }
+        Ok(engine)
     }
 }

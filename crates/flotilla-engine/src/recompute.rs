@@ -1,0 +1,198 @@
+//! Activation recomputation (PyTorch's `checkpoint`, per backward group): forward runs each
+//! group but the last **off the tape** (burn's autodiff records nothing and keeps no
+//! operand) and keeps only the group's input; backward recomputes each group's forward on the
+//! tape from its kept input, one group at a time, and differentiates it with the next
+//! group's input gradient. At most one group's activations are on the tape at once, beside
+//! the groups' inputs.
+//!
+//! The recomputed forward is the same operations on the same values as the first (the
+//! off-tape forward runs the tracked kernels, [`as_tracked`]), so every gradient is bit for
+//! bit that of the grouped backward of [`crate::grouped`] (and of one backward pass). A layer
+//! whose forward changes state or draws random numbers would do so twice: such a model is
+//! refused ([`not_recomputable`]).
+//!
+//! Where a group's parameters come from is the [`GroupSource`]'s: the whole model's own
+//! ([`forward_backward`], `recompute: true`), or gathered from the ranks' shards for each use
+//! ([`crate::sharded`], ZeRO stage 3).
+
+use std::collections::HashMap;
+
+use burn::prelude::*;
+use burn::tensor::Gradients;
+
+use crate::backward_groups::BackwardGroup;
+use crate::error::{EngineError, Result};
+use crate::grouped::GroupGrads;
+use crate::kernels::autodiff::as_tracked;
+use crate::params::{self, ParamLayout};
+use crate::spec::activation::{Activation, map_tensor};
+use crate::spec::model::{Layer, SequentialModel};
+
+/// Where a recomputing pass takes each group's parameters and what it does with them after.
+pub(crate) trait GroupSource {
+    /// The model that runs group `g`, its parameters on the tape when `tape` (the
+    /// recomputed forward) and off it otherwise (the first forward).
+    fn model(&mut self, g: usize, tape: bool) -> Result<SequentialModel>;
+
+    /// Group `g`'s first forward is done with `model`.
+    fn forward_done(&mut self, g: usize, model: SequentialModel) -> Result<()>;
+
+    /// Group `g`'s backward is done: `model` ran it, `grads` hold its parameters'
+    /// gradients (`None`: they got none, which reads as zeros).
+    fn backward_done(
+        &mut self,
+        g: usize,
+        model: SequentialModel,
+        grads: Option<Gradients>,
+    ) -> Result<()>;
+}
+
+/// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state
+/// or draws random numbers, which a recomputed forward would do twice (`what` names the
+/// pass that recomputes).
+pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<String> {
+    model.layers.iter().enumerate().find_map(|(i, layer)| {
+        let why = match layer {
+            Layer::BatchNorm(_) => "batch norm updates its running statistics in forward",
+            Layer::Dropout(d) if d.prob > 0.0 => "dropout draws its mask in forward",
+            _ => return None,
+        };
+        Some(format!(
+            "layer {i}: {why}, and {what} recomputes each group's forward"
+        ))
+    })
+}
+
+/// `x` without a tape behind it and requiring no gradient (the next group's input off the
+/// tape; no copy of the values).
+fn detached(x: Activation) -> Activation {
+    map_tensor!(x, |t| t.detach())
+}
+
+/// Forward of `input` and backward through `groups` (layer order, at least one), each
+/// group's parameters from `source` (see the module documentation). Returns the batch's
+/// loss by `loss`.
+pub(crate) fn run(
+    groups: &[BackwardGroup],
+    input: Activation,
+    loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
+    source: &mut dyn GroupSource,
+) -> Result<f32> {
+    let last = groups
+        .len()
+        .checked_sub(1)
+        .ok_or_else(|| EngineError::InvalidSpec("no backward group".into()))?;
+    // Each group's input, kept off the tape for its recomputation.
+    let mut inputs: Vec<Activation> = Vec::with_capacity(groups.len());
+    let mut x = input;
+    {
+        let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
+        for (g, group) in groups[..last].iter().enumerate() {
+            let m = source.model(g, false)?;
+            let y =
+                as_tracked(|| m.run_range(group.layers.clone(), x.clone(), &mut HashMap::new()));
+            source.forward_done(g, m)?;
+            inputs.push(x);
+            x = detached(y);
+        }
+    }
+    inputs.push(x);
+    let mut grad_out: Option<Activation> = None;
+    let mut value = 0.0;
+    let mut loss = Some(loss);
+    for g in (0..groups.len()).rev() {
+        let _span =
+            tracing::info_span!(target: "flotilla::engine", "backward", group = g as u64).entered();
+        let m = source.model(g, true)?;
+        let input = inputs.pop().ok_or(EngineError::NoGradients)?;
+        let leaf = if g > 0 { input.require_grad() } else { input };
+        let y = m.run_range(groups[g].layers.clone(), leaf.clone(), &mut HashMap::new());
+        let mut grads = if let Some(loss) = loss.take() {
+            let l = loss(y.into_logits());
+            let grads = l.backward();
+            value = l.into_scalar::<f32>();
+            Some(grads)
+        } else {
+            match grad_out.take() {
+                Some(gy) => Some(y.dot_grad(gy)?.backward()),
+                // The next group's input got no gradient: this group's parameters get none.
+                None => None,
+            }
+        };
+        grad_out = match (g > 0, grads.as_mut()) {
+            (true, Some(grads)) => leaf.take_grad(grads),
+            _ => None,
+        };
+        source.backward_done(g, m, grads)?;
+    }
+    Ok(value)
+}
+
+/// The whole model's parameters for a recomputing pass: the model itself on the tape, a
+/// copy of its parameter handles off it (no values copied); each group's gradients handed to
+/// `ready` as its backward ends and kept.
+struct Whole<'a> {
+    model: &'a SequentialModel,
+    untracked: SequentialModel,
+    layout: &'a ParamLayout,
+    groups: &'a [BackwardGroup],
+    ready: &'a mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    kept: Vec<GroupGrads>,
+}
+
+impl GroupSource for Whole<'_> {
+    fn model(&mut self, _g: usize, tape: bool) -> Result<SequentialModel> {
+        Ok(if tape {
+            self.model.clone()
+        } else {
+            self.untracked.clone()
+        })
+    }
+
+    fn forward_done(&mut self, _g: usize, _model: SequentialModel) -> Result<()> {
+        Ok(())
+    }
+
+    fn backward_done(
+        &mut self,
+        g: usize,
+        model: SequentialModel,
+        grads: Option<Gradients>,
+    ) -> Result<()> {
+        let params = self.groups[g].params.clone();
+        params::for_each_grad_in(
+            &model,
+            grads.as_ref(),
+            self.layout,
+            params.clone(),
+            self.ready,
+        )?;
+        self.kept.push(GroupGrads { params, grads });
+        Ok(())
+    }
+}
+
+/// [`crate::grouped::forward_backward`] with each group's forward recomputed in backward
+/// (`recompute: true`): the same loss, gradients and order of `ready`'s calls, bit for bit,
+/// with one group's activations held at a time instead of all of them.
+pub(crate) fn forward_backward(
+    model: &SequentialModel,
+    layout: &ParamLayout,
+    groups: &[BackwardGroup],
+    input: Activation,
+    loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
+    ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<(f32, Vec<GroupGrads>)> {
+    let mut whole = Whole {
+        model,
+        untracked: model.clone().no_grad(),
+        layout,
+        groups,
+        ready,
+        kept: Vec::with_capacity(groups.len()),
+    };
+    let value = run(groups, input, loss, &mut whole)?;
+    let mut passes = whole.kept;
+    passes.reverse();
+    Ok((value, passes))
+}
