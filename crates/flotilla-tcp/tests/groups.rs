@@ -10,7 +10,9 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 use common::ok;
-use flotilla_tcp::{CommConfig, CommError, ProcessGroup, ReduceOp, TcpGroup};
+use flotilla_tcp::{
+    CommConfig, CommError, ProcessGroup, ReduceOp, StallPolicy, StallWatcher, TcpGroup,
+};
 
 fn cfg(n: usize) -> CommConfig {
     CommConfig::new(Some(0), n)
@@ -364,4 +366,27 @@ fn in_memory_world_names_a_stuck_rank() {
         *took >= Duration::from_secs(5) && *took < Duration::from_secs(5 + 2),
         "{took:?}"
     );
+}
+
+#[test]
+fn the_stall_inspector_stops_at_once_not_after_its_period() {
+    // Its rounds are a second apart (a minute's warning): a run's end must not wait out the
+    // rest of one (every run ended a second late before).
+    let res = world(2, false, |c| {
+        let c: std::sync::Arc<dyn ProcessGroup> = std::sync::Arc::new(c);
+        let channel = c.group(&[0, 1])?;
+        let policy = StallPolicy {
+            warning: Duration::from_secs(60),
+            shutdown: None,
+        };
+        let watcher = StallWatcher::start(c, channel, policy)?;
+        // The first round is done and the inspector rests until its next.
+        thread::sleep(Duration::from_millis(150));
+        let t = Instant::now();
+        watcher.shutdown()?;
+        Ok(t.elapsed())
+    });
+    for (rank, took) in ok(res).into_iter().enumerate() {
+        assert!(took < Duration::from_millis(400), "rank {rank}: {took:?}");
+    }
 }

@@ -135,6 +135,7 @@ impl StallWatcher {
     /// Collective stop: returns once every rank asked to stop (or the watcher ended).
     pub fn shutdown(mut self) -> Result<(), CommError> {
         self.state.store(STOP, Ordering::SeqCst);
+        self.wake();
         match self.thread.take().map(JoinHandle::join) {
             Some(Ok(r)) => r,
             Some(Err(_)) => Err(CommError::InvalidArgument(
@@ -145,11 +146,21 @@ impl StallWatcher {
     }
 }
 
+impl StallWatcher {
+    /// Ends the watcher thread's rest between rounds (it sees the new state at once).
+    fn wake(&self) {
+        if let Some(t) = &self.thread {
+            t.thread().unpark();
+        }
+    }
+}
+
 impl Drop for StallWatcher {
     fn drop(&mut self) {
         // Not stopped collectively (the run failed): leave without waiting for anyone.
         if self.thread.is_some() {
             self.state.store(GONE, Ordering::SeqCst);
+            self.wake();
         }
     }
 }
@@ -224,7 +235,20 @@ fn watch(
                 give_up = Some(format!("stalled for {waited:.1?}: {what}"));
             }
         }
-        std::thread::sleep(period.saturating_sub(started.elapsed()));
+        rest(state, started + period);
+    }
+}
+
+/// Sleeps until `until`, or less once `state` leaves `RUN`: [`StallWatcher::shutdown`]
+/// (and its drop) unpark this thread, so that a run's end does not wait out a period (up to
+/// a second) before the last round. An early wake-up only brings the next round forward.
+fn rest(state: &AtomicU8, until: Instant) {
+    while state.load(Ordering::SeqCst) == RUN {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return;
+        }
+        std::thread::park_timeout(left);
     }
 }
 

@@ -603,8 +603,11 @@ impl LocalJob {
         }
     }
 
-    /// Relays what is left in the pipes of exited ranks (bounded wait).
+    /// Relays what is left in the pipes of exited ranks (bounded wait). No rank starts after
+    /// it: the channel's own sender goes, so that it ends with the last rank's output instead
+    /// of at the bound (an elastic job kept it for its replacements).
     fn drain(&mut self, on_line: &mut dyn FnMut(&RankLine)) {
+        self.tx = None;
         let until = Instant::now() + Duration::from_millis(500);
         while let Some(left) = until.checked_duration_since(Instant::now()) {
             match self.lines.recv_timeout(left) {
