@@ -76,6 +76,9 @@ pub struct EpochMetrics {
     pub wall_s: f64,
     /// Mean seconds a step of the epoch waited for its batch (this rank's).
     pub data_wait_s: f64,
+    /// This rank's resident memory at the line (`VmRSS`, after its evaluation), in bytes;
+    /// `None` where the kernel does not say.
+    pub resident_bytes: Option<f64>,
 }
 
 /// Appends a JSON line to `<output>/metrics.jsonl`.

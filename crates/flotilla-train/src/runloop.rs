@@ -438,7 +438,8 @@ impl Loop<'_, '_> {
             samples_per_s: None,
         });
         let figures = self.eval_part(stats);
-        self.cx.log(&format!("eval step {at}{figures}"))?;
+        let rss = crate::resident::rss_field(crate::resident::resident_bytes());
+        self.cx.log(&format!("eval step {at}{figures}{rss}"))?;
         match self.target_reached(stats) {
             Some(reason) => self.stop_at_target(reason),
             None => Ok(()),
@@ -545,11 +546,13 @@ impl Loop<'_, '_> {
             epoch_s,
             wall_s: self.plan.started.elapsed().as_secs_f64(),
             data_wait_s,
+            resident_bytes: crate::resident::resident_bytes(),
         };
         let test_part = eval.map_or(String::new(), |e| self.eval_part(e));
         let tokens_part = self.tokens_part(samples_per_s);
+        let rss_part = crate::resident::rss_field(metrics.resident_bytes);
         self.cx.log(&format!(
-            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s data_wait={:.3}ms",
+            "epoch {epoch_no}/{} step={} train_loss={:.4}{test_part} samples/s={samples_per_s:.0}{tokens_part} time={epoch_s:.1}s data_wait={:.3}ms{rss_part}",
             self.s.epochs,
             self.s.progress,
             self.s.train_loss,

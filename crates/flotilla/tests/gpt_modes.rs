@@ -257,3 +257,45 @@ fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
         text(&o)
     );
 }
+
+/// The resident memory (MiB) rank `rank` of `out` reported at its evaluation after `step`
+/// (`rss=` of its run.log line: the kernel's `VmRSS`).
+fn rss_after(out: &Path, rank: usize, step: u64) -> f64 {
+    let log = run_log(out, rank);
+    let line = log
+        .lines()
+        .find(|l| {
+            // An evaluation within the epoch, or the last step's line.
+            l.contains(&format!("] eval step {step} ")) || l.contains(&format!(" step={step} "))
+        })
+        .unwrap_or_else(|| panic!("rank {rank}: no line of step {step}\n{log}"));
+    let rss = line
+        .split(" rss=")
+        .nth(1)
+        .and_then(|r| r.strip_suffix("MiB"));
+    rss.and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("rank {rank}: no rss in {line}"))
+}
+
+/// After its warm-up, a run holds what it held: a ZeRO-3 GPT's resident memory after step 300
+/// is within 5 % of after step 50 on every rank (the kernel's `VmRSS`, which each evaluation
+/// line reports). The allocator's own growth after every path ran once is up to 1.6 % of this
+/// 55 MiB process; a leak of 16 KiB a step (a tiny group's buffer) is 8 % and fails. (The
+/// issue asks 2 % from step 10 to 100 of the 57 M-parameter GPT: 10 MiB there.)
+#[test]
+fn a_gpt_under_zero_3_holds_no_more_memory_after_step_300_than_after_step_50() {
+    let dir = tmp();
+    let d = dir.path();
+    let mode = format!("{ZERO_3}max_steps: 300\neval_every_steps: 50\n");
+    let cfg = config(d, "leak", SPEC, &mode);
+    let out = d.join("leak");
+    launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
+    for rank in 0..2 {
+        let (early, late) = (rss_after(&out, rank, 50), rss_after(&out, rank, 300));
+        println!("rank {rank}: {early:.1} MiB resident after step 50, {late:.1} after step 300");
+        assert!(
+            late <= early * 1.05,
+            "rank {rank}: {early:.1} MiB after step 50, {late:.1} after step 300 (more than 5 %)"
+        );
+    }
+}
