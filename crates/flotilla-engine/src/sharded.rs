@@ -20,7 +20,8 @@
 //!
 //! A layer whose forward changes state (batch norm's running statistics) or draws random
 //! numbers (dropout) would do so twice: such a model is refused
-//! ([`check_shardable`]).
+//! ([`check_shardable`]). The pass itself is [`crate::recompute`]'s (`recompute: true` runs it
+//! on the whole model); this module's [`GroupSource`] gathers and releases each group.
 
 use std::collections::HashMap;
 use std::ops::Range;

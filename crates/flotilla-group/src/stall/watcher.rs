@@ -144,9 +144,7 @@ impl StallWatcher {
             None => Ok(()),
         }
     }
-}
 
-impl StallWatcher {
     /// Ends the watcher thread's rest between rounds (it sees the new state at once).
     fn wake(&self) {
         if let Some(t) = &self.thread {
