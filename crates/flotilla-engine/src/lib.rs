@@ -50,7 +50,9 @@ mod weights_writer;
 pub use backward_groups::BackwardGroup;
 pub use conv::{conv2d, conv2d_relu};
 pub use device::device_spec::{DeviceSpec, GpuKind};
-pub use device::gpu::{device_index, gpu_count, gpu_memory, local_device, software_only};
+pub use device::gpu::{
+    cuda_driver_count, device_index, gpu_count, gpu_memory, local_device, software_only,
+};
 pub use device::placement::ParamPlacement;
 pub use device::{
     BURN_DEVICE_ENV, available_devices, burn_device_for, check_device, describe_device,

@@ -59,7 +59,7 @@ fn connect_nccl(
     let device = match (spec.gpu(), spec.index) {
         (Some(GpuKind::Cuda), Some(i)) => i,
         _ => {
-            let gpus = flotilla_engine::gpu_count(GpuKind::Cuda).map_err(|e| bad(e.to_string()))?;
+            let gpus = flotilla_engine::cuda_driver_count().map_err(|e| bad(e.to_string()))?;
             flotilla_engine::device_index(crate::gpu::local_rank()?, gpus)
         }
     };

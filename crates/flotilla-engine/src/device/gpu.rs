@@ -2,10 +2,10 @@
 //! each has, and which one a local rank takes (round-robin, as torchrun users expect:
 //! local rank `l` of a host with `G` GPUs runs on GPU `l mod G`).
 //!
-//! `cuda` asks the CUDA driver through cudarc, loaded at run time (module `cuda`, under
-//! the `cuda-driver` feature, which `cuda` and the NCCL backend turn on): the driver is
-//! probed before burn sees the device, so a machine without it gets one error naming
-//! `libcuda.so`, never a panic inside cubecl.
+//! `cuda` asks the CUDA driver through cudarc, loaded at run time (module `cuda`, in every
+//! build: [`cuda_driver_count`] is what the NCCL backend places ranks by, and the `cuda`
+//! feature's [`gpu_count`]): the driver is probed before burn sees the device, so a machine
+//! without it gets one error naming `libcuda.so`, never a panic inside cubecl.
 //!
 //! `wgpu` counts the Vulkan adapters (`vulkan.rs`, feature `wgpu`: GPUs first, then a
 //! software one); none at all is one error naming the Vulkan driver. A software adapter
@@ -18,16 +18,15 @@ use burn::prelude::Device;
 use crate::device::device_spec::{DeviceSpec, GpuKind};
 use crate::error::{EngineError, Result};
 
-#[cfg(feature = "cuda-driver")]
 mod cuda;
 
 /// How many GPUs of `kind` the driver reports (for `wgpu`: Vulkan adapters, a software one
 /// included); an error names a missing feature or driver.
 pub fn gpu_count(kind: GpuKind) -> Result<usize> {
     match kind {
-        #[cfg(feature = "cuda-driver")]
-        GpuKind::Cuda => cuda::count().map_err(|detail| driver_error(kind.name(), detail)),
-        #[cfg(not(feature = "cuda-driver"))]
+        #[cfg(feature = "cuda")]
+        GpuKind::Cuda => cuda_driver_count(),
+        #[cfg(not(feature = "cuda"))]
         GpuKind::Cuda => Err(feature_missing(kind.name(), "cuda")),
         #[cfg(feature = "wgpu")]
         GpuKind::Wgpu => match crate::device::vulkan::adapters() {
@@ -37,6 +36,12 @@ pub fn gpu_count(kind: GpuKind) -> Result<usize> {
         #[cfg(not(feature = "wgpu"))]
         GpuKind::Wgpu => Err(feature_missing(kind.name(), "wgpu")),
     }
+}
+
+/// How many CUDA devices the driver reports, in any build (cudarc loads the driver at run
+/// time): what the NCCL backend places ranks by, with or without burn's CUDA backend.
+pub fn cuda_driver_count() -> Result<usize> {
+    cuda::count().map_err(|detail| driver_error(GpuKind::Cuda.name(), detail))
 }
 
 /// Whether the only devices of `kind` are software ones (a Vulkan CPU driver such as
@@ -61,11 +66,11 @@ pub fn gpu_memory(kind: GpuKind, index: usize) -> Result<Option<u64>> {
     let name = format!("{}:{index}", kind.name());
     check_index(kind, &name, index)?;
     match kind {
-        #[cfg(feature = "cuda-driver")]
+        #[cfg(feature = "cuda")]
         GpuKind::Cuda => cuda::total_memory(index)
             .map(Some)
             .map_err(|detail| driver_error(&name, detail)),
-        #[cfg(not(feature = "cuda-driver"))]
+        #[cfg(not(feature = "cuda"))]
         GpuKind::Cuda => Err(feature_missing(&name, "cuda")),
         GpuKind::Wgpu => Ok(None),
     }
@@ -190,21 +195,28 @@ mod tests {
         assert_eq!(local_device("flex", 3).expect("kept"), "flex");
     }
 
-    /// The driver is probed for real (`--features cuda-driver`, CI): on a machine without
-    /// NVIDIA's driver the count is one error naming `libcuda.so`, not cudarc's panic; in a
-    /// build without the feature, one naming the feature.
+    /// The driver is probed for real in every build: on a machine without NVIDIA's driver
+    /// (CI) the count is one error naming `libcuda.so`, not cudarc's panic; `gpu_count` and
+    /// `local_device` say the same with the `cuda` feature and name the feature without it.
     #[test]
     fn the_driver_probe_names_what_is_missing() {
-        match gpu_count(GpuKind::Cuda) {
-            Ok(n) => assert_eq!(local_device("cuda", 0).is_ok(), n > 0),
+        let driver = "device `cuda`: the CUDA driver (libcuda.so) cannot be loaded";
+        let n = match cuda_driver_count() {
+            Ok(n) => n,
             Err(e) => {
-                let e = e.to_string();
-                let missing = if cfg!(feature = "cuda-driver") {
-                    "device `cuda`: the CUDA driver (libcuda.so) cannot be loaded"
-                } else {
-                    "device `cuda` needs a binary built with the `cuda` feature"
-                };
-                assert!(e.starts_with(missing), "{e}");
+                assert!(e.to_string().starts_with(driver), "{e}");
+                0
+            }
+        };
+        let missing = if cfg!(feature = "cuda") {
+            driver
+        } else {
+            "device `cuda` needs a binary built with the `cuda` feature"
+        };
+        match gpu_count(GpuKind::Cuda) {
+            Ok(count) => assert_eq!((count, local_device("cuda", 0).is_ok()), (n, n > 0)),
+            Err(e) => {
+                assert!(e.to_string().starts_with(missing), "{e}");
                 let e = local_device("cuda", 1).expect_err("no GPU").to_string();
                 assert!(e.starts_with(missing), "{e}");
             }

@@ -24,7 +24,9 @@ pub(super) fn count() -> Result<usize, String> {
     Ok(usize::try_from(n).unwrap_or(0))
 }
 
-/// Total memory of device `index` in bytes (`cuDeviceTotalMem`).
+/// Total memory of device `index` in bytes (`cuDeviceTotalMem`); asked only by burn's CUDA
+/// backend's placement (the `cuda` feature).
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(super) fn total_memory(index: usize) -> Result<u64, String> {
     init()?;
     let ordinal = i32::try_from(index).map_err(|_| format!("device index {index} too large"))?;
