@@ -3,7 +3,9 @@
 //! once.
 //!
 //! The model runs in its backward groups ([`crate::backward_groups`]). Forward: each group's
-//! parameters are gathered ([`ShardedPass::gather`]) just before it runs, it runs **off the
+//! parameters are gathered ([`ShardedPass::gather`]) just before it runs (and the next
+//! group's announced, [`ShardedPass::prefetch`], so that its gather may overlap this one's
+//! compute), it runs **off the
 //! tape** (its parameters and input require no gradient, so burn's autodiff records nothing
 //! and keeps no operand), only its input is kept, and its parameters are released. The last
 //! group runs on the tape: the loss, its backward, its gradients handed on
@@ -49,6 +51,18 @@ pub trait ShardedPass {
     /// What the caller's gathering met; the pass stops with it.
     fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> Result<()>;
 
+    /// Says that [`ShardedPass::gather`] of `params` (the next group's) comes after the
+    /// group just gathered has run: a pass that can may start that gather now, so that it
+    /// overlaps the current group's compute (FSDP's prefetch). Called right after each
+    /// gather but the pass's last, the same on every rank; the default starts nothing.
+    ///
+    /// # Errors
+    /// What the caller met starting it; the pass stops with it.
+    fn prefetch(&mut self, params: Range<usize>) -> Result<()> {
+        let _ = params;
+        Ok(())
+    }
+
     /// Takes the gradient of parameter `param` (an index into the layout's `params`), as
     /// [`crate::Engine::forward_backward_streaming`]'s `ready` does: every parameter once,
     /// group by group from the last, within a group in flat order.
@@ -87,11 +101,12 @@ pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
 }
 
 /// The model with group `group`'s parameters gathered from `pass` (requiring their
-/// gradient when `tape`), in `scratch` (reused).
+/// gradient when `tape`), in `scratch` (reused); `pass` is then told of the `next` group's
+/// gather ([`ShardedPass::prefetch`]).
 fn gathered(
     model: SequentialModel,
     layout: &ParamLayout,
-    group: &BackwardGroup,
+    (group, next): (&BackwardGroup, Option<&BackwardGroup>),
     pass: &mut dyn ShardedPass,
     (scratch, tape): (&mut Vec<f32>, bool),
 ) -> Result<SequentialModel> {
@@ -104,6 +119,9 @@ fn gathered(
     {
         let _span = tracing::info_span!(target: "flotilla::engine", "gather_params").entered();
         pass.gather(group.params.clone(), scratch)?;
+    }
+    if let Some(next) = next {
+        pass.prefetch(next.params.clone())?;
     }
     params::write_range(model, layout, group.params.clone(), Some(scratch), tape)
 }
@@ -130,8 +148,11 @@ struct Gathered<'a> {
 impl GroupSource for Gathered<'_> {
     fn model(&mut self, g: usize, tape: bool) -> Result<SequentialModel> {
         let m = take(self.model)?;
-        let scratch = &mut self.scratch;
-        gathered(m, self.layout, &self.groups[g], self.pass, (scratch, tape))
+        // The pass's order: forward 0, 1, .. up to the last group (on the tape), then
+        // backward down to 0.
+        let next = if tape { g.checked_sub(1) } else { Some(g + 1) };
+        let groups = (&self.groups[g], next.and_then(|n| self.groups.get(n)));
+        gathered(m, self.layout, groups, self.pass, (&mut self.scratch, tape))
     }
 
     fn forward_done(&mut self, g: usize, model: SequentialModel) -> Result<()> {
@@ -193,8 +214,9 @@ pub(crate) fn logits(
 ) -> Result<Option<Tensor<2>>> {
     let mut scratch = Vec::new();
     let mut x = input;
-    for group in groups {
-        let m = gathered(take(model)?, layout, group, pass, (&mut scratch, false))?;
+    for (g, group) in groups.iter().enumerate() {
+        let both = (group, groups.get(g + 1));
+        let m = gathered(take(model)?, layout, both, pass, (&mut scratch, false))?;
         x = x.map(|x| m.run_range(group.layers.clone(), x, &mut HashMap::new()));
         *model = Some(released(m, layout, group)?);
     }

@@ -200,6 +200,11 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
     /// the same buffer, bit for bit. The second half of a ring all-reduce.
     fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError>;
 
+    /// [`ProcessGroup::all_gather_f32`] of bucket `bucket` (ZeRO-3's parameters), started in
+    /// the background (its place in the group's order taken now): what a rank computes
+    /// meanwhile overlaps it. The result is the gathered buffer.
+    fn all_gather_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce;
+
     /// Reduces small integer buffers element-wise (counters, flags, bit sets), combining in
     /// rank order so every member gets the same result.
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError>;

@@ -257,6 +257,11 @@ impl ProcessGroup for MpiGroup {
         same_len(buf, v, "all_gather_f32")
     }
 
+    fn all_gather_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let _ = bucket;
+        self.g.submit(Op::AllGatherF32(buf), Out::f32s)
+    }
+
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
         let v = self.run(Op::AllReduceI64(buf.to_vec(), op), Out::i64s)?;
         same_len(buf, v, "all_reduce_i64")

@@ -178,6 +178,11 @@ impl ProcessGroup for NcclGroup {
         self.run(Op::AllGather(buf.to_vec()), buf, "all_gather_f32")
     }
 
+    fn all_gather_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let _ = bucket;
+        self.q.submit(Op::AllGather(buf))
+    }
+
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
         self.control.all_reduce_i64(buf, op)
     }

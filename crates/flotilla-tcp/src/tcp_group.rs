@@ -526,22 +526,21 @@ impl ProcessGroup for TcpGroup {
     }
 
     fn all_gather_f32(&self, buf: &mut [f32]) -> Result<(), CommError> {
-        let g = &self.g;
         let ticket = self.issue()?;
         let bytes = std::mem::size_of_val(buf);
-        self.run_borrowed(bytes, async move {
-            let _turn = g.begin(ticket).await?;
-            let span = tracing::info_span!(
-                target: "flotilla::comm",
-                "all_gather",
-                seq = ticket,
-                bytes = std::mem::size_of_val(buf) as u64,
-                track = "comm"
-            );
-            let ctx = OpCtx::new(g, ticket, Op::AllGatherF32);
-            let r = ring::all_gather(&ctx, buf).instrument(span).await;
-            g.finish(r).await
-        })
+        self.run_borrowed(bytes, all_gather_ordered(&self.g, ticket, buf, None))
+    }
+
+    fn all_gather_bucket(&self, buf: Vec<f32>, bucket: usize) -> PendingAllReduce {
+        let ticket = self.g.ticket();
+        let g = self.g.clone();
+        let (tx, pending) = Pending::channel(ticket);
+        self.g.world.handle.spawn(async move {
+            let mut buf = buf;
+            let r = all_gather_ordered(&g, ticket, &mut buf, Some(bucket)).await;
+            tx.send(r.map(|()| buf));
+        });
+        pending
     }
 
     fn all_reduce_i64(&self, buf: &mut [i64], op: ReduceOp) -> Result<(), CommError> {
@@ -820,6 +819,31 @@ async fn all_reduce_ordered(
 }
 
 /// Runs reduce-scatter `ticket` of group `g` in its turn, so that each shard holds the bits
+/// [`ProcessGroup::all_gather_f32`] in its turn `ticket` (of `bucket`, labelled so in the
+/// timeline, when the caller has buckets): the ring's second half.
+async fn all_gather_ordered(
+    g: &GroupState,
+    ticket: u64,
+    buf: &mut [f32],
+    bucket: Option<usize>,
+) -> Result<(), CommError> {
+    let _turn = g.begin(ticket).await?;
+    let span = tracing::info_span!(
+        target: "flotilla::comm",
+        "all_gather",
+        seq = ticket,
+        bucket = tracing::field::Empty,
+        bytes = std::mem::size_of_val(buf) as u64,
+        track = "comm"
+    );
+    if let Some(b) = bucket {
+        span.record("bucket", b as u64);
+    }
+    let ctx = OpCtx::new(g, ticket, Op::AllGatherF32);
+    let r = ring::all_gather(&ctx, buf).instrument(span).await;
+    g.finish(r).await
+}
+
 /// the group's all-reduce would leave there: on a group over shared memory the segment's
 /// all-reduce itself (every value summed in rank order; the rank then uses its shard only),
 /// else always the ring's first half, summed in the order of the ring all-reduce (the

@@ -56,8 +56,9 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
 ///
 /// Stage 3 (`layer`: the bytes of the model's largest layer) holds 1/N of the parameters, of
 /// the averaged gradient and of the optimizer state; one backward group at a time gathered
-/// (its values, burn's tensors of them and their gradients) and two bucket-sized wire
-/// buffers, five groups' worth (a group the larger of a bucket and the largest layer); and
+/// (its values, burn's tensors of them and their gradients) and three bucket-sized wire
+/// buffers (the gradients' reduce-scatter, the parameters' all-gather and the next group's,
+/// prefetched), six groups' worth (a group the larger of a bucket and the largest layer); and
 /// at a checkpoint, its optimizer share serialized and, on rank 0, another rank's received:
 /// three shares.
 pub fn model_state_bytes(
@@ -76,7 +77,7 @@ pub fn model_state_bytes(
             share,
             share,
             optimizer.saturating_mul(4),
-            group.saturating_mul(5),
+            group.saturating_mul(6),
         ]
         .into_iter()
         .fold(0u64, u64::saturating_add);
@@ -253,12 +254,12 @@ mod tests {
             margin(4000 * 3 + 1000 + 1000 + 4000 + 4000 + 8000)
         );
         // Stage 3: a quarter of the parameters and of the averaged gradient, Adam's quarter
-        // and three more at a checkpoint, five groups of a bucket (above the largest layer).
-        assert_eq!(at(3, false), margin(1000 + 1000 + 4 * 2000 + 5 * 1000));
+        // and three more at a checkpoint, six groups of a bucket (above the largest layer).
+        assert_eq!(at(3, false), margin(1000 + 1000 + 4 * 2000 + 6 * 1000));
         let larger = model_state_bytes(1000, 2, (3, 4, false), (1000, 1600));
         assert_eq!(
             larger,
-            margin(1000 + 1000 + 4 * 2000 + 5 * 1600),
+            margin(1000 + 1000 + 4 * 2000 + 6 * 1600),
             "a layer's group"
         );
     }

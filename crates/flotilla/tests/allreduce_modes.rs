@@ -47,31 +47,6 @@ fn run_traced(dir: &Path, name: &str, yaml: &str) -> (Tensors, Vec<serde_json::V
     (checkpoint_tensors(&out), events)
 }
 
-/// A complete span of the trace: name, start and end in microseconds, and its arguments.
-struct Span<'a> {
-    name: &'a str,
-    start: f64,
-    end: f64,
-    args: &'a serde_json::Value,
-}
-
-/// Rank `pid`'s complete spans.
-fn spans(events: &[serde_json::Value], pid: u64) -> Vec<Span<'_>> {
-    events
-        .iter()
-        .filter(|e| e["ph"] == "X" && e["pid"] == pid)
-        .filter_map(|e| {
-            let (ts, dur) = (e["ts"].as_f64()?, e["dur"].as_f64()?);
-            Some(Span {
-                name: e["name"].as_str()?,
-                start: ts,
-                end: ts + dur,
-                args: &e["args"],
-            })
-        })
-        .collect()
-}
-
 /// Per training step of rank `pid`: the buckets whose all-reduce ran in the step (their
 /// `bucket` numbers, in order of start) and how many of them started before the step's
 /// backward ended (its last backward span: one per group when overlapped).

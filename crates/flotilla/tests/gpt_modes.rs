@@ -209,6 +209,52 @@ fn a_gpt_under_zero_3_trains_what_zero_0_trains_bitwise_and_resumes_so() {
     );
 }
 
+/// Rank `pid`'s all-gathers that started within a training step: how many started while its
+/// engine computed (outside every `gather_params` span, in which the engine waits for a
+/// gather) and how many while it waited.
+fn gathers_ahead_and_waited(events: &[serde_json::Value], pid: u64) -> (usize, usize) {
+    let all = spans(events, pid);
+    let of = |name: &'static str| all.iter().filter(move |s| s.name == name);
+    let within = |t: f64, s: &Span<'_>| s.start <= t && t <= s.end;
+    let in_steps = of("all_gather").filter(|g| of("step").any(|s| within(g.start, s)));
+    let (waited, ahead): (Vec<_>, Vec<_>) =
+        in_steps.partition(|g| of("gather_params").any(|w| within(g.start, w)));
+    (ahead.len(), waited.len())
+}
+
+/// ZeRO-3 with each group's all-gather prefetched (the default) and without
+/// (`prefetch: false`): the same parameters, bit for bit. On the timeline of the run without,
+/// every all-gather of a step starts while the engine waits for it; with it, most start
+/// while the engine still computes the group before (FSDP's prefetch).
+#[test]
+fn a_gpt_under_zero_3_gathers_the_next_block_while_one_computes_bitwise_as_without() {
+    let dir = tmp();
+    let d = dir.path();
+    let run = |name: &str, extra: &str| {
+        let cfg = config(d, name, SPEC, &format!("{ZERO_3}{extra}{}", steps(20)));
+        let out = d.join(name);
+        let (o, events) = launch_traced(&cfg, &out, LIMIT);
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        (checkpoint_tensors(&out), events)
+    };
+    let (ahead, ahead_events) = run("prefetch", "");
+    let (waited, waited_events) = run("no-prefetch", "prefetch: false\n");
+    assert_bitwise("ZeRO-3 prefetching vs not", &ahead, &waited);
+    for pid in 0..2 {
+        let (early, late) = gathers_ahead_and_waited(&waited_events, pid);
+        assert!(
+            early == 0 && late >= 20 * 3,
+            "rank {pid} without prefetch: {early} early, {late} waited for"
+        );
+        let (early, late) = gathers_ahead_and_waited(&ahead_events, pid);
+        println!("rank {pid} prefetching: {early} all-gathers started early, {late} waited for");
+        assert!(
+            early >= 2 * late,
+            "rank {pid} prefetching: {early} early, {late} waited for"
+        );
+    }
+}
+
 #[test]
 fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
     let dir = tmp();

@@ -51,6 +51,10 @@ pub struct AllReduceSection {
     /// all-reduced (each rank keeps only its shard's gradient sums and one bucket's wire
     /// buffer). On one rank every stage is 0 (nothing to shard).
     pub zero: u8,
+    /// ZeRO stage 3: start each backward group's parameter all-gather while the group before
+    /// it computes (PyTorch FSDP's prefetch; the gathered values are the same). On by default;
+    /// off, each group's all-gather waits for the group before it.
+    pub prefetch: bool,
     /// Micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
     /// DeepSpeed's `gradient_accumulation_steps`): a rank differentiates each, sums their
     /// gradients locally and reduces once, after the last (sync, any ZeRO stage, or async;
@@ -86,6 +90,7 @@ impl Default for AllReduceSection {
             overlap: true,
             sync_batch_norm: false,
             zero: 0,
+            prefetch: true,
             accumulation_steps: 1,
             clip_grad_norm: None,
             cycle_duration_ms: 5.0,

@@ -304,6 +304,7 @@ pub const KEYS: &[Key] = &[
         Kind::Usize,
         "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce)",
     ),
+    Key::new("allreduce.prefetch").aliases(&["prefetch"]),
     Key::new("allreduce.accumulation_steps")
         .aliases(&["accumulation_steps", "gradient_accumulation_steps"])
         .flag(

@@ -309,6 +309,31 @@ pub fn trace_events(path: &std::path::Path) -> Vec<serde_json::Value> {
     v["traceEvents"].as_array().expect("traceEvents").clone()
 }
 
+/// A complete span of the trace: name, start and end in microseconds, and its arguments.
+pub struct Span<'a> {
+    pub name: &'a str,
+    pub start: f64,
+    pub end: f64,
+    pub args: &'a serde_json::Value,
+}
+
+/// Rank `pid`'s complete spans.
+pub fn spans(events: &[serde_json::Value], pid: u64) -> Vec<Span<'_>> {
+    events
+        .iter()
+        .filter(|e| e["ph"] == "X" && e["pid"] == pid)
+        .filter_map(|e| {
+            let (ts, dur) = (e["ts"].as_f64()?, e["dur"].as_f64()?);
+            Some(Span {
+                name: e["name"].as_str()?,
+                start: ts,
+                end: ts + dur,
+                args: &e["args"],
+            })
+        })
+        .collect()
+}
+
 /// The name a merged trace gives process `pid` (`rank 0 (peer)`).
 pub fn process_name(events: &[serde_json::Value], pid: u64) -> String {
     events

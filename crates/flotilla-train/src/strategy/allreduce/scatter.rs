@@ -233,6 +233,14 @@ impl ShardedPass for Scatter<'_> {
         })
     }
 
+    fn prefetch(&mut self, params: Range<usize>) -> flotilla_engine::Result<()> {
+        self.zero.prefetch_group(self.plan, params).map_err(|e| {
+            let text = e.to_string();
+            self.error = Some(e);
+            flotilla_engine::EngineError::Callback(text)
+        })
+    }
+
     fn ready(&mut self, param: usize, grad: &[f32]) -> flotilla_engine::Result<()> {
         self.on_grad(param, grad)
     }

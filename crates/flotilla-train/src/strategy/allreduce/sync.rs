@@ -112,6 +112,7 @@ impl SyncAllReduce {
                     &config.optimizer,
                     device,
                 )?;
+                zero.set_prefetch(config.allreduce.prefetch);
                 if elastic {
                     zero.make_elastic(&config.optimizer, device);
                 }

@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_engine::{Engine, ModelState, OptimizerSpec, ParamLayout, ShardOptimizer};
-use flotilla_tcp::{ProcessGroup, Tag, shard, tags};
+use flotilla_tcp::{PendingAllReduce, ProcessGroup, Tag, shard, tags};
 
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
@@ -112,6 +112,14 @@ pub struct Zero {
     params: Vec<f32>,
     /// Stage 3: the wire buffer of the parameters' all-gathers (one bucket's).
     gathered: Vec<f32>,
+    /// Stage 3: start each group's all-gather while the group before it computes
+    /// (`allreduce.prefetch`).
+    prefetch: bool,
+    /// Stage 3: the bucket whose all-gather was started ahead, with the wire buffer it has
+    /// (a second one beside `gathered`).
+    prefetched: Option<(usize, PendingAllReduce)>,
+    /// Stage 3: the second wire buffer, while no all-gather started ahead has it.
+    spare: Vec<f32>,
     /// Stage 3: whether the engine's parameters are released (they are gathered whole for a
     /// whole-model operation between steps).
     released: bool,
@@ -201,6 +209,9 @@ impl Zero {
             elastic: None,
             params: Vec::new(),
             gathered: Vec::new(),
+            prefetch: true,
+            prefetched: None,
+            spare: Vec::new(),
             released: false,
             drawn: None,
             #[cfg(test)]
@@ -245,9 +256,10 @@ impl Zero {
     }
 
     /// Bytes of its wire buffers (one bucket's; stage 3's parameter all-gathers have one
-    /// more).
+    /// more, and one more again for the all-gather prefetched).
     pub fn staging_bytes(&self) -> usize {
-        (self.staging.capacity() + self.gathered.capacity()) * std::mem::size_of::<f32>()
+        let values = self.staging.capacity() + self.gathered.capacity() + self.spare.capacity();
+        values * std::mem::size_of::<f32>()
     }
 
     /// Whether buckets are reduce-scattered (stage 2) rather than all-reduced.

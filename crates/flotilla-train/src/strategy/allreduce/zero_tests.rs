@@ -93,15 +93,16 @@ pub(super) fn run(
     output: &Path,
     save: bool,
 ) -> Vec<Outcome> {
-    run_overlapped(n, opt, (zero, true), span, output, save)
+    run_overlapped(n, opt, (zero, true, true), span, output, save)
 }
 
-/// [`run`] at `(zero, overlap)`: without overlap, one backward pass gives the gradients in
-/// flat order (the buckets' reverse) and the loss before them.
+/// [`run`] at `(zero, overlap, prefetch)`: without overlap, one backward pass gives the
+/// gradients in flat order (the buckets' reverse) and the loss before them; without
+/// prefetch, stage 3 starts each group's all-gather when the group is about to run.
 fn run_overlapped(
     n: usize,
     opt: &OptimizerSpec,
-    (zero, overlap): (u8, bool),
+    (zero, overlap, prefetch): (u8, bool, bool),
     span: (u64, u64),
     output: &Path,
     save: bool,
@@ -113,6 +114,7 @@ fn run_overlapped(
             thread::spawn(move || {
                 let mut rank = rank(comm.clone(), &opt, zero);
                 rank.config.allreduce.overlap = overlap;
+                rank.config.allreduce.prefetch = prefetch;
                 rank.config.telemetry.output = output;
                 rank.config.schedule.resume = span.0 > 0;
                 let topology = rank.config.topology().expect("topology");
@@ -162,18 +164,25 @@ fn run_overlapped(
 }
 
 #[test]
-fn zero_1_2_and_3_equal_zero_0_bitwise() {
+fn zero_1_2_and_3_equal_zero_0_bitwise_with_and_without_prefetch() {
     let tmp = tempfile::tempdir().expect("tmp");
     for opt in optimizers() {
         for n in [2, 3] {
             let reference = run(n, &opt, 0, (0, STEPS), tmp.path(), false);
             let start = run(n, &opt, 0, (0, 0), tmp.path(), false).remove(0).0;
             assert_ne!(reference[0].0, start, "{opt:?}: the parameters moved");
-            for (zero, overlap) in [(1, true), (2, true), (2, false), (3, true)] {
-                let got = run_overlapped(n, &opt, (zero, overlap), (0, STEPS), tmp.path(), false);
+            let modes = [
+                (1, true, true),
+                (2, true, true),
+                (2, false, true),
+                (3, true, true),
+                (3, true, false),
+            ];
+            for mode in modes {
+                let got = run_overlapped(n, &opt, mode, (0, STEPS), tmp.path(), false);
                 for (r, (p, losses, _)) in got.iter().enumerate() {
                     let what =
-                        format!("{opt:?}, {n} ranks, zero {zero}, overlap {overlap}, rank {r}");
+                        format!("{opt:?}, {n} ranks, (zero, overlap, prefetch) {mode:?}, rank {r}");
                     assert_bitwise(p, &reference[r].0, &what);
                     assert_bitwise(losses, &reference[r].1, &format!("{what}: losses"));
                 }
@@ -272,11 +281,12 @@ fn a_stage_2_or_3_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
                 sum += f["gradient_bytes"];
                 // Stage 1 keeps every bucket (all-reduced in place) and the all-gather's
                 // buffer; stage 2 one bucket-sized buffer for both; stage 3 one for the
-                // reduce-scatters and one for the parameters' all-gathers.
+                // reduce-scatters and two for the parameters' all-gathers (the one under
+                // way, the next one's prefetched).
                 let wire = match zero {
                     1 => all + largest,
                     2 => largest,
-                    _ => 2 * largest,
+                    _ => 3 * largest,
                 };
                 assert_eq!(f["bucket_buffer_bytes"], (4 * wire) as f64, "{what}");
                 let shard = f.get("param_shard_bytes").copied();

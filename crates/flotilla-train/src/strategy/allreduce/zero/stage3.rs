@@ -5,7 +5,10 @@
 //! [`Engine::forward_backward_sharded`], which gathers each backward group's parameters (one
 //! bucket's all-gather: the buckets are the engine's backward groups) before its forward
 //! and again before its recomputed forward in backward, and hands its gradients to the
-//! reduce-scatter of stage 2 (`scatter.rs`) as its backward ends. The optimizer then steps
+//! reduce-scatter of stage 2 (`scatter.rs`) as its backward ends. The next group's
+//! all-gather starts in the background as soon as a group's own has ended
+//! ([`Zero::prefetch_group`], `allreduce.prefetch`), into a second wire buffer, so that it
+//! runs while the group computes (FSDP's forward and backward prefetch). The optimizer then steps
 //! the shard in place ([`ShardOptimizer::step_shard`]): no all-gather after the step; the
 //! next step's forward gathers the new values.
 //!
@@ -113,29 +116,42 @@ impl Zero {
         Ok(())
     }
 
+    /// Whether each group's all-gather starts while the group before it computes
+    /// (`allreduce.prefetch`, on by default): the same values either way.
+    pub fn set_prefetch(&mut self, on: bool) {
+        self.prefetch = on;
+    }
+
     /// The values of the parameters `params` (a backward group: one bucket's parameters)
-    /// into `out`, from every rank's shard (collective).
+    /// into `out`, from every rank's shard (collective): the all-gather
+    /// [`Zero::prefetch_group`] started, or one now.
     pub fn gather_group(
         &mut self,
         plan: &BucketPlan,
         params: Range<usize>,
         out: &mut [f32],
     ) -> Result<()> {
-        let k = plan
-            .buckets
-            .iter()
-            .position(|b| b.params == params)
-            .ok_or_else(|| {
-                TrainError::Divergence(format!(
-                    "ZeRO-3: parameters {params:?} are not one bucket's (the buckets are the \
-                     engine's backward groups)"
-                ))
-            })?;
+        let k = bucket_of_group(plan, &params)?;
         self.gather_bucket(plan, k, out)
     }
 
+    /// Starts the all-gather of the parameters `params` (the group the pass gathers next) in
+    /// the background, into a second wire buffer, when prefetching (collective: every rank
+    /// starts the same ones in the same order).
+    pub fn prefetch_group(&mut self, plan: &BucketPlan, params: Range<usize>) -> Result<()> {
+        if !self.prefetch || self.prefetched.is_some() {
+            return Ok(());
+        }
+        let k = bucket_of_group(plan, &params)?;
+        let mut wire = std::mem::take(&mut self.spare);
+        self.fill_wire(plan, k, &mut wire);
+        self.prefetched = Some((k, self.comm.all_gather_bucket(wire, k)));
+        Ok(())
+    }
+
     /// Bucket `k`'s parameter values into `out` (its length): this rank's piece put in its
-    /// place of the bucket's wire buffer, which one all-gather fills.
+    /// place of the bucket's wire buffer, which one all-gather fills (the one started ahead
+    /// when it was this bucket's).
     fn gather_bucket(&mut self, plan: &BucketPlan, k: usize, out: &mut [f32]) -> Result<()> {
         let len = plan.buckets[k].len();
         if out.len() != len {
@@ -144,15 +160,33 @@ impl Zero {
                 out.len()
             )));
         }
-        let slot = &self.slots[k];
+        if let Some((j, pending)) = self.prefetched.take() {
+            // Waited for whichever bucket it was (it holds its place in the group's order).
+            let wire = pending.wait()?;
+            if j == k {
+                out.copy_from_slice(&wire[..len]);
+                self.spare = wire;
+                return Ok(());
+            }
+            self.spare = wire;
+        }
         let mut wire = std::mem::take(&mut self.gathered);
-        wire.clear();
-        wire.resize(wire_len(plan, k), 0.0);
-        wire[slot.wire.clone()].copy_from_slice(&self.params[slot.at..slot.at + slot.wire.len()]);
+        self.fill_wire(plan, k, &mut wire);
         let gathered = self.comm.all_gather_f32(&mut wire);
         out.copy_from_slice(&wire[..len]);
         self.gathered = wire;
         Ok(gathered?)
+    }
+
+    /// `wire` as bucket `k`'s all-gather buffer: its length, this rank's piece in its place.
+    /// Its capacity is the largest bucket's from its first use, so that it never grows
+    /// after it.
+    fn fill_wire(&self, plan: &BucketPlan, k: usize, wire: &mut Vec<f32>) {
+        let slot = &self.slots[k];
+        wire.clear();
+        wire.reserve_exact(self.max_wire);
+        wire.resize(wire_len(plan, k), 0.0);
+        wire[slot.wire.clone()].copy_from_slice(&self.params[slot.at..slot.at + slot.wire.len()]);
     }
 
     /// Stage 3's step: the optimizer moves this rank's shard of the parameters by its shard
@@ -281,6 +315,19 @@ impl Zero {
     }
 }
 
+/// The bucket whose parameters are `params` (the buckets are the engine's backward groups).
+fn bucket_of_group(plan: &BucketPlan, params: &Range<usize>) -> Result<usize> {
+    plan.buckets
+        .iter()
+        .position(|b| b.params == *params)
+        .ok_or_else(|| {
+            TrainError::Divergence(format!(
+                "ZeRO-3: parameters {params:?} are not one bucket's (the buckets are the \
+                 engine's backward groups)"
+            ))
+        })
+}
+
 /// The [`ShardedPass`] of an evaluation: groups gathered from the shards, no gradient.
 struct GatherOnly<'a> {
     zero: &'a mut Zero,
@@ -292,6 +339,14 @@ struct GatherOnly<'a> {
 impl ShardedPass for GatherOnly<'_> {
     fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> flotilla_engine::Result<()> {
         self.zero.gather_group(self.plan, params, out).map_err(|e| {
+            let text = e.to_string();
+            self.error = Some(e);
+            EngineError::Callback(text)
+        })
+    }
+
+    fn prefetch(&mut self, params: Range<usize>) -> flotilla_engine::Result<()> {
+        self.zero.prefetch_group(self.plan, params).map_err(|e| {
             let text = e.to_string();
             self.error = Some(e);
             EngineError::Callback(text)
