@@ -23,9 +23,7 @@ Prints each run, then per side the median and min-max of both times, and the rat
 Flotilla / DDP of the medians (below 1: Flotilla is faster). Wall-clock figures: take them on
 a quiet machine.
 """
-import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,31 +47,16 @@ eval_every: 0
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def flotilla(args, work, i):
-    cfg = os.path.join(work, "flotilla.yaml")
-    with open(cfg, "w") as f:
-        f.write(CONFIG.format(data=os.path.join(ROOT, "data/mnist"), epochs=args.epochs))
-    out = os.path.join(work, f"flotilla-{i}")
-    cmd = [args.flotilla, "launch", cfg, "--threads", "1", "--output", out,
-           "--master-port", str(free_port())]
-    started = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   cwd=ROOT, timeout=3600)
-    total = time.perf_counter() - started
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        epochs = [json.loads(line) for line in f if line.strip()]
+    config = CONFIG.format(data=os.path.join(ROOT, "data/mnist"), epochs=args.epochs)
+    epochs, total = vs_ddp.launch_flotilla(args, work, i, config)
     return sum(e["epoch_s"] for e in epochs), total, epochs[-1].get("test_acc")
 
 
 def ddp(args, work, i):
     del work, i
-    port = str(free_port())
+    port = str(vs_ddp.free_port())
     env = dict(os.environ, WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
                OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     script = os.path.join(ROOT, "scripts/ddp_mnist_epoch.py")

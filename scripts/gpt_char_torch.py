@@ -12,6 +12,13 @@ throughput: `tokens/s=` over the steps alone, and `tokens/s_with_eval=` over the
 to the last step, evaluations within it included (Flotilla's epoch line measures the latter).
 It also runs under torchrun (`torchrun --nproc-per-node 2 scripts/gpt_char_torch.py`).
 
+`--model gpt-zero3` trains models/gpt-zero3.yaml's 57 M-parameter GPT (context 128) instead;
+`--fsdp` shards it with FSDP2 (`fully_shard` on each transformer block, then on the whole model,
+over gloo on the CPU: each block's parameters all-gathered before its forward and backward,
+its gradients reduce-scattered, the next block's gather prefetched) instead of DDP, and
+`--recompute` recomputes each block's forward in backward (`torch.utils.checkpoint`), as
+Flotilla's ZeRO-3 does (scripts/gpt_vs_fsdp.py compares them).
+
 --check DIR (what CI runs, see the engine's tests/torch_twin.rs): DIR holds `spec.json` (the
 spec of models/gpt-char.yaml as the engine resolved it) and `model.safetensors` (a Flotilla
 checkpoint's weights); checks that SPEC below is that spec layer by layer, and that the
@@ -70,6 +77,23 @@ SPEC = {
 }
 CONTEXT = SPEC["input"][0]
 VOCAB = 256
+
+# models/gpt-zero3.yaml, as the engine resolves it.
+SPEC_ZERO3 = {
+    "name": "gpt-zero3",
+    "input": [128],
+    "layers": [{"embedding": {"vocab": 256, "dim": 768}}, {"pos_embedding": {"max_len": 128}}]
+    + [{"transformer_block": {"heads": 12, "mlp": 4}}] * 8
+    + ["layer_norm", {"linear": {"out": 256, "bias": True}}],
+}
+SPECS = {"gpt-char": SPEC, "gpt-zero3": SPEC_ZERO3}
+
+
+def select(name):
+    """Makes `name`'s spec the one every function here uses (each process calls it)."""
+    global SPEC, CONTEXT
+    SPEC = SPECS[name]
+    CONTEXT = SPEC["input"][0]
 VALIDATION_FRACTION = 0.1
 
 
@@ -125,13 +149,14 @@ def shard_batches(torch, n, rank, world, batch, seed, epoch):
     return [shard[k * batch:(k + 1) * batch] for k in range(len(shard) // batch)]
 
 
-def evaluate(torch, model, val, rank, world, chunk=64):
-    """Mean loss (nats) and accuracy over every position of every validation window."""
+def evaluate(torch, model, val, rank, world, chunk=64, limit=0):
+    """Mean loss (nats) and accuracy over every position of every validation window (the first
+    `limit` of them when `limit`)."""
     import torch.nn.functional as F
     import torch.distributed as dist
 
     tokens, starts = val
-    mine = starts[rank::world]
+    mine = (starts[:limit] if limit else starts)[rank::world]
     total = torch.zeros(3, dtype=torch.float64)
     model.eval()
     with torch.no_grad():
@@ -167,24 +192,56 @@ def optimizer(torch, model, a):
     no_decay = [p for _, p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": a.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.99), eps=1e-8)
+    return torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, a.beta2), eps=1e-8)
+
+
+def distributed(torch, model, a):
+    """`model` wrapped for data parallelism: DDP, or FSDP2 per block (`--fsdp`), each block's
+    forward recomputed in backward with `--recompute`; and the module to evaluate."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    blocks = [i for i, (kind, *_r) in enumerate(walk(SPEC)[0]) if kind == "transformer_block"]
+    if a.recompute:
+        from torch.utils.checkpoint import checkpoint
+
+        class Recomputed(torch.nn.Module):
+            def __init__(self, inner):
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                return checkpoint(self.inner, x, use_reentrant=False)
+
+        for i in blocks:
+            model.layers[i] = Recomputed(model.layers[i])
+    if not a.fsdp:
+        ddp = DistributedDataParallel(model)
+        return ddp, ddp.module
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (a.world,))
+    for i in blocks:
+        fully_shard(model.layers[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, model
 
 
 def train(rank, world, a):
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
-    from torch.nn.parallel import DistributedDataParallel
 
+    select(a.model)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     (train_part, val) = splits(a.data)
-    model = DistributedDataParallel(build(torch, a.seed))
-    opt = optimizer(torch, model.module, a)
+    model, plain = distributed(torch, build(torch, a.seed), a)
+    opt = optimizer(torch, plain, a)
     tokens, starts = train_part
     batches, epoch = [], 0
     say = print if rank == 0 else (lambda *_, **__: None)
-    say(f"gpt-char: {sum(p.numel() for p in model.parameters())} params, {len(starts)} training "
+    say(f"{a.model}: {sum(p.numel() for p in model.parameters())} params, {len(starts)} training "
         f"windows, {len(val[1])} validation windows, {world} ranks x {a.batch} windows")
     step_s, started = 0.0, time.perf_counter()
     for step in range(a.steps):
@@ -206,7 +263,7 @@ def train(rank, world, a):
         if done == a.steps:
             loop_s = time.perf_counter() - started
         if (a.eval_every and done % a.eval_every == 0) or done == a.steps:
-            nats, acc = evaluate(torch, model.module, val, rank, world)
+            nats, acc = evaluate(torch, plain, val, rank, world, limit=a.val_limit)
             say(f"eval step {done} test_loss={nats:.4f} test_acc={acc:.4f} "
                 f"bpb={nats / math.log(2):.4f}", flush=True)
     trained = a.steps * a.batch * world * CONTEXT
@@ -236,6 +293,11 @@ def main():
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--eval-every", type=int, default=250, help="0: only at the end")
     p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--beta2", type=float, default=0.99)
+    p.add_argument("--model", choices=sorted(SPECS), default="gpt-char")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 per block instead of DDP")
+    p.add_argument("--recompute", action="store_true", help="each block recomputed in backward")
+    p.add_argument("--val-limit", type=int, default=0, help="validation windows (0: all)")
     a = p.parse_args()
     if a.check:
         check(a.check)

@@ -24,10 +24,8 @@ PyTorch's of rank 0's batch; a sanity check, not a comparison), then per side th
 PyTorch of the medians (above 1: Flotilla is faster). Wall-clock figures: take them on a quiet
 machine.
 """
-import json
 import os
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,30 +50,15 @@ checkpoint_every: 0
 """
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def tokens(steps):
     return steps * WORLD * BATCH * CONTEXT
 
 
 def flotilla(args, work, i):
-    cfg = os.path.join(work, "flotilla.yaml")
-    with open(cfg, "w") as f:
-        f.write(CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
-                              steps=args.steps, warmup=WARMUP, world=WORLD))
-    out = os.path.join(work, f"flotilla-{i}")
-    cmd = [args.flotilla, "launch", cfg, "--threads", "1", "--output", out,
-           "--master-port", str(free_port())]
-    started = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                   cwd=ROOT, timeout=3600)
-    total = time.perf_counter() - started
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    config = CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
+                           steps=args.steps, warmup=WARMUP, world=WORLD)
+    rows, total = vs_ddp.launch_flotilla(args, work, i, config)
     loop = sum(r["epoch_s"] for r in rows)
     return tokens(args.steps) / loop, total, rows[-1]["train_loss"]
 

@@ -1,11 +1,15 @@
-"""What the side-by-side scripts against PyTorch DDP share (`epoch_vs_ddp.py`,
-`gpt_vs_ddp.py`): their common options and the alternating rounds.
+"""What the side-by-side scripts against PyTorch share (`epoch_vs_ddp.py`, `gpt_vs_ddp.py`,
+`gpt_vs_fsdp.py`): their common options, the alternating rounds and Flotilla's runs.
 
 Each round runs Flotilla, then DDP, so that a change of load hits both sides.
 """
 import argparse
+import json
 import os
+import socket
+import subprocess
 import tempfile
+import time
 
 import torch_python
 
@@ -34,3 +38,28 @@ def alternate(args, prefix, sides, show):
                 results[name].append(result)
                 print(show(i, name, result), flush=True)
     return results
+
+
+def free_port():
+    """A free TCP port on 127.0.0.1 (for a rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_flotilla(args, work, i, config):
+    """Runs `flotilla launch` of the YAML text `config` (1 thread per rank) into `work`'s
+    `flotilla-{i}`; returns its rows of metrics.jsonl (one per epoch) and the run's wall
+    time in seconds."""
+    cfg = os.path.join(work, "flotilla.yaml")
+    with open(cfg, "w") as f:
+        f.write(config)
+    out = os.path.join(work, f"flotilla-{i}")
+    cmd = [args.flotilla, "launch", cfg, "--threads", "1", "--output", out,
+           "--master-port", str(free_port())]
+    started = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   cwd=ROOT, timeout=3600)
+    total = time.perf_counter() - started
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()], total

@@ -60,6 +60,7 @@ pub use device::{
 };
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
+pub use kernels::gemm_rate::gemm_flops_per_s;
 pub use module_engine::{ModuleEngine, TrainModule, layer_groups};
 pub use optim::reshard::{FlatOptimizerState, StatePart};
 pub use optim::shard_optim::{

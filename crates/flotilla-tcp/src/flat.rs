@@ -115,6 +115,27 @@ pub(crate) async fn shm_broadcast(
     shm::run_blocking(&seg, || seg.broadcast(buf, root, &watch))
 }
 
+/// All-gather `ticket` of group `g` over its shared-memory segment (in its turn; over TCP,
+/// the ring's, when the group fell back to it).
+pub(crate) async fn shm_all_gather(
+    g: &GroupState,
+    ticket: u64,
+    buf: &mut [f32],
+) -> Result<(), CommError> {
+    let Some(seg) = shm::segment(g, ticket, Op::AllGatherF32).await? else {
+        return ring::all_gather(&OpCtx::new(g, ticket, Op::AllGatherF32), buf).await;
+    };
+    let watch = shm::GroupWatch {
+        g,
+        op: OpCtx::new(g, ticket, Op::AllGatherF32).describe() + " (shared memory)",
+    };
+    let own = flotilla_group::shard(buf.len(), g.members.len(), g.me());
+    let s = &g.world.ep.stats;
+    s.shm_bytes
+        .fetch_add((own.len() * 4) as u64, Ordering::Relaxed);
+    shm::run_blocking(&seg, || seg.all_gather(buf, &watch))
+}
+
 /// All-reduce `ticket` of group `g` over its shared-memory segment (in its turn; when the
 /// group fell back to TCP, with the TCP algorithm its size picks).
 pub(crate) async fn shm_all_reduce(

@@ -818,9 +818,28 @@ async fn all_reduce_ordered(
     g.finish(r).await
 }
 
-/// Runs reduce-scatter `ticket` of group `g` in its turn, so that each shard holds the bits
+/// The timeline's span of collective `$name` number `$ticket` over `$buf`, labelled with its
+/// bucket when `$bucket` has one.
+macro_rules! bucket_span {
+    ($name:literal, $ticket:expr, $buf:expr, $bucket:expr) => {{
+        let span = tracing::info_span!(
+            target: "flotilla::comm",
+            $name,
+            seq = $ticket,
+            bucket = tracing::field::Empty,
+            bytes = std::mem::size_of_val($buf) as u64,
+            track = "comm"
+        );
+        if let Some(b) = $bucket {
+            span.record("bucket", b as u64);
+        }
+        span
+    }};
+}
+
 /// [`ProcessGroup::all_gather_f32`] in its turn `ticket` (of `bucket`, labelled so in the
-/// timeline, when the caller has buckets): the ring's second half.
+/// timeline, when the caller has buckets): over the group's shared-memory segment, else the
+/// ring's second half.
 async fn all_gather_ordered(
     g: &GroupState,
     ticket: u64,
@@ -828,22 +847,17 @@ async fn all_gather_ordered(
     bucket: Option<usize>,
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
-    let span = tracing::info_span!(
-        target: "flotilla::comm",
-        "all_gather",
-        seq = ticket,
-        bucket = tracing::field::Empty,
-        bytes = std::mem::size_of_val(buf) as u64,
-        track = "comm"
-    );
-    if let Some(b) = bucket {
-        span.record("bucket", b as u64);
-    }
-    let ctx = OpCtx::new(g, ticket, Op::AllGatherF32);
-    let r = ring::all_gather(&ctx, buf).instrument(span).await;
+    let span = bucket_span!("all_gather", ticket, buf, bucket);
+    let r = if g.shm.is_some() {
+        flat::shm_all_gather(g, ticket, buf).instrument(span).await
+    } else {
+        let ctx = OpCtx::new(g, ticket, Op::AllGatherF32);
+        ring::all_gather(&ctx, buf).instrument(span).await
+    };
     g.finish(r).await
 }
 
+/// Runs reduce-scatter `ticket` of group `g` in its turn, so that each shard holds the bits
 /// the group's all-reduce would leave there: on a group over shared memory the segment's
 /// all-reduce itself (every value summed in rank order; the rank then uses its shard only),
 /// else always the ring's first half, summed in the order of the ring all-reduce (the
@@ -856,17 +870,7 @@ async fn reduce_scatter_ordered(
     bucket: Option<usize>,
 ) -> Result<(), CommError> {
     let _turn = g.begin(ticket).await?;
-    let span = tracing::info_span!(
-        target: "flotilla::comm",
-        "reduce_scatter",
-        seq = ticket,
-        bucket = tracing::field::Empty,
-        bytes = std::mem::size_of_val(buf) as u64,
-        track = "comm"
-    );
-    if let Some(b) = bucket {
-        span.record("bucket", b as u64);
-    }
+    let span = bucket_span!("reduce_scatter", ticket, buf, bucket);
     let r = if g.shm.is_some() {
         flat::shm_all_reduce(g, ticket, buf).instrument(span).await
     } else {

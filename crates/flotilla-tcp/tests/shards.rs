@@ -3,7 +3,8 @@
 //! lengths below the world size: each rank's `flotilla_group::shard` against the serial sum
 //! (exact, on values whose sums are exact), bitwise against the ring all-reduce's same shard
 //! (values whose sums round, f32 and bf16 on the wire), and the gathered buffer against
-//! every rank's shard put in place; in-memory and over 127.0.0.1. Over shared memory
+//! every rank's shard put in place (over TCP and over shared memory, blocking and started in
+//! the background); in-memory and over 127.0.0.1. Over shared memory
 //! (ranks of one host) the shard has the bits of the segment's all-reduce.
 
 // Only the world of ranks is used here; the rest of `common` serves the all-reduce tests.
@@ -70,10 +71,11 @@ fn reduce_scatter_gives_each_rank_the_serial_sum_of_its_shard() {
 
 #[test]
 fn all_gather_puts_every_shard_in_place_on_every_rank() {
-    for n in 1..=5 {
-        let got = ok(world(n, false, cfg(n), |c| {
+    let cases = (1..=5).flat_map(|n| [(n, Transport::Tcp), (n, Transport::Shm)]);
+    for (n, transport) in cases {
+        let got = ok(world(n, false, cfg(n).with_transport(transport), |c| {
             let mut outs = Vec::new();
-            for len in LENGTHS {
+            for (k, len) in LENGTHS.into_iter().enumerate() {
                 let mine = shard(len, c.size(), c.rank());
                 let mut buf: Vec<f32> = (0..len)
                     .map(|i| {
@@ -84,7 +86,11 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
                         }
                     })
                     .collect();
-                c.all_gather_f32(&mut buf)?;
+                if k % 2 == 0 {
+                    c.all_gather_f32(&mut buf)?;
+                } else {
+                    buf = c.all_gather_bucket(buf, k).wait()?;
+                }
                 outs.push(buf);
             }
             Ok(outs)
@@ -98,7 +104,8 @@ fn all_gather_puts_every_shard_in_place_on_every_rank() {
             }
             for (r, outs) in got.iter().enumerate() {
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                assert_eq!(bits(&outs[k]), bits(&whole), "n {n} len {len} rank {r}");
+                let what = format!("{transport:?}, n {n} len {len} rank {r}");
+                assert_eq!(bits(&outs[k]), bits(&whole), "{what}");
             }
         }
     }

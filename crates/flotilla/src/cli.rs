@@ -230,6 +230,9 @@ pub enum BenchCommand {
     /// Pipeline schedules: throughput, measured bubble against the ideal, activations in
     /// flight and the automatic cut's balance, for several stage and micro-batch counts.
     Pipeline(BenchPipelineArgs),
+    /// The GEMM rate of this machine (square f32 products, the kernel every linear layer
+    /// runs): what a model's FLOP rate is a fraction of.
+    Gemm(BenchGemmArgs),
     /// Internal: one rank of `bench allreduce`.
     #[command(hide = true)]
     AllreduceWorker(BenchAllreduceArgs),
@@ -293,6 +296,20 @@ pub struct BenchStepArgs {
     /// scripts/torch_venv.sh with the newest torch, else `python3`).
     #[arg(long)]
     pub python: Option<String>,
+}
+
+/// `flotilla bench gemm`.
+#[derive(Debug, Clone, Args)]
+pub struct BenchGemmArgs {
+    /// Sizes of the square matrices, e.g. `1024,2048`.
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048")]
+    pub sizes: Vec<usize>,
+    /// Thread counts (default: 1 and every core this process may use).
+    #[arg(long, value_delimiter = ',')]
+    pub threads: Vec<usize>,
+    /// Timed products per case (after one untimed); each case keeps its best.
+    #[arg(long, default_value_t = 5)]
+    pub reps: usize,
 }
 
 /// `flotilla bench pipeline`.

@@ -1,4 +1,5 @@
-//! The collectives over a segment: the `f32` sum all-reduce and the `f32` broadcast.
+//! The collectives over a segment: the `f32` sum all-reduce, the `f32` broadcast and the
+//! `f32` all-gather.
 //!
 //! **Steps.** Every collective is a sequence of steps, counted over the segment's life
 //! (`Segment::steps`, equal on every member): step `j` uses buffer set `j % 2`, one slot
@@ -39,6 +40,12 @@
 //! **Broadcast**: chunk `k` is a step: the root copies it into its slot; barrier; the
 //! others copy it out of the root's slot. `C` barriers.
 //!
+//! **All-gather**: chunk `k` is a step: each rank copies its own part of the chunk (its
+//! [`shard`] of the whole buffer, where it falls in the chunk) into the same place of its
+//! slot; barrier; each copies every other rank's part out of that rank's slot. `C`
+//! barriers; per rank, copies `S / n` in and `(n-1)/n S` out (the ring over TCP sends and
+//! receives `(n-1)/n S` through the kernel, with `n - 1` waits).
+//!
 //! Each rank publishes its buffer's length in its length word of the collective's first
 //! set; after the first barrier every rank checks that all lengths agree (a mismatch is a
 //! protocol error). The word of that set is next written two steps later, after every
@@ -46,7 +53,7 @@
 
 use std::sync::atomic::Ordering;
 
-use flotilla_group::CommError;
+use flotilla_group::{CommError, shard};
 
 use super::mapping::Segment;
 use super::sync::Watch;
@@ -247,6 +254,42 @@ impl Segment {
                 // two steps later, after the next barrier.
                 let src = unsafe { self.read(set, root, 0, part.len()) };
                 buf[part].copy_from_slice(src);
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Segment {
+    /// All-gather of `buf` (see the module doc): each rank's [`shard`] of it filled from
+    /// that rank's.
+    pub(crate) fn all_gather(&self, buf: &mut [f32], watch: &dyn Watch) -> Result<(), CommError> {
+        let (c, len) = (self.floats(), buf.len());
+        // At least one step, so that lengths are checked even for an empty buffer.
+        for k in 0..len.div_ceil(c).max(1) {
+            let (set, part) = (self.next_set(), k * c..((k + 1) * c).min(len));
+            // Rank `r`'s part of this chunk (empty when its shard lies elsewhere).
+            let part_of = |r: usize| {
+                let s = shard(len, self.n, r);
+                let lo = s.start.max(part.start);
+                lo..s.end.min(part.end).max(lo)
+            };
+            let mine = part_of(self.me);
+            if !mine.is_empty() {
+                // SAFETY: this rank's own slot of this step's set.
+                let dst = unsafe { self.write(set, self.me, mine.start - part.start, mine.len()) };
+                dst.copy_from_slice(&buf[mine]);
+            }
+            self.step_barrier(set, (k == 0).then_some(len), watch)?;
+            for r in (0..self.n).filter(|&r| r != self.me) {
+                let theirs = part_of(r);
+                if theirs.is_empty() {
+                    continue;
+                }
+                // SAFETY: written by its owner before this step's barrier, rewritten only
+                // two steps later, after the next barrier.
+                let src = unsafe { self.read(set, r, theirs.start - part.start, theirs.len()) };
+                buf[theirs].copy_from_slice(src);
             }
         }
         Ok(())

@@ -2,9 +2,11 @@
 //! ratio against a reference measured in the same run (never a bare timing).
 //!
 //! `bench step` is here; `bench allreduce` is [`allreduce`] ([`mpi`] with `--backend mpi`),
-//! `bench ps` [`ps`] and `bench pipeline` [`pipeline`], each case of those two a [`job`].
+//! `bench ps` [`ps`] and `bench pipeline` [`pipeline`], each case of those two a [`job`];
+//! `bench gemm` ([`gemm`]) measures the GEMM rate other figures are a fraction of.
 
 mod allreduce;
+mod gemm;
 mod job;
 pub(crate) mod measure;
 #[cfg(test)]
@@ -34,6 +36,7 @@ pub fn run(cmd: BenchCommand) -> Result<()> {
         BenchCommand::Step(args) => step(&args),
         BenchCommand::Ps(args) => crate::bench::ps::run(&args),
         BenchCommand::Pipeline(args) => crate::bench::pipeline::run(&args),
+        BenchCommand::Gemm(args) => crate::bench::gemm::run(&args),
     }
 }
 
