@@ -1,16 +1,16 @@
 //! ZeRO stage 3 (PyTorch FSDP's full sharding): besides the optimizer state and the averaged
 //! gradient, each rank keeps only its shard of the **parameters** — the values of
-//! [`super::owned_ranges`], one after the other in flat order, as its optimizer steps them.
-//! The engine's model holds none between uses ([`Engine::release_params`]): a step runs
+//! [`super::owned_ranges`], one after the other in flat order, as its optimizer steps them. The
+//! engine's model holds none between uses ([`Engine::release_params`]): a step runs
 //! [`Engine::forward_backward_sharded`], which gathers each backward group's parameters (one
-//! bucket's all-gather: the buckets are the engine's backward groups) before its forward
-//! and again before its recomputed forward in backward, and hands its gradients to the
-//! reduce-scatter of stage 2 (`scatter.rs`) as its backward ends. The next group's
-//! all-gather starts in the background as soon as a group's own has ended
-//! ([`Zero::prefetch_group`], `allreduce.prefetch`), into a second wire buffer, so that it
-//! runs while the group computes (FSDP's forward and backward prefetch). The optimizer then steps
-//! the shard in place ([`ShardOptimizer::step_shard`]): no all-gather after the step; the
-//! next step's forward gathers the new values.
+//! bucket's all-gather: the buckets are the engine's backward groups) before its forward and
+//! again before its recomputed forward in backward, and hands its gradients to the
+//! reduce-scatter of stage 2 (`scatter.rs`) as its backward ends. The next group's all-gather
+//! starts in the background as soon as a group's own has ended ([`Zero::prefetch_group`],
+//! `allreduce.prefetch`), into a second wire buffer, so that it runs while the group computes
+//! (FSDP's forward and backward prefetch). The optimizer then steps the shard in place
+//! ([`ShardOptimizer::step_shard`]): no all-gather after the step; the next step's forward
+//! gathers the new values.
 //!
 //! The update is stage 2's (the same reduce-scatter, the same shard step) and the gathered
 //! parameters are the values stage 2's all-gather writes, so stage 3 equals stage 2, and
