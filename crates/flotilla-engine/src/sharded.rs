@@ -3,17 +3,16 @@
 //! once.
 //!
 //! The model runs in its backward groups ([`crate::backward_groups`]). Forward: each group's
-//! parameters are gathered ([`ShardedPass::gather`]) just before it runs (and the next
-//! group's announced, [`ShardedPass::prefetch`], so that its gather may overlap this one's
-//! compute), it runs **off the
-//! tape** (its parameters and input require no gradient, so burn's autodiff records nothing
-//! and keeps no operand), only its input is kept, and its parameters are released. The last
-//! group runs on the tape: the loss, its backward, its gradients handed on
+//! parameters are gathered ([`ShardedPass::gather`]) just before it runs (and the next group's
+//! announced, [`ShardedPass::prefetch`], so that its gather may overlap this one's compute), it
+//! runs **off the tape** (its parameters and input require no gradient, so burn's autodiff
+//! records nothing and keeps no operand), only its input is kept, and its parameters are
+//! released. The last group runs on the tape: the loss, its backward, its gradients handed on
 //! ([`ShardedPass::ready`]), its parameters released. Then, for each earlier group from the
-//! last: its parameters are gathered again, its forward is recomputed on the tape from the
-//! kept input (a leaf that requires its gradient), and backward from the next group's input
-//! gradient gives its parameters' gradients, handed on, and its own input's; its
-//! parameters and the burn gradients are released.
+//! last: its parameters are gathered again, its forward is recomputed on the tape from the kept
+//! input (a leaf that requires its gradient), and backward from the next group's input gradient
+//! gives its parameters' gradients, handed on, and its own input's; its parameters and the burn
+//! gradients are released.
 //!
 //! The recomputed forward is the same operations on the same values as the first, so every
 //! gradient is bit for bit that of the grouped backward of [`crate::grouped`] (and of one
