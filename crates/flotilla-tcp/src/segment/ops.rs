@@ -258,9 +258,7 @@ impl Segment {
         }
         Ok(())
     }
-}
 
-impl Segment {
     /// All-gather of `buf` (see the module doc): each rank's [`shard`] of it filled from
     /// that rank's.
     pub(crate) fn all_gather(&self, buf: &mut [f32], watch: &dyn Watch) -> Result<(), CommError> {
