@@ -31,7 +31,14 @@
 //! ([`StageModule`]: a forward over [`NamedTensors`]; [`UserModule::with_stages`]), and
 //! `strategy: pipeline` runs them in the library's one pipeline — the spec's: GPipe or 1F1B,
 //! skip tensors straight to the stage that takes them, replicas of every stage, checkpoints
-//! and `--resume` (`examples/pipeline_model.rs`).
+//! and `--resume` (`examples/pipeline_model.rs`). The same stage modules are what ZeRO stage
+//! 3 (`zero: 3`, PyTorch FSDP's `fully_shard` per module) shards the module by: each rank
+//! keeps 1/N of the parameters, gradients and optimizer state; each stage module's
+//! parameters are gathered just before it runs (the next one's gather prefetched), released
+//! after, and gathered again to recompute its forward in backward; dropout in it draws the
+//! same masks both times. A fresh start draws the module one tensor at a time, never whole;
+//! it trains to the bits of `zero: 0` where a YAML model does (`examples/lenet5_program.rs`
+//! with `--zero 3`).
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any

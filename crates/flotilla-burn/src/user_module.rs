@@ -8,8 +8,8 @@ use std::sync::{Arc, OnceLock};
 use burn::prelude::*;
 use flotilla_data::Samples;
 use flotilla_engine::{
-    Engine, ModelState, ModuleEngine, OptimizerSpec, Shape, StageBuilder, StageInput, StageModule,
-    TrainModule, module_pipeline,
+    Engine, ModelState, ModuleEngine, OptimizerSpec, ParamLayout, Shape, ShardSink, StageBuilder,
+    StageInput, StageModule, TrainModule, module_pipeline, stage_classes,
 };
 use flotilla_rank::Session;
 use flotilla_train::job_data::JobData;
@@ -84,8 +84,12 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
     }
 
     /// The same model cut into `stages`, which `strategy: pipeline` trains (one stage per
-    /// rank, the GPipe or 1F1B schedule, replicas of every stage); every other way of
-    /// training trains the whole module.
+    /// rank, the GPipe or 1F1B schedule, replicas of every stage) and ZeRO stage 3 shards by
+    /// (PyTorch FSDP's `fully_shard` per stage module: each one's parameters gathered just
+    /// before it runs and released after, its forward recomputed in backward); every other
+    /// way of training trains the whole module. Together the stages hold the module's
+    /// parameters in its order (ZeRO-3 checks their shapes), and in sequence compute its
+    /// logits; the loss is the cross-entropy of the last stage's logits.
     pub fn with_stages(mut self, stages: StageModules) -> Self {
         self.stages = Arc::new(stages.builders);
         self
@@ -99,24 +103,22 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
     }
 
     /// One build of the module (seed 0): its parameters' names and shapes, its labels per
-    /// sample, and its classes (the logits of one sample of zeros).
+    /// sample, and its classes (the logits of one sample of zeros). A module cut into stage
+    /// modules is never drawn whole here (ZeRO-3's ranks never hold it whole): its names and
+    /// shapes are those of a build whose parameters are not drawn yet, its classes those of
+    /// its stages, drawn and run one at a time.
     fn probe(&self) -> flotilla_train::Result<&Probe> {
         let probe = self.probe.get_or_init(|| {
-            let optimizer = OptimizerSpec::default();
-            let engine = ModuleEngine::seeded(&self.build, 0, &optimizer, "flex")
-                .map_err(|e| e.to_string())?;
-            let params: Vec<String> = engine
-                .layout()
-                .params
-                .iter()
-                .map(|p| format!("{}{:?}", p.name, p.shape))
-                .collect();
-            let module = engine.module().map_err(|e| e.to_string())?;
-            let zeros = vec![0.0; self.input.iter().product()];
-            let [_, classes] = module.logits(&zeros, 1, &Device::flex().autodiff()).dims();
+            let shape = Shape::of_sample(&self.input).filter(|_| !self.stages.is_empty());
+            let Some(shape) = shape else {
+                return self.probe_whole();
+            };
+            // burn draws a parameter at its first use: this build draws nothing.
+            let model = (self.build)(&Device::flex().autodiff());
+            let classes = stage_classes(&self.stages, shape).map_err(|e| e.to_string())?;
             Ok(Probe {
-                params: params.join(" "),
-                labels_per_sample: engine.labels_per_sample(),
+                params: param_names(&ParamLayout::of(&model)),
+                labels_per_sample: model.labels_per_sample(),
                 classes,
             })
         });
@@ -124,6 +126,31 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
             .as_ref()
             .map_err(|e| TrainError::config("model", format!("building `{}`: {e}", self.name)))
     }
+
+    /// [`UserModule::probe`] of a module without stage modules: built and drawn whole.
+    fn probe_whole(&self) -> std::result::Result<Probe, String> {
+        let optimizer = OptimizerSpec::default();
+        let engine =
+            ModuleEngine::seeded(&self.build, 0, &optimizer, "flex").map_err(|e| e.to_string())?;
+        let module = engine.module().map_err(|e| e.to_string())?;
+        let zeros = vec![0.0; self.input.iter().product()];
+        let [_, classes] = module.logits(&zeros, 1, &Device::flex().autodiff()).dims();
+        Ok(Probe {
+            params: param_names(engine.layout()),
+            labels_per_sample: engine.labels_per_sample(),
+            classes,
+        })
+    }
+}
+
+/// Every parameter's name and shape, in flat order: what the ranks must agree on.
+fn param_names(layout: &ParamLayout) -> String {
+    let params: Vec<String> = layout
+        .params
+        .iter()
+        .map(|p| format!("{}{:?}", p.name, p.shape))
+        .collect();
+    params.join(" ")
 }
 
 impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
@@ -160,6 +187,39 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
             optimizer,
             device,
         )?))
+    }
+
+    fn released_engine(
+        &self,
+        optimizer: &OptimizerSpec,
+        (device, seed): (&str, u64),
+        group_bytes: usize,
+        sink: Option<&mut dyn ShardSink>,
+    ) -> Option<flotilla_train::Result<Box<dyn Engine>>> {
+        let _ = group_bytes; // the stage modules are the groups
+        if self.stages.is_empty() {
+            return None;
+        }
+        let Some(shape) = Shape::of_sample(&self.input) else {
+            let why = format!(
+                "`{}` takes samples of shape {:?}; ZeRO-3's blocks take [c, h, w] or [f]",
+                self.name, self.input
+            );
+            return Some(Err(TrainError::config("allreduce.zero", why)));
+        };
+        let blocks = (self.stages.as_slice(), shape);
+        let engine = match sink {
+            Some(sink) => {
+                ModuleEngine::released(&self.build, blocks, optimizer, (device, seed), sink)
+            }
+            None => ModuleEngine::seeded(&self.build, seed, optimizer, device)
+                .and_then(|e| e.with_blocks(blocks)),
+        };
+        Some(
+            engine
+                .map(|e| Box::new(e) as Box<dyn Engine>)
+                .map_err(Into::into),
+        )
     }
 
     fn stages(&self) -> Option<StageMaker> {

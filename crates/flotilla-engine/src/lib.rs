@@ -36,6 +36,8 @@ mod engine;
 mod error;
 mod grouped;
 pub mod kernels;
+mod module_blocks;
+mod module_blocks_pass;
 mod module_engine;
 mod optim;
 mod params;
@@ -61,6 +63,7 @@ pub use device::{
 pub use engine::{BatchRef, BurnEngine, Engine, EvalStats};
 pub use error::{EngineError, Result};
 pub use kernels::gemm_rate::gemm_flops_per_s;
+pub use module_blocks::ModuleBlock;
 pub use module_engine::{ModuleEngine, TrainModule, layer_groups};
 pub use optim::reshard::{FlatOptimizerState, StatePart};
 pub use optim::shard_optim::{
@@ -72,6 +75,7 @@ pub use pipeline::cut::{Crossing, MAIN, StageCut, ranges_from_points};
 pub use pipeline::loss::cross_entropy;
 pub use pipeline::module_stage::{
     AnyStageModule, StageBuilder, StageInput, StageModule, StageSlotsOf, module_pipeline,
+    stage_classes,
 };
 pub use pipeline::named_tensors::NamedTensors;
 pub use pipeline::partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
@@ -91,6 +95,8 @@ mod conv_tests;
 mod engine_tests;
 #[cfg(test)]
 mod grouped_tests;
+#[cfg(test)]
+mod module_blocks_tests;
 #[cfg(test)]
 mod module_engine_tests;
 #[cfg(test)]

@@ -10,13 +10,21 @@ use std::sync::Arc;
 use burn::module::Module;
 use burn::prelude::*;
 
+use burn::nn::loss::CrossEntropyLossConfig;
+
 use crate::collective::Reducer;
 use crate::device::device_by_name;
-use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks};
+use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks, labels_tensor};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
+use crate::module_blocks::Blocks;
+use crate::module_blocks_pass;
 use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
+use crate::pipeline::module_stage::StageBuilder;
+use crate::sharded::{ShardSink, ShardedPass};
+use crate::spec::activation::Activation;
+use crate::spec::shape::Shape;
 use crate::weights::{Weights, delegate_model_state};
 
 /// What a user's burn module tells the engine: its training loss and its logits on a batch of
@@ -51,6 +59,11 @@ pub struct ModuleEngine<M: TrainModule> {
     grads: Vec<GroupGrads>,
     /// The groups the gradients are handed on in, in that order (last layers first).
     groups: Vec<Range<usize>>,
+    /// The module as its blocks, which ZeRO-3 gathers one at a time (`None`: not given; the
+    /// module trains whole only).
+    blocks: Option<Blocks>,
+    /// Labels per sample (the module's, read once: a released module answers nothing).
+    labels_per_sample: usize,
 }
 
 delegate_model_state!([M: TrainModule] ModuleEngine<M>);
@@ -67,13 +80,58 @@ impl<M: TrainModule> ModuleEngine<M> {
         // `train()`: a module built on a plain device gets its parameters' configured
         // gradient tracking back on the autodiff one (a frozen parameter stays frozen).
         let model = params::renumber(model.fork(&base_device.clone().autodiff()).train());
+        let labels_per_sample = model.labels_per_sample();
         let weights = Weights::of_module(model, optimizer, base_device, true)?;
         Ok(Self {
             groups: layer_groups(&weights.layout, 0),
             // A user's module may draw dropout masks: seeded like a spec model's.
             weights,
             grads: Vec::new(),
+            blocks: None,
+            labels_per_sample,
         })
+    }
+
+    /// ZeRO-3's engine of a user's module, which never holds the whole module: `build`'s
+    /// module, its parameters drawn from `seed` one tensor at a time (the values of
+    /// [`ModuleEngine::seeded`]), each handed to `sink` and released; run as its `blocks`
+    /// (the program's stage modules, in order, which together hold the module's parameters
+    /// in its flat order; `input`: one sample of the batch's inputs, which the first takes),
+    /// which are its backward groups and which `sink` learns first.
+    pub fn released(
+        build: impl FnOnce(&Device) -> M,
+        (blocks, input): (&[StageBuilder], Shape),
+        optimizer: &OptimizerSpec,
+        (device_name, seed): (&str, u64),
+        sink: &mut dyn ShardSink,
+    ) -> Result<Self> {
+        let base_device = device_by_name(device_name)?;
+        let blocks = blocks_of(blocks, input, &base_device.clone().autodiff())?;
+        let groups = |layout: &ParamLayout| {
+            blocks.check(layout)?;
+            Ok(blocks.groups())
+        };
+        let mut weights =
+            Weights::new_released_module(build, optimizer, (base_device, seed), groups, sink)?;
+        let (model, _) = weights.released_model()?;
+        let labels_per_sample = model.as_ref().map_or(1, TrainModule::labels_per_sample);
+        Ok(Self {
+            groups: blocks.groups(),
+            weights,
+            grads: Vec::new(),
+            blocks: Some(blocks),
+            labels_per_sample,
+        })
+    }
+
+    /// `self` run as `blocks` under ZeRO-3 (see [`ModuleEngine::released`]), which become
+    /// its backward groups: a whole module whose parameters a resumed run shards.
+    pub fn with_blocks(mut self, (blocks, input): (&[StageBuilder], Shape)) -> Result<Self> {
+        let blocks = blocks_of(blocks, input, &self.weights.device)?;
+        blocks.check(&self.weights.layout)?;
+        self.groups = blocks.groups();
+        self.blocks = Some(blocks);
+        Ok(self)
     }
 
     /// The module `build` makes with the backend's RNG seeded with `seed` (on the CPU, then
@@ -125,7 +183,10 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
     }
 
     fn set_backward_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
-        self.groups = layer_groups(&self.weights.layout, max_bytes);
+        // A module run as its blocks keeps them as its groups.
+        if self.blocks.is_none() {
+            self.groups = layer_groups(&self.weights.layout, max_bytes);
+        }
         Ok(())
     }
 
@@ -145,9 +206,7 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
     }
 
     fn labels_per_sample(&self) -> usize {
-        self.weights
-            .model()
-            .map_or(1, TrainModule::labels_per_sample)
+        self.labels_per_sample
     }
 
     fn set_dropout_seed(&mut self, seed: u64) {
@@ -179,6 +238,58 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         self.grads.clear();
     }
 
+    fn release_params(&mut self) -> Result<()> {
+        self.blocks()?;
+        self.grads.clear();
+        self.weights.release()
+    }
+
+    fn forward_backward_sharded(
+        &mut self,
+        batch: BatchRef<'_>,
+        pass: &mut dyn ShardedPass,
+    ) -> Result<f32> {
+        let n = self.samples(batch.images, batch.labels)?;
+        if n == 0 {
+            return Err(EngineError::Batch("empty batch".into()));
+        }
+        self.grads.clear();
+        self.weights.released_model()?;
+        let device = self.weights.device.clone();
+        let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
+        let input = Activation::from_flat(batch.images.to_vec(), n, blocks.input, &device);
+        let targets = labels_tensor(batch.labels, &device);
+        let loss = CrossEntropyLossConfig::new().init(&device);
+        let loss = |logits| loss.forward(logits, targets);
+        module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, pass)
+    }
+
+    fn evaluate_sharded(
+        &mut self,
+        images: &[f32],
+        labels: &[i64],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<EvalStats> {
+        let n = self.samples(images, labels)?;
+        self.weights.released_model()?;
+        let device = self.weights.base_device.clone();
+        let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
+        let input =
+            (n > 0).then(|| Activation::from_flat(images.to_vec(), n, blocks.input, &device));
+        let Some(logits) = module_blocks_pass::logits(blocks, input, pass)? else {
+            return Ok(EvalStats::default());
+        };
+        let counts = (n, blocks.input.numel(), self.labels_per_sample);
+        Ok(evaluate_in_chunks(
+            images,
+            labels,
+            counts,
+            n,
+            &device,
+            |_, _| logits.clone(),
+        ))
+    }
+
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {
         let lps = self.labels_per_sample();
         let n = labels.len() / lps;
@@ -201,6 +312,53 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
             |x, k| model.logits(x, k, device),
         ))
     }
+}
+
+impl<M: TrainModule> ModuleEngine<M> {
+    /// The blocks, or the refusal of a module given without them.
+    fn blocks(&self) -> Result<&Blocks> {
+        self.blocks.as_ref().ok_or_else(no_blocks)
+    }
+
+    /// The samples of a batch of `images` and `labels` run as the blocks (none: zero),
+    /// refused when they are not whole samples of the blocks' input.
+    fn samples(&self, images: &[f32], labels: &[i64]) -> Result<usize> {
+        let per = self.blocks()?.input.numel();
+        let lps = self.labels_per_sample;
+        let n = labels.len() / lps;
+        if labels.len() != n * lps || images.len() != n * per {
+            return Err(EngineError::Batch(format!(
+                "{} inputs and {} labels are not samples of {per} inputs and {lps} labels",
+                images.len(),
+                labels.len()
+            )));
+        }
+        Ok(n)
+    }
+}
+
+/// The blocks `builders` make on `device` (an autodiff device), none of their parameters
+/// drawn; `input` is one sample's shape.
+fn blocks_of(builders: &[StageBuilder], input: Shape, device: &Device) -> Result<Blocks> {
+    // Under the RNG's lock: a module that draws as it is built still leaves the seeded draws
+    // of other threads alone.
+    let blocks = crate::weights::under_rng_lock(|| {
+        builders
+            .iter()
+            .map(|build| build(device).into_block())
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Blocks::new(blocks, input)
+}
+
+/// Why a module given without its blocks cannot shard its parameters.
+fn no_blocks() -> EngineError {
+    EngineError::ParamsSharded(
+        "ZeRO stage 3 runs a program's own module as its blocks, one gathered at a time: give \
+         them as its stage modules (flotilla_burn::UserModule::with_stages), or use zero 2 or \
+         less"
+            .into(),
+    )
 }
 
 /// The parameters of `layout` in groups of about `max_bytes` (4 per value), last layer

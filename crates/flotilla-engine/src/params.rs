@@ -336,6 +336,12 @@ impl ModuleMapper for RangeWriter<'_> {
         if !self.params.contains(&index) {
             return param;
         }
+        if self.src.is_none() && !param.is_initialized() {
+            // Released without drawing it: a lazily initialised parameter never used yet (a
+            // ZeRO-3 block built only to run gathered values) keeps no values and draws none.
+            let empty = Tensor::<D>::empty([0; D], &param.lazy_device());
+            return Param::initialized(param.id, empty);
+        }
         let (id, value, mapper) = param.consume();
         let device = value.device();
         let require_grad = self.require_grad.unwrap_or_else(|| value.is_require_grad());
@@ -360,6 +366,43 @@ impl ModuleMapper for RangeWriter<'_> {
         };
         Param::from_mapped_value(id, tensor, mapper)
     }
+}
+
+/// `model` with each parameter drawn now (a lazily initialised one: in flat order, as
+/// [`read_values`] draws them), its values handed to `each` with its index and released at
+/// once: no more than one tensor's values exist at a time (ZeRO-3's start of a user's module).
+pub(crate) fn draw_released<M: Module>(
+    model: M,
+    each: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<M> {
+    struct Drawer<'a> {
+        each: &'a mut dyn FnMut(usize, &[f32]) -> Result<()>,
+        index: usize,
+        error: Option<EngineError>,
+    }
+    impl ModuleMapper for Drawer<'_> {
+        fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+            let index = self.index;
+            self.index += 1;
+            let (id, value, mapper) = param.consume();
+            let device = value.device();
+            if self.error.is_none() {
+                let data = value.into_data().convert::<f32>();
+                self.error = match data.as_slice::<f32>() {
+                    Ok(values) => (self.each)(index, values).err(),
+                    Err(e) => Some(EngineError::Batch(format!("reading a parameter: {e:?}"))),
+                };
+            }
+            Param::from_mapped_value(id, Tensor::<D>::empty([0; D], &device), mapper)
+        }
+    }
+    let mut drawer = Drawer {
+        each,
+        index: 0,
+        error: None,
+    };
+    let model = model.map(&mut Only::new(&mut drawer, Tensors::Params));
+    drawer.error.map_or(Ok(model), Err)
 }
 
 /// Calls `f(index, values)` with each parameter's gradient, in flat order. A parameter with

@@ -65,7 +65,7 @@ pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<St
 
 /// `x` without a tape behind it and requiring no gradient (the next group's input off the
 /// tape; no copy of the values).
-fn detached(x: Activation) -> Activation {
+pub(crate) fn detached(x: Activation) -> Activation {
     map_tensor!(x, |t| t.detach())
 }
 

@@ -14,12 +14,25 @@ use crate::{
 const SEED: u64 = 29;
 
 /// A [`ShardedPass`] over a whole flat copy of the parameters, recording what it was asked.
-struct Gatherer {
-    whole: Vec<f32>,
-    layout: crate::ParamLayout,
-    gathered: Vec<Range<usize>>,
-    grads: Vec<f32>,
-    order: Vec<usize>,
+pub(crate) struct Gatherer {
+    pub(crate) whole: Vec<f32>,
+    pub(crate) layout: crate::ParamLayout,
+    pub(crate) gathered: Vec<Range<usize>>,
+    pub(crate) grads: Vec<f32>,
+    pub(crate) order: Vec<usize>,
+}
+
+impl Gatherer {
+    /// Gathers from `whole` (in `layout`'s order); gradients into zeros of its length.
+    pub(crate) fn new(whole: Vec<f32>, layout: &crate::ParamLayout) -> Self {
+        Self {
+            grads: vec![0.0; whole.len()],
+            whole,
+            layout: layout.clone(),
+            gathered: Vec::new(),
+            order: Vec::new(),
+        }
+    }
 }
 
 impl ShardedPass for Gatherer {
@@ -188,10 +201,10 @@ fn an_evaluation_through_the_shards_gives_the_whole_models_figures() {
 
 /// A [`ShardSink`] keeping every value it is handed.
 #[derive(Default)]
-struct Everything {
-    groups: Vec<Range<usize>>,
-    values: Vec<f32>,
-    params: Vec<usize>,
+pub(crate) struct Everything {
+    pub(crate) groups: Vec<Range<usize>>,
+    pub(crate) values: Vec<f32>,
+    pub(crate) params: Vec<usize>,
 }
 
 impl ShardSink for Everything {

@@ -51,6 +51,13 @@ pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
+/// The seed of block `block`'s dropout masks in a step of dropout seed `seed`
+/// ([`Weights::with_block_rng`]): a distinct stream per block, `seed` mixed with the golden
+/// ratio's odd multiple of `block + 1`.
+pub(crate) fn block_seed(seed: u64, block: usize) -> u64 {
+    seed ^ (block as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
 fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
@@ -331,6 +338,48 @@ impl<M: Module> Weights<M> {
             self.device.seed(seed);
         }
         forward()
+    }
+
+    /// Runs `forward` (block `block`'s training forward, a user's module under ZeRO-3)
+    /// holding the RNG, re-seeded for that block from the dropout seed, when the model may
+    /// draw dropout masks: a block's recomputed forward draws the masks its first one drew.
+    pub(crate) fn with_block_rng<T>(&self, block: usize, forward: impl FnOnce() -> T) -> T {
+        if !self.has_dropout {
+            return forward();
+        }
+        let _guard = RNG_LOCK
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        self.device
+            .seed(block_seed(self.dropout_seed.unwrap_or(0), block));
+        forward()
+    }
+
+    /// ZeRO-3's start of a user's module without the whole module: `build`'s module with the
+    /// parameters [`seeded_module`] draws from `seed` (the same values, drawn in the same
+    /// order), drawn one tensor at a time, each handed to `sink` and released at once.
+    /// `sink` first learns the layout and the backward groups `groups` makes of it.
+    pub(crate) fn new_released_module(
+        build: impl FnOnce(&Device) -> M,
+        optimizer: &OptimizerSpec,
+        (base_device, seed): (Device, u64),
+        groups: impl FnOnce(&ParamLayout) -> Result<Vec<Range<usize>>>,
+        sink: &mut dyn ShardSink,
+    ) -> Result<Self> {
+        let (model, layout) = seeded(seed, |cpu| {
+            // burn draws a parameter at its first use: building the module draws nothing.
+            let model = build(cpu);
+            let layout = ParamLayout::of(&model);
+            sink.plan(&layout, &groups(&layout)?)?;
+            let model = params::draw_released(model, &mut |i, values| sink.values(i, values))?;
+            Ok((model, layout))
+        })?;
+        let device = base_device.clone().autodiff();
+        let model = params::renumber(model.fork(&device).train());
+        let mut weights = Weights::of_module(model, optimizer, base_device, true)?;
+        weights.layout = layout;
+        weights.released = true;
+        Ok(weights)
     }
 
     /// Adds a metadata entry written with the weights.

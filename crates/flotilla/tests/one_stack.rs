@@ -188,6 +188,25 @@ fn zero_2() {
     );
 }
 
+/// ZeRO-3 of the program's module runs it as its stage modules (each gathered before it
+/// runs, released after, recomputed in backward): the spec model's ZeRO-3 bits, which are its
+/// ZeRO-0 bits (`zero_tests.rs`); the same with the gathers not prefetched.
+#[test]
+fn zero_3() {
+    let dir = tmp();
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\nzero: 3\n";
+    both_ways(dir.path(), "zero3", job);
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let user = run(dir.path(), "zero3-user", job, &["--", exe]);
+    let zero0 = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    let whole = run(dir.path(), "zero0-user", zero0, &["--", exe]);
+    assert_bitwise("the program's module: ZeRO-3 vs ZeRO-0", &user, &whole);
+    let prefetch_off = format!("{job}prefetch: false\n");
+    let unfetched = run(dir.path(), "zero3-no-prefetch", &prefetch_off, &["--", exe]);
+    assert_bitwise("ZeRO-3 without prefetch vs with", &unfetched, &user);
+}
+
 #[test]
 fn async_all_reduce() {
     let dir = tmp();
@@ -223,11 +242,24 @@ fn hierarchical_sync_parameter_server_with_model_averaging() {
 
 #[test]
 fn exact_resume_of_a_program() {
+    exact_resume("world_size: 2\nbatch_size: 32\n");
+}
+
+/// Under ZeRO-3 the resumed start loads the whole module on rank 0 and shards it by its
+/// blocks; the run goes on to the same bits.
+#[test]
+fn exact_resume_of_a_program_under_zero_3() {
+    exact_resume("world_size: 2\nbatch_size: 32\nzero: 3\n");
+}
+
+/// The program's job `job` (plus `checkpoint_every: 50`, to step 120) stopped at its
+/// checkpoint of step 50 and resumed: the bits of the run that never stopped.
+fn exact_resume(job: &str) {
     let dir = tmp();
     let exe = program();
     let exe = exe.to_str().expect("utf8");
-    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 120\ncheckpoint_every: 50\n";
-    let straight = run(dir.path(), "job", job, &["--", exe]);
+    let job = format!("{job}max_steps: 120\ncheckpoint_every: 50\n");
+    let straight = run(dir.path(), "job", &job, &["--", exe]);
     // Back to the checkpoint of step 50 (mid-epoch), as if the job had stopped there, and
     // resumed from it: the same 70 steps again, to the same bits.
     let root = dir.path().join("job").join("checkpoints");

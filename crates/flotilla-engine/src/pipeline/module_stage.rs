@@ -3,15 +3,18 @@
 //! parameters from one seed in stage order (as the whole model's would be drawn), learns the
 //! shape of every tensor that crosses between stages from a one-sample forward pass, routes
 //! each by name, and makes this rank's stage a [`Stage`] — the same forward, backward, loss,
-//! gradient accumulation and optimizer step as a spec's stage.
+//! gradient accumulation and optimizer step as a spec's stage. The same modules are the blocks
+//! ZeRO-3 runs a user's module as (`crate::module_blocks`).
 
 use burn::module::Module;
 use burn::prelude::*;
+use burn::tensor::Gradients;
 
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
+use crate::module_blocks::{BlockRun, ModuleBlock, Pass};
 use crate::optim::OptimizerSpec;
-use crate::params;
+use crate::params::{self, ParamLayout};
 use crate::pipeline::cut::{Crossing, StageCut};
 use crate::pipeline::named_tensors::{NamedTensors, sample_shape};
 use crate::pipeline::stage::{Stage, StageSlots};
@@ -53,6 +56,10 @@ pub trait AnyStageModule {
     /// Its forward pass (a probe of one sample, to learn the shapes it gives).
     fn probe(&self, inputs: NamedTensors) -> Result<NamedTensors>;
 
+    /// It as one block of its module under ZeRO-3 ([`crate::ModuleEngine`]), its
+    /// parameters released without being drawn.
+    fn into_block(self: Box<Self>) -> Result<ModuleBlock>;
+
     /// The stage that trains it at `slots`, on the named device.
     fn into_stage(
         self: Box<Self>,
@@ -76,6 +83,10 @@ impl<M: StageModule> AnyStageModule for M {
 
     fn probe(&self, inputs: NamedTensors) -> Result<NamedTensors> {
         self.forward(inputs)
+    }
+
+    fn into_block(self: Box<Self>) -> Result<ModuleBlock> {
+        block_of(*self)
     }
 
     fn into_stage(
@@ -143,6 +154,46 @@ pub fn module_pipeline(
     drop(modules);
     let stage = module.into_stage(StageSlotsOf(slots), optimizer, device_name)?;
     Ok((cut, stage))
+}
+
+/// The logits per label of the modules `builders` make (one per stage, in order), from a
+/// forward pass of one sample of zeros of shape `input` through them, each drawn from seed 0,
+/// run and dropped in turn: no more than one stage's parameters exist at once.
+pub fn stage_classes(builders: &[StageBuilder], input: Shape) -> Result<usize> {
+    let device = Device::flex().autodiff();
+    let mut given = NamedTensors::new();
+    let mut logits = None;
+    for (s, build) in builders.iter().enumerate() {
+        let module = seeded(0, |cpu| build(cpu).materialized())?;
+        let (ins, outs) = module.names();
+        if s == 0 {
+            let [first] = ins.as_slice() else {
+                return Err(EngineError::InvalidSpec(format!(
+                    "stage 0 takes {ins:?}; it takes one tensor, the batch's inputs"
+                )));
+            };
+            let zeros = vec![0.0; input.numel()];
+            given.put(first, Activation::from_flat(zeros, 1, input, &device));
+        }
+        let mut inputs = NamedTensors::new();
+        for name in &ins {
+            if !given.contains(name) {
+                return Err(EngineError::InvalidSpec(format!(
+                    "stage {s} takes `{name}`, which no earlier stage gives"
+                )));
+            }
+            inputs.put(name, given.activation(name, s)?);
+        }
+        let out = module.probe(inputs)?;
+        for name in &outs {
+            let a = out.activation(name, s)?;
+            logits = Some(a.clone());
+            given.put(name, a);
+        }
+    }
+    let logits =
+        logits.ok_or_else(|| EngineError::InvalidSpec("no stage gives a tensor".into()))?;
+    Ok(logits.into_logits().dims()[1])
 }
 
 /// Every stage's output shapes (one sample), from a forward pass of one sample of zeros
@@ -269,4 +320,64 @@ fn run_module<M: StageModule>(
             .collect());
     }
     Ok(outputs)
+}
+
+/// `model` as a ZeRO-3 block, its parameters released without being drawn.
+fn block_of<M: StageModule>(model: M) -> Result<ModuleBlock> {
+    let layout = ParamLayout::of(&model);
+    let all = 0..layout.params.len();
+    let model = params::write_range(model, &layout, all, None, false)?;
+    Ok(ModuleBlock::new(Box::new(Block {
+        model: Some(model),
+        layout,
+    })))
+}
+
+/// A [`StageModule`] as a [`BlockRun`].
+struct Block<M> {
+    model: Option<M>,
+    layout: ParamLayout,
+}
+
+impl<M: StageModule> BlockRun for Block<M> {
+    fn names(&self) -> (Vec<String>, Vec<String>) {
+        self.model
+            .as_ref()
+            .map(|m| (m.inputs(), m.outputs()))
+            .unwrap_or_default()
+    }
+
+    fn layout(&self) -> &ParamLayout {
+        &self.layout
+    }
+
+    fn run(&mut self, values: &[f32], inputs: NamedTensors, how: Pass) -> Result<NamedTensors> {
+        let model = self.model.take().ok_or(EngineError::ModelUnavailable)?;
+        let all = 0..self.layout.params.len();
+        let tape = how == Pass::Tape;
+        let model = params::write_range(model, &self.layout, all, Some(values), tape)?;
+        let out = match how {
+            Pass::Valid => model.valid().forward(inputs),
+            Pass::Off | Pass::Tape => model.forward(inputs),
+        };
+        self.model = Some(model);
+        out
+    }
+
+    fn grads(
+        &self,
+        grads: Option<&Gradients>,
+        ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        let all = 0..self.layout.params.len();
+        params::for_each_grad_in(model, grads, &self.layout, all, ready)
+    }
+
+    fn release(&mut self) -> Result<()> {
+        let model = self.model.take().ok_or(EngineError::ModelUnavailable)?;
+        let all = 0..self.layout.params.len();
+        self.model = Some(params::write_range(model, &self.layout, all, None, false)?);
+        Ok(())
+    }
 }

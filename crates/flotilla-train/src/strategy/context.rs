@@ -105,17 +105,19 @@ pub trait ModelSource {
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
     -> Result<Box<dyn Engine>>;
 
-    /// ZeRO-3's whole model that never is whole on this rank: its parameters drawn from
-    /// `seed` one layer at a time as [`ModelSource::engine`] draws them, each handed to
-    /// `sink` and released, with backward groups of at most `group_bytes`
-    /// ([`BurnEngine::new_released`]). `None`: this model is built whole only (a user's
-    /// module).
+    /// ZeRO-3's engine, whose backward groups are what it gathers one at a time (a spec's:
+    /// at most `group_bytes`; a user's module: its blocks). With `sink`, the whole model that
+    /// never is whole on this rank: its parameters drawn from `seed` as
+    /// [`ModelSource::engine`] draws them, one layer (or tensor) at a time, each handed to
+    /// `sink` and released ([`BurnEngine::new_released`]); without, the whole model, whose
+    /// parameters a resumed run's start shards. `None`: this model cannot be sharded (a
+    /// user's module given without its blocks).
     fn released_engine(
         &self,
         optimizer: &OptimizerSpec,
         (device, seed): (&str, u64),
         group_bytes: usize,
-        sink: &mut dyn ShardSink,
+        sink: Option<&mut dyn ShardSink>,
     ) -> Option<Result<Box<dyn Engine>>> {
         let _ = (optimizer, device, seed, group_bytes, sink);
         None
@@ -175,9 +177,17 @@ impl ModelSource for ModelSpec {
         optimizer: &OptimizerSpec,
         (device, seed): (&str, u64),
         group_bytes: usize,
-        sink: &mut dyn ShardSink,
+        sink: Option<&mut dyn ShardSink>,
     ) -> Option<Result<Box<dyn Engine>>> {
-        let engine = BurnEngine::new_released(self, optimizer, (device, seed), group_bytes, sink);
+        let engine = match sink {
+            Some(sink) => {
+                BurnEngine::new_released(self, optimizer, (device, seed), group_bytes, sink)
+            }
+            None => BurnEngine::new(self, optimizer, device, seed).and_then(|mut e| {
+                e.set_backward_group_bytes(group_bytes)?;
+                Ok(e)
+            }),
+        };
         Some(
             engine
                 .map(|e| Box::new(e) as Box<dyn Engine>)

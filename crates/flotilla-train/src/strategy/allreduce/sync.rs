@@ -18,6 +18,7 @@ use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::accumulate::MicroBatches;
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
+use flotilla_engine::ShardSink;
 
 /// What one step produced.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -149,10 +150,11 @@ impl SyncAllReduce {
     }
 }
 
-/// The peer's engine: whole, or under ZeRO stage 3 on more than one rank of a fresh start
-/// (no `resume`) released from the start, its shard of the initial parameters kept as they
-/// are drawn ([`InitialShard`]). A model built whole only (a user's module) is refused
-/// under stage 3.
+/// The peer's engine: whole, or under ZeRO stage 3 on more than one rank ZeRO-3's
+/// ([`ModelSource::released_engine`]): of a fresh start (no `resume`) released from the
+/// start, its shard of the initial parameters kept as they are drawn ([`InitialShard`]); of a
+/// resumed one whole, for rank 0's load, sharded by the start. A model that cannot be
+/// sharded (a user's module without its blocks) is refused under stage 3.
 fn whole_or_released(
     cx: &Cx<'_>,
     setup: &Setup<'_>,
@@ -166,29 +168,32 @@ fn whole_or_released(
         TrainError::config(
             "allreduce.zero",
             format!(
-                "ZeRO stage 3 shards a YAML model's parameters so far, not a program's own \
-                 module ({}): use zero 2 or less",
+                "ZeRO stage 3 runs a program's own module ({}) as its blocks, one gathered at \
+                 a time: give them as its stage modules (flotilla_burn::UserModule::with_stages), \
+                 or use zero 2 or less",
                 setup.model.name()
             ),
         )
     };
-    if setup.model.spec().is_none() {
-        return Err(refused());
-    }
-    if config.schedule.resume {
-        // Rank 0 loads the checkpoint into the whole model; the start keeps the shards.
-        return Ok((setup.engine(config, &config.optimizer)?, None));
-    }
     let mut initial = InitialShard::new(cx.comm.size(), cx.comm.rank());
-    let engine = setup
+    // A resumed run: rank 0 loads the checkpoint into the whole model; the start keeps the
+    // shards.
+    let sink = (!config.schedule.resume).then_some(&mut initial as &mut dyn ShardSink);
+    let mut engine = setup
         .model
         .released_engine(
             &config.optimizer,
             (&m.device, m.seed),
             config.bucket_bytes(),
-            &mut initial,
+            sink,
         )
         .ok_or_else(refused)??;
+    if config.schedule.resume {
+        if m.recompute {
+            engine.set_recompute(true)?;
+        }
+        return Ok((engine, None));
+    }
     Ok((engine, Some(initial)))
 }
 
