@@ -38,7 +38,8 @@
 //! after, and gathered again to recompute its forward in backward; dropout in it draws the
 //! same masks both times. A fresh start draws the module one tensor at a time, never whole;
 //! it trains to the bits of `zero: 0` where a YAML model does (`examples/lenet5_program.rs`
-//! with `--zero 3`).
+//! with `--zero 3`). `recompute: true` runs them the same way on the whole module's
+//! parameters (PyTorch's activation checkpointing per stage module).
 //!
 //! [`conv2d`] runs a burn `Conv2d` of the user's model through Flotilla's convolution on Flex
 //! (per-image GEMMs, the batch split over rayon's threads with bitwise the same result at any

@@ -84,10 +84,10 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
     }
 
     /// The same model cut into `stages`, which `strategy: pipeline` trains (one stage per
-    /// rank, the GPipe or 1F1B schedule, replicas of every stage) and ZeRO stage 3 shards by
+    /// rank, the GPipe or 1F1B schedule, replicas of every stage), ZeRO stage 3 shards by
     /// (PyTorch FSDP's `fully_shard` per stage module: each one's parameters gathered just
-    /// before it runs and released after, its forward recomputed in backward); every other
-    /// way of training trains the whole module. Together the stages hold the module's
+    /// before it runs and released after, its forward recomputed in backward) and
+    /// `recompute: true` recomputes by; every other way of training trains the whole module. Together the stages hold the module's
     /// parameters in its order (ZeRO-3 checks their shapes), and in sequence compute its
     /// logits; the loss is the cross-entropy of the last stage's logits.
     pub fn with_stages(mut self, stages: StageModules) -> Self {
@@ -189,7 +189,7 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
         )?))
     }
 
-    fn released_engine(
+    fn grouped_engine(
         &self,
         optimizer: &OptimizerSpec,
         (device, seed): (&str, u64),

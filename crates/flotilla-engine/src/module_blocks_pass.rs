@@ -1,6 +1,7 @@
 //! ZeRO-3's forward and backward of a user's module as its blocks ([`Blocks`]): what
 //! `sharded.rs` does for a spec's backward groups, with the program's own modules as the
-//! groups. Forward: each block's parameters are gathered ([`ShardedPass::gather`], the next
+//! groups; with the module's own parameters as the source ([`OwnParams`]), its recomputation
+//! (`recompute: true`). Forward: each block's parameters are gathered ([`ShardedPass::gather`], the next
 //! block's announced), it runs **off the tape** on its inputs (kept for backward), and its
 //! parameters are released. The last block runs on the tape, then the loss, its backward,
 //! its gradients handed on ([`ShardedPass::ready`]). Then, for each earlier block from the
@@ -18,6 +19,7 @@
 //! the module's blocks run once on the tape, bit for bit.
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::module::Module;
 use burn::prelude::*;
@@ -25,6 +27,7 @@ use burn::prelude::*;
 use crate::error::{EngineError, Result};
 use crate::kernels::autodiff::as_tracked;
 use crate::module_blocks::{Blocks, Pass};
+use crate::params::{self, ParamLayout};
 use crate::pipeline::named_tensors::NamedTensors;
 use crate::recompute::detached;
 use crate::sharded::ShardedPass;
@@ -174,6 +177,28 @@ pub(crate) fn logits(
         .remove(name)
         .ok_or_else(|| EngineError::Batch(format!("the last block gave no `{name}`")))?;
     Ok(Some(logits.into_logits()))
+}
+
+/// The whole module's own parameters as the blocks' source (`recompute: true`, nothing
+/// sharded): each block's values read from `model`, its gradients kept in `grads` (flat
+/// order) and handed to `ready`.
+pub(crate) struct OwnParams<'a, M> {
+    pub(crate) model: &'a M,
+    pub(crate) layout: &'a ParamLayout,
+    pub(crate) grads: &'a mut [f32],
+    pub(crate) ready: &'a mut dyn FnMut(usize, &[f32]) -> Result<()>,
+}
+
+impl<M: Module> ShardedPass for OwnParams<'_, M> {
+    fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> Result<()> {
+        params::read_range(self.model, self.layout, params, out)
+    }
+
+    fn ready(&mut self, param: usize, grad: &[f32]) -> Result<()> {
+        let p = &self.layout.params[param];
+        self.grads[p.offset..p.offset + p.len].copy_from_slice(grad);
+        (self.ready)(param, grad)
+    }
 }
 
 /// Block `g`'s parameters gathered from `pass` into `scratch`; `pass` is then told of the

@@ -324,3 +324,77 @@ fn blocks_that_are_not_the_modules_are_refused() {
     let e = whole(0.0).release_params().expect_err("no blocks");
     assert!(e.to_string().contains("with_stages"), "{e}");
 }
+
+#[test]
+fn recomputing_by_the_blocks_gives_the_whole_modules_loss_and_gradients_bit_for_bit() {
+    let (images, labels) = batch(6);
+    let batch = BatchRef {
+        images: &images,
+        labels: &labels,
+    };
+    let mut plain = whole(0.0);
+    let loss = plain.forward_backward(batch).expect("whole pass");
+    let mut grads = vec![0.0; plain.num_params()];
+    plain.read_grads(&mut grads).expect("grads");
+    let blocks = blocks(0.0);
+    let mut e = whole(0.0)
+        .with_blocks((blocks.as_slice(), Shape::Flat(FEATURES)))
+        .expect("blocks");
+    e.set_recompute(true).expect("recompute");
+    assert_eq!(e.backward_groups(), vec![4..6, 2..4, 0..2], "the blocks");
+    let mut order = Vec::new();
+    let mut streamed = vec![0.0; grads.len()];
+    let layout = e.layout().clone();
+    let got = e
+        .forward_backward_streaming(batch, &mut |i, g| {
+            let p = &layout.params[i];
+            streamed[p.offset..p.offset + p.len].copy_from_slice(g);
+            order.push(i);
+            Ok(())
+        })
+        .expect("recomputing pass");
+    assert_eq!(got.to_bits(), loss.to_bits(), "the loss");
+    assert_eq!(bits(&streamed), bits(&grads), "the gradients handed on");
+    assert_eq!(
+        order,
+        vec![4, 5, 2, 3, 0, 1],
+        "block by block from the last"
+    );
+    let mut kept = vec![0.0; grads.len()];
+    e.read_grads(&mut kept).expect("kept");
+    assert_eq!(bits(&kept), bits(&grads), "the gradients kept");
+    // Both step the same way, and go on alike.
+    plain.apply_grads(&grads, 0.05).expect("step");
+    e.apply_grads(&kept, 0.05).expect("step");
+    assert_eq!(bits(&params_of(&e)), bits(&params_of(&plain)));
+    let again = e.forward_backward(batch).expect("second pass");
+    assert_eq!(
+        again.to_bits(),
+        plain.forward_backward(batch).expect("pass").to_bits()
+    );
+    assert!(
+        whole(0.0).set_recompute(true).is_err(),
+        "no blocks, no recomputation"
+    );
+}
+
+#[test]
+fn a_recomputing_module_draws_its_dropout_masks_per_block_and_again_in_recomputation() {
+    let (images, labels) = batch(8);
+    let batch = BatchRef {
+        images: &images,
+        labels: &labels,
+    };
+    let blocks = blocks(0.5);
+    let mut e = whole(0.5)
+        .with_blocks((blocks.as_slice(), Shape::Flat(FEATURES)))
+        .expect("blocks");
+    e.set_recompute(true).expect("recompute");
+    let net = e.module().expect("module").clone();
+    e.set_dropout_seed(9);
+    e.forward_backward(batch).expect("recomputing pass");
+    let mut grads = vec![0.0; e.num_params()];
+    e.read_grads(&mut grads).expect("grads");
+    let expected = once_on_the_tape(&net, &images, &labels, 9);
+    assert_eq!(bits(&grads), bits(&expected));
+}

@@ -18,7 +18,7 @@ use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks, labels_tens
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::module_blocks::Blocks;
-use crate::module_blocks_pass;
+use crate::module_blocks_pass::{self, OwnParams};
 use crate::optim::OptimizerSpec;
 use crate::params::{self, ParamLayout};
 use crate::pipeline::module_stage::StageBuilder;
@@ -64,6 +64,11 @@ pub struct ModuleEngine<M: TrainModule> {
     blocks: Option<Blocks>,
     /// Labels per sample (the module's, read once: a released module answers nothing).
     labels_per_sample: usize,
+    /// Whether a training pass runs the blocks, each recomputed in backward
+    /// ([`Engine::set_recompute`]).
+    recompute: bool,
+    /// The gradients of the last recomputing pass, flat (empty: none).
+    flat_grads: Vec<f32>,
 }
 
 delegate_model_state!([M: TrainModule] ModuleEngine<M>);
@@ -89,6 +94,8 @@ impl<M: TrainModule> ModuleEngine<M> {
             grads: Vec::new(),
             blocks: None,
             labels_per_sample,
+            recompute: false,
+            flat_grads: Vec::new(),
         })
     }
 
@@ -121,11 +128,14 @@ impl<M: TrainModule> ModuleEngine<M> {
             grads: Vec::new(),
             blocks: Some(blocks),
             labels_per_sample,
+            recompute: false,
+            flat_grads: Vec::new(),
         })
     }
 
-    /// `self` run as `blocks` under ZeRO-3 (see [`ModuleEngine::released`]), which become
-    /// its backward groups: a whole module whose parameters a resumed run shards.
+    /// `self` run as `blocks` (see [`ModuleEngine::released`]), which become its backward
+    /// groups: a whole module whose parameters a resumed ZeRO-3 run shards, or that
+    /// recomputes each block's forward in backward ([`Engine::set_recompute`]).
     pub fn with_blocks(mut self, (blocks, input): (&[StageBuilder], Shape)) -> Result<Self> {
         let blocks = blocks_of(blocks, input, &self.weights.device)?;
         blocks.check(&self.weights.layout)?;
@@ -155,6 +165,9 @@ impl<M: TrainModule> ModuleEngine<M> {
 
 impl<M: TrainModule> Engine for ModuleEngine<M> {
     fn forward_backward(&mut self, batch: BatchRef<'_>) -> Result<f32> {
+        if self.recompute {
+            return self.recomputed(batch, &mut |_, _| Ok(()));
+        }
         let lps = self.labels_per_sample();
         if batch.labels.is_empty() || !batch.labels.len().is_multiple_of(lps) {
             return Err(EngineError::Batch(format!(
@@ -195,6 +208,9 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         batch: BatchRef<'_>,
         ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<f32> {
+        if self.recompute {
+            return self.recomputed(batch, ready);
+        }
         let loss = self.forward_backward(batch)?;
         // Read group by group from the one backward's gradients, no copy in between.
         let (model, layout) = (self.weights.model()?, &self.weights.layout);
@@ -225,17 +241,41 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
     }
 
     fn for_each_grad(&self, f: &mut dyn FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
+        if !self.flat_grads.is_empty() {
+            for (i, p) in self.weights.layout.params.iter().enumerate() {
+                f(i, &self.flat_grads[p.offset..p.offset + p.len])?;
+            }
+            return Ok(());
+        }
         grouped::for_each_grad(self.weights.model()?, &self.weights.layout, &self.grads, f)
     }
 
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()> {
         self.weights.step(grads, lr)?;
-        self.grads.clear();
+        self.drop_grads();
         Ok(())
     }
 
     fn drop_grads(&mut self) {
         self.grads.clear();
+        self.flat_grads = Vec::new();
+    }
+
+    fn set_recompute(&mut self, on: bool) -> Result<()> {
+        if on {
+            let blocks = self.blocks.as_ref().ok_or_else(|| {
+                EngineError::Recompute(
+                    "a program's own module recomputes by its stage modules: give them \
+                     (flotilla_burn::UserModule::with_stages)"
+                        .into(),
+                )
+            })?;
+            blocks.check(&self.weights.layout)?;
+            self.groups = blocks.groups();
+        }
+        self.drop_grads();
+        self.recompute = on;
+        Ok(())
     }
 
     fn release_params(&mut self) -> Result<()> {
@@ -315,6 +355,39 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
 }
 
 impl<M: TrainModule> ModuleEngine<M> {
+    /// A training pass through the blocks on the module's own parameters, each block's
+    /// forward recomputed in backward (`recompute: true`): its gradients kept flat and handed
+    /// to `ready` block by block from the last.
+    fn recomputed(
+        &mut self,
+        batch: BatchRef<'_>,
+        ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+    ) -> Result<f32> {
+        let n = self.samples(batch.images, batch.labels)?;
+        if n == 0 {
+            return Err(EngineError::Batch("empty batch".into()));
+        }
+        self.drop_grads();
+        let device = self.weights.device.clone();
+        let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
+        let input = Activation::from_flat(batch.images.to_vec(), n, blocks.input, &device);
+        let targets = labels_tensor(batch.labels, &device);
+        let loss = CrossEntropyLossConfig::new().init(&device);
+        let loss = |logits| loss.forward(logits, targets);
+        let layout = &self.weights.layout;
+        let mut grads = vec![0.0; layout.total];
+        let mut own = OwnParams {
+            model: self.weights.model()?,
+            layout,
+            grads: &mut grads,
+            ready,
+        };
+        let value =
+            module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, &mut own)?;
+        self.flat_grads = grads;
+        Ok(value)
+    }
+
     /// The blocks, or the refusal of a module given without them.
     fn blocks(&self) -> Result<&Blocks> {
         self.blocks.as_ref().ok_or_else(no_blocks)

@@ -253,6 +253,63 @@ pub fn read_values<M: Module>(
     reader.error.map_or(Ok(()), Err)
 }
 
+/// Copies the parameters whose index is in `params` into `out` (their values one after the
+/// other in flat order; its length is theirs).
+pub(crate) fn read_range<M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    params: Range<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    struct Reader<'a> {
+        params: Range<usize>,
+        index: usize,
+        out: &'a mut [f32],
+        offset: usize,
+        error: Option<EngineError>,
+    }
+    impl ModuleVisitor for Reader<'_> {
+        fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+            let index = self.index;
+            self.index += 1;
+            if !self.params.contains(&index) || self.error.is_some() {
+                return;
+            }
+            let tensor = param.val();
+            let len = tensor.shape().num_elements();
+            let Some(dst) = self.out.get_mut(self.offset..self.offset + len) else {
+                self.error = Some(EngineError::FlatLength {
+                    expected: self.offset + len,
+                    got: self.out.len(),
+                });
+                return;
+            };
+            self.error = copy_tensor(tensor, dst).err();
+            self.offset += len;
+        }
+    }
+    let len: usize = layout
+        .params
+        .get(params.clone())
+        .map_or(0, |infos| infos.iter().map(|p| p.len).sum());
+    if out.len() != len {
+        return Err(EngineError::FlatLength {
+            expected: len,
+            got: out.len(),
+        });
+    }
+    let _copy = copies::to_host(Tensors::Params.name(), len);
+    let mut reader = Reader {
+        params,
+        index: 0,
+        out,
+        offset: 0,
+        error: None,
+    };
+    model.visit(&mut Only::new(&mut reader, Tensors::Params));
+    reader.error.map_or(Ok(()), Err)
+}
+
 /// Replaces every parameter (or every buffer) of `model` with values from `src` (flat order of
 /// `layout`), keeping parameter ids (so optimizer state stays attached) and gradient
 /// requirements.

@@ -207,6 +207,28 @@ fn zero_3() {
     assert_bitwise("ZeRO-3 without prefetch vs with", &unfetched, &user);
 }
 
+/// `recompute: true` runs the program's module as its stage modules, each one's forward
+/// recomputed in backward: the bits of the run without it.
+#[test]
+fn recomputation_of_a_programs_module() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    let plain = run(dir.path(), "plain", job, &["--", exe]);
+    let with = format!("{job}recompute: true\n");
+    let recomputed = run(dir.path(), "recomputed", &with, &["--", exe]);
+    let own = run_with_env(
+        dir.path(),
+        "recomputed-own-loop",
+        &with,
+        &["--", exe],
+        &[("LOOP", "own")],
+    );
+    assert_bitwise("recomputed vs not", &recomputed, &plain);
+    assert_bitwise("the program's own loop, recomputed", &own, &plain);
+}
+
 #[test]
 fn async_all_reduce() {
     let dir = tmp();

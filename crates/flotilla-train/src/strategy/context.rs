@@ -105,14 +105,14 @@ pub trait ModelSource {
     fn engine(&self, optimizer: &OptimizerSpec, device: &str, seed: u64)
     -> Result<Box<dyn Engine>>;
 
-    /// ZeRO-3's engine, whose backward groups are what it gathers one at a time (a spec's:
-    /// at most `group_bytes`; a user's module: its blocks). With `sink`, the whole model that
-    /// never is whole on this rank: its parameters drawn from `seed` as
-    /// [`ModelSource::engine`] draws them, one layer (or tensor) at a time, each handed to
-    /// `sink` and released ([`BurnEngine::new_released`]); without, the whole model, whose
-    /// parameters a resumed run's start shards. `None`: this model cannot be sharded (a
-    /// user's module given without its blocks).
-    fn released_engine(
+    /// The model as an engine that runs it one backward group at a time: what ZeRO-3
+    /// gathers one at a time and recomputation recomputes by (a spec's groups: at most
+    /// `group_bytes`; a user's module's: its stage modules). With `sink` (ZeRO-3's fresh
+    /// start), the whole model that never is whole on this rank: its parameters drawn from
+    /// `seed` as [`ModelSource::engine`] draws them, one layer (or tensor) at a time, each
+    /// handed to `sink` and released ([`BurnEngine::new_released`]); without, the whole model.
+    /// `None`: this model does not run so (a user's module given without stage modules).
+    fn grouped_engine(
         &self,
         optimizer: &OptimizerSpec,
         (device, seed): (&str, u64),
@@ -172,7 +172,7 @@ impl ModelSource for ModelSpec {
         Ok(Box::new(BurnEngine::new(self, optimizer, device, seed)?))
     }
 
-    fn released_engine(
+    fn grouped_engine(
         &self,
         optimizer: &OptimizerSpec,
         (device, seed): (&str, u64),
@@ -219,7 +219,17 @@ impl Setup<'_> {
         optimizer: &OptimizerSpec,
     ) -> Result<Box<dyn Engine>> {
         let m = &config.model;
-        let mut engine = self.model.engine(optimizer, &m.device, m.seed)?;
+        // A program's module recomputes by its stage modules; a spec by its own segments.
+        let grouped = (m.recompute && self.model.spec().is_none())
+            .then(|| {
+                self.model
+                    .grouped_engine(optimizer, (&m.device, m.seed), 0, None)
+            })
+            .flatten();
+        let mut engine = match grouped {
+            Some(engine) => engine?,
+            None => self.model.engine(optimizer, &m.device, m.seed)?,
+        };
         if m.recompute {
             engine.set_recompute(true)?;
         }

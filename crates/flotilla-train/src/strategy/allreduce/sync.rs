@@ -151,7 +151,7 @@ impl SyncAllReduce {
 }
 
 /// The peer's engine: whole, or under ZeRO stage 3 on more than one rank ZeRO-3's
-/// ([`ModelSource::released_engine`]): of a fresh start (no `resume`) released from the
+/// ([`ModelSource::grouped_engine`]): of a fresh start (no `resume`) released from the
 /// start, its shard of the initial parameters kept as they are drawn ([`InitialShard`]); of a
 /// resumed one whole, for rank 0's load, sharded by the start. A model that cannot be
 /// sharded (a user's module without its blocks) is refused under stage 3.
@@ -181,7 +181,7 @@ fn whole_or_released(
     let sink = (!config.schedule.resume).then_some(&mut initial as &mut dyn ShardSink);
     let mut engine = setup
         .model
-        .released_engine(
+        .grouped_engine(
             &config.optimizer,
             (&m.device, m.seed),
             config.bucket_bytes(),
