@@ -178,8 +178,8 @@ fn burns(conv: &Conv2d, x: Tensor<4>, relu: bool) -> Tensor<4> {
 
 #[test]
 fn output_and_gradients_match_burns_conv2d() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     for (case, relu) in CASES.into_iter().flat_map(|c| [(c, false), (c, true)]) {
         let ours = run(case, |conv, x| conv2d_fused(conv, x, relu));
         let burn = run(case, |conv, x| burns(conv, x, relu));
@@ -203,8 +203,8 @@ fn output_and_gradients_match_burns_conv2d() {
 
 #[test]
 fn one_and_two_threads_give_the_same_bits() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     let pool = |threads| {
         rayon::ThreadPoolBuilder::new()
             .num_threads(threads)
@@ -238,8 +238,8 @@ fn one_and_two_threads_give_the_same_bits() {
 
 #[test]
 fn layers_outside_the_kernels_run_burns_conv2d() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     // Dilation 2: burn's own convolution, the same values as calling it directly.
     let device = Device::flex().autodiff();
     let conv = Conv2dConfig::new([2, 3], [3, 3])

@@ -498,6 +498,7 @@ impl Engine for BurnEngine {
 
     fn set_dropout_seed(&mut self, seed: u64) {
         self.weights.set_dropout_seed(seed);
+        self.weights.set_layer_dropout_seed(seed);
     }
 
     fn set_batch_norm_sync(&mut self, reducer: Option<Arc<dyn Reducer>>) -> Result<()> {
@@ -570,7 +571,7 @@ impl Engine for BurnEngine {
         pass: &mut dyn ShardedPass,
     ) -> Result<EvalStats> {
         let n = self.check_batch(images, labels)?;
-        let device = self.weights.device.clone();
+        let device = self.weights.base_device.clone();
         let input = (n > 0).then(|| Activation::from_flat(images.to_vec(), n, self.input, &device));
         let (model, layout) = self.weights.released_model()?;
         let logits = sharded::logits(model, layout, &self.groups, input, pass)?;

@@ -43,6 +43,7 @@ mod optim;
 mod params;
 mod pipeline;
 mod recompute;
+mod rng;
 mod sharded;
 mod spec;
 pub mod sync_batch_norm;

@@ -15,8 +15,9 @@ use crate::engine::labels_tensor;
 use crate::engine_tests::sgd;
 use crate::params;
 use crate::pipeline::module_stage::StageBuilder;
+use crate::rng::mask_seed;
+use crate::rng::under_rng_lock;
 use crate::sharded_tests::{Everything, Gatherer, bits};
-use crate::weights::{block_seed, under_rng_lock};
 use crate::{
     BatchRef, Engine, EngineError, ModelState, ModuleEngine, NamedTensors, Shape, StageModule,
     TrainModule,
@@ -256,7 +257,7 @@ fn once_on_the_tape(net: &Net, images: &[f32], labels: &[i64], seed: u64) -> Vec
     let device = Device::flex().autodiff();
     let n = labels.len();
     let x = Tensor::<2>::from_data(TensorData::new(images.to_vec(), [n, FEATURES]), &device);
-    let seeded = |block: usize| device.seed(block_seed(seed, block));
+    let seeded = |block: usize| device.seed(mask_seed(seed, block));
     let h = under_rng_lock(|| {
         seeded(0);
         net.a.run(x)

@@ -81,7 +81,7 @@ impl<M: TrainModule> ModuleEngine<M> {
         // burn draws a lazily initialised parameter's values at its first use, from the
         // backend's process-wide RNG: drawn here under the lock that seeded builds hold, so
         // that a model built meanwhile in another thread still depends on its seed alone.
-        let model = crate::weights::under_rng_lock(|| crate::weights::materialized(model))?;
+        let model = crate::rng::under_rng_lock(|| crate::weights::materialized(model))?;
         // `train()`: a module built on a plain device gets its parameters' configured
         // gradient tracking back on the autodiff one (a frozen parameter stays frozen).
         let model = params::renumber(model.fork(&base_device.clone().autodiff()).train());
@@ -415,7 +415,7 @@ impl<M: TrainModule> ModuleEngine<M> {
 fn blocks_of(builders: &[StageBuilder], input: Shape, device: &Device) -> Result<Blocks> {
     // Under the RNG's lock: a module that draws as it is built still leaves the seeded draws
     // of other threads alone.
-    let blocks = crate::weights::under_rng_lock(|| {
+    let blocks = crate::rng::under_rng_lock(|| {
         builders
             .iter()
             .map(|build| build(device).into_block())

@@ -7,15 +7,18 @@
 //!
 //! The recomputed forward is the same operations on the same values as the first (the
 //! off-tape forward runs the tracked kernels, [`as_tracked`]), so every gradient is bit for
-//! bit that of the grouped backward of [`crate::grouped`] (and of one backward pass). A layer
-//! whose forward changes state or draws random numbers would do so twice: such a model is
-//! refused ([`not_recomputable`]).
+//! bit that of the grouped backward of [`crate::grouped`] (and of one backward pass). Dropout
+//! draws each layer's mask from the RNG re-seeded for the step and the layer
+//! ([`SequentialModel::dropout_seed`]), so the recomputed forward draws the masks the first
+//! one drew. A layer whose forward changes state (batch norm's running statistics) would do
+//! so twice: such a model is refused ([`not_recomputable`]).
 //!
 //! Where a group's parameters come from is the [`GroupSource`]'s: the whole model's own
 //! ([`forward_backward`], `recompute: true`), or gathered from the ranks' shards for each use
 //! ([`crate::sharded`], ZeRO stage 3).
 
 use std::collections::HashMap;
+use std::ops::Range;
 
 use burn::prelude::*;
 use burn::tensor::Gradients;
@@ -25,6 +28,7 @@ use crate::error::{EngineError, Result};
 use crate::grouped::GroupGrads;
 use crate::kernels::autodiff::as_tracked;
 use crate::params::{self, ParamLayout};
+use crate::rng::under_rng_lock;
 use crate::spec::activation::{Activation, map_tensor};
 use crate::spec::model::{Layer, SequentialModel};
 
@@ -47,20 +51,41 @@ pub(crate) trait GroupSource {
     ) -> Result<()>;
 }
 
-/// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state
-/// or draws random numbers, which a recomputed forward would do twice (`what` names the
-/// pass that recomputes).
+/// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state,
+/// which a recomputed forward would do twice (`what` names the pass that recomputes).
 pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<String> {
     model.layers.iter().enumerate().find_map(|(i, layer)| {
-        let why = match layer {
-            Layer::BatchNorm(_) => "batch norm updates its running statistics in forward",
-            Layer::Dropout(d) if d.prob > 0.0 => "dropout draws its mask in forward",
-            _ => return None,
-        };
-        Some(format!(
-            "layer {i}: {why}, and {what} recomputes each group's forward"
-        ))
+        matches!(layer, Layer::BatchNorm(_)).then(|| {
+            format!(
+                "layer {i}: batch norm updates its running statistics in forward, and {what} \
+                 recomputes each group's forward"
+            )
+        })
     })
+}
+
+/// `forward` of `model`'s layers `layers`, holding the RNG's lock when one of them draws a
+/// dropout mask (each re-seeded for its layer by the step's dropout seed, which a pass that
+/// recomputes needs: refused without).
+fn with_masks<T>(
+    model: &SequentialModel,
+    layers: &Range<usize>,
+    forward: impl FnOnce() -> T,
+) -> Result<T> {
+    let draws = model.layers[layers.clone()]
+        .iter()
+        .any(|l| matches!(l, Layer::Dropout(d) if d.prob > 0.0));
+    if !draws {
+        return Ok(forward());
+    }
+    if model.dropout_seed.is_none() {
+        return Err(EngineError::Recompute(
+            "a recomputed forward draws its dropout masks again from the step's dropout seed, \
+             and none is set (Engine::set_dropout_seed)"
+                .into(),
+        ));
+    }
+    Ok(under_rng_lock(forward))
 }
 
 /// `x` without a tape behind it and requiring no gradient (the next group's input off the
@@ -89,8 +114,8 @@ pub(crate) fn run(
         let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
         for (g, group) in groups[..last].iter().enumerate() {
             let m = source.model(g, false)?;
-            let y =
-                as_tracked(|| m.run_range(group.layers.clone(), x.clone(), &mut HashMap::new()));
+            let run = || m.run_range(group.layers.clone(), x.clone(), &mut HashMap::new());
+            let y = with_masks(&m, &group.layers, || as_tracked(run))?;
             source.forward_done(g, m)?;
             inputs.push(x);
             x = detached(y);
@@ -106,7 +131,10 @@ pub(crate) fn run(
         let m = source.model(g, true)?;
         let input = inputs.pop().ok_or(EngineError::NoGradients)?;
         let leaf = if g > 0 { input.require_grad() } else { input };
-        let y = m.run_range(groups[g].layers.clone(), leaf.clone(), &mut HashMap::new());
+        let layers = &groups[g].layers;
+        let y = with_masks(&m, layers, || {
+            m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
+        })?;
         let mut grads = if let Some(loss) = loss.take() {
             let l = loss(y.into_logits());
             let grads = l.backward();

@@ -1,19 +1,22 @@
 //! Activation recomputation (`Engine::set_recompute`) against the same engine without it:
 //! the same losses and gradients bit for bit over steps, whether the gradients are streamed
-//! or read after the pass, with one backward group or many; models whose forward changes
-//! state or draws are refused, and so is an engine that runs a user's module.
+//! or read after the pass, with one backward group or many, dropout masks included (drawn
+//! again in the recomputed forward); a model whose forward changes state is refused, and so
+//! is a recomputed pass with dropout but no dropout seed.
 
-use crate::sharded_tests::{batch, bits, engine};
+use crate::sharded_tests::{batch, bits, engine, specs};
 use crate::{BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState};
 
-/// Three steps of `e` on fixed batches: each step's loss and streamed gradient, then the
-/// gradient [`Engine::for_each_grad`] reads after a plain `forward_backward`.
-fn steps(e: &mut BurnEngine, spec: &ModelSpec) -> Vec<(u32, Vec<u32>)> {
+/// Three steps of `e` on fixed batches, each with its dropout seed (`salt` plus the step):
+/// each step's loss and streamed gradient, then the gradient [`Engine::for_each_grad`] reads
+/// after a plain `forward_backward`.
+fn steps(e: &mut BurnEngine, spec: &ModelSpec, salt: u64) -> Vec<(u32, Vec<u32>)> {
     let total = e.layout().total;
     let n = if spec.token_vocab().is_some() { 2 } else { 8 };
     let mut seen = Vec::new();
     for step in 0..3u32 {
         let (images, labels) = batch(spec, n, step);
+        e.set_dropout_seed(salt + u64::from(step));
         let b = BatchRef {
             images: &images,
             labels: &labels,
@@ -41,13 +44,13 @@ fn steps(e: &mut BurnEngine, spec: &ModelSpec) -> Vec<(u32, Vec<u32>)> {
 
 #[test]
 fn recomputation_gives_the_same_losses_and_gradients_bit_for_bit() {
-    for name in ["mlp", "lenet5", "resmlp", "gpt-char"] {
-        let spec = ModelSpec::builtin(name).expect("shipped spec");
+    for (name, spec) in specs() {
         for max_bytes in [0, 1 << 20] {
             let mut plain = engine(&spec, max_bytes);
             let mut recomputed = engine(&spec, max_bytes);
             recomputed.set_recompute(true).expect("recompute");
-            let (want, got) = (steps(&mut plain, &spec), steps(&mut recomputed, &spec));
+            let want = steps(&mut plain, &spec, 100);
+            let got = steps(&mut recomputed, &spec, 100);
             for (step, (w, g)) in want.iter().zip(&got).enumerate() {
                 assert_eq!(
                     w.0, g.0,
@@ -59,27 +62,38 @@ fn recomputation_gives_the_same_losses_and_gradients_bit_for_bit() {
                     w.1.iter().zip(&g.1).position(|(a, b)| a != b)
                 );
             }
+            if name.contains("dropout") {
+                // The masks are drawn: another seed, other gradients.
+                let mut other = engine(&spec, max_bytes);
+                other.set_recompute(true).expect("recompute");
+                assert_ne!(steps(&mut other, &spec, 200)[0].1, got[0].1, "{name}");
+            }
         }
     }
 }
 
 #[test]
-fn recomputation_is_refused_for_a_model_whose_forward_changes_state_or_draws() {
-    let dropout = ModelSpec::from_yaml(
-        "input: [8]\nlayers:\n  - linear: {out: 8}\n  - dropout: {p: 0.1}\n  - linear: {out: 3}\n",
-        "dropout",
-    )
-    .expect("spec");
-    for (name, spec) in [
-        ("resnet-bn", ModelSpec::builtin("resnet-bn").expect("spec")),
-        ("dropout", dropout),
-    ] {
-        let mut e = engine(&spec, 0);
-        let err = e.set_recompute(true).expect_err(name);
-        assert!(
-            matches!(err, EngineError::Recompute(_)) && err.to_string().contains("recomputes"),
-            "{name}: {err}"
-        );
-        e.set_recompute(false).expect("off is always possible");
-    }
+fn recomputation_is_refused_for_a_model_whose_forward_changes_state() {
+    let spec = ModelSpec::builtin("resnet-bn").expect("spec");
+    let mut e = engine(&spec, 0);
+    let err = e.set_recompute(true).expect_err("batch norm");
+    assert!(
+        matches!(err, EngineError::Recompute(_)) && err.to_string().contains("recomputes"),
+        "{err}"
+    );
+    e.set_recompute(false).expect("off is always possible");
+}
+
+#[test]
+fn a_recomputed_pass_with_dropout_and_no_seed_is_refused() {
+    let (_, spec) = specs().pop().expect("gpt-dropout");
+    let mut e = engine(&spec, 0);
+    e.set_recompute(true).expect("recompute");
+    let (images, labels) = batch(&spec, 2, 0);
+    let b = BatchRef {
+        images: &images,
+        labels: &labels,
+    };
+    let err = e.forward_backward(b).expect_err("no dropout seed");
+    assert!(err.to_string().contains("dropout seed"), "{err}");
 }

@@ -19,9 +19,9 @@
 //! backward pass). What a rank holds at most: its shard (the caller's), one group's gathered
 //! parameters and gradients, the groups' inputs, and one group's activations on the tape.
 //!
-//! A layer whose forward changes state (batch norm's running statistics) or draws random
-//! numbers (dropout) would do so twice: such a model is refused
-//! ([`check_shardable`]). The pass itself is [`crate::recompute`]'s (`recompute: true` runs it
+//! A layer whose forward changes state (batch norm's running statistics) would do so twice:
+//! such a model is refused ([`check_shardable`]). Dropout draws the same masks both times
+//! (each layer's from the step's dropout seed, [`SequentialModel::dropout_seed`]). The pass itself is [`crate::recompute`]'s (`recompute: true` runs it
 //! on the whole model); this module's [`GroupSource`] gathers and releases each group.
 
 use std::collections::HashMap;
@@ -88,8 +88,8 @@ pub trait ShardSink {
     fn values(&mut self, param: usize, values: &[f32]) -> Result<()>;
 }
 
-/// Refuses a model whose forward pass changes state or draws random numbers, which the
-/// recomputed forward of a sharded backward would do twice.
+/// Refuses a model whose forward pass changes state, which the recomputed forward of a
+/// sharded backward would do twice.
 pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
     match recompute::not_recomputable(model, "a sharded backward") {
         Some(why) => Err(EngineError::ParamsSharded(format!(
@@ -201,9 +201,10 @@ pub(crate) fn forward_backward(
     recompute::run(groups, input, loss, &mut source)
 }
 
-/// The logits of `input` (`None`: no samples on this rank, but the gathers take part) by a
-/// model whose parameters `pass` gathers, group by group off the tape, each released after
-/// it ran: an evaluation's forward.
+/// The logits of `input` (`None`: no samples on this rank, but the gathers take part; on the
+/// device without autodiff) by a model whose parameters `pass` gathers, group by group, each
+/// run for evaluation (burn's `valid()`: dropout passes its input on) and released after: an
+/// evaluation's forward.
 pub(crate) fn logits(
     model: &mut Option<SequentialModel>,
     layout: &ParamLayout,
@@ -216,7 +217,10 @@ pub(crate) fn logits(
     for (g, group) in groups.iter().enumerate() {
         let both = (group, groups.get(g + 1));
         let m = gathered(take(model)?, layout, both, pass, (&mut scratch, false))?;
-        x = x.map(|x| m.run_range(group.layers.clone(), x, &mut HashMap::new()));
+        x = x.map(|x| {
+            m.valid()
+                .run_range(group.layers.clone(), x, &mut HashMap::new())
+        });
         *model = Some(released(m, layout, group)?);
     }
     Ok(x.map(Activation::into_logits))

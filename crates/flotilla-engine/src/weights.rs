@@ -23,40 +23,11 @@ use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
 use crate::optim::state_check::{Expected, check_state_shapes};
 use crate::params::{self, ParamLayout};
+use crate::rng::{RNG_LOCK, mask_seed};
 use crate::sharded::ShardSink;
 use crate::spec::ModelSpec;
 use crate::spec::model::{Identity, Layer, SequentialModel};
 use crate::weights_writer::WeightsWriter;
-
-/// Serialises seeding the backend's RNG and drawing from it (see [`Weights::new`] and
-/// [`Weights::with_dropout_rng`]): the RNG may be process-wide.
-static RNG_LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-/// What `draw` returns, run holding the lock under which the backend's RNG is seeded and
-/// drawn from (the lock is not re-entrant: `draw` must not build a seeded model).
-pub(crate) fn under_rng_lock<T>(draw: impl FnOnce() -> T) -> T {
-    let _guard = RNG_LOCK
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
-    draw()
-}
-
-/// Holds the lock under which the backend's RNG is seeded and drawn from. A test that lets
-/// burn initialise a module itself (lazily, at its first use) holds it for its whole run, so
-/// that engines built by tests running beside it still depend on their seed alone.
-#[cfg(test)]
-pub(crate) fn rng_lock() -> std::sync::MutexGuard<'static, ()> {
-    RNG_LOCK
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner())
-}
-
-/// The seed of block `block`'s dropout masks in a step of dropout seed `seed`
-/// ([`Weights::with_block_rng`]): a distinct stream per block, `seed` mixed with the golden
-/// ratio's odd multiple of `block + 1`.
-pub(crate) fn block_seed(seed: u64, block: usize) -> u64 {
-    seed ^ (block as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
 
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
@@ -283,6 +254,14 @@ impl Weights<SequentialModel> {
         Ok(())
     }
 
+    /// Makes every dropout layer draw its mask from the RNG re-seeded for `seed` and its
+    /// index ([`SequentialModel::dropout_seed`]), released or not.
+    pub(crate) fn set_layer_dropout_seed(&mut self, seed: u64) {
+        if let Some(model) = self.model.as_mut() {
+            model.dropout_seed = Some(seed);
+        }
+    }
+
     /// The error a synchronized batch norm's sum met in the last pass, if any.
     pub(crate) fn batch_norm_sync_result(&self) -> Result<()> {
         let failed = self
@@ -351,7 +330,7 @@ impl<M: Module> Weights<M> {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         self.device
-            .seed(block_seed(self.dropout_seed.unwrap_or(0), block));
+            .seed(mask_seed(self.dropout_seed.unwrap_or(0), block));
         forward()
     }
 

@@ -5,8 +5,8 @@
 //! parameters, bit for bit, dropout masks included; under ZeRO-3 (parameters sharded, each
 //! block gathered for its forward and again for its recomputed forward in backward) it trains
 //! what ZeRO-0 trains, bit for bit, and resumes so; recomputing each block in backward
-//! (`recompute: true`) it trains what it trains without, bit for bit. Real `flotilla`
-//! processes over 127.0.0.1.
+//! (`recompute: true`) it trains what it trains without, bit for bit, with dropout too (the
+//! recomputed forward draws the same masks). Real `flotilla` processes over 127.0.0.1.
 
 mod common;
 
@@ -198,15 +198,6 @@ fn a_gpt_under_zero_3_trains_what_zero_0_trains_bitwise_and_resumes_so() {
         after(&log_0, "final eval "),
         "{log}"
     );
-    // A model that draws in its forward cannot be recomputed: refused, named.
-    let cfg = config(d, "dropout", SPEC_DROPOUT, &format!("{ZERO_3}{}", steps(2)));
-    let o = run(&cfg, &d.join("dropout"), &[], None);
-    assert!(!o.status.success(), "dropout under ZeRO-3 must be refused");
-    assert!(
-        text(&o).contains("dropout draws its mask in forward"),
-        "{}",
-        text(&o)
-    );
 }
 
 /// Rank `pid`'s all-gathers that started within a training step: how many started while its
@@ -290,18 +281,44 @@ fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
             &plain,
         );
     }
-    // A model that draws in its forward cannot be recomputed: refused, named.
-    let cfg = config(d, "dropout", SPEC_DROPOUT, &format!("{zero_0}{}", steps(2)));
-    let o = run(&cfg, &d.join("dropout"), &["--recompute"], None);
-    assert!(
-        !o.status.success(),
-        "dropout with recompute must be refused"
+}
+
+/// With dropout after each block, the recomputed forward (`recompute: true`, and ZeRO-3's
+/// sharded backward) draws the masks the first forward drew: the bits of the run without it.
+#[test]
+fn a_gpt_with_dropout_recomputed_or_under_zero_3_trains_its_zero_0_bits() {
+    let dir = tmp();
+    let d = dir.path();
+    let zero_0 = ZERO_3.replace("zero: 3", "zero: 0");
+    let out = |name: &str| d.join(name).to_str().expect("utf8").to_string();
+    let plain = config(d, "plain", SPEC_DROPOUT, &format!("{zero_0}{}", steps(20)));
+    launch(&[&plain, "--output", &out("plain")], LIMIT);
+    launch(
+        &[&plain, "--recompute", "--output", &out("recomputed")],
+        LIMIT,
     );
-    assert!(
-        text(&o).contains("dropout draws its mask in forward"),
-        "{}",
-        text(&o)
+    let zero_3 = config(d, "zero-3", SPEC_DROPOUT, &format!("{ZERO_3}{}", steps(20)));
+    launch(&[&zero_3, "--output", &out("zero-3")], LIMIT);
+    let plain = checkpoint_tensors(&d.join("plain"));
+    let other_seed = config(
+        d,
+        "more-dropout",
+        &SPEC_DROPOUT.replace("p: 0.1", "p: 0.2"),
+        &format!("{zero_0}{}", steps(20)),
     );
+    launch(&[&other_seed, "--output", &out("other")], LIMIT);
+    let other = checkpoint_tensors(&d.join("other"));
+    assert!(
+        relative_error(&other, &plain) > 0.0,
+        "dropout changes the run"
+    );
+    for name in ["recomputed", "zero-3"] {
+        assert_bitwise(
+            &format!("{name} vs plain, with dropout"),
+            &checkpoint_tensors(&d.join(name)),
+            &plain,
+        );
+    }
 }
 
 /// The resident memory (MiB) rank `rank` of `out` reported at its evaluation after `step`

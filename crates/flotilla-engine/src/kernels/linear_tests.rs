@@ -69,8 +69,8 @@ fn assert_close(ours: &[f32], theirs: &[f32], what: &str) {
 
 #[test]
 fn outputs_and_gradients_match_burns_linear_and_relu() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     // (batch dims, in, out, bias, relu)
     let cases: [([usize; 2], usize, usize, bool, bool); 5] = [
         ([64, 1], 784, 256, true, true),
@@ -99,8 +99,8 @@ fn outputs_and_gradients_match_burns_linear_and_relu() {
 
 #[test]
 fn one_and_two_threads_give_the_same_bits() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     for (dims, k, n) in [([256, 1, 784], 784, 256), ([64, 1, 256], 256, 128)] {
         let m = layer(k, n, true);
         let on = |threads: usize| {
@@ -122,8 +122,8 @@ fn one_and_two_threads_give_the_same_bits() {
 /// burn's `Linear` (then `relu`), with and without bias and ReLU.
 #[test]
 fn inference_outputs_match_burns_linear_and_relu() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     let device = Device::flex();
     let (dims, k, n) = ([5, 3, 24], 24, 17);
     let x = Tensor::<3>::from_data(TensorData::new(values(5 * 3 * k, 5), dims), &device);

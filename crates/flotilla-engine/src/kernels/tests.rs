@@ -93,8 +93,8 @@ fn burn_block() -> TransformerEncoderLayer {
 
 #[test]
 fn block_matches_burns_transformer_layer_and_its_gradients() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     let layer = burn_block();
     let x = tensor([3, 20, 64], 4, 2.0);
     let w = tensor([3, 20, 64], 5, 1.0);
@@ -115,8 +115,8 @@ fn causal_mask(x: &Tensor<3>) -> Tensor<3, Bool> {
 
 #[test]
 fn attention_matches_burns_multi_head_attention_and_its_gradients() {
-    // Draws from the backend RNG: see `weights::rng_lock`.
-    let _rng = crate::weights::rng_lock();
+    // Draws from the backend RNG: see `rng::rng_lock`.
+    let _rng = crate::rng::rng_lock();
     let mha = MultiHeadAttentionConfig::new(64, 4)
         .with_dropout(0.0)
         .init(&device());

@@ -162,6 +162,11 @@ impl Activation {
         }
     }
 
+    /// The device its tensor is on.
+    pub(crate) fn device(&self) -> Device {
+        on_tensor!(self, |t| t.device())
+    }
+
     /// Number of values.
     pub(crate) fn numel(&self) -> usize {
         on_tensor!(self, |t| t.shape().num_elements())

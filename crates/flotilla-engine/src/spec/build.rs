@@ -36,6 +36,7 @@ impl SequentialModel {
             layers,
             links,
             batch_norm_sync: None,
+            dropout_seed: None,
         })
     }
 }

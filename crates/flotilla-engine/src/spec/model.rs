@@ -104,6 +104,12 @@ pub struct SequentialModel {
     /// ([`crate::sync_batch_norm`]); never saved.
     #[module(skip)]
     pub batch_norm_sync: Option<ReducerHandle>,
+    /// When set (a training step's dropout seed), each dropout layer draws its mask from the
+    /// RNG re-seeded for that seed and its index: the masks depend on neither the layers
+    /// run before it in the same pass nor how the pass is cut, so a recomputed forward
+    /// (recomputation, ZeRO-3) draws the first one's. The caller holds the RNG's lock.
+    #[module(skip)]
+    pub dropout_seed: Option<u64>,
 }
 
 // `SequentialModel::new` (building the model of a spec) is in `crate::spec::build`.
@@ -150,6 +156,7 @@ impl SequentialModel {
                 i += 1;
                 self.links.get(i).unwrap_or(&none)
             } else {
+                self.seed_dropout(i, layer, &x);
                 x = apply(layer, x, self.batch_norm_sync.as_ref());
                 links
             };
@@ -159,6 +166,20 @@ impl SequentialModel {
             i += 1;
         }
         x
+    }
+
+    /// Re-seeds the RNG for layer `i`'s dropout mask when it is a dropout layer that draws one
+    /// (in training: on an autodiff device) and a dropout seed is set
+    /// ([`SequentialModel::dropout_seed`]).
+    fn seed_dropout(&self, i: usize, layer: &Layer, x: &Activation) {
+        if let (Layer::Dropout(d), Some(seed)) = (layer, self.dropout_seed)
+            && d.prob > 0.0
+        {
+            let device = x.device();
+            if device.is_autodiff() {
+                device.seed(crate::rng::mask_seed(seed, i));
+            }
+        }
     }
 
     /// Whether layer `i` merges nothing into its input.
