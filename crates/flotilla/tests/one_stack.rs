@@ -636,9 +636,10 @@ fn gradient_accumulation() {
 }
 
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
-/// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1
-/// and ZeRO-2 (the norm summed from the ranks' shards) give the bits of plain all-reduce,
-/// and the user's module and async all-reduce with `staleness: 0` the bits of sync. So do 2 pipeline stages of 2
+/// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1,
+/// 2 and 3 (the norm summed from the ranks' shards) give the bits of plain all-reduce, and
+/// the user's module (whole, and under ZeRO-3) and async all-reduce with `staleness: 0` the
+/// bits of sync. So do 2 pipeline stages of 2
 /// accumulated batches of 32 in 2 micro-batches each (to rounding; the program's stage
 /// modules: the spec's bits).
 #[test]
@@ -669,7 +670,7 @@ fn clipping_by_global_norm() {
     );
     let e = relative_error(&unclipped, &one);
     assert!(e > 1e-3, "clipping at 0.5 changed nothing ({e})");
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let sharded = run(
             dir.path(),
             &format!("zero{zero}"),
@@ -689,6 +690,13 @@ fn clipping_by_global_norm() {
         &["--", exe],
     );
     assert_bitwise("clipped: user module vs spec model", &user, &two);
+    let user_zero_3 = run(
+        dir.path(),
+        "user-zero3",
+        &format!("world_size: 2\nbatch_size: 32\nzero: 3\n{clip}"),
+        &["--", exe],
+    );
+    assert_bitwise("clipped: user module under ZeRO-3", &user_zero_3, &two);
     let async_ = run(
         dir.path(),
         "async",
