@@ -289,17 +289,11 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         batch: BatchRef<'_>,
         pass: &mut dyn ShardedPass,
     ) -> Result<f32> {
-        let n = self.samples(batch.images, batch.labels)?;
-        if n == 0 {
-            return Err(EngineError::Batch("empty batch".into()));
-        }
+        let (input, targets) = self.blocks_batch(batch)?;
         self.grads.clear();
         self.weights.released_model()?;
-        let device = self.weights.device.clone();
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
-        let input = Activation::from_flat(batch.images.to_vec(), n, blocks.input, &device);
-        let targets = labels_tensor(batch.labels, &device);
-        let loss = CrossEntropyLossConfig::new().init(&device);
+        let loss = CrossEntropyLossConfig::new().init(&self.weights.device);
         let loss = |logits| loss.forward(logits, targets);
         module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, pass)
     }
@@ -363,16 +357,10 @@ impl<M: TrainModule> ModuleEngine<M> {
         batch: BatchRef<'_>,
         ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
     ) -> Result<f32> {
-        let n = self.samples(batch.images, batch.labels)?;
-        if n == 0 {
-            return Err(EngineError::Batch("empty batch".into()));
-        }
+        let (input, targets) = self.blocks_batch(batch)?;
         self.drop_grads();
-        let device = self.weights.device.clone();
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
-        let input = Activation::from_flat(batch.images.to_vec(), n, blocks.input, &device);
-        let targets = labels_tensor(batch.labels, &device);
-        let loss = CrossEntropyLossConfig::new().init(&device);
+        let loss = CrossEntropyLossConfig::new().init(&self.weights.device);
         let loss = |logits| loss.forward(logits, targets);
         let layout = &self.weights.layout;
         let mut grads = vec![0.0; layout.total];
@@ -386,6 +374,18 @@ impl<M: TrainModule> ModuleEngine<M> {
             module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, &mut own)?;
         self.flat_grads = grads;
         Ok(value)
+    }
+
+    /// A training batch as the blocks take it: its inputs and labels on the training device;
+    /// refused when empty or not whole samples.
+    fn blocks_batch(&self, batch: BatchRef<'_>) -> Result<(Activation, Tensor<1, Int>)> {
+        let n = self.samples(batch.images, batch.labels)?;
+        if n == 0 {
+            return Err(EngineError::Batch("empty batch".into()));
+        }
+        let device = &self.weights.device;
+        let input = Activation::from_flat(batch.images.to_vec(), n, self.blocks()?.input, device);
+        Ok((input, labels_tensor(batch.labels, device)))
     }
 
     /// The blocks, or the refusal of a module given without them.
