@@ -87,9 +87,10 @@ impl<M: TrainModule, F: Fn(&Device) -> M> UserModule<F> {
     /// rank, the GPipe or 1F1B schedule, replicas of every stage), ZeRO stage 3 shards by
     /// (PyTorch FSDP's `fully_shard` per stage module: each one's parameters gathered just
     /// before it runs and released after, its forward recomputed in backward) and
-    /// `recompute: true` recomputes by; every other way of training trains the whole module. Together the stages hold the module's
-    /// parameters in its order (ZeRO-3 checks their shapes), and in sequence compute its
-    /// logits; the loss is the cross-entropy of the last stage's logits.
+    /// `recompute: true` recomputes by; every other way of training trains the whole
+    /// module. Together the stages hold the module's parameters in its order (ZeRO-3 and
+    /// recomputation check their shapes), and in sequence compute its logits; the loss is the
+    /// cross-entropy of the last stage's logits.
     pub fn with_stages(mut self, stages: StageModules) -> Self {
         self.stages = Arc::new(stages.builders);
         self
@@ -202,10 +203,11 @@ impl<M: TrainModule, F: Fn(&Device) -> M> ModelSource for UserModule<F> {
         }
         let Some(shape) = Shape::of_sample(&self.input) else {
             let why = format!(
-                "`{}` takes samples of shape {:?}; ZeRO-3's blocks take [c, h, w] or [f]",
+                "`{}` takes samples of shape {:?}; run as its stage modules (ZeRO-3, \
+                 recomputation), a module takes [c, h, w] or [f]",
                 self.name, self.input
             );
-            return Some(Err(TrainError::config("allreduce.zero", why)));
+            return Some(Err(TrainError::config("model", why)));
         };
         let blocks = (self.stages.as_slice(), shape);
         let engine = match sink {

@@ -1,14 +1,14 @@
 //! ZeRO-3's forward and backward of a user's module as its blocks ([`Blocks`]): what
 //! `sharded.rs` does for a spec's backward groups, with the program's own modules as the
 //! groups; with the module's own parameters as the source ([`OwnParams`]), its recomputation
-//! (`recompute: true`). Forward: each block's parameters are gathered ([`ShardedPass::gather`], the next
-//! block's announced), it runs **off the tape** on its inputs (kept for backward), and its
-//! parameters are released. The last block runs on the tape, then the loss, its backward,
-//! its gradients handed on ([`ShardedPass::ready`]). Then, for each earlier block from the
-//! last: gathered again, its forward recomputed on the tape from its kept inputs (leaves that
-//! require their gradient), differentiated with the gradients its outputs got from the blocks
-//! that took them; its parameters' gradients are handed on and its inputs' go to the blocks
-//! that gave them.
+//! (`recompute: true`). Forward: each block's parameters are gathered
+//! ([`ShardedPass::gather`], the next block's announced), it runs **off the tape** on its
+//! inputs (kept for backward), and its parameters are released. The last block runs on the
+//! tape, then the loss, its backward, its gradients handed on ([`ShardedPass::ready`]). Then,
+//! for each earlier block from the last: gathered again, its forward recomputed on the tape
+//! from its kept inputs (leaves that require their gradient), differentiated with the
+//! gradients its outputs got from the blocks that took them; its parameters' gradients are
+//! handed on and its inputs' go to the blocks that gave them.
 //!
 //! A block takes each input from the nearest earlier block that gives it (the batch's
 //! inputs for the first), as a pipeline of the same modules routes them; a tensor that two
@@ -63,6 +63,7 @@ pub(crate) fn forward_backward<M: Module>(
     result
 }
 
+/// [`forward_backward`] without the release after a failure.
 fn run<M: Module>(
     blocks: &mut Blocks,
     weights: &Weights<M>,

@@ -319,9 +319,10 @@ impl<M: Module> Weights<M> {
         forward()
     }
 
-    /// Runs `forward` (block `block`'s training forward, a user's module under ZeRO-3)
-    /// holding the RNG, re-seeded for that block from the dropout seed, when the model may
-    /// draw dropout masks: a block's recomputed forward draws the masks its first one drew.
+    /// Runs `forward` (block `block`'s training forward, a user's module run as its blocks:
+    /// ZeRO-3, recomputation) holding the RNG, re-seeded for that block from the dropout seed
+    /// (0 until one is set), when the model may draw dropout masks: a block's recomputed
+    /// forward draws the masks its first one drew.
     pub(crate) fn with_block_rng<T>(&self, block: usize, forward: impl FnOnce() -> T) -> T {
         if !self.has_dropout {
             return forward();

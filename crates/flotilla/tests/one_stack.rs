@@ -194,12 +194,12 @@ fn zero_2() {
 #[test]
 fn zero_3() {
     let dir = tmp();
-    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\nzero: 3\n";
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 100\nzero: 3\n";
     both_ways(dir.path(), "zero3", job);
     let exe = program();
     let exe = exe.to_str().expect("utf8");
     let user = run(dir.path(), "zero3-user", job, &["--", exe]);
-    let zero0 = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    let zero0 = "world_size: 2\nbatch_size: 32\nmax_steps: 100\n";
     let whole = run(dir.path(), "zero0-user", zero0, &["--", exe]);
     assert_bitwise("the program's module: ZeRO-3 vs ZeRO-0", &user, &whole);
     let prefetch_off = format!("{job}prefetch: false\n");
@@ -214,7 +214,7 @@ fn recomputation_of_a_programs_module() {
     let dir = tmp();
     let exe = program();
     let exe = exe.to_str().expect("utf8");
-    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 100\n";
     let plain = run(dir.path(), "plain", job, &["--", exe]);
     let with = format!("{job}recompute: true\n");
     let recomputed = run(dir.path(), "recomputed", &with, &["--", exe]);
