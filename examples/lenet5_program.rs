@@ -7,8 +7,10 @@
 //! target/release/flotilla launch -n 2 --data data/mnist --epochs 1 -- target/release/examples/lenet5_program
 //! ```
 //! Every setting is the config job's, by the same names (`--strategy async_allreduce -n 4`,
-//! `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`; `--strategy flat -n 3`: a parameter
-//! server and two sync workers, or a `parameter_server` section for others, ...). The layers
+//! `--zero 2`, `--resume`, `FLOTILLA_CONFIG=job.yaml`; `--zero 3` and `--recompute` run it as
+//! its two halves, each gathered (ZeRO-3) or recomputed one at a time; `--strategy flat -n
+//! 3`: a parameter server and two sync workers, or a `parameter_server` section for others,
+//! ...). The layers
 //! run through Flotilla's kernels (`conv2d_relu`, `max_pool2d`, `linear`), which the spec
 //! model uses too: from the same seed the two train to the same bits. `LAYERS=burn` runs burn's own
 //! `forward`s instead (the same values up to rounding). `--strategy pipeline` trains its two

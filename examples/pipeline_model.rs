@@ -12,7 +12,8 @@
 //! to stage 2 (`Head`), which adds the skip to its logits. `--data-parallel 2` (6 ranks: 2
 //! replicas of each stage), `--micro-batches 8`, `schedule: gpipe` in a config file, and
 //! every other setting of a config job apply. Without `--strategy pipeline` the same program
-//! trains the whole module (`Net`) under any other way of training.
+//! trains the whole module (`Net`) under any other way of training; `--zero 3` and
+//! `--recompute` run it as its three stage modules, one gathered or recomputed at a time.
 
 use burn::nn::conv::{Conv2d, Conv2dConfig};
 use burn::nn::loss::CrossEntropyLossConfig;
