@@ -561,8 +561,9 @@ fn compare_runs_a_program_in_each_strategy_as_the_spec_model() {
 }
 
 /// Gradient accumulation (`accumulation_steps: 2`, DDP's `no_sync`): 2 ranks of 2
-/// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1 and
-/// ZeRO-2 give the bits of plain all-reduce; the user's module the bits of the spec model;
+/// micro-batches of 16 train as 1 rank on the global batch of 64 (to rounding); ZeRO-1, 2 and
+/// 3 (the earlier micro-batch through the shards, summed on the rank) give the bits of plain
+/// all-reduce; the user's module, whole and under ZeRO-3, the bits of the spec model;
 /// async all-reduce with `staleness: 0` the bits of sync; a sync parameter server's workers
 /// of 2 micro-batches what they train on one batch of both.
 #[test]
@@ -597,7 +598,7 @@ fn gradient_accumulation() {
         e > 1e-3,
         "the check cannot tell half the batch from all of it ({e})"
     );
-    for zero in [1, 2] {
+    for zero in [1, 2, 3] {
         let name = format!("two-zero{zero}");
         let sharded = run(dir.path(), &name, &format!("{two}zero: {zero}\n"), &[]);
         assert_bitwise(
@@ -608,6 +609,13 @@ fn gradient_accumulation() {
     }
     let user = run(dir.path(), "two-user", two, &["--", exe]);
     assert_bitwise("accumulation: user module vs spec model", &user, &spec);
+    let user_3 = run(
+        dir.path(),
+        "two-user-zero3",
+        &format!("{two}zero: 3\n"),
+        &["--", exe],
+    );
+    assert_bitwise("accumulation: user module under ZeRO-3", &user_3, &spec);
     // Async all-reduce with nothing in flight (`staleness: 0`) steps as sync does.
     let async_ = run(
         dir.path(),

@@ -129,16 +129,6 @@ impl AllReduceSection {
                 ),
             ));
         }
-        if self.zero == 3 && self.accumulation_steps > 1 {
-            return Err(bad(
-                "zero",
-                format!(
-                    "ZeRO stage 3 takes one micro-batch a step (accumulation_steps is {}: the \
-                     earlier micro-batches' gradients would be kept whole); use zero: 2",
-                    self.accumulation_steps
-                ),
-            ));
-        }
         if self.staleness > 16 {
             return Err(bad(
                 "staleness",
@@ -216,7 +206,6 @@ mod tests {
         for (text, key) in [
             ("staleness: 17\n", "allreduce.staleness"),
             ("zero: 4\n", "allreduce.zero"),
-            ("zero: 3\naccumulation_steps: 2\n", "allreduce.zero"),
             ("strategy: async_allreduce\nzero: 1\n", "allreduce.zero"),
             (
                 "zero: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",

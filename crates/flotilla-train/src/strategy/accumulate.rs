@@ -9,6 +9,11 @@ use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
 use crate::error::{Result, TrainError};
 
+/// How a micro-batch is differentiated: its gradients handed, parameter by parameter, to
+/// the callback; its loss returned.
+pub type Differentiate<'a> = dyn FnMut(BatchRef<'_>, &mut dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()>) -> Result<f32>
+    + 'a;
+
 /// The micro-batches of a step before its last.
 #[derive(Debug)]
 pub struct MicroBatches {
@@ -38,14 +43,32 @@ impl MicroBatches {
         layout: &ParamLayout,
         batch: BatchRef<'b>,
     ) -> Result<BatchRef<'b>> {
+        let lps = engine.labels_per_sample();
+        self.run_with(lps, layout, batch, &mut |micro, each| {
+            let loss = engine.forward_backward(micro)?;
+            engine.for_each_grad(each)?;
+            Ok(loss)
+        })
+    }
+
+    /// [`MicroBatches::run`] with each earlier micro-batch differentiated by
+    /// `differentiate`, which hands every parameter's gradient to the callback it is given
+    /// and returns the loss (ZeRO-3: a sharded pass whose gradients stay on this rank).
+    /// `lps`: labels per sample.
+    pub fn run_with<'b>(
+        &mut self,
+        lps: usize,
+        layout: &ParamLayout,
+        batch: BatchRef<'b>,
+        differentiate: &mut Differentiate<'_>,
+    ) -> Result<BatchRef<'b>> {
         let k = self.steps;
         self.loss = 0.0;
         self.sum.clear();
         if k == 1 {
             return Ok(batch);
         }
-        let lps = engine.labels_per_sample().max(1);
-        let n = batch.labels.len() / lps;
+        let n = batch.labels.len() / lps.max(1);
         if n == 0 || !n.is_multiple_of(k) {
             return Err(TrainError::config(
                 "allreduce.accumulation_steps",
@@ -59,9 +82,8 @@ impl MicroBatches {
         };
         self.sum.resize(layout.total, 0.0);
         for j in 0..k - 1 {
-            self.loss += engine.forward_backward(micro(j))?;
             let sum = &mut self.sum;
-            engine.for_each_grad(&mut |i, g| {
+            self.loss += differentiate(micro(j), &mut |i, g| {
                 let p = &layout.params[i];
                 for (a, x) in sum[p.offset..p.offset + p.len].iter_mut().zip(g) {
                     *a += x;

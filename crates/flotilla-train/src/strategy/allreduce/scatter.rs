@@ -11,9 +11,10 @@
 //! of bucket *k+1*, which waits for the buffer).
 //!
 //! With gradient accumulation (DDP's and FSDP's `no_sync`), the earlier micro-batches'
-//! gradients are summed locally, whole (as FSDP's `no_sync` keeps them unsharded), and added
-//! to the last micro-batch's as they enter the staging buffer: one reduce-scatter per step,
-//! the same sums in the same order as stage 1 and plain all-reduce.
+//! gradients are summed locally, whole (as FSDP's `no_sync` keeps them unsharded; stage 3
+//! runs them through the shards, [`Zero::local_pass`]), and added to the last micro-batch's
+//! as they enter the staging buffer: one reduce-scatter per step, the same sums in the same
+//! order as stage 1 and plain all-reduce.
 //!
 //! Invariant: backward gives each bucket's gradients together (the buckets are the engine's
 //! backward groups; one backward pass gives them in flat order, which keeps each bucket's

@@ -463,9 +463,20 @@ impl Strategy for SyncAllReduce {
         };
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
-        let last = self
-            .accumulator
-            .run(&mut *self.engine, &self.layout, batch)?;
+        let last = match self.zero.as_mut().filter(|z| z.shards_params()) {
+            // ZeRO-3: the earlier micro-batches through the shards, summed on this rank.
+            Some(zero) => {
+                let (engine, plan) = (&mut *self.engine, &self.plan);
+                let lps = engine.labels_per_sample();
+                self.accumulator
+                    .run_with(lps, &self.layout, batch, &mut |micro, each| {
+                        zero.local_pass(engine, plan, micro, each)
+                    })?
+            }
+            None => self
+                .accumulator
+                .run(&mut *self.engine, &self.layout, batch)?,
+        };
         let stats = self.step_on(last, lr, weight)?;
         Ok(Step {
             progressed: true,

@@ -30,7 +30,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use flotilla_data::Samples;
-use flotilla_engine::{Engine, EngineError, EvalStats, ModelState, ShardedPass};
+use flotilla_engine::{BatchRef, Engine, EngineError, EvalStats, ModelState, ShardedPass};
 use flotilla_tcp::shard;
 
 use super::initial::{InitialShard, check_same_draw};
@@ -218,15 +218,40 @@ impl Zero {
     ) -> Result<EvalStats> {
         self.release(engine)?;
         let comm = self.comm.clone();
-        let mut pass = GatherOnly {
+        let mut pass = Gathering {
             zero: self,
             plan,
+            ready: None,
             error: None,
         };
         let stats = crate::eval::distributed_sharded(engine, &*comm, test, batch, &mut pass);
         match pass.error.take() {
             Some(e) => Err(e),
             None => stats,
+        }
+    }
+
+    /// Forward and backward of `batch` through the shards (collective: every group
+    /// gathered), each parameter's gradient handed to `each` on this rank and none reduced:
+    /// an accumulated step's earlier micro-batch (FSDP's `no_sync`). Returns its loss.
+    pub fn local_pass(
+        &mut self,
+        engine: &mut dyn Engine,
+        plan: &BucketPlan,
+        batch: BatchRef<'_>,
+        each: &mut dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()>,
+    ) -> Result<f32> {
+        self.release(engine)?;
+        let mut pass = Gathering {
+            zero: self,
+            plan,
+            ready: Some(each),
+            error: None,
+        };
+        let loss = engine.forward_backward_sharded(batch, &mut pass);
+        match (loss, pass.error.take()) {
+            (_, Some(e)) => Err(e),
+            (loss, None) => Ok(loss?),
         }
     }
 
@@ -328,15 +353,21 @@ fn bucket_of_group(plan: &BucketPlan, params: &Range<usize>) -> Result<usize> {
         })
 }
 
-/// The [`ShardedPass`] of an evaluation: groups gathered from the shards, no gradient.
-struct GatherOnly<'a> {
+/// Where a parameter's gradient goes (its index, its values).
+type GradSink<'a> = dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()> + 'a;
+
+/// A [`ShardedPass`] that gathers groups from the shards and reduces nothing: an
+/// evaluation's (no gradient) or an accumulated step's earlier micro-batch (gradients to
+/// `ready`, on this rank).
+struct Gathering<'a> {
     zero: &'a mut Zero,
     plan: &'a BucketPlan,
+    ready: Option<&'a mut GradSink<'a>>,
     /// What stopped the pass (the engine returns only its text).
     error: Option<TrainError>,
 }
 
-impl ShardedPass for GatherOnly<'_> {
+impl ShardedPass for Gathering<'_> {
     fn gather(&mut self, params: Range<usize>, out: &mut [f32]) -> flotilla_engine::Result<()> {
         self.zero.gather_group(self.plan, params, out).map_err(|e| {
             let text = e.to_string();
@@ -354,9 +385,11 @@ impl ShardedPass for GatherOnly<'_> {
     }
 
     fn ready(&mut self, param: usize, grad: &[f32]) -> flotilla_engine::Result<()> {
-        let _ = grad;
-        Err(EngineError::Callback(format!(
-            "an evaluation got the gradient of parameter {param}"
-        )))
+        match self.ready.as_mut() {
+            Some(ready) => ready(param, grad),
+            None => Err(EngineError::Callback(format!(
+                "an evaluation got the gradient of parameter {param}"
+            ))),
+        }
     }
 }
