@@ -9,10 +9,12 @@ use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
 use crate::error::{Result, TrainError};
 
+/// Where a parameter's gradient goes: its index and its values.
+pub type GradSink<'a> = dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()> + 'a;
+
 /// How a micro-batch is differentiated: its gradients handed, parameter by parameter, to
-/// the callback; its loss returned.
-pub type Differentiate<'a> = dyn FnMut(BatchRef<'_>, &mut dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()>) -> Result<f32>
-    + 'a;
+/// the [`GradSink`]; its loss returned.
+pub type Differentiate<'a> = dyn FnMut(BatchRef<'_>, &mut GradSink<'_>) -> Result<f32> + 'a;
 
 /// The micro-batches of a step before its last.
 #[derive(Debug)]

@@ -38,6 +38,7 @@ use super::{Zero, receive_shards, send_shard, wire_len};
 use crate::bucket::{Bucket, BucketPlan};
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
+use crate::strategy::accumulate::GradSink;
 
 impl Zero {
     /// Whether the parameters are sharded too (stage 3).
@@ -239,7 +240,7 @@ impl Zero {
         engine: &mut dyn Engine,
         plan: &BucketPlan,
         batch: BatchRef<'_>,
-        each: &mut dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()>,
+        each: &mut GradSink<'_>,
     ) -> Result<f32> {
         self.release(engine)?;
         let mut pass = Gathering {
@@ -352,9 +353,6 @@ fn bucket_of_group(plan: &BucketPlan, params: &Range<usize>) -> Result<usize> {
             ))
         })
 }
-
-/// Where a parameter's gradient goes (its index, its values).
-type GradSink<'a> = dyn FnMut(usize, &[f32]) -> flotilla_engine::Result<()> + 'a;
 
 /// A [`ShardedPass`] that gathers groups from the shards and reduces nothing: an
 /// evaluation's (no gradient) or an accumulated step's earlier micro-batch (gradients to
