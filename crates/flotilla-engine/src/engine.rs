@@ -575,18 +575,8 @@ impl Engine for BurnEngine {
         let input = (n > 0).then(|| Activation::from_flat(images.to_vec(), n, self.input, &device));
         let (model, layout) = self.weights.released_model()?;
         let logits = sharded::logits(model, layout, &self.groups, input, pass)?;
-        let Some(logits) = logits else {
-            return Ok(EvalStats::default());
-        };
         let counts = (n, self.input.numel(), self.labels_per_sample);
-        Ok(evaluate_in_chunks(
-            images,
-            labels,
-            counts,
-            n,
-            &device,
-            |_, _| logits.clone(),
-        ))
+        Ok(stats_of_logits(images, labels, counts, &device, logits))
     }
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {
@@ -603,6 +593,23 @@ impl Engine for BurnEngine {
             |x, k| self.logits(&model, x, k, device),
         ))
     }
+}
+
+/// Evaluation totals of the `counts.0` samples of `images` and `labels` from their logits,
+/// computed in one piece (`None`: no samples, zeros): a sharded evaluation's.
+pub(crate) fn stats_of_logits(
+    images: &[f32],
+    labels: &[i64],
+    counts: (usize, usize, usize),
+    device: &Device,
+    logits: Option<Tensor<2>>,
+) -> EvalStats {
+    let Some(logits) = logits else {
+        return EvalStats::default();
+    };
+    evaluate_in_chunks(images, labels, counts, counts.0, device, |_, _| {
+        logits.clone()
+    })
 }
 
 /// Evaluation totals of `n` samples (`per` input values and `lps` labels each) in chunks of

@@ -14,7 +14,9 @@ use burn::nn::loss::CrossEntropyLossConfig;
 
 use crate::collective::Reducer;
 use crate::device::device_by_name;
-use crate::engine::{BatchRef, Engine, EvalStats, evaluate_in_chunks, labels_tensor};
+use crate::engine::{
+    BatchRef, Engine, EvalStats, evaluate_in_chunks, labels_tensor, stats_of_logits,
+};
 use crate::error::{EngineError, Result};
 use crate::grouped::{self, GroupGrads};
 use crate::module_blocks::Blocks;
@@ -310,18 +312,9 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
         let input =
             (n > 0).then(|| Activation::from_flat(images.to_vec(), n, blocks.input, &device));
-        let Some(logits) = module_blocks_pass::logits(blocks, input, pass)? else {
-            return Ok(EvalStats::default());
-        };
+        let logits = module_blocks_pass::logits(blocks, input, pass)?;
         let counts = (n, blocks.input.numel(), self.labels_per_sample);
-        Ok(evaluate_in_chunks(
-            images,
-            labels,
-            counts,
-            n,
-            &device,
-            |_, _| logits.clone(),
-        ))
+        Ok(stats_of_logits(images, labels, counts, &device, logits))
     }
 
     fn evaluate(&self, images: &[f32], labels: &[i64], batch_size: usize) -> Result<EvalStats> {
