@@ -94,7 +94,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "sync all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 600\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nepochs: 1000\nmax_steps: 300\n",
         world: 3,
         targets: &[(0, "peer"), (2, "peer")],
         // Every rank's loss is absorbed: the others train on in a new generation.
@@ -105,7 +105,7 @@ const MODES: &[Mode] = &[
         // Two micro-batches a step: three members' shares of the global batch of 256 are
         // whole micro-batches (86, 86 and 84 samples), not 86, 85 and 85.
         name: "sync all-reduce ZeRO-2 + accumulation 2, elastic 3:4",
-        yaml: "world_size: 4\nmin_world_size: 3\nzero: 2\naccumulation_steps: 2\nepochs: 1000\nmax_steps: 600\n",
+        yaml: "world_size: 4\nmin_world_size: 3\nzero: 2\naccumulation_steps: 2\nepochs: 1000\nmax_steps: 300\n",
         world: 4,
         targets: &[(1, "peer")],
         tolerated: &[0, 1, 2, 3],
@@ -113,7 +113,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "async all-reduce, elastic 2:3",
-        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 600\n",
+        yaml: "world_size: 3\nmin_world_size: 2\nstrategy: async_allreduce\nepochs: 1000\nmax_steps: 300\n",
         world: 3,
         targets: &[(2, "peer")],
         tolerated: &[0, 1, 2],
@@ -137,7 +137,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "pipeline 2 stages × 2, elastic 2:4",
-        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 600\n",
+        yaml: "world_size: 4\nmin_world_size: 2\nstrategy: pipeline\nstages: 2\ndata_parallel: 2\nmicro_batches: 2\nepochs: 1000\nmax_steps: 300\n",
         world: 4,
         targets: &[(1, "stage 1")],
         // The other replica trains on; the lost rank's partner stands by.
@@ -154,7 +154,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS flat sync, elastic 2:3",
-        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 600\n",
+        yaml: "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 300\n",
         world: 3,
         targets: &[(2, "worker")],
         // The server leaves a lost or silent worker out and trains on with the other.
@@ -171,7 +171,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS sharded sync (2 servers), elastic 3:4",
-        yaml: "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 600\n",
+        yaml: "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}\nnum_server_rounds: 300\n",
         world: 4,
         targets: &[(3, "worker")],
         // Both shard servers leave a lost or silent worker out and train on with the other.
@@ -196,7 +196,7 @@ const MODES: &[Mode] = &[
     },
     Mode {
         name: "PS hierarchical sync, elastic 5:6",
-        yaml: "arch: hierarchical\nmin_world_size: 5\nnum_server_rounds: 600\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}\n",
+        yaml: "arch: hierarchical\nmin_world_size: 5\nnum_server_rounds: 300\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: sync, num_workers: 2}\n    - {aggr_type: sync, num_workers: 1}\n",
         world: 6,
         targets: &[(3, "worker")],
         // Local server 1 leaves a lost or silent worker out and trains on with the other.

@@ -250,7 +250,7 @@ fn an_async_worker_killed_twice_rejoins_the_running_job() {
 #[test]
 fn a_worker_of_an_elastic_sync_server_killed_twice_rejoins_the_running_job() {
     let sync = "arch: flat\nworld_size: 3\nmin_world_size: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
-    killed_twice_rejoins(sync, 900, 1, &[0], [200, 500], 0.9, Ranks::Plain);
+    killed_twice_rejoins(sync, 600, 1, &[0], [150, 400], 0.9, Ranks::Plain);
     let averaging = format!("{sync}\nlocal_steps: 4");
     killed_twice_rejoins(&averaging, 600, 2, &[0], [150, 400], 0.9, Ranks::Plain);
 }
@@ -261,7 +261,7 @@ fn a_worker_of_an_elastic_sync_server_killed_twice_rejoins_the_running_job() {
 #[test]
 fn a_worker_of_elastic_sync_shard_servers_killed_twice_rejoins_both() {
     let sharded = "arch: flat\nworld_size: 4\nmin_world_size: 3\nservers: 2\nparameter_server: {aggr_type: sync, num_workers: 2}";
-    killed_twice_rejoins(sharded, 900, 3, &[0, 1], [200, 500], 0.9, Ranks::Plain);
+    killed_twice_rejoins(sharded, 600, 3, &[0, 1], [150, 400], 0.9, Ranks::Plain);
 }
 
 /// A program's own burn module (`examples/lenet5_program.rs` on `flotilla_burn::train`) as
@@ -279,7 +279,7 @@ fn a_programs_worker_of_an_elastic_sync_server_killed_twice_rejoins() {
 #[test]
 fn a_worker_under_an_async_local_server_rejoins() {
     let hier = "arch: hierarchical\nglobal_server:\n  aggr_type: sync\n  local_servers:\n    - {aggr_type: async, num_workers: 2}\n    - {aggr_type: async, num_workers: 1}";
-    killed_twice_rejoins(hier, 900, 3, &[1], [200, 500], 0.9, Ranks::Secure);
+    killed_twice_rejoins(hier, 600, 3, &[1], [150, 400], 0.9, Ranks::Secure);
 }
 
 /// An elastic hierarchical job (global server 0; sync local server 1 with workers 2 and 3,
