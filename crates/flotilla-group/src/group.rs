@@ -232,9 +232,52 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
         Ok(())
     }
 
+    /// [`ProcessGroup::send_large`] of the `len` bytes `from` reads (a file), read one piece
+    /// at a time: the message is never whole in memory. Fewer than `len` bytes is an error.
+    fn send_large_from(
+        &self,
+        peer: usize,
+        tag: Tag,
+        from: &mut dyn std::io::Read,
+        len: u64,
+    ) -> Result<(), CommError> {
+        self.send(peer, tag, &len.to_le_bytes())?;
+        // Pieces of a file are smaller than a buffer's: a file is sent because its bytes are
+        // too many to hold, so the sender holds one small piece and the receiver one or two.
+        const FILE_PIECE: u64 = 1 << 20;
+        let mut piece = vec![0u8; usize::try_from(len.min(FILE_PIECE)).unwrap_or(0)];
+        let mut left = len;
+        while left > 0 {
+            let n = usize::try_from(left.min(FILE_PIECE)).unwrap_or(piece.len());
+            from.read_exact(&mut piece[..n]).map_err(|e| {
+                CommError::io(format!("reading a message of {len} bytes to send"), e)
+            })?;
+            self.send(peer, tag, &piece[..n])?;
+            left -= n as u64;
+        }
+        Ok(())
+    }
+
     /// Receives a message of [`ProcessGroup::send_large`] from `peer` under `tag`, every
     /// piece by `deadline`.
     fn recv_large(&self, peer: usize, tag: Tag, deadline: Instant) -> Result<Vec<u8>, CommError> {
+        let mut msg = Vec::new();
+        self.recv_large_with(peer, tag, deadline, &mut |piece| {
+            msg.extend_from_slice(piece);
+            Ok(())
+        })?;
+        Ok(msg)
+    }
+
+    /// [`ProcessGroup::recv_large`] that hands each piece to `sink` as it arrives (a file
+    /// written as the message comes), instead of putting the message together in memory.
+    fn recv_large_with(
+        &self,
+        peer: usize,
+        tag: Tag,
+        deadline: Instant,
+        sink: &mut dyn FnMut(&[u8]) -> Result<(), CommError>,
+    ) -> Result<(), CommError> {
         let head = self.recv(peer, tag, deadline)?;
         let len = <[u8; 8]>::try_from(head.as_slice())
             .map(u64::from_le_bytes)
@@ -249,22 +292,22 @@ pub trait ProcessGroup: Send + Sync + std::fmt::Debug {
             peer,
             detail: format!("a large message of {len} bytes"),
         })?;
-        let mut msg = Vec::new();
-        while msg.len() < len {
+        let mut got = 0;
+        while got < len {
             let piece = self.recv(peer, tag, deadline)?;
-            if piece.is_empty() || msg.len() + piece.len() > len {
+            if piece.is_empty() || got + piece.len() > len {
                 return Err(CommError::Protocol {
                     peer,
                     detail: format!(
-                        "a large message of {len} bytes: a piece of {} after {}",
-                        piece.len(),
-                        msg.len()
+                        "a large message of {len} bytes: a piece of {} after {got}",
+                        piece.len()
                     ),
                 });
             }
-            msg.extend_from_slice(&piece);
+            sink(&piece)?;
+            got += piece.len();
         }
-        Ok(msg)
+        Ok(())
     }
 
     /// Receives the earliest-arrived message with `tag` from any of `peers`; returns the

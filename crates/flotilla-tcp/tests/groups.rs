@@ -152,7 +152,9 @@ fn tags_never_mix(tcp: bool) {
 }
 
 /// A message larger than a frame may be (`max_frame_bytes`, here 64 MiB by default) goes
-/// through `send_large` in pieces and arrives whole, beside an ordinary one.
+/// through `send_large` in pieces and arrives whole, beside an ordinary one; read from a
+/// file's reader (`send_large_from`) it goes in pieces of at most 1 MiB, each handed to the
+/// receiver's sink as it arrives (`recv_large_with`), and the same bytes arrive.
 fn a_large_message_arrives_whole(tcp: bool) {
     let len = 2 * flotilla_tcp::LARGE_MESSAGE_PIECE + 12_345;
     let body: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
@@ -163,16 +165,34 @@ fn a_large_message_arrives_whole(tcp: bool) {
             c.send_large(1, 40, &sent)?;
             c.send(1, 41, b"after")?;
             c.send_large(1, 40, &[])?;
-            Ok((Vec::new(), Vec::new(), Vec::new()))
+            let mut file = std::io::Cursor::new(&sent);
+            c.send_large_from(1, 42, &mut file, sent.len() as u64)?;
+            Ok((Vec::new(), Vec::new(), Vec::new(), Vec::new()))
         } else {
             let after = c.recv(0, 41, deadline)?;
             let big = c.recv_large(0, 40, deadline)?;
-            Ok((big, after, c.recv_large(0, 40, deadline)?))
+            let empty = c.recv_large(0, 40, deadline)?;
+            let (mut streamed, mut largest) = (Vec::new(), 0);
+            c.recv_large_with(0, 42, deadline, &mut |piece| {
+                largest = largest.max(piece.len());
+                streamed.extend_from_slice(piece);
+                Ok(())
+            })?;
+            Ok((
+                big,
+                after,
+                empty,
+                [streamed, largest.to_le_bytes().to_vec()].concat(),
+            ))
         }
     }));
     assert!(res[1].0 == body, "the large message arrived whole");
     assert_eq!(res[1].1, b"after");
     assert!(res[1].2.is_empty(), "an empty one too");
+    let (streamed, largest) = res[1].3.split_at(len);
+    assert!(streamed == body, "the file's bytes arrived as they were");
+    let largest = usize::from_le_bytes(largest.try_into().expect("a usize"));
+    assert!(largest <= 1 << 20, "a piece of {largest} bytes");
 }
 
 #[test]

@@ -125,6 +125,12 @@ pub fn save(output: &Path, model: &dyn ModelState, state: &CheckpointState) -> R
     })
 }
 
+/// Flushes a file written into a checkpoint in progress by other means than
+/// [`write_part`] (the directory given to [`save_with`]'s writer).
+pub fn sync_part(path: &Path) -> Result<()> {
+    sync_file(path)
+}
+
 /// Writes a file of a checkpoint in progress (into the directory given to
 /// [`save_with`]'s writer) and flushes it.
 pub fn write_part(dir: &Path, name: &str, bytes: &[u8]) -> Result<()> {
@@ -253,6 +259,23 @@ const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
 pub const CHECKSUMS: &str = "checksums.json";
 
 /// Writes `checksums.json`: the XXH3-64 (hex) of every other file in `dir`, by name.
+/// The checksum of the file at `path` (`xxh3_64`, in hex), read piece by piece: a file of
+/// a large model's checkpoint (its weights, an optimizer shard) is never whole in memory.
+fn file_checksum(path: &Path) -> std::io::Result<String> {
+    let mut file = File::open(path)?;
+    let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+    let mut piece = vec![0u8; 1 << 20];
+    loop {
+        match std::io::Read::read(&mut file, &mut piece) {
+            Ok(0) => break,
+            Ok(n) => hasher.update(&piece[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(format!("{:016x}", hasher.digest()))
+}
+
 fn write_checksums(dir: &Path) -> Result<()> {
     let mut sums = std::collections::BTreeMap::new();
     for entry in fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))? {
@@ -263,11 +286,8 @@ fn write_checksums(dir: &Path) -> Result<()> {
         if name == CHECKSUMS || !path.is_file() {
             continue;
         }
-        let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-        sums.insert(
-            name.to_owned(),
-            format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes)),
-        );
+        let sum = file_checksum(&path).map_err(|e| TrainError::io(&path, e))?;
+        sums.insert(name.to_owned(), sum);
     }
     let json = serde_json::to_vec_pretty(&sums).map_err(|e| ck_err(dir, e.to_string()))?;
     write_synced(&dir.join(CHECKSUMS), &json)
@@ -333,8 +353,7 @@ fn checksum_mismatch(dir: &Path) -> Option<String> {
         if name.contains('/') || name.contains("..") {
             return Some(format!("has a corrupt {CHECKSUMS} (names {name:?})"));
         }
-        let got =
-            fs::read(dir.join(&name)).map(|b| format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&b)));
+        let got = file_checksum(&dir.join(&name));
         match got {
             Ok(got) if got == want => {}
             Ok(got) => {

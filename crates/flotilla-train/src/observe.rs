@@ -4,7 +4,8 @@
 pub trait Observer {
     /// Called after every optimizer step.
     fn step(&mut self, event: &StepEvent);
-    /// Called with every line written to `run.log`.
+    /// Called with every line written to `run.log` that the console shows too (not the
+    /// per-round timings and end-of-run figures logged quietly).
     fn message(&mut self, line: &str);
     /// Called once the rank is connected and knows its place: rank, world size and role
     /// (`peer`, `root`, `shard-server`, `global-server`, `local-server`, `worker`).

@@ -12,6 +12,7 @@
 //! tensor.
 
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Param, ParamId};
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -49,7 +50,15 @@ pub struct ShardOptimizer {
     /// The state before the last step, while [`ShardOptimizer::keep_undo`] is on: a clone of
     /// burn's records (its tensors' handles, not their values).
     before: Option<ModuleOptimizer>,
+    /// The bytes of tensor values in the state as [`ShardOptimizer::save_state`] last wrote
+    /// it, read from the file's header, while no step, undo or load changed the state since
+    /// ([`UNKNOWN`] otherwise): what [`ShardOptimizer::state_bytes`] gives without
+    /// serializing the state again after a checkpoint.
+    written_bytes: AtomicU64,
 }
+
+/// [`ShardOptimizer`]'s `written_bytes` when the state changed since it was last written.
+const UNKNOWN: u64 = u64::MAX;
 
 impl std::fmt::Debug for ShardOptimizer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -112,6 +121,7 @@ impl ShardOptimizer {
             total: layout.total,
             keeps_undo: false,
             before: None,
+            written_bytes: AtomicU64::new(UNKNOWN),
         })
     }
 
@@ -137,6 +147,7 @@ impl ShardOptimizer {
         match self.before.take() {
             Some(before) => {
                 self.optimizer = before;
+                *self.written_bytes.get_mut() = UNKNOWN;
                 true
             }
             None => false,
@@ -233,6 +244,7 @@ impl ShardOptimizer {
         if self.keeps_undo {
             self.before = Some(self.optimizer.clone());
         }
+        *self.written_bytes.get_mut() = UNKNOWN;
         let module = self.optimizer.step(lr, module, gp);
         let _read = copies::to_host("shard", count);
         for (range, param) in ranges.iter().zip(module) {
@@ -244,6 +256,36 @@ impl ShardOptimizer {
     /// The shard's optimizer state as bytes (burn's burnpack format, keyed by piece).
     pub fn state(&self) -> Result<Vec<u8>> {
         module_state(&self.optimizer)
+    }
+
+    /// Bytes of tensor values the shard's optimizer state holds ([`optimizer_state_bytes`] of
+    /// [`ShardOptimizer::state`]): read from the header of the file
+    /// [`ShardOptimizer::save_state`] wrote when the state has not changed since (a figure
+    /// read at the end of a run, after its checkpoint, whose cost is part of the run's peak
+    /// memory); otherwise counted from the tensors' lengths in burn's serialized state.
+    pub fn state_bytes(&self) -> Result<u64> {
+        let written = self.written_bytes.load(Ordering::Relaxed);
+        if written != UNKNOWN {
+            return Ok(written);
+        }
+        let bytes = self
+            .optimizer
+            .into_bytes()
+            .map_err(|e| EngineError::Optimizer(format!("saving state: {e:?}")))?;
+        held_bytes(Reader::from_bytes(bytes))
+    }
+
+    /// Writes the shard's optimizer state to the file `path` (the bytes of
+    /// [`ShardOptimizer::state`]), tensor by tensor from burn's record: the state is held
+    /// twice while it is written (the optimizer's and the record's), not three times (those
+    /// and the serialized bytes). burn writes beside `path` and renames the file into place.
+    pub fn save_state(&self, path: &std::path::Path) -> Result<()> {
+        self.optimizer.save(path).map_err(|e| {
+            EngineError::Optimizer(format!("saving state to {}: {e:?}", path.display()))
+        })?;
+        let held = held_bytes(Reader::from_file_exact(path))?;
+        self.written_bytes.store(held, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Restores state written by [`ShardOptimizer::state`] of the same shard. State whose
@@ -264,6 +306,7 @@ impl ShardOptimizer {
             .collect();
         check_state_shapes(bytes, &expected)?;
         self.before = None;
+        *self.written_bytes.get_mut() = UNKNOWN;
         self.optimizer = self
             .optimizer
             .clone()
@@ -299,14 +342,16 @@ pub fn optimizer_state_bound(layout: &crate::ParamLayout) -> usize {
 /// [`crate::ModelState::optimizer_state`] or [`ShardOptimizer::state`] (momenta, moments;
 /// not the format's headers): what the optimizer keeps in memory.
 pub fn optimizer_state_bytes(state: &[u8]) -> Result<u64> {
-    let reader = Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(state.to_vec()))
+    held_bytes(Reader::from_bytes(burn::tensor::Bytes::from_bytes_vec(
+        state.to_vec(),
+    )))
+}
+
+/// The bytes of the tensors `reader` holds, from their lengths (burn-pack's tensors are
+/// windows into the reader's buffer or file: nothing is copied or read).
+fn held_bytes(reader: std::result::Result<Reader, burn::store::burn_pack::Error>) -> Result<u64> {
+    let tensors = reader
+        .and_then(Reader::into_tensors)
         .map_err(|e| EngineError::Optimizer(format!("reading state: {e:?}")))?;
-    let mut total = 0u64;
-    for name in reader.tensor_names() {
-        let data = reader
-            .tensor_data(name)
-            .map_err(|e| EngineError::Optimizer(format!("reading state {name}: {e:?}")))?;
-        total += data.len() as u64;
-    }
-    Ok(total)
+    Ok(tensors.iter().map(|t| t.byte_len() as u64).sum())
 }

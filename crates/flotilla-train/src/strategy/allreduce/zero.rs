@@ -44,7 +44,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use flotilla_engine::{Engine, ModelState, OptimizerSpec, ParamLayout, ShardOptimizer};
-use flotilla_tcp::{PendingAllReduce, ProcessGroup, Tag, shard, tags};
+use flotilla_tcp::{PendingAllReduce, ProcessGroup, shard};
 
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
@@ -53,34 +53,11 @@ use crate::error::{Result, TrainError};
 pub(crate) mod by_param;
 pub(super) mod elastic;
 pub(super) mod initial;
+mod shard_files;
 mod stage3;
 
 use elastic::{Cut, Redundancy};
-
-/// Tag of the optimizer-state shards sent to and from rank 0 for checkpoints.
-const SHARD_TAG: Tag = tags::RESERVED + 0x102;
-
-/// Tag of rank 0's request for a rank's optimizer shard ([`receive_shards`]).
-const ASK_TAG: Tag = tags::RESERVED + 0x104;
-
-/// A checkpoint's optimizer shard to rank 0, when rank 0 asks for it ([`receive_shards`]).
-fn send_shard(comm: &dyn ProcessGroup, mine: &[u8]) -> Result<()> {
-    comm.recv(0, ASK_TAG, Instant::now() + comm.timeout())?;
-    comm.send_large(0, SHARD_TAG, mine)?;
-    Ok(())
-}
-
-/// Rank 0's part of [`send_shard`]: asks each rank for its shard in turn and writes it into
-/// the checkpoint directory `tmp`, so that rank 0 holds one other rank's shard at a time,
-/// not every rank's queued at once.
-fn receive_shards(comm: &dyn ProcessGroup, tmp: &Path) -> Result<()> {
-    for r in 1..comm.size() {
-        comm.send(r, ASK_TAG, &[])?;
-        let bytes = comm.recv_large(r, SHARD_TAG, Instant::now() + comm.timeout())?;
-        checkpoint::write_part(tmp, &checkpoint::zero_file(r), &bytes)?;
-    }
-    Ok(())
-}
+use shard_files::SHARD_TAG;
 
 /// This rank's part of a ZeRO run.
 pub struct Zero {
@@ -311,7 +288,7 @@ impl Zero {
             Some(e) => e.spare_bytes()?,
             None => 0,
         };
-        Ok(flotilla_engine::optimizer_state_bytes(&self.optimizer.state()?)? + spare)
+        Ok(self.optimizer.state_bytes()? + spare)
     }
 
     /// The manifest of this run's shards (every rank's flat ranges).
@@ -340,9 +317,8 @@ impl Zero {
         plan: &BucketPlan,
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
-        let mine = self.optimizer.state()?;
         if self.comm.rank() != 0 {
-            send_shard(&*self.comm, &mine)?;
+            shard_files::send_shard(&*self.comm, &self.optimizer, output)?;
             return Ok(None);
         }
         let state = CheckpointState {
@@ -350,12 +326,11 @@ impl Zero {
             zero: Some(self.manifest(plan)),
             ..state.clone()
         };
-        let comm = &self.comm;
         checkpoint::save_with(output, &state, |tmp| {
             let weights = tmp.join("model.safetensors");
             model.save_weights(&weights)?;
-            checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
-            receive_shards(&**comm, tmp)
+            shard_files::write_own(&self.optimizer, tmp)?;
+            shard_files::receive_shards(&*self.comm, tmp)
         })
         .map(Some)
     }

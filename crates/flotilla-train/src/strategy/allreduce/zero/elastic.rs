@@ -195,7 +195,7 @@ impl Redundancy {
     /// Bytes of the spare's optimizer state.
     pub(crate) fn spare_bytes(&self) -> Result<u64> {
         match &self.spare {
-            Some((_, o, _)) => Ok(flotilla_engine::optimizer_state_bytes(&o.state()?)?),
+            Some((_, o, _)) => Ok(o.state_bytes()?),
             None => Ok(0),
         }
     }

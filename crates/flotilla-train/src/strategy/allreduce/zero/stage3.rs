@@ -34,7 +34,7 @@ use flotilla_engine::{BatchRef, Engine, EngineError, EvalStats, ModelState, Shar
 use flotilla_tcp::shard;
 
 use super::initial::{InitialShard, check_same_draw};
-use super::{Zero, receive_shards, send_shard, wire_len};
+use super::{Zero, shard_files, wire_len};
 use crate::bucket::{Bucket, BucketPlan};
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
@@ -283,7 +283,7 @@ impl Zero {
     ) -> Result<Option<PathBuf>> {
         if self.comm.rank() != 0 {
             self.gather_in_flat_order(plan, &mut |_, _| Ok(()))?;
-            return send_shard(&*self.comm, &self.optimizer.state()?).map(|()| None);
+            return shard_files::send_shard(&*self.comm, &self.optimizer, output).map(|()| None);
         }
         let state = CheckpointState {
             num_params: model.num_params(),
@@ -309,10 +309,8 @@ impl Zero {
                 Ok(())
             })?;
             writer?.finish()?;
-            let mine = self.optimizer.state()?;
-            checkpoint::write_part(tmp, &checkpoint::zero_file(0), &mine)?;
-            drop(mine);
-            receive_shards(&*self.comm, tmp)
+            shard_files::write_own(&self.optimizer, tmp)?;
+            shard_files::receive_shards(&*self.comm, tmp)
         })
         .map(Some)
     }
