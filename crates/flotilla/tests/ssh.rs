@@ -699,7 +699,7 @@ fn an_elastic_program_over_ssh_trains_on_when_a_rank_is_lost_and_replaced() {
     .arg("--output")
     .arg(dir.path().join("out"))
     .arg("--")
-    .args(["env", "STEPS=300"])
+    .args(["env", "STEPS=200"])
     .arg(format!(
         "OUT={}",
         dir.path().join("model.safetensors").display()
