@@ -274,7 +274,26 @@ impl Zero {
     /// comes ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes),
     /// then every rank's optimizer shard, asked for one at a time. No rank holds the whole
     /// parameters. Returns the directory on rank 0.
+    ///
+    /// The shard of the averaged gradient is not read between steps (each step's
+    /// reduce-scatter writes all of it): it is let go while the checkpoint holds burn's
+    /// record of the optimizer shard, and comes back zeroed for the next step.
     pub fn save_sharded(
+        &mut self,
+        output: &Path,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+        state: &CheckpointState,
+    ) -> Result<Option<PathBuf>> {
+        let grad = self.grad.len();
+        self.grad = Vec::new();
+        let saved = self.save_parts(output, model, plan, state);
+        self.grad = vec![0.0; grad];
+        saved
+    }
+
+    /// [`Zero::save_sharded`]'s files.
+    fn save_parts(
         &mut self,
         output: &Path,
         model: &dyn ModelState,
