@@ -258,7 +258,6 @@ const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
 /// The checksums file of a checkpoint directory.
 pub const CHECKSUMS: &str = "checksums.json";
 
-/// Writes `checksums.json`: the XXH3-64 (hex) of every other file in `dir`, by name.
 /// The checksum of the file at `path` (`xxh3_64`, in hex), read piece by piece: a file of
 /// a large model's checkpoint (its weights, an optimizer shard) is never whole in memory.
 fn file_checksum(path: &Path) -> std::io::Result<String> {
@@ -276,6 +275,7 @@ fn file_checksum(path: &Path) -> std::io::Result<String> {
     Ok(format!("{:016x}", hasher.digest()))
 }
 
+/// Writes `checksums.json`: the XXH3-64 (hex) of every other file in `dir`, by name.
 fn write_checksums(dir: &Path) -> Result<()> {
     let mut sums = std::collections::BTreeMap::new();
     for entry in fs::read_dir(dir).map_err(|e| TrainError::io(dir, e))? {
