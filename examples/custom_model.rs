@@ -127,7 +127,7 @@ fn main() -> Result<()> {
             let batch = tensors(&mnist.train, idx, &mut batcher, &device);
             let (x, y) = batch.map_err(DistError::program)?;
             let loss = loss_fn.forward(r.state.model.forward(x), y);
-            if rank == 0 && step % 200 == 0 {
+            if rank == 0 && step % 50 == 0 {
                 let l = loss.clone().into_scalar::<f32>();
                 println!("step {step}/{total}: loss {l:.4}");
             }

@@ -796,13 +796,13 @@ fn a_programs_own_loop_rolls_back_to_its_commit_and_trains_on() {
             "--",
         ])
         .arg(&program)
-        .env("STEPS", "350")
+        .env("STEPS", "250")
         .env("OUT", dir.path().join(out));
         c
     };
     let mut p = running::Running::start(own("2:3", "elastic.safetensors"));
-    p.wait_lines(1, Duration::from_secs(120), |l| l.contains("step 200/350"))
-        .expect("step 200");
+    p.wait_lines(1, Duration::from_secs(120), |l| l.contains("step 100/250"))
+        .expect("step 100");
     let first = |p: &running::Running| {
         let g = own_generations(&p.text());
         g.into_iter().find(|j| j.generation == 1 && j.rank == 2)

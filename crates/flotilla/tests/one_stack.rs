@@ -134,7 +134,7 @@ fn both_ways_cut(dir: &Path, name: &str, spec_yaml: &str, user_yaml: &str) {
 #[test]
 fn sync_all_reduce() {
     let dir = tmp();
-    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 200\n";
+    let job = "world_size: 2\nbatch_size: 32\nmax_steps: 100\n";
     both_ways(dir.path(), "sync", job);
     // The YAML model from a program's own loop (`flotilla_burn::spec_session`).
     let exe = program();
@@ -184,7 +184,7 @@ fn zero_2() {
     both_ways(
         dir.path(),
         "zero2",
-        "world_size: 2\nbatch_size: 32\nmax_steps: 200\nzero: 2\n",
+        "world_size: 2\nbatch_size: 32\nmax_steps: 100\nzero: 2\n",
     );
 }
 
@@ -235,7 +235,7 @@ fn async_all_reduce() {
     both_ways(
         dir.path(),
         "async",
-        "world_size: 2\nbatch_size: 32\nmax_steps: 200\nstrategy: async_allreduce\n",
+        "world_size: 2\nbatch_size: 32\nmax_steps: 100\nstrategy: async_allreduce\n",
     );
 }
 
@@ -246,7 +246,7 @@ fn flat_sync_parameter_server() {
         dir.path(),
         "ps-flat",
         "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nbatch_size: 32\n\
-         num_server_rounds: 200\n",
+         num_server_rounds: 100\n",
     );
 }
 

@@ -502,8 +502,8 @@ fn a_zero_2_checkpoint_goes_from_4_ranks_to_2_and_back() {
 
 /// A pipeline checkpoint written by 2 stages resumes on 3, and one by 3 on 2: each new
 /// stage's weights and Adam state are taken from the old stages' and cut again. A
-/// pipeline's maths does not depend on its cut, so 2 stages to step 20, 3 to 40 and 2 to
-/// 60 end on the bits of 2 stages throughout (without the optimizer state re-cut, Adam's
+/// pipeline's maths does not depend on its cut, so 2 stages to step 10, 3 to 20 and 2 to
+/// 30 end on the bits of 2 stages throughout (without the optimizer state re-cut, Adam's
 /// moments and step count restart and they do not).
 #[test]
 fn a_pipeline_checkpoint_resumes_at_another_cut() {
@@ -513,7 +513,7 @@ fn a_pipeline_checkpoint_resumes_at_another_cut() {
     let run = |out: &Path, stages: &str, steps: &str, resume: bool| {
         let mut c = flotilla();
         c.args(["launch", base, "--train-limit", "4000", "--stages", stages])
-            .args(["--max-steps", steps, "--checkpoint-every", "20", "--output"])
+            .args(["--max-steps", steps, "--checkpoint-every", "10", "--output"])
             .arg(out);
         if resume {
             c.arg("--resume");
@@ -525,8 +525,8 @@ fn a_pipeline_checkpoint_resumes_at_another_cut() {
             text(&o)
         );
     };
-    run(&whole, "2", "60", false);
-    for (stages, steps, from) in [("2", "20", 0), ("3", "40", 20), ("2", "60", 40)] {
+    run(&whole, "2", "30", false);
+    for (stages, steps, from) in [("2", "10", 0), ("3", "20", 10), ("2", "30", 20)] {
         run(&trip, stages, steps, from > 0);
         let resumed = summary(&trip)["run"]["resumed_at"].as_u64();
         assert_eq!(resumed, Some(from), "{stages} stages to {steps}");
