@@ -6,6 +6,8 @@
 //! be what ZeRO's accounting says sharding saves ([`saved`]). And the end of a ZeRO-3 run
 //! (its checkpoint above all) may add at most about one copy of a rank's optimizer shard to
 //! what the ranks held after their last step, read from the allocator's peak.
+//! Under ZeRO-3 with gradient accumulation, reducing each micro-batch keeps a rank's
+//! gradient its shard: the steps' peak is a whole gradient lower than summing them first.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::path::Path;
@@ -86,15 +88,15 @@ const N: usize = 2;
 /// Every rank's observer: after step [`MEASURED_STEP`] it says so and waits until the test,
 /// which has heard it from every rank, has read the heap.
 struct Pause {
-    /// The step after which it waits.
-    at: u64,
+    /// The steps after which it waits.
+    at: Vec<u64>,
     arrived: mpsc::Sender<Result<(), String>>,
     go: mpsc::Receiver<()>,
 }
 
 impl Observer for Pause {
     fn step(&mut self, event: &StepEvent) {
-        if event.step == self.at {
+        if self.at.contains(&event.step) {
             let _ = self.arrived.send(Ok(()));
             let _ = self.go.recv_timeout(Duration::from_secs(300));
         }
@@ -143,6 +145,16 @@ type Ranks = Vec<std::thread::JoinHandle<Result<Option<std::path::PathBuf>, Stri
 /// The threads of [`N`] ranks running `config`, each paused after step `at` until told to
 /// go on: returns them once every rank has paused, with the senders that let them go on.
 fn paused_at(config: &TrainConfig, at: u64) -> (Ranks, Vec<mpsc::Sender<()>>) {
+    let (ranks, go, _) = paused_at_each(config, vec![at]);
+    (ranks, go)
+}
+
+/// What reports a rank's arrival at a pause (or its failure).
+type Arrivals = mpsc::Receiver<Result<(), String>>;
+
+/// [`paused_at`] with a pause after each step of `at`: returns once every rank has paused
+/// at the first, with the receiver that hears them arrive at the others.
+fn paused_at_each(config: &TrainConfig, at: Vec<u64>) -> (Ranks, Vec<mpsc::Sender<()>>, Arrivals) {
     let (arrived, arrivals) = mpsc::channel();
     let mut go = Vec::new();
     let ranks: Ranks = (0..N)
@@ -150,7 +162,7 @@ fn paused_at(config: &TrainConfig, at: u64) -> (Ranks, Vec<mpsc::Sender<()>>) {
             let (tx, rx) = mpsc::channel();
             go.push(tx);
             let mut pause = Pause {
-                at,
+                at: at.clone(),
                 arrived: arrived.clone(),
                 go: rx,
             };
@@ -168,6 +180,12 @@ fn paused_at(config: &TrainConfig, at: u64) -> (Ranks, Vec<mpsc::Sender<()>>) {
             })
         })
         .collect();
+    wait_arrivals(&arrivals, at.first().copied().unwrap_or_default());
+    (ranks, go, arrivals)
+}
+
+/// Waits until every rank arrived at its pause after step `at`.
+fn wait_arrivals(arrivals: &Arrivals, at: u64) {
     for _ in 0..N {
         match arrivals.recv_timeout(Duration::from_secs(300)) {
             Ok(Ok(())) => {}
@@ -175,7 +193,6 @@ fn paused_at(config: &TrainConfig, at: u64) -> (Ranks, Vec<mpsc::Sender<()>>) {
             Err(e) => panic!("a rank did not reach step {at}: {e}"),
         }
     }
-    (ranks, go)
 }
 
 /// The bytes live in the heap while [`N`] ranks at ZeRO `zero` wait after step
@@ -300,5 +317,61 @@ fn the_end_of_a_zero_3_run_holds_a_ranks_optimizer_shard_once_more_at_most() {
          shard ({:.2} MB); at most 1.6",
         extra / N as f64 / 1e6,
         shard_state / 1e6
+    );
+}
+
+/// The most bytes live at once during steps 2 to [`MEASURED_STEP`] of a ZeRO-3 job of [`N`]
+/// ranks taking 2 micro-batches a step (1 MiB buckets: a layer's parameters gathered at a
+/// time), each micro-batch reduced on its own when `reduce_each`, else summed on the rank.
+fn accumulating_peak(reduce_each: bool) -> f64 {
+    let dir = tempfile::tempdir().expect("tmp");
+    let mut config = config(dir.path(), 3);
+    config.comm.bucket_mb = 1.0;
+    config.allreduce.accumulation_steps = 2;
+    config.allreduce.reduce_each_micro_batch = reduce_each;
+    let (ranks, go, arrivals) = paused_at_each(&config, vec![1, MEASURED_STEP]);
+    std::thread::sleep(Duration::from_millis(200));
+    PEAK.store(LIVE.load(Ordering::Relaxed), Ordering::Relaxed);
+    for g in &go {
+        let _ = g.send(());
+    }
+    wait_arrivals(&arrivals, MEASURED_STEP);
+    let peak = PEAK.load(Ordering::Relaxed) as f64;
+    for g in &go {
+        let _ = g.send(());
+    }
+    for r in ranks {
+        r.join().expect("rank thread").expect("rank");
+    }
+    peak
+}
+
+/// ZeRO-3 with gradient accumulation: reducing each micro-batch on its own
+/// (`reduce_each_micro_batch`) keeps a rank's gradient its shard, where summing the
+/// micro-batches first holds a whole gradient on every rank (FSDP's `no_sync`). Measured
+/// by the allocator, the peak of a rank's steps is at least 0.75 of a copy of the
+/// parameters lower reducing each (a rank that summed a whole gradient anyway would not
+/// be).
+#[test]
+fn zero_3_reducing_each_micro_batch_holds_no_whole_gradient() {
+    let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let least = |each| {
+        (0..RUNS)
+            .map(|_| accumulating_peak(each))
+            .fold(f64::INFINITY, f64::min)
+    };
+    let (summed, each) = (least(false), least(true));
+    let saved = (summed - each) / N as f64 / COPY;
+    println!(
+        "steps' peak a rank: summed first {:.2} MB, each reduced {:.2} MB ({saved:.2} copies less)",
+        summed / N as f64 / 1e6,
+        each / N as f64 / 1e6
+    );
+    assert!(
+        saved >= 0.75,
+        "reducing each micro-batch saved {saved:.2} copies of the parameters a rank at the \
+         steps' peak (summed first {:.2} MB, each {:.2} MB); a whole gradient is 1",
+        summed / N as f64 / 1e6,
+        each / N as f64 / 1e6
     );
 }

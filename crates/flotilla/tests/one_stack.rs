@@ -643,6 +643,51 @@ fn gradient_accumulation() {
     assert!(e > 1e-2, "the PS run barely moved ({e})");
 }
 
+/// Every micro-batch reduced on its own (`reduce_each_micro_batch: true`: DDP without
+/// `no_sync`, FSDP's default, a ZeRO-3 rank never holding a whole gradient): 2 ranks of 2
+/// micro-batches train as they do summing the micro-batches first (to rounding, and not to
+/// the bit: the sums are in another order, so the setting took effect), and ZeRO-1, 2 and 3
+/// and the user's module under ZeRO-3 give the bits of plain all-reduce reducing each.
+#[test]
+fn reducing_each_micro_batch() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let two = "world_size: 2\nbatch_size: 16\naccumulation_steps: 2\nmax_steps: 50\n";
+    let summed = run(dir.path(), "summed", two, &[]);
+    let each = format!("{two}reduce_each_micro_batch: true\n");
+    let spec = run(dir.path(), "each", &each, &[]);
+    let e = relative_error(&spec, &summed);
+    assert!(
+        e <= 1e-5,
+        "each reduced vs summed first: relative error {e}"
+    );
+    assert!(
+        spec != summed,
+        "reducing each micro-batch gave the bits of summing them first: not in effect"
+    );
+    for zero in [1, 2, 3] {
+        let name = format!("each-zero{zero}");
+        let sharded = run(dir.path(), &name, &format!("{each}zero: {zero}\n"), &[]);
+        assert_bitwise(
+            &format!("each micro-batch reduced: ZeRO-{zero} vs all-reduce"),
+            &sharded,
+            &spec,
+        );
+    }
+    let user_3 = run(
+        dir.path(),
+        "each-user-zero3",
+        &format!("{each}zero: 3\n"),
+        &["--", exe],
+    );
+    assert_bitwise(
+        "each micro-batch reduced: user module under ZeRO-3",
+        &user_3,
+        &spec,
+    );
+}
+
 /// Clipping by global norm (`clip_grad_norm: 0.5`, PyTorch's `clip_grad_norm_`): 2 ranks
 /// train as 1 rank on the global batch (to rounding), the clipping changes the run, ZeRO-1,
 /// 2 and 3 (the norm summed from the ranks' shards) give the bits of plain all-reduce, and

@@ -61,6 +61,14 @@ pub struct AllReduceSection {
     /// pipelines: that many times the micro-batches); the step's global batch is
     /// `batch_size × accumulation_steps × ranks`. 1: every batch is a step.
     pub accumulation_steps: u32,
+    /// Sync, with `accumulation_steps` > 1: reduce every micro-batch's gradients as its
+    /// backward gives them and add the reductions up (DDP without `no_sync`, FSDP's default,
+    /// DeepSpeed's ZeRO-2/3), instead of summing the micro-batches on the rank and reducing
+    /// once. Under ZeRO-2 and 3 a rank then never holds a whole gradient, only its shard (ZeRO-3
+    /// without it keeps a whole model's worth of summed gradients while it accumulates); the
+    /// price is one reduction per micro-batch. The same values under every ZeRO stage, bitwise.
+    /// Off by default.
+    pub reduce_each_micro_batch: bool,
     /// Clip the averaged gradient to this global L2 norm before the optimizer step
     /// (PyTorch's `clip_grad_norm_`: scaled by `min(1, max / (norm + 1e-6))`), the norm over
     /// every parameter also under ZeRO and across pipeline stages; async: each applied
@@ -92,6 +100,7 @@ impl Default for AllReduceSection {
             zero: 0,
             prefetch: true,
             accumulation_steps: 1,
+            reduce_each_micro_batch: false,
             clip_grad_norm: None,
             cycle_duration_ms: 5.0,
             all_reduce_buffer_size: 64 << 20,

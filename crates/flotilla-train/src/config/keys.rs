@@ -313,6 +313,12 @@ pub const KEYS: &[Key] = &[
             Kind::Usize,
             "Micro-batches per step, summed before one all-reduce (sync all-reduce)",
         ),
+    Key::new("allreduce.reduce_each_micro_batch")
+        .aliases(&["reduce_each_micro_batch"])
+        .switch(
+            "reduce-each-micro-batch",
+            "Reduce every micro-batch's gradients, not their sum (ZeRO-3: the gradient stays sharded)",
+        ),
     Key::new("allreduce.clip_grad_norm")
         .aliases(&["clip_grad_norm", "max_grad_norm"])
         .flag(

@@ -230,6 +230,15 @@ impl TrainConfig {
                 "must be at least 1, got 0".into(),
             ));
         }
+        let sync = self.topology.arch == Arch::Allreduce && a.mode == AllReduceMode::Sync;
+        if a.reduce_each_micro_batch && !sync {
+            return Err(bad(
+                "allreduce.reduce_each_micro_batch",
+                "reduces each micro-batch of sync all-reduce (any `zero`); async all-reduce, \
+                 pipelines and parameter servers reduce a step's sum once (set it to false)"
+                    .into(),
+            ));
+        }
         let Some(max) = a.clip_grad_norm else {
             return Ok(());
         };
@@ -349,6 +358,22 @@ mod tests {
         }
         let e = check("accumulation_steps: 0\n").expect_err("0").to_string();
         assert!(e.contains("allreduce.accumulation_steps"), "{e}");
+        for zero in 0..=3 {
+            let yaml =
+                format!("accumulation_steps: 2\nzero: {zero}\nreduce_each_micro_batch: true\n");
+            check(&yaml).expect(&yaml);
+        }
+        for yaml in [
+            "accumulation_steps: 2\nstrategy: pipeline\nreduce_each_micro_batch: true\n",
+            "accumulation_steps: 2\nstrategy: async_allreduce\nreduce_each_micro_batch: true\n",
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nreduce_each_micro_batch: true\n",
+        ] {
+            let e = check(yaml).expect_err(yaml).to_string();
+            assert!(
+                e.contains("allreduce.reduce_each_micro_batch"),
+                "{yaml}: {e}"
+            );
+        }
         for yaml in [
             "clip_grad_norm: 1.0\nzero: 1\n",
             "clip_grad_norm: 1.0\nzero: 2\n",

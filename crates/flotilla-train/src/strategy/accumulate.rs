@@ -4,6 +4,13 @@
 //! as the backward produces them (or, for a parameter-server worker, before its push).
 //! Every data-parallel strategy that accumulates (sync with any ZeRO stage, async, a
 //! worker) does it through [`MicroBatches`], so they sum in one order.
+//!
+//! Sync all-reduce may instead reduce every micro-batch's gradients as its backward gives
+//! them (`allreduce.reduce_each_micro_batch`: DDP without `no_sync`, FSDP's default and
+//! DeepSpeed's ZeRO-2/3): each reduction is kept scaled by `1/(N·k)` ([`MicroBatches::keep`],
+//! the first one written, the later ones added in micro-batch order), so nothing whole is
+//! summed on the rank and under ZeRO-2/3 the gradient stays this rank's shard throughout,
+//! at the price of one reduction per micro-batch instead of one per step.
 
 use flotilla_engine::{BatchRef, Engine, ParamLayout};
 
@@ -25,6 +32,12 @@ pub struct MicroBatches {
     pub sum: Vec<f32>,
     /// Their losses' sum.
     pub loss: f32,
+    /// Whether every micro-batch is reduced on its own (`allreduce.reduce_each_micro_batch`)
+    /// instead of summed here: then `sum` stays empty.
+    pub reduce_each: bool,
+    /// Micro-batches of the step already reduced into the averaged gradient (with
+    /// `reduce_each`): [`MicroBatches::keep`] writes the first and adds the others.
+    pub reduced: usize,
 }
 
 impl MicroBatches {
@@ -34,6 +47,51 @@ impl MicroBatches {
             steps: steps.max(1),
             sum: Vec::new(),
             loss: 0.0,
+            reduce_each: false,
+            reduced: 0,
+        }
+    }
+
+    /// `self` reducing every micro-batch on its own when `on` (see the module docs).
+    pub fn reducing_each(mut self, on: bool) -> Self {
+        self.reduce_each = on;
+        self
+    }
+
+    /// `batch` cut into the step's micro-batches, in order (`lps`: labels per sample).
+    pub fn cut<'b>(&self, lps: usize, batch: BatchRef<'b>) -> Result<Vec<BatchRef<'b>>> {
+        let k = self.steps;
+        if k == 1 {
+            return Ok(vec![batch]);
+        }
+        let n = batch.labels.len() / lps.max(1);
+        if n == 0 || !n.is_multiple_of(k) {
+            return Err(TrainError::config(
+                "allreduce.accumulation_steps",
+                format!("a batch of {n} samples does not cut into {k} equal micro-batches"),
+            ));
+        }
+        let (inputs, labels) = (batch.images.len() / k, batch.labels.len() / k);
+        Ok((0..k)
+            .map(|j| BatchRef {
+                images: &batch.images[j * inputs..(j + 1) * inputs],
+                labels: &batch.labels[j * labels..(j + 1) * labels],
+            })
+            .collect())
+    }
+
+    /// Keeps a reduction's `summed` values scaled by `scale` in `dst`, the averaged
+    /// gradient's place for them: written by the step's first reduction, added to by the
+    /// later micro-batches' (with `reduce_each`), in micro-batch order.
+    pub fn keep(&self, dst: &mut [f32], summed: &[f32], scale: f32) {
+        if self.reduced == 0 {
+            for (d, s) in dst.iter_mut().zip(summed) {
+                *d = s * scale;
+            }
+        } else {
+            for (d, s) in dst.iter_mut().zip(summed) {
+                *d += s * scale;
+            }
         }
     }
 
@@ -64,28 +122,20 @@ impl MicroBatches {
         batch: BatchRef<'b>,
         differentiate: &mut Differentiate<'_>,
     ) -> Result<BatchRef<'b>> {
-        let k = self.steps;
         self.loss = 0.0;
         self.sum.clear();
-        if k == 1 {
+        self.reduced = 0;
+        let mut micro = self.cut(lps, batch)?;
+        let Some(last) = micro.pop() else {
             return Ok(batch);
-        }
-        let n = batch.labels.len() / lps.max(1);
-        if n == 0 || !n.is_multiple_of(k) {
-            return Err(TrainError::config(
-                "allreduce.accumulation_steps",
-                format!("a batch of {n} samples does not cut into {k} equal micro-batches"),
-            ));
-        }
-        let (inputs, labels) = (batch.images.len() / k, batch.labels.len() / k);
-        let micro = |j: usize| BatchRef {
-            images: &batch.images[j * inputs..(j + 1) * inputs],
-            labels: &batch.labels[j * labels..(j + 1) * labels],
         };
+        if micro.is_empty() {
+            return Ok(last);
+        }
         self.sum.resize(layout.total, 0.0);
-        for j in 0..k - 1 {
+        for batch in micro {
             let sum = &mut self.sum;
-            self.loss += differentiate(micro(j), &mut |i, g| {
+            self.loss += differentiate(batch, &mut |i, g| {
                 let p = &layout.params[i];
                 for (a, x) in sum[p.offset..p.offset + p.len].iter_mut().zip(g) {
                     *a += x;
@@ -93,7 +143,7 @@ impl MicroBatches {
                 Ok(())
             })?;
         }
-        Ok(micro(k - 1))
+        Ok(last)
     }
 
     /// Writes into `dst` the last micro-batch's `grad` of the tensor at flat `offset`, plus

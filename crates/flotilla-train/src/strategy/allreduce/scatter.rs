@@ -188,7 +188,7 @@ impl Scatter<'_> {
         // over the micro-batches already).
         let micro = self.accumulated.steps as f32;
         let scale = 1.0 / (self.comm.size() as f32 * micro);
-        self.zero.keep_shard(k, &summed, scale);
+        self.zero.keep_shard(k, &summed, scale, self.accumulated);
         if k + 1 == self.plan.buckets.len() {
             self.global_loss = Some(summed[self.plan.buckets[k].len()] * scale * micro);
         }

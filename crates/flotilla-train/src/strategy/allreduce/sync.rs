@@ -64,7 +64,8 @@ pub struct SyncAllReduce {
     zero: Option<Zero>,
     /// ZeRO stage 1 by whole parameter, for an engine with an optimizer of its own.
     by_param: Option<ParamZero>,
-    /// A step's micro-batches before its last (`allreduce.accumulation_steps`).
+    /// A step's micro-batches (`allreduce.accumulation_steps`): summed before the last, or
+    /// each reduced (`allreduce.reduce_each_micro_batch`).
     accumulator: MicroBatches,
     /// Clip the averaged gradient to this global norm (`allreduce.clip_grad_norm`).
     clip_grad_norm: Option<f64>,
@@ -133,7 +134,8 @@ impl SyncAllReduce {
             plan,
             overlap: config.allreduce.overlap,
             buffers: Vec::new(),
-            accumulator: MicroBatches::new(config.allreduce.accumulation_steps as usize),
+            accumulator: MicroBatches::new(config.allreduce.accumulation_steps as usize)
+                .reducing_each(config.allreduce.reduce_each_micro_batch),
             clip_grad_norm: config.allreduce.clip_grad_norm,
         })
     }
@@ -463,21 +465,25 @@ impl Strategy for SyncAllReduce {
         };
         let seed = super::dropout_seed(cx.config.model.seed, self.comm.rank(), done);
         self.engine.set_dropout_seed(seed);
-        let last = match self.zero.as_mut().filter(|z| z.shards_params()) {
-            // ZeRO-3: the earlier micro-batches through the shards, summed on this rank.
-            Some(zero) => {
-                let (engine, plan) = (&mut *self.engine, &self.plan);
-                let lps = engine.labels_per_sample();
-                self.accumulator
-                    .run_with(lps, &self.layout, batch, &mut |micro, each| {
-                        zero.local_pass(engine, plan, micro, each)
-                    })?
-            }
-            None => self
-                .accumulator
-                .run(&mut *self.engine, &self.layout, batch)?,
+        let stats = if self.accumulator.reduce_each {
+            self.step_reducing_each(batch, lr, weight)?
+        } else {
+            let last = match self.zero.as_mut().filter(|z| z.shards_params()) {
+                // ZeRO-3: the earlier micro-batches through the shards, summed on this rank.
+                Some(zero) => {
+                    let (engine, plan) = (&mut *self.engine, &self.plan);
+                    let lps = engine.labels_per_sample();
+                    self.accumulator
+                        .run_with(lps, &self.layout, batch, &mut |micro, each| {
+                            zero.local_pass(engine, plan, micro, each)
+                        })?
+                }
+                None => self
+                    .accumulator
+                    .run(&mut *self.engine, &self.layout, batch)?,
+            };
+            self.step_on(last, lr, weight)?
         };
-        let stats = self.step_on(last, lr, weight)?;
         Ok(Step {
             progressed: true,
             loss: Some(stats.global_loss),
@@ -491,10 +497,51 @@ impl SyncAllReduce {
     /// One training step on this rank's batch at learning rate `lr`, its gradient and loss
     /// scaled by `weight` (its share of the global batch times the ranks; 1: equal shares).
     fn step_on(&mut self, batch: BatchRef<'_>, lr: f64, weight: f32) -> Result<StepStats> {
-        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
-            zero.release(&mut *self.engine)?;
+        self.release_params()?;
+        let (local_loss, reduced_loss) = self.reduce(batch, weight)?;
+        self.apply(local_loss, reduced_loss, lr)
+    }
+
+    /// A step whose micro-batches are each reduced as their backward gives the gradients
+    /// (`allreduce.reduce_each_micro_batch`; see `accumulate.rs`), in order, into the
+    /// averaged gradient or this rank's shard of it; then one optimizer step.
+    fn step_reducing_each(
+        &mut self,
+        batch: BatchRef<'_>,
+        lr: f64,
+        weight: f32,
+    ) -> Result<StepStats> {
+        self.release_params()?;
+        let lps = self.engine.labels_per_sample();
+        let micro = self.accumulator.cut(lps, batch)?;
+        // Nothing is summed on the rank: every loss slot is its micro-batch's alone.
+        self.accumulator.sum.clear();
+        self.accumulator.loss = 0.0;
+        let (mut local_loss, mut reduced_loss) = (0.0, 0.0);
+        for (j, batch) in micro.into_iter().enumerate() {
+            self.accumulator.reduced = j;
+            // Each loss slot holds its micro-batch's loss over `k`: their sum is the mean.
+            let (local, reduced) = self.reduce(batch, weight)?;
+            local_loss += local;
+            reduced_loss += reduced;
         }
-        let (local_loss, reduced_loss) = match self.zero.as_mut().filter(|z| z.scatters()) {
+        self.accumulator.reduced = 0;
+        let k = self.accumulator.steps as f32;
+        self.apply(local_loss / k, reduced_loss, lr)
+    }
+
+    /// ZeRO-3: lets go of the parameters a whole-model operation gathered between steps.
+    fn release_params(&mut self) -> Result<()> {
+        match self.zero.as_mut().filter(|z| z.shards_params()) {
+            Some(zero) => zero.release(&mut *self.engine),
+            None => Ok(()),
+        }
+    }
+
+    /// Forward and backward on `batch` and its reduction into the averaged gradient (or this
+    /// rank's shard of it): this rank's loss and the loss slot's mean.
+    fn reduce(&mut self, batch: BatchRef<'_>, weight: f32) -> Result<(f32, f32)> {
+        match self.zero.as_mut().filter(|z| z.scatters()) {
             Some(zero) => super::scatter::reduce_scatter_step(
                 zero,
                 &*self.comm,
@@ -502,9 +549,14 @@ impl SyncAllReduce {
                 (&self.plan, &self.layout),
                 (batch, &self.accumulator),
                 (self.overlap, weight),
-            )?,
-            None => self.all_reduce_step(batch, weight)?,
-        };
+            ),
+            None => self.all_reduce_step(batch, weight),
+        }
+    }
+
+    /// The optimizer step on the averaged gradient (clipped first when configured); the
+    /// global loss (ZeRO: told by the rank whose shard holds the loss slot).
+    fn apply(&mut self, local_loss: f32, reduced_loss: f32, lr: f64) -> Result<StepStats> {
         if let Some(max) = self.clip_grad_norm {
             let (grads, sharded) = match &mut self.zero {
                 Some(zero) => (zero.grad_mut(), true),
@@ -605,12 +657,10 @@ impl SyncAllReduce {
             let summed = p.wait()?;
             let bucket = &self.plan.buckets[k];
             match &mut self.zero {
-                Some(zero) => zero.keep_shard(k, &summed, scale),
+                Some(zero) => zero.keep_shard(k, &summed, scale, &self.accumulator),
                 None => {
                     let flat = &mut self.flat[bucket.start..bucket.end];
-                    for (dst, src) in flat.iter_mut().zip(&summed) {
-                        *dst = src * scale;
-                    }
+                    self.accumulator.keep(flat, &summed, scale);
                 }
             }
             if k == last {

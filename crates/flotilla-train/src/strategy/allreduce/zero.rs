@@ -49,6 +49,7 @@ use flotilla_tcp::{PendingAllReduce, ProcessGroup, shard};
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
 use crate::error::{Result, TrainError};
+use crate::strategy::accumulate::MicroBatches;
 
 pub(crate) mod by_param;
 pub(super) mod elastic;
@@ -212,13 +213,12 @@ impl Zero {
     }
 
     /// Keeps this rank's shard of bucket `k`'s summed wire buffer, scaled by `scale` (1/N),
-    /// as its gradient; the rest of `summed` is not read.
-    pub fn keep_shard(&mut self, k: usize, summed: &[f32], scale: f32) {
+    /// as its gradient, as `micro` says (written, or added to the earlier micro-batches'
+    /// reductions: [`MicroBatches::keep`]); the rest of `summed` is not read.
+    pub fn keep_shard(&mut self, k: usize, summed: &[f32], scale: f32, micro: &MicroBatches) {
         let slot = &self.slots[k];
         let dst = &mut self.grad[slot.at..slot.at + slot.wire.len()];
-        for (d, s) in dst.iter_mut().zip(&summed[slot.wire.clone()]) {
-            *d = s * scale;
-        }
+        micro.keep(dst, &summed[slot.wire.clone()], scale);
     }
 
     /// This rank's shard of the averaged gradient (its owned ranges, in flat order), as
