@@ -308,8 +308,9 @@ impl Zero {
         }
     }
 
-    /// Writes a checkpoint (collective): every rank's optimizer shard goes to rank 0, which
-    /// writes them one by one beside `model`'s weights; returns the directory on rank 0.
+    /// Writes a checkpoint (collective): rank 0 writes `model`'s weights, and every rank its
+    /// optimizer shard into rank 0's checkpoint directory where it sees it (else over the
+    /// wire to rank 0: `zero/shard_files.rs`); returns the directory on rank 0.
     pub fn save(
         &self,
         output: &Path,
@@ -327,10 +328,10 @@ impl Zero {
             ..state.clone()
         };
         checkpoint::save_with(output, &state, |tmp| {
+            let offer = shard_files::offer(&*self.comm, tmp)?;
             let weights = tmp.join("model.safetensors");
             model.save_weights(&weights)?;
-            shard_files::write_own(&self.optimizer, tmp)?;
-            shard_files::receive_shards(&*self.comm, tmp)
+            offer.collect(&*self.comm, &self.optimizer)
         })
         .map(Some)
     }

@@ -272,8 +272,9 @@ impl Zero {
     /// Stage 3's checkpoint (collective): the parameters are gathered one bucket at a time
     /// in flat order and rank 0 writes each bucket's tensors into `model.safetensors` as it
     /// comes ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes),
-    /// then every rank's optimizer shard, asked for one at a time. No rank holds the whole
-    /// parameters. Returns the directory on rank 0.
+    /// while every rank writes its optimizer shard into that directory where it sees it (else
+    /// over the wire to rank 0: `zero/shard_files.rs`). No rank holds the whole parameters.
+    /// Returns the directory on rank 0.
     ///
     /// The shard of the averaged gradient is not read between steps (each step's
     /// reduce-scatter writes all of it): it is let go while the checkpoint holds burn's
@@ -311,6 +312,8 @@ impl Zero {
         };
         let layout = model.layout().clone();
         checkpoint::save_with(output, &state, |tmp| {
+            // The other ranks write their shards once the parameters are gathered.
+            let offer = shard_files::offer(&*self.comm, tmp)?;
             let mut writer = model.weights_writer(&tmp.join("model.safetensors"));
             // Every bucket is gathered (collective) even after a failed write.
             self.gather_in_flat_order(plan, &mut |bucket, values| {
@@ -328,8 +331,7 @@ impl Zero {
                 Ok(())
             })?;
             writer?.finish()?;
-            shard_files::write_own(&self.optimizer, tmp)?;
-            shard_files::receive_shards(&*self.comm, tmp)
+            offer.collect(&*self.comm, &self.optimizer)
         })
         .map(Some)
     }
