@@ -57,7 +57,8 @@ pub struct AllReduceSection {
     pub prefetch: bool,
     /// Micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
     /// DeepSpeed's `gradient_accumulation_steps`): a rank differentiates each, sums their
-    /// gradients locally and reduces once, after the last (sync, any ZeRO stage, or async;
+    /// gradients locally and reduces once, after the last (unless
+    /// `reduce_each_micro_batch`) (sync, any ZeRO stage, or async;
     /// pipelines: that many times the micro-batches); the step's global batch is
     /// `batch_size × accumulation_steps × ranks`. 1: every batch is a step.
     pub accumulation_steps: u32,

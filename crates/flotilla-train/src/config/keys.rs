@@ -311,7 +311,7 @@ pub const KEYS: &[Key] = &[
             "accumulation-steps",
             "K",
             Kind::Usize,
-            "Micro-batches per step, summed before one all-reduce (sync all-reduce)",
+            "Micro-batches per step, summed before one all-reduce (sync all-reduce; see --reduce-each-micro-batch)",
         ),
     Key::new("allreduce.reduce_each_micro_batch")
         .aliases(&["reduce_each_micro_batch"])
