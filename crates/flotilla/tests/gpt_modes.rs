@@ -215,8 +215,11 @@ fn gathers_ahead_and_waited(events: &[serde_json::Value], pid: u64) -> (usize, u
 
 /// ZeRO-3 with each group's all-gather prefetched (the default) and without
 /// (`prefetch: false`): the same parameters, bit for bit. On the timeline of the run without,
-/// every all-gather of a step starts while the engine waits for it; with it, most start
-/// while the engine still computes the group before (FSDP's prefetch).
+/// every all-gather of a step starts while the engine waits for it; with it, many start
+/// while the engine still computes the group before (FSDP's prefetch). How many depends on
+/// the load: a prefetch that the comm thread reaches only after the engine caught up starts
+/// inside the engine's wait (on 2 idle cores about 4 of 5 start early; the CI that runs
+/// two tests at once on 2 cores saw 2 of 3), so the bound is at least 3 of a step's 11.
 #[test]
 fn a_gpt_under_zero_3_gathers_the_next_block_while_one_computes_bitwise_as_without() {
     let dir = tmp();
@@ -240,7 +243,7 @@ fn a_gpt_under_zero_3_gathers_the_next_block_while_one_computes_bitwise_as_witho
         let (early, late) = gathers_ahead_and_waited(&ahead_events, pid);
         println!("rank {pid} prefetching: {early} all-gathers started early, {late} waited for");
         assert!(
-            early >= 2 * late,
+            early >= 20 * 3,
             "rank {pid} prefetching: {early} early, {late} waited for"
         );
     }
