@@ -77,6 +77,7 @@ fn main() -> Result<()> {
         device: "flex".into(),
         seed: 42,
         clip_grad_norm: None,
+        zero: 0,
     };
     let (_settings, world) = flotilla_train::program::join_from_env()?;
     let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;

@@ -49,7 +49,8 @@ pub struct AllReduceSection {
     /// steps the optimizer on its shard of every bucket only (1/N of the state), then the
     /// parameters are all-gathered; 2 as 1, and the buckets are reduce-scattered instead of
     /// all-reduced (each rank keeps only its shard's gradient sums and one bucket's wire
-    /// buffer). On one rank every stage is 0 (nothing to shard).
+    /// buffer). On one rank every stage is 0 (nothing to shard). A pipeline (`arch:
+    /// pipeline`) runs 1 among each stage's `data_parallel` replicas.
     pub zero: u8,
     /// ZeRO stage 3: start each backward group's parameter all-gather while the group before
     /// it computes (PyTorch FSDP's prefetch; the gathered values are the same). On by default;

@@ -302,7 +302,7 @@ pub const KEYS: &[Key] = &[
         "zero",
         "STAGE",
         Kind::Usize,
-        "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce)",
+        "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce; 1 among a pipeline's replicas)",
     ),
     Key::new("allreduce.prefetch").aliases(&["prefetch"]),
     Key::new("allreduce.accumulation_steps")

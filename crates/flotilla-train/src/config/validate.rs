@@ -186,13 +186,15 @@ impl TrainConfig {
                 ),
             ));
         }
-        if self.allreduce.zero > 0 && !sync_mode {
+        let pipeline_zero_1 = t.arch == Arch::Pipeline && self.allreduce.zero == 1;
+        if self.allreduce.zero > 0 && !sync_mode && !pipeline_zero_1 {
             return Err(bad(
                 "allreduce.zero",
                 format!(
-                    "ZeRO shards the optimizer step of sync data-parallel all-reduce only, not \
-                     under arch {} with mode {:?} (set zero: 0)",
-                    t.arch, self.allreduce.mode
+                    "ZeRO shards the optimizer step of sync data-parallel all-reduce (stages 1 \
+                     to 3) and of a pipeline's replicas (stage 1) only, not stage {} under \
+                     arch {} with mode {:?}",
+                    self.allreduce.zero, t.arch, self.allreduce.mode
                 ),
             ));
         }
@@ -280,8 +282,8 @@ fn positive(key: &str, v: f64, what: &str) -> Result<()> {
 }
 
 impl TrainConfig {
-    /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (any
-    /// `zero`), async all-reduce, a pipeline's replicas, or a
+    /// What an elastic job (`topology.min_world_size`) takes today: sync all-reduce (`zero`
+    /// 0 to 2), async all-reduce, a pipeline's replicas (without ZeRO), or a
     /// parameter server's workers (flat, one server or shards, or hierarchical; sync or
     /// async, any `local_steps`) over TCP, `1 <= min <= world_size`, and a parameter server's
     /// minimum leaves its servers a worker at least. Each refusal names the setting.
@@ -335,6 +337,9 @@ impl TrainConfig {
         }
         if self.allreduce.zero == 3 {
             return not_yet("ZeRO stage 3 (parameters sharded; stages 1 and 2 are elastic)");
+        }
+        if self.allreduce.zero > 0 && t.arch == Arch::Pipeline {
+            return not_yet("ZeRO among a pipeline's replicas");
         }
         Ok(())
     }
@@ -420,6 +425,21 @@ mod tests {
     }
 
     #[test]
+    fn a_pipeline_shards_its_replicas_optimizer_state_at_zero_1_only() {
+        let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
+        let pipeline = "strategy: pipeline\nstages: 2\ndata_parallel: 2\nworld_size: 4\n";
+        check(&format!("{pipeline}zero: 1\n")).expect("zero 1");
+        for zero in [2, 3] {
+            let e = check(&format!("{pipeline}zero: {zero}\n")).expect_err("refused");
+            let e = e.to_string();
+            assert!(
+                e.contains("allreduce.zero") && e.contains("(stage 1) only"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
     fn an_elastic_job_takes_all_reduce_pipeline_replicas_or_server_workers_and_refuses_the_rest() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         let flat =
@@ -461,6 +481,10 @@ mod tests {
             (
                 format!("{hier}min_world_size: 7\n"),
                 "between 1 and world_size (6), not 7",
+            ),
+            (
+                "strategy: pipeline\nstages: 2\nworld_size: 4\nmin_world_size: 2\nzero: 1\n".into(),
+                "ZeRO among a pipeline's replicas keeps a fixed size",
             ),
         ] {
             let e = check(&yaml).expect_err(&yaml).to_string();

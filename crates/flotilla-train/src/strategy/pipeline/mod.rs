@@ -19,6 +19,7 @@ mod source;
 pub mod stage;
 pub mod state;
 pub mod wire;
+mod zero;
 
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
@@ -31,3 +32,5 @@ mod seq_tests;
 mod state_tests;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod zero_tests;

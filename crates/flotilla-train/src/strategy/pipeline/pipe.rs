@@ -20,6 +20,7 @@ use flotilla_tcp::ProcessGroup;
 use crate::error::{Result, TrainError};
 use crate::strategy::allreduce::{clip, dropout_seed};
 use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
+use crate::strategy::pipeline::zero::ReplicaShard;
 use crate::strategy::pipeline::{Action, Schedule, micro_batches};
 
 /// How a pipeline runs.
@@ -43,6 +44,10 @@ pub struct PipelineOptions {
     /// Clip the gradient to this global norm (over every stage's parameters) before each
     /// step (`allreduce.clip_grad_norm`).
     pub clip_grad_norm: Option<f64>,
+    /// ZeRO stage among a stage's replicas (`allreduce.zero`): 0, or 1 to shard each stage's
+    /// optimizer state among its `data_parallel` replicas (`zero.rs`; the same parameters,
+    /// bit for bit). Stages 2 and 3 are not run in a pipeline.
+    pub zero: u8,
 }
 
 /// One rank's part of a pipeline (see the module documentation).
@@ -69,6 +74,9 @@ pub struct Pipeline {
     /// This replica's share of the step's samples, when replicas' batches differ
     /// ([`Pipeline::set_share`]); `None`: equal batches, the gradients' plain mean.
     share: Option<f32>,
+    /// ZeRO-1: this replica's part of its stage's optimizer (`None`: the stage's own
+    /// optimizer steps, as without ZeRO or with one replica).
+    zero: Option<ReplicaShard>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -124,6 +132,15 @@ impl Pipeline {
         }
         agree(&*world, model, &cut, &opts)?;
         let (replica, peers, replicas) = layout(&world, stages, opts.data_parallel)?;
+        let zero = match (&replicas, opts.zero) {
+            (Some(group), 1..) => Some(ReplicaShard::new(
+                &*stage,
+                &**group,
+                &opts.optimizer,
+                &opts.device,
+            )?),
+            _ => None,
+        };
         Ok(Self {
             stage,
             cut,
@@ -137,6 +154,7 @@ impl Pipeline {
             compute: std::time::Duration::ZERO,
             dropout_seed: None,
             share: None,
+            zero,
         })
     }
 
@@ -151,6 +169,11 @@ impl Pipeline {
         model: &str,
     ) -> Result<()> {
         let stages = self.cut.stages();
+        if self.opts.zero > 0 {
+            return Err(self.usage(
+                "a pipeline whose replicas shard their optimizer (ZeRO) rejoining a new world",
+            ));
+        }
         self.opts.data_parallel = world.size() / stages;
         check_shape(&self.cut, &self.opts, world.size())?;
         if let Some(stage) = stage {
@@ -372,9 +395,48 @@ impl Pipeline {
             clip::scale_to(self.stage.grads_mut(), norm, max);
         }
         let started = Instant::now();
-        self.stage.step(self.opts.lr)?;
+        match (&mut self.zero, &self.replicas) {
+            (Some(zero), Some(group)) => zero.step(&mut *self.stage, &**group, self.opts.lr)?,
+            _ => self.stage.step(self.opts.lr)?,
+        }
         self.compute += started.elapsed();
         Ok(())
+    }
+
+    /// This stage's weights (safetensors bytes) and whole optimizer state, as a checkpoint
+    /// holds them, on replica 0 (which with ZeRO gathers the replicas' shards of the state);
+    /// `None` on the other replicas. Collective over the stage's replicas.
+    pub fn stage_state(&self) -> Result<Option<[Vec<u8>; 2]>> {
+        let optimizer = match (&self.zero, &self.replicas) {
+            (Some(zero), Some(group)) => zero.whole_state(&*self.stage, &**group)?,
+            _ if self.replica != 0 => None,
+            _ => Some(self.stage.optimizer_state()?),
+        };
+        match optimizer {
+            Some(o) => Ok(Some([self.stage.weights_bytes()?, o])),
+            None => Ok(None),
+        }
+    }
+
+    /// Replaces this stage's weights and optimizer state with `parts` (as
+    /// [`Pipeline::stage_state`] gives them; with ZeRO, this replica keeps its shard of the
+    /// state).
+    pub fn load_stage_state(&mut self, parts: &[Vec<u8>; 2]) -> Result<()> {
+        self.stage.load_weights_bytes(&parts[0])?;
+        match &mut self.zero {
+            Some(zero) => zero.load_whole(&*self.stage, &parts[1]),
+            None => Ok(self.stage.load_optimizer_state(&parts[1])?),
+        }
+    }
+
+    /// Bytes of optimizer state this rank holds: its stage's, or with ZeRO its shard's.
+    pub fn optimizer_state_bytes(&self) -> Result<u64> {
+        match &self.zero {
+            Some(zero) => zero.state_bytes(),
+            None => Ok(flotilla_engine::optimizer_state_bytes(
+                &self.stage.optimizer_state()?,
+            )?),
+        }
     }
 
     /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
@@ -679,6 +741,12 @@ fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<(
             s * d
         ));
     }
+    if opts.zero > 1 {
+        return err(format!(
+            "ZeRO stage {} among a stage's replicas: a pipeline runs stage 0 or 1",
+            opts.zero
+        ));
+    }
     if opts.micro_batches == 0 || opts.micro_batches > MAX_MICRO_BATCHES {
         return err(format!(
             "micro_batches must be 1..={MAX_MICRO_BATCHES}, got {}",
@@ -709,6 +777,7 @@ fn agree(
         opts.lr,
         &opts.optimizer,
         opts.seed,
+        opts.zero,
     );
     let text = format!("{model}|{:?}|{:?}|{shared:?}", cut.ranges, cut.crossings);
     let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());

@@ -47,6 +47,7 @@ fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> Pi
         device: "flex".into(),
         seed: SEED,
         clip_grad_norm: None,
+        zero: 0,
     }
 }
 

@@ -67,6 +67,7 @@ impl PipelineStage {
             device: config.model.device.clone(),
             seed: config.model.seed,
             clip_grad_norm: config.allreduce.clip_grad_norm,
+            zero: config.allreduce.zero,
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let mut held = elastic::Held::default();
@@ -442,7 +443,7 @@ impl Strategy for PipelineStage {
         let compute = self.pipe.compute_time() - self.warmed_up.unwrap_or_default();
         let training = self.training.as_secs_f64();
         let peak = self.pipe.stage().peak_in_flight();
-        vec![
+        let mut figures = vec![
             ("stage", self.pipe.stage_index() as f64),
             ("peak_in_flight", peak as f64),
             (
@@ -456,6 +457,12 @@ impl Strategy for PipelineStage {
                 "idle_fraction",
                 1.0 - compute.as_secs_f64() / training.max(1e-9),
             ),
-        ]
+        ];
+        // The optimizer state this rank holds (its stage's; with ZeRO its shard of it).
+        match self.pipe.optimizer_state_bytes() {
+            Ok(b) => figures.push(("optimizer_state_bytes", b as f64)),
+            Err(e) => tracing::warn!("optimizer_state_bytes: {e}"),
+        }
+        figures
     }
 }

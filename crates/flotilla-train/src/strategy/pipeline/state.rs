@@ -60,14 +60,14 @@ fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
 }
 
 /// Writes a checkpoint of the pipeline; collective over the world. Rank 0 writes it and
-/// returns its directory; the other stages of replica 0 send their state to rank 0.
+/// returns its directory; the other stages of replica 0 send their state to rank 0 (with
+/// ZeRO, gathered first from their replicas: [`Pipeline::stage_state`]).
 pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<Option<PathBuf>> {
     let rank = pipe.world().rank();
     let stages = pipe.cut().stages();
-    if pipe.replica() != 0 {
+    let Some(mine) = pipe.stage_state()? else {
         return Ok(None);
-    }
-    let mine = stage_parts(pipe.stage())?;
+    };
     if rank != 0 {
         send_parts(&**pipe.world(), 0, &mine)?;
         return Ok(None);
@@ -104,7 +104,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let stages = pipe.cut().stages();
     if rank != 0 {
         let parts = receive_parts(&**pipe.world(), 0)?;
-        return load_parts(pipe.stage_mut(), &parts);
+        return pipe.load_stage_state(&parts);
     }
     let Some(dir) = dir else {
         return Err(TrainError::config("resume", "no checkpoint to restore"));
@@ -128,7 +128,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     for r in 1..size {
         send_parts(&**pipe.world(), r, &per_stage[r % stages])?;
     }
-    load_parts(pipe.stage_mut(), &per_stage[0])
+    pipe.load_stage_state(&per_stage[0])
 }
 
 /// The stage files of checkpoint `dir`, written at this pipeline's cut of `stages` stages.

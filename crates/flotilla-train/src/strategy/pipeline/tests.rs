@@ -58,6 +58,7 @@ pub(super) fn options(
         device: "flex".into(),
         seed: SEED,
         clip_grad_norm: None,
+        zero: 0,
     }
 }
 
