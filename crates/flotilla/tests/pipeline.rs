@@ -1,7 +1,7 @@
 //! `strategy: pipeline` through the CLI: real `flotilla` processes over 127.0.0.1 on the
 //! vendored MNIST. A pipeline trains exactly what one process (or data parallel over its
-//! replicas) trains, its merged checkpoint has the whole model's PyTorch names, it resumes
-//! bitwise, a dead stage is named by the others, and a cut that does not fit is refused
+//! replicas, with ZeRO-1 among them too) trains, its merged checkpoint has the whole model's
+//! PyTorch names, it resumes bitwise (a stage's state above a frame too), a dead stage is named by the others, and a cut that does not fit is refused
 //! before any rank starts.
 
 mod common;
@@ -119,6 +119,73 @@ fn pipeline_replicas_train_what_data_parallel_trains() {
         relative_error(&piped, &dp),
         0.0,
         "3 stages × 2 replicas vs 2-rank all-reduce"
+    );
+}
+
+/// 2 stages × 2 replicas with ZeRO-1 (each replica steps its half of its stage's Adam
+/// state) train the bits of 2-rank data parallel, through a checkpoint and a resume: the MLP
+/// is wide (a 3000 × 3000 layer in stage 1) so that the stage's whole optimizer state, 72 MB,
+/// is more than a frame (`max_frame_bytes`, 64 MiB) on its way to rank 0 and back.
+#[test]
+fn a_wide_pipeline_with_zero_1_trains_data_parallels_bits_through_a_resume() {
+    let dir = tmp();
+    let d = dir.path();
+    let spec = "input: [1, 28, 28]\nlayers:\n  - flatten\n  - linear: {out: 3000}\n  - relu\n  - linear: {out: 3000}\n  - relu\n  - linear: {out: 10}\n";
+    std::fs::write(d.join("wide.yaml"), spec).expect("spec");
+    let common = format!(
+        "model: {}\nbatch_size: 32\nmax_steps: 4\ntest_limit: 100\noptimizer: {{name: adam, lr: 0.001}}\n",
+        d.join("wide.yaml").display()
+    );
+    let launched = |name: &str, yaml: &str, extra: &[&str]| {
+        let cfg = config_file(d, &format!("{name}.yaml"), &format!("{common}{yaml}"));
+        let out = d.join(name).to_str().expect("utf8").to_string();
+        let mut c = flotilla();
+        c.args(["launch", &cfg, "--output", &out]).args(extra);
+        (c, d.join(name))
+    };
+    let (c, out) = launched("dp", "world_size: 2\n", &[]);
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    let dp = checkpoint_tensors(&out);
+
+    let piped = "strategy: pipeline\nsplit_points: [3]\nmicro_batches: 1\ndata_parallel: 2\nzero: 1\ncheckpoint_every: 2\n";
+    let (mut c, out) = launched("piped", piped, &[]);
+    c.env("FLOTILLA_FAULT", "rank=1,step=3,action=exit");
+    let o = run_with_deadline(c, LIMIT);
+    assert!(
+        !o.status.success(),
+        "the fault must stop the job\n{}",
+        text(&o)
+    );
+    let (c, _) = launched("piped", piped, &["--resume"]);
+    let o = run_with_deadline(c, LIMIT);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        run_log(&out, 0).contains("(step 2)"),
+        "{}",
+        run_log(&out, 0)
+    );
+    assert_eq!(final_fields(&o)["steps"], 4.0);
+    // Stage 1's Adam moments (9,033,010 parameters, 8 bytes each), half on each replica.
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary"))
+            .expect("json");
+    let held: Vec<f64> = [1, 3]
+        .map(|r| {
+            summary["ranks"][r]["figures"]["optimizer_state_bytes"]
+                .as_f64()
+                .expect("bytes")
+        })
+        .to_vec();
+    assert_eq!(held.iter().sum::<f64>(), 8.0 * 9_033_010.0, "{held:?}");
+    assert!(
+        held.iter().all(|&b| b <= 0.51 * 8.0 * 9_033_010.0),
+        "{held:?}"
+    );
+    assert_eq!(
+        relative_error(&checkpoint_tensors(&out), &dp),
+        0.0,
+        "2 stages × 2 replicas, ZeRO-1, resumed at step 2, vs 2-rank all-reduce"
     );
 }
 

@@ -37,7 +37,7 @@ pub(super) fn receive_parts(world: &dyn ProcessGroup, from: usize) -> Result<[Ve
     let deadline = Instant::now() + world.timeout();
     let part = |p: usize| {
         world
-            .recv(from, wire::tag(Direction::State, p, 0), deadline)
+            .recv_large(from, wire::tag(Direction::State, p, 0), deadline)
             .map_err(|e| TrainError::Peer {
                 peer: from,
                 message: format!("waiting for the state of the stage at rank {from}: {e}"),
@@ -46,10 +46,11 @@ pub(super) fn receive_parts(world: &dyn ProcessGroup, from: usize) -> Result<[Ve
     Ok([part(WEIGHTS)?, part(OPTIMIZER)?])
 }
 
-/// Sends a stage's state to world rank `to`.
+/// Sends a stage's state to world rank `to` (in pieces: a large stage's state is more than a
+/// frame).
 pub(super) fn send_parts(world: &dyn ProcessGroup, to: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
     for (p, bytes) in parts.iter().enumerate() {
-        world.send(to, wire::tag(Direction::State, p, 0), bytes)?;
+        world.send_large(to, wire::tag(Direction::State, p, 0), bytes)?;
     }
     Ok(())
 }

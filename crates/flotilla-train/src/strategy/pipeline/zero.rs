@@ -86,7 +86,7 @@ impl ReplicaShard {
         let mine = self.optimizer.state()?;
         let tag = wire::tag(Direction::State, SHARD_PART, 0);
         if replicas.rank() != 0 {
-            replicas.send(0, tag, &mine)?;
+            replicas.send_large(0, tag, &mine)?;
             return Ok(None);
         }
         let (n, layout) = (replicas.size(), stage.layout());
@@ -94,7 +94,7 @@ impl ReplicaShard {
         let mut states = vec![mine];
         for r in 1..n {
             let state = replicas
-                .recv(r, tag, deadline)
+                .recv_large(r, tag, deadline)
                 .map_err(|e| TrainError::Peer {
                     peer: replicas.world_rank(r),
                     message: format!("waiting for replica {r}'s shard of the optimizer state: {e}"),
