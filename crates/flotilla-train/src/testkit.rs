@@ -49,6 +49,18 @@ pub(crate) fn sgd(lr: f64, momentum: f64) -> OptimizerSpec {
     }
 }
 
+/// Adam without weight decay (betas 0.9 and 0.99).
+pub(crate) fn adam(lr: f64) -> OptimizerSpec {
+    OptimizerSpec::Adam {
+        lr,
+        beta1: 0.9,
+        beta2: 0.99,
+        epsilon: 1e-8,
+        weight_decay: 0.0,
+        decay_params: DecayParams::All,
+    }
+}
+
 /// A config of `optimizer`, constant learning rate, no warm-up, a 5 s deadline, engines on
 /// `flex` from [`SEED`].
 pub(crate) fn config(optimizer: OptimizerSpec) -> TrainConfig {

@@ -20,7 +20,7 @@ use super::SyncAllReduce;
 use super::zero::owned_ranges;
 use crate::checkpoint::CheckpointState;
 use crate::strategy::{Resume, Strategy};
-use crate::testkit::{Rank, assert_bitwise, batches, config, params, world_with};
+use crate::testkit::{Rank, adam, assert_bitwise, batches, config, params, world_with};
 
 pub(super) const STEPS: u64 = 12;
 const SAMPLES: usize = 96;
@@ -35,14 +35,7 @@ pub(super) fn optimizers() -> Vec<OptimizerSpec> {
             weight_decay: 0.01,
             decay_params: DecayParams::All,
         },
-        OptimizerSpec::Adam {
-            lr: 0.02,
-            beta1: 0.9,
-            beta2: 0.99,
-            epsilon: 1e-8,
-            weight_decay: 0.0,
-            decay_params: DecayParams::All,
-        },
+        adam(0.02),
         OptimizerSpec::Adamw {
             lr: 0.02,
             beta1: 0.9,

@@ -6,13 +6,11 @@
 
 use std::ops::Range;
 
-use flotilla_engine::{
-    DecayParams, FlatOptimizerState, ModelState, OptimizerSpec, StageCut, optimizer_state_bytes,
-};
+use flotilla_engine::{FlatOptimizerState, ModelState, StageCut, optimizer_state_bytes};
 
 use super::tests::{named, options, spec, train_batch};
 use super::{Pipeline, PipelineOptions, Schedule};
-use crate::testkit::{assert_bitwise, world};
+use crate::testkit::{adam, assert_bitwise, world};
 
 /// A stage's weights and whole optimizer state, as [`Pipeline::stage_state`] gives them.
 type Parts = [Vec<u8>; 2];
@@ -31,14 +29,7 @@ struct Ended {
 
 fn opts(zero: u8) -> PipelineOptions {
     PipelineOptions {
-        optimizer: OptimizerSpec::Adam {
-            lr: 0.02,
-            beta1: 0.9,
-            beta2: 0.99,
-            epsilon: 1e-8,
-            weight_decay: 0.0,
-            decay_params: DecayParams::All,
-        },
+        optimizer: adam(0.02),
         zero,
         ..options(Schedule::OneFOneB, 2, 2)
     }
