@@ -78,6 +78,7 @@ fn main() -> Result<()> {
         seed: 42,
         clip_grad_norm: None,
         zero: 0,
+        offload: None,
     };
     let (_settings, world) = flotilla_train::program::join_from_env()?;
     let mut pipe = Pipeline::new(&spec, cut, opts, world.clone())?;

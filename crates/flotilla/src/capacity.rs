@@ -61,26 +61,30 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
 /// prefetched), six groups' worth (a group the larger of a bucket and the largest layer); and
 /// at a checkpoint, its optimizer share serialized and, on rank 0, another rank's received:
 /// three shares.
+///
+/// `offload` (`allreduce.offload`, stages 1 to 3): the optimizer state is in files; a step
+/// holds one chunk's state at a time, three times (read, stepped, written), and a checkpoint
+/// writes it from the files: three chunks' state in place of the shares' terms.
 pub fn model_state_bytes(
     params: u64,
     slots: u64,
-    (zero, n, elastic): (u8, usize, bool),
+    (zero, n, elastic, offload): (u8, usize, bool, bool),
     (bucket, layer): (u64, u64),
 ) -> u64 {
     let whole = params.saturating_mul(4);
     let n = n.max(1) as u64;
+    let chunk = (flotilla_engine::OFFLOAD_CHUNK_VALUES as u64).saturating_mul(4 * slots);
+    let in_memory = |optimizer: u64, copies: u64| match offload && zero > 0 {
+        true => optimizer.min(chunk).saturating_mul(3),
+        false => optimizer.saturating_mul(copies),
+    };
     if zero == 3 {
         let share = whole.div_ceil(n);
-        let optimizer = whole.saturating_mul(slots).div_ceil(n);
+        let optimizer = in_memory(whole.saturating_mul(slots).div_ceil(n), 4);
         let group = bucket.max(layer).min(whole);
-        let sum = [
-            share,
-            share,
-            optimizer.saturating_mul(4),
-            group.saturating_mul(6),
-        ]
-        .into_iter()
-        .fold(0u64, u64::saturating_add);
+        let sum = [share, share, optimizer, group.saturating_mul(6)]
+            .into_iter()
+            .fold(0u64, u64::saturating_add);
         return sum.saturating_add(sum / 100 * 15);
     }
     let share = |bytes: u64| match zero {
@@ -93,7 +97,7 @@ pub fn model_state_bytes(
     let averaged = if zero > 0 { whole.div_ceil(n) } else { whole };
     let wire = if zero >= 2 { bucket.min(whole) } else { whole };
     let gathered = if zero > 0 { whole } else { 0 };
-    let optimizer = share(whole.saturating_mul(slots));
+    let optimizer = in_memory(share(whole.saturating_mul(slots)), 1);
     let transients = whole.saturating_mul(2);
     let sum = [
         whole, whole, whole, averaged, wire, gathered, optimizer, transients,
@@ -121,11 +125,18 @@ pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Res
     };
     let bucket = config.bucket_bytes() as u64;
     let layer = spec.largest_layer_params()?.saturating_mul(4);
-    let bytes = model_state_bytes(params, slots, (zero, n, elastic.is_some()), (bucket, layer));
+    let offload = config.allreduce.offload.is_some();
+    let shape = (zero, n, elastic.is_some(), offload);
+    let bytes = model_state_bytes(params, slots, shape, (bucket, layer));
     let what = format!(
         "{} for the model's state: {params} parameters, {slots} optimizer value(s) each, ZeRO \
-         stage {zero} over {n} rank(s){}",
+         stage {zero} over {n} rank(s){}{}",
         mib(bytes),
+        if offload && zero > 0 {
+            ", its optimizer state in files"
+        } else {
+            ""
+        },
         if elastic.is_some() {
             " (the elastic job's minimum)"
         } else {
@@ -234,7 +245,7 @@ mod tests {
     #[test]
     fn the_model_state_shrinks_by_zero_stage_and_doubles_its_shards_when_elastic() {
         // 1,000 parameters (4,000 bytes a copy), Adam (2 values each), 4 ranks, 1 KB buckets.
-        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic), (1000, 600));
+        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic, false), (1000, 600));
         let margin = |sum: u64| sum + sum / 100 * 15;
         // Parameters, burn's gradients and their flat copy, the averaged gradient, the wire,
         // Adam's two moments, the step's two transients.
@@ -256,11 +267,28 @@ mod tests {
         // Stage 3: a quarter of the parameters and of the averaged gradient, Adam's quarter
         // and three more at a checkpoint, six groups of a bucket (above the largest layer).
         assert_eq!(at(3, false), margin(1000 + 1000 + 4 * 2000 + 6 * 1000));
-        let larger = model_state_bytes(1000, 2, (3, 4, false), (1000, 1600));
+        let larger = model_state_bytes(1000, 2, (3, 4, false, false), (1000, 1600));
         assert_eq!(
             larger,
             margin(1000 + 1000 + 4 * 2000 + 6 * 1600),
             "a layer's group"
+        );
+        // Offloaded: a chunk's state three times at most in place of the shares' terms (here
+        // Adam's quarter is below a chunk: three of it).
+        let offloaded = model_state_bytes(1000, 2, (3, 4, false, true), (1000, 600));
+        assert_eq!(offloaded, margin(1000 + 1000 + 3 * 2000 + 6 * 1000));
+        let big = model_state_bytes(100_000_000, 2, (3, 2, false, true), (1 << 20, 1 << 20));
+        let chunk = flotilla_engine::OFFLOAD_CHUNK_VALUES as u64 * 8;
+        let share = 200_000_000;
+        assert_eq!(big, margin(share + share + 3 * chunk + 6 * (1 << 20)));
+        let at_1 = |offload| model_state_bytes(1000, 2, (1, 4, false, offload), (1000, 600));
+        assert_eq!(
+            at_1(false),
+            margin(4000 * 3 + 1000 + 4000 + 4000 + 2000 + 8000)
+        );
+        assert_eq!(
+            at_1(true),
+            margin(4000 * 3 + 1000 + 4000 + 4000 + 3 * 2000 + 8000)
         );
     }
 
@@ -276,7 +304,7 @@ mod tests {
         let (bytes, what) = config_model_state(&config, 4)?;
         assert_eq!(
             bytes,
-            model_state_bytes(params, slots, (2, 4, false), bucket)
+            model_state_bytes(params, slots, (2, 4, false, false), bucket)
         );
         assert!(what.contains("ZeRO stage 2 over 4 rank(s)"), "{what}");
         // Down to 2 of 4 members, each holds half of the state, twice.
@@ -284,7 +312,7 @@ mod tests {
         let (bytes, what) = config_model_state(&config, 4)?;
         assert_eq!(
             bytes,
-            model_state_bytes(params, slots, (2, 2, true), bucket)
+            model_state_bytes(params, slots, (2, 2, true, false), bucket)
         );
         assert!(
             what.contains("over 2 rank(s) (the elastic job's minimum)"),

@@ -250,7 +250,8 @@ fn a_gpt_under_zero_3_gathers_the_next_block_while_one_computes_bitwise_as_witho
 }
 
 #[test]
-fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
+fn a_gpt_recomputing_its_blocks_or_offloading_its_optimizer_trains_what_it_trains_without_bitwise()
+{
     let dir = tmp();
     let d = dir.path();
     let zero_0 = ZERO_3.replace("zero: 3", "zero: 0");
@@ -276,8 +277,27 @@ fn a_gpt_recomputing_its_blocks_trains_what_it_trains_without_bitwise() {
         ],
         LIMIT,
     );
+    // ZeRO-3 with each rank's optimizer state in files (the flag), streamed through the step.
+    let offload = d.join("offload");
+    launch(
+        &[
+            &cfg,
+            "--zero",
+            "3",
+            "--offload",
+            offload.to_str().expect("utf8"),
+            "--output",
+            &out("offloaded"),
+        ],
+        LIMIT,
+    );
+    let left: Vec<_> = std::fs::read_dir(&offload).expect("offload dir").collect();
+    assert!(
+        left.is_empty(),
+        "the ranks' state files left behind: {left:?}"
+    );
     let plain = checkpoint_tensors(&d.join("plain"));
-    for name in ["recomputed", "zero-2"] {
+    for name in ["recomputed", "zero-2", "offloaded"] {
         assert_bitwise(
             &format!("{name} vs plain"),
             &checkpoint_tensors(&d.join(name)),

@@ -227,6 +227,74 @@ fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() 
     }
 }
 
+/// Below ZeRO-3's need: the same GPT of 28.8 M parameters on 2 ranks (AdamW: 115 MB of
+/// optimizer state a rank) under a limit halfway between the estimates of ZeRO-3 and ZeRO-3
+/// with its optimizer state offloaded to files (`--offload`): ZeRO-3 is refused before any
+/// rank starts; offloaded, it trains and checkpoints inside the cgroups of that limit (which
+/// the files' page cache is charged to as well), each rank's peak below the estimate, and to
+/// the end of its last step at least three quarters of the state below ZeRO-3 in memory.
+#[test]
+fn between_the_needs_of_zero_3_and_zero_3_offloaded_only_the_offloaded_trains() {
+    let dir = tmp();
+    let spec = dir.path().join("gpt.yaml");
+    let block = "  - transformer_block: {heads: 12, mlp: 4}\n";
+    std::fs::write(
+        &spec,
+        format!(
+            "name: gpt-29m\ninput: [64]\nlayers:\n  - embedding: {{vocab: 256, dim: 768}}\n  \
+             - pos_embedding: {{max_len: 64}}\n{}  - layer_norm\n  - linear: {{out: 256}}\n",
+            block.repeat(4)
+        ),
+    )
+    .expect("the spec written");
+    let spec = spec.to_string_lossy().to_string();
+    let config = dir.path().join("adamw.yaml");
+    std::fs::write(&config, "optimizer: {name: adamw, lr: 0.0003}\n").expect("config");
+    let config = config.to_string_lossy().to_string();
+    let files = dir
+        .path()
+        .join("optimizer-files")
+        .to_string_lossy()
+        .to_string();
+    let job = |label: &'static str| {
+        let mut args = vec![config.as_str(), "--model", spec.as_str(), "--zero", "3"];
+        args.extend(["--data", "text:data/text/kjv.txt", "--test-limit", "16"]);
+        args.extend(["--max-steps", "2", "--batch-size", "4"]);
+        if label == "3-offloaded" {
+            args.extend(["--offload", files.as_str()]);
+        }
+        args
+    };
+    let (_, offloaded, limit) = limit_between(dir.path(), &job, ("3", "3-offloaded"));
+    let (ok, _, err) = launch(&limit, &dir.path().join("in-memory"), &job("3"));
+    assert!(!ok, "{err}");
+    assert!(err.contains("no rank was started"), "{err}");
+    let out = dir.path().join("offloaded");
+    let (ok, stdout, err) = launch(&limit, &out, &job("3-offloaded"));
+    assert!(ok, "{stdout}\n{err}");
+    assert!(out.join("checkpoints/latest").exists(), "checkpointed");
+    let memory = dir.path().join("in-memory-unlimited");
+    let (ok, stdout, err) = launch("16GiB", &memory, &job("3"));
+    assert!(ok, "{stdout}\n{err}");
+    let whole_run = peaks_mib(&out, "peak_resident_bytes");
+    let steps = peaks_mib(&out, "steps_peak_resident_bytes");
+    let steps_in_memory = peaks_mib(&memory, "steps_peak_resident_bytes");
+    // AdamW's two moments of half the parameters.
+    let state_mib = 28_800_000.0 * 8.0 / 2.0 / f64::from(1 << 20);
+    for rank in 0..2 {
+        let (peak, at_steps, in_memory) = (whole_run[rank], steps[rank], steps_in_memory[rank]);
+        println!(
+            "rank {rank}: peak resident {peak:.0} MiB; to the last step {at_steps:.0} MiB \
+             (in memory: {in_memory:.0} MiB)"
+        );
+        assert!(peak < offloaded as f64, "{peak} MiB above the estimate");
+        assert!(
+            at_steps < in_memory - 0.75 * state_mib,
+            "rank {rank}: {at_steps} MiB against {in_memory} in memory"
+        );
+    }
+}
+
 /// The estimates in MiB of the job `job(stage)` at two ZeRO stages, `more` needing more than
 /// `less` (each read from the refusal of a 1 MiB limit), and the limit halfway between.
 fn limit_between<'a>(

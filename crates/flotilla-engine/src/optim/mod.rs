@@ -14,10 +14,13 @@
 //! the matrices. Parameter ids are positions in flat order (`params::renumber`), so the groups
 //! and the saved optimizer state agree across ranks and across a resume.
 
+pub(crate) mod offload;
 pub(crate) mod reshard;
 pub(crate) mod shard_optim;
 pub(crate) mod state_check;
 
+#[cfg(test)]
+mod offload_tests;
 #[cfg(test)]
 mod optim_tests;
 #[cfg(test)]

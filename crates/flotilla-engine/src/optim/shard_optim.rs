@@ -10,8 +10,13 @@
 //! optimizers make (SGD with momentum, weight decay, Nesterov; Adam; AdamW) is element-wise,
 //! so a piece's new values are bit for bit those of the same elements stepped as a whole
 //! tensor.
+//!
+//! The state may live in files instead of memory ([`ShardOptimizer::offload_to`],
+//! `optim/offload.rs`): a step then streams through the shard in chunks, with the same
+//! bits.
 
 use std::ops::Range;
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use burn::module::{Param, ParamId};
@@ -24,6 +29,7 @@ use crate::device::copies;
 use crate::device::device_by_name;
 use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
+use crate::optim::offload::{OFFLOAD_CHUNK_VALUES, Offload};
 use crate::optim::state_check::{Expected, check_state_shapes};
 use crate::params::{ParamLayout, copy_tensor};
 
@@ -40,6 +46,12 @@ pub struct ShardPiece {
 pub struct ShardOptimizer {
     pieces: Vec<ShardPiece>,
     optimizer: ModuleOptimizer,
+    /// The settings, for the optimizers of offloaded chunks.
+    spec: OptimizerSpec,
+    /// The ids of the pieces of tensors of two or more dimensions (the decay group).
+    matrices: Vec<ParamId>,
+    /// Where the state is when it is not in `optimizer` ([`ShardOptimizer::offload_to`]).
+    offload: Option<Offload>,
     /// The device of the gradients (without autodiff, as burn's optimizers take them).
     device: Device,
     /// The device of the pieces (with autodiff, as the model's parameters are).
@@ -107,14 +119,17 @@ impl ShardOptimizer {
     ) -> Result<Self> {
         let pieces = shard_pieces(layout, owned)?;
         let device = device_by_name(device_name)?;
-        let matrices = pieces
+        let matrices: Vec<ParamId> = pieces
             .iter()
             .enumerate()
             .filter(|(_, p)| layout.params[p.param].shape.len() >= 2)
             .map(|(k, _)| ParamId::from(k as u64))
             .collect();
         Ok(Self {
-            optimizer: spec.build_with_matrices(matrices)?,
+            optimizer: spec.build_with_matrices(matrices.clone())?,
+            spec: spec.clone(),
+            matrices,
+            offload: None,
             autodiff: device.clone().autodiff(),
             device,
             pieces,
@@ -134,6 +149,45 @@ impl ShardOptimizer {
         if !on {
             self.before = None;
         }
+    }
+
+    /// Moves the optimizer state into files in a new directory under `base` (removed when
+    /// the optimizer is dropped): from now on a step reads, steps and writes back one chunk
+    /// of the shard at a time (`optim/offload.rs`), with the same bits as in memory.
+    /// Refused while [`ShardOptimizer::keep_undo`] is on (the undo keeps the state in memory).
+    pub fn offload_to(&mut self, base: &Path) -> Result<()> {
+        self.offload_in_chunks(base, OFFLOAD_CHUNK_VALUES)
+    }
+
+    /// [`ShardOptimizer::offload_to`] in chunks of about `chunk_values` values.
+    pub(crate) fn offload_in_chunks(&mut self, base: &Path, chunk_values: usize) -> Result<()> {
+        if self.keeps_undo {
+            return Err(EngineError::Optimizer(
+                "an optimizer that keeps the state before its step (an elastic job's) keeps \
+                 it in memory: it cannot be offloaded"
+                    .into(),
+            ));
+        }
+        let state = self.state()?;
+        let lens: Vec<usize> = self.pieces.iter().map(|p| p.range.len()).collect();
+        let mut offload =
+            Offload::new(base, &self.spec, self.matrices.clone(), &lens, chunk_values)?;
+        offload.load(&state)?;
+        self.optimizer = self.spec.build_with_matrices(self.matrices.clone())?;
+        self.offload = Some(offload);
+        Ok(())
+    }
+
+    /// Bytes of state tensor values held in memory (none once offloaded).
+    #[cfg(test)]
+    pub(crate) fn resident_bytes(&self) -> Result<u64> {
+        let bytes = module_state(&self.optimizer)?;
+        crate::optimizer_state_bytes(&bytes)
+    }
+
+    /// The directory of the offloaded state, if [`ShardOptimizer::offload_to`] moved it there.
+    pub fn offloaded_to(&self) -> Option<&Path> {
+        self.offload.as_ref().map(Offload::dir)
     }
 
     /// The state from before the last step (as [`ShardOptimizer::state`] writes it), if
@@ -206,7 +260,8 @@ impl ShardOptimizer {
         self.step_in(shard, &ranges, grads, lr)
     }
 
-    /// One step of the pieces whose values are `values[ranges[k]]` (piece `k`'s).
+    /// One step of the pieces whose values are `values[ranges[k]]` (piece `k`'s), of the
+    /// state in memory or chunk by chunk of the offloaded one.
     fn step_in(
         &mut self,
         values: &mut [f32],
@@ -224,38 +279,43 @@ impl ShardOptimizer {
             return Ok(());
         }
         let _span = tracing::info_span!(target: "flotilla::engine", "optimizer_step").entered();
-        let mut gp = GradientsParams::new();
-        let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(self.pieces.len());
-        let count = self.pieces.iter().map(|p| p.range.len()).sum();
-        let upload = copies::to_device("shard", 2 * count);
-        let mut at = 0;
-        for (k, range) in ranges.iter().enumerate() {
-            let id = ParamId::from(k as u64);
-            let tensor = |v: &[f32], device: &Device| {
-                Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
-            };
-            let len = range.len();
-            gp.register(id, tensor(&grads[at..at + len], &self.device));
-            at += len;
-            let value = tensor(&values[range.clone()], &self.autodiff);
-            module.push(Param::initialized(id, value));
-        }
-        drop(upload);
-        if self.keeps_undo {
-            self.before = Some(self.optimizer.clone());
-        }
         *self.written_bytes.get_mut() = UNKNOWN;
-        let module = self.optimizer.step(lr, module, gp);
-        let _read = copies::to_host("shard", count);
-        for (range, param) in ranges.iter().zip(module) {
-            copy_tensor(param.val(), &mut values[range.clone()])?;
+        let step = Step {
+            device: &self.device,
+            autodiff: &self.autodiff,
+            ranges,
+            grads,
+            lr,
+        };
+        let Some(offload) = self.offload.as_mut() else {
+            if self.keeps_undo {
+                self.before = Some(self.optimizer.clone());
+            }
+            return step.pieces(&mut self.optimizer, 0..ranges.len(), values);
+        };
+        if self.keeps_undo {
+            return Err(EngineError::Optimizer(
+                "an offloaded optimizer state cannot keep the state before its step".into(),
+            ));
+        }
+        for c in 0..offload.chunks().len() {
+            let mut optimizer = offload.take(c)?;
+            step.pieces(&mut optimizer, offload.chunks()[c].clone(), values)?;
+            offload.put(c, &optimizer)?;
         }
         Ok(())
     }
 
     /// The shard's optimizer state as bytes (burn's burnpack format, keyed by piece).
     pub fn state(&self) -> Result<Vec<u8>> {
-        module_state(&self.optimizer)
+        match &self.offload {
+            None => module_state(&self.optimizer),
+            Some(offload) => {
+                let bytes = offload.writer()?.into_bytes();
+                let bytes = bytes.map_err(|e| EngineError::Optimizer(format!("{e:?}")))?;
+                Ok(bytes.to_vec())
+            }
+        }
     }
 
     /// Bytes of tensor values the shard's optimizer state holds ([`optimizer_state_bytes`] of
@@ -268,6 +328,9 @@ impl ShardOptimizer {
         if written != UNKNOWN {
             return Ok(written);
         }
+        if let Some(offload) = &self.offload {
+            return offload.held_bytes();
+        }
         let bytes = self
             .optimizer
             .into_bytes()
@@ -279,9 +342,17 @@ impl ShardOptimizer {
     /// [`ShardOptimizer::state`]), tensor by tensor from burn's record: the state is held
     /// twice while it is written (the optimizer's and the record's), not three times (those
     /// and the serialized bytes). burn writes beside `path` and renames the file into place.
+    /// An offloaded state is written from its files, one tensor at a time.
     pub fn save_state(&self, path: &std::path::Path) -> Result<()> {
-        self.optimizer.save(path).map_err(|e| {
-            EngineError::Optimizer(format!("saving state to {}: {e:?}", path.display()))
+        let saved = match &self.offload {
+            None => self.optimizer.save(path).map_err(|e| format!("{e:?}")),
+            Some(offload) => offload
+                .writer()?
+                .write_to_file(path)
+                .map_err(|e| format!("{e:?}")),
+        };
+        saved.map_err(|e| {
+            EngineError::Optimizer(format!("saving state to {}: {e}", path.display()))
         })?;
         let held = held_bytes(Reader::from_file_exact(path))?;
         self.written_bytes.store(held, Ordering::Relaxed);
@@ -307,11 +378,62 @@ impl ShardOptimizer {
         check_state_shapes(bytes, &expected)?;
         self.before = None;
         *self.written_bytes.get_mut() = UNKNOWN;
+        if let Some(offload) = self.offload.as_mut() {
+            return offload.load(bytes);
+        }
         self.optimizer = self
             .optimizer
             .clone()
             .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()))
             .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
+        Ok(())
+    }
+}
+
+/// What one step of the shard takes, for any optimizer over some of its pieces.
+struct Step<'a> {
+    /// The device of the gradients.
+    device: &'a Device,
+    /// The device of the pieces.
+    autodiff: &'a Device,
+    /// Piece `k`'s values are `values[ranges[k]]`.
+    ranges: &'a [Range<usize>],
+    /// The pieces' gradients, one after the other.
+    grads: &'a [f32],
+    lr: f64,
+}
+
+impl Step<'_> {
+    /// Steps pieces `ks` with `optimizer`, writing their new values back into `values`.
+    fn pieces(
+        &self,
+        optimizer: &mut ModuleOptimizer,
+        ks: Range<usize>,
+        values: &mut [f32],
+    ) -> Result<()> {
+        let mut at: usize = self.ranges[..ks.start].iter().map(|r| r.len()).sum();
+        let ranges = &self.ranges[ks.clone()];
+        let count: usize = ranges.iter().map(|r| r.len()).sum();
+        let mut gp = GradientsParams::new();
+        let mut module: Vec<Param<Tensor<1>>> = Vec::with_capacity(ranges.len());
+        let upload = copies::to_device("shard", 2 * count);
+        for (k, range) in ks.zip(ranges) {
+            let id = ParamId::from(k as u64);
+            let tensor = |v: &[f32], device: &Device| {
+                Tensor::<1>::from_data(TensorData::new(v.to_vec(), [v.len()]), device)
+            };
+            let len = range.len();
+            gp.register(id, tensor(&self.grads[at..at + len], self.device));
+            at += len;
+            let value = tensor(&values[range.clone()], self.autodiff);
+            module.push(Param::initialized(id, value));
+        }
+        drop(upload);
+        let module = optimizer.step(self.lr, module, gp);
+        let _read = copies::to_host("shard", count);
+        for (range, param) in ranges.iter().zip(module) {
+            copy_tensor(param.val(), &mut values[range.clone()])?;
+        }
         Ok(())
     }
 }

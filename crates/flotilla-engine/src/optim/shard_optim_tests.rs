@@ -159,7 +159,7 @@ fn a_shard_state_saved_and_loaded_continues_bitwise() {
 }
 
 /// Adam state after two steps of the shard `owned(total, n, r)` of the tiny LM.
-fn stepped_shard_state(n: usize, r: usize) -> Vec<u8> {
+pub(crate) fn stepped_shard_state(n: usize, r: usize) -> Vec<u8> {
     let spec = &optimizers()[2];
     let whole = engine(spec);
     let total = whole.num_params();

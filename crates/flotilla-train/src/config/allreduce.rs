@@ -2,6 +2,7 @@
 //! (every step waits for its own gradient) or through the asynchronous background cycle —
 //! and the stall inspector's limits.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -56,6 +57,14 @@ pub struct AllReduceSection {
     /// it computes (PyTorch FSDP's prefetch; the gathered values are the same). On by default;
     /// off, each group's all-gather waits for the group before it.
     pub prefetch: bool,
+    /// ZeRO 1 to 3 (and a pipeline's replicas under ZeRO-1): keep this rank's shard of the
+    /// optimizer state in files, not in memory (DeepSpeed's `offload_optimizer` to NVMe), in
+    /// a new directory of its own under this one, removed at the end of the run. A step
+    /// streams through the shard about 2 M values at a time (one chunk's state read, stepped,
+    /// written back), with the same bits; what it costs is those reads and writes every step.
+    /// Give it a local disk with room for the shard's state (Adam: 8 bytes a parameter / N).
+    /// None (default): in memory.
+    pub offload: Option<PathBuf>,
     /// Micro-batches of `batch_size` samples per optimizer step (DDP's `no_sync`,
     /// DeepSpeed's `gradient_accumulation_steps`): a rank differentiates each, sums their
     /// gradients locally and reduces once, after the last (unless
@@ -101,6 +110,7 @@ impl Default for AllReduceSection {
             sync_batch_norm: false,
             zero: 0,
             prefetch: true,
+            offload: None,
             accumulation_steps: 1,
             reduce_each_micro_batch: false,
             clip_grad_norm: None,
@@ -144,6 +154,12 @@ impl AllReduceSection {
             return Err(bad(
                 "staleness",
                 format!("must be at most 16, got {}", self.staleness),
+            ));
+        }
+        if self.offload.is_some() && self.zero == 0 {
+            return Err(bad(
+                "offload",
+                "moves ZeRO's shard of the optimizer state to files: set zero 1, 2 or 3".into(),
             ));
         }
         if !finite_positive(self.stall_warning_s) {
@@ -217,6 +233,15 @@ mod tests {
         for (text, key) in [
             ("staleness: 17\n", "allreduce.staleness"),
             ("zero: 4\n", "allreduce.zero"),
+            ("offload: /tmp\n", "allreduce.offload"),
+            (
+                "zero: 3\noffload: /tmp\nworld_size: 1\n",
+                "allreduce.offload",
+            ),
+            (
+                "zero: 1\noffload: /tmp\nstrategy: pipeline\nstages: 2\nworld_size: 2\n",
+                "allreduce.offload",
+            ),
             ("strategy: async_allreduce\nzero: 1\n", "allreduce.zero"),
             (
                 "zero: 2\narch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\n",

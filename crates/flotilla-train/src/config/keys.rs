@@ -305,6 +305,14 @@ pub const KEYS: &[Key] = &[
         "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce; 1 among a pipeline's replicas)",
     ),
     Key::new("allreduce.prefetch").aliases(&["prefetch"]),
+    Key::new("allreduce.offload")
+        .aliases(&["offload", "offload_optimizer"])
+        .flag(
+            "offload",
+            "DIR",
+            Kind::Path,
+            "ZeRO: keep each rank's shard of the optimizer state in files under DIR, not in memory (the same bits; a step streams through them)",
+        ),
     Key::new("allreduce.accumulation_steps")
         .aliases(&["accumulation_steps", "gradient_accumulation_steps"])
         .flag(

@@ -198,6 +198,7 @@ impl TrainConfig {
                 ),
             ));
         }
+        self.check_offload()?;
         if self.model.recompute && t.arch == Arch::Pipeline {
             return Err(bad(
                 "model.recompute",
@@ -214,6 +215,33 @@ impl TrainConfig {
                 .map_err(|e| bad("topology.inventory", e.to_string()))?;
             flotilla_cluster::place(&topology, &inventory)
                 .map_err(|e| bad("topology.inventory", e.to_string()))?;
+        }
+        Ok(())
+    }
+}
+
+impl TrainConfig {
+    /// `allreduce.offload` needs a shard: two or more ranks sharing ZeRO's optimizer state
+    /// (a pipeline: replicas of a stage).
+    fn check_offload(&self) -> Result<()> {
+        let t = &self.topology;
+        let sharers = match t.arch {
+            Arch::Pipeline => self.pipeline.data_parallel,
+            _ => t.world_size,
+        };
+        if self.allreduce.offload.is_some() && sharers < 2 {
+            return Err(TrainError::config(
+                "allreduce.offload",
+                format!(
+                    "offloads each rank's shard of the optimizer state under ZeRO, and one \
+                     rank{} shares nothing (ZeRO runs unsharded): run 2 or more, or drop it",
+                    if t.arch == Arch::Pipeline {
+                        " a stage"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
         }
         Ok(())
     }
@@ -340,6 +368,9 @@ impl TrainConfig {
         }
         if self.allreduce.zero > 0 && t.arch == Arch::Pipeline {
             return not_yet("ZeRO among a pipeline's replicas");
+        }
+        if self.allreduce.offload.is_some() {
+            return not_yet("an offloaded optimizer state (`allreduce.offload`)");
         }
         Ok(())
     }

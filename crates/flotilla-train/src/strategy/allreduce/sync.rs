@@ -101,6 +101,14 @@ impl SyncAllReduce {
                 ),
             ));
         }
+        if own && config.allreduce.offload.is_some() {
+            return Err(TrainError::config(
+                "allreduce.offload",
+                "a model stepped by an optimizer of its own (burn's Learner's) keeps its \
+                 optimizer state in memory: drop the offload"
+                    .to_string(),
+            ));
+        }
         let elastic = config.topology.min_world_size.is_some();
         let by_param = own.then(|| ParamZero::new(cx.comm.clone(), &layout, elastic));
         let zero = (stage > 0 && !own)
@@ -115,6 +123,9 @@ impl SyncAllReduce {
                     device,
                 )?;
                 zero.set_prefetch(config.allreduce.prefetch);
+                if let Some(base) = &config.allreduce.offload {
+                    zero.offload_optimizer(base)?;
+                }
                 if elastic {
                     zero.make_elastic(&config.optimizer, device);
                 }
@@ -261,7 +272,13 @@ impl Strategy for SyncAllReduce {
                     (_, None) if self.by_param.is_some() => {
                         ", ZeRO stage 1 by whole parameter (the model's own optimizer)".into()
                     }
-                    (z, Some(_)) => format!(", ZeRO stage {z}"),
+                    (z, Some(zero)) => match zero.offloaded_to() {
+                        Some(dir) => format!(
+                            ", ZeRO stage {z}, optimizer state in files under {}",
+                            dir.display()
+                        ),
+                        None => format!(", ZeRO stage {z}"),
+                    },
                     (z, None) => format!(", ZeRO stage {z} (one rank: nothing to shard)"),
                 }
             ),

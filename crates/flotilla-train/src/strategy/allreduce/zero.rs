@@ -198,6 +198,17 @@ impl Zero {
         })
     }
 
+    /// Moves this rank's shard of the optimizer state into files under `base`
+    /// (`allreduce.offload`, [`ShardOptimizer::offload_to`]).
+    pub fn offload_optimizer(&mut self, base: &std::path::Path) -> Result<()> {
+        Ok(self.optimizer.offload_to(base)?)
+    }
+
+    /// The directory this rank's optimizer state is in, when offloaded.
+    pub fn offloaded_to(&self) -> Option<&std::path::Path> {
+        self.optimizer.offloaded_to()
+    }
+
     /// The staging buffer, to fill with a bucket's gradient (stage 2); give it back with
     /// [`Zero::return_staging`]. A new one if the last step lost it (a failed collective).
     pub fn take_staging(&mut self) -> Vec<f32> {

@@ -48,6 +48,9 @@ pub struct PipelineOptions {
     /// optimizer state among its `data_parallel` replicas (`zero.rs`; the same parameters,
     /// bit for bit). Stages 2 and 3 are not run in a pipeline.
     pub zero: u8,
+    /// Under ZeRO-1, the directory each replica's shard of the optimizer state is offloaded
+    /// under (`allreduce.offload`); none: in memory.
+    pub offload: Option<std::path::PathBuf>,
 }
 
 /// One rank's part of a pipeline (see the module documentation).
@@ -138,6 +141,7 @@ impl Pipeline {
                 &**group,
                 &opts.optimizer,
                 &opts.device,
+                opts.offload.as_deref(),
             )?),
             _ => None,
         };

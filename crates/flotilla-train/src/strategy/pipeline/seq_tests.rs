@@ -48,6 +48,7 @@ fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> Pi
         seed: SEED,
         clip_grad_norm: None,
         zero: 0,
+        offload: None,
     }
 }
 

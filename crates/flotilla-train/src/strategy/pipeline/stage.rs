@@ -68,6 +68,7 @@ impl PipelineStage {
             seed: config.model.seed,
             clip_grad_norm: config.allreduce.clip_grad_norm,
             zero: config.allreduce.zero,
+            offload: config.allreduce.offload.clone(),
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
         let mut held = elastic::Held::default();
@@ -266,8 +267,19 @@ impl Strategy for PipelineStage {
                 self.pipe.cut().stages()
             ),
             format!(
-                "strategy pipeline ({}, {} micro-batches)",
-                config.pipeline.schedule, config.pipeline.micro_batches
+                "strategy pipeline ({}, {} micro-batches){}",
+                config.pipeline.schedule,
+                config.pipeline.micro_batches,
+                match (self.pipe.options(), replicas > 1) {
+                    (o, true) if o.zero > 0 => match &o.offload {
+                        Some(dir) => format!(
+                            ", ZeRO stage 1 among the replicas, optimizer state in files under {}",
+                            dir.display()
+                        ),
+                        None => ", ZeRO stage 1 among the replicas".into(),
+                    },
+                    _ => String::new(),
+                }
             ),
         ))
     }

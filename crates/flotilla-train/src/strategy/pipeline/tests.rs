@@ -59,6 +59,7 @@ pub(super) fn options(
         seed: SEED,
         clip_grad_norm: None,
         zero: 0,
+        offload: None,
     }
 }
 

@@ -37,16 +37,21 @@ pub(super) struct ReplicaShard {
 
 impl ReplicaShard {
     /// The optimizer of `spec` on the named device over this replica's shard of `stage`,
-    /// among the replicas of `replicas`.
+    /// among the replicas of `replicas`; its state in files under `offload` if given.
     pub(super) fn new(
         stage: &dyn StageEngine,
         replicas: &dyn ProcessGroup,
         spec: &OptimizerSpec,
         device: &str,
+        offload: Option<&std::path::Path>,
     ) -> Result<Self> {
         let layout = stage.layout();
         let owned = shard(layout.total, replicas.size(), replicas.rank());
-        let optimizer = ShardOptimizer::new(spec, layout, std::slice::from_ref(&owned), device)?;
+        let mut optimizer =
+            ShardOptimizer::new(spec, layout, std::slice::from_ref(&owned), device)?;
+        if let Some(base) = offload {
+            optimizer.offload_to(base)?;
+        }
         Ok(Self { optimizer, owned })
     }
 

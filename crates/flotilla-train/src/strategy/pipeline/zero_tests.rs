@@ -35,16 +35,25 @@ fn opts(zero: u8) -> PipelineOptions {
     }
 }
 
-/// Batches `batches` on 2 stages × 2 replicas under `zero`, each stage first loading
+/// `opts(1)` with each replica's optimizer state offloaded under `dir`.
+fn offloaded(dir: &std::path::Path) -> PipelineOptions {
+    PipelineOptions {
+        offload: Some(dir.to_path_buf()),
+        ..opts(1)
+    }
+}
+
+/// Batches `batches` on 2 stages × 2 replicas with `opts`, each stage first loading
 /// `from[stage]` when given.
-fn run(zero: u8, batches: Range<usize>, from: Option<Vec<Parts>>) -> Vec<Ended> {
+fn run(opts: PipelineOptions, batches: Range<usize>, from: Option<Vec<Parts>>) -> Vec<Ended> {
     let cut = StageCut::at(&spec(), &[5]).expect("cut");
     let handles: Vec<_> = world(4)
         .into_iter()
         .map(|group| {
             let (cut, batches, from) = (cut.clone(), batches.clone(), from.clone());
+            let opts = opts.clone();
             std::thread::spawn(move || {
-                let mut pipe = Pipeline::new(&spec(), cut, opts(zero), group).expect("pipeline");
+                let mut pipe = Pipeline::new(&spec(), cut, opts, group).expect("pipeline");
                 if let Some(from) = from {
                     let parts = &from[pipe.stage_index()];
                     pipe.load_stage_state(parts).expect("load");
@@ -104,8 +113,16 @@ fn flat(stage: usize, whole: &[u8]) -> FlatOptimizerState {
 
 #[test]
 fn zero_1_trains_zero_0s_bits_with_half_the_optimizer_state() {
-    let (plain, sharded) = (run(0, 0..20, None), run(1, 0..20, None));
+    let (plain, sharded) = (run(opts(0), 0..20, None), run(opts(1), 0..20, None));
     assert_same_params(&sharded, &plain, "zero 1 against zero 0");
+    let dir = tempfile::tempdir().expect("tmp");
+    let files = run(offloaded(dir.path()), 0..20, None);
+    assert_same_params(&files, &sharded, "zero 1 offloaded against in memory");
+    for (f, s) in files.iter().zip(&sharded) {
+        assert_eq!(f.state_bytes, s.state_bytes, "the files hold the state");
+    }
+    let left = std::fs::read_dir(dir.path()).expect("dir").count();
+    assert_eq!(left, 0, "each replica's directory removed at its end");
     for (s, p) in sharded.iter().zip(&plain) {
         println!(
             "stage {} replica {}: {} bytes of optimizer state against {}",
@@ -150,10 +167,15 @@ fn zero_1_trains_zero_0s_bits_with_half_the_optimizer_state() {
 
 #[test]
 fn a_stage_state_of_either_resumes_under_either_bitwise() {
-    let whole = run(0, 0..20, None);
+    let whole = run(opts(0), 0..20, None);
     for (first, then) in [(1, 0), (0, 1), (1, 1)] {
-        let at_10 = stage_parts(&run(first, 0..10, None));
-        let resumed = run(then, 10..20, Some(at_10));
+        let at_10 = stage_parts(&run(opts(first), 0..10, None));
+        let resumed = run(opts(then), 10..20, Some(at_10));
         assert_same_params(&resumed, &whole, &format!("zero {first} then {then}"));
     }
+    // Saved from offloaded files, loaded into them.
+    let dir = tempfile::tempdir().expect("tmp");
+    let at_10 = stage_parts(&run(offloaded(dir.path()), 0..10, None));
+    let resumed = run(offloaded(dir.path()), 10..20, Some(at_10));
+    assert_same_params(&resumed, &whole, "zero 1 offloaded, then again");
 }
