@@ -165,15 +165,10 @@ fn between_the_needs_of_zero_0_and_zero_2_zero_2_trains_and_zero_0_is_refused() 
     }
 }
 
-/// Stage 3 one stage up: a GPT of 28.8 M parameters (4 blocks of d 768) on 2 ranks
-/// under a limit halfway between the estimates of ZeRO-2 and ZeRO-3: ZeRO-2 is refused before
-/// any rank starts, ZeRO-3 (the parameters sharded too, each group gathered for its forward
-/// and again for its recomputed forward in backward) trains, evaluates and checkpoints inside
-/// the cgroups of that limit, and each rank's measured peak is below ZeRO-3's estimate.
-#[test]
-fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() {
-    let dir = tmp();
-    let spec = dir.path().join("gpt.yaml");
+/// The spec of a GPT of 28.8 M parameters (4 blocks of d 768, context 64) written in `dir`:
+/// its path.
+fn gpt_29m(dir: &std::path::Path) -> String {
+    let spec = dir.join("gpt.yaml");
     let block = "  - transformer_block: {heads: 12, mlp: 4}\n";
     std::fs::write(
         &spec,
@@ -184,7 +179,18 @@ fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() 
         ),
     )
     .expect("the spec written");
-    let spec = spec.to_string_lossy().to_string();
+    spec.to_string_lossy().to_string()
+}
+
+/// Stage 3 one stage up: a GPT of 28.8 M parameters (4 blocks of d 768) on 2 ranks
+/// under a limit halfway between the estimates of ZeRO-2 and ZeRO-3: ZeRO-2 is refused before
+/// any rank starts, ZeRO-3 (the parameters sharded too, each group gathered for its forward
+/// and again for its recomputed forward in backward) trains, evaluates and checkpoints inside
+/// the cgroups of that limit, and each rank's measured peak is below ZeRO-3's estimate.
+#[test]
+fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() {
+    let dir = tmp();
+    let spec = gpt_29m(dir.path());
     let job = |zero: &'static str| {
         let mut args = vec!["--model", spec.as_str(), "--zero", zero];
         args.extend(["--data", "text:data/text/kjv.txt", "--test-limit", "16"]);
@@ -236,18 +242,7 @@ fn between_the_needs_of_zero_2_and_zero_3_zero_3_trains_and_zero_2_is_refused() 
 #[test]
 fn between_the_needs_of_zero_3_and_zero_3_offloaded_only_the_offloaded_trains() {
     let dir = tmp();
-    let spec = dir.path().join("gpt.yaml");
-    let block = "  - transformer_block: {heads: 12, mlp: 4}\n";
-    std::fs::write(
-        &spec,
-        format!(
-            "name: gpt-29m\ninput: [64]\nlayers:\n  - embedding: {{vocab: 256, dim: 768}}\n  \
-             - pos_embedding: {{max_len: 64}}\n{}  - layer_norm\n  - linear: {{out: 256}}\n",
-            block.repeat(4)
-        ),
-    )
-    .expect("the spec written");
-    let spec = spec.to_string_lossy().to_string();
+    let spec = gpt_29m(dir.path());
     let config = dir.path().join("adamw.yaml");
     std::fs::write(&config, "optimizer: {name: adamw, lr: 0.0003}\n").expect("config");
     let config = config.to_string_lossy().to_string();
