@@ -15,6 +15,7 @@
 //! and the saved optimizer state agree across ranks and across a resume.
 
 pub(crate) mod offload;
+pub(crate) mod offload_dirs;
 pub(crate) mod reshard;
 pub(crate) mod shard_optim;
 pub(crate) mod state_check;

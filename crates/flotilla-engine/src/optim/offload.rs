@@ -17,7 +17,8 @@
 //! this process's resident memory does not count. They are not synced to disk: they are
 //! scratch, rewritten every step (a checkpoint holds the state that survives a crash). The
 //! directory is this rank's own (a new one under the configured one, readable by its user
-//! only) and is removed when the optimizer is dropped.
+//! only) and is removed when the optimizer is dropped; one that a killed rank left is removed
+//! by the next rank that offloads under the same directory on its host ([`offload_dirs`]).
 
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -28,7 +29,7 @@ use burn::optim::ModuleOptimizer;
 use burn::store::burn_pack::{self, Bytes, Reader, Scalar, Writer};
 
 use crate::error::{EngineError, Result};
-use crate::optim::OptimizerSpec;
+use crate::optim::{OptimizerSpec, offload_dirs};
 
 /// Parameter values a chunk holds at most, unless one piece alone has more: with Adam's two
 /// moments a chunk's state is 16 MiB.
@@ -88,8 +89,9 @@ impl Offload {
         chunk_values: usize,
     ) -> Result<Self> {
         std::fs::create_dir_all(base).map_err(|e| EngineError::io(base, e))?;
+        offload_dirs::sweep(base);
         let dir = tempfile::Builder::new()
-            .prefix("flotilla-optimizer-")
+            .prefix(&offload_dirs::prefix())
             .tempdir_in(base)
             .map_err(|e| EngineError::io(base, e))?;
         let chunks = chunks(lens, chunk_values.max(1));
