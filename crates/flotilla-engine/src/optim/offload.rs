@@ -48,15 +48,6 @@ pub(crate) struct Offload {
     matrices: Vec<ParamId>,
 }
 
-impl std::fmt::Debug for Offload {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Offload")
-            .field("dir", &self.dir.path())
-            .field("chunks", &self.chunks.len())
-            .finish_non_exhaustive()
-    }
-}
-
 fn bad(message: String) -> EngineError {
     EngineError::Optimizer(format!("offloaded state: {message}"))
 }
