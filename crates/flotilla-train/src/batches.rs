@@ -30,6 +30,19 @@ impl Position {
             step_in_epoch: steps % per,
         }
     }
+
+    /// This position read as [`Position::after`] reads it: an epoch used up (its
+    /// `steps_per_epoch` batches taken) is the next epoch's start.
+    pub fn rolled_over(self, steps_per_epoch: u64) -> Self {
+        if self.step_in_epoch >= steps_per_epoch {
+            Position {
+                epoch: self.epoch + 1,
+                step_in_epoch: 0,
+            }
+        } else {
+            self
+        }
+    }
 }
 
 /// Batches of shard `rank` of `world` over a training set. The prefetch thread starts with
@@ -146,19 +159,22 @@ impl Batches {
         self.global
     }
 
-    /// Where the next batch comes from.
+    /// Where the source stands: after the last batch of an epoch, that epoch with all its
+    /// batches taken (the run's epoch line and checkpoint name it); the source moves to the
+    /// next epoch when it draws ([`Batches::next_position`]).
     pub fn position(&self) -> Position {
         self.at
     }
 
+    /// Where the next batch comes from: after the last batch of an epoch, the next epoch's
+    /// start, as [`Position::after`] counts a position from steps (a joiner's, a resume's).
+    pub fn next_position(&self) -> Position {
+        self.at.rolled_over(self.steps_per_epoch)
+    }
+
     /// Moves to the next epoch once this one is used up.
     fn roll_over(&mut self) {
-        if self.at.step_in_epoch >= self.steps_per_epoch {
-            self.at = Position {
-                epoch: self.at.epoch + 1,
-                step_in_epoch: 0,
-            };
-        }
+        self.at = self.next_position();
     }
 
     /// The next batch, and the position it was taken at. The wait for it is the `data`
@@ -252,6 +268,41 @@ mod tests {
         assert_eq!((p.epoch, p.step_in_epoch), (2, 5));
         let p = Position::after(80, 40);
         assert_eq!((p.epoch, p.step_in_epoch), (2, 0));
+    }
+
+    /// After an epoch's last batch the source still stands in that epoch, and its next
+    /// batch comes from the next epoch's start: where [`Position::after`] puts that many
+    /// steps (a joiner of an elastic job starts there; a `Learner` ends the epoch there).
+    #[test]
+    fn the_next_batch_after_an_epochs_last_comes_from_where_the_step_count_says() {
+        let mut b =
+            Batches::new(Arc::new(data(40)), (2, 0), 5, 4, Position::default()).expect("batches");
+        for step in 1..=12u64 {
+            b.next_batch().expect("batch");
+            assert_eq!(
+                b.next_position(),
+                Position::after(step, 5),
+                "after step {step}"
+            );
+        }
+        let ended = Batches::new(Arc::new(data(40)), (2, 0), 5, 4, Position::after(4, 5));
+        let mut ended = ended.expect("batches");
+        ended.next_batch().expect("batch");
+        assert!(ended.epoch_done());
+        assert_eq!(
+            ended.position(),
+            Position {
+                epoch: 0,
+                step_in_epoch: 5
+            }
+        );
+        assert_eq!(
+            ended.next_position(),
+            Position {
+                epoch: 1,
+                step_in_epoch: 0
+            }
+        );
     }
 
     fn data(n: usize) -> ImageDataset {

@@ -346,7 +346,9 @@ impl Run {
 
     /// Where the run stands after a step that `progressed` with `loss`.
     fn progress(&self, progressed: bool, loss: Option<f32>) -> Progress {
-        let at = self.batches.position();
+        // The next batch's: after an epoch's last step, the next epoch (a `Learner` ends
+        // its epoch there, and a joiner of an elastic job counts its position so).
+        let at = self.batches.next_position();
         Progress {
             step: self.state.progress(),
             total: self.plan.total,

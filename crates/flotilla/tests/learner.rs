@@ -195,11 +195,12 @@ fn zero_1_keeps_one_copy_of_the_optimizer_state_and_trains_to_the_bits_of_sync()
 /// run draws the batches (sample indices) and the `Learner`'s model trains through its cycle.
 /// With `staleness: 0` every step applies its own reduced gradient: the same bits as the
 /// strategy's own sync loop (and so as the program's own loop); with the default staleness it
-/// trains elsewhere and rank 0 logs the global batch's metrics.
+/// trains elsewhere and rank 0 logs the global batch's metrics, each epoch's steps in that
+/// epoch's split.
 #[test]
 fn async_all_reduce_drives_the_learner_through_the_one_stacks_run() {
     let dir = tmp();
-    let env = [("EPOCHS", "1")];
+    let env = [("EPOCHS", "2")];
     let sync = train(dir.path(), "sync", 2, 32, &env);
     let flags = ["--batch-size", "32", "--strategy", "async_allreduce"];
     let fresh = [env[0], ("FLOTILLA_ALLREDUCE__STALENESS", "0")];
@@ -211,12 +212,16 @@ fn async_all_reduce_drives_the_learner_through_the_one_stacks_run() {
     assert_bitwise("async all-reduce at staleness 0 vs sync", &stale0, &sync);
     let stale = relative_error(&stale1, &sync);
     assert!(stale > 1e-3, "staleness 1 ends where sync does ({stale})");
-    let logged = metric(dir.path(), "async-1", "train", 1, "Loss");
-    assert_eq!(
-        logged.len(),
-        26,
-        "a line per step and the epoch's: {logged:?}"
-    );
+    // Each epoch's 25 steps in its own split: the first ends after its last step, not
+    // after the next epoch's first (the run's position rolls over when the epoch is done).
+    for epoch in 1..=2 {
+        let logged = metric(dir.path(), "async-1", "train", epoch, "Loss");
+        assert_eq!(
+            logged.len(),
+            26,
+            "epoch {epoch}: a line per step and the epoch's: {logged:?}"
+        );
+    }
 }
 
 /// Under a parameter server the `Learner`'s resume goes through the one stack's run: the
