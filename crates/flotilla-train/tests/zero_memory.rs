@@ -230,6 +230,9 @@ fn least_held(zero: u8) -> f64 {
 /// Runs of each stage measured ([`least_held`]).
 const RUNS: usize = 2;
 
+/// Runs of each way of reducing measured ([`zero_3_reducing_each_micro_batch_holds_no_whole_gradient`]).
+const PEAK_RUNS: usize = 3;
+
 /// What ZeRO stage `zero` saves on each of `n` ranks against ZeRO 0, in copies of the
 /// parameters, by ZeRO's accounting: the optimizer state (Adam's two moments: 2 copies) and
 /// the averaged gradient kept for the step (1 copy) shrink to their shard, 1/N; stage 2
@@ -352,15 +355,20 @@ fn accumulating_peak(reduce_each: bool) -> f64 {
 /// by the allocator, the peak of a rank's steps is at least 0.75 of a copy of the
 /// parameters lower reducing each (a rank that summed a whole gradient anyway would not
 /// be).
+///
+/// A peak is the most held at once, so the most of [`PEAK_RUNS`] runs is compared: the two
+/// ranks are threads of this process, and their peaks coincide in most runs but not in all
+/// (one rank's transient gradient of the 1024×1024 layer, 4.2 MB, freed before the other's
+/// is made: 0.28 of a copy a rank less; the least of two runs missed it in 1 of 5 runs).
 #[test]
 fn zero_3_reducing_each_micro_batch_holds_no_whole_gradient() {
     let _alone = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
-    let least = |each| {
-        (0..RUNS)
+    let most = |each| {
+        (0..PEAK_RUNS)
             .map(|_| accumulating_peak(each))
-            .fold(f64::INFINITY, f64::min)
+            .fold(0.0, f64::max)
     };
-    let (summed, each) = (least(false), least(true));
+    let (summed, each) = (most(false), most(true));
     let saved = (summed - each) / N as f64 / COPY;
     println!(
         "steps' peak a rank: summed first {:.2} MB, each reduced {:.2} MB ({saved:.2} copies less)",
