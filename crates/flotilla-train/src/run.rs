@@ -109,6 +109,8 @@ pub struct Run {
     elastic: Option<Elastic>,
     /// A stop this member proposes, until the members agree on it ([`Run::propose_stop`]).
     proposed_stop: Option<String>,
+    /// The epoch end the run stands at, and the step it opened at ([`Run::at_epoch_end`]).
+    epoch_end: Option<(u64, EpochEnd)>,
 }
 
 /// A borrow of a run's parts as the loop's, for one call.
@@ -249,9 +251,19 @@ impl Run {
     /// generation, whose start gives every member rank 0's state (buffers included), and
     /// returns; a member that got through goes on to its next step, whose exchange fails
     /// and brings it to the same generation.
+    ///
+    /// At an epoch end ([`Run::at_epoch_end`]) a second call does nothing: the model is whole
+    /// already (and a process that joined there after the members made it so does not
+    /// make it again).
     pub fn prepare_model(&mut self, observer: &mut dyn Observer) -> Result<()> {
+        if self.epoch_end() == Some(EpochEnd::Prepared) {
+            return Ok(());
+        }
         let mut cx = self.parts.cx(observer);
-        match self.role.prepare_model(&mut cx) {
+        let prepared = self.role.prepare_model(&mut cx);
+        // Made whole, or given rank 0's state by the next generation's start.
+        self.advance_epoch_end(EpochEnd::Prepared);
+        match prepared {
             Err(e) if self.elastic.is_some() && crate::elastic::survivable(&e) => {
                 self.regroup(observer, &e.to_string())
             }
@@ -285,6 +297,7 @@ impl Run {
     /// generation and resumes at the most steps any member holds (the step returned did not
     /// progress), and after each step every member votes whether the membership changes.
     pub fn step(&mut self, observer: &mut dyn Observer) -> Result<Option<Progress>> {
+        self.close_epoch_end();
         let turned = with_loop!(self, observer, |l| l.turn());
         let step = match turned {
             Err(e) if self.elastic.is_some() && crate::elastic::survivable(&e) => {
@@ -293,7 +306,8 @@ impl Run {
             }
             other => other?,
         };
-        if step.is_some() {
+        if let Some(s) = &step {
+            self.mark_epoch_end(s.progressed);
             self.settle(observer)?;
         }
         Ok(step.map(|step| self.progress(step.progressed, step.loss)))
@@ -301,12 +315,18 @@ impl Run {
 
     /// Carries out what the members voted after a step: stop, regroup or go on.
     fn settle(&mut self, observer: &mut dyn Observer) -> Result<()> {
-        match self.ballot() {
+        let vote = self.ballot();
+        self.carry_out(observer, vote)
+    }
+
+    /// Carries out the members' `vote`.
+    fn carry_out(&mut self, observer: &mut dyn Observer, vote: Vote) -> Result<()> {
+        match vote {
             Vote::Stop(reason) => {
                 self.proposed_stop = None;
                 with_loop!(self, observer, |l| l.stop(reason))
             }
-            Vote::Regroup(why) => self.regroup(observer, &why),
+            Vote::Regroup(why) | Vote::Lost(why) => self.regroup(observer, &why),
             Vote::On => Ok(()),
         }
     }
@@ -316,10 +336,19 @@ impl Run {
     /// generation (a lost vote too: a proposal is then carried in the next). Collective in an
     /// elastic job (every member calls it after the same step, as where an epoch ends);
     /// elsewhere nothing. Whether the run has stopped.
+    ///
+    /// It closes the epoch end the run stands at ([`Run::at_epoch_end`]), unless the vote
+    /// was lost with a member: then the next generation's members close it again.
     pub fn vote(&mut self, observer: &mut dyn Observer) -> Result<bool> {
-        if self.elastic.is_some() && self.state.stopped().is_none() {
-            self.settle(observer)?;
+        if self.elastic.is_none() || self.state.stopped().is_some() {
+            self.close_epoch_end();
+            return Ok(self.state.stopped().is_some());
         }
+        let vote = self.ballot();
+        if !matches!(vote, Vote::Lost(_)) {
+            self.close_epoch_end();
+        }
+        self.carry_out(observer, vote)?;
         Ok(self.state.stopped().is_some())
     }
 
@@ -520,6 +549,7 @@ impl Job<'_> {
             watcher,
             elastic: None,
             proposed_stop: None,
+            epoch_end: None,
         })
     }
 
@@ -626,4 +656,8 @@ fn elastic_position(train: &Arc<dyn Samples>, global: usize, step: u64) -> Posit
 #[path = "run_regroup.rs"]
 mod regroup;
 
+#[path = "run_epoch_end.rs"]
+mod epoch_end;
+
+use epoch_end::EpochEnd;
 use regroup::Vote;

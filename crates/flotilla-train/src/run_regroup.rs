@@ -20,8 +20,10 @@ pub(super) enum Vote {
     On,
     /// Stop after this step (a member proposed it, [`Run::propose_stop`]): the reason.
     Stop(String),
-    /// Leave the generation (a member heard of a change, or the vote failed): why.
+    /// Leave the generation: a member heard of a change (why).
     Regroup(String),
+    /// Leave the generation: the vote failed, a member lost (why).
+    Lost(String),
 }
 
 impl Run {
@@ -42,7 +44,7 @@ impl Run {
             }),
             Ok(()) if flags[0] > 0.0 => Vote::Regroup("the membership changes".into()),
             Ok(()) => Vote::On,
-            Err(e) => Vote::Regroup(e.to_string()),
+            Err(e) => Vote::Lost(e.to_string()),
         }
     }
 
@@ -139,6 +141,7 @@ impl Run {
         if self.elastic.is_none() {
             return Ok(());
         }
+        self.agree_epoch_end()?;
         let rank = self.parts.comm.rank();
         let hash = self.role.generation_hash(&mut self.parts.cx(observer))?;
         let step = self.state.progress();

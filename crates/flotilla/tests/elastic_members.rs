@@ -895,7 +895,9 @@ fn own_generations(text: &str) -> Vec<Joined> {
 /// burn's `Learner` on the members of an elastic job of peers (`examples/mnist_learner.rs`,
 /// `-n 2:3 --max-restarts 1`: sync all-reduce through the one stack's run): the generation's
 /// rank 0 — the process that validates, shows the metrics and writes the `Learner`'s
-/// checkpoints — is SIGKILLed in epoch 2. The survivors train on as the same processes in a
+/// checkpoints — is SIGKILLed as epoch 2 ends (the job logs its progress at epoch ends only:
+/// its line at step 124), while the members close the epoch: the vote lost with it, the new
+/// generation's rank 0 validates epoch 2. The survivors train on as the same processes in a
 /// new generation, and the replacement joins with the members' parameters and the
 /// `Learner`'s Adam state (a joiner that kept its fresh optimizer would step differently and
 /// the run's final check of identical parameters would fail the job); every generation's
@@ -910,7 +912,8 @@ fn burns_learner_trains_on_when_its_rank_0_is_lost_and_replaced() {
         learner(&dir.path().join(name), size, restarts, &[])
     };
     let (c, out) = run("elastic", "2:3", "1");
-    // 62 steps of 96 samples an epoch: rank 0 of the first generation, 10 steps into epoch 2.
+    // 62 steps of 96 samples an epoch: rank 0 of the first generation, once its log shows a
+    // step past 72 (the end of epoch 2, step 124: the only line of the epoch).
     let _ = kill_in_generation_1(c, &out, (3, 2), (0, 0, 72));
     for epoch in 1..=3 {
         let validated = out.join(format!("artifacts/valid/epoch-{epoch}/Loss.log"));

@@ -43,9 +43,15 @@ where
     <M as InferenceStep>::Output: GlobalOutput,
 {
     // The epoch the run stands in, not the Learner's first: in a process that joined the
-    // job, the members' (else its first step would look like an epoch's end to it alone).
+    // job, the members' (else its first step would look like an epoch's end to it alone);
+    // at an epoch end the members have not closed yet, the epoch that ends.
+    let at = run.position().epoch;
     let mut member = Member {
-        epoch: run.position().epoch,
+        epoch: if run.at_epoch_end() {
+            at.saturating_sub(1)
+        } else {
+            at
+        },
         opened: None,
         iteration: 0,
         samples,
@@ -80,6 +86,9 @@ impl Member {
         <M as InferenceStep>::Output: GlobalOutput,
     {
         self.lead(fit, &run);
+        // A process that joined at an epoch end the members have not closed closes it with
+        // them.
+        self.close_epochs(fit, &mut run, shared, valid)?;
         while let Some(p) = run.step(&mut Quiet)? {
             let out = std::mem::take(&mut shared.borrow_mut().outputs).pop();
             self.lead(fit, &run);
@@ -99,13 +108,33 @@ impl Member {
             if fit.c.interrupter.should_stop() {
                 run.propose_stop(&mut Quiet, "the Learner's interrupter stopped")?;
             }
-            if p.epoch == self.epoch && p.step < p.total {
-                continue;
-            }
+            self.close_epochs(fit, &mut run, shared, valid)?;
+        }
+        run.finish(&mut Quiet)?;
+        Ok(())
+    }
+
+    /// Closes the epoch end the run stands at, if any ([`Run::at_epoch_end`]), as every
+    /// member does: the model made whole (the run's collective), validated by the
+    /// generation's rank 0, the members' vote (which ends the run on a stop proposed); again
+    /// in the next generation when a member was lost meanwhile.
+    fn close_epochs<M>(
+        &mut self,
+        fit: &mut Fit<'_, M>,
+        run: &mut Run,
+        shared: &Rc<RefCell<Shared<M>>>,
+        valid: &ValidLoader<M>,
+    ) -> Result<()>
+    where
+        M: LearnerModel,
+        <M as TrainStep>::Output: GlobalOutput,
+        <M as InferenceStep>::Output: GlobalOutput,
+    {
+        while run.at_epoch_end() {
             let ended = self.epoch as usize + 1;
             run.prepare_model(&mut Quiet)?;
             // The generation may have changed: its rank 0 validates.
-            self.lead(fit, &run);
+            self.lead(fit, run);
             if fit.shows_valid {
                 fit.train_event(LearnerEvent::EndSplit(ended));
                 let learner = shared.borrow().learner.clone();
@@ -113,16 +142,18 @@ impl Member {
                     run.propose_stop(&mut Quiet, "the Learner stopped")?;
                 }
             }
-            (self.epoch, self.iteration, self.opened) = (p.epoch, 0, None);
             // Every member, once rank 0 has validated: a stop it proposed ends the run here.
             if run.vote(&mut Quiet)? {
-                continue;
+                return Ok(());
             }
-            if p.step < p.total {
-                self.lead(fit, &run);
+            if !run.at_epoch_end() {
+                let p = run.position();
+                (self.epoch, self.iteration, self.opened) = (p.epoch, 0, None);
+                if p.step < p.total {
+                    self.lead(fit, run);
+                }
             }
         }
-        run.finish(&mut Quiet)?;
         Ok(())
     }
 
