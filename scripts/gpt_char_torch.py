@@ -222,8 +222,8 @@ def distributed(torch, model, a):
 
     mesh = init_device_mesh("cpu", (a.world,))
     for i in blocks:
-        fully_shard(model.layers[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(model.layers[i], mesh=mesh, reshard_after_forward=not a.keep_gathered)
+    fully_shard(model, mesh=mesh, reshard_after_forward=not a.keep_gathered)
     return model, model
 
 
@@ -297,6 +297,9 @@ def main():
     p.add_argument("--model", choices=sorted(SPECS), default="gpt-char")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 per block instead of DDP")
     p.add_argument("--recompute", action="store_true", help="each block recomputed in backward")
+    p.add_argument("--keep-gathered", action="store_true",
+                   help="FSDP2 with reshard_after_forward=False: each block's parameters "
+                        "kept gathered from its forward to its backward")
     p.add_argument("--val-limit", type=int, default=0, help="validation windows (0: all)")
     a = p.parse_args()
     if a.check:

@@ -2,7 +2,7 @@
 """Tokens/s of the 57 M-parameter GPT on 2 ranks: Flotilla's ZeRO-3 against PyTorch FSDP2, in one run.
 
 Usage: scripts/gpt_vs_fsdp.py [--runs 2] [--steps 12] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
-                              [--python PY]
+                              [--python PY] [--sides flotilla,fsdp,...]
 
 Every side trains models/gpt-zero3.yaml (57,196,288 parameters: 8 pre-LN blocks of d 768,
 context 128) on the vendored text (data/text/kjv.txt), 2 local ranks of 1 thread, 4 windows of
@@ -15,7 +15,10 @@ run, no checkpoint:
 - fsdp: scripts/gpt_char_torch.py --model gpt-zero3 --fsdp (FSDP2's `fully_shard` per block
   and on the whole model, over gloo; no recomputation: each block's activations kept);
 - fsdp+recompute: the same with each block recomputed in backward (torch.utils.checkpoint),
-  the work Flotilla's ZeRO-3 does.
+  the work Flotilla's ZeRO-3 does;
+- flotilla-kept and fsdp-kept: each block's gathered parameters kept from its forward to its
+  backward (`reshard_after_forward: false`; FSDP2's `reshard_after_forward=False`): one
+  all-gather a block a step, nothing recomputed.
 The runs alternate (flotilla, fsdp, fsdp+recompute, flotilla, ...) so that a change of load
 hits every side.
 
@@ -58,12 +61,15 @@ def tokens(steps):
     return steps * WORLD * BATCH * CONTEXT
 
 
-def flotilla(args, work, i):
-    config = CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
-                           steps=args.steps, warmup=WARMUP, world=WORLD)
-    rows, total = vs_ddp.launch_flotilla(args, work, i, config)
-    loop = sum(r["epoch_s"] for r in rows)
-    return tokens(args.steps) / loop, total, rows[-1]["train_loss"]
+def flotilla_side(name, extra):
+    def run(args, work, i):
+        config = CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
+                               steps=args.steps, warmup=WARMUP, world=WORLD) + extra
+        # An output directory of each side's own (a second run's metrics would be appended).
+        rows, total = vs_ddp.launch_flotilla(args, work, f"{name}-{i}", config)
+        loop = sum(r["epoch_s"] for r in rows)
+        return tokens(args.steps) / loop, total, rows[-1]["train_loss"]
+    return run
 
 
 def torch_side(flags):
@@ -98,9 +104,14 @@ def main():
     p = vs_ddp.parser(__doc__)
     p.set_defaults(runs=2)
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--sides", default="flotilla,fsdp,fsdp+recompute,flotilla-kept,fsdp-kept")
     args = p.parse_args()
-    sides = (("flotilla", flotilla), ("fsdp", torch_side(["--fsdp"])),
-             ("fsdp+recompute", torch_side(["--fsdp", "--recompute"])))
+    every = {"flotilla": flotilla_side("flotilla", ""),
+             "flotilla-kept": flotilla_side("kept", "reshard_after_forward: false\n"),
+             "fsdp": torch_side(["--fsdp"]),
+             "fsdp+recompute": torch_side(["--fsdp", "--recompute"]),
+             "fsdp-kept": torch_side(["--fsdp", "--keep-gathered"])}
+    sides = tuple((name, every[name]) for name in args.sides.split(","))
     runs = vs_ddp.alternate(
         args, "gpt-vs-fsdp-", sides,
         lambda i, side, r: (f"run {i + 1} {side:15} tokens/s {r[0]:7.1f}  total {r[1]:6.1f} s"))
@@ -111,8 +122,10 @@ def main():
         flops = 6 * PARAMS * rate / 1e9
         print(f"{side:15} tokens/s median {rate:7.1f}  model FLOP rate {flops:5.1f} GFLOP/s "
               f"= {100 * flops / peak:4.1f} % of the GEMM rate")
-    for side in ("fsdp", "fsdp+recompute"):
-        print(f"ratio flotilla/{side} tokens/s: {medians['flotilla'] / medians[side]:.2f}")
+    for ours, theirs in (("flotilla", "fsdp"), ("flotilla", "fsdp+recompute"),
+                         ("flotilla-kept", "fsdp"), ("flotilla-kept", "fsdp-kept")):
+        if ours in medians and theirs in medians:
+            print(f"ratio {ours}/{theirs} tokens/s: {medians[ours] / medians[theirs]:.2f}")
     return 0
 
 

@@ -230,9 +230,26 @@ pub trait Engine: ModelState {
         ))
     }
 
+    /// With `on` false (FSDP's `reshard_after_forward=False`), [`Engine::forward_backward_sharded`]
+    /// keeps each backward group's gathered parameters, with its activations, from its forward
+    /// to its backward: every group gathered once a step and nothing recomputed, for every
+    /// group's parameters and activations held at the end of forward; the gradients are bit
+    /// for bit the same. `true`, the default, releases each group after its forward, gathers
+    /// it again and recomputes its forward in backward. An engine that cannot keep them
+    /// refuses `false` (the default).
+    fn set_reshard_after_forward(&mut self, on: bool) -> Result<()> {
+        if on {
+            return Ok(());
+        }
+        Err(EngineError::ParamsSharded(
+            "this engine releases each group's parameters after its forward".into(),
+        ))
+    }
+
     /// Forward and backward on a batch of a model whose parameters are released
     /// ([`Engine::release_params`]): each backward group's parameters gathered from `pass`
-    /// before its forward and again before its recomputed forward in backward, its gradients
+    /// before its forward and again before its recomputed forward in backward (once, before
+    /// its forward, when kept: [`Engine::set_reshard_after_forward`]), its gradients
     /// handed to `pass` as its backward ends (every parameter once, group by group from the
     /// last, within a group in flat order), none kept; bit for bit the gradients of
     /// [`Engine::forward_backward`]. Returns the batch's mean loss. The parameters are
@@ -293,6 +310,9 @@ pub struct BurnEngine {
     /// The groups whose forward is recomputed in backward (`recompute: true`): every
     /// segment between the allowed cuts, in layer order (`None`: no recomputation).
     recompute: Option<Vec<BackwardGroup>>,
+    /// Whether a sharded pass keeps each group's gathered parameters from its forward to its
+    /// backward ([`Engine::set_reshard_after_forward`] false).
+    keep_gathered: bool,
     loss: CrossEntropyLoss,
 }
 
@@ -347,6 +367,7 @@ impl BurnEngine {
             groups,
             layers,
             recompute: None,
+            keep_gathered: false,
         })
     }
 
@@ -533,6 +554,11 @@ impl Engine for BurnEngine {
         Ok(())
     }
 
+    fn set_reshard_after_forward(&mut self, on: bool) -> Result<()> {
+        self.keep_gathered = !on;
+        Ok(())
+    }
+
     fn release_params(&mut self) -> Result<()> {
         sharded::check_shardable(self.model()?)?;
         self.grads.clear();
@@ -558,7 +584,7 @@ impl Engine for BurnEngine {
             model,
             layout,
             &self.groups,
-            input,
+            (input, self.keep_gathered),
             |logits| loss.forward(logits, targets),
             pass,
         )

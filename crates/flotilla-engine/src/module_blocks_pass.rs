@@ -48,74 +48,118 @@ type Given = HashMap<String, (Option<usize>, Activation)>;
 
 /// Forward of `input` and backward through `blocks` (see the module documentation), each
 /// block's parameters gathered from `pass` and its gradients handed to it; every block is
-/// released after, failed or not. Returns the batch's loss by `loss`.
+/// released after, failed or not. With `keep` (FSDP's `reshard_after_forward=False`), each
+/// block is gathered once, before its forward, which runs on the tape and is kept, with its
+/// parameters, until its backward: nothing recomputed, the same gradients. Returns the
+/// batch's loss by `loss`.
 pub(crate) fn forward_backward<M: Module>(
     blocks: &mut Blocks,
     weights: &Weights<M>,
-    input: Activation,
+    (input, keep): (Activation, bool),
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     pass: &mut dyn ShardedPass,
 ) -> Result<f32> {
-    let result = run(blocks, weights, input, loss, pass);
+    let result = run(blocks, weights, (input, keep), loss, pass);
     if result.is_err() {
         release_all(blocks);
     }
     result
 }
 
+/// A block's forward on the tape: its inputs (leaves that require their gradient, but the
+/// batch's) and its outputs.
+type Taped = (Vec<Kept>, NamedTensors);
+
+/// The forward of `input` through `blocks` (see [`forward_backward`]): each block's inputs
+/// kept off the tape for its recomputation, the last block's among them, or (`keep`) each
+/// block run on the tape and kept.
+fn forward<M: Module>(
+    blocks: &mut Blocks,
+    weights: &Weights<M>,
+    (input, keep): (Activation, bool),
+    pass: &mut dyn ShardedPass,
+    scratch: &mut Vec<f32>,
+) -> Result<(Vec<Vec<Kept>>, Vec<Taped>)> {
+    let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
+    let last = blocks.blocks.len() - 1;
+    let mut given = Given::new();
+    given.insert(blocks.names[0].0[0].clone(), (None, input));
+    let (mut kept, mut taped) = (Vec::new(), Vec::new());
+    for g in 0..=last {
+        let inputs = inputs_of(blocks, &given, g)?;
+        if g == last && !keep {
+            kept.push(inputs);
+            break;
+        }
+        gather(blocks, g, (g < last).then_some(g + 1), pass, scratch)?;
+        let block = &mut blocks.blocks[g];
+        let (inputs, out) = if keep {
+            let leaves = leaves(inputs);
+            let run = || block.run(scratch, named(&leaves), Pass::Tape);
+            let out = weights.with_block_rng(g, run);
+            (leaves, out)
+        } else {
+            let run = || as_tracked(|| block.run(scratch, named(&inputs), Pass::Off));
+            let out = weights.with_block_rng(g, run);
+            block.release()?;
+            (inputs, out)
+        };
+        let out = out?;
+        for name in &blocks.names[g].1 {
+            let value = detached(out.activation(name, g)?);
+            given.insert(name.clone(), (Some(g), value));
+        }
+        match keep {
+            true => taped.push((inputs, out)),
+            false => kept.push(inputs),
+        }
+    }
+    Ok((kept, taped))
+}
+
+/// `inputs` as a block's forward on the tape takes them: those an earlier block gave as
+/// leaves that require their gradient.
+fn leaves(inputs: Vec<Kept>) -> Vec<Kept> {
+    inputs
+        .into_iter()
+        .map(|k| match k.from {
+            Some(_) => Kept {
+                value: k.value.require_grad(),
+                ..k
+            },
+            None => k,
+        })
+        .collect()
+}
+
 /// [`forward_backward`] without the release after a failure.
 fn run<M: Module>(
     blocks: &mut Blocks,
     weights: &Weights<M>,
-    input: Activation,
+    input: (Activation, bool),
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     pass: &mut dyn ShardedPass,
 ) -> Result<f32> {
-    let last = blocks.blocks.len() - 1;
     let mut scratch = Vec::new();
-    let mut given = Given::new();
-    given.insert(blocks.names[0].0[0].clone(), (None, input));
-    let mut kept = Vec::with_capacity(last + 1);
-    {
-        let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
-        for g in 0..last {
-            let inputs = inputs_of(blocks, &given, g)?;
-            gather(blocks, g, Some(g + 1), pass, &mut scratch)?;
-            let block = &mut blocks.blocks[g];
-            let out = weights.with_block_rng(g, || {
-                as_tracked(|| block.run(&scratch, named(&inputs), Pass::Off))
-            });
-            block.release()?;
-            let out = out?;
-            for name in &blocks.names[g].1 {
-                let value = detached(out.activation(name, g)?);
-                given.insert(name.clone(), (Some(g), value));
-            }
-            kept.push(inputs);
-        }
-    }
-    kept.push(inputs_of(blocks, &given, last)?);
-    drop(given);
+    let (mut kept, mut taped) = forward(blocks, weights, input, pass, &mut scratch)?;
     let mut grads_of = HashMap::new();
     let mut value = 0.0;
     let mut loss = Some(loss);
-    for g in (0..=last).rev() {
+    for g in (0..blocks.blocks.len()).rev() {
         let _span =
             tracing::info_span!(target: "flotilla::engine", "backward", group = g as u64).entered();
-        let inputs = kept.pop().ok_or(EngineError::NoGradients)?;
-        gather(blocks, g, g.checked_sub(1), pass, &mut scratch)?;
-        let leaves: Vec<Kept> = inputs
-            .into_iter()
-            .map(|k| match k.from {
-                Some(_) => Kept {
-                    value: k.value.require_grad(),
-                    ..k
-                },
-                None => k,
-            })
-            .collect();
-        let block = &mut blocks.blocks[g];
-        let out = weights.with_block_rng(g, || block.run(&scratch, named(&leaves), Pass::Tape))?;
+        let (leaves, out) = match taped.pop() {
+            Some(t) => t,
+            None => {
+                let inputs = kept.pop().ok_or(EngineError::NoGradients)?;
+                gather(blocks, g, g.checked_sub(1), pass, &mut scratch)?;
+                let leaves = leaves(inputs);
+                let block = &mut blocks.blocks[g];
+                let run = || block.run(&scratch, named(&leaves), Pass::Tape);
+                let out = weights.with_block_rng(g, run)?;
+                (leaves, out)
+            }
+        };
         let outputs = &blocks.names[g].1;
         let mut grads = match loss.take() {
             Some(loss) => {

@@ -69,6 +69,9 @@ pub struct ModuleEngine<M: TrainModule> {
     /// Whether a training pass runs the blocks, each recomputed in backward
     /// ([`Engine::set_recompute`]).
     recompute: bool,
+    /// Whether a sharded pass keeps each block's gathered parameters from its forward to its
+    /// backward ([`Engine::set_reshard_after_forward`] false).
+    keep_gathered: bool,
     /// The gradients of the last recomputing pass, flat (empty: none).
     flat_grads: Vec<f32>,
 }
@@ -97,6 +100,7 @@ impl<M: TrainModule> ModuleEngine<M> {
             blocks: None,
             labels_per_sample,
             recompute: false,
+            keep_gathered: false,
             flat_grads: Vec::new(),
         })
     }
@@ -131,6 +135,7 @@ impl<M: TrainModule> ModuleEngine<M> {
             blocks: Some(blocks),
             labels_per_sample,
             recompute: false,
+            keep_gathered: false,
             flat_grads: Vec::new(),
         })
     }
@@ -263,6 +268,11 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         self.flat_grads = Vec::new();
     }
 
+    fn set_reshard_after_forward(&mut self, on: bool) -> Result<()> {
+        self.keep_gathered = !on;
+        Ok(())
+    }
+
     fn set_recompute(&mut self, on: bool) -> Result<()> {
         if on {
             let blocks = self.blocks.as_ref().ok_or_else(|| {
@@ -297,6 +307,7 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
         let loss = CrossEntropyLossConfig::new().init(&self.weights.device);
         let loss = |logits| loss.forward(logits, targets);
+        let input = (input, self.keep_gathered);
         module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, pass)
     }
 
@@ -363,6 +374,7 @@ impl<M: TrainModule> ModuleEngine<M> {
             grads: &mut grads,
             ready,
         };
+        let input = (input, false);
         let value =
             module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, &mut own)?;
         self.flat_grads = grads;

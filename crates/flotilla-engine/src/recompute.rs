@@ -49,6 +49,18 @@ pub(crate) trait GroupSource {
         model: SequentialModel,
         grads: Option<Gradients>,
     ) -> Result<()>;
+
+    /// Whether the pass keeps every group's forward on the tape, with the parameters it ran
+    /// with, until its backward ([`run`]: nothing recomputed); by default it recomputes.
+    fn keeps_forward(&self) -> bool {
+        false
+    }
+
+    /// The model as it stands, for a kept group's backward (its parameters are still those
+    /// its forward ran with).
+    fn held(&mut self) -> Result<SequentialModel> {
+        Err(EngineError::ModelUnavailable)
+    }
 }
 
 /// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state,
@@ -94,47 +106,82 @@ pub(crate) fn detached(x: Activation) -> Activation {
     map_tensor!(x, |t| t.detach())
 }
 
+/// A group's forward on the tape, kept for its backward: its input (a leaf that requires
+/// its gradient, but the first group's) and its output.
+type Taped = (Activation, Activation);
+
+/// The forward of `input` through `groups` (see [`run`]): each group's input kept off the
+/// tape for its recomputation, the last group's among them (a recomputing source), or each
+/// group run on the tape and kept ([`GroupSource::keeps_forward`]).
+fn forward(
+    groups: &[BackwardGroup],
+    input: Activation,
+    source: &mut dyn GroupSource,
+) -> Result<(Vec<Activation>, Vec<Taped>)> {
+    let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
+    let keeps = source.keeps_forward();
+    let (mut inputs, mut taped) = (Vec::new(), Vec::new());
+    let mut x = input;
+    for (g, group) in groups.iter().enumerate() {
+        let layers = &group.layers;
+        if keeps {
+            let m = source.model(g, true)?;
+            let leaf = if g > 0 { x.require_grad() } else { x };
+            let run = || m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new());
+            let y = with_masks(&m, layers, run);
+            source.forward_done(g, m)?;
+            let y = y?;
+            x = detached(y.clone());
+            taped.push((leaf, y));
+        } else if g + 1 < groups.len() {
+            let m = source.model(g, false)?;
+            let run = || m.run_range(layers.clone(), x.clone(), &mut HashMap::new());
+            let y = with_masks(&m, layers, || as_tracked(run))?;
+            source.forward_done(g, m)?;
+            inputs.push(x);
+            x = detached(y);
+        } else {
+            inputs.push(x);
+            break;
+        }
+    }
+    Ok((inputs, taped))
+}
+
 /// Forward of `input` and backward through `groups` (layer order, at least one), each
-/// group's parameters from `source` (see the module documentation). Returns the batch's
-/// loss by `loss`.
+/// group's parameters from `source` (see the module documentation). A source that
+/// [`GroupSource::keeps_forward`] runs every group on the tape in forward and keeps it
+/// (FSDP's `reshard_after_forward=False`): backward differentiates the kept graphs, group by
+/// group from the last, and recomputes nothing. Returns the batch's loss by `loss`.
 pub(crate) fn run(
     groups: &[BackwardGroup],
     input: Activation,
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     source: &mut dyn GroupSource,
 ) -> Result<f32> {
-    let last = groups
-        .len()
-        .checked_sub(1)
-        .ok_or_else(|| EngineError::InvalidSpec("no backward group".into()))?;
-    // Each group's input, kept off the tape for its recomputation.
-    let mut inputs: Vec<Activation> = Vec::with_capacity(groups.len());
-    let mut x = input;
-    {
-        let _span = tracing::info_span!(target: "flotilla::engine", "forward").entered();
-        for (g, group) in groups[..last].iter().enumerate() {
-            let m = source.model(g, false)?;
-            let run = || m.run_range(group.layers.clone(), x.clone(), &mut HashMap::new());
-            let y = with_masks(&m, &group.layers, || as_tracked(run))?;
-            source.forward_done(g, m)?;
-            inputs.push(x);
-            x = detached(y);
-        }
+    if groups.is_empty() {
+        return Err(EngineError::InvalidSpec("no backward group".into()));
     }
-    inputs.push(x);
+    let (mut inputs, mut taped) = forward(groups, input, source)?;
     let mut grad_out: Option<Activation> = None;
     let mut value = 0.0;
     let mut loss = Some(loss);
     for g in (0..groups.len()).rev() {
         let _span =
             tracing::info_span!(target: "flotilla::engine", "backward", group = g as u64).entered();
-        let m = source.model(g, true)?;
-        let input = inputs.pop().ok_or(EngineError::NoGradients)?;
-        let leaf = if g > 0 { input.require_grad() } else { input };
-        let layers = &groups[g].layers;
-        let y = with_masks(&m, layers, || {
-            m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
-        })?;
+        let (m, leaf, y) = match taped.pop() {
+            Some((leaf, y)) => (source.held()?, leaf, y),
+            None => {
+                let m = source.model(g, true)?;
+                let input = inputs.pop().ok_or(EngineError::NoGradients)?;
+                let leaf = if g > 0 { input.require_grad() } else { input };
+                let layers = &groups[g].layers;
+                let y = with_masks(&m, layers, || {
+                    m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
+                })?;
+                (m, leaf, y)
+            }
+        };
         let mut grads = if let Some(loss) = loss.take() {
             let l = loss(y.into_logits());
             let grads = l.backward();

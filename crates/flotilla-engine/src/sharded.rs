@@ -14,6 +14,12 @@
 //! gives its parameters' gradients, handed on, and its own input's; its parameters and the burn
 //! gradients are released.
 //!
+//! Kept (`reshard_after_forward: false`, FSDP2's `reshard_after_forward=False`): each group's
+//! parameters are gathered once, before its forward, which runs on the tape; they stay in the
+//! model, with the group's activations, until its backward has handed its gradients on. No
+//! second gather and no recomputed forward, for every group's parameters and activations held
+//! at the end of forward.
+//!
 //! The recomputed forward is the same operations on the same values as the first, so every
 //! gradient is bit for bit that of the grouped backward of [`crate::grouped`] (and of one
 //! backward pass). What a rank holds at most: its shard (the caller's), one group's gathered
@@ -135,28 +141,46 @@ fn released(
 }
 
 /// A sharded model's parameters for a recomputing pass: each group's gathered from `pass`
-/// for each use and released after it, its gradients handed to `pass` and dropped.
+/// for each use and released after it, its gradients handed to `pass` and dropped. With
+/// `keep`, each group's gathered once, before its forward, and kept (on the tape) until its
+/// backward ends.
 struct Gathered<'a> {
     model: &'a mut Option<SequentialModel>,
     layout: &'a ParamLayout,
     groups: &'a [BackwardGroup],
     pass: &'a mut dyn ShardedPass,
     scratch: Vec<f32>,
+    keep: bool,
 }
 
 impl GroupSource for Gathered<'_> {
     fn model(&mut self, g: usize, tape: bool) -> Result<SequentialModel> {
         let m = take(self.model)?;
         // The pass's order: forward 0, 1, .. up to the last group (on the tape), then
-        // backward down to 0.
-        let next = if tape { g.checked_sub(1) } else { Some(g + 1) };
+        // backward down to 0; kept, forward 0 up to the last only.
+        let next = if tape && !self.keep {
+            g.checked_sub(1)
+        } else {
+            Some(g + 1)
+        };
         let groups = (&self.groups[g], next.and_then(|n| self.groups.get(n)));
         gathered(m, self.layout, groups, self.pass, (&mut self.scratch, tape))
     }
 
     fn forward_done(&mut self, g: usize, model: SequentialModel) -> Result<()> {
-        *self.model = Some(released(model, self.layout, &self.groups[g])?);
+        *self.model = Some(match self.keep {
+            true => model,
+            false => released(model, self.layout, &self.groups[g])?,
+        });
         Ok(())
+    }
+
+    fn keeps_forward(&self) -> bool {
+        self.keep
+    }
+
+    fn held(&mut self) -> Result<SequentialModel> {
+        take(self.model)
     }
 
     fn backward_done(
@@ -181,13 +205,17 @@ impl GroupSource for Gathered<'_> {
 
 /// Forward of `input` and backward through `groups` (layer order, at least one) of a model
 /// whose parameters `pass` gathers (see the module documentation); `model` holds none
-/// between groups (every group released) and is handed back so. Returns the batch's loss
-/// by `loss`.
+/// between groups (every group released) and is handed back so. With `keep` (FSDP's
+/// `reshard_after_forward=False`), each group's parameters are gathered once, before its
+/// forward, which runs on the tape, and stay gathered with its activations until its
+/// backward ends: half the gathers and no recomputed forward, for every group's parameters
+/// and activations held at the end of forward; the same gradients, bit for bit. Returns the
+/// batch's loss by `loss`.
 pub(crate) fn forward_backward(
     model: &mut Option<SequentialModel>,
     layout: &ParamLayout,
     groups: &[BackwardGroup],
-    input: Activation,
+    (input, keep): (Activation, bool),
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     pass: &mut dyn ShardedPass,
 ) -> Result<f32> {
@@ -197,8 +225,16 @@ pub(crate) fn forward_backward(
         groups,
         pass,
         scratch: Vec::new(),
+        keep,
     };
-    recompute::run(groups, input, loss, &mut source)
+    let result = recompute::run(groups, input, loss, &mut source);
+    if keep && result.is_err() {
+        // The groups gathered so far are released, as after a pass that ended.
+        if let Some(m) = model.take() {
+            *model = params::write_range(m, layout, 0..layout.params.len(), None, false).ok();
+        }
+    }
+    result
 }
 
 /// The logits of `input` (`None`: no samples on this rank, but the gathers take part; on the

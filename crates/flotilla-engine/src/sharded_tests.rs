@@ -122,9 +122,23 @@ pub(crate) fn specs() -> Vec<(String, ModelSpec)> {
 
 #[test]
 fn a_sharded_pass_gives_the_grouped_pass_gradients_bit_for_bit() {
+    sharded_pass_against_grouped(true);
+}
+
+/// Kept from forward to backward (`reshard_after_forward` false): the same loss, gradients
+/// and order, each group gathered once, nothing recomputed.
+#[test]
+fn a_sharded_pass_that_keeps_its_groups_gives_the_grouped_pass_gradients_bit_for_bit() {
+    sharded_pass_against_grouped(false);
+}
+
+/// The sharded pass, resharding after forward as `reshard` says, against the grouped pass
+/// of every spec of [`specs`].
+fn sharded_pass_against_grouped(reshard: bool) {
     for (name, spec) in specs() {
         let mut grouped = engine(&spec, 1);
         let mut sharded = engine(&spec, 1);
+        sharded.set_reshard_after_forward(reshard).expect("reshard");
         // Dropout draws the same masks in the sharded pass, recomputed, as in the grouped one.
         grouped.set_dropout_seed(11);
         sharded.set_dropout_seed(11);
@@ -177,10 +191,14 @@ fn a_sharded_pass_gives_the_grouped_pass_gradients_bit_for_bit() {
                 .zip(&expected)
                 .position(|(a, b)| a.to_bits() != b.to_bits())
         );
-        // Forward gathers every group but the last once, backward every group again.
+        // Forward gathers every group but the last once, backward every group again; kept,
+        // forward gathers every group, once.
         let mut want: Vec<Range<usize>> = groups.iter().rev().cloned().collect();
         want.pop();
         want.extend(groups.iter().cloned());
+        if !reshard {
+            want = groups.iter().rev().cloned().collect();
+        }
         assert_eq!(pass.gathered, want, "{name}: what was gathered");
         // Nothing is held after the pass: a whole-model read is refused until the
         // parameters are written back.

@@ -39,10 +39,26 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
     RANK_BASE_BYTES + 4 * data
 }
 
+/// How a data-parallel rank's model state is spread ([`model_state_bytes`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Sharding {
+    /// The ZeRO stage.
+    pub zero: u8,
+    /// The ranks that share it.
+    pub ranks: usize,
+    /// An elastic job: each optimizer shard is also held by a second rank.
+    pub elastic: bool,
+    /// The optimizer state in files (`allreduce.offload`).
+    pub offload: bool,
+    /// ZeRO-3 keeps every group's gathered parameters from its forward to its backward
+    /// (`allreduce.reshard_after_forward: false`).
+    pub kept: bool,
+}
+
 /// A data-parallel rank's model state in bytes, by ZeRO stage, for a model of `params`
-/// parameters whose optimizer keeps `slots` values per parameter, `zero` the stage over `n`
-/// ranks (`elastic`: each optimizer shard is also held by a second rank), buckets of
-/// `bucket` bytes; four bytes a value, each term a copy the step holds:
+/// parameters whose optimizer keeps `slots` values per parameter, sharded as `sharding`
+/// says (the stage over its ranks; elastic: each optimizer shard is also held by a second
+/// rank), buckets of `bucket` bytes; four bytes a value, each term a copy the step holds:
 /// - the parameters; burn's gradients after backward, and the engine's flat copy of them;
 /// - the averaged gradient kept for the step (stage 1 and 2: this rank's 1/N);
 /// - the wire buffers (every bucket's; stage 2: one bucket);
@@ -62,15 +78,26 @@ pub fn rank_footprint(data_dir: &Path) -> u64 {
 /// at a checkpoint, its optimizer share serialized and, on rank 0, another rank's received:
 /// three shares.
 ///
-/// `offload` (`allreduce.offload`, stages 1 to 3): the optimizer state is in files; a step
+/// Kept (`allreduce.reshard_after_forward: false`, stage 3): every group's gathered
+/// parameters are held from its forward to its backward, a whole copy more at the end of
+/// forward.
+///
+/// Offloaded (`allreduce.offload`, stages 1 to 3): the optimizer state is in files; a step
 /// holds one chunk's state at a time, three times (read, stepped, written), and a checkpoint
 /// writes it from the files: three chunks' state in place of the shares' terms.
 pub fn model_state_bytes(
     params: u64,
     slots: u64,
-    (zero, n, elastic, offload): (u8, usize, bool, bool),
+    sharding: Sharding,
     (bucket, layer): (u64, u64),
 ) -> u64 {
+    let Sharding {
+        zero,
+        ranks: n,
+        elastic,
+        offload,
+        kept,
+    } = sharding;
     let whole = params.saturating_mul(4);
     let n = n.max(1) as u64;
     let chunk = (flotilla_engine::OFFLOAD_CHUNK_VALUES as u64).saturating_mul(4 * slots);
@@ -82,7 +109,8 @@ pub fn model_state_bytes(
         let share = whole.div_ceil(n);
         let optimizer = in_memory(whole.saturating_mul(slots).div_ceil(n), 4);
         let group = bucket.max(layer).min(whole);
-        let sum = [share, share, optimizer, group.saturating_mul(6)]
+        let gathered = if kept { whole } else { 0 };
+        let sum = [share, share, optimizer, group.saturating_mul(6), gathered]
             .into_iter()
             .fold(0u64, u64::saturating_add);
         return sum.saturating_add(sum / 100 * 15);
@@ -126,14 +154,25 @@ pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Res
     let bucket = config.bucket_bytes() as u64;
     let layer = spec.largest_layer_params()?.saturating_mul(4);
     let offload = config.allreduce.offload.is_some();
-    let shape = (zero, n, elastic.is_some(), offload);
-    let bytes = model_state_bytes(params, slots, shape, (bucket, layer));
+    let sharding = Sharding {
+        zero,
+        ranks: n,
+        elastic: elastic.is_some(),
+        offload,
+        kept: !config.allreduce.reshard_after_forward,
+    };
+    let bytes = model_state_bytes(params, slots, sharding, (bucket, layer));
     let what = format!(
         "{} for the model's state: {params} parameters, {slots} optimizer value(s) each, ZeRO \
-         stage {zero} over {n} rank(s){}{}",
+         stage {zero} over {n} rank(s){}{}{}",
         mib(bytes),
         if offload && zero > 0 {
             ", its optimizer state in files"
+        } else {
+            ""
+        },
+        if sharding.kept && zero == 3 {
+            ", every block's parameters gathered from its forward to its backward"
         } else {
             ""
         },
@@ -242,10 +281,23 @@ mod tests {
         );
     }
 
+    /// ZeRO stage `zero` over `ranks`, elastic and offloaded as said, nothing kept.
+    fn sharding(zero: u8, ranks: usize, elastic: bool, offload: bool) -> Sharding {
+        Sharding {
+            zero,
+            ranks,
+            elastic,
+            offload,
+            kept: false,
+        }
+    }
+
     #[test]
     fn the_model_state_shrinks_by_zero_stage_and_doubles_its_shards_when_elastic() {
         // 1,000 parameters (4,000 bytes a copy), Adam (2 values each), 4 ranks, 1 KB buckets.
-        let at = |zero, elastic| model_state_bytes(1000, 2, (zero, 4, elastic, false), (1000, 600));
+        let at = |zero, elastic| {
+            model_state_bytes(1000, 2, sharding(zero, 4, elastic, false), (1000, 600))
+        };
         let margin = |sum: u64| sum + sum / 100 * 15;
         // Parameters, burn's gradients and their flat copy, the averaged gradient, the wire,
         // Adam's two moments, the step's two transients.
@@ -267,7 +319,14 @@ mod tests {
         // Stage 3: a quarter of the parameters and of the averaged gradient, Adam's quarter
         // and three more at a checkpoint, six groups of a bucket (above the largest layer).
         assert_eq!(at(3, false), margin(1000 + 1000 + 4 * 2000 + 6 * 1000));
-        let larger = model_state_bytes(1000, 2, (3, 4, false, false), (1000, 1600));
+        // Kept from forward to backward: every group's parameters, a whole copy, besides.
+        let kept = Sharding {
+            kept: true,
+            ..sharding(3, 4, false, false)
+        };
+        let kept = model_state_bytes(1000, 2, kept, (1000, 600));
+        assert_eq!(kept, margin(1000 + 1000 + 4 * 2000 + 6 * 1000 + 4000));
+        let larger = model_state_bytes(1000, 2, sharding(3, 4, false, false), (1000, 1600));
         assert_eq!(
             larger,
             margin(1000 + 1000 + 4 * 2000 + 6 * 1600),
@@ -275,13 +334,19 @@ mod tests {
         );
         // Offloaded: a chunk's state three times at most in place of the shares' terms (here
         // Adam's quarter is below a chunk: three of it).
-        let offloaded = model_state_bytes(1000, 2, (3, 4, false, true), (1000, 600));
+        let offloaded = model_state_bytes(1000, 2, sharding(3, 4, false, true), (1000, 600));
         assert_eq!(offloaded, margin(1000 + 1000 + 3 * 2000 + 6 * 1000));
-        let big = model_state_bytes(100_000_000, 2, (3, 2, false, true), (1 << 20, 1 << 20));
+        let big = model_state_bytes(
+            100_000_000,
+            2,
+            sharding(3, 2, false, true),
+            (1 << 20, 1 << 20),
+        );
         let chunk = flotilla_engine::OFFLOAD_CHUNK_VALUES as u64 * 8;
         let share = 200_000_000;
         assert_eq!(big, margin(share + share + 3 * chunk + 6 * (1 << 20)));
-        let at_1 = |offload| model_state_bytes(1000, 2, (1, 4, false, offload), (1000, 600));
+        let at_1 =
+            |offload| model_state_bytes(1000, 2, sharding(1, 4, false, offload), (1000, 600));
         assert_eq!(
             at_1(false),
             margin(4000 * 3 + 1000 + 4000 + 4000 + 2000 + 8000)
@@ -304,7 +369,7 @@ mod tests {
         let (bytes, what) = config_model_state(&config, 4)?;
         assert_eq!(
             bytes,
-            model_state_bytes(params, slots, (2, 4, false, false), bucket)
+            model_state_bytes(params, slots, sharding(2, 4, false, false), bucket)
         );
         assert!(what.contains("ZeRO stage 2 over 4 rank(s)"), "{what}");
         // Down to 2 of 4 members, each holds half of the state, twice.
@@ -312,7 +377,7 @@ mod tests {
         let (bytes, what) = config_model_state(&config, 4)?;
         assert_eq!(
             bytes,
-            model_state_bytes(params, slots, (2, 2, true, false), bucket)
+            model_state_bytes(params, slots, sharding(2, 2, true, false), bucket)
         );
         assert!(
             what.contains("over 2 rank(s) (the elastic job's minimum)"),

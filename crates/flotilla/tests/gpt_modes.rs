@@ -307,7 +307,8 @@ fn a_gpt_recomputing_its_blocks_or_offloading_its_optimizer_trains_what_it_train
 }
 
 /// With dropout after each block, the recomputed forward (`recompute: true`, and ZeRO-3's
-/// sharded backward) draws the masks the first forward drew: the bits of the run without it.
+/// sharded backward) draws the masks the first forward drew: the bits of the run without it;
+/// so does ZeRO-3 keeping each block from its forward to its backward (nothing recomputed).
 #[test]
 fn a_gpt_with_dropout_recomputed_or_under_zero_3_trains_its_zero_0_bits() {
     let dir = tmp();
@@ -322,6 +323,16 @@ fn a_gpt_with_dropout_recomputed_or_under_zero_3_trains_its_zero_0_bits() {
     );
     let zero_3 = config(d, "zero-3", SPEC_DROPOUT, &format!("{ZERO_3}{}", steps(20)));
     launch(&[&zero_3, "--output", &out("zero-3")], LIMIT);
+    // Each block's gathered parameters and activations kept from its forward to its
+    // backward (FSDP's `reshard_after_forward=False`): the masks drawn once.
+    let kept = format!("{ZERO_3}reshard_after_forward: false\n{}", steps(20));
+    let kept = config(d, "zero-3-kept", SPEC_DROPOUT, &kept);
+    launch(&[&kept, "--output", &out("zero-3-kept")], LIMIT);
+    let log = run_log(&d.join("zero-3-kept"), 0);
+    assert!(
+        log.contains("kept gathered from its forward to its backward"),
+        "{log}"
+    );
     let plain = checkpoint_tensors(&d.join("plain"));
     let other_seed = config(
         d,
@@ -335,7 +346,7 @@ fn a_gpt_with_dropout_recomputed_or_under_zero_3_trains_its_zero_0_bits() {
         relative_error(&other, &plain) > 0.0,
         "dropout changes the run"
     );
-    for name in ["recomputed", "zero-3"] {
+    for name in ["recomputed", "zero-3", "zero-3-kept"] {
         assert_bitwise(
             &format!("{name} vs plain, with dropout"),
             &checkpoint_tensors(&d.join(name)),

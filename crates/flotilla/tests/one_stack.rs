@@ -609,13 +609,23 @@ fn gradient_accumulation() {
     }
     let user = run(dir.path(), "two-user", two, &["--", exe]);
     assert_bitwise("accumulation: user module vs spec model", &user, &spec);
-    let user_3 = run(
-        dir.path(),
-        "two-user-zero3",
-        &format!("{two}zero: 3\n"),
-        &["--", exe],
-    );
-    assert_bitwise("accumulation: user module under ZeRO-3", &user_3, &spec);
+    // ZeRO-3 by its stage modules; kept gathered from forward to backward, nothing recomputed.
+    for (name, keep) in [
+        ("two-user-zero3", ""),
+        ("two-user-zero3-kept", "reshard_after_forward: false\n"),
+    ] {
+        let user_3 = run(
+            dir.path(),
+            name,
+            &format!("{two}zero: 3\n{keep}"),
+            &["--", exe],
+        );
+        assert_bitwise(
+            &format!("accumulation: user module, {name}"),
+            &user_3,
+            &spec,
+        );
+    }
     // Async all-reduce with nothing in flight (`staleness: 0`) steps as sync does.
     let async_ = run(
         dir.path(),

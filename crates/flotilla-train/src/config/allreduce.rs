@@ -57,6 +57,13 @@ pub struct AllReduceSection {
     /// it computes (PyTorch FSDP's prefetch; the gathered values are the same). On by default;
     /// off, each group's all-gather waits for the group before it.
     pub prefetch: bool,
+    /// ZeRO stage 3: release each backward group's gathered parameters after its forward
+    /// (PyTorch FSDP2's `reshard_after_forward`), gathering them again and recomputing the
+    /// forward in backward. On by default; off, each group's parameters are gathered once a
+    /// step and kept, with its activations, until its backward: no second gather and no
+    /// recomputed forward, for every group's parameters and activations held at the end of
+    /// forward (the same gradients).
+    pub reshard_after_forward: bool,
     /// ZeRO 1 to 3 (and a pipeline's replicas under ZeRO-1): keep this rank's shard of the
     /// optimizer state in files, not in memory (DeepSpeed's `offload_optimizer` to NVMe), in
     /// a new directory of its own under this one, removed at the end of the run. A step
@@ -110,6 +117,7 @@ impl Default for AllReduceSection {
             sync_batch_norm: false,
             zero: 0,
             prefetch: true,
+            reshard_after_forward: true,
             offload: None,
             accumulation_steps: 1,
             reduce_each_micro_batch: false,

@@ -305,6 +305,7 @@ pub const KEYS: &[Key] = &[
         "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce; 1 among a pipeline's replicas)",
     ),
     Key::new("allreduce.prefetch").aliases(&["prefetch"]),
+    Key::new("allreduce.reshard_after_forward").aliases(&["reshard_after_forward"]),
     Key::new("allreduce.offload")
         .aliases(&["offload", "offload_optimizer"])
         .flag(

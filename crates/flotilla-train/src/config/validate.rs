@@ -199,6 +199,7 @@ impl TrainConfig {
             ));
         }
         self.check_offload()?;
+        self.check_reshard()?;
         if self.model.recompute && t.arch == Arch::Pipeline {
             return Err(bad(
                 "model.recompute",
@@ -221,6 +222,27 @@ impl TrainConfig {
 }
 
 impl TrainConfig {
+    /// `allreduce.reshard_after_forward: false` keeps ZeRO-3's gathered parameters from
+    /// forward to backward: it needs ZeRO-3 of data parallelism, and it recomputes nothing.
+    fn check_reshard(&self) -> Result<()> {
+        if self.allreduce.reshard_after_forward {
+            return Ok(());
+        }
+        let why = if self.allreduce.zero != 3 || self.topology.arch != Arch::Allreduce {
+            "keeps ZeRO stage 3's gathered parameters from a block's forward to its backward: \
+             it needs zero: 3 of data parallelism (arch: allreduce)"
+        } else if self.model.recompute {
+            "keeps each block's forward, with its parameters, for its backward, and \
+             recompute: true recomputes it: drop one of them"
+        } else {
+            return Ok(());
+        };
+        Err(TrainError::config(
+            "allreduce.reshard_after_forward",
+            why.to_string(),
+        ))
+    }
+
     /// `allreduce.offload` needs a shard: two or more ranks sharing ZeRO's optimizer state
     /// (a pipeline: replicas of a stage).
     fn check_offload(&self) -> Result<()> {
@@ -453,6 +475,26 @@ mod tests {
             .expect_err("type")
             .to_string();
         assert!(e.contains("epochs"), "{e}");
+    }
+
+    #[test]
+    fn keeping_the_gathered_parameters_needs_zero_3_and_no_recomputation() {
+        let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
+        let kept = "world_size: 2\nreshard_after_forward: false\n";
+        check(&format!("{kept}zero: 3\n")).expect("zero 3");
+        for other in [
+            "zero: 2\n",
+            "zero: 3\nrecompute: true\n",
+            "zero: 1\nstrategy: pipeline\nstages: 2\n",
+        ] {
+            let e = check(&format!("{kept}{other}"))
+                .expect_err(other)
+                .to_string();
+            assert!(
+                e.contains("allreduce.reshard_after_forward"),
+                "{other}: {e}"
+            );
+        }
     }
 
     #[test]

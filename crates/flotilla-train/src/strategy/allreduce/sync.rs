@@ -201,6 +201,7 @@ fn whole_or_released(
             sink,
         )
         .ok_or_else(refused)??;
+    engine.set_reshard_after_forward(config.allreduce.reshard_after_forward)?;
     if config.schedule.resume {
         if m.recompute {
             engine.set_recompute(true)?;
@@ -256,11 +257,12 @@ impl Strategy for SyncAllReduce {
     }
 
     fn describe(&self, config: &TrainConfig) -> Option<(String, String)> {
-        let _ = config;
+        let kept = self.zero.as_ref().is_some_and(Zero::shards_params)
+            && !config.allreduce.reshard_after_forward;
         Some((
             format!("{} params", self.layout.total),
             format!(
-                "{} buckets, strategy sync-allreduce{}{}",
+                "{} buckets, strategy sync-allreduce{}{}{}",
                 self.plan.buckets.len(),
                 if self.overlap {
                     " (backward overlapped)"
@@ -280,6 +282,11 @@ impl Strategy for SyncAllReduce {
                         None => format!(", ZeRO stage {z}"),
                     },
                     (z, None) => format!(", ZeRO stage {z} (one rank: nothing to shard)"),
+                },
+                if kept {
+                    ", each block's parameters kept gathered from its forward to its backward"
+                } else {
+                    ""
                 }
             ),
         ))
