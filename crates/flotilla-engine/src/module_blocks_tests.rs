@@ -282,8 +282,12 @@ fn once_on_the_tape(net: &Net, images: &[f32], labels: &[i64], seed: u64) -> Vec
     flat
 }
 
+/// Dropout draws the same masks in the recomputed forward; kept from forward to backward
+/// (`reshard_after_forward` false) each block is gathered once, before its forward, and
+/// nothing is recomputed: either way the gradients are those of the blocks run once on the
+/// tape, and nothing is held after the pass.
 #[test]
-fn dropout_draws_the_same_masks_in_the_recomputed_forward() {
+fn dropout_draws_the_same_masks_in_the_recomputed_forward_and_when_kept() {
     let (images, labels) = batch(8);
     let batch = BatchRef {
         images: &images,
@@ -292,48 +296,27 @@ fn dropout_draws_the_same_masks_in_the_recomputed_forward() {
     let whole = whole(0.5);
     let values = params_of(&whole);
     let net = whole.module().expect("module").clone();
-    let mut e = released(0.5, &mut Everything::default());
-    let mut per_seed = Vec::new();
-    for seed in [3, 4] {
-        e.set_dropout_seed(seed);
-        let mut pass = Gatherer::new(values.clone(), e.layout());
-        e.forward_backward_sharded(batch, &mut pass)
-            .expect("sharded");
-        let expected = once_on_the_tape(&net, &images, &labels, seed);
-        assert_eq!(bits(&pass.grads), bits(&expected), "seed {seed}");
-        per_seed.push(pass.grads);
+    for reshard in [true, false] {
+        let mut e = released(0.5, &mut Everything::default());
+        e.set_reshard_after_forward(reshard).expect("reshard");
+        let mut per_seed = Vec::new();
+        for seed in [3, 4] {
+            e.set_dropout_seed(seed);
+            let mut pass = Gatherer::new(values.clone(), e.layout());
+            e.forward_backward_sharded(batch, &mut pass)
+                .expect("sharded");
+            let expected = once_on_the_tape(&net, &images, &labels, seed);
+            let what = format!("seed {seed}, reshard {reshard}");
+            assert_eq!(bits(&pass.grads), bits(&expected), "{what}");
+            assert_eq!(pass.order, vec![4, 5, 2, 3, 0, 1], "{what}: from the last");
+            if !reshard {
+                assert_eq!(pass.gathered, vec![0..2, 2..4, 4..6], "{what}: each once");
+            }
+            assert!(params_of_err(&e), "{what}: released after the pass");
+            per_seed.push(pass.grads);
+        }
+        assert_ne!(bits(&per_seed[0]), bits(&per_seed[1]), "dropout drew masks");
     }
-    assert_ne!(bits(&per_seed[0]), bits(&per_seed[1]), "dropout drew masks");
-}
-
-/// Kept from forward to backward (`reshard_after_forward` false): each block gathered once,
-/// before its forward, nothing recomputed; the gradients of the blocks run once on the tape
-/// (dropout's masks drawn once), and nothing held after the pass.
-#[test]
-fn blocks_kept_from_forward_to_backward_give_the_tapes_gradients_gathering_each_once() {
-    let (images, labels) = batch(8);
-    let batch = BatchRef {
-        images: &images,
-        labels: &labels,
-    };
-    let whole = whole(0.5);
-    let values = params_of(&whole);
-    let net = whole.module().expect("module").clone();
-    let mut e = released(0.5, &mut Everything::default());
-    e.set_reshard_after_forward(false).expect("keep");
-    e.set_dropout_seed(3);
-    let mut pass = Gatherer::new(values.clone(), e.layout());
-    e.forward_backward_sharded(batch, &mut pass)
-        .expect("sharded");
-    let expected = once_on_the_tape(&net, &images, &labels, 3);
-    assert_eq!(bits(&pass.grads), bits(&expected), "the gradients");
-    assert_eq!(pass.gathered, vec![0..2, 2..4, 4..6], "each block once");
-    assert_eq!(
-        pass.order,
-        vec![4, 5, 2, 3, 0, 1],
-        "block by block from the last"
-    );
-    assert!(params_of_err(&e), "released after the pass");
 }
 
 #[test]
