@@ -159,7 +159,7 @@ where
             let item = TrainingItem::new(item, progress, Some(iteration), lr);
             fit.train_event(LearnerEvent::ProcessedItem(item));
         }
-        if p.epoch == epoch && p.step < p.total {
+        if !run.at_epoch_end() {
             continue;
         }
         let ended = epoch as usize + 1;
