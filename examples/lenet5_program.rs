@@ -21,6 +21,7 @@
 //! the first `TRAIN_SAMPLES` images, and hands them to the run
 //! (`flotilla_burn::session_with_data`), which shards them by rank as it does a job's data.
 
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use burn::nn::PaddingConfig2d;
@@ -167,13 +168,13 @@ fn main() -> anyhow::Result<()> {
     let stages = StageModules::new()
         .stage(move |device| Features::new(device, burn_layers))
         .stage(move |device| Classifier::new(device, burn_layers));
-    let model = UserModule::new("lenet5-program", &[1, 28, 28], move |device| LeNet5 {
+    let build = move |device: &Device| LeNet5 {
         features: Features::new(device, burn_layers),
         classifier: Classifier::new(device, burn_layers),
-    })
-    .with_stages(stages);
+    };
+    let model = UserModule::new("lenet5-program", &[1, 28, 28], build).with_stages(stages);
     if std::env::var("LOOP").is_ok_and(|v| v == "own") {
-        return own_loop(&model);
+        return own_loop(&model, build);
     }
     if std::env::var("MODEL").is_ok_and(|v| v == "spec") {
         return spec_loop();
@@ -200,39 +201,69 @@ fn spec_loop() -> anyhow::Result<()> {
     }
 }
 
+/// What `LOOP=own` asks of the run besides its steps, from the environment:
+/// `CHECKPOINT_AT=S` writes a checkpoint after step `S`, `STOP_AT=S` ends the run after step
+/// `S`, `EVAL_AT=S,T,...` evaluates after those steps (every rank decides alike), and
+/// `SAVE_MODEL=PATH` writes the whole module's parameters to `PATH` after step
+/// `SAVE_MODEL_AT` (else after the last), where the writing rank loads them back into a
+/// module of its own.
+struct Asks {
+    checkpoint_at: Option<u64>,
+    stop_at: Option<u64>,
+    eval_at: Vec<u64>,
+    save_model: Option<(PathBuf, Option<u64>)>,
+}
+
+impl Asks {
+    fn from_env() -> anyhow::Result<Self> {
+        let at = |var: &str| -> anyhow::Result<Option<u64>> {
+            match std::env::var(var) {
+                Ok(v) => Ok(Some(
+                    v.parse().map_err(|e| anyhow::anyhow!("{var}={v}: {e}"))?,
+                )),
+                Err(_) => Ok(None),
+            }
+        };
+        let eval_at = match std::env::var("EVAL_AT") {
+            Ok(v) => v
+                .split(',')
+                .map(|s| {
+                    s.trim()
+                        .parse()
+                        .map_err(|e| anyhow::anyhow!("EVAL_AT={v}: {e}"))
+                })
+                .collect::<anyhow::Result<_>>()?,
+            Err(_) => Vec::new(),
+        };
+        let save_model = match std::env::var_os("SAVE_MODEL") {
+            Some(path) => Some((PathBuf::from(path), at("SAVE_MODEL_AT")?)),
+            None => None,
+        };
+        Ok(Self {
+            checkpoint_at: at("CHECKPOINT_AT")?,
+            stop_at: at("STOP_AT")?,
+            eval_at,
+            save_model,
+        })
+    }
+}
+
 /// `LOOP=own`: the same run in the program's own loop (`flotilla_burn::session`), which
-/// prints a line of its own every 50 steps; it trains to the same bits as
-/// `flotilla_burn::train`. `CHECKPOINT_AT=S` writes a checkpoint after step `S`, `STOP_AT=S`
-/// ends the run after step `S`, `EVAL_AT=S,T,...` evaluates after those steps (every rank
-/// decides alike).
-fn own_loop<M, F>(model: &UserModule<F>) -> anyhow::Result<()>
+/// prints a line of its own every 50 steps and does what [`Asks`] says; it trains to the
+/// same bits as `flotilla_burn::train`.
+fn own_loop<M, F>(model: &UserModule<F>, build: F) -> anyhow::Result<()>
 where
     M: TrainModule,
     F: Fn(&Device) -> M,
 {
-    let at = |var: &str| -> anyhow::Result<Option<u64>> {
-        match std::env::var(var) {
-            Ok(v) => Ok(Some(
-                v.parse().map_err(|e| anyhow::anyhow!("{var}={v}: {e}"))?,
-            )),
-            Err(_) => Ok(None),
-        }
-    };
-    let (checkpoint_at, stop_at) = (at("CHECKPOINT_AT")?, at("STOP_AT")?);
-    let eval_at: Vec<u64> = match std::env::var("EVAL_AT") {
-        Ok(v) => v
-            .split(',')
-            .map(|s| {
-                s.trim()
-                    .parse()
-                    .map_err(|e| anyhow::anyhow!("EVAL_AT={v}: {e}"))
-            })
-            .collect::<anyhow::Result<_>>()?,
-        Err(_) => Vec::new(),
-    };
+    let asks = Asks::from_env()?;
     let mut run = match std::env::var("DATA") {
         Ok(dir) => {
-            let (train, test) = own_data(&dir, at("TRAIN_SAMPLES")?)?;
+            let keep = std::env::var("TRAIN_SAMPLES")
+                .ok()
+                .map(|v| v.parse())
+                .transpose()?;
+            let (train, test) = own_data(&dir, keep)?;
             flotilla_burn::session_with_data(model, Arc::new(train), Box::new(test))?
         }
         Err(_) => flotilla_burn::session(model)?,
@@ -246,25 +277,50 @@ where
         {
             println!("own loop: step {}/{} loss {loss:.4}", p.step, p.total);
         }
-        if checkpoint_at == Some(p.step)
+        if asks.checkpoint_at == Some(p.step)
             && let Some(dir) = run.checkpoint()?
         {
             println!("own loop: checkpoint {}", dir.display());
         }
-        if eval_at.contains(&p.step)
+        if asks.eval_at.contains(&p.step)
             && let Some(e) = run.evaluate()?
         {
-            println!(
-                "own loop: eval at step {} test_acc={:.6}",
-                p.step,
-                e.accuracy()
-            );
+            let acc = e.accuracy();
+            println!("own loop: eval at step {} test_acc={acc:.6}", p.step);
         }
-        if stop_at == Some(p.step) {
+        if let Some((path, Some(at))) = &asks.save_model
+            && *at == p.step
+        {
+            save_model(&mut run, path, &build)?;
+        }
+        if asks.stop_at == Some(p.step) {
             run.stop(&format!("the program's own stop at step {}", p.step))?;
         }
     }
+    if let Some((path, None)) = &asks.save_model {
+        save_model(&mut run, path, &build)?;
+    }
     run.finish()?;
+    Ok(())
+}
+
+/// The whole module's parameters written to `path` (every rank calls it; under ZeRO-3 no
+/// rank holds them all); the rank that wrote them loads them into a module of its own, as
+/// a program that goes on to use the trained model would (a pipeline's file names each
+/// tensor by its stage module: loaded stage by stage, not here).
+fn save_model<M: TrainModule>(
+    run: &mut flotilla_burn::Session,
+    path: &Path,
+    build: impl Fn(&Device) -> M,
+) -> anyhow::Result<()> {
+    let Some(file) = run.save_model(path)? else {
+        return Ok(());
+    };
+    println!("own loop: model {}", file.display());
+    if run.role() != "stage" {
+        let loaded = flotilla_burn::load(&build(&Device::default()), &file)?;
+        println!("own loop: loaded back, {} parameters", loaded.num_params());
+    }
     Ok(())
 }
 

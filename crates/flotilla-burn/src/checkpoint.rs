@@ -18,3 +18,43 @@ pub fn save<M: Module>(model: &M, path: &Path) -> Result<()> {
         source,
     })
 }
+
+/// `model` with its parameters read from `path`: a file [`save`] wrote, a run's
+/// [`crate::Session::save_model`] or a checkpoint's `model.safetensors` (or PyTorch's, under
+/// the same names). Every parameter of the module must be in the file; a missing or misshapen
+/// one is an error and leaves nothing half loaded.
+pub fn load<M: Module>(model: &M, path: &Path) -> Result<M> {
+    Ok(any_module::load_module(model, path)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use burn::module::Module;
+    use burn::nn::{Linear, LinearConfig};
+    use burn::prelude::*;
+
+    /// A module's parameters in visiting order.
+    fn values(l: &Linear) -> Vec<f32> {
+        let mut v = l.weight.val().into_data().try_to_vec::<f32>().expect("f32");
+        if let Some(b) = &l.bias {
+            v.extend(b.val().into_data().try_to_vec::<f32>().expect("f32"));
+        }
+        v
+    }
+
+    #[test]
+    fn a_saved_module_loads_into_another_of_its_shape_and_not_into_a_misshapen_one() {
+        let device = Device::default();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("net.safetensors");
+        let trained = LinearConfig::new(3, 2).init(&device);
+        super::save(&trained, &path).expect("saved");
+        let fresh = LinearConfig::new(3, 2).init(&device);
+        assert_ne!(values(&fresh), values(&trained));
+        let loaded = super::load(&fresh, &path).expect("loaded");
+        assert_eq!(values(&loaded), values(&trained));
+        assert_eq!(loaded.num_params(), trained.num_params());
+        let wider = LinearConfig::new(4, 2).init(&device);
+        assert!(super::load(&wider, &path).is_err());
+    }
+}

@@ -87,7 +87,7 @@ mod user_module;
 
 use std::sync::Arc;
 
-pub use checkpoint::save;
+pub use checkpoint::{load, save};
 pub use data_parallel::{BufferSync, DataParallel};
 pub use elastic::{ElasticRun, TrainState};
 pub use error::{DistError, Result};

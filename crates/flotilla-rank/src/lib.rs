@@ -12,7 +12,7 @@ pub mod progress;
 pub mod report;
 pub mod telemetry;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use flotilla_engine::EvalStats;
 use flotilla_telemetry::RankEvent;
@@ -122,6 +122,12 @@ impl Session {
     /// Writes a checkpoint now (see [`flotilla_train::Run::checkpoint`]).
     pub fn checkpoint(&mut self) -> Result<Option<PathBuf>> {
         Ok(self.call(|s, o| s.checkpoint(o))?.flatten())
+    }
+
+    /// Writes the whole model's parameters to `path` now (see
+    /// [`flotilla_train::Run::save_model`]); the rank that writes gets the file.
+    pub fn save_model(&mut self, path: &Path) -> Result<Option<PathBuf>> {
+        Ok(self.call(|s, o| s.save_model(o, path))?.flatten())
     }
 
     /// The end of the run (see [`flotilla_train::Run::finish`]), and what a rank prints

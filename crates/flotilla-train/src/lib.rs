@@ -22,6 +22,7 @@ pub mod gather;
 pub mod gpu;
 pub mod history;
 pub mod job_data;
+pub mod model_file;
 pub mod observe;
 pub mod plan;
 pub mod presets;

@@ -3,7 +3,7 @@
 //! drives — the same setup (rendezvous, data, the configured way of training, resume, plan),
 //! the same steps, evaluations and checkpoints, the same summary.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -417,6 +417,19 @@ impl Run {
     /// rank that writes returns the directory.
     pub fn checkpoint(&mut self, observer: &mut dyn Observer) -> Result<Option<PathBuf>> {
         with_loop!(self, observer, |l| l.checkpoint())
+    }
+
+    /// Writes the whole model's parameters to `path` now: safetensors under the model's own
+    /// names (a user's module loads it with burn's safetensors store; the file a checkpoint
+    /// holds as `model.safetensors`), written atomically. Every rank calls it after the same
+    /// step; under ZeRO stage 3 the parameters are gathered one bucket at a time as the file
+    /// is written, so no rank holds them all. The rank that writes returns the file.
+    pub fn save_model(
+        &mut self,
+        observer: &mut dyn Observer,
+        path: &Path,
+    ) -> Result<Option<PathBuf>> {
+        with_loop!(self, observer, |l| l.save_model(path))
     }
 
     /// The end of the run: the final evaluation, the cross-rank identity check, the final

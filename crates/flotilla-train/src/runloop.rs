@@ -4,7 +4,7 @@
 //! byte), the target accuracy and loss, periodic and final checkpoints, progress for the
 //! front end, injected faults, the cross-rank identity check and the summary.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use flotilla_engine::EvalStats;
@@ -375,6 +375,19 @@ impl Loop<'_, '_> {
                 .log_quiet(&format!("checkpoint {}", dir.display()))?;
         }
         Ok(dir)
+    }
+
+    /// The whole model's parameters written to `path`, on every rank (the role decides who
+    /// writes and how the parameters reach it).
+    pub(crate) fn save_model(&mut self, path: &Path) -> Result<Option<PathBuf>> {
+        let _span =
+            tracing::info_span!(target: "flotilla::train", "save_model", step = self.s.progress)
+                .entered();
+        let written = self.role.save_model(self.cx, path)?;
+        if let Some(file) = &written {
+            self.cx.log_quiet(&format!("model {}", file.display()))?;
+        }
+        Ok(written)
     }
 
     fn periodic_checkpoint(&mut self) -> Result<()> {

@@ -337,6 +337,83 @@ fn a_programs_own_loop_checkpoints_and_stops_where_it_says_and_resumes_to_the_sa
     );
 }
 
+/// A program's `Session::save_model` (`SAVE_MODEL=PATH SAVE_MODEL_AT=40` in its own loop)
+/// writes the whole module's parameters where it says as they are after that step: the
+/// tensors of the checkpoint written after the same step, bit for bit, under ZeRO-3 (gathered
+/// one bucket at a time as the file is written: all-reduce's bits), plain all-reduce, a flat parameter server
+/// (the root's) and a pipeline (its stages' merged); and the program loads the file back into
+/// a module of its own (a pipeline's names each tensor by its stage module: not loaded there).
+#[test]
+fn a_programs_module_is_saved_where_it_says_as_that_steps_checkpoint_holds_it() {
+    let dir = tmp();
+    let exe = program();
+    let exe = exe.to_str().expect("utf8");
+    let jobs = [
+        (
+            "zero3",
+            "world_size: 2\nbatch_size: 32\nmax_steps: 60\nzero: 3\n",
+        ),
+        (
+            "allreduce",
+            "world_size: 2\nbatch_size: 32\nmax_steps: 60\n",
+        ),
+        (
+            "flat",
+            "arch: flat\nparameter_server: {aggr_type: sync, num_workers: 2}\nbatch_size: 32\n\
+             num_server_rounds: 60\n",
+        ),
+        (
+            "pipeline",
+            "arch: pipeline\nstages: 2\nbatch_size: 32\nmicro_batches: 4\nmax_steps: 60\n",
+        ),
+    ];
+    for (name, job) in jobs {
+        let file = dir.path().join(format!("{name}.safetensors"));
+        let env = [
+            ("LOOP", "own"),
+            ("CHECKPOINT_AT", "40"),
+            ("SAVE_MODEL_AT", "40"),
+            ("SAVE_MODEL", file.to_str().expect("utf8")),
+        ];
+        let o = launch_job(dir.path(), name, job, &["--", exe], &env);
+        let out = String::from_utf8_lossy(&o.stdout);
+        let at_40 = dir.path().join(name).join("checkpoints/step-00000040");
+        let want = safetensors_file(&at_40.join("model.safetensors"));
+        assert_eq!(want.len(), 10, "{name}: LeNet-5's tensors");
+        assert_bitwise(
+            &format!("{name}: saved vs checkpoint"),
+            &safetensors_file(&file),
+            &want,
+        );
+        let last = safetensors_file(
+            &dir.path()
+                .join(name)
+                .join("checkpoints/step-00000060/model.safetensors"),
+        );
+        assert!(
+            relative_error(&last, &want) > 1e-4,
+            "{name}: saved after step 40, not at the end"
+        );
+        let loaded = out
+            .matches("own loop: loaded back, 61706 parameters")
+            .count();
+        assert_eq!(loaded, usize::from(name != "pipeline"), "{name}\n{out}");
+        let left: Vec<_> = std::fs::read_dir(dir.path())
+            .expect("dir")
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().contains(".tmp"))
+            .collect();
+        assert!(left.is_empty(), "{name}: temporary files left: {left:?}");
+    }
+    // ZeRO-3 trains to ZeRO-0's bits (`zero_3`): its file, gathered as written, is theirs.
+    let saved = |name: &str| safetensors_file(&dir.path().join(format!("{name}.safetensors")));
+    assert_bitwise(
+        "saved: ZeRO-3 vs all-reduce",
+        &saved("zero3"),
+        &saved("allreduce"),
+    );
+}
+
 /// A program's own data (`DATA=data/mnist TRAIN_SAMPLES=8000`: the first 8,000 training
 /// images read and held by the program, handed to `flotilla_burn::session_with_data`) trains
 /// to the bits of the job's data cut to the same images (`train_limit: 8000`) on 2 ranks,

@@ -4,7 +4,7 @@
 //! stage). The run loop ([`crate::runloop`]) drives any of them the same way and does data,
 //! schedule, evaluation, checkpoints and progress reports once, for all of them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use flotilla_engine::{EvalStats, ModelState};
 use flotilla_tcp::StallPolicy;
@@ -198,6 +198,14 @@ pub trait Strategy {
         }
     }
 
+    /// Writes the whole model's parameters to `path` (safetensors under the model's own
+    /// names: a checkpoint's `model.safetensors`), atomically; called on every rank after the
+    /// same step. By default every rank runs [`Strategy::prepare_model`], then the rank that
+    /// [`Strategy::writes_checkpoints`] writes its model and returns the file.
+    fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
+        save_whole_model(self, cx, path)
+    }
+
     /// Restores this rank from the checkpoint the run resumes from (`from`) and returns its
     /// state, which every rank learns (`None` for a fresh start); collective over the world,
     /// beside [`Strategy::save_checkpoint`]. By default rank 0 loads the checkpoint into its
@@ -209,5 +217,22 @@ pub trait Strategy {
             Some(model) => checkpoint::load(dir, model),
             None => checkpoint::read_state(dir),
         })
+    }
+}
+
+/// [`Strategy::save_model`]'s default, for a strategy whose writing rank holds the whole
+/// model once [`Strategy::prepare_model`] has run.
+pub(crate) fn save_whole_model<S: Strategy + ?Sized>(
+    strategy: &mut S,
+    cx: &mut Cx<'_>,
+    path: &Path,
+) -> Result<Option<PathBuf>> {
+    strategy.prepare_model(cx)?;
+    if !strategy.writes_checkpoints() {
+        return Ok(None);
+    }
+    match strategy.model() {
+        Some(model) => crate::model_file::write(path, |tmp| Ok(model.save_weights(tmp)?)).map(Some),
+        None => Ok(None),
     }
 }

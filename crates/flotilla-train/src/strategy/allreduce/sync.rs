@@ -1,6 +1,6 @@
 //! Synchronous data parallel training over a ring all-reduce, with fusion buckets.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use flotilla_engine::collective::Reducer;
@@ -412,6 +412,15 @@ impl Strategy for SyncAllReduce {
             }
             None => Ok(None),
         }
+    }
+
+    /// Under ZeRO stage 3 gathered one bucket at a time and written as it comes, no rank
+    /// holding the whole parameters; else rank 0 writes its model whole.
+    fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
+        if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            return zero.save_model(path, &*self.engine, &self.plan);
+        }
+        crate::strategy::interface::save_whole_model(self, cx, path)
     }
 
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {

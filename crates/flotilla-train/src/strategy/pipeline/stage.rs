@@ -4,7 +4,7 @@
 //! configured schedule, evaluates with the other stages, and joins the pipeline's
 //! checkpoints.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
@@ -415,6 +415,11 @@ impl Strategy for PipelineStage {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         state::save(&self.pipe, &cx.config.telemetry.output, state)
+    }
+
+    fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
+        let _ = cx;
+        state::save_model(&self.pipe, path)
     }
 
     /// Rank 0 reads the checkpoint (refused when it was written for another cut) and sends

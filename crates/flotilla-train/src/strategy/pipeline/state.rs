@@ -96,6 +96,38 @@ pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<O
     Ok(Some(dir))
 }
 
+/// Writes the whole model's parameters to `path` (collective over the world): the first
+/// replica's stages send their weights to rank 0, which merges them as a checkpoint's
+/// `model.safetensors` and writes them atomically. Returns the file on rank 0.
+pub fn save_model(pipe: &Pipeline, path: &Path) -> Result<Option<PathBuf>> {
+    if pipe.replica() != 0 {
+        return Ok(None);
+    }
+    let world = &**pipe.world();
+    let mine = pipe.stage().weights_bytes()?;
+    if world.rank() != 0 {
+        world.send_large(0, wire::tag(Direction::State, WEIGHTS, 0), &mine)?;
+        return Ok(None);
+    }
+    let mut all = vec![mine];
+    let deadline = Instant::now() + world.timeout();
+    for s in 1..pipe.cut().stages() {
+        let weights = world
+            .recv_large(s, wire::tag(Direction::State, WEIGHTS, 0), deadline)
+            .map_err(|e| TrainError::Peer {
+                peer: s,
+                message: format!("waiting for the weights of the stage at rank {s}: {e}"),
+            })?;
+        all.push(weights);
+    }
+    let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
+    let (merged, _) = checkpoint::merge_stage_weights(&parts, path)?;
+    crate::model_file::write(path, |tmp| {
+        std::fs::write(tmp, &merged).map_err(|e| TrainError::io(tmp, e))
+    })
+    .map(Some)
+}
+
 /// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (re-cut when the
 /// checkpoint recorded another cut: `recut.rs`), loads stage 0's and sends every other
 /// rank its stage's.

@@ -302,7 +302,7 @@ impl Zero {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         if self.comm.rank() != 0 {
-            self.gather_in_flat_order(plan, &mut |_, _| Ok(()))?;
+            self.write_gathered(model, plan, None)?;
             return shard_files::send_shard(&*self.comm, &self.optimizer, output).map(|()| None);
         }
         let state = CheckpointState {
@@ -310,30 +310,60 @@ impl Zero {
             zero: Some(self.manifest(plan)),
             ..state.clone()
         };
-        let layout = model.layout().clone();
         checkpoint::save_with(output, &state, |tmp| {
             // The other ranks write their shards once the parameters are gathered.
             let offer = shard_files::offer(&*self.comm, tmp)?;
-            let mut writer = model.weights_writer(&tmp.join("model.safetensors"));
-            // Every bucket is gathered (collective) even after a failed write.
-            self.gather_in_flat_order(plan, &mut |bucket, values| {
-                if let Ok(w) = writer.as_mut() {
-                    let written = layout.params[bucket.params.clone()]
-                        .iter()
-                        .try_for_each(|p| {
-                            let at = p.offset - bucket.start;
-                            w.write_next(&values[at..at + p.len])
-                        });
-                    if let Err(e) = written {
-                        writer = Err(e);
-                    }
-                }
-                Ok(())
-            })?;
-            writer?.finish()?;
+            self.write_gathered(model, plan, Some(&tmp.join("model.safetensors")))?;
             offer.collect(&*self.comm, &self.optimizer)
         })
         .map(Some)
+    }
+
+    /// The whole model's parameters written to `path` by rank 0 (collective), as
+    /// [`Zero::save_sharded`] writes a checkpoint's `model.safetensors`: gathered one bucket
+    /// at a time, no rank holding them all. Returns the file on rank 0.
+    pub fn save_model(
+        &mut self,
+        path: &Path,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+    ) -> Result<Option<PathBuf>> {
+        if self.comm.rank() != 0 {
+            return self.write_gathered(model, plan, None).map(|()| None);
+        }
+        crate::model_file::write(path, |tmp| self.write_gathered(model, plan, Some(tmp))).map(Some)
+    }
+
+    /// Gathers every bucket's parameters in flat order (collective), rank 0 writing each
+    /// bucket's tensors into the weights file at `path` as it comes
+    /// ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes); the
+    /// other ranks pass `None`. Every bucket is gathered even after a failed write.
+    fn write_gathered(
+        &mut self,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+        path: Option<&Path>,
+    ) -> Result<()> {
+        let Some(path) = path else {
+            return self.gather_in_flat_order(plan, &mut |_, _| Ok(()));
+        };
+        let layout = model.layout().clone();
+        let mut writer = model.weights_writer(path);
+        self.gather_in_flat_order(plan, &mut |bucket, values| {
+            if let Ok(w) = writer.as_mut() {
+                let written = layout.params[bucket.params.clone()]
+                    .iter()
+                    .try_for_each(|p| {
+                        let at = p.offset - bucket.start;
+                        w.write_next(&values[at..at + p.len])
+                    });
+                if let Err(e) = written {
+                    writer = Err(e);
+                }
+            }
+            Ok(())
+        })?;
+        Ok(writer?.finish()?)
     }
 
     /// Gathers every bucket's parameters in flat order, handing each to `f` (collective).

@@ -1,0 +1,63 @@
+//! The whole model's parameters written to a file a program names ([`crate::run::Run::save_model`]):
+//! safetensors under the model's own names, the file a checkpoint holds as
+//! `model.safetensors`, written atomically.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+use crate::error::{Result, TrainError};
+
+/// Writes the file at `path` atomically: `write` fills a temporary file beside it (the same
+/// directory, so the rename stays on one file system), which is flushed and renamed into
+/// place; a failed write leaves `path` as it was and no temporary file. Returns `path`.
+pub fn write(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| {
+        TrainError::config("model file", format!("{} names no file", path.display()))
+    })?;
+    let tmp = path.with_file_name(format!(
+        ".{}.tmp-{}",
+        name.to_string_lossy(),
+        std::process::id()
+    ));
+    let written = write(&tmp).and_then(|()| {
+        fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(|e| TrainError::io(&tmp, e))?;
+        fs::rename(&tmp, path).map_err(|e| TrainError::io(path, e))
+    });
+    if written.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    written.map(|()| path.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_file_appears_whole_or_not_at_all() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("model.safetensors");
+        fs::write(&path, b"old").expect("write");
+        let failed = write(&path, |tmp| {
+            fs::write(tmp, b"half").map_err(|e| TrainError::io(tmp, e))?;
+            Err(TrainError::config("test", "failed midway".to_string()))
+        });
+        assert!(failed.is_err());
+        assert_eq!(fs::read(&path).expect("read"), b"old");
+        let left: Vec<_> = fs::read_dir(dir.path()).expect("dir").collect();
+        assert_eq!(left.len(), 1, "the temporary file is removed");
+        let done = write(&path, |tmp| {
+            fs::write(tmp, b"new").map_err(|e| TrainError::io(tmp, e))
+        });
+        assert_eq!(done.expect("written"), path);
+        assert_eq!(fs::read(&path).expect("read"), b"new");
+        assert_eq!(fs::read_dir(dir.path()).expect("dir").count(), 1);
+    }
+
+    #[test]
+    fn a_path_without_a_file_name_is_refused() {
+        assert!(write(Path::new("/"), |_| Ok(())).is_err());
+    }
+}
