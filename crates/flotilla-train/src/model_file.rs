@@ -14,6 +14,21 @@ pub fn write(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<Pat
     let name = path.file_name().ok_or_else(|| {
         TrainError::config("model file", format!("{} names no file", path.display()))
     })?;
+    let parent = match path.parent() {
+        Some(p) if p.as_os_str().is_empty() => Path::new("."),
+        Some(p) => p,
+        None => Path::new("/"),
+    };
+    if !parent.is_dir() {
+        return Err(TrainError::config(
+            "model file",
+            format!(
+                "{}: {} is not a directory",
+                path.display(),
+                parent.display()
+            ),
+        ));
+    }
     let tmp = path.with_file_name(format!(
         ".{}.tmp-{}",
         name.to_string_lossy(),
@@ -57,7 +72,12 @@ mod tests {
     }
 
     #[test]
-    fn a_path_without_a_file_name_is_refused() {
+    fn a_path_without_a_file_name_or_its_directory_is_refused_before_writing() {
         assert!(write(Path::new("/"), |_| Ok(())).is_err());
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("absent/model.safetensors");
+        let refused = write(&path, |_| panic!("written without a directory"));
+        let message = refused.expect_err("refused").to_string();
+        assert!(message.contains("is not a directory"), "{message}");
     }
 }
