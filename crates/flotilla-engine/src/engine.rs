@@ -465,7 +465,9 @@ impl Engine for BurnEngine {
     }
 
     fn for_each_grad(&self, f: &mut dyn FnMut(usize, &[f32]) -> Result<()>) -> Result<()> {
-        grouped::for_each_grad(self.model()?, &self.weights.layout, &self.grads, f)
+        let (model, layout) = (self.model()?, &self.weights.layout);
+        let tied = grouped::tied_param(model, layout);
+        grouped::for_each_grad(model, layout, (&self.grads, tied), f)
     }
 
     fn forward_backward_streaming(

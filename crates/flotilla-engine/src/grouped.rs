@@ -33,20 +33,75 @@ pub(crate) struct GroupGrads {
 }
 
 /// Calls `f(index, gradient)` for every parameter of `passes` (in the order given; within a
-/// pass in flat order).
+/// pass in flat order); the `tied` parameter's gradient is its sum over every pass.
 pub(crate) fn for_each_grad<M: Module>(
     model: &M,
     layout: &ParamLayout,
-    passes: &[GroupGrads],
+    (passes, tied): (&[GroupGrads], Option<usize>),
     f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
     if passes.is_empty() {
         return Err(EngineError::NoGradients);
     }
-    for pass in passes {
-        params::for_each_grad_in(model, pass.grads.as_ref(), layout, pass.params.clone(), f)?;
+    for (k, pass) in passes.iter().enumerate() {
+        let others = passes
+            .iter()
+            .enumerate()
+            .filter(|&(j, _)| j != k)
+            .map(|(_, o)| o);
+        hand_on(model, layout, pass, (others, tied), f)?;
     }
     Ok(())
+}
+
+/// The parameter that a later layer uses too, whose gradient sums over the groups: the
+/// token embedding's table when a linear layer is tied to it (`tie_embedding`).
+pub(crate) fn tied_param(model: &SequentialModel, layout: &ParamLayout) -> Option<usize> {
+    if !model.ties_embedding() {
+        return None;
+    }
+    layout
+        .params
+        .iter()
+        .position(|p| p.name == "layers.0.weight")
+}
+
+/// Calls `f` with `pass`'s gradients as [`params::for_each_grad_in`] does; the `tied`
+/// parameter's, when the pass holds it, is its own plus its gradients in `others` (the
+/// passes of the other groups, which use it too: a tied head's).
+fn hand_on<'a, M: Module>(
+    model: &M,
+    layout: &ParamLayout,
+    pass: &GroupGrads,
+    (others, tied): (impl Iterator<Item = &'a GroupGrads>, Option<usize>),
+    f: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    let (grads, range) = (pass.grads.as_ref(), pass.params.clone());
+    let Some(p) = tied.filter(|p| range.contains(p)) else {
+        return params::for_each_grad_in(model, grads, layout, range, f);
+    };
+    let mut extra: Option<Vec<f32>> = None;
+    for other in others {
+        let Some(g) = other.grads.as_ref() else {
+            continue;
+        };
+        if let Some(more) = params::grad_of(model, g, layout, p)? {
+            extra = Some(match extra {
+                Some(sum) => sum.iter().zip(&more).map(|(a, b)| a + b).collect(),
+                None => more,
+            });
+        }
+    }
+    let Some(extra) = extra else {
+        return params::for_each_grad_in(model, grads, layout, range, f);
+    };
+    params::for_each_grad_in(model, grads, layout, range, &mut |i, g| match i == p {
+        true => f(
+            i,
+            &g.iter().zip(&extra).map(|(a, b)| a + b).collect::<Vec<_>>(),
+        ),
+        false => f(i, g),
+    })
 }
 
 /// Forward of `input` through `groups` (layer order, at least one), the loss of the logits by
@@ -62,6 +117,7 @@ pub(crate) fn forward_backward(
     ready: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<(f32, Vec<GroupGrads>)> {
     let samples = input.samples() as u64;
+    let tied = tied_param(model, layout);
     let forward = tracing::info_span!(
         target: "flotilla::engine",
         "forward",
@@ -109,17 +165,13 @@ pub(crate) fn forward_backward(
             _ => None,
         };
         drop(backward);
-        params::for_each_grad_in(
-            model,
-            grads.as_ref(),
-            layout,
-            groups[g].params.clone(),
-            ready,
-        )?;
-        passes.push(GroupGrads {
+        let pass = GroupGrads {
             params: groups[g].params.clone(),
             grads,
-        });
+        };
+        // The later groups' passes: a tied head's use of a table this group holds.
+        hand_on(model, layout, &pass, (passes.iter(), tied), ready)?;
+        passes.push(pass);
     }
     passes.reverse();
     Ok((loss.into_scalar::<f32>(), passes))

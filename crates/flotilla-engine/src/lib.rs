@@ -106,6 +106,8 @@ mod recompute_tests;
 #[cfg(test)]
 mod sharded_tests;
 #[cfg(test)]
+mod tied_tests;
+#[cfg(test)]
 mod weights_writer_tests;
 #[cfg(all(test, feature = "wgpu"))]
 mod wgpu_tests;

@@ -254,7 +254,8 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
             }
             return Ok(());
         }
-        grouped::for_each_grad(self.weights.model()?, &self.weights.layout, &self.grads, f)
+        let grads = (self.grads.as_slice(), None);
+        grouped::for_each_grad(self.weights.model()?, &self.weights.layout, grads, f)
     }
 
     fn apply_grads(&mut self, grads: &[f32], lr: f64) -> Result<()> {

@@ -510,6 +510,23 @@ pub fn for_each_grad_in<M: Module>(
     Ok(())
 }
 
+/// The gradient of parameter `param` in `grads` (`None`: it has none there).
+pub(crate) fn grad_of<M: Module>(
+    model: &M,
+    grads: &Gradients,
+    layout: &ParamLayout,
+    param: usize,
+) -> Result<Option<Vec<f32>>> {
+    let read = read_grads(model, Some(grads), layout, param..param + 1)?;
+    match read.into_iter().next().and_then(|(_, data)| data) {
+        Some(data) => data
+            .try_into_vec::<f32>()
+            .map(Some)
+            .map_err(|e| EngineError::Batch(format!("reading a gradient: {e:?}"))),
+        None => Ok(None),
+    }
+}
+
 /// The gradients of the parameters whose index is in `params` (`None`: no gradient), read
 /// from the device in flat order inside one `device_to_host` span.
 fn read_grads<M: Module>(

@@ -66,14 +66,21 @@ pub(crate) trait GroupSource {
 /// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state,
 /// which a recomputed forward would do twice (`what` names the pass that recomputes).
 pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<String> {
-    model.layers.iter().enumerate().find_map(|(i, layer)| {
-        matches!(layer, Layer::BatchNorm(_)).then(|| {
-            format!(
+    model
+        .layers
+        .iter()
+        .enumerate()
+        .find_map(|(i, layer)| match layer {
+            Layer::BatchNorm(_) => Some(format!(
                 "layer {i}: batch norm updates its running statistics in forward, and {what} \
                  recomputes each group's forward"
-            )
+            )),
+            Layer::TiedLinear(_) => Some(format!(
+                "layer {i}: a linear layer tied to the embedding (tie_embedding) uses layer 0's \
+                 table, and {what} runs each group on its own"
+            )),
+            _ => None,
         })
-    })
 }
 
 /// `forward` of `model`'s layers `layers`, holding the RNG's lock when one of them draws a

@@ -396,3 +396,63 @@ fn a_gpt_under_zero_3_holds_no_more_memory_after_step_300_than_after_step_50() {
         );
     }
 }
+
+/// [`SPEC`] with its head tied to its token embedding (`tie_embedding: true`: GPT-2's
+/// `lm_head.weight = wte.weight`): the head has a bias and no weight of its own.
+const SPEC_TIED: &str = "name: gpt-tiny-tied\ninput: [32]\nlayers:\n  \
+     - embedding: {vocab: 256, dim: 32}\n  - pos_embedding: {max_len: 32}\n  \
+     - transformer_block: {heads: 2, mlp: 2}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
+     - layer_norm\n  - linear: {out: 256, tie_embedding: true}\n";
+
+/// A GPT whose head is tied to its token embedding trains on 2 ranks with its backward in
+/// groups (the table's gradient summed over the head's group and the embedding's, handed on
+/// with the embedding's) to the bits of one backward pass, and under ZeRO-1 and ZeRO-2 to
+/// the same; its checkpoint holds the one table and no head weight; it learns; ZeRO-3, whose
+/// groups would part the table from the head, is refused before any rank starts, by name.
+#[test]
+fn a_gpt_with_its_head_tied_to_its_embedding_trains_one_passs_bits_in_groups_and_zero_2() {
+    let dir = tmp();
+    let d = dir.path();
+    let ring = "world_size: 2\nsmall_all_reduce_kb: 0\nmid_all_reduce_kb: 0\n";
+    let runs = [
+        ("one-pass", "bucket_mb: 1000\n"),
+        ("grouped", "bucket_mb: 0.02\n"),
+        ("zero-1", "bucket_mb: 0.02\nzero: 1\n"),
+        ("zero-2", "bucket_mb: 0.02\nzero: 2\n"),
+    ];
+    let mut tensors = Vec::new();
+    for (name, mode) in runs {
+        let cfg = config(d, name, SPEC_TIED, &format!("{ring}{mode}{}", steps(40)));
+        let out = d.join(name);
+        let o = launch(&[&cfg, "--output", out.to_str().expect("utf8")], LIMIT);
+        assert!(o.status.success(), "{name}: {}", text(&o));
+        let log = run_log(&out, 0);
+        let buckets: usize = log
+            .split(" buckets")
+            .next()
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{name}: no bucket count\n{log}"));
+        assert_eq!(buckets > 1, name != "one-pass", "{name}: {buckets} buckets");
+        tensors.push((name, checkpoint_tensors(&out)));
+    }
+    let (_, one) = &tensors[0];
+    assert!(one.contains_key("layers.0.weight") && one.contains_key("layers.5.bias"));
+    assert!(!one.contains_key("layers.5.weight"), "{:?}", one.keys());
+    for (name, t) in &tensors[1..] {
+        assert_bitwise(&format!("tied: {name} vs one pass"), t, one);
+    }
+    let initial = d.join("initial");
+    let cfg = config(d, "initial", SPEC_TIED, &format!("{ring}{}", steps(0)));
+    launch(&[&cfg, "--output", initial.to_str().expect("utf8")], LIMIT);
+    let moved = relative_error(&checkpoint_tensors(&initial), one);
+    assert!(moved > 1e-2, "the parameters barely moved ({moved})");
+    let cfg = config(d, "zero-3", SPEC_TIED, &format!("{ZERO_3}{}", steps(40)));
+    let o = run(&cfg, &d.join("zero-3"), &[], None);
+    let said = text(&o);
+    assert!(!o.status.success(), "ZeRO-3 trained a tied model: {said}");
+    assert!(
+        said.contains("allreduce.zero") && said.contains("tie_embedding"),
+        "{said}"
+    );
+}

@@ -128,6 +128,13 @@ impl Stage<SequentialModel> {
                 cut.stages()
             ))
         })?;
+        if cut.stages() > 1 && spec.ties_embedding() {
+            return Err(EngineError::InvalidSpec(
+                "a linear layer tied to the embedding (tie_embedding) shares layer 0's table, \
+                 which a pipeline's stages would part: train it without a pipeline"
+                    .into(),
+            ));
+        }
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
             .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
         let ends = [MAIN.to_string(), MAIN.to_string()];

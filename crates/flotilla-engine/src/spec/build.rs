@@ -14,7 +14,7 @@ use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
 use crate::kernels::layer_norm;
-use crate::spec::model::{Flatten, Identity, Layer, Links, SequentialModel};
+use crate::spec::model::{Flatten, Identity, Layer, Links, SequentialModel, TiedLinear};
 use crate::spec::{LayerSpec, ModelSpec, Shape};
 
 impl SequentialModel {
@@ -54,12 +54,27 @@ fn build_layer(layer: &LayerSpec, input: Shape, device: &Device) -> Result<Layer
         LayerSpec::Conv2d { .. } | LayerSpec::Maxpool { .. } | LayerSpec::Avgpool { .. } => {
             image_layer(layer, input, device)?
         }
-        LayerSpec::Linear { out, bias } => {
+        LayerSpec::Linear {
+            out,
+            bias,
+            tie_embedding,
+        } => {
             let inputs = match input {
                 Shape::Seq { d, .. } => d,
                 other => other.numel(),
             };
-            Layer::Linear(LinearConfig::new(inputs, out).with_bias(bias).init(device))
+            let config = LinearConfig::new(inputs, out).with_bias(bias);
+            match tie_embedding {
+                // burn's bias of a linear layer, drawn the same way.
+                true => Layer::TiedLinear(TiedLinear {
+                    bias: bias.then(|| {
+                        config
+                            .initializer
+                            .init_with([out], Some(inputs), Some(out), device)
+                    }),
+                }),
+                false => Layer::Linear(config.init(device)),
+            }
         }
         LayerSpec::Relu => Layer::Relu(Relu::new()),
         LayerSpec::Tanh => Layer::Tanh(Tanh::new()),

@@ -51,6 +51,13 @@ pub enum LayerSpec {
         /// Whether the layer has a bias (default true).
         #[serde(default = "yes")]
         bias: bool,
+        /// Whether its weight is the token embedding's (layer 0's `[vocab, dim]` table, used
+        /// transposed: a language model's head tied to its input embedding, GPT-2's and
+        /// nanoGPT's `lm_head.weight = wte.weight`): `out` is then the vocabulary and the input
+        /// the embedding's width; the layer has no weight of its own, and the table's gradient
+        /// is the sum of both uses (default false).
+        #[serde(default)]
+        tie_embedding: bool,
     },
     /// Rectified linear unit.
     Relu,

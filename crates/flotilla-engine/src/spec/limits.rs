@@ -147,10 +147,19 @@ pub(crate) fn layer_params(layer: &LayerSpec, input: &Shape) -> u128 {
     // Query, key, value and output projections with their biases.
     let attention = 4 * (last * last + last);
     match (layer, *input) {
-        (&LayerSpec::Linear { out, bias: b }, Shape::Seq { d, .. }) => {
+        // Its weight is the embedding's, counted there.
+        (
+            &LayerSpec::Linear {
+                out,
+                bias: b,
+                tie_embedding: true,
+            },
+            _,
+        ) => bias(b, out),
+        (&LayerSpec::Linear { out, bias: b, .. }, Shape::Seq { d, .. }) => {
             d as u128 * out as u128 + bias(b, out)
         }
-        (&LayerSpec::Linear { out, bias: b }, s) => values(&s) * out as u128 + bias(b, out),
+        (&LayerSpec::Linear { out, bias: b, .. }, s) => values(&s) * out as u128 + bias(b, out),
         (
             &LayerSpec::Conv2d {
                 out, k, bias: b, ..

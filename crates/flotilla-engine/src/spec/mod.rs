@@ -161,6 +161,7 @@ impl ModelSpec {
                 params.saturating_add(limits.check_layer_params(index, &node.layer, &input)?);
             limits.check_model_params(params)?;
             shape = layer_output(index, &node.layer, input)?;
+            check_tie(index, &node.layer, input, &self.layers[0].layer)?;
             limits.check_inner(index, &node.layer, &input)?;
             limits.check_activation(&format!("layer {index} ({kind})'s output size"), &shape)?;
             for name in &node.out_variables {
@@ -231,6 +232,21 @@ impl ModelSpec {
         }
     }
 
+    /// Whether a linear layer of the model is tied to its token embedding (`tie_embedding`):
+    /// the two layers share the table, so no cut may part them (ZeRO-3's groups,
+    /// recomputation's, a pipeline's stages).
+    pub fn ties_embedding(&self) -> bool {
+        self.layers.iter().any(|n| {
+            matches!(
+                n.layer,
+                LayerSpec::Linear {
+                    tie_embedding: true,
+                    ..
+                }
+            )
+        })
+    }
+
     /// The canonical YAML text of the spec (used for the cluster-wide config hash).
     pub fn to_yaml(&self) -> String {
         serde_norway::to_string(self).unwrap_or_else(|_| format!("{self:?}"))
@@ -238,6 +254,42 @@ impl ModelSpec {
 }
 
 /// The last layer's output, which must be class logits: flat, or a sequence.
+/// Refuses a linear layer (`index`, on `input`) tied to the token embedding unless the model's
+/// first layer is one whose table it can use transposed: `out` its vocabulary, the input a
+/// sequence of its width.
+fn check_tie(index: usize, layer: &LayerSpec, input: Shape, first: &LayerSpec) -> Result<()> {
+    let LayerSpec::Linear {
+        out,
+        tie_embedding: true,
+        ..
+    } = *layer
+    else {
+        return Ok(());
+    };
+    let err = |message: String| EngineError::LayerShape {
+        index,
+        kind: layer.kind().to_string(),
+        message,
+    };
+    let LayerSpec::Embedding { vocab, dim } = *first else {
+        return Err(err(
+            "tie_embedding: the model's first layer is not an embedding".into(),
+        ));
+    };
+    match input {
+        Shape::Seq { d, .. } if d == dim && out == vocab => Ok(()),
+        Shape::Seq { d, .. } if d != dim => Err(err(format!(
+            "tie_embedding: its input has width {d} but the embedding's table is {vocab} x {dim}"
+        ))),
+        Shape::Seq { .. } => Err(err(format!(
+            "tie_embedding: out is {out} but the embedding's vocab is {vocab}"
+        ))),
+        _ => Err(err(format!(
+            "tie_embedding: needs a sequence input of width {dim}, gets {input}"
+        ))),
+    }
+}
+
 fn logits_output(last: Option<Shape>) -> Result<Shape> {
     match last {
         Some(shape @ (Shape::Flat(_) | Shape::Seq { .. })) => Ok(shape),

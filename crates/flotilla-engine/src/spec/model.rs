@@ -1,7 +1,7 @@
 //! The burn model built from a [`crate::ModelSpec`] (by [`crate::spec::build`]): a `Vec` of layer
 //! modules applied in order.
 
-use burn::module::Module;
+use burn::module::{Module, Param};
 use burn::nn::activation::SiLU;
 use burn::nn::attention::MultiHeadAttention;
 use burn::nn::conv::Conv2d;
@@ -40,6 +40,8 @@ pub enum Layer {
     AvgPool(AvgPool2d),
     /// Fully connected (on the last dimension).
     Linear(Linear),
+    /// Fully connected with the token embedding's table as its weight (`tie_embedding`).
+    TiedLinear(TiedLinear),
     /// ReLU.
     Relu(Relu),
     /// Tanh.
@@ -70,6 +72,15 @@ pub enum Layer {
     Attention(MultiHeadAttention),
     /// Pre-LN transformer block.
     Block(TransformerEncoderLayer),
+}
+
+/// A linear layer whose weight is the token embedding's table (layer 0's `[vocab, dim]`,
+/// used transposed): only its bias is its own. Autodiff sums the table's gradient over its
+/// two uses.
+#[derive(Module, Debug)]
+pub struct TiedLinear {
+    /// The bias `[vocab]`, if any.
+    pub bias: Option<Param<Tensor<1>>>,
 }
 
 /// Passes its input on; it has no parameters.
@@ -146,6 +157,14 @@ impl SequentialModel {
             }
             // A linear layer or a convolution and the ReLU right after it run as one kernel,
             // unless something keeps the layer's own output or merges into the ReLU's input.
+            if let Layer::TiedLinear(head) = layer {
+                x = self.tied_linear(head, x);
+                for name in &links.keep {
+                    kept.insert(name.clone(), x.clone());
+                }
+                i += 1;
+                continue;
+            }
             let fused = matches!(layer, Layer::Linear(_) | Layer::Conv2d(_))
                 && matches!(self.layers.get(i + 1), Some(Layer::Relu(_)))
                 && i + 1 < range.end
@@ -180,6 +199,32 @@ impl SequentialModel {
                 device.seed(crate::rng::mask_seed(seed, i));
             }
         }
+    }
+
+    /// `head` on `x` (`[n, t, dim]`, as the spec's shapes ensure): `x · tableᵀ + bias`, the
+    /// table the model's token embedding's (layer 0). A model whose first layer holds no
+    /// table (a pipeline stage after the first: refused when built) passes `x` on.
+    fn tied_linear(&self, head: &TiedLinear, x: Activation) -> Activation {
+        let (Some(Layer::Embedding(embedding)), Activation::Seq(t)) = (self.layers.first(), &x)
+        else {
+            return x;
+        };
+        let [n, len, dim] = t.dims();
+        let table = embedding.weight.val();
+        let vocab = table.dims()[0];
+        let rows = t.clone().reshape([n * len, dim]);
+        let mut y = rows.matmul(table.transpose());
+        if let Some(b) = &head.bias {
+            y = y + b.val().unsqueeze::<2>();
+        }
+        Activation::Seq(y.reshape([n, len, vocab]))
+    }
+
+    /// Whether the model has a linear layer tied to its token embedding.
+    pub(crate) fn ties_embedding(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| matches!(l, Layer::TiedLinear(_)))
     }
 
     /// Whether layer `i` merges nothing into its input.

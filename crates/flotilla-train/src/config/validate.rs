@@ -19,7 +19,37 @@ impl TrainConfig {
             .map_err(|e| bad("optimizer", e.to_string()))?;
         flotilla_engine::check_device(&self.model.device)
             .map_err(|e| bad("model.device", e.to_string()))?;
-        ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))
+        let spec =
+            ModelSpec::resolve(&self.model.spec).map_err(|e| bad("model.spec", e.to_string()))?;
+        self.check_tie(&spec)?;
+        Ok(spec)
+    }
+
+    /// A model whose head is tied to its embedding (`tie_embedding`) runs whole: no way of
+    /// training that cuts it into groups or stages that run apart.
+    fn check_tie(&self, spec: &ModelSpec) -> Result<()> {
+        if !spec.ties_embedding() {
+            return Ok(());
+        }
+        let cut = if self.topology.arch == Arch::Pipeline {
+            Some(("topology.arch", "a pipeline's stages"))
+        } else if self.allreduce.zero == 3 {
+            Some(("allreduce.zero", "ZeRO stage 3's groups"))
+        } else if self.model.recompute {
+            Some(("model.recompute", "recomputation's groups"))
+        } else {
+            None
+        };
+        match cut {
+            Some((key, what)) => Err(bad(
+                key,
+                format!(
+                    "the model's head is tied to its embedding (tie_embedding), a table {what} \
+                     would part; train it whole (ZeRO 2 or less, without recompute)"
+                ),
+            )),
+            None => Ok(()),
+        }
     }
 
     /// The counts that must be at least 1.
