@@ -69,7 +69,7 @@ pub(crate) fn tied_param(model: &SequentialModel, layout: &ParamLayout) -> Optio
 /// Calls `f` with `pass`'s gradients as [`params::for_each_grad_in`] does; the `tied`
 /// parameter's, when the pass holds it, is its own plus its gradients in `others` (the
 /// passes of the other groups, which use it too: a tied head's).
-fn hand_on<'a, M: Module>(
+pub(crate) fn hand_on<'a, M: Module>(
     model: &M,
     layout: &ParamLayout,
     pass: &GroupGrads,

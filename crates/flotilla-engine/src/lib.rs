@@ -45,6 +45,7 @@ mod pipeline;
 mod recompute;
 mod rng;
 mod sharded;
+mod sharded_tie;
 mod spec;
 pub mod sync_batch_norm;
 mod weights;

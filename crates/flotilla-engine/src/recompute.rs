@@ -27,7 +27,7 @@ use crate::backward_groups::BackwardGroup;
 use crate::error::{EngineError, Result};
 use crate::grouped::GroupGrads;
 use crate::kernels::autodiff::as_tracked;
-use crate::params::{self, ParamLayout};
+use crate::params::ParamLayout;
 use crate::rng::under_rng_lock;
 use crate::spec::activation::{Activation, map_tensor};
 use crate::spec::model::{Layer, SequentialModel};
@@ -74,10 +74,6 @@ pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<St
             Layer::BatchNorm(_) => Some(format!(
                 "layer {i}: batch norm updates its running statistics in forward, and {what} \
                  recomputes each group's forward"
-            )),
-            Layer::TiedLinear(_) => Some(format!(
-                "layer {i}: a linear layer tied to the embedding (tie_embedding) uses layer 0's \
-                 table, and {what} runs each group on its own"
             )),
             _ => None,
         })
@@ -241,15 +237,20 @@ impl GroupSource for Whole<'_> {
         model: SequentialModel,
         grads: Option<Gradients>,
     ) -> Result<()> {
-        let params = self.groups[g].params.clone();
-        params::for_each_grad_in(
+        let pass = GroupGrads {
+            params: self.groups[g].params.clone(),
+            grads,
+        };
+        // The later groups' passes: a tied head's use of a table this group holds.
+        let tied = crate::grouped::tied_param(&model, self.layout);
+        crate::grouped::hand_on(
             &model,
-            grads.as_ref(),
             self.layout,
-            params.clone(),
+            &pass,
+            (self.kept.iter(), tied),
             self.ready,
         )?;
-        self.kept.push(GroupGrads { params, grads });
+        self.kept.push(pass);
         Ok(())
     }
 }

@@ -27,8 +27,10 @@
 //!
 //! A layer whose forward changes state (batch norm's running statistics) would do so twice:
 //! such a model is refused ([`check_shardable`]). Dropout draws the same masks both times
-//! (each layer's from the step's dropout seed, [`SequentialModel::dropout_seed`]). The pass itself is [`crate::recompute`]'s (`recompute: true` runs it
-//! on the whole model); this module's [`GroupSource`] gathers and releases each group.
+//! (each layer's from the step's dropout seed, [`SequentialModel::dropout_seed`]). A head
+//! tied to the embedding borrows the first group's table ([`crate::sharded_tie`]). The pass
+//! itself is [`crate::recompute`]'s (`recompute: true` runs it on the whole model); this
+//! module's [`GroupSource`] gathers and releases each group.
 
 use std::collections::HashMap;
 use std::ops::Range;
@@ -40,6 +42,7 @@ use crate::backward_groups::BackwardGroup;
 use crate::error::{EngineError, Result};
 use crate::params::{self, ParamLayout};
 use crate::recompute::{self, GroupSource};
+use crate::sharded_tie::Tie;
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
 
@@ -151,6 +154,8 @@ struct Gathered<'a> {
     pass: &'a mut dyn ShardedPass,
     scratch: Vec<f32>,
     keep: bool,
+    /// A head tied to the embedding's table, which its group borrows ([`Tie`]).
+    tie: Option<Tie>,
 }
 
 impl GroupSource for Gathered<'_> {
@@ -164,13 +169,26 @@ impl GroupSource for Gathered<'_> {
             Some(g + 1)
         };
         let groups = (&self.groups[g], next.and_then(|n| self.groups.get(n)));
-        gathered(m, self.layout, groups, self.pass, (&mut self.scratch, tape))
+        let m = gathered(m, self.layout, groups, self.pass, (&mut self.scratch, tape))?;
+        match self.tie.as_mut() {
+            Some(tie) => {
+                // Kept gathered, the table stays in the model: nothing to lend.
+                if !self.keep {
+                    tie.gathered(g, &self.scratch, self.layout);
+                }
+                tie.lend(g, m, self.layout, (tape, self.keep))
+            }
+            None => Ok(m),
+        }
     }
 
     fn forward_done(&mut self, g: usize, model: SequentialModel) -> Result<()> {
         *self.model = Some(match self.keep {
             true => model,
-            false => released(model, self.layout, &self.groups[g])?,
+            false => {
+                let m = released(model, self.layout, &self.groups[g])?;
+                give_back(self.tie.as_ref(), g, m, self.layout, false)?
+            }
         });
         Ok(())
     }
@@ -190,16 +208,43 @@ impl GroupSource for Gathered<'_> {
         grads: Option<Gradients>,
     ) -> Result<()> {
         let pass = &mut *self.pass;
-        let handed = params::for_each_grad_in(
-            &model,
-            grads.as_ref(),
-            self.layout,
-            self.groups[g].params.clone(),
-            &mut |i, grad| pass.ready(i, grad),
-        );
+        let mut ready = |i: usize, grad: &[f32]| pass.ready(i, grad);
+        let params = self.groups[g].params.clone();
+        let handed = match self.tie.as_mut() {
+            Some(tie) => tie
+                .user_done(g, &model, grads.as_ref(), self.layout)
+                .and_then(|()| {
+                    let mut summed = tie.summed(g, &mut ready);
+                    params::for_each_grad_in(
+                        &model,
+                        grads.as_ref(),
+                        self.layout,
+                        params,
+                        &mut summed,
+                    )
+                }),
+            None => {
+                params::for_each_grad_in(&model, grads.as_ref(), self.layout, params, &mut ready)
+            }
+        };
         drop(grads);
-        *self.model = Some(released(model, self.layout, &self.groups[g])?);
+        let m = released(model, self.layout, &self.groups[g])?;
+        *self.model = Some(give_back(self.tie.as_ref(), g, m, self.layout, self.keep)?);
         handed
+    }
+}
+
+/// `model` after group `g` with a tied table lent to it released ([`Tie::take_back`]).
+fn give_back(
+    tie: Option<&Tie>,
+    g: usize,
+    model: SequentialModel,
+    layout: &ParamLayout,
+    held: bool,
+) -> Result<SequentialModel> {
+    match tie {
+        Some(tie) => tie.take_back(g, model, layout, held),
+        None => Ok(model),
     }
 }
 
@@ -219,6 +264,7 @@ pub(crate) fn forward_backward(
     loss: impl FnOnce(Tensor<2>) -> Tensor<1>,
     pass: &mut dyn ShardedPass,
 ) -> Result<f32> {
+    let tie = model.as_ref().and_then(|m| Tie::of(m, layout, groups));
     let mut source = Gathered {
         model,
         layout,
@@ -226,6 +272,7 @@ pub(crate) fn forward_backward(
         pass,
         scratch: Vec::new(),
         keep,
+        tie,
     };
     let result = recompute::run(groups, input, loss, &mut source);
     if keep && result.is_err() {
@@ -250,14 +297,20 @@ pub(crate) fn logits(
 ) -> Result<Option<Tensor<2>>> {
     let mut scratch = Vec::new();
     let mut x = input;
+    let mut tie = model.as_ref().and_then(|m| Tie::of(m, layout, groups));
     for (g, group) in groups.iter().enumerate() {
         let both = (group, groups.get(g + 1));
-        let m = gathered(take(model)?, layout, both, pass, (&mut scratch, false))?;
+        let mut m = gathered(take(model)?, layout, both, pass, (&mut scratch, false))?;
+        if let Some(tie) = tie.as_mut() {
+            tie.gathered(g, &scratch, layout);
+            m = tie.lend(g, m, layout, (false, false))?;
+        }
         x = x.map(|x| {
             m.valid()
                 .run_range(group.layers.clone(), x, &mut HashMap::new())
         });
-        *model = Some(released(m, layout, group)?);
+        let m = released(m, layout, group)?;
+        *model = Some(give_back(tie.as_ref(), g, m, layout, false)?);
     }
     Ok(x.map(Activation::into_logits))
 }

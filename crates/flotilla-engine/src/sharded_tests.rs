@@ -86,8 +86,8 @@ pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
 
-/// Shipped specs and two with dropout (an MLP; a GPT with dropout after each block), which a
-/// recomputed forward must draw again.
+/// Shipped specs, two with dropout (an MLP; a GPT with dropout after each block), which a
+/// recomputed forward must draw again, and a GPT whose head is tied to its embedding.
 pub(crate) fn specs() -> Vec<(String, ModelSpec)> {
     let mut specs: Vec<_> = ["mlp", "lenet5", "resmlp", "gpt-char"]
         .into_iter()
@@ -110,6 +110,14 @@ pub(crate) fn specs() -> Vec<(String, ModelSpec)> {
              - pos_embedding: {max_len: 16}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
              - dropout: {p: 0.2}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
              - dropout: {p: 0.2}\n  - layer_norm\n  - linear: {out: 20}\n",
+        ),
+        (
+            // A head tied to the embedding: its group borrows the first group's table.
+            "gpt-tied",
+            "input: [16]\nlayers:\n  - embedding: {vocab: 20, dim: 16}\n  \
+             - pos_embedding: {max_len: 16}\n  - transformer_block: {heads: 2, mlp: 2}\n  \
+             - transformer_block: {heads: 2, mlp: 2}\n  - layer_norm\n  \
+             - linear: {out: 20, tie_embedding: true}\n",
         ),
     ] {
         specs.push((

@@ -406,11 +406,13 @@ const SPEC_TIED: &str = "name: gpt-tiny-tied\ninput: [32]\nlayers:\n  \
 
 /// A GPT whose head is tied to its token embedding trains on 2 ranks with its backward in
 /// groups (the table's gradient summed over the head's group and the embedding's, handed on
-/// with the embedding's) to the bits of one backward pass, and under ZeRO-1 and ZeRO-2 to
-/// the same; its checkpoint holds the one table and no head weight; it learns; ZeRO-3, whose
-/// groups would part the table from the head, is refused before any rank starts, by name.
+/// with the embedding's) to the bits of one backward pass, and so it does recomputing its
+/// groups, under ZeRO-1 and ZeRO-2, and under ZeRO-3 (the table kept from the first group's
+/// gather for the head's group), resharding or kept; its checkpoint holds the one table and
+/// no head weight; it learns; a pipeline, whose stages would part the table from the head, is
+/// refused before any rank starts, by name.
 #[test]
-fn a_gpt_with_its_head_tied_to_its_embedding_trains_one_passs_bits_in_groups_and_zero_2() {
+fn a_gpt_with_its_head_tied_to_its_embedding_trains_one_passs_bits_in_every_data_parallel_way() {
     let dir = tmp();
     let d = dir.path();
     let ring = "world_size: 2\nsmall_all_reduce_kb: 0\nmid_all_reduce_kb: 0\n";
@@ -419,6 +421,12 @@ fn a_gpt_with_its_head_tied_to_its_embedding_trains_one_passs_bits_in_groups_and
         ("grouped", "bucket_mb: 0.02\n"),
         ("zero-1", "bucket_mb: 0.02\nzero: 1\n"),
         ("zero-2", "bucket_mb: 0.02\nzero: 2\n"),
+        ("recomputed", "bucket_mb: 0.02\nrecompute: true\n"),
+        ("zero-3", "bucket_mb: 0.02\nzero: 3\n"),
+        (
+            "zero-3-kept",
+            "bucket_mb: 0.02\nzero: 3\nreshard_after_forward: false\n",
+        ),
     ];
     let mut tensors = Vec::new();
     for (name, mode) in runs {
@@ -447,12 +455,16 @@ fn a_gpt_with_its_head_tied_to_its_embedding_trains_one_passs_bits_in_groups_and
     launch(&[&cfg, "--output", initial.to_str().expect("utf8")], LIMIT);
     let moved = relative_error(&checkpoint_tensors(&initial), one);
     assert!(moved > 1e-2, "the parameters barely moved ({moved})");
-    let cfg = config(d, "zero-3", SPEC_TIED, &format!("{ZERO_3}{}", steps(40)));
-    let o = run(&cfg, &d.join("zero-3"), &[], None);
+    let pipeline = format!("{PIPELINE}split_points: [3]\n{}", steps(40));
+    let cfg = config(d, "pipeline", SPEC_TIED, &pipeline);
+    let o = run(&cfg, &d.join("pipeline"), &[], None);
     let said = text(&o);
-    assert!(!o.status.success(), "ZeRO-3 trained a tied model: {said}");
     assert!(
-        said.contains("allreduce.zero") && said.contains("tie_embedding"),
+        !o.status.success(),
+        "a pipeline trained a tied model: {said}"
+    );
+    assert!(
+        said.contains("topology.arch") && said.contains("tie_embedding"),
         "{said}"
     );
 }

@@ -25,31 +25,18 @@ impl TrainConfig {
         Ok(spec)
     }
 
-    /// A model whose head is tied to its embedding (`tie_embedding`) runs whole: no way of
-    /// training that cuts it into groups or stages that run apart.
+    /// A model whose head is tied to its embedding (`tie_embedding`) keeps the two in one
+    /// process: a pipeline's stages would part them.
     fn check_tie(&self, spec: &ModelSpec) -> Result<()> {
-        if !spec.ties_embedding() {
+        if !spec.ties_embedding() || self.topology.arch != Arch::Pipeline {
             return Ok(());
         }
-        let cut = if self.topology.arch == Arch::Pipeline {
-            Some(("topology.arch", "a pipeline's stages"))
-        } else if self.allreduce.zero == 3 {
-            Some(("allreduce.zero", "ZeRO stage 3's groups"))
-        } else if self.model.recompute {
-            Some(("model.recompute", "recomputation's groups"))
-        } else {
-            None
-        };
-        match cut {
-            Some((key, what)) => Err(bad(
-                key,
-                format!(
-                    "the model's head is tied to its embedding (tie_embedding), a table {what} \
-                     would part; train it whole (ZeRO 2 or less, without recompute)"
-                ),
-            )),
-            None => Ok(()),
-        }
+        Err(bad(
+            "topology.arch",
+            "the model's head is tied to its embedding (tie_embedding), a table a pipeline's \
+             stages would part; train it with data parallelism"
+                .into(),
+        ))
     }
 
     /// The counts that must be at least 1.
