@@ -194,3 +194,21 @@ fn the_spec_counts_one_table_and_refuses_a_head_that_does_not_fit_it() {
     let why = refused(flat);
     assert!(why.contains("not an embedding"), "{why}");
 }
+
+/// Tied, both embedding tables are drawn N(0, 0.02²) (GPT-2's), not burn's N(0, 1), whose
+/// table would give the tied head logits of standard deviation √dim.
+#[test]
+fn a_tied_models_tables_are_drawn_small() {
+    let std = |tied: bool, name: &str| {
+        let e = BurnEngine::new(&spec(tied), &sgd(0.1, 0.0), "flex", SEED).expect("engine");
+        let all = values(&e);
+        let v = slice(&e, &all, name);
+        let mean = v.iter().sum::<f32>() / v.len() as f32;
+        (v.iter().map(|x| (x - mean).powi(2)).sum::<f32>() / v.len() as f32).sqrt()
+    };
+    for name in ["layers.0.weight", "layers.1.weight"] {
+        let (tied, untied) = (std(true, name), std(false, name));
+        assert!((0.015..0.025).contains(&tied), "{name}: tied std {tied}");
+        assert!((0.8..1.2).contains(&untied), "{name}: untied std {untied}");
+    }
+}
