@@ -12,7 +12,8 @@ throughput: `tokens/s=` over the steps alone, and `tokens/s_with_eval=` over the
 to the last step, evaluations within it included (Flotilla's epoch line measures the latter).
 It also runs under torchrun (`torchrun --nproc-per-node 2 scripts/gpt_char_torch.py`).
 
-`--model gpt-zero3` trains models/gpt-zero3.yaml's 57 M-parameter GPT (context 128) instead;
+`--model gpt-char-tied` trains models/gpt-char-tied.yaml (the head tied to the token embedding,
+both embedding tables N(0, 0.02^2), as Flotilla draws them tied). `--model gpt-zero3` trains models/gpt-zero3.yaml's 57 M-parameter GPT (context 128) instead;
 `--fsdp` shards it with FSDP2 (`fully_shard` on each transformer block, then on the whole model,
 over gloo on the CPU: each block's parameters all-gathered before its forward and backward,
 its gradients reduce-scattered, the next block's gather prefetched) instead of DDP, and
@@ -86,7 +87,10 @@ SPEC_ZERO3 = {
     + [{"transformer_block": {"heads": 12, "mlp": 4}}] * 8
     + ["layer_norm", {"linear": {"out": 256, "bias": True}}],
 }
-SPECS = {"gpt-char": SPEC, "gpt-zero3": SPEC_ZERO3}
+# models/gpt-char-tied.yaml: gpt-char with its head tied to its token embedding.
+SPEC_TIED = dict(SPEC, name="gpt-char-tied", layers=SPEC["layers"][:-1] + [
+    {"linear": {"out": 256, "bias": False, "tie_embedding": True}}])
+SPECS = {"gpt-char": SPEC, "gpt-char-tied": SPEC_TIED, "gpt-zero3": SPEC_ZERO3}
 
 
 def select(name):
@@ -182,6 +186,12 @@ def build(torch, seed):
     for layer, (kind, *_rest) in zip(model.layers, plan):
         if kind == "pos_embedding":
             torch.nn.init.normal_(layer.weight)
+    head = SPEC["layers"][-1]
+    if isinstance(head, dict) and head.get("linear", {}).get("tie_embedding"):
+        # GPT-2's tie, and its N(0, 0.02^2) tables (Flotilla's TIED_TABLE_STD).
+        for layer in model.layers[:2]:
+            torch.nn.init.normal_(layer.weight, std=0.02)
+        model.layers[-1].weight = model.layers[0].weight
     return model
 
 

@@ -212,3 +212,11 @@ fn a_tied_models_tables_are_drawn_small() {
         assert!((0.8..1.2).contains(&untied), "{name}: untied std {untied}");
     }
 }
+
+/// An untied spec reads back without the key, so its text and config hash are what they were
+/// before it existed; a tied one keeps it.
+#[test]
+fn only_a_tied_spec_writes_the_key() {
+    assert!(!spec(false).to_yaml().contains("tie_embedding"));
+    assert!(spec(true).to_yaml().contains("tie_embedding: true"));
+}

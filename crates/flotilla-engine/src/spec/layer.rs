@@ -55,8 +55,9 @@ pub enum LayerSpec {
         /// transposed: a language model's head tied to its input embedding, GPT-2's and
         /// nanoGPT's `lm_head.weight = wte.weight`): `out` is then the vocabulary and the input
         /// the embedding's width; the layer has no weight of its own, and the table's gradient
-        /// is the sum of both uses (default false).
-        #[serde(default)]
+        /// is the sum of both uses (default false, and then not written: an untied spec's text,
+        /// and so its config hash, is what it was before the key existed).
+        #[serde(default, skip_serializing_if = "is_false")]
         tie_embedding: bool,
     },
     /// Rectified linear unit.
@@ -124,6 +125,9 @@ fn one() -> usize {
 }
 fn yes() -> bool {
     true
+}
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 fn four() -> usize {
     4

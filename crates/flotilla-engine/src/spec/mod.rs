@@ -59,6 +59,10 @@ pub const BUILTIN_SPECS: &[(&str, &str)] = &[
         include_str!("../../../../models/resnet-bn.yaml"),
     ),
     ("gpt-char", include_str!("../../../../models/gpt-char.yaml")),
+    (
+        "gpt-char-tied",
+        include_str!("../../../../models/gpt-char-tied.yaml"),
+    ),
 ];
 
 impl ModelSpec {
