@@ -220,3 +220,106 @@ fn only_a_tied_spec_writes_the_key() {
     assert!(!spec(false).to_yaml().contains("tie_embedding"));
     assert!(spec(true).to_yaml().contains("tie_embedding: true"));
 }
+
+/// A program's own module tied in its own forward (`x · tableᵀ`), as a burn user writes it:
+/// `x.matmul(self.table.weight.val().transpose())`.
+#[derive(burn::module::Module, Debug)]
+struct TiedLm {
+    table: burn::nn::Embedding,
+}
+
+/// The context of [`TiedLm`]'s windows.
+const CONTEXT: usize = 4;
+
+impl crate::TrainModule for TiedLm {
+    fn loss(
+        &self,
+        batch: BatchRef<'_>,
+        device: &burn::prelude::Device,
+    ) -> burn::prelude::Tensor<1> {
+        let logits = self.logits(batch.images, batch.labels.len() / CONTEXT, device);
+        let labels = crate::engine::labels_tensor(batch.labels, device);
+        burn::nn::loss::CrossEntropyLossConfig::new()
+            .init(device)
+            .forward(logits, labels)
+    }
+
+    fn logits(
+        &self,
+        inputs: &[f32],
+        n: usize,
+        device: &burn::prelude::Device,
+    ) -> burn::prelude::Tensor<2> {
+        use burn::prelude::*;
+        let data = burn::tensor::TensorData::new(inputs.to_vec(), [n, CONTEXT]);
+        let x = self
+            .table
+            .forward(Tensor::<2>::from_data(data, device).int());
+        let [rows, dim] = [n * CONTEXT, self.table.weight.dims()[1]];
+        x.reshape([rows, dim])
+            .matmul(self.table.weight.val().transpose())
+    }
+}
+
+/// A program's module tied in its own forward trains the spec's tied model's bits (burn
+/// differentiates the module in one pass, which sums the table's two gradients), step after
+/// step.
+#[test]
+fn a_programs_module_tied_in_its_own_forward_trains_the_tied_specs_bits() {
+    use burn::nn::EmbeddingConfig;
+    let text = format!(
+        "input: [{CONTEXT}]\nlayers:\n  - embedding: {{vocab: {VOCAB}, dim: {DIM}}}\n  \
+         - linear: {{out: {VOCAB}, bias: false, tie_embedding: true}}\n"
+    );
+    let spec = ModelSpec::from_yaml(&text, "tiny-tied").expect("spec");
+    let opt = sgd(0.5, 0.9);
+    let mut by_spec = BurnEngine::new(&spec, &opt, "flex", SEED).expect("spec engine");
+    let device = burn::prelude::Device::flex();
+    let module = TiedLm {
+        table: EmbeddingConfig::new(VOCAB, DIM).init(&device),
+    };
+    let mut by_user = crate::ModuleEngine::new(module, &opt, "flex").expect("module engine");
+    assert_eq!(by_user.num_params(), by_spec.num_params());
+    by_user
+        .write_params(&values(&by_spec))
+        .expect("the spec's start");
+    let differ = |a: &[f32], b: &[f32]| {
+        a.iter()
+            .zip(b)
+            .filter(|(x, y)| x.to_bits() != y.to_bits())
+            .count()
+    };
+    let start = values(&by_spec);
+    for step in 0..4 {
+        let ids: Vec<f32> = (0..8 * CONTEXT)
+            .map(|i| ((i * 5 + step * 3) % VOCAB) as f32)
+            .collect();
+        let labels: Vec<i64> = (0..8 * CONTEXT)
+            .map(|i| ((i * 3 + step) % VOCAB) as i64)
+            .collect();
+        let b = BatchRef {
+            images: &ids,
+            labels: &labels,
+        };
+        let (s, u) = (
+            by_spec.forward_backward(b).expect("spec"),
+            by_user.forward_backward(b).expect("user"),
+        );
+        assert_eq!(s.to_bits(), u.to_bits(), "loss of step {step}");
+        let mut g = vec![0.0; by_user.num_params()];
+        by_user.read_grads(&mut g).expect("grads");
+        let mut gs = vec![0.0; by_spec.num_params()];
+        by_spec.read_grads(&mut gs).expect("grads");
+        assert_eq!(differ(&g, &gs), 0, "gradients of step {step}");
+        by_spec.apply_grads(&gs, 0.5).expect("spec step");
+        by_user.apply_grads(&g, 0.5).expect("user step");
+        let mut now = vec![0.0; by_user.num_params()];
+        by_user.read_params(&mut now).expect("params");
+        assert_eq!(
+            differ(&values(&by_spec), &now),
+            0,
+            "parameters after step {step}"
+        );
+    }
+    assert!(differ(&values(&by_spec), &start) > 0, "trained");
+}
