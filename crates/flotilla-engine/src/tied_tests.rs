@@ -178,6 +178,8 @@ fn the_spec_counts_one_table_and_refuses_a_head_that_does_not_fit_it() {
     let e = BurnEngine::new(&spec(true), &sgd(0.1, 0.0), "flex", SEED).expect("engine");
     let counted = spec(true).param_count().expect("count");
     assert_eq!(counted, e.num_params() as u64);
+    assert_eq!(spec(true).tied_table_values(), (VOCAB * DIM) as u64);
+    assert_eq!(spec(false).tied_table_values(), 0);
     let refused = |text: &str| {
         let spec = ModelSpec::from_yaml(text, "bad").and_then(|s| s.infer_io());
         spec.expect_err("refused").to_string()

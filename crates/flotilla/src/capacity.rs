@@ -53,6 +53,8 @@ pub struct Sharding {
     /// ZeRO-3 keeps every group's gathered parameters from its forward to its backward
     /// (`allreduce.reshard_after_forward: false`).
     pub kept: bool,
+    /// Bytes of a table a tied head borrows from the first group (`tie_embedding`; 0: none).
+    pub tied: u64,
 }
 
 /// A data-parallel rank's model state in bytes, by ZeRO stage, for a model of `params`
@@ -78,6 +80,9 @@ pub struct Sharding {
 /// at a checkpoint, its optimizer share serialized and, on rank 0, another rank's received:
 /// three shares.
 ///
+/// A head tied to the embedding (stage 3, resharding): the table kept from the first group's
+/// gather, lent to the head's group and the head's gradient of it held: three tables more.
+///
 /// Kept (`allreduce.reshard_after_forward: false`, stage 3): every group's gathered
 /// parameters are held from its forward to its backward, a whole copy more at the end of
 /// forward.
@@ -97,6 +102,7 @@ pub fn model_state_bytes(
         elastic,
         offload,
         kept,
+        tied,
     } = sharding;
     let whole = params.saturating_mul(4);
     let n = n.max(1) as u64;
@@ -109,7 +115,9 @@ pub fn model_state_bytes(
         let share = whole.div_ceil(n);
         let optimizer = in_memory(whole.saturating_mul(slots).div_ceil(n), 4);
         let group = bucket.max(layer).min(whole);
-        let gathered = if kept { whole } else { 0 };
+        // Resharding, a tied table is kept from the first group's gather, lent to the head's
+        // group and its gradient held for the first group's backward (kept: in `whole`).
+        let gathered = if kept { whole } else { tied.saturating_mul(3) };
         let sum = [share, share, optimizer, group.saturating_mul(6), gathered]
             .into_iter()
             .fold(0u64, u64::saturating_add);
@@ -160,6 +168,7 @@ pub fn config_model_state(config: &flotilla_train::TrainConfig, n: usize) -> Res
         elastic: elastic.is_some(),
         offload,
         kept: !config.allreduce.reshard_after_forward,
+        tied: spec.tied_table_values().saturating_mul(4),
     };
     let bytes = model_state_bytes(params, slots, sharding, (bucket, layer));
     let what = format!(
@@ -289,6 +298,7 @@ mod tests {
             elastic,
             offload,
             kept: false,
+            tied: 0,
         }
     }
 
@@ -326,6 +336,13 @@ mod tests {
         };
         let kept = model_state_bytes(1000, 2, kept, (1000, 600));
         assert_eq!(kept, margin(1000 + 1000 + 4 * 2000 + 6 * 1000 + 4000));
+        // A tied table of 100 values (400 bytes): its values, the head's copy, its gradient.
+        let tied = Sharding {
+            tied: 400,
+            ..sharding(3, 4, false, false)
+        };
+        let tied = model_state_bytes(1000, 2, tied, (1000, 600));
+        assert_eq!(tied, margin(1000 + 1000 + 4 * 2000 + 6 * 1000 + 3 * 400));
         let larger = model_state_bytes(1000, 2, sharding(3, 4, false, false), (1000, 1600));
         assert_eq!(
             larger,

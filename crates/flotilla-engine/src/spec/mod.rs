@@ -251,6 +251,15 @@ impl ModelSpec {
         })
     }
 
+    /// Values of the token embedding's table when a head is tied to it (0: none): what
+    /// ZeRO-3 keeps gathered through a step for the head.
+    pub fn tied_table_values(&self) -> u64 {
+        match (self.ties_embedding(), self.layers.first().map(|n| &n.layer)) {
+            (true, Some(&LayerSpec::Embedding { vocab, dim })) => (vocab as u64) * (dim as u64),
+            _ => 0,
+        }
+    }
+
     /// The canonical YAML text of the spec (used for the cluster-wide config hash).
     pub fn to_yaml(&self) -> String {
         serde_norway::to_string(self).unwrap_or_else(|_| format!("{self:?}"))
