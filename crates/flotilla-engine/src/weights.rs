@@ -27,7 +27,7 @@ use crate::rng::{RNG_LOCK, mask_seed};
 use crate::sharded::ShardSink;
 use crate::spec::ModelSpec;
 use crate::spec::model::{Identity, Layer, SequentialModel};
-use crate::weights_writer::WeightsWriter;
+use crate::weights_writer::{WeightsPlan, WeightsWriter};
 
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
@@ -137,7 +137,13 @@ pub trait ModelState {
     /// parameters are released (ZeRO-3) and gathered piece by piece. A model with buffers
     /// (batch norm's statistics, which it holds whole) or that is not burn's is refused.
     fn weights_writer(&self, path: &Path) -> Result<WeightsWriter> {
-        let _ = path;
+        WeightsWriter::of(self.weights_plan()?, path)
+    }
+
+    /// The layout of the file [`ModelState::save_weights`] writes (its header and each
+    /// tensor's place), from the model's structure alone: the parameters may be released.
+    /// Refused as [`ModelState::weights_writer`] is.
+    fn weights_plan(&self) -> Result<WeightsPlan> {
         Err(EngineError::ParamsSharded(
             "this model writes its weights whole only".into(),
         ))
@@ -526,7 +532,7 @@ impl<M: Module> ModelState for Weights<M> {
         any_module::save_module(self.model()?, path, &self.metadata)
     }
 
-    fn weights_writer(&self, path: &Path) -> Result<WeightsWriter> {
+    fn weights_plan(&self) -> Result<WeightsPlan> {
         if self.buffer_layout.total > 0 {
             return Err(EngineError::ParamsSharded(
                 "a model with buffers writes its weights whole".into(),
@@ -535,7 +541,7 @@ impl<M: Module> ModelState for Weights<M> {
         // The module's structure only: the parameters may be released.
         let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
         let tensors = crate::weights_writer::saved_tensors(model, &self.layout);
-        WeightsWriter::create(path, tensors, &self.metadata)
+        Ok(WeightsPlan::new(tensors, &self.metadata))
     }
 
     fn load_weights(&mut self, path: &Path) -> Result<()> {
@@ -596,11 +602,8 @@ macro_rules! delegate_model_state {
             fn write_buffers(&mut self, src: &[f32]) -> $crate::error::Result<()> {
                 self.weights.write_buffers(src)
             }
-            fn weights_writer(
-                &self,
-                path: &std::path::Path,
-            ) -> $crate::error::Result<$crate::WeightsWriter> {
-                self.weights.weights_writer(path)
+            fn weights_plan(&self) -> $crate::error::Result<$crate::WeightsPlan> {
+                self.weights.weights_plan()
             }
         }
     };

@@ -11,7 +11,7 @@
 //! are all in memory at once.
 
 use std::fs::File;
-use std::io::{BufWriter, Write};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use burn::module::{Module, ModuleVisitor, Param};
@@ -80,25 +80,24 @@ pub(crate) fn saved_tensors<M: Module>(model: &M, layout: &ParamLayout) -> Vec<S
         .collect()
 }
 
-/// A weights file being written, tensor after tensor.
-pub struct WeightsWriter {
-    out: BufWriter<File>,
-    path: PathBuf,
+/// A weights file's layout, known from the tensors alone before any value: its header and
+/// where each tensor's bytes lie. Any process that knows the model can write any tensor at
+/// its place ([`WeightsPlan::write_at`]) into the file [`WeightsPlan::create`] made, in any
+/// order: so several ranks can write their parts of one file at once.
+#[derive(Debug, Clone)]
+pub struct WeightsPlan {
     tensors: Vec<SavedTensor>,
-    next: usize,
+    /// The length prefix and the JSON header, padded to 8 bytes.
+    header: Vec<u8>,
+    /// Each tensor's first byte in the file.
+    offsets: Vec<u64>,
+    /// The file's length.
+    len: u64,
 }
 
-impl WeightsWriter {
-    /// Creates `path` with the header of `tensors` and `metadata` (burn's own fields first).
-    pub fn create(
-        path: &Path,
-        tensors: Vec<SavedTensor>,
-        metadata: &[(String, String)],
-    ) -> Result<Self> {
-        let io = |e: std::io::Error| EngineError::Checkpoint {
-            path: path.to_path_buf(),
-            message: e.to_string(),
-        };
+impl WeightsPlan {
+    /// The layout of `tensors` with `metadata` (burn's own fields first).
+    pub fn new(tensors: Vec<SavedTensor>, metadata: &[(String, String)]) -> Self {
         let mut meta: serde_json::Map<String, serde_json::Value> =
             SafetensorsStore::default_metadata()
                 .into_iter()
@@ -110,6 +109,7 @@ impl WeightsWriter {
         let mut header = serde_json::Map::new();
         header.insert("__metadata__".into(), meta.into());
         let mut at = 0usize;
+        let mut starts = Vec::with_capacity(tensors.len());
         for t in &tensors {
             let len: usize = t.shape.iter().product::<usize>() * std::mem::size_of::<f32>();
             let mut shape = t.shape.clone();
@@ -120,31 +120,63 @@ impl WeightsWriter {
                 t.name.clone(),
                 serde_json::json!({"dtype": "F32", "shape": shape, "data_offsets": [at, at + len]}),
             );
+            starts.push(at as u64);
             at += len;
         }
         let mut text = serde_json::Value::Object(header).to_string().into_bytes();
         // The data starts 8-byte aligned, as the safetensors crate writes it.
         text.resize(text.len().next_multiple_of(8), b' ');
-        let mut out = BufWriter::new(File::create(path).map_err(io)?);
-        out.write_all(&(text.len() as u64).to_le_bytes())
-            .and_then(|()| out.write_all(&text))
-            .map_err(io)?;
-        Ok(Self {
-            out,
-            path: path.to_path_buf(),
+        let data = 8 + text.len() as u64;
+        let mut bytes = (text.len() as u64).to_le_bytes().to_vec();
+        bytes.extend_from_slice(&text);
+        Self {
             tensors,
-            next: 0,
-        })
+            header: bytes,
+            offsets: starts.into_iter().map(|s| data + s).collect(),
+            len: data + at as u64,
+        }
     }
 
-    /// Writes the next tensor's values (flat order, burn's layout).
-    pub fn write_next(&mut self, values: &[f32]) -> Result<()> {
+    /// The tensors, in flat order.
+    pub fn tensors(&self) -> &[SavedTensor] {
+        &self.tensors
+    }
+
+    /// The file's length in bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the file holds no tensor data.
+    pub fn is_empty(&self) -> bool {
+        self.tensors.is_empty()
+    }
+
+    /// Creates `path` with the header, at its whole length (the tensors' bytes zero until
+    /// written), and returns it open for writing.
+    pub fn create(&self, path: &Path) -> Result<File> {
+        let io = |e: std::io::Error| checkpoint_error(path, e);
+        let file = File::create(path).map_err(io)?;
+        file.write_all_at(&self.header, 0).map_err(io)?;
+        file.set_len(self.len).map_err(io)?;
+        Ok(file)
+    }
+
+    /// Writes tensor `index`'s `values` (flat order, burn's layout) at its place in `file`
+    /// (made by [`WeightsPlan::create`]; `path` names it in errors), transposed into
+    /// PyTorch's layout when the tensor is.
+    pub fn write_at(
+        &self,
+        (file, path): (&File, &Path),
+        index: usize,
+        values: &[f32],
+    ) -> Result<()> {
         let t = self
             .tensors
-            .get(self.next)
+            .get(index)
             .ok_or_else(|| EngineError::Checkpoint {
-                path: self.path.clone(),
-                message: format!("a tensor more than the {} of the file", self.tensors.len()),
+                path: path.to_path_buf(),
+                message: format!("no tensor {index}: the file has {}", self.tensors.len()),
             })?;
         let len: usize = t.shape.iter().product();
         if values.len() != len {
@@ -164,30 +196,78 @@ impl WeightsWriter {
             }
             _ => bytes.extend(values.iter().flat_map(|v| v.to_le_bytes())),
         }
-        self.out
-            .write_all(&bytes)
-            .map_err(|e| EngineError::Checkpoint {
+        file.write_all_at(&bytes, self.offsets[index])
+            .map_err(|e| checkpoint_error(path, e))
+    }
+}
+
+/// An I/O error on the weights file at `path`.
+fn checkpoint_error(path: &Path, e: std::io::Error) -> EngineError {
+    EngineError::Checkpoint {
+        path: path.to_path_buf(),
+        message: e.to_string(),
+    }
+}
+
+/// A weights file being written, tensor after tensor ([`WeightsPlan`]'s tensors in order).
+pub struct WeightsWriter {
+    file: File,
+    path: PathBuf,
+    plan: WeightsPlan,
+    next: usize,
+}
+
+impl WeightsWriter {
+    /// Creates `path` with the header of `tensors` and `metadata` (burn's own fields first).
+    pub fn create(
+        path: &Path,
+        tensors: Vec<SavedTensor>,
+        metadata: &[(String, String)],
+    ) -> Result<Self> {
+        Self::of(WeightsPlan::new(tensors, metadata), path)
+    }
+
+    /// Creates `path` as `plan` lays it out.
+    pub fn of(plan: WeightsPlan, path: &Path) -> Result<Self> {
+        Ok(Self {
+            file: plan.create(path)?,
+            path: path.to_path_buf(),
+            plan,
+            next: 0,
+        })
+    }
+
+    /// Writes the next tensor's values (flat order, burn's layout).
+    pub fn write_next(&mut self, values: &[f32]) -> Result<()> {
+        if self.next >= self.plan.tensors.len() {
+            return Err(EngineError::Checkpoint {
                 path: self.path.clone(),
-                message: e.to_string(),
-            })?;
+                message: format!(
+                    "a tensor more than the {} of the file",
+                    self.plan.tensors.len()
+                ),
+            });
+        }
+        self.plan
+            .write_at((&self.file, &self.path), self.next, values)?;
         self.next += 1;
         Ok(())
     }
 
     /// Checks that every tensor was written and flushes the file to disk.
     pub fn finish(self) -> Result<()> {
-        let path = self.path.clone();
-        let io = |e: std::io::Error| EngineError::Checkpoint {
-            path: path.clone(),
-            message: e.to_string(),
-        };
-        if self.next != self.tensors.len() {
+        if self.next != self.plan.tensors.len() {
             return Err(EngineError::Checkpoint {
-                path: path.clone(),
-                message: format!("{} of {} tensors written", self.next, self.tensors.len()),
+                path: self.path.clone(),
+                message: format!(
+                    "{} of {} tensors written",
+                    self.next,
+                    self.plan.tensors.len()
+                ),
             });
         }
-        let file = self.out.into_inner().map_err(|e| io(e.into_error()))?;
-        file.sync_all().map_err(io)
+        self.file
+            .sync_all()
+            .map_err(|e| checkpoint_error(&self.path, e))
     }
 }

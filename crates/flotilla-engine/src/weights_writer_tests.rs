@@ -53,3 +53,39 @@ fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
         assert!(back == values, "{name}: loads back");
     }
 }
+
+/// The file's layout is known before any value, so its tensors may be written at their
+/// places in any order (by several ranks at once): written last tensor first into the file
+/// [`crate::WeightsPlan::create`] made, it is byte for byte the file written in order.
+#[test]
+fn a_weights_file_written_out_of_order_at_its_places_is_the_one_written_in_order() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    let spec = ModelSpec::builtin("gpt-char").expect("shipped spec");
+    let e = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 3).expect("engine");
+    let mut values = vec![0.0; e.num_params()];
+    e.read_params(&mut values).expect("params");
+    let in_order = tmp.path().join("in-order.safetensors");
+    let mut w = e.weights_writer(&in_order).expect("writer");
+    for p in &e.layout().params {
+        w.write_next(&values[p.offset..p.offset + p.len])
+            .expect("tensor");
+    }
+    w.finish().expect("finish");
+    let plan = e.weights_plan().expect("plan");
+    let backwards = tmp.path().join("backwards.safetensors");
+    let file = plan.create(&backwards).expect("created");
+    let n = e.layout().params.len();
+    assert_eq!(plan.tensors().len(), n);
+    for (i, p) in e.layout().params.iter().enumerate().rev() {
+        plan.write_at((&file, &backwards), i, &values[p.offset..p.offset + p.len])
+            .expect("tensor");
+    }
+    let (a, b) = (
+        std::fs::read(&in_order).expect("in order"),
+        std::fs::read(&backwards).expect("backwards"),
+    );
+    assert_eq!(a.len() as u64, plan.len());
+    assert!(a == b, "the files differ");
+    let wrong = plan.write_at((&file, &backwards), 0, &values[..3]);
+    assert!(wrong.is_err(), "a tensor of the wrong length is refused");
+}
