@@ -36,6 +36,16 @@ const ASK_TAG: Tag = tags::RESERVED + 0x104;
 /// Tag of a rank's answer to the offer ([`WROTE`], [`NOT_SHARED`] or [`FAILED`]).
 const ANSWER_TAG: Tag = tags::RESERVED + 0x105;
 
+/// Tag of a rank's first answer to an offer whose weights file the ranks write together
+/// ([`SEES`] or [`NOT_SHARED`]), before the parameters are gathered.
+const SEES_TAG: Tag = tags::RESERVED + 0x106;
+
+/// Tag of rank 0's list of the ranks that write their part of the weights file.
+const WRITERS_TAG: Tag = tags::RESERVED + 0x107;
+
+/// The first answer of a rank that sees the offered directory.
+const SEES: u8 = 4;
+
 /// The answer of a rank that wrote its shard into the offered directory.
 const WROTE: u8 = 1;
 /// The answer of a rank that does not see the offered directory: its shard goes over the wire.
@@ -72,6 +82,27 @@ pub(super) fn offer(comm: &dyn ProcessGroup, tmp: &Path) -> Result<Offer> {
 }
 
 impl Offer {
+    /// Rank 0's side of a checkpoint whose weights file every rank that sees the directory
+    /// writes a part of: each other rank's first answer ([`Offered::receive`]); every rank
+    /// then learns the writers, rank 0 and the ranks that see it, which this returns.
+    pub(super) fn writers(&self, comm: &dyn ProcessGroup) -> Result<Vec<usize>> {
+        let mut writers = vec![0];
+        for r in 1..comm.size() {
+            let answer = comm.recv(r, SEES_TAG, Instant::now() + comm.timeout())?;
+            if answer == [SEES] {
+                writers.push(r);
+            }
+        }
+        let list: Vec<u8> = writers
+            .iter()
+            .flat_map(|&r| (r as u32).to_le_bytes())
+            .collect();
+        for r in 1..comm.size() {
+            comm.send(r, WRITERS_TAG, &list)?;
+        }
+        Ok(writers)
+    }
+
     /// Writes rank 0's own shard, waits for every other rank's answer, and takes the shards
     /// of the ranks that do not share the directory over the wire, one after the other.
     pub(super) fn collect(self, comm: &dyn ProcessGroup, optimizer: &ShardOptimizer) -> Result<()> {
@@ -107,6 +138,35 @@ impl Offer {
     }
 }
 
+/// A rank's view of rank 0's offer (not rank 0's): the offered directory when this rank
+/// sees it, and the ranks that write their part of the weights file.
+pub(super) struct Offered {
+    /// The checkpoint in progress, when this rank sees it.
+    pub(super) dir: Option<PathBuf>,
+    /// The ranks writing their part of the weights file (rank 0 and those that see it).
+    pub(super) writers: Vec<usize>,
+}
+
+impl Offered {
+    /// Waits for rank 0's offer of a checkpoint whose weights file the ranks write together,
+    /// says whether this rank sees it, and learns the writers ([`Offer::writers`]).
+    pub(super) fn receive(comm: &dyn ProcessGroup) -> Result<Self> {
+        let offered = comm.recv(0, ASK_TAG, Instant::now() + comm.timeout())?;
+        let dir = shared_dir(&offered);
+        comm.send(
+            0,
+            SEES_TAG,
+            &[if dir.is_some() { SEES } else { NOT_SHARED }],
+        )?;
+        let list = comm.recv(0, WRITERS_TAG, Instant::now() + comm.timeout())?;
+        let writers = list
+            .chunks_exact(4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize)
+            .collect();
+        Ok(Self { dir, writers })
+    }
+}
+
 /// A rank's part of a checkpoint (not rank 0's): waits for rank 0's offer and writes its
 /// shard's state into the offered directory when it sees it there, else to a scratch file
 /// under `output` (the job's output directory on this rank's host, not a temporary
@@ -117,12 +177,26 @@ pub(super) fn send_shard(
     output: &Path,
 ) -> Result<()> {
     let offered = comm.recv(0, ASK_TAG, Instant::now() + comm.timeout())?;
-    if let Some(dir) = shared_dir(&offered) {
+    send_shard_to(comm, optimizer, output, (shared_dir(&offered), Ok(())))
+}
+
+/// [`send_shard`] once the offer is known: `dir` the offered directory when this rank sees
+/// it, `before` what this rank's earlier part of the checkpoint met (its part of the
+/// weights file), reported to rank 0 with its shard's.
+pub(super) fn send_shard_to(
+    comm: &dyn ProcessGroup,
+    optimizer: &ShardOptimizer,
+    output: &Path,
+    (dir, before): (Option<PathBuf>, Result<()>),
+) -> Result<()> {
+    if let Some(dir) = dir {
         let path = dir.join(checkpoint::zero_file(comm.rank()));
-        let wrote = optimizer
-            .save_state(&path)
-            .map_err(TrainError::from)
-            .and_then(|()| checkpoint::sync_part(&path));
+        let wrote = before.and_then(|()| {
+            optimizer
+                .save_state(&path)
+                .map_err(TrainError::from)
+                .and_then(|()| checkpoint::sync_part(&path))
+        });
         let answer = match &wrote {
             Ok(()) => vec![WROTE],
             Err(e) => [&[FAILED][..], e.to_string().as_bytes()].concat(),

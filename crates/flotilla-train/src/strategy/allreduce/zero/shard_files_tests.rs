@@ -113,3 +113,38 @@ fn a_rank_that_sees_the_checkpoint_writes_its_shard_there_else_sends_it_the_same
         "the two ranks' states must differ for the check to tell them apart"
     );
 }
+
+/// Before the parameters are gathered for a weights file the ranks write together, every
+/// rank learns the writers: rank 0 and the ranks that see the offered directory (rank 1 does
+/// when it is there, not when the offer names a directory it cannot see), and a writer learns
+/// where it is.
+#[test]
+fn the_writers_of_the_weights_file_are_rank_0_and_the_ranks_that_see_it() {
+    for shared in [true, false] {
+        let dir = tempfile::tempdir().expect("tmp");
+        let comms = world(2);
+        let (c0, c1) = (comms[0].clone(), comms[1].clone());
+        let rank1 = thread::spawn(move || super::Offered::receive(&*c1));
+        let offered = if shared {
+            offer(&*c0, dir.path()).expect("offer")
+        } else {
+            // A directory rank 1 cannot see: another host's.
+            let marker = tempfile::Builder::new()
+                .prefix(".shared-")
+                .tempfile_in(dir.path())
+                .expect("marker");
+            c0.send(1, ASK_TAG, b"/nonexistent/checkpoint\n.shared-x")
+                .expect("offer");
+            Offer {
+                marker,
+                tmp: dir.path().to_path_buf(),
+            }
+        };
+        let writers = offered.writers(&*c0).expect("writers");
+        let seen = rank1.join().expect("rank 1").expect("the offer");
+        let want = if shared { vec![0, 1] } else { vec![0] };
+        assert_eq!(writers, want, "shared: {shared}");
+        assert_eq!(seen.writers, want, "rank 1's view, shared: {shared}");
+        assert_eq!(seen.dir.as_deref(), shared.then_some(dir.path()));
+    }
+}

@@ -270,11 +270,13 @@ impl Zero {
     }
 
     /// Stage 3's checkpoint (collective): the parameters are gathered one bucket at a time
-    /// in flat order and rank 0 writes each bucket's tensors into `model.safetensors` as it
-    /// comes ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes),
-    /// while every rank writes its optimizer shard into that directory where it sees it (else
-    /// over the wire to rank 0: `zero/shard_files.rs`). No rank holds the whole parameters.
-    /// Returns the directory on rank 0.
+    /// in flat order (every rank receives every bucket) and each rank that sees rank 0's
+    /// checkpoint in progress writes its share of the tensors into `model.safetensors` at
+    /// their places as they come ([`ModelState::weights_plan`]: the file
+    /// [`ModelState::save_weights`] writes), rank 0 the first share; every rank writes its
+    /// optimizer shard into that directory where it sees it (else over the wire to rank 0:
+    /// `zero/shard_files.rs`). No rank holds the whole parameters. Returns the directory on
+    /// rank 0.
     ///
     /// The shard of the averaged gradient is not read between steps (each step's
     /// reduce-scatter writes all of it): it is let go while the checkpoint holds burn's
@@ -293,7 +295,10 @@ impl Zero {
         saved
     }
 
-    /// [`Zero::save_sharded`]'s files.
+    /// [`Zero::save_sharded`]'s files. The weights file is written by every rank that sees
+    /// rank 0's checkpoint in progress at once, each its share of the tensors at their
+    /// places (`WeightsPlan::write_at`) as the gathered buckets arrive, which every rank
+    /// receives anyway; rank 0 makes the file at its whole length first.
     fn save_parts(
         &mut self,
         output: &Path,
@@ -302,8 +307,13 @@ impl Zero {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         if self.comm.rank() != 0 {
-            self.write_gathered(model, plan, None)?;
-            return shard_files::send_shard(&*self.comm, &self.optimizer, output).map(|()| None);
+            let offered = shard_files::Offered::receive(&*self.comm)?;
+            let target = offered.dir.as_ref().map(|d| d.join("model.safetensors"));
+            // A failed part is reported with the shard (the gather went on for the others).
+            let part = self.write_share(model, plan, (&offered.writers, target.as_deref()))?;
+            let answer = (offered.dir, part);
+            return shard_files::send_shard_to(&*self.comm, &self.optimizer, output, answer)
+                .map(|()| None);
         }
         let state = CheckpointState {
             num_params: model.num_params(),
@@ -311,12 +321,64 @@ impl Zero {
             ..state.clone()
         };
         checkpoint::save_with(output, &state, |tmp| {
+            let path = tmp.join("model.safetensors");
+            drop(model.weights_plan()?.create(&path)?);
             // The other ranks write their shards once the parameters are gathered.
             let offer = shard_files::offer(&*self.comm, tmp)?;
-            self.write_gathered(model, plan, Some(&tmp.join("model.safetensors")))?;
+            let writers = offer.writers(&*self.comm)?;
+            self.write_share(model, plan, (&writers, Some(&path)))??;
+            checkpoint::sync_part(&path)?;
             offer.collect(&*self.comm, &self.optimizer)
         })
         .map(Some)
+    }
+
+    /// Gathers every bucket's parameters in flat order (collective) and writes this rank's
+    /// share of the tensors into the weights file at `path` (made by rank 0 at its whole
+    /// length), when this rank is one of `writers`: the tensors cut among them in flat order
+    /// by bytes. The outer result is the gather's; the inner, this rank's writes' (every
+    /// bucket is gathered even after a failed write).
+    fn write_share(
+        &mut self,
+        model: &dyn ModelState,
+        plan: &BucketPlan,
+        (writers, path): (&[usize], Option<&Path>),
+    ) -> Result<Result<()>> {
+        let me = self.comm.rank();
+        let (Some(path), Some(k)) = (path, writers.iter().position(|&r| r == me)) else {
+            self.gather_in_flat_order(plan, &mut |_, _| Ok(()))?;
+            return Ok(Ok(()));
+        };
+        let layout = model.layout().clone();
+        let mine = share_of(&layout, writers.len(), k);
+        let mut target = model
+            .weights_plan()
+            .map_err(TrainError::from)
+            .and_then(|w| {
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(path)
+                    .map_err(|e| TrainError::io(path, e))?;
+                Ok((w, file))
+            });
+        self.gather_in_flat_order(plan, &mut |bucket, values| {
+            if let Ok((weights, file)) = target.as_ref() {
+                let written = layout.params[bucket.params.clone()]
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| mine.contains(&(bucket.params.start + j)))
+                    .try_for_each(|(j, p)| {
+                        let at = p.offset - bucket.start;
+                        let values = &values[at..at + p.len];
+                        weights.write_at((file, path), bucket.params.start + j, values)
+                    });
+                if let Err(e) = written {
+                    target = Err(e.into());
+                }
+            }
+            Ok(())
+        })?;
+        Ok(target.and_then(|(_, file)| file.sync_all().map_err(|e| TrainError::io(path, e))))
     }
 
     /// The whole model's parameters written to `path` by rank 0 (collective), as
@@ -390,6 +452,20 @@ impl Zero {
     }
 }
 
+/// The parameters writer `k` of `writers` writes: the tensors in flat order cut into
+/// `writers` runs of about equal bytes, the `k`-th.
+fn share_of(layout: &flotilla_engine::ParamLayout, writers: usize, k: usize) -> Range<usize> {
+    let total = layout.total.max(1);
+    let bound = |k: usize| {
+        layout
+            .params
+            .iter()
+            .position(|p| p.offset * writers >= total * k)
+            .unwrap_or(layout.params.len())
+    };
+    bound(k)..bound(k + 1)
+}
+
 /// The bucket whose parameters are `params` (the buckets are the engine's backward groups).
 fn bucket_of_group(plan: &BucketPlan, params: &Range<usize>) -> Result<usize> {
     plan.buckets
@@ -438,5 +514,32 @@ impl ShardedPass for Gathering<'_> {
                 "an evaluation got the gradient of parameter {param}"
             ))),
         }
+    }
+}
+
+#[cfg(test)]
+mod share_tests {
+    use flotilla_engine::ParamLayout;
+
+    /// Every parameter is written by exactly one writer, in runs of about equal bytes.
+    #[test]
+    fn the_writers_shares_cover_every_tensor_once_by_bytes() {
+        let layout = ParamLayout::of_lengths(&[100, 5, 5, 90, 100, 10, 90]);
+        for writers in 1..=4 {
+            let shares: Vec<_> = (0..writers)
+                .map(|k| super::share_of(&layout, writers, k))
+                .collect();
+            assert_eq!(shares[0].start, 0);
+            assert_eq!(shares[writers - 1].end, layout.params.len());
+            for pair in shares.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start, "{shares:?}");
+            }
+            let bytes = |r: &std::ops::Range<usize>| -> usize {
+                layout.params[r.clone()].iter().map(|p| p.len).sum()
+            };
+            let most = shares.iter().map(bytes).max().unwrap_or(0);
+            assert!(most <= 400 / writers + 100, "{writers} writers: {shares:?}");
+        }
+        assert_eq!(super::share_of(&layout, 2, 1), 4..7);
     }
 }
