@@ -90,7 +90,7 @@ pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use weights::ModelState;
-pub use weights_writer::{SavedTensor, WeightsPlan, WeightsWriter};
+pub use weights_writer::{SavedTensor, WeightsPlan};
 
 #[cfg(test)]
 mod conv_tests;

@@ -27,7 +27,7 @@ use crate::rng::{RNG_LOCK, mask_seed};
 use crate::sharded::ShardSink;
 use crate::spec::ModelSpec;
 use crate::spec::model::{Identity, Layer, SequentialModel};
-use crate::weights_writer::{WeightsPlan, WeightsWriter};
+use crate::weights_writer::WeightsPlan;
 
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
@@ -132,17 +132,10 @@ pub trait ModelState {
     /// Replaces the buffers with `src` (the order of [`ModelState::buffer_layout`]).
     fn write_buffers(&mut self, src: &[f32]) -> Result<()>;
 
-    /// Starts the file [`ModelState::save_weights`] writes at `path`, to be written one
-    /// parameter at a time in flat order ([`WeightsWriter::write_next`]): for a model whose
-    /// parameters are released (ZeRO-3) and gathered piece by piece. A model with buffers
-    /// (batch norm's statistics, which it holds whole) or that is not burn's is refused.
-    fn weights_writer(&self, path: &Path) -> Result<WeightsWriter> {
-        WeightsWriter::of(self.weights_plan()?, path)
-    }
-
     /// The layout of the file [`ModelState::save_weights`] writes (its header and each
-    /// tensor's place), from the model's structure alone: the parameters may be released.
-    /// Refused as [`ModelState::weights_writer`] is.
+    /// tensor's place), from the model's structure alone: the parameters may be released
+    /// (ZeRO-3 writes it piece by piece as they are gathered). A model with buffers (batch
+    /// norm's statistics, which it holds whole) or that is not burn's is refused.
     fn weights_plan(&self) -> Result<WeightsPlan> {
         Err(EngineError::ParamsSharded(
             "this model writes its weights whole only".into(),

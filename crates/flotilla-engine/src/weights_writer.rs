@@ -6,13 +6,14 @@
 //! group at a time).
 //!
 //! The header is written first, from the layout alone (every tensor's name, shape and
-//! length are known before any value); then each tensor's values in flat order. Written by
+//! length are known before any value, [`WeightsPlan`]); then each tensor's values at their
+//! place, in any order and by any rank that has them. Written by
 //! hand because burn's store and the `safetensors` crate both serialize from tensors that
 //! are all in memory at once.
 
 use std::fs::File;
 use std::os::unix::fs::FileExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use burn::module::{Module, ModuleVisitor, Param};
 use burn::prelude::*;
@@ -206,68 +207,5 @@ fn checkpoint_error(path: &Path, e: std::io::Error) -> EngineError {
     EngineError::Checkpoint {
         path: path.to_path_buf(),
         message: e.to_string(),
-    }
-}
-
-/// A weights file being written, tensor after tensor ([`WeightsPlan`]'s tensors in order).
-pub struct WeightsWriter {
-    file: File,
-    path: PathBuf,
-    plan: WeightsPlan,
-    next: usize,
-}
-
-impl WeightsWriter {
-    /// Creates `path` with the header of `tensors` and `metadata` (burn's own fields first).
-    pub fn create(
-        path: &Path,
-        tensors: Vec<SavedTensor>,
-        metadata: &[(String, String)],
-    ) -> Result<Self> {
-        Self::of(WeightsPlan::new(tensors, metadata), path)
-    }
-
-    /// Creates `path` as `plan` lays it out.
-    pub fn of(plan: WeightsPlan, path: &Path) -> Result<Self> {
-        Ok(Self {
-            file: plan.create(path)?,
-            path: path.to_path_buf(),
-            plan,
-            next: 0,
-        })
-    }
-
-    /// Writes the next tensor's values (flat order, burn's layout).
-    pub fn write_next(&mut self, values: &[f32]) -> Result<()> {
-        if self.next >= self.plan.tensors.len() {
-            return Err(EngineError::Checkpoint {
-                path: self.path.clone(),
-                message: format!(
-                    "a tensor more than the {} of the file",
-                    self.plan.tensors.len()
-                ),
-            });
-        }
-        self.plan
-            .write_at((&self.file, &self.path), self.next, values)?;
-        self.next += 1;
-        Ok(())
-    }
-
-    /// Checks that every tensor was written and flushes the file to disk.
-    pub fn finish(self) -> Result<()> {
-        if self.next != self.plan.tensors.len() {
-            return Err(EngineError::Checkpoint {
-                path: self.path.clone(),
-                message: format!(
-                    "{} of {} tensors written",
-                    self.next,
-                    self.plan.tensors.len()
-                ),
-            });
-        }
-        self.file
-            .sync_all()
-            .map_err(|e| checkpoint_error(&self.path, e))
     }
 }

@@ -4,6 +4,17 @@
 use crate::engine_tests::sgd;
 use crate::{BurnEngine, ModelSpec, ModelState};
 
+/// `values` (`e`'s parameters) written tensor by tensor in flat order into the file at
+/// `path` that `e`'s [`crate::WeightsPlan`] lays out.
+fn write_in_order(e: &BurnEngine, values: &[f32], path: &std::path::Path) {
+    let plan = e.weights_plan().expect("plan");
+    let file = plan.create(path).expect("created");
+    for (i, p) in e.layout().params.iter().enumerate() {
+        plan.write_at((&file, path), i, &values[p.offset..p.offset + p.len])
+            .expect("tensor");
+    }
+}
+
 #[test]
 fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
     let tmp = tempfile::tempdir().expect("tmp");
@@ -15,12 +26,7 @@ fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
         let mut values = vec![0.0; e.num_params()];
         e.read_params(&mut values).expect("params");
         let pieces = tmp.path().join(format!("{name}-pieces.safetensors"));
-        let mut w = e.weights_writer(&pieces).expect("writer");
-        for p in &e.layout().params {
-            w.write_next(&values[p.offset..p.offset + p.len])
-                .expect("tensor");
-        }
-        w.finish().expect("finish");
+        write_in_order(&e, &values, &pieces);
         let (a, b) = (
             std::fs::read(&whole).expect("whole"),
             std::fs::read(&pieces).expect("pieces"),
@@ -65,12 +71,7 @@ fn a_weights_file_written_out_of_order_at_its_places_is_the_one_written_in_order
     let mut values = vec![0.0; e.num_params()];
     e.read_params(&mut values).expect("params");
     let in_order = tmp.path().join("in-order.safetensors");
-    let mut w = e.weights_writer(&in_order).expect("writer");
-    for p in &e.layout().params {
-        w.write_next(&values[p.offset..p.offset + p.len])
-            .expect("tensor");
-    }
-    w.finish().expect("finish");
+    write_in_order(&e, &values, &in_order);
     let plan = e.weights_plan().expect("plan");
     let backwards = tmp.path().join("backwards.safetensors");
     let file = plan.create(&backwards).expect("created");

@@ -381,51 +381,25 @@ impl Zero {
         Ok(target.and_then(|(_, file)| file.sync_all().map_err(|e| TrainError::io(path, e))))
     }
 
-    /// The whole model's parameters written to `path` by rank 0 (collective), as
-    /// [`Zero::save_sharded`] writes a checkpoint's `model.safetensors`: gathered one bucket
-    /// at a time, no rank holding them all. Returns the file on rank 0.
+    /// The whole model's parameters written to `path` by rank 0 alone (collective), as
+    /// [`Zero::save_sharded`] writes a checkpoint's `model.safetensors` ([`Zero::write_share`]
+    /// with one writer): gathered one bucket at a time, no rank holding them all. Returns the
+    /// file on rank 0.
     pub fn save_model(
         &mut self,
         path: &Path,
         model: &dyn ModelState,
         plan: &BucketPlan,
     ) -> Result<Option<PathBuf>> {
+        // Rank 0 the one writer: the path is the program's, which the others may not see.
         if self.comm.rank() != 0 {
-            return self.write_gathered(model, plan, None).map(|()| None);
+            return self.write_share(model, plan, (&[0], None)).map(|_| None);
         }
-        crate::model_file::write(path, |tmp| self.write_gathered(model, plan, Some(tmp))).map(Some)
-    }
-
-    /// Gathers every bucket's parameters in flat order (collective), rank 0 writing each
-    /// bucket's tensors into the weights file at `path` as it comes
-    /// ([`ModelState::weights_writer`]: the file [`ModelState::save_weights`] writes); the
-    /// other ranks pass `None`. Every bucket is gathered even after a failed write.
-    fn write_gathered(
-        &mut self,
-        model: &dyn ModelState,
-        plan: &BucketPlan,
-        path: Option<&Path>,
-    ) -> Result<()> {
-        let Some(path) = path else {
-            return self.gather_in_flat_order(plan, &mut |_, _| Ok(()));
-        };
-        let layout = model.layout().clone();
-        let mut writer = model.weights_writer(path);
-        self.gather_in_flat_order(plan, &mut |bucket, values| {
-            if let Ok(w) = writer.as_mut() {
-                let written = layout.params[bucket.params.clone()]
-                    .iter()
-                    .try_for_each(|p| {
-                        let at = p.offset - bucket.start;
-                        w.write_next(&values[at..at + p.len])
-                    });
-                if let Err(e) = written {
-                    writer = Err(e);
-                }
-            }
-            Ok(())
-        })?;
-        Ok(writer?.finish()?)
+        crate::model_file::write(path, |tmp| {
+            drop(model.weights_plan()?.create(tmp)?);
+            self.write_share(model, plan, (&[0], Some(tmp)))?
+        })
+        .map(Some)
     }
 
     /// Gathers every bucket's parameters in flat order, handing each to `f` (collective).
