@@ -8,7 +8,9 @@
 //! Without `WORLD_SIZE` in the environment, the example starts one process per stage itself
 //! (each with `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, as torchrun would) and waits
 //! for them; with those variables set it is one rank of such a job. Settings (environment):
-//! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `MICRO_BATCHES`
+//! `STAGES` (2 or 3), `DATA_PARALLEL` (replicas of each stage, default 1), `ZERO` (0 to 3
+//! among the replicas, default 0; 3: each replica holds its shard of its stage's parameters,
+//! gathered in groups of at most 1 MiB for each use), `MICRO_BATCHES`
 //! (default 4), `SCHEDULE` (unset: the plain loop; `gpipe` or `1f1b`: `train_batch` with that
 //! schedule), `BATCH` (samples per replica per step, default 64), `EPOCHS` (default 1),
 //! `STEPS` (instead of epochs), `MNIST_DIR` (default `data/mnist`).
@@ -77,7 +79,9 @@ fn main() -> Result<()> {
         device: "flex".into(),
         seed: 42,
         clip_grad_norm: None,
-        zero: 0,
+        zero: u8::try_from(setting("ZERO", 0)?).context("ZERO is 0 to 3")?,
+        group_bytes: 1 << 20,
+        prefetch: true,
         offload: None,
     };
     let (_settings, world) = flotilla_train::program::join_from_env()?;

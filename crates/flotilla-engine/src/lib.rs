@@ -84,7 +84,7 @@ pub use pipeline::named_tensors::NamedTensors;
 pub use pipeline::partition::{LayerCost, StageEstimate, StageHost, check as check_cut, partition};
 pub use pipeline::profile::profile;
 pub use pipeline::stage::Stage;
-pub use pipeline::stage_engine::{Slot, StageEngine};
+pub use pipeline::stage_engine::{Slot, StageEngine, StageSeed};
 pub use sharded::{ShardSink, ShardedPass};
 pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;

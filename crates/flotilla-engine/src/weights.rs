@@ -184,10 +184,9 @@ impl Weights<SequentialModel> {
         let base_device = device_by_name(device_name)?;
         let device = base_device.clone().autodiff();
         // A fresh leaf on the device for every parameter, still requiring its gradient.
-        let model = initial_model(spec, seed)?.fork(&device);
         let model = match keep {
-            None => model,
-            Some(range) => params::renumber(keep_only(model, range)),
+            None => initial_model(spec, seed)?.fork(&device),
+            Some(range) => params::renumber(stage_model(spec, seed, range)?.fork(&device)),
         };
         let has_dropout = model
             .layers
@@ -429,14 +428,25 @@ impl<M: Module> Weights<M> {
     }
 }
 
-/// Replaces every layer outside `range` with an identity (no parameters).
-fn keep_only(mut model: SequentialModel, range: Range<usize>) -> SequentialModel {
-    for (i, layer) in model.layers.iter_mut().enumerate() {
-        if !range.contains(&i) {
-            *layer = Layer::Identity(Identity);
+/// The model of `spec` with the initial values [`initial_model`] draws from `seed` in the
+/// layers `range` and identities (no parameters) in the others: every layer's values are
+/// drawn in flat order, as the whole model's are, one layer at a time, and a layer outside
+/// `range` is let go as soon as it is drawn, so that a pipeline stage never holds the whole
+/// model (nor more than its own layers and one other).
+fn stage_model(spec: &ModelSpec, seed: u64, range: Range<usize>) -> Result<SequentialModel> {
+    seeded(seed, |cpu| {
+        // burn draws a parameter at its first use: building the model draws nothing.
+        let mut model = SequentialModel::new(spec, cpu)?;
+        for (i, slot) in model.layers.iter_mut().enumerate() {
+            let local = ParamLayout::of(&*slot);
+            let mut values = vec![0.0; local.total];
+            params::read_values(&*slot, &local, &mut values, Tensors::Params)?;
+            if !range.contains(&i) {
+                *slot = Layer::Identity(Identity);
+            }
         }
-    }
-    model
+        Ok(model)
+    })
 }
 
 impl<M: Module> ModelState for Weights<M> {

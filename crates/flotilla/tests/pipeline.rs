@@ -123,11 +123,13 @@ fn pipeline_replicas_train_what_data_parallel_trains() {
 }
 
 /// 2 stages × 2 replicas with ZeRO-1 (each replica steps its half of its stage's Adam
-/// state) train the bits of 2-rank data parallel, through a checkpoint and a resume: the MLP
-/// is wide (a 3000 × 3000 layer in stage 1) so that the stage's whole optimizer state, 72 MB,
-/// is more than a frame (`max_frame_bytes`, 64 MiB) on its way to rank 0 and back.
+/// state) train the bits of 2-rank data parallel, through a checkpoint and a resume, and so
+/// do ZeRO-2 (the gradient reduce-scattered among the replicas) and ZeRO-3 (the parameters
+/// sharded too, gathered for each use, one micro-batch a step): the MLP is wide (a 3000 ×
+/// 3000 layer in stage 1) so that the stage's whole optimizer state, 72 MB, is more than a
+/// frame (`max_frame_bytes`, 64 MiB) on its way to rank 0 and back.
 #[test]
-fn a_wide_pipeline_with_zero_1_trains_data_parallels_bits_through_a_resume() {
+fn a_wide_pipeline_with_zero_1_2_or_3_trains_data_parallels_bits_through_a_resume() {
     let dir = tmp();
     let d = dir.path();
     let spec = "input: [1, 28, 28]\nlayers:\n  - flatten\n  - linear: {out: 3000}\n  - relu\n  - linear: {out: 3000}\n  - relu\n  - linear: {out: 10}\n";
@@ -148,45 +150,63 @@ fn a_wide_pipeline_with_zero_1_trains_data_parallels_bits_through_a_resume() {
     assert!(o.status.success(), "{}", text(&o));
     let dp = checkpoint_tensors(&out);
 
-    let piped = "strategy: pipeline\nsplit_points: [3]\nmicro_batches: 1\ndata_parallel: 2\nzero: 1\ncheckpoint_every: 2\n";
-    let (mut c, out) = launched("piped", piped, &[]);
-    c.env("FLOTILLA_FAULT", "rank=1,step=3,action=exit");
-    let o = run_with_deadline(c, LIMIT);
-    assert!(
-        !o.status.success(),
-        "the fault must stop the job\n{}",
-        text(&o)
-    );
-    let (c, _) = launched("piped", piped, &["--resume"]);
+    let zero_2 =
+        "strategy: pipeline\nsplit_points: [3]\nmicro_batches: 1\ndata_parallel: 2\nzero: 2\n";
+    let (c, out) = launched("piped-2", zero_2, &[]);
     let o = run_with_deadline(c, LIMIT);
     assert!(o.status.success(), "{}", text(&o));
-    assert!(
-        run_log(&out, 0).contains("(step 2)"),
-        "{}",
-        run_log(&out, 0)
-    );
-    assert_eq!(final_fields(&o)["steps"], 4.0);
-    // Stage 1's Adam moments (9,033,010 parameters, 8 bytes each), half on each replica.
-    let summary: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary"))
-            .expect("json");
-    let held: Vec<f64> = [1, 3]
-        .map(|r| {
-            summary["ranks"][r]["figures"]["optimizer_state_bytes"]
-                .as_f64()
-                .expect("bytes")
-        })
-        .to_vec();
-    assert_eq!(held.iter().sum::<f64>(), 8.0 * 9_033_010.0, "{held:?}");
-    assert!(
-        held.iter().all(|&b| b <= 0.51 * 8.0 * 9_033_010.0),
-        "{held:?}"
-    );
+    let log = run_log(&out, 0);
+    assert!(log.contains("ZeRO stage 2 among the replicas"), "{log}");
     assert_eq!(
         relative_error(&checkpoint_tensors(&out), &dp),
         0.0,
-        "2 stages × 2 replicas, ZeRO-1, resumed at step 2, vs 2-rank all-reduce"
+        "2 stages × 2 replicas, ZeRO-2, vs 2-rank all-reduce"
     );
+
+    for zero in [1, 3] {
+        let name = format!("piped-{zero}-resumed");
+        let piped = format!(
+            "strategy: pipeline\nsplit_points: [3]\nmicro_batches: 1\ndata_parallel: 2\nzero: {zero}\ncheckpoint_every: 2\n"
+        );
+        let (mut c, out) = launched(&name, &piped, &[]);
+        c.env("FLOTILLA_FAULT", "rank=1,step=3,action=exit");
+        let o = run_with_deadline(c, LIMIT);
+        assert!(
+            !o.status.success(),
+            "the fault must stop the job\n{}",
+            text(&o)
+        );
+        let (c, _) = launched(&name, &piped, &["--resume"]);
+        let o = run_with_deadline(c, LIMIT);
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(
+            run_log(&out, 0).contains("(step 2)"),
+            "{}",
+            run_log(&out, 0)
+        );
+        assert_eq!(final_fields(&o)["steps"], 4.0);
+        // Stage 1's Adam moments (9,033,010 parameters, 8 bytes each), half on each replica.
+        let summary: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(out.join("summary.json")).expect("summary"))
+                .expect("json");
+        let held: Vec<f64> = [1, 3]
+            .map(|r| {
+                summary["ranks"][r]["figures"]["optimizer_state_bytes"]
+                    .as_f64()
+                    .expect("bytes")
+            })
+            .to_vec();
+        assert_eq!(held.iter().sum::<f64>(), 8.0 * 9_033_010.0, "{held:?}");
+        assert!(
+            held.iter().all(|&b| b <= 0.51 * 8.0 * 9_033_010.0),
+            "{held:?}"
+        );
+        assert_eq!(
+            relative_error(&checkpoint_tensors(&out), &dp),
+            0.0,
+            "2 stages × 2 replicas, ZeRO-{zero}, resumed at step 2, vs 2-rank all-reduce"
+        );
+    }
 }
 
 #[test]

@@ -16,4 +16,6 @@ pub(crate) mod stage_engine;
 #[cfg(test)]
 mod module_stage_tests;
 #[cfg(test)]
+mod sharded_stage_tests;
+#[cfg(test)]
 mod stage_tests;

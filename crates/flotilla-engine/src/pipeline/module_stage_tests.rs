@@ -68,7 +68,7 @@ impl StageModule for Back {
     }
 }
 
-fn front() -> StageBuilder {
+pub(super) fn front() -> StageBuilder {
     Box::new(|d| {
         Box::new(Front {
             fc: LinearConfig::new(4, 3).init(d),
@@ -77,7 +77,7 @@ fn front() -> StageBuilder {
     })
 }
 
-fn middle() -> StageBuilder {
+pub(super) fn middle() -> StageBuilder {
     Box::new(|d| {
         Box::new(Middle {
             fc: LinearConfig::new(3, 2).init(d),
@@ -85,7 +85,7 @@ fn middle() -> StageBuilder {
     })
 }
 
-fn back() -> StageBuilder {
+pub(super) fn back() -> StageBuilder {
     Box::new(|d| {
         Box::new(Back {
             fc: LinearConfig::new(2, 2).init(d),
@@ -93,7 +93,7 @@ fn back() -> StageBuilder {
     })
 }
 
-const INPUT: StageInput = StageInput {
+pub(super) const INPUT: StageInput = StageInput {
     shape: Shape::Flat(4),
     vocab: None,
 };

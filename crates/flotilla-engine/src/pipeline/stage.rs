@@ -22,17 +22,21 @@ use burn::nn::loss::{CrossEntropyLoss, CrossEntropyLossConfig};
 use burn::prelude::*;
 use burn::tensor::Gradients;
 
+use crate::backward_groups::{LayerParams, layer_params};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
 use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::pipeline::cut::{MAIN, StageCut};
-use crate::pipeline::stage_engine::{Slot, StageEngine};
+use crate::pipeline::stage_engine::{Slot, StageEngine, StageSeed};
+use crate::sharded::ShardedPass;
 use crate::spec::ModelSpec;
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
 use crate::spec::sequence::check_tokens;
 use crate::weights::{Weights, delegate_model_state};
+
+mod sharded;
 
 /// What a micro-batch in flight keeps for its backward pass.
 struct Flight {
@@ -97,16 +101,47 @@ impl StageSlots {
 /// logits), in [`StageSlots`] order.
 pub(crate) type RunStage<M> = fn(&M, &StageSlots, Vec<Activation>) -> Result<Vec<Activation>>;
 
+/// How a spec stage runs some of its layers: the first of them take the stage's input slots
+/// (else the main activation alone), the last give its output slots (else the main
+/// activation).
+pub(crate) type RunGroup<M> =
+    fn(&M, &StageSlots, Range<usize>, Vec<Activation>) -> Result<Vec<Activation>>;
+
+/// One parameter group of a stage: what a sharded stage gathers at once.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct StageGroup {
+    /// Its model layers.
+    pub(crate) layers: Range<usize>,
+    /// Its parameters, as indices into the stage's layout (consecutive).
+    pub(crate) params: Range<usize>,
+}
+
 /// One stage of a pipeline (see the module documentation): a slice of a spec's layers
 /// ([`Stage::new`]) or a user's module ([`crate::StageModule`]).
 pub struct Stage<M: Module = SequentialModel> {
     weights: Weights<M>,
     slots: StageSlots,
     run: RunStage<M>,
+    /// A spec stage's run of some of its layers (its groups one by one); `None`: the stage
+    /// runs as one group.
+    run_group: Option<RunGroup<M>>,
+    /// Its parameter groups, in layer order.
+    groups: Vec<StageGroup>,
     flights: HashMap<usize, Flight>,
+    /// The micro-batches in flight of a sharded stage ([`sharded`]).
+    kept: HashMap<usize, sharded::Kept>,
+    /// The dropout seed of the next forward.
+    seed: Option<u64>,
+    /// Makes a spec's dropout layers draw from the seed and their index.
+    seed_layers: fn(&mut Weights<M>, u64),
+    /// A group's gathered values (reused).
+    scratch: Vec<f32>,
     peak: usize,
     grads: Vec<f32>,
     loss: CrossEntropyLoss,
+    /// A spec stage's model spec and its layers' parameters (its groups are the spec's
+    /// backward groups).
+    spec: Option<(ModelSpec, Vec<LayerParams>)>,
 }
 
 delegate_model_state!([M: Module] Stage<M>);
@@ -139,7 +174,13 @@ impl Stage<SequentialModel> {
             .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
         let ends = [MAIN.to_string(), MAIN.to_string()];
         let slots = StageSlots::of_cut(cut, index, ends, spec.token_vocab(), range);
-        Ok(Stage::of(weights, slots, run_layers))
+        let layers = layer_params(weights.model()?);
+        let mut stage = Stage::of(weights, slots, run_layers);
+        stage.run_group = Some(run_spec_group);
+        stage.seed_layers = |w, seed| w.set_layer_dropout_seed(seed);
+        stage.groups = sharded::spec_groups(spec, &layers, &stage.slots.range, 0)?;
+        stage.spec = Some((spec.clone(), layers));
+        Ok(stage)
     }
 }
 
@@ -149,12 +190,43 @@ impl<M: Module> Stage<M> {
         Self {
             loss: CrossEntropyLossConfig::new().init(&weights.device),
             grads: vec![0.0; weights.layout.total],
+            groups: sharded::whole(slots.range.clone(), &weights.layout),
             weights,
             slots,
             run,
+            run_group: None,
             flights: HashMap::new(),
+            kept: HashMap::new(),
+            seed: None,
+            seed_layers: |_, _| {},
+            scratch: Vec::new(),
             peak: 0,
+            spec: None,
         }
+    }
+
+    /// Seeds the dropout masks of the following forwards (the stage's and, for a spec,
+    /// each layer's from its index).
+    fn set_seed(&mut self, seed: u64) {
+        self.seed = Some(seed);
+        self.weights.set_dropout_seed(seed);
+        (self.seed_layers)(&mut self.weights, seed);
+    }
+
+    /// Micro-batches in flight, sharded or not.
+    fn in_flight_count(&self) -> usize {
+        self.flights.len() + self.kept.len()
+    }
+
+    /// Refuses a forward of micro-batch `mb` while it is in flight.
+    fn check_free(&self, mb: usize) -> Result<()> {
+        if self.flights.contains_key(&mb) || self.kept.contains_key(&mb) {
+            return Err(EngineError::Batch(format!(
+                "stage {}: micro-batch {mb} is already in flight",
+                self.slots.index
+            )));
+        }
+        Ok(())
     }
 }
 
@@ -180,11 +252,11 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
     }
 
     fn set_dropout_seed(&mut self, seed: u64) {
-        self.weights.set_dropout_seed(seed);
+        self.set_seed(seed);
     }
 
     fn in_flight(&self) -> usize {
-        self.flights.len()
+        self.in_flight_count()
     }
 
     fn peak_in_flight(&self) -> usize {
@@ -192,12 +264,7 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
     }
 
     fn forward(&mut self, mb: usize, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
-        if self.flights.contains_key(&mb) {
-            return Err(EngineError::Batch(format!(
-                "stage {}: micro-batch {mb} is already in flight",
-                self.slots.index
-            )));
-        }
+        self.check_free(mb)?;
         let _span = tracing::info_span!(target: "flotilla::engine", "forward", mb).entered();
         let device = self.weights.device.clone();
         let acts = self.activations(n, inputs, &device, self.slots.index > 0)?;
@@ -213,7 +280,7 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
                 outputs,
             },
         );
-        self.peak = self.peak.max(self.flights.len());
+        self.peak = self.peak.max(self.in_flight_count());
         Ok(flat)
     }
 
@@ -228,21 +295,7 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
             )));
         }
         let _span = tracing::info_span!(target: "flotilla::engine", "backward", mb).entered();
-        let mut seed: Option<Tensor<1>> = None;
-        for (y, g) in flight.outputs.iter().zip(grad_outputs) {
-            if g.len() != y.numel() {
-                return Err(EngineError::FlatLength {
-                    expected: y.numel(),
-                    got: g.len(),
-                });
-            }
-            let term = y.dot(g);
-            seed = Some(match seed {
-                Some(sum) => sum + term,
-                None => term,
-            });
-        }
-        match seed {
+        match vjp_seed(&flight.outputs, grad_outputs)? {
             Some(seed) if self.needs_backward() => {
                 let grads = seed.backward();
                 self.finish_backward(&flight, &grads)
@@ -286,18 +339,24 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
     }
 
     fn grads_mut(&mut self) -> &mut [f32] {
-        &mut self.grads
+        self.grad_buffer()
     }
 
     fn step(&mut self, lr: f64) -> Result<()> {
-        if !self.flights.is_empty() {
-            let mut open: Vec<usize> = self.flights.keys().copied().collect();
+        if self.in_flight_count() > 0 {
+            let mut open: Vec<usize> = self
+                .flights
+                .keys()
+                .chain(self.kept.keys())
+                .copied()
+                .collect();
             open.sort_unstable();
             return Err(EngineError::Batch(format!(
                 "stage {}: step with micro-batches {open:?} still waiting for backward",
                 self.slots.index
             )));
         }
+        self.grad_buffer();
         self.weights.step(&self.grads, lr)?;
         self.grads.fill(0.0);
         Ok(())
@@ -305,7 +364,53 @@ impl<M: Module + 'static> StageEngine for Stage<M> {
 
     fn reset(&mut self) {
         self.flights.clear();
+        self.kept.clear();
         self.grads.fill(0.0);
+    }
+
+    fn set_group_bytes(&mut self, max_bytes: usize) -> Result<()> {
+        if let Some((spec, layers)) = &self.spec {
+            self.groups = sharded::spec_groups(spec, layers, &self.slots.range, max_bytes)?;
+        }
+        Ok(())
+    }
+
+    fn param_groups(&self) -> Vec<Range<usize>> {
+        self.groups.iter().map(|g| g.params.clone()).collect()
+    }
+
+    fn release_params(&mut self) -> Result<()> {
+        // A sharded stage's gradients go to its pass: no buffer of the whole stage's.
+        self.grads = Vec::new();
+        self.weights.release()
+    }
+
+    fn forward_sharded(
+        &mut self,
+        mb: usize,
+        n: usize,
+        inputs: &[&[f32]],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.sharded_forward(mb, n, inputs, pass)
+    }
+
+    fn backward_sharded(
+        &mut self,
+        mb: usize,
+        seed: StageSeed<'_>,
+        pass: &mut dyn ShardedPass,
+    ) -> Result<(Option<f32>, Vec<Vec<f32>>)> {
+        self.sharded_backward(mb, seed, pass)
+    }
+
+    fn forward_eval_sharded(
+        &mut self,
+        n: usize,
+        inputs: &[&[f32]],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<Vec<Vec<f32>>> {
+        self.sharded_eval(n, inputs, pass)
     }
 
     fn forward_eval(&self, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>> {
@@ -375,8 +480,18 @@ impl<M: Module> Stage<M> {
         })
     }
 
+    /// The gradient accumulator, made (zeroed) when a released stage let it go.
+    fn grad_buffer(&mut self) -> &mut Vec<f32> {
+        let total = self.weights.layout.total;
+        if self.grads.len() != total {
+            self.grads = vec![0.0; total];
+        }
+        &mut self.grads
+    }
+
     /// Adds the parameters' gradients to the accumulator and reads the inputs' gradients.
     fn finish_backward(&mut self, flight: &Flight, grads: &Gradients) -> Result<Vec<Vec<f32>>> {
+        self.grad_buffer();
         let layout = &self.weights.layout;
         let acc = &mut self.grads;
         params::for_each_grad(self.weights.model()?, grads, layout, &mut |i, g| {
@@ -397,24 +512,61 @@ impl<M: Module> Stage<M> {
     }
 }
 
+/// `Σ y·g` over a stage's outputs `ys` and their gradients `gs` (same order and sizes): the
+/// seed of the vector-Jacobian product that hands every output its gradient (`None`: no
+/// output).
+fn vjp_seed(ys: &[Activation], gs: Vec<Vec<f32>>) -> Result<Option<Tensor<1>>> {
+    let mut seed: Option<Tensor<1>> = None;
+    for (y, g) in ys.iter().zip(gs) {
+        if g.len() != y.numel() {
+            return Err(EngineError::FlatLength {
+                expected: y.numel(),
+                got: g.len(),
+            });
+        }
+        let term = y.dot(g);
+        seed = Some(match seed {
+            Some(sum) => sum + term,
+            None => term,
+        });
+    }
+    Ok(seed)
+}
+
 /// A spec stage's run: its layers over the main input and the named tensors it takes.
 fn run_layers(
     model: &SequentialModel,
     slots: &StageSlots,
     acts: Vec<Activation>,
 ) -> Result<Vec<Activation>> {
+    run_spec_group(model, slots, slots.range.clone(), acts)
+}
+
+/// Layers `layers` of a spec stage ([`RunGroup`]): the first of its layers take the main
+/// input and the named tensors it takes, a later group's the main activation; the last give
+/// its outputs.
+fn run_spec_group(
+    model: &SequentialModel,
+    slots: &StageSlots,
+    layers: Range<usize>,
+    acts: Vec<Activation>,
+) -> Result<Vec<Activation>> {
     let mut acts = acts.into_iter();
     let Some(main) = acts.next() else {
         return Err(EngineError::Batch("a stage needs its main input".into()));
     };
-    let mut kept: HashMap<String, Activation> = slots
-        .inputs
-        .iter()
-        .skip(1)
-        .map(|s| s.name.clone())
-        .zip(acts)
-        .collect();
-    let x = model.run_range(slots.range.clone(), main, &mut kept);
+    let first = layers.start == slots.range.start;
+    let mut kept: HashMap<String, Activation> = match first {
+        true => (slots.inputs.iter().skip(1))
+            .map(|s| s.name.clone())
+            .zip(acts)
+            .collect(),
+        false => HashMap::new(),
+    };
+    let x = model.run_range(layers.clone(), main, &mut kept);
+    if layers.end != slots.range.end {
+        return Ok(vec![x]);
+    }
     if slots.last {
         return Ok(vec![Activation::Flat(x.into_logits())]);
     }

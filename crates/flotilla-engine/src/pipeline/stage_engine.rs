@@ -5,6 +5,7 @@
 use std::ops::Range;
 
 use crate::error::Result;
+use crate::sharded::ShardedPass;
 use crate::spec::shape::Shape;
 use crate::weights::ModelState;
 
@@ -17,6 +18,20 @@ pub struct Slot {
     pub name: String,
     /// One sample's shape.
     pub shape: Shape,
+}
+
+/// What differentiates a sharded stage's last group ([`StageEngine::backward_sharded`]): the loss of the labels (weighted), or the
+/// gradients of the output slots.
+pub enum StageSeed<'a> {
+    /// The last stage: cross-entropy against `labels`, its gradient scaled by `weight`.
+    Loss {
+        /// One label per sample (or per position of a sequence model).
+        labels: &'a [i64],
+        /// The micro-batch's share of the batch.
+        weight: f32,
+    },
+    /// An earlier stage: the gradients of its output slots, in order.
+    Grads(Vec<Vec<f32>>),
 }
 
 /// One pipeline stage: forward and backward on micro-batches, gradients accumulated until
@@ -81,4 +96,64 @@ pub trait StageEngine: ModelState {
 
     /// Forward without gradients (evaluation): returns the output slots.
     fn forward_eval(&self, n: usize, inputs: &[&[f32]]) -> Result<Vec<Vec<f32>>>;
+
+    /// Cuts a spec stage into parameter groups of at most `max_bytes` each (4 per value)
+    /// where only the main activation crosses (the backward groups' rule), what a sharded
+    /// stage gathers at once; `0`: one group. A program's stage module is one group.
+    ///
+    /// # Errors
+    /// The spec's shapes do not check.
+    fn set_group_bytes(&mut self, max_bytes: usize) -> Result<()>;
+
+    /// The parameter groups, in layer order: consecutive ranges of indices into
+    /// [`ModelState::layout`]'s `params`, together all of them.
+    fn param_groups(&self) -> Vec<Range<usize>>;
+
+    /// Releases every parameter (the layout keeps their shapes): a sharded stage holds none
+    /// between uses; [`ModelState::write_params`] gives them back.
+    ///
+    /// # Errors
+    /// The model is out (a failed pass).
+    fn release_params(&mut self) -> Result<()>;
+
+    /// [`StageEngine::forward`] of a released stage, each group's parameters gathered from
+    /// `pass` before it runs and released after; the group runs off the tape and only its
+    /// input is kept (the module documentation of `pipeline/stage/sharded.rs`).
+    ///
+    /// # Errors
+    /// As [`StageEngine::forward`], and what `pass` met.
+    fn forward_sharded(
+        &mut self,
+        mb: usize,
+        n: usize,
+        inputs: &[&[f32]],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<Vec<Vec<f32>>>;
+
+    /// The backward of a micro-batch [`StageEngine::forward_sharded`] ran: from the last
+    /// group, each gathered again, recomputed on the tape and differentiated by `seed` (the
+    /// last group) or the next group's input gradient, its parameters' gradients handed to
+    /// [`ShardedPass::ready`] (group by group from the last, within one in flat order) and
+    /// none accumulated in the stage. Returns the loss (by a [`StageSeed::Loss`]) and the
+    /// gradients of the input slots (empty on stage 0).
+    ///
+    /// # Errors
+    /// As [`StageEngine::backward`], and what `pass` met.
+    fn backward_sharded(
+        &mut self,
+        mb: usize,
+        seed: StageSeed<'_>,
+        pass: &mut dyn ShardedPass,
+    ) -> Result<(Option<f32>, Vec<Vec<f32>>)>;
+
+    /// [`StageEngine::forward_eval`] of a released stage, group by group through `pass`.
+    ///
+    /// # Errors
+    /// As [`StageEngine::forward_eval`], and what `pass` met.
+    fn forward_eval_sharded(
+        &mut self,
+        n: usize,
+        inputs: &[&[f32]],
+        pass: &mut dyn ShardedPass,
+    ) -> Result<Vec<Vec<f32>>>;
 }

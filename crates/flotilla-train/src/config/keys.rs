@@ -302,7 +302,7 @@ pub const KEYS: &[Key] = &[
         "zero",
         "STAGE",
         Kind::Usize,
-        "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce; 1 among a pipeline's replicas)",
+        "ZeRO: 1 shards the optimizer state, 2 also the gradients, 3 also the parameters (sync all-reduce; 1 to 3 among a pipeline's replicas too)",
     ),
     Key::new("allreduce.prefetch").aliases(&["prefetch"]),
     Key::new("allreduce.reshard_after_forward").aliases(&["reshard_after_forward"]),

@@ -203,13 +203,13 @@ impl TrainConfig {
                 ),
             ));
         }
-        let pipeline_zero_1 = t.arch == Arch::Pipeline && self.allreduce.zero == 1;
-        if self.allreduce.zero > 0 && !sync_mode && !pipeline_zero_1 {
+        let pipeline_zero = t.arch == Arch::Pipeline;
+        if self.allreduce.zero > 0 && !sync_mode && !pipeline_zero {
             return Err(bad(
                 "allreduce.zero",
                 format!(
                     "ZeRO shards the optimizer step of sync data-parallel all-reduce (stages 1 \
-                     to 3) and of a pipeline's replicas (stage 1) only, not stage {} under \
+                     to 3) and of a pipeline's replicas only, not stage {} under \
                      arch {} with mode {:?}",
                     self.allreduce.zero, t.arch, self.allreduce.mode
                 ),
@@ -515,18 +515,18 @@ mod tests {
     }
 
     #[test]
-    fn a_pipeline_shards_its_replicas_optimizer_state_at_zero_1_only() {
+    fn a_pipeline_shards_its_replicas_at_any_zero_stage() {
         let check = |yaml: &str| TrainConfig::from_yaml(yaml, "r").expect("parse").validate();
         let pipeline = "strategy: pipeline\nstages: 2\ndata_parallel: 2\nworld_size: 4\n";
-        check(&format!("{pipeline}zero: 1\n")).expect("zero 1");
-        for zero in [2, 3] {
-            let e = check(&format!("{pipeline}zero: {zero}\n")).expect_err("refused");
-            let e = e.to_string();
-            assert!(
-                e.contains("allreduce.zero") && e.contains("(stage 1) only"),
-                "{e}"
-            );
+        for zero in 1..=3 {
+            check(&format!("{pipeline}zero: {zero}\n")).expect("zero");
         }
+        let async_ = "strategy: async_allreduce\nworld_size: 2\nzero: 1\n";
+        let e = check(async_).expect_err("refused").to_string();
+        assert!(
+            e.contains("allreduce.zero") && e.contains("pipeline's replicas only"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ pub mod stage;
 pub mod state;
 pub mod wire;
 mod zero;
+mod zero3;
 
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};

@@ -14,13 +14,18 @@ use std::ops::Range;
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_engine::{EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut, StageEngine};
+use flotilla_engine::{
+    EvalStats, ModelSpec, OptimizerSpec, Shape, Stage, StageCut, StageEngine, StageSeed,
+};
 use flotilla_tcp::ProcessGroup;
 
 use crate::error::{Result, TrainError};
-use crate::strategy::allreduce::{clip, dropout_seed};
+
+mod replicas;
+use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
-use crate::strategy::pipeline::zero::ReplicaShard;
+use crate::strategy::pipeline::zero::{self, ReplicaShard};
+use crate::strategy::pipeline::zero3::ReplicaParams;
 use crate::strategy::pipeline::{Action, Schedule, micro_batches};
 
 /// How a pipeline runs.
@@ -44,10 +49,19 @@ pub struct PipelineOptions {
     /// Clip the gradient to this global norm (over every stage's parameters) before each
     /// step (`allreduce.clip_grad_norm`).
     pub clip_grad_norm: Option<f64>,
-    /// ZeRO stage among a stage's replicas (`allreduce.zero`): 0, or 1 to shard each stage's
+    /// ZeRO stage among a stage's replicas (`allreduce.zero`): 0; 1 to shard each stage's
     /// optimizer state among its `data_parallel` replicas (`zero.rs`; the same parameters,
-    /// bit for bit). Stages 2 and 3 are not run in a pipeline.
+    /// bit for bit); 2 to reduce-scatter the gradient too, each replica keeping its shard of
+    /// the average only; 3 to shard the parameters too, each group gathered for each use
+    /// (`zero3.rs`).
     pub zero: u8,
+    /// Under ZeRO-3, at most this many bytes of parameters (4 per value) in a group a
+    /// replica gathers at once (a spec stage cut where only the main activation crosses,
+    /// `comm.bucket_mb`); `0`: the whole stage at once.
+    pub group_bytes: usize,
+    /// Under ZeRO-3, whether the next group's all-gather runs while a group computes
+    /// (`allreduce.prefetch`; the same values either way).
+    pub prefetch: bool,
     /// Under ZeRO-1, the directory each replica's shard of the optimizer state is offloaded
     /// under (`allreduce.offload`); none: in memory.
     pub offload: Option<std::path::PathBuf>,
@@ -77,9 +91,12 @@ pub struct Pipeline {
     /// This replica's share of the step's samples, when replicas' batches differ
     /// ([`Pipeline::set_share`]); `None`: equal batches, the gradients' plain mean.
     share: Option<f32>,
-    /// ZeRO-1: this replica's part of its stage's optimizer (`None`: the stage's own
+    /// ZeRO-1, 2 and 3: this replica's part of its stage's optimizer (`None`: the stage's own
     /// optimizer steps, as without ZeRO or with one replica).
     zero: Option<ReplicaShard>,
+    /// ZeRO-3: this replica's shard of its stage's parameters (the stage holds none between
+    /// uses).
+    params: Option<ReplicaParams>,
 }
 
 impl std::fmt::Debug for Pipeline {
@@ -135,14 +152,38 @@ impl Pipeline {
         }
         agree(&*world, model, &cut, &opts)?;
         let (replica, peers, replicas) = layout(&world, stages, opts.data_parallel)?;
+        let mut stage = stage;
+        let params = match (&replicas, opts.zero) {
+            (Some(group), 3) => {
+                if stage.buffer_layout().total > 0 {
+                    return Err(TrainError::config(
+                        "allreduce.zero",
+                        format!(
+                            "stage {index} keeps running statistics (batch norm), which its \
+                             forward recomputed under ZeRO-3 would update twice: run its \
+                             replicas at zero 2 or less"
+                        ),
+                    ));
+                }
+                stage.set_group_bytes(opts.group_bytes)?;
+                let mut params = ReplicaParams::new(&*stage, group.clone(), opts.prefetch);
+                params.take_shard(&mut *stage)?;
+                Some(params)
+            }
+            _ => None,
+        };
         let zero = match (&replicas, opts.zero) {
-            (Some(group), 1..) => Some(ReplicaShard::new(
-                &*stage,
-                &**group,
-                &opts.optimizer,
-                &opts.device,
-                opts.offload.as_deref(),
-            )?),
+            (Some(group), 1..) => {
+                let groups = params.as_ref().map(ReplicaParams::group_ranges);
+                let (total, d, r) = (stage.layout().total, group.size(), group.rank());
+                Some(ReplicaShard::new(
+                    &*stage,
+                    zero::owned(total, groups.as_deref(), d, r),
+                    &opts.optimizer,
+                    &opts.device,
+                    opts.offload.as_deref(),
+                )?)
+            }
             _ => None,
         };
         Ok(Self {
@@ -159,6 +200,7 @@ impl Pipeline {
             dropout_seed: None,
             share: None,
             zero,
+            params,
         })
     }
 
@@ -270,6 +312,9 @@ impl Pipeline {
     /// (an elastic job's replicas share a fixed global batch); `None`: the plain mean.
     pub fn set_share(&mut self, share: Option<f32>) {
         self.share = share;
+        if let Some(p) = &mut self.params {
+            p.set_share(share);
+        }
     }
 
     /// Sets the learning rate of the next steps.
@@ -369,86 +414,13 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`),
-    /// clips it by the global norm over every stage (when set; collective over the world),
-    /// and applies one optimizer step.
-    pub fn step(&mut self) -> Result<()> {
-        if let Some(group) = &self.replicas {
-            let span = tracing::info_span!(target: "flotilla::pipeline", "allreduce").entered();
-            let d = group.size() as f32;
-            let grads = self.stage.grads_mut();
-            match self.share {
-                Some(w) => {
-                    grads.iter_mut().for_each(|g| *g *= w);
-                    group.all_reduce_sum(grads)?;
-                }
-                None => {
-                    group.all_reduce_sum(grads)?;
-                    grads.iter_mut().for_each(|g| *g /= d);
-                }
-            }
-            drop(span);
-        }
-        if let Some(max) = self.opts.clip_grad_norm {
-            // Every replica holds the same averaged gradient: each sums its own stages' shares
-            // in stage order, and all find the same norm.
-            let stages = self.cut.stages();
-            let mine = clip::square_sum(self.stage.grads_mut());
-            let members = self.replica * stages..(self.replica + 1) * stages;
-            let norm = clip::gathered_norm(mine, &*self.world, members)?;
-            clip::scale_to(self.stage.grads_mut(), norm, max);
-        }
-        let started = Instant::now();
-        match (&mut self.zero, &self.replicas) {
-            (Some(zero), Some(group)) => zero.step(&mut *self.stage, &**group, self.opts.lr)?,
-            _ => self.stage.step(self.opts.lr)?,
-        }
-        self.compute += started.elapsed();
-        Ok(())
-    }
-
-    /// This stage's weights (safetensors bytes) and whole optimizer state, as a checkpoint
-    /// holds them, on replica 0 (which with ZeRO gathers the replicas' shards of the state);
-    /// `None` on the other replicas. Collective over the stage's replicas.
-    pub fn stage_state(&self) -> Result<Option<[Vec<u8>; 2]>> {
-        let optimizer = match (&self.zero, &self.replicas) {
-            (Some(zero), Some(group)) => zero.whole_state(&*self.stage, &**group)?,
-            _ if self.replica != 0 => None,
-            _ => Some(self.stage.optimizer_state()?),
-        };
-        match optimizer {
-            Some(o) => Ok(Some([self.stage.weights_bytes()?, o])),
-            None => Ok(None),
-        }
-    }
-
-    /// Replaces this stage's weights and optimizer state with `parts` (as
-    /// [`Pipeline::stage_state`] gives them; with ZeRO, this replica keeps its shard of the
-    /// state).
-    pub fn load_stage_state(&mut self, parts: &[Vec<u8>; 2]) -> Result<()> {
-        self.stage.load_weights_bytes(&parts[0])?;
-        match &mut self.zero {
-            Some(zero) => zero.load_whole(&*self.stage, &parts[1]),
-            None => Ok(self.stage.load_optimizer_state(&parts[1])?),
-        }
-    }
-
-    /// Bytes of optimizer state this rank holds: its stage's, or with ZeRO its shard's.
-    pub fn optimizer_state_bytes(&self) -> Result<u64> {
-        match &self.zero {
-            Some(zero) => zero.state_bytes(),
-            None => Ok(flotilla_engine::optimizer_state_bytes(
-                &self.stage.optimizer_state()?,
-            )?),
-        }
-    }
-
     /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
     /// world (replica 0 runs the forwards, every rank gets the result). A sequence model's
     /// loss and accuracy are over positions, as the whole model's.
     pub fn evaluate(&mut self, images: &[f32], labels: &[i64], chunk: usize) -> Result<EvalStats> {
         let mut stats = EvalStats::default();
-        if self.replica == 0 {
+        // Under ZeRO-3 every replica runs the forwards: each group's gather takes them all.
+        if self.replica == 0 || self.params.is_some() {
             let (n, per) = (self.samples(labels)?, self.labels_per_sample());
             let chunk = chunk.max(1);
             for (i, start) in (0..n).step_by(chunk).enumerate() {
@@ -521,7 +493,14 @@ impl Pipeline {
             self.stage.set_dropout_seed(dropout_seed(seed, mb, 0));
         }
         let started = Instant::now();
-        let outputs = self.stage.forward(mb, n, &refs)?;
+        let outputs = match &mut self.params {
+            Some(p) => {
+                p.release(&mut *self.stage)?;
+                let out = self.stage.forward_sharded(mb, n, &refs, p);
+                out.map_err(|e| p.error_of(e))?
+            }
+            None => self.stage.forward(mb, n, &refs)?,
+        };
         self.compute += started.elapsed();
         self.send_forward(Direction::Forward, mb, outputs)
     }
@@ -558,13 +537,22 @@ impl Pipeline {
             _ => Vec::new(),
         };
         let started = Instant::now();
-        let (loss, grad_inputs) = match upstream {
-            Upstream::Labels(labels, weight) => {
+        let (loss, grad_inputs) = match (upstream, &mut self.params) {
+            (upstream, Some(p)) => {
+                let seed = match upstream {
+                    Upstream::Labels(labels, weight) => StageSeed::Loss { labels, weight },
+                    Upstream::Grad(g) => StageSeed::Grads(vec![g]),
+                    Upstream::Stage => StageSeed::Grads(received),
+                };
+                let back = self.stage.backward_sharded(mb, seed, p);
+                back.map_err(|e| p.error_of(e))?
+            }
+            (Upstream::Labels(labels, weight), None) => {
                 let (loss, g) = self.stage.backward_loss(mb, labels, weight)?;
                 (Some(loss), g)
             }
-            Upstream::Grad(g) => (None, self.stage.backward(mb, vec![g])?),
-            Upstream::Stage => (None, self.stage.backward(mb, received)?),
+            (Upstream::Grad(g), None) => (None, self.stage.backward(mb, vec![g])?),
+            (Upstream::Stage, None) => (None, self.stage.backward(mb, received)?),
         };
         self.compute += started.elapsed();
         if s > 0 {
@@ -603,7 +591,14 @@ impl Pipeline {
         let n = rows.len();
         let inputs = self.stage_inputs(Direction::Eval, chunk, rows, images)?;
         let refs: Vec<&[f32]> = inputs.iter().map(Vec::as_slice).collect();
-        let outputs = self.stage.forward_eval(n, &refs)?;
+        let outputs = match &mut self.params {
+            Some(p) => {
+                p.release(&mut *self.stage)?;
+                let out = self.stage.forward_eval_sharded(n, &refs, p);
+                out.map_err(|e| p.error_of(e))?
+            }
+            None => self.stage.forward_eval(n, &refs)?,
+        };
         self.send_forward(Direction::Eval, chunk, outputs)
     }
 
@@ -745,9 +740,9 @@ fn check_shape(cut: &StageCut, opts: &PipelineOptions, world: usize) -> Result<(
             s * d
         ));
     }
-    if opts.zero > 1 {
+    if opts.zero > 3 {
         return err(format!(
-            "ZeRO stage {} among a stage's replicas: a pipeline runs stage 0 or 1",
+            "ZeRO stage {} among a stage's replicas: a pipeline runs stages 0 to 3",
             opts.zero
         ));
     }
@@ -782,6 +777,7 @@ fn agree(
         &opts.optimizer,
         opts.seed,
         opts.zero,
+        opts.group_bytes,
     );
     let text = format!("{model}|{:?}|{:?}|{shared:?}", cut.ranges, cut.crossings);
     let mine = xxhash_rust::xxh3::xxh3_64(text.as_bytes());

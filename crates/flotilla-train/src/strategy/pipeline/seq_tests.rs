@@ -48,6 +48,8 @@ fn options(schedule: Schedule, micro_batches: usize, data_parallel: usize) -> Pi
         seed: SEED,
         clip_grad_norm: None,
         zero: 0,
+        group_bytes: 0,
+        prefetch: true,
         offload: None,
     }
 }

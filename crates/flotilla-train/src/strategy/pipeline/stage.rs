@@ -19,7 +19,7 @@ use crate::strategy::pipeline::source::StageSource;
 use crate::strategy::pipeline::{Pipeline, PipelineOptions, elastic, plan, state};
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
-/// Samples per forward when evaluating.
+/// Rows of logits (samples, or a sequence model's positions) per forward when evaluating.
 const EVAL_CHUNK: usize = 500;
 
 /// Tag of rank 0's pipeline cut, sent to every other rank at start (point to point, so that
@@ -68,6 +68,8 @@ impl PipelineStage {
             seed: config.model.seed,
             clip_grad_norm: config.allreduce.clip_grad_norm,
             zero: config.allreduce.zero,
+            group_bytes: config.bucket_bytes(),
+            prefetch: config.allreduce.prefetch,
             offload: config.allreduce.offload.clone(),
         };
         let samples = config.data.batch_size.div_ceil(p.micro_batches.max(1));
@@ -273,10 +275,11 @@ impl Strategy for PipelineStage {
                 match (self.pipe.options(), replicas > 1) {
                     (o, true) if o.zero > 0 => match &o.offload {
                         Some(dir) => format!(
-                            ", ZeRO stage 1 among the replicas, optimizer state in files under {}",
+                            ", ZeRO stage {} among the replicas, optimizer state in files under {}",
+                            o.zero,
                             dir.display()
                         ),
-                        None => ", ZeRO stage 1 among the replicas".into(),
+                        None => format!(", ZeRO stage {} among the replicas", o.zero),
                     },
                     _ => String::new(),
                 }
@@ -398,11 +401,16 @@ impl Strategy for PipelineStage {
         if !self.pipe.is_first() {
             images.clear();
         }
-        self.pipe.evaluate(&images, &labels, EVAL_CHUNK)
+        // About EVAL_CHUNK rows of logits a chunk (a sequence model's positions each a row),
+        // and never fewer samples than a training batch.
+        let per = self.pipe.labels_per_sample().max(1);
+        let chunk = (EVAL_CHUNK / per).max(cx.config.data.batch_size);
+        self.pipe.evaluate(&images, &labels, chunk)
     }
 
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
         let _ = cx;
+        self.pipe.gather_stage()?;
         match self.pipe.replica_group().cloned() {
             Some(group) => crate::eval::verify_identical(self.pipe.stage(), &*group).map(Some),
             None => crate::eval::param_hash(self.pipe.stage()).map(Some),
@@ -414,11 +422,12 @@ impl Strategy for PipelineStage {
         cx: &mut Cx<'_>,
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
-        state::save(&self.pipe, &cx.config.telemetry.output, state)
+        state::save(&mut self.pipe, &cx.config.telemetry.output, state)
     }
 
     fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
         let _ = cx;
+        self.pipe.gather_stage()?;
         state::save_model(&self.pipe, path)
     }
 

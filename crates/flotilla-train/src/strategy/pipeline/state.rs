@@ -63,7 +63,11 @@ fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
 /// Writes a checkpoint of the pipeline; collective over the world. Rank 0 writes it and
 /// returns its directory; the other stages of replica 0 send their state to rank 0 (with
 /// ZeRO, gathered first from their replicas: [`Pipeline::stage_state`]).
-pub fn save(pipe: &Pipeline, output: &Path, state: &CheckpointState) -> Result<Option<PathBuf>> {
+pub fn save(
+    pipe: &mut Pipeline,
+    output: &Path,
+    state: &CheckpointState,
+) -> Result<Option<PathBuf>> {
     let rank = pipe.world().rank();
     let stages = pipe.cut().stages();
     let Some(mine) = pipe.stage_state()? else {

@@ -73,7 +73,7 @@ fn run(
                 let losses = batches.filter_map(|b| train_batch(&mut pipe, b)).collect();
                 let saved = out.and_then(|o| {
                     let s = checkpoint_state(&pipe);
-                    state::save(&pipe, &o, &s).expect("save")
+                    state::save(&mut pipe, &o, &s).expect("save")
                 });
                 let ended = Ended {
                     stage: pipe.stage_index(),

@@ -59,6 +59,8 @@ pub(super) fn options(
         seed: SEED,
         clip_grad_norm: None,
         zero: 0,
+        group_bytes: 0,
+        prefetch: true,
         offload: None,
     }
 }
@@ -95,6 +97,14 @@ pub(super) fn named(state: &dyn ModelState) -> HashMap<String, Vec<f32>> {
 
 /// Single-process training on the same batches.
 pub(super) fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
+    reference_clipped(None)
+}
+
+/// [`reference`] with the gradient clipped to global norm `clip` before each step, as
+/// PyTorch's `clip_grad_norm_` does (its norm in `f64` here).
+pub(super) fn reference_clipped(
+    clip: Option<f64>,
+) -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32>>) {
     let mut e = BurnEngine::new(&spec(), &sgd(LR, 0.0), "flex", SEED).expect("engine");
     let initial = named(&e);
     for b in 0..BATCHES {
@@ -106,6 +116,11 @@ pub(super) fn reference() -> (HashMap<String, Vec<f32>>, HashMap<String, Vec<f32
         .expect("train");
         let mut g = vec![0.0; e.num_params()];
         e.read_grads(&mut g).expect("grads");
+        if let Some(max) = clip {
+            let norm = g.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+            let factor = (max / (norm + 1e-6)).min(1.0) as f32;
+            g.iter_mut().for_each(|v| *v *= factor);
+        }
         e.apply_grads(&g, LR).expect("step");
     }
     (initial, named(&e))
@@ -147,6 +162,7 @@ pub(super) fn run_model(
             std::thread::spawn(move || {
                 let mut pipe = Pipeline::new(&spec, cut, opts, group).expect("pipeline");
                 let losses = (0..batches).filter_map(|b| train(&mut pipe, b)).collect();
+                pipe.gather_stage().expect("gather");
                 Ended {
                     stage: pipe.stage_index(),
                     replica: pipe.replica(),

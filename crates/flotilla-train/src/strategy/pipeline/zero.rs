@@ -1,13 +1,18 @@
-//! ZeRO-1 among the replicas of a pipeline's stage (`allreduce.zero: 1` with `arch:
-//! pipeline` and `data_parallel` above 1; [`super::PipelineOptions::zero`]): each of a
-//! stage's `D` replicas keeps the optimizer state of its shard of the stage's flat
+//! ZeRO-1 and ZeRO-2 among the replicas of a pipeline's stage (`allreduce.zero: 1` or `2`
+//! with `arch: pipeline` and `data_parallel` above 1; [`super::PipelineOptions::zero`]): each
+//! of a stage's `D` replicas keeps the optimizer state of its shard of the stage's flat
 //! parameters only ([`ShardOptimizer`], 1/D of it), steps that shard by its shard of the
 //! gradient the replicas averaged, and all-gathers the stage's parameters from the replicas.
 //!
-//! The gradient is still all-reduced whole (so that clipping by the global norm reads every
-//! value, as without ZeRO), which leaves every replica the bits zero 0 steps with: the
-//! parameters are zero 0's bit for bit. A step moves one all-reduce and one all-gather of
-//! the stage's size (zero 0: the all-reduce alone).
+//! ZeRO-1 all-reduces the gradient whole; ZeRO-2 reduce-scatters it (`pipe.rs`:
+//! `Pipeline::average`), each replica summing only its shard: one reduce-scatter and one
+//! all-gather of the stage's size a step, the traffic of one all-reduce (ZeRO-1: an
+//! all-reduce and an all-gather). Both leave the replica's shard with the bits zero 0's
+//! all-reduce gives it, and clipping reads each replica's shard (its squares summed over the
+//! world), so the parameters are zero 0's bit for bit at either stage. The stage still
+//! accumulates its whole gradient over a step's micro-batches, as PyTorch's pipelining with
+//! FSDP does (DeepSpeed refuses ZeRO-2 under a pipeline for this): the gradient memory a
+//! replica saves is none; the traffic, and the optimizer state, it does save.
 //!
 //! Checkpoints hold the stage's whole optimizer state, as without ZeRO: replica 0 gathers
 //! the shards' states into it ([`ReplicaShard::whole_state`]), and each replica loads its
@@ -30,29 +35,53 @@ const SHARD_PART: usize = 2;
 /// This replica's part of its stage's optimizer.
 pub(super) struct ReplicaShard {
     optimizer: ShardOptimizer,
-    /// This replica's shard of the stage's flat parameters ([`shard`] of them among the
-    /// replicas, as the all-gather fills it).
-    owned: Range<usize>,
+    /// This replica's shard of the stage's flat parameters ([`owned`]).
+    owned: Vec<Range<usize>>,
+}
+
+/// Replica `r` of `d`'s shard of a stage of `total` values: under ZeRO-1 and 2 the [`shard`]
+/// of them all (as the all-gather and the reduce-scatter of the whole stage cut it); under
+/// ZeRO-3 its shard of each parameter group's values (`groups`: their flat ranges), as the
+/// group's all-gather cuts it.
+pub(super) fn owned(
+    total: usize,
+    groups: Option<&[Range<usize>]>,
+    d: usize,
+    r: usize,
+) -> Vec<Range<usize>> {
+    match groups {
+        None => vec![shard(total, d, r)],
+        Some(groups) => (groups.iter())
+            .map(|g| {
+                let s = shard(g.len(), d, r);
+                g.start + s.start..g.start + s.end
+            })
+            .collect(),
+    }
 }
 
 impl ReplicaShard {
-    /// The optimizer of `spec` on the named device over this replica's shard of `stage`,
-    /// among the replicas of `replicas`; its state in files under `offload` if given.
+    /// The optimizer of `spec` on the named device over this replica's shard of `stage`
+    /// (`owned`, [`owned`]); its state in files under `offload` if given.
     pub(super) fn new(
         stage: &dyn StageEngine,
-        replicas: &dyn ProcessGroup,
+        owned: Vec<Range<usize>>,
         spec: &OptimizerSpec,
         device: &str,
         offload: Option<&std::path::Path>,
     ) -> Result<Self> {
-        let layout = stage.layout();
-        let owned = shard(layout.total, replicas.size(), replicas.rank());
-        let mut optimizer =
-            ShardOptimizer::new(spec, layout, std::slice::from_ref(&owned), device)?;
+        let mut optimizer = ShardOptimizer::new(spec, stage.layout(), &owned, device)?;
         if let Some(base) = offload {
             optimizer.offload_to(base)?;
         }
         Ok(Self { optimizer, owned })
+    }
+
+    /// ZeRO-3's step at `lr`: `values`, this replica's shard of the parameters (its pieces'
+    /// values one after the other in flat order), move by `grad` (the same pieces' average
+    /// gradient), in place.
+    pub(super) fn step_shard(&mut self, values: &mut [f32], grad: &[f32], lr: f64) -> Result<()> {
+        Ok(self.optimizer.step_shard(values, grad, lr)?)
     }
 
     /// One step at `lr`: this replica's shard of `stage`'s parameters moves by its shard of
@@ -67,8 +96,15 @@ impl ReplicaShard {
         let mut params = vec![0.0; stage.layout().total];
         stage.read_params(&mut params)?;
         let grads = stage.grads_mut();
-        self.optimizer
-            .step(&mut params, &grads[self.owned.clone()], lr)?;
+        match self.owned.as_slice() {
+            [one] => self.optimizer.step(&mut params, &grads[one.clone()], lr)?,
+            ranges => {
+                let mine: Vec<f32> = (ranges.iter())
+                    .flat_map(|r| grads[r.clone()].iter().copied())
+                    .collect();
+                self.optimizer.step(&mut params, &mine, lr)?;
+            }
+        }
         grads.fill(0.0);
         replicas.all_gather_f32(&mut params)?;
         stage.write_params(&params)?;
@@ -87,6 +123,7 @@ impl ReplicaShard {
         &self,
         stage: &dyn StageEngine,
         replicas: &dyn ProcessGroup,
+        groups: Option<&[Range<usize>]>,
     ) -> Result<Option<Vec<u8>>> {
         let mine = self.optimizer.state()?;
         let tag = wire::tag(Direction::State, SHARD_PART, 0);
@@ -106,11 +143,12 @@ impl ReplicaShard {
                 })?;
             states.push(state);
         }
-        let ranges: Vec<Range<usize>> = (0..n).map(|r| shard(layout.total, n, r)).collect();
+        let ranges: Vec<Vec<Range<usize>>> =
+            (0..n).map(|r| owned(layout.total, groups, n, r)).collect();
         let parts: Vec<_> = ranges
             .iter()
             .zip(&states)
-            .map(|(range, state)| (Some(std::slice::from_ref(range)), state.as_slice()))
+            .map(|(ranges, state)| (Some(ranges.as_slice()), state.as_slice()))
             .collect();
         Ok(Some(
             FlatOptimizerState::gather(layout, &parts)?.whole(layout)?,
@@ -122,7 +160,7 @@ impl ReplicaShard {
     pub(super) fn load_whole(&mut self, stage: &dyn StageEngine, whole: &[u8]) -> Result<()> {
         let layout = stage.layout();
         let flat = FlatOptimizerState::gather(layout, &[(None, whole)])?;
-        let mine = flat.shard(layout, std::slice::from_ref(&self.owned))?;
+        let mine = flat.shard(layout, &self.owned)?;
         Ok(self.optimizer.load_state(&mine)?)
     }
 }

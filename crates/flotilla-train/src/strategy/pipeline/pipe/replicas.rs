@@ -1,0 +1,155 @@
+//! What a stage's replicas do together at the end of a batch: average the gradient
+//! (all-reduced, or reduce-scattered under ZeRO-2), clip it by the global norm, step (the
+//! stage's optimizer, a ZeRO shard's, or under ZeRO-3 the shard in place), and put the
+//! stage's state together for a checkpoint or take a shard of a loaded one.
+
+use std::ops::Range;
+use std::time::Instant;
+
+use flotilla_tcp::shard;
+
+use super::Pipeline;
+use crate::error::Result;
+use crate::strategy::allreduce::clip;
+use crate::strategy::pipeline::zero3::ReplicaParams;
+
+impl Pipeline {
+    /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`; under
+    /// ZeRO-2 each replica keeps its shard of the average only), clips it by the global norm
+    /// over every stage (when set; collective over the world), and applies one optimizer step.
+    pub fn step(&mut self) -> Result<()> {
+        if self.params.is_some() {
+            return self.step_sharded();
+        }
+        let (owned, summed) = self.average()?;
+        if let Some(max) = self.opts.clip_grad_norm {
+            // Each rank's share is the squares of its replica's shard of its stage's gradient
+            // (what ZeRO-2 leaves it), summed over the world in rank order: the same norm,
+            // bit for bit, whether the average is whole on every replica or scattered.
+            let grads = self.stage.grads_mut();
+            let mine = clip::square_sum(&grads[owned]);
+            let norm = clip::gathered_norm(mine, &*self.world, 0..self.world.size())?;
+            clip::scale_to(&mut grads[summed], norm, max);
+        }
+        let started = Instant::now();
+        match (&mut self.zero, &self.replicas) {
+            (Some(zero), Some(group)) => zero.step(&mut *self.stage, &**group, self.opts.lr)?,
+            _ => self.stage.step(self.opts.lr)?,
+        }
+        self.compute += started.elapsed();
+        Ok(())
+    }
+
+    /// ZeRO-3's step: the shard's gradient (reduce-scattered as each group's backward ended)
+    /// averaged and clipped as ZeRO-2's, and the shard stepped in place.
+    fn step_sharded(&mut self) -> Result<()> {
+        let (Some(params), Some(zero)) = (&mut self.params, &mut self.zero) else {
+            return Err(self.usage("ZeRO-3 without its shards"));
+        };
+        let grad = params.averaged();
+        if let Some(max) = self.opts.clip_grad_norm {
+            let mine = clip::square_sum(grad);
+            let norm = clip::gathered_norm(mine, &*self.world, 0..self.world.size())?;
+            clip::scale_to(grad, norm, max);
+        }
+        let started = Instant::now();
+        let (values, grad) = params.values_and_grad();
+        zero.step_shard(values, grad, self.opts.lr)?;
+        params.zero_grad();
+        self.compute += started.elapsed();
+        Ok(())
+    }
+
+    /// Gathers a ZeRO-3 stage's parameters into it (collective over the stage's replicas),
+    /// for what needs the whole stage between steps (a checkpoint, saving the model, checking
+    /// the replicas agree); the next forward releases them. Nothing without ZeRO-3.
+    pub fn gather_stage(&mut self) -> Result<()> {
+        match &mut self.params {
+            Some(p) => p.materialize(&mut *self.stage),
+            None => Ok(()),
+        }
+    }
+
+    /// Averages the gradient over the replicas of this stage: all-reduced, or under ZeRO-2
+    /// reduce-scattered (the same sums, bit for bit, in this replica's shard; the rest of the
+    /// buffer unspecified: the sharded step reads its shard only). Returns the ranges of the
+    /// gradient that hold this replica's shard of the average (among the replicas; the whole
+    /// of it with one replica) and the average at all (the shard under ZeRO-2, else all).
+    fn average(&mut self) -> Result<(Range<usize>, Range<usize>)> {
+        let total = self.stage.layout().total;
+        let Some(group) = &self.replicas else {
+            return Ok((0..total, 0..total));
+        };
+        let _span = tracing::info_span!(target: "flotilla::pipeline", "allreduce").entered();
+        let (d, scatter) = (group.size(), self.opts.zero >= 2);
+        let owned = shard(total, d, group.rank());
+        let grads = self.stage.grads_mut();
+        if let Some(w) = self.share {
+            grads.iter_mut().for_each(|g| *g *= w);
+        }
+        let summed = match scatter {
+            true => {
+                group.reduce_scatter_sum_f32(grads)?;
+                owned.clone()
+            }
+            false => {
+                group.all_reduce_sum(grads)?;
+                0..total
+            }
+        };
+        if self.share.is_none() {
+            grads[summed.clone()]
+                .iter_mut()
+                .for_each(|g| *g /= d as f32);
+        }
+        Ok((owned, summed))
+    }
+
+    /// This stage's weights (safetensors bytes) and whole optimizer state, as a checkpoint
+    /// holds them, on replica 0 (which with ZeRO gathers the replicas' shards of the state);
+    /// `None` on the other replicas. Collective over the stage's replicas.
+    pub fn stage_state(&mut self) -> Result<Option<[Vec<u8>; 2]>> {
+        self.gather_stage()?;
+        let optimizer = match (&self.zero, &self.replicas) {
+            (Some(zero), Some(group)) => {
+                let groups = self.params.as_ref().map(ReplicaParams::group_ranges);
+                zero.whole_state(&*self.stage, &**group, groups.as_deref())?
+            }
+            _ if self.replica != 0 => None,
+            _ => Some(self.stage.optimizer_state()?),
+        };
+        match optimizer {
+            Some(o) => Ok(Some([self.stage.weights_bytes()?, o])),
+            None => Ok(None),
+        }
+    }
+
+    /// Replaces this stage's weights and optimizer state with `parts` (as
+    /// [`Pipeline::stage_state`] gives them; with ZeRO, this replica keeps its shard of the
+    /// state).
+    pub fn load_stage_state(&mut self, parts: &[Vec<u8>; 2]) -> Result<()> {
+        if let Some(p) = &mut self.params {
+            // A released stage loads into whole parameters, then keeps its shard again.
+            self.stage
+                .write_params(&vec![0.0; self.stage.layout().total])?;
+            self.stage.load_weights_bytes(&parts[0])?;
+            p.take_shard(&mut *self.stage)?;
+        } else {
+            self.stage.load_weights_bytes(&parts[0])?;
+        }
+        match &mut self.zero {
+            Some(zero) => zero.load_whole(&*self.stage, &parts[1]),
+            None => Ok(self.stage.load_optimizer_state(&parts[1])?),
+        }
+    }
+
+    /// Bytes of optimizer state this rank holds: its stage's, or with ZeRO its shard's.
+    pub fn optimizer_state_bytes(&self) -> Result<u64> {
+        match &self.zero {
+            Some(zero) => zero.state_bytes(),
+            None => Ok(flotilla_engine::optimizer_state_bytes(
+                &self.stage.optimizer_state()?,
+            )?),
+        }
+    }
+}
