@@ -258,6 +258,11 @@ const PARTS: [&str; 3] = ["model.safetensors", "optimizer.bpk", "state.json"];
 /// The checksums file of a checkpoint directory.
 pub const CHECKSUMS: &str = "checksums.json";
 
+/// The checksum of `bytes` as [`CHECKSUMS`] records a file's (`xxh3_64`, in hex).
+pub fn checksum_of(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
 /// The checksum of the file at `path` (`xxh3_64`, in hex), read piece by piece: a file of
 /// a large model's checkpoint (its weights, an optimizer shard) is never whole in memory.
 fn file_checksum(path: &Path) -> std::io::Result<String> {
@@ -365,46 +370,6 @@ fn checksum_mismatch(dir: &Path) -> Option<String> {
         }
     }
     None
-}
-
-/// Merges the stages' safetensors files into one file of the whole model, keeping the first
-/// file's metadata except its stage entry; returns the file and its number of values. A
-/// spec's stages have disjoint tensor names (the whole model's); a program's stage modules
-/// may share one (`conv.weight` in two stages), and then every tensor is named
-/// `stage<k>.<name>` after its stage. `out` names the file in errors.
-pub fn merge_stage_weights(parts: &[&[u8]], out: &Path) -> Result<(Vec<u8>, usize)> {
-    use safetensors::SafeTensors;
-    let mut stages = Vec::with_capacity(parts.len());
-    let mut metadata = None;
-    for (k, bytes) in parts.iter().enumerate() {
-        let st = SafeTensors::deserialize(bytes)
-            .map_err(|e| ck_err(out, format!("stage {k}'s weights: {e}")))?;
-        if metadata.is_none() {
-            let (_, header) = SafeTensors::read_metadata(bytes)
-                .map_err(|e| ck_err(out, format!("stage {k}'s weights: {e}")))?;
-            let mut m = header.metadata().clone().unwrap_or_default();
-            m.remove("flotilla.stage");
-            metadata = Some(m);
-        }
-        stages.push(st.tensors());
-    }
-    let mut seen = std::collections::HashSet::new();
-    let shared = stages.iter().flatten().any(|(name, _)| !seen.insert(name));
-    let mut tensors = Vec::new();
-    let mut values = 0;
-    for (k, stage) in stages.into_iter().enumerate() {
-        for (name, view) in stage {
-            values += view.shape().iter().product::<usize>();
-            let name = match shared {
-                true => format!("stage{k}.{name}"),
-                false => name,
-            };
-            tensors.push((name, view));
-        }
-    }
-    let bytes = safetensors::serialize(tensors, metadata)
-        .map_err(|e| ck_err(out, format!("merging stage weights: {e}")))?;
-    Ok((bytes, values))
 }
 
 /// The newest complete checkpoint under `output`, if any (see [`newest_complete`]).
@@ -571,53 +536,6 @@ pub fn read_flat_state(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A safetensors file of one-value tensors named `names`, valued `value`.
-    fn stage_file(names: &[&str], value: f32) -> Vec<u8> {
-        let bytes = value.to_le_bytes();
-        let views: Vec<_> = names
-            .iter()
-            .map(|n| {
-                let view =
-                    safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![1], &bytes)
-                        .expect("view");
-                (n.to_string(), view)
-            })
-            .collect();
-        safetensors::serialize(views, None).expect("serialize")
-    }
-
-    /// The names of a merged file.
-    fn merged_names(parts: &[&[u8]]) -> Vec<String> {
-        let (bytes, values) = merge_stage_weights(parts, Path::new("m")).expect("merge");
-        assert_eq!(values, parts.len() * 2);
-        let mut names = safetensors::SafeTensors::deserialize(&bytes)
-            .expect("read")
-            .names()
-            .into_iter()
-            .map(str::to_string)
-            .collect::<Vec<_>>();
-        names.sort();
-        names
-    }
-
-    #[test]
-    fn stage_weights_merge_under_their_names_or_their_stages_when_names_repeat() {
-        let (a, b) = (
-            stage_file(&["l0.w", "l0.b"], 1.0),
-            stage_file(&["l1.w", "l1.b"], 2.0),
-        );
-        assert_eq!(merged_names(&[&a, &b]), ["l0.b", "l0.w", "l1.b", "l1.w"]);
-        // A program's stage modules both named `conv`: kept apart by their stage.
-        let (a, b) = (
-            stage_file(&["conv.w", "x"], 1.0),
-            stage_file(&["conv.w", "y"], 2.0),
-        );
-        assert_eq!(
-            merged_names(&[&a, &b]),
-            ["stage0.conv.w", "stage0.x", "stage1.conv.w", "stage1.y"]
-        );
-    }
 
     fn fake_checkpoint(root: &Path, name: &str, parts: &[&str]) {
         let dir = root.join(name);

@@ -12,6 +12,7 @@ pub mod batches;
 pub mod bucket;
 pub mod checkpoint;
 pub mod checkpoint_export;
+pub(crate) mod checkpoint_offer;
 pub mod config;
 pub mod divergence;
 pub mod elastic;

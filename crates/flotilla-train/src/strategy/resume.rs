@@ -48,6 +48,11 @@ impl Resume {
         })
     }
 
+    /// On rank 0: the checkpoint the job resumes from, if it does; `None` elsewhere.
+    pub fn dir(&self) -> Option<&Path> {
+        self.dir.as_deref()
+    }
+
     /// Whether this process replaced a lost worker of a running job (it takes part in no
     /// collective of the job's start).
     pub fn rejoined(&self) -> bool {

@@ -339,10 +339,10 @@ impl Zero {
             ..state.clone()
         };
         checkpoint::save_with(output, &state, |tmp| {
-            let offer = shard_files::offer(&*self.comm, tmp)?;
+            let offer = crate::checkpoint_offer::offer(&*self.comm, tmp)?;
             let weights = tmp.join("model.safetensors");
             model.save_weights(&weights)?;
-            offer.collect(&*self.comm, &self.optimizer)
+            shard_files::collect(offer, &*self.comm, &self.optimizer)
         })
         .map(Some)
     }

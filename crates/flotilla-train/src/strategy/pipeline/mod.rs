@@ -11,9 +11,11 @@
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 mod elastic;
+mod merged;
 pub mod pipe;
 pub mod plan;
 mod recut;
+mod restore;
 pub mod schedule;
 mod source;
 pub mod stage;

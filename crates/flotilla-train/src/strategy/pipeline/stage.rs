@@ -10,13 +10,13 @@ use std::time::{Duration, Instant};
 use flotilla_engine::{EvalStats, ModelSpec, ModelState, StageCut};
 
 use crate::batches::Batches;
-use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint::CheckpointState;
 use crate::config::{Elasticity, StagesSetting, TrainConfig};
 use crate::error::{Result, TrainError};
 use crate::plan::Counting;
 use crate::strategy::allreduce::dropout_seed;
 use crate::strategy::pipeline::source::StageSource;
-use crate::strategy::pipeline::{Pipeline, PipelineOptions, elastic, plan, state};
+use crate::strategy::pipeline::{Pipeline, PipelineOptions, elastic, plan, restore, state};
 use crate::strategy::{Cx, Evaluation, Resume, Setup, Step, Strategy};
 
 /// Rows of logits (samples, or a sequence model's positions) per forward when evaluating.
@@ -431,16 +431,13 @@ impl Strategy for PipelineStage {
         state::save_model(&self.pipe, path)
     }
 
-    /// Rank 0 reads the checkpoint (refused when it was written for another cut) and sends
-    /// every rank its stage's weights and optimizer state.
+    /// Every rank loads its stage's weights and optimizer state from the checkpoint, read
+    /// itself where it sees rank 0's, else sent by rank 0 (`restore.rs`).
     fn restore(&mut self, cx: &mut Cx<'_>, from: &Resume) -> Result<Option<CheckpointState>> {
-        let pipe = &mut self.pipe;
-        let resumed = from.share(cx, |dir| {
-            let state = checkpoint::read_state(dir)?;
-            state::restore(pipe, Some(dir)).map(|()| state)
-        })?;
-        if resumed.is_some() && cx.rank != 0 {
-            state::restore(&mut self.pipe, None)?;
+        // Every rank learns the state first: the stages' files follow (`restore.rs`).
+        let resumed = from.share(cx, restore::read_state)?;
+        if resumed.is_some() {
+            restore::restore(&mut self.pipe, from.dir())?;
         }
         if let (Some((_, held)), Some(s)) = (&mut self.elastic, &resumed) {
             (held.committed, held.at) = (s.step, s.step);

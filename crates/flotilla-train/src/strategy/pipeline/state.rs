@@ -1,22 +1,28 @@
-//! A pipeline's checkpoints: the first replica's stages send their weights and optimizer
-//! state to rank 0, which writes them (one file pair per stage) and their merge (the whole
-//! model in PyTorch's names) as one atomic checkpoint; on resume, rank 0 reads them and sends
-//! every rank its stage's pair.
+//! A pipeline's checkpoints: the first replica's stages write their weights and optimizer
+//! state (one file pair per stage) and their blocks of the merged weights file (the whole
+//! model in PyTorch's names, `merged.rs`) into rank 0's checkpoint in progress, one atomic
+//! checkpoint; on resume, rank 0 reads them and sends every rank its stage's pair.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use flotilla_engine::StageEngine;
-use flotilla_tcp::ProcessGroup;
+use flotilla_tcp::{CommError, ProcessGroup};
 
 use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint_offer::{self, Offer, Offered};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
+use crate::strategy::pipeline::merged::{self, MergedWeights};
 use crate::strategy::pipeline::wire::{self, Direction};
 
 /// The part numbers of a stage's state in a [`Direction::State`] tag.
 const WEIGHTS: usize = 0;
 const OPTIMIZER: usize = 1;
+/// The part number of a stage's weights header, sent ahead for the merged file's layout.
+const HEADER: usize = 2;
+/// The part number of a stage's block of the merged weights file (its start and length).
+const BLOCK: usize = 3;
 
 /// A stage's weights as safetensors bytes and its optimizer state. Both stay in memory: no
 /// file in a shared directory that another local user could read, replace or plant a link
@@ -56,128 +62,172 @@ pub(super) fn send_parts(world: &dyn ProcessGroup, to: usize, parts: &[Vec<u8>; 
 }
 
 /// The layer ranges of a pipeline, as a checkpoint records them.
-fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
+pub(super) fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
     pipe.cut().ranges.iter().map(|r| [r.start, r.end]).collect()
 }
 
-/// Writes a checkpoint of the pipeline; collective over the world. Rank 0 writes it and
-/// returns its directory; the other stages of replica 0 send their state to rank 0 (with
-/// ZeRO, gathered first from their replicas: [`Pipeline::stage_state`]).
+/// Writes a checkpoint of the pipeline; collective over the world. The first replica's
+/// stages (with ZeRO, gathered first from their replicas: [`Pipeline::stage_state`]) write
+/// their own files into rank 0's checkpoint in progress where they see it
+/// (`crate::checkpoint_offer`), each its block of the merged weights file too
+/// (`merged.rs`), all at once; a stage that does not see it sends its state to rank 0 when
+/// asked, one stage after another. Rank 0 returns the checkpoint's directory.
 pub fn save(
     pipe: &mut Pipeline,
     output: &Path,
     state: &CheckpointState,
 ) -> Result<Option<PathBuf>> {
-    let rank = pipe.world().rank();
-    let stages = pipe.cut().stages();
     let Some(mine) = pipe.stage_state()? else {
         return Ok(None);
     };
-    if rank != 0 {
-        send_parts(&**pipe.world(), 0, &mine)?;
-        return Ok(None);
+    let world = &**pipe.world();
+    let merged_name = output.join("model.safetensors");
+    let header = merged::header_of(&mine[WEIGHTS], &merged_name)?;
+    if world.rank() != 0 {
+        world.send_large(0, wire::tag(Direction::State, HEADER, 0), header)?;
+        return send_stage(world, pipe.stage_index(), &mine).map(|()| None);
     }
-    let mut all = vec![mine];
-    for s in 1..stages {
-        all.push(receive_parts(&**pipe.world(), s)?);
-    }
-    let weights: Vec<&[u8]> = all.iter().map(|p| p[WEIGHTS].as_slice()).collect();
-    let (merged, num_params) =
-        checkpoint::merge_stage_weights(&weights, &output.join("model.safetensors"))?;
+    let merged = merge_headers(pipe, header.to_vec(), &merged_name)?;
     let state = CheckpointState {
-        num_params,
+        num_params: merged.values(),
         stages: Some(recorded_ranges(pipe)),
         ..state.clone()
     };
-    let dir = checkpoint::save_with(output, &state, |tmp| {
-        for (k, parts) in all.iter().enumerate() {
-            for (name, bytes) in checkpoint::stage_files(k).iter().zip(parts) {
-                checkpoint::write_part(tmp, name, bytes)?;
-            }
+    checkpoint::save_with(output, &state, |tmp| {
+        write_stages(pipe, tmp, &merged, &mine)
+    })
+    .map(Some)
+}
+
+/// On rank 0: the merged weights file's layout from its own stage's `header` and every
+/// other stage's (sent by the first replica's stages); `out` names it in errors.
+fn merge_headers(pipe: &Pipeline, header: Vec<u8>, out: &Path) -> Result<MergedWeights> {
+    let world = &**pipe.world();
+    let mut headers = vec![header];
+    let deadline = Instant::now() + world.timeout();
+    for s in 1..pipe.cut().stages() {
+        let h = world
+            .recv_large(s, wire::tag(Direction::State, HEADER, 0), deadline)
+            .map_err(|e| TrainError::Peer {
+                peer: s,
+                message: format!("waiting for the weights header of the stage at rank {s}: {e}"),
+            })?;
+        headers.push(h);
+    }
+    let refs: Vec<&[u8]> = headers.iter().map(Vec::as_slice).collect();
+    MergedWeights::new(&refs, out)
+}
+
+/// Rank 0's part of a checkpoint in progress `tmp`: makes the merged weights file, offers
+/// the directory to the other stages of the first replica, tells each its block, writes its
+/// own stage and then, one at a time, the stages that came over the wire.
+fn write_stages(
+    pipe: &Pipeline,
+    tmp: &Path,
+    merged: &MergedWeights,
+    mine: &[Vec<u8>; 2],
+) -> Result<()> {
+    let world = &**pipe.world();
+    let stages = pipe.cut().stages();
+    let block = |k: usize| {
+        merged.block(k).ok_or_else(|| TrainError::Checkpoint {
+            path: tmp.to_path_buf(),
+            message: format!("no block for stage {k} in the merged weights"),
+        })
+    };
+    drop(merged.create(&tmp.join("model.safetensors"))?);
+    let offer = checkpoint_offer::offer_to(world, tmp, (1..stages).collect())?;
+    offer.writers(world)?;
+    for s in 1..stages {
+        let (base, len) = block(s)?;
+        let bytes = [base.to_le_bytes(), len.to_le_bytes()].concat();
+        world.send(s, wire::tag(Direction::State, BLOCK, 0), &bytes)?;
+    }
+    write_stage(tmp, 0, mine, block(0)?)?;
+    let over_wire = offer.answers(world, |r| checkpoint::stage_files(r)[0].clone())?;
+    let tmp = offer.close()?;
+    for r in over_wire {
+        Offer::ask(world, r)?;
+        let parts = receive_parts(world, r)?;
+        write_stage(&tmp, r, &parts, block(r)?)?;
+    }
+    Ok(())
+}
+
+/// A first-replica stage's part of a checkpoint (not rank 0's): waits for rank 0's offer
+/// and its block of the merged weights file, then writes its files and block into the
+/// offered directory when it sees it, else sends them to rank 0 when asked.
+fn send_stage(world: &dyn ProcessGroup, k: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
+    let offered = Offered::receive(world)?;
+    let deadline = Instant::now() + world.timeout();
+    let bytes = world.recv(0, wire::tag(Direction::State, BLOCK, 0), deadline)?;
+    let word = |i: usize| {
+        bytes
+            .get(8 * i..8 * i + 8)
+            .and_then(|b| b.try_into().ok())
+            .map(u64::from_le_bytes)
+    };
+    let (Some(base), Some(len)) = (word(0), word(1)) else {
+        let detail = format!("a block of the merged weights in {} bytes", bytes.len());
+        return Err(CommError::Protocol { peer: 0, detail }.into());
+    };
+    match offered.dir {
+        Some(dir) => checkpoint_offer::answer(world, write_stage(&dir, k, parts, (base, len))),
+        None => {
+            checkpoint_offer::answer_not_shared(world)?;
+            checkpoint_offer::wait_ask(world)?;
+            send_parts(world, 0, parts)
         }
-        checkpoint::write_part(tmp, "model.safetensors", &merged)
-    })?;
-    Ok(Some(dir))
+    }
+}
+
+/// Writes stage `k`'s files and its `block` of the merged weights file into the checkpoint
+/// in progress `dir`.
+fn write_stage(dir: &Path, k: usize, parts: &[Vec<u8>; 2], block: (u64, u64)) -> Result<()> {
+    for (name, bytes) in checkpoint::stage_files(k).iter().zip(parts) {
+        checkpoint::write_part(dir, name, bytes)?;
+    }
+    let path = dir.join("model.safetensors");
+    merged::write_block(&path, block, merged::data_of(&parts[WEIGHTS], &path)?)
 }
 
 /// Writes the whole model's parameters to `path` (collective over the world): the first
-/// replica's stages send their weights to rank 0, which merges them as a checkpoint's
-/// `model.safetensors` and writes them atomically. Returns the file on rank 0.
+/// replica's stages send their weights to rank 0, which writes each stage's block of the
+/// merged file (a checkpoint's `model.safetensors`, `merged.rs`) as it arrives, one stage
+/// in memory at a time, and puts the file in place atomically. Returns the file on rank 0.
 pub fn save_model(pipe: &Pipeline, path: &Path) -> Result<Option<PathBuf>> {
     if pipe.replica() != 0 {
         return Ok(None);
     }
     let world = &**pipe.world();
     let mine = pipe.stage().weights_bytes()?;
+    let header = merged::header_of(&mine, path)?;
     if world.rank() != 0 {
+        world.send_large(0, wire::tag(Direction::State, HEADER, 0), header)?;
         world.send_large(0, wire::tag(Direction::State, WEIGHTS, 0), &mine)?;
         return Ok(None);
     }
-    let mut all = vec![mine];
-    let deadline = Instant::now() + world.timeout();
-    for s in 1..pipe.cut().stages() {
-        let weights = world
-            .recv_large(s, wire::tag(Direction::State, WEIGHTS, 0), deadline)
-            .map_err(|e| TrainError::Peer {
-                peer: s,
-                message: format!("waiting for the weights of the stage at rank {s}: {e}"),
-            })?;
-        all.push(weights);
-    }
-    let parts: Vec<&[u8]> = all.iter().map(Vec::as_slice).collect();
-    let (merged, _) = checkpoint::merge_stage_weights(&parts, path)?;
+    let merged = merge_headers(pipe, header.to_vec(), path)?;
+    let block = |k: usize| {
+        merged.block(k).ok_or_else(|| TrainError::Checkpoint {
+            path: path.to_path_buf(),
+            message: format!("no block for stage {k} in the merged weights"),
+        })
+    };
     crate::model_file::write(path, |tmp| {
-        std::fs::write(tmp, &merged).map_err(|e| TrainError::io(tmp, e))
+        drop(merged.create(tmp)?);
+        merged::write_block(tmp, block(0)?, merged::data_of(&mine, path)?)?;
+        let deadline = Instant::now() + world.timeout();
+        for s in 1..pipe.cut().stages() {
+            let weights = world
+                .recv_large(s, wire::tag(Direction::State, WEIGHTS, 0), deadline)
+                .map_err(|e| TrainError::Peer {
+                    peer: s,
+                    message: format!("waiting for the weights of the stage at rank {s}: {e}"),
+                })?;
+            merged::write_block(tmp, block(s)?, merged::data_of(&weights, path)?)?;
+        }
+        Ok(())
     })
     .map(Some)
-}
-
-/// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (re-cut when the
-/// checkpoint recorded another cut: `recut.rs`), loads stage 0's and sends every other
-/// rank its stage's.
-/// Every other rank: receives and loads its stage's. Collective over the world.
-pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
-    let (rank, size) = (pipe.world().rank(), pipe.world().size());
-    let stages = pipe.cut().stages();
-    if rank != 0 {
-        let parts = receive_parts(&**pipe.world(), 0)?;
-        return pipe.load_stage_state(&parts);
-    }
-    let Some(dir) = dir else {
-        return Err(TrainError::config("resume", "no checkpoint to restore"));
-    };
-    let state = checkpoint::read_state(dir)?;
-    let want = recorded_ranges(pipe);
-    let per_stage = match &state.stages {
-        Some(cut) if *cut == want => read_parts(dir, stages)?,
-        // Written at another cut: its stages' state re-cut for this one.
-        Some(cut) => super::recut::recut(dir, cut, &pipe.cut().ranges)?,
-        None => {
-            return Err(TrainError::Checkpoint {
-                path: dir.to_path_buf(),
-                message: format!(
-                    "was written by a run that was not a pipeline; this pipeline has stages \
-                     {want:?}"
-                ),
-            });
-        }
-    };
-    for r in 1..size {
-        send_parts(&**pipe.world(), r, &per_stage[r % stages])?;
-    }
-    pipe.load_stage_state(&per_stage[0])
-}
-
-/// The stage files of checkpoint `dir`, written at this pipeline's cut of `stages` stages.
-fn read_parts(dir: &Path, stages: usize) -> Result<Vec<[Vec<u8>; 2]>> {
-    let mut per_stage = Vec::with_capacity(stages);
-    for k in 0..stages {
-        let mut parts: [Vec<u8>; 2] = Default::default();
-        for (slot, name) in parts.iter_mut().zip(checkpoint::stage_files(k)) {
-            let path = dir.join(name);
-            *slot = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-        }
-        per_stage.push(parts);
-    }
-    Ok(per_stage)
 }

@@ -9,8 +9,9 @@ use std::thread;
 
 use flotilla_engine::{ParamLayout, ShardOptimizer};
 
-use super::{ASK_TAG, Offer, offer, send_shard};
+use super::{collect, send_shard};
 use crate::checkpoint;
+use crate::checkpoint_offer::{ASK_TAG, Offer, Offered, offer};
 use crate::testkit::{sgd, world};
 
 /// Rank `rank`'s optimizer of its half of two 6-value tensors, stepped once (its momentum
@@ -51,9 +52,10 @@ fn save(tmp: &Path, output: &Path, shared: bool) {
         Offer {
             marker,
             tmp: tmp.to_path_buf(),
+            peers: vec![1],
         }
     };
-    offered.collect(&*c0, &stepped(0)).expect("collect");
+    collect(offered, &*c0, &stepped(0)).expect("collect");
     rank1.join().expect("rank 1").expect("rank 1's shard");
 }
 
@@ -124,7 +126,7 @@ fn the_writers_of_the_weights_file_are_rank_0_and_the_ranks_that_see_it() {
         let dir = tempfile::tempdir().expect("tmp");
         let comms = world(2);
         let (c0, c1) = (comms[0].clone(), comms[1].clone());
-        let rank1 = thread::spawn(move || super::Offered::receive(&*c1));
+        let rank1 = thread::spawn(move || Offered::receive(&*c1));
         let offered = if shared {
             offer(&*c0, dir.path()).expect("offer")
         } else {
@@ -138,6 +140,7 @@ fn the_writers_of_the_weights_file_are_rank_0_and_the_ranks_that_see_it() {
             Offer {
                 marker,
                 tmp: dir.path().to_path_buf(),
+                peers: vec![1],
             }
         };
         let writers = offered.writers(&*c0).expect("writers");

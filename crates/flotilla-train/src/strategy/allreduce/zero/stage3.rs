@@ -307,7 +307,7 @@ impl Zero {
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
         if self.comm.rank() != 0 {
-            let offered = shard_files::Offered::receive(&*self.comm)?;
+            let offered = crate::checkpoint_offer::Offered::receive(&*self.comm)?;
             let target = offered.dir.as_ref().map(|d| d.join("model.safetensors"));
             // A failed part is reported with the shard (the gather went on for the others).
             let part = self.write_share(model, plan, (&offered.writers, target.as_deref()))?;
@@ -324,11 +324,11 @@ impl Zero {
             let path = tmp.join("model.safetensors");
             drop(model.weights_plan()?.create(&path)?);
             // The other ranks write their shards once the parameters are gathered.
-            let offer = shard_files::offer(&*self.comm, tmp)?;
+            let offer = crate::checkpoint_offer::offer(&*self.comm, tmp)?;
             let writers = offer.writers(&*self.comm)?;
             self.write_share(model, plan, (&writers, Some(&path)))??;
             checkpoint::sync_part(&path)?;
-            offer.collect(&*self.comm, &self.optimizer)
+            shard_files::collect(offer, &*self.comm, &self.optimizer)
         })
         .map(Some)
     }
