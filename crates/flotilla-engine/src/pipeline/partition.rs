@@ -25,6 +25,10 @@ pub struct LayerCost {
     pub activation_bytes: u64,
     /// Number of parameters.
     pub params: u64,
+    /// Bytes held only while this layer's parameters are gathered (ZeRO-3 among a stage's
+    /// replicas: its whole values and gradient, and the next layer's when prefetched); a
+    /// stage holds its largest layer's at once, on top of the fixed bytes.
+    pub gathered_bytes: u64,
 }
 
 /// What one stage's host offers.
@@ -45,7 +49,7 @@ pub struct StageEstimate {
     pub layers: Range<usize>,
     /// Estimated seconds per micro-batch on its host (time / speed).
     pub time_s: f64,
-    /// Estimated peak bytes (fixed + activations × in flight).
+    /// Estimated peak bytes (fixed + activations × in flight + the largest gathered layer).
     pub memory_bytes: u64,
     /// Number of parameters.
     pub params: u64,
@@ -57,10 +61,13 @@ pub fn estimate(costs: &[LayerCost], layers: Range<usize>, host: &StageHost) -> 
     let time: f64 = slice.iter().map(|c| c.time_s).sum();
     let fixed: u64 = slice.iter().map(|c| c.fixed_bytes).sum();
     let act: u64 = slice.iter().map(|c| c.activation_bytes).sum();
+    let gathered = slice.iter().map(|c| c.gathered_bytes).max().unwrap_or(0);
     StageEstimate {
         layers,
         time_s: time / host.speed.max(f64::MIN_POSITIVE),
-        memory_bytes: fixed.saturating_add(act.saturating_mul(host.in_flight)),
+        memory_bytes: fixed
+            .saturating_add(gathered)
+            .saturating_add(act.saturating_mul(host.in_flight)),
         params: slice.iter().map(|c| c.params).sum(),
     }
 }
@@ -79,7 +86,9 @@ pub fn check(
         if let Some(limit) = host.memory_bytes
             && e.memory_bytes > limit
         {
-            let fixed: u64 = costs[r.clone()].iter().map(|c| c.fixed_bytes).sum();
+            let slice = &costs[r.clone()];
+            let gathered = slice.iter().map(|c| c.gathered_bytes).max().unwrap_or(0);
+            let fixed = slice.iter().map(|c| c.fixed_bytes).sum::<u64>() + gathered;
             return Err(EngineError::InvalidSpec(format!(
                 "stage {k} (layers {}..{}) does not fit its host: it needs {:.1} MiB \
                  ({:.1} MiB of parameters and optimizer state, the rest activations of {} \
@@ -161,7 +170,7 @@ fn does_not_fit(costs: &[LayerCost], hosts: &[StageHost]) -> EngineError {
         .enumerate()
         .map(|(i, c)| {
             let act = c.activation_bytes * hosts.iter().map(|h| h.in_flight).min().unwrap_or(1);
-            (c.fixed_bytes + act, i)
+            (c.fixed_bytes + c.gathered_bytes + act, i)
         })
         .max()
         .unwrap_or((0, 0));
@@ -193,6 +202,7 @@ mod tests {
             fixed_bytes,
             activation_bytes,
             params: fixed_bytes / 4,
+            gathered_bytes: 0,
         }
     }
 
@@ -261,6 +271,34 @@ mod tests {
         };
         let p = partition(&costs, &[busy, host(None, 1.0)]).expect("fits");
         assert_eq!(layers(&p), vec![0..1, 1..6]);
+    }
+
+    #[test]
+    fn a_stage_holds_its_largest_gathered_layer_on_top_of_its_fixed_bytes() {
+        let mut costs = vec![
+            layer(1.0, 100, 10),
+            layer(1.0, 100, 10),
+            layer(1.0, 100, 10),
+        ];
+        for (c, g) in costs.iter_mut().zip([30, 50, 40]) {
+            c.gathered_bytes = g;
+        }
+        let one = host(None, 1.0);
+        assert_eq!(estimate(&costs, 0..3, &one).memory_bytes, 300 + 30 + 50);
+        assert_eq!(estimate(&costs, 2..3, &one).memory_bytes, 100 + 10 + 40);
+        // 190 bytes a stage: only one layer each, with its own gathered bytes.
+        let hosts = [
+            host(Some(190), 1.0),
+            host(Some(190), 1.0),
+            host(Some(190), 1.0),
+        ];
+        let p = partition(&costs, &hosts).expect("fits");
+        assert_eq!(layers(&p), [0..1, 1..2, 2..3]);
+        costs[1].gathered_bytes = 81;
+        assert!(
+            partition(&costs, &hosts).is_err(),
+            "layer 1 needs 191 bytes"
+        );
     }
 
     #[test]

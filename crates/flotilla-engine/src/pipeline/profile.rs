@@ -87,6 +87,7 @@ pub fn profile(
             fixed_bytes: 4 * params * (2 + optimizer.state_slots()),
             activation_bytes: 4 * (output.numel() * samples) as u64,
             params,
+            gathered_bytes: 0,
         });
     }
     Ok(costs)

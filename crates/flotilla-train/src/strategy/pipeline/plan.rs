@@ -43,6 +43,7 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
         samples,
         PROFILE_ROUNDS,
     )?;
+    let costs = sharded_costs(costs, config);
     let hosts = hosts(config, stages)?;
     let (ranges, automatic) = stage_ranges(config, spec, &costs, &hosts)?;
     let cut = StageCut::new(spec, ranges.clone())
@@ -56,6 +57,30 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
         automatic,
         samples,
     })
+}
+
+/// The measured costs of a layer as a replica of its stage holds it under ZeRO among the
+/// stage's `data_parallel` replicas (`allreduce.zero`): stages 1 and 2 keep 1/D of the
+/// optimizer state (the gradient is summed whole over the micro-batches, as PyTorch's
+/// pipelining does); stage 3 keeps 1/D of the parameters, gradient and optimizer state, and
+/// holds a layer's whole values and gradient while it is gathered (twice that when the next
+/// one is prefetched; a group of small layers holds up to `bucket_mb`, not counted here).
+fn sharded_costs(mut costs: Vec<LayerCost>, config: &TrainConfig) -> Vec<LayerCost> {
+    let d = config.pipeline.data_parallel.max(1) as u64;
+    let zero = config.allreduce.zero;
+    if d == 1 || zero == 0 {
+        return costs;
+    }
+    for c in &mut costs {
+        let whole = 4 * c.params * 2;
+        if zero < 3 {
+            c.fixed_bytes = whole + c.fixed_bytes.saturating_sub(whole).div_ceil(d);
+        } else {
+            c.fixed_bytes = c.fixed_bytes.div_ceil(d);
+            c.gathered_bytes = whole * (1 + u64::from(config.allreduce.prefetch));
+        }
+    }
+    costs
 }
 
 /// Every stage's host, from `pipeline.hosts` (default: speed 1, and the memory of
@@ -227,6 +252,36 @@ mod tests {
         // A CPU backend reports nothing: unlimited, as before.
         assert_eq!(stage_memory(None, None), None);
         assert_eq!(stage_memory(Some(0.5), None), Some(1 << 19));
+    }
+
+    /// Adam (two slots): 16 bytes a parameter whole; among 2 replicas ZeRO-1 and 2 keep
+    /// values and gradient whole and half the moments, ZeRO-3 half of everything and the
+    /// layer's values and gradient while gathered, twice with prefetching.
+    #[test]
+    fn zero_among_the_replicas_shrinks_what_a_stage_holds() {
+        let measured = vec![LayerCost {
+            time_s: 1.0,
+            fixed_bytes: 16 * 1000,
+            activation_bytes: 7,
+            params: 1000,
+            gathered_bytes: 0,
+        }];
+        let at = |zero: u8, d: usize, prefetch: bool| {
+            let mut config = TrainConfig::default();
+            config.allreduce.zero = zero;
+            config.allreduce.prefetch = prefetch;
+            config.pipeline.data_parallel = d;
+            let c = sharded_costs(measured.clone(), &config)[0];
+            assert_eq!((c.time_s, c.activation_bytes, c.params), (1.0, 7, 1000));
+            (c.fixed_bytes, c.gathered_bytes)
+        };
+        assert_eq!(at(0, 2, true), (16_000, 0));
+        assert_eq!(at(3, 1, true), (16_000, 0), "one replica: nothing sharded");
+        assert_eq!(at(1, 2, true), (12_000, 0));
+        assert_eq!(at(2, 2, true), (12_000, 0));
+        assert_eq!(at(3, 2, false), (8_000, 8_000));
+        assert_eq!(at(3, 2, true), (8_000, 16_000));
+        assert_eq!(at(3, 4, true), (4_000, 16_000));
     }
 
     #[test]
