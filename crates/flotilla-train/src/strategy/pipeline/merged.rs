@@ -165,9 +165,16 @@ impl MergedWeights {
         self.values
     }
 
-    /// Stage `k`'s block: its first byte in the file and its length.
-    pub(super) fn block(&self, k: usize) -> Option<(u64, u64)> {
-        self.blocks.get(k).copied()
+    /// Stage `k`'s block: its first byte in the file and its length (`out` names the file
+    /// in the error of a stage it has no block for).
+    pub(super) fn block(&self, k: usize, out: &Path) -> Result<(u64, u64)> {
+        self.blocks.get(k).copied().ok_or_else(|| {
+            let n = self.blocks.len();
+            error(
+                out,
+                format!("no block for stage {k} in the merged weights of {n}"),
+            )
+        })
     }
 
     /// Creates `path` with the header, at its whole length (the data zero until written).

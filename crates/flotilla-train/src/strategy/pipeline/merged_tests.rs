@@ -35,20 +35,26 @@ fn stage_file(names: &[&str], value: f32, stage: usize) -> Vec<u8> {
     safetensors::serialize(views, Some(meta)).expect("serialize")
 }
 
-/// The merged file of `stages`, their blocks written last stage first; its tensors by name
-/// and its metadata.
-fn merge(stages: &[Vec<u8>]) -> (Vec<u8>, MergedWeights) {
+/// The layout of the merged file of `stages`, made at `path`.
+fn create(stages: &[Vec<u8>], path: &Path) -> MergedWeights {
     let out = Path::new("m");
     let headers: Vec<&[u8]> = stages
         .iter()
         .map(|s| header_of(s, out).expect("header"))
         .collect();
     let merged = MergedWeights::new(&headers, out).expect("layout");
+    drop(merged.create(path).expect("create"));
+    merged
+}
+
+/// The merged file of `stages`, their blocks written last stage first, and its layout.
+fn merge(stages: &[Vec<u8>]) -> (Vec<u8>, MergedWeights) {
+    let out = Path::new("m");
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("model.safetensors");
-    drop(merged.create(&path).expect("create"));
+    let merged = create(stages, &path);
     for (k, s) in stages.iter().enumerate().rev() {
-        let block = merged.block(k).expect("block");
+        let block = merged.block(k, out).expect("block");
         write_block(&path, block, data_of(s, out).expect("data")).expect("write");
     }
     (std::fs::read(&path).expect("read"), merged)
@@ -104,22 +110,17 @@ fn stage_weights_merge_under_their_names_or_their_stages_when_names_repeat() {
 fn a_block_of_another_length_or_a_cut_header_is_refused() {
     let stages = [stage_file(&["a"], 1.0, 0), stage_file(&["b", "c"], 2.0, 1)];
     let out = Path::new("m");
-    let headers: Vec<&[u8]> = stages
-        .iter()
-        .map(|s| header_of(s, out).expect("header"))
-        .collect();
-    let merged = MergedWeights::new(&headers, out).expect("layout");
     let dir = tempfile::tempdir().expect("dir");
     let path = dir.path().join("model.safetensors");
-    drop(merged.create(&path).expect("create"));
-    let block = merged.block(0).expect("block");
+    let merged = create(&stages, &path);
+    let block = merged.block(0, out).expect("block");
     let e = write_block(&path, block, data_of(&stages[1], out).expect("data"));
-    assert!(
-        e.is_err(),
-        "stage 1's data written in stage 0's smaller block"
-    );
+    let why = "stage 1's data written in stage 0's smaller block";
+    assert!(e.is_err(), "{why}");
+    assert!(merged.block(2, out).is_err(), "two stages, no third block");
     assert!(header_of(&stages[0][..12], out).is_err());
-    let cut = &headers[0][..headers[0].len() / 2];
+    let header = header_of(&stages[0], out).expect("header");
+    let cut = &header[..header.len() / 2];
     assert!(
         MergedWeights::new(&[cut], out).is_err(),
         "a header cut in half"

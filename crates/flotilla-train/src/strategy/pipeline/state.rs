@@ -41,15 +41,23 @@ pub(super) fn load_parts(stage: &mut dyn StageEngine, parts: &[Vec<u8>; 2]) -> R
 /// A stage's state from world rank `from` (sent by [`send_parts`]).
 pub(super) fn receive_parts(world: &dyn ProcessGroup, from: usize) -> Result<[Vec<u8>; 2]> {
     let deadline = Instant::now() + world.timeout();
-    let part = |p: usize| {
-        world
-            .recv_large(from, wire::tag(Direction::State, p, 0), deadline)
-            .map_err(|e| TrainError::Peer {
-                peer: from,
-                message: format!("waiting for the state of the stage at rank {from}: {e}"),
-            })
-    };
+    let part = |p: usize| receive_part(world, (from, p), "state", deadline);
     Ok([part(WEIGHTS)?, part(OPTIMIZER)?])
+}
+
+/// Part `part` of the stage at world rank `from` (`what` names it in the error).
+fn receive_part(
+    world: &dyn ProcessGroup,
+    (from, part): (usize, usize),
+    what: &str,
+    deadline: Instant,
+) -> Result<Vec<u8>> {
+    world
+        .recv_large(from, wire::tag(Direction::State, part, 0), deadline)
+        .map_err(|e| TrainError::Peer {
+            peer: from,
+            message: format!("waiting for the {what} of the stage at rank {from}: {e}"),
+        })
 }
 
 /// Sends a stage's state to world rank `to` (in pieces: a large stage's state is more than a
@@ -106,13 +114,12 @@ fn merge_headers(pipe: &Pipeline, header: Vec<u8>, out: &Path) -> Result<MergedW
     let mut headers = vec![header];
     let deadline = Instant::now() + world.timeout();
     for s in 1..pipe.cut().stages() {
-        let h = world
-            .recv_large(s, wire::tag(Direction::State, HEADER, 0), deadline)
-            .map_err(|e| TrainError::Peer {
-                peer: s,
-                message: format!("waiting for the weights header of the stage at rank {s}: {e}"),
-            })?;
-        headers.push(h);
+        headers.push(receive_part(
+            world,
+            (s, HEADER),
+            "weights header",
+            deadline,
+        )?);
     }
     let refs: Vec<&[u8]> = headers.iter().map(Vec::as_slice).collect();
     MergedWeights::new(&refs, out)
@@ -129,12 +136,7 @@ fn write_stages(
 ) -> Result<()> {
     let world = &**pipe.world();
     let stages = pipe.cut().stages();
-    let block = |k: usize| {
-        merged.block(k).ok_or_else(|| TrainError::Checkpoint {
-            path: tmp.to_path_buf(),
-            message: format!("no block for stage {k} in the merged weights"),
-        })
-    };
+    let block = |k: usize| merged.block(k, tmp);
     drop(merged.create(&tmp.join("model.safetensors"))?);
     let offer = checkpoint_offer::offer_to(world, tmp, (1..stages).collect())?;
     offer.writers(world)?;
@@ -208,24 +210,17 @@ pub fn save_model(pipe: &Pipeline, path: &Path) -> Result<Option<PathBuf>> {
         return Ok(None);
     }
     let merged = merge_headers(pipe, header.to_vec(), path)?;
-    let block = |k: usize| {
-        merged.block(k).ok_or_else(|| TrainError::Checkpoint {
-            path: path.to_path_buf(),
-            message: format!("no block for stage {k} in the merged weights"),
-        })
-    };
     crate::model_file::write(path, |tmp| {
         drop(merged.create(tmp)?);
-        merged::write_block(tmp, block(0)?, merged::data_of(&mine, path)?)?;
+        merged::write_block(tmp, merged.block(0, path)?, merged::data_of(&mine, path)?)?;
         let deadline = Instant::now() + world.timeout();
         for s in 1..pipe.cut().stages() {
-            let weights = world
-                .recv_large(s, wire::tag(Direction::State, WEIGHTS, 0), deadline)
-                .map_err(|e| TrainError::Peer {
-                    peer: s,
-                    message: format!("waiting for the weights of the stage at rank {s}: {e}"),
-                })?;
-            merged::write_block(tmp, block(s)?, merged::data_of(&weights, path)?)?;
+            let weights = receive_part(world, (s, WEIGHTS), "weights", deadline)?;
+            merged::write_block(
+                tmp,
+                merged.block(s, path)?,
+                merged::data_of(&weights, path)?,
+            )?;
         }
         Ok(())
     })
