@@ -44,23 +44,20 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let Some(dir) = dir else {
         return Err(TrainError::config("resume", "no checkpoint to restore"));
     };
-    let state = read_state(dir)?;
-    let want = recorded_ranges(pipe);
-    match state.stages {
-        Some(cut) if cut == want => send_read(pipe, dir),
-        // Written at another cut: its stages' state re-cut for this one.
-        cut => {
-            let cut = cut.unwrap_or_default();
-            let per_stage = super::recut::recut(dir, &cut, &pipe.cut().ranges)?;
-            let stages = per_stage.len();
-            for r in 1..world.size() {
-                world.send(r, tag(OFFER), &[])?;
-                answer(&*world, r)?;
-                send_parts(&*world, r, &per_stage[r % stages])?;
-            }
-            pipe.load_stage_state(&per_stage[0])
-        }
+    // `read_state` refused a checkpoint that records no cut.
+    let cut = read_state(dir)?.stages.unwrap_or_default();
+    if cut == recorded_ranges(pipe) {
+        return send_read(pipe, dir);
     }
+    // Written at another cut: its stages' state re-cut for this one.
+    let per_stage = super::recut::recut(dir, &cut, &pipe.cut().ranges)?;
+    let stages = per_stage.len();
+    for r in 1..world.size() {
+        world.send(r, tag(OFFER), &[])?;
+        answer(&*world, r)?;
+        send_parts(&*world, r, &per_stage[r % stages])?;
+    }
+    pipe.load_stage_state(&per_stage[0])
 }
 
 /// The state of checkpoint `dir`, refused unless a pipeline wrote it (on rank 0, before
