@@ -5,9 +5,11 @@
 //! A pipeline's checkpoint holds, instead of `optimizer.bpk`, each stage's own
 //! `stage-<k>.safetensors` and `stage-<k>.optimizer.bpk`, and `model.safetensors` is the
 //! merge of the stage files (the whole model in PyTorch's names); `state.json` says how many
-//! stages there are. A ZeRO run's checkpoint holds, instead of `optimizer.bpk`, each rank's
-//! optimizer-state shard `optimizer-shard-<r>.bpk`, and `state.json` the world size and
-//! each shard's flat ranges ([`ZeroManifest`]).
+//! stages there are; when the stages' replicas shard their optimizer state (ZeRO), each
+//! replica's `stage-<k>.optimizer-shard-<r>.bpk` stands for the stage's optimizer file and
+//! `state.json` records their ranges. A ZeRO run's checkpoint holds, instead of
+//! `optimizer.bpk`, each rank's optimizer-state shard `optimizer-shard-<r>.bpk`, and
+//! `state.json` the world size and each shard's flat ranges ([`ZeroManifest`]).
 //!
 //! A checkpoint is written into a hidden temporary directory, flushed, and renamed into
 //! place; only then is `latest` replaced (also by write-and-rename). A crash at any point
@@ -59,18 +61,33 @@ pub struct CheckpointState {
     /// state is `optimizer-shard-<r>.bpk` ([`zero_file`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub zero: Option<ZeroManifest>,
+    /// A pipeline whose stages' replicas shard their optimizer state (ZeRO among them): per
+    /// stage, how its replicas split it (`world` the replicas, ranges in the stage's flat
+    /// parameters). Stage `k`'s state is then each replica's
+    /// `stage-<k>.optimizer-shard-<r>.bpk` ([`stage_zero_file`]), not one file.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage_zero: Option<Vec<ZeroManifest>>,
 }
 
 /// How a ZeRO run's optimizer state is split: the world it ran on and the flat parameter
 /// ranges each rank's shard holds (`shards[r]`, half-open `[start, end)`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ZeroManifest {
-    /// The ZeRO stage (1 or 2).
+    /// The ZeRO stage (1 to 3).
     pub stage: u8,
     /// Number of ranks, one shard each.
     pub world: usize,
     /// Each rank's flat parameter ranges.
     pub shards: Vec<Vec<[usize; 2]>>,
+}
+
+impl ZeroManifest {
+    /// Each shard's ranges.
+    pub fn ranges(&self) -> Vec<Vec<std::ops::Range<usize>>> {
+        (self.shards.iter())
+            .map(|s| s.iter().map(|&[a, b]| a..b).collect())
+            .collect()
+    }
 }
 
 /// The optimizer-state file of rank `r`'s shard in a ZeRO checkpoint.
@@ -84,6 +101,25 @@ pub fn stage_files(k: usize) -> [String; 2] {
         format!("stage-{k}.safetensors"),
         format!("stage-{k}.optimizer.bpk"),
     ]
+}
+
+/// The optimizer-state file of replica `r`'s shard of pipeline stage `k` in a checkpoint
+/// whose stages' replicas shard it ([`CheckpointState::stage_zero`]).
+pub fn stage_zero_file(k: usize, r: usize) -> String {
+    format!("stage-{k}.optimizer-shard-{r}.bpk")
+}
+
+/// The files of pipeline stage `k` in a checkpoint of `state`: its weights, then its
+/// optimizer state's (one file, or its replicas' shards).
+pub fn stage_parts(state: &CheckpointState, k: usize) -> Vec<String> {
+    let [weights, optimizer] = stage_files(k);
+    let shards = state.stage_zero.as_ref().and_then(|z| z.get(k));
+    match shards {
+        None => vec![weights, optimizer],
+        Some(m) => std::iter::once(weights)
+            .chain((0..m.world).map(|r| stage_zero_file(k, r)))
+            .collect(),
+    }
 }
 
 /// The checkpoint directory under a run's output directory.
@@ -309,28 +345,11 @@ fn unusable(dir: &Path) -> Option<String> {
     }
     // A state that does not parse is the loader's error to report (`read_state`); here it is
     // a checkpoint of the plain parts.
-    let state = read_state(dir).ok();
-    let stages = state.as_ref().and_then(|s| s.stages.as_ref()).map(Vec::len);
-    let shards = state
-        .as_ref()
-        .and_then(|s| s.zero.as_ref())
-        .map(|z| z.world);
-    let (own, per) = match (stages, shards) {
-        (Some(n), _) => (n, 2),
-        (None, Some(n)) => (n, 1),
-        (None, None) => (0, 0),
-    };
     let files = fs::read_dir(dir).map_or(0, |d| d.count());
-    if own.saturating_mul(per) > files {
-        return Some(format!(
-            "is incomplete (state.json names {own} {}, for {files} files)",
-            if per == 2 { "stages" } else { "shards" }
-        ));
-    }
-    let parts: Vec<String> = match (stages, shards) {
-        (Some(n), _) => (0..n).flat_map(stage_files).collect(),
-        (None, Some(n)) => (0..n).map(zero_file).collect(),
-        (None, None) => Vec::new(),
+    let parts = match read_state(dir).ok().map(|s| part_files(&s, files)) {
+        Some(Err(why)) => return Some(why),
+        Some(Ok(parts)) => parts,
+        None => Vec::new(),
     };
     let common: &[&str] = if parts.is_empty() {
         &PARTS
@@ -340,6 +359,37 @@ fn unusable(dir: &Path) -> Option<String> {
     let mut all = common.iter().map(|p| p.to_string()).chain(parts);
     all.find(|p| !dir.join(p).is_file())
         .map(|missing| format!("is incomplete (no {missing})"))
+}
+
+/// The files a checkpoint of `state` holds besides `model.safetensors` and `state.json`
+/// (none named for one of the plain parts, [`PARTS`]), or why it cannot: its stage or shard
+/// count is checked against the `files` there are before any list is made, so a corrupt
+/// count is a reason, never a huge allocation.
+fn part_files(state: &CheckpointState, files: usize) -> std::result::Result<Vec<String>, String> {
+    let count = match (&state.stages, &state.zero, &state.stage_zero) {
+        (Some(stages), _, Some(z)) if z.len() != stages.len() => {
+            let (z, n) = (z.len(), stages.len());
+            return Err(format!("is corrupt (state.json shards {z} stages of {n})"));
+        }
+        (Some(stages), _, Some(z)) => {
+            (z.iter()).fold(stages.len(), |n, m| n.saturating_add(m.world))
+        }
+        (Some(stages), _, None) => stages.len().saturating_mul(2),
+        (None, Some(z), _) => z.world,
+        (None, None, _) => return Ok(Vec::new()),
+    };
+    if count > files {
+        return Err(format!(
+            "is incomplete (state.json names {count} files of stages or shards, for {files} \
+             files)"
+        ));
+    }
+    Ok(match &state.stages {
+        Some(stages) => (0..stages.len())
+            .flat_map(|k| stage_parts(state, k))
+            .collect(),
+        None => (0..count).map(zero_file).collect(),
+    })
 }
 
 /// The first file of `dir` that does not match `checksums.json` (or why that file cannot be
@@ -496,41 +546,67 @@ pub fn read_flat_state(
     state: &CheckpointState,
     layout: &ParamLayout,
 ) -> Result<FlatOptimizerState> {
-    let read = |name: &str| {
-        let path = dir.join(name);
-        fs::read(&path).map_err(|e| TrainError::io(&path, e))
-    };
-    let flat = match &state.zero {
-        None => FlatOptimizerState::gather(layout, &[(None, &read("optimizer.bpk")?)]),
-        Some(z) => {
-            // Checked before the files are read: the manifest's count is only a number.
-            if z.shards.len() != z.world {
-                return Err(ck_err(
-                    dir,
-                    format!(
-                        "its manifest has {} shards for {} ranks",
-                        z.shards.len(),
-                        z.world
-                    ),
-                ));
-            }
-            let files = (0..z.world)
-                .map(|r| read(&zero_file(r)))
-                .collect::<Result<Vec<_>>>()?;
-            let ranges: Vec<Vec<std::ops::Range<usize>>> = z
-                .shards
-                .iter()
-                .map(|s| s.iter().map(|&[a, b]| a..b).collect())
-                .collect();
-            let parts: Vec<_> = ranges
-                .iter()
-                .zip(&files)
-                .map(|(r, f)| (Some(r.as_slice()), f.as_slice()))
-                .collect();
-            FlatOptimizerState::gather(layout, &parts)
-        }
-    };
-    flat.map_err(|e| ck_err(dir, e.to_string()))
+    match &state.zero {
+        None => read_one_state(dir, "optimizer.bpk", layout),
+        Some(z) => read_shards(dir, z, zero_file, layout),
+    }
+}
+
+/// The optimizer state of pipeline stage `k` of the checkpoint in `dir` (whose `state.json`
+/// says `state`) over the stage's `layout`, in flat form: its `stage-<k>.optimizer.bpk`, or
+/// its replicas' shards put together by their manifest's ranges.
+pub fn read_stage_flat_state(
+    dir: &Path,
+    state: &CheckpointState,
+    k: usize,
+    layout: &ParamLayout,
+) -> Result<FlatOptimizerState> {
+    match state.stage_zero.as_ref().map(|z| z.get(k)) {
+        None => read_one_state(dir, &stage_files(k)[1], layout),
+        Some(Some(z)) => read_shards(dir, z, |r| stage_zero_file(k, r), layout),
+        Some(None) => Err(ck_err(dir, format!("its manifest has no stage {k}"))),
+    }
+}
+
+/// The optimizer state file `name` of checkpoint `dir` over `layout`, in flat form.
+fn read_one_state(dir: &Path, name: &str, layout: &ParamLayout) -> Result<FlatOptimizerState> {
+    let path = dir.join(name);
+    let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    FlatOptimizerState::gather(layout, &[(None, &bytes)]).map_err(|e| ck_err(dir, e.to_string()))
+}
+
+/// The shards of optimizer state that manifest `z` lays out, in files `name(r)` of
+/// checkpoint `dir`, put together over `layout`.
+fn read_shards(
+    dir: &Path,
+    z: &ZeroManifest,
+    name: impl Fn(usize) -> String,
+    layout: &ParamLayout,
+) -> Result<FlatOptimizerState> {
+    // Checked before the files are read: the manifest's count is only a number.
+    if z.shards.len() != z.world {
+        return Err(ck_err(
+            dir,
+            format!(
+                "its manifest has {} shards for {} ranks",
+                z.shards.len(),
+                z.world
+            ),
+        ));
+    }
+    let files = (0..z.world)
+        .map(|r| {
+            let path = dir.join(name(r));
+            fs::read(&path).map_err(|e| TrainError::io(&path, e))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let ranges: Vec<Vec<std::ops::Range<usize>>> = z.ranges();
+    let parts: Vec<_> = ranges
+        .iter()
+        .zip(&files)
+        .map(|(r, f)| (Some(r.as_slice()), f.as_slice()))
+        .collect();
+    FlatOptimizerState::gather(layout, &parts).map_err(|e| ck_err(dir, e.to_string()))
 }
 
 #[cfg(test)]
@@ -589,6 +665,7 @@ mod tests {
             test_acc: None,
             stages: None,
             zero: None,
+            stage_zero: None,
         };
         save_with(out, &state, |dir| {
             write_part(dir, "model.safetensors", &[byte; 64])?;

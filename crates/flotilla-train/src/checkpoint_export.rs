@@ -128,7 +128,9 @@ impl Optimizer {
     ) -> std::result::Result<Self, String> {
         if state.stages.is_some() {
             return Err(
-                "a pipeline's optimizer state is per stage (stage-<k>.optimizer.bpk)".into(),
+                "a pipeline's optimizer state is per stage (stage-<k>.optimizer.bpk, or its \
+                 replicas' shards)"
+                    .into(),
             );
         }
         let (_, header) = SafeTensors::read_metadata(weights).map_err(|e| e.to_string())?;
@@ -265,6 +267,13 @@ impl fmt::Display for Contents {
             writeln!(
                 f,
                 "  ZeRO stage {}: optimizer state in {} shards (one per rank)",
+                z.stage, z.world
+            )?;
+        }
+        if let Some(z) = s.stage_zero.as_ref().and_then(|z| z.first()) {
+            writeln!(
+                f,
+                "  ZeRO stage {} among each stage's {} replicas: optimizer state in shards",
                 z.stage, z.world
             )?;
         }

@@ -12,8 +12,12 @@
 //! optimizer shards and weights file (`strategy/allreduce/zero/shard_files.rs`) and by a
 //! pipeline's stages (`strategy/pipeline/state.rs`).
 
+use std::fs::File;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
+
+use flotilla_engine::ShardOptimizer;
 
 use flotilla_tcp::{CommError, ProcessGroup, Tag, tags};
 
@@ -204,6 +208,53 @@ pub(crate) fn answer_not_shared(comm: &dyn ProcessGroup) -> Result<()> {
 pub(crate) fn wait_ask(comm: &dyn ProcessGroup) -> Result<()> {
     comm.recv(0, ASK_TAG, Instant::now() + comm.timeout())?;
     Ok(())
+}
+
+/// An optimizer's state (a shard's) in a scratch file under the job's output directory on
+/// this rank's host (not a temporary directory that may live in memory), for a rank that
+/// does not see the offered directory: sent to rank 0 from the file piece by piece, never
+/// whole in memory ([`ScratchShard::send`], taken by [`receive_file`]).
+pub(crate) struct ScratchShard {
+    dir: tempfile::TempDir,
+}
+
+impl ScratchShard {
+    /// Writes `optimizer`'s state to a scratch file under `output`.
+    pub(crate) fn write(optimizer: &ShardOptimizer, output: &Path) -> Result<Self> {
+        std::fs::create_dir_all(output).map_err(|e| TrainError::io(output, e))?;
+        let dir = tempfile::Builder::new()
+            .prefix(".optimizer-shard-")
+            .tempdir_in(output)
+            .map_err(|e| TrainError::io(output, e))?;
+        optimizer.save_state(&dir.path().join("shard.bpk"))?;
+        Ok(Self { dir })
+    }
+
+    /// Sends the file to rank 0 under `tag` (once rank 0 asked for it: [`wait_ask`]) and
+    /// removes it.
+    pub(crate) fn send(self, comm: &dyn ProcessGroup, tag: Tag) -> Result<()> {
+        let path = self.dir.path().join("shard.bpk");
+        let mut file = File::open(&path).map_err(|e| TrainError::io(&path, e))?;
+        let len = file.metadata().map_err(|e| TrainError::io(&path, e))?.len();
+        comm.send_large_from(0, tag, &mut file, len)?;
+        Ok(())
+    }
+}
+
+/// Takes rank `r`'s part under `tag` (sent by [`send_shard`] or as one large message) into
+/// the file `path` of the checkpoint in progress, piece by piece as it arrives.
+pub(crate) fn receive_file(
+    comm: &dyn ProcessGroup,
+    (r, tag): (usize, Tag),
+    path: &Path,
+) -> Result<()> {
+    let mut file = File::create(path).map_err(|e| TrainError::io(path, e))?;
+    let deadline = Instant::now() + comm.timeout();
+    comm.recv_large_with(r, tag, deadline, &mut |piece| {
+        file.write_all(piece)
+            .map_err(|e| CommError::io(format!("writing {}", path.display()), e))
+    })?;
+    file.sync_all().map_err(|e| TrainError::io(path, e))
 }
 
 /// The directory of rank 0's offer when its marker is there for this rank to see.

@@ -368,6 +368,7 @@ impl Loop<'_, '_> {
             test_acc: self.s.last_eval.map(|e| e.accuracy()),
             stages: None,
             zero: None,
+            stage_zero: None,
         };
         let dir = self.role.save_checkpoint(self.cx, &state)?;
         if let Some(dir) = &dir {

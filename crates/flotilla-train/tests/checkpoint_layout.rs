@@ -27,6 +27,7 @@ fn state(e: &BurnEngine) -> CheckpointState {
         test_acc: None,
         stages: None,
         zero: None,
+        stage_zero: None,
     }
 }
 

@@ -126,8 +126,8 @@ fn pipeline_replicas_train_what_data_parallel_trains() {
 /// state) train the bits of 2-rank data parallel, through a checkpoint and a resume, and so
 /// do ZeRO-2 (the gradient reduce-scattered among the replicas) and ZeRO-3 (the parameters
 /// sharded too, gathered for each use, one micro-batch a step): the MLP is wide (a 3000 ×
-/// 3000 layer in stage 1) so that the stage's whole optimizer state, 72 MB, is more than a
-/// frame (`max_frame_bytes`, 64 MiB) on its way to rank 0 and back.
+/// 3000 layer in stage 1, whose Adam state, 72 MB, is more than a frame, `max_frame_bytes`,
+/// 64 MiB), and each replica writes its half of it into the checkpoint and reads it back.
 #[test]
 fn a_wide_pipeline_with_zero_1_2_or_3_trains_data_parallels_bits_through_a_resume() {
     let dir = tmp();

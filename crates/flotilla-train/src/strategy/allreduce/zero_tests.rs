@@ -139,6 +139,7 @@ fn run_overlapped(
                         test_acc: None,
                         stages: None,
                         zero: None,
+                        stage_zero: None,
                     };
                     peer.save_checkpoint(&mut rank.cx(), &state)
                         .expect("checkpoint");

@@ -36,4 +36,6 @@ mod state_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod zero_checkpoint_tests;
+#[cfg(test)]
 mod zero_tests;

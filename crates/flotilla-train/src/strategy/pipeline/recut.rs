@@ -16,7 +16,7 @@ use flotilla_engine::{
 use safetensors::SafeTensors;
 use safetensors::tensor::TensorView;
 
-use crate::checkpoint;
+use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
 
 /// A stage's weights (safetensors bytes) and optimizer state, as the stage files hold them.
@@ -33,11 +33,12 @@ fn read(path: &Path) -> Result<Vec<u8>> {
     std::fs::read(path).map_err(|e| TrainError::io(path, e))
 }
 
-/// The stage parts of checkpoint `dir`, written by a pipeline of stages `old`, for a
-/// pipeline of stages `new` (layer ranges of the same model).
+/// The stage parts of checkpoint `dir` (whose `state.json` says `state`: written by a
+/// pipeline of stages `old`) for a pipeline of stages `new` (layer ranges of the same
+/// model).
 pub(super) fn recut(
     dir: &Path,
-    old: &[[usize; 2]],
+    (state, old): (&CheckpointState, &[[usize; 2]]),
     new: &[Range<usize>],
 ) -> Result<Vec<StageParts>> {
     let merged = read(&dir.join("model.safetensors"))?;
@@ -51,11 +52,11 @@ pub(super) fn recut(
     let mut flats = Vec::new();
     for k in 0..old_cut.stages() {
         let stage = build(&spec, &old_cut, k)?;
-        let name = &checkpoint::stage_files(k)[1];
-        let bytes = read(&dir.join(name))?;
-        flats.push(FlatOptimizerState::gather(
+        flats.push(checkpoint::read_stage_flat_state(
+            dir,
+            state,
+            k,
             stage.layout(),
-            &[(None, &bytes)],
         )?);
         names.extend(stage.layout().params.iter().map(|p| p.name.clone()));
     }

@@ -1,13 +1,18 @@
 //! A pipeline resumed from a checkpoint: every rank that sees rank 0's checkpoint reads its
-//! own stage's files there; rank 0 reads and sends the others theirs, one at a time, so that
-//! no rank holds every stage's state (a 57 M-parameter GPT's stages are 0.7 GB of weights
-//! and Adam moments together).
+//! own part there; rank 0 reads and sends the others theirs, one file at a time, so that no
+//! rank holds every stage's state (a 57 M-parameter GPT's stages are 0.7 GB of weights and
+//! Adam moments together).
 //!
-//! Rank 0 offers the checkpoint's path with the bytes of its `checksums.json`; a rank sees it
-//! when the file at that path has the same bytes and its stage's files there have the
-//! checksums it lists (the ranks of one host, hosts that mount one output directory). A
-//! checkpoint written at another cut is re-cut on rank 0 (`recut.rs`) and sent to every
-//! rank.
+//! Rank 0 sends every rank the checkpoint's `state.json`; each works out the files it needs:
+//! its stage's weights and optimizer state, which under ZeRO among the replicas is its own
+//! shard's file when the checkpoint's replicas held the same shards, else every replica's
+//! shard of its stage, put together and cut for it (another number of replicas, another
+//! ZeRO stage, or none). Rank 0 offers the checkpoint's path with the bytes of its
+//! `checksums.json`; a rank sees it when the file at that path has the same bytes and the
+//! files it needs there have the checksums it lists (the ranks of one host, hosts that
+//! mount one output directory); the others name the files they need, which rank 0 reads and
+//! sends. A checkpoint written at another cut is re-cut on rank 0 (`recut.rs`) and sent to
+//! every rank.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -17,44 +22,59 @@ use flotilla_tcp::{CommError, ProcessGroup};
 use crate::checkpoint::{self, CHECKSUMS, CheckpointState};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
-use crate::strategy::pipeline::state::{receive_parts, recorded_ranges, send_parts};
+use crate::strategy::pipeline::state::{
+    StageOptimizer, receive_parts, recorded_ranges, send_parts,
+};
 use crate::strategy::pipeline::wire::{self, Direction};
 
 /// The part number of rank 0's offer of its checkpoint in a [`Direction::State`] tag.
 const OFFER: usize = 4;
-/// The part number of a rank's answer: whether it read its stage's files itself.
+/// The part number of a rank's answer: whether it read its files itself, else which it needs.
 const READ: usize = 5;
+/// The part number of the checkpoint's `state.json` (6 is a stage's ZeRO manifest:
+/// `state.rs`).
+const STATE: usize = 7;
+/// The part number of a file rank 0 sends a rank that does not see the checkpoint.
+const FILE: usize = 8;
 
-/// On rank 0: reads the stage files of checkpoint `dir` for this pipeline (re-cut when the
-/// checkpoint recorded another cut: `recut.rs`), loads stage 0's and sends every other rank
-/// that did not read its own (see the module docs) its stage's.
-/// Every other rank: reads or receives and loads its stage's. Collective over the world.
+/// On rank 0: reads checkpoint `dir`'s state, sends it to every rank, and either offers the
+/// checkpoint to every rank and sends each that does not see it the files it needs, or (a
+/// checkpoint written at another cut: `recut.rs`) re-cuts it and sends every rank its
+/// stage's state. Every other rank: reads or receives and loads its stage's part.
+/// Collective over the world.
 pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let world = pipe.world().clone();
     if world.rank() != 0 {
-        let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
-        let read = read_offered(&offer, pipe.stage_index());
-        world.send(0, tag(READ), &[u8::from(read.is_some())])?;
-        let parts = match read {
-            Some(parts) => parts,
-            None => receive_parts(&*world, 0)?,
-        };
-        return pipe.load_stage_state(&parts);
+        let deadline = Instant::now() + world.timeout();
+        let bytes = world.recv_large(0, tag(STATE), deadline)?;
+        let state: CheckpointState =
+            serde_json::from_slice(&bytes).map_err(|e| CommError::Protocol {
+                peer: 0,
+                detail: format!("a malformed checkpoint state: {e}"),
+            })?;
+        if state.stages.as_ref() != Some(&recorded_ranges(pipe)) {
+            return pipe.load_stage_state(&receive_parts(&*world, 0)?);
+        }
+        return read_or_receive(pipe, &state);
     }
     let Some(dir) = dir else {
         return Err(TrainError::config("resume", "no checkpoint to restore"));
     };
+    let state = read_state(dir)?;
+    let bytes =
+        serde_json::to_vec(&state).map_err(|e| TrainError::config("resume", e.to_string()))?;
+    for r in 1..world.size() {
+        world.send_large(r, tag(STATE), &bytes)?;
+    }
     // `read_state` refused a checkpoint that records no cut.
-    let cut = read_state(dir)?.stages.unwrap_or_default();
+    let cut = state.stages.clone().unwrap_or_default();
     if cut == recorded_ranges(pipe) {
-        return send_read(pipe, dir);
+        return send_read(pipe, dir, &state);
     }
     // Written at another cut: its stages' state re-cut for this one.
-    let per_stage = super::recut::recut(dir, &cut, &pipe.cut().ranges)?;
+    let per_stage = super::recut::recut(dir, (&state, &cut), &pipe.cut().ranges)?;
     let stages = per_stage.len();
     for r in 1..world.size() {
-        world.send(r, tag(OFFER), &[])?;
-        answer(&*world, r)?;
         send_parts(&*world, r, &per_stage[r % stages])?;
     }
     pipe.load_stage_state(&per_stage[0])
@@ -73,11 +93,93 @@ pub(super) fn read_state(dir: &Path) -> Result<CheckpointState> {
     Ok(state)
 }
 
-/// Rank 0's side of a checkpoint written at this pipeline's cut: offers it to every other
-/// rank, then reads and sends the stage files of each rank that did not read its own.
-fn send_read(pipe: &mut Pipeline, dir: &Path) -> Result<()> {
+/// What this rank's stage needs of a checkpoint of `state` at its cut: the files, its
+/// weights first, and how its optimizer state is in them.
+struct Needs {
+    files: Vec<String>,
+    optimizer: Held,
+}
+
+/// How a rank's optimizer state is in the files it needs ([`Needs`]).
+enum Held {
+    /// The stage's whole state, in one file.
+    Whole,
+    /// This replica's own shard, in one file.
+    Own,
+    /// Every replica's shard, at these ranges, one file each.
+    Shards(Vec<Vec<std::ops::Range<usize>>>),
+}
+
+/// What `pipe`'s rank needs of a checkpoint of `state` written at its cut.
+fn needs(pipe: &Pipeline, state: &CheckpointState) -> Result<Needs> {
+    let k = pipe.stage_index();
+    let [weights, optimizer] = checkpoint::stage_files(k);
+    let (files, optimizer) = match state.stage_zero.as_ref().map(|z| z.get(k)) {
+        None => (vec![weights, optimizer], Held::Whole),
+        Some(Some(m)) if pipe.holds_shard(m) => {
+            let own = checkpoint::stage_zero_file(k, pipe.replica());
+            (vec![weights, own], Held::Own)
+        }
+        Some(Some(m)) if m.shards.len() == m.world => {
+            let shards = (0..m.world).map(|r| checkpoint::stage_zero_file(k, r));
+            let files = std::iter::once(weights).chain(shards).collect();
+            (files, Held::Shards(m.ranges()))
+        }
+        Some(_) => {
+            return Err(TrainError::config(
+                "resume",
+                format!("the checkpoint's manifest of stage {k}'s shards is corrupt"),
+            ));
+        }
+    };
+    Ok(Needs { files, optimizer })
+}
+
+/// Loads the files `needs` named (`files`, in its order) into `pipe`'s stage.
+fn load(pipe: &mut Pipeline, needs: &Needs, files: &[Vec<u8>]) -> Result<()> {
+    let (Some(weights), rest) = (files.first(), files.get(1..).unwrap_or_default()) else {
+        return Err(TrainError::config("resume", "no weights file of the stage"));
+    };
+    let optimizer = match (&needs.optimizer, rest) {
+        (Held::Whole, [one]) => StageOptimizer::Whole(one),
+        (Held::Own, [one]) => StageOptimizer::Own(one),
+        (Held::Shards(ranges), shards) if shards.len() == ranges.len() => StageOptimizer::Shards(
+            (ranges.iter().zip(shards))
+                .map(|(r, s)| (Some(r.as_slice()), s.as_slice()))
+                .collect(),
+        ),
+        _ => {
+            let detail = format!("{} files of the stage's optimizer state", rest.len());
+            return Err(TrainError::config("resume", detail));
+        }
+    };
+    pipe.load_stage(weights, optimizer)
+}
+
+/// A rank's side (not rank 0's) of a checkpoint written at its pipeline's cut: reads the
+/// files it needs where it sees rank 0's checkpoint, else names them and receives them.
+fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
     let world = pipe.world().clone();
-    let stages = pipe.cut().stages();
+    let needs = needs(pipe, state)?;
+    let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
+    if let Some(files) = read_offered(&offer, &needs.files) {
+        world.send(0, tag(READ), &[1])?;
+        return load(pipe, &needs, &files);
+    }
+    let names = needs.files.join("\n");
+    world.send(0, tag(READ), &[&[0], names.as_bytes()].concat())?;
+    let deadline = Instant::now() + world.timeout();
+    let files = (needs.files.iter())
+        .map(|_| Ok(world.recv_large(0, tag(FILE), deadline)?))
+        .collect::<Result<Vec<_>>>()?;
+    load(pipe, &needs, &files)
+}
+
+/// Rank 0's side of a checkpoint written at this pipeline's cut: offers it to every other
+/// rank, then reads and sends, one at a time, the files each rank that does not see it
+/// names (only the checkpoint's stage files), and loads its own stage's.
+fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result<()> {
+    let world = pipe.world().clone();
     let sums_path = dir.join(CHECKSUMS);
     let sums = std::fs::read(&sums_path).map_err(|e| TrainError::io(&sums_path, e))?;
     // A path that is not UTF-8 is not offered: every stage goes over the wire.
@@ -88,18 +190,39 @@ fn send_read(pipe: &mut Pipeline, dir: &Path) -> Result<()> {
     for r in 1..world.size() {
         world.send(r, tag(OFFER), &offer)?;
     }
+    let stages = pipe.cut().stages();
+    let files: std::collections::BTreeSet<String> = (0..stages)
+        .flat_map(|k| checkpoint::stage_parts(state, k))
+        .collect();
     for r in 1..world.size() {
-        if !answer(&*world, r)? {
-            send_parts(&*world, r, &read_stage(dir, r % stages)?)?;
+        for name in answer(&*world, r)? {
+            if !files.contains(&name) {
+                let detail = format!("asked for {name:?}, not a file of the checkpoint's stages");
+                return Err(CommError::Protocol { peer: r, detail }.into());
+            }
+            world.send_large(r, tag(FILE), &read(dir, &name)?)?;
         }
     }
-    pipe.load_stage_state(&read_stage(dir, 0)?)
+    let needs = needs(pipe, state)?;
+    let mine = (needs.files.iter())
+        .map(|name| read(dir, name))
+        .collect::<Result<Vec<_>>>()?;
+    load(pipe, &needs, &mine)
 }
 
-/// Rank `r`'s answer to the offer: whether it read its stage's files itself.
-fn answer(world: &dyn ProcessGroup, r: usize) -> Result<bool> {
-    match world.recv(r, tag(READ), Instant::now() + world.timeout())?[..] {
-        [read] => Ok(read == 1),
+/// Rank `r`'s answer to the offer: the files it needs sent (none when it read them).
+fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
+    let answer = world.recv(r, tag(READ), Instant::now() + world.timeout())?;
+    match answer.split_first() {
+        Some((1, [])) => Ok(Vec::new()),
+        Some((0, names)) => match std::str::from_utf8(names) {
+            Ok(names) => Ok(names.split('\n').map(str::to_owned).collect()),
+            Err(_) => Err(CommError::Protocol {
+                peer: r,
+                detail: "file names that are not UTF-8".into(),
+            }
+            .into()),
+        },
         _ => {
             let detail = "a malformed answer to the checkpoint's offer".to_string();
             Err(CommError::Protocol { peer: r, detail }.into())
@@ -107,9 +230,9 @@ fn answer(world: &dyn ProcessGroup, r: usize) -> Result<bool> {
     }
 }
 
-/// Stage `k`'s files of the checkpoint rank 0 offered, when this rank sees the same
+/// The files `names` of the checkpoint rank 0 offered, when this rank sees the same
 /// checkpoint at that path and the files have the checksums it lists.
-fn read_offered(offer: &[u8], k: usize) -> Option<[Vec<u8>; 2]> {
+fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
     #[cfg(test)]
     if crate::checkpoint_offer::BLIND.with(std::cell::Cell::get) {
         return None;
@@ -121,23 +244,19 @@ fn read_offered(offer: &[u8], k: usize) -> Option<[Vec<u8>; 2]> {
         return None;
     }
     let sums: std::collections::BTreeMap<String, String> = serde_json::from_slice(sums).ok()?;
-    let parts = read_stage(&dir, k).ok()?;
-    let names = checkpoint::stage_files(k);
-    let sound = names
+    names
         .iter()
-        .zip(&parts)
-        .all(|(name, bytes)| sums.get(name) == Some(&checkpoint::checksum_of(bytes)));
-    sound.then_some(parts)
+        .map(|name| {
+            let bytes = read(&dir, name).ok()?;
+            (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
+        })
+        .collect()
 }
 
-/// Stage `k`'s files of checkpoint `dir`.
-fn read_stage(dir: &Path, k: usize) -> Result<[Vec<u8>; 2]> {
-    let mut parts: [Vec<u8>; 2] = Default::default();
-    for (slot, name) in parts.iter_mut().zip(checkpoint::stage_files(k)) {
-        let path = dir.join(name);
-        *slot = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
-    }
-    Ok(parts)
+/// File `name` of checkpoint `dir`.
+fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
 }
 
 /// The tag of a restore's message `part`.

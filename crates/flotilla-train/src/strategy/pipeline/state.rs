@@ -1,16 +1,17 @@
-//! A pipeline's checkpoints: the first replica's stages write their weights and optimizer
-//! state (one file pair per stage) and their blocks of the merged weights file (the whole
-//! model in PyTorch's names, `merged.rs`) into rank 0's checkpoint in progress, one atomic
-//! checkpoint; on resume, rank 0 reads them and sends every rank its stage's pair.
+//! A pipeline's checkpoints: the first replica's stages write their weights (one file per
+//! stage) and their blocks of the merged weights file (the whole model in PyTorch's names,
+//! `merged.rs`), and every rank its part of its stage's optimizer state (the stage's whole
+//! state, or under ZeRO among the replicas each replica its shard), into rank 0's checkpoint
+//! in progress: one atomic checkpoint that no rank holds whole. Resuming: `restore.rs`.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use flotilla_engine::StageEngine;
+use flotilla_engine::{ShardOptimizer, StageEngine, StatePart};
 use flotilla_tcp::{CommError, ProcessGroup};
 
-use crate::checkpoint::{self, CheckpointState};
-use crate::checkpoint_offer::{self, Offer, Offered};
+use crate::checkpoint::{self, CheckpointState, ZeroManifest};
+use crate::checkpoint_offer::{self, Offer, Offered, ScratchShard};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
 use crate::strategy::pipeline::merged::{self, MergedWeights};
@@ -23,6 +24,9 @@ const OPTIMIZER: usize = 1;
 const HEADER: usize = 2;
 /// The part number of a stage's block of the merged weights file (its start and length).
 const BLOCK: usize = 3;
+/// The part number of a stage's ZeRO manifest (how its replicas shard its optimizer state).
+/// (4 and 5 are a restore's: `restore.rs`.)
+const MANIFEST: usize = 6;
 
 /// A stage's weights as safetensors bytes and its optimizer state. Both stay in memory: no
 /// file in a shared directory that another local user could read, replace or plant a link
@@ -74,37 +78,121 @@ pub(super) fn recorded_ranges(pipe: &Pipeline) -> Vec<[usize; 2]> {
     pipe.cut().ranges.iter().map(|r| [r.start, r.end]).collect()
 }
 
+/// A rank's part of its stage's optimizer state in a checkpoint
+/// ([`Pipeline::optimizer_part`]).
+pub(super) enum OptimizerPart<'a> {
+    /// The stage's whole state (replica 0 of a stage without ZeRO).
+    Whole(Vec<u8>),
+    /// This replica's shard (ZeRO among the replicas), written from its optimizer.
+    Shard(&'a ShardOptimizer),
+    /// None (another replica of a stage without ZeRO).
+    None,
+}
+
+/// A stage's optimizer state as read from a checkpoint ([`Pipeline::load_stage`]).
+pub(super) enum StageOptimizer<'a> {
+    /// The stage's whole state.
+    Whole(&'a [u8]),
+    /// This replica's own shard, at the ranges it holds.
+    Own(&'a [u8]),
+    /// The replicas' shards, each at its ranges.
+    Shards(Vec<StatePart<'a>>),
+}
+
 /// Writes a checkpoint of the pipeline; collective over the world. The first replica's
-/// stages (with ZeRO, gathered first from their replicas: [`Pipeline::stage_state`]) write
-/// their own files into rank 0's checkpoint in progress where they see it
-/// (`crate::checkpoint_offer`), each its block of the merged weights file too
-/// (`merged.rs`), all at once; a stage that does not see it sends its state to rank 0 when
-/// asked, one stage after another. Rank 0 returns the checkpoint's directory.
+/// stages write their weights file and their block of the merged weights file
+/// (`merged.rs`), and every rank its part of its stage's optimizer state (with ZeRO each
+/// replica its shard, else the first replica the whole), into rank 0's checkpoint in
+/// progress where they see it (`crate::checkpoint_offer`), all at once; a rank that does not
+/// see it sends its part to rank 0 when asked, one after another. Rank 0 returns the
+/// checkpoint's directory.
 pub fn save(
     pipe: &mut Pipeline,
     output: &Path,
     state: &CheckpointState,
 ) -> Result<Option<PathBuf>> {
-    let Some(mine) = pipe.stage_state()? else {
-        return Ok(None);
-    };
-    let world = &**pipe.world();
+    let weights = pipe.stage_weights()?;
     let merged_name = output.join("model.safetensors");
-    let header = merged::header_of(&mine[WEIGHTS], &merged_name)?;
-    if world.rank() != 0 {
-        world.send_large(0, wire::tag(Direction::State, HEADER, 0), header)?;
-        return send_stage(world, pipe.stage_index(), &mine).map(|()| None);
+    let world = &**pipe.world();
+    if let Some(weights) = &weights {
+        let header = merged::header_of(weights, &merged_name)?;
+        if world.rank() != 0 {
+            world.send_large(0, tag(HEADER), header)?;
+            if let Some(manifest) = pipe.zero_manifest() {
+                world.send_large(0, tag(MANIFEST), &manifest_bytes(&manifest)?)?;
+            }
+        }
     }
-    let merged = merge_headers(pipe, header.to_vec(), &merged_name)?;
+    let part = pipe.optimizer_part()?;
+    if world.rank() != 0 {
+        let mine = Part {
+            weights: weights.as_deref(),
+            optimizer: part,
+        };
+        if matches!(mine.optimizer, OptimizerPart::None) {
+            return Ok(None);
+        }
+        return send_stage(pipe, &mine, output).map(|()| None);
+    }
+    let Some(weights) = weights else {
+        return Err(TrainError::config(
+            "pipeline",
+            "rank 0 holds no weights of its stage",
+        ));
+    };
+    let header = merged::header_of(&weights, &merged_name)?.to_vec();
+    let merged = merge_headers(pipe, header, &merged_name)?;
     let state = CheckpointState {
         num_params: merged.values(),
         stages: Some(recorded_ranges(pipe)),
+        stage_zero: stage_manifests(pipe)?,
         ..state.clone()
+    };
+    let mine = Part {
+        weights: Some(&weights),
+        optimizer: part,
     };
     checkpoint::save_with(output, &state, |tmp| {
         write_stages(pipe, tmp, &merged, &mine)
     })
     .map(Some)
+}
+
+/// A rank's part of a pipeline checkpoint: its stage's weights (on the first replica) and
+/// its part of the optimizer state.
+struct Part<'a> {
+    weights: Option<&'a [u8]>,
+    optimizer: OptimizerPart<'a>,
+}
+
+/// The tag of a checkpoint's message `part`.
+fn tag(part: usize) -> flotilla_tcp::Tag {
+    wire::tag(Direction::State, part, 0)
+}
+
+/// A stage's ZeRO manifest as sent to rank 0.
+fn manifest_bytes(manifest: &ZeroManifest) -> Result<Vec<u8>> {
+    serde_json::to_vec(manifest).map_err(|e| TrainError::config("pipeline", e.to_string()))
+}
+
+/// On rank 0: every stage's ZeRO manifest (its own, and those the first replica's other
+/// stages send), or `None` when the stages' replicas do not shard their optimizer state.
+fn stage_manifests(pipe: &Pipeline) -> Result<Option<Vec<ZeroManifest>>> {
+    let Some(own) = pipe.zero_manifest() else {
+        return Ok(None);
+    };
+    let world = &**pipe.world();
+    let deadline = Instant::now() + world.timeout();
+    let mut all = vec![own];
+    for s in 1..pipe.cut().stages() {
+        let bytes = receive_part(world, (s, MANIFEST), "ZeRO manifest", deadline)?;
+        let manifest = serde_json::from_slice(&bytes).map_err(|e| CommError::Protocol {
+            peer: s,
+            detail: format!("a malformed ZeRO manifest: {e}"),
+        })?;
+        all.push(manifest);
+    }
+    Ok(Some(all))
 }
 
 /// On rank 0: the merged weights file's layout from its own stage's `header` and every
@@ -125,72 +213,124 @@ fn merge_headers(pipe: &Pipeline, header: Vec<u8>, out: &Path) -> Result<MergedW
     MergedWeights::new(&refs, out)
 }
 
+/// The file world rank `r`'s part of the optimizer state goes to: with ZeRO its replica's
+/// shard of its stage's, else its stage's.
+fn optimizer_file(pipe: &Pipeline, r: usize) -> String {
+    let stages = pipe.cut().stages();
+    match pipe.shards_optimizer() {
+        true => checkpoint::stage_zero_file(r % stages, r / stages),
+        false => checkpoint::stage_files(r % stages)[OPTIMIZER].clone(),
+    }
+}
+
 /// Rank 0's part of a checkpoint in progress `tmp`: makes the merged weights file, offers
-/// the directory to the other stages of the first replica, tells each its block, writes its
-/// own stage and then, one at a time, the stages that came over the wire.
-fn write_stages(
-    pipe: &Pipeline,
-    tmp: &Path,
-    merged: &MergedWeights,
-    mine: &[Vec<u8>; 2],
-) -> Result<()> {
+/// the directory to every rank with a part, tells each first-replica stage its block,
+/// writes its own part and then, one at a time, the parts that come over the wire.
+fn write_stages(pipe: &Pipeline, tmp: &Path, merged: &MergedWeights, mine: &Part) -> Result<()> {
     let world = &**pipe.world();
     let stages = pipe.cut().stages();
     let block = |k: usize| merged.block(k, tmp);
     drop(merged.create(&tmp.join("model.safetensors"))?);
-    let offer = checkpoint_offer::offer_to(world, tmp, (1..stages).collect())?;
+    let peers = match pipe.shards_optimizer() {
+        true => (1..world.size()).collect(),
+        false => (1..stages).collect(),
+    };
+    let offer = checkpoint_offer::offer_to(world, tmp, peers)?;
     offer.writers(world)?;
     for s in 1..stages {
         let (base, len) = block(s)?;
         let bytes = [base.to_le_bytes(), len.to_le_bytes()].concat();
-        world.send(s, wire::tag(Direction::State, BLOCK, 0), &bytes)?;
+        world.send(s, tag(BLOCK), &bytes)?;
     }
-    write_stage(tmp, 0, mine, block(0)?)?;
-    let over_wire = offer.answers(world, |r| checkpoint::stage_files(r)[0].clone())?;
+    write_part(tmp, pipe, mine, block(0)?)?;
+    let over_wire = offer.answers(world, |r| optimizer_file(pipe, r))?;
     let tmp = offer.close()?;
+    let deadline = || Instant::now() + world.timeout();
     for r in over_wire {
         Offer::ask(world, r)?;
-        let parts = receive_parts(world, r)?;
-        write_stage(&tmp, r, &parts, block(r)?)?;
+        if r < stages {
+            let weights = receive_part(world, (r, WEIGHTS), "weights", deadline())?;
+            write_weights(&tmp, r, &weights, block(r)?)?;
+        }
+        let path = tmp.join(optimizer_file(pipe, r));
+        checkpoint_offer::receive_file(world, (r, tag(OPTIMIZER)), &path)?;
     }
     Ok(())
 }
 
-/// A first-replica stage's part of a checkpoint (not rank 0's): waits for rank 0's offer
-/// and its block of the merged weights file, then writes its files and block into the
-/// offered directory when it sees it, else sends them to rank 0 when asked.
-fn send_stage(world: &dyn ProcessGroup, k: usize, parts: &[Vec<u8>; 2]) -> Result<()> {
+/// A rank's part of a checkpoint (not rank 0's): waits for rank 0's offer (and, on the
+/// first replica, its block of the merged weights file), then writes its part into the
+/// offered directory when it sees it, else sends it to rank 0 when asked.
+fn send_stage(pipe: &Pipeline, mine: &Part, output: &Path) -> Result<()> {
+    let world = &**pipe.world();
     let offered = Offered::receive(world)?;
+    let block = match mine.weights {
+        Some(_) => receive_block(world)?,
+        None => (0, 0),
+    };
+    if let Some(dir) = offered.dir {
+        return checkpoint_offer::answer(world, write_part(&dir, pipe, mine, block));
+    }
+    checkpoint_offer::answer_not_shared(world)?;
+    let scratch = match &mine.optimizer {
+        OptimizerPart::Shard(optimizer) => Some(ScratchShard::write(optimizer, output)?),
+        _ => None,
+    };
+    checkpoint_offer::wait_ask(world)?;
+    if let Some(weights) = mine.weights {
+        world.send_large(0, tag(WEIGHTS), weights)?;
+    }
+    match (&mine.optimizer, scratch) {
+        (OptimizerPart::Whole(bytes), _) => Ok(world.send_large(0, tag(OPTIMIZER), bytes)?),
+        (_, Some(scratch)) => scratch.send(world, tag(OPTIMIZER)),
+        _ => Ok(()),
+    }
+}
+
+/// The block of the merged weights file rank 0 gives this stage (its start and length).
+fn receive_block(world: &dyn ProcessGroup) -> Result<(u64, u64)> {
     let deadline = Instant::now() + world.timeout();
-    let bytes = world.recv(0, wire::tag(Direction::State, BLOCK, 0), deadline)?;
+    let bytes = world.recv(0, tag(BLOCK), deadline)?;
     let word = |i: usize| {
         bytes
             .get(8 * i..8 * i + 8)
             .and_then(|b| b.try_into().ok())
             .map(u64::from_le_bytes)
     };
-    let (Some(base), Some(len)) = (word(0), word(1)) else {
-        let detail = format!("a block of the merged weights in {} bytes", bytes.len());
-        return Err(CommError::Protocol { peer: 0, detail }.into());
-    };
-    match offered.dir {
-        Some(dir) => checkpoint_offer::answer(world, write_stage(&dir, k, parts, (base, len))),
-        None => {
-            checkpoint_offer::answer_not_shared(world)?;
-            checkpoint_offer::wait_ask(world)?;
-            send_parts(world, 0, parts)
+    match (word(0), word(1)) {
+        (Some(base), Some(len)) => Ok((base, len)),
+        _ => {
+            let detail = format!("a block of the merged weights in {} bytes", bytes.len());
+            Err(CommError::Protocol { peer: 0, detail }.into())
         }
     }
 }
 
-/// Writes stage `k`'s files and its `block` of the merged weights file into the checkpoint
-/// in progress `dir`.
-fn write_stage(dir: &Path, k: usize, parts: &[Vec<u8>; 2], block: (u64, u64)) -> Result<()> {
-    for (name, bytes) in checkpoint::stage_files(k).iter().zip(parts) {
-        checkpoint::write_part(dir, name, bytes)?;
+/// Writes this rank's part into the checkpoint in progress `dir`: on the first replica its
+/// stage's weights file and `block` of the merged weights file, and its optimizer part.
+fn write_part(dir: &Path, pipe: &Pipeline, mine: &Part, block: (u64, u64)) -> Result<()> {
+    let k = pipe.stage_index();
+    if let Some(weights) = mine.weights {
+        write_weights(dir, k, weights, block)?;
     }
+    let name = optimizer_file(pipe, pipe.world().rank());
+    match &mine.optimizer {
+        OptimizerPart::Whole(bytes) => checkpoint::write_part(dir, &name, bytes),
+        OptimizerPart::Shard(optimizer) => {
+            let path = dir.join(name);
+            optimizer.save_state(&path)?;
+            checkpoint::sync_part(&path)
+        }
+        OptimizerPart::None => Ok(()),
+    }
+}
+
+/// Writes stage `k`'s weights file and its `block` of the merged weights file into the
+/// checkpoint in progress `dir`.
+fn write_weights(dir: &Path, k: usize, weights: &[u8], block: (u64, u64)) -> Result<()> {
+    checkpoint::write_part(dir, &checkpoint::stage_files(k)[WEIGHTS], weights)?;
     let path = dir.join("model.safetensors");
-    merged::write_block(&path, block, merged::data_of(&parts[WEIGHTS], &path)?)
+    merged::write_block(&path, block, merged::data_of(weights, &path)?)
 }
 
 /// Writes the whole model's parameters to `path` (collective over the world): the first

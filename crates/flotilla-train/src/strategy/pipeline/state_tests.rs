@@ -113,6 +113,7 @@ fn checkpoint_state(pipe: &Pipeline) -> CheckpointState {
         test_acc: None,
         stages: None,
         zero: None,
+        stage_zero: None,
     }
 }
 

@@ -14,10 +14,13 @@
 //! FSDP does (DeepSpeed refuses ZeRO-2 under a pipeline for this): the gradient memory a
 //! replica saves is none; the traffic, and the optimizer state, it does save.
 //!
-//! Checkpoints hold the stage's whole optimizer state, as without ZeRO: replica 0 gathers
-//! the shards' states into it ([`ReplicaShard::whole_state`]), and each replica loads its
-//! shard of a whole state ([`ReplicaShard::load_whole`]). So a checkpoint resumes with or
-//! without ZeRO, at another number of replicas or (through `recut.rs`) another cut.
+//! Checkpoints hold each replica's shard of the stage's optimizer state, written by the
+//! replica itself (`state.rs`: [`ReplicaShard::optimizer`]), and the replicas' ranges. A
+//! replica resumed at the same shard loads its own file ([`ReplicaShard::load_shard`]); at
+//! another number of replicas, another ZeRO stage or another cut, or from a checkpoint of a
+//! stage without ZeRO, it takes its shard of the state put together
+//! ([`ReplicaShard::load_flat`]). [`ReplicaShard::whole_state`] puts the stage's whole state
+//! together on replica 0 (what a stage without ZeRO holds).
 
 use std::ops::Range;
 use std::time::Instant;
@@ -111,6 +114,18 @@ impl ReplicaShard {
         Ok(())
     }
 
+    /// This replica's optimizer (its state written into a checkpoint by
+    /// [`ShardOptimizer::save_state`]).
+    pub(super) fn optimizer(&self) -> &ShardOptimizer {
+        &self.optimizer
+    }
+
+    /// Loads this replica's own shard of the optimizer state (as [`ReplicaShard::optimizer`]
+    /// wrote it).
+    pub(super) fn load_shard(&mut self, bytes: &[u8]) -> Result<()> {
+        Ok(self.optimizer.load_state(bytes)?)
+    }
+
     /// Bytes of optimizer state this replica holds (its shard's).
     pub(super) fn state_bytes(&self) -> Result<u64> {
         Ok(self.optimizer.state_bytes()?)
@@ -157,12 +172,15 @@ impl ReplicaShard {
         Ok(Some(flat.whole(layout)?))
     }
 
-    /// Loads this replica's shard of `whole`, a stage's whole optimizer state (as
-    /// [`ReplicaShard::whole_state`] or a stage without ZeRO writes it).
-    pub(super) fn load_whole(&mut self, stage: &dyn StageEngine, whole: &[u8]) -> Result<()> {
-        let layout = stage.layout();
-        let flat = FlatOptimizerState::gather(layout, &[(None, whole)])?;
-        let mine = flat.shard(layout, &self.owned)?;
+    /// Loads this replica's shard of a stage's optimizer state in flat form (a whole state
+    /// as [`ReplicaShard::whole_state`] or a stage without ZeRO writes it, or shards put
+    /// together).
+    pub(super) fn load_flat(
+        &mut self,
+        stage: &dyn StageEngine,
+        flat: &FlatOptimizerState,
+    ) -> Result<()> {
+        let mine = flat.shard(stage.layout(), &self.owned)?;
         Ok(self.optimizer.load_state(&mine)?)
     }
 }

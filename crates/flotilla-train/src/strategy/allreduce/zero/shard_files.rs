@@ -12,16 +12,13 @@
 //! checkpoint was written, over a ZeRO-3 rank's whole need between steps on a 57 M-parameter
 //! GPT (BENCHMARKS.md §35).
 
-use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::time::Instant;
 
 use flotilla_engine::ShardOptimizer;
-use flotilla_tcp::{CommError, ProcessGroup, Tag, tags};
+use flotilla_tcp::{ProcessGroup, Tag, tags};
 
 use crate::checkpoint;
-use crate::checkpoint_offer::{self, Offer};
+use crate::checkpoint_offer::{self, Offer, ScratchShard};
 use crate::error::{Result, TrainError};
 
 /// Tag of the optimizer-state shards sent to and from rank 0.
@@ -79,32 +76,16 @@ pub(super) fn send_shard_to(
         return checkpoint_offer::answer(comm, wrote);
     }
     checkpoint_offer::answer_not_shared(comm)?;
-    std::fs::create_dir_all(output).map_err(|e| TrainError::io(output, e))?;
-    let scratch = tempfile::Builder::new()
-        .prefix(".optimizer-shard-")
-        .tempdir_in(output)
-        .map_err(|e| TrainError::io(output, e))?;
-    let path = scratch.path().join("shard.bpk");
-    optimizer.save_state(&path)?;
-    let mut file = File::open(&path).map_err(|e| TrainError::io(&path, e))?;
-    let len = file.metadata().map_err(|e| TrainError::io(&path, e))?.len();
+    let scratch = ScratchShard::write(optimizer, output)?;
     checkpoint_offer::wait_ask(comm)?;
-    comm.send_large_from(0, SHARD_TAG, &mut file, len)?;
-    Ok(())
+    scratch.send(comm, SHARD_TAG)
 }
 
 /// Asks rank `r` for its shard and writes it into the checkpoint in progress `tmp` piece by
 /// piece as it arrives.
 fn receive_shard(comm: &dyn ProcessGroup, r: usize, tmp: &Path) -> Result<()> {
-    let path = tmp.join(checkpoint::zero_file(r));
-    let mut file = File::create(&path).map_err(|e| TrainError::io(&path, e))?;
     Offer::ask(comm, r)?;
-    let deadline = Instant::now() + comm.timeout();
-    comm.recv_large_with(r, SHARD_TAG, deadline, &mut |piece| {
-        file.write_all(piece)
-            .map_err(|e| CommError::io(format!("writing {}", path.display()), e))
-    })?;
-    file.sync_all().map_err(|e| TrainError::io(&path, e))
+    checkpoint_offer::receive_file(comm, (r, SHARD_TAG), &tmp.join(checkpoint::zero_file(r)))
 }
 
 #[cfg(test)]

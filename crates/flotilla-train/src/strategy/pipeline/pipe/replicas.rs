@@ -6,11 +6,15 @@
 use std::ops::Range;
 use std::time::Instant;
 
+use flotilla_engine::FlatOptimizerState;
 use flotilla_tcp::shard;
 
 use super::Pipeline;
+use crate::checkpoint::ZeroManifest;
 use crate::error::Result;
 use crate::strategy::allreduce::clip;
+use crate::strategy::pipeline::state::{OptimizerPart, StageOptimizer};
+use crate::strategy::pipeline::zero;
 use crate::strategy::pipeline::zero3::ReplicaParams;
 
 impl Pipeline {
@@ -128,19 +132,94 @@ impl Pipeline {
     /// [`Pipeline::stage_state`] gives them; with ZeRO, this replica keeps its shard of the
     /// state).
     pub fn load_stage_state(&mut self, parts: &[Vec<u8>; 2]) -> Result<()> {
+        self.load_stage(&parts[0], StageOptimizer::Whole(&parts[1]))
+    }
+
+    /// Replaces this stage's weights with `weights` (safetensors bytes) and its optimizer
+    /// state with `optimizer`'s (with ZeRO, this replica's shard of it).
+    pub(in crate::strategy::pipeline) fn load_stage(
+        &mut self,
+        weights: &[u8],
+        optimizer: StageOptimizer<'_>,
+    ) -> Result<()> {
         if let Some(p) = &mut self.params {
             // A released stage loads into whole parameters, then keeps its shard again.
             self.stage
                 .write_params(&vec![0.0; self.stage.layout().total])?;
-            self.stage.load_weights_bytes(&parts[0])?;
+            self.stage.load_weights_bytes(weights)?;
             p.take_shard(&mut *self.stage)?;
         } else {
-            self.stage.load_weights_bytes(&parts[0])?;
+            self.stage.load_weights_bytes(weights)?;
         }
+        let layout = self.stage.layout();
+        let flat = match (optimizer, &mut self.zero) {
+            (StageOptimizer::Whole(bytes), None) => {
+                return Ok(self.stage.load_optimizer_state(bytes)?);
+            }
+            (StageOptimizer::Own(bytes), Some(zero)) => return zero.load_shard(bytes),
+            (StageOptimizer::Own(_), None) => return Err(self.usage("a shard without ZeRO")),
+            (StageOptimizer::Whole(bytes), _) => {
+                FlatOptimizerState::gather(layout, &[(None, bytes)])?
+            }
+            (StageOptimizer::Shards(parts), _) => FlatOptimizerState::gather(layout, &parts)?,
+        };
         match &mut self.zero {
-            Some(zero) => zero.load_whole(&*self.stage, &parts[1]),
-            None => Ok(self.stage.load_optimizer_state(&parts[1])?),
+            Some(zero) => zero.load_flat(&*self.stage, &flat),
+            None => Ok(self.stage.load_optimizer_state(&flat.whole(layout)?)?),
         }
+    }
+
+    /// Whether this stage's replicas shard its optimizer state (ZeRO among them): each
+    /// writes its own shard into a checkpoint.
+    pub(in crate::strategy::pipeline) fn shards_optimizer(&self) -> bool {
+        self.zero.is_some()
+    }
+
+    /// How this stage's replicas shard its optimizer state, as a checkpoint records it
+    /// (`None` without ZeRO).
+    pub(in crate::strategy::pipeline) fn zero_manifest(&self) -> Option<ZeroManifest> {
+        let (group, _) = (self.replicas.as_ref()?, self.zero.as_ref()?);
+        let groups = self.params.as_ref().map(ReplicaParams::group_ranges);
+        let (total, d) = (self.stage.layout().total, group.size());
+        let shards = (0..d)
+            .map(|r| {
+                let owned = zero::owned(total, groups.as_deref(), d, r);
+                owned.iter().map(|r| [r.start, r.end]).collect()
+            })
+            .collect();
+        Some(ZeroManifest {
+            stage: self.opts.zero,
+            world: d,
+            shards,
+        })
+    }
+
+    /// Whether this stage's replicas shard its optimizer state under ZeRO as `m` records
+    /// (as many replicas, the same ranges each): this replica's own file of a checkpoint's
+    /// optimizer state is then its state.
+    pub(in crate::strategy::pipeline) fn holds_shard(&self, m: &ZeroManifest) -> bool {
+        self.zero_manifest()
+            .is_some_and(|mine| mine.world == m.world && mine.shards == m.shards)
+    }
+
+    /// This stage's weights as safetensors bytes on replica 0 (a ZeRO-3 stage gathered
+    /// first: collective over the replicas); `None` on the others.
+    pub(in crate::strategy::pipeline) fn stage_weights(&mut self) -> Result<Option<Vec<u8>>> {
+        self.gather_stage()?;
+        match self.replica {
+            0 => Ok(Some(self.stage.weights_bytes()?)),
+            _ => Ok(None),
+        }
+    }
+
+    /// This rank's part of its stage's optimizer state in a checkpoint: with ZeRO its shard
+    /// (on every replica), else the whole state on replica 0.
+    pub(in crate::strategy::pipeline) fn optimizer_part(&self) -> Result<OptimizerPart<'_>> {
+        Ok(match &self.zero {
+            Some(zero) => OptimizerPart::Shard(zero.optimizer()),
+            None if self.replica == 0 => OptimizerPart::Whole(self.stage.optimizer_state()?),
+            None => OptimizerPart::None,
+        })
     }
 
     /// Bytes of optimizer state this rank holds: its stage's, or with ZeRO its shard's.

@@ -1,0 +1,195 @@
+//! A checkpoint of a pipeline whose stages' replicas shard their optimizer state (ZeRO
+//! among them; 2 stages × 2 replicas of threads, Adam, one micro-batch a batch so that
+//! ZeRO-3 gives zero 0's bits): every replica writes its own shard's file, none the stage's
+//! whole state; the shards put together are the whole state replica 0 gathers; a run
+//! resumed from it at the same shards (each replica reading its own file), at other shards
+//! (ZeRO-1's from ZeRO-3's) or without ZeRO (the shards put together) ends on the
+//! uninterrupted run's bits, whether the ranks read their files themselves or rank 0 sends
+//! them (ranks blind to its directory, as on other hosts).
+
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use flotilla_engine::{ModelState, Stage, StageCut};
+
+use super::tests::train_batch;
+use super::{Pipeline, PipelineOptions, Schedule, restore, state};
+use crate::checkpoint::{self, CheckpointState};
+use crate::testkit::{adam, assert_bitwise, world};
+
+/// Options of 2 replicas at ZeRO `zero`, one micro-batch, groups of one parameter.
+fn opts(zero: u8) -> PipelineOptions {
+    PipelineOptions {
+        optimizer: adam(0.02),
+        zero,
+        micro_batches: 1,
+        group_bytes: 1,
+        ..super::tests::options(Schedule::OneFOneB, 2, 2)
+    }
+}
+
+/// What one rank ends with: its stage, replica, parameters by name, and its stage's whole
+/// optimizer state (on replica 0).
+struct Ended {
+    at: (usize, usize),
+    params: Vec<(String, Vec<f32>)>,
+    whole: Option<Vec<u8>>,
+}
+
+/// Batches `batches` on 2 stages (cut at `point`) × 2 replicas at `zero`, after restoring
+/// `from` if given, then a checkpoint into `out` if given; ranks other than 0 blind to rank
+/// 0's directories when `blind`. What each rank ends with, and the checkpoint.
+fn run(
+    (zero, point): (u8, usize),
+    from: Option<PathBuf>,
+    batches: Range<usize>,
+    (out, blind): (Option<PathBuf>, bool),
+) -> (Vec<Ended>, Option<PathBuf>) {
+    let cut = StageCut::at(&super::tests::spec(), &[point]).expect("cut");
+    let handles: Vec<_> = world(4)
+        .into_iter()
+        .map(|group| {
+            let (cut, batches, from, out) =
+                (cut.clone(), batches.clone(), from.clone(), out.clone());
+            std::thread::spawn(move || {
+                if blind && group.rank() != 0 {
+                    crate::checkpoint_offer::BLIND.with(|b| b.set(true));
+                }
+                let spec = super::tests::spec();
+                let mut pipe = Pipeline::new(&spec, cut, opts(zero), group).expect("pipeline");
+                if let Some(dir) = &from {
+                    let mine = (pipe.world().rank() == 0).then_some(dir.as_path());
+                    restore::restore(&mut pipe, mine).expect("restore");
+                }
+                batches.for_each(|b| {
+                    train_batch(&mut pipe, b);
+                });
+                let saved = out.and_then(|o| {
+                    let s = checkpoint_state();
+                    state::save(&mut pipe, &o, &s).expect("save")
+                });
+                pipe.gather_stage().expect("gather");
+                let mut params: Vec<_> = super::tests::named(pipe.stage()).into_iter().collect();
+                params.sort_by(|a, b| a.0.cmp(&b.0));
+                let whole = pipe.stage_state().expect("stage state").map(|[_, o]| o);
+                let ended = Ended {
+                    at: (pipe.stage_index(), pipe.replica()),
+                    params,
+                    whole,
+                };
+                (ended, saved)
+            })
+        })
+        .collect();
+    let mut ended = Vec::new();
+    let mut dir = None;
+    for h in handles {
+        let (e, d) = h.join().expect("rank thread");
+        ended.push(e);
+        dir = dir.or(d);
+    }
+    ended.sort_by_key(|e| e.at);
+    (ended, dir)
+}
+
+fn checkpoint_state() -> CheckpointState {
+    CheckpointState {
+        step: 10,
+        epoch: 0,
+        step_in_epoch: 10,
+        config_hash: 1,
+        model: "pipeline-test".into(),
+        num_params: 0,
+        test_acc: None,
+        stages: None,
+        zero: None,
+        stage_zero: None,
+    }
+}
+
+fn assert_same_params(got: &[Ended], want: &[Ended], what: &str) {
+    for (g, w) in got.iter().zip(want) {
+        assert_eq!(g.at, w.at);
+        for ((name, g), (_, w)) in g.params.iter().zip(&w.params) {
+            assert_bitwise(g, w, &format!("{what}: {name}"));
+        }
+    }
+}
+
+/// The names of the files in `dir`.
+fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("dir")
+        .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+/// Checkpoint `dir` holds each replica's shard file and no stage's whole state, and its
+/// shards put together are the whole state `ended`'s replica 0 gathered, stage by stage.
+fn assert_sharded(dir: &Path, ended: &[Ended], what: &str) {
+    let names = names(dir);
+    for k in 0..2 {
+        for r in 0..2 {
+            let shard = checkpoint::stage_zero_file(k, r);
+            assert!(names.contains(&shard), "{what}: no {shard} in {names:?}");
+        }
+        let whole = &checkpoint::stage_files(k)[1];
+        assert!(!names.contains(whole), "{what}: {whole} written");
+    }
+    let state = checkpoint::read_state(dir).expect("state");
+    let cut = StageCut::at(&super::tests::spec(), &[5]).expect("cut");
+    for e in ended.iter().filter(|e| e.at.1 == 0) {
+        let k = e.at.0;
+        let stage =
+            Stage::new(&super::tests::spec(), &cut, k, &adam(0.02), "flex", 5).expect("stage");
+        let layout = stage.layout();
+        let read = checkpoint::read_stage_flat_state(dir, &state, k, layout).expect("read");
+        let whole = e.whole.as_ref().expect("replica 0's whole state");
+        let gathered =
+            flotilla_engine::FlatOptimizerState::gather(layout, &[(None, whole)]).expect("flat");
+        assert!(read == gathered, "{what}: stage {k}'s shards put together");
+    }
+}
+
+#[test]
+fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwise() {
+    let dir = tempfile::tempdir().expect("dir");
+    let (plain, _) = run((0, 5), None, 0..20, (None, false));
+    for (first, then, blind) in [(3, 3, false), (1, 1, true), (3, 1, false), (1, 0, true)] {
+        let what = format!("zero {first}, then {then}, blind {blind}");
+        let out = dir.path().join(format!("{first}-{then}-{blind}"));
+        let (at_10, saved) = run((first, 5), None, 0..10, (Some(out), blind));
+        let saved = saved.expect("rank 0 wrote a checkpoint");
+        assert_sharded(&saved, &at_10, &what);
+        let (resumed, _) = run((then, 5), Some(saved), 10..20, (None, blind));
+        assert_same_params(&resumed, &plain, &what);
+    }
+    // At another cut: rank 0 puts each old stage's shards together to cut them again.
+    let (plain_9, _) = run((0, 9), None, 0..20, (None, false));
+    let out = dir.path().join("recut");
+    let (_, saved) = run((3, 5), None, 0..10, (Some(out), false));
+    let (resumed, _) = run((1, 9), saved, 10..20, (None, false));
+    assert_same_params(&resumed, &plain_9, "zero 3 at cut 5, then zero 1 at cut 9");
+}
+
+/// Resume takes a checkpoint of shards as complete, and passes over one that lost a shard's
+/// file (with or without its checksums), naming it.
+#[test]
+fn a_checkpoint_of_shards_is_complete_with_every_shard_only() {
+    let dir = tempfile::tempdir().expect("dir");
+    let out = dir.path().join("run");
+    let (_, saved) = run((1, 5), None, 0..10, (Some(out.clone()), false));
+    let saved = saved.expect("rank 0 wrote a checkpoint");
+    let (found, warnings) = checkpoint::newest_complete(&out).expect("newest");
+    assert_eq!(found.as_ref(), Some(&saved), "{warnings:?}");
+    let lost = checkpoint::stage_zero_file(1, 1);
+    std::fs::remove_file(saved.join(&lost)).expect("remove");
+    for name in [lost.as_str(), checkpoint::CHECKSUMS] {
+        let (found, warnings) = checkpoint::newest_complete(&out).expect("newest");
+        assert_eq!(found, None, "without {name}");
+        assert!(warnings.iter().any(|w| w.contains(&lost)), "{warnings:?}");
+        let _ = std::fs::remove_file(saved.join(checkpoint::CHECKSUMS));
+    }
+}
