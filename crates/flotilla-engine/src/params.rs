@@ -45,6 +45,19 @@ pub struct ParamLayout {
 }
 
 impl ParamLayout {
+    /// The parameters writer `k` of `writers` writes of one weights file that several ranks
+    /// write at once: the tensors in flat order cut into `writers` runs of about equal
+    /// bytes, the `k`-th.
+    pub fn writer_share(&self, writers: usize, k: usize) -> std::ops::Range<usize> {
+        let total = self.total.max(1);
+        let bound = |k: usize| {
+            (self.params.iter())
+                .position(|p| p.offset * writers >= total * k)
+                .unwrap_or(self.params.len())
+        };
+        bound(k)..bound(k + 1)
+    }
+
     /// A layout of 1-d tensors `p0`, `p1`, ... of lengths `lens`, one after the other (for
     /// code that plans over a layout, and its tests, without a model).
     pub fn of_lengths(lens: &[usize]) -> Self {
@@ -617,4 +630,31 @@ pub fn grads_from_flat<M: Module>(
     };
     model.visit(&mut Only::new(&mut b, Tensors::Params));
     Ok(b.grads)
+}
+
+#[cfg(test)]
+mod writer_share_tests {
+    use super::ParamLayout;
+
+    /// Every parameter is written by exactly one writer, in runs of about equal bytes.
+    #[test]
+    fn the_writers_shares_cover_every_tensor_once_by_bytes() {
+        let layout = ParamLayout::of_lengths(&[100, 5, 5, 90, 100, 10, 90]);
+        for writers in 1..=4 {
+            let shares: Vec<_> = (0..writers)
+                .map(|k| layout.writer_share(writers, k))
+                .collect();
+            assert_eq!(shares[0].start, 0);
+            assert_eq!(shares[writers - 1].end, layout.params.len());
+            for pair in shares.windows(2) {
+                assert_eq!(pair[0].end, pair[1].start, "{shares:?}");
+            }
+            let bytes = |r: &std::ops::Range<usize>| -> usize {
+                layout.params[r.clone()].iter().map(|p| p.len).sum()
+            };
+            let most = shares.iter().map(bytes).max().unwrap_or(0);
+            assert!(most <= 400 / writers + 100, "{writers} writers: {shares:?}");
+        }
+        assert_eq!(layout.writer_share(2, 1), 4..7);
+    }
 }

@@ -163,12 +163,29 @@ impl WeightsPlan {
         Ok(file)
     }
 
+    /// The file's first bytes: the length prefix and the JSON header, padded to 8 bytes.
+    pub fn header(&self) -> &[u8] {
+        &self.header
+    }
+
     /// Writes tensor `index`'s `values` (flat order, burn's layout) at its place in `file`
     /// (made by [`WeightsPlan::create`]; `path` names it in errors), transposed into
     /// PyTorch's layout when the tensor is.
     pub fn write_at(
         &self,
         (file, path): (&File, &Path),
+        index: usize,
+        values: &[f32],
+    ) -> Result<()> {
+        self.write_data_at((file, path), self.header.len() as u64, index, values)
+    }
+
+    /// [`WeightsPlan::write_at`] into a file that holds this file's tensor data as it is
+    /// from byte `base` on (a pipeline's merged weights file holds each stage's so).
+    pub fn write_data_at(
+        &self,
+        (file, path): (&File, &Path),
+        base: u64,
         index: usize,
         values: &[f32],
     ) -> Result<()> {
@@ -197,7 +214,8 @@ impl WeightsPlan {
             }
             _ => bytes.extend(values.iter().flat_map(|v| v.to_le_bytes())),
         }
-        file.write_all_at(&bytes, self.offsets[index])
+        let at = base + (self.offsets[index] - self.header.len() as u64);
+        file.write_all_at(&bytes, at)
             .map_err(|e| checkpoint_error(path, e))
     }
 }

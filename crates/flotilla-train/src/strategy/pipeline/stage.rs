@@ -410,10 +410,14 @@ impl Strategy for PipelineStage {
 
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
         let _ = cx;
-        self.pipe.gather_stage()?;
-        match self.pipe.replica_group().cloned() {
-            Some(group) => crate::eval::verify_identical(self.pipe.stage(), &*group).map(Some),
-            None => crate::eval::param_hash(self.pipe.stage()).map(Some),
+        // A ZeRO-3 stage's hash comes one group at a time: no replica holds its stage.
+        let hash = self.pipe.param_hash()?;
+        let Some(group) = self.pipe.replica_group().cloned() else {
+            return Ok(Some(hash));
+        };
+        match crate::eval::differing_hashes(&*group, hash, "has")? {
+            None => Ok(Some(hash)),
+            Some(which) => Err(TrainError::Divergence(which)),
         }
     }
 

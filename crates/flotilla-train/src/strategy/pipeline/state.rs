@@ -7,7 +7,9 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-use flotilla_engine::{ShardOptimizer, StageEngine, StatePart};
+use std::os::unix::fs::FileExt;
+
+use flotilla_engine::{ShardOptimizer, StageEngine, StatePart, WeightsPlan};
 use flotilla_tcp::{CommError, ProcessGroup};
 
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
@@ -99,70 +101,72 @@ pub(super) enum StageOptimizer<'a> {
     Shards(Vec<StatePart<'a>>),
 }
 
+/// How a rank's stage's weights reach a checkpoint.
+enum Weights {
+    /// Whole (safetensors bytes), on the first replica.
+    Whole(Vec<u8>),
+    /// Under ZeRO-3 (every replica): the stage's weights file's layout. The stage's replicas
+    /// that see the checkpoint write it, a share of the tensors each, as its groups are
+    /// gathered ([`write_share`]); when none sees it, the stage is gathered whole and its
+    /// first replica sends it.
+    Sharded(WeightsPlan),
+    /// None: another replica of a stage without ZeRO-3.
+    None,
+}
+
 /// Writes a checkpoint of the pipeline; collective over the world. The first replica's
 /// stages write their weights file and their block of the merged weights file
-/// (`merged.rs`), and every rank its part of its stage's optimizer state (with ZeRO each
-/// replica its shard, else the first replica the whole), into rank 0's checkpoint in
-/// progress where they see it (`crate::checkpoint_offer`), all at once; a rank that does not
-/// see it sends its part to rank 0 when asked, one after another. Rank 0 returns the
-/// checkpoint's directory.
+/// (`merged.rs`) (under ZeRO-3 the stage's replicas, a share each as its groups are
+/// gathered), and every rank its part of its stage's optimizer state (with ZeRO each replica
+/// its shard, else the first replica the whole), into rank 0's checkpoint in progress where
+/// they see it (`crate::checkpoint_offer`), all at once; a rank that does not see it sends
+/// its part to rank 0 when asked, one after another. Rank 0 returns the checkpoint's
+/// directory.
 pub fn save(
     pipe: &mut Pipeline,
     output: &Path,
     state: &CheckpointState,
 ) -> Result<Option<PathBuf>> {
-    let weights = pipe.stage_weights()?;
+    let weights = match pipe.sharded_weights_plan()? {
+        Some(plan) => Weights::Sharded(plan),
+        None => pipe.stage_weights()?.map_or(Weights::None, Weights::Whole),
+    };
     let merged_name = output.join("model.safetensors");
-    let world = &**pipe.world();
-    if let Some(weights) = &weights {
-        let header = merged::header_of(weights, &merged_name)?;
-        if world.rank() != 0 {
+    let header = match (&weights, pipe.replica()) {
+        (Weights::Whole(w), _) => Some(merged::header_of(w, &merged_name)?.to_vec()),
+        (Weights::Sharded(plan), 0) => Some(plan.header().to_vec()),
+        _ => None,
+    };
+    let world = pipe.world().clone();
+    if world.rank() != 0 {
+        if let Some(header) = &header {
             world.send_large(0, tag(HEADER), header)?;
             if let Some(manifest) = pipe.zero_manifest() {
                 world.send_large(0, tag(MANIFEST), &manifest_bytes(&manifest)?)?;
             }
         }
-    }
-    let part = pipe.optimizer_part()?;
-    if world.rank() != 0 {
-        let mine = Part {
-            weights: weights.as_deref(),
-            optimizer: part,
-        };
-        if matches!(mine.optimizer, OptimizerPart::None) {
+        if matches!(weights, Weights::None) && !pipe.shards_optimizer() {
             return Ok(None);
         }
-        return send_stage(pipe, &mine, output).map(|()| None);
+        return send_stage(pipe, weights, output).map(|()| None);
     }
-    let Some(weights) = weights else {
+    let Some(header) = header else {
         return Err(TrainError::config(
             "pipeline",
             "rank 0 holds no weights of its stage",
         ));
     };
-    let header = merged::header_of(&weights, &merged_name)?.to_vec();
-    let merged = merge_headers(pipe, header, &merged_name)?;
+    let (merged, headers) = merge_headers(pipe, header, &merged_name)?;
     let state = CheckpointState {
         num_params: merged.values(),
         stages: Some(recorded_ranges(pipe)),
         stage_zero: stage_manifests(pipe)?,
         ..state.clone()
     };
-    let mine = Part {
-        weights: Some(&weights),
-        optimizer: part,
-    };
     checkpoint::save_with(output, &state, |tmp| {
-        write_stages(pipe, tmp, &merged, &mine)
+        write_stages(pipe, tmp, (&merged, &headers), weights)
     })
     .map(Some)
-}
-
-/// A rank's part of a pipeline checkpoint: its stage's weights (on the first replica) and
-/// its part of the optimizer state.
-struct Part<'a> {
-    weights: Option<&'a [u8]>,
-    optimizer: OptimizerPart<'a>,
 }
 
 /// The tag of a checkpoint's message `part`.
@@ -196,8 +200,13 @@ fn stage_manifests(pipe: &Pipeline) -> Result<Option<Vec<ZeroManifest>>> {
 }
 
 /// On rank 0: the merged weights file's layout from its own stage's `header` and every
-/// other stage's (sent by the first replica's stages); `out` names it in errors.
-fn merge_headers(pipe: &Pipeline, header: Vec<u8>, out: &Path) -> Result<MergedWeights> {
+/// other stage's (sent by the first replica's stages), and the headers; `out` names it in
+/// errors.
+fn merge_headers(
+    pipe: &Pipeline,
+    header: Vec<u8>,
+    out: &Path,
+) -> Result<(MergedWeights, Vec<Vec<u8>>)> {
     let world = &**pipe.world();
     let mut headers = vec![header];
     let deadline = Instant::now() + world.timeout();
@@ -210,7 +219,7 @@ fn merge_headers(pipe: &Pipeline, header: Vec<u8>, out: &Path) -> Result<MergedW
         )?);
     }
     let refs: Vec<&[u8]> = headers.iter().map(Vec::as_slice).collect();
-    MergedWeights::new(&refs, out)
+    Ok((MergedWeights::new(&refs, out)?, headers))
 }
 
 /// The file world rank `r`'s part of the optimizer state goes to: with ZeRO its replica's
@@ -223,66 +232,108 @@ fn optimizer_file(pipe: &Pipeline, r: usize) -> String {
     }
 }
 
-/// Rank 0's part of a checkpoint in progress `tmp`: makes the merged weights file, offers
-/// the directory to every rank with a part, tells each first-replica stage its block,
-/// writes its own part and then, one at a time, the parts that come over the wire.
-fn write_stages(pipe: &Pipeline, tmp: &Path, merged: &MergedWeights, mine: &Part) -> Result<()> {
-    let world = &**pipe.world();
+/// Whether some replica of the stage of world rank `r` is one of `writers` (it sees the
+/// checkpoint in progress).
+fn stage_writes(pipe: &Pipeline, r: usize, writers: &[usize]) -> bool {
+    let stages = pipe.cut().stages();
+    writers.iter().any(|w| w % stages == r % stages)
+}
+
+/// Rank 0's part of a checkpoint in progress `tmp`: makes the merged weights file (and
+/// under ZeRO-3 each stage's weights file, at their whole lengths), offers the directory to
+/// every rank with a part, tells each its stage's block, writes its own part and then, one
+/// at a time, the parts that come over the wire.
+fn write_stages(
+    pipe: &mut Pipeline,
+    tmp: &Path,
+    (merged, headers): (&MergedWeights, &[Vec<u8>]),
+    weights: Weights,
+) -> Result<()> {
+    let world = pipe.world().clone();
     let stages = pipe.cut().stages();
     let block = |k: usize| merged.block(k, tmp);
     drop(merged.create(&tmp.join("model.safetensors"))?);
-    let peers = match pipe.shards_optimizer() {
+    let sharded = matches!(weights, Weights::Sharded(_));
+    if sharded {
+        for (k, header) in headers.iter().enumerate() {
+            create_stage_file(tmp, k, header, block(k)?.1)?;
+        }
+    }
+    let peers: Vec<usize> = match pipe.shards_optimizer() {
         true => (1..world.size()).collect(),
         false => (1..stages).collect(),
     };
-    let offer = checkpoint_offer::offer_to(world, tmp, peers)?;
-    offer.writers(world)?;
-    for s in 1..stages {
-        let (base, len) = block(s)?;
+    let offer = checkpoint_offer::offer_to(&*world, tmp, peers.clone())?;
+    let writers = offer.writers(&*world)?;
+    for &r in peers.iter().filter(|&&r| sharded || r < stages) {
+        let (base, len) = block(r % stages)?;
         let bytes = [base.to_le_bytes(), len.to_le_bytes()].concat();
-        world.send(s, tag(BLOCK), &bytes)?;
+        world.send(r, tag(BLOCK), &bytes)?;
     }
-    write_part(tmp, pipe, mine, block(0)?)?;
-    let over_wire = offer.answers(world, |r| optimizer_file(pipe, r))?;
+    write_part((tmp, &writers), pipe, weights, block(0)?)?;
+    let over_wire = offer.answers(&*world, |r| optimizer_file(pipe, r))?;
     let tmp = offer.close()?;
     let deadline = || Instant::now() + world.timeout();
     for r in over_wire {
-        Offer::ask(world, r)?;
-        if r < stages {
-            let weights = receive_part(world, (r, WEIGHTS), "weights", deadline())?;
+        Offer::ask(&*world, r)?;
+        if r < stages && !(sharded && stage_writes(pipe, r, &writers)) {
+            let weights = receive_part(&*world, (r, WEIGHTS), "weights", deadline())?;
             write_weights(&tmp, r, &weights, block(r)?)?;
         }
         let path = tmp.join(optimizer_file(pipe, r));
-        checkpoint_offer::receive_file(world, (r, tag(OPTIMIZER)), &path)?;
+        checkpoint_offer::receive_file(&*world, (r, tag(OPTIMIZER)), &path)?;
     }
     Ok(())
 }
 
-/// A rank's part of a checkpoint (not rank 0's): waits for rank 0's offer (and, on the
-/// first replica, its block of the merged weights file), then writes its part into the
-/// offered directory when it sees it, else sends it to rank 0 when asked.
-fn send_stage(pipe: &Pipeline, mine: &Part, output: &Path) -> Result<()> {
-    let world = &**pipe.world();
-    let offered = Offered::receive(world)?;
-    let block = match mine.weights {
-        Some(_) => receive_block(world)?,
-        None => (0, 0),
+/// Makes stage `k`'s weights file in `dir` with its `header`, at its whole length (`data`
+/// bytes of tensors after it, zero until written).
+fn create_stage_file(dir: &Path, k: usize, header: &[u8], data: u64) -> Result<()> {
+    let path = dir.join(&checkpoint::stage_files(k)[WEIGHTS]);
+    let file = std::fs::File::create(&path).map_err(|e| TrainError::io(&path, e))?;
+    file.write_all_at(header, 0)
+        .and_then(|()| file.set_len(header.len() as u64 + data))
+        .map_err(|e| TrainError::io(&path, e))
+}
+
+/// A rank's part of a checkpoint (not rank 0's): waits for rank 0's offer (and its stage's
+/// block of the merged weights file), then writes its part into the offered directory when
+/// it sees it, else sends it to rank 0 when asked.
+fn send_stage(pipe: &mut Pipeline, weights: Weights, output: &Path) -> Result<()> {
+    let world = pipe.world().clone();
+    let offered = Offered::receive(&*world)?;
+    let block = match weights {
+        Weights::None => (0, 0),
+        _ => receive_block(&*world)?,
+    };
+    let weights = match weights {
+        // No replica of the stage sees the checkpoint: its first replica sends it whole.
+        Weights::Sharded(_) if !stage_writes(pipe, world.rank(), &offered.writers) => {
+            pipe.stage_weights()?.map_or(Weights::None, Weights::Whole)
+        }
+        w => w,
     };
     if let Some(dir) = offered.dir {
-        return checkpoint_offer::answer(world, write_part(&dir, pipe, mine, block));
+        let wrote = write_part((&dir, &offered.writers), pipe, weights, block);
+        return checkpoint_offer::answer(&*world, wrote);
     }
-    checkpoint_offer::answer_not_shared(world)?;
-    let scratch = match &mine.optimizer {
+    if let Weights::Sharded(plan) = &weights {
+        // Its stage's replicas that see the checkpoint write it: this one gathers with them.
+        write_share(pipe, plan, None, &offered.writers)?;
+    }
+    checkpoint_offer::answer_not_shared(&*world)?;
+    let optimizer = pipe.optimizer_part()?;
+    let scratch = match &optimizer {
         OptimizerPart::Shard(optimizer) => Some(ScratchShard::write(optimizer, output)?),
         _ => None,
     };
-    checkpoint_offer::wait_ask(world)?;
-    if let Some(weights) = mine.weights {
+    checkpoint_offer::wait_ask(&*world)?;
+    if let Weights::Whole(weights) = &weights {
         world.send_large(0, tag(WEIGHTS), weights)?;
     }
-    match (&mine.optimizer, scratch) {
+    match (&optimizer, scratch) {
         (OptimizerPart::Whole(bytes), _) => Ok(world.send_large(0, tag(OPTIMIZER), bytes)?),
-        (_, Some(scratch)) => scratch.send(world, tag(OPTIMIZER)),
+        (_, Some(scratch)) => scratch.send(&*world, tag(OPTIMIZER)),
         _ => Ok(()),
     }
 }
@@ -306,16 +357,24 @@ fn receive_block(world: &dyn ProcessGroup) -> Result<(u64, u64)> {
     }
 }
 
-/// Writes this rank's part into the checkpoint in progress `dir`: on the first replica its
-/// stage's weights file and `block` of the merged weights file, and its optimizer part.
-fn write_part(dir: &Path, pipe: &Pipeline, mine: &Part, block: (u64, u64)) -> Result<()> {
+/// Writes this rank's part into the checkpoint in progress `dir` (which `writers` see): its
+/// stage's weights (whole on the first replica: its file and `block` of the merged weights
+/// file; under ZeRO-3 its share), then its part of the optimizer state.
+fn write_part(
+    (dir, writers): (&Path, &[usize]),
+    pipe: &mut Pipeline,
+    weights: Weights,
+    block: (u64, u64),
+) -> Result<()> {
     let k = pipe.stage_index();
-    if let Some(weights) = mine.weights {
-        write_weights(dir, k, weights, block)?;
+    match &weights {
+        Weights::Whole(w) => write_weights(dir, k, w, block)?,
+        Weights::Sharded(plan) => write_share(pipe, plan, Some((dir, block)), writers)?,
+        Weights::None => {}
     }
     let name = optimizer_file(pipe, pipe.world().rank());
-    match &mine.optimizer {
-        OptimizerPart::Whole(bytes) => checkpoint::write_part(dir, &name, bytes),
+    match pipe.optimizer_part()? {
+        OptimizerPart::Whole(bytes) => checkpoint::write_part(dir, &name, &bytes),
         OptimizerPart::Shard(optimizer) => {
             let path = dir.join(name);
             optimizer.save_state(&path)?;
@@ -323,6 +382,56 @@ fn write_part(dir: &Path, pipe: &Pipeline, mine: &Part, block: (u64, u64)) -> Re
         }
         OptimizerPart::None => Ok(()),
     }
+}
+
+/// Under ZeRO-3: gathers the stage's groups with its replicas (collective) and, when this
+/// rank is one of the stage's `writers` and given the checkpoint in progress and its stage's
+/// block of the merged weights file (`target`), writes its share of the tensors (cut among
+/// the stage's writers by bytes, `ParamLayout::writer_share`) into the stage's weights file
+/// (made by rank 0) and the merged file, as each group arrives: no replica holds its stage.
+fn write_share(
+    pipe: &mut Pipeline,
+    plan: &WeightsPlan,
+    target: Option<(&Path, (u64, u64))>,
+    writers: &[usize],
+) -> Result<()> {
+    let (me, stages, k) = (pipe.world().rank(), pipe.cut().stages(), pipe.stage_index());
+    let ours: Vec<usize> = writers
+        .iter()
+        .copied()
+        .filter(|w| w % stages == k)
+        .collect();
+    let (Some((dir, (base, _))), Some(i)) = (target, ours.iter().position(|&w| w == me)) else {
+        return pipe.gather_groups(&mut |_, _| Ok(()))?;
+    };
+    let layout = pipe.stage().layout().clone();
+    let mine = layout.writer_share(ours.len(), i);
+    let paths = [
+        dir.join(&checkpoint::stage_files(k)[WEIGHTS]),
+        dir.join("model.safetensors"),
+    ];
+    let open = |p: &PathBuf| {
+        let file = std::fs::OpenOptions::new().write(true).open(p);
+        file.map_err(|e| TrainError::io(p, e))
+    };
+    let files = open(&paths[0]).and_then(|s| Ok([s, open(&paths[1])?]));
+    let wrote = pipe.gather_groups(&mut |params, values| {
+        let Ok(files) = &files else { return Ok(()) };
+        let start = layout.params.get(params.start).map_or(0, |p| p.offset);
+        for j in params.filter(|j| mine.contains(j)) {
+            let p = &layout.params[j];
+            let values = &values[p.offset - start..p.offset - start + p.len];
+            plan.write_at((&files[0], &paths[0]), j, values)?;
+            plan.write_data_at((&files[1], &paths[1]), base, j, values)?;
+        }
+        Ok(())
+    })?;
+    let files = files?;
+    wrote?;
+    for (file, path) in files.iter().zip(&paths) {
+        file.sync_all().map_err(|e| TrainError::io(path, e))?;
+    }
+    Ok(())
 }
 
 /// Writes stage `k`'s weights file and its `block` of the merged weights file into the
@@ -349,7 +458,7 @@ pub fn save_model(pipe: &Pipeline, path: &Path) -> Result<Option<PathBuf>> {
         world.send_large(0, wire::tag(Direction::State, WEIGHTS, 0), &mine)?;
         return Ok(None);
     }
-    let merged = merge_headers(pipe, header.to_vec(), path)?;
+    let (merged, _) = merge_headers(pipe, header.to_vec(), path)?;
     crate::model_file::write(path, |tmp| {
         drop(merged.create(tmp)?);
         merged::write_block(tmp, merged.block(0, path)?, merged::data_of(&mine, path)?)?;

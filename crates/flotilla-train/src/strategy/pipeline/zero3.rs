@@ -19,10 +19,11 @@
 //! A step moves two all-gathers and one reduce-scatter of the stage per micro-batch (ZeRO-2:
 //! one reduce-scatter and one all-gather a step); the sums over replicas come before the sums
 //! over micro-batches, so with one micro-batch the parameters are zero 0's bit for bit, and
-//! with more they agree to rounding. Between steps, what needs the whole stage (a checkpoint,
-//! saving the model, checking the replicas agree) gathers it into the stage
-//! ([`ReplicaParams::materialize`]): a stage's checkpoint holds it whole for that while; the
-//! next forward releases it again. A stage starts whole (built from the seed, or loaded from a
+//! with more they agree to rounding. Between steps, what needs the whole stage (saving the
+//! model, checking the replicas agree) gathers it into the stage
+//! ([`ReplicaParams::materialize`]); the next forward releases it again. A checkpoint
+//! gathers one group at a time instead ([`ReplicaParams::for_each_group`]), the stage's
+//! replicas writing its weights a share each (`state.rs`). A stage starts whole (built from the seed, or loaded from a
 //! checkpoint) and keeps its shard ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;
@@ -32,6 +33,10 @@ use flotilla_engine::{EngineError, ShardedPass, StageEngine};
 use flotilla_tcp::{PendingAllReduce, ProcessGroup, shard};
 
 use crate::error::{Result, TrainError};
+
+/// What takes each gathered group ([`ReplicaParams::for_each_group`]): its parameters
+/// (indices into the layout) and values.
+pub(super) type GroupSink<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
 
 /// This replica's shard of its stage's parameters and of the step's gradient.
 pub(super) struct ReplicaParams {
@@ -142,6 +147,28 @@ impl ReplicaParams {
         stage.write_params(&whole)?;
         self.released = false;
         Ok(())
+    }
+
+    /// Gathers each group in turn, in flat order (collective over the replicas), and hands
+    /// `f` its parameters (indices into the layout) and values, one group in memory at a
+    /// time; the stage is left as it was. A failed `f` stops it only
+    /// after every group is gathered, so the replicas' collectives stay in step: the outer
+    /// result is the gathers', the inner `f`'s first error.
+    pub(super) fn for_each_group(&mut self, f: &mut GroupSink<'_>) -> Result<Result<()>> {
+        let mut first = Ok(());
+        let mut values = Vec::new();
+        let mut order: Vec<usize> = (0..self.groups.len()).collect();
+        order.sort_by_key(|&g| self.groups[g].1.start);
+        for g in order {
+            let (params, flat) = self.groups[g].clone();
+            values.clear();
+            values.resize(flat.len(), 0.0);
+            self.gather_flat(g, &mut values)?;
+            if first.is_ok() {
+                first = f(params, &values);
+            }
+        }
+        Ok(first)
     }
 
     /// Releases a materialized stage's parameters (before a forward).

@@ -28,22 +28,24 @@ fn opts(zero: u8) -> PipelineOptions {
     }
 }
 
-/// What one rank ends with: its stage, replica, parameters by name, and its stage's whole
-/// optimizer state (on replica 0).
+/// What one rank ends with: its stage, replica, its stage's parameters' hash (under ZeRO-3
+/// gathered one group at a time) and parameters by name, and its stage's whole optimizer
+/// state (on replica 0).
 struct Ended {
     at: (usize, usize),
+    hash: u64,
     params: Vec<(String, Vec<f32>)>,
     whole: Option<Vec<u8>>,
 }
 
 /// Batches `batches` on 2 stages (cut at `point`) × 2 replicas at `zero`, after restoring
-/// `from` if given, then a checkpoint into `out` if given; ranks other than 0 blind to rank
-/// 0's directories when `blind`. What each rank ends with, and the checkpoint.
+/// `from` if given, then a checkpoint into `out` if given; the ranks in `blind` do not see
+/// rank 0's directories (as on other hosts). What each rank ends with, and the checkpoint.
 fn run(
     (zero, point): (u8, usize),
     from: Option<PathBuf>,
     batches: Range<usize>,
-    (out, blind): (Option<PathBuf>, bool),
+    (out, blind): (Option<PathBuf>, &[usize]),
 ) -> (Vec<Ended>, Option<PathBuf>) {
     let cut = StageCut::at(&super::tests::spec(), &[point]).expect("cut");
     let handles: Vec<_> = world(4)
@@ -51,8 +53,9 @@ fn run(
         .map(|group| {
             let (cut, batches, from, out) =
                 (cut.clone(), batches.clone(), from.clone(), out.clone());
+            let blind = blind.contains(&group.rank());
             std::thread::spawn(move || {
-                if blind && group.rank() != 0 {
+                if blind {
                     crate::checkpoint_offer::BLIND.with(|b| b.set(true));
                 }
                 let spec = super::tests::spec();
@@ -68,12 +71,14 @@ fn run(
                     let s = checkpoint_state();
                     state::save(&mut pipe, &o, &s).expect("save")
                 });
+                let hash = pipe.param_hash().expect("hash");
                 pipe.gather_stage().expect("gather");
                 let mut params: Vec<_> = super::tests::named(pipe.stage()).into_iter().collect();
                 params.sort_by(|a, b| a.0.cmp(&b.0));
                 let whole = pipe.stage_state().expect("stage state").map(|[_, o]| o);
                 let ended = Ended {
                     at: (pipe.stage_index(), pipe.replica()),
+                    hash,
                     params,
                     whole,
                 };
@@ -110,6 +115,7 @@ fn checkpoint_state() -> CheckpointState {
 fn assert_same_params(got: &[Ended], want: &[Ended], what: &str) {
     for (g, w) in got.iter().zip(want) {
         assert_eq!(g.at, w.at);
+        assert_eq!(g.hash, w.hash, "{what}: stage {:?}'s hash", g.at);
         for ((name, g), (_, w)) in g.params.iter().zip(&w.params) {
             assert_bitwise(g, w, &format!("{what}: {name}"));
         }
@@ -153,24 +159,36 @@ fn assert_sharded(dir: &Path, ended: &[Ended], what: &str) {
     }
 }
 
+/// Ranks 1, 2 and 3 blind: every part but rank 0's over the wire (stage 1's ZeRO-3 weights
+/// gathered whole on its replicas and sent by the first); rank 1 blind: stage 1's ZeRO-3
+/// weights written by its second replica alone, the first gathering with it.
 #[test]
 fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwise() {
     let dir = tempfile::tempdir().expect("dir");
-    let (plain, _) = run((0, 5), None, 0..20, (None, false));
-    for (first, then, blind) in [(3, 3, false), (1, 1, true), (3, 1, false), (1, 0, true)] {
-        let what = format!("zero {first}, then {then}, blind {blind}");
-        let out = dir.path().join(format!("{first}-{then}-{blind}"));
+    let (plain, _) = run((0, 5), None, 0..20, (None, &[]));
+    let (others, one): (&[usize], &[usize]) = (&[1, 2, 3], &[1]);
+    let cases = [
+        (3, 3, &[][..]),
+        (3, 3, others),
+        (3, 3, one),
+        (1, 1, others),
+        (3, 1, &[]),
+    ];
+    for (i, (first, then, blind)) in cases.into_iter().chain([(1, 0, others)]).enumerate() {
+        let what = format!("zero {first}, then {then}, blind {blind:?}");
+        let out = dir.path().join(format!("{i}"));
         let (at_10, saved) = run((first, 5), None, 0..10, (Some(out), blind));
         let saved = saved.expect("rank 0 wrote a checkpoint");
         assert_sharded(&saved, &at_10, &what);
         let (resumed, _) = run((then, 5), Some(saved), 10..20, (None, blind));
         assert_same_params(&resumed, &plain, &what);
     }
-    // At another cut: rank 0 puts each old stage's shards together to cut them again.
-    let (plain_9, _) = run((0, 9), None, 0..20, (None, false));
+    // At another cut: rank 0 puts each old stage's shards together to cut them again, and
+    // reads the merged weights file, written by the replicas a share each.
+    let (plain_9, _) = run((0, 9), None, 0..20, (None, &[]));
     let out = dir.path().join("recut");
-    let (_, saved) = run((3, 5), None, 0..10, (Some(out), false));
-    let (resumed, _) = run((1, 9), saved, 10..20, (None, false));
+    let (_, saved) = run((3, 5), None, 0..10, (Some(out), &[]));
+    let (resumed, _) = run((1, 9), saved, 10..20, (None, &[]));
     assert_same_params(&resumed, &plain_9, "zero 3 at cut 5, then zero 1 at cut 9");
 }
 
@@ -180,7 +198,7 @@ fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwi
 fn a_checkpoint_of_shards_is_complete_with_every_shard_only() {
     let dir = tempfile::tempdir().expect("dir");
     let out = dir.path().join("run");
-    let (_, saved) = run((1, 5), None, 0..10, (Some(out.clone()), false));
+    let (_, saved) = run((1, 5), None, 0..10, (Some(out.clone()), &[]));
     let saved = saved.expect("rank 0 wrote a checkpoint");
     let (found, warnings) = checkpoint::newest_complete(&out).expect("newest");
     assert_eq!(found.as_ref(), Some(&saved), "{warnings:?}");

@@ -350,7 +350,7 @@ impl Zero {
             return Ok(Ok(()));
         };
         let layout = model.layout().clone();
-        let mine = share_of(&layout, writers.len(), k);
+        let mine = layout.writer_share(writers.len(), k);
         let mut target = model
             .weights_plan()
             .map_err(TrainError::from)
@@ -426,20 +426,6 @@ impl Zero {
     }
 }
 
-/// The parameters writer `k` of `writers` writes: the tensors in flat order cut into
-/// `writers` runs of about equal bytes, the `k`-th.
-fn share_of(layout: &flotilla_engine::ParamLayout, writers: usize, k: usize) -> Range<usize> {
-    let total = layout.total.max(1);
-    let bound = |k: usize| {
-        layout
-            .params
-            .iter()
-            .position(|p| p.offset * writers >= total * k)
-            .unwrap_or(layout.params.len())
-    };
-    bound(k)..bound(k + 1)
-}
-
 /// The bucket whose parameters are `params` (the buckets are the engine's backward groups).
 fn bucket_of_group(plan: &BucketPlan, params: &Range<usize>) -> Result<usize> {
     plan.buckets
@@ -488,32 +474,5 @@ impl ShardedPass for Gathering<'_> {
                 "an evaluation got the gradient of parameter {param}"
             ))),
         }
-    }
-}
-
-#[cfg(test)]
-mod share_tests {
-    use flotilla_engine::ParamLayout;
-
-    /// Every parameter is written by exactly one writer, in runs of about equal bytes.
-    #[test]
-    fn the_writers_shares_cover_every_tensor_once_by_bytes() {
-        let layout = ParamLayout::of_lengths(&[100, 5, 5, 90, 100, 10, 90]);
-        for writers in 1..=4 {
-            let shares: Vec<_> = (0..writers)
-                .map(|k| super::share_of(&layout, writers, k))
-                .collect();
-            assert_eq!(shares[0].start, 0);
-            assert_eq!(shares[writers - 1].end, layout.params.len());
-            for pair in shares.windows(2) {
-                assert_eq!(pair[0].end, pair[1].start, "{shares:?}");
-            }
-            let bytes = |r: &std::ops::Range<usize>| -> usize {
-                layout.params[r.clone()].iter().map(|p| p.len).sum()
-            };
-            let most = shares.iter().map(bytes).max().unwrap_or(0);
-            assert!(most <= 400 / writers + 100, "{writers} writers: {shares:?}");
-        }
-        assert_eq!(super::share_of(&layout, 2, 1), 4..7);
     }
 }

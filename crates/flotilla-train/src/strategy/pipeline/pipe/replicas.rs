@@ -6,7 +6,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use flotilla_engine::FlatOptimizerState;
+use flotilla_engine::{FlatOptimizerState, WeightsPlan};
 use flotilla_tcp::shard;
 
 use super::Pipeline;
@@ -15,7 +15,7 @@ use crate::error::Result;
 use crate::strategy::allreduce::clip;
 use crate::strategy::pipeline::state::{OptimizerPart, StageOptimizer};
 use crate::strategy::pipeline::zero;
-use crate::strategy::pipeline::zero3::ReplicaParams;
+use crate::strategy::pipeline::zero3::{GroupSink, ReplicaParams};
 
 impl Pipeline {
     /// Averages the gradient over the replicas of this stage (when `data_parallel > 1`; under
@@ -200,6 +200,47 @@ impl Pipeline {
     pub(in crate::strategy::pipeline) fn holds_shard(&self, m: &ZeroManifest) -> bool {
         self.zero_manifest()
             .is_some_and(|mine| mine.world == m.world && mine.shards == m.shards)
+    }
+
+    /// Under ZeRO-3, the layout of this stage's weights file, from its structure alone (the
+    /// parameters stay released): its replicas write it a share each as they gather its
+    /// groups ([`Pipeline::gather_groups`]). `None` without ZeRO-3.
+    pub(in crate::strategy::pipeline) fn sharded_weights_plan(
+        &self,
+    ) -> Result<Option<WeightsPlan>> {
+        match &self.params {
+            Some(_) => Ok(Some(self.stage.weights_plan()?)),
+            None => Ok(None),
+        }
+    }
+
+    /// Under ZeRO-3, gathers each of the stage's groups in turn (collective over its
+    /// replicas) and hands `f` its parameters and values, one group in memory at a time; the
+    /// outer result is the gathers', the inner `f`'s (every group gathered even after it
+    /// failed).
+    pub(in crate::strategy::pipeline) fn gather_groups(
+        &mut self,
+        f: &mut GroupSink<'_>,
+    ) -> Result<Result<()>> {
+        match &mut self.params {
+            Some(p) => p.for_each_group(f),
+            None => Err(self.usage("gathering the groups of a stage without ZeRO-3")),
+        }
+    }
+
+    /// XXH3 of this stage's parameters in flat order (what `crate::eval::param_hash` of the
+    /// whole stage gives); under ZeRO-3 gathered one group at a time (collective over the
+    /// stage's replicas), never whole.
+    pub fn param_hash(&mut self) -> Result<u64> {
+        if self.params.is_none() {
+            return crate::eval::param_hash(&*self.stage);
+        }
+        let mut hasher = xxhash_rust::xxh3::Xxh3::new();
+        self.gather_groups(&mut |_, values| {
+            values.iter().for_each(|v| hasher.update(&v.to_le_bytes()));
+            Ok(())
+        })??;
+        Ok(hasher.digest())
     }
 
     /// This stage's weights as safetensors bytes on replica 0 (a ZeRO-3 stage gathered
