@@ -223,9 +223,27 @@ impl Sources {
             if first_of_layer.is_some_and(|n| i < n) {
                 source.tree.remove("optimizer");
             }
+            self.choose_stages_once(i, &mut source);
             f = f.merge(source);
         }
         f
+    }
+
+    /// `pipeline.stages` and `pipeline.split_points` are one setting, how the stages are
+    /// chosen: the last source that gives either drops the other from `source` (the `i`-th)
+    /// when it comes before it, so `--stages 3` replaces a file's `split_points`.
+    fn choose_stages_once(&self, i: usize, source: &mut Source) {
+        const KEYS: [&str; 2] = ["stages", "split_points"];
+        let gives = |s: &Source, k: &str| s.tree.get("pipeline").and_then(|p| p.get(k)).is_some();
+        let last = (self.sources.iter()).rposition(|s| KEYS.iter().any(|k| gives(s, k)));
+        let Some(last) = last.filter(|&n| i < n) else {
+            return;
+        };
+        if let Some(serde_json::Value::Object(p)) = source.tree.get_mut("pipeline") {
+            for k in KEYS.iter().filter(|k| !gives(&self.sources[last], k)) {
+                p.remove(*k);
+            }
+        }
     }
 
     /// The effective config.

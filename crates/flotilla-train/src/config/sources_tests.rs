@@ -303,3 +303,32 @@ fn an_all_reduce_strategy_sets_the_mode_from_every_source() {
         .expect("pipeline");
     assert_eq!(c.topology.arch, flotilla_cluster::Arch::Pipeline);
 }
+
+/// `--stages` over a file's `split_points` (and a later file's `split_points` over an
+/// earlier `stages`) chooses the stages: the two keys are one setting, not silently the
+/// file's points.
+#[test]
+fn the_last_source_to_choose_the_stages_chooses_them() {
+    let file = "strategy: pipeline\nsplit_points: [4]\n";
+    let c = Sources::defaults()
+        .yaml(file, "r")
+        .expect("file")
+        .flag("stages", json!(3))
+        .expect("flag")
+        .extract()
+        .expect("config");
+    assert_eq!(c.pipeline.split_points, None);
+    assert_eq!(c.pipeline.num_stages(), 3);
+    let c = Sources::defaults()
+        .yaml("strategy: pipeline\nstages: 3\n", "a")
+        .expect("file")
+        .yaml(file, "b")
+        .expect("file")
+        .extract()
+        .expect("config");
+    assert_eq!(c.pipeline.num_stages(), 2);
+    // One source giving both as ranges and points is still refused.
+    let both = "strategy: pipeline\nstages: [[0, 3], [4, 11]]\nsplit_points: [4]\n";
+    let e = Sources::defaults().yaml(both, "r").expect("file").extract();
+    assert!(e.is_err() || e.is_ok_and(|c| c.validate().is_err()));
+}
