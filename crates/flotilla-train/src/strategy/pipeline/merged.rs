@@ -62,10 +62,10 @@ pub(super) fn data_of<'a>(bytes: &'a [u8], out: &Path) -> Result<&'a [u8]> {
     Ok(&bytes[header_of(bytes, out)?.len()..])
 }
 
-/// Stage `k`'s tensors and metadata from its `header` ([`header_of`]), in data order, and
-/// its data's length; checked to cover the data without gap or overlap.
-fn entries(k: usize, header: &[u8], out: &Path) -> Result<(Vec<Entry>, Map<String, Value>, u64)> {
-    let bad = |m: String| error(out, format!("stage {k}'s weights: {m}"));
+/// The tensors and metadata of a header ([`header_of`]; `what` names its file in errors),
+/// in data order, and its data's length; checked to cover the data without gap or overlap.
+fn entries(what: &str, header: &[u8], out: &Path) -> Result<(Vec<Entry>, Map<String, Value>, u64)> {
+    let bad = |m: String| error(out, format!("{what}: {m}"));
     let json: Map<String, Value> = header
         .get(8..)
         .and_then(|text| serde_json::from_slice(text).ok())
@@ -102,6 +102,16 @@ fn entries(k: usize, header: &[u8], out: &Path) -> Result<(Vec<Entry>, Map<Strin
     Ok((list, metadata, end))
 }
 
+/// Each tensor of a safetensors file's `header` ([`header_of`]) by name: its bytes' place
+/// in the data (start and end); checked to cover the data without gap or overlap.
+pub(super) fn tensor_places(
+    header: &[u8],
+    out: &Path,
+) -> Result<std::collections::HashMap<String, (u64, u64)>> {
+    let (list, _, _) = entries("the weights", header, out)?;
+    Ok(list.into_iter().map(|e| (e.name, e.offsets)).collect())
+}
+
 /// The number of values of a tensor in a header.
 fn values_of(info: &Map<String, Value>) -> usize {
     info.get("shape").and_then(Value::as_array).map_or(0, |s| {
@@ -115,7 +125,7 @@ impl MergedWeights {
     pub(super) fn new(headers: &[&[u8]], out: &Path) -> Result<Self> {
         let mut stages = Vec::with_capacity(headers.len());
         for (k, h) in headers.iter().enumerate() {
-            stages.push(entries(k, h, out)?);
+            stages.push(entries(&format!("stage {k}'s weights"), h, out)?);
         }
         let mut seen = std::collections::HashSet::new();
         let shared = stages

@@ -1,23 +1,27 @@
-//! A pipeline checkpoint loaded at another cut (S stages written, S′ read): rank 0 builds
-//! the new stages' files from the old ones. The weights come from the checkpoint's merged
-//! `model.safetensors` (a spec's stages have disjoint tensor names: the whole model's); the
-//! optimizer state is taken apart per old stage ([`FlatOptimizerState`], over each old
-//! stage's own layout), joined in the model's order of tensors and cut again by the new
-//! stages' — the same bits, re-keyed. One stage is built at a time (for its layout and
-//! names), never the whole model. A program's stage modules cannot be re-cut (their
-//! tensors are the program's, per module): resume them with the same cut.
+//! A pipeline checkpoint loaded at another cut (S stages written, S′ read), one new stage at
+//! a time ([`Recut::stage`]), by the rank that runs it where it sees the checkpoint (else by
+//! rank 0 for it: `restore.rs`). The weights come from the checkpoint's merged
+//! `model.safetensors` (a spec's stages have disjoint tensor names: the whole model's), each
+//! tensor's bytes read from its place; the optimizer state is taken apart per old stage
+//! ([`FlatOptimizerState`], over each old stage's own layout, from its file or its replicas'
+//! shards), the old stages the new one overlaps joined in the model's order of tensors and
+//! cut again — the same bits, re-keyed. No rank reads more than the old stages its new one
+//! overlaps, nor builds more than one stage at a time (for its layout and names). A
+//! program's stage modules cannot be re-cut (their tensors are the program's, per module):
+//! resume them with the same cut.
 
 use std::ops::Range;
-use std::path::Path;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
 
 use flotilla_engine::{
-    FlatOptimizerState, ModelSpec, ModelState, OptimizerSpec, Stage, StageCut, StageEngine,
+    FlatOptimizerState, ModelSpec, ModelState, OptimizerSpec, ParamLayout, Stage, StageCut,
+    StageEngine,
 };
-use safetensors::SafeTensors;
-use safetensors::tensor::TensorView;
 
 use crate::checkpoint::{self, CheckpointState};
 use crate::error::{Result, TrainError};
+use crate::strategy::pipeline::merged;
 
 /// A stage's weights (safetensors bytes) and optimizer state, as the stage files hold them.
 pub(super) type StageParts = [Vec<u8>; 2];
@@ -29,81 +33,116 @@ fn error(dir: &Path, message: impl Into<String>) -> TrainError {
     }
 }
 
-fn read(path: &Path) -> Result<Vec<u8>> {
-    std::fs::read(path).map_err(|e| TrainError::io(path, e))
+/// A checkpoint written at another cut, to be re-cut one new stage at a time.
+pub(super) struct Recut {
+    dir: PathBuf,
+    state: CheckpointState,
+    spec: ModelSpec,
+    new_cut: StageCut,
+    /// Each old stage's layout (its tensors' names and shapes, in order).
+    old: Vec<ParamLayout>,
+    /// Where each new stage's tensors start in the model's order, and the end.
+    starts: Vec<usize>,
 }
 
-/// The stage parts of checkpoint `dir` (whose `state.json` says `state`: written by a
-/// pipeline of stages `old`) for a pipeline of stages `new` (layer ranges of the same
-/// model).
-pub(super) fn recut(
-    dir: &Path,
-    (state, old): (&CheckpointState, &[[usize; 2]]),
-    new: &[Range<usize>],
-) -> Result<Vec<StageParts>> {
-    let merged = read(&dir.join("model.safetensors"))?;
-    let spec = spec_of(dir, &merged)?;
-    let old: Vec<Range<usize>> = old.iter().map(|&[a, b]| a..b).collect();
-    let (old_cut, new_cut) = (
-        StageCut::new(&spec, old)?,
-        StageCut::new(&spec, new.to_vec())?,
-    );
-    let mut names = Vec::new();
-    let mut flats = Vec::new();
-    for k in 0..old_cut.stages() {
-        let stage = build(&spec, &old_cut, k)?;
-        flats.push(checkpoint::read_stage_flat_state(
-            dir,
-            state,
-            k,
-            stage.layout(),
-        )?);
-        names.extend(stage.layout().params.iter().map(|p| p.name.clone()));
+impl Recut {
+    /// Checkpoint `dir` (whose `state.json` says `state`, with its cut) for a pipeline of
+    /// stages `new` (layer ranges of the same model): the old and new stages' layouts,
+    /// built one stage at a time, checked to hold the same tensors.
+    pub(super) fn open(dir: &Path, state: &CheckpointState, new: &[Range<usize>]) -> Result<Self> {
+        let recorded = state.stages.as_deref().unwrap_or_default();
+        let old: Vec<Range<usize>> = recorded.iter().map(|&[a, b]| a..b).collect();
+        let spec = spec_of(dir, &read_header(&dir.join("model.safetensors"))?)?;
+        let (old_cut, new_cut) = (
+            StageCut::new(&spec, old)?,
+            StageCut::new(&spec, new.to_vec())?,
+        );
+        let old = (0..old_cut.stages())
+            .map(|k| Ok(build(&spec, &old_cut, k)?.layout().clone()))
+            .collect::<Result<Vec<_>>>()?;
+        let mut starts = vec![0];
+        for j in 0..new_cut.stages() {
+            let n = build(&spec, &new_cut, j)?.layout().params.len();
+            starts.push(starts[j] + n);
+        }
+        if starts.last() != Some(&old.iter().map(|l| l.params.len()).sum()) {
+            return Err(error(
+                dir,
+                "the new cut does not hold every tensor of the old one",
+            ));
+        }
+        Ok(Self {
+            dir: dir.to_path_buf(),
+            state: state.clone(),
+            spec,
+            new_cut,
+            old,
+            starts,
+        })
     }
-    let whole = FlatOptimizerState::concat(flats);
-    let weights = SafeTensors::deserialize(&merged)
-        .map_err(|e| error(dir, format!("model.safetensors: {e}")))?;
-    let mut parts = Vec::with_capacity(new_cut.stages());
-    let mut at = 0;
-    for j in 0..new_cut.stages() {
-        let stage = build(&spec, &new_cut, j)?;
+
+    /// New stage `j`'s weights and optimizer state, from the old stages it overlaps.
+    pub(super) fn stage(&self, j: usize) -> Result<StageParts> {
+        let dir = &self.dir;
+        let stage = build(&self.spec, &self.new_cut, j)?;
         let layout = stage.layout();
-        let params = at..at + layout.params.len();
-        let theirs = names.get(params.clone()).unwrap_or_default();
+        let want = self.starts[j]..self.starts[j + 1];
+        let (mut flats, mut names, mut at, mut from) = (Vec::new(), Vec::new(), 0, None);
+        for (k, old) in self.old.iter().enumerate() {
+            let held = at..at + old.params.len();
+            at = held.end;
+            if held.start >= want.end || want.start >= held.end {
+                continue;
+            }
+            from.get_or_insert(held.start);
+            flats.push(checkpoint::read_stage_flat_state(dir, &self.state, k, old)?);
+            names.extend(old.params.iter().map(|p| p.name.clone()));
+        }
+        let local = want.start - from.unwrap_or(0)..want.end - from.unwrap_or(0);
+        let theirs = names.get(local.clone()).unwrap_or_default();
         if layout.params.iter().map(|p| &p.name).ne(theirs.iter()) {
             return Err(error(
                 dir,
                 format!("stage {j} of the new cut does not hold the old stages' tensors in order"),
             ));
         }
-        let state = whole
-            .select(params)
+        let state = FlatOptimizerState::concat(flats)
+            .select(local)
             .ok_or_else(|| error(dir, format!("no optimizer state for stage {j}")))?;
-        parts.push([stage_weights(dir, &*stage, &weights)?, state.whole(layout)?]);
-        at += layout.params.len();
+        Ok([stage_weights(dir, &*stage)?, state.whole(layout)?])
     }
-    if at != whole.len() {
-        return Err(error(
-            dir,
-            "the new cut does not hold every tensor of the old one",
-        ));
-    }
-    Ok(parts)
 }
 
-/// The model the checkpoint's weights were written for (a spec's, in their metadata).
-fn spec_of(dir: &Path, merged: &[u8]) -> Result<ModelSpec> {
-    let (_, header) = SafeTensors::read_metadata(merged)
-        .map_err(|e| error(dir, format!("model.safetensors: {e}")))?;
-    let yaml = header
-        .metadata()
-        .as_ref()
-        .and_then(|m| m.get("flotilla.model"))
+/// The length prefix and JSON header of the safetensors file at `path`, read alone.
+fn read_header(path: &Path) -> Result<Vec<u8>> {
+    let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let mut len = [0u8; 8];
+    file.read_exact_at(&mut len, 0)
+        .map_err(|e| TrainError::io(path, e))?;
+    let n = usize::try_from(u64::from_le_bytes(len))
+        .ok()
+        .filter(|&n| n as u64 <= file.metadata().map_or(0, |m| m.len()))
+        .ok_or_else(|| error(path, "its header's length is past its end"))?;
+    let mut header = vec![0u8; 8 + n];
+    file.read_exact_at(&mut header, 0)
+        .map_err(|e| TrainError::io(path, e))?;
+    Ok(header)
+}
+
+/// The model the checkpoint's weights were written for (a spec's, in their `header`'s
+/// metadata).
+fn spec_of(dir: &Path, header: &[u8]) -> Result<ModelSpec> {
+    let json: serde_json::Value = header
+        .get(8..)
+        .and_then(|text| serde_json::from_slice(text).ok())
+        .ok_or_else(|| error(dir, "model.safetensors: the header is not JSON"))?;
+    let yaml = json["__metadata__"]["flotilla.model"]
+        .as_str()
         .ok_or_else(|| {
             error(
                 dir,
                 "was written by a program's stage modules, whose tensors only the program \
-                 knows: resume with the same cut",
+             knows: resume with the same cut",
             )
         })?;
     Ok(ModelSpec::from_yaml(yaml, "the checkpoint's model")?)
@@ -121,19 +160,28 @@ fn build(spec: &ModelSpec, cut: &StageCut, k: usize) -> Result<Box<dyn StageEngi
     )?))
 }
 
-/// The weights file of `stage` with the values of the checkpoint's `weights` (its own
-/// tensors, by name, and its metadata).
-fn stage_weights(dir: &Path, stage: &dyn ModelState, weights: &SafeTensors<'_>) -> Result<Vec<u8>> {
-    let own = stage.weights_bytes()?;
-    let (_, header) = SafeTensors::read_metadata(&own).map_err(|e| error(dir, e.to_string()))?;
-    let mine = SafeTensors::deserialize(&own).map_err(|e| error(dir, e.to_string()))?;
-    let mut views: Vec<(String, TensorView<'_>)> = Vec::new();
-    for (name, _) in mine.tensors() {
-        let view = weights
-            .tensor(&name)
-            .map_err(|e| error(dir, format!("model.safetensors has no {name}: {e}")))?;
-        views.push((name, view));
+/// The weights file of `stage` (its own tensors' names, shapes and metadata) with each
+/// tensor's bytes read from its place in the checkpoint `dir`'s merged `model.safetensors`.
+fn stage_weights(dir: &Path, stage: &dyn ModelState) -> Result<Vec<u8>> {
+    let path = dir.join("model.safetensors");
+    let header = read_header(&path)?;
+    let theirs = merged::tensor_places(&header, &path)?;
+    let mut own = stage.weights_bytes()?;
+    let data = merged::header_of(&own, &path)?.len();
+    let mine = merged::tensor_places(&own[..data], &path)?;
+    let file = std::fs::File::open(&path).map_err(|e| TrainError::io(&path, e))?;
+    for (name, (s, e)) in mine {
+        let place = theirs.get(&name).filter(|(a, b)| b - a == e - s);
+        let (&(a, _), Some(to)) = (
+            place.ok_or_else(|| {
+                error(dir, format!("model.safetensors has no {name} of its size"))
+            })?,
+            own.get_mut(data + s as usize..data + e as usize),
+        ) else {
+            return Err(error(dir, format!("the stage's {name} is past its file")));
+        };
+        file.read_exact_at(to, header.len() as u64 + a)
+            .map_err(|e| TrainError::io(&path, e))?;
     }
-    safetensors::serialize(views, header.metadata().clone())
-        .map_err(|e| error(dir, format!("stage weights: {e}")))
+    Ok(own)
 }

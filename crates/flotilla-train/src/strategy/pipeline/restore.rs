@@ -11,9 +11,10 @@
 //! `checksums.json`; a rank sees it when the file at that path has the same bytes and the
 //! files it needs there have the checksums it lists (the ranks of one host, hosts that
 //! mount one output directory); the others name the files they need, which rank 0 reads and
-//! sends. A checkpoint written at another cut is re-cut on rank 0 (`recut.rs`) and sent to
-//! every rank.
+//! sends. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
+//! each rank for its own where it sees it, by rank 0 for the others, one at a time.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -22,6 +23,7 @@ use flotilla_tcp::{CommError, ProcessGroup};
 use crate::checkpoint::{self, CHECKSUMS, CheckpointState};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
+use crate::strategy::pipeline::recut::Recut;
 use crate::strategy::pipeline::state::{
     StageOptimizer, receive_parts, recorded_ranges, send_parts,
 };
@@ -37,11 +39,10 @@ const STATE: usize = 7;
 /// The part number of a file rank 0 sends a rank that does not see the checkpoint.
 const FILE: usize = 8;
 
-/// On rank 0: reads checkpoint `dir`'s state, sends it to every rank, and either offers the
-/// checkpoint to every rank and sends each that does not see it the files it needs, or (a
-/// checkpoint written at another cut: `recut.rs`) re-cuts it and sends every rank its
-/// stage's state. Every other rank: reads or receives and loads its stage's part.
-/// Collective over the world.
+/// On rank 0: reads checkpoint `dir`'s state, sends it to every rank, offers the
+/// checkpoint to every rank and sends each that does not see it the files it needs (or, a
+/// checkpoint written at another cut, its stage re-cut: `recut.rs`). Every other rank:
+/// reads (or re-cuts) or receives and loads its stage's part. Collective over the world.
 pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     let world = pipe.world().clone();
     if world.rank() != 0 {
@@ -53,7 +54,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
                 detail: format!("a malformed checkpoint state: {e}"),
             })?;
         if state.stages.as_ref() != Some(&recorded_ranges(pipe)) {
-            return pipe.load_stage_state(&receive_parts(&*world, 0)?);
+            return recut_or_receive(pipe, &state);
         }
         return read_or_receive(pipe, &state);
     }
@@ -71,13 +72,40 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
     if cut == recorded_ranges(pipe) {
         return send_read(pipe, dir, &state);
     }
-    // Written at another cut: its stages' state re-cut for this one.
-    let per_stage = super::recut::recut(dir, (&state, &cut), &pipe.cut().ranges)?;
-    let stages = per_stage.len();
+    // Written at another cut: each rank re-cuts its own stage where it sees the checkpoint,
+    // rank 0 the others' one at a time.
+    let recut = Recut::open(dir, &state, &pipe.cut().ranges)?;
+    let offer = offer_of(dir)?;
     for r in 1..world.size() {
-        send_parts(&*world, r, &per_stage[r % stages])?;
+        world.send(r, tag(OFFER), &offer)?;
     }
-    pipe.load_stage_state(&per_stage[0])
+    let stages = pipe.cut().stages();
+    for r in 1..world.size() {
+        let read = world.recv(r, tag(READ), Instant::now() + world.timeout())?;
+        if read != [1] {
+            send_parts(&*world, r, &recut.stage(r % stages)?)?;
+        }
+    }
+    pipe.load_stage_state(&recut.stage(0)?)
+}
+
+/// A rank's side (not rank 0's) of a checkpoint written at another cut: re-cuts its own
+/// stage where it sees rank 0's checkpoint, else receives it from rank 0.
+fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
+    let world = pipe.world().clone();
+    let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
+    let k = pipe.stage_index();
+    // What fails here is rank 0's to meet again, and report, when it re-cuts the stage.
+    let own = offered_dir(&offer).and_then(|(dir, _)| {
+        let recut = Recut::open(&dir, state, &pipe.cut().ranges).ok()?;
+        recut.stage(k).ok()
+    });
+    world.send(0, tag(READ), &[u8::from(own.is_some())])?;
+    let parts = match own {
+        Some(parts) => parts,
+        None => receive_parts(&*world, 0)?,
+    };
+    pipe.load_stage_state(&parts)
 }
 
 /// The state of checkpoint `dir`, refused unless a pipeline wrote it (on rank 0, before
@@ -180,13 +208,7 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
 /// names (only the checkpoint's stage files), and loads its own stage's.
 fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result<()> {
     let world = pipe.world().clone();
-    let sums_path = dir.join(CHECKSUMS);
-    let sums = std::fs::read(&sums_path).map_err(|e| TrainError::io(&sums_path, e))?;
-    // A path that is not UTF-8 is not offered: every stage goes over the wire.
-    let offer = match dir.to_str() {
-        Some(path) => [path.as_bytes(), b"\n", &sums].concat(),
-        None => Vec::new(),
-    };
+    let offer = offer_of(dir)?;
     for r in 1..world.size() {
         world.send(r, tag(OFFER), &offer)?;
     }
@@ -210,6 +232,17 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
     load(pipe, &needs, &mine)
 }
 
+/// Rank 0's offer of checkpoint `dir`: its path and the bytes of its `checksums.json`
+/// (empty for a path that is not UTF-8: everything then goes over the wire).
+fn offer_of(dir: &Path) -> Result<Vec<u8>> {
+    let sums_path = dir.join(CHECKSUMS);
+    let sums = std::fs::read(&sums_path).map_err(|e| TrainError::io(&sums_path, e))?;
+    Ok(match dir.to_str() {
+        Some(path) => [path.as_bytes(), b"\n", &sums].concat(),
+        None => Vec::new(),
+    })
+}
+
 /// Rank `r`'s answer to the offer: the files it needs sent (none when it read them).
 fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
     let answer = world.recv(r, tag(READ), Instant::now() + world.timeout())?;
@@ -230,9 +263,9 @@ fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
     }
 }
 
-/// The files `names` of the checkpoint rank 0 offered, when this rank sees the same
-/// checkpoint at that path and the files have the checksums it lists.
-fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
+/// The checkpoint rank 0 offered and its checksums, when this rank sees the same checkpoint
+/// at that path (a `checksums.json` of the same bytes).
+fn offered_dir(offer: &[u8]) -> Option<(PathBuf, BTreeMap<String, String>)> {
     #[cfg(test)]
     if crate::checkpoint_offer::BLIND.with(std::cell::Cell::get) {
         return None;
@@ -243,7 +276,13 @@ fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
     if std::fs::read(dir.join(CHECKSUMS)).ok()? != sums {
         return None;
     }
-    let sums: std::collections::BTreeMap<String, String> = serde_json::from_slice(sums).ok()?;
+    Some((dir, serde_json::from_slice(sums).ok()?))
+}
+
+/// The files `names` of the checkpoint rank 0 offered, when this rank sees it
+/// ([`offered_dir`]) and the files have the checksums it lists.
+fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
+    let (dir, sums) = offered_dir(offer)?;
     names
         .iter()
         .map(|name| {

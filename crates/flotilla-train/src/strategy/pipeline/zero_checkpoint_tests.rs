@@ -183,13 +183,17 @@ fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwi
         let (resumed, _) = run((then, 5), Some(saved), 10..20, (None, blind));
         assert_same_params(&resumed, &plain, &what);
     }
-    // At another cut: rank 0 puts each old stage's shards together to cut them again, and
-    // reads the merged weights file, written by the replicas a share each.
+    // At another cut: each rank that sees the checkpoint (else rank 0 for it) puts the old
+    // stages' shards together to cut them again, and reads its tensors from the merged
+    // weights file, written by the replicas a share each.
     let (plain_9, _) = run((0, 9), None, 0..20, (None, &[]));
     let out = dir.path().join("recut");
     let (_, saved) = run((3, 5), None, 0..10, (Some(out), &[]));
-    let (resumed, _) = run((1, 9), saved, 10..20, (None, &[]));
-    assert_same_params(&resumed, &plain_9, "zero 3 at cut 5, then zero 1 at cut 9");
+    for blind in [&[][..], others, one] {
+        let (resumed, _) = run((1, 9), saved.clone(), 10..20, (None, blind));
+        let what = format!("zero 3 at cut 5, then zero 1 at cut 9, blind {blind:?}");
+        assert_same_params(&resumed, &plain_9, &what);
+    }
 }
 
 /// Resume takes a checkpoint of shards as complete, and passes over one that lost a shard's
