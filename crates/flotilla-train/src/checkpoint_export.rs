@@ -1,7 +1,8 @@
 //! What a checkpoint holds ([`Contents`]), and the whole of it as one safetensors file that
 //! PyTorch loads ([`export`]): the model's tensors under their PyTorch names and layout (as
 //! every strategy's `model.safetensors` has them, a ZeRO run's and a pipeline's merged), the
-//! optimizer state of a spec model put together from its shards and laid out as the weights
+//! optimizer state of a spec model put together from its shards (a pipeline's from its
+//! stages, each from its file or its replicas' shards) and laid out as the weights
 //! (`optimizer.<tensor>.<field>`, burn's field names, e.g. Adam's
 //! `momentum.moment_1`), and the run's position
 //! (`flotilla.step`, `flotilla.epoch`, ...) in the file's metadata.
@@ -111,12 +112,31 @@ fn read(path: &Path) -> Result<Vec<u8>> {
     fs::read(path).map_err(|e| TrainError::io(path, e))
 }
 
-/// A spec model's optimizer state, put together (a ZeRO run's shards too), over an engine of
+/// A spec model's optimizer state, put together (a ZeRO run's shards, a pipeline's stages), over an engine of
 /// the spec that lays each field out as the weights.
 struct Optimizer {
     engine: BurnEngine,
     state: flotilla_engine::FlatOptimizerState,
     fields: Vec<String>,
+}
+
+/// A pipeline checkpoint's optimizer state over the whole model's `layout`: its stages'
+/// joined in the model's order (`strategy/pipeline/recut.rs`), checked to hold the model's
+/// tensors in that order.
+fn pipeline_state(
+    dir: &Path,
+    state: &CheckpointState,
+    spec: &ModelSpec,
+    layout: &flotilla_engine::ParamLayout,
+) -> Result<flotilla_engine::FlatOptimizerState> {
+    let (flat, names) = crate::strategy::pipeline::model_flat_state(dir, state, spec)?;
+    if layout.params.iter().map(|p| &p.name).ne(names.iter()) {
+        return Err(error(
+            dir,
+            "its stages do not hold the model's tensors in order",
+        ));
+    }
+    Ok(flat)
 }
 
 impl Optimizer {
@@ -126,13 +146,6 @@ impl Optimizer {
         state: &CheckpointState,
         weights: &[u8],
     ) -> std::result::Result<Self, String> {
-        if state.stages.is_some() {
-            return Err(
-                "a pipeline's optimizer state is per stage (stage-<k>.optimizer.bpk, or its \
-                 replicas' shards)"
-                    .into(),
-            );
-        }
         let (_, header) = SafeTensors::read_metadata(weights).map_err(|e| e.to_string())?;
         let spec = header
             .metadata()
@@ -145,8 +158,11 @@ impl Optimizer {
             ModelSpec::from_yaml(spec, "the checkpoint's model").map_err(|e| e.to_string())?;
         let engine = BurnEngine::new(&spec, &OptimizerSpec::default(), "flex", 0)
             .map_err(|e| e.to_string())?;
-        let flat =
-            checkpoint::read_flat_state(dir, state, engine.layout()).map_err(|e| e.to_string())?;
+        let flat = match state.stages {
+            None => checkpoint::read_flat_state(dir, state, engine.layout()),
+            Some(_) => pipeline_state(dir, state, &spec, engine.layout()),
+        }
+        .map_err(|e| e.to_string())?;
         let fields = flat.field_names();
         Ok(Self {
             engine,

@@ -26,6 +26,7 @@ mod zero3;
 
 pub use pipe::{Pipeline, PipelineOptions};
 pub use plan::{PipelinePlan, plan};
+pub(crate) use recut::model_flat_state;
 pub use schedule::{Action, Schedule, micro_batches};
 pub use stage::PipelineStage;
 

@@ -113,6 +113,27 @@ impl Recut {
     }
 }
 
+/// The optimizer state of pipeline checkpoint `dir` (whose `state.json` says `state`) over
+/// the whole model `spec` in flat form, its stages' (their files or their replicas' shards)
+/// joined in the model's order of tensors, with their names in that order (for a layout of
+/// the whole model to check against).
+pub(crate) fn model_flat_state(
+    dir: &Path,
+    state: &CheckpointState,
+    spec: &ModelSpec,
+) -> Result<(FlatOptimizerState, Vec<String>)> {
+    let recorded = state.stages.as_deref().unwrap_or_default();
+    let cut = StageCut::new(spec, recorded.iter().map(|&[a, b]| a..b).collect())?;
+    let (mut flats, mut names) = (Vec::new(), Vec::new());
+    for k in 0..cut.stages() {
+        let stage = build(spec, &cut, k)?;
+        let layout = stage.layout();
+        flats.push(checkpoint::read_stage_flat_state(dir, state, k, layout)?);
+        names.extend(layout.params.iter().map(|p| p.name.clone()));
+    }
+    Ok((FlatOptimizerState::concat(flats), names))
+}
+
 /// The length prefix and JSON header of the safetensors file at `path`, read alone.
 fn read_header(path: &Path) -> Result<Vec<u8>> {
     let file = std::fs::File::open(path).map_err(|e| TrainError::io(path, e))?;

@@ -215,3 +215,58 @@ fn a_checkpoint_of_shards_is_complete_with_every_shard_only() {
         let _ = std::fs::remove_file(saved.join(checkpoint::CHECKSUMS));
     }
 }
+
+/// The tensors of a safetensors file by name, with their bytes.
+fn tensors(file: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(file).expect("export");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    (st.tensors().into_iter())
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect()
+}
+
+/// A pipeline checkpoint exports as one file with its optimizer state put together from
+/// the stages (each from its replicas' shards): a ZeRO-3 run's holds zero 0's tensors, the
+/// optimizer's too, bit for bit, and each stage's 1-d tensors' state is what the stage's
+/// replica 0 gathers.
+#[test]
+fn a_pipeline_checkpoint_of_shards_exports_zero_0s_tensors_with_the_optimizer_state() {
+    let dir = tempfile::tempdir().expect("dir");
+    let mut exports = Vec::new();
+    let mut ended = Vec::new();
+    for zero in [0, 3] {
+        let out = dir.path().join(format!("{zero}"));
+        let (e, saved) = run((zero, 5), None, 0..10, (Some(out), &[]));
+        let file = dir.path().join(format!("{zero}.safetensors"));
+        let done = crate::checkpoint_export::export(&saved.expect("saved"), &file).expect("export");
+        assert_eq!(done.without_optimizer, None);
+        exports.push(tensors(&file));
+        ended = e;
+    }
+    assert!(
+        exports[0] == exports[1],
+        "zero 3's export differs from zero 0's"
+    );
+    let cut = StageCut::at(&super::tests::spec(), &[5]).expect("cut");
+    let mut checked = 0;
+    for e in ended.iter().filter(|e| e.at.1 == 0) {
+        let stage =
+            Stage::new(&super::tests::spec(), &cut, e.at.0, &adam(0.02), "flex", 5).expect("stage");
+        let layout = stage.layout();
+        let whole = e.whole.as_ref().expect("whole");
+        let flat =
+            flotilla_engine::FlatOptimizerState::gather(layout, &[(None, whole)]).expect("flat");
+        for field in flat.field_names() {
+            let values = flat.field_values(layout, &field).expect("values");
+            for p in layout.params.iter().filter(|p| p.shape.len() == 1) {
+                let want: Vec<u8> = (values[p.offset..p.offset + p.len].iter())
+                    .flat_map(|v| v.to_le_bytes())
+                    .collect();
+                let name = format!("optimizer.{}.{field}", p.name);
+                assert_eq!(exports[1].get(&name), Some(&want), "{name}");
+                checked += 1;
+            }
+        }
+    }
+    assert!(checked >= 4, "{checked} tensors checked");
+}
