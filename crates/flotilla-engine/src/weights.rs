@@ -31,7 +31,7 @@ use crate::weights_writer::WeightsPlan;
 
 /// The model of `spec` with its initial parameters, drawn on the CPU (Flex) from `seed`
 /// whatever the device training runs on, so that every backend starts from the same values.
-fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
+pub(crate) fn initial_model(spec: &ModelSpec, seed: u64) -> Result<SequentialModel> {
     seeded_module(seed, |cpu| SequentialModel::new(spec, cpu))
 }
 
@@ -192,6 +192,30 @@ impl Weights<SequentialModel> {
             .layers
             .iter()
             .any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
+        let weights = Weights::of_module(model, optimizer, base_device, has_dropout)?;
+        Ok(weights.with_metadata("flotilla.model", spec.to_yaml()))
+    }
+
+    /// The weights of layers `0..j` of `whole` (a model of `spec` from [`initial_model`]),
+    /// the other layers identities, on the named backend: their parameters `whole`'s own
+    /// tensors, shared rather than copied, so that the prefixes of one model a profile times
+    /// (`pipeline/profile.rs`) hold its values once.
+    pub(crate) fn prefix_of(
+        whole: &SequentialModel,
+        spec: &ModelSpec,
+        optimizer: &OptimizerSpec,
+        device_name: &str,
+        j: usize,
+    ) -> Result<Self> {
+        let base_device = device_by_name(device_name)?;
+        let device = base_device.clone().autodiff();
+        let mut model = whole.clone();
+        for slot in model.layers.iter_mut().skip(j) {
+            *slot = Layer::Identity(Identity);
+        }
+        let model = params::renumber(model).fork(&device);
+        let has_dropout =
+            (model.layers.iter()).any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
         let weights = Weights::of_module(model, optimizer, base_device, has_dropout)?;
         Ok(weights.with_metadata("flotilla.model", spec.to_yaml()))
     }

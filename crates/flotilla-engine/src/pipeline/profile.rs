@@ -18,7 +18,8 @@
 //! than a shorter one; a prefix is never counted faster than the one before it.
 //!
 //! The cost is `n (n + 1) / 2` layer passes per round (`n` layers); every prefix stage is
-//! built once and kept for the rounds.
+//! built once and kept for the rounds, all of them over one model's parameter values
+//! (`Weights::prefix_of`).
 //!
 //! Memory per layer: parameters, their gradient and the optimizer's state
 //! (`4 × params × (2 + slots)` bytes); activations: the layer's output for the micro-batch
@@ -34,7 +35,7 @@ use crate::pipeline::partition::LayerCost;
 use crate::pipeline::stage::Stage;
 use crate::pipeline::stage_engine::StageEngine;
 use crate::spec::ModelSpec;
-use crate::weights::ModelState;
+use crate::weights::{ModelState, Weights, initial_model};
 
 /// Per-layer costs of `spec` for micro-batches of `samples`, on the named device, from
 /// `rounds` timed rounds over every prefix (at least 1).
@@ -48,6 +49,9 @@ pub fn profile(
     let n = spec.layers.len();
     let io = spec.infer_io()?;
     let samples = samples.max(1);
+    // Every prefix shares this model's values: the profile holds them once, not once per
+    // prefix (n / 2 times the model).
+    let whole = initial_model(spec, 0)?;
     let mut prefixes = Vec::with_capacity(n);
     for j in 1..=n {
         // One stage of the whole model, or the prefix and the rest.
@@ -57,7 +61,10 @@ pub fn profile(
             vec![0..j, j..n]
         };
         let cut = StageCut::new(spec, ranges)?;
-        let stage = Stage::new(spec, &cut, 0, optimizer, device, 0)?;
+        let weights = Weights::prefix_of(&whole, spec, optimizer, device, j)?;
+        let mut stage = Stage::of_weights(spec, &cut, 0, weights)?;
+        // Its gradient is made by each pass and let go after it (`pass`).
+        stage.drop_grads();
         let inputs = sample_inputs(&stage, samples, spec.token_vocab());
         prefixes.push((stage, inputs));
     }
@@ -122,6 +129,8 @@ fn pass(stage: &mut Stage, inputs: &[Vec<f32>], samples: usize, mb: usize) -> Re
     stage.backward(mb, grads)?;
     let t = started.elapsed().as_secs_f64();
     stage.reset();
+    // One prefix's gradient at a time, not every prefix's kept between rounds.
+    stage.drop_grads();
     Ok(t)
 }
 

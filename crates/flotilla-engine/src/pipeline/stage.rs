@@ -170,8 +170,20 @@ impl Stage<SequentialModel> {
                     .into(),
             ));
         }
-        let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?
-            .with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
+        let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?;
+        Self::of_weights(spec, cut, index, weights)
+    }
+
+    /// Stage `index` of `cut` (a cut of `spec`) over `weights`, the model's with that
+    /// stage's layers ([`Stage::new`]'s, or a profile's prefix sharing one model's values).
+    pub(crate) fn of_weights(
+        spec: &ModelSpec,
+        cut: &StageCut,
+        index: usize,
+        weights: Weights<SequentialModel>,
+    ) -> Result<Self> {
+        let range = cut.ranges.get(index).cloned().unwrap_or_default();
+        let weights = weights.with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
         let ends = [MAIN.to_string(), MAIN.to_string()];
         let slots = StageSlots::of_cut(cut, index, ends, spec.token_vocab(), range);
         let layers = layer_params(weights.model()?);
@@ -478,6 +490,12 @@ impl<M: Module> Stage<M> {
                 self.slots.index
             ))
         })
+    }
+
+    /// Lets the gradient accumulator go (made again, zeroed, by the next backward): a
+    /// profile keeps many stages and runs one at a time (`profile.rs`).
+    pub(crate) fn drop_grads(&mut self) {
+        self.grads = Vec::new();
     }
 
     /// The gradient accumulator, made (zeroed) when a released stage let it go.
