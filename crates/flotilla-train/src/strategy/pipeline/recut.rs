@@ -81,35 +81,52 @@ impl Recut {
         })
     }
 
-    /// New stage `j`'s weights and optimizer state, from the old stages it overlaps.
+    /// New stage `j`'s weights and optimizer state as the stage files hold them
+    /// ([`Recut::stage_flat`]'s, the state serialized).
     pub(super) fn stage(&self, j: usize) -> Result<StageParts> {
+        let (weights, state, layout) = self.stage_flat(j)?;
+        Ok([weights, state.whole(&layout)?])
+    }
+
+    /// New stage `j`'s weights file, optimizer state in flat form (to load without
+    /// serializing it) and layout, from the old stages it overlaps: each old stage's state
+    /// read and cut to the new stage's tensors before the next is read, the new stage built
+    /// only for its layout and weights file and let go before.
+    pub(super) fn stage_flat(
+        &self,
+        j: usize,
+    ) -> Result<(Vec<u8>, FlatOptimizerState, ParamLayout)> {
         let dir = &self.dir;
-        let stage = build(&self.spec, &self.new_cut, j)?;
-        let layout = stage.layout();
+        let (layout, weights) = {
+            let stage = build(&self.spec, &self.new_cut, j)?;
+            (stage.layout().clone(), stage_weights(dir, &*stage)?)
+        };
         let want = self.starts[j]..self.starts[j + 1];
-        let (mut flats, mut names, mut at, mut from) = (Vec::new(), Vec::new(), 0, None);
+        let (mut parts, mut names, mut at) = (Vec::new(), Vec::new(), 0);
         for (k, old) in self.old.iter().enumerate() {
             let held = at..at + old.params.len();
             at = held.end;
             if held.start >= want.end || want.start >= held.end {
                 continue;
             }
-            from.get_or_insert(held.start);
-            flats.push(checkpoint::read_stage_flat_state(dir, &self.state, k, old)?);
-            names.extend(old.params.iter().map(|p| p.name.clone()));
+            let mine = want.start.max(held.start) - held.start..want.end.min(held.end) - held.start;
+            let flat = checkpoint::read_stage_flat_state(dir, &self.state, k, old)?;
+            let part = flat.select(mine.clone()).ok_or_else(|| {
+                error(
+                    dir,
+                    format!("stage {k}'s optimizer state has fewer tensors"),
+                )
+            })?;
+            parts.push(part);
+            names.extend(old.params[mine].iter().map(|p| p.name.clone()));
         }
-        let local = want.start - from.unwrap_or(0)..want.end - from.unwrap_or(0);
-        let theirs = names.get(local.clone()).unwrap_or_default();
-        if layout.params.iter().map(|p| &p.name).ne(theirs.iter()) {
+        if layout.params.iter().map(|p| &p.name).ne(names.iter()) {
             return Err(error(
                 dir,
                 format!("stage {j} of the new cut does not hold the old stages' tensors in order"),
             ));
         }
-        let state = FlatOptimizerState::concat(flats)
-            .select(local)
-            .ok_or_else(|| error(dir, format!("no optimizer state for stage {j}")))?;
-        Ok([stage_weights(dir, &*stage)?, state.whole(layout)?])
+        Ok((weights, FlatOptimizerState::concat(parts), layout))
     }
 }
 

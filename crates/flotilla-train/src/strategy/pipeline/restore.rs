@@ -86,7 +86,8 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
             send_parts(&*world, r, &recut.stage(r % stages)?)?;
         }
     }
-    pipe.load_stage_state(&recut.stage(0)?)
+    let (weights, flat, _) = recut.stage_flat(0)?;
+    pipe.load_stage(&weights, StageOptimizer::Flat(flat))
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at another cut: re-cuts its own
@@ -98,14 +99,13 @@ fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> 
     // What fails here is rank 0's to meet again, and report, when it re-cuts the stage.
     let own = offered_dir(&offer).and_then(|(dir, _)| {
         let recut = Recut::open(&dir, state, &pipe.cut().ranges).ok()?;
-        recut.stage(k).ok()
+        recut.stage_flat(k).ok()
     });
     world.send(0, tag(READ), &[u8::from(own.is_some())])?;
-    let parts = match own {
-        Some(parts) => parts,
-        None => receive_parts(&*world, 0)?,
-    };
-    pipe.load_stage_state(&parts)
+    match own {
+        Some((weights, flat, _)) => pipe.load_stage(&weights, StageOptimizer::Flat(flat)),
+        None => pipe.load_stage_state(&receive_parts(&*world, 0)?),
+    }
 }
 
 /// The state of checkpoint `dir`, refused unless a pipeline wrote it (on rank 0, before

@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use std::os::unix::fs::FileExt;
 
-use flotilla_engine::{ShardOptimizer, StageEngine, StatePart, WeightsPlan};
+use flotilla_engine::{FlatOptimizerState, ShardOptimizer, StageEngine, StatePart, WeightsPlan};
 use flotilla_tcp::{CommError, ProcessGroup};
 
 use crate::checkpoint::{self, CheckpointState, ZeroManifest};
@@ -99,6 +99,8 @@ pub(super) enum StageOptimizer<'a> {
     Own(&'a [u8]),
     /// The replicas' shards, each at its ranges.
     Shards(Vec<StatePart<'a>>),
+    /// The stage's whole state, taken apart (a re-cut's: `recut.rs`).
+    Flat(FlatOptimizerState),
 }
 
 /// How a rank's stage's weights reach a checkpoint.

@@ -162,6 +162,7 @@ impl Pipeline {
                 FlatOptimizerState::gather(layout, &[(None, bytes)])?
             }
             (StageOptimizer::Shards(parts), _) => FlatOptimizerState::gather(layout, &parts)?,
+            (StageOptimizer::Flat(flat), _) => flat,
         };
         match &mut self.zero {
             Some(zero) => zero.load_flat(&*self.stage, &flat),
