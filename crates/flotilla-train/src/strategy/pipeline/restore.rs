@@ -233,10 +233,15 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
 }
 
 /// Rank 0's offer of checkpoint `dir`: its path and the bytes of its `checksums.json`
-/// (empty for a path that is not UTF-8: everything then goes over the wire).
+/// (empty for a path that is not UTF-8, or a checkpoint from before checksums: everything
+/// then goes over the wire).
 fn offer_of(dir: &Path) -> Result<Vec<u8>> {
     let sums_path = dir.join(CHECKSUMS);
-    let sums = std::fs::read(&sums_path).map_err(|e| TrainError::io(&sums_path, e))?;
+    let sums = match std::fs::read(&sums_path) {
+        Ok(sums) => sums,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(TrainError::io(&sums_path, e)),
+    };
     Ok(match dir.to_str() {
         Some(path) => [path.as_bytes(), b"\n", &sums].concat(),
         None => Vec::new(),

@@ -194,6 +194,13 @@ fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwi
         let what = format!("zero 3 at cut 5, then zero 1 at cut 9, blind {blind:?}");
         assert_same_params(&resumed, &plain_9, &what);
     }
+    // A checkpoint from before checksums: nothing offered, every part over the wire.
+    let saved = saved.expect("saved");
+    std::fs::remove_file(saved.join(checkpoint::CHECKSUMS)).expect("remove");
+    let (resumed, _) = run((1, 9), Some(saved.clone()), 10..20, (None, &[]));
+    assert_same_params(&resumed, &plain_9, "re-cut without checksums");
+    let (resumed, _) = run((3, 5), Some(saved), 10..20, (None, &[]));
+    assert_same_params(&resumed, &plain, "the same cut without checksums");
 }
 
 /// Resume takes a checkpoint of shards as complete, and passes over one that lost a shard's
