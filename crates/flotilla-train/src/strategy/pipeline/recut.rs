@@ -50,11 +50,9 @@ impl Recut {
     /// stages `new` (layer ranges of the same model): the old and new stages' layouts,
     /// built one stage at a time, checked to hold the same tensors.
     pub(super) fn open(dir: &Path, state: &CheckpointState, new: &[Range<usize>]) -> Result<Self> {
-        let recorded = state.stages.as_deref().unwrap_or_default();
-        let old: Vec<Range<usize>> = recorded.iter().map(|&[a, b]| a..b).collect();
         let spec = spec_of(dir, &read_header(&dir.join("model.safetensors"))?)?;
         let (old_cut, new_cut) = (
-            StageCut::new(&spec, old)?,
+            recorded_cut(&spec, state)?,
             StageCut::new(&spec, new.to_vec())?,
         );
         let old = (0..old_cut.stages())
@@ -139,8 +137,7 @@ pub(crate) fn model_flat_state(
     state: &CheckpointState,
     spec: &ModelSpec,
 ) -> Result<(FlatOptimizerState, Vec<String>)> {
-    let recorded = state.stages.as_deref().unwrap_or_default();
-    let cut = StageCut::new(spec, recorded.iter().map(|&[a, b]| a..b).collect())?;
+    let cut = recorded_cut(spec, state)?;
     let (mut flats, mut names) = (Vec::new(), Vec::new());
     for k in 0..cut.stages() {
         let stage = build(spec, &cut, k)?;
@@ -149,6 +146,15 @@ pub(crate) fn model_flat_state(
         names.extend(layout.params.iter().map(|p| p.name.clone()));
     }
     Ok((FlatOptimizerState::concat(flats), names))
+}
+
+/// The cut of `spec` a checkpoint of `state` was written at.
+fn recorded_cut(spec: &ModelSpec, state: &CheckpointState) -> Result<StageCut> {
+    let recorded = state.stages.as_deref().unwrap_or_default();
+    Ok(StageCut::new(
+        spec,
+        recorded.iter().map(|&[a, b]| a..b).collect(),
+    )?)
 }
 
 /// The length prefix and JSON header of the safetensors file at `path`, read alone.

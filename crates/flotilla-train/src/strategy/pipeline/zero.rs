@@ -19,20 +19,25 @@
 //! replica resumed at the same shard loads its own file ([`ReplicaShard::load_shard`]); at
 //! another number of replicas, another ZeRO stage or another cut, or from a checkpoint of a
 //! stage without ZeRO, it takes its shard of the state put together
-//! ([`ReplicaShard::load_flat`]). [`ReplicaShard::whole_state`] puts the stage's whole state
-//! together on replica 0 (what a stage without ZeRO holds).
+//! ([`ReplicaShard::load_flat`]). Tests compare them with the stage's whole state put together
+//! on replica 0 (`ReplicaShard::whole_state`, tests only).
 
 use std::ops::Range;
+#[cfg(test)]
 use std::time::Instant;
 
 use flotilla_engine::{FlatOptimizerState, OptimizerSpec, ShardOptimizer, StageEngine};
 use flotilla_tcp::{ProcessGroup, shard};
 
-use crate::error::{Result, TrainError};
+use crate::error::Result;
+#[cfg(test)]
+use crate::error::TrainError;
+#[cfg(test)]
 use crate::strategy::pipeline::wire::{self, Direction};
 
 /// The part number of a replica's shard of optimizer state in a [`Direction::State`] tag
 /// (0 and 1 are a stage's weights and whole optimizer state: `state.rs`).
+#[cfg(test)]
 const SHARD_PART: usize = 2;
 
 /// This replica's part of its stage's optimizer.
@@ -131,9 +136,11 @@ impl ReplicaShard {
         Ok(self.optimizer.state_bytes()?)
     }
 
+    /// Tests only: the reference the replicas' own shard files are checked against.
     /// The stage's whole optimizer state (as [`flotilla_engine::ModelState::optimizer_state`]
     /// writes it) on the replicas' rank 0, put together from every replica's shard; `None` on
     /// the others, which send theirs. Collective over `replicas`.
+    #[cfg(test)]
     pub(super) fn whole_state(
         &self,
         stage: &dyn StageEngine,
@@ -173,8 +180,7 @@ impl ReplicaShard {
     }
 
     /// Loads this replica's shard of a stage's optimizer state in flat form (a whole state
-    /// as [`ReplicaShard::whole_state`] or a stage without ZeRO writes it, or shards put
-    /// together).
+    /// as a stage without ZeRO writes it, or shards put together).
     pub(super) fn load_flat(
         &mut self,
         stage: &dyn StageEngine,

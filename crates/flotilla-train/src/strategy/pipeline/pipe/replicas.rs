@@ -109,9 +109,11 @@ impl Pipeline {
         Ok((owned, summed))
     }
 
-    /// This stage's weights (safetensors bytes) and whole optimizer state, as a checkpoint
-    /// holds them, on replica 0 (which with ZeRO gathers the replicas' shards of the state);
-    /// `None` on the other replicas. Collective over the stage's replicas.
+    /// This stage's weights (safetensors bytes) and whole optimizer state on replica 0 (which
+    /// with ZeRO gathers the replicas' shards of the state); `None` on the other replicas.
+    /// Collective over the stage's replicas. Tests only: a checkpoint's parts are each
+    /// rank's own (`state.rs`).
+    #[cfg(test)]
     pub fn stage_state(&mut self) -> Result<Option<[Vec<u8>; 2]>> {
         self.gather_stage()?;
         let optimizer = match (&self.zero, &self.replicas) {
