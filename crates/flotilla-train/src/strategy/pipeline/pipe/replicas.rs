@@ -130,9 +130,9 @@ impl Pipeline {
         }
     }
 
-    /// Replaces this stage's weights and optimizer state with `parts` (as
-    /// [`Pipeline::stage_state`] gives them; with ZeRO, this replica keeps its shard of the
-    /// state).
+    /// Replaces this stage's weights and optimizer state with `parts`: the stage's
+    /// safetensors weights and its whole optimizer state (with ZeRO, this replica keeps its
+    /// shard of the state).
     pub fn load_stage_state(&mut self, parts: &[Vec<u8>; 2]) -> Result<()> {
         self.load_stage(&parts[0], StageOptimizer::Whole(&parts[1]))
     }
