@@ -6,7 +6,11 @@ use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
 use gemm::{Parallelism, gemm};
 
+use multiversion::multiversion;
+
 use super::host::{slice, tensor};
+use super::math::exp_neg;
+use super::norm_rows::lane_sum;
 
 /// The shape of one attention call: `n` samples of `t` positions, `heads` heads of `dk`
 /// features each (`d = heads·dk`).
@@ -126,29 +130,37 @@ unsafe fn product(
     }
 }
 
-/// Softmax of each row `i` of the `t×t` scores over columns `0..=i`, zero after them.
+/// Softmax of each row `i` of the `t×t` scores over columns `0..=i`, zero after them: the
+/// exponentials by [`exp_neg`] (every argument is `≤ 0`, a score less its row's maximum),
+/// which vectorizes where libm's `expf` does not, and the row's sum in [`LANES`](super::norm_rows::LANES) lanes.
+#[multiversion(targets("x86_64+avx2+fma"))]
 fn causal_softmax_rows(scores: &mut [f32], t: usize) {
     for (i, row) in scores.chunks_exact_mut(t).enumerate() {
         let (seen, hidden) = row.split_at_mut(i + 1);
-        let max = seen.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0;
-        for s in seen.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
+        let mut max = f32::NEG_INFINITY;
+        for &s in seen.iter() {
+            max = max.max(s);
         }
-        let inv = 1.0 / sum;
-        seen.iter_mut().for_each(|s| *s *= inv);
+        for s in seen.iter_mut() {
+            *s = exp_neg(*s - max);
+        }
+        let inv = 1.0 / lane_sum(seen, seen, |v, _| v);
+        for s in seen.iter_mut() {
+            *s *= inv;
+        }
         hidden.fill(0.0);
     }
 }
 
-/// `dS = P ∘ (dP − Σⱼ P·dP)` of each row, times `scale`, in place of `dP`.
+/// `dS = P ∘ (dP − Σⱼ P·dP)` of each row, times `scale`, in place of `dP` (the sum in
+/// [`LANES`](super::norm_rows::LANES) lanes).
+#[multiversion(targets("x86_64+avx2+fma"))]
 fn softmax_backward_rows(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
     for (drow, prow) in dp.chunks_exact_mut(t).zip(p.chunks_exact(t)) {
-        let dot: f32 = drow.iter().zip(prow).map(|(d, p)| d * p).sum();
-        drow.iter_mut()
-            .zip(prow)
-            .for_each(|(d, &p)| *d = p * (*d - dot) * scale);
+        let dot = lane_sum(drow, prow, |d, p| d * p);
+        for (d, &p) in drow.iter_mut().zip(prow) {
+            *d = p * (*d - dot) * scale;
+        }
     }
 }
 
@@ -164,30 +176,36 @@ pub(crate) fn forward_f32(
     }
     let (q, k, v) = (slice(q), slice(k), slice(v));
     let (t, d) = (s.t, s.d() as isize);
-    let mut out = vec![0.0f32; s.n * s.t * s.d()];
-    let mut probs = vec![0.0f32; s.n * s.heads * t * t];
+    // Both buffers are written by the products alone, not zeroed first: every head of every
+    // sample writes its `t × dk` block of `out` and its `t × t` block of `probs` whole.
+    let (out_len, probs_len) = (s.n * s.t * s.d(), s.n * s.heads * t * t);
+    let mut out = Vec::<f32>::with_capacity(out_len);
+    let mut probs = Vec::<f32>::with_capacity(probs_len);
     for b in 0..s.n {
         for h in 0..s.heads {
             let (x, pp) = s.offsets(b, h);
-            let p = &mut probs[pp..pp + t * t];
             // SAFETY: head h of sample b spans t rows of stride d from x, dk columns (x + dk ≤
-            // the sample's end), and p is t×t; out is a distinct buffer.
-            unsafe {
+            // the sample's end), and its probabilities the t×t values from pp, inside the
+            // capacity of `probs`; the product writes them all (it reads no destination), so
+            // the slice made of them afterwards is initialized; out is a distinct buffer.
+            let p = unsafe {
+                let p = probs.as_mut_ptr().add(pp);
                 let kt = View(k[x..].as_ptr(), 1, d);
                 product(
                     t,
                     t,
                     s.dk,
-                    (p.as_mut_ptr(), t as isize),
+                    (p, t as isize),
                     View(q[x..].as_ptr(), d, 1),
                     kt,
                     s.scale(),
                 );
-            }
+                std::slice::from_raw_parts_mut(p, t * t)
+            };
             causal_softmax_rows(p, t);
-            // SAFETY: as above.
+            // SAFETY: as above, the head's t×dk block of `out`, inside its capacity.
             unsafe {
-                let dst = (out[x..].as_mut_ptr(), d);
+                let dst = (out.as_mut_ptr().add(x), d);
                 product(
                     t,
                     s.dk,
@@ -199,6 +217,11 @@ pub(crate) fn forward_f32(
                 );
             }
         }
+    }
+    // SAFETY: every value of both buffers was written above.
+    unsafe {
+        out.set_len(out_len);
+        probs.set_len(probs_len);
     }
     (
         tensor(out, [s.n, s.t, s.d()]),
@@ -222,18 +245,21 @@ pub(crate) fn backward_f32(
     let [q, k, v, probs, g] = inputs.map(slice);
     let (t, d, ti) = (s.t, s.d() as isize, s.t as isize);
     let len = s.n * s.t * s.d();
-    let (mut dq, mut dk, mut dv) = (vec![0.0f32; len], vec![0.0f32; len], vec![0.0f32; len]);
+    // Written by the products alone, not zeroed first (every head writes its block whole).
+    let mut grads = [(); 3].map(|_| Vec::<f32>::with_capacity(len));
+    let [dq, dk, dv] = grads.each_mut().map(|g| g.as_mut_ptr());
     let mut ds = vec![0.0f32; t * t];
     for b in 0..s.n {
         for h in 0..s.heads {
             let (x, pp) = s.offsets(b, h);
             let p = &probs[pp..pp + t * t];
             let gv = View(g[x..].as_ptr(), d, 1);
-            // SAFETY: the head's views as in the forward pass; ds is a t×t scratch buffer and
+            // SAFETY: the head's views as in the forward pass (its blocks of dq, dk, dv inside
+            // their capacity); ds is a t×t scratch buffer and
             // every destination a distinct buffer.
             unsafe {
                 let pt = View(p.as_ptr(), 1, ti);
-                product(t, s.dk, t, (dv[x..].as_mut_ptr(), d), pt, gv, 1.0);
+                product(t, s.dk, t, (dv.add(x), d), pt, gv, 1.0);
                 let vt = View(v[x..].as_ptr(), 1, d);
                 product(t, t, s.dk, (ds.as_mut_ptr(), ti), gv, vt, 1.0);
             }
@@ -245,7 +271,7 @@ pub(crate) fn backward_f32(
                     t,
                     s.dk,
                     t,
-                    (dq[x..].as_mut_ptr(), d),
+                    (dq.add(x), d),
                     dsv,
                     View(k[x..].as_ptr(), d, 1),
                     1.0,
@@ -254,7 +280,7 @@ pub(crate) fn backward_f32(
                     t,
                     s.dk,
                     t,
-                    (dk[x..].as_mut_ptr(), d),
+                    (dk.add(x), d),
                     dst,
                     View(q[x..].as_ptr(), d, 1),
                     1.0,
@@ -262,6 +288,9 @@ pub(crate) fn backward_f32(
             }
         }
     }
+    // SAFETY: every head of every sample wrote its t×dk block of the three, so all values.
+    grads.iter_mut().for_each(|g| unsafe { g.set_len(len) });
     let shape = [s.n, s.t, s.d()];
-    (tensor(dq, shape), tensor(dk, shape), tensor(dv, shape))
+    let [dq, dk, dv] = grads.map(|g| tensor(g, shape));
+    (dq, dk, dv)
 }

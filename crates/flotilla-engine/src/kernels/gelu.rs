@@ -1,6 +1,7 @@
 //! GELU (the exact one, `x·Φ(x)` with `erf`) as a burn backend extension: on Flex one
 //! vectorized pass forward and one backward (`erf` and `exp` by [`super::math`] instead of
-//! libm's scalar `erff` and `expf`, which were 10 % of the byte-level GPT's step), burn's own
+//! libm's scalar `erff` and `expf`, which were 10 % of the byte-level GPT's step; AVX2 + FMA
+//! where the CPU has them, which took them from 10.6 % of its step to 5.4 %), burn's own
 //! `gelu` / `gelu_backward` on the other backends, and on `Autodiff` a backward that keeps
 //! the input (as burn's does) and calls the backend's fused backward.
 
@@ -18,6 +19,7 @@ use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
 use burn_autodiff::ops::{Backward, Ops, unary};
+use multiversion::multiversion;
 
 use super::autodiff::record;
 use super::backends::{engine_extension, impl_on_burn_backends};
@@ -53,25 +55,41 @@ fn gelu_slope_f32(x: f32) -> f32 {
     0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)) + x * inv_sqrt_2pi * exp_neg(-0.5 * x * x)
 }
 
+/// GELU of every value (compiled for AVX2 + FMA too, picked at run time; the same values).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn gelu_values(x: &[f32]) -> Vec<f32> {
+    // Loops, not closures: a closure is not compiled with its function's target features,
+    // and is not inlined into it.
+    let mut out = vec![0.0; x.len()];
+    for (o, &v) in out.iter_mut().zip(x) {
+        *o = gelu_f32(v);
+    }
+    out
+}
+
+/// `g · gelu'(x)` of every pair (compiled as [`gelu_values`]).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn gelu_backward_values(x: &[f32], g: &[f32]) -> Vec<f32> {
+    let mut out = vec![0.0; x.len()];
+    for ((o, &v), &g) in out.iter_mut().zip(x).zip(g) {
+        *o = g * gelu_slope_f32(v);
+    }
+    out
+}
+
 impl GeluOps for Flex {
     fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let Some(x) = contiguous_f32(&x) else {
             return Self::gelu(x);
         };
-        let out: Vec<f32> = slice(&x).iter().map(|&v| gelu_f32(v)).collect();
-        tensor(out, x.shape())
+        tensor(gelu_values(slice(&x)), x.shape())
     }
 
     fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
         let Some([x, grad]) = contiguous_f32_all([&x, &grad]) else {
             return Self::gelu_backward(x, grad);
         };
-        let out: Vec<f32> = slice(&x)
-            .iter()
-            .zip(slice(&grad))
-            .map(|(&v, &g)| g * gelu_slope_f32(v))
-            .collect();
-        tensor(out, x.shape())
+        tensor(gelu_backward_values(slice(&x), slice(&grad)), x.shape())
     }
 }
 

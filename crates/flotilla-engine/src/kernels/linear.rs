@@ -22,7 +22,7 @@ use burn_autodiff::ops::{Backward, NodeGuard, Ops};
 
 use super::autodiff::record;
 use super::backends::{engine_extension, impl_on_burn_backends};
-use super::gemm::{MatRef, gemm_into};
+use super::gemm::{MatRef, gemm_into, gemm_new};
 use super::host;
 
 /// The kernels of a linear layer on one backend (not differentiable; [`LinearOps`] is):
@@ -99,13 +99,16 @@ fn flex_forward(
 ) -> Option<FlexTensor> {
     let (xm, wm) = (host::matrix(x)?, host::matrix(w)?);
     let (m, n) = (xm.rows, wm.cols);
-    let mut out = vec![0.0f32; m * n];
-    if let Some(b) = b {
-        let bias = host::values(b).filter(|v| v.len() == n)?;
-        out.chunks_exact_mut(n.max(1))
-            .for_each(|row| row.copy_from_slice(bias));
-    }
-    gemm_into(&mut out, xm, wm, b.is_some());
+    let mut out = match b {
+        Some(b) => {
+            let bias = host::values(b).filter(|v| v.len() == n)?;
+            let mut rows = Vec::with_capacity(m * n);
+            (0..m).for_each(|_| rows.extend_from_slice(bias));
+            gemm_into(&mut rows, xm, wm, true);
+            rows
+        }
+        None => gemm_new(xm, wm),
+    };
     if relu {
         // As Flex's ReLU: NaN passes, everything not above zero becomes zero.
         out.iter_mut()
@@ -142,9 +145,7 @@ impl LinearKernels for Flex {
         if am.cols != bm.rows {
             return burn_matmul_t::<Self>(a, b, ta, tb);
         }
-        let mut out = vec![0.0f32; am.rows * bm.cols];
-        gemm_into(&mut out, am, bm, false);
-        host::tensor(out, vec![am.rows, bm.cols])
+        host::tensor(gemm_new(am, bm), vec![am.rows, bm.cols])
     }
 
     fn sum_rows(g: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -1,5 +1,6 @@
 //! Branch-free `f32` approximations of `erf` and `exp` that the compiler vectorizes (plain
-//! arithmetic, no calls into libm), for the GELU kernels of [`super::gelu`].
+//! arithmetic, no calls into libm), for the GELU kernels of [`super::gelu`] and the softmax of
+//! the causal attention (`attention_flex.rs`).
 //!
 //! - [`erf`]: the rational minimax approximation Eigen and XLA use for `f32`
 //!   (`x·P(x²)/Q(x²)` on `x` clamped to `[-4, 4]`), within 2 ulp-ish of libm's `erff`
@@ -33,7 +34,8 @@ pub(crate) fn exp_neg(v: f32) -> f32 {
     // Adding and subtracting 1.5·2^23 rounds to the nearest integer in f32 arithmetic.
     const ROUND: f32 = 12_582_912.0;
     let v = v.clamp(-87.0, 0.0);
-    let n = (v * LOG2E + ROUND) - ROUND;
+    let shifted = v * LOG2E + ROUND;
+    let n = shifted - ROUND;
     let r = v - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let mut p = 1.987_569_1e-4 * r + 1.398_2e-3;
     p = p * r + 8.333_452e-3;
@@ -41,8 +43,11 @@ pub(crate) fn exp_neg(v: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 0.5;
     let e = p * r * r + r + 1.0;
-    // n is an integer in [-126, 0]: 2^n is the float with exponent bits n + 127.
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // n is an integer in [-126, 0], held in the low bits of `shifted`'s mantissa (its
+    // exponent is that of ROUND), read there rather than by `n as i32`, whose saturating
+    // conversion does not vectorize; 2^n is the float with exponent bits n + 127.
+    let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     e * scale
 }
 

@@ -15,7 +15,14 @@
 //! - `layer_norm`: layer normalization forward (keeping each row's
 //!   mean and `1/σ`) and backward (input, scale and shift gradients) in one pass each over
 //!   blocks of rows (`norm_rows`), instead of burn's recorded chain of element-wise ops.
-//! - `math`: the vectorizable `erf` and `exp` GELU uses; `host`: Flex tensors as host memory.
+//! - `math`: the vectorizable `erf` and `exp` GELU and the attention's softmax use; `host`: Flex
+//!   tensors as host memory.
+//!
+//! The release build targets baseline x86-64 (SSE2), as a binary shipped to any host must; the
+//! element-wise and row kernels (GELU, layer norm, the attention's softmax) are compiled once
+//! more for AVX2 + FMA by `multiversion` and picked at run time, as gemm and Flex pick theirs.
+//! No operation is fused or reordered by it (Rust never contracts `a·b + c` into an FMA), so
+//! both give the same bits. GEMM outputs are written by the product alone, never zeroed first.
 //! - `backends`: the backends of every extension, listed once (the `#[backend_extension]`
 //!   list and the impls on the backends running burn's own ops); `autodiff`: the recording of
 //!   an op with its kept state on `Autodiff`, and the backward of an op with several inputs.

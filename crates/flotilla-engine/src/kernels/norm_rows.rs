@@ -5,17 +5,18 @@
 //! added in block order, and every sum inside a row runs over the same 8 lanes, so 1 and N
 //! threads give the same bits.
 
+use multiversion::multiversion;
 use rayon::prelude::*;
 
 /// Rows per piece of work.
 const ROWS: usize = 64;
 /// Lanes of a row's sums (a vector register of `f32`).
-const LANES: usize = 8;
+pub(crate) const LANES: usize = 8;
 
 /// `Σ f(a[i], b[i])` in [`LANES`] partial sums, added pairwise at the end (the compiler
 /// vectorizes it; the order depends on the length alone).
 #[inline(always)]
-fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
+pub(crate) fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     let mut acc = [0.0f32; LANES];
     let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
     let tail: f32 = ac
@@ -33,7 +34,10 @@ fn lane_sum(a: &[f32], b: &[f32], f: impl Fn(f32, f32) -> f32) -> f32 {
     ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) + tail
 }
 
-/// One row: `y = (x − mean)·rstd·γ + β`; returns `(mean, rstd)`.
+/// One row: `y = (x − mean)·rstd·γ + β`; returns `(mean, rstd)`. Compiled for AVX2 + FMA too
+/// and picked at run time, as every kernel here (the same values: no operation is fused or
+/// reordered, only wider).
+#[multiversion(targets("x86_64+avx2+fma"))]
 fn forward_row(x: &[f32], y: &mut [f32], gamma: &[f32], beta: &[f32], eps: f32) -> (f32, f32) {
     let d = x.len() as f32;
     let mean = lane_sum(x, x, |v, _| v) / d;
@@ -79,6 +83,7 @@ struct Rows<'a> {
 
 /// One block's input gradient (into `dx`) and its partial scale and shift gradients
 /// `[dγ | dβ]`, rows added in order.
+#[multiversion(targets("x86_64+avx2+fma"))]
 fn backward_block(r: Rows<'_>, gamma: &[f32], dx: &mut [f32]) -> Vec<f32> {
     let d = gamma.len();
     let mut partial = vec![0.0f32; 2 * d];
