@@ -20,6 +20,7 @@ use burn::tensor::{Gradients, TensorData};
 use crate::buffers::{Only, Tensors};
 use crate::device::copies;
 use crate::error::{EngineError, Result};
+use crate::kernels;
 
 /// One parameter tensor's place in the flat buffer.
 #[derive(Debug, Clone, PartialEq)]
@@ -504,7 +505,7 @@ pub fn for_each_grad_in<M: Module>(
         let len = layout.params[index].len;
         match data {
             // The gradient's own buffer is handed over as it is (no intermediate copy).
-            Some(data) => match data.as_slice::<f32>() {
+            Some(data) => match data.values() {
                 Ok(values) if values.len() == len => f(index, values)?,
                 Ok(values) => {
                     return Err(EngineError::FlatLength {
@@ -533,10 +534,43 @@ pub(crate) fn grad_of<M: Module>(
     let read = read_grads(model, Some(grads), layout, param..param + 1)?;
     match read.into_iter().next().and_then(|(_, data)| data) {
         Some(data) => data
-            .try_into_vec::<f32>()
-            .map(Some)
+            .values()
+            .map(|v| Some(v.to_vec()))
             .map_err(|e| EngineError::Batch(format!("reading a gradient: {e:?}"))),
         None => Ok(None),
+    }
+}
+
+/// A gradient read back: on Flex its own buffer (shared with the gradients, not copied: the
+/// two copies of burn's `into_data` were 5 % of the MLP's step), else its values as data.
+enum GradValues {
+    /// A contiguous `f32` Flex tensor.
+    Flex(burn::backend::flex::FlexTensor),
+    /// Another backend's (or dtype's) gradient, read as `f32` data.
+    Data(TensorData),
+}
+
+impl GradValues {
+    /// The gradient of `param` in `grads`, if it has one.
+    fn of<const D: usize>(param: &Param<Tensor<D>>, grads: &Gradients) -> Option<Self> {
+        let grad = param.val().grad(grads)?;
+        let grad = grad.into_dispatch();
+        Some(match kernels::host::flex_f32(&grad) {
+            Some(flex) => Self::Flex(flex),
+            None => Self::Data(
+                Tensor::<D>::from_dispatch(grad)
+                    .into_data()
+                    .convert::<f32>(),
+            ),
+        })
+    }
+
+    /// Its values.
+    fn values(&self) -> std::result::Result<&[f32], String> {
+        match self {
+            Self::Flex(t) => kernels::host::values(t).ok_or_else(|| "not contiguous".to_string()),
+            Self::Data(d) => d.as_slice::<f32>().map_err(|e| format!("{e:?}")),
+        }
     }
 }
 
@@ -547,13 +581,13 @@ fn read_grads<M: Module>(
     grads: Option<&Gradients>,
     layout: &ParamLayout,
     params: Range<usize>,
-) -> Result<Vec<(usize, Option<TensorData>)>> {
+) -> Result<Vec<(usize, Option<GradValues>)>> {
     struct GradReader<'a> {
         grads: Option<&'a Gradients>,
         layout: &'a ParamLayout,
         params: Range<usize>,
         index: usize,
-        read: Vec<(usize, Option<TensorData>)>,
+        read: Vec<(usize, Option<GradValues>)>,
         error: Option<EngineError>,
     }
     impl ModuleVisitor for GradReader<'_> {
@@ -570,8 +604,7 @@ fn read_grads<M: Module>(
                 });
                 return;
             }
-            let grad = self.grads.and_then(|grads| param.val().grad(grads));
-            let data = grad.map(|g| g.into_data().convert::<f32>());
+            let data = self.grads.and_then(|grads| GradValues::of(param, grads));
             self.read.push((index, data));
         }
     }

@@ -1,10 +1,10 @@
 //! Flex tensors as host memory for the kernels of this module: `f32` slices, strided views
 //! of their buffers, and new tensors from `Vec`s, without copies where the layout allows.
 
-use burn::backend::Flex;
 use burn::backend::flex::FlexTensor;
 use burn::backend::ops::FloatTensorOps;
 use burn::backend::tensor::FloatTensor;
+use burn::backend::{BackendTensor, DispatchTensor, DispatchTensorKind, Flex};
 use burn::tensor::{DType, TensorData};
 
 use super::gemm::MatRef;
@@ -44,6 +44,15 @@ pub(crate) fn matrix(t: &FlexTensor) -> Option<MatRef<'_>> {
         rs,
         cs,
     })
+}
+
+/// The Flex tensor `tensor` holds when that is a contiguous `f32` one (its buffer shared, not
+/// copied), else `None`.
+pub(crate) fn flex_f32(tensor: &DispatchTensor) -> Option<FlexTensor> {
+    match &tensor.kind {
+        DispatchTensorKind::Flex(BackendTensor::Float(t)) if values(t).is_some() => Some(t.clone()),
+        _ => None,
+    }
 }
 
 /// A Flex tensor of `shape` holding `values` (moved, not copied).

@@ -34,7 +34,7 @@ pub(crate) mod backends;
 pub(crate) mod gelu;
 pub(crate) mod gemm;
 pub(crate) mod gemm_rate;
-mod host;
+pub(crate) mod host;
 pub(crate) mod layer_norm;
 pub mod linear;
 mod math;

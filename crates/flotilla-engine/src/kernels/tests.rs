@@ -231,3 +231,22 @@ fn flex_kernels_refuse_k_v_probs_or_grad_of_the_wrong_shape() {
         "32 features cannot be cut into 3 heads"
     );
 }
+
+#[test]
+fn a_flex_gradient_is_read_in_place_not_copied() {
+    let x = tensor([4, 3], 1, 1.0).require_grad();
+    let grads = (x.clone() * x.clone()).sum().backward();
+    let grad = x.grad(&grads).expect("a gradient");
+    let want = flat(grad.clone());
+    let first = super::host::flex_f32(&grad.clone().into_dispatch()).expect("Flex f32");
+    let again = super::host::flex_f32(&grad.into_dispatch()).expect("Flex f32");
+    let (a, b) = (super::host::values(&first), super::host::values(&again));
+    assert_eq!(a, Some(&want[..]));
+    // Both reads borrow the gradient's one buffer.
+    assert_eq!(a.map(<[f32]>::as_ptr), b.map(<[f32]>::as_ptr));
+    let int = Tensor::<2, Int>::zeros([2, 2], &device()).into_dispatch();
+    assert!(
+        super::host::flex_f32(&int).is_none(),
+        "an int tensor is not read as f32"
+    );
+}
