@@ -1,6 +1,7 @@
 //! Flex's causal attention kernels ([`super::attention`]): per (sample, head), the two
-//! products forward and four backward through `gemm` on the head's strided columns of the
-//! `[n, t, d]` buffers, the row softmax over each row's visible prefix in between.
+//! products forward and four backward through `gemm` on the head's strided columns of Q, K
+//! and V packed in one `[n, t, 3d]` buffer (the one product of the three projections) and of
+//! the `[n, t, d]` context, the row softmax over each row's visible prefix in between.
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Flex, TensorMetadata};
@@ -23,18 +24,18 @@ pub(crate) struct Heads {
 }
 
 impl Heads {
-    /// The shape of `q` `[n, t, d]` cut into `heads` heads.
+    /// The shape of `qkv` `[n, t, 3d]` (Q, K and V packed) cut into `heads` heads.
     ///
     /// # Panics
-    /// Unless `q` is `[n, t, d]` with `d` a positive multiple of `heads` (the kernels address
-    /// the buffers by this shape; a burn op panics on a wrong shape the same way).
-    pub(crate) fn of(q: &FloatTensor<Flex>, heads: usize) -> Self {
-        let dims = q.shape();
+    /// Unless `qkv` is `[n, t, 3d]` with `d` a positive multiple of `heads` (the kernels
+    /// address the buffers by this shape; a burn op panics on a wrong shape the same way).
+    pub(crate) fn of(qkv: &FloatTensor<Flex>, heads: usize) -> Self {
+        let dims = qkv.shape();
         assert!(
-            dims.num_dims() == 3 && heads > 0 && dims[2].is_multiple_of(heads),
-            "causal attention: q must be [n, t, d] with d a multiple of the {heads} heads, got {dims:?}"
+            dims.num_dims() == 3 && heads > 0 && dims[2].is_multiple_of(3 * heads),
+            "causal attention: qkv must be [n, t, 3d] with d a multiple of the {heads} heads, got {dims:?}"
         );
-        let (n, t, d) = (dims[0], dims[1], dims[2]);
+        let (n, t, d) = (dims[0], dims[1], dims[2] / 3);
         Self {
             n,
             t,
@@ -59,9 +60,14 @@ impl Heads {
         );
     }
 
-    /// `[n, t, d]`: the shape of `q`, `k`, `v`, the context and its gradient.
+    /// `[n, t, d]`: the shape of the context and its gradient.
     fn rows(self) -> [usize; 3] {
         [self.n, self.t, self.d()]
+    }
+
+    /// `[n, t, 3d]`: the shape of Q, K, V packed, and of their gradients.
+    fn packed(self) -> [usize; 3] {
+        [self.n, self.t, 3 * self.d()]
     }
 
     /// `[n, heads, t, t]`: the shape of the probabilities.
@@ -77,10 +83,12 @@ impl Heads {
         1.0 / (self.dk as f32).sqrt()
     }
 
-    /// Offsets of head `h` of sample `b` in an `[n, t, d]` buffer and in `[n, heads, t, t]`.
-    fn offsets(self, b: usize, h: usize) -> (usize, usize) {
+    /// Offsets of head `h` of sample `b` in an `[n, t, d]` buffer, in the packed `[n, t, 3d]`
+    /// one (its Q columns; K's are `d` further, V's `2d`) and in `[n, heads, t, t]`.
+    fn offsets(self, b: usize, h: usize) -> (usize, usize, usize) {
         (
             b * self.t * self.d() + h * self.dk,
+            b * self.t * 3 * self.d() + h * self.dk,
             (b * self.heads + h) * self.t * self.t,
         )
     }
@@ -164,18 +172,14 @@ fn softmax_backward_rows(dp: &mut [f32], p: &[f32], t: usize, scale: f32) {
     }
 }
 
-/// The context `[n, t, d]` and the probabilities `[n, heads, t, t]`.
+/// The context `[n, t, d]` and the probabilities `[n, heads, t, t]` of `qkv` `[n, t, 3d]`.
 pub(crate) fn forward_f32(
-    q: &FloatTensor<Flex>,
-    k: &FloatTensor<Flex>,
-    v: &FloatTensor<Flex>,
+    qkv: &FloatTensor<Flex>,
     s: Heads,
 ) -> (FloatTensor<Flex>, FloatTensor<Flex>) {
-    for (name, x) in [("q", q), ("k", k), ("v", v)] {
-        Heads::check(name, x, slice(x), &s.rows());
-    }
-    let (q, k, v) = (slice(q), slice(k), slice(v));
-    let (t, d) = (s.t, s.d() as isize);
+    Heads::check("qkv", qkv, slice(qkv), &s.packed());
+    let qkv = slice(qkv);
+    let (t, d, rs) = (s.t, s.d() as isize, 3 * s.d() as isize);
     // Both buffers are written by the products alone, not zeroed first: every head of every
     // sample writes its `t × dk` block of `out` and its `t × t` block of `probs` whole.
     let (out_len, probs_len) = (s.n * s.t * s.d(), s.n * s.heads * t * t);
@@ -183,38 +187,33 @@ pub(crate) fn forward_f32(
     let mut probs = Vec::<f32>::with_capacity(probs_len);
     for b in 0..s.n {
         for h in 0..s.heads {
-            let (x, pp) = s.offsets(b, h);
-            // SAFETY: head h of sample b spans t rows of stride d from x, dk columns (x + dk ≤
-            // the sample's end), and its probabilities the t×t values from pp, inside the
-            // capacity of `probs`; the product writes them all (it reads no destination), so
-            // the slice made of them afterwards is initialized; out is a distinct buffer.
+            let (xo, xi, pp) = s.offsets(b, h);
+            let (q, k, v) = (&qkv[xi..], &qkv[xi + s.d()..], &qkv[xi + 2 * s.d()..]);
+            // SAFETY: head h of sample b spans t rows of stride 3d from xi in `qkv` (Q's dk
+            // columns there, K's d and V's 2d further, all inside the sample), and its
+            // probabilities the t×t values from pp, inside the capacity of `probs`; the
+            // product writes them all (it reads no destination), so the slice made of them
+            // afterwards is initialized; out is a distinct buffer.
             let p = unsafe {
                 let p = probs.as_mut_ptr().add(pp);
-                let kt = View(k[x..].as_ptr(), 1, d);
+                let kt = View(k.as_ptr(), 1, rs);
                 product(
                     t,
                     t,
                     s.dk,
                     (p, t as isize),
-                    View(q[x..].as_ptr(), d, 1),
+                    View(q.as_ptr(), rs, 1),
                     kt,
                     s.scale(),
                 );
                 std::slice::from_raw_parts_mut(p, t * t)
             };
             causal_softmax_rows(p, t);
-            // SAFETY: as above, the head's t×dk block of `out`, inside its capacity.
+            // SAFETY: as above, the head's t×dk block of `out` (row stride d) inside its capacity.
             unsafe {
-                let dst = (out.as_mut_ptr().add(x), d);
-                product(
-                    t,
-                    s.dk,
-                    t,
-                    dst,
-                    View(p.as_ptr(), t as isize, 1),
-                    View(v[x..].as_ptr(), d, 1),
-                    1.0,
-                );
+                let dst = (out.as_mut_ptr().add(xo), d);
+                let pv = View(p.as_ptr(), t as isize, 1);
+                product(t, s.dk, t, dst, pv, View(v.as_ptr(), rs, 1), 1.0);
             }
         }
     }
@@ -229,68 +228,42 @@ pub(crate) fn forward_f32(
     )
 }
 
-/// The gradients of `q`, `k`, `v` from `[q, k, v, probs, grad]`.
-pub(crate) fn backward_f32(
-    inputs: [&FloatTensor<Flex>; 5],
-    s: Heads,
-) -> (FloatTensor<Flex>, FloatTensor<Flex>, FloatTensor<Flex>) {
-    for (name, x) in ["q", "k", "v", "probs", "grad"].into_iter().zip(inputs) {
-        let dims = if name == "probs" {
-            &s.probs()[..]
-        } else {
-            &s.rows()[..]
-        };
+/// The gradients of Q, K and V, packed as `qkv` is, from `[qkv, probs, grad]`.
+pub(crate) fn backward_f32(inputs: [&FloatTensor<Flex>; 3], s: Heads) -> FloatTensor<Flex> {
+    let shapes = [&s.packed()[..], &s.probs()[..], &s.rows()[..]];
+    for ((name, x), dims) in ["qkv", "probs", "grad"].into_iter().zip(inputs).zip(shapes) {
         Heads::check(name, x, slice(x), dims);
     }
-    let [q, k, v, probs, g] = inputs.map(slice);
-    let (t, d, ti) = (s.t, s.d() as isize, s.t as isize);
-    let len = s.n * s.t * s.d();
-    // Written by the products alone, not zeroed first (every head writes its block whole).
-    let mut grads = [(); 3].map(|_| Vec::<f32>::with_capacity(len));
-    let [dq, dk, dv] = grads.each_mut().map(|g| g.as_mut_ptr());
+    let [qkv, probs, g] = inputs.map(slice);
+    let (t, d, rs, ti) = (s.t, s.d() as isize, 3 * s.d() as isize, s.t as isize);
+    let len = s.n * s.t * 3 * s.d();
+    // Written by the products alone, not zeroed first (every head writes its dq, dk and dv
+    // blocks whole, so every value).
+    let mut grads = Vec::<f32>::with_capacity(len);
     let mut ds = vec![0.0f32; t * t];
     for b in 0..s.n {
         for h in 0..s.heads {
-            let (x, pp) = s.offsets(b, h);
+            let (xo, xi, pp) = s.offsets(b, h);
             let p = &probs[pp..pp + t * t];
-            let gv = View(g[x..].as_ptr(), d, 1);
-            // SAFETY: the head's views as in the forward pass (its blocks of dq, dk, dv inside
-            // their capacity); ds is a t×t scratch buffer and
-            // every destination a distinct buffer.
+            let (q, k, v) = (&qkv[xi..], &qkv[xi + s.d()..], &qkv[xi + 2 * s.d()..]);
+            let gv = View(g[xo..].as_ptr(), d, 1);
+            // SAFETY: the head's views as in the forward pass; its dq, dk and dv blocks (t rows
+            // of stride 3d from xi, xi + d, xi + 2d) inside the capacity of `grads`; ds is a
+            // t×t scratch buffer; every destination is distinct from every source.
             unsafe {
-                let pt = View(p.as_ptr(), 1, ti);
-                product(t, s.dk, t, (dv.add(x), d), pt, gv, 1.0);
-                let vt = View(v[x..].as_ptr(), 1, d);
+                let dq = grads.as_mut_ptr().add(xi);
+                let (dk, dv) = (dq.add(s.d()), dq.add(2 * s.d()));
+                product(t, s.dk, t, (dv, rs), View(p.as_ptr(), 1, ti), gv, 1.0);
+                let vt = View(v.as_ptr(), 1, rs);
                 product(t, t, s.dk, (ds.as_mut_ptr(), ti), gv, vt, 1.0);
-            }
-            softmax_backward_rows(&mut ds, p, t, s.scale());
-            // SAFETY: as above.
-            unsafe {
+                softmax_backward_rows(&mut ds, p, t, s.scale());
                 let (dsv, dst) = (View(ds.as_ptr(), ti, 1), View(ds.as_ptr(), 1, ti));
-                product(
-                    t,
-                    s.dk,
-                    t,
-                    (dq.add(x), d),
-                    dsv,
-                    View(k[x..].as_ptr(), d, 1),
-                    1.0,
-                );
-                product(
-                    t,
-                    s.dk,
-                    t,
-                    (dk.add(x), d),
-                    dst,
-                    View(q[x..].as_ptr(), d, 1),
-                    1.0,
-                );
+                product(t, s.dk, t, (dq, rs), dsv, View(k.as_ptr(), rs, 1), 1.0);
+                product(t, s.dk, t, (dk, rs), dst, View(q.as_ptr(), rs, 1), 1.0);
             }
         }
     }
-    // SAFETY: every head of every sample wrote its t×dk block of the three, so all values.
-    grads.iter_mut().for_each(|g| unsafe { g.set_len(len) });
-    let shape = [s.n, s.t, s.d()];
-    let [dq, dk, dv] = grads.map(|g| tensor(g, shape));
-    (dq, dk, dv)
+    // SAFETY: every head of every sample wrote its three t×dk blocks, so every value.
+    unsafe { grads.set_len(len) };
+    tensor(grads, s.packed())
 }

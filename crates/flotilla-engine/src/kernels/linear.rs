@@ -311,17 +311,28 @@ impl<B: LinearKernels, C: CheckpointStrategy> LinearOps for Autodiff<B, C> {
 /// `layer` applied to `x` (any rank, features last), through ReLU when `relu`: burn's
 /// [`Linear::forward`] (and a ReLU after it), differentiable, on Flex in the kernels above.
 pub fn linear<const D: usize>(layer: &Linear, x: Tensor<D>, relu: bool) -> Tensor<D> {
+    let bias = layer.bias.as_ref().map(|b| b.val());
+    linear_of(layer.weight.val(), bias, x, relu)
+}
+
+/// [`linear`] with the weight `w` `[k, n]` and bias `b` `[n]` given as tensors (the three
+/// projections of attention concatenated into one product).
+pub(crate) fn linear_of<const D: usize>(
+    w: Tensor<2>,
+    bias: Option<Tensor<1>>,
+    x: Tensor<D>,
+    relu: bool,
+) -> Tensor<D> {
     let dims = x.dims();
     let k = dims[D - 1];
     let rows = dims[..D - 1].iter().product::<usize>();
     let x2 = x.reshape([rows, k]);
-    let w = layer.weight.val();
     let n = w.dims()[1];
-    let y = match &layer.bias {
+    let y = match bias {
         Some(b) => <Dispatch as LinearOps>::linear(
             x2.into_dispatch(),
             w.into_dispatch(),
-            b.val().into_dispatch(),
+            b.into_dispatch(),
             relu,
         ),
         None => {

@@ -10,8 +10,9 @@
 //! - [`max_pool`]: max pooling (a 2×2 stride-2 loop and a general one, `pool.rs`).
 //! - `gelu`: GELU forward and backward in one vectorized pass each.
 //! - `causal_attention` (`attention.rs`): `softmax(Q·Kᵀ/√dₖ + mask)·V` over the
-//!   heads, per (sample, head) on strided views (`attention_flex`), its backward from the kept
-//!   probabilities; `reference`: the same in burn's ops, for the other backends.
+//!   heads of Q, K, V packed in one `[n, t, 3d]` tensor, per (sample, head) on strided views
+//!   (`attention_flex`), its backward from the kept probabilities; `reference`: the same in
+//!   burn's ops, for the other backends.
 //! - `layer_norm`: layer normalization forward (keeping each row's
 //!   mean and `1/σ`) and backward (input, scale and shift gradients) in one pass each over
 //!   blocks of rows (`norm_rows`), instead of burn's recorded chain of element-wise ops.

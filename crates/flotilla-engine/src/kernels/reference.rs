@@ -2,11 +2,12 @@
 //! [`super::attention`]'s trait does on backends without a fused kernel, and the reference its
 //! Flex kernel is tested against. The same steps as burn's `MultiHeadAttention` (heads split
 //! by reshape and swap, scores `Q·Kᵀ·scale`, masked above the diagonal, softmax, `P·V`, heads
-//! merged), and their gradients.
+//! merged), and their gradients; on Q, K and V as three tensors, or packed as one `[n, t, 3d]`
+//! (the one product of the three projections: [`forward_packed`], [`backward_packed`]).
 
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, TensorMetadata};
-use burn::tensor::{Shape, TensorData};
+use burn::tensor::{Shape, Slice, TensorData};
 
 /// `[n, t, d]` → `[n, heads, t, d/heads]`.
 fn split<B: Backend>(x: FloatTensor<B>, heads: usize) -> FloatTensor<B> {
@@ -82,4 +83,40 @@ pub(crate) fn backward<B: Backend>(
     let dq = B::float_matmul(ds.clone(), k);
     let dk = B::float_matmul(B::float_swap_dims(ds, 2, 3), q);
     (merge::<B>(dq), merge::<B>(dk), merge::<B>(dv))
+}
+
+/// The Q, K and V parts `[n, t, d]` of a packed `[n, t, 3d]` tensor.
+fn unpack<B: Backend>(qkv: FloatTensor<B>) -> [FloatTensor<B>; 3] {
+    let d = qkv.shape()[2] / 3;
+    [0, 1, 2].map(|i| {
+        B::float_slice(
+            qkv.clone(),
+            &[
+                Slice::from(..),
+                Slice::from(..),
+                Slice::from(i * d..(i + 1) * d),
+            ],
+        )
+    })
+}
+
+/// [`forward`] on Q, K and V packed in `qkv` `[n, t, 3d]`.
+pub(crate) fn forward_packed<B: Backend>(
+    qkv: FloatTensor<B>,
+    heads: usize,
+) -> (FloatTensor<B>, FloatTensor<B>) {
+    let [q, k, v] = unpack::<B>(qkv);
+    forward::<B>(q, k, v, heads)
+}
+
+/// [`backward`] on Q, K and V packed in `qkv`: their gradients packed the same way.
+pub(crate) fn backward_packed<B: Backend>(
+    qkv: FloatTensor<B>,
+    probs: FloatTensor<B>,
+    grad: FloatTensor<B>,
+    heads: usize,
+) -> FloatTensor<B> {
+    let [q, k, v] = unpack::<B>(qkv);
+    let (dq, dk, dv) = backward::<B>(q, k, v, probs, grad, heads);
+    B::float_cat(vec![dq, dk, dv], 2)
 }

@@ -142,34 +142,50 @@ fn flex_values(t: &FloatTensor<Flex>) -> Vec<f32> {
 
 #[test]
 fn flex_kernels_match_the_reference_in_burns_ops_forward_and_backward() {
-    // The reference is what backends without a fused kernel run: checked here on Flex.
-    let (q, k, v, g) = (
-        flex([2, 9, 32], 8, 2.0),
-        flex([2, 9, 32], 9, 2.0),
-        flex([2, 9, 32], 10, 2.0),
-        flex([2, 9, 32], 11, 1.0),
+    // The reference is what backends without a fused kernel run: checked here on Flex, on Q,
+    // K and V packed `[n, t, 3d]` and on the three apart (what burn's attention takes).
+    let (qkv, g) = (flex([2, 9, 96], 8, 2.0), flex([2, 9, 32], 11, 1.0));
+    let (ours, our_probs) = Flex::causal_attention_probs(qkv.clone(), 2);
+    let (their_context, their_probs) = reference::forward_packed::<Flex>(qkv.clone(), 2);
+    assert_close(
+        "context",
+        &flex_values(&ours),
+        &flex_values(&their_context),
+        1e-5,
     );
-    let (ours, our_probs) = Flex::causal_attention_probs(q.clone(), k.clone(), v.clone(), 2);
-    let (theirs, their_probs) = reference::forward::<Flex>(q.clone(), k.clone(), v.clone(), 2);
-    assert_close("context", &flex_values(&ours), &flex_values(&theirs), 1e-5);
     assert_close(
         "probabilities",
         &flex_values(&our_probs),
         &flex_values(&their_probs),
         1e-6,
     );
-    let kept = (
-        q.clone(),
-        k.clone(),
-        v.clone(),
-        our_probs.clone(),
-        g.clone(),
+    let ours = Flex::causal_attention_backward(qkv.clone(), our_probs.clone(), g.clone(), 2);
+    let theirs = reference::backward_packed::<Flex>(qkv.clone(), our_probs.clone(), g.clone(), 2);
+    assert_close("dqkv", &flex_values(&ours), &flex_values(&theirs), 1e-5);
+    // The packed reference is the one on Q, K, V apart (columns 0..d, d..2d, 2d..3d).
+    let all = flex_values(&qkv);
+    let part = |i: usize| {
+        let rows = all
+            .chunks_exact(96)
+            .flat_map(|r| r[i * 32..(i + 1) * 32].to_vec());
+        super::host::tensor(rows.collect(), [2, 9, 32])
+    };
+    let (q, k, v) = (part(0), part(1), part(2));
+    let (apart, _) = reference::forward::<Flex>(q.clone(), k.clone(), v.clone(), 2);
+    assert_eq!(
+        flex_values(&apart),
+        flex_values(&their_context),
+        "context apart"
     );
-    let ours = Flex::causal_attention_backward(kept.0, kept.1, kept.2, kept.3, kept.4, 2);
-    let theirs = reference::backward::<Flex>(q, k, v, our_probs, g, 2);
-    assert_close("dq", &flex_values(&ours.0), &flex_values(&theirs.0), 1e-5);
-    assert_close("dk", &flex_values(&ours.1), &flex_values(&theirs.1), 1e-5);
-    assert_close("dv", &flex_values(&ours.2), &flex_values(&theirs.2), 1e-5);
+    let (dq, dk, dv) = reference::backward::<Flex>(q, k, v, our_probs, g, 2);
+    let packed = flex_values(&ours);
+    for (i, d) in [dq, dk, dv].iter().enumerate() {
+        let cols: Vec<f32> = packed
+            .chunks_exact(96)
+            .flat_map(|r| r[i * 32..(i + 1) * 32].to_vec())
+            .collect();
+        assert_close("dq, dk, dv apart", &cols, &flex_values(d), 1e-5);
+    }
 }
 
 /// The panic message of `f`, if it panics.
@@ -182,40 +198,23 @@ fn panic_message(f: impl FnOnce()) -> Option<String> {
     Some(text.unwrap_or_default())
 }
 
-/// `k`, `v` (and backward's probabilities and gradient) of another shape than `q` are refused
-/// with a message naming the tensor before the kernels read them through unchecked strided
-/// views (which would read past their buffers).
+/// A packed Q, K, V (and backward's probabilities and gradient) of another shape than the
+/// kernels expect is refused with a message naming the tensor before they read it through
+/// unchecked strided views (which would read past its buffer).
 #[test]
-fn flex_kernels_refuse_k_v_probs_or_grad_of_the_wrong_shape() {
-    let q = flex([2, 9, 32], 1, 1.0);
+fn flex_kernels_refuse_qkv_probs_or_grad_of_the_wrong_shape() {
+    let qkv = flex([2, 9, 96], 1, 1.0);
     let good = flex([2, 9, 32], 2, 1.0);
     let short = flex([2, 3, 32], 3, 1.0);
-    let narrow = flex([2, 9, 16], 4, 1.0);
-    for (name, k, v) in [
-        ("k", short.clone(), good.clone()),
-        ("k", narrow.clone(), good.clone()),
-        ("v", good.clone(), short.clone()),
-        ("v", good.clone(), narrow.clone()),
-    ] {
-        let q = q.clone();
-        let message = panic_message(|| {
-            let _ = Flex::causal_attention_probs(q, k, v, 2);
-        });
-        let message = message.unwrap_or_else(|| panic!("a wrong {name} was taken"));
-        assert!(
-            message.contains(&format!("causal attention: {name} must be [2, 9, 32]")),
-            "{message}"
-        );
-    }
-    let (_, probs) = Flex::causal_attention_probs(q.clone(), good.clone(), good.clone(), 2);
+    let (_, probs) = Flex::causal_attention_probs(qkv.clone(), 2);
     let small_probs = super::host::tensor(vec![0.0; 2 * 2 * 3 * 3], [2, 2, 3, 3]);
     for (name, probs, g) in [
         ("probs", small_probs, good.clone()),
         ("grad", probs, short.clone()),
     ] {
-        let (q, k, v) = (q.clone(), good.clone(), good.clone());
+        let qkv = qkv.clone();
         let message = panic_message(|| {
-            let _ = Flex::causal_attention_backward(q, k, v, probs, g, 2);
+            let _ = Flex::causal_attention_backward(qkv, probs, g, 2);
         });
         let message = message.unwrap_or_else(|| panic!("a wrong {name} was taken"));
         assert!(
@@ -223,13 +222,16 @@ fn flex_kernels_refuse_k_v_probs_or_grad_of_the_wrong_shape() {
             "{message}"
         );
     }
-    let message = panic_message(|| {
-        let _ = Flex::causal_attention_probs(q.clone(), good.clone(), good.clone(), 3);
-    });
-    assert!(
-        message.is_some_and(|m| m.contains("a multiple of the 3 heads")),
-        "32 features cannot be cut into 3 heads"
-    );
+    for (heads, qkv) in [(3, qkv.clone()), (2, flex([2, 9, 100], 5, 1.0))] {
+        let message = panic_message(|| {
+            let _ = Flex::causal_attention_probs(qkv, heads);
+        });
+        assert!(
+            message.is_some_and(|m| m.contains(&format!("a multiple of the {heads} heads"))),
+            "[2, 9, {}] cannot be cut into Q, K, V of {heads} heads",
+            3 * 32
+        );
+    }
 }
 
 #[test]

@@ -21,9 +21,9 @@
 //!   order as burn's) so that its layer norms, linear layers and GELU are the fused kernels of
 //!   [`crate::kernels`].
 
-use burn::nn::Embedding;
 use burn::nn::attention::MultiHeadAttention;
 use burn::nn::transformer::TransformerEncoderLayer;
+use burn::nn::{Embedding, Linear};
 use burn::prelude::*;
 
 use crate::error::{EngineError, Result};
@@ -61,10 +61,20 @@ pub(crate) fn add_positions(table: &Embedding, x: Tensor<3>) -> Tensor<3> {
 /// Causal multi-head self-attention on `x` `[n, t, d]`: burn's `MultiHeadAttention` (its
 /// projections, no dropout) with the fused core of [`crate::kernels`] between them.
 pub(crate) fn causal_attention(attention: &MultiHeadAttention, x: Tensor<3>) -> Tensor<3> {
-    let q = linear(&attention.query, x.clone(), false);
-    let k = linear(&attention.key, x.clone(), false);
-    let v = linear(&attention.value, x, false);
-    let context = kernels::attention::causal_attention(q, k, v, attention.n_heads);
+    // One product for the three projections: their weights side by side `[d, 3d]` (and their
+    // biases), so the input is packed once forward and its gradient is one product backward,
+    // not three added together.
+    let parts = [&attention.query, &attention.key, &attention.value];
+    let w = Tensor::cat(parts.map(|p| p.weight.val()).to_vec(), 1);
+    let bias = parts.iter().any(|p| p.bias.is_some()).then(|| {
+        let of = |p: &Linear| match &p.bias {
+            Some(b) => b.val(),
+            None => Tensor::zeros([p.weight.dims()[1]], &p.weight.device()),
+        };
+        Tensor::cat(parts.map(of).to_vec(), 0)
+    });
+    let qkv = kernels::linear::linear_of(w, bias, x, false);
+    let context = kernels::attention::causal_attention(qkv, attention.n_heads);
     linear(&attention.output, context, false)
 }
 
