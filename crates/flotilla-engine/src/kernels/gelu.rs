@@ -59,21 +59,26 @@ fn gelu_slope_f32(x: f32) -> f32 {
 #[multiversion(targets("x86_64+avx2+fma"))]
 fn gelu_values(x: &[f32]) -> Vec<f32> {
     // Loops, not closures: a closure is not compiled with its function's target features,
-    // and is not inlined into it.
-    let mut out = vec![0.0; x.len()];
-    for (o, &v) in out.iter_mut().zip(x) {
-        *o = gelu_f32(v);
+    // and is not inlined into it. The output is written once, not zeroed first.
+    let mut out = Vec::with_capacity(x.len());
+    for (o, &v) in out.spare_capacity_mut().iter_mut().zip(x) {
+        o.write(gelu_f32(v));
     }
+    // SAFETY: the loop wrote each of the `x.len()` values the capacity holds.
+    unsafe { out.set_len(x.len()) };
     out
 }
 
 /// `g · gelu'(x)` of every pair (compiled as [`gelu_values`]).
 #[multiversion(targets("x86_64+avx2+fma"))]
 fn gelu_backward_values(x: &[f32], g: &[f32]) -> Vec<f32> {
-    let mut out = vec![0.0; x.len()];
-    for ((o, &v), &g) in out.iter_mut().zip(x).zip(g) {
-        *o = g * gelu_slope_f32(v);
+    let len = x.len().min(g.len());
+    let mut out = Vec::with_capacity(len);
+    for ((o, &v), &g) in out.spare_capacity_mut().iter_mut().zip(x).zip(g) {
+        o.write(g * gelu_slope_f32(v));
     }
+    // SAFETY: the loop wrote each of the `len` values (the shorter input's length).
+    unsafe { out.set_len(len) };
     out
 }
 
