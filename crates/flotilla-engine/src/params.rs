@@ -691,3 +691,51 @@ mod writer_share_tests {
         assert_eq!(layout.writer_share(2, 1), 4..7);
     }
 }
+
+#[cfg(test)]
+mod grad_read_tests {
+    use burn::nn::LinearConfig;
+    use burn::prelude::*;
+
+    use super::{ParamLayout, for_each_grad, grad_of};
+    use crate::kernels::host;
+
+    /// On Flex the step's callback gets each gradient's own buffer (no copy): the slices it is
+    /// handed start where the gradients' tensors' values do, and hold their values.
+    #[test]
+    fn gradients_are_handed_over_in_their_own_buffers() {
+        let device = Device::flex().autodiff();
+        let model = LinearConfig::new(5, 3).init(&device);
+        let layout = ParamLayout::of(&model);
+        let x = Tensor::<2>::ones([4, 5], &device);
+        let grads = model.forward(x).sum().backward();
+        let owners = [
+            model.weight.val().grad(&grads).map(|g| g.into_dispatch()),
+            model
+                .bias
+                .as_ref()
+                .and_then(|b| b.val().grad(&grads))
+                .map(|g| g.into_dispatch()),
+        ];
+        let mut seen = Vec::new();
+        for_each_grad(&model, &grads, &layout, &mut |index, values| {
+            seen.push((index, values.as_ptr(), values.to_vec()));
+            Ok(())
+        })
+        .expect("the gradients");
+        assert_eq!(seen.len(), 2);
+        for ((index, ptr, values), owner) in seen.into_iter().zip(owners) {
+            let owner = owner.expect("a gradient");
+            let flex = host::flex_f32(&owner).expect("a Flex f32 gradient");
+            assert_eq!(
+                host::values(&flex).map(<[f32]>::as_ptr),
+                Some(ptr),
+                "parameter {index}"
+            );
+            let want = grad_of(&model, &grads, &layout, index)
+                .expect("read")
+                .expect("some");
+            assert_eq!(values, want, "parameter {index}");
+        }
+    }
+}
