@@ -49,6 +49,9 @@ mod with_mpi {
 
     /// `flotilla train cfg --backend mpi` as `np` ranks of `mpirun`.
     fn mpirun(np: usize, cfg: &str, out: &Path) -> Output {
+        // Open MPI's session directory is named by host and user only: concurrent jobs
+        // raced to create the same one under /tmp. One each.
+        let session = tmp();
         let mut c = Command::new("mpirun");
         c.current_dir(repo())
             .args(["--oversubscribe", "-np", &np.to_string(), BIN, "train", cfg])
@@ -58,6 +61,7 @@ mod with_mpi {
             // Lets mpirun start as root (CI containers); no effect for other users.
             .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
             .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+            .env("TMPDIR", session.path())
             .env_remove("RANK")
             .env_remove("WORLD_SIZE")
             .env_remove("MASTER_ADDR")

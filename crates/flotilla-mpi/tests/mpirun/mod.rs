@@ -20,6 +20,9 @@ pub struct Job {
 /// `mpirun --oversubscribe`, killing the job after `limit`.
 pub fn mpirun(np: usize, entry: &str, scenario: &str, limit: Duration) -> Job {
     let exe = std::env::current_exe().expect("test binary path");
+    // Open MPI makes its session directory under TMPDIR, named by host and user only: jobs
+    // started at once raced to create the same one ("mkdir ... File exists"). One each.
+    let session = tempfile::tempdir().expect("a session directory for mpirun");
     let started = Instant::now();
     let mut child = Command::new("mpirun")
         .args(["--oversubscribe", "-np", &np.to_string()])
@@ -32,6 +35,7 @@ pub fn mpirun(np: usize, entry: &str, scenario: &str, limit: Duration) -> Job {
             "--test-threads=1",
         ])
         .env(SCENARIO, scenario)
+        .env("TMPDIR", session.path())
         .env("OMPI_ALLOW_RUN_AS_ROOT", "1")
         .env("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
         .env("OMPI_MCA_rmaps_base_oversubscribe", "1")
