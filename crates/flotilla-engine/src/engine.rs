@@ -71,7 +71,7 @@ impl EvalStats {
 /// A classifier's batch has one label per sample; a sequence model's (its output is a
 /// sequence of logits) one per position, and its loss is the mean cross-entropy over every
 /// position of the batch.
-pub trait Engine: ModelState + Send {
+pub trait Engine: ModelState {
     /// Runs forward and backward on a batch, keeping the gradients; returns the batch's mean loss.
     fn forward_backward(&mut self, batch: BatchRef<'_>) -> Result<f32>;
 

@@ -17,7 +17,7 @@ use crate::pipeline::named_tensors::NamedTensors;
 use crate::spec::shape::Shape;
 
 /// What the sharded pass does with one block, whatever its module's type.
-pub(crate) trait BlockRun: Send {
+pub(crate) trait BlockRun {
     /// The names of the tensors it takes and gives.
     fn names(&self) -> (Vec<String>, Vec<String>);
 

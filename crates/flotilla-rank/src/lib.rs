@@ -31,13 +31,8 @@ pub fn run(
     rank: Option<usize>,
 ) -> Result<RunSummary> {
     let mut session = Session::start(config, model, None, rank)?;
-    // The whole loop on the session's pool: its calls then run on the worker they are on,
-    // without a hand-off per step.
-    let pool = std::sync::Arc::clone(&session.pool);
-    pool.install(move || {
-        while session.step()?.is_some() {}
-        session.finish()
-    })
+    while session.step()?.is_some() {}
+    session.finish()
 }
 
 /// One rank of a job as a process runs it, driven step by step by the caller's own loop: the
@@ -47,14 +42,6 @@ pub fn run(
 /// another, on the line the launcher reads.
 pub struct Session {
     inner: Option<flotilla_train::Run>,
-    /// The threads the run's calls execute on, the caller's thread waiting: the kernels and
-    /// burn's operations split their work over rayon's current pool, and from a thread
-    /// outside every pool each split was handed to the global pool's threads and waited for
-    /// (two context switches; a LeNet-5 step made ~20, its 1-rank epoch 15 % slower). Inside
-    /// this pool a split runs on the calling worker (at one thread: inline), and its own
-    /// threads leave the global pool to any other thread of the process (none of them waits
-    /// on this one). Its size is rayon's default: `RAYON_NUM_THREADS` (`--threads`).
-    pool: std::sync::Arc<rayon::ThreadPool>,
     observer: progress::TrainObserver,
     config: TrainConfig,
     /// Rank, world size and role.
@@ -71,11 +58,6 @@ impl Session {
         rank: Option<usize>,
     ) -> Result<Session> {
         let rank_telemetry = telemetry::init(Some((config, rank)))?;
-        let pool = rayon::ThreadPoolBuilder::new()
-            .thread_name(|i| format!("flotilla-step-{i}"))
-            .build()
-            .map_err(|e| RankError::Threads(e.to_string()))?
-            .into();
         let t = &config.telemetry;
         let mut observer =
             progress::TrainObserver::new(rank_telemetry, t.metrics_port, &t.metrics_addr);
@@ -90,7 +72,6 @@ impl Session {
         Ok(Session {
             place: (inner.rank(), inner.world_size(), inner.role()),
             inner: Some(inner),
-            pool,
             observer,
             config: config.clone(),
         })
@@ -159,8 +140,7 @@ impl Session {
             )
             .into());
         };
-        let observer = &mut self.observer;
-        let result = self.pool.install(|| inner.finish(observer));
+        let result = inner.finish(&mut self.observer);
         self.observer.finish();
         let summary = match result {
             Ok(s) => s,
@@ -187,19 +167,17 @@ impl Session {
 
     /// `f` on the run; an error ends it (the display and telemetry closed, the rank to blame
     /// named as [`fail`] does). `None` once it has failed before.
-    fn call<T: Send>(
+    fn call<T>(
         &mut self,
         f: impl FnOnce(
             &mut flotilla_train::Run,
             &mut dyn flotilla_train::Observer,
-        ) -> flotilla_train::Result<T>
-        + Send,
+        ) -> flotilla_train::Result<T>,
     ) -> Result<Option<T>> {
         let Some(inner) = self.inner.as_mut() else {
             return Ok(None);
         };
-        let observer = &mut self.observer;
-        match self.pool.install(|| f(inner, observer)) {
+        match f(inner, &mut self.observer) {
             Ok(v) => Ok(Some(v)),
             Err(e) => {
                 self.inner = None;

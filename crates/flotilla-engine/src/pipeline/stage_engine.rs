@@ -37,7 +37,7 @@ pub enum StageSeed<'a> {
 /// One pipeline stage: forward and backward on micro-batches, gradients accumulated until
 /// [`StageEngine::step`]; its parameters, optimizer state and weight files through
 /// [`ModelState`].
-pub trait StageEngine: ModelState + Send {
+pub trait StageEngine: ModelState {
     /// This stage's position in the pipeline.
     fn index(&self) -> usize;
 

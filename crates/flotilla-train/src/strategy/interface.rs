@@ -45,7 +45,7 @@ pub struct Step {
 }
 
 /// A way of training, as one rank takes part in it.
-pub trait Strategy: Send {
+pub trait Strategy {
     /// `peer`, `stage`, `worker`, `root`, `shard-server` or `local-server`.
     fn name(&self) -> &'static str;
 
