@@ -674,17 +674,28 @@ fn a_programs_own_stage_modules_train_on_when_a_stage_is_lost_and_replaced() {
 /// 0.3 % of an undisturbed async run.
 #[test]
 fn async_all_reduce_peers_train_on_without_a_lost_rank() {
-    let dir = tmp();
     let flags = ["--strategy", "async_allreduce"];
-    let (elastic, _, killed) = lose_a_rank_in_epoch_3(dir.path(), &flags, EPOCHS_ASYNC);
-    assert_steps_in_flight_redone(&elastic, killed);
+    // The loss may fall just after the lost rank's part of the last exchange, which shared
+    // memory lets the others finish: then no survivor has a step in flight and nothing is
+    // to be redone. Such a run is tried again (a loss at a random point of a step: rare).
+    for attempt in 1..=3 {
+        let dir = tmp();
+        let (elastic, _, killed) = lose_a_rank_in_epoch_3(dir.path(), &flags, EPOCHS_ASYNC);
+        if steps_in_flight_redone(&elastic, killed) {
+            return;
+        }
+        println!("attempt {attempt}: no survivor had a step in flight when the rank was lost");
+    }
+    panic!("in 3 runs no survivor had a step in flight when the rank was lost");
 }
 
-/// Each survivor of generation 1 in `out` (all slots but `killed`) left it with steps in
-/// flight and trained on from before them: the next generation starts at the step the
-/// survivors had applied, below the step each had counted, so the steps whose gradients
-/// were dropped with the old cycle are redone, their samples with them.
-fn assert_steps_in_flight_redone(out: &Path, killed: u64) {
+/// Whether a survivor of generation 1 in `out` (all slots but `killed`) left it with steps
+/// in flight, their exchange dropped with the old cycle. The survivors then train on from a
+/// step one of them had applied: from before those steps, which are redone with their
+/// samples, unless another survivor had them applied (its exchange completed).
+fn steps_in_flight_redone(out: &Path, killed: u64) -> bool {
+    let mut applied = Vec::new();
+    let mut starts = Vec::new();
     for slot in (0..3).filter(|&s| s != killed) {
         let log = slot_log(out, slot);
         let left = log
@@ -695,17 +706,30 @@ fn assert_steps_in_flight_redone(out: &Path, killed: u64) {
             .trim_end_matches(':')
             .parse()
             .expect("the step it left after");
-        assert!(left.contains("in flight, redone from step"), "{left}");
+        let redone = left
+            .split_once("in flight, redone from step ")
+            .map(|(_, rest)| {
+                rest.split(')')
+                    .next()
+                    .and_then(|s| s.parse::<u64>().ok())
+                    .unwrap_or_else(|| panic!("the step it redoes from: {left}"))
+            });
+        assert!(redone.is_none_or(|r| r < counted), "{left}");
+        applied.push((redone.is_some(), redone.unwrap_or(counted)));
         let next = generations(&log)
             .into_iter()
             .find(|j| j.generation > 1)
             .unwrap_or_else(|| panic!("slot {slot} trained on:\n{log}"));
-        assert!(
-            next.step < counted,
-            "slot {slot} left after step {counted} and went on from step {}",
-            next.step
-        );
+        starts.push(next.step);
     }
+    let steps = applied.iter().map(|a| a.1);
+    let (lo, hi) = (steps.clone().min(), steps.max());
+    assert!(
+        starts.windows(2).all(|w| w[0] == w[1])
+            && starts.iter().all(|s| Some(*s) >= lo && Some(*s) <= hi),
+        "the survivors, (in flight, applied up to step) {applied:?}, went on from {starts:?}"
+    );
+    applied.iter().any(|a| a.0)
 }
 
 /// Sync all-reduce with ZeRO stage 2 (`--zero 2`) under `-n 2:3 --max-restarts 1`: the
