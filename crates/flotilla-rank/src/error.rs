@@ -18,6 +18,9 @@ pub enum RankError {
     /// The run failed.
     #[error(transparent)]
     Train(#[from] TrainError),
+    /// The threads the run's steps execute on could not be started.
+    #[error("cannot start the rank's step threads: {0}")]
+    Threads(String),
     /// A file of the rank's telemetry or report could not be read or written.
     #[error("cannot {what} {}", path.display())]
     File {

@@ -11,6 +11,7 @@ pub mod plots;
 pub mod progress;
 pub mod report;
 pub mod telemetry;
+mod threads;
 
 use std::path::{Path, PathBuf};
 
@@ -50,13 +51,18 @@ pub struct Session {
 
 impl Session {
     /// Starts the telemetry and joins the job to train `model` on `data` (`None`: what
-    /// `data.path` names; see [`flotilla_train::Run::start`]).
+    /// `data.path` names; see [`flotilla_train::Run::start`]). The calling thread, which is
+    /// to step the run, becomes worker 0 of a rayon pool of its own for the rest of its life
+    /// (of `RAYON_NUM_THREADS` threads), so that the steps' splits run on it rather than
+    /// being handed to the global pool and waited for.
     pub fn start(
         config: &TrainConfig,
         model: &dyn ModelSource,
         data: Option<JobData>,
         rank: Option<usize>,
     ) -> Result<Session> {
+        // The calling thread, which steps the run, splits its work in a pool of its own.
+        threads::join_own_pool()?;
         let rank_telemetry = telemetry::init(Some((config, rank)))?;
         let t = &config.telemetry;
         let mut observer =
