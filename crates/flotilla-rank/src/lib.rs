@@ -61,7 +61,6 @@ impl Session {
         data: Option<JobData>,
         rank: Option<usize>,
     ) -> Result<Session> {
-        // The calling thread, which steps the run, splits its work in a pool of its own.
         threads::join_own_pool()?;
         let rank_telemetry = telemetry::init(Some((config, rank)))?;
         let t = &config.telemetry;
