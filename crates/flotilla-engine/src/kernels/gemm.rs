@@ -278,21 +278,23 @@ pub(crate) fn gemm_serial(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumul
     unsafe { run(dst.as_mut_ptr(), n, a, 0, m, b, 0, n, accumulate) }
 }
 
-/// The output buffer, shared by the pieces that write disjoint parts of it.
+/// An output buffer, shared by the pieces (of a product here, of `output_grad`'s pass) that
+/// write disjoint parts of it.
 #[derive(Clone, Copy)]
-struct DstPtr(*mut f32);
+pub(crate) struct DstPtr(pub(crate) *mut f32);
 
-// SAFETY: the pieces of `gemm_into` write disjoint elements, and the buffer outlives them.
+// SAFETY: the pieces that share it write disjoint elements, and the buffer outlives them.
 unsafe impl Send for DstPtr {}
 // SAFETY: as above.
 unsafe impl Sync for DstPtr {}
 
 impl DstPtr {
-    /// The element `offset` of the buffer.
+    /// The element `offset` of the buffer (a method, so that closures capture the `DstPtr`,
+    /// not its raw pointer).
     ///
     /// # Safety
     /// `offset` is inside the buffer.
-    unsafe fn at(self, offset: usize) -> *mut f32 {
+    pub(crate) unsafe fn at(self, offset: usize) -> *mut f32 {
         // SAFETY: the caller keeps `offset` inside the buffer.
         unsafe { self.0.add(offset) }
     }
