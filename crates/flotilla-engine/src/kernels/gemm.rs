@@ -278,23 +278,21 @@ pub(crate) fn gemm_serial(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumul
     unsafe { run(dst.as_mut_ptr(), n, a, 0, m, b, 0, n, accumulate) }
 }
 
-/// An output buffer, shared by the pieces (of a product here, of `output_grad`'s pass) that
-/// write disjoint parts of it.
+/// The output buffer, shared by the pieces that write disjoint parts of it.
 #[derive(Clone, Copy)]
-pub(crate) struct DstPtr(pub(crate) *mut f32);
+struct DstPtr(*mut f32);
 
-// SAFETY: the pieces that share it write disjoint elements, and the buffer outlives them.
+// SAFETY: the pieces of `gemm_into` write disjoint elements, and the buffer outlives them.
 unsafe impl Send for DstPtr {}
 // SAFETY: as above.
 unsafe impl Sync for DstPtr {}
 
 impl DstPtr {
-    /// The element `offset` of the buffer (a method, so that closures capture the `DstPtr`,
-    /// not its raw pointer).
+    /// The element `offset` of the buffer.
     ///
     /// # Safety
     /// `offset` is inside the buffer.
-    pub(crate) unsafe fn at(self, offset: usize) -> *mut f32 {
+    unsafe fn at(self, offset: usize) -> *mut f32 {
         // SAFETY: the caller keeps `offset` inside the buffer.
         unsafe { self.0.add(offset) }
     }

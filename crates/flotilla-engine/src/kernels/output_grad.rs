@@ -11,8 +11,6 @@
 use multiversion::multiversion;
 use rayon::prelude::*;
 
-use super::gemm::DstPtr;
-
 /// Values per piece, at least (smaller gradients are not split).
 const GRAIN: usize = 1 << 15;
 /// Piece boundaries fall on multiples of this many columns (a cache line of `f32`s).
@@ -42,7 +40,7 @@ pub(crate) fn mask_and_sums(
     };
     let size = (n.div_ceil(pieces).div_ceil(ALIGN) * ALIGN).max(1);
     let mut col_sums = vec![0.0f32; if sums { n } else { 0 }];
-    let (gp, sums_out) = (DstPtr(g.as_mut_ptr()), DstPtr(col_sums.as_mut_ptr()));
+    let (gp, sums_out) = (Ptr(g.as_mut_ptr()), Ptr(col_sums.as_mut_ptr()));
     let piece = |&c0: &usize| {
         let cols = size.min(n - c0);
         let mut acc = vec![0.0f32; if sums { cols } else { 0 }];
@@ -83,6 +81,27 @@ fn mask_row(g: &mut [f32], y: &[f32]) {
 #[multiversion(targets("x86_64+avx2+fma"))]
 fn add_row(acc: &mut [f32], row: &[f32]) {
     acc.iter_mut().zip(row).for_each(|(s, v)| *s += v);
+}
+
+/// A buffer written by the pieces in disjoint columns.
+#[derive(Clone, Copy)]
+struct Ptr(*mut f32);
+
+// SAFETY: the pieces write disjoint elements, and the buffers outlive them.
+unsafe impl Send for Ptr {}
+// SAFETY: as above.
+unsafe impl Sync for Ptr {}
+
+impl Ptr {
+    /// The element `offset` of the buffer (a method, so that closures capture the `Ptr`, not
+    /// its raw pointer).
+    ///
+    /// # Safety
+    /// `offset` is inside the buffer's allocation.
+    unsafe fn at(self, offset: usize) -> *mut f32 {
+        // SAFETY: the caller keeps `offset` inside the allocation.
+        unsafe { self.0.add(offset) }
+    }
 }
 
 #[cfg(test)]
