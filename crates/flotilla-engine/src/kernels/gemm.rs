@@ -112,7 +112,7 @@ pub(crate) fn gemm_into(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulat
         return;
     }
     // SAFETY: `dst` holds the `m × n` values, borrowed mutably for the call.
-    unsafe { gemm_to(dst.as_mut_ptr(), a, b, accumulate, Epilogue::default()) }
+    unsafe { gemm_to(dst.as_mut_ptr(), a, b, accumulate) }
 }
 
 /// `a · b` in a new row-major `a.rows × b.cols` buffer that the product writes without its
@@ -121,82 +121,32 @@ pub(crate) fn gemm_into(dst: &mut [f32], a: MatRef<'_>, b: MatRef<'_>, accumulat
 /// # Panics
 /// As [`gemm_into`].
 pub(crate) fn gemm_new(a: MatRef<'_>, b: MatRef<'_>) -> Vec<f32> {
-    gemm_new_then(a, b, Epilogue::default())
-}
-
-/// What each piece of a product does to its own block of the output besides the product, on
-/// the thread that computes it: so a layer's bias and ReLU are split over the threads with the
-/// product instead of running on one thread after it (MLP 256 on 2 threads, issue 37).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Epilogue<'a> {
-    /// Every row starts as this (`b.cols` values) and the product is added to it.
-    pub bias: Option<&'a [f32]>,
-    /// ReLU after the product, as Flex's: NaN passes, everything not above zero becomes zero.
-    pub relu: bool,
-}
-
-/// [`gemm_new`] with `epilogue` applied by each piece to its block: the same values, element
-/// by element, as filling every row with the bias, adding the product and then applying ReLU.
-///
-/// # Panics
-/// As [`gemm_into`], and if the bias is not `b.cols` long.
-pub(crate) fn gemm_new_then(a: MatRef<'_>, b: MatRef<'_>, epilogue: Epilogue<'_>) -> Vec<f32> {
-    let (m, n) = (a.rows, b.cols);
-    assert!(
-        epilogue.bias.is_none_or(|bias| bias.len() == n),
-        "gemm: a bias of {:?} values for {n} columns",
-        epilogue.bias.map(<[f32]>::len)
-    );
-    let len = m * n;
-    if a.cols == 0 || m == 0 || n == 0 {
-        let mut out = vec![0.0; len];
-        if let Some(bias) = epilogue.bias {
-            out.chunks_exact_mut(n)
-                .for_each(|row| row.copy_from_slice(bias));
-        }
-        if epilogue.relu {
-            relu(&mut out);
-        }
-        return out;
+    let len = a.rows * b.cols;
+    if a.cols == 0 {
+        return vec![0.0; len];
     }
     let mut out = Vec::with_capacity(len);
-    // SAFETY: `out` has room for the `m × n` values; each piece writes every value of its
-    // block (the bias first when there is one, which the product then reads and adds to, else
-    // the product with `accumulate` false), so all are set before `set_len`.
+    // SAFETY: `out` has room for the `m × n` values; with `accumulate` false and `k > 0` the
+    // product writes every one of them without reading any, so all are set before `set_len`.
     unsafe {
-        gemm_to(out.as_mut_ptr(), a, b, false, epilogue);
+        gemm_to(out.as_mut_ptr(), a, b, false);
         out.set_len(len);
     }
     out
 }
 
-/// ReLU in place, as Flex's.
-fn relu(values: &mut [f32]) {
-    values
-        .iter_mut()
-        .for_each(|v| *v = if v.is_nan() || *v > 0.0 { *v } else { 0.0 });
-}
-
-/// [`gemm_into`] on the `a.rows × b.cols` values at `dst`, `k > 0`, each piece then applying
-/// `epilogue` to its block (a bias only without `accumulate`).
+/// [`gemm_into`] on the `a.rows × b.cols` values at `dst`, `k > 0`.
 ///
 /// # Safety
 /// `dst` is valid for writes (and, with `accumulate`, reads) of `a.rows · b.cols` values that
 /// nothing else accesses during the call.
-unsafe fn gemm_to(
-    dst: *mut f32,
-    a: MatRef<'_>,
-    b: MatRef<'_>,
-    accumulate: bool,
-    epilogue: Epilogue<'_>,
-) {
+unsafe fn gemm_to(dst: *mut f32, a: MatRef<'_>, b: MatRef<'_>, accumulate: bool) {
     let (m, k, n) = (a.rows, a.cols, b.cols);
     assert!(
         b.rows == k && a.in_bounds() && b.in_bounds(),
         "gemm: [{m}, {k}] · [{}, {n}] outside its buffers",
         b.rows
     );
-    debug_assert!(!(accumulate && epilogue.bias.is_some()));
     if m == 0 || n == 0 {
         return;
     }
@@ -206,36 +156,14 @@ unsafe fn gemm_to(
     let out = DstPtr(dst);
     let piece = |&start: &usize| {
         let count = s.size.min(len - start);
-        let (r0, rows, c0, cols) = if s.rows {
-            (start, count, 0, n)
-        } else {
-            (0, m, start, count)
-        };
-        // SAFETY: the pieces cover disjoint blocks of `dst`, which is `m × n` row-major and
-        // the caller's alone for the whole call; `a` and `b` were checked to lie inside their
-        // buffers, and the offsets below stay inside those views.
+        // SAFETY: the pieces cover disjoint rows (or columns) of `dst`, which is `m × n`
+        // row-major and the caller's alone for the whole call; `a` and `b` were checked to lie
+        // inside their buffers, and the offsets below stay inside those views.
         unsafe {
-            let block = out.at(r0 * n + c0);
-            let bias = epilogue.bias.map(|bias| &bias[c0..c0 + cols]);
-            if let Some(bias) = bias {
-                // Raw copies: the block is not initialized yet.
-                for i in 0..rows {
-                    std::ptr::copy_nonoverlapping(bias.as_ptr(), block.add(i * n), cols);
-                }
-            }
-            run(
-                block,
-                n,
-                a,
-                r0,
-                rows,
-                b,
-                c0,
-                cols,
-                accumulate || bias.is_some(),
-            );
-            if epilogue.relu {
-                (0..rows).for_each(|i| relu(block_row(block, n, i, cols)));
+            if s.rows {
+                run(out.at(start * n), n, a, start, count, b, 0, n, accumulate);
+            } else {
+                run(out.at(start), n, a, 0, m, b, start, count, accumulate);
             }
         }
     };
@@ -244,16 +172,6 @@ unsafe fn gemm_to(
     } else {
         starts.par_iter().for_each(piece);
     }
-}
-
-/// Row `i` of the `cols` columns of a block at `block` with row stride `ld`.
-///
-/// # Safety
-/// The row is inside a buffer that only the caller accesses while the slice lives, and its
-/// values are initialized.
-unsafe fn block_row<'a>(block: *mut f32, ld: usize, i: usize, cols: usize) -> &'a mut [f32] {
-    // SAFETY: the caller's contract.
-    unsafe { std::slice::from_raw_parts_mut(block.add(i * ld), cols) }
 }
 
 /// `dst = a · b` (or `dst += a · b` with `accumulate`) on this thread, in one call of the
@@ -379,36 +297,6 @@ mod tests {
             gemm_new(MatRef::row_major(&[], m, 0), MatRef::row_major(&[], 0, n)),
             vec![0.0; m * n]
         );
-    }
-
-    #[test]
-    fn each_pieces_bias_and_relu_are_the_whole_products_on_any_number_of_threads() {
-        // Split by columns (m < n) and by rows (m > n), and one piece.
-        for (m, k, n) in [(64, 300, 256), (784, 64, 256), (5, 7, 3)] {
-            let a: Vec<f32> = (0..m * k).map(|i| ((i * 7 % 13) as f32) - 6.1).collect();
-            let b: Vec<f32> = (0..k * n)
-                .map(|i| ((i * 5 % 11) as f32) * 0.1 - 0.5)
-                .collect();
-            let bias: Vec<f32> = (0..n).map(|j| (j % 9) as f32 - 4.0).collect();
-            let (am, bm) = (MatRef::row_major(&a, m, k), MatRef::row_major(&b, k, n));
-            let mut want: Vec<f32> = bias.iter().copied().cycle().take(m * n).collect();
-            gemm_into(&mut want, am, bm, true);
-            let plain = want.clone();
-            relu(&mut want);
-            assert!(want.contains(&0.0) && want.iter().any(|v| *v > 0.0));
-            for threads in [1, 2] {
-                let pool = rayon::ThreadPoolBuilder::new()
-                    .num_threads(threads)
-                    .build()
-                    .expect("pool");
-                let then =
-                    |bias, relu| pool.install(|| gemm_new_then(am, bm, Epilogue { bias, relu }));
-                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-                let case = format!("[{m}, {k}] · [{k}, {n}], {threads} threads");
-                assert_eq!(bits(&then(Some(&bias), true)), bits(&want), "{case}");
-                assert_eq!(bits(&then(Some(&bias), false)), bits(&plain), "{case}");
-            }
-        }
     }
 
     #[test]

@@ -22,8 +22,8 @@ use burn_autodiff::ops::{Backward, NodeGuard, Ops};
 
 use super::autodiff::record;
 use super::backends::{engine_extension, impl_on_burn_backends};
-use super::gemm::{Epilogue, MatRef, gemm_new, gemm_new_then};
-use super::{host, output_grad};
+use super::gemm::{MatRef, gemm_into, gemm_new};
+use super::host;
 
 /// The kernels of a linear layer on one backend (not differentiable; [`LinearOps`] is):
 /// burn's own ops unless a backend has faster ones.
@@ -51,17 +51,6 @@ pub trait LinearKernels: Backend {
     /// The sum of the rows of `g` `[m, n]`: `[n]`, each column summed in row order.
     fn sum_rows(g: FloatTensor<Self>) -> FloatTensor<Self> {
         burn_sum_rows::<Self>(g)
-    }
-
-    /// The gradient `g` at the layer's output taken back through the ReLU whose output was
-    /// `relu_output` (when there was one), and with `sums` its [`LinearKernels::sum_rows`]
-    /// (the bias gradient).
-    fn output_grad(
-        relu_output: Option<FloatTensor<Self>>,
-        g: FloatTensor<Self>,
-        sums: bool,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        burn_output_grad::<Self>(relu_output, g, sums)
     }
 }
 
@@ -92,20 +81,6 @@ fn burn_matmul_t<B: Backend>(
     B::float_matmul(a, b)
 }
 
-/// [`LinearKernels::output_grad`]'s default, for Flex's tensors it cannot view as matrices.
-fn burn_output_grad<B: LinearKernels>(
-    relu_output: Option<FloatTensor<B>>,
-    g: FloatTensor<B>,
-    sums: bool,
-) -> (FloatTensor<B>, Option<FloatTensor<B>>) {
-    let g = match relu_output {
-        Some(y) => B::relu_backward(y, g),
-        None => g,
-    };
-    let sums = sums.then(|| B::sum_rows(g.clone()));
-    (g, sums)
-}
-
 /// burn's sum of the rows of `g`.
 fn burn_sum_rows<B: Backend>(g: FloatTensor<B>) -> FloatTensor<B> {
     let n = g.shape()[1];
@@ -115,8 +90,7 @@ fn burn_sum_rows<B: Backend>(g: FloatTensor<B>) -> FloatTensor<B> {
 // NdArray, LibTorch and wgpu's `Cube`: burn's own ops.
 impl_on_burn_backends!(LinearKernels);
 
-/// Flex's forward: the bias rows as the GEMM's starting value, then ReLU in place, each piece
-/// of the product doing both to its own block (`kernels/gemm.rs`'s [`Epilogue`]).
+/// Flex's forward: the bias rows as the GEMM's starting value, then ReLU in place.
 fn flex_forward(
     x: &FlexTensor,
     w: &FlexTensor,
@@ -125,11 +99,21 @@ fn flex_forward(
 ) -> Option<FlexTensor> {
     let (xm, wm) = (host::matrix(x)?, host::matrix(w)?);
     let (m, n) = (xm.rows, wm.cols);
-    let bias = match b {
-        Some(b) => Some(host::values(b).filter(|v| v.len() == n)?),
-        None => None,
+    let mut out = match b {
+        Some(b) => {
+            let bias = host::values(b).filter(|v| v.len() == n)?;
+            let mut rows = Vec::with_capacity(m * n);
+            (0..m).for_each(|_| rows.extend_from_slice(bias));
+            gemm_into(&mut rows, xm, wm, true);
+            rows
+        }
+        None => gemm_new(xm, wm),
     };
-    let out = gemm_new_then(xm, wm, Epilogue { bias, relu });
+    if relu {
+        // As Flex's ReLU: NaN passes, everything not above zero becomes zero.
+        out.iter_mut()
+            .for_each(|v| *v = if v.is_nan() || *v > 0.0 { *v } else { 0.0 });
+    }
     Some(host::tensor(out, vec![m, n]))
 }
 
@@ -170,36 +154,6 @@ impl LinearKernels for Flex {
         };
         host::tensor(column_sums(gm), vec![gm.cols])
     }
-
-    fn output_grad(
-        relu_output: Option<FloatTensor<Self>>,
-        g: FloatTensor<Self>,
-        sums: bool,
-    ) -> (FloatTensor<Self>, Option<FloatTensor<Self>>) {
-        // Without a ReLU nothing is masked: the gradient is left as it is (shared or not).
-        // Else both row-major and of one shape, or burn's ops.
-        let shape = row_major(&g).map(|m| (m.rows, m.cols));
-        let y_shape = relu_output.as_ref().and_then(row_major);
-        let Some((shape, y)) = shape
-            .zip(y_shape)
-            .filter(|(s, y)| *s == (y.rows, y.cols))
-            .map(|(s, y)| (s, &y.data[..s.0 * s.1]))
-        else {
-            return burn_output_grad::<Self>(relu_output, g, sums);
-        };
-        let mut g = g;
-        let len = shape.0 * shape.1;
-        // A shared gradient is copied here (burn's copy on write), else masked in place.
-        let start = g.layout().start_offset();
-        let values = &mut g.storage_mut::<f32>()[start..][..len];
-        let col_sums = output_grad::mask_and_sums(values, shape, y, sums);
-        (g, col_sums.map(|s| host::tensor(s, vec![shape.1])))
-    }
-}
-
-/// `t` as a row-major matrix, if it is one.
-fn row_major(t: &FlexTensor) -> Option<MatRef<'_>> {
-    host::matrix(t).filter(|m| m.cs == 1 && m.rs == m.cols)
 }
 
 /// Each column's sum, rows added in order (deterministic, one pass over the rows; a
@@ -280,17 +234,19 @@ fn linear_backward<B: LinearKernels, const N: usize>(
     ops: Ops<LinearState<B>, N>,
     grads: &mut Gradients,
 ) {
-    let g = grads.consume::<B>(&ops.node);
+    let mut g = grads.consume::<B>(&ops.node);
     let state = ops.state;
+    if let Some(y) = state.relu_output {
+        g = B::relu_backward(y, g);
+    }
     let mut parents = ops.parents.into_iter();
     let (px, pw, pb) = (
         parents.next().flatten(),
         parents.next().flatten(),
         parents.next().flatten(),
     );
-    let (g, bias_grad) = B::output_grad(state.relu_output, g, pb.is_some());
-    if let (Some(p), Some(bias_grad)) = (pb, bias_grad) {
-        grads.register::<B>(p.id, bias_grad);
+    if let Some(p) = pb {
+        grads.register::<B>(p.id, B::sum_rows(g.clone()));
     }
     if let Some(p) = pw {
         grads.register::<B>(p.id, B::matmul_t(state.x, g.clone(), true, false));

@@ -41,7 +41,6 @@ pub mod linear;
 mod math;
 pub mod max_pool;
 mod norm_rows;
-mod output_grad;
 mod pool;
 mod reference;
 
