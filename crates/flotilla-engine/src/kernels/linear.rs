@@ -1,6 +1,7 @@
 //! The linear layer `y = x·W + b` (optionally `relu(x·W + b)`) as one burn backend extension:
-//! on Flex, one GEMM with the bias as its starting value and the ReLU applied to each piece
-//! as it is computed; backward, the weight gradient `xᵀ·g` and the input gradient `g·Wᵀ` as
+//! on Flex, one GEMM with the bias as its starting value, then the ReLU over its output (on
+//! the calling thread: splitting both with the product's pieces measured no faster, BENCHMARKS
+//! §52); backward, the weight gradient `xᵀ·g` and the input gradient `g·Wᵀ` as
 //! GEMMs over the same buffers (transposes are strides, never copies) and the bias gradient
 //! as column sums in row order. The GEMMs are split over rayon's pool by shape alone
 //! (`kernels/gemm.rs`), so a step is bitwise the same on 1 and 2 threads. Other backends run
