@@ -68,64 +68,72 @@ const VISITED: [Visited; 3] = [
 /// The ports visited: (rank, port).
 type Ports = Vec<(usize, u16)>;
 
-/// Sends stranger `kind` to every port the processes `pids` (by rank) listen on.
-fn visit_all(kind: Stranger, pids: &[u32], seed: u64, wait: Duration) -> Result<Ports, String> {
+/// Sends a stranger of every kind (each on its own connection, `seeds` making the random
+/// bytes) to every port the processes `pids` (by rank) listen on.
+fn visit_all(pids: &[u32], seeds: &[u64], wait: Duration) -> Result<Ports, String> {
     let mut visited = Vec::new();
     for (rank, &pid) in pids.iter().enumerate() {
         for port in procfs::wait_listening(pid, 1, wait) {
-            kind.visit(port, seed)
-                .map_err(|e| format!("port {port} of rank {rank} (process {pid}): {e}"))?;
+            for (kind, &seed) in Stranger::ALL.into_iter().zip(seeds) {
+                kind.visit(port, seed).map_err(|e| {
+                    format!(
+                        "{}: port {port} of rank {rank} (process {pid}): {e}",
+                        kind.name()
+                    )
+                })?;
+            }
             visited.push((rank, port));
         }
     }
     Ok(visited)
 }
 
-/// Strangers of each kind at every listening port — rank 0's rendezvous port and the mesh
-/// listeners while the last rank has not joined; while training, every `/metrics` port and,
-/// in the rejoinable job, rank 0's rendezvous port and the servers' mesh listeners: the job
-/// ends as it does without them.
+/// Strangers of every kind, one after the other, at every listening port — rank 0's
+/// rendezvous port and the mesh listeners while the last rank has not joined; while
+/// training, every `/metrics` port and, in the rejoinable job, rank 0's rendezvous port and
+/// the servers' mesh listeners: the job ends as it does without them. One job per mode
+/// visited by all the kinds (a job each cost the suite six more trainings; a kind that
+/// breaks a job fails its row all the same, and the error names the kind a port refused).
 pub fn stranger_rows(rng: &mut SplitMix, dir: &Path, baselines: &Baselines) -> Vec<Row> {
     let mut rows = Vec::new();
+    let kinds: Vec<&str> = Stranger::ALL.iter().map(|k| k.name()).collect();
     for v in &VISITED {
         let text = format!("{COMMON}{}", v.yaml);
         let baseline = baselines.of(&slug(v.mode), &text, v.world, v.marker);
-        for kind in Stranger::ALL {
-            let seed = rng.next();
-            let name = format!("{}-{kind:?}", slug(v.mode));
-            let job = HandJob::new(dir, &name, &text, v.world, v.marker);
-            let (mut early, mut late) = (Vec::new(), Vec::new());
-            let (acc, pids) = job.run(
-                &mut |pids| visit_all(kind, pids, seed, Duration::ZERO).map(|p| early = p),
-                &mut |pids| visit_all(kind, pids, seed, Duration::from_secs(3)).map(|p| late = p),
-            );
-            // While training, the ports other than `/metrics` are kept rendezvous and mesh
-            // listeners.
-            let kept: Ports = late
-                .iter()
-                .copied()
-                .filter(|&(r, p)| p != job.metrics_port(r))
-                .collect();
-            let mut row = Row::new(
-                kind.name(),
-                v.mode,
-                format!(
-                    "every listening port: {} at rendezvous, {} in training ({} of them rendezvous/mesh)",
-                    early.len(),
-                    late.len(),
-                    kept.len()
-                ),
-            );
-            judge_visited(&mut row, v, &job, acc, &baseline);
-            let mesh_in_training = kept.iter().any(|&(r, _)| r != 0);
-            if early.is_empty() || late.is_empty() || (v.rejoinable && !mesh_in_training) {
-                let why = "no listening port (or, rejoinable, no mesh listener) in a phase";
-                fail(&mut row, why.into(), "");
-            }
-            check_nothing_left(&mut row, &pids, &job.out);
-            println!("{}", row_line(&row));
-            rows.push(row);
+        let seeds: Vec<u64> = Stranger::ALL.iter().map(|_| rng.next()).collect();
+        let name = format!("{}-strangers", slug(v.mode));
+        let job = HandJob::new(dir, &name, &text, v.world, v.marker);
+        let (mut early, mut late) = (Vec::new(), Vec::new());
+        let (acc, pids) = job.run(
+            &mut |pids| visit_all(pids, &seeds, Duration::ZERO).map(|p| early = p),
+            &mut |pids| visit_all(pids, &seeds, Duration::from_secs(3)).map(|p| late = p),
+        );
+        // While training, the ports other than `/metrics` are kept rendezvous and mesh
+        // listeners.
+        let kept: Ports = late
+            .iter()
+            .copied()
+            .filter(|&(r, p)| p != job.metrics_port(r))
+            .collect();
+        let mut row = Row::new(
+            format!("strangers: {}", kinds.join("; ").replace("stranger: ", "")),
+            v.mode,
+            format!(
+                "every listening port: {} at rendezvous, {} in training ({} of them rendezvous/mesh)",
+                early.len(),
+                late.len(),
+                kept.len()
+            ),
+        );
+        judge_visited(&mut row, v, &job, acc, &baseline);
+        let mesh_in_training = kept.iter().any(|&(r, _)| r != 0);
+        if early.is_empty() || late.is_empty() || (v.rejoinable && !mesh_in_training) {
+            let why = "no listening port (or, rejoinable, no mesh listener) in a phase";
+            fail(&mut row, why.into(), "");
         }
+        check_nothing_left(&mut row, &pids, &job.out);
+        println!("{}", row_line(&row));
+        rows.push(row);
     }
     rows
 }
