@@ -77,7 +77,8 @@ fn bucket_starts(events: &[serde_json::Value], pid: u64) -> Vec<(Vec<u64>, usize
 #[test]
 fn async_allreduce_trains_lenet5_past_98_5_percent_on_2_and_4_ranks() {
     let dir = tmp();
-    // The example's optimizer and schedule; 4 ranks x 32 keep the global batch of 128.
+    // The example's optimizer and schedule; 4 ranks x 32 keep the global batch of 128. Two
+    // epochs (98.84 % and 98.89 % on 2026-12-05; three until then, for CI's time).
     for (n, batch) in [(2, 64), (4, 32)] {
         let out = dir.path().join(format!("n{n}"));
         let o = launch(
@@ -88,7 +89,7 @@ fn async_allreduce_trains_lenet5_past_98_5_percent_on_2_and_4_ranks() {
                 "--batch-size",
                 &batch.to_string(),
                 "--epochs",
-                "3",
+                "2",
                 "--output",
                 out.to_str().expect("utf8"),
             ],
@@ -102,7 +103,7 @@ fn async_allreduce_trains_lenet5_past_98_5_percent_on_2_and_4_ranks() {
             "{log}"
         );
         assert!(
-            log.contains("async all-reduce: staleness 1, 1404 steps applied"),
+            log.contains("async all-reduce: staleness 1, 936 steps applied"),
             "{log}"
         );
     }
