@@ -98,6 +98,16 @@ fn train(args: &TrainArgs) -> Result<()> {
         None => settings::launcher_rank()?,
     };
     settings::check_rank_source(&sources, &config, rank)?;
+    // burn's default device, as `flotilla launch` names it for its ranks: a rank started by
+    // hand (joining an elastic job mid-run, or under a scheduler of its own) that trains on
+    // Flex otherwise opens Vulkan whenever it takes optimizer state from a peer or a
+    // checkpoint (`flotilla_engine::burn_device_for`).
+    if let Some((key, value)) = launch::burn_device_env(&config) {
+        // SAFETY: this process has one thread here: main starts none before `train`, and the
+        // config was only read and parsed (no device opened yet: `validate` below may open a
+        // GPU's driver, which starts threads), so nothing reads the environment meanwhile.
+        unsafe { std::env::set_var(key, value) };
+    }
     let spec = config.validate()?;
     match flotilla_rank::run(&config, &spec, rank) {
         Ok(_) => Ok(()),
