@@ -205,8 +205,10 @@ pub trait Engine: ModelState {
     /// checkpointing, `recompute: true`): [`Engine::forward_backward`] and
     /// [`Engine::forward_backward_streaming`] run every group but the last off the tape and
     /// recompute it from its kept input, so one group's activations are held at a time; the
-    /// gradients are bit for bit the same. Refused for a model whose forward changes state or
-    /// draws random numbers, and by an engine that cannot (the default).
+    /// gradients are bit for bit the same, and so are batch norm's running statistics (the
+    /// recomputation's update undone). Refused by an engine that cannot (the default); a
+    /// recomputed pass with dropout fails without a dropout seed
+    /// ([`Engine::set_dropout_seed`]).
     fn set_recompute(&mut self, on: bool) -> Result<()> {
         if on {
             return Err(EngineError::Recompute(
@@ -221,9 +223,9 @@ pub trait Engine: ModelState {
     /// Releases every parameter (ZeRO-3: the caller keeps this rank's shard and gathers
     /// each group's parameters in [`Engine::forward_backward_sharded`]). Whole-model calls
     /// fail with [`EngineError::ParamsSharded`] until [`ModelState::write_params`] gives the
-    /// whole parameters back. Refused for a model that cannot be trained so (one whose
-    /// forward changes state or draws random numbers, recomputed in the sharded backward),
-    /// and by an engine that keeps whole parameters (the default).
+    /// whole parameters back. Refused for a model that cannot be trained so (a spec with
+    /// batch norm, whose running statistics ZeRO-3's checkpoints do not hold yet), and by an
+    /// engine that keeps whole parameters (the default).
     fn release_params(&mut self) -> Result<()> {
         Err(EngineError::ParamsSharded(
             "this engine keeps whole parameters: ZeRO stage 2 or less".into(),
@@ -337,7 +339,7 @@ impl BurnEngine {
     /// `seed` one layer at a time (the values of [`BurnEngine::new`]), each layer's handed to
     /// `sink` and released ([`Engine::release_params`]), with backward groups of at most
     /// `group_bytes` (as [`Engine::set_backward_group_bytes`]), which `sink` learns first.
-    /// A model whose forward changes state or draws random numbers is refused.
+    /// A model with batch norm is refused (as by [`Engine::release_params`]).
     pub fn new_released(
         spec: &ModelSpec,
         optimizer: &OptimizerSpec,
@@ -547,9 +549,6 @@ impl Engine for BurnEngine {
         if !on {
             self.recompute = None;
             return Ok(());
-        }
-        if let Some(why) = recompute::not_recomputable(self.model()?, "recomputation") {
-            return Err(EngineError::Recompute(why));
         }
         self.grads.clear();
         self.recompute = Some(backward_groups::plan(&self.spec, &self.layers, 1)?);

@@ -38,6 +38,9 @@ pub(crate) trait BlockRun {
 
     /// Drops its parameters' values.
     fn release(&mut self) -> Result<()>;
+
+    /// How many buffer values it keeps (batch norm's running statistics).
+    fn buffer_len(&self) -> usize;
 }
 
 /// How a block runs.
@@ -106,7 +109,8 @@ impl Blocks {
     }
 
     /// Refuses blocks whose parameters are not `layout`'s (the whole module's), tensor for
-    /// tensor in flat order, or a block without parameters (no group to gather).
+    /// tensor in flat order, a block without parameters (no group to gather) or one with
+    /// buffers.
     pub(crate) fn check(&self, layout: &ParamLayout) -> Result<()> {
         let mine: Vec<_> = self
             .blocks
@@ -136,6 +140,15 @@ impl Blocks {
         }
         if let Some(g) = self.params.iter().position(Range::is_empty) {
             return mismatch(format!("block {g} has no parameters"));
+        }
+        // A block's forward updates its own buffers, not the module's, which evaluation,
+        // the ranks' average and checkpoints read: refused until they are carried back.
+        if let Some(g) = self.blocks.iter().position(|b| b.buffer_len() > 0) {
+            return Err(EngineError::ParamsSharded(format!(
+                "block {g} keeps running statistics (batch norm), which a module run as its \
+                 blocks (ZeRO stage 3, recomputation) does not carry back to the module yet: \
+                 train it with ZeRO stage 2 or less, without recomputation"
+            )));
         }
         Ok(())
     }

@@ -3,7 +3,7 @@
 //! forward off the tape, recomputed in backward, a skip tensor between blocks) gives the whole
 //! module's loss and gradients bit for bit; dropout draws the same masks in the recomputed
 //! forward as in the first; evaluation gives the whole module's figures; blocks that are not
-//! the module's are refused.
+//! the module's, and blocks with running statistics (batch norm), are refused.
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -411,4 +411,70 @@ fn a_recomputing_module_draws_its_dropout_masks_per_block_and_again_in_recomputa
     e.read_grads(&mut grads).expect("grads");
     let expected = once_on_the_tape(&net, &images, &labels, 9);
     assert_eq!(bits(&grads), bits(&expected));
+}
+
+/// A module with a batch norm, its own one block.
+#[derive(Module, Debug)]
+struct Normed {
+    fc: Linear,
+    bn: burn::nn::BatchNorm,
+}
+
+impl StageModule for Normed {
+    fn inputs(&self) -> Vec<String> {
+        vec!["x".into()]
+    }
+    fn outputs(&self) -> Vec<String> {
+        vec!["logits".into()]
+    }
+    fn forward(&self, mut t: NamedTensors) -> crate::Result<NamedTensors> {
+        let y = self.bn.forward(self.fc.forward(t.take::<2>("x")?));
+        Ok(NamedTensors::new().with("logits", y))
+    }
+}
+
+impl TrainModule for Normed {
+    fn loss(&self, batch: BatchRef<'_>, device: &Device) -> Tensor<1> {
+        let logits = self.logits(batch.images, batch.labels.len(), device);
+        let loss = CrossEntropyLossConfig::new().init(device);
+        loss.forward(logits, labels_tensor(batch.labels, device))
+    }
+
+    fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
+        let x = Tensor::<2>::from_data(TensorData::new(inputs.to_vec(), [n, FEATURES]), device);
+        self.bn.forward(self.fc.forward(x))
+    }
+}
+
+fn normed(device: &Device) -> Normed {
+    Normed {
+        fc: LinearConfig::new(FEATURES, 5).init(device),
+        bn: burn::nn::BatchNormConfig::new(5).init(device),
+    }
+}
+
+#[test]
+fn blocks_with_running_statistics_are_refused() {
+    let block: Vec<StageBuilder> = vec![Box::new(|d: &Device| {
+        Box::new(normed(d)) as Box<dyn crate::AnyStageModule>
+    })];
+    let input = (block.as_slice(), Shape::Flat(FEATURES));
+    let whole = ModuleEngine::seeded(normed, SEED, &sgd(0.05, 0.9), "flex").expect("whole");
+    let refused = whole
+        .with_blocks(input)
+        .err()
+        .expect("batch norm")
+        .to_string();
+    assert!(
+        refused.contains("block 0 keeps running statistics"),
+        "{refused}"
+    );
+    let mut sink = Everything::default();
+    let released =
+        ModuleEngine::released(normed, input, &sgd(0.05, 0.9), ("flex", SEED), &mut sink);
+    let refused = released.err().expect("batch norm").to_string();
+    assert!(
+        refused.contains("block 0 keeps running statistics"),
+        "{refused}"
+    );
 }

@@ -10,8 +10,9 @@
 //! bit that of the grouped backward of [`crate::grouped`] (and of one backward pass). Dropout
 //! draws each layer's mask from the RNG re-seeded for the step and the layer
 //! ([`SequentialModel::dropout_seed`]), so the recomputed forward draws the masks the first
-//! one drew. A layer whose forward changes state (batch norm's running statistics) would do
-//! so twice: such a model is refused ([`not_recomputable`]).
+//! one drew. A batch norm's forward updates its running statistics, which the recomputed
+//! forward would do a second time: that update is undone
+//! ([`crate::buffers::updates_undone`]), so the statistics are those of one forward too.
 //!
 //! Where a group's parameters come from is the [`GroupSource`]'s: the whole model's own
 //! ([`forward_backward`], `recompute: true`), or gathered from the ranks' shards for each use
@@ -61,22 +62,6 @@ pub(crate) trait GroupSource {
     fn held(&mut self) -> Result<SequentialModel> {
         Err(EngineError::ModelUnavailable)
     }
-}
-
-/// Why `model` cannot be recomputed, if it cannot: a layer whose forward pass changes state,
-/// which a recomputed forward would do twice (`what` names the pass that recomputes).
-pub(crate) fn not_recomputable(model: &SequentialModel, what: &str) -> Option<String> {
-    model
-        .layers
-        .iter()
-        .enumerate()
-        .find_map(|(i, layer)| match layer {
-            Layer::BatchNorm(_) => Some(format!(
-                "layer {i}: batch norm updates its running statistics in forward, and {what} \
-                 recomputes each group's forward"
-            )),
-            _ => None,
-        })
 }
 
 /// `forward` of `model`'s layers `layers`, holding the RNG's lock when one of them draws a
@@ -180,8 +165,10 @@ pub(crate) fn run(
                 let leaf = if g > 0 { input.require_grad() } else { input };
                 let layers = &groups[g].layers;
                 let y = with_masks(&m, layers, || {
-                    m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
-                })?;
+                    crate::buffers::updates_undone(&m, || {
+                        m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
+                    })
+                })??;
                 (m, leaf, y)
             }
         };

@@ -1,11 +1,12 @@
 //! Activation recomputation (`Engine::set_recompute`) against the same engine without it:
 //! the same losses and gradients bit for bit over steps, whether the gradients are streamed
 //! or read after the pass, with one backward group or many, dropout masks included (drawn
-//! again in the recomputed forward); a model whose forward changes state is refused, and so
-//! is a recomputed pass with dropout but no dropout seed.
+//! again in the recomputed forward), and batch norm's running statistics, which the
+//! recomputed forward updates too (undone); a recomputed pass with dropout but no dropout
+//! seed is refused.
 
 use crate::sharded_tests::{batch, bits, engine, specs};
-use crate::{BatchRef, BurnEngine, Engine, EngineError, ModelSpec, ModelState};
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState};
 
 /// Three steps of `e` on fixed batches, each with its dropout seed (`salt` plus the step):
 /// each step's loss and streamed gradient, then the gradient [`Engine::for_each_grad`] reads
@@ -73,15 +74,34 @@ fn recomputation_gives_the_same_losses_and_gradients_bit_for_bit() {
 }
 
 #[test]
-fn recomputation_is_refused_for_a_model_whose_forward_changes_state() {
+fn recomputation_updates_batch_norms_running_statistics_once() {
     let spec = ModelSpec::builtin("resnet-bn").expect("spec");
-    let mut e = engine(&spec, 0);
-    let err = e.set_recompute(true).expect_err("batch norm");
-    assert!(
-        matches!(err, EngineError::Recompute(_)) && err.to_string().contains("recomputes"),
-        "{err}"
-    );
-    e.set_recompute(false).expect("off is always possible");
+    let buffers = |e: &BurnEngine| {
+        let mut b = vec![0.0; e.buffer_layout().total];
+        e.read_buffers(&mut b).expect("buffers");
+        bits(&b)
+    };
+    let initial = buffers(&engine(&spec, 0));
+    for max_bytes in [0, 1 << 20] {
+        let mut plain = engine(&spec, max_bytes);
+        let mut recomputed = engine(&spec, max_bytes);
+        recomputed.set_recompute(true).expect("recompute");
+        let want = steps(&mut plain, &spec, 100);
+        assert!(
+            want == steps(&mut recomputed, &spec, 100),
+            "{max_bytes} B groups"
+        );
+        let stats = buffers(&plain);
+        assert_ne!(stats, initial, "three steps moved the running statistics");
+        assert!(
+            stats == buffers(&recomputed),
+            "{max_bytes} B groups: running statistics differ first at {:?}",
+            stats
+                .iter()
+                .zip(buffers(&recomputed))
+                .position(|(a, b)| *a != b)
+        );
+    }
 }
 
 #[test]

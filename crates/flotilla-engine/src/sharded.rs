@@ -25,8 +25,8 @@
 //! backward pass). What a rank holds at most: its shard (the caller's), one group's gathered
 //! parameters and gradients, the groups' inputs, and one group's activations on the tape.
 //!
-//! A layer whose forward changes state (batch norm's running statistics) would do so twice:
-//! such a model is refused ([`check_shardable`]). Dropout draws the same masks both times
+//! A model with batch norm is refused ([`check_shardable`]): its running statistics are not
+//! in ZeRO-3's checkpoints yet. Dropout draws the same masks both times
 //! (each layer's from the step's dropout seed, [`SequentialModel::dropout_seed`]). A head
 //! tied to the embedding borrows the first group's table ([`crate::sharded_tie`]). The pass
 //! itself is [`crate::recompute`]'s (`recompute: true` runs it on the whole model); this
@@ -44,7 +44,7 @@ use crate::params::{self, ParamLayout};
 use crate::recompute::{self, GroupSource};
 use crate::sharded_tie::Tie;
 use crate::spec::activation::Activation;
-use crate::spec::model::SequentialModel;
+use crate::spec::model::{Layer, SequentialModel};
 
 /// Where a sharded model's parameters come from and where its gradients go: the caller's
 /// side of [`crate::Engine::forward_backward_sharded`] (a ZeRO-3 rank's shard and its
@@ -97,12 +97,17 @@ pub trait ShardSink {
     fn values(&mut self, param: usize, values: &[f32]) -> Result<()>;
 }
 
-/// Refuses a model whose forward pass changes state, which the recomputed forward of a
-/// sharded backward would do twice.
+/// Refuses a model with buffers (batch norm's running statistics): ZeRO-3's checkpoints,
+/// written a share per rank from the layout of the parameters, do not hold them yet.
 pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
-    match recompute::not_recomputable(model, "a sharded backward") {
-        Some(why) => Err(EngineError::ParamsSharded(format!(
-            "{why}; train it with ZeRO stage 2 or less"
+    let bn = model
+        .layers
+        .iter()
+        .position(|layer| matches!(layer, Layer::BatchNorm(_)));
+    match bn {
+        Some(i) => Err(EngineError::ParamsSharded(format!(
+            "layer {i}: batch norm keeps running statistics, which ZeRO stage 3's checkpoints \
+             (written a share per rank) do not hold yet; train it with ZeRO stage 2 or less"
         ))),
         None => Ok(()),
     }

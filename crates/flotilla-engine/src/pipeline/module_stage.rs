@@ -380,4 +380,10 @@ impl<M: StageModule> BlockRun for Block<M> {
         self.model = Some(params::write_range(model, &self.layout, all, None, false)?);
         Ok(())
     }
+
+    fn buffer_len(&self) -> usize {
+        self.model
+            .as_ref()
+            .map_or(0, |m| crate::any_module::buffer_layout(m).total)
+    }
 }

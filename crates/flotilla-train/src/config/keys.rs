@@ -173,8 +173,8 @@ pub const KEYS: &[Key] = &[
     ),
     Key::new("model.recompute").aliases(&["recompute"]).switch(
         "recompute",
-        "Recompute each block's forward in backward: one block's activations held at a time \
-         (a spec model without dropout or batch norm; ZeRO-3 always does)",
+        "Recompute each block's forward in backward: one block's activations held at a time, \
+         the same gradients and running statistics (ZeRO-3 always does)",
     ),
     Key::new("data.path").aliases(&["data"]).flag(
         "data",
