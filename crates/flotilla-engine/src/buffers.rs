@@ -11,9 +11,6 @@
 use burn::module::{ModuleMapper, ModuleVisitor, Param};
 use burn::prelude::*;
 
-use crate::error::Result;
-use crate::params::{self, ParamLayout};
-
 /// Which tensors a flat view covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Tensors {
@@ -110,30 +107,4 @@ impl<M: ModuleMapper> ModuleMapper for Only<'_, M> {
             false => param,
         }
     }
-}
-
-/// Runs `run`, a forward recomputed for its backward, and undoes what it did to `model`'s
-/// buffers: a batch norm's forward updates its running statistics, which the first forward
-/// of the same batch already did. The buffers are read before (settled: burn keeps an
-/// update pending until the next read) and written back after; every copy of `model` shares
-/// them (burn keeps them behind a shared cell), so the copy the forward ran on is restored.
-/// Free for a module without buffers. The recomputed output is the first forward's either
-/// way: in training a batch norm normalizes by the batch's statistics, not the running ones.
-pub(crate) fn updates_undone<M: Module, T>(model: &M, run: impl FnOnce() -> T) -> Result<T> {
-    let layout = ParamLayout::of_tensors(model, Tensors::Buffers);
-    if layout.total == 0 {
-        return Ok(run());
-    }
-    let mut kept = vec![0.0; layout.total];
-    params::read_values(&model.valid(), &layout, &mut kept, Tensors::Buffers)?;
-    let out = run();
-    // Settle the recomputation's update first: left pending, it would overwrite `kept`.
-    drop(model.valid());
-    drop(params::write_values(
-        model.clone(),
-        &layout,
-        &kept,
-        Tensors::Buffers,
-    )?);
-    Ok(out)
 }

@@ -12,7 +12,7 @@
 //! ([`SequentialModel::dropout_seed`]), so the recomputed forward draws the masks the first
 //! one drew. A batch norm's forward updates its running statistics, which the recomputed
 //! forward would do a second time: that update is undone
-//! ([`crate::buffers::updates_undone`]), so the statistics are those of one forward too.
+//! ([`updates_undone`]), so the statistics are those of one forward too.
 //!
 //! Where a group's parameters come from is the [`GroupSource`]'s: the whole model's own
 //! ([`forward_backward`], `recompute: true`), or gathered from the ranks' shards for each use
@@ -25,10 +25,11 @@ use burn::prelude::*;
 use burn::tensor::Gradients;
 
 use crate::backward_groups::BackwardGroup;
+use crate::buffers::Tensors;
 use crate::error::{EngineError, Result};
 use crate::grouped::GroupGrads;
 use crate::kernels::autodiff::as_tracked;
-use crate::params::ParamLayout;
+use crate::params::{self, ParamLayout};
 use crate::rng::under_rng_lock;
 use crate::spec::activation::{Activation, map_tensor};
 use crate::spec::model::{Layer, SequentialModel};
@@ -62,6 +63,32 @@ pub(crate) trait GroupSource {
     fn held(&mut self) -> Result<SequentialModel> {
         Err(EngineError::ModelUnavailable)
     }
+}
+
+/// Runs `run`, a forward recomputed for its backward, and undoes what it did to `model`'s
+/// buffers: a batch norm's forward updates its running statistics, which the first forward
+/// of the same batch already did. The buffers are read before (settled: burn keeps an
+/// update pending until the next read) and written back after; every copy of `model` shares
+/// them (burn keeps them behind a shared cell), so the copy the forward ran on is restored.
+/// Free for a module without buffers. The recomputed output is the first forward's either
+/// way: in training a batch norm normalizes by the batch's statistics, not the running ones.
+fn updates_undone<M: Module, T>(model: &M, run: impl FnOnce() -> T) -> Result<T> {
+    let layout = ParamLayout::of_tensors(model, Tensors::Buffers);
+    if layout.total == 0 {
+        return Ok(run());
+    }
+    let mut kept = vec![0.0; layout.total];
+    params::read_values(&model.valid(), &layout, &mut kept, Tensors::Buffers)?;
+    let out = run();
+    // Settle the recomputation's update first: left pending, it would overwrite `kept`.
+    drop(model.valid());
+    drop(params::write_values(
+        model.clone(),
+        &layout,
+        &kept,
+        Tensors::Buffers,
+    )?);
+    Ok(out)
 }
 
 /// `forward` of `model`'s layers `layers`, holding the RNG's lock when one of them draws a
@@ -165,7 +192,7 @@ pub(crate) fn run(
                 let leaf = if g > 0 { input.require_grad() } else { input };
                 let layers = &groups[g].layers;
                 let y = with_masks(&m, layers, || {
-                    crate::buffers::updates_undone(&m, || {
+                    updates_undone(&m, || {
                         m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
                     })
                 })??;
