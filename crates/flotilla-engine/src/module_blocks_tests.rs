@@ -134,11 +134,16 @@ impl Net {
     }
 }
 
+/// The cross-entropy of `model`'s logits on `batch`: both test modules' loss.
+fn loss_of(model: &impl TrainModule, batch: BatchRef<'_>, device: &Device) -> Tensor<1> {
+    let logits = model.logits(batch.images, batch.labels.len(), device);
+    let loss = CrossEntropyLossConfig::new().init(device);
+    loss.forward(logits, labels_tensor(batch.labels, device))
+}
+
 impl TrainModule for Net {
     fn loss(&self, batch: BatchRef<'_>, device: &Device) -> Tensor<1> {
-        let logits = self.logits(batch.images, batch.labels.len(), device);
-        let loss = CrossEntropyLossConfig::new().init(device);
-        loss.forward(logits, labels_tensor(batch.labels, device))
+        loss_of(self, batch, device)
     }
 
     fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
@@ -435,9 +440,7 @@ impl StageModule for Normed {
 
 impl TrainModule for Normed {
     fn loss(&self, batch: BatchRef<'_>, device: &Device) -> Tensor<1> {
-        let logits = self.logits(batch.images, batch.labels.len(), device);
-        let loss = CrossEntropyLossConfig::new().init(device);
-        loss.forward(logits, labels_tensor(batch.labels, device))
+        loss_of(self, batch, device)
     }
 
     fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {

@@ -70,13 +70,21 @@ pub(crate) trait GroupSource {
 /// of the same batch already did. The buffers are read before (settled: burn keeps an
 /// update pending until the next read) and written back after; every copy of `model` shares
 /// them (burn keeps them behind a shared cell), so the copy the forward ran on is restored.
-/// Free for a module without buffers. The recomputed output is the first forward's either
-/// way: in training a batch norm normalizes by the batch's statistics, not the running ones.
-fn updates_undone<M: Module, T>(model: &M, run: impl FnOnce() -> T) -> Result<T> {
-    let layout = ParamLayout::of_tensors(model, Tensors::Buffers);
-    if layout.total == 0 {
+/// Free when `layers` (the recomputed ones) hold no batch norm: no module walk on the step.
+/// The recomputed output is the first forward's either way: in training a batch norm
+/// normalizes by the batch's statistics, not the running ones.
+fn updates_undone<T>(
+    model: &SequentialModel,
+    layers: &Range<usize>,
+    run: impl FnOnce() -> T,
+) -> Result<T> {
+    let normed = model.layers[layers.clone()]
+        .iter()
+        .any(|l| matches!(l, Layer::BatchNorm(_)));
+    if !normed {
         return Ok(run());
     }
+    let layout = ParamLayout::of_tensors(model, Tensors::Buffers);
     let mut kept = vec![0.0; layout.total];
     params::read_values(&model.valid(), &layout, &mut kept, Tensors::Buffers)?;
     let out = run();
@@ -192,7 +200,7 @@ pub(crate) fn run(
                 let leaf = if g > 0 { input.require_grad() } else { input };
                 let layers = &groups[g].layers;
                 let y = with_masks(&m, layers, || {
-                    updates_undone(&m, || {
+                    updates_undone(&m, layers, || {
                         m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
                     })
                 })??;
