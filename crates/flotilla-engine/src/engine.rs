@@ -223,9 +223,8 @@ pub trait Engine: ModelState {
     /// Releases every parameter (ZeRO-3: the caller keeps this rank's shard and gathers
     /// each group's parameters in [`Engine::forward_backward_sharded`]). Whole-model calls
     /// fail with [`EngineError::ParamsSharded`] until [`ModelState::write_params`] gives the
-    /// whole parameters back. Refused for a model that cannot be trained so (a spec with
-    /// batch norm, whose running statistics ZeRO-3's checkpoints do not hold yet), and by an
-    /// engine that keeps whole parameters (the default).
+    /// whole parameters back; the buffers (batch norm's running statistics) stay whole.
+    /// Refused by an engine that keeps whole parameters (the default).
     fn release_params(&mut self) -> Result<()> {
         Err(EngineError::ParamsSharded(
             "this engine keeps whole parameters: ZeRO stage 2 or less".into(),
@@ -561,7 +560,6 @@ impl Engine for BurnEngine {
     }
 
     fn release_params(&mut self) -> Result<()> {
-        sharded::check_shardable(self.model()?)?;
         self.grads.clear();
         self.weights.release()
     }

@@ -199,10 +199,16 @@ pub(crate) fn run(
                 let input = inputs.pop().ok_or(EngineError::NoGradients)?;
                 let leaf = if g > 0 { input.require_grad() } else { input };
                 let layers = &groups[g].layers;
+                // The last group's forward runs here only (`forward` stops before it): its
+                // update of the statistics is the step's one.
+                let again = g + 1 < groups.len();
                 let y = with_masks(&m, layers, || {
-                    updates_undone(&m, layers, || {
-                        m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new())
-                    })
+                    let run = || m.run_range(layers.clone(), leaf.clone(), &mut HashMap::new());
+                    if again {
+                        updates_undone(&m, layers, run)
+                    } else {
+                        Ok(run())
+                    }
                 })??;
                 (m, leaf, y)
             }

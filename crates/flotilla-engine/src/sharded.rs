@@ -25,8 +25,8 @@
 //! backward pass). What a rank holds at most: its shard (the caller's), one group's gathered
 //! parameters and gradients, the groups' inputs, and one group's activations on the tape.
 //!
-//! A model with batch norm is refused ([`check_shardable`]): its running statistics are not
-//! in ZeRO-3's checkpoints yet. Dropout draws the same masks both times
+//! Batch norm's running statistics (buffers) are never released: the recomputed forward's
+//! second update of them is undone ([`crate::recompute`]). Dropout draws the same masks both times
 //! (each layer's from the step's dropout seed, [`SequentialModel::dropout_seed`]). A head
 //! tied to the embedding borrows the first group's table ([`crate::sharded_tie`]). The pass
 //! itself is [`crate::recompute`]'s (`recompute: true` runs it on the whole model); this
@@ -44,7 +44,7 @@ use crate::params::{self, ParamLayout};
 use crate::recompute::{self, GroupSource};
 use crate::sharded_tie::Tie;
 use crate::spec::activation::Activation;
-use crate::spec::model::{Layer, SequentialModel};
+use crate::spec::model::SequentialModel;
 
 /// Where a sharded model's parameters come from and where its gradients go: the caller's
 /// side of [`crate::Engine::forward_backward_sharded`] (a ZeRO-3 rank's shard and its
@@ -95,22 +95,6 @@ pub trait ShardSink {
     /// # Errors
     /// The caller's; the engine is not built.
     fn values(&mut self, param: usize, values: &[f32]) -> Result<()>;
-}
-
-/// Refuses a model with buffers (batch norm's running statistics): ZeRO-3's checkpoints,
-/// written a share per rank from the layout of the parameters, do not hold them yet.
-pub(crate) fn check_shardable(model: &SequentialModel) -> Result<()> {
-    let bn = model
-        .layers
-        .iter()
-        .position(|layer| matches!(layer, Layer::BatchNorm(_)));
-    match bn {
-        Some(i) => Err(EngineError::ParamsSharded(format!(
-            "layer {i}: batch norm keeps running statistics, which ZeRO stage 3's checkpoints \
-             (written a share per rank) do not hold yet; train it with ZeRO stage 2 or less"
-        ))),
-        None => Ok(()),
-    }
 }
 
 /// The model with group `group`'s parameters gathered from `pass` (requiring their

@@ -126,16 +126,19 @@ pub trait ModelState {
     /// and checkpoints. Empty for a model without batch norm.
     fn buffer_layout(&self) -> &ParamLayout;
 
-    /// Copies the buffers into `out` (the order of [`ModelState::buffer_layout`]).
+    /// Copies the buffers into `out` (the order of [`ModelState::buffer_layout`]). Also on a
+    /// model whose parameters are released (ZeRO-3): its buffers are never released.
     fn read_buffers(&self, out: &mut [f32]) -> Result<()>;
 
-    /// Replaces the buffers with `src` (the order of [`ModelState::buffer_layout`]).
+    /// Replaces the buffers with `src` (the order of [`ModelState::buffer_layout`]), released
+    /// parameters or not.
     fn write_buffers(&mut self, src: &[f32]) -> Result<()>;
 
     /// The layout of the file [`ModelState::save_weights`] writes (its header and each
     /// tensor's place), from the model's structure alone: the parameters may be released
-    /// (ZeRO-3 writes it piece by piece as they are gathered). A model with buffers (batch
-    /// norm's statistics, which it holds whole) or that is not burn's is refused.
+    /// (ZeRO-3 writes it piece by piece as they are gathered). Its tensors are the parameters
+    /// in flat order, then the buffers in theirs (tensor `params.len() + j` is buffer `j` of
+    /// [`ModelState::buffer_layout`]). A model that is not burn's is refused.
     fn weights_plan(&self) -> Result<WeightsPlan> {
         Err(EngineError::ParamsSharded(
             "this model writes its weights whole only".into(),
@@ -238,7 +241,6 @@ impl Weights<SequentialModel> {
         let (model, layout, layers, groups) = seeded(seed, |cpu| {
             // burn draws a parameter at its first use: building the model draws nothing.
             let mut model = SequentialModel::new(spec, cpu)?;
-            crate::sharded::check_shardable(&model)?;
             let layout = ParamLayout::of(&model);
             let layers = backward_groups::layer_params(&model);
             let groups = backward_groups::plan(spec, &layers, group_bytes)?;
@@ -512,13 +514,15 @@ impl<M: Module> ModelState for Weights<M> {
     }
 
     fn read_buffers(&self, out: &mut [f32]) -> Result<()> {
-        // `valid()` settles the pending updates (see the module documentation).
-        let settled = self.model()?.valid();
+        // Released or not (buffers are never released). `valid()` settles the pending
+        // updates (see the module documentation).
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        let settled = model.valid();
         params::read_values(&settled, &self.buffer_layout, out, Tensors::Buffers)
     }
 
     fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
-        let model = self.model()?;
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
         // Settle the pending updates first: one left pending would overwrite `src` later.
         drop(model.valid());
         let written =
@@ -560,14 +564,10 @@ impl<M: Module> ModelState for Weights<M> {
     }
 
     fn weights_plan(&self) -> Result<WeightsPlan> {
-        if self.buffer_layout.total > 0 {
-            return Err(EngineError::ParamsSharded(
-                "a model with buffers writes its weights whole".into(),
-            ));
-        }
         // The module's structure only: the parameters may be released.
         let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
-        let tensors = crate::weights_writer::saved_tensors(model, &self.layout);
+        let mut tensors = crate::weights_writer::saved_tensors(model, &self.layout);
+        tensors.extend(crate::weights_writer::saved_buffers(&self.buffer_layout));
         Ok(WeightsPlan::new(tensors, &self.metadata))
     }
 

@@ -6,7 +6,8 @@
 //! group at a time).
 //!
 //! The header is written first, from the layout alone (every tensor's name, shape and
-//! length are known before any value, [`WeightsPlan`]); then each tensor's values at their
+//! length are known before any value, [`WeightsPlan`]: the parameters, then batch norm's
+//! running statistics, which every rank holds whole); then each tensor's values at their
 //! place, in any order and by any rank that has them. Written by
 //! hand because burn's store and the `safetensors` crate both serialize from tensors that
 //! are all in memory at once.
@@ -77,6 +78,18 @@ pub(crate) fn saved_tensors<M: Module>(model: &M, layout: &ParamLayout) -> Vec<S
                 shape: p.shape.clone(),
                 transposed: linear && weight && p.shape.len() == 2,
             }
+        })
+        .collect()
+}
+
+/// The tensors of the buffers of `layout` (a model's [`crate::ModelState::buffer_layout`]):
+/// saved as they are (batch norm's running statistics are vectors), after the parameters.
+pub(crate) fn saved_buffers(layout: &ParamLayout) -> Vec<SavedTensor> {
+    (layout.params.iter())
+        .map(|p| SavedTensor {
+            name: p.name.clone(),
+            shape: p.shape.clone(),
+            transposed: false,
         })
         .collect()
 }

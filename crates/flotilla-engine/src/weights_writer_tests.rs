@@ -1,8 +1,9 @@
 //! A weights file written tensor by tensor is the file `save_weights` writes: the same
-//! tensors (names, PyTorch's shapes, bytes) and metadata, and it loads back into the model.
+//! tensors (names, PyTorch's shapes, bytes; batch norm's running statistics after the
+//! parameters) and metadata, and it loads back into the model.
 
 use crate::engine_tests::sgd;
-use crate::{BurnEngine, ModelSpec, ModelState};
+use crate::{BatchRef, BurnEngine, Engine, ModelSpec, ModelState};
 
 /// `values` (`e`'s parameters) written tensor by tensor in flat order into the file at
 /// `path` that `e`'s [`crate::WeightsPlan`] lays out.
@@ -13,14 +14,33 @@ fn write_in_order(e: &BurnEngine, values: &[f32], path: &std::path::Path) {
         plan.write_at((&file, path), i, &values[p.offset..p.offset + p.len])
             .expect("tensor");
     }
+    // The buffers after the parameters.
+    let mut buffers = vec![0.0; e.buffer_layout().total];
+    e.read_buffers(&mut buffers).expect("buffers");
+    let first = e.layout().params.len();
+    for (j, b) in e.buffer_layout().params.iter().enumerate() {
+        plan.write_at(
+            (&file, path),
+            first + j,
+            &buffers[b.offset..b.offset + b.len],
+        )
+        .expect("buffer");
+    }
 }
 
 #[test]
 fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
     let tmp = tempfile::tempdir().expect("tmp");
-    for name in ["mlp", "lenet5", "gpt-char"] {
+    for name in ["mlp", "lenet5", "gpt-char", "resnet-bn"] {
         let spec = ModelSpec::builtin(name).expect("shipped spec");
-        let e = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 3).expect("engine");
+        let mut e = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 3).expect("engine");
+        // A forward moves batch norm's running statistics off their initial values.
+        let (images, labels) = crate::sharded_tests::batch(&spec, 4, 1);
+        e.forward_backward(BatchRef {
+            images: &images,
+            labels: &labels,
+        })
+        .expect("forward");
         let whole = tmp.path().join(format!("{name}-whole.safetensors"));
         e.save_weights(&whole).expect("save");
         let mut values = vec![0.0; e.num_params()];
@@ -57,6 +77,14 @@ fn a_weights_file_written_tensor_by_tensor_is_the_one_save_weights_writes() {
         let mut back = vec![0.0; values.len()];
         fresh.read_params(&mut back).expect("params");
         assert!(back == values, "{name}: loads back");
+        let mut stats = vec![0.0; e.buffer_layout().total];
+        e.read_buffers(&mut stats).expect("buffers");
+        let mut stats_back = vec![0.0; stats.len()];
+        fresh.read_buffers(&mut stats_back).expect("buffers");
+        assert!(
+            stats_back == stats,
+            "{name}: its running statistics load back"
+        );
     }
 }
 

@@ -17,6 +17,8 @@ mod shard_file_tests;
 #[cfg(test)]
 mod sync_tests;
 #[cfg(test)]
+mod zero_batch_norm_tests;
+#[cfg(test)]
 mod zero_elastic_tests;
 #[cfg(test)]
 mod zero_reshard_tests;

@@ -398,7 +398,8 @@ impl Strategy for SyncAllReduce {
     ) -> Result<Option<PathBuf>> {
         let output = cx.config.telemetry.output.clone();
         if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
-            // Gathered one bucket at a time; the model has no buffers to average.
+            // Gathered one bucket at a time; the buffers averaged as an unsharded run's.
+            super::average_buffers(&*self.comm, &mut *self.engine)?;
             return zero.save_sharded(&output, &*self.engine, &self.plan, state);
         }
         self.prepare_model(cx)?;
@@ -418,6 +419,7 @@ impl Strategy for SyncAllReduce {
     /// holding the whole parameters; else rank 0 writes its model whole.
     fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
         if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            super::average_buffers(&*self.comm, &mut *self.engine)?;
             return zero.save_model(path, &*self.engine, &self.plan);
         }
         crate::strategy::interface::save_whole_model(self, cx, path)
@@ -466,6 +468,7 @@ impl Strategy for SyncAllReduce {
     /// Under ZeRO stage 3, group by group through the shards, a training batch at a time.
     fn evaluate(&mut self, cx: &mut Cx<'_>) -> Result<EvalStats> {
         if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            super::average_buffers(&*self.comm, &mut *self.engine)?;
             let batch = cx.config.data.batch_size;
             return zero.evaluate(&mut *self.engine, &self.plan, cx.test, batch);
         }
@@ -477,6 +480,8 @@ impl Strategy for SyncAllReduce {
     /// same on every rank by construction, and the one an unsharded run's model gives).
     fn verify_identical(&mut self, cx: &mut Cx<'_>) -> Result<Option<u64>> {
         if let Some(zero) = self.zero.as_mut().filter(|z| z.shards_params()) {
+            // The buffers become the peers' mean here too, as in an unsharded run.
+            super::average_buffers(&*self.comm, &mut *self.engine)?;
             let hash = zero.param_hash(&self.plan)?;
             cx.log(&format!(
                 "parameters of the {} shards gathered (xxh3 {hash:016x})",

@@ -23,6 +23,9 @@
 //! model between steps ([`crate::strategy::Strategy::prepare_model`], a library user's) gets
 //! every bucket gathered into the engine ([`Zero::materialize`]); the next step releases them
 //! again. A resumed run starts whole (rank 0 loads the checkpoint; [`Zero::take_param_shard`]).
+//! Batch norm's running statistics are never sharded: every rank holds them whole, the peers
+//! average them before an evaluation, the hash and a checkpoint (as zero 0 does), and the
+//! first writer of `model.safetensors` writes them after the parameters.
 //!
 //! [`ShardOptimizer::step_shard`]: flotilla_engine::ShardOptimizer::step_shard
 
@@ -30,7 +33,9 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use flotilla_data::Samples;
-use flotilla_engine::{BatchRef, Engine, EngineError, EvalStats, ModelState, ShardedPass};
+use flotilla_engine::{
+    BatchRef, Engine, EngineError, EvalStats, ModelState, ShardedPass, WeightsPlan,
+};
 use flotilla_tcp::shard;
 
 use super::initial::{InitialShard, check_same_draw};
@@ -378,6 +383,14 @@ impl Zero {
             }
             Ok(())
         })?;
+        if k == 0 {
+            // The buffers (batch norm's statistics, the same on every rank once averaged)
+            // are the first writer's, after the parameters.
+            target = target.and_then(|(weights, file)| {
+                write_buffers(model, &weights, (&file, path))?;
+                Ok((weights, file))
+            });
+        }
         Ok(target.and_then(|(_, file)| file.sync_all().map_err(|e| TrainError::io(path, e))))
     }
 
@@ -424,6 +437,23 @@ impl Zero {
     pub fn param_shard_bytes(&self) -> usize {
         self.params.capacity() * std::mem::size_of::<f32>()
     }
+}
+
+/// `model`'s buffers (held whole by every rank) into the weights file `file` at `path`,
+/// after its parameters: tensor `params.len() + j` of `weights` is buffer `j`.
+fn write_buffers(
+    model: &dyn ModelState,
+    weights: &WeightsPlan,
+    (file, path): (&std::fs::File, &Path),
+) -> Result<()> {
+    let layout = model.buffer_layout();
+    let mut values = vec![0.0; layout.total];
+    model.read_buffers(&mut values)?;
+    let first = model.layout().params.len();
+    for (j, b) in layout.params.iter().enumerate() {
+        weights.write_at((file, path), first + j, &values[b.offset..b.offset + b.len])?;
+    }
+    Ok(())
 }
 
 /// The bucket whose parameters are `params` (the buckets are the engine's backward groups).
