@@ -39,8 +39,15 @@ pub(crate) trait BlockRun {
     /// Drops its parameters' values.
     fn release(&mut self) -> Result<()>;
 
-    /// How many buffer values it keeps (batch norm's running statistics).
-    fn buffer_len(&self) -> usize;
+    /// Where its buffers (batch norm's running statistics) sit among its own.
+    fn buffer_layout(&self) -> ParamLayout;
+
+    /// Copies its buffers into `out` (their layout's flat order), their pending updates
+    /// settled.
+    fn read_buffers(&self, out: &mut [f32]) -> Result<()>;
+
+    /// Replaces its buffers with `src` (their layout's flat order).
+    fn write_buffers(&mut self, src: &[f32]) -> Result<()>;
 }
 
 /// How a block runs.
@@ -73,6 +80,8 @@ pub(crate) struct Blocks {
     pub(crate) names: Vec<(Vec<String>, Vec<String>)>,
     /// Each block's parameters: indices into the whole module's layout.
     pub(crate) params: Vec<Range<usize>>,
+    /// Each block's buffers: values of the whole module's flat buffers.
+    pub(crate) buffers: Vec<Range<usize>>,
     /// One sample of the batch's inputs, which block 0 takes.
     pub(crate) input: Shape,
 }
@@ -93,24 +102,27 @@ impl Blocks {
                 ));
             }
         }
-        let mut params = Vec::with_capacity(blocks.len());
-        let mut first = 0;
+        let (mut params, mut buffers) = (Vec::new(), Vec::new());
+        let (mut first, mut at) = (0, 0);
         for b in &blocks {
             let n = b.layout().params.len();
             params.push(first..first + n);
             first += n;
+            let len = b.buffer_layout().total;
+            buffers.push(at..at + len);
+            at += len;
         }
         Ok(Self {
             blocks,
             names,
             params,
+            buffers,
             input,
         })
     }
 
     /// Refuses blocks whose parameters are not `layout`'s (the whole module's), tensor for
-    /// tensor in flat order, a block without parameters (no group to gather) or one with
-    /// buffers.
+    /// tensor in flat order, or a block without parameters (no group to gather).
     pub(crate) fn check(&self, layout: &ParamLayout) -> Result<()> {
         let mine: Vec<_> = self
             .blocks
@@ -141,16 +153,61 @@ impl Blocks {
         if let Some(g) = self.params.iter().position(Range::is_empty) {
             return mismatch(format!("block {g} has no parameters"));
         }
-        // A block's forward updates its own buffers, not the module's, which evaluation,
-        // the ranks' average and checkpoints read: refused until they are carried back.
-        if let Some(g) = self.blocks.iter().position(|b| b.buffer_len() > 0) {
+        Ok(())
+    }
+
+    /// Refuses blocks whose buffers (batch norm's running statistics) are not `buffers`'s
+    /// (the whole module's), tensor for tensor in flat order: the module's are carried into
+    /// the blocks before a pass and back after ([`Blocks::load_buffers`]).
+    pub(crate) fn check_buffers(&self, buffers: &ParamLayout) -> Result<()> {
+        let mine: Vec<_> = self.blocks.iter().map(|b| b.buffer_layout()).collect();
+        let shapes = |it: &mut dyn Iterator<Item = &Vec<usize>>| it.cloned().collect::<Vec<_>>();
+        let theirs = shapes(&mut buffers.params.iter().map(|p| &p.shape));
+        let ours = shapes(&mut mine.iter().flat_map(|l| l.params.iter().map(|p| &p.shape)));
+        if ours != theirs {
             return Err(EngineError::ParamsSharded(format!(
-                "block {g} keeps running statistics (batch norm), which a module run as its \
-                 blocks (ZeRO stage 3, recomputation) does not carry back to the module yet: \
-                 train it with ZeRO stage 2 or less, without recomputation"
+                "the module's stage modules are its blocks, whose running statistics (batch \
+                 norm) are the whole module's in order: the blocks have {ours:?}, the module \
+                 {theirs:?}"
             )));
         }
         Ok(())
+    }
+
+    /// Whether any block keeps buffers.
+    pub(crate) fn has_buffers(&self) -> bool {
+        self.buffers.iter().any(|r| !r.is_empty())
+    }
+
+    /// The whole module's buffers `src` (its flat order) into the blocks.
+    pub(crate) fn load_buffers(&mut self, src: &[f32]) -> Result<()> {
+        for (block, range) in self.blocks.iter_mut().zip(&self.buffers) {
+            if !range.is_empty() {
+                block.write_buffers(&src[range.clone()])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The blocks' buffers into `out` (the whole module's flat order).
+    pub(crate) fn store_buffers(&self, out: &mut [f32]) -> Result<()> {
+        for (block, range) in self.blocks.iter().zip(&self.buffers) {
+            if !range.is_empty() {
+                block.read_buffers(&mut out[range.clone()])?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Block `g`'s buffers (`None`: it keeps none), to undo its recomputed forward's update.
+    pub(crate) fn buffers_of(&self, g: usize) -> Result<Option<Vec<f32>>> {
+        let len = self.buffers[g].len();
+        if len == 0 {
+            return Ok(None);
+        }
+        let mut values = vec![0.0; len];
+        self.blocks[g].read_buffers(&mut values)?;
+        Ok(Some(values))
     }
 
     /// The blocks' parameters in the order their gradients are ready (the last block's

@@ -8,7 +8,9 @@
 //! for each earlier block from the last: gathered again, its forward recomputed on the tape
 //! from its kept inputs (leaves that require their gradient), differentiated with the
 //! gradients its outputs got from the blocks that took them; its parameters' gradients are
-//! handed on and its inputs' go to the blocks that gave them.
+//! handed on and its inputs' go to the blocks that gave them. A recomputed forward's
+//! update of a block's running statistics (batch norm) is undone: they are those of one
+//! forward.
 //!
 //! A block takes each input from the nearest earlier block that gives it (the batch's
 //! inputs for the first), as a pipeline of the same modules routes them; a tensor that two
@@ -154,10 +156,19 @@ fn run<M: Module>(
                 let inputs = kept.pop().ok_or(EngineError::NoGradients)?;
                 gather(blocks, g, g.checked_sub(1), pass, &mut scratch)?;
                 let leaves = leaves(inputs);
+                // A block's recomputed forward updates its running statistics a second
+                // time: undone (the last block's forward runs here only, once).
+                let settled = match g + 1 < blocks.blocks.len() {
+                    true => blocks.buffers_of(g)?,
+                    false => None,
+                };
                 let block = &mut blocks.blocks[g];
                 let run = || block.run(&scratch, named(&leaves), Pass::Tape);
-                let out = weights.with_block_rng(g, run)?;
-                (leaves, out)
+                let out = weights.with_block_rng(g, run);
+                if let Some(values) = settled {
+                    block.write_buffers(&values)?;
+                }
+                (leaves, out?)
             }
         };
         let outputs = &blocks.names[g].1;

@@ -3,7 +3,8 @@
 //! forward off the tape, recomputed in backward, a skip tensor between blocks) gives the whole
 //! module's loss and gradients bit for bit; dropout draws the same masks in the recomputed
 //! forward as in the first; evaluation gives the whole module's figures; blocks that are not
-//! the module's, and blocks with running statistics (batch norm), are refused.
+//! the module's are refused; batch norm's running statistics are carried from the module
+//! into its blocks and back, those of one forward.
 
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -418,23 +419,60 @@ fn a_recomputing_module_draws_its_dropout_masks_per_block_and_again_in_recomputa
     assert_eq!(bits(&grads), bits(&expected));
 }
 
-/// A module with a batch norm, its own one block.
+/// Block 0 of [`Normed`]: a linear layer, a batch norm and a ReLU.
 #[derive(Module, Debug)]
-struct Normed {
+struct NormedIn {
     fc: Linear,
     bn: burn::nn::BatchNorm,
 }
 
-impl StageModule for Normed {
+/// Block 1 of [`Normed`]: a linear layer and a batch norm on the logits.
+#[derive(Module, Debug)]
+struct NormedOut {
+    fc: Linear,
+    bn: burn::nn::BatchNorm,
+}
+
+/// A module with a batch norm in each of its two blocks.
+#[derive(Module, Debug)]
+struct Normed {
+    a: NormedIn,
+    b: NormedOut,
+}
+
+impl NormedIn {
+    fn run(&self, x: Tensor<2>) -> Tensor<2> {
+        burn::tensor::activation::relu(self.bn.forward(self.fc.forward(x)))
+    }
+}
+
+impl NormedOut {
+    fn run(&self, h: Tensor<2>) -> Tensor<2> {
+        self.bn.forward(self.fc.forward(h))
+    }
+}
+
+impl StageModule for NormedIn {
     fn inputs(&self) -> Vec<String> {
         vec!["x".into()]
+    }
+    fn outputs(&self) -> Vec<String> {
+        vec!["h".into()]
+    }
+    fn forward(&self, mut t: NamedTensors) -> crate::Result<NamedTensors> {
+        Ok(NamedTensors::new().with("h", self.run(t.take::<2>("x")?)))
+    }
+}
+
+impl StageModule for NormedOut {
+    fn inputs(&self) -> Vec<String> {
+        vec!["h".into()]
     }
     fn outputs(&self) -> Vec<String> {
         vec!["logits".into()]
     }
     fn forward(&self, mut t: NamedTensors) -> crate::Result<NamedTensors> {
-        let y = self.bn.forward(self.fc.forward(t.take::<2>("x")?));
-        Ok(NamedTensors::new().with("logits", y))
+        Ok(NamedTensors::new().with("logits", self.run(t.take::<2>("h")?)))
     }
 }
 
@@ -445,39 +483,127 @@ impl TrainModule for Normed {
 
     fn logits(&self, inputs: &[f32], n: usize, device: &Device) -> Tensor<2> {
         let x = Tensor::<2>::from_data(TensorData::new(inputs.to_vec(), [n, FEATURES]), device);
-        self.bn.forward(self.fc.forward(x))
+        self.b.run(self.a.run(x))
     }
 }
 
-fn normed(device: &Device) -> Normed {
+fn normed_in(d: &Device) -> NormedIn {
+    NormedIn {
+        fc: LinearConfig::new(FEATURES, 8).init(d),
+        bn: burn::nn::BatchNormConfig::new(8).init(d),
+    }
+}
+
+fn normed_out(d: &Device) -> NormedOut {
+    NormedOut {
+        fc: LinearConfig::new(8, 5).init(d),
+        bn: burn::nn::BatchNormConfig::new(5).init(d),
+    }
+}
+
+fn normed(d: &Device) -> Normed {
     Normed {
-        fc: LinearConfig::new(FEATURES, 5).init(device),
-        bn: burn::nn::BatchNormConfig::new(5).init(device),
+        a: normed_in(d),
+        b: normed_out(d),
     }
 }
 
+fn normed_blocks() -> Vec<StageBuilder> {
+    vec![
+        Box::new(|d: &Device| Box::new(normed_in(d)) as Box<dyn crate::AnyStageModule>),
+        Box::new(|d: &Device| Box::new(normed_out(d)) as Box<dyn crate::AnyStageModule>),
+    ]
+}
+
+fn normed_whole() -> ModuleEngine<Normed> {
+    ModuleEngine::seeded(normed, SEED, &sgd(0.05, 0.9), "flex").expect("whole")
+}
+
+fn buffers_of(e: &dyn Engine) -> Vec<f32> {
+    let mut b = vec![0.0; e.buffer_layout().total];
+    e.read_buffers(&mut b).expect("buffers");
+    b
+}
+
+/// Recomputing by its blocks, a module with batch norm trains as without: the same losses,
+/// gradients and (carried back from the blocks into the module, the recomputed forward's
+/// update undone) running statistics, bit for bit, step after step.
 #[test]
-fn blocks_with_running_statistics_are_refused() {
-    let block: Vec<StageBuilder> = vec![Box::new(|d: &Device| {
-        Box::new(normed(d)) as Box<dyn crate::AnyStageModule>
-    })];
-    let input = (block.as_slice(), Shape::Flat(FEATURES));
-    let whole = ModuleEngine::seeded(normed, SEED, &sgd(0.05, 0.9), "flex").expect("whole");
-    let refused = whole
-        .with_blocks(input)
-        .err()
-        .expect("batch norm")
-        .to_string();
-    assert!(
-        refused.contains("block 0 keeps running statistics"),
-        "{refused}"
-    );
+fn recomputing_blocks_carry_the_running_statistics_of_one_forward_back_to_the_module() {
+    let mut plain = normed_whole();
+    let blocks = normed_blocks();
+    let mut e = normed_whole()
+        .with_blocks((blocks.as_slice(), Shape::Flat(FEATURES)))
+        .expect("blocks");
+    e.set_recompute(true).expect("recompute");
+    let initial = buffers_of(&plain);
+    for step in 0..3 {
+        let (images, labels) = batch(6 + step);
+        let batch = BatchRef {
+            images: &images,
+            labels: &labels,
+        };
+        let want = plain.forward_backward(batch).expect("whole pass");
+        let got = e.forward_backward(batch).expect("recomputing pass");
+        assert_eq!(got.to_bits(), want.to_bits(), "step {step}: the loss");
+        let mut grads = vec![0.0; plain.num_params()];
+        plain.read_grads(&mut grads).expect("grads");
+        let mut kept = vec![0.0; grads.len()];
+        e.read_grads(&mut kept).expect("grads");
+        assert_eq!(bits(&kept), bits(&grads), "step {step}: the gradients");
+        let stats = buffers_of(&plain);
+        assert_eq!(
+            bits(&buffers_of(&e)),
+            bits(&stats),
+            "step {step}: statistics"
+        );
+        assert_ne!(stats, initial, "step {step}: the statistics moved");
+        plain.apply_grads(&grads, 0.05).expect("step");
+        e.apply_grads(&kept, 0.05).expect("step");
+    }
+}
+
+/// ZeRO-3 of a module with batch norm: the sharded pass leaves the whole module's running
+/// statistics in the module, and evaluation through the blocks uses them; a module's
+/// statistics written before a pass (the ranks' average, a resume) reach the blocks.
+#[test]
+fn a_released_modules_blocks_carry_its_running_statistics() {
+    let (images, labels) = batch(6);
+    let batch = BatchRef {
+        images: &images,
+        labels: &labels,
+    };
+    let mut plain = normed_whole();
+    let values = params_of(&plain);
+    let blocks = normed_blocks();
+    let input = (blocks.as_slice(), Shape::Flat(FEATURES));
     let mut sink = Everything::default();
-    let released =
-        ModuleEngine::released(normed, input, &sgd(0.05, 0.9), ("flex", SEED), &mut sink);
-    let refused = released.err().expect("batch norm").to_string();
-    assert!(
-        refused.contains("block 0 keeps running statistics"),
-        "{refused}"
-    );
+    let mut e = ModuleEngine::released(normed, input, &sgd(0.05, 0.9), ("flex", SEED), &mut sink)
+        .expect("released");
+    for round in 0..2 {
+        let want = plain.forward_backward(batch).expect("whole pass");
+        let mut pass = Gatherer::new(values.clone(), e.layout());
+        let got = e
+            .forward_backward_sharded(batch, &mut pass)
+            .expect("sharded");
+        assert_eq!(got.to_bits(), want.to_bits(), "round {round}: the loss");
+        let stats = buffers_of(&plain);
+        assert_eq!(
+            bits(&buffers_of(&e)),
+            bits(&stats),
+            "round {round}: statistics"
+        );
+        let expected = plain
+            .evaluate(&images, &labels, 6)
+            .expect("whole evaluation");
+        let got = e
+            .evaluate_sharded(&images, &labels, &mut pass)
+            .expect("sharded");
+        assert_eq!(got, expected, "round {round}: evaluation");
+        // Written into the module between passes (as the ranks' average is): the next pass
+        // starts from them, in the blocks as in the whole module.
+        let halved: Vec<f32> = stats.iter().map(|v| v * 0.5).collect();
+        e.write_buffers(&halved).expect("write");
+        plain.write_buffers(&halved).expect("write");
+    }
 }

@@ -27,7 +27,7 @@ use crate::pipeline::module_stage::StageBuilder;
 use crate::sharded::{ShardSink, ShardedPass};
 use crate::spec::activation::Activation;
 use crate::spec::shape::Shape;
-use crate::weights::{Weights, delegate_model_state};
+use crate::weights::{ModelState, Weights, delegate_model_state};
 
 /// What a user's burn module tells the engine: its training loss and its logits on a batch of
 /// flat inputs (the data's layout, row-major: `n` samples of the model's input) and labels.
@@ -126,6 +126,7 @@ impl<M: TrainModule> ModuleEngine<M> {
         };
         let mut weights =
             Weights::new_released_module(build, optimizer, (base_device, seed), groups, sink)?;
+        blocks.check_buffers(weights.buffer_layout())?;
         let (model, _) = weights.released_model()?;
         let labels_per_sample = model.as_ref().map_or(1, TrainModule::labels_per_sample);
         Ok(Self {
@@ -146,6 +147,7 @@ impl<M: TrainModule> ModuleEngine<M> {
     pub fn with_blocks(mut self, (blocks, input): (&[StageBuilder], Shape)) -> Result<Self> {
         let blocks = blocks_of(blocks, input, &self.weights.device)?;
         blocks.check(&self.weights.layout)?;
+        blocks.check_buffers(self.weights.buffer_layout())?;
         self.groups = blocks.groups();
         self.blocks = Some(blocks);
         Ok(self)
@@ -305,11 +307,14 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
         let (input, targets) = self.blocks_batch(batch)?;
         self.grads.clear();
         self.weights.released_model()?;
+        self.buffers_to_blocks()?;
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
         let loss = CrossEntropyLossConfig::new().init(&self.weights.device);
         let loss = |logits| loss.forward(logits, targets);
         let input = (input, self.keep_gathered);
-        module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, pass)
+        let value = module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, pass)?;
+        self.buffers_from_blocks()?;
+        Ok(value)
     }
 
     fn evaluate_sharded(
@@ -320,6 +325,7 @@ impl<M: TrainModule> Engine for ModuleEngine<M> {
     ) -> Result<EvalStats> {
         let n = self.samples(images, labels)?;
         self.weights.released_model()?;
+        self.buffers_to_blocks()?;
         let device = self.weights.base_device.clone();
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
         let input =
@@ -364,6 +370,7 @@ impl<M: TrainModule> ModuleEngine<M> {
     ) -> Result<f32> {
         let (input, targets) = self.blocks_batch(batch)?;
         self.drop_grads();
+        self.buffers_to_blocks()?;
         let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
         let loss = CrossEntropyLossConfig::new().init(&self.weights.device);
         let loss = |logits| loss.forward(logits, targets);
@@ -379,7 +386,33 @@ impl<M: TrainModule> ModuleEngine<M> {
         let value =
             module_blocks_pass::forward_backward(blocks, &self.weights, input, loss, &mut own)?;
         self.flat_grads = grads;
+        self.buffers_from_blocks()?;
         Ok(value)
+    }
+
+    /// The module's buffers (batch norm's running statistics) into its blocks, before a pass
+    /// runs them: what evaluation, the ranks' average or a resume wrote into the module.
+    /// Free without buffers.
+    fn buffers_to_blocks(&mut self) -> Result<()> {
+        let blocks = self.blocks.as_mut().ok_or_else(no_blocks)?;
+        if !blocks.has_buffers() {
+            return Ok(());
+        }
+        let mut values = vec![0.0; self.weights.buffer_layout().total];
+        self.weights.read_buffers(&mut values)?;
+        blocks.load_buffers(&values)
+    }
+
+    /// The blocks' buffers back into the module after a training pass updated them: the
+    /// module's are what evaluation, the ranks' average and checkpoints read.
+    fn buffers_from_blocks(&mut self) -> Result<()> {
+        let blocks = self.blocks.as_ref().ok_or_else(no_blocks)?;
+        if !blocks.has_buffers() {
+            return Ok(());
+        }
+        let mut values = vec![0.0; self.weights.buffer_layout().total];
+        blocks.store_buffers(&mut values)?;
+        self.weights.write_buffers(&values)
     }
 
     /// A training batch as the blocks take it: its inputs and labels on the training device;

@@ -327,9 +327,11 @@ fn block_of<M: StageModule>(model: M) -> Result<ModuleBlock> {
     let layout = ParamLayout::of(&model);
     let all = 0..layout.params.len();
     let model = params::write_range(model, &layout, all, None, false)?;
+    let buffers = crate::any_module::buffer_layout(&model);
     Ok(ModuleBlock::new(Box::new(Block {
         model: Some(model),
         layout,
+        buffers,
     })))
 }
 
@@ -337,6 +339,8 @@ fn block_of<M: StageModule>(model: M) -> Result<ModuleBlock> {
 struct Block<M> {
     model: Option<M>,
     layout: ParamLayout,
+    /// Its buffers' layout (batch norm's running statistics; never released).
+    buffers: ParamLayout,
 }
 
 impl<M: StageModule> BlockRun for Block<M> {
@@ -381,9 +385,22 @@ impl<M: StageModule> BlockRun for Block<M> {
         Ok(())
     }
 
-    fn buffer_len(&self) -> usize {
-        self.model
-            .as_ref()
-            .map_or(0, |m| crate::any_module::buffer_layout(m).total)
+    fn buffer_layout(&self) -> ParamLayout {
+        self.buffers.clone()
+    }
+
+    fn read_buffers(&self, out: &mut [f32]) -> Result<()> {
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        // `valid()` settles the updates burn keeps pending until the next read.
+        crate::any_module::read_buffers(&model.valid(), &self.buffers, out)
+    }
+
+    fn write_buffers(&mut self, src: &[f32]) -> Result<()> {
+        let model = self.model.as_ref().ok_or(EngineError::ModelUnavailable)?;
+        // Settled first: an update left pending would overwrite `src` later.
+        drop(model.valid());
+        let written = crate::any_module::write_buffers(model.clone(), &self.buffers, src)?;
+        self.model = Some(written);
+        Ok(())
     }
 }
