@@ -73,9 +73,21 @@ fn recomputation_gives_the_same_losses_and_gradients_bit_for_bit() {
     }
 }
 
+/// A residual CNN, and an MLP whose last layer is a batch norm (the last group's forward
+/// runs once, in backward: its update is the step's one, not undone).
 #[test]
 fn recomputation_updates_batch_norms_running_statistics_once() {
-    let spec = ModelSpec::builtin("resnet-bn").expect("spec");
+    let (_, mlp_bn) = specs()
+        .into_iter()
+        .find(|(name, _)| name == "mlp-bn")
+        .expect("mlp-bn");
+    for spec in [ModelSpec::builtin("resnet-bn").expect("spec"), mlp_bn] {
+        statistics_of_one_forward(spec);
+    }
+}
+
+/// [`recomputation_updates_batch_norms_running_statistics_once`] for `spec`.
+fn statistics_of_one_forward(spec: ModelSpec) {
     let buffers = |e: &BurnEngine| {
         let mut b = vec![0.0; e.buffer_layout().total];
         e.read_buffers(&mut b).expect("buffers");
