@@ -31,6 +31,8 @@ pub use schedule::{Action, Schedule, micro_batches};
 pub use stage::PipelineStage;
 
 #[cfg(test)]
+mod batch_norm_tests;
+#[cfg(test)]
 mod seq_tests;
 #[cfg(test)]
 mod state_tests;

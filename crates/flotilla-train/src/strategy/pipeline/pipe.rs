@@ -281,6 +281,17 @@ impl Pipeline {
         self.replicas.as_ref()
     }
 
+    /// Replaces this stage's buffers (batch norm's running statistics, which each replica's
+    /// forwards update from its own samples) with their mean over the stage's replicas, as
+    /// sync all-reduce peers average theirs: before an evaluation, a checkpoint, a model
+    /// handed to the program. Collective over the replicas; free without buffers or replicas.
+    pub fn average_buffers(&mut self) -> Result<()> {
+        match &self.replicas {
+            Some(group) => crate::strategy::allreduce::average_buffers(&**group, &mut *self.stage),
+            None => Ok(()),
+        }
+    }
+
     /// This rank's stage, to read or replace its parameters and optimizer state (between
     /// batches).
     pub fn stage_mut(&mut self) -> &mut dyn StageEngine {
@@ -414,10 +425,12 @@ impl Pipeline {
         Ok(())
     }
 
-    /// Evaluates the model on a data set in chunks of `chunk` samples; collective over the
-    /// world (replica 0 runs the forwards, every rank gets the result). A sequence model's
+    /// Evaluates the model on a data set in chunks of `chunk` samples, each stage's running
+    /// statistics first averaged over its replicas ([`Pipeline::average_buffers`]);
+    /// collective over the world (replica 0 runs the forwards, every rank gets the result). A sequence model's
     /// loss and accuracy are over positions, as the whole model's.
     pub fn evaluate(&mut self, images: &[f32], labels: &[i64], chunk: usize) -> Result<EvalStats> {
+        self.average_buffers()?;
         let mut stats = EvalStats::default();
         // Under ZeRO-3 every replica runs the forwards: each group's gather takes them all.
         if self.replica == 0 || self.params.is_some() {

@@ -426,11 +426,19 @@ impl Strategy for PipelineStage {
         cx: &mut Cx<'_>,
         state: &CheckpointState,
     ) -> Result<Option<PathBuf>> {
+        self.pipe.average_buffers()?;
         state::save(&mut self.pipe, &cx.config.telemetry.output, state)
+    }
+
+    /// Each stage's running statistics averaged over its replicas, as before a checkpoint.
+    fn prepare_model(&mut self, cx: &mut Cx<'_>) -> Result<()> {
+        let _ = cx;
+        self.pipe.average_buffers()
     }
 
     fn save_model(&mut self, cx: &mut Cx<'_>, path: &Path) -> Result<Option<PathBuf>> {
         let _ = cx;
+        self.pipe.average_buffers()?;
         self.pipe.gather_stage()?;
         state::save_model(&self.pipe, path)
     }
