@@ -255,6 +255,23 @@ fn a_programs_running_rank_serves_prometheus_metrics() {
     serves_prometheus_metrics(&["--", program.to_str().expect("utf8")]);
 }
 
+/// A port that is free with the next one (rank `r` serves on `base + r`), below Linux's
+/// ephemeral range (32768 and up), where the job's own connections take their local ports
+/// (a port picked there, free when picked, may be such a connection's before rank 1 binds
+/// it: once, in CI, rank 1 of the program's job served nothing for 120 s).
+fn free_base() -> u16 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    let salt = u64::from(std::process::id()) ^ now.map_or(0, |d| u64::from(d.subsec_nanos()));
+    (0..1000u64)
+        .map(|i| 20_000 + ((salt + i * 7_919) % 10_000) as u16)
+        .find(|&p| {
+            let a = std::net::TcpListener::bind(("127.0.0.1", p));
+            let b = std::net::TcpListener::bind(("127.0.0.1", p + 1));
+            a.is_ok() && b.is_ok()
+        })
+        .expect("two free ports in 20000..30000")
+}
+
 /// Rank 1 of a running job (of the program after `--`, if any) serves `/metrics` that the
 /// Prometheus client parses, with every family of a training rank.
 fn serves_prometheus_metrics(program: &[&str]) {
@@ -272,10 +289,7 @@ fn serves_prometheus_metrics(program: &[&str]) {
         return;
     }
     let dir = tmp();
-    let base = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-        l.local_addr().expect("addr").port()
-    };
+    let base = free_base();
     let mut c = flotilla();
     c.args([
         "launch",
