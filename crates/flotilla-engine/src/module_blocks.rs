@@ -160,10 +160,13 @@ impl Blocks {
     /// (the whole module's), tensor for tensor in flat order: the module's are carried into
     /// the blocks before a pass and back after ([`Blocks::load_buffers`]).
     pub(crate) fn check_buffers(&self, buffers: &ParamLayout) -> Result<()> {
-        let mine: Vec<_> = self.blocks.iter().map(|b| b.buffer_layout()).collect();
-        let shapes = |it: &mut dyn Iterator<Item = &Vec<usize>>| it.cloned().collect::<Vec<_>>();
-        let theirs = shapes(&mut buffers.params.iter().map(|p| &p.shape));
-        let ours = shapes(&mut mine.iter().flat_map(|l| l.params.iter().map(|p| &p.shape)));
+        let layouts: Vec<_> = self.blocks.iter().map(|b| b.buffer_layout()).collect();
+        let ours: Vec<_> = layouts
+            .iter()
+            .flat_map(|l| &l.params)
+            .map(|p| &p.shape)
+            .collect();
+        let theirs: Vec<_> = buffers.params.iter().map(|p| &p.shape).collect();
         if ours != theirs {
             return Err(EngineError::ParamsSharded(format!(
                 "the module's stage modules are its blocks, whose running statistics (batch \

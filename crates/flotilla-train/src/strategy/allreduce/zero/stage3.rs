@@ -387,7 +387,7 @@ impl Zero {
             // The buffers (batch norm's statistics, the same on every rank once averaged)
             // are the first writer's, after the parameters.
             target = target.and_then(|(weights, file)| {
-                write_buffers(model, &weights, (&file, path))?;
+                write_buffer_tensors(model, &weights, (&file, path))?;
                 Ok((weights, file))
             });
         }
@@ -441,7 +441,7 @@ impl Zero {
 
 /// `model`'s buffers (held whole by every rank) into the weights file `file` at `path`,
 /// after its parameters: tensor `params.len() + j` of `weights` is buffer `j`.
-fn write_buffers(
+fn write_buffer_tensors(
     model: &dyn ModelState,
     weights: &WeightsPlan,
     (file, path): (&std::fs::File, &Path),
