@@ -65,14 +65,9 @@ pub(crate) trait GroupSource {
     }
 }
 
-/// Runs `run`, a forward recomputed for its backward, and undoes what it did to `model`'s
-/// buffers: a batch norm's forward updates its running statistics, which the first forward
-/// of the same batch already did. The buffers are read before (settled: burn keeps an
-/// update pending until the next read) and written back after; every copy of `model` shares
-/// them (burn keeps them behind a shared cell), so the copy the forward ran on is restored.
-/// Free when `layers` (the recomputed ones) hold no batch norm: no module walk on the step.
-/// The recomputed output is the first forward's either way: in training a batch norm
-/// normalizes by the batch's statistics, not the running ones.
+/// Runs `run`, a forward of `model`'s layers `layers` recomputed for its backward, and
+/// undoes what it did to the running statistics of a batch norm among them
+/// ([`buffers_restored`]). Free when `layers` hold no batch norm: no module walk on the step.
 fn updates_undone<T>(
     model: &SequentialModel,
     layers: &Range<usize>,
@@ -85,14 +80,33 @@ fn updates_undone<T>(
         return Ok(run());
     }
     let layout = ParamLayout::of_tensors(model, Tensors::Buffers);
+    buffers_restored(model, &layout, run)
+}
+
+/// Runs `run`, a forward recomputed for its backward, and undoes what it did to `model`'s
+/// buffers (laid out by `layout`): a batch norm's forward updates its running statistics,
+/// which the first forward of the same batch already did. The buffers are read before
+/// (settled: burn keeps an update pending until the next read) and written back after;
+/// every copy of `model` shares them (burn keeps them behind a shared cell), so the copy the
+/// forward ran on is restored. Free without buffers. The recomputed output is the first
+/// forward's either way: in training a batch norm normalizes by the batch's statistics, not
+/// the running ones.
+pub(crate) fn buffers_restored<M: Module, T>(
+    model: &M,
+    layout: &ParamLayout,
+    run: impl FnOnce() -> T,
+) -> Result<T> {
+    if layout.total == 0 {
+        return Ok(run());
+    }
     let mut kept = vec![0.0; layout.total];
-    params::read_values(&model.valid(), &layout, &mut kept, Tensors::Buffers)?;
+    params::read_values(&model.valid(), layout, &mut kept, Tensors::Buffers)?;
     let out = run();
     // Settle the recomputation's update first: left pending, it would overwrite `kept`.
     drop(model.valid());
     drop(params::write_values(
         model.clone(),
-        &layout,
+        layout,
         &kept,
         Tensors::Buffers,
     )?);

@@ -5,6 +5,8 @@
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use flotilla_engine::ModelState;
+
 use crate::error::{Result, TrainError};
 
 /// Writes the file at `path` atomically: `write` fills a temporary file beside it (the same
@@ -44,6 +46,26 @@ pub fn write(path: &Path, write: impl FnOnce(&Path) -> Result<()>) -> Result<Pat
         let _ = fs::remove_file(&tmp);
     }
     written.map(|()| path.to_path_buf())
+}
+
+/// Hands `write` each of `model`'s buffers (held whole by every rank, never released) as a
+/// tensor of its weights file: tensor `params.len() + j` of its `WeightsPlan` is buffer
+/// `j`, after the parameters. Free without buffers.
+pub(crate) fn each_buffer_tensor(
+    model: &dyn ModelState,
+    write: &mut dyn FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<()> {
+    let layout = model.buffer_layout();
+    if layout.total == 0 {
+        return Ok(());
+    }
+    let mut values = vec![0.0; layout.total];
+    model.read_buffers(&mut values)?;
+    let first = model.layout().params.len();
+    for (j, b) in layout.params.iter().enumerate() {
+        write(first + j, &values[b.offset..b.offset + b.len])?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -27,13 +27,14 @@ use burn::module::Module;
 use burn::tensor::Gradients;
 
 use super::{Stage, StageGroup, vjp_seed};
+use crate::ModelState;
 use crate::backward_groups::{self, LayerParams};
 use crate::engine::labels_tensor;
 use crate::error::{EngineError, Result};
 use crate::kernels::autodiff::as_tracked;
 use crate::params::{self, ParamLayout};
 use crate::pipeline::stage_engine::StageSeed;
-use crate::recompute::detached;
+use crate::recompute::{buffers_restored, detached};
 use crate::sharded::ShardedPass;
 use crate::spec::ModelSpec;
 use crate::spec::activation::Activation;
@@ -151,7 +152,11 @@ impl<M: Module + 'static> Stage<M> {
                 true => inputs.into_iter().map(Activation::require_grad).collect(),
                 false => inputs,
             };
-            let y = self.run_group(&model, g, leaves.clone());
+            // The first forward updated the group's running statistics (batch norm): the
+            // recomputation's update is undone.
+            let layout = self.weights.buffer_layout();
+            let y = buffers_restored(&model, layout, || self.run_group(&model, g, leaves.clone()))
+                .and_then(|y| y);
             let differentiated = y.and_then(|y| match seed.take() {
                 Some(s) => self.seed_backward(y, s).map(|(grads, v)| {
                     value = v;

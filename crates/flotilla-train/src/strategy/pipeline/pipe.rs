@@ -155,16 +155,6 @@ impl Pipeline {
         let mut stage = stage;
         let params = match (&replicas, opts.zero) {
             (Some(group), 3) => {
-                if stage.buffer_layout().total > 0 {
-                    return Err(TrainError::config(
-                        "allreduce.zero",
-                        format!(
-                            "stage {index} keeps running statistics (batch norm), which its \
-                             forward recomputed under ZeRO-3 would update twice: run its \
-                             replicas at zero 2 or less"
-                        ),
-                    ));
-                }
                 stage.set_group_bytes(opts.group_bytes)?;
                 let mut params = ReplicaParams::new(&*stage, group.clone(), opts.prefetch);
                 params.take_shard(&mut *stage)?;

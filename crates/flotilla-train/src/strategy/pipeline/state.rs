@@ -430,6 +430,14 @@ fn write_share(
     })?;
     let files = files?;
     wrote?;
+    if i == 0 {
+        // The running statistics (batch norm), whole on every replica and averaged before
+        // a checkpoint (`Pipeline::average_buffers`), are the first writer's.
+        crate::model_file::each_buffer_tensor(pipe.stage(), &mut |j, values| {
+            plan.write_at((&files[0], &paths[0]), j, values)?;
+            Ok(plan.write_data_at((&files[1], &paths[1]), base, j, values)?)
+        })?;
+    }
     for (file, path) in files.iter().zip(&paths) {
         file.sync_all().map_err(|e| TrainError::io(path, e))?;
     }

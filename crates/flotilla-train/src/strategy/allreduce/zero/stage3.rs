@@ -33,9 +33,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 
 use flotilla_data::Samples;
-use flotilla_engine::{
-    BatchRef, Engine, EngineError, EvalStats, ModelState, ShardedPass, WeightsPlan,
-};
+use flotilla_engine::{BatchRef, Engine, EngineError, EvalStats, ModelState, ShardedPass};
 use flotilla_tcp::shard;
 
 use super::initial::{InitialShard, check_same_draw};
@@ -387,7 +385,9 @@ impl Zero {
             // The buffers (batch norm's statistics, the same on every rank once averaged)
             // are the first writer's, after the parameters.
             target = target.and_then(|(weights, file)| {
-                write_buffer_tensors(model, &weights, (&file, path))?;
+                crate::model_file::each_buffer_tensor(model, &mut |j, values| {
+                    Ok(weights.write_at((&file, path), j, values)?)
+                })?;
                 Ok((weights, file))
             });
         }
@@ -437,23 +437,6 @@ impl Zero {
     pub fn param_shard_bytes(&self) -> usize {
         self.params.capacity() * std::mem::size_of::<f32>()
     }
-}
-
-/// `model`'s buffers (held whole by every rank) into the weights file `file` at `path`,
-/// after its parameters: tensor `params.len() + j` of `weights` is buffer `j`.
-fn write_buffer_tensors(
-    model: &dyn ModelState,
-    weights: &WeightsPlan,
-    (file, path): (&std::fs::File, &Path),
-) -> Result<()> {
-    let layout = model.buffer_layout();
-    let mut values = vec![0.0; layout.total];
-    model.read_buffers(&mut values)?;
-    let first = model.layout().params.len();
-    for (j, b) in layout.params.iter().enumerate() {
-        weights.write_at((file, path), first + j, &values[b.offset..b.offset + b.len])?;
-    }
-    Ok(())
 }
 
 /// The bucket whose parameters are `params` (the buckets are the engine's backward groups).
