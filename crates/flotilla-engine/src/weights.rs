@@ -70,6 +70,10 @@ pub(crate) fn materialized<M: Module>(model: M) -> Result<M> {
     Ok(model)
 }
 
+/// How a released model's groups are made of its layers' parameters: their parameter
+/// ranges in the order a pass reduces them (the last first), as a [`ShardSink`] plans them.
+pub(crate) type ReadyGroups<'a> = dyn Fn(&[LayerParams]) -> Result<Vec<Range<usize>>> + 'a;
+
 /// Parameters, optimizer state and weight files, as flat buffers in the order of
 /// [`ModelState::layout`]. Implemented by the whole-model [`crate::BurnEngine`] and by a
 /// pipeline [`crate::Stage`] (which holds only its own layers' parameters).
@@ -236,18 +240,55 @@ impl Weights<SequentialModel> {
         group_bytes: usize,
         sink: &mut dyn ShardSink,
     ) -> Result<(Self, Vec<LayerParams>, Vec<BackwardGroup>)> {
+        let ready = |layers: &[LayerParams]| -> Result<Vec<Range<usize>>> {
+            let groups = backward_groups::plan(spec, layers, group_bytes)?;
+            Ok(groups.iter().rev().map(|g| g.params.clone()).collect())
+        };
+        let all = 0..spec.layers.len();
+        let (mut weights, layers) =
+            Self::drawn_released(spec, optimizer, (device_name, seed), all, &ready, sink)?;
+        // The whole model's dropout layers draw under the RNG's lock each (`recompute.rs`).
+        weights.has_dropout = false;
+        let groups = backward_groups::plan(spec, &layers, group_bytes)?;
+        Ok((weights, layers, groups))
+    }
+
+    /// The released weights of `spec`'s layers `keep` (the others identities, as
+    /// [`Weights::new`] keeps a stage's): every layer's parameters drawn from `seed` in
+    /// turn, one layer's values at a time, those of `keep` handed to `sink` and released at
+    /// once, the others dropped. `sink` first learns the kept model's layout and its groups,
+    /// as `ready` makes them of its layers' parameters. Returns the weights and each
+    /// layer's parameters (none outside `keep`).
+    pub(crate) fn drawn_released(
+        spec: &ModelSpec,
+        optimizer: &OptimizerSpec,
+        (device_name, seed): (&str, u64),
+        keep: Range<usize>,
+        ready: &ReadyGroups<'_>,
+        sink: &mut dyn ShardSink,
+    ) -> Result<(Self, Vec<LayerParams>)> {
         let base_device = device_by_name(device_name)?;
         let device = base_device.clone().autodiff();
-        let (model, layout, layers, groups) = seeded(seed, |cpu| {
+        let (model, layout, layers) = seeded(seed, |cpu| {
             // burn draws a parameter at its first use: building the model draws nothing.
             let mut model = SequentialModel::new(spec, cpu)?;
+            let mut aside: Vec<Option<Layer>> = (model.layers.iter_mut().enumerate())
+                .map(|(i, slot)| {
+                    (!keep.contains(&i)).then(|| std::mem::replace(slot, Layer::Identity(Identity)))
+                })
+                .collect();
             let layout = ParamLayout::of(&model);
             let layers = backward_groups::layer_params(&model);
-            let groups = backward_groups::plan(spec, &layers, group_bytes)?;
-            let ready: Vec<Range<usize>> = groups.iter().rev().map(|g| g.params.clone()).collect();
-            sink.plan(&layout, &ready)?;
+            sink.plan(&layout, &ready(&layers)?)?;
             let mut first = 0;
-            for slot in &mut model.layers {
+            for (slot, aside) in model.layers.iter_mut().zip(&mut aside) {
+                if let Some(layer) = aside.take() {
+                    // Another stage's: drawn in its turn, as the whole model's, and dropped.
+                    let local = ParamLayout::of(&layer);
+                    let mut values = vec![0.0; local.total];
+                    params::read_values(&layer, &local, &mut values, Tensors::Params)?;
+                    continue;
+                }
                 let layer = std::mem::replace(slot, Layer::Identity(Identity));
                 let local = ParamLayout::of(&layer);
                 let mut values = vec![0.0; local.total];
@@ -260,14 +301,18 @@ impl Weights<SequentialModel> {
                 let all = 0..local.params.len();
                 *slot = params::write_range(layer, &local, all, None, false)?;
             }
-            Ok((model, layout, layers, groups))
+            Ok((model, layout, layers))
         })?;
         let model = params::renumber(model).fork(&device);
-        let mut weights = Weights::of_module(model, optimizer, base_device, false)?;
+        let has_dropout =
+            (model.layers.iter()).any(|layer| matches!(layer, Layer::Dropout(d) if d.prob > 0.0));
+        let mut weights = Weights::of_module(model, optimizer, base_device, has_dropout)?;
         weights.layout = layout;
         weights.released = true;
-        let weights = weights.with_metadata("flotilla.model", spec.to_yaml());
-        Ok((weights, layers, groups))
+        Ok((
+            weights.with_metadata("flotilla.model", spec.to_yaml()),
+            layers,
+        ))
     }
 
     /// Makes every batch norm train with the statistics of every rank of `reducer` (`None`:

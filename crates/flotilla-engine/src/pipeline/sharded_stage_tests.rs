@@ -8,7 +8,7 @@ use std::ops::Range;
 
 use crate::StageSeed;
 use crate::sharded_tests::{bits, specs};
-use crate::{ModelSpec, ShardedPass, Stage, StageCut, StageEngine};
+use crate::{ModelSpec, ModelState, ShardedPass, Stage, StageCut, StageEngine};
 
 const SEED: u64 = 23;
 
@@ -224,5 +224,61 @@ fn a_programs_stage_module_runs_sharded_as_one_group_bit_for_bit() {
             4,
             "stage module {index}: one group, four passes"
         );
+    }
+}
+
+/// A stage drawn released ([`Stage::new_released`], ZeRO-3's start) hands its sink the
+/// values the whole stage starts with, in flat order, after the plan of its groups (last
+/// first), holds none of them, and, gathered from those values, runs the whole stage's bits.
+#[test]
+fn a_released_stage_draws_the_whole_stages_values_one_layer_at_a_time() {
+    use crate::sharded_tests::Everything;
+    for (name, spec) in specs() {
+        if name == "gpt-tied" {
+            continue; // A pipeline refuses a tied head.
+        }
+        let n = spec.layers.len();
+        let points = [n / 3, 2 * n / 3];
+        let cut = StageCut::at(&spec, &points).expect("cut");
+        for (index, bytes) in [(0, 0), (1, 1), (2, 1)] {
+            let what = format!("{name} stage {index}, groups of {bytes} bytes");
+            let mut whole = stage(&spec, &points, index);
+            whole.set_group_bytes(bytes).expect("groups");
+            let mut expected = vec![0.0; whole.layout().total];
+            whole.read_params(&mut expected).expect("params");
+            let mut sink = Everything::default();
+            let optimizer = crate::engine_tests::sgd(0.1, 0.0);
+            let mut released = Stage::new_released(
+                &spec,
+                (&cut, index),
+                &optimizer,
+                ("flex", SEED),
+                bytes,
+                &mut sink,
+            )
+            .expect("released stage");
+            assert_eq!(bits(&sink.values), bits(&expected), "{what}: the values");
+            let count = whole.layout().params.len();
+            let flat: Vec<usize> = (0..count).collect();
+            assert_eq!(sink.params, flat, "{what}: flat order");
+            let mut groups = whole.param_groups();
+            assert_eq!(released.param_groups(), groups, "{what}: the groups");
+            groups.reverse();
+            assert_eq!(sink.groups, groups, "{what}: planned last first");
+            assert_eq!(released.layout(), whole.layout(), "{what}: the layout");
+            let mut out = vec![0.0; expected.len()];
+            assert!(released.read_params(&mut out).is_err(), "{what}: held");
+            let want = run(&mut whole, None, spec.token_vocab());
+            let mut pass = Local {
+                grads: vec![0.0; expected.len()],
+                offsets: whole.layout().params.iter().map(|p| p.offset).collect(),
+                params: expected,
+                gathers: Vec::new(),
+            };
+            let got = run(&mut released, Some(&mut pass), spec.token_vocab());
+            for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(bits(g), bits(w), "{what}: value {k}");
+            }
+        }
     }
 }

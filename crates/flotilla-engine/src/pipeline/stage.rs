@@ -29,7 +29,7 @@ use crate::optim::OptimizerSpec;
 use crate::params;
 use crate::pipeline::cut::{MAIN, StageCut};
 use crate::pipeline::stage_engine::{Slot, StageEngine, StageSeed};
-use crate::sharded::ShardedPass;
+use crate::sharded::{ShardSink, ShardedPass};
 use crate::spec::ModelSpec;
 use crate::spec::activation::Activation;
 use crate::spec::model::SequentialModel;
@@ -157,21 +157,42 @@ impl Stage<SequentialModel> {
         device_name: &str,
         seed: u64,
     ) -> Result<Self> {
-        let range = cut.ranges.get(index).cloned().ok_or_else(|| {
-            EngineError::InvalidSpec(format!(
-                "stage {index} does not exist (the split has {} stages)",
-                cut.stages()
-            ))
-        })?;
-        if cut.stages() > 1 && spec.ties_embedding() {
-            return Err(EngineError::InvalidSpec(
-                "a linear layer tied to the embedding (tie_embedding) shares layer 0's table, \
-                 which a pipeline's stages would part: train it without a pipeline"
-                    .into(),
-            ));
-        }
+        let range = stage_range(spec, cut, index)?;
         let weights = Weights::new(spec, optimizer, device_name, seed, Some(range.clone()))?;
         Self::of_weights(spec, cut, index, weights)
+    }
+
+    /// [`Stage::new`]'s stage released from the start (ZeRO-3 among its replicas), without
+    /// its whole parameters ever in memory: every layer's drawn in turn from `seed` (the
+    /// same values), one layer at a time, the stage's handed to `sink` and released at once.
+    /// `sink` first learns the stage's layout and its groups of at most `group_bytes`
+    /// ([`crate::StageEngine::set_group_bytes`]), last group first.
+    pub fn new_released(
+        spec: &ModelSpec,
+        (cut, index): (&StageCut, usize),
+        optimizer: &OptimizerSpec,
+        (device_name, seed): (&str, u64),
+        group_bytes: usize,
+        sink: &mut dyn ShardSink,
+    ) -> Result<Self> {
+        let range = stage_range(spec, cut, index)?;
+        let ready = |layers: &[LayerParams]| -> Result<Vec<Range<usize>>> {
+            let groups = sharded::spec_groups(spec, layers, &range, group_bytes)?;
+            Ok(groups.iter().rev().map(|g| g.params.clone()).collect())
+        };
+        let (weights, layers) = Weights::drawn_released(
+            spec,
+            optimizer,
+            (device_name, seed),
+            range.clone(),
+            &ready,
+            sink,
+        )?;
+        let mut stage = Self::of_layers(spec, cut, index, weights, layers)?;
+        stage.set_group_bytes(group_bytes)?;
+        // A sharded stage's gradients go to its pass: no buffer of the whole stage's.
+        stage.grads = Vec::new();
+        Ok(stage)
     }
 
     /// Stage `index` of `cut` (a cut of `spec`) over `weights`, the model's with that
@@ -182,11 +203,23 @@ impl Stage<SequentialModel> {
         index: usize,
         weights: Weights<SequentialModel>,
     ) -> Result<Self> {
+        let layers = layer_params(weights.model()?);
+        Self::of_layers(spec, cut, index, weights, layers)
+    }
+
+    /// [`Stage::of_weights`] with the parameters of each of the model's `layers` given (a
+    /// released model's shapes are gone).
+    fn of_layers(
+        spec: &ModelSpec,
+        cut: &StageCut,
+        index: usize,
+        weights: Weights<SequentialModel>,
+        layers: Vec<LayerParams>,
+    ) -> Result<Self> {
         let range = cut.ranges.get(index).cloned().unwrap_or_default();
         let weights = weights.with_metadata("flotilla.stage", format!("{index} layers {range:?}"));
         let ends = [MAIN.to_string(), MAIN.to_string()];
         let slots = StageSlots::of_cut(cut, index, ends, spec.token_vocab(), range);
-        let layers = layer_params(weights.model()?);
         let mut stage = Stage::of(weights, slots, run_layers);
         stage.run_group = Some(run_spec_group);
         stage.seed_layers = |w, seed| w.set_layer_dropout_seed(seed);
@@ -194,6 +227,25 @@ impl Stage<SequentialModel> {
         stage.spec = Some((spec.clone(), layers));
         Ok(stage)
     }
+}
+
+/// The layers of stage `index` of `cut` (a cut of `spec`); a spec whose head is tied to its
+/// embedding refused in more than one stage.
+fn stage_range(spec: &ModelSpec, cut: &StageCut, index: usize) -> Result<Range<usize>> {
+    let range = cut.ranges.get(index).cloned().ok_or_else(|| {
+        EngineError::InvalidSpec(format!(
+            "stage {index} does not exist (the split has {} stages)",
+            cut.stages()
+        ))
+    })?;
+    if cut.stages() > 1 && spec.ties_embedding() {
+        return Err(EngineError::InvalidSpec(
+            "a linear layer tied to the embedding (tie_embedding) shares layer 0's table, \
+             which a pipeline's stages would part: train it without a pipeline"
+                .into(),
+        ));
+    }
+    Ok(range)
 }
 
 impl<M: Module> Stage<M> {

@@ -11,6 +11,7 @@
 //! run loop and writes the stages' checkpoints ([`state`]).
 
 mod elastic;
+mod initial_shard;
 mod merged;
 pub mod pipe;
 pub mod plan;

@@ -23,6 +23,7 @@ use crate::error::{Result, TrainError};
 
 mod replicas;
 use crate::strategy::allreduce::dropout_seed;
+use crate::strategy::pipeline::initial_shard::StageShard;
 use crate::strategy::pipeline::wire::{self, Direction, MAX_CROSSINGS, MAX_MICRO_BATCHES};
 use crate::strategy::pipeline::zero::{self, ReplicaShard};
 use crate::strategy::pipeline::zero3::ReplicaParams;
@@ -121,8 +122,23 @@ impl Pipeline {
         world: Arc<dyn ProcessGroup>,
     ) -> Result<Self> {
         check_shape(&cut, &opts, world.size())?;
-        let index = world.rank() % cut.stages();
-        let stage = Stage::new(spec, &cut, index, &opts.optimizer, &opts.device, opts.seed)?;
+        let (index, replica) = (world.rank() % cut.stages(), world.rank() / cut.stages());
+        let (o, d) = (&opts, opts.data_parallel);
+        if o.zero == 3 && d > 1 {
+            // Sharded from the start: no replica holds its whole stage.
+            let mut shard = StageShard::new(d, replica);
+            let stage = Stage::new_released(
+                spec,
+                (&cut, index),
+                &o.optimizer,
+                (&o.device, o.seed),
+                o.group_bytes,
+                &mut shard,
+            )?;
+            let drawn = Some(shard.finish()?);
+            return Self::start((Box::new(stage), drawn), cut, &spec.to_yaml(), opts, world);
+        }
+        let stage = Stage::new(spec, &cut, index, &o.optimizer, &o.device, o.seed)?;
         Self::of(Box::new(stage), cut, &spec.to_yaml(), opts, world)
     }
 
@@ -132,6 +148,18 @@ impl Pipeline {
     /// `world`, as [`Pipeline::new`].
     pub fn of(
         stage: Box<dyn StageEngine>,
+        cut: StageCut,
+        model: &str,
+        opts: PipelineOptions,
+        world: Arc<dyn ProcessGroup>,
+    ) -> Result<Self> {
+        Self::start((stage, None), cut, model, opts, world)
+    }
+
+    /// [`Pipeline::of`], the stage whole, or released under ZeRO-3 with this replica's
+    /// shard of its initial parameters `drawn` ([`Stage::new_released`]).
+    fn start(
+        (stage, drawn): (Box<dyn StageEngine>, Option<Vec<f32>>),
         cut: StageCut,
         model: &str,
         opts: PipelineOptions,
@@ -157,7 +185,10 @@ impl Pipeline {
             (Some(group), 3) => {
                 stage.set_group_bytes(opts.group_bytes)?;
                 let mut params = ReplicaParams::new(&*stage, group.clone(), opts.prefetch);
-                params.take_shard(&mut *stage)?;
+                match drawn {
+                    Some(values) => params.take_drawn(&mut *stage, values)?,
+                    None => params.take_shard(&mut *stage)?,
+                }
                 Some(params)
             }
             _ => None,

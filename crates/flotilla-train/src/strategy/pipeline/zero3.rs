@@ -23,8 +23,11 @@
 //! model, checking the replicas agree) gathers it into the stage
 //! ([`ReplicaParams::materialize`]); the next forward releases it again. A checkpoint
 //! gathers one group at a time instead ([`ReplicaParams::for_each_group`]), the stage's
-//! replicas writing its weights a share each (`state.rs`). A stage starts whole (built from the seed, or loaded from a
-//! checkpoint) and keeps its shard ([`ReplicaParams::take_shard`]).
+//! replicas writing its weights a share each (`state.rs`). A spec's stage starts released,
+//! each replica keeping its shard as the stage draws its initial values one layer at a time
+//! ([`ReplicaParams::take_drawn`]); a program's stage module, built by the program, and a
+//! stage loaded from a checkpoint start whole and keep their shard
+//! ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -128,6 +131,28 @@ impl ReplicaParams {
                 .extend_from_slice(&whole[flat.start + s.start..flat.start + s.end]);
         }
         drop(whole);
+        stage.release_params()?;
+        self.released = true;
+        Ok(())
+    }
+
+    /// Keeps `values`, this replica's shard of `stage`'s initial parameters as the stage
+    /// drew them released ([`super::initial_shard::StageShard`]: the pieces
+    /// [`ReplicaParams::take_shard`] takes of a whole stage), and lets the stage's whole
+    /// gradient buffer go.
+    pub(super) fn take_drawn(
+        &mut self,
+        stage: &mut dyn StageEngine,
+        values: Vec<f32>,
+    ) -> Result<()> {
+        if values.len() != self.grad.len() {
+            return Err(TrainError::Divergence(format!(
+                "ZeRO-3: a stage drew {} values of its shard, whose groups hold {}",
+                values.len(),
+                self.grad.len()
+            )));
+        }
+        self.values = values;
         stage.release_params()?;
         self.released = true;
         Ok(())
