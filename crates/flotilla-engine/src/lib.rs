@@ -49,6 +49,7 @@ mod sharded_tie;
 mod spec;
 pub mod sync_batch_norm;
 mod weights;
+mod weights_reader;
 mod weights_writer;
 
 pub use backward_groups::BackwardGroup;
@@ -90,6 +91,7 @@ pub use spec::graph::{Merge, Node};
 pub use spec::limits::SpecLimits;
 pub use spec::{LayerSpec, ModelSpec, Shape};
 pub use weights::ModelState;
+pub use weights_reader::WeightsReader;
 pub use weights_writer::{SavedTensor, WeightsPlan};
 
 #[cfg(test)]

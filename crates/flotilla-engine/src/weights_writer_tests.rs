@@ -118,3 +118,51 @@ fn a_weights_file_written_out_of_order_at_its_places_is_the_one_written_in_order
     let wrong = plan.write_at((&file, &backwards), 0, &values[..3]);
     assert!(wrong.is_err(), "a tensor of the wrong length is refused");
 }
+
+/// burn's own weights file (`save_weights`) read back one tensor at a time
+/// ([`crate::WeightsReader`]) gives each tensor of the plan in burn's flat order: the
+/// parameters and running statistics the model holds, bit for bit; a tensor of another
+/// shape is refused by name.
+#[test]
+fn a_weights_file_reads_back_one_tensor_at_a_time_in_burns_order() {
+    let tmp = tempfile::tempdir().expect("tmp");
+    for name in ["mlp", "lenet5", "gpt-char", "resnet-bn"] {
+        let spec = ModelSpec::builtin(name).expect("shipped spec");
+        let mut e = BurnEngine::new(&spec, &sgd(0.1, 0.0), "flex", 5).expect("engine");
+        let (images, labels) = crate::sharded_tests::batch(&spec, 4, 1);
+        e.forward_backward(BatchRef {
+            images: &images,
+            labels: &labels,
+        })
+        .expect("forward");
+        let path = tmp.path().join(format!("{name}.safetensors"));
+        e.save_weights(&path).expect("save");
+        let mut values = vec![0.0; e.num_params()];
+        e.read_params(&mut values).expect("params");
+        let mut buffers = vec![0.0; e.buffer_layout().total];
+        e.read_buffers(&mut buffers).expect("buffers");
+        let expected = (e
+            .layout()
+            .params
+            .iter()
+            .map(|p| &values[p.offset..p.offset + p.len]))
+        .chain((e.buffer_layout().params.iter()).map(|b| &buffers[b.offset..b.offset + b.len]));
+        let plan = e.weights_plan().expect("plan");
+        let reader = crate::WeightsReader::open(&path).expect("reader");
+        let mut transposed = 0;
+        for (t, want) in plan.tensors().iter().zip(expected) {
+            let got = reader.read(t).expect("tensor");
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(want), "{name}: {}", t.name);
+            transposed += usize::from(t.transposed);
+        }
+        assert!(
+            transposed > 0,
+            "{name}: a linear layer's weight read back transposed"
+        );
+        let mut wrong = plan.tensors()[0].clone();
+        wrong.shape.push(1);
+        let refused = reader.read(&wrong).expect_err("another shape");
+        assert!(refused.to_string().contains(&wrong.name), "{refused}");
+    }
+}

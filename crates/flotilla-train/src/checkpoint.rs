@@ -301,7 +301,7 @@ pub fn checksum_of(bytes: &[u8]) -> String {
 
 /// The checksum of the file at `path` (`xxh3_64`, in hex), read piece by piece: a file of
 /// a large model's checkpoint (its weights, an optimizer shard) is never whole in memory.
-fn file_checksum(path: &Path) -> std::io::Result<String> {
+pub(crate) fn file_checksum(path: &Path) -> std::io::Result<String> {
     let mut file = File::open(path)?;
     let mut hasher = xxhash_rust::xxh3::Xxh3::new();
     let mut piece = vec![0u8; 1 << 20];

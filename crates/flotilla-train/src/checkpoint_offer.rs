@@ -12,6 +12,7 @@
 //! optimizer shards and weights file (`strategy/allreduce/zero/shard_files.rs`) and by a
 //! pipeline's stages (`strategy/pipeline/state.rs`).
 
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -21,6 +22,7 @@ use flotilla_engine::ShardOptimizer;
 
 use flotilla_tcp::{CommError, ProcessGroup, Tag, tags};
 
+use crate::checkpoint::CHECKSUMS;
 use crate::error::{Result, TrainError};
 
 /// Tag of rank 0's offer of its checkpoint in progress, and of its request for a rank's
@@ -267,4 +269,36 @@ fn shared_dir(offered: &[u8]) -> Option<PathBuf> {
     let (dir, marker) = text.split_once('\n')?;
     let dir = PathBuf::from(dir);
     dir.join(marker).is_file().then_some(dir)
+}
+
+/// Rank 0's offer of checkpoint `dir`: its path and the bytes of its `checksums.json`
+/// (empty for a path that is not UTF-8, or a checkpoint from before checksums: everything
+/// then goes over the wire).
+pub(crate) fn offer_of(dir: &Path) -> Result<Vec<u8>> {
+    let sums_path = dir.join(CHECKSUMS);
+    let sums = match std::fs::read(&sums_path) {
+        Ok(sums) => sums,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(TrainError::io(&sums_path, e)),
+    };
+    Ok(match dir.to_str() {
+        Some(path) => [path.as_bytes(), b"\n", &sums].concat(),
+        None => Vec::new(),
+    })
+}
+
+/// The checkpoint rank 0 offered and its checksums, when this rank sees the same checkpoint
+/// at that path (a `checksums.json` of the same bytes).
+pub(crate) fn offered_dir(offer: &[u8]) -> Option<(PathBuf, BTreeMap<String, String>)> {
+    #[cfg(test)]
+    if BLIND.with(std::cell::Cell::get) {
+        return None;
+    }
+    let split = offer.iter().position(|&b| b == b'\n')?;
+    let dir = PathBuf::from(std::str::from_utf8(&offer[..split]).ok()?);
+    let sums = &offer[split + 1..];
+    if std::fs::read(dir.join(CHECKSUMS)).ok()? != sums {
+        return None;
+    }
+    Some((dir, serde_json::from_slice(sums).ok()?))
 }

@@ -164,9 +164,9 @@ impl SyncAllReduce {
 }
 
 /// The peer's engine: whole, or under ZeRO stage 3 on more than one rank ZeRO-3's
-/// ([`ModelSource::grouped_engine`]): of a fresh start (no `resume`) released from the
-/// start, its shard of the initial parameters kept as they are drawn ([`InitialShard`]); of a
-/// resumed one whole, for rank 0's load, sharded by the start. A model that cannot be
+/// ([`ModelSource::grouped_engine`]): released from the start, its shard of the initial
+/// parameters kept as they are drawn ([`InitialShard`]; a resume loads the checkpoint's shard
+/// in its place). A model that cannot be
 /// sharded (a user's module without its blocks) is refused under stage 3.
 fn whole_or_released(
     cx: &Cx<'_>,
@@ -188,26 +188,19 @@ fn whole_or_released(
             ),
         )
     };
+    // Released from the start, fresh or resumed (a resume replaces the drawn shard with the
+    // checkpoint's, `zero/shard_load.rs`).
     let mut initial = InitialShard::new(cx.comm.size(), cx.comm.rank());
-    // A resumed run: rank 0 loads the checkpoint into the whole model; the start keeps the
-    // shards.
-    let sink = (!config.schedule.resume).then_some(&mut initial as &mut dyn ShardSink);
     let mut engine = setup
         .model
         .grouped_engine(
             &config.optimizer,
             (&m.device, m.seed),
             config.bucket_bytes(),
-            sink,
+            Some(&mut initial as &mut dyn ShardSink),
         )
         .ok_or_else(refused)??;
     engine.set_reshard_after_forward(config.allreduce.reshard_after_forward)?;
-    if config.schedule.resume {
-        if m.recompute {
-            engine.set_recompute(true)?;
-        }
-        return Ok((engine, None));
-    }
     Ok((engine, Some(initial)))
 }
 
@@ -437,6 +430,15 @@ impl Strategy for SyncAllReduce {
         let Some(zero) = self.zero.as_mut() else {
             return from.share(cx, |dir| checkpoint::load(dir, engine));
         };
+        if zero.started_released() {
+            // ZeRO-3: no rank holds the whole model; each loads its own shard.
+            let state = from.share(cx, |dir| zero.check_checkpoint(dir, &*engine))?;
+            if let Some(s) = &state {
+                zero.load_released(from.dir(), engine, &self.plan, s)?;
+                zero.resumed_at(s.step);
+            }
+            return Ok(state);
+        }
         let mut files = Vec::new();
         let plan = &self.plan;
         let state = from.share(cx, |dir| {

@@ -55,6 +55,7 @@ pub(crate) mod by_param;
 pub(super) mod elastic;
 pub(super) mod initial;
 mod shard_files;
+mod shard_load;
 mod stage3;
 
 use elastic::{Cut, Redundancy};
@@ -347,16 +348,9 @@ impl Zero {
         .map(Some)
     }
 
-    /// Rank 0's part of a resume from `dir`: loads the weights into `model` and returns the
-    /// state and every rank's optimizer shard. A checkpoint sharded as this run is gives its
-    /// files as they are; any other (another world size, an unsharded run's `optimizer.bpk`)
-    /// is put together into whole-model form and cut by this run's shards.
-    pub fn read(
-        &self,
-        dir: &Path,
-        model: &mut dyn ModelState,
-        plan: &BucketPlan,
-    ) -> Result<(CheckpointState, Vec<Vec<u8>>)> {
+    /// Rank 0's check of checkpoint `dir` for a resume under ZeRO-3 ([`Zero::load_released`]
+    /// loads it): its state, refused when it holds another number of parameters than `model`.
+    pub fn check_checkpoint(&self, dir: &Path, model: &dyn ModelState) -> Result<CheckpointState> {
         let state = checkpoint::read_state(dir)?;
         if state.num_params != model.num_params() {
             return Err(TrainError::Checkpoint {
@@ -369,6 +363,20 @@ impl Zero {
                 ),
             });
         }
+        Ok(state)
+    }
+
+    /// Rank 0's part of a resume from `dir`: loads the weights into `model` and returns the
+    /// state and every rank's optimizer shard. A checkpoint sharded as this run is gives its
+    /// files as they are; any other (another world size, an unsharded run's `optimizer.bpk`)
+    /// is put together into whole-model form and cut by this run's shards.
+    pub fn read(
+        &self,
+        dir: &Path,
+        model: &mut dyn ModelState,
+        plan: &BucketPlan,
+    ) -> Result<(CheckpointState, Vec<Vec<u8>>)> {
+        let state = self.check_checkpoint(dir, &*model)?;
         let want = self.manifest(plan);
         let files = match &state.zero {
             Some(z) if z.shards == want.shards => (0..want.world)

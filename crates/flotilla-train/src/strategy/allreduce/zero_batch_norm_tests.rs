@@ -52,18 +52,34 @@ const ONE: f64 = 1.0;
 
 /// Steps `from..to` of `zero` on `n` ranks in buckets of `bucket_mb` (resumed from
 /// `output`'s checkpoint of step `from` when `from > 0`), evaluated after step
-/// [`EVALUATED`] when in the span, a checkpoint of step `to` written into `output`.
+/// [`EVALUATED`] when in the span, a checkpoint of step `to` written into `output` (none
+/// when no step ran).
 fn run(
     n: usize,
     (zero, bucket_mb): (u8, f64),
     (from, to): (u64, u64),
     output: &Path,
 ) -> Vec<Ended> {
+    run_seeing(n, (zero, bucket_mb), (from, to), output, true)
+}
+
+/// [`run`], the ranks but 0 blind to rank 0's directories unless `seeing` (as on other
+/// hosts: what they resume from comes from rank 0).
+fn run_seeing(
+    n: usize,
+    (zero, bucket_mb): (u8, f64),
+    (from, to): (u64, u64),
+    output: &Path,
+    seeing: bool,
+) -> Vec<Ended> {
     let handles: Vec<_> = ring(n)
         .into_iter()
         .map(|comm| {
             let output = output.to_path_buf();
             thread::spawn(move || {
+                if !seeing && comm.rank() > 0 {
+                    crate::checkpoint_offer::BLIND.with(|b| b.set(true));
+                }
                 let mut rank = rank(comm.clone(), &optimizers()[1], zero);
                 rank.config.telemetry.output = output;
                 rank.config.comm.bucket_mb = bucket_mb;
@@ -99,8 +115,10 @@ fn run(
                     zero: None,
                     stage_zero: None,
                 };
-                let checkpoint =
-                    (peer.save_checkpoint(&mut rank.cx(), &state)).expect("checkpoint");
+                let checkpoint = match from < to {
+                    true => (peer.save_checkpoint(&mut rank.cx(), &state)).expect("checkpoint"),
+                    false => None,
+                };
                 peer.prepare_model(&mut rank.cx()).expect("prepare");
                 let model = peer.model().expect("model");
                 Ended {
@@ -197,5 +215,43 @@ fn a_zero_3_run_with_batch_norm_resumes_to_the_uninterrupted_ones_bits() {
             &whole[r].buffers,
             &format!("{what}: statistics"),
         );
+    }
+}
+
+/// A ZeRO-3 resume loads each rank's shard itself, or from rank 0 for a rank blind to its
+/// checkpoint (`zero/shard_load.rs`): the run resumed so, rank 1 blind, ends on the
+/// uninterrupted run's bits; and a checkpoint of 4 ranks resumed on 2 (shards of another
+/// cut, the optimizer state re-cut on rank 0) holds the checkpoint's parameters and
+/// statistics, bit for bit. (Two ranks: the mean of two equal statistics is theirs exactly,
+/// of three it may round.)
+#[test]
+fn a_zero_3_resume_loads_each_ranks_shard_at_this_and_another_world_size() {
+    let dirs = [(); 3].map(|()| tempfile::tempdir().expect("tmp"));
+    let whole = run(2, (3, SMALL), (0, STEPS), dirs[0].path());
+    run(2, (3, SMALL), (0, EVALUATED), dirs[1].path());
+    let resumed = run_seeing(2, (3, SMALL), (EVALUATED, STEPS), dirs[1].path(), false);
+    for (r, (got, want)) in resumed.iter().zip(&whole).enumerate() {
+        assert_bitwise(&got.params, &want.params, &format!("rank {r}: parameters"));
+        assert_bitwise(
+            &got.buffers,
+            &want.buffers,
+            &format!("rank {r}: statistics"),
+        );
+    }
+    let four = run(4, (3, SMALL), (0, EVALUATED), dirs[2].path());
+    let (params, stats) = loaded(four[0].checkpoint.as_deref().expect("rank 0's checkpoint"));
+    for seeing in [true, false] {
+        let two = run_seeing(
+            2,
+            (3, SMALL),
+            (EVALUATED, EVALUATED),
+            dirs[2].path(),
+            seeing,
+        );
+        for (r, got) in two.iter().enumerate() {
+            let what = format!("4 ranks' checkpoint on rank {r} of 2, seeing it {seeing}");
+            assert_bitwise(&got.params, &params, &format!("{what}: parameters"));
+            assert_bitwise(&got.buffers, &stats, &format!("{what}: statistics"));
+        }
     }
 }

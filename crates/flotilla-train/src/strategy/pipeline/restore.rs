@@ -14,13 +14,13 @@
 //! sends. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
 //! each rank for its own where it sees it, by rank 0 for the others, one at a time.
 
-use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
 use flotilla_tcp::{CommError, ProcessGroup};
 
-use crate::checkpoint::{self, CHECKSUMS, CheckpointState};
+use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint_offer::{offer_of, offered_dir};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
 use crate::strategy::pipeline::recut::Recut;
@@ -232,22 +232,6 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
     load(pipe, &needs, &mine)
 }
 
-/// Rank 0's offer of checkpoint `dir`: its path and the bytes of its `checksums.json`
-/// (empty for a path that is not UTF-8, or a checkpoint from before checksums: everything
-/// then goes over the wire).
-fn offer_of(dir: &Path) -> Result<Vec<u8>> {
-    let sums_path = dir.join(CHECKSUMS);
-    let sums = match std::fs::read(&sums_path) {
-        Ok(sums) => sums,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(TrainError::io(&sums_path, e)),
-    };
-    Ok(match dir.to_str() {
-        Some(path) => [path.as_bytes(), b"\n", &sums].concat(),
-        None => Vec::new(),
-    })
-}
-
 /// Rank `r`'s answer to the offer: the files it needs sent (none when it read them).
 fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
     let answer = world.recv(r, tag(READ), Instant::now() + world.timeout())?;
@@ -266,22 +250,6 @@ fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
             Err(CommError::Protocol { peer: r, detail }.into())
         }
     }
-}
-
-/// The checkpoint rank 0 offered and its checksums, when this rank sees the same checkpoint
-/// at that path (a `checksums.json` of the same bytes).
-fn offered_dir(offer: &[u8]) -> Option<(PathBuf, BTreeMap<String, String>)> {
-    #[cfg(test)]
-    if crate::checkpoint_offer::BLIND.with(std::cell::Cell::get) {
-        return None;
-    }
-    let split = offer.iter().position(|&b| b == b'\n')?;
-    let dir = PathBuf::from(std::str::from_utf8(&offer[..split]).ok()?);
-    let sums = &offer[split + 1..];
-    if std::fs::read(dir.join(CHECKSUMS)).ok()? != sums {
-        return None;
-    }
-    Some((dir, serde_json::from_slice(sums).ok()?))
 }
 
 /// The files `names` of the checkpoint rank 0 offered, when this rank sees it

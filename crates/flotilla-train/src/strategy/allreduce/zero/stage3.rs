@@ -22,7 +22,8 @@
 //! ([`Zero::evaluate`], [`Zero::param_hash`], [`Zero::save_sharded`]). What asks for the whole
 //! model between steps ([`crate::strategy::Strategy::prepare_model`], a library user's) gets
 //! every bucket gathered into the engine ([`Zero::materialize`]); the next step releases them
-//! again. A resumed run starts whole (rank 0 loads the checkpoint; [`Zero::take_param_shard`]).
+//! again. A resumed run starts released too, each rank loading its own shard of the
+//! checkpoint (`shard_load.rs`).
 //! Batch norm's running statistics are never sharded: every rank holds them whole, the peers
 //! average them before an evaluation, the hash and a checkpoint (as zero 0 does), and the
 //! first writer of `model.safetensors` writes them after the parameters.

@@ -1,0 +1,250 @@
+//! ZeRO-3's resume without the whole model. Every rank reads its own pieces of the
+//! parameters out of the checkpoint's `model.safetensors`, one tensor at a time
+//! ([`WeightsReader`]), the running statistics (whole on every rank) and its own optimizer
+//! shard file, where it sees rank 0's checkpoint (the same `checksums.json` at the same
+//! path: one host, or a directory every host mounts; the files it reads checked against
+//! it); for a rank that does not, rank 0 reads them and sends them, one rank at a time. So
+//! no rank holds the whole parameters, and none but rank 0 reads another's shard. The
+//! weights file is the same at any world size; the optimizer state of a checkpoint sharded
+//! otherwise (another world size, an unsharded run) is put together and re-cut on rank 0
+//! ([`Zero::read`]'s way), the one part of a resume that is whole on one rank.
+
+use std::path::Path;
+use std::time::Instant;
+
+use flotilla_engine::{
+    Engine, ParamLayout, SavedTensor, ShardPiece, WeightsPlan, WeightsReader, shard_pieces,
+};
+use flotilla_tcp::{CommError, Tag, tags};
+
+use super::{Zero, owned_ranges};
+use crate::bucket::BucketPlan;
+use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint_offer::{offer_of, offered_dir};
+use crate::error::{Result, TrainError};
+
+/// Rank 0's offer of the checkpoint, to every other rank.
+const OFFER_TAG: Tag = tags::RESERVED + 0x108;
+/// A rank's answer: `1` when it read its part itself.
+const READ_TAG: Tag = tags::RESERVED + 0x109;
+/// A rank's part sent by rank 0: its values (parameter pieces, then statistics), then its
+/// optimizer shard's bytes.
+const PART_TAG: Tag = tags::RESERVED + 0x10a;
+
+/// What a rank loads: its pieces' values and the running statistics, and its optimizer
+/// shard's bytes.
+struct Part {
+    values: Vec<f32>,
+    buffers: Vec<f32>,
+    optimizer: Vec<u8>,
+}
+
+impl Zero {
+    /// Every rank's part of a resume from the checkpoint of `state` (found on rank 0 in
+    /// `dir`) into this rank's shard and `engine`'s running statistics; collective.
+    pub fn load_released(
+        &mut self,
+        dir: Option<&Path>,
+        engine: &mut dyn Engine,
+        plan: &BucketPlan,
+        state: &CheckpointState,
+    ) -> Result<()> {
+        let same = state.zero.as_ref().map(|z| &z.shards) == Some(&self.manifest(plan).shards);
+        let weights = engine.weights_plan()?;
+        let layout = engine.layout().clone();
+        let part = match (self.comm.rank(), dir) {
+            (0, Some(dir)) => self.serve(dir, (&weights, &layout), plan, state, same)?,
+            (0, None) => {
+                return Err(TrainError::config("resume", "rank 0 has no checkpoint"));
+            }
+            _ => self.fetch(&weights, &layout, same)?,
+        };
+        if part.values.len() != self.optimizer.len() {
+            return Err(TrainError::Divergence(format!(
+                "ZeRO-3's resume: {} values for a shard of {}",
+                part.values.len(),
+                self.optimizer.len()
+            )));
+        }
+        self.params = part.values;
+        engine.write_buffers(&part.buffers)?;
+        self.optimizer.load_state(&part.optimizer)?;
+        Ok(())
+    }
+
+    /// Rank 0: offers `dir`, sends each rank that does not see it its part (the optimizer
+    /// shard re-cut when the checkpoint is not sharded as this run, `same`), and reads its
+    /// own.
+    fn serve(
+        &self,
+        dir: &Path,
+        (weights, layout): (&WeightsPlan, &ParamLayout),
+        plan: &BucketPlan,
+        state: &CheckpointState,
+        same: bool,
+    ) -> Result<Part> {
+        let comm = &*self.comm;
+        let n = comm.size();
+        let offer = offer_of(dir)?;
+        for r in 1..n {
+            comm.send(r, OFFER_TAG, &offer)?;
+        }
+        let recut = match same {
+            true => None,
+            false => Some(checkpoint::read_flat_state(dir, state, layout)?),
+        };
+        let optimizer_of = |r: usize| -> Result<Vec<u8>> {
+            match &recut {
+                Some(flat) => Ok(flat.shard(layout, &owned_ranges(plan, n, r))?),
+                None => read(dir, &checkpoint::zero_file(r)),
+            }
+        };
+        let reader = WeightsReader::open(&dir.join("model.safetensors"))?;
+        for r in 1..n {
+            let read = comm.recv(r, READ_TAG, Instant::now() + comm.timeout())?;
+            if read != [1] {
+                let pieces = shard_pieces(layout, &owned_ranges(plan, n, r))?;
+                let mut values = shard_values(&reader, weights, layout, &pieces)?;
+                values.extend(buffer_values(&reader, weights, layout)?);
+                comm.send_large(r, PART_TAG, bytemuck::cast_slice(&values))?;
+            }
+            if read != [1] || !same {
+                comm.send_large(r, PART_TAG, &optimizer_of(r)?)?;
+            }
+        }
+        Ok(Part {
+            values: shard_values(&reader, weights, layout, self.optimizer.pieces())?,
+            buffers: buffer_values(&reader, weights, layout)?,
+            optimizer: optimizer_of(0)?,
+        })
+    }
+
+    /// A rank but 0: reads its part where it sees rank 0's checkpoint (but an optimizer
+    /// shard re-cut on rank 0, when the checkpoint is not sharded as this run: `same`), else
+    /// receives it.
+    fn fetch(&self, weights: &WeightsPlan, layout: &ParamLayout, same: bool) -> Result<Part> {
+        let comm = &*self.comm;
+        let deadline = Instant::now() + comm.timeout();
+        let offer = comm.recv(0, OFFER_TAG, deadline)?;
+        let file = checkpoint::zero_file(comm.rank());
+        let own = offered_dir(&offer).and_then(|(dir, sums)| {
+            let checked = |name: &str| {
+                let sum = checkpoint::file_checksum(&dir.join(name)).ok();
+                sum.is_some() && sums.get(name) == sum.as_ref()
+            };
+            if !(checked("model.safetensors") && (!same || checked(&file))) {
+                return None;
+            }
+            let reader = WeightsReader::open(&dir.join("model.safetensors")).ok()?;
+            let values = shard_values(&reader, weights, layout, self.optimizer.pieces()).ok()?;
+            let buffers = buffer_values(&reader, weights, layout).ok()?;
+            let optimizer = match same {
+                true => Some(read(&dir, &file).ok()?),
+                false => None,
+            };
+            Some((values, buffers, optimizer))
+        });
+        comm.send(0, READ_TAG, &[u8::from(own.is_some())])?;
+        let (values, buffers, optimizer) = match own {
+            Some(own) => own,
+            None => {
+                let (values, buffers) = receive_values(comm, weights, layout, deadline)?;
+                (values, buffers, None)
+            }
+        };
+        let optimizer = match optimizer {
+            Some(bytes) => bytes,
+            None => comm.recv_large(0, PART_TAG, deadline)?,
+        };
+        Ok(Part {
+            values,
+            buffers,
+            optimizer,
+        })
+    }
+}
+
+/// A shard's values and the running statistics, as rank 0 sends them.
+fn receive_values(
+    comm: &dyn flotilla_tcp::ProcessGroup,
+    weights: &WeightsPlan,
+    layout: &ParamLayout,
+    deadline: Instant,
+) -> Result<(Vec<f32>, Vec<f32>)> {
+    let bytes = comm.recv_large(0, PART_TAG, deadline)?;
+    if bytes.len() % 4 != 0 {
+        let detail = format!("a shard of {} bytes", bytes.len());
+        return Err(CommError::Protocol { peer: 0, detail }.into());
+    }
+    let mut values: Vec<f32> = (bytes.chunks_exact(4))
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    let shard = values.len().saturating_sub(engine_buffers(weights, layout));
+    let buffers = values.split_off(shard);
+    Ok((values, buffers))
+}
+
+/// The values of `pieces` (in flat order) read from `reader`, one tensor at a time.
+fn shard_values(
+    reader: &WeightsReader,
+    weights: &WeightsPlan,
+    layout: &ParamLayout,
+    pieces: &[ShardPiece],
+) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.range.len()).sum());
+    let mut held: Option<(usize, Vec<f32>)> = None;
+    for piece in pieces {
+        if held.as_ref().map(|h| h.0) != Some(piece.param) {
+            held = Some((piece.param, reader.read(tensor(weights, piece.param)?)?));
+        }
+        let tensor = held.as_ref().map_or(&[][..], |h| &h.1[..]);
+        let base = layout.params[piece.param].offset;
+        let range = piece.range.start - base..piece.range.end - base;
+        out.extend_from_slice(tensor.get(range).ok_or_else(|| {
+            TrainError::Divergence(format!("a piece past parameter {}", piece.param))
+        })?);
+    }
+    Ok(out)
+}
+
+/// The running statistics read from `reader`: the weights file's tensors after the
+/// parameters, in the buffers' flat order.
+fn buffer_values(
+    reader: &WeightsReader,
+    weights: &WeightsPlan,
+    layout: &ParamLayout,
+) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for j in layout.params.len()..weights.tensors().len() {
+        out.extend(reader.read(tensor(weights, j)?)?);
+    }
+    Ok(out)
+}
+
+/// How many values the running statistics hold (the weights file's tensors after the
+/// parameters).
+fn engine_buffers(weights: &WeightsPlan, layout: &ParamLayout) -> usize {
+    let saved = weights
+        .tensors()
+        .get(layout.params.len()..)
+        .unwrap_or_default();
+    saved
+        .iter()
+        .map(|t| t.shape.iter().product::<usize>())
+        .sum()
+}
+
+/// Tensor `j` of the weights file.
+fn tensor(weights: &WeightsPlan, j: usize) -> Result<&SavedTensor> {
+    let detail = format!("no tensor {j} in the weights file's plan");
+    weights
+        .tensors()
+        .get(j)
+        .ok_or(TrainError::Divergence(detail))
+}
+
+/// File `name` of checkpoint `dir`.
+fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
+}
