@@ -1,11 +1,14 @@
 //! The whole model's parameters written to a file a program names ([`crate::run::Run::save_model`]):
 //! safetensors under the model's own names, the file a checkpoint holds as
-//! `model.safetensors`, written atomically.
+//! `model.safetensors`, written atomically; and such a file's tensors handed out or read a
+//! piece at a time, for the sharded writers and readers of ZeRO-3.
 
 use std::fs;
 use std::path::{Path, PathBuf};
 
-use flotilla_engine::ModelState;
+use flotilla_engine::{
+    ModelState, ParamLayout, SavedTensor, ShardPiece, WeightsPlan, WeightsReader,
+};
 
 use crate::error::{Result, TrainError};
 
@@ -66,6 +69,52 @@ pub(crate) fn each_buffer_tensor(
         write(first + j, &values[b.offset..b.offset + b.len])?;
     }
     Ok(())
+}
+
+/// The values of `pieces` (in flat order) read from `reader`, one tensor at a time.
+pub(crate) fn shard_values(
+    reader: &WeightsReader,
+    weights: &WeightsPlan,
+    layout: &ParamLayout,
+    pieces: &[ShardPiece],
+) -> Result<Vec<f32>> {
+    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.range.len()).sum());
+    let mut held: Option<(usize, Vec<f32>)> = None;
+    for piece in pieces {
+        if held.as_ref().map(|h| h.0) != Some(piece.param) {
+            held = Some((piece.param, reader.read(tensor(weights, piece.param)?)?));
+        }
+        let tensor = held.as_ref().map_or(&[][..], |h| &h.1[..]);
+        let base = layout.params[piece.param].offset;
+        let range = piece.range.start - base..piece.range.end - base;
+        out.extend_from_slice(tensor.get(range).ok_or_else(|| {
+            TrainError::Divergence(format!("a piece past parameter {}", piece.param))
+        })?);
+    }
+    Ok(out)
+}
+
+/// The running statistics read from `reader`: the weights file's tensors after the
+/// parameters, in the buffers' flat order.
+pub(crate) fn buffer_values(
+    reader: &WeightsReader,
+    weights: &WeightsPlan,
+    layout: &ParamLayout,
+) -> Result<Vec<f32>> {
+    let mut out = Vec::new();
+    for j in layout.params.len()..weights.tensors().len() {
+        out.extend(reader.read(tensor(weights, j)?)?);
+    }
+    Ok(out)
+}
+
+/// Tensor `j` of the weights file.
+fn tensor(weights: &WeightsPlan, j: usize) -> Result<&SavedTensor> {
+    let detail = format!("no tensor {j} in the weights file's plan");
+    weights
+        .tensors()
+        .get(j)
+        .ok_or(TrainError::Divergence(detail))
 }
 
 #[cfg(test)]

@@ -327,9 +327,6 @@ impl Strategy for SyncAllReduce {
                 self.comm.size()
             ))?;
         }
-        if zero.shards_params() {
-            zero.take_param_shard(&mut *self.engine)?;
-        }
         Ok(())
     }
 

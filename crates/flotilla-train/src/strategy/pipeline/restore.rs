@@ -14,7 +14,7 @@
 //! sends. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
 //! each rank for its own where it sees it, by rank 0 for the others, one at a time.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use flotilla_tcp::{CommError, ProcessGroup};
@@ -163,11 +163,31 @@ fn needs(pipe: &Pipeline, state: &CheckpointState) -> Result<Needs> {
     Ok(Needs { files, optimizer })
 }
 
+/// Where a rank's stage weights come from: the file's bytes, or, for a ZeRO-3 stage whose
+/// rank sees the checkpoint, the file itself, read a piece at a time
+/// ([`Pipeline::load_stage_file`]: no replica holds its whole stage).
+enum WeightsFrom {
+    Bytes(Vec<u8>),
+    File(PathBuf),
+}
+
 /// Loads the files `needs` named (`files`, in its order) into `pipe`'s stage.
-fn load(pipe: &mut Pipeline, needs: &Needs, files: &[Vec<u8>]) -> Result<()> {
-    let (Some(weights), rest) = (files.first(), files.get(1..).unwrap_or_default()) else {
+fn load(pipe: &mut Pipeline, needs: &Needs, mut files: Vec<Vec<u8>>) -> Result<()> {
+    if files.is_empty() {
         return Err(TrainError::config("resume", "no weights file of the stage"));
-    };
+    }
+    let weights = files.remove(0);
+    load_from(pipe, needs, WeightsFrom::Bytes(weights), &files)
+}
+
+/// Loads the stage's `weights` and the rest of the files `needs` named (`rest`, in its
+/// order) into `pipe`'s stage.
+fn load_from(
+    pipe: &mut Pipeline,
+    needs: &Needs,
+    weights: WeightsFrom,
+    rest: &[Vec<u8>],
+) -> Result<()> {
     let optimizer = match (&needs.optimizer, rest) {
         (Held::Whole, [one]) => StageOptimizer::Whole(one),
         (Held::Own, [one]) => StageOptimizer::Own(one),
@@ -181,7 +201,28 @@ fn load(pipe: &mut Pipeline, needs: &Needs, files: &[Vec<u8>]) -> Result<()> {
             return Err(TrainError::config("resume", detail));
         }
     };
-    pipe.load_stage(weights, optimizer)
+    match weights {
+        WeightsFrom::Bytes(bytes) => pipe.load_stage(&bytes, optimizer),
+        WeightsFrom::File(path) => pipe.load_stage_file(&path, optimizer),
+    }
+}
+
+/// What a ZeRO-3 stage's rank reads itself of the checkpoint rank 0 offered, when it sees
+/// it: its weights file by path (checked against the checksums, read piece by piece when
+/// loaded) and the rest of the files `needs` named.
+fn read_sharded(offer: &[u8], needs: &Needs) -> Option<(WeightsFrom, Vec<Vec<u8>>)> {
+    let (dir, sums) = offered_dir(offer)?;
+    let (weights, rest) = needs.files.split_first()?;
+    let path = dir.join(weights);
+    let sum = checkpoint::file_checksum(&path).ok()?;
+    (sums.get(weights) == Some(&sum)).then_some(())?;
+    let rest = (rest.iter())
+        .map(|name| {
+            let bytes = read(&dir, name).ok()?;
+            (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
+        })
+        .collect::<Option<Vec<_>>>()?;
+    Some((WeightsFrom::File(path), rest))
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at its pipeline's cut: reads the
@@ -190,9 +231,15 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
     let world = pipe.world().clone();
     let needs = needs(pipe, state)?;
     let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
+    if pipe.shards_params()
+        && let Some((weights, rest)) = read_sharded(&offer, &needs)
+    {
+        world.send(0, tag(READ), &[1])?;
+        return load_from(pipe, &needs, weights, &rest);
+    }
     if let Some(files) = read_offered(&offer, &needs.files) {
         world.send(0, tag(READ), &[1])?;
-        return load(pipe, &needs, &files);
+        return load(pipe, &needs, files);
     }
     let names = needs.files.join("\n");
     world.send(0, tag(READ), &[&[0], names.as_bytes()].concat())?;
@@ -200,7 +247,7 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
     let files = (needs.files.iter())
         .map(|_| Ok(world.recv_large(0, tag(FILE), deadline)?))
         .collect::<Result<Vec<_>>>()?;
-    load(pipe, &needs, &files)
+    load(pipe, &needs, files)
 }
 
 /// Rank 0's side of a checkpoint written at this pipeline's cut: offers it to every other
@@ -226,10 +273,16 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
         }
     }
     let needs = needs(pipe, state)?;
+    if pipe.shards_params()
+        && let Some((weights, rest)) = needs.files.split_first()
+    {
+        let rest = (rest.iter().map(|name| read(dir, name))).collect::<Result<Vec<_>>>()?;
+        return load_from(pipe, &needs, WeightsFrom::File(dir.join(weights)), &rest);
+    }
     let mine = (needs.files.iter())
         .map(|name| read(dir, name))
         .collect::<Result<Vec<_>>>()?;
-    load(pipe, &needs, &mine)
+    load(pipe, &needs, mine)
 }
 
 /// Rank `r`'s answer to the offer: the files it needs sent (none when it read them).

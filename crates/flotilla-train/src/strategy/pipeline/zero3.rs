@@ -25,9 +25,10 @@
 //! gathers one group at a time instead ([`ReplicaParams::for_each_group`]), the stage's
 //! replicas writing its weights a share each (`state.rs`). A spec's stage starts released,
 //! each replica keeping its shard as the stage draws its initial values one layer at a time
-//! ([`ReplicaParams::take_drawn`]); a program's stage module, built by the program, and a
-//! stage loaded from a checkpoint start whole and keep their shard
-//! ([`ReplicaParams::take_shard`]).
+//! ([`ReplicaParams::take_drawn`]); a resumed replica that sees the checkpoint reads its
+//! pieces of the stage's weights file one tensor at a time ([`ReplicaParams::load_values`]);
+//! a program's stage module, built by the program, and a stage file sent over the wire
+//! start whole and keep their shard ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;
 use std::sync::Arc;
@@ -133,6 +134,33 @@ impl ReplicaParams {
         drop(whole);
         stage.release_params()?;
         self.released = true;
+        Ok(())
+    }
+
+    /// This replica's pieces of the stage's flat parameters: its shard of each group, in
+    /// flat order (the layout of its values).
+    pub(super) fn owned(&self) -> Vec<Range<usize>> {
+        let (d, r) = (self.replicas.size(), self.replicas.rank());
+        (self.groups.iter())
+            .map(|(_, flat)| {
+                let s = shard(flat.len(), d, r);
+                flat.start + s.start..flat.start + s.end
+            })
+            .collect()
+    }
+
+    /// Keeps `values`, this replica's shard of the stage's parameters read from a checkpoint
+    /// ([`ReplicaParams::owned`]'s pieces), in place of its shard; the stage stays released.
+    pub(super) fn load_values(&mut self, values: Vec<f32>) -> Result<()> {
+        if values.len() != self.grad.len() || !self.released {
+            return Err(TrainError::Divergence(format!(
+                "ZeRO-3: {} values loaded into a shard of {} (released: {})",
+                values.len(),
+                self.grad.len(),
+                self.released
+            )));
+        }
+        self.values = values;
         Ok(())
     }
 

@@ -12,9 +12,7 @@
 use std::path::Path;
 use std::time::Instant;
 
-use flotilla_engine::{
-    Engine, ParamLayout, SavedTensor, ShardPiece, WeightsPlan, WeightsReader, shard_pieces,
-};
+use flotilla_engine::{Engine, ParamLayout, WeightsPlan, WeightsReader, shard_pieces};
 use flotilla_tcp::{CommError, Tag, tags};
 
 use super::{Zero, owned_ranges};
@@ -22,6 +20,7 @@ use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState};
 use crate::checkpoint_offer::{offer_of, offered_dir};
 use crate::error::{Result, TrainError};
+use crate::model_file::{buffer_values, shard_values};
 
 /// Rank 0's offer of the checkpoint, to every other rank.
 const OFFER_TAG: Tag = tags::RESERVED + 0x108;
@@ -184,43 +183,6 @@ fn receive_values(
     Ok((values, buffers))
 }
 
-/// The values of `pieces` (in flat order) read from `reader`, one tensor at a time.
-fn shard_values(
-    reader: &WeightsReader,
-    weights: &WeightsPlan,
-    layout: &ParamLayout,
-    pieces: &[ShardPiece],
-) -> Result<Vec<f32>> {
-    let mut out = Vec::with_capacity(pieces.iter().map(|p| p.range.len()).sum());
-    let mut held: Option<(usize, Vec<f32>)> = None;
-    for piece in pieces {
-        if held.as_ref().map(|h| h.0) != Some(piece.param) {
-            held = Some((piece.param, reader.read(tensor(weights, piece.param)?)?));
-        }
-        let tensor = held.as_ref().map_or(&[][..], |h| &h.1[..]);
-        let base = layout.params[piece.param].offset;
-        let range = piece.range.start - base..piece.range.end - base;
-        out.extend_from_slice(tensor.get(range).ok_or_else(|| {
-            TrainError::Divergence(format!("a piece past parameter {}", piece.param))
-        })?);
-    }
-    Ok(out)
-}
-
-/// The running statistics read from `reader`: the weights file's tensors after the
-/// parameters, in the buffers' flat order.
-fn buffer_values(
-    reader: &WeightsReader,
-    weights: &WeightsPlan,
-    layout: &ParamLayout,
-) -> Result<Vec<f32>> {
-    let mut out = Vec::new();
-    for j in layout.params.len()..weights.tensors().len() {
-        out.extend(reader.read(tensor(weights, j)?)?);
-    }
-    Ok(out)
-}
-
 /// How many values the running statistics hold (the weights file's tensors after the
 /// parameters).
 fn engine_buffers(weights: &WeightsPlan, layout: &ParamLayout) -> usize {
@@ -232,15 +194,6 @@ fn engine_buffers(weights: &WeightsPlan, layout: &ParamLayout) -> usize {
         .iter()
         .map(|t| t.shape.iter().product::<usize>())
         .sum()
-}
-
-/// Tensor `j` of the weights file.
-fn tensor(weights: &WeightsPlan, j: usize) -> Result<&SavedTensor> {
-    let detail = format!("no tensor {j} in the weights file's plan");
-    weights
-        .tensors()
-        .get(j)
-        .ok_or(TrainError::Divergence(detail))
 }
 
 /// File `name` of checkpoint `dir`.

@@ -50,21 +50,6 @@ impl Zero {
         self.stage == 3
     }
 
-    /// Stage 3's start: keeps this rank's shard of `engine`'s parameters (the same on every
-    /// rank after the initial broadcast) and releases them in the engine.
-    pub fn take_param_shard(&mut self, engine: &mut dyn Engine) -> Result<()> {
-        let mut whole = vec![0.0; self.total];
-        engine.read_params(&mut whole)?;
-        self.params = Vec::with_capacity(self.optimizer.len());
-        for piece in self.optimizer.pieces() {
-            self.params.extend_from_slice(&whole[piece.range.clone()]);
-        }
-        drop(whole);
-        engine.release_params()?;
-        self.released = true;
-        Ok(())
-    }
-
     /// Stage 3's start from the shard this rank kept as its released engine drew the
     /// initial model (`initial.rs`): the engine holds no parameter already.
     pub fn keep_initial_shard(&mut self, shard: InitialShard) -> Result<()> {

@@ -6,12 +6,13 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use flotilla_engine::{FlatOptimizerState, WeightsPlan};
+use flotilla_engine::{FlatOptimizerState, WeightsPlan, WeightsReader, shard_pieces};
 use flotilla_tcp::shard;
 
 use super::Pipeline;
 use crate::checkpoint::ZeroManifest;
 use crate::error::Result;
+use crate::model_file;
 use crate::strategy::allreduce::clip;
 use crate::strategy::pipeline::state::{OptimizerPart, StageOptimizer};
 use crate::strategy::pipeline::zero;
@@ -153,6 +154,33 @@ impl Pipeline {
         } else {
             self.stage.load_weights_bytes(weights)?;
         }
+        self.load_optimizer(optimizer)
+    }
+
+    /// Under ZeRO-3, [`Pipeline::load_stage`] from the stage's weights file at `path`
+    /// without the whole stage: this replica's pieces read one tensor at a time, the running
+    /// statistics whole.
+    pub(in crate::strategy::pipeline) fn load_stage_file(
+        &mut self,
+        path: &std::path::Path,
+        optimizer: StageOptimizer<'_>,
+    ) -> Result<()> {
+        let Some(p) = &mut self.params else {
+            return Err(self.usage("reading a stage's shard without ZeRO-3"));
+        };
+        let reader = WeightsReader::open(path)?;
+        let (weights, layout) = (self.stage.weights_plan()?, self.stage.layout().clone());
+        let pieces = shard_pieces(&layout, &p.owned())?;
+        p.load_values(model_file::shard_values(
+            &reader, &weights, &layout, &pieces,
+        )?)?;
+        let buffers = model_file::buffer_values(&reader, &weights, &layout)?;
+        self.stage.write_buffers(&buffers)?;
+        self.load_optimizer(optimizer)
+    }
+
+    /// Loads `optimizer` into the stage's optimizer, or its shard's under ZeRO.
+    fn load_optimizer(&mut self, optimizer: StageOptimizer<'_>) -> Result<()> {
         let layout = self.stage.layout();
         let flat = match (optimizer, &mut self.zero) {
             (StageOptimizer::Whole(bytes), None) => {
@@ -170,6 +198,11 @@ impl Pipeline {
             Some(zero) => zero.load_flat(&*self.stage, &flat),
             None => Ok(self.stage.load_optimizer_state(&flat.whole(layout)?)?),
         }
+    }
+
+    /// Whether this stage's replicas shard its parameters (ZeRO-3 among them).
+    pub(in crate::strategy::pipeline) fn shards_params(&self) -> bool {
+        self.params.is_some()
     }
 
     /// Whether this stage's replicas shard its optimizer state (ZeRO among them): each
