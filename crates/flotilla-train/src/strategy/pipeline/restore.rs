@@ -11,7 +11,9 @@
 //! `checksums.json`; a rank sees it when the file at that path has the same bytes and the
 //! files it needs there have the checksums it lists (the ranks of one host, hosts that
 //! mount one output directory); the others name the files they need, which rank 0 reads and
-//! sends. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
+//! sends. Under ZeRO-3 a rank that sees the checkpoint (rank 0 too) reads its shard of its
+//! stage's weights file one tensor at a time ([`Pipeline::load_stage_file`]), never the
+//! whole file. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
 //! each rank for its own where it sees it, by rank 0 for the others, one at a time.
 
 use std::path::{Path, PathBuf};
