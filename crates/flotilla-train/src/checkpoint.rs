@@ -480,11 +480,17 @@ pub fn newest_complete(output: &Path) -> Result<(Option<PathBuf>, Vec<String>)> 
     Ok((None, warnings))
 }
 
+/// File `name` of checkpoint `dir`, whole.
+pub(crate) fn read_file(dir: &Path, name: &str) -> Result<Vec<u8>> {
+    let path = dir.join(name);
+    fs::read(&path).map_err(|e| TrainError::io(&path, e))
+}
+
 /// Reads a checkpoint's state without touching any engine. Its checksum (when the checkpoint
 /// has `checksums.json`) is verified before it is parsed: a corrupt file is an error.
 pub fn read_state(dir: &Path) -> Result<CheckpointState> {
     let path = dir.join("state.json");
-    let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    let bytes = read_file(dir, "state.json")?;
     if let Some(want) = recorded_checksum(dir, "state.json")? {
         let got = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&bytes));
         if got != want {
@@ -570,8 +576,7 @@ pub fn read_stage_flat_state(
 
 /// The optimizer state file `name` of checkpoint `dir` over `layout`, in flat form.
 fn read_one_state(dir: &Path, name: &str, layout: &ParamLayout) -> Result<FlatOptimizerState> {
-    let path = dir.join(name);
-    let bytes = fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+    let bytes = read_file(dir, name)?;
     FlatOptimizerState::gather(layout, &[(None, &bytes)]).map_err(|e| ck_err(dir, e.to_string()))
 }
 
@@ -595,10 +600,7 @@ fn read_shards(
         ));
     }
     let files = (0..z.world)
-        .map(|r| {
-            let path = dir.join(name(r));
-            fs::read(&path).map_err(|e| TrainError::io(&path, e))
-        })
+        .map(|r| read_file(dir, &name(r)))
         .collect::<Result<Vec<_>>>()?;
     let ranges: Vec<Vec<std::ops::Range<usize>>> = z.ranges();
     let parts: Vec<_> = ranges

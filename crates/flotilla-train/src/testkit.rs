@@ -18,6 +18,7 @@ use flotilla_engine::{
 use flotilla_tcp::{CommConfig, ProcessGroup, TcpGroup};
 
 use crate::batches::{Batches, Position};
+use crate::checkpoint::CheckpointState;
 use crate::config::{LrSchedule, TrainConfig};
 use crate::observe::Quiet;
 use crate::runlog::RunLog;
@@ -283,4 +284,29 @@ pub(crate) fn relative_error(got: &[f32], want: &[f32]) -> f32 {
         .zip(want)
         .fold(0.0f32, |m, (a, b)| m.max((a - b).abs()))
         / scale
+}
+
+/// The state a test's checkpoint records after `step` steps of epoch 0 of model `model`.
+pub(crate) fn checkpoint_at(step: u64, model: &str) -> CheckpointState {
+    CheckpointState {
+        step,
+        epoch: 0,
+        step_in_epoch: step,
+        config_hash: 7,
+        model: model.into(),
+        num_params: 0,
+        test_acc: None,
+        stages: None,
+        zero: None,
+        stage_zero: None,
+    }
+}
+
+/// The tensors of the safetensors file `file` by name, with their bytes.
+pub(crate) fn tensor_bytes(file: &std::path::Path) -> std::collections::BTreeMap<String, Vec<u8>> {
+    let bytes = std::fs::read(file).expect("a safetensors file");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    (st.tensors().into_iter())
+        .map(|(n, v)| (n, v.data().to_vec()))
+        .collect()
 }

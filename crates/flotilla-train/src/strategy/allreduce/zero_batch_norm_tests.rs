@@ -13,9 +13,8 @@ use flotilla_engine::{BurnEngine, ModelSpec, ModelState};
 
 use super::SyncAllReduce;
 use super::zero_tests::{optimizers, rank, ring};
-use crate::checkpoint::CheckpointState;
 use crate::strategy::{Resume, Strategy};
-use crate::testkit::{SEED, assert_bitwise, batches, params};
+use crate::testkit::{SEED, assert_bitwise, batches, checkpoint_at, params};
 
 /// Two batch norms (1-d) on the 2×2 input: between linear layers, and on the logits.
 const BN_SPEC: &str = "name: mlp-bn\ninput: [1, 2, 2]\nlayers:\n  - flatten\n  \
@@ -103,18 +102,7 @@ fn run_seeing(
                         peer.evaluate(&mut rank.cx()).expect("evaluate");
                     }
                 }
-                let state = CheckpointState {
-                    step: to,
-                    epoch: 0,
-                    step_in_epoch: to,
-                    config_hash: 7,
-                    model: "mlp-bn".into(),
-                    num_params: 0,
-                    test_acc: None,
-                    stages: None,
-                    zero: None,
-                    stage_zero: None,
-                };
+                let state = checkpoint_at(to, "mlp-bn");
                 let checkpoint = match from < to {
                     true => (peer.save_checkpoint(&mut rank.cx(), &state)).expect("checkpoint"),
                     false => None,

@@ -18,9 +18,10 @@ use flotilla_tcp::{CommConfig, ProcessGroup};
 
 use super::SyncAllReduce;
 use super::zero::owned_ranges;
-use crate::checkpoint::CheckpointState;
 use crate::strategy::{Resume, Strategy};
-use crate::testkit::{Rank, adam, assert_bitwise, batches, config, params, world_with};
+use crate::testkit::{
+    Rank, adam, assert_bitwise, batches, checkpoint_at, config, params, world_with,
+};
 
 pub(super) const STEPS: u64 = 12;
 const SAMPLES: usize = 96;
@@ -129,18 +130,7 @@ fn run_overlapped(
                     })
                     .collect();
                 if save {
-                    let state = CheckpointState {
-                        step: span.1,
-                        epoch: 0,
-                        step_in_epoch: span.1,
-                        config_hash: 7,
-                        model: "mlp2".into(),
-                        num_params: 0,
-                        test_acc: None,
-                        stages: None,
-                        zero: None,
-                        stage_zero: None,
-                    };
+                    let state = checkpoint_at(span.1, "mlp2");
                     peer.save_checkpoint(&mut rank.cx(), &state)
                         .expect("checkpoint");
                 }

@@ -13,8 +13,7 @@ use flotilla_engine::{ModelSpec, ModelState, StageCut};
 
 use super::tests::{named, options, train_batch};
 use super::{Pipeline, PipelineOptions, Schedule, state};
-use crate::checkpoint::CheckpointState;
-use crate::testkit::{adam, assert_bitwise, world};
+use crate::testkit::{adam, assert_bitwise, checkpoint_at, tensor_bytes, world};
 
 /// A batch norm in each of the two stages (cut at layer 3), on the 12 inputs of
 /// `tests.rs`'s batches.
@@ -114,7 +113,8 @@ fn run_sharded(zero: u8, group_bytes: usize, out: &Path) -> (Vec<Trained>, PathB
                 let labels: Vec<i64> = (0..8).map(|i| i % 3).collect();
                 pipe.evaluate(&images, &labels, 8).expect("evaluate");
                 let evaluated = buffers(pipe.stage());
-                let saved = state::save(&mut pipe, &out, &checkpoint_state()).expect("save");
+                let saved =
+                    state::save(&mut pipe, &out, &checkpoint_at(4, "pipeline-bn")).expect("save");
                 pipe.gather_stage().expect("gather");
                 let mut params: Vec<_> = named(pipe.stage()).into_iter().collect();
                 params.sort_by(|a, b| a.0.cmp(&b.0));
@@ -139,35 +139,11 @@ fn run_sharded(zero: u8, group_bytes: usize, out: &Path) -> (Vec<Trained>, PathB
     (ended, dir.expect("rank 0's checkpoint"))
 }
 
-fn checkpoint_state() -> CheckpointState {
-    CheckpointState {
-        step: 4,
-        epoch: 0,
-        step_in_epoch: 4,
-        config_hash: 1,
-        model: "pipeline-bn".into(),
-        num_params: 0,
-        test_acc: None,
-        stages: None,
-        zero: None,
-        stage_zero: None,
-    }
-}
-
-/// The tensors of a safetensors file by name, with their bytes.
-fn tensors(file: &Path) -> BTreeMap<String, Vec<u8>> {
-    let bytes = std::fs::read(file).expect("weights file");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    (st.tensors().into_iter())
-        .map(|(n, v)| (n, v.data().to_vec()))
-        .collect()
-}
-
 #[test]
 fn zero_3_stages_with_batch_norm_keep_zero_0s_statistics_parameters_and_checkpoint() {
     let dir = tempfile::tempdir().expect("dir");
     let (plain, plain_dir) = run_sharded(0, 0, &dir.path().join("zero0"));
-    let plain_file = tensors(&plain_dir.join("model.safetensors"));
+    let plain_file = tensor_bytes(&plain_dir.join("model.safetensors"));
     let stats = plain_file.keys().filter(|n| n.contains("running")).count();
     assert_eq!(stats, 4, "the checkpoint holds 2 batch norms' statistics");
     for bytes in [0, 1] {
@@ -183,7 +159,7 @@ fn zero_3_stages_with_batch_norm_keep_zero_0s_statistics_parameters_and_checkpoi
                 assert_bitwise(g, w, &format!("{at}: {name}"));
             }
         }
-        let file = tensors(&sharded_dir.join("model.safetensors"));
+        let file = tensor_bytes(&sharded_dir.join("model.safetensors"));
         let names = |f: &BTreeMap<String, Vec<u8>>| f.keys().cloned().collect::<Vec<_>>();
         assert_eq!(
             names(&file),

@@ -7,7 +7,8 @@
 use std::ops::Range;
 
 use flotilla_engine::{EngineError, ParamLayout, ShardSink};
-use flotilla_tcp::shard;
+
+use super::zero3::{group_flat, group_pieces};
 
 /// Replica `rank` of `replicas`' pieces of its stage's initial parameters, filled as they
 /// are drawn.
@@ -56,19 +57,11 @@ impl ShardSink for StageShard {
         layout: &ParamLayout,
         groups: &[Range<usize>],
     ) -> flotilla_engine::Result<()> {
-        let flat = |params: &Range<usize>| match layout.params.get(params.clone()) {
-            Some([first, .., last]) => first.offset..last.offset + last.len,
-            Some([one]) => one.offset..one.offset + one.len,
-            _ => 0..0,
-        };
-        let mut groups: Vec<Range<usize>> = groups.iter().map(flat).collect();
-        groups.sort_by_key(|g| g.start);
-        self.pieces = (groups.iter())
-            .map(|g| {
-                let s = shard(g.len(), self.replicas, self.rank);
-                g.start + s.start..g.start + s.end
-            })
+        let mut groups: Vec<Range<usize>> = (groups.iter())
+            .map(|params| group_flat(layout, params))
             .collect();
+        groups.sort_by_key(|g| g.start);
+        self.pieces = group_pieces(&groups, self.replicas, self.rank);
         let len = self.pieces.iter().map(|p| p.len()).sum();
         self.values = Vec::with_capacity(len);
         self.offsets = layout.params.iter().map(|p| p.offset).collect();

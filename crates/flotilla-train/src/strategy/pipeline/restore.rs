@@ -220,7 +220,7 @@ fn read_sharded(offer: &[u8], needs: &Needs) -> Option<(WeightsFrom, Vec<Vec<u8>
     (sums.get(weights) == Some(&sum)).then_some(())?;
     let rest = (rest.iter())
         .map(|name| {
-            let bytes = read(&dir, name).ok()?;
+            let bytes = checkpoint::read_file(&dir, name).ok()?;
             (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
         })
         .collect::<Option<Vec<_>>>()?;
@@ -271,18 +271,19 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
                 let detail = format!("asked for {name:?}, not a file of the checkpoint's stages");
                 return Err(CommError::Protocol { peer: r, detail }.into());
             }
-            world.send_large(r, tag(FILE), &read(dir, &name)?)?;
+            world.send_large(r, tag(FILE), &checkpoint::read_file(dir, &name)?)?;
         }
     }
     let needs = needs(pipe, state)?;
     if pipe.shards_params()
         && let Some((weights, rest)) = needs.files.split_first()
     {
-        let rest = (rest.iter().map(|name| read(dir, name))).collect::<Result<Vec<_>>>()?;
+        let rest = (rest.iter().map(|name| checkpoint::read_file(dir, name)))
+            .collect::<Result<Vec<_>>>()?;
         return load_from(pipe, &needs, WeightsFrom::File(dir.join(weights)), &rest);
     }
     let mine = (needs.files.iter())
-        .map(|name| read(dir, name))
+        .map(|name| checkpoint::read_file(dir, name))
         .collect::<Result<Vec<_>>>()?;
     load(pipe, &needs, mine)
 }
@@ -314,16 +315,10 @@ fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
     names
         .iter()
         .map(|name| {
-            let bytes = read(&dir, name).ok()?;
+            let bytes = checkpoint::read_file(&dir, name).ok()?;
             (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
         })
         .collect()
-}
-
-/// File `name` of checkpoint `dir`.
-fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
-    let path = dir.join(name);
-    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
 }
 
 /// The tag of a restore's message `part`.

@@ -33,7 +33,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use flotilla_engine::{EngineError, ShardedPass, StageEngine};
+use flotilla_engine::{EngineError, ParamLayout, ShardedPass, StageEngine};
 use flotilla_tcp::{PendingAllReduce, ProcessGroup, shard};
 
 use crate::error::{Result, TrainError};
@@ -41,6 +41,30 @@ use crate::error::{Result, TrainError};
 /// What takes each gathered group ([`ReplicaParams::for_each_group`]): its parameters
 /// (indices into the layout) and values.
 pub(super) type GroupSink<'a> = dyn FnMut(Range<usize>, &[f32]) -> Result<()> + 'a;
+
+/// The flat range of `layout`'s parameters `params` (a group), empty for none.
+pub(super) fn group_flat(layout: &ParamLayout, params: &Range<usize>) -> Range<usize> {
+    match layout.params.get(params.clone()) {
+        Some([first, .., last]) => first.offset..last.offset + last.len,
+        Some([one]) => one.offset..one.offset + one.len,
+        _ => 0..0,
+    }
+}
+
+/// Replica `rank` of `replicas`' pieces of the groups whose flat ranges are `flats`: its
+/// shard of each, as flat ranges of the stage, in the order of `flats`.
+pub(super) fn group_pieces<'a>(
+    flats: impl IntoIterator<Item = &'a Range<usize>>,
+    replicas: usize,
+    rank: usize,
+) -> Vec<Range<usize>> {
+    (flats.into_iter())
+        .map(|flat| {
+            let s = shard(flat.len(), replicas, rank);
+            flat.start + s.start..flat.start + s.end
+        })
+        .collect()
+}
 
 /// This replica's shard of its stage's parameters and of the step's gradient.
 pub(super) struct ReplicaParams {
@@ -80,14 +104,9 @@ impl ReplicaParams {
     ) -> Self {
         let layout = stage.layout();
         let offsets: Vec<usize> = layout.params.iter().map(|p| p.offset).collect();
-        let flat_of = |params: &Range<usize>| match layout.params.get(params.clone()) {
-            Some([first, .., last]) => first.offset..last.offset + last.len,
-            Some([one]) => one.offset..one.offset + one.len,
-            _ => 0..0,
-        };
         let groups: Vec<_> = (stage.param_groups().into_iter())
             .map(|p| {
-                let flat = flat_of(&p);
+                let flat = group_flat(layout, &p);
                 (p, flat)
             })
             .collect();
@@ -124,12 +143,9 @@ impl ReplicaParams {
     pub(super) fn take_shard(&mut self, stage: &mut dyn StageEngine) -> Result<()> {
         let mut whole = vec![0.0; stage.layout().total];
         stage.read_params(&mut whole)?;
-        let (d, r) = (self.replicas.size(), self.replicas.rank());
         self.values = Vec::with_capacity(self.grad.len());
-        for (_, flat) in &self.groups {
-            let s = shard(flat.len(), d, r);
-            self.values
-                .extend_from_slice(&whole[flat.start + s.start..flat.start + s.end]);
+        for piece in self.owned() {
+            self.values.extend_from_slice(&whole[piece]);
         }
         drop(whole);
         stage.release_params()?;
@@ -141,12 +157,7 @@ impl ReplicaParams {
     /// flat order (the layout of its values).
     pub(super) fn owned(&self) -> Vec<Range<usize>> {
         let (d, r) = (self.replicas.size(), self.replicas.rank());
-        (self.groups.iter())
-            .map(|(_, flat)| {
-                let s = shard(flat.len(), d, r);
-                flat.start + s.start..flat.start + s.end
-            })
-            .collect()
+        group_pieces(self.groups.iter().map(|(_, flat)| flat), d, r)
     }
 
     /// Keeps `values`, this replica's shard of the stage's parameters read from a checkpoint

@@ -14,8 +14,8 @@ use flotilla_engine::{ModelState, Stage, StageCut};
 
 use super::tests::train_batch;
 use super::{Pipeline, PipelineOptions, Schedule, restore, state};
-use crate::checkpoint::{self, CheckpointState};
-use crate::testkit::{adam, assert_bitwise, world};
+use crate::checkpoint;
+use crate::testkit::{adam, assert_bitwise, checkpoint_at, tensor_bytes, world};
 
 /// Options of 2 replicas at ZeRO `zero`, one micro-batch, groups of one parameter.
 fn opts(zero: u8) -> PipelineOptions {
@@ -68,7 +68,7 @@ fn run(
                     train_batch(&mut pipe, b);
                 });
                 let saved = out.and_then(|o| {
-                    let s = checkpoint_state();
+                    let s = checkpoint_at(10, "pipeline-test");
                     state::save(&mut pipe, &o, &s).expect("save")
                 });
                 let hash = pipe.param_hash().expect("hash");
@@ -95,21 +95,6 @@ fn run(
     }
     ended.sort_by_key(|e| e.at);
     (ended, dir)
-}
-
-fn checkpoint_state() -> CheckpointState {
-    CheckpointState {
-        step: 10,
-        epoch: 0,
-        step_in_epoch: 10,
-        config_hash: 1,
-        model: "pipeline-test".into(),
-        num_params: 0,
-        test_acc: None,
-        stages: None,
-        zero: None,
-        stage_zero: None,
-    }
 }
 
 fn assert_same_params(got: &[Ended], want: &[Ended], what: &str) {
@@ -223,15 +208,6 @@ fn a_checkpoint_of_shards_is_complete_with_every_shard_only() {
     }
 }
 
-/// The tensors of a safetensors file by name, with their bytes.
-fn tensors(file: &Path) -> std::collections::BTreeMap<String, Vec<u8>> {
-    let bytes = std::fs::read(file).expect("export");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    (st.tensors().into_iter())
-        .map(|(n, v)| (n, v.data().to_vec()))
-        .collect()
-}
-
 /// A pipeline checkpoint exports as one file with its optimizer state put together from
 /// the stages (each from its replicas' shards): a ZeRO-3 run's holds zero 0's tensors, the
 /// optimizer's too, bit for bit, and each stage's 1-d tensors' state is what the stage's
@@ -247,7 +223,7 @@ fn a_pipeline_checkpoint_of_shards_exports_zero_0s_tensors_with_the_optimizer_st
         let file = dir.path().join(format!("{zero}.safetensors"));
         let done = crate::checkpoint_export::export(&saved.expect("saved"), &file).expect("export");
         assert_eq!(done.without_optimizer, None);
-        exports.push(tensors(&file));
+        exports.push(tensor_bytes(&file));
         ended = e;
     }
     assert!(

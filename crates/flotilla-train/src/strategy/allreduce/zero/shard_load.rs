@@ -56,7 +56,7 @@ impl Zero {
             (0, None) => {
                 return Err(TrainError::config("resume", "rank 0 has no checkpoint"));
             }
-            _ => self.fetch(&weights, &layout, same)?,
+            _ => self.fetch((&weights, &layout), engine.buffer_layout().total, same)?,
         };
         if part.values.len() != self.optimizer.len() {
             return Err(TrainError::Divergence(format!(
@@ -95,7 +95,7 @@ impl Zero {
         let optimizer_of = |r: usize| -> Result<Vec<u8>> {
             match &recut {
                 Some(flat) => Ok(flat.shard(layout, &owned_ranges(plan, n, r))?),
-                None => read(dir, &checkpoint::zero_file(r)),
+                None => checkpoint::read_file(dir, &checkpoint::zero_file(r)),
             }
         };
         let reader = WeightsReader::open(&dir.join("model.safetensors"))?;
@@ -121,7 +121,12 @@ impl Zero {
     /// A rank but 0: reads its part where it sees rank 0's checkpoint (but an optimizer
     /// shard re-cut on rank 0, when the checkpoint is not sharded as this run: `same`), else
     /// receives it.
-    fn fetch(&self, weights: &WeightsPlan, layout: &ParamLayout, same: bool) -> Result<Part> {
+    fn fetch(
+        &self,
+        (weights, layout): (&WeightsPlan, &ParamLayout),
+        buffers: usize,
+        same: bool,
+    ) -> Result<Part> {
         let comm = &*self.comm;
         let deadline = Instant::now() + comm.timeout();
         let offer = comm.recv(0, OFFER_TAG, deadline)?;
@@ -138,7 +143,7 @@ impl Zero {
             let values = shard_values(&reader, weights, layout, self.optimizer.pieces()).ok()?;
             let buffers = buffer_values(&reader, weights, layout).ok()?;
             let optimizer = match same {
-                true => Some(read(&dir, &file).ok()?),
+                true => Some(checkpoint::read_file(&dir, &file).ok()?),
                 false => None,
             };
             Some((values, buffers, optimizer))
@@ -147,7 +152,7 @@ impl Zero {
         let (values, buffers, optimizer) = match own {
             Some(own) => own,
             None => {
-                let (values, buffers) = receive_values(comm, weights, layout, deadline)?;
+                let (values, buffers) = receive_values(comm, buffers, deadline)?;
                 (values, buffers, None)
             }
         };
@@ -166,8 +171,7 @@ impl Zero {
 /// A shard's values and the running statistics, as rank 0 sends them.
 fn receive_values(
     comm: &dyn flotilla_tcp::ProcessGroup,
-    weights: &WeightsPlan,
-    layout: &ParamLayout,
+    buffers: usize,
     deadline: Instant,
 ) -> Result<(Vec<f32>, Vec<f32>)> {
     let bytes = comm.recv_large(0, PART_TAG, deadline)?;
@@ -178,26 +182,7 @@ fn receive_values(
     let mut values: Vec<f32> = (bytes.chunks_exact(4))
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
         .collect();
-    let shard = values.len().saturating_sub(engine_buffers(weights, layout));
+    let shard = values.len().saturating_sub(buffers);
     let buffers = values.split_off(shard);
     Ok((values, buffers))
-}
-
-/// How many values the running statistics hold (the weights file's tensors after the
-/// parameters).
-fn engine_buffers(weights: &WeightsPlan, layout: &ParamLayout) -> usize {
-    let saved = weights
-        .tensors()
-        .get(layout.params.len()..)
-        .unwrap_or_default();
-    saved
-        .iter()
-        .map(|t| t.shape.iter().product::<usize>())
-        .sum()
-}
-
-/// File `name` of checkpoint `dir`.
-fn read(dir: &Path, name: &str) -> Result<Vec<u8>> {
-    let path = dir.join(name);
-    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
 }
