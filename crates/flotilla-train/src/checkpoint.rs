@@ -28,7 +28,7 @@ use std::fs::{self, File};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use flotilla_engine::{FlatOptimizerState, ModelState, ParamLayout};
+use flotilla_engine::{FlatOptimizerState, ModelState, ParamLayout, StateFile};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Result, TrainError};
@@ -580,14 +580,33 @@ fn read_one_state(dir: &Path, name: &str, layout: &ParamLayout) -> Result<FlatOp
     FlatOptimizerState::gather(layout, &[(None, &bytes)]).map_err(|e| ck_err(dir, e.to_string()))
 }
 
-/// The shards of optimizer state that manifest `z` lays out, in files `name(r)` of
-/// checkpoint `dir`, put together over `layout`.
-fn read_shards(
+/// The optimizer state files of the checkpoint in `dir` (whose `state.json` says `state`),
+/// each with the flat ranges it was written over: its `optimizer.bpk` over the whole model,
+/// or every rank's shard by its manifest. What [`flotilla_engine::ShardRecut`] reads to cut
+/// one shard without the whole state.
+pub fn state_files(dir: &Path, state: &CheckpointState) -> Result<Vec<StateFile>> {
+    match &state.zero {
+        None => Ok(vec![(None, dir.join("optimizer.bpk"))]),
+        Some(z) => shard_files(dir, z, zero_file),
+    }
+}
+
+/// [`state_files`] of pipeline stage `k`, over the stage's parameters.
+pub fn stage_state_files(dir: &Path, state: &CheckpointState, k: usize) -> Result<Vec<StateFile>> {
+    match state.stage_zero.as_ref().map(|z| z.get(k)) {
+        None => Ok(vec![(None, dir.join(&stage_files(k)[1]))]),
+        Some(Some(z)) => shard_files(dir, z, |r| stage_zero_file(k, r)),
+        Some(None) => Err(ck_err(dir, format!("its manifest has no stage {k}"))),
+    }
+}
+
+/// The files `name(r)` of checkpoint `dir` of the shards manifest `z` lays out, with their
+/// ranges.
+fn shard_files(
     dir: &Path,
     z: &ZeroManifest,
     name: impl Fn(usize) -> String,
-    layout: &ParamLayout,
-) -> Result<FlatOptimizerState> {
+) -> Result<Vec<StateFile>> {
     // Checked before the files are read: the manifest's count is only a number.
     if z.shards.len() != z.world {
         return Err(ck_err(
@@ -599,14 +618,27 @@ fn read_shards(
             ),
         ));
     }
-    let files = (0..z.world)
-        .map(|r| read_file(dir, &name(r)))
+    let ranges = z.ranges().into_iter().map(Some);
+    Ok(ranges
+        .enumerate()
+        .map(|(r, ranges)| (ranges, dir.join(name(r))))
+        .collect())
+}
+
+/// The shards of optimizer state that manifest `z` lays out, in files `name(r)` of
+/// checkpoint `dir`, put together over `layout`.
+fn read_shards(
+    dir: &Path,
+    z: &ZeroManifest,
+    name: impl Fn(usize) -> String,
+    layout: &ParamLayout,
+) -> Result<FlatOptimizerState> {
+    let files = shard_files(dir, z, name)?;
+    let bytes = (files.iter())
+        .map(|(_, path)| fs::read(path).map_err(|e| TrainError::io(path, e)))
         .collect::<Result<Vec<_>>>()?;
-    let ranges: Vec<Vec<std::ops::Range<usize>>> = z.ranges();
-    let parts: Vec<_> = ranges
-        .iter()
-        .zip(&files)
-        .map(|(r, f)| (Some(r.as_slice()), f.as_slice()))
+    let parts: Vec<_> = (files.iter().zip(&bytes))
+        .map(|((r, _), f)| (r.as_deref(), f.as_slice()))
         .collect();
     FlatOptimizerState::gather(layout, &parts).map_err(|e| ck_err(dir, e.to_string()))
 }

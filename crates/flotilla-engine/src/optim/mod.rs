@@ -1,6 +1,6 @@
 //! Optimizers and their state: the settings turned into burn's optimizers (here), burn's
 //! optimizer on one rank's shard for ZeRO ([`shard_optim`]), optimizer state re-cut for other
-//! shards ([`reshard`]) and checked against the parameters' shapes before burn takes it
+//! shards ([`reshard`], and one shard's from files, reading only what it needs: [`recut`]) and checked against the parameters' shapes before burn takes it
 //! ([`state_check`]).
 //!
 //! Here, optimizer settings, turned into burn's own optimizers (never hand-written ones).
@@ -16,6 +16,7 @@
 
 pub(crate) mod offload;
 pub(crate) mod offload_dirs;
+pub(crate) mod recut;
 pub(crate) mod reshard;
 pub(crate) mod shard_optim;
 pub(crate) mod state_check;
@@ -24,6 +25,8 @@ pub(crate) mod state_check;
 mod offload_tests;
 #[cfg(test)]
 mod optim_tests;
+#[cfg(test)]
+mod recut_tests;
 #[cfg(test)]
 mod reshard_tests;
 #[cfg(test)]

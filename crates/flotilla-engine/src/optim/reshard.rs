@@ -24,7 +24,7 @@ use crate::optim::shard_optim::shard_pieces;
 use crate::params::ParamLayout;
 
 /// The scalar under which burn keeps the rank of a parameter's state.
-const RANK_KEY: &str = "__rank";
+pub(super) const RANK_KEY: &str = "__rank";
 
 /// A state's bytes and the flat ranges it was written over (`None`: the whole model).
 pub type StatePart<'a> = (Option<&'a [Range<usize>]>, &'a [u8]);
@@ -32,10 +32,10 @@ pub type StatePart<'a> = (Option<&'a [Range<usize>]>, &'a [u8]);
 /// One field of one parameter tensor's state: its element type, bytes over the whole tensor,
 /// and how many elements the parts gathered so far filled.
 #[derive(Debug, Clone, PartialEq)]
-struct Field {
-    dtype: DType,
-    bytes: Vec<u8>,
-    filled: usize,
+pub(super) struct Field {
+    pub(super) dtype: DType,
+    pub(super) bytes: Vec<u8>,
+    pub(super) filled: usize,
 }
 
 /// One parameter tensor's state.
@@ -54,15 +54,15 @@ pub struct FlatOptimizerState {
 }
 
 /// A state's ids: each one's flat range, parameter tensor and the shape of its tensors.
-struct Piece {
-    range: Range<usize>,
-    param: usize,
-    shape: Vec<usize>,
+pub(super) struct Piece {
+    pub(super) range: Range<usize>,
+    pub(super) param: usize,
+    pub(super) shape: Vec<usize>,
 }
 
 /// The pieces of a state over `owned` (a shard's flat ranges), or over the whole model
 /// (`None`: one per parameter tensor, shaped as it), indexed by id.
-fn pieces(layout: &ParamLayout, owned: Option<&[Range<usize>]>) -> Result<Vec<Piece>> {
+pub(super) fn pieces(layout: &ParamLayout, owned: Option<&[Range<usize>]>) -> Result<Vec<Piece>> {
     Ok(match owned {
         None => layout
             .params
@@ -85,12 +85,12 @@ fn pieces(layout: &ParamLayout, owned: Option<&[Range<usize>]>) -> Result<Vec<Pi
     })
 }
 
-fn bad(message: String) -> EngineError {
+pub(super) fn bad(message: String) -> EngineError {
     EngineError::Optimizer(format!("re-sharding state: {message}"))
 }
 
 /// `"{id}.{rest}"` split into the id and the rest.
-fn split_key(key: &str) -> Option<(usize, &str)> {
+pub(super) fn split_key(key: &str) -> Option<(usize, &str)> {
     let (id, rest) = key.split_once('.')?;
     Some((id.parse().ok()?, rest))
 }

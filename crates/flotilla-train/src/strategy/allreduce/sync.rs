@@ -436,14 +436,14 @@ impl Strategy for SyncAllReduce {
             }
             return Ok(state);
         }
-        let mut files = Vec::new();
+        let mut source = None;
         let plan = &self.plan;
         let state = from.share(cx, |dir| {
             let (state, shards) = zero.read(dir, engine, plan)?;
-            files = shards;
+            source = Some(shards);
             Ok(state)
         })?;
-        zero.restore_shards(files, state.is_some())?;
+        zero.restore_shards(source, (engine.layout(), plan), state.is_some())?;
         if let Some(s) = &state {
             zero.resumed_at(s.step);
         }

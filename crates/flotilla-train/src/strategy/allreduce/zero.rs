@@ -27,11 +27,13 @@
 //! Checkpoints by shard: rank 0 writes `model.safetensors` and, received point to point
 //! one rank at a time, every rank's `optimizer-shard-<r>.bpk`, with a [`ZeroManifest`]
 //! (world, stage, each rank's flat ranges) in `state.json`; resume sends each rank its
-//! file. Checkpoints re-shard: one written on another number of ranks, or by an unsharded
-//! run (`optimizer.bpk`), is put together on rank 0 into whole-model flat form
-//! ([`flotilla_engine::FlatOptimizerState`]: every field of burn's optimizer records, Adam's
-//! step counts included) and cut by this run's ranges; an unsharded run resumes a ZeRO
-//! checkpoint the same way (`checkpoint::load`). Stages 1 and 2 shard alike, so either
+//! file. Checkpoints re-shard: from one written on another number of ranks, or by an
+//! unsharded run (`optimizer.bpk`), each rank's shard is cut by this run's ranges out of its
+//! state files, reading only the tensors that meet it (`zero/shard_source.rs`,
+//! [`flotilla_engine::recut_shard`]: every field of burn's optimizer records, Adam's step
+//! counts included), never the whole state on one rank; an unsharded run resumes a ZeRO
+//! checkpoint by putting it together ([`flotilla_engine::FlatOptimizerState`],
+//! `checkpoint::load`). Stages 1 and 2 shard alike, so either
 //! resumes the other's files as they are.
 //!
 //! In an elastic job every shard also lives on the rank before its owner and the state is
@@ -56,10 +58,12 @@ pub(super) mod elastic;
 pub(super) mod initial;
 mod shard_files;
 mod shard_load;
+mod shard_source;
 mod stage3;
 
 use elastic::{Cut, Redundancy};
 use shard_files::SHARD_TAG;
+use shard_source::ShardSource;
 
 /// This rank's part of a ZeRO run.
 pub struct Zero {
@@ -367,53 +371,55 @@ impl Zero {
     }
 
     /// Rank 0's part of a resume from `dir`: loads the weights into `model` and returns the
-    /// state and every rank's optimizer shard. A checkpoint sharded as this run is gives its
-    /// files as they are; any other (another world size, an unsharded run's `optimizer.bpk`)
-    /// is put together into whole-model form and cut by this run's shards.
-    pub fn read(
+    /// state and where every rank's optimizer shard comes from: the checkpoint's files as
+    /// they are when it is sharded as this run, else cut for each rank out of its state
+    /// files (another world size, an unsharded run's `optimizer.bpk`).
+    pub(crate) fn read(
         &self,
         dir: &Path,
         model: &mut dyn ModelState,
         plan: &BucketPlan,
-    ) -> Result<(CheckpointState, Vec<Vec<u8>>)> {
+    ) -> Result<(CheckpointState, ShardSource)> {
         let state = self.check_checkpoint(dir, &*model)?;
         let want = self.manifest(plan);
-        let files = match &state.zero {
-            Some(z) if z.shards == want.shards => (0..want.world)
-                .map(|r| {
-                    let path = dir.join(checkpoint::zero_file(r));
-                    std::fs::read(&path).map_err(|e| TrainError::io(&path, e))
-                })
-                .collect::<Result<_>>()?,
-            _ => {
-                let layout = model.layout();
-                let flat = checkpoint::read_flat_state(dir, &state, layout)?;
-                (0..want.world)
-                    .map(|r| Ok(flat.shard(layout, &owned_ranges(plan, want.world, r))?))
-                    .collect::<Result<_>>()?
-            }
-        };
+        let same = state.zero.as_ref().is_some_and(|z| z.shards == want.shards);
+        let source = ShardSource::new(dir, &state, same)?;
         model.load_weights(&dir.join("model.safetensors"))?;
-        Ok((state, files))
+        Ok((state, source))
     }
 
-    /// Every rank's part of a resume: rank 0 sends each rank its optimizer shard (`files`,
-    /// from [`Zero::read`]; empty on the others, and everywhere for a fresh start), which
-    /// each loads. `resumed` says (on every rank) whether there is a checkpoint.
-    pub fn restore_shards(&mut self, files: Vec<Vec<u8>>, resumed: bool) -> Result<()> {
+    /// Every rank's part of a resume: rank 0 reads each rank's optimizer shard from `source`
+    /// (from [`Zero::read`]; `None` on the others, and everywhere for a fresh start) and
+    /// sends it, one rank at a time; each loads its own. `resumed` says (on every rank)
+    /// whether there is a checkpoint.
+    pub(crate) fn restore_shards(
+        &mut self,
+        source: Option<ShardSource>,
+        (layout, plan): (&ParamLayout, &BucketPlan),
+        resumed: bool,
+    ) -> Result<()> {
         if !resumed {
             return Ok(());
         }
-        let mine = if self.comm.rank() == 0 {
-            let mut files = files.into_iter();
-            let mine = files.next().unwrap_or_default();
-            for (r, bytes) in files.enumerate() {
-                self.comm.send_large(r + 1, SHARD_TAG, &bytes)?;
+        let n = self.comm.size();
+        let mine = match source {
+            Some(source) if self.comm.rank() == 0 => {
+                for r in 1..n {
+                    let bytes = source.shard(r, layout, &owned_ranges(plan, n, r))?;
+                    self.comm.send_large(r, SHARD_TAG, &bytes)?;
+                }
+                source.shard(0, layout, &owned_ranges(plan, n, 0))?
             }
-            mine
-        } else {
-            let deadline = Instant::now() + self.comm.timeout();
-            self.comm.recv_large(0, SHARD_TAG, deadline)?
+            None if self.comm.rank() > 0 => {
+                let deadline = Instant::now() + self.comm.timeout();
+                self.comm.recv_large(0, SHARD_TAG, deadline)?
+            }
+            _ => {
+                return Err(TrainError::config(
+                    "resume",
+                    "rank 0 alone has the checkpoint",
+                ));
+            }
         };
         self.optimizer.load_state(&mine)?;
         Ok(())

@@ -209,7 +209,7 @@ fn a_zero_3_run_with_batch_norm_resumes_to_the_uninterrupted_ones_bits() {
 /// A ZeRO-3 resume loads each rank's shard itself, or from rank 0 for a rank blind to its
 /// checkpoint (`zero/shard_load.rs`): the run resumed so, rank 1 blind, ends on the
 /// uninterrupted run's bits; and a checkpoint of 4 ranks resumed on 2 (shards of another
-/// cut, the optimizer state re-cut on rank 0) holds the checkpoint's parameters and
+/// cut, the optimizer state cut out of the checkpoint's files) holds the checkpoint's parameters and
 /// statistics, bit for bit. (Two ranks: the mean of two equal statistics is theirs exactly,
 /// of three it may round.)
 #[test]

@@ -1,7 +1,8 @@
 //! ZeRO checkpoints re-shard on resume: in-memory ranks of the production
 //! [`super::SyncAllReduce`] train `K` steps sharded (2 ranks, stage 1; 3 ranks, stage 2) and,
 //! beside them, unsharded; each checkpoint resumes on other worlds and stages (1 rank
-//! unsharded, 2, 3 and 4 ranks sharded) for the rest of the steps. Since ZeRO is bitwise
+//! unsharded, 2, 3 and 4 ranks sharded, stage 3 too: each rank cutting its optimizer shard
+//! out of the checkpoint's files) for the rest of the steps. Since ZeRO is bitwise
 //! zero 0 on the ring, every resumed run must end bit for bit as the unsharded checkpoint
 //! resumed unsharded on the same world; the unsharded checkpoint resumed under ZeRO too.
 //! And the sharded checkpoint's optimizer state, put together, equals the unsharded run's
@@ -62,8 +63,8 @@ type Source = (usize, u8, &'static [(usize, u8)]);
 #[test]
 fn zero_checkpoints_resume_on_other_worlds_and_stages() {
     let sources: [Source; 2] = [
-        (2, 1, &[(1, 0), (3, 2), (4, 2), (2, 2)]),
-        (3, 2, &[(2, 1), (1, 1)]),
+        (2, 1, &[(1, 0), (3, 2), (4, 2), (2, 2), (3, 3), (4, 3)]),
+        (3, 2, &[(2, 1), (1, 1), (2, 3)]),
     ];
     for opt in optimizers().iter().take(2) {
         let layout = layout(opt);

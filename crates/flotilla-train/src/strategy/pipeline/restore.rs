@@ -5,9 +5,10 @@
 //!
 //! Rank 0 sends every rank the checkpoint's `state.json`; each works out the files it needs:
 //! its stage's weights and optimizer state, which under ZeRO among the replicas is its own
-//! shard's file when the checkpoint's replicas held the same shards, else every replica's
-//! shard of its stage, put together and cut for it (another number of replicas, another
-//! ZeRO stage, or none). Rank 0 offers the checkpoint's path with the bytes of its
+//! shard's file when the checkpoint's replicas held the same shards, else its shard cut out
+//! of the stage's state files (every replica's shard, or the whole state: another number of
+//! replicas, another ZeRO stage, or none), reading only the tensors that meet it where it
+//! sees them, folding each file in as it arrives where it does not. Rank 0 offers the checkpoint's path with the bytes of its
 //! `checksums.json`; a rank sees it when the file at that path has the same bytes and the
 //! files it needs there have the checksums it lists (the ranks of one host, hosts that
 //! mount one output directory); the others name the files they need, which rank 0 reads and
@@ -19,6 +20,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use flotilla_engine::ShardRecut;
 use flotilla_tcp::{CommError, ProcessGroup};
 
 use crate::checkpoint::{self, CheckpointState};
@@ -173,24 +175,19 @@ enum WeightsFrom {
     File(PathBuf),
 }
 
-/// Loads the files `needs` named (`files`, in its order) into `pipe`'s stage.
+/// Loads the files `needs` named (`files`, in its order, received) into `pipe`'s stage.
 fn load(pipe: &mut Pipeline, needs: &Needs, mut files: Vec<Vec<u8>>) -> Result<()> {
     if files.is_empty() {
         return Err(TrainError::config("resume", "no weights file of the stage"));
     }
     let weights = files.remove(0);
-    load_from(pipe, needs, WeightsFrom::Bytes(weights), &files)
+    let optimizer = stage_optimizer(needs, &files)?;
+    load_weights(pipe, WeightsFrom::Bytes(weights), optimizer)
 }
 
-/// Loads the stage's `weights` and the rest of the files `needs` named (`rest`, in its
-/// order) into `pipe`'s stage.
-fn load_from(
-    pipe: &mut Pipeline,
-    needs: &Needs,
-    weights: WeightsFrom,
-    rest: &[Vec<u8>],
-) -> Result<()> {
-    let optimizer = match (&needs.optimizer, rest) {
+/// The stage's optimizer state in `rest`, the files after the weights that `needs` named.
+fn stage_optimizer<'a>(needs: &'a Needs, rest: &'a [Vec<u8>]) -> Result<StageOptimizer<'a>> {
+    Ok(match (&needs.optimizer, rest) {
         (Held::Whole, [one]) => StageOptimizer::Whole(one),
         (Held::Own, [one]) => StageOptimizer::Own(one),
         (Held::Shards(ranges), shards) if shards.len() == ranges.len() => StageOptimizer::Shards(
@@ -202,29 +199,64 @@ fn load_from(
             let detail = format!("{} files of the stage's optimizer state", rest.len());
             return Err(TrainError::config("resume", detail));
         }
-    };
+    })
+}
+
+/// Loads the stage's `weights` and `optimizer` state into `pipe`'s stage.
+fn load_weights(
+    pipe: &mut Pipeline,
+    weights: WeightsFrom,
+    optimizer: StageOptimizer<'_>,
+) -> Result<()> {
     match weights {
         WeightsFrom::Bytes(bytes) => pipe.load_stage(&bytes, optimizer),
         WeightsFrom::File(path) => pipe.load_stage_file(&path, optimizer),
     }
 }
 
-/// What a ZeRO-3 stage's rank reads itself of the checkpoint rank 0 offered, when it sees
-/// it: its weights file by path (checked against the checksums, read piece by piece when
-/// loaded) and the rest of the files `needs` named.
-fn read_sharded(offer: &[u8], needs: &Needs) -> Option<(WeightsFrom, Vec<Vec<u8>>)> {
+/// Loads `pipe`'s stage from the files `needs` names in checkpoint `dir` (of `state`), which
+/// this rank sees: under ZeRO-3 its weights a piece at a time ([`Pipeline::load_stage_file`]);
+/// under ZeRO, when the checkpoint's shards are not this replica's, its optimizer shard cut
+/// out of the stage's state files, reading only what meets it. So no replica holds its
+/// whole stage's state.
+fn load_dir(pipe: &mut Pipeline, needs: &Needs, dir: &Path, state: &CheckpointState) -> Result<()> {
+    let Some((weights, rest)) = needs.files.split_first() else {
+        return Err(TrainError::config("resume", "no weights file of the stage"));
+    };
+    let weights = match pipe.shards_params() {
+        true => WeightsFrom::File(dir.join(weights)),
+        false => WeightsFrom::Bytes(checkpoint::read_file(dir, weights)?),
+    };
+    if let Some(mut recut) = shard_recut(pipe, needs)? {
+        for (ranges, path) in checkpoint::stage_state_files(dir, state, pipe.stage_index())? {
+            recut.read_file(ranges.as_deref(), &path)?;
+        }
+        return load_weights(pipe, weights, StageOptimizer::Own(&recut.finish()?));
+    }
+    let rest =
+        (rest.iter().map(|name| checkpoint::read_file(dir, name))).collect::<Result<Vec<_>>>()?;
+    load_weights(pipe, weights, stage_optimizer(needs, &rest)?)
+}
+
+/// This replica's optimizer shard to cut out of the checkpoint's state files, when its stage
+/// shards the state (ZeRO among its replicas) and the checkpoint's shards are not its own.
+fn shard_recut(pipe: &Pipeline, needs: &Needs) -> Result<Option<ShardRecut>> {
+    match needs.optimizer {
+        Held::Own => Ok(None),
+        Held::Whole | Held::Shards(_) => pipe.shard_recut(),
+    }
+}
+
+/// The directory of the checkpoint rank 0 offered, when this rank sees it
+/// ([`offered_dir`]) and every file `needs` names there has the checksum it lists (read
+/// streaming, never whole).
+fn seen(offer: &[u8], needs: &Needs) -> Option<PathBuf> {
     let (dir, sums) = offered_dir(offer)?;
-    let (weights, rest) = needs.files.split_first()?;
-    let path = dir.join(weights);
-    let sum = checkpoint::file_checksum(&path).ok()?;
-    (sums.get(weights) == Some(&sum)).then_some(())?;
-    let rest = (rest.iter())
-        .map(|name| {
-            let bytes = checkpoint::read_file(&dir, name).ok()?;
-            (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
-        })
-        .collect::<Option<Vec<_>>>()?;
-    Some((WeightsFrom::File(path), rest))
+    let checked = |name: &String| {
+        let sum = checkpoint::file_checksum(&dir.join(name)).ok();
+        sum.is_some() && sums.get(name) == sum.as_ref()
+    };
+    needs.files.iter().all(checked).then_some(dir)
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at its pipeline's cut: reads the
@@ -233,19 +265,30 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
     let world = pipe.world().clone();
     let needs = needs(pipe, state)?;
     let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
-    if pipe.shards_params()
-        && let Some((weights, rest)) = read_sharded(&offer, &needs)
-    {
+    if let Some(dir) = seen(&offer, &needs) {
         world.send(0, tag(READ), &[1])?;
-        return load_from(pipe, &needs, weights, &rest);
-    }
-    if let Some(files) = read_offered(&offer, &needs.files) {
-        world.send(0, tag(READ), &[1])?;
-        return load(pipe, &needs, files);
+        return load_dir(pipe, &needs, &dir, state);
     }
     let names = needs.files.join("\n");
     world.send(0, tag(READ), &[&[0], names.as_bytes()].concat())?;
     let deadline = Instant::now() + world.timeout();
+    if let Some(mut recut) = shard_recut(pipe, &needs)? {
+        // The weights, then each state file, folded into the shard as it comes.
+        let weights = world.recv_large(0, tag(FILE), deadline)?;
+        let ranges = match &needs.optimizer {
+            Held::Shards(ranges) => ranges.iter().map(|r| Some(r.as_slice())).collect(),
+            _ => vec![None],
+        };
+        for ranges in ranges {
+            recut.read_bytes(ranges, world.recv_large(0, tag(FILE), deadline)?)?;
+        }
+        let mine = recut.finish()?;
+        return load_weights(
+            pipe,
+            WeightsFrom::Bytes(weights),
+            StageOptimizer::Own(&mine),
+        );
+    }
     let files = (needs.files.iter())
         .map(|_| Ok(world.recv_large(0, tag(FILE), deadline)?))
         .collect::<Result<Vec<_>>>()?;
@@ -275,17 +318,7 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
         }
     }
     let needs = needs(pipe, state)?;
-    if pipe.shards_params()
-        && let Some((weights, rest)) = needs.files.split_first()
-    {
-        let rest = (rest.iter().map(|name| checkpoint::read_file(dir, name)))
-            .collect::<Result<Vec<_>>>()?;
-        return load_from(pipe, &needs, WeightsFrom::File(dir.join(weights)), &rest);
-    }
-    let mine = (needs.files.iter())
-        .map(|name| checkpoint::read_file(dir, name))
-        .collect::<Result<Vec<_>>>()?;
-    load(pipe, &needs, mine)
+    load_dir(pipe, &needs, dir, state)
 }
 
 /// Rank `r`'s answer to the offer: the files it needs sent (none when it read them).
@@ -306,19 +339,6 @@ fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
             Err(CommError::Protocol { peer: r, detail }.into())
         }
     }
-}
-
-/// The files `names` of the checkpoint rank 0 offered, when this rank sees it
-/// ([`offered_dir`]) and the files have the checksums it lists.
-fn read_offered(offer: &[u8], names: &[String]) -> Option<Vec<Vec<u8>>> {
-    let (dir, sums) = offered_dir(offer)?;
-    names
-        .iter()
-        .map(|name| {
-            let bytes = checkpoint::read_file(&dir, name).ok()?;
-            (sums.get(name) == Some(&checkpoint::checksum_of(&bytes))).then_some(bytes)
-        })
-        .collect()
 }
 
 /// The tag of a restore's message `part`.

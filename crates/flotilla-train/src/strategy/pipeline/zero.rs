@@ -26,7 +26,7 @@ use std::ops::Range;
 #[cfg(test)]
 use std::time::Instant;
 
-use flotilla_engine::{FlatOptimizerState, OptimizerSpec, ShardOptimizer, StageEngine};
+use flotilla_engine::{FlatOptimizerState, OptimizerSpec, ShardOptimizer, ShardRecut, StageEngine};
 use flotilla_tcp::{ProcessGroup, shard};
 
 use crate::error::Result;
@@ -177,6 +177,12 @@ impl ReplicaShard {
         drop(parts);
         drop(states);
         Ok(Some(flat.whole(layout)?))
+    }
+
+    /// This replica's shard of `stage`'s optimizer state, to cut out of the state files of a
+    /// checkpoint sharded otherwise, reading only what meets it.
+    pub(super) fn recut(&self, stage: &dyn StageEngine) -> Result<ShardRecut> {
+        Ok(ShardRecut::new(stage.layout(), &self.owned)?)
     }
 
     /// Loads this replica's shard of a stage's optimizer state in flat form (a whole state

@@ -6,8 +6,8 @@
 //! it); for a rank that does not, rank 0 reads them and sends them, one rank at a time. So
 //! no rank holds the whole parameters, and none but rank 0 reads another's shard. The
 //! weights file is the same at any world size; the optimizer state of a checkpoint sharded
-//! otherwise (another world size, an unsharded run) is put together and re-cut on rank 0
-//! ([`Zero::read`]'s way), the one part of a resume that is whole on one rank.
+//! otherwise (another world size, an unsharded run) is cut for each rank out of its state
+//! files, reading only what meets the rank's shard (`shard_source.rs`).
 
 use std::path::Path;
 use std::time::Instant;
@@ -15,6 +15,7 @@ use std::time::Instant;
 use flotilla_engine::{Engine, ParamLayout, WeightsPlan, WeightsReader, shard_pieces};
 use flotilla_tcp::{CommError, Tag, tags};
 
+use super::shard_source::ShardSource;
 use super::{Zero, owned_ranges};
 use crate::bucket::BucketPlan;
 use crate::checkpoint::{self, CheckpointState};
@@ -38,6 +39,14 @@ struct Part {
     optimizer: Vec<u8>,
 }
 
+/// What a resume loads from: the checkpoint's state and whether its optimizer state is
+/// sharded as this run's (`same`), and this rank's shard (its flat ranges).
+struct Resuming<'a> {
+    state: &'a CheckpointState,
+    same: bool,
+    owned: Vec<std::ops::Range<usize>>,
+}
+
 impl Zero {
     /// Every rank's part of a resume from the checkpoint of `state` (found on rank 0 in
     /// `dir`) into this rank's shard and `engine`'s running statistics; collective.
@@ -51,12 +60,15 @@ impl Zero {
         let same = state.zero.as_ref().map(|z| &z.shards) == Some(&self.manifest(plan).shards);
         let weights = engine.weights_plan()?;
         let layout = engine.layout().clone();
-        let part = match (self.comm.rank(), dir) {
-            (0, Some(dir)) => self.serve(dir, (&weights, &layout), plan, state, same)?,
+        let (n, r) = (self.comm.size(), self.comm.rank());
+        let owned = owned_ranges(plan, n, r);
+        let resuming = Resuming { state, same, owned };
+        let part = match (r, dir) {
+            (0, Some(dir)) => self.serve(dir, (&weights, &layout), plan, &resuming)?,
             (0, None) => {
                 return Err(TrainError::config("resume", "rank 0 has no checkpoint"));
             }
-            _ => self.fetch((&weights, &layout), engine.buffer_layout().total, same)?,
+            _ => self.fetch((&weights, &layout), engine.buffer_layout().total, &resuming)?,
         };
         if part.values.len() != self.optimizer.len() {
             return Err(TrainError::Divergence(format!(
@@ -71,16 +83,14 @@ impl Zero {
         Ok(())
     }
 
-    /// Rank 0: offers `dir`, sends each rank that does not see it its part (the optimizer
-    /// shard re-cut when the checkpoint is not sharded as this run, `same`), and reads its
-    /// own.
+    /// Rank 0: offers `dir`, reads and sends each rank that does not see it its part, one
+    /// rank at a time, and reads its own.
     fn serve(
         &self,
         dir: &Path,
         (weights, layout): (&WeightsPlan, &ParamLayout),
         plan: &BucketPlan,
-        state: &CheckpointState,
-        same: bool,
+        resuming: &Resuming<'_>,
     ) -> Result<Part> {
         let comm = &*self.comm;
         let n = comm.size();
@@ -88,82 +98,68 @@ impl Zero {
         for r in 1..n {
             comm.send(r, OFFER_TAG, &offer)?;
         }
-        let recut = match same {
-            true => None,
-            false => Some(checkpoint::read_flat_state(dir, state, layout)?),
-        };
-        let optimizer_of = |r: usize| -> Result<Vec<u8>> {
-            match &recut {
-                Some(flat) => Ok(flat.shard(layout, &owned_ranges(plan, n, r))?),
-                None => checkpoint::read_file(dir, &checkpoint::zero_file(r)),
-            }
-        };
+        let source = ShardSource::new(dir, resuming.state, resuming.same)?;
         let reader = WeightsReader::open(&dir.join("model.safetensors"))?;
         for r in 1..n {
             let read = comm.recv(r, READ_TAG, Instant::now() + comm.timeout())?;
             if read != [1] {
-                let pieces = shard_pieces(layout, &owned_ranges(plan, n, r))?;
+                let owned = owned_ranges(plan, n, r);
+                let pieces = shard_pieces(layout, &owned)?;
                 let mut values = shard_values(&reader, weights, layout, &pieces)?;
                 values.extend(buffer_values(&reader, weights, layout)?);
                 comm.send_large(r, PART_TAG, bytemuck::cast_slice(&values))?;
-            }
-            if read != [1] || !same {
-                comm.send_large(r, PART_TAG, &optimizer_of(r)?)?;
+                drop(values);
+                comm.send_large(r, PART_TAG, &source.shard(r, layout, &owned)?)?;
             }
         }
         Ok(Part {
             values: shard_values(&reader, weights, layout, self.optimizer.pieces())?,
             buffers: buffer_values(&reader, weights, layout)?,
-            optimizer: optimizer_of(0)?,
+            optimizer: source.shard(0, layout, &resuming.owned)?,
         })
     }
 
-    /// A rank but 0: reads its part where it sees rank 0's checkpoint (but an optimizer
-    /// shard re-cut on rank 0, when the checkpoint is not sharded as this run: `same`), else
+    /// A rank but 0: reads its part where it sees rank 0's checkpoint (its optimizer shard
+    /// cut out of the checkpoint's state files when they are sharded otherwise), else
     /// receives it.
     fn fetch(
         &self,
         (weights, layout): (&WeightsPlan, &ParamLayout),
         buffers: usize,
-        same: bool,
+        resuming: &Resuming<'_>,
     ) -> Result<Part> {
         let comm = &*self.comm;
         let deadline = Instant::now() + comm.timeout();
         let offer = comm.recv(0, OFFER_TAG, deadline)?;
-        let file = checkpoint::zero_file(comm.rank());
         let own = offered_dir(&offer).and_then(|(dir, sums)| {
-            let checked = |name: &str| {
+            let source = ShardSource::new(&dir, resuming.state, resuming.same).ok()?;
+            let checked = |name: &String| {
                 let sum = checkpoint::file_checksum(&dir.join(name)).ok();
                 sum.is_some() && sums.get(name) == sum.as_ref()
             };
-            if !(checked("model.safetensors") && (!same || checked(&file))) {
+            let names = source.names(comm.rank());
+            if !(checked(&"model.safetensors".into()) && names.iter().all(checked)) {
                 return None;
             }
             let reader = WeightsReader::open(&dir.join("model.safetensors")).ok()?;
             let values = shard_values(&reader, weights, layout, self.optimizer.pieces()).ok()?;
             let buffers = buffer_values(&reader, weights, layout).ok()?;
-            let optimizer = match same {
-                true => Some(checkpoint::read_file(&dir, &file).ok()?),
-                false => None,
-            };
-            Some((values, buffers, optimizer))
+            let optimizer = source.shard(comm.rank(), layout, &resuming.owned).ok()?;
+            Some(Part {
+                values,
+                buffers,
+                optimizer,
+            })
         });
         comm.send(0, READ_TAG, &[u8::from(own.is_some())])?;
-        let (values, buffers, optimizer) = match own {
-            Some(own) => own,
-            None => {
-                let (values, buffers) = receive_values(comm, buffers, deadline)?;
-                (values, buffers, None)
-            }
-        };
-        let optimizer = match optimizer {
-            Some(bytes) => bytes,
-            None => comm.recv_large(0, PART_TAG, deadline)?,
-        };
+        if let Some(own) = own {
+            return Ok(own);
+        }
+        let (values, buffers) = receive_values(comm, buffers, deadline)?;
         Ok(Part {
             values,
             buffers,
-            optimizer,
+            optimizer: comm.recv_large(0, PART_TAG, deadline)?,
         })
     }
 }

@@ -6,7 +6,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use flotilla_engine::{FlatOptimizerState, WeightsPlan, WeightsReader, shard_pieces};
+use flotilla_engine::{FlatOptimizerState, ShardRecut, WeightsPlan, WeightsReader, shard_pieces};
 use flotilla_tcp::shard;
 
 use super::Pipeline;
@@ -203,6 +203,14 @@ impl Pipeline {
     /// Whether this stage's replicas shard its parameters (ZeRO-3 among them).
     pub(in crate::strategy::pipeline) fn shards_params(&self) -> bool {
         self.params.is_some()
+    }
+
+    /// This replica's optimizer shard under ZeRO, to cut out of the state files of a
+    /// checkpoint sharded otherwise (`None` without ZeRO).
+    pub(in crate::strategy::pipeline) fn shard_recut(&self) -> Result<Option<ShardRecut>> {
+        (self.zero.as_ref())
+            .map(|z| z.recut(&*self.stage))
+            .transpose()
     }
 
     /// Whether this stage's replicas shard its optimizer state (ZeRO among them): each

@@ -1,0 +1,247 @@
+//! One shard's optimizer state cut from state files written over other shards (or over the
+//! whole model), reading only the tensors that overlap it: what a ZeRO resume at another
+//! world size needs without any rank holding the whole state. [`crate::FlatOptimizerState`]
+//! puts every file together first; this reads each file's header (burn's burnpack reader
+//! parses the header alone and reads a tensor's bytes from the file only when asked) and
+//! then, one state tensor at a time, only those whose flat range meets the shard. The bytes
+//! are those [`crate::FlatOptimizerState::shard`] writes for the same shard, bit for bit.
+
+use std::collections::BTreeMap;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use burn::store::burn_pack::{self, Bytes, Reader, Scalar, Writer};
+
+use crate::error::Result;
+use crate::optim::reshard::{Field, Piece, RANK_KEY, bad, pieces, split_key};
+use crate::params::ParamLayout;
+
+/// A state file and the flat ranges it was written over (`None`: the whole model's state).
+pub type StateFile = (Option<Vec<Range<usize>>>, PathBuf);
+
+/// One shard's state as it is gathered from state files, one file after another
+/// ([`ShardRecut::read_file`], or [`ShardRecut::read_bytes`] for one received whole), then
+/// written as burn writes it ([`ShardRecut::finish`]).
+pub struct ShardRecut {
+    /// The shard's pieces, indexed by id.
+    pieces: Vec<Piece>,
+    /// Each piece's fields by name.
+    fields: Vec<BTreeMap<String, Field>>,
+    /// How many of each piece's values the files read so far were written over.
+    covered: Vec<usize>,
+    /// The scalars of each parameter tensor the shard meets that any file holds state for.
+    scalars: BTreeMap<usize, BTreeMap<String, Scalar>>,
+    /// The model's parameters.
+    layout: ParamLayout,
+}
+
+/// The state of the shard of flat ranges `owned` over a model of `layout`, as
+/// [`crate::ShardOptimizer::load_state`] of that shard takes it, read from `files`.
+/// The files' ranges must cover the shard, and every field of a piece be covered completely.
+pub fn recut_shard(
+    layout: &ParamLayout,
+    files: &[StateFile],
+    owned: &[Range<usize>],
+) -> Result<Vec<u8>> {
+    let mut recut = ShardRecut::new(layout, owned)?;
+    for (ranges, path) in files {
+        recut.read_file(ranges.as_deref(), path)?;
+    }
+    recut.finish()
+}
+
+impl ShardRecut {
+    /// The shard of flat ranges `owned` over a model of `layout`, holding nothing yet.
+    pub fn new(layout: &ParamLayout, owned: &[Range<usize>]) -> Result<Self> {
+        let pieces = pieces(layout, Some(owned))?;
+        Ok(Self {
+            fields: pieces.iter().map(|_| BTreeMap::new()).collect(),
+            covered: vec![0; pieces.len()],
+            pieces,
+            scalars: BTreeMap::new(),
+            layout: layout.clone(),
+        })
+    }
+
+    /// Takes what the state file at `path`, written over `ranges` (`None`: the whole
+    /// model), holds of the shard: its header, then only the tensors that meet the shard.
+    pub fn read_file(&mut self, ranges: Option<&[Range<usize>]>, path: &Path) -> Result<()> {
+        let named = |e: burn_pack::Error| bad(format!("{}: {e:?}", path.display()));
+        let reader = Reader::from_file_exact(path).map_err(named)?;
+        self.read(ranges, reader, &path.display().to_string())
+    }
+
+    /// [`ShardRecut::read_file`] of a state file's bytes.
+    pub fn read_bytes(&mut self, ranges: Option<&[Range<usize>]>, bytes: Vec<u8>) -> Result<()> {
+        let reader =
+            Reader::from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| bad(format!("{e:?}")))?;
+        self.read(ranges, reader, "a state")
+    }
+
+    /// The shard's state as burn writes it, in the order of
+    /// [`crate::FlatOptimizerState::shard`]; refused when the files read left part of a
+    /// piece uncovered (a file of the checkpoint left out, which would otherwise load as a
+    /// state never stepped) or a field of a piece incomplete.
+    pub fn finish(self) -> Result<Vec<u8>> {
+        for ((id, piece), covered) in self.pieces.iter().enumerate().zip(&self.covered) {
+            if *covered != piece.range.len() {
+                return Err(bad(format!(
+                    "the files cover {covered} of the {} values of piece {id} ({:?})",
+                    piece.range.len(),
+                    piece.range
+                )));
+            }
+        }
+        self.write()
+    }
+
+    /// Counts what `ranges` (those of a file) cover of each piece.
+    fn cover(&mut self, ranges: Option<&[Range<usize>]>) {
+        let whole = 0..self.layout.total;
+        let ranges = ranges.unwrap_or(std::slice::from_ref(&whole));
+        for (piece, covered) in self.pieces.iter().zip(&mut self.covered) {
+            *covered += (ranges.iter())
+                .map(|r| {
+                    r.end
+                        .min(piece.range.end)
+                        .saturating_sub(r.start.max(piece.range.start))
+                })
+                .sum::<usize>();
+        }
+    }
+
+    /// Whether parameter tensor `param`'s range `range` meets a piece of the shard.
+    fn meets(&self, param: usize, range: &Range<usize>) -> bool {
+        (self.pieces.iter())
+            .any(|p| p.param == param && p.range.start < range.end && range.start < p.range.end)
+    }
+
+    /// Takes what `reader`'s file (written over `ranges`, named `what`) holds of the shard.
+    fn read(&mut self, ranges: Option<&[Range<usize>]>, reader: Reader, what: &str) -> Result<()> {
+        let source = pieces(&self.layout, ranges)?;
+        self.cover(ranges);
+        let named = |e: burn_pack::Error| bad(format!("{what}: {e:?}"));
+        for (key, value) in reader.scalars() {
+            let (piece, name) = split_key(key)
+                .and_then(|(id, name)| Some((source.get(id)?, name)))
+                .ok_or_else(|| bad(format!("scalar {key} names no piece")))?;
+            if !self.meets(piece.param, &piece.range) {
+                continue;
+            }
+            let scalars = self.scalars.entry(piece.param).or_default();
+            if name == RANK_KEY {
+                continue;
+            }
+            match scalars.insert(name.to_owned(), *value) {
+                Some(old) if old != *value => {
+                    return Err(bad(format!(
+                        "{key} is {value:?} but another piece has {old:?}"
+                    )));
+                }
+                _ => {}
+            }
+        }
+        for tensor in reader.into_tensors().map_err(named)? {
+            let (id, field) =
+                split_key(&tensor.name).ok_or_else(|| bad(format!("tensor {}", tensor.name)))?;
+            let piece = (tensor.param_id)
+                .and_then(|id| usize::try_from(id).ok())
+                .filter(|i| *i == id)
+                .and_then(|id| source.get(id))
+                .ok_or_else(|| bad(format!("tensor {} names no piece", tensor.name)))?;
+            if !self.meets(piece.param, &piece.range) {
+                continue;
+            }
+            let (field, dtype) = (field.to_owned(), tensor.dtype);
+            let bytes = tensor.into_bytes().map_err(named)?;
+            self.take(piece, &field, dtype, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the values of field `name` of source piece `from` (`data`) into the shard's
+    /// pieces it meets.
+    fn take(
+        &mut self,
+        from: &Piece,
+        name: &str,
+        dtype: burn_pack::DType,
+        data: &[u8],
+    ) -> Result<()> {
+        let size = dtype.size();
+        if data.len() != from.range.len() * size {
+            return Err(bad(format!(
+                "{name} of a piece of {} values has {} bytes of {size}",
+                from.range.len(),
+                data.len()
+            )));
+        }
+        for (piece, fields) in self.pieces.iter().zip(&mut self.fields) {
+            let (a, b) = (
+                piece.range.start.max(from.range.start),
+                piece.range.end.min(from.range.end),
+            );
+            if piece.param != from.param || a >= b {
+                continue;
+            }
+            let field = fields.entry(name.to_owned()).or_insert_with(|| Field {
+                dtype,
+                bytes: vec![0; piece.range.len() * size],
+                filled: 0,
+            });
+            if field.dtype != dtype {
+                return Err(bad(format!(
+                    "{name} is {dtype:?}, another piece {:?}",
+                    field.dtype
+                )));
+            }
+            let to = (a - piece.range.start) * size;
+            let at = (a - from.range.start) * size;
+            let len = (b - a) * size;
+            field.bytes[to..to + len].copy_from_slice(&data[at..at + len]);
+            field.filled += b - a;
+        }
+        Ok(())
+    }
+
+    /// The shard's state as burn writes it, in the order of
+    /// [`crate::FlatOptimizerState::shard`].
+    fn write(self) -> Result<Vec<u8>> {
+        let mut records = Vec::new();
+        let mut scalars = Vec::new();
+        for (id, (piece, fields)) in self.pieces.iter().zip(self.fields).enumerate() {
+            let Some(own) = self.scalars.get(&piece.param) else {
+                if let Some(name) = fields.keys().next() {
+                    return Err(bad(format!("{name} of piece {id} without its scalars")));
+                }
+                continue;
+            };
+            scalars.push((format!("{id}.{RANK_KEY}"), Scalar::from(piece.shape.len())));
+            for (name, value) in own {
+                scalars.push((format!("{id}.{name}"), *value));
+            }
+            for (name, field) in fields {
+                if field.filled != piece.range.len() {
+                    return Err(bad(format!(
+                        "{name} of piece {id} covers {} of its {} values",
+                        field.filled,
+                        piece.range.len()
+                    )));
+                }
+                records.push(burn_pack::Tensor::new(
+                    format!("{id}.{name}"),
+                    field.dtype,
+                    piece.shape.clone(),
+                    Some(id as u64),
+                    Bytes::from_bytes_vec(field.bytes),
+                ));
+            }
+        }
+        let mut writer = Writer::new(records);
+        for (key, value) in scalars {
+            writer = writer.with_scalar(&key, value);
+        }
+        let bytes = writer.into_bytes().map_err(|e| bad(format!("{e:?}")))?;
+        Ok(bytes.to_vec())
+    }
+}
