@@ -594,11 +594,12 @@ impl<M: Module> ModelState for Weights<M> {
                 shape: p.shape.clone(),
             })
             .collect();
-        check_state_shapes(bytes, &expected)?;
+        let bytes = burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()).shared();
+        check_state_shapes(&bytes, &expected)?;
         let optimizer = self
             .optimizer
             .clone()
-            .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()))
+            .from_bytes(bytes)
             .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
         self.optimizer = optimizer;
         Ok(())

@@ -17,6 +17,7 @@
 pub(crate) mod offload;
 pub(crate) mod offload_dirs;
 pub(crate) mod recut;
+mod recut_field;
 pub(crate) mod reshard;
 pub(crate) mod shard_optim;
 pub(crate) mod state_check;

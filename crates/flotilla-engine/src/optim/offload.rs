@@ -179,9 +179,8 @@ impl Offload {
 
     /// Replaces the files by the whole shard's state `bytes` (burn's record, keyed by piece
     /// id, already checked against the pieces' shapes), cut into the chunks.
-    pub(crate) fn load(&mut self, bytes: &[u8]) -> Result<()> {
-        let reader = Reader::from_bytes(Bytes::from_bytes_vec(bytes.to_vec()))
-            .map_err(|e| bad(format!("{e:?}")))?;
+    pub(crate) fn load(&mut self, bytes: Bytes) -> Result<()> {
+        let reader = Reader::from_bytes(bytes).map_err(|e| bad(format!("{e:?}")))?;
         let chunk_of = |key: &str| -> Result<usize> {
             key.split('.')
                 .next()

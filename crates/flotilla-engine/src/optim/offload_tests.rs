@@ -117,12 +117,12 @@ fn an_offloaded_state_saved_loaded_and_moved_continues_bitwise() {
     let saved = base.path().join("state.bpk");
     a.save_state(&saved).expect("save");
     let (mut b, _) = shard(spec);
-    b.load_state(&std::fs::read(&saved).expect("read"))
+    b.load_state(std::fs::read(&saved).expect("read"))
         .expect("load");
     // Loaded from memory into another offloaded shard.
     let (mut c, _) = shard(spec);
     c.offload_in_chunks(base.path(), 3).expect("offload");
-    c.load_state(&b.state().expect("state")).expect("load");
+    c.load_state(b.state().expect("state")).expect("load");
     let (mut pb, mut pc) = (pa.clone(), pa.clone());
     run(&mut a, &mut pa, 3..5);
     run(&mut b, &mut pb, 3..5);
@@ -132,7 +132,7 @@ fn an_offloaded_state_saved_loaded_and_moved_continues_bitwise() {
     // A state of another cut is refused, and the files still hold the shard's own.
     let before = canonical(&c.state().expect("state"));
     let other = crate::optim::shard_optim_tests::stepped_shard_state(3, 1);
-    assert!(c.load_state(&other).is_err(), "another cut's state");
+    assert!(c.load_state(other.clone()).is_err(), "another cut's state");
     assert_eq!(canonical(&c.state().expect("state")), before);
 }
 

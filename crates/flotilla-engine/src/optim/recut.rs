@@ -3,17 +3,22 @@
 //! world size needs without any rank holding the whole state. [`crate::FlatOptimizerState`]
 //! puts every file together first; this reads each file's header (burn's burnpack reader
 //! parses the header alone and reads a tensor's bytes from the file only when asked) and
-//! then, one state tensor at a time, only those whose flat range meets the shard. The bytes
-//! are those [`crate::FlatOptimizerState::shard`] writes for the same shard, bit for bit.
+//! keeps a handle on each state tensor whose flat range meets the shard; the shard's pieces
+//! are put together from them one at a time as burn's writer reaches each
+//! (`recut_field.rs`). So a cut holds its output, one piece and one source tensor at a time.
+//! The bytes are those [`crate::FlatOptimizerState::shard`] writes for the same shard, bit
+//! for bit.
 
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use burn::store::burn_pack::{self, Bytes, Reader, Scalar, Writer};
 
 use crate::error::Result;
-use crate::optim::reshard::{Field, Piece, RANK_KEY, bad, pieces, split_key};
+use crate::optim::recut_field::{Data, PieceField, Stretch};
+use crate::optim::reshard::{Piece, RANK_KEY, bad, pieces, split_key, written};
 use crate::params::ParamLayout;
 
 /// A state file and the flat ranges it was written over (`None`: the whole model's state).
@@ -26,7 +31,7 @@ pub struct ShardRecut {
     /// The shard's pieces, indexed by id.
     pieces: Vec<Piece>,
     /// Each piece's fields by name.
-    fields: Vec<BTreeMap<String, Field>>,
+    fields: Vec<BTreeMap<String, PieceField>>,
     /// How many of each piece's values the files read so far were written over.
     covered: Vec<usize>,
     /// The scalars of each parameter tensor the shard meets that any file holds state for.
@@ -68,14 +73,14 @@ impl ShardRecut {
     pub fn read_file(&mut self, ranges: Option<&[Range<usize>]>, path: &Path) -> Result<()> {
         let named = |e: burn_pack::Error| bad(format!("{}: {e:?}", path.display()));
         let reader = Reader::from_file_exact(path).map_err(named)?;
-        self.read(ranges, reader, &path.display().to_string())
+        self.read(ranges, (reader, true), &path.display().to_string())
     }
 
     /// [`ShardRecut::read_file`] of a state file's bytes.
     pub fn read_bytes(&mut self, ranges: Option<&[Range<usize>]>, bytes: Vec<u8>) -> Result<()> {
         let reader =
             Reader::from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| bad(format!("{e:?}")))?;
-        self.read(ranges, reader, "a state")
+        self.read(ranges, (reader, false), "a state")
     }
 
     /// The shard's state as burn writes it, in the order of
@@ -116,8 +121,15 @@ impl ShardRecut {
             .any(|p| p.param == param && p.range.start < range.end && range.start < p.range.end)
     }
 
-    /// Takes what `reader`'s file (written over `ranges`, named `what`) holds of the shard.
-    fn read(&mut self, ranges: Option<&[Range<usize>]>, reader: Reader, what: &str) -> Result<()> {
+    /// Takes what `reader`'s file (written over `ranges`, named `what`) holds of the shard:
+    /// its tensors that meet it, kept as the file's (`lazy`: read when the shard is written)
+    /// or copied (the stretches that meet the shard alone).
+    fn read(
+        &mut self,
+        ranges: Option<&[Range<usize>]>,
+        (reader, lazy): (Reader, bool),
+        what: &str,
+    ) -> Result<()> {
         let source = pieces(&self.layout, ranges)?;
         self.cover(ranges);
         let named = |e: burn_pack::Error| bad(format!("{what}: {e:?}"));
@@ -152,30 +164,35 @@ impl ShardRecut {
             if !self.meets(piece.param, &piece.range) {
                 continue;
             }
+            let size = tensor.dtype.size();
+            if tensor.byte_len() != piece.range.len() * size {
+                return Err(bad(format!(
+                    "{} of a piece of {} values has {} bytes of {size}",
+                    tensor.name,
+                    piece.range.len(),
+                    tensor.byte_len()
+                )));
+            }
             let (field, dtype) = (field.to_owned(), tensor.dtype);
-            let bytes = tensor.into_bytes().map_err(named)?;
-            self.take(piece, &field, dtype, &bytes)?;
+            let data = match lazy {
+                true => Data::File(tensor),
+                false => Data::Held(tensor.into_bytes().map_err(named)?.to_vec()),
+            };
+            self.take(piece, &field, dtype, Arc::new(data))?;
         }
         Ok(())
     }
 
-    /// Copies the values of field `name` of source piece `from` (`data`) into the shard's
-    /// pieces it meets.
+    /// Adds `data`, the values of field `name` of source piece `from`, to the shard's pieces
+    /// it meets (held values: a copy of each piece's part alone).
     fn take(
         &mut self,
         from: &Piece,
         name: &str,
         dtype: burn_pack::DType,
-        data: &[u8],
+        data: Arc<Data>,
     ) -> Result<()> {
         let size = dtype.size();
-        if data.len() != from.range.len() * size {
-            return Err(bad(format!(
-                "{name} of a piece of {} values has {} bytes of {size}",
-                from.range.len(),
-                data.len()
-            )));
-        }
         for (piece, fields) in self.pieces.iter().zip(&mut self.fields) {
             let (a, b) = (
                 piece.range.start.max(from.range.start),
@@ -184,10 +201,10 @@ impl ShardRecut {
             if piece.param != from.param || a >= b {
                 continue;
             }
-            let field = fields.entry(name.to_owned()).or_insert_with(|| Field {
+            let field = fields.entry(name.to_owned()).or_insert_with(|| PieceField {
                 dtype,
-                bytes: vec![0; piece.range.len() * size],
                 filled: 0,
+                stretches: Vec::new(),
             });
             if field.dtype != dtype {
                 return Err(bad(format!(
@@ -195,17 +212,28 @@ impl ShardRecut {
                     field.dtype
                 )));
             }
-            let to = (a - piece.range.start) * size;
-            let at = (a - from.range.start) * size;
-            let len = (b - a) * size;
-            field.bytes[to..to + len].copy_from_slice(&data[at..at + len]);
             field.filled += b - a;
+            let stretch = match &*data {
+                Data::File(_) => Stretch {
+                    range: from.range.clone(),
+                    data: data.clone(),
+                },
+                Data::Held(bytes) => Stretch {
+                    range: a..b,
+                    data: Arc::new(Data::Held(
+                        bytes[(a - from.range.start) * size..(b - from.range.start) * size]
+                            .to_vec(),
+                    )),
+                },
+            };
+            field.stretches.push(stretch);
         }
         Ok(())
     }
 
     /// The shard's state as burn writes it, in the order of
-    /// [`crate::FlatOptimizerState::shard`].
+    /// [`crate::FlatOptimizerState::shard`], each piece's fields put together as the writer
+    /// reaches them.
     fn write(self) -> Result<Vec<u8>> {
         let mut records = Vec::new();
         let mut scalars = Vec::new();
@@ -228,20 +256,13 @@ impl ShardRecut {
                         piece.range.len()
                     )));
                 }
-                records.push(burn_pack::Tensor::new(
-                    format!("{id}.{name}"),
-                    field.dtype,
-                    piece.shape.clone(),
-                    Some(id as u64),
-                    Bytes::from_bytes_vec(field.bytes),
-                ));
+                records.push(field.tensor(id, &name, piece.range.clone()));
             }
         }
         let mut writer = Writer::new(records);
         for (key, value) in scalars {
             writer = writer.with_scalar(&key, value);
         }
-        let bytes = writer.into_bytes().map_err(|e| bad(format!("{e:?}")))?;
-        Ok(bytes.to_vec())
+        written(writer)
     }
 }

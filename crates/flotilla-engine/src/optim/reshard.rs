@@ -32,10 +32,10 @@ pub type StatePart<'a> = (Option<&'a [Range<usize>]>, &'a [u8]);
 /// One field of one parameter tensor's state: its element type, bytes over the whole tensor,
 /// and how many elements the parts gathered so far filled.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Field {
-    pub(super) dtype: DType,
-    pub(super) bytes: Vec<u8>,
-    pub(super) filled: usize,
+struct Field {
+    dtype: DType,
+    bytes: Vec<u8>,
+    filled: usize,
 }
 
 /// One parameter tensor's state.
@@ -87,6 +87,17 @@ pub(super) fn pieces(layout: &ParamLayout, owned: Option<&[Range<usize>]>) -> Re
 
 pub(super) fn bad(message: String) -> EngineError {
     EngineError::Optimizer(format!("re-sharding state: {message}"))
+}
+
+/// The bytes `writer` writes, in one buffer of their size (burn's `into_bytes` and a copy
+/// to a `Vec` would hold them twice).
+pub(super) fn written(writer: Writer) -> Result<Vec<u8>> {
+    let size = writer.size().map_err(|e| bad(format!("{e:?}")))?;
+    let mut out = vec![0; size];
+    writer
+        .write_into(&mut out)
+        .map_err(|e| bad(format!("{e:?}")))?;
+    Ok(out)
 }
 
 /// `"{id}.{rest}"` split into the id and the rest.
@@ -238,8 +249,7 @@ impl FlatOptimizerState {
         for (key, value) in scalars {
             writer = writer.with_scalar(&key, value);
         }
-        let bytes = writer.into_bytes().map_err(|e| bad(format!("{e:?}")))?;
-        Ok(bytes.to_vec())
+        written(writer)
     }
 }
 

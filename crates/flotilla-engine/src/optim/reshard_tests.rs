@@ -62,7 +62,7 @@ fn shard_states_put_together_and_cut_anew_continue_bitwise() {
             .map(|r| {
                 let mine = owned(total, 2, r);
                 let mut s = ShardOptimizer::new(&spec, &layout, &mine, "flex").expect("shard");
-                s.load_state(&gathered.shard(&layout, &mine).expect("cut"))
+                s.load_state(gathered.shard(&layout, &mine).expect("cut"))
                     .expect("load");
                 s
             })

@@ -172,7 +172,7 @@ impl ShardOptimizer {
         let lens: Vec<usize> = self.pieces.iter().map(|p| p.range.len()).collect();
         let mut offload =
             Offload::new(base, &self.spec, self.matrices.clone(), &lens, chunk_values)?;
-        offload.load(&state)?;
+        offload.load(burn::tensor::Bytes::from_bytes_vec(state))?;
         self.optimizer = self.spec.build_with_matrices(self.matrices.clone())?;
         self.offload = Some(offload);
         Ok(())
@@ -362,7 +362,7 @@ impl ShardOptimizer {
     /// Restores state written by [`ShardOptimizer::state`] of the same shard. State whose
     /// tensors do not fit this shard's pieces (another model, another shard cut) is refused
     /// with [`EngineError::StateShape`] before burn sees it.
-    pub fn load_state(&mut self, bytes: &[u8]) -> Result<()> {
+    pub fn load_state(&mut self, bytes: Vec<u8>) -> Result<()> {
         let expected: Vec<Expected> = self
             .pieces
             .iter()
@@ -375,7 +375,9 @@ impl ShardOptimizer {
                 shape: vec![p.range.len()],
             })
             .collect();
-        check_state_shapes(bytes, &expected)?;
+        // Shared, so that the check and the load read it without copying it.
+        let bytes = burn::tensor::Bytes::from_bytes_vec(bytes).shared();
+        check_state_shapes(&bytes, &expected)?;
         self.before = None;
         *self.written_bytes.get_mut() = UNKNOWN;
         if let Some(offload) = self.offload.as_mut() {
@@ -384,7 +386,7 @@ impl ShardOptimizer {
         self.optimizer = self
             .optimizer
             .clone()
-            .from_bytes(burn::tensor::Bytes::from_bytes_vec(bytes.to_vec()))
+            .from_bytes(bytes)
             .map_err(|e| EngineError::Optimizer(format!("loading state: {e:?}")))?;
         Ok(())
     }

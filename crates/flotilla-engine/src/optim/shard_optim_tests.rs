@@ -148,7 +148,7 @@ fn a_shard_state_saved_and_loaded_continues_bitwise() {
             .expect("step");
     }
     let mut b = ShardOptimizer::new(spec, whole.layout(), &shard, "flex").expect("shard");
-    b.load_state(&a.state().expect("state")).expect("load");
+    b.load_state(a.state().expect("state")).expect("load");
     let mut pb = pa.clone();
     a.step(&mut pa, &shard_of(&a, &gradient(total, 3)), 0.1)
         .expect("step");
@@ -182,10 +182,10 @@ fn a_shard_state_of_another_cut_is_refused_naming_the_tensor_and_both_shapes() {
         ShardOptimizer::new(spec, whole.layout(), &owned(total, 3, 1), "flex").expect("shard");
     // The same shard's state loads; rank 1 of 2's does not fit rank 1 of 3's pieces.
     three
-        .load_state(&stepped_shard_state(3, 1))
+        .load_state(stepped_shard_state(3, 1))
         .expect("its own cut");
     let err = three
-        .load_state(&stepped_shard_state(2, 1))
+        .load_state(stepped_shard_state(2, 1))
         .expect_err("another cut");
     let crate::EngineError::StateShape {
         tensor,

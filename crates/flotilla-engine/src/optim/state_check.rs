@@ -22,9 +22,10 @@ pub(crate) struct Expected {
 /// Checks that every tensor of the optimizer state `bytes` belongs to one of `expected`
 /// (indexed by parameter id) and has its shape; the first that does not is
 /// [`EngineError::StateShape`], naming the tensor and both shapes.
-pub(crate) fn check_state_shapes(bytes: &[u8], expected: &[Expected]) -> Result<()> {
+pub(crate) fn check_state_shapes(bytes: &Bytes, expected: &[Expected]) -> Result<()> {
     let unreadable = |e| EngineError::Optimizer(format!("loading state: {e:?}"));
-    let reader = Reader::from_bytes(Bytes::from_bytes_vec(bytes.to_vec())).map_err(unreadable)?;
+    // A shared `Bytes` clones without copying its data.
+    let reader = Reader::from_bytes(bytes.clone()).map_err(unreadable)?;
     for tensor in reader.into_tensors().map_err(unreadable)? {
         let got = tensor.shape.to_vec();
         let id = tensor

@@ -421,7 +421,7 @@ impl Zero {
                 ));
             }
         };
-        self.optimizer.load_state(&mine)?;
+        self.optimizer.load_state(mine)?;
         Ok(())
     }
 }

@@ -181,22 +181,24 @@ fn load(pipe: &mut Pipeline, needs: &Needs, mut files: Vec<Vec<u8>>) -> Result<(
         return Err(TrainError::config("resume", "no weights file of the stage"));
     }
     let weights = files.remove(0);
-    let optimizer = stage_optimizer(needs, &files)?;
+    let optimizer = stage_optimizer(needs, &mut files)?;
     load_weights(pipe, WeightsFrom::Bytes(weights), optimizer)
 }
 
 /// The stage's optimizer state in `rest`, the files after the weights that `needs` named.
-fn stage_optimizer<'a>(needs: &'a Needs, rest: &'a [Vec<u8>]) -> Result<StageOptimizer<'a>> {
+/// An own shard's file is taken out of `rest`.
+fn stage_optimizer<'a>(needs: &'a Needs, rest: &'a mut [Vec<u8>]) -> Result<StageOptimizer<'a>> {
+    let files = rest.len();
     Ok(match (&needs.optimizer, rest) {
         (Held::Whole, [one]) => StageOptimizer::Whole(one),
-        (Held::Own, [one]) => StageOptimizer::Own(one),
+        (Held::Own, [one]) => StageOptimizer::Own(std::mem::take(one)),
         (Held::Shards(ranges), shards) if shards.len() == ranges.len() => StageOptimizer::Shards(
             (ranges.iter().zip(shards))
                 .map(|(r, s)| (Some(r.as_slice()), s.as_slice()))
                 .collect(),
         ),
         _ => {
-            let detail = format!("{} files of the stage's optimizer state", rest.len());
+            let detail = format!("{files} files of the stage's optimizer state");
             return Err(TrainError::config("resume", detail));
         }
     })
@@ -231,11 +233,11 @@ fn load_dir(pipe: &mut Pipeline, needs: &Needs, dir: &Path, state: &CheckpointSt
         for (ranges, path) in checkpoint::stage_state_files(dir, state, pipe.stage_index())? {
             recut.read_file(ranges.as_deref(), &path)?;
         }
-        return load_weights(pipe, weights, StageOptimizer::Own(&recut.finish()?));
+        return load_weights(pipe, weights, StageOptimizer::Own(recut.finish()?));
     }
-    let rest =
+    let mut rest =
         (rest.iter().map(|name| checkpoint::read_file(dir, name))).collect::<Result<Vec<_>>>()?;
-    load_weights(pipe, weights, stage_optimizer(needs, &rest)?)
+    load_weights(pipe, weights, stage_optimizer(needs, &mut rest)?)
 }
 
 /// This replica's optimizer shard to cut out of the checkpoint's state files, when its stage
@@ -283,11 +285,7 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
             recut.read_bytes(ranges, world.recv_large(0, tag(FILE), deadline)?)?;
         }
         let mine = recut.finish()?;
-        return load_weights(
-            pipe,
-            WeightsFrom::Bytes(weights),
-            StageOptimizer::Own(&mine),
-        );
+        return load_weights(pipe, WeightsFrom::Bytes(weights), StageOptimizer::Own(mine));
     }
     let files = (needs.files.iter())
         .map(|_| Ok(world.recv_large(0, tag(FILE), deadline)?))

@@ -96,7 +96,7 @@ pub(super) enum StageOptimizer<'a> {
     /// The stage's whole state.
     Whole(&'a [u8]),
     /// This replica's own shard, at the ranges it holds.
-    Own(&'a [u8]),
+    Own(Vec<u8>),
     /// The replicas' shards, each at its ranges.
     Shards(Vec<StatePart<'a>>),
     /// The stage's whole state, taken apart (a re-cut's: `recut.rs`).

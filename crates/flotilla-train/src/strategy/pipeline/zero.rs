@@ -127,7 +127,7 @@ impl ReplicaShard {
 
     /// Loads this replica's own shard of the optimizer state (as [`ReplicaShard::optimizer`]
     /// wrote it).
-    pub(super) fn load_shard(&mut self, bytes: &[u8]) -> Result<()> {
+    pub(super) fn load_shard(&mut self, bytes: Vec<u8>) -> Result<()> {
         Ok(self.optimizer.load_state(bytes)?)
     }
 
@@ -193,6 +193,6 @@ impl ReplicaShard {
         flat: &FlatOptimizerState,
     ) -> Result<()> {
         let mine = flat.shard(stage.layout(), &self.owned)?;
-        Ok(self.optimizer.load_state(&mine)?)
+        Ok(self.optimizer.load_state(mine)?)
     }
 }

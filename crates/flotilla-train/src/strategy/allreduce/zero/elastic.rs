@@ -432,7 +432,7 @@ impl Zero {
     ) -> Result<ShardOptimizer> {
         let owned = owned_ranges(plan, cut.world, cut.index);
         let mut o = ShardOptimizer::new(&e.spec, layout, &owned, &e.device)?;
-        o.load_state(&flat.shard(layout, &owned)?)?;
+        o.load_state(flat.shard(layout, &owned)?)?;
         o.keep_undo(true);
         Ok(o)
     }

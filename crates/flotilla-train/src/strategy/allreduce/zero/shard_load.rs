@@ -79,7 +79,7 @@ impl Zero {
         }
         self.params = part.values;
         engine.write_buffers(&part.buffers)?;
-        self.optimizer.load_state(&part.optimizer)?;
+        self.optimizer.load_state(part.optimizer)?;
         Ok(())
     }
 
