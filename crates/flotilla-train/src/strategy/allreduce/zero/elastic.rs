@@ -18,16 +18,15 @@
 //! At a generation's start ([`Zero::recut`], collective) every member says which shards it
 //! holds (the cut, index and steps of each) and the steps it finished; the generation's step
 //! is the most finished. For the first cut of which some member holds every shard at that
-//! step, the lowest-ranked holder of each broadcasts it; every member puts the state
-//! together (whole-model flat form, [`FlatOptimizerState`]) and keeps its own shard and
-//! spare of the new cut. So a member holds the whole optimizer state for the moment of the
-//! re-cut (as it holds the whole parameters and, with stage 1, gradients throughout), and
-//! a joining process takes its shards from the members over the wire, not from a disk.
+//! step, the lowest-ranked holder of each broadcasts it; every member folds each into its own
+//! shard and spare of the new cut as it comes ([`ShardRecut`]), so that no member holds the
+//! whole optimizer state, and a joining process takes its shards from the members over the
+//! wire, not from a disk.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use flotilla_engine::{FlatOptimizerState, OptimizerSpec, ParamLayout, ShardOptimizer};
+use flotilla_engine::{OptimizerSpec, ParamLayout, ShardOptimizer, ShardRecut};
 use flotilla_tcp::{ProcessGroup, Tag, tags};
 
 use super::{Zero, owned_ranges, slots};
@@ -359,21 +358,25 @@ impl Zero {
             })
             .collect::<Result<Vec<_>>>()?;
         let choice = choose(&headers)?;
-        let flat = self.gather_state(e, &choice, plan, layout)?;
         let (n, r) = (self.comm.size(), self.comm.rank());
         let own = Cut { world: n, index: r };
-        let optimizer = self.load_cut(e, own, &flat, plan, layout)?;
-        let spare = if n > 1 {
-            let cut = Cut {
-                world: n,
-                index: (r + 1) % n,
-            };
-            let o = self.load_cut(e, cut, &flat, plan, layout)?;
-            let len = o.len();
-            Some((cut, o, vec![0.0; len]))
-        } else {
-            None
+        let spare = (n > 1).then_some(Cut {
+            world: n,
+            index: (r + 1) % n,
+        });
+        let cuts: Vec<Cut> = std::iter::once(own).chain(spare).collect();
+        let states = self.gather_state(e, &choice, plan, layout, &cuts)?;
+        let mut loaded = (cuts.iter().zip(states))
+            .map(|(&cut, state)| Ok((cut, self.load_cut(e, cut, state, plan, layout)?)))
+            .collect::<Result<Vec<_>>>()?
+            .into_iter();
+        let Some((_, optimizer)) = loaded.next() else {
+            return Err(TrainError::Divergence("ZeRO's re-cut made no shard".into()));
         };
+        let spare = loaded.next().map(|(cut, o)| {
+            let len = o.len();
+            (cut, o, vec![0.0; len])
+        });
         let owned = owned_ranges(plan, n, r);
         self.slots = slots(plan, &owned);
         self.grad = vec![0.0; optimizer.len()];
@@ -389,50 +392,52 @@ impl Zero {
         Ok((next, choice.world))
     }
 
-    /// The whole optimizer state at `choice`'s step: each shard of its cut broadcast by its
-    /// holder.
+    /// The optimizer state of each of `cuts` (this member's new shards) at `choice`'s step:
+    /// each shard of its cut broadcast by its holder and folded into them as it comes
+    /// ([`ShardRecut`]), so that no member holds the whole state.
     fn gather_state(
         &self,
         e: &Redundancy,
         choice: &Choice,
         plan: &BucketPlan,
         layout: &ParamLayout,
-    ) -> Result<FlatOptimizerState> {
+        cuts: &[Cut],
+    ) -> Result<Vec<Vec<u8>>> {
         let bound = flotilla_engine::optimizer_state_bound(layout);
         let me = self.comm.rank();
-        let mut states = Vec::with_capacity(choice.world);
-        for &(member, k) in &choice.holders {
+        let mut recuts = (cuts.iter())
+            .map(|c| ShardRecut::new(layout, &owned_ranges(plan, c.world, c.index)))
+            .collect::<flotilla_engine::Result<Vec<_>>>()?;
+        for (i, &(member, k)) in choice.holders.iter().enumerate() {
             let mut bytes = if member == me {
                 self.holding_state(e, k, choice.step)?
             } else {
                 Vec::new()
             };
             self.comm.broadcast_bytes(&mut bytes, member, bound)?;
-            states.push(bytes);
+            let ranges = owned_ranges(plan, choice.world, i);
+            for recut in &mut recuts {
+                recut.read_bytes(Some(&ranges), bytes.clone())?;
+            }
         }
-        let ranges: Vec<_> = (0..choice.world)
-            .map(|i| owned_ranges(plan, choice.world, i))
-            .collect();
-        let parts: Vec<_> = ranges
-            .iter()
-            .zip(&states)
-            .map(|(r, s)| (Some(r.as_slice()), s.as_slice()))
-            .collect();
-        Ok(FlatOptimizerState::gather(layout, &parts)?)
+        Ok(recuts
+            .into_iter()
+            .map(|r| r.finish())
+            .collect::<flotilla_engine::Result<_>>()?)
     }
 
-    /// A shard optimizer of `cut` holding its part of `flat`, keeping each step's undo.
+    /// A shard optimizer of `cut` holding `state` (its part), keeping each step's undo.
     fn load_cut(
         &self,
         e: &Redundancy,
         cut: Cut,
-        flat: &FlatOptimizerState,
+        state: Vec<u8>,
         plan: &BucketPlan,
         layout: &ParamLayout,
     ) -> Result<ShardOptimizer> {
         let owned = owned_ranges(plan, cut.world, cut.index);
         let mut o = ShardOptimizer::new(&e.spec, layout, &owned, &e.device)?;
-        o.load_state(flat.shard(layout, &owned)?)?;
+        o.load_state(state)?;
         o.keep_undo(true);
         Ok(o)
     }
