@@ -69,7 +69,7 @@ pub use kernels::gemm_rate::gemm_flops_per_s;
 pub use module_blocks::ModuleBlock;
 pub use module_engine::{ModuleEngine, TrainModule, layer_groups};
 pub use optim::offload::OFFLOAD_CHUNK_VALUES;
-pub use optim::recut::{ShardRecut, StateFile, recut_shard};
+pub use optim::recut::{Remap, ShardRecut, StateFile, recut_shard};
 pub use optim::reshard::{FlatOptimizerState, StatePart};
 pub use optim::shard_optim::{
     ShardOptimizer, ShardPiece, optimizer_state_bound, optimizer_state_bytes, shard_pieces,

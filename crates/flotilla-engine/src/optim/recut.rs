@@ -24,6 +24,16 @@ use crate::params::ParamLayout;
 /// A state file and the flat ranges it was written over (`None`: the whole model's state).
 pub type StateFile = (Option<Vec<Range<usize>>>, PathBuf);
 
+/// A state file's own parameters when they are not the shard's model's: a pipeline stage of
+/// another cut, whose parameter `i` is the shard model's parameter `i + shift` (when that is
+/// one; the others are not the shard's), the same tensor by name and length.
+pub struct Remap<'a> {
+    /// The file's parameters.
+    pub layout: &'a ParamLayout,
+    /// Where they are among the shard model's parameters.
+    pub shift: isize,
+}
+
 /// One shard's state as it is gathered from state files, one file after another
 /// ([`ShardRecut::read_file`], or [`ShardRecut::read_bytes`] for one received whole), then
 /// written as burn writes it ([`ShardRecut::finish`]).
@@ -71,16 +81,29 @@ impl ShardRecut {
     /// Takes what the state file at `path`, written over `ranges` (`None`: the whole
     /// model), holds of the shard: its header, then only the tensors that meet the shard.
     pub fn read_file(&mut self, ranges: Option<&[Range<usize>]>, path: &Path) -> Result<()> {
+        self.read_file_of(None, ranges, path)
+    }
+
+    /// [`ShardRecut::read_file`] of a file written over another model's parameters
+    /// (`remap`; `None`: the shard's model), `ranges` of its flat parameters.
+    pub fn read_file_of(
+        &mut self,
+        remap: Option<&Remap<'_>>,
+        ranges: Option<&[Range<usize>]>,
+        path: &Path,
+    ) -> Result<()> {
         let named = |e: burn_pack::Error| bad(format!("{}: {e:?}", path.display()));
         let reader = Reader::from_file_exact(path).map_err(named)?;
-        self.read(ranges, (reader, true), &path.display().to_string())
+        let source = self.sources(remap, ranges)?;
+        self.read(&source, (reader, true), &path.display().to_string())
     }
 
     /// [`ShardRecut::read_file`] of a state file's bytes.
     pub fn read_bytes(&mut self, ranges: Option<&[Range<usize>]>, bytes: Vec<u8>) -> Result<()> {
         let reader =
             Reader::from_bytes(Bytes::from_bytes_vec(bytes)).map_err(|e| bad(format!("{e:?}")))?;
-        self.read(ranges, (reader, false), "a state")
+        let source = self.sources(None, ranges)?;
+        self.read(&source, (reader, false), "a state")
     }
 
     /// The shard's state as burn writes it, in the order of
@@ -100,19 +123,57 @@ impl ShardRecut {
         self.write()
     }
 
-    /// Counts what `ranges` (those of a file) cover of each piece.
-    fn cover(&mut self, ranges: Option<&[Range<usize>]>) {
-        let whole = 0..self.layout.total;
-        let ranges = ranges.unwrap_or(std::slice::from_ref(&whole));
+    /// The pieces of a file written over `ranges` of `remap`'s parameters (`None`: the
+    /// shard's model's), indexed by the file's ids, as pieces of the shard's model (`None`:
+    /// a piece of a parameter the shard's model does not hold); what they cover of each
+    /// piece of the shard counted.
+    fn sources(
+        &mut self,
+        remap: Option<&Remap<'_>>,
+        ranges: Option<&[Range<usize>]>,
+    ) -> Result<Vec<Option<Piece>>> {
+        let Some(remap) = remap else {
+            let source = pieces(&self.layout, ranges)?;
+            return Ok(self.covering(source.into_iter().map(Some).collect()));
+        };
+        let mut source = Vec::new();
+        for piece in pieces(remap.layout, ranges)? {
+            let from = &remap.layout.params[piece.param];
+            let to = (piece.param.checked_add_signed(remap.shift))
+                .and_then(|j| Some((j, self.layout.params.get(j)?)));
+            let Some((j, to)) = to else {
+                source.push(None);
+                continue;
+            };
+            if (&from.name, from.len) != (&to.name, to.len) {
+                return Err(bad(format!(
+                    "the file's {} ({} values) is the shard model's {} ({})",
+                    from.name, from.len, to.name, to.len
+                )));
+            }
+            let at = to.offset + (piece.range.start - from.offset);
+            source.push(Some(Piece {
+                range: at..at + piece.range.len(),
+                param: j,
+                shape: piece.shape,
+            }));
+        }
+        Ok(self.covering(source))
+    }
+
+    /// Counts what the pieces `source` (of one file) cover of each piece of the shard.
+    fn covering(&mut self, source: Vec<Option<Piece>>) -> Vec<Option<Piece>> {
         for (piece, covered) in self.pieces.iter().zip(&mut self.covered) {
-            *covered += (ranges.iter())
+            *covered += (source.iter().flatten())
                 .map(|r| {
-                    r.end
+                    r.range
+                        .end
                         .min(piece.range.end)
-                        .saturating_sub(r.start.max(piece.range.start))
+                        .saturating_sub(r.range.start.max(piece.range.start))
                 })
                 .sum::<usize>();
         }
+        source
     }
 
     /// Whether parameter tensor `param`'s range `range` meets a piece of the shard.
@@ -126,20 +187,18 @@ impl ShardRecut {
     /// or copied (the stretches that meet the shard alone).
     fn read(
         &mut self,
-        ranges: Option<&[Range<usize>]>,
+        source: &[Option<Piece>],
         (reader, lazy): (Reader, bool),
         what: &str,
     ) -> Result<()> {
-        let source = pieces(&self.layout, ranges)?;
-        self.cover(ranges);
         let named = |e: burn_pack::Error| bad(format!("{what}: {e:?}"));
         for (key, value) in reader.scalars() {
             let (piece, name) = split_key(key)
                 .and_then(|(id, name)| Some((source.get(id)?, name)))
                 .ok_or_else(|| bad(format!("scalar {key} names no piece")))?;
-            if !self.meets(piece.param, &piece.range) {
+            let Some(piece) = piece.as_ref().filter(|p| self.meets(p.param, &p.range)) else {
                 continue;
-            }
+            };
             let scalars = self.scalars.entry(piece.param).or_default();
             if name == RANK_KEY {
                 continue;
@@ -161,9 +220,9 @@ impl ShardRecut {
                 .filter(|i| *i == id)
                 .and_then(|id| source.get(id))
                 .ok_or_else(|| bad(format!("tensor {} names no piece", tensor.name)))?;
-            if !self.meets(piece.param, &piece.range) {
+            let Some(piece) = piece.as_ref().filter(|p| self.meets(p.param, &p.range)) else {
                 continue;
-            }
+            };
             let size = tensor.dtype.size();
             if tensor.byte_len() != piece.range.len() * size {
                 return Err(bad(format!(

@@ -54,6 +54,7 @@ pub struct FlatOptimizerState {
 }
 
 /// A state's ids: each one's flat range, parameter tensor and the shape of its tensors.
+#[derive(Clone)]
 pub(super) struct Piece {
     pub(super) range: Range<usize>,
     pub(super) param: usize,

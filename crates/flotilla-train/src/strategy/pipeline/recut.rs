@@ -5,8 +5,11 @@
 //! tensor's bytes read from its place; the optimizer state is taken apart per old stage
 //! ([`FlatOptimizerState`], over each old stage's own layout, from its file or its replicas'
 //! shards), the old stages the new one overlaps joined in the model's order of tensors and
-//! cut again — the same bits, re-keyed. No rank reads more than the old stages its new one
-//! overlaps, nor builds more than one stage at a time (for its layout and names). A
+//! cut again — the same bits, re-keyed; under ZeRO among the new stage's replicas, a
+//! replica's shard alone is cut out of the old stages' state files, reading only what meets
+//! it ([`Recut::stage_shard`], [`flotilla_engine::Remap`]). No rank reads more than the old
+//! stages its new one overlaps, nor builds more than one stage at a time (for its layout and
+//! names). A
 //! program's stage modules cannot be re-cut (their tensors are the program's, per module):
 //! resume them with the same cut.
 
@@ -15,8 +18,8 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 use flotilla_engine::{
-    FlatOptimizerState, ModelSpec, ModelState, OptimizerSpec, ParamLayout, Stage, StageCut,
-    StageEngine,
+    FlatOptimizerState, ModelSpec, ModelState, OptimizerSpec, ParamLayout, Remap, ShardRecut,
+    Stage, StageCut, StageEngine,
 };
 
 use crate::checkpoint::{self, CheckpointState};
@@ -94,37 +97,72 @@ impl Recut {
         &self,
         j: usize,
     ) -> Result<(Vec<u8>, FlatOptimizerState, ParamLayout)> {
-        let dir = &self.dir;
-        let (layout, weights) = {
-            let stage = build(&self.spec, &self.new_cut, j)?;
-            (stage.layout().clone(), stage_weights(dir, &*stage)?)
-        };
-        let want = self.starts[j]..self.starts[j + 1];
-        let (mut parts, mut names, mut at) = (Vec::new(), Vec::new(), 0);
-        for (k, old) in self.old.iter().enumerate() {
-            let held = at..at + old.params.len();
-            at = held.end;
-            if held.start >= want.end || want.start >= held.end {
-                continue;
-            }
-            let mine = want.start.max(held.start) - held.start..want.end.min(held.end) - held.start;
-            let flat = checkpoint::read_stage_flat_state(dir, &self.state, k, old)?;
-            let part = flat.select(mine.clone()).ok_or_else(|| {
+        let (layout, weights) = self.new_stage(j)?;
+        let mut parts = Vec::new();
+        for (k, mine, _) in self.overlapping(j) {
+            let flat = checkpoint::read_stage_flat_state(&self.dir, &self.state, k, &self.old[k])?;
+            let part = flat.select(mine).ok_or_else(|| {
                 error(
-                    dir,
+                    &self.dir,
                     format!("stage {k}'s optimizer state has fewer tensors"),
                 )
             })?;
             parts.push(part);
-            names.extend(old.params[mine].iter().map(|p| p.name.clone()));
         }
-        if layout.params.iter().map(|p| &p.name).ne(names.iter()) {
+        Ok((weights, FlatOptimizerState::concat(parts), layout))
+    }
+
+    /// New stage `j`'s weights file and a replica's shard of its optimizer state (`recut`,
+    /// over its pieces of the stage), cut out of the state files of the old stages it
+    /// overlaps, reading only what meets the shard: no replica holds its new stage's whole
+    /// state.
+    pub(super) fn stage_shard(&self, j: usize, mut recut: ShardRecut) -> Result<[Vec<u8>; 2]> {
+        let (_, weights) = self.new_stage(j)?;
+        for (k, _, shift) in self.overlapping(j) {
+            let remap = Remap {
+                layout: &self.old[k],
+                shift,
+            };
+            for (ranges, path) in checkpoint::stage_state_files(&self.dir, &self.state, k)? {
+                recut.read_file_of(Some(&remap), ranges.as_deref(), &path)?;
+            }
+        }
+        Ok([weights, recut.finish()?])
+    }
+
+    /// New stage `j`'s layout and weights file (the stage built for them and let go), checked
+    /// to hold the old stages' tensors in order.
+    fn new_stage(&self, j: usize) -> Result<(ParamLayout, Vec<u8>)> {
+        let (layout, weights) = {
+            let stage = build(&self.spec, &self.new_cut, j)?;
+            (stage.layout().clone(), stage_weights(&self.dir, &*stage)?)
+        };
+        let names = (self.overlapping(j))
+            .flat_map(|(k, mine, _)| self.old[k].params[mine].iter().map(|p| &p.name));
+        if layout.params.iter().map(|p| &p.name).ne(names) {
             return Err(error(
-                dir,
+                &self.dir,
                 format!("stage {j} of the new cut does not hold the old stages' tensors in order"),
             ));
         }
-        Ok((weights, FlatOptimizerState::concat(parts), layout))
+        Ok((layout, weights))
+    }
+
+    /// The old stages new stage `j` overlaps: each one's index, the range of its tensors the
+    /// new stage holds, and where its tensors are among the new stage's (old tensor `i` is
+    /// new tensor `i + shift`).
+    fn overlapping(&self, j: usize) -> impl Iterator<Item = (usize, Range<usize>, isize)> + '_ {
+        let want = self.starts[j]..self.starts[j + 1];
+        let mut at = 0;
+        (self.old.iter().enumerate()).filter_map(move |(k, old)| {
+            let held = at..at + old.params.len();
+            at = held.end;
+            if held.start >= want.end || want.start >= held.end {
+                return None;
+            }
+            let mine = want.start.max(held.start) - held.start..want.end.min(held.end) - held.start;
+            Some((k, mine, held.start as isize - want.start as isize))
+        })
     }
 }
 

@@ -90,8 +90,23 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
             send_parts(&*world, r, &recut.stage(r % stages)?)?;
         }
     }
-    let (weights, flat, _) = recut.stage_flat(0)?;
-    pipe.load_stage(&weights, StageOptimizer::Flat(flat))
+    let (weights, optimizer) = recut_stage(pipe, &recut, 0)?;
+    pipe.load_stage(&weights, optimizer)
+}
+
+/// New stage `k` of `recut` for `pipe`'s stage: its weights file and its optimizer state,
+/// under ZeRO among its replicas this replica's shard alone.
+fn recut_stage(
+    pipe: &Pipeline,
+    recut: &Recut,
+    k: usize,
+) -> Result<(Vec<u8>, StageOptimizer<'static>)> {
+    if let Some(shard) = pipe.shard_recut()? {
+        let [weights, state] = recut.stage_shard(k, shard)?;
+        return Ok((weights, StageOptimizer::Own(state)));
+    }
+    let (weights, flat, _) = recut.stage_flat(k)?;
+    Ok((weights, StageOptimizer::Flat(flat)))
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at another cut: re-cuts its own
@@ -103,11 +118,11 @@ fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> 
     // What fails here is rank 0's to meet again, and report, when it re-cuts the stage.
     let own = offered_dir(&offer).and_then(|(dir, _)| {
         let recut = Recut::open(&dir, state, &pipe.cut().ranges).ok()?;
-        recut.stage_flat(k).ok()
+        recut_stage(pipe, &recut, k).ok()
     });
     world.send(0, tag(READ), &[u8::from(own.is_some())])?;
     match own {
-        Some((weights, flat, _)) => pipe.load_stage(&weights, StageOptimizer::Flat(flat)),
+        Some((weights, optimizer)) => pipe.load_stage(&weights, optimizer),
         None => pipe.load_stage_state(&receive_parts(&*world, 0)?),
     }
 }
