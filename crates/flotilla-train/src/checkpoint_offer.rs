@@ -302,3 +302,16 @@ pub(crate) fn offered_dir(offer: &[u8]) -> Option<(PathBuf, BTreeMap<String, Str
     }
     Some((dir, serde_json::from_slice(sums).ok()?))
 }
+
+/// Whether every file `names` of the offered checkpoint `dir` has the checksum `sums`
+/// (its `checksums.json`) lists, each read streaming, never whole.
+pub(crate) fn all_listed<'a>(
+    dir: &Path,
+    sums: &BTreeMap<String, String>,
+    mut names: impl Iterator<Item = &'a String>,
+) -> bool {
+    names.all(|name| {
+        let sum = crate::checkpoint::file_checksum(&dir.join(name)).ok();
+        sum.is_some() && sums.get(name) == sum.as_ref()
+    })
+}

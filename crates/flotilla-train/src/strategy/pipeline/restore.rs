@@ -24,7 +24,7 @@ use flotilla_engine::ShardRecut;
 use flotilla_tcp::{CommError, ProcessGroup};
 
 use crate::checkpoint::{self, CheckpointState};
-use crate::checkpoint_offer::{offer_of, offered_dir};
+use crate::checkpoint_offer::{all_listed, offer_of, offered_dir};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
 use crate::strategy::pipeline::recut::Recut;
@@ -269,11 +269,7 @@ fn shard_recut(pipe: &Pipeline, needs: &Needs) -> Result<Option<ShardRecut>> {
 /// streaming, never whole).
 fn seen(offer: &[u8], needs: &Needs) -> Option<PathBuf> {
     let (dir, sums) = offered_dir(offer)?;
-    let checked = |name: &String| {
-        let sum = checkpoint::file_checksum(&dir.join(name)).ok();
-        sum.is_some() && sums.get(name) == sum.as_ref()
-    };
-    needs.files.iter().all(checked).then_some(dir)
+    all_listed(&dir, &sums, needs.files.iter()).then_some(dir)
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at its pipeline's cut: reads the

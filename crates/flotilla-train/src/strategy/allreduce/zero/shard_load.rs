@@ -18,8 +18,8 @@ use flotilla_tcp::{CommError, Tag, tags};
 use super::shard_source::ShardSource;
 use super::{Zero, owned_ranges};
 use crate::bucket::BucketPlan;
-use crate::checkpoint::{self, CheckpointState};
-use crate::checkpoint_offer::{offer_of, offered_dir};
+use crate::checkpoint::CheckpointState;
+use crate::checkpoint_offer::{all_listed, offer_of, offered_dir};
 use crate::error::{Result, TrainError};
 use crate::model_file::{buffer_values, shard_values};
 
@@ -133,12 +133,9 @@ impl Zero {
         let offer = comm.recv(0, OFFER_TAG, deadline)?;
         let own = offered_dir(&offer).and_then(|(dir, sums)| {
             let source = ShardSource::new(&dir, resuming.state, resuming.same).ok()?;
-            let checked = |name: &String| {
-                let sum = checkpoint::file_checksum(&dir.join(name)).ok();
-                sum.is_some() && sums.get(name) == sum.as_ref()
-            };
+            let file = "model.safetensors".to_owned();
             let names = source.names(comm.rank());
-            if !(checked(&"model.safetensors".into()) && names.iter().all(checked)) {
+            if !all_listed(&dir, &sums, std::iter::once(&file).chain(&names)) {
                 return None;
             }
             let reader = WeightsReader::open(&dir.join("model.safetensors")).ok()?;
