@@ -182,22 +182,28 @@ impl Pipeline {
     /// Loads `optimizer` into the stage's optimizer, or its shard's under ZeRO.
     fn load_optimizer(&mut self, optimizer: StageOptimizer<'_>) -> Result<()> {
         let layout = self.stage.layout();
-        let flat = match (optimizer, &mut self.zero) {
-            (StageOptimizer::Whole(bytes), None) => {
-                return Ok(self.stage.load_optimizer_state(bytes)?);
+        let recut = self.shard_recut()?;
+        if let (Some(mut recut), Some(zero)) = (recut, self.zero.as_mut()) {
+            // Under ZeRO: this replica's shard alone, cut out of what came.
+            match optimizer {
+                StageOptimizer::Own(bytes) => return zero.load_shard(bytes),
+                StageOptimizer::Flat(flat) => return zero.load_flat(&*self.stage, &flat),
+                StageOptimizer::Whole(bytes) => recut.read_bytes(None, bytes.to_vec())?,
+                StageOptimizer::Shards(parts) => {
+                    for (ranges, bytes) in parts {
+                        recut.read_bytes(ranges, bytes.to_vec())?;
+                    }
+                }
             }
-            (StageOptimizer::Own(bytes), Some(zero)) => return zero.load_shard(bytes),
-            (StageOptimizer::Own(_), None) => return Err(self.usage("a shard without ZeRO")),
-            (StageOptimizer::Whole(bytes), _) => {
-                FlatOptimizerState::gather(layout, &[(None, bytes)])?
-            }
-            (StageOptimizer::Shards(parts), _) => FlatOptimizerState::gather(layout, &parts)?,
-            (StageOptimizer::Flat(flat), _) => flat,
-        };
-        match &mut self.zero {
-            Some(zero) => zero.load_flat(&*self.stage, &flat),
-            None => Ok(self.stage.load_optimizer_state(&flat.whole(layout)?)?),
+            return zero.load_shard(recut.finish()?);
         }
+        let flat = match optimizer {
+            StageOptimizer::Whole(bytes) => return Ok(self.stage.load_optimizer_state(bytes)?),
+            StageOptimizer::Own(_) => return Err(self.usage("a shard without ZeRO")),
+            StageOptimizer::Shards(parts) => FlatOptimizerState::gather(layout, &parts)?,
+            StageOptimizer::Flat(flat) => flat,
+        };
+        Ok(self.stage.load_optimizer_state(&flat.whole(layout)?)?)
     }
 
     /// Whether this stage's replicas shard its parameters (ZeRO-3 among them).
