@@ -203,22 +203,25 @@ impl Weights<SequentialModel> {
         Ok(weights.with_metadata("flotilla.model", spec.to_yaml()))
     }
 
-    /// The weights of layers `0..j` of `whole` (a model of `spec` from [`initial_model`]),
-    /// the other layers identities, on the named backend: their parameters `whole`'s own
-    /// tensors, shared rather than copied, so that the prefixes of one model a profile times
-    /// (`pipeline/profile.rs`) hold its values once.
-    pub(crate) fn prefix_of(
-        whole: &SequentialModel,
+    /// The weights of the layers `part` of `model` (a model of `spec`, its other layers
+    /// identities or not), the other layers identities, on the named backend: their
+    /// parameters `model`'s own tensors, shared rather than copied, so that the stages a
+    /// profile times over one window of the model (`pipeline/profile.rs`) hold its values
+    /// once.
+    pub(crate) fn part_of(
+        model: &SequentialModel,
         spec: &ModelSpec,
         optimizer: &OptimizerSpec,
         device_name: &str,
-        j: usize,
+        part: Range<usize>,
     ) -> Result<Self> {
         let base_device = device_by_name(device_name)?;
         let device = base_device.clone().autodiff();
-        let mut model = whole.clone();
-        for slot in model.layers.iter_mut().skip(j) {
-            *slot = Layer::Identity(Identity);
+        let mut model = model.clone();
+        for (i, slot) in model.layers.iter_mut().enumerate() {
+            if !part.contains(&i) {
+                *slot = Layer::Identity(Identity);
+            }
         }
         let model = params::renumber(model).fork(&device);
         let has_dropout =
@@ -504,7 +507,11 @@ impl<M: Module> Weights<M> {
 /// drawn in flat order, as the whole model's are, one layer at a time, and a layer outside
 /// `range` is let go as soon as it is drawn, so that a pipeline stage never holds the whole
 /// model (nor more than its own layers and one other).
-fn stage_model(spec: &ModelSpec, seed: u64, range: Range<usize>) -> Result<SequentialModel> {
+pub(crate) fn stage_model(
+    spec: &ModelSpec,
+    seed: u64,
+    range: Range<usize>,
+) -> Result<SequentialModel> {
     seeded(seed, |cpu| {
         // burn draws a parameter at its first use: building the model draws nothing.
         let mut model = SequentialModel::new(spec, cpu)?;

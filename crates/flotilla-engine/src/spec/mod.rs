@@ -176,31 +176,27 @@ impl ModelSpec {
         Ok(io)
     }
 
+    /// Every layer's parameter count, from the layers' shapes (no model is built; a head
+    /// tied to the embedding counts 0, its weight is the embedding's).
+    pub fn layer_param_counts(&self) -> Result<Vec<u64>> {
+        let io = self.infer_io()?;
+        Ok((self.layers.iter().zip(&io))
+            .map(|(node, (input, _))| limits::layer_params(&node.layer, input))
+            .map(|n| u64::try_from(n).unwrap_or(u64::MAX))
+            .collect())
+    }
+
     /// The model's parameter count, from its layers' shapes (no model is built): what the
     /// launcher's memory estimate starts from.
     pub fn param_count(&self) -> Result<u64> {
-        let io = self.infer_io()?;
-        let total: u128 = self
-            .layers
-            .iter()
-            .zip(&io)
-            .map(|(node, (input, _))| limits::layer_params(&node.layer, input))
-            .sum();
-        Ok(u64::try_from(total).unwrap_or(u64::MAX))
+        let counts = self.layer_param_counts()?;
+        Ok(counts.iter().fold(0u64, |sum, &n| sum.saturating_add(n)))
     }
 
     /// The parameters of the model's largest layer (a transformer block's, say): the least a
     /// backward group holds, so what ZeRO-3 gathers at a time at least.
     pub fn largest_layer_params(&self) -> Result<u64> {
-        let io = self.infer_io()?;
-        let largest = self
-            .layers
-            .iter()
-            .zip(&io)
-            .map(|(node, (input, _))| limits::layer_params(&node.layer, input))
-            .max()
-            .unwrap_or(0);
-        Ok(u64::try_from(largest).unwrap_or(u64::MAX))
+        Ok(self.layer_param_counts()?.into_iter().max().unwrap_or(0))
     }
 
     /// The model's output shape: flat class logits `[classes]` (a classifier) or a sequence

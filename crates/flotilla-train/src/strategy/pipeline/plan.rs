@@ -40,8 +40,8 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
         spec,
         &config.optimizer,
         &config.model.device,
-        samples,
-        PROFILE_ROUNDS,
+        (samples, PROFILE_ROUNDS),
+        profile_window(config, spec)?,
     )?;
     let costs = sharded_costs(costs, config);
     let hosts = hosts(config, stages)?;
@@ -57,6 +57,19 @@ pub fn plan(config: &TrainConfig, spec: &ModelSpec) -> Result<PipelinePlan> {
         automatic,
         samples,
     })
+}
+
+/// The most parameters the profile builds at once: a rank's share of the model (a stage's,
+/// 1/D of it under ZeRO-3 among D replicas), so that profiling never holds more of the model
+/// than training does.
+fn profile_window(config: &TrainConfig, spec: &ModelSpec) -> Result<u64> {
+    let p = &config.pipeline;
+    let replicas = match config.allreduce.zero {
+        3 => p.data_parallel.max(1),
+        _ => 1,
+    };
+    let parts = (p.num_stages() * replicas).max(1) as u64;
+    Ok(spec.param_count()?.div_ceil(parts))
 }
 
 /// The measured costs of a layer as a replica of its stage holds it under ZeRO among the
