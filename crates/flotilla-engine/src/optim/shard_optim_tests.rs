@@ -1,8 +1,8 @@
 //! [`crate::ShardOptimizer`]: the shards of `n` ranks stepped with burn's optimizers equal,
 //! bit for bit, the whole model stepped by the engine (SGD with momentum, weight decay and
 //! Nesterov; Adam with L2 decay; AdamW decaying matrices only), shards cut across tensor
-//! boundaries; each shard's state holds its own share of the values, and survives a save
-//! and load.
+//! boundaries, stepped a chunk of pieces at a time or all at once; each shard's state holds
+//! its own share of the values, and survives a save and load.
 
 use std::ops::Range;
 
@@ -96,8 +96,13 @@ fn shards_step_bitwise_like_the_whole_model() {
             whole.read_params(&mut start).expect("read");
             let mut shards: Vec<ShardOptimizer> = (0..n)
                 .map(|r| {
-                    ShardOptimizer::new(&spec, whole.layout(), &owned(total, n, r), "flex")
-                        .expect("shard")
+                    let mut s =
+                        ShardOptimizer::new(&spec, whole.layout(), &owned(total, n, r), "flex")
+                            .expect("shard");
+                    // Burn steps a chunk of pieces at a time: one piece (chunks of 1), two,
+                    // or the shard at once.
+                    s.set_step_chunk([1, 8, usize::MAX][r]);
+                    s
                 })
                 .collect();
             let mut params = start.clone();
