@@ -223,11 +223,7 @@ pub(crate) struct ScratchShard {
 impl ScratchShard {
     /// Writes `optimizer`'s state to a scratch file under `output`.
     pub(crate) fn write(optimizer: &ShardOptimizer, output: &Path) -> Result<Self> {
-        std::fs::create_dir_all(output).map_err(|e| TrainError::io(output, e))?;
-        let dir = tempfile::Builder::new()
-            .prefix(".optimizer-shard-")
-            .tempdir_in(output)
-            .map_err(|e| TrainError::io(output, e))?;
+        let dir = scratch_dir(output, ".optimizer-shard-")?;
         optimizer.save_state(&dir.path().join("shard.bpk"))?;
         Ok(Self { dir })
     }
@@ -235,12 +231,32 @@ impl ScratchShard {
     /// Sends the file to rank 0 under `tag` (once rank 0 asked for it: [`wait_ask`]) and
     /// removes it.
     pub(crate) fn send(self, comm: &dyn ProcessGroup, tag: Tag) -> Result<()> {
-        let path = self.dir.path().join("shard.bpk");
-        let mut file = File::open(&path).map_err(|e| TrainError::io(&path, e))?;
-        let len = file.metadata().map_err(|e| TrainError::io(&path, e))?.len();
-        comm.send_large_from(0, tag, &mut file, len)?;
-        Ok(())
+        send_file(comm, (0, tag), &self.dir.path().join("shard.bpk"))
     }
+}
+
+/// Sends the file `path` to rank `r` under `tag` as one large message read from the file
+/// piece by piece, never whole in memory (taken by [`receive_file`] or as one message).
+pub(crate) fn send_file(
+    comm: &dyn ProcessGroup,
+    (r, tag): (usize, Tag),
+    path: &Path,
+) -> Result<()> {
+    let mut file = File::open(path).map_err(|e| TrainError::io(path, e))?;
+    let len = file.metadata().map_err(|e| TrainError::io(path, e))?.len();
+    comm.send_large_from(r, tag, &mut file, len)?;
+    Ok(())
+}
+
+/// A scratch directory of this rank's under the job's output directory `output` on its host
+/// (not a temporary directory that may live in memory), removed when dropped: where a file
+/// too large to hold whole is spooled as it arrives ([`receive_file`]).
+pub(crate) fn scratch_dir(output: &Path, prefix: &str) -> Result<tempfile::TempDir> {
+    std::fs::create_dir_all(output).map_err(|e| TrainError::io(output, e))?;
+    tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(output)
+        .map_err(|e| TrainError::io(output, e))
 }
 
 /// Takes rank `r`'s part under `tag` (sent by [`send_shard`] or as one large message) into

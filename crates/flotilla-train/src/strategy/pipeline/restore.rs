@@ -22,9 +22,12 @@ use std::time::Instant;
 
 use flotilla_engine::ShardRecut;
 use flotilla_tcp::{CommError, ProcessGroup};
+use tempfile::TempDir;
 
 use crate::checkpoint::{self, CheckpointState};
-use crate::checkpoint_offer::{all_listed, offer_of, offered_dir};
+use crate::checkpoint_offer::{
+    all_listed, offer_of, offered_dir, receive_file, scratch_dir, send_file,
+};
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::Pipeline;
 use crate::strategy::pipeline::recut::Recut;
@@ -46,8 +49,10 @@ const FILE: usize = 8;
 /// On rank 0: reads checkpoint `dir`'s state, sends it to every rank, offers the
 /// checkpoint to every rank and sends each that does not see it the files it needs (or, a
 /// checkpoint written at another cut, its stage re-cut: `recut.rs`). Every other rank:
-/// reads (or re-cuts) or receives and loads its stage's part. Collective over the world.
-pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
+/// reads (or re-cuts) or receives and loads its stage's part; a ZeRO-3 replica spools the
+/// weights file it receives into a scratch directory under `output` (the job's output
+/// directory on its host). Collective over the world.
+pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>, output: &Path) -> Result<()> {
     let world = pipe.world().clone();
     if world.rank() != 0 {
         let deadline = Instant::now() + world.timeout();
@@ -60,7 +65,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>) -> Result<()> {
         if state.stages.as_ref() != Some(&recorded_ranges(pipe)) {
             return recut_or_receive(pipe, &state);
         }
-        return read_or_receive(pipe, &state);
+        return read_or_receive(pipe, &state, output);
     }
     let Some(dir) = dir else {
         return Err(TrainError::config("resume", "no checkpoint to restore"));
@@ -190,16 +195,6 @@ enum WeightsFrom {
     File(PathBuf),
 }
 
-/// Loads the files `needs` named (`files`, in its order, received) into `pipe`'s stage.
-fn load(pipe: &mut Pipeline, needs: &Needs, mut files: Vec<Vec<u8>>) -> Result<()> {
-    if files.is_empty() {
-        return Err(TrainError::config("resume", "no weights file of the stage"));
-    }
-    let weights = files.remove(0);
-    let optimizer = stage_optimizer(needs, &mut files)?;
-    load_weights(pipe, WeightsFrom::Bytes(weights), optimizer)
-}
-
 /// The stage's optimizer state in `rest`, the files after the weights that `needs` named.
 /// An own shard's file is taken out of `rest`.
 fn stage_optimizer<'a>(needs: &'a Needs, rest: &'a mut [Vec<u8>]) -> Result<StageOptimizer<'a>> {
@@ -274,7 +269,7 @@ fn seen(offer: &[u8], needs: &Needs) -> Option<PathBuf> {
 
 /// A rank's side (not rank 0's) of a checkpoint written at its pipeline's cut: reads the
 /// files it needs where it sees rank 0's checkpoint, else names them and receives them.
-fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
+fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState, output: &Path) -> Result<()> {
     let world = pipe.world().clone();
     let needs = needs(pipe, state)?;
     let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
@@ -284,10 +279,10 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
     }
     let names = needs.files.join("\n");
     world.send(0, tag(READ), &[&[0], names.as_bytes()].concat())?;
+    let (weights, _scratch) = receive_weights(pipe, output)?;
     let deadline = Instant::now() + world.timeout();
     if let Some(mut recut) = shard_recut(pipe, &needs)? {
-        // The weights, then each state file, folded into the shard as it comes.
-        let weights = world.recv_large(0, tag(FILE), deadline)?;
+        // Each state file, folded into the shard as it comes.
         let ranges = match &needs.optimizer {
             Held::Shards(ranges) => ranges.iter().map(|r| Some(r.as_slice())).collect(),
             _ => vec![None],
@@ -296,17 +291,37 @@ fn read_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
             recut.read_bytes(ranges, world.recv_large(0, tag(FILE), deadline)?)?;
         }
         let mine = recut.finish()?;
-        return load_weights(pipe, WeightsFrom::Bytes(weights), StageOptimizer::Own(mine));
+        return load_weights(pipe, weights, StageOptimizer::Own(mine));
     }
-    let files = (needs.files.iter())
+    let mut rest = (needs.files.iter().skip(1))
         .map(|_| Ok(world.recv_large(0, tag(FILE), deadline)?))
         .collect::<Result<Vec<_>>>()?;
-    load(pipe, &needs, files)
+    load_weights(pipe, weights, stage_optimizer(&needs, &mut rest)?)
+}
+
+/// The stage's weights file as rank 0 sends it to a rank that does not see the checkpoint:
+/// under ZeRO-3 spooled into a scratch file under `output` as it arrives, to be read a piece
+/// at a time as a seen one is ([`Pipeline::load_stage_file`]: the replica never holds its
+/// whole stage), the file removed with the returned directory; otherwise its bytes.
+fn receive_weights(pipe: &Pipeline, output: &Path) -> Result<(WeightsFrom, Option<TempDir>)> {
+    let world = pipe.world();
+    if !pipe.shards_params() {
+        let deadline = Instant::now() + world.timeout();
+        return Ok((
+            WeightsFrom::Bytes(world.recv_large(0, tag(FILE), deadline)?),
+            None,
+        ));
+    }
+    let scratch = scratch_dir(output, ".stage-weights-")?;
+    let path = scratch.path().join("stage.bpk");
+    receive_file(&**world, (0, tag(FILE)), &path)?;
+    Ok((WeightsFrom::File(path), Some(scratch)))
 }
 
 /// Rank 0's side of a checkpoint written at this pipeline's cut: offers it to every other
-/// rank, then reads and sends, one at a time, the files each rank that does not see it
-/// names (only the checkpoint's stage files), and loads its own stage's.
+/// rank, then sends, one at a time and each read piece by piece from its file, the files
+/// each rank that does not see it names (only the checkpoint's stage files), and loads its
+/// own stage's.
 fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result<()> {
     let world = pipe.world().clone();
     let offer = offer_of(dir)?;
@@ -323,7 +338,7 @@ fn send_read(pipe: &mut Pipeline, dir: &Path, state: &CheckpointState) -> Result
                 let detail = format!("asked for {name:?}, not a file of the checkpoint's stages");
                 return Err(CommError::Protocol { peer: r, detail }.into());
             }
-            world.send_large(r, tag(FILE), &checkpoint::read_file(dir, &name)?)?;
+            send_file(&*world, (r, tag(FILE)), &dir.join(&name))?;
         }
     }
     let needs = needs(pipe, state)?;

@@ -449,7 +449,7 @@ impl Strategy for PipelineStage {
         // Every rank learns the state first: the stages' files follow (`restore.rs`).
         let resumed = from.share(cx, restore::read_state)?;
         if resumed.is_some() {
-            restore::restore(&mut self.pipe, from.dir())?;
+            restore::restore(&mut self.pipe, from.dir(), &cx.config.telemetry.output)?;
         }
         if let (Some((_, held)), Some(s)) = (&mut self.elastic, &resumed) {
             (held.committed, held.at) = (s.step, s.step);

@@ -57,12 +57,15 @@ fn run(
 ) -> (Vec<Ended>, Option<PathBuf>) {
     let spec = spec();
     let cut = StageCut::at(&spec, &[4]).expect("cut");
+    // Where a ZeRO-3 replica that does not see the checkpoint spools its stage's weights file.
+    let spooled = tempfile::tempdir().expect("spool");
     let handles: Vec<_> = world(cut.stages())
         .into_iter()
         .map(|group| {
             let (spec, cut, restore, out) =
                 (spec.clone(), cut.clone(), restore.clone(), out.clone());
             let batches = batches.clone();
+            let spool = spooled.path().to_path_buf();
             std::thread::spawn(move || {
                 if blind && group.rank() == 1 {
                     crate::checkpoint_offer::BLIND.with(|b| b.set(true));
@@ -74,7 +77,7 @@ fn run(
                 let mut pipe = Pipeline::new(&spec, cut, opts, group).expect("pipeline");
                 if let Some(dir) = &restore {
                     let mine = (pipe.world().rank() == 0).then_some(dir.as_path());
-                    restore::restore(&mut pipe, mine).expect("restore");
+                    restore::restore(&mut pipe, mine, &spool).expect("restore");
                 }
                 let losses = batches.filter_map(|b| train_batch(&mut pipe, b)).collect();
                 let saved = out.and_then(|o| {
@@ -99,6 +102,11 @@ fn run(
         ended.push(e);
         dir = dir.or(d);
     }
+    // Every spooled file was removed after its load.
+    let left = std::fs::read_dir(spooled.path())
+        .expect("spool dir")
+        .count();
+    assert_eq!(left, 0, "{left} spooled files left");
     (ended, dir)
 }
 

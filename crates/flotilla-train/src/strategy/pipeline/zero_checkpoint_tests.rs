@@ -50,12 +50,15 @@ fn run(
     (out, blind): (Option<PathBuf>, &[usize]),
 ) -> (Vec<Ended>, Option<PathBuf>) {
     let cut = StageCut::at(&super::tests::spec(), &[point]).expect("cut");
+    // Where a ZeRO-3 replica that does not see the checkpoint spools its stage's weights file.
+    let spooled = tempfile::tempdir().expect("spool");
     let handles: Vec<_> = world(4)
         .into_iter()
         .map(|group| {
             let (cut, batches, from, out) =
                 (cut.clone(), batches.clone(), from.clone(), out.clone());
             let blind = blind.contains(&group.rank());
+            let spool = spooled.path().to_path_buf();
             std::thread::spawn(move || {
                 if blind {
                     crate::checkpoint_offer::BLIND.with(|b| b.set(true));
@@ -64,7 +67,7 @@ fn run(
                 let mut pipe = Pipeline::new(&spec, cut, opts(zero), group).expect("pipeline");
                 if let Some(dir) = &from {
                     let mine = (pipe.world().rank() == 0).then_some(dir.as_path());
-                    restore::restore(&mut pipe, mine).expect("restore");
+                    restore::restore(&mut pipe, mine, &spool).expect("restore");
                 }
                 batches.for_each(|b| {
                     train_batch(&mut pipe, b);
@@ -95,6 +98,11 @@ fn run(
         ended.push(e);
         dir = dir.or(d);
     }
+    // Every spooled file was removed after its load.
+    let left = std::fs::read_dir(spooled.path())
+        .expect("spool dir")
+        .count();
+    assert_eq!(left, 0, "{left} spooled files left");
     ended.sort_by_key(|e| e.at);
     (ended, dir)
 }
