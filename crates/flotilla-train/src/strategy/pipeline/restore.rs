@@ -1,21 +1,23 @@
-//! A pipeline resumed from a checkpoint: every rank that sees rank 0's checkpoint reads its
-//! own part there; rank 0 reads and sends the others theirs, one file at a time, so that no
-//! rank holds every stage's state (a 57 M-parameter GPT's stages are 0.7 GB of weights and
-//! Adam moments together).
+//! A pipeline resumed from a checkpoint: every rank that sees rank 0's checkpoint reads its own
+//! part there; rank 0 reads and sends the others theirs, one file at a time, so that no rank
+//! holds every stage's state (a 57 M-parameter GPT's stages are 0.7 GB of weights and Adam
+//! moments together).
 //!
 //! Rank 0 sends every rank the checkpoint's `state.json`; each works out the files it needs:
 //! its stage's weights and optimizer state, which under ZeRO among the replicas is its own
-//! shard's file when the checkpoint's replicas held the same shards, else its shard cut out
-//! of the stage's state files (every replica's shard, or the whole state: another number of
-//! replicas, another ZeRO stage, or none), reading only the tensors that meet it where it
-//! sees them, folding each file in as it arrives where it does not. Rank 0 offers the checkpoint's path with the bytes of its
-//! `checksums.json`; a rank sees it when the file at that path has the same bytes and the
-//! files it needs there have the checksums it lists (the ranks of one host, hosts that
-//! mount one output directory); the others name the files they need, which rank 0 reads and
-//! sends. Under ZeRO-3 a rank that sees the checkpoint (rank 0 too) reads its shard of its
-//! stage's weights file one tensor at a time ([`Pipeline::load_stage_file`]), never the
-//! whole file. A checkpoint written at another cut is re-cut stage by stage (`recut.rs`): by
-//! each rank for its own where it sees it, by rank 0 for the others, one at a time.
+//! shard's file when the checkpoint's replicas held the same shards, else its shard cut out of
+//! the stage's state files (every replica's shard, or the whole state: another number of
+//! replicas, another ZeRO stage, or none), reading only the tensors that meet it where it sees
+//! them, folding each file in as it arrives where it does not. Rank 0 offers the checkpoint's
+//! path with the bytes of its `checksums.json`; a rank sees it when the file at that path has
+//! the same bytes and the files it needs there have the checksums it lists (the ranks of one
+//! host, hosts that mount one output directory); the others name the files they need, which
+//! rank 0 reads and sends, each read piece by piece from its file. Under ZeRO-3 a rank reads
+//! its shard of its stage's weights file one tensor at a time ([`Pipeline::load_stage_file`]),
+//! never the whole file: in the checkpoint where it sees it (rank 0 too), else in a scratch
+//! copy it spools as the file arrives. A checkpoint written at another cut is re-cut stage by
+//! stage (`recut.rs`): by each rank for its own where it sees it, by rank 0 for the others, one
+//! at a time.
 
 use std::path::{Path, PathBuf};
 use std::time::Instant;

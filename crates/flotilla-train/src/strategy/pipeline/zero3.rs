@@ -25,10 +25,11 @@
 //! gathers one group at a time instead ([`ReplicaParams::for_each_group`]), the stage's
 //! replicas writing its weights a share each (`state.rs`). A spec's stage starts released,
 //! each replica keeping its shard as the stage draws its initial values one layer at a time
-//! ([`ReplicaParams::take_drawn`]); a resumed replica that sees the checkpoint reads its
-//! pieces of the stage's weights file one tensor at a time ([`ReplicaParams::load_values`]);
-//! a program's stage module, built by the program, and a stage file sent over the wire
-//! start whole and keep their shard ([`ReplicaParams::take_shard`]).
+//! ([`ReplicaParams::take_drawn`]); a resumed replica reads its pieces of the stage's
+//! weights file one tensor at a time ([`ReplicaParams::load_values`]), from the checkpoint
+//! where it sees it, else from a scratch copy spooled as rank 0 sends it (`restore.rs`); a
+//! program's stage module, built by the program, and a stage re-cut from a checkpoint of
+//! another cut start whole and keep their shard ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;
 use std::sync::Arc;
