@@ -93,16 +93,15 @@ pub struct Zero {
     /// Stage 3: this rank's shard of the parameters, its pieces one after the other in flat
     /// order as `grad` (empty before the start and at stages 1 and 2).
     params: Vec<f32>,
-    /// Stage 3: the wire buffer of the parameters' all-gathers (one bucket's).
-    gathered: Vec<f32>,
+    /// Stage 3: the wire buffer of the parameters' all-gathers (one bucket's), while no
+    /// all-gather started ahead has it: one is enough, since a gather first waits for the
+    /// one in flight.
+    wire: Vec<f32>,
     /// Stage 3: start each group's all-gather while the group before it computes
     /// (`allreduce.prefetch`).
     prefetch: bool,
-    /// Stage 3: the bucket whose all-gather was started ahead, with the wire buffer it has
-    /// (a second one beside `gathered`).
+    /// Stage 3: the bucket whose all-gather was started ahead, with the wire buffer.
     prefetched: Option<(usize, PendingAllReduce)>,
-    /// Stage 3: the second wire buffer, while no all-gather started ahead has it.
-    spare: Vec<f32>,
     /// Stage 3: whether the engine's parameters are released (they are gathered whole for a
     /// whole-model operation between steps).
     released: bool,
@@ -191,10 +190,9 @@ impl Zero {
             },
             elastic: None,
             params: Vec::new(),
-            gathered: Vec::new(),
+            wire: Vec::new(),
             prefetch: true,
             prefetched: None,
-            spare: Vec::new(),
             released: false,
             drawn: None,
             #[cfg(test)]
@@ -251,7 +249,7 @@ impl Zero {
     /// Bytes of its wire buffers (one bucket's; stage 3's parameter all-gathers have one
     /// more, and one more again for the all-gather prefetched).
     pub fn staging_bytes(&self) -> usize {
-        let values = self.staging.capacity() + self.gathered.capacity() + self.spare.capacity();
+        let values = self.staging.capacity() + self.wire.capacity();
         values * std::mem::size_of::<f32>()
     }
 

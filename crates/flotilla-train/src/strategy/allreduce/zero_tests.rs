@@ -265,12 +265,12 @@ fn a_stage_2_or_3_rank_keeps_its_shard_of_the_gradient_and_one_bucket_buffer() {
                 sum += f["gradient_bytes"];
                 // Stage 1 keeps every bucket (all-reduced in place) and the all-gather's
                 // buffer; stage 2 one bucket-sized buffer for both; stage 3 one for the
-                // reduce-scatters and two for the parameters' all-gathers (the one under
-                // way, the next one's prefetched).
+                // reduce-scatters and one for the parameters' all-gathers (the one under
+                // way, or the next one's prefetched: a gather waits for it first).
                 let wire = match zero {
                     1 => all + largest,
                     2 => largest,
-                    _ => 3 * largest,
+                    _ => 2 * largest,
                 };
                 assert_eq!(f["bucket_buffer_bytes"], (4 * wire) as f64, "{what}");
                 let shard = f.get("param_shard_bytes").copied();

@@ -7,8 +7,9 @@
 //! again before its recomputed forward in backward, and hands its gradients to the
 //! reduce-scatter of stage 2 (`scatter.rs`) as its backward ends. The next group's all-gather
 //! starts in the background as soon as a group's own has ended ([`Zero::prefetch_group`],
-//! `allreduce.prefetch`), into a second wire buffer, so that it runs while the group computes
-//! (FSDP's forward and backward prefetch). The optimizer then steps the shard in place
+//! `allreduce.prefetch`), so that it runs while the group computes (FSDP's forward and
+//! backward prefetch); one wire buffer serves every all-gather, since a gather first waits for
+//! the one in flight. The optimizer then steps the shard in place
 //! ([`ShardOptimizer::step_shard`]): no all-gather after the step; the next step's forward
 //! gathers the new values.
 //!
@@ -126,14 +127,14 @@ impl Zero {
     }
 
     /// Starts the all-gather of the parameters `params` (the group the pass gathers next) in
-    /// the background, into a second wire buffer, when prefetching (collective: every rank
+    /// the background, into the wire buffer, when prefetching (collective: every rank
     /// starts the same ones in the same order).
     pub fn prefetch_group(&mut self, plan: &BucketPlan, params: Range<usize>) -> Result<()> {
         if !self.prefetch || self.prefetched.is_some() {
             return Ok(());
         }
         let k = bucket_of_group(plan, &params)?;
-        let mut wire = std::mem::take(&mut self.spare);
+        let mut wire = std::mem::take(&mut self.wire);
         self.fill_wire(plan, k, &mut wire);
         self.prefetched = Some((k, self.comm.all_gather_bucket(wire, k)));
         Ok(())
@@ -155,16 +156,17 @@ impl Zero {
             let wire = pending.wait()?;
             if j == k {
                 out.copy_from_slice(&wire[..len]);
-                self.spare = wire;
+                self.wire = wire;
                 return Ok(());
             }
-            self.spare = wire;
+            self.wire = wire;
         }
-        let mut wire = std::mem::take(&mut self.gathered);
+        // No all-gather is in flight now: the one wire buffer is free for this one.
+        let mut wire = std::mem::take(&mut self.wire);
         self.fill_wire(plan, k, &mut wire);
         let gathered = self.comm.all_gather_f32(&mut wire);
         out.copy_from_slice(&wire[..len]);
-        self.gathered = wire;
+        self.wire = wire;
         Ok(gathered?)
     }
 
