@@ -222,6 +222,13 @@ impl PipelinePlan {
                 "as configured"
             }
         );
+        if config.allreduce.zero > 0 && p.data_parallel <= 1 {
+            out.push_str(&format!(
+                "zero: {} shards a stage's state among its replicas: with one replica a stage \
+                 (`data_parallel: 1`), nothing is sharded\n",
+                config.allreduce.zero
+            ));
+        }
         out.push_str(
             "stage  layers      params  ms/micro-batch  memory (est.)  host memory  speed\n",
         );
