@@ -2,14 +2,15 @@
 //!
 //! A layer does not cost the same alone as inside a stage, but stages add up: measured on the
 //! residual CNN (16-sample micro-batches), two halves of the model take what the whole model
-//! takes within 3 % (cut at layers 6–21; 9 % at layer 3), while the ReLU and max-pool after
-//! the first convolution take 2.4 and 2.7 ms as one-layer stages against about 0.3 ms
-//! together inside a stage (a one-layer sum charged the first three layers 2.3x their stage).
-//! So the profile times every **prefix** of the model as one stage (layers `0..j`, forward and backward of one micro-batch of
-//! deterministic inputs), and a layer's time is the difference of two consecutive prefixes:
-//! a range `i..j` then costs `prefix(j) − prefix(i)`, what a stage of those layers computes.
-//! Measured against stages timed directly: the stages after cuts at layers 3–12 (6–17 ms)
-//! within 0.01–0.75 ms; short stages at the end (1.7 and 4.8 ms) 1.2–1.9 ms off.
+//! takes within 3 % (cut at layers 6–21; 9 % at layer 3), while the ReLU and max-pool after the
+//! first convolution take 2.4 and 2.7 ms as one-layer stages against about 0.3 ms together
+//! inside a stage (a one-layer sum charged the first three layers 2.3x their stage). So the
+//! profile times every **prefix** of the model as one stage (layers `0..j`, forward and
+//! backward of one micro-batch of deterministic inputs), and a layer's time is the difference
+//! of two consecutive prefixes: a range `i..j` then costs `prefix(j) − prefix(i)`, what a stage
+//! of those layers computes. Measured against stages timed directly: the stages after cuts at
+//! layers 3–12 (6–17 ms) within 0.01–0.75 ms; short stages at the end (1.7 and 4.8 ms) 1.2–1.9
+//! ms off.
 //!
 //! The prefixes are timed **interleaved** — every prefix once per round, after one warm-up
 //! round — and each keeps its fastest round: a shared machine's speed drifts by tens of

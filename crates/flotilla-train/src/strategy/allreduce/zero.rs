@@ -247,7 +247,7 @@ impl Zero {
     }
 
     /// Bytes of its wire buffers (one bucket's; stage 3's parameter all-gathers have one
-    /// more, and one more again for the all-gather prefetched).
+    /// more, which the all-gather prefetched takes in turn).
     pub fn staging_bytes(&self) -> usize {
         let values = self.staging.capacity() + self.wire.capacity();
         values * std::mem::size_of::<f32>()
