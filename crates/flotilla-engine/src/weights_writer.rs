@@ -156,6 +156,14 @@ impl WeightsPlan {
         &self.tensors
     }
 
+    /// Where tensor `index`'s bytes lie in the file (PyTorch's layout, as the file holds it).
+    pub fn place(&self, index: usize) -> Option<std::ops::Range<u64>> {
+        let t = self.tensors.get(index)?;
+        let len = (t.shape.iter().product::<usize>() * std::mem::size_of::<f32>()) as u64;
+        let at = *self.offsets.get(index)?;
+        Some(at..at + len)
+    }
+
     /// The file's length in bytes.
     pub fn len(&self) -> u64 {
         self.len

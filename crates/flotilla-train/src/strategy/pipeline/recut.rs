@@ -8,8 +8,11 @@
 //! cut again — the same bits, re-keyed; under ZeRO among the new stage's replicas, a
 //! replica's shard alone is cut out of the old stages' state files, reading only what meets
 //! it ([`Recut::stage_shard`], [`flotilla_engine::Remap`]). No rank reads more than the old
-//! stages its new one overlaps, nor builds more than one stage at a time (for its layout and
-//! names). A
+//! stages its new one overlaps. The stages are built for their layouts and names only,
+//! released (their values drawn one layer at a time and let go): a new stage's weights file
+//! is written into a scratch directory under the job's output directory, tensor by tensor
+//! from the merged file at the places its plan gives ([`flotilla_engine::WeightsPlan`]), so a
+//! ZeRO-3 replica reads its pieces there and no rank holds a stage's values whole. A
 //! program's stage modules cannot be re-cut (their tensors are the program's, per module):
 //! resume them with the same cut.
 
@@ -19,10 +22,12 @@ use std::path::{Path, PathBuf};
 
 use flotilla_engine::{
     FlatOptimizerState, ModelSpec, ModelState, OptimizerSpec, ParamLayout, Remap, ShardRecut,
-    Stage, StageCut, StageEngine,
+    ShardSink, Stage, StageCut,
 };
+use tempfile::TempDir;
 
 use crate::checkpoint::{self, CheckpointState};
+use crate::checkpoint_offer::scratch_dir;
 use crate::error::{Result, TrainError};
 use crate::strategy::pipeline::merged;
 
@@ -46,13 +51,21 @@ pub(super) struct Recut {
     old: Vec<ParamLayout>,
     /// Where each new stage's tensors start in the model's order, and the end.
     starts: Vec<usize>,
+    /// Where the new stages' weights files are written (removed with it).
+    scratch: TempDir,
 }
 
 impl Recut {
     /// Checkpoint `dir` (whose `state.json` says `state`, with its cut) for a pipeline of
     /// stages `new` (layer ranges of the same model): the old and new stages' layouts,
-    /// built one stage at a time, checked to hold the same tensors.
-    pub(super) fn open(dir: &Path, state: &CheckpointState, new: &[Range<usize>]) -> Result<Self> {
+    /// built one stage at a time, checked to hold the same tensors. The new stages' weights
+    /// files go to a scratch directory under `output`.
+    pub(super) fn open(
+        dir: &Path,
+        state: &CheckpointState,
+        new: &[Range<usize>],
+        output: &Path,
+    ) -> Result<Self> {
         let spec = spec_of(dir, &read_header(&dir.join("model.safetensors"))?)?;
         let (old_cut, new_cut) = (
             recorded_cut(&spec, state)?,
@@ -79,6 +92,7 @@ impl Recut {
             new_cut,
             old,
             starts,
+            scratch: scratch_dir(output, ".recut-")?,
         })
     }
 
@@ -91,13 +105,14 @@ impl Recut {
 
     /// New stage `j`'s weights file, optimizer state in flat form (to load without
     /// serializing it) and layout, from the old stages it overlaps: each old stage's state
-    /// read and cut to the new stage's tensors before the next is read, the new stage built
-    /// only for its layout and weights file and let go before.
+    /// read and cut to the new stage's tensors before the next is read.
     pub(super) fn stage_flat(
         &self,
         j: usize,
     ) -> Result<(Vec<u8>, FlatOptimizerState, ParamLayout)> {
-        let (layout, weights) = self.new_stage(j)?;
+        let (layout, path) = self.new_stage(j)?;
+        let weights = std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?;
+        std::fs::remove_file(&path).map_err(|e| TrainError::io(&path, e))?;
         let mut parts = Vec::new();
         for (k, mine, _) in self.overlapping(j) {
             let flat = checkpoint::read_stage_flat_state(&self.dir, &self.state, k, &self.old[k])?;
@@ -112,11 +127,15 @@ impl Recut {
         Ok((weights, FlatOptimizerState::concat(parts), layout))
     }
 
-    /// New stage `j`'s weights file and a replica's shard of its optimizer state (`recut`,
-    /// over its pieces of the stage), cut out of the state files of the old stages it
-    /// overlaps, reading only what meets the shard: no replica holds its new stage's whole
-    /// state.
-    pub(super) fn stage_shard(&self, j: usize, mut recut: ShardRecut) -> Result<[Vec<u8>; 2]> {
+    /// The path of new stage `j`'s weights file (in the scratch directory, as long as this
+    /// lives) and a replica's shard of its optimizer state (`recut`, over its pieces of the
+    /// stage), cut out of the state files of the old stages it overlaps, reading only what
+    /// meets the shard: no replica holds its new stage's whole state.
+    pub(super) fn stage_shard(
+        &self,
+        j: usize,
+        mut recut: ShardRecut,
+    ) -> Result<(PathBuf, Vec<u8>)> {
         let (_, weights) = self.new_stage(j)?;
         for (k, _, shift) in self.overlapping(j) {
             let remap = Remap {
@@ -127,15 +146,18 @@ impl Recut {
                 recut.read_file_of(Some(&remap), ranges.as_deref(), &path)?;
             }
         }
-        Ok([weights, recut.finish()?])
+        Ok((weights, recut.finish()?))
     }
 
-    /// New stage `j`'s layout and weights file (the stage built for them and let go), checked
-    /// to hold the old stages' tensors in order.
-    fn new_stage(&self, j: usize) -> Result<(ParamLayout, Vec<u8>)> {
-        let (layout, weights) = {
+    /// New stage `j`'s layout and the path of its weights file, written into the scratch
+    /// directory (the stage built released for them and let go), checked to hold the old
+    /// stages' tensors in order.
+    fn new_stage(&self, j: usize) -> Result<(ParamLayout, PathBuf)> {
+        let path = self.scratch.path().join(format!("stage-{j}.safetensors"));
+        let layout = {
             let stage = build(&self.spec, &self.new_cut, j)?;
-            (stage.layout().clone(), stage_weights(&self.dir, &*stage)?)
+            write_stage_weights(&self.dir, &stage, &path)?;
+            stage.layout().clone()
         };
         let names = (self.overlapping(j))
             .flat_map(|(k, mine, _)| self.old[k].params[mine].iter().map(|p| &p.name));
@@ -145,7 +167,7 @@ impl Recut {
                 format!("stage {j} of the new cut does not hold the old stages' tensors in order"),
             ));
         }
-        Ok((layout, weights))
+        Ok((layout, path))
     }
 
     /// The old stages new stage `j` overlaps: each one's index, the range of its tensors the
@@ -230,40 +252,60 @@ fn spec_of(dir: &Path, header: &[u8]) -> Result<ModelSpec> {
     Ok(ModelSpec::from_yaml(yaml, "the checkpoint's model")?)
 }
 
-/// Stage `k` of `cut`, built on the CPU for its layout and tensor names.
-fn build(spec: &ModelSpec, cut: &StageCut, k: usize) -> Result<Box<dyn StageEngine>> {
-    Ok(Box::new(Stage::new(
+/// Stage `k` of `cut`, built on the CPU for its layout, tensor names and weights file's
+/// plan, released: each layer's values drawn in turn and let go ([`Discard`]).
+fn build(spec: &ModelSpec, cut: &StageCut, k: usize) -> Result<Stage> {
+    let optimizer = OptimizerSpec::default();
+    Ok(Stage::new_released(
         spec,
-        cut,
-        k,
-        &OptimizerSpec::default(),
-        "flex",
+        (cut, k),
+        &optimizer,
+        ("flex", 0),
         0,
-    )?))
+        &mut Discard,
+    )?)
 }
 
-/// The weights file of `stage` (its own tensors' names, shapes and metadata) with each
-/// tensor's bytes read from its place in the checkpoint `dir`'s merged `model.safetensors`.
-fn stage_weights(dir: &Path, stage: &dyn ModelState) -> Result<Vec<u8>> {
-    let path = dir.join("model.safetensors");
-    let header = read_header(&path)?;
-    let theirs = merged::tensor_places(&header, &path)?;
-    let mut own = stage.weights_bytes()?;
-    let data = merged::header_of(&own, &path)?.len();
-    let mine = merged::tensor_places(&own[..data], &path)?;
-    let file = std::fs::File::open(&path).map_err(|e| TrainError::io(&path, e))?;
-    for (name, (s, e)) in mine {
-        let place = theirs.get(&name).filter(|(a, b)| b - a == e - s);
-        let (&(a, _), Some(to)) = (
-            place.ok_or_else(|| {
-                error(dir, format!("model.safetensors has no {name} of its size"))
-            })?,
-            own.get_mut(data + s as usize..data + e as usize),
-        ) else {
-            return Err(error(dir, format!("the stage's {name} is past its file")));
-        };
-        file.read_exact_at(to, header.len() as u64 + a)
-            .map_err(|e| TrainError::io(&path, e))?;
+/// A [`ShardSink`] that keeps nothing: a stage built for its layout alone.
+struct Discard;
+
+impl ShardSink for Discard {
+    fn plan(&mut self, _: &ParamLayout, _: &[Range<usize>]) -> flotilla_engine::Result<()> {
+        Ok(())
     }
-    Ok(own)
+
+    fn values(&mut self, _: usize, _: &[f32]) -> flotilla_engine::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes the weights file of `stage` (its own tensors' names, shapes and metadata) at
+/// `path`, each tensor's bytes copied from its place in the checkpoint `dir`'s merged
+/// `model.safetensors` to its place in the file, one tensor at a time.
+fn write_stage_weights(dir: &Path, stage: &Stage, path: &Path) -> Result<()> {
+    let merged = dir.join("model.safetensors");
+    let header = read_header(&merged)?;
+    let theirs = merged::tensor_places(&header, &merged)?;
+    let plan = stage.weights_plan()?;
+    let from = std::fs::File::open(&merged).map_err(|e| TrainError::io(&merged, e))?;
+    let to = plan.create(path)?;
+    let mut bytes = Vec::new();
+    for (i, t) in plan.tensors().iter().enumerate() {
+        let place = plan.place(i).unwrap_or_default();
+        let len = place.end - place.start;
+        let &(a, _) = (theirs.get(&t.name))
+            .filter(|(a, b)| b - a == len)
+            .ok_or_else(|| {
+                error(
+                    dir,
+                    format!("model.safetensors has no {} of its size", t.name),
+                )
+            })?;
+        bytes.resize(len as usize, 0);
+        from.read_exact_at(&mut bytes, header.len() as u64 + a)
+            .map_err(|e| TrainError::io(&merged, e))?;
+        to.write_all_at(&bytes, place.start)
+            .map_err(|e| TrainError::io(path, e))?;
+    }
+    Ok(())
 }

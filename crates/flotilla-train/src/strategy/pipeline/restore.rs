@@ -65,7 +65,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>, output: &Path) -> Result
                 detail: format!("a malformed checkpoint state: {e}"),
             })?;
         if state.stages.as_ref() != Some(&recorded_ranges(pipe)) {
-            return recut_or_receive(pipe, &state);
+            return recut_or_receive(pipe, &state, output);
         }
         return read_or_receive(pipe, &state, output);
     }
@@ -85,7 +85,7 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>, output: &Path) -> Result
     }
     // Written at another cut: each rank re-cuts its own stage where it sees the checkpoint,
     // rank 0 the others' one at a time.
-    let recut = Recut::open(dir, &state, &pipe.cut().ranges)?;
+    let recut = Recut::open(dir, &state, &pipe.cut().ranges, output)?;
     let offer = offer_of(dir)?;
     for r in 1..world.size() {
         world.send(r, tag(OFFER), &offer)?;
@@ -98,38 +98,47 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>, output: &Path) -> Result
         }
     }
     let (weights, optimizer) = recut_stage(pipe, &recut, 0)?;
-    pipe.load_stage(&weights, optimizer)
+    load_weights(pipe, weights, optimizer)
 }
 
 /// New stage `k` of `recut` for `pipe`'s stage: its weights file and its optimizer state,
-/// under ZeRO among its replicas this replica's shard alone.
+/// under ZeRO among its replicas this replica's shard alone, and under ZeRO-3 the weights
+/// file in `recut`'s scratch directory, read a piece at a time.
 fn recut_stage(
     pipe: &Pipeline,
     recut: &Recut,
     k: usize,
-) -> Result<(Vec<u8>, StageOptimizer<'static>)> {
+) -> Result<(WeightsFrom, StageOptimizer<'static>)> {
     if let Some(shard) = pipe.shard_recut()? {
-        let [weights, state] = recut.stage_shard(k, shard)?;
+        let (path, state) = recut.stage_shard(k, shard)?;
+        let weights = match pipe.shards_params() {
+            true => WeightsFrom::File(path),
+            false => {
+                WeightsFrom::Bytes(std::fs::read(&path).map_err(|e| TrainError::io(&path, e))?)
+            }
+        };
         return Ok((weights, StageOptimizer::Own(state)));
     }
     let (weights, flat, _) = recut.stage_flat(k)?;
-    Ok((weights, StageOptimizer::Flat(flat)))
+    Ok((WeightsFrom::Bytes(weights), StageOptimizer::Flat(flat)))
 }
 
 /// A rank's side (not rank 0's) of a checkpoint written at another cut: re-cuts its own
 /// stage where it sees rank 0's checkpoint, else receives it from rank 0.
-fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState) -> Result<()> {
+fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState, output: &Path) -> Result<()> {
     let world = pipe.world().clone();
     let offer = world.recv(0, tag(OFFER), Instant::now() + world.timeout())?;
     let k = pipe.stage_index();
-    // What fails here is rank 0's to meet again, and report, when it re-cuts the stage.
+    // What fails here is rank 0's to meet again, and report, when it re-cuts the stage. The
+    // re-cut lives until the stage is loaded: its scratch directory holds the weights file.
     let own = offered_dir(&offer).and_then(|(dir, _)| {
-        let recut = Recut::open(&dir, state, &pipe.cut().ranges).ok()?;
-        recut_stage(pipe, &recut, k).ok()
+        let recut = Recut::open(&dir, state, &pipe.cut().ranges, output).ok()?;
+        let parts = recut_stage(pipe, &recut, k).ok()?;
+        Some((recut, parts))
     });
     world.send(0, tag(READ), &[u8::from(own.is_some())])?;
     match own {
-        Some((weights, optimizer)) => pipe.load_stage(&weights, optimizer),
+        Some((_recut, (weights, optimizer))) => load_weights(pipe, weights, optimizer),
         None => pipe.load_stage_state(&receive_parts(&*world, 0)?),
     }
 }

@@ -27,9 +27,11 @@
 //! each replica keeping its shard as the stage draws its initial values one layer at a time
 //! ([`ReplicaParams::take_drawn`]); a resumed replica reads its pieces of the stage's
 //! weights file one tensor at a time ([`ReplicaParams::load_values`]), from the checkpoint
-//! where it sees it, else from a scratch copy spooled as rank 0 sends it (`restore.rs`); a
-//! program's stage module, built by the program, and a stage re-cut from a checkpoint of
-//! another cut start whole and keep their shard ([`ReplicaParams::take_shard`]).
+//! where it sees it, else from a scratch copy spooled as rank 0 sends it (`restore.rs`), and
+//! at another cut from the new stage's file it writes into a scratch directory (`recut.rs`);
+//! a program's stage module, built by the program, and a stage re-cut by rank 0 for a replica
+//! that does not see the checkpoint start whole and keep their shard
+//! ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;
 use std::sync::Arc;

@@ -193,6 +193,11 @@ fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwi
         let (resumed, _) = run((1, 9), saved.clone(), 10..20, (None, blind));
         let what = format!("zero 3 at cut 5, then zero 1 at cut 9, blind {blind:?}");
         assert_same_params(&resumed, &plain_9, &what);
+        // ZeRO-3 again: a replica that sees the checkpoint reads its pieces of its new
+        // stage's weights file, written into its scratch directory.
+        let (resumed, _) = run((3, 9), saved.clone(), 10..20, (None, blind));
+        let what = format!("zero 3 at cut 5, then zero 3 at cut 9, blind {blind:?}");
+        assert_same_params(&resumed, &plain_9, &what);
     }
     // A checkpoint from before checksums: nothing offered, every part over the wire.
     let saved = saved.expect("saved");
