@@ -136,7 +136,7 @@ impl Recut {
         j: usize,
         mut recut: ShardRecut,
     ) -> Result<(PathBuf, Vec<u8>)> {
-        let (_, weights) = self.new_stage(j)?;
+        let (_, weights_file) = self.new_stage(j)?;
         for (k, _, shift) in self.overlapping(j) {
             let remap = Remap {
                 layout: &self.old[k],
@@ -146,7 +146,7 @@ impl Recut {
                 recut.read_file_of(Some(&remap), ranges.as_deref(), &path)?;
             }
         }
-        Ok((weights, recut.finish()?))
+        Ok((weights_file, recut.finish()?))
     }
 
     /// New stage `j`'s layout and the path of its weights file, written into the scratch
