@@ -10,7 +10,7 @@
 
 use std::f32::consts::{FRAC_1_SQRT_2, PI};
 
-use burn::backend::ops::ActivationOps;
+use burn::backend::ops::{ActivationOps, FloatTensorOps};
 use burn::backend::tensor::FloatTensor;
 use burn::backend::{Backend, Dispatch, Flex, TensorMetadata};
 use burn::prelude::*;
@@ -34,10 +34,17 @@ engine_extension! {
             Self::gelu(x)
         }
 
-        /// `grad · d gelu(x)/dx`, element-wise (burn's `gelu_backward` unless a backend has a
-        /// faster one).
-        fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-            Self::gelu_backward(x, grad)
+        /// `x·Φ(x)` of every element, and what its backward keeps
+        /// ([`GeluOps::gelu_erf_backward`]): `x` itself unless a backend keeps something
+        /// cheaper to use.
+        fn gelu_erf_kept(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+            (Self::gelu(x.clone()), x)
+        }
+
+        /// `grad · d gelu(x)/dx`, element-wise, from what [`GeluOps::gelu_erf_kept`] kept
+        /// (burn's `gelu_backward` at `x` unless a backend has a faster one).
+        fn gelu_erf_backward(kept: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+            Self::gelu_backward(kept, grad)
         }
     }
 }
@@ -48,11 +55,15 @@ fn gelu_f32(x: f32) -> f32 {
     0.5 * x * (1.0 + erf(x * FRAC_1_SQRT_2))
 }
 
-/// The derivative of GELU at `x`: `Φ(x) + x·φ(x)`.
+/// GELU at `x` and its derivative there, `Φ(x) + x·φ(x)`, sharing one `erf`.
 #[inline(always)]
-fn gelu_slope_f32(x: f32) -> f32 {
+fn gelu_and_slope_f32(x: f32) -> (f32, f32) {
     let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
-    0.5 * (1.0 + erf(x * FRAC_1_SQRT_2)) + x * inv_sqrt_2pi * exp_neg(-0.5 * x * x)
+    let phi2 = 1.0 + erf(x * FRAC_1_SQRT_2);
+    (
+        0.5 * x * phi2,
+        0.5 * phi2 + x * inv_sqrt_2pi * exp_neg(-0.5 * x * x),
+    )
 }
 
 /// GELU of every value (compiled for AVX2 + FMA too, picked at run time; the same values).
@@ -69,13 +80,35 @@ fn gelu_values(x: &[f32]) -> Vec<f32> {
     out
 }
 
-/// `g · gelu'(x)` of every pair (compiled as [`gelu_values`]).
+/// GELU of every value and its slope there, `gelu'(x)`, in one pass (compiled as
+/// [`gelu_values`]; its values are [`gelu_f32`]'s bit for bit): the slope is what the
+/// backward keeps, so that it multiplies the gradient by it instead of evaluating `erf` and
+/// `exp` again.
 #[multiversion(targets("x86_64+avx2+fma"))]
-fn gelu_backward_values(x: &[f32], g: &[f32]) -> Vec<f32> {
-    let len = x.len().min(g.len());
+fn gelu_values_and_slopes(x: &[f32]) -> (Vec<f32>, Vec<f32>) {
+    let mut out = Vec::with_capacity(x.len());
+    let mut slopes = Vec::with_capacity(x.len());
+    let outs = out.spare_capacity_mut().iter_mut();
+    for ((o, s), &v) in outs.zip(slopes.spare_capacity_mut()).zip(x) {
+        let (value, slope) = gelu_and_slope_f32(v);
+        o.write(value);
+        s.write(slope);
+    }
+    // SAFETY: the loop wrote each of the `x.len()` values both capacities hold.
+    unsafe {
+        out.set_len(x.len());
+        slopes.set_len(x.len());
+    }
+    (out, slopes)
+}
+
+/// `g · s` of every pair (compiled as [`gelu_values`]).
+#[multiversion(targets("x86_64+avx2+fma"))]
+fn products(s: &[f32], g: &[f32]) -> Vec<f32> {
+    let len = s.len().min(g.len());
     let mut out = Vec::with_capacity(len);
-    for ((o, &v), &g) in out.spare_capacity_mut().iter_mut().zip(x).zip(g) {
-        o.write(g * gelu_slope_f32(v));
+    for ((o, &s), &g) in out.spare_capacity_mut().iter_mut().zip(s).zip(g) {
+        o.write(g * s);
     }
     // SAFETY: the loop wrote each of the `len` values (the shorter input's length).
     unsafe { out.set_len(len) };
@@ -90,28 +123,40 @@ impl GeluOps for Flex {
         tensor(gelu_values(slice(&x)), x.shape())
     }
 
-    fn gelu_erf_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        let Some([x, grad]) = contiguous_f32_all([&x, &grad]) else {
-            return Self::gelu_backward(x, grad);
+    /// Keeps the slope `gelu'(x)` (computed with the output, sharing its `erf`), not `x`.
+    fn gelu_erf_kept(x: FloatTensor<Self>) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        let Some(x) = contiguous_f32(&x) else {
+            let ones = Self::float_ones(x.shape(), &x.device(), x.dtype().into());
+            return (Self::gelu(x.clone()), Self::gelu_backward(x, ones));
         };
-        tensor(gelu_backward_values(slice(&x), slice(&grad)), x.shape())
+        let (out, slopes) = gelu_values_and_slopes(slice(&x));
+        (tensor(out, x.shape()), tensor(slopes, x.shape()))
+    }
+
+    fn gelu_erf_backward(slope: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
+        let Some([slope, grad]) = contiguous_f32_all([&slope, &grad]) else {
+            return Self::float_mul(grad, slope);
+        };
+        tensor(products(slice(&slope), slice(&grad)), slope.shape())
     }
 }
 
 // NdArray, LibTorch and wgpu's `Cube`: burn's `gelu` and `gelu_backward`.
 impl_on_burn_backends!(GeluOps);
 
-/// GELU's backward: the backend's fused backward at the kept input.
+/// GELU's backward: the backend's fused backward from what its forward kept (on Flex the
+/// slope, else the input).
 #[derive(Debug)]
 struct GeluBackward;
 
 impl<B: Backend + GeluOps> Backward<B, 1> for GeluBackward {
+    /// What [`GeluOps::gelu_erf_kept`] kept.
     type State = FloatTensor<B>;
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
-        let x = ops.state;
+        let kept = ops.state;
         unary::<B, _>(ops.parents, ops.node, grads, |grad| {
-            B::gelu_erf_backward(x, grad)
+            B::gelu_erf_backward(kept, grad)
         });
     }
 }
@@ -122,7 +167,7 @@ impl<B: Backend + GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
         record(
             GeluBackward.prepare::<C>([node]),
             x,
-            |x| (B::gelu_erf(x.clone()), x),
+            B::gelu_erf_kept,
             B::gelu_erf,
         )
     }

@@ -77,6 +77,29 @@ fn gelu_matches_burns_gelu_and_its_gradient() {
 }
 
 #[test]
+fn gelu_and_its_gradient_are_the_exact_formulas_bit_for_bit() {
+    // The forward keeps the slope for the backward: the gradient must still be `w · (Φ(x) +
+    // x·φ(x))` evaluated as the scalar formula does, to the last bit, on both tails too.
+    use super::math::{erf, exp_neg};
+    use std::f32::consts::{FRAC_1_SQRT_2, PI};
+    let x = tensor([64, 257], 1, 12.0);
+    let w = tensor([64, 257], 2, 1.0);
+    let (ours, our_grad) = output_and_grad(&x, &w, gelu);
+    let inv_sqrt_2pi = 1.0 / (2.0 * PI).sqrt();
+    let (xs, ws) = (flat(x), flat(w));
+    for (i, (&v, &g)) in xs.iter().zip(&ws).enumerate() {
+        let value = 0.5 * v * (1.0 + erf(v * FRAC_1_SQRT_2));
+        let slope = 0.5 * (1.0 + erf(v * FRAC_1_SQRT_2)) + v * inv_sqrt_2pi * exp_neg(-0.5 * v * v);
+        assert_eq!(ours[i].to_bits(), value.to_bits(), "gelu({v})");
+        assert_eq!(
+            our_grad[i].to_bits(),
+            (g * slope).to_bits(),
+            "gradient at {v}"
+        );
+    }
+}
+
+#[test]
 fn gelu_of_a_strided_tensor_is_gelu_of_its_values() {
     let x = tensor([48, 32], 3, 4.0);
     let ours = flat(gelu(x.clone().swap_dims(0, 1)));
