@@ -128,15 +128,17 @@ impl Recut {
     }
 
     /// The path of new stage `j`'s weights file (in the scratch directory, as long as this
-    /// lives) and a replica's shard of its optimizer state (`recut`, over its pieces of the
-    /// stage), cut out of the state files of the old stages it overlaps, reading only what
-    /// meets the shard: no replica holds its new stage's whole state.
+    /// lives) and a replica's shard of its optimizer state (over its flat ranges `owned` of
+    /// the stage), cut out of the state files of the old stages it overlaps, reading only
+    /// what meets the shard: no replica (nor rank 0 for one) holds its new stage's whole
+    /// state.
     pub(super) fn stage_shard(
         &self,
         j: usize,
-        mut recut: ShardRecut,
+        owned: &[Range<usize>],
     ) -> Result<(PathBuf, Vec<u8>)> {
-        let (_, weights_file) = self.new_stage(j)?;
+        let (layout, weights_file) = self.new_stage(j)?;
+        let mut recut = ShardRecut::new(&layout, owned)?;
         for (k, _, shift) in self.overlapping(j) {
             let remap = Remap {
                 layout: &self.old[k],

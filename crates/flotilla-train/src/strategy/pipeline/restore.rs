@@ -17,8 +17,11 @@
 //! never the whole file: in the checkpoint where it sees it (rank 0 too), else in a scratch
 //! copy it spools as the file arrives. A checkpoint written at another cut is re-cut stage by
 //! stage (`recut.rs`): by each rank for its own where it sees it, by rank 0 for the others, one
-//! at a time.
+//! at a time; for a replica under ZeRO, which names its shard in its answer, rank 0 cuts that
+//! shard of the optimizer state alone and sends it after the new stage's weights file (spooled
+//! under ZeRO-3), so that neither holds the replica's whole stage state.
 
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
@@ -93,12 +96,69 @@ pub fn restore(pipe: &mut Pipeline, dir: Option<&Path>, output: &Path) -> Result
     let stages = pipe.cut().stages();
     for r in 1..world.size() {
         let read = world.recv(r, tag(READ), Instant::now() + world.timeout())?;
-        if read != [1] {
-            send_parts(&*world, r, &recut.stage(r % stages)?)?;
+        match read.split_first() {
+            Some((1, [])) => {}
+            Some((0, [])) => send_parts(&*world, r, &recut.stage(r % stages)?)?,
+            Some((2, owned)) => {
+                let owned = decode_owned(r, owned)?;
+                send_recut_shard(&*world, r, (&recut, r % stages), &owned)?;
+            }
+            _ => {
+                let detail = "a malformed answer to the checkpoint's offer".to_string();
+                return Err(CommError::Protocol { peer: r, detail }.into());
+            }
         }
     }
     let (weights, optimizer) = recut_stage(pipe, &recut, 0)?;
     load_weights(pipe, weights, optimizer)
+}
+
+/// Rank 0's re-cut of world rank `r`'s new stage for a replica under ZeRO that does not see
+/// the checkpoint: the stage's weights file, sent piece by piece from the scratch directory,
+/// then that replica's shard of the optimizer state alone, cut for its flat ranges `owned`.
+fn send_recut_shard(
+    world: &dyn ProcessGroup,
+    r: usize,
+    (recut, k): (&Recut, usize),
+    owned: &[Range<usize>],
+) -> Result<()> {
+    let (path, shard) = recut.stage_shard(k, owned)?;
+    send_file(world, (r, tag(FILE)), &path)?;
+    world.send_large(r, tag(FILE), &shard)?;
+    std::fs::remove_file(&path).map_err(|e| TrainError::io(&path, e))
+}
+
+/// A blind replica's answer under ZeRO: 2, then its shard's flat ranges of its new stage,
+/// each end a little-endian `u64` (1: it re-cut its stage itself; 0: it takes the whole).
+fn encode_owned(owned: &[Range<usize>]) -> Vec<u8> {
+    let mut answer = vec![2];
+    let ends = owned.iter().flat_map(|r| [r.start, r.end]);
+    ends.for_each(|v| answer.extend_from_slice(&(v as u64).to_le_bytes()));
+    answer
+}
+
+/// What [`encode_owned`] wrote, from rank `r` (whose ranges the re-cut checks against its
+/// stage: `ShardRecut::new`).
+fn decode_owned(r: usize, bytes: &[u8]) -> Result<Vec<Range<usize>>> {
+    let malformed = || CommError::Protocol {
+        peer: r,
+        detail: "a malformed shard in its answer to the checkpoint's offer".into(),
+    };
+    if !bytes.len().is_multiple_of(16) {
+        return Err(malformed().into());
+    }
+    let values = (bytes.chunks_exact(8))
+        .map(|b| usize::try_from(u64::from_le_bytes(b.try_into().unwrap_or_default())))
+        .collect::<std::result::Result<Vec<usize>, _>>()
+        .map_err(|_| malformed())?;
+    let owned = values
+        .chunks_exact(2)
+        .map(|e| e[0]..e[1])
+        .collect::<Vec<_>>();
+    if owned.iter().any(|r| r.start > r.end) {
+        return Err(malformed().into());
+    }
+    Ok(owned)
 }
 
 /// New stage `k` of `recut` for `pipe`'s stage: its weights file and its optimizer state,
@@ -109,8 +169,8 @@ fn recut_stage(
     recut: &Recut,
     k: usize,
 ) -> Result<(WeightsFrom, StageOptimizer<'static>)> {
-    if let Some(shard) = pipe.shard_recut()? {
-        let (path, state) = recut.stage_shard(k, shard)?;
+    if let Some(owned) = pipe.zero_owned() {
+        let (path, state) = recut.stage_shard(k, owned)?;
         let weights = match pipe.shards_params() {
             true => WeightsFrom::File(path),
             false => {
@@ -136,9 +196,21 @@ fn recut_or_receive(pipe: &mut Pipeline, state: &CheckpointState, output: &Path)
         let parts = recut_stage(pipe, &recut, k).ok()?;
         Some((recut, parts))
     });
-    world.send(0, tag(READ), &[u8::from(own.is_some())])?;
+    let answer = match (&own, pipe.zero_owned()) {
+        (Some(_), _) => vec![1],
+        (None, None) => vec![0],
+        (None, Some(owned)) => encode_owned(owned),
+    };
+    world.send(0, tag(READ), &answer)?;
     match own {
         Some((_recut, (weights, optimizer))) => load_weights(pipe, weights, optimizer),
+        None if pipe.zero_owned().is_some() => {
+            // Its new stage's weights file (spooled under ZeRO-3), then its shard alone.
+            let (weights, _scratch) = receive_weights(pipe, output)?;
+            let deadline = Instant::now() + world.timeout();
+            let shard = world.recv_large(0, tag(FILE), deadline)?;
+            load_weights(pipe, weights, StageOptimizer::Own(shard))
+        }
         None => pipe.load_stage_state(&receive_parts(&*world, 0)?),
     }
 }
@@ -379,4 +451,31 @@ fn answer(world: &dyn ProcessGroup, r: usize) -> Result<Vec<String>> {
 /// The tag of a restore's message `part`.
 fn tag(part: usize) -> flotilla_tcp::Tag {
     wire::tag(Direction::State, part, 0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replicas_shard_in_its_answer_decodes_as_it_was_encoded_and_garbage_is_refused() {
+        let owned = vec![0..3, 10..10, 12..40];
+        let answer = encode_owned(&owned);
+        assert_eq!(answer[0], 2);
+        assert_eq!(decode_owned(1, &answer[1..]).expect("decode"), owned);
+        assert_eq!(
+            decode_owned(1, &[]).expect("none"),
+            Vec::<Range<usize>>::new()
+        );
+        let short = &answer[1..answer.len() - 1];
+        let backwards = encode_owned(&[5..9])
+            .into_iter()
+            .skip(1)
+            .rev()
+            .collect::<Vec<_>>();
+        for bad in [short, &answer[1..9], &backwards] {
+            let err = decode_owned(3, bad).expect_err("garbage");
+            assert!(err.to_string().contains("malformed shard"), "{err}");
+        }
+    }
 }

@@ -179,6 +179,11 @@ impl ReplicaShard {
         Ok(Some(flat.whole(layout)?))
     }
 
+    /// This replica's shard of the stage's flat parameters ([`owned`]).
+    pub(super) fn owned_ranges(&self) -> &[Range<usize>] {
+        &self.owned
+    }
+
     /// This replica's shard of `stage`'s optimizer state, to cut out of the state files of a
     /// checkpoint sharded otherwise, reading only what meets it.
     pub(super) fn recut(&self, stage: &dyn StageEngine) -> Result<ShardRecut> {

@@ -28,9 +28,9 @@
 //! ([`ReplicaParams::take_drawn`]); a resumed replica reads its pieces of the stage's
 //! weights file one tensor at a time ([`ReplicaParams::load_values`]), from the checkpoint
 //! where it sees it, else from a scratch copy spooled as rank 0 sends it (`restore.rs`), and
-//! at another cut from the new stage's file it writes into a scratch directory (`recut.rs`);
-//! a program's stage module, built by the program, and a stage re-cut by rank 0 for a replica
-//! that does not see the checkpoint start whole and keep their shard
+//! at another cut from the new stage's file it writes into a scratch directory (`recut.rs`),
+//! or, where it does not see the checkpoint, that file as rank 0 re-cuts and sends it,
+//! spooled; a program's stage module, built by the program, starts whole and keeps its shard
 //! ([`ReplicaParams::take_shard`]).
 
 use std::ops::Range;

@@ -34,10 +34,13 @@ fn opts(zero: u8) -> PipelineOptions {
 /// gathered one group at a time) and parameters by name, and its stage's whole optimizer
 /// state (on replica 0).
 struct Ended {
+    rank: usize,
     at: (usize, usize),
     hash: u64,
     params: Vec<(String, Vec<f32>)>,
     whole: Option<Vec<u8>>,
+    /// Bytes it received while it restored.
+    restore_bytes: u64,
 }
 
 /// Batches `batches` on 2 stages (cut at `point`) × 2 replicas at `zero`, after restoring
@@ -65,10 +68,12 @@ fn run(
                 }
                 let spec = super::tests::spec();
                 let mut pipe = Pipeline::new(&spec, cut, opts(zero), group).expect("pipeline");
+                let before = pipe.world().stats().bytes_received;
                 if let Some(dir) = &from {
                     let mine = (pipe.world().rank() == 0).then_some(dir.as_path());
                     restore::restore(&mut pipe, mine, &spool).expect("restore");
                 }
+                let restore_bytes = pipe.world().stats().bytes_received - before;
                 batches.for_each(|b| {
                     train_batch(&mut pipe, b);
                 });
@@ -82,10 +87,12 @@ fn run(
                 params.sort_by(|a, b| a.0.cmp(&b.0));
                 let whole = pipe.stage_state().expect("stage state").map(|[_, o]| o);
                 let ended = Ended {
+                    rank: pipe.world().rank(),
                     at: (pipe.stage_index(), pipe.replica()),
                     hash,
                     params,
                     whole,
+                    restore_bytes,
                 };
                 (ended, saved)
             })
@@ -105,6 +112,31 @@ fn run(
     assert_eq!(left, 0, "{left} spooled files left");
     ended.sort_by_key(|e| e.at);
     (ended, dir)
+}
+
+/// Each rank in `blind` of a resume under ZeRO received its stage's weights and its shard of
+/// the optimizer state, not the stage's whole state: fewer bytes than the weights and 3/4 of
+/// the whole state (a shard is half of it on 2 replicas; the checkpoint's `state.json` and
+/// the framing are the rest). Checked where the stage's state is at least 4 KiB, so that
+/// they do not drown it; the number of ranks checked.
+fn assert_received_shards(ended: &[Ended], blind: &[usize], what: &str) -> usize {
+    let mut checked = 0;
+    for e in ended.iter().filter(|e| blind.contains(&e.rank)) {
+        let replica_0 = ended.iter().find(|o| o.at == (e.at.0, 0));
+        let whole = replica_0.and_then(|o| o.whole.as_ref()).map_or(0, Vec::len);
+        if whole < 4096 {
+            continue;
+        }
+        let weights: usize = e.params.iter().map(|(_, v)| 4 * v.len()).sum();
+        assert!(
+            e.restore_bytes > 0 && (e.restore_bytes as usize) < weights + whole * 3 / 4,
+            "{what}: rank {} received {} bytes, weights {weights}, whole state {whole}",
+            e.rank,
+            e.restore_bytes
+        );
+        checked += 1;
+    }
+    checked
 }
 
 fn assert_same_params(got: &[Ended], want: &[Ended], what: &str) {
@@ -193,11 +225,21 @@ fn every_replica_writes_its_own_shard_and_any_zero_resumes_from_the_shards_bitwi
         let (resumed, _) = run((1, 9), saved.clone(), 10..20, (None, blind));
         let what = format!("zero 3 at cut 5, then zero 1 at cut 9, blind {blind:?}");
         assert_same_params(&resumed, &plain_9, &what);
+        let checked = assert_received_shards(&resumed, blind, &what);
+        assert!(
+            checked > 0 || blind != others,
+            "{what}: no blind rank checked"
+        );
         // ZeRO-3 again: a replica that sees the checkpoint reads its pieces of its new
         // stage's weights file, written into its scratch directory.
         let (resumed, _) = run((3, 9), saved.clone(), 10..20, (None, blind));
         let what = format!("zero 3 at cut 5, then zero 3 at cut 9, blind {blind:?}");
         assert_same_params(&resumed, &plain_9, &what);
+        let checked = assert_received_shards(&resumed, blind, &what);
+        assert!(
+            checked > 0 || blind != others,
+            "{what}: no blind rank checked"
+        );
     }
     // A checkpoint from before checksums: nothing offered, every part over the wire.
     let saved = saved.expect("saved");

@@ -219,6 +219,12 @@ impl Pipeline {
             .transpose()
     }
 
+    /// This replica's shard of its stage's flat parameters under ZeRO (`None` without):
+    /// what a re-cut of its optimizer state cuts for it.
+    pub(in crate::strategy::pipeline) fn zero_owned(&self) -> Option<&[Range<usize>]> {
+        self.zero.as_ref().map(|z| z.owned_ranges())
+    }
+
     /// Whether this stage's replicas shard its optimizer state (ZeRO among them): each
     /// writes its own shard into a checkpoint.
     pub(in crate::strategy::pipeline) fn shards_optimizer(&self) -> bool {
