@@ -468,7 +468,7 @@ mod tests {
             Vec::<Range<usize>>::new()
         );
         let short = &answer[1..answer.len() - 1];
-        let backwards = encode_owned(&[5..9])
+        let backwards = encode_owned(&[5..9, 10..12])
             .into_iter()
             .skip(1)
             .rev()
