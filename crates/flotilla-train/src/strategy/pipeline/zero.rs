@@ -18,15 +18,18 @@
 //! replica itself (`state.rs`: [`ReplicaShard::optimizer`]), and the replicas' ranges. A
 //! replica resumed at the same shard loads its own file ([`ReplicaShard::load_shard`]); at
 //! another number of replicas, another ZeRO stage or another cut, or from a checkpoint of a
-//! stage without ZeRO, it takes its shard of the state put together
-//! ([`ReplicaShard::load_flat`]). Tests compare them with the stage's whole state put together
-//! on replica 0 (`ReplicaShard::whole_state`, tests only).
+//! stage without ZeRO, its shard is cut out of the checkpoint's state files, reading only
+//! what meets it ([`ReplicaShard::recut`]), by itself or by rank 0 for it (`restore.rs`).
+//! Tests compare them with the stage's whole state put together on replica 0
+//! (`ReplicaShard::whole_state`, tests only).
 
 use std::ops::Range;
 #[cfg(test)]
 use std::time::Instant;
 
-use flotilla_engine::{FlatOptimizerState, OptimizerSpec, ShardOptimizer, ShardRecut, StageEngine};
+#[cfg(test)]
+use flotilla_engine::FlatOptimizerState;
+use flotilla_engine::{OptimizerSpec, ShardOptimizer, ShardRecut, StageEngine};
 use flotilla_tcp::{ProcessGroup, shard};
 
 use crate::error::Result;
@@ -188,16 +191,5 @@ impl ReplicaShard {
     /// checkpoint sharded otherwise, reading only what meets it.
     pub(super) fn recut(&self, stage: &dyn StageEngine) -> Result<ShardRecut> {
         Ok(ShardRecut::new(stage.layout(), &self.owned)?)
-    }
-
-    /// Loads this replica's shard of a stage's optimizer state in flat form (a whole state
-    /// as a stage without ZeRO writes it, or shards put together).
-    pub(super) fn load_flat(
-        &mut self,
-        stage: &dyn StageEngine,
-        flat: &FlatOptimizerState,
-    ) -> Result<()> {
-        let mine = flat.shard(stage.layout(), &self.owned)?;
-        Ok(self.optimizer.load_state(mine)?)
     }
 }

@@ -187,7 +187,7 @@ impl Pipeline {
             // Under ZeRO: this replica's shard alone, cut out of what came.
             match optimizer {
                 StageOptimizer::Own(bytes) => return zero.load_shard(bytes),
-                StageOptimizer::Flat(flat) => return zero.load_flat(&*self.stage, &flat),
+                StageOptimizer::Flat(_) => return Err(self.usage("a whole state under ZeRO")),
                 StageOptimizer::Whole(bytes) => recut.read_bytes(None, bytes.to_vec())?,
                 StageOptimizer::Shards(parts) => {
                     for (ranges, bytes) in parts {
