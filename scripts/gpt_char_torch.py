@@ -243,7 +243,8 @@ def train(rank, world, a):
     import torch.nn.functional as F
 
     select(a.model)
-    torch.set_num_threads(1)
+    if a.threads:
+        torch.set_num_threads(a.threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     (train_part, val) = splits(a.data)
     model, plain = distributed(torch, build(torch, a.seed), a)
@@ -297,6 +298,7 @@ def main():
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=16, help="windows per rank")
     p.add_argument("--world", type=int, default=2, help="ranks (without torchrun)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (0: torch's default)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--warmup", type=int, default=100)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)

@@ -2,10 +2,11 @@
 """Tokens/s of the byte-level GPT on 2 ranks: Flotilla against its PyTorch DDP twin, in one run.
 
 Usage: scripts/gpt_vs_ddp.py [--runs 3] [--steps 150] [--flotilla $CARGO_TARGET_DIR/release/flotilla]
-                             [--python PY]
+                             [--python PY] [--threads 1|N|default]
 
 Both sides train gpt-char (models/gpt-char.yaml, 867,328 parameters) on the vendored text
-(data/text/kjv.txt), 2 local ranks of 1 thread, 16 windows of 64 bytes per rank, AdamW lr 1e-3,
+(data/text/kjv.txt), 2 local ranks of 1 thread (`--threads`: N, or `default` for each side's
+own default), 16 windows of 64 bytes per rank, AdamW lr 1e-3,
 betas (0.9, 0.99), weight decay 0.1 on matrices only, 10 warm-up steps then cosine to 10 %
 (examples/gpt-char.yaml's recipe, shortened), no evaluation during the run. Flotilla is
 `flotilla launch` of that config; PyTorch is scripts/gpt_char_torch.py (the same model, data,
@@ -58,7 +59,7 @@ def tokens(steps):
 def flotilla(args, work, i):
     config = CONFIG.format(data=os.path.join(ROOT, "data/text/kjv.txt"), batch=BATCH,
                            steps=args.steps, warmup=WARMUP, world=WORLD)
-    rows, total = vs_ddp.launch_flotilla(args, work, i, config)
+    rows, total = vs_ddp.launch_flotilla(args, work, i, config, args.threads)
     loop = sum(r["epoch_s"] for r in rows)
     return tokens(args.steps) / loop, total, rows[-1]["train_loss"]
 
@@ -68,7 +69,14 @@ def ddp(args, work, i):
     script = os.path.join(ROOT, "scripts/gpt_char_torch.py")
     cmd = [args.python, script, "--steps", str(args.steps), "--batch", str(BATCH),
            "--world", str(WORLD), "--warmup", str(WARMUP), "--eval-every", "0"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ)
+    if args.threads == "default":
+        cmd += ["--threads", "0"]
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+            env.pop(name, None)
+    else:
+        cmd += ["--threads", args.threads]
+        env.update(OMP_NUM_THREADS=args.threads, MKL_NUM_THREADS=args.threads)
     started = time.perf_counter()
     out = subprocess.run(cmd, check=False, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                          text=True, env=env, cwd=ROOT, timeout=3600)
@@ -87,7 +95,12 @@ def spread(xs):
 def main():
     p = vs_ddp.parser(__doc__)
     p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--threads", default="1",
+                   help="threads per rank on both sides: a number, or `default` for each side's "
+                        "own (Flotilla's launcher: the cores over the ranks; torch: every core)")
     args = p.parse_args()
+    if args.threads != "default" and not args.threads.isdigit():
+        p.error("--threads takes a number or `default`")
     runs = vs_ddp.alternate(
         args, "gpt-vs-ddp-", (("flotilla", flotilla), ("ddp", ddp)),
         lambda i, side, r: (f"run {i + 1} {side:8} tokens/s {r[0]:8.0f}  total {r[1]:6.1f} s  "

@@ -47,16 +47,17 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch_flotilla(args, work, i, config):
-    """Runs `flotilla launch` of the YAML text `config` (1 thread per rank) into `work`'s
-    `flotilla-{i}`; returns its rows of metrics.jsonl (one per epoch) and the run's wall
-    time in seconds."""
+def launch_flotilla(args, work, i, config, threads="1"):
+    """Runs `flotilla launch` of the YAML text `config` (`threads` threads per rank, or the
+    launcher's default for `default`) into `work`'s `flotilla-{i}`; returns its rows of
+    metrics.jsonl (one per epoch) and the run's wall time in seconds."""
     cfg = os.path.join(work, "flotilla.yaml")
     with open(cfg, "w") as f:
         f.write(config)
     out = os.path.join(work, f"flotilla-{i}")
-    cmd = [args.flotilla, "launch", cfg, "--threads", "1", "--output", out,
-           "--master-port", str(free_port())]
+    cmd = [args.flotilla, "launch", cfg, "--output", out, "--master-port", str(free_port())]
+    if threads != "default":
+        cmd += ["--threads", str(threads)]
     started = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                    cwd=ROOT, timeout=3600)
