@@ -3,7 +3,9 @@
 //! libm's scalar `erff` and `expf`, which were 10 % of the byte-level GPT's step; AVX2 + FMA
 //! where the CPU has them, which took them from 10.6 % of its step to 5.4 %), burn's own
 //! `gelu` / `gelu_backward` on the other backends, and on `Autodiff` a backward that keeps
-//! the input (as burn's does) and calls the backend's fused backward.
+//! what the backend's forward kept (on Flex the slope, computed in the forward's pass, so the
+//! backward is one product: 5.4 % to 3.6 %; elsewhere the input, as burn's does) and calls
+//! the backend's fused backward.
 
 // burn 0.22 deprecates NdArray and LibTorch but still ships them: the extension names them.
 #![cfg_attr(any(feature = "ndarray", feature = "libtorch"), allow(deprecated))]
