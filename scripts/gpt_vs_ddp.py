@@ -97,7 +97,7 @@ def main():
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--threads", default="1",
                    help="threads per rank on both sides: a number, or `default` for each side's "
-                        "own (Flotilla's launcher: the cores over the ranks; torch: every core)")
+                        "own (Flotilla's launcher: 1 per rank; torch: every core in each rank)")
     args = p.parse_args()
     if args.threads != "default" and not args.threads.isdigit():
         p.error("--threads takes a number or `default`")
