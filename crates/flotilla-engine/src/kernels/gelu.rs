@@ -20,10 +20,9 @@ use burn_autodiff::Autodiff;
 use burn_autodiff::checkpoint::base::Checkpointer;
 use burn_autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn_autodiff::grads::Gradients;
-use burn_autodiff::ops::{Backward, Ops, unary};
+use burn_autodiff::ops::{Backward, Ops, OpsKind, unary};
 use multiversion::multiversion;
 
-use super::autodiff::record;
 use super::backends::{engine_extension, impl_on_burn_backends};
 use super::host::{contiguous_f32, contiguous_f32_all, slice, tensor};
 use super::math::{erf, exp_neg};
@@ -164,14 +163,18 @@ impl<B: Backend + GeluOps> Backward<B, 1> for GeluBackward {
 }
 
 impl<B: Backend + GeluOps, C: CheckpointStrategy> GeluOps for Autodiff<B, C> {
+    /// Not [`super::autodiff::record`]: off the tape GELU's output is the taped one's bit for bit (on Flex the
+    /// same loop without the slope), so a forward that a taped recomputation must match
+    /// ([`super::autodiff::as_tracked`], ZeRO-3's) need not compute the slope too.
     fn gelu_erf(x: FloatTensor<Self>) -> FloatTensor<Self> {
         let (x, node) = x.into_parts();
-        record(
-            GeluBackward.prepare::<C>([node]),
-            x,
-            B::gelu_erf_kept,
-            B::gelu_erf,
-        )
+        match GeluBackward.prepare::<C>([node]).compute_bound().stateful() {
+            OpsKind::Tracked(prep) => {
+                let (output, kept) = B::gelu_erf_kept(x);
+                prep.finish(kept, output)
+            }
+            OpsKind::UnTracked(prep) => prep.finish(B::gelu_erf(x)),
+        }
     }
 }
 
